@@ -1,0 +1,32 @@
+"""Command-line interface: thin typer commands over the core. User errors are caught here, in one place."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from typer.exceptions import TyperException
+
+from ..errors import UserError
+from . import plan as _plan  # noqa: F401  (registers the command)
+from . import run as _run  # noqa: F401
+from .app import app
+
+EXIT_USER_ERROR = 2
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `reproduce` console script."""
+    try:
+        code = app(args=argv, prog_name="reproduce", standalone_mode=False)
+    except UserError as error:
+        for line in error.lines:
+            print(f"error: {line}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except TyperException as error:  # click's usage errors: bad option values, missing arguments
+        print(f"error: {error.format_message()}", file=sys.stderr)
+        sys.exit(error.exit_code)
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,1 @@
+"""`reproduce run`: filled in by the training-run issue."""

@@ -1,0 +1,119 @@
+"""Reading and writing plan files (`plan.yaml`): the plan `reproduce run` executes, with its recipe inside."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from .errors import UserError
+from .planner import Plan
+from .recipe import Recipe, format_validation_errors, parse_recipe, read_yaml
+
+PLAN_FORMAT = "reproduce-plan/1"
+
+
+def is_plan(data: dict) -> bool:
+    return data.get("format") == PLAN_FORMAT
+
+
+def plan_to_yaml(plan: Plan) -> str:
+    header = (
+        f"# reproduce plan: {plan.arithmetic} {plan.unit} per optimizer step\n"
+        "# run it with: reproduce run THIS_FILE --out DIR\n"
+    )
+    body = yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False, allow_unicode=True, width=110)
+    return header + body
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename: a crash leaves the old file whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    write_text_atomic(path, plan_to_yaml(plan))
+
+
+def load_plan(path: str | Path) -> Plan:
+    data = read_yaml(path, what="plan")
+    return parse_plan(data, str(path))
+
+
+def parse_plan(data: dict, source: str) -> Plan:
+    if not is_plan(data):
+        raise UserError(f"{source}: format: expected {PLAN_FORMAT!r} (got {data.get('format')!r}); is this a recipe?")
+    recipe_data = data.get("recipe")
+    if not isinstance(recipe_data, dict):
+        raise UserError(f"{source}: recipe: expected the recipe as a mapping")
+    try:
+        parse_recipe(recipe_data, source=f"{source}: recipe")
+        plan = Plan.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(*format_validation_errors(exc, source, Plan)) from None
+    check_plan(plan, source)
+    return plan
+
+
+def check_plan(plan: Plan, source: str) -> None:
+    """The invariants a plan edited by hand must still satisfy; every broken one is reported."""
+    problems = []
+    batch = plan.recipe.batch
+    for field in ("micro_batch", "accumulation_steps", "world_size", "micro_batch_max", "effective_batch"):
+        if getattr(plan, field) < 1:
+            problems.append(f"{source}: {field}: must be >= 1 (got {getattr(plan, field)})")
+    if problems:
+        raise UserError(*problems)
+    product = plan.micro_batch * plan.accumulation_steps * plan.world_size
+    if product != plan.effective_batch:
+        problems.append(
+            f"{source}: effective_batch: micro_batch x accumulation_steps x world_size = "
+            f"{plan.micro_batch} x {plan.accumulation_steps} x {plan.world_size} = {product}, "
+            f"not {plan.effective_batch}"
+        )
+    if plan.paper_effective_batch != batch.sequences:
+        problems.append(
+            f"{source}: paper_effective_batch: the recipe's batch is {batch.sequences} {batch.count_unit} "
+            f"(got {plan.paper_effective_batch})"
+        )
+    if plan.exact != (plan.effective_batch == batch.sequences):
+        problems.append(
+            f"{source}: exact: {plan.exact} contradicts effective_batch {plan.effective_batch} "
+            f"vs the paper's {batch.sequences}"
+        )
+    if plan.micro_batch > plan.micro_batch_max:
+        problems.append(f"{source}: micro_batch: {plan.micro_batch} exceeds micro_batch_max {plan.micro_batch_max}")
+    if plan.base_lr != plan.recipe.optimizer.lr:
+        problems.append(f"{source}: base_lr: the recipe's lr is {plan.recipe.optimizer.lr} (got {plan.base_lr})")
+    if not math.isclose(plan.lr, plan.base_lr * plan.lr_factor, rel_tol=1e-9):
+        problems.append(f"{source}: lr: expected base_lr x lr_factor = {plan.base_lr * plan.lr_factor:g} (got {plan.lr:g})")
+    if plan.exact and plan.lr_factor != 1.0:
+        problems.append(f"{source}: lr_factor: must be 1 when the batch is exact (got {plan.lr_factor})")
+    if plan.optimizer_steps is not None and plan.optimizer_steps < 1:
+        problems.append(f"{source}: optimizer_steps: must be >= 1 (got {plan.optimizer_steps})")
+    if problems:
+        raise UserError(*problems)
+
+
+def load_recipe_or_plan(path: str | Path) -> tuple[Recipe, Plan | None]:
+    """A recipe file gives (recipe, None); a plan file gives (its recipe, the plan)."""
+    data = read_yaml(path, what="recipe or plan")
+    if is_plan(data):
+        plan = parse_plan(data, str(path))
+        return plan.recipe, plan
+    return parse_recipe(data, source=str(path)), None

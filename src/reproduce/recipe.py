@@ -1,0 +1,388 @@
+"""The recipe: one paper's batch recipe as published, read from YAML and validated strictly.
+
+No torch here. `load_recipe(path)` returns a `Recipe` or raises one `UserError` listing every problem
+in the file, one line each: `papers/x.yaml: batch.effective: must be > 0 (got -3)`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import UserError
+
+OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lamb", "lars", "adafactor")
+SGD_FAMILY = ("sgd", "nesterov", "lars")
+ADAM_FAMILY = ("adam", "adamw", "lamb", "adafactor")
+NORM_LAYERS = ("batchnorm", "layernorm", "rmsnorm", "groupnorm", "none")
+LENGTH_UNITS = ("steps", "epochs", "samples", "tokens")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Paper(Strict):
+    title: str
+    authors: list[str] = []
+    year: int | None = Field(default=None, ge=1950, le=2100)
+    url: str | None = None
+    arxiv: str | None = None
+    notes: str | None = None
+
+
+class Batch(Strict):
+    """The paper's effective batch and the hardware it was computed on."""
+
+    effective: int = Field(gt=0, description="effective batch per optimizer step, in `unit`")
+    unit: Literal["samples", "tokens"] = "samples"
+    sequence_length: int | None = Field(default=None, gt=0, description="tokens per sequence")
+    devices: int | None = Field(default=None, gt=0, description="data-parallel workers in the paper")
+    per_device: int | None = Field(default=None, gt=0, description="per-device batch (also the BN batch)")
+    accumulation: int | None = Field(default=None, gt=0, description="accumulation steps the paper used")
+    device: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Batch:
+        if self.unit == "tokens":
+            if self.sequence_length is None:
+                raise ValueError("sequence_length: required when unit is tokens (the batch is counted in tokens)")
+            if self.effective % self.sequence_length:
+                raise ValueError(
+                    f"effective: {self.effective} tokens is not a whole number of sequences of "
+                    f"sequence_length {self.sequence_length}"
+                )
+        if self.devices is not None and self.per_device is not None:
+            product = self.devices * self.per_device * (self.accumulation or 1)
+            if product != self.sequences:
+                shown = f"{self.devices} x {self.per_device}" + (
+                    f" x {self.accumulation}" if self.accumulation else ""
+                )
+                raise ValueError(
+                    f"devices x per_device{' x accumulation' if self.accumulation else ''} = {shown} = "
+                    f"{product}, but effective is {self.sequences} {self.count_unit}; state the paper's "
+                    "accumulation steps or correct the numbers"
+                )
+        return self
+
+    @property
+    def sequences(self) -> int:
+        """The effective batch in samples (sequences for token batches)."""
+        return self.effective // self.sequence_length if self.unit == "tokens" else self.effective
+
+    @property
+    def count_unit(self) -> str:
+        return "sequences" if self.unit == "tokens" else "samples"
+
+
+class Builder(Strict):
+    """A built-in name, or `factory: "package.module:function"` with keyword arguments."""
+
+    builtin: str | None = None
+    factory: str | None = Field(default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    kwargs: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Builder:
+        if self.builtin is not None and self.factory is not None:
+            raise ValueError("give either builtin or factory, not both")
+        return self
+
+
+class Model(Builder):
+    norm_layers: list[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
+    description: str | None = None
+
+    @model_validator(mode="after")
+    def _has_source(self) -> Model:
+        if self.builtin is None and self.factory is None:
+            raise ValueError("give builtin: NAME or factory: 'package.module:function'")
+        return self
+
+    @property
+    def has_batchnorm(self) -> bool:
+        return "batchnorm" in self.norm_layers
+
+
+class Data(Builder):
+    name: str | None = None
+    available: bool = True
+    train_size: int | None = Field(default=None, gt=0, description="training samples (sequences) per epoch")
+    shuffle: bool = True
+    drop_last: bool = True
+
+    @model_validator(mode="after")
+    def _has_source(self) -> Data:
+        if self.builtin is None and self.factory is None and self.name is None:
+            raise ValueError("give builtin: NAME, factory: 'package.module:function', or name: for plan-only data")
+        if self.available and self.builtin is None and self.factory is None:
+            raise ValueError(f"available: data {self.name!r} has no builtin or factory; set available: false")
+        return self
+
+
+class Optimizer(Strict):
+    name: Literal[OPTIMIZERS]  # type: ignore[valid-type]
+    lr: float = Field(gt=0)
+    momentum: float = Field(default=0.0, ge=0, lt=1)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    no_decay: list[Literal["bias", "norm", "embedding", "1d"]] = []
+
+    @model_validator(mode="after")
+    def _betas(self) -> Optimizer:
+        for beta in self.betas:
+            if not 0 <= beta < 1:
+                raise ValueError(f"betas: each must be in [0, 1) (got {list(self.betas)})")
+        if self.name == "nesterov" and self.momentum == 0:
+            raise ValueError("momentum: nesterov needs momentum > 0")
+        return self
+
+    @property
+    def family(self) -> str:
+        return "sgd" if self.name in SGD_FAMILY else "adam"
+
+
+class Length(Strict):
+    """A length in exactly one unit: optimizer steps, epochs, samples (sequences) or tokens."""
+
+    steps: int | None = Field(default=None, ge=0)
+    epochs: float | None = Field(default=None, ge=0)
+    samples: int | None = Field(default=None, ge=0)
+    tokens: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _one_unit(self) -> Length:
+        given = [unit for unit in LENGTH_UNITS if getattr(self, unit) is not None]
+        if len(given) != 1 and not self._allows_none():
+            raise ValueError(f"give exactly one of steps, epochs, samples, tokens (got {', '.join(given) or 'none'})")
+        return self
+
+    def _allows_none(self) -> bool:
+        return False
+
+    @property
+    def unit(self) -> str:
+        return next(unit for unit in LENGTH_UNITS if getattr(self, unit) is not None)
+
+    @property
+    def value(self) -> float:
+        return getattr(self, self.unit)
+
+
+class Warmup(Length):
+    """Linear warm-up from `start_lr` (or `start_factor` x lr; default 0) to the peak LR.
+
+    Its length is one of steps, epochs, samples, tokens, or `ratio` of the total.
+    """
+
+    ratio: float | None = Field(default=None, gt=0, lt=1)
+    start_lr: float | None = Field(default=None, ge=0)
+    start_factor: float | None = Field(default=None, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _one_length(self) -> Warmup:
+        given = [unit for unit in LENGTH_UNITS if getattr(self, unit) is not None]
+        if self.ratio is not None and given:
+            raise ValueError(f"give ratio or one of steps, epochs, samples, tokens, not both (got ratio, {given[0]})")
+        if self.start_lr is not None and self.start_factor is not None:
+            raise ValueError("give start_lr or start_factor, not both")
+        return self
+
+    def _allows_none(self) -> bool:
+        return self.ratio is not None
+
+
+class Milestones(Length):
+    steps: list[int] | None = None  # type: ignore[assignment]
+    epochs: list[float] | None = None  # type: ignore[assignment]
+    samples: list[int] | None = None  # type: ignore[assignment]
+    tokens: list[int] | None = None  # type: ignore[assignment]
+
+    @model_validator(mode="after")
+    def _increasing(self) -> Milestones:
+        values = self.value
+        if any(v < 0 for v in values) or list(values) != sorted(set(values)):
+            raise ValueError(f"{self.unit}: milestones must be increasing and >= 0 (got {list(values)})")
+        return self
+
+
+class Decay(Strict):
+    kind: Literal["constant", "step", "cosine", "linear", "polynomial"] = "constant"
+    milestones: Milestones | None = None
+    factor: float = Field(default=0.1, gt=0, le=1, description="step decay: multiply the LR by this at each milestone")
+    min_lr: float | None = Field(default=None, ge=0, description="cosine/linear/polynomial: the final LR")
+    min_ratio: float | None = Field(default=None, ge=0, le=1, description="the final LR as a fraction of the peak")
+    power: float = Field(default=1.0, gt=0, description="polynomial decay power")
+    until: Length | None = None
+
+    @model_validator(mode="after")
+    def _fields_for_kind(self) -> Decay:
+        if self.kind == "step" and self.milestones is None:
+            raise ValueError("milestones: required for kind step")
+        if self.kind != "step" and self.milestones is not None:
+            raise ValueError(f"milestones: only used by kind step (kind is {self.kind})")
+        if self.min_lr is not None and self.min_ratio is not None:
+            raise ValueError("give min_lr or min_ratio, not both")
+        return self
+
+
+class Schedule(Strict):
+    warmup: Warmup | None = None
+    decay: Decay = Decay()
+    total: Length
+
+
+class Reported(Strict):
+    metric: str
+    value: float
+    split: str | None = None
+    tolerance: float | None = Field(default=None, ge=0)
+    notes: str | None = None
+
+
+class Evaluation(Strict):
+    every_steps: int | None = Field(default=None, gt=0, description="evaluate every K optimizer steps")
+    at_end: bool = True
+
+
+class Recipe(Strict):
+    paper: Paper | None = None
+    batch: Batch
+    task: Literal["classification", "language-modeling", "custom"]
+    model: Model
+    data: Data
+    loss: Builder | None = None
+    optimizer: Optimizer
+    schedule: Schedule
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    clip_grad_norm: float | None = Field(default=None, gt=0)
+    scaling_rule: Literal["auto", "linear", "sqrt", "none"] = "auto"
+    seed: int = 0
+    evaluation: Evaluation = Evaluation()
+    reported: list[Reported] = []
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Recipe:
+        if self.task == "custom" and self.loss is None:
+            raise ValueError("loss: task custom needs loss: {factory: 'package.module:function'}")
+        if self.task != "custom" and self.loss is not None:
+            raise ValueError(f"loss: only used with task custom (task is {self.task})")
+        return self
+
+
+# ---- reading a file -------------------------------------------------------------------------------------
+
+
+def read_yaml(path: str | Path, what: str = "recipe") -> dict:
+    """A mapping from a YAML file, read with `yaml.safe_load` only; errors name the line and column."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such {what} file" if not path.exists() else f"{path}: is not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise UserError(f"{path}: YAML syntax error at {where}{exc.problem or exc}") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: YAML syntax error: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of {what} fields at the top level (got {type(data).__name__})")
+    return data
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    return parse_recipe(read_yaml(path), source=str(path))
+
+
+def parse_recipe(data: dict, source: str = "<recipe>") -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(*format_validation_errors(exc, source, Recipe)) from None
+
+
+def format_validation_errors(exc: ValidationError, source: str, root: type[BaseModel]) -> list[str]:
+    """One line per problem: `source: dotted.path: message (got value)`."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        loc = [str(part) for part in error["loc"] if not _is_union_tag(part)]
+        message = _message(error, root)
+        if message.startswith(tuple(f"{name}:" for name in _field_names_at(root, loc))):
+            # a cross-field check already names its field: attach it to the path
+            field, message = message.split(":", 1)
+            loc = [*loc, field]
+            message = message.strip()
+        path = ".".join(loc) or "(top level)"
+        line = f"{source}: {path}: {message}"
+        if line not in lines:
+            lines.append(line)
+    return lines
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic adds the member type's name to the location of errors inside unions and literals
+    return isinstance(part, str) and ("[" in part or part in ("list", "tuple", "dict", "int", "float", "str"))
+
+
+def _message(error: dict, root: type[BaseModel]) -> str:
+    kind, ctx, got = error["type"], error.get("ctx", {}), error.get("input")
+    loc = [str(part) for part in error["loc"] if not _is_union_tag(part)]
+    if kind == "extra_forbidden":
+        known = _field_names_at(root, loc[:-1])
+        close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})" if known else ""
+        return f"unknown key{hint}"
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "value_error":
+        return str(ctx.get("error", error["msg"]))
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        op = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}[kind]
+        bound = next(iter(ctx.values()))
+        return f"must be {op} {bound} (got {got!r})"
+    if kind == "literal_error":
+        return f"expected one of {ctx.get('expected', '')} (got {got!r})"
+    if kind == "string_pattern_mismatch":
+        return f"expected 'package.module:function' (got {got!r})"
+    if kind == "int_from_float":
+        return f"expected an integer (got {got!r})"
+    if kind.endswith("_type") or kind.endswith("_parsing") or kind == "model_type":
+        expected = {
+            "int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
+            "list": "a list", "dict": "a mapping", "model": "a mapping", "tuple": "a list of two numbers",
+            "model_attributes": "a mapping",
+        }.get(kind.rsplit("_", 1)[0], kind.replace("_", " "))
+        return f"expected {expected} (got {got!r})"
+    return f"{error['msg']} (got {got!r})"
+
+
+def _field_names_at(root: type[BaseModel], loc: list[str]) -> list[str]:
+    """The field names of the model found by following `loc` from `root` (empty when it leads elsewhere)."""
+    model: Any = root
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if fields is None or part not in fields:
+            return []
+        model = _model_in(fields[part].annotation)
+    fields = getattr(model, "model_fields", None)
+    return list(fields) if fields else []
+
+
+def _model_in(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None

@@ -1,0 +1,35 @@
+"""Memory sizes as people write them: `24GiB`, `24 GB`, `512MiB`, `1.5TB`, or a plain number of bytes."""
+
+from __future__ import annotations
+
+import re
+
+from .errors import UserError
+
+_FACTORS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str, what: str = "--memory") -> int:
+    """Bytes in `text`; a UserError naming `what` when it is not a size."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _FACTORS:
+        raise UserError(f"{what}: expected a memory size such as 24GiB, 16GB or 512MiB (got {text!r})")
+    size = int(float(match.group(1)) * _FACTORS[unit])
+    if size <= 0:
+        raise UserError(f"{what}: must be > 0 (got {text!r})")
+    return size
+
+
+def format_size(n: float) -> str:
+    """`n` bytes for people: 1.50 GiB, 37.2 MiB."""
+    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= factor:
+            return f"{n / factor:.2f} {unit}"
+    return f"{int(n)} B"
