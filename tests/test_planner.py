@@ -6,10 +6,10 @@ import math
 import sys
 
 import pytest
-from conftest import make_recipe
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import make_recipe
 from reproduce.errors import UserError
 from reproduce.planner import lr_at, plan
 

@@ -14,3 +14,7 @@ class UserError(Exception):
             raise ValueError("UserError needs at least one line")
         self.lines = [line for line in lines if line]
         super().__init__("\n".join(self.lines))
+
+
+class TrainingStopped(Exception):
+    """A run stopped for a reason that is not the user's input (a non-finite loss); its last checkpoint is kept."""

@@ -30,6 +30,20 @@ def plan_to_yaml(plan: Plan) -> str:
     return header + body
 
 
+def check_writable(path: str | Path, option: str, protect: tuple[str | Path, ...] = ()) -> Path:
+    """A file path we may write: not a folder, not under a file, not one of the `protect` inputs."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{option}: {path} is a folder; give a file name such as {path / 'plan.yaml'}")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise UserError(f"{option}: {parent} is a file, so {path} cannot be created under it")
+    for other in protect:
+        if path.exists() and Path(other).exists() and path.resolve() == Path(other).resolve():
+            raise UserError(f"{option}: {path} is the input file itself; choose another name")
+    return path
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write `text` to `path` through a temporary file and a rename: a crash leaves the old file whole."""
     path = Path(path)
@@ -101,7 +115,8 @@ def check_plan(plan: Plan, source: str) -> None:
     if plan.base_lr != plan.recipe.optimizer.lr:
         problems.append(f"{source}: base_lr: the recipe's lr is {plan.recipe.optimizer.lr} (got {plan.base_lr})")
     if not math.isclose(plan.lr, plan.base_lr * plan.lr_factor, rel_tol=1e-9):
-        problems.append(f"{source}: lr: expected base_lr x lr_factor = {plan.base_lr * plan.lr_factor:g} (got {plan.lr:g})")
+        expected = plan.base_lr * plan.lr_factor
+        problems.append(f"{source}: lr: expected base_lr x lr_factor = {expected:g} (got {plan.lr:g})")
     if plan.exact and plan.lr_factor != 1.0:
         problems.append(f"{source}: lr_factor: must be 1 when the batch is exact (got {plan.lr_factor})")
     if plan.optimizer_steps is not None and plan.optimizer_steps < 1:

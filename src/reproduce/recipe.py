@@ -272,10 +272,35 @@ class Recipe(Strict):
             raise ValueError("loss: task custom needs loss: {factory: 'package.module:function'}")
         if self.task != "custom" and self.loss is not None:
             raise ValueError(f"loss: only used with task custom (task is {self.task})")
+        if self.batch.sequence_length is None:
+            schedule = self.schedule
+            named = [
+                ("schedule.total", schedule.total), ("schedule.warmup", schedule.warmup),
+                ("schedule.decay.until", schedule.decay.until),
+                ("schedule.decay.milestones", schedule.decay.milestones),
+            ]
+            for name, length in named:
+                if length is not None and length.tokens is not None:
+                    raise ValueError(f"{name}: counted in tokens, which needs batch.sequence_length")
         return self
 
 
 # ---- reading a file -------------------------------------------------------------------------------------
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def read_yaml(path: str | Path, what: str = "recipe") -> dict:
@@ -288,20 +313,25 @@ def read_yaml(path: str | Path, what: str = "recipe") -> dict:
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot read: {exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # SafeLoader: plain data only, never Python objects
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise UserError(f"{path}: YAML syntax error at {where}{exc.problem or exc}") from None
     except yaml.YAMLError as exc:
         raise UserError(f"{path}: YAML syntax error: {exc}") from None
+    if data is None:
+        raise UserError(f"{path}: the file is empty; expected a {what}")
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of {what} fields at the top level (got {type(data).__name__})")
     return data
 
 
 def load_recipe(path: str | Path) -> Recipe:
-    return parse_recipe(read_yaml(path), source=str(path))
+    data = read_yaml(path)
+    if data.get("format", "").startswith("reproduce-plan"):
+        raise UserError(f"{path}: this is a plan file, not a recipe; give the recipe it was made from")
+    return parse_recipe(data, source=str(path))
 
 
 def parse_recipe(data: dict, source: str = "<recipe>") -> Recipe:
@@ -317,11 +347,11 @@ def format_validation_errors(exc: ValidationError, source: str, root: type[BaseM
     for error in exc.errors(include_url=False):
         loc = [str(part) for part in error["loc"] if not _is_union_tag(part)]
         message = _message(error, root)
-        if message.startswith(tuple(f"{name}:" for name in _field_names_at(root, loc))):
-            # a cross-field check already names its field: attach it to the path
-            field, message = message.split(":", 1)
-            loc = [*loc, field]
-            message = message.strip()
+        head = message.split(":", 1)[0]
+        if ":" in message and head.split(".")[0] in _field_names_at(root, loc) and " " not in head:
+            # a cross-field check already names its (dotted) field: attach it to the path
+            loc = [*loc, *head.split(".")]
+            message = message.split(":", 1)[1].strip()
         path = ".".join(loc) or "(top level)"
         line = f"{source}: {path}: {message}"
         if line not in lines:

@@ -6,7 +6,9 @@ import sys
 
 from rich.console import Console
 
-stdout = Console(highlight=False, soft_wrap=False)
+# Off a terminal (CI logs) rich would wrap at 80 columns; give tables room instead.
+_WIDTH = None if sys.stdout.isatty() else 120
+stdout = Console(highlight=False, width=_WIDTH)
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
 

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from ..errors import UserError
-from ..planfile import save_plan
+from ..planfile import check_writable, save_plan
 from ..planner import Plan, plan
 from ..recipe import Recipe, load_recipe
 from .app import app
@@ -46,7 +46,9 @@ def make_plan(
 
 @app.command("plan")
 def plan_command(
-    recipe_path: Path = typer.Argument(..., metavar="RECIPE", help="The paper's recipe, e.g. papers/goyal2017-resnet50.yaml."),
+    recipe_path: Path = typer.Argument(
+        ..., metavar="RECIPE", help="The paper's recipe, e.g. papers/goyal2017-resnet50.yaml."
+    ),
     micro_batch_max: int | None = typer.Option(None, "--micro-batch-max", min=1, help=MICRO_BATCH_MAX_HELP),
     world_size: int = typer.Option(1, "--world-size", min=1, help=WORLD_SIZE_HELP),
     policy: Policy = typer.Option(Policy.exact, "--policy", help=POLICY_HELP),
@@ -54,6 +56,8 @@ def plan_command(
     out: Path | None = typer.Option(None, "--out", help="Write the plan to this YAML file (what `run` reads)."),
 ) -> None:
     """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps."""
+    if out is not None:
+        check_writable(out, "--out", protect=(recipe_path,))
     recipe = load_recipe(recipe_path)
     the_plan = make_plan(recipe, str(recipe_path), micro_batch_max, world_size, policy)
     if out is not None:
