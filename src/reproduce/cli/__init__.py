@@ -7,7 +7,7 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
-from ..errors import UserError
+from ..errors import TrainingStopped, UserError
 from . import plan as _plan  # noqa: F401  (registers the command)
 from . import run as _run  # noqa: F401
 from .app import app
@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> None:
         for line in error.lines:
             print(f"error: {line}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
+    except TrainingStopped as error:
+        print(f"stopped: {error}", file=sys.stderr)
+        sys.exit(1)
     except TyperException as error:  # click's usage errors: bad option values, missing arguments
         print(f"error: {error.format_message()}", file=sys.stderr)
         sys.exit(error.exit_code)

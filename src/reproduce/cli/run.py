@@ -1,1 +1,139 @@
-"""`reproduce run`: filled in by the training-run issue."""
+"""`reproduce run PLAN_OR_RECIPE --out DIR`: the paper's large-batch run, on micro-batches, exactly."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from ..errors import UserError
+from ..planfile import load_plan, load_recipe_or_plan
+from ..planner import Plan
+from .app import app
+from .common import is_terminal, stderr, stdout
+from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, make_plan
+
+
+class PlainReporter:
+    """Periodic log lines, for CI logs and other non-terminals."""
+
+    def __init__(self, lines: int = 20):
+        self.lines, self.every, self.total, self.started = lines, 1, 0, 0.0
+
+    def start(self, plan: Plan, total_steps: int, first_step: int) -> None:
+        self.total, self.every = total_steps, max(1, total_steps // self.lines)
+        self.started = time.perf_counter()
+        where = f", resuming after step {first_step}" if first_step else ""
+        print(f"training {total_steps} optimizer steps{where}", flush=True)
+
+    def step(self, record: dict) -> None:
+        step = record["step"]
+        if step % self.every and step != self.total and step != 1:
+            return
+        line = f"step {step}/{self.total} loss {record['loss']:.4f} lr {record['lr']:.4g}"
+        if "eval_loss" in record:
+            line += f" eval_loss {record['eval_loss']:.4f}"
+        if "eval_accuracy" in record:
+            line += f" eval_accuracy {record['eval_accuracy']:.4f}"
+        print(line + f" ({time.perf_counter() - self.started:.1f}s)", flush=True)
+
+    def message(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def finish(self, summary: dict) -> None:
+        pass
+
+
+class RichReporter(PlainReporter):
+    """A progress bar: optimizer step of total, loss, samples/s, ETA."""
+
+    def start(self, plan: Plan, total_steps: int, first_step: int) -> None:
+        super().start(plan, total_steps, first_step)
+        self.samples = 0
+        self.progress = Progress(
+            TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+            TextColumn("micro x{task.fields[micro]}  loss {task.fields[loss]}  {task.fields[rate]} samples/s"),
+            TimeRemainingColumn(), console=stdout,
+        )
+        self.task = self.progress.add_task(
+            "train", total=total_steps, completed=first_step, loss="-", rate="-", micro=plan.accumulation_steps
+        )
+        self.progress.start()
+
+    def step(self, record: dict) -> None:
+        self.samples += record["samples"]
+        rate = self.samples / max(time.perf_counter() - self.started, 1e-9)
+        self.progress.update(self.task, advance=1, loss=f"{record['loss']:.4f}", rate=f"{rate:.0f}")
+
+    def message(self, text: str) -> None:
+        stderr.print(text)
+
+    def finish(self, summary: dict) -> None:
+        self.progress.stop()
+
+
+SOURCE_HELP = "A plan file from `reproduce plan --out`, or a recipe."
+OUT_HELP = "Folder for plan.yaml, metrics.jsonl, checkpoints/, model.pt and summary.json."
+SEED_HELP = "Seed for initialisation, data order and dropout (default: the recipe's seed)."
+SKIP_HELP = "Skip optimizer steps whose loss or gradient is not finite, instead of stopping."
+
+
+@app.command("run")
+def run_command(
+    source: Path = typer.Argument(..., metavar="PLAN_OR_RECIPE", help=SOURCE_HELP),
+    out: Path = typer.Option(..., "--out", help=OUT_HELP),
+    micro_batch_max: int | None = typer.Option(None, "--micro-batch-max", min=1, help=MICRO_BATCH_MAX_HELP),
+    world_size: int = typer.Option(1, "--world-size", min=1, help=WORLD_SIZE_HELP),
+    policy: Policy = typer.Option(Policy.exact, "--policy", help=POLICY_HELP),
+    max_steps: int | None = typer.Option(None, "--max-steps", min=1, help="Stop after K optimizer steps (smoke runs)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
+    force: bool = typer.Option(False, "--force", help="Overwrite the outputs of another run in --out."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
+    seed: int | None = typer.Option(None, "--seed", help=SEED_HELP),
+    checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", min=1, help="Checkpoint every K steps."),
+    skip_nonfinite: bool = typer.Option(False, "--skip-nonfinite", help=SKIP_HELP),
+) -> None:
+    """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
+    from ..train.factory import build_data  # torch is imported only by the commands that train
+    from ..train.trainer import train
+
+    recipe, plan = load_recipe_or_plan(source)
+    if resume:
+        saved = load_plan(out / "plan.yaml") if (out / "plan.yaml").is_file() else None
+        if saved is None:
+            raise UserError(f"--resume: {out} has no plan.yaml to resume")
+        if saved.recipe != recipe:
+            raise UserError(f"--resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
+        plan = saved
+    data = build_data(recipe)
+    size = len(data["train"])
+    if plan is None:
+        plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy, dataset_size=size)
+    if recipe.data.train_size is not None and recipe.data.train_size != size:
+        stderr.print(f"[yellow]warning:[/] data.train_size is {recipe.data.train_size}; the data has {size}: using it")
+    for warning in plan.warnings:
+        stderr.print(f"[yellow]warning:[/] {warning}")
+    stdout.print(
+        f"micro {plan.micro_batch} x accumulation {plan.accumulation_steps} x world {plan.world_size} = "
+        f"{plan.effective_batch} {plan.unit} per step"
+        + (f" ({plan.effective_tokens} tokens)" if plan.effective_tokens else "")
+        + ("" if plan.exact else f", not the paper's {plan.paper_effective_batch}: lr {plan.lr:.6g} ({plan.lr_rule})")
+    )
+    reporter = RichReporter() if is_terminal() else PlainReporter()
+    summary = train(
+        plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
+        checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, reporter=reporter, data=data,
+    )
+    final = summary["final"]
+    line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s, final loss {final['loss']:.4f}"
+    if "eval_accuracy" in final:
+        line += f", eval accuracy {final['eval_accuracy']:.4f}"
+    if "eval_loss" in final:
+        line += f", eval loss {final['eval_loss']:.4f}"
+    stdout.print(line)
+    stdout.print(f"outputs in {out}: plan.yaml, metrics.jsonl, model.pt, summary.json, checkpoints/last.pt")
+    if summary.get("plot"):
+        stdout.print(summary["plot"], markup=False)

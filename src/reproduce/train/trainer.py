@@ -1,0 +1,499 @@
+"""The training run: the paper's large-batch updates, computed N micro-batches at a time.
+
+For each optimizer step, over its window of N micro-batches:
+  1. count the window's loss-bearing items (samples, or target tokens != -100) before any backward;
+  2. for each micro-batch: summed loss / window count, backward (DDP: `no_sync` on all but the last);
+  3. once per window: unscale (fp16), clip, optimizer step, scheduler step, zero_grad(set_to_none=True).
+The gradient is then exactly that of the mean loss over the whole effective batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ..errors import TrainingStopped, UserError
+from ..planfile import save_plan, write_text_atomic
+from ..planner import Plan, lr_at
+from .factory import IGNORE_INDEX, build_data, build_loss, build_model, has_batchnorm
+
+NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
+if hasattr(nn, "RMSNorm"):
+    NORM_TYPES = (*NORM_TYPES, nn.RMSNorm)
+OUTPUTS = ("plan.yaml", "metrics.jsonl", "summary.json", "model.pt", "checkpoints", "loss.png")
+
+
+class Reporter(Protocol):
+    def start(self, plan: Plan, total_steps: int, first_step: int) -> None: ...
+    def step(self, record: dict) -> None: ...
+    def message(self, text: str) -> None: ...
+    def finish(self, summary: dict) -> None: ...
+
+
+class SilentReporter:
+    def start(self, plan: Plan, total_steps: int, first_step: int) -> None: ...
+    def step(self, record: dict) -> None: ...
+    def message(self, text: str) -> None: ...
+    def finish(self, summary: dict) -> None: ...
+
+
+# ---- set-up -----------------------------------------------------------------------------------------
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device: cuda was asked for, but torch sees no CUDA device (use --device cpu)")
+    if name not in ("cpu", "cuda"):
+        raise UserError(f"--device: expected cpu, cuda or auto (got {name!r})")
+    return torch.device(name)
+
+
+def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str]) -> list[dict]:
+    """Split parameters into decayed and not decayed, as the recipe's `no_decay` says (tied ones once)."""
+    if not no_decay or weight_decay == 0:
+        return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    decay, keep, seen = [], [], set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            excluded = (
+                ("bias" in no_decay and name == "bias")
+                or ("norm" in no_decay and isinstance(module, NORM_TYPES))
+                or ("embedding" in no_decay and isinstance(module, nn.Embedding))
+                or ("1d" in no_decay and param.ndim < 2)
+            )
+            (keep if excluded else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
+
+
+def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
+    spec = plan.recipe.optimizer
+    groups = param_groups(model, spec.weight_decay, list(spec.no_decay))
+    if spec.name in ("sgd", "nesterov"):
+        return torch.optim.SGD(groups, lr=plan.lr, momentum=spec.momentum, nesterov=spec.name == "nesterov")
+    if spec.name == "adam":
+        return torch.optim.Adam(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps)
+    if spec.name == "adamw":
+        return torch.optim.AdamW(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps)
+    if spec.name == "adafactor" and hasattr(torch.optim, "Adafactor"):
+        return torch.optim.Adafactor(groups, lr=plan.lr, eps=(None, spec.eps))
+    raise UserError(f"optimizer.name: {spec.name} has no PyTorch implementation to run here (it can be planned)")
+
+
+def build_scheduler(plan: Plan, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """Counts optimizer steps: the LR of step s is `lr_at(plan, s)`."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(plan, step) / plan.lr)
+
+
+@dataclass
+class Setup:
+    plan: Plan
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Any
+    loss: Any
+    data: dict
+    device: torch.device
+    dtype: torch.dtype
+    rank: int = 0
+    ddp: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def core(self) -> nn.Module:
+        """The model without DDP's wrapper."""
+        return self.model.module if self.ddp else self.model
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        precision = self.plan.recipe.precision
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+
+def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, seed: int | None = None,
+          data: dict | None = None) -> Setup:
+    """Model, optimizer, scheduler, scaler, loss and data for `plan`, seeded for a reproducible start."""
+    recipe = plan.recipe
+    data = data if data is not None else build_data(recipe)
+    torch.manual_seed(recipe.seed if seed is None else seed)
+    model = build_model(recipe, data.get("info")).to(device=device, dtype=dtype)
+    notes = []
+    if has_batchnorm(model) and not recipe.model.has_batchnorm:
+        notes.append(
+            "the model has BatchNorm layers but the recipe does not list batchnorm in model.norm_layers: "
+            f"BN statistics are computed per micro-batch of {plan.micro_batch}, not over the effective batch"
+        )
+    optimizer = build_optimizer(plan, model)
+    scheduler = build_scheduler(plan, optimizer)
+    scaler = torch.amp.GradScaler(device.type) if recipe.precision == "fp16" else None
+    return Setup(plan, model, optimizer, scheduler, scaler, build_loss(recipe), data, device, dtype, notes=notes)
+
+
+# ---- data windows -----------------------------------------------------------------------------------
+
+
+def epoch_order(plan: Plan, size: int, epoch: int, seed: int) -> torch.Tensor:
+    """The sample order of `epoch`: a permutation drawn from (seed, epoch) alone, so resume sees the same."""
+    if not plan.recipe.data.shuffle:
+        return torch.arange(size)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(size, generator=generator)
+
+
+def window(plan: Plan, size: int, step: int, seed: int, rank: int = 0) -> tuple[list[torch.Tensor], bool]:
+    """This rank's micro-batches (index tensors) for optimizer step `step`, and whether the window is partial."""
+    batch = plan.effective_batch
+    per_epoch = plan.steps_per_epoch
+    epoch, position = divmod(step, per_epoch)
+    indices = epoch_order(plan, size, epoch, seed)[position * batch : (position + 1) * batch]
+    partial = len(indices) < batch
+    mine = torch.tensor_split(indices, plan.world_size)[rank] if partial else (
+        indices[rank * plan.per_rank_batch : (rank + 1) * plan.per_rank_batch]
+    )
+    return list(torch.split(mine, plan.micro_batch)), partial
+
+
+def fetch(dataset: Any, indices: torch.Tensor) -> tuple[Any, Any]:
+    """The (inputs, targets) of `indices`: sliced directly from tensors where possible, else collated."""
+    if isinstance(dataset, TensorDataset):
+        inputs, targets = dataset.tensors[0], dataset.tensors[-1]
+        return inputs[indices], targets[indices]
+    if hasattr(dataset, "batch"):
+        return dataset.batch(indices)
+    return collate([dataset[int(i)] for i in indices])
+
+
+def collate(items: list[tuple[Any, Any]]) -> tuple[Any, Any]:
+    """Stack equal shapes; pad sequences of different lengths (inputs with 0, targets with -100)."""
+    inputs = [torch.as_tensor(x) for x, _ in items]
+    targets = [torch.as_tensor(y) for _, y in items]
+    if all(x.shape == inputs[0].shape for x in inputs) and all(y.shape == targets[0].shape for y in targets):
+        return torch.stack(inputs), torch.stack(targets)
+    pad = torch.nn.utils.rnn.pad_sequence
+    return pad(inputs, batch_first=True, padding_value=0), pad(targets, batch_first=True, padding_value=IGNORE_INDEX)
+
+
+def to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.to(device, non_blocking=True)
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: to_device(v, device, dtype) for k, v in value.items()}
+    return value
+
+
+# ---- one optimizer step -----------------------------------------------------------------------------
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    count: int
+    samples: int
+    tokens: int
+    finite: bool
+
+
+def count_items(setup: Setup, count: int) -> int:
+    """The window's loss-bearing items over every rank (DDP sums them; one process: unchanged)."""
+    if setup.ddp:
+        total = torch.tensor([count], dtype=torch.float64, device=setup.device)
+        torch.distributed.all_reduce(total)
+        return int(total.item())
+    return count
+
+
+def optimizer_step(setup: Setup, micro_batches: list[tuple[Any, Any]], skip_nonfinite: bool = False) -> StepResult:
+    """One optimizer step over a window of (inputs, targets) micro-batches already on the device."""
+    model, loss_fn = setup.model, setup.loss
+    local = sum(loss_fn.count(target) for _, target in micro_batches)
+    count = count_items(setup, local)
+    samples = sum(len(target) for _, target in micro_batches)
+    window_loss = torch.zeros((), device=setup.device, dtype=torch.float64)
+    for index, (inputs, target) in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        sync = contextlib.nullcontext() if (last or not setup.ddp) else model.no_sync()
+        with sync:
+            with setup.autocast():
+                loss = loss_fn(model(inputs), target) / max(count, 1)
+            (setup.scaler.scale(loss) if setup.scaler else loss).backward()
+        window_loss += loss.detach()
+    if setup.ddp:  # the logged loss is the mean over the global window
+        torch.distributed.all_reduce(window_loss)
+    if setup.scaler:
+        setup.scaler.unscale_(setup.optimizer)
+    clip = setup.plan.recipe.clip_grad_norm
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf)
+    loss_value, norm_value = float(window_loss), float(grad_norm)
+    finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+    if setup.scaler:
+        setup.scaler.step(setup.optimizer)  # skips the update itself when fp16 gradients overflowed
+        setup.scaler.update()
+        finite = math.isfinite(loss_value)
+    elif finite or not skip_nonfinite:
+        if finite:
+            setup.optimizer.step()
+    setup.scheduler.step()
+    setup.optimizer.zero_grad(set_to_none=True)
+    tokens = local if setup.plan.recipe.task == "language-modeling" else 0
+    return StepResult(loss_value, norm_value, count, samples, tokens, finite)
+
+
+@torch.no_grad()
+def evaluate(setup: Setup) -> dict | None:
+    dataset = setup.data.get("eval")
+    if dataset is None or len(dataset) == 0:
+        return None
+    model = setup.core
+    was_training = model.training
+    model.eval()
+    total_loss, total_count, correct = 0.0, 0, 0
+    batch = max(setup.plan.micro_batch, 1)
+    for start in range(0, len(dataset), batch):
+        indices = torch.arange(start, min(start + batch, len(dataset)))
+        inputs, target = to_device(fetch(dataset, indices), setup.device, setup.dtype)
+        with setup.autocast():
+            output = model(inputs)
+        total_loss += float(setup.loss(output, target))
+        total_count += setup.loss.count(target)
+        if setup.plan.recipe.task == "classification":
+            correct += int((output.argmax(-1) == target).sum())
+    model.train(was_training)
+    result = {"eval_loss": total_loss / max(total_count, 1), "eval_items": total_count}
+    if setup.plan.recipe.task == "classification":
+        result["eval_accuracy"] = correct / max(total_count, 1)
+    return result
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------
+
+
+def save_checkpoint(setup: Setup, path: Path, step: int, metrics_offset: int, extra: dict) -> None:
+    """Atomically: write a temporary file, then rename over the previous checkpoint."""
+    state = {
+        "step": step,
+        "model": setup.core.state_dict(),
+        "optimizer": setup.optimizer.state_dict(),
+        "scheduler": setup.scheduler.state_dict(),
+        "scaler": setup.scaler.state_dict() if setup.scaler else None,
+        "rng_torch": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state_all() if setup.device.type == "cuda" else None,
+        "rng_python": list(random.getstate()[1]),
+        "metrics_offset": metrics_offset,
+        "extra": extra,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(state, tmp)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(setup: Setup, path: Path) -> dict:
+    try:
+        state = torch.load(path, map_location=setup.device, weights_only=True)
+    except Exception as exc:
+        raise UserError(f"{path}: cannot load checkpoint: {type(exc).__name__}: {exc}") from None
+    setup.core.load_state_dict(state["model"])
+    setup.optimizer.load_state_dict(state["optimizer"])
+    setup.scheduler.load_state_dict(state["scheduler"])
+    if setup.scaler and state["scaler"]:
+        setup.scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(state["rng_torch"].cpu())
+    if state["rng_cuda"] is not None and setup.device.type == "cuda":
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["rng_cuda"]])
+    random.setstate((3, tuple(state["rng_python"]), None))
+    return state
+
+
+# ---- the run ----------------------------------------------------------------------------------------
+
+
+def check_out_dir(out: Path, resume: bool, force: bool) -> None:
+    """Never overwrite another run: a non-empty folder needs --resume (same run) or --force."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out: {out} exists and is not a folder")
+    if resume:
+        if not (out / "checkpoints" / "last.pt").is_file():
+            raise UserError(f"--resume: {out} has no checkpoints/last.pt to resume from")
+        return
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UserError(
+            f"--out: {out} is not empty (it holds another run); pass --resume to continue it, "
+            "--force to overwrite its outputs, or choose another folder"
+        )
+
+
+def train(
+    plan: Plan,
+    out: str | Path,
+    *,
+    device: str = "auto",
+    max_steps: int | None = None,
+    resume: bool = False,
+    force: bool = False,
+    seed: int | None = None,
+    checkpoint_every: int | None = None,
+    skip_nonfinite: bool = False,
+    dtype: torch.dtype = torch.float32,
+    reporter: Reporter | None = None,
+    data: dict | None = None,
+) -> dict:
+    """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `out`."""
+    out = Path(out)
+    reporter = reporter or SilentReporter()
+    check_out_dir(out, resume, force)
+    seed = plan.recipe.seed if seed is None else seed
+    setup = build(plan, resolve_device(device), dtype, seed, data)
+    train_set = setup.data["train"]
+    size = len(train_set)
+    if plan.dataset_size != size:
+        raise UserError(f"plan: dataset_size {plan.dataset_size} does not match the training set's {size} items")
+    if not plan.steps_per_epoch:
+        raise UserError(
+            f"data: the epoch ({size} {plan.unit}) is shorter than one optimizer step ({plan.effective_batch}) "
+            "with drop_last: no step would run; lower the batch or set data.drop_last: false"
+        )
+    total = plan.optimizer_steps if max_steps is None else min(max_steps, plan.optimizer_steps)
+    checkpoint_path = out / "checkpoints" / "last.pt"
+    first_step, metrics_offset = 0, 0
+    if resume:
+        state = load_checkpoint(setup, checkpoint_path)
+        first_step, metrics_offset = state["step"], state["metrics_offset"]
+    out.mkdir(parents=True, exist_ok=True)
+    save_plan(plan, out / "plan.yaml")
+    metrics_path = out / "metrics.jsonl"
+    with open(metrics_path, "a+b") as handle:
+        handle.truncate(metrics_offset)  # drop lines written after the checkpoint we resume from
+    every = checkpoint_every or max(1, min(100, plan.steps_per_epoch))
+
+    for note in setup.notes:
+        reporter.message(f"note: {note}")
+    reporter.start(plan, total, first_step)
+    started = time.perf_counter()
+    counters = {"samples": 0, "tokens": 0, "partial_windows": 0, "skipped_nonfinite": 0}
+    last_record: dict = {}
+    eval_every = plan.recipe.evaluation.every_steps
+    setup.model.train()
+    with open(metrics_path, "a", encoding="utf-8") as metrics:
+        for step in range(first_step, total):
+            tick = time.perf_counter()
+            indices, partial = window(plan, size, step, seed, setup.rank)
+            micro_batches = [to_device(fetch(train_set, i), setup.device, dtype) for i in indices]
+            lr = setup.optimizer.param_groups[0]["lr"]
+            result = optimizer_step(setup, micro_batches, skip_nonfinite)
+            if not result.finite:
+                if not skip_nonfinite and not setup.scaler:
+                    raise TrainingStopped(
+                        f"non-finite loss or gradient at optimizer step {step + 1} (loss {result.loss}, "
+                        f"grad norm {result.grad_norm}); the last good checkpoint is {checkpoint_path}"
+                    )
+                counters["skipped_nonfinite"] += 1
+            counters["samples"] += result.samples
+            counters["tokens"] += result.tokens
+            counters["partial_windows"] += partial
+            record = {
+                "step": step + 1,
+                "epoch": round((step + 1) / plan.steps_per_epoch, 6),
+                "lr": lr,
+                "loss": result.loss,
+                "grad_norm": result.grad_norm,
+                "samples": result.samples,
+                "tokens": result.tokens,
+                "items": result.count,
+                "micro_batch": plan.micro_batch,
+                "accumulation_steps": len(micro_batches),
+                "partial": partial,
+                "skipped": not result.finite,
+                "seconds": round(time.perf_counter() - tick, 6),
+                "peak_memory_bytes": peak_memory(setup.device),
+            }
+            done = step + 1 == total
+            if (eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end):
+                evaluation = evaluate(setup)
+                if evaluation:
+                    record.update(evaluation)
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            last_record = record
+            reporter.step(record)
+            if (step + 1) % every == 0 or done:
+                save_checkpoint(setup, checkpoint_path, step + 1, metrics.tell(), {"seed": seed})
+
+    elapsed = time.perf_counter() - started
+    torch.save(setup.core.state_dict(), out / "model.pt")
+    summary = {
+        "steps": total,
+        "planned_steps": plan.optimizer_steps,
+        "resumed_from_step": first_step,
+        "arithmetic": plan.arithmetic,
+        "exact": plan.exact,
+        "final": last_record,
+        "seconds": round(elapsed, 3),
+        "samples_per_second": round(counters["samples"] / elapsed, 2) if elapsed > 0 else None,
+        "window_policy": "drop_last" if plan.recipe.data.drop_last else "partial windows normalised by their items",
+        **counters,
+        "data": setup.data.get("info", {}),
+        "notes": setup.notes,
+    }
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    summary["plot"] = plot_metrics(metrics_path, out / "loss.png")
+    reporter.finish(summary)
+    return summary
+
+
+def peak_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def plot_metrics(metrics_path: Path, png: Path) -> str:
+    """A loss curve PNG when matplotlib is installed (the `plots` extra); otherwise a note saying so."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no loss plot: matplotlib is not installed (pip install 'reproduce[plots]')"
+    records = read_metrics(metrics_path)
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")
+    evals = [r for r in records if "eval_loss" in r]
+    if evals:
+        axis.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("loss")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(png, dpi=100)
+    plt.close(figure)
+    return str(png)
