@@ -96,6 +96,11 @@ def has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
+def _upcast(output: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits (autocast) are upcast for the loss; float32 and float64 are kept as they are."""
+    return output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
+
+
 class SampleLoss:
     """Classification: summed cross-entropy; every sample bears loss."""
 
@@ -103,7 +108,7 @@ class SampleLoss:
         return int(target.shape[0])
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(output.float(), target, reduction="sum")
+        return F.cross_entropy(_upcast(output), target, reduction="sum")
 
 
 class TokenLoss:
@@ -114,7 +119,7 @@ class TokenLoss:
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(
-            output.flatten(0, -2).float(), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            _upcast(output.flatten(0, -2)), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
 
 

@@ -1,0 +1,28 @@
+"""Factories used by tests through recipes' `factory: "factories:NAME"` (tests/ is on sys.path under pytest)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def variable_lm(items: int = 48, vocab: int = 32, min_length: int = 3, max_length: int = 16, seed: int = 0) -> dict:
+    """Sequences of different lengths from a fixed generator; targets are the next token, -100 on the last."""
+    generator = torch.Generator().manual_seed(seed)
+    train = []
+    for _ in range(items):
+        length = int(torch.randint(min_length, max_length + 1, (1,), generator=generator))
+        tokens = torch.randint(0, vocab, (length + 1,), generator=generator)
+        target = tokens[1:].clone()
+        target[-1] = -100 if length % 3 == 0 else target[-1]  # some rows carry an ignored position too
+        train.append((tokens[:-1], target))
+    return {"train": train, "info": {"name": "variable-lm", "vocab_size": vocab}}
+
+
+def tiny_gpt(vocab: int = 32, block_size: int = 16) -> torch.nn.Module:
+    from reproduce.train.builtins import GPT
+
+    return GPT(vocab_size=vocab, block_size=block_size, layers=1, heads=2, dim=16, dropout=0.0)
+
+
+def not_a_module() -> str:
+    return "this is not a model"

@@ -1,0 +1,219 @@
+"""`reproduce run`: accumulated micro-batches give the plain large-batch run's weights, on real models and data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from reproduce.cli import main
+from reproduce.errors import UserError
+from reproduce.planner import plan
+from reproduce.recipe import parse_recipe
+from reproduce.train.factory import build_data, build_model
+from reproduce.train.trainer import collate, fetch, read_metrics, train
+
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}
+ADAMW = {"name": "adamw", "lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}
+
+
+def digits_recipe(optimizer: dict, model: str = "mlp", effective: int = 64, steps: int = 6, **extra) -> dict:
+    return {
+        "batch": {"effective": effective},
+        "task": "classification",
+        "model": {"builtin": model, **({"norm_layers": ["batchnorm"]} if model == "cnn-bn" else {})},
+        "data": {"builtin": "digits", "shuffle": False, **extra.pop("data", {})},
+        "optimizer": optimizer,
+        "schedule": {"total": {"steps": steps}},
+        **extra,
+    }
+
+
+def lm_recipe(optimizer: dict, effective: int = 16, steps: int = 3) -> dict:
+    return {
+        "batch": {"effective": effective},
+        "task": "language-modeling",
+        "model": {"factory": "factories:tiny_gpt"},
+        "data": {"factory": "factories:variable_lm", "shuffle": False},
+        "optimizer": optimizer,
+        "schedule": {"total": {"steps": steps}},
+    }
+
+
+def run_accumulated(recipe_data: dict, micro_batch: int, tmp_path, dtype=torch.float64, **kwargs):
+    recipe = parse_recipe(recipe_data)
+    data = build_data(recipe)
+    the_plan = plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
+    assert the_plan.micro_batch == micro_batch and the_plan.accumulation_steps > 1
+    summary = train(the_plan, tmp_path / "run", device="cpu", dtype=dtype, data=data, **kwargs)
+    weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    return the_plan, summary, weights, data
+
+
+def run_plain(recipe_data: dict, data: dict, steps: int, dtype=torch.float64) -> dict:
+    """A plain PyTorch loop over whole effective batches: mean loss, one backward, one step."""
+    recipe = parse_recipe(recipe_data)
+    torch.manual_seed(recipe.seed)
+    model = build_model(recipe, data.get("info")).to(dtype)
+    spec = recipe.optimizer
+    if spec.name == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum,
+                                    weight_decay=spec.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                      weight_decay=spec.weight_decay)
+    batch = recipe.batch.effective
+    for step in range(steps):
+        indices = torch.arange(step * batch, min((step + 1) * batch, len(data["train"])))
+        inputs, target = fetch(data["train"], indices)
+        inputs = inputs.to(dtype) if inputs.is_floating_point() else inputs
+        output = model(inputs)
+        if recipe.task == "language-modeling":
+            loss = F.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=-100)
+        else:
+            loss = F.cross_entropy(output, target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def assert_same_weights(ours: dict, reference: dict, rtol: float, atol: float) -> None:
+    assert ours.keys() == reference.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], reference[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("optimizer", [SGD, ADAMW], ids=["sgd-momentum", "adamw"])
+def test_classifier_accumulation_equals_large_batch_float64(optimizer, tmp_path):
+    recipe = digits_recipe(optimizer)
+    the_plan, summary, ours, data = run_accumulated(recipe, micro_batch=8, tmp_path=tmp_path)
+    assert (the_plan.micro_batch, the_plan.accumulation_steps) == (8, 8)
+    reference = run_plain(recipe, data, steps=6)
+    assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
+    # and the weights really moved: the test would catch a run that did nothing
+    torch.manual_seed(0)
+    initial = build_model(parse_recipe(recipe)).state_dict()
+    assert any(not torch.allclose(initial[k].double(), ours[k]) for k in ours)
+
+
+@pytest.mark.parametrize("optimizer", [SGD, ADAMW], ids=["sgd-momentum", "adamw"])
+def test_language_model_with_padding_normalises_by_tokens_float64(optimizer, tmp_path):
+    recipe = lm_recipe(optimizer)
+    the_plan, summary, ours, data = run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path)
+    assert the_plan.accumulation_steps == 4
+    lengths = {len(x) for x, _ in data["train"]}
+    assert len(lengths) > 3  # sequences really differ in length, so padding and counting matter
+    reference = run_plain(recipe, data, steps=3)
+    assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    first = [collate([data["train"][i] for i in range(16)])][0][1]
+    assert records[0]["items"] == int((first != -100).sum())  # normalised by the window's real tokens
+
+
+def test_mean_of_micro_batch_means_would_differ(tmp_path):
+    """The peers' bug (HF #34191): averaging per-micro-batch token means is not the large-batch loss."""
+    data = build_data(parse_recipe(lm_recipe(SGD)))
+    window = [data["train"][i] for i in range(16)]
+    torch.manual_seed(0)
+    logits = torch.randn(16, 16, 32, dtype=torch.float64)
+    _, target = collate(window)
+    exact = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+    means = [F.cross_entropy(logits[i:i + 4].flatten(0, 1), target[i:i + 4].flatten(), ignore_index=-100)
+             for i in range(0, 16, 4)]
+    assert abs(float(sum(means) / 4 - exact)) > 1e-4
+
+
+def test_float32_within_rounding(tmp_path):
+    recipe = digits_recipe(SGD)
+    _, _, ours, data = run_accumulated(recipe, micro_batch=8, tmp_path=tmp_path, dtype=torch.float32)
+    reference = run_plain(recipe, data, steps=6, dtype=torch.float32)
+    assert_same_weights(ours, reference, rtol=1e-4, atol=1e-6)
+
+
+def test_partial_last_window_normalised_by_what_it_holds(tmp_path):
+    # 1437 training digits, batch 512: two full windows and a partial one of 413 samples, kept (drop_last false)
+    recipe = digits_recipe(SGD, effective=512, steps=3, data={"drop_last": False})
+    the_plan, summary, ours, data = run_accumulated(recipe, micro_batch=128, tmp_path=tmp_path)
+    assert the_plan.steps_per_epoch == 3 and the_plan.partial_window == 413
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["samples"] for r in records] == [512, 512, 413] and records[-1]["partial"]
+    assert summary["partial_windows"] == 1
+    reference = run_plain(recipe, data, steps=3)
+    assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
+
+
+def test_batchnorm_is_not_equivalent(tmp_path):
+    """BN normalises each micro-batch by its own statistics: accumulation cannot match the large batch."""
+    recipe = digits_recipe(SGD, model="cnn-bn", effective=32, steps=3)
+    the_plan, _, ours, data = run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path)
+    assert "BatchNorm statistics will be computed over micro-batches of 4" in " ".join(the_plan.warnings)
+    reference = run_plain(recipe, data, steps=3)
+    differences = [float((ours[k] - reference[k]).abs().max()) for k in ours if ours[k].is_floating_point()]
+    assert max(differences) > 1e-3
+
+
+def test_bf16_autocast_runs_on_cpu(tmp_path):
+    recipe = digits_recipe(SGD, precision="bf16")
+    _, summary, _, _ = run_accumulated(recipe, micro_batch=16, tmp_path=tmp_path, dtype=torch.float32)
+    assert summary["steps"] == 6 and summary["final"]["loss"] < 2.5
+
+
+def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
+    recipe = digits_recipe(SGD, steps=8, data={"shuffle": True})
+    recipe["model"] = {"builtin": "mlp", "kwargs": {"dropout": 0.3}}  # dropout: the RNG state must resume too
+    parsed = parse_recipe(recipe)
+    data = build_data(parsed)
+    the_plan = plan(parsed, micro_batch_max=16, dataset_size=len(data["train"]))
+    train(the_plan, tmp_path / "full", device="cpu", data=data)
+    train(the_plan, tmp_path / "split", device="cpu", data=data, max_steps=3, checkpoint_every=2)
+    with pytest.raises(UserError, match="not empty"):
+        train(the_plan, tmp_path / "split", device="cpu", data=data)
+    train(the_plan, tmp_path / "split", device="cpu", data=data, resume=True)
+    full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
+    split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
+    for name in full:
+        assert torch.equal(full[name], split[name]), name
+    lines = read_metrics(tmp_path / "split" / "metrics.jsonl")
+    assert [r["step"] for r in lines] == list(range(1, 9))
+    assert [r["loss"] for r in lines] == [r["loss"] for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
+
+
+def test_cli_run_writes_every_output(tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "papers/digits-mlp.yaml", "--micro-batch-max", "32", "--out", str(out), "--max-steps", "12"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "micro 32 x accumulation 8 x world 1 = 256 samples per step" in printed
+    assert {"plan.yaml", "metrics.jsonl", "model.pt", "summary.json", "checkpoints"} <= {p.name for p in out.iterdir()}
+    records = read_metrics(out / "metrics.jsonl")
+    keys = {"step", "epoch", "lr", "loss", "grad_norm", "samples", "tokens", "micro_batch", "accumulation_steps",
+            "seconds", "peak_memory_bytes"}
+    assert len(records) == 12 and keys <= records[0].keys()
+    assert records[0]["lr"] == pytest.approx(0.02) and records[0]["accumulation_steps"] == 8
+    assert "eval_accuracy" in records[-1]
+    weights = torch.load(out / "model.pt", weights_only=True)
+    assert not any(k.startswith("module.") for k in weights)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["exact"] is True
+    # the run folder is never overwritten by a second run without --resume or --force
+    before = (out / "metrics.jsonl").read_bytes()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "papers/digits-mlp.yaml", "--micro-batch-max", "32", "--out", str(out)])
+    assert exit_info.value.code == 2
+    assert "not empty" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_bytes() == before
+
+
+def test_factory_returning_the_wrong_kind_is_a_user_error(tmp_path):
+    recipe = lm_recipe(SGD)
+    recipe["model"] = {"factory": "factories:not_a_module"}
+    with pytest.raises(UserError, match="model: the factory must return a torch.nn.Module"):
+        run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path)
+    recipe["model"] = {"factory": "no_such_module_here:model"}
+    with pytest.raises(UserError, match="model.factory: cannot import 'no_such_module_here'"):
+        run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path)
+    assert not (tmp_path / "run").exists()
