@@ -162,7 +162,8 @@ def plan(
     steps_per_epoch, partial = None, 0
     if dataset_size is not None:
         full, partial = divmod(dataset_size, chosen.effective_batch)
-        steps_per_epoch = full if recipe.data.drop_last or not partial else full + 1
+        keep_partial = not recipe.data.drop_last and partial >= world_size  # every process needs an item
+        steps_per_epoch = full + 1 if keep_partial and partial else full
         if full == 0:
             warnings.append(
                 f"an epoch ({dataset_size} {recipe.batch.count_unit}) is shorter than one optimizer step "
@@ -170,7 +171,11 @@ def plan(
                 + ("with drop_last no step would ever run" if recipe.data.drop_last else "every step is partial")
             )
         elif partial:
-            what = "dropped (drop_last)" if recipe.data.drop_last else f"normalised by the {partial} it holds"
+            what = (
+                "dropped (drop_last)" if recipe.data.drop_last
+                else f"normalised by the {partial} it holds" if keep_partial
+                else f"dropped: fewer than the {world_size} processes"
+            )
             warnings.append(
                 f"the last window of each epoch holds {partial} of {chosen.effective_batch} "
                 f"{recipe.batch.count_unit}: {what}"

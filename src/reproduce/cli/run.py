@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -79,6 +80,36 @@ SOURCE_HELP = "A plan file from `reproduce plan --out`, or a recipe."
 OUT_HELP = "Folder for plan.yaml, metrics.jsonl, checkpoints/, model.pt and summary.json."
 SEED_HELP = "Seed for initialisation, data order and dropout (default: the recipe's seed)."
 SKIP_HELP = "Skip optimizer steps whose loss or gradient is not finite, instead of stopping."
+CHECKPOINT_HELP = "Checkpoint every K optimizer steps (default: every 5 minutes, and at the end)."
+NPROC_HELP = "Processes (GPUs) on this machine: launches itself through torchrun (torch.distributed.run)."
+
+
+def _forwarded_args(source, out, micro_batch_max, policy, max_steps, resume, force, device, seed,
+                    checkpoint_every, skip_nonfinite) -> list[str]:
+    """This command's own options, for each process torchrun starts (without the launcher options)."""
+    args = [str(source), "--out", str(out), "--policy", policy.value, "--device", device]
+    for flag, value in (("--micro-batch-max", micro_batch_max), ("--max-steps", max_steps), ("--seed", seed),
+                        ("--checkpoint-every", checkpoint_every)):
+        if value is not None:
+            args += [flag, str(value)]
+    for flag, on in (("--resume", resume), ("--force", force), ("--skip-nonfinite", skip_nonfinite)):
+        if on:
+            args.append(flag)
+    return args
+
+
+def _replan_for_world(saved: Plan, world_size: int, dataset_size: int, source: Path) -> Plan:
+    """The same effective batch on another number of processes: keep the micro-batch, re-derive N."""
+    from ..planner import plan as make
+
+    again = make(saved.recipe, saved.micro_batch, world_size, saved.policy, dataset_size=dataset_size,
+                 recipe_path=saved.recipe_path)
+    if again.effective_batch != saved.effective_batch:
+        raise UserError(
+            f"{source}: world_size: the plan's effective batch {saved.effective_batch} ({saved.arithmetic}) cannot "
+            f"be kept on {world_size} processes with micro-batch {saved.micro_batch}; plan again for {world_size}"
+        )
+    return again
 
 
 @app.command("run")
@@ -93,13 +124,29 @@ def run_command(
     force: bool = typer.Option(False, "--force", help="Overwrite the outputs of another run in --out."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     seed: int | None = typer.Option(None, "--seed", help=SEED_HELP),
-    checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", min=1, help="Checkpoint every K steps."),
+    checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", min=1, help=CHECKPOINT_HELP),
     skip_nonfinite: bool = typer.Option(False, "--skip-nonfinite", help=SKIP_HELP),
+    nproc_per_node: int | None = typer.Option(None, "--nproc-per-node", min=1, help=NPROC_HELP),
+    nnodes: int = typer.Option(1, "--nnodes", min=1, help="Machines in the job (with --nproc-per-node)."),
+    node_rank: int = typer.Option(0, "--node-rank", min=0, help="This machine's rank (with --nnodes)."),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0 (several nodes)."),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
-    from ..train.factory import build_data  # torch is imported only by the commands that train
+    from ..train import distributed  # torch is imported only by the commands that train
+    from ..train.factory import build_data
     from ..train.trainer import train
 
+    world = distributed.world_from_env()
+    if nproc_per_node is not None and not world.distributed:
+        if nnodes > 1 and rdzv_endpoint is None:
+            raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
+        args = _forwarded_args(source, out, micro_batch_max, policy, max_steps, resume, force, device, seed,
+                               checkpoint_every, skip_nonfinite)
+        command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+        print("launching: " + " ".join(command), flush=True)
+        raise typer.Exit(subprocess.call(command))
+    if world.distributed:
+        world_size = world.size
     recipe, plan = load_recipe_or_plan(source)
     if resume:
         saved = load_plan(out / "plan.yaml") if (out / "plan.yaml").is_file() else None
@@ -112,10 +159,17 @@ def run_command(
     size = len(data["train"])
     if plan is None:
         plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy, dataset_size=size)
-    if recipe.data.train_size is not None and recipe.data.train_size != size:
+    elif plan.world_size != world_size:
+        plan = _replan_for_world(plan, world_size, size, source)
+    main = world.is_main
+    if main and recipe.data.train_size is not None and recipe.data.train_size != size:
         stderr.print(f"[yellow]warning:[/] data.train_size is {recipe.data.train_size}; the data has {size}: using it")
-    for warning in plan.warnings:
+    for warning in plan.warnings if main else []:
         stderr.print(f"[yellow]warning:[/] {warning}")
+    if not main:  # the other ranks train quietly; rank 0 reports
+        train(plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
+              checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data)
+        return
     stdout.print(
         f"micro {plan.micro_batch} x accumulation {plan.accumulation_steps} x world {plan.world_size} = "
         f"{plan.effective_batch} {plan.unit} per step"

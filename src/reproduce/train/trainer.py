@@ -26,12 +26,14 @@ from torch.utils.data import TensorDataset
 from ..errors import TrainingStopped, UserError
 from ..planfile import save_plan, write_text_atomic
 from ..planner import Plan, lr_at
+from . import distributed
+from .distributed import World
 from .factory import IGNORE_INDEX, build_data, build_loss, build_model, has_batchnorm
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 if hasattr(nn, "RMSNorm"):
     NORM_TYPES = (*NORM_TYPES, nn.RMSNorm)
-OUTPUTS = ("plan.yaml", "metrics.jsonl", "summary.json", "model.pt", "checkpoints", "loss.png")
+CHECKPOINT_SECONDS = 300.0
 
 
 class Reporter(Protocol):
@@ -111,9 +113,17 @@ class Setup:
     data: dict
     device: torch.device
     dtype: torch.dtype
-    rank: int = 0
-    ddp: bool = False
+    world: World = World()
+    sync_counter: distributed.SyncCounter | None = None
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def ddp(self) -> bool:
+        return self.world.distributed
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
 
     @property
     def core(self) -> nn.Module:
@@ -129,9 +139,14 @@ class Setup:
 
 
 def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, seed: int | None = None,
-          data: dict | None = None) -> Setup:
-    """Model, optimizer, scheduler, scaler, loss and data for `plan`, seeded for a reproducible start."""
+          data: dict | None = None, world: World | None = None) -> Setup:
+    """Model, optimizer, scheduler, scaler, loss and data for `plan`, seeded for a reproducible start.
+
+    Under several processes the model is wrapped in DistributedDataParallel (every rank starts from the same
+    seed, so from the same weights) with a hook that counts gradient synchronisations.
+    """
     recipe = plan.recipe
+    world = world or World()
     data = data if data is not None else build_data(recipe)
     torch.manual_seed(recipe.seed if seed is None else seed)
     model = build_model(recipe, data.get("info")).to(device=device, dtype=dtype)
@@ -141,10 +156,17 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
             "the model has BatchNorm layers but the recipe does not list batchnorm in model.norm_layers: "
             f"BN statistics are computed per micro-batch of {plan.micro_batch}, not over the effective batch"
         )
-    optimizer = build_optimizer(plan, model)
+    optimizer = build_optimizer(plan, model)  # built on the plain module's parameters, which DDP shares
     scheduler = build_scheduler(plan, optimizer)
     scaler = torch.amp.GradScaler(device.type) if recipe.precision == "fp16" else None
-    return Setup(plan, model, optimizer, scheduler, scaler, build_loss(recipe), data, device, dtype, notes=notes)
+    counter = None
+    if world.distributed:
+        device_ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        counter = distributed.SyncCounter()
+        model.register_comm_hook(None, counter.hook)
+    return Setup(plan, model, optimizer, scheduler, scaler, build_loss(recipe), data, device, dtype, world, counter,
+                 notes)
 
 
 # ---- data windows -----------------------------------------------------------------------------------
@@ -213,23 +235,24 @@ class StepResult:
     samples: int
     tokens: int
     finite: bool
+    grad_syncs: int | None = None
 
 
-def count_items(setup: Setup, count: int) -> int:
-    """The window's loss-bearing items over every rank (DDP sums them; one process: unchanged)."""
-    if setup.ddp:
-        total = torch.tensor([count], dtype=torch.float64, device=setup.device)
-        torch.distributed.all_reduce(total)
-        return int(total.item())
-    return count
+def global_counts(setup: Setup, count: int, samples: int) -> tuple[int, int]:
+    """The window's loss-bearing items and samples summed over every rank, before the first backward."""
+    if not setup.ddp:
+        return count, samples
+    totals = torch.tensor([count, samples], dtype=torch.int64, device=setup.device)
+    torch.distributed.all_reduce(totals)
+    return int(totals[0]), int(totals[1])
 
 
 def optimizer_step(setup: Setup, micro_batches: list[tuple[Any, Any]], skip_nonfinite: bool = False) -> StepResult:
     """One optimizer step over a window of (inputs, targets) micro-batches already on the device."""
     model, loss_fn = setup.model, setup.loss
-    local = sum(loss_fn.count(target) for _, target in micro_batches)
-    count = count_items(setup, local)
-    samples = sum(len(target) for _, target in micro_batches)
+    count, samples = global_counts(
+        setup, sum(loss_fn.count(target) for _, target in micro_batches), sum(len(t) for _, t in micro_batches)
+    )
     window_loss = torch.zeros((), device=setup.device, dtype=torch.float64)
     for index, (inputs, target) in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
@@ -256,8 +279,9 @@ def optimizer_step(setup: Setup, micro_batches: list[tuple[Any, Any]], skip_nonf
             setup.optimizer.step()
     setup.scheduler.step()
     setup.optimizer.zero_grad(set_to_none=True)
-    tokens = local if setup.plan.recipe.task == "language-modeling" else 0
-    return StepResult(loss_value, norm_value, count, samples, tokens, finite)
+    tokens = count if setup.plan.recipe.task == "language-modeling" else 0
+    syncs = setup.sync_counter.take() if setup.sync_counter else None
+    return StepResult(loss_value, norm_value, count, samples, tokens, finite, syncs)
 
 
 @torch.no_grad()
@@ -346,6 +370,29 @@ def check_out_dir(out: Path, resume: bool, force: bool) -> None:
         )
 
 
+class MetricsLog:
+    """metrics.jsonl, appended and flushed once per optimizer step; written by rank 0 alone."""
+
+    def __init__(self, path: Path, offset: int, enabled: bool):
+        self.path, self.handle = path, None
+        if enabled:
+            with open(path, "a+b") as handle:
+                handle.truncate(offset)  # drop lines written after the checkpoint we resume from
+            self.handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+
+    def write(self, record: dict) -> None:
+        if self.handle:
+            self.handle.write(json.dumps(record) + "\n")
+            self.handle.flush()
+
+    def offset(self) -> int:
+        return self.handle.tell() if self.handle else 0
+
+    def close(self) -> None:
+        if self.handle:
+            self.handle.close()
+
+
 def train(
     plan: Plan,
     out: str | Path,
@@ -361,12 +408,20 @@ def train(
     reporter: Reporter | None = None,
     data: dict | None = None,
 ) -> dict:
-    """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `out`."""
+    """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `out`.
+
+    Under torchrun every rank trains its share of each window; rank 0 alone writes.
+    """
     out = Path(out)
     reporter = reporter or SilentReporter()
+    world = distributed.world_from_env()
+    if world.size != plan.world_size:
+        raise UserError(f"plan: world_size is {plan.world_size}, but this job has {world.size} process(es)")
     check_out_dir(out, resume, force)
     seed = plan.recipe.seed if seed is None else seed
-    setup = build(plan, resolve_device(device), dtype, seed, data)
+    target_device = distributed.init(world, resolve_device(device))
+    distributed.barrier(world)  # every rank has looked at --out before rank 0 writes to it
+    setup = build(plan, target_device, dtype, seed, data, world)
     train_set = setup.data["train"]
     size = len(train_set)
     if plan.dataset_size != size:
@@ -382,13 +437,13 @@ def train(
     if resume:
         state = load_checkpoint(setup, checkpoint_path)
         first_step, metrics_offset = state["step"], state["metrics_offset"]
-    out.mkdir(parents=True, exist_ok=True)
-    save_plan(plan, out / "plan.yaml")
-    metrics_path = out / "metrics.jsonl"
-    with open(metrics_path, "a+b") as handle:
-        handle.truncate(metrics_offset)  # drop lines written after the checkpoint we resume from
-    every = checkpoint_every or max(1, min(100, plan.steps_per_epoch))
-
+    main = world.is_main
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_plan(plan, out / "plan.yaml")
+    metrics = MetricsLog(out / "metrics.jsonl", metrics_offset, enabled=main)
+    # Checkpoint every K steps when asked; otherwise every CHECKPOINT_SECONDS of wall time, and always at the end.
+    last_checkpoint = time.perf_counter()
     for note in setup.notes:
         reporter.message(f"note: {note}")
     reporter.start(plan, total, first_step)
@@ -397,7 +452,7 @@ def train(
     last_record: dict = {}
     eval_every = plan.recipe.evaluation.every_steps
     setup.model.train()
-    with open(metrics_path, "a", encoding="utf-8") as metrics:
+    try:
         for step in range(first_step, total):
             tick = time.perf_counter()
             indices, partial = window(plan, size, step, seed, setup.rank)
@@ -425,31 +480,38 @@ def train(
                 "items": result.count,
                 "micro_batch": plan.micro_batch,
                 "accumulation_steps": len(micro_batches),
+                "world_size": world.size,
                 "partial": partial,
                 "skipped": not result.finite,
                 "seconds": round(time.perf_counter() - tick, 6),
                 "peak_memory_bytes": peak_memory(setup.device),
             }
+            if result.grad_syncs is not None:
+                record["grad_syncs"] = result.grad_syncs
             done = step + 1 == total
-            if (eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end):
+            if main and ((eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end)):
                 evaluation = evaluate(setup)
                 if evaluation:
                     record.update(evaluation)
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+            metrics.write(record)
             last_record = record
             reporter.step(record)
-            if (step + 1) % every == 0 or done:
-                save_checkpoint(setup, checkpoint_path, step + 1, metrics.tell(), {"seed": seed})
+            due = (step + 1) % checkpoint_every == 0 if checkpoint_every else (
+                time.perf_counter() - last_checkpoint >= CHECKPOINT_SECONDS)
+            if main and (due or done):
+                save_checkpoint(setup, checkpoint_path, step + 1, metrics.offset(), {"seed": seed})
+                last_checkpoint = time.perf_counter()
+    finally:
+        metrics.close()
 
     elapsed = time.perf_counter() - started
-    torch.save(setup.core.state_dict(), out / "model.pt")
     summary = {
         "steps": total,
         "planned_steps": plan.optimizer_steps,
         "resumed_from_step": first_step,
         "arithmetic": plan.arithmetic,
         "exact": plan.exact,
+        "world_size": world.size,
         "final": last_record,
         "seconds": round(elapsed, 3),
         "samples_per_second": round(counters["samples"] / elapsed, 2) if elapsed > 0 else None,
@@ -458,8 +520,11 @@ def train(
         "data": setup.data.get("info", {}),
         "notes": setup.notes,
     }
-    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-    summary["plot"] = plot_metrics(metrics_path, out / "loss.png")
+    if main:
+        torch.save(setup.core.state_dict(), out / "model.pt")
+        write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        summary["plot"] = plot_metrics(out / "metrics.jsonl", out / "loss.png")
+    distributed.barrier(world)
     reporter.finish(summary)
     return summary
 

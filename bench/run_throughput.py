@@ -1,0 +1,98 @@
+"""Throughput of `reproduce run` against a hand-written minimal accumulation loop, side by side.
+
+    python bench/run_throughput.py [--repeats 7] [--steps-mlp 150] [--steps-gpt 20]
+
+Same model, data, batch arithmetic, seed and optimizer; the runs alternate (ours, minimal, ours, ...) so
+machine noise hits both alike, and the median samples/s of each is compared. Goal: overhead under 3%.
+`reproduce run` here includes everything it does for real: metrics.jsonl per step, checkpoints, evaluation
+at the end, model.pt and summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from reproduce.planner import plan
+from reproduce.recipe import Evaluation, load_recipe
+from reproduce.train.factory import build_data, build_model
+from reproduce.train.trainer import epoch_order, fetch, train
+
+CASES = {"mlp": ("papers/digits-mlp.yaml", 32), "gpt": ("papers/pysource-gpt.yaml", 16)}
+
+
+def minimal_loop(the_plan, data, steps: int) -> float:
+    """The loop a careful user would write by hand; returns samples/s."""
+    recipe = the_plan.recipe
+    torch.manual_seed(recipe.seed)
+    model = build_model(recipe, data.get("info"))
+    spec = recipe.optimizer
+    if spec.name == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=the_plan.lr, betas=spec.betas,
+                                      weight_decay=spec.weight_decay)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=the_plan.lr, momentum=spec.momentum,
+                                    weight_decay=spec.weight_decay)
+    train_set, batch, micro = data["train"], the_plan.effective_batch, the_plan.micro_batch
+    language = recipe.task == "language-modeling"
+    model.train()
+    started, samples = time.perf_counter(), 0
+    for step in range(steps):
+        epoch, position = divmod(step, the_plan.steps_per_epoch)
+        order = epoch_order(the_plan, len(train_set), epoch, recipe.seed)[position * batch:(position + 1) * batch]
+        for indices in torch.split(order, micro):
+            inputs, target = fetch(train_set, indices)
+            output = model(inputs)
+            if language:
+                loss = F.cross_entropy(output.flatten(0, 1), target.flatten(), reduction="sum") / target.numel() / (
+                    batch // micro)
+            else:
+                loss = F.cross_entropy(output, target) / (batch // micro)
+            loss.backward()
+            samples += len(target)
+        if recipe.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return samples / (time.perf_counter() - started)
+
+
+def ours(the_plan, data, steps: int) -> float:
+    with tempfile.TemporaryDirectory() as folder:
+        summary = train(the_plan, Path(folder) / "run", device="cpu", max_steps=steps, data=data)
+    return summary["samples"] / summary["seconds"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps-mlp", type=int, default=150)
+    parser.add_argument("--steps-gpt", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} alternating repeats")
+    print(f"{'case':6} {'arithmetic':22} {'steps':>5} {'ours samples/s':>15} {'minimal samples/s':>18} {'overhead':>9}")
+    for name, (path, micro) in CASES.items():
+        # training throughput only: no evaluation passes in either loop
+        recipe = load_recipe(path).model_copy(update={"evaluation": Evaluation(at_end=False)})
+        data = build_data(recipe)
+        the_plan = plan(recipe, micro_batch_max=micro, dataset_size=len(data["train"]))
+        steps = args.steps_mlp if name == "mlp" else args.steps_gpt
+        ours(the_plan, data, 2)  # warm-up: first-call allocations, thread pools
+        minimal_loop(the_plan, data, 2)
+        rates_ours, rates_minimal = [], []
+        for _ in range(args.repeats):
+            rates_ours.append(ours(the_plan, data, steps))
+            rates_minimal.append(minimal_loop(the_plan, data, steps))
+        mine, base = statistics.median(rates_ours), statistics.median(rates_minimal)
+        print(f"{name:6} {the_plan.arithmetic:22} {steps:5d} {mine:15.0f} {base:18.0f} {100 * (1 - mine / base):8.1f}%")
+
+
+if __name__ == "__main__":
+    main()

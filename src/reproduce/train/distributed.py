@@ -1,0 +1,108 @@
+"""Several processes through PyTorch's own launcher (`torchrun` / `torch.distributed.run`).
+
+`reproduce run --nproc-per-node K` re-executes itself under `python -m torch.distributed.run`; a run started
+by an external `torchrun` is recognised from the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK).
+Backend: NCCL on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_from_env() -> World:
+    """The process's place in a torchrun job (a single process outside one)."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return World()
+    return World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init(world: World, device: torch.device) -> torch.device:
+    """Join the process group (once) and return this rank's device."""
+    if not world.distributed:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", world.local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def barrier(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.barrier()
+
+
+def all_min(world: World, value: int) -> int:
+    """The smallest `value` over all ranks (every rank agrees on one micro-batch, so none runs out of memory)."""
+    if not world.distributed:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+def shutdown(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class SyncCounter:
+    """A DDP communication hook: all-reduce the gradient buckets as a SUM, and count the synchronisations.
+
+    Each rank's loss is already divided by the window's global item count (summed over ranks before the first
+    backward), so the gradient of the effective batch is the sum over ranks; DDP's default hook would average,
+    dividing by the world size once too often. One synchronisation calls the hook once per bucket, so a round
+    is counted at bucket 0; `reproduce run` records the rounds of each optimizer step in metrics.jsonl
+    (`grad_syncs`): with `no_sync` on the first N-1 micro-batches it is 1.
+    """
+
+    def __init__(self) -> None:
+        self.rounds = 0
+
+    def hook(self, state, bucket):
+        if bucket.index() == 0:
+            self.rounds += 1
+        future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+        return future.then(lambda done: done.value()[0])
+
+    def take(self) -> int:
+        rounds, self.rounds = self.rounds, 0
+        return rounds
+
+
+def torchrun_command(
+    run_args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None
+) -> list[str]:
+    """The `python -m torch.distributed.run ... -m reproduce run ...` command line for these launcher options."""
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        command.append("--standalone")
+    else:
+        if rdzv_endpoint is None:
+            raise ValueError("several nodes need a rendezvous endpoint")
+        command += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint={rdzv_endpoint}"]
+    return [*command, "-m", "reproduce", "run", *run_args]
