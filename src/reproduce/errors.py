@@ -18,3 +18,11 @@ class UserError(Exception):
 
 class TrainingStopped(Exception):
     """A run stopped for a reason that is not the user's input (a non-finite loss); its last checkpoint is kept."""
+
+
+class Interrupted(TrainingStopped):
+    """SIGINT or SIGTERM: the current optimizer step was finished and checkpointed before stopping."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -10,10 +10,13 @@ The gradient is then exactly that of the mean loss over the whole effective batc
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ..errors import TrainingStopped, UserError
+from ..errors import Interrupted, TrainingStopped, UserError
 from ..planfile import save_plan, write_text_atomic
 from ..planner import Plan, lr_at
 from . import distributed
@@ -180,8 +183,13 @@ def epoch_order(plan: Plan, size: int, epoch: int, seed: int) -> torch.Tensor:
     return torch.randperm(size, generator=generator)
 
 
-def window(plan: Plan, size: int, step: int, seed: int, rank: int = 0) -> tuple[list[torch.Tensor], bool]:
-    """This rank's micro-batches (index tensors) for optimizer step `step`, and whether the window is partial."""
+def window(plan: Plan, size: int, step: int, seed: int, rank: int = 0,
+           micro_batch: int | None = None) -> tuple[list[torch.Tensor], bool]:
+    """This rank's micro-batches (index tensors) for optimizer step `step`, and whether the window is partial.
+
+    The window is the same slice of the epoch's order whatever the micro-batch or world size, so a run that
+    changes either (out of memory, resume elsewhere) still takes the same samples into each optimizer step.
+    """
     batch = plan.effective_batch
     per_epoch = plan.steps_per_epoch
     epoch, position = divmod(step, per_epoch)
@@ -190,7 +198,47 @@ def window(plan: Plan, size: int, step: int, seed: int, rank: int = 0) -> tuple[
     mine = torch.tensor_split(indices, plan.world_size)[rank] if partial else (
         indices[rank * plan.per_rank_batch : (rank + 1) * plan.per_rank_batch]
     )
-    return list(torch.split(mine, plan.micro_batch)), partial
+    return list(torch.split(mine, micro_batch or plan.micro_batch)), partial
+
+
+def smaller_micro_batch(per_rank_batch: int, micro_batch: int) -> int | None:
+    """After an out-of-memory error: the largest micro-batch <= half the current one that still divides this
+    rank's share of the effective batch (so the effective batch stays exact); None below 1."""
+    for candidate in range(micro_batch // 2, 0, -1):
+        if per_rank_batch % candidate == 0:
+            return candidate
+    return None
+
+
+class StopSignals:
+    """SIGINT / SIGTERM set a flag; the loop finishes its optimizer step, checkpoints, and stops."""
+
+    EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.EXIT_CODES:
+                self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def agreed(self, world: World) -> int | None:
+        """The signal any rank received (all ranks stop after the same step)."""
+        if not world.distributed:
+            return self.received
+        flag = torch.tensor([self.received or 0], dtype=torch.int64)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return int(flag) or None
 
 
 def fetch(dataset: Any, indices: torch.Tensor) -> tuple[Any, Any]:
@@ -325,6 +373,7 @@ def save_checkpoint(setup: Setup, path: Path, step: int, metrics_offset: int, ex
         "rng_cuda": torch.cuda.get_rng_state_all() if setup.device.type == "cuda" else None,
         "rng_python": list(random.getstate()[1]),
         "metrics_offset": metrics_offset,
+        "micro_batch": extra.get("micro_batch"),
         "extra": extra,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -433,10 +482,12 @@ def train(
         )
     total = plan.optimizer_steps if max_steps is None else min(max_steps, plan.optimizer_steps)
     checkpoint_path = out / "checkpoints" / "last.pt"
-    first_step, metrics_offset = 0, 0
+    first_step, metrics_offset, micro_batch = 0, 0, plan.micro_batch
     if resume:
         state = load_checkpoint(setup, checkpoint_path)
         first_step, metrics_offset = state["step"], state["metrics_offset"]
+        if state.get("micro_batch") and state["micro_batch"] < micro_batch and not world.distributed:
+            micro_batch = state["micro_batch"]  # the run had lowered it after running out of memory
     main = world.is_main
     if main:
         out.mkdir(parents=True, exist_ok=True)
@@ -448,17 +499,46 @@ def train(
         reporter.message(f"note: {note}")
     reporter.start(plan, total, first_step)
     started = time.perf_counter()
-    counters = {"samples": 0, "tokens": 0, "partial_windows": 0, "skipped_nonfinite": 0}
+    counters = {"samples": 0, "tokens": 0, "partial_windows": 0, "skipped_nonfinite": 0, "out_of_memory": 0}
     last_record: dict = {}
     eval_every = plan.recipe.evaluation.every_steps
     setup.model.train()
+    stop = StopSignals()
     try:
+        stop.__enter__()
         for step in range(first_step, total):
             tick = time.perf_counter()
-            indices, partial = window(plan, size, step, seed, setup.rank)
-            micro_batches = [to_device(fetch(train_set, i), setup.device, dtype) for i in indices]
             lr = setup.optimizer.param_groups[0]["lr"]
-            result = optimizer_step(setup, micro_batches, skip_nonfinite)
+            while True:
+                indices, partial = window(plan, size, step, seed, setup.rank, micro_batch)
+                micro_batches = [to_device(fetch(train_set, i), setup.device, dtype) for i in indices]
+                try:
+                    result = optimizer_step(setup, micro_batches, skip_nonfinite)
+                    break
+                except torch.OutOfMemoryError:
+                    # Free the window, halve the micro-batch, double N: the effective batch stays exact.
+                    del micro_batches
+                    setup.optimizer.zero_grad(set_to_none=True)
+                    gc.collect()
+                    if setup.device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    smaller = None if world.distributed else smaller_micro_batch(plan.per_rank_batch, micro_batch)
+                    if smaller is None:
+                        raise TrainingStopped(
+                            f"out of memory at optimizer step {step + 1} with micro-batch {micro_batch}"
+                            + (" under several processes (ranks cannot change it alone)" if world.distributed
+                               else ": no smaller micro-batch keeps the effective batch exact")
+                            + f"; the last good checkpoint is {checkpoint_path}"
+                        ) from None
+                    counters["out_of_memory"] += 1
+                    event = {"event": "out_of_memory", "step": step + 1, "micro_batch": smaller,
+                             "accumulation_steps": plan.per_rank_batch // smaller, "was": micro_batch}
+                    metrics.write(event)
+                    reporter.message(
+                        f"out of memory at step {step + 1}: micro-batch {micro_batch} -> {smaller}, accumulation "
+                        f"{plan.per_rank_batch // micro_batch} -> {plan.per_rank_batch // smaller}; redoing the window"
+                    )
+                    micro_batch = smaller
             if not result.finite:
                 if not skip_nonfinite and not setup.scaler:
                     raise TrainingStopped(
@@ -478,7 +558,7 @@ def train(
                 "samples": result.samples,
                 "tokens": result.tokens,
                 "items": result.count,
-                "micro_batch": plan.micro_batch,
+                "micro_batch": micro_batch,
                 "accumulation_steps": len(micro_batches),
                 "world_size": world.size,
                 "partial": partial,
@@ -498,10 +578,21 @@ def train(
             reporter.step(record)
             due = (step + 1) % checkpoint_every == 0 if checkpoint_every else (
                 time.perf_counter() - last_checkpoint >= CHECKPOINT_SECONDS)
-            if main and (due or done):
-                save_checkpoint(setup, checkpoint_path, step + 1, metrics.offset(), {"seed": seed})
+            received = stop.agreed(world) if not done else None
+            if main and (due or done or received):
+                save_checkpoint(setup, checkpoint_path, step + 1, metrics.offset(),
+                                {"seed": seed, "micro_batch": micro_batch})
                 last_checkpoint = time.perf_counter()
+            if received:
+                distributed.barrier(world)
+                raise Interrupted(
+                    f"{signal.Signals(received).name} after optimizer step {step + 1} of {total}; checkpoint "
+                    f"written to {checkpoint_path}. Continue with: reproduce run {out / 'plan.yaml'} --out {out} "
+                    "--resume",
+                    StopSignals.EXIT_CODES[received],
+                )
     finally:
+        stop.__exit__()
         metrics.close()
 
     elapsed = time.perf_counter() - started

@@ -1,0 +1,155 @@
+"""Faults during a run: SIGKILL, SIGINT/SIGTERM, an interrupted checkpoint write, non-finite losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from reproduce.planner import plan
+from reproduce.recipe import parse_recipe
+from reproduce.train import trainer
+from reproduce.train.factory import build_data
+
+RECIPE = {
+    "batch": {"effective": 128},
+    "task": "classification",
+    "model": {"builtin": "mlp", "kwargs": {"dropout": 0.2}},  # dropout: resume must restore the RNG too
+    "data": {"builtin": "digits"},
+    "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+    "schedule": {"warmup": {"steps": 5}, "decay": {"kind": "cosine"}, "total": {"steps": 60}},
+}
+
+
+def write_recipe(tmp_path: Path, **changes) -> Path:
+    path = tmp_path / "recipe.yaml"
+    data = {**RECIPE, **changes}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def command(recipe: Path, out: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "reproduce", "run", str(recipe), "--out", str(out), "--device", "cpu",
+            "--micro-batch-max", "16", *args]
+
+
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def start_and_stop_at(cmd: list[str], metrics: Path, step: int, signum: int) -> subprocess.Popen:
+    """Start a run and send `signum` once it has logged `step` optimizer steps."""
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while lines(metrics) < step:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the run did not reach the step in time"
+        time.sleep(0.005)
+    process.send_signal(signum)
+    return process
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("full")
+    recipe = write_recipe(tmp)
+    subprocess.run(command(recipe, tmp / "out"), check=True, capture_output=True)
+    return torch.load(tmp / "out" / "model.pt", weights_only=True)
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_sigkill_then_resume_gives_the_same_weights(tmp_path, uninterrupted):
+    recipe, out = write_recipe(tmp_path), tmp_path / "out"
+    step = random.Random().randint(3, 50)  # a random optimizer step, different each run
+    process = start_and_stop_at(command(recipe, out, "--checkpoint-every", "3"), out / "metrics.jsonl", step,
+                                signal.SIGKILL)
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    checkpoint = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert checkpoint["step"] <= 60
+    resumed = subprocess.run(command(recipe, out, "--resume"), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_bitwise(torch.load(out / "model.pt", weights_only=True), uninterrupted)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 61)), f"killed at step {step}"
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_signal_finishes_the_step_checkpoints_and_says_how_to_resume(signum, code, tmp_path, uninterrupted):
+    recipe, out = write_recipe(tmp_path), tmp_path / "out"
+    process = start_and_stop_at(command(recipe, out), out / "metrics.jsonl", 10, signum)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == code, stderr
+    assert "--resume" in stderr and "Traceback" not in stderr
+    checkpoint = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert checkpoint["step"] == lines(out / "metrics.jsonl") >= 10  # the step in flight finished and was saved
+    if signum == signal.SIGTERM:  # (one resume is enough to show the checkpoint is whole; SIGKILL resumes too)
+        resumed = subprocess.run(command(recipe, out, "--resume"), capture_output=True, text=True)
+        assert resumed.returncode == 0, resumed.stderr
+        assert_bitwise(torch.load(out / "model.pt", weights_only=True), uninterrupted)
+
+
+def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    recipe = parse_recipe(RECIPE)
+    data = build_data(recipe)
+    the_plan = plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+    trainer.train(the_plan, tmp_path / "run", device="cpu", data=data, max_steps=4)
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.pt"
+    before = checkpoint.read_bytes()
+    real_save = torch.save
+
+    def dies_halfway(state, path, *args, **kwargs):  # a crash in the middle of writing the new checkpoint
+        real_save(state, path, *args, **kwargs)
+        with open(path, "r+b") as handle:
+            handle.truncate(os.path.getsize(path) // 2)
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(trainer.torch, "save", dies_halfway)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.train(the_plan, tmp_path / "run", device="cpu", data=data, max_steps=6, resume=True,
+                      checkpoint_every=1)
+    assert checkpoint.read_bytes() == before
+    assert torch.load(checkpoint, weights_only=True)["step"] == 4
+
+
+def test_non_finite_loss_stops_naming_the_step(tmp_path, capsys):
+    from reproduce.cli import main
+
+    recipe, out = write_recipe(tmp_path, optimizer={"name": "sgd", "lr": 1e30}), tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(recipe), "--out", str(out), "--device", "cpu", "--micro-batch-max", "16",
+              "--checkpoint-every", "1"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    match = re.search(r"non-finite loss or gradient at optimizer step (\d+)", err)
+    assert match, err
+    failed = int(match.group(1))
+    assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["step"] == failed - 1  # last good one
+    assert lines(out / "metrics.jsonl") == failed - 1
+
+
+def test_skip_nonfinite_skips_and_counts(tmp_path):
+    recipe = parse_recipe({**RECIPE, "optimizer": {"name": "sgd", "lr": 1e30}})
+    data = build_data(recipe)
+    the_plan = plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+    summary = trainer.train(the_plan, tmp_path / "run", device="cpu", data=data, max_steps=8, skip_nonfinite=True)
+    records = trainer.read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert summary["skipped_nonfinite"] == sum(r["skipped"] for r in records) >= 5
+    assert len(records) == 8
+    weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert all(torch.isfinite(w).all() for w in weights.values())  # skipped steps never touched the weights
