@@ -19,12 +19,24 @@ from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, ma
 
 
 class PlainReporter:
-    """Periodic log lines, for CI logs and other non-terminals."""
+    """Periodic log lines, for CI logs and other non-terminals.
 
-    def __init__(self, lines: int = 20):
-        self.lines, self.every, self.total, self.started = lines, 1, 0, 0.0
+    Nothing is printed before the run has checked its inputs (`start`), so bad input gets its one error line.
+    """
+
+    def __init__(self, warnings: list[str], lines: int = 20):
+        self.warnings, self.lines, self.every, self.total, self.started = warnings, lines, 1, 0, 0.0
 
     def start(self, plan: Plan, total_steps: int, first_step: int) -> None:
+        for warning in self.warnings:
+            stderr.print(f"[yellow]warning:[/] {warning}")
+        stdout.print(
+            f"micro {plan.micro_batch} x accumulation {plan.accumulation_steps} x world {plan.world_size} = "
+            f"{plan.effective_batch} {plan.unit} per step"
+            + (f" ({plan.effective_tokens} tokens)" if plan.effective_tokens else "")
+            + ("" if plan.exact else f", not the paper's {plan.paper_effective_batch}: lr {plan.lr:.6g} "
+               f"({plan.lr_rule})")
+        )
         self.total, self.every = total_steps, max(1, total_steps // self.lines)
         self.started = time.perf_counter()
         where = f", resuming after step {first_step}" if first_step else ""
@@ -161,22 +173,14 @@ def run_command(
         plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy, dataset_size=size)
     elif plan.world_size != world_size:
         plan = _replan_for_world(plan, world_size, size, source)
-    main = world.is_main
-    if main and recipe.data.train_size is not None and recipe.data.train_size != size:
-        stderr.print(f"[yellow]warning:[/] data.train_size is {recipe.data.train_size}; the data has {size}: using it")
-    for warning in plan.warnings if main else []:
-        stderr.print(f"[yellow]warning:[/] {warning}")
-    if not main:  # the other ranks train quietly; rank 0 reports
+    warnings = list(plan.warnings)
+    if recipe.data.train_size is not None and recipe.data.train_size != size:
+        warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {size}: using {size}")
+    if not world.is_main:  # the other ranks train quietly; rank 0 reports
         train(plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
               checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data)
         return
-    stdout.print(
-        f"micro {plan.micro_batch} x accumulation {plan.accumulation_steps} x world {plan.world_size} = "
-        f"{plan.effective_batch} {plan.unit} per step"
-        + (f" ({plan.effective_tokens} tokens)" if plan.effective_tokens else "")
-        + ("" if plan.exact else f", not the paper's {plan.paper_effective_batch}: lr {plan.lr:.6g} ({plan.lr_rule})")
-    )
-    reporter = RichReporter() if is_terminal() else PlainReporter()
+    reporter = RichReporter(warnings) if is_terminal() else PlainReporter(warnings)
     summary = train(
         plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
         checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, reporter=reporter, data=data,
