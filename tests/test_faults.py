@@ -153,3 +153,56 @@ def test_skip_nonfinite_skips_and_counts(tmp_path):
     assert len(records) == 8
     weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert all(torch.isfinite(w).all() for w in weights.values())  # skipped steps never touched the weights
+
+
+def test_out_of_memory_mid_run_halves_the_micro_batch_and_keeps_the_batch_exact(tmp_path):
+    """Under the probe's CPU memory budget (which raises torch.OutOfMemoryError, as CUDA does)."""
+    from reproduce.probe.tracker import MemoryTracker
+
+    recipe = parse_recipe({**RECIPE, "model": {"builtin": "mlp", "kwargs": {"hidden": 512}},
+                           "schedule": {"total": {"steps": 4}}, "evaluation": {"at_end": False}})
+    data = build_data(recipe)
+
+    def peak_of(micro_batch: int, folder: str) -> int:
+        the_plan = plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
+        with MemoryTracker() as tracker:
+            trainer.train(the_plan, tmp_path / folder, device="cpu", data=data, max_steps=2)
+        return tracker.peak
+
+    small, large = peak_of(32, "m32"), peak_of(64, "m64")
+    assert large > small
+    the_plan = plan(recipe, micro_batch_max=64, dataset_size=len(data["train"]))
+    assert (the_plan.micro_batch, the_plan.accumulation_steps) == (64, 2)
+    with MemoryTracker(budget_bytes=(small + large) // 2):
+        summary = trainer.train(the_plan, tmp_path / "oom", device="cpu", data=data)
+    assert summary["out_of_memory"] == 1
+    records = trainer.read_metrics(tmp_path / "oom" / "metrics.jsonl")
+    [index] = [i for i, r in enumerate(records) if "event" in r]
+    event = records[index]
+    assert event == {"event": "out_of_memory", "step": index + 1, "micro_batch": 32, "accumulation_steps": 4,
+                     "was": 64}
+    steps = [r for r in records if "event" not in r]
+    assert [r["micro_batch"] for r in steps] == [64] * index + [32] * (4 - index)
+    assert all(r["micro_batch"] * r["accumulation_steps"] == r["samples"] == 128 for r in steps)
+    # the same updates as a plain run planned at micro-batch 32: the effective batch never changed
+    reference = plan(recipe, micro_batch_max=32, dataset_size=len(data["train"]))
+    trainer.train(reference, tmp_path / "ref", device="cpu", data=data)
+    ours = torch.load(tmp_path / "oom" / "model.pt", weights_only=True)
+    theirs = torch.load(tmp_path / "ref" / "model.pt", weights_only=True)
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6)
+
+
+def test_out_of_memory_at_micro_batch_one_stops_with_a_message(tmp_path):
+    from reproduce.errors import TrainingStopped
+    from reproduce.probe.tracker import MemoryTracker
+
+    recipe = parse_recipe({**RECIPE, "schedule": {"total": {"steps": 2}}})
+    data = build_data(recipe)
+    the_plan = plan(recipe, micro_batch_max=1, dataset_size=len(data["train"]))
+    with MemoryTracker() as tracker:
+        trainer.train(the_plan, tmp_path / "measure", device="cpu", data=data, max_steps=1)
+    with pytest.raises(TrainingStopped, match="out of memory at optimizer step 1 with micro-batch 1: no smaller"):
+        with MemoryTracker(budget_bytes=tracker.peak - 512):
+            trainer.train(the_plan, tmp_path / "run", device="cpu", data=data)
+    assert not (tmp_path / "run" / "model.pt").exists()

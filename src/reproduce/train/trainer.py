@@ -333,7 +333,8 @@ def optimizer_step(setup: Setup, micro_batches: list[tuple[Any, Any]], skip_nonf
 
 
 @torch.no_grad()
-def evaluate(setup: Setup) -> dict | None:
+def evaluate(setup: Setup, batch: int | None = None) -> dict | None:
+    """Mean loss (and accuracy) over the eval split, in batches of `batch` (default: the micro-batch)."""
     dataset = setup.data.get("eval")
     if dataset is None or len(dataset) == 0:
         return None
@@ -341,7 +342,7 @@ def evaluate(setup: Setup) -> dict | None:
     was_training = model.training
     model.eval()
     total_loss, total_count, correct = 0.0, 0, 0
-    batch = max(setup.plan.micro_batch, 1)
+    batch = max(batch or setup.plan.micro_batch, 1)
     for start in range(0, len(dataset), batch):
         indices = torch.arange(start, min(start + batch, len(dataset)))
         inputs, target = to_device(fetch(dataset, indices), setup.device, setup.dtype)
@@ -570,7 +571,7 @@ def train(
                 record["grad_syncs"] = result.grad_syncs
             done = step + 1 == total
             if main and ((eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end)):
-                evaluation = evaluate(setup)
+                evaluation = evaluate(setup, micro_batch)
                 if evaluation:
                     record.update(evaluation)
             metrics.write(record)
