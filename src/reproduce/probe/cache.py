@@ -1,0 +1,49 @@
+"""The probe's cache: one JSON file per (recipe, model, dtype, device, budget, torch version, ...). No torch.
+
+So `reproduce run` after `reproduce plan` does not probe again. The folder is `$REPRODUCE_CACHE_DIR`, or
+`~/.cache/reproduce/probe`. A cache that cannot be read or written is skipped, never an error: it only
+saves time. A recipe whose model is the user's own factory is keyed by the recipe, not by the code;
+after editing that code, probe with `--no-cache`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from ..planfile import write_text_atomic
+
+CACHE_ENV = "REPRODUCE_CACHE_DIR"
+FORMAT = "reproduce-probe/1"  # part of every key: a change in what a probe measures changes it
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get(CACHE_ENV)
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "reproduce" / "probe"
+
+
+def cache_key(fields: dict) -> str:
+    """A stable digest of `fields` (JSON-serialisable values)."""
+    text = json.dumps({"format": FORMAT, **fields}, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def load(key: str, folder: Path | None = None) -> dict | None:
+    path = (folder or cache_dir()) / f"{key}.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("format") == FORMAT else None
+
+
+def store(key: str, data: dict, folder: Path | None = None) -> Path | None:
+    """Write `data` under `key`; the path, or None when the cache folder is not writable."""
+    path = (folder or cache_dir()) / f"{key}.json"
+    try:
+        write_text_atomic(path, json.dumps({"format": FORMAT, **data}, indent=1) + "\n")
+    except OSError:
+        return None
+    return path

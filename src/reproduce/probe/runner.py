@@ -1,0 +1,218 @@
+"""The probe: options in, the largest micro-batch that fits (with every trial) out. No torch at import.
+
+`run_probe(recipe, options)` resolves the budget (`--memory`, `--gpu` or the GPU's free memory), picks
+the meter, looks in the cache, and otherwise runs `search.search` over the meter's trials. The limit a
+trial's peak must stay under is the budget less the headroom (10% by default). The search is capped at
+the per-rank effective batch: each of W processes never needs more than ceil(batch / W) at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from .. import __version__
+from ..errors import UserError
+from ..recipe import Recipe
+from ..units import format_size, parse_size
+from . import cache
+from .catalog import Gpu, lookup
+from .cost import Cost, cost
+from .search import Measurement, search
+
+METERS = ("auto", "cuda", "cpu", "estimate")
+
+
+class BudgetRequired(UserError):
+    """No budget was given and there is no GPU to take one from."""
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    memory: str | None = None  # --memory SIZE
+    gpu: str | None = None  # --gpu NAME
+    meter: str = "auto"  # auto: cuda when a GPU is here (and the budget fits it), else estimate
+    headroom: float = 0.1
+    use_cache: bool = True
+    time_steps: bool = True  # time one step per fitting trial (the cost of the plan)
+
+
+class ProbeTrial(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    micro_batch: int
+    fits: bool
+    peak_bytes: int | None
+    seconds: float
+    step_seconds: float | None = None
+    tensor_bytes: int | None = None
+    note: str | None = None
+
+
+class ProbeLine(BaseModel):
+    intercept_bytes: float
+    bytes_per_sample: float
+    points: tuple[int, int]
+
+
+class ProbeResult(BaseModel):
+    """What `reproduce probe --json` prints and the cache keeps."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    recipe_path: str | None
+    meter: Literal["cuda", "cpu", "estimate"]
+    device: str
+    gpu: str | None
+    data: str
+    budget_bytes: int
+    headroom: float
+    limit_bytes: int
+    cap: int
+    world_size: int
+    micro_batch_max: int | None
+    peak_bytes: int | None  # of micro_batch_max, as measured
+    tensor_bytes: int | None
+    step_seconds: float | None
+    trials: list[ProbeTrial]
+    line: ProbeLine | None
+    seconds: float
+    torch_version: str
+    notes: list[str] = []
+    cached: bool = False
+
+    @property
+    def capped(self) -> bool:
+        return self.micro_batch_max == self.cap
+
+    def timings(self) -> list[tuple[int, float]]:
+        return [(t.micro_batch, t.step_seconds) for t in self.trials if t.fits and t.step_seconds]
+
+    def failure(self) -> str:
+        """One line: why not even micro-batch 1 fits."""
+        smallest = min(self.trials, key=lambda t: t.micro_batch)
+        return (
+            f"--memory/--gpu: not even micro-batch {smallest.micro_batch} fits in {format_size(self.budget_bytes)} "
+            f"less {self.headroom:.0%} headroom ({self.meter} meter): {smallest.note or 'over the limit'}"
+        )
+
+
+def resolve_budget(options: ProbeOptions) -> tuple[int | None, Gpu | None]:
+    """The requested budget in bytes (None: take it from the GPU here) and the catalog entry, if any."""
+    if not 0 <= options.headroom < 1:
+        raise UserError(f"--headroom: expected a fraction in [0, 1), such as 0.1 (got {options.headroom:g})")
+    if options.meter not in METERS:
+        raise UserError(f"--meter: expected one of {', '.join(METERS)} (got {options.meter!r})")
+    if options.memory is not None and options.gpu is not None:
+        raise UserError("--memory, --gpu: give one of them, not both")
+    if options.gpu is not None:
+        gpu = lookup(options.gpu)
+        return gpu.budget_bytes, gpu
+    if options.memory is not None:
+        return parse_size(options.memory, "--memory"), None
+    return None, None
+
+
+def choose_meter(options: ProbeOptions, budget: int | None) -> str:
+    import torch
+
+    if options.meter != "auto":
+        if options.meter in ("cpu", "estimate") and budget is None:
+            raise BudgetRequired(f"--meter {options.meter}: needs a budget: give --memory SIZE or --gpu NAME")
+        return options.meter
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        if budget is None or budget <= free + torch.cuda.memory_reserved():
+            return "cuda"
+    if budget is None:
+        raise BudgetRequired(
+            "--memory or --gpu: required: there is no CUDA device here to measure; give the memory to plan for, "
+            "such as --gpu a100-80gb or --memory 24GiB"
+        )
+    return "estimate"
+
+
+def run_probe(
+    recipe: Recipe,
+    recipe_path: str | None = None,
+    options: ProbeOptions = ProbeOptions(),
+    world_size: int = 1,
+    data: dict | None = None,
+    on_trial: Callable[[Measurement], None] | None = None,
+) -> ProbeResult:
+    """The largest micro-batch of `recipe` that fits the budget, measured; from the cache when it is there."""
+    import torch
+
+    from .meters import METERS as METER_TYPES
+    from .workload import Workload
+
+    requested, gpu = resolve_budget(options)
+    kind = choose_meter(options, requested)
+    cap = math.ceil(recipe.batch.sequences / world_size)
+    workload = Workload(recipe, data)
+    meter_type = METER_TYPES[kind]
+    if kind == "estimate":
+        meter = meter_type(workload, requested, options.headroom, gpu=gpu)
+    else:
+        meter = meter_type(workload, requested, options.headroom, time_steps=options.time_steps)
+    try:
+        key = cache.cache_key({
+            "recipe": recipe.model_dump(mode="json"), "meter": kind, "device": meter.device,
+            "budget": meter.budget_bytes, "headroom": options.headroom, "cap": cap, "timed": options.time_steps,
+            "torch": torch.__version__, "reproduce": __version__,
+        })
+        if options.use_cache:
+            saved = cache.load(key)
+            if saved is not None:
+                saved.pop("format", None)
+                try:
+                    return ProbeResult.model_validate({**saved, "recipe_path": recipe_path, "cached": True})
+                except ValueError:
+                    pass  # written by another version: probe again
+
+        def fits(micro_batch: int) -> Measurement:
+            measurement = meter.measure(micro_batch)
+            if on_trial is not None:
+                on_trial(measurement)
+            return measurement
+
+        found = search(fits, meter.limit_bytes, cap)
+    finally:
+        meter.close()
+    chosen = found.chosen
+    result = ProbeResult(
+        recipe_path=recipe_path,
+        meter=kind,
+        device=meter.device,
+        gpu=gpu.name if gpu else None,
+        data=workload.description,
+        budget_bytes=meter.budget_bytes,
+        headroom=options.headroom,
+        limit_bytes=meter.limit_bytes,
+        cap=cap,
+        world_size=world_size,
+        micro_batch_max=found.micro_batch_max,
+        peak_bytes=chosen.peak_bytes if chosen else None,
+        tensor_bytes=chosen.tensor_bytes if chosen else None,
+        step_seconds=chosen.step_seconds if chosen else None,
+        trials=[ProbeTrial(**t.to_json()) for t in found.trials],
+        line=(
+            ProbeLine(intercept_bytes=found.line.intercept, bytes_per_sample=found.line.slope, points=found.line.points)
+            if found.line else None
+        ),
+        seconds=round(found.seconds, 3),
+        torch_version=torch.__version__,
+        notes=meter.notes,
+    )
+    cache.store(key, result.model_dump(mode="json", exclude={"recipe_path", "cached"}))
+    return result
+
+
+def plan_cost(result: ProbeResult, micro_batch: int, accumulation_steps: int, effective_batch: int,
+              sequence_length: int | None, optimizer_steps: int | None) -> Cost | None:
+    """The cost of one way to split the batch, from the probe's timed trials (None: nothing was timed)."""
+    return cost(result.timings(), micro_batch, accumulation_steps, effective_batch, sequence_length, optimizer_steps)

@@ -1,0 +1,171 @@
+"""The search for the largest micro-batch that fits: a pure function over `fits(b) -> Measurement`.
+
+No torch here: the same code runs on a GPU, on a CPU budget, under the estimate meter, and against the
+closed-form memory functions of the tests.
+
+The model: the peak memory of a training step is the larger of the optimizer step's peak (parameters,
+gradients, optimizer state: constant in b) and a line a + c*b with a >= 0 once activations dominate.
+Two consequences drive the search:
+- a measured size b with peak p bounds every larger size: peak(k) <= p * k / b, so
+  `safe = floor(limit * b / p)` fits for certain (under the model). The search grows by that jump, or
+  by doubling (x16 while the peaks are flat) when that is more, until it has two sizes on the line;
+- two sizes on the line give its exact equation, so the largest b under the limit is predicted
+  rather than searched for. Sizes with equal peaks are on the flat, optimizer-bound part and are left
+  out of the fit (`fit_line`).
+Each prediction is measured, then the next size up, until the bracket is confirmed: b fits, b + 1 does
+not. A prediction that contradicts what is already measured, or `MAX_MISSES` predictions that failed,
+send the search to bisection between the largest size that fits and the smallest that does not
+(geometric while that interval is wide). Sizes are capped at `cap`: the per-rank effective batch, past
+which nothing is needed. Every trial is kept and reported; the answer is always a size that was
+measured to fit, or None when even size 1 does not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+
+FIRST_SIZE = 2  # 1 is often optimizer-bound, which says nothing about the activations' slope
+MAX_MISSES = 3  # line-guided sizes that failed before the search trusts only bisection
+MAX_GUIDED = 8  # line-guided trials in all (bounds the creep of a line that is always one short)
+FLAT_GROWTH = 16  # growth while the peaks are flat: the activations are small beside the fixed part
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One trial at `micro_batch`: did its training step fit, and at what peak."""
+
+    micro_batch: int
+    fits: bool
+    peak_bytes: int | None  # the peak that decides (CUDA: reserved); None when the trial ran out of memory
+    seconds: float = 0.0  # wall time of the whole trial (build, warm-up, measured steps)
+    step_seconds: float | None = None  # one training step at this size, when it was timed
+    tensor_bytes: int | None = None  # the tensors' own peak (CUDA: allocated), for the report
+    note: str | None = None  # why it did not fit
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Line:
+    """peak(b) = intercept + slope * b, through two measured sizes and their peaks."""
+
+    points: tuple[int, int]
+    peaks: tuple[int, int]
+
+    @property
+    def slope(self) -> float:
+        return (self.peaks[1] - self.peaks[0]) / (self.points[1] - self.points[0])
+
+    @property
+    def intercept(self) -> float:
+        return self.peaks[1] - self.slope * self.points[1]
+
+    def at(self, micro_batch: float) -> float:
+        return self.intercept + self.slope * micro_batch
+
+    def largest_under(self, limit_bytes: float) -> int | None:
+        """The largest b with at(b) <= limit (exact arithmetic); None when the line does not grow."""
+        (b0, b1), (p0, p1) = self.points, self.peaks
+        if p1 <= p0:
+            return None
+        return b0 + math.floor(Fraction(limit_bytes - p0) * (b1 - b0) / (p1 - p0))
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    micro_batch_max: int | None  # the largest size measured to fit (None: not even size 1)
+    trials: list[Measurement]  # in the order they ran
+    line: Line | None  # the last line the search fitted
+    cap: int
+    limit_bytes: int
+
+    @property
+    def chosen(self) -> Measurement | None:
+        return next((t for t in self.trials if t.micro_batch == self.micro_batch_max and t.fits), None)
+
+    @property
+    def capped(self) -> bool:
+        """The answer is the cap itself: larger sizes were not tried because they are not needed."""
+        return self.micro_batch_max == self.cap
+
+    @property
+    def seconds(self) -> float:
+        return sum(t.seconds for t in self.trials)
+
+
+def fit_line(trials: list[Measurement], limit_bytes: float) -> Line | None:
+    """The line through two measured sizes in the activation regime, placed to predict where peak = limit.
+
+    Sizes whose peak equals another size's are on the flat part and are left out. With sizes on both
+    sides of the limit, the line joins the nearest two (interpolation); otherwise the largest size and
+    the largest one at most half of it (far apart, so the allocator's rounding averages out).
+    """
+    known = {t.micro_batch: t.peak_bytes for t in trials if t.peak_bytes is not None}
+    peaks = list(known.values())
+    points = sorted((b, p) for b, p in known.items() if peaks.count(p) == 1)
+    below = [pt for pt in points if pt[1] <= limit_bytes]
+    above = [pt for pt in points if pt[1] > limit_bytes]
+    if below and above:
+        first, second = below[-1], above[0]
+    elif len(points) >= 2:
+        second = points[-1]
+        halves = [pt for pt in points[:-1] if 2 * pt[0] <= second[0]]
+        first = halves[-1] if halves else points[-2]
+    else:
+        return None
+    if first[0] >= second[0]:
+        return None
+    return Line((first[0], second[0]), (first[1], second[1]))
+
+
+def safe_size(measured: Measurement, limit_bytes: float) -> int:
+    """The largest size the model guarantees to fit, from one measured size: peak(k) <= peak(b) * k / b."""
+    if not measured.peak_bytes:
+        return 2 * measured.micro_batch
+    return math.floor(limit_bytes * measured.micro_batch / measured.peak_bytes)
+
+
+def search(fits: Callable[[int], Measurement], limit_bytes: int, cap: int) -> SearchResult:
+    """The largest micro-batch in [1, cap] that `fits`, with every trial it took to know it."""
+    if cap < 1:
+        raise ValueError(f"cap must be >= 1 (got {cap})")
+    trials: list[Measurement] = []
+    lo, hi = 0, cap + 1  # lo: the largest size measured to fit (0: none); hi: the smallest known not to
+    failed = False  # hi was measured (not just the cap + 1 that needs no trial)
+    line, guided, misses = None, 0, 0
+    size, from_line = min(FIRST_SIZE, cap), False
+    while True:
+        result = fits(size)
+        if result.micro_batch != size:
+            raise ValueError(f"fits({size}) reported micro_batch {result.micro_batch}")
+        trials.append(result)
+        if result.fits:
+            lo = size
+        else:
+            hi, failed = size, True
+        guided += from_line
+        misses += from_line and not result.fits
+        if hi - lo <= 1:
+            break
+
+        size, from_line = None, False
+        line = fit_line(trials, limit_bytes) or line
+        predicted = line.largest_under(limit_bytes) if line is not None else None
+        if predicted is not None and misses < MAX_MISSES and guided < MAX_GUIDED:
+            if min(predicted, cap) <= lo:
+                size, from_line = lo + 1, True  # the line says lo is the maximum: confirm the next size fails
+            elif predicted < hi or not failed:  # (not failed: hi is cap + 1, and past the cap means the cap)
+                size, from_line = min(predicted, cap), True
+        if size is None and not failed:  # nothing failed yet: jump to the size known to be safe
+            best = max((t for t in trials if t.fits), key=lambda t: t.micro_batch)
+            flat = sum(t.peak_bytes == best.peak_bytes for t in trials) > 1  # still optimizer-bound: grow fast
+            size = max((FLAT_GROWTH if flat else 2) * lo, safe_size(best, limit_bytes))
+        elif size is None:  # the line is spent, or contradicts a measurement: bisect
+            size = math.isqrt(max(lo, 1) * hi) if hi > 4 * max(lo, 1) else (lo + hi) // 2
+        size = min(max(size, lo + 1), hi - 1)
+
+    return SearchResult(lo or None, trials, line, cap, limit_bytes)
