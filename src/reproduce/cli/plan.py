@@ -12,9 +12,23 @@ from rich.table import Table
 from ..errors import UserError
 from ..planfile import check_writable, save_plan
 from ..planner import Plan, plan
+from ..probe.runner import BudgetRequired, ProbeOptions, ProbeResult, run_probe
 from ..recipe import Recipe, load_recipe
+from ..units import format_size
 from .app import app
 from .common import stderr, stdout
+from .probe import (
+    GPU_HELP,
+    HEADROOM_HELP,
+    MEMORY_HELP,
+    METER_HELP,
+    NO_CACHE_HELP,
+    MeterName,
+    costs_json,
+    plan_costs,
+    probe_options,
+    render_costs,
+)
 
 
 class Policy(str, Enum):
@@ -34,14 +48,66 @@ def make_plan(
     world_size: int,
     policy: Policy,
     dataset_size: int | None = None,
+    *,
+    probe: ProbeOptions | None = None,
+    data: dict | None = None,
+    quiet: bool = False,
 ) -> Plan:
-    """Plan `recipe`; the one place that decides where the micro-batch maximum comes from."""
+    """Plan `recipe`; the one place that decides where the micro-batch maximum comes from.
+
+    Given `micro_batch_max`, it is used as it is. Otherwise the memory probe measures it (`probe`: the
+    budget and meter; default: this machine's GPU), on `data` when the caller has built it already.
+    """
+    return plan_and_probe(
+        recipe, recipe_path, micro_batch_max, world_size, policy, dataset_size, probe=probe, data=data, quiet=quiet
+    )[0]
+
+
+def plan_and_probe(
+    recipe: Recipe,
+    recipe_path: str,
+    micro_batch_max: int | None,
+    world_size: int,
+    policy: Policy,
+    dataset_size: int | None = None,
+    *,
+    probe: ProbeOptions | None = None,
+    data: dict | None = None,
+    quiet: bool = False,
+) -> tuple[Plan, ProbeResult | None]:
+    """`make_plan`, also returning the probe's result (None when `micro_batch_max` was given)."""
+    result = None
     if micro_batch_max is None:
-        raise UserError(
-            "--micro-batch-max: required: give the largest micro-batch that fits one device "
-            "(for example --micro-batch-max 32)"
-        )
-    return plan(recipe, micro_batch_max, world_size, policy.value, dataset_size=dataset_size, recipe_path=recipe_path)
+        try:
+            result = run_probe(recipe, recipe_path, probe or ProbeOptions(), world_size, data=data)
+        except BudgetRequired:
+            raise UserError(
+                "--micro-batch-max: required when there is no GPU here to probe: give --micro-batch-max N, "
+                "or --memory SIZE / --gpu NAME to probe for that memory"
+            ) from None
+        except UserError as error:
+            if "--micro-batch-max" in error.lines[-1]:
+                raise
+            hint = f"{error.lines[-1]} (or give --micro-batch-max to skip the probe)"
+            raise UserError(*error.lines[:-1], hint) from None
+        if result.micro_batch_max is None:
+            raise UserError(result.failure())
+        micro_batch_max = result.micro_batch_max
+        if not quiet:
+            stderr.print(probe_line(result), markup=False)
+    the_plan = plan(
+        recipe, micro_batch_max, world_size, policy.value, dataset_size=dataset_size, recipe_path=recipe_path
+    )
+    return the_plan, result
+
+
+def probe_line(result: ProbeResult) -> str:
+    """One line saying where the micro-batch maximum came from."""
+    where = "cached" if result.cached else f"{len(result.trials)} trials, {result.seconds:.1f} s"
+    return (
+        f"probe: largest micro-batch {result.micro_batch_max} (peak {format_size(result.peak_bytes)} of "
+        f"{format_size(result.budget_bytes)}, {result.headroom:.0%} headroom; {result.meter} meter; {where})"
+    )
 
 
 @app.command("plan")
@@ -54,18 +120,35 @@ def plan_command(
     policy: Policy = typer.Option(Policy.exact, "--policy", help=POLICY_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
     out: Path | None = typer.Option(None, "--out", help="Write the plan to this YAML file (what `run` reads)."),
+    memory: str | None = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
+    gpu: str | None = typer.Option(None, "--gpu", metavar="NAME", help=GPU_HELP),
+    meter: MeterName = typer.Option(MeterName.auto, "--meter", help=METER_HELP),
+    headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
+    no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
 ) -> None:
-    """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps."""
+    """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps.
+
+    Without --micro-batch-max the largest micro-batch is probed: on this GPU, or for --memory / --gpu.
+    """
     if out is not None:
         check_writable(out, "--out", protect=(recipe_path,))
     recipe = load_recipe(recipe_path)
-    the_plan = make_plan(recipe, str(recipe_path), micro_batch_max, world_size, policy)
+    options = probe_options(memory, gpu, meter, headroom, no_cache)
+    the_plan, result = plan_and_probe(
+        recipe, str(recipe_path), micro_batch_max, world_size, policy, probe=options, quiet=as_json
+    )
     if out is not None:
         save_plan(the_plan, out)
     if as_json:
-        print(json.dumps(plan_summary(the_plan), indent=2))
+        summary = plan_summary(the_plan)
+        if result is not None:
+            summary["probe"] = result.model_dump(mode="json")
+            summary["cost"] = costs_json(plan_costs(the_plan, result))
+        print(json.dumps(summary, indent=2))
         return
     render_plan(the_plan)
+    if result is not None:
+        render_costs(the_plan, result)
     if out is not None:
         stdout.print(f"plan written to {out}")
 

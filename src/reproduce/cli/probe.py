@@ -1,0 +1,174 @@
+"""`reproduce probe RECIPE`: the largest micro-batch whose training step fits, measured, every trial shown."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from ..errors import UserError
+from ..planner import Plan, plan
+from ..probe.cost import Cost, format_duration
+from ..probe.runner import ProbeOptions, ProbeResult, plan_cost, run_probe
+from ..probe.search import Measurement
+from ..recipe import load_recipe
+from ..units import format_size
+from .app import app
+from .common import stderr, stdout
+
+
+class MeterName(str, Enum):
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
+    estimate = "estimate"
+
+
+MEMORY_HELP = "Memory budget of one device to probe for, such as 24GiB, 16GB or 512MiB."
+GPU_HELP = "Plan for this GPU's memory (datasheet figure), such as a100-80gb, h100-80gb, rtx4090, t4."
+METER_HELP = (
+    "cuda: real trials on this GPU; cpu: real trials on the CPU, tensors counted against the budget; "
+    "estimate: fake tensors, no real memory (a GPU you do not have). auto: cuda when there is one, else estimate."
+)
+HEADROOM_HELP = "Fraction of the budget kept free: the largest micro-batch must peak under budget x (1 - headroom)."
+NO_CACHE_HELP = "Probe again even when a cached result for this recipe, device and budget exists."
+WORLD_SIZE_HELP = "Number of data-parallel processes: the probe needs no micro-batch above batch / processes."
+
+
+def probe_options(memory: str | None, gpu: str | None, meter: MeterName, headroom: float, no_cache: bool
+                  ) -> ProbeOptions:
+    """The options `make_plan` and `run_probe` take, from the command-line flags."""
+    return ProbeOptions(memory=memory, gpu=gpu, meter=meter.value, headroom=headroom, use_cache=not no_cache)
+
+
+@app.command("probe")
+def probe_command(
+    recipe_path: Path = typer.Argument(..., metavar="RECIPE", help="The paper's recipe, e.g. papers/digits-mlp.yaml."),
+    memory: str | None = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
+    gpu: str | None = typer.Option(None, "--gpu", metavar="NAME", help=GPU_HELP),
+    meter: MeterName = typer.Option(MeterName.auto, "--meter", help=METER_HELP),
+    headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
+    world_size: int = typer.Option(1, "--world-size", min=1, help=WORLD_SIZE_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
+    no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
+) -> None:
+    """Measure the largest micro-batch whose full training step fits one device's memory."""
+    recipe = load_recipe(recipe_path)
+    options = probe_options(memory, gpu, meter, headroom, no_cache)
+    result = run_probe(recipe, str(recipe_path), options, world_size, on_trial=None if as_json else show_trial)
+    the_plan = plan(recipe, result.micro_batch_max, world_size) if result.micro_batch_max else None
+    if as_json:
+        summary = result.model_dump(mode="json")
+        if the_plan is not None:
+            summary["plan"] = {"arithmetic": the_plan.arithmetic, "cost": costs_json(plan_costs(the_plan, result))}
+        print(json.dumps(summary, indent=2))
+    else:
+        render_probe(result, the_plan)
+    if result.micro_batch_max is None:
+        raise UserError(result.failure())
+
+
+def show_trial(trial: Measurement) -> None:
+    """One line per trial while the probe runs (trials on a GPU can take a while)."""
+    verdict = "fits" if trial.fits else ("out of memory" if trial.peak_bytes is None else "over the limit")
+    peak = format_size(trial.peak_bytes) if trial.peak_bytes is not None else "-"
+    stderr.print(f"  trial micro-batch {trial.micro_batch}: {verdict}, peak {peak} ({trial.seconds:.2f} s)")
+
+
+def render_probe(result: ProbeResult, the_plan: Plan | None) -> None:
+    source = "--gpu " + result.gpu if result.gpu else "budget"
+    stdout.print(
+        f"[bold]probe[/] {result.recipe_path}: {result.meter} meter, {result.device}; {result.data}\n"
+        f"{source} {format_size(result.budget_bytes)} less {result.headroom:.0%} headroom: "
+        f"limit {format_size(result.limit_bytes)}; sizes capped at {result.cap} (the batch per process)"
+    )
+    table = Table(title_justify="left")
+    for column in ("micro-batch", "peak", "tensors", "result", "step", "trial"):
+        table.add_column(column, justify="left" if column == "result" else "right")
+    for trial in result.trials:
+        verdict = "fits" if trial.fits else ("out of memory" if trial.peak_bytes is None else "over the limit")
+        table.add_row(
+            str(trial.micro_batch),
+            format_size(trial.peak_bytes) if trial.peak_bytes is not None else "-",
+            format_size(trial.tensor_bytes) if trial.tensor_bytes is not None else "-",
+            verdict,
+            f"{trial.step_seconds:.3g} s" if trial.step_seconds else "-",
+            f"{trial.seconds:.2f} s",
+        )
+    stdout.print(table)
+    if result.line is not None:
+        line = result.line
+        stdout.print(
+            f"fitted line: peak(b) = {format_size(line.intercept_bytes)} + {format_size(line.bytes_per_sample)} x b "
+            f"(through b = {line.points[0]} and {line.points[1]})"
+        )
+    when = "from the cache (--no-cache to measure again)" if result.cached else f"in {result.seconds:.1f} s"
+    if result.micro_batch_max is not None:
+        share = result.peak_bytes / result.budget_bytes
+        why = (
+            "the cap: the paper's batch per process needs no more" if result.capped
+            else f"{result.micro_batch_max + 1} does not fit"
+        )
+        stdout.print(
+            f"[bold]largest micro-batch: {result.micro_batch_max}[/] (peak {format_size(result.peak_bytes)}, "
+            f"{share:.0%} of the budget; {why}); {len(result.trials)} trials {when}"
+        )
+    for note in result.notes:
+        stdout.print(f"note: {note}", markup=False)
+    if the_plan is not None:
+        render_costs(the_plan, result)
+
+
+def plan_costs(the_plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:
+    """The plan's cost, and its alternative's when it has one, keyed by policy."""
+    seq = the_plan.recipe.batch.sequence_length
+    costs = {
+        the_plan.policy: plan_cost(
+            result, the_plan.micro_batch, the_plan.accumulation_steps, the_plan.effective_batch, seq,
+            the_plan.optimizer_steps,
+        )
+    }
+    alt = the_plan.alternative
+    if alt is not None:
+        steps = None
+        if the_plan.optimizer_steps is not None:  # the same data, in steps of the other batch
+            steps = round(the_plan.optimizer_steps * the_plan.effective_batch / alt.effective_batch)
+        costs[alt.policy] = plan_cost(result, alt.micro_batch, alt.accumulation_steps, alt.effective_batch, seq, steps)
+    return costs
+
+
+def costs_json(costs: dict[str, Cost | None]) -> dict:
+    return {policy: (c.to_json() if c else None) for policy, c in costs.items()}
+
+
+def cost_lines(the_plan: Plan, result: ProbeResult) -> list[str]:
+    """What the plan costs on the probed device, one line per policy."""
+    costs = plan_costs(the_plan, result)
+    if all(c is None for c in costs.values()):
+        why = "the estimate meter runs no real step" if result.meter == "estimate" else "no step was timed"
+        return [f"cost: not measured ({why}); probe with --meter cuda or cpu for step times"]
+    unit = the_plan.unit
+    lines = []
+    for policy, c in costs.items():
+        if c is None:
+            continue
+        rate = f"{c.samples_per_second:,.0f} {unit}/s" + (
+            f" ({c.tokens_per_second:,.0f} tokens/s)" if c.tokens_per_second else ""
+        )
+        total = (
+            f"; {c.optimizer_steps:,} steps: {format_duration(c.total_seconds)}" if c.total_seconds is not None
+            else "; total unknown (the number of steps needs the dataset size)"
+        )
+        lines.append(
+            f"cost on {result.device} ({policy}, {c.micro_batch} x {c.accumulation_steps}): {c.step_seconds:.3g} s "
+            f"per optimizer step ({c.accumulation_steps} x {c.micro_step_seconds:.3g} s), {rate}{total}"
+        )
+    return lines
+
+
+def render_costs(the_plan: Plan, result: ProbeResult) -> None:
+    for line in cost_lines(the_plan, result):
+        stdout.print(line, markup=False)

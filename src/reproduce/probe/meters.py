@@ -1,0 +1,313 @@
+"""Three ways to measure one trial, behind one interface: `meter.measure(micro_batch) -> Measurement`.
+
+A trial builds the recipe's model, optimizer and precision, runs a warm-up step (it allocates the
+optimizer state: AdamW's first step doubles the parameter memory) and then `MEASURED_STEPS` full
+training steps (forward, backward, clip, optimizer step, zero_grad) on one micro-batch of real shape,
+and reports the peak memory of those steps. A trial that runs out of memory is caught as
+`torch.OutOfMemoryError` only (any other error is the recipe's or ours, and is raised), then everything
+it allocated is freed before the next.
+
+- `cuda`: real trials on the GPU. `max_memory_reserved` decides (what the allocator really holds);
+  `max_memory_allocated` is reported. A budget smaller than the card is enforced with
+  `set_per_process_memory_fraction`; without one the budget is what `mem_get_info` says is free (the CUDA
+  context and other processes already taken off) plus what this process's allocator holds.
+- `cpu`: the same real trials on the CPU, counted by `MemoryTracker` (live tensor storage, rounded to
+  512 B) with the budget enforced as an out-of-memory error. Exact for the tensors, and what CI uses.
+- `estimate`: the same step under `FakeTensorMode` (model built on `meta`, materialised with `to_empty`
+  inside the fake mode; AdamW/Adam/SGD with `foreach=True`, as on a GPU), counted by the same tracker: no
+  real memory, about constant time per trial. It runs on the CPU device, so it differs from a real GPU
+  where the tracker cannot see or where CUDA behaves differently:
+  * it cannot see the CUDA context, cuBLAS/cuBLASLt workspaces (8 MiB + 1 to 32 MiB by architecture) and
+    the allocator's 2 MiB/20 MiB segments and fragmentation: a margin of `ESTIMATE_MARGIN` (5%) of
+    the peak plus the workspaces is added to every estimate;
+  * attention takes the math path and materialises B x H x S x S scores, where CUDA uses flash or
+    memory-efficient kernels; and dropout masks take 4 bytes per element where CUDA's take 1: both make
+    the estimate pessimistic (smaller maxima than a GPU allows);
+  * autocast follows the CPU's op lists, and fp16's GradScaler is left out (its state is a few scalars).
+  `bench/gpu_check.py` prints the estimate beside the measured peak on a real card.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from ..train.factory import build_loss, build_model
+from ..train.trainer import build, build_optimizer, optimizer_step, to_device
+from ..units import format_size
+from .catalog import Gpu, MiB
+from .search import Measurement
+from .tracker import MemoryTracker
+from .workload import Workload
+
+MEASURED_STEPS = 1
+WARM_UP_LIMIT = 8  # warm-up steps allowed to find one the optimizer really takes (fp16 may skip a few)
+ESTIMATE_MARGIN = 0.05  # allocator segments and fragmentation, as a fraction of the estimated peak
+CUBLAS_WORKSPACE = 8_519_680  # bytes per cuBLAS handle and stream, PyTorch's default
+HOST_SHARE = 0.8  # the cpu meter allocates for real: budgets above this share of free RAM are refused
+
+
+class Meter:
+    """One interface: `measure(micro_batch)`, the budget, and what the meter is (for the report)."""
+
+    name = "meter"
+    device = "cpu"
+
+    def __init__(self, workload: Workload, budget_bytes: int, headroom: float, time_steps: bool = True):
+        self.workload = workload  # prepared (data built) by the first `measure`
+        self.budget_bytes = budget_bytes
+        self.limit_bytes = int(budget_bytes * (1 - headroom))
+        self.time_steps = time_steps
+        self.notes: list[str] = []
+
+    def measure(self, micro_batch: int) -> Measurement:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Undo what the meter changed (the CUDA memory fraction)."""
+
+    def _result(self, micro_batch: int, peak: int | None, tensors: int | None, step: float | None,
+                started: float, note: str | None) -> Measurement:
+        fits = peak is not None and peak <= self.limit_bytes
+        if peak is not None and not fits:
+            note = f"peak {format_size(peak)} is over the limit {format_size(self.limit_bytes)} (budget less headroom)"
+        return Measurement(
+            micro_batch=micro_batch, fits=fits, peak_bytes=peak, seconds=round(time.perf_counter() - started, 4),
+            step_seconds=step, tensor_bytes=tensors, note=None if fits else note,
+        )
+
+
+def warm_up(setup: Any, batch: Any) -> None:
+    """Training steps until the optimizer has really stepped once (its state now exists)."""
+    for _ in range(WARM_UP_LIMIT):
+        scale = setup.scaler.get_scale() if setup.scaler else None
+        result = optimizer_step(setup, [batch])
+        if setup.scaler is None and result.finite:
+            return
+        if setup.scaler is not None and setup.scaler.get_scale() >= scale:  # fp16: the scaler did not skip
+            return
+
+
+class CpuMeter(Meter):
+    """Real trials on the CPU; their tensors counted by `MemoryTracker`, the budget enforced by it."""
+
+    name = "cpu"
+
+    def __init__(self, workload: Workload, budget_bytes: int, headroom: float, time_steps: bool = True):
+        available = available_host_memory()
+        if available is not None and budget_bytes > HOST_SHARE * available:
+            raise UserError(
+                f"--meter cpu: the budget of {format_size(budget_bytes)} would be allocated for real, and this "
+                f"machine has {format_size(available)} free; use --meter estimate to plan for that much memory"
+            )
+        super().__init__(workload, budget_bytes, headroom, time_steps)
+        self.notes.append("cpu meter: tensor storage counted exactly (512 B blocks); no allocator or CUDA overheads")
+
+    def measure(self, micro_batch: int) -> Measurement:
+        self.workload.prepare()
+        started = time.perf_counter()
+        device = torch.device("cpu")
+        tracker = MemoryTracker(self.budget_bytes)
+        peak = step = note = None
+        try:
+            with tracker:
+                setup = build(self.workload.plan, device, data=self.workload.data)
+                batch = to_device(self.workload.batch(micro_batch), device, setup.dtype)
+                warm_up(setup, batch)
+                tracker.reset_peak()
+                for _ in range(MEASURED_STEPS):
+                    optimizer_step(setup, [batch])
+            peak = tracker.peak
+            if self.time_steps and peak <= self.limit_bytes:  # timed outside the tracker (it slows small ops)
+                tick = time.perf_counter()
+                optimizer_step(setup, [batch])
+                step = round(time.perf_counter() - tick, 6)
+        except torch.OutOfMemoryError as error:
+            note = f"out of memory: {error}"
+        setup = batch = None
+        if note:  # what the failed step held is garbage now; a full collection costs ~0.3 s, so only here
+            gc.collect()
+        return self._result(micro_batch, peak, peak, step, started, note)
+
+
+class CudaMeter(Meter):
+    """Real trials on the GPU, measured by the caching allocator's own counters."""
+
+    name = "cuda"
+
+    def __init__(self, workload: Workload, budget_bytes: int | None, headroom: float, time_steps: bool = True):
+        if not torch.cuda.is_available():
+            raise UserError("--meter cuda: torch sees no CUDA device here (use --meter estimate or --meter cpu)")
+        self.cuda = torch.device("cuda", torch.cuda.current_device())
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.cuda)
+        usable = free + torch.cuda.memory_reserved(self.cuda)
+        if budget_bytes is None:
+            budget_bytes = usable
+        elif budget_bytes > usable:
+            raise UserError(
+                f"--memory/--gpu: {format_size(budget_bytes)} is more than this GPU has free "
+                f"({format_size(usable)} of {format_size(total)}); use --meter estimate to plan for a larger card"
+            )
+        super().__init__(workload, budget_bytes, headroom, time_steps)
+        self.total = total
+        self.device = f"cuda ({torch.cuda.get_device_name(self.cuda)}, {format_size(total)})"
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), self.cuda)
+        context = total - free - torch.cuda.memory_reserved(self.cuda)
+        self.notes.append(
+            f"cuda meter: peak = max_memory_reserved; the CUDA context and other processes use "
+            f"{format_size(context)} outside the budget"
+        )
+
+    def close(self) -> None:
+        torch.cuda.set_per_process_memory_fraction(1.0, self.cuda)
+        torch.cuda.empty_cache()
+
+    def measure(self, micro_batch: int) -> Measurement:
+        self.workload.prepare()
+        started = time.perf_counter()
+        reserved = allocated = step = note = None
+        torch.cuda.empty_cache()
+        try:
+            setup = build(self.workload.plan, self.cuda, data=self.workload.data)
+            batch = to_device(self.workload.batch(micro_batch), self.cuda, setup.dtype)
+            warm_up(setup, batch)
+            torch.cuda.synchronize(self.cuda)
+            torch.cuda.reset_peak_memory_stats(self.cuda)
+            tick = time.perf_counter()
+            for _ in range(MEASURED_STEPS):
+                optimizer_step(setup, [batch])
+            torch.cuda.synchronize(self.cuda)
+            step = round((time.perf_counter() - tick) / MEASURED_STEPS, 6)
+            reserved = int(torch.cuda.max_memory_reserved(self.cuda))
+            allocated = int(torch.cuda.max_memory_allocated(self.cuda))
+        except torch.OutOfMemoryError as error:
+            note = f"out of memory: {str(error).splitlines()[0]}"
+        setup = batch = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        return self._result(micro_batch, reserved, allocated, step if self.time_steps else None, started, note)
+
+
+class EstimateMeter(Meter):
+    """The training step on fake tensors: shapes and memory only, no data and no real allocation."""
+
+    name = "estimate"
+    device = "estimate (fake tensors on the cpu device)"
+
+    def __init__(self, workload: Workload, budget_bytes: int, headroom: float, gpu: Gpu | None = None,
+                 time_steps: bool = False):
+        super().__init__(workload, budget_bytes, headroom, time_steps=False)
+        self.fixed = CUBLAS_WORKSPACE + (gpu.cublaslt_workspace if gpu is not None else 32 * MiB)
+        if self.limit_bytes <= self.fixed:
+            raise UserError(
+                f"--memory: {format_size(budget_bytes)} less headroom leaves nothing once the estimate meter's "
+                f"margin of {format_size(self.fixed)} (cuBLAS workspaces on a GPU) is taken off; "
+                "use --meter cpu for a budget this small"
+            )
+        self.notes.append(
+            f"estimate meter: peak = tracked tensors x {1 + ESTIMATE_MARGIN:g} + {format_size(self.fixed)} "
+            "(cuBLAS workspaces); attention and dropout counted as on a CPU (pessimistic for a GPU)"
+        )
+
+    def decided(self, tracked: int) -> int:
+        return math.ceil(tracked * (1 + ESTIMATE_MARGIN)) + self.fixed
+
+    def measure(self, micro_batch: int) -> Measurement:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.workload.prepare()
+        started = time.perf_counter()
+        recipe = self.workload.recipe
+        inputs = self.workload.batch(micro_batch)
+        with torch.device("meta"):
+            model = build_model(recipe, self.workload.data.get("info"))
+        tracker = MemoryTracker(max(0, math.floor((self.budget_bytes - self.fixed) / (1 + ESTIMATE_MARGIN))))
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        peak = note = None
+        try:
+            with fake, tracker:
+                materialize(model, torch.device("cpu"))
+                optimizer = build_optimizer(self.workload.plan, model)
+                for group in optimizer.param_groups:
+                    if "foreach" in group:
+                        group["foreach"] = True  # what a GPU run does; fake tensors would not choose it
+                batch = _fake(fake, inputs)
+                tracker.charge(batch)
+                loss = build_loss(recipe)
+                for step in range(1 + MEASURED_STEPS):
+                    if step == 1:
+                        tracker.reset_peak()
+                    fake_step(model, optimizer, loss, batch, recipe.precision, recipe.clip_grad_norm)
+            peak = tracker.peak
+        except torch.OutOfMemoryError as error:
+            note = f"out of memory: {error}"
+        model = optimizer = batch = None
+        decided = self.decided(peak) if peak is not None else None
+        return self._result(micro_batch, decided, peak, None, started, note)
+
+
+def fake_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, batch: Any, precision: str,
+              clip: float | None) -> None:
+    """The trainer's step (`optimizer_step`) without what fake tensors cannot do (read values)."""
+    inputs, target = batch
+    autocast = contextlib.nullcontext()
+    if precision != "fp32":
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    with autocast:
+        loss = loss_fn(model(inputs), target) / max(1, len(target))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """`to_empty` on a meta model, keeping tied parameters tied (`to_empty` alone would untie them)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    model.to_empty(device=device)
+    for shared in owners.values():
+        first, name = shared[0]
+        for module, other in shared[1:]:
+            module._parameters[other] = first._parameters[name]
+
+
+def _fake(mode: Any, value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return mode.from_tensor(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fake(mode, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _fake(mode, v) for k, v in value.items()}
+    return value
+
+
+def available_host_memory() -> int | None:
+    """Free RAM (`MemAvailable`), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+METERS = {"cuda": CudaMeter, "cpu": CpuMeter, "estimate": EstimateMeter}
