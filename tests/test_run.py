@@ -217,3 +217,17 @@ def test_factory_returning_the_wrong_kind_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="model.factory: cannot import 'no_such_module_here'"):
         run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path)
     assert not (tmp_path / "run").exists()
+
+
+def test_run_probes_the_micro_batch_when_not_given(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "papers/digits-mlp.yaml", "--memory", "600KiB", "--meter", "cpu", "--out", str(out),
+              "--max-steps", "2"])
+    assert exit_info.value.code == 0
+    err = capsys.readouterr().err
+    assert "probe: largest micro-batch" in err and "cpu meter" in err
+    records = read_metrics(out / "metrics.jsonl")
+    micro = records[0]["micro_batch"]
+    assert micro < 256 and micro * records[0]["accumulation_steps"] == 256  # probed, and the batch still exact

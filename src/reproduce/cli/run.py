@@ -15,7 +15,8 @@ from ..planfile import load_plan, load_recipe_or_plan
 from ..planner import Plan
 from .app import app
 from .common import is_terminal, stderr, stdout
-from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, make_plan
+from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, make_plan, plan_and_probe
+from .probe import GPU_HELP, HEADROOM_HELP, MEMORY_HELP, METER_HELP, NO_CACHE_HELP, MeterName, probe_options
 
 
 class PlainReporter:
@@ -142,6 +143,11 @@ def run_command(
     nnodes: int = typer.Option(1, "--nnodes", min=1, help="Machines in the job (with --nproc-per-node)."),
     node_rank: int = typer.Option(0, "--node-rank", min=0, help="This machine's rank (with --nnodes)."),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0 (several nodes)."),
+    memory: str | None = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
+    gpu: str | None = typer.Option(None, "--gpu", metavar="NAME", help=GPU_HELP),
+    meter: MeterName = typer.Option(MeterName.auto, "--meter", help=METER_HELP),
+    headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
+    no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..train import distributed  # torch is imported only by the commands that train
@@ -154,6 +160,12 @@ def run_command(
             raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
         args = _forwarded_args(source, out, micro_batch_max, policy, max_steps, resume, force, device, seed,
                                checkpoint_every, skip_nonfinite)
+        for flag, value in (("--memory", memory), ("--gpu", gpu), ("--meter", meter.value),
+                            ("--headroom", str(headroom))):
+            if value is not None:
+                args += [flag, value]
+        if no_cache:
+            args.append("--no-cache")
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
         print("launching: " + " ".join(command), flush=True)
         raise typer.Exit(subprocess.call(command))
@@ -169,8 +181,18 @@ def run_command(
         plan = saved
     data = build_data(recipe)
     size = len(data["train"])
+    options = probe_options(memory, gpu, meter, headroom, no_cache)
+    if plan is None and world.distributed and micro_batch_max is None:
+        # every rank probes its own device; all take the smallest result, so no rank runs out of memory
+        from ..train.trainer import resolve_device
+
+        distributed.init(world, resolve_device(device))
+        _, probed = plan_and_probe(recipe, str(source), None, world_size, policy, size, probe=options, data=data,
+                                   quiet=not world.is_main)
+        micro_batch_max = distributed.all_min(world, probed.micro_batch_max)
     if plan is None:
-        plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy, dataset_size=size)
+        plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy, dataset_size=size, probe=options,
+                         data=data, quiet=not world.is_main)
     elif plan.world_size != world_size:
         plan = _replan_for_world(plan, world_size, size, source)
     warnings = list(plan.warnings)
