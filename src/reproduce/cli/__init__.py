@@ -11,6 +11,7 @@ from ..errors import TrainingStopped, UserError
 from . import plan as _plan  # noqa: F401  (registers the command)
 from . import probe as _probe  # noqa: F401
 from . import run as _run  # noqa: F401
+from . import verify as _verify  # noqa: F401
 from .app import app
 
 EXIT_USER_ERROR = 2

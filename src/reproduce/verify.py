@@ -1,0 +1,360 @@
+"""Is the plan's accumulation the large batch, for this very model and data? A numerical check.
+
+`verify(plan)` takes one effective batch (or `samples` samples) and computes its gradient twice, from the
+same initial weights:
+  - the reference: the gradient of the mean loss over all the samples in one pass (float64 on the CPU by
+    default; in large chunks, each summed loss divided by the total count, when one pass would not fit);
+  - the plan's: the very `trainer.optimizer_step` that `reproduce run` executes, over the plan's
+    micro-batches, with its window-count normalisation, its clipping and its loss scaler, but with an
+    optimizer that records the gradient instead of stepping.
+It reports the relative error ||g_plan - g_ref|| / ||g_ref|| per parameter and over all parameters.
+
+Dropout is switched off for the check (p = 0), since the two passes cannot draw the same masks.
+BatchNorm is left as it trains: it normalises each micro-batch with that micro-batch's statistics, so the
+two gradients differ, and the check says so with the size of the difference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import UserError
+from .planner import Plan
+from .train.factory import build_data, build_loss, build_model, has_batchnorm
+from .train.trainer import Setup, epoch_order, fetch, optimizer_step, resolve_device, to_device, window
+
+DTYPES = ("float64", "float32", "bf16", "fp16")
+# Default tolerances on the relative error: float64 rounding of a sum in another order is ~1e-16; float32
+# ~1e-7 (a margin of 100x); under bf16/fp16 autocast each micro-batch's gradient is rounded to 8/11 bits.
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
+# A parameter whose one-pass gradient norm is below this many units of rounding (of the whole gradient's norm)
+# is rounding noise, such as a convolution bias just before a BatchNorm: it is shown but not judged alone.
+NEGLIGIBLE_ULPS = 10
+EPSILON = {"float64": torch.finfo(torch.float64).eps, "float32": torch.finfo(torch.float32).eps,
+           "bf16": torch.finfo(torch.bfloat16).eps, "fp16": torch.finfo(torch.float16).eps}
+MEMORY_FRACTION = 0.5  # of the free memory, for the one-pass reference's activations
+
+
+@dataclass
+class ParameterError:
+    name: str
+    shape: list[int]
+    reference_norm: float
+    difference_norm: float
+    relative_error: float
+    negligible: bool = False  # its one-pass gradient is at the rounding level of the whole: not judged alone
+
+
+@dataclass
+class VerifyResult:
+    recipe: str
+    arithmetic: str
+    samples: int
+    micro_batch: int
+    micro_batches: int
+    reference_chunks: int
+    reference_chunk: int
+    dtype: str
+    device: str
+    seed: int
+    tolerance: float
+    global_relative_error: float
+    worst_parameter: str
+    worst_relative_error: float
+    within_tolerance: bool
+    batchnorm: bool
+    verdict: str
+    explanation: str
+    dropout_disabled: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    parameters: list[ParameterError] = field(default_factory=list)
+
+    @property
+    def equivalent(self) -> bool:
+        return self.within_tolerance
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["equivalent"] = self.equivalent
+        for key in ("global_relative_error", "worst_relative_error"):
+            data[key] = _json_number(data[key])
+        for row in data["parameters"]:
+            row["relative_error"] = _json_number(row["relative_error"])
+        return data
+
+
+def _json_number(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)
+
+
+class GradientRecorder:
+    """Takes the optimizer's place in `trainer.optimizer_step`: `step()` copies the gradients, changes nothing."""
+
+    def __init__(self, parameters: list[nn.Parameter]):
+        self.param_groups = [{"params": parameters, "lr": 0.0}]
+        self.gradients: list[torch.Tensor] | None = None
+
+    def step(self, closure: Any = None) -> None:
+        self.gradients = copy_gradients(self.param_groups[0]["params"])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.param_groups[0]["params"]:
+            p.grad = None
+
+
+def copy_gradients(parameters: list[nn.Parameter]) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in parameters]
+
+
+class _NoSchedule:
+    def step(self) -> None: ...
+
+
+def disable_dropout(model: nn.Module) -> list[str]:
+    """Set every dropout probability to 0 (dropout modules, and float `dropout`/`dropout_p` attributes)."""
+    changed = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if module.p > 0:
+                changed.append(f"{name or type(module).__name__} (p={module.p:g})")
+            module.p = 0.0
+            continue
+        for attr in ("dropout", "dropout_p", "attn_dropout"):
+            value = getattr(module, attr, None)
+            if isinstance(value, float) and not isinstance(value, bool) and value > 0:
+                changed.append(f"{name}.{attr} (p={value:g})")
+                setattr(module, attr, 0.0)
+    return changed
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for tensors on `device` (the CPU: MemAvailable), or None when unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def saved_bytes(setup: Setup, inputs: Any, target: Any) -> int:
+    """Bytes autograd keeps for the backward pass of one forward on (inputs, target): activation memory."""
+    total, seen = 0, set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        key = (tensor.data_ptr(), tensor.numel(), tensor.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with setup.autocast():
+            setup.loss(setup.model(inputs), target)
+    return total
+
+
+def verify(
+    plan: Plan,
+    *,
+    samples: int | None = None,
+    tolerance: float | None = None,
+    dtype: str = "float64",
+    device: str = "cpu",
+    seed: int | None = None,
+    data: dict | None = None,
+    chunk: int | None = None,
+) -> VerifyResult:
+    """The plan's accumulated gradient against the one-pass gradient of the same samples, from the same weights."""
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype: expected one of {', '.join(DTYPES)} (got {dtype!r})")
+    if tolerance is not None and not tolerance > 0:
+        raise UserError(f"--tolerance: must be > 0 (got {tolerance})")
+    if samples is not None and samples < 1:
+        raise UserError(f"--samples: must be >= 1 (got {samples})")
+    tolerance = TOLERANCE[dtype] if tolerance is None else tolerance
+    torch_device = resolve_device(device)
+    if dtype == "fp16" and torch_device.type == "cpu" and not hasattr(torch.amp, "GradScaler"):
+        raise UserError("--dtype: fp16 needs torch.amp.GradScaler, which this torch lacks")
+    recipe = plan.recipe
+    seed = recipe.seed if seed is None else seed
+    data = data if data is not None else build_data(recipe)
+    train_set = data["train"]
+    size = len(train_set)
+
+    # The plan as it trains, in the dtype of the check: autocast only for bf16/fp16, parameters in float64
+    # or float32. Clipping stays: it acts on the accumulated gradient, and the reference clips the same way.
+    precision = {"bf16": "bf16", "fp16": "fp16"}.get(dtype, "fp32")
+    param_dtype = torch.float64 if dtype == "float64" else torch.float32
+    checked = plan.model_copy(update={"recipe": recipe.model_copy(update={"precision": precision})})
+
+    # The samples: one effective batch (every rank's micro-batches of optimizer step 0), or the first K of
+    # epoch 0's order, in micro-batches of the plan's size.
+    if samples is None:
+        if not plan.steps_per_epoch or plan.dataset_size != size:
+            per_epoch = max(1, size // plan.effective_batch)
+            checked = checked.model_copy(update={"dataset_size": size, "steps_per_epoch": per_epoch})
+        indices = [i for rank in range(plan.world_size) for i in window(checked, size, 0, seed, rank)[0]]
+    else:
+        if samples > size:
+            raise UserError(f"--samples: {samples} exceeds the {size} samples of the training set")
+        order = epoch_order(checked, size, 0, seed)[:samples]
+        indices = list(torch.split(order, plan.micro_batch))
+    total_samples = sum(len(i) for i in indices)
+
+    torch.manual_seed(seed)
+    model = build_model(recipe, data.get("info")).to(device=torch_device, dtype=param_dtype)
+    model.train()
+    dropped = disable_dropout(model)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    names = {id(p): n for n, p in model.named_parameters()}
+    recorder = GradientRecorder(parameters)
+    scaler = torch.amp.GradScaler(torch_device.type) if precision == "fp16" else None
+    setup = Setup(checked, model, recorder, _NoSchedule(), scaler, build_loss(recipe), data, torch_device, param_dtype)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    notes = []
+
+    # The plan's gradient: the trainer's own optimizer step over the micro-batches.
+    micro_batches = [to_device(fetch(train_set, i), torch_device, param_dtype) for i in indices]
+    optimizer_step(setup, micro_batches)
+    accumulated = recorder.gradients
+    if scaler is not None and scaler.get_scale() < 65536.0:
+        notes.append("fp16: the loss scaler found an overflow and skipped the step; the gradients are not comparable")
+    model.load_state_dict(initial)
+    del micro_batches
+
+    # The reference: the mean loss over all samples, in one pass when it fits, else in large chunks.
+    order = torch.cat(indices)
+    if chunk is None:
+        chunk = reference_chunk(setup, fetch(train_set, indices[0]), len(indices[0]), total_samples, parameters)
+    chunk = max(1, min(chunk, total_samples))
+    pieces = list(torch.split(order, chunk))
+    if len(pieces) > 1:
+        notes.append(
+            f"one pass over {total_samples} samples would not fit in half the free memory: the reference is "
+            f"computed in {len(pieces)} chunks of up to {chunk}"
+        )
+    reference = reference_gradient(setup, [to_device(fetch(train_set, i), torch_device, param_dtype) for i in pieces])
+    model.load_state_dict(initial)
+
+    rows = []
+    diff_sq = ref_sq = 0.0
+    for param, ref, acc in zip(parameters, reference, accumulated, strict=True):
+        ref64, acc64 = ref.double(), acc.double()
+        ref_norm = float(ref64.norm())
+        diff_norm = float((acc64 - ref64).norm())
+        ref_sq += ref_norm**2
+        diff_sq += diff_norm**2
+        error = _relative(diff_norm, ref_norm)
+        rows.append(ParameterError(names[id(param)], list(param.shape), ref_norm, diff_norm, error))
+    global_norm = math.sqrt(ref_sq)
+    global_error = _relative(math.sqrt(diff_sq), global_norm)
+    floor = NEGLIGIBLE_ULPS * EPSILON[dtype] * global_norm
+    for row in rows:
+        row.negligible = row.reference_norm <= floor and row.difference_norm <= floor
+    judged = [row for row in rows if not row.negligible] or rows
+    worst = max(judged, key=lambda row: row.relative_error if not math.isnan(row.relative_error) else math.inf)
+    within = global_error <= tolerance and all(row.relative_error <= tolerance for row in judged)
+    batchnorm = has_batchnorm(model)
+    verdict, explanation = _verdict(within, batchnorm, plan, len(indices), len(pieces), total_samples, tolerance)
+    if not within and scaler is not None and scaler.get_scale() < 65536.0:
+        explanation += "; fp16 overflow"
+    if batchnorm and plan.micro_batch == recipe.batch.per_device:
+        notes.append(
+            f"the paper also normalised BatchNorm over per-device batches of {recipe.batch.per_device}: the plan "
+            "keeps the paper's BN batches; the difference shown is to one pass over all the samples"
+        )
+    if len(indices) == 1:
+        notes.append("the samples fit one micro-batch: nothing is accumulated, so the check is trivial")
+    return VerifyResult(
+        recipe=plan.recipe_path or "recipe",
+        arithmetic=plan.arithmetic,
+        samples=total_samples,
+        micro_batch=plan.micro_batch,
+        micro_batches=len(indices),
+        reference_chunks=len(pieces),
+        reference_chunk=chunk,
+        dtype=dtype,
+        device=str(torch_device),
+        seed=seed,
+        tolerance=tolerance,
+        global_relative_error=global_error,
+        worst_parameter=worst.name,
+        worst_relative_error=worst.relative_error,
+        within_tolerance=within,
+        batchnorm=batchnorm,
+        verdict=verdict,
+        explanation=explanation,
+        dropout_disabled=dropped,
+        notes=notes,
+        parameters=rows,
+    )
+
+
+def reference_chunk(setup: Setup, first: tuple, micro: int, total: int, parameters: list[nn.Parameter]) -> int:
+    """Samples per reference pass: all of them when their activations fit half the free memory, else fewer."""
+    free = free_memory(setup.device)
+    if free is None:
+        return total
+    inputs, target = to_device(first, setup.device, setup.dtype)
+    per_sample = saved_bytes(setup, inputs, target) / max(micro, 1)
+    weights = 3 * sum(p.numel() * p.element_size() for p in parameters)  # weights, gradients, the recorded copy
+    budget = MEMORY_FRACTION * free - weights
+    if per_sample <= 0 or per_sample * total <= budget:
+        return total
+    fits = int(budget // per_sample)
+    return max(micro, fits // micro * micro)
+
+
+def reference_gradient(setup: Setup, chunks: list[tuple[Any, Any]]) -> list[torch.Tensor]:
+    """d/dw of (summed loss over every chunk) / (loss-bearing items over every chunk): the large batch's mean loss."""
+    model, loss_fn = setup.model, setup.loss
+    count = max(sum(loss_fn.count(target) for _, target in chunks), 1)
+    for p in model.parameters():
+        p.grad = None
+    for inputs, target in chunks:
+        with setup.autocast():
+            loss = loss_fn(model(inputs), target) / count
+        loss.backward()
+    clip = setup.plan.recipe.clip_grad_norm
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    gradients = copy_gradients(setup.optimizer.param_groups[0]["params"])
+    for p in model.parameters():
+        p.grad = None
+    return gradients
+
+
+def _relative(difference: float, reference: float) -> float:
+    if reference > 0:
+        return difference / reference
+    return 0.0 if difference == 0 else math.inf
+
+
+def _verdict(
+    within: bool, batchnorm: bool, plan: Plan, micro_batches: int, chunks: int, samples: int, tolerance: float
+) -> tuple[str, str]:
+    if within:
+        return "equivalent", (
+            f"the plan's {micro_batches} micro-batch(es) give the one-pass gradient within {tolerance:g}"
+        )
+    if batchnorm:
+        return "NOT equivalent", (
+            f"BatchNorm: each micro-batch of {plan.micro_batch} is normalised with its own mean and variance, "
+            f"the reference with those of {samples // chunks if chunks else samples} samples at once"
+        )
+    return "NOT equivalent", f"the accumulated gradient differs from the one-pass gradient by more than {tolerance:g}"
