@@ -94,13 +94,28 @@ class Builder(Strict):
 
 
 class Model(Builder):
+    """A built-in, a factory, or `hf: NAME_OR_LOCAL_PATH` (a Hugging Face model, loaded from this machine only).
+
+    With `hf`, `kind` says which head (default from the task: causal-lm for language-modeling,
+    sequence-classification for classification) and `kwargs` go to `from_pretrained` (e.g. num_labels).
+    """
+
+    hf: str | None = Field(default=None, description="Hugging Face model name or local folder")
+    kind: Literal["causal-lm", "sequence-classification"] | None = None
     norm_layers: list[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
     description: str | None = None
 
     @model_validator(mode="after")
     def _has_source(self) -> Model:
-        if self.builtin is None and self.factory is None:
-            raise ValueError("give builtin: NAME or factory: 'package.module:function'")
+        given = [name for name in ("builtin", "factory", "hf") if getattr(self, name) is not None]
+        if not given:
+            raise ValueError("give builtin: NAME, factory: 'package.module:function' or hf: NAME_OR_PATH")
+        if len(given) > 1:
+            raise ValueError(f"give only one of builtin, factory, hf (got {', '.join(given)})")
+        if self.hf is not None and not self.hf.strip():
+            raise ValueError(f"hf: give a model name or a local folder (got {self.hf!r})")
+        if self.kind is not None and self.hf is None:
+            raise ValueError("kind: only used with hf (a Hugging Face model)")
         return self
 
     @property

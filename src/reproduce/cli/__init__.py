@@ -8,6 +8,7 @@ import typer
 from typer.exceptions import TyperException
 
 from ..errors import TrainingStopped, UserError
+from . import papers as _papers  # noqa: F401
 from . import plan as _plan  # noqa: F401  (registers the command)
 from . import probe as _probe  # noqa: F401
 from . import run as _run  # noqa: F401

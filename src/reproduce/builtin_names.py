@@ -1,0 +1,67 @@
+"""What can run here, decided without importing torch: the built-in names, and `why_not_runnable(recipe)`.
+
+`reproduce.train.builtins` holds the real registries (MODELS, DATA); a test keeps these names equal to them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
+
+MODELS = ("mlp", "cnn-bn", "cnn-gn", "gpt")
+DATA = ("digits", "pysource")
+TORCH_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "adafactor")
+
+
+def _module_found(spec: str) -> bool:
+    """Whether the top-level module of `package.module:function` can be found (nothing is imported or run)."""
+    top = spec.partition(":")[0].split(".")[0]
+    try:
+        return importlib.util.find_spec(top) is not None or (Path.cwd() / f"{top}.py").is_file()
+    except (ImportError, ValueError):
+        return False
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub finds it (HF_HUB_CACHE, HF_HOME/hub, ~/.cache/...)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hf_model_local(name: str) -> bool:
+    """A local folder, or a model already in the local hub cache (never looked up on the network)."""
+    if Path(name).expanduser().is_dir():
+        return True
+    return (hf_cache_dir() / f"models--{name.replace('/', '--')}" / "snapshots").is_dir()
+
+
+def why_not_runnable(recipe: Recipe) -> str | None:
+    """None when `reproduce run` can run the recipe here; otherwise the reason it is plan-only."""
+    model, data = recipe.model, recipe.data
+    if model.builtin is not None and model.builtin not in MODELS:
+        return f"no built-in model {model.builtin}"
+    if model.factory is not None and not _module_found(model.factory):
+        return f"model factory {model.factory!r} not importable"
+    if getattr(model, "hf", None) is not None:
+        if not _module_found("transformers:AutoModel"):
+            return "transformers is not installed"
+        if not hf_model_local(model.hf):
+            return f"Hugging Face model {model.hf!r} is not on this machine"
+    if not data.available:
+        return f"data {data.name} not available"
+    if data.builtin is not None and data.builtin not in DATA:
+        return f"no built-in data {data.builtin}"
+    if data.factory is not None and not _module_found(data.factory):
+        return f"data factory {data.factory!r} not importable"
+    if recipe.loss is not None and recipe.loss.factory is None:
+        return f"no built-in loss {recipe.loss.builtin}"
+    if recipe.optimizer.name not in TORCH_OPTIMIZERS:
+        return f"no PyTorch {recipe.optimizer.name} optimizer"
+    return None

@@ -1,0 +1,85 @@
+"""`reproduce.train.tensorboard`: metrics records as TensorBoard scalars (skips without tensorboard)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from reproduce.errors import UserError
+from reproduce.train.tensorboard import TensorboardLog, TensorboardReporter, scalars
+
+NO_TENSORBOARD = "tensorboard not installed (optional extra: pip install -e .[tensorboard]; CI does not install it)"
+
+
+def read_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_scalars_of_a_record():
+    record = {"step": 3, "loss": 1.5, "lr": 0.1, "partial": True, "eval_accuracy": 0.5, "data": "x", "samples": 64}
+    assert scalars(record) == {"train/loss": 1.5, "train/lr": 0.1, "train/partial": 1.0, "eval/accuracy": 0.5,
+                               "train/samples": 64.0}
+
+
+def test_missing_tensorboard_is_a_user_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(UserError, match="--tensorboard: needs the tensorboard package"):
+        TensorboardLog(tmp_path / "tb")
+
+
+def test_every_numeric_field_at_its_step(tmp_path):
+    pytest.importorskip("tensorboard", reason=NO_TENSORBOARD)
+    log = TensorboardLog(tmp_path / "tb")
+    log.write({"step": 1, "loss": 2.0, "lr": 0.01, "skipped": False})
+    log.write({"event": "out_of_memory", "step": 2, "micro_batch": 4})  # an event, not a step record
+    log.write({"step": 2, "loss": 1.5, "lr": 0.02, "skipped": False, "eval_loss": 1.7})
+    log.close()
+    found = read_scalars(tmp_path / "tb")
+    assert found["train/loss"] == [(1, 2.0), (2, 1.5)]
+    assert found["train/lr"] == [(1, pytest.approx(0.01)), (2, pytest.approx(0.02))]
+    assert found["eval/loss"] == [(2, pytest.approx(1.7))] and found["train/skipped"] == [(1, 0.0), (2, 0.0)]
+    assert "train/micro_batch" not in found
+
+
+@pytest.fixture
+def one_thread():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny MLP: fastest on one thread, and unaffected by a busy machine
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_reporter_logs_a_real_run(tmp_path, one_thread):
+    pytest.importorskip("tensorboard", reason=NO_TENSORBOARD)
+    from reproduce.planner import plan
+    from reproduce.recipe import load_recipe
+    from reproduce.train.trainer import SilentReporter, read_metrics, train
+
+    recipe = load_recipe("papers/digits-mlp.yaml")
+    the_plan = plan(recipe, 64, dataset_size=1437)
+    reporter = TensorboardReporter(SilentReporter(), tmp_path / "run" / "tensorboard")
+    train(the_plan, tmp_path / "run", device="cpu", max_steps=3, reporter=reporter)
+    found = read_scalars(tmp_path / "run" / "tensorboard")
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [step for step, _ in found["train/loss"]] == [1, 2, 3]
+    assert [value for _, value in found["train/loss"]] == pytest.approx([r["loss"] for r in records], rel=1e-6)
+    # resumed after a checkpoint at step 2: TensorBoard drops the old step 3 and keeps the new one
+    train(the_plan, tmp_path / "again", device="cpu", max_steps=2, checkpoint_every=1)
+    first = TensorboardReporter(SilentReporter(), tmp_path / "again" / "tensorboard")
+    first.start(the_plan, 2, 0)
+    for record in read_metrics(tmp_path / "again" / "metrics.jsonl"):
+        first.step({**record, "loss": 99.0})
+    first.step({"step": 3, "loss": 99.0})  # logged, then lost: the run died before its checkpoint
+    first.finish({})
+    resumed = TensorboardReporter(SilentReporter(), tmp_path / "again" / "tensorboard")
+    train(the_plan, tmp_path / "again", device="cpu", max_steps=3, resume=True, reporter=resumed)
+    losses = read_scalars(tmp_path / "again" / "tensorboard")["train/loss"]
+    assert [step for step, _ in losses] == [1, 2, 3]  # one value per step: the stale step 3 was purged
+    assert losses[0][1] == losses[1][1] == 99.0 and losses[2][1] != 99.0
