@@ -198,3 +198,14 @@ def test_cuda_meter_reserved_decides(digits):  # pragma: no cover - run on a GPU
         assert trial.fits and trial.peak_bytes >= trial.tensor_bytes > 0
     finally:
         meter.close()
+
+
+def test_accumulation_window_holds_gradients_through_a_forward():
+    """From the second micro-batch of a window on, the forward runs beside the first one's gradients."""
+    from reproduce.train.factory import build_model
+
+    workload = Workload(parse_recipe(OFFLINE_LM, source="test")).prepare()
+    alone = CpuMeter(workload, 64 * 2**20, 0.1, time_steps=False, cap=8).measure(8)  # the whole batch: N = 1
+    window = CpuMeter(workload, 64 * 2**20, 0.1, time_steps=False, cap=128).measure(8)  # N > 1
+    gradients = param_bytes(build_model(workload.recipe, workload.data["info"]))
+    assert window.peak_bytes - alone.peak_bytes >= gradients

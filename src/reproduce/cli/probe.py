@@ -117,7 +117,7 @@ def render_probe(result: ProbeResult, the_plan: Plan | None) -> None:
             f"{share:.0%} of the budget; {why}); {len(result.trials)} trials {when}"
         )
     for note in result.notes:
-        stdout.print(f"note: {note}", markup=False)
+        stdout.print(f"note: {note}", markup=False, soft_wrap=True)
     if the_plan is not None:
         render_costs(the_plan, result)
 
@@ -171,4 +171,4 @@ def cost_lines(the_plan: Plan, result: ProbeResult) -> list[str]:
 
 def render_costs(the_plan: Plan, result: ProbeResult) -> None:
     for line in cost_lines(the_plan, result):
-        stdout.print(line, markup=False)
+        stdout.print(line, markup=False, soft_wrap=True)

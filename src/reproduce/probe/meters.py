@@ -2,10 +2,16 @@
 
 A trial builds the recipe's model, optimizer and precision, runs a warm-up step (it allocates the
 optimizer state: AdamW's first step doubles the parameter memory) and then `MEASURED_STEPS` full
-training steps (forward, backward, clip, optimizer step, zero_grad) on one micro-batch of real shape,
-and reports the peak memory of those steps. A trial that runs out of memory is caught as
-`torch.OutOfMemoryError` only (any other error is the recipe's or ours, and is raised), then everything
-it allocated is freed before the next.
+training steps (forward, backward, clip, optimizer step, zero_grad), and reports the peak memory of
+those steps. Each step is an accumulation window of `ACCUMULATED` micro-batches of real shape, built
+before the step as `reproduce run` builds its window: from the second micro-batch on, the forward pass
+runs while the gradients of the first are held, which a single micro-batch never shows (+1x the
+parameters). Only a size equal to the cap (the whole per-rank batch at once, N = 1) is measured alone.
+A run accumulating N > 2 micro-batches holds (N - 2) more micro-batches of inputs than the trial: the
+window's inputs only, small beside the activations of one (bench/run_memory.py measures it).
+
+A trial that runs out of memory is caught as `torch.OutOfMemoryError` only (any other error is the
+recipe's or ours, and is raised), then everything it allocated is freed before the next.
 
 - `cuda`: real trials on the GPU. `max_memory_reserved` decides (what the allocator really holds);
   `max_memory_allocated` is reported. A budget smaller than the card is enforced with
@@ -49,6 +55,7 @@ from .tracker import MemoryTracker
 from .workload import Workload
 
 MEASURED_STEPS = 1
+ACCUMULATED = 2  # micro-batches in a measured window: enough to hold gradients across a forward pass
 WARM_UP_LIMIT = 8  # warm-up steps allowed to find one the optimizer really takes (fp16 may skip a few)
 ESTIMATE_MARGIN = 0.05  # allocator segments and fragmentation, as a fraction of the estimated peak
 CUBLAS_WORKSPACE = 8_519_680  # bytes per cuBLAS handle and stream, PyTorch's default
@@ -61,12 +68,19 @@ class Meter:
     name = "meter"
     device = "cpu"
 
-    def __init__(self, workload: Workload, budget_bytes: int, headroom: float, time_steps: bool = True):
+    def __init__(self, workload: Workload, budget_bytes: int, headroom: float, time_steps: bool = True,
+                 cap: int | None = None):
         self.workload = workload  # prepared (data built) by the first `measure`
         self.budget_bytes = budget_bytes
         self.limit_bytes = int(budget_bytes * (1 - headroom))
         self.time_steps = time_steps
+        self.cap = cap  # the per-rank batch: a micro-batch this large needs no accumulation
         self.notes: list[str] = []
+
+    def window(self, micro_batch: int, device: torch.device, dtype: torch.dtype) -> list:
+        """The micro-batches of one measured optimizer step, on the device."""
+        count = 1 if self.cap is not None and micro_batch >= self.cap else ACCUMULATED
+        return [to_device(self.workload.batch(micro_batch), device, dtype) for _ in range(count)]
 
     def measure(self, micro_batch: int) -> Measurement:
         raise NotImplementedError
@@ -85,11 +99,11 @@ class Meter:
         )
 
 
-def warm_up(setup: Any, batch: Any) -> None:
+def warm_up(setup: Any, window: list) -> None:
     """Training steps until the optimizer has really stepped once (its state now exists)."""
     for _ in range(WARM_UP_LIMIT):
         scale = setup.scaler.get_scale() if setup.scaler else None
-        result = optimizer_step(setup, [batch])
+        result = optimizer_step(setup, window)
         if setup.scaler is None and result.finite:
             return
         if setup.scaler is not None and setup.scaler.get_scale() >= scale:  # fp16: the scaler did not skip
@@ -101,14 +115,15 @@ class CpuMeter(Meter):
 
     name = "cpu"
 
-    def __init__(self, workload: Workload, budget_bytes: int, headroom: float, time_steps: bool = True):
+    def __init__(self, workload: Workload, budget_bytes: int, headroom: float, time_steps: bool = True,
+                 cap: int | None = None):
         available = available_host_memory()
         if available is not None and budget_bytes > HOST_SHARE * available:
             raise UserError(
                 f"--meter cpu: the budget of {format_size(budget_bytes)} would be allocated for real, and this "
                 f"machine has {format_size(available)} free; use --meter estimate to plan for that much memory"
             )
-        super().__init__(workload, budget_bytes, headroom, time_steps)
+        super().__init__(workload, budget_bytes, headroom, time_steps, cap)
         self.notes.append("cpu meter: tensor storage counted exactly (512 B blocks); no allocator or CUDA overheads")
 
     def measure(self, micro_batch: int) -> Measurement:
@@ -120,19 +135,19 @@ class CpuMeter(Meter):
         try:
             with tracker:
                 setup = build(self.workload.plan, device, data=self.workload.data)
-                batch = to_device(self.workload.batch(micro_batch), device, setup.dtype)
-                warm_up(setup, batch)
+                window = self.window(micro_batch, device, setup.dtype)
+                warm_up(setup, window)
                 tracker.reset_peak()
                 for _ in range(MEASURED_STEPS):
-                    optimizer_step(setup, [batch])
+                    optimizer_step(setup, window)
             peak = tracker.peak
             if self.time_steps and peak <= self.limit_bytes:  # timed outside the tracker (it slows small ops)
                 tick = time.perf_counter()
-                optimizer_step(setup, [batch])
-                step = round(time.perf_counter() - tick, 6)
+                optimizer_step(setup, window)
+                step = round((time.perf_counter() - tick) / len(window), 6)  # one micro-step
         except torch.OutOfMemoryError as error:
             note = f"out of memory: {error}"
-        setup = batch = None
+        setup = window = None
         if note:  # what the failed step held is garbage now; a full collection costs ~0.3 s, so only here
             gc.collect()
         return self._result(micro_batch, peak, peak, step, started, note)
@@ -143,7 +158,8 @@ class CudaMeter(Meter):
 
     name = "cuda"
 
-    def __init__(self, workload: Workload, budget_bytes: int | None, headroom: float, time_steps: bool = True):
+    def __init__(self, workload: Workload, budget_bytes: int | None, headroom: float, time_steps: bool = True,
+                 cap: int | None = None):
         if not torch.cuda.is_available():
             raise UserError("--meter cuda: torch sees no CUDA device here (use --meter estimate or --meter cpu)")
         self.cuda = torch.device("cuda", torch.cuda.current_device())
@@ -158,7 +174,7 @@ class CudaMeter(Meter):
                 f"--memory/--gpu: {format_size(budget_bytes)} is more than this GPU has free "
                 f"({format_size(usable)} of {format_size(total)}); use --meter estimate to plan for a larger card"
             )
-        super().__init__(workload, budget_bytes, headroom, time_steps)
+        super().__init__(workload, budget_bytes, headroom, time_steps, cap)
         self.total = total
         self.device = f"cuda ({torch.cuda.get_device_name(self.cuda)}, {format_size(total)})"
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), self.cuda)
@@ -179,20 +195,20 @@ class CudaMeter(Meter):
         torch.cuda.empty_cache()
         try:
             setup = build(self.workload.plan, self.cuda, data=self.workload.data)
-            batch = to_device(self.workload.batch(micro_batch), self.cuda, setup.dtype)
-            warm_up(setup, batch)
+            window = self.window(micro_batch, self.cuda, setup.dtype)
+            warm_up(setup, window)
             torch.cuda.synchronize(self.cuda)
             torch.cuda.reset_peak_memory_stats(self.cuda)
             tick = time.perf_counter()
             for _ in range(MEASURED_STEPS):
-                optimizer_step(setup, [batch])
+                optimizer_step(setup, window)
             torch.cuda.synchronize(self.cuda)
-            step = round((time.perf_counter() - tick) / MEASURED_STEPS, 6)
+            step = round((time.perf_counter() - tick) / (MEASURED_STEPS * len(window)), 6)  # one micro-step
             reserved = int(torch.cuda.max_memory_reserved(self.cuda))
             allocated = int(torch.cuda.max_memory_allocated(self.cuda))
         except torch.OutOfMemoryError as error:
             note = f"out of memory: {str(error).splitlines()[0]}"
-        setup = batch = None
+        setup = window = None
         gc.collect()
         torch.cuda.empty_cache()
         return self._result(micro_batch, reserved, allocated, step if self.time_steps else None, started, note)
@@ -205,8 +221,8 @@ class EstimateMeter(Meter):
     device = "estimate (fake tensors on the cpu device)"
 
     def __init__(self, workload: Workload, budget_bytes: int, headroom: float, gpu: Gpu | None = None,
-                 time_steps: bool = False):
-        super().__init__(workload, budget_bytes, headroom, time_steps=False)
+                 cap: int | None = None):
+        super().__init__(workload, budget_bytes, headroom, time_steps=False, cap=cap)
         self.fixed = CUBLAS_WORKSPACE + (gpu.cublaslt_workspace if gpu is not None else 32 * MiB)
         if self.limit_bytes <= self.fixed:
             raise UserError(
@@ -228,7 +244,7 @@ class EstimateMeter(Meter):
         self.workload.prepare()
         started = time.perf_counter()
         recipe = self.workload.recipe
-        inputs = self.workload.batch(micro_batch)
+        inputs = self.window(micro_batch, torch.device("cpu"), torch.float32)
         with torch.device("meta"):
             model = build_model(recipe, self.workload.data.get("info"))
         tracker = MemoryTracker(max(0, math.floor((self.budget_bytes - self.fixed) / (1 + ESTIMATE_MARGIN))))
@@ -241,31 +257,32 @@ class EstimateMeter(Meter):
                 for group in optimizer.param_groups:
                     if "foreach" in group:
                         group["foreach"] = True  # what a GPU run does; fake tensors would not choose it
-                batch = _fake(fake, inputs)
-                tracker.charge(batch)
+                window = _fake(fake, inputs)
+                tracker.charge(window)
                 loss = build_loss(recipe)
                 for step in range(1 + MEASURED_STEPS):
                     if step == 1:
                         tracker.reset_peak()
-                    fake_step(model, optimizer, loss, batch, recipe.precision, recipe.clip_grad_norm)
+                    fake_step(model, optimizer, loss, window, recipe.precision, recipe.clip_grad_norm)
             peak = tracker.peak
         except torch.OutOfMemoryError as error:
             note = f"out of memory: {error}"
-        model = optimizer = batch = None
+        model = optimizer = window = None
         decided = self.decided(peak) if peak is not None else None
         return self._result(micro_batch, decided, peak, None, started, note)
 
 
-def fake_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, batch: Any, precision: str,
+def fake_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, window: list, precision: str,
               clip: float | None) -> None:
     """The trainer's step (`optimizer_step`) without what fake tensors cannot do (read values)."""
-    inputs, target = batch
-    autocast = contextlib.nullcontext()
-    if precision != "fp32":
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
-    with autocast:
-        loss = loss_fn(model(inputs), target) / max(1, len(target))
-    loss.backward()
+    count = sum(len(target) for _, target in window)
+    for inputs, target in window:
+        autocast = contextlib.nullcontext()
+        if precision != "fp32":
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+        with autocast:
+            loss = loss_fn(model(inputs), target) / max(1, count)
+        loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

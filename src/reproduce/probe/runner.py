@@ -156,9 +156,9 @@ def run_probe(
     workload = Workload(recipe, data)
     meter_type = METER_TYPES[kind]
     if kind == "estimate":
-        meter = meter_type(workload, requested, options.headroom, gpu=gpu)
+        meter = meter_type(workload, requested, options.headroom, gpu=gpu, cap=cap)
     else:
-        meter = meter_type(workload, requested, options.headroom, time_steps=options.time_steps)
+        meter = meter_type(workload, requested, options.headroom, time_steps=options.time_steps, cap=cap)
     try:
         key = cache.cache_key({
             "recipe": recipe.model_dump(mode="json"), "meter": kind, "device": meter.device,

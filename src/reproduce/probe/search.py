@@ -13,11 +13,16 @@ Two consequences drive the search:
   rather than searched for. Sizes with equal peaks are on the flat, optimizer-bound part and are left
   out of the fit (`fit_line`).
 Each prediction is measured, then the next size up, until the bracket is confirmed: b fits, b + 1 does
-not. A prediction that contradicts what is already measured, or `MAX_MISSES` predictions that failed,
-send the search to bisection between the largest size that fits and the smallest that does not
-(geometric while that interval is wide). Sizes are capped at `cap`: the per-rank effective batch, past
-which nothing is needed. Every trial is kept and reported; the answer is always a size that was
-measured to fit, or None when even size 1 does not.
+not. A prediction that contradicts what is already measured, or `MAX_MISSES` predictions that ran out
+of memory (a failure with a measured peak still places the line), send the search to bisection
+between the largest size that fits and the smallest that does not (geometric while that interval is
+wide). Sizes are capped at `cap`: the per-rank effective batch, past which nothing is needed. Every
+trial is kept and reported; the answer is always a size that was measured to fit, or None when even
+size 1 does not.
+
+The peak is not one line in general: each tensor lives for part of the step, so the peak is the maximum
+of several lines (it moves from the optimizer step to the end of the backward pass to the end of the
+forward pass as b grows). Small models with small activations bend most, and take more trials.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 
 FIRST_SIZE = 2  # 1 is often optimizer-bound, which says nothing about the activations' slope
-MAX_MISSES = 3  # line-guided sizes that failed before the search trusts only bisection
+MAX_MISSES = 3  # line-guided sizes that ran out of memory (no peak) before the search trusts only bisection
 MAX_GUIDED = 8  # line-guided trials in all (bounds the creep of a line that is always one short)
 FLAT_GROWTH = 16  # growth while the peaks are flat: the activations are small beside the fixed part
 
@@ -148,7 +153,7 @@ def search(fits: Callable[[int], Measurement], limit_bytes: int, cap: int) -> Se
         else:
             hi, failed = size, True
         guided += from_line
-        misses += from_line and not result.fits
+        misses += from_line and result.peak_bytes is None  # a failure with a peak still places the line
         if hi - lo <= 1:
             break
 
