@@ -11,8 +11,8 @@ from rich.table import Table
 
 from ..errors import UserError
 from ..planner import Plan, plan
-from ..probe.cost import Cost, format_duration
-from ..probe.runner import ProbeOptions, ProbeResult, plan_cost, run_probe
+from ..probe.cost import Cost, cost, format_duration
+from ..probe.runner import ProbeOptions, ProbeResult, ProbeTrial, run_probe
 from ..probe.search import Measurement
 from ..recipe import load_recipe
 from ..units import format_size
@@ -71,11 +71,14 @@ def probe_command(
         raise UserError(result.failure())
 
 
+def verdict(trial: Measurement | ProbeTrial) -> str:
+    return "fits" if trial.fits else ("out of memory" if trial.peak_bytes is None else "over the limit")
+
+
 def show_trial(trial: Measurement) -> None:
     """One line per trial while the probe runs (trials on a GPU can take a while)."""
-    verdict = "fits" if trial.fits else ("out of memory" if trial.peak_bytes is None else "over the limit")
     peak = format_size(trial.peak_bytes) if trial.peak_bytes is not None else "-"
-    stderr.print(f"  trial micro-batch {trial.micro_batch}: {verdict}, peak {peak} ({trial.seconds:.2f} s)")
+    stderr.print(f"  trial micro-batch {trial.micro_batch}: {verdict(trial)}, peak {peak} ({trial.seconds:.2f} s)")
 
 
 def render_probe(result: ProbeResult, the_plan: Plan | None) -> None:
@@ -89,12 +92,11 @@ def render_probe(result: ProbeResult, the_plan: Plan | None) -> None:
     for column in ("micro-batch", "peak", "tensors", "result", "step", "trial"):
         table.add_column(column, justify="left" if column == "result" else "right")
     for trial in result.trials:
-        verdict = "fits" if trial.fits else ("out of memory" if trial.peak_bytes is None else "over the limit")
         table.add_row(
             str(trial.micro_batch),
             format_size(trial.peak_bytes) if trial.peak_bytes is not None else "-",
             format_size(trial.tensor_bytes) if trial.tensor_bytes is not None else "-",
-            verdict,
+            verdict(trial),
             f"{trial.step_seconds:.3g} s" if trial.step_seconds else "-",
             f"{trial.seconds:.2f} s",
         )
@@ -124,10 +126,10 @@ def render_probe(result: ProbeResult, the_plan: Plan | None) -> None:
 
 def plan_costs(the_plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:
     """The plan's cost, and its alternative's when it has one, keyed by policy."""
-    seq = the_plan.recipe.batch.sequence_length
+    seq, timings = the_plan.recipe.batch.sequence_length, result.timings()
     costs = {
-        the_plan.policy: plan_cost(
-            result, the_plan.micro_batch, the_plan.accumulation_steps, the_plan.effective_batch, seq,
+        the_plan.policy: cost(
+            timings, the_plan.micro_batch, the_plan.accumulation_steps, the_plan.effective_batch, seq,
             the_plan.optimizer_steps,
         )
     }
@@ -136,7 +138,7 @@ def plan_costs(the_plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:
         steps = None
         if the_plan.optimizer_steps is not None:  # the same data, in steps of the other batch
             steps = round(the_plan.optimizer_steps * the_plan.effective_batch / alt.effective_batch)
-        costs[alt.policy] = plan_cost(result, alt.micro_batch, alt.accumulation_steps, alt.effective_batch, seq, steps)
+        costs[alt.policy] = cost(timings, alt.micro_batch, alt.accumulation_steps, alt.effective_batch, seq, steps)
     return costs
 
 

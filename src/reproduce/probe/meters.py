@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from ..errors import UserError
 from ..train.factory import build_loss, build_model
@@ -257,7 +258,7 @@ class EstimateMeter(Meter):
                 for group in optimizer.param_groups:
                     if "foreach" in group:
                         group["foreach"] = True  # what a GPU run does; fake tensors would not choose it
-                window = _fake(fake, inputs)
+                window = tree_map_only(torch.Tensor, fake.from_tensor, inputs)
                 tracker.charge(window)
                 loss = build_loss(recipe)
                 for step in range(1 + MEASURED_STEPS):
@@ -300,16 +301,6 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         first, name = shared[0]
         for module, other in shared[1:]:
             module._parameters[other] = first._parameters[name]
-
-
-def _fake(mode: Any, value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return mode.from_tensor(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_fake(mode, v) for v in value)
-    if isinstance(value, dict):
-        return {k: _fake(mode, v) for k, v in value.items()}
-    return value
 
 
 def available_host_memory() -> int | None:

@@ -21,7 +21,6 @@ from ..recipe import Recipe
 from ..units import format_size, parse_size
 from . import cache
 from .catalog import Gpu, lookup
-from .cost import Cost, cost
 from .search import Measurement, search
 
 METERS = ("auto", "cuda", "cpu", "estimate")
@@ -211,8 +210,3 @@ def run_probe(
     cache.store(key, result.model_dump(mode="json", exclude={"recipe_path", "cached"}))
     return result
 
-
-def plan_cost(result: ProbeResult, micro_batch: int, accumulation_steps: int, effective_batch: int,
-              sequence_length: int | None, optimizer_steps: int | None) -> Cost | None:
-    """The cost of one way to split the batch, from the probe's timed trials (None: nothing was timed)."""
-    return cost(result.timings(), micro_batch, accumulation_steps, effective_batch, sequence_length, optimizer_steps)
