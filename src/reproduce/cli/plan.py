@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from ..errors import UserError
+from ..export import FORMATS, check_format, emit
 from ..planfile import check_writable, save_plan
 from ..planner import Plan, plan
 from ..probe.runner import BudgetRequired, ProbeOptions, ProbeResult, run_probe
@@ -125,6 +126,9 @@ def plan_command(
     meter: MeterName = typer.Option(MeterName.auto, "--meter", help=METER_HELP),
     headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
+    emit_format: str | None = typer.Option(
+        None, "--emit", metavar="FORMAT", help=f"Print the plan as {', '.join(FORMATS)} settings, not the table."
+    ),
 ) -> None:
     """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps.
 
@@ -132,13 +136,19 @@ def plan_command(
     """
     if out is not None:
         check_writable(out, "--out", protect=(recipe_path,))
+    if emit_format is not None:
+        check_format(emit_format)
     recipe = load_recipe(recipe_path)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     the_plan, result = plan_and_probe(
-        recipe, str(recipe_path), micro_batch_max, world_size, policy, probe=options, quiet=as_json
+        recipe, str(recipe_path), micro_batch_max, world_size, policy, probe=options,
+        quiet=as_json or emit_format is not None,
     )
     if out is not None:
         save_plan(the_plan, out)
+    if emit_format is not None:
+        print(emit(the_plan, emit_format), end="")
+        return
     if as_json:
         summary = plan_summary(the_plan)
         if result is not None:
@@ -177,7 +187,8 @@ def render_plan(p: Plan) -> None:
         f"{paper_split}{r.batch.sequences} {unit}{tokens}",
         f"{p.arithmetic} {'' if p.effective_tokens else unit}".rstrip() + ("  exact" if p.exact else "  NOT exact"),
     )
-    table.add_row("hardware", f"{r.batch.devices or '?'} x {r.batch.device or 'device'}", f"{p.world_size} process(es)")
+    hardware = f"{r.batch.devices or '?'} x {r.batch.device}" if r.batch.device else f"{r.batch.devices or '?'} devices"
+    table.add_row("hardware", hardware, f"{p.world_size} process(es)")
     table.add_row(
         "learning rate",
         f"{r.optimizer.name} lr {r.optimizer.lr:g}",

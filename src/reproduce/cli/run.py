@@ -148,6 +148,7 @@ def run_command(
     meter: MeterName = typer.Option(MeterName.auto, "--meter", help=METER_HELP),
     headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
+    tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log each step's metrics to OUT/tensorboard."),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..train import distributed  # torch is imported only by the commands that train
@@ -166,6 +167,8 @@ def run_command(
                 args += [flag, value]
         if no_cache:
             args.append("--no-cache")
+        if tensorboard:
+            args.append("--tensorboard")
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
         print("launching: " + " ".join(command), flush=True)
         raise typer.Exit(subprocess.call(command))
@@ -203,6 +206,10 @@ def run_command(
               checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data)
         return
     reporter = RichReporter(warnings) if is_terminal() else PlainReporter(warnings)
+    if tensorboard:  # metrics.jsonl stays the source of truth; TensorBoard gets the same scalars
+        from ..train.tensorboard import TensorboardReporter
+
+        reporter = TensorboardReporter(reporter, out / "tensorboard")
     summary = train(
         plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
         checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, reporter=reporter, data=data,
