@@ -7,7 +7,7 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
-from ..errors import TrainingStopped, UserError
+from ..errors import Interrupted, TrainingStopped, UserError
 from . import papers as _papers  # noqa: F401
 from . import plan as _plan  # noqa: F401  (registers the command)
 from . import probe as _probe  # noqa: F401
@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> None:
         for line in error.lines:
             print(f"error: {line}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
+    except Interrupted as error:
+        print(f"interrupted: {error}", file=sys.stderr)
+        sys.exit(error.exit_code)
     except TrainingStopped as error:
         print(f"stopped: {error}", file=sys.stderr)
         sys.exit(1)
