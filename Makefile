@@ -31,5 +31,9 @@ demo: $(STAMP)
 	$(BIN)/reproduce run papers/pysource-gpt.yaml --micro-batch-max 16 --out $(RUN_DIR)/pysource-gpt --force
 	@echo "Results: $(RUN_DIR)/digits-mlp and $(RUN_DIR)/pysource-gpt (summary.json, metrics.jsonl, model.pt)"
 
+# The reproduction checks in reproduce/ (plans, gradient equivalence, trained metrics, Goyal et al. in miniature).
+check: $(STAMP)
+	$(BIN)/reproduce check reproduce/ --junit runs/check/junit.xml --summary runs/check/summary.md
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

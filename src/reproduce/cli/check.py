@@ -1,0 +1,90 @@
+"""`reproduce check [PATH ...]`: run the reproduction checks in check files (default: the reproduce/ folder)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from ..check import (
+    ICONS,
+    check_outputs,
+    cleanup,
+    collect,
+    counts,
+    load_all,
+    prepare_work,
+    run_checks,
+    write_reports,
+)
+from .app import app
+from .common import stdout
+
+STYLE = {"pass": "green", "fail": "bold red", "error": "bold magenta"}
+
+
+@app.command("check")
+def check_command(
+    paths: list[Path] = typer.Argument(None, metavar="[PATH]...", help="Check files or folders (default: reproduce/)."),
+    junit: Path | None = typer.Option(None, "--junit", help="Write a JUnit XML report here (for CI test views)."),
+    summary: Path | None = typer.Option(None, "--summary", help="Write a Markdown report here (a CI job summary)."),
+    work: Path | None = typer.Option(None, "--work", help="Keep the runs in this folder (default: a temporary one)."),
+    plots: Path | None = typer.Option(
+        None, "--plots", help="Folder for comparison plots (default: plots/ beside --summary; needs matplotlib)."
+    ),
+) -> None:
+    """Run reproduction checks: plan invariants, gradient equivalence, metric thresholds, run comparisons."""
+    files = collect(list(paths or []))
+    loaded = load_all(files)  # every problem in every file, before anything runs: exit 2
+    if plots is None and summary is not None:
+        plots = summary.parent / "plots"
+    check_outputs(junit, summary, plots, files)
+    folder, temporary = prepare_work(work)
+    total = sum(len(f.spec.checks) for f in loaded)
+    print(f"{total} checks in {len(loaded)} file(s); runs in {folder}{' (temporary)' if temporary else ''}",
+          file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    done = 0
+
+    def log(text: str) -> None:
+        if text.startswith("  "):
+            print(text, file=sys.stderr, flush=True)
+
+    def on_result(result) -> None:
+        nonlocal done
+        done += 1
+        print(f"[{done}/{total}] {result.file}: {result.name}: {result.status.upper()} ({result.seconds:.1f}s) "
+              f"measured {result.measured}", file=sys.stderr, flush=True)
+
+    try:
+        results = run_checks(loaded, folder, plots, log=log, on_result=on_result)
+    finally:
+        cleanup(folder, temporary)
+    seconds = time.perf_counter() - started
+    write_reports(results, seconds, junit, summary)
+    render(results, seconds)
+    for path, what in ((junit, "JUnit XML"), (summary, "Markdown summary")):
+        if path is not None:
+            stdout.print(f"{what} written to {path}", markup=False)
+    raise typer.Exit(0 if all(r.passed for r in results) else 1)
+
+
+def render(results, seconds: float) -> None:
+    table = Table(title="reproduce check", title_justify="left")
+    for column in ("file", "check", "status", "measured", "expected", "seconds"):
+        table.add_column(column, justify="right" if column == "seconds" else "left")
+    for r in results:
+        table.add_row(r.file, r.name, f"[{STYLE[r.status]}]{ICONS[r.status].split()[-1]}[/]", r.measured,
+                      r.expected, f"{r.seconds:.1f}")
+    stdout.print(table)
+    for r in results:
+        if not r.passed:
+            stdout.print(f"[{STYLE[r.status]}]{r.status.upper()}[/] {r.file}: {r.name}")
+            for line in r.details:
+                stdout.print(f"  {line}", markup=False)
+    c = counts(results)
+    line = f"{c['pass']} passed, {c['fail']} failed" + (f", {c['error']} errors" if c["error"] else "")
+    stdout.print(f"[bold]{line}[/] in {seconds:.1f}s")
