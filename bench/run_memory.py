@@ -6,7 +6,8 @@ Accumulation should cost no memory beyond one micro-batch: gradients are summed 
 micro-batch's activations are freed by its backward pass. Goal: the accumulated step's peak within 5% of
 the single micro-batch step's. Both steps are `reproduce.train.trainer.optimizer_step` on a model built by
 `trainer.build`, after one warm-up step (so the optimizer state exists in both), with the window's
-micro-batches fetched as `reproduce run`'s loop fetches them (all N, onto the device, before the step).
+micro-batches fetched as `reproduce run`'s loop fetches them (`LazyMicroBatch`: targets counted first, each
+micro-batch's inputs loaded onto the device just before its forward).
 Memory is counted by `reproduce.probe.tracker.MemoryTracker`: live tensor storage, 512 B blocks, with the
 parameters, optimizer state and inputs that exist before the step charged too.
 """
@@ -25,7 +26,7 @@ from reproduce.planner import plan  # noqa: E402
 from reproduce.probe.tracker import MemoryTracker  # noqa: E402
 from reproduce.recipe import load_recipe  # noqa: E402
 from reproduce.train.factory import build_data  # noqa: E402
-from reproduce.train.trainer import build, fetch, optimizer_step, to_device, window  # noqa: E402
+from reproduce.train.trainer import LazyMicroBatch, build, optimizer_step, window  # noqa: E402
 from reproduce.units import format_size  # noqa: E402
 
 CASES = {"mlp": ("papers/digits-mlp.yaml", 32), "gpt": ("papers/pysource-gpt.yaml", 16)}  # m: the recipes' own
@@ -39,16 +40,16 @@ def state_tensors(setup) -> list[torch.Tensor]:
 
 
 def step_peak(setup, train_set, indices: list[torch.Tensor]) -> tuple[int, int]:
-    """The peak of one optimizer step over `indices` (its micro-batches), and the bytes of their inputs."""
+    """The peak of one optimizer step over `indices` (its micro-batches), and the bytes of one micro-batch."""
     tracker = MemoryTracker()
     with tracker:
         tracker.charge(state_tensors(setup))
         state = tracker.live
-        micro_batches = [to_device(fetch(train_set, i), setup.device, setup.dtype) for i in indices]
+        first = LazyMicroBatch(train_set, indices[0], setup.device, setup.dtype).load()
         inputs = tracker.live - state
+        del first
         tracker.reset_peak()
-        optimizer_step(setup, micro_batches)
-        del micro_batches
+        optimizer_step(setup, [LazyMicroBatch(train_set, i, setup.device, setup.dtype) for i in indices])
     return tracker.peak, inputs
 
 
@@ -56,7 +57,7 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}; tracked tensor bytes (512 B blocks), CPU\n")
     print("| recipe | m x N | one micro-batch step | accumulated step (m x N) | difference | "
-          "inputs of the window | gradients (1x parameters) | goal (5%) |")
+          "one micro-batch's inputs | gradients (1x parameters) | goal (5%) |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for name, (path, micro) in CASES.items():
         recipe = load_recipe(ROOT / path)
@@ -65,7 +66,7 @@ def main() -> None:
         the_plan = plan(recipe, micro_batch_max=micro, dataset_size=len(train_set))
         setup = build(the_plan, torch.device("cpu"), data=data)
         indices, _ = window(the_plan, len(train_set), 0, recipe.seed)
-        optimizer_step(setup, [to_device(fetch(train_set, i), setup.device, setup.dtype) for i in indices])  # warm-up
+        optimizer_step(setup, [LazyMicroBatch(train_set, i, setup.device, setup.dtype) for i in indices])  # warm-up
         single, _ = step_peak(setup, train_set, indices[:1])
         accumulated, inputs = step_peak(setup, train_set, indices)
         difference = accumulated / single - 1

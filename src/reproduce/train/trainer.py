@@ -272,6 +272,33 @@ def to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
     return value
 
 
+class LazyMicroBatch:
+    """A micro-batch fetched and moved to the device only when its forward runs.
+
+    The window's loss-bearing items are counted first from the targets alone, so memory holds one
+    micro-batch's inputs at a time, as a single micro-batch step does.
+    """
+
+    def __init__(self, dataset: Any, indices: torch.Tensor, device: torch.device, dtype: torch.dtype):
+        self.dataset, self.indices, self.device, self.dtype = dataset, indices, device, dtype
+
+    def targets(self) -> Any:
+        if isinstance(self.dataset, TensorDataset):
+            return self.dataset.tensors[-1][self.indices]
+        return fetch(self.dataset, self.indices)[1]
+
+    def load(self) -> tuple[Any, Any]:
+        return to_device(fetch(self.dataset, self.indices), self.device, self.dtype)
+
+
+def _targets(micro_batch: Any) -> Any:
+    return micro_batch.targets() if isinstance(micro_batch, LazyMicroBatch) else micro_batch[1]
+
+
+def _load(micro_batch: Any) -> tuple[Any, Any]:
+    return micro_batch.load() if isinstance(micro_batch, LazyMicroBatch) else micro_batch
+
+
 # ---- one optimizer step -----------------------------------------------------------------------------
 
 
@@ -295,14 +322,15 @@ def global_counts(setup: Setup, count: int, samples: int) -> tuple[int, int]:
     return int(totals[0]), int(totals[1])
 
 
-def optimizer_step(setup: Setup, micro_batches: list[tuple[Any, Any]], skip_nonfinite: bool = False) -> StepResult:
-    """One optimizer step over a window of (inputs, targets) micro-batches already on the device."""
+def optimizer_step(setup: Setup, micro_batches: list, skip_nonfinite: bool = False) -> StepResult:
+    """One optimizer step over a window of micro-batches: (inputs, targets) on the device, or LazyMicroBatch."""
     model, loss_fn = setup.model, setup.loss
-    count, samples = global_counts(
-        setup, sum(loss_fn.count(target) for _, target in micro_batches), sum(len(t) for _, t in micro_batches)
-    )
+    targets = [_targets(micro_batch) for micro_batch in micro_batches]
+    count, samples = global_counts(setup, sum(loss_fn.count(t) for t in targets), sum(len(t) for t in targets))
+    del targets
     window_loss = torch.zeros((), device=setup.device, dtype=torch.float64)
-    for index, (inputs, target) in enumerate(micro_batches):
+    for index, micro_batch in enumerate(micro_batches):
+        inputs, target = _load(micro_batch)
         last = index == len(micro_batches) - 1
         sync = contextlib.nullcontext() if (last or not setup.ddp) else model.no_sync()
         with sync:
@@ -512,7 +540,7 @@ def train(
             lr = setup.optimizer.param_groups[0]["lr"]
             while True:
                 indices, partial = window(plan, size, step, seed, setup.rank, micro_batch)
-                micro_batches = [to_device(fetch(train_set, i), setup.device, dtype) for i in indices]
+                micro_batches = [LazyMicroBatch(train_set, i, setup.device, dtype) for i in indices]
                 try:
                     result = optimizer_step(setup, micro_batches, skip_nonfinite)
                     break
