@@ -220,3 +220,31 @@ def test_every_shipped_check_file_is_valid(capsys):
     assert len(files) >= 4
     kinds = {check.kind for f in files for check in f.spec.checks}
     assert kinds == {"plan", "verify", "metric", "compare"}
+
+
+REPORTED = f"""\
+recipe: {PAPERS / "digits-mlp.yaml"}
+budget: {{micro_batch_max: 64, max_steps: 2}}
+runs:
+  reported:
+    overrides:
+      reported: [{{metric: eval_accuracy, value: 0.5, tolerance: 0.5}}, {{metric: accuracy_percent, value: 150}}]
+checks:
+  - {{kind: metric, run: reported, name: within the reported tolerance, metric: eval_accuracy,
+     reported: eval_accuracy}}
+  - {{kind: metric, run: reported, name: as a percentage, metric: eval_accuracy, scale: 100,
+     reported: accuracy_percent, tolerance: 150}}
+  - {{kind: metric, run: reported, name: outside it, metric: eval_accuracy, scale: 100,
+     reported: accuracy_percent, tolerance: 49}}
+"""
+
+
+def test_metric_relative_to_the_reported_value(tmp_path, capsys):
+    path = write(tmp_path, "reported.yaml", REPORTED)
+    junit = tmp_path / "junit.xml"
+    code, out, _ = run_cli(["check", str(path), "--junit", str(junit)], capsys)
+    assert code == 1
+    counts = junit_counts(junit)
+    assert (counts["tests"], counts["failures"], counts["errors"]) == (3, 1, 0)
+    assert counts["failed"] == ["outside it"]
+    assert "reported 150 +- 49" in out

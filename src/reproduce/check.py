@@ -584,10 +584,9 @@ class Runner:
         measured = (f"{the_plan.arithmetic} {'' if the_plan.effective_tokens else the_plan.unit}".rstrip()
                     + f", lr {the_plan.lr:.4g}, {steps if steps is not None else '?'} steps")
         budget = run.budget
-        memory = f" ({format_size(parse_size(budget.memory))})" if budget.memory else ""
-        expected = f"invariants at micro-batch <= {budget.micro_batch_max} x {budget.world_size} process(es){memory}"
-        if check.expect:
-            expected += f"; {len(check.expect)} stated values"
+        memory = f", {format_size(parse_size(budget.memory))}" if budget.memory else ""
+        stated = f" + {len(check.expect)} stated values" if check.expect else ""
+        expected = f"invariants{stated} (m <= {budget.micro_batch_max}, W = {budget.world_size}{memory})"
         details = problems + [f"plan warning: {w}" for w in the_plan.warnings]
         if check.expect:
             details.append("stated: " + ", ".join(f"{k} {_short(v)}" for k, v in check.expect.items()))

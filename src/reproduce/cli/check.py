@@ -74,8 +74,12 @@ def check_command(
 
 def render(results, seconds: float) -> None:
     table = Table(title="reproduce check", title_justify="left")
-    for column in ("file", "check", "status", "measured", "expected", "seconds"):
-        table.add_column(column, justify="right" if column == "seconds" else "left")
+    table.add_column("file", no_wrap=True)
+    table.add_column("check", ratio=2)
+    table.add_column("status", no_wrap=True)
+    table.add_column("measured", ratio=3)
+    table.add_column("expected", ratio=3)
+    table.add_column("seconds", justify="right", no_wrap=True)
     for r in results:
         table.add_row(r.file, r.name, f"[{STYLE[r.status]}]{ICONS[r.status].split()[-1]}[/]", r.measured,
                       r.expected, f"{r.seconds:.1f}")
