@@ -10,6 +10,7 @@ The gradient is then exactly that of the mean loss over the whole effective batc
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -31,7 +32,7 @@ from ..planfile import save_plan, write_text_atomic
 from ..planner import Plan, lr_at
 from . import distributed
 from .distributed import World
-from .factory import IGNORE_INDEX, build_data, build_loss, build_model, has_batchnorm
+from .factory import IGNORE_INDEX, SampleLoss, build_data, build_loss, build_model, has_batchnorm
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 if hasattr(nn, "RMSNorm"):
@@ -177,7 +178,12 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
 
 def epoch_order(plan: Plan, size: int, epoch: int, seed: int) -> torch.Tensor:
     """The sample order of `epoch`: a permutation drawn from (seed, epoch) alone, so resume sees the same."""
-    if not plan.recipe.data.shuffle:
+    return _order(size, epoch, seed, plan.recipe.data.shuffle)
+
+
+@functools.lru_cache(maxsize=2)  # drawn once per epoch, not once per optimizer step
+def _order(size: int, epoch: int, seed: int, shuffle: bool) -> torch.Tensor:
+    if not shuffle:
         return torch.arange(size)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(size, generator=generator)
@@ -263,8 +269,9 @@ def collate(items: list[tuple[Any, Any]]) -> tuple[Any, Any]:
 
 def to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor):
-        value = value.to(device, non_blocking=True)
-        return value.to(dtype) if value.is_floating_point() else value
+        if value.device != device:
+            value = value.to(device, non_blocking=True)
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, (list, tuple)):
         return type(value)(to_device(v, device, dtype) for v in value)
     if isinstance(value, dict):
@@ -322,13 +329,17 @@ def global_counts(setup: Setup, count: int, samples: int) -> tuple[int, int]:
     return int(totals[0]), int(totals[1])
 
 
-def optimizer_step(setup: Setup, micro_batches: list, skip_nonfinite: bool = False) -> StepResult:
+def optimizer_step(setup: Setup, micro_batches: list) -> StepResult:
     """One optimizer step over a window of micro-batches: (inputs, targets) on the device, or LazyMicroBatch."""
     model, loss_fn = setup.model, setup.loss
-    targets = [_targets(micro_batch) for micro_batch in micro_batches]
-    count, samples = global_counts(setup, sum(loss_fn.count(t) for t in targets), sum(len(t) for t in targets))
-    del targets
-    window_loss = torch.zeros((), device=setup.device, dtype=torch.float64)
+    if isinstance(loss_fn, SampleLoss) and all(isinstance(m, LazyMicroBatch) for m in micro_batches):
+        local = samples = sum(len(m.indices) for m in micro_batches)  # every sample bears loss: no fetch needed
+    else:
+        targets = [_targets(micro_batch) for micro_batch in micro_batches]
+        local, samples = sum(loss_fn.count(t) for t in targets), sum(len(t) for t in targets)
+        del targets
+    count, samples = global_counts(setup, local, samples)
+    losses = []
     for index, micro_batch in enumerate(micro_batches):
         inputs, target = _load(micro_batch)
         last = index == len(micro_batches) - 1
@@ -337,22 +348,25 @@ def optimizer_step(setup: Setup, micro_batches: list, skip_nonfinite: bool = Fal
             with setup.autocast():
                 loss = loss_fn(model(inputs), target) / max(count, 1)
             (setup.scaler.scale(loss) if setup.scaler else loss).backward()
-        window_loss += loss.detach()
+        losses.append(loss.detach())
+    window_loss = torch.stack(losses).sum()
     if setup.ddp:  # the logged loss is the mean over the global window
         torch.distributed.all_reduce(window_loss)
     if setup.scaler:
         setup.scaler.unscale_(setup.optimizer)
     clip = setup.plan.recipe.clip_grad_norm
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf)
+    if clip:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    else:  # the norm for the metrics, without clip_grad_norm_'s rescaling pass
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     loss_value, norm_value = float(window_loss), float(grad_norm)
     finite = math.isfinite(loss_value) and math.isfinite(norm_value)
     if setup.scaler:
         setup.scaler.step(setup.optimizer)  # skips the update itself when fp16 gradients overflowed
         setup.scaler.update()
         finite = math.isfinite(loss_value)
-    elif finite or not skip_nonfinite:
-        if finite:
-            setup.optimizer.step()
+    elif finite:  # a non-finite step never touches the weights (the run stops, or skips it)
+        setup.optimizer.step()
     setup.scheduler.step()
     setup.optimizer.zero_grad(set_to_none=True)
     tokens = count if setup.plan.recipe.task == "language-modeling" else 0
@@ -542,7 +556,7 @@ def train(
                 indices, partial = window(plan, size, step, seed, setup.rank, micro_batch)
                 micro_batches = [LazyMicroBatch(train_set, i, setup.device, dtype) for i in indices]
                 try:
-                    result = optimizer_step(setup, micro_batches, skip_nonfinite)
+                    result = optimizer_step(setup, micro_batches)
                     break
                 except torch.OutOfMemoryError:
                     # Free the window, halve the micro-batch, double N: the effective batch stays exact.
