@@ -198,11 +198,16 @@ class LoadedFile:
 
 def collect(paths: list[Path]) -> list[Path]:
     """The check files: each file given, and the *.yaml / *.yml files of each folder given (sorted)."""
-    if not paths:
+    default = not paths
+    if default:
         paths = [Path(DEFAULT_FOLDER)]
     files: list[Path] = []
     problems = []
     for path in paths:
+        if default and not path.exists():
+            problems.append(f"{path}: no such folder (the default: run where the {DEFAULT_FOLDER}/ folder of check "
+                            "files is, or give check files or folders)")
+            continue
         if path.is_dir():
             found = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
             if not found:

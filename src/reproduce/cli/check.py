@@ -28,7 +28,7 @@ STYLE = {"pass": "green", "fail": "bold red", "error": "bold magenta"}
 
 @app.command("check")
 def check_command(
-    paths: list[Path] = typer.Argument(None, metavar="[PATH]...", help="Check files or folders (default: reproduce/)."),
+    paths: list[Path] = typer.Argument(None, metavar="PATH", help="Check files or folders (default: reproduce/)."),
     junit: Path | None = typer.Option(None, "--junit", help="Write a JUnit XML report here (for CI test views)."),
     summary: Path | None = typer.Option(None, "--summary", help="Write a Markdown report here (a CI job summary)."),
     work: Path | None = typer.Option(None, "--work", help="Keep the runs in this folder (default: a temporary one)."),
