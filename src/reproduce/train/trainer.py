@@ -547,6 +547,9 @@ def train(
     eval_every = plan.recipe.evaluation.every_steps
     setup.model.train()
     stop = StopSignals()
+    # On a CPU, values below float32's normal range (late in training, in momentum and gradients) make every
+    # operation on them ~100x slower; flushing them to zero cost a digits run 3.5 s instead of 72 s.
+    flush_denormals = setup.device.type == "cpu" and torch.set_flush_denormal(True)
     try:
         stop.__enter__()
         for step in range(first_step, total):
@@ -637,6 +640,8 @@ def train(
     finally:
         stop.__exit__()
         metrics.close()
+        if flush_denormals:
+            torch.set_flush_denormal(False)
 
     elapsed = time.perf_counter() - started
     summary = {
