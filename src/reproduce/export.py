@@ -670,10 +670,8 @@ def torchrun_command(
     run_args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
     python: str | None = None,
 ) -> list[str]:
-    """`python -m torch.distributed.run ... -m reproduce run ...`, as `reproduce.train.distributed` launches it.
-
-    The same argument layout as `distributed.torchrun_command` (a test keeps them equal), without torch.
-    """
+    """`python -m torch.distributed.run ... -m reproduce run ...`: what `reproduce run --nproc-per-node` launches
+    (`reproduce.train.distributed.torchrun_command` calls this) and what `--emit torchrun` prints."""
     command = [python or sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
     if nnodes == 1 and rdzv_endpoint is None:
         command.append("--standalone")

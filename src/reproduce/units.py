@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 from .errors import UserError
@@ -33,3 +34,18 @@ def format_size(n: float) -> str:
         if abs(n) >= factor:
             return f"{n / factor:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def available_host_memory() -> int | None:
+    """Free RAM (`MemAvailable`), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

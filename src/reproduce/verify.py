@@ -17,7 +17,6 @@ two gradients differ, and the check says so with the size of the difference.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,6 +27,7 @@ from .errors import UserError
 from .planner import Plan
 from .train.factory import build_data, build_loss, build_model, has_batchnorm
 from .train.trainer import Setup, epoch_order, fetch, optimizer_step, resolve_device, to_device, window
+from .units import available_host_memory
 
 DTYPES = ("float64", "float32", "bf16", "fp16")
 # Default tolerances on the relative error: float64 rounding of a sum in another order is ~1e-16; float32
@@ -137,17 +137,7 @@ def free_memory(device: torch.device) -> int | None:
     """Bytes free for tensors on `device` (the CPU: MemAvailable), or None when unknown."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return available_host_memory()
 
 
 def saved_bytes(setup: Setup, inputs: Any, target: Any) -> int:

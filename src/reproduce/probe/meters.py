@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import os
 import time
 from typing import Any
 
@@ -49,7 +48,7 @@ from torch.utils._pytree import tree_map_only
 from ..errors import UserError
 from ..train.factory import build_loss, build_model
 from ..train.trainer import build, build_optimizer, optimizer_step, to_device
-from ..units import format_size
+from ..units import available_host_memory, format_size
 from .catalog import Gpu, MiB
 from .search import Measurement
 from .tracker import MemoryTracker
@@ -301,21 +300,6 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         first, name = shared[0]
         for module, other in shared[1:]:
             module._parameters[other] = first._parameters[name]
-
-
-def available_host_memory() -> int | None:
-    """Free RAM (`MemAvailable`), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 METERS = {"cuda": CudaMeter, "cpu": CpuMeter, "estimate": EstimateMeter}

@@ -95,14 +95,6 @@ def torchrun_command(
     run_args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None
 ) -> list[str]:
     """The `python -m torch.distributed.run ... -m reproduce run ...` command line for these launcher options."""
-    import sys
+    from ..export import torchrun_command as command  # the pure builder `reproduce plan --emit torchrun` uses
 
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
-    if nnodes == 1 and rdzv_endpoint is None:
-        command.append("--standalone")
-    else:
-        if rdzv_endpoint is None:
-            raise ValueError("several nodes need a rendezvous endpoint")
-        command += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint={rdzv_endpoint}"]
-    return [*command, "-m", "reproduce", "run", *run_args]
+    return command(run_args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
