@@ -193,16 +193,21 @@ def test_out_of_memory_mid_run_halves_the_micro_batch_and_keeps_the_batch_exact(
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6)
 
 
-def test_out_of_memory_at_micro_batch_one_stops_with_a_message(tmp_path):
+@pytest.mark.parametrize("momentum, message", [
+    (0.0, "out of memory at optimizer step 1 with micro-batch 1: no smaller"),  # peak in forward/backward
+    (0.9, "out of memory in the optimizer step itself"),  # peak when the first step allocates momentum
+], ids=["in-backward", "in-optimizer-step"])
+def test_out_of_memory_that_cannot_be_recovered_stops_with_a_message(momentum, message, tmp_path):
     from reproduce.errors import TrainingStopped
     from reproduce.probe.tracker import MemoryTracker
 
-    recipe = parse_recipe({**RECIPE, "schedule": {"total": {"steps": 2}}})
+    recipe = parse_recipe({**RECIPE, "schedule": {"total": {"steps": 2}},
+                           "optimizer": {"name": "sgd", "lr": 0.1, "momentum": momentum}})
     data = build_data(recipe)
     the_plan = plan(recipe, micro_batch_max=1, dataset_size=len(data["train"]))
     with MemoryTracker() as tracker:
         trainer.train(the_plan, tmp_path / "measure", device="cpu", data=data, max_steps=1)
-    with pytest.raises(TrainingStopped, match="out of memory at optimizer step 1 with micro-batch 1: no smaller"):
+    with pytest.raises(TrainingStopped, match=message):
         with MemoryTracker(budget_bytes=tracker.peak - 512):
             trainer.train(the_plan, tmp_path / "run", device="cpu", data=data)
     assert not (tmp_path / "run" / "model.pt").exists()

@@ -231,3 +231,40 @@ def test_run_probes_the_micro_batch_when_not_given(tmp_path, capsys, monkeypatch
     records = read_metrics(out / "metrics.jsonl")
     micro = records[0]["micro_batch"]
     assert micro < 256 and micro * records[0]["accumulation_steps"] == 256  # probed, and the batch still exact
+
+
+def test_resume_keeps_the_runs_seed_and_refuses_a_finished_run(tmp_path):
+    recipe = digits_recipe(SGD, steps=6, data={"shuffle": True})
+    parsed = parse_recipe(recipe)
+    data = build_data(parsed)
+    the_plan = plan(parsed, micro_batch_max=16, dataset_size=len(data["train"]))
+    train(the_plan, tmp_path / "full", device="cpu", data=data, seed=5)
+    train(the_plan, tmp_path / "split", device="cpu", data=data, seed=5, max_steps=3)
+    with pytest.raises(UserError, match="--seed: the run in .* was started with seed 5 \\(got 6\\)"):
+        train(the_plan, tmp_path / "split", device="cpu", data=data, seed=6, resume=True)
+    train(the_plan, tmp_path / "split", device="cpu", data=data, resume=True)  # no --seed: the run's own
+    full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
+    split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
+    assert all(torch.equal(full[k], split[k]) for k in full)
+    before = (tmp_path / "split" / "summary.json").read_bytes()
+    with pytest.raises(UserError, match="has already run 6 of 6 optimizer steps"):
+        train(the_plan, tmp_path / "split", device="cpu", data=data, resume=True)
+    assert (tmp_path / "split" / "summary.json").read_bytes() == before
+
+
+def test_force_clears_the_previous_runs_outputs_only(tmp_path):
+    recipe = parse_recipe(digits_recipe(SGD, steps=3))
+    data = build_data(recipe)
+    the_plan = plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+    out = tmp_path / "out"
+    train(the_plan, out, device="cpu", data=data)
+    (out / "notes.txt").write_text("mine")
+    failing = parse_recipe({**digits_recipe(SGD, steps=3), "optimizer": {"name": "sgd", "lr": 1e30}})
+    failing_plan = plan(failing, micro_batch_max=16, dataset_size=len(data["train"]))
+    from reproduce.errors import TrainingStopped
+
+    with pytest.raises(TrainingStopped):
+        train(failing_plan, out, device="cpu", data=data, force=True)
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not (out / "model.pt").exists() and not (out / "summary.json").exists()
+    assert not (out / "checkpoints" / "last.pt").exists()  # the old run's checkpoint is not left to resume from

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -111,16 +112,32 @@ def _forwarded_args(source, out, micro_batch_max, policy, max_steps, resume, for
     return args
 
 
+def _launch(command: list[str]) -> int:
+    """Run torchrun, passing SIGINT/SIGTERM on to it (it forwards them to every rank, which checkpoint and stop)."""
+    child = subprocess.Popen(command)
+
+    def forward(signum, frame):
+        child.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def _replan_for_world(saved: Plan, world_size: int, dataset_size: int, source: Path) -> Plan:
     """The same effective batch on another number of processes: keep the micro-batch, re-derive N."""
     from ..planner import plan as make
 
     again = make(saved.recipe, saved.micro_batch, world_size, saved.policy, dataset_size=dataset_size,
                  recipe_path=saved.recipe_path)
-    if again.effective_batch != saved.effective_batch:
+    same = ("effective_batch", "steps_per_epoch", "optimizer_steps", "warmup_steps", "decay_milestones")
+    if any(getattr(again, field) != getattr(saved, field) for field in same):
         raise UserError(
-            f"{source}: world_size: the plan's effective batch {saved.effective_batch} ({saved.arithmetic}) cannot "
-            f"be kept on {world_size} processes with micro-batch {saved.micro_batch}; plan again for {world_size}"
+            f"{source}: world_size: the plan ({saved.arithmetic}, {saved.optimizer_steps} steps) cannot be kept "
+            f"on {world_size} processes with micro-batch {saved.micro_batch}; plan again for {world_size}"
         )
     return again
 
@@ -171,7 +188,7 @@ def run_command(
             args.append("--tensorboard")
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
         print("launching: " + " ".join(command), flush=True)
-        raise typer.Exit(subprocess.call(command))
+        raise typer.Exit(_launch(command))
     if world.distributed:
         world_size = world.size
     recipe, plan = load_recipe_or_plan(source)
@@ -189,10 +206,10 @@ def run_command(
         # every rank probes its own device; all take the smallest result, so no rank runs out of memory
         from ..train.trainer import resolve_device
 
-        distributed.init(world, resolve_device(device))
+        rank_device = distributed.init(world, resolve_device(device))
         _, probed = plan_and_probe(recipe, str(source), None, world_size, policy, size, probe=options, data=data,
                                    quiet=not world.is_main)
-        micro_batch_max = distributed.all_min(world, probed.micro_batch_max)
+        micro_batch_max = distributed.all_min(world, probed.micro_batch_max, rank_device)
     if plan is None:
         plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy, dataset_size=size, probe=options,
                          data=data, quiet=not world.is_main)

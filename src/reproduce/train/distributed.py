@@ -7,6 +7,7 @@ Backend: NCCL on CUDA, gloo on CPU.
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -44,7 +45,9 @@ def init(world: World, device: torch.device) -> torch.device:
         device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        # a long timeout: the other ranks wait in the next collective while rank 0 evaluates
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(hours=2))
     return device
 
 
@@ -53,11 +56,11 @@ def barrier(world: World) -> None:
         dist.barrier()
 
 
-def all_min(world: World, value: int) -> int:
+def all_min(world: World, value: int, device: torch.device) -> int:
     """The smallest `value` over all ranks (every rank agrees on one micro-batch, so none runs out of memory)."""
     if not world.distributed:
         return value
-    tensor = torch.tensor([value], dtype=torch.int64)
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)  # NCCL reduces CUDA tensors only
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return int(tensor.item())
 

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import threading
 import time
@@ -238,11 +239,11 @@ class StopSignals:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
 
-    def agreed(self, world: World) -> int | None:
+    def agreed(self, world: World, device: torch.device) -> int | None:
         """The signal any rank received (all ranks stop after the same step)."""
         if not world.distributed:
             return self.received
-        flag = torch.tensor([self.received or 0], dtype=torch.int64)
+        flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)  # NCCL: CUDA tensors only
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return int(flag) or None
 
@@ -352,6 +353,23 @@ def optimizer_step(setup: Setup, micro_batches: list) -> StepResult:
     window_loss = torch.stack(losses).sum()
     if setup.ddp:  # the logged loss is the mean over the global window
         torch.distributed.all_reduce(window_loss)
+    try:
+        return _apply_window(setup, window_loss, count, samples)
+    except torch.OutOfMemoryError as error:
+        raise OptimizerStepOutOfMemory(str(error)) from None
+
+
+class OptimizerStepOutOfMemory(torch.OutOfMemoryError):
+    """Out of memory after the window's gradients were accumulated (unscale, clip or the optimizer's step).
+
+    Still an out-of-memory error to the probe; the run cannot redo such a window (the scaler has unscaled,
+    or some parameters have stepped), so it stops instead of lowering the micro-batch.
+    """
+
+
+def _apply_window(setup: Setup, window_loss: torch.Tensor, count: int, samples: int) -> StepResult:
+    """Unscale, clip, step, schedule and zero the accumulated gradients of one window."""
+    model = setup.model
     if setup.scaler:
         setup.scaler.unscale_(setup.optimizer)
     clip = setup.plan.recipe.clip_grad_norm
@@ -462,6 +480,21 @@ def check_out_dir(out: Path, resume: bool, force: bool) -> None:
         )
 
 
+OUTPUTS = ("plan.yaml", "metrics.jsonl", "summary.json", "model.pt", "loss.png", "checkpoints/last.pt")
+
+
+def remove_outputs(out: Path) -> None:
+    """The files a run writes, removed before another run takes the folder over (--force); nothing else."""
+    for name in OUTPUTS:
+        (out / name).unlink(missing_ok=True)
+    if (out / "tensorboard").is_dir():
+        shutil.rmtree(out / "tensorboard")
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    return (seed * 1_000_003 + step * 4_099 + rank * 7_919_993) % (2**63 - 1)
+
+
 class MetricsLog:
     """metrics.jsonl, appended and flushed once per optimizer step; written by rank 0 alone."""
 
@@ -510,7 +543,7 @@ def train(
     if world.size != plan.world_size:
         raise UserError(f"plan: world_size is {plan.world_size}, but this job has {world.size} process(es)")
     check_out_dir(out, resume, force)
-    seed = plan.recipe.seed if seed is None else seed
+    asked_seed, seed = seed, plan.recipe.seed if seed is None else seed
     target_device = distributed.init(world, resolve_device(device))
     distributed.barrier(world)  # every rank has looked at --out before rank 0 writes to it
     setup = build(plan, target_device, dtype, seed, data, world)
@@ -529,10 +562,18 @@ def train(
     if resume:
         state = load_checkpoint(setup, checkpoint_path)
         first_step, metrics_offset = state["step"], state["metrics_offset"]
+        saved_seed = state["extra"].get("seed", seed)
+        if asked_seed is not None and asked_seed != saved_seed:
+            raise UserError(f"--seed: the run in {out} was started with seed {saved_seed} (got {asked_seed})")
+        seed = saved_seed  # the data order and dropout streams of the run being continued
+        if first_step >= total:
+            raise UserError(f"--resume: {out} has already run {first_step} of {total} optimizer steps; nothing to do")
         if state.get("micro_batch") and state["micro_batch"] < micro_batch and not world.distributed:
             micro_batch = state["micro_batch"]  # the run had lowered it after running out of memory
     main = world.is_main
     if main:
+        if force and not resume:  # another run's outputs go, so nothing of it is mistaken for this one's
+            remove_outputs(out)
         out.mkdir(parents=True, exist_ok=True)
         save_plan(plan, out / "plan.yaml")
     metrics = MetricsLog(out / "metrics.jsonl", metrics_offset, enabled=main)
@@ -554,6 +595,9 @@ def train(
         stop.__enter__()
         for step in range(first_step, total):
             tick = time.perf_counter()
+            # Dropout and other random draws of step s come from (seed, s, rank) alone: a resumed run draws what
+            # the uninterrupted one did, and ranks draw independently of each other.
+            torch.manual_seed(step_seed(seed, step, setup.rank))
             lr = setup.optimizer.param_groups[0]["lr"]
             while True:
                 indices, partial = window(plan, size, step, seed, setup.rank, micro_batch)
@@ -561,6 +605,12 @@ def train(
                 try:
                     result = optimizer_step(setup, micro_batches)
                     break
+                except OptimizerStepOutOfMemory as error:
+                    raise TrainingStopped(
+                        f"out of memory in the optimizer step itself at optimizer step {step + 1}, after the "
+                        f"window's gradients were accumulated ({error}); lower --micro-batch-max or free memory, "
+                        f"then --resume from {checkpoint_path}"
+                    ) from None
                 except torch.OutOfMemoryError:
                     # Free the window, halve the micro-batch, double N: the effective batch stays exact.
                     del micro_batches
@@ -624,7 +674,7 @@ def train(
             reporter.step(record)
             due = (step + 1) % checkpoint_every == 0 if checkpoint_every else (
                 time.perf_counter() - last_checkpoint >= CHECKPOINT_SECONDS)
-            received = stop.agreed(world) if not done else None
+            received = stop.agreed(world, setup.device) if not done else None
             if main and (due or done or received):
                 save_checkpoint(setup, checkpoint_path, step + 1, metrics.offset(),
                                 {"seed": seed, "micro_batch": micro_batch})
