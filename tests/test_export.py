@@ -167,8 +167,13 @@ def test_torchrun_matches_the_launcher_reproduce_uses(goyal):
     from reproduce.train.distributed import torchrun_command as launcher
 
     args = ["plan.yaml", "--out", "runs/x"]
-    assert torchrun_command(args, 8) == launcher(args, 8)
-    assert torchrun_command(args, 4, 2, 1, "h:1") == launcher(args, 4, 2, 1, "h:1")
+    # what `reproduce run --nproc-per-node` really launches (the launcher uses export's builder)
+    assert launcher(args, 8) == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=8", "--standalone",
+                                 "-m", "reproduce", "run", *args]
+    assert launcher(args, 4, 2, 1, "h:1") == [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--nnodes=2", "--node-rank=1",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=h:1", "-m", "reproduce", "run", *args]
+    assert torchrun_command(args, 8, python="python")[0] == "python"
     out = export(goyal, "torchrun")
     assert out.values["command"] == ["python", "-m", "torch.distributed.run", "--nproc-per-node=8", "--standalone",
                                      "-m", "reproduce", "run", "plan.yaml", "--out", "runs/goyal2017-resnet50"]

@@ -98,18 +98,14 @@ CHECKPOINT_HELP = "Checkpoint every K optimizer steps (default: every 5 minutes,
 NPROC_HELP = "Processes (GPUs) on this machine: launches itself through torchrun (torch.distributed.run)."
 
 
-def _forwarded_args(source, out, micro_batch_max, policy, max_steps, resume, force, device, seed,
-                    checkpoint_every, skip_nonfinite) -> list[str]:
-    """This command's own options, for each process torchrun starts (without the launcher options)."""
-    args = [str(source), "--out", str(out), "--policy", policy.value, "--device", device]
-    for flag, value in (("--micro-batch-max", micro_batch_max), ("--max-steps", max_steps), ("--seed", seed),
-                        ("--checkpoint-every", checkpoint_every)):
+def _forwarded_args(source: Path, out: Path, values: dict[str, object], switches: dict[str, bool]) -> list[str]:
+    """This command's own options, for each process torchrun starts (without the launcher options):
+    `--flag value` for each value that is set, `--flag` for each switch that is on."""
+    args = [str(source), "--out", str(out)]
+    for flag, value in values.items():
         if value is not None:
             args += [flag, str(value)]
-    for flag, on in (("--resume", resume), ("--force", force), ("--skip-nonfinite", skip_nonfinite)):
-        if on:
-            args.append(flag)
-    return args
+    return args + [flag for flag, on in switches.items() if on]
 
 
 def _launch(command: list[str]) -> int:
@@ -176,16 +172,14 @@ def run_command(
     if nproc_per_node is not None and not world.distributed:
         if nnodes > 1 and rdzv_endpoint is None:
             raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
-        args = _forwarded_args(source, out, micro_batch_max, policy, max_steps, resume, force, device, seed,
-                               checkpoint_every, skip_nonfinite)
-        for flag, value in (("--memory", memory), ("--gpu", gpu), ("--meter", meter.value),
-                            ("--headroom", str(headroom))):
-            if value is not None:
-                args += [flag, value]
-        if no_cache:
-            args.append("--no-cache")
-        if tensorboard:
-            args.append("--tensorboard")
+        args = _forwarded_args(
+            source, out,
+            {"--policy": policy.value, "--device": device, "--micro-batch-max": micro_batch_max,
+             "--max-steps": max_steps, "--seed": seed, "--checkpoint-every": checkpoint_every, "--memory": memory,
+             "--gpu": gpu, "--meter": meter.value, "--headroom": headroom},
+            {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
+             "--tensorboard": tensorboard},
+        )
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
         print("launching: " + " ".join(command), flush=True)
         raise typer.Exit(_launch(command))
