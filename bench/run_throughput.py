@@ -19,10 +19,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from reproduce.data import build_data
+from reproduce.data.batches import fetch
+from reproduce.models import build_model
 from reproduce.planner import plan
 from reproduce.recipe import Evaluation, load_recipe
-from reproduce.train.factory import build_data, build_model
-from reproduce.train.trainer import epoch_order, fetch, train
+from reproduce.train.trainer import train
+from reproduce.train.windows import epoch_order
 
 CASES = {"mlp": ("papers/digits-mlp.yaml", 32), "gpt": ("papers/pysource-gpt.yaml", 16)}
 

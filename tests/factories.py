@@ -19,7 +19,7 @@ def variable_lm(items: int = 48, vocab: int = 32, min_length: int = 3, max_lengt
 
 
 def tiny_gpt(vocab: int = 32, block_size: int = 16) -> torch.nn.Module:
-    from reproduce.train.builtins import GPT
+    from reproduce.models.small import GPT
 
     return GPT(vocab_size=vocab, block_size=block_size, layers=1, heads=2, dim=16, dropout=0.0)
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 import yaml
 
+from reproduce.data import build_data
 from reproduce.recipe import parse_recipe
-from reproduce.train.factory import build_data
 from reproduce.train.trainer import read_metrics
 from test_run import SGD, digits_recipe, lm_recipe, run_plain
 

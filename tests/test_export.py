@@ -206,8 +206,8 @@ def test_emitted_param_groups_equal_the_trainers(no_decay):
     import torch
 
     from reproduce.export import param_groups_source
-    from reproduce.train.builtins import GPT
-    from reproduce.train.trainer import param_groups
+    from reproduce.models.small import GPT
+    from reproduce.train.optim import param_groups
 
     recipe = parse_recipe({
         "batch": {"effective": 8}, "task": "language-modeling", "model": {"builtin": "gpt"},

@@ -16,10 +16,10 @@ import pytest
 import torch
 import yaml
 
+from reproduce.data import build_data
 from reproduce.planner import plan
 from reproduce.recipe import parse_recipe
 from reproduce.train import trainer
-from reproduce.train.factory import build_data
 
 RECIPE = {
     "batch": {"effective": 128},

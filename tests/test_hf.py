@@ -48,7 +48,7 @@ def test_hf_model_parses_with_kind():
 
 
 def test_without_transformers_a_clear_error(monkeypatch):
-    from reproduce.train.factory import build_model
+    from reproduce.models import build_model
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
     with pytest.raises(UserError, match="needs transformers, which is not installed"):
@@ -69,7 +69,9 @@ def tiny_gpt2(tmp_path_factory):
 
 
 def test_causal_lm_returns_token_logits(tiny_gpt2):
-    from reproduce.train.factory import HFLogits, build_loss, build_model
+    from reproduce.models import build_model
+    from reproduce.models.hf import HFLogits
+    from reproduce.train.losses import build_loss
 
     recipe = parse_recipe(hf_recipe({"hf": str(tiny_gpt2)}))
     model = build_model(recipe, {"vocab_size": 32})
@@ -85,7 +87,7 @@ def test_causal_lm_returns_token_logits(tiny_gpt2):
 
 
 def test_sequence_classification_returns_class_logits(tiny_gpt2):
-    from reproduce.train.factory import build_model
+    from reproduce.models import build_model
 
     recipe = parse_recipe(hf_recipe({"hf": str(tiny_gpt2), "kwargs": {"num_labels": 3, "pad_token_id": 0}},
                                     task="classification"))
@@ -106,7 +108,7 @@ def test_sequence_classification_returns_class_logits(tiny_gpt2):
     ],
 )
 def test_load_errors_are_user_errors(tiny_gpt2, model, message):
-    from reproduce.train.factory import build_model
+    from reproduce.models import build_model
 
     model = {**model, "hf": model["hf"].replace("TINY", str(tiny_gpt2))}
     with pytest.raises(UserError, match=message):
@@ -132,7 +134,7 @@ def test_accumulated_run_equals_one_batch_of_eight(tiny_gpt2, optimizer, tmp_pat
     reference = run_plain(recipe, data, steps=3)
     assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
     torch.manual_seed(0)
-    from reproduce.train.factory import build_model
+    from reproduce.models import build_model
 
     initial = build_model(parse_recipe(recipe)).state_dict()
     assert any(not torch.allclose(initial[k].double(), ours[k]) for k in ours if ours[k].is_floating_point())

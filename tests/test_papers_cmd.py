@@ -23,10 +23,11 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
 
 
 def test_builtin_names_equal_the_registries():
-    from reproduce.train import builtins
+    from reproduce.data import DATA
+    from reproduce.models import MODELS
 
-    assert set(builtin_names.MODELS) == set(builtins.MODELS)
-    assert set(builtin_names.DATA) == set(builtins.DATA)
+    assert set(builtin_names.MODELS) == set(MODELS)
+    assert set(builtin_names.DATA) == set(DATA)
 
 
 def test_papers_command_imports_no_torch():
@@ -100,7 +101,8 @@ def test_why_not_runnable(change, reason, monkeypatch):
 
 def test_shipped_runnable_recipes_really_build():
     """What the list calls runnable builds its data and model here (cheap ones only)."""
-    from reproduce.train.factory import build_data, build_model
+    from reproduce.data import build_data
+    from reproduce.models import build_model
 
     recipe = load_recipe(PAPERS / "digits-mlp.yaml")
     assert builtin_names.why_not_runnable(recipe) is None

@@ -160,7 +160,7 @@ def test_plan_for_a_gpu_we_do_not_have(capsys):
 
 def test_make_plan_probes_with_the_callers_data():
     """What `reproduce run` calls: make_plan with probe options and the data it has already built."""
-    from reproduce.train.factory import build_data
+    from reproduce.data import build_data
 
     recipe = load_recipe("digits.yaml")
     data = build_data(recipe)

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from reproduce.errors import UserError
+from reproduce.models.small import GPT
 from reproduce.probe.meters import CpuMeter, CudaMeter, EstimateMeter, materialize
 from reproduce.probe.tracker import GRANULE, MemoryTracker, rounded
 from reproduce.probe.workload import SyntheticTokens, Workload
 from reproduce.recipe import parse_recipe
-from reproduce.train.builtins import GPT
 
 DIGITS = {
     "batch": {"effective": 2048, "unit": "samples"},
@@ -202,7 +202,7 @@ def test_cuda_meter_reserved_decides(digits):  # pragma: no cover - run on a GPU
 
 def test_accumulation_window_holds_gradients_through_a_forward():
     """From the second micro-batch of a window on, the forward runs beside the first one's gradients."""
-    from reproduce.train.factory import build_model
+    from reproduce.models import build_model
 
     workload = Workload(parse_recipe(OFFLINE_LM, source="test")).prepare()
     alone = CpuMeter(workload, 64 * 2**20, 0.1, time_steps=False, cap=8).measure(8)  # the whole batch: N = 1

@@ -9,11 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from reproduce.cli import main
+from reproduce.data import build_data
+from reproduce.data.batches import collate, fetch
 from reproduce.errors import UserError
+from reproduce.models import build_model
 from reproduce.planner import plan
 from reproduce.recipe import parse_recipe
-from reproduce.train.factory import build_data, build_model
-from reproduce.train.trainer import collate, fetch, read_metrics, train
+from reproduce.train.trainer import read_metrics, train
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}
 ADAMW = {"name": "adamw", "lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}

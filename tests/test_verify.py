@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from reproduce.cli import main
+from reproduce.data import build_data
 from reproduce.planner import plan
 from reproduce.recipe import load_recipe, parse_recipe
-from reproduce.train.factory import build_data
 from reproduce.verify import verify
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"

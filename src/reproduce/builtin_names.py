@@ -1,6 +1,6 @@
 """What can run here, decided without importing torch: the built-in names, and `why_not_runnable(recipe)`.
 
-`reproduce.train.builtins` holds the real registries (MODELS, DATA); a test keeps these names equal to them.
+`reproduce.models.MODELS` and `reproduce.data.DATA` are the real registries; a test keeps these names equal to them.
 """
 
 from __future__ import annotations

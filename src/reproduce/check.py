@@ -524,7 +524,7 @@ class Runner:
     # ---- runs ---------------------------------------------------------------------------------------
 
     def dataset(self, recipe: Recipe) -> dict:
-        from .train.factory import build_data
+        from .data import build_data
 
         key = json.dumps([recipe.data.model_dump(mode="json"), recipe.batch.sequence_length], sort_keys=True)
         if key not in self.data:

@@ -23,10 +23,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from .data import build_data
+from .data.batches import fetch, to_device
 from .errors import UserError
+from .models import build_model, has_batchnorm
 from .planner import Plan
-from .train.factory import build_data, build_loss, build_model, has_batchnorm
-from .train.trainer import Setup, epoch_order, fetch, optimizer_step, resolve_device, to_device, window
+from .train.losses import build_loss
+from .train.setup import Setup, resolve_device
+from .train.step import optimizer_step
+from .train.windows import epoch_order, window
 from .units import available_host_memory
 
 DTYPES = ("float64", "float32", "bf16", "fp16")

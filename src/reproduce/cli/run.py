@@ -164,8 +164,8 @@ def run_command(
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log each step's metrics to OUT/tensorboard."),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
+    from ..data import build_data
     from ..train import distributed  # torch is imported only by the commands that train
-    from ..train.factory import build_data
     from ..train.trainer import train
 
     world = distributed.world_from_env()
@@ -198,7 +198,7 @@ def run_command(
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     if plan is None and world.distributed and micro_batch_max is None:
         # every rank probes its own device; all take the smallest result, so no rank runs out of memory
-        from ..train.trainer import resolve_device
+        from ..train.setup import resolve_device
 
         rank_device = distributed.init(world, resolve_device(device))
         _, probed = plan_and_probe(recipe, str(source), None, world_size, policy, size, probe=options, data=data,

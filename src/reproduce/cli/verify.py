@@ -45,7 +45,7 @@ def verify_command(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
     """Compare the plan's accumulated gradient with the one-pass gradient: exit 0 equivalent, 1 not."""
-    from ..train.factory import build_data  # torch is imported only by the commands that need it
+    from ..data import build_data  # torch is imported only by the commands that need it
     from ..verify import verify
 
     if tolerance is not None and not tolerance > 0:

@@ -45,9 +45,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from ..data.batches import to_device
 from ..errors import UserError
-from ..train.factory import build_loss, build_model
-from ..train.trainer import build, build_optimizer, optimizer_step, to_device
+from ..models import build_model
+from ..train.losses import build_loss
+from ..train.optim import build_optimizer
+from ..train.setup import build
+from ..train.step import optimizer_step
 from ..units import available_host_memory, format_size
 from .catalog import Gpu, MiB
 from .search import Measurement

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
+from ..data import build_data
+from ..data.batches import collate, fetch
 from ..errors import UserError
 from ..planner import Plan, plan
 from ..recipe import Recipe
-from ..train.factory import build_data
-from ..train.trainer import collate, fetch
 
 SHAPE_SAMPLE = 256  # items looked at to tell fixed-shape data from variable-length data
 

@@ -1,12 +1,5 @@
-"""Built-in models and data: real, offline, small enough to train on two CPU cores in minutes.
+"""The small built-in models: real, offline, small enough to train on two CPU cores in minutes.
 
-Data
-- `digits`: the 1,797 8x8 handwritten digits scikit-learn ships (`load_digits`), a fixed stratified
-  80/20 split (1,437 train, 360 test), images as 1x8x8 floats in [0, 1].
-- `pysource`: a byte-level corpus built from the Python standard library's own top-level `*.py` files,
-  in sorted order; every tenth file goes to validation. Its SHA-256 fingerprint is recorded in the run.
-
-Models
 - `mlp`: 64 -> hidden -> hidden -> 10.
 - `cnn-bn` / `cnn-gn`: the same small CNN with BatchNorm or GroupNorm (the BatchNorm caveat made visible).
 - `gpt`: a small pre-LayerNorm GPT with causal attention through `scaled_dot_product_attention`.
@@ -14,96 +7,11 @@ Models
 
 from __future__ import annotations
 
-import hashlib
 import math
-import sysconfig
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
-
-# ---- data -------------------------------------------------------------------------------------------
-
-
-def digits(test_fraction: float = 0.2, seed: int = 0) -> dict:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    bunch = load_digits()
-    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(bunch.target, dtype=torch.long)
-    train_idx, test_idx = train_test_split(
-        list(range(len(labels))), test_size=test_fraction, random_state=seed, stratify=bunch.target
-    )
-    train_idx, test_idx = torch.tensor(sorted(train_idx)), torch.tensor(sorted(test_idx))
-    return {
-        "train": TensorDataset(images[train_idx], labels[train_idx]),
-        "eval": TensorDataset(images[test_idx], labels[test_idx]),
-        "info": {"name": "digits", "source": "sklearn.datasets.load_digits", "classes": 10},
-    }
-
-
-class TokenWindows(Dataset):
-    """Non-overlapping windows of `sequence_length + 1` bytes: input is the first L, target the last L."""
-
-    def __init__(self, data: torch.Tensor, sequence_length: int):
-        self.data, self.length = data, sequence_length
-        self.count = (len(data) - 1) // sequence_length
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = index * self.length
-        chunk = self.data[start : start + self.length + 1].long()
-        return chunk[:-1], chunk[1:]
-
-    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Many windows at once (fast path for the training loop)."""
-        offsets = indices.view(-1, 1) * self.length + torch.arange(self.length + 1).view(1, -1)
-        chunks = self.data[offsets].long()
-        return chunks[:, :-1], chunks[:, 1:]
-
-
-def stdlib_sources(max_bytes: int) -> list[Path]:
-    """The standard library's top-level Python files, sorted, up to about `max_bytes` in total."""
-    files, total = [], 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        if total >= max_bytes:
-            break
-        files.append(path)
-        total += path.stat().st_size
-    return files
-
-
-def pysource(sequence_length: int = 64, max_bytes: int = 2_000_000, validation_every: int = 10) -> dict:
-    files = stdlib_sources(max_bytes)
-    if not files:
-        raise FileNotFoundError("no Python standard library sources found for the pysource corpus")
-    train, valid = bytearray(), bytearray()
-    for index, path in enumerate(files):
-        (valid if index % validation_every == validation_every - 1 else train).extend(path.read_bytes())
-    fingerprint = hashlib.sha256(bytes(train) + b"\0" + bytes(valid)).hexdigest()
-    to_tensor = lambda raw: torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()  # noqa: E731
-    train_t, valid_t = to_tensor(train), to_tensor(valid)
-    counts = torch.bincount(train_t.long(), minlength=256).double()
-    probs = counts[counts > 0] / counts.sum()
-    unigram = float(-(probs * probs.log()).sum())  # entropy of the byte distribution, in nats
-    return {
-        "train": TokenWindows(train_t, sequence_length),
-        "eval": TokenWindows(valid_t, sequence_length),
-        "info": {
-            "name": "pysource", "files": len(files), "train_bytes": len(train), "eval_bytes": len(valid),
-            "fingerprint": fingerprint, "vocab_size": 256, "unigram_loss": unigram,
-        },
-    }
-
-
-DATA = {"digits": digits, "pysource": pysource}
-
-# ---- models -----------------------------------------------------------------------------------------
 
 
 class MLP(nn.Module):

@@ -1,0 +1,68 @@
+"""The losses, summed over a micro-batch; the training loop divides them by the window's item count.
+
+Contract for a loss factory (task `custom`): `fn(**kwargs) -> callable(output, target) -> summed loss`, with an
+optional `count(target) -> int` attribute giving the loss-bearing items of a batch (default: `len(target)`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..data.batches import IGNORE_INDEX
+from ..errors import UserError
+from ..factory import call_builder
+from ..recipe import Recipe
+
+
+def _upcast(output: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits (autocast) are upcast for the loss; float32 and float64 are kept as they are."""
+    return output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
+
+
+class SampleLoss:
+    """Classification: summed cross-entropy; every sample bears loss."""
+
+    def count(self, target: torch.Tensor) -> int:
+        return int(target.shape[0])
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(_upcast(output), target, reduction="sum")
+
+
+class TokenLoss:
+    """Language modelling: summed cross-entropy over target tokens that are not IGNORE_INDEX."""
+
+    def count(self, target: torch.Tensor) -> int:
+        return int((target != IGNORE_INDEX).sum())
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(
+            _upcast(output.flatten(0, -2)), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+
+
+class CustomLoss:
+    def __init__(self, function: Callable):
+        self.function = function
+        self.counter = getattr(function, "count", None)
+
+    def count(self, target: Any) -> int:
+        return int(self.counter(target)) if self.counter else len(target)
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        return self.function(output, target)
+
+
+def build_loss(recipe: Recipe) -> SampleLoss | TokenLoss | CustomLoss:
+    if recipe.task == "classification":
+        return SampleLoss()
+    if recipe.task == "language-modeling":
+        return TokenLoss()
+    function = call_builder(recipe.loss, "loss", {})
+    if not callable(function):
+        raise UserError(f"loss: the factory must return a callable (got {type(function).__name__})")
+    return CustomLoss(function)

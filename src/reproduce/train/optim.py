@@ -1,0 +1,54 @@
+"""The optimizer and LR scheduler of a plan: parameter groups from the recipe's `no_decay`, steps counted in
+optimizer steps."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from ..planner import Plan, lr_at
+
+NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
+
+if hasattr(nn, "RMSNorm"):
+    NORM_TYPES = (*NORM_TYPES, nn.RMSNorm)
+
+
+def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str]) -> list[dict]:
+    """Split parameters into decayed and not decayed, as the recipe's `no_decay` says (tied ones once)."""
+    if not no_decay or weight_decay == 0:
+        return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    decay, keep, seen = [], [], set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            excluded = (
+                ("bias" in no_decay and name == "bias")
+                or ("norm" in no_decay and isinstance(module, NORM_TYPES))
+                or ("embedding" in no_decay and isinstance(module, nn.Embedding))
+                or ("1d" in no_decay and param.ndim < 2)
+            )
+            (keep if excluded else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
+
+
+def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
+    spec = plan.recipe.optimizer
+    groups = param_groups(model, spec.weight_decay, list(spec.no_decay))
+    if spec.name in ("sgd", "nesterov"):
+        return torch.optim.SGD(groups, lr=plan.lr, momentum=spec.momentum, nesterov=spec.name == "nesterov")
+    if spec.name == "adam":
+        return torch.optim.Adam(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps)
+    if spec.name == "adamw":
+        return torch.optim.AdamW(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps)
+    if spec.name == "adafactor" and hasattr(torch.optim, "Adafactor"):
+        return torch.optim.Adafactor(groups, lr=plan.lr, eps=(None, spec.eps))
+    raise UserError(f"optimizer.name: {spec.name} has no PyTorch implementation to run here (it can be planned)")
+
+
+def build_scheduler(plan: Plan, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """Counts optimizer steps: the LR of step s is `lr_at(plan, s)`."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(plan, step) / plan.lr)

@@ -1,0 +1,137 @@
+"""One optimizer step over a window of N micro-batches, exactly the paper's large-batch update.
+
+  1. count the window's loss-bearing items (samples, or target tokens != -100) before any backward;
+  2. for each micro-batch: summed loss / window count, backward (DDP: `no_sync` on all but the last);
+  3. once per window: unscale (fp16), clip, optimizer step, scheduler step, zero_grad(set_to_none=True).
+The gradient is then exactly that of the mean loss over the whole effective batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..data.batches import LazyMicroBatch, fetch, to_device
+from .losses import SampleLoss
+from .setup import Setup
+
+
+def _targets(micro_batch: Any) -> Any:
+    return micro_batch.targets() if isinstance(micro_batch, LazyMicroBatch) else micro_batch[1]
+
+
+def _load(micro_batch: Any) -> tuple[Any, Any]:
+    return micro_batch.load() if isinstance(micro_batch, LazyMicroBatch) else micro_batch
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    count: int
+    samples: int
+    tokens: int
+    finite: bool
+    grad_syncs: int | None = None
+
+
+def global_counts(setup: Setup, count: int, samples: int) -> tuple[int, int]:
+    """The window's loss-bearing items and samples summed over every rank, before the first backward."""
+    if not setup.ddp:
+        return count, samples
+    totals = torch.tensor([count, samples], dtype=torch.int64, device=setup.device)
+    torch.distributed.all_reduce(totals)
+    return int(totals[0]), int(totals[1])
+
+
+def optimizer_step(setup: Setup, micro_batches: list) -> StepResult:
+    """One optimizer step over a window of micro-batches: (inputs, targets) on the device, or LazyMicroBatch."""
+    model, loss_fn = setup.model, setup.loss
+    if isinstance(loss_fn, SampleLoss) and all(isinstance(m, LazyMicroBatch) for m in micro_batches):
+        local = samples = sum(len(m.indices) for m in micro_batches)  # every sample bears loss: no fetch needed
+    else:
+        targets = [_targets(micro_batch) for micro_batch in micro_batches]
+        local, samples = sum(loss_fn.count(t) for t in targets), sum(len(t) for t in targets)
+        del targets
+    count, samples = global_counts(setup, local, samples)
+    losses = []
+    for index, micro_batch in enumerate(micro_batches):
+        inputs, target = _load(micro_batch)
+        last = index == len(micro_batches) - 1
+        sync = contextlib.nullcontext() if (last or not setup.ddp) else model.no_sync()
+        with sync:
+            with setup.autocast():
+                loss = loss_fn(model(inputs), target) / max(count, 1)
+            (setup.scaler.scale(loss) if setup.scaler else loss).backward()
+        losses.append(loss.detach())
+    window_loss = torch.stack(losses).sum()
+    if setup.ddp:  # the logged loss is the mean over the global window
+        torch.distributed.all_reduce(window_loss)
+    try:
+        return _apply_window(setup, window_loss, count, samples)
+    except torch.OutOfMemoryError as error:
+        raise OptimizerStepOutOfMemory(str(error)) from None
+
+
+class OptimizerStepOutOfMemory(torch.OutOfMemoryError):
+    """Out of memory after the window's gradients were accumulated (unscale, clip or the optimizer's step).
+
+    Still an out-of-memory error to the probe; the run cannot redo such a window (the scaler has unscaled,
+    or some parameters have stepped), so it stops instead of lowering the micro-batch.
+    """
+
+
+def _apply_window(setup: Setup, window_loss: torch.Tensor, count: int, samples: int) -> StepResult:
+    """Unscale, clip, step, schedule and zero the accumulated gradients of one window."""
+    model = setup.model
+    if setup.scaler:
+        setup.scaler.unscale_(setup.optimizer)
+    clip = setup.plan.recipe.clip_grad_norm
+    if clip:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    else:  # the norm for the metrics, without clip_grad_norm_'s rescaling pass
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    loss_value, norm_value = float(window_loss), float(grad_norm)
+    finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+    if setup.scaler:
+        setup.scaler.step(setup.optimizer)  # skips the update itself when fp16 gradients overflowed
+        setup.scaler.update()
+        finite = math.isfinite(loss_value)
+    elif finite:  # a non-finite step never touches the weights (the run stops, or skips it)
+        setup.optimizer.step()
+    setup.scheduler.step()
+    setup.optimizer.zero_grad(set_to_none=True)
+    tokens = count if setup.plan.recipe.task == "language-modeling" else 0
+    syncs = setup.sync_counter.take() if setup.sync_counter else None
+    return StepResult(loss_value, norm_value, count, samples, tokens, finite, syncs)
+
+
+@torch.no_grad()
+def evaluate(setup: Setup, batch: int | None = None) -> dict | None:
+    """Mean loss (and accuracy) over the eval split, in batches of `batch` (default: the micro-batch)."""
+    dataset = setup.data.get("eval")
+    if dataset is None or len(dataset) == 0:
+        return None
+    model = setup.core
+    was_training = model.training
+    model.eval()
+    total_loss, total_count, correct = 0.0, 0, 0
+    batch = max(batch or setup.plan.micro_batch, 1)
+    for start in range(0, len(dataset), batch):
+        indices = torch.arange(start, min(start + batch, len(dataset)))
+        inputs, target = to_device(fetch(dataset, indices), setup.device, setup.dtype)
+        with setup.autocast():
+            output = model(inputs)
+        total_loss += float(setup.loss(output, target))
+        total_count += setup.loss.count(target)
+        if setup.plan.recipe.task == "classification":
+            correct += int((output.argmax(-1) == target).sum())
+    model.train(was_training)
+    result = {"eval_loss": total_loss / max(total_count, 1), "eval_items": total_count}
+    if setup.plan.recipe.task == "classification":
+        result["eval_accuracy"] = correct / max(total_count, 1)
+    return result
