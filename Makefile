@@ -9,12 +9,18 @@ RUN_DIR ?= runs/demo
 
 setup: $(STAMP)
 
-# The venv sees the interpreter's own packages, so a torch the user already has (CUDA or not) is kept;
-# only when there is none do we install the pinned CPU build (never a multi-GB CUDA wheel by accident).
+# The venv sees the interpreter's own packages, so a torch the user already has (CUDA or not) is kept.
+# With none, torch 2.14.1 + torchvision 0.29.1, the pair that imports together here (PyPI's torchvision does not
+# import beside the 2.13.0 CPU build; see the README). With a torch but no torchvision, the torchvision built for
+# that torch's release is tried, and removed again if it does not import (image data and ResNet-50 then say so).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.14.1" "torchvision==0.29.1"
+	$(BIN)/python -c "import torchvision" 2>/dev/null || { \
+	  $(BIN)/pip install -q --no-deps "torchvision==$$($(BIN)/python -c 'import torch; print("0.%d.*" % (int(torch.__version__.split(".")[1]) + 15))')" \
+	  && $(BIN)/python -c "import torchvision" 2>/dev/null; } || { $(BIN)/pip uninstall -q -y torchvision; \
+	  echo "warning: no torchvision imports beside this torch: image folders and resnet50 are unavailable"; }
+	$(BIN)/pip install -q -e ".[dev,plots,datasets,tensorboard,exports]"
 	touch $(STAMP)
 
 lint: $(STAMP)
