@@ -45,6 +45,9 @@ class Batch(Strict):
     per_device: int | None = Field(default=None, gt=0, description="per-device batch (also the BN batch)")
     accumulation: int | None = Field(default=None, gt=0, description="accumulation steps the paper used")
     device: str | None = None
+    sharding: Literal["none", "fsdp"] = Field(
+        default="none", description="fsdp: parameters, gradients and optimizer state sharded over the devices"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Batch:
@@ -129,6 +132,11 @@ class Data(Builder):
     train_size: int | None = Field(default=None, gt=0, description="training samples (sequences) per epoch")
     shuffle: bool = True
     drop_last: bool = True
+    # The shape of image samples: what an image-folder run resizes to, and what the probe builds when the data
+    # is not on this machine (defaults for the datasets the papers use come from the data's name).
+    image_size: int | None = Field(default=None, gt=0, description="image height and width in pixels")
+    channels: int | None = Field(default=None, gt=0, description="image channels (3 for RGB)")
+    classes: int | None = Field(default=None, gt=1, description="number of classes (classification)")
 
     @model_validator(mode="after")
     def _has_source(self) -> Data:
