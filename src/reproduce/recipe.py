@@ -137,6 +137,9 @@ class Data(Builder):
     image_size: int | None = Field(default=None, gt=0, description="image height and width in pixels")
     channels: int | None = Field(default=None, gt=0, description="image channels (3 for RGB)")
     classes: int | None = Field(default=None, gt=1, description="number of classes (classification)")
+    max_length: int | None = Field(
+        default=None, gt=0, description="longest sequence in tokens (variable-length text is truncated to it)"
+    )
 
     @model_validator(mode="after")
     def _has_source(self) -> Data:
