@@ -96,6 +96,7 @@ SEED_HELP = "Seed for initialisation, data order and dropout (default: the recip
 SKIP_HELP = "Skip optimizer steps whose loss or gradient is not finite, instead of stopping."
 CHECKPOINT_HELP = "Checkpoint every K optimizer steps (default: every 5 minutes, and at the end)."
 NPROC_HELP = "Processes (GPUs) on this machine: launches itself through torchrun (torch.distributed.run)."
+NO_NOISE_HELP = "Do not measure the gradient noise scale (metrics.jsonl noise_scale; it never changes the weights)."
 
 
 def _forwarded_args(source: Path, out: Path, values: dict[str, object], switches: dict[str, bool]) -> list[str]:
@@ -162,6 +163,7 @@ def run_command(
     headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log each step's metrics to OUT/tensorboard."),
+    no_noise_scale: bool = typer.Option(False, "--no-noise-scale", help=NO_NOISE_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
@@ -178,7 +180,7 @@ def run_command(
              "--max-steps": max_steps, "--seed": seed, "--checkpoint-every": checkpoint_every, "--memory": memory,
              "--gpu": gpu, "--meter": meter.value, "--headroom": headroom},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
-             "--tensorboard": tensorboard},
+             "--tensorboard": tensorboard, "--no-noise-scale": no_noise_scale},
         )
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
         print("launching: " + " ".join(command), flush=True)
@@ -214,7 +216,8 @@ def run_command(
         warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {size}: using {size}")
     if not world.is_main:  # the other ranks train quietly; rank 0 reports
         train(plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
-              checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data)
+              checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data,
+              noise_scale=not no_noise_scale)
         return
     reporter = RichReporter(warnings) if is_terminal() else PlainReporter(warnings)
     if tensorboard:  # metrics.jsonl stays the source of truth; TensorBoard gets the same scalars
@@ -224,6 +227,7 @@ def run_command(
     summary = train(
         plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
         checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, reporter=reporter, data=data,
+        noise_scale=not no_noise_scale,
     )
     final = summary["final"]
     line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s, final loss {final['loss']:.4f}"
@@ -232,6 +236,9 @@ def run_command(
     if "eval_loss" in final:
         line += f", eval loss {final['eval_loss']:.4f}"
     stdout.print(line)
+    noise = summary.get("noise_scale")
+    if noise and not noise.get("noted"):  # a run that cannot measure it said so at its start
+        stdout.print(f"noise scale: {noise['sentence']}", markup=False, soft_wrap=True)
     stdout.print(f"outputs in {out}: plan.yaml, metrics.jsonl, model.pt, summary.json, checkpoints/last.pt")
     if summary.get("plot"):
         stdout.print(summary["plot"], markup=False)

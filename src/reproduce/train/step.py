@@ -17,6 +17,7 @@ import torch
 
 from ..data.batches import LazyMicroBatch, fetch, to_device
 from .losses import SampleLoss
+from .noise import NoiseScale
 from .setup import Setup
 
 
@@ -37,6 +38,7 @@ class StepResult:
     tokens: int
     finite: bool
     grad_syncs: int | None = None
+    noise: dict | None = None  # the noise scale's fields for the metrics record (train/noise.py)
 
 
 def global_counts(setup: Setup, count: int, samples: int) -> tuple[int, int]:
@@ -48,16 +50,23 @@ def global_counts(setup: Setup, count: int, samples: int) -> tuple[int, int]:
     return int(totals[0]), int(totals[1])
 
 
-def optimizer_step(setup: Setup, micro_batches: list) -> StepResult:
-    """One optimizer step over a window of micro-batches: (inputs, targets) on the device, or LazyMicroBatch."""
+def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None = None) -> StepResult:
+    """One optimizer step over a window of micro-batches: (inputs, targets) on the device, or LazyMicroBatch.
+
+    `noise`, when given, measures the gradient noise scale on the way; it only reads the gradients.
+    """
     model, loss_fn = setup.model, setup.loss
     if isinstance(loss_fn, SampleLoss) and all(isinstance(m, LazyMicroBatch) for m in micro_batches):
-        local = samples = sum(len(m.indices) for m in micro_batches)  # every sample bears loss: no fetch needed
+        counts = [len(m.indices) for m in micro_batches]  # every sample bears loss: no fetch needed
+        local = samples = sum(counts)
     else:
         targets = [_targets(micro_batch) for micro_batch in micro_batches]
-        local, samples = sum(loss_fn.count(t) for t in targets), sum(len(t) for t in targets)
+        counts, samples = [loss_fn.count(t) for t in targets], sum(len(t) for t in targets)
+        local = sum(counts)
         del targets
     count, samples = global_counts(setup, local, samples)
+    if noise is not None:
+        noise.start_window(counts, count, samples)
     losses = []
     for index, micro_batch in enumerate(micro_batches):
         inputs, target = _load(micro_batch)
@@ -67,12 +76,14 @@ def optimizer_step(setup: Setup, micro_batches: list) -> StepResult:
             with setup.autocast():
                 loss = loss_fn(model(inputs), target) / max(count, 1)
             (setup.scaler.scale(loss) if setup.scaler else loss).backward()
+        if noise is not None:
+            noise.after_backward(index)
         losses.append(loss.detach())
     window_loss = torch.stack(losses).sum()
     if setup.ddp:  # the logged loss is the mean over the global window
         torch.distributed.all_reduce(window_loss)
     try:
-        return _apply_window(setup, window_loss, count, samples)
+        return _apply_window(setup, window_loss, count, samples, noise)
     except torch.OutOfMemoryError as error:
         raise OptimizerStepOutOfMemory(str(error)) from None
 
@@ -85,7 +96,8 @@ class OptimizerStepOutOfMemory(torch.OutOfMemoryError):
     """
 
 
-def _apply_window(setup: Setup, window_loss: torch.Tensor, count: int, samples: int) -> StepResult:
+def _apply_window(setup: Setup, window_loss: torch.Tensor, count: int, samples: int,
+                  noise: NoiseScale | None = None) -> StepResult:
     """Unscale, clip, step, schedule and zero the accumulated gradients of one window."""
     model = setup.model
     if setup.scaler:
@@ -97,6 +109,9 @@ def _apply_window(setup: Setup, window_loss: torch.Tensor, count: int, samples: 
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     loss_value, norm_value = float(window_loss), float(grad_norm)
     finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+    noise_fields = None
+    if noise is not None:  # the window's norm, unscaled and before clipping; the scale its backward passes used
+        noise_fields = noise.end_window(norm_value, finite, setup.scaler.get_scale() if setup.scaler else 1.0)
     if setup.scaler:
         setup.scaler.step(setup.optimizer)  # skips the update itself when fp16 gradients overflowed
         setup.scaler.update()
@@ -107,7 +122,7 @@ def _apply_window(setup: Setup, window_loss: torch.Tensor, count: int, samples: 
     setup.optimizer.zero_grad(set_to_none=True)
     tokens = count if setup.plan.recipe.task == "language-modeling" else 0
     syncs = setup.sync_counter.take() if setup.sync_counter else None
-    return StepResult(loss_value, norm_value, count, samples, tokens, finite, syncs)
+    return StepResult(loss_value, norm_value, count, samples, tokens, finite, syncs, noise_fields)
 
 
 @torch.no_grad()

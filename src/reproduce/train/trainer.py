@@ -24,6 +24,7 @@ from ..planner import Plan
 from . import distributed
 from .checkpoint import load_checkpoint, save_checkpoint
 from .distributed import World
+from .noise import NoiseScale, not_measured_reason, summarise
 from .setup import build, resolve_device
 from .step import OptimizerStepOutOfMemory, evaluate, optimizer_step
 from .windows import smaller_micro_batch, window
@@ -150,10 +151,12 @@ def train(
     dtype: torch.dtype = torch.float32,
     reporter: Reporter | None = None,
     data: dict | None = None,
+    noise_scale: bool = True,
 ) -> dict:
     """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `out`.
 
-    Under torchrun every rank trains its share of each window; rank 0 alone writes.
+    Under torchrun every rank trains its share of each window; rank 0 alone writes. `noise_scale` measures the
+    gradient noise scale on the way (train/noise.py); it never changes the weights.
     """
     out = Path(out)
     reporter = reporter or SilentReporter()
@@ -177,8 +180,11 @@ def train(
     total = plan.optimizer_steps if max_steps is None else min(max_steps, plan.optimizer_steps)
     checkpoint_path = out / "checkpoints" / "last.pt"
     first_step, metrics_offset, micro_batch = 0, 0, plan.micro_batch
+    noise = NoiseScale(setup) if noise_scale else None
     if resume:
         state = load_checkpoint(setup, checkpoint_path)
+        if noise is not None and state["extra"].get("noise_scale"):
+            noise.load_state_dict(state["extra"]["noise_scale"])
         first_step, metrics_offset = state["step"], state["metrics_offset"]
         saved_seed = state["extra"].get("seed", seed)
         if asked_seed is not None and asked_seed != saved_seed:
@@ -199,6 +205,9 @@ def train(
     last_checkpoint = time.perf_counter()
     for note in setup.notes:
         reporter.message(f"note: {note}")
+    unmeasured = not_measured_reason(world.size, plan.per_rank_batch // micro_batch) if noise else None
+    if unmeasured:
+        reporter.message(f"note: noise scale not measured: {unmeasured}")
     reporter.start(plan, total, first_step)
     started = time.perf_counter()
     counters = {"samples": 0, "tokens": 0, "partial_windows": 0, "skipped_nonfinite": 0, "out_of_memory": 0}
@@ -221,7 +230,7 @@ def train(
                 indices, partial = window(plan, size, step, seed, setup.rank, micro_batch)
                 micro_batches = [LazyMicroBatch(train_set, i, setup.device, dtype) for i in indices]
                 try:
-                    result = optimizer_step(setup, micro_batches)
+                    result = optimizer_step(setup, micro_batches, noise)
                     break
                 except OptimizerStepOutOfMemory as error:
                     raise TrainingStopped(
@@ -282,6 +291,8 @@ def train(
             }
             if result.grad_syncs is not None:
                 record["grad_syncs"] = result.grad_syncs
+            if result.noise:
+                record.update(result.noise)
             done = step + 1 == total
             if main and ((eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end)):
                 evaluation = evaluate(setup, micro_batch)
@@ -294,8 +305,10 @@ def train(
                 time.perf_counter() - last_checkpoint >= CHECKPOINT_SECONDS)
             received = stop.agreed(world, setup.device) if not done else None
             if main and (due or done or received):
-                save_checkpoint(setup, checkpoint_path, step + 1, metrics.offset(),
-                                {"seed": seed, "micro_batch": micro_batch})
+                extra = {"seed": seed, "micro_batch": micro_batch}
+                if noise is not None:
+                    extra["noise_scale"] = noise.state_dict()
+                save_checkpoint(setup, checkpoint_path, step + 1, metrics.offset(), extra)
                 last_checkpoint = time.perf_counter()
             if received:
                 distributed.barrier(world)
@@ -308,6 +321,8 @@ def train(
     finally:
         stop.__exit__()
         metrics.close()
+        if noise is not None:
+            noise.close()
         if flush_denormals:
             torch.set_flush_denormal(False)
 
@@ -327,6 +342,9 @@ def train(
         "data": setup.data.get("info", {}),
         "notes": setup.notes,
     }
+    if main and noise is not None:  # from metrics.jsonl: the steps before a resume count too
+        summary["noise_scale"] = summarise(read_metrics(out / "metrics.jsonl"), total, plan.recipe.task, noise.ema,
+                                           unmeasured)
     if main:
         torch.save(setup.core.state_dict(), out / "model.pt")
         write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
