@@ -44,13 +44,13 @@ PYSOURCE = {  # the built-in GPT (one small layer) on ~1,800 windows of the stan
 }
 
 
-def frozen_run(recipe_data: dict, micro_batch: int, steps: int):
+def frozen_run(recipe_data: dict, micro_batch: int, steps: int, dtype: torch.dtype = torch.float64):
     """`steps` optimizer steps of the run's own step machinery with the learning rate at 0: the weights stay
     fixed (checked bitwise), so every window samples the same gradient distribution."""
     recipe = parse_recipe(recipe_data)
     data = build_data(recipe)
     the_plan = plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
-    setup = build(the_plan, torch.device("cpu"), torch.float64, data=data)
+    setup = build(the_plan, torch.device("cpu"), dtype, data=data)
     for group in setup.optimizer.param_groups:
         group["lr"] = 0.0
     setup.scheduler.base_lrs = [0.0] * len(setup.scheduler.base_lrs)
@@ -74,8 +74,8 @@ def definition(model: torch.nn.Module, dataset, loss_of, chunk: int = 64) -> tup
     total, squares, n = 0.0, 0.0, len(dataset)
     for start in range(0, n, chunk):
         inputs, targets = fetch(dataset, torch.arange(start, min(start + chunk, n)))
-        inputs = inputs.double() if inputs.is_floating_point() else inputs
-        flat = torch.cat([g.flatten(1) for g in per_item(params, inputs, targets).values()], dim=1)
+        inputs = inputs.to(next(model.parameters()).dtype) if inputs.is_floating_point() else inputs
+        flat = torch.cat([g.flatten(1) for g in per_item(params, inputs, targets).values()], dim=1).double()
         total = total + flat.sum(0)
         squares += float((flat**2).sum())
     mean = total / n
@@ -97,14 +97,14 @@ def test_estimate_agrees_with_the_definition_for_a_classifier():
 def test_estimate_agrees_with_the_definition_for_a_language_model_in_tokens():
     """Items are tokens, drawn in sequences of 32: the definition's items are the sequences the run samples (the
     per-sequence gradient of its mean token loss), and the noise scale is counted in tokens (x 32)."""
-    model, dataset, records = frozen_run(PYSOURCE, micro_batch=8, steps=60)
+    model, dataset, records = frozen_run(PYSOURCE, micro_batch=8, steps=60, dtype=torch.float32)
 
     def sequence_loss(logits, target):
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
     grad_sq, trace = definition(model, dataset, sequence_loss)
     exact = SEQUENCE * trace / grad_sq
-    assert records[-1]["noise_b_small"] == 8 * SEQUENCE  # B_small in tokens: one micro-batch of 8 sequences
+    assert records[-1]["noise_b_small"] == 64 * SEQUENCE / 5  # in tokens: 8 micro-batches make 5 groups
     assert records[-1]["noise_scale"] == pytest.approx(exact, rel=0.15)
     assert sum(r["noise_trace"] for r in records) / len(records) == pytest.approx(SEQUENCE * trace, rel=0.08)
 
@@ -115,9 +115,30 @@ def micro_batch_gradients(model, micro_batches, loss_fn) -> tuple[list[torch.Ten
     for inputs, target in micro_batches:
         model.zero_grad()
         loss_fn(model(inputs), target).backward()
-        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]).double())
         counts.append(loss_fn.count(target))
     return gradients, counts
+
+
+def window_estimates(model, loss_fn, ranks: list[list], population: float) -> dict:
+    """What one window's record must hold, from plain autograd on each rank's micro-batches: the first half of a
+    rank's micro-batches is one group, each of the last half a group of its own (train/noise.py, HOOKED_SHARE)."""
+    groups = []
+    for micro_batches in ranks:
+        gradients, counts = micro_batch_gradients(model, micro_batches, loss_fn)
+        first = len(gradients) - max(1, len(gradients) // 2)
+        if first:
+            groups.append((sum(gradients[:first]), sum(counts[:first])))
+        groups += list(zip(gradients[first:], counts[first:], strict=True))
+    b_big = sum(b for _, b in groups)
+    big = sum(g for g, _ in groups) / b_big
+    small_sq = sum(b / b_big * float((g / b).square().sum()) for g, b in groups)  # B_small = B_big / K
+    grad_sq, trace = estimates(small_sq, float(big.square().sum()), b_big / len(groups), b_big, population)
+    # the trace estimate is the items-weighted variance of the groups' gradients: never negative
+    weighted = sum(b / b_big * float((g / b - big).square().sum()) for g, b in groups)
+    assert trace == pytest.approx(weighted * b_big / (len(groups) - 1), rel=1e-9)
+    return {"items": b_big, "groups": [b for _, b in groups], "noise_b_small": b_big / len(groups),
+            "noise_grad_sq": grad_sq, "noise_trace": trace}
 
 
 @pytest.mark.parametrize("case", ["tokens-of-different-lengths", "partial-window"])
@@ -138,20 +159,12 @@ def test_one_window_is_exactly_the_formulas_on_its_micro_batches(case, tmp_path)
         optimizer_step(setup, [LazyMicroBatch(data["train"], i, setup.device, setup.dtype) for i in indices])
     indices, _ = window(the_plan, len(data["train"]), step, recipe.seed)
     loads = [LazyMicroBatch(data["train"], i, setup.device, setup.dtype).load() for i in indices]
-    gradients, counts = micro_batch_gradients(setup.core, loads, setup.loss)
-    b_big, items_per_sample = sum(counts), sum(counts) / sum(len(i) for i in indices)
-    pairs = list(zip(gradients, counts, strict=True))
-    small_sq = sum(b / b_big * float((g / b).square().sum()) for g, b in pairs)  # B_small = B_big / K
-    big = sum(gradients) / b_big
-    big_sq = float(big.square().sum())
-    grad_sq, trace = estimates(small_sq, big_sq, b_big / len(counts), b_big, len(data["train"]) * items_per_sample)
-    assert len(set(counts)) > 1 and record["items"] == b_big
-    assert record["noise_b_small"] == pytest.approx(b_big / len(counts), rel=1e-12)
-    assert record["noise_trace"] == pytest.approx(trace, rel=1e-9)
-    assert record["noise_grad_sq"] == pytest.approx(grad_sq, rel=1e-9)
-    # the trace estimate is the items-weighted variance of the micro-batch gradients: never negative
-    weighted = sum(b / b_big * float((g / b - big).square().sum()) for g, b in pairs)
-    assert trace == pytest.approx(weighted * b_big / (len(counts) - 1), rel=1e-9)
+    items_per_sample = record["items"] / sum(len(i) for i in indices)
+    expected = window_estimates(setup.core, setup.loss, [loads], len(data["train"]) * items_per_sample)
+    assert len(expected["groups"]) == 3 and len(set(expected["groups"])) > 1  # groups of different sizes
+    assert record["items"] == expected["items"]
+    for key in ("noise_b_small", "noise_trace", "noise_grad_sq"):
+        assert record[key] == pytest.approx(expected[key], rel=1e-9), key
 
 
 def test_measuring_never_changes_the_weights(tmp_path):
@@ -165,7 +178,8 @@ def test_measuring_never_changes_the_weights(tmp_path):
     assert all(torch.equal(on[k], off[k]) for k in on)
     with_noise, without = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("on", "off"))
     assert [(r["loss"], r["grad_norm"]) for r in with_noise] == [(r["loss"], r["grad_norm"]) for r in without]
-    assert all("noise_scale" in r for r in with_noise) and not any("noise_scale" in r for r in without)
+    assert all("noise_trace" in r for r in with_noise)  # measured at every step
+    assert not any(key.startswith("noise") for r in without for key in r)
     summary_off = json.loads((tmp_path / "off" / "summary.json").read_text())
     assert "noise_scale" not in summary_off
 
@@ -205,7 +219,8 @@ def test_resume_continues_the_average(tmp_path):
     train(the_plan, tmp_path / "split", device="cpu", data=data, max_steps=3)
     split = train(the_plan, tmp_path / "split", device="cpu", data=data, resume=True)
     full = json.loads((tmp_path / "full" / "summary.json").read_text())
-    noise_of = lambda name: [r["noise_scale"] for r in read_metrics(tmp_path / name / "metrics.jsonl")]  # noqa: E731
+    noise_of = lambda name: [(r.get("noise_scale"), r["noise_trace"], r["noise_grad_sq"])  # noqa: E731
+                             for r in read_metrics(tmp_path / name / "metrics.jsonl")]
     assert noise_of("split") == noise_of("full")
     assert split["noise_scale"] == full["noise_scale"]  # the last tenth read back from metrics.jsonl, both halves
 
@@ -217,7 +232,8 @@ def test_run_reports_it_and_check_thresholds_it(tmp_path, capsys):
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())["noise_scale"]
-    assert summary["unit"] == "samples" and summary["effective_batch"] == 256 and summary["small_batch"] == 32
+    assert summary["unit"] == "samples" and summary["effective_batch"] == 256
+    assert summary["small_batch"] == 256 / 5  # 32 x 8: the first 4 micro-batches one group, the last 4 one each
     assert summary["measured_steps"] == 20 and summary["last_tenth_steps"] == [19, 20]
     assert summary["final"] == read_metrics(out / "metrics.jsonl")[-1]["noise_scale"] > 0
     line = next(line for line in printed.splitlines() if line.startswith("noise scale: "))
@@ -282,16 +298,23 @@ def test_the_formulas_recover_what_they_estimate():
     assert estimates(paper(16), paper(256), 16, 256) == pytest.approx((grad_sq, trace), rel=1e-12)
 
 
-def test_two_processes_measure_what_one_process_does(tmp_path):
-    """DDP: each rank's micro-batch norms are taken before the gradient synchronisation (also on the last,
-    synchronising micro-batch) and summed over ranks: 16 x 2 x 2 gives the estimates of 16 x 4 on one process."""
-    from test_distributed import reproduce_run, reproduce_run_here
+def test_two_processes_measure_each_ranks_gradient_before_synchronisation(tmp_path):
+    """DDP, 16 x 4 x 2: on each rank the first two micro-batches (no_sync) are one group measured from `.grad`, the
+    third and the fourth (which synchronises) are measured by the hooks before their all-reduce; six groups from
+    two ranks, summed over them. The record must be the formulas on those local gradients, computed here."""
+    from test_distributed import reproduce_run
 
-    recipe = digits_recipe(SGD, effective=64, steps=4, data={"shuffle": True})
-    reproduce_run(recipe, tmp_path, "two", "--micro-batch-max", "16", "--nproc-per-node", "2")
-    reproduce_run_here(recipe, tmp_path, "one", "--micro-batch-max", "16")
-    two, one = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("two", "one"))
-    assert [r["accumulation_steps"] for r in two] == [2] * 4 and [r["accumulation_steps"] for r in one] == [4] * 4
-    for key in ("noise_grad_sq", "noise_trace", "noise_b_small", "noise_scale"):
-        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-4), key
-    assert all(r["grad_syncs"] == 1 for r in two)  # measuring adds no gradient synchronisation
+    recipe_data = digits_recipe(SGD, effective=128, steps=1)  # no shuffling: rank r takes samples 64r .. 64r + 63
+    reproduce_run(recipe_data, tmp_path, "two", "--micro-batch-max", "16", "--nproc-per-node", "2")
+    record = read_metrics(tmp_path / "two" / "metrics.jsonl")[0]
+    assert record["accumulation_steps"] == 4 and record["grad_syncs"] == 1  # measuring adds no synchronisation
+    recipe = parse_recipe(recipe_data)
+    data = build_data(recipe)
+    the_plan = plan(recipe, micro_batch_max=16, world_size=2, dataset_size=len(data["train"]))
+    setup = build(the_plan, torch.device("cpu"), torch.float32, data=data)  # every rank's initial weights
+    ranks = [[fetch(data["train"], torch.arange(start, start + 16)) for start in range(64 * rank, 64 * rank + 64, 16)]
+             for rank in range(2)]
+    expected = window_estimates(setup.core, setup.loss, ranks, len(data["train"]))
+    assert expected["groups"] == [32, 16, 16, 32, 16, 16]
+    for key in ("noise_b_small", "noise_trace", "noise_grad_sq"):
+        assert record[key] == pytest.approx(expected[key], rel=1e-4), key

@@ -8,17 +8,21 @@ the squared norms of a small and a big batch gradient give unbiased estimates of
     |G|^2     ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
     tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
 
-Accumulation computes both anyway. B_big is the window, the effective batch: |G_big| is the norm the step takes
-(unscaled, before clipping). The small batches are the window's micro-batches, on every rank: a hook on each
-parameter sees the gradient of the current micro-batch's backward before it is added into `.grad`, and adds its
-squared norm to a running sum (a reduction per parameter, no copy of any gradient). |G_small|^2 is the average of
-the K micro-batches' squared norms (weighted by their items, with B_small = B_big / K): the paper's data-parallel
-recipe (each device's norm before the all-reduce, averaged), with micro-batches as the devices. Under DDP the hook
-runs before the synchronisation too (DDP reduces after a gradient is accumulated), so it sees each rank's local
-micro-batch, and one sum over ranks joins them. Averaging all K rather than taking one small batch cancels the
-term 2 G.(noise) that |G_small|^2 and |G_big|^2 share: the tr(Sigma) estimate becomes the items-weighted variance
-of the micro-batch gradients, never negative, and many times steadier (bench/noise_scale.py). With one process
-and one micro-batch per step there is no small batch: no estimate (the run says so once).
+Accumulation computes both anyway, with no extra pass and no copy of any gradient. B_big is the window, the
+effective batch: |G_big| is the norm the step takes (unscaled, before clipping). The small batches are groups of
+the window's micro-batches on each rank. The first half of a rank's micro-batches is one group: right after their
+backward passes `.grad` holds their summed gradient (it starts empty), so one fused norm measures it. Each of the
+last half is a group of its own: a hook on every parameter sees the gradient of the running backward before it is
+added into `.grad`, and takes its squared norm (one reduction, no copy). Under DDP the hooks run before the
+synchronisation too (DDP reduces a gradient after it is accumulated), and the first half never synchronises
+(`no_sync`), so every group is one rank's local gradient; a sum over ranks joins them. |G_small|^2 is the average
+of the K groups' squared norms weighted by their items, with B_small = B_big / K (then E|G_small|^2 = |G|^2 +
+tr(Sigma) / B_small exactly): the paper's data-parallel recipe (each device's norm before the all-reduce,
+averaged), with groups of micro-batches as the devices. Averaging K groups that make up the window, rather than
+taking one small batch, cancels the term 2 G.(noise) that |G_small|^2 and |G_big|^2 share: the tr(Sigma) estimate
+becomes the items-weighted variance of the groups' gradients, never negative and many times steadier (one small
+batch: 325% spread per window on the language model of tests/test_noise_scale.py; 5 groups: 30%). With one
+process and one micro-batch per step there is no smaller batch: no estimate (the run says so once).
 
 The formulas assume batches drawn with replacement (or from endless data). A run draws each window without
 replacement from a training set of n items, which shrinks a batch's variance by (1 - B/n): E|G_B|^2 = |G|^2 +
@@ -45,6 +49,15 @@ import torch
 # few percent, while the mean age of what it averages, b / (1 - b) = 19 optimizer steps, stays short next to how
 # the noise scale drifts in training (it grows as the loss falls, over hundreds of steps).
 EMA_FACTOR = 0.95
+
+# The share of a window's micro-batches (its last ones, at least one) whose norms the parameter hooks take one by
+# one; the micro-batches before them form one more group, measured from `.grad` after their backward passes with
+# one fused norm. A hooked micro-batch costs a reduction per parameter tensor inside its backward, about 1.5-2% of
+# that backward for the built-in GPT on a CPU (bench/noise_scale.py), so half of them keeps a step under 1%. The
+# N/2 + 1 groups cancel the 2 G.noise term all the same; fewer groups leave the tr(Sigma) estimate noisier: on
+# the digits MLP with N = 8, its spread per window is 15% with every micro-batch on its own, 19% with 5 groups
+# (this share), 29% with 3 and 41% with 2, against 44% for the first micro-batch alone.
+HOOKED_SHARE = 0.5
 
 
 def estimates(small_sq: float, big_sq: float, b_small: float, b_big: float,
@@ -81,8 +94,8 @@ class Window:
     b_big: int
     population: float | None  # the training set's items, for the finite-population correction
     parameters: list[torch.Tensor] = field(default_factory=list)  # |h|^2 per parameter, of the running backward
-    micro_batches: list[torch.Tensor] = field(default_factory=list)  # |h_i|^2 of each micro-batch i with items
-    weights: list[float] = field(default_factory=list)  # B_big / b_i: |g_i|^2 = |h_i|^2 (B_big / b_i)^2
+    groups: list[torch.Tensor] = field(default_factory=list)  # |h_k|^2 of each group k of micro-batches with items
+    weights: list[float] = field(default_factory=list)  # B_big / b_k: |g_k|^2 = |h_k|^2 (B_big / b_k)^2
 
 
 class NoiseScale:
@@ -94,14 +107,14 @@ class NoiseScale:
     `noise_b_small` (B_small in items).
     """
 
-    def __init__(self, setup: Any, ema: float = EMA_FACTOR):
-        self.setup, self.ema = setup, ema
+    def __init__(self, setup: Any, ema: float = EMA_FACTOR, hooked_share: float = HOOKED_SHARE):
+        self.setup, self.ema, self.hooked_share = setup, ema, hooked_share
         self.dataset_size = len(setup.data["train"])
         self.window: Window | None = None
         self.sink = None  # the running window's `parameters.append`: the hooks' one attribute to look up
         self.grad_sq = self.trace = self.weight = 0.0  # EMA sums; weight = 1 - ema^k, the bias correction
         self.measured = 0
-        self.first_from_grad = False
+        self.prefix = 0  # the window's first micro-batches, measured together from `.grad` after the last of them
         self.watched = self.parameters_to_watch()
         self.hooks = [p.register_hook(self._gradient) for p in self.watched]
 
@@ -129,12 +142,13 @@ class NoiseScale:
         samples over all ranks (items per sample x the training set's samples = its items, for token counts)."""
         population = self.dataset_size * count / samples if samples else None
         self.window = Window(list(counts), count, population)
-        # The first micro-batch's gradient is what `.grad` holds right after its backward, when `.grad` starts
-        # empty (the run zeroes it with set_to_none) and that backward does not synchronise (DDP: N > 1): then one
-        # fused norm after it replaces its hooks. Otherwise the hooks take it too.
-        self.first_from_grad = (not (self.setup.ddp and len(counts) == 1)
-                                and all(p.grad is None for p in self.watched))
-        self.sink = None if self.first_from_grad else self.window.parameters.append
+        # The first micro-batches' summed gradient is what `.grad` holds right after their backward passes, when
+        # `.grad` starts empty (the run zeroes it with set_to_none): one fused norm then, no hooks. The last
+        # `hooked` micro-batches (DDP: always the synchronising last one) are measured one by one by the hooks.
+        hooked = max(1, int(len(counts) * self.hooked_share))
+        empty = all(p.grad is None for p in self.watched)
+        self.prefix = len(counts) - hooked if empty else 0
+        self.sink = None if self.prefix else self.window.parameters.append
 
     def _gradient(self, grad: torch.Tensor) -> None:
         """A parameter's gradient from the current backward, before it is accumulated (and, under DDP, reduced).
@@ -149,16 +163,19 @@ class NoiseScale:
         window = self.window
         if window is None:
             return
-        if index == 0 and self.first_from_grad:
+        if index < self.prefix - 1:  # the first micro-batches accumulate into one group
+            return
+        if index == self.prefix - 1:
             grads = [p.grad for p in self.watched if p.grad is not None]
             norms = [torch.nn.utils.get_total_norm(grads).double().square()] if grads else []
+            items = sum(window.counts[: self.prefix])
             self.sink = window.parameters.append  # the hooks take the next micro-batches
         else:
             norms = window.parameters[:]
             window.parameters.clear()  # in place: the hooks append to this list
-        items = window.counts[index] if index < len(window.counts) else 0
+            items = window.counts[index] if index < len(window.counts) else 0
         if items and norms:  # without loss-bearing items (or hooks that saw no gradient) there is nothing to weigh
-            window.micro_batches.append(torch.stack(norms).sum())
+            window.groups.append(torch.stack(norms).sum())
             window.weights.append(window.b_big / items)
 
     def end_window(self, big_norm: float, finite: bool, scale: float = 1.0) -> dict:
@@ -185,19 +202,19 @@ class NoiseScale:
     def _estimate(self, window: Window, big_norm: float, finite: bool, scale: float):
         device = self.setup.device
         small = torch.zeros((), dtype=torch.float64, device=device)  # sum over i of (B_big / b_i) |h_i|^2
-        if window.micro_batches:
-            squares = torch.stack(window.micro_batches).double()
+        if window.groups:
+            squares = torch.stack(window.groups).double()
             small = (squares * torch.tensor(window.weights, dtype=torch.float64, device=device)).sum()
-        micro_batches = float(len(window.micro_batches))
+        groups = float(len(window.groups))
         if self.setup.ddp:  # every rank's micro-batches: the sum of the sums, and of their number
-            totals = torch.stack([small, torch.tensor(micro_batches, dtype=torch.float64, device=device)])
+            totals = torch.stack([small, torch.tensor(groups, dtype=torch.float64, device=device)])
             torch.distributed.all_reduce(totals)
-            small, micro_batches = totals.tolist()
-        if micro_batches < 2 or not finite:
+            small, groups = totals.tolist()
+        if groups < 2 or not finite:
             return None
         small_sq = float(small) / scale**2
         b_big = window.b_big
-        b_small = b_big / micro_batches
+        b_small = b_big / groups
         grad_sq, trace = estimates(small_sq, big_norm**2, b_small, b_big, window.population)
         if not (math.isfinite(grad_sq) and math.isfinite(trace)):
             return None
