@@ -1,7 +1,7 @@
 """The gradient noise scale of the built-in recipes over a run, beside their effective batch, and what measuring it
 costs in time and memory.
 
-    python bench/noise_scale.py [--pairs 40] [--run-steps-gpt 300] [--skip-runs]
+    python bench/noise_scale.py [--pairs 40] [--run-steps-gpt 300] [--skip-runs] [--definition]
 
 1. The run: `reproduce run`'s `train()` over each built-in recipe (papers/digits-mlp.yaml, 32 x 8, and
    papers/pysource-gpt.yaml, 16 x 4), its noise scale every tenth of the run, the summary's value over the last
@@ -18,6 +18,10 @@ costs in time and memory.
    GPT.
 3. Memory: the peak of one optimizer step with and without the measurement (after a warm-up step), every tensor
    storage counted by the CPU tracker (`reproduce.probe.tracker.MemoryTracker`, 512 B blocks). Goal: none extra.
+4. `--definition`: what a language model's noise scale in tokens means. The tests' small GPT on ~1,800 windows of
+   32 tokens of Python source, weights fixed: the run's estimate against tr(Sigma) / |G|^2 from exact gradients
+   (`torch.func`) of every sequence (the items the run draws, their mean token loss; x 32 to count tokens) and of
+   every token alone (as if tokens were drawn one by one).
 
 One torch thread, so timings repeat on a shared machine.
 """
@@ -32,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
@@ -40,7 +45,7 @@ from reproduce.data import build_data  # noqa: E402
 from reproduce.data.batches import LazyMicroBatch  # noqa: E402
 from reproduce.planner import plan  # noqa: E402
 from reproduce.probe.tracker import MemoryTracker  # noqa: E402
-from reproduce.recipe import load_recipe  # noqa: E402
+from reproduce.recipe import load_recipe, parse_recipe  # noqa: E402
 from reproduce.train import noise as noise_module  # noqa: E402
 from reproduce.train.setup import build  # noqa: E402
 from reproduce.train.step import optimizer_step  # noqa: E402
@@ -191,11 +196,68 @@ def memory(name: str, path: str, micro: int) -> None:
           f"{with_noise - without:+d} B |", flush=True)
 
 
+def definition(steps: int = 100) -> None:
+    from torch.func import functional_call, grad, jacrev, vmap
+
+    from reproduce.data.batches import fetch
+
+    length = 32
+    recipe = parse_recipe({
+        "batch": {"effective": 64 * length, "unit": "tokens", "sequence_length": length},
+        "task": "language-modeling", "model": {"builtin": "gpt", "kwargs": {"layers": 1, "heads": 2, "dim": 32}},
+        "data": {"builtin": "pysource", "kwargs": {"max_bytes": 60_000, "validation_every": 3}, "shuffle": True},
+        "optimizer": {"name": "sgd", "lr": 0.1}, "schedule": {"total": {"steps": 1000}},
+    })
+    data = build_data(recipe)
+    train_set = data["train"]
+    the_plan = plan(recipe, micro_batch_max=8, dataset_size=len(train_set))
+    setup = build(the_plan, torch.device("cpu"), data=data)
+    for group in setup.optimizer.param_groups:  # the learning rate at 0: the weights stay where they are
+        group["lr"] = 0.0
+    setup.scheduler.base_lrs = [0.0] * len(setup.scheduler.base_lrs)
+    monitor = noise_module.NoiseScale(setup)
+    records = []
+    for step in range(steps):
+        indices, _ = window(the_plan, len(train_set), step, recipe.seed)
+        batches = [LazyMicroBatch(train_set, i, setup.device, setup.dtype) for i in indices]
+        records.append(optimizer_step(setup, batches, monitor).noise)
+    monitor.close()
+    model = setup.core
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def token_losses(p, tokens, target):
+        return F.cross_entropy(functional_call(model, p, (tokens.unsqueeze(0),))[0], target, reduction="none")
+
+    per_sequence = vmap(grad(lambda p, x, y: token_losses(p, x, y).mean()), in_dims=(None, 0, 0))
+    per_token = vmap(jacrev(token_losses), in_dims=(None, 0, 0))
+    total, sequence_squares, token_squares, n = 0.0, 0.0, 0.0, len(train_set)
+    for start in range(0, n, 64):
+        inputs, targets = fetch(train_set, torch.arange(start, min(start + 64, n)))
+        flat = torch.cat([g.flatten(1) for g in per_sequence(params, inputs, targets).values()], 1).double()
+        total, sequence_squares = total + flat.sum(0), sequence_squares + float((flat**2).sum())
+        tokens = torch.cat([g.flatten(2) for g in per_token(params, inputs, targets).values()], 2).double()
+        token_squares += float((tokens**2).sum())
+    mean = total / n
+    grad_sq = float(mean @ mean)
+    by_sequence = length * (sequence_squares - n * grad_sq) / (n - 1) / grad_sq
+    by_token = (token_squares - n * length * grad_sq) / (n * length - 1) / grad_sq
+    measured = [r for r in records if "noise_trace" in r]
+    ratio = statistics.fmean(r["noise_trace"] for r in measured) / statistics.fmean(r["noise_grad_sq"]
+                                                                                    for r in measured)
+    print(f"\n## What a noise scale in tokens means: {n} sequences of {length} tokens, weights fixed, {steps} windows "
+          f"of {the_plan.arithmetic}")
+    print(f"exact, per sequence drawn (x {length}): {by_sequence:.1f} tokens; exact, per token drawn alone: "
+          f"{by_token:.1f} tokens")
+    print(f"the run's estimate: EMA at the end {records[-1]['noise_scale']:.1f}, ratio of the mean estimates over "
+          f"the {len(measured)} windows {ratio:.1f} tokens")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=40, help="optimizer steps with and without, alternating")
     parser.add_argument("--run-steps-gpt", type=int, default=None, help="steps of the GPT run (default: all 300)")
     parser.add_argument("--skip-runs", action="store_true", help="only the cost")
+    parser.add_argument("--definition", action="store_true", help="also the exact definition in tokens (slow)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # as `reproduce run` does on a CPU
@@ -213,11 +275,12 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     for name, (path, micro) in CASES.items():
         memory(name, path, micro)
-    if args.skip_runs:
-        return
-    print("\n## The noise scale over each recipe's run")
-    for name, (path, micro) in CASES.items():
-        run_over_recipe(name, path, micro, args.run_steps_gpt if name == "gpt" else None)
+    if not args.skip_runs:
+        print("\n## The noise scale over each recipe's run")
+        for name, (path, micro) in CASES.items():
+            run_over_recipe(name, path, micro, args.run_steps_gpt if name == "gpt" else None)
+    if args.definition:
+        definition()
 
 
 if __name__ == "__main__":
