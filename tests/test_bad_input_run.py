@@ -67,6 +67,8 @@ CASES = [
     ("resume-without-checkpoint", RUNNABLE, ["--resume"], "--resume:"),
     ("several-nodes-without-rendezvous", RUNNABLE, ["--nproc-per-node", "2", "--nnodes", "2"],
      "--rdzv-endpoint: required"),
+    ("no-noise-scale-takes-no-value", RUNNABLE, ["--no-noise-scale=yes"],
+     "Option '--no-noise-scale' does not take a value"),
 ]
 
 

@@ -318,3 +318,16 @@ def test_two_processes_measure_each_ranks_gradient_before_synchronisation(tmp_pa
     assert expected["groups"] == [32, 16, 16, 32, 16, 16]
     for key in ("noise_b_small", "noise_trace", "noise_grad_sq"):
         assert record[key] == pytest.approx(expected[key], rel=1e-4), key
+
+
+def test_no_noise_scale_reaches_every_process_torchrun_starts(tmp_path, monkeypatch):
+    import reproduce.cli.run as run_module
+
+    launched = []
+    monkeypatch.setattr(run_module, "_launch", lambda command: launched.append(command) or 0)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "papers/digits-mlp.yaml", "--micro-batch-max", "16", "--out", str(tmp_path / "out"),
+              "--nproc-per-node", "2", "--no-noise-scale"])
+    assert exit_info.value.code == 0
+    command = launched[0]
+    assert command[command.index("run"):].count("--no-noise-scale") == 1
