@@ -1,6 +1,7 @@
 """What can run here, decided without importing torch: the built-in names, and `why_not_runnable(recipe)`.
 
-`reproduce.models.MODELS` and `reproduce.data.DATA` are the real registries; a test keeps these names equal to them.
+`reproduce.models.MODELS`, `reproduce.models.LOSSES` and `reproduce.data.DATA` are the real registries; a test keeps
+these names equal to them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .recipe import Recipe
 
-MODELS = ("mlp", "cnn-bn", "cnn-gn", "gpt")
+MODELS = (
+    "mlp", "cnn-bn", "cnn-gn", "gpt",  # the small built-ins (reproduce.models.small)
+    # the papers' architectures (reproduce.models.architectures)
+    "resnet50", "vit-b16", "deit-b", "mae-vit-large-patch16", "gpt2-124m", "gpt3-small", "gpt2-medium", "gpt-char",
+    "bert-base", "roberta-base", "llama-7b",
+)
+LOSSES = ("mae-masked-pixel-mse",)
 DATA = ("digits", "pysource")
 TORCH_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "adafactor")
 
@@ -54,14 +61,18 @@ def why_not_runnable(recipe: Recipe) -> str | None:
             return "transformers is not installed"
         if not hf_model_local(model.hf):
             return f"Hugging Face model {model.hf!r} is not on this machine"
+    if getattr(model, "lora", None) is not None and not _module_found("peft:get_peft_model"):
+        return "peft is not installed (model.lora)"
     if not data.available:
         return f"data {data.name} not available"
     if data.builtin is not None and data.builtin not in DATA:
         return f"no built-in data {data.builtin}"
     if data.factory is not None and not _module_found(data.factory):
         return f"data factory {data.factory!r} not importable"
-    if recipe.loss is not None and recipe.loss.factory is None:
+    if recipe.loss is not None and recipe.loss.builtin is not None and recipe.loss.builtin not in LOSSES:
         return f"no built-in loss {recipe.loss.builtin}"
+    if recipe.loss is not None and recipe.loss.factory is not None and not _module_found(recipe.loss.factory):
+        return f"loss factory {recipe.loss.factory!r} not importable"
     if recipe.optimizer.name not in TORCH_OPTIMIZERS:
         return f"no PyTorch {recipe.optimizer.name} optimizer"
     return None
