@@ -37,8 +37,10 @@ def test_papers_command_imports_no_torch():
     assert out.strip() == "False"
 
 
-def test_list_shows_every_recipe_and_where_it_runs(capsys):
+def test_list_shows_every_recipe_and_where_it_runs(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path))  # the parameter counts are computed, then cached
     code, out, err = run_cli(["papers", "--dir", str(PAPERS)], capsys)
+    assert run_cli(["papers", "--dir", str(PAPERS)], capsys)[1] == out and list(tmp_path.glob("*.json"))
     assert code == 0, err
     lines = out.splitlines()
     for path in sorted(PAPERS.glob("*.yaml")):

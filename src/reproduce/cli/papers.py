@@ -18,8 +18,10 @@ from rich.markup import escape
 from rich.syntax import Syntax
 from rich.table import Table
 
+from .. import __version__
 from ..builtin_names import MODELS, why_not_runnable
 from ..errors import UserError
+from ..probe import cache
 from ..recipe import Recipe, load_recipe
 from ..units import format_count
 from .app import app
@@ -92,9 +94,14 @@ def optimizer_text(recipe: Recipe) -> str:
 
 def parameter_counts(recipe: Recipe) -> tuple[int, int] | None:
     """(all, trainable) parameters of a built-in model as the recipe builds it (on the meta device); None for a
-    factory or Hugging Face model, or when it cannot be built here."""
+    factory or Hugging Face model, or when it cannot be built here. Kept in the probe's cache (keyed by the recipe
+    and the libraries' versions), so listing again imports no torch."""
     if recipe.model.builtin not in MODELS:
         return None
+    key = cache.cache_key({"parameters": recipe.model_dump(mode="json"), "versions": _library_versions()})
+    saved = cache.load(key)
+    if saved is not None and isinstance(saved.get("parameters"), int) and isinstance(saved.get("trainable"), int):
+        return saved["parameters"], saved["trainable"]
     from ..models import parameter_counts as count
     from ..probe.workload import synthetic_data
 
@@ -103,9 +110,24 @@ def parameter_counts(recipe: Recipe) -> tuple[int, int] | None:
     except UserError:
         info = None
     try:
-        return count(recipe, info)
+        total, trainable = count(recipe, info)
     except (UserError, ImportError):
         return None
+    cache.store(key, {"parameters": total, "trainable": trainable})
+    return total, trainable
+
+
+def _library_versions() -> dict:
+    """The versions of the libraries that define the models (read from their metadata: nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"reproduce": __version__}
+    for name in ("torch", "torchvision", "transformers", "peft"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def model_text(recipe: Recipe, counts: tuple[int, int] | None) -> str:
