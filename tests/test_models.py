@@ -166,12 +166,14 @@ def run_json(args: list[str], capsys) -> dict:
 
 
 def test_resnet50_paper_probes_on_a_consumer_card(capsys, monkeypatch, tmp_path):
-    """The image representative: ImageNet's shape, ResNet-50, the estimate meter, with no other option."""
+    """The image representative: ImageNet's shape, ResNet-50, the estimate meter, no option but the card and the
+    paper's 256 processes (each then needs at most the paper's per-device 32: two trials)."""
     monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path))
-    result = run_json(["probe", str(PAPERS / "goyal2017-resnet50.yaml"), "--gpu", "rtx4090", "--json"], capsys)
+    path = PAPERS / "goyal2017-resnet50.yaml"
+    result = run_json(["probe", str(path), "--gpu", "rtx4090", "--world-size", "256", "--json"], capsys)
     assert result["meter"] == "estimate" and "3 x 224 x 224 inputs, 1000 classes" in result["data"]
-    assert result["micro_batch_max"] >= 32  # Goyal et al. ran 32 per GPU (on 16 GB P100s)
-    assert result["plan"]["arithmetic"].startswith("32 x 256 x 1 = 8192")  # BatchNorm: the paper's per-device 32
+    assert result["micro_batch_max"] == 32 == result["cap"]  # Goyal et al. ran 32 per GPU (on 16 GB P100s)
+    assert result["plan"]["arithmetic"] == "32 x 1 x 256 = 8192"
 
 
 def test_shakespeare_char_paper_probes_on_a_consumer_card(capsys, monkeypatch, tmp_path):

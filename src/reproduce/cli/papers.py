@@ -218,7 +218,7 @@ def show_command(
     stdout.print(f"  effective batch {batch_text(recipe)}{paper_split}", markup=False)
     spec = recipe.optimizer
     stdout.print(f"  {spec.name} lr {spec.lr:g}, task {recipe.task}, precision {recipe.precision}", markup=False)
-    stdout.print(f"  model: {model_line(recipe, parameter_counts(recipe))}", markup=False)
+    stdout.print(f"  model: {model_line(recipe, parameter_counts(recipe))}", markup=False, soft_wrap=True)
     here = "[green]runnable[/]" if status == "runnable" else f"[yellow]plan-only[/] ({escape(why)})"
     stdout.print(f"  here: {here}")
     shown = path if not path.is_absolute() else _relative(path)
