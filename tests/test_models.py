@@ -14,6 +14,7 @@ from torch import nn
 from reproduce import builtin_names
 from reproduce.cli import main
 from reproduce.models import LOSSES, MODELS, build_model, count_parameters, model_inputs
+from reproduce.models.architectures import TorchvisionClassifier
 from reproduce.probe.workload import Workload
 from reproduce.recipe import load_recipe, parse_recipe
 
@@ -78,8 +79,10 @@ def test_every_named_architecture_is_registered_and_published():
     named = {load_recipe(path).model.builtin for path in PAPERS.glob("*.yaml")}
     assert named <= set(MODELS) == set(builtin_names.MODELS)
     assert set(LOSSES) == set(builtin_names.LOSSES)
+    from_torchvision = {name for name, arch in MODELS.items() if isinstance(arch, TorchvisionClassifier)}
+    assert from_torchvision == set(builtin_names.TORCHVISION_MODELS)
     papers = {row[0] for row in PUBLISHED}
-    assert papers | {"gpt3-small"} == set(MODELS) - {"mlp", "cnn-bn", "cnn-gn", "gpt"}
+    assert papers | {"gpt3-small"} == set(MODELS) - set(builtin_names.SMALL_MODELS)
     with torch.device("meta"):  # GPT-3 Small: GPT-2 124M with 2048 positions and the unpadded vocabulary
         assert abs(everything(MODELS["gpt3-small"]()) - 125e6) <= TOLERANCE * 125e6  # Brown et al. Table 2.1
 

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .recipe import Recipe
 
-MODELS = (
-    "mlp", "cnn-bn", "cnn-gn", "gpt",  # the small built-ins (reproduce.models.small)
-    # the papers' architectures (reproduce.models.architectures)
-    "resnet50", "vit-b16", "deit-b", "mae-vit-large-patch16", "gpt2-124m", "gpt3-small", "gpt2-medium", "gpt-char",
-    "bert-base", "roberta-base", "llama-7b",
+SMALL_MODELS = ("mlp", "cnn-bn", "cnn-gn", "gpt")  # reproduce.models.small
+TORCHVISION_MODELS = ("resnet50", "vit-b16", "deit-b")  # the papers' architectures (reproduce.models.architectures)
+TRANSFORMERS_MODELS = (
+    "mae-vit-large-patch16", "gpt2-124m", "gpt3-small", "gpt2-medium", "gpt-char", "bert-base", "roberta-base",
+    "llama-7b",
 )
+MODELS = SMALL_MODELS + TORCHVISION_MODELS + TRANSFORMERS_MODELS
 LOSSES = ("mae-masked-pixel-mse",)
 DATA = ("digits", "pysource")
 TORCH_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "adafactor")
@@ -54,6 +55,10 @@ def why_not_runnable(recipe: Recipe) -> str | None:
     model, data = recipe.model, recipe.data
     if model.builtin is not None and model.builtin not in MODELS:
         return f"no built-in model {model.builtin}"
+    if model.builtin in TORCHVISION_MODELS and not _module_found("torchvision:models"):
+        return f"torchvision is not installed ({model.builtin})"
+    if model.builtin in TRANSFORMERS_MODELS and not _module_found("transformers:AutoModel"):
+        return f"transformers is not installed ({model.builtin})"
     if model.factory is not None and not _module_found(model.factory):
         return f"model factory {model.factory!r} not importable"
     if getattr(model, "hf", None) is not None:

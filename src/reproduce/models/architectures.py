@@ -56,8 +56,11 @@ class TorchvisionClassifier(Architecture):
         return fixed
 
     def build(self, kwargs: dict, data_info: dict | None = None) -> nn.Module:
-        import torchvision
-
+        try:
+            import torchvision
+        except (ImportError, RuntimeError) as exc:  # RuntimeError: a torchvision built for another torch
+            raise UserError(f"model.builtin: {self.name} needs torchvision, which does not import here: {exc}"
+                            ) from None
         data_info = data_info or {}
         channels = data_info.get("channels")
         if channels is not None and channels != IMAGE_CHANNELS:
@@ -85,8 +88,7 @@ class TransformersModel(Architecture):
     position_offset: int = 0  # positions the model reserves (RoBERTa: padding index + 1)
 
     def make_config(self, kwargs: dict) -> Any:
-        import transformers
-
+        transformers = _transformers(self.name)
         config_type = getattr(transformers, self.config_class)
         known = set(config_type().to_dict())
         settings = dict(self.config)
@@ -113,8 +115,7 @@ class TransformersModel(Architecture):
         return {"inputs": "tokens", "vocab_size": config.vocab_size, "context": context - self.position_offset}
 
     def build(self, kwargs: dict, data_info: dict | None = None) -> nn.Module:
-        import transformers
-
+        transformers = _transformers(self.name)
         data_info = data_info or {}
         if self.kind == "mae" and data_info.get("image_size") and "image_size" not in kwargs:
             kwargs = {**kwargs, "image_size": int(data_info["image_size"])}
@@ -125,6 +126,15 @@ class TransformersModel(Architecture):
                             f"{config.vocab_size} (model.kwargs: {{vocab_size: {vocab}}} to widen it)")
         model = getattr(transformers, self.auto_class).from_config(config)
         return MaskedImagePretraining(model, self.kind) if self.kind == "mae" else HFLogits(model, self.kind)
+
+
+def _transformers(name: str) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(f"model.builtin: {name} needs transformers, which is not installed (pip install transformers)"
+                        ) from None
+    return transformers
 
 
 class MaskedImagePretraining(HFLogits):
