@@ -256,3 +256,33 @@ def test_sigkill_then_resume_on_three_processes_gives_the_same_weights(jobs, tmp
     assert_same_weights(weights(out), reference, rtol=1e-5, atol=1e-5)  # sums in another order: fp32 rounding
     assert [r["step"] for r in read_metrics(metrics)] == list(range(1, 17)), f"killed at step {kill_at}"
     assert [p.name for p in (out / "checkpoints").iterdir() if p.is_dir()] == ["sharded-step-00000016"]
+
+
+# ---- one process: what the FSDP paths rely on, without a launch ---------------------------------------------
+
+
+def test_one_process_builds_the_whole_model_of_a_sharded_recipe_for_verify_and_the_probe(tmp_path, capsys):
+    from reproduce.cli import main
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(MLP_CLIPPED))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["verify", str(path), "--micro-batch-max", "16"])
+    assert exit_info.value.code == 0, capsys.readouterr().err
+    assert "equivalent" in capsys.readouterr().out
+
+
+def test_resume_with_a_smaller_micro_batch_keeps_the_batch_and_the_schedule(tmp_path, capsys):
+    """What the out-of-memory stop message advises: --resume --micro-batch-max M re-derives N, nothing else."""
+    from reproduce.cli import main
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(digits_recipe(SGD, effective=64, steps=4)))
+    out = tmp_path / "out"
+    for args in (["--micro-batch-max", "16", "--max-steps", "2"], ["--resume", "--micro-batch-max", "8"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["run", str(path), "--out", str(out), "--device", "cpu", *args])
+        assert exit_info.value.code == 0, capsys.readouterr().err
+    records = read_metrics(out / "metrics.jsonl")
+    assert [(r["step"], r["micro_batch"], r["accumulation_steps"]) for r in records] == \
+        [(1, 16, 4), (2, 16, 4), (3, 8, 8), (4, 8, 8)]

@@ -14,7 +14,6 @@ from ..data import build_data
 from ..errors import UserError
 from ..models import build_model, has_batchnorm
 from ..planner import Plan
-from ..sharding import check_sharding
 from . import distributed
 from .distributed import World
 from .losses import build_loss
@@ -89,11 +88,11 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
 
     Under several processes the model is wrapped in DistributedDataParallel, or sharded with FSDP2 when the recipe's
     `batch.sharding` is fsdp (every rank starts from the same seed, so from the same weights), with a hook that
-    counts gradient synchronisations.
+    counts gradient synchronisations. One process builds the whole model whatever the sharding (the probe measures
+    that; `train` refuses FSDP on one process).
     """
     recipe = plan.recipe
     world = world or World()
-    check_sharding(recipe, world.size)
     data = data if data is not None else build_data(recipe)
     torch.manual_seed(recipe.seed if seed is None else seed)
     model = build_model(recipe, data.get("info")).to(device=device, dtype=dtype)

@@ -21,6 +21,7 @@ from ..data.batches import LazyMicroBatch
 from ..errors import Interrupted, TrainingStopped, UserError
 from ..planfile import save_plan, write_text_atomic
 from ..planner import Plan
+from ..sharding import check_sharding
 from . import distributed
 from .checkpoint import SHARDED_PREFIX, full_model_state, load_checkpoint, save_checkpoint
 from .distributed import World
@@ -183,6 +184,7 @@ def _train(
     world = distributed.world_from_env()
     if world.size != plan.world_size:
         raise UserError(f"plan: world_size is {plan.world_size}, but this job has {world.size} process(es)")
+    check_sharding(plan.recipe, world.size)
     check_out_dir(out, resume, force)
     asked_seed, seed = seed, plan.recipe.seed if seed is None else seed
     target_device = distributed.init(world, resolve_device(device))
