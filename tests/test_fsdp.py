@@ -51,10 +51,11 @@ def gpt_recipe(optimizer: dict = ADAMW, steps: int = 3, **extra) -> dict:
 
 MLP_CLIPPED = fsdp(digits_recipe(SGD, effective=64, steps=6, clip_grad_norm=0.25))
 GPT_CLIPPED = gpt_recipe(clip_grad_norm=0.05)
-# Out of memory: an MLP whose activations dominate, plain SGD (no optimizer state to allocate in the first step).
-OOM_DDP = digits_recipe({"name": "sgd", "lr": 0.1}, effective=384, steps=3)
-OOM_DDP["model"] = {"builtin": "mlp", "kwargs": {"hidden": 256}}
-OOM_FSDP = fsdp({**OOM_DDP, "batch": {"effective": 128}})
+# Out of memory: a narrow MLP on large micro-batches, so activations dominate its memory; plain SGD (no optimizer
+# state to allocate in the first step).
+OOM_DDP = digits_recipe({"name": "sgd", "lr": 0.1}, effective=768, steps=2)
+OOM_DDP["model"] = {"builtin": "mlp", "kwargs": {"hidden": 64}}
+OOM_FSDP = fsdp({**OOM_DDP, "batch": {"effective": 256}})
 BATCHNORM = digits_recipe(SGD, model="cnn-bn", effective=32, steps=3)
 # The run the kill / resume tests interrupt: no dropout, so resuming on 3 processes draws what 2 would have.
 # 12 sequences: 2 x 3 x 2 processes, or 2 x 2 x 3.
@@ -77,14 +78,14 @@ JOBS = [
     job("killed-reference", KILLED, 2, "float32"),
     job("stopped", KILLED, 2, "float32", out="resumed", max_steps=5, checkpoint_every=2),
     job("resumed", KILLED, 2, "float32", resume=True),
-    # DDP: rank 1 alone runs out of memory at micro-batch 64 (3 per window), in a micro-batch before the last
-    job("ddp-32", OOM_DDP, 32, tracker={"rank": 1}),
-    job("ddp-64", OOM_DDP, 64, max_steps=1, tracker={"rank": 1}),
-    job("ddp-oom", OOM_DDP, 64, tracker={"rank": 1, "between": ["ddp-32", "ddp-64"]}),
+    # DDP: rank 1 alone runs out of memory at micro-batch 128 (3 per window), in a micro-batch before the last
+    job("ddp-64", OOM_DDP, 64, tracker={"rank": 1}),
+    job("ddp-128", OOM_DDP, 128, max_steps=1, tracker={"rank": 1}),
+    job("ddp-oom", OOM_DDP, 128, tracker={"rank": 1, "between": ["ddp-64", "ddp-128"]}),
     # FSDP: rank 1 alone runs out of memory in a forward or backward, where the ranks cannot agree: all stop
-    job("fsdp-8", OOM_FSDP, 8, max_steps=1, tracker={"rank": 1}),
-    job("fsdp-32", OOM_FSDP, 32, max_steps=1, tracker={"rank": 1}),
-    job("fsdp-oom", OOM_FSDP, 32, tracker={"rank": 1, "between": ["fsdp-8", "fsdp-32"]}),
+    job("fsdp-16", OOM_FSDP, 16, max_steps=1, tracker={"rank": 1}),
+    job("fsdp-128", OOM_FSDP, 128, max_steps=1, tracker={"rank": 1}),
+    job("fsdp-oom", OOM_FSDP, 128, tracker={"rank": 1, "between": ["fsdp-16", "fsdp-128"]}),
 ]
 
 
@@ -171,23 +172,23 @@ def test_model_pt_is_the_whole_model_for_a_fresh_unsharded_one(jobs):
 def test_out_of_memory_under_ddp_agreed_by_all_ranks_halves_the_micro_batch(jobs):
     folder, results = jobs
     measured = results[1]
-    assert measured["ddp-64"]["peak"] > measured["ddp-32"]["peak"]
+    assert measured["ddp-128"]["peak"] > measured["ddp-64"]["peak"]
     assert "stopped" not in results[0]["ddp-oom"] and "stopped" not in measured["ddp-oom"]
     records = read_metrics(folder / "ddp-oom" / "metrics.jsonl")
     events = [r for r in records if "event" in r]
-    assert events == [{"event": "out_of_memory", "step": 1, "micro_batch": 32, "accumulation_steps": 6, "was": 64}]
+    assert events == [{"event": "out_of_memory", "step": 1, "micro_batch": 64, "accumulation_steps": 6, "was": 128}]
     steps = [r for r in records if "event" not in r]
-    assert [(r["micro_batch"], r["accumulation_steps"], r["samples"]) for r in steps] == [(32, 6, 384)] * 3
+    assert [(r["micro_batch"], r["accumulation_steps"], r["samples"]) for r in steps] == [(64, 6, 768)] * 2
     # rank 0 never ran out: it changed the micro-batch because the ranks agreed; the updates are those of a run
-    # planned at micro-batch 32 from the start
-    assert_same_weights(weights(folder / "ddp-oom"), weights(folder / "ddp-32"), rtol=1e-9, atol=1e-12)
+    # planned at micro-batch 64 from the start
+    assert_same_weights(weights(folder / "ddp-oom"), weights(folder / "ddp-64"), rtol=1e-9, atol=1e-12)
 
 
 def test_out_of_memory_under_fsdp_stops_every_rank_with_a_message(jobs):
     folder, results = jobs
     alone, other = results[1]["fsdp-oom"]["stopped"], results[0]["fsdp-oom"]["stopped"]
-    assert re.match(r"out of memory on rank 1 at optimizer step \d+ with micro-batch 32; the ranks cannot agree", alone)
-    assert "FSDP gathers parameters" in alone and "--resume --micro-batch-max 16" in alone
+    assert re.match(r"out of memory on rank 1 at optimizer step 1 with micro-batch 128; the ranks cannot agree", alone)
+    assert "FSDP gathers parameters" in alone and "--resume --micro-batch-max 64" in alone
     assert other.startswith("rank 0: a collective with the other ranks failed")
     assert results[0]["fsdp-oom"]["seconds"] < 60  # stopped at once, no hang
     assert not (folder / "fsdp-oom" / "model.pt").exists()
