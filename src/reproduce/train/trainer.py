@@ -6,6 +6,7 @@ needs is built by `setup.build`.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import shutil
@@ -17,7 +18,8 @@ from typing import Protocol
 
 import torch
 
-from ..data.batches import LazyMicroBatch
+from ..data.batches import DataClock, LazyMicroBatch
+from ..data.loader import LoaderWatch, MicroBatchStream, default_workers
 from ..errors import Interrupted, TrainingStopped, UserError
 from ..planfile import save_plan, write_text_atomic
 from ..planner import Plan
@@ -150,10 +152,12 @@ def train(
     dtype: torch.dtype = torch.float32,
     reporter: Reporter | None = None,
     data: dict | None = None,
+    workers: int | None = None,
 ) -> dict:
     """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `out`.
 
-    Under torchrun every rank trains its share of each window; rank 0 alone writes.
+    Under torchrun every rank trains its share of each window; rank 0 alone writes. Micro-batches come from a
+    DataLoader with `workers` processes (None: `data.loader.default_workers`; 0: fetched in this process).
     """
     out = Path(out)
     reporter = reporter or SilentReporter()
@@ -209,17 +213,31 @@ def train(
     # On a CPU, values below float32's normal range (late in training, in momentum and gradients) make every
     # operation on them ~100x slower; flushing them to zero cost a digits run 3.5 s instead of 72 s.
     flush_denormals = setup.device.type == "cpu" and torch.set_flush_denormal(True)
+    workers = default_workers(train_set) if workers is None else workers
+    watch = LoaderWatch(workers)
+
+    def windows(step: int, micro: int) -> list[torch.Tensor]:  # the loop and the loader follow this one function
+        return window(plan, size, step, seed, setup.rank, micro)[0]
+
+    def open_stream(step: int, micro: int) -> MicroBatchStream:
+        return MicroBatchStream(train_set, functools.partial(windows, micro=micro), step, total, seed=seed,
+                                workers=workers, pin_memory=setup.device.type == "cuda")
+
+    stream = None
     try:
         stop.__enter__()
+        stream = open_stream(first_step, micro_batch)
         for step in range(first_step, total):
             tick = time.perf_counter()
             # Dropout and other random draws of step s come from (seed, s, rank) alone: a resumed run draws what
             # the uninterrupted one did, and ranks draw independently of each other.
             seed_step(setup.device, step_seed(seed, step, setup.rank))
             lr = setup.optimizer.param_groups[0]["lr"]
+            clock = DataClock()
             while True:
                 indices, partial = window(plan, size, step, seed, setup.rank, micro_batch)
-                micro_batches = [LazyMicroBatch(train_set, i, setup.device, dtype) for i in indices]
+                take = functools.partial(stream.take, step)
+                micro_batches = [LazyMicroBatch(train_set, i, setup.device, dtype, take, clock) for i in indices]
                 try:
                     result = optimizer_step(setup, micro_batches)
                     break
@@ -232,6 +250,7 @@ def train(
                 except torch.OutOfMemoryError:
                     # Free the window, halve the micro-batch, double N: the effective batch stays exact.
                     del micro_batches
+                    stream.close()  # its prefetched micro-batches are of the old size
                     setup.optimizer.zero_grad(set_to_none=True)
                     gc.collect()
                     if setup.device.type == "cuda":
@@ -253,6 +272,7 @@ def train(
                         f"{plan.per_rank_batch // micro_batch} -> {plan.per_rank_batch // smaller}; redoing the window"
                     )
                     micro_batch = smaller
+                    stream = open_stream(step, micro_batch)
             if not result.finite:
                 if not skip_nonfinite and not setup.scaler:
                     raise TrainingStopped(
@@ -278,13 +298,17 @@ def train(
                 "partial": partial,
                 "skipped": not result.finite,
                 "seconds": round(time.perf_counter() - tick, 6),
+                "data_seconds": round(clock.seconds, 6),
                 "peak_memory_bytes": peak_memory(setup.device),
             }
+            slow_loader = watch.update(step + 1, clock.seconds, record["seconds"])
+            if slow_loader and main:
+                reporter.message(slow_loader)
             if result.grad_syncs is not None:
                 record["grad_syncs"] = result.grad_syncs
             done = step + 1 == total
             if main and ((eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end)):
-                evaluation = evaluate(setup, micro_batch)
+                evaluation = evaluate(setup, micro_batch, workers)
                 if evaluation:
                     record.update(evaluation)
             metrics.write(record)
@@ -306,6 +330,8 @@ def train(
                     StopSignals.EXIT_CODES[received],
                 )
     finally:
+        if stream is not None:
+            stream.close()
         stop.__exit__()
         metrics.close()
         if flush_denormals:
@@ -322,6 +348,7 @@ def train(
         "final": last_record,
         "seconds": round(elapsed, 3),
         "samples_per_second": round(counters["samples"] / elapsed, 2) if elapsed > 0 else None,
+        "workers": workers,
         "window_policy": "drop_last" if plan.recipe.data.drop_last else "partial windows normalised by their items",
         **counters,
         "data": setup.data.get("info", {}),
