@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..errors import UserError
 from ..planfile import load_plan, load_recipe_or_plan
 from ..planner import Plan
+from ..recipe import Recipe, parse_recipe, with_data_paths
 from .app import app
 from .common import is_terminal, stderr, stdout
 from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, make_plan, plan_and_probe
@@ -96,6 +97,10 @@ SEED_HELP = "Seed for initialisation, data order and dropout (default: the recip
 SKIP_HELP = "Skip optimizer steps whose loss or gradient is not finite, instead of stopping."
 CHECKPOINT_HELP = "Checkpoint every K optimizer steps (default: every 5 minutes, and at the end)."
 NPROC_HELP = "Processes (GPUs) on this machine: launches itself through torchrun (torch.distributed.run)."
+DATA_HELP = "The training data (a folder or file in the recipe's data.format), instead of the recipe's data.path."
+EVAL_DATA_HELP = "The evaluation data, instead of the recipe's data.eval_path."
+WORKERS_HELP = ("DataLoader worker processes per training process (0: fetch in the training process; default: "
+                "one per CPU core less one, at most 8, for data read from files; 0 for data held in memory).")
 
 
 def _forwarded_args(source: Path, out: Path, values: dict[str, object], switches: dict[str, bool]) -> list[str]:
@@ -121,6 +126,28 @@ def _launch(command: list[str]) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _resumed_data_paths(recipe: Recipe, saved: Recipe, data_path: str | None, eval_data_path: str | None,
+                        out: Path, source: str) -> Recipe:
+    """Resuming reads the data the run read: its paths come from its plan.yaml; --data / --eval-data, when given,
+    must name the same."""
+    if recipe.data.format is None or saved.data.format is None:
+        return recipe
+
+    def same(a: str | None, b: str | None) -> bool:
+        if a is None or b is None:
+            return a is b
+        return Path(a).expanduser().absolute() == Path(b).expanduser().absolute()
+
+    for option, given, mine, ran in (("--data", data_path, recipe.data.path, saved.data.path),
+                                     ("--eval-data", eval_data_path, recipe.data.eval_path, saved.data.eval_path)):
+        if given is not None and not same(mine, ran):
+            raise UserError(f"{option}: the run in {out} read {ran}; --resume continues it on the same data "
+                            f"(got {mine})")
+    data = recipe.model_dump(mode="json")
+    data["data"].update(path=saved.data.path, eval_path=saved.data.eval_path, available=saved.data.available)
+    return parse_recipe(data, source)
 
 
 def _replan_for_world(saved: Plan, world_size: int, dataset_size: int, source: Path) -> Plan:
@@ -162,6 +189,9 @@ def run_command(
     headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log each step's metrics to OUT/tensorboard."),
+    data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
+    eval_data_path: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
+    workers: int | None = typer.Option(None, "--workers", min=0, help=WORKERS_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
@@ -176,7 +206,8 @@ def run_command(
             source, out,
             {"--policy": policy.value, "--device": device, "--micro-batch-max": micro_batch_max,
              "--max-steps": max_steps, "--seed": seed, "--checkpoint-every": checkpoint_every, "--memory": memory,
-             "--gpu": gpu, "--meter": meter.value, "--headroom": headroom},
+             "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--data": data_path,
+             "--eval-data": eval_data_path, "--workers": workers},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
              "--tensorboard": tensorboard},
         )
@@ -186,10 +217,14 @@ def run_command(
     if world.distributed:
         world_size = world.size
     recipe, plan = load_recipe_or_plan(source)
+    recipe = with_data_paths(recipe, data_path, eval_data_path, str(source))
+    if plan is not None:
+        plan = plan.model_copy(update={"recipe": recipe})
     if resume:
         saved = load_plan(out / "plan.yaml") if (out / "plan.yaml").is_file() else None
         if saved is None:
             raise UserError(f"--resume: {out} has no plan.yaml to resume")
+        recipe = _resumed_data_paths(recipe, saved.recipe, data_path, eval_data_path, out, str(source))
         if saved.recipe != recipe:
             raise UserError(f"--resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
         plan = saved
@@ -214,7 +249,7 @@ def run_command(
         warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {size}: using {size}")
     if not world.is_main:  # the other ranks train quietly; rank 0 reports
         train(plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
-              checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data)
+              checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data, workers=workers)
         return
     reporter = RichReporter(warnings) if is_terminal() else PlainReporter(warnings)
     if tensorboard:  # metrics.jsonl stays the source of truth; TensorBoard gets the same scalars
@@ -224,6 +259,7 @@ def run_command(
     summary = train(
         plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
         checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, reporter=reporter, data=data,
+        workers=workers,
     )
     final = summary["final"]
     line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s, final loss {final['loss']:.4f}"
