@@ -88,6 +88,15 @@ class MicroBatches(Dataset):
             np.random.set_state(numpy_state)
 
 
+def fetch_seeded(dataset: Any, indices: torch.Tensor, seed: int, step: int = 0) -> tuple[Any, Any]:
+    """The micro-batch of `indices` as the run's loader gives it at optimizer step `step`: the same random draws
+    (augmentation) for each sample, however the samples are grouped (verify's micro-batches and reference)."""
+    _, batch = MicroBatches(dataset, seed)[MicroBatchKey(step, tuple(indices.tolist()))]
+    if isinstance(batch, Failure):
+        raise UserError(*batch.lines)
+    return batch
+
+
 class WindowSampler(Sampler):
     """The keys of this rank's micro-batches for the optimizer steps `first_step` .. `end_step - 1`, in order.
 
