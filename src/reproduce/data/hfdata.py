@@ -195,6 +195,9 @@ def build_hf_datasets(recipe: Any) -> dict:
         found = next((name for name in EVAL_SPLITS if name in saved), None)
         if found is not None:
             tables["eval"], eval_path = saved[found], train_path / found
+    for split, table in tables.items():  # the data's own problems first, before loading a tokenizer
+        for column in spec.columns.values():
+            _require(table, column, train_path if split == "train" else eval_path)
     tokenizer = max_length = None
     if spec.text_columns:
         tokenizer, max_length = text_settings(recipe)
