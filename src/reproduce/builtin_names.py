@@ -55,6 +55,9 @@ def why_not_runnable(recipe: Recipe) -> str | None:
         if not hf_model_local(model.hf):
             return f"Hugging Face model {model.hf!r} is not on this machine"
     if not data.available:
+        if data.format is not None:
+            named = f"{data.format} data {data.name}" if data.name else f"{data.format} data"
+            return f"{named} not on this machine (reproduce run --data PATH)"
         return f"data {data.name} not available"
     if data.builtin is not None and data.builtin not in DATA:
         return f"no built-in data {data.builtin}"

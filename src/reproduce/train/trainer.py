@@ -206,6 +206,7 @@ def train(
     reporter.start(plan, total, first_step)
     started = time.perf_counter()
     counters = {"samples": 0, "tokens": 0, "partial_windows": 0, "skipped_nonfinite": 0, "out_of_memory": 0}
+    waited = 0.0  # seconds the steps waited for data
     last_record: dict = {}
     eval_every = plan.recipe.evaluation.every_steps
     setup.model.train()
@@ -281,6 +282,7 @@ def train(
                     )
                 counters["skipped_nonfinite"] += 1
             counters["samples"] += result.samples
+            waited += clock.seconds
             counters["tokens"] += result.tokens
             counters["partial_windows"] += partial
             record = {
@@ -349,6 +351,8 @@ def train(
         "seconds": round(elapsed, 3),
         "samples_per_second": round(counters["samples"] / elapsed, 2) if elapsed > 0 else None,
         "workers": workers,
+        "data_seconds": round(waited, 3),
+        "data_share": round(waited / elapsed, 4) if elapsed > 0 else None,
         "window_policy": "drop_last" if plan.recipe.data.drop_last else "partial windows normalised by their items",
         **counters,
         "data": setup.data.get("info", {}),
