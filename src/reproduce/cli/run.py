@@ -268,7 +268,8 @@ def run_command(
     if "eval_loss" in final:
         line += f", eval loss {final['eval_loss']:.4f}"
     if summary.get("data_share") is not None:
-        line += f"; waited for data {summary['data_share']:.0%} of the time ({summary['workers']} workers)"
+        workers = f"{summary['workers']} worker{'' if summary['workers'] == 1 else 's'}"
+        line += f"; waited for data {summary['data_share']:.0%} of the time ({workers})"
     stdout.print(line)
     stdout.print(f"outputs in {out}: plan.yaml, metrics.jsonl, model.pt, summary.json, checkpoints/last.pt")
     if summary.get("plot"):
