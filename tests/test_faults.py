@@ -105,6 +105,25 @@ def test_signal_finishes_the_step_checkpoints_and_says_how_to_resume(signum, cod
         assert_bitwise(torch.load(out / "model.pt", weights_only=True), uninterrupted)
 
 
+def test_ctrl_c_to_the_process_group_with_workers_checkpoints_and_stops(tmp_path):
+    """Ctrl-C reaches the DataLoader workers too: they leave it to the run, which finishes its step and stops."""
+    recipe, out = write_recipe(tmp_path), tmp_path / "out"
+    # micro-batch 4: 32 per step, far more than the 2 the worker keeps ready, so the step needs a live worker
+    process = subprocess.Popen(command(recipe, out, "--workers", "1", "--micro-batch-max", "4"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while lines(out / "metrics.jsonl") < 5:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the run did not reach the step in time"
+        time.sleep(0.005)
+    os.killpg(process.pid, signal.SIGINT)  # the run and its workers, as a terminal's Ctrl-C does
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "--resume" in stderr and "Traceback" not in stderr and "exited unexpectedly" not in stderr
+    checkpoint = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert checkpoint["step"] == lines(out / "metrics.jsonl") >= 5
+
+
 def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     recipe = parse_recipe(RECIPE)
     data = build_data(recipe)

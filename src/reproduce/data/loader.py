@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -117,10 +118,19 @@ def _as_is(item: Any) -> Any:
     return item
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """Workers leave SIGINT / SIGTERM to the training process: sent to the whole process group (Ctrl-C, a job
+    scheduler), they must not kill the workers while the run finishes its step, checkpoints and stops them itself.
+    (Forked workers also inherit the run's own handlers; this holds for any start method and any order.)"""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def make_loader(dataset: Any, keys: Iterable[MicroBatchKey], seed: int, workers: int, pin_memory: bool) -> DataLoader:
     return DataLoader(
         MicroBatches(dataset, seed), batch_size=None, sampler=keys, num_workers=workers, collate_fn=_as_is,
         pin_memory=pin_memory, prefetch_factor=PREFETCH_PER_WORKER if workers else None,
+        worker_init_fn=_ignore_stop_signals if workers else None,
         # its own generator: creating an iterator then draws nothing from the global one (dropout's)
         generator=torch.Generator().manual_seed(seed),
     )
