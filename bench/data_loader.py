@@ -1,6 +1,6 @@
 """Data loading: samples/s of the loader alone and of `reproduce run`, for 0, 1 and 2 DataLoader workers.
 
-    python bench/data_loader.py [--steps 30] [--repeats 3] [--image-size 64] [--folder DIR]
+    python bench/data_loader.py [--steps 20] [--repeats 5] [--image-size 64] [--folder DIR]
 
 Two on-disk formats, made here by `reproduce.data.samples` (nothing downloaded):
 - `imagefolder`: scikit-learn's 1,797 digits as PNG files of --image-size pixels in class folders, read with
@@ -10,7 +10,8 @@ Two on-disk formats, made here by `reproduce.data.samples` (nothing downloaded):
 For each, and each worker count: the loader alone (`data.loader.MicroBatchStream`, every micro-batch of
 --steps windows taken as the run takes them; the first window, which starts the workers, left out), then
 `reproduce run`'s `train` for --steps optimizer steps: samples/s and the share of the run's time spent
-waiting for data (`data_seconds`). The median of --repeats runs. The training process uses one torch thread.
+waiting for data (`data_seconds`). The median of --repeats rounds, each running every worker count in
+turn (machine noise hits them alike). The training process uses one torch thread.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def run(the_plan, data, steps: int, workers: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--folder", type=Path, help="where to write the data (default: a temporary folder)")
     args = parser.parse_args()
@@ -104,14 +105,16 @@ def main() -> None:
             data = build_data(spec)
             the_plan = plan(spec, micro_batch_max=micro, dataset_size=len(data["train"]))
             run(the_plan, data, 2, 0)  # warm-up: first-call allocations
+            alone, runs = {w: [] for w in WORKERS}, {w: [] for w in WORKERS}
+            for _ in range(args.repeats):  # alternating, so the machine's noise hits every worker count alike
+                for workers in WORKERS:
+                    alone[workers].append(loader_alone(the_plan, data, args.steps, workers))
+                    runs[workers].append(run(the_plan, data, args.steps, workers))
             for workers in WORKERS:
-                alone = statistics.median(loader_alone(the_plan, data, args.steps, workers)
-                                          for _ in range(args.repeats))
-                runs = [run(the_plan, data, args.steps, workers) for _ in range(args.repeats)]
-                rate = statistics.median(r[0] for r in runs)
-                share = statistics.median(r[1] for r in runs)
-                print(f"| {name} | {the_plan.arithmetic} | {workers} | {alone:,.0f} | {rate:,.0f} | {share:.1%} |",
-                      flush=True)
+                rate = statistics.median(r[0] for r in runs[workers])
+                share = statistics.median(r[1] for r in runs[workers])
+                print(f"| {name} | {the_plan.arithmetic} | {workers} | {statistics.median(alone[workers]):,.0f} | "
+                      f"{rate:,.0f} | {share:.1%} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -217,11 +217,13 @@ def train(
     workers = default_workers(train_set) if workers is None else workers
     watch = LoaderWatch(workers)
 
-    def windows(step: int, micro: int) -> list[torch.Tensor]:  # the loop and the loader follow this one function
-        return window(plan, size, step, seed, setup.rank, micro)[0]
+    def windows(step: int, micro: int) -> tuple[list[torch.Tensor], bool]:
+        """This rank's micro-batches of `step`, and whether the window is partial: the loop and the loader's
+        sampler both follow this one function."""
+        return window(plan, size, step, seed, setup.rank, micro)
 
     def open_stream(step: int, micro: int) -> MicroBatchStream:
-        return MicroBatchStream(train_set, functools.partial(windows, micro=micro), step, total, seed=seed,
+        return MicroBatchStream(train_set, lambda at: windows(at, micro)[0], step, total, seed=seed,
                                 workers=workers, pin_memory=setup.device.type == "cuda")
 
     stream = None
@@ -236,7 +238,7 @@ def train(
             lr = setup.optimizer.param_groups[0]["lr"]
             clock = DataClock()
             while True:
-                indices, partial = window(plan, size, step, seed, setup.rank, micro_batch)
+                indices, partial = windows(step, micro_batch)
                 take = functools.partial(stream.take, step)
                 micro_batches = [LazyMicroBatch(train_set, i, setup.device, dtype, take, clock) for i in indices]
                 try:
@@ -282,9 +284,9 @@ def train(
                     )
                 counters["skipped_nonfinite"] += 1
             counters["samples"] += result.samples
-            waited += clock.seconds
             counters["tokens"] += result.tokens
             counters["partial_windows"] += partial
+            waited += clock.seconds
             record = {
                 "step": step + 1,
                 "epoch": round((step + 1) / plan.steps_per_epoch, 6),
