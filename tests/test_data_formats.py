@@ -283,3 +283,25 @@ def test_the_run_warns_once_when_the_loader_is_the_bottleneck(tmp_path):
 
     watch = LoaderWatch(workers=4)  # and it stays quiet while the steps do not wait
     assert [watch.update(step, 0.001, 0.1) for step in range(1, 10)] == [None] * 9
+
+
+def test_hf_datasets_image_column_decodes_and_transforms_each_row(sample_data):
+    """Parquet rows of PNG bytes and labels: the same images, labels and transforms as the image folder."""
+    import pyarrow.parquet as pq
+
+    recipe = recipe_for("digits-parquet", sample_data, augment="none", image_size=8, channels=1)
+    recipe["data"]["columns"] = {"image": "image", "label": "label"}
+    spec = with_data_paths(parse_recipe(recipe), str(sample_data / "hf" / "digits-train.parquet"),
+                           str(sample_data / "hf" / "digits-val.parquet"))
+    data = build_data(spec)
+    labels = pq.read_table(sample_data / "hf" / "digits-train.parquet").column("label").to_pylist()
+    assert len(data["train"]) == len(labels) == 1437 and len(data["eval"]) == 360
+    assert data["info"]["classes"] == 10
+    folder = build_data(with_data_paths(parse_recipe(recipe_for("imagefolder", sample_data, augment="none")),
+                                        str(sample_data / "images" / "train"), None))["train"]
+    for index in (0, 700, 1436):  # the parquet rows and the PNG files hold the same digits, in the same order
+        image, label = data["train"][index]
+        assert image.shape == (1, 8, 8) and int(label) == labels[index]
+        same = [i for i, (path, target) in enumerate(folder.samples) if path.endswith(f"{index:04d}.png")]
+        assert len(same) == 1 and folder.samples[same[0]][1] == labels[index]
+        torch.testing.assert_close(folder[same[0]][0], image)

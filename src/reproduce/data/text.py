@@ -15,11 +15,13 @@ token, -100 where no loss is taken). Each example's loss-bearing target count is
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -61,7 +63,8 @@ class TokenisedTexts(Dataset):
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
         self.offsets = torch.zeros(len(sequences) + 1, dtype=torch.long)
         self.offsets[1:] = torch.cumsum(lengths, 0)
-        self.ids = torch.tensor([token for s in sequences for token in s], dtype=torch.int32)
+        flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int32, count=int(lengths.sum()))
+        self.ids = torch.from_numpy(flat)
         self.prompt_lengths = torch.tensor(list(prompt_lengths), dtype=torch.long)
         self.lengths = lengths
         # targets are labels[1:]: the prompt's first max(p, 1) positions carry no loss
