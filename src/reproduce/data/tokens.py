@@ -51,6 +51,10 @@ class TokenFile(Dataset):
             self._memmap = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.tokens,))
         return self._memmap
 
+    def with_sequence_length(self, sequence_length: int) -> TokenFile:
+        """The same file cut into samples of another length (a batch phase with its own sequence length)."""
+        return TokenFile(self.path, sequence_length, self.dtype.name)
+
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_memmap": None}
 
