@@ -41,8 +41,14 @@ def snapshot(folder: Path) -> dict:
 
 CASES = [
     # (id, recipe dict, extra args, expected substring)
-    ("builtin-model-not-runnable", changed(model={"builtin": "resnet50"}), [],
-     "model.builtin: no built-in 'resnet50' to run here"),
+    ("builtin-model-unknown", changed(model={"builtin": "resnet51"}), [],
+     "model.builtin: no built-in 'resnet51' to run here"),
+    ("architecture-takes-other-images", changed(model={"builtin": "resnet50"}), [],
+     "data.channels: resnet50 takes 3-channel images (got 1)"),
+    ("architecture-setting-unknown", changed(model={"builtin": "gpt2-124m", "kwargs": {"n_layr": 1}}), [],
+     "model.kwargs: gpt2-124m has no setting 'n_layr' (did you mean 'n_layer'?)"),
+    ("lora-target-not-in-the-model", changed(model={"builtin": "mlp", "lora": {"r": 2, "target_modules": "c_attn"}}),
+     [], "model.lora.target_modules: mlp has no module named 'c_attn' (modules LoRA can adapt: 1, 4, 6)"),
     ("data-not-available", changed(data={"name": "imagenet-1k", "available": False}), [],
      "data: 'imagenet-1k' is marked available: false"),
     ("factory-module-missing", changed(model={"factory": "no_such_pkg.models:net"}), [],

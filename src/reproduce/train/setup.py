@@ -11,7 +11,7 @@ from torch import nn
 
 from ..data import build_data
 from ..errors import UserError
-from ..models import build_model, has_batchnorm
+from ..models import build_model, has_batchnorm, place
 from ..planner import Plan
 from . import distributed
 from .distributed import World
@@ -76,7 +76,7 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
     world = world or World()
     data = data if data is not None else build_data(recipe)
     torch.manual_seed(recipe.seed if seed is None else seed)
-    model = build_model(recipe, data.get("info")).to(device=device, dtype=dtype)
+    model = place(build_model(recipe, data.get("info")), recipe, device, dtype)  # model.dtype kept in float32 runs
     notes = []
     if has_batchnorm(model) and not recipe.model.has_batchnorm:
         notes.append(
