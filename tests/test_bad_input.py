@@ -292,6 +292,98 @@ CASES = [
         mutate({"data.available": True}),
         ["error: {path}: data.available: data 'imagenet-1k' has no builtin or factory; set available: false"],
     ),
+    # ---- data formats on disk (data.format) ------------------------------------------------------------
+    Case(
+        "data-format-unknown",
+        mutate({"data.format": "webdataset"}),
+        ["error: {path}: data.format: expected one of 'imagefolder', 'tokens', 'instructions' or 'hf-datasets'",
+         "(got 'webdataset')"],
+    ),
+    Case(
+        "data-format-without-path",
+        mutate({"data.format": "imagefolder", "data.available": True, "data.image_size": 224}),
+        ["error: {path}: data.path: required for imagefolder data", "reproduce run --data PATH"],
+    ),
+    Case(
+        "data-path-without-format",
+        mutate({"data.path": "/data/imagenet/train"}),
+        ["error: {path}: data.path: only used with format: imagefolder | tokens | instructions | hf-datasets"],
+    ),
+    Case(
+        "data-format-and-builtin",
+        mutate({"data.format": "imagefolder", "data.builtin": "digits"}),
+        ["error: {path}: data.format: give format (with path) or builtin/factory, not both"],
+    ),
+    Case(
+        "data-format-wrong-task",
+        mutate({"data.format": "tokens"}),
+        ["error: {path}: data.format: tokens data is for task language-modeling (task is classification)"],
+    ),
+    Case(
+        "data-augment-for-tokens",
+        mutate({"task": "language-modeling", "batch.unit": "tokens", "batch.effective": 8192 * 4,
+                "batch.sequence_length": 4, "data.format": "tokens", "data.augment": "imagenet"}),
+        ["error: {path}: data.augment: only used with format imagefolder or hf-datasets (format is tokens)"],
+    ),
+    Case(
+        "data-augment-unknown",
+        mutate({"data.format": "imagefolder", "data.augment": "autoaugment"}),
+        ["error: {path}: data.augment: expected one of 'imagenet' or 'none' (got 'autoaugment')"],
+    ),
+    Case(
+        "data-dtype-float",
+        mutate({"task": "language-modeling", "batch.unit": "tokens", "batch.effective": 8192 * 4,
+                "batch.sequence_length": 4, "data.format": "tokens", "data.dtype": "float16"}),
+        ["error: {path}: data.dtype: expected one of 'uint8', 'uint16', 'int32', 'uint32' or 'int64'",
+         "(got 'float16')"],
+    ),
+    Case(
+        "data-tokens-without-sequence-length",
+        mutate({"task": "language-modeling", "data.format": "tokens"}),
+        ["error: {path}: batch.sequence_length: required with data.format tokens"],
+    ),
+    Case(
+        "data-imagefolder-without-image-size",
+        mutate({"data.format": "imagefolder", "data.available": True, "data.path": "/data/train"}),
+        ["error: {path}: data.image_size: required for image data"],
+    ),
+    Case(
+        "data-instructions-without-tokenizer",
+        mutate({"task": "language-modeling", "data.format": "instructions", "data.available": True,
+                "data.path": "alpaca_data.json", "data.max_length": 512}),
+        ["error: {path}: data.tokenizer: required for text data"],
+    ),
+    Case(
+        "data-instructions-without-max-length",
+        mutate({"task": "language-modeling", "data.format": "instructions", "data.available": True,
+                "data.path": "alpaca_data.json", "data.tokenizer": "llama"}),
+        ["error: {path}: data.max_length: required for text data"],
+    ),
+    Case(
+        "data-template-unknown",
+        mutate({"task": "language-modeling", "data.format": "instructions", "data.template": "vicuna"}),
+        ["error: {path}: data.template: expected one of 'alpaca' (got 'vicuna')"],
+    ),
+    Case(
+        "data-hf-datasets-without-columns",
+        mutate({"data.format": "hf-datasets"}),
+        ["error: {path}: data.columns: required for format hf-datasets"],
+    ),
+    Case(
+        "data-hf-datasets-unknown-columns",
+        mutate({"data.format": "hf-datasets", "data.columns": {"pixels": "img", "label": "label"}}),
+        ["error: {path}: data.columns: expected the keys of one of", "(got ['label', 'pixels'])"],
+    ),
+    Case(
+        "data-columns-without-hf-datasets",
+        mutate({"data.format": "imagefolder", "data.columns": {"image": "img", "label": "label"}}),
+        ["error: {path}: data.columns: only used with format hf-datasets (format is imagefolder)"],
+    ),
+    Case(
+        "data-path-empty",
+        mutate({"data.format": "imagefolder", "data.path": "", "data.image_size": 224}),
+        ["error: {path}: data.path: give a file or folder (got '')"],
+    ),
     Case(
         "custom-task-without-loss",
         mutate({"task": "custom"}),

@@ -54,7 +54,8 @@ def test_list_shows_every_recipe_and_where_it_runs(capsys, monkeypatch, tmp_path
     assert "resnet50 25.6M" in row["goyal2017-resnet50"] and "mlp 26.1k" in row["digits-mlp"]
     assert "llama-7b 6.74B (4.19M trainable)" in row["tloen2023-alpaca-lora"]
     assert "vit-b16 103.2M" in row["dosovitskiy2021-vit-b16"]  # with its 21,843-class head for ImageNet-21k
-    assert "  goyal2017-resnet50: data imagenet-1k not available" in lines  # why not runnable, below the table
+    # why not runnable, below the table: its data is a format on disk, given at run time
+    assert "  goyal2017-resnet50: imagefolder data imagenet-1k not on this machine (reproduce run --data PATH)" in lines
     assert "runnable here" in lines[-1] and "plan-only" in lines[-1]
 
 
@@ -63,7 +64,7 @@ def test_show_prints_the_recipe_and_a_summary(capsys):
     assert code == 0, err
     assert "effective: 8192" in out and "Accurate, Large Minibatch SGD" in out
     assert "effective batch 8,192 samples (paper: 32 per device x 1 accumulation x 256 devices)" in out
-    assert "plan-only (data imagenet-1k not available)" in out
+    assert "plan-only (imagefolder data imagenet-1k not on this machine (reproduce run --data PATH))" in out
     assert "model: resnet50, 25,557,032 parameters" in out
     assert "--micro-batch-max 32" in out
     code, out, _ = run_cli(["papers", "--dir", str(PAPERS), "show", "digits-mlp.yaml"], capsys)
@@ -92,6 +93,8 @@ def test_invalid_recipe_is_listed_not_fatal(tmp_path, capsys):
         ({"task": "custom", "loss": {"builtin": "mse"}}, "no built-in loss mse"),
         ({"model": {"factory": "no_such_module_xyz:build"}}, "model factory 'no_such_module_xyz:build' not importable"),
         ({"data": {"name": "imagenet", "available": False}}, "data imagenet not available"),
+        ({"data": {"name": "imagenet", "format": "imagefolder", "available": False}},
+         "imagefolder data imagenet not on this machine (reproduce run --data PATH)"),
         ({"optimizer": {"name": "lars", "lr": 0.1}}, "no PyTorch lars optimizer"),
         ({"model": {"hf": "/no/such/model"}}, None),  # transformers missing, or the model is not here
         ({"model": {"factory": "factories:tiny_gpt"}}, ""),

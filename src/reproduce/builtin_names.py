@@ -69,6 +69,9 @@ def why_not_runnable(recipe: Recipe) -> str | None:
     if getattr(model, "lora", None) is not None and not _module_found("peft:get_peft_model"):
         return "peft is not installed (model.lora)"
     if not data.available:
+        if data.format is not None:
+            named = f"{data.format} data {data.name}" if data.name else f"{data.format} data"
+            return f"{named} not on this machine (reproduce run --data PATH)"
         return f"data {data.name} not available"
     if data.builtin is not None and data.builtin not in DATA:
         return f"no built-in data {data.builtin}"

@@ -157,6 +157,21 @@ class Model(Builder):
         return "batchnorm" in self.norm_layers
 
 
+DATA_FORMATS = ("imagefolder", "tokens", "instructions", "hf-datasets")
+TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32", "int64")
+# hf-datasets: which columns hold what; one of these sets of keys (`input` is optional beside instruction/output)
+HF_COLUMN_SETS = ({"text"}, {"instruction", "output"}, {"instruction", "input", "output"}, {"image", "label"},
+                  {"input", "label"})
+# the fields only some formats use: field -> the formats that read it
+FORMAT_FIELDS = {
+    "augment": ("imagefolder", "hf-datasets"),
+    "dtype": ("tokens",),
+    "template": ("instructions", "hf-datasets"),
+    "tokenizer": ("instructions", "hf-datasets"),
+    "columns": ("hf-datasets",),
+}
+
+
 class Data(Builder):
     name: str | None = None
     available: bool = True
@@ -171,14 +186,59 @@ class Data(Builder):
     max_length: int | None = Field(
         default=None, gt=0, description="longest sequence in tokens (variable-length text is truncated to it)"
     )
+    # Data on disk in a standard layout (`reproduce run --data PATH` / `--eval-data PATH` replace the paths).
+    format: Literal[DATA_FORMATS] | None = None  # type: ignore[valid-type]
+    path: str | None = Field(default=None, description="the training data: a folder or a file")
+    eval_path: str | None = Field(default=None, description="the evaluation data, in the same format")
+    augment: Literal["imagenet", "none"] | None = None
+    dtype: Literal[TOKEN_DTYPES] | None = None  # type: ignore[valid-type]
+    template: Literal["alpaca"] | None = None
+    tokenizer: str | None = Field(default=None, description="a local tokenizer folder (tokenizer.json)")
+    columns: dict[str, str] | None = None
 
     @model_validator(mode="after")
     def _has_source(self) -> Data:
-        if self.builtin is None and self.factory is None and self.name is None:
-            raise ValueError("give builtin: NAME, factory: 'package.module:function', or name: for plan-only data")
-        if self.available and self.builtin is None and self.factory is None:
+        if self.format is not None and (self.builtin is not None or self.factory is not None):
+            raise ValueError("format: give format (with path) or builtin/factory, not both")
+        for name in ("path", "eval_path", "tokenizer"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{name}: give a file or folder (got {value!r})")
+        if self.format is None:
+            given = [n for n in ("path", "eval_path", *FORMAT_FIELDS) if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{given[0]}: only used with format: {' | '.join(DATA_FORMATS)}")
+        else:
+            for name, formats in FORMAT_FIELDS.items():
+                if getattr(self, name) is not None and self.format not in formats:
+                    raise ValueError(f"{name}: only used with format {' or '.join(formats)} (format is {self.format})")
+        if self.format == "hf-datasets":
+            if self.columns is None:
+                raise ValueError("columns: required for format hf-datasets (which column holds what, e.g. "
+                                 "{text: content} or {image: img, label: label})")
+            if set(self.columns) not in HF_COLUMN_SETS:
+                shown = ", ".join(f"{{{', '.join(sorted(s))}}}" for s in HF_COLUMN_SETS)
+                raise ValueError(f"columns: expected the keys of one of {shown} (got {sorted(self.columns)})")
+            if self.augment is not None and "image" not in self.columns:
+                raise ValueError("augment: only used with an image column (columns: {image: ..., label: ...})")
+            if self.template is not None and "instruction" not in self.columns:
+                raise ValueError("template: only used with instruction columns (columns: {instruction: ..., ...})")
+        if self.builtin is None and self.factory is None and self.name is None and self.format is None:
+            raise ValueError("give builtin: NAME, factory: 'package.module:function', format: with path:, or name: "
+                             "for plan-only data")
+        if self.available and self.builtin is None and self.factory is None and self.path is None:
+            if self.format is not None:
+                raise ValueError(f"path: required for {self.format} data (a folder or file), or set available: "
+                                 "false and give it on the command line: reproduce run --data PATH")
             raise ValueError(f"available: data {self.name!r} has no builtin or factory; set available: false")
         return self
+
+    @property
+    def text_columns(self) -> bool:
+        """Whether the data is text to tokenise (instructions, or hf-datasets text/instruction columns)."""
+        return self.format == "instructions" or (
+            self.format == "hf-datasets" and self.columns is not None and "label" not in self.columns
+        )
 
 
 class Optimizer(Strict):
@@ -351,7 +411,37 @@ class Recipe(Strict):
             for name, length in named:
                 if length is not None and length.tokens is not None:
                     raise ValueError(f"{name}: counted in tokens, which needs batch.sequence_length")
+        self._check_data_format()
         return self
+
+    def _check_data_format(self) -> None:
+        """What a data format needs from the rest of the recipe (the task; the sizes it cuts or tokenises to)."""
+        data = self.data
+        if data.format is None:
+            return
+        if data.format == "hf-datasets":
+            task = "language-modeling" if data.text_columns else "classification"
+        else:
+            task = "classification" if data.format == "imagefolder" else "language-modeling"
+        if self.task != "custom" and self.task != task:
+            raise ValueError(f"data.format: {data.format} data{' with these columns' if data.columns else ''} is "
+                             f"for task {task} (task is {self.task})")
+        if data.format == "tokens" and self.batch.sequence_length is None:
+            raise ValueError("batch.sequence_length: required with data.format tokens (each sample is that many "
+                             "tokens)")
+        if not data.available:
+            return  # plan only until a path is given (reproduce run --data PATH)
+        images = data.format == "imagefolder" or (data.columns is not None and "image" in data.columns)
+        if images and data.image_size is None:
+            raise ValueError("data.image_size: required for image data (the side images are cropped or resized "
+                             "to; 224 for ImageNet)")
+        if data.text_columns:
+            if data.tokenizer is None and self.model.hf is None:
+                raise ValueError("data.tokenizer: required for text data: a local tokenizer folder (default: the "
+                                 "model's own with model.hf)")
+            if data.max_length is None and self.batch.sequence_length is None:
+                raise ValueError("data.max_length: required for text data: the longest sequence in tokens, longer "
+                                 "ones are truncated (Alpaca: 512)")
 
 
 # ---- reading a file -------------------------------------------------------------------------------------
@@ -488,3 +578,25 @@ def _model_in(annotation: Any) -> Any:
         if found is not None:
             return found
     return None
+
+
+def with_data_paths(recipe: Recipe, path: str | None, eval_path: str | None, source: str = "<recipe>") -> Recipe:
+    """The recipe reading its `data.format` data from `path` (and `eval_path`): `reproduce run --data/--eval-data`.
+
+    The paths are made absolute (a plan file written now can be resumed from another folder), and the data
+    becomes available: a paper's recipe names its data's format, the user's copy gives the path.
+    """
+    if path is None and eval_path is None:
+        return recipe
+    option = "--data" if path is not None else "--eval-data"
+    if recipe.data.format is None:
+        kind = f"built-in data {recipe.data.builtin!r}" if recipe.data.builtin else (
+            f"factory data {recipe.data.factory!r}" if recipe.data.factory else "no data format")
+        raise UserError(f"{option}: {source} reads {kind}; {option} gives the path of data.format data "
+                        f"({', '.join(DATA_FORMATS)})")
+    data = recipe.model_dump(mode="json")
+    for key, value in (("path", path), ("eval_path", eval_path)):
+        if value is not None:
+            data["data"][key] = str(Path(value).expanduser().absolute())
+    data["data"]["available"] = data["data"]["path"] is not None
+    return parse_recipe(data, source=source)

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..errors import UserError
 from ..planfile import load_plan, load_recipe_or_plan
 from ..planner import Plan
-from ..recipe import Recipe
+from ..recipe import Recipe, parse_recipe, with_data_paths
 from ..sharding import check_sharding, with_sharding
 from .app import app
 from .common import is_terminal, stderr, stdout
@@ -102,6 +102,10 @@ SEED_HELP = "Seed for initialisation, data order and dropout (default: the recip
 SKIP_HELP = "Skip optimizer steps whose loss or gradient is not finite, instead of stopping."
 CHECKPOINT_HELP = "Checkpoint every K optimizer steps (default: every 5 minutes, and at the end)."
 NPROC_HELP = "Processes (GPUs) on this machine: launches itself through torchrun (torch.distributed.run)."
+DATA_HELP = "The training data (a folder or file in the recipe's data.format), instead of the recipe's data.path."
+EVAL_DATA_HELP = "The evaluation data, instead of the recipe's data.eval_path."
+WORKERS_HELP = ("DataLoader worker processes per training process (0: fetch in the training process; default: "
+                "one per CPU core less one, at most 8, for data read from files; 0 for data held in memory).")
 SHARDING_HELP = (
     "fsdp: shard parameters, gradients and optimizer state over the processes (FSDP2); none: a whole copy on each "
     "(DDP). Default: the recipe's batch.sharding; a resumed run keeps its own."
@@ -154,10 +158,34 @@ def _replan(saved: Plan, world_size: int, micro_batch: int, dataset_size: int, s
     return again
 
 
-def _recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None) -> tuple[Recipe, Plan | None]:
-    """The recipe (and plan, when given or resumed) with the sharding this run uses: --sharding, else the recipe's;
-    a resumed run keeps the sharding it was started with."""
+def _resumed_data_paths(recipe: Recipe, saved: Recipe, data_path: str | None, eval_data_path: str | None,
+                        out: Path, source: str) -> Recipe:
+    """Resuming reads the data the run read: its paths come from its plan.yaml; --data / --eval-data, when given,
+    must name the same."""
+    if recipe.data.format is None or saved.data.format is None:
+        return recipe
+
+    def same(a: str | None, b: str | None) -> bool:
+        if a is None or b is None:
+            return a is b
+        return Path(a).expanduser().absolute() == Path(b).expanduser().absolute()
+
+    for option, given, mine, ran in (("--data", data_path, recipe.data.path, saved.data.path),
+                                     ("--eval-data", eval_data_path, recipe.data.eval_path, saved.data.eval_path)):
+        if given is not None and not same(mine, ran):
+            raise UserError(f"{option}: the run in {out} read {ran}; --resume continues it on the same data "
+                            f"(got {mine})")
+    data = recipe.model_dump(mode="json")
+    data["data"].update(path=saved.data.path, eval_path=saved.data.eval_path, available=saved.data.available)
+    return parse_recipe(data, source)
+
+
+def _recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None, data_path: str | None,
+                     eval_data_path: str | None) -> tuple[Recipe, Plan | None]:
+    """The recipe (and plan, when given or resumed) with the data paths and the sharding this run uses: --data /
+    --eval-data and --sharding, else the recipe's; a resumed run keeps the data and sharding it was started with."""
     recipe, plan = load_recipe_or_plan(source)
+    recipe = with_data_paths(recipe, data_path, eval_data_path, str(source))
     if not resume:
         recipe = with_sharding(recipe, sharding)
         return recipe, plan.model_copy(update={"recipe": recipe}) if plan is not None else None
@@ -168,6 +196,7 @@ def _recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None
     if sharding is not None and sharding != started:
         raise UserError(f"--sharding: the run in {out} was started with sharding {started}; resume it with the same "
                         f"(got {sharding})")
+    recipe = _resumed_data_paths(recipe, saved.recipe, data_path, eval_data_path, out, str(source))
     if with_sharding(recipe, started) != saved.recipe:
         raise UserError(f"--resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
     return saved.recipe, saved
@@ -211,6 +240,9 @@ def run_command(
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log each step's metrics to OUT/tensorboard."),
     sharding: Sharding | None = typer.Option(None, "--sharding", help=SHARDING_HELP),
+    data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
+    eval_data_path: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
+    workers: int | None = typer.Option(None, "--workers", min=0, help=WORKERS_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
@@ -222,14 +254,16 @@ def run_command(
     if nproc_per_node is not None and not world.distributed:
         if nnodes > 1 and rdzv_endpoint is None:
             raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
-        recipe, plan = _recipe_and_plan(source, out, resume, sharding_name)  # bad input: one line, before launching
+        # bad input: one line, before launching
+        recipe, plan = _recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
         check_sharding(recipe, nproc_per_node * nnodes)
         _check_sharded_probe(recipe, plan, micro_batch_max, meter)
         args = _forwarded_args(
             source, out,
             {"--policy": policy.value, "--device": device, "--micro-batch-max": micro_batch_max,
              "--max-steps": max_steps, "--seed": seed, "--checkpoint-every": checkpoint_every, "--memory": memory,
-             "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name},
+             "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
+             "--data": data_path, "--eval-data": eval_data_path, "--workers": workers},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
              "--tensorboard": tensorboard},
         )
@@ -238,7 +272,7 @@ def run_command(
         raise typer.Exit(_launch(command))
     if world.distributed:
         world_size = world.size
-    recipe, plan = _recipe_and_plan(source, out, resume, sharding_name)
+    recipe, plan = _recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
     check_sharding(recipe, world.size)
     _check_sharded_probe(recipe, plan, micro_batch_max, meter)
     data = build_data(recipe)
@@ -264,7 +298,7 @@ def run_command(
         warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {size}: using {size}")
     if not world.is_main:  # the other ranks train quietly; rank 0 reports
         train(plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
-              checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data)
+              checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data, workers=workers)
         return
     reporter = RichReporter(warnings) if is_terminal() else PlainReporter(warnings)
     if tensorboard:  # metrics.jsonl stays the source of truth; TensorBoard gets the same scalars
@@ -274,6 +308,7 @@ def run_command(
     summary = train(
         plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
         checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, reporter=reporter, data=data,
+        workers=workers,
     )
     final = summary["final"]
     line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s, final loss {final['loss']:.4f}"
@@ -281,6 +316,9 @@ def run_command(
         line += f", eval accuracy {final['eval_accuracy']:.4f}"
     if "eval_loss" in final:
         line += f", eval loss {final['eval_loss']:.4f}"
+    if summary.get("data_share") is not None:
+        workers = f"{summary['workers']} worker{'' if summary['workers'] == 1 else 's'}"
+        line += f"; waited for data {summary['data_share']:.0%} of the time ({workers})"
     stdout.print(line)
     stdout.print(f"outputs in {out}: plan.yaml, metrics.jsonl, model.pt, summary.json, checkpoints/last.pt")
     if summary.get("plot"):

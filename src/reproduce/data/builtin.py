@@ -38,6 +38,8 @@ def digits(test_fraction: float = 0.2, seed: int = 0) -> dict:
 class TokenWindows(Dataset):
     """Non-overlapping windows of `sequence_length + 1` bytes: input is the first L, target the last L."""
 
+    in_memory = True  # slices of one tensor: loader workers would only add copying
+
     def __init__(self, data: torch.Tensor, sequence_length: int):
         self.data, self.length = data, sequence_length
         self.count = (len(data) - 1) // sequence_length
@@ -55,6 +57,10 @@ class TokenWindows(Dataset):
         offsets = indices.view(-1, 1) * self.length + torch.arange(self.length + 1).view(1, -1)
         chunks = self.data[offsets].long()
         return chunks[:, :-1], chunks[:, 1:]
+
+    def target_counts(self, indices: torch.Tensor) -> torch.Tensor:
+        """Every target bears loss: sequence_length per window, known without fetching."""
+        return torch.full((len(indices),), self.length, dtype=torch.long)
 
 
 def stdlib_sources(max_bytes: int) -> list[Path]:

@@ -159,6 +159,8 @@ class Workload:
     def _largest_item(self) -> int | None:
         """The index of the largest item when items differ in shape; None when they all have one shape."""
         dataset = self.data["train"]
+        if hasattr(dataset, "longest_item"):  # variable-length data that indexed its lengths (tokenised text)
+            return dataset.longest_item()
         if isinstance(dataset, TensorDataset) or hasattr(dataset, "batch"):
             return None
         step = max(1, len(dataset) // SHAPE_SAMPLE)

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from ..data.batches import LazyMicroBatch, fetch, to_device
+from ..data.batches import LazyMicroBatch, to_device
+from ..data.loader import default_workers, eval_batches
 from . import distributed
-from .losses import SampleLoss
+from .losses import SampleLoss, TokenLoss
 from .setup import Setup
 
 
@@ -27,6 +28,21 @@ def _targets(micro_batch: Any) -> Any:
 
 def _load(micro_batch: Any) -> tuple[Any, Any]:
     return micro_batch.load() if isinstance(micro_batch, LazyMicroBatch) else micro_batch
+
+
+def _count_without_fetching(loss_fn: Any, micro_batches: list) -> tuple[int, int] | None:
+    """(loss-bearing items, samples) of a lazy window known without fetching it: every sample bears loss
+    (classification), or the dataset counts each sample's target tokens from an index built once."""
+    if not all(isinstance(m, LazyMicroBatch) for m in micro_batches):
+        return None
+    samples = sum(len(m.indices) for m in micro_batches)
+    if isinstance(loss_fn, SampleLoss):
+        return samples, samples
+    if isinstance(loss_fn, TokenLoss):
+        counts = [m.token_count() for m in micro_batches]
+        if None not in counts:
+            return sum(counts), samples
+    return None
 
 
 @dataclass
@@ -52,8 +68,9 @@ def global_counts(setup: Setup, count: int, samples: int) -> tuple[int, int]:
 def optimizer_step(setup: Setup, micro_batches: list) -> StepResult:
     """One optimizer step over a window of micro-batches: (inputs, targets) on the device, or LazyMicroBatch."""
     model, loss_fn = setup.model, setup.loss
-    if isinstance(loss_fn, SampleLoss) and all(isinstance(m, LazyMicroBatch) for m in micro_batches):
-        local = samples = sum(len(m.indices) for m in micro_batches)  # every sample bears loss: no fetch needed
+    counted = _count_without_fetching(loss_fn, micro_batches)
+    if counted is not None:
+        local, samples = counted
     else:
         targets = [_targets(micro_batch) for micro_batch in micro_batches]
         local, samples = sum(loss_fn.count(t) for t in targets), sum(len(t) for t in targets)
@@ -146,8 +163,9 @@ def _apply_window(setup: Setup, window_loss: torch.Tensor, count: int, samples: 
 
 
 @torch.no_grad()
-def evaluate(setup: Setup, batch: int | None = None) -> dict | None:
-    """Mean loss (and accuracy) over the eval split, in batches of `batch` (default: the micro-batch)."""
+def evaluate(setup: Setup, batch: int | None = None, workers: int | None = None) -> dict | None:
+    """Mean loss (and accuracy) over the eval split, in batches of `batch` (default: the micro-batch), fetched
+    by `workers` loader processes (default: `data.loader.default_workers`)."""
     dataset = setup.data.get("eval")
     if dataset is None or len(dataset) == 0:
         return None
@@ -156,9 +174,9 @@ def evaluate(setup: Setup, batch: int | None = None) -> dict | None:
     model.eval()
     total_loss, total_count, correct = 0.0, 0, 0
     batch = max(batch or setup.plan.micro_batch, 1)
-    for start in range(0, len(dataset), batch):
-        indices = torch.arange(start, min(start + batch, len(dataset)))
-        inputs, target = to_device(fetch(dataset, indices), setup.device, setup.dtype)
+    workers = default_workers(dataset) if workers is None else workers
+    for cpu_batch in eval_batches(dataset, batch, workers=workers, pin_memory=setup.device.type == "cuda"):
+        inputs, target = to_device(cpu_batch, setup.device, setup.dtype)
         with setup.autocast():
             output = model(inputs)
         total_loss += float(setup.loss(output, target))

@@ -6,6 +6,7 @@ needs is built by `setup.build`.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import shutil
@@ -17,7 +18,8 @@ from typing import Protocol
 
 import torch
 
-from ..data.batches import LazyMicroBatch
+from ..data.batches import DataClock, LazyMicroBatch
+from ..data.loader import LoaderWatch, MicroBatchStream, default_workers
 from ..errors import Interrupted, TrainingStopped, UserError
 from ..planfile import save_plan, write_text_atomic
 from ..planner import Plan
@@ -144,7 +146,8 @@ def train(plan: Plan, out: str | Path, **options) -> dict:
     """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `out`.
 
     Options: device ("auto"), max_steps, resume, force, seed, checkpoint_every, skip_nonfinite, dtype (float32),
-    reporter, data. Under torchrun every rank trains its share of each window; rank 0 alone writes. A rank that
+    reporter, data, workers (DataLoader processes; None: `data.loader.default_workers`, 0: fetched in this
+    process). Under torchrun every rank trains its share of each window; rank 0 alone writes. A rank that
     leaves with an error leaves the process group too, so the other ranks' collectives fail at once and they stop
     with a message of their own instead of waiting for it.
     """
@@ -179,6 +182,7 @@ def _train(
     dtype: torch.dtype = torch.float32,
     reporter: Reporter | None = None,
     data: dict | None = None,
+    workers: int | None = None,
 ) -> dict:
     reporter = reporter or SilentReporter()
     world = distributed.world_from_env()
@@ -228,6 +232,7 @@ def _train(
     reporter.start(plan, total, first_step)
     started = time.perf_counter()
     counters = {"samples": 0, "tokens": 0, "partial_windows": 0, "skipped_nonfinite": 0, "out_of_memory": 0}
+    waited = 0.0  # seconds the steps waited for data
     last_record: dict = {}
     eval_every = plan.recipe.evaluation.every_steps
     setup.model.train()
@@ -235,17 +240,33 @@ def _train(
     # On a CPU, values below float32's normal range (late in training, in momentum and gradients) make every
     # operation on them ~100x slower; flushing them to zero cost a digits run 3.5 s instead of 72 s.
     flush_denormals = setup.device.type == "cpu" and torch.set_flush_denormal(True)
+    workers = default_workers(train_set) if workers is None else workers
+    watch = LoaderWatch(workers)
+
+    def windows(step: int, micro: int) -> tuple[list[torch.Tensor], bool]:
+        """This rank's micro-batches of `step`, and whether the window is partial: the loop and the loader's
+        sampler both follow this one function."""
+        return window(plan, size, step, seed, setup.rank, micro)
+
+    def open_stream(step: int, micro: int) -> MicroBatchStream:
+        return MicroBatchStream(train_set, lambda at: windows(at, micro)[0], step, total, seed=seed,
+                                workers=workers, pin_memory=setup.device.type == "cuda")
+
+    stream = None
     try:
         stop.__enter__()
+        stream = open_stream(first_step, micro_batch)
         for step in range(first_step, total):
             tick = time.perf_counter()
             # Dropout and other random draws of step s come from (seed, s, rank) alone: a resumed run draws what
             # the uninterrupted one did, and ranks draw independently of each other.
             seed_step(setup.device, step_seed(seed, step, setup.rank))
             lr = setup.optimizer.param_groups[0]["lr"]
+            clock = DataClock()
             while True:
-                indices, partial = window(plan, size, step, seed, setup.rank, micro_batch)
-                micro_batches = [LazyMicroBatch(train_set, i, setup.device, dtype) for i in indices]
+                indices, partial = windows(step, micro_batch)
+                take = functools.partial(stream.take, step)
+                micro_batches = [LazyMicroBatch(train_set, i, setup.device, dtype, take, clock) for i in indices]
                 try:
                     result = optimizer_step(setup, micro_batches)
                     break
@@ -261,6 +282,7 @@ def _train(
                 # (activations, inputs): free the rest, halve the micro-batch, double N; the effective batch stays
                 # exact. Under several processes only when every rank agreed (the vote in optimizer_step).
                 del micro_batches
+                stream.close()  # its prefetched micro-batches are of the old size
                 setup.optimizer.zero_grad(set_to_none=True)
                 gc.collect()
                 if setup.device.type == "cuda":
@@ -283,6 +305,7 @@ def _train(
                     f"{plan.per_rank_batch // micro_batch} -> {plan.per_rank_batch // smaller}; redoing the window"
                 )
                 micro_batch = smaller
+                stream = open_stream(step, micro_batch)
             if not result.finite:
                 if not skip_nonfinite and not setup.scaler:
                     raise TrainingStopped(
@@ -293,6 +316,7 @@ def _train(
             counters["samples"] += result.samples
             counters["tokens"] += result.tokens
             counters["partial_windows"] += partial
+            waited += clock.seconds
             record = {
                 "step": step + 1,
                 "epoch": round((step + 1) / plan.steps_per_epoch, 6),
@@ -308,14 +332,18 @@ def _train(
                 "partial": partial,
                 "skipped": not result.finite,
                 "seconds": round(time.perf_counter() - tick, 6),
+                "data_seconds": round(clock.seconds, 6),
                 "peak_memory_bytes": peak_memory(setup.device),
             }
+            slow_loader = watch.update(step + 1, clock.seconds, record["seconds"])
+            if slow_loader and main:
+                reporter.message(slow_loader)
             if result.grad_syncs is not None:
                 record["grad_syncs"] = result.grad_syncs
             done = step + 1 == total
             evaluating = (eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end)
             if evaluating and (main or setup.sharded):  # a sharded model's forward needs every rank
-                evaluation = evaluate(setup, micro_batch)
+                evaluation = evaluate(setup, micro_batch, workers)
                 if evaluation:
                     record.update(evaluation)
             metrics.write(record)
@@ -337,6 +365,8 @@ def _train(
                     StopSignals.EXIT_CODES[received],
                 )
     finally:
+        if stream is not None:
+            stream.close()
         stop.__exit__()
         metrics.close()
         if flush_denormals:
@@ -353,6 +383,9 @@ def _train(
         "final": last_record,
         "seconds": round(elapsed, 3),
         "samples_per_second": round(counters["samples"] / elapsed, 2) if elapsed > 0 else None,
+        "workers": workers,
+        "data_seconds": round(waited, 3),
+        "data_share": round(waited / elapsed, 4) if elapsed > 0 else None,
         "window_policy": "drop_last" if plan.recipe.data.drop_last else "partial windows normalised by their items",
         **counters,
         "data": setup.data.get("info", {}),
