@@ -186,13 +186,17 @@ def available_cpus() -> int:
     return os.cpu_count() or 1
 
 
+def cpu_share() -> int:
+    """The CPU cores this process has: its share of the machine's under torchrun."""
+    return max(1, available_cpus() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 def default_workers(dataset: Any) -> int:
     """Loader processes when --workers is not given: none for data held in memory; otherwise one per CPU core
     this process has (its share under torchrun), less one for the training process itself, at most 8."""
     if held_in_memory(dataset):
         return 0
-    share = available_cpus() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return max(0, min(MAX_DEFAULT_WORKERS, share - 1))
+    return max(0, min(MAX_DEFAULT_WORKERS, cpu_share() - 1))
 
 
 class LoaderWatch:
