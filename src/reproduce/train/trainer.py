@@ -241,12 +241,13 @@ def _train(
     # operation on them ~100x slower; flushing them to zero cost a digits run 3.5 s instead of 72 s.
     flush_denormals = setup.device.type == "cpu" and torch.set_flush_denormal(True)
     workers = default_workers(train_set) if workers is None else workers
-    # Training on the CPU beside loader workers: the compute threads get the cores the workers leave. OpenMP
-    # threads that outnumber free cores spin against each other: the digits MLP's 5 ms step took 0.9 s beside
-    # one worker decoding PNGs on 2 cores.
+    # Training on the CPU from files read by loader workers: the compute threads get the cores the default workers
+    # leave. OpenMP threads that outnumber free cores spin against each other: the digits MLP's 5 ms step took
+    # 0.9 s beside one worker decoding PNGs on 2 cores. The count follows the data, not --workers, so runs with
+    # different worker counts (a resume with fewer) compute with the same threads and stay bitwise equal.
     threads = torch.get_num_threads()
-    if setup.device.type == "cpu" and workers:
-        torch.set_num_threads(max(1, min(threads, cpu_share() - workers)))
+    if setup.device.type == "cpu" and default_workers(train_set):
+        torch.set_num_threads(max(1, min(threads, cpu_share() - default_workers(train_set))))
     watch = LoaderWatch(workers)
 
     def windows(step: int, micro: int) -> tuple[list[torch.Tensor], bool]:
