@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 MODELS = ("mlp", "cnn-bn", "cnn-gn", "gpt")
 DATA = ("digits", "pysource")
-TORCH_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "adafactor")
+TORCH_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "adafactor", "lars", "lamb")  # lars, lamb: train/large_batch.py
 
 
 def _module_found(spec: str) -> bool:

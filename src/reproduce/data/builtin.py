@@ -55,6 +55,10 @@ class TokenWindows(Dataset):
         chunks = self.data[offsets].long()
         return chunks[:, :-1], chunks[:, 1:]
 
+    def with_sequence_length(self, sequence_length: int) -> TokenWindows:
+        """The same bytes cut into windows of another length (a batch phase's; see data/lengths.py)."""
+        return TokenWindows(self.data, sequence_length)
+
 
 def stdlib_sources(max_bytes: int) -> list[Path]:
     """The standard library's top-level Python files, sorted, up to about `max_bytes` in total."""
