@@ -536,6 +536,8 @@ def _field_names_at(root: type[BaseModel], loc: list[str]) -> list[str]:
     """The field names of the model found by following `loc` from `root` (empty when it leads elsewhere)."""
     model: Any = root
     for part in loc:
+        if part.isdigit():  # an item of a list: the list's model, already found
+            continue
         fields = getattr(model, "model_fields", None)
         if fields is None or part not in fields:
             return []

@@ -241,6 +241,10 @@ def train(
             seed_step(setup.device, step_seed(seed, step, setup.rank))
             lr = setup.optimizer.param_groups[0]["lr"]
             batch = step_batch(plan, step)  # with batch phases: this step's N and sequence length
+            if batch.phase is not None and (step == first_step or plan.phases[batch.phase].start_step == step):
+                reporter.message(f"step {step + 1}: batch {batch.effective_batch} = micro {batch.micro_batch} x "
+                                 f"accumulation {batch.accumulation_steps} x world {plan.world_size}"
+                                 + (f", sequence length {batch.sequence_length}" if batch.sequence_length else ""))
             micro_batch = min(batch.micro_batch, lowered.get(batch.sequence_length, batch.micro_batch))
             while True:
                 indices, partial = window(plan, size, step, seed, setup.rank, micro_batch)
