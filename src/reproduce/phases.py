@@ -172,22 +172,30 @@ def _ramp(recipe: Recipe, target: Any, cap: int, world_size: int, dataset_size: 
         value, unit = value * size, "samples"
     elif unit == "tokens":
         value, unit = value / length, "samples"
-    batches = []  # each step's batch while the ramp lasts
-    read = 0
-    while (len(batches) if unit == "steps" else read) < value:
-        progress = (len(batches) if unit == "steps" else read) / value
-        wanted = start + (target.effective_batch - start) * progress
-        step_batch = min(target.effective_batch, max(grain, int(wanted // grain) * grain))
-        batches.append(step_batch)
-        read += step_batch
-    segments, begin = [], 0
-    for index in range(1, len(batches) + 1):
-        if index == len(batches) or batches[index] != batches[begin]:
-            effective = batches[begin]
-            choice = _Split(target.micro_batch, effective // grain, effective, target.lr_factor)
-            segments.append(segment("ramp", begin, index - begin, choice, None, length, cap, None))
-            begin = index
-    return [*segments, last.model_copy(update={"start_step": len(batches)})]
+    target_batch = target.effective_batch
+
+    def batch_at(position: float) -> int:
+        """The step's batch once `position` (samples read, or steps taken) of the ramp's `value` is behind."""
+        wanted = start + (target_batch - start) * position / value
+        return min(target_batch, max(grain, int(wanted // grain) * grain))
+
+    # Each distinct batch at once (not step by step: a long ramp of small batches would take millions of steps):
+    # steps of batch b go on while the position is below the one where the ramp's value reaches b + grain.
+    segments, steps, read = [], 0, 0
+    while (steps if unit == "steps" else read) < value:
+        position = steps if unit == "steps" else read
+        effective = batch_at(position)
+        stride = 1 if unit == "steps" else effective  # how far one step moves the position
+        limit = min(value, value * (effective + grain - start) / (target_batch - start))
+        count = max(1, math.ceil((limit - position) / stride))
+        while count > 1 and batch_at(position + (count - 1) * stride) != effective:  # float rounding at the edge
+            count -= 1
+        while position + count * stride < value and batch_at(position + count * stride) == effective:
+            count += 1
+        choice = _Split(target.micro_batch, effective // grain, effective, target.lr_factor)
+        segments.append(segment("ramp", steps, count, choice, None, length, cap, None))
+        steps, read = steps + count, read + count * effective
+    return [*segments, last.model_copy(update={"start_step": steps})]
 
 
 @dataclass(frozen=True)
