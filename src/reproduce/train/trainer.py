@@ -27,7 +27,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .distributed import World
 from .setup import build, resolve_device
 from .step import OptimizerStepOutOfMemory, evaluate, optimizer_step
-from .windows import length_sizes, smaller_micro_batch, step_batch, step_epoch, window
+from .windows import length_sizes, micro_batch_at, smaller_micro_batch, step_batch, step_epoch, window
 
 CHECKPOINT_SECONDS = 300.0
 
@@ -245,7 +245,7 @@ def train(
                 reporter.message(f"step {step + 1}: batch {batch.effective_batch} = micro {batch.micro_batch} x "
                                  f"accumulation {batch.accumulation_steps} x world {plan.world_size}"
                                  + (f", sequence length {batch.sequence_length}" if batch.sequence_length else ""))
-            micro_batch = min(batch.micro_batch, lowered.get(batch.sequence_length, batch.micro_batch))
+            micro_batch = micro_batch_at(plan, step, lowered)
             while True:
                 indices, partial = window(plan, size, step, seed, setup.rank, micro_batch)
                 micro_batches = [LazyMicroBatch(train_set, i, setup.device, dtype) for i in indices]

@@ -36,6 +36,13 @@ def step_batch(plan: Plan, step: int) -> StepBatch:
     return StepBatch(phase.micro_batch, phase.accumulation_steps, phase.effective_batch, phase.sequence_length, index)
 
 
+def micro_batch_at(plan: Plan, step: int, lowered: dict) -> int:
+    """The micro-batch step `step` runs with: its phase's, or lower where an out-of-memory error lowered it
+    (`lowered`: sequence length -> micro-batch). What the loop and a loader prefetching its windows both use."""
+    batch = step_batch(plan, step)
+    return min(batch.micro_batch, lowered.get(batch.sequence_length, batch.micro_batch))
+
+
 def length_sizes(plan: Plan) -> dict[int | None, int | None]:
     """The training samples at each sequence length the plan's phases read, shortest length first."""
     sizes = {phase.sequence_length: phase.dataset_size for phase in plan.phases}
