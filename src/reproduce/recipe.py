@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import UserError
 
@@ -20,6 +20,18 @@ SGD_FAMILY = ("sgd", "nesterov", "lars")
 ADAM_FAMILY = ("adam", "adamw", "lamb", "adafactor")
 NORM_LAYERS = ("batchnorm", "layernorm", "rmsnorm", "groupnorm", "none")
 LENGTH_UNITS = ("steps", "epochs", "samples", "tokens")
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
+
+Name = TypeVar("Name")
+
+
+def _one_or_many(value: Any) -> Any:
+    """A single name where a list of names is expected: `norm_layers: batchnorm` reads as `[batchnorm]`."""
+    return [value] if isinstance(value, str) else value
+
+
+# A list of names that also accepts one name written alone (YAML users write `no_decay: bias` as often as `[bias]`).
+Names = Annotated[list[Name], BeforeValidator(_one_or_many)]
 
 
 class Strict(BaseModel):
@@ -28,7 +40,7 @@ class Strict(BaseModel):
 
 class Paper(Strict):
     title: str
-    authors: list[str] = []
+    authors: Names[str] = []
     year: int | None = Field(default=None, ge=1950, le=2100)
     url: str | None = None
     arxiv: str | None = None
@@ -214,16 +226,35 @@ class Builder(Strict):
         return self
 
 
+class Lora(Strict):
+    """Low-rank adapters (Hu et al. 2021) through peft on the modules named: only the adapters train.
+
+    Each adapted weight W gets W + (alpha / r) B A with A (r x in) and B (out x r); B starts at zero, so the
+    adapted model starts as the base model.
+    """
+
+    r: int = Field(gt=0, description="rank of each adapter")
+    alpha: float | None = Field(default=None, gt=0, description="the update is scaled by alpha / r (default: r)")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: Annotated[Names[str], Field(min_length=1)] = Field(
+        description="names (or name endings) of the modules to adapt, e.g. [q_proj, v_proj]"
+    )
+
+
 class Model(Builder):
     """A built-in, a factory, or `hf: NAME_OR_LOCAL_PATH` (a Hugging Face model, loaded from this machine only).
 
     With `hf`, `kind` says which head (default from the task: causal-lm for language-modeling,
     sequence-classification for classification) and `kwargs` go to `from_pretrained` (e.g. num_labels).
+    `dtype` is the dtype the weights are stored in (bf16/fp16: as fine-tuning recipes load a base model);
+    `lora` freezes them and trains low-rank adapters instead.
     """
 
     hf: str | None = Field(default=None, description="Hugging Face model name or local folder")
     kind: Literal["causal-lm", "sequence-classification"] | None = None
-    norm_layers: list[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
+    norm_layers: Names[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
+    dtype: Literal[WEIGHT_DTYPES] = "fp32"  # type: ignore[valid-type]
+    lora: Lora | None = None
     description: str | None = None
 
     @model_validator(mode="after")
@@ -244,6 +275,21 @@ class Model(Builder):
         return "batchnorm" in self.norm_layers
 
 
+DATA_FORMATS = ("imagefolder", "tokens", "instructions", "hf-datasets")
+TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32", "int64")
+# hf-datasets: which columns hold what; one of these sets of keys (`input` is optional beside instruction/output)
+HF_COLUMN_SETS = ({"text"}, {"instruction", "output"}, {"instruction", "input", "output"}, {"image", "label"},
+                  {"input", "label"})
+# the fields only some formats use: field -> the formats that read it
+FORMAT_FIELDS = {
+    "augment": ("imagefolder", "hf-datasets"),
+    "dtype": ("tokens",),
+    "template": ("instructions", "hf-datasets"),
+    "tokenizer": ("instructions", "hf-datasets"),
+    "columns": ("hf-datasets",),
+}
+
+
 class Data(Builder):
     name: str | None = None
     available: bool = True
@@ -258,14 +304,59 @@ class Data(Builder):
     max_length: int | None = Field(
         default=None, gt=0, description="longest sequence in tokens (variable-length text is truncated to it)"
     )
+    # Data on disk in a standard layout (`reproduce run --data PATH` / `--eval-data PATH` replace the paths).
+    format: Literal[DATA_FORMATS] | None = None  # type: ignore[valid-type]
+    path: str | None = Field(default=None, description="the training data: a folder or a file")
+    eval_path: str | None = Field(default=None, description="the evaluation data, in the same format")
+    augment: Literal["imagenet", "none"] | None = None
+    dtype: Literal[TOKEN_DTYPES] | None = None  # type: ignore[valid-type]
+    template: Literal["alpaca"] | None = None
+    tokenizer: str | None = Field(default=None, description="a local tokenizer folder (tokenizer.json)")
+    columns: dict[str, str] | None = None
 
     @model_validator(mode="after")
     def _has_source(self) -> Data:
-        if self.builtin is None and self.factory is None and self.name is None:
-            raise ValueError("give builtin: NAME, factory: 'package.module:function', or name: for plan-only data")
-        if self.available and self.builtin is None and self.factory is None:
+        if self.format is not None and (self.builtin is not None or self.factory is not None):
+            raise ValueError("format: give format (with path) or builtin/factory, not both")
+        for name in ("path", "eval_path", "tokenizer"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{name}: give a file or folder (got {value!r})")
+        if self.format is None:
+            given = [n for n in ("path", "eval_path", *FORMAT_FIELDS) if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{given[0]}: only used with format: {' | '.join(DATA_FORMATS)}")
+        else:
+            for name, formats in FORMAT_FIELDS.items():
+                if getattr(self, name) is not None and self.format not in formats:
+                    raise ValueError(f"{name}: only used with format {' or '.join(formats)} (format is {self.format})")
+        if self.format == "hf-datasets":
+            if self.columns is None:
+                raise ValueError("columns: required for format hf-datasets (which column holds what, e.g. "
+                                 "{text: content} or {image: img, label: label})")
+            if set(self.columns) not in HF_COLUMN_SETS:
+                shown = ", ".join(f"{{{', '.join(sorted(s))}}}" for s in HF_COLUMN_SETS)
+                raise ValueError(f"columns: expected the keys of one of {shown} (got {sorted(self.columns)})")
+            if self.augment is not None and "image" not in self.columns:
+                raise ValueError("augment: only used with an image column (columns: {image: ..., label: ...})")
+            if self.template is not None and "instruction" not in self.columns:
+                raise ValueError("template: only used with instruction columns (columns: {instruction: ..., ...})")
+        if self.builtin is None and self.factory is None and self.name is None and self.format is None:
+            raise ValueError("give builtin: NAME, factory: 'package.module:function', format: with path:, or name: "
+                             "for plan-only data")
+        if self.available and self.builtin is None and self.factory is None and self.path is None:
+            if self.format is not None:
+                raise ValueError(f"path: required for {self.format} data (a folder or file), or set available: "
+                                 "false and give it on the command line: reproduce run --data PATH")
             raise ValueError(f"available: data {self.name!r} has no builtin or factory; set available: false")
         return self
+
+    @property
+    def text_columns(self) -> bool:
+        """Whether the data is text to tokenise (instructions, or hf-datasets text/instruction columns)."""
+        return self.format == "instructions" or (
+            self.format == "hf-datasets" and self.columns is not None and "label" not in self.columns
+        )
 
 
 class Optimizer(Strict):
@@ -275,7 +366,7 @@ class Optimizer(Strict):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(default=1e-8, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
-    no_decay: list[Literal["bias", "norm", "embedding", "1d"]] = []
+    no_decay: Names[Literal["bias", "norm", "embedding", "1d"]] = []
     trust_coefficient: float | None = Field(
         default=None, gt=0, description="lars: eta, the trust coefficient of You et al. 2017 (default 0.001)"
     )
@@ -391,9 +482,21 @@ class Recipe(Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
         if self.task == "custom" and self.loss is None:
-            raise ValueError("loss: task custom needs loss: {factory: 'package.module:function'}")
+            raise ValueError("loss: task custom needs loss: {builtin: NAME} or {factory: 'package.module:function'}")
         if self.task != "custom" and self.loss is not None:
             raise ValueError(f"loss: only used with task custom (task is {self.task})")
+        weights = self.model.dtype
+        if weights != "fp32" and self.precision != weights:
+            raise ValueError(
+                f"model.dtype: {weights} weights compute under precision: {weights} (autocast), not "
+                f"{self.precision}" + (" (fp16 autocast would keep an fp16 copy of every bf16 weight for the backward)"
+                                       if self.precision == "fp16" else "")
+            )
+        if weights == "fp16" and self.model.lora is None:
+            raise ValueError(
+                "model.dtype: fp16 weights can only stay frozen under model.lora (a GradScaler cannot unscale fp16 "
+                "gradients); train all weights in bf16 or fp32"
+            )
         if self.batch.sequence_length is None:
             schedule = self.schedule
             named = [
@@ -404,7 +507,37 @@ class Recipe(Strict):
             for name, length in named:
                 if length is not None and length.tokens is not None:
                     raise ValueError(f"{name}: counted in tokens, which needs batch.sequence_length")
+        self._check_data_format()
         return self
+
+    def _check_data_format(self) -> None:
+        """What a data format needs from the rest of the recipe (the task; the sizes it cuts or tokenises to)."""
+        data = self.data
+        if data.format is None:
+            return
+        if data.format == "hf-datasets":
+            task = "language-modeling" if data.text_columns else "classification"
+        else:
+            task = "classification" if data.format == "imagefolder" else "language-modeling"
+        if self.task != "custom" and self.task != task:
+            raise ValueError(f"data.format: {data.format} data{' with these columns' if data.columns else ''} is "
+                             f"for task {task} (task is {self.task})")
+        if data.format == "tokens" and self.batch.sequence_length is None:
+            raise ValueError("batch.sequence_length: required with data.format tokens (each sample is that many "
+                             "tokens)")
+        if not data.available:
+            return  # plan only until a path is given (reproduce run --data PATH)
+        images = data.format == "imagefolder" or (data.columns is not None and "image" in data.columns)
+        if images and data.image_size is None:
+            raise ValueError("data.image_size: required for image data (the side images are cropped or resized "
+                             "to; 224 for ImageNet)")
+        if data.text_columns:
+            if data.tokenizer is None and self.model.hf is None:
+                raise ValueError("data.tokenizer: required for text data: a local tokenizer folder (default: the "
+                                 "model's own with model.hf)")
+            if data.max_length is None and self.batch.sequence_length is None:
+                raise ValueError("data.max_length: required for text data: the longest sequence in tokens, longer "
+                                 "ones are truncated (Alpaca: 512)")
 
 
 def phase_recipe(recipe: Recipe, sequences: int, sequence_length: int | None) -> Recipe:
@@ -520,6 +653,9 @@ def _message(error: dict, root: type[BaseModel]) -> str:
         return f"expected one of {ctx.get('expected', '')} (got {got!r})"
     if kind == "string_pattern_mismatch":
         return f"expected 'package.module:function' (got {got!r})"
+    if kind == "too_short":
+        least = ctx.get("min_length", 1)
+        return f"expected at least {least} item{'s' if least != 1 else ''} (got {got!r})"
     if kind == "int_from_float":
         return f"expected an integer (got {got!r})"
     if kind.endswith("_type") or kind.endswith("_parsing") or kind == "model_type":
@@ -554,3 +690,25 @@ def _model_in(annotation: Any) -> Any:
         if found is not None:
             return found
     return None
+
+
+def with_data_paths(recipe: Recipe, path: str | None, eval_path: str | None, source: str = "<recipe>") -> Recipe:
+    """The recipe reading its `data.format` data from `path` (and `eval_path`): `reproduce run --data/--eval-data`.
+
+    The paths are made absolute (a plan file written now can be resumed from another folder), and the data
+    becomes available: a paper's recipe names its data's format, the user's copy gives the path.
+    """
+    if path is None and eval_path is None:
+        return recipe
+    option = "--data" if path is not None else "--eval-data"
+    if recipe.data.format is None:
+        kind = f"built-in data {recipe.data.builtin!r}" if recipe.data.builtin else (
+            f"factory data {recipe.data.factory!r}" if recipe.data.factory else "no data format")
+        raise UserError(f"{option}: {source} reads {kind}; {option} gives the path of data.format data "
+                        f"({', '.join(DATA_FORMATS)})")
+    data = recipe.model_dump(mode="json")
+    for key, value in (("path", path), ("eval_path", eval_path)):
+        if value is not None:
+            data["data"][key] = str(Path(value).expanduser().absolute())
+    data["data"]["available"] = data["data"]["path"] is not None
+    return parse_recipe(data, source=source)
