@@ -285,9 +285,10 @@ def pysource_lm(shuffle=False, dropout=0.0) -> dict:
     }
 
 
-def test_sequence_length_phases_read_the_data_cut_at_each_length_float64(tmp_path):
+@pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "loader-worker"])
+def test_sequence_length_phases_read_the_data_cut_at_each_length_float64(workers, tmp_path):
     recipe = pysource_lm()
-    the_plan, data, ours, records = run(recipe, 2, tmp_path / "run")
+    the_plan, data, ours, records = run(recipe, 2, tmp_path / "run", workers=workers)
     assert [(r["sequence_length"], r["samples"], r["tokens"]) for r in records] == [
         (16, 8, 128), (16, 8, 128), (32, 4, 128), (32, 4, 128)]
     cut = {16: data["train"].with_sequence_length(16), 32: data["train"]}

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 SMALL_MODELS = ("mlp", "cnn-bn", "cnn-gn", "gpt")  # reproduce.models.small
 TORCHVISION_MODELS = ("resnet50", "vit-b16", "deit-b")  # the papers' architectures (reproduce.models.architectures)
 TRANSFORMERS_MODELS = (
-    "mae-vit-large-patch16", "gpt2-124m", "gpt3-small", "gpt2-medium", "gpt-char", "bert-base", "bert-large",
-    "roberta-base", "llama-7b",
+    "mae-vit-large-patch16", "gpt2-124m", "gpt3-small", "gpt2-medium", "gpt-char", "bert-base", "roberta-base",
+    "llama-7b",
 )
 MODELS = SMALL_MODELS + TORCHVISION_MODELS + TRANSFORMERS_MODELS
 LOSSES = ("mae-masked-pixel-mse",)

@@ -245,15 +245,6 @@ ARCHITECTURES: dict[str, Architecture] = {
                                       "num_attention_heads": 12, "intermediate_size": 3072,
                                       "max_position_embeddings": 512, "type_vocab_size": 2},
         ),
-        # Devlin et al. 2019, sec. 3: BERT-large, L 24, H 1024, A 16, 340M (uncased_L-24_H-1024_A-16): the same
-        # vocabulary and positions; what You et al. 2019 train with LAMB. Masked-LM head only, as bert-base.
-        TransformersModel(
-            "bert-large", "BERT-large, masked-LM head (transformers BERT)", config_class="BertConfig",
-            auto_class="AutoModelForMaskedLM",
-            kind="masked-lm", config={"vocab_size": 30522, "hidden_size": 1024, "num_hidden_layers": 24,
-                                      "num_attention_heads": 16, "intermediate_size": 4096,
-                                      "max_position_embeddings": 512, "type_vocab_size": 2},
-        ),
         # Liu et al. 2019 (arXiv 1907.11692): BERT-base's shape with GPT-2's byte-level BPE; fairseq roberta.base
         # (@ 3d262bb, 125M): vocabulary 50265, 514 positions (512 tokens after the padding index 1), one token type,
         # LayerNorm eps 1e-5.
