@@ -500,6 +500,63 @@ CASES = [
         ["error: {path}: batch.effective: must be > 0 (got -1)"],
         lines=4,
     ),
+    # ---- optimizers, batch phases and ramps ------------------------------------------------------------
+    Case(
+        "trust-coefficient-not-lars",
+        mutate({"optimizer.trust_coefficient": 0.01}),
+        ["error: {path}: optimizer.trust_coefficient: only used by lars (name is nesterov)"],
+    ),
+    Case(
+        "trust-coefficient-zero",
+        mutate({"optimizer.name": "lars", "optimizer.trust_coefficient": 0}),
+        ["error: {path}: optimizer.trust_coefficient: must be > 0", "(got 0)"],
+    ),
+    Case(
+        "one-phase",
+        mutate({"batch.phases": [{"effective": 8192}]}),
+        ["error: {path}: batch.phases: give two phases or more (one phase is batch.effective alone)"],
+    ),
+    Case(
+        "last-phase-with-length",
+        mutate({"batch.phases": [{"epochs": 10, "effective": 4096}, {"epochs": 80, "effective": 8192}]}),
+        ["error: {path}: batch.phases.1.epochs: the last phase runs to the end of schedule.total; give it no length"],
+    ),
+    Case(
+        "phase-without-length",
+        mutate({"batch.phases": [{"effective": 4096}, {"effective": 8192}]}),
+        ["error: {path}: batch.phases.0: give its length: exactly one of steps, epochs, samples, tokens (got none)"],
+    ),
+    Case(
+        "main-batch-not-a-phase",
+        mutate({"batch.phases": [{"epochs": 10, "effective": 4096}, {"effective": 16384}]}),
+        ["error: {path}: batch.effective: 8192 is none of the phases' batches (4096, 16384)"],
+    ),
+    Case(
+        "phase-length-without-batch-length",
+        mutate({"batch.phases": [{"epochs": 10, "effective": 4096, "sequence_length": 128}, {"effective": 8192}]}),
+        ["error: {path}: batch.phases.0.sequence_length: needs batch.sequence_length"],
+    ),
+    Case(
+        "phases-and-ramp",
+        mutate({"batch.phases": [{"epochs": 10, "effective": 4096}, {"effective": 8192}],
+                "batch.ramp": {"start": 256, "length": {"epochs": 5}}}),
+        ["error: {path}: batch.phases: give phases or ramp, not both"],
+    ),
+    Case(
+        "ramp-start-above-batch",
+        mutate({"batch.ramp": {"start": 9000, "length": {"epochs": 5}}}),
+        ["error: {path}: batch.ramp.start: 9000 must be below the batch it ramps up to, effective 8192"],
+    ),
+    Case(
+        "ramp-without-length",
+        mutate({"batch.ramp": {"start": 256}}),
+        ["error: {path}: batch.ramp.length: required field is missing"],
+    ),
+    Case(
+        "phase-unknown-key",
+        mutate({"batch.phases": [{"epochs": 10, "effective": 4096, "sequence": 3}, {"effective": 8192}]}),
+        ["error: {path}: batch.phases.0.sequence: unknown key (did you mean 'sequence_length'?)"],
+    ),
     # ---- options ---------------------------------------------------------------------------------------
     Case(
         "micro-batch-max-zero",

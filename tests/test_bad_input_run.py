@@ -61,8 +61,15 @@ CASES = [
      "model.kwargs: mlp rejected its arguments"),
     ("data-factory-wrong-kind", changed(data={"factory": "json:dumps", "kwargs": {"obj": 1}}), [],
      "data: the factory must return a dict with a 'train' dataset"),
-    ("optimizer-without-implementation", changed(optimizer={"name": "lamb", "lr": 0.1}), [],
-     "optimizer.name: lamb has no PyTorch implementation to run here"),
+    ("phases-data-cannot-be-cut",
+     changed(task="language-modeling", batch={"effective": 4, "sequence_length": 16, "phases": [
+         {"steps": 1, "effective": 4, "sequence_length": 8}, {"effective": 4}]},
+         model={"factory": "factories:tiny_gpt"}, data={"factory": "factories:variable_lm"}), [],
+     "batch.phases: sequence length 8 differs from batch.sequence_length 16, but the training data "
+     "(factories:variable_lm, list) cannot be cut at another length"),
+    ("phase-epoch-shorter-than-a-step",
+     changed(batch={"effective": 64, "phases": [{"steps": 1, "effective": 64}, {"effective": 4096}]}),
+     ["--micro-batch-max", "64"], "data: the epoch (1437 samples) is shorter than one optimizer step (4096)"),
     ("epoch-shorter-than-a-step", changed(batch={"effective": 4096}), ["--micro-batch-max", "64"],
      "data: the epoch (1437 samples) is shorter than one optimizer step (4096)"),
     ("world-size-beyond-batch", RUNNABLE, ["--world-size", "65"], "--world-size: 65 processes exceed"),
@@ -111,6 +118,21 @@ def test_bad_run_input(case_id, recipe, args, expected, tmp_path, capsys, monkey
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
     assert "Traceback" not in err
     assert snapshot(out) == before
+
+
+def test_a_folder_of_the_users_own_files_is_named_not_called_a_run(tmp_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(RUNNABLE))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(path), "--out", str(out), "--device", "cpu", "--micro-batch-max", "16"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert f"--out: {out} is not empty (it holds notes.txt, not a run of reproduce)" in err
+    assert "another run" not in err and "--resume" not in err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
 def test_device_cuda_without_a_gpu(tmp_path, capsys):

@@ -25,6 +25,7 @@ from reproduce.data import build_data
 from reproduce.models import build_model
 from reproduce.recipe import parse_recipe
 from reproduce.train.trainer import read_metrics
+from test_large_batch import LAMB_SPEC, LARS_SPEC, run_plain_adaptive
 from test_run import ADAMW, SGD, assert_same_weights, digits_recipe, run_plain
 
 TESTS = Path(__file__).parent
@@ -50,6 +51,9 @@ def gpt_recipe(optimizer: dict = ADAMW, steps: int = 3, **extra) -> dict:
 
 
 MLP_CLIPPED = fsdp(digits_recipe(SGD, effective=64, steps=6, clip_grad_norm=0.25))
+# LARS and LAMB on FSDP2's DTensor shards: their trust ratios need whole-tensor norms
+MLP_LARS = fsdp(digits_recipe(LARS_SPEC, effective=64, steps=6))
+MLP_LAMB = fsdp(digits_recipe(LAMB_SPEC, effective=64, steps=6))
 GPT_CLIPPED = gpt_recipe(clip_grad_norm=0.05)
 # Out of memory: a narrow MLP on large micro-batches, so activations dominate its memory; plain SGD (no optimizer
 # state to allocate in the first step).
@@ -71,6 +75,8 @@ JOBS = [
     job("gpt", GPT_CLIPPED, 2),
     job("mlp", MLP_CLIPPED, 8),
     job("mlp-fp32", MLP_CLIPPED, 8, "float32"),
+    job("mlp-lars", MLP_LARS, 8),
+    job("mlp-lamb", MLP_LAMB, 8),
     job("gpt-bf16", {**GPT_CLIPPED, "precision": "bf16"}, 2, "float32"),
     job("mlp-fp16", {**MLP_CLIPPED, "precision": "fp16"}, 8, "float32"),
     job("bn-fsdp", fsdp(BATCHNORM), 4),
@@ -129,6 +135,15 @@ def test_sharded_accumulation_equals_the_plain_large_batch_loop_float64(name, re
     assert any(r["grad_norm"] > recipe["clip_grad_norm"] for r in records)  # clipping was really applied
     if name == "gpt":
         assert records[0]["items"] == records[0]["tokens"] > 16  # the window's tokens summed over both ranks
+
+
+@pytest.mark.parametrize("name, recipe", [("mlp-lars", MLP_LARS), ("mlp-lamb", MLP_LAMB)])
+def test_lars_and_lamb_on_sharded_parameters_equal_the_plain_large_batch_loop_float64(name, recipe, jobs):
+    folder, _ = jobs
+    reference = run_plain_adaptive(recipe, data_of(recipe), steps=6)  # one process, whole tensors, batches of 64
+    assert_same_weights(weights(folder / name), reference, rtol=1e-6, atol=1e-12)
+    records = read_metrics(folder / name / "metrics.jsonl")
+    assert len(records) == 6 and all(r["world_size"] == 2 and r["grad_syncs"] == 1 for r in records)
 
 
 def test_sharded_float32_within_float32_rounding(jobs):

@@ -23,7 +23,7 @@ TRANSFORMERS_MODELS = (
 MODELS = SMALL_MODELS + TORCHVISION_MODELS + TRANSFORMERS_MODELS
 LOSSES = ("mae-masked-pixel-mse",)
 DATA = ("digits", "pysource")
-TORCH_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "adafactor")
+TORCH_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "adafactor", "lars", "lamb")  # lars, lamb: train/large_batch.py
 
 
 def _module_found(spec: str) -> bool:

@@ -110,9 +110,27 @@ def _header(plan: Plan, notes: list[str], extra: list[str] = ()) -> list[str]:
         lines += _comment(f"plan warning: {warning}")
     for line in extra:
         lines += _comment(line)
-    for note in notes:
+    for note in [*notes, *_phase_notes(plan)]:
         lines += _comment(f"NOTE: {note}")
     return lines
+
+
+def _phase_notes(plan: Plan) -> list[str]:
+    """Batch phases and ramps: one framework setting cannot switch the batch mid-run; say where `reproduce run` does."""
+    if not plan.phases:
+        return []
+    notes = ["the batch changes during training; the settings here are the main batch's. reproduce run switches at:"]
+    ramp = [phase for phase in plan.phases if phase.kind == "ramp"]
+    if ramp:
+        notes.append(f"steps 1-{ramp[-1].end_step}: a batch ramp, {len(ramp)} batches from {ramp[0].effective_batch} "
+                     f"to {ramp[-1].effective_batch} {plan.unit} (accumulation {ramp[0].accumulation_steps} to "
+                     f"{ramp[-1].accumulation_steps})")
+    for phase in plan.phases:
+        if phase.kind == "phase":
+            length = f", sequence length {phase.sequence_length}" if phase.sequence_length else ""
+            notes.append(f"step {phase.start_step + 1}: micro-batch {phase.micro_batch} x accumulation "
+                         f"{phase.accumulation_steps} x world {plan.world_size} = {phase.effective_batch}{length}")
+    return notes
 
 
 def _name(plan: Plan) -> str:
@@ -290,7 +308,9 @@ def optimizer_source(plan: Plan, params: str) -> str | None:
 def _no_torch_optimizer_note(plan: Plan) -> str | None:
     name = plan.recipe.optimizer.name
     if name in ("lamb", "lars"):
-        return f"{name}: PyTorch has no {name.upper()} optimizer; bring your own implementation (at lr {plan.lr:.6g})"
+        return (f"{name}: PyTorch has no {name.upper()} optimizer; reproduce's own is "
+                f"reproduce.train.large_batch.{name.upper()} (parameter groups from reproduce.train.optim.param_groups "
+                f"with layer_adaptation=True), at lr {plan.lr:.6g}")
     return None
 
 

@@ -47,8 +47,58 @@ class Paper(Strict):
     notes: str | None = None
 
 
+class Length(Strict):
+    """A length in exactly one unit: optimizer steps, epochs, samples (sequences) or tokens."""
+
+    steps: int | None = Field(default=None, ge=0)
+    epochs: float | None = Field(default=None, ge=0)
+    samples: int | None = Field(default=None, ge=0)
+    tokens: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _one_unit(self) -> Length:
+        given = [unit for unit in LENGTH_UNITS if getattr(self, unit) is not None]
+        if len(given) != 1 and not self._allows_none():
+            raise ValueError(f"give exactly one of steps, epochs, samples, tokens (got {', '.join(given) or 'none'})")
+        return self
+
+    def _allows_none(self) -> bool:
+        return False
+
+    @property
+    def unit(self) -> str:
+        return next(unit for unit in LENGTH_UNITS if getattr(self, unit) is not None)
+
+    @property
+    def value(self) -> float:
+        return getattr(self, self.unit)
+
+
+class BatchPhase(Length):
+    """One phase of a batch that changes during training: its length (none for the last phase, which runs to the
+    end of schedule.total), its effective batch and its sequence length (default: the batch's own)."""
+
+    effective: int = Field(gt=0, description="effective batch per optimizer step in this phase, in batch.unit")
+    sequence_length: int | None = Field(default=None, gt=0, description="tokens per sequence in this phase")
+
+    def _allows_none(self) -> bool:
+        return True  # the last phase has no length; Batch checks which phases need one
+
+
+class BatchRamp(Strict):
+    """A batch-size warm-up (Brown et al. 2020, sec. 2.3): the effective batch grows linearly, with the data read,
+    from `start` to batch.effective over `length`; each step's batch is rounded down to whole micro-batches."""
+
+    start: int = Field(gt=0, description="the first step's effective batch, in batch.unit")
+    length: Length
+
+
 class Batch(Strict):
-    """The paper's effective batch and the hardware it was computed on."""
+    """The paper's effective batch and the hardware it was computed on.
+
+    `phases` or `ramp` make the batch change during training; `effective` and `sequence_length` are then the
+    paper's main batch (one of the phases, or the ramp's target), which `devices` and `per_device` describe.
+    """
 
     effective: int = Field(gt=0, description="effective batch per optimizer step, in `unit`")
     unit: Literal["samples", "tokens"] = "samples"
@@ -60,6 +110,8 @@ class Batch(Strict):
     sharding: Literal["none", "fsdp"] = Field(
         default="none", description="fsdp: parameters, gradients and optimizer state sharded over the devices"
     )
+    phases: list[BatchPhase] | None = Field(default=None, description="the batch in phases (BERT's 128 then 512)")
+    ramp: BatchRamp | None = Field(default=None, description="a linear batch-size warm-up (GPT-3)")
 
     @model_validator(mode="after")
     def _consistent(self) -> Batch:
@@ -82,12 +134,78 @@ class Batch(Strict):
                     f"{product}, but effective is {self.sequences} {self.count_unit}; state the paper's "
                     "accumulation steps or correct the numbers"
                 )
+        if self.phases is not None:
+            self._check_phases(self.phases)
+        if self.ramp is not None:
+            self._check_ramp(self.ramp)
         return self
+
+    def _check_phases(self, phases: list[BatchPhase]) -> None:
+        if self.ramp is not None:
+            raise ValueError("phases: give phases or ramp, not both")
+        if len(phases) < 2:
+            raise ValueError("phases: give two phases or more (one phase is batch.effective alone)")
+        for index, phase in enumerate(phases):
+            where = f"phases.{index}"
+            last = index == len(phases) - 1
+            given = [unit for unit in LENGTH_UNITS if getattr(phase, unit) is not None]
+            if last and given:
+                raise ValueError(f"{where}.{given[0]}: the last phase runs to the end of schedule.total; give it no "
+                                 "length")
+            if not last and len(given) != 1:
+                raise ValueError(f"{where}: give its length: exactly one of steps, epochs, samples, tokens (got "
+                                 f"{', '.join(given) or 'none'})")
+            if phase.sequence_length is not None and self.sequence_length is None:
+                raise ValueError(f"{where}.sequence_length: needs batch.sequence_length (the length of the other "
+                                 "phases and of the main batch)")
+            length = phase.sequence_length or self.sequence_length
+            if self.unit == "tokens" and phase.effective % length:
+                raise ValueError(f"{where}.effective: {phase.effective} tokens is not a whole number of sequences "
+                                 f"of {length}")
+            if phase.tokens is not None and length is None:
+                raise ValueError(f"{where}.tokens: counted in tokens, which needs batch.sequence_length")
+        if not any((p.effective, p.sequence_length or self.sequence_length) == (self.effective, self.sequence_length)
+                   for p in phases):
+            shown = ", ".join(f"{p.effective}" + (f" at {p.sequence_length or self.sequence_length} tokens"
+                                                  if self.sequence_length else "") for p in phases)
+            raise ValueError(
+                f"effective: {self.effective}" + (f" at sequence_length {self.sequence_length}" if self.sequence_length
+                                                  else "")
+                + f" is none of the phases' batches ({shown}); batch.effective states the paper's main batch, one of "
+                "its phases"
+            )
+
+    def _check_ramp(self, ramp: BatchRamp) -> None:
+        if ramp.start >= self.effective:
+            raise ValueError(f"ramp.start: {ramp.start} must be below the batch it ramps up to, effective "
+                             f"{self.effective}")
+        if self.unit == "tokens" and ramp.start % self.sequence_length:
+            raise ValueError(f"ramp.start: {ramp.start} tokens is not a whole number of sequences of "
+                             f"{self.sequence_length}")
+        if ramp.length.tokens is not None and self.sequence_length is None:
+            raise ValueError("ramp.length.tokens: counted in tokens, which needs batch.sequence_length")
 
     @property
     def sequences(self) -> int:
         """The effective batch in samples (sequences for token batches)."""
         return self.effective // self.sequence_length if self.unit == "tokens" else self.effective
+
+    def phase_sequences(self, phase: BatchPhase) -> int:
+        """A phase's effective batch in samples (sequences for token batches)."""
+        length = phase.sequence_length or self.sequence_length
+        return phase.effective // length if self.unit == "tokens" else phase.effective
+
+    @property
+    def sequence_lengths(self) -> list[int | None]:
+        """The distinct sequence lengths the batch takes during training, shortest first (the main one alone
+        without phases)."""
+        lengths = {self.sequence_length} | {p.sequence_length or self.sequence_length for p in self.phases or []}
+        return sorted(lengths, key=lambda length: length or 0)
+
+    @property
+    def longest_sequence_length(self) -> int | None:
+        """The longest sequence of any phase: what a model's context must hold."""
+        return self.sequence_lengths[-1]
 
     @property
     def count_unit(self) -> str:
@@ -249,6 +367,9 @@ class Optimizer(Strict):
     eps: float = Field(default=1e-8, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     no_decay: Names[Literal["bias", "norm", "embedding", "1d"]] = []
+    trust_coefficient: float | None = Field(
+        default=None, gt=0, description="lars: eta, the trust coefficient of You et al. 2017 (default 0.001)"
+    )
 
     @model_validator(mode="after")
     def _betas(self) -> Optimizer:
@@ -257,38 +378,13 @@ class Optimizer(Strict):
                 raise ValueError(f"betas: each must be in [0, 1) (got {list(self.betas)})")
         if self.name == "nesterov" and self.momentum == 0:
             raise ValueError("momentum: nesterov needs momentum > 0")
+        if self.trust_coefficient is not None and self.name != "lars":
+            raise ValueError(f"trust_coefficient: only used by lars (name is {self.name})")
         return self
 
     @property
     def family(self) -> str:
         return "sgd" if self.name in SGD_FAMILY else "adam"
-
-
-class Length(Strict):
-    """A length in exactly one unit: optimizer steps, epochs, samples (sequences) or tokens."""
-
-    steps: int | None = Field(default=None, ge=0)
-    epochs: float | None = Field(default=None, ge=0)
-    samples: int | None = Field(default=None, ge=0)
-    tokens: int | None = Field(default=None, ge=0)
-
-    @model_validator(mode="after")
-    def _one_unit(self) -> Length:
-        given = [unit for unit in LENGTH_UNITS if getattr(self, unit) is not None]
-        if len(given) != 1 and not self._allows_none():
-            raise ValueError(f"give exactly one of steps, epochs, samples, tokens (got {', '.join(given) or 'none'})")
-        return self
-
-    def _allows_none(self) -> bool:
-        return False
-
-    @property
-    def unit(self) -> str:
-        return next(unit for unit in LENGTH_UNITS if getattr(self, unit) is not None)
-
-    @property
-    def value(self) -> float:
-        return getattr(self, self.unit)
 
 
 class Warmup(Length):
@@ -444,6 +540,20 @@ class Recipe(Strict):
                                  "ones are truncated (Alpaca: 512)")
 
 
+def phase_recipe(recipe: Recipe, sequences: int, sequence_length: int | None) -> Recipe:
+    """`recipe` with one fixed batch: `sequences` samples (sequences) of `sequence_length`, no phases or ramp.
+
+    What one phase of a changing batch is planned and probed as (the micro-batch that fits depends on the length).
+    """
+    batch = recipe.batch
+    effective = sequences * sequence_length if batch.unit == "tokens" else sequences
+    fixed = batch.model_copy(update={
+        "effective": effective, "sequence_length": sequence_length, "phases": None, "ramp": None,
+        "devices": None, "per_device": None, "accumulation": None,
+    })
+    return recipe.model_copy(update={"batch": fixed})
+
+
 # ---- reading a file -------------------------------------------------------------------------------------
 
 
@@ -562,6 +672,8 @@ def _field_names_at(root: type[BaseModel], loc: list[str]) -> list[str]:
     """The field names of the model found by following `loc` from `root` (empty when it leads elsewhere)."""
     model: Any = root
     for part in loc:
+        if part.isdigit():  # an item of a list: the list's model, already found
+            continue
         fields = getattr(model, "model_fields", None)
         if fields is None or part not in fields:
             return []

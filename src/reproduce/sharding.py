@@ -16,7 +16,8 @@ SHARDINGS = ("none", "fsdp")
 # exactly the unsharded update. Adafactor's factored second moments are row and column means over whole matrices
 # (on FSDP2's sharded DTensors its in-place updates fail: "in-place operations that require placement changes are
 # not supported"); LARS and LAMB scale each parameter by the ratio of whole-tensor norms.
-SHARDABLE_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw")
+SHARDABLE_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lars", "lamb")  # lars, lamb: whole-tensor norms
+# over the shards (train/large_batch.py)
 
 
 def with_sharding(recipe: Recipe, sharding: str | None) -> Recipe:

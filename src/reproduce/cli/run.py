@@ -36,12 +36,15 @@ class PlainReporter:
         for warning in self.warnings:
             stderr.print(f"[yellow]warning:[/] {warning}")
         stdout.print(
-            f"micro {plan.micro_batch} x accumulation {plan.accumulation_steps} x world {plan.world_size} = "
+            ("main batch: " if plan.phases else "")
+            + f"micro {plan.micro_batch} x accumulation {plan.accumulation_steps} x world {plan.world_size} = "
             f"{plan.effective_batch} {plan.unit} per step"
             + (f" ({plan.effective_tokens} tokens)" if plan.effective_tokens else "")
             + ("" if plan.exact else f", not the paper's {plan.paper_effective_batch}: lr {plan.lr:.6g} "
                f"({plan.lr_rule})")
         )
+        for line in phase_lines(plan):
+            stdout.print(line, markup=False)
         if plan.recipe.batch.sharding == "fsdp":
             print(f"sharding: fsdp (FSDP2: parameters, gradients and optimizer state split over {plan.world_size} "
                   "processes)", flush=True)
@@ -66,6 +69,23 @@ class PlainReporter:
 
     def finish(self, summary: dict) -> None:
         pass
+
+
+def phase_lines(plan: Plan) -> list[str]:
+    """The batch phases in a few lines: each phase's steps and split; a ramp as its first and last batches."""
+    lines, ramp = [], [phase for phase in plan.phases if phase.kind == "ramp"]
+    if ramp:
+        lines.append(f"batch ramp: steps 1-{ramp[-1].end_step}, {len(ramp)} batches from {ramp[0].effective_batch} "
+                     f"to {ramp[-1].effective_batch} {plan.unit} (micro {ramp[0].micro_batch} x accumulation "
+                     f"{ramp[0].accumulation_steps} to {ramp[-1].accumulation_steps})")
+    for phase in plan.phases:
+        if phase.kind == "phase":
+            end = phase.end_step if phase.end_step is not None else "end"
+            length = f" of {phase.sequence_length} tokens" if phase.sequence_length else ""
+            lines.append(f"batch phase: steps {phase.start_step + 1}-{end}: micro {phase.micro_batch} x accumulation "
+                         f"{phase.accumulation_steps} x world {plan.world_size} = {phase.effective_batch} "
+                         f"{'sequences' if length else plan.unit}{length}")
+    return lines
 
 
 class RichReporter(PlainReporter):
@@ -142,18 +162,26 @@ def _launch(command: list[str]) -> int:
             signal.signal(signum, handler)
 
 
-def _replan(saved: Plan, world_size: int, micro_batch: int, dataset_size: int, source: Path) -> Plan:
+def _replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: int | dict, source: Path) -> Plan:
     """The same effective batch and schedule on another number of processes, or with a smaller micro-batch (a
-    resumed run that ran out of memory): N is re-derived."""
+    resumed run that ran out of memory; None: keep the plan's): N is re-derived. With batch phases each sequence
+    length keeps its own micro-batch, lowered to `micro_batch` where that is smaller."""
     from ..planner import plan as make
 
-    again = make(saved.recipe, micro_batch, world_size, saved.policy, dataset_size=dataset_size,
+    cap = micro_batch or saved.micro_batch
+    micro = {p.sequence_length: min(p.micro_batch, micro_batch or p.micro_batch) for p in saved.phases} if (
+        saved.phases) else cap
+    again = make(saved.recipe, micro, world_size, saved.policy, dataset_size=dataset_size,
                  recipe_path=saved.recipe_path)
     same = ("effective_batch", "steps_per_epoch", "optimizer_steps", "warmup_steps", "decay_milestones")
-    if any(getattr(again, field) != getattr(saved, field) for field in same):
+
+    def steps(p: Plan) -> list:
+        return [(phase.start_step, phase.steps, phase.effective_batch) for phase in p.phases]
+
+    if any(getattr(again, field) != getattr(saved, field) for field in same) or steps(again) != steps(saved):
         raise UserError(
             f"{source}: world_size: the plan ({saved.arithmetic}, {saved.optimizer_steps} steps) cannot be kept "
-            f"on {world_size} processes with micro-batch {micro_batch}; plan again for {world_size}"
+            f"on {world_size} processes with micro-batch {cap}; plan again for {world_size}"
         )
     return again
 
@@ -246,6 +274,7 @@ def run_command(
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
+    from ..data.lengths import training_sizes
     from ..train import distributed  # torch is imported only by the commands that train
     from ..train.trainer import train
 
@@ -276,26 +305,32 @@ def run_command(
     check_sharding(recipe, world.size)
     _check_sharded_probe(recipe, plan, micro_batch_max, meter)
     data = build_data(recipe)
-    size = len(data["train"])
+    size = training_sizes(recipe, data["train"])  # per sequence length when batch phases change it
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     if plan is None and world.distributed and micro_batch_max is None:
         # every rank probes its own device; all take the smallest result, so no rank runs out of memory
         from ..train.setup import resolve_device
 
         rank_device = distributed.init(world, resolve_device(device))
-        _, probed = plan_and_probe(recipe, str(source), None, world_size, policy, size, probe=options, data=data,
-                                   quiet=not world.is_main)
-        micro_batch_max = distributed.all_min(world, probed.micro_batch_max, rank_device)
+        probed_plan, probed = plan_and_probe(recipe, str(source), None, world_size, policy, size, probe=options,
+                                             data=data, quiet=not world.is_main)
+        if probed_plan.phases:  # one maximum per sequence length, in the same order on every rank
+            maxima = {phase.sequence_length: phase.micro_batch_max for phase in probed_plan.phases}
+            micro_batch_max = {length: distributed.all_min(world, maxima[length], rank_device)
+                               for length in sorted(maxima, key=lambda length: length or 0)}
+        else:
+            micro_batch_max = distributed.all_min(world, probed.micro_batch_max, rank_device)
     if plan is None:
         plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy, dataset_size=size, probe=options,
                          data=data, quiet=not world.is_main)
     else:
         smaller = resume and micro_batch_max is not None and micro_batch_max < plan.micro_batch
         if plan.world_size != world_size or smaller:
-            plan = _replan(plan, world_size, micro_batch_max if smaller else plan.micro_batch, size, source)
+            plan = _replan(plan, world_size, micro_batch_max if smaller else None, size, source)
     warnings = list(plan.warnings)
-    if recipe.data.train_size is not None and recipe.data.train_size != size:
-        warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {size}: using {size}")
+    main_size = size.get(recipe.batch.sequence_length) if isinstance(size, dict) else size
+    if recipe.data.train_size is not None and recipe.data.train_size != main_size:
+        warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {main_size}: using {main_size}")
     if not world.is_main:  # the other ranks train quietly; rank 0 reports
         train(plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
               checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data, workers=workers)

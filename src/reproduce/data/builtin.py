@@ -62,6 +62,10 @@ class TokenWindows(Dataset):
         """Every target bears loss: sequence_length per window, known without fetching."""
         return torch.full((len(indices),), self.length, dtype=torch.long)
 
+    def with_sequence_length(self, sequence_length: int) -> TokenWindows:
+        """The same bytes cut into windows of another length (a batch phase's; see data/lengths.py)."""
+        return TokenWindows(self.data, sequence_length)
+
 
 def stdlib_sources(max_bytes: int) -> list[Path]:
     """The standard library's top-level Python files, sorted, up to about `max_bytes` in total."""

@@ -37,8 +37,8 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
         extra = {}
         if spec.builtin == "gpt":
             extra = {"vocab_size": (data_info or {}).get("vocab_size", 256)}
-            if recipe.batch.sequence_length:
-                extra["block_size"] = recipe.batch.sequence_length
+            if recipe.batch.sequence_length:  # the longest sequence of any batch phase
+                extra["block_size"] = recipe.batch.longest_sequence_length
         model = call_builder(spec, "model", MODELS, extra)
         if not isinstance(model, nn.Module):
             raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from ..data.batches import DataClock, LazyMicroBatch
+from ..data.lengths import training_set
 from ..data.loader import LoaderWatch, MicroBatchStream, cpu_share, default_workers
 from ..errors import Interrupted, TrainingStopped, UserError
 from ..planfile import save_plan, write_text_atomic
@@ -29,7 +30,7 @@ from .checkpoint import SHARDED_PREFIX, full_model_state, load_checkpoint, save_
 from .distributed import World
 from .setup import build, resolve_device
 from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, evaluate, optimizer_step
-from .windows import smaller_micro_batch, window
+from .windows import length_sizes, micro_batch_at, smaller_micro_batch, step_batch, step_epoch, window
 
 CHECKPOINT_SECONDS = 300.0
 
@@ -89,10 +90,21 @@ def check_out_dir(out: Path, resume: bool, force: bool) -> None:
             raise UserError(f"--resume: {out} has no checkpoints/last.pt to resume from")
         return
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise UserError(
-            f"--out: {out} is not empty (it holds another run); pass --resume to continue it, "
-            "--force to overwrite its outputs, or choose another folder"
-        )
+        raise UserError(f"--out: {out} is not empty ({folder_holds(out)}); " + (
+            "pass --resume to continue it, --force to overwrite its outputs, or choose another folder"
+            if any((out / name).exists() for name in OUTPUTS) else
+            "choose another folder (--force would keep these files and write the run's outputs beside them)"
+        ))
+
+
+def folder_holds(out: Path) -> str:
+    """What a folder holds, in a few words: another run's outputs, or the names of what is there."""
+    runs = [name for name in OUTPUTS if (out / name).exists()]
+    if runs:
+        return f"it holds another run: {', '.join(runs)}"
+    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in out.iterdir())
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"it holds {shown}, not a run of reproduce"
 
 
 OUTPUTS = ("plan.yaml", "metrics.jsonl", "summary.json", "model.pt", "loss.png", "checkpoints/last.pt")
@@ -194,18 +206,27 @@ def _train(
     target_device = distributed.init(world, resolve_device(device))
     distributed.barrier(world)  # every rank has looked at --out before rank 0 writes to it
     setup = build(plan, target_device, dtype, seed, data, world)
-    train_set = setup.data["train"]
+    # batch phases of other sequence lengths read the same data cut at their length (data/lengths.py)
+    train_set = training_set(plan.recipe, setup.data["train"], list(length_sizes(plan)))
     size = len(train_set)
-    if plan.dataset_size != size:
+    if plan.phases:
+        sizes = train_set.sizes() if hasattr(train_set, "sizes") else {plan.recipe.batch.sequence_length: size}
+        if sizes != length_sizes(plan):
+            raise UserError(f"plan: the phases' dataset sizes {length_sizes(plan)} do not match the training set's "
+                            f"{sizes} (samples by sequence length)")
+    elif plan.dataset_size != size:
         raise UserError(f"plan: dataset_size {plan.dataset_size} does not match the training set's {size} items")
-    if not plan.steps_per_epoch:
+    short = [p for p in plan.phases if p.steps_per_epoch == 0 and p.steps != 0]
+    if (not plan.steps_per_epoch and not plan.phases) or short:
+        batch, samples = (short[0].effective_batch, short[0].dataset_size) if short else (plan.effective_batch, size)
         raise UserError(
-            f"data: the epoch ({size} {plan.unit}) is shorter than one optimizer step ({plan.effective_batch}) "
+            f"data: the epoch ({samples} {plan.unit}) is shorter than one optimizer step ({batch}) "
             "with drop_last: no step would run; lower the batch or set data.drop_last: false"
         )
     total = plan.optimizer_steps if max_steps is None else min(max_steps, plan.optimizer_steps)
     checkpoint_path = out / "checkpoints" / "last.pt"
-    first_step, metrics_offset, micro_batch = 0, 0, plan.micro_batch
+    first_step, metrics_offset = 0, 0
+    lowered: dict = {}  # sequence length -> the micro-batch an out-of-memory error lowered it to
     if resume:
         state = load_checkpoint(setup, checkpoint_path)
         first_step, metrics_offset = state["step"], state["metrics_offset"]
@@ -215,9 +236,12 @@ def _train(
         seed = saved_seed  # the data order and dropout streams of the run being continued
         if first_step >= total:
             raise UserError(f"--resume: {out} has already run {first_step} of {total} optimizer steps; nothing to do")
-        saved_micro_batch = state.get("micro_batch")
-        if saved_micro_batch and saved_micro_batch < micro_batch and plan.per_rank_batch % saved_micro_batch == 0:
-            micro_batch = saved_micro_batch  # the run had lowered it after running out of memory
+        # the run had lowered the micro-batch after running out of memory (by sequence length)
+        lowered = {int(k) if k != "None" else None: v for k, v in state["extra"].get("lowered", {}).items()}
+        saved_micro_batch = state.get("micro_batch")  # all a checkpoint written before batch phases says
+        if "lowered" not in state["extra"] and saved_micro_batch and not plan.phases and (
+                saved_micro_batch < plan.micro_batch and plan.per_rank_batch % saved_micro_batch == 0):
+            lowered = {plan.recipe.batch.sequence_length: saved_micro_batch}
     main = world.is_main
     if main:
         if force and not resume:  # another run's outputs go, so nothing of it is mistaken for this one's
@@ -250,19 +274,20 @@ def _train(
         torch.set_num_threads(max(1, min(threads, cpu_share() - default_workers(train_set))))
     watch = LoaderWatch(workers)
 
-    def windows(step: int, micro: int) -> tuple[list[torch.Tensor], bool]:
+    def windows(step: int) -> tuple[list[torch.Tensor], bool]:
         """This rank's micro-batches of `step`, and whether the window is partial: the loop and the loader's
-        sampler both follow this one function."""
-        return window(plan, size, step, seed, setup.rank, micro)
+        sampler both follow this one function (each step's micro-batch: its batch phase's, or as lowered after
+        running out of memory)."""
+        return window(plan, size, step, seed, setup.rank, micro_batch_at(plan, step, lowered))
 
-    def open_stream(step: int, micro: int) -> MicroBatchStream:
-        return MicroBatchStream(train_set, lambda at: windows(at, micro)[0], step, total, seed=seed,
+    def open_stream(step: int) -> MicroBatchStream:
+        return MicroBatchStream(train_set, lambda at: windows(at)[0], step, total, seed=seed,
                                 workers=workers, pin_memory=setup.device.type == "cuda")
 
     stream = None
     try:
         stop.__enter__()
-        stream = open_stream(first_step, micro_batch)
+        stream = open_stream(first_step)
         for step in range(first_step, total):
             tick = time.perf_counter()
             # Dropout and other random draws of step s come from (seed, s, rank) alone: a resumed run draws what
@@ -270,8 +295,14 @@ def _train(
             seed_step(setup.device, step_seed(seed, step, setup.rank))
             lr = setup.optimizer.param_groups[0]["lr"]
             clock = DataClock()
+            batch = step_batch(plan, step)  # with batch phases: this step's N and sequence length
+            if batch.phase is not None and (step == first_step or plan.phases[batch.phase].start_step == step):
+                reporter.message(f"step {step + 1}: batch {batch.effective_batch} = micro {batch.micro_batch} x "
+                                 f"accumulation {batch.accumulation_steps} x world {plan.world_size}"
+                                 + (f", sequence length {batch.sequence_length}" if batch.sequence_length else ""))
+            micro_batch = micro_batch_at(plan, step, lowered)
             while True:
-                indices, partial = windows(step, micro_batch)
+                indices, partial = windows(step)
                 take = functools.partial(stream.take, step)
                 micro_batches = [LazyMicroBatch(train_set, i, setup.device, dtype, take, clock) for i in indices]
                 try:
@@ -296,7 +327,8 @@ def _train(
                     torch.cuda.empty_cache()
                 if not agreed:  # this rank alone: it stops, and leaves the process group (see train)
                     raise TrainingStopped(out_of_memory_alone(setup, step, micro_batch, out))
-                smaller = smaller_micro_batch(plan.per_rank_batch, micro_batch)
+                per_rank_batch = batch.effective_batch // plan.world_size  # this step's (batch phases)
+                smaller = smaller_micro_batch(per_rank_batch, micro_batch)
                 if smaller is None:
                     raise TrainingStopped(
                         f"out of memory at optimizer step {step + 1} with micro-batch {micro_batch}: no smaller "
@@ -305,14 +337,14 @@ def _train(
                     )
                 counters["out_of_memory"] += 1
                 event = {"event": "out_of_memory", "step": step + 1, "micro_batch": smaller,
-                         "accumulation_steps": plan.per_rank_batch // smaller, "was": micro_batch}
+                         "accumulation_steps": per_rank_batch // smaller, "was": micro_batch}
                 metrics.write(event)
                 reporter.message(
                     f"out of memory at step {step + 1}: micro-batch {micro_batch} -> {smaller}, accumulation "
-                    f"{plan.per_rank_batch // micro_batch} -> {plan.per_rank_batch // smaller}; redoing the window"
+                    f"{per_rank_batch // micro_batch} -> {per_rank_batch // smaller}; redoing the window"
                 )
-                micro_batch = smaller
-                stream = open_stream(step, micro_batch)
+                micro_batch = lowered[batch.sequence_length] = smaller
+                stream = open_stream(step)
             if not result.finite:
                 if not skip_nonfinite and not setup.scaler:
                     raise TrainingStopped(
@@ -326,7 +358,7 @@ def _train(
             waited += clock.seconds
             record = {
                 "step": step + 1,
-                "epoch": round((step + 1) / plan.steps_per_epoch, 6),
+                "epoch": round(step_epoch(plan, step), 6),
                 "lr": lr,
                 "loss": result.loss,
                 "grad_norm": result.grad_norm,
@@ -347,6 +379,9 @@ def _train(
                 reporter.message(slow_loader)
             if result.grad_syncs is not None:
                 record["grad_syncs"] = result.grad_syncs
+            if batch.phase is not None:
+                record.update(phase=batch.phase + 1, effective_batch=batch.effective_batch,
+                              sequence_length=batch.sequence_length)
             done = step + 1 == total
             evaluating = (eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end)
             if evaluating and (main or setup.sharded):  # a sharded model's forward needs every rank
@@ -361,7 +396,8 @@ def _train(
             received, due = stop.agreed(world, setup.device, due) if not done else (None, due)
             if due or done or received:
                 save_checkpoint(setup, checkpoint_path, step + 1, metrics.offset(),
-                                {"seed": seed, "micro_batch": micro_batch})
+                                {"seed": seed, "micro_batch": micro_batch,
+                                 "lowered": {str(length): value for length, value in lowered.items()}})
                 last_checkpoint = time.perf_counter()
             if received:
                 distributed.barrier(world)
