@@ -37,3 +37,19 @@ def make_recipe(**overrides):
 @pytest.fixture
 def recipe():
     return make_recipe()
+
+
+@pytest.fixture(scope="session")
+def sample_data(tmp_path_factory):
+    """Real data in every on-disk format, made here (reproduce.data.samples): digits PNGs in class folders, a BPE
+    tokenizer trained on the standard library, its sources as uint16 token files, docstring instructions (JSONL
+    and a save_to_disk dataset) and the digits as parquet. About 7 s, once per session."""
+    from reproduce.data import samples
+
+    root = tmp_path_factory.mktemp("sample-data")
+    samples.write_images(root / "images")
+    samples.train_tokenizer(root / "tokenizer", max_bytes=300_000)
+    samples.write_tokens(root / "tokens", 300_000, root / "tokenizer")
+    samples.write_instructions(root / "instructions", limit=300, tokenizer=root / "tokenizer")
+    samples.write_hf_datasets(root / "hf", limit=300)
+    return root

@@ -26,3 +26,25 @@ def tiny_gpt(vocab: int = 32, block_size: int = 16) -> torch.nn.Module:
 
 def not_a_module() -> str:
     return "this is not a model"
+
+
+class SlowDigits(torch.utils.data.Dataset):
+    """The digits, each item taking `delay` seconds to fetch (a loader that cannot keep up)."""
+
+    def __init__(self, delay: float):
+        from reproduce.data.builtin import digits
+
+        self.data, self.delay = digits()["train"], delay
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        import time
+
+        time.sleep(self.delay)
+        return self.data[index]
+
+
+def slow_digits(delay: float = 0.002) -> dict:
+    return {"train": SlowDigits(delay), "info": {"name": "slow-digits", "classes": 10}}

@@ -292,6 +292,98 @@ CASES = [
         mutate({"data.available": True}),
         ["error: {path}: data.available: data 'imagenet-1k' has no builtin or factory; set available: false"],
     ),
+    # ---- data formats on disk (data.format) ------------------------------------------------------------
+    Case(
+        "data-format-unknown",
+        mutate({"data.format": "webdataset"}),
+        ["error: {path}: data.format: expected one of 'imagefolder', 'tokens', 'instructions' or 'hf-datasets'",
+         "(got 'webdataset')"],
+    ),
+    Case(
+        "data-format-without-path",
+        mutate({"data.format": "imagefolder", "data.available": True, "data.image_size": 224}),
+        ["error: {path}: data.path: required for imagefolder data", "reproduce run --data PATH"],
+    ),
+    Case(
+        "data-path-without-format",
+        mutate({"data.path": "/data/imagenet/train"}),
+        ["error: {path}: data.path: only used with format: imagefolder | tokens | instructions | hf-datasets"],
+    ),
+    Case(
+        "data-format-and-builtin",
+        mutate({"data.format": "imagefolder", "data.builtin": "digits"}),
+        ["error: {path}: data.format: give format (with path) or builtin/factory, not both"],
+    ),
+    Case(
+        "data-format-wrong-task",
+        mutate({"data.format": "tokens"}),
+        ["error: {path}: data.format: tokens data is for task language-modeling (task is classification)"],
+    ),
+    Case(
+        "data-augment-for-tokens",
+        mutate({"task": "language-modeling", "batch.unit": "tokens", "batch.effective": 8192 * 4,
+                "batch.sequence_length": 4, "data.format": "tokens", "data.augment": "imagenet"}),
+        ["error: {path}: data.augment: only used with format imagefolder or hf-datasets (format is tokens)"],
+    ),
+    Case(
+        "data-augment-unknown",
+        mutate({"data.format": "imagefolder", "data.augment": "autoaugment"}),
+        ["error: {path}: data.augment: expected one of 'imagenet' or 'none' (got 'autoaugment')"],
+    ),
+    Case(
+        "data-dtype-float",
+        mutate({"task": "language-modeling", "batch.unit": "tokens", "batch.effective": 8192 * 4,
+                "batch.sequence_length": 4, "data.format": "tokens", "data.dtype": "float16"}),
+        ["error: {path}: data.dtype: expected one of 'uint8', 'uint16', 'int32', 'uint32' or 'int64'",
+         "(got 'float16')"],
+    ),
+    Case(
+        "data-tokens-without-sequence-length",
+        mutate({"task": "language-modeling", "data.format": "tokens"}),
+        ["error: {path}: batch.sequence_length: required with data.format tokens"],
+    ),
+    Case(
+        "data-imagefolder-without-image-size",
+        mutate({"data.format": "imagefolder", "data.available": True, "data.path": "/data/train"}),
+        ["error: {path}: data.image_size: required for image data"],
+    ),
+    Case(
+        "data-instructions-without-tokenizer",
+        mutate({"task": "language-modeling", "data.format": "instructions", "data.available": True,
+                "data.path": "alpaca_data.json", "data.max_length": 512}),
+        ["error: {path}: data.tokenizer: required for text data"],
+    ),
+    Case(
+        "data-instructions-without-max-length",
+        mutate({"task": "language-modeling", "data.format": "instructions", "data.available": True,
+                "data.path": "alpaca_data.json", "data.tokenizer": "llama"}),
+        ["error: {path}: data.max_length: required for text data"],
+    ),
+    Case(
+        "data-template-unknown",
+        mutate({"task": "language-modeling", "data.format": "instructions", "data.template": "vicuna"}),
+        ["error: {path}: data.template: expected one of 'alpaca' (got 'vicuna')"],
+    ),
+    Case(
+        "data-hf-datasets-without-columns",
+        mutate({"data.format": "hf-datasets"}),
+        ["error: {path}: data.columns: required for format hf-datasets"],
+    ),
+    Case(
+        "data-hf-datasets-unknown-columns",
+        mutate({"data.format": "hf-datasets", "data.columns": {"pixels": "img", "label": "label"}}),
+        ["error: {path}: data.columns: expected the keys of one of", "(got ['label', 'pixels'])"],
+    ),
+    Case(
+        "data-columns-without-hf-datasets",
+        mutate({"data.format": "imagefolder", "data.columns": {"image": "img", "label": "label"}}),
+        ["error: {path}: data.columns: only used with format hf-datasets (format is imagefolder)"],
+    ),
+    Case(
+        "data-path-empty",
+        mutate({"data.format": "imagefolder", "data.path": "", "data.image_size": 224}),
+        ["error: {path}: data.path: give a file or folder (got '')"],
+    ),
     Case(
         "custom-task-without-loss",
         mutate({"task": "custom"}),
@@ -313,6 +405,84 @@ CASES = [
         ["error: {path}: model.norm_layers.0: expected one of 'batchnorm'", "(got 'batchnrm')"],
     ),
     Case(
+        "unknown-norm-layer-given-alone",
+        mutate({"model.norm_layers": "batchnrm"}),
+        ["error: {path}: model.norm_layers.0: expected one of 'batchnorm'", "(got 'batchnrm')"],
+    ),
+    # ---- model.lora and model.dtype --------------------------------------------------------------------
+    Case(
+        "lora-rank-zero",
+        mutate({"model.lora": {"r": 0, "target_modules": ["fc"]}}),
+        ["error: {path}: model.lora.r: must be > 0 (got 0)"],
+    ),
+    Case(
+        "lora-rank-not-integer",
+        mutate({"model.lora": {"r": 4.5, "target_modules": ["fc"]}}),
+        ["error: {path}: model.lora.r: expected an integer (got 4.5)"],
+    ),
+    Case(
+        "lora-without-target-modules",
+        mutate({"model.lora": {"r": 4}}),
+        ["error: {path}: model.lora.target_modules: required field is missing"],
+    ),
+    Case(
+        "lora-empty-target-modules",
+        mutate({"model.lora": {"r": 4, "target_modules": []}}),
+        ["error: {path}: model.lora.target_modules: expected at least 1 item (got [])"],
+    ),
+    Case(
+        "lora-dropout-one",
+        mutate({"model.lora": {"r": 4, "dropout": 1.0, "target_modules": ["fc"]}}),
+        ["error: {path}: model.lora.dropout: must be < 1.0 (got 1.0)"],
+    ),
+    Case(
+        "lora-unknown-key",
+        mutate({"model.lora": {"rank": 4, "target_modules": ["fc"]}}),
+        ["error: {path}: model.lora.rank: unknown key (known: r, alpha, dropout, target_modules)"],
+        lines=2,  # and r is missing
+    ),
+    Case(
+        "lora-not-a-mapping",
+        mutate({"model.lora": 8}),
+        ["error: {path}: model.lora: expected a mapping (got 8)"],
+    ),
+    Case(
+        "dtype-typo",
+        mutate({"model.dtype": "bf61"}),
+        ["error: {path}: model.dtype: expected one of 'fp32', 'bf16' or 'fp16' (got 'bf61')"],
+    ),
+    Case(
+        "bf16-weights-under-fp32-precision",
+        mutate({"model.dtype": "bf16"}),
+        ["error: {path}: model.dtype: bf16 weights compute under precision: bf16 (autocast), not fp32"],
+    ),
+    Case(
+        "fp16-weights-trained-in-full",
+        mutate({"model.dtype": "fp16", "precision": "fp16"}),
+        ["error: {path}: model.dtype: fp16 weights can only stay frozen under model.lora"],
+    ),
+    # ---- plan-only data the probe cannot give a shape ----------------------------------------------------
+    Case(
+        "probe-image-size-unknown",
+        mutate({"data.name": "my-photos"}),
+        ["error: data: 'my-photos' is not available here and its image shape is not known: give data.image_size",
+         "(or give --micro-batch-max to skip the probe)"],
+        args=("--gpu", "rtx4090"),
+    ),
+    Case(
+        "probe-tokens-without-length",
+        mutate({"task": "language-modeling", "model": {"builtin": "gpt2-124m"}, "data.name": "web-text"}),
+        ["error: batch.sequence_length: needed to probe with synthetic tokens", "data.max_length"],
+        args=("--gpu", "rtx4090"),
+    ),
+    Case(
+        "probe-sequence-longer-than-the-model",
+        mutate({"task": "language-modeling", "model": {"builtin": "gpt2-124m"}, "data.name": "web-text",
+                "data.max_length": 4096}),
+        ["error: data.max_length: 4096 tokens is longer than gpt2-124m takes (1024 positions)"],
+        args=("--gpu", "rtx4090"),
+    ),
+    Case(
         "bad-precision",
         mutate({"precision": "fp8"}),
         ["error: {path}: precision: expected one of 'fp32', 'bf16' or 'fp16' (got 'fp8')"],
@@ -329,6 +499,63 @@ CASES = [
         mutate({"batch.effective": -1, "optimizer.lr": "x", "precision": "fp8", "bogus": 1}),
         ["error: {path}: batch.effective: must be > 0 (got -1)"],
         lines=4,
+    ),
+    # ---- optimizers, batch phases and ramps ------------------------------------------------------------
+    Case(
+        "trust-coefficient-not-lars",
+        mutate({"optimizer.trust_coefficient": 0.01}),
+        ["error: {path}: optimizer.trust_coefficient: only used by lars (name is nesterov)"],
+    ),
+    Case(
+        "trust-coefficient-zero",
+        mutate({"optimizer.name": "lars", "optimizer.trust_coefficient": 0}),
+        ["error: {path}: optimizer.trust_coefficient: must be > 0", "(got 0)"],
+    ),
+    Case(
+        "one-phase",
+        mutate({"batch.phases": [{"effective": 8192}]}),
+        ["error: {path}: batch.phases: give two phases or more (one phase is batch.effective alone)"],
+    ),
+    Case(
+        "last-phase-with-length",
+        mutate({"batch.phases": [{"epochs": 10, "effective": 4096}, {"epochs": 80, "effective": 8192}]}),
+        ["error: {path}: batch.phases.1.epochs: the last phase runs to the end of schedule.total; give it no length"],
+    ),
+    Case(
+        "phase-without-length",
+        mutate({"batch.phases": [{"effective": 4096}, {"effective": 8192}]}),
+        ["error: {path}: batch.phases.0: give its length: exactly one of steps, epochs, samples, tokens (got none)"],
+    ),
+    Case(
+        "main-batch-not-a-phase",
+        mutate({"batch.phases": [{"epochs": 10, "effective": 4096}, {"effective": 16384}]}),
+        ["error: {path}: batch.effective: 8192 is none of the phases' batches (4096, 16384)"],
+    ),
+    Case(
+        "phase-length-without-batch-length",
+        mutate({"batch.phases": [{"epochs": 10, "effective": 4096, "sequence_length": 128}, {"effective": 8192}]}),
+        ["error: {path}: batch.phases.0.sequence_length: needs batch.sequence_length"],
+    ),
+    Case(
+        "phases-and-ramp",
+        mutate({"batch.phases": [{"epochs": 10, "effective": 4096}, {"effective": 8192}],
+                "batch.ramp": {"start": 256, "length": {"epochs": 5}}}),
+        ["error: {path}: batch.phases: give phases or ramp, not both"],
+    ),
+    Case(
+        "ramp-start-above-batch",
+        mutate({"batch.ramp": {"start": 9000, "length": {"epochs": 5}}}),
+        ["error: {path}: batch.ramp.start: 9000 must be below the batch it ramps up to, effective 8192"],
+    ),
+    Case(
+        "ramp-without-length",
+        mutate({"batch.ramp": {"start": 256}}),
+        ["error: {path}: batch.ramp.length: required field is missing"],
+    ),
+    Case(
+        "phase-unknown-key",
+        mutate({"batch.phases": [{"epochs": 10, "effective": 4096, "sequence": 3}, {"effective": 8192}]}),
+        ["error: {path}: batch.phases.0.sequence: unknown key (did you mean 'sequence_length'?)"],
     ),
     # ---- options ---------------------------------------------------------------------------------------
     Case(

@@ -52,9 +52,11 @@ def assert_close_weights(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-
 
 
 def test_two_processes_equal_one_process_with_twice_the_accumulation(tmp_path):
+    """Each rank reads its own share through its own DataLoader worker; one process reads in-process."""
     recipe = digits_recipe(SGD, effective=128, steps=5, data={"shuffle": True})
-    two = reproduce_run(recipe, tmp_path, "two", "--micro-batch-max", "16", "--nproc-per-node", "2")
+    two = reproduce_run(recipe, tmp_path, "two", "--micro-batch-max", "16", "--nproc-per-node", "2", "--workers", "1")
     assert "torch.distributed.run" in two.stdout and "micro 16 x accumulation 4 x world 2 = 128" in two.stdout
+    assert "--workers 1" in two.stdout  # forwarded to every rank
     reproduce_run_here(recipe, tmp_path, "one", "--micro-batch-max", "16")
     assert_close_weights(weights(tmp_path, "two"), weights(tmp_path, "one"))
     records = read_metrics(tmp_path / "two" / "metrics.jsonl")

@@ -74,15 +74,16 @@ def assert_bitwise(a: dict, b: dict) -> None:
 
 
 def test_sigkill_then_resume_gives_the_same_weights(tmp_path, uninterrupted):
+    """With DataLoader workers (killed with the run), against the uninterrupted run without: the same weights."""
     recipe, out = write_recipe(tmp_path), tmp_path / "out"
     step = random.Random().randint(3, 50)  # a random optimizer step, different each run
-    process = start_and_stop_at(command(recipe, out, "--checkpoint-every", "3"), out / "metrics.jsonl", step,
-                                signal.SIGKILL)
+    process = start_and_stop_at(command(recipe, out, "--checkpoint-every", "3", "--workers", "2"),
+                                out / "metrics.jsonl", step, signal.SIGKILL)
     process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL
     checkpoint = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert checkpoint["step"] <= 60
-    resumed = subprocess.run(command(recipe, out, "--resume"), capture_output=True, text=True)
+    resumed = subprocess.run(command(recipe, out, "--resume", "--workers", "1"), capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert_bitwise(torch.load(out / "model.pt", weights_only=True), uninterrupted)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -102,6 +103,25 @@ def test_signal_finishes_the_step_checkpoints_and_says_how_to_resume(signum, cod
         resumed = subprocess.run(command(recipe, out, "--resume"), capture_output=True, text=True)
         assert resumed.returncode == 0, resumed.stderr
         assert_bitwise(torch.load(out / "model.pt", weights_only=True), uninterrupted)
+
+
+def test_ctrl_c_to_the_process_group_with_workers_checkpoints_and_stops(tmp_path):
+    """Ctrl-C reaches the DataLoader workers too: they leave it to the run, which finishes its step and stops."""
+    recipe, out = write_recipe(tmp_path), tmp_path / "out"
+    # micro-batch 4: 32 per step, far more than the 2 the worker keeps ready, so the step needs a live worker
+    process = subprocess.Popen(command(recipe, out, "--workers", "1", "--micro-batch-max", "4"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while lines(out / "metrics.jsonl") < 5:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the run did not reach the step in time"
+        time.sleep(0.005)
+    os.killpg(process.pid, signal.SIGINT)  # the run and its workers, as a terminal's Ctrl-C does
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "--resume" in stderr and "Traceback" not in stderr and "exited unexpectedly" not in stderr
+    checkpoint = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert checkpoint["step"] == lines(out / "metrics.jsonl") >= 5
 
 
 def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
@@ -155,8 +175,10 @@ def test_skip_nonfinite_skips_and_counts(tmp_path):
     assert all(torch.isfinite(w).all() for w in weights.values())  # skipped steps never touched the weights
 
 
-def test_out_of_memory_mid_run_halves_the_micro_batch_and_keeps_the_batch_exact(tmp_path):
-    """Under the probe's CPU memory budget (which raises torch.OutOfMemoryError, as CUDA does)."""
+@pytest.mark.parametrize("workers", [0, 1])
+def test_out_of_memory_mid_run_halves_the_micro_batch_and_keeps_the_batch_exact(workers, tmp_path):
+    """Under the probe's CPU memory budget (which raises torch.OutOfMemoryError, as CUDA does). With a worker, the
+    loader's prefetched micro-batches of the old size are dropped and it restarts from the redone window."""
     from reproduce.probe.tracker import MemoryTracker
 
     recipe = parse_recipe({**RECIPE, "model": {"builtin": "mlp", "kwargs": {"hidden": 512}},
@@ -166,7 +188,7 @@ def test_out_of_memory_mid_run_halves_the_micro_batch_and_keeps_the_batch_exact(
     def peak_of(micro_batch: int, folder: str) -> int:
         the_plan = plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
         with MemoryTracker() as tracker:
-            trainer.train(the_plan, tmp_path / folder, device="cpu", data=data, max_steps=2)
+            trainer.train(the_plan, tmp_path / folder, device="cpu", data=data, max_steps=2, workers=workers)
         return tracker.peak
 
     small, large = peak_of(32, "m32"), peak_of(64, "m64")
@@ -174,7 +196,7 @@ def test_out_of_memory_mid_run_halves_the_micro_batch_and_keeps_the_batch_exact(
     the_plan = plan(recipe, micro_batch_max=64, dataset_size=len(data["train"]))
     assert (the_plan.micro_batch, the_plan.accumulation_steps) == (64, 2)
     with MemoryTracker(budget_bytes=(small + large) // 2):
-        summary = trainer.train(the_plan, tmp_path / "oom", device="cpu", data=data)
+        summary = trainer.train(the_plan, tmp_path / "oom", device="cpu", data=data, workers=workers)
     assert summary["out_of_memory"] == 1
     records = trainer.read_metrics(tmp_path / "oom" / "metrics.jsonl")
     [index] = [i for i, r in enumerate(records) if "event" in r]

@@ -55,7 +55,7 @@ def run_accumulated(recipe_data: dict, micro_batch: int, tmp_path, dtype=torch.f
 
 
 def run_plain(recipe_data: dict, data: dict, steps: int, dtype=torch.float64) -> dict:
-    """A plain PyTorch loop over whole effective batches: mean loss, one backward, one step."""
+    """A plain PyTorch loop over whole effective batches: mean loss, one backward, the recipe's clipping, one step."""
     recipe = parse_recipe(recipe_data)
     torch.manual_seed(recipe.seed)
     model = build_model(recipe, data.get("info")).to(dtype)
@@ -78,6 +78,8 @@ def run_plain(recipe_data: dict, data: dict, steps: int, dtype=torch.float64) ->
             loss = F.cross_entropy(output, target)
         optimizer.zero_grad()
         loss.backward()
+        if recipe.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad_norm)
         optimizer.step()
     return model.state_dict()
 
@@ -88,10 +90,16 @@ def assert_same_weights(ours: dict, reference: dict, rtol: float, atol: float) -
         torch.testing.assert_close(ours[name], reference[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("optimizer", [SGD, ADAMW], ids=["sgd-momentum", "adamw"])
-def test_classifier_accumulation_equals_large_batch_float64(optimizer, tmp_path):
+# workers: micro-batches fetched by DataLoader worker processes (0: in the training process)
+WITH_WORKERS = [pytest.param(SGD, 0, id="sgd-momentum"), pytest.param(ADAMW, 0, id="adamw"),
+                pytest.param(SGD, 2, id="sgd-momentum-2-workers")]
+
+
+@pytest.mark.parametrize("optimizer, workers", WITH_WORKERS)
+def test_classifier_accumulation_equals_large_batch_float64(optimizer, workers, tmp_path):
     recipe = digits_recipe(optimizer)
-    the_plan, summary, ours, data = run_accumulated(recipe, micro_batch=8, tmp_path=tmp_path)
+    the_plan, summary, ours, data = run_accumulated(recipe, micro_batch=8, tmp_path=tmp_path, workers=workers)
+    assert summary["workers"] == workers
     assert (the_plan.micro_batch, the_plan.accumulation_steps) == (8, 8)
     reference = run_plain(recipe, data, steps=6)
     assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
@@ -101,10 +109,10 @@ def test_classifier_accumulation_equals_large_batch_float64(optimizer, tmp_path)
     assert any(not torch.allclose(initial[k].double(), ours[k]) for k in ours)
 
 
-@pytest.mark.parametrize("optimizer", [SGD, ADAMW], ids=["sgd-momentum", "adamw"])
-def test_language_model_with_padding_normalises_by_tokens_float64(optimizer, tmp_path):
+@pytest.mark.parametrize("optimizer, workers", WITH_WORKERS)
+def test_language_model_with_padding_normalises_by_tokens_float64(optimizer, workers, tmp_path):
     recipe = lm_recipe(optimizer)
-    the_plan, summary, ours, data = run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path)
+    the_plan, summary, ours, data = run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path, workers=workers)
     assert the_plan.accumulation_steps == 4
     lengths = {len(x) for x, _ in data["train"]}
     assert len(lengths) > 3  # sequences really differ in length, so padding and counting matter
@@ -193,7 +201,7 @@ def test_cli_run_writes_every_output(tmp_path, capsys):
     assert {"plan.yaml", "metrics.jsonl", "model.pt", "summary.json", "checkpoints"} <= {p.name for p in out.iterdir()}
     records = read_metrics(out / "metrics.jsonl")
     keys = {"step", "epoch", "lr", "loss", "grad_norm", "samples", "tokens", "micro_batch", "accumulation_steps",
-            "seconds", "peak_memory_bytes"}
+            "seconds", "data_seconds", "peak_memory_bytes"}
     assert len(records) == 12 and keys <= records[0].keys()
     assert records[0]["lr"] == pytest.approx(0.02) and records[0]["accumulation_steps"] == 8
     assert "eval_accuracy" in records[-1]

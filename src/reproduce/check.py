@@ -531,7 +531,7 @@ class Runner:
             self.data[key] = build_data(recipe)
         return self.data[key]
 
-    def plan_for(self, run: Run, dataset_size: int | None) -> Plan:
+    def plan_for(self, run: Run, dataset_size: int | dict | None) -> Plan:
         budget = run.budget
         return plan(run.recipe, budget.micro_batch_max, budget.world_size, budget.policy,
                     dataset_size=dataset_size, recipe_path=run.recipe_path)
@@ -540,10 +540,11 @@ class Runner:
         key = run.key(seed)
         if key in self.cache:
             return self.cache[key]
+        from .data.lengths import training_sizes
         from .train.trainer import train
 
         data = self.dataset(run.recipe)
-        the_plan = self.plan_for(run, len(data["train"]))
+        the_plan = self.plan_for(run, training_sizes(run.recipe, data["train"]))
         max_steps = run.budget.max_steps
         if run.budget.max_epochs is not None and the_plan.steps_per_epoch:
             max_steps = max(1, math.ceil(run.budget.max_epochs * the_plan.steps_per_epoch))
@@ -601,8 +602,10 @@ class Runner:
         from .verify import verify
 
         run = file.runs[check.run]
+        from .data.lengths import training_sizes
+
         data = self.dataset(run.recipe)
-        the_plan = self.plan_for(run, len(data["train"]))
+        the_plan = self.plan_for(run, training_sizes(run.recipe, data["train"]))
         seed = run.seeds[0]
         result = verify(the_plan, samples=check.samples, tolerance=check.tolerance, dtype=check.dtype,
                         device=check.device, seed=seed, data=data)
@@ -769,6 +772,10 @@ def plan_problems(the_plan: Plan, budget: Budget) -> list[str]:
     if not math.isclose(the_plan.lr, want_lr, rel_tol=1e-9):
         problems.append(f"lr: the {rule} rule gives {want_lr:.6g} for batch x{factor:.4g}; the plan has "
                         f"{the_plan.lr:.6g}")
+    if the_plan.phases:
+        # the steps of a changing batch come from walking its phases (phases.py); check_plan has checked each
+        # phase's split and order above, and the phases must cover the recipe's
+        return problems + _phase_schedule_problems(the_plan)
     # steps converted: the same data as the paper's schedule covers
     dataset = the_plan.dataset_size
     per_epoch = None
@@ -805,6 +812,26 @@ def plan_problems(the_plan: Plan, budget: Budget) -> list[str]:
         if fits and per_rank and per_rank % per_device == 0 and micro != per_device:
             problems.append(f"micro_batch: BatchNorm: the paper's per-device batch {per_device} fits and divides "
                             f"the batch, but the plan uses {micro}")
+    return problems
+
+
+def _phase_schedule_problems(the_plan: Plan) -> list[str]:
+    """With batch phases: each phase's length in steps covers the data the recipe's phase length says, re-derived
+    here phase by phase (exact phases keep the paper's steps)."""
+    problems = []
+    for index, (phase, spec) in enumerate(zip(the_plan.phases, the_plan.recipe.batch.phases or [], strict=False)):
+        if phase.steps is None:
+            continue
+        unit, value = spec.unit, spec.value
+        if unit == "epochs":
+            want = None if phase.steps_per_epoch is None else round(value * phase.steps_per_epoch)
+        else:
+            samples = value * phase.paper_effective_batch if unit == "steps" else value if unit == "samples" else (
+                value / phase.sequence_length)
+            want = round(samples / phase.effective_batch)
+        if want is not None and want != phase.steps:
+            problems.append(f"phases[{index}].steps: batch.phases[{index}] is {_length(spec)}, {want} steps of "
+                            f"{phase.effective_batch}; the plan has {phase.steps}")
     return problems
 
 

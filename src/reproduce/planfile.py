@@ -124,8 +124,71 @@ def check_plan(plan: Plan, source: str) -> None:
         problems.append(f"{source}: lr_factor: must be 1 when the batch is exact (got {plan.lr_factor})")
     if plan.optimizer_steps is not None and plan.optimizer_steps < 1:
         problems.append(f"{source}: optimizer_steps: must be >= 1 (got {plan.optimizer_steps})")
+    problems.extend(f"{source}: {problem}" for problem in phase_problems(plan))
     if problems:
         raise UserError(*problems)
+
+
+def phase_problems(plan: Plan) -> list[str]:
+    """What is wrong with a plan's batch phases (`phases`): each segment's split, their order, and their match
+    with the recipe's `batch.phases` or `batch.ramp`."""
+    batch, phases = plan.recipe.batch, plan.phases
+    if not (batch.phases or batch.ramp):
+        return [f"phases: the recipe's batch has no phases or ramp, but the plan has {len(phases)}"] if phases else []
+    if not phases:
+        return ["phases: the recipe's batch has phases or a ramp, but the plan has none; plan it again"]
+    problems = []
+    expected_start = 0
+    for index, phase in enumerate(phases):
+        where = f"phases[{index}]"
+        last = index == len(phases) - 1
+        if min(phase.micro_batch, phase.accumulation_steps, phase.effective_batch) < 1:
+            problems.append(f"{where}: micro_batch, accumulation_steps and effective_batch must be >= 1")
+            continue
+        product = phase.micro_batch * phase.accumulation_steps * plan.world_size
+        if product != phase.effective_batch:
+            shown = f"{phase.micro_batch} x {phase.accumulation_steps} x {plan.world_size}"
+            problems.append(f"{where}.effective_batch: micro_batch x accumulation_steps x world_size = {shown} = "
+                            f"{product}, not {phase.effective_batch}")
+        if phase.micro_batch > phase.micro_batch_max:
+            problems.append(f"{where}.micro_batch: {phase.micro_batch} exceeds micro_batch_max {phase.micro_batch_max}")
+        if phase.start_step != expected_start:
+            problems.append(f"{where}.start_step: expected {expected_start} (where the segment before it ends), got "
+                            f"{phase.start_step}")
+        if last != (phase.steps is None):
+            problems.append(f"{where}.steps: " + ("the last segment runs to the end: expected none" if last
+                                                  else "expected the segment's number of steps"))
+        elif phase.steps is not None:
+            if phase.steps < 0:
+                problems.append(f"{where}.steps: must be >= 0 (got {phase.steps})")
+            expected_start = phase.start_step + phase.steps
+        if phase.kind == "phase":
+            if phase.paper_effective_batch is None or phase.exact != (
+                    phase.effective_batch == phase.paper_effective_batch):
+                problems.append(f"{where}.exact: {phase.exact} contradicts effective_batch {phase.effective_batch} vs "
+                                f"the paper's {phase.paper_effective_batch}")
+            elif phase.exact and phase.lr_factor != 1.0:
+                problems.append(f"{where}.lr_factor: must be 1 when the batch is exact (got {phase.lr_factor})")
+        else:
+            if phase.effective_batch > plan.effective_batch:
+                problems.append(f"{where}.effective_batch: a ramp step's batch {phase.effective_batch} is above the "
+                                f"batch it ramps up to, {plan.effective_batch}")
+            if phase.lr_factor != plan.lr_factor:
+                problems.append(f"{where}.lr_factor: a ramp step has the main batch's LR factor {plan.lr_factor} (got "
+                                f"{phase.lr_factor})")
+            before = phases[index - 1].effective_batch if index else 0
+            if before > phase.effective_batch:
+                problems.append(f"{where}.effective_batch: a ramp's batches never shrink ({before} then "
+                                f"{phase.effective_batch})")
+    kinds = [phase.kind for phase in phases]
+    if batch.phases:
+        wanted = [(batch.phase_sequences(p), p.sequence_length or batch.sequence_length) for p in batch.phases]
+        got = [(p.paper_effective_batch, p.sequence_length) for p in phases]
+        if kinds != ["phase"] * len(batch.phases) or got != wanted:
+            problems.append(f"phases: the recipe's phases are {wanted} (batch, sequence length); the plan has {got}")
+    elif kinds[-1] != "phase" or "phase" in kinds[:-1] or phases[-1].paper_effective_batch != batch.sequences:
+        problems.append("phases: a ramp plan is ramp segments, then the recipe's batch to the end")
+    return problems
 
 
 def load_recipe_or_plan(path: str | Path) -> tuple[Recipe, Plan | None]:

@@ -9,11 +9,13 @@ that is possible; the LR rule applied when it is not; and the schedule converted
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from .errors import UserError
+from .phases import PlanPhase, lengths_to_steps, phase_index, plan_phases
 from .recipe import Length, Recipe
 
 RULE_SOURCES = {
@@ -22,6 +24,15 @@ RULE_SOURCES = {
     "sqrt": "square-root rule: lr x sqrt(k) (Krizhevsky 2014, arXiv 1404.5997; "
     "Malladi et al. 2022, arXiv 2205.10287, for Adam)",
     "none": "scaling_rule: none in the recipe: LR kept although the batch changed",
+}
+# The layer-wise optimizers were designed so the LR need not follow the SGD / Adam rules; when the batch cannot be
+# matched, the plan applies the rule their papers used (the factor is the same: linear x k, square root x sqrt(k)).
+OPTIMIZER_RULE_SOURCES = {
+    ("lars", "linear"): "LARS: linear LR scaling with gradual warm-up and polynomial decay, the recipe LARS was run "
+    "with (You, Gitman and Ginsburg 2017, arXiv 1708.03888; TensorFlow's LARSOptimizer, written with the first author, "
+    "recommends exactly these three); the trust ratio bounds each layer's step",
+    ("lamb", "sqrt"): "LAMB: square-root LR scaling with linear-epoch warm-up, untuned from batch 512 to 64k "
+    "(You et al. 2019, arXiv 1904.00962, sec. 4)",
 }
 MALLADI_SOURCE = "Malladi et al. 2022 SDE rule for Adam: (1-b1)xk, (1-b2)xk, eps/sqrt(k) (arXiv 2205.10287)"
 FAST_WHEN_BELOW = 0.5  # show the `fast` alternative when the exact micro-batch is below half the maximum
@@ -94,6 +105,8 @@ class Plan(Frozen):
     batchnorm: str | None = None
     alternative: Choice | None = None
     warnings: list[str] = []
+    # batch.phases / batch.ramp: the batch each stretch of optimizer steps takes (empty: the batch above throughout)
+    phases: list[PlanPhase] = []
 
     @property
     def arithmetic(self) -> str:
@@ -109,13 +122,24 @@ class Plan(Frozen):
 
 def plan(
     recipe: Recipe,
-    micro_batch_max: int,
+    micro_batch_max: int | Mapping[int | None, int],
     world_size: int = 1,
     policy: Literal["exact", "fast"] = "exact",
-    dataset_size: int | None = None,
+    dataset_size: int | Mapping[int | None, int] | None = None,
     recipe_path: str | None = None,
 ) -> Plan:
-    """The plan for `recipe` on `world_size` processes that each fit `micro_batch_max` samples."""
+    """The plan for `recipe` on `world_size` processes that each fit `micro_batch_max` samples.
+
+    With batch phases the micro-batch that fits, and the training samples, depend on the sequence length: both may
+    be given per length ({sequence_length: value}); a single number holds for every length.
+    """
+    maxima = micro_batch_max if isinstance(micro_batch_max, Mapping) else None
+    sizes = dataset_size if isinstance(dataset_size, Mapping) else None
+    main_length = recipe.batch.sequence_length
+    if maxima is not None:
+        micro_batch_max = maxima[main_length]
+    if sizes is not None:
+        dataset_size = sizes.get(main_length)
     if micro_batch_max < 1:
         raise UserError(f"--micro-batch-max: must be >= 1 (got {micro_batch_max})")
     if world_size < 1:
@@ -156,7 +180,11 @@ def plan(
             f"effective batch {chosen.effective_batch} is not the paper's {paper_batch} "
             f"(x{chosen.batch_factor:.4g}): LR {recipe.optimizer.lr:g} -> {chosen.lr:.6g} by the {rule} rule"
         )
-    adam_option = _adam_option(recipe, chosen) if rule == "sqrt" and recipe.optimizer.family == "adam" else None
+    # Malladi et al.'s beta/eps changes are for Adam itself; LAMB's paper changed only the LR
+    adam_option = (
+        _adam_option(recipe, chosen)
+        if rule == "sqrt" and recipe.optimizer.family == "adam" and recipe.optimizer.name != "lamb" else None
+    )
 
     dataset_size = dataset_size or recipe.data.train_size
     steps_per_epoch, partial = None, 0
@@ -181,7 +209,17 @@ def plan(
                 f"{recipe.batch.count_unit}: {what}"
             )
 
+    phases: list[PlanPhase] = []
+    if recipe.batch.phases or recipe.batch.ramp:
+        phases = plan_phases(
+            recipe, lambda length: maxima.get(length, micro_batch_max) if maxima else micro_batch_max, world_size,
+            lambda length: _size_at(length, recipe, dataset_size, sizes),
+            lambda fixed, cap: _split(fixed, cap, world_size, policy), chosen, warnings,
+        )
+
     def steps(length: Length | None, what: str) -> int | None:
+        if phases and length is not None:
+            return lengths_to_steps(phases, recipe, length, what, warnings)
         return _to_steps(length, recipe, chosen.effective_batch, steps_per_epoch, dataset_size, what, warnings)
 
     total = steps(recipe.schedule.total, "schedule.total")
@@ -212,6 +250,11 @@ def plan(
 
     if batchnorm:
         warnings.append(batchnorm)
+    for index, phase in enumerate(phases):
+        if total is not None and phase.start_step >= total and index:
+            warnings.append(f"the batch of step {phase.start_step + 1} on ({phase.effective_batch}) is never reached: "
+                            f"the run has {total} optimizer steps")
+            break
     return Plan(
         recipe_path=recipe_path,
         recipe=recipe,
@@ -248,7 +291,24 @@ def plan(
         batchnorm=batchnorm,
         alternative=alternative,
         warnings=warnings,
+        phases=phases,
     )
+
+
+def _split(recipe: Recipe, cap: int, world_size: int, policy: str) -> Choice:
+    """One phase's split: exact when the policy asks for it and it exists, otherwise the nearest batch."""
+    exact = _exact_choice(recipe, cap, world_size) if policy == "exact" else None
+    return exact or _fast_choice(recipe, cap, world_size)
+
+
+def _size_at(length: int | None, recipe: Recipe, size: int | None, sizes: Mapping | None) -> int | None:
+    """Training samples at sequence length `length`: as given, else the main length's data cut at `length`."""
+    if sizes is not None and length in sizes:
+        return sizes[length]
+    main = recipe.batch.sequence_length
+    if size is None or length == main or not length or not main:
+        return size
+    return size * main // length
 
 
 def _exact_choice(recipe: Recipe, cap: int, world_size: int) -> Choice | None:
@@ -297,7 +357,7 @@ def _rule(recipe: Recipe, exact: bool) -> tuple[str, str]:
         rule = "linear" if recipe.optimizer.family == "sgd" else "sqrt"
     else:
         rule = recipe.scaling_rule
-    return rule, RULE_SOURCES[rule]
+    return rule, OPTIMIZER_RULE_SOURCES.get((recipe.optimizer.name, rule), RULE_SOURCES[rule])
 
 
 def _adam_option(recipe: Recipe, choice: Choice) -> AdamOption:
@@ -354,7 +414,20 @@ def _to_steps(
 
 
 def lr_at(plan: Plan, step: int) -> float:
-    """The learning rate for optimizer step `step` (0-based): warm-up, then the recipe's decay."""
+    """The learning rate for optimizer step `step` (0-based): warm-up, then the recipe's decay.
+
+    With batch phases the schedule runs on across them; a phase whose batch is not the paper's has its own LR rule
+    factor in place of the main batch's.
+    """
+    value = _scheduled_lr(plan, step)
+    if plan.phases:
+        phase = plan.phases[phase_index(plan.phases, step)]
+        if phase.lr_factor != plan.lr_factor:
+            value = value * phase.lr_factor / plan.lr_factor
+    return value
+
+
+def _scheduled_lr(plan: Plan, step: int) -> float:
     peak, warmup = plan.lr, plan.warmup_steps
     if step < warmup:
         return plan.warmup_start_lr + (peak - plan.warmup_start_lr) * step / warmup

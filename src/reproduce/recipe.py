@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import UserError
 
@@ -20,6 +20,18 @@ SGD_FAMILY = ("sgd", "nesterov", "lars")
 ADAM_FAMILY = ("adam", "adamw", "lamb", "adafactor")
 NORM_LAYERS = ("batchnorm", "layernorm", "rmsnorm", "groupnorm", "none")
 LENGTH_UNITS = ("steps", "epochs", "samples", "tokens")
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
+
+Name = TypeVar("Name")
+
+
+def _one_or_many(value: Any) -> Any:
+    """A single name where a list of names is expected: `norm_layers: batchnorm` reads as `[batchnorm]`."""
+    return [value] if isinstance(value, str) else value
+
+
+# A list of names that also accepts one name written alone (YAML users write `no_decay: bias` as often as `[bias]`).
+Names = Annotated[list[Name], BeforeValidator(_one_or_many)]
 
 
 class Strict(BaseModel):
@@ -28,149 +40,11 @@ class Strict(BaseModel):
 
 class Paper(Strict):
     title: str
-    authors: list[str] = []
+    authors: Names[str] = []
     year: int | None = Field(default=None, ge=1950, le=2100)
     url: str | None = None
     arxiv: str | None = None
     notes: str | None = None
-
-
-class Batch(Strict):
-    """The paper's effective batch and the hardware it was computed on."""
-
-    effective: int = Field(gt=0, description="effective batch per optimizer step, in `unit`")
-    unit: Literal["samples", "tokens"] = "samples"
-    sequence_length: int | None = Field(default=None, gt=0, description="tokens per sequence")
-    devices: int | None = Field(default=None, gt=0, description="data-parallel workers in the paper")
-    per_device: int | None = Field(default=None, gt=0, description="per-device batch (also the BN batch)")
-    accumulation: int | None = Field(default=None, gt=0, description="accumulation steps the paper used")
-    device: str | None = None
-    sharding: Literal["none", "fsdp"] = Field(
-        default="none", description="fsdp: parameters, gradients and optimizer state sharded over the devices"
-    )
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Batch:
-        if self.unit == "tokens":
-            if self.sequence_length is None:
-                raise ValueError("sequence_length: required when unit is tokens (the batch is counted in tokens)")
-            if self.effective % self.sequence_length:
-                raise ValueError(
-                    f"effective: {self.effective} tokens is not a whole number of sequences of "
-                    f"sequence_length {self.sequence_length}"
-                )
-        if self.devices is not None and self.per_device is not None:
-            product = self.devices * self.per_device * (self.accumulation or 1)
-            if product != self.sequences:
-                shown = f"{self.devices} x {self.per_device}" + (
-                    f" x {self.accumulation}" if self.accumulation else ""
-                )
-                raise ValueError(
-                    f"devices x per_device{' x accumulation' if self.accumulation else ''} = {shown} = "
-                    f"{product}, but effective is {self.sequences} {self.count_unit}; state the paper's "
-                    "accumulation steps or correct the numbers"
-                )
-        return self
-
-    @property
-    def sequences(self) -> int:
-        """The effective batch in samples (sequences for token batches)."""
-        return self.effective // self.sequence_length if self.unit == "tokens" else self.effective
-
-    @property
-    def count_unit(self) -> str:
-        return "sequences" if self.unit == "tokens" else "samples"
-
-
-class Builder(Strict):
-    """A built-in name, or `factory: "package.module:function"` with keyword arguments."""
-
-    builtin: str | None = None
-    factory: str | None = Field(default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-    kwargs: dict[str, Any] = {}
-
-    @model_validator(mode="after")
-    def _one_source(self) -> Builder:
-        if self.builtin is not None and self.factory is not None:
-            raise ValueError("give either builtin or factory, not both")
-        return self
-
-
-class Model(Builder):
-    """A built-in, a factory, or `hf: NAME_OR_LOCAL_PATH` (a Hugging Face model, loaded from this machine only).
-
-    With `hf`, `kind` says which head (default from the task: causal-lm for language-modeling,
-    sequence-classification for classification) and `kwargs` go to `from_pretrained` (e.g. num_labels).
-    """
-
-    hf: str | None = Field(default=None, description="Hugging Face model name or local folder")
-    kind: Literal["causal-lm", "sequence-classification"] | None = None
-    norm_layers: list[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
-    description: str | None = None
-
-    @model_validator(mode="after")
-    def _has_source(self) -> Model:
-        given = [name for name in ("builtin", "factory", "hf") if getattr(self, name) is not None]
-        if not given:
-            raise ValueError("give builtin: NAME, factory: 'package.module:function' or hf: NAME_OR_PATH")
-        if len(given) > 1:
-            raise ValueError(f"give only one of builtin, factory, hf (got {', '.join(given)})")
-        if self.hf is not None and not self.hf.strip():
-            raise ValueError(f"hf: give a model name or a local folder (got {self.hf!r})")
-        if self.kind is not None and self.hf is None:
-            raise ValueError("kind: only used with hf (a Hugging Face model)")
-        return self
-
-    @property
-    def has_batchnorm(self) -> bool:
-        return "batchnorm" in self.norm_layers
-
-
-class Data(Builder):
-    name: str | None = None
-    available: bool = True
-    train_size: int | None = Field(default=None, gt=0, description="training samples (sequences) per epoch")
-    shuffle: bool = True
-    drop_last: bool = True
-    # The shape of image samples: what an image-folder run resizes to, and what the probe builds when the data
-    # is not on this machine (defaults for the datasets the papers use come from the data's name).
-    image_size: int | None = Field(default=None, gt=0, description="image height and width in pixels")
-    channels: int | None = Field(default=None, gt=0, description="image channels (3 for RGB)")
-    classes: int | None = Field(default=None, gt=1, description="number of classes (classification)")
-    max_length: int | None = Field(
-        default=None, gt=0, description="longest sequence in tokens (variable-length text is truncated to it)"
-    )
-
-    @model_validator(mode="after")
-    def _has_source(self) -> Data:
-        if self.builtin is None and self.factory is None and self.name is None:
-            raise ValueError("give builtin: NAME, factory: 'package.module:function', or name: for plan-only data")
-        if self.available and self.builtin is None and self.factory is None:
-            raise ValueError(f"available: data {self.name!r} has no builtin or factory; set available: false")
-        return self
-
-
-class Optimizer(Strict):
-    name: Literal[OPTIMIZERS]  # type: ignore[valid-type]
-    lr: float = Field(gt=0)
-    momentum: float = Field(default=0.0, ge=0, lt=1)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(default=1e-8, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    no_decay: list[Literal["bias", "norm", "embedding", "1d"]] = []
-
-    @model_validator(mode="after")
-    def _betas(self) -> Optimizer:
-        for beta in self.betas:
-            if not 0 <= beta < 1:
-                raise ValueError(f"betas: each must be in [0, 1) (got {list(self.betas)})")
-        if self.name == "nesterov" and self.momentum == 0:
-            raise ValueError("momentum: nesterov needs momentum > 0")
-        return self
-
-    @property
-    def family(self) -> str:
-        return "sgd" if self.name in SGD_FAMILY else "adam"
 
 
 class Length(Strict):
@@ -198,6 +72,319 @@ class Length(Strict):
     @property
     def value(self) -> float:
         return getattr(self, self.unit)
+
+
+class BatchPhase(Length):
+    """One phase of a batch that changes during training: its length (none for the last phase, which runs to the
+    end of schedule.total), its effective batch and its sequence length (default: the batch's own)."""
+
+    effective: int = Field(gt=0, description="effective batch per optimizer step in this phase, in batch.unit")
+    sequence_length: int | None = Field(default=None, gt=0, description="tokens per sequence in this phase")
+
+    def _allows_none(self) -> bool:
+        return True  # the last phase has no length; Batch checks which phases need one
+
+
+class BatchRamp(Strict):
+    """A batch-size warm-up (Brown et al. 2020, sec. 2.3): the effective batch grows linearly, with the data read,
+    from `start` to batch.effective over `length`; each step's batch is rounded down to whole micro-batches."""
+
+    start: int = Field(gt=0, description="the first step's effective batch, in batch.unit")
+    length: Length
+
+
+class Batch(Strict):
+    """The paper's effective batch and the hardware it was computed on.
+
+    `phases` or `ramp` make the batch change during training; `effective` and `sequence_length` are then the
+    paper's main batch (one of the phases, or the ramp's target), which `devices` and `per_device` describe.
+    """
+
+    effective: int = Field(gt=0, description="effective batch per optimizer step, in `unit`")
+    unit: Literal["samples", "tokens"] = "samples"
+    sequence_length: int | None = Field(default=None, gt=0, description="tokens per sequence")
+    devices: int | None = Field(default=None, gt=0, description="data-parallel workers in the paper")
+    per_device: int | None = Field(default=None, gt=0, description="per-device batch (also the BN batch)")
+    accumulation: int | None = Field(default=None, gt=0, description="accumulation steps the paper used")
+    device: str | None = None
+    sharding: Literal["none", "fsdp"] = Field(
+        default="none", description="fsdp: parameters, gradients and optimizer state sharded over the devices"
+    )
+    phases: list[BatchPhase] | None = Field(default=None, description="the batch in phases (BERT's 128 then 512)")
+    ramp: BatchRamp | None = Field(default=None, description="a linear batch-size warm-up (GPT-3)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Batch:
+        if self.unit == "tokens":
+            if self.sequence_length is None:
+                raise ValueError("sequence_length: required when unit is tokens (the batch is counted in tokens)")
+            if self.effective % self.sequence_length:
+                raise ValueError(
+                    f"effective: {self.effective} tokens is not a whole number of sequences of "
+                    f"sequence_length {self.sequence_length}"
+                )
+        if self.devices is not None and self.per_device is not None:
+            product = self.devices * self.per_device * (self.accumulation or 1)
+            if product != self.sequences:
+                shown = f"{self.devices} x {self.per_device}" + (
+                    f" x {self.accumulation}" if self.accumulation else ""
+                )
+                raise ValueError(
+                    f"devices x per_device{' x accumulation' if self.accumulation else ''} = {shown} = "
+                    f"{product}, but effective is {self.sequences} {self.count_unit}; state the paper's "
+                    "accumulation steps or correct the numbers"
+                )
+        if self.phases is not None:
+            self._check_phases(self.phases)
+        if self.ramp is not None:
+            self._check_ramp(self.ramp)
+        return self
+
+    def _check_phases(self, phases: list[BatchPhase]) -> None:
+        if self.ramp is not None:
+            raise ValueError("phases: give phases or ramp, not both")
+        if len(phases) < 2:
+            raise ValueError("phases: give two phases or more (one phase is batch.effective alone)")
+        for index, phase in enumerate(phases):
+            where = f"phases.{index}"
+            last = index == len(phases) - 1
+            given = [unit for unit in LENGTH_UNITS if getattr(phase, unit) is not None]
+            if last and given:
+                raise ValueError(f"{where}.{given[0]}: the last phase runs to the end of schedule.total; give it no "
+                                 "length")
+            if not last and len(given) != 1:
+                raise ValueError(f"{where}: give its length: exactly one of steps, epochs, samples, tokens (got "
+                                 f"{', '.join(given) or 'none'})")
+            if phase.sequence_length is not None and self.sequence_length is None:
+                raise ValueError(f"{where}.sequence_length: needs batch.sequence_length (the length of the other "
+                                 "phases and of the main batch)")
+            length = phase.sequence_length or self.sequence_length
+            if self.unit == "tokens" and phase.effective % length:
+                raise ValueError(f"{where}.effective: {phase.effective} tokens is not a whole number of sequences "
+                                 f"of {length}")
+            if phase.tokens is not None and length is None:
+                raise ValueError(f"{where}.tokens: counted in tokens, which needs batch.sequence_length")
+        if not any((p.effective, p.sequence_length or self.sequence_length) == (self.effective, self.sequence_length)
+                   for p in phases):
+            shown = ", ".join(f"{p.effective}" + (f" at {p.sequence_length or self.sequence_length} tokens"
+                                                  if self.sequence_length else "") for p in phases)
+            raise ValueError(
+                f"effective: {self.effective}" + (f" at sequence_length {self.sequence_length}" if self.sequence_length
+                                                  else "")
+                + f" is none of the phases' batches ({shown}); batch.effective states the paper's main batch, one of "
+                "its phases"
+            )
+
+    def _check_ramp(self, ramp: BatchRamp) -> None:
+        if ramp.start >= self.effective:
+            raise ValueError(f"ramp.start: {ramp.start} must be below the batch it ramps up to, effective "
+                             f"{self.effective}")
+        if self.unit == "tokens" and ramp.start % self.sequence_length:
+            raise ValueError(f"ramp.start: {ramp.start} tokens is not a whole number of sequences of "
+                             f"{self.sequence_length}")
+        if ramp.length.tokens is not None and self.sequence_length is None:
+            raise ValueError("ramp.length.tokens: counted in tokens, which needs batch.sequence_length")
+
+    @property
+    def sequences(self) -> int:
+        """The effective batch in samples (sequences for token batches)."""
+        return self.effective // self.sequence_length if self.unit == "tokens" else self.effective
+
+    def phase_sequences(self, phase: BatchPhase) -> int:
+        """A phase's effective batch in samples (sequences for token batches)."""
+        length = phase.sequence_length or self.sequence_length
+        return phase.effective // length if self.unit == "tokens" else phase.effective
+
+    @property
+    def sequence_lengths(self) -> list[int | None]:
+        """The distinct sequence lengths the batch takes during training, shortest first (the main one alone
+        without phases)."""
+        lengths = {self.sequence_length} | {p.sequence_length or self.sequence_length for p in self.phases or []}
+        return sorted(lengths, key=lambda length: length or 0)
+
+    @property
+    def longest_sequence_length(self) -> int | None:
+        """The longest sequence of any phase: what a model's context must hold."""
+        return self.sequence_lengths[-1]
+
+    @property
+    def count_unit(self) -> str:
+        return "sequences" if self.unit == "tokens" else "samples"
+
+
+class Builder(Strict):
+    """A built-in name, or `factory: "package.module:function"` with keyword arguments."""
+
+    builtin: str | None = None
+    factory: str | None = Field(default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    kwargs: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Builder:
+        if self.builtin is not None and self.factory is not None:
+            raise ValueError("give either builtin or factory, not both")
+        return self
+
+
+class Lora(Strict):
+    """Low-rank adapters (Hu et al. 2021) through peft on the modules named: only the adapters train.
+
+    Each adapted weight W gets W + (alpha / r) B A with A (r x in) and B (out x r); B starts at zero, so the
+    adapted model starts as the base model.
+    """
+
+    r: int = Field(gt=0, description="rank of each adapter")
+    alpha: float | None = Field(default=None, gt=0, description="the update is scaled by alpha / r (default: r)")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: Annotated[Names[str], Field(min_length=1)] = Field(
+        description="names (or name endings) of the modules to adapt, e.g. [q_proj, v_proj]"
+    )
+
+
+class Model(Builder):
+    """A built-in, a factory, or `hf: NAME_OR_LOCAL_PATH` (a Hugging Face model, loaded from this machine only).
+
+    With `hf`, `kind` says which head (default from the task: causal-lm for language-modeling,
+    sequence-classification for classification) and `kwargs` go to `from_pretrained` (e.g. num_labels).
+    `dtype` is the dtype the weights are stored in (bf16/fp16: as fine-tuning recipes load a base model);
+    `lora` freezes them and trains low-rank adapters instead.
+    """
+
+    hf: str | None = Field(default=None, description="Hugging Face model name or local folder")
+    kind: Literal["causal-lm", "sequence-classification"] | None = None
+    norm_layers: Names[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
+    dtype: Literal[WEIGHT_DTYPES] = "fp32"  # type: ignore[valid-type]
+    lora: Lora | None = None
+    description: str | None = None
+
+    @model_validator(mode="after")
+    def _has_source(self) -> Model:
+        given = [name for name in ("builtin", "factory", "hf") if getattr(self, name) is not None]
+        if not given:
+            raise ValueError("give builtin: NAME, factory: 'package.module:function' or hf: NAME_OR_PATH")
+        if len(given) > 1:
+            raise ValueError(f"give only one of builtin, factory, hf (got {', '.join(given)})")
+        if self.hf is not None and not self.hf.strip():
+            raise ValueError(f"hf: give a model name or a local folder (got {self.hf!r})")
+        if self.kind is not None and self.hf is None:
+            raise ValueError("kind: only used with hf (a Hugging Face model)")
+        return self
+
+    @property
+    def has_batchnorm(self) -> bool:
+        return "batchnorm" in self.norm_layers
+
+
+DATA_FORMATS = ("imagefolder", "tokens", "instructions", "hf-datasets")
+TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32", "int64")
+# hf-datasets: which columns hold what; one of these sets of keys (`input` is optional beside instruction/output)
+HF_COLUMN_SETS = ({"text"}, {"instruction", "output"}, {"instruction", "input", "output"}, {"image", "label"},
+                  {"input", "label"})
+# the fields only some formats use: field -> the formats that read it
+FORMAT_FIELDS = {
+    "augment": ("imagefolder", "hf-datasets"),
+    "dtype": ("tokens",),
+    "template": ("instructions", "hf-datasets"),
+    "tokenizer": ("instructions", "hf-datasets"),
+    "columns": ("hf-datasets",),
+}
+
+
+class Data(Builder):
+    name: str | None = None
+    available: bool = True
+    train_size: int | None = Field(default=None, gt=0, description="training samples (sequences) per epoch")
+    shuffle: bool = True
+    drop_last: bool = True
+    # The shape of image samples: what an image-folder run resizes to, and what the probe builds when the data
+    # is not on this machine (defaults for the datasets the papers use come from the data's name).
+    image_size: int | None = Field(default=None, gt=0, description="image height and width in pixels")
+    channels: int | None = Field(default=None, gt=0, description="image channels (3 for RGB)")
+    classes: int | None = Field(default=None, gt=1, description="number of classes (classification)")
+    max_length: int | None = Field(
+        default=None, gt=0, description="longest sequence in tokens (variable-length text is truncated to it)"
+    )
+    # Data on disk in a standard layout (`reproduce run --data PATH` / `--eval-data PATH` replace the paths).
+    format: Literal[DATA_FORMATS] | None = None  # type: ignore[valid-type]
+    path: str | None = Field(default=None, description="the training data: a folder or a file")
+    eval_path: str | None = Field(default=None, description="the evaluation data, in the same format")
+    augment: Literal["imagenet", "none"] | None = None
+    dtype: Literal[TOKEN_DTYPES] | None = None  # type: ignore[valid-type]
+    template: Literal["alpaca"] | None = None
+    tokenizer: str | None = Field(default=None, description="a local tokenizer folder (tokenizer.json)")
+    columns: dict[str, str] | None = None
+
+    @model_validator(mode="after")
+    def _has_source(self) -> Data:
+        if self.format is not None and (self.builtin is not None or self.factory is not None):
+            raise ValueError("format: give format (with path) or builtin/factory, not both")
+        for name in ("path", "eval_path", "tokenizer"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{name}: give a file or folder (got {value!r})")
+        if self.format is None:
+            given = [n for n in ("path", "eval_path", *FORMAT_FIELDS) if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{given[0]}: only used with format: {' | '.join(DATA_FORMATS)}")
+        else:
+            for name, formats in FORMAT_FIELDS.items():
+                if getattr(self, name) is not None and self.format not in formats:
+                    raise ValueError(f"{name}: only used with format {' or '.join(formats)} (format is {self.format})")
+        if self.format == "hf-datasets":
+            if self.columns is None:
+                raise ValueError("columns: required for format hf-datasets (which column holds what, e.g. "
+                                 "{text: content} or {image: img, label: label})")
+            if set(self.columns) not in HF_COLUMN_SETS:
+                shown = ", ".join(f"{{{', '.join(sorted(s))}}}" for s in HF_COLUMN_SETS)
+                raise ValueError(f"columns: expected the keys of one of {shown} (got {sorted(self.columns)})")
+            if self.augment is not None and "image" not in self.columns:
+                raise ValueError("augment: only used with an image column (columns: {image: ..., label: ...})")
+            if self.template is not None and "instruction" not in self.columns:
+                raise ValueError("template: only used with instruction columns (columns: {instruction: ..., ...})")
+        if self.builtin is None and self.factory is None and self.name is None and self.format is None:
+            raise ValueError("give builtin: NAME, factory: 'package.module:function', format: with path:, or name: "
+                             "for plan-only data")
+        if self.available and self.builtin is None and self.factory is None and self.path is None:
+            if self.format is not None:
+                raise ValueError(f"path: required for {self.format} data (a folder or file), or set available: "
+                                 "false and give it on the command line: reproduce run --data PATH")
+            raise ValueError(f"available: data {self.name!r} has no builtin or factory; set available: false")
+        return self
+
+    @property
+    def text_columns(self) -> bool:
+        """Whether the data is text to tokenise (instructions, or hf-datasets text/instruction columns)."""
+        return self.format == "instructions" or (
+            self.format == "hf-datasets" and self.columns is not None and "label" not in self.columns
+        )
+
+
+class Optimizer(Strict):
+    name: Literal[OPTIMIZERS]  # type: ignore[valid-type]
+    lr: float = Field(gt=0)
+    momentum: float = Field(default=0.0, ge=0, lt=1)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    no_decay: Names[Literal["bias", "norm", "embedding", "1d"]] = []
+    trust_coefficient: float | None = Field(
+        default=None, gt=0, description="lars: eta, the trust coefficient of You et al. 2017 (default 0.001)"
+    )
+
+    @model_validator(mode="after")
+    def _betas(self) -> Optimizer:
+        for beta in self.betas:
+            if not 0 <= beta < 1:
+                raise ValueError(f"betas: each must be in [0, 1) (got {list(self.betas)})")
+        if self.name == "nesterov" and self.momentum == 0:
+            raise ValueError("momentum: nesterov needs momentum > 0")
+        if self.trust_coefficient is not None and self.name != "lars":
+            raise ValueError(f"trust_coefficient: only used by lars (name is {self.name})")
+        return self
+
+    @property
+    def family(self) -> str:
+        return "sgd" if self.name in SGD_FAMILY else "adam"
 
 
 class Warmup(Length):
@@ -295,9 +482,21 @@ class Recipe(Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
         if self.task == "custom" and self.loss is None:
-            raise ValueError("loss: task custom needs loss: {factory: 'package.module:function'}")
+            raise ValueError("loss: task custom needs loss: {builtin: NAME} or {factory: 'package.module:function'}")
         if self.task != "custom" and self.loss is not None:
             raise ValueError(f"loss: only used with task custom (task is {self.task})")
+        weights = self.model.dtype
+        if weights != "fp32" and self.precision != weights:
+            raise ValueError(
+                f"model.dtype: {weights} weights compute under precision: {weights} (autocast), not "
+                f"{self.precision}" + (" (fp16 autocast would keep an fp16 copy of every bf16 weight for the backward)"
+                                       if self.precision == "fp16" else "")
+            )
+        if weights == "fp16" and self.model.lora is None:
+            raise ValueError(
+                "model.dtype: fp16 weights can only stay frozen under model.lora (a GradScaler cannot unscale fp16 "
+                "gradients); train all weights in bf16 or fp32"
+            )
         if self.batch.sequence_length is None:
             schedule = self.schedule
             named = [
@@ -308,7 +507,51 @@ class Recipe(Strict):
             for name, length in named:
                 if length is not None and length.tokens is not None:
                     raise ValueError(f"{name}: counted in tokens, which needs batch.sequence_length")
+        self._check_data_format()
         return self
+
+    def _check_data_format(self) -> None:
+        """What a data format needs from the rest of the recipe (the task; the sizes it cuts or tokenises to)."""
+        data = self.data
+        if data.format is None:
+            return
+        if data.format == "hf-datasets":
+            task = "language-modeling" if data.text_columns else "classification"
+        else:
+            task = "classification" if data.format == "imagefolder" else "language-modeling"
+        if self.task != "custom" and self.task != task:
+            raise ValueError(f"data.format: {data.format} data{' with these columns' if data.columns else ''} is "
+                             f"for task {task} (task is {self.task})")
+        if data.format == "tokens" and self.batch.sequence_length is None:
+            raise ValueError("batch.sequence_length: required with data.format tokens (each sample is that many "
+                             "tokens)")
+        if not data.available:
+            return  # plan only until a path is given (reproduce run --data PATH)
+        images = data.format == "imagefolder" or (data.columns is not None and "image" in data.columns)
+        if images and data.image_size is None:
+            raise ValueError("data.image_size: required for image data (the side images are cropped or resized "
+                             "to; 224 for ImageNet)")
+        if data.text_columns:
+            if data.tokenizer is None and self.model.hf is None:
+                raise ValueError("data.tokenizer: required for text data: a local tokenizer folder (default: the "
+                                 "model's own with model.hf)")
+            if data.max_length is None and self.batch.sequence_length is None:
+                raise ValueError("data.max_length: required for text data: the longest sequence in tokens, longer "
+                                 "ones are truncated (Alpaca: 512)")
+
+
+def phase_recipe(recipe: Recipe, sequences: int, sequence_length: int | None) -> Recipe:
+    """`recipe` with one fixed batch: `sequences` samples (sequences) of `sequence_length`, no phases or ramp.
+
+    What one phase of a changing batch is planned and probed as (the micro-batch that fits depends on the length).
+    """
+    batch = recipe.batch
+    effective = sequences * sequence_length if batch.unit == "tokens" else sequences
+    fixed = batch.model_copy(update={
+        "effective": effective, "sequence_length": sequence_length, "phases": None, "ramp": None,
+        "devices": None, "per_device": None, "accumulation": None,
+    })
+    return recipe.model_copy(update={"batch": fixed})
 
 
 # ---- reading a file -------------------------------------------------------------------------------------
@@ -410,6 +653,9 @@ def _message(error: dict, root: type[BaseModel]) -> str:
         return f"expected one of {ctx.get('expected', '')} (got {got!r})"
     if kind == "string_pattern_mismatch":
         return f"expected 'package.module:function' (got {got!r})"
+    if kind == "too_short":
+        least = ctx.get("min_length", 1)
+        return f"expected at least {least} item{'s' if least != 1 else ''} (got {got!r})"
     if kind == "int_from_float":
         return f"expected an integer (got {got!r})"
     if kind.endswith("_type") or kind.endswith("_parsing") or kind == "model_type":
@@ -426,6 +672,8 @@ def _field_names_at(root: type[BaseModel], loc: list[str]) -> list[str]:
     """The field names of the model found by following `loc` from `root` (empty when it leads elsewhere)."""
     model: Any = root
     for part in loc:
+        if part.isdigit():  # an item of a list: the list's model, already found
+            continue
         fields = getattr(model, "model_fields", None)
         if fields is None or part not in fields:
             return []
@@ -442,3 +690,25 @@ def _model_in(annotation: Any) -> Any:
         if found is not None:
             return found
     return None
+
+
+def with_data_paths(recipe: Recipe, path: str | None, eval_path: str | None, source: str = "<recipe>") -> Recipe:
+    """The recipe reading its `data.format` data from `path` (and `eval_path`): `reproduce run --data/--eval-data`.
+
+    The paths are made absolute (a plan file written now can be resumed from another folder), and the data
+    becomes available: a paper's recipe names its data's format, the user's copy gives the path.
+    """
+    if path is None and eval_path is None:
+        return recipe
+    option = "--data" if path is not None else "--eval-data"
+    if recipe.data.format is None:
+        kind = f"built-in data {recipe.data.builtin!r}" if recipe.data.builtin else (
+            f"factory data {recipe.data.factory!r}" if recipe.data.factory else "no data format")
+        raise UserError(f"{option}: {source} reads {kind}; {option} gives the path of data.format data "
+                        f"({', '.join(DATA_FORMATS)})")
+    data = recipe.model_dump(mode="json")
+    for key, value in (("path", path), ("eval_path", eval_path)):
+        if value is not None:
+            data["data"][key] = str(Path(value).expanduser().absolute())
+    data["data"]["available"] = data["data"]["path"] is not None
+    return parse_recipe(data, source=source)

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from .data import build_data
-from .data.batches import fetch, to_device
+from .data.batches import to_device
+from .data.loader import fetch_seeded
 from .errors import UserError
 from .models import build_model, has_batchnorm
 from .planner import Plan
@@ -224,7 +225,10 @@ def verify(
     notes = []
 
     # The plan's gradient: the trainer's own optimizer step over the micro-batches.
-    micro_batches = [to_device(fetch(train_set, i), torch_device, param_dtype) for i in indices]
+    def fetch(indices: torch.Tensor) -> tuple[Any, Any]:  # as the run's loader fetches (augmentation seeded)
+        return fetch_seeded(train_set, indices, seed)
+
+    micro_batches = [to_device(fetch(i), torch_device, param_dtype) for i in indices]
     optimizer_step(setup, micro_batches)
     accumulated = recorder.gradients
     if scaler is not None and scaler.get_scale() < 65536.0:
@@ -235,7 +239,7 @@ def verify(
     # The reference: the mean loss over all samples, in one pass when it fits, else in large chunks.
     order = torch.cat(indices)
     if chunk is None:
-        chunk = reference_chunk(setup, fetch(train_set, indices[0]), len(indices[0]), total_samples, parameters)
+        chunk = reference_chunk(setup, fetch(indices[0]), len(indices[0]), total_samples, parameters)
     chunk = max(1, min(chunk, total_samples))
     pieces = list(torch.split(order, chunk))
     if len(pieces) > 1:
@@ -243,7 +247,7 @@ def verify(
             f"one pass over {total_samples} samples would not fit in half the free memory: the reference is "
             f"computed in {len(pieces)} chunks of up to {chunk}"
         )
-    reference = reference_gradient(setup, [to_device(fetch(train_set, i), torch_device, param_dtype) for i in pieces])
+    reference = reference_gradient(setup, [to_device(fetch(i), torch_device, param_dtype) for i in pieces])
     model.load_state_dict(initial)
 
     rows = []

@@ -14,7 +14,7 @@ from ..export import FORMATS, check_format, emit
 from ..planfile import check_writable, save_plan
 from ..planner import Plan, plan
 from ..probe.runner import BudgetRequired, ProbeOptions, ProbeResult, run_probe
-from ..recipe import Recipe, load_recipe
+from ..recipe import Recipe, load_recipe, phase_recipe
 from ..units import format_size
 from .app import app
 from .common import stderr, stdout
@@ -45,10 +45,10 @@ POLICY_HELP = "exact: keep the paper's effective batch exactly; fast: the neares
 def make_plan(
     recipe: Recipe,
     recipe_path: str,
-    micro_batch_max: int | None,
+    micro_batch_max: int | dict | None,
     world_size: int,
     policy: Policy,
-    dataset_size: int | None = None,
+    dataset_size: int | dict | None = None,
     *,
     probe: ProbeOptions | None = None,
     data: dict | None = None,
@@ -67,17 +67,32 @@ def make_plan(
 def plan_and_probe(
     recipe: Recipe,
     recipe_path: str,
-    micro_batch_max: int | None,
+    micro_batch_max: int | dict | None,
     world_size: int,
     policy: Policy,
-    dataset_size: int | None = None,
+    dataset_size: int | dict | None = None,
     *,
     probe: ProbeOptions | None = None,
     data: dict | None = None,
     quiet: bool = False,
 ) -> tuple[Plan, ProbeResult | None]:
-    """`make_plan`, also returning the probe's result (None when `micro_batch_max` was given)."""
+    """`make_plan`, also returning the probe's result (None when `micro_batch_max` was given).
+
+    With batch phases of several sequence lengths the probe runs once per length (what fits at 128 tokens does not
+    at 512), each at the largest batch of that length; the result returned is the main length's.
+    """
     result = None
+    if micro_batch_max is None and len(recipe.batch.sequence_lengths) > 1:
+        maxima, result = {}, None
+        for length, fixed in phase_probes(recipe).items():
+            main = length == recipe.batch.sequence_length
+            probed = plan_and_probe(fixed, recipe_path, None, world_size, policy, None, probe=probe,
+                                    data=data if main else None, quiet=True)[1]
+            if not quiet:
+                stderr.print(f"sequence length {length}: {probe_line(probed)}", markup=False)
+            maxima[length] = probed.micro_batch_max
+            result = probed if main else result
+        micro_batch_max = maxima
     if micro_batch_max is None:
         try:
             result = run_probe(recipe, recipe_path, probe or ProbeOptions(), world_size, data=data)
@@ -100,6 +115,15 @@ def plan_and_probe(
         recipe, micro_batch_max, world_size, policy.value, dataset_size=dataset_size, recipe_path=recipe_path
     )
     return the_plan, result
+
+
+def phase_probes(recipe: Recipe) -> dict[int | None, Recipe]:
+    """For each sequence length of the batch phases, the recipe to probe: its largest batch at that length."""
+    batch, largest = recipe.batch, {}
+    for phase in batch.phases or []:
+        length = phase.sequence_length or batch.sequence_length
+        largest[length] = max(largest.get(length, 0), batch.phase_sequences(phase))
+    return {length: phase_recipe(recipe, sequences, length) for length, sequences in sorted(largest.items())}
 
 
 def probe_line(result: ProbeResult) -> str:
@@ -219,6 +243,8 @@ def render_plan(p: Plan) -> None:
         table.add_row("epoch", f"{p.dataset_size} {unit}", f"{p.steps_per_epoch} optimizer steps")
     table.add_row("precision / clip", f"{r.precision} / {r.clip_grad_norm or 'none'}", "same")
     stdout.print(table)
+    if p.phases:
+        render_phases(p)
     if p.alternative is not None:
         alt = p.alternative
         stdout.print(
@@ -227,6 +253,45 @@ def render_plan(p: Plan) -> None:
         )
     for warning in p.warnings:
         stderr.print(f"[yellow]warning:[/] {warning}")
+
+
+PHASE_ROWS = 16  # a longer ramp shows its first and last batches
+
+
+def render_phases(p: Plan) -> None:
+    """The batch of each stretch of optimizer steps (`batch.phases`, or each distinct batch of `batch.ramp`)."""
+    tokens = p.recipe.batch.sequence_length is not None
+    table = Table(title="batch phases: reproduce run switches N (and the sequence length) at each first step",
+                  title_justify="left")
+    for column in ("steps", "paper", "this plan (micro x accum x world)", "tokens per step" if tokens else None):
+        if column:
+            table.add_column(column, justify="right" if column.startswith(("steps", "tokens")) else "left")
+    rows = list(enumerate(p.phases))
+    if len(rows) > PHASE_ROWS:
+        rows = [*rows[: PHASE_ROWS // 2], None, *rows[-PHASE_ROWS // 2 :]]
+    for row in rows:
+        if row is None:
+            table.add_row("...", f"{len(p.phases) - PHASE_ROWS} more ramp batches", "", *([""] if tokens else []))
+            continue
+        index, phase = row
+        last = phase.end_step if phase.end_step is not None else p.optimizer_steps
+        steps = f"{phase.start_step + 1} - {last if last is not None else 'end'}"
+        length = f" x {phase.sequence_length} tokens" if phase.sequence_length else ""
+        if phase.kind == "ramp":
+            paper = "ramp" + (" from " + _batch_size(p, p.recipe.batch.ramp.start) if index == 0 else "")
+            mark = ""
+        else:
+            paper = f"{phase.paper_effective_batch} {'sequences' if length else p.unit}{length}"
+            mark = "  exact" if phase.exact else f"  NOT exact (lr x{phase.lr_factor:.4g})"
+        cells = [steps, paper, phase.arithmetic(p.world_size) + mark]
+        if tokens:
+            cells.append(f"{phase.effective_batch * phase.sequence_length:,}")
+        table.add_row(*cells)
+    stdout.print(table)
+
+
+def _batch_size(p: Plan, value: int) -> str:
+    return f"{value:,} tokens" if p.recipe.batch.unit == "tokens" else f"{value} {p.unit}"
 
 
 def _length(length) -> str:

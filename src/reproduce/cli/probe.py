@@ -14,7 +14,7 @@ from ..planner import Plan, plan
 from ..probe.cost import Cost, cost, format_duration
 from ..probe.runner import ProbeOptions, ProbeResult, ProbeTrial, run_probe
 from ..probe.search import Measurement
-from ..recipe import load_recipe
+from ..recipe import load_recipe, with_data_paths
 from ..units import format_size
 from .app import app
 from .common import stderr, stdout
@@ -35,6 +35,7 @@ METER_HELP = (
 )
 HEADROOM_HELP = "Fraction of the budget kept free: the largest micro-batch must peak under budget x (1 - headroom)."
 NO_CACHE_HELP = "Probe again even when a cached result for this recipe, device and budget exists."
+PROBE_DATA_HELP = "Probe on this data (in the recipe's data.format) instead of the recipe's data.path."
 WORLD_SIZE_HELP = "Number of data-parallel processes: the probe needs no micro-batch above batch / processes."
 
 
@@ -54,9 +55,10 @@ def probe_command(
     world_size: int = typer.Option(1, "--world-size", min=1, help=WORLD_SIZE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
+    data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=PROBE_DATA_HELP),
 ) -> None:
     """Measure the largest micro-batch whose full training step fits one device's memory."""
-    recipe = load_recipe(recipe_path)
+    recipe = with_data_paths(load_recipe(recipe_path), data_path, None, str(recipe_path))
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     result = run_probe(recipe, str(recipe_path), options, world_size, on_trial=None if as_json else show_trial)
     the_plan = plan(recipe, result.micro_batch_max, world_size) if result.micro_batch_max else None

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from enum import Enum
 from pathlib import Path
 
 import typer
@@ -14,6 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..errors import UserError
 from ..planfile import load_plan, load_recipe_or_plan
 from ..planner import Plan
+from ..recipe import Recipe, parse_recipe, with_data_paths
+from ..sharding import check_sharding, with_sharding
 from .app import app
 from .common import is_terminal, stderr, stdout
 from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, make_plan, plan_and_probe
@@ -33,12 +36,18 @@ class PlainReporter:
         for warning in self.warnings:
             stderr.print(f"[yellow]warning:[/] {warning}")
         stdout.print(
-            f"micro {plan.micro_batch} x accumulation {plan.accumulation_steps} x world {plan.world_size} = "
+            ("main batch: " if plan.phases else "")
+            + f"micro {plan.micro_batch} x accumulation {plan.accumulation_steps} x world {plan.world_size} = "
             f"{plan.effective_batch} {plan.unit} per step"
             + (f" ({plan.effective_tokens} tokens)" if plan.effective_tokens else "")
             + ("" if plan.exact else f", not the paper's {plan.paper_effective_batch}: lr {plan.lr:.6g} "
                f"({plan.lr_rule})")
         )
+        for line in phase_lines(plan):
+            stdout.print(line, markup=False)
+        if plan.recipe.batch.sharding == "fsdp":
+            print(f"sharding: fsdp (FSDP2: parameters, gradients and optimizer state split over {plan.world_size} "
+                  "processes)", flush=True)
         self.total, self.every = total_steps, max(1, total_steps // self.lines)
         self.started = time.perf_counter()
         where = f", resuming after step {first_step}" if first_step else ""
@@ -60,6 +69,23 @@ class PlainReporter:
 
     def finish(self, summary: dict) -> None:
         pass
+
+
+def phase_lines(plan: Plan) -> list[str]:
+    """The batch phases in a few lines: each phase's steps and split; a ramp as its first and last batches."""
+    lines, ramp = [], [phase for phase in plan.phases if phase.kind == "ramp"]
+    if ramp:
+        lines.append(f"batch ramp: steps 1-{ramp[-1].end_step}, {len(ramp)} batches from {ramp[0].effective_batch} "
+                     f"to {ramp[-1].effective_batch} {plan.unit} (micro {ramp[0].micro_batch} x accumulation "
+                     f"{ramp[0].accumulation_steps} to {ramp[-1].accumulation_steps})")
+    for phase in plan.phases:
+        if phase.kind == "phase":
+            end = phase.end_step if phase.end_step is not None else "end"
+            length = f" of {phase.sequence_length} tokens" if phase.sequence_length else ""
+            lines.append(f"batch phase: steps {phase.start_step + 1}-{end}: micro {phase.micro_batch} x accumulation "
+                         f"{phase.accumulation_steps} x world {plan.world_size} = {phase.effective_batch} "
+                         f"{'sequences' if length else plan.unit}{length}")
+    return lines
 
 
 class RichReporter(PlainReporter):
@@ -97,6 +123,19 @@ SKIP_HELP = "Skip optimizer steps whose loss or gradient is not finite, instead 
 CHECKPOINT_HELP = "Checkpoint every K optimizer steps (default: every 5 minutes, and at the end)."
 NPROC_HELP = "Processes (GPUs) on this machine: launches itself through torchrun (torch.distributed.run)."
 NO_NOISE_HELP = "Do not measure the gradient noise scale (metrics.jsonl noise_scale; it never changes the weights)."
+DATA_HELP = "The training data (a folder or file in the recipe's data.format), instead of the recipe's data.path."
+EVAL_DATA_HELP = "The evaluation data, instead of the recipe's data.eval_path."
+WORKERS_HELP = ("DataLoader worker processes per training process (0: fetch in the training process; default: "
+                "one per CPU core less one, at most 8, for data read from files; 0 for data held in memory).")
+SHARDING_HELP = (
+    "fsdp: shard parameters, gradients and optimizer state over the processes (FSDP2); none: a whole copy on each "
+    "(DDP). Default: the recipe's batch.sharding; a resumed run keeps its own."
+)
+
+
+class Sharding(str, Enum):
+    none = "none"
+    fsdp = "fsdp"
 
 
 def _forwarded_args(source: Path, out: Path, values: dict[str, object], switches: dict[str, bool]) -> list[str]:
@@ -124,19 +163,85 @@ def _launch(command: list[str]) -> int:
             signal.signal(signum, handler)
 
 
-def _replan_for_world(saved: Plan, world_size: int, dataset_size: int, source: Path) -> Plan:
-    """The same effective batch on another number of processes: keep the micro-batch, re-derive N."""
+def _replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: int | dict, source: Path) -> Plan:
+    """The same effective batch and schedule on another number of processes, or with a smaller micro-batch (a
+    resumed run that ran out of memory; None: keep the plan's): N is re-derived. With batch phases each sequence
+    length keeps its own micro-batch, lowered to `micro_batch` where that is smaller."""
     from ..planner import plan as make
 
-    again = make(saved.recipe, saved.micro_batch, world_size, saved.policy, dataset_size=dataset_size,
+    cap = micro_batch or saved.micro_batch
+    micro = {p.sequence_length: min(p.micro_batch, micro_batch or p.micro_batch) for p in saved.phases} if (
+        saved.phases) else cap
+    again = make(saved.recipe, micro, world_size, saved.policy, dataset_size=dataset_size,
                  recipe_path=saved.recipe_path)
     same = ("effective_batch", "steps_per_epoch", "optimizer_steps", "warmup_steps", "decay_milestones")
-    if any(getattr(again, field) != getattr(saved, field) for field in same):
+
+    def steps(p: Plan) -> list:
+        return [(phase.start_step, phase.steps, phase.effective_batch) for phase in p.phases]
+
+    if any(getattr(again, field) != getattr(saved, field) for field in same) or steps(again) != steps(saved):
         raise UserError(
             f"{source}: world_size: the plan ({saved.arithmetic}, {saved.optimizer_steps} steps) cannot be kept "
-            f"on {world_size} processes with micro-batch {saved.micro_batch}; plan again for {world_size}"
+            f"on {world_size} processes with micro-batch {cap}; plan again for {world_size}"
         )
     return again
+
+
+def _resumed_data_paths(recipe: Recipe, saved: Recipe, data_path: str | None, eval_data_path: str | None,
+                        out: Path, source: str) -> Recipe:
+    """Resuming reads the data the run read: its paths come from its plan.yaml; --data / --eval-data, when given,
+    must name the same."""
+    if recipe.data.format is None or saved.data.format is None:
+        return recipe
+
+    def same(a: str | None, b: str | None) -> bool:
+        if a is None or b is None:
+            return a is b
+        return Path(a).expanduser().absolute() == Path(b).expanduser().absolute()
+
+    for option, given, mine, ran in (("--data", data_path, recipe.data.path, saved.data.path),
+                                     ("--eval-data", eval_data_path, recipe.data.eval_path, saved.data.eval_path)):
+        if given is not None and not same(mine, ran):
+            raise UserError(f"{option}: the run in {out} read {ran}; --resume continues it on the same data "
+                            f"(got {mine})")
+    data = recipe.model_dump(mode="json")
+    data["data"].update(path=saved.data.path, eval_path=saved.data.eval_path, available=saved.data.available)
+    return parse_recipe(data, source)
+
+
+def _recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None, data_path: str | None,
+                     eval_data_path: str | None) -> tuple[Recipe, Plan | None]:
+    """The recipe (and plan, when given or resumed) with the data paths and the sharding this run uses: --data /
+    --eval-data and --sharding, else the recipe's; a resumed run keeps the data and sharding it was started with."""
+    recipe, plan = load_recipe_or_plan(source)
+    recipe = with_data_paths(recipe, data_path, eval_data_path, str(source))
+    if not resume:
+        recipe = with_sharding(recipe, sharding)
+        return recipe, plan.model_copy(update={"recipe": recipe}) if plan is not None else None
+    saved = load_plan(out / "plan.yaml") if (out / "plan.yaml").is_file() else None
+    if saved is None:
+        raise UserError(f"--resume: {out} has no plan.yaml to resume")
+    started = saved.recipe.batch.sharding
+    if sharding is not None and sharding != started:
+        raise UserError(f"--sharding: the run in {out} was started with sharding {started}; resume it with the same "
+                        f"(got {sharding})")
+    recipe = _resumed_data_paths(recipe, saved.recipe, data_path, eval_data_path, out, str(source))
+    if with_sharding(recipe, started) != saved.recipe:
+        raise UserError(f"--resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
+    return saved.recipe, saved
+
+
+def _check_sharded_probe(recipe: Recipe, plan: Plan | None, micro_batch_max: int | None, meter: MeterName) -> None:
+    """A real (cuda / cpu) probe measures the whole unsharded model on one device: not what an FSDP rank holds."""
+    if recipe.batch.sharding != "fsdp" or plan is not None or micro_batch_max is not None:
+        return
+    import torch
+
+    if meter in (MeterName.cuda, MeterName.cpu) or (meter == MeterName.auto and torch.cuda.is_available()):
+        raise UserError(
+            "--micro-batch-max: with batch.sharding fsdp give it (or --meter estimate): the cuda and cpu probes "
+            "measure the whole unsharded model on one device, not one rank's share"
+        )
 
 
 @app.command("run")
@@ -163,22 +268,33 @@ def run_command(
     headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log each step's metrics to OUT/tensorboard."),
+    sharding: Sharding | None = typer.Option(None, "--sharding", help=SHARDING_HELP),
+    data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
+    eval_data_path: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
+    workers: int | None = typer.Option(None, "--workers", min=0, help=WORKERS_HELP),
     no_noise_scale: bool = typer.Option(False, "--no-noise-scale", help=NO_NOISE_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
+    from ..data.lengths import training_sizes
     from ..train import distributed  # torch is imported only by the commands that train
     from ..train.trainer import train
 
     world = distributed.world_from_env()
+    sharding_name = sharding.value if sharding is not None else None
     if nproc_per_node is not None and not world.distributed:
         if nnodes > 1 and rdzv_endpoint is None:
             raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
+        # bad input: one line, before launching
+        recipe, plan = _recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
+        check_sharding(recipe, nproc_per_node * nnodes)
+        _check_sharded_probe(recipe, plan, micro_batch_max, meter)
         args = _forwarded_args(
             source, out,
             {"--policy": policy.value, "--device": device, "--micro-batch-max": micro_batch_max,
              "--max-steps": max_steps, "--seed": seed, "--checkpoint-every": checkpoint_every, "--memory": memory,
-             "--gpu": gpu, "--meter": meter.value, "--headroom": headroom},
+             "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
+             "--data": data_path, "--eval-data": eval_data_path, "--workers": workers},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
              "--tensorboard": tensorboard, "--no-noise-scale": no_noise_scale},
         )
@@ -187,36 +303,39 @@ def run_command(
         raise typer.Exit(_launch(command))
     if world.distributed:
         world_size = world.size
-    recipe, plan = load_recipe_or_plan(source)
-    if resume:
-        saved = load_plan(out / "plan.yaml") if (out / "plan.yaml").is_file() else None
-        if saved is None:
-            raise UserError(f"--resume: {out} has no plan.yaml to resume")
-        if saved.recipe != recipe:
-            raise UserError(f"--resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
-        plan = saved
+    recipe, plan = _recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
+    check_sharding(recipe, world.size)
+    _check_sharded_probe(recipe, plan, micro_batch_max, meter)
     data = build_data(recipe)
-    size = len(data["train"])
+    size = training_sizes(recipe, data["train"])  # per sequence length when batch phases change it
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     if plan is None and world.distributed and micro_batch_max is None:
         # every rank probes its own device; all take the smallest result, so no rank runs out of memory
         from ..train.setup import resolve_device
 
         rank_device = distributed.init(world, resolve_device(device))
-        _, probed = plan_and_probe(recipe, str(source), None, world_size, policy, size, probe=options, data=data,
-                                   quiet=not world.is_main)
-        micro_batch_max = distributed.all_min(world, probed.micro_batch_max, rank_device)
+        probed_plan, probed = plan_and_probe(recipe, str(source), None, world_size, policy, size, probe=options,
+                                             data=data, quiet=not world.is_main)
+        if probed_plan.phases:  # one maximum per sequence length, in the same order on every rank
+            maxima = {phase.sequence_length: phase.micro_batch_max for phase in probed_plan.phases}
+            micro_batch_max = {length: distributed.all_min(world, maxima[length], rank_device)
+                               for length in sorted(maxima, key=lambda length: length or 0)}
+        else:
+            micro_batch_max = distributed.all_min(world, probed.micro_batch_max, rank_device)
     if plan is None:
         plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy, dataset_size=size, probe=options,
                          data=data, quiet=not world.is_main)
-    elif plan.world_size != world_size:
-        plan = _replan_for_world(plan, world_size, size, source)
+    else:
+        smaller = resume and micro_batch_max is not None and micro_batch_max < plan.micro_batch
+        if plan.world_size != world_size or smaller:
+            plan = _replan(plan, world_size, micro_batch_max if smaller else None, size, source)
     warnings = list(plan.warnings)
-    if recipe.data.train_size is not None and recipe.data.train_size != size:
-        warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {size}: using {size}")
+    main_size = size.get(recipe.batch.sequence_length) if isinstance(size, dict) else size
+    if recipe.data.train_size is not None and recipe.data.train_size != main_size:
+        warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {main_size}: using {main_size}")
     if not world.is_main:  # the other ranks train quietly; rank 0 reports
         train(plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
-              checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data,
+              checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data, workers=workers,
               noise_scale=not no_noise_scale)
         return
     reporter = RichReporter(warnings) if is_terminal() else PlainReporter(warnings)
@@ -227,7 +346,7 @@ def run_command(
     summary = train(
         plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
         checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, reporter=reporter, data=data,
-        noise_scale=not no_noise_scale,
+        workers=workers, noise_scale=not no_noise_scale,
     )
     final = summary["final"]
     line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s, final loss {final['loss']:.4f}"
@@ -235,6 +354,9 @@ def run_command(
         line += f", eval accuracy {final['eval_accuracy']:.4f}"
     if "eval_loss" in final:
         line += f", eval loss {final['eval_loss']:.4f}"
+    if summary.get("data_share") is not None:
+        workers = f"{summary['workers']} worker{'' if summary['workers'] == 1 else 's'}"
+        line += f"; waited for data {summary['data_share']:.0%} of the time ({workers})"
     stdout.print(line)
     noise = summary.get("noise_scale")
     if noise and not noise.get("noted"):  # a run that cannot measure it said so at its start

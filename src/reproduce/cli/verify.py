@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ..errors import UserError
 from ..planfile import load_recipe_or_plan
+from ..recipe import with_data_paths
 from .app import app
 from .common import stdout
 from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, make_plan
@@ -20,6 +21,7 @@ SAMPLES_HELP = "Check on the first K samples instead of one effective batch (for
 TOLERANCE_HELP = "Largest relative error that counts as equivalent (default per dtype: float64 1e-10, float32 1e-5)."
 DTYPE_HELP = "float64 or float32 parameters, or bf16/fp16 autocast as the trainer runs it."
 SEED_HELP = "Seed for the weights and the samples (default: the recipe's)."
+DATA_HELP = "Check on this data (in the recipe's data.format) instead of the recipe's data.path."
 SHOWN = 25
 
 
@@ -43,6 +45,7 @@ def verify_command(
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
     seed: int | None = typer.Option(None, "--seed", help=SEED_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
+    data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
 ) -> None:
     """Compare the plan's accumulated gradient with the one-pass gradient: exit 0 equivalent, 1 not."""
     from ..data import build_data  # torch is imported only by the commands that need it
@@ -51,6 +54,9 @@ def verify_command(
     if tolerance is not None and not tolerance > 0:
         raise UserError(f"--tolerance: must be > 0 (got {tolerance})")
     recipe, the_plan = load_recipe_or_plan(source)
+    recipe = with_data_paths(recipe, data_path, None, str(source))
+    if the_plan is not None:
+        the_plan = the_plan.model_copy(update={"recipe": recipe})
     data = build_data(recipe)
     if the_plan is None:
         the_plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy, dataset_size=len(data["train"]))

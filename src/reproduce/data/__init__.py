@@ -1,10 +1,13 @@
 """Data: the one place the training loop, the probe and verify build a recipe's datasets.
 
 `build_data(recipe)` gives `{"train": Dataset, "eval": Dataset (optional), "info": {...}}` from a built-in
-name (`DATA`) or the user's own `factory:`; items are `(input, target)` pairs.
+name (`DATA`), the user's own `factory:`, or data on disk in one of the `FORMATS` (`data.format` with
+`data.path`); items are `(input, target)` pairs.
 """
 
 from __future__ import annotations
+
+import importlib
 
 from ..errors import UserError
 from ..factory import call_builder
@@ -12,6 +15,28 @@ from ..recipe import Recipe
 from . import builtin
 
 DATA = dict(builtin.DATA)
+# data.format -> (module of this package, its builder); imported only when used (torchvision, datasets)
+FORMATS = {
+    "imagefolder": ("images", "build_imagefolder"),
+    "tokens": ("tokens", "build_tokens"),
+    "instructions": ("text", "build_instructions"),
+    "hf-datasets": ("hfdata", "build_hf_datasets"),
+}
+NEEDS = {"imagefolder": "torchvision", "hf-datasets": "datasets", "instructions": "transformers"}
+
+
+def build_format(recipe: Recipe) -> dict:
+    """The datasets of `data.format` data read from `data.path` (and `data.eval_path`)."""
+    name = recipe.data.format
+    module_name, builder = FORMATS[name]
+    try:
+        module = importlib.import_module(f".{module_name}", __name__)
+    except Exception as exc:  # ImportError, or a library built for another torch failing as it imports
+        raise UserError(
+            f"data.format: {name} data needs {NEEDS.get(name, exc)}, which does not import here "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+    return getattr(module, builder)(recipe)
 
 
 def build_data(recipe: Recipe) -> dict:
@@ -19,16 +44,19 @@ def build_data(recipe: Recipe) -> dict:
         raise UserError(
             f"data: {recipe.data.name!r} is marked available: false: this recipe can be planned but not run here"
         )
-    extra = {}
-    if recipe.data.builtin == "pysource" and recipe.batch.sequence_length:
-        extra["sequence_length"] = recipe.batch.sequence_length
-    data = call_builder(recipe.data, "data", DATA, extra)
+    if recipe.data.format is not None:
+        data = build_format(recipe)
+    else:
+        extra = {}
+        if recipe.data.builtin == "pysource" and recipe.batch.sequence_length:
+            extra["sequence_length"] = recipe.batch.sequence_length
+        data = call_builder(recipe.data, "data", DATA, extra)
     if not isinstance(data, dict) or "train" not in data:
         raise UserError(f"data: the factory must return a dict with a 'train' dataset (got {type(data).__name__})")
     for split in ("train", "eval"):
         if split in data and not hasattr(data[split], "__len__"):
             raise UserError(f"data: {split!r} must be a sized dataset (got {type(data[split]).__name__})")
     if len(data["train"]) == 0:
-        raise UserError("data: the training set is empty")
+        raise UserError(f"data: the training set is empty{f' ({recipe.data.path})' if recipe.data.path else ''}")
     data.setdefault("info", {"name": recipe.data.name or recipe.data.builtin or recipe.data.factory})
     return data

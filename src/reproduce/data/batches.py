@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,20 +44,49 @@ def to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
     return value
 
 
+class DataClock:
+    """Seconds an optimizer step spent waiting for its data (fetching, or waiting on the loader's workers)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
 class LazyMicroBatch:
     """A micro-batch fetched and moved to the device only when its forward runs.
 
-    The window's loss-bearing items are counted first from the targets alone, so memory holds one
-    micro-batch's inputs at a time, as a single micro-batch step does.
+    The window's loss-bearing items are counted first, from the targets alone or, when the dataset counts
+    them from an index built once (`target_counts(indices)`), without fetching anything; so memory holds one
+    micro-batch's inputs at a time, as a single micro-batch step does. `source` gives the micro-batch's
+    (inputs, targets) on the CPU (the run's DataLoader stream); without one it is fetched in this process.
+    Time spent fetching or waiting is added to `clock`.
     """
 
-    def __init__(self, dataset: Any, indices: torch.Tensor, device: torch.device, dtype: torch.dtype):
+    def __init__(self, dataset: Any, indices: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                 source: Callable[[torch.Tensor], tuple[Any, Any]] | None = None, clock: DataClock | None = None):
         self.dataset, self.indices, self.device, self.dtype = dataset, indices, device, dtype
+        self.source, self.clock = source, clock
 
     def targets(self) -> Any:
+        started = time.perf_counter()
         if isinstance(self.dataset, TensorDataset):
-            return self.dataset.tensors[-1][self.indices]
-        return fetch(self.dataset, self.indices)[1]
+            targets = self.dataset.tensors[-1][self.indices]
+        else:
+            targets = fetch(self.dataset, self.indices)[1]
+        self._tick(started)
+        return targets
+
+    def token_count(self) -> int | None:
+        """The target tokens that bear loss (not -100), when the dataset knows them without fetching."""
+        counts = getattr(self.dataset, "target_counts", None)
+        return int(counts(self.indices).sum()) if counts is not None else None
 
     def load(self) -> tuple[Any, Any]:
-        return to_device(fetch(self.dataset, self.indices), self.device, self.dtype)
+        started = time.perf_counter()
+        batch = self.source(self.indices) if self.source is not None else fetch(self.dataset, self.indices)
+        batch = to_device(batch, self.device, self.dtype)
+        self._tick(started)
+        return batch
+
+    def _tick(self, started: float) -> None:
+        if self.clock is not None:
+            self.clock.seconds += time.perf_counter() - started

@@ -30,12 +30,15 @@ def digits(test_fraction: float = 0.2, seed: int = 0) -> dict:
     return {
         "train": TensorDataset(images[train_idx], labels[train_idx]),
         "eval": TensorDataset(images[test_idx], labels[test_idx]),
-        "info": {"name": "digits", "source": "sklearn.datasets.load_digits", "classes": 10},
+        "info": {"name": "digits", "source": "sklearn.datasets.load_digits", "classes": 10, "channels": 1,
+                 "image_size": 8},
     }
 
 
 class TokenWindows(Dataset):
     """Non-overlapping windows of `sequence_length + 1` bytes: input is the first L, target the last L."""
+
+    in_memory = True  # slices of one tensor: loader workers would only add copying
 
     def __init__(self, data: torch.Tensor, sequence_length: int):
         self.data, self.length = data, sequence_length
@@ -54,6 +57,14 @@ class TokenWindows(Dataset):
         offsets = indices.view(-1, 1) * self.length + torch.arange(self.length + 1).view(1, -1)
         chunks = self.data[offsets].long()
         return chunks[:, :-1], chunks[:, 1:]
+
+    def target_counts(self, indices: torch.Tensor) -> torch.Tensor:
+        """Every target bears loss: sequence_length per window, known without fetching."""
+        return torch.full((len(indices),), self.length, dtype=torch.long)
+
+    def with_sequence_length(self, sequence_length: int) -> TokenWindows:
+        """The same bytes cut into windows of another length (a batch phase's; see data/lengths.py)."""
+        return TokenWindows(self.data, sequence_length)
 
 
 def stdlib_sources(max_bytes: int) -> list[Path]:

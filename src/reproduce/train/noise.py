@@ -206,7 +206,7 @@ class NoiseScale:
             squares = torch.stack(window.groups).double()
             small = (squares * torch.tensor(window.weights, dtype=torch.float64, device=device)).sum()
         groups = float(len(window.groups))
-        if self.setup.ddp:  # every rank's micro-batches: the sum of the sums, and of their number
+        if self.setup.distributed:  # every rank's micro-batches: the sum of the sums, and of their number
             totals = torch.stack([small, torch.tensor(groups, dtype=torch.float64, device=device)])
             torch.distributed.all_reduce(totals)
             small, groups = totals.tolist()
@@ -245,8 +245,11 @@ def unit_of(task: str) -> str:
     return {"classification": "samples", "language-modeling": "tokens"}.get(task, "items")
 
 
-def not_measured_reason(world_size: int, accumulation_steps: int) -> str | None:
-    """Why a run cannot measure the noise scale at all, or None."""
+def not_measured_reason(world_size: int, accumulation_steps: int, sharded: bool = False) -> str | None:
+    """Why a run cannot measure the noise scale at all, or None (`accumulation_steps`: its largest N)."""
+    if sharded:
+        return ("FSDP's sharded parameters are outside the autograd graph, where the measurement's hooks would see "
+                "each micro-batch's gradient (see NoiseScale.parameters_to_watch)")
     if world_size == 1 and accumulation_steps == 1:
         return ("one micro-batch per optimizer step on one process (accumulation 1) leaves no smaller batch to "
                 "compare the window with")

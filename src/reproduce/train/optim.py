@@ -8,6 +8,7 @@ from torch import nn
 
 from ..errors import UserError
 from ..planner import Plan, lr_at
+from .large_batch import LAMB, LARS, LARS_TRUST_COEFFICIENT
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 
@@ -15,10 +16,16 @@ if hasattr(nn, "RMSNorm"):
     NORM_TYPES = (*NORM_TYPES, nn.RMSNorm)
 
 
-def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str]) -> list[dict]:
-    """Split parameters into decayed and not decayed, as the recipe's `no_decay` says (tied ones once)."""
-    if not no_decay or weight_decay == 0:
-        return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str], layer_adaptation: bool = False
+                 ) -> list[dict]:
+    """Split parameters into decayed and not decayed, as the recipe's `no_decay` says (tied ones once).
+
+    With `layer_adaptation` (LARS, LAMB) the excluded parameters also get a trust ratio of 1 (`layer_adaptation:
+    False` in their group), so they are split off even without weight decay.
+    """
+    if not no_decay or (weight_decay == 0 and not layer_adaptation):
+        group = {"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}
+        return [{**group, "layer_adaptation": True} if layer_adaptation else group]
     decay, keep, seen = [], [], set()
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -32,7 +39,10 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str]) -> 
                 or ("1d" in no_decay and param.ndim < 2)
             )
             (keep if excluded else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
+    if layer_adaptation:
+        groups[0]["layer_adaptation"], groups[1]["layer_adaptation"] = True, False
+    return groups
 
 
 def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
@@ -44,6 +54,12 @@ def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.Adam(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps)
     if spec.name == "adamw":
         return torch.optim.AdamW(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps)
+    if spec.name in ("lars", "lamb"):
+        groups = param_groups(model, spec.weight_decay, list(spec.no_decay), layer_adaptation=True)
+        if spec.name == "lars":
+            return LARS(groups, lr=plan.lr, momentum=spec.momentum,
+                        trust_coefficient=spec.trust_coefficient or LARS_TRUST_COEFFICIENT)
+        return LAMB(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps)
     if spec.name == "adafactor" and hasattr(torch.optim, "Adafactor"):
         return torch.optim.Adafactor(groups, lr=plan.lr, eps=(None, spec.eps))
     raise UserError(f"optimizer.name: {spec.name} has no PyTorch implementation to run here (it can be planned)")

@@ -1,22 +1,24 @@
 """One optimizer step over a window of N micro-batches, exactly the paper's large-batch update.
 
   1. count the window's loss-bearing items (samples, or target tokens != -100) before any backward;
-  2. for each micro-batch: summed loss / window count, backward (DDP: `no_sync` on all but the last);
+  2. for each micro-batch: summed loss / window count, backward (gradients reduced over the ranks on the last
+     only: DDP's `no_sync`, FSDP2's `set_requires_gradient_sync(False)` on the others);
   3. once per window: unscale (fp16), clip, optimizer step, scheduler step, zero_grad(set_to_none=True).
 The gradient is then exactly that of the mean loss over the whole effective batch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..data.batches import LazyMicroBatch, fetch, to_device
-from .losses import SampleLoss
+from ..data.batches import LazyMicroBatch, to_device
+from ..data.loader import default_workers, eval_batches
+from . import distributed
+from .losses import SampleLoss, TokenLoss
 from .noise import NoiseScale
 from .setup import Setup
 
@@ -27,6 +29,21 @@ def _targets(micro_batch: Any) -> Any:
 
 def _load(micro_batch: Any) -> tuple[Any, Any]:
     return micro_batch.load() if isinstance(micro_batch, LazyMicroBatch) else micro_batch
+
+
+def _count_without_fetching(loss_fn: Any, micro_batches: list) -> tuple[list[int], int] | None:
+    """(loss-bearing items of each micro-batch, samples) of a lazy window known without fetching it: every sample
+    bears loss (classification), or the dataset counts each sample's target tokens from an index built once."""
+    if not all(isinstance(m, LazyMicroBatch) for m in micro_batches):
+        return None
+    samples = sum(len(m.indices) for m in micro_batches)
+    if isinstance(loss_fn, SampleLoss):
+        return [len(m.indices) for m in micro_batches], samples
+    if isinstance(loss_fn, TokenLoss):
+        counts = [m.token_count() for m in micro_batches]
+        if None not in counts:
+            return counts, samples
+    return None
 
 
 @dataclass
@@ -43,7 +60,7 @@ class StepResult:
 
 def global_counts(setup: Setup, count: int, samples: int) -> tuple[int, int]:
     """The window's loss-bearing items and samples summed over every rank, before the first backward."""
-    if not setup.ddp:
+    if not setup.distributed:
         return count, samples
     totals = torch.tensor([count, samples], dtype=torch.int64, device=setup.device)
     torch.distributed.all_reduce(totals)
@@ -56,36 +73,69 @@ def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None =
     `noise`, when given, measures the gradient noise scale on the way; it only reads the gradients.
     """
     model, loss_fn = setup.model, setup.loss
-    if isinstance(loss_fn, SampleLoss) and all(isinstance(m, LazyMicroBatch) for m in micro_batches):
-        counts = [len(m.indices) for m in micro_batches]  # every sample bears loss: no fetch needed
-        local = samples = sum(counts)
+    counted = _count_without_fetching(loss_fn, micro_batches)
+    if counted is not None:
+        counts, samples = counted
     else:
         targets = [_targets(micro_batch) for micro_batch in micro_batches]
         counts, samples = [loss_fn.count(t) for t in targets], sum(len(t) for t in targets)
-        local = sum(counts)
         del targets
-    count, samples = global_counts(setup, local, samples)
+    count, samples = global_counts(setup, sum(counts), samples)
     if noise is not None:
         noise.start_window(counts, count, samples)
     losses = []
+    vote = agrees_on_memory(setup, len(micro_batches))
+    out_of_memory: str | None = None  # the message only: the error's traceback would keep the window's tensors
     for index, micro_batch in enumerate(micro_batches):
-        inputs, target = _load(micro_batch)
         last = index == len(micro_batches) - 1
-        sync = contextlib.nullcontext() if (last or not setup.ddp) else model.no_sync()
-        with sync:
-            with setup.autocast():
-                loss = loss_fn(model(inputs), target) / max(count, 1)
-            (setup.scaler.scale(loss) if setup.scaler else loss).backward()
-        if noise is not None:
-            noise.after_backward(index)
+        if last and vote:
+            _agree_on_memory(setup, out_of_memory)
+        if out_of_memory is not None:
+            continue  # this rank ran out of memory earlier in the window: on to the vote
+        try:
+            inputs, target = _load(micro_batch)
+            with setup.gradient_sync(last):
+                with setup.autocast():
+                    loss = loss_fn(model(inputs), target) / max(count, 1)
+                (setup.scaler.scale(loss) if setup.scaler else loss).backward()
+            if noise is not None:
+                noise.after_backward(index)
+        except torch.OutOfMemoryError as error:
+            if last or not vote:
+                raise
+            out_of_memory = str(error)
+            continue
         losses.append(loss.detach())
     window_loss = torch.stack(losses).sum()
-    if setup.ddp:  # the logged loss is the mean over the global window
+    if setup.distributed:  # the logged loss is the mean over the global window
         torch.distributed.all_reduce(window_loss)
     try:
         return _apply_window(setup, window_loss, count, samples, noise)
     except torch.OutOfMemoryError as error:
         raise OptimizerStepOutOfMemory(str(error)) from None
+
+
+def agrees_on_memory(setup: Setup, micro_batches: int) -> bool:
+    """Whether the ranks can agree on an out-of-memory error before the window's gradients are reduced.
+
+    Under DDP, the micro-batches before the last run under `no_sync` with no collective (unless DDP broadcasts
+    buffers in each forward, as for BatchNorm): a rank that runs out of memory there can skip to a vote taken just
+    before the last micro-batch, the others reach it, and all change the micro-batch together. Not under FSDP (each
+    forward and backward all-gathers parameters: the other ranks wait in those collectives for this one) and not in
+    the last micro-batch (DDP has prepared its gradient reduction by then): there the run stops instead.
+    """
+    if not setup.distributed or setup.sharded or micro_batches < 2:
+        return False
+    return not setup.model.will_sync_module_buffers()
+
+
+class AgreedOutOfMemory(torch.OutOfMemoryError):
+    """Some rank ran out of memory before the window's last micro-batch; raised on every rank, after a vote."""
+
+
+def _agree_on_memory(setup: Setup, error: str | None) -> None:
+    if distributed.any_rank(setup.world, error is not None, setup.device):
+        raise AgreedOutOfMemory(error or "out of memory on another rank")
 
 
 class OptimizerStepOutOfMemory(torch.OutOfMemoryError):
@@ -126,8 +176,9 @@ def _apply_window(setup: Setup, window_loss: torch.Tensor, count: int, samples: 
 
 
 @torch.no_grad()
-def evaluate(setup: Setup, batch: int | None = None) -> dict | None:
-    """Mean loss (and accuracy) over the eval split, in batches of `batch` (default: the micro-batch)."""
+def evaluate(setup: Setup, batch: int | None = None, workers: int | None = None) -> dict | None:
+    """Mean loss (and accuracy) over the eval split, in batches of `batch` (default: the micro-batch), fetched
+    by `workers` loader processes (default: `data.loader.default_workers`)."""
     dataset = setup.data.get("eval")
     if dataset is None or len(dataset) == 0:
         return None
@@ -136,9 +187,9 @@ def evaluate(setup: Setup, batch: int | None = None) -> dict | None:
     model.eval()
     total_loss, total_count, correct = 0.0, 0, 0
     batch = max(batch or setup.plan.micro_batch, 1)
-    for start in range(0, len(dataset), batch):
-        indices = torch.arange(start, min(start + batch, len(dataset)))
-        inputs, target = to_device(fetch(dataset, indices), setup.device, setup.dtype)
+    workers = default_workers(dataset) if workers is None else workers
+    for cpu_batch in eval_batches(dataset, batch, workers=workers, pin_memory=setup.device.type == "cuda"):
+        inputs, target = to_device(cpu_batch, setup.device, setup.dtype)
         with setup.autocast():
             output = model(inputs)
         total_loss += float(setup.loss(output, target))

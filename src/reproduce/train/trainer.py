@@ -6,6 +6,7 @@ needs is built by `setup.build`.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import shutil
@@ -17,17 +18,20 @@ from typing import Protocol
 
 import torch
 
-from ..data.batches import LazyMicroBatch
+from ..data.batches import DataClock, LazyMicroBatch
+from ..data.lengths import training_set
+from ..data.loader import LoaderWatch, MicroBatchStream, cpu_share, default_workers
 from ..errors import Interrupted, TrainingStopped, UserError
 from ..planfile import save_plan, write_text_atomic
 from ..planner import Plan
+from ..sharding import check_sharding
 from . import distributed
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import SHARDED_PREFIX, full_model_state, load_checkpoint, save_checkpoint
 from .distributed import World
 from .noise import NoiseScale, not_measured_reason, summarise
 from .setup import build, resolve_device
-from .step import OptimizerStepOutOfMemory, evaluate, optimizer_step
-from .windows import smaller_micro_batch, window
+from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, evaluate, optimizer_step
+from .windows import length_sizes, micro_batch_at, smaller_micro_batch, step_batch, step_epoch, window
 
 CHECKPOINT_SECONDS = 300.0
 
@@ -68,13 +72,14 @@ class StopSignals:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
 
-    def agreed(self, world: World, device: torch.device) -> int | None:
-        """The signal any rank received (all ranks stop after the same step)."""
+    def agreed(self, world: World, device: torch.device, due: bool = False) -> tuple[int | None, bool]:
+        """The signal any rank received, and whether any rank's checkpoint is due: all ranks stop, and save (a
+        sharded checkpoint needs every rank), after the same step."""
         if not world.distributed:
-            return self.received
-        flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)  # NCCL: CUDA tensors only
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return int(flag) or None
+            return self.received, due
+        flags = torch.tensor([self.received or 0, int(due)], dtype=torch.int64, device=device)  # NCCL: CUDA only
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        return int(flags[0]) or None, bool(flags[1])
 
 
 def check_out_dir(out: Path, resume: bool, force: bool) -> None:
@@ -86,10 +91,21 @@ def check_out_dir(out: Path, resume: bool, force: bool) -> None:
             raise UserError(f"--resume: {out} has no checkpoints/last.pt to resume from")
         return
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise UserError(
-            f"--out: {out} is not empty (it holds another run); pass --resume to continue it, "
-            "--force to overwrite its outputs, or choose another folder"
-        )
+        raise UserError(f"--out: {out} is not empty ({folder_holds(out)}); " + (
+            "pass --resume to continue it, --force to overwrite its outputs, or choose another folder"
+            if any((out / name).exists() for name in OUTPUTS) else
+            "choose another folder (--force would keep these files and write the run's outputs beside them)"
+        ))
+
+
+def folder_holds(out: Path) -> str:
+    """What a folder holds, in a few words: another run's outputs, or the names of what is there."""
+    runs = [name for name in OUTPUTS if (out / name).exists()]
+    if runs:
+        return f"it holds another run: {', '.join(runs)}"
+    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in out.iterdir())
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"it holds {shown}, not a run of reproduce"
 
 
 OUTPUTS = ("plan.yaml", "metrics.jsonl", "summary.json", "model.pt", "loss.png", "checkpoints/last.pt")
@@ -99,6 +115,8 @@ def remove_outputs(out: Path) -> None:
     """The files a run writes, removed before another run takes the folder over (--force); nothing else."""
     for name in OUTPUTS:
         (out / name).unlink(missing_ok=True)
+    for sharded in (out / "checkpoints").glob(f"{SHARDED_PREFIX}*"):
+        shutil.rmtree(sharded)
     if (out / "tensorboard").is_dir():
         shutil.rmtree(out / "tensorboard")
 
@@ -137,9 +155,36 @@ class MetricsLog:
             self.handle.close()
 
 
-def train(
+def train(plan: Plan, out: str | Path, **options) -> dict:
+    """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `out`.
+
+    Options: device ("auto"), max_steps, resume, force, seed, checkpoint_every, skip_nonfinite, dtype (float32),
+    reporter, data, workers (DataLoader processes; None: `data.loader.default_workers`, 0: fetched in this
+    process), noise_scale (True: measure the gradient noise scale, train/noise.py; it never changes the weights).
+    Under torchrun every rank trains its share of each window; rank 0 alone writes. A rank that
+    leaves with an error leaves the process group too, so the other ranks' collectives fail at once and they stop
+    with a message of their own instead of waiting for it.
+    """
+    world = distributed.world_from_env()
+    try:
+        return _train(plan, Path(out), **options)
+    except RuntimeError as error:
+        if world.distributed and distributed.peer_failed(error):
+            distributed.abandon(world)
+            raise TrainingStopped(
+                f"rank {world.rank}: a collective with the other ranks failed ({str(error).splitlines()[0]}): "
+                "another rank stopped, and its message says why"
+            ) from None
+        distributed.abandon(world)
+        raise
+    except BaseException:
+        distributed.abandon(world)
+        raise
+
+
+def _train(
     plan: Plan,
-    out: str | Path,
+    out: Path,
     *,
     device: str = "auto",
     max_steps: int | None = None,
@@ -151,36 +196,41 @@ def train(
     dtype: torch.dtype = torch.float32,
     reporter: Reporter | None = None,
     data: dict | None = None,
+    workers: int | None = None,
     noise_scale: bool = True,
 ) -> dict:
-    """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `out`.
-
-    Under torchrun every rank trains its share of each window; rank 0 alone writes. `noise_scale` measures the
-    gradient noise scale on the way (train/noise.py); it never changes the weights.
-    """
-    out = Path(out)
     reporter = reporter or SilentReporter()
     world = distributed.world_from_env()
     if world.size != plan.world_size:
         raise UserError(f"plan: world_size is {plan.world_size}, but this job has {world.size} process(es)")
+    check_sharding(plan.recipe, world.size)
     check_out_dir(out, resume, force)
     asked_seed, seed = seed, plan.recipe.seed if seed is None else seed
     target_device = distributed.init(world, resolve_device(device))
     distributed.barrier(world)  # every rank has looked at --out before rank 0 writes to it
     setup = build(plan, target_device, dtype, seed, data, world)
-    train_set = setup.data["train"]
+    # batch phases of other sequence lengths read the same data cut at their length (data/lengths.py)
+    train_set = training_set(plan.recipe, setup.data["train"], list(length_sizes(plan)))
     size = len(train_set)
-    if plan.dataset_size != size:
+    if plan.phases:
+        sizes = train_set.sizes() if hasattr(train_set, "sizes") else {plan.recipe.batch.sequence_length: size}
+        if sizes != length_sizes(plan):
+            raise UserError(f"plan: the phases' dataset sizes {length_sizes(plan)} do not match the training set's "
+                            f"{sizes} (samples by sequence length)")
+    elif plan.dataset_size != size:
         raise UserError(f"plan: dataset_size {plan.dataset_size} does not match the training set's {size} items")
-    if not plan.steps_per_epoch:
+    short = [p for p in plan.phases if p.steps_per_epoch == 0 and p.steps != 0]
+    if (not plan.steps_per_epoch and not plan.phases) or short:
+        batch, samples = (short[0].effective_batch, short[0].dataset_size) if short else (plan.effective_batch, size)
         raise UserError(
-            f"data: the epoch ({size} {plan.unit}) is shorter than one optimizer step ({plan.effective_batch}) "
+            f"data: the epoch ({samples} {plan.unit}) is shorter than one optimizer step ({batch}) "
             "with drop_last: no step would run; lower the batch or set data.drop_last: false"
         )
     total = plan.optimizer_steps if max_steps is None else min(max_steps, plan.optimizer_steps)
     checkpoint_path = out / "checkpoints" / "last.pt"
-    first_step, metrics_offset, micro_batch = 0, 0, plan.micro_batch
-    noise = NoiseScale(setup) if noise_scale else None
+    first_step, metrics_offset = 0, 0
+    lowered: dict = {}  # sequence length -> the micro-batch an out-of-memory error lowered it to
+    noise = NoiseScale(setup) if noise_scale and not setup.sharded else None
     if resume:
         state = load_checkpoint(setup, checkpoint_path)
         if noise is not None and state["extra"].get("noise_scale"):
@@ -192,8 +242,12 @@ def train(
         seed = saved_seed  # the data order and dropout streams of the run being continued
         if first_step >= total:
             raise UserError(f"--resume: {out} has already run {first_step} of {total} optimizer steps; nothing to do")
-        if state.get("micro_batch") and state["micro_batch"] < micro_batch and not world.distributed:
-            micro_batch = state["micro_batch"]  # the run had lowered it after running out of memory
+        # the run had lowered the micro-batch after running out of memory (by sequence length)
+        lowered = {int(k) if k != "None" else None: v for k, v in state["extra"].get("lowered", {}).items()}
+        saved_micro_batch = state.get("micro_batch")  # all a checkpoint written before batch phases says
+        if "lowered" not in state["extra"] and saved_micro_batch and not plan.phases and (
+                saved_micro_batch < plan.micro_batch and plan.per_rank_batch % saved_micro_batch == 0):
+            lowered = {plan.recipe.batch.sequence_length: saved_micro_batch}
     main = world.is_main
     if main:
         if force and not resume:  # another run's outputs go, so nothing of it is mistaken for this one's
@@ -205,12 +259,15 @@ def train(
     last_checkpoint = time.perf_counter()
     for note in setup.notes:
         reporter.message(f"note: {note}")
-    unmeasured = not_measured_reason(world.size, plan.per_rank_batch // micro_batch) if noise else None
+    accumulations = ([phase.accumulation_steps for phase in plan.phases] if plan.phases
+                     else [plan.per_rank_batch // micro_batch_at(plan, first_step, lowered)])
+    unmeasured = not_measured_reason(world.size, max(accumulations), setup.sharded) if noise_scale else None
     if unmeasured:
         reporter.message(f"note: noise scale not measured: {unmeasured}")
     reporter.start(plan, total, first_step)
     started = time.perf_counter()
     counters = {"samples": 0, "tokens": 0, "partial_windows": 0, "skipped_nonfinite": 0, "out_of_memory": 0}
+    waited = 0.0  # seconds the steps waited for data
     last_record: dict = {}
     eval_every = plan.recipe.evaluation.every_steps
     setup.model.train()
@@ -218,17 +275,49 @@ def train(
     # On a CPU, values below float32's normal range (late in training, in momentum and gradients) make every
     # operation on them ~100x slower; flushing them to zero cost a digits run 3.5 s instead of 72 s.
     flush_denormals = setup.device.type == "cpu" and torch.set_flush_denormal(True)
+    workers = default_workers(train_set) if workers is None else workers
+    # Training on the CPU from files read by loader workers: the compute threads get the cores the default workers
+    # leave. OpenMP threads that outnumber free cores spin against each other: the digits MLP's 5 ms step took
+    # 0.9 s beside one worker decoding PNGs on 2 cores. The count follows the data, not --workers, so runs with
+    # different worker counts (a resume with fewer) compute with the same threads and stay bitwise equal.
+    threads = torch.get_num_threads()
+    if setup.device.type == "cpu" and default_workers(train_set):
+        torch.set_num_threads(max(1, min(threads, cpu_share() - default_workers(train_set))))
+    watch = LoaderWatch(workers)
+
+    def windows(step: int) -> tuple[list[torch.Tensor], bool]:
+        """This rank's micro-batches of `step`, and whether the window is partial: the loop and the loader's
+        sampler both follow this one function (each step's micro-batch: its batch phase's, or as lowered after
+        running out of memory)."""
+        return window(plan, size, step, seed, setup.rank, micro_batch_at(plan, step, lowered))
+
+    def open_stream(step: int) -> MicroBatchStream:
+        return MicroBatchStream(train_set, lambda at: windows(at)[0], step, total, seed=seed,
+                                workers=workers, pin_memory=setup.device.type == "cuda")
+
+    stream = None
     try:
         stop.__enter__()
+        stream = open_stream(first_step)
         for step in range(first_step, total):
             tick = time.perf_counter()
             # Dropout and other random draws of step s come from (seed, s, rank) alone: a resumed run draws what
             # the uninterrupted one did, and ranks draw independently of each other.
             seed_step(setup.device, step_seed(seed, step, setup.rank))
             lr = setup.optimizer.param_groups[0]["lr"]
+            clock = DataClock()
+            batch = step_batch(plan, step)  # with batch phases: this step's N and sequence length
+            if batch.phase is not None and (step == first_step or plan.phases[batch.phase].start_step == step):
+                reporter.message(f"step {step + 1}: batch {batch.effective_batch} = micro {batch.micro_batch} x "
+                                 f"accumulation {batch.accumulation_steps} x world {plan.world_size}"
+                                 + (f", sequence length {batch.sequence_length}" if batch.sequence_length else ""))
+            micro_batch = micro_batch_at(plan, step, lowered)
+            if noise is not None and batch.phase is not None:  # each sequence length's own training set
+                noise.dataset_size = plan.phases[batch.phase].dataset_size or size
             while True:
-                indices, partial = window(plan, size, step, seed, setup.rank, micro_batch)
-                micro_batches = [LazyMicroBatch(train_set, i, setup.device, dtype) for i in indices]
+                indices, partial = windows(step)
+                take = functools.partial(stream.take, step)
+                micro_batches = [LazyMicroBatch(train_set, i, setup.device, dtype, take, clock) for i in indices]
                 try:
                     result = optimizer_step(setup, micro_batches, noise)
                     break
@@ -238,30 +327,37 @@ def train(
                         f"window's gradients were accumulated ({error}); lower --micro-batch-max or free memory, "
                         f"then --resume from {checkpoint_path}"
                     ) from None
-                except torch.OutOfMemoryError:
-                    # Free the window, halve the micro-batch, double N: the effective batch stays exact.
-                    del micro_batches
-                    setup.optimizer.zero_grad(set_to_none=True)
-                    gc.collect()
-                    if setup.device.type == "cuda":
-                        torch.cuda.empty_cache()
-                    smaller = None if world.distributed else smaller_micro_batch(plan.per_rank_batch, micro_batch)
-                    if smaller is None:
-                        raise TrainingStopped(
-                            f"out of memory at optimizer step {step + 1} with micro-batch {micro_batch}"
-                            + (" under several processes (ranks cannot change it alone)" if world.distributed
-                               else ": no smaller micro-batch keeps the effective batch exact")
-                            + f"; the last good checkpoint is {checkpoint_path}"
-                        ) from None
-                    counters["out_of_memory"] += 1
-                    event = {"event": "out_of_memory", "step": step + 1, "micro_batch": smaller,
-                             "accumulation_steps": plan.per_rank_batch // smaller, "was": micro_batch}
-                    metrics.write(event)
-                    reporter.message(
-                        f"out of memory at step {step + 1}: micro-batch {micro_batch} -> {smaller}, accumulation "
-                        f"{plan.per_rank_batch // micro_batch} -> {plan.per_rank_batch // smaller}; redoing the window"
+                except torch.OutOfMemoryError as error:
+                    agreed = not world.distributed or isinstance(error, AgreedOutOfMemory)
+                # Out of memory. The error is gone with its except block, and with it the failed window's frames
+                # (activations, inputs): free the rest, halve the micro-batch, double N; the effective batch stays
+                # exact. Under several processes only when every rank agreed (the vote in optimizer_step).
+                del micro_batches
+                stream.close()  # its prefetched micro-batches are of the old size
+                setup.optimizer.zero_grad(set_to_none=True)
+                gc.collect()
+                if setup.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                if not agreed:  # this rank alone: it stops, and leaves the process group (see train)
+                    raise TrainingStopped(out_of_memory_alone(setup, step, micro_batch, out))
+                per_rank_batch = batch.effective_batch // plan.world_size  # this step's (batch phases)
+                smaller = smaller_micro_batch(per_rank_batch, micro_batch)
+                if smaller is None:
+                    raise TrainingStopped(
+                        f"out of memory at optimizer step {step + 1} with micro-batch {micro_batch}: no smaller "
+                        f"micro-batch keeps the effective batch exact; the last good checkpoint is "
+                        f"{checkpoint_path}"
                     )
-                    micro_batch = smaller
+                counters["out_of_memory"] += 1
+                event = {"event": "out_of_memory", "step": step + 1, "micro_batch": smaller,
+                         "accumulation_steps": per_rank_batch // smaller, "was": micro_batch}
+                metrics.write(event)
+                reporter.message(
+                    f"out of memory at step {step + 1}: micro-batch {micro_batch} -> {smaller}, accumulation "
+                    f"{per_rank_batch // micro_batch} -> {per_rank_batch // smaller}; redoing the window"
+                )
+                micro_batch = lowered[batch.sequence_length] = smaller
+                stream = open_stream(step)
             if not result.finite:
                 if not skip_nonfinite and not setup.scaler:
                     raise TrainingStopped(
@@ -272,9 +368,10 @@ def train(
             counters["samples"] += result.samples
             counters["tokens"] += result.tokens
             counters["partial_windows"] += partial
+            waited += clock.seconds
             record = {
                 "step": step + 1,
-                "epoch": round((step + 1) / plan.steps_per_epoch, 6),
+                "epoch": round(step_epoch(plan, step), 6),
                 "lr": lr,
                 "loss": result.loss,
                 "grad_norm": result.grad_norm,
@@ -287,15 +384,23 @@ def train(
                 "partial": partial,
                 "skipped": not result.finite,
                 "seconds": round(time.perf_counter() - tick, 6),
+                "data_seconds": round(clock.seconds, 6),
                 "peak_memory_bytes": peak_memory(setup.device),
             }
+            slow_loader = watch.update(step + 1, clock.seconds, record["seconds"])
+            if slow_loader and main:
+                reporter.message(slow_loader)
             if result.grad_syncs is not None:
                 record["grad_syncs"] = result.grad_syncs
+            if batch.phase is not None:
+                record.update(phase=batch.phase + 1, effective_batch=batch.effective_batch,
+                              sequence_length=batch.sequence_length)
             if result.noise:
                 record.update(result.noise)
             done = step + 1 == total
-            if main and ((eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end)):
-                evaluation = evaluate(setup, micro_batch)
+            evaluating = (eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end)
+            if evaluating and (main or setup.sharded):  # a sharded model's forward needs every rank
+                evaluation = evaluate(setup, micro_batch, workers)
                 if evaluation:
                     record.update(evaluation)
             metrics.write(record)
@@ -303,9 +408,10 @@ def train(
             reporter.step(record)
             due = (step + 1) % checkpoint_every == 0 if checkpoint_every else (
                 time.perf_counter() - last_checkpoint >= CHECKPOINT_SECONDS)
-            received = stop.agreed(world, setup.device) if not done else None
-            if main and (due or done or received):
-                extra = {"seed": seed, "micro_batch": micro_batch}
+            received, due = stop.agreed(world, setup.device, due) if not done else (None, due)
+            if due or done or received:
+                extra = {"seed": seed, "micro_batch": micro_batch,
+                         "lowered": {str(length): value for length, value in lowered.items()}}
                 if noise is not None:
                     extra["noise_scale"] = noise.state_dict()
                 save_checkpoint(setup, checkpoint_path, step + 1, metrics.offset(), extra)
@@ -319,12 +425,15 @@ def train(
                     StopSignals.EXIT_CODES[received],
                 )
     finally:
+        if stream is not None:
+            stream.close()
         stop.__exit__()
         metrics.close()
         if noise is not None:
             noise.close()
         if flush_denormals:
             torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
 
     elapsed = time.perf_counter() - started
     summary = {
@@ -337,21 +446,43 @@ def train(
         "final": last_record,
         "seconds": round(elapsed, 3),
         "samples_per_second": round(counters["samples"] / elapsed, 2) if elapsed > 0 else None,
+        "workers": workers,
+        "data_seconds": round(waited, 3),
+        "data_share": round(waited / elapsed, 4) if elapsed > 0 else None,
         "window_policy": "drop_last" if plan.recipe.data.drop_last else "partial windows normalised by their items",
         **counters,
         "data": setup.data.get("info", {}),
         "notes": setup.notes,
     }
-    if main and noise is not None:  # from metrics.jsonl: the steps before a resume count too
-        summary["noise_scale"] = summarise(read_metrics(out / "metrics.jsonl"), total, plan.recipe.task, noise.ema,
-                                           unmeasured)
+    if main and noise_scale:  # from metrics.jsonl: the steps before a resume count too
+        summary["noise_scale"] = summarise(read_metrics(out / "metrics.jsonl"), total, plan.recipe.task,
+                                           reason=unmeasured)
+    model_state = full_model_state(setup)  # FSDP: gathered from every rank's shards
     if main:
-        torch.save(setup.core.state_dict(), out / "model.pt")
+        torch.save(model_state, out / "model.pt")
         write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
         summary["plot"] = plot_metrics(out / "metrics.jsonl", out / "loss.png")
     distributed.barrier(world)
     reporter.finish(summary)
     return summary
+
+
+def out_of_memory_alone(setup, step: int, micro_batch: int, out: Path) -> str:
+    """Why this rank stops alone, and how to continue with a smaller micro-batch."""
+    if setup.sharded:
+        why = "FSDP gathers parameters in every forward and backward, so the other ranks wait in those collectives"
+    elif setup.model.will_sync_module_buffers():
+        why = "DDP broadcasts the model's buffers (BatchNorm statistics) in every forward"
+    else:
+        why = "it was the window's last micro-batch, whose gradients DDP reduces over the ranks"
+    smaller = smaller_micro_batch(setup.plan.per_rank_batch, micro_batch)
+    how = (f"; continue with a smaller micro-batch, launched as before: reproduce run {out / 'plan.yaml'} --out {out} "
+           f"--resume --micro-batch-max {smaller}") if smaller else ""
+    return (
+        f"out of memory on rank {setup.world.rank} at optimizer step {step + 1} with micro-batch {micro_batch}; the "
+        f"ranks cannot agree on a smaller one there ({why}), so the run stops; the last good checkpoint is "
+        f"{out / 'checkpoints' / 'last.pt'}{how}"
+    )
 
 
 def peak_memory(device: torch.device) -> int | None:

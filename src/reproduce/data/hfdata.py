@@ -1,0 +1,223 @@
+"""`format: hf-datasets`: a dataset saved with `datasets`' `save_to_disk`, or local parquet / JSONL files, with
+the columns named in `data.columns`:
+
+- `{text: COLUMN}`: language modelling on each row's text (+ EOS), tokenised as in `data.text`;
+- `{instruction: C, output: C}` (and `input: C`): instruction tuning with the template, response-only loss;
+- `{image: C, label: C}`: image classification (PIL images, image bytes or paths; the imagefolder transforms);
+- `{input: C, label: C}`: classification of numeric feature vectors (lists or arrays of numbers).
+
+Nothing is fetched: save_to_disk folders are opened with `load_from_disk`, parquet files with pyarrow, JSONL
+with the json module (no `load_dataset`, which could reach the Hub and writes a cache).
+A saved `DatasetDict` gives its `train` split for training and, unless `data.eval_path` is given, its
+`validation` (or `test`) split for evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from ..errors import UserError
+from .text import check_record, instruction_texts, text_settings, tokenise
+
+EVAL_SPLITS = ("validation", "valid", "val", "test")
+
+
+def _datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise UserError("data.format: hf-datasets needs the datasets package (pip install 'reproduce[datasets]')"
+                        ) from None
+    return datasets
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    records = []
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            loaded = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+        rows = list(enumerate(loaded, start=1))
+        label = "record"
+    else:
+        rows, label = [], "line"
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append((number, json.loads(line)))
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"{path}: line {number}: not valid JSON ({exc.msg}); expected one JSON object "
+                                    "a line (JSONL)") from None
+    for number, row in rows:
+        if not isinstance(row, dict):
+            raise UserError(f"{path}: {label} {number}: expected a JSON object (one row, its columns as keys), got "
+                            f"{type(row).__name__}")
+        records.append(row)
+    return records
+
+
+def open_dataset(path: Path, field: str, split: str) -> Any:
+    """A `datasets.Dataset` from a save_to_disk folder, parquet file(s) or JSONL file(s); `split` picks one of a
+    saved DatasetDict ("train", or "eval": validation / test)."""
+    datasets = _datasets()
+    if not path.exists():
+        raise UserError(f"{field}: {path}: no such file or folder (expected a save_to_disk folder, parquet or JSONL)")
+    saved = path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file())
+    if saved:
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except Exception as exc:  # a damaged or foreign folder: whatever datasets raises is the input's problem
+            raise UserError(f"{field}: {path}: cannot open as a save_to_disk dataset: {type(exc).__name__}: {exc}"
+                            ) from None
+        if isinstance(loaded, datasets.DatasetDict):
+            names = ["train"] if split == "train" else [*EVAL_SPLITS, "train"]
+            found = next((name for name in names if name in loaded), None)
+            if found is None:
+                raise UserError(f"{field}: {path}: no {' or '.join(names)} split (splits: {', '.join(loaded)})")
+            return loaded[found]
+        return loaded
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    parquet = [f for f in files if f.suffix == ".parquet"]
+    jsonl = [f for f in files if f.suffix in (".jsonl", ".json")]
+    if parquet:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            table = pa.concat_tables([pq.read_table(f) for f in parquet])
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise UserError(f"{field}: {path}: cannot read as parquet: {exc}") from None
+        return datasets.Dataset(table)
+    if jsonl:
+        records = [row for f in jsonl for row in _read_jsonl(f)]
+        if not records:
+            raise UserError(f"{field}: {path}: no rows")
+        return datasets.Dataset.from_list(records)
+    raise UserError(f"{field}: {path}: expected a save_to_disk folder (dataset_dict.json or state.json), .parquet "
+                    "or .jsonl files")
+
+
+def _require(table: Any, column: str, path: Path) -> None:
+    if column not in table.column_names:
+        raise UserError(f"data.columns: {path}: no column {column!r} (columns: {', '.join(table.column_names)})")
+
+
+def _column(table: Any, column: str, path: Path) -> list:
+    _require(table, column, path)
+    return list(table[column])
+
+
+class ImageRows(Dataset):
+    """Rows of (image, label): images decoded and transformed when fetched (in the loader's workers)."""
+
+    def __init__(self, table: Any, image: str, labels: torch.Tensor, transform: Any, mode: str):
+        self.table, self.image, self.labels, self.transform, self.mode = table, image, labels, transform, mode
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        picture = self.table[index][self.image]
+        try:
+            picture = picture.convert(self.mode)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"row {index}: cannot read the image: {exc}") from None
+        return self.transform(picture), self.labels[index]
+
+
+def _labels(table: Any, column: str, path: Path, classes: int | None) -> tuple[torch.Tensor, int]:
+    values = _column(table, column, path)
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+        raise UserError(f"data.columns: {path}: column {column!r} must hold integer class labels")
+    labels = torch.tensor(values, dtype=torch.long)
+    feature = table.features.get(column)
+    count = classes or getattr(feature, "num_classes", None) or int(labels.max()) + 1
+    if int(labels.min()) < 0 or int(labels.max()) >= count:
+        raise UserError(f"data.columns: {path}: labels in {column!r} run from {int(labels.min())} to "
+                        f"{int(labels.max())}, outside 0..{count - 1} (data.classes {count})")
+    return labels, count
+
+
+def _split(recipe: Any, table: Any, path: Path, train: bool, tokenizer: Any = None, max_length: int | None = None,
+           classes: int | None = None) -> tuple[Any, dict]:
+    spec, columns = recipe.data, recipe.data.columns
+    if "text" in columns:
+        texts = _column(table, columns["text"], path)
+        if not all(isinstance(t, str) for t in texts):
+            raise UserError(f"data.columns: {path}: column {columns['text']!r} must hold text (strings)")
+        return tokenise(tokenizer, [""] * len(texts), texts, max_length)
+    if "instruction" in columns:
+        fields = {name: columns[name] for name in ("instruction", "input", "output") if name in columns}
+        values = [_column(table, column, path) for column in fields.values()]
+        records = [dict(zip(fields.values(), row, strict=True)) for row in zip(*values, strict=True)]
+        for number, record in enumerate(records, start=1):
+            check_record(record, path, f"row {number}", fields)
+        return tokenise(tokenizer, *instruction_texts(records, spec.template or "alpaca", fields), max_length)
+    labels, count = _labels(table, columns["label"], path, classes or spec.classes)
+    if "image" in columns:
+        from .images import transforms_for  # torchvision only for image data
+
+        datasets = _datasets()
+        image = columns["image"]
+        _require(table, image, path)
+        if not isinstance(table.features[image], datasets.Image):
+            table = table.cast_column(image, datasets.Image())  # bytes or paths: decoded when fetched
+        channels = spec.channels or 3
+        transform = transforms_for(spec.augment or "imagenet", spec.image_size, channels, train)
+        rows = ImageRows(table.select_columns([image]), image, labels, transform, "L" if channels == 1 else "RGB")
+        return rows, {"examples": len(rows), "classes": count}
+    values = _column(table, columns["input"], path)
+    try:
+        inputs = torch.tensor(np.asarray(values, dtype=np.float32))
+    except (ValueError, TypeError):
+        raise UserError(f"data.columns: {path}: column {columns['input']!r} must hold numbers or equal-length lists "
+                        "of numbers") from None
+    return TensorDataset(inputs, labels), {"examples": len(labels), "classes": count}
+
+
+def build_hf_datasets(recipe: Any) -> dict:
+    spec = recipe.data
+    train_path = Path(spec.path)
+    tables = {"train": open_dataset(train_path, "data.path", "train")}
+    eval_path = Path(spec.eval_path) if spec.eval_path is not None else None
+    if eval_path is not None:
+        tables["eval"] = open_dataset(eval_path, "data.eval_path", "eval")
+    elif (train_path / "dataset_dict.json").is_file():
+        saved = _datasets().load_from_disk(str(train_path))
+        found = next((name for name in EVAL_SPLITS if name in saved), None)
+        if found is not None:
+            tables["eval"], eval_path = saved[found], train_path / found
+    for split, table in tables.items():  # the data's own problems first, before loading a tokenizer
+        for column in spec.columns.values():
+            _require(table, column, train_path if split == "train" else eval_path)
+    tokenizer = max_length = None
+    if spec.text_columns:
+        tokenizer, max_length = text_settings(recipe)
+    data: dict = {}
+    stats: dict = {}
+    classes = None
+    for split, table in tables.items():
+        if len(table) == 0:
+            raise UserError(f"{'data.path' if split == 'train' else 'data.eval_path'}: "
+                            f"{train_path if split == 'train' else eval_path}: the dataset has no rows")
+        data[split], stats[split] = _split(recipe, table, train_path if split == "train" else eval_path,
+                                           split == "train", tokenizer, max_length, classes)
+        classes = stats[split].get("classes", classes)
+    info = {"name": spec.name or train_path.stem, "format": "hf-datasets", "path": str(train_path),
+            "eval_path": str(eval_path) if eval_path else None, "columns": dict(spec.columns),
+            **{f"{split}_{key}": value for split, s in stats.items() for key, value in s.items()
+               if key not in ("vocab_size", "classes")}}
+    if tokenizer is not None:
+        info["vocab_size"] = len(tokenizer)
+    if classes is not None:
+        info["classes"] = classes
+    data["info"] = info
+    return data

@@ -1,0 +1,228 @@
+"""Micro-batches from a `torch.utils.data.DataLoader`: worker processes, pinned memory, prefetching, still exact.
+
+The run's loop asks for micro-batches in a fixed order: for each optimizer step, the micro-batches that
+`train.windows.window` gives this rank. `WindowSampler` yields exactly those, one key per micro-batch, step
+after step, and the DataLoader (with `batch_size=None`) hands each key to `MicroBatches`, which fetches and
+collates that micro-batch in a worker. So the workers decode and prefetch ahead while the model trains, and
+the loop still receives each window's micro-batches in the order the exactness tests assume.
+
+Randomness in a dataset's items (augmentation: random crops, flips) is drawn from a generator seeded by
+(run seed, optimizer step, sample index) alone: the same whatever the number of workers, the micro-batch
+size or the world size, and the same after a resume, mid-epoch included.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+
+from ..errors import UserError
+from .batches import collate, fetch
+
+PREFETCH_PER_WORKER = 2  # micro-batches each worker keeps ready ahead of the loop (DataLoader's prefetch_factor)
+MAX_DEFAULT_WORKERS = 8
+EVAL_STEP = -1  # the step number of evaluation keys (their items are drawn with this in the seed)
+
+
+@dataclass(frozen=True)
+class MicroBatchKey:
+    """One micro-batch: the optimizer step it belongs to and its sample indices (a tuple: cheap to pickle)."""
+
+    step: int
+    indices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A user error raised in a worker, carried back whole (DataLoader would re-raise it with its traceback)."""
+
+    lines: tuple[str, ...]
+
+
+def sample_seed(seed: int, step: int, index: int) -> int:
+    return (seed * 1_000_003 + (step + 2) * 998_244_353 + index * 2_654_435_761) % (2**63 - 1)
+
+
+class MicroBatches(Dataset):
+    """The training set seen one micro-batch at a time: item `key` is the collated (inputs, targets) of its
+    indices. Tensor data is sliced directly; item by item otherwise, each item's random draws seeded."""
+
+    def __init__(self, dataset: Any, seed: int):
+        self.dataset, self.seed = dataset, seed
+        self.per_item = not (isinstance(dataset, TensorDataset) or hasattr(dataset, "batch"))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: MicroBatchKey) -> tuple[MicroBatchKey, Any]:
+        try:
+            if not self.per_item:
+                return key, fetch(self.dataset, torch.tensor(key.indices, dtype=torch.long))
+            return key, collate(self._items(key))
+        except UserError as error:
+            return key, Failure(tuple(error.lines))
+
+    def _items(self, key: MicroBatchKey) -> list:
+        """The items, each drawing its random numbers (torch, random, numpy) from (seed, step, index); the
+        process's own generators are restored afterwards, so fetching in the training process changes nothing."""
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                items = []
+                for index in key.indices:
+                    value = sample_seed(self.seed, key.step, index)
+                    torch.default_generator.manual_seed(value)
+                    random.seed(value)
+                    np.random.seed(value % 2**32)
+                    items.append(self.dataset[index])
+                return items
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
+def fetch_seeded(dataset: Any, indices: torch.Tensor, seed: int, step: int = 0) -> tuple[Any, Any]:
+    """The micro-batch of `indices` as the run's loader gives it at optimizer step `step`: the same random draws
+    (augmentation) for each sample, however the samples are grouped (verify's micro-batches and reference)."""
+    _, batch = MicroBatches(dataset, seed)[MicroBatchKey(step, tuple(indices.tolist()))]
+    if isinstance(batch, Failure):
+        raise UserError(*batch.lines)
+    return batch
+
+
+class WindowSampler(Sampler):
+    """The keys of this rank's micro-batches for the optimizer steps `first_step` .. `end_step - 1`, in order.
+
+    `windows(step)` is this rank's list of index tensors for `step` (`train.windows.window`), so whatever
+    decides the windows (the micro-batch after an out-of-memory error, batch phases) decides the keys too.
+    """
+
+    def __init__(self, windows: Callable[[int], list[torch.Tensor]], first_step: int, end_step: int):
+        self.windows, self.first_step, self.end_step = windows, first_step, end_step
+
+    def __iter__(self) -> Iterator[MicroBatchKey]:
+        for step in range(self.first_step, self.end_step):
+            for indices in self.windows(step):
+                yield MicroBatchKey(step, tuple(indices.tolist()))
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """Workers leave SIGINT / SIGTERM to the training process: sent to the whole process group (Ctrl-C, a job
+    scheduler), they must not kill the workers while the run finishes its step, checkpoints and stops them itself.
+    (Forked workers also inherit the run's own handlers; this holds for any start method and any order.)"""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def make_loader(dataset: Any, keys: Iterable[MicroBatchKey], seed: int, workers: int, pin_memory: bool) -> DataLoader:
+    return DataLoader(
+        MicroBatches(dataset, seed), batch_size=None, sampler=keys, num_workers=workers, collate_fn=_as_is,
+        pin_memory=pin_memory, prefetch_factor=PREFETCH_PER_WORKER if workers else None,
+        worker_init_fn=_ignore_stop_signals if workers else None,
+        # its own generator: creating an iterator then draws nothing from the global one (dropout's)
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+class MicroBatchStream:
+    """This rank's micro-batches from `first_step` on, fetched by `workers` processes (0: in this process).
+
+    `take(step, indices)` returns the next micro-batch, which must be the one the loop expects (the loop and
+    the sampler both follow `windows`); after an out-of-memory error the run closes the stream and opens
+    another from the step it redoes, with the smaller micro-batch.
+    """
+
+    def __init__(self, dataset: Any, windows: Callable[[int], list[torch.Tensor]], first_step: int, end_step: int,
+                 *, seed: int, workers: int, pin_memory: bool):
+        self.workers = workers
+        sampler = WindowSampler(windows, first_step, end_step)
+        self.iterator: Iterator | None = iter(make_loader(dataset, sampler, seed, workers, pin_memory))
+
+    def take(self, step: int, indices: torch.Tensor) -> tuple[Any, Any]:
+        if self.iterator is None:
+            raise RuntimeError("the micro-batch stream is closed")
+        key, batch = next(self.iterator)
+        if key.step != step or key.indices != tuple(indices.tolist()):
+            raise RuntimeError(f"the loader delivered step {key.step}'s micro-batch where step {step}'s was expected")
+        if isinstance(batch, Failure):
+            raise UserError(*batch.lines)
+        return batch
+
+    def close(self) -> None:
+        """Stop the workers (their prefetched micro-batches are dropped)."""
+        self.iterator = None  # the multiprocessing iterator shuts its workers down when it is released
+
+
+def eval_batches(dataset: Any, batch: int, *, workers: int, pin_memory: bool, seed: int = 0) -> Iterator:
+    """The evaluation set in order, `batch` items at a time, fetched by `workers` processes."""
+    size = len(dataset)
+    keys = [MicroBatchKey(EVAL_STEP, tuple(range(start, min(start + batch, size)))) for start in range(0, size, batch)]
+    for _, value in make_loader(dataset, keys, seed, workers, pin_memory):
+        if isinstance(value, Failure):
+            raise UserError(*value.lines)
+        yield value
+
+
+def held_in_memory(dataset: Any) -> bool:
+    """Data whose items are slices of memory: worker processes would only add copying."""
+    return isinstance(dataset, (TensorDataset, list, tuple)) or bool(getattr(dataset, "in_memory", False))
+
+
+def available_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cpu_share() -> int:
+    """The CPU cores this process has: its share of the machine's under torchrun."""
+    return max(1, available_cpus() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def default_workers(dataset: Any) -> int:
+    """Loader processes when --workers is not given: none for data held in memory; otherwise one per CPU core
+    this process has (its share under torchrun), less one for the training process itself, at most 8."""
+    if held_in_memory(dataset):
+        return 0
+    return max(0, min(MAX_DEFAULT_WORKERS, cpu_share() - 1))
+
+
+class LoaderWatch:
+    """Warns once when the steps wait for data more than `threshold` of their time.
+
+    This process's first step is left out (it starts the workers and fills their queues); the share is taken
+    over the steps since, once `minimum_steps` of them have run.
+    """
+
+    def __init__(self, workers: int, threshold: float = 0.10, minimum_steps: int = 3):
+        self.workers, self.threshold, self.minimum_steps = workers, threshold, minimum_steps
+        self.steps, self.waited, self.elapsed, self.warned, self.first = 0, 0.0, 0.0, False, None
+
+    def update(self, step: int, data_seconds: float, seconds: float) -> str | None:
+        if self.first is None:
+            self.first = step
+            return None
+        self.steps += 1
+        self.waited += data_seconds
+        self.elapsed += seconds
+        share = self.waited / self.elapsed if self.elapsed > 0 else 0.0
+        if self.warned or self.steps < self.minimum_steps or share <= self.threshold:
+            return None
+        self.warned = True
+        return (
+            f"warning: the loader is the bottleneck: steps {self.first + 1}-{step} waited for data {share:.0%} of "
+            f"their time ({self.waited:.2f} s of {self.elapsed:.2f} s; data_seconds in metrics.jsonl) with "
+            f"--workers {self.workers}; more workers, or faster storage or decoding, would keep the device busy"
+        )

@@ -1,0 +1,230 @@
+"""Real data in the on-disk formats, made on this machine from what it has (nothing is downloaded).
+
+    python -m reproduce.data.samples KIND DIR [--max-bytes N] [--image-size S] [--limit N]
+
+KIND:
+- `images`: scikit-learn's handwritten digits as PNG files in class folders, DIR/train/<digit>/<n>.png and
+  DIR/val/<digit>/<n>.png (the built-in `digits` split: 1,437 / 360), greyscale 8x8 (or --image-size S);
+- `tokenizer`: a byte-level BPE tokenizer trained here with `tokenizers` on the standard library's sources,
+  saved with `save_pretrained` so `AutoTokenizer.from_pretrained(DIR)` loads it;
+- `tokens`: the standard library's top-level sources tokenised with that tokenizer (DIR/tokenizer) to uint16,
+  nanoGPT's layout: DIR/train.bin and DIR/val.bin (every tenth file), an end-of-text token after each file;
+- `instructions`: Alpaca-format records built from the standard library's docstrings (instruction: explain
+  a function or class; input: its signature, empty for classes; output: the docstring's first paragraph),
+  DIR/train.jsonl and DIR/val.jsonl (every tenth record), with the tokenizer in DIR/tokenizer;
+- `hf-datasets`: the same records saved with `datasets`' save_to_disk (DIR/instructions, splits train and
+  validation) and the digits as parquet (DIR/digits-train.parquet, DIR/digits-val.parquet: `pixels`, 64
+  numbers; `image`, PNG bytes; `label`);
+- `all`: each of the above in DIR/<kind> (tokens and instructions use DIR/tokenizer).
+
+Tests, the benchmark and `make demo` build their data with these functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import io
+import json
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+from .builtin import stdlib_sources
+
+EOS = "<|endoftext|>"
+VOCAB_SIZE = 512
+MAX_BYTES = 400_000
+VALIDATION_EVERY = 10
+MIN_RESPONSE_CHARACTERS = 20
+
+
+def _digits_split() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The built-in digits' fixed split (data.builtin.digits): 8x8 images with values 0..16, and labels."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    train, val = train_test_split(list(range(len(bunch.target))), test_size=0.2, random_state=0, stratify=bunch.target)
+    return {split: (bunch.images[sorted(idx)], bunch.target[sorted(idx)]) for split, idx in (("train", train),
+                                                                                               ("val", val))}
+
+
+def _png(image: np.ndarray, size: int) -> bytes:
+    from PIL import Image
+
+    picture = Image.fromarray(np.round(image * 255 / 16).astype(np.uint8), mode="L")
+    if size != picture.width:
+        picture = picture.resize((size, size), Image.Resampling.BILINEAR)
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_images(folder: Path, image_size: int = 8) -> dict:
+    """The digits as PNG files in class folders: folder/train/<digit>/<n>.png, folder/val/<digit>/<n>.png."""
+    counts = {}
+    for split, (images, labels) in _digits_split().items():
+        for number, (image, label) in enumerate(zip(images, labels, strict=True)):
+            target = folder / split / str(label) / f"{number:04d}.png"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(_png(image, image_size))
+        counts[split] = len(labels)
+    return {"train": str(folder / "train"), "val": str(folder / "val"), "images": counts, "classes": 10}
+
+
+def _source_texts(max_bytes: int) -> list[str]:
+    return [path.read_text(encoding="utf-8", errors="replace") for path in stdlib_sources(max_bytes)]
+
+
+def train_tokenizer(folder: Path, vocab_size: int = VOCAB_SIZE, max_bytes: int = MAX_BYTES) -> dict:
+    """A byte-level BPE tokenizer trained on the standard library's sources, saved for AutoTokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(_source_texts(max_bytes), trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS)
+    folder.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(str(folder))
+    return {"tokenizer": str(folder), "vocab_size": len(wrapped)}
+
+
+def _tokenizer_for(folder: Path, tokenizer: Path | None, max_bytes: int) -> dict:
+    """A tokenizer already made (`tokenizer`), or one trained into folder/tokenizer."""
+    if tokenizer is not None:
+        return {"tokenizer": str(tokenizer)}
+    return train_tokenizer(folder / "tokenizer", max_bytes=max_bytes)
+
+
+def write_tokens(folder: Path, max_bytes: int = MAX_BYTES, tokenizer: Path | None = None) -> dict:
+    """The standard library's sources as uint16 token ids: folder/train.bin, folder/val.bin (nanoGPT's layout),
+    tokenised with `tokenizer` (default: one trained into folder/tokenizer)."""
+    from transformers import AutoTokenizer
+
+    made = _tokenizer_for(folder, tokenizer, max_bytes)
+    tokenizer = AutoTokenizer.from_pretrained(made["tokenizer"], local_files_only=True)
+    made["vocab_size"] = len(tokenizer)
+    splits: dict[str, list[int]] = {"train": [], "val": []}
+    for index, text in enumerate(_source_texts(max_bytes)):
+        split = "val" if index % VALIDATION_EVERY == VALIDATION_EVERY - 1 else "train"
+        splits[split] += tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+    folder.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for split, ids in splits.items():
+        np.asarray(ids, dtype=np.uint16).tofile(folder / f"{split}.bin")
+        counts[split] = len(ids)
+    return {"train": str(folder / "train.bin"), "val": str(folder / "val.bin"), "tokens": counts, **made}
+
+
+def _first_paragraph(docstring: str, limit: int = 400) -> str:
+    paragraph = inspect.cleandoc(docstring).split("\n\n")[0].strip()
+    return paragraph[:limit]
+
+
+def docstring_records(limit: int = 2000) -> list[dict]:
+    """Alpaca-format records from the documented top-level functions and classes of the standard library."""
+    records = []
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.glob("*.py")):
+        if path.stem.startswith("_"):  # private and test-only modules
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+                continue
+            docstring = ast.get_docstring(node)
+            if not docstring or len(_first_paragraph(docstring)) < MIN_RESPONSE_CHARACTERS:
+                continue
+            kind = "function" if isinstance(node, ast.FunctionDef) else "class"
+            signature = f"def {node.name}({ast.unparse(node.args)})" if kind == "function" else ""
+            records.append({
+                "instruction": f"Explain what the {kind} {node.name} in Python's {path.stem} module does.",
+                "input": signature,
+                "output": _first_paragraph(docstring),
+            })
+            if len(records) >= limit:
+                return records
+    return records
+
+
+def _split_records(records: list[dict]) -> dict[str, list[dict]]:
+    val = [r for i, r in enumerate(records) if i % VALIDATION_EVERY == VALIDATION_EVERY - 1]
+    train = [r for i, r in enumerate(records) if i % VALIDATION_EVERY != VALIDATION_EVERY - 1]
+    return {"train": train, "val": val}
+
+
+def write_instructions(folder: Path, limit: int = 2000, max_bytes: int = MAX_BYTES, tokenizer: Path | None = None
+                       ) -> dict:
+    """Docstring records as Alpaca JSONL (folder/train.jsonl, folder/val.jsonl), and a tokenizer trained into
+    folder/tokenizer unless `tokenizer` names one."""
+    made = _tokenizer_for(folder, tokenizer, max_bytes)
+    folder.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for split, rows in _split_records(docstring_records(limit)).items():
+        with open(folder / f"{split}.jsonl", "w", encoding="utf-8") as handle:
+            for row in rows:
+                handle.write(json.dumps(row) + "\n")
+        counts[split] = len(rows)
+    return {"train": str(folder / "train.jsonl"), "val": str(folder / "val.jsonl"), "records": counts, **made}
+
+
+def write_hf_datasets(folder: Path, limit: int = 2000) -> dict:
+    """A save_to_disk DatasetDict of the docstring records, and the digits as parquet files."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    splits = _split_records(docstring_records(limit))
+    saved = datasets.DatasetDict({"train": datasets.Dataset.from_list(splits["train"]),
+                                  "validation": datasets.Dataset.from_list(splits["val"])})
+    folder.mkdir(parents=True, exist_ok=True)
+    saved.save_to_disk(str(folder / "instructions"))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for split, (images, labels) in _digits_split().items():
+        table = pa.table({
+            "pixels": [list((image / 16.0).astype(np.float32).ravel()) for image in images],
+            "image": [{"bytes": _png(image, 8), "path": None} for image in images],
+            "label": [int(label) for label in labels],
+        })
+        pq.write_table(table, folder / f"digits-{split}.parquet")
+    return {"instructions": str(folder / "instructions"), "digits": str(folder / "digits-train.parquet"),
+            "records": {split: len(rows) for split, rows in splits.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m reproduce.data.samples", description=__doc__.split("\n\n")[0])
+    parser.add_argument("kind", choices=["images", "tokenizer", "tokens", "instructions", "hf-datasets", "all"])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--max-bytes", type=int, default=MAX_BYTES, help="standard-library source bytes to use")
+    parser.add_argument("--image-size", type=int, default=8, help="side of the digit images in pixels")
+    parser.add_argument("--limit", type=int, default=2000, help="most docstring records")
+    args = parser.parse_args(argv)
+    shared = args.folder / "tokenizer" if args.kind == "all" else None  # `all`: one tokenizer for both
+    makers = {
+        "images": lambda folder: write_images(folder, args.image_size),
+        "tokenizer": lambda folder: train_tokenizer(folder, max_bytes=args.max_bytes),
+        "tokens": lambda folder: write_tokens(folder, args.max_bytes, shared),
+        "instructions": lambda folder: write_instructions(folder, args.limit, args.max_bytes, shared),
+        "hf-datasets": lambda folder: write_hf_datasets(folder, args.limit),
+    }
+    kinds = list(makers) if args.kind == "all" else [args.kind]
+    for kind in kinds:
+        folder = args.folder / kind if args.kind == "all" else args.folder
+        print(f"{kind}: {json.dumps(makers[kind](folder))}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Text to train on: `format: instructions` (Alpaca's JSON / JSONL records), and the text of `hf-datasets`.
+
+Each example is tokenised once, when the run starts, with a tokenizer loaded from a local folder
+(`data.tokenizer`, through transformers; never the network), and truncated to `data.max_length` tokens.
+Instruction examples follow Alpaca's `train.py` exactly: the prompt is the template filled with the
+instruction (and input), the full text is prompt + output + the tokenizer's EOS token, the full text is
+tokenised and its first len(tokenised prompt) tokens carry the ignore index -100, so the loss, and the
+window's token count that normalises it, are over the response tokens only. Plain text (an hf-datasets
+`text` column) is the text + EOS, every token bearing loss.
+
+The items follow the data contract of the loop: inputs are tokens[:-1], targets the labels[1:] (the next
+token, -100 where no loss is taken). Each example's loss-bearing target count is kept from the start
+(`target_counts`), so a window's count is known before its first backward without fetching anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ..errors import UserError
+from .batches import IGNORE_INDEX
+
+# The prompt wording of Stanford Alpaca, PROMPT_DICT in tatsu-lab/stanford_alpaca's train.py at commit
+# 761dc5bfbdeeffa89b8bff5d038781a4055f796a (the commit papers/taori2023-alpaca-7b.yaml cites), word for word:
+# the first when the record's input is not empty, the second otherwise.
+ALPACA_PROMPT_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:"
+)
+RECORD_FIELDS = ("instruction", "input", "output")
+
+
+def alpaca_prompt(instruction: str, input: str = "") -> str:  # noqa: A002 (Alpaca's field name)
+    if input != "":
+        return ALPACA_PROMPT_INPUT.format(instruction=instruction, input=input)
+    return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
+
+
+TEMPLATES = {"alpaca": alpaca_prompt}
+
+
+class TokenisedTexts(Dataset):
+    """Examples tokenised once, held as one flat tensor of ids; the first `prompt_lengths[i]` tokens of example i
+    bear no loss."""
+
+    in_memory = True  # items are slices of memory: loader workers would only add copying
+
+    def __init__(self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]):
+        lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+        self.offsets = torch.zeros(len(sequences) + 1, dtype=torch.long)
+        self.offsets[1:] = torch.cumsum(lengths, 0)
+        flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int32, count=int(lengths.sum()))
+        self.ids = torch.from_numpy(flat)
+        self.prompt_lengths = torch.tensor(list(prompt_lengths), dtype=torch.long)
+        self.lengths = lengths
+        # targets are labels[1:]: the prompt's first max(p, 1) positions carry no loss
+        self.counts = (lengths - self.prompt_lengths.clamp(min=1)).clamp(min=0)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        tokens = self.ids[start:end].long()
+        labels = tokens.clone()
+        labels[: int(self.prompt_lengths[index])] = IGNORE_INDEX
+        return tokens[:-1], labels[1:]
+
+    def target_counts(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.counts[indices]
+
+    def longest_item(self) -> int:
+        """The index of the longest example: what the memory probe must fit."""
+        return int(torch.argmax(self.lengths))
+
+
+def load_tokenizer(name: str, field: str = "data.tokenizer") -> Any:
+    """A tokenizer from a local folder (or tokenizer.json file), or the local Hugging Face cache: never fetched."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = Path(name).expanduser()
+    looks_local = name.startswith(("/", ".", "~")) or path.exists()
+    if looks_local and not path.exists():
+        raise UserError(f"{field}: {name}: no such tokenizer folder (expected a folder with tokenizer.json, as "
+                        "save_pretrained writes it)")
+    try:
+        if path.is_file():
+            return PreTrainedTokenizerFast(tokenizer_file=str(path))
+        return AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        where = "folder" if path.is_dir() else "name (looked up in the local Hugging Face cache only)"
+        raise UserError(f"{field}: {name}: cannot load a tokenizer from this {where}: {type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")) from None
+
+
+def read_records(path: Path, field: str) -> list[dict]:
+    """Alpaca records from a JSON file (a list of objects, as alpaca_data.json) or JSONL (one object a line)."""
+    if not path.exists():
+        raise UserError(f"{field}: {path}: no such file (expected JSON or JSONL records with instruction, input, "
+                        "output)")
+    if path.is_dir():
+        raise UserError(f"{field}: {path}: is a folder; expected a JSON or JSONL file of records")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read: {exc}") from None
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+        where = [f"record {number}" for number in range(1, len(records) + 1)]
+    else:
+        records, where = [], []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}: line {number}: not valid JSON ({exc.msg}); expected one JSON object a "
+                                "line (JSONL)") from None
+            where.append(f"line {number}")
+    if not records:
+        raise UserError(f"{path}: no records (expected JSON or JSONL records with instruction, input, output)")
+    for record, place in zip(records, where, strict=True):
+        check_record(record, path, place)
+    return records
+
+
+def check_record(record: Any, path: Path | str, place: str, fields: dict[str, str] | None = None) -> None:
+    """An object with string `instruction` and `output` and an optional string `input` (or the columns named in
+    `fields`: our name -> the data's name)."""
+    fields = fields or {name: name for name in RECORD_FIELDS}
+    if not isinstance(record, dict):
+        raise UserError(f"{path}: {place}: expected a JSON object with instruction, input, output (got "
+                        f"{type(record).__name__})")
+    for name, column in fields.items():
+        value = record.get(column)
+        if value is None and name == "input":
+            continue
+        if value is None:
+            raise UserError(f"{path}: {place}: missing {column!r} (records need instruction and output; input is "
+                            "optional)")
+        if not isinstance(value, str):
+            raise UserError(f"{path}: {place}: {column!r} must be a string (got {type(value).__name__})")
+
+
+def tokenise(tokenizer: Any, prompts: list[str], responses: list[str], max_length: int) -> tuple[TokenisedTexts, dict]:
+    """Alpaca's preprocessing: tokenise prompt + response (+ EOS) truncated to max_length, and mask the first
+    len(tokenised prompt) tokens. Examples of fewer than two tokens (nothing to predict) are left out."""
+    eos = tokenizer.eos_token or ""
+    full = [prompt + response + eos for prompt, response in zip(prompts, responses, strict=True)]
+    ids = tokenizer(full, truncation=True, max_length=max_length)["input_ids"]
+    if any(prompts):
+        prompt_lengths = [len(p) for p in tokenizer(prompts, truncation=True, max_length=max_length)["input_ids"]]
+    else:
+        prompt_lengths = [0] * len(full)
+    kept = [i for i, sequence in enumerate(ids) if len(sequence) >= 2]
+    dataset = TokenisedTexts([ids[i] for i in kept], [prompt_lengths[i] for i in kept])
+    truncated = sum(
+        1 for i in kept if len(ids[i]) == max_length
+        and len(tokenizer(full[i], truncation=False)["input_ids"]) > max_length
+    ) if kept else 0
+    stats = {
+        "examples": len(kept), "skipped_too_short": len(full) - len(kept), "truncated": truncated,
+        "without_response_tokens": int((dataset.counts == 0).sum()), "eos_appended": bool(eos),
+        "max_length": max_length, "vocab_size": len(tokenizer), "target_tokens": int(dataset.counts.sum()),
+    }
+    return dataset, stats
+
+
+def instruction_texts(records: list[dict], template: str, fields: dict[str, str] | None = None
+                      ) -> tuple[list[str], list[str]]:
+    """(prompts, responses) of the records under `template`."""
+    fields = fields or {name: name for name in RECORD_FIELDS}
+    prompt = TEMPLATES[template]
+    prompts = [prompt(r[fields["instruction"]], r.get(fields.get("input", "input")) or "") for r in records]
+    return prompts, [r[fields["output"]] for r in records]
+
+
+def text_settings(recipe: Any) -> tuple[Any, int]:
+    """The tokenizer (data.tokenizer, default the model's own with model.hf) and the length to truncate to."""
+    spec = recipe.data
+    name = spec.tokenizer if spec.tokenizer is not None else recipe.model.hf
+    field = "data.tokenizer" if spec.tokenizer is not None else "model.hf (data.tokenizer's default)"
+    return load_tokenizer(name, field), spec.max_length or recipe.batch.sequence_length
+
+
+def build_instructions(recipe: Any) -> dict:
+    spec = recipe.data
+    template = spec.template or "alpaca"
+    paths = {"train": Path(spec.path)}
+    if spec.eval_path is not None:
+        paths["eval"] = Path(spec.eval_path)
+    records = {split: read_records(path, "data.path" if split == "train" else "data.eval_path")
+               for split, path in paths.items()}
+    tokenizer, max_length = text_settings(recipe)
+    data: dict = {}
+    stats: dict = {}
+    for split, rows in records.items():
+        data[split], stats[split] = tokenise(tokenizer, *instruction_texts(rows, template), max_length)
+    if len(data["train"]) == 0:
+        raise UserError(f"data.path: {paths['train']}: no example has two or more tokens to train on")
+    data["info"] = {
+        "name": spec.name or paths["train"].stem, "format": "instructions", "path": str(paths["train"]),
+        "eval_path": spec.eval_path, "template": template, "tokenizer": spec.tokenizer or recipe.model.hf,
+        "vocab_size": len(tokenizer), **{f"{split}_{key}": value for split, s in stats.items()
+                                         for key, value in s.items() if key not in ("vocab_size",)},
+    }
+    return data

@@ -1,0 +1,107 @@
+"""`format: tokens`: a flat binary file of token ids, as nanoGPT's `prepare.py` writes `train.bin` / `val.bin`.
+
+The file is memory-mapped (`numpy.memmap`), never read whole. Sample i is the span of `sequence_length`
+tokens starting at i x sequence_length as input, and the same span shifted by one token as its targets, so
+the samples tile the file without overlap: (tokens - 1) // sequence_length of them. Every target bears loss.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ..errors import UserError
+
+DEFAULT_DTYPE = "uint16"  # nanoGPT's choice for GPT-2's 50,257 ids
+
+
+class TokenFile(Dataset):
+    """Non-overlapping next-token samples cut from a memory-mapped token file."""
+
+    # Slices of the page cache, as nanoGPT reads them: a loader worker would only add copying (bench/README.md:
+    # the loader alone takes over 10x fewer samples/s through a worker), so the default is 0 workers.
+    in_memory = True
+
+    def __init__(self, path: Path, sequence_length: int, dtype: str = DEFAULT_DTYPE, field: str = "data.path"):
+        self.path, self.length, self.dtype = Path(path), sequence_length, np.dtype(dtype)
+        if not self.path.exists():
+            raise UserError(f"{field}: {self.path}: no such file (expected a binary file of {dtype} token ids)")
+        if not self.path.is_file():
+            raise UserError(f"{field}: {self.path}: is a folder; expected a binary file of {dtype} token ids "
+                            "(such as nanoGPT's train.bin)")
+        size = self.path.stat().st_size
+        if size % self.dtype.itemsize:
+            raise UserError(f"{field}: {self.path}: {size} bytes is not a whole number of {dtype} tokens "
+                            f"({self.dtype.itemsize} bytes each); is data.dtype right?")
+        self.tokens = size // self.dtype.itemsize
+        self.count = max(0, (self.tokens - 1) // sequence_length)
+        if self.count == 0:
+            raise UserError(f"{field}: {self.path}: {self.tokens} tokens, fewer than one sample of sequence_length "
+                            f"{sequence_length} + 1 (the next token of the last input)")
+        self._memmap: np.memmap | None = None
+
+    @property
+    def memmap(self) -> np.memmap:
+        """Opened on first use in each process (a worker maps the file itself; nothing is copied to it)."""
+        if self._memmap is None:
+            self._memmap = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.tokens,))
+        return self._memmap
+
+    def with_sequence_length(self, sequence_length: int) -> TokenFile:
+        """The same file cut into samples of another length (a batch phase with its own sequence length)."""
+        return TokenFile(self.path, sequence_length, self.dtype.name)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_memmap": None}
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = self.batch(torch.tensor([index]))
+        return inputs[0], targets[0]
+
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples of `indices`: one (len(indices), sequence_length + 1) read of the mapped spans."""
+        starts = np.asarray(indices, dtype=np.int64) * self.length
+        if len(starts) and (starts.min() < 0 or starts.max() >= self.count * self.length):
+            raise IndexError(f"sample index out of range for {self.count} samples")
+        spans = self.memmap[starts[:, None] + np.arange(self.length + 1)[None, :]]
+        chunks = torch.from_numpy(spans.astype(np.int64))
+        return chunks[:, :-1], chunks[:, 1:]
+
+    def target_counts(self, indices: torch.Tensor) -> torch.Tensor:
+        """Every target of a sample bears loss: sequence_length each (known without reading the file)."""
+        return torch.full((len(indices),), self.length, dtype=torch.long)
+
+
+def resolve_token_paths(path: str, eval_path: str | None) -> tuple[Path, Path | None]:
+    """A file, or a nanoGPT data folder holding train.bin (and val.bin, the evaluation data unless given)."""
+    train = Path(path)
+    if train.is_dir():
+        if not (train / "train.bin").is_file():
+            raise UserError(f"data.path: {train}: a folder without train.bin; expected a token file or a nanoGPT data "
+                            "folder (train.bin, val.bin)")
+        if eval_path is None and (train / "val.bin").is_file():
+            eval_path = str(train / "val.bin")
+        train = train / "train.bin"
+    return train, Path(eval_path) if eval_path is not None else None
+
+
+def build_tokens(recipe: Any) -> dict:
+    spec, length = recipe.data, recipe.batch.sequence_length
+    dtype = spec.dtype or DEFAULT_DTYPE
+    train_path, eval_path = resolve_token_paths(spec.path, spec.eval_path)
+    data: dict = {"train": TokenFile(train_path, length, dtype)}
+    if eval_path is not None:
+        data["eval"] = TokenFile(eval_path, length, dtype, field="data.eval_path")
+    data["info"] = {
+        "name": spec.name or train_path.parent.name or "tokens", "format": "tokens", "path": str(train_path),
+        "eval_path": str(eval_path) if eval_path else None, "dtype": dtype, "tokens": data["train"].tokens,
+        "sequences": len(data["train"]),
+    }
+    return data
