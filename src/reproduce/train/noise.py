@@ -71,18 +71,13 @@ def estimates(small_sq: float, big_sq: float, b_small: float, b_big: float,
     return grad_sq, trace
 
 
-def grad_sq_norm(grad: torch.Tensor) -> torch.Tensor:
-    """|g|^2 of one parameter's gradient from one micro-batch, a 0-d tensor on its device: one reduction, no copy.
-
-    The one place the noise scale takes a norm, for a sharded path to extend: a gradient that holds one rank's
-    slice of a parameter gives a partial sum, to be summed over the ranks (FSDP: `NoiseScale.parameters_to_watch`).
-    A dot product of the flat gradient with itself where it is a view (2-3x faster than `vector_norm` on a CPU);
-    `vector_norm` for half precision (float32 accumulation) and for strided gradients (flattening would copy).
-    """
-    if grad.is_contiguous() and grad.dtype in (torch.float32, torch.float64):
-        flat = grad.view(-1)
-        return torch.dot(flat, flat)
-    return torch.linalg.vector_norm(grad).float().square()
+def grad_norm(grad: torch.Tensor) -> torch.Tensor:
+    """|g| of one parameter's gradient from one micro-batch, a 0-d tensor on its device: one reduction, no copy
+    (half precision accumulates in float32). The one place the noise scale takes a norm, for a sharded path to
+    extend: a gradient that holds one rank's slice of a parameter gives a partial norm, whose squares are to be
+    summed over the ranks (FSDP: `NoiseScale.parameters_to_watch`). Of the reductions tried inside a backward on
+    a CPU (a dot product with itself, sum of squares, `Tensor.norm`), the cheapest."""
+    return torch.linalg.vector_norm(grad)
 
 
 @dataclass
@@ -93,7 +88,7 @@ class Window:
     counts: list[int]
     b_big: int
     population: float | None  # the training set's items, for the finite-population correction
-    parameters: list[torch.Tensor] = field(default_factory=list)  # |h|^2 per parameter, of the running backward
+    parameters: list[torch.Tensor] = field(default_factory=list)  # |h| per parameter, of the running backward
     groups: list[torch.Tensor] = field(default_factory=list)  # |h_k|^2 of each group k of micro-batches with items
     weights: list[float] = field(default_factory=list)  # B_big / b_k: |g_k|^2 = |h_k|^2 (B_big / b_k)^2
 
@@ -156,7 +151,7 @@ class NoiseScale:
         recording a graph."""
         sink = self.sink
         if sink is not None:
-            sink(grad_sq_norm(grad))
+            sink(grad_norm(grad))
 
     def after_backward(self, index: int) -> None:
         """After micro-batch `index`'s backward: its squared norm joins the window's small-batch sum."""
@@ -167,7 +162,7 @@ class NoiseScale:
             return
         if index == self.prefix - 1:
             grads = [p.grad for p in self.watched if p.grad is not None]
-            norms = [torch.nn.utils.get_total_norm(grads).double().square()] if grads else []
+            norms = [torch.nn.utils.get_total_norm(grads)] if grads else []
             items = sum(window.counts[: self.prefix])
             self.sink = window.parameters.append  # the hooks take the next micro-batches
         else:
@@ -175,7 +170,7 @@ class NoiseScale:
             window.parameters.clear()  # in place: the hooks append to this list
             items = window.counts[index] if index < len(window.counts) else 0
         if items and norms:  # without loss-bearing items (or hooks that saw no gradient) there is nothing to weigh
-            window.groups.append(torch.stack(norms).sum())
+            window.groups.append(torch.stack(norms).double().square().sum())
             window.weights.append(window.b_big / items)
 
     def end_window(self, big_norm: float, finite: bool, scale: float = 1.0) -> dict:
