@@ -10,10 +10,10 @@ the squared norms of a small and a big batch gradient give unbiased estimates of
 
 Accumulation computes both anyway, with no extra pass and no copy of any gradient. B_big is the window, the
 effective batch: |G_big| is the norm the step takes (unscaled, before clipping). The small batches are groups of
-the window's micro-batches on each rank. The first half of a rank's micro-batches is one group: right after their
-backward passes `.grad` holds their summed gradient (it starts empty), so one fused norm measures it. Each of the
-last half is a group of its own: a hook on every parameter sees the gradient of the running backward before it is
-added into `.grad`, and takes its squared norm (one reduction, no copy). Under DDP the hooks run before the
+the window's micro-batches on each rank. The first half of a rank's micro-batches (rounded up) is one group: right
+after their backward passes `.grad` holds their summed gradient (it starts empty), so one fused norm measures it.
+Each of the last half is a group of its own: a hook on every parameter sees the gradient of the running backward
+before it is added into `.grad`, and takes its norm (one reduction, no copy). Under DDP the hooks run before the
 synchronisation too (DDP reduces a gradient after it is accumulated), and the first half never synchronises
 (`no_sync`), so every group is one rank's local gradient; a sum over ranks joins them. |G_small|^2 is the average
 of the K groups' squared norms weighted by their items, with B_small = B_big / K (then E|G_small|^2 = |G|^2 +
@@ -22,7 +22,8 @@ averaged), with groups of micro-batches as the devices. Averaging K groups that 
 taking one small batch, cancels the term 2 G.(noise) that |G_small|^2 and |G_big|^2 share: the tr(Sigma) estimate
 becomes the items-weighted variance of the groups' gradients, never negative and many times steadier (one small
 batch: 325% spread per window on the language model of tests/test_noise_scale.py; 5 groups: 30%). With one
-process and one micro-batch per step there is no smaller batch: no estimate (the run says so once).
+process and one micro-batch per step there is no smaller batch, and under FSDP the hooks see no gradient: no
+estimate (the run says so once, at its start).
 
 The formulas assume batches drawn with replacement (or from endless data). A run draws each window without
 replacement from a training set of n items, which shrinks a batch's variance by (1 - B/n): E|G_B|^2 = |G|^2 +
@@ -45,15 +46,16 @@ from typing import Any
 import torch
 
 # The EMA factor: each window's estimates weigh 1 - EMA_FACTOR. 0.95 averages the equivalent of (1 + b) / (1 - b)
-# = 39 windows, enough to bring the per-window spread measured on the built-in recipes (bench/noise_scale.py) to a
-# few percent, while the mean age of what it averages, b / (1 - b) = 19 optimizer steps, stays short next to how
-# the noise scale drifts in training (it grows as the loss falls, over hundreds of steps).
+# = 39 windows, which brings the per-window spread measured on the built-in GPT (bench/noise_scale.py: 55% for
+# |G|^2, 15% for tr(Sigma) late in its run) under 10%, while the mean age of what it averages, b / (1 - b) = 19
+# optimizer steps, stays short next to how the noise scale drifts in training (it grows as the loss falls: ~570 to
+# ~9,100 tokens between the GPT's steps 60 and 300).
 EMA_FACTOR = 0.95
 
 # The share of a window's micro-batches (its last ones, at least one) whose norms the parameter hooks take one by
 # one; the micro-batches before them form one more group, measured from `.grad` after their backward passes with
-# one fused norm. A hooked micro-batch costs a reduction per parameter tensor inside its backward, about 1.5-2% of
-# that backward for the built-in GPT on a CPU (bench/noise_scale.py), so half of them keeps a step under 1%. The
+# one fused norm. A hooked micro-batch costs a reduction per parameter tensor inside its backward, 1-2% of its
+# forward and backward for the built-in GPT on a CPU (bench/noise_scale.py), so hooking half keeps a step near 1%. The
 # N/2 + 1 groups cancel the 2 G.noise term all the same; fewer groups leave the tr(Sigma) estimate noisier: on
 # the digits MLP with N = 8, its spread per window is 15% with every micro-batch on its own, 19% with 5 groups
 # (this share), 29% with 3 and 41% with 2, against 44% for the first micro-batch alone.
@@ -116,11 +118,12 @@ class NoiseScale:
     def parameters_to_watch(self) -> list[torch.Tensor]:
         """The tensors whose per-micro-batch gradients make up the model's gradient: its trainable parameters.
 
-        Under FSDP2 the sharded parameters are not in the autograd graph (the unsharded ones are, and their
-        gradients are reduce-scattered into the shards' `.grad`), so hooks here would see nothing, and a window
-        whose hooks saw nothing gives no estimate. A sharded path would watch the unsharded parameters instead
-        (before the reduce-scatter: each rank's local micro-batch, as under DDP) and sum the squared norms of
-        its slices over the ranks where `after_backward` joins a micro-batch's norms.
+        Under FSDP2 the sharded parameters are not in the autograd graph (the unsharded ones all-gathered for
+        each forward are, and their gradients are reduce-scattered into the shards' `.grad`): hooks on them are
+        never called (checked with two gloo processes), so `reproduce run` does not measure under FSDP. A sharded
+        path would watch the unsharded parameters instead (before the reduce-scatter: each rank's local
+        micro-batch, as under DDP); the first half's group, read from `.grad`, would then be each rank's slice of
+        a reduced gradient, so it too would need the unsharded accumulation FSDP keeps with its gradient sync off.
         """
         return [p for p in self.setup.core.parameters() if p.requires_grad]
 
