@@ -29,13 +29,25 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q
 
-# The main job on built-in real data: plan, then train both runnable recipes (about two minutes on 2 CPU cores).
+# The whole chain on a CPU in a few minutes, nothing downloaded: (1) probe the micro-batch of the built-in GPT
+# under a small declared memory, as if on a small GPU; (2) plan from it and run that plan; (3) a published paper
+# planned for a common GPU with the estimate meter; (4) verify the plan of (2); (5) a run on an on-disk format.
 demo: $(STAMP)
-	$(BIN)/reproduce plan papers/digits-mlp.yaml --micro-batch-max 32
-	$(BIN)/reproduce run papers/digits-mlp.yaml --micro-batch-max 32 --out $(RUN_DIR)/digits-mlp --force
-	$(BIN)/reproduce plan papers/pysource-gpt.yaml --micro-batch-max 16
-	$(BIN)/reproduce run papers/pysource-gpt.yaml --micro-batch-max 16 --out $(RUN_DIR)/pysource-gpt --force
-	@echo "Results: $(RUN_DIR)/digits-mlp and $(RUN_DIR)/pysource-gpt (summary.json, metrics.jsonl, model.pt)"
+	@start=$$(date +%s); set -e; \
+	echo; echo "== 1. probe: the largest micro-batch of the built-in GPT whose training step fits 32 MiB (cpu meter)"; \
+	$(BIN)/reproduce probe papers/pysource-gpt.yaml --meter cpu --memory 32MiB --no-cache; \
+	echo; echo "== 2. plan from the probe (exact: m x N = the recipe's 64 sequences), then the run that uses it"; \
+	$(BIN)/reproduce plan papers/pysource-gpt.yaml --meter cpu --memory 32MiB --out $(RUN_DIR)/pysource-gpt.plan.yaml; \
+	$(BIN)/reproduce run $(RUN_DIR)/pysource-gpt.plan.yaml --out $(RUN_DIR)/pysource-gpt --force; \
+	echo; echo "== 3. a paper planned for a GPU you may not have: Goyal et al.'s ResNet-50 on an RTX 4090 (estimate meter)"; \
+	$(BIN)/reproduce plan papers/goyal2017-resnet50.yaml --gpu rtx4090; \
+	echo; echo "== 4. verify: the plan's accumulated gradient against the one-pass gradient of the same 64 sequences"; \
+	$(BIN)/reproduce verify $(RUN_DIR)/pysource-gpt.plan.yaml; \
+	echo; echo "== 5. data on disk: the digits written as PNG class folders, read by DataLoader workers"; \
+	$(BIN)/python -m reproduce.data.samples images $(RUN_DIR)/data/digits-png; \
+	$(BIN)/reproduce run papers/digits-imagefolder.yaml --micro-batch-max 32 --out $(RUN_DIR)/digits-imagefolder --force \
+	  --data $(RUN_DIR)/data/digits-png/train --eval-data $(RUN_DIR)/data/digits-png/val; \
+	echo; echo "demo done in $$(( $$(date +%s) - start )) s; outputs in $(RUN_DIR)/"
 
 # The reproduction checks in reproduce/ (plans, gradient equivalence, trained metrics, Goyal et al. in miniature).
 check: $(STAMP)

@@ -243,6 +243,26 @@ def test_run_probes_the_micro_batch_when_not_given(tmp_path, capsys, monkeypatch
     assert micro < 256 and micro * records[0]["accumulation_steps"] == 256  # probed, and the batch still exact
 
 
+def test_a_plan_made_without_the_data_runs(tmp_path):
+    """`reproduce plan RECIPE --out plan.yaml` does not read the data; `reproduce run plan.yaml` fills in its size."""
+    import yaml
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(digits_recipe(SGD, steps=3)))  # no data.train_size
+    plan_file = tmp_path / "plan.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", str(recipe), "--micro-batch-max", "16", "--out", str(plan_file)])
+    assert exit_info.value.code == 0
+    assert yaml.safe_load(plan_file.read_text())["dataset_size"] is None
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(plan_file), "--out", str(tmp_path / "out"), "--device", "cpu"])
+    assert exit_info.value.code == 0
+    records = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert len(records) == 3 and records[0]["micro_batch"] * records[0]["accumulation_steps"] == 64
+    ran = yaml.safe_load((tmp_path / "out" / "plan.yaml").read_text())
+    assert ran["dataset_size"] == 1437 and ran["steps_per_epoch"] == 1437 // 64
+
+
 def test_resume_keeps_the_runs_seed_and_refuses_a_finished_run(tmp_path):
     recipe = digits_recipe(SGD, steps=6, data={"shuffle": True})
     parsed = parse_recipe(recipe)

@@ -160,6 +160,10 @@ def _ramp(recipe: Recipe, target: Any, cap: int, world_size: int, dataset_size: 
         warnings.append(f"batch.ramp: not followed: one micro-batch of {target.micro_batch} on each of {world_size} "
                         f"process(es) is already the whole batch of {target.effective_batch}")
         return [last]
+    if start >= target.effective_batch:  # this plan's batch fell to the ramp's start or below (not exact)
+        warnings.append(f"batch.ramp: not followed: it starts at {start} {batch.count_unit}, not below this plan's "
+                        f"batch of {target.effective_batch}")
+        return [last]
     if start < grain:
         warnings.append(f"batch.ramp.start: {start} {batch.count_unit} is less than one micro-batch of "
                         f"{target.micro_batch} on each of {world_size} process(es): the ramp starts at {grain}")

@@ -165,7 +165,8 @@ def _launch(command: list[str]) -> int:
 
 def _replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: int | dict, source: Path) -> Plan:
     """The same effective batch and schedule on another number of processes, or with a smaller micro-batch (a
-    resumed run that ran out of memory; None: keep the plan's): N is re-derived. With batch phases each sequence
+    resumed run that ran out of memory; None: keep the plan's), or with the dataset's size when the plan was made
+    without it: N and the steps per epoch are re-derived. With batch phases each sequence
     length keeps its own micro-batch, lowered to `micro_batch` where that is smaller."""
     from ..planner import plan as make
 
@@ -179,7 +180,10 @@ def _replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size:
     def steps(p: Plan) -> list:
         return [(phase.start_step, phase.steps, phase.effective_batch) for phase in p.phases]
 
-    if any(getattr(again, field) != getattr(saved, field) for field in same) or steps(again) != steps(saved):
+    # what the saved plan could not know (made without the data: `reproduce plan --out`) comes from the data now
+    changed = [field for field in same if getattr(saved, field) is not None and getattr(again, field) != getattr(
+        saved, field)]
+    if changed or steps(again) != steps(saved):
         raise UserError(
             f"{source}: world_size: the plan ({saved.arithmetic}, {saved.optimizer_steps} steps) cannot be kept "
             f"on {world_size} processes with micro-batch {cap}; plan again for {world_size}"
@@ -327,7 +331,7 @@ def run_command(
                          data=data, quiet=not world.is_main)
     else:
         smaller = resume and micro_batch_max is not None and micro_batch_max < plan.micro_batch
-        if plan.world_size != world_size or smaller:
+        if plan.world_size != world_size or smaller or plan.dataset_size is None:
             plan = _replan(plan, world_size, micro_batch_max if smaller else None, size, source)
     warnings = list(plan.warnings)
     main_size = size.get(recipe.batch.sequence_length) if isinstance(size, dict) else size
