@@ -727,6 +727,8 @@ def lookup(summary: dict, metric: str) -> float:
             raise UserError(f"metric {metric!r}: not in the run's results (final record has: {', '.join(known)}; "
                             "or give a dotted path into summary.json such as data.unigram_loss)")
         node = node[part]
+    if isinstance(node, dict) and "reason" in node:  # a summary entry that says why it has no value (noise_scale)
+        raise UserError(f"metric {metric!r}: not measured in this run: {node['reason']}")
     if not isinstance(node, (int, float)) or isinstance(node, bool):
         raise UserError(f"metric {metric!r}: is not a number (got {node!r})")
     return float(node)

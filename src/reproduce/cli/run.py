@@ -122,6 +122,7 @@ SEED_HELP = "Seed for initialisation, data order and dropout (default: the recip
 SKIP_HELP = "Skip optimizer steps whose loss or gradient is not finite, instead of stopping."
 CHECKPOINT_HELP = "Checkpoint every K optimizer steps (default: every 5 minutes, and at the end)."
 NPROC_HELP = "Processes (GPUs) on this machine: launches itself through torchrun (torch.distributed.run)."
+NO_NOISE_HELP = "Do not measure the gradient noise scale (metrics.jsonl noise_scale; it never changes the weights)."
 DATA_HELP = "The training data (a folder or file in the recipe's data.format), instead of the recipe's data.path."
 EVAL_DATA_HELP = "The evaluation data, instead of the recipe's data.eval_path."
 WORKERS_HELP = ("DataLoader worker processes per training process (0: fetch in the training process; default: "
@@ -275,6 +276,7 @@ def run_command(
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
     eval_data_path: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
     workers: int | None = typer.Option(None, "--workers", min=0, help=WORKERS_HELP),
+    no_noise_scale: bool = typer.Option(False, "--no-noise-scale", help=NO_NOISE_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
@@ -298,7 +300,7 @@ def run_command(
              "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
              "--data": data_path, "--eval-data": eval_data_path, "--workers": workers},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
-             "--tensorboard": tensorboard},
+             "--tensorboard": tensorboard, "--no-noise-scale": no_noise_scale},
         )
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
         print("launching: " + " ".join(command), flush=True)
@@ -337,7 +339,8 @@ def run_command(
         warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {main_size}: using {main_size}")
     if not world.is_main:  # the other ranks train quietly; rank 0 reports
         train(plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
-              checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data, workers=workers)
+              checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data, workers=workers,
+              noise_scale=not no_noise_scale)
         return
     reporter = RichReporter(warnings) if is_terminal() else PlainReporter(warnings)
     if tensorboard:  # metrics.jsonl stays the source of truth; TensorBoard gets the same scalars
@@ -347,7 +350,7 @@ def run_command(
     summary = train(
         plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
         checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, reporter=reporter, data=data,
-        workers=workers,
+        workers=workers, noise_scale=not no_noise_scale,
     )
     final = summary["final"]
     line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s, final loss {final['loss']:.4f}"
@@ -359,6 +362,9 @@ def run_command(
         workers = f"{summary['workers']} worker{'' if summary['workers'] == 1 else 's'}"
         line += f"; waited for data {summary['data_share']:.0%} of the time ({workers})"
     stdout.print(line)
+    noise = summary.get("noise_scale")
+    if noise and not noise.get("noted"):  # a run that cannot measure it said so at its start
+        stdout.print(f"noise scale: {noise['sentence']}", markup=False, soft_wrap=True)
     stdout.print(f"outputs in {out}: plan.yaml, metrics.jsonl, model.pt, summary.json, checkpoints/last.pt")
     if summary.get("plot"):
         stdout.print(summary["plot"], markup=False)

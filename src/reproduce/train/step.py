@@ -19,6 +19,7 @@ from ..data.batches import LazyMicroBatch, to_device
 from ..data.loader import default_workers, eval_batches
 from . import distributed
 from .losses import SampleLoss, TokenLoss
+from .noise import NoiseScale
 from .setup import Setup
 
 
@@ -30,18 +31,18 @@ def _load(micro_batch: Any) -> tuple[Any, Any]:
     return micro_batch.load() if isinstance(micro_batch, LazyMicroBatch) else micro_batch
 
 
-def _count_without_fetching(loss_fn: Any, micro_batches: list) -> tuple[int, int] | None:
-    """(loss-bearing items, samples) of a lazy window known without fetching it: every sample bears loss
-    (classification), or the dataset counts each sample's target tokens from an index built once."""
+def _count_without_fetching(loss_fn: Any, micro_batches: list) -> tuple[list[int], int] | None:
+    """(loss-bearing items of each micro-batch, samples) of a lazy window known without fetching it: every sample
+    bears loss (classification), or the dataset counts each sample's target tokens from an index built once."""
     if not all(isinstance(m, LazyMicroBatch) for m in micro_batches):
         return None
     samples = sum(len(m.indices) for m in micro_batches)
     if isinstance(loss_fn, SampleLoss):
-        return samples, samples
+        return [len(m.indices) for m in micro_batches], samples
     if isinstance(loss_fn, TokenLoss):
         counts = [m.token_count() for m in micro_batches]
         if None not in counts:
-            return sum(counts), samples
+            return counts, samples
     return None
 
 
@@ -54,6 +55,7 @@ class StepResult:
     tokens: int
     finite: bool
     grad_syncs: int | None = None
+    noise: dict | None = None  # the noise scale's fields for the metrics record (train/noise.py)
 
 
 def global_counts(setup: Setup, count: int, samples: int) -> tuple[int, int]:
@@ -65,17 +67,22 @@ def global_counts(setup: Setup, count: int, samples: int) -> tuple[int, int]:
     return int(totals[0]), int(totals[1])
 
 
-def optimizer_step(setup: Setup, micro_batches: list) -> StepResult:
-    """One optimizer step over a window of micro-batches: (inputs, targets) on the device, or LazyMicroBatch."""
+def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None = None) -> StepResult:
+    """One optimizer step over a window of micro-batches: (inputs, targets) on the device, or LazyMicroBatch.
+
+    `noise`, when given, measures the gradient noise scale on the way; it only reads the gradients.
+    """
     model, loss_fn = setup.model, setup.loss
     counted = _count_without_fetching(loss_fn, micro_batches)
     if counted is not None:
-        local, samples = counted
+        counts, samples = counted
     else:
         targets = [_targets(micro_batch) for micro_batch in micro_batches]
-        local, samples = sum(loss_fn.count(t) for t in targets), sum(len(t) for t in targets)
+        counts, samples = [loss_fn.count(t) for t in targets], sum(len(t) for t in targets)
         del targets
-    count, samples = global_counts(setup, local, samples)
+    count, samples = global_counts(setup, sum(counts), samples)
+    if noise is not None:
+        noise.start_window(counts, count, samples)
     losses = []
     vote = agrees_on_memory(setup, len(micro_batches))
     out_of_memory: str | None = None  # the message only: the error's traceback would keep the window's tensors
@@ -91,6 +98,8 @@ def optimizer_step(setup: Setup, micro_batches: list) -> StepResult:
                 with setup.autocast():
                     loss = loss_fn(model(inputs), target) / max(count, 1)
                 (setup.scaler.scale(loss) if setup.scaler else loss).backward()
+            if noise is not None:
+                noise.after_backward(index)
         except torch.OutOfMemoryError as error:
             if last or not vote:
                 raise
@@ -101,7 +110,7 @@ def optimizer_step(setup: Setup, micro_batches: list) -> StepResult:
     if setup.distributed:  # the logged loss is the mean over the global window
         torch.distributed.all_reduce(window_loss)
     try:
-        return _apply_window(setup, window_loss, count, samples)
+        return _apply_window(setup, window_loss, count, samples, noise)
     except torch.OutOfMemoryError as error:
         raise OptimizerStepOutOfMemory(str(error)) from None
 
@@ -137,7 +146,8 @@ class OptimizerStepOutOfMemory(torch.OutOfMemoryError):
     """
 
 
-def _apply_window(setup: Setup, window_loss: torch.Tensor, count: int, samples: int) -> StepResult:
+def _apply_window(setup: Setup, window_loss: torch.Tensor, count: int, samples: int,
+                  noise: NoiseScale | None = None) -> StepResult:
     """Unscale, clip, step, schedule and zero the accumulated gradients of one window."""
     model = setup.model
     if setup.scaler:
@@ -149,6 +159,9 @@ def _apply_window(setup: Setup, window_loss: torch.Tensor, count: int, samples: 
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     loss_value, norm_value = float(window_loss), float(grad_norm)
     finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+    noise_fields = None
+    if noise is not None:  # the window's norm, unscaled and before clipping; the scale its backward passes used
+        noise_fields = noise.end_window(norm_value, finite, setup.scaler.get_scale() if setup.scaler else 1.0)
     if setup.scaler:
         setup.scaler.step(setup.optimizer)  # skips the update itself when fp16 gradients overflowed
         setup.scaler.update()
@@ -159,7 +172,7 @@ def _apply_window(setup: Setup, window_loss: torch.Tensor, count: int, samples: 
     setup.optimizer.zero_grad(set_to_none=True)
     tokens = count if setup.plan.recipe.task == "language-modeling" else 0
     syncs = setup.sync_counter.take() if setup.sync_counter else None
-    return StepResult(loss_value, norm_value, count, samples, tokens, finite, syncs)
+    return StepResult(loss_value, norm_value, count, samples, tokens, finite, syncs, noise_fields)
 
 
 @torch.no_grad()

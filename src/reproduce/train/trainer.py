@@ -28,6 +28,7 @@ from ..sharding import check_sharding
 from . import distributed
 from .checkpoint import SHARDED_PREFIX, full_model_state, load_checkpoint, save_checkpoint
 from .distributed import World
+from .noise import NoiseScale, not_measured_reason, summarise
 from .setup import build, resolve_device
 from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, evaluate, optimizer_step
 from .windows import length_sizes, micro_batch_at, smaller_micro_batch, step_batch, step_epoch, window
@@ -159,7 +160,8 @@ def train(plan: Plan, out: str | Path, **options) -> dict:
 
     Options: device ("auto"), max_steps, resume, force, seed, checkpoint_every, skip_nonfinite, dtype (float32),
     reporter, data, workers (DataLoader processes; None: `data.loader.default_workers`, 0: fetched in this
-    process). Under torchrun every rank trains its share of each window; rank 0 alone writes. A rank that
+    process), noise_scale (True: measure the gradient noise scale, train/noise.py; it never changes the weights).
+    Under torchrun every rank trains its share of each window; rank 0 alone writes. A rank that
     leaves with an error leaves the process group too, so the other ranks' collectives fail at once and they stop
     with a message of their own instead of waiting for it.
     """
@@ -195,6 +197,7 @@ def _train(
     reporter: Reporter | None = None,
     data: dict | None = None,
     workers: int | None = None,
+    noise_scale: bool = True,
 ) -> dict:
     reporter = reporter or SilentReporter()
     world = distributed.world_from_env()
@@ -227,8 +230,11 @@ def _train(
     checkpoint_path = out / "checkpoints" / "last.pt"
     first_step, metrics_offset = 0, 0
     lowered: dict = {}  # sequence length -> the micro-batch an out-of-memory error lowered it to
+    noise = NoiseScale(setup) if noise_scale and not setup.sharded else None
     if resume:
         state = load_checkpoint(setup, checkpoint_path)
+        if noise is not None and state["extra"].get("noise_scale"):
+            noise.load_state_dict(state["extra"]["noise_scale"])
         first_step, metrics_offset = state["step"], state["metrics_offset"]
         saved_seed = state["extra"].get("seed", seed)
         if asked_seed is not None and asked_seed != saved_seed:
@@ -253,6 +259,11 @@ def _train(
     last_checkpoint = time.perf_counter()
     for note in setup.notes:
         reporter.message(f"note: {note}")
+    accumulations = ([phase.accumulation_steps for phase in plan.phases] if plan.phases
+                     else [plan.per_rank_batch // micro_batch_at(plan, first_step, lowered)])
+    unmeasured = not_measured_reason(world.size, max(accumulations), setup.sharded) if noise_scale else None
+    if unmeasured:
+        reporter.message(f"note: noise scale not measured: {unmeasured}")
     reporter.start(plan, total, first_step)
     started = time.perf_counter()
     counters = {"samples": 0, "tokens": 0, "partial_windows": 0, "skipped_nonfinite": 0, "out_of_memory": 0}
@@ -301,12 +312,14 @@ def _train(
                                  f"accumulation {batch.accumulation_steps} x world {plan.world_size}"
                                  + (f", sequence length {batch.sequence_length}" if batch.sequence_length else ""))
             micro_batch = micro_batch_at(plan, step, lowered)
+            if noise is not None and batch.phase is not None:  # each sequence length's own training set
+                noise.dataset_size = plan.phases[batch.phase].dataset_size or size
             while True:
                 indices, partial = windows(step)
                 take = functools.partial(stream.take, step)
                 micro_batches = [LazyMicroBatch(train_set, i, setup.device, dtype, take, clock) for i in indices]
                 try:
-                    result = optimizer_step(setup, micro_batches)
+                    result = optimizer_step(setup, micro_batches, noise)
                     break
                 except OptimizerStepOutOfMemory as error:
                     raise TrainingStopped(
@@ -382,6 +395,8 @@ def _train(
             if batch.phase is not None:
                 record.update(phase=batch.phase + 1, effective_batch=batch.effective_batch,
                               sequence_length=batch.sequence_length)
+            if result.noise:
+                record.update(result.noise)
             done = step + 1 == total
             evaluating = (eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end)
             if evaluating and (main or setup.sharded):  # a sharded model's forward needs every rank
@@ -395,9 +410,11 @@ def _train(
                 time.perf_counter() - last_checkpoint >= CHECKPOINT_SECONDS)
             received, due = stop.agreed(world, setup.device, due) if not done else (None, due)
             if due or done or received:
-                save_checkpoint(setup, checkpoint_path, step + 1, metrics.offset(),
-                                {"seed": seed, "micro_batch": micro_batch,
-                                 "lowered": {str(length): value for length, value in lowered.items()}})
+                extra = {"seed": seed, "micro_batch": micro_batch,
+                         "lowered": {str(length): value for length, value in lowered.items()}}
+                if noise is not None:
+                    extra["noise_scale"] = noise.state_dict()
+                save_checkpoint(setup, checkpoint_path, step + 1, metrics.offset(), extra)
                 last_checkpoint = time.perf_counter()
             if received:
                 distributed.barrier(world)
@@ -412,6 +429,8 @@ def _train(
             stream.close()
         stop.__exit__()
         metrics.close()
+        if noise is not None:
+            noise.close()
         if flush_denormals:
             torch.set_flush_denormal(False)
         torch.set_num_threads(threads)
@@ -435,6 +454,9 @@ def _train(
         "data": setup.data.get("info", {}),
         "notes": setup.notes,
     }
+    if main and noise_scale:  # from metrics.jsonl: the steps before a resume count too
+        summary["noise_scale"] = summarise(read_metrics(out / "metrics.jsonl"), total, plan.recipe.task,
+                                           reason=unmeasured)
     model_state = full_model_state(setup)  # FSDP: gathered from every rank's shards
     if main:
         torch.save(model_state, out / "model.pt")
