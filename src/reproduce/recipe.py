@@ -107,6 +107,11 @@ class Model(Builder):
     kind: Literal["causal-lm", "sequence-classification"] | None = None
     norm_layers: list[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
     description: str | None = None
+    pretrained: str | None = Field(
+        default=None, min_length=1,
+        description="the pretrained weights the paper fine-tunes (documentation: runs start from random weights); "
+        "marks a fine-tuning recipe, for which the probe offers LoRA when full training does not fit",
+    )
 
     @model_validator(mode="after")
     def _has_source(self) -> Model:

@@ -9,15 +9,20 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ..errors import UserError
+from ..errors import DoesNotFit, UserError
 from ..planner import Plan, plan
 from ..probe.cost import Cost, cost, format_duration
 from ..probe.runner import ProbeOptions, ProbeResult, ProbeTrial, run_probe
 from ..probe.search import Measurement
-from ..recipe import load_recipe
+from ..recipe import Recipe, load_recipe
 from ..units import format_size
 from .app import app
 from .common import stderr, stdout
+
+
+class Sharding(str, Enum):
+    none = "none"
+    fsdp = "fsdp"
 
 
 class MeterName(str, Enum):
@@ -36,6 +41,33 @@ METER_HELP = (
 HEADROOM_HELP = "Fraction of the budget kept free: the largest micro-batch must peak under budget x (1 - headroom)."
 NO_CACHE_HELP = "Probe again even when a cached result for this recipe, device and budget exists."
 WORLD_SIZE_HELP = "Number of data-parallel processes: the probe needs no micro-batch above batch / processes."
+SHARDING_HELP = (
+    "none: every process holds the whole model (DDP); fsdp: parameters, gradients and optimizer state sharded "
+    "over the --world-size processes (FSDP2 full_shard, needs --world-size 2 or more). Default: the recipe's "
+    "batch.sharding."
+)
+
+
+def apply_sharding(recipe: Recipe, sharding: Sharding | None, world_size: int) -> Recipe:
+    """The recipe with `--sharding` in place of its `batch.sharding` (what the probe counts and the plan keeps)."""
+    if sharding is None:
+        return recipe
+    if sharding is Sharding.fsdp and world_size < 2:
+        raise UserError(
+            f"--sharding fsdp: shards the model over the --world-size processes, and --world-size is {world_size}; "
+            "give --world-size 2 or more (one process has nothing to shard over)"
+        )
+    return recipe.model_copy(update={"batch": recipe.batch.model_copy(update={"sharding": sharding.value})})
+
+
+def does_not_fit(result: ProbeResult) -> DoesNotFit:
+    """The error for a probe that found no micro-batch: the step's needs by category and what would fit."""
+    from ..probe.advice import render
+
+    if result.does_not_fit is None:  # (a cached result from before the breakdown existed)
+        return DoesNotFit(result.failure())
+    budget = f"--gpu {result.gpu}" if result.gpu else "the --memory budget"
+    return DoesNotFit(*render(result.does_not_fit, budget))
 
 
 def probe_options(memory: str | None, gpu: str | None, meter: MeterName, headroom: float, no_cache: bool
@@ -52,11 +84,16 @@ def probe_command(
     meter: MeterName = typer.Option(MeterName.auto, "--meter", help=METER_HELP),
     headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
     world_size: int = typer.Option(1, "--world-size", min=1, help=WORLD_SIZE_HELP),
+    sharding: Sharding | None = typer.Option(None, "--sharding", help=SHARDING_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
 ) -> None:
-    """Measure the largest micro-batch whose full training step fits one device's memory."""
-    recipe = load_recipe(recipe_path)
+    """Measure the largest micro-batch whose full training step fits one device's memory.
+
+    Exit code 0 with an answer, 2 for bad input, 3 when not even micro-batch 1 fits (what the step needs
+    and what would make it fit are printed).
+    """
+    recipe = apply_sharding(load_recipe(recipe_path), sharding, world_size)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     result = run_probe(recipe, str(recipe_path), options, world_size, on_trial=None if as_json else show_trial)
     the_plan = plan(recipe, result.micro_batch_max, world_size) if result.micro_batch_max else None
@@ -68,7 +105,7 @@ def probe_command(
     else:
         render_probe(result, the_plan)
     if result.micro_batch_max is None:
-        raise UserError(result.failure())
+        raise does_not_fit(result)
 
 
 def verdict(trial: Measurement | ProbeTrial) -> str:
@@ -87,6 +124,7 @@ def render_probe(result: ProbeResult, the_plan: Plan | None) -> None:
         f"[bold]probe[/] {result.recipe_path}: {result.meter} meter, {result.device}; {result.data}\n"
         f"{source} {format_size(result.budget_bytes)} less {result.headroom:.0%} headroom: "
         f"limit {format_size(result.limit_bytes)}; sizes capped at {result.cap} (the batch per process)"
+        + (f"; fsdp over {result.world_size} processes" if result.sharding == "fsdp" else "")
     )
     table = Table(title_justify="left")
     for column in ("micro-batch", "peak", "tensors", "result", "step", "trial"):
