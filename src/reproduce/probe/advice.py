@@ -88,7 +88,7 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
     first = min(trials, key=lambda t: t.micro_batch)
     estimate = isinstance(meter, EstimateMeter)
     parts = first.parts
-    counted_on = "the failed trial (fake tensors, run to its end)"
+    counted_on = "the failed trial itself, run to its end on fake tensors"
     if parts is None:  # the cpu and cuda meters stopped at the budget: count the same step on fake tensors
         kind = GpuKind(torch.cuda.get_device_capability()) if meter.name == "cuda" else None
         info = meter.workload.data.get("info")
@@ -98,7 +98,7 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
             root, sizes = block_sizes(build_model(meter.workload.recipe, info))
         parts = {"at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
                  "blocks": {"root": root, "sizes": list(sizes)}}
-        counted_on = "the same step counted on fake tensors (the trial itself stopped at the budget)"
+        counted_on = "the same step on fake tensors (the trial itself stopped at the budget)"
     step = StepMemory(**parts["step"])
     blocks = Blocks(root=parts["blocks"]["root"], blocks=tuple(parts["blocks"]["sizes"]))
     compute = parts["compute_bytes"]
@@ -190,8 +190,9 @@ def render(explanation: dict, budget_name: str) -> list[str]:
     lines = [
         f"does not fit: not even micro-batch {micro} fits {budget_name} (limit {size(explanation['limit_bytes'])} of "
         f"{size(explanation['budget_bytes'])}); one training step at micro-batch {micro} needs "
-        f"{size(explanation['peak_bytes'])} ({explanation['meter']} meter, its margin included)",
-        f"what the step holds (the most of each, counted on {explanation['counted_on']}):",
+        f"{size(explanation['peak_bytes'])} ({explanation['meter']} meter"
+        + (", its margin included)" if explanation["meter"] == "estimate" else ")"),
+        f"what the step holds (the most of each; counted on {explanation['counted_on']}):",
     ]
     parameters = explanation.get("parameters")
     stored = ""
