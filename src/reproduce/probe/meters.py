@@ -19,18 +19,18 @@ recipe's or ours, and is raised), then everything it allocated is freed before t
   context and other processes already taken off) plus what this process's allocator holds.
 - `cpu`: the same real trials on the CPU, counted by `MemoryTracker` (live tensor storage, rounded to
   512 B) with the budget enforced as an out-of-memory error. Exact for the tensors, and what CI uses.
-- `estimate`: the same step under `FakeTensorMode` (model built on `meta`, materialised with `to_empty`
-  inside the fake mode; AdamW/Adam/SGD with `foreach=True`, as on a GPU), counted by the same tracker: no
-  real memory, about constant time per trial. It runs on the CPU device, so it differs from a real GPU
-  where the tracker cannot see or where CUDA behaves differently:
-  * it cannot see the CUDA context, cuBLAS/cuBLASLt workspaces (8 MiB + 1 to 32 MiB by architecture) and
-    the allocator's 2 MiB/20 MiB segments and fragmentation: a margin of `ESTIMATE_MARGIN` (5%) of
-    the peak plus the workspaces is added to every estimate;
-  * attention takes the math path and materialises B x H x S x S scores, where CUDA uses flash or
-    memory-efficient kernels; and dropout masks take 4 bytes per element where CUDA's take 1: both make
-    the estimate pessimistic (smaller maxima than a GPU allows);
-  * autocast follows the CPU's op lists, and fp16's GradScaler is left out (its state is a few scalars).
-  `bench/gpu_check.py` prints the estimate beside the measured peak on a real card.
+- `estimate`: the same step under `FakeTensorMode` (probe/fake_step.py: model built on `meta`,
+  materialised inside the fake mode; AdamW/Adam/SGD with `foreach=True`, as on a GPU), counted by the
+  same tracker by category: no real memory, about constant time per trial, and every trial runs to its
+  end (a size that does not fit still says what it needs). It runs on the CPU device; where CUDA runs the
+  step differently it is made to do what CUDA does (probe/gpu_like.py): SDPA's fused attention kernels
+  for the target GPU instead of the CPU's math path, 1-byte dropout masks, CUDA autocast's fp32 ops. What
+  it still cannot see: the CUDA context, cuBLAS/cuBLASLt workspaces (8 MiB + 1 to 32 MiB by
+  architecture), kernels' internal workspaces and the allocator's 2 MiB/20 MiB segments and
+  fragmentation: a margin of `ESTIMATE_MARGIN` (5%) of the peak plus the workspaces is added to every
+  estimate. fp16's GradScaler is left out (its state is a few scalars). With `sharding="fsdp"` one rank's
+  peak is computed from the measured parts (probe/sharding.py). `bench/gpu_check.py` prints the estimate
+  beside the measured peak on a real card.
 """
 
 from __future__ import annotations
@@ -231,7 +231,8 @@ class EstimateMeter(Meter):
     device = "estimate (fake tensors on the cpu device)"
 
     def __init__(self, workload: Workload, budget_bytes: int, headroom: float, gpu: Gpu | None = None,
-                 cap: int | None = None, sharding: str = "none", world_size: int = 1):
+                 cap: int | None = None, sharding: str = "none", world_size: int = 1,
+                 capability: tuple[int, int] | None = None):
         super().__init__(workload, budget_bytes, headroom, time_steps=False, cap=cap)
         self.fixed = CUBLAS_WORKSPACE + (gpu.cublaslt_workspace if gpu is not None else 32 * MiB)
         if self.limit_bytes <= self.fixed:
@@ -240,11 +241,14 @@ class EstimateMeter(Meter):
                 f"margin of {format_size(self.fixed)} (cuBLAS workspaces on a GPU) is taken off; "
                 "use --meter cpu for a budget this small"
             )
-        self.gpu = GpuKind(gpu.capability if gpu is not None else DEFAULT_CAPABILITY)
+        # the GPU whose kernels are counted: the catalog's, one given (bench/gpu_check.py: the card it runs on), or
+        # without either an Ampere card (flash attention for bf16/fp16, the memory-efficient kernel for fp32)
+        self.gpu = GpuKind(capability or (gpu.capability if gpu is not None else DEFAULT_CAPABILITY))
         self.sharding, self.world_size = sharding, world_size
         self._blocks: Blocks | None = None
         major, minor = self.gpu.capability
-        where = gpu.title if gpu is not None else f"a GPU of compute capability {major}.{minor} (no --gpu given)"
+        where = gpu.title if gpu is not None and capability is None else (
+            f"a GPU of compute capability {major}.{minor}" + ("" if capability else " (no --gpu given)"))
         self.notes.append(
             f"estimate meter: peak = tracked tensors x {1 + ESTIMATE_MARGIN:g} + {format_size(self.fixed)} "
             f"(cuBLAS workspaces); attention kernels, dropout masks and autocast dtypes as CUDA runs them on {where}"
