@@ -95,12 +95,17 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
         result = run_fake_step(meter.workload.plan, info, meter.window(first.micro_batch, torch.device("cpu"),
                                                                        torch.float32), kind)
         with torch.device("meta"):
-            root, sizes = block_sizes(build_model(meter.workload.recipe, info))
+            model = build_model(meter.workload.recipe, info)
+        root, sizes = block_sizes(model)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         parts = {"at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
-                 "blocks": {"root": root, "sizes": list(sizes)}}
+                 "blocks": {"root": root, "sizes": list(sizes), "trainable": trainable},
+                 "window": meter.cap is None or first.micro_batch < meter.cap}
         counted_on = "the same step on fake tensors (the trial itself stopped at the budget)"
     step = StepMemory(**parts["step"])
-    blocks = Blocks(root=parts["blocks"]["root"], blocks=tuple(parts["blocks"]["sizes"]))
+    blocks = Blocks(root=parts["blocks"]["root"], blocks=tuple(parts["blocks"]["sizes"]),
+                    trainable=parts["blocks"].get("trainable"))
+    window = parts.get("window", True)
     compute = parts["compute_bytes"]
     decide = meter.decided if estimate else (lambda tracked: tracked)
     tensor_limit = meter.tensor_limit() if estimate else meter.limit_bytes
@@ -108,38 +113,41 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
     tensors = sum(at_peak.values())
     if "sharded" in parts:  # the trial was already sharded: show this rank's parts
         sharded = parts["sharded"]
-        at_peak = {"model states (this rank's shard)": sharded["model_states"], "gathered blocks": sharded["gathered"],
-                   "activations, inputs and temporaries": sharded["activations"]}
+        at_peak = {"weights and optimizer state (this rank's shard)": sharded["model_states"],
+                   "gradients": sharded["gradients"], "gathered blocks": sharded["gathered"],
+                   "activations": sharded["activations"]}
         tensors = sharded["peak"]
-        if sharded["peak"] != sharded["model_states"] + sharded["gathered"] + sharded["activations"]:
-            at_peak = {"model states (this rank's shard)": sharded["model_states"],
-                       "optimizer step temporaries": sharded["step_temporaries"]}
+        if sharded["peak"] != sum(at_peak.values()):  # the optimizer step is the peak
+            at_peak = {"weights and optimizer state (this rank's shard)": sharded["model_states"],
+                       "gradients": sharded["sharded_gradients"], "step temporaries": sharded["step_temporaries"]}
     explanation = Explanation(
         micro_batch=first.micro_batch, meter=meter.name, budget_bytes=meter.budget_bytes,
         limit_bytes=meter.limit_bytes, peak_bytes=decide(tensors), tensor_bytes=tensors, at_peak=at_peak,
         step=step.to_json(), counted_on=counted_on, parameters=blocks.root + sum(blocks.blocks),
     )
-    explanation.ways_out.append(_fsdp_way_out(step, blocks, compute, tensor_limit, decide, world_size))
+    explanation.ways_out.append(_fsdp_way_out(step, blocks, compute, tensor_limit, decide, world_size, window))
     explanation.ways_out.extend(_recipe_ways_out(meter, gpu))
     return explanation
 
 
 def _fsdp_way_out(step: StepMemory, blocks: Blocks, compute: int, tensor_limit: int, decide: Any,
-                  world_size: int) -> WayOut:
-    ranks = smallest_world_size(step, blocks, tensor_limit, compute)
+                  world_size: int, window: bool) -> WayOut:
+    ranks = smallest_world_size(step, blocks, tensor_limit, compute, unsharded_window=window)
     if ranks is None:
-        floor = unsharded_floor(step, blocks, compute)
-        return WayOut(
-            "--sharding fsdp", False, None,
-            f"no number of processes is enough: what sharding leaves whole on each one (the activations of one "
-            f"sample, the buffers and the gathered blocks) needs {format_size(decide(floor))}",
-        )
-    peak = sharded_peak(step, blocks, ranks, compute)
+        floor = unsharded_floor(step, blocks, compute, unsharded_window=window)
+        left = "the activations of one sample, the buffers, the gathered blocks" + (
+            " and, within an accumulation window, the whole model's gradients" if window else "")
+        return WayOut("--sharding fsdp", False, None,
+                      f"no number of processes is enough: what sharding leaves whole on each one ({left}) needs "
+                      f"{format_size(decide(floor))}")
+    peak = sharded_peak(step, blocks, ranks, compute, unsharded_window=window)
     return WayOut(
         f"--sharding fsdp --world-size {ranks}", True, decide(peak.peak),
-        f"{ranks} processes (GPUs) sharing parameters, gradients and optimizer state: "
-        f"{format_size(peak.model_states)} of model states and {format_size(peak.gathered)} of gathered blocks "
-        f"per device" + (f" (now {world_size})" if world_size > 1 else ""),
+        f"{ranks} processes (GPUs) sharing parameters and optimizer state ({format_size(peak.model_states)} each), "
+        f"{format_size(peak.gradients)} of gradients" + (" (unsharded within the accumulation window)" if window
+                                                         else "")
+        + f" and {format_size(peak.gathered)} of gathered blocks per device"
+        + (f" (now {world_size})" if world_size > 1 else ""),
     )
 
 

@@ -95,6 +95,10 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
             activations=tracker.most(ACTIVATIONS, ACTIVATIONS),
             weight_copies=tracker.most(WEIGHT_COPIES),
             step_temporaries=tracker.most(STEP, STEP),
+            gradients_at_activation_peak=tracker.when_most.get((ACTIVATIONS, ACTIVATIONS), {}).get(GRADIENTS, 0),
+            activations_at_gradient_peak=max(
+                (when.get(ACTIVATIONS, 0) for (phase, name), when in tracker.when_most.items()
+                 if name == GRADIENTS and phase == ACTIVATIONS), default=0),
         )
         compute = _compute_bytes(model, recipe.precision)
     at_peak = {name: size for name, size in tracker.peak_by.items() if size}

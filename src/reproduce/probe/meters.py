@@ -55,7 +55,7 @@ from .catalog import DEFAULT_CAPABILITY, Gpu, MiB
 from .fake_step import materialize, run_fake_step  # noqa: F401  (materialize: part of this module's interface)
 from .gpu_like import GpuKind
 from .search import Measurement
-from .sharding import Blocks, sharded_peak
+from .sharding import Blocks, mixed_precision_step, sharded_peak
 from .tracker import MemoryTracker
 from .workload import Workload
 
@@ -256,7 +256,8 @@ class EstimateMeter(Meter):
         if sharding == "fsdp":
             self.notes.append(
                 f"fsdp over {world_size} ranks: parameters, gradients and optimizer state divided over the ranks, "
-                "plus the root's and two blocks' parameters gathered in the compute dtype and one block's gradients"
+                "plus the root's and two blocks' parameters gathered in the compute dtype and one block's gradients; "
+                "within an accumulation window the whole model's gradients in fp32 (FSDP2 no_sync)"
             )
 
     def decided(self, tracked: int) -> int:
@@ -269,24 +270,36 @@ class EstimateMeter(Meter):
     def blocks(self, model: nn.Module) -> Blocks:
         if self._blocks is None:
             root, sizes = block_sizes(model)
-            self._blocks = Blocks(root=root, blocks=sizes)
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            self._blocks = Blocks(root=root, blocks=sizes, trainable=trainable)
         return self._blocks
 
     def measure(self, micro_batch: int) -> Measurement:
         self.workload.prepare()
         started = time.perf_counter()
         inputs = self.window(micro_batch, torch.device("cpu"), torch.float32)
+        recipe = self.workload.recipe
         with torch.device("meta"):
-            model = build_model(self.workload.recipe, self.workload.data.get("info"))
+            model = build_model(recipe, self.workload.data.get("info"))
         blocks = self.blocks(model)
+        master_bytes = next((p.element_size() for p in model.parameters()), 4)
+        mixed = self.sharding == "fsdp" and recipe.precision != "fp32"
+        if mixed:  # FSDP2's MixedPrecisionPolicy: forward and backward on parameters gathered in the compute dtype
+            model = model.to(torch.bfloat16 if recipe.precision == "bf16" else torch.float16)
         result = run_fake_step(self.workload.plan, self.workload.data.get("info"), inputs, self.gpu, model=model)
+        window = len(inputs) > 1  # micro-batches accumulated before the reduction (FSDP2 no_sync)
         parts = {
             "at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
-            "blocks": {"root": blocks.root, "sizes": list(blocks.blocks)}, "attention": result.kernels,
+            "blocks": {"root": blocks.root, "sizes": list(blocks.blocks), "trainable": blocks.trainable},
+            "attention": result.kernels, "window": window,
         }
         tracked = result.peak
         if self.sharding == "fsdp":
-            sharded = sharded_peak(result.step, blocks, self.world_size, result.compute_bytes)
+            step = result.step
+            if mixed:
+                step = mixed_precision_step(step, blocks, master_bytes, result.compute_bytes)
+                parts["step"] = step.to_json()
+            sharded = sharded_peak(step, blocks, self.world_size, result.compute_bytes, unsharded_window=window)
             parts["sharded"] = sharded.to_json()
             tracked = sharded.peak
         model = inputs = None

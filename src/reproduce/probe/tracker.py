@@ -10,7 +10,8 @@ and the sharding arithmetic need): what operators allocate goes to the current `
 `activations`: saved activations, inputs, temporaries), `charge()` and `retag()` name theirs
 (`weights`, `gradients`, `optimizer`), and a copy of a weight in another dtype (autocast's bf16 copy of an
 fp32 weight) is `weight copies`. `live_by` holds the live bytes of each category, `peak_by` their values
-at the moment of the peak (they sum to `peak`), and `most_by` the most each category held, per phase.
+at the moment of the peak (they sum to `peak`), `most_by` the most each category held, per phase, and
+`when_most` what every category held at the moment activations or gradients were at their most.
 
 With a budget, an operator that takes the live total past it raises `torch.OutOfMemoryError`, the type
 CUDA raises, so code that handles a GPU running out of memory handles this the same way.
@@ -27,7 +28,7 @@ import weakref
 from collections.abc import Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from ..units import format_size
@@ -51,6 +52,7 @@ class MemoryTracker(TorchDispatchMode):
         self.live_by: dict[str, int] = {}
         self.peak_by: dict[str, int] = {}
         self.most_by: dict[tuple[str, str], int] = {}  # (phase, category) -> the most that category held
+        self.when_most: dict[tuple[str, str], dict[str, int]] = {}  # (phase, category) -> live_by at that moment
         self._sizes: dict[int, tuple[int, str]] = {}  # storage (its C++ address, unique while alive) -> bytes, category
 
     @property
@@ -90,6 +92,7 @@ class MemoryTracker(TorchDispatchMode):
         self.peak = self.live
         self.peak_by = dict(self.live_by)
         self.most_by = {}
+        self.when_most = {}
         self._note_most()
 
     def _move(self, size: int, source: str | None, target: str | None) -> None:
@@ -104,9 +107,15 @@ class MemoryTracker(TorchDispatchMode):
             key = (self.phase, name)
             if self.live_by[name] > self.most_by.get(key, 0):
                 self.most_by[key] = self.live_by[name]
+                if name in (ACTIVATIONS, GRADIENTS):  # (the sharding arithmetic asks what coexisted with them)
+                    self.when_most[key] = dict(self.live_by)
 
     def _add(self, value, category: str) -> None:
         if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+            return
+        if is_traceable_wrapper_subclass(value):  # a DTensor: its own storage is nominal; count what it wraps (its
+            for name in value.__tensor_flatten__()[0]:  # local tensor is made inside its dispatch, unseen here)
+                self._add(getattr(value, name), category)
             return
         storage = value.untyped_storage()
         key, size = storage._cdata, rounded(storage.nbytes())
