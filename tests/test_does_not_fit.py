@@ -75,18 +75,20 @@ def test_the_sharding_offered_fits_when_probed_and_one_process_fewer_does_not(fa
     way = failed.does_not_fit["ways_out"][0]
     assert way["fits"] and way["change"].startswith("--sharding fsdp --world-size ")
     ranks = int(way["change"].rsplit(" ", 1)[1])
-    sharded = run_probe(recipe(sharding="fsdp"), options=TOO_SMALL, world_size=ranks)
-    assert sharded.sharding == "fsdp" and sharded.micro_batch_max is not None
+    # (the batch of `ranks` sequences caps each process at 1: one trial says whether micro-batch 1 fits)
+    sharded = run_probe(recipe(effective=64 * ranks, sharding="fsdp"), options=TOO_SMALL, world_size=ranks)
+    assert sharded.sharding == "fsdp" and sharded.micro_batch_max == 1
     assert sharded.trials[0].parts["sharded"]["world_size"] == ranks
     if ranks > 2:
-        fewer = run_probe(recipe(sharding="fsdp"), options=TOO_SMALL, world_size=ranks - 1)
+        fewer = run_probe(recipe(effective=64 * (ranks - 1), sharding="fsdp"), options=TOO_SMALL,
+                          world_size=ranks - 1)
         assert fewer.micro_batch_max is None
 
 
 def test_sharding_lets_a_larger_micro_batch_fit():
     options = ProbeOptions(memory="52MiB", meter="estimate", headroom=0.0)
-    whole = run_probe(recipe(effective=64 * 64), options=options, world_size=4)  # 16 per process at most
-    sharded = run_probe(recipe(effective=64 * 64, sharding="fsdp"), options=options, world_size=4)
+    whole = run_probe(recipe(effective=64 * 32), options=options, world_size=4)  # 8 per process at most
+    sharded = run_probe(recipe(effective=64 * 32, sharding="fsdp"), options=options, world_size=4)
     assert sharded.micro_batch_max > whole.micro_batch_max >= 1
     assert "fsdp over 4 ranks" in sharded.notes[-1]
 

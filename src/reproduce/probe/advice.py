@@ -125,9 +125,28 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
         limit_bytes=meter.limit_bytes, peak_bytes=decide(tensors), tensor_bytes=tensors, at_peak=at_peak,
         step=step.to_json(), counted_on=counted_on, parameters=blocks.root + sum(blocks.blocks),
     )
+    if not (estimate and (meter.sharding == "fsdp" or meter.workload.recipe.precision == "fp32")):
+        # measure the step as FSDP runs it (mixed precision: forward and backward on compute-dtype parameters)
+        sharder = _sharding_meter(meter, gpu)
+        if sharder is not None:
+            shard_parts = sharder.measure(first.micro_batch).parts
+            step = StepMemory(**shard_parts["step"])
+            compute, decide, tensor_limit = shard_parts["compute_bytes"], sharder.decided, sharder.tensor_limit()
     explanation.ways_out.append(_fsdp_way_out(step, blocks, compute, tensor_limit, decide, world_size, window))
     explanation.ways_out.extend(_recipe_ways_out(meter, gpu))
     return explanation
+
+
+def _sharding_meter(meter: Any, gpu: Any) -> Any:
+    """An estimate meter with fsdp on `meter`'s budget, or None where the budget is below the estimate's margin."""
+    from .meters import EstimateMeter
+
+    capability = torch.cuda.get_device_capability() if meter.name == "cuda" else None
+    try:
+        return EstimateMeter(meter.workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes, gpu=gpu,
+                             cap=meter.cap, sharding="fsdp", world_size=2, capability=capability)
+    except UserError:
+        return None
 
 
 def _fsdp_way_out(step: StepMemory, blocks: Blocks, compute: int, tensor_limit: int, decide: Any,
