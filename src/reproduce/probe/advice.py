@@ -36,7 +36,7 @@ from .fake_step import run_fake_step
 from .gpu_like import GpuKind
 from .sharding import Blocks, StepMemory, sharded_peak, smallest_world_size, unsharded_floor
 
-LORA = {"r": 8, "alpha": 16, "dropout": 0.05}  # a common starting point (peft's examples); the paper's own rank wins
+LORA = {"r": 8, "alpha": 16, "dropout": 0.05}  # a common starting point (peft's examples)
 CATEGORY_NAMES = {
     "weights": "weights", "weight copies": "weight copies", "gradients": "gradients",
     "optimizer": "optimizer state", "activations": "activations", "optimizer step": "step temporaries",
@@ -73,6 +73,23 @@ def lora_allowed(recipe: Recipe) -> bool:
     """LoRA is a way to fine-tune: offered only for recipes that start from pretrained weights."""
     model = recipe.model
     return bool(model.hf or getattr(model, "pretrained", None)) and getattr(model, "lora", None) is None
+
+
+def lora_targets(model: torch.nn.Module) -> list[str]:
+    """The modules LoRA adapts by default: peft's own table for a Hugging Face architecture (LLaMA: q_proj,
+    v_proj; GPT-2: c_attn), otherwise the linear layers inside the model's blocks."""
+    try:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as table
+    except ImportError:  # peft missing: LoRA itself will say so when the recipe is built
+        table = {}
+    for module in model.modules():
+        kind = getattr(getattr(module, "config", None), "model_type", None)
+        if kind in table:
+            return list(table[kind])
+    from ..models.blocks import fsdp_blocks
+
+    return sorted({name for block in fsdp_blocks(model) for name, layer in block.named_modules()  # names as peft
+                   if isinstance(layer, torch.nn.Linear)})  # matches them: a module's name ends with one
 
 
 def _with_model(recipe: Recipe, **changes: Any) -> Recipe:
@@ -175,18 +192,30 @@ def _recipe_ways_out(meter: Any, gpu: Any) -> list[WayOut]:
     changes: list[tuple[str, dict]] = []
     can_lora = lora_allowed(recipe) and "lora" in type(recipe.model).model_fields
     can_bf16 = "dtype" in type(recipe.model).model_fields and getattr(recipe.model, "dtype", "fp32") == "fp32"
+    lora = {}
     if can_lora:
-        changes.append((f"model.lora: {LORA}", {"lora": LORA}))
+        with torch.device("meta"):
+            targets = lora_targets(build_model(recipe, meter.workload.data.get("info")))
+        lora = {**LORA, "target_modules": targets}
+        changes.append((f"model.lora: {_flow(lora)}", {"lora": lora}))
     if can_bf16:
         changes.append(("model.dtype: bf16 (weights stored in bf16)", {"dtype": "bf16"}))
     ways = [_measure_change(meter, gpu, what, change) for what, change in changes]
     if can_lora and can_bf16 and not any(way.fits for way in ways):
-        ways.append(_measure_change(meter, gpu, f"model.lora: {LORA} and model.dtype: bf16",
-                                    {"lora": LORA, "dtype": "bf16"}))
+        ways.append(_measure_change(meter, gpu, f"model.lora: {_flow(lora)} and model.dtype: bf16",
+                                    {"lora": lora, "dtype": "bf16"}))
     if not can_lora and not lora_allowed(recipe) and getattr(recipe.model, "lora", None) is None:
         ways.append(WayOut("model.lora", False, None, "not offered: the recipe trains from scratch (LoRA "
                            "fine-tunes pretrained weights; set model.pretrained to say the recipe fine-tunes)"))
     return ways
+
+
+def _flow(mapping: dict) -> str:
+    """A mapping as YAML flow style, the way a recipe would write it: {r: 8, alpha: 16, target_modules: [q_proj]}."""
+    def shown(value: Any) -> str:
+        return f"[{', '.join(map(str, value))}]" if isinstance(value, list) else str(value)
+
+    return "{" + ", ".join(f"{key}: {shown(value)}" for key, value in mapping.items()) + "}"
 
 
 def _measure_change(meter: Any, gpu: Any, what: str, change: dict) -> WayOut:
