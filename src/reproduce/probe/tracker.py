@@ -105,10 +105,11 @@ class MemoryTracker(TorchDispatchMode):
     def _note_most(self, category: str | None = None) -> None:
         for name in [category] if category else list(self.live_by):
             key = (self.phase, name)
-            if self.live_by[name] > self.most_by.get(key, 0):
-                self.most_by[key] = self.live_by[name]
-                if name in (ACTIVATIONS, GRADIENTS):  # (the sharding arithmetic asks what coexisted with them)
-                    self.when_most[key] = dict(self.live_by)
+            value, most = self.live_by[name], self.most_by.get(key, 0)
+            if value > most:
+                self.most_by[key] = value
+            if name in (ACTIVATIONS, GRADIENTS) and value >= most and value:  # what coexisted with them, at the
+                self.when_most[key] = dict(self.live_by)  # latest such moment (a window's later micro-batches)
 
     def _add(self, value, category: str) -> None:
         if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
