@@ -31,12 +31,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from reproduce.models import build_model  # noqa: E402
-from reproduce.models.blocks import block_sizes, fsdp_blocks  # noqa: E402
-from reproduce.probe.fake_step import run_fake_step  # noqa: E402
+from reproduce.probe.fake_step import block_sizes, run_fake_step  # noqa: E402
 from reproduce.probe.sharding import Blocks, mixed_precision_step, sharded_peak  # noqa: E402
 from reproduce.probe.tracker import MemoryTracker, rounded  # noqa: E402
 from reproduce.probe.workload import Workload  # noqa: E402
 from reproduce.recipe import parse_recipe  # noqa: E402
+from reproduce.train.fsdp import shard_units  # noqa: E402
 from reproduce.train.losses import build_loss  # noqa: E402
 from reproduce.train.optim import build_optimizer  # noqa: E402
 from reproduce.units import format_size  # noqa: E402
@@ -84,7 +84,7 @@ def fsdp_peak(recipe, workload: Workload, world: int, micro_batch: int, window: 
             torch.manual_seed(0)
             model = build_model(recipe, workload.data.get("info"))
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            for block in fsdp_blocks(model):
+            for block in reversed(shard_units(model)):  # the units `reproduce run` shards (train/fsdp.py)
                 fully_shard(block, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
             optimizer = build_optimizer(workload.plan, model)

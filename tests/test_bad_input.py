@@ -313,6 +313,84 @@ CASES = [
         ["error: {path}: model.norm_layers.0: expected one of 'batchnorm'", "(got 'batchnrm')"],
     ),
     Case(
+        "unknown-norm-layer-given-alone",
+        mutate({"model.norm_layers": "batchnrm"}),
+        ["error: {path}: model.norm_layers.0: expected one of 'batchnorm'", "(got 'batchnrm')"],
+    ),
+    # ---- model.lora and model.dtype --------------------------------------------------------------------
+    Case(
+        "lora-rank-zero",
+        mutate({"model.lora": {"r": 0, "target_modules": ["fc"]}}),
+        ["error: {path}: model.lora.r: must be > 0 (got 0)"],
+    ),
+    Case(
+        "lora-rank-not-integer",
+        mutate({"model.lora": {"r": 4.5, "target_modules": ["fc"]}}),
+        ["error: {path}: model.lora.r: expected an integer (got 4.5)"],
+    ),
+    Case(
+        "lora-without-target-modules",
+        mutate({"model.lora": {"r": 4}}),
+        ["error: {path}: model.lora.target_modules: required field is missing"],
+    ),
+    Case(
+        "lora-empty-target-modules",
+        mutate({"model.lora": {"r": 4, "target_modules": []}}),
+        ["error: {path}: model.lora.target_modules: expected at least 1 item (got [])"],
+    ),
+    Case(
+        "lora-dropout-one",
+        mutate({"model.lora": {"r": 4, "dropout": 1.0, "target_modules": ["fc"]}}),
+        ["error: {path}: model.lora.dropout: must be < 1.0 (got 1.0)"],
+    ),
+    Case(
+        "lora-unknown-key",
+        mutate({"model.lora": {"rank": 4, "target_modules": ["fc"]}}),
+        ["error: {path}: model.lora.rank: unknown key (known: r, alpha, dropout, target_modules)"],
+        lines=2,  # and r is missing
+    ),
+    Case(
+        "lora-not-a-mapping",
+        mutate({"model.lora": 8}),
+        ["error: {path}: model.lora: expected a mapping (got 8)"],
+    ),
+    Case(
+        "dtype-typo",
+        mutate({"model.dtype": "bf61"}),
+        ["error: {path}: model.dtype: expected one of 'fp32', 'bf16' or 'fp16' (got 'bf61')"],
+    ),
+    Case(
+        "bf16-weights-under-fp32-precision",
+        mutate({"model.dtype": "bf16"}),
+        ["error: {path}: model.dtype: bf16 weights compute under precision: bf16 (autocast), not fp32"],
+    ),
+    Case(
+        "fp16-weights-trained-in-full",
+        mutate({"model.dtype": "fp16", "precision": "fp16"}),
+        ["error: {path}: model.dtype: fp16 weights can only stay frozen under model.lora"],
+    ),
+    # ---- plan-only data the probe cannot give a shape ----------------------------------------------------
+    Case(
+        "probe-image-size-unknown",
+        mutate({"data.name": "my-photos"}),
+        ["error: data: 'my-photos' is not available here and its image shape is not known: give data.image_size",
+         "(or give --micro-batch-max to skip the probe)"],
+        args=("--gpu", "rtx4090"),
+    ),
+    Case(
+        "probe-tokens-without-length",
+        mutate({"task": "language-modeling", "model": {"builtin": "gpt2-124m"}, "data.name": "web-text"}),
+        ["error: batch.sequence_length: needed to probe with synthetic tokens", "data.max_length"],
+        args=("--gpu", "rtx4090"),
+    ),
+    Case(
+        "probe-sequence-longer-than-the-model",
+        mutate({"task": "language-modeling", "model": {"builtin": "gpt2-124m"}, "data.name": "web-text",
+                "data.max_length": 4096}),
+        ["error: data.max_length: 4096 tokens is longer than gpt2-124m takes (1024 positions)"],
+        args=("--gpu", "rtx4090"),
+    ),
+    Case(
         "bad-precision",
         mutate({"precision": "fp8"}),
         ["error: {path}: precision: expected one of 'fp32', 'bf16' or 'fp16' (got 'fp8')"],

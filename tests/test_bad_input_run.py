@@ -41,8 +41,14 @@ def snapshot(folder: Path) -> dict:
 
 CASES = [
     # (id, recipe dict, extra args, expected substring)
-    ("builtin-model-not-runnable", changed(model={"builtin": "resnet50"}), [],
-     "model.builtin: no built-in 'resnet50' to run here"),
+    ("builtin-model-unknown", changed(model={"builtin": "resnet51"}), [],
+     "model.builtin: no built-in 'resnet51' to run here"),
+    ("architecture-takes-other-images", changed(model={"builtin": "resnet50"}), [],
+     "data.channels: resnet50 takes 3-channel images (got 1)"),
+    ("architecture-setting-unknown", changed(model={"builtin": "gpt2-124m", "kwargs": {"n_layr": 1}}), [],
+     "model.kwargs: gpt2-124m has no setting 'n_layr' (did you mean 'n_layer'?)"),
+    ("lora-target-not-in-the-model", changed(model={"builtin": "mlp", "lora": {"r": 2, "target_modules": "c_attn"}}),
+     [], "model.lora.target_modules: mlp has no module named 'c_attn' (modules LoRA can adapt: 1, 4, 6)"),
     ("data-not-available", changed(data={"name": "imagenet-1k", "available": False}), [],
      "data: 'imagenet-1k' is marked available: false"),
     ("factory-module-missing", changed(model={"factory": "no_such_pkg.models:net"}), [],
@@ -67,6 +73,20 @@ CASES = [
     ("resume-without-checkpoint", RUNNABLE, ["--resume"], "--resume:"),
     ("several-nodes-without-rendezvous", RUNNABLE, ["--nproc-per-node", "2", "--nnodes", "2"],
      "--rdzv-endpoint: required"),
+    # FSDP: checked before anything is launched or written
+    ("fsdp-on-one-process", RUNNABLE, ["--sharding", "fsdp"],
+     "batch.sharding: fsdp shards the model over several processes, but this run has 1; add --nproc-per-node"),
+    ("recipe-fsdp-on-one-process", changed(batch={"effective": 64, "sharding": "fsdp"}), [],
+     "batch.sharding: fsdp shards the model over several processes, but this run has 1"),
+    ("fsdp-on-one-launched-process", RUNNABLE, ["--sharding", "fsdp", "--nproc-per-node", "1"],
+     "batch.sharding: fsdp shards the model over several processes, but this run has 1"),
+    ("fsdp-optimizer-it-cannot-shard", changed(optimizer={"name": "adafactor", "lr": 0.01}),
+     ["--sharding", "fsdp", "--nproc-per-node", "2"],
+     "optimizer.name: adafactor cannot step FSDP's sharded parameters exactly"),
+    ("fsdp-real-probe", RUNNABLE, ["--sharding", "fsdp", "--nproc-per-node", "2", "--meter", "cpu", "--memory",
+                                   "1GiB", "--no-micro-batch-max"],
+     "--micro-batch-max: with batch.sharding fsdp give it (or --meter estimate)"),
+    ("sharding-unknown", RUNNABLE, ["--sharding", "zero3"], "'zero3' is not one of 'none', 'fsdp'"),
 ]
 
 
@@ -79,7 +99,9 @@ def test_bad_run_input(case_id, recipe, args, expected, tmp_path, capsys, monkey
     out.mkdir()
     (out / "notes.txt").write_text("the user's own file, which must survive\n")
     before = snapshot(out)
-    if "--micro-batch-max" not in args:
+    if "--no-micro-batch-max" in args:  # the case is about the probe
+        args = [a for a in args if a != "--no-micro-batch-max"]
+    elif "--micro-batch-max" not in args:
         args = [*args, "--micro-batch-max", "16"]
     with pytest.raises(SystemExit) as exit_info:
         main(["run", str(path), "--out", str(out), "--device", "cpu", *args, "--force"])
@@ -135,4 +157,22 @@ def test_resume_with_a_changed_recipe_is_refused(tmp_path, capsys):
         main(["run", str(recipe), "--out", str(out), "--device", "cpu", "--resume"])
     assert exit_info.value.code == 2
     assert "--resume: the recipe in" in capsys.readouterr().err
+    assert snapshot(out) == before
+
+
+def test_resume_with_another_sharding_is_refused(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(RUNNABLE))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit):
+        main(["run", str(recipe), "--out", str(out), "--device", "cpu", "--micro-batch-max", "16", "--max-steps", "1"])
+    before = snapshot(out)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(recipe), "--out", str(out), "--device", "cpu", "--resume", "--sharding", "fsdp",
+              "--nproc-per-node", "2"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.strip() == (f"error: --sharding: the run in {out} was started with sharding none; resume it with the "
+                           "same (got fsdp)")
     assert snapshot(out) == before

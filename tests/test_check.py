@@ -113,7 +113,7 @@ def test_errors_of_every_file_before_anything_runs(tmp_path, capsys):
     code, _, err = run_cli(["check", str(tmp_path)], capsys)
     assert code == 2
     assert err.splitlines() == [
-        f"error: {tmp_path / 'a.yaml'}: checks: List should have at least 1 item after validation, not 0 (got [])",
+        f"error: {tmp_path / 'a.yaml'}: checks: expected at least 1 item (got [])",
         f"error: {tmp_path / 'b.yaml'}: expected a mapping of check fields at the top level (got list)",
     ]
 

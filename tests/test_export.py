@@ -336,3 +336,65 @@ def test_accelerate_reads_the_config(goyal, nanogpt, tmp_path):
         finally:
             AcceleratorState._reset_state(True)
             GradientState._reset_state()
+
+
+# ---- batch.sharding: fsdp --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sharded_gpt():
+    """The pysource GPT sharded over 4 processes in bf16 (its blocks are the built-in GPT's `Block`)."""
+    from reproduce.sharding import with_sharding
+
+    recipe = with_sharding(load_recipe(PAPERS / "pysource-gpt.yaml"), "fsdp")
+    recipe = recipe.model_copy(update={"precision": "bf16"})
+    return plan(recipe, 16, 4, recipe_path="papers/pysource-gpt.yaml", dataset_size=20000)
+
+
+def test_sharded_plan_emits_the_fsdp_forms_and_says_what_differs(sharded_gpt, goyal):
+    accelerate = export(sharded_gpt, "accelerate")
+    assert accelerate.values["config"]["distributed_type"] == "FSDP"
+    assert accelerate.values["config"]["fsdp_config"] == {
+        "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_reshard_after_forward": True,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_offload_params": False,
+        "fsdp_transformer_layer_cls_to_wrap": "Block"}
+    assert "reduce_dtype=torch.float32" in accelerate.text  # Accelerate's bf16 alone would reduce in bf16
+    lightning = export(sharded_gpt, "lightning")
+    assert lightning.values["trainer"]["strategy"] == "fsdp" and lightning.values["fsdp_blocks"] == ["Block"]
+    deepspeed = export(sharded_gpt, "deepspeed")
+    assert deepspeed.values["zero_optimization"]["stage"] == 3
+    for form in (accelerate, lightning, deepspeed):
+        assert any("reduce-scatters the gradients once per optimizer step" in note for note in form.notes), form.fmt
+    assert any("--emit accelerate" in note for note in export(sharded_gpt, "hf").notes)
+    # an unsharded plan keeps its DDP forms
+    assert export(goyal, "accelerate").values["config"]["distributed_type"] == "MULTI_GPU"
+    assert export(goyal, "lightning").values["trainer"]["strategy"] == "ddp"
+    assert "zero_optimization" not in export(goyal, "deepspeed").values
+
+
+def test_accelerate_and_lightning_accept_the_fsdp_forms(sharded_gpt, tmp_path):
+    pytest.importorskip("accelerate", reason=f"accelerate not installed; {NOT_IN_CI}")
+    lightning = pytest.importorskip("lightning", reason=f"lightning not installed; {NOT_IN_CI}")
+    import torch
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    from reproduce.models.small import GPT
+
+    out = export(sharded_gpt, "accelerate")
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(out.text)
+    config = ClusterConfig.from_yaml_file(str(path))
+    assert config.distributed_type == "FSDP" and config.fsdp_config["fsdp_version"] == 2
+    plugin = FullyShardedDataParallelPlugin(**out.values["fsdp_plugin"])
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.transformer_cls_names_to_wrap == ["Block"]
+
+    ns = run_source(emit(sharded_gpt, "lightning"))
+    model = GPT(layers=2, dim=16, heads=2)
+    strategy = ns["fsdp_strategy"](model)
+    assert isinstance(strategy, lightning.pytorch.strategies.FSDPStrategy)
+    policy = strategy.kwargs["auto_wrap_policy"]
+    assert policy(model.blocks[0], False, 0) and not policy(model, False, 0)  # one unit per block
+    assert strategy.mixed_precision.param_dtype == torch.bfloat16
+    assert strategy.mixed_precision.reduce_dtype == torch.float32

@@ -24,9 +24,10 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
 
 def test_builtin_names_equal_the_registries():
     from reproduce.data import DATA
-    from reproduce.models import MODELS
+    from reproduce.models import LOSSES, MODELS
 
     assert set(builtin_names.MODELS) == set(MODELS)
+    assert set(builtin_names.LOSSES) == set(LOSSES)
     assert set(builtin_names.DATA) == set(DATA)
 
 
@@ -36,8 +37,10 @@ def test_papers_command_imports_no_torch():
     assert out.strip() == "False"
 
 
-def test_list_shows_every_recipe_and_where_it_runs(capsys):
+def test_list_shows_every_recipe_and_where_it_runs(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path))  # the parameter counts are computed, then cached
     code, out, err = run_cli(["papers", "--dir", str(PAPERS)], capsys)
+    assert run_cli(["papers", "--dir", str(PAPERS)], capsys)[1] == out and list(tmp_path.glob("*.json"))
     assert code == 0, err
     lines = out.splitlines()
     for path in sorted(PAPERS.glob("*.yaml")):
@@ -45,8 +48,13 @@ def test_list_shows_every_recipe_and_where_it_runs(capsys):
     row = {line.split("│")[1].strip(): line for line in lines if line.startswith("│ ") and line.split("│")[1].strip()}
     assert "runnable" in row["digits-mlp"] and "256 samples" in row["digits-mlp"] and "sgd 0.2" in row["digits-mlp"]
     assert "runnable" in row["pysource-gpt"] and "4,096 tokens" in row["pysource-gpt"]
-    assert "plan-only (no" in row["goyal2017-resnet50"] and "8,192 samples" in row["goyal2017-resnet50"]
+    assert "plan-only" in row["goyal2017-resnet50"] and "8,192 samples" in row["goyal2017-resnet50"]
     assert "2017" in row["goyal2017-resnet50"] and "nesterov 3.2" in row["goyal2017-resnet50"]
+    # each model with its parameter count as the recipe builds it (on the meta device), what trains with LoRA
+    assert "resnet50 25.6M" in row["goyal2017-resnet50"] and "mlp 26.1k" in row["digits-mlp"]
+    assert "llama-7b 6.74B (4.19M trainable)" in row["tloen2023-alpaca-lora"]
+    assert "vit-b16 103.2M" in row["dosovitskiy2021-vit-b16"]  # with its 21,843-class head for ImageNet-21k
+    assert "  goyal2017-resnet50: data imagenet-1k not available" in lines  # why not runnable, below the table
     assert "runnable here" in lines[-1] and "plan-only" in lines[-1]
 
 
@@ -55,7 +63,8 @@ def test_show_prints_the_recipe_and_a_summary(capsys):
     assert code == 0, err
     assert "effective: 8192" in out and "Accurate, Large Minibatch SGD" in out
     assert "effective batch 8,192 samples (paper: 32 per device x 1 accumulation x 256 devices)" in out
-    assert "plan-only (no built-in model resnet50)" in out
+    assert "plan-only (data imagenet-1k not available)" in out
+    assert "model: resnet50, 25,557,032 parameters" in out
     assert "--micro-batch-max 32" in out
     code, out, _ = run_cli(["papers", "--dir", str(PAPERS), "show", "digits-mlp.yaml"], capsys)
     assert code == 0 and "here: runnable" in out and "run it:  reproduce run" in out
@@ -77,7 +86,10 @@ def test_invalid_recipe_is_listed_not_fatal(tmp_path, capsys):
 @pytest.mark.parametrize(
     "change, reason",
     [
-        ({"model": {"builtin": "resnet50"}}, "no built-in model resnet50"),
+        ({"model": {"builtin": "resnet51"}}, "no built-in model resnet51"),
+        ({"model": {"builtin": "resnet50"}}, ""),
+        ({"task": "custom", "loss": {"builtin": "mae-masked-pixel-mse"}}, ""),
+        ({"task": "custom", "loss": {"builtin": "mse"}}, "no built-in loss mse"),
         ({"model": {"factory": "no_such_module_xyz:build"}}, "model factory 'no_such_module_xyz:build' not importable"),
         ({"data": {"name": "imagenet", "available": False}}, "data imagenet not available"),
         ({"optimizer": {"name": "lars", "lr": 0.1}}, "no PyTorch lars optimizer"),

@@ -179,15 +179,20 @@ def test_materialize_keeps_tied_weights():
 
 
 def test_synthetic_data_needs_a_declared_shape():
-    recipe = parse_recipe({**DIGITS, "data": {"name": "imagenet", "available": False}}, source="test")
-    with pytest.raises(UserError, match="input_shape"):
-        _ = Workload(recipe).data
-    shaped = parse_recipe(
-        {**DIGITS, "data": {"name": "imagenet", "available": False, "kwargs": {"input_shape": [1, 8, 8]}}},
-        source="test",
-    )
+    """A factory's model fixes nothing the probe knows, and an unknown dataset has no default shape: the recipe must
+    declare one. A built-in model fixes its input (the MLP: 64 features); a known dataset has its shape."""
+    unknown = {**DIGITS, "model": {"factory": "factories:tiny_gpt"}, "data": {"name": "my-scans", "available": False}}
+    with pytest.raises(UserError, match="give data.channels, data.image_size, data.classes"):
+        _ = Workload(parse_recipe(unknown, source="test")).data
+    shaped = parse_recipe({**unknown, "data": {**unknown["data"], "kwargs": {"input_shape": [1, 8, 8]}}}, source="test")
     inputs, target = Workload(shaped).batch(4)
     assert inputs.shape == (4, 1, 8, 8) and target.shape == (4,)
+    declared = parse_recipe({**unknown, "data": {**unknown["data"], "channels": 1, "image_size": 28, "classes": 10}},
+                            source="test")
+    inputs, target = Workload(declared).batch(2)
+    assert inputs.shape == (2, 1, 28, 28) and int(target.max()) < 10
+    mlp = parse_recipe({**DIGITS, "data": {"name": "imagenet", "available": False}}, source="test")
+    assert Workload(mlp).batch(3)[0].shape == (3, 64)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -55,7 +55,7 @@ def run_accumulated(recipe_data: dict, micro_batch: int, tmp_path, dtype=torch.f
 
 
 def run_plain(recipe_data: dict, data: dict, steps: int, dtype=torch.float64) -> dict:
-    """A plain PyTorch loop over whole effective batches: mean loss, one backward, one step."""
+    """A plain PyTorch loop over whole effective batches: mean loss, one backward, the recipe's clipping, one step."""
     recipe = parse_recipe(recipe_data)
     torch.manual_seed(recipe.seed)
     model = build_model(recipe, data.get("info")).to(dtype)
@@ -78,6 +78,8 @@ def run_plain(recipe_data: dict, data: dict, steps: int, dtype=torch.float64) ->
             loss = F.cross_entropy(output, target)
         optimizer.zero_grad()
         loss.backward()
+        if recipe.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad_norm)
         optimizer.step()
     return model.state_dict()
 

@@ -1,6 +1,7 @@
 """What can run here, decided without importing torch: the built-in names, and `why_not_runnable(recipe)`.
 
-`reproduce.models.MODELS` and `reproduce.data.DATA` are the real registries; a test keeps these names equal to them.
+`reproduce.models.MODELS`, `reproduce.models.LOSSES` and `reproduce.data.DATA` are the real registries; a test keeps
+these names equal to them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .recipe import Recipe
 
-MODELS = ("mlp", "cnn-bn", "cnn-gn", "gpt")
+SMALL_MODELS = ("mlp", "cnn-bn", "cnn-gn", "gpt")  # reproduce.models.small
+TORCHVISION_MODELS = ("resnet50", "vit-b16", "deit-b")  # the papers' architectures (reproduce.models.architectures)
+TRANSFORMERS_MODELS = (
+    "mae-vit-large-patch16", "gpt2-124m", "gpt3-small", "gpt2-medium", "gpt-char", "bert-base", "roberta-base",
+    "llama-7b",
+)
+MODELS = SMALL_MODELS + TORCHVISION_MODELS + TRANSFORMERS_MODELS
+LOSSES = ("mae-masked-pixel-mse",)
 DATA = ("digits", "pysource")
 TORCH_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "adafactor")
 
@@ -47,6 +55,10 @@ def why_not_runnable(recipe: Recipe) -> str | None:
     model, data = recipe.model, recipe.data
     if model.builtin is not None and model.builtin not in MODELS:
         return f"no built-in model {model.builtin}"
+    if model.builtin in TORCHVISION_MODELS and not _module_found("torchvision:models"):
+        return f"torchvision is not installed ({model.builtin})"
+    if model.builtin in TRANSFORMERS_MODELS and not _module_found("transformers:AutoModel"):
+        return f"transformers is not installed ({model.builtin})"
     if model.factory is not None and not _module_found(model.factory):
         return f"model factory {model.factory!r} not importable"
     if getattr(model, "hf", None) is not None:
@@ -54,14 +66,18 @@ def why_not_runnable(recipe: Recipe) -> str | None:
             return "transformers is not installed"
         if not hf_model_local(model.hf):
             return f"Hugging Face model {model.hf!r} is not on this machine"
+    if getattr(model, "lora", None) is not None and not _module_found("peft:get_peft_model"):
+        return "peft is not installed (model.lora)"
     if not data.available:
         return f"data {data.name} not available"
     if data.builtin is not None and data.builtin not in DATA:
         return f"no built-in data {data.builtin}"
     if data.factory is not None and not _module_found(data.factory):
         return f"data factory {data.factory!r} not importable"
-    if recipe.loss is not None and recipe.loss.factory is None:
+    if recipe.loss is not None and recipe.loss.builtin is not None and recipe.loss.builtin not in LOSSES:
         return f"no built-in loss {recipe.loss.builtin}"
+    if recipe.loss is not None and recipe.loss.factory is not None and not _module_found(recipe.loss.factory):
+        return f"loss factory {recipe.loss.factory!r} not importable"
     if recipe.optimizer.name not in TORCH_OPTIMIZERS:
         return f"no PyTorch {recipe.optimizer.name} optimizer"
     return None

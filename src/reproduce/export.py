@@ -13,6 +13,9 @@ Exactness in brief:
 - the loss normalisation: HF's Trainer counts the tokens of the whole accumulation window; Lightning and
   Accelerate divide each micro-batch's mean by N, which is exact only when every micro-batch holds the
   same number of loss-bearing items (always true for samples with drop_last; not for padded tokens).
+
+A recipe with `batch.sharding: fsdp` gets each framework's sharded form: Accelerate's FSDP2 config, Lightning's
+`FSDPStrategy`, DeepSpeed ZeRO stage 3 (Hugging Face's Trainer shards through Accelerate: a note points there).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import yaml
 from .builtin_names import why_not_runnable
 from .errors import UserError
 from .planner import Plan
+from .sharding import SHARDABLE_OPTIMIZERS
 
 FORMATS = ("hf", "lightning", "deepspeed", "accelerate", "torchrun")
 WIDTH = 110
@@ -290,6 +294,57 @@ def _no_torch_optimizer_note(plan: Plan) -> str | None:
     return None
 
 
+# ---- sharding (batch.sharding: fsdp) ----------------------------------------------------------------------
+
+
+def sharded(plan: Plan) -> bool:
+    return plan.recipe.batch.sharding == "fsdp"
+
+
+RESNET_BASIC = ("resnet18", "resnet34")
+
+
+def fsdp_blocks(plan: Plan) -> tuple[list[str], str | None]:
+    """The block class names sharded one by one (as `reproduce run` finds them), and a note when they must come
+    from the model itself. Empty: the model is sharded as one unit (the small MLP and CNNs)."""
+    model = plan.recipe.model
+    if model.builtin == "gpt":
+        return ["Block"], None
+    if model.builtin in ("mlp", "cnn-bn", "cnn-gn"):
+        return [], None
+    if model.builtin is not None and model.builtin.startswith("resnet"):
+        return ["BasicBlock" if model.builtin in RESNET_BASIC else "Bottleneck"], None
+    if model.factory is not None:
+        return [], (
+            f"{model.factory} is your own model: name its block class (the repeated layer) as the unit to shard; "
+            "reproduce run shards Hugging Face models by their _no_split_modules, the built-in GPT's Block and "
+            "torchvision's ResNet blocks, and any other model as one unit"
+        )
+    return [], "the block classes are the model's _no_split_modules (Hugging Face models list them)"
+
+
+def fsdp_notes(plan: Plan, framework: str, reduction: str) -> list[str]:
+    """What a framework's sharded run does differently from `reproduce run --sharding fsdp`."""
+    notes = [
+        f"reproduce run shards with FSDP2 (fully_shard per block, then the root) over {plan.world_size} processes, "
+        "reduce-scatters the gradients once per optimizer step (no gradient sync on the first "
+        f"{plan.accumulation_steps - 1} micro-batches) as a SUM of losses divided by the window's global item count; "
+        f"{framework} {reduction}",
+    ]
+    if plan.recipe.precision != "fp32":
+        notes.append(
+            f"reproduce run's FSDP mixed precision: parameters all-gathered in {plan.recipe.precision}, gradients "
+            "reduced in fp32, fp32 sharded master weights and optimizer state"
+        )
+    if plan.world_size < 2:
+        notes.append("batch.sharding fsdp needs several processes: plan with --world-size 2 or more")
+    name = plan.recipe.optimizer.name
+    if name not in SHARDABLE_OPTIMIZERS:
+        notes.append(f"reproduce run refuses {name} with FSDP (its update needs statistics of whole tensors); check "
+                     f"that {framework}'s {name} handles sharded parameters")
+    return notes
+
+
 # ---- Hugging Face -----------------------------------------------------------------------------------------
 
 
@@ -394,6 +449,11 @@ def _hf(plan: Plan) -> Export:
     tail = _epoch_tail_note(plan, "HF's Trainer")
     if tail:
         notes.append(tail)
+    if sharded(plan):
+        notes.append(
+            "the recipe shards the model (batch.sharding fsdp): the Trainer runs FSDP through Accelerate; launch it "
+            "with the FSDP2 config reproduce plan --emit accelerate prints (accelerate launch --config_file ...)"
+        )
     launch = (
         f"launch with {plan.world_size} processes: torchrun --nproc-per-node={plan.world_size} train.py"
         if plan.world_size > 1 else "one process: python train.py"
@@ -447,7 +507,7 @@ def _lightning(plan: Plan) -> Export:
         "accelerator": "auto",
         "devices": plan.world_size,
         "num_nodes": 1,
-        "strategy": "ddp" if plan.world_size > 1 else "auto",
+        "strategy": "fsdp" if sharded(plan) else "ddp" if plan.world_size > 1 else "auto",
         "accumulate_grad_batches": plan.accumulation_steps,
         "max_steps": plan.optimizer_steps if plan.optimizer_steps is not None else -1,
         "gradient_clip_val": recipe.clip_grad_norm,
@@ -465,18 +525,62 @@ def _lightning(plan: Plan) -> Export:
         if note:
             notes.append(note)
     values = {"trainer": trainer, "batch_size": plan.micro_batch}
+    strategy: list[str] = []
+    if sharded(plan):
+        comments["strategy"] = "FSDP: trainer_kwargs['strategy'] = fsdp_strategy(model), below"
+        blocks, block_note = fsdp_blocks(plan)
+        notes += fsdp_notes(plan, "Lightning's FSDPStrategy",
+                            "wraps the model in FSDP1 (FullyShardedDataParallel, flat parameters): the same sharding "
+                            "and the same update, gradients averaged over processes and micro-batches instead")
+        if block_note:
+            notes.append(block_note)
+        values["fsdp_blocks"] = blocks
+        strategy = ["", "", *_lightning_fsdp_source(plan, blocks)]
     lines = _header(plan, notes, [f"schedule: {_schedule_words(plan)}"])
     lines += [
         f"batch_size = {plan.micro_batch}  # per device: DataLoader(train_set, batch_size=batch_size, "
         f"shuffle={recipe.data.shuffle}, drop_last={recipe.data.drop_last})",
         *_kwargs_block("trainer_kwargs", trainer, comments),
         "# trainer = lightning.Trainer(**trainer_kwargs)",
+        *strategy,
         "", "",
         *lr_factor_source(plan), "", "",
         *param_groups_source(plan), "", "",
         *_configure_optimizers(plan),
     ]
     return Export("lightning", "\n".join(lines) + "\n", values, notes)
+
+
+LIGHTNING_FSDP_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+
+
+def _lightning_fsdp_source(plan: Plan, blocks: list[str]) -> list[str]:
+    """`def fsdp_strategy(model)`: Lightning's FSDPStrategy sharded per block, with fp32 gradient reductions."""
+    compute = LIGHTNING_FSDP_DTYPES.get(plan.recipe.precision)
+    precision = [] if compute is None else [
+        f"    # {plan.recipe.precision}-mixed alone would reduce gradients in {plan.recipe.precision}; fp32 as "
+        "reproduce run:",
+        f"    kwargs['mixed_precision'] = MixedPrecision(param_dtype={compute}, reduce_dtype=torch.float32,",
+        f"                                               buffer_dtype={compute})",
+    ]
+    return [
+        "def fsdp_strategy(model):",
+        '    """Lightning\'s FSDPStrategy, one FSDP unit per block as reproduce run shards (blocks by class name)."""',
+        *(["    import torch"] if compute else []),
+        "    from lightning.pytorch.strategies import FSDPStrategy",
+        *(["    from torch.distributed.fsdp import MixedPrecision"] if compute else []),
+        "",
+        f"    blocks = set({_py(blocks)})",
+        "    for module in model.modules():  # Hugging Face models name their blocks",
+        '        blocks.update(getattr(module, "_no_split_modules", None) or ())',
+        "",
+        "    def per_block(module, recurse, nonwrapped_numel):",
+        "        return recurse or type(module).__name__ in blocks",
+        "",
+        '    kwargs = {"auto_wrap_policy": per_block, "sharding_strategy": "FULL_SHARD", "state_dict_type": "sharded"}',
+        *precision,
+        "    return FSDPStrategy(**kwargs)",
+    ]
 
 
 def _configure_optimizers(plan: Plan) -> list[str]:
@@ -544,6 +648,18 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
     if scheduler:
         config["scheduler"] = scheduler
     notes += schedule_notes
+    if sharded(plan):
+        config["zero_optimization"] = {
+            "stage": 3,  # parameters, gradients and optimizer state partitioned over the processes
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "stage3_gather_16bit_weights_on_model_save": recipe.precision != "fp32",
+        }
+        notes += fsdp_notes(plan, "DeepSpeed ZeRO-3",
+                            "reduce-scatters every micro-batch's gradients into the partitions (less memory than "
+                            "holding a whole gradient, N times the communication) and averages over processes")
+        notes.append("ZeRO-3 checkpoints are partitioned; the whole fp32 model comes from DeepSpeed's "
+                     "zero_to_fp32.py (reproduce run writes it as model.pt)")
     config["steps_per_print"] = max(1, min(100, (plan.optimizer_steps or 1000) // 20))
     return config, notes
 
@@ -612,9 +728,9 @@ ACCELERATE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 def _accelerate(plan: Plan) -> Export:
     recipe = plan.recipe
     notes: list[str] = []
-    config = {
+    config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": "MULTI_GPU" if plan.world_size > 1 else "NO",
+        "distributed_type": "FSDP" if sharded(plan) else "MULTI_GPU" if plan.world_size > 1 else "NO",
         "mixed_precision": ACCELERATE_PRECISION[recipe.precision],
         "num_machines": 1,
         "machine_rank": 0,
@@ -637,12 +753,32 @@ def _accelerate(plan: Plan) -> Export:
             notes.append(note)
     if plan.optimizer_steps is None:
         notes.append(_steps_note(plan, "the loop's step count"))
+    plugin: list[str] = []
+    fsdp_plugin = None
+    if sharded(plan):
+        config["fsdp_config"], fsdp_plugin = accelerate_fsdp(plan)
+        notes += fsdp_notes(plan, "Accelerate", "syncs only at the end of accumulate() too (FSDP2's "
+                            "set_requires_gradient_sync), and averages the gradients over processes and micro-batches")
+        _, block_note = fsdp_blocks(plan)
+        if block_note:
+            notes.append(block_note)
+        if recipe.precision != "fp32":
+            compute = LIGHTNING_FSDP_DTYPES[recipe.precision]
+            notes.append(f"Accelerate's FSDP with mixed_precision {recipe.precision} also reduces gradients in "
+                         f"{recipe.precision}: pass the plugin below for fp32 reductions, as reproduce run")
+            plugin = [
+                "  from accelerate import FullyShardedDataParallelPlugin",
+                "  from torch.distributed.fsdp import MixedPrecisionPolicy",
+                "  plugin = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy="
+                f"MixedPrecisionPolicy(param_dtype={compute}, reduce_dtype=torch.float32))",
+            ]
     clip = recipe.clip_grad_norm
     build = optimizer_source(plan, "param_groups(model)") or f"...  # {recipe.optimizer.name}, lr {plan.lr!r}"
     usage = [
         "accelerate launch --config_file accelerate.yaml train.py   (saved as accelerate.yaml); in train.py:",
+        *plugin,
         f"  accelerator = Accelerator(gradient_accumulation_steps={plan.accumulation_steps}, "
-        f"mixed_precision={accelerator['mixed_precision']!r})",
+        f"mixed_precision={accelerator['mixed_precision']!r}" + (", fsdp_plugin=plugin)" if plugin else ")"),
         f"  loader = DataLoader(train_set, batch_size={plan.micro_batch}, shuffle={recipe.data.shuffle}, "
         f"drop_last={recipe.data.drop_last})  # per process",
         f"  optimizer = {build}",
@@ -659,8 +795,29 @@ def _accelerate(plan: Plan) -> Export:
     lines = _header(plan, notes, [f"schedule: {_schedule_words(plan)}"])
     lines += ["#"] + ["# " + line for line in usage] + ["#"]
     lines.append(yaml.safe_dump(config, sort_keys=False).rstrip())
-    return Export("accelerate", "\n".join(lines) + "\n", {"config": config, "accelerator": accelerator,
-                                                        "batch_size": plan.micro_batch}, notes)
+    values = {"config": config, "accelerator": accelerator, "batch_size": plan.micro_batch}
+    if fsdp_plugin is not None:
+        values["fsdp_plugin"] = fsdp_plugin  # FullyShardedDataParallelPlugin(**...), what fsdp_config says
+    return Export("accelerate", "\n".join(lines) + "\n", values, notes)
+
+
+def accelerate_fsdp(plan: Plan) -> tuple[dict, dict]:
+    """Accelerate's `fsdp_config` (config file keys) and the same as FullyShardedDataParallelPlugin arguments."""
+    blocks, _ = fsdp_blocks(plan)
+    wrap = "NO_WRAP" if not blocks and plan.recipe.model.builtin in ("mlp", "cnn-bn", "cnn-gn") else \
+        "TRANSFORMER_BASED_WRAP"
+    config: dict[str, Any] = {
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": wrap,
+        "fsdp_reshard_after_forward": True,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_offload_params": False,
+    }
+    if blocks:
+        config["fsdp_transformer_layer_cls_to_wrap"] = ",".join(blocks)  # without it: the model's _no_split_modules
+    plugin = {"fsdp_version": 2, "auto_wrap_policy": wrap.lower(), "reshard_after_forward": True,
+              "state_dict_type": "SHARDED_STATE_DICT", "transformer_cls_names_to_wrap": blocks or None}
+    return config, plugin
 
 
 # ---- torchrun ---------------------------------------------------------------------------------------------

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import UserError
 
@@ -20,6 +20,18 @@ SGD_FAMILY = ("sgd", "nesterov", "lars")
 ADAM_FAMILY = ("adam", "adamw", "lamb", "adafactor")
 NORM_LAYERS = ("batchnorm", "layernorm", "rmsnorm", "groupnorm", "none")
 LENGTH_UNITS = ("steps", "epochs", "samples", "tokens")
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
+
+Name = TypeVar("Name")
+
+
+def _one_or_many(value: Any) -> Any:
+    """A single name where a list of names is expected: `norm_layers: batchnorm` reads as `[batchnorm]`."""
+    return [value] if isinstance(value, str) else value
+
+
+# A list of names that also accepts one name written alone (YAML users write `no_decay: bias` as often as `[bias]`).
+Names = Annotated[list[Name], BeforeValidator(_one_or_many)]
 
 
 class Strict(BaseModel):
@@ -28,7 +40,7 @@ class Strict(BaseModel):
 
 class Paper(Strict):
     title: str
-    authors: list[str] = []
+    authors: Names[str] = []
     year: int | None = Field(default=None, ge=1950, le=2100)
     url: str | None = None
     arxiv: str | None = None
@@ -96,16 +108,35 @@ class Builder(Strict):
         return self
 
 
+class Lora(Strict):
+    """Low-rank adapters (Hu et al. 2021) through peft on the modules named: only the adapters train.
+
+    Each adapted weight W gets W + (alpha / r) B A with A (r x in) and B (out x r); B starts at zero, so the
+    adapted model starts as the base model.
+    """
+
+    r: int = Field(gt=0, description="rank of each adapter")
+    alpha: float | None = Field(default=None, gt=0, description="the update is scaled by alpha / r (default: r)")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: Annotated[Names[str], Field(min_length=1)] = Field(
+        description="names (or name endings) of the modules to adapt, e.g. [q_proj, v_proj]"
+    )
+
+
 class Model(Builder):
     """A built-in, a factory, or `hf: NAME_OR_LOCAL_PATH` (a Hugging Face model, loaded from this machine only).
 
     With `hf`, `kind` says which head (default from the task: causal-lm for language-modeling,
     sequence-classification for classification) and `kwargs` go to `from_pretrained` (e.g. num_labels).
+    `dtype` is the dtype the weights are stored in (bf16/fp16: as fine-tuning recipes load a base model);
+    `lora` freezes them and trains low-rank adapters instead.
     """
 
     hf: str | None = Field(default=None, description="Hugging Face model name or local folder")
     kind: Literal["causal-lm", "sequence-classification"] | None = None
-    norm_layers: list[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
+    norm_layers: Names[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
+    dtype: Literal[WEIGHT_DTYPES] = "fp32"  # type: ignore[valid-type]
+    lora: Lora | None = None
     description: str | None = None
     pretrained: str | None = Field(
         default=None, min_length=1,
@@ -162,7 +193,7 @@ class Optimizer(Strict):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(default=1e-8, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
-    no_decay: list[Literal["bias", "norm", "embedding", "1d"]] = []
+    no_decay: Names[Literal["bias", "norm", "embedding", "1d"]] = []
 
     @model_validator(mode="after")
     def _betas(self) -> Optimizer:
@@ -300,9 +331,21 @@ class Recipe(Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
         if self.task == "custom" and self.loss is None:
-            raise ValueError("loss: task custom needs loss: {factory: 'package.module:function'}")
+            raise ValueError("loss: task custom needs loss: {builtin: NAME} or {factory: 'package.module:function'}")
         if self.task != "custom" and self.loss is not None:
             raise ValueError(f"loss: only used with task custom (task is {self.task})")
+        weights = self.model.dtype
+        if weights != "fp32" and self.precision != weights:
+            raise ValueError(
+                f"model.dtype: {weights} weights compute under precision: {weights} (autocast), not "
+                f"{self.precision}" + (" (fp16 autocast would keep an fp16 copy of every bf16 weight for the backward)"
+                                       if self.precision == "fp16" else "")
+            )
+        if weights == "fp16" and self.model.lora is None:
+            raise ValueError(
+                "model.dtype: fp16 weights can only stay frozen under model.lora (a GradScaler cannot unscale fp16 "
+                "gradients); train all weights in bf16 or fp32"
+            )
         if self.batch.sequence_length is None:
             schedule = self.schedule
             named = [
@@ -415,6 +458,9 @@ def _message(error: dict, root: type[BaseModel]) -> str:
         return f"expected one of {ctx.get('expected', '')} (got {got!r})"
     if kind == "string_pattern_mismatch":
         return f"expected 'package.module:function' (got {got!r})"
+    if kind == "too_short":
+        least = ctx.get("min_length", 1)
+        return f"expected at least {least} item{'s' if least != 1 else ''} (got {got!r})"
     if kind == "int_from_float":
         return f"expected an integer (got {got!r})"
     if kind.endswith("_type") or kind.endswith("_parsing") or kind == "model_type":

@@ -36,6 +36,15 @@ def format_size(n: float) -> str:
     return f"{int(n)} B"
 
 
+def format_count(n: int) -> str:
+    """A count of parameters for people: 6.74B, 124.5M, 393.2k, 512."""
+    for unit, factor in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if abs(n) >= factor:
+            digits = 2 if abs(n) < 10 * factor else 1
+            return f"{n / factor:.{digits}f}{unit}"
+    return str(int(n))
+
+
 def available_host_memory() -> int | None:
     """Free RAM (`MemAvailable`), or None where it cannot be read."""
     try:

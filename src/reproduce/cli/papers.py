@@ -1,7 +1,9 @@
-"""`reproduce papers`: the shipped recipes, and whether each can run here; `reproduce papers show NAME` prints one.
+"""`reproduce papers`: the shipped recipes, their models, and whether each can run here; `papers show NAME` prints one.
 
-No torch: whether a recipe is runnable is decided from the built-in names (`reproduce.builtin_names`), the
-data's availability, and whether factories and Hugging Face models are on this machine.
+Whether a recipe is runnable is decided without torch, from the built-in names (`reproduce.builtin_names`), the
+data's availability, and whether factories and Hugging Face models are on this machine. The parameter counts of
+built-in models come from building them on torch's meta device (no memory, no weights), so torch is imported when
+the command runs, not when the CLI starts; a factory's code is never run to list it.
 """
 
 from __future__ import annotations
@@ -11,16 +13,21 @@ import re
 from pathlib import Path
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 from rich.syntax import Syntax
 from rich.table import Table
 
-from ..builtin_names import why_not_runnable
+from .. import __version__
+from ..builtin_names import MODELS, why_not_runnable
 from ..errors import UserError
+from ..probe import cache
 from ..recipe import Recipe, load_recipe
+from ..units import format_count
 from .app import app
-from .common import stdout
+from .common import is_terminal, stdout
 
+LIST_WIDTH = 165  # off a terminal (CI logs, pipes): room for every column of the list on one line
 DIR_HELP = "Folder of recipes (default: ./papers if present, else the papers/ shipped with reproduce)."
 
 papers_app = typer.Typer(
@@ -85,6 +92,54 @@ def optimizer_text(recipe: Recipe) -> str:
     return f"{recipe.optimizer.name} {recipe.optimizer.lr:g}"
 
 
+def parameter_counts(recipe: Recipe) -> tuple[int, int] | None:
+    """(all, trainable) parameters of a built-in model as the recipe builds it (on the meta device); None for a
+    factory or Hugging Face model, or when it cannot be built here. Kept in the probe's cache (keyed by the recipe
+    and the libraries' versions), so listing again imports no torch."""
+    if recipe.model.builtin not in MODELS:
+        return None
+    key = cache.cache_key({"parameters": recipe.model_dump(mode="json"), "versions": _library_versions()})
+    saved = cache.load(key)
+    if saved is not None and isinstance(saved.get("parameters"), int) and isinstance(saved.get("trainable"), int):
+        return saved["parameters"], saved["trainable"]
+    from ..models import parameter_counts as count
+    from ..probe.workload import synthetic_data
+
+    try:
+        info = synthetic_data(recipe)["info"]  # the head and vocabulary the recipe's data declares
+    except UserError:
+        info = None
+    try:
+        total, trainable = count(recipe, info)
+    except (UserError, ImportError):
+        return None
+    cache.store(key, {"parameters": total, "trainable": trainable})
+    return total, trainable
+
+
+def _library_versions() -> dict:
+    """The versions of the libraries that define the models (read from their metadata: nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"reproduce": __version__}
+    for name in ("torch", "torchvision", "transformers", "peft"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def model_text(recipe: Recipe, counts: tuple[int, int] | None) -> str:
+    """`resnet50 25.6M`, `llama-7b 6.74B (4.19M trainable)`, `factory pkg.mod:fn`."""
+    spec = recipe.model
+    name = spec.builtin or (f"factory {spec.factory}" if spec.factory else f"hf {spec.hf}")
+    if counts is None:
+        return name
+    total, trainable = counts
+    return f"{name} {format_count(total)}" + (f" ({format_count(trainable)} trainable)" if trainable != total else "")
+
+
 def status_text(recipe: Recipe) -> tuple[str, str]:
     """("runnable", "") or ("plan-only", why)."""
     reason = why_not_runnable(recipe)
@@ -96,7 +151,8 @@ def papers_command(
     ctx: typer.Context,
     folder: Path | None = typer.Option(None, "--dir", help=DIR_HELP),
 ) -> None:
-    """List the shipped recipes: paper, effective batch, optimizer, and whether `reproduce run` can run it here."""
+    """List the shipped recipes: paper, effective batch, optimizer, model and parameters, and whether `reproduce run`
+    can run it here (and why not, below the table)."""
     ctx.obj = folder
     if ctx.invoked_subcommand is not None:
         return
@@ -108,24 +164,34 @@ def papers_command(
     table.add_column("paper", no_wrap=True, overflow="ellipsis", max_width=24)
     table.add_column("effective batch", justify="right", no_wrap=True)
     table.add_column("optimizer, lr", no_wrap=True)
-    table.add_column("here")
+    table.add_column("model, parameters")
+    table.add_column("here", no_wrap=True)
     counts = {"runnable": 0, "plan-only": 0, "invalid": 0}
+    reasons = []
     for path in files:
         try:
             recipe = load_recipe(path)
         except UserError as error:
             counts["invalid"] += 1
-            problem = f"[red]{escape(error.lines[0])}[/]"
-            table.add_row(escape(path.stem), "", "[red]invalid recipe[/]", "-", "-", problem)
+            table.add_row(escape(path.stem), "", "[red]invalid recipe[/]", "-", "-", "-", "[red]invalid[/]")
+            reasons.append(f"  {path.stem}: {error.lines[0]}")
             continue
         status, why = status_text(recipe)
         counts[status] += 1
-        here = "[green]runnable[/]" if status == "runnable" else f"[yellow]plan-only[/] ({escape(why)})"
+        here = "[green]runnable[/]" if status == "runnable" else "[yellow]plan-only[/]"
+        if why:
+            reasons.append(f"  {path.stem}: {why}")
         year = str(recipe.paper.year) if recipe.paper and recipe.paper.year else ""
         title = recipe.paper.title if recipe.paper else "-"
         batch = batch_text(recipe, short=True)
-        table.add_row(escape(path.stem), year, escape(title), batch, optimizer_text(recipe), here)
-    stdout.print(table)
+        model = escape(model_text(recipe, parameter_counts(recipe)))
+        table.add_row(escape(path.stem), year, escape(title), batch, optimizer_text(recipe), model, here)
+    wide = stdout if is_terminal() else Console(highlight=False, width=LIST_WIDTH)
+    wide.print(table)
+    if reasons:
+        stdout.print("not runnable here (each can still be planned and probed):", markup=False)
+        for line in reasons:
+            stdout.print(line, markup=False, soft_wrap=True)
     line = f"{counts['runnable']} runnable here, {counts['plan-only']} plan-only"
     if counts["invalid"]:
         line += f", {counts['invalid']} invalid"
@@ -152,6 +218,7 @@ def show_command(
     stdout.print(f"  effective batch {batch_text(recipe)}{paper_split}", markup=False)
     spec = recipe.optimizer
     stdout.print(f"  {spec.name} lr {spec.lr:g}, task {recipe.task}, precision {recipe.precision}", markup=False)
+    stdout.print(f"  model: {model_line(recipe, parameter_counts(recipe))}", markup=False, soft_wrap=True)
     here = "[green]runnable[/]" if status == "runnable" else f"[yellow]plan-only[/] ({escape(why)})"
     stdout.print(f"  here: {here}")
     shown = path if not path.is_absolute() else _relative(path)
@@ -160,6 +227,22 @@ def show_command(
     stdout.print(f"  plan it: reproduce plan {shown} --micro-batch-max {micro}", markup=False)
     if status == "runnable":
         stdout.print(f"  run it:  reproduce run {shown} --micro-batch-max {micro} --out runs/{path.stem}", markup=False)
+
+
+def model_line(recipe: Recipe, counts: tuple[int, int] | None) -> str:
+    """The model in one line: name, parameters (and what trains), weight dtype, LoRA."""
+    spec = recipe.model
+    text = model_text(recipe, None)
+    if counts is not None:
+        total, trainable = counts
+        text += f", {total:,} parameters" + (f" ({trainable:,} trainable)" if trainable != total else "")
+    if spec.dtype != "fp32":
+        text += f", weights in {spec.dtype}"
+    if spec.lora is not None:
+        lora = spec.lora
+        alpha = lora.alpha if lora.alpha is not None else lora.r
+        text += f", LoRA r {lora.r} alpha {alpha:g} dropout {lora.dropout:g} on {', '.join(lora.target_modules)}"
+    return text
 
 
 def _relative(path: Path) -> Path:

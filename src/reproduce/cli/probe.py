@@ -15,6 +15,7 @@ from ..probe.cost import Cost, cost, format_duration
 from ..probe.runner import ProbeOptions, ProbeResult, ProbeTrial, run_probe
 from ..probe.search import Measurement
 from ..recipe import Recipe, load_recipe
+from ..sharding import with_sharding
 from ..units import format_size
 from .app import app
 from .common import stderr, stdout
@@ -43,7 +44,7 @@ NO_CACHE_HELP = "Probe again even when a cached result for this recipe, device a
 WORLD_SIZE_HELP = "Number of data-parallel processes: the probe needs no micro-batch above batch / processes."
 SHARDING_HELP = (
     "none: every process holds the whole model (DDP); fsdp: parameters, gradients and optimizer state sharded "
-    "over the --world-size processes (FSDP2 full_shard, needs --world-size 2 or more). Default: the recipe's "
+    "over the processes (FSDP2 full_shard; plan and probe need --world-size 2 or more). Default: the recipe's "
     "batch.sharding."
 )
 
@@ -57,7 +58,7 @@ def apply_sharding(recipe: Recipe, sharding: Sharding | None, world_size: int) -
             f"--sharding fsdp: shards the model over the --world-size processes, and --world-size is {world_size}; "
             "give --world-size 2 or more (one process has nothing to shard over)"
         )
-    return recipe.model_copy(update={"batch": recipe.batch.model_copy(update={"sharding": sharding.value})})
+    return with_sharding(recipe, sharding.value)
 
 
 def does_not_fit(result: ProbeResult) -> DoesNotFit:

@@ -14,10 +14,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..errors import UserError
 from ..planfile import load_plan, load_recipe_or_plan
 from ..planner import Plan
+from ..recipe import Recipe
+from ..sharding import check_sharding, with_sharding
 from .app import app
 from .common import is_terminal, stderr, stdout
 from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, make_plan, plan_and_probe
-from .probe import GPU_HELP, HEADROOM_HELP, MEMORY_HELP, METER_HELP, NO_CACHE_HELP, MeterName, probe_options
+from .probe import (
+    GPU_HELP,
+    HEADROOM_HELP,
+    MEMORY_HELP,
+    METER_HELP,
+    NO_CACHE_HELP,
+    SHARDING_HELP,
+    MeterName,
+    Sharding,
+    probe_options,
+)
 
 
 class PlainReporter:
@@ -39,6 +51,9 @@ class PlainReporter:
             + ("" if plan.exact else f", not the paper's {plan.paper_effective_batch}: lr {plan.lr:.6g} "
                f"({plan.lr_rule})")
         )
+        if plan.recipe.batch.sharding == "fsdp":
+            print(f"sharding: fsdp (FSDP2: parameters, gradients and optimizer state split over {plan.world_size} "
+                  "processes)", flush=True)
         self.total, self.every = total_steps, max(1, total_steps // self.lines)
         self.started = time.perf_counter()
         where = f", resuming after step {first_step}" if first_step else ""
@@ -96,6 +111,7 @@ SEED_HELP = "Seed for initialisation, data order and dropout (default: the recip
 SKIP_HELP = "Skip optimizer steps whose loss or gradient is not finite, instead of stopping."
 CHECKPOINT_HELP = "Checkpoint every K optimizer steps (default: every 5 minutes, and at the end)."
 NPROC_HELP = "Processes (GPUs) on this machine: launches itself through torchrun (torch.distributed.run)."
+RUN_SHARDING_HELP = SHARDING_HELP + " A resumed run keeps its own."
 
 
 def _forwarded_args(source: Path, out: Path, values: dict[str, object], switches: dict[str, bool]) -> list[str]:
@@ -123,19 +139,52 @@ def _launch(command: list[str]) -> int:
             signal.signal(signum, handler)
 
 
-def _replan_for_world(saved: Plan, world_size: int, dataset_size: int, source: Path) -> Plan:
-    """The same effective batch on another number of processes: keep the micro-batch, re-derive N."""
+def _replan(saved: Plan, world_size: int, micro_batch: int, dataset_size: int, source: Path) -> Plan:
+    """The same effective batch and schedule on another number of processes, or with a smaller micro-batch (a
+    resumed run that ran out of memory): N is re-derived."""
     from ..planner import plan as make
 
-    again = make(saved.recipe, saved.micro_batch, world_size, saved.policy, dataset_size=dataset_size,
+    again = make(saved.recipe, micro_batch, world_size, saved.policy, dataset_size=dataset_size,
                  recipe_path=saved.recipe_path)
     same = ("effective_batch", "steps_per_epoch", "optimizer_steps", "warmup_steps", "decay_milestones")
     if any(getattr(again, field) != getattr(saved, field) for field in same):
         raise UserError(
             f"{source}: world_size: the plan ({saved.arithmetic}, {saved.optimizer_steps} steps) cannot be kept "
-            f"on {world_size} processes with micro-batch {saved.micro_batch}; plan again for {world_size}"
+            f"on {world_size} processes with micro-batch {micro_batch}; plan again for {world_size}"
         )
     return again
+
+
+def _recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None) -> tuple[Recipe, Plan | None]:
+    """The recipe (and plan, when given or resumed) with the sharding this run uses: --sharding, else the recipe's;
+    a resumed run keeps the sharding it was started with."""
+    recipe, plan = load_recipe_or_plan(source)
+    if not resume:
+        recipe = with_sharding(recipe, sharding)
+        return recipe, plan.model_copy(update={"recipe": recipe}) if plan is not None else None
+    saved = load_plan(out / "plan.yaml") if (out / "plan.yaml").is_file() else None
+    if saved is None:
+        raise UserError(f"--resume: {out} has no plan.yaml to resume")
+    started = saved.recipe.batch.sharding
+    if sharding is not None and sharding != started:
+        raise UserError(f"--sharding: the run in {out} was started with sharding {started}; resume it with the same "
+                        f"(got {sharding})")
+    if with_sharding(recipe, started) != saved.recipe:
+        raise UserError(f"--resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
+    return saved.recipe, saved
+
+
+def _check_sharded_probe(recipe: Recipe, plan: Plan | None, micro_batch_max: int | None, meter: MeterName) -> None:
+    """A real (cuda / cpu) probe measures the whole unsharded model on one device: not what an FSDP rank holds."""
+    if recipe.batch.sharding != "fsdp" or plan is not None or micro_batch_max is not None:
+        return
+    import torch
+
+    if meter in (MeterName.cuda, MeterName.cpu) or (meter == MeterName.auto and torch.cuda.is_available()):
+        raise UserError(
+            "--micro-batch-max: with batch.sharding fsdp give it (or --meter estimate): the cuda and cpu probes "
+            "measure the whole unsharded model on one device, not one rank's share"
+        )
 
 
 @app.command("run")
@@ -162,6 +211,7 @@ def run_command(
     headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log each step's metrics to OUT/tensorboard."),
+    sharding: Sharding | None = typer.Option(None, "--sharding", help=RUN_SHARDING_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
@@ -169,14 +219,18 @@ def run_command(
     from ..train.trainer import train
 
     world = distributed.world_from_env()
+    sharding_name = sharding.value if sharding is not None else None
     if nproc_per_node is not None and not world.distributed:
         if nnodes > 1 and rdzv_endpoint is None:
             raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
+        recipe, plan = _recipe_and_plan(source, out, resume, sharding_name)  # bad input: one line, before launching
+        check_sharding(recipe, nproc_per_node * nnodes)
+        _check_sharded_probe(recipe, plan, micro_batch_max, meter)
         args = _forwarded_args(
             source, out,
             {"--policy": policy.value, "--device": device, "--micro-batch-max": micro_batch_max,
              "--max-steps": max_steps, "--seed": seed, "--checkpoint-every": checkpoint_every, "--memory": memory,
-             "--gpu": gpu, "--meter": meter.value, "--headroom": headroom},
+             "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
              "--tensorboard": tensorboard},
         )
@@ -185,14 +239,9 @@ def run_command(
         raise typer.Exit(_launch(command))
     if world.distributed:
         world_size = world.size
-    recipe, plan = load_recipe_or_plan(source)
-    if resume:
-        saved = load_plan(out / "plan.yaml") if (out / "plan.yaml").is_file() else None
-        if saved is None:
-            raise UserError(f"--resume: {out} has no plan.yaml to resume")
-        if saved.recipe != recipe:
-            raise UserError(f"--resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
-        plan = saved
+    recipe, plan = _recipe_and_plan(source, out, resume, sharding_name)
+    check_sharding(recipe, world.size)
+    _check_sharded_probe(recipe, plan, micro_batch_max, meter)
     data = build_data(recipe)
     size = len(data["train"])
     options = probe_options(memory, gpu, meter, headroom, no_cache)
@@ -207,8 +256,10 @@ def run_command(
     if plan is None:
         plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy, dataset_size=size, probe=options,
                          data=data, quiet=not world.is_main)
-    elif plan.world_size != world_size:
-        plan = _replan_for_world(plan, world_size, size, source)
+    else:
+        smaller = resume and micro_batch_max is not None and micro_batch_max < plan.micro_batch
+        if plan.world_size != world_size or smaller:
+            plan = _replan(plan, world_size, micro_batch_max if smaller else plan.micro_batch, size, source)
     warnings = list(plan.warnings)
     if recipe.data.train_size is not None and recipe.data.train_size != size:
         warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {size}: using {size}")

@@ -30,7 +30,8 @@ def digits(test_fraction: float = 0.2, seed: int = 0) -> dict:
     return {
         "train": TensorDataset(images[train_idx], labels[train_idx]),
         "eval": TensorDataset(images[test_idx], labels[test_idx]),
-        "info": {"name": "digits", "source": "sklearn.datasets.load_digits", "classes": 10},
+        "info": {"name": "digits", "source": "sklearn.datasets.load_digits", "classes": 10, "channels": 1,
+                 "image_size": 8},
     }
 
 

@@ -1,34 +1,81 @@
 """Models: the one place the training loop, the probe and verify build a recipe's model.
 
-`build_model(recipe, data_info)` gives an `nn.Module` for a built-in name (`MODELS`), the user's own
-`factory:`, or a Hugging Face model (`hf:`, local files only).
+`build_model(recipe, data_info)` gives an `nn.Module` for a built-in name (`MODELS`: the small built-ins and the
+papers' architectures), the user's own `factory:`, or a Hugging Face model (`hf:`, local files only), with its
+weights in `model.dtype` and, with `model.lora`, LoRA adapters. `model_inputs(recipe)` says what the model fixes
+about its inputs (vocabulary, context, image size), so data that is not on this machine can still be given a shape.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..errors import UserError
 from ..factory import call_builder
 from ..recipe import Recipe
 from . import small
+from .architectures import ARCHITECTURES
+from .architectures import LOSSES as LOSSES
 from .hf import load_hf_model
+from .weights import adapt, place
 
-MODELS = dict(small.MODELS)
+__all__ = [
+    "LOSSES", "MODELS", "build_model", "count_parameters", "has_batchnorm", "model_inputs", "parameter_counts", "place",
+]
+
+MODELS = {**small.MODELS, **ARCHITECTURES}
 
 
 def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
-    if recipe.model.hf is not None:
-        return load_hf_model(recipe, data_info)
-    extra = {}
-    if recipe.model.builtin == "gpt":
-        extra = {"vocab_size": (data_info or {}).get("vocab_size", 256)}
-        if recipe.batch.sequence_length:
-            extra["block_size"] = recipe.batch.sequence_length
-    model = call_builder(recipe.model, "model", MODELS, extra)
-    if not isinstance(model, nn.Module):
-        raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")
-    return model
+    spec = recipe.model
+    if spec.hf is not None:
+        model = load_hf_model(recipe, data_info)
+    elif spec.builtin in ARCHITECTURES:
+        model = ARCHITECTURES[spec.builtin].build(spec.kwargs, data_info)
+    else:
+        extra = {}
+        if spec.builtin == "gpt":
+            extra = {"vocab_size": (data_info or {}).get("vocab_size", 256)}
+            if recipe.batch.sequence_length:
+                extra["block_size"] = recipe.batch.sequence_length
+        model = call_builder(spec, "model", MODELS, extra)
+        if not isinstance(model, nn.Module):
+            raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")
+    return adapt(model, recipe)
+
+
+def model_inputs(recipe: Recipe) -> dict:
+    """What the recipe's built-in model fixes about its inputs; {} for a factory or Hugging Face model.
+
+    Token models: `{"inputs": "tokens", "vocab_size": V, "context": T}` (the longest sequence it takes, or None);
+    image models: `{"inputs": "images", "channels": C, "classes": K, "image_size": S}` (image_size only where
+    the architecture fixes it, as ViT's position embeddings do; classes is its default head, which the data's
+    classes override).
+    """
+    spec = recipe.model
+    kwargs = spec.kwargs
+    if spec.builtin in ARCHITECTURES:
+        return ARCHITECTURES[spec.builtin].model_inputs(kwargs)
+    if spec.builtin == "gpt":
+        return {"inputs": "tokens", "vocab_size": kwargs.get("vocab_size", 256), "context": kwargs.get("block_size")}
+    if spec.builtin in ("cnn-bn", "cnn-gn"):  # the digits: 1 x 8 x 8
+        return {"inputs": "images", "channels": 1, "image_size": 8, "classes": kwargs.get("classes", 10)}
+    if spec.builtin == "mlp":
+        return {"inputs": "vectors", "features": kwargs.get("inputs", 64), "classes": kwargs.get("classes", 10)}
+    return {}
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(all parameters, those that train); `parameters()` counts a tied parameter once."""
+    parameters = list(model.parameters())
+    return sum(p.numel() for p in parameters), sum(p.numel() for p in parameters if p.requires_grad)
+
+
+def parameter_counts(recipe: Recipe, data_info: dict | None = None) -> tuple[int, int]:
+    """(all parameters, those that train) of the recipe's model, built on the meta device: no memory, no weights."""
+    with torch.device("meta"):
+        return count_parameters(build_model(recipe, data_info))
 
 
 def has_batchnorm(model: nn.Module) -> bool:

@@ -22,6 +22,7 @@ class HFLogits(nn.Module):
     -100 where no loss is taken), and TokenLoss sums over them and divides by the window's target tokens,
     exactly as for the built-in GPT. Right padding (collate pads inputs with 0) is harmless under causal
     attention, and padded positions carry target -100.
+    masked-lm (BERT, RoBERTa): (B, T, V) likewise; the targets are the masked tokens, -100 elsewhere.
     sequence-classification: (B, C), for SampleLoss; the model finds each row's last token by pad_token_id.
     A dict input (input_ids, attention_mask, ...) is passed to the model as keyword arguments.
     """

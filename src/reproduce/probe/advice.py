@@ -29,10 +29,9 @@ import torch
 
 from ..errors import UserError
 from ..models import build_model
-from ..models.blocks import block_sizes
 from ..recipe import Recipe, parse_recipe
 from ..units import format_size
-from .fake_step import run_fake_step
+from .fake_step import block_sizes, run_fake_step
 from .gpu_like import GpuKind
 from .sharding import Blocks, StepMemory, sharded_peak, smallest_world_size, unsharded_floor
 
@@ -77,7 +76,7 @@ def lora_allowed(recipe: Recipe) -> bool:
 
 def lora_targets(model: torch.nn.Module) -> list[str]:
     """The modules LoRA adapts by default: peft's own table for a Hugging Face architecture (LLaMA: q_proj,
-    v_proj; GPT-2: c_attn), otherwise the linear layers inside the model's blocks."""
+    v_proj; GPT-2: c_attn), otherwise the linear layers inside the model's blocks (the units FSDP wraps)."""
     try:
         from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as table
     except ImportError:  # peft missing: LoRA itself will say so when the recipe is built
@@ -86,9 +85,9 @@ def lora_targets(model: torch.nn.Module) -> list[str]:
         kind = getattr(getattr(module, "config", None), "model_type", None)
         if kind in table:
             return list(table[kind])
-    from ..models.blocks import fsdp_blocks
+    from ..train.fsdp import shard_units
 
-    return sorted({name for block in fsdp_blocks(model) for name, layer in block.named_modules()  # names as peft
+    return sorted({name for block in shard_units(model) for name, layer in block.named_modules()  # names as peft
                    if isinstance(layer, torch.nn.Linear)})  # matches them: a module's name ends with one
 
 

@@ -123,6 +123,25 @@ def unpacked_sequences() -> Iterator[None]:
         yield
 
 
+def block_sizes(model: nn.Module) -> tuple[int, tuple[int, ...]]:
+    """(parameters in no unit, parameters of each unit) for the units FSDP wraps one by one (`reproduce run`'s own
+    choice, `train.fsdp.shard_units`: transformer blocks, residual blocks); a unit's own parameters, not those of
+    a unit inside it (sharded first), and a shared parameter once."""
+    from ..train.fsdp import shard_units
+
+    counted: set[int] = set()
+    sizes = []
+    for unit in reversed(shard_units(model)):  # innermost first, as fully_shard is applied
+        size = 0
+        for param in unit.parameters():
+            if id(param) not in counted:
+                counted.add(id(param))
+                size += param.numel()
+        sizes.append(size)
+    root = sum(p.numel() for p in model.parameters() if id(p) not in counted)
+    return root, tuple(reversed(sizes))
+
+
 def _compute_bytes(model: nn.Module, precision: str) -> int:
     if precision in ("bf16", "fp16"):
         return 2

@@ -47,12 +47,11 @@ from torch import nn
 from ..data.batches import to_device
 from ..errors import UserError
 from ..models import build_model
-from ..models.blocks import block_sizes
 from ..train.setup import build
 from ..train.step import optimizer_step
 from ..units import available_host_memory, format_size
 from .catalog import DEFAULT_CAPABILITY, Gpu, MiB
-from .fake_step import materialize, run_fake_step  # noqa: F401  (materialize: part of this module's interface)
+from .fake_step import block_sizes, materialize, run_fake_step  # noqa: F401  (materialize: this module's interface)
 from .gpu_like import GpuKind
 from .search import Measurement
 from .sharding import Blocks, mixed_precision_step, sharded_peak

@@ -2,9 +2,12 @@
 
 The micro-batch comes from the recipe's dataset when it is available here (the first b items, cycling;
 for items of different shapes, the largest item seen in a sample of the data, repeated: the worst case
-is what has to fit). Otherwise it is synthetic, of the shapes the recipe declares: token sequences of
-`batch.sequence_length` for language modelling (vocabulary `model.kwargs.vocab_size`, default 256), or
-`data.kwargs.input_shape` (and `data.kwargs.classes`, default 10) for classification.
+is what has to fit). Otherwise it is synthetic, of the shape `declared_inputs(recipe)` gives from the recipe,
+the dataset's known shape and what the model fixes (`reproduce.models.model_inputs`): token sequences of
+`batch.sequence_length` (or `data.max_length`, the longest of variable-length text) over the model's
+vocabulary; or images of `data.channels` x `data.image_size`^2 with `data.classes` labels, by default those
+of the dataset named (`reproduce.data.shapes`: ImageNet-1k 3 x 224 x 224, 1000 classes), else what the
+architecture fixes; or `data.kwargs.input_shape` (and `data.kwargs.classes`) for any other model.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from torch.utils.data import TensorDataset
 
 from ..data import build_data
 from ..data.batches import collate, fetch
+from ..data.shapes import image_dataset
 from ..errors import UserError
+from ..models import model_inputs
 from ..planner import Plan, plan
 from ..recipe import Recipe
 
@@ -63,24 +68,59 @@ class SyntheticSamples:
         return inputs, torch.randint(0, self.classes, (len(indices),), generator=generator)
 
 
+def declared_inputs(recipe: Recipe) -> dict:
+    """The shape of the recipe's samples without its data: `{"inputs": "tokens", "sequence_length", "vocab_size"}`
+    or `{"inputs": "samples", "shape", "classes"}` (images C x H x W, or the MLP's vectors)."""
+    fixed, data, spec = model_inputs(recipe), recipe.data, recipe.model
+    given = data.kwargs.get("input_shape")
+    kind = fixed.get("inputs") or ("tokens" if recipe.task == "language-modeling" and not given else "images")
+    if kind == "tokens":
+        length = recipe.batch.sequence_length or data.max_length
+        source = "batch.sequence_length" if recipe.batch.sequence_length else "data.max_length"
+        if length is None:
+            raise UserError(
+                "batch.sequence_length: needed to probe with synthetic tokens (the data is not available here); "
+                "for variable-length text give data.max_length, its longest sequence"
+            )
+        context = fixed.get("context")
+        if context is not None and length > context:
+            raise UserError(f"{source}: {length} tokens is longer than {spec.builtin} takes ({context} positions)")
+        vocab = int(fixed.get("vocab_size") or spec.kwargs.get("vocab_size", 256))
+        return {"inputs": "tokens", "sequence_length": length, "vocab_size": vocab}
+    known = image_dataset(data.name) or {}
+    classes = data.classes or data.kwargs.get("classes") or known.get("classes") or fixed.get("classes")
+    if given:
+        return {"inputs": "samples", "shape": tuple(int(size) for size in given), "classes": int(classes or 10)}
+    if kind == "vectors":
+        return {"inputs": "samples", "shape": (int(fixed["features"]),), "classes": int(classes or 10)}
+    channels = data.channels or known.get("channels") or fixed.get("channels")
+    size = data.image_size or known.get("image_size") or fixed.get("image_size")
+    missing = [name for name, value in (("data.channels", channels), ("data.image_size", size)) if value is None]
+    if recipe.task == "classification" and classes is None:
+        missing.append("data.classes")
+    if missing:
+        raise UserError(
+            f"data: {data.name!r} is not available here and its image shape is not known: give {', '.join(missing)} "
+            "(or data.kwargs.input_shape: [C, H, W] for another kind of input)"
+        )
+    return {"inputs": "samples", "shape": (int(channels), int(size), int(size)), "classes": int(classes or 1000)}
+
+
 def synthetic_data(recipe: Recipe) -> dict:
     """A stand-in training set of the recipe's declared shapes, for data that is not available here."""
     items = recipe.batch.sequences
-    if recipe.task == "language-modeling":
-        if recipe.batch.sequence_length is None:
-            raise UserError("batch.sequence_length: needed to probe with synthetic tokens (the data is not available)")
-        vocab = int(recipe.model.kwargs.get("vocab_size", 256))
-        dataset = SyntheticTokens(items, recipe.batch.sequence_length, vocab)
-        return {"train": dataset, "info": {"name": "synthetic tokens", "vocab_size": vocab}}
-    shape = recipe.data.kwargs.get("input_shape")
-    if recipe.task == "classification" and shape:
-        classes = int(recipe.data.kwargs.get("classes", 10))
-        dataset = SyntheticSamples(items, tuple(int(s) for s in shape), classes)
-        return {"train": dataset, "info": {"name": f"synthetic {list(shape)} inputs", "classes": classes}}
-    raise UserError(
-        f"data: {recipe.data.name!r} is not available here and the recipe declares no input shape to probe "
-        "with (data.kwargs.input_shape: [C, H, W])"
-    )
+    shape = declared_inputs(recipe)
+    if shape["inputs"] == "tokens":
+        length, vocab = shape["sequence_length"], shape["vocab_size"]
+        dataset = SyntheticTokens(items, length, vocab)
+        return {"train": dataset, "info": {"name": f"synthetic tokens ({length} x vocabulary {vocab})",
+                                           "vocab_size": vocab}}
+    dims, classes = shape["shape"], shape["classes"]
+    dataset = SyntheticSamples(items, dims, classes)
+    info = {"name": f"synthetic {' x '.join(map(str, dims))} inputs, {classes} classes", "classes": classes}
+    if len(dims) == 3:
+        info.update(channels=dims[0], image_size=dims[1])
+    return {"train": dataset, "info": info}
 
 
 class Workload:

@@ -1,9 +1,17 @@
-"""Checkpoints: written atomically (a crash leaves the previous one whole), loaded with `weights_only=True`."""
+"""Checkpoints: written atomically (a crash leaves the previous one whole), loaded with `weights_only=True`.
+
+`checkpoints/last.pt` holds the step, scheduler, scaler, RNG states and metrics offset. Unsharded runs keep the
+model and optimizer in it too (rank 0 writes it). Sharded (FSDP) runs save them with torch.distributed.checkpoint
+into `checkpoints/sharded-step-N/`, each rank writing its own shards (no rank ever holds the whole model); last.pt
+then names that folder and is renamed into place only after every rank has written, so a crash mid-save leaves
+the previous pair whole. DCP reshards on load: a run can resume on another number of processes.
+"""
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -11,13 +19,16 @@ import torch
 from ..errors import UserError
 from .setup import Setup
 
+SHARDED_PREFIX = "sharded-step-"
+
 
 def save_checkpoint(setup: Setup, path: Path, step: int, metrics_offset: int, extra: dict) -> None:
-    """Atomically: write a temporary file, then rename over the previous checkpoint."""
+    """Atomically: write a temporary file, then rename over the previous checkpoint. Called on every rank (rank 0
+    alone writes an unsharded checkpoint; a sharded one needs every rank's shards)."""
+    if not (setup.world.is_main or setup.sharded):
+        return
     state = {
         "step": step,
-        "model": setup.core.state_dict(),
-        "optimizer": setup.optimizer.state_dict(),
         "scheduler": setup.scheduler.state_dict(),
         "scaler": setup.scaler.state_dict() if setup.scaler else None,
         "rng_torch": torch.get_rng_state(),
@@ -25,14 +36,43 @@ def save_checkpoint(setup: Setup, path: Path, step: int, metrics_offset: int, ex
         "rng_python": list(random.getstate()[1]),
         "metrics_offset": metrics_offset,
         "micro_batch": extra.get("micro_batch"),
+        "world_size": setup.world.size,
         "extra": extra,
     }
+    if setup.sharded:
+        state["sharded"] = _save_sharded(setup, path.parent, step)
+    else:
+        state.update(model=setup.core.state_dict(), optimizer=setup.optimizer.state_dict())
+    if not setup.world.is_main:
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save(state, tmp)
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+    if setup.sharded:  # only now is the previous sharded folder no longer named by last.pt
+        for old in path.parent.glob(f"{SHARDED_PREFIX}*"):
+            if old.name != state["sharded"]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _save_sharded(setup: Setup, folder: Path, step: int) -> str:
+    """Every rank writes its shards of the model and optimizer into a new folder; returns the folder's name."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from . import distributed
+
+    name = f"{SHARDED_PREFIX}{step:08d}"
+    if setup.world.is_main:
+        shutil.rmtree(folder / name, ignore_errors=True)  # left by a run killed while saving this same step
+        folder.mkdir(parents=True, exist_ok=True)
+    distributed.barrier(setup.world)
+    model_state, optimizer_state = get_state_dict(setup.model, setup.optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / name)
+    distributed.barrier(setup.world)  # every rank's shards are on disk before rank 0 points last.pt at them
+    return name
 
 
 def load_checkpoint(setup: Setup, path: Path) -> dict:
@@ -40,8 +80,15 @@ def load_checkpoint(setup: Setup, path: Path) -> dict:
         state = torch.load(path, map_location=setup.device, weights_only=True)
     except Exception as exc:
         raise UserError(f"{path}: cannot load checkpoint: {type(exc).__name__}: {exc}") from None
-    setup.core.load_state_dict(state["model"])
-    setup.optimizer.load_state_dict(state["optimizer"])
+    sharded = state.get("sharded")
+    if bool(sharded) != setup.sharded:
+        was, now = ("fsdp", "none") if sharded else ("none", "fsdp")
+        raise UserError(f"--resume: {path} was written by a run with sharding {was}; this one has {now}")
+    if sharded:
+        _load_sharded(setup, path.parent / sharded)
+    else:
+        setup.core.load_state_dict(state["model"])
+        setup.optimizer.load_state_dict(state["optimizer"])
     setup.scheduler.load_state_dict(state["scheduler"])
     if setup.scaler and state["scaler"]:
         setup.scaler.load_state_dict(state["scaler"])
@@ -50,3 +97,27 @@ def load_checkpoint(setup: Setup, path: Path) -> dict:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["rng_cuda"]])
     random.setstate((3, tuple(state["rng_python"]), None))
     return state
+
+
+def _load_sharded(setup: Setup, folder: Path) -> None:
+    """Each rank reads the shards it now owns (DCP reshards when the number of processes changed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not folder.is_dir():
+        raise UserError(f"--resume: {folder} (named by last.pt) is missing: the sharded checkpoint cannot be read")
+    model_state, optimizer_state = get_state_dict(setup.model, setup.optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(setup.model, setup.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+
+
+def full_model_state(setup: Setup) -> dict:
+    """The model's own `state_dict`, unsharded (FSDP: gathered once, onto rank 0's CPU; every rank must call this);
+    what model.pt holds, loadable into a fresh unsharded model."""
+    if not setup.sharded:
+        return setup.core.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(setup.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -65,13 +65,39 @@ def all_min(world: World, value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
+def any_rank(world: World, flag: bool, device: torch.device) -> bool:
+    """Whether `flag` is true on any rank (every rank gets the same answer)."""
+    if not world.distributed:
+        return flag
+    tensor = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
+
+
 def shutdown(world: World) -> None:
     if world.distributed and dist.is_initialized():
         dist.destroy_process_group()
 
 
+def abandon(world: World) -> None:
+    """Leave the process group when this rank stops alone (out of memory in the middle of a collective's
+    sequence): the other ranks' pending collectives then fail at once instead of waiting for this rank."""
+    shutdown(world)
+
+
+PEER_FAILURE_WORDS = ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL")
+
+
+def peer_failed(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed because another rank left (gloo raises a plain RuntimeError)."""
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(word in str(error) for word in PEER_FAILURE_WORDS)
+    )
+
+
 class SyncCounter:
-    """A DDP communication hook: all-reduce the gradient buckets as a SUM, and count the synchronisations.
+    """A DDP communication hook: all-reduce the gradient buckets as a SUM, and count the synchronisations
+    (FSDP2 reduces as a SUM itself, see train/fsdp.py, and calls `fsdp_hook` once per round).
 
     Each rank's loss is already divided by the window's global item count (summed over ranks before the first
     backward), so the gradient of the effective batch is the sum over ranks; DDP's default hook would average,
@@ -88,6 +114,10 @@ class SyncCounter:
             self.rounds += 1
         future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
         return future.then(lambda done: done.value()[0])
+
+    def fsdp_hook(self, reduced: torch.Tensor) -> None:
+        """Called by FSDP2 after one module's reduce-scatter (`set_all_reduce_hook` on one module): one round."""
+        self.rounds += 1
 
     def take(self) -> int:
         rounds, self.rounds = self.rounds, 0

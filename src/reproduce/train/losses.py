@@ -1,7 +1,8 @@
 """The losses, summed over a micro-batch; the training loop divides them by the window's item count.
 
-Contract for a loss factory (task `custom`): `fn(**kwargs) -> callable(output, target) -> summed loss`, with an
-optional `count(target) -> int` attribute giving the loss-bearing items of a batch (default: `len(target)`).
+Task `custom` takes a built-in loss (`reproduce.models.LOSSES`) or a factory. Contract for a loss factory:
+`fn(**kwargs) -> callable(output, target) -> summed loss`, with an optional `count(target) -> int` attribute giving
+the loss-bearing items of a batch (default: `len(target)`).
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ def build_loss(recipe: Recipe) -> SampleLoss | TokenLoss | CustomLoss:
         return SampleLoss()
     if recipe.task == "language-modeling":
         return TokenLoss()
-    function = call_builder(recipe.loss, "loss", {})
+    from ..models import LOSSES  # the losses that belong to a built-in architecture (MAE's masked-pixel loss)
+
+    function = call_builder(recipe.loss, "loss", LOSSES)
     if not callable(function):
         raise UserError(f"loss: the factory must return a callable (got {type(function).__name__})")
     return CustomLoss(function)

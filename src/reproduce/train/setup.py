@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ..data import build_data
 from ..errors import UserError
-from ..models import build_model, has_batchnorm
+from ..models import build_model, has_batchnorm, place
 from ..planner import Plan
 from . import distributed
 from .distributed import World
@@ -45,8 +46,13 @@ class Setup:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def ddp(self) -> bool:
+    def distributed(self) -> bool:
+        """Several processes: DDP, or FSDP when `sharded`."""
         return self.world.distributed
+
+    @property
+    def sharded(self) -> bool:
+        return self.distributed and self.plan.recipe.batch.sharding == "fsdp"
 
     @property
     def rank(self) -> int:
@@ -54,12 +60,23 @@ class Setup:
 
     @property
     def core(self) -> nn.Module:
-        """The model without DDP's wrapper."""
-        return self.model.module if self.ddp else self.model
+        """The model without DDP's wrapper (FSDP2 shards the model in place: no wrapper)."""
+        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+    def gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Around one micro-batch's forward and backward: reduce its gradients over the ranks (`sync`, the window's
+        last micro-batch) or accumulate them locally (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`)."""
+        if sync or not self.distributed:
+            return contextlib.nullcontext()
+        if self.sharded:
+            from .fsdp import no_gradient_sync
+
+            return no_gradient_sync(self.model)
+        return self.model.no_sync()
 
     def autocast(self) -> contextlib.AbstractContextManager:
         precision = self.plan.recipe.precision
-        if precision == "fp32":
+        if precision == "fp32" or self.sharded:  # FSDP: its MixedPrecisionPolicy casts the parameters instead
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         return torch.autocast(device_type=self.device.type, dtype=dtype)
@@ -69,28 +86,36 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
           data: dict | None = None, world: World | None = None) -> Setup:
     """Model, optimizer, scheduler, scaler, loss and data for `plan`, seeded for a reproducible start.
 
-    Under several processes the model is wrapped in DistributedDataParallel (every rank starts from the same
-    seed, so from the same weights) with a hook that counts gradient synchronisations.
+    Under several processes the model is wrapped in DistributedDataParallel, or sharded with FSDP2 when the recipe's
+    `batch.sharding` is fsdp (every rank starts from the same seed, so from the same weights), with a hook that
+    counts gradient synchronisations. One process builds the whole model whatever the sharding (the probe measures
+    that; `train` refuses FSDP on one process).
     """
     recipe = plan.recipe
     world = world or World()
     data = data if data is not None else build_data(recipe)
     torch.manual_seed(recipe.seed if seed is None else seed)
-    model = build_model(recipe, data.get("info")).to(device=device, dtype=dtype)
+    model = place(build_model(recipe, data.get("info")), recipe, device, dtype)  # model.dtype kept in float32 runs
     notes = []
     if has_batchnorm(model) and not recipe.model.has_batchnorm:
         notes.append(
             "the model has BatchNorm layers but the recipe does not list batchnorm in model.norm_layers: "
             f"BN statistics are computed per micro-batch of {plan.micro_batch}, not over the effective batch"
         )
-    optimizer = build_optimizer(plan, model)  # built on the plain module's parameters, which DDP shares
-    scheduler = build_scheduler(plan, optimizer)
-    scaler = torch.amp.GradScaler(device.type) if recipe.precision == "fp16" else None
     counter = None
     if world.distributed:
-        device_ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
         counter = distributed.SyncCounter()
+        if recipe.batch.sharding == "fsdp":  # before the optimizer: it must hold the sharded parameters
+            from .fsdp import shard  # torch.distributed.fsdp takes 0.6 s to import: only for sharded runs
+
+            model = shard(model, recipe.precision, world, device, counter)
+    optimizer = build_optimizer(plan, model)  # DDP shares the plain module's parameters
+    scheduler = build_scheduler(plan, optimizer)
+    # fp16 under FSDP too: the gradients are DTensors, and the scaler's inf check on them agrees over the ranks
+    scaler = torch.amp.GradScaler(device.type) if recipe.precision == "fp16" else None
+    if world.distributed and recipe.batch.sharding != "fsdp":
+        device_ids = [device.index] if device.type == "cuda" else None
+        model = DistributedDataParallel(model, device_ids=device_ids)
         model.register_comm_hook(None, counter.hook)
     return Setup(plan, model, optimizer, scheduler, scaler, build_loss(recipe), data, device, dtype, world, counter,
                  notes)

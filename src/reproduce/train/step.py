@@ -1,14 +1,14 @@
 """One optimizer step over a window of N micro-batches, exactly the paper's large-batch update.
 
   1. count the window's loss-bearing items (samples, or target tokens != -100) before any backward;
-  2. for each micro-batch: summed loss / window count, backward (DDP: `no_sync` on all but the last);
+  2. for each micro-batch: summed loss / window count, backward (gradients reduced over the ranks on the last
+     only: DDP's `no_sync`, FSDP2's `set_requires_gradient_sync(False)` on the others);
   3. once per window: unscale (fp16), clip, optimizer step, scheduler step, zero_grad(set_to_none=True).
 The gradient is then exactly that of the mean loss over the whole effective batch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..data.batches import LazyMicroBatch, fetch, to_device
+from . import distributed
 from .losses import SampleLoss
 from .setup import Setup
 
@@ -41,7 +42,7 @@ class StepResult:
 
 def global_counts(setup: Setup, count: int, samples: int) -> tuple[int, int]:
     """The window's loss-bearing items and samples summed over every rank, before the first backward."""
-    if not setup.ddp:
+    if not setup.distributed:
         return count, samples
     totals = torch.tensor([count, samples], dtype=torch.int64, device=setup.device)
     torch.distributed.all_reduce(totals)
@@ -59,22 +60,56 @@ def optimizer_step(setup: Setup, micro_batches: list) -> StepResult:
         del targets
     count, samples = global_counts(setup, local, samples)
     losses = []
+    vote = agrees_on_memory(setup, len(micro_batches))
+    out_of_memory: str | None = None  # the message only: the error's traceback would keep the window's tensors
     for index, micro_batch in enumerate(micro_batches):
-        inputs, target = _load(micro_batch)
         last = index == len(micro_batches) - 1
-        sync = contextlib.nullcontext() if (last or not setup.ddp) else model.no_sync()
-        with sync:
-            with setup.autocast():
-                loss = loss_fn(model(inputs), target) / max(count, 1)
-            (setup.scaler.scale(loss) if setup.scaler else loss).backward()
+        if last and vote:
+            _agree_on_memory(setup, out_of_memory)
+        if out_of_memory is not None:
+            continue  # this rank ran out of memory earlier in the window: on to the vote
+        try:
+            inputs, target = _load(micro_batch)
+            with setup.gradient_sync(last):
+                with setup.autocast():
+                    loss = loss_fn(model(inputs), target) / max(count, 1)
+                (setup.scaler.scale(loss) if setup.scaler else loss).backward()
+        except torch.OutOfMemoryError as error:
+            if last or not vote:
+                raise
+            out_of_memory = str(error)
+            continue
         losses.append(loss.detach())
     window_loss = torch.stack(losses).sum()
-    if setup.ddp:  # the logged loss is the mean over the global window
+    if setup.distributed:  # the logged loss is the mean over the global window
         torch.distributed.all_reduce(window_loss)
     try:
         return _apply_window(setup, window_loss, count, samples)
     except torch.OutOfMemoryError as error:
         raise OptimizerStepOutOfMemory(str(error)) from None
+
+
+def agrees_on_memory(setup: Setup, micro_batches: int) -> bool:
+    """Whether the ranks can agree on an out-of-memory error before the window's gradients are reduced.
+
+    Under DDP, the micro-batches before the last run under `no_sync` with no collective (unless DDP broadcasts
+    buffers in each forward, as for BatchNorm): a rank that runs out of memory there can skip to a vote taken just
+    before the last micro-batch, the others reach it, and all change the micro-batch together. Not under FSDP (each
+    forward and backward all-gathers parameters: the other ranks wait in those collectives for this one) and not in
+    the last micro-batch (DDP has prepared its gradient reduction by then): there the run stops instead.
+    """
+    if not setup.distributed or setup.sharded or micro_batches < 2:
+        return False
+    return not setup.model.will_sync_module_buffers()
+
+
+class AgreedOutOfMemory(torch.OutOfMemoryError):
+    """Some rank ran out of memory before the window's last micro-batch; raised on every rank, after a vote."""
+
+
+def _agree_on_memory(setup: Setup, error: str | None) -> None:
+    if distributed.any_rank(setup.world, error is not None, setup.device):
+        raise AgreedOutOfMemory(error or "out of memory on another rank")
 
 
 class OptimizerStepOutOfMemory(torch.OutOfMemoryError):

@@ -21,11 +21,12 @@ from ..data.batches import LazyMicroBatch
 from ..errors import Interrupted, TrainingStopped, UserError
 from ..planfile import save_plan, write_text_atomic
 from ..planner import Plan
+from ..sharding import check_sharding
 from . import distributed
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import SHARDED_PREFIX, full_model_state, load_checkpoint, save_checkpoint
 from .distributed import World
 from .setup import build, resolve_device
-from .step import OptimizerStepOutOfMemory, evaluate, optimizer_step
+from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, evaluate, optimizer_step
 from .windows import smaller_micro_batch, window
 
 CHECKPOINT_SECONDS = 300.0
@@ -67,13 +68,14 @@ class StopSignals:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
 
-    def agreed(self, world: World, device: torch.device) -> int | None:
-        """The signal any rank received (all ranks stop after the same step)."""
+    def agreed(self, world: World, device: torch.device, due: bool = False) -> tuple[int | None, bool]:
+        """The signal any rank received, and whether any rank's checkpoint is due: all ranks stop, and save (a
+        sharded checkpoint needs every rank), after the same step."""
         if not world.distributed:
-            return self.received
-        flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)  # NCCL: CUDA tensors only
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return int(flag) or None
+            return self.received, due
+        flags = torch.tensor([self.received or 0, int(due)], dtype=torch.int64, device=device)  # NCCL: CUDA only
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        return int(flags[0]) or None, bool(flags[1])
 
 
 def check_out_dir(out: Path, resume: bool, force: bool) -> None:
@@ -98,6 +100,8 @@ def remove_outputs(out: Path) -> None:
     """The files a run writes, removed before another run takes the folder over (--force); nothing else."""
     for name in OUTPUTS:
         (out / name).unlink(missing_ok=True)
+    for sharded in (out / "checkpoints").glob(f"{SHARDED_PREFIX}*"):
+        shutil.rmtree(sharded)
     if (out / "tensorboard").is_dir():
         shutil.rmtree(out / "tensorboard")
 
@@ -136,9 +140,34 @@ class MetricsLog:
             self.handle.close()
 
 
-def train(
+def train(plan: Plan, out: str | Path, **options) -> dict:
+    """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `out`.
+
+    Options: device ("auto"), max_steps, resume, force, seed, checkpoint_every, skip_nonfinite, dtype (float32),
+    reporter, data. Under torchrun every rank trains its share of each window; rank 0 alone writes. A rank that
+    leaves with an error leaves the process group too, so the other ranks' collectives fail at once and they stop
+    with a message of their own instead of waiting for it.
+    """
+    world = distributed.world_from_env()
+    try:
+        return _train(plan, Path(out), **options)
+    except RuntimeError as error:
+        if world.distributed and distributed.peer_failed(error):
+            distributed.abandon(world)
+            raise TrainingStopped(
+                f"rank {world.rank}: a collective with the other ranks failed ({str(error).splitlines()[0]}): "
+                "another rank stopped, and its message says why"
+            ) from None
+        distributed.abandon(world)
+        raise
+    except BaseException:
+        distributed.abandon(world)
+        raise
+
+
+def _train(
     plan: Plan,
-    out: str | Path,
+    out: Path,
     *,
     device: str = "auto",
     max_steps: int | None = None,
@@ -151,15 +180,11 @@ def train(
     reporter: Reporter | None = None,
     data: dict | None = None,
 ) -> dict:
-    """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `out`.
-
-    Under torchrun every rank trains its share of each window; rank 0 alone writes.
-    """
-    out = Path(out)
     reporter = reporter or SilentReporter()
     world = distributed.world_from_env()
     if world.size != plan.world_size:
         raise UserError(f"plan: world_size is {plan.world_size}, but this job has {world.size} process(es)")
+    check_sharding(plan.recipe, world.size)
     check_out_dir(out, resume, force)
     asked_seed, seed = seed, plan.recipe.seed if seed is None else seed
     target_device = distributed.init(world, resolve_device(device))
@@ -186,8 +211,9 @@ def train(
         seed = saved_seed  # the data order and dropout streams of the run being continued
         if first_step >= total:
             raise UserError(f"--resume: {out} has already run {first_step} of {total} optimizer steps; nothing to do")
-        if state.get("micro_batch") and state["micro_batch"] < micro_batch and not world.distributed:
-            micro_batch = state["micro_batch"]  # the run had lowered it after running out of memory
+        saved_micro_batch = state.get("micro_batch")
+        if saved_micro_batch and saved_micro_batch < micro_batch and plan.per_rank_batch % saved_micro_batch == 0:
+            micro_batch = saved_micro_batch  # the run had lowered it after running out of memory
     main = world.is_main
     if main:
         if force and not resume:  # another run's outputs go, so nothing of it is mistaken for this one's
@@ -229,30 +255,34 @@ def train(
                         f"window's gradients were accumulated ({error}); lower --micro-batch-max or free memory, "
                         f"then --resume from {checkpoint_path}"
                     ) from None
-                except torch.OutOfMemoryError:
-                    # Free the window, halve the micro-batch, double N: the effective batch stays exact.
-                    del micro_batches
-                    setup.optimizer.zero_grad(set_to_none=True)
-                    gc.collect()
-                    if setup.device.type == "cuda":
-                        torch.cuda.empty_cache()
-                    smaller = None if world.distributed else smaller_micro_batch(plan.per_rank_batch, micro_batch)
-                    if smaller is None:
-                        raise TrainingStopped(
-                            f"out of memory at optimizer step {step + 1} with micro-batch {micro_batch}"
-                            + (" under several processes (ranks cannot change it alone)" if world.distributed
-                               else ": no smaller micro-batch keeps the effective batch exact")
-                            + f"; the last good checkpoint is {checkpoint_path}"
-                        ) from None
-                    counters["out_of_memory"] += 1
-                    event = {"event": "out_of_memory", "step": step + 1, "micro_batch": smaller,
-                             "accumulation_steps": plan.per_rank_batch // smaller, "was": micro_batch}
-                    metrics.write(event)
-                    reporter.message(
-                        f"out of memory at step {step + 1}: micro-batch {micro_batch} -> {smaller}, accumulation "
-                        f"{plan.per_rank_batch // micro_batch} -> {plan.per_rank_batch // smaller}; redoing the window"
+                except torch.OutOfMemoryError as error:
+                    agreed = not world.distributed or isinstance(error, AgreedOutOfMemory)
+                # Out of memory. The error is gone with its except block, and with it the failed window's frames
+                # (activations, inputs): free the rest, halve the micro-batch, double N; the effective batch stays
+                # exact. Under several processes only when every rank agreed (the vote in optimizer_step).
+                del micro_batches
+                setup.optimizer.zero_grad(set_to_none=True)
+                gc.collect()
+                if setup.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                if not agreed:  # this rank alone: it stops, and leaves the process group (see train)
+                    raise TrainingStopped(out_of_memory_alone(setup, step, micro_batch, out))
+                smaller = smaller_micro_batch(plan.per_rank_batch, micro_batch)
+                if smaller is None:
+                    raise TrainingStopped(
+                        f"out of memory at optimizer step {step + 1} with micro-batch {micro_batch}: no smaller "
+                        f"micro-batch keeps the effective batch exact; the last good checkpoint is "
+                        f"{checkpoint_path}"
                     )
-                    micro_batch = smaller
+                counters["out_of_memory"] += 1
+                event = {"event": "out_of_memory", "step": step + 1, "micro_batch": smaller,
+                         "accumulation_steps": plan.per_rank_batch // smaller, "was": micro_batch}
+                metrics.write(event)
+                reporter.message(
+                    f"out of memory at step {step + 1}: micro-batch {micro_batch} -> {smaller}, accumulation "
+                    f"{plan.per_rank_batch // micro_batch} -> {plan.per_rank_batch // smaller}; redoing the window"
+                )
+                micro_batch = smaller
             if not result.finite:
                 if not skip_nonfinite and not setup.scaler:
                     raise TrainingStopped(
@@ -283,7 +313,8 @@ def train(
             if result.grad_syncs is not None:
                 record["grad_syncs"] = result.grad_syncs
             done = step + 1 == total
-            if main and ((eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end)):
+            evaluating = (eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end)
+            if evaluating and (main or setup.sharded):  # a sharded model's forward needs every rank
                 evaluation = evaluate(setup, micro_batch)
                 if evaluation:
                     record.update(evaluation)
@@ -292,8 +323,8 @@ def train(
             reporter.step(record)
             due = (step + 1) % checkpoint_every == 0 if checkpoint_every else (
                 time.perf_counter() - last_checkpoint >= CHECKPOINT_SECONDS)
-            received = stop.agreed(world, setup.device) if not done else None
-            if main and (due or done or received):
+            received, due = stop.agreed(world, setup.device, due) if not done else (None, due)
+            if due or done or received:
                 save_checkpoint(setup, checkpoint_path, step + 1, metrics.offset(),
                                 {"seed": seed, "micro_batch": micro_batch})
                 last_checkpoint = time.perf_counter()
@@ -327,13 +358,32 @@ def train(
         "data": setup.data.get("info", {}),
         "notes": setup.notes,
     }
+    model_state = full_model_state(setup)  # FSDP: gathered from every rank's shards
     if main:
-        torch.save(setup.core.state_dict(), out / "model.pt")
+        torch.save(model_state, out / "model.pt")
         write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
         summary["plot"] = plot_metrics(out / "metrics.jsonl", out / "loss.png")
     distributed.barrier(world)
     reporter.finish(summary)
     return summary
+
+
+def out_of_memory_alone(setup, step: int, micro_batch: int, out: Path) -> str:
+    """Why this rank stops alone, and how to continue with a smaller micro-batch."""
+    if setup.sharded:
+        why = "FSDP gathers parameters in every forward and backward, so the other ranks wait in those collectives"
+    elif setup.model.will_sync_module_buffers():
+        why = "DDP broadcasts the model's buffers (BatchNorm statistics) in every forward"
+    else:
+        why = "it was the window's last micro-batch, whose gradients DDP reduces over the ranks"
+    smaller = smaller_micro_batch(setup.plan.per_rank_batch, micro_batch)
+    how = (f"; continue with a smaller micro-batch, launched as before: reproduce run {out / 'plan.yaml'} --out {out} "
+           f"--resume --micro-batch-max {smaller}") if smaller else ""
+    return (
+        f"out of memory on rank {setup.world.rank} at optimizer step {step + 1} with micro-batch {micro_batch}; the "
+        f"ranks cannot agree on a smaller one there ({why}), so the run stops; the last good checkpoint is "
+        f"{out / 'checkpoints' / 'last.pt'}{how}"
+    )
 
 
 def peak_memory(device: torch.device) -> int | None:

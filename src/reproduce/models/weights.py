@@ -1,0 +1,75 @@
+"""How a model's weights are stored and which of them train: `model.dtype` and `model.lora` (through peft).
+
+`model.dtype: bf16` (or fp16) stores the weights in that dtype, as fine-tuning recipes load a base model;
+`model.lora` freezes them and adds low-rank adapters (peft's `get_peft_model`), which peft keeps in float32.
+The optimizer sees only what trains (`train/optim.py` takes parameters that require a gradient).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from ..recipe import Lora, Recipe
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def adapt(model: nn.Module, recipe: Recipe) -> nn.Module:
+    """The built model with its weights in `model.dtype` and, with `model.lora`, adapters on the named modules."""
+    spec = recipe.model
+    if spec.dtype != "fp32":
+        model = model.to(TORCH_DTYPES[spec.dtype])
+    if spec.lora is not None:
+        model = with_lora(model, spec.lora, spec.builtin or spec.factory or spec.hf or "the model")
+    return model
+
+
+def place(model: nn.Module, recipe: Recipe, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The model on `device`, in `dtype`; weights the recipe stores in bf16/fp16 stay so when the run computes in
+    float32 (its default), and only a run in another dtype (float64: verify, the equivalence tests) casts them all."""
+    if recipe.model.dtype != "fp32" and dtype == torch.float32:
+        return model.to(device=device)
+    return model.to(device=device, dtype=dtype)
+
+
+def adaptable_modules(model: nn.Module) -> list[str]:
+    """The last part of the names of the modules LoRA can adapt (linear, embedding and convolution layers)."""
+    kinds: tuple[type, ...] = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)
+    try:
+        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+        kinds = (*kinds, Conv1D)
+    except ImportError:
+        pass
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if name and isinstance(module, kinds)}
+    return sorted(names)
+
+
+def with_lora(model: nn.Module, lora: Lora, model_name: str) -> nn.Module:
+    """peft's LoRA on `model`: adapters of rank r on the target modules, every other weight frozen."""
+    try:
+        import peft
+    except ImportError:
+        raise UserError("model.lora: needs peft, which is not installed (pip install peft)") from None
+    names = [name for name, _ in model.named_modules() if name]
+    for target in lora.target_modules:
+        if not any(name == target or name.endswith("." + target) for name in names):
+            known = ", ".join(adaptable_modules(model))
+            raise UserError(f"model.lora.target_modules: {model_name} has no module named {target!r} "
+                            f"(modules LoRA can adapt: {known})")
+    config = peft.LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha if lora.alpha is not None else lora.r, lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules), bias="none",
+    )
+    with warnings.catch_warnings():
+        # peft sets fan_in_fan_out itself for GPT-2's Conv1D and says so; transformers deprecation notices
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            return peft.get_peft_model(model, config)
+        except ValueError as exc:  # a target of a kind LoRA cannot adapt
+            raise UserError(f"model.lora.target_modules: {exc}") from None

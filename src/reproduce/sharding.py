@@ -1,0 +1,46 @@
+"""Which sharding a run uses and which combinations cannot run (pure Python, no torch).
+
+`batch.sharding` in the recipe is the default; `reproduce run --sharding` overrides it. `fsdp` shards
+parameters, gradients and optimizer state over the processes with PyTorch's FSDP2 (`fully_shard`);
+`none` keeps a whole copy on every process (DistributedDataParallel under several processes).
+"""
+
+from __future__ import annotations
+
+from .errors import UserError
+from .recipe import Recipe
+
+SHARDINGS = ("none", "fsdp")
+
+# Optimizers whose update is element by element, so each rank can step its own shard of every parameter and get
+# exactly the unsharded update. Adafactor's factored second moments are row and column means over whole matrices
+# (on FSDP2's sharded DTensors its in-place updates fail: "in-place operations that require placement changes are
+# not supported"); LARS and LAMB scale each parameter by the ratio of whole-tensor norms.
+SHARDABLE_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw")
+
+
+def with_sharding(recipe: Recipe, sharding: str | None) -> Recipe:
+    """`recipe` with `batch.sharding` set to `sharding` (unchanged when None or already so)."""
+    if sharding is None or sharding == recipe.batch.sharding:
+        return recipe
+    if sharding not in SHARDINGS:
+        raise UserError(f"--sharding: expected one of {', '.join(SHARDINGS)} (got {sharding!r})")
+    return recipe.model_copy(update={"batch": recipe.batch.model_copy(update={"sharding": sharding})})
+
+
+def check_sharding(recipe: Recipe, processes: int) -> None:
+    """One UserError line for a combination FSDP cannot run; nothing for `none`."""
+    if recipe.batch.sharding != "fsdp":
+        return
+    if processes < 2:
+        raise UserError(
+            "batch.sharding: fsdp shards the model over several processes, but this run has 1; add "
+            "--nproc-per-node K (K >= 2) or launch it under torchrun, or run it unsharded with --sharding none"
+        )
+    name = recipe.optimizer.name
+    if name not in SHARDABLE_OPTIMIZERS:
+        raise UserError(
+            f"optimizer.name: {name} cannot step FSDP's sharded parameters exactly (its update needs statistics of "
+            f"whole tensors, and each process holds a shard); with batch.sharding fsdp use one of "
+            f"{', '.join(SHARDABLE_OPTIMIZERS)}, or --sharding none"
+        )

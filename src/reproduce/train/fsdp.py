@@ -1,0 +1,117 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`): parameters, gradients and optimizer state sharded over the ranks.
+
+`shard(model, ...)` applies `fully_shard` to each transformer block / residual stage (`shard_units`), then to the
+root, and sets it up so accumulation stays the paper's large-batch update exactly:
+
+- gradients are reduce-scattered as a plain SUM: each rank's loss is already divided by the window's global item
+  count, so the effective batch's gradient is the sum over ranks. FSDP2 averages by default (ReduceOp.AVG, or a
+  division by the world size); `set_gradient_divide_factor(1.0)` alone would ask for NCCL's PREMUL_SUM, which gloo
+  lacks; with `set_force_sum_reduction_for_comms(True)` as well, FSDP2 reduces with ReduceOp.SUM and divides by 1,
+  which it skips (`_get_gradient_divide_factors` in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
+  A SUM on every backend also sidesteps gloo's AVG, which once summed silently (pytorch/pytorch#162338);
+- `no_gradient_sync` turns reduction off for all but the window's last micro-batch (`set_requires_gradient_sync`,
+  the counterpart of DDP's `no_sync`): FSDP2 then accumulates unsharded gradients locally, one reduction per step;
+- mixed precision through `MixedPrecisionPolicy`: parameters all-gathered in the compute dtype (bf16 / fp16),
+  gradients reduced in fp32, the sharded master weights and optimizer state kept in fp32;
+- BatchNorm running statistics follow rank 0 after every training forward, as DDP's buffer broadcast does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from .distributed import SyncCounter, World
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded one by one before the root: transformer blocks and residual stages.
+
+    Hugging Face models name their block classes in `_no_split_modules` (GPT2Block, LlamaDecoderLayer, ...); the
+    built-in GPT has `Block`; torchvision's ResNets `Bottleneck` / `BasicBlock`. Empty for a model without any
+    (the MLP): the root alone is sharded then.
+    """
+    from ..models.small import Block
+
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    types: tuple[type, ...] = (Block,)
+    resnet = sys.modules.get("torchvision.models.resnet")  # only when the model came from torchvision
+    if resnet is not None:
+        types += (resnet.Bottleneck, resnet.BasicBlock)
+    return [m for m in model.modules() if m is not model and (isinstance(m, types) or type(m).__name__ in names)]
+
+
+def shard(model: nn.Module, precision: str, world: World, device: torch.device, counter: SyncCounter) -> nn.Module:
+    """`fully_shard` each unit, then the root (in place: the model keeps its class and its parameter names)."""
+    mesh = init_device_mesh(device.type, (world.size,))
+    compute = COMPUTE_DTYPES.get(precision)
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
+    units = shard_units(model)
+    for unit in reversed(units):  # innermost first: fully_shard needs a module's children sharded before it
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    _counted_module(model, units).set_all_reduce_hook(counter.fsdp_hook)
+    _follow_rank_zero_batchnorm(model)
+    return model
+
+
+def _counted_module(model: nn.Module, units: list[nn.Module]) -> FSDPModule:
+    """One FSDP module whose reduction runs once per synchronised backward: the root when it owns parameters
+    outside the units (embeddings, head), else the first unit with parameters."""
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    if any(id(p) not in in_units for p in model.parameters()):
+        return model  # type: ignore[return-value]
+    return next(unit for unit in units if any(True for _ in unit.parameters()))  # type: ignore[return-value]
+
+
+def _follow_rank_zero_batchnorm(model: nn.Module) -> None:
+    """After each training forward, every rank takes rank 0's BatchNorm running statistics (what DDP's
+    broadcast_buffers does), so checkpoints, model.pt and evaluation see one set whichever rank saves them."""
+    groups: dict[torch.dtype, list[tuple[nn.Module, str]]] = {}  # one broadcast per dtype: float stats, counts
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            for name, buffer in module.named_buffers(recurse=False):
+                groups.setdefault(buffer.dtype, []).append((module, name))
+    if not groups:
+        return
+
+    def broadcast(root: nn.Module, inputs, output) -> None:
+        if not root.training:
+            return
+        with torch.no_grad():
+            for group in groups.values():
+                flat = torch.cat([getattr(module, name).reshape(-1) for module, name in group])
+                dist.broadcast(flat, src=0)
+                offset = 0
+                for module, name in group:
+                    old = getattr(module, name)
+                    # a new tensor rather than an in-place copy: autograd saved the old one for BatchNorm's backward
+                    setattr(module, name, flat[offset:offset + old.numel()].view_as(old).clone())
+                    offset += old.numel()
+
+    model.register_forward_hook(broadcast)
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate this micro-batch's gradients without reducing them (FSDP2's counterpart of DDP's `no_sync`)."""
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
