@@ -6,7 +6,8 @@
 
 Not part of `make test` (CI has no GPU); run it by hand where there is one. For each model — the built-in
 MLP and CNN on digits, the small GPT on Python's source, and a GPT-2-124M-sized model (12 layers, 12
-heads, d 768, 1,024 tokens, vocabulary 50,304, bf16, synthetic tokens) — it prints:
+heads, d 768, 1,024 tokens, vocabulary 50,304, bf16, synthetic tokens), and transformers' GPT-2 124M with
+dropout 0.1 (attention with dropout, dropout masks and gelu_new's dtypes as the estimate counts them) — it prints:
 - the `cuda` probe: largest micro-batch, its reserved (decides) and allocated peaks, trials, seconds;
 - the `estimate` meter (fake tensors on the CPU device, same budget): its largest micro-batch;
 - at every size the cuda probe measured to fit: estimate / reserved and tensors / allocated;
@@ -56,6 +57,16 @@ MODELS = {
                   "optimizer": {"name": "adamw", "lr": 6e-4, "betas": [0.9, 0.95], "weight_decay": 0.1,
                                 "no_decay": ["1d"]},
                   "schedule": {"total": {"steps": 100}}, "clip_grad_norm": 1.0, "precision": "bf16"},
+    # transformers' GPT-2 (the gpt2-124m built-in) with dropout 0.1 and its composite gelu_new: what the estimate
+    # counts as CUDA runs it (fused attention with dropout, 1-byte masks, gelu_new's fp32 intermediates under
+    # autocast; probe/gpu_like.py) checked against the card
+    "gpt2-124m-hf": {"task": "language-modeling",
+                     "batch": {"effective": 491520, "unit": "tokens", "sequence_length": 1024},
+                     "model": {"builtin": "gpt2-124m", "kwargs": {"dropout": 0.1}},
+                     "data": {"name": "openwebtext (synthetic tokens here)", "available": False},
+                     "optimizer": {"name": "adamw", "lr": 6e-4, "betas": [0.9, 0.95], "weight_decay": 0.1,
+                                   "no_decay": ["1d"]},
+                     "schedule": {"total": {"steps": 100}}, "clip_grad_norm": 1.0, "precision": "bf16"},
 }
 
 
