@@ -5,8 +5,8 @@
 
 The estimate meter never runs FSDP: it measures the unsharded step on fake tensors and computes one rank's
 peak (probe/sharding.py). Here the same step runs under `torch.distributed.fsdp.fully_shard` (per block, then
-the root; `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`; autocast as `reproduce run` uses
-it; AdamW foreach; clipping) on real CPU tensors of rank 0 of a *fake* process group of W ranks (PyTorch's
+the root; `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` and no autocast, as `reproduce run`
+shards; AdamW foreach; clipping) on real CPU tensors of rank 0 of a *fake* process group of W ranks (PyTorch's
 `torch.testing._internal.distributed.fake_pg`: collectives that move no data, so one process allocates
 exactly what one rank of W would). The tracker counts its tensors, following FSDP2's storage resizes too
 (PyTorch's own FSDPMemTracker does the same but allows one forward per module, no accumulation window);
@@ -98,8 +98,7 @@ def fsdp_peak(recipe, workload: Workload, world: int, micro_batch: int, window: 
                     tracker.reset_peak()
                 for index, (inputs, target) in enumerate(batches):
                     model.set_requires_gradient_sync(index == window - 1)
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
-                        loss = loss_fn(model(inputs), target) / count
+                    loss = loss_fn(model(inputs), target) / count  # no autocast: the policy casts (train/setup.py)
                     loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
@@ -152,7 +151,7 @@ def estimated(recipe, workload: Workload, world: int, micro_batch: int, window: 
     blocks = Blocks(root=root, blocks=sizes)
     result = run_fake_step(workload.plan, workload.data.get("info"),
                            [workload.batch(micro_batch) for _ in range(window)], gpu=None,
-                           model=model.to(torch.bfloat16))
+                           model=model.to(torch.bfloat16), autocast=False)
     step = mixed_precision_step(result.step, blocks, master_bytes=4, compute_bytes=2)
     return sharded_peak(step, blocks, world, result.compute_bytes, unsharded_window=window > 1).peak
 

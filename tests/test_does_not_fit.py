@@ -85,6 +85,19 @@ def test_the_sharding_offered_fits_when_probed_and_one_process_fewer_does_not(fa
         assert fewer.micro_batch_max is None
 
 
+def test_a_fine_tuning_recipe_is_offered_lora_and_bf16_weights_and_they_fit_when_probed():
+    fine_tuning = {**GPT, "model": {**GPT["model"], "pretrained": "a small GPT"}}
+    result = run_probe(parse_recipe(fine_tuning, source="test"), options=TOO_SMALL)
+    ways = {way["change"].split(":")[0]: way for way in result.does_not_fit["ways_out"]}
+    assert ways["model.lora"]["model"]["lora"]["target_modules"] == ["mlp.0", "mlp.2", "proj", "qkv"]
+    assert ways["model.dtype"]["model"] == {"dtype": "bf16"}
+    for name in ("model.lora", "model.dtype"):
+        assert ways[name]["fits"]
+        changed = {**fine_tuning, "batch": {**GPT["batch"], "effective": 64 * 2},  # capped at 2: one or two trials
+                   "model": {**fine_tuning["model"], **ways[name]["model"]}}
+        assert run_probe(parse_recipe(changed, source="test"), options=TOO_SMALL).micro_batch_max >= 1
+
+
 def test_sharding_lets_a_larger_micro_batch_fit():
     options = ProbeOptions(memory="52MiB", meter="estimate", headroom=0.0)
     whole = run_probe(recipe(effective=64 * 32), options=options, world_size=4)  # 8 per process at most

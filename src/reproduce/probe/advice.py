@@ -48,6 +48,7 @@ class WayOut:
     fits: bool
     peak_bytes: int | None  # one device's peak at micro-batch 1 with the change, as the meter decides it
     detail: str
+    model: dict | None = None  # the recipe's `model` fields it sets (LoRA, dtype), for a program to apply
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Explanation:
     counted_on: str
     parameters: int
     ways_out: list[WayOut] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -141,6 +143,11 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
         limit_bytes=meter.limit_bytes, peak_bytes=decide(tensors), tensor_bytes=tensors, at_peak=at_peak,
         step=step.to_json(), counted_on=counted_on, parameters=blocks.root + sum(blocks.blocks),
     )
+    batch = meter.workload.recipe.batch
+    if batch.sharding == "fsdp" and world_size == 1:
+        paper = f" (the paper used {batch.devices})" if batch.devices else ""
+        explanation.notes.append(f"the recipe shards with fsdp, but one process has nothing to shard over: the whole "
+                                 f"step was probed; give --world-size{paper}")
     if not (estimate and (meter.sharding == "fsdp" or meter.workload.recipe.precision == "fp32")):
         # measure the step as FSDP runs it (mixed precision: forward and backward on compute-dtype parameters)
         sharder = _sharding_meter(meter, gpu)
@@ -172,9 +179,13 @@ def _fsdp_way_out(step: StepMemory, blocks: Blocks, compute: int, tensor_limit: 
         floor = unsharded_floor(step, blocks, compute, unsharded_window=window)
         left = "the activations of one sample, the buffers, the gathered blocks" + (
             " and, within an accumulation window, the whole model's gradients" if window else "")
-        return WayOut("--sharding fsdp", False, None,
-                      f"no number of processes is enough: what sharding leaves whole on each one ({left}) needs "
-                      f"{format_size(decide(floor))}")
+        detail = f"no number of processes is enough: what sharding leaves whole on each one ({left}) needs " + (
+            format_size(decide(floor)))
+        synced = smallest_world_size(step, blocks, tensor_limit, compute) if window else None
+        if synced is not None:  # what reducing after every micro-batch would allow (not what `run` does)
+            detail += (f"; reducing the gradients after every micro-batch instead (more communication; `reproduce "
+                       f"run` reduces once per optimizer step) would keep them sharded, and {synced} would do")
+        return WayOut("--sharding fsdp", False, None, detail)
     peak = sharded_peak(step, blocks, ranks, compute, unsharded_window=window)
     return WayOut(
         f"--sharding fsdp --world-size {ranks}", True, decide(peak.peak),
@@ -198,7 +209,8 @@ def _recipe_ways_out(meter: Any, gpu: Any) -> list[WayOut]:
         lora = {**LORA, "target_modules": targets}
         changes.append((f"model.lora: {_flow(lora)}", {"lora": lora}))
     if can_bf16:
-        changes.append(("model.dtype: bf16 (weights stored in bf16)", {"dtype": "bf16"}))
+        changes.append(("model.dtype: bf16 (weights, and so gradients and optimizer state, stored in bf16)",
+                        {"dtype": "bf16"}))
     ways = [_measure_change(meter, gpu, what, change) for what, change in changes]
     if can_lora and can_bf16 and not any(way.fits for way in ways):
         ways.append(_measure_change(meter, gpu, f"model.lora: {_flow(lora)} and model.dtype: bf16",
@@ -235,7 +247,7 @@ def _measure_change(meter: Any, gpu: Any, what: str, change: dict) -> WayOut:
     shown = trial.peak_bytes
     detail = (f"micro-batch 1 then needs {format_size(shown)}" if shown is not None
               else f"micro-batch 1 still does not fit ({trial.note})")
-    return WayOut(what, trial.fits, shown, detail)
+    return WayOut(what, trial.fits, shown, detail, model=change)
 
 
 def render(explanation: dict, budget_name: str) -> list[str]:
@@ -272,6 +284,7 @@ def render(explanation: dict, budget_name: str) -> list[str]:
     composition = " + ".join(f"{CATEGORY_NAMES.get(name, name)} {size(value)}"
                              for name, value in sorted(at_peak.items(), key=lambda item: -item[1]) if value)
     lines.append(f"  peak {size(explanation['tensor_bytes'])} of tensors, in {where}: {composition}")
+    lines.extend(f"note: {note}" for note in explanation.get("notes", []))
     fitting = [way for way in explanation["ways_out"] if way["fits"]]
     lines.append("what would fit (each computed for micro-batch 1 on the same budget):" if fitting
                  else "nothing tried fits (each computed for micro-batch 1 on the same budget):")

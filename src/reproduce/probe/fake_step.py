@@ -49,10 +49,12 @@ class FakeStepResult:
 
 
 def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind | None,
-                  model: nn.Module | None = None) -> FakeStepResult:
+                  model: nn.Module | None = None, autocast: bool = True) -> FakeStepResult:
     """A warm-up step, then the measured one, over `window` (micro-batches of real tensors, made fake here).
 
-    `model`: the recipe's model already built on the meta device (built here when None).
+    `model`: the recipe's model already built on the meta device (built here when None). `autocast=False`: the
+    recipe's bf16/fp16 precision comes from the parameters' own dtype instead (FSDP's mixed precision, which
+    `reproduce run` uses without autocast).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -82,7 +84,8 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
         for step in range(1 + MEASURED_STEPS):
             if step == 1:
                 tracker.reset_peak()
-            fake_step(model, optimizer, loss, fake_window, recipe.precision, recipe.clip_grad_norm, tracker)
+            precision = recipe.precision if autocast else "fp32"
+            fake_step(model, optimizer, loss, fake_window, precision, recipe.clip_grad_norm, tracker)
             if step == 0:
                 tracker.retag(_state_tensors(optimizer), OPTIMIZER)
         for hook in hooks:

@@ -283,9 +283,10 @@ class EstimateMeter(Meter):
         blocks = self.blocks(model)
         master_bytes = next((p.element_size() for p in model.parameters()), 4)
         mixed = self.sharding == "fsdp" and recipe.precision != "fp32"
-        if mixed:  # FSDP2's MixedPrecisionPolicy: forward and backward on parameters gathered in the compute dtype
-            model = model.to(torch.bfloat16 if recipe.precision == "bf16" else torch.float16)
-        result = run_fake_step(self.workload.plan, self.workload.data.get("info"), inputs, self.gpu, model=model)
+        if mixed:  # FSDP2's MixedPrecisionPolicy: forward and backward on parameters gathered in the compute dtype,
+            model = model.to(torch.bfloat16 if recipe.precision == "bf16" else torch.float16)  # and no autocast
+        result = run_fake_step(self.workload.plan, self.workload.data.get("info"), inputs, self.gpu, model=model,
+                               autocast=not mixed)
         window = len(inputs) > 1  # micro-batches accumulated before the reduction (FSDP2 no_sync)
         parts = {
             "at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
