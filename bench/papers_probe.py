@@ -7,7 +7,8 @@
 
 Each row is what `reproduce plan papers/X.yaml --gpu NAME` does (the probe, then the plan), run in this process
 through the same functions: the largest micro-batch the estimate meter finds, the plan made from it, and the
-seconds the probe took; or the one-line error the command would print (exit code 2). The paper's own device is
+seconds the probe took; or the one-line error the command would print (exit code 2), or for "does not fit"
+(exit code 3) the ways out its report finds. The paper's own device is
 `batch.device` looked up in the GPU catalog; a device the catalog does not hold (a TPU, a GPU named without its
 memory) is listed as such. The probe cache is not used (every figure is measured now). Prints a Markdown table.
 
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from reproduce.cli.plan import Policy, plan_and_probe
-from reproduce.errors import UserError
+from reproduce.errors import DoesNotFit, UserError
 from reproduce.models import build_model, count_parameters
 from reproduce.probe.catalog import lookup
 from reproduce.probe.runner import ProbeOptions, run_probe
@@ -54,6 +55,10 @@ def probe_row(path: Path, recipe, gpu: str, headroom: float) -> list[str]:
     started = time.perf_counter()
     try:
         the_plan, result = plan_and_probe(recipe, str(path), None, 1, Policy.exact, probe=options, quiet=True)
+    except DoesNotFit as error:  # exit 3: what would fit, from its report
+        fitting = [line.strip() for line in error.lines if line.strip().startswith("[fits]")]
+        note = "does not fit (exit 3); " + ("; ".join(fitting) if fitting else "nothing tried fits")
+        return [gpu, "-", "-", f"{time.perf_counter() - started:.0f}", note]
     except UserError as error:
         return [gpu, "-", "-", f"{time.perf_counter() - started:.0f}", f"error: {error.lines[-1]}"]
     peak = f"{result.micro_batch_max} ({format_size(result.peak_bytes)})"
