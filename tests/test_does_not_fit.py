@@ -89,12 +89,12 @@ def test_a_fine_tuning_recipe_is_offered_lora_and_bf16_weights_and_they_fit_when
     fine_tuning = {**GPT, "model": {**GPT["model"], "pretrained": "a small GPT"}}
     result = run_probe(parse_recipe(fine_tuning, source="test"), options=TOO_SMALL)
     ways = {way["change"].split(":")[0]: way for way in result.does_not_fit["ways_out"]}
-    assert ways["model.lora"]["model"]["lora"]["target_modules"] == ["mlp.0", "mlp.2", "proj", "qkv"]
-    assert ways["model.dtype"]["model"] == {"dtype": "bf16"}
+    assert ways["model.lora"]["changes"]["model"]["lora"]["target_modules"] == ["mlp.0", "mlp.2", "proj", "qkv"]
+    assert ways["model.dtype"]["changes"] == {"model": {"dtype": "bf16"}}  # the recipe computes in bf16 already
     for name in ("model.lora", "model.dtype"):
         assert ways[name]["fits"]
         changed = {**fine_tuning, "batch": {**GPT["batch"], "effective": 64 * 2},  # capped at 2: one or two trials
-                   "model": {**fine_tuning["model"], **ways[name]["model"]}}
+                   "model": {**fine_tuning["model"], **ways[name]["changes"]["model"]}}
         assert run_probe(parse_recipe(changed, source="test"), options=TOO_SMALL).micro_batch_max >= 1
 
 

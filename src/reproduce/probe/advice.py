@@ -48,7 +48,7 @@ class WayOut:
     fits: bool
     peak_bytes: int | None  # one device's peak at micro-batch 1 with the change, as the meter decides it
     detail: str
-    model: dict | None = None  # the recipe's `model` fields it sets (LoRA, dtype), for a program to apply
+    changes: dict | None = None  # the recipe fields it sets ({"model": {"lora": ...}}), for a program to apply
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Explanation:
 def lora_allowed(recipe: Recipe) -> bool:
     """LoRA is a way to fine-tune: offered only for recipes that start from pretrained weights."""
     model = recipe.model
-    return bool(model.hf or getattr(model, "pretrained", None)) and getattr(model, "lora", None) is None
+    return bool(model.hf or model.pretrained) and model.lora is None
 
 
 def lora_targets(model: torch.nn.Module) -> list[str]:
@@ -93,9 +93,11 @@ def lora_targets(model: torch.nn.Module) -> list[str]:
                    if isinstance(layer, torch.nn.Linear)})  # matches them: a module's name ends with one
 
 
-def _with_model(recipe: Recipe, **changes: Any) -> Recipe:
+def _changed(recipe: Recipe, changes: dict) -> Recipe:
+    """`recipe` with `changes` merged in ({"model": {"dtype": "bf16"}, "precision": "bf16"}), validated again."""
     data = recipe.model_dump(mode="json", exclude_none=True)
-    data["model"] = {**data["model"], **changes}
+    for key, value in changes.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) else value
     return parse_recipe(data, source="(probe: way out)")
 
 
@@ -200,22 +202,24 @@ def _fsdp_way_out(step: StepMemory, blocks: Blocks, compute: int, tensor_limit: 
 def _recipe_ways_out(meter: Any, gpu: Any) -> list[WayOut]:
     recipe = meter.workload.recipe
     changes: list[tuple[str, dict]] = []
-    can_lora = lora_allowed(recipe) and "lora" in type(recipe.model).model_fields
-    can_bf16 = "dtype" in type(recipe.model).model_fields and getattr(recipe.model, "dtype", "fp32") == "fp32"
-    lora = {}
+    can_lora, can_bf16 = lora_allowed(recipe), recipe.model.dtype == "fp32"
+    lora: dict = {}
     if can_lora:
         with torch.device("meta"):
             targets = lora_targets(build_model(recipe, meter.workload.data.get("info")))
         lora = {**LORA, "target_modules": targets}
-        changes.append((f"model.lora: {_flow(lora)}", {"lora": lora}))
+        changes.append((f"model.lora: {_flow(lora)}", {"model": {"lora": lora}}))
+    bf16 = {"model": {"dtype": "bf16"}}
+    shown = "model.dtype: bf16 (weights, and so gradients and optimizer state, stored in bf16)"
+    if can_bf16 and recipe.precision != "bf16":  # bf16 weights compute in bf16 (model.dtype needs the precision)
+        bf16, shown = {**bf16, "precision": "bf16"}, shown + f" with precision: bf16 (not {recipe.precision})"
     if can_bf16:
-        changes.append(("model.dtype: bf16 (weights, and so gradients and optimizer state, stored in bf16)",
-                        {"dtype": "bf16"}))
+        changes.append((shown, bf16))
     ways = [_measure_change(meter, gpu, what, change) for what, change in changes]
     if can_lora and can_bf16 and not any(way.fits for way in ways):
         ways.append(_measure_change(meter, gpu, f"model.lora: {_flow(lora)} and model.dtype: bf16",
-                                    {"lora": lora, "dtype": "bf16"}))
-    if not can_lora and not lora_allowed(recipe) and getattr(recipe.model, "lora", None) is None:
+                                    {**bf16, "model": {"lora": lora, "dtype": "bf16"}}))
+    if not lora_allowed(recipe) and recipe.model.lora is None:
         ways.append(WayOut("model.lora", False, None, "not offered: the recipe trains from scratch (LoRA "
                            "fine-tunes pretrained weights; set model.pretrained to say the recipe fine-tunes)"))
     return ways
@@ -233,7 +237,7 @@ def _measure_change(meter: Any, gpu: Any, what: str, change: dict) -> WayOut:
     from .workload import Workload
 
     try:
-        changed = _with_model(meter.workload.recipe, **change)
+        changed = _changed(meter.workload.recipe, change)
     except UserError as error:
         return WayOut(what, False, None, f"not measured: {error.lines[0]}")
     workload = Workload(changed, meter.workload.data)
@@ -247,7 +251,7 @@ def _measure_change(meter: Any, gpu: Any, what: str, change: dict) -> WayOut:
     shown = trial.peak_bytes
     detail = (f"micro-batch 1 then needs {format_size(shown)}" if shown is not None
               else f"micro-batch 1 still does not fit ({trial.note})")
-    return WayOut(what, trial.fits, shown, detail, model=change)
+    return WayOut(what, trial.fits, shown, detail, changes=change)
 
 
 def render(explanation: dict, budget_name: str) -> list[str]:
