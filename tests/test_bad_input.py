@@ -440,6 +440,12 @@ CASES = [
         ["error: --sharding fsdp: shards the model over the --world-size processes, and --world-size is 1"],
         args=(*OK_ARGS, "--sharding", "fsdp"),
     ),
+    Case(
+        "sharding-fsdp-without-budget",
+        GOYAL,
+        ["error: --memory or --gpu: required with fsdp sharding"],
+        args=("--sharding", "fsdp", "--world-size", "4"),
+    ),
     Case("sharding-bogus", GOYAL, ["error: ", "'--sharding'", "'zero3'"], args=(*OK_ARGS, "--sharding", "zero3")),
     Case(
         "sharding-fsdp-cpu-meter",

@@ -166,3 +166,22 @@ def test_estimate_meter_notes_and_parts():
     assert trial.fits and trial.tensor_bytes == sum(trial.parts["at_peak"].values())
     assert trial.parts["attention"] == {"flash": 8} and trial.parts["blocks"]["sizes"] == [12_704] * 2
     assert "as CUDA runs them on NVIDIA A100 40GB" in meter.notes[0]
+
+
+@pytest.mark.parametrize(
+    "name, catalog, capability",
+    [("A100-40GB", "a100-40gb", (8, 0)), ("A100-80GB", "a100-80gb", (8, 0)), ("V100-32GB", "v100-32gb", (7, 0)),
+     ("V100", "v100-16gb", (7, 0)), ("A100", "a100-40gb", (8, 0)), ("RTX 4090", "rtx4090", (8, 9)),
+     ("h100-80gb", "h100-80gb", (9, 0)), ("a10g", "a10g", (8, 6))],
+)
+def test_the_papers_device_names_resolve(name, catalog, capability):
+    gpu = lookup(name)
+    assert gpu.name == catalog and gpu.capability == capability
+
+
+@pytest.mark.parametrize("name", ["Cloud TPU chip", "TPUv3", "tpu-v4"])
+def test_a_tpu_is_refused_as_not_a_gpu(name):
+    from reproduce.errors import UserError
+
+    with pytest.raises(UserError, match="is a TPU, not a GPU"):
+        lookup(name)

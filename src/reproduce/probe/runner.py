@@ -138,8 +138,11 @@ def choose_meter(options: ProbeOptions, budget: int | None, sharding: str = "non
             "batch.sharding: fsdp) over several processes use --meter estimate (or auto)"
         )
     if sharding == "fsdp":
-        if budget is None:
-            raise BudgetRequired("--memory or --gpu: required with fsdp sharding (the estimate meter plans for it)")
+        if budget is None:  # (a GPU here would measure one whole process, not one rank's share)
+            raise UserError(
+                "--memory or --gpu: required with fsdp sharding: the estimate meter computes one rank's share for "
+                "the GPU named, such as --gpu a100-80gb"
+            )
         return "estimate"
     if options.meter != "auto":
         if options.meter in ("cpu", "estimate") and budget is None:
