@@ -48,3 +48,39 @@ class SlowDigits(torch.utils.data.Dataset):
 
 def slow_digits(delay: float = 0.002) -> dict:
     return {"train": SlowDigits(delay), "info": {"name": "slow-digits", "classes": 10}}
+
+
+# The papers' architectures through `factory:` (random initialisation from a config, never downloaded), until the
+# built-ins of the same names exist. Their sizes are arguments so tests can build small ones of the same code.
+
+
+def hf_gpt2(n_layer: int = 12, n_embd: int = 768, n_head: int = 12, n_positions: int = 1024, vocab_size: int = 50257,
+            dropout: float = 0.0, activation: str = "gelu_new") -> torch.nn.Module:
+    """transformers' GPT-2 (124M with the defaults), logits only."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from reproduce.models.hf import HFLogits
+
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions,
+                        vocab_size=vocab_size, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                        activation_function=activation)
+    return HFLogits(GPT2LMHeadModel(config), "causal-lm")
+
+
+def hf_llama(layers: int = 32, hidden: int = 4096, intermediate: int = 11008, heads: int = 32,
+             vocab_size: int = 32000, max_positions: int = 2048) -> torch.nn.Module:
+    """transformers' LLaMA (7B with the defaults), logits only."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from reproduce.models.hf import HFLogits
+
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=intermediate,
+                         num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab_size,
+                         max_position_embeddings=max_positions)
+    return HFLogits(LlamaForCausalLM(config), "causal-lm")
+
+
+def torchvision_resnet50(classes: int = 1000) -> torch.nn.Module:
+    from torchvision.models import resnet50
+
+    return resnet50(weights=None, num_classes=classes)

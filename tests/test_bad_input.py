@@ -584,6 +584,36 @@ CASES = [
         args=(*OK_ARGS, "--world-size", "10000"),
     ),
     Case(
+        "sharding-fsdp-one-process",
+        GOYAL,
+        ["error: --sharding fsdp: shards the model over the --world-size processes, and --world-size is 1"],
+        args=(*OK_ARGS, "--sharding", "fsdp"),
+    ),
+    Case(
+        "sharding-fsdp-without-budget",
+        GOYAL,
+        ["error: --memory or --gpu: required with fsdp sharding"],
+        args=("--sharding", "fsdp", "--world-size", "4"),
+    ),
+    Case("sharding-bogus", GOYAL, ["error: ", "'--sharding'", "'zero3'"], args=(*OK_ARGS, "--sharding", "zero3")),
+    Case(
+        "sharding-fsdp-cpu-meter",
+        GOYAL,
+        ["error: --meter cpu: measures one whole process and cannot shard"],
+        args=("--sharding", "fsdp", "--world-size", "4", "--meter", "cpu", "--memory", "1GiB"),
+    ),
+    Case(
+        "recipe-sharding-bogus",
+        mutate({"batch.sharding": "zero3"}),
+        ["error: {path}: batch.sharding: expected one of 'none' or 'fsdp' (got 'zero3')"],
+    ),
+    Case("gpu-is-a-tpu", GOYAL, ["error: --gpu: 'TPUv3' is a TPU, not a GPU"], args=("--gpu", "TPUv3")),
+    Case(
+        "recipe-pretrained-empty",
+        mutate({"model.pretrained": ""}),
+        ["error: {path}: model.pretrained:"],
+    ),
+    Case(
         "policy-bogus",
         GOYAL,
         ["error: ", "'--policy'", "'bogus'", "exact", "fast"],

@@ -103,7 +103,6 @@ def test_probe_shows_its_work(capsys):
         (("--meter", "cpu"), "error: --meter cpu: needs a budget"),
         (("--meter", "tpu", "--memory", "1GiB"), "error: "),
         (("--meter", "estimate", "--memory", "16MiB"), "error: --memory: 16.00 MiB less headroom leaves nothing"),
-        (("--meter", "cpu", "--memory", "16KiB"), "error: --memory/--gpu: not even micro-batch 1 fits"),
     ],
 )
 def test_bad_values_are_one_line_and_exit_2(capsys, args, expected):
@@ -112,6 +111,17 @@ def test_bad_values_are_one_line_and_exit_2(capsys, args, expected):
     lines = err.strip().splitlines()
     assert lines[-1].startswith(expected) and "Traceback" not in err
     assert sum(line.startswith("error: ") for line in lines) == 1
+
+
+def test_nothing_fitting_is_exit_3_with_the_step_split_by_category(capsys):
+    """The cpu meter stops at its budget; the report counts the same step on fake tensors to split it."""
+    code, out, err = cli(capsys, "probe", "digits.yaml", "--meter", "cpu", "--memory", "16KiB")
+    assert code == 3 and "Traceback" not in err
+    lines = err.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("does not fit: not even micro-batch 1 fits"))
+    assert "(cpu meter)" in lines[start] and "counted on the same step on fake tensors" in lines[start + 1]
+    assert lines[start + 2].startswith("  weights ") and "3,466 parameters in fp32" in lines[start + 2]
+    assert any("--sharding fsdp" in line for line in lines)
 
 
 def test_plan_probes_when_no_micro_batch_max_is_given(capsys):

@@ -1,6 +1,8 @@
 """The one exception type for mistakes a user can fix (bad recipe, bad option, missing file).
 
-The CLI catches it in one place and prints its lines, one per problem, with exit code 2.
+The CLI catches it in one place and prints its lines, one per problem, with exit code 2. Its one
+subclass, `DoesNotFit`, is the honest "no micro-batch fits this memory" (exit code 3): the input is
+valid, the hardware is too small, and its lines say what the step needs and what would fit.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ class UserError(Exception):
             raise ValueError("UserError needs at least one line")
         self.lines = [line for line in lines if line]
         super().__init__("\n".join(self.lines))
+
+
+class DoesNotFit(UserError):
+    """Not even micro-batch 1 fits the memory planned for: what one step needs and the ways out, one per line."""
+
+    exit_code = 3
 
 
 class TrainingStopped(Exception):

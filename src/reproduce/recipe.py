@@ -256,6 +256,11 @@ class Model(Builder):
     dtype: Literal[WEIGHT_DTYPES] = "fp32"  # type: ignore[valid-type]
     lora: Lora | None = None
     description: str | None = None
+    pretrained: str | None = Field(
+        default=None, min_length=1,
+        description="the pretrained weights the paper fine-tunes (documentation: runs start from random weights); "
+        "marks a fine-tuning recipe, for which the probe offers LoRA when full training does not fit",
+    )
 
     @model_validator(mode="after")
     def _has_source(self) -> Model:

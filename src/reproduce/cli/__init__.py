@@ -7,7 +7,7 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
-from ..errors import Interrupted, TrainingStopped, UserError
+from ..errors import DoesNotFit, Interrupted, TrainingStopped, UserError
 from . import check as _check  # noqa: F401
 from . import papers as _papers  # noqa: F401
 from . import plan as _plan  # noqa: F401  (registers the command)
@@ -17,12 +17,17 @@ from . import verify as _verify  # noqa: F401
 from .app import app
 
 EXIT_USER_ERROR = 2
+EXIT_DOES_NOT_FIT = DoesNotFit.exit_code  # 3: valid input, but not even micro-batch 1 fits the memory
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `reproduce` console script."""
     try:
         code = app(args=argv, prog_name="reproduce", standalone_mode=False)
+    except DoesNotFit as error:
+        for line in error.lines:
+            print(line, file=sys.stderr)
+        sys.exit(EXIT_DOES_NOT_FIT)
     except UserError as error:
         for line in error.lines:
             print(f"error: {line}", file=sys.stderr)

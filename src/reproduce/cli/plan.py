@@ -24,8 +24,12 @@ from .probe import (
     MEMORY_HELP,
     METER_HELP,
     NO_CACHE_HELP,
+    SHARDING_HELP,
     MeterName,
+    Sharding,
+    apply_sharding,
     costs_json,
+    does_not_fit,
     plan_costs,
     probe_options,
     render_costs,
@@ -107,7 +111,7 @@ def plan_and_probe(
             hint = f"{error.lines[-1]} (or give --micro-batch-max to skip the probe)"
             raise UserError(*error.lines[:-1], hint) from None
         if result.micro_batch_max is None:
-            raise UserError(result.failure())
+            raise does_not_fit(result)
         micro_batch_max = result.micro_batch_max
         if not quiet:
             stderr.print(probe_line(result), markup=False)
@@ -150,6 +154,7 @@ def plan_command(
     meter: MeterName = typer.Option(MeterName.auto, "--meter", help=METER_HELP),
     headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
+    sharding: Sharding | None = typer.Option(None, "--sharding", help=SHARDING_HELP),
     emit_format: str | None = typer.Option(
         None, "--emit", metavar="FORMAT", help=f"Print the plan as {', '.join(FORMATS)} settings, not the table."
     ),
@@ -157,12 +162,13 @@ def plan_command(
     """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps.
 
     Without --micro-batch-max the largest micro-batch is probed: on this GPU, or for --memory / --gpu.
+    Exit code 3 when not even micro-batch 1 fits (what the step needs and what would make it fit are printed).
     """
     if out is not None:
         check_writable(out, "--out", protect=(recipe_path,))
     if emit_format is not None:
         check_format(emit_format)
-    recipe = load_recipe(recipe_path)
+    recipe = apply_sharding(load_recipe(recipe_path), sharding, world_size)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     the_plan, result = plan_and_probe(
         recipe, str(recipe_path), micro_batch_max, world_size, policy, probe=options,
@@ -212,7 +218,8 @@ def render_plan(p: Plan) -> None:
         f"{p.arithmetic} {'' if p.effective_tokens else unit}".rstrip() + ("  exact" if p.exact else "  NOT exact"),
     )
     hardware = f"{r.batch.devices or '?'} x {r.batch.device}" if r.batch.device else f"{r.batch.devices or '?'} devices"
-    table.add_row("hardware", hardware, f"{p.world_size} process(es)")
+    sharded = ", fsdp (sharded)" if r.batch.sharding == "fsdp" and p.world_size > 1 else ""
+    table.add_row("hardware", hardware, f"{p.world_size} process(es){sharded}")
     table.add_row(
         "learning rate",
         f"{r.optimizer.name} lr {r.optimizer.lr:g}",

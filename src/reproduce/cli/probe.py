@@ -9,15 +9,21 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ..errors import UserError
+from ..errors import DoesNotFit, UserError
 from ..planner import Plan, plan
 from ..probe.cost import Cost, cost, format_duration
 from ..probe.runner import ProbeOptions, ProbeResult, ProbeTrial, run_probe
 from ..probe.search import Measurement
-from ..recipe import load_recipe, with_data_paths
+from ..recipe import Recipe, load_recipe, with_data_paths
+from ..sharding import with_sharding
 from ..units import format_size
 from .app import app
 from .common import stderr, stdout
+
+
+class Sharding(str, Enum):
+    none = "none"
+    fsdp = "fsdp"
 
 
 class MeterName(str, Enum):
@@ -37,6 +43,33 @@ HEADROOM_HELP = "Fraction of the budget kept free: the largest micro-batch must 
 NO_CACHE_HELP = "Probe again even when a cached result for this recipe, device and budget exists."
 PROBE_DATA_HELP = "Probe on this data (in the recipe's data.format) instead of the recipe's data.path."
 WORLD_SIZE_HELP = "Number of data-parallel processes: the probe needs no micro-batch above batch / processes."
+SHARDING_HELP = (
+    "none: every process holds the whole model (DDP); fsdp: parameters, gradients and optimizer state sharded "
+    "over the processes (FSDP2 full_shard; plan and probe need --world-size 2 or more). Default: the recipe's "
+    "batch.sharding."
+)
+
+
+def apply_sharding(recipe: Recipe, sharding: Sharding | None, world_size: int) -> Recipe:
+    """The recipe with `--sharding` in place of its `batch.sharding` (what the probe counts and the plan keeps)."""
+    if sharding is None:
+        return recipe
+    if sharding is Sharding.fsdp and world_size < 2:
+        raise UserError(
+            f"--sharding fsdp: shards the model over the --world-size processes, and --world-size is {world_size}; "
+            "give --world-size 2 or more (one process has nothing to shard over)"
+        )
+    return with_sharding(recipe, sharding.value)
+
+
+def does_not_fit(result: ProbeResult) -> DoesNotFit:
+    """The error for a probe that found no micro-batch: the step's needs by category and what would fit."""
+    from ..probe.advice import render
+
+    if result.does_not_fit is None:  # (a cached result from before the breakdown existed)
+        return DoesNotFit(result.failure())
+    budget = f"--gpu {result.gpu}" if result.gpu else "the --memory budget"
+    return DoesNotFit(*render(result.does_not_fit, budget))
 
 
 def probe_options(memory: str | None, gpu: str | None, meter: MeterName, headroom: float, no_cache: bool
@@ -53,12 +86,18 @@ def probe_command(
     meter: MeterName = typer.Option(MeterName.auto, "--meter", help=METER_HELP),
     headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
     world_size: int = typer.Option(1, "--world-size", min=1, help=WORLD_SIZE_HELP),
+    sharding: Sharding | None = typer.Option(None, "--sharding", help=SHARDING_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=PROBE_DATA_HELP),
 ) -> None:
-    """Measure the largest micro-batch whose full training step fits one device's memory."""
+    """Measure the largest micro-batch whose full training step fits one device's memory.
+
+    Exit code 0 with an answer, 2 for bad input, 3 when not even micro-batch 1 fits (what the step needs
+    and what would make it fit are printed).
+    """
     recipe = with_data_paths(load_recipe(recipe_path), data_path, None, str(recipe_path))
+    recipe = apply_sharding(recipe, sharding, world_size)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     result = run_probe(recipe, str(recipe_path), options, world_size, on_trial=None if as_json else show_trial)
     the_plan = plan(recipe, result.micro_batch_max, world_size) if result.micro_batch_max else None
@@ -70,7 +109,7 @@ def probe_command(
     else:
         render_probe(result, the_plan)
     if result.micro_batch_max is None:
-        raise UserError(result.failure())
+        raise does_not_fit(result)
 
 
 def verdict(trial: Measurement | ProbeTrial) -> str:
@@ -89,6 +128,7 @@ def render_probe(result: ProbeResult, the_plan: Plan | None) -> None:
         f"[bold]probe[/] {result.recipe_path}: {result.meter} meter, {result.device}; {result.data}\n"
         f"{source} {format_size(result.budget_bytes)} less {result.headroom:.0%} headroom: "
         f"limit {format_size(result.limit_bytes)}; sizes capped at {result.cap} (the batch per process)"
+        + (f"; fsdp over {result.world_size} processes" if result.sharding == "fsdp" else "")
     )
     table = Table(title_justify="left")
     for column in ("micro-batch", "peak", "tensors", "result", "step", "trial"):

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-from enum import Enum
 from pathlib import Path
 
 import typer
@@ -20,7 +19,17 @@ from ..sharding import check_sharding, with_sharding
 from .app import app
 from .common import is_terminal, stderr, stdout
 from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, make_plan, plan_and_probe
-from .probe import GPU_HELP, HEADROOM_HELP, MEMORY_HELP, METER_HELP, NO_CACHE_HELP, MeterName, probe_options
+from .probe import (
+    GPU_HELP,
+    HEADROOM_HELP,
+    MEMORY_HELP,
+    METER_HELP,
+    NO_CACHE_HELP,
+    SHARDING_HELP,
+    MeterName,
+    Sharding,
+    probe_options,
+)
 
 
 class PlainReporter:
@@ -127,15 +136,7 @@ DATA_HELP = "The training data (a folder or file in the recipe's data.format), i
 EVAL_DATA_HELP = "The evaluation data, instead of the recipe's data.eval_path."
 WORKERS_HELP = ("DataLoader worker processes per training process (0: fetch in the training process; default: "
                 "one per CPU core less one, at most 8, for data read from files; 0 for data held in memory).")
-SHARDING_HELP = (
-    "fsdp: shard parameters, gradients and optimizer state over the processes (FSDP2); none: a whole copy on each "
-    "(DDP). Default: the recipe's batch.sharding; a resumed run keeps its own."
-)
-
-
-class Sharding(str, Enum):
-    none = "none"
-    fsdp = "fsdp"
+RUN_SHARDING_HELP = SHARDING_HELP + " A resumed run keeps its own."
 
 
 def _forwarded_args(source: Path, out: Path, values: dict[str, object], switches: dict[str, bool]) -> list[str]:
@@ -272,7 +273,7 @@ def run_command(
     headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log each step's metrics to OUT/tensorboard."),
-    sharding: Sharding | None = typer.Option(None, "--sharding", help=SHARDING_HELP),
+    sharding: Sharding | None = typer.Option(None, "--sharding", help=RUN_SHARDING_HELP),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
     eval_data_path: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
     workers: int | None = typer.Option(None, "--workers", min=0, help=WORKERS_HELP),

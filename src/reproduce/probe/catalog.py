@@ -7,6 +7,14 @@ N GiB. What a process can use is a little less: the CUDA context (a few hundred 
 (a T4 shows about 15 GiB of its 16). The probe's headroom (10% by default) covers the rest; give
 `--memory` with the figure `nvidia-smi` shows for an exact budget.
 
+Names as the papers write them resolve too: `A100-40GB`, `V100-32GB` (case and separators forgiven),
+and two bare names by the reading documented in `ALIASES` (`V100`: the 16 GB card; `A100`: the 40 GB
+one). A TPU is not a GPU: the estimate models CUDA's kernels and allocator, so `--gpu` refuses TPU names
+with a line saying so rather than guessing a budget.
+
+`capability` is the CUDA compute capability of the architecture (A100 8.0, other Ampere cards 8.6, Ada
+8.9, Hopper 9.0, ...): it decides which attention kernel PyTorch runs (probe/gpu_like.py).
+
 `cublaslt_workspace` is the cuBLASLt workspace PyTorch allocates per handle on that architecture
 (1 MiB by default, 4 MiB on Ampere cards with 24 GB or more, 32 MiB on Hopper); the estimate meter
 adds it to its margin.
@@ -21,6 +29,7 @@ from ..errors import UserError
 
 GiB = 2**30
 MiB = 2**20
+DEFAULT_CAPABILITY = (8, 0)  # the estimate's GPU when only --memory is given: Ampere (A100), as most training cards
 CONTEXT_BYTES = 512 * MiB  # the CUDA context and kernels: a few hundred MiB; bench/gpu_check.py measures it
 
 
@@ -41,6 +50,14 @@ class Gpu:
     def budget_bytes(self) -> int:
         """What a training process can plan to use: the card's memory less the CUDA context."""
         return self.memory_bytes - CONTEXT_BYTES
+
+    @property
+    def capability(self) -> tuple[int, int]:
+        """CUDA compute capability (major, minor); AMD's CDNA3 is given Ampere's (its fused attention kernels)."""
+        if self.architecture == "ampere":
+            return (8, 0) if self.name.startswith("a100") else (8, 6)
+        return {"hopper": (9, 0), "ada": (8, 9), "turing": (7, 5), "volta": (7, 0), "pascal": (6, 0)}.get(
+            self.architecture, (8, 0))
 
     @property
     def cublaslt_workspace(self) -> int:
@@ -85,11 +102,26 @@ GPUS = {
 }
 
 
+# Bare names the papers use, read as the card they most likely mean (said in the README's papers table).
+ALIASES = {
+    "v100": "v100-16gb",  # the V100 launched with 16 GB; the 32 GB card is always written as such
+    "a100": "a100-40gb",  # nanoGPT's shakespeare-char "1 A100": the 40 GB card of its GPT-2 run (any A100 fits it)
+}
+NOT_GPUS = ("tpu",)  # accelerators the estimate cannot model (not CUDA: other kernels, other memory)
+
+
 def lookup(name: str) -> Gpu:
     """The catalog entry for `name` (case and separators forgiven); a UserError naming the known ones."""
     key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    key = ALIASES.get(key, key)
     if key in GPUS:
         return GPUS[key]
+    if any(word in key for word in NOT_GPUS):
+        raise UserError(
+            f"--gpu: {name!r} is a TPU, not a GPU: the estimate models CUDA's attention kernels, dropout, autocast "
+            "and caching allocator, and has nothing to say about a TPU's memory; give --memory SIZE to plan for its "
+            "memory as if it were a GPU"
+        )
     squashed = {k.replace("-", ""): k for k in GPUS}
     if key.replace("-", "") in squashed:
         return GPUS[squashed[key.replace("-", "")]]

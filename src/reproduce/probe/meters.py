@@ -19,23 +19,23 @@ recipe's or ours, and is raised), then everything it allocated is freed before t
   context and other processes already taken off) plus what this process's allocator holds.
 - `cpu`: the same real trials on the CPU, counted by `MemoryTracker` (live tensor storage, rounded to
   512 B) with the budget enforced as an out-of-memory error. Exact for the tensors, and what CI uses.
-- `estimate`: the same step under `FakeTensorMode` (model built on `meta`, materialised with `to_empty`
-  inside the fake mode; AdamW/Adam/SGD with `foreach=True`, as on a GPU), counted by the same tracker: no
-  real memory, about constant time per trial. It runs on the CPU device, so it differs from a real GPU
-  where the tracker cannot see or where CUDA behaves differently:
-  * it cannot see the CUDA context, cuBLAS/cuBLASLt workspaces (8 MiB + 1 to 32 MiB by architecture) and
-    the allocator's 2 MiB/20 MiB segments and fragmentation: a margin of `ESTIMATE_MARGIN` (5%) of
-    the peak plus the workspaces is added to every estimate;
-  * attention takes the math path and materialises B x H x S x S scores, where CUDA uses flash or
-    memory-efficient kernels; and dropout masks take 4 bytes per element where CUDA's take 1: both make
-    the estimate pessimistic (smaller maxima than a GPU allows);
-  * autocast follows the CPU's op lists, and fp16's GradScaler is left out (its state is a few scalars).
-  `bench/gpu_check.py` prints the estimate beside the measured peak on a real card.
+- `estimate`: the same step under `FakeTensorMode` (probe/fake_step.py: model built on `meta`,
+  materialised inside the fake mode; AdamW/Adam/SGD with `foreach=True`, as on a GPU), counted by the
+  same tracker by category: no real memory, about constant time per trial, and every trial runs to its
+  end (a size that does not fit still says what it needs). It runs on the CPU device; where CUDA runs the
+  step differently it is made to do what CUDA does (probe/gpu_like.py): SDPA's fused attention kernels
+  for the target GPU instead of the CPU's math path, 1-byte dropout masks, CUDA autocast's fp32 ops. What
+  it still cannot see: the CUDA context, cuBLAS/cuBLASLt workspaces (8 MiB + 1 to 32 MiB by
+  architecture), kernels' internal workspaces and the allocator's 2 MiB/20 MiB segments and
+  fragmentation: a margin of `ESTIMATE_MARGIN` (5%) of the peak plus the workspaces is added to every
+  estimate. fp16's GradScaler is left out (its state is a few scalars). With `sharding="fsdp"` one rank's
+  peak is computed from the measured parts (probe/sharding.py). `bench/gpu_check.py` prints the estimate
+  beside the measured peak on a real card.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import gc
 import math
 import time
@@ -43,18 +43,18 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
 from ..data.batches import to_device
 from ..errors import UserError
 from ..models import build_model
-from ..train.losses import build_loss
-from ..train.optim import build_optimizer
 from ..train.setup import build
 from ..train.step import optimizer_step
 from ..units import available_host_memory, format_size
-from .catalog import Gpu, MiB
+from .catalog import DEFAULT_CAPABILITY, Gpu, MiB
+from .fake_step import block_sizes, materialize, run_fake_step  # noqa: F401  (materialize: this module's interface)
+from .gpu_like import GpuKind
 from .search import Measurement
+from .sharding import Blocks, mixed_precision_step, sharded_peak
 from .tracker import MemoryTracker
 from .workload import Workload
 
@@ -219,13 +219,19 @@ class CudaMeter(Meter):
 
 
 class EstimateMeter(Meter):
-    """The training step on fake tensors: shapes and memory only, no data and no real allocation."""
+    """The training step on fake tensors, as CUDA runs it: shapes and memory only, no data and no real allocation.
+
+    With `sharding="fsdp"` over `world_size` ranks, the unsharded step is measured by category and one
+    rank's peak is computed from it (`sharding.sharded_peak`). Every trial runs to its end without a
+    budget (fake tensors cost nothing), so a size that does not fit still reports what it needs.
+    """
 
     name = "estimate"
     device = "estimate (fake tensors on the cpu device)"
 
     def __init__(self, workload: Workload, budget_bytes: int, headroom: float, gpu: Gpu | None = None,
-                 cap: int | None = None):
+                 cap: int | None = None, sharding: str = "none", world_size: int = 1,
+                 capability: tuple[int, int] | None = None):
         super().__init__(workload, budget_bytes, headroom, time_steps=False, cap=cap)
         self.fixed = CUBLAS_WORKSPACE + (gpu.cublaslt_workspace if gpu is not None else 32 * MiB)
         if self.limit_bytes <= self.fixed:
@@ -234,76 +240,71 @@ class EstimateMeter(Meter):
                 f"margin of {format_size(self.fixed)} (cuBLAS workspaces on a GPU) is taken off; "
                 "use --meter cpu for a budget this small"
             )
+        # the GPU whose kernels are counted: the catalog's, one given (bench/gpu_check.py: the card it runs on), or
+        # without either an Ampere card (flash attention for bf16/fp16, the memory-efficient kernel for fp32)
+        self.gpu = GpuKind(capability or (gpu.capability if gpu is not None else DEFAULT_CAPABILITY))
+        self.sharding, self.world_size = sharding, world_size
+        self._blocks: Blocks | None = None
+        major, minor = self.gpu.capability
+        where = gpu.title if gpu is not None and capability is None else (
+            f"a GPU of compute capability {major}.{minor}" + ("" if capability else " (no --gpu given)"))
         self.notes.append(
             f"estimate meter: peak = tracked tensors x {1 + ESTIMATE_MARGIN:g} + {format_size(self.fixed)} "
-            "(cuBLAS workspaces); attention and dropout counted as on a CPU (pessimistic for a GPU)"
+            f"(cuBLAS workspaces); attention kernels, dropout masks and autocast dtypes as CUDA runs them on {where}"
         )
+        if sharding == "fsdp":
+            self.notes.append(
+                f"fsdp over {world_size} ranks: parameters, gradients and optimizer state divided over the ranks, "
+                "plus the root's and two blocks' parameters gathered in the compute dtype and one block's gradients; "
+                "within an accumulation window the whole model's gradients in fp32 (FSDP2 no_sync)"
+            )
 
     def decided(self, tracked: int) -> int:
         return math.ceil(tracked * (1 + ESTIMATE_MARGIN)) + self.fixed
 
-    def measure(self, micro_batch: int) -> Measurement:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+    def tensor_limit(self) -> int:
+        """The most tracked tensor bytes whose decided peak stays within the limit."""
+        return max(0, math.floor((self.limit_bytes - self.fixed) / (1 + ESTIMATE_MARGIN)))
 
+    def blocks(self, model: nn.Module) -> Blocks:
+        if self._blocks is None:
+            root, sizes = block_sizes(model)
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            self._blocks = Blocks(root=root, blocks=sizes, trainable=trainable)
+        return self._blocks
+
+    def measure(self, micro_batch: int) -> Measurement:
         self.workload.prepare()
         started = time.perf_counter()
-        recipe = self.workload.recipe
         inputs = self.window(micro_batch, torch.device("cpu"), torch.float32)
+        recipe = self.workload.recipe
         with torch.device("meta"):
             model = build_model(recipe, self.workload.data.get("info"))
-        tracker = MemoryTracker(max(0, math.floor((self.budget_bytes - self.fixed) / (1 + ESTIMATE_MARGIN))))
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
-        peak = note = None
-        try:
-            with fake, tracker:
-                materialize(model, torch.device("cpu"))
-                optimizer = build_optimizer(self.workload.plan, model)
-                for group in optimizer.param_groups:
-                    if "foreach" in group:
-                        group["foreach"] = True  # what a GPU run does; fake tensors would not choose it
-                window = tree_map_only(torch.Tensor, fake.from_tensor, inputs)
-                tracker.charge(window)
-                loss = build_loss(recipe)
-                for step in range(1 + MEASURED_STEPS):
-                    if step == 1:
-                        tracker.reset_peak()
-                    fake_step(model, optimizer, loss, window, recipe.precision, recipe.clip_grad_norm)
-            peak = tracker.peak
-        except torch.OutOfMemoryError as error:
-            note = f"out of memory: {error}"
-        model = optimizer = window = None
-        decided = self.decided(peak) if peak is not None else None
-        return self._result(micro_batch, decided, peak, None, started, note)
-
-
-def fake_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, window: list, precision: str,
-              clip: float | None) -> None:
-    """The trainer's step (`optimizer_step`) without what fake tensors cannot do (read values)."""
-    count = sum(len(target) for _, target in window)
-    for inputs, target in window:
-        autocast = contextlib.nullcontext()
-        if precision != "fp32":
-            autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
-        with autocast:
-            loss = loss_fn(model(inputs), target) / max(1, count)
-        loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """`to_empty` on a meta model, keeping tied parameters tied (`to_empty` alone would untie them)."""
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                owners.setdefault(id(param), []).append((module, name))
-    model.to_empty(device=device)
-    for shared in owners.values():
-        first, name = shared[0]
-        for module, other in shared[1:]:
-            module._parameters[other] = first._parameters[name]
+        blocks = self.blocks(model)
+        master_bytes = next((p.element_size() for p in model.parameters()), 4)
+        mixed = self.sharding == "fsdp" and recipe.precision != "fp32"
+        if mixed:  # FSDP2's MixedPrecisionPolicy: forward and backward on parameters gathered in the compute dtype,
+            model = model.to(torch.bfloat16 if recipe.precision == "bf16" else torch.float16)  # and no autocast
+        result = run_fake_step(self.workload.plan, self.workload.data.get("info"), inputs, self.gpu, model=model,
+                               autocast=not mixed)
+        window = len(inputs) > 1  # micro-batches accumulated before the reduction (FSDP2 no_sync)
+        parts = {
+            "at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
+            "blocks": {"root": blocks.root, "sizes": list(blocks.blocks), "trainable": blocks.trainable},
+            "attention": result.kernels, "window": window,
+        }
+        tracked = result.peak
+        if self.sharding == "fsdp":
+            step = result.step
+            if mixed:
+                step = mixed_precision_step(step, blocks, master_bytes, result.compute_bytes)
+                parts["step"] = step.to_json()
+            sharded = sharded_peak(step, blocks, self.world_size, result.compute_bytes, unsharded_window=window)
+            parts["sharded"] = sharded.to_json()
+            tracked = sharded.peak
+        model = inputs = None
+        measurement = self._result(micro_batch, self.decided(tracked), tracked, None, started, None)
+        return dataclasses.replace(measurement, parts=parts)
 
 
 METERS = {"cuda": CudaMeter, "cpu": CpuMeter, "estimate": EstimateMeter}

@@ -4,6 +4,11 @@
 the meter, looks in the cache, and otherwise runs `search.search` over the meter's trials. The limit a
 trial's peak must stay under is the budget less the headroom (10% by default). The search is capped at
 the per-rank effective batch: each of W processes never needs more than ceil(batch / W) at once.
+
+The recipe's `batch.sharding` (or `--sharding`, which the CLI writes into the recipe) decides what each
+process holds: `fsdp` over W > 1 processes is counted by the estimate meter (probe/sharding.py); with one
+process there is nothing to shard over, and the step is probed whole. When not even micro-batch 1 fits,
+`result.does_not_fit` says what that step needs and what would make it fit (probe/advice.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ class BudgetRequired(UserError):
     """No budget was given and there is no GPU to take one from."""
 
 
+def effective_sharding(recipe: Recipe, world_size: int) -> str:
+    """The sharding the probe counts: the recipe's, when there is more than one process to shard over."""
+    return recipe.batch.sharding if world_size > 1 else "none"
+
+
 @dataclass(frozen=True)
 class ProbeOptions:
     memory: str | None = None  # --memory SIZE
@@ -50,6 +60,7 @@ class ProbeTrial(BaseModel):
     step_seconds: float | None = None
     tensor_bytes: int | None = None
     note: str | None = None
+    parts: dict | None = None
 
 
 class ProbeLine(BaseModel):
@@ -83,6 +94,8 @@ class ProbeResult(BaseModel):
     torch_version: str
     notes: list[str] = []
     cached: bool = False
+    sharding: Literal["none", "fsdp"] = "none"
+    does_not_fit: dict | None = None  # what micro-batch 1 needs and what would fit (probe/advice.py)
 
     @property
     def capped(self) -> bool:
@@ -116,9 +129,21 @@ def resolve_budget(options: ProbeOptions) -> tuple[int | None, Gpu | None]:
     return None, None
 
 
-def choose_meter(options: ProbeOptions, budget: int | None) -> str:
+def choose_meter(options: ProbeOptions, budget: int | None, sharding: str = "none") -> str:
     import torch
 
+    if sharding == "fsdp" and options.meter in ("cuda", "cpu"):
+        raise UserError(
+            f"--meter {options.meter}: measures one whole process and cannot shard; with --sharding fsdp (or "
+            "batch.sharding: fsdp) over several processes use --meter estimate (or auto)"
+        )
+    if sharding == "fsdp":
+        if budget is None:  # (a GPU here would measure one whole process, not one rank's share)
+            raise UserError(
+                "--memory or --gpu: required with fsdp sharding: the estimate meter computes one rank's share for "
+                "the GPU named, such as --gpu a100-80gb"
+            )
+        return "estimate"
     if options.meter != "auto":
         if options.meter in ("cpu", "estimate") and budget is None:
             raise BudgetRequired(f"--meter {options.meter}: needs a budget: give --memory SIZE or --gpu NAME")
@@ -150,19 +175,23 @@ def run_probe(
     from .workload import Workload
 
     requested, gpu = resolve_budget(options)
-    kind = choose_meter(options, requested)
+    sharding = effective_sharding(recipe, world_size)
+    kind = choose_meter(options, requested, sharding)
     cap = math.ceil(recipe.batch.sequences / world_size)
     workload = Workload(recipe, data)
     meter_type = METER_TYPES[kind]
     if kind == "estimate":
-        meter = meter_type(workload, requested, options.headroom, gpu=gpu, cap=cap)
+        meter = meter_type(workload, requested, options.headroom, gpu=gpu, cap=cap, sharding=sharding,
+                           world_size=world_size)
     else:
         meter = meter_type(workload, requested, options.headroom, time_steps=options.time_steps, cap=cap)
+    if recipe.batch.sharding == "fsdp" and sharding == "none":
+        meter.notes.append("batch.sharding fsdp with one process: nothing to shard over, so the whole step is probed")
     try:
         key = cache.cache_key({
             "recipe": recipe.model_dump(mode="json"), "meter": kind, "device": meter.device,
             "budget": meter.budget_bytes, "headroom": options.headroom, "cap": cap, "timed": options.time_steps,
-            "torch": torch.__version__, "reproduce": __version__,
+            "sharding": sharding, "world_size": world_size, "torch": torch.__version__, "reproduce": __version__,
         })
         if options.use_cache:
             saved = cache.load(key)
@@ -180,6 +209,11 @@ def run_probe(
             return measurement
 
         found = search(fits, meter.limit_bytes, cap)
+        does_not_fit = None
+        if found.micro_batch_max is None:
+            from .advice import explain
+
+            does_not_fit = explain(meter, found.trials, world_size, gpu).to_json()
     finally:
         meter.close()
     chosen = found.chosen
@@ -206,6 +240,8 @@ def run_probe(
         seconds=round(found.seconds, 3),
         torch_version=torch.__version__,
         notes=meter.notes,
+        sharding=sharding,
+        does_not_fit=does_not_fit,
     )
     cache.store(key, result.model_dump(mode="json", exclude={"recipe_path", "cached"}))
     return result

@@ -49,6 +49,7 @@ class Measurement:
     step_seconds: float | None = None  # one training step at this size, when it was timed
     tensor_bytes: int | None = None  # the tensors' own peak (CUDA: allocated), for the report
     note: str | None = None  # why it did not fit
+    parts: dict | None = None  # what the peak is made of, when the meter can tell (the estimate's categories)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -5,6 +5,14 @@ up to 512 bytes (as the CUDA caching allocator rounds its blocks), and released 
 freed (a `weakref.finalize` on it). `charge()` adds what existed before the mode was entered
 (parameters, optimizer state, inputs). `peak` is the most ever live since the last `reset_peak()`.
 
+Every storage also has a category, so a step's memory can be told apart (what the "does not fit" report
+and the sharding arithmetic need): what operators allocate goes to the current `phase` (by default
+`activations`: saved activations, inputs, temporaries), `charge()` and `retag()` name theirs
+(`weights`, `gradients`, `optimizer`), and a copy of a weight in another dtype (autocast's bf16 copy of an
+fp32 weight) is `weight copies`. `live_by` holds the live bytes of each category, `peak_by` their values
+at the moment of the peak (they sum to `peak`), `most_by` the most each category held, per phase, and
+`when_most` what every category held at the moment activations or gradients were at their most.
+
 With a budget, an operator that takes the live total past it raises `torch.OutOfMemoryError`, the type
 CUDA raises, so code that handles a GPU running out of memory handles this the same way.
 
@@ -20,12 +28,14 @@ import weakref
 from collections.abc import Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from ..units import format_size
 
 GRANULE = 512  # bytes: the CUDA caching allocator's rounding of every block
+WEIGHTS, WEIGHT_COPIES, GRADIENTS, OPTIMIZER, ACTIVATIONS = (
+    "weights", "weight copies", "gradients", "optimizer", "activations")
 
 
 def rounded(nbytes: int) -> int:
@@ -38,19 +48,75 @@ class MemoryTracker(TorchDispatchMode):
         self.budget_bytes = budget_bytes
         self.live = 0
         self.peak = 0
-        self._sizes: dict[int, int] = {}  # storage (its C++ address, unique while alive) -> charged bytes
+        self._phase = ACTIVATIONS  # the category of what operators allocate now
+        self.live_by: dict[str, int] = {}
+        self.peak_by: dict[str, int] = {}
+        self.most_by: dict[tuple[str, str], int] = {}  # (phase, category) -> the most that category held
+        self.when_most: dict[tuple[str, str], dict[str, int]] = {}  # (phase, category) -> live_by at that moment
+        self._sizes: dict[int, tuple[int, str]] = {}  # storage (its C++ address, unique while alive) -> bytes, category
 
-    def charge(self, tensors: Iterable) -> None:
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, name: str) -> None:
+        self._phase = name
+        self._note_most()
+
+    def most(self, category: str, phase: str | None = None) -> int:
+        """The most `category` held during `phase` (any phase when None) since the last `reset_peak()`."""
+        return max((v for (p, c), v in self.most_by.items() if c == category and phase in (None, p)), default=0)
+
+    def charge(self, tensors: Iterable, category: str | None = None) -> None:
         """Count tensors created outside the mode (parameters, buffers, optimizer state, inputs)."""
         for value in tree_leaves(list(tensors)):
-            self._add(value)
+            self._add(value, category or self.phase)
         self._check()
+
+    def retag(self, tensors: Iterable, category: str) -> None:
+        """Move the storage of tensors already counted to `category` (gradients once accumulated, ...)."""
+        for value in tree_leaves(list(tensors)):
+            if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+                key = value.untyped_storage()._cdata
+                known = self._sizes.get(key)
+                if known is not None and known[1] != category:
+                    self._move(known[0], known[1], category)
+                    self._sizes[key] = (known[0], category)
+
+    def category_of(self, value: torch.Tensor) -> str | None:
+        known = self._sizes.get(value.untyped_storage()._cdata) if value.layout == torch.strided else None
+        return known[1] if known else None
 
     def reset_peak(self) -> None:
         self.peak = self.live
+        self.peak_by = dict(self.live_by)
+        self.most_by = {}
+        self.when_most = {}
+        self._note_most()
 
-    def _add(self, value) -> None:
+    def _move(self, size: int, source: str | None, target: str | None) -> None:
+        if source is not None:
+            self.live_by[source] -= size
+        if target is not None:
+            self.live_by[target] = self.live_by.get(target, 0) + size
+            self._note_most(target)
+
+    def _note_most(self, category: str | None = None) -> None:
+        for name in [category] if category else list(self.live_by):
+            key = (self.phase, name)
+            value, most = self.live_by[name], self.most_by.get(key, 0)
+            if value > most:
+                self.most_by[key] = value
+            if name in (ACTIVATIONS, GRADIENTS) and value >= most and value:  # what coexisted with them, at the
+                self.when_most[key] = dict(self.live_by)  # latest such moment (a window's later micro-batches)
+
+    def _add(self, value, category: str) -> None:
         if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+            return
+        if is_traceable_wrapper_subclass(value):  # a DTensor: its own storage is nominal; count what it wraps (its
+            for name in value.__tensor_flatten__()[0]:  # local tensor is made inside its dispatch, unseen here)
+                self._add(getattr(value, name), category)
             return
         storage = value.untyped_storage()
         key, size = storage._cdata, rounded(storage.nbytes())
@@ -59,14 +125,23 @@ class MemoryTracker(TorchDispatchMode):
             if size == 0:
                 return
             weakref.finalize(storage, self._release, key)
-        elif known == size:
+        elif known[0] == size:
             return
-        self._sizes[key] = size  # new, or resized in place (`out=` operators, `resize_`)
-        self.live += size - (known or 0)
-        self.peak = max(self.peak, self.live)
+        else:
+            category = known[1]  # resized in place (`out=` operators, `resize_`): it stays what it was
+            self._move(known[0], category, None)
+        self._sizes[key] = (size, category)
+        self.live += size - (known[0] if known else 0)
+        self._move(size, None, category)
+        if self.live > self.peak:
+            self.peak = self.live
+            self.peak_by = dict(self.live_by)
 
     def _release(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
+        size, category = self._sizes.pop(key, (0, None))
+        self.live -= size
+        if category is not None:
+            self.live_by[category] -= size
 
     def _check(self) -> None:
         if self.budget_bytes is not None and self.live > self.budget_bytes:
@@ -77,8 +152,12 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         before = self.live
+        category = self.phase
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+            if self.category_of(args[0]) in (WEIGHTS, WEIGHT_COPIES):  # autocast's compute copy of a weight
+                category = WEIGHT_COPIES
         for value in tree_leaves(out):
-            self._add(value)
+            self._add(value, category)
         if self.live > before:  # only an operator that allocates can run out of memory, as on a GPU
             self._check()
         return out

@@ -1,0 +1,297 @@
+"""When not even micro-batch 1 fits: what that step needs, and what would make it fit, computed.
+
+`explain(meter, trials, world_size, gpu)` starts from the trial of micro-batch 1 that failed. The estimate
+meter ran it to its end with the tracker counting by category, so its parts are exact for that step:
+weights, autocast's compute copies of them, gradients, optimizer state, and activations (with the inputs
+and temporaries) at the peak, which sum to what it counted. The cpu and cuda meters stop at the budget,
+so the same step is counted again on fake tensors (as the estimate meter does, with the CUDA rules when
+the meter was on a GPU) to split it.
+
+The ways out, each computed for micro-batch 1 on the same budget and meter rules:
+- FSDP over the fewest processes that fit (`sharding.smallest_world_size` on the measured parts), or
+  why no number of processes can (what is never sharded is already over the limit);
+- LoRA, when the recipe allows it: a recipe that fine-tunes pretrained weights (`model.pretrained` names
+  them, or the model is a Hugging Face checkpoint, `model.hf`) can train low-rank adapters instead of every
+  weight (Hu et al. 2021); a pre-training recipe cannot, and LoRA is not offered there. Measured with
+  `model.lora` set (peft's defaults for the architecture);
+- weights stored in bf16 (`model.dtype: bf16`) when they are fp32; measured the same way;
+- both together, when neither alone fits.
+Each change that needs a measurement is a new trial of the changed recipe, so what is offered is what
+the probe would then find (a test re-probes them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import UserError
+from ..models import build_model
+from ..recipe import Recipe, parse_recipe
+from ..units import format_size
+from .fake_step import block_sizes, run_fake_step
+from .gpu_like import GpuKind
+from .sharding import Blocks, StepMemory, sharded_peak, smallest_world_size, unsharded_floor
+
+LORA = {"r": 8, "alpha": 16, "dropout": 0.05}  # a common starting point (peft's examples)
+CATEGORY_NAMES = {
+    "weights": "weights", "weight copies": "weight copies", "gradients": "gradients",
+    "optimizer": "optimizer state", "activations": "activations", "optimizer step": "step temporaries",
+}
+
+
+@dataclass(frozen=True)
+class WayOut:
+    change: str  # what to change, as the user would: an option or a recipe field
+    fits: bool
+    peak_bytes: int | None  # one device's peak at micro-batch 1 with the change, as the meter decides it
+    detail: str
+    changes: dict | None = None  # the recipe fields it sets ({"model": {"lora": ...}}), for a program to apply
+
+
+@dataclass
+class Explanation:
+    micro_batch: int
+    meter: str
+    budget_bytes: int
+    limit_bytes: int
+    peak_bytes: int  # what the step needs, as the meter decides (margin included)
+    tensor_bytes: int  # the tensors counted
+    at_peak: dict[str, int]  # by category; sums to tensor_bytes
+    step: dict  # StepMemory of the unsharded step
+    counted_on: str
+    parameters: int
+    ways_out: list[WayOut] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def lora_allowed(recipe: Recipe) -> bool:
+    """LoRA is a way to fine-tune: offered only for recipes that start from pretrained weights."""
+    model = recipe.model
+    return bool(model.hf or model.pretrained) and model.lora is None
+
+
+def lora_targets(model: torch.nn.Module) -> list[str]:
+    """The modules LoRA adapts by default: peft's own table for a Hugging Face architecture (LLaMA: q_proj,
+    v_proj; GPT-2: c_attn), otherwise the linear layers inside the model's blocks (the units FSDP wraps)."""
+    try:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as table
+    except ImportError:  # peft missing: LoRA itself will say so when the recipe is built
+        table = {}
+    for module in model.modules():
+        kind = getattr(getattr(module, "config", None), "model_type", None)
+        if kind in table:
+            return list(table[kind])
+    from ..train.fsdp import shard_units
+
+    return sorted({name for block in shard_units(model) for name, layer in block.named_modules()  # names as peft
+                   if isinstance(layer, torch.nn.Linear)})  # matches them: a module's name ends with one
+
+
+def _changed(recipe: Recipe, changes: dict) -> Recipe:
+    """`recipe` with `changes` merged in ({"model": {"dtype": "bf16"}, "precision": "bf16"}), validated again."""
+    data = recipe.model_dump(mode="json", exclude_none=True)
+    for key, value in changes.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) else value
+    return parse_recipe(data, source="(probe: way out)")
+
+
+def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
+    """What micro-batch 1 needs on `meter`'s budget, by category, and the ways out (see the module's notes)."""
+    from .meters import EstimateMeter  # (meters imports nothing from here; the import is local to keep it so)
+
+    first = min(trials, key=lambda t: t.micro_batch)
+    estimate = isinstance(meter, EstimateMeter)
+    parts = first.parts
+    counted_on = "the failed trial itself, run to its end on fake tensors"
+    if parts is None:  # the cpu and cuda meters stopped at the budget: count the same step on fake tensors
+        kind = GpuKind(torch.cuda.get_device_capability()) if meter.name == "cuda" else None
+        info = meter.workload.data.get("info")
+        result = run_fake_step(meter.workload.plan, info, meter.window(first.micro_batch, torch.device("cpu"),
+                                                                       torch.float32), kind)
+        with torch.device("meta"):
+            model = build_model(meter.workload.recipe, info)
+        root, sizes = block_sizes(model)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        parts = {"at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
+                 "blocks": {"root": root, "sizes": list(sizes), "trainable": trainable},
+                 "window": meter.cap is None or first.micro_batch < meter.cap}
+        counted_on = "the same step on fake tensors (the trial itself stopped at the budget)"
+    step = StepMemory(**parts["step"])
+    blocks = Blocks(root=parts["blocks"]["root"], blocks=tuple(parts["blocks"]["sizes"]),
+                    trainable=parts["blocks"].get("trainable"))
+    window = parts.get("window", True)
+    compute = parts["compute_bytes"]
+    decide = meter.decided if estimate else (lambda tracked: tracked)
+    tensor_limit = meter.tensor_limit() if estimate else meter.limit_bytes
+    at_peak = dict(parts["at_peak"])
+    tensors = sum(at_peak.values())
+    if "sharded" in parts:  # the trial was already sharded: show this rank's parts
+        sharded = parts["sharded"]
+        at_peak = {"weights and optimizer state (this rank's shard)": sharded["model_states"],
+                   "gradients": sharded["gradients"], "gathered blocks": sharded["gathered"],
+                   "activations": sharded["activations"]}
+        tensors = sharded["peak"]
+        if sharded["peak"] != sum(at_peak.values()):  # the optimizer step is the peak
+            at_peak = {"weights and optimizer state (this rank's shard)": sharded["model_states"],
+                       "gradients": sharded["sharded_gradients"], "step temporaries": sharded["step_temporaries"]}
+    explanation = Explanation(
+        micro_batch=first.micro_batch, meter=meter.name, budget_bytes=meter.budget_bytes,
+        limit_bytes=meter.limit_bytes, peak_bytes=decide(tensors), tensor_bytes=tensors, at_peak=at_peak,
+        step=step.to_json(), counted_on=counted_on, parameters=blocks.root + sum(blocks.blocks),
+    )
+    batch = meter.workload.recipe.batch
+    if batch.sharding == "fsdp" and world_size == 1:
+        paper = f" (the paper used {batch.devices})" if batch.devices else ""
+        explanation.notes.append(f"the recipe shards with fsdp, but one process has nothing to shard over: the whole "
+                                 f"step was probed; give --world-size{paper}")
+    if not (estimate and (meter.sharding == "fsdp" or meter.workload.recipe.precision == "fp32")):
+        # measure the step as FSDP runs it (mixed precision: forward and backward on compute-dtype parameters)
+        sharder = _sharding_meter(meter, gpu)
+        if sharder is not None:
+            shard_parts = sharder.measure(first.micro_batch).parts
+            step = StepMemory(**shard_parts["step"])
+            compute, decide, tensor_limit = shard_parts["compute_bytes"], sharder.decided, sharder.tensor_limit()
+    explanation.ways_out.append(_fsdp_way_out(step, blocks, compute, tensor_limit, decide, world_size, window))
+    explanation.ways_out.extend(_recipe_ways_out(meter, gpu))
+    return explanation
+
+
+def _sharding_meter(meter: Any, gpu: Any) -> Any:
+    """An estimate meter with fsdp on `meter`'s budget, or None where the budget is below the estimate's margin."""
+    from .meters import EstimateMeter
+
+    capability = torch.cuda.get_device_capability() if meter.name == "cuda" else None
+    try:
+        return EstimateMeter(meter.workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes, gpu=gpu,
+                             cap=meter.cap, sharding="fsdp", world_size=2, capability=capability)
+    except UserError:
+        return None
+
+
+def _fsdp_way_out(step: StepMemory, blocks: Blocks, compute: int, tensor_limit: int, decide: Any,
+                  world_size: int, window: bool) -> WayOut:
+    ranks = smallest_world_size(step, blocks, tensor_limit, compute, unsharded_window=window)
+    if ranks is None:
+        floor = unsharded_floor(step, blocks, compute, unsharded_window=window)
+        left = "the activations of one sample, the buffers, the gathered blocks" + (
+            " and, within an accumulation window, the whole model's gradients" if window else "")
+        detail = f"no number of processes is enough: what sharding leaves whole on each one ({left}) needs " + (
+            format_size(decide(floor)))
+        synced = smallest_world_size(step, blocks, tensor_limit, compute) if window else None
+        if synced is not None:  # what reducing after every micro-batch would allow (not what `run` does)
+            detail += (f"; reducing the gradients after every micro-batch instead (more communication; `reproduce "
+                       f"run` reduces once per optimizer step) would keep them sharded, and {synced} would do")
+        return WayOut("--sharding fsdp", False, None, detail)
+    peak = sharded_peak(step, blocks, ranks, compute, unsharded_window=window)
+    return WayOut(
+        f"--sharding fsdp --world-size {ranks}", True, decide(peak.peak),
+        f"{ranks} processes (GPUs) sharing parameters and optimizer state ({format_size(peak.model_states)} each), "
+        f"{format_size(peak.gradients)} of gradients" + (" (unsharded within the accumulation window)" if window
+                                                         else "")
+        + f" and {format_size(peak.gathered)} of gathered blocks per device"
+        + (f" (now {world_size})" if world_size > 1 else ""),
+    )
+
+
+def _recipe_ways_out(meter: Any, gpu: Any) -> list[WayOut]:
+    recipe = meter.workload.recipe
+    changes: list[tuple[str, dict]] = []
+    can_lora, can_bf16 = lora_allowed(recipe), recipe.model.dtype == "fp32"
+    lora: dict = {}
+    if can_lora:
+        with torch.device("meta"):
+            targets = lora_targets(build_model(recipe, meter.workload.data.get("info")))
+        lora = {**LORA, "target_modules": targets}
+        changes.append((f"model.lora: {_flow(lora)}", {"model": {"lora": lora}}))
+    bf16 = {"model": {"dtype": "bf16"}}
+    shown = "model.dtype: bf16 (weights, and so gradients and optimizer state, stored in bf16)"
+    if can_bf16 and recipe.precision != "bf16":  # bf16 weights compute in bf16 (model.dtype needs the precision)
+        bf16, shown = {**bf16, "precision": "bf16"}, shown + f" with precision: bf16 (not {recipe.precision})"
+    if can_bf16:
+        changes.append((shown, bf16))
+    ways = [_measure_change(meter, gpu, what, change) for what, change in changes]
+    if can_lora and can_bf16 and not any(way.fits for way in ways):
+        ways.append(_measure_change(meter, gpu, f"model.lora: {_flow(lora)} and model.dtype: bf16",
+                                    {**bf16, "model": {"lora": lora, "dtype": "bf16"}}))
+    if not lora_allowed(recipe) and recipe.model.lora is None:
+        ways.append(WayOut("model.lora", False, None, "not offered: the recipe trains from scratch (LoRA "
+                           "fine-tunes pretrained weights; set model.pretrained to say the recipe fine-tunes)"))
+    return ways
+
+
+def _flow(mapping: dict) -> str:
+    """A mapping as YAML flow style, the way a recipe would write it: {r: 8, alpha: 16, target_modules: [q_proj]}."""
+    def shown(value: Any) -> str:
+        return f"[{', '.join(map(str, value))}]" if isinstance(value, list) else str(value)
+
+    return "{" + ", ".join(f"{key}: {shown(value)}" for key, value in mapping.items()) + "}"
+
+
+def _measure_change(meter: Any, gpu: Any, what: str, change: dict) -> WayOut:
+    from .workload import Workload
+
+    try:
+        changed = _changed(meter.workload.recipe, change)
+    except UserError as error:
+        return WayOut(what, False, None, f"not measured: {error.lines[0]}")
+    workload = Workload(changed, meter.workload.data)
+    kwargs = {"gpu": gpu} if meter.name == "estimate" else {"time_steps": False}
+    other = type(meter)(workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes, cap=meter.cap,
+                        **kwargs)
+    try:
+        trial = other.measure(1)
+    finally:
+        other.close()
+    shown = trial.peak_bytes
+    detail = (f"micro-batch 1 then needs {format_size(shown)}" if shown is not None
+              else f"micro-batch 1 still does not fit ({trial.note})")
+    return WayOut(what, trial.fits, shown, detail, changes=change)
+
+
+def render(explanation: dict, budget_name: str) -> list[str]:
+    """The lines the CLI prints (no traceback): the step's needs by category, its peak, then the ways out."""
+    size = format_size
+    step, micro = explanation["step"], explanation["micro_batch"]
+    lines = [
+        f"does not fit: not even micro-batch {micro} fits {budget_name} (limit {size(explanation['limit_bytes'])} of "
+        f"{size(explanation['budget_bytes'])}); one training step at micro-batch {micro} needs "
+        f"{size(explanation['peak_bytes'])} ({explanation['meter']} meter"
+        + (", its margin included)" if explanation["meter"] == "estimate" else ")"),
+        f"what the step holds (the most of each; counted on {explanation['counted_on']}):",
+    ]
+    parameters = explanation.get("parameters")
+    stored = ""
+    if parameters:
+        per = round((step["weights"] - step["buffers"]) / parameters)
+        stored = f"  {parameters / 1e9:.2f}B parameters" if parameters >= 1e8 else f"  {parameters:,} parameters"
+        stored += {4: " in fp32", 2: " in bf16/fp16"}.get(per, "")
+    rows = [
+        ("weights", step["weights"], stored),
+        ("weight copies for compute", step["weight_copies"], "  the bf16/fp16 copies autocast makes"),
+        ("gradients", step["gradients"], ""),
+        ("optimizer state", step["optimizer_state"], ""),
+        (f"activations of {micro} sample{'s' if micro > 1 else ''}", step["activations"],
+         "  forward and backward, with inputs and temporaries"),
+        ("optimizer step temporaries", step["step_temporaries"], "  clipping and the optimizer's own"),
+    ]
+    for name, value, note in rows:
+        if value:
+            lines.append(f"  {name:<28} {size(value):>11}{note}")
+    at_peak = explanation["at_peak"]
+    where = "the optimizer step" if at_peak.get("optimizer step") else "forward/backward"
+    composition = " + ".join(f"{CATEGORY_NAMES.get(name, name)} {size(value)}"
+                             for name, value in sorted(at_peak.items(), key=lambda item: -item[1]) if value)
+    lines.append(f"  peak {size(explanation['tensor_bytes'])} of tensors, in {where}: {composition}")
+    lines.extend(f"note: {note}" for note in explanation.get("notes", []))
+    fitting = [way for way in explanation["ways_out"] if way["fits"]]
+    lines.append("what would fit (each computed for micro-batch 1 on the same budget):" if fitting
+                 else "nothing tried fits (each computed for micro-batch 1 on the same budget):")
+    for way in explanation["ways_out"]:
+        lines.append(f"  [{'fits' if way['fits'] else 'no'}] {way['change']}: {way['detail']}")
+    return lines

@@ -1,0 +1,190 @@
+"""One training step on fake tensors, its memory counted by category: what the estimate meter measures.
+
+The model is built on `meta` and materialised inside `FakeTensorMode` (no real memory), the optimizer is
+the recipe's own with `foreach=True` (what a GPU run uses; fake tensors would not choose it), and the
+step is the trainer's: a window of micro-batches, forward and backward under the recipe's precision,
+clipping, the optimizer step, `zero_grad(set_to_none=True)`. A warm-up step first creates the optimizer
+state; the measured step follows. With a `GpuKind`, attention, dropout and autocast run as CUDA runs
+them on that GPU (`gpu_like.py`); without one, as the CPU does (then the count equals real CPU tensors).
+
+The tracker names what each storage is: weights (parameters and buffers), autocast's copies of them,
+gradients (tagged as they are accumulated), optimizer state (tagged after the warm-up), activations
+(what forward and backward allocate: inputs, saved activations, temporaries) and the optimizer step's
+temporaries. `StepMemory` keeps the most each held; `at_peak` what each held at the peak (they sum to it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from unittest import mock
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from ..models import build_model
+from ..planner import Plan
+from ..train.losses import build_loss
+from ..train.optim import build_optimizer
+from .gpu_like import GpuKind, as_on_gpu
+from .sharding import StepMemory
+from .tracker import ACTIVATIONS, GRADIENTS, OPTIMIZER, WEIGHT_COPIES, WEIGHTS, MemoryTracker, rounded
+
+STEP = "optimizer step"  # the phase (and category) of clipping and the optimizer's own temporaries
+MEASURED_STEPS = 1
+
+
+@dataclass
+class FakeStepResult:
+    peak: int  # the most tensor bytes live at once in the measured step
+    at_peak: dict[str, int]  # by category at that moment (sums to `peak`)
+    step: StepMemory
+    compute_bytes: int  # bytes per element of the compute dtype (what FSDP gathers parameters in)
+    kernels: dict[str, int] = field(default_factory=dict)  # attention calls by the kernel counted
+
+
+def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind | None,
+                  model: nn.Module | None = None, autocast: bool = True) -> FakeStepResult:
+    """A warm-up step, then the measured one, over `window` (micro-batches of real tensors, made fake here).
+
+    `model`: the recipe's model already built on the meta device (built here when None). `autocast=False`: the
+    recipe's bf16/fp16 precision comes from the parameters' own dtype instead (FSDP's mixed precision, which
+    `reproduce run` uses without autocast).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    recipe = plan.recipe
+    if model is None:
+        with torch.device("meta"):
+            model = build_model(recipe, data_info)
+    tracker = MemoryTracker()
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    semantics = as_on_gpu(gpu) if gpu is not None else contextlib.nullcontext()
+    hooks = []
+    with unpacked_sequences(), fake, tracker, semantics as kernels:
+        tracker.phase = WEIGHTS
+        materialize(model, torch.device("cpu"))
+        tracker.phase = ACTIVATIONS
+        buffers = sum(rounded(b.untyped_storage().nbytes()) for b in model.buffers())
+        optimizer = build_optimizer(plan, model)
+        for group in optimizer.param_groups:
+            if "foreach" in group:
+                group["foreach"] = True  # what a GPU run does; fake tensors would not choose it
+        for param in model.parameters():
+            if param.requires_grad:
+                hooks.append(param.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], GRADIENTS)))
+        fake_window = tree_map_only(torch.Tensor, fake.from_tensor, window)
+        tracker.charge(fake_window, ACTIVATIONS)
+        loss = build_loss(recipe)
+        for step in range(1 + MEASURED_STEPS):
+            if step == 1:
+                tracker.reset_peak()
+            precision = recipe.precision if autocast else "fp32"
+            fake_step(model, optimizer, loss, fake_window, precision, recipe.clip_grad_norm, tracker)
+            if step == 0:
+                tracker.retag(_state_tensors(optimizer), OPTIMIZER)
+        for hook in hooks:
+            hook.remove()
+        memory = StepMemory(
+            weights=tracker.live_by.get(WEIGHTS, 0),
+            buffers=buffers,
+            gradients=tracker.most(GRADIENTS),
+            optimizer_state=tracker.live_by.get(OPTIMIZER, 0),
+            activations=tracker.most(ACTIVATIONS, ACTIVATIONS),
+            weight_copies=tracker.most(WEIGHT_COPIES),
+            step_temporaries=tracker.most(STEP, STEP),
+            gradients_at_activation_peak=tracker.when_most.get((ACTIVATIONS, ACTIVATIONS), {}).get(GRADIENTS, 0),
+            activations_at_gradient_peak=max(
+                (when.get(ACTIVATIONS, 0) for (phase, name), when in tracker.when_most.items()
+                 if name == GRADIENTS and phase == ACTIVATIONS), default=0),
+        )
+        compute = _compute_bytes(model, recipe.precision)
+    at_peak = {name: size for name, size in tracker.peak_by.items() if size}
+    return FakeStepResult(tracker.peak, at_peak, memory, compute, dict(getattr(kernels, "kernels", {}) or {}))
+
+
+@contextlib.contextmanager
+def unpacked_sequences() -> Iterator[None]:
+    """Let Hugging Face models see that the probe's sequences are not packed, as they would on real tensors.
+
+    Given no attention mask, transformers (masking_utils) reads the position ids to tell whether a row
+    packs several sequences; with one sequence per row it passes no mask and `is_causal=True` to SDPA,
+    which lets CUDA run flash attention. Fake tensors have no values to read, so it assumes packing and
+    builds a B x S x S mask, which rules flash out. The probe's micro-batches never pack sequences (every
+    row is one sample, positions 0 to S - 1), so the fake step answers the question the way real tensors do.
+    """
+    masking_utils = sys.modules.get("transformers.masking_utils")  # loaded by any Hugging Face model
+    if masking_utils is None or not hasattr(masking_utils, "find_packed_sequence_indices"):
+        yield
+        return
+    with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
+        yield
+
+
+def block_sizes(model: nn.Module) -> tuple[int, tuple[int, ...]]:
+    """(parameters in no unit, parameters of each unit) for the units FSDP wraps one by one (`reproduce run`'s own
+    choice, `train.fsdp.shard_units`: transformer blocks, residual blocks); a unit's own parameters, not those of
+    a unit inside it (sharded first), and a shared parameter once."""
+    from ..train.fsdp import shard_units
+
+    counted: set[int] = set()
+    sizes = []
+    for unit in reversed(shard_units(model)):  # innermost first, as fully_shard is applied
+        size = 0
+        for param in unit.parameters():
+            if id(param) not in counted:
+                counted.add(id(param))
+                size += param.numel()
+        sizes.append(size)
+    root = sum(p.numel() for p in model.parameters() if id(p) not in counted)
+    return root, tuple(reversed(sizes))
+
+
+def _compute_bytes(model: nn.Module, precision: str) -> int:
+    if precision in ("bf16", "fp16"):
+        return 2
+    first = next(model.parameters(), None)
+    return first.element_size() if first is not None else 4
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+
+
+def fake_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, window: list, precision: str,
+              clip: float | None, tracker: MemoryTracker | None = None) -> None:
+    """The trainer's step (`optimizer_step`) without what fake tensors cannot do (read values)."""
+    count = sum(len(target) for _, target in window)
+    for inputs, target in window:
+        autocast = contextlib.nullcontext()
+        if precision != "fp32":
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+        with autocast:
+            loss = loss_fn(model(inputs), target) / max(1, count)
+        loss.backward()
+    if tracker is not None:
+        tracker.phase = STEP
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if tracker is not None:
+        tracker.phase = ACTIVATIONS
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """`to_empty` on a meta model, keeping tied parameters tied (`to_empty` alone would untie them)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    model.to_empty(device=device)
+    for shared in owners.values():
+        first, name = shared[0]
+        for module, other in shared[1:]:
+            module._parameters[other] = first._parameters[name]

@@ -1,0 +1,225 @@
+"""The estimate's training step made to allocate what a CUDA GPU allocates, on fake CPU tensors.
+
+The estimate meter runs the step under `FakeTensorMode` on the CPU device: fake CUDA tensors cannot run a
+backward pass without a GPU (autograd asks the driver for a context). Three things a CPU does differently
+from CUDA change what the step holds; inside `as_on_gpu(gpu)` the fake step does what CUDA does instead
+(each rule read from PyTorch's own source, named below):
+
+1. **Attention.** `F.scaled_dot_product_attention` on CUDA picks a fused kernel
+   (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, `select_sdp_backend`): flash attention on
+   sm80 to sm121 for fp16/bf16 inputs without an `attn_mask` and head dim <= 256; else the
+   memory-efficient kernel (sm50 to sm121; fp16/fp32, and bf16 from sm80; masks allowed); else the
+   math path. The fused kernels keep only the output and a B x H x S fp32 logsumexp for the backward,
+   never the B x H x S x S scores. A CPU takes its own flash kernel only without dropout; with dropout it
+   takes the math path: fp32 scores, their softmax and a dropout mask of B x H x S x S each. Here every
+   call is routed to the aten op of the kernel CUDA would choose on the target GPU
+   (`_scaled_dot_product_flash_attention` / `_scaled_dot_product_efficient_attention`, whose meta
+   functions give the fake outputs and gradients). cuDNN attention, which PyTorch prefers on Hopper and
+   Blackwell with a recent cuDNN, keeps the same output and statistics as flash; it is counted as flash.
+   What the fused backward allocates inside the kernel (flash's fp32 dq accumulator, B x S x H x D) is
+   transient and left to the estimate's margin.
+2. **Dropout.** `torch.dropout` on a CUDA tensor runs the fused `native_dropout`, whose mask is `bool`:
+   1 byte per element (aten/src/ATen/native/Dropout.cpp, `is_fused_kernel_acceptable`). On a CPU it
+   keeps a noise tensor in the input's dtype: 4 bytes per element in fp32. Routed to `native_dropout`
+   here. (In-place dropout is the unfused path on CUDA too, and is left as it is.)
+3. **Autocast.** CUDA autocast runs about 50 ops in fp32 (aten/src/ATen/autocast_mode.h,
+   `AT_FORALL_FP32`: pow, exp, log, rsqrt, layer_norm, group_norm, softplus, the losses, ...) and gives
+   softmax, log_softmax, sum, cumsum, prod and the norms an fp32 output (`AT_FORALL_FP32_SET_OPT_DTYPE`);
+   CPU autocast has its own, shorter lists and leaves most of these in bf16. During the step the CUDA
+   policy is registered for the CPU autocast key (and removed after), so GPT-2's tanh GELU, whose
+   `pow(x, 3)` runs in fp32 on a GPU, keeps fp32 intermediates here as well.
+
+Left as a CPU does it (each makes the estimate larger, never smaller, than the GPU): ops CUDA casts down
+that a CPU does not (addmv, addr, mv, einsum as one op, RNN cells), attention on the math path when the
+GPU itself takes it (bf16 before Ampere, unaligned head dims: its dropout mask at 4 bytes), and CUDA's
+`promote` list (addcmul, index_put, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map_only
+
+HALF = (torch.float16, torch.bfloat16)
+
+# CUDA autocast's fp32 lists (autocast_mode.h), as aten "name.overload" (default overload when none).
+CUDA_FP32 = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "sinh",
+    "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm", "native_layer_norm",
+    "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim", "cosine_similarity", "poisson_nll_loss",
+    "cosine_embedding_loss", "nll_loss", "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss",
+    "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss",
+    "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist",
+    "renorm", "logsumexp",
+)
+CUDA_FP32_OUTPUT = (  # fp32_set_opt_dtype: run with dtype=float32 unless the call gives a dtype
+    "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
+    "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList",
+)
+
+
+@dataclass(frozen=True)
+class GpuKind:
+    """What decides the kernels: the CUDA compute capability (major, minor)."""
+
+    capability: tuple[int, int]
+
+    @property
+    def flash(self) -> bool:
+        return (8, 0) <= self.capability <= (12, 1)
+
+    @property
+    def efficient(self) -> bool:
+        return (5, 0) <= self.capability <= (12, 1)
+
+
+def attention_kernel(gpu: GpuKind, dtype: torch.dtype, has_mask: bool, head_dim: int, value_dim: int,
+                     causal_square: bool, dropout: float, requires_grad: bool) -> str:
+    """'flash', 'efficient' or 'math': the kernel CUDA's `select_sdp_backend` picks for dense inputs."""
+    same_dims = head_dim == value_dim
+    flash = gpu.flash and dtype in HALF and not has_mask and same_dims and head_dim <= 256 and causal_square
+    if flash and requires_grad and gpu.capability in ((8, 6), (8, 7), (8, 8), (8, 9), (12, 0), (12, 1)):
+        flash = head_dim <= 192 or (dropout == 0 and head_dim > 224)  # sm86/89/120: no backward in (192, 224]
+    if flash:
+        return "flash"
+    efficient_dtypes = (torch.float16, torch.float32, torch.bfloat16) if gpu.capability >= (8, 0) else (
+        torch.float16, torch.float32)
+    tensor_cores = gpu.capability >= (8, 0) or (gpu.capability >= (7, 0) and dtype in HALF)
+    alignment = max(4 if gpu.capability >= (8, 0) else 1, (8 if dtype in HALF else 4) if tensor_cores else 1)
+    if gpu.efficient and dtype in efficient_dtypes and head_dim % alignment == 0 and value_dim % alignment == 0:
+        return "efficient"
+    return "math"
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_DROPOUT_ARGS = ("input", "p", "training", "inplace")
+
+
+def _bind(names: tuple[str, ...], args: tuple, kwargs: dict, defaults: dict) -> dict:
+    bound = dict(defaults)
+    bound.update(zip(names[: len(args)], args, strict=True))
+    bound.update(kwargs)
+    return bound
+
+
+class GpuKernels(TorchFunctionMode):
+    """Routes attention and dropout to the kernels CUDA runs (see the module's notes 1 and 2)."""
+
+    def __init__(self, gpu: GpuKind):
+        super().__init__()
+        self.gpu = gpu
+        self.kernels: dict[str, int] = {}  # attention calls by kernel, for the report and the tests
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self.attention(**_bind(_SDPA_ARGS, args, kwargs, {
+                "attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}))
+        if func is F.dropout or func is torch.dropout:
+            names = _DROPOUT_ARGS if func is F.dropout else ("input", "p", "train")
+            bound = _bind(names, args, kwargs, {"p": 0.5, "training": True, "inplace": False})
+            training = bound.get("training", bound.get("train"))
+            if training and not bound["inplace"] and 0 < bound["p"] < 1 and bound["input"].numel() > 0:
+                return torch.ops.aten.native_dropout.default(bound["input"], bound["p"], True)[0]
+        return func(*args, **kwargs)
+
+    def attention(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        if torch.is_autocast_enabled("cpu"):  # SDPA is lower_precision_fp on CUDA and CPU alike
+            dtype = torch.get_autocast_dtype("cpu")
+            query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
+            if attn_mask is not None and attn_mask.is_floating_point():
+                attn_mask = attn_mask.to(dtype)
+        if enable_gqa and key.shape[-3] != query.shape[-3]:  # grouped-query attention: heads shared by groups
+            groups = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+        requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        kernel = attention_kernel(
+            self.gpu, query.dtype, attn_mask is not None, query.shape[-1], value.shape[-1],
+            not is_causal or query.shape[-2] == key.shape[-2], dropout_p, requires_grad,
+        )
+        self.kernels[kernel] = self.kernels.get(kernel, 0) + 1
+        if kernel == "flash":
+            return torch.ops.aten._scaled_dot_product_flash_attention.default(
+                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        if kernel == "efficient":
+            bias = attn_mask
+            if bias is not None and bias.dtype == torch.bool:  # as sdp::convert_boolean_attn_mask does
+                bias = torch.where(bias, 0.0, -math.inf).to(query.dtype)
+            if bias is not None and bias.shape[-1] % 16:  # the kernel wants the last dim aligned to 16
+                pad = 16 - bias.shape[-1] % 16
+                bias = F.pad(bias, (0, pad))[..., : bias.shape[-1]]
+            return torch.ops.aten._scaled_dot_product_efficient_attention.default(
+                query, key, value, bias, requires_grad, dropout_p, is_causal, scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_attention_math.default(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale)[0]
+
+
+def _overload(name: str):
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, packet), overload or "default")
+
+
+def _fp32_kernel(op, set_dtype: bool):
+    exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    arguments = [a.name for a in op._schema.arguments]
+    dtype_at = arguments.index("dtype") if "dtype" in arguments else None
+
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(exclude):
+            if set_dtype:  # fp32_set_opt_dtype: an fp32 result unless the caller asked for a dtype
+                given = kwargs.get("dtype", args[dtype_at] if dtype_at is not None and dtype_at < len(args) else None)
+                floating = any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in args)
+                if given is None and floating and dtype_at is not None:
+                    if dtype_at < len(args):
+                        args = (*args[:dtype_at], torch.float32, *args[dtype_at + 1:])
+                    else:
+                        kwargs = {**kwargs, "dtype": torch.float32}
+                return op(*args, **kwargs)
+            args, kwargs = tree_map_only(
+                torch.Tensor, lambda t: t.float() if t.dtype in HALF else t, (args, kwargs))
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def cuda_autocast_names() -> list[tuple[str, bool]]:
+    """(op name, sets dtype) for CUDA's fp32 ops that CPU autocast leaves alone, in this PyTorch."""
+    names = []
+    for group, set_dtype in ((CUDA_FP32, False), (CUDA_FP32_OUTPUT, True)):
+        for name in group:
+            qualified = "aten::" + name
+            try:
+                on_cuda = torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "AutocastCUDA")
+                on_cpu = torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "AutocastCPU")
+            except RuntimeError:  # not an operator in this PyTorch
+                continue
+            if on_cuda and not on_cpu:  # where the CPU has a policy of its own it is fp32 too
+                names.append((name, set_dtype))
+    return names
+
+
+@contextlib.contextmanager
+def cuda_autocast_policy() -> Iterator[None]:
+    """CPU autocast with CUDA's fp32 lists (note 3), for the duration of the block only."""
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        for name, set_dtype in cuda_autocast_names():
+            library.impl(name, _fp32_kernel(_overload(name), set_dtype), "AutocastCPU")
+        yield
+    finally:
+        library._destroy()
+
+
+@contextlib.contextmanager
+def as_on_gpu(gpu: GpuKind) -> Iterator[GpuKernels]:
+    """Attention, dropout and autocast as CUDA runs them on `gpu`, for a step on fake CPU tensors."""
+    kernels = GpuKernels(gpu)
+    with cuda_autocast_policy(), kernels:
+        yield kernels

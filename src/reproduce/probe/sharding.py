@@ -1,0 +1,225 @@
+"""What one rank holds when parameters, gradients and optimizer state are sharded (FSDP). No torch.
+
+The estimate meter measures one unsharded training step on fake tensors, split by the tracker into
+`StepMemory`: the model states (weights, gradients, optimizer state) and what the step adds on top
+(activations during forward and backward, temporaries of the optimizer step). Under FSDP full_shard
+(ZeRO-3) over W ranks, as `torch.distributed.fsdp.fully_shard` does it per block with a
+`MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in fp32), each rank
+holds:
+
+- its shard of the parameters (the fp32 master weights) and of the optimizer state, divided over W
+  (FSDP2 splits each parameter on dim 0 with `torch.chunk`, so a shard is at most ceil(size / W));
+  buffers are not sharded;
+- the gradients: sharded (divided over W) once reduce-scattered. Within an accumulation window whose
+  micro-batches before the last skip the reduction (`set_requires_gradient_sync(False)`, FSDP2's
+  `no_sync`, what `reproduce run` does so that communication happens once per optimizer step), FSDP2
+  keeps every parameter's gradient unsharded, accumulated in the reduction dtype
+  (`FSDPParam.to_accumulated_grad_if_needed`): the whole model's gradients in fp32 on every rank
+  until the window's last backward reduce-scatters them (`unsharded_window=True`);
+- what it gathers at a time (`gathered_bytes`): the root's parameters (the embeddings, final norm and
+  head outside every block: the root keeps them unsharded from forward to backward), and two blocks'
+  parameters in the compute dtype (the current block and the one prefetched, "two all-gather output
+  tensors alive at once", PyTorch PR 128884), plus one unit's unsharded gradients in the compute dtype
+  and its reduce-scatter input in the reduction dtype;
+- the activations of its own micro-batch, as the unsharded step measured them (autocast's copies of
+  the weights left out: under FSDP the gathered block is already in the compute dtype);
+- in the optimizer step, its shard of the step's temporaries (the foreach optimizer works on the shards).
+
+The peak is the larger of forward/backward and the optimizer step; `smallest_world_size` finds the
+fewest ranks whose peak fits a limit. Everything here is arithmetic on measured bytes; the tests check its
+properties (never more per rank with more ranks, never below what cannot be sharded), and
+`bench/fsdp_check.py` compares it with what FSDP2 itself allocates on one rank (a fake process group,
+real tensors counted by the tracker).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+PREFETCHED_BLOCKS = 2  # FSDP2: the block computing and the next one, all-gathered ahead
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """One unsharded training step, measured (bytes of tensor storage)."""
+
+    weights: int  # parameters and buffers as stored
+    buffers: int  # of which buffers (FSDP does not shard them)
+    gradients: int
+    optimizer_state: int
+    activations: int  # the most forward/backward hold beyond the model states (inputs, temporaries included)
+    weight_copies: int  # the most autocast's compute-dtype copies of the weights hold, beside `activations`
+    step_temporaries: int  # the most clipping and the optimizer step allocate beyond the model states
+    # What coexisted (None: assume the most of each did): the gradients already there when the activations were
+    # at their most (those of the window's earlier micro-batches), the activations left when the gradients were.
+    gradients_at_activation_peak: int | None = None
+    activations_at_gradient_peak: int | None = None
+
+    @property
+    def model_states(self) -> int:
+        return self.weights + self.gradients + self.optimizer_state
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Parameter counts (elements) of the units FSDP wraps: one per block / residual stage, and the root."""
+
+    root: int  # parameters in no block (embeddings, final norm, head), gathered for the whole step
+    blocks: tuple[int, ...] = ()
+    trainable: int | None = None  # parameters that get gradients (all of them when None)
+
+    def __post_init__(self):
+        if self.root < 0 or any(b < 0 for b in self.blocks) or (self.trainable or 0) < 0:
+            raise ValueError("parameter counts must be >= 0")
+
+    @property
+    def parameters(self) -> int:
+        return self.root + sum(self.blocks)
+
+    @property
+    def with_gradients(self) -> int:
+        return self.parameters if self.trainable is None else self.trainable
+
+
+@dataclass(frozen=True)
+class ShardedPeak:
+    """One rank's peak under FSDP over `world_size` ranks, and what it is made of."""
+
+    world_size: int
+    model_states: int  # this rank's shard of the weights and the optimizer state, plus the buffers
+    gradients: int  # during forward and backward: sharded, or the whole model's unsharded within a window
+    sharded_gradients: int  # this rank's shard of the gradients, at the optimizer step
+    gathered: int  # unsharded parameters and gradients of the units alive at once
+    activations: int
+    step_temporaries: int  # this rank's shard of the optimizer step's temporaries
+
+    @property
+    def forward_backward(self) -> int:
+        return self.model_states + self.gradients + self.gathered + self.activations
+
+    @property
+    def optimizer_step(self) -> int:
+        return self.model_states + self.sharded_gradients + self.step_temporaries
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward_backward, self.optimizer_step)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "peak": self.peak}
+
+
+def mixed_precision_step(measured: StepMemory, blocks: Blocks, master_bytes: int, compute_bytes: int,
+                         reduce_bytes: int = 4) -> StepMemory:
+    """The model states FSDP's mixed precision keeps, around activations measured with compute-dtype parameters.
+
+    `measured` is a step whose parameters were in the compute dtype (bf16/fp16), as FSDP2's
+    MixedPrecisionPolicy runs forward and backward on its gathered parameters: its activations are those of
+    the sharded run. The states are not: the sharded parameters are the master weights (`master_bytes` per
+    element, as the recipe stores them), the reduced gradients are in the reduction dtype, and the optimizer
+    state and its step's temporaries mirror the master weights (the optimizer steps the sharded parameters).
+    """
+    scale = master_bytes / compute_bytes
+    return StepMemory(
+        weights=blocks.parameters * master_bytes + measured.buffers,
+        buffers=measured.buffers,
+        gradients=blocks.with_gradients * reduce_bytes,
+        optimizer_state=round(measured.optimizer_state * scale),
+        activations=measured.activations,
+        weight_copies=0,  # the gathered parameters are already in the compute dtype: autocast copies nothing
+        step_temporaries=round(measured.step_temporaries * scale),
+        gradients_at_activation_peak=None if measured.gradients_at_activation_peak is None else round(
+            measured.gradients_at_activation_peak * reduce_bytes / compute_bytes),
+        activations_at_gradient_peak=measured.activations_at_gradient_peak,
+    )
+
+
+def shard(nbytes: int, world_size: int) -> int:
+    return -(-nbytes // world_size)
+
+
+def gathered_parameters(blocks: Blocks, compute_bytes: int) -> int:
+    """Unsharded parameters one rank holds at a time: the root's and the two largest blocks', in the compute dtype."""
+    return (blocks.root + sum(sorted(blocks.blocks, reverse=True)[:PREFETCHED_BLOCKS])) * compute_bytes
+
+
+def gathered_gradients(blocks: Blocks, compute_bytes: int, reduce_bytes: int = 4) -> int:
+    """One unit's unsharded gradients (compute dtype) and its reduce-scatter input (reduction dtype), in backward."""
+    return max([blocks.root, *blocks.blocks]) * (compute_bytes + reduce_bytes)
+
+
+def gathered_bytes(blocks: Blocks, compute_bytes: int, reduce_bytes: int = 4) -> int:
+    """Unsharded parameters and gradients one rank holds at a time, at most (see the module's notes)."""
+    return gathered_parameters(blocks, compute_bytes) + gathered_gradients(blocks, compute_bytes, reduce_bytes)
+
+
+def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_bytes: int,
+                 reduce_bytes: int = 4, unsharded_window: bool = False) -> ShardedPeak:
+    """One rank's peak with the model states of `step` sharded over `world_size` ranks.
+
+    `unsharded_window`: the step accumulates micro-batches without reducing between them (FSDP2's no_sync),
+    so every rank holds the whole model's gradients, in the reduction dtype, until the window's last backward.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1 (got {world_size})")
+    sharded_gradients = shard(step.gradients, world_size)
+    early = step.gradients if step.gradients_at_activation_peak is None else step.gradients_at_activation_peak
+    late = step.activations if step.activations_at_gradient_peak is None else step.activations_at_gradient_peak
+    if unsharded_window:  # the earlier micro-batches' gradients stay unsharded, in fp32, through the window
+        early_gradients = late_gradients = blocks.with_gradients * reduce_bytes
+    else:
+        early_gradients, late_gradients = shard(early, world_size), sharded_gradients
+    parameters = gathered_parameters(blocks, compute_bytes)
+    # Forward and backward peak at one of two moments: the activations at their most (end of forward) with the
+    # gradients there then, or the gradients at their most (end of backward) with the activations left and a
+    # unit's unsharded gradients on their way to the reduce-scatter.
+    gradients, gathered, activations = max(
+        (early_gradients, parameters, step.activations),
+        (late_gradients, parameters + gathered_gradients(blocks, compute_bytes, reduce_bytes), late),
+        key=sum,
+    )
+    return ShardedPeak(
+        world_size=world_size,
+        model_states=shard(step.weights - step.buffers + step.optimizer_state, world_size) + step.buffers,
+        gradients=gradients,
+        sharded_gradients=sharded_gradients,
+        gathered=gathered,
+        activations=activations,
+        step_temporaries=shard(step.step_temporaries, world_size),
+    )
+
+
+def smallest_world_size(step: StepMemory, blocks: Blocks, limit_bytes: int, compute_bytes: int,
+                        reduce_bytes: int = 4, unsharded_window: bool = False, most: int = 1 << 16) -> int | None:
+    """The fewest ranks (>= 2) whose sharded peak is at most `limit_bytes`; None when no number of ranks does.
+
+    The peak never grows with the number of ranks, so the answer is found by bisection; past `most` ranks
+    (or when what is never sharded is already over the limit) there is none.
+    """
+    def fits(world_size: int) -> bool:
+        return sharded_peak(step, blocks, world_size, compute_bytes, reduce_bytes, unsharded_window).peak <= limit_bytes
+
+    if not fits(most):
+        return None
+    low, high = 1, most  # fits(high); low does not fit (or is 1, which is not sharding)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle
+    return max(high, 2)
+
+
+def unsharded_floor(step: StepMemory, blocks: Blocks, compute_bytes: int, reduce_bytes: int = 4,
+                    unsharded_window: bool = False) -> int:
+    """What no number of ranks shards away: the buffers, the gathered units and the activations (and, with an
+    unreduced accumulation window, the whole model's gradients)."""
+    window = blocks.with_gradients * reduce_bytes if unsharded_window else 0
+    late = step.activations if step.activations_at_gradient_peak is None else step.activations_at_gradient_peak
+    parameters = gathered_parameters(blocks, compute_bytes)
+    return step.buffers + window + max(
+        parameters + step.activations, parameters + gathered_gradients(blocks, compute_bytes, reduce_bytes) + late)

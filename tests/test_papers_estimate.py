@@ -1,0 +1,65 @@
+"""The estimate against what the papers ran, on their own devices (issue 11, point 3; the whole table is
+`python bench/papers_probe.py --paper-batches`). One paper here; the LLaMA-7B ones are slow (a trial of the full-size
+step takes 5 to 25 s on a loaded 2-core machine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from reproduce.cli import main
+from reproduce.probe.catalog import lookup
+from reproduce.probe.meters import EstimateMeter
+from reproduce.probe.workload import Workload
+from reproduce.recipe import load_recipe
+
+PAPERS = Path(__file__).resolve().parent.parent / "papers"
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def paper_trial(name: str, world_size: int = 1):
+    recipe = load_recipe(PAPERS / f"{name}.yaml")
+    gpu = lookup(recipe.batch.device)
+    sharding = recipe.batch.sharding if world_size > 1 else "none"
+    meter = EstimateMeter(Workload(recipe), gpu.budget_bytes, 0.0, gpu=gpu, cap=recipe.batch.sequences // world_size,
+                          sharding=sharding, world_size=world_size)
+    return meter.measure(recipe.batch.per_device)
+
+
+def test_nanogpt_twelve_sequences_fit_its_a100_40gb():
+    """nanoGPT ran 12 x 1024 tokens per A100-40GB; counted with CPU kernels the estimate allowed 11."""
+    trial = paper_trial("nanogpt-gpt2-124m")
+    assert trial.fits and trial.parts["attention"] == {"flash": 48}  # 12 blocks x 2 micro-batches x 2 steps
+
+
+@pytest.mark.slow
+def test_alpaca_four_per_device_fit_with_fsdp_over_four_a100_80gb():
+    trial = paper_trial("taori2023-alpaca-7b", world_size=4)
+    assert trial.fits and trial.parts["sharded"]["world_size"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpu, way_out", [("a100-80gb", "[fits] --sharding fsdp --world-size "),
+                                          ("rtx4090", "[fits] model.lora: ")])
+def test_llama_7b_full_fine_tuning_on_one_gpu_says_what_it_needs_and_what_fits(capsys, gpu, way_out):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", str(PAPERS / "taori2023-alpaca-7b.yaml"), "--gpu", gpu])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 3 and "Traceback" not in err
+    lines = [line for line in err.splitlines() if not line.startswith("[transformers]")]
+    assert lines[0].startswith(f"does not fit: not even micro-batch 1 fits --gpu {gpu}")
+    assert any(line.startswith("  weights ") and "6.74B parameters in fp32" in line for line in lines)
+    for part in ("gradients", "optimizer state", "activations of 1 sample"):
+        assert any(line.startswith(f"  {part} ") for line in lines), part
+    assert any(line.startswith("  " + way_out) for line in lines), err
