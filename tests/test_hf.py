@@ -138,3 +138,26 @@ def test_accumulated_run_equals_one_batch_of_eight(tiny_gpt2, optimizer, tmp_pat
 
     initial = build_model(parse_recipe(recipe)).state_dict()
     assert any(not torch.allclose(initial[k].double(), ours[k]) for k in ours if ours[k].is_floating_point())
+
+
+def test_a_cached_name_loads_from_its_snapshot_without_the_network(tiny_gpt2, tmp_path, monkeypatch):
+    """A name in the local hub cache is read from its snapshot folder; nothing asks the hub (transformers alone
+    would ask for an adapter_config.json even with local_files_only)."""
+    import shutil
+
+    import huggingface_hub.file_download
+
+    from reproduce.models import build_model
+
+    snapshot = tmp_path / "hub" / "models--someone--tiny-gpt2" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_gpt2, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("asked the hub")
+
+    monkeypatch.setattr(huggingface_hub.file_download, "get_hf_file_metadata", no_network)
+    model = build_model(parse_recipe(hf_recipe({"hf": "someone/tiny-gpt2"})), {"vocab_size": 32})
+    assert model(torch.randint(0, 32, (2, 5))).shape == (2, 5, 32)

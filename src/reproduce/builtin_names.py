@@ -43,11 +43,23 @@ def hf_cache_dir() -> Path:
     return Path(home).expanduser() / "hub"
 
 
+def hf_model_folder(name: str) -> Path | None:
+    """The folder holding `name`: a local folder, or its snapshot in the local hub cache (the one refs/main names,
+    else the newest); None when it is in neither. Never looked up on the network."""
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        return folder
+    repo = hf_cache_dir() / f"models--{name.replace('/', '--')}"
+    main = repo / "refs" / "main"
+    if main.is_file() and (repo / "snapshots" / main.read_text().strip()).is_dir():
+        return repo / "snapshots" / main.read_text().strip()
+    snapshots = sorted((repo / "snapshots").glob("*"), key=lambda path: path.stat().st_mtime)
+    return snapshots[-1] if snapshots else None
+
+
 def hf_model_local(name: str) -> bool:
     """A local folder, or a model already in the local hub cache (never looked up on the network)."""
-    if Path(name).expanduser().is_dir():
-        return True
-    return (hf_cache_dir() / f"models--{name.replace('/', '--')}" / "snapshots").is_dir()
+    return hf_model_folder(name) is not None
 
 
 def why_not_runnable(recipe: Recipe) -> str | None:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..builtin_names import hf_model_folder
 from ..errors import UserError
 from ..recipe import Recipe
 
@@ -60,9 +61,14 @@ def load_hf_model(recipe: Recipe, data_info: dict | None) -> nn.Module:
     folder = Path(spec.hf).expanduser()
     if spec.hf.startswith(("/", ".", "~")) and not folder.is_dir():
         raise UserError(f"model.hf: no such folder {spec.hf!r}")
+    # A cached name is loaded from its snapshot folder: given a name, transformers 5.24 still asks the hub for an
+    # adapter_config.json despite local_files_only (23 s of retries offline, a request online).
+    local = hf_model_folder(spec.hf)
     try:
-        model = auto.from_pretrained(str(folder) if folder.is_dir() else spec.hf, local_files_only=True, **spec.kwargs)
-    except OSError:  # not in the folder nor in the local cache (local_files_only: nothing was fetched)
+        if local is None:
+            raise OSError(spec.hf)
+        model = auto.from_pretrained(str(local), local_files_only=True, **spec.kwargs)
+    except OSError:  # not in the folder nor in the local cache: nothing was fetched
         raise UserError(
             f"model.hf: {spec.hf!r} is not on this machine (a local folder, or the local Hugging Face cache); "
             f"reproduce never downloads at run time: fetch it first (huggingface-cli download {spec.hf})"
