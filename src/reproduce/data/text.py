@@ -92,6 +92,8 @@ def load_tokenizer(name: str, field: str = "data.tokenizer") -> Any:
     """A tokenizer from a local folder (or tokenizer.json file), or the local Hugging Face cache: never fetched."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    from ..builtin_names import hf_model_folder
+
     path = Path(name).expanduser()
     looks_local = name.startswith(("/", ".", "~")) or path.exists()
     if looks_local and not path.exists():
@@ -100,7 +102,10 @@ def load_tokenizer(name: str, field: str = "data.tokenizer") -> Any:
     try:
         if path.is_file():
             return PreTrainedTokenizerFast(tokenizer_file=str(path))
-        return AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name, local_files_only=True)
+        folder = hf_model_folder(name)  # a cached name is read from its snapshot: no request to the hub
+        if folder is None:
+            raise OSError("not in the local Hugging Face cache")
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as exc:
         where = "folder" if path.is_dir() else "name (looked up in the local Hugging Face cache only)"
         raise UserError(f"{field}: {name}: cannot load a tokenizer from this {where}: {type(exc).__name__}: "
