@@ -31,6 +31,7 @@ import yaml
 
 from .builtin_names import why_not_runnable
 from .errors import UserError
+from .phases import phase_lines
 from .planner import Plan
 from .sharding import SHARDABLE_OPTIMIZERS
 
@@ -119,18 +120,8 @@ def _phase_notes(plan: Plan) -> list[str]:
     """Batch phases and ramps: one framework setting cannot switch the batch mid-run; say where `reproduce run` does."""
     if not plan.phases:
         return []
-    notes = ["the batch changes during training; the settings here are the main batch's. reproduce run switches at:"]
-    ramp = [phase for phase in plan.phases if phase.kind == "ramp"]
-    if ramp:
-        notes.append(f"steps 1-{ramp[-1].end_step}: a batch ramp, {len(ramp)} batches from {ramp[0].effective_batch} "
-                     f"to {ramp[-1].effective_batch} {plan.unit} (accumulation {ramp[0].accumulation_steps} to "
-                     f"{ramp[-1].accumulation_steps})")
-    for phase in plan.phases:
-        if phase.kind == "phase":
-            length = f", sequence length {phase.sequence_length}" if phase.sequence_length else ""
-            notes.append(f"step {phase.start_step + 1}: micro-batch {phase.micro_batch} x accumulation "
-                         f"{phase.accumulation_steps} x world {plan.world_size} = {phase.effective_batch}{length}")
-    return notes
+    return ["the batch changes during training; the settings here are the main batch's. reproduce run switches at:",
+            *phase_lines(plan)]
 
 
 def _name(plan: Plan) -> str:

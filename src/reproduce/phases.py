@@ -23,12 +23,15 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from .errors import UserError
 from .recipe import Length, Recipe, phase_recipe
+
+if TYPE_CHECKING:
+    from .planner import Plan
 
 
 class PlanPhase(BaseModel):
@@ -314,3 +317,20 @@ def _window(epoch: int, offset: int, steps: int, batch: int, size: int | None, w
         later = steps - first
         epoch, offset = epoch + 1 + later // per_epoch, (later % per_epoch) * batch
     return epoch, offset, min(batch, size - offset)
+
+
+def phase_lines(plan: Plan) -> list[str]:
+    """The batch phases in a few lines: each phase's steps and split; a ramp as its first and last batches."""
+    lines, ramp = [], [phase for phase in plan.phases if phase.kind == "ramp"]
+    if ramp:
+        lines.append(f"batch ramp: steps 1-{ramp[-1].end_step}, {len(ramp)} batches from {ramp[0].effective_batch} "
+                     f"to {ramp[-1].effective_batch} {plan.unit} (micro {ramp[0].micro_batch} x accumulation "
+                     f"{ramp[0].accumulation_steps} to {ramp[-1].accumulation_steps})")
+    for phase in plan.phases:
+        if phase.kind == "phase":
+            end = phase.end_step if phase.end_step is not None else "end"
+            length = f" of {phase.sequence_length} tokens" if phase.sequence_length else ""
+            lines.append(f"batch phase: steps {phase.start_step + 1}-{end}: micro {phase.micro_batch} x accumulation "
+                         f"{phase.accumulation_steps} x world {plan.world_size} = {phase.effective_batch} "
+                         f"{'sequences' if length else plan.unit}{length}")
+    return lines

@@ -12,6 +12,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..errors import UserError
+from ..phases import phase_lines
 from ..planfile import load_plan, load_recipe_or_plan
 from ..planner import Plan
 from ..recipe import Recipe, parse_recipe, with_data_paths
@@ -78,23 +79,6 @@ class PlainReporter:
 
     def finish(self, summary: dict) -> None:
         pass
-
-
-def phase_lines(plan: Plan) -> list[str]:
-    """The batch phases in a few lines: each phase's steps and split; a ramp as its first and last batches."""
-    lines, ramp = [], [phase for phase in plan.phases if phase.kind == "ramp"]
-    if ramp:
-        lines.append(f"batch ramp: steps 1-{ramp[-1].end_step}, {len(ramp)} batches from {ramp[0].effective_batch} "
-                     f"to {ramp[-1].effective_batch} {plan.unit} (micro {ramp[0].micro_batch} x accumulation "
-                     f"{ramp[0].accumulation_steps} to {ramp[-1].accumulation_steps})")
-    for phase in plan.phases:
-        if phase.kind == "phase":
-            end = phase.end_step if phase.end_step is not None else "end"
-            length = f" of {phase.sequence_length} tokens" if phase.sequence_length else ""
-            lines.append(f"batch phase: steps {phase.start_step + 1}-{end}: micro {phase.micro_batch} x accumulation "
-                         f"{phase.accumulation_steps} x world {plan.world_size} = {phase.effective_batch} "
-                         f"{'sequences' if length else plan.unit}{length}")
-    return lines
 
 
 class RichReporter(PlainReporter):
