@@ -1,7 +1,7 @@
 """`reproduce.export`: the plan in HF, Lightning, DeepSpeed, Accelerate and torchrun terms.
 
 The arithmetic and the schedule are checked here for shipped recipes; the real libraries validate the emitted
-forms where they are installed (`pip install -e .[exports]`; CI does not install that extra, so those tests skip).
+forms (`pip install -e .[exports]`, which `make setup` installs; DeepSpeed's extra is separate and may skip).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from reproduce.recipe import load_recipe, parse_recipe
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 RECIPES = sorted(PAPERS.glob("*.yaml"))
-NOT_IN_CI = "optional test extra: pip install -e .[exports] (CI does not install it)"
+NOT_IN_CI = "optional test extra: pip install -e .[exports] (make setup installs it)"
 DEEPSPEED_SKIP = (
     "deepspeed not installed (optional extra: pip install -e .[exports-deepspeed], which may not build on every "
     "machine; CI does not install it)"

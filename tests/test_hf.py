@@ -1,7 +1,7 @@
 """Hugging Face models: `model: {hf: NAME_OR_LOCAL_PATH, kind: ...}`, loaded from this machine only.
 
 The schema tests need nothing; the rest use a tiny randomly initialised GPT-2 saved to a temporary folder and
-skip when transformers is not installed (it is an optional extra: pip install -e .[exports]).
+skip only when transformers is missing (a dependency of reproduce since the paper architectures).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from reproduce.errors import UserError
 from reproduce.recipe import parse_recipe
 from test_run import ADAMW, SGD, assert_same_weights, lm_recipe, run_accumulated, run_plain
 
-NO_TRANSFORMERS = "transformers not installed (optional extra: pip install -e .[hf]; CI does not install it)"
+NO_TRANSFORMERS = "transformers not installed (a dependency: pip install -e .)"
 
 
 def hf_recipe(model: dict, task: str = "language-modeling") -> dict:

@@ -173,3 +173,33 @@ def test_estimate_meter_builds_the_recipes_weight_dtype_and_adapters():
     assert abs(fake.tensor_bytes - real.peak_bytes) <= 0.05 * real.peak_bytes
     float32 = Workload(parse_recipe({**offline_llama("fp32"), "precision": "bf16"})).prepare()
     assert EstimateMeter(float32, 256 * 2**20, 0.1).measure(4).tensor_bytes > fake.tensor_bytes
+
+
+def test_exports_state_the_model_changes_with_code_that_makes_them():
+    """Every `--emit` form says `model.dtype` and `model.lora`, and its peft call builds the adapters `run` builds."""
+    import peft
+
+    from reproduce.export import FORMATS, emit
+    from reproduce.export.common import lora_source, model_notes
+
+    recipe = parse_recipe({**GPT2_LORA, "precision": "bf16", "model": {**GPT2_LORA["model"], "dtype": "bf16"}})
+    the_plan = plan(recipe, 4, 1)
+    notes = model_notes(the_plan)
+    assert len(notes) == 2 and "torch.bfloat16" in notes[0] and lora_source(recipe.model.lora) in notes[1]
+    for fmt in FORMATS:
+        text = " ".join(line.lstrip("#").strip() for line in emit(the_plan, fmt).splitlines())
+        assert "model.dtype" in text and "model.lora" in text and "peft.LoraConfig(r=4, lora_alpha=8.0" in text
+
+    torch.manual_seed(0)
+    ours = build_model(recipe)
+    torch.manual_seed(0)
+    base = build_model(parse_recipe({**GPT2_LORA, "precision": "bf16",
+                                     "model": {"builtin": "gpt2-124m", "kwargs": TINY_GPT2, "dtype": "bf16"}}))
+    theirs = eval(lora_source(recipe.model.lora, "base"), {"peft": peft, "base": base})  # noqa: S307 (ours)
+
+    def trainable(model):
+        return {name: (p.shape, p.dtype) for name, p in model.named_parameters() if p.requires_grad}
+
+    assert trainable(theirs) == trainable(ours) and len(trainable(ours)) == 4  # A and B of c_attn in 2 layers
+    assert theirs.peft_config["default"].to_dict() == ours.peft_config["default"].to_dict()
+    assert all(p.dtype == torch.bfloat16 for name, p in theirs.named_parameters() if "lora_" not in name)

@@ -9,7 +9,7 @@ import pytest
 from reproduce.errors import UserError
 from reproduce.train.tensorboard import TensorboardLog, TensorboardReporter, scalars
 
-NO_TENSORBOARD = "tensorboard not installed (optional extra: pip install -e .[tensorboard]; CI does not install it)"
+NO_TENSORBOARD = "tensorboard not installed (optional extra: pip install -e .[tensorboard]; make setup installs it)"
 
 
 def read_scalars(folder) -> dict[str, list[tuple[int, float]]]:

@@ -1,0 +1,179 @@
+"""What every emitted form shares: the arithmetic line, the header of comments, the notes several frameworks
+need, and Python literals."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..phases import phase_lines
+from ..planner import Plan
+from ..recipe import Lora
+
+WIDTH = 110
+
+
+@dataclass(frozen=True)
+class Export:
+    """One emitted form: its text, the values in it, and the notes on what it does not carry over exactly."""
+
+    fmt: str
+    text: str
+    values: dict
+    notes: list[str] = field(default_factory=list)
+
+
+# ---- shared pieces ----------------------------------------------------------------------------------------
+
+
+def arithmetic_line(plan: Plan) -> str:
+    """The first line of every output: m x N x W = batch, and the LR rule applied."""
+    text = (
+        f"# reproduce plan: micro-batch {plan.micro_batch} x accumulation {plan.accumulation_steps} x world "
+        f"{plan.world_size} = {plan.effective_batch} {plan.unit} per optimizer step"
+    )
+    if plan.effective_tokens is not None:
+        text += f" ({plan.effective_tokens} tokens)"
+    if plan.exact:
+        return text + f", the paper's batch exactly; lr {plan.lr:g} as published (no LR rule)"
+    return (
+        text + f", not the paper's {plan.paper_effective_batch} (x{plan.batch_factor:.4g}); lr {plan.base_lr:g} -> "
+        f"{plan.lr:.6g} by the {plan.lr_rule} rule (x{plan.lr_factor:.4g})"
+    )
+
+
+def comment(text: str, prefix: str = "# ", wrap: bool = True) -> list[str]:
+    if not wrap:
+        return [prefix + text]
+    lines = textwrap.wrap(text, WIDTH - len(prefix), break_long_words=False, break_on_hyphens=False)
+    return [prefix + lines[0], *("#   " + line for line in lines[1:])] if lines else []
+
+
+def header(plan: Plan, notes: list[str], extra: list[str] = ()) -> list[str]:
+    recipe = plan.recipe
+    lines = [arithmetic_line(plan)]
+    source = plan.recipe_path or "recipe"
+    if recipe.paper is not None:
+        source += f": {recipe.paper.title}" + (f" ({recipe.paper.year})" if recipe.paper.year else "")
+    lines += comment(source)
+    if not plan.exact:
+        lines += comment(f"LR rule: {plan.lr_rule_source}")
+    if plan.adam_option is not None:
+        option = plan.adam_option
+        lines += comment(
+            f"optional, not applied: betas {[round(b, 6) for b in option.betas]} eps {option.eps:.3g} ({option.source})"
+        )
+    for warning in plan.warnings:
+        lines += comment(f"plan warning: {warning}")
+    for line in extra:
+        lines += comment(line)
+    for note in [*model_notes(plan), *notes, *_phase_notes(plan)]:
+        lines += comment(f"NOTE: {note}")
+    return lines
+
+
+TORCH_DTYPE_NAMES = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+
+
+def model_notes(plan: Plan) -> list[str]:
+    """The model changes a recipe makes (`model.dtype`, `model.lora`), with the code that makes them as
+    `reproduce run` does: no trainer setting carries them, so every emitted form says them."""
+    spec, notes = plan.recipe.model, []
+    if spec.dtype != "fp32":
+        dtype = TORCH_DTYPE_NAMES[spec.dtype]
+        notes.append(
+            f"the recipe stores the weights in {spec.dtype} (model.dtype), as reproduce run does: build or load the "
+            f"model in it (model.to({dtype}), or from_pretrained(..., dtype={dtype})) before anything else"
+        )
+    if spec.lora is not None:
+        notes.append(
+            "the recipe trains LoRA adapters on frozen weights (model.lora), as reproduce run does with peft: "
+            f"model = {lora_source(spec.lora)}; the optimizer takes only the parameters that require a gradient "
+            "(peft keeps the adapters in fp32)"
+        )
+    return notes
+
+
+def lora_source(lora: Lora, model: str = "model") -> str:
+    """`peft.get_peft_model(model, peft.LoraConfig(...))` with the recipe's adapters, as `reproduce run` makes them."""
+    alpha = lora.alpha if lora.alpha is not None else lora.r
+    return (
+        f"peft.get_peft_model({model}, peft.LoraConfig(r={lora.r}, lora_alpha={alpha!r}, "
+        f'lora_dropout={lora.dropout!r}, target_modules={py_literal(list(lora.target_modules))}, bias="none"))'
+    )
+
+
+def _phase_notes(plan: Plan) -> list[str]:
+    """Batch phases and ramps: one framework setting cannot switch the batch mid-run; say where `reproduce run` does."""
+    if not plan.phases:
+        return []
+    return ["the batch changes during training; the settings here are the main batch's. reproduce run switches at:",
+            *phase_lines(plan)]
+
+
+def run_name(plan: Plan) -> str:
+    return Path(plan.recipe_path).stem if plan.recipe_path else "run"
+
+
+def steps_note(plan: Plan, what: str) -> str | None:
+    if plan.optimizer_steps is None:
+        return (
+            f"{what}: the plan has no step count (the dataset size is unknown; set data.train_size in the recipe or "
+            "plan a run): set it yourself"
+        )
+    return None
+
+
+def epoch_tail_note(plan: Plan, framework: str) -> str | None:
+    """Frameworks step the optimizer at an epoch's end even with fewer than N micro-batches left."""
+    if plan.dataset_size is None:
+        return None
+    per_rank_batches = -(-plan.dataset_size // plan.world_size) // plan.micro_batch  # DistributedSampler pads
+    if per_rank_batches % plan.accumulation_steps == 0:
+        return None
+    ours = (
+        "reproduce run drops that incomplete window (drop_last)" if plan.recipe.data.drop_last
+        else "reproduce run takes the epoch's remainder as one window normalised by the items it holds"
+    )
+    left = per_rank_batches % plan.accumulation_steps
+    return (
+        f"{framework} steps the optimizer at the end of each epoch even when fewer than {plan.accumulation_steps} "
+        f"micro-batches remain (about {left} per process here): a smaller batch than the plan's, where {ours}"
+    )
+
+
+def mean_loss_note(plan: Plan, framework: str, scale: str) -> str | None:
+    """Lightning and Accelerate scale each micro-batch's loss by 1/N (and DDP averages over W)."""
+    if plan.recipe.task == "classification" and plan.recipe.data.drop_last:
+        return None  # equal micro-batches of samples: the mean of micro-batch means is the batch mean
+    return (
+        f"{framework} divides each micro-batch's loss by {plan.accumulation_steps} and DDP averages over "
+        f"{plan.world_size} process(es): a per-micro-batch mean is exact only when every micro-batch holds the same "
+        f"number of loss-bearing items. For token losses return {scale}, where window_items counts the target "
+        "tokens != -100 of all N micro-batches on all processes (reproduce run does this)"
+    )
+
+
+def py_literal(value: Any) -> str:
+    """A Python literal (floats exactly, by repr)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{py_literal(k)}: {py_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, str):
+        return json.dumps(value)  # double quotes: a valid Python literal
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(py_literal(v) for v in value)
+        return f"({inner}{',' if len(value) == 1 else ''})" if isinstance(value, tuple) else f"[{inner}]"
+    return repr(value)
+
+
+def kwargs_block(name: str, values: dict, comments: dict[str, str]) -> list[str]:
+    lines = [f"{name} = dict("]
+    for key, value in values.items():
+        line = f"    {key}={py_literal(value)},"
+        if key in comments:
+            line += f"  # {comments[key]}"
+        lines.append(line)
+    return [*lines, ")"]

@@ -1,0 +1,62 @@
+"""The torchrun command that runs the plan with `reproduce run`, on one machine or two."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from ..builtin_names import why_not_runnable
+from ..planner import Plan
+from .common import Export, comment, header, run_name
+
+
+def torchrun_command(
+    run_args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
+    python: str | None = None,
+) -> list[str]:
+    """`python -m torch.distributed.run ... -m reproduce run ...`: what `reproduce run --nproc-per-node` launches
+    (`reproduce.train.distributed.torchrun_command` calls this) and what `--emit torchrun` prints."""
+    command = [python or sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        command.append("--standalone")
+    else:
+        if rdzv_endpoint is None:
+            raise ValueError("several nodes need a rendezvous endpoint")
+        command += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint={rdzv_endpoint}"]
+    return [*command, "-m", "reproduce", "run", *run_args]
+
+
+def build(plan: Plan) -> Export:
+    notes: list[str] = []
+    reason = why_not_runnable(plan.recipe)
+    if reason:
+        notes.append(f"this recipe is plan-only here ({reason}): reproduce run would stop with that error")
+    out = f"runs/{run_name(plan)}"
+    recipe_path = plan.recipe_path or "RECIPE"
+    plan_command = (
+        f"reproduce plan {recipe_path} --micro-batch-max {plan.micro_batch_max} --world-size {plan.world_size}"
+        + (" --policy fast" if plan.policy == "fast" else "") + " --out plan.yaml"
+    )
+    run_args = ["plan.yaml", "--out", out]
+    command = torchrun_command(run_args, plan.world_size, python="python")
+    lines = header(plan, notes)
+    lines += comment("1. save the plan:")
+    lines += comment(plan_command, prefix="#    ", wrap=False)
+    if plan.world_size == 1:
+        lines += comment("2. run it: one process needs no launcher (reproduce run plan.yaml --out "
+                          f"{out}); the same under torchrun:")
+    else:
+        lines += comment(f"2. run it on {plan.world_size} processes on this machine:")
+    lines.append(" ".join(command))
+    lines += comment("the same, with reproduce starting torchrun itself:")
+    lines += comment(f"reproduce run plan.yaml --out {out} --nproc-per-node {plan.world_size}", "#    ", wrap=False)
+    values: dict[str, Any] = {"command": command, "plan_command": plan_command}
+    if plan.world_size > 1 and plan.world_size % 2 == 0:
+        half = plan.world_size // 2
+        multi = torchrun_command(run_args, half, nnodes=2, node_rank=0, rdzv_endpoint="HOST:29500", python="python")
+        lines += comment(f"on 2 machines of {half} processes: run on each, with --node-rank=1 on the second "
+                          "(HOST: node 0's address):")
+        lines += comment(" ".join(multi), "#    ", wrap=False)
+        values["two_nodes"] = multi
+    return Export("torchrun", "\n".join(lines) + "\n", values, notes)
