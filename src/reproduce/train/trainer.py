@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import gc
 import json
-import shutil
 import signal
 import threading
 import time
@@ -26,9 +25,10 @@ from ..planfile import save_plan, write_text_atomic
 from ..planner import Plan
 from ..sharding import check_sharding
 from . import distributed
-from .checkpoint import SHARDED_PREFIX, full_model_state, load_checkpoint, save_checkpoint
+from .checkpoint import full_model_state, load_checkpoint, save_checkpoint
 from .distributed import World
 from .noise import NoiseScale, not_measured_reason, summarise
+from .outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, remove_outputs
 from .setup import build, resolve_device
 from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, evaluate, optimizer_step
 from .windows import length_sizes, micro_batch_at, smaller_micro_batch, step_batch, step_epoch, window
@@ -82,45 +82,6 @@ class StopSignals:
         return int(flags[0]) or None, bool(flags[1])
 
 
-def check_out_dir(out: Path, resume: bool, force: bool) -> None:
-    """Never overwrite another run: a non-empty folder needs --resume (same run) or --force."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out: {out} exists and is not a folder")
-    if resume:
-        if not (out / "checkpoints" / "last.pt").is_file():
-            raise UserError(f"--resume: {out} has no checkpoints/last.pt to resume from")
-        return
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise UserError(f"--out: {out} is not empty ({folder_holds(out)}); " + (
-            "pass --resume to continue it, --force to overwrite its outputs, or choose another folder"
-            if any((out / name).exists() for name in OUTPUTS) else
-            "choose another folder (--force would keep these files and write the run's outputs beside them)"
-        ))
-
-
-def folder_holds(out: Path) -> str:
-    """What a folder holds, in a few words: another run's outputs, or the names of what is there."""
-    runs = [name for name in OUTPUTS if (out / name).exists()]
-    if runs:
-        return f"it holds another run: {', '.join(runs)}"
-    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in out.iterdir())
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return f"it holds {shown}, not a run of reproduce"
-
-
-OUTPUTS = ("plan.yaml", "metrics.jsonl", "summary.json", "model.pt", "loss.png", "checkpoints/last.pt")
-
-
-def remove_outputs(out: Path) -> None:
-    """The files a run writes, removed before another run takes the folder over (--force); nothing else."""
-    for name in OUTPUTS:
-        (out / name).unlink(missing_ok=True)
-    for sharded in (out / "checkpoints").glob(f"{SHARDED_PREFIX}*"):
-        shutil.rmtree(sharded)
-    if (out / "tensorboard").is_dir():
-        shutil.rmtree(out / "tensorboard")
-
-
 def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 4_099 + rank * 7_919_993) % (2**63 - 1)
 
@@ -130,29 +91,6 @@ def seed_step(device: torch.device, value: int) -> None:
     torch.default_generator.manual_seed(value)
     if device.type == "cuda":
         torch.cuda.manual_seed(value)
-
-
-class MetricsLog:
-    """metrics.jsonl, appended and flushed once per optimizer step; written by rank 0 alone."""
-
-    def __init__(self, path: Path, offset: int, enabled: bool):
-        self.path, self.handle = path, None
-        if enabled:
-            with open(path, "a+b") as handle:
-                handle.truncate(offset)  # drop lines written after the checkpoint we resume from
-            self.handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-
-    def write(self, record: dict) -> None:
-        if self.handle:
-            self.handle.write(json.dumps(record) + "\n")
-            self.handle.flush()
-
-    def offset(self) -> int:
-        return self.handle.tell() if self.handle else 0
-
-    def close(self) -> None:
-        if self.handle:
-            self.handle.close()
 
 
 def train(plan: Plan, out: str | Path, **options) -> dict:
@@ -211,21 +149,7 @@ def _train(
     setup = build(plan, target_device, dtype, seed, data, world)
     # batch phases of other sequence lengths read the same data cut at their length (data/lengths.py)
     train_set = training_set(plan.recipe, setup.data["train"], list(length_sizes(plan)))
-    size = len(train_set)
-    if plan.phases:
-        sizes = train_set.sizes() if hasattr(train_set, "sizes") else {plan.recipe.batch.sequence_length: size}
-        if sizes != length_sizes(plan):
-            raise UserError(f"plan: the phases' dataset sizes {length_sizes(plan)} do not match the training set's "
-                            f"{sizes} (samples by sequence length)")
-    elif plan.dataset_size != size:
-        raise UserError(f"plan: dataset_size {plan.dataset_size} does not match the training set's {size} items")
-    short = [p for p in plan.phases if p.steps_per_epoch == 0 and p.steps != 0]
-    if (not plan.steps_per_epoch and not plan.phases) or short:
-        batch, samples = (short[0].effective_batch, short[0].dataset_size) if short else (plan.effective_batch, size)
-        raise UserError(
-            f"data: the epoch ({samples} {plan.unit}) is shorter than one optimizer step ({batch}) "
-            "with drop_last: no step would run; lower the batch or set data.drop_last: false"
-        )
+    size = check_training_set(plan, train_set)
     total = plan.optimizer_steps if max_steps is None else min(max_steps, plan.optimizer_steps)
     checkpoint_path = out / "checkpoints" / "last.pt"
     first_step, metrics_offset = 0, 0
@@ -467,6 +391,26 @@ def _train(
     return summary
 
 
+def check_training_set(plan: Plan, train_set) -> int:
+    """The training set's size, when it is the one the plan was made for and its epoch holds an optimizer step."""
+    size = len(train_set)
+    if plan.phases:
+        sizes = train_set.sizes() if hasattr(train_set, "sizes") else {plan.recipe.batch.sequence_length: size}
+        if sizes != length_sizes(plan):
+            raise UserError(f"plan: the phases' dataset sizes {length_sizes(plan)} do not match the training set's "
+                            f"{sizes} (samples by sequence length)")
+    elif plan.dataset_size != size:
+        raise UserError(f"plan: dataset_size {plan.dataset_size} does not match the training set's {size} items")
+    short = [p for p in plan.phases if p.steps_per_epoch == 0 and p.steps != 0]
+    if (not plan.steps_per_epoch and not plan.phases) or short:
+        batch, samples = (short[0].effective_batch, short[0].dataset_size) if short else (plan.effective_batch, size)
+        raise UserError(
+            f"data: the epoch ({samples} {plan.unit}) is shorter than one optimizer step ({batch}) "
+            "with drop_last: no step would run; lower the batch or set data.drop_last: false"
+        )
+    return size
+
+
 def out_of_memory_alone(setup, step: int, micro_batch: int, out: Path) -> str:
     """Why this rank stops alone, and how to continue with a smaller micro-batch."""
     if setup.sharded:
@@ -489,32 +433,3 @@ def peak_memory(device: torch.device) -> int | None:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return None
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
-
-
-def plot_metrics(metrics_path: Path, png: Path) -> str:
-    """A loss curve PNG when matplotlib is installed (the `plots` extra); otherwise a note saying so."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no loss plot: matplotlib is not installed (pip install 'reproduce[plots]')"
-    records = [r for r in read_metrics(metrics_path) if "loss" in r]  # not the out-of-memory event lines
-    figure, axis = plt.subplots(figsize=(7, 4))
-    axis.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")
-    evals = [r for r in records if "eval_loss" in r]
-    if evals:
-        axis.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
-    axis.set_xlabel("optimizer step")
-    axis.set_ylabel("loss")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(png, dpi=100)
-    plt.close(figure)
-    return str(png)

@@ -1,0 +1,242 @@
+"""Loading check files: every problem of every file, one line each, before anything runs."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..errors import UserError
+from ..planner import Plan
+from ..recipe import Recipe, load_recipe, parse_recipe, read_yaml
+from .messages import format_errors
+from .schema import DEFAULT_FOLDER, MAIN, Budget, CheckFile
+
+
+@dataclass
+class Run:
+    """A recipe and a budget: what one training run (per seed) executes."""
+
+    name: str
+    recipe: Recipe
+    recipe_path: str
+    budget: Budget
+
+    @property
+    def seeds(self) -> list[int]:
+        return list(self.budget.seeds) if self.budget.seeds else [self.recipe.seed]
+
+    def key(self, seed: int) -> str:
+        return json.dumps(
+            [self.recipe.model_dump(mode="json"), self.budget.model_dump(mode="json", exclude={"seeds"}), seed],
+            sort_keys=True,
+        )
+
+
+@dataclass
+class LoadedFile:
+    path: Path
+    spec: CheckFile
+    runs: dict[str, Run]
+    names: list[str]
+
+    @property
+    def label(self) -> str:
+        return self.path.name
+
+
+def collect(paths: list[Path]) -> list[Path]:
+    """The check files: each file given, and the *.yaml / *.yml files of each folder given (sorted)."""
+    default = not paths
+    if default:
+        paths = [Path(DEFAULT_FOLDER)]
+    files: list[Path] = []
+    problems = []
+    for path in paths:
+        if default and not path.exists():
+            problems.append(f"{path}: no such folder (the default: run where the {DEFAULT_FOLDER}/ folder of check "
+                            "files is, or give check files or folders)")
+            continue
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+            if not found:
+                problems.append(f"{path}: no check files (*.yaml) in this folder")
+            files.extend(found)
+        elif path.exists():
+            files.append(path)
+        else:
+            problems.append(f"{path}: no such check file or folder")
+    if problems:
+        raise UserError(*problems)
+    unique = []
+    for path in files:
+        if path.resolve() not in {p.resolve() for p in unique}:
+            unique.append(path)
+    return unique
+
+
+def load_all(paths: list[Path]) -> list[LoadedFile]:
+    """Every check file, validated; one UserError listing the problems of all of them."""
+    loaded, problems = [], []
+    for path in paths:
+        try:
+            loaded.append(load_check_file(path))
+        except UserError as error:
+            problems.extend(error.lines)
+    if problems:
+        raise UserError(*problems)
+    return loaded
+
+
+def load_check_file(path: Path) -> LoadedFile:
+    source = str(path)
+    data = read_yaml(path, what="check")
+    try:
+        spec = CheckFile.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(*format_errors(exc, source)) from None
+    problems: list[str] = []
+    base = _load_recipe(spec.recipe, path, source, "recipe", problems)
+    runs: dict[str, Run] = {}
+    if base is not None:
+        recipe, recipe_path = base
+        runs[MAIN] = Run(MAIN, recipe, recipe_path, spec.budget)
+        if MAIN in spec.runs:
+            problems.append(f"{source}: runs.{MAIN}: the name {MAIN!r} is the file's own recipe; choose another")
+        for name, run_spec in spec.runs.items():
+            run = _resolve_run(name, run_spec, spec, recipe, recipe_path, path, source, problems)
+            if run is not None:
+                runs[name] = run
+    names = []
+    for index, check in enumerate(spec.checks):
+        where = f"{source}: checks[{index}]"
+        names.append(_unique_name(check_name(check), names))
+        if base is None:
+            continue
+        for field_name in ("run", "a", "b"):
+            run_name = getattr(check, field_name, None)
+            if run_name is not None and run_name not in runs and run_name not in spec.runs:
+                close = difflib.get_close_matches(run_name, [MAIN, *spec.runs], n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else f" (runs: {', '.join([MAIN, *spec.runs])})"
+                problems.append(f"{where}.{field_name}: no run named {run_name!r}{hint}")
+        problems.extend(_check_problems(check, runs, where))
+    if problems:
+        raise UserError(*problems)
+    return LoadedFile(path, spec, runs, names)
+
+
+def _resolve_recipe_path(name: str, check_path: Path) -> Path | None:
+    candidates = [Path(name)] if Path(name).is_absolute() else [check_path.parent / name, Path(name)]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def _load_recipe(name: str, check_path: Path, source: str, field_name: str, problems: list[str]):
+    found = _resolve_recipe_path(name, check_path)
+    if found is None:
+        problems.append(
+            f"{source}: {field_name}: no recipe file {name!r} (looked beside the check file and in the working "
+            "directory)"
+        )
+        return None
+    try:
+        return load_recipe(found), str(found)
+    except UserError as error:
+        problems.extend(f"{source}: {field_name}: {line}" for line in error.lines)
+        return None
+
+
+def _resolve_run(name, run_spec, spec, recipe, recipe_path, path, source, problems) -> Run | None:
+    where = f"runs.{name}"
+    if run_spec.recipe is not None:
+        loaded = _load_recipe(run_spec.recipe, path, source, f"{where}.recipe", problems)
+        if loaded is None:
+            return None
+        recipe, recipe_path = loaded
+    if run_spec.overrides:
+        merged = merge(recipe.model_dump(mode="json", exclude_unset=True), run_spec.overrides)
+        try:
+            recipe = parse_recipe(merged, source=f"{source}: {where}.overrides")
+        except UserError as error:
+            problems.extend(error.lines)
+            return None
+    try:
+        budget = Budget.model_validate({**spec.budget.model_dump(exclude_unset=True), **run_spec.budget})
+    except ValidationError as exc:
+        problems.extend(format_errors(exc, f"{source}: {where}.budget", root=Budget))
+        return None
+    return Run(name, recipe, recipe_path, budget)
+
+
+def merge(base: dict, overrides: dict) -> dict:
+    """`overrides` merged into a copy of `base`, mappings recursively; a null value removes the key."""
+    result = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if value is None:
+            result.pop(key, None)
+        elif isinstance(value, dict) and isinstance(result.get(key), dict):
+            result[key] = merge(result[key], value)
+        else:
+            result[key] = copy.deepcopy(value)
+    return result
+
+
+def _check_problems(check: Any, runs: dict[str, Run], where: str) -> list[str]:
+    """What a check asks that its runs cannot give: missing budget, data not here, unknown plan fields."""
+    problems = []
+    for field_name in ("run", "a", "b"):
+        run = runs.get(getattr(check, field_name, None) or "")
+        if run is None:
+            continue
+        label = f"run {run.name!r}"
+        if run.budget.micro_batch_max is None:
+            problems.append(f"{where}: budget.micro_batch_max: required to plan {label} (the largest micro-batch "
+                            "that fits one device)")
+        if check.kind in ("verify", "metric", "compare") and not run.recipe.data.available:
+            what = "trains" if check.kind != "verify" else "computes gradients on"
+            problems.append(
+                f"{where}.kind: a {check.kind} check {what} {label}, but its data {run.recipe.data.name!r} is "
+                "available: false; use a plan check"
+            )
+        if check.kind in ("metric", "compare") and run.budget.world_size != 1:
+            problems.append(f"{where}: budget.world_size: runs train in one process; {label} has world_size "
+                            f"{run.budget.world_size} (plan checks may declare more)")
+    if check.kind == "plan":
+        known = [name for name in Plan.model_fields if name != "recipe"]
+        for key in check.expect:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                problems.append(f"{where}.expect.{key}: not a plan field{hint}")
+    if check.kind == "metric" and check.reported is not None and check.run in runs:
+        recipe = runs[check.run].recipe
+        reported = {r.metric: r for r in recipe.reported}
+        if check.reported not in reported:
+            names = ", ".join(reported) or "none"
+            problems.append(f"{where}.reported: the recipe reports no {check.reported!r} (it reports: {names})")
+        elif check.tolerance is None and reported[check.reported].tolerance is None:
+            problems.append(f"{where}.tolerance: required: the recipe's {check.reported!r} states none")
+    return problems
+
+
+def check_name(check: Any) -> str:
+    if check.name:
+        return check.name
+    if check.kind == "plan":
+        return "plan invariants" + ("" if check.run == MAIN else f" ({check.run})")
+    if check.kind == "verify":
+        return "gradient equivalence" + ("" if check.run == MAIN else f" ({check.run})")
+    if check.kind == "metric":
+        return check.metric + ("" if check.run == MAIN else f" ({check.run})")
+    return f"{check.metric}: {check.a} vs {check.b}"
+
+
+def _unique_name(name: str, taken: list[str]) -> str:
+    candidate, number = name, 2
+    while candidate in taken:
+        candidate, number = f"{name} #{number}", number + 1
+    return candidate

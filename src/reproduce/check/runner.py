@@ -1,0 +1,446 @@
+"""Running the checks: runs shared between the checks that name them, trained in a work folder."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ..errors import Interrupted, UserError
+from ..planfile import check_plan
+from ..planner import Plan, plan
+from ..recipe import Recipe
+from ..units import format_size, parse_size
+from .load import LoadedFile, Run, check_name
+from .schema import WORK_MARKER, Budget, CompareCheck, MetricCheck, PlanCheck, VerifyCheck
+
+
+@dataclass
+class Result:
+    file: str
+    name: str
+    kind: str
+    status: Literal["pass", "fail", "error"]
+    measured: str
+    expected: str
+    seconds: float
+    details: list[str] = field(default_factory=list)
+    plot: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+
+@dataclass
+class RunResult:
+    out: Path
+    summary: dict
+    seconds: float
+
+
+class Runner:
+    """Evaluates checks; trains each distinct (recipe, budget, seed) once, in `work`."""
+
+    def __init__(self, work: Path, plots: Path | None = None, log: Callable[[str], None] | None = None):
+        self.work, self.plots = work, plots
+        self.log = log or (lambda text: None)
+        self.cache: dict[str, RunResult] = {}
+        self.data: dict[str, dict] = {}
+
+    # ---- runs ---------------------------------------------------------------------------------------
+
+    def dataset(self, recipe: Recipe) -> dict:
+        from ..data import build_data
+
+        key = json.dumps([recipe.data.model_dump(mode="json"), recipe.batch.sequence_length], sort_keys=True)
+        if key not in self.data:
+            self.data[key] = build_data(recipe)
+        return self.data[key]
+
+    def plan_for(self, run: Run, dataset_size: int | dict | None) -> Plan:
+        budget = run.budget
+        return plan(run.recipe, budget.micro_batch_max, budget.world_size, budget.policy,
+                    dataset_size=dataset_size, recipe_path=run.recipe_path)
+
+    def train(self, file: LoadedFile, run: Run, seed: int) -> RunResult:
+        key = run.key(seed)
+        if key in self.cache:
+            return self.cache[key]
+        from ..data.lengths import training_sizes
+        from ..train.trainer import train
+
+        data = self.dataset(run.recipe)
+        the_plan = self.plan_for(run, training_sizes(run.recipe, data["train"]))
+        max_steps = run.budget.max_steps
+        if run.budget.max_epochs is not None and the_plan.steps_per_epoch:
+            max_steps = max(1, math.ceil(run.budget.max_epochs * the_plan.steps_per_epoch))
+        out = self.work / _slug(file.path.stem) / _slug(run.name) / f"seed-{seed}"
+        self.log(f"  training {run.name!r} seed {seed}: {the_plan.arithmetic}, "
+                 f"{min(max_steps or the_plan.optimizer_steps or 0, the_plan.optimizer_steps or 0)} steps")
+        started = time.perf_counter()
+        summary = train(the_plan, out, device=run.budget.device, max_steps=max_steps, seed=seed, force=True, data=data)
+        result = RunResult(out, summary, time.perf_counter() - started)
+        self.cache[key] = result
+        return result
+
+    def values(self, file: LoadedFile, run: Run, metric: str) -> list[float]:
+        return [lookup(self.train(file, run, seed).summary, metric) for seed in run.seeds]
+
+    # ---- checks -------------------------------------------------------------------------------------
+
+    def evaluate(self, file: LoadedFile, index: int) -> Result:
+        check = file.spec.checks[index]
+        name = file.names[index]
+        started = time.perf_counter()
+        try:
+            status, measured, expected, details, plot = getattr(self, f"_{check.kind}")(file, check)
+        except UserError as error:
+            status, measured, expected, details, plot = "error", "-", "-", list(error.lines), None
+        except Interrupted:
+            raise
+        except Exception as error:  # a crash in training or in the user's factory: reported, not fatal
+            status, measured, expected, plot = "error", "-", "-", None
+            details = [f"{type(error).__name__}: {error}"]
+        return Result(file.label, name, check.kind, status, measured, expected,
+                      round(time.perf_counter() - started, 2), details, plot)
+
+    def _plan(self, file: LoadedFile, check: PlanCheck):
+        run = file.runs[check.run]
+        the_plan = self.plan_for(run, run.recipe.data.train_size)
+        problems = plan_problems(the_plan, run.budget)
+        for key, want in check.expect.items():
+            got = getattr(the_plan, key)
+            if not _same(got, want):
+                problems.append(f"{key}: expected {want!r}, the plan has {got!r}")
+        steps = the_plan.optimizer_steps
+        measured = (f"{the_plan.arithmetic} {'' if the_plan.effective_tokens else the_plan.unit}".rstrip()
+                    + f", lr {the_plan.lr:.4g}, {steps if steps is not None else '?'} steps")
+        budget = run.budget
+        memory = f", {format_size(parse_size(budget.memory))}" if budget.memory else ""
+        stated = f" + {len(check.expect)} stated values" if check.expect else ""
+        expected = f"invariants{stated} (m <= {budget.micro_batch_max}, W = {budget.world_size}{memory})"
+        details = problems + [f"plan warning: {w}" for w in the_plan.warnings]
+        if check.expect:
+            details.append("stated: " + ", ".join(f"{k} {_short(v)}" for k, v in check.expect.items()))
+        return ("pass" if not problems else "fail"), measured, expected, details, None
+
+    def _verify(self, file: LoadedFile, check: VerifyCheck):
+        from ..verify import verify
+
+        run = file.runs[check.run]
+        from ..data.lengths import training_sizes
+
+        data = self.dataset(run.recipe)
+        the_plan = self.plan_for(run, training_sizes(run.recipe, data["train"]))
+        seed = run.seeds[0]
+        result = verify(the_plan, samples=check.samples, tolerance=check.tolerance, dtype=check.dtype,
+                        device=check.device, seed=seed, data=data)
+        got = "equivalent" if result.within_tolerance else "not-equivalent"
+        measured = f"{result.verdict}: rel. error {result.global_relative_error:.3g}"
+        if check.expect == "equivalent":
+            expected = f"equivalent: rel. error <= {result.tolerance:g} ({result.dtype})"
+        else:
+            expected = f"not equivalent: rel. error > {result.tolerance:g} ({result.dtype})"
+        details = [
+            f"{result.samples} samples in {result.micro_batches} micro-batches of {result.micro_batch} vs "
+            f"{result.reference_chunks} pass(es); worst parameter {result.worst_parameter}: "
+            f"{result.worst_relative_error:.3g}",
+            result.explanation, *result.notes,
+        ]
+        return ("pass" if got == check.expect else "fail"), measured, expected, details, None
+
+    def _metric(self, file: LoadedFile, check: MetricCheck):
+        run = file.runs[check.run]
+        values = [v * check.scale for v in self.values(file, run, check.metric)]
+        value = aggregate(values, check.aggregate)
+        conditions, expected = [], []
+        if check.min is not None:
+            conditions.append(value >= check.min)
+            expected.append(f">= {check.min:g}")
+        if check.max is not None:
+            conditions.append(value <= check.max)
+            expected.append(f"<= {check.max:g}")
+        measured = _measured(value, values, check.aggregate)
+        details = [f"{check.metric} x {check.scale:g}" if check.scale != 1 else check.metric]
+        details[0] += f" per seed {run.seeds}: {', '.join(f'{v:.4g}' for v in values)}"
+        if check.baseline is not None:
+            base = aggregate(self.values(file, run, check.baseline), check.aggregate)
+            ratio = value / base if base else math.inf
+            measured += f" = {ratio:.3f} x {check.baseline} ({base:.4g})"
+            if check.min_ratio is not None:
+                conditions.append(ratio >= check.min_ratio)
+                expected.append(f">= {check.min_ratio:g} x {check.baseline}")
+            if check.max_ratio is not None:
+                conditions.append(ratio <= check.max_ratio)
+                expected.append(f"<= {check.max_ratio:g} x {check.baseline}")
+        if check.reported is not None:
+            reported = next(r for r in run.recipe.reported if r.metric == check.reported)
+            tolerance = check.tolerance if check.tolerance is not None else reported.tolerance
+            conditions.append(abs(value - reported.value) <= tolerance)
+            expected.append(f"reported {reported.value:g} +- {tolerance:g}")
+        return ("pass" if all(conditions) else "fail"), measured, ", ".join(expected), details, None
+
+    def _compare(self, file: LoadedFile, check: CompareCheck):
+        run_a, run_b = file.runs[check.a], file.runs[check.b]
+        values_a, values_b = self.values(file, run_a, check.metric), self.values(file, run_b, check.metric)
+        a, b = aggregate(values_a, check.aggregate), aggregate(values_b, check.aggregate)
+        diff = a - b
+        conditions, expected = [], []
+        if check.tolerance is not None:
+            conditions.append(abs(diff) <= check.tolerance)
+            expected.append(f"|a - b| <= {check.tolerance:g}")
+        if check.rel_tolerance is not None:
+            conditions.append(abs(diff) <= check.rel_tolerance * abs(b))
+            expected.append(f"|a - b| <= {check.rel_tolerance:g} x |b|")
+        if check.at_least is not None:
+            conditions.append(diff >= check.at_least)
+            expected.append(f"a - b >= {check.at_least:g}")
+        if check.at_most is not None:
+            conditions.append(diff <= check.at_most)
+            expected.append(f"a - b <= {check.at_most:g}")
+        measured = f"a {a:.4g}, b {b:.4g}: a - b = {diff:+.3g}"
+        details = [
+            f"a = {check.a} ({check.aggregate} over seeds {run_a.seeds}: {', '.join(f'{v:.4g}' for v in values_a)})",
+            f"b = {check.b} ({check.aggregate} over seeds {run_b.seeds}: {', '.join(f'{v:.4g}' for v in values_b)})",
+        ]
+        plot, note = self.plot(file, check, run_a, run_b)
+        if note:
+            details.append(note)
+        return ("pass" if all(conditions) else "fail"), measured, ", ".join(expected), details, plot
+
+    def plot(self, file: LoadedFile, check: CompareCheck, run_a: Run, run_b: Run) -> tuple[str | None, str | None]:
+        """Both runs' curves of the compared metric on one PNG (first seed of each), when matplotlib is here."""
+        if self.plots is None:
+            return None, "no plot: give --plots DIR (or --summary) to keep one"
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None, "no plot: matplotlib is not installed (pip install 'reproduce[plots]')"
+        from ..train.outputs import read_metrics
+
+        figure, axis = plt.subplots(figsize=(7, 4))
+        key = check.metric
+        for label, run, style in (("a", run_a, "-"), ("b", run_b, "--")):
+            records = read_metrics(self.train(file, run, run.seeds[0]).out / "metrics.jsonl")
+            xs, ys = [r["epoch"] for r in records if key in r], [r[key] for r in records if key in r]
+            if xs:
+                axis.plot(xs, ys, style, marker="o" if len(xs) < 30 else None, label=f"{label}: {run.name}")
+        axis.set_xlabel("epoch")
+        axis.set_ylabel(key)
+        axis.set_title(f"{file.label}: {check_name(check)}")
+        axis.legend()
+        figure.tight_layout()
+        self.plots.mkdir(parents=True, exist_ok=True)
+        png = self.plots / f"{_slug(file.path.stem)}-{_slug(check_name(check))}.png"
+        figure.savefig(png, dpi=100)
+        plt.close(figure)
+        return str(png), None
+
+
+def lookup(summary: dict, metric: str) -> float:
+    """A run's value: a key of its final metrics record (loss, eval_loss, eval_accuracy, ...) or a dotted path
+    into summary.json (data.unigram_loss, seconds)."""
+    final = summary.get("final", {})
+    if metric in final:
+        return float(final[metric])
+    node: Any = summary
+    for part in metric.split("."):
+        if not isinstance(node, dict) or part not in node:
+            known = sorted(k for k, v in final.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+            raise UserError(f"metric {metric!r}: not in the run's results (final record has: {', '.join(known)}; "
+                            "or give a dotted path into summary.json such as data.unigram_loss)")
+        node = node[part]
+    if isinstance(node, dict) and "reason" in node:  # a summary entry that says why it has no value (noise_scale)
+        raise UserError(f"metric {metric!r}: not measured in this run: {node['reason']}")
+    if not isinstance(node, (int, float)) or isinstance(node, bool):
+        raise UserError(f"metric {metric!r}: is not a number (got {node!r})")
+    return float(node)
+
+
+def aggregate(values: list[float], how: str) -> float:
+    return {"mean": statistics.fmean, "min": min, "max": max}[how](values)
+
+
+def plan_problems(the_plan: Plan, budget: Budget) -> list[str]:
+    """Invariants every plan must satisfy, derived here independently of the planner."""
+    problems = []
+    try:
+        check_plan(the_plan, "plan")
+    except UserError as error:
+        problems.extend(line.removeprefix("plan: ") for line in error.lines)
+    recipe = the_plan.recipe
+    paper = recipe.batch.sequences
+    micro, accumulation, world = the_plan.micro_batch, the_plan.accumulation_steps, the_plan.world_size
+    if micro * accumulation * world != the_plan.effective_batch:
+        problems.append(f"effective batch: {micro} x {accumulation} x {world} != {the_plan.effective_batch}")
+    if budget.micro_batch_max is not None and micro > budget.micro_batch_max:
+        problems.append(f"micro_batch: {micro} exceeds the budget's micro_batch_max {budget.micro_batch_max}")
+    if world != budget.world_size:
+        problems.append(f"world_size: {world}, but the budget declares {budget.world_size}")
+    if budget.policy == "exact" and paper % budget.world_size == 0 and not the_plan.exact:
+        problems.append(f"exact: {paper} {recipe.batch.count_unit} split over {budget.world_size} process(es) "
+                        f"exactly, but the plan's batch is {the_plan.effective_batch}")
+    # the LR rule as stated
+    factor = the_plan.effective_batch / paper
+    if the_plan.exact:
+        rule = "exact"
+    elif recipe.scaling_rule == "auto":
+        rule = "linear" if recipe.optimizer.family == "sgd" else "sqrt"
+    else:
+        rule = recipe.scaling_rule
+    want_lr = recipe.optimizer.lr * {"exact": 1.0, "none": 1.0, "linear": factor, "sqrt": math.sqrt(factor)}[rule]
+    if the_plan.lr_rule != rule:
+        problems.append(f"lr_rule: expected {rule} (scaling_rule {recipe.scaling_rule}, optimizer "
+                        f"{recipe.optimizer.name}), the plan applies {the_plan.lr_rule}")
+    if not math.isclose(the_plan.lr, want_lr, rel_tol=1e-9):
+        problems.append(f"lr: the {rule} rule gives {want_lr:.6g} for batch x{factor:.4g}; the plan has "
+                        f"{the_plan.lr:.6g}")
+    if the_plan.phases:
+        # the steps of a changing batch come from walking its phases (phases.py); check_plan has checked each
+        # phase's split and order above, and the phases must cover the recipe's
+        return problems + _phase_schedule_problems(the_plan)
+    # steps converted: the same data as the paper's schedule covers
+    dataset = the_plan.dataset_size
+    per_epoch = None
+    if dataset is not None:
+        full, rest = divmod(dataset, the_plan.effective_batch)
+        per_epoch = full if recipe.data.drop_last or not rest else full + 1
+        if the_plan.steps_per_epoch != per_epoch:
+            problems.append(f"steps_per_epoch: {dataset} // {the_plan.effective_batch} gives {per_epoch}; the "
+                            f"plan has {the_plan.steps_per_epoch}")
+    total = _steps(recipe.schedule.total, recipe, the_plan.effective_batch, per_epoch)
+    if total is not None and the_plan.optimizer_steps != total:
+        problems.append(f"optimizer_steps: schedule.total {_length(recipe.schedule.total)} is {total} steps of "
+                        f"{the_plan.effective_batch}; the plan has {the_plan.optimizer_steps}")
+    warmup = recipe.schedule.warmup
+    if warmup is not None:
+        if warmup.ratio is not None:
+            want = round(warmup.ratio * the_plan.optimizer_steps) if the_plan.optimizer_steps is not None else None
+        else:
+            want = _steps(warmup, recipe, the_plan.effective_batch, per_epoch)
+        if want is not None and the_plan.warmup_steps != want:
+            problems.append(f"warmup_steps: expected {want}, the plan has {the_plan.warmup_steps}")
+    milestones = recipe.schedule.decay.milestones
+    if milestones is not None:
+        from ..recipe import Length
+
+        want = [_steps(Length(**{milestones.unit: v}), recipe, the_plan.effective_batch, per_epoch)
+                for v in milestones.value]
+        if None not in want and the_plan.decay_milestones != want:
+            problems.append(f"decay_milestones: expected {want}, the plan has {the_plan.decay_milestones}")
+    if recipe.model.has_batchnorm and recipe.batch.per_device:
+        per_device = recipe.batch.per_device
+        per_rank = paper // world if paper % world == 0 else None
+        fits = budget.micro_batch_max is None or per_device <= budget.micro_batch_max
+        if fits and per_rank and per_rank % per_device == 0 and micro != per_device:
+            problems.append(f"micro_batch: BatchNorm: the paper's per-device batch {per_device} fits and divides "
+                            f"the batch, but the plan uses {micro}")
+    return problems
+
+
+def _phase_schedule_problems(the_plan: Plan) -> list[str]:
+    """With batch phases: each phase's length in steps covers the data the recipe's phase length says, re-derived
+    here phase by phase (exact phases keep the paper's steps)."""
+    problems = []
+    for index, (phase, spec) in enumerate(zip(the_plan.phases, the_plan.recipe.batch.phases or [], strict=False)):
+        if phase.steps is None:
+            continue
+        unit, value = spec.unit, spec.value
+        if unit == "epochs":
+            want = None if phase.steps_per_epoch is None else round(value * phase.steps_per_epoch)
+        else:
+            samples = value * phase.paper_effective_batch if unit == "steps" else value if unit == "samples" else (
+                value / phase.sequence_length)
+            want = round(samples / phase.effective_batch)
+        if want is not None and want != phase.steps:
+            problems.append(f"phases[{index}].steps: batch.phases[{index}] is {_length(spec)}, {want} steps of "
+                            f"{phase.effective_batch}; the plan has {phase.steps}")
+    return problems
+
+
+def _steps(length: Any, recipe: Recipe, effective: int, per_epoch: int | None) -> int | None:
+    unit, value = length.unit, length.value
+    if unit == "epochs":
+        return None if per_epoch is None else round(value * per_epoch)
+    samples = {"steps": lambda: value * recipe.batch.sequences, "samples": lambda: value,
+               "tokens": lambda: value / recipe.batch.sequence_length}[unit]()
+    return round(samples / effective)
+
+
+def _length(length: Any) -> str:
+    return f"{length.value:g} {length.unit}"
+
+
+def _same(got: Any, want: Any) -> bool:
+    if isinstance(got, float) or isinstance(want, float):
+        try:
+            return math.isclose(float(got), float(want), rel_tol=1e-9, abs_tol=1e-12)
+        except (TypeError, ValueError):
+            return False
+    if isinstance(got, tuple):
+        got = list(got)
+    return got == want
+
+
+def _short(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _measured(value: float, values: list[float], how: str) -> str:
+    if len(values) == 1:
+        return f"{value:.4g}"
+    return f"{value:.4g} ({how} of {len(values)} seeds, {min(values):.4g}..{max(values):.4g})"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "check"
+
+
+# ---- the whole suite, and its reports -------------------------------------------------------------------
+
+
+def prepare_work(work: Path | None) -> tuple[Path, bool]:
+    """The folder runs are written to: `work` (ours, or empty), or a new temporary one (removed afterwards)."""
+    if work is None:
+        return Path(tempfile.mkdtemp(prefix="reproduce-check-")), True
+    if work.exists() and not work.is_dir():
+        raise UserError(f"--work: {work} exists and is not a folder")
+    if work.is_dir() and any(work.iterdir()) and not (work / WORK_MARKER).is_file():
+        raise UserError(f"--work: {work} holds other files (it is not a work folder of `reproduce check`); "
+                        "choose an empty or new folder")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / WORK_MARKER).write_text("runs of `reproduce check`; safe to delete\n", encoding="utf-8")
+    return work, False
+
+
+def run_checks(
+    files: list[LoadedFile], work: Path, plots: Path | None = None,
+    log: Callable[[str], None] | None = None, on_result: Callable[[Result], None] | None = None,
+) -> list[Result]:
+    runner = Runner(work, plots, log)
+    results = []
+    for file in files:
+        for index in range(len(file.spec.checks)):
+            (log or (lambda text: None))(f"{file.path}: {file.names[index]}")
+            result = runner.evaluate(file, index)
+            results.append(result)
+            if on_result:
+                on_result(result)
+    return results
+
+
+def cleanup(work: Path, temporary: bool) -> None:
+    if temporary:
+        shutil.rmtree(work, ignore_errors=True)

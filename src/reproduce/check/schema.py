@@ -1,0 +1,123 @@
+"""The check file's schema: a recipe, a budget, optional runs, and the checks (plan, verify, metric, compare)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from ..errors import UserError
+from ..recipe import Strict
+from ..units import parse_size
+
+DEFAULT_FOLDER = "reproduce"
+WORK_MARKER = ".reproduce-check-work"
+MAIN = "main"
+AGGREGATES = ("mean", "min", "max")
+
+
+class Budget(Strict):
+    """What the checks run with: the micro-batch (or the memory it was measured for), device, and length."""
+
+    micro_batch_max: int | None = Field(default=None, gt=0, description="largest micro-batch that fits")
+    memory: str | None = Field(default=None, description="the device memory micro_batch_max is declared for")
+    world_size: int = Field(default=1, gt=0)
+    policy: Literal["exact", "fast"] = "exact"
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    max_steps: int | None = Field(default=None, gt=0, description="stop runs after this many optimizer steps")
+    max_epochs: float | None = Field(default=None, gt=0, description="stop runs after this many epochs")
+    seeds: list[int] | None = Field(default=None, min_length=1, description="one run per seed")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Budget:
+        if self.max_steps is not None and self.max_epochs is not None:
+            raise ValueError("give max_steps or max_epochs, not both")
+        if self.memory is not None:
+            try:
+                parse_size(self.memory, "memory")
+            except UserError as error:
+                raise ValueError(error.lines[0]) from None
+        return self
+
+
+class RunSpec(Strict):
+    recipe: str | None = Field(default=None, description="another recipe (default: the file's)")
+    overrides: dict[str, Any] = Field(default={}, description="merged into the recipe; null removes a key")
+    budget: dict[str, Any] = Field(default={}, description="fields of the file's budget to change")
+
+
+class _Check(Strict):
+    name: str | None = None
+
+
+class PlanCheck(_Check):
+    kind: Literal["plan"]
+    run: str = MAIN
+    expect: dict[str, Any] = {}
+
+
+class VerifyCheck(_Check):
+    kind: Literal["verify"]
+    run: str = MAIN
+    samples: int | None = Field(default=None, gt=0)
+    tolerance: float | None = Field(default=None, gt=0)
+    dtype: Literal["float64", "float32", "bf16", "fp16"] = "float64"
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    expect: Literal["equivalent", "not-equivalent"] = "equivalent"
+
+
+class MetricCheck(_Check):
+    kind: Literal["metric"]
+    run: str = MAIN
+    metric: str
+    aggregate: Literal[AGGREGATES] = "mean"  # type: ignore[valid-type]
+    scale: float = Field(default=1.0, gt=0, description="multiply the measured value first (fraction -> %)")
+    min: float | None = None
+    max: float | None = None
+    baseline: str | None = Field(default=None, description="a value from the run's summary to divide by")
+    min_ratio: float | None = None
+    max_ratio: float | None = None
+    reported: str | None = Field(default=None, description="a metric in the recipe's `reported` list")
+    tolerance: float | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _something_to_check(self) -> MetricCheck:
+        if all(v is None for v in (self.min, self.max, self.min_ratio, self.max_ratio, self.reported)):
+            raise ValueError("give min, max, baseline with min_ratio/max_ratio, or reported")
+        if (self.min_ratio is not None or self.max_ratio is not None) and self.baseline is None:
+            raise ValueError("baseline: required with min_ratio or max_ratio")
+        if self.baseline is not None and self.min_ratio is None and self.max_ratio is None:
+            raise ValueError("baseline: give min_ratio or max_ratio with it")
+        if self.tolerance is not None and self.reported is None:
+            raise ValueError("tolerance: only used with reported")
+        return self
+
+
+class CompareCheck(_Check):
+    kind: Literal["compare"]
+    a: str
+    b: str
+    metric: str = "loss"
+    aggregate: Literal[AGGREGATES] = "mean"  # type: ignore[valid-type]
+    tolerance: float | None = Field(default=None, ge=0, description="|a - b| <= tolerance")
+    rel_tolerance: float | None = Field(default=None, ge=0, description="|a - b| <= rel_tolerance x |b|")
+    at_least: float | None = Field(default=None, description="a - b >= at_least")
+    at_most: float | None = Field(default=None, description="a - b <= at_most")
+
+    @model_validator(mode="after")
+    def _something_to_check(self) -> CompareCheck:
+        if all(v is None for v in (self.tolerance, self.rel_tolerance, self.at_least, self.at_most)):
+            raise ValueError("give tolerance, rel_tolerance, at_least or at_most")
+        return self
+
+
+AnyCheck = Annotated[PlanCheck | VerifyCheck | MetricCheck | CompareCheck, Field(discriminator="kind")]
+KINDS = ("plan", "verify", "metric", "compare")
+
+
+class CheckFile(Strict):
+    description: str | None = None
+    recipe: str
+    budget: Budget = Budget()
+    runs: dict[str, RunSpec] = {}
+    checks: list[AnyCheck] = Field(min_length=1)
