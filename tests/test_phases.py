@@ -321,3 +321,21 @@ def test_data_that_cannot_be_cut_at_another_length_is_refused(tmp_path):
     with pytest.raises(UserError, match="cannot be cut at another length: its dataset has no with_sequence_length"):
         run(recipe, 2, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["devlin2019-bert-base.yaml", "you2019-lamb-bert-large.yaml"])
+def test_check_re_derives_each_phase_length_and_catches_a_wrong_one(name):
+    """`reproduce check`'s plan invariants: each phase's steps come back from its recipe length; one more is caught."""
+    from pathlib import Path
+
+    from reproduce.check.runner import plan_problems
+    from reproduce.check.schema import Budget
+    from reproduce.recipe import load_recipe
+
+    the_plan = plan(load_recipe(Path(__file__).resolve().parent.parent / "papers" / name), 32, 1)
+    assert plan_problems(the_plan, Budget(micro_batch_max=32)) == []
+    phases = list(the_plan.phases)
+    phases[0] = phases[0].model_copy(update={"steps": phases[0].steps + 1})
+    problems = plan_problems(the_plan.model_copy(update={"phases": phases}), Budget(micro_batch_max=32))
+    assert (f"phases[0].steps: batch.phases[0] is {the_plan.recipe.batch.phases[0].value:g} steps, "
+            f"{phases[0].steps - 1} steps of {phases[0].effective_batch}; the plan has {phases[0].steps}") in problems

@@ -320,7 +320,8 @@ def plan_problems(the_plan: Plan, budget: Budget) -> list[str]:
         if the_plan.steps_per_epoch != per_epoch:
             problems.append(f"steps_per_epoch: {dataset} // {the_plan.effective_batch} gives {per_epoch}; the "
                             f"plan has {the_plan.steps_per_epoch}")
-    total = _steps(recipe.schedule.total, recipe, the_plan.effective_batch, per_epoch)
+    paper_batch = (recipe.batch.sequences, recipe.batch.sequence_length)  # in samples (sequences), for steps
+    total = _steps(recipe.schedule.total, *paper_batch, the_plan.effective_batch, per_epoch)
     if total is not None and the_plan.optimizer_steps != total:
         problems.append(f"optimizer_steps: schedule.total {_length(recipe.schedule.total)} is {total} steps of "
                         f"{the_plan.effective_batch}; the plan has {the_plan.optimizer_steps}")
@@ -329,14 +330,14 @@ def plan_problems(the_plan: Plan, budget: Budget) -> list[str]:
         if warmup.ratio is not None:
             want = round(warmup.ratio * the_plan.optimizer_steps) if the_plan.optimizer_steps is not None else None
         else:
-            want = _steps(warmup, recipe, the_plan.effective_batch, per_epoch)
+            want = _steps(warmup, *paper_batch, the_plan.effective_batch, per_epoch)
         if want is not None and the_plan.warmup_steps != want:
             problems.append(f"warmup_steps: expected {want}, the plan has {the_plan.warmup_steps}")
     milestones = recipe.schedule.decay.milestones
     if milestones is not None:
         from ..recipe import Length
 
-        want = [_steps(Length(**{milestones.unit: v}), recipe, the_plan.effective_batch, per_epoch)
+        want = [_steps(Length(**{milestones.unit: v}), *paper_batch, the_plan.effective_batch, per_epoch)
                 for v in milestones.value]
         if None not in want and the_plan.decay_milestones != want:
             problems.append(f"decay_milestones: expected {want}, the plan has {the_plan.decay_milestones}")
@@ -357,25 +358,22 @@ def _phase_schedule_problems(the_plan: Plan) -> list[str]:
     for index, (phase, spec) in enumerate(zip(the_plan.phases, the_plan.recipe.batch.phases or [], strict=False)):
         if phase.steps is None:
             continue
-        unit, value = spec.unit, spec.value
-        if unit == "epochs":
-            want = None if phase.steps_per_epoch is None else round(value * phase.steps_per_epoch)
-        else:
-            samples = value * phase.paper_effective_batch if unit == "steps" else value if unit == "samples" else (
-                value / phase.sequence_length)
-            want = round(samples / phase.effective_batch)
+        want = _steps(spec, phase.paper_effective_batch, phase.sequence_length, phase.effective_batch,
+                      phase.steps_per_epoch)
         if want is not None and want != phase.steps:
             problems.append(f"phases[{index}].steps: batch.phases[{index}] is {_length(spec)}, {want} steps of "
                             f"{phase.effective_batch}; the plan has {phase.steps}")
     return problems
 
 
-def _steps(length: Any, recipe: Recipe, effective: int, per_epoch: int | None) -> int | None:
+def _steps(length: Any, paper_batch: int, sequence_length: int | None, effective: int,
+           per_epoch: int | None) -> int | None:
+    """`length` in optimizer steps of `effective` samples: the data it covers, at the paper's batch for steps."""
     unit, value = length.unit, length.value
     if unit == "epochs":
         return None if per_epoch is None else round(value * per_epoch)
-    samples = {"steps": lambda: value * recipe.batch.sequences, "samples": lambda: value,
-               "tokens": lambda: value / recipe.batch.sequence_length}[unit]()
+    samples = {"steps": lambda: value * paper_batch, "samples": lambda: value,
+               "tokens": lambda: value / sequence_length}[unit]()
     return round(samples / effective)
 
 
