@@ -322,21 +322,18 @@ def run_command(
     main_size = size.get(recipe.batch.sequence_length) if isinstance(size, dict) else size
     if recipe.data.train_size is not None and recipe.data.train_size != main_size:
         warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {main_size}: using {main_size}")
+    train_options = dict(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
+                         checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data, workers=workers,
+                         noise_scale=not no_noise_scale)
     if not world.is_main:  # the other ranks train quietly; rank 0 reports
-        train(plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
-              checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data, workers=workers,
-              noise_scale=not no_noise_scale)
+        train(plan, out, **train_options)
         return
     reporter = RichReporter(warnings) if is_terminal() else PlainReporter(warnings)
     if tensorboard:  # metrics.jsonl stays the source of truth; TensorBoard gets the same scalars
         from ..train.tensorboard import TensorboardReporter
 
         reporter = TensorboardReporter(reporter, out / "tensorboard")
-    summary = train(
-        plan, out, device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
-        checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, reporter=reporter, data=data,
-        workers=workers, noise_scale=not no_noise_scale,
-    )
+    summary = train(plan, out, reporter=reporter, **train_options)
     final = summary["final"]
     line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s, final loss {final['loss']:.4f}"
     if "eval_accuracy" in final:

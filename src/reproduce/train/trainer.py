@@ -199,14 +199,15 @@ def _train(
     # On a CPU, values below float32's normal range (late in training, in momentum and gradients) make every
     # operation on them ~100x slower; flushing them to zero cost a digits run 3.5 s instead of 72 s.
     flush_denormals = setup.device.type == "cpu" and torch.set_flush_denormal(True)
-    workers = default_workers(train_set) if workers is None else workers
+    data_workers = default_workers(train_set)
+    workers = data_workers if workers is None else workers
     # Training on the CPU from files read by loader workers: the compute threads get the cores the default workers
     # leave. OpenMP threads that outnumber free cores spin against each other: the digits MLP's 5 ms step took
     # 0.9 s beside one worker decoding PNGs on 2 cores. The count follows the data, not --workers, so runs with
     # different worker counts (a resume with fewer) compute with the same threads and stay bitwise equal.
     threads = torch.get_num_threads()
-    if setup.device.type == "cpu" and default_workers(train_set):
-        torch.set_num_threads(max(1, min(threads, cpu_share() - default_workers(train_set))))
+    if setup.device.type == "cpu" and data_workers:
+        torch.set_num_threads(max(1, min(threads, cpu_share() - data_workers)))
     watch = LoaderWatch(workers)
 
     def windows(step: int) -> tuple[list[torch.Tensor], bool]:
