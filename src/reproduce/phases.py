@@ -117,7 +117,7 @@ def plan_phases(
             if index < len(batch.phases) - 1:
                 steps = _own_steps(phase, placed, paper, f"batch.phases[{index}]")
                 if steps == 0:
-                    warnings.append(f"batch.phases[{index}] ({_shown(phase)}) is shorter than one optimizer step of "
+                    warnings.append(f"batch.phases[{index}] ({phase.label()}) is shorter than one optimizer step of "
                                     f"{placed.effective_batch}: it never runs")
                 placed = placed.model_copy(update={"steps": steps})
                 start += steps
@@ -128,10 +128,6 @@ def plan_phases(
             segments.append(placed)
         return segments
     return _ramp(recipe, target, micro_batch_max(batch.sequence_length), world_size, dataset_size, segment, warnings)
-
-
-def _shown(length: Length) -> str:
-    return f"{length.value:g} {length.unit}"
 
 
 def _own_steps(length: Length, phase: PlanPhase, paper: int, what: str) -> int:

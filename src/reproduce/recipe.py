@@ -57,7 +57,7 @@ class Length(Strict):
 
     @model_validator(mode="after")
     def _one_unit(self) -> Length:
-        given = [unit for unit in LENGTH_UNITS if getattr(self, unit) is not None]
+        given = self.units_given
         if len(given) != 1 and not self._allows_none():
             raise ValueError(f"give exactly one of steps, epochs, samples, tokens (got {', '.join(given) or 'none'})")
         return self
@@ -66,12 +66,20 @@ class Length(Strict):
         return False
 
     @property
+    def units_given(self) -> list[str]:
+        return [unit for unit in LENGTH_UNITS if getattr(self, unit) is not None]
+
+    @property
     def unit(self) -> str:
-        return next(unit for unit in LENGTH_UNITS if getattr(self, unit) is not None)
+        return self.units_given[0]
 
     @property
     def value(self) -> float:
         return getattr(self, self.unit)
+
+    def label(self) -> str:
+        """The length as written in messages and tables: "90 epochs", "4e+09 tokens"."""
+        return f"{self.value:g} {self.unit}"
 
 
 class BatchPhase(Length):
@@ -148,7 +156,7 @@ class Batch(Strict):
         for index, phase in enumerate(phases):
             where = f"phases.{index}"
             last = index == len(phases) - 1
-            given = [unit for unit in LENGTH_UNITS if getattr(phase, unit) is not None]
+            given = phase.units_given
             if last and given:
                 raise ValueError(f"{where}.{given[0]}: the last phase runs to the end of schedule.total; give it no "
                                  "length")
@@ -404,7 +412,7 @@ class Warmup(Length):
 
     @model_validator(mode="after")
     def _one_length(self) -> Warmup:
-        given = [unit for unit in LENGTH_UNITS if getattr(self, unit) is not None]
+        given = self.units_given
         if self.ratio is not None and given:
             raise ValueError(f"give ratio or one of steps, epochs, samples, tokens, not both (got ratio, {given[0]})")
         if self.start_lr is not None and self.start_factor is not None:

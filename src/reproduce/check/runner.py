@@ -323,7 +323,7 @@ def plan_problems(the_plan: Plan, budget: Budget) -> list[str]:
     paper_batch = (recipe.batch.sequences, recipe.batch.sequence_length)  # in samples (sequences), for steps
     total = _steps(recipe.schedule.total, *paper_batch, the_plan.effective_batch, per_epoch)
     if total is not None and the_plan.optimizer_steps != total:
-        problems.append(f"optimizer_steps: schedule.total {_length(recipe.schedule.total)} is {total} steps of "
+        problems.append(f"optimizer_steps: schedule.total {recipe.schedule.total.label()} is {total} steps of "
                         f"{the_plan.effective_batch}; the plan has {the_plan.optimizer_steps}")
     warmup = recipe.schedule.warmup
     if warmup is not None:
@@ -361,7 +361,7 @@ def _phase_schedule_problems(the_plan: Plan) -> list[str]:
         want = _steps(spec, phase.paper_effective_batch, phase.sequence_length, phase.effective_batch,
                       phase.steps_per_epoch)
         if want is not None and want != phase.steps:
-            problems.append(f"phases[{index}].steps: batch.phases[{index}] is {_length(spec)}, {want} steps of "
+            problems.append(f"phases[{index}].steps: batch.phases[{index}] is {spec.label()}, {want} steps of "
                             f"{phase.effective_batch}; the plan has {phase.steps}")
     return problems
 
@@ -375,10 +375,6 @@ def _steps(length: Any, paper_batch: int, sequence_length: int | None, effective
     samples = {"steps": lambda: value * paper_batch, "samples": lambda: value,
                "tokens": lambda: value / sequence_length}[unit]()
     return round(samples / effective)
-
-
-def _length(length: Any) -> str:
-    return f"{length.value:g} {length.unit}"
 
 
 def _same(got: Any, want: Any) -> bool:

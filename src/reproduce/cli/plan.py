@@ -302,7 +302,7 @@ def _batch_size(p: Plan, value: int) -> str:
 
 
 def _length(length) -> str:
-    return f"{length.value:g} {length.unit}" if length is not None else "-"
+    return length.label() if length is not None else "-"
 
 
 def _steps(steps: int | None) -> str:
