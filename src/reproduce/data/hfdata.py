@@ -14,7 +14,6 @@ A saved `DatasetDict` gives its `train` split for training and, unless `data.eva
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from ..errors import UserError
-from .text import check_record, instruction_texts, text_settings, tokenise
+from .text import check_record, instruction_texts, read_json_rows, text_settings, tokenise
 
 EVAL_SPLITS = ("validation", "valid", "val", "test")
 
@@ -38,30 +37,12 @@ def _datasets():
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    records = []
-    text = path.read_text(encoding="utf-8")
-    if text.lstrip().startswith("["):
-        try:
-            loaded = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
-        rows = list(enumerate(loaded, start=1))
-        label = "record"
-    else:
-        rows, label = [], "line"
-        for number, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append((number, json.loads(line)))
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"{path}: line {number}: not valid JSON ({exc.msg}); expected one JSON object "
-                                    "a line (JSONL)") from None
-    for number, row in rows:
+    rows = read_json_rows(path)
+    for place, row in rows:
         if not isinstance(row, dict):
-            raise UserError(f"{path}: {label} {number}: expected a JSON object (one row, its columns as keys), got "
+            raise UserError(f"{path}: {place}: expected a JSON object (one row, its columns as keys), got "
                             f"{type(row).__name__}")
-        records.append(row)
-    return records
+    return [row for _, row in rows]
 
 
 def open_dataset(path: Path, field: str, split: str) -> Any:

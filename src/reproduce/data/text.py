@@ -119,32 +119,37 @@ def read_records(path: Path, field: str) -> list[dict]:
                         "output)")
     if path.is_dir():
         raise UserError(f"{field}: {path}: is a folder; expected a JSON or JSONL file of records")
+    rows = read_json_rows(path)
+    if not rows:
+        raise UserError(f"{path}: no records (expected JSON or JSONL records with instruction, input, output)")
+    for place, record in rows:
+        check_record(record, path, place)
+    return [record for _, record in rows]
+
+
+def read_json_rows(path: Path) -> list[tuple[str, Any]]:
+    """The values of a JSON file holding a list, or of a JSONL file (one value a line), each with its place for
+    messages ("record 3", "line 7"); invalid JSON is one clear line."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot read: {exc}") from None
     if text.lstrip().startswith("["):
         try:
-            records = json.loads(text)
+            values = json.loads(text)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
-        where = [f"record {number}" for number in range(1, len(records) + 1)]
-    else:
-        records, where = [], []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}: line {number}: not valid JSON ({exc.msg}); expected one JSON object a "
-                                "line (JSONL)") from None
-            where.append(f"line {number}")
-    if not records:
-        raise UserError(f"{path}: no records (expected JSON or JSONL records with instruction, input, output)")
-    for record, place in zip(records, where, strict=True):
-        check_record(record, path, place)
-    return records
+        return [(f"record {number}", value) for number, value in enumerate(values, start=1)]
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((f"line {number}", json.loads(line)))
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: line {number}: not valid JSON ({exc.msg}); expected one JSON object a line "
+                            "(JSONL)") from None
+    return rows
 
 
 def check_record(record: Any, path: Path | str, place: str, fields: dict[str, str] | None = None) -> None:
