@@ -176,9 +176,10 @@ def build_hf_datasets(recipe: Any) -> dict:
         found = next((name for name in EVAL_SPLITS if name in saved), None)
         if found is not None:
             tables["eval"], eval_path = saved[found], train_path / found
+    paths = {"train": train_path, "eval": eval_path}
     for split, table in tables.items():  # the data's own problems first, before loading a tokenizer
         for column in spec.columns.values():
-            _require(table, column, train_path if split == "train" else eval_path)
+            _require(table, column, paths[split])
     tokenizer = max_length = None
     if spec.text_columns:
         tokenizer, max_length = text_settings(recipe)
@@ -187,10 +188,10 @@ def build_hf_datasets(recipe: Any) -> dict:
     classes = None
     for split, table in tables.items():
         if len(table) == 0:
-            raise UserError(f"{'data.path' if split == 'train' else 'data.eval_path'}: "
-                            f"{train_path if split == 'train' else eval_path}: the dataset has no rows")
-        data[split], stats[split] = _split(recipe, table, train_path if split == "train" else eval_path,
-                                           split == "train", tokenizer, max_length, classes)
+            raise UserError(f"{'data.path' if split == 'train' else 'data.eval_path'}: {paths[split]}: the dataset "
+                            "has no rows")
+        data[split], stats[split] = _split(recipe, table, paths[split], split == "train", tokenizer, max_length,
+                                           classes)
         classes = stats[split].get("classes", classes)
     info = {"name": spec.name or train_path.stem, "format": "hf-datasets", "path": str(train_path),
             "eval_path": str(eval_path) if eval_path else None, "columns": dict(spec.columns),
