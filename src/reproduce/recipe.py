@@ -248,6 +248,11 @@ class Lora(Strict):
         description="names (or name endings) of the modules to adapt, e.g. [q_proj, v_proj]"
     )
 
+    @property
+    def lora_alpha(self) -> float:
+        """alpha, r when not given: peft's `lora_alpha`."""
+        return self.alpha if self.alpha is not None else self.r
+
 
 class Model(Builder):
     """A built-in, a factory, or `hf: NAME_OR_LOCAL_PATH` (a Hugging Face model, loaded from this machine only).

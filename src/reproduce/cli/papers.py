@@ -240,8 +240,8 @@ def model_line(recipe: Recipe, counts: tuple[int, int] | None) -> str:
         text += f", weights in {spec.dtype}"
     if spec.lora is not None:
         lora = spec.lora
-        alpha = lora.alpha if lora.alpha is not None else lora.r
-        text += f", LoRA r {lora.r} alpha {alpha:g} dropout {lora.dropout:g} on {', '.join(lora.target_modules)}"
+        text += (f", LoRA r {lora.r} alpha {lora.lora_alpha:g} dropout {lora.dropout:g} on "
+                 f"{', '.join(lora.target_modules)}")
     return text
 
 

@@ -99,9 +99,8 @@ def model_notes(plan: Plan) -> list[str]:
 
 def lora_source(lora: Lora, model: str = "model") -> str:
     """`peft.get_peft_model(model, peft.LoraConfig(...))` with the recipe's adapters, as `reproduce run` makes them."""
-    alpha = lora.alpha if lora.alpha is not None else lora.r
     return (
-        f"peft.get_peft_model({model}, peft.LoraConfig(r={lora.r}, lora_alpha={alpha!r}, "
+        f"peft.get_peft_model({model}, peft.LoraConfig(r={lora.r}, lora_alpha={lora.lora_alpha!r}, "
         f'lora_dropout={lora.dropout!r}, target_modules={py_literal(list(lora.target_modules))}, bias="none"))'
     )
 

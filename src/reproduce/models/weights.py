@@ -62,7 +62,7 @@ def with_lora(model: nn.Module, lora: Lora, model_name: str) -> nn.Module:
             raise UserError(f"model.lora.target_modules: {model_name} has no module named {target!r} "
                             f"(modules LoRA can adapt: {known})")
     config = peft.LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha if lora.alpha is not None else lora.r, lora_dropout=lora.dropout,
+        r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules), bias="none",
     )
     with warnings.catch_warnings():
