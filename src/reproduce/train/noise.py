@@ -109,7 +109,7 @@ class NoiseScale:
         self.dataset_size = len(setup.data["train"])
         self.window: Window | None = None
         self.sink = None  # the running window's `parameters.append`: the hooks' one attribute to look up
-        self.grad_sq = self.trace = self.weight = 0.0  # EMA sums; weight = 1 - ema^k, the bias correction
+        self.grad_sq = self.trace = 0.0  # EMA sums (not bias-corrected: the ratio cancels the correction)
         self.measured = 0
         self.prefix = 0  # the window's first micro-batches, measured together from `.grad` after the last of them
         self.watched = self.parameters_to_watch()
@@ -189,7 +189,6 @@ class NoiseScale:
             grad_sq, trace, b_small = estimate
             self.grad_sq = self.ema * self.grad_sq + (1 - self.ema) * grad_sq
             self.trace = self.ema * self.trace + (1 - self.ema) * trace
-            self.weight = self.ema * self.weight + (1 - self.ema)
             self.measured += 1
             record = {"noise_grad_sq": grad_sq, "noise_trace": trace, "noise_b_small": b_small}
         value = self.value()
@@ -228,11 +227,10 @@ class NoiseScale:
         return self.trace / self.grad_sq
 
     def state_dict(self) -> dict:
-        return {"grad_sq": self.grad_sq, "trace": self.trace, "weight": self.weight, "measured": self.measured,
-                "ema": self.ema}
+        return {"grad_sq": self.grad_sq, "trace": self.trace, "measured": self.measured, "ema": self.ema}
 
     def load_state_dict(self, state: dict) -> None:
-        self.grad_sq, self.trace, self.weight = state["grad_sq"], state["trace"], state["weight"]
+        self.grad_sq, self.trace = state["grad_sq"], state["trace"]
         self.measured, self.ema = state["measured"], state["ema"]
 
 
