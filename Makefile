@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # The whole chain on a CPU in a few minutes, nothing downloaded: (1) probe the micro-batch of the built-in GPT
 # under a small declared memory, as if on a small GPU; (2) plan from it and run that plan; (3) a published paper
