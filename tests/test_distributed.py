@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,23 +9,12 @@ import pytest
 import torch
 import yaml
 
+from helpers import SGD, digits_recipe, lm_recipe, reproduce_run, run_plain
 from reproduce.data import build_data
 from reproduce.recipe import parse_recipe
 from reproduce.train.trainer import read_metrics
-from test_run import SGD, digits_recipe, lm_recipe, run_plain
 
 TESTS = Path(__file__).parent
-
-
-def reproduce_run(recipe: dict, tmp_path: Path, out: str, *args: str) -> subprocess.CompletedProcess:
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "reproduce", "run", str(path), "--out", str(tmp_path / out), "--device", "cpu",
-               *args]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
 
 
 def reproduce_run_here(recipe: dict, tmp_path: Path, out: str, *args: str) -> None:

@@ -21,12 +21,11 @@ import pytest
 import torch
 import yaml
 
+from helpers import ADAMW, LAMB_SPEC, LARS_SPEC, SGD, assert_same_weights, digits_recipe, run_plain
 from reproduce.data import build_data
 from reproduce.models import build_model
 from reproduce.recipe import parse_recipe
 from reproduce.train.trainer import read_metrics
-from test_large_batch import LAMB_SPEC, LARS_SPEC, run_plain_adaptive
-from test_run import ADAMW, SGD, assert_same_weights, digits_recipe, run_plain
 
 TESTS = Path(__file__).parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
@@ -140,7 +139,7 @@ def test_sharded_accumulation_equals_the_plain_large_batch_loop_float64(name, re
 @pytest.mark.parametrize("name, recipe", [("mlp-lars", MLP_LARS), ("mlp-lamb", MLP_LAMB)])
 def test_lars_and_lamb_on_sharded_parameters_equal_the_plain_large_batch_loop_float64(name, recipe, jobs):
     folder, _ = jobs
-    reference = run_plain_adaptive(recipe, data_of(recipe), steps=6)  # one process, whole tensors, batches of 64
+    reference = run_plain(recipe, data_of(recipe), steps=6)  # one process, whole tensors, batches of 64
     assert_same_weights(weights(folder / name), reference, rtol=1e-6, atol=1e-12)
     records = read_metrics(folder / name / "metrics.jsonl")
     assert len(records) == 6 and all(r["world_size"] == 2 and r["grad_syncs"] == 1 for r in records)

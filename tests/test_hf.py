@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
+from helpers import ADAMW, SGD, assert_same_weights, lm_recipe, run_accumulated, run_plain
 from reproduce.errors import UserError
 from reproduce.recipe import parse_recipe
-from test_run import ADAMW, SGD, assert_same_weights, lm_recipe, run_accumulated, run_plain
 
 NO_TRANSFORMERS = "transformers not installed (a dependency: pip install -e .)"
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import LAMB_SPEC, LARS_SPEC, assert_same_weights, digits_recipe, run_accumulated, run_plain
 from reproduce.data import build_data
 from reproduce.models import build_model
 from reproduce.planner import plan
@@ -20,7 +21,6 @@ from reproduce.recipe import parse_recipe
 from reproduce.train.large_batch import LAMB, LARS
 from reproduce.train.optim import build_optimizer, param_groups
 from reproduce.train.trainer import train
-from test_run import assert_same_weights, digits_recipe, run_accumulated
 
 TESTS = Path(__file__).parent
 
@@ -144,39 +144,12 @@ def test_no_decay_parameters_get_ratio_one_and_no_decay_even_without_weight_deca
         (1e-4, True, 0.01), (0.0, False, 0.01)]
 
 
-LARS_SPEC = {"name": "lars", "lr": 2.0, "momentum": 0.9, "weight_decay": 5e-4, "no_decay": ["bias"],
-             "trust_coefficient": 0.01}
-LAMB_SPEC = {"name": "lamb", "lr": 5e-3, "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.01,
-             "no_decay": ["bias"]}
-
-
-def run_plain_adaptive(recipe_data: dict, data: dict, steps: int) -> dict:
-    """A plain loop over whole batches of 64 with the same optimizer class and parameter groups."""
-    recipe = parse_recipe(recipe_data)
-    torch.manual_seed(recipe.seed)
-    model = build_model(recipe).to(torch.float64)
-    spec = recipe.optimizer
-    groups = param_groups(model, spec.weight_decay, list(spec.no_decay), layer_adaptation=True)
-    if spec.name == "lars":
-        optimizer = LARS(groups, lr=spec.lr, momentum=spec.momentum, trust_coefficient=spec.trust_coefficient)
-    else:
-        optimizer = LAMB(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps)
-    inputs, targets = data["train"].tensors
-    for step in range(steps):
-        batch = slice(step * 64, (step + 1) * 64)
-        loss = torch.nn.functional.cross_entropy(model(inputs[batch].double()), targets[batch])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model.state_dict()
-
-
 @pytest.mark.parametrize("spec", [LARS_SPEC, LAMB_SPEC], ids=["lars", "lamb"])
 def test_accumulation_equals_the_large_batch_float64(spec, tmp_path):
     recipe = digits_recipe(spec)
     the_plan, _, ours, data = run_accumulated(recipe, micro_batch=8, tmp_path=tmp_path)
     assert (the_plan.micro_batch, the_plan.accumulation_steps) == (8, 8)
-    reference = run_plain_adaptive(recipe, data, steps=6)
+    reference = run_plain(recipe, data, steps=6)
     assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
     torch.manual_seed(0)
     initial = build_model(parse_recipe(recipe)).state_dict()

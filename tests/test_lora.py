@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from helpers import run_plain
 from reproduce.data import build_data
-from reproduce.data.batches import fetch
 from reproduce.errors import UserError
 from reproduce.models import build_model, count_parameters
 from reproduce.planner import plan
@@ -38,25 +37,6 @@ GPT2_LORA = lora_recipe({"builtin": "gpt2-124m", "kwargs": TINY_GPT2,
                          "lora": {"r": 4, "alpha": 8, "target_modules": ["c_attn"]}})
 
 
-def plain_lora_run(recipe_data: dict, data: dict, steps: int) -> dict:
-    """A plain loop over whole effective batches of the same LoRA model: mean token loss, one backward, one step."""
-    recipe = parse_recipe(recipe_data)
-    torch.manual_seed(recipe.seed)
-    model = build_model(recipe, data["info"]).to(torch.float64)
-    spec = recipe.optimizer
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                  weight_decay=spec.weight_decay)
-    batch = recipe.batch.effective
-    for step in range(steps):
-        inputs, target = fetch(data["train"], torch.arange(step * batch, (step + 1) * batch))
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), target.flatten(), ignore_index=-100)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model.state_dict()
-
-
 def test_lora_accumulation_equals_the_large_batch_float64(tmp_path):
     """transformers' GPT-2 with peft's LoRA on c_attn, 4 x 4 accumulated against one batch of 16 sequences of
     different lengths: the same weights within 1e-6, the base weights untouched, the adapters moved."""
@@ -66,7 +46,7 @@ def test_lora_accumulation_equals_the_large_batch_float64(tmp_path):
     assert (the_plan.micro_batch, the_plan.accumulation_steps) == (4, 4)
     train(the_plan, tmp_path / "run", device="cpu", dtype=torch.float64, data=data)
     ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
-    reference = plain_lora_run(GPT2_LORA, data, steps=3)
+    reference = run_plain(GPT2_LORA, data, steps=3)
     assert ours.keys() == reference.keys()
     for name in ours:
         torch.testing.assert_close(ours[name], reference[name], rtol=1e-6, atol=1e-12,

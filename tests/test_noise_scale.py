@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import yaml
 from torch.func import functional_call, grad, vmap
 
+from helpers import SGD, digits_recipe, lm_recipe, reproduce_run
 from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.data.batches import LazyMicroBatch, fetch
@@ -27,7 +28,6 @@ from reproduce.train.setup import build
 from reproduce.train.step import optimizer_step
 from reproduce.train.trainer import read_metrics, train
 from reproduce.train.windows import window
-from test_run import SGD, digits_recipe, lm_recipe
 
 DIGITS = {  # the built-in MLP on the digits, 256 a step in micro-batches of 32
     "batch": {"effective": 256}, "task": "classification", "model": {"builtin": "mlp"},
@@ -302,8 +302,6 @@ def test_two_processes_measure_each_ranks_gradient_before_synchronisation(tmp_pa
     """DDP, 16 x 4 x 2: on each rank the first two micro-batches (no_sync) are one group measured from `.grad`, the
     third and the fourth (which synchronises) are measured by the hooks before their all-reduce; six groups from
     two ranks, summed over them. The record must be the formulas on those local gradients, computed here."""
-    from test_distributed import reproduce_run
-
     recipe_data = digits_recipe(SGD, effective=128, steps=1)  # no shuffling: rank r takes samples 64r .. 64r + 63
     reproduce_run(recipe_data, tmp_path, "two", "--micro-batch-max", "16", "--nproc-per-node", "2")
     record = read_metrics(tmp_path / "two" / "metrics.jsonl")[0]

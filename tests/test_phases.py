@@ -7,21 +7,19 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 import yaml
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from helpers import assert_same_weights, plain_loop
 from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.errors import UserError
-from reproduce.models import build_model
 from reproduce.phases import epoch_steps, lengths_to_steps, stream_window
 from reproduce.planfile import parse_plan, plan_to_yaml
 from reproduce.planner import lr_at, plan
 from reproduce.recipe import Length, parse_recipe
 from reproduce.train.trainer import read_metrics, train
-from test_run import assert_same_weights
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 
@@ -218,23 +216,16 @@ def digits(batch: dict, steps: int, shuffle=False, model=None) -> dict:
             "schedule": {"total": {"steps": steps}}}
 
 
-def plain_loop(recipe_data: dict, windows: list[tuple], datasets: dict) -> dict:
-    """Plain momentum SGD: for each step, one forward and backward over the step's whole batch, mean loss."""
-    recipe = parse_recipe(recipe_data)
-    torch.manual_seed(recipe.seed)
-    model = build_model(recipe, {"vocab_size": 256}).to(torch.float64)
-    optimizer = torch.optim.SGD(model.parameters(), lr=SGD["lr"], momentum=SGD["momentum"])
-    for length, start, size in windows:
-        dataset = datasets[length]
-        inputs, targets = (dataset.tensors[0][start:start + size], dataset.tensors[1][start:start + size]) if hasattr(
-            dataset, "tensors") else dataset.batch(torch.arange(start, start + size))
-        inputs = inputs.double() if inputs.is_floating_point() else inputs
-        output = model(inputs)
-        loss = F.cross_entropy(output.flatten(0, -2) if output.ndim > 2 else output, targets.flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model.state_dict()
+def plain_loop_over(recipe_data: dict, windows: list[tuple], datasets: dict) -> dict:
+    """The plain loop (tests/helpers.py) over each step's whole batch: (sequence length, first item, size) windows."""
+    def batches():
+        for length, start, size in windows:
+            dataset = datasets[length]
+            if hasattr(dataset, "tensors"):
+                yield dataset.tensors[0][start:start + size], dataset.tensors[1][start:start + size]
+            else:
+                yield dataset.batch(torch.arange(start, start + size))
+    return plain_loop(recipe_data, batches(), {"vocab_size": 256})
 
 
 def run(recipe_data: dict, micro: int, out, **kwargs):
@@ -257,7 +248,7 @@ def test_batch_phases_run_equals_a_plain_loop_over_the_same_batches_float64(tmp_
     windows = [(length, start, size) for (_, length), (_, start, size) in zip(
         batches, naive_stream(batches, {None: 1437}, 1, True), strict=True)]
     assert windows[3] == (None, 96, 128) and windows[5] == (None, 352, 64)
-    reference = plain_loop(recipe, windows, {None: data["train"]})
+    reference = plain_loop_over(recipe, windows, {None: data["train"]})
     assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
 
 
@@ -270,7 +261,7 @@ def test_ramp_run_equals_a_plain_loop_over_the_ramps_batches_float64(tmp_path):
     assert [r["samples"] for r in records] == expected
     assert [r["accumulation_steps"] for r in records] == [b // 16 for b in expected]
     starts = [sum(expected[:i]) for i in range(12)]
-    reference = plain_loop(recipe, [(None, s, b) for s, b in zip(starts, expected, strict=True)],
+    reference = plain_loop_over(recipe, [(None, s, b) for s, b in zip(starts, expected, strict=True)],
                            {None: data["train"]})
     assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
 
@@ -294,7 +285,7 @@ def test_sequence_length_phases_read_the_data_cut_at_each_length_float64(workers
         (16, 8, 128), (16, 8, 128), (32, 4, 128), (32, 4, 128)]
     cut = {16: data["train"].with_sequence_length(16), 32: data["train"]}
     windows = [(16, 0, 8), (16, 8, 8), (32, 0, 4), (32, 4, 4)]  # each length reads its own data from its start
-    reference = plain_loop(recipe, windows, cut)
+    reference = plain_loop_over(recipe, windows, cut)
     assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
 
 

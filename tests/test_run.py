@@ -8,87 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import ADAMW, SGD, assert_same_weights, digits_recipe, lm_recipe, run_accumulated, run_plain
 from reproduce.cli import main
 from reproduce.data import build_data
-from reproduce.data.batches import collate, fetch
+from reproduce.data.batches import collate
 from reproduce.errors import UserError
 from reproduce.models import build_model
 from reproduce.planner import plan
 from reproduce.recipe import parse_recipe
 from reproduce.train.trainer import read_metrics, train
-
-SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}
-ADAMW = {"name": "adamw", "lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}
-
-
-def digits_recipe(optimizer: dict, model: str = "mlp", effective: int = 64, steps: int = 6, **extra) -> dict:
-    return {
-        "batch": {"effective": effective},
-        "task": "classification",
-        "model": {"builtin": model, **({"norm_layers": ["batchnorm"]} if model == "cnn-bn" else {})},
-        "data": {"builtin": "digits", "shuffle": False, **extra.pop("data", {})},
-        "optimizer": optimizer,
-        "schedule": {"total": {"steps": steps}},
-        **extra,
-    }
-
-
-def lm_recipe(optimizer: dict, effective: int = 16, steps: int = 3) -> dict:
-    return {
-        "batch": {"effective": effective},
-        "task": "language-modeling",
-        "model": {"factory": "factories:tiny_gpt"},
-        "data": {"factory": "factories:variable_lm", "shuffle": False},
-        "optimizer": optimizer,
-        "schedule": {"total": {"steps": steps}},
-    }
-
-
-def run_accumulated(recipe_data: dict, micro_batch: int, tmp_path, dtype=torch.float64, **kwargs):
-    recipe = parse_recipe(recipe_data)
-    data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
-    assert the_plan.micro_batch == micro_batch and the_plan.accumulation_steps > 1
-    summary = train(the_plan, tmp_path / "run", device="cpu", dtype=dtype, data=data, **kwargs)
-    weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
-    return the_plan, summary, weights, data
-
-
-def run_plain(recipe_data: dict, data: dict, steps: int, dtype=torch.float64) -> dict:
-    """A plain PyTorch loop over whole effective batches: mean loss, one backward, the recipe's clipping, one step."""
-    recipe = parse_recipe(recipe_data)
-    torch.manual_seed(recipe.seed)
-    model = build_model(recipe, data.get("info")).to(dtype)
-    spec = recipe.optimizer
-    if spec.name == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum,
-                                    weight_decay=spec.weight_decay)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                      weight_decay=spec.weight_decay)
-    batch = recipe.batch.effective
-    for step in range(steps):
-        indices = torch.arange(step * batch, min((step + 1) * batch, len(data["train"])))
-        inputs, target = fetch(data["train"], indices)
-        inputs = inputs.to(dtype) if inputs.is_floating_point() else inputs
-        output = model(inputs)
-        if recipe.task == "language-modeling":
-            loss = F.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=-100)
-        else:
-            loss = F.cross_entropy(output, target)
-        optimizer.zero_grad()
-        loss.backward()
-        if recipe.clip_grad_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad_norm)
-        optimizer.step()
-    return model.state_dict()
-
-
-def assert_same_weights(ours: dict, reference: dict, rtol: float, atol: float) -> None:
-    assert ours.keys() == reference.keys()
-    for name in ours:
-        torch.testing.assert_close(ours[name], reference[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
-
 
 # workers: micro-batches fetched by DataLoader worker processes (0: in the training process)
 WITH_WORKERS = [pytest.param(SGD, 0, id="sgd-momentum"), pytest.param(ADAMW, 0, id="adamw"),

@@ -1,0 +1,140 @@
+"""Helpers shared by the test modules: the digits and language-model recipes, an accumulated run through
+`reproduce`'s own trainer, and the one plain large-batch reference loop every exactness test compares with.
+
+Test modules import from here (`from helpers import ...`), never from one another.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from reproduce.data import build_data
+from reproduce.data.batches import fetch
+from reproduce.models import build_model
+from reproduce.planner import plan
+from reproduce.recipe import parse_recipe
+from reproduce.train.large_batch import LAMB, LARS
+from reproduce.train.optim import param_groups
+from reproduce.train.trainer import train
+
+TESTS = Path(__file__).parent
+
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}
+ADAMW = {"name": "adamw", "lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}
+LARS_SPEC = {"name": "lars", "lr": 2.0, "momentum": 0.9, "weight_decay": 5e-4, "no_decay": ["bias"],
+             "trust_coefficient": 0.01}
+LAMB_SPEC = {"name": "lamb", "lr": 5e-3, "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.01,
+             "no_decay": ["bias"]}
+
+
+def digits_recipe(optimizer: dict, model: str = "mlp", effective: int = 64, steps: int = 6, **extra) -> dict:
+    """The built-in digits classification recipe (scikit-learn's real digits), unshuffled unless `data` says so."""
+    return {
+        "batch": {"effective": effective},
+        "task": "classification",
+        "model": {"builtin": model, **({"norm_layers": ["batchnorm"]} if model == "cnn-bn" else {})},
+        "data": {"builtin": "digits", "shuffle": False, **extra.pop("data", {})},
+        "optimizer": optimizer,
+        "schedule": {"total": {"steps": steps}},
+        **extra,
+    }
+
+
+def lm_recipe(optimizer: dict, effective: int = 16, steps: int = 3) -> dict:
+    """A tiny GPT on variable-length sequences (tests/factories.py), so the loss is normalised by tokens."""
+    return {
+        "batch": {"effective": effective},
+        "task": "language-modeling",
+        "model": {"factory": "factories:tiny_gpt"},
+        "data": {"factory": "factories:variable_lm", "shuffle": False},
+        "optimizer": optimizer,
+        "schedule": {"total": {"steps": steps}},
+    }
+
+
+def run_accumulated(recipe_data: dict, micro_batch: int, tmp_path, dtype=torch.float64, **kwargs):
+    """`reproduce`'s trainer on the recipe with micro-batches of `micro_batch` (more than one per step)."""
+    recipe = parse_recipe(recipe_data)
+    data = build_data(recipe)
+    the_plan = plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
+    assert the_plan.micro_batch == micro_batch and the_plan.accumulation_steps > 1
+    summary = train(the_plan, tmp_path / "run", device="cpu", dtype=dtype, data=data, **kwargs)
+    weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    return the_plan, summary, weights, data
+
+
+def plain_optimizer(recipe, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The recipe's optimizer built directly: torch's SGD / AdamW, or the LARS / LAMB classes with their groups.
+    Only the parameters that train (LoRA's adapters under `model.lora`) are given to it."""
+    spec = recipe.optimizer
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if spec.name == "sgd":
+        return torch.optim.SGD(trainable, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+    if spec.name == "adamw":
+        return torch.optim.AdamW(trainable, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    groups = param_groups(model, spec.weight_decay, list(spec.no_decay), layer_adaptation=True)
+    if spec.name == "lars":
+        return LARS(groups, lr=spec.lr, momentum=spec.momentum, trust_coefficient=spec.trust_coefficient)
+    if spec.name == "lamb":
+        return LAMB(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps)
+    raise ValueError(f"no plain reference for optimizer {spec.name}")
+
+
+def plain_loop(recipe_data: dict, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], info: dict | None = None,
+               dtype: torch.dtype = torch.float64) -> dict:
+    """The plain large-batch loop: for each optimizer step's whole batch, one forward, the mean cross-entropy over
+    its items (tokens for a language model, -100 ignored), one backward, the recipe's clipping, one step.
+    Returns the final state_dict."""
+    recipe = parse_recipe(recipe_data)
+    torch.manual_seed(recipe.seed)
+    model = build_model(recipe, info).to(dtype)
+    optimizer = plain_optimizer(recipe, model)
+    for inputs, target in batches:
+        inputs = inputs.to(dtype) if inputs.is_floating_point() else inputs
+        output = model(inputs)
+        loss = F.cross_entropy(output.flatten(0, -2) if output.ndim > 2 else output, target.flatten(),
+                               ignore_index=-100)
+        optimizer.zero_grad()
+        loss.backward()
+        if recipe.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad_norm)
+        optimizer.step()
+    return model.state_dict()
+
+
+def whole_batches(dataset, batch: int, steps: int):
+    """The dataset in order, `steps` consecutive batches of `batch` items (the last one partial if it runs out)."""
+    for step in range(steps):
+        yield fetch(dataset, torch.arange(step * batch, min((step + 1) * batch, len(dataset))))
+
+
+def run_plain(recipe_data: dict, data: dict, steps: int, dtype=torch.float64) -> dict:
+    """The plain loop over the recipe's effective batch, in the data's order."""
+    batch = parse_recipe(recipe_data).batch.effective
+    return plain_loop(recipe_data, whole_batches(data["train"], batch, steps), data.get("info"), dtype)
+
+
+def assert_same_weights(ours: dict, reference: dict, rtol: float, atol: float) -> None:
+    assert ours.keys() == reference.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], reference[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def reproduce_run(recipe: dict, tmp_path: Path, out: str, *args: str) -> subprocess.CompletedProcess:
+    """`reproduce run` in a subprocess (tests/ on its PYTHONPATH for the factories); it must exit 0."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "reproduce", "run", str(path), "--out", str(tmp_path / out), "--device", "cpu",
+               *args]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
