@@ -769,6 +769,7 @@ def _run_script(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 SUBPROCESS_CASES = {c.id: c for c in CASES}
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "case_id",
     ["malformed-yaml", "several-errors", "world-size-above-effective-batch", "policy-bogus", "missing-file"],
@@ -780,6 +781,7 @@ def test_bad_input_real_entry_point(case_id, tmp_path):
     check(case, result.returncode, result.stdout, result.stderr)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "make_out",
     [

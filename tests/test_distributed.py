@@ -38,6 +38,8 @@ def assert_close_weights(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-
         torch.testing.assert_close(a[name].float(), b[name].float(), rtol=rtol, atol=atol)
 
 
+@pytest.mark.distributed
+@pytest.mark.subprocess
 def test_two_processes_equal_one_process_with_twice_the_accumulation(tmp_path):
     """Each rank reads its own share through its own DataLoader worker; one process reads in-process."""
     recipe = digits_recipe(SGD, effective=128, steps=5, data={"shuffle": True})
@@ -52,6 +54,8 @@ def test_two_processes_equal_one_process_with_twice_the_accumulation(tmp_path):
     assert all(r["samples"] == 128 and r["world_size"] == 2 and r["accumulation_steps"] == 4 for r in records)
 
 
+@pytest.mark.distributed
+@pytest.mark.subprocess
 def test_token_normalisation_across_ranks_with_different_lengths(tmp_path):
     recipe = lm_recipe(SGD, effective=16, steps=3)
     reproduce_run(recipe, tmp_path, "two", "--micro-batch-max", "4", "--nproc-per-node", "2")
@@ -63,6 +67,8 @@ def test_token_normalisation_across_ranks_with_different_lengths(tmp_path):
     assert records[0]["tokens"] == records[0]["items"] > 16  # the global token count, not one rank's
 
 
+@pytest.mark.distributed
+@pytest.mark.subprocess
 def test_resume_on_another_world_size_rederives_accumulation(tmp_path):
     recipe = digits_recipe(SGD, effective=128, steps=6, data={"shuffle": True})
     reproduce_run(recipe, tmp_path, "moved", "--micro-batch-max", "16", "--nproc-per-node", "2", "--max-steps", "3")

@@ -54,6 +54,7 @@ def strip_comments(text: str) -> str:
     return "\n".join(line for line in text.splitlines() if not line.startswith("#"))
 
 
+@pytest.mark.subprocess
 def test_export_imports_no_torch():
     code = "import sys, reproduce.export, reproduce.builtin_names; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -73,6 +73,7 @@ def assert_bitwise(a: dict, b: dict) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.subprocess
 def test_sigkill_then_resume_gives_the_same_weights(tmp_path, uninterrupted):
     """With DataLoader workers (killed with the run), against the uninterrupted run without: the same weights."""
     recipe, out = write_recipe(tmp_path), tmp_path / "out"
@@ -90,6 +91,7 @@ def test_sigkill_then_resume_gives_the_same_weights(tmp_path, uninterrupted):
     assert [r["step"] for r in records] == list(range(1, 61)), f"killed at step {step}"
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_signal_finishes_the_step_checkpoints_and_says_how_to_resume(signum, code, tmp_path, uninterrupted):
     recipe, out = write_recipe(tmp_path), tmp_path / "out"
@@ -105,6 +107,7 @@ def test_signal_finishes_the_step_checkpoints_and_says_how_to_resume(signum, cod
         assert_bitwise(torch.load(out / "model.pt", weights_only=True), uninterrupted)
 
 
+@pytest.mark.subprocess
 def test_ctrl_c_to_the_process_group_with_workers_checkpoints_and_stops(tmp_path):
     """Ctrl-C reaches the DataLoader workers too: they leave it to the run, which finishes its step and stops."""
     recipe, out = write_recipe(tmp_path), tmp_path / "out"

@@ -119,6 +119,7 @@ def data_of(recipe: dict) -> dict:
     return build_data(parse_recipe(recipe))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name, recipe, steps", [("gpt", GPT_CLIPPED, 3), ("mlp", MLP_CLIPPED, 6)])
 def test_sharded_accumulation_equals_the_plain_large_batch_loop_float64(name, recipe, steps, jobs):
     folder, _ = jobs
@@ -136,6 +137,7 @@ def test_sharded_accumulation_equals_the_plain_large_batch_loop_float64(name, re
         assert records[0]["items"] == records[0]["tokens"] > 16  # the window's tokens summed over both ranks
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name, recipe", [("mlp-lars", MLP_LARS), ("mlp-lamb", MLP_LAMB)])
 def test_lars_and_lamb_on_sharded_parameters_equal_the_plain_large_batch_loop_float64(name, recipe, jobs):
     folder, _ = jobs
@@ -145,12 +147,14 @@ def test_lars_and_lamb_on_sharded_parameters_equal_the_plain_large_batch_loop_fl
     assert len(records) == 6 and all(r["world_size"] == 2 and r["grad_syncs"] == 1 for r in records)
 
 
+@pytest.mark.distributed
 def test_sharded_float32_within_float32_rounding(jobs):
     folder, _ = jobs
     reference = run_plain(MLP_CLIPPED, data_of(MLP_CLIPPED), steps=6, dtype=torch.float32)
     assert_same_weights(weights(folder / "mlp-fp32"), reference, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.distributed
 def test_mixed_precision_keeps_fp32_master_weights(jobs):
     folder, _ = jobs
     exact = run_plain(GPT_CLIPPED, data_of(GPT_CLIPPED), steps=3, dtype=torch.float32)
@@ -164,6 +168,7 @@ def test_mixed_precision_keeps_fp32_master_weights(jobs):
     assert 0 < moved < 2e-2  # bf16 compute: near the fp32 run's weights, not equal to them
 
 
+@pytest.mark.distributed
 def test_batchnorm_under_fsdp_keeps_rank_zeros_statistics_as_ddp_does(jobs):
     folder, _ = jobs
     sharded, replicated = weights(folder / "bn-fsdp"), weights(folder / "bn-ddp")
@@ -171,6 +176,7 @@ def test_batchnorm_under_fsdp_keeps_rank_zeros_statistics_as_ddp_does(jobs):
     assert_same_weights(sharded, replicated, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.distributed
 def test_model_pt_is_the_whole_model_for_a_fresh_unsharded_one(jobs):
     folder, _ = jobs
     state = weights(folder / "gpt")
@@ -183,6 +189,7 @@ def test_model_pt_is_the_whole_model_for_a_fresh_unsharded_one(jobs):
     assert sorted(f.name for f in sharded[0].iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
+@pytest.mark.distributed
 def test_out_of_memory_under_ddp_agreed_by_all_ranks_halves_the_micro_batch(jobs):
     folder, results = jobs
     measured = results[1]
@@ -198,6 +205,7 @@ def test_out_of_memory_under_ddp_agreed_by_all_ranks_halves_the_micro_batch(jobs
     assert_same_weights(weights(folder / "ddp-oom"), weights(folder / "ddp-64"), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.distributed
 def test_out_of_memory_under_fsdp_stops_every_rank_with_a_message(jobs):
     folder, results = jobs
     alone, other = results[1]["fsdp-oom"]["stopped"], results[0]["fsdp-oom"]["stopped"]
@@ -232,6 +240,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.distributed
 def test_resume_gives_the_uninterrupted_runs_weights_bitwise(jobs):
     folder, _ = jobs
     reference, resumed = weights(folder / "killed-reference"), weights(folder / "resumed")
@@ -239,6 +248,8 @@ def test_resume_gives_the_uninterrupted_runs_weights_bitwise(jobs):
     assert [r["step"] for r in read_metrics(folder / "resumed" / "metrics.jsonl")] == list(range(1, 17))
 
 
+@pytest.mark.distributed
+@pytest.mark.subprocess
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
 def test_sigkill_then_resume_on_three_processes_gives_the_same_weights(jobs, tmp_path):
     """Killed with SIGKILL (launcher, torchrun and both ranks at once, as a lost machine), then resumed through the

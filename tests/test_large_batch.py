@@ -180,6 +180,8 @@ def unsharded_reference() -> dict:
     return run_steps(mesh=None)
 
 
+@pytest.mark.distributed
+@pytest.mark.subprocess
 def test_dtensor_shards_over_two_processes_give_the_unsharded_update(tmp_path):
     """Each rank holds half of every tensor (an uneven half for the 5-element bias); the trust ratios come from the
     whole tensors' norms, so both optimizers match one process holding everything, in float64."""

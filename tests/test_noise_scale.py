@@ -298,6 +298,8 @@ def test_the_formulas_recover_what_they_estimate():
     assert estimates(paper(16), paper(256), 16, 256) == pytest.approx((grad_sq, trace), rel=1e-12)
 
 
+@pytest.mark.distributed
+@pytest.mark.subprocess
 def test_two_processes_measure_each_ranks_gradient_before_synchronisation(tmp_path):
     """DDP, 16 x 4 x 2: on each rank the first two micro-batches (no_sync) are one group measured from `.grad`, the
     third and the fourth (which synchronises) are measured by the hooks before their all-reduce; six groups from

@@ -31,6 +31,7 @@ def test_builtin_names_equal_the_registries():
     assert set(builtin_names.DATA) == set(DATA)
 
 
+@pytest.mark.subprocess
 def test_papers_command_imports_no_torch():
     code = "import sys; from reproduce.cli import papers; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

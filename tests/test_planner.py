@@ -14,6 +14,7 @@ from reproduce.errors import UserError
 from reproduce.planner import lr_at, plan
 
 
+@pytest.mark.subprocess
 def test_planner_imports_no_torch():
     import subprocess
 

@@ -55,6 +55,7 @@ def bound(cap: int) -> int:
     return 2 * math.ceil(math.log2(cap + 1)) + MAX_GUIDED + 3
 
 
+@pytest.mark.subprocess
 def test_search_imports_no_torch():
     code = (
         "import sys, reproduce.probe.search, reproduce.probe.catalog, reproduce.probe.cache, "

@@ -121,6 +121,7 @@ def test_bad_arguments():
     assert smallest_world_size(step, Blocks(root=1), limit_bytes=0, compute_bytes=2) is None
 
 
+@pytest.mark.subprocess
 def test_the_arithmetic_against_what_fsdp2_allocates(tmp_path):
     """FSDP2 itself (fully_shard per block, bf16 mixed precision, AdamW) on one rank of a fake process group of 4
     ranks, tensors counted; the estimate from the unsharded step must be at or a little above it (on a model this
