@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_DIR ?= runs/demo
 
-.PHONY: setup test lint demo check bench clean
+.PHONY: setup test lint demo check docs-check bench clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,11 @@ demo: $(STAMP)
 # The reproduction checks in reproduce/ (plans, gradient equivalence, trained metrics, Goyal et al. in miniature).
 check: $(STAMP)
 	$(BIN)/reproduce check reproduce/ --junit runs/check/junit.xml --summary runs/check/summary.md
+
+# Every `reproduce` command shown in README.md and docs/ run for real, its exit code against the docs' (minutes:
+# full-size paper estimates among them); `make test` checks the same commands' options and files without running them.
+docs-check: $(STAMP)
+	$(BIN)/python tests/docs_commands.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

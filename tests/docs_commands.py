@@ -1,0 +1,97 @@
+"""The `reproduce` commands shown in README.md and docs/*.md, so that none goes stale.
+
+`tests/test_docs.py` checks each one against the CLI without running it (the command and every option exist,
+files it reads are in the repository); `make docs-check` runs them all for real from the repository root and
+compares each exit code with the one the docs show (`exit code N` in a comment, an `error:` line for 2, a
+"does not fit" report for 3, else 0):
+
+    python tests/docs_commands.py            # every command, minutes (full-size paper estimates among them)
+    python tests/docs_commands.py plan.md    # the commands of the files whose names contain plan.md
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@dataclass
+class DocCommand:
+    file: Path
+    line: int
+    argv: list[str]  # after `reproduce`
+    expected_exit: int
+
+    def __str__(self) -> str:
+        return f"{self.file.relative_to(ROOT)}:{self.line}: reproduce {shlex.join(self.argv)}"
+
+
+def _expected_exit(comment: str, output: list[str]) -> int:
+    stated = re.search(r"exit(?: code)? (\d+)", comment)
+    if stated:
+        return int(stated.group(1))
+    if any(line.startswith("error: ") for line in output):
+        return 2
+    if any("does not fit" in line and "exit" in line for line in output):
+        return 3
+    return 0
+
+
+def doc_commands(files: list[Path] = DOCS) -> list[DocCommand]:
+    """Every `$ reproduce ...` (or `$ python -m reproduce ...`) line inside a fenced block, with its
+    continuation lines, and the output lines shown under it up to the next command or the block's end."""
+    found = []
+    for path in files:
+        lines = path.read_text().splitlines()
+        fenced, index = False, 0
+        while index < len(lines):
+            line = lines[index]
+            if line.startswith("```"):
+                fenced = not fenced
+            match = re.match(r"^\$ (?:python -m )?reproduce (.*)$", line) if fenced else None
+            if not match:
+                index += 1
+                continue
+            start, text = index + 1, match.group(1)
+            while text.endswith("\\") and index + 1 < len(lines):
+                index += 1
+                text = text[:-1] + " " + lines[index].strip()
+            command, _, comment = text.partition(" #")
+            output = []
+            index += 1
+            while index < len(lines) and not lines[index].startswith(("```", "$ ")):
+                output.append(lines[index])
+                index += 1
+            found.append(DocCommand(path, start, shlex.split(command), _expected_exit(comment, output)))
+    return found
+
+
+def run_all(commands: list[DocCommand]) -> int:
+    """Runs each command from the repository root; prints one line each; returns the number that differ."""
+    failures = 0
+    for command in commands:
+        started = time.perf_counter()
+        result = subprocess.run([sys.executable, "-m", "reproduce", *command.argv], cwd=ROOT, capture_output=True,
+                                text=True, timeout=1200)
+        ok = result.returncode == command.expected_exit
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} exit {result.returncode} (docs: {command.expected_exit}) "
+              f"{time.perf_counter() - started:6.1f} s  {command}", flush=True)
+        if not ok:
+            print("     " + "\n     ".join((result.stdout + result.stderr).strip().splitlines()[-8:]))
+    return failures
+
+
+if __name__ == "__main__":
+    chosen = [c for c in doc_commands() if not sys.argv[1:] or any(a in str(c.file) for a in sys.argv[1:])]
+    failed = run_all(chosen)
+    print(f"{len(chosen) - failed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
