@@ -6,14 +6,13 @@ in the file, one line each: `papers/x.yaml: batch.effective: must be > 0 (got -3
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import UserError
+from .validation import format_validation_errors, read_yaml
 
 OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lamb", "lars", "adafactor")
 SGD_FAMILY = ("sgd", "nesterov", "lars")
@@ -572,46 +571,7 @@ def phase_recipe(recipe: Recipe, sequences: int, sequence_length: int | None) ->
     return recipe.model_copy(update={"batch": fixed})
 
 
-# ---- reading a file -------------------------------------------------------------------------------------
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that refuses a key given twice in one mapping (YAML would keep the last silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def read_yaml(path: str | Path, what: str = "recipe") -> dict:
-    """A mapping from a YAML file, read with `yaml.safe_load` only; errors name the line and column."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: no such {what} file" if not path.exists() else f"{path}: is not a file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: cannot read: {exc}") from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # SafeLoader: plain data only, never Python objects
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise UserError(f"{path}: YAML syntax error at {where}{exc.problem or exc}") from None
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path}: YAML syntax error: {exc}") from None
-    if data is None:
-        raise UserError(f"{path}: the file is empty; expected a {what}")
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping of {what} fields at the top level (got {type(data).__name__})")
-    return data
+# ---- reading a file (YAML reading and error formatting: validation.py) -------------------------------
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -626,88 +586,6 @@ def parse_recipe(data: dict, source: str = "<recipe>") -> Recipe:
         return Recipe.model_validate(data)
     except ValidationError as exc:
         raise UserError(*format_validation_errors(exc, source, Recipe)) from None
-
-
-def format_validation_errors(exc: ValidationError, source: str, root: type[BaseModel]) -> list[str]:
-    """One line per problem: `source: dotted.path: message (got value)`."""
-    lines = []
-    for error in exc.errors(include_url=False):
-        loc = [str(part) for part in error["loc"] if not _is_union_tag(part)]
-        message = _message(error, root)
-        head = message.split(":", 1)[0]
-        if ":" in message and head.split(".")[0] in _field_names_at(root, loc) and " " not in head:
-            # a cross-field check already names its (dotted) field: attach it to the path
-            loc = [*loc, *head.split(".")]
-            message = message.split(":", 1)[1].strip()
-        path = ".".join(loc) or "(top level)"
-        line = f"{source}: {path}: {message}"
-        if line not in lines:
-            lines.append(line)
-    return lines
-
-
-def _is_union_tag(part: Any) -> bool:
-    # pydantic adds the member type's name to the location of errors inside unions and literals
-    return isinstance(part, str) and ("[" in part or part in ("list", "tuple", "dict", "int", "float", "str"))
-
-
-def _message(error: dict, root: type[BaseModel]) -> str:
-    kind, ctx, got = error["type"], error.get("ctx", {}), error.get("input")
-    loc = [str(part) for part in error["loc"] if not _is_union_tag(part)]
-    if kind == "extra_forbidden":
-        known = _field_names_at(root, loc[:-1])
-        close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})" if known else ""
-        return f"unknown key{hint}"
-    if kind == "missing":
-        return "required field is missing"
-    if kind == "value_error":
-        return str(ctx.get("error", error["msg"]))
-    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        op = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}[kind]
-        bound = next(iter(ctx.values()))
-        return f"must be {op} {bound} (got {got!r})"
-    if kind == "literal_error":
-        return f"expected one of {ctx.get('expected', '')} (got {got!r})"
-    if kind == "string_pattern_mismatch":
-        return f"expected 'package.module:function' (got {got!r})"
-    if kind == "too_short":
-        least = ctx.get("min_length", 1)
-        return f"expected at least {least} item{'s' if least != 1 else ''} (got {got!r})"
-    if kind == "int_from_float":
-        return f"expected an integer (got {got!r})"
-    if kind.endswith("_type") or kind.endswith("_parsing") or kind == "model_type":
-        expected = {
-            "int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
-            "list": "a list", "dict": "a mapping", "model": "a mapping", "tuple": "a list of two numbers",
-            "model_attributes": "a mapping",
-        }.get(kind.rsplit("_", 1)[0], kind.replace("_", " "))
-        return f"expected {expected} (got {got!r})"
-    return f"{error['msg']} (got {got!r})"
-
-
-def _field_names_at(root: type[BaseModel], loc: list[str]) -> list[str]:
-    """The field names of the model found by following `loc` from `root` (empty when it leads elsewhere)."""
-    model: Any = root
-    for part in loc:
-        if part.isdigit():  # an item of a list: the list's model, already found
-            continue
-        fields = getattr(model, "model_fields", None)
-        if fields is None or part not in fields:
-            return []
-        model = _model_in(fields[part].annotation)
-    fields = getattr(model, "model_fields", None)
-    return list(fields) if fields else []
-
-
-def _model_in(annotation: Any) -> Any:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
 
 
 def with_data_paths(recipe: Recipe, path: str | None, eval_path: str | None, source: str = "<recipe>") -> Recipe:

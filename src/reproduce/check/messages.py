@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from ..recipe import _is_union_tag, _message
+from ..validation import error_message, is_union_tag, unknown_key
 from .schema import KINDS, CheckFile, _Check
 
 
@@ -15,7 +15,7 @@ def format_errors(exc: ValidationError, source: str, root: type[BaseModel] = Che
     """recipe.format_validation_errors' style for check files: `file: checks[1].min: must be ... (got ...)`."""
     lines = []
     for error in exc.errors(include_url=False):
-        loc = [part for part in error["loc"] if not (isinstance(part, str) and _is_union_tag(part))]
+        loc = [part for part in error["loc"] if not (isinstance(part, str) and is_union_tag(part))]
         kind = error["type"]
         if kind == "union_tag_not_found":
             loc, message = [*loc, "kind"], f"required: one of {', '.join(KINDS)}"
@@ -25,12 +25,9 @@ def format_errors(exc: ValidationError, source: str, root: type[BaseModel] = Che
             hint = f"; did you mean {close[0]!r}?" if close else ""
             loc, message = [*loc, "kind"], f"expected one of {', '.join(KINDS)} (got {tag!r}{hint})"
         elif kind == "extra_forbidden":
-            known = _fields_at(root, loc[:-1])
-            close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})" if known else ""
-            message = f"unknown key{hint}"
+            message = unknown_key(str(loc[-1]), _fields_at(root, loc[:-1]))
         else:
-            message = _message(error, root)
+            message = error_message(error, root)
             head = message.split(":", 1)[0]
             if ":" in message and " " not in head and head in _fields_at(root, loc):
                 loc, message = [*loc, head], message.split(":", 1)[1].strip()

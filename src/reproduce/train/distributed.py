@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..launch import torchrun_command  # noqa: F401  (what `reproduce run --nproc-per-node` launches)
+
 
 @dataclass(frozen=True)
 class World:
@@ -122,12 +124,3 @@ class SyncCounter:
     def take(self) -> int:
         rounds, self.rounds = self.rounds, 0
         return rounds
-
-
-def torchrun_command(
-    run_args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None
-) -> list[str]:
-    """The `python -m torch.distributed.run ... -m reproduce run ...` command line for these launcher options."""
-    from ..export import torchrun_command as command  # the pure builder `reproduce plan --emit torchrun` uses
-
-    return command(run_args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)

@@ -1,0 +1,143 @@
+"""Reading YAML files strictly and turning pydantic's validation errors into one line per problem.
+
+Shared by the recipe, the plan file and the check files; no torch. A line reads
+`papers/x.yaml: batch.effective: must be > 0 (got -3)`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from .errors import UserError
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str | Path, what: str = "recipe") -> dict:
+    """A mapping from a YAML file, read with `yaml.safe_load` only; errors name the line and column."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such {what} file" if not path.exists() else f"{path}: is not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read: {exc}") from None
+    try:
+        data = yaml.load(text, Loader=UniqueKeyLoader)  # SafeLoader: plain data only, never Python objects
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise UserError(f"{path}: YAML syntax error at {where}{exc.problem or exc}") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: YAML syntax error: {exc}") from None
+    if data is None:
+        raise UserError(f"{path}: the file is empty; expected a {what}")
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of {what} fields at the top level (got {type(data).__name__})")
+    return data
+
+
+def unknown_key(key: str, known: list[str]) -> str:
+    """"unknown key" with the closest known field name, or the list of known ones."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})" if known else ""
+    return f"unknown key{hint}"
+
+
+def format_validation_errors(exc: ValidationError, source: str, root: type[BaseModel]) -> list[str]:
+    """One line per problem: `source: dotted.path: message (got value)`."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        loc = [str(part) for part in error["loc"] if not is_union_tag(part)]
+        message = error_message(error, root)
+        head = message.split(":", 1)[0]
+        if ":" in message and head.split(".")[0] in field_names_at(root, loc) and " " not in head:
+            # a cross-field check already names its (dotted) field: attach it to the path
+            loc = [*loc, *head.split(".")]
+            message = message.split(":", 1)[1].strip()
+        path = ".".join(loc) or "(top level)"
+        line = f"{source}: {path}: {message}"
+        if line not in lines:
+            lines.append(line)
+    return lines
+
+
+def is_union_tag(part: Any) -> bool:
+    """Whether a location part is the member-type name pydantic adds inside unions and literals."""
+    # pydantic adds the member type's name to the location of errors inside unions and literals
+    return isinstance(part, str) and ("[" in part or part in ("list", "tuple", "dict", "int", "float", "str"))
+
+
+def error_message(error: dict, root: type[BaseModel]) -> str:
+    """The message of one pydantic error, in the words a recipe's author reads (without the path)."""
+    kind, ctx, got = error["type"], error.get("ctx", {}), error.get("input")
+    loc = [str(part) for part in error["loc"] if not is_union_tag(part)]
+    if kind == "extra_forbidden":
+        return unknown_key(loc[-1], field_names_at(root, loc[:-1]))
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "value_error":
+        return str(ctx.get("error", error["msg"]))
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        op = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}[kind]
+        bound = next(iter(ctx.values()))
+        return f"must be {op} {bound} (got {got!r})"
+    if kind == "literal_error":
+        return f"expected one of {ctx.get('expected', '')} (got {got!r})"
+    if kind == "string_pattern_mismatch":
+        return f"expected 'package.module:function' (got {got!r})"
+    if kind == "too_short":
+        least = ctx.get("min_length", 1)
+        return f"expected at least {least} item{'s' if least != 1 else ''} (got {got!r})"
+    if kind == "int_from_float":
+        return f"expected an integer (got {got!r})"
+    if kind.endswith("_type") or kind.endswith("_parsing") or kind == "model_type":
+        expected = {
+            "int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
+            "list": "a list", "dict": "a mapping", "model": "a mapping", "tuple": "a list of two numbers",
+            "model_attributes": "a mapping",
+        }.get(kind.rsplit("_", 1)[0], kind.replace("_", " "))
+        return f"expected {expected} (got {got!r})"
+    return f"{error['msg']} (got {got!r})"
+
+
+def field_names_at(root: type[BaseModel], loc: list[str]) -> list[str]:
+    """The field names of the model found by following `loc` from `root` (empty when it leads elsewhere)."""
+    model: Any = root
+    for part in loc:
+        if part.isdigit():  # an item of a list: the list's model, already found
+            continue
+        fields = getattr(model, "model_fields", None)
+        if fields is None or part not in fields:
+            return []
+        model = model_in(fields[part].annotation)
+    fields = getattr(model, "model_fields", None)
+    return list(fields) if fields else []
+
+
+def model_in(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = model_in(arg)
+        if found is not None:
+            return found
+    return None
