@@ -15,6 +15,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +28,13 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 class DocCommand:
     file: Path
     line: int
-    argv: list[str]  # after `reproduce`
+    argv: list[str]  # after `reproduce` (or after `python -m` for a helper module such as reproduce.data.samples)
     expected_exit: int
+    module: str = "reproduce"
 
     def __str__(self) -> str:
-        return f"{self.file.relative_to(ROOT)}:{self.line}: reproduce {shlex.join(self.argv)}"
+        shown = "reproduce" if self.module == "reproduce" else f"python -m {self.module}"
+        return f"{self.file.relative_to(ROOT)}:{self.line}: {shown} {shlex.join(self.argv)}"
 
 
 def _expected_exit(comment: str, output: list[str]) -> int:
@@ -46,7 +49,7 @@ def _expected_exit(comment: str, output: list[str]) -> int:
 
 
 def doc_commands(files: list[Path] = DOCS) -> list[DocCommand]:
-    """Every `$ reproduce ...` (or `$ python -m reproduce ...`) line inside a fenced block, with its
+    """Every `$ reproduce ...` (or `$ python -m reproduce[.module] ...`) line inside a fenced block, with its
     continuation lines, and the output lines shown under it up to the next command or the block's end."""
     found = []
     for path in files:
@@ -56,11 +59,11 @@ def doc_commands(files: list[Path] = DOCS) -> list[DocCommand]:
             line = lines[index]
             if line.startswith("```"):
                 fenced = not fenced
-            match = re.match(r"^\$ (?:python -m )?reproduce (.*)$", line) if fenced else None
+            match = re.match(r"^\$ (?:python -m )?(reproduce(?:\.[\w.]+)?) (.*)$", line) if fenced else None
             if not match:
                 index += 1
                 continue
-            start, text = index + 1, match.group(1)
+            start, module, text = index + 1, match.group(1), match.group(2)
             while text.endswith("\\") and index + 1 < len(lines):
                 index += 1
                 text = text[:-1] + " " + lines[index].strip()
@@ -70,16 +73,21 @@ def doc_commands(files: list[Path] = DOCS) -> list[DocCommand]:
             while index < len(lines) and not lines[index].startswith(("```", "$ ")):
                 output.append(lines[index])
                 index += 1
-            found.append(DocCommand(path, start, shlex.split(command), _expected_exit(comment, output)))
+            found.append(DocCommand(path, start, shlex.split(command), _expected_exit(comment, output), module))
     return found
 
 
 def run_all(commands: list[DocCommand]) -> int:
-    """Runs each command from the repository root; prints one line each; returns the number that differ."""
+    """Runs each command, in order, in a fresh folder that holds the repository's papers/ and reproduce/ (so
+    `--out runs/...` starts empty and nothing in the checkout is touched); prints one line each; returns the
+    number whose exit code differs from the docs'."""
     failures = 0
+    work = Path(tempfile.mkdtemp(prefix="docs-check-"))
+    for folder in ("papers", "reproduce"):
+        (work / folder).symlink_to(ROOT / folder)
     for command in commands:
         started = time.perf_counter()
-        result = subprocess.run([sys.executable, "-m", "reproduce", *command.argv], cwd=ROOT, capture_output=True,
+        result = subprocess.run([sys.executable, "-m", command.module, *command.argv], cwd=work, capture_output=True,
                                 text=True, timeout=1200)
         ok = result.returncode == command.expected_exit
         failures += not ok
