@@ -4,7 +4,7 @@
     python bench/fsdp_check.py --ranks 2 4     # fewer cases
 
 The estimate meter never runs FSDP: it measures the unsharded step on fake tensors and computes one rank's
-peak (probe/sharding.py). Here the same step runs under `torch.distributed.fsdp.fully_shard` (per block, then
+peak (probe/sharded_memory.py). Here the same step runs under `torch.distributed.fsdp.fully_shard` (per block, then
 the root; `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` and no autocast, as `reproduce run`
 shards; AdamW foreach; clipping) on real CPU tensors of rank 0 of a *fake* process group of W ranks (PyTorch's
 `torch.testing._internal.distributed.fake_pg`: collectives that move no data, so one process allocates
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from reproduce.models import build_model  # noqa: E402
 from reproduce.probe.fake_step import block_sizes, run_fake_step  # noqa: E402
-from reproduce.probe.sharding import Blocks, mixed_precision_step, sharded_peak  # noqa: E402
+from reproduce.probe.sharded_memory import Blocks, mixed_precision_step, sharded_peak  # noqa: E402
 from reproduce.probe.tracker import MemoryTracker, rounded  # noqa: E402
 from reproduce.probe.workload import Workload  # noqa: E402
 from reproduce.recipe import parse_recipe  # noqa: E402

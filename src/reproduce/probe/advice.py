@@ -33,7 +33,7 @@ from ..recipe import Recipe, parse_recipe
 from ..units import format_size
 from .fake_step import block_sizes, run_fake_step
 from .gpu_like import GpuKind
-from .sharding import Blocks, StepMemory, sharded_peak, smallest_world_size, unsharded_floor
+from .sharded_memory import Blocks, StepMemory, sharded_peak, smallest_world_size, unsharded_floor
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.05}  # a common starting point (peft's examples)
 CATEGORY_NAMES = {

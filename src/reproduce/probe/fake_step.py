@@ -32,7 +32,7 @@ from ..planner import Plan
 from ..train.losses import build_loss
 from ..train.optim import build_optimizer
 from .gpu_like import GpuKind, as_on_gpu
-from .sharding import StepMemory
+from .sharded_memory import StepMemory
 from .tracker import ACTIVATIONS, GRADIENTS, OPTIMIZER, WEIGHT_COPIES, WEIGHTS, MemoryTracker, rounded
 
 STEP = "optimizer step"  # the phase (and category) of clipping and the optimizer's own temporaries

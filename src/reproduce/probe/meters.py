@@ -29,7 +29,7 @@ recipe's or ours, and is raised), then everything it allocated is freed before t
   architecture), kernels' internal workspaces and the allocator's 2 MiB/20 MiB segments and
   fragmentation: a margin of `ESTIMATE_MARGIN` (5%) of the peak plus the workspaces is added to every
   estimate. fp16's GradScaler is left out (its state is a few scalars). With `sharding="fsdp"` one rank's
-  peak is computed from the measured parts (probe/sharding.py). `bench/gpu_check.py` prints the estimate
+  peak is computed from the measured parts (probe/sharded_memory.py). `bench/gpu_check.py` prints the estimate
   beside the measured peak on a real card.
 """
 
@@ -54,7 +54,7 @@ from .catalog import DEFAULT_CAPABILITY, Gpu, MiB
 from .fake_step import block_sizes, materialize, run_fake_step  # noqa: F401  (materialize: this module's interface)
 from .gpu_like import GpuKind
 from .search import Measurement
-from .sharding import Blocks, mixed_precision_step, sharded_peak
+from .sharded_memory import Blocks, mixed_precision_step, sharded_peak
 from .tracker import MemoryTracker
 from .workload import Workload
 

@@ -6,7 +6,7 @@ trial's peak must stay under is the budget less the headroom (10% by default). T
 the per-rank effective batch: each of W processes never needs more than ceil(batch / W) at once.
 
 The recipe's `batch.sharding` (or `--sharding`, which the CLI writes into the recipe) decides what each
-process holds: `fsdp` over W > 1 processes is counted by the estimate meter (probe/sharding.py); with one
+process holds: `fsdp` over W > 1 processes is counted by the estimate meter (probe/sharded_memory.py); with one
 process there is nothing to shard over, and the step is probed whole. When not even micro-batch 1 fits,
 `result.does_not_fit` says what that step needs and what would make it fit (probe/advice.py).
 """

@@ -1,4 +1,4 @@
-"""The sharding arithmetic (probe/sharding.py): pure functions, checked by their properties and by hand counts."""
+"""The sharding arithmetic (probe/sharded_memory.py): pure functions, checked by their properties and by hand counts."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reproduce.probe.sharding import (
+from reproduce.probe.sharded_memory import (
     Blocks,
     StepMemory,
     gathered_bytes,
