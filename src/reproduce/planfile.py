@@ -146,7 +146,13 @@ def phase_problems(plan: Plan) -> list[str]:
             problems.append(f"{where}: micro_batch, accumulation_steps and effective_batch must be >= 1")
             continue
         product = phase.micro_batch * phase.accumulation_steps * plan.world_size
-        if product != phase.effective_batch:
+        if phase.kind == "ramp":  # a ramp step's last micro-batch may be smaller (phases.py)
+            share, remainder = divmod(phase.effective_batch, plan.world_size)
+            if remainder or phase.accumulation_steps != -(-share // phase.micro_batch):
+                problems.append(f"{where}.accumulation_steps: a ramp step of {phase.effective_batch} over "
+                                f"{plan.world_size} process(es) in micro-batches of {phase.micro_batch} takes "
+                                f"{-(-share // phase.micro_batch)} (got {phase.accumulation_steps})")
+        elif product != phase.effective_batch:
             shown = f"{phase.micro_batch} x {phase.accumulation_steps} x {plan.world_size}"
             problems.append(f"{where}.effective_batch: micro_batch x accumulation_steps x world_size = {shown} = "
                             f"{product}, not {phase.effective_batch}")
