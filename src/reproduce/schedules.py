@@ -121,9 +121,10 @@ def first_own_schedule_step(recipe: Recipe, phases: list[PlanPhase]) -> int | No
     return None
 
 
-def attach_phase_schedules(recipe: Recipe, phases: list[PlanPhase], total: int | None,
-                           warnings: list[str]) -> list[PlanPhase]:
-    """`phases` with each phase's own schedule (`batch.phases[i].lr / warmup / decay`) planned into its steps."""
+def attach_phase_schedules(recipe: Recipe, phases: list[PlanPhase], total: int | None, warnings: list[str],
+                           source: str | None = None) -> list[PlanPhase]:
+    """`phases` with each phase's own schedule (`batch.phases[i].lr / warmup / decay`) planned into its steps;
+    errors name `source` (the recipe's file)."""
     specs = recipe.batch.phases or []
     if not any(spec.has_schedule for spec in specs):
         return phases
@@ -134,7 +135,7 @@ def attach_phase_schedules(recipe: Recipe, phases: list[PlanPhase], total: int |
     for index, (spec, phase) in enumerate(zip(specs, phases, strict=True)):
         if not spec.has_schedule:
             continue
-        what = f"batch.phases[{index}]"
+        what = f"{source}: batch.phases[{index}]" if source else f"batch.phases[{index}]"
         later = [start for start in starts if start > phase.start_step]
         end = later[0] if later else total
         if end is None:
