@@ -339,6 +339,6 @@ def test_bad_schedules_are_one_line_exit_2_and_nothing_written(name, edit, messa
 def test_exports_say_where_a_phase_restarts_and_never_invent_a_plateau_shape(capsys):
     assert cli(["plan", "papers/you2019-lamb-bert-large.yaml", "--micro-batch-max", "64", "--emit", "torchrun"]) == 0
     assert "batch.phases[1] restarts the LR schedule at step 7039" in capsys.readouterr().out
-    assert cli(["plan", "papers/he2016-resnet50.yaml", "--micro-batch-max", "32", "--emit", "torchrun"]) == 0
+    assert cli(["plan", "papers/he2016-resnet50.yaml", "--micro-batch-max", "32", "--emit", "lightning"]) == 0
     emitted = capsys.readouterr().out
     assert "return 1.0  # then x factor where ReduceLROnPlateau decides" in emitted and "progress" not in emitted
