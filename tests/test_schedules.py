@@ -117,6 +117,10 @@ def test_a_phase_with_its_own_schedule_restarts_the_lr():
     # the plan file keeps it, and a plan file written before phases had schedules still loads
     again = parse_plan(yaml.safe_load(plan_to_yaml(p)), "plan.yaml")
     assert again.phases[1].schedule == own
+    edited = yaml.safe_load(plan_to_yaml(p))
+    edited["phases"][1]["schedule"] = None
+    with pytest.raises(UserError, match="phases\\[1\\].schedule: the recipe's phase has its own lr / warmup / decay"):
+        parse_plan(edited, "plan.yaml")
     old = yaml.safe_load(plan_to_yaml(plan(parse_recipe(digits({"effective": 64, "phases": [
         {"steps": 4, "effective": 32}, {"effective": 64}]}, 9)), 16, dataset_size=1437)))
     for phase in old["phases"]:

@@ -192,8 +192,15 @@ def phase_problems(plan: Plan) -> list[str]:
         got = [(p.paper_effective_batch, p.sequence_length) for p in phases]
         if kinds != ["phase"] * len(batch.phases) or got != wanted:
             problems.append(f"phases: the recipe's phases are {wanted} (batch, sequence length); the plan has {got}")
+        problems.extend(f"phases[{index}].schedule: " + ("the recipe's phase has its own lr / warmup / decay; plan it "
+                                                         "again" if spec.has_schedule else
+                                                         "the recipe's phase has no schedule of its own")
+                        for index, (spec, phase) in enumerate(zip(batch.phases, phases, strict=False))
+                        if spec.has_schedule != (phase.schedule is not None))
     elif kinds[-1] != "phase" or "phase" in kinds[:-1] or phases[-1].paper_effective_batch != batch.sequences:
         problems.append("phases: a ramp plan is ramp segments, then the recipe's batch to the end")
+    if not batch.phases and any(phase.schedule is not None for phase in phases):
+        problems.append("phases: a ramp's segments have no schedules of their own")
     return problems
 
 
