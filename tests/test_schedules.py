@@ -346,3 +346,17 @@ def test_exports_say_where_a_phase_restarts_and_never_invent_a_plateau_shape(cap
     assert cli(["plan", "papers/he2016-resnet50.yaml", "--micro-batch-max", "32", "--emit", "lightning"]) == 0
     emitted = capsys.readouterr().out
     assert "return 1.0  # then x factor where ReduceLROnPlateau decides" in emitted and "progress" not in emitted
+
+
+def test_plateau_decides_alike_on_every_rank(tmp_path):
+    """Under DDP only rank 0 evaluates: its metric is broadcast, so every rank lowers its LR after the same step
+    (a rank that did not would train with another LR, and the two processes would not equal one)."""
+    from test_distributed import assert_close_weights, reproduce_run, reproduce_run_here, weights
+
+    recipe = digits({"effective": 128}, 10, {"decay": PLATEAU}, {"every_steps": 2, "at_end": False})
+    reproduce_run(recipe, tmp_path, "two", "--micro-batch-max", "16", "--nproc-per-node", "2")
+    reproduce_run_here(recipe, tmp_path, "one", "--micro-batch-max", "16")
+    two, one = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("two", "one"))
+    assert [r["lr"] for r in two] == pytest.approx([r["lr"] for r in one], rel=1e-12)
+    assert any("plateau_lr" in r for r in two) and two[-1]["lr"] < SGD["lr"]
+    assert_close_weights(weights(tmp_path, "two"), weights(tmp_path, "one"))
