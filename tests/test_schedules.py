@@ -360,3 +360,12 @@ def test_plateau_decides_alike_on_every_rank(tmp_path):
     assert [r["lr"] for r in two] == pytest.approx([r["lr"] for r in one], rel=1e-12)
     assert any("plateau_lr" in r for r in two) and two[-1]["lr"] < SGD["lr"]
     assert_close_weights(weights(tmp_path, "two"), weights(tmp_path, "one"))
+
+
+def test_a_plateau_run_without_evaluation_data_stops_before_writing(tmp_path):
+    parsed = parse_recipe(digits({"effective": 64}, 4, {"decay": PLATEAU}, {"every_steps": 2}))
+    data = build_data(parsed)
+    del data["eval"]
+    with pytest.raises(UserError, match="kind plateau watches eval_loss, but this run has no evaluation data"):
+        train(plan(parsed, 16, dataset_size=len(data["train"])), tmp_path / "run", device="cpu", data=data)
+    assert not (tmp_path / "run").exists()
