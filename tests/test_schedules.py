@@ -4,6 +4,7 @@ PyTorch loop whose LRs are written out by hand here, in float64."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -12,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from reproduce.cli import main
 from reproduce.data import build_data
@@ -62,7 +65,7 @@ def by_hand(step: int) -> float:
 
 
 def phases_recipe(**options) -> dict:
-    return digits(PHASES, ALL_STEPS, {"warmup": {"steps": 2}, "decay": {"kind": "cosine"}}, **options)
+    return copy.deepcopy(digits(PHASES, ALL_STEPS, {"warmup": {"steps": 2}, "decay": {"kind": "cosine"}}, **options))
 
 
 def run(recipe_data: dict, micro: int, out, **kwargs):
@@ -307,20 +310,29 @@ def test_a_scheduler_state_from_before_plateau_decay_loads():
 # ---- bad input ------------------------------------------------------------------------------------------------
 
 
+def plateau_decay(d: dict, **fields) -> None:
+    """The recipe's decay a plateau's (with `fields`), its second phase without a schedule of its own."""
+    d["batch"]["phases"][1] = {"effective": 64}
+    d["schedule"]["decay"] = {**PLATEAU, **fields}
+
+
 BAD = [
     ("a phase schedule with no steps to run",
      lambda d: d["batch"].update(phases=[{"steps": 20, "effective": 32}, {"effective": 64, "lr": 0.1}]),
      "batch.phases[1]: its own schedule has no length to run over: the phase starts at step 21, but the run ends "
      "after 9 optimizer steps"),
-    ("plateau without evaluation", lambda d: (d["schedule"].update(decay={**PLATEAU}), d.pop("evaluation")),
+    ("plateau without evaluation", lambda d: (plateau_decay(d), d.pop("evaluation")),
      "evaluation.every_steps: required by schedule.decay kind plateau (the LR can only drop at an evaluation)"),
-    ("unknown metric", lambda d: d["schedule"].update(decay={**PLATEAU, "metric": "top1"}),
+    ("unknown metric", lambda d: plateau_decay(d, metric="top1"),
      "schedule.decay.metric: unknown metric 'top1' for task classification; expected one of eval_loss, "
      "eval_accuracy, eval_error"),
-    ("patience 0", lambda d: d["schedule"].update(decay={**PLATEAU, "patience": 0}),
+    ("patience 0", lambda d: plateau_decay(d, patience=0),
      "schedule.decay.patience: must be > 0 (got 0)"),
-    ("patience -1", lambda d: d["schedule"].update(decay={**PLATEAU, "patience": -1}),
+    ("patience -1", lambda d: plateau_decay(d, patience=-1),
      "schedule.decay.patience: must be > 0 (got -1)"),
+    ("a phase schedule after plateau decay", lambda d: d["schedule"].update(decay={**PLATEAU}),
+     "batch.phases.1: a phase's own schedule cannot follow schedule.decay kind plateau (whose decreases apply to the "
+     "whole run)"),
     ("a schedule on the first phase", lambda d: d["batch"]["phases"][0].update(lr=0.1),
      "batch.phases.0.lr: the first phase's schedule is optimizer.lr and schedule.warmup / decay; give a phase its "
      "own from the second phase on"),
@@ -369,3 +381,24 @@ def test_a_plateau_run_without_evaluation_data_stops_before_writing(tmp_path):
     with pytest.raises(UserError, match="kind plateau watches eval_loss, but this run has no evaluation data"):
         train(plan(parsed, 16, dataset_size=len(data["train"])), tmp_path / "run", device="cpu", data=data)
     assert not (tmp_path / "run").exists()
+
+
+@settings(max_examples=40, deadline=None)
+@given(start=st.integers(1, 63), micro=st.integers(2, 64), world=st.sampled_from([1, 2, 4, 8]),
+       length=st.integers(500, 50000), tokens=st.booleans())
+def test_a_ramp_is_the_same_whatever_the_micro_batch(start, micro, world, length, tokens):
+    """(For a batch the processes can match exactly: otherwise the batch the ramp ends at depends on the split.)"""
+    batch = {"effective": 512, "sequence_length": 8, "unit": "tokens",
+             "ramp": {"start": start * 8, "length": {"tokens": length * 8} if tokens else {"samples": length}}}
+    recipe = parse_recipe({"batch": batch, "task": "language-modeling", "model": {"builtin": "gpt"},
+                           "data": {"name": "text", "available": False}, "optimizer": {"name": "adamw", "lr": 1e-4},
+                           "schedule": {"total": {"samples": 100000}, "warmup": {"samples": 3000}}})
+    small, large = plan(recipe, 1, world_size=world), plan(recipe, micro, world_size=world)
+    assert [(p.start_step, p.steps, p.effective_batch) for p in small.phases] == [
+        (p.start_step, p.steps, p.effective_batch) for p in large.phases]
+    assert (small.optimizer_steps, small.warmup_steps) == (large.optimizer_steps, large.warmup_steps)
+    for phase in large.phases[:-1]:  # whole windows: micro-batches of the main one, the last one smaller
+        share = phase.effective_batch // world
+        assert phase.micro_batch == min(large.micro_batch, share)
+        count = phase.accumulation_steps
+        assert (count - 1) * phase.micro_batch < share <= count * phase.micro_batch

@@ -607,6 +607,10 @@ class Recipe(Strict):
         if self.evaluation.every_steps is None:
             raise ValueError("evaluation.every_steps: required by schedule.decay kind plateau (the LR can only drop "
                              "at an evaluation)")
+        for index, phase in enumerate(self.batch.phases or []):
+            if phase.has_schedule:
+                raise ValueError(f"batch.phases.{index}: a phase's own schedule cannot follow schedule.decay kind "
+                                 "plateau (whose decreases apply to the whole run)")
         known = PLATEAU_METRICS[self.task]
         if decay.metric not in known:
             raise ValueError(f"schedule.decay.metric: unknown metric {decay.metric!r} for task {self.task}; "
