@@ -139,6 +139,10 @@ def test_a_phases_lengths_count_in_its_own_units():
     own = p.phases[1].schedule
     assert own.warmup_steps == 2 and own.decay_end_step == 4 + round(0.1 * (1437 // 64))
     assert own.lr == SGD["lr"]  # no lr of its own: optimizer.lr
+    early = parse_recipe(digits({"effective": 64, "phases": [{"steps": 4, "effective": 32}, second]}, 40,
+                                {"warmup": {"steps": 6}}))
+    assert ("schedule.warmup: 6 steps, but batch.phases[1] starts its own schedule at step 5: the recipe's warm-up "
+            "never reaches its peak") in plan(early, 16, dataset_size=1437).warnings
 
 
 def test_a_phase_schedule_run_equals_a_plain_loop_across_the_boundary_float64(tmp_path):

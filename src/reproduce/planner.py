@@ -246,7 +246,7 @@ def plan(
     own_start = first_own_schedule_step(recipe, phases)
     decay_end = steps(decay.until, "schedule.decay.until") if decay.until is not None else (
         own_start if own_start is not None else total)
-    phases = attach_phase_schedules(recipe, phases, total, warnings, recipe_path)
+    phases = attach_phase_schedules(recipe, phases, total, warnings, recipe_path, warmup_steps)
     if decay.min_lr is not None:
         min_lr = decay.min_lr * chosen.lr_factor
     else:

@@ -122,15 +122,19 @@ def first_own_schedule_step(recipe: Recipe, phases: list[PlanPhase]) -> int | No
 
 
 def attach_phase_schedules(recipe: Recipe, phases: list[PlanPhase], total: int | None, warnings: list[str],
-                           source: str | None = None) -> list[PlanPhase]:
+                           source: str | None = None, first_warmup: int = 0) -> list[PlanPhase]:
     """`phases` with each phase's own schedule (`batch.phases[i].lr / warmup / decay`) planned into its steps;
-    errors name `source` (the recipe's file)."""
+    errors name `source` (the recipe's file). `first_warmup`: the recipe's own warm-up, in steps."""
     specs = recipe.batch.phases or []
     if not any(spec.has_schedule for spec in specs):
         return phases
     from .phases import own_steps
 
     starts = [phase.start_step for spec, phase in zip(specs, phases, strict=True) if spec.has_schedule]
+    if first_warmup > starts[0]:
+        first = next(index for index, spec in enumerate(specs) if spec.has_schedule)
+        warnings.append(f"schedule.warmup: {first_warmup} steps, but batch.phases[{first}] starts its own schedule at "
+                        f"step {starts[0] + 1}: the recipe's warm-up never reaches its peak")
     result = list(phases)
     for index, (spec, phase) in enumerate(zip(specs, phases, strict=True)):
         if not spec.has_schedule:
