@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .errors import UserError
 from .recipe import Length, Recipe, phase_recipe
-from .schedules import Schedule
+from .schedules import StepSchedule
 
 if TYPE_CHECKING:
     from .planner import Plan
@@ -56,7 +56,7 @@ class PlanPhase(BaseModel):
     lr_factor: float
     dataset_size: int | None
     steps_per_epoch: int | None
-    schedule: Schedule | None = None  # the phase's own LR schedule (batch.phases[i].lr / warmup / decay), schedules.py
+    schedule: StepSchedule | None = None  # its own LR schedule (batch.phases[i].lr / warmup / decay): schedules.py
 
     @property
     def end_step(self) -> int | None:

@@ -1,6 +1,6 @@
 """Learning-rate schedules in optimizer steps: the recipe's, each batch phase's own, and plateau decay.
 
-Pure Python, no torch. A schedule (`Schedule`) covers consecutive optimizer steps: a linear warm-up from its start,
+Pure Python, no torch. A schedule (`StepSchedule`) covers consecutive optimizer steps: a linear warm-up from its start,
 then its decay (constant, step milestones, cosine, linear, polynomial) to `decay_end_step`. The recipe's
 `schedule.warmup` / `decay` is the first one, from step 0; a batch phase that gives its own `lr`, `warmup` or `decay`
 (LAMB's second stage warms up again, You et al. 2019) starts another at its first step, with lengths counted in its
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .planner import Plan
 
 
-class Schedule(BaseModel):
+class StepSchedule(BaseModel):
     """One schedule in optimizer steps (0-based, absolute): what a batch phase's own `lr/warmup/decay` plans to."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -71,9 +71,9 @@ class Schedule(BaseModel):
         return self.min_lr + (peak - self.min_lr) * (1 - progress) ** self.power
 
 
-def global_schedule(plan: Plan) -> Schedule:
+def global_schedule(plan: Plan) -> StepSchedule:
     """The recipe's own schedule (schedule.warmup / decay) as the plan holds it, from step 0."""
-    return Schedule(
+    return StepSchedule(
         start_step=0, end_step=plan.optimizer_steps, lr=plan.lr, warmup_steps=plan.warmup_steps,
         warmup_start_lr=plan.warmup_start_lr, decay_kind=plan.decay_kind, decay_milestones=plan.decay_milestones,
         decay_factor=plan.decay_factor, decay_end_step=plan.decay_end_step, min_lr=plan.min_lr,
@@ -171,7 +171,7 @@ def attach_phase_schedules(recipe: Recipe, phases: list[PlanPhase], total: int |
                           for value in decay.milestones.value]
         decay_end = phase.start_step + steps(decay.until, "decay.until") if decay.until is not None else end
         min_lr = decay.min_lr * phase.lr_factor if decay.min_lr is not None else (decay.min_ratio or 0.0) * peak
-        schedule = Schedule(
+        schedule = StepSchedule(
             start_step=phase.start_step, end_step=end, lr=peak, warmup_steps=warmup_steps, warmup_start_lr=start_lr,
             decay_kind=decay.kind, decay_milestones=milestones, decay_factor=decay.factor, decay_end_step=decay_end,
             min_lr=min_lr, power=decay.power,
