@@ -333,6 +333,9 @@ def _train(
                     record.update(evaluation)
             if evaluating:  # plateau decay (plateau.py): the LR of the steps after this evaluation
                 record.update(step_plateau(setup, evaluation, step + 1))
+                if "plateau_lr" in record and not done:
+                    reporter.message(f"step {step + 1}: {plan.recipe.schedule.decay.metric} has not improved: plateau "
+                                     f"decay, lr -> {record['plateau_lr']:.6g} from step {step + 2}")
             metrics.write(record)
             last_record = record
             reporter.step(record)
