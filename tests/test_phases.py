@@ -75,12 +75,13 @@ def gpt3_like(start=8, grain_tokens=4000, total_tokens=40000, warmup_tokens=3000
                            decay={"kind": "cosine"}, unit="tokens"))
 
 
-def test_ramp_batches_are_whole_micro_batches_and_the_tokens_stay_exact():
-    p = plan(gpt3_like(), 4, world_size=2)  # 64 sequences of 8 tokens; grain 4 x 2 = 8 sequences
+def test_ramp_batches_follow_the_recipes_granularity_and_the_tokens_stay_exact():
+    p = plan(gpt3_like(), 4, world_size=2)  # 64 sequences of 8 tokens; grain: one sequence per process = 2
     ramp, final = p.phases[:-1], p.phases[-1]
     batches = [phase.effective_batch for phase in ramp]
     assert batches == sorted(set(batches)) and batches[0] == 8 and batches[-1] < 64
-    assert all(b % 8 == 0 and phase.micro_batch == 4 for b, phase in zip(batches, ramp, strict=True))
+    assert all(b % 2 == 0 and phase.micro_batch == 4 and phase.accumulation_steps == -(-b // 2 // 4)
+               for b, phase in zip(batches, ramp, strict=True))
     assert final.kind == "phase" and final.effective_batch == 64 and final.exact
     per_step = [phase.effective_batch * 8 for phase in p.phases for _ in range(phase.steps or 0)]
     total_tokens = sum(per_step) + (p.optimizer_steps - len(per_step)) * 64 * 8
@@ -99,13 +100,17 @@ def test_ramp_invariants(start, micro, world, length, steps_unit):
     recipe = parse_recipe(lm(None, ramp={"start": start * 8, "length": unit}, effective=512, length=8,
                              total={"samples": 200000}, unit="tokens"))
     p = plan(recipe, micro, world_size=world)
-    grain = p.micro_batch * world
+    grain = world  # the recipe's default granularity: one sequence per process, whatever the micro-batch
     assert p.phases[-1].effective_batch == p.effective_batch and p.phases[-1].steps is None
     for index, phase in enumerate(p.phases):
-        assert phase.micro_batch * phase.accumulation_steps * world == phase.effective_batch
         if phase.kind == "ramp":
+            share = phase.effective_batch // world
             assert phase.effective_batch % grain == 0 and grain <= phase.effective_batch < p.effective_batch
+            assert phase.micro_batch == min(p.micro_batch, share)
+            assert phase.accumulation_steps == -(-share // phase.micro_batch)
             assert index == 0 or p.phases[index - 1].effective_batch < phase.effective_batch
+        else:
+            assert phase.micro_batch * phase.accumulation_steps * world == phase.effective_batch
         if index:
             assert phase.start_step == p.phases[index - 1].start_step + p.phases[index - 1].steps
 
@@ -255,11 +260,16 @@ def test_batch_phases_run_equals_a_plain_loop_over_the_same_batches_float64(tmp_
 def test_ramp_run_equals_a_plain_loop_over_the_ramps_batches_float64(tmp_path):
     recipe = digits({"effective": 96, "ramp": {"start": 16, "length": {"samples": 300}}}, steps=12)
     the_plan, data, ours, records = run(recipe, 16, tmp_path / "run")
-    # by the ramp's definition: batch = 16 + (96 - 16) x samples read / 300, rounded down to whole micro-batches of
-    # 16, until 300 samples are read; then 96
-    expected = [16, 16, 16, 16, 32, 32, 48, 48, 64, 80, 96, 96]
+    # by the ramp's definition: batch = 16 + (96 - 16) x samples read / 300, rounded down to whole samples (the
+    # default granularity, one per process: not the micro-batch), until 300 samples are read; then 96
+    expected, read = [], 0
+    while len(expected) < 12:
+        expected.append(96 if read >= 300 else int(16 + 80 * read / 300))
+        read += expected[-1]
+    assert expected[:5] == [16, 20, 25, 32, 40]
     assert [r["samples"] for r in records] == expected
-    assert [r["accumulation_steps"] for r in records] == [b // 16 for b in expected]
+    # a batch that is not a whole number of micro-batches of 16 ends with a smaller one (20 = 16 + 4)
+    assert [r["accumulation_steps"] for r in records] == [-(-b // 16) for b in expected]
     starts = [sum(expected[:i]) for i in range(12)]
     reference = plain_loop_over(recipe, [(None, s, b) for s, b in zip(starts, expected, strict=True)],
                            {None: data["train"]})

@@ -3,8 +3,11 @@
 Pure Python, no torch. The planner turns the recipe's phases (BERT: 90% of the steps at 128 tokens, then 512) or
 ramp (GPT-3: the batch grows linearly from 32k tokens) into `PlanPhase` segments: consecutive optimizer steps with
 one micro-batch m, accumulation N and effective batch m x N x W each, and one sequence length. A ramp becomes one
-segment per distinct batch: each step's batch is the ramp's value rounded down to whole micro-batches over the
-processes (a multiple of m x W, at least one, never above the target), and a last segment at the target.
+segment per distinct batch: each step's batch is the ramp's value rounded down to the ramp's granularity (the
+recipe's `batch.ramp.granularity`, by default one sequence per process; at least one grain, never above the target),
+and a last segment at the target. The granularity never depends on the micro-batch, so neither does the ramp: a
+process's share of a ramp step below the micro-batch runs as one smaller micro-batch, and a share that is not a
+multiple of it ends with a smaller one (the window's loss is normalised over all of it either way).
 
 Lengths (the phases', the schedule's warm-up, milestones and total) become optimizer steps by walking the segments:
 a segment of n steps covers n x E samples (E x L tokens, n / steps-per-epoch epochs, n x E / B of the paper's own
@@ -29,6 +32,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .errors import UserError
 from .recipe import Length, Recipe, phase_recipe
+from .schedules import StepSchedule
 
 if TYPE_CHECKING:
     from .planner import Plan
@@ -52,13 +56,18 @@ class PlanPhase(BaseModel):
     lr_factor: float
     dataset_size: int | None
     steps_per_epoch: int | None
+    schedule: StepSchedule | None = None  # its own LR schedule (batch.phases[i].lr / warmup / decay): schedules.py
 
     @property
     def end_step(self) -> int | None:
         return None if self.steps is None else self.start_step + self.steps
 
     def arithmetic(self, world_size: int) -> str:
-        return f"{self.micro_batch} x {self.accumulation_steps} x {world_size} = {self.effective_batch}"
+        micro, count = self.micro_batch, self.accumulation_steps
+        if micro * count * world_size != self.effective_batch:  # a ramp step: the last micro-batch is smaller
+            last = self.effective_batch // world_size - micro * (count - 1)
+            return f"({micro} x {count - 1} + {last}) x {world_size} = {self.effective_batch}"
+        return f"{micro} x {count} x {world_size} = {self.effective_batch}"
 
 
 def epoch_steps(dataset_size: int | None, batch: int, world_size: int, drop_last: bool) -> tuple[int | None, int]:
@@ -115,7 +124,7 @@ def plan_phases(
             choice = choose(phase_recipe(recipe, paper, length), min(cap, math.ceil(paper / world_size)))
             placed = segment("phase", start, None, choice, paper, length, cap, choice.exact)
             if index < len(batch.phases) - 1:
-                steps = _own_steps(phase, placed, paper, f"batch.phases[{index}]")
+                steps = own_steps(phase, placed, paper, f"batch.phases[{index}]")
                 if steps == 0:
                     warnings.append(f"batch.phases[{index}] ({phase.label()}) is shorter than one optimizer step of "
                                     f"{placed.effective_batch}: it never runs")
@@ -130,8 +139,9 @@ def plan_phases(
     return _ramp(recipe, target, micro_batch_max(batch.sequence_length), world_size, dataset_size, segment, warnings)
 
 
-def _own_steps(length: Length, phase: PlanPhase, paper: int, what: str) -> int:
-    """A phase's own length in optimizer steps of its batch."""
+def own_steps(length: Length, phase: PlanPhase, paper: int, what: str) -> int:
+    """A length in a phase's own units (its batch's steps, epochs of its data, samples, tokens) in optimizer steps of
+    its batch: the phase's length, and the lengths of its own schedule."""
     unit, value = length.unit, length.value
     if unit == "epochs":
         if phase.steps_per_epoch is None:
@@ -149,23 +159,23 @@ def _ramp(recipe: Recipe, target: Any, cap: int, world_size: int, dataset_size: 
     batch, ramp = recipe.batch, recipe.batch.ramp
     length = batch.sequence_length
     final = batch.sequences
-    grain = target.micro_batch * world_size  # whole micro-batches on every process
+    grain = ramp_grain(recipe, world_size)  # the recipe's, not the micro-batch's: the same ramp on any machine
     start = ramp.start // length if batch.unit == "tokens" else ramp.start
     last = segment("phase", 0, None, target, final, length, cap, target.exact)
     if not target.exact:
         warnings.append(f"batch.ramp: the ramp ends at this plan's batch {target.effective_batch}, not the paper's "
                         f"{final}")
     if grain >= target.effective_batch:
-        warnings.append(f"batch.ramp: not followed: one micro-batch of {target.micro_batch} on each of {world_size} "
-                        f"process(es) is already the whole batch of {target.effective_batch}")
+        warnings.append(f"batch.ramp: not followed: its granularity of {grain} {batch.count_unit} is already the "
+                        f"whole batch of {target.effective_batch}")
         return [last]
     if start >= target.effective_batch:  # this plan's batch fell to the ramp's start or below (not exact)
         warnings.append(f"batch.ramp: not followed: it starts at {start} {batch.count_unit}, not below this plan's "
                         f"batch of {target.effective_batch}")
         return [last]
     if start < grain:
-        warnings.append(f"batch.ramp.start: {start} {batch.count_unit} is less than one micro-batch of "
-                        f"{target.micro_batch} on each of {world_size} process(es): the ramp starts at {grain}")
+        warnings.append(f"batch.ramp.start: {start} {batch.count_unit} is less than the ramp's granularity of "
+                        f"{grain} {batch.count_unit}: the ramp starts at {grain}")
     unit, value = ramp.length.unit, ramp.length.value
     if unit == "epochs":
         size = dataset_size(length)
@@ -195,15 +205,33 @@ def _ramp(recipe: Recipe, target: Any, cap: int, world_size: int, dataset_size: 
             count -= 1
         while position + count * stride < value and batch_at(position + count * stride) == effective:
             count += 1
-        choice = _Split(target.micro_batch, effective // grain, effective, target.lr_factor)
+        share = effective // world_size  # each process's; above the micro-batch, the last micro-batch is smaller
+        micro = min(target.micro_batch, share)
+        choice = _Split(micro, -(-share // micro), effective, target.lr_factor)
         segments.append(segment("ramp", steps, count, choice, None, length, cap, None))
         steps, read = steps + count, read + count * effective
     return [*segments, last.model_copy(update={"start_step": steps})]
 
 
+def ramp_grain(recipe: Recipe, world_size: int) -> int:
+    """The ramp's granularity in samples (sequences): each ramp step's batch is a multiple of it. The recipe's
+    `batch.ramp.granularity`, by default one sequence per process; never the micro-batch, so the ramp (and the run's
+    optimizer steps) are the same whatever fits on the machine."""
+    batch = recipe.batch
+    given = batch.ramp.granularity
+    if given is None:
+        return world_size
+    grain = given // batch.sequence_length if batch.unit == "tokens" else given
+    if grain % world_size:
+        raise UserError(f"--world-size: {world_size} processes cannot share batch.ramp.granularity's {grain} "
+                        f"{batch.count_unit} equally; use a world size that divides it")
+    return grain
+
+
 @dataclass(frozen=True)
 class _Split:
-    """A ramp step's split: the target's micro-batch, as many micro-batches as the step's batch holds."""
+    """A ramp step's split: micro-batches of the target's size (one smaller when the step's share of a process is
+    below it, or the last one smaller when the share is not a multiple of it)."""
 
     micro_batch: int
     accumulation_steps: int

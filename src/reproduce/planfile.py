@@ -146,7 +146,13 @@ def phase_problems(plan: Plan) -> list[str]:
             problems.append(f"{where}: micro_batch, accumulation_steps and effective_batch must be >= 1")
             continue
         product = phase.micro_batch * phase.accumulation_steps * plan.world_size
-        if product != phase.effective_batch:
+        if phase.kind == "ramp":  # a ramp step's last micro-batch may be smaller (phases.py)
+            share, remainder = divmod(phase.effective_batch, plan.world_size)
+            if remainder or phase.accumulation_steps != -(-share // phase.micro_batch):
+                problems.append(f"{where}.accumulation_steps: a ramp step of {phase.effective_batch} over "
+                                f"{plan.world_size} process(es) in micro-batches of {phase.micro_batch} takes "
+                                f"{-(-share // phase.micro_batch)} (got {phase.accumulation_steps})")
+        elif product != phase.effective_batch:
             shown = f"{phase.micro_batch} x {phase.accumulation_steps} x {plan.world_size}"
             problems.append(f"{where}.effective_batch: micro_batch x accumulation_steps x world_size = {shown} = "
                             f"{product}, not {phase.effective_batch}")
@@ -186,8 +192,15 @@ def phase_problems(plan: Plan) -> list[str]:
         got = [(p.paper_effective_batch, p.sequence_length) for p in phases]
         if kinds != ["phase"] * len(batch.phases) or got != wanted:
             problems.append(f"phases: the recipe's phases are {wanted} (batch, sequence length); the plan has {got}")
+        problems.extend(f"phases[{index}].schedule: " + ("the recipe's phase has its own lr / warmup / decay; plan it "
+                                                         "again" if spec.has_schedule else
+                                                         "the recipe's phase has no schedule of its own")
+                        for index, (spec, phase) in enumerate(zip(batch.phases, phases, strict=False))
+                        if spec.has_schedule != (phase.schedule is not None))
     elif kinds[-1] != "phase" or "phase" in kinds[:-1] or phases[-1].paper_effective_batch != batch.sequences:
         problems.append("phases: a ramp plan is ramp segments, then the recipe's batch to the end")
+    if not batch.phases and any(phase.schedule is not None for phase in phases):
+        problems.append("phases: a ramp's segments have no schedules of their own")
     return problems
 
 

@@ -15,8 +15,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from .errors import UserError
-from .phases import PlanPhase, lengths_to_steps, phase_index, plan_phases
+from .phases import PlanPhase, lengths_to_steps, plan_phases
 from .recipe import Length, Recipe
+from .schedules import attach_phase_schedules, first_own_schedule_step, plan_lr
 
 RULE_SOURCES = {
     "exact": "effective batch matched exactly: no hyper-parameter changes (Goyal et al. 2017, footnote 5)",
@@ -219,8 +220,12 @@ def plan(
 
     def steps(length: Length | None, what: str) -> int | None:
         if phases and length is not None:
-            return lengths_to_steps(phases, recipe, length, what, warnings)
-        return _to_steps(length, recipe, chosen.effective_batch, steps_per_epoch, dataset_size, what, warnings)
+            value = lengths_to_steps(phases, recipe, length, what, warnings)
+        else:
+            value = _to_steps(length, recipe, chosen.effective_batch, steps_per_epoch, dataset_size, what, warnings)
+        if value is None and length is not None:
+            raise UserError(needs_train_size(recipe_path, what))
+        return value
 
     total = steps(recipe.schedule.total, "schedule.total")
     warmup = recipe.schedule.warmup
@@ -237,7 +242,11 @@ def plan(
             single = Length(**{decay.milestones.unit: value})
             milestones.append(steps(single, "schedule.decay.milestones"))
         milestones = [m for m in milestones if m is not None]
-    decay_end = steps(decay.until, "schedule.decay.until") if decay.until is not None else total
+    # the recipe's schedule ends where a batch phase starts its own (schedules.py), else with the run
+    own_start = first_own_schedule_step(recipe, phases)
+    decay_end = steps(decay.until, "schedule.decay.until") if decay.until is not None else (
+        own_start if own_start is not None else total)
+    phases = attach_phase_schedules(recipe, phases, total, warnings, recipe_path, warmup_steps)
     if decay.min_lr is not None:
         min_lr = decay.min_lr * chosen.lr_factor
     else:
@@ -413,35 +422,16 @@ def _to_steps(
     return round(samples / effective_batch)
 
 
+def needs_train_size(recipe_path: str | None, what: str) -> str:
+    """The one line for a plan that must count epochs of data it does not know the size of."""
+    return (f"{recipe_path or 'recipe'}: data.train_size: required: {what} is counted in epochs, and the plan needs "
+            "the training samples per epoch to count its optimizer steps (or plan the run with its data)")
+
+
 def lr_at(plan: Plan, step: int) -> float:
     """The learning rate for optimizer step `step` (0-based): warm-up, then the recipe's decay.
 
-    With batch phases the schedule runs on across them; a phase whose batch is not the paper's has its own LR rule
-    factor in place of the main batch's.
+    With batch phases the schedule runs on across them, or restarts where a phase gives its own (schedules.py); a
+    phase whose batch is not the paper's has its own LR rule factor in place of the main batch's.
     """
-    value = _scheduled_lr(plan, step)
-    if plan.phases:
-        phase = plan.phases[phase_index(plan.phases, step)]
-        if phase.lr_factor != plan.lr_factor:
-            value = value * phase.lr_factor / plan.lr_factor
-    return value
-
-
-def _scheduled_lr(plan: Plan, step: int) -> float:
-    peak, warmup = plan.lr, plan.warmup_steps
-    if step < warmup:
-        return plan.warmup_start_lr + (peak - plan.warmup_start_lr) * step / warmup
-    kind = plan.decay_kind
-    if kind == "constant":
-        return peak
-    if kind == "step":
-        return peak * plan.decay_factor ** sum(step >= m for m in plan.decay_milestones)
-    end = plan.decay_end_step if plan.decay_end_step is not None else plan.optimizer_steps
-    if end is None or end <= warmup:
-        return peak
-    progress = min(1.0, max(0.0, (step - warmup) / (end - warmup)))
-    if kind == "cosine":
-        return plan.min_lr + (peak - plan.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
-    if kind == "linear":
-        return peak + (plan.min_lr - peak) * progress
-    return plan.min_lr + (peak - plan.min_lr) * (1 - progress) ** plan.recipe.schedule.decay.power
+    return plan_lr(plan, step)

@@ -87,9 +87,18 @@ class BatchPhase(Length):
 
     effective: int = Field(gt=0, description="effective batch per optimizer step in this phase, in batch.unit")
     sequence_length: int | None = Field(default=None, gt=0, description="tokens per sequence in this phase")
+    # A schedule of its own (docs/schedules.md): the LR restarts at the phase's first step, lengths in its own units
+    lr: float | None = Field(default=None, gt=0, description="this phase's peak LR (default: optimizer.lr)")
+    warmup: Warmup | None = None
+    decay: Decay | None = None
 
     def _allows_none(self) -> bool:
         return True  # the last phase has no length; Batch checks which phases need one
+
+    @property
+    def has_schedule(self) -> bool:
+        """Whether the phase starts a schedule of its own (lr, warmup or decay given)."""
+        return self.lr is not None or self.warmup is not None or self.decay is not None
 
 
 class BatchRamp(Strict):
@@ -98,6 +107,9 @@ class BatchRamp(Strict):
 
     start: int = Field(gt=0, description="the first step's effective batch, in batch.unit")
     length: Length
+    granularity: int | None = Field(
+        default=None, gt=0, description="each step's batch is a multiple of this, in batch.unit (default: one "
+        "sequence per process); fixed by the recipe, so the ramp does not depend on the micro-batch")
 
 
 class Batch(Strict):
@@ -171,6 +183,7 @@ class Batch(Strict):
                                  f"of {length}")
             if phase.tokens is not None and length is None:
                 raise ValueError(f"{where}.tokens: counted in tokens, which needs batch.sequence_length")
+            self._check_phase_schedule(phase, where, index)
         if not any((p.effective, p.sequence_length or self.sequence_length) == (self.effective, self.sequence_length)
                    for p in phases):
             shown = ", ".join(f"{p.effective}" + (f" at {p.sequence_length or self.sequence_length} tokens"
@@ -182,6 +195,23 @@ class Batch(Strict):
                 "its phases"
             )
 
+    def _check_phase_schedule(self, phase: BatchPhase, where: str, index: int) -> None:
+        """A phase's own schedule (lr, warmup, decay): from the second phase on, lengths it can count."""
+        if not phase.has_schedule:
+            return
+        if index == 0:
+            given = next(name for name in ("lr", "warmup", "decay") if getattr(phase, name) is not None)
+            raise ValueError(f"{where}.{given}: the first phase's schedule is optimizer.lr and schedule.warmup / "
+                             "decay; give a phase its own from the second phase on")
+        decay = phase.decay
+        if decay is not None and decay.kind == "plateau":
+            raise ValueError(f"{where}.decay.kind: plateau applies to the whole run (schedule.decay), not to a phase")
+        lengths = [("warmup", phase.warmup), ("decay.until", decay and decay.until),
+                   ("decay.milestones", decay and decay.milestones)]
+        for name, length in lengths:
+            if length is not None and length.tokens is not None and self.sequence_length is None:
+                raise ValueError(f"{where}.{name}.tokens: counted in tokens, which needs batch.sequence_length")
+
     def _check_ramp(self, ramp: BatchRamp) -> None:
         if ramp.start >= self.effective:
             raise ValueError(f"ramp.start: {ramp.start} must be below the batch it ramps up to, effective "
@@ -191,6 +221,12 @@ class Batch(Strict):
                              f"{self.sequence_length}")
         if ramp.length.tokens is not None and self.sequence_length is None:
             raise ValueError("ramp.length.tokens: counted in tokens, which needs batch.sequence_length")
+        if ramp.granularity is not None and self.unit == "tokens" and ramp.granularity % self.sequence_length:
+            raise ValueError(f"ramp.granularity: {ramp.granularity} tokens is not a whole number of sequences of "
+                             f"{self.sequence_length}")
+        if ramp.granularity is not None and ramp.granularity >= self.effective:
+            raise ValueError(f"ramp.granularity: {ramp.granularity} must be below the batch it ramps up to, "
+                             f"effective {self.effective}")
 
     @property
     def sequences(self) -> int:
@@ -441,17 +477,43 @@ class Milestones(Length):
         return self
 
 
+PLATEAU_FIELDS = ("patience", "metric", "mode", "threshold", "threshold_mode", "cooldown")
+
+
 class Decay(Strict):
-    kind: Literal["constant", "step", "cosine", "linear", "polynomial"] = "constant"
+    kind: Literal["constant", "step", "cosine", "linear", "polynomial", "plateau"] = "constant"
     milestones: Milestones | None = None
     factor: float = Field(default=0.1, gt=0, le=1, description="step decay: multiply the LR by this at each milestone")
     min_lr: float | None = Field(default=None, ge=0, description="cosine/linear/polynomial: the final LR")
     min_ratio: float | None = Field(default=None, ge=0, le=1, description="the final LR as a fraction of the peak")
     power: float = Field(default=1.0, gt=0, description="polynomial decay power")
     until: Length | None = None
+    # kind plateau: torch.optim.lr_scheduler.ReduceLROnPlateau at each evaluation (docs/schedules.md)
+    patience: int | None = Field(default=None, gt=0, description="plateau: evaluations without improvement before "
+                                 "the LR is multiplied by factor")
+    metric: str | None = Field(default=None, description="plateau: the evaluation metric watched (eval_loss, ...)")
+    mode: Literal["min", "max"] | None = Field(default=None, description="plateau: min or max is better (default: "
+                                               "from the metric)")
+    threshold: float | None = Field(default=None, ge=0, description="plateau: the least change that counts as an "
+                                    "improvement (default 1e-4)")
+    threshold_mode: Literal["rel", "abs"] | None = None
+    cooldown: int | None = Field(default=None, ge=0, description="plateau: evaluations to wait after a decrease")
 
     @model_validator(mode="after")
     def _fields_for_kind(self) -> Decay:
+        plateau_given = [name for name in PLATEAU_FIELDS if getattr(self, name) is not None]
+        if self.kind != "plateau" and plateau_given:
+            raise ValueError(f"{plateau_given[0]}: only used by kind plateau (kind is {self.kind})")
+        if self.kind == "plateau":
+            for name in ("patience", "metric"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"{name}: required for kind plateau (the paper's or your choice: evaluations "
+                                     "without improvement, and the metric watched)" if name == "patience" else
+                                     f"{name}: required for kind plateau (eval_loss, eval_accuracy or eval_error)")
+            if self.factor >= 1:
+                raise ValueError(f"factor: must be < 1 for kind plateau (got {self.factor})")
+            if self.until is not None:
+                raise ValueError("until: not used by kind plateau (its decreases happen at evaluations)")
         if self.kind == "step" and self.milestones is None:
             raise ValueError("milestones: required for kind step")
         if self.kind != "step" and self.milestones is not None:
@@ -473,6 +535,14 @@ class Reported(Strict):
     split: str | None = None
     tolerance: float | None = Field(default=None, ge=0)
     notes: str | None = None
+
+
+# The evaluation metrics a plateau decay can watch, by task (train/step.evaluate; eval_error = 1 - eval_accuracy)
+PLATEAU_METRICS = {
+    "classification": ("eval_loss", "eval_accuracy", "eval_error"),
+    "language-modeling": ("eval_loss",),
+    "custom": ("eval_loss",),
+}
 
 
 class Evaluation(Strict):
@@ -525,7 +595,25 @@ class Recipe(Strict):
                 if length is not None and length.tokens is not None:
                     raise ValueError(f"{name}: counted in tokens, which needs batch.sequence_length")
         self._check_data_format()
+        self._check_plateau()
         return self
+
+    def _check_plateau(self) -> None:
+        """A plateau decay watches an evaluation metric: evaluations must happen, and report that metric."""
+        decay = self.schedule.decay
+        if decay.kind != "plateau":
+            return
+        if self.evaluation.every_steps is None:
+            raise ValueError("evaluation.every_steps: required by schedule.decay kind plateau (the LR can only drop "
+                             "at an evaluation)")
+        for index, phase in enumerate(self.batch.phases or []):
+            if phase.has_schedule:
+                raise ValueError(f"batch.phases.{index}: a phase's own schedule cannot follow schedule.decay kind "
+                                 "plateau (whose decreases apply to the whole run)")
+        known = PLATEAU_METRICS[self.task]
+        if decay.metric not in known:
+            raise ValueError(f"schedule.decay.metric: unknown metric {decay.metric!r} for task {self.task}; "
+                             f"expected one of {', '.join(known)}")
 
     def _check_data_format(self) -> None:
         """What a data format needs from the rest of the recipe (the task; the sizes it cuts or tokenises to)."""

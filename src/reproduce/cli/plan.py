@@ -12,9 +12,10 @@ from rich.table import Table
 from ..errors import UserError
 from ..export import FORMATS, check_format, emit
 from ..planfile import check_writable, save_plan
-from ..planner import Plan, plan
+from ..planner import Plan, lr_at, plan
 from ..probe.runner import BudgetRequired, ProbeOptions, ProbeResult, run_probe
 from ..recipe import Recipe, load_recipe, phase_recipe
+from ..schedules import first_plateau_step, lr_points
 from ..units import format_size
 from .app import app
 from .common import stderr, stdout
@@ -197,6 +198,18 @@ def plan_summary(the_plan: Plan) -> dict:
     """The plan as JSON: every field but the embedded recipe, plus the batch arithmetic."""
     summary = the_plan.model_dump(mode="json", exclude={"recipe"})
     summary["arithmetic"] = the_plan.arithmetic
+    summary.update(lr_points_summary(the_plan))
+    return summary
+
+
+def lr_points_summary(the_plan: Plan) -> dict:
+    """`lr_points`: [optimizer step (1-based), lr] where the schedule changes shape (docs/schedules.md); with plateau
+    decay only up to the first step a decrease could change, which `lr_points_note` says."""
+    summary: dict = {"lr_points": lr_points(the_plan)}
+    first = first_plateau_step(the_plan)
+    if first is not None:
+        summary["lr_points_note"] = (f"plateau decay: the decreases depend on the run's evaluations; the points stop "
+                                     f"at step {first + 1}, the first whose LR a decrease could change")
     return summary
 
 
@@ -241,7 +254,9 @@ def render_plan(p: Plan) -> None:
     if decay.milestones is not None:
         decay_paper += f" at {decay.milestones.unit} {list(decay.milestones.value)} x{decay.factor:g}"
     decay_plan = decay.kind
-    if p.decay_milestones:
+    if decay.kind == "plateau":
+        decay_paper, decay_plan = plateau_cells(p)
+    elif p.decay_milestones:
         decay_plan += f" at steps {p.decay_milestones}"
     elif decay.kind != "constant":
         decay_plan += f" to lr {p.min_lr:.3g} at step {p.decay_end_step}"
@@ -262,6 +277,15 @@ def render_plan(p: Plan) -> None:
         stderr.print(f"[yellow]warning:[/] {warning}")
 
 
+def plateau_cells(p: Plan) -> tuple[str, str]:
+    """The decay row of a plateau decay: what the recipe says, and when this plan's first decrease could come."""
+    decay, every = p.recipe.schedule.decay, p.recipe.evaluation.every_steps
+    paper = f"plateau: x{decay.factor:g} after {decay.patience} evaluations without improvement of {decay.metric}"
+    first = first_plateau_step(p)
+    return paper, (f"at evaluations (every {every} steps): the decreases depend on the run; the first possible "
+                   f"from step {first + 1}")
+
+
 PHASE_ROWS = 16  # a longer ramp shows its first and last batches
 
 
@@ -270,7 +294,8 @@ def render_phases(p: Plan) -> None:
     tokens = p.recipe.batch.sequence_length is not None
     table = Table(title="batch phases: reproduce run switches N (and the sequence length) at each first step",
                   title_justify="left")
-    for column in ("steps", "paper", "this plan (micro x accum x world)", "tokens per step" if tokens else None):
+    for column in ("steps", "paper", "this plan (micro x accum x world)", "tokens per step" if tokens else None,
+                   "lr: first - last step"):
         if column:
             table.add_column(column, justify="right" if column.startswith(("steps", "tokens")) else "left")
     rows = list(enumerate(p.phases))
@@ -278,7 +303,7 @@ def render_phases(p: Plan) -> None:
         rows = [*rows[: PHASE_ROWS // 2], None, *rows[-PHASE_ROWS // 2 :]]
     for row in rows:
         if row is None:
-            table.add_row("...", f"{len(p.phases) - PHASE_ROWS} more ramp batches", "", *([""] if tokens else []))
+            table.add_row("...", f"{len(p.phases) - PHASE_ROWS} more ramp batches", "", *([""] if tokens else []), "")
             continue
         index, phase = row
         last = phase.end_step if phase.end_step is not None else p.optimizer_steps
@@ -291,10 +316,30 @@ def render_phases(p: Plan) -> None:
             paper = f"{phase.paper_effective_batch} {'sequences' if length else p.unit}{length}"
             mark = "  exact" if phase.exact else f"  NOT exact (lr x{phase.lr_factor:.4g})"
         cells = [steps, paper, phase.arithmetic(p.world_size) + mark]
+        if phase.schedule is not None:
+            cells[1] += "\n" + own_schedule_words(p, index)
         if tokens:
             cells.append(f"{phase.effective_batch * phase.sequence_length:,}")
+        cells.append(phase_lr_cell(p, phase, last))
         table.add_row(*cells)
     stdout.print(table)
+
+
+def phase_lr_cell(p: Plan, phase, last: int | None) -> str:
+    """The LR of a phase's first and last steps, as `lr_points` and the run have them."""
+    first = f"{lr_at(p, phase.start_step):.4g}"
+    return first if last is None or last <= phase.start_step else f"{first} - {lr_at(p, last - 1):.4g}"
+
+
+def own_schedule_words(p: Plan, index: int) -> str:
+    """A phase's own schedule as the recipe gives it: 'own schedule: lr 0.004, warm-up 200 steps, linear'."""
+    spec = p.recipe.batch.phases[index]
+    decay = spec.decay or p.recipe.schedule.decay
+    parts = [f"lr {spec.lr if spec.lr is not None else p.recipe.optimizer.lr:g}"]
+    if spec.warmup is not None:
+        parts.append(f"warm-up {f'ratio {spec.warmup.ratio:g}' if spec.warmup.ratio else spec.warmup.label()}")
+    parts.append(decay.kind + ("" if spec.decay else " (as schedule.decay)"))
+    return "own schedule: " + ", ".join(parts)
 
 
 def _batch_size(p: Plan, value: int) -> str:

@@ -25,6 +25,8 @@ def lr_factor_source(plan: Plan, name: str = "lr_factor") -> list[str]:
     kind = plan.decay_kind
     if kind == "constant":
         return [*lines, "    return 1.0"]
+    if kind == "plateau":  # its decreases come at the run's evaluations: torch's ReduceLROnPlateau decides them
+        return [*lines, "    return 1.0  # then x factor where ReduceLROnPlateau decides (plateau decay)"]
     if kind == "step":
         return [*lines, f"    return {plan.decay_factor!r} ** sum(step >= m for m in {plan.decay_milestones!r})"]
     end = plan.decay_end_step if plan.decay_end_step is not None else plan.optimizer_steps
@@ -47,8 +49,8 @@ def schedule_words(plan: Plan) -> str:
     kind = plan.decay_kind
     if kind == "step":
         decay = f"step decay x{plan.decay_factor:g} at steps {plan.decay_milestones}"
-    elif kind == "constant":
-        decay = "constant"
+    elif kind in ("constant", "plateau"):
+        decay = kind
     else:
         decay = f"{kind} decay to lr {plan.min_lr:.3g} at step {plan.decay_end_step}"
     return warm + decay

@@ -91,6 +91,8 @@ def _deepspeed_scheduler(plan: Plan) -> tuple[dict | None, list[str]]:
         why = f"step decay x{plan.decay_factor:g} at steps {plan.decay_milestones}"
     elif kind == "polynomial":
         why = "polynomial decay"
+    elif kind == "plateau":
+        why = "plateau decay (torch's ReduceLROnPlateau at the evaluations)"
     elif kind == "linear" and low != start:
         why = f"linear decay to lr {low:.3g} (WarmupDecayLR ends at its warmup_min_lr, {start:g} here)"
     elif kind != "constant" and plan.optimizer_steps is None:

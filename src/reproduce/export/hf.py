@@ -22,6 +22,12 @@ def hf_scheduler(plan: Plan) -> tuple[str, dict, list[str]]:
     plain = "constant_with_warmup" if plan.warmup_steps else "constant"
     if kind == "constant":
         return plain, {}, problems
+    if kind == "plateau":
+        decay = plan.recipe.schedule.decay
+        problems.append(f"plateau decay: {plain} here never decays; HF's lr_scheduler_type reduce_lr_on_plateau "
+                        f"(torch's ReduceLROnPlateau, factor {decay.factor:g}, patience {decay.patience}) steps on "
+                        f"metric_for_best_model at each evaluation, watching {decay.metric}, but has no warm-up")
+        return plain, {}, problems
     if kind == "step":
         problems.append(
             f"HF has no step (multi-step) decay: x{plan.decay_factor:g} at steps {plan.decay_milestones} cannot be "

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..planner import Plan, lr_at
+from ..planner import Plan
 from .large_batch import LAMB, LARS, LARS_TRUST_COEFFICIENT
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
@@ -66,5 +66,7 @@ def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def build_scheduler(plan: Plan, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    """Counts optimizer steps: the LR of step s is `lr_at(plan, s)`."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(plan, step) / plan.lr)
+    """Counts optimizer steps: the LR of step s is `lr_at(plan, s)` (times a plateau decay's scale: plateau.py)."""
+    from .plateau import PlanScheduler
+
+    return PlanScheduler(plan, optimizer)

@@ -29,6 +29,7 @@ from .checkpoint import full_model_state, load_checkpoint, save_checkpoint
 from .distributed import World
 from .noise import NoiseScale, not_measured_reason, summarise
 from .outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, remove_outputs
+from .plateau import check_plateau, step_plateau
 from .setup import build, resolve_device
 from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, evaluate, optimizer_step
 from .windows import length_sizes, micro_batch_at, smaller_micro_batch, step_batch, step_epoch, window
@@ -147,6 +148,7 @@ def _train(
     target_device = distributed.init(world, resolve_device(device))
     distributed.barrier(world)  # every rank has looked at --out before rank 0 writes to it
     setup = build(plan, target_device, dtype, seed, data, world)
+    check_plateau(plan, setup.data)
     # batch phases of other sequence lengths read the same data cut at their length (data/lengths.py)
     train_set = training_set(plan.recipe, setup.data["train"], list(length_sizes(plan)))
     size = check_training_set(plan, train_set)
@@ -324,10 +326,16 @@ def _train(
                 record.update(result.noise)
             done = step + 1 == total
             evaluating = (eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end)
+            evaluation = None
             if evaluating and (main or setup.sharded):  # a sharded model's forward needs every rank
                 evaluation = evaluate(setup, micro_batch, workers)
                 if evaluation:
                     record.update(evaluation)
+            if evaluating:  # plateau decay (plateau.py): the LR of the steps after this evaluation
+                record.update(step_plateau(setup, evaluation, step + 1))
+                if "plateau_lr" in record and not done:
+                    reporter.message(f"step {step + 1}: {plan.recipe.schedule.decay.metric} has not improved: plateau "
+                                     f"decay, lr -> {record['plateau_lr']:.6g} from step {step + 2}")
             metrics.write(record)
             last_record = record
             reporter.step(record)

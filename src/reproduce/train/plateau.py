@@ -1,0 +1,81 @@
+"""Plateau decay in a run: `schedule.decay: {kind: plateau}` stepped at each evaluation (schedules.Plateau holds
+`torch.optim.lr_scheduler.ReduceLROnPlateau`'s decisions), its state kept in the scheduler's checkpoint."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import UserError
+from ..planner import Plan, lr_at
+from ..schedules import Plateau
+
+
+class PlanScheduler(torch.optim.lr_scheduler.LambdaLR):
+    """The LR of optimizer step s: `lr_at(plan, s)`, times the plateau decay's scale (1 without one).
+
+    `state_dict` adds the plateau's state (plain numbers, loadable with `weights_only=True`); a checkpoint written
+    before plateau decay existed loads as a LambdaLR's did.
+    """
+
+    def __init__(self, plan: Plan, optimizer: torch.optim.Optimizer) -> None:
+        self._plateau = Plateau(plan) if plan.decay_kind == "plateau" else None
+        plateau = self._plateau
+        super().__init__(optimizer, lambda step: lr_at(plan, step) / plan.lr * (
+            plateau.state["scale"] if plateau is not None else 1.0))
+
+    @property
+    def plateau(self) -> Plateau | None:
+        return self._plateau
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.pop("_plateau", None)
+        if self._plateau is not None:
+            state["plateau"] = dict(self._plateau.state)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state = dict(state_dict)
+        saved = state.pop("plateau", None)
+        super().load_state_dict(state)
+        if self._plateau is not None and saved is not None:
+            self._plateau.state = saved
+
+    def plateau_step(self, value: float, step: int) -> bool:
+        """One evaluation's metric after optimizer step `step` (1-based); on a decrease the next step's LR is set
+        at once (the scheduler already stepped past this one)."""
+        decreased = self._plateau.step(value, step)
+        if decreased:
+            for group, base, factor in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas, strict=True):
+                group["lr"] = base * factor(self.last_epoch)
+            self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        return decreased
+
+
+def check_plateau(plan: Plan, data: dict) -> None:
+    """A plateau decay needs evaluation data to watch (the recipe's evaluation.every_steps is checked on load)."""
+    decay = plan.recipe.schedule.decay
+    if decay.kind == "plateau" and data.get("eval") is None:
+        raise UserError(f"schedule.decay: kind plateau watches {decay.metric}, but this run has no evaluation data; "
+                        "give --eval-data PATH (or data.eval_path)")
+
+
+def step_plateau(setup, evaluation: dict | None, step: int) -> dict:
+    """After the evaluation of optimizer step `step` (1-based): the plateau decay's step, on every rank alike (the
+    metric is rank 0's, broadcast when only rank 0 evaluated). Returns the fields for the metrics record."""
+    scheduler = setup.scheduler
+    plateau = getattr(scheduler, "plateau", None)
+    if plateau is None or step < setup.plan.warmup_steps:  # evaluations during the warm-up are not counted
+        return {}
+    value = Plateau.metric_value(plateau.metric, evaluation or {})
+    if setup.world.distributed and not setup.sharded:  # a sharded model evaluated on every rank
+        shared = torch.tensor([math.nan if value is None else value], dtype=torch.float64, device=setup.device)
+        torch.distributed.broadcast(shared, src=0)
+        value = None if math.isnan(float(shared)) else float(shared)
+    if value is None:
+        return {}
+    if scheduler.plateau_step(value, step):
+        return {"plateau_lr": scheduler.get_last_lr()[0]}
+    return {}
