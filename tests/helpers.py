@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 import yaml
@@ -138,3 +139,26 @@ def reproduce_run(recipe: dict, tmp_path: Path, out: str, *args: str) -> subproc
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
+
+
+def reproduce_run_here(recipe: dict, tmp_path: Path, out: str, *args: str) -> None:
+    """One process, in this interpreter (faster than a subprocess)."""
+    from reproduce.cli import main
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(path), "--out", str(tmp_path / out), "--device", "cpu", *args])
+    assert exit_info.value.code == 0
+
+
+def weights(tmp_path: Path, out: str) -> dict:
+    """The model.pt a run left in tmp_path / out."""
+    return torch.load(tmp_path / out / "model.pt", weights_only=True)
+
+
+def assert_close_weights(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """The same weights within float32 rounding (runs on several processes sum in another order)."""
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name].float(), b[name].float(), rtol=rtol, atol=atol)

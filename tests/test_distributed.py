@@ -9,33 +9,21 @@ import pytest
 import torch
 import yaml
 
-from helpers import SGD, digits_recipe, lm_recipe, reproduce_run, run_plain
+from helpers import (
+    SGD,
+    assert_close_weights,
+    digits_recipe,
+    lm_recipe,
+    reproduce_run,
+    reproduce_run_here,
+    run_plain,
+    weights,
+)
 from reproduce.data import build_data
 from reproduce.recipe import parse_recipe
 from reproduce.train.trainer import read_metrics
 
 TESTS = Path(__file__).parent
-
-
-def reproduce_run_here(recipe: dict, tmp_path: Path, out: str, *args: str) -> None:
-    """One process, in this interpreter (faster than a subprocess)."""
-    from reproduce.cli import main
-
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    with pytest.raises(SystemExit) as exit_info:
-        main(["run", str(path), "--out", str(tmp_path / out), "--device", "cpu", *args])
-    assert exit_info.value.code == 0
-
-
-def weights(tmp_path: Path, out: str) -> dict:
-    return torch.load(tmp_path / out / "model.pt", weights_only=True)
-
-
-def assert_close_weights(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name].float(), b[name].float(), rtol=rtol, atol=atol)
 
 
 @pytest.mark.distributed

@@ -16,6 +16,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import assert_same_weights
 from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.errors import UserError
@@ -25,7 +26,6 @@ from reproduce.planner import lr_at, plan
 from reproduce.recipe import load_recipe, parse_recipe
 from reproduce.schedules import Plateau, lr_points
 from reproduce.train.trainer import read_metrics, train
-from test_run import assert_same_weights
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 
@@ -367,7 +367,7 @@ def test_exports_say_where_a_phase_restarts_and_never_invent_a_plateau_shape(cap
 def test_plateau_decides_alike_on_every_rank(tmp_path):
     """Under DDP only rank 0 evaluates: its metric is broadcast, so every rank lowers its LR after the same step
     (a rank that did not would train with another LR, and the two processes would not equal one)."""
-    from test_distributed import assert_close_weights, reproduce_run, reproduce_run_here, weights
+    from helpers import assert_close_weights, reproduce_run, reproduce_run_here, weights
 
     recipe = digits({"effective": 128}, 10, {"decay": PLATEAU}, {"every_steps": 2, "at_end": False})
     reproduce_run(recipe, tmp_path, "two", "--micro-batch-max", "16", "--nproc-per-node", "2")
