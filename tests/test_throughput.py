@@ -1,0 +1,133 @@
+"""Throughput: trial rates, the search over exact splits and the choice, from fixed timings (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from reproduce.cli import main
+from reproduce.throughput import MAX_TIMED, choose, exact_splits, next_size, rates, relative_spread
+
+GPT = """\
+batch: {effective: 4096, unit: tokens, sequence_length: 32, devices: 1, per_device: 128}
+task: language-modeling
+model: {builtin: gpt, kwargs: {layers: 1, heads: 2, dim: 32, vocab_size: 64}}
+data: {name: a corpus we do not have, available: false}
+optimizer: {name: adamw, lr: 1.0e-3}
+schedule: {total: {steps: 10}}
+"""
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gpt.yaml").write_text(GPT, encoding="utf-8")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_rates_are_the_micro_batch_over_the_step():
+    assert rates(8, 0.5, None) == (16.0, None)
+    assert rates(8, 0.5, 32) == (16.0, 512.0)
+    assert rates(8, None, 32) == (None, None)
+
+
+def test_probe_json_trials_carry_their_rates(capsys):
+    code, out, err = cli(capsys, "probe", "gpt.yaml", "--meter", "cpu", "--memory", "2MiB", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    fitting = [t for t in result["trials"] if t["fits"]]
+    assert fitting and all(t["step_seconds"] > 0 for t in fitting)
+    for trial in fitting:
+        assert trial["samples_per_second"] == pytest.approx(trial["micro_batch"] / trial["step_seconds"], rel=1e-3)
+        assert trial["tokens_per_second"] == pytest.approx(32 * trial["samples_per_second"], rel=1e-3)
+    assert all(t["samples_per_second"] is None for t in result["trials"] if not t["fits"])
+    code, out, err = cli(capsys, "probe", "gpt.yaml", "--meter", "cpu", "--memory", "2MiB")
+    assert "samples/s" in out and "tokens/s" in out
+
+
+def test_exact_splits_divide_the_per_rank_batch_largest_first():
+    assert exact_splits(64, 40) == [32, 16, 8, 4, 2, 1]
+    assert exact_splits(12, 100) == [12, 6, 4, 3, 2, 1]
+    assert exact_splits(7, 5) == [1]
+
+
+def search(splits, seconds, timed=None, noise=0.03):
+    """Run the search against fixed micro-step times; return the sizes it timed, in order."""
+    timed, order = dict(timed or {}), []
+    while (size := next_size(splits, timed, noise)) is not None:
+        assert size in splits and size not in timed  # never times a size twice
+        order.append(size)
+        timed[size] = seconds[size]
+    return order, timed
+
+
+def test_search_stops_when_halving_is_no_faster():
+    flat = {m: 0.01 * m for m in (32, 16, 8, 4, 2, 1)}  # every split runs at the same rate
+    order, _ = search([32, 16, 8, 4, 2, 1], flat)
+    assert order == [32, 16]
+
+
+def test_search_follows_a_faster_smaller_size_and_is_bounded():
+    faster_small = {m: 0.01 * m * (1 + m / 64) for m in (64, 32, 16, 8, 4, 2, 1)}  # smaller is always faster
+    order, _ = search([64, 32, 16, 8, 4, 2, 1], faster_small)
+    assert order == [64, 32, 16, 8][:MAX_TIMED]
+
+
+def test_search_reuses_the_probes_timings():
+    seconds = {m: 0.01 * m for m in (32, 16, 8, 4, 2, 1)}
+    order, _ = search([32, 16, 8, 4, 2, 1], seconds, timed={32: 0.32, 2: 0.02})
+    assert order == [16]
+
+
+def test_choice_takes_the_most_samples_per_second():
+    decision = choose([32, 16, 8], 64, {32: 0.40, 16: 0.10, 8: 0.09}, {32: "probe trial"}, sequence_length=10)
+    assert (decision.micro_batch, decision.accumulation_steps) == (16, 4)
+    rows = {c.micro_batch: c for c in decision.candidates}
+    assert rows[16].chosen and rows[16].share_of_best == 1
+    assert rows[32].samples_per_second == pytest.approx(80) and rows[32].step_seconds == pytest.approx(0.8)
+    assert rows[8].share_of_best == pytest.approx((8 / 0.09) / 160)
+    assert rows[16].tokens_per_second == pytest.approx(1600) and rows[32].source == "probe trial"
+    assert "the most samples per second" in decision.reason
+
+
+def test_ties_within_the_noise_go_to_the_larger_micro_batch():
+    timed = {32: 0.32, 16: 0.158}  # 16 is 1.3% faster: within a 3% floor
+    decision = choose([32, 16], 64, timed, {}, None)
+    assert decision.micro_batch == 32 and "ties go to the larger micro-batch" in decision.reason
+    noisy = choose([32, 16], 64, {32: 0.32, 16: 0.15}, {}, None, noise=0.10)  # 6.7% faster, 10% noise
+    assert noisy.micro_batch == 32
+    clear = choose([32, 16], 64, {32: 0.32, 16: 0.15}, {}, None, noise=0.01)
+    assert clear.micro_batch == 16
+
+
+def test_batchnorm_keeps_the_papers_per_device_batch():
+    decision = choose([64, 32, 16], 64, {64: 0.5, 32: 0.2, 16: 0.2}, {}, None, batchnorm_micro_batch=16)
+    assert decision.micro_batch == 16 and decision.accumulation_steps == 4
+    assert "BatchNorm" in decision.reason and "by throughput alone: 32" in decision.reason
+
+
+def test_nothing_to_choose_is_said():
+    assert "only micro-batch 1 fits" in choose([1], 64, {1: 0.1}, {}, None, micro_batch_max=1).reason
+    assert "one exact split" in choose([7], 7, {7: 0.1}, {}, None, micro_batch_max=9).reason
+
+
+def test_relative_spread():
+    assert relative_spread([1.0, 1.1, 0.9]) == pytest.approx(0.2)
+    assert relative_spread([1.0]) == 0.0
