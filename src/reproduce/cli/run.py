@@ -72,7 +72,11 @@ class PlainReporter:
             line += f" eval_loss {record['eval_loss']:.4f}"
         if "eval_accuracy" in record:
             line += f" eval_accuracy {record['eval_accuracy']:.4f}"
-        print(line + f" ({time.perf_counter() - self.started:.1f}s)", flush=True)
+        rate = ""
+        if record.get("tokens_per_second") or record.get("samples_per_second"):  # this step's (train/rates.py)
+            rate = (f" {record['tokens_per_second']:,.0f} tokens/s" if record.get("tokens_per_second")
+                    else f" {record['samples_per_second']:,.0f} samples/s")
+        print(line + rate + f" ({time.perf_counter() - self.started:.1f}s)", flush=True)
 
     def message(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
@@ -87,9 +91,11 @@ class RichReporter(PlainReporter):
     def start(self, plan: Plan, total_steps: int, first_step: int) -> None:
         super().start(plan, total_steps, first_step)
         self.samples = 0
+        self.rate_unit = "tokens/s" if plan.recipe.batch.sequence_length else f"{plan.unit}/s"
         self.progress = Progress(
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-            TextColumn("micro x{task.fields[micro]}  loss {task.fields[loss]}  {task.fields[rate]} samples/s"),
+            TextColumn("micro x{task.fields[micro]}  loss {task.fields[loss]}  {task.fields[rate]} "
+                       + self.rate_unit),
             TimeRemainingColumn(), console=stdout,
         )
         self.task = self.progress.add_task(
@@ -99,8 +105,8 @@ class RichReporter(PlainReporter):
 
     def step(self, record: dict) -> None:
         self.samples += record["samples"]
-        rate = self.samples / max(time.perf_counter() - self.started, 1e-9)
-        self.progress.update(self.task, advance=1, loss=f"{record['loss']:.4f}", rate=f"{rate:.0f}")
+        rate = record.get("tokens_per_second") or record.get("samples_per_second") or 0  # this step's (rates.py)
+        self.progress.update(self.task, advance=1, loss=f"{record['loss']:.4f}", rate=f"{rate:,.0f}")
 
     def message(self, text: str) -> None:
         stderr.print(text)

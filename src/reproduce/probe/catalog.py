@@ -74,6 +74,8 @@ GPUS = {
     for gpu in (
         Gpu("h200", "NVIDIA H200", 141, "HBM3e", "hopper", _NVIDIA + "h200/"),
         Gpu("h100-80gb", "NVIDIA H100 (SXM or PCIe) 80GB", 80, "HBM3 / HBM2e", "hopper", _NVIDIA + "h100/"),
+        Gpu("h100-sxm", "NVIDIA H100 SXM 80GB", 80, "HBM3", "hopper", _NVIDIA + "h100/"),
+        Gpu("h100-pcie", "NVIDIA H100 PCIe 80GB", 80, "HBM2e", "hopper", _NVIDIA + "h100/"),
         Gpu("h100-nvl", "NVIDIA H100 NVL", 94, "HBM3", "hopper", _NVIDIA + "h100/"),
         Gpu("a100-80gb", "NVIDIA A100 80GB", 80, "HBM2e", "ampere", _NVIDIA + "a100/"),
         Gpu("a100-40gb", "NVIDIA A100 40GB", 40, "HBM2", "ampere", _NVIDIA + "a100/"),
