@@ -18,6 +18,14 @@ data: {name: a corpus we do not have, available: false}
 optimizer: {name: adamw, lr: 1.0e-3}
 schedule: {total: {steps: 10}}
 """
+LOCAL_GPT = """\
+batch: {effective: 512, unit: tokens, sequence_length: 16}
+task: language-modeling
+model: {builtin: gpt, kwargs: {layers: 1, heads: 2, dim: 16}}
+data: {builtin: pysource}
+optimizer: {name: adamw, lr: 1.0e-3}
+schedule: {total: {steps: 3}}
+"""
 
 
 @pytest.fixture(autouse=True)
@@ -126,8 +134,67 @@ def test_batchnorm_keeps_the_papers_per_device_batch():
 def test_nothing_to_choose_is_said():
     assert "only micro-batch 1 fits" in choose([1], 64, {1: 0.1}, {}, None, micro_batch_max=1).reason
     assert "one exact split" in choose([7], 7, {7: 0.1}, {}, None, micro_batch_max=9).reason
+    untimed = choose([1], 64, {}, {}, None, micro_batch_max=1)
+    assert untimed.micro_batch == 1 and untimed.candidates == [] and "only micro-batch 1 fits" in untimed.reason
 
 
 def test_relative_spread():
     assert relative_spread([1.0, 1.1, 0.9]) == pytest.approx(0.2)
+    assert relative_spread([1.0, 1.02, 0.98, 1.0, 5.0]) == pytest.approx(0.04)  # one slowed repeat does not count
     assert relative_spread([1.0]) == 0.0
+
+
+def plan_json(capsys, *argv: str) -> dict:
+    code, out, err = cli(capsys, "plan", *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_plan_policy_throughput_times_exact_splits_and_says_why(capsys):
+    summary = plan_json(capsys, "gpt.yaml", "--meter", "cpu", "--memory", "2MiB", "--policy", "throughput")
+    decision = summary["throughput"]
+    assert summary["policy"] == "throughput" and summary["exact"] is True
+    assert summary["micro_batch"] == decision["micro_batch"] and summary["accumulation_steps"] == decision[
+        "accumulation_steps"]
+    assert summary["micro_batch"] * summary["accumulation_steps"] == 128  # 4096 tokens / 32
+    candidates = decision["candidates"]
+    probed = {t["micro_batch"] for t in summary["probe"]["trials"] if t["fits"] and t["step_seconds"]}
+    assert 1 < len(candidates) < decision["exact_splits"]  # a few, not every split
+    assert sum(c["chosen"] for c in candidates) == 1 and decision["reason"]
+    for c in candidates:
+        assert 128 % c["micro_batch"] == 0 and c["micro_batch"] <= summary["micro_batch_max"]
+        assert c["step_seconds"] == pytest.approx(c["accumulation_steps"] * c["micro_step_seconds"])
+        assert c["samples_per_second"] == pytest.approx(128 / c["step_seconds"])
+        assert c["source"] == ("probe trial" if c["micro_batch"] in probed else "timed")
+    assert max(c["share_of_best"] for c in candidates) == 1
+    code, out, err = cli(capsys, "plan", "gpt.yaml", "--meter", "cpu", "--memory", "2MiB", "--policy", "throughput")
+    assert code == 0 and "--policy throughput (measured on cpu)" in out and "throughput: micro-batch" in out
+
+
+def test_estimate_meter_lets_the_flops_model_decide(capsys):
+    summary = plan_json(capsys, "gpt.yaml", "--gpu", "a100-80gb", "--policy", "throughput")
+    decision = summary["throughput"]
+    assert decision["basis"] == "model" and "a model, not a measurement" in decision["reason"]
+    assert all(c["source"] == "model" for c in decision["candidates"])
+    assert summary["micro_batch"] == max(exact_splits(128, summary["micro_batch_max"]))  # larger is never slower
+
+
+def test_nothing_to_choose_times_nothing(capsys):
+    only_one = plan_json(capsys, "gpt.yaml", "--micro-batch-max", "1", "--policy", "throughput")
+    assert only_one["micro_batch"] == 1 and only_one["throughput"]["candidates"] == []
+    assert only_one["throughput"]["reason"] == "only micro-batch 1 fits: nothing to choose"
+    one_split = plan_json(capsys, "gpt.yaml", "--micro-batch-max", "4", "--world-size", "128", "--policy", "throughput")
+    assert one_split["throughput"]["reason"].startswith("one exact split (1 x 1)")  # one sequence per process
+
+
+def test_run_with_policy_throughput_keeps_the_choice_and_logs_tokens_per_second(tmp_path, capsys):
+    (tmp_path / "local.yaml").write_text(LOCAL_GPT, encoding="utf-8")
+    code, out, err = cli(capsys, "run", "local.yaml", "--micro-batch-max", "16", "--policy", "throughput",
+                         "--max-steps", "2", "--out", "out", "--no-noise-scale")
+    assert code == 0, err
+    from reproduce.planfile import load_plan
+
+    saved = load_plan(tmp_path / "out" / "plan.yaml")
+    assert saved.policy == "throughput" and saved.throughput["micro_batch"] == saved.micro_batch
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["tokens_per_second"] > 0 and r["micro_batch"] == saved.micro_batch for r in records)

@@ -16,6 +16,7 @@ them; the CLI (cli/throughput.py) gathers them.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass
 
 MAX_TIMED = 4  # sizes timed in all by the search (the largest included)
@@ -114,19 +115,20 @@ def choose(
         raise ValueError("no exact split to choose from")
     noise = max(noise, NOISE_FLOOR)
     shown = sorted((m for m in timed if m in splits), reverse=True)
+    nothing = ("only micro-batch 1 fits: nothing to choose" if micro_batch_max == 1 else
+               f"one exact split ({splits[0]} x {per_rank_batch // splits[0]}): nothing to choose"
+               if len(splits) == 1 else None)
     if not shown:  # nothing timed: the largest, for want of a measurement
         micro = batchnorm_micro_batch or splits[0]
-        return Decision(micro, per_rank_batch // micro, [], "no step was timed: the largest exact micro-batch",
-                        basis, noise, len(splits))
+        return Decision(micro, per_rank_batch // micro, [], nothing or "no step was timed: the largest exact "
+                        "micro-batch", basis, noise, len(splits))
     rate = {m: m / timed[m] for m in shown}
     best_rate = max(rate.values())
     fastest = max(shown, key=lambda m: rate[m])
     within = [m for m in shown if rate[m] >= best_rate / (1 + noise)]
     micro = max(within)
-    if micro_batch_max == 1:
-        reason = "only micro-batch 1 fits: nothing to choose"
-    elif len(splits) == 1:
-        reason = f"one exact split ({splits[0]} x {per_rank_batch // splits[0]}): nothing to choose"
+    if nothing:
+        reason = nothing
     elif micro == fastest:
         reason = f"micro-batch {micro}: the most samples per second of the {len(shown)} timed"
         if len(within) == 1 and len(shown) > 1:
@@ -156,11 +158,14 @@ def choose(
 
 
 def relative_spread(samples: list[float]) -> float:
-    """(max - min) / median of repeated timings: the noise a difference has to exceed to count."""
-    ordered = sorted(samples)
-    if len(ordered) < 2 or ordered[len(ordered) // 2] <= 0:
+    """The noise a difference has to exceed to count: twice the median absolute deviation of repeated timings over
+    their median (robust to the one repeat a busy machine slows down; about 1.35 standard deviations)."""
+    if len(samples) < 2:
         return 0.0
-    return (ordered[-1] - ordered[0]) / ordered[len(ordered) // 2]
+    middle = statistics.median(samples)
+    if middle <= 0:
+        return 0.0
+    return 2 * statistics.median(abs(s - middle) for s in samples) / middle
 
 
 def model_micro_step(micro_batch: int, flops_per_sample: float, peak_flops: float, mfu: float,
