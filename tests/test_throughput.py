@@ -198,3 +198,27 @@ def test_run_with_policy_throughput_keeps_the_choice_and_logs_tokens_per_second(
     assert saved.policy == "throughput" and saved.throughput["micro_batch"] == saved.micro_batch
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["tokens_per_second"] > 0 and r["micro_batch"] == saved.micro_batch for r in records)
+
+
+BATCHNORM = """\
+batch: {effective: 64, unit: samples, devices: 4, per_device: 16}
+task: classification
+model: {builtin: cnn-bn, norm_layers: [batchnorm], kwargs: {channels: 4}}
+data: {builtin: digits}
+optimizer: {name: sgd, lr: 0.1, momentum: 0.9}
+schedule: {total: {steps: 10}}
+"""
+
+
+def test_batchnorm_keeps_the_per_device_batch_unless_freed(tmp_path, capsys):
+    (tmp_path / "bn.yaml").write_text(BATCHNORM, encoding="utf-8")
+    kept = plan_json(capsys, "bn.yaml", "--micro-batch-max", "64", "--policy", "throughput")
+    assert kept["micro_batch"] == 16 and kept["accumulation_steps"] == 4 and kept["batchnorm"] is None
+    assert kept["throughput"]["candidates"]  # still timed, so the cost of keeping it is seen
+    if kept["throughput"]["reason"].startswith("micro-batch 16: the paper's per-device batch"):
+        assert "kept for BatchNorm" in kept["throughput"]["reason"]
+    freed = plan_json(capsys, "bn.yaml", "--micro-batch-max", "64", "--policy", "throughput", "--free-batchnorm")
+    assert freed["micro_batch"] == freed["throughput"]["micro_batch"]
+    assert "kept for BatchNorm" not in freed["throughput"]["reason"]
+    if freed["micro_batch"] != 16:  # the plan's own BatchNorm warning, and the decision's, say so
+        assert freed["batchnorm"] and "not the paper's 16" in freed["throughput"]["reason"]

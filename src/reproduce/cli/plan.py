@@ -34,7 +34,15 @@ from .probe import (
     probe_options,
     render_costs,
 )
-from .throughput import DEFAULT_MFU, MFU_HELP, check_mfu, predict, render_prediction, render_throughput
+from .throughput import (
+    DEFAULT_MFU,
+    FREE_BATCHNORM_HELP,
+    MFU_HELP,
+    check_mfu,
+    predict,
+    render_prediction,
+    render_throughput,
+)
 
 
 class Policy(str, Enum):
@@ -84,6 +92,7 @@ def plan_and_probe(
     probe: ProbeOptions | None = None,
     data: dict | None = None,
     quiet: bool = False,
+    keep_batchnorm: bool = True,
 ) -> tuple[Plan, ProbeResult | None]:
     """`make_plan`, also returning the probe's result (None when `micro_batch_max` was given).
 
@@ -124,7 +133,7 @@ def plan_and_probe(
         from .throughput import throughput_plan
 
         return throughput_plan(recipe, recipe_path, micro_batch_max, world_size, dataset_size, result, data=data,
-                               quiet=quiet), result
+                               quiet=quiet, keep_batchnorm=keep_batchnorm), result
     the_plan = plan(
         recipe, micro_batch_max, world_size, policy.value, dataset_size=dataset_size, recipe_path=recipe_path
     )
@@ -169,6 +178,7 @@ def plan_command(
         None, "--emit", metavar="FORMAT", help=f"Print the plan as {', '.join(FORMATS)} settings, not the table."
     ),
     assumed_mfu: float = typer.Option(DEFAULT_MFU, "--mfu", help=MFU_HELP),
+    free_batchnorm: bool = typer.Option(False, "--free-batchnorm", help=FREE_BATCHNORM_HELP),
 ) -> None:
     """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps.
 
@@ -184,7 +194,7 @@ def plan_command(
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     the_plan, result = plan_and_probe(
         recipe, str(recipe_path), micro_batch_max, world_size, policy, probe=options,
-        quiet=as_json or emit_format is not None,
+        quiet=as_json or emit_format is not None, keep_batchnorm=not free_batchnorm,
     )
     if out is not None:
         save_plan(the_plan, out)

@@ -27,6 +27,10 @@ from ..recipe import Recipe
 from ..throughput import choose, exact_splits, model_micro_step, next_size, relative_spread
 from .common import stderr, stdout
 
+FREE_BATCHNORM_HELP = (
+    "With --policy throughput and a BatchNorm model: let the timings choose its micro-batch too (its statistics are "
+    "then over another batch than the paper's per-device one)."
+)
 MFU_HELP = "The MFU assumed by the predicted time (default 0.40; see docs/throughput.md for its source)."
 
 
