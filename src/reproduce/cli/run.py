@@ -53,6 +53,8 @@ class PlainReporter:
             + ("" if plan.exact else f", not the paper's {plan.paper_effective_batch}: lr {plan.lr:.6g} "
                f"({plan.lr_rule})")
         )
+        if plan.throughput:  # --policy throughput: why this split (cli/throughput.py)
+            stdout.print(f"--policy throughput: {plan.throughput['reason']}", markup=False, soft_wrap=True)
         for line in phase_lines(plan):
             stdout.print(line, markup=False)
         if plan.recipe.batch.sharding == "fsdp":
