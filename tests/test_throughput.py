@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from reproduce.cli import main
-from reproduce.throughput import MAX_TIMED, choose, exact_splits, next_size, rates, relative_spread
+from reproduce.throughput import (
+    MAX_TIMED,
+    choose,
+    exact_splits,
+    model_micro_step,
+    next_size,
+    rates,
+    relative_spread,
+)
 
 GPT = """\
 batch: {effective: 4096, unit: tokens, sequence_length: 32, devices: 1, per_device: 128}
@@ -177,6 +185,22 @@ def test_estimate_meter_lets_the_flops_model_decide(capsys):
     assert decision["basis"] == "model" and "a model, not a measurement" in decision["reason"]
     assert all(c["source"] == "model" for c in decision["candidates"])
     assert summary["micro_batch"] == max(exact_splits(128, summary["micro_batch_max"]))  # larger is never slower
+
+
+def test_without_a_probe_the_gpu_named_gets_the_model(capsys):
+    summary = plan_json(capsys, "gpt.yaml", "--micro-batch-max", "64", "--gpu", "a100-80gb", "--policy", "throughput")
+    assert summary["throughput"]["basis"] == "model" and summary["micro_batch"] == 64 and "probe" not in summary
+
+
+def test_the_model_reads_the_weights_once_per_micro_step():
+    """Compute-bound: seconds in proportion to m; memory-bound (small m): the weights' read time, the same for
+    every m, so a smaller micro-batch is never faster per sample."""
+    flops, peak, mfu, weights, bandwidth = 1e9, 1e12, 0.5, 3e8, 1e11  # 2 ms per sample; 9 ms to read the weights
+    assert model_micro_step(64, flops, peak, mfu, weights, bandwidth) == pytest.approx(64 * 2e-3)
+    assert model_micro_step(1, flops, peak, mfu, weights, bandwidth) == pytest.approx(9e-3)
+    assert model_micro_step(1, flops, peak, mfu) == pytest.approx(2e-3)  # no bandwidth known: compute only
+    per_sample = [model_micro_step(m, flops, peak, mfu, weights, bandwidth) / m for m in (1, 2, 4, 8, 64)]
+    assert per_sample == sorted(per_sample, reverse=True)
 
 
 def test_nothing_to_choose_times_nothing(capsys):

@@ -133,7 +133,7 @@ def plan_and_probe(
         from .throughput import throughput_plan
 
         return throughput_plan(recipe, recipe_path, micro_batch_max, world_size, dataset_size, result, data=data,
-                               quiet=quiet, keep_batchnorm=keep_batchnorm), result
+                               quiet=quiet, keep_batchnorm=keep_batchnorm, gpu=probe.gpu if probe else None), result
     the_plan = plan(
         recipe, micro_batch_max, world_size, policy.value, dataset_size=dataset_size, recipe_path=recipe_path
     )

@@ -41,8 +41,12 @@ def check_mfu(assumed_mfu: float) -> None:
 
 def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, world_size: int,
                     dataset_size: int | dict | None, result: ProbeResult | None, data: dict | None = None,
-                    quiet: bool = False, keep_batchnorm: bool = True, assumed_mfu: float = DEFAULT_MFU) -> Plan:
-    """The exact plan whose split has the most samples per second (the decision under `plan.throughput`)."""
+                    quiet: bool = False, keep_batchnorm: bool = True, assumed_mfu: float = DEFAULT_MFU,
+                    gpu: str | None = None) -> Plan:
+    """The exact plan whose split has the most samples per second (the decision under `plan.throughput`).
+
+    `gpu`: the --gpu named; without a probe (--micro-batch-max) the FLOPs model decides for that card.
+    """
     if recipe.batch.phases or recipe.batch.ramp or isinstance(micro_batch_max, dict):
         raise UserError("--policy throughput: not available with batch phases or a ramp (each phase has its own "
                         "split); use --policy exact")
@@ -64,9 +68,9 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, worl
     basis, where = "measured", None
     if micro_batch_max == 1 or len(splits) == 1:
         pass  # nothing to choose: nothing timed
-    elif result is not None and result.meter == "estimate":
+    elif (result is not None and result.meter == "estimate") or (result is None and gpu is not None):
         basis, where = "model", "the FLOPs model"
-        timed, sources = _model_times(recipe, result, splits, data, assumed_mfu)
+        timed, sources = _model_times(recipe, result.gpu if result is not None else gpu, splits, data, assumed_mfu)
     else:
         import torch
 
@@ -100,17 +104,18 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, worl
     return chosen.model_copy(update={"throughput": record})
 
 
-def _model_times(recipe: Recipe, result: ProbeResult, splits: list[int], data: dict | None, assumed_mfu: float
+def _model_times(recipe: Recipe, gpu: str | None, splits: list[int], data: dict | None, assumed_mfu: float
                  ) -> tuple[dict[int, float], dict[int, str]]:
-    """Micro-step seconds by the FLOPs model on the probed GPU: nothing is timed under the estimate meter."""
+    """Micro-step seconds by the FLOPs model on the GPU named: nothing is timed under the estimate meter."""
+    from ..probe.catalog import lookup
     from ..probe.flops import recipe_flops
     from ..probe.peaks import peaks_of, precision_key
 
-    peaks = peaks_of(result.gpu)
+    peaks = peaks_of(lookup(gpu).name) if gpu else None
     flops = recipe_flops(recipe, data)
     key = precision_key(recipe.precision, flops.convolution_share > 0.5)
     peak = peaks.flops(key) if peaks else None
-    weights = next((t.parts["step"]["weights"] for t in result.trials if t.parts and "step" in t.parts), None)
+    weights = flops.weight_bytes
     if peak is None:  # no peak: every split costs the same FLOPs per sample, so none is faster (the largest wins)
         return {m: m * flops.per_sample for m in splits}, dict.fromkeys(splits, "model (FLOPs only)")
     times = {m: model_micro_step(m, flops.per_sample, peak, assumed_mfu, weights, peaks.bandwidth) for m in splits}

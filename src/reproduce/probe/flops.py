@@ -27,6 +27,7 @@ class SampleFlops:
     per_sample: float  # forward + backward FLOPs of one sample
     by_op: dict[str, float]  # per sample, by aten op
     sequence_length: int | None
+    weight_bytes: int = 0  # the parameters as stored (what each micro-step reads from memory)
 
     @property
     def convolution_share(self) -> float:
@@ -70,8 +71,9 @@ def count_flops(recipe, data_info: dict | None, batch: tuple, capability: tuple[
             loss = loss_fn(model(inputs), targets)
             loss.backward()
     by_op = {str(op): count / samples for op, count in counter.get_flop_counts().get("Global", {}).items()}
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     return SampleFlops(per_sample=counter.get_total_flops() / samples, by_op=by_op,
-                       sequence_length=recipe.batch.sequence_length)
+                       sequence_length=recipe.batch.sequence_length, weight_bytes=weights)
 
 
 def recipe_flops(recipe, data: dict | None = None, capability: tuple[int, int] | None = None) -> SampleFlops:
