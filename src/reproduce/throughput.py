@@ -130,7 +130,8 @@ def choose(
     if nothing:
         reason = nothing
     elif micro == fastest:
-        reason = f"micro-batch {micro}: the most samples per second of the {len(shown)} timed"
+        reason = f"micro-batch {micro}: the most samples per second of the {len(shown)} " + (
+            "modelled" if basis == "model" else "timed")
         if len(within) == 1 and len(shown) > 1:
             runner_up = max((m for m in shown if m != micro), key=lambda m: rate[m])
             reason += f" ({rate[micro] / rate[runner_up] - 1:+.0%} over micro-batch {runner_up})"

@@ -134,10 +134,10 @@ def render_throughput(p: Plan) -> None:
     if candidates:
         table = Table(title=title, title_justify="left")
         tokens = any(c["tokens_per_second"] for c in candidates)
-        for column in ("micro x accum", "s / optimizer step", f"{unit}/s", "tokens/s" if tokens else "", "% of best",
-                       "from", ""):
-            if column or column == "":
-                table.add_column(column, justify="left" if column in ("micro x accum", "from", "") else "right")
+        columns = ["micro x accum", "s / optimizer step", f"{unit}/s", *(["tokens/s"] if tokens else []), "% of best",
+                   "from", ""]
+        for column in columns:
+            table.add_column(column, justify="left" if column in ("micro x accum", "from", "") else "right")
         for c in candidates:
             table.add_row(
                 f"{c['micro_batch']} x {c['accumulation_steps']}", f"{c['step_seconds']:.3g}",
@@ -177,7 +177,8 @@ def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assume
         this = _predict(samples, flops.per_sample, p.world_size, peak, assumed_mfu)
         basis = f"FLOPs model: {p.world_size} x {entry.title} at {_tflops(peak)} {key} x MFU {assumed_mfu:.0%}"
         if peak is None:
-            notes.append(f"{entry.title}: no datasheet peak for {key} in the catalog: no prediction")
+            why = peaks_of(entry.name).source if peaks_of(entry.name) else "not in probe/peaks.py"
+            notes.append(f"{entry.title}: no datasheet peak for {key} in the catalog ({why}): no prediction")
     else:
         notes.append("no prediction for this plan: give --gpu NAME, or probe a local device (--meter cuda or cpu)")
     if samples is None:
