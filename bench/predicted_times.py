@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from reproduce.cli.throughput import total_samples
 from reproduce.errors import UserError
 from reproduce.planner import plan
 from reproduce.prediction import DEFAULT_MFU, predicted_seconds
@@ -73,7 +74,7 @@ def main() -> None:
         key = precision_key(recipe.precision, flops.convolution_share > 0.5)
         peaks = peaks_of(gpu.name)
         peak = peaks.flops(key) if peaks else None
-        samples = the_plan.optimizer_steps * the_plan.effective_batch
+        samples = round(total_samples(the_plan))  # batch phases and ramps: each stretch's own batch
         seconds = predicted_seconds(1, samples * flops.per_sample, devices or 1, peak, args.mfu)
         reported = REPORTED.get(path.stem)
         if seconds is None:

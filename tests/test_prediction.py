@@ -91,3 +91,27 @@ def test_without_hardware_there_is_no_prediction_and_bad_mfu_is_one_line(capsys,
     code, out, err = cli(capsys, "plan", "paper.yaml", "--micro-batch-max", "16", "--mfu", "1.5", "--out", "p.yaml")
     assert code == 2 and err.strip().splitlines()[-1].startswith("error: --mfu: expected a fraction")
     assert "Traceback" not in err and not (tmp_path / "p.yaml").exists()  # nothing written
+
+
+def test_a_batch_ramp_counts_each_stretchs_own_batch():
+    from pathlib import Path
+
+    from reproduce.cli.throughput import total_samples
+    from reproduce.planner import plan
+    from reproduce.recipe import load_recipe
+
+    recipe = load_recipe(Path(__file__).parent.parent / "papers" / "brown2020-gpt3-small.yaml")
+    the_plan = plan(recipe, 4, 1)
+    expected = sum(((p.end_step if p.end_step is not None else the_plan.optimizer_steps) - p.start_step)
+                   * p.effective_batch for p in the_plan.phases)
+    assert total_samples(the_plan) == expected < the_plan.optimizer_steps * the_plan.effective_batch
+
+
+def test_exported_throughput_plan_names_the_chosen_micro_batch(capsys):
+    from reproduce.cli.throughput import throughput_plan
+    from reproduce.export import emit
+    from reproduce.recipe import load_recipe
+
+    the_plan = throughput_plan(load_recipe("paper.yaml"), "paper.yaml", 64, 1, None, None, gpu="a100-80gb")
+    assert the_plan.policy == "throughput" and the_plan.throughput["basis"] == "model"
+    assert f"--micro-batch-max {the_plan.micro_batch} --world-size 1" in emit(the_plan, "torchrun")

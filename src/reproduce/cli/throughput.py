@@ -164,7 +164,7 @@ def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assume
     flops = recipe_flops(recipe, data)
     tf32 = flops.convolution_share > 0.5  # cuDNN runs fp32 convolutions on TF32 tensor cores by default
     key = precision_key(recipe.precision, tf32)
-    samples = _total_samples(p)
+    samples = total_samples(p)
     out: dict = {"flops_per_sample": flops.per_sample, "flops_per_step": flops.per_sample * p.effective_batch,
                  "precision": key, "mfu_assumed": assumed_mfu, "mfu_source": MFU_SOURCE}
     this, basis = None, None
@@ -201,13 +201,22 @@ def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assume
     return out
 
 
-def _total_samples(p: Plan) -> int | None:
+def total_samples(p: Plan) -> float | None:
+    """The samples of the whole schedule, in samples of the main sequence length (batch phases of another length
+    count in proportion to their tokens: FLOPs per token taken as constant)."""
     if p.optimizer_steps is None:
         return None
-    return p.optimizer_steps * p.effective_batch
+    if not p.phases:
+        return p.optimizer_steps * p.effective_batch
+    main, total = p.recipe.batch.sequence_length, 0.0
+    for phase in p.phases:
+        end = min(phase.end_step if phase.end_step is not None else p.optimizer_steps, p.optimizer_steps)
+        steps = max(0, end - phase.start_step)
+        total += steps * phase.effective_batch * ((phase.sequence_length or main) / main if main else 1)
+    return total
 
 
-def _predict(samples: int | None, per_sample: float, devices: int, peak: float | None, assumed_mfu: float
+def _predict(samples: float | None, per_sample: float, devices: int, peak: float | None, assumed_mfu: float
              ) -> float | None:
     if samples is None:
         return None
