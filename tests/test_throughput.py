@@ -247,3 +247,11 @@ def test_batchnorm_keeps_the_per_device_batch_unless_freed(tmp_path, capsys):
     assert "kept for BatchNorm" not in freed["throughput"]["reason"]
     if freed["micro_batch"] != 16:  # the plan's own BatchNorm warning, and the decision's, say so
         assert freed["batchnorm"] and "not the paper's 16" in freed["throughput"]["reason"]
+
+
+def test_throughput_under_the_launcher_is_refused_before_launching(tmp_path, capsys):
+    (tmp_path / "local.yaml").write_text(LOCAL_GPT, encoding="utf-8")
+    code, out, err = cli(capsys, "run", "local.yaml", "--policy", "throughput", "--nproc-per-node", "2",
+                         "--micro-batch-max", "4", "--out", "out", "--device", "cpu")
+    assert code == 2 and "launching" not in out and "plan first" in err.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()

@@ -286,6 +286,9 @@ def run_command(
         recipe, plan = _recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
         check_sharding(recipe, nproc_per_node * nnodes)
         _check_sharded_probe(recipe, plan, micro_batch_max, meter)
+        if policy is Policy.throughput and plan is None and nproc_per_node * nnodes > 1:
+            raise UserError("--policy throughput: each process would time its own device and might choose another "
+                            "split; plan first (reproduce plan --policy throughput --out plan.yaml) and run that plan")
         args = _forwarded_args(
             source, out,
             {"--policy": policy.value, "--device": device, "--micro-batch-max": micro_batch_max,
