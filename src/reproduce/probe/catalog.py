@@ -18,6 +18,10 @@ with a line saying so rather than guessing a budget.
 `cublaslt_workspace` is the cuBLASLt workspace PyTorch allocates per handle on that architecture
 (1 MiB by default, 4 MiB on Ampere cards with 24 GB or more, 32 MiB on Hopper); the estimate meter
 adds it to its margin.
+
+Each card's dense peak FLOP/s per precision and its memory bandwidth (MFU, the predicted time, the throughput
+policy's model) are in probe/peaks.py, by the same names; `h100-sxm` and `h100-pcie` name the two H100 80GB cards,
+whose rates differ (`h100-80gb`, either of them, plans memory alike but has no single peak).
 """
 
 from __future__ import annotations
