@@ -75,7 +75,7 @@ class Plan(Frozen):
     format: Literal["reproduce-plan/1"] = "reproduce-plan/1"
     recipe_path: str | None = None
     recipe: Recipe
-    policy: Literal["exact", "fast"]
+    policy: Literal["exact", "fast", "throughput"]
     micro_batch_max: int
     micro_batch: int
     accumulation_steps: int
@@ -108,6 +108,8 @@ class Plan(Frozen):
     warnings: list[str] = []
     # batch.phases / batch.ramp: the batch each stretch of optimizer steps takes (empty: the batch above throughout)
     phases: list[PlanPhase] = []
+    # policy throughput: the exact splits timed and why the micro-batch was chosen (cli/throughput.py)
+    throughput: dict | None = None
 
     @property
     def arithmetic(self) -> str:
@@ -125,14 +127,17 @@ def plan(
     recipe: Recipe,
     micro_batch_max: int | Mapping[int | None, int],
     world_size: int = 1,
-    policy: Literal["exact", "fast"] = "exact",
+    policy: Literal["exact", "fast", "throughput"] = "exact",
     dataset_size: int | Mapping[int | None, int] | None = None,
     recipe_path: str | None = None,
+    micro_batch: int | None = None,
 ) -> Plan:
     """The plan for `recipe` on `world_size` processes that each fit `micro_batch_max` samples.
 
     With batch phases the micro-batch that fits, and the training samples, depend on the sequence length: both may
-    be given per length ({sequence_length: value}); a single number holds for every length.
+    be given per length ({sequence_length: value}); a single number holds for every length. Policy `throughput` is
+    `exact` with the micro-batch `micro_batch` (the exact split the throughput search chose, reproduce/throughput.py)
+    when given, else the largest.
     """
     maxima = micro_batch_max if isinstance(micro_batch_max, Mapping) else None
     sizes = dataset_size if isinstance(dataset_size, Mapping) else None
@@ -145,8 +150,9 @@ def plan(
         raise UserError(f"--micro-batch-max: must be >= 1 (got {micro_batch_max})")
     if world_size < 1:
         raise UserError(f"--world-size: must be >= 1 (got {world_size})")
-    if policy not in ("exact", "fast"):
-        raise UserError(f"--policy: expected exact or fast (got {policy!r})")
+    if policy not in ("exact", "fast", "throughput"):
+        raise UserError(f"--policy: expected exact, fast or throughput (got {policy!r})")
+    split_policy, policy_name = ("exact" if policy == "throughput" else policy), policy
     paper_batch = recipe.batch.sequences
     if world_size > paper_batch:
         raise UserError(
@@ -161,7 +167,13 @@ def plan(
             f"process(es) needs no more per step"
         )
     exact = _exact_choice(recipe, cap, world_size)
+    if micro_batch is not None and exact is not None:
+        per_rank = exact.micro_batch * exact.accumulation_steps
+        if not 1 <= micro_batch <= cap or per_rank % micro_batch:
+            raise UserError(f"micro_batch: {micro_batch} is not an exact split of {per_rank} per process at most {cap}")
+        exact = _choice(recipe, "exact", micro_batch, per_rank // micro_batch, world_size)
     fast = _fast_choice(recipe, cap, world_size)
+    policy = split_policy
     chosen, alternative = (exact, None) if policy == "exact" else (fast, None)
     if policy == "exact" and exact is None:
         chosen = fast
@@ -267,7 +279,7 @@ def plan(
     return Plan(
         recipe_path=recipe_path,
         recipe=recipe,
-        policy=policy,
+        policy=policy_name,
         micro_batch_max=micro_batch_max,
         micro_batch=chosen.micro_batch,
         accumulation_steps=chosen.accumulation_steps,

@@ -35,16 +35,29 @@ from .probe import (
     probe_options,
     render_costs,
 )
+from .throughput import (
+    DEFAULT_MFU,
+    FREE_BATCHNORM_HELP,
+    MFU_HELP,
+    check_mfu,
+    predict,
+    render_prediction,
+    render_throughput,
+)
 
 
 class Policy(str, Enum):
     exact = "exact"
     fast = "fast"
+    throughput = "throughput"
 
 
 MICRO_BATCH_MAX_HELP = "Largest micro-batch known to fit on one device (skips the memory probe)."
 WORLD_SIZE_HELP = "Number of data-parallel processes (GPUs) the run will use."
-POLICY_HELP = "exact: keep the paper's effective batch exactly; fast: the nearest batch with a larger micro-batch."
+POLICY_HELP = (
+    "exact: keep the paper's effective batch exactly; fast: the nearest batch with a larger micro-batch; throughput: "
+    "the exact split with the most samples per second, timed (BatchNorm keeps the paper's per-device batch)."
+)
 
 
 def make_plan(
@@ -80,6 +93,7 @@ def plan_and_probe(
     probe: ProbeOptions | None = None,
     data: dict | None = None,
     quiet: bool = False,
+    keep_batchnorm: bool = True,
 ) -> tuple[Plan, ProbeResult | None]:
     """`make_plan`, also returning the probe's result (None when `micro_batch_max` was given).
 
@@ -116,6 +130,11 @@ def plan_and_probe(
         micro_batch_max = result.micro_batch_max
         if not quiet:
             stderr.print(probe_line(result), markup=False)
+    if policy is Policy.throughput:  # the exact splits timed, the fastest taken (cli/throughput.py)
+        from .throughput import throughput_plan
+
+        return throughput_plan(recipe, recipe_path, micro_batch_max, world_size, dataset_size, result, data=data,
+                               quiet=quiet, keep_batchnorm=keep_batchnorm, gpu=probe.gpu if probe else None), result
     the_plan = plan(
         recipe, micro_batch_max, world_size, policy.value, dataset_size=dataset_size, recipe_path=recipe_path
     )
@@ -159,6 +178,8 @@ def plan_command(
     emit_format: str | None = typer.Option(
         None, "--emit", metavar="FORMAT", help=f"Print the plan as {', '.join(FORMATS)} settings, not the table."
     ),
+    assumed_mfu: float = typer.Option(DEFAULT_MFU, "--mfu", help=MFU_HELP),
+    free_batchnorm: bool = typer.Option(False, "--free-batchnorm", help=FREE_BATCHNORM_HELP),
 ) -> None:
     """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps.
 
@@ -169,27 +190,33 @@ def plan_command(
         check_writable(out, "--out", protect=(recipe_path,))
     if emit_format is not None:
         check_format(emit_format)
+    check_mfu(assumed_mfu)
     recipe = apply_sharding(load_recipe(recipe_path), sharding, world_size)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     the_plan, result = plan_and_probe(
         recipe, str(recipe_path), micro_batch_max, world_size, policy, probe=options,
-        quiet=as_json or emit_format is not None,
+        quiet=as_json or emit_format is not None, keep_batchnorm=not free_batchnorm,
     )
     if out is not None:
         save_plan(the_plan, out)
     if emit_format is not None:
         print(emit(the_plan, emit_format), end="")
         return
+    prediction = predict(the_plan, result, gpu, assumed_mfu)
     if as_json:
         summary = plan_summary(the_plan)
         if result is not None:
             summary["probe"] = result.model_dump(mode="json")
             summary["cost"] = costs_json(plan_costs(the_plan, result))
+        summary.update(predicted_seconds=prediction.get("predicted_seconds"),
+                       paper_predicted_seconds=prediction.get("paper_predicted_seconds"), prediction=prediction)
         print(json.dumps(summary, indent=2))
         return
     render_plan(the_plan)
+    render_throughput(the_plan)
     if result is not None:
         render_costs(the_plan, result)
+    render_prediction(prediction)
     if out is not None:
         stdout.print(f"plan written to {out}")
 

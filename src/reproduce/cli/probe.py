@@ -131,8 +131,11 @@ def render_probe(result: ProbeResult, the_plan: Plan | None) -> None:
         + (f"; fsdp over {result.world_size} processes" if result.sharding == "fsdp" else "")
     )
     table = Table(title_justify="left")
-    for column in ("micro-batch", "peak", "tensors", "result", "step", "trial"):
-        table.add_column(column, justify="left" if column == "result" else "right")
+    tokens = any(trial.tokens_per_second for trial in result.trials)
+    for column in ("micro-batch", "peak", "tensors", "result", "step", "samples/s", "tokens/s" if tokens else "",
+                   "trial"):
+        if column:
+            table.add_column(column, justify="left" if column == "result" else "right")
     for trial in result.trials:
         table.add_row(
             str(trial.micro_batch),
@@ -140,6 +143,8 @@ def render_probe(result: ProbeResult, the_plan: Plan | None) -> None:
             format_size(trial.tensor_bytes) if trial.tensor_bytes is not None else "-",
             verdict(trial),
             f"{trial.step_seconds:.3g} s" if trial.step_seconds else "-",
+            f"{trial.samples_per_second:,.0f}" if trial.samples_per_second else "-",
+            *([f"{trial.tokens_per_second:,.0f}" if trial.tokens_per_second else "-"] if tokens else []),
             f"{trial.seconds:.2f} s",
         )
     stdout.print(table)

@@ -53,6 +53,8 @@ class PlainReporter:
             + ("" if plan.exact else f", not the paper's {plan.paper_effective_batch}: lr {plan.lr:.6g} "
                f"({plan.lr_rule})")
         )
+        if plan.throughput:  # --policy throughput: why this split (cli/throughput.py)
+            stdout.print(f"--policy throughput: {plan.throughput['reason']}", markup=False, soft_wrap=True)
         for line in phase_lines(plan):
             stdout.print(line, markup=False)
         if plan.recipe.batch.sharding == "fsdp":
@@ -72,7 +74,11 @@ class PlainReporter:
             line += f" eval_loss {record['eval_loss']:.4f}"
         if "eval_accuracy" in record:
             line += f" eval_accuracy {record['eval_accuracy']:.4f}"
-        print(line + f" ({time.perf_counter() - self.started:.1f}s)", flush=True)
+        rate = ""
+        if record.get("tokens_per_second") or record.get("samples_per_second"):  # this step's (train/rates.py)
+            rate = (f" {record['tokens_per_second']:,.0f} tokens/s" if record.get("tokens_per_second")
+                    else f" {record['samples_per_second']:,.0f} samples/s")
+        print(line + rate + f" ({time.perf_counter() - self.started:.1f}s)", flush=True)
 
     def message(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
@@ -87,9 +93,11 @@ class RichReporter(PlainReporter):
     def start(self, plan: Plan, total_steps: int, first_step: int) -> None:
         super().start(plan, total_steps, first_step)
         self.samples = 0
+        self.rate_unit = "tokens/s" if plan.recipe.batch.sequence_length else f"{plan.unit}/s"
         self.progress = Progress(
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-            TextColumn("micro x{task.fields[micro]}  loss {task.fields[loss]}  {task.fields[rate]} samples/s"),
+            TextColumn("micro x{task.fields[micro]}  loss {task.fields[loss]}  {task.fields[rate]} "
+                       + self.rate_unit),
             TimeRemainingColumn(), console=stdout,
         )
         self.task = self.progress.add_task(
@@ -99,8 +107,8 @@ class RichReporter(PlainReporter):
 
     def step(self, record: dict) -> None:
         self.samples += record["samples"]
-        rate = self.samples / max(time.perf_counter() - self.started, 1e-9)
-        self.progress.update(self.task, advance=1, loss=f"{record['loss']:.4f}", rate=f"{rate:.0f}")
+        rate = record.get("tokens_per_second") or record.get("samples_per_second") or 0  # this step's (rates.py)
+        self.progress.update(self.task, advance=1, loss=f"{record['loss']:.4f}", rate=f"{rate:,.0f}")
 
     def message(self, text: str) -> None:
         stderr.print(text)
@@ -278,6 +286,9 @@ def run_command(
         recipe, plan = _recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
         check_sharding(recipe, nproc_per_node * nnodes)
         _check_sharded_probe(recipe, plan, micro_batch_max, meter)
+        if policy is Policy.throughput and plan is None and nproc_per_node * nnodes > 1:
+            raise UserError("--policy throughput: each process would time its own device and might choose another "
+                            "split; plan first (reproduce plan --policy throughput --out plan.yaml) and run that plan")
         args = _forwarded_args(
             source, out,
             {"--policy": policy.value, "--device": device, "--micro-batch-max": micro_batch_max,

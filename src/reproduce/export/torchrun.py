@@ -17,8 +17,10 @@ def build(plan: Plan) -> Export:
         notes.append(f"this recipe is plan-only here ({reason}): reproduce run would stop with that error")
     out = f"runs/{run_name(plan)}"
     recipe_path = plan.recipe_path or "RECIPE"
+    # --policy throughput's timed choice: given as the maximum, the exact policy takes that very split again
+    largest = plan.micro_batch if plan.policy == "throughput" else plan.micro_batch_max
     plan_command = (
-        f"reproduce plan {recipe_path} --micro-batch-max {plan.micro_batch_max} --world-size {plan.world_size}"
+        f"reproduce plan {recipe_path} --micro-batch-max {largest} --world-size {plan.world_size}"
         + (" --policy fast" if plan.policy == "fast" else "") + " --out plan.yaml"
     )
     run_args = ["plan.yaml", "--out", out]

@@ -18,6 +18,10 @@ with a line saying so rather than guessing a budget.
 `cublaslt_workspace` is the cuBLASLt workspace PyTorch allocates per handle on that architecture
 (1 MiB by default, 4 MiB on Ampere cards with 24 GB or more, 32 MiB on Hopper); the estimate meter
 adds it to its margin.
+
+Each card's dense peak FLOP/s per precision and its memory bandwidth (MFU, the predicted time, the throughput
+policy's model) are in probe/peaks.py, by the same names; `h100-sxm` and `h100-pcie` name the two H100 80GB cards,
+whose rates differ (`h100-80gb`, either of them, plans memory alike but has no single peak).
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ GPUS = {
     for gpu in (
         Gpu("h200", "NVIDIA H200", 141, "HBM3e", "hopper", _NVIDIA + "h200/"),
         Gpu("h100-80gb", "NVIDIA H100 (SXM or PCIe) 80GB", 80, "HBM3 / HBM2e", "hopper", _NVIDIA + "h100/"),
+        Gpu("h100-sxm", "NVIDIA H100 SXM 80GB", 80, "HBM3", "hopper", _NVIDIA + "h100/"),
+        Gpu("h100-pcie", "NVIDIA H100 PCIe 80GB", 80, "HBM2e", "hopper", _NVIDIA + "h100/"),
         Gpu("h100-nvl", "NVIDIA H100 NVL", 94, "HBM3", "hopper", _NVIDIA + "h100/"),
         Gpu("a100-80gb", "NVIDIA A100 80GB", 80, "HBM2e", "ampere", _NVIDIA + "a100/"),
         Gpu("a100-40gb", "NVIDIA A100 40GB", 40, "HBM2", "ampere", _NVIDIA + "a100/"),

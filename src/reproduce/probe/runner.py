@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from .. import __version__
 from ..errors import UserError
 from ..recipe import Recipe
+from ..throughput import rates
 from ..units import format_size, parse_size
 from . import cache
 from .catalog import Gpu, lookup
@@ -57,7 +58,9 @@ class ProbeTrial(BaseModel):
     fits: bool
     peak_bytes: int | None
     seconds: float
-    step_seconds: float | None = None
+    step_seconds: float | None = None  # one micro-step (a window's step over its micro-batches), when timed
+    samples_per_second: float | None = None  # micro_batch / step_seconds
+    tokens_per_second: float | None = None  # for token batches: samples/s x the sequence length
     tensor_bytes: int | None = None
     note: str | None = None
     parts: dict | None = None
@@ -111,6 +114,12 @@ class ProbeResult(BaseModel):
             f"--memory/--gpu: not even micro-batch {smallest.micro_batch} fits in {format_size(self.budget_bytes)} "
             f"less {self.headroom:.0%} headroom ({self.meter} meter): {smallest.note or 'over the limit'}"
         )
+
+
+def timed_trial(measurement: Measurement, sequence_length: int | None) -> ProbeTrial:
+    """A trial as reported, with its samples (and tokens) per second where its step was timed."""
+    samples, tokens = rates(measurement.micro_batch, measurement.step_seconds, sequence_length)
+    return ProbeTrial(**measurement.to_json(), samples_per_second=samples, tokens_per_second=tokens)
 
 
 def resolve_budget(options: ProbeOptions) -> tuple[int | None, Gpu | None]:
@@ -232,7 +241,7 @@ def run_probe(
         peak_bytes=chosen.peak_bytes if chosen else None,
         tensor_bytes=chosen.tensor_bytes if chosen else None,
         step_seconds=chosen.step_seconds if chosen else None,
-        trials=[ProbeTrial(**t.to_json()) for t in found.trials],
+        trials=[timed_trial(t, recipe.batch.sequence_length) for t in found.trials],
         line=(
             ProbeLine(intercept_bytes=found.line.intercept, bytes_per_sample=found.line.slope, points=found.line.points)
             if found.line else None

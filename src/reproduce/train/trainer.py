@@ -30,6 +30,7 @@ from .distributed import World
 from .noise import NoiseScale, not_measured_reason, summarise
 from .outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, remove_outputs
 from .plateau import check_plateau, step_plateau
+from .rates import StepRates
 from .setup import build, resolve_device
 from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, evaluate, optimizer_step
 from .windows import length_sizes, micro_batch_at, smaller_micro_batch, step_batch, step_epoch, window
@@ -185,6 +186,9 @@ def _train(
     last_checkpoint = time.perf_counter()
     for note in setup.notes:
         reporter.message(f"note: {note}")
+    rates = StepRates(plan, setup, world.size)  # the model FLOPs of a sample, counted once (train/rates.py)
+    for note in rates.notes:
+        reporter.message(f"note: {note}")
     accumulations = ([phase.accumulation_steps for phase in plan.phases] if plan.phases
                      else [plan.per_rank_batch // micro_batch_at(plan, first_step, lowered)])
     unmeasured = not_measured_reason(world.size, max(accumulations), setup.sharded) if noise_scale else None
@@ -314,6 +318,7 @@ def _train(
                 "data_seconds": round(clock.seconds, 6),
                 "peak_memory_bytes": peak_memory(setup.device),
             }
+            record.update(rates.fields(record))
             slow_loader = watch.update(step + 1, clock.seconds, record["seconds"])
             if slow_loader and main:
                 reporter.message(slow_loader)
@@ -390,6 +395,8 @@ def _train(
     if main and noise_scale:  # from metrics.jsonl: the steps before a resume count too
         summary["noise_scale"] = summarise(read_metrics(out / "metrics.jsonl"), total, plan.recipe.task,
                                            reason=unmeasured)
+    if main:  # medians of each step's rates, from metrics.jsonl
+        summary["throughput"] = rates.summary(read_metrics(out / "metrics.jsonl"))
     model_state = full_model_state(setup)  # FSDP: gathered from every rank's shards
     if main:
         torch.save(model_state, out / "model.pt")

@@ -1,0 +1,84 @@
+"""The model FLOPs of one training sample, counted once: `torch.utils.flop_counter.FlopCounterMode` on fake tensors.
+
+The recipe's model is built on `meta` and materialised inside `FakeTensorMode` (probe/fake_step.py), so nothing
+is allocated and no GPU is needed; one forward and backward pass of a micro-batch of real shape is counted.
+PyTorch's counter counts the matrix products, convolutions and fused attention kernels (2 FLOPs per
+multiply-add), forward and backward: the "model FLOPs" of MFU (PaLM, Chowdhery et al. 2022, appendix B), which
+leave out elementwise ops, the optimizer step and activation recomputation. Attention runs as CUDA runs it
+(probe/gpu_like.py), so the fused kernels are counted on any machine; the counter counts a causal kernel's whole
+S x S product, as the PaLM formula does (6N + 12 L H Q T per token).
+
+FLOPs are linear in the micro-batch for these models, so one count per sample holds for every split. For text
+of variable length the micro-batch is the longest item repeated (probe/workload.py): an upper bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+COUNTED_AT = 1  # samples in the counted micro-batch
+
+
+@dataclass(frozen=True)
+class SampleFlops:
+    per_sample: float  # forward + backward FLOPs of one sample
+    by_op: dict[str, float]  # per sample, by aten op
+    sequence_length: int | None
+    weight_bytes: int = 0  # the parameters as stored (what each micro-step reads from memory)
+
+    @property
+    def convolution_share(self) -> float:
+        """The share of the FLOPs in convolutions (run in TF32 by cuDNN's default on fp32 inputs)."""
+        total = sum(self.by_op.values())
+        conv = sum(v for k, v in self.by_op.items() if "convolution" in k)
+        return conv / total if total else 0.0
+
+    @property
+    def per_token(self) -> float | None:
+        return self.per_sample / self.sequence_length if self.sequence_length else None
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "per_token": self.per_token}
+
+
+def count_flops(recipe, data_info: dict | None, batch: tuple, capability: tuple[int, int] | None = None
+                ) -> SampleFlops:
+    """FLOPs of one forward and backward pass of `batch` (inputs, targets: real CPU tensors of one sample's shape),
+    per sample. `capability`: the GPU whose attention kernel is counted (default Ampere's)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..models import build_model
+    from ..train.losses import build_loss
+    from .catalog import DEFAULT_CAPABILITY
+    from .fake_step import materialize, unpacked_sequences
+    from .gpu_like import GpuKind, as_on_gpu
+
+    with torch.device("meta"):
+        model = build_model(recipe, data_info)
+    samples = len(batch[1]) if hasattr(batch[1], "__len__") else COUNTED_AT
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    counter = FlopCounterMode(display=False)
+    with unpacked_sequences(), fake, as_on_gpu(GpuKind(capability or DEFAULT_CAPABILITY)):
+        materialize(model, torch.device("cpu"))
+        model.train()
+        inputs, targets = tree_map_only(torch.Tensor, fake.from_tensor, batch)
+        loss_fn = build_loss(recipe)
+        with counter:
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+    by_op = {str(op): count / samples for op, count in counter.get_flop_counts().get("Global", {}).items()}
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    return SampleFlops(per_sample=counter.get_total_flops() / samples, by_op=by_op,
+                       sequence_length=recipe.batch.sequence_length, weight_bytes=weights)
+
+
+def recipe_flops(recipe, data: dict | None = None, capability: tuple[int, int] | None = None) -> SampleFlops:
+    """`count_flops` on one sample of the recipe's data (its own when available here, else synthetic)."""
+    from .workload import Workload
+
+    workload = Workload(recipe, data)
+    return count_flops(recipe, workload.data.get("info"), workload.batch(COUNTED_AT), capability)

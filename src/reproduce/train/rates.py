@@ -1,0 +1,81 @@
+"""Each optimizer step's throughput for metrics.jsonl, and their medians for summary.json.
+
+Per step: `samples_per_second` (the window's samples over the step's wall time, data waits included),
+`tokens_per_second` (token batches: samples/s x the sequence length), `flops_per_second` (the model FLOPs of
+those samples, counted once at the start: probe/flops.py) and `mfu` (flops_per_second over the peak of every
+device of the run for its precision; null when the device's peak is unknown: a CPU, a GPU outside the catalog).
+The samples are the whole window's over every process, so the rates are the run's, not one device's.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from ..prediction import mfu
+from ..probe.peaks import identify, peaks_of, precision_key
+
+FIELDS = ("samples_per_second", "tokens_per_second", "flops_per_second", "mfu")
+
+
+class StepRates:
+    def __init__(self, plan, setup, world_size: int):
+        self.sequence_length = plan.recipe.batch.sequence_length
+        self.world_size = world_size
+        self.notes: list[str] = []
+        self.flops = None
+        try:
+            from ..probe.flops import recipe_flops
+
+            with torch.random.fork_rng(devices=[]):  # the run's random streams stay as they were
+                self.flops = recipe_flops(plan.recipe, setup.data)
+        except Exception as error:  # an auxiliary count: a model the counter cannot trace still trains
+            self.notes.append(f"FLOPs not counted ({type(error).__name__}: {str(error).splitlines()[0][:120]}): "
+                              "flops_per_second and mfu are null")
+        self.gpu, self.peak, self.precision = None, None, None
+        if setup.device.type == "cuda":
+            properties = torch.cuda.get_device_properties(setup.device)
+            self.gpu = identify(properties.name, properties.total_memory / 2**30)
+            conv = self.flops is not None and self.flops.convolution_share > 0.5
+            tf32 = torch.backends.cuda.matmul.allow_tf32 or (conv and torch.backends.cudnn.allow_tf32)
+            self.precision = precision_key(plan.recipe.precision, tf32)
+            peaks = peaks_of(self.gpu)
+            self.peak = peaks.flops(self.precision) if peaks else None
+            if self.peak is None:
+                self.notes.append(f"mfu null: no datasheet peak for {properties.name} in {self.precision}")
+        self.peak_note = None if self.peak else (
+            f"mfu null: no datasheet peak known for the {setup.device.type} device" if setup.device.type != "cuda"
+            else self.notes[-1])
+
+    def fields(self, record: dict) -> dict:
+        seconds = record.get("seconds") or 0
+        if seconds <= 0:
+            return {}
+        samples = record["samples"] / seconds
+        length = record.get("sequence_length") or self.sequence_length  # batch phases: this step's length
+        flops = None
+        if self.flops is not None:  # another length than the counted one: its FLOPs in proportion (per token)
+            flops = samples * self.flops.per_sample * (length / self.sequence_length if length else 1)
+        fields = {"samples_per_second": round(samples, 4)}
+        if length:  # token batches only
+            fields["tokens_per_second"] = round(samples * length, 2)
+        value = mfu(flops, self.world_size, self.peak)
+        fields["flops_per_second"] = round(flops, 1) if flops is not None else None
+        fields["mfu"] = round(value, 6) if value is not None else None
+        return fields
+
+    def summary(self, records: list[dict]) -> dict:
+        """Medians over the steps of metrics.jsonl (the steps before a resume count too)."""
+        steps = [r for r in records if "samples_per_second" in r]
+
+        def median(field: str) -> float | None:
+            values = [r[field] for r in steps if r.get(field) is not None]
+            return statistics.median(values) if values else None
+
+        return {
+            **{f"median_{field}": median(field) for field in FIELDS},
+            "flops_per_sample": self.flops.per_sample if self.flops is not None else None,
+            "gpu": self.gpu, "precision": self.precision, "peak_flops": self.peak, "devices": self.world_size,
+            "notes": self.notes + ([self.peak_note] if self.peak_note and self.peak_note not in self.notes else []),
+        }
