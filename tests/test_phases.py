@@ -15,10 +15,10 @@ from helpers import assert_same_weights, plain_loop
 from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.errors import UserError
-from reproduce.phases import epoch_steps, lengths_to_steps, stream_window
 from reproduce.planfile import parse_plan, plan_to_yaml
 from reproduce.planner import lr_at, plan
 from reproduce.recipe import Length, parse_recipe
+from reproduce.segments import Segment, epoch_steps, lengths_to_steps, stream_window
 from reproduce.train.trainer import read_metrics, train
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
@@ -135,15 +135,13 @@ def naive_stream(batches: list[tuple[int, int]], sizes: dict, world: int, drop_l
        segments=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 40), st.sampled_from([16, 32])), min_size=1,
                          max_size=5))
 def test_stream_windows_follow_each_lengths_data(drop_last, world, segments):
-    from reproduce.phases import PlanPhase
-
     sizes = {16: 101, 32: 50}
     phases, start = [], 0
     for index, (steps, batch, length) in enumerate(segments):
         batch = max(batch, world)
         last = index == len(segments) - 1
         per_epoch, _ = epoch_steps(sizes[length], batch, world, drop_last)
-        phases.append(PlanPhase(kind="phase", start_step=start, steps=None if last else steps, micro_batch_max=batch,
+        phases.append(Segment(kind="phase", start_step=start, steps=None if last else steps, micro_batch_max=batch,
                                 micro_batch=batch, accumulation_steps=1, effective_batch=batch,
                                 paper_effective_batch=batch, sequence_length=length, exact=True, lr_factor=1.0,
                                 dataset_size=sizes[length], steps_per_epoch=per_epoch))
@@ -165,7 +163,7 @@ def test_schedule_in_epochs_walks_the_phases():
     p = plan(recipe, 16)
     assert p.phases[0].steps == 62 and p.phases[1].start_step == 62  # 2 x (1000 // 32)
     assert p.warmup_steps == 62 + 15 and p.optimizer_steps == 62 + 2 * 15  # then epochs of 1000 // 64 = 15 steps
-    assert lengths_to_steps(p.phases, recipe, Length(samples=32 * 62 + 64), "x", []) == 63
+    assert lengths_to_steps(p.segments, Length(samples=32 * 62 + 64), "x", []) == 63
 
 
 # ---- the plan file -----------------------------------------------------------------------------------------

@@ -22,9 +22,9 @@ from reproduce.data import build_data
 from reproduce.errors import UserError
 from reproduce.models import build_model
 from reproduce.planfile import parse_plan, plan_to_yaml
-from reproduce.planner import lr_at, plan
+from reproduce.planner import lr_at, lr_points, plan
 from reproduce.recipe import load_recipe, parse_recipe
-from reproduce.schedules import Plateau, lr_points
+from reproduce.schedules import Plateau
 from reproduce.train.trainer import read_metrics, train
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
@@ -243,7 +243,8 @@ def test_vit_plans_to_whole_steps_and_a_missing_train_size_is_one_line(tmp_path,
 def test_plateau_decides_as_torchs_reduce_lr_on_plateau(options):
     decay = {"kind": "plateau", "metric": "eval_loss", "factor": 0.1, **options}
     recipe = parse_recipe(digits({"effective": 64}, 100, {"decay": decay}, {"every_steps": 1}))
-    ours = Plateau(plan(recipe, 16, dataset_size=1437))
+    planned = plan(recipe, 16, dataset_size=1437)
+    ours = Plateau(planned.recipe.schedule.decay, planned.lr, planned.min_lr)
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=SGD["lr"])
     theirs = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, **{"factor": 0.1, **options})
     rng = random.Random(0)

@@ -12,53 +12,15 @@ import math
 from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
-
 from .errors import UserError
-from .phases import PlanPhase, lengths_to_steps, plan_phases
+from .phases import attach_phase_schedules, first_own_schedule_step, plan_phases
 from .recipe import Length, Recipe
-from .schedules import attach_phase_schedules, first_own_schedule_step, plan_lr
+from .schedules import StepSchedule
+from .segments import Segment, epoch_steps, lengths_to_steps, segment_lr, whole_segment
+from .split import Choice, Frozen, choice, exact_choice, fast_choice, lr_rule
 
-RULE_SOURCES = {
-    "exact": "effective batch matched exactly: no hyper-parameter changes (Goyal et al. 2017, footnote 5)",
-    "linear": "linear scaling rule: lr x k (Goyal et al. 2017, arXiv 1706.02677, sec. 2.1)",
-    "sqrt": "square-root rule: lr x sqrt(k) (Krizhevsky 2014, arXiv 1404.5997; "
-    "Malladi et al. 2022, arXiv 2205.10287, for Adam)",
-    "none": "scaling_rule: none in the recipe: LR kept although the batch changed",
-}
-# The layer-wise optimizers were designed so the LR need not follow the SGD / Adam rules; when the batch cannot be
-# matched, the plan applies the rule their papers used (the factor is the same: linear x k, square root x sqrt(k)).
-OPTIMIZER_RULE_SOURCES = {
-    ("lars", "linear"): "LARS: linear LR scaling with gradual warm-up and polynomial decay, the recipe LARS was run "
-    "with (You, Gitman and Ginsburg 2017, arXiv 1708.03888; TensorFlow's LARSOptimizer, written with the first author, "
-    "recommends exactly these three); the trust ratio bounds each layer's step",
-    ("lamb", "sqrt"): "LAMB: square-root LR scaling with linear-epoch warm-up, untuned from batch 512 to 64k "
-    "(You et al. 2019, arXiv 1904.00962, sec. 4)",
-}
 MALLADI_SOURCE = "Malladi et al. 2022 SDE rule for Adam: (1-b1)xk, (1-b2)xk, eps/sqrt(k) (arXiv 2205.10287)"
 FAST_WHEN_BELOW = 0.5  # show the `fast` alternative when the exact micro-batch is below half the maximum
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Choice(Frozen):
-    """One way to split the effective batch: micro-batch x accumulation x world size."""
-
-    policy: Literal["exact", "fast"]
-    micro_batch: int
-    accumulation_steps: int
-    world_size: int
-    effective_batch: int
-    exact: bool
-    batch_factor: float
-    lr: float
-    lr_factor: float
-
-    @property
-    def arithmetic(self) -> str:
-        return f"{self.micro_batch} x {self.accumulation_steps} x {self.world_size} = {self.effective_batch}"
 
 
 class AdamOption(Frozen):
@@ -106,8 +68,9 @@ class Plan(Frozen):
     batchnorm: str | None = None
     alternative: Choice | None = None
     warnings: list[str] = []
-    # batch.phases / batch.ramp: the batch each stretch of optimizer steps takes (empty: the batch above throughout)
-    phases: list[PlanPhase] = []
+    # batch.phases / batch.ramp: the batch each stretch of optimizer steps takes (empty: the batch above throughout;
+    # `segments` is the plan as segments either way)
+    phases: list[Segment] = []
     # policy throughput: the exact splits timed and why the micro-batch was chosen (cli/throughput.py)
     throughput: dict | None = None
 
@@ -121,6 +84,21 @@ class Plan(Frozen):
     @property
     def per_rank_batch(self) -> int:
         return self.micro_batch * self.accumulation_steps
+
+    @property
+    def segments(self) -> list[Segment]:
+        """The plan as segments of optimizer steps: its batch phases, or one segment of its batch throughout."""
+        return self.phases or [whole_segment(self.main_choice, self.micro_batch_max, self.paper_effective_batch,
+                                             self.recipe.batch.sequence_length, self.dataset_size,
+                                             self.steps_per_epoch)]
+
+    @property
+    def main_choice(self) -> Choice:
+        """The split of the recipe's main batch, as the planner chose it."""
+        return Choice(policy="fast" if self.policy == "fast" else "exact", micro_batch=self.micro_batch,
+                      accumulation_steps=self.accumulation_steps, world_size=self.world_size,
+                      effective_batch=self.effective_batch, exact=self.exact, batch_factor=self.batch_factor,
+                      lr=self.lr, lr_factor=self.lr_factor)
 
 
 def plan(
@@ -166,13 +144,13 @@ def plan(
             f"micro-batch capped at {cap}: the paper's batch of {paper_batch} over {world_size} "
             f"process(es) needs no more per step"
         )
-    exact = _exact_choice(recipe, cap, world_size)
+    exact = exact_choice(recipe, cap, world_size)
     if micro_batch is not None and exact is not None:
         per_rank = exact.micro_batch * exact.accumulation_steps
         if not 1 <= micro_batch <= cap or per_rank % micro_batch:
             raise UserError(f"micro_batch: {micro_batch} is not an exact split of {per_rank} per process at most {cap}")
-        exact = _choice(recipe, "exact", micro_batch, per_rank // micro_batch, world_size)
-    fast = _fast_choice(recipe, cap, world_size)
+        exact = choice(recipe, "exact", micro_batch, per_rank // micro_batch, world_size)
+    fast = fast_choice(recipe, cap, world_size)
     policy = split_policy
     chosen, alternative = (exact, None) if policy == "exact" else (fast, None)
     if policy == "exact" and exact is None:
@@ -187,7 +165,7 @@ def plan(
         alternative = exact
 
     batchnorm = _batchnorm_note(recipe, chosen.micro_batch)
-    rule, source = _rule(recipe, chosen.exact)
+    rule, source = lr_rule(recipe, chosen.exact)
     if not chosen.exact:
         warnings.append(
             f"effective batch {chosen.effective_batch} is not the paper's {paper_batch} "
@@ -200,11 +178,10 @@ def plan(
     )
 
     dataset_size = dataset_size or recipe.data.train_size
-    steps_per_epoch, partial = None, 0
+    steps_per_epoch, partial = epoch_steps(dataset_size, chosen.effective_batch, world_size, recipe.data.drop_last)
     if dataset_size is not None:
-        full, partial = divmod(dataset_size, chosen.effective_batch)
+        full = dataset_size // chosen.effective_batch
         keep_partial = not recipe.data.drop_last and partial >= world_size  # every process needs an item
-        steps_per_epoch = full + 1 if keep_partial and partial else full
         if full == 0:
             warnings.append(
                 f"an epoch ({dataset_size} {recipe.batch.count_unit}) is shorter than one optimizer step "
@@ -222,20 +199,16 @@ def plan(
                 f"{recipe.batch.count_unit}: {what}"
             )
 
-    phases: list[PlanPhase] = []
-    if recipe.batch.phases or recipe.batch.ramp:
-        phases = plan_phases(
-            recipe, lambda length: maxima.get(length, micro_batch_max) if maxima else micro_batch_max, world_size,
-            lambda length: _size_at(length, recipe, dataset_size, sizes),
-            lambda fixed, cap: _split(fixed, cap, world_size, policy), chosen, warnings,
-        )
+    phases = plan_phases(recipe, maxima or micro_batch_max, world_size, dataset_size, sizes, policy, chosen,
+                         warnings)
+    segments = phases or [whole_segment(chosen, micro_batch_max, paper_batch, recipe.batch.sequence_length,
+                                        dataset_size, steps_per_epoch)]
 
     def steps(length: Length | None, what: str) -> int | None:
-        if phases and length is not None:
-            value = lengths_to_steps(phases, recipe, length, what, warnings)
-        else:
-            value = _to_steps(length, recipe, chosen.effective_batch, steps_per_epoch, dataset_size, what, warnings)
-        if value is None and length is not None:
+        if length is None:
+            return None
+        value = lengths_to_steps(segments, length, what, warnings)
+        if value is None:
             raise UserError(needs_train_size(recipe_path, what))
         return value
 
@@ -316,71 +289,6 @@ def plan(
     )
 
 
-def _split(recipe: Recipe, cap: int, world_size: int, policy: str) -> Choice:
-    """One phase's split: exact when the policy asks for it and it exists, otherwise the nearest batch."""
-    exact = _exact_choice(recipe, cap, world_size) if policy == "exact" else None
-    return exact or _fast_choice(recipe, cap, world_size)
-
-
-def _size_at(length: int | None, recipe: Recipe, size: int | None, sizes: Mapping | None) -> int | None:
-    """Training samples at sequence length `length`: as given, else the main length's data cut at `length`."""
-    if sizes is not None and length in sizes:
-        return sizes[length]
-    main = recipe.batch.sequence_length
-    if size is None or length == main or not length or not main:
-        return size
-    return size * main // length
-
-
-def _exact_choice(recipe: Recipe, cap: int, world_size: int) -> Choice | None:
-    """The largest micro-batch <= cap that splits the paper's batch exactly (BN: the paper's per-device)."""
-    paper_batch = recipe.batch.sequences
-    if paper_batch % world_size:
-        return None
-    per_rank = paper_batch // world_size
-    per_device = recipe.batch.per_device
-    if recipe.model.has_batchnorm and per_device and per_device <= cap and per_rank % per_device == 0:
-        micro = per_device
-    else:
-        micro = next(m for m in range(cap, 0, -1) if per_rank % m == 0)
-    return _choice(recipe, "exact", micro, per_rank // micro, world_size)
-
-
-def _fast_choice(recipe: Recipe, cap: int, world_size: int) -> Choice:
-    """A micro-batch in [cap/2, cap] whose batch m x N x W is nearest the paper's (larger m on ties)."""
-    paper_batch = recipe.batch.sequences
-    best = None
-    for micro in range(cap, max(1, cap // 2) - 1, -1):
-        accumulation = max(1, round(paper_batch / (micro * world_size)))
-        distance = abs(micro * accumulation * world_size - paper_batch)
-        if best is None or distance < best[0]:
-            best = (distance, micro, accumulation)
-    _, micro, accumulation = best
-    return _choice(recipe, "fast", micro, accumulation, world_size)
-
-
-def _choice(recipe: Recipe, policy: str, micro: int, accumulation: int, world_size: int) -> Choice:
-    effective = micro * accumulation * world_size
-    factor = effective / recipe.batch.sequences
-    rule, _ = _rule(recipe, factor == 1)
-    lr_factor = {"exact": 1.0, "none": 1.0, "linear": factor, "sqrt": math.sqrt(factor)}[rule]
-    return Choice(
-        policy=policy, micro_batch=micro, accumulation_steps=accumulation, world_size=world_size,
-        effective_batch=effective, exact=factor == 1, batch_factor=factor,
-        lr=recipe.optimizer.lr * lr_factor, lr_factor=lr_factor,
-    )
-
-
-def _rule(recipe: Recipe, exact: bool) -> tuple[str, str]:
-    if exact:
-        rule = "exact"
-    elif recipe.scaling_rule == "auto":
-        rule = "linear" if recipe.optimizer.family == "sgd" else "sqrt"
-    else:
-        rule = recipe.scaling_rule
-    return rule, OPTIMIZER_RULE_SOURCES.get((recipe.optimizer.name, rule), RULE_SOURCES[rule])
-
-
 def _adam_option(recipe: Recipe, choice: Choice) -> AdamOption:
     k = choice.batch_factor
     beta1, beta2 = recipe.optimizer.betas
@@ -403,47 +311,68 @@ def _batchnorm_note(recipe: Recipe, micro: int) -> str | None:
     )
 
 
-def _to_steps(
-    length: Length | None,
-    recipe: Recipe,
-    effective_batch: int,
-    steps_per_epoch: int | None,
-    dataset_size: int | None,
-    what: str,
-    warnings: list[str],
-) -> int | None:
-    """Optimizer steps covering the same data as `length` does in the paper."""
-    if length is None:
-        return None
-    unit, value = length.unit, length.value
-    if unit == "steps":
-        samples = value * recipe.batch.sequences  # the paper's steps, kept as the data they cover
-    elif unit == "epochs":
-        if steps_per_epoch is None:
-            message = f"{what}: counted in epochs, but the dataset size is unknown (set data.train_size)"
-            if message not in warnings:
-                warnings.append(message)
-            return None
-        return max(0, round(value * steps_per_epoch)) if value else 0
-    elif unit == "samples":
-        samples = value
-    else:
-        if recipe.batch.sequence_length is None:
-            raise UserError(f"{what}: counted in tokens, but batch.sequence_length is not set")
-        samples = value / recipe.batch.sequence_length
-    return round(samples / effective_batch)
-
-
 def needs_train_size(recipe_path: str | None, what: str) -> str:
     """The one line for a plan that must count epochs of data it does not know the size of."""
     return (f"{recipe_path or 'recipe'}: data.train_size: required: {what} is counted in epochs, and the plan needs "
             "the training samples per epoch to count its optimizer steps (or plan the run with its data)")
 
 
+# ---- the learning rate of each step ------------------------------------------------------------------------------
+
+
+def global_schedule(plan: Plan) -> StepSchedule:
+    """The recipe's own schedule (schedule.warmup / decay) as the plan holds it, from step 0."""
+    return StepSchedule(
+        start_step=0, end_step=plan.optimizer_steps, lr=plan.lr, warmup_steps=plan.warmup_steps,
+        warmup_start_lr=plan.warmup_start_lr, decay_kind=plan.decay_kind, decay_milestones=plan.decay_milestones,
+        decay_factor=plan.decay_factor, decay_end_step=plan.decay_end_step, min_lr=plan.min_lr,
+        power=plan.recipe.schedule.decay.power,
+    )
+
+
 def lr_at(plan: Plan, step: int) -> float:
     """The learning rate for optimizer step `step` (0-based): warm-up, then the recipe's decay.
 
-    With batch phases the schedule runs on across them, or restarts where a phase gives its own (schedules.py); a
+    With batch phases the schedule runs on across them, or restarts where a phase gives its own (phases.py); a
     phase whose batch is not the paper's has its own LR rule factor in place of the main batch's.
     """
-    return plan_lr(plan, step)
+    return segment_lr(plan.segments, global_schedule(plan), plan.lr_factor, step)
+
+
+def first_plateau_step(plan: Plan) -> int | None:
+    """Plateau decay: the first optimizer step (0-based) whose LR a decrease could change, None otherwise.
+
+    ReduceLROnPlateau decreases after `patience + 1` evaluations without improvement on the best one; the first
+    evaluation counted (one after the warm-up) sets the best, so the earliest is the (patience + 2)-th counted
+    evaluation, and the step after it is the first with the lower LR.
+    """
+    decay = plan.recipe.schedule.decay
+    every = plan.recipe.evaluation.every_steps
+    if decay.kind != "plateau" or not every:
+        return None
+    first = every * max(1, math.ceil(plan.warmup_steps / every))  # 1-based step of the first counted evaluation
+    return first + (decay.patience + 1) * every
+
+
+def lr_points(plan: Plan) -> list[list[float]]:
+    """`[step, lr]` (1-based optimizer step, the LR the run uses in it) at every place the schedule changes shape:
+    the start, the end of each warm-up, each batch phase's start (and the step before it), each step milestone (and
+    the step before it), each end of decay, the last step. With plateau decay, up to the first step a decrease could
+    change (its LR as planned, before any decrease)."""
+    total = plan.optimizer_steps
+    if total is None:
+        return []
+    schedules = [global_schedule(plan), *(seg.schedule for seg in plan.segments if seg.schedule is not None)]
+    marks, jumps = {0, total - 1}, set()
+    for schedule in schedules:
+        marks.update((schedule.start_step + schedule.warmup_steps,
+                      schedule.decay_end_step if schedule.decay_end_step is not None else total - 1))
+        jumps.update(schedule.decay_milestones)
+        jumps.add(schedule.start_step)
+    jumps.update(segment.start_step for segment in plan.segments if segment.kind == "phase")
+    marks.update(jumps)
+    marks.update(step - 1 for step in jumps)
+    limit = first_plateau_step(plan)
+    if limit is not None:
+        marks = {step for step in marks if step < limit} | {limit}
+    return [[step + 1, lr_at(plan, step)] for step in sorted(marks) if 0 <= step < total]

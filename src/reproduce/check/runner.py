@@ -18,6 +18,7 @@ from ..errors import Interrupted, UserError
 from ..planfile import check_plan
 from ..planner import Plan, plan
 from ..recipe import Recipe
+from ..segments import batch_phases
 from ..units import format_size, parse_size
 from .load import LoadedFile, Run, check_name
 from .schema import WORK_MARKER, Budget, CompareCheck, MetricCheck, PlanCheck, VerifyCheck
@@ -307,8 +308,8 @@ def plan_problems(the_plan: Plan, budget: Budget) -> list[str]:
     if not math.isclose(the_plan.lr, want_lr, rel_tol=1e-9):
         problems.append(f"lr: the {rule} rule gives {want_lr:.6g} for batch x{factor:.4g}; the plan has "
                         f"{the_plan.lr:.6g}")
-    if the_plan.phases:
-        # the steps of a changing batch come from walking its phases (phases.py); check_plan has checked each
+    if batch_phases(the_plan.segments):
+        # the steps of a changing batch come from walking its phases (segments.py); check_plan has checked each
         # phase's split and order above, and the phases must cover the recipe's
         return problems + _phase_schedule_problems(the_plan)
     # steps converted: the same data as the paper's schedule covers

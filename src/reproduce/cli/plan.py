@@ -12,10 +12,10 @@ from rich.table import Table
 from ..errors import UserError
 from ..export import FORMATS, check_format, emit
 from ..planfile import check_writable, save_plan
-from ..planner import Plan, lr_at, plan
+from ..planner import Plan, first_plateau_step, lr_at, lr_points, plan
 from ..probe.runner import BudgetRequired, ProbeOptions, ProbeResult, run_probe
 from ..recipe import Recipe, load_recipe, phase_recipe
-from ..schedules import first_plateau_step, lr_points
+from ..segments import batch_phases
 from ..units import format_size
 from .app import app
 from .common import stderr, stdout
@@ -292,8 +292,7 @@ def render_plan(p: Plan) -> None:
         table.add_row("epoch", f"{p.dataset_size} {unit}", f"{p.steps_per_epoch} optimizer steps")
     table.add_row("precision / clip", f"{r.precision} / {r.clip_grad_norm or 'none'}", "same")
     stdout.print(table)
-    if p.phases:
-        render_phases(p)
+    render_phases(p)
     if p.alternative is not None:
         alt = p.alternative
         stdout.print(
@@ -317,7 +316,11 @@ PHASE_ROWS = 16  # a longer ramp shows its first and last batches
 
 
 def render_phases(p: Plan) -> None:
-    """The batch of each stretch of optimizer steps (`batch.phases`, or each distinct batch of `batch.ramp`)."""
+    """The batch of each stretch of optimizer steps (`batch.phases`, or each distinct batch of `batch.ramp`); nothing
+    for a plan without batch phases."""
+    phases = batch_phases(p.segments)
+    if not phases:
+        return
     tokens = p.recipe.batch.sequence_length is not None
     table = Table(title="batch phases: reproduce run switches N (and the sequence length) at each first step",
                   title_justify="left")
@@ -325,12 +328,12 @@ def render_phases(p: Plan) -> None:
                    "lr: first - last step"):
         if column:
             table.add_column(column, justify="right" if column.startswith(("steps", "tokens")) else "left")
-    rows = list(enumerate(p.phases))
+    rows = list(enumerate(phases))
     if len(rows) > PHASE_ROWS:
         rows = [*rows[: PHASE_ROWS // 2], None, *rows[-PHASE_ROWS // 2 :]]
     for row in rows:
         if row is None:
-            table.add_row("...", f"{len(p.phases) - PHASE_ROWS} more ramp batches", "", *([""] if tokens else []), "")
+            table.add_row("...", f"{len(phases) - PHASE_ROWS} more ramp batches", "", *([""] if tokens else []), "")
             continue
         index, phase = row
         last = phase.end_step if phase.end_step is not None else p.optimizer_steps

@@ -45,8 +45,9 @@ class PlainReporter:
     def start(self, plan: Plan, total_steps: int, first_step: int) -> None:
         for warning in self.warnings:
             stderr.print(f"[yellow]warning:[/] {warning}")
+        phases = phase_lines(plan.segments, plan.world_size, plan.unit)
         stdout.print(
-            ("main batch: " if plan.phases else "")
+            ("main batch: " if phases else "")
             + f"micro {plan.micro_batch} x accumulation {plan.accumulation_steps} x world {plan.world_size} = "
             f"{plan.effective_batch} {plan.unit} per step"
             + (f" ({plan.effective_tokens} tokens)" if plan.effective_tokens else "")
@@ -55,7 +56,7 @@ class PlainReporter:
         )
         if plan.throughput:  # --policy throughput: why this split (cli/throughput.py)
             stdout.print(f"--policy throughput: {plan.throughput['reason']}", markup=False, soft_wrap=True)
-        for line in phase_lines(plan):
+        for line in phases:
             stdout.print(line, markup=False)
         if plan.recipe.batch.sharding == "fsdp":
             print(f"sharding: fsdp (FSDP2: parameters, gradients and optimizer state split over {plan.world_size} "
@@ -164,14 +165,14 @@ def _replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size:
     from ..planner import plan as make
 
     cap = micro_batch or saved.micro_batch
-    micro = {p.sequence_length: min(p.micro_batch, micro_batch or p.micro_batch) for p in saved.phases} if (
-        saved.phases) else cap
+    micro = {s.sequence_length: min(s.micro_batch, micro_batch or s.micro_batch) for s in saved.segments}
+    micro = micro if len(micro) > 1 else cap  # one micro-batch per sequence length the plan reads
     again = make(saved.recipe, micro, world_size, saved.policy, dataset_size=dataset_size,
                  recipe_path=saved.recipe_path)
     same = ("effective_batch", "steps_per_epoch", "optimizer_steps", "warmup_steps", "decay_milestones")
 
     def steps(p: Plan) -> list:
-        return [(phase.start_step, phase.steps, phase.effective_batch) for phase in p.phases]
+        return [(segment.start_step, segment.steps, segment.effective_batch) for segment in p.segments]
 
     # what the saved plan could not know (made without the data: `reproduce plan --out`) comes from the data now
     changed = [field for field in same if getattr(saved, field) is not None and getattr(again, field) != getattr(
@@ -314,14 +315,13 @@ def run_command(
         from ..train.setup import resolve_device
 
         rank_device = distributed.init(world, resolve_device(device))
-        probed_plan, probed = plan_and_probe(recipe, str(source), None, world_size, policy, size, probe=options,
+        probed_plan, _ = plan_and_probe(recipe, str(source), None, world_size, policy, size, probe=options,
                                              data=data, quiet=not world.is_main)
-        if probed_plan.phases:  # one maximum per sequence length, in the same order on every rank
-            maxima = {phase.sequence_length: phase.micro_batch_max for phase in probed_plan.phases}
-            micro_batch_max = {length: distributed.all_min(world, maxima[length], rank_device)
-                               for length in sorted(maxima, key=lambda length: length or 0)}
-        else:
-            micro_batch_max = distributed.all_min(world, probed.micro_batch_max, rank_device)
+        # one maximum per sequence length the plan reads, agreed in the same order on every rank
+        maxima = {segment.sequence_length: segment.micro_batch_max for segment in probed_plan.segments}
+        agreed = {length: distributed.all_min(world, maxima[length], rank_device)
+                  for length in sorted(maxima, key=lambda length: length or 0)}
+        micro_batch_max = agreed if len(agreed) > 1 else next(iter(agreed.values()))
     if plan is None:
         plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy, dataset_size=size, probe=options,
                          data=data, quiet=not world.is_main)

@@ -206,10 +206,8 @@ def total_samples(p: Plan) -> float | None:
     count in proportion to their tokens: FLOPs per token taken as constant)."""
     if p.optimizer_steps is None:
         return None
-    if not p.phases:
-        return p.optimizer_steps * p.effective_batch
     main, total = p.recipe.batch.sequence_length, 0.0
-    for phase in p.phases:
+    for phase in p.segments:
         end = min(phase.end_step if phase.end_step is not None else p.optimizer_steps, p.optimizer_steps)
         steps = max(0, end - phase.start_step)
         total += steps * phase.effective_batch * ((phase.sequence_length or main) / main if main else 1)

@@ -12,6 +12,7 @@ from typing import Any
 from ..phases import phase_lines
 from ..planner import Plan
 from ..recipe import Lora
+from ..segments import batch_phases
 
 WIDTH = 110
 
@@ -107,14 +108,15 @@ def lora_source(lora: Lora, model: str = "model") -> str:
 
 def _phase_notes(plan: Plan) -> list[str]:
     """Batch phases and ramps: one framework setting cannot switch the batch mid-run; say where `reproduce run` does."""
-    if not plan.phases:
+    phases = batch_phases(plan.segments)
+    if not phases:
         return []
     restarts = [f"batch.phases[{index}] restarts the LR schedule at step {phase.start_step + 1} (lr "
                 f"{phase.schedule.lr:g}, warm-up {phase.schedule.warmup_steps} steps, {phase.schedule.decay_kind}): "
                 "the schedule settings here are the first phase's (reproduce plan --json gives lr_points)"
-                for index, phase in enumerate(plan.phases) if phase.schedule is not None]
+                for index, phase in enumerate(phases) if phase.schedule is not None]
     return ["the batch changes during training; the settings here are the main batch's. reproduce run switches at:",
-            *phase_lines(plan), *restarts]
+            *phase_lines(phases, plan.world_size, plan.unit), *restarts]
 
 
 def run_name(plan: Plan) -> str:

@@ -23,6 +23,7 @@ from ..data.loader import LoaderWatch, MicroBatchStream, cpu_share, default_work
 from ..errors import Interrupted, TrainingStopped, UserError
 from ..planfile import save_plan, write_text_atomic
 from ..planner import Plan
+from ..segments import batch_phase, batch_phases, length_sizes
 from ..sharding import check_sharding
 from . import distributed
 from .checkpoint import full_model_state, load_checkpoint, save_checkpoint
@@ -33,7 +34,7 @@ from .plateau import check_plateau, step_plateau
 from .rates import StepRates
 from .setup import build, resolve_device
 from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, evaluate, optimizer_step
-from .windows import length_sizes, micro_batch_at, smaller_micro_batch, step_batch, step_epoch, window
+from .windows import micro_batch_at, smaller_micro_batch, step_batch, step_epoch, window
 
 CHECKPOINT_SECONDS = 300.0
 
@@ -151,7 +152,7 @@ def _train(
     setup = build(plan, target_device, dtype, seed, data, world)
     check_plateau(plan, setup.data)
     # batch phases of other sequence lengths read the same data cut at their length (data/lengths.py)
-    train_set = training_set(plan.recipe, setup.data["train"], list(length_sizes(plan)))
+    train_set = training_set(plan.recipe, setup.data["train"], list(length_sizes(plan.segments)))
     size = check_training_set(plan, train_set)
     total = plan.optimizer_steps if max_steps is None else min(max_steps, plan.optimizer_steps)
     checkpoint_path = out / "checkpoints" / "last.pt"
@@ -172,7 +173,7 @@ def _train(
         # the run had lowered the micro-batch after running out of memory (by sequence length)
         lowered = {int(k) if k != "None" else None: v for k, v in state["extra"].get("lowered", {}).items()}
         saved_micro_batch = state.get("micro_batch")  # all a checkpoint written before batch phases says
-        if "lowered" not in state["extra"] and saved_micro_batch and not plan.phases and (
+        if "lowered" not in state["extra"] and saved_micro_batch and batch_phase(plan.segments, 0) is None and (
                 saved_micro_batch < plan.micro_batch and plan.per_rank_batch % saved_micro_batch == 0):
             lowered = {plan.recipe.batch.sequence_length: saved_micro_batch}
     main = world.is_main
@@ -189,8 +190,9 @@ def _train(
     rates = StepRates(plan, setup, world.size)  # the model FLOPs of a sample, counted once (train/rates.py)
     for note in rates.notes:
         reporter.message(f"note: {note}")
-    accumulations = ([phase.accumulation_steps for phase in plan.phases] if plan.phases
-                     else [plan.per_rank_batch // micro_batch_at(plan, first_step, lowered)])
+    # each segment's micro-batches per rank, as the run takes them (a micro-batch lowered after running out of memory)
+    accumulations = [-(-(segment.effective_batch // plan.world_size)
+                       // micro_batch_at(plan, segment.start_step, lowered)) for segment in plan.segments]
     unmeasured = not_measured_reason(world.size, max(accumulations), setup.sharded) if noise_scale else None
     if unmeasured:
         reporter.message(f"note: noise scale not measured: {unmeasured}")
@@ -238,13 +240,13 @@ def _train(
             lr = setup.optimizer.param_groups[0]["lr"]
             clock = DataClock()
             batch = step_batch(plan, step)  # with batch phases: this step's N and sequence length
-            if batch.phase is not None and (step == first_step or plan.phases[batch.phase].start_step == step):
+            if batch.phase is not None and (step == first_step or plan.segments[batch.phase].start_step == step):
                 reporter.message(f"step {step + 1}: batch {batch.effective_batch} = micro {batch.micro_batch} x "
                                  f"accumulation {batch.accumulation_steps} x world {plan.world_size}"
                                  + (f", sequence length {batch.sequence_length}" if batch.sequence_length else ""))
             micro_batch = micro_batch_at(plan, step, lowered)
             if noise is not None and batch.phase is not None:  # each sequence length's own training set
-                noise.dataset_size = plan.phases[batch.phase].dataset_size or size
+                noise.dataset_size = plan.segments[batch.phase].dataset_size or size
             while True:
                 indices, partial = windows(step)
                 take = functools.partial(stream.take, step)
@@ -410,19 +412,17 @@ def _train(
 def check_training_set(plan: Plan, train_set) -> int:
     """The training set's size, when it is the one the plan was made for and its epoch holds an optimizer step."""
     size = len(train_set)
-    if plan.phases:
-        sizes = train_set.sizes() if hasattr(train_set, "sizes") else {plan.recipe.batch.sequence_length: size}
-        if sizes != length_sizes(plan):
-            raise UserError(f"plan: the phases' dataset sizes {length_sizes(plan)} do not match the training set's "
-                            f"{sizes} (samples by sequence length)")
-    elif plan.dataset_size != size:
-        raise UserError(f"plan: dataset_size {plan.dataset_size} does not match the training set's {size} items")
-    short = [p for p in plan.phases if p.steps_per_epoch == 0 and p.steps != 0]
-    if (not plan.steps_per_epoch and not plan.phases) or short:
-        batch, samples = (short[0].effective_batch, short[0].dataset_size) if short else (plan.effective_batch, size)
+    sizes = train_set.sizes() if hasattr(train_set, "sizes") else {plan.recipe.batch.sequence_length: size}
+    if sizes != length_sizes(plan.segments):
+        raise UserError(f"plan: the phases' dataset sizes {length_sizes(plan.segments)} do not match the training "
+                        f"set's {sizes} (samples by sequence length)" if batch_phases(plan.segments) else
+                        f"plan: dataset_size {plan.dataset_size} does not match the training set's {size} items")
+    short = [s for s in plan.segments if not s.steps_per_epoch and s.steps != 0]
+    if short:
         raise UserError(
-            f"data: the epoch ({samples} {plan.unit}) is shorter than one optimizer step ({batch}) "
-            "with drop_last: no step would run; lower the batch or set data.drop_last: false"
+            f"data: the epoch ({short[0].dataset_size} {plan.unit}) is shorter than one optimizer step "
+            f"({short[0].effective_batch}) with drop_last: no step would run; lower the batch or set "
+            "data.drop_last: false"
         )
     return size
 

@@ -1,7 +1,7 @@
 """Which samples go into each optimizer step's window, and how it splits into micro-batches and ranks.
 
-`step_batch(plan, step)` is each step's batch (micro-batch, N, effective batch, sequence length): the plan's
-throughout, or the batch phase's the step falls in (`batch.phases`, `batch.ramp`); `window` gives its samples.
+`step_batch(plan, step)` is each step's batch (micro-batch, N, effective batch, sequence length): its segment's
+(segments.py: the plan's batch throughout, or the batch phase's the step falls in); `window` gives its samples.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..phases import phase_index, stream_window
 from ..planner import Plan
+from ..segments import batch_phase, epochs_done, length_sizes, segment_at, stream_window
 
 
 @dataclass(frozen=True)
 class StepBatch:
-    """One optimizer step's batch; `phase` is its index in `plan.phases` (None for a plan without phases)."""
+    """One optimizer step's batch; `phase` is its batch phase's index in `plan.segments` (None without phases)."""
 
     micro_batch: int
     accumulation_steps: int
@@ -28,12 +28,9 @@ class StepBatch:
 
 def step_batch(plan: Plan, step: int) -> StepBatch:
     """The batch of optimizer step `step` (0-based): where `reproduce run` switches N and the sequence length."""
-    if not plan.phases:
-        return StepBatch(plan.micro_batch, plan.accumulation_steps, plan.effective_batch,
-                         plan.recipe.batch.sequence_length)
-    index = phase_index(plan.phases, step)
-    phase = plan.phases[index]
-    return StepBatch(phase.micro_batch, phase.accumulation_steps, phase.effective_batch, phase.sequence_length, index)
+    segment = segment_at(plan.segments, step)
+    return StepBatch(segment.micro_batch, segment.accumulation_steps, segment.effective_batch,
+                     segment.sequence_length, batch_phase(plan.segments, step))
 
 
 def micro_batch_at(plan: Plan, step: int, lowered: dict) -> int:
@@ -41,12 +38,6 @@ def micro_batch_at(plan: Plan, step: int, lowered: dict) -> int:
     (`lowered`: sequence length -> micro-batch). What the loop and a loader prefetching its windows both use."""
     batch = step_batch(plan, step)
     return min(batch.micro_batch, lowered.get(batch.sequence_length, batch.micro_batch))
-
-
-def length_sizes(plan: Plan) -> dict[int | None, int | None]:
-    """The training samples at each sequence length the plan's phases read, shortest length first."""
-    sizes = {phase.sequence_length: phase.dataset_size for phase in plan.phases}
-    return {length: sizes[length] for length in sorted(sizes, key=lambda length: length or 0)}
 
 
 def length_offsets(sizes: dict) -> dict:
@@ -60,10 +51,7 @@ def length_offsets(sizes: dict) -> dict:
 
 def step_epoch(plan: Plan, step: int) -> float:
     """The epochs of data read once optimizer step `step` (0-based) is done (of its length's data, with phases)."""
-    if not plan.phases:
-        return (step + 1) / plan.steps_per_epoch
-    where = stream_window(plan.phases, step, plan.world_size, plan.recipe.data.drop_last)
-    return where.epoch + (where.offset + where.size) / where.dataset_size
+    return epochs_done(plan.segments, step, plan.world_size, plan.recipe.data.drop_last)
 
 
 def epoch_order(plan: Plan, size: int, epoch: int, seed: int) -> torch.Tensor:
@@ -83,35 +71,21 @@ def window(plan: Plan, size: int, step: int, seed: int, rank: int = 0,
            micro_batch: int | None = None) -> tuple[list[torch.Tensor], bool]:
     """This rank's micro-batches (index tensors) for optimizer step `step`, and whether the window is partial.
 
-    The window is the same slice of the epoch's order whatever the micro-batch or world size, so a run that
-    changes either (out of memory, resume elsewhere) still takes the same samples into each optimizer step.
-    With batch phases the indices are into `data.lengths.ByLength` (`size` is then not used).
+    The window is the step's slice of its sequence length's stream of data (segments.py): the same slice of the
+    epoch's order whatever the micro-batch or world size, so a run that changes either (out of memory, resume
+    elsewhere) still takes the same samples into each optimizer step. With batch phases of several sequence lengths
+    the indices are into `data.lengths.ByLength`. `size` is the training set's (the plan's segments know it).
     """
-    if plan.phases:
-        return _phase_window(plan, step, seed, rank, micro_batch)
-    batch = plan.effective_batch
-    per_epoch = plan.steps_per_epoch
-    epoch, position = divmod(step, per_epoch)
-    indices = epoch_order(plan, size, epoch, seed)[position * batch : (position + 1) * batch]
-    partial = len(indices) < batch
-    mine = torch.tensor_split(indices, plan.world_size)[rank] if partial else (
-        indices[rank * plan.per_rank_batch : (rank + 1) * plan.per_rank_batch]
-    )
-    return list(torch.split(mine, micro_batch or plan.micro_batch)), partial
-
-
-def _phase_window(plan: Plan, step: int, seed: int, rank: int, micro_batch: int | None
-                  ) -> tuple[list[torch.Tensor], bool]:
-    """`window` for a plan with batch phases: the step's slice of its sequence length's stream (phases.py)."""
-    where = stream_window(plan.phases, step, plan.world_size, plan.recipe.data.drop_last)
-    base = length_offsets(length_sizes(plan))[where.sequence_length]
+    segments = plan.segments
+    where = stream_window(segments, step, plan.world_size, plan.recipe.data.drop_last)
+    base = length_offsets(length_sizes(segments))[where.sequence_length]
     order = epoch_order(plan, where.dataset_size, where.epoch, seed)
     indices = order[where.offset : where.offset + where.size] + base
     per_rank = where.effective_batch // plan.world_size
     mine = torch.tensor_split(indices, plan.world_size)[rank] if where.partial else (
         indices[rank * per_rank : (rank + 1) * per_rank]
     )
-    return list(torch.split(mine, micro_batch or plan.phases[where.phase].micro_batch)), where.partial
+    return list(torch.split(mine, micro_batch or segments[where.phase].micro_batch)), where.partial
 
 
 def smaller_micro_batch(per_rank_batch: int, micro_batch: int) -> int | None:

@@ -1,0 +1,291 @@
+"""Every plan as segments of optimizer steps, and the one conversion of recipe lengths into optimizer steps.
+
+Pure Python, no torch. A `Segment` is consecutive optimizer steps with one micro-batch m, accumulation N, effective
+batch m x N x W and sequence length. A plan without batch phases is one segment (`kind: whole`, `Plan.segments`);
+`batch.phases` and `batch.ramp` make several (phases.py plans them). Everything that depends on where a step falls
+reads the segments here, so no caller asks whether a plan has phases:
+
+- lengths (the phases', the schedule's warm-up, milestones and total) become optimizer steps by walking the
+  segments (`lengths_to_steps`): a segment of n steps covers n x E samples (E x L tokens, n / steps-per-epoch
+  epochs, n x E / B of the paper's own steps of batch B; during a ramp a step is this plan's step). So a schedule
+  counted in tokens stays exact while the batch grows;
+- the LR of a step (`segment_lr`): the schedule it falls in (the recipe's, or a phase's own), at its segment's
+  LR-rule factor;
+- the data (`stream_window`): each sequence length has its own stream through its own dataset (the same data cut
+  at that length), epoch after epoch; a segment continues the stream of its length where the last segment of that
+  length left it, so a ramp reads the data once, in order, whatever its batches.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from .errors import UserError
+from .recipe import Length, Recipe
+from .schedules import StepSchedule
+from .split import Choice
+
+
+class Segment(BaseModel):
+    """Consecutive optimizer steps with one batch: what `reproduce run` switches to at `start_step`.
+
+    `kind`: `whole` (a plan without batch phases: its one segment), `phase` (a stretch of `batch.phases`, or the
+    target batch after a ramp) or `ramp` (one batch of `batch.ramp`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["phase", "ramp", "whole"]
+    start_step: int
+    steps: int | None = None  # None: to the end of the run (the last segment)
+    micro_batch_max: int
+    micro_batch: int
+    accumulation_steps: int
+    effective_batch: int  # samples (sequences) per optimizer step
+    paper_effective_batch: int | None  # None during a ramp: the paper's batch grows continuously there
+    sequence_length: int | None
+    exact: bool | None  # None during a ramp: its batches are the ramp's values rounded to whole micro-batches
+    lr_factor: float
+    dataset_size: int | None
+    steps_per_epoch: int | None
+    schedule: StepSchedule | None = None  # its own LR schedule (batch.phases[i].lr / warmup / decay): schedules.py
+
+    @property
+    def end_step(self) -> int | None:
+        return None if self.steps is None else self.start_step + self.steps
+
+    def arithmetic(self, world_size: int) -> str:
+        micro, count = self.micro_batch, self.accumulation_steps
+        if micro * count * world_size != self.effective_batch:  # a ramp step: the last micro-batch is smaller
+            last = self.effective_batch // world_size - micro * (count - 1)
+            return f"({micro} x {count - 1} + {last}) x {world_size} = {self.effective_batch}"
+        return f"{micro} x {count} x {world_size} = {self.effective_batch}"
+
+
+PlanPhase = Segment  # the name plan files' `phases` entries had before every plan was segments
+
+
+def whole_segment(choice: Choice, micro_batch_max: int, paper_batch: int, sequence_length: int | None,
+                  dataset_size: int | None, steps_per_epoch: int | None) -> Segment:
+    """The one segment of a plan without batch phases: its batch from step 0 to the end."""
+    return Segment(kind="whole", start_step=0, micro_batch_max=micro_batch_max, micro_batch=choice.micro_batch,
+                   accumulation_steps=choice.accumulation_steps, effective_batch=choice.effective_batch,
+                   paper_effective_batch=paper_batch, sequence_length=sequence_length, exact=choice.exact,
+                   lr_factor=choice.lr_factor, dataset_size=dataset_size, steps_per_epoch=steps_per_epoch)
+
+
+def epoch_steps(dataset_size: int | None, batch: int, world_size: int, drop_last: bool) -> tuple[int | None, int]:
+    """Optimizer steps per epoch of `dataset_size` samples at `batch`, and the samples of its last window."""
+    if dataset_size is None:
+        return None, 0
+    full, partial = divmod(dataset_size, batch)
+    keep_partial = not drop_last and partial >= world_size  # every process needs an item
+    return (full + 1 if keep_partial and partial else full), partial
+
+
+def size_at(length: int | None, recipe: Recipe, size: int | None, sizes: Mapping | None) -> int | None:
+    """Training samples at sequence length `length`: as given, else the main length's data cut at `length`."""
+    if sizes is not None and length in sizes:
+        return sizes[length]
+    main = recipe.batch.sequence_length
+    if size is None or length == main or not length or not main:
+        return size
+    return size * main // length
+
+
+# ---- lengths in optimizer steps ------------------------------------------------------------------------------
+
+
+def _per_step(segment: Segment, unit: str) -> float:
+    """How much of a length in `unit` one optimizer step of the segment covers."""
+    if unit == "epochs":
+        return 1 / segment.steps_per_epoch if segment.steps_per_epoch else math.inf
+    if unit == "steps":  # the paper's steps of its own batch (a ramp step counts as one)
+        return segment.effective_batch / (segment.paper_effective_batch or segment.effective_batch)
+    if unit == "samples":
+        return segment.effective_batch
+    return segment.effective_batch * segment.sequence_length
+
+
+def _count(segment: Segment, unit: str, amount: float, what: str) -> int | None:
+    """The optimizer steps of the segment that cover `amount` of a length in `unit` (None: epochs of data whose
+    size is unknown): the paper's steps, samples and tokens kept as the data they cover."""
+    if unit == "epochs":
+        if segment.steps_per_epoch is None:
+            return None
+        return max(0, round(amount * segment.steps_per_epoch)) if amount else 0
+    if unit == "steps":
+        return round(amount * (segment.paper_effective_batch or segment.effective_batch) / segment.effective_batch)
+    if unit == "samples":
+        return round(amount / segment.effective_batch)
+    if segment.sequence_length is None:
+        raise UserError(f"{what}: counted in tokens, but batch.sequence_length is not set")
+    return round(amount / segment.sequence_length / segment.effective_batch)
+
+
+def lengths_to_steps(segments: list[Segment], length: Length, what: str, warnings: list[str]) -> int | None:
+    """Optimizer steps covering `length` of the schedule (from step 0), walking the segments: the data each one
+    reads. None (with a warning) for epochs of data whose size is unknown."""
+    unit, remaining = length.unit, float(length.value)
+    for index, segment in enumerate(segments):
+        if unit == "epochs" and segment.steps_per_epoch is None:
+            message = f"{what}: counted in epochs, but the dataset size is unknown (set data.train_size)"
+            if message not in warnings:
+                warnings.append(message)
+            return None
+        last = segment.steps is None or index == len(segments) - 1
+        if last or remaining <= segment.steps * _per_step(segment, unit):
+            return segment.start_step + _count(segment, unit, remaining, what)
+        remaining -= segment.steps * _per_step(segment, unit)
+    return None
+
+
+def own_steps(length: Length, segment: Segment, what: str) -> int:
+    """A length in a phase's own units (its batch's steps, epochs of its data, samples, tokens) in optimizer steps of
+    its batch: the phase's length, and the lengths of its own schedule."""
+    steps = _count(segment, length.unit, length.value, what)
+    if steps is None:
+        raise UserError(f"{what}: counted in epochs, but the dataset size is unknown (set data.train_size)")
+    return steps
+
+
+# ---- where a step falls -------------------------------------------------------------------------------------
+
+
+def phase_index(phases: list[Segment], step: int) -> int:
+    """The segment optimizer step `step` (0-based) belongs to."""
+    starts = [phase.start_step for phase in phases]
+    return max(0, bisect.bisect_right(starts, step) - 1)
+
+def batch_phases(segments: list[Segment]) -> list[Segment]:
+    """The segments that are batch phases or ramp steps (`batch.phases`, `batch.ramp`): none for a plan without."""
+    return [segment for segment in segments if segment.kind != "whole"]
+
+
+def batch_phase(segments: list[Segment], step: int) -> int | None:
+    """The index of the batch phase optimizer step `step` (0-based) falls in; None in a plan without batch phases."""
+    index = phase_index(segments, step)
+    return None if segments[index].kind == "whole" else index
+
+
+def segment_at(segments: list[Segment], step: int) -> Segment:
+    """The segment optimizer step `step` (0-based) belongs to."""
+    return segments[phase_index(segments, step)]
+
+
+def epochs_done(segments: list[Segment], step: int, world_size: int, drop_last: bool) -> float:
+    """The epochs of data read once optimizer step `step` (0-based) is done: of the whole data for a plan without
+    batch phases (its windows over the epoch's), of the step's sequence length's data with them (samples read)."""
+    if batch_phase(segments, step) is None:
+        return (step + 1) / segments[0].steps_per_epoch
+    where = stream_window(segments, step, world_size, drop_last)
+    return where.epoch + (where.offset + where.size) / where.dataset_size
+
+
+def length_sizes(segments: list[Segment]) -> dict[int | None, int | None]:
+    """The training samples at each sequence length the segments read, shortest length first."""
+    sizes = {segment.sequence_length: segment.dataset_size for segment in segments}
+    return {length: sizes[length] for length in sorted(sizes, key=lambda length: length or 0)}
+
+
+def schedule_owner(phases: list[Segment], step: int) -> Segment | None:
+    """The last phase at or before `step` that starts a schedule of its own (None: the recipe's schedule)."""
+    owner = None
+    for phase in phases:
+        if phase.start_step > step:
+            break
+        if phase.schedule is not None:
+            owner = phase
+    return owner
+
+
+def segment_lr(segments: list[Segment], main: StepSchedule, main_factor: float, step: int) -> float:
+    """The LR of optimizer step `step` (0-based): the schedule it falls in (`main`, the recipe's, or the last phase
+    before it with its own), at its segment's LR-rule factor.
+
+    A segment whose batch is not the paper's multiplies the schedule it continues by its own factor over that
+    schedule's (`main_factor` for the recipe's schedule, the owning phase's for a phase's own)."""
+    owner = schedule_owner(segments, step)
+    schedule, factor = (owner.schedule, owner.lr_factor) if owner is not None else (main, main_factor)
+    value = schedule.lr_at(step)
+    segment = segment_at(segments, step)
+    if segment.lr_factor != factor:
+        value = value * segment.lr_factor / factor
+    return value
+
+
+# ---- where each step reads -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamWindow:
+    """Where optimizer step s reads: samples [offset, offset + size) of `epoch`'s order of its length's data."""
+
+    phase: int
+    sequence_length: int | None
+    epoch: int
+    offset: int
+    size: int
+    dataset_size: int
+    effective_batch: int
+
+    @property
+    def partial(self) -> bool:
+        return self.size < self.effective_batch
+
+
+def stream_window(phases: list[Segment], step: int, world_size: int, drop_last: bool) -> StreamWindow:
+    """Where step `step` reads in its sequence length's stream of data (see the module docstring)."""
+    key = tuple((p.start_step, p.steps, p.effective_batch, p.sequence_length, p.dataset_size) for p in phases)
+    index = phase_index(phases, step)
+    epoch, offset = _segment_starts(key, world_size, drop_last)[index]
+    phase = phases[index]
+    epoch, offset, size = _window(epoch, offset, step - phase.start_step, phase.effective_batch,
+                                  phase.dataset_size, world_size, drop_last)
+    return StreamWindow(index, phase.sequence_length, epoch, offset, size, phase.dataset_size,
+                        phase.effective_batch)
+
+
+@functools.lru_cache(maxsize=8)
+def _segment_starts(key: tuple, world_size: int, drop_last: bool) -> list[tuple[int, int]]:
+    """(epoch, offset) where each segment's stream stands before its first step: computed once per plan.
+
+    The offset is where the last window of that length stopped reading; whether the rest of that epoch holds a
+    window depends on the batch of the segment that reads next, so `_window` decides it.
+    """
+    streams: dict[Any, tuple[int, int]] = {}
+    starts = []
+    for _, steps, batch, length, size in key:
+        epoch, offset = streams.get(length, (0, 0))
+        starts.append((epoch, offset))
+        if steps:
+            epoch, offset, read = _window(epoch, offset, steps - 1, batch, size, world_size, drop_last)
+            streams[length] = (epoch, offset + read)
+    return starts
+
+
+def _window(epoch: int, offset: int, steps: int, batch: int, size: int | None, world_size: int,
+            drop_last: bool) -> tuple[int, int, int]:
+    """From the stream standing at (epoch, offset), window number `steps` (0-based) of `batch`: its (epoch, offset,
+    size). A window takes `batch` samples from the epoch's order; the rest of an epoch shorter than that is dropped
+    (drop_last) or read as a partial window, and the next window starts the next epoch.
+    """
+    if size is None:
+        raise UserError("plan: the dataset size is unknown; plan the run with its data (reproduce run plans it)")
+    per_epoch, _ = epoch_steps(size, batch, world_size, drop_last)
+    if not per_epoch:
+        raise UserError(f"data: the epoch ({size} samples) is shorter than one optimizer step ({batch}) with "
+                        "drop_last: no step would run; lower the batch or set data.drop_last: false")
+    first, _ = epoch_steps(size - offset, batch, world_size, drop_last)  # windows left in this epoch
+    if steps < first:
+        offset += steps * batch
+    else:
+        later = steps - first
+        epoch, offset = epoch + 1 + later // per_epoch, (later % per_epoch) * batch
+    return epoch, offset, min(batch, size - offset)

@@ -1,0 +1,120 @@
+"""The seams of the code base, checked on its source: no import cycle in src/ (not even under TYPE_CHECKING or
+inside a function), train/ independent of the exports, check/ using only public names of the core, and test
+modules that import shared helpers from tests/helpers.py, never from one another."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "reproduce"
+TESTS = Path(__file__).resolve().parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in SRC.rglob("*.py")}
+
+
+def _imports(name: str) -> list[tuple[str, list[str]]]:
+    """(module imported, names taken from it) for every import statement in module `name`, anywhere in it."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [alias.name for alias in node.names]
+            # `from . import x` imports the module x when there is one
+            submodules = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+            found += [(sub, []) for sub in submodules] or [(target, names)]
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for name in MODULES:
+        targets = set()
+        for target, _ in _imports(name):
+            while target and target not in MODULES:  # reproduce.x.y.attr -> the module that defines it
+                target = target.rsplit(".", 1)[0] if "." in target else ""
+            if target and target != name and not name.startswith(target + "."):  # a package's own __init__ aside
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle_under_src():
+    assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()) or [])
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_plan_core_imports_no_torch_and_no_cli():
+    core = ["reproduce.recipe", "reproduce.validation", "reproduce.split", "reproduce.segments", "reproduce.phases",
+            "reproduce.schedules", "reproduce.planner", "reproduce.planfile", "reproduce.launch"]
+    for name in core:
+        imported = {target for target, _ in _imports(name)}
+        assert not {t for t in imported if t.split(".")[0] in ("torch", "typer", "rich")}, name
+        assert not {t for t in imported if t.startswith("reproduce.cli")}, name
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("reproduce.train")))
+def test_train_does_not_import_the_exports(name):
+    assert not [t for t, _ in _imports(name) if t.startswith("reproduce.export")]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("reproduce.check")))
+def test_check_uses_public_names_of_other_modules(name):
+    private = [(target, n) for target, names in _imports(name) for n in names
+               if n.startswith("_") and not target.startswith("reproduce.check") and target != "__future__"]
+    assert not private, private
+
+
+@pytest.mark.parametrize("path", sorted(TESTS.glob("*.py")), ids=lambda p: p.name)
+def test_no_test_module_imports_another(path):
+    tree = ast.parse(path.read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not {name for name in imported if name.startswith("test_") or name.startswith("tests.test_")}
