@@ -7,6 +7,11 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import shlex
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +19,11 @@ import pytest
 import yaml
 
 from reproduce.cli import main
+from reproduce.recipe import parse_recipe
+from reproduce.reported import compare_reported, reported_line
+from reproduce.train.divergence import DivergenceWatch
+from reproduce.train.noise import MIN_VERDICT_STEPS, summarise
+from reproduce.train.outputs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -184,3 +194,180 @@ def test_memory_sizes_with_units_and_large_byte_counts_still_parse():
     from reproduce.units import parse_size
 
     assert parse_size("8GiB") == 8 * 2**30 and parse_size("2097152") == 2**21 and parse_size("1MiB") == 2**20
+
+
+# ---- 6-8. the resume hint, --max-steps, and the whole run's summary -----------------------------------------------
+
+def test_the_resume_hint_after_sigterm_pasted_as_printed_stops_at_max_steps(tmp_path):
+    """The acceptance case: SIGTERM at step 5 of `--max-steps 30` (of a 300-step plan); the printed command, pasted,
+    goes on to step 30 and no further, and done: / summary.json count the whole run."""
+    recipe, out = write(tmp_path / "digits.yaml", DIGITS), tmp_path / "out"
+    command = [sys.executable, "-m", "reproduce", "run", str(recipe), "--out", str(out), "--device", "cpu",
+               "--micro-batch-max", "16", "--max-steps", "30", "--workers", "0"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    metrics = out / "metrics.jsonl"
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 5:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr
+    stopped = len(metrics.read_text().splitlines())
+    assert 5 <= stopped < 30, stderr
+    hint = stderr.split("Continue with: ", 1)[1].strip()
+    assert hint == (f"reproduce run {out / 'plan.yaml'} --out {out} --resume --max-steps 30 --micro-batch-max 16 "
+                    "--workers 0 --device cpu")
+    args = shlex.split(hint)
+    assert args[0] == "reproduce"
+    resumed = subprocess.run([sys.executable, "-m", "reproduce", *args[1:]], capture_output=True, text=True,
+                             cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    records = [r for r in read_metrics(metrics) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 31))  # stopped at 30 of the plan's 300
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["planned_steps"] == 300 and summary["resumed_from_step"] == stopped
+    assert summary["samples"] == sum(r["samples"] for r in records) == 30 * 64
+    assert summary["this_call"]["steps"] == 30 - stopped
+    assert summary["this_call"]["samples"] == (30 - stopped) * 64
+    assert summary["seconds"] > summary["this_call"]["seconds"] > 0
+    done = next(line for line in resumed.stdout.splitlines() if line.startswith("done: "))
+    assert done.startswith(f"done: 30 steps in {summary['seconds']:.1f}s ({30 - stopped} in this call, "
+                           f"{summary['this_call']['seconds']:.1f}s)")
+
+
+def test_max_steps_counts_from_the_start_and_a_resume_past_it_says_what_goes_on(tmp_path, capsys):
+    recipe, out = write(tmp_path / "digits.yaml", DIGITS), tmp_path / "out"
+    assert cli(capsys, "run", recipe, "--out", out, "--device", "cpu", "--micro-batch-max", "16",
+               "--max-steps", "10")[0] == 0
+    before = snapshot(out)
+    code, _, err = cli(capsys, "run", out / "plan.yaml", "--out", out, "--resume", "--max-steps", "10")
+    assert code == 2 and err.count("\n") == 1 and snapshot(out) == before
+    assert err.strip() == (f"error: --max-steps: {out} has already run 10 of 10 optimizer steps; --max-steps counts "
+                           "from the start of the run (of 300 steps): to run 10 more, give --max-steps 20")
+    code, printed, _ = cli(capsys, "run", out / "plan.yaml", "--out", out, "--resume", "--max-steps", "20")
+    assert code == 0 and "done: 20 steps in " in printed and "(10 in this call, " in printed
+    import inspect
+
+    from reproduce.cli.run import run_command
+
+    assert "counted from the start of the run" in inspect.signature(run_command).parameters["max_steps"].default.help
+
+
+def test_the_hint_keeps_torchruns_options(tmp_path, monkeypatch):
+    from reproduce.cli.run import LAUNCHER_ENV, _launcher_args, continue_command
+
+    launcher = _launcher_args(2, 2, 0, "node0:29500")
+    monkeypatch.setenv(LAUNCHER_ENV, shlex.join(launcher))
+    hint = continue_command(tmp_path / "out", {"--max-steps": 30, "--data": "/data/my set", "--workers": None},
+                            {"--stop-on-divergence": True, "--tensorboard": False}, launcher)
+    assert shlex.split(hint) == ["reproduce", "run", str(tmp_path / "out" / "plan.yaml"), "--out",
+                                 str(tmp_path / "out"), "--resume", "--nproc-per-node", "2", "--nnodes", "2",
+                                 "--node-rank", "0", "--rdzv-endpoint", "node0:29500", "--max-steps", "30",
+                                 "--data", "/data/my set", "--stop-on-divergence"]
+
+
+# ---- 9. the result beside the paper's --------------------------------------------------------------------------
+
+def test_the_run_puts_its_eval_loss_beside_the_papers(tmp_path, capsys):
+    data = char_tokens(tmp_path / "char", 65)
+    recipe = dict(CHAR_RECIPE, reported=[{"metric": "val_loss", "value": 1.4697, "split": "val"},
+                                         {"metric": "bleu", "value": 70.4, "split": "test"}])
+    path = write(tmp_path / "char.yaml", recipe)
+    code, printed, err = cli(capsys, "run", path, "--out", tmp_path / "out", "--data", data, "--device", "cpu",
+                             "--micro-batch-max", "16", "--max-steps", "2")
+    assert code == 0, err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    eval_loss = summary["final"]["eval_loss"]
+    assert [row["metric"] for row in summary["reported"]] == ["val_loss"]  # BLEU on test: not what the run measured
+    assert f"eval loss {eval_loss:.4g}; the paper reports val_loss 1.4697 on val at step 5000; this run stopped at " \
+           "step 2 of 5000" in printed
+
+
+def test_reported_metrics_are_matched_by_metric_split_and_scale():
+    recipe = parse_recipe(dict(DIGITS, reported=[
+        {"metric": "top1_error", "value": 23.74, "split": "val", "tolerance": 0.09},
+        {"metric": "top1_accuracy", "value": 0.9},
+        {"metric": "top1_accuracy", "value": 81.8, "split": "test"},
+        {"metric": "glue_average", "value": 79.6, "split": "val"},
+    ]))
+    rows = compare_reported(recipe, {"eval_accuracy": 0.75, "loss": 1.0}, 300, 300)
+    assert [(r["metric"], round(r["run"], 6)) for r in rows] == [("top1_error", 25.0), ("top1_accuracy", 0.75)]
+    assert reported_line(rows[0]) == ("eval top-1 error 25; the paper reports top1_error 23.74 +- 0.09 on val at step "
+                                      "300; this run ran all 300 steps")
+    assert compare_reported(recipe, {"loss": 1.0}, 3, 300) == []  # no evaluation: nothing to put beside it
+
+
+# ---- 10. the noise scale's verdict, withheld when it would mislead --------------------------------------------
+
+def noise_records(steps: int, first: int = 1) -> list[dict]:
+    return [{"step": s, "loss": 1.0, "items": 256, "noise_grad_sq": 0.01, "noise_trace": 2.0, "noise_b_small": 32.0,
+             "noise_scale": 200.0} for s in range(first, steps + 1)]
+
+
+def test_noise_verdict_uses_the_last_tenth_or_the_final_value_and_says_which():
+    summary = summarise(noise_records(200), 200, "classification")
+    assert summary["verdict_from"] == "last_tenth" and "over the last tenth of the run" in summary["sentence"]
+    summary = summarise(noise_records(30), 30, "classification")  # a tenth of 3 steps: the EMA over all 30
+    assert summary["verdict_from"] == "final" and "(at the end)" in summary["sentence"]
+    assert summary["last_tenth"] is not None  # still reported, not used
+
+
+@pytest.mark.parametrize("records, total, options, reason", [
+    (noise_records(30), 30, {"warmup_steps": 100}, "the run ended at step 30, inside its warm-up of 100 optimizer"),
+    (noise_records(MIN_VERDICT_STEPS - 1), MIN_VERDICT_STEPS - 1, {},
+     f"the measurement covers {MIN_VERDICT_STEPS - 1} optimizer steps (1 in the last tenth of the run), fewer than "
+     f"the {MIN_VERDICT_STEPS} a verdict needs"),
+    (noise_records(40), 40, {"diverged": {"step": 12, "reason": "..."}}, "the loss diverged (step 12)"),
+], ids=["in-warm-up", "too-few-steps", "diverged"])
+def test_noise_verdict_is_withheld_with_the_reason(records, total, options, reason):
+    summary = summarise(records, total, "classification", **options)
+    assert summary["verdict_from"] is None and summary["withheld"].startswith(reason)
+    assert summary["sentence"] == f"verdict withheld: {summary['withheld']}"
+    assert summary["final"] == 200.0  # the figures stay in summary.json
+
+
+def test_a_run_that_stops_inside_its_warm_up_withholds_the_verdict(tmp_path, capsys):
+    recipe = write(tmp_path / "digits.yaml", dict(DIGITS, schedule={"warmup": {"steps": 50}, "total": {"steps": 300}}))
+    code, printed, _ = cli(capsys, "run", recipe, "--out", tmp_path / "out", "--device", "cpu", "--micro-batch-max",
+                           "16", "--max-steps", "12")
+    assert code == 0
+    noise = json.loads((tmp_path / "out" / "summary.json").read_text())["noise_scale"]
+    assert noise["verdict_from"] is None and noise["measured_steps"] == 12
+    assert "noise scale: verdict withheld: the run ended at step 12, inside its warm-up of 50 optimizer steps" in \
+        " ".join(printed.split())
+
+
+# ---- 11. divergence -------------------------------------------------------------------------------------------
+
+def test_divergence_watch_counts_steps_in_a_row_and_warns_once():
+    watch = DivergenceWatch(factor=2.0, steps=3)
+    losses = [2.0, 5.0, 5.0, 3.0, 4.5, 4.5, 4.5, 9.0]  # a two-step spike, then three in a row above 4.0
+    said = [watch.update(step, loss) for step, loss in enumerate(losses, start=1)]
+    assert said[:6] == [None] * 6 and said[7] is None
+    assert said[6] == ("the run is diverging: the loss has stayed above 2x its first value (2) for 3 optimizer "
+                       "steps, up to 4.5 at step 7")
+    again = DivergenceWatch()
+    again.load_state_dict(watch.state_dict())
+    assert again.diverged == {"step": 7, "reason": said[6].removeprefix("the run is diverging: ")}
+    assert DivergenceWatch().update(1, float("nan")) == "the run is diverging: the loss is not finite (nan) at " \
+        "optimizer step 1"
+
+
+def test_a_diverging_run_warns_once_and_goes_on_or_stops_when_asked(tmp_path, capsys):
+    recipe = write(tmp_path / "div.yaml", dict(DIGITS, optimizer={"name": "sgd", "lr": 8.0, "momentum": 0.9},
+                                               schedule={"total": {"steps": 30}}))
+    args = ["run", recipe, "--device", "cpu", "--micro-batch-max", "16", "--skip-nonfinite"]
+    code, _, err = cli(capsys, *args, "--out", tmp_path / "on")
+    assert code == 0
+    warnings = [line for line in err.splitlines() if "diverging" in line]
+    summary = json.loads((tmp_path / "on" / "summary.json").read_text())
+    step = summary["divergence"]["step"]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: the run is diverging: ")
+    assert f"at step {step} (the run goes on; --stop-on-divergence stops it)" in warnings[0]
+    assert summary["steps"] == 30 and summary["noise_scale"]["withheld"].startswith("the loss diverged")
+    code, _, err = cli(capsys, *args, "--out", tmp_path / "off", "--stop-on-divergence")
+    assert code == 1 and "Traceback" not in err
+    assert "stopped: the run is diverging: " in err and "stopped (--stop-on-divergence)" in err
+    assert len(read_metrics(tmp_path / "off" / "metrics.jsonl")) == step
