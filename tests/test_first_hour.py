@@ -371,3 +371,111 @@ def test_a_diverging_run_warns_once_and_goes_on_or_stops_when_asked(tmp_path, ca
     assert code == 1 and "Traceback" not in err
     assert "stopped: the run is diverging: " in err and "stopped (--stop-on-divergence)" in err
     assert len(read_metrics(tmp_path / "off" / "metrics.jsonl")) == step
+
+
+# ---- 4. a plan made from a data factory knows the data's size ----------------------------------------------------
+
+OWN = ROOT / "examples" / "own-model"
+
+
+def test_plan_asks_the_data_factory_for_its_size(tmp_path, capsys):
+    code, printed, err = cli(capsys, "plan", OWN / "recipe.yaml", "--micro-batch-max", "32", "--out",
+                             tmp_path / "plan.yaml")
+    assert code == 0, err
+    text = " ".join(printed.split())
+    assert "12 epochs" not in text and "6 epochs │ 48 optimizer steps" in text and "1024 samples │ 8 optimizer" in text
+    assert "data.train_size" not in err
+    plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    assert (plan["dataset_size"], plan["optimizer_steps"], plan["warmup_steps"]) == (1024, 48, 8)
+    code, printed, err = cli(capsys, "run", tmp_path / "plan.yaml", "--out", tmp_path / "out", "--device", "cpu",
+                             "--max-steps", "2")
+    assert code == 0, err
+    assert "done: 2 steps" in printed
+
+
+def test_a_plan_file_made_without_the_data_size_runs_and_never_says_none(tmp_path, capsys):
+    from reproduce.planfile import save_plan
+    from reproduce.planner import plan
+    from reproduce.recipe import load_recipe
+
+    blind = plan(load_recipe(OWN / "recipe.yaml"), 32)  # as an older `reproduce plan --out` wrote it
+    assert blind.dataset_size is None and blind.optimizer_steps is None
+    save_plan(blind, tmp_path / "plan.yaml")
+    code, printed, err = cli(capsys, "run", tmp_path / "plan.yaml", "--out", tmp_path / "out", "--device", "cpu",
+                             "--max-steps", "2")
+    assert code == 0, err
+    assert "None" not in printed + err and "training 2 optimizer steps" in printed
+    saved = yaml.safe_load((tmp_path / "out" / "plan.yaml").read_text())
+    assert (saved["dataset_size"], saved["optimizer_steps"]) == (1024, 48)
+
+
+def test_a_size_that_is_truly_unknown_names_data_train_size_never_none_or_step_0(tmp_path, capsys):
+    recipe = dict(DIGITS, data={"name": "my-corpus", "available": False},
+                  schedule={"warmup": {"epochs": 1}, "decay": {"kind": "cosine"}, "total": {"epochs": 3}})
+    code, printed, err = cli(capsys, "plan", write(tmp_path / "r.yaml", recipe), "--micro-batch-max", "16")
+    assert code == 0, err
+    text = " ".join((printed + err).split())
+    assert "None" not in text and "step 0" not in text and "0 steps" not in text
+    assert text.count("(the dataset size is needed: set data.train_size)") == 3  # total, warm-up, decay end
+    assert "cosine to lr 0 at the end (the dataset size" in text
+    assert "counted in epochs, but the dataset size is unknown (set data.train_size)" in text
+
+
+# ---- 12. factories beside the recipe or check file -----------------------------------------------------------
+
+FACTORY_CODE = '''
+import torch
+from torch.utils.data import TensorDataset
+
+
+def data(items: int = 96):
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(items, 8, generator=generator)
+    return {"train": TensorDataset(inputs, (inputs.sum(1) > 0).long())}
+
+
+def model():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+'''
+
+
+def project(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """recipes/{name}_data.py + recipes/recipe.yaml, and checks/{name}_model.py + checks/check.yaml naming it."""
+    (tmp_path / "recipes").mkdir(parents=True)
+    (tmp_path / "checks").mkdir()
+    (tmp_path / "recipes" / f"{name}_data.py").write_text(FACTORY_CODE)
+    (tmp_path / "checks" / f"{name}_model.py").write_text(FACTORY_CODE)
+    recipe = dict(DIGITS, model={"factory": f"{name}_data:model"}, data={"factory": f"{name}_data:data"},
+                  schedule={"total": {"epochs": 2}})
+    write(tmp_path / "recipes" / "recipe.yaml", recipe)
+    check = {"recipe": "../recipes/recipe.yaml", "budget": {"micro_batch_max": 16},
+             "runs": {"other-model": {"overrides": {"model": {"factory": f"{name}_model:model"}}}},
+             "checks": [{"kind": "plan", "expect": {"steps_per_epoch": 1, "optimizer_steps": 2}},
+                        {"kind": "verify", "run": "other-model", "samples": 32}]}
+    (tmp_path / "checks" / "check.yaml").write_text(yaml.safe_dump(check))
+    return tmp_path / "recipes" / "recipe.yaml", tmp_path / "checks"
+
+
+def test_factories_are_imported_from_the_recipes_and_check_files_folders(tmp_path, capsys, monkeypatch):
+    recipe, checks = project(tmp_path / "project", "first_hour_twelve")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code, printed, err = cli(capsys, "plan", recipe, "--micro-batch-max", "16")
+    assert code == 0, err
+    assert "2 optimizer steps" in " ".join(printed.split())
+    code, printed, err = cli(capsys, "check", checks, "--work", tmp_path / "work")
+    assert code == 0, printed + err
+    assert "2 passed" in printed
+
+
+def test_a_factory_that_is_nowhere_names_the_folders_searched(tmp_path, capsys, monkeypatch):
+    recipe, _ = project(tmp_path / "project", "first_hour_twelve_b")
+    (tmp_path / "project" / "recipes" / "first_hour_twelve_b_data.py").unlink()
+    monkeypatch.chdir(tmp_path)
+    line = refused(capsys, tmp_path, "run", recipe, "--out", tmp_path / "out", "--device", "cpu",
+                   "--micro-batch-max", "16")
+    assert line.startswith("error: data.factory: cannot import 'first_hour_twelve_b_data': no module "
+                           "'first_hour_twelve_b_data' in ")
+    assert str(tmp_path / "project" / "recipes") in line and str(tmp_path) in line
+    assert line.endswith("(the recipe's or check file's folder, then the working directory) or on PYTHONPATH")
