@@ -479,3 +479,30 @@ def test_a_factory_that_is_nowhere_names_the_folders_searched(tmp_path, capsys, 
                            "'first_hour_twelve_b_data' in ")
     assert str(tmp_path / "project" / "recipes") in line and str(tmp_path) in line
     assert line.endswith("(the recipe's or check file's folder, then the working directory) or on PYTHONPATH")
+
+
+# ---- 13. the worked example of docs/own-model.md, each command as the page shows it ------------------------------
+
+def test_the_own_model_walkthrough_runs_as_documented(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    page = (ROOT / "docs" / "own-model.md").read_text()
+    commands = [line[2:] for line in page.splitlines() if line.startswith("$ reproduce ")]
+    assert [shlex.split(c)[1] for c in commands] == ["plan", "verify", "run", "check"]
+    shutil.copytree(OWN, tmp_path / "examples" / "own-model")  # a fresh copy: the page's relative paths
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path / "cache"))  # the probe measures, as on a first use
+    printed = {}
+    for command in commands:
+        code, out, err = cli(capsys, *shlex.split(command)[1:])
+        assert code == 0, f"{command}\n{out}\n{err}"
+        printed[shlex.split(command)[1]] = " ".join((out + err).split())
+    assert "32 x 4 x 1 = 128 samples exact" in printed["plan"] and "32 optimizer steps" in printed["plan"]
+    assert "1024 samples │ 8 optimizer steps" in printed["plan"]  # the size from the data factory
+    assert "probe: largest micro-batch " in printed["plan"] and (tmp_path / "own-plan.yaml").is_file()
+    assert "the plan's 4 micro-batch(es) give the one-pass gradient within 1e-10" in printed["verify"]
+    assert "done: 32 steps" in printed["run"] and "the paper reports top1_accuracy 95.7 +- 2 on val at step 32; " \
+        "this run ran all 32 steps" in printed["run"]
+    assert "6 passed, 0 failed" in printed["check"]
+    summary = json.loads((tmp_path / "runs" / "own" / "summary.json").read_text())
+    assert summary["final"]["eval_accuracy"] >= 0.9 and summary["noise_scale"]["verdict_from"] == "final"

@@ -37,7 +37,7 @@ def data(train: int = 1024, eval: int = 256, length: int = 32, noise: float = 0.
             "info": {"name": "waveforms", "classes": len(CLASSES)}}
 
 
-def model(channels: int = 8, classes: int = len(CLASSES)) -> nn.Module:
+def model(channels: int = 16, classes: int = len(CLASSES)) -> nn.Module:
     """The model factory: any torch.nn.Module taking a batch of inputs and returning class logits."""
     return nn.Sequential(
         nn.Conv1d(1, channels, kernel_size=5, padding=2), nn.GELU(),
