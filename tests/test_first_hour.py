@@ -198,22 +198,29 @@ def test_memory_sizes_with_units_and_large_byte_counts_still_parse():
 
 # ---- 6-8. the resume hint, --max-steps, and the whole run's summary -----------------------------------------------
 
+def start_and_sigterm_at(command: list[str], metrics: Path, step: int, cwd: Path, code: int | None = 143) -> str:
+    """Start a run, send SIGTERM once it has logged `step` optimizer steps; its stderr (`code`: its exit code, None:
+    any but 0)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    deadline = time.monotonic() + 180
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < step:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == code if code is not None else process.returncode != 0, stderr
+    return stderr
+
+
 def test_the_resume_hint_after_sigterm_pasted_as_printed_stops_at_max_steps(tmp_path):
     """The acceptance case: SIGTERM at step 5 of `--max-steps 30` (of a 300-step plan); the printed command, pasted,
     goes on to step 30 and no further, and done: / summary.json count the whole run."""
     recipe, out = write(tmp_path / "digits.yaml", DIGITS), tmp_path / "out"
     command = [sys.executable, "-m", "reproduce", "run", str(recipe), "--out", str(out), "--device", "cpu",
                "--micro-batch-max", "16", "--max-steps", "30", "--workers", "0"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    deadline = time.monotonic() + 120
     metrics = out / "metrics.jsonl"
-    while not metrics.exists() or len(metrics.read_text().splitlines()) < 5:
-        assert process.poll() is None, process.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 143, stderr
+    stderr = start_and_sigterm_at(command, metrics, 5, tmp_path)
     stopped = len(metrics.read_text().splitlines())
     assert 5 <= stopped < 30, stderr
     hint = stderr.split("Continue with: ", 1)[1].strip()
@@ -237,6 +244,24 @@ def test_the_resume_hint_after_sigterm_pasted_as_printed_stops_at_max_steps(tmp_
                            f"{summary['this_call']['seconds']:.1f}s)")
 
 
+@pytest.mark.slow  # two torchrun launches of two processes: ~45 s on 2 busy cores
+def test_the_resume_hint_under_torchrun_relaunches_the_same_processes(tmp_path):
+    recipe, out = write(tmp_path / "digits.yaml", DIGITS), tmp_path / "out"
+    command = [sys.executable, "-m", "reproduce", "run", str(recipe), "--out", str(out), "--device", "cpu",
+               "--micro-batch-max", "8", "--max-steps", "30", "--nproc-per-node", "2", "--checkpoint-every", "1"]
+    # (torchrun itself, sent the signal, stops with an exit code and a traceback of its own: not this test's matter)
+    stderr = start_and_sigterm_at(command, out / "metrics.jsonl", 5, tmp_path, code=None)
+    hint = stderr.split("Continue with: ", 1)[1].splitlines()[0].strip()
+    assert hint.startswith(f"reproduce run {out / 'plan.yaml'} --out {out} --resume --nproc-per-node 2 --max-steps 30 "
+                           "--micro-batch-max 8 --device cpu")
+    resumed = subprocess.run([sys.executable, "-m", "reproduce", *shlex.split(hint)[1:]], capture_output=True,
+                             text=True, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == list(range(1, 31))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["world_size"] == 2 and summary["samples"] == 30 * 64
+
+
 def test_max_steps_counts_from_the_start_and_a_resume_past_it_says_what_goes_on(tmp_path, capsys):
     recipe, out = write(tmp_path / "digits.yaml", DIGITS), tmp_path / "out"
     assert cli(capsys, "run", recipe, "--out", out, "--device", "cpu", "--micro-batch-max", "16",
@@ -256,10 +281,14 @@ def test_max_steps_counts_from_the_start_and_a_resume_past_it_says_what_goes_on(
 
 
 def test_the_hint_keeps_torchruns_options(tmp_path, monkeypatch):
-    from reproduce.cli.run import LAUNCHER_ENV, _launcher_args, continue_command
+    from reproduce.cli.run import LAUNCHER_ENV, _launcher_args, _launcher_of_this_job, continue_command
 
     launcher = _launcher_args(2, 2, 0, "node0:29500")
     monkeypatch.setenv(LAUNCHER_ENV, shlex.join(launcher))
+    assert _launcher_of_this_job(4) == launcher  # what `reproduce run --nproc-per-node` passed its processes
+    monkeypatch.delenv(LAUNCHER_ENV)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun started by hand: what it tells each process
+    assert _launcher_of_this_job(2) == ["--nproc-per-node", "2"]
     hint = continue_command(tmp_path / "out", {"--max-steps": 30, "--data": "/data/my set", "--workers": None},
                             {"--stop-on-divergence": True, "--tensorboard": False}, launcher)
     assert shlex.split(hint) == ["reproduce", "run", str(tmp_path / "out" / "plan.yaml"), "--out",
@@ -383,10 +412,10 @@ def test_plan_asks_the_data_factory_for_its_size(tmp_path, capsys):
                              tmp_path / "plan.yaml")
     assert code == 0, err
     text = " ".join(printed.split())
-    assert "12 epochs" not in text and "6 epochs │ 48 optimizer steps" in text and "1024 samples │ 8 optimizer" in text
+    assert "4 epochs │ 32 optimizer steps" in text and "1024 samples │ 8 optimizer" in text
     assert "data.train_size" not in err
     plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
-    assert (plan["dataset_size"], plan["optimizer_steps"], plan["warmup_steps"]) == (1024, 48, 8)
+    assert (plan["dataset_size"], plan["optimizer_steps"], plan["warmup_steps"]) == (1024, 32, 8)
     code, printed, err = cli(capsys, "run", tmp_path / "plan.yaml", "--out", tmp_path / "out", "--device", "cpu",
                              "--max-steps", "2")
     assert code == 0, err
@@ -406,7 +435,7 @@ def test_a_plan_file_made_without_the_data_size_runs_and_never_says_none(tmp_pat
     assert code == 0, err
     assert "None" not in printed + err and "training 2 optimizer steps" in printed
     saved = yaml.safe_load((tmp_path / "out" / "plan.yaml").read_text())
-    assert (saved["dataset_size"], saved["optimizer_steps"]) == (1024, 48)
+    assert (saved["dataset_size"], saved["optimizer_steps"]) == (1024, 32)
 
 
 def test_a_size_that_is_truly_unknown_names_data_train_size_never_none_or_step_0(tmp_path, capsys):

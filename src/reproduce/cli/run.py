@@ -142,6 +142,16 @@ def _launcher_args(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoi
     return args
 
 
+def _launcher_of_this_job(world_size: int) -> list[str]:
+    """torchrun's options for the resume command: as `--nproc-per-node` launched this job, else (torchrun started
+    by hand) from the variables torchrun sets (a multi-node job then also needs its --rdzv-endpoint)."""
+    given = os.environ.get(LAUNCHER_ENV)
+    if given is not None:
+        return shlex.split(given)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return _launcher_args(local, max(1, world_size // local), int(os.environ.get("GROUP_RANK", 0)), None)
+
+
 def _absolute(path: str | None) -> str | None:
     return str(Path(path).expanduser().absolute()) if path is not None else None
 
@@ -373,7 +383,7 @@ def run_command(
               "--device": device if device != "auto" else None, "--seed": seed, "--checkpoint-every": checkpoint_every},
         {"--skip-nonfinite": skip_nonfinite, "--tensorboard": tensorboard, "--no-noise-scale": no_noise_scale,
          "--stop-on-divergence": stop_on_divergence},
-        shlex.split(os.environ.get(LAUNCHER_ENV, "")) if world.distributed else [],
+        _launcher_of_this_job(world.size) if world.distributed else [],
     )
     train_options = dict(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
                          checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data, workers=workers,
