@@ -146,7 +146,8 @@ def test_zero_optimizer_steps_are_refused_by_plan_and_run(total, reads, tmp_path
 
 
 def test_a_fraction_of_an_epoch_under_one_step_is_refused(tmp_path, capsys):
-    path = write(tmp_path / "digits.yaml", dict(DIGITS, schedule={"total": {"epochs": 0.01}}))
+    path = write(tmp_path / "digits.yaml", dict(DIGITS, data={"builtin": "digits", "train_size": 1437},
+                                                schedule={"total": {"epochs": 0.01}}))
     line = refused(capsys, tmp_path, "plan", path, "--micro-batch-max", "16")
     assert line == ("error: schedule.total: 0.01 epochs is less than one optimizer step, which reads 64 samples; an "
                     "epoch is 22 optimizer steps: the run would take 0 optimizer steps; give a longer total")

@@ -67,9 +67,9 @@ class Runner:
         return self.data[key]
 
     def factory_size(self, recipe: Recipe) -> int | dict | None:
-        """data.train_size, else the size of the data a factory (or built-in) makes, as `reproduce plan` asks it."""
+        """data.train_size, else the size of the data a `factory:` makes, as `reproduce plan` asks it."""
         spec = recipe.data
-        if spec.train_size is not None or not spec.available or (spec.factory is None and spec.builtin is None):
+        if spec.train_size is not None or not spec.available or spec.factory is None:
             return spec.train_size
         from ..data.lengths import training_sizes
 

@@ -122,10 +122,10 @@ def plan_and_probe(
 
 
 def factory_data_size(recipe: Recipe) -> tuple[dict | None, int | dict | None]:
-    """The data and its size from the recipe's data factory (or built-in), as `run` gets them, when the recipe
+    """The data and its size from the recipe's data factory (the user's code), as `run` gets them, when the recipe
     does not state data.train_size: the schedule in epochs, and the plan file, then hold the real numbers."""
     spec = recipe.data
-    if spec.train_size is not None or not spec.available or (spec.factory is None and spec.builtin is None):
+    if spec.train_size is not None or not spec.available or spec.factory is None:
         return None, None
     from ..data import build_data  # torch, and the user's own code: only for data that a factory makes
     from ..data.lengths import training_sizes
