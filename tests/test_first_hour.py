@@ -282,14 +282,14 @@ def test_max_steps_counts_from_the_start_and_a_resume_past_it_says_what_goes_on(
 
 
 def test_the_hint_keeps_torchruns_options(tmp_path, monkeypatch):
-    from reproduce.cli.run import LAUNCHER_ENV, _launcher_args, _launcher_of_this_job, continue_command
+    from reproduce.cli.resume import LAUNCHER_ENV, continue_command, launcher_args, launcher_of_this_job
 
-    launcher = _launcher_args(2, 2, 0, "node0:29500")
+    launcher = launcher_args(2, 2, 0, "node0:29500")
     monkeypatch.setenv(LAUNCHER_ENV, shlex.join(launcher))
-    assert _launcher_of_this_job(4) == launcher  # what `reproduce run --nproc-per-node` passed its processes
+    assert launcher_of_this_job(4) == launcher  # what `reproduce run --nproc-per-node` passed its processes
     monkeypatch.delenv(LAUNCHER_ENV)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun started by hand: what it tells each process
-    assert _launcher_of_this_job(2) == ["--nproc-per-node", "2"]
+    assert launcher_of_this_job(2) == ["--nproc-per-node", "2"]
     hint = continue_command(tmp_path / "out", {"--max-steps": 30, "--data": "/data/my set", "--workers": None},
                             {"--stop-on-divergence": True, "--tensorboard": False}, launcher)
     assert shlex.split(hint) == ["reproduce", "run", str(tmp_path / "out" / "plan.yaml"), "--out",

@@ -34,6 +34,7 @@ from .probe import (
     Sharding,
     probe_options,
 )
+from .resume import LAUNCHER_ENV, absolute, continue_command, launcher_args, launcher_of_this_job
 
 
 class PlainReporter:
@@ -130,41 +131,6 @@ MAX_STEPS_HELP = ("Stop after optimizer step K, counted from the start of the ru
                   "(smoke runs).")
 DIVERGENCE_HELP = ("Stop when the loss diverges (not finite, or above 2x its first value for 10 steps in a row); "
                    "without it the run warns once and goes on.")
-LAUNCHER_ENV = "REPRODUCE_LAUNCHED_WITH"  # torchrun's options, for the resume command its processes print
-
-
-def _launcher_args(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> list[str]:
-    args = ["--nproc-per-node", str(nproc_per_node)]
-    if nnodes > 1:
-        args += ["--nnodes", str(nnodes), "--node-rank", str(node_rank)]
-    if rdzv_endpoint is not None:
-        args += ["--rdzv-endpoint", rdzv_endpoint]
-    return args
-
-
-def _launcher_of_this_job(world_size: int) -> list[str]:
-    """torchrun's options for the resume command: as `--nproc-per-node` launched this job, else (torchrun started
-    by hand) from the variables torchrun sets (a multi-node job then also needs its --rdzv-endpoint)."""
-    given = os.environ.get(LAUNCHER_ENV)
-    if given is not None:
-        return shlex.split(given)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return _launcher_args(local, max(1, world_size // local), int(os.environ.get("GROUP_RANK", 0)), None)
-
-
-def _absolute(path: str | None) -> str | None:
-    return str(Path(path).expanduser().absolute()) if path is not None else None
-
-
-def continue_command(out: Path, values: dict[str, object], switches: dict[str, bool], launcher: list[str]) -> str:
-    """The command that continues this run after a signal, with every option that shapes it (pasted, it goes on to
-    the same --max-steps, on the same data, workers and processes)."""
-    args = ["reproduce", "run", str(out / "plan.yaml"), "--out", str(out), "--resume", *launcher]
-    for flag, value in values.items():
-        if value is not None:
-            args += [flag, str(value)]
-    return shlex.join(args + [flag for flag, on in switches.items() if on])
-
 
 def _forwarded_args(source: Path, out: Path, values: dict[str, object], switches: dict[str, bool]) -> list[str]:
     """This command's own options, for each process torchrun starts (without the launcher options):
@@ -342,7 +308,7 @@ def run_command(
              "--stop-on-divergence": stop_on_divergence},
         )
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
-        os.environ[LAUNCHER_ENV] = shlex.join(_launcher_args(nproc_per_node, nnodes, node_rank, rdzv_endpoint))
+        os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(nproc_per_node, nnodes, node_rank, rdzv_endpoint))
         print("launching: " + " ".join(command), flush=True)
         raise typer.Exit(_launch(command))
     if world.distributed:
@@ -377,13 +343,14 @@ def run_command(
     main_size = size.get(recipe.batch.sequence_length) if isinstance(size, dict) else size
     if recipe.data.train_size is not None and recipe.data.train_size != main_size:
         warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {main_size}: using {main_size}")
+    micro_max = micro_batch_max if isinstance(micro_batch_max, int) else None  # (per-length maxima: no option)
     continue_with = continue_command(
-        out, {"--max-steps": max_steps, "--micro-batch-max": micro_batch_max, "--data": _absolute(data_path),
-              "--eval-data": _absolute(eval_data_path), "--workers": workers,
+        out, {"--max-steps": max_steps, "--micro-batch-max": micro_max,
+              "--data": absolute(data_path), "--eval-data": absolute(eval_data_path), "--workers": workers,
               "--device": device if device != "auto" else None, "--seed": seed, "--checkpoint-every": checkpoint_every},
         {"--skip-nonfinite": skip_nonfinite, "--tensorboard": tensorboard, "--no-noise-scale": no_noise_scale,
          "--stop-on-divergence": stop_on_divergence},
-        _launcher_of_this_job(world.size) if world.distributed else [],
+        launcher_of_this_job(world.size) if world.distributed else [],
     )
     train_options = dict(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
                          checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data, workers=workers,
