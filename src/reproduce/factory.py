@@ -1,6 +1,8 @@
 """Calling a recipe's builder: a built-in by name, or the user's own `factory: "package.module:function"`.
 
-No torch here. A recipe's `factory:` runs the user's own Python code, like importing it.
+No torch here. A recipe's `factory:` runs the user's own Python code, like importing it. The module is looked for
+in the folders of the files that named it first (the recipe, the plan, the check file: `remember_folder`), then in
+the working directory, then on PYTHONPATH, so `reproduce check checks/` works from any directory.
 """
 
 from __future__ import annotations
@@ -12,17 +14,40 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
-from .recipe import Builder
+
+_FOLDERS: list[str] = []  # folders of the recipe / plan / check files read, searched before the working directory
+
+
+def remember_folder(file: str | Path) -> None:
+    """Search the folder of `file` (a recipe, plan or check file just read) for the factories it names."""
+    folder = str(Path(file).expanduser().absolute().parent)
+    if folder not in _FOLDERS:
+        _FOLDERS.append(folder)
+
+
+def factory_folders() -> list[str]:
+    """The folders a factory module is looked for in, before PYTHONPATH: the files' folders, the working directory."""
+    cwd = str(Path.cwd())
+    return [*_FOLDERS, *([cwd] if cwd not in _FOLDERS else [])]
 
 
 def import_factory(spec: str, field: str) -> Callable[..., Any]:
-    """`package.module:function`, imported with the working directory on the path."""
+    """`package.module:function`, imported from the folders of the files that named it, the working directory, or
+    PYTHONPATH (in that order)."""
     module_name, _, attr = spec.partition(":")
-    cwd = str(Path.cwd())
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
+    folders = factory_folders()
+    for folder in reversed(folders):
+        if folder in sys.path:
+            sys.path.remove(folder)
+        sys.path.insert(0, folder)
     try:
         module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module_name.startswith(exc.name):  # the factory's own module, not one it imports
+            raise UserError(f"{field}: cannot import {module_name!r}: no module {exc.name!r} in {', '.join(folders)} "
+                            "(the recipe's or check file's folder, then the working directory) or on PYTHONPATH"
+                            ) from None
+        raise UserError(f"{field}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
     except Exception as exc:  # any import-time failure of the user's module is their input's problem
         raise UserError(f"{field}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
     function = getattr(module, attr, None)
@@ -31,7 +56,9 @@ def import_factory(spec: str, field: str) -> Callable[..., Any]:
     return function
 
 
-def call_builder(builder: Builder, field: str, registry: dict, extra: dict | None = None) -> Any:
+def call_builder(builder: Any, field: str, registry: dict, extra: dict | None = None) -> Any:
+    """Build `builder` (a recipe's `model` or `data`: recipe.Builder): its `factory`, or its `builtin` from `registry`,
+    called with its `kwargs` over `extra`."""
     kwargs = {**(extra or {}), **builder.kwargs}
     if builder.factory is not None:
         function, name = import_factory(builder.factory, f"{field}.factory"), builder.factory

@@ -11,6 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from .errors import UserError
+from .factory import remember_folder
 from .planner import Plan
 from .recipe import Recipe, format_validation_errors, parse_recipe, read_yaml
 
@@ -123,7 +124,8 @@ def check_plan(plan: Plan, source: str) -> None:
     if plan.exact and plan.lr_factor != 1.0:
         problems.append(f"{source}: lr_factor: must be 1 when the batch is exact (got {plan.lr_factor})")
     if plan.optimizer_steps is not None and plan.optimizer_steps < 1:
-        problems.append(f"{source}: optimizer_steps: must be >= 1 (got {plan.optimizer_steps})")
+        problems.append(f"{source}: optimizer_steps: must be >= 1 (got {plan.optimizer_steps}): one optimizer step "
+                        f"reads {plan.effective_batch} {plan.unit}")
     problems.extend(f"{source}: {problem}" for problem in phase_problems(plan))
     if problems:
         raise UserError(*problems)
@@ -209,5 +211,8 @@ def load_recipe_or_plan(path: str | Path) -> tuple[Recipe, Plan | None]:
     data = read_yaml(path, what="recipe or plan")
     if is_plan(data):
         plan = parse_plan(data, str(path))
+        if plan.recipe_path and Path(plan.recipe_path).is_file():  # the factories beside the recipe it was made from
+            remember_folder(plan.recipe_path)
         return plan.recipe, plan
+    remember_folder(path)
     return parse_recipe(data, source=str(path)), None

@@ -213,6 +213,8 @@ def plan(
         return value
 
     total = steps(recipe.schedule.total, "schedule.total")
+    if total == 0 and (recipe.schedule.total.unit != "epochs" or steps_per_epoch):  # (an epoch of no step: warned)
+        raise UserError(_no_steps_message(recipe, chosen.effective_batch, steps_per_epoch))
     warmup = recipe.schedule.warmup
     if warmup is not None and warmup.ratio is not None:
         warmup_steps = round(warmup.ratio * total) if total is not None else 0
@@ -287,6 +289,19 @@ def plan(
         warnings=warnings,
         phases=phases,
     )
+
+
+def _no_steps_message(recipe: Recipe, effective_batch: int, steps_per_epoch: int | None) -> str:
+    """Why a schedule of zero optimizer steps is refused: what it asks for, and what one optimizer step reads."""
+    length = recipe.schedule.total
+    length_text = length.label()
+    one_step = f"{effective_batch} {recipe.batch.count_unit}"
+    if recipe.batch.sequence_length:
+        one_step += f" ({effective_batch * recipe.batch.sequence_length:,} tokens)"
+    if length.unit == "epochs" and steps_per_epoch:
+        one_step += f"; an epoch is {steps_per_epoch} optimizer steps"
+    return (f"schedule.total: {length_text} is less than one optimizer step, which reads {one_step}: the run "
+            "would take 0 optimizer steps; give a longer total")
 
 
 def _adam_option(recipe: Recipe, choice: Choice) -> AdamOption:

@@ -666,6 +666,9 @@ def load_recipe(path: str | Path) -> Recipe:
     data = read_yaml(path)
     if data.get("format", "").startswith("reproduce-plan"):
         raise UserError(f"{path}: this is a plan file, not a recipe; give the recipe it was made from")
+    from .factory import remember_folder  # its factories are looked for beside it first
+
+    remember_folder(path)
     return parse_recipe(data, source=str(path))
 
 

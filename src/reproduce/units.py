@@ -13,6 +13,7 @@ _FACTORS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
+BARE_BYTES_MIN = 2**20  # a bare number below 1 MiB is a unit left out, not a memory size
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -25,6 +26,9 @@ def parse_size(text: str, what: str = "--memory") -> int:
     size = int(float(match.group(1)) * _FACTORS[unit])
     if size <= 0:
         raise UserError(f"{what}: must be > 0 (got {text!r})")
+    if not unit and size < BARE_BYTES_MIN:  # `--memory 8`: surely 8 GiB, not 8 bytes
+        number = match.group(1)
+        raise UserError(f"{what}: {number} bytes? give a unit, e.g. {number}GiB")
     return size
 
 

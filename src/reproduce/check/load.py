@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..errors import UserError
+from ..factory import remember_folder
 from ..planner import Plan
 from ..recipe import Recipe, load_recipe, parse_recipe, read_yaml
 from .messages import format_errors
@@ -96,6 +97,7 @@ def load_all(paths: list[Path]) -> list[LoadedFile]:
 def load_check_file(path: Path) -> LoadedFile:
     source = str(path)
     data = read_yaml(path, what="check")
+    remember_folder(path)  # factories it names (in its runs' overrides) are looked for beside it first
     try:
         spec = CheckFile.model_validate(data)
     except ValidationError as exc:

@@ -67,6 +67,15 @@ class Runner:
             self.data[key] = build_data(recipe)
         return self.data[key]
 
+    def factory_size(self, recipe: Recipe) -> int | dict | None:
+        """data.train_size, else the size of the data a `factory:` makes, as `reproduce plan` asks it."""
+        spec = recipe.data
+        if spec.train_size is not None or not spec.available or spec.factory is None:
+            return spec.train_size
+        from ..data.lengths import training_sizes
+
+        return training_sizes(recipe, self.dataset(recipe)["train"])
+
     def plan_for(self, run: Run, dataset_size: int | dict | None) -> Plan:
         budget = run.budget
         return plan(run.recipe, budget.micro_batch_max, budget.world_size, budget.policy,
@@ -116,7 +125,7 @@ class Runner:
 
     def _plan(self, file: LoadedFile, check: PlanCheck):
         run = file.runs[check.run]
-        the_plan = self.plan_for(run, run.recipe.data.train_size)
+        the_plan = self.plan_for(run, self.factory_size(run.recipe))
         problems = plan_problems(the_plan, run.budget)
         for key, want in check.expect.items():
             got = getattr(the_plan, key)

@@ -141,6 +141,19 @@ def plan_and_probe(
     return the_plan, result
 
 
+def factory_data_size(recipe: Recipe) -> tuple[dict | None, int | dict | None]:
+    """The data and its size from the recipe's data factory (the user's code), as `run` gets them, when the recipe
+    does not state data.train_size: the schedule in epochs, and the plan file, then hold the real numbers."""
+    spec = recipe.data
+    if spec.train_size is not None or not spec.available or spec.factory is None:
+        return None, None
+    from ..data import build_data  # torch, and the user's own code: only for data that a factory makes
+    from ..data.lengths import training_sizes
+
+    data = build_data(recipe)
+    return data, training_sizes(recipe, data["train"])
+
+
 def phase_probes(recipe: Recipe) -> dict[int | None, Recipe]:
     """For each sequence length of the batch phases, the recipe to probe: its largest batch at that length."""
     batch, largest = recipe.batch, {}
@@ -193,8 +206,9 @@ def plan_command(
     check_mfu(assumed_mfu)
     recipe = apply_sharding(load_recipe(recipe_path), sharding, world_size)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
+    data, size = factory_data_size(recipe)
     the_plan, result = plan_and_probe(
-        recipe, str(recipe_path), micro_batch_max, world_size, policy, probe=options,
+        recipe, str(recipe_path), micro_batch_max, world_size, policy, size, probe=options, data=data,
         quiet=as_json or emit_format is not None, keep_batchnorm=not free_batchnorm,
     )
     if out is not None:
@@ -275,7 +289,9 @@ def render_plan(p: Plan) -> None:
     if r.schedule.warmup is not None:
         warm = r.schedule.warmup
         shown = f"ratio {warm.ratio:g}" if warm.ratio is not None else _length(warm)
-        table.add_row("warm-up", shown, f"{p.warmup_steps} steps from lr {p.warmup_start_lr:g}")
+        unknown = warm.unit == "epochs" if warm.ratio is None else p.optimizer_steps is None
+        table.add_row("warm-up", shown, f"unknown ({UNKNOWN_SIZE})" if unknown and p.steps_per_epoch is None else
+                      f"{p.warmup_steps} steps from lr {p.warmup_start_lr:g}")
     decay = r.schedule.decay
     decay_paper = decay.kind
     if decay.milestones is not None:
@@ -286,7 +302,10 @@ def render_plan(p: Plan) -> None:
     elif p.decay_milestones:
         decay_plan += f" at steps {p.decay_milestones}"
     elif decay.kind != "constant":
-        decay_plan += f" to lr {p.min_lr:.3g} at step {p.decay_end_step}"
+        decay_plan += f" to lr {p.min_lr:.3g} at " + (
+            f"step {p.decay_end_step}" if p.decay_end_step is not None else f"the end ({UNKNOWN_SIZE})")
+    elif decay.milestones is not None and p.steps_per_epoch is None and decay.milestones.unit == "epochs":
+        decay_plan += f" at steps unknown ({UNKNOWN_SIZE})"
     table.add_row("decay", decay_paper, decay_plan)
     if p.steps_per_epoch is not None:
         table.add_row("epoch", f"{p.dataset_size} {unit}", f"{p.steps_per_epoch} optimizer steps")
@@ -312,6 +331,7 @@ def plateau_cells(p: Plan) -> tuple[str, str]:
                    f"from step {first + 1}")
 
 
+UNKNOWN_SIZE = "the dataset size is needed: set data.train_size"
 PHASE_ROWS = 16  # a longer ramp shows its first and last batches
 
 
@@ -381,4 +401,4 @@ def _length(length) -> str:
 
 
 def _steps(steps: int | None) -> str:
-    return f"{steps} optimizer steps" if steps is not None else "unknown (dataset size needed)"
+    return f"{steps} optimizer steps" if steps is not None else f"unknown ({UNKNOWN_SIZE})"

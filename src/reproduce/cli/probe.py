@@ -16,7 +16,7 @@ from ..probe.runner import ProbeOptions, ProbeResult, ProbeTrial, run_probe
 from ..probe.search import Measurement
 from ..recipe import Recipe, load_recipe, with_data_paths
 from ..sharding import with_sharding
-from ..units import format_size
+from ..units import format_size, parse_size
 from .app import app
 from .common import stderr, stdout
 
@@ -74,7 +74,10 @@ def does_not_fit(result: ProbeResult) -> DoesNotFit:
 
 def probe_options(memory: str | None, gpu: str | None, meter: MeterName, headroom: float, no_cache: bool
                   ) -> ProbeOptions:
-    """The options `make_plan` and `run_probe` take, from the command-line flags."""
+    """The options `make_plan` and `run_probe` take, from the command-line flags (--memory checked now, before
+    anything is built or written)."""
+    if memory is not None:
+        parse_size(memory, "--memory")
     return ProbeOptions(memory=memory, gpu=gpu, meter=meter.value, headroom=headroom, use_cache=not no_cache)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from ..phases import phase_lines
 from ..planfile import load_plan, load_recipe_or_plan
 from ..planner import Plan
 from ..recipe import Recipe, parse_recipe, with_data_paths
+from ..reported import reported_line
 from ..sharding import check_sharding, with_sharding
 from .app import app
 from .common import is_terminal, stderr, stdout
@@ -31,6 +34,7 @@ from .probe import (
     Sharding,
     probe_options,
 )
+from .resume import LAUNCHER_ENV, absolute, continue_command, launcher_args, launcher_of_this_job
 
 
 class PlainReporter:
@@ -132,6 +136,11 @@ WORKERS_HELP = ("DataLoader worker processes per training process (0: fetch in t
 RUN_SHARDING_HELP = SHARDING_HELP + " A resumed run keeps its own."
 
 
+MAX_STEPS_HELP = ("Stop after optimizer step K, counted from the start of the run: a resumed run goes on to step K "
+                  "(smoke runs).")
+DIVERGENCE_HELP = ("Stop when the loss diverges (not finite, or above 2x its first value for 10 steps in a row); "
+                   "without it the run warns once and goes on.")
+
 def _forwarded_args(source: Path, out: Path, values: dict[str, object], switches: dict[str, bool]) -> list[str]:
     """This command's own options, for each process torchrun starts (without the launcher options):
     `--flag value` for each value that is set, `--flag` for each switch that is on."""
@@ -170,8 +179,12 @@ def _replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size:
     again = make(saved.recipe, micro, world_size, saved.policy, dataset_size=dataset_size,
                  recipe_path=saved.recipe_path)
     same = ("effective_batch", "steps_per_epoch", "optimizer_steps", "warmup_steps", "decay_milestones")
+    if saved.dataset_size is None:  # made without the data: its steps were not known, only its batches
+        same = ("effective_batch",)
 
     def steps(p: Plan) -> list:
+        if saved.dataset_size is None:
+            return [segment.effective_batch for segment in p.segments]
         return [(segment.start_step, segment.steps, segment.effective_batch) for segment in p.segments]
 
     # what the saved plan could not know (made without the data: `reproduce plan --out`) comes from the data now
@@ -179,10 +192,15 @@ def _replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size:
         saved, field)]
     if changed or steps(again) != steps(saved):
         raise UserError(
-            f"{source}: world_size: the plan ({saved.arithmetic}, {saved.optimizer_steps} steps) cannot be kept "
+            f"{source}: world_size: the plan ({saved.arithmetic}{_steps_text(saved)}) cannot be kept "
             f"on {world_size} processes with micro-batch {cap}; plan again for {world_size}"
         )
     return again
+
+
+def _steps_text(plan: Plan) -> str:
+    """`, 300 steps`, or nothing for a plan whose schedule was never known (never `None steps`)."""
+    return f", {plan.optimizer_steps} steps" if plan.optimizer_steps is not None else ""
 
 
 def _resumed_data_paths(recipe: Recipe, saved: Recipe, data_path: str | None, eval_data_path: str | None,
@@ -249,7 +267,7 @@ def run_command(
     micro_batch_max: int | None = typer.Option(None, "--micro-batch-max", min=1, help=MICRO_BATCH_MAX_HELP),
     world_size: int = typer.Option(1, "--world-size", min=1, help=WORLD_SIZE_HELP),
     policy: Policy = typer.Option(Policy.exact, "--policy", help=POLICY_HELP),
-    max_steps: int | None = typer.Option(None, "--max-steps", min=1, help="Stop after K optimizer steps (smoke runs)."),
+    max_steps: int | None = typer.Option(None, "--max-steps", min=1, help=MAX_STEPS_HELP),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
     force: bool = typer.Option(False, "--force", help="Overwrite the outputs of another run in --out."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
@@ -271,6 +289,7 @@ def run_command(
     eval_data_path: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
     workers: int | None = typer.Option(None, "--workers", min=0, help=WORKERS_HELP),
     no_noise_scale: bool = typer.Option(False, "--no-noise-scale", help=NO_NOISE_HELP),
+    stop_on_divergence: bool = typer.Option(False, "--stop-on-divergence", help=DIVERGENCE_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
@@ -297,9 +316,11 @@ def run_command(
              "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
              "--data": data_path, "--eval-data": eval_data_path, "--workers": workers},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
-             "--tensorboard": tensorboard, "--no-noise-scale": no_noise_scale},
+             "--tensorboard": tensorboard, "--no-noise-scale": no_noise_scale,
+             "--stop-on-divergence": stop_on_divergence},
         )
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+        os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(nproc_per_node, nnodes, node_rank, rdzv_endpoint))
         print("launching: " + " ".join(command), flush=True)
         raise typer.Exit(_launch(command))
     if world.distributed:
@@ -333,9 +354,19 @@ def run_command(
     main_size = size.get(recipe.batch.sequence_length) if isinstance(size, dict) else size
     if recipe.data.train_size is not None and recipe.data.train_size != main_size:
         warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {main_size}: using {main_size}")
+    micro_max = micro_batch_max if isinstance(micro_batch_max, int) else None  # (per-length maxima: no option)
+    continue_with = continue_command(
+        out, {"--max-steps": max_steps, "--micro-batch-max": micro_max,
+              "--data": absolute(data_path), "--eval-data": absolute(eval_data_path), "--workers": workers,
+              "--device": device if device != "auto" else None, "--seed": seed, "--checkpoint-every": checkpoint_every},
+        {"--skip-nonfinite": skip_nonfinite, "--tensorboard": tensorboard, "--no-noise-scale": no_noise_scale,
+         "--stop-on-divergence": stop_on_divergence},
+        launcher_of_this_job(world.size) if world.distributed else [],
+    )
     train_options = dict(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
                          checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data, workers=workers,
-                         noise_scale=not no_noise_scale)
+                         noise_scale=not no_noise_scale, continue_with=continue_with,
+                         stop_on_divergence=stop_on_divergence)
     if not world.is_main:  # the other ranks train quietly; rank 0 reports
         train(plan, out, **train_options)
         return
@@ -346,7 +377,11 @@ def run_command(
         reporter = TensorboardReporter(reporter, out / "tensorboard")
     summary = train(plan, out, reporter=reporter, **train_options)
     final = summary["final"]
-    line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s, final loss {final['loss']:.4f}"
+    line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s"
+    this_call = summary.get("this_call") or {}
+    if summary.get("resumed_from_step"):  # the whole run, then what this call added
+        line += f" ({this_call['steps']} in this call, {this_call['seconds']:.1f}s)"
+    line += f", final loss {final['loss']:.4f}"
     if "eval_accuracy" in final:
         line += f", eval accuracy {final['eval_accuracy']:.4f}"
     if "eval_loss" in final:
@@ -355,6 +390,8 @@ def run_command(
         workers = f"{summary['workers']} worker{'' if summary['workers'] == 1 else 's'}"
         line += f"; waited for data {summary['data_share']:.0%} of the time ({workers})"
     stdout.print(line)
+    for row in summary.get("reported") or []:
+        stdout.print(reported_line(row), markup=False, soft_wrap=True)
     noise = summary.get("noise_scale")
     if noise and not noise.get("noted"):  # a run that cannot measure it said so at its start
         stdout.print(f"noise scale: {noise['sentence']}", markup=False, soft_wrap=True)

@@ -25,6 +25,26 @@ FORMATS = {
 NEEDS = {"imagefolder": "torchvision", "hf-datasets": "datasets", "instructions": "transformers"}
 
 
+# what `--data PATH` is, for each data.format
+EXPECTED = {
+    "tokens": "a binary file of {dtype} token ids, or a nanoGPT data folder holding train.bin (and val.bin)",
+    "imagefolder": "a folder with one sub-folder of images per class (torchvision's ImageFolder layout)",
+    "instructions": "an Alpaca-style JSON or JSONL file of instruction / input / output records",
+    "hf-datasets": "a folder saved with the datasets library's save_to_disk, or parquet / JSONL files",
+}
+
+
+def unavailable_message(recipe: Recipe) -> str:
+    """Data marked `available: false`: the fix is the data's path (`--data`) when the recipe names its format."""
+    data = recipe.data
+    head = f"data: {data.name!r} is marked available: false"
+    if data.format is None:
+        return (f"{head} and names no data.format: this recipe can be planned but not run here; to run it, give "
+                "data.factory (your own data) or data.format, and its path with --data PATH")
+    expected = EXPECTED[data.format].format(dtype=data.dtype or "uint16")
+    return f"{head}: give its path with --data PATH (format {data.format}: {expected})"
+
+
 def build_format(recipe: Recipe) -> dict:
     """The datasets of `data.format` data read from `data.path` (and `data.eval_path`)."""
     name = recipe.data.format
@@ -41,9 +61,7 @@ def build_format(recipe: Recipe) -> dict:
 
 def build_data(recipe: Recipe) -> dict:
     if not recipe.data.available:
-        raise UserError(
-            f"data: {recipe.data.name!r} is marked available: false: this recipe can be planned but not run here"
-        )
+        raise UserError(unavailable_message(recipe))
     if recipe.data.format is not None:
         data = build_format(recipe)
     else:

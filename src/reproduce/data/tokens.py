@@ -7,6 +7,8 @@ the samples tile the file without overlap: (tokens - 1) // sequence_length of th
 
 from __future__ import annotations
 
+import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,50 @@ class TokenFile(Dataset):
         return torch.full((len(indices),), self.length, dtype=torch.long)
 
 
+MAX_ID_CHUNK = 1 << 26  # token ids read per step of the maximum's pass: 128 MiB of uint16
+
+
+def max_token_id(path: Path, dtype: str) -> int:
+    """The largest token id in the file: read once by memory map, in chunks, then cached beside the file
+    (`.NAME.max-id.json`, keyed by its size and modification time; a folder that cannot be written is not cached)."""
+    stat = path.stat()
+    cache = path.with_name(f".{path.name}.max-id.json")
+    key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": dtype}
+    try:
+        saved = json.loads(cache.read_text(encoding="utf-8"))
+        if isinstance(saved, dict) and saved.get("key") == key and isinstance(saved.get("max_id"), int):
+            return saved["max_id"]
+    except (OSError, ValueError):
+        pass
+    tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    largest = max((int(tokens[i:i + MAX_ID_CHUNK].max()) for i in range(0, len(tokens), MAX_ID_CHUNK)), default=0)
+    del tokens
+    try:
+        cache.write_text(json.dumps({"key": key, "max_id": largest}) + "\n", encoding="utf-8")
+    except OSError:
+        pass
+    return largest
+
+
+class _PlainData(pickle.Unpickler):
+    """meta.pkl holds plain dicts, strings and numbers: nothing that needs a class, so none is ever loaded."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"meta.pkl names {module}.{name}; only plain data is read")
+
+
+def meta_vocab_size(folder: Path) -> int | None:
+    """`vocab_size` from nanoGPT's meta.pkl (prepare.py writes it beside train.bin), or None."""
+    meta = folder / "meta.pkl"
+    try:
+        with open(meta, "rb") as handle:
+            data = _PlainData(handle).load()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError):
+        return None
+    vocab = data.get("vocab_size") if isinstance(data, dict) else None
+    return vocab if isinstance(vocab, int) and vocab > 0 else None
+
+
 def resolve_token_paths(path: str, eval_path: str | None) -> tuple[Path, Path | None]:
     """A file, or a nanoGPT data folder holding train.bin (and val.bin, the evaluation data unless given)."""
     train = Path(path)
@@ -103,5 +149,9 @@ def build_tokens(recipe: Any) -> dict:
         "name": spec.name or train_path.parent.name or "tokens", "format": "tokens", "path": str(train_path),
         "eval_path": str(eval_path) if eval_path else None, "dtype": dtype, "tokens": data["train"].tokens,
         "sequences": len(data["train"]),
+        "max_token_id": max_token_id(train_path, dtype),  # checked against the model's vocabulary (models/vocabulary)
+        "meta_vocab_size": meta_vocab_size(train_path.parent),
     }
+    if eval_path is not None:
+        data["info"]["eval_max_token_id"] = max_token_id(eval_path, dtype)
     return data

@@ -18,6 +18,7 @@ from . import small
 from .architectures import ARCHITECTURES
 from .architectures import LOSSES as LOSSES
 from .hf import load_hf_model
+from .vocabulary import check_vocabulary
 from .weights import adapt, place
 
 __all__ = [
@@ -42,6 +43,7 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
         model = call_builder(spec, "model", MODELS, extra)
         if not isinstance(model, nn.Module):
             raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")
+    check_vocabulary(model, data_info)  # token ids the embedding has no row for: refused before any step
     return adapt(model, recipe)
 
 

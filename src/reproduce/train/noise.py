@@ -252,10 +252,17 @@ def not_measured_reason(world_size: int, accumulation_steps: int, sharded: bool 
     return None
 
 
+# The fewest measured optimizer steps a verdict rests on: the last tenth of the run when it holds this many, else the
+# EMA at the end when the run measured this many; with fewer, the sentence is withheld.
+MIN_VERDICT_STEPS = 10
+
+
 def summarise(records: list[dict], total_steps: int, task: str, ema: float = EMA_FACTOR,
-              reason: str | None = None) -> dict:
+              reason: str | None = None, warmup_steps: int = 0, diverged: dict | None = None) -> dict:
     """summary.json's `noise_scale`: its value at the end, over the last tenth of the run, and the sentence
-    (`reason`: why the run could not measure it, already said at its start).
+    (`reason`: why the run could not measure it, already said at its start). `verdict_from` names the figure the
+    sentence used (`last_tenth` or `final`); the verdict is `withheld` (with the reason) when the run ended inside
+    its warm-up (`warmup_steps`), measured too few steps (MIN_VERDICT_STEPS), or diverged (`diverged`).
 
     `last_tenth` is the ratio of the mean tr(Sigma) and |G|^2 estimates over the steps of the last tenth of the
     run (the paper's ratio of averages, equally weighted), read from metrics.jsonl so that a resumed run counts
@@ -284,8 +291,30 @@ def summarise(records: list[dict], total_steps: int, task: str, ema: float = EMA
         "measured_steps": len(steps),
         "ema_factor": ema,
     }
-    summary["sentence"] = sentence(summary)
+    if last_tenth is not None and len(tenth) >= MIN_VERDICT_STEPS:
+        summary["verdict_from"] = "last_tenth"
+    elif len(steps) >= MIN_VERDICT_STEPS:
+        summary["verdict_from"] = "final" if final is not None else None
+    withheld = withheld_reason(summary, len(tenth), total_steps, warmup_steps, diverged)
+    if withheld:
+        summary.update(verdict_from=None, withheld=withheld, sentence=f"verdict withheld: {withheld}")
+    else:
+        summary["sentence"] = sentence(summary)
     return summary
+
+
+def withheld_reason(summary: dict, tenth_steps: int, total_steps: int, warmup_steps: int,
+                    diverged: dict | None) -> str | None:
+    """Why the run's noise scale says nothing about its batch, or None."""
+    if diverged:
+        return f"the loss diverged (step {diverged['step']}): a noise scale measured on it says nothing of the batch"
+    if total_steps <= warmup_steps:
+        return (f"the run ended at step {total_steps}, inside its warm-up of {warmup_steps} optimizer steps, where the "
+                "gradient's statistics are those of the start of training")
+    if "verdict_from" not in summary:
+        return (f"the measurement covers {summary['measured_steps']} optimizer steps ({tenth_steps} in the last tenth "
+                f"of the run), fewer than the {MIN_VERDICT_STEPS} a verdict needs")
+    return None
 
 
 def _number(value: float) -> str:
@@ -299,13 +328,14 @@ def sentence(summary: dict) -> str:
     Their model: a batch B needs S = S_min (1 + B_noise / B) optimizer steps and E = E_min (1 + B / B_noise)
     items to reach a given loss; B_simple stands in for B_noise, and the critical batch is B_crit ~ B_noise.
     """
-    noise = summary.get("last_tenth") or summary.get("final")
+    figure = summary.get("verdict_from", "last_tenth" if summary.get("last_tenth") else "final")
+    noise = summary.get(figure) if figure else None
     batch, unit = summary.get("effective_batch"), summary["unit"]
     if noise is None:
         far = f" far above the effective batch {_number(batch)} {unit}" if batch else " larger than it can tell"
         return ("not resolved: the |G|^2 estimates averaged to <= 0 over the last tenth of the run, the gradient's "
                 f"signal lost in its noise at this batch (as when training has converged): the noise scale is{far}")
-    where = "over the last tenth of the run" if summary.get("last_tenth") else "at the end"
+    where = "over the last tenth of the run" if figure == "last_tenth" else "at the end"
     if batch is None:
         return f"~{_number(noise)} {unit} ({where})"
     ratio = batch / noise

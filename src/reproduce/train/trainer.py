@@ -23,11 +23,13 @@ from ..data.loader import LoaderWatch, MicroBatchStream, cpu_share, default_work
 from ..errors import Interrupted, TrainingStopped, UserError
 from ..planfile import save_plan, write_text_atomic
 from ..planner import Plan
+from ..reported import compare_reported
 from ..segments import batch_phase, batch_phases, length_sizes
 from ..sharding import check_sharding
 from . import distributed
 from .checkpoint import full_model_state, load_checkpoint, save_checkpoint
 from .distributed import World
+from .divergence import DivergenceWatch
 from .noise import NoiseScale, not_measured_reason, summarise
 from .outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, remove_outputs
 from .plateau import check_plateau, step_plateau
@@ -139,6 +141,8 @@ def _train(
     data: dict | None = None,
     workers: int | None = None,
     noise_scale: bool = True,
+    continue_with: str | None = None,
+    stop_on_divergence: bool = False,
 ) -> dict:
     reporter = reporter or SilentReporter()
     world = distributed.world_from_env()
@@ -169,7 +173,7 @@ def _train(
             raise UserError(f"--seed: the run in {out} was started with seed {saved_seed} (got {asked_seed})")
         seed = saved_seed  # the data order and dropout streams of the run being continued
         if first_step >= total:
-            raise UserError(f"--resume: {out} has already run {first_step} of {total} optimizer steps; nothing to do")
+            raise UserError(already_run(out, first_step, total, max_steps, plan.optimizer_steps))
         # the run had lowered the micro-batch after running out of memory (by sequence length)
         lowered = {int(k) if k != "None" else None: v for k, v in state["extra"].get("lowered", {}).items()}
         saved_micro_batch = state.get("micro_batch")  # all a checkpoint written before batch phases says
@@ -199,6 +203,7 @@ def _train(
     reporter.start(plan, total, first_step)
     started = time.perf_counter()
     counters = {"samples": 0, "tokens": 0, "partial_windows": 0, "skipped_nonfinite": 0, "out_of_memory": 0}
+    earlier, divergence = earlier_segments(out, state if resume else None, first_step)
     waited = 0.0  # seconds the steps waited for data
     last_record: dict = {}
     eval_every = plan.recipe.evaluation.every_steps
@@ -331,6 +336,10 @@ def _train(
                               sequence_length=batch.sequence_length)
             if result.noise:
                 record.update(result.noise)
+            diverging = divergence.update(step + 1, result.loss)
+            if diverging and main:
+                reporter.message(f"warning: {diverging}" + ("" if stop_on_divergence else
+                                                           " (the run goes on; --stop-on-divergence stops it)"))
             done = step + 1 == total
             evaluating = (eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end)
             evaluation = None
@@ -346,6 +355,9 @@ def _train(
             metrics.write(record)
             last_record = record
             reporter.step(record)
+            if diverging and stop_on_divergence:  # its step logged; the checkpoint before it kept
+                raise TrainingStopped(f"{diverging}; stopped (--stop-on-divergence); the last checkpoint is "
+                                      f"{checkpoint_path}")
             due = (step + 1) % checkpoint_every == 0 if checkpoint_every else (
                 time.perf_counter() - last_checkpoint >= CHECKPOINT_SECONDS)
             received, due = stop.agreed(world, setup.device, due) if not done else (None, due)
@@ -354,14 +366,18 @@ def _train(
                          "lowered": {str(length): value for length, value in lowered.items()}}
                 if noise is not None:
                     extra["noise_scale"] = noise.state_dict()
+                extra["run_totals"] = {"seconds": earlier["seconds"] + time.perf_counter() - started,
+                                       "samples": earlier["samples"] + counters["samples"],
+                                       "tokens": earlier["tokens"] + counters["tokens"]}
+                extra["divergence"] = divergence.state_dict()
                 save_checkpoint(setup, checkpoint_path, step + 1, metrics.offset(), extra)
                 last_checkpoint = time.perf_counter()
             if received:
                 distributed.barrier(world)
                 raise Interrupted(
                     f"{signal.Signals(received).name} after optimizer step {step + 1} of {total}; checkpoint "
-                    f"written to {checkpoint_path}. Continue with: reproduce run {out / 'plan.yaml'} --out {out} "
-                    "--resume",
+                    f"written to {checkpoint_path}. Continue with: "
+                    + (continue_with or f"reproduce run {out / 'plan.yaml'} --out {out} --resume"),
                     StopSignals.EXIT_CODES[received],
                 )
     finally:
@@ -376,6 +392,7 @@ def _train(
         torch.set_num_threads(threads)
 
     elapsed = time.perf_counter() - started
+    whole = {key: earlier[key] + (elapsed if key == "seconds" else counters[key]) for key in earlier}
     summary = {
         "steps": total,
         "planned_steps": plan.optimizer_steps,
@@ -384,19 +401,28 @@ def _train(
         "exact": plan.exact,
         "world_size": world.size,
         "final": last_record,
-        "seconds": round(elapsed, 3),
-        "samples_per_second": round(counters["samples"] / elapsed, 2) if elapsed > 0 else None,
+        "seconds": round(whole["seconds"], 3),  # the whole run: every segment before a resume too
+        "samples_per_second": round(whole["samples"] / whole["seconds"], 2) if whole["seconds"] > 0 else None,
+        # what this call ran (the whole run unless it resumed)
+        "this_call": {"steps": total - first_step, "samples": counters["samples"], "tokens": counters["tokens"],
+                      "seconds": round(elapsed, 3),
+                      "samples_per_second": round(counters["samples"] / elapsed, 2) if elapsed > 0 else None},
         "workers": workers,
         "data_seconds": round(waited, 3),
         "data_share": round(waited / elapsed, 4) if elapsed > 0 else None,
         "window_policy": "drop_last" if plan.recipe.data.drop_last else "partial windows normalised by their items",
         **counters,
+        "samples": whole["samples"],
+        "tokens": whole["tokens"],
+        "divergence": divergence.diverged,
+        "reported": compare_reported(plan.recipe, last_record, total, plan.optimizer_steps),
         "data": setup.data.get("info", {}),
         "notes": setup.notes,
     }
     if main and noise_scale:  # from metrics.jsonl: the steps before a resume count too
         summary["noise_scale"] = summarise(read_metrics(out / "metrics.jsonl"), total, plan.recipe.task,
-                                           reason=unmeasured)
+                                           reason=unmeasured, warmup_steps=plan.warmup_steps,
+                                           diverged=divergence.diverged)
     if main:  # medians of each step's rates, from metrics.jsonl
         summary["throughput"] = rates.summary(read_metrics(out / "metrics.jsonl"))
     model_state = full_model_state(setup)  # FSDP: gathered from every rank's shards
@@ -407,6 +433,40 @@ def _train(
     distributed.barrier(world)
     reporter.finish(summary)
     return summary
+
+
+def already_run(out: Path, first_step: int, total: int, max_steps: int | None, planned: int | None) -> str:
+    """Why a resume has nothing to do; with --max-steps (counted from the start of the run), the value that goes on."""
+    if max_steps is not None and planned is not None and first_step < planned:
+        more = min(first_step + max_steps, planned)
+        return (f"--max-steps: {out} has already run {first_step} of {total} optimizer steps; --max-steps counts "
+                f"from the start of the run (of {planned} steps): to run {more - first_step} more, give "
+                f"--max-steps {more}")
+    return f"--resume: {out} has already run {first_step} of {total} optimizer steps; nothing to do"
+
+
+def earlier_segments(out: Path, state: dict | None, first_step: int) -> tuple[dict, DivergenceWatch]:
+    """What the run did before this call (seconds, samples, tokens; zeros for a fresh run) and its divergence
+    watch, from the checkpoint, or from metrics.jsonl for a checkpoint written before they were kept."""
+    totals = {"seconds": 0.0, "samples": 0, "tokens": 0}
+    if state is None:
+        return totals, DivergenceWatch()
+    extra = state["extra"]
+    records = None
+    if "run_totals" in extra:
+        totals.update(extra["run_totals"])
+    else:
+        records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r and r.get("step", 0) <= first_step]
+        totals = {"seconds": sum(r.get("seconds", 0.0) for r in records),
+                  "samples": sum(r.get("samples", 0) for r in records),
+                  "tokens": sum(r.get("tokens", 0) for r in records)}
+    if "divergence" in extra:
+        watch = DivergenceWatch()
+        watch.load_state_dict(extra["divergence"])
+        return totals, watch
+    if records is None:
+        records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r and r.get("step", 0) <= first_step]
+    return totals, DivergenceWatch.from_records(records)
 
 
 def check_training_set(plan: Plan, train_set) -> int:
