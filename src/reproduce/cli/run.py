@@ -17,6 +17,7 @@ from ..planfile import load_plan, load_recipe_or_plan
 from ..planner import Plan
 from ..recipe import Recipe, parse_recipe, with_data_paths
 from ..sharding import check_sharding, with_sharding
+from ..train.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from .app import app
 from .common import is_terminal, stderr, stdout
 from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, make_plan, plan_and_probe
@@ -257,6 +258,7 @@ def run_command(
     headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log each step's metrics to OUT/tensorboard."),
+    log_to: list[str] | None = typer.Option(None, "--log-to", metavar="TRACKERS", help=LOG_TO_HELP),
     sharding: Sharding | None = typer.Option(None, "--sharding", help=RUN_SHARDING_HELP),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
     eval_data_path: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
@@ -269,6 +271,8 @@ def run_command(
     from ..train import distributed  # torch is imported only by the commands that train
     from ..train.trainer import train
 
+    trackers = parse_log_to(log_to, tensorboard)
+    check_trackers(trackers)  # a missing package: one line, before anything is planned or trained
     world = distributed.world_from_env()
     sharding_name = sharding.value if sharding is not None else None
     if nproc_per_node is not None and not world.distributed:
@@ -283,9 +287,10 @@ def run_command(
             {"--policy": policy.value, "--device": device, "--micro-batch-max": micro_batch_max,
              "--max-steps": max_steps, "--seed": seed, "--checkpoint-every": checkpoint_every, "--memory": memory,
              "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
-             "--data": data_path, "--eval-data": eval_data_path, "--workers": workers},
+             "--data": data_path, "--eval-data": eval_data_path, "--workers": workers,
+             "--log-to": ",".join(trackers) or None},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
-             "--tensorboard": tensorboard, "--no-noise-scale": no_noise_scale},
+             "--no-noise-scale": no_noise_scale},
         )
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
         print("launching: " + " ".join(command), flush=True)
@@ -329,11 +334,9 @@ def run_command(
         train(plan, out, **train_options)
         return
     reporter = RichReporter(warnings) if is_terminal() else PlainReporter(warnings)
-    if tensorboard:  # metrics.jsonl stays the source of truth; TensorBoard gets the same scalars
-        from ..train.tensorboard import TensorboardReporter
-
-        reporter = TensorboardReporter(reporter, out / "tensorboard")
-    summary = train(plan, out, reporter=reporter, **train_options)
+    # metrics.jsonl stays the source of truth; the trackers get the same numbers (train/trackers.py)
+    with TrackerReporter(reporter, trackers, out) as reporter:
+        summary = train(plan, out, reporter=reporter, **train_options)
     final = summary["final"]
     line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s, final loss {final['loss']:.4f}"
     if "eval_accuracy" in final:
