@@ -208,3 +208,31 @@ def test_the_report_never_writes_over_the_runs_own_files(runs, tmp_path, capsys)
     assert code == 2 and "is one of the run's own files" in err and (run / "metrics.jsonl").read_bytes() == before
     code, _, err = report([str(run), str(runs / "base")], capsys)
     assert code == 2 and "--out: required with several runs" in err
+
+
+def test_check_writes_the_report_of_its_checks_beside_its_junit_file(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason=NO_PLOTS)
+    check = tmp_path / "mini.yaml"
+    check.write_text(f"""\
+recipe: {ROOT / "papers" / "digits-mlp.yaml"}
+budget: {{micro_batch_max: 64, max_steps: 3}}
+runs:
+  plain: {{budget: {{micro_batch_max: 256}}}}
+checks:
+  - {{kind: metric, name: learns something, metric: eval_accuracy, min: 0.05}}
+  - {{kind: metric, name: too good to be true, metric: eval_accuracy, min: 0.99}}
+  - {{kind: compare, a: main, b: plain, metric: loss, tolerance: 1.0e-4}}
+""")
+    junit = tmp_path / "out" / "junit.xml"
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", str(check), "--junit", str(junit)])
+    assert exit_.value.code == 1
+    assert f"HTML report written to {tmp_path / 'out' / 'junit.html'}" in capsys.readouterr().out
+    page = Page((tmp_path / "out" / "junit.html").read_text())
+    assert "reproduce check: 2 passed, 1 failed" in " ".join(page.text)
+    rows = page.table("checks")
+    assert [(row["class"], row["cells"][2]) for row in rows[1:]] == [
+        ("pass", "learns something"), ("fail", "too good to be true"), ("pass", "loss: main vs plain")]
+    assert [img["alt"] for img in page.images][:2] == ["mini: loss", "mini: accuracy (evaluation)"]
+    assert "Runs: main/seed-0, plain/seed-0." in " ".join(page.text)  # the two runs overlaid
+    assert not list((tmp_path / "out").glob("*/seed-0"))  # the temporary runs are gone, their curves kept

@@ -64,13 +64,13 @@ def figures(runs: list[RunFolder]) -> list[Figure]:
         return record["epoch"] if axis == "epoch" else record["step"]
 
     def draw(name: str, title: str, ylabel: str, lines, caption: str, log: bool = False, extra=None) -> None:
-        """`lines`: (label, xs, ys, style) for each curve; nothing is drawn when there is no point at all."""
+        """`lines`: (label, xs, ys, style, color) for each curve; nothing is drawn when there is no point at all."""
         lines = [line for line in lines if line[1]]
         if not lines:
             return
         figure, ax = plt.subplots(figsize=(8, 4.2))
-        for text, xs, ys, style in lines:
-            ax.plot(xs, ys, style, label=text, markersize=4)
+        for text, xs, ys, style, color in lines:
+            ax.plot(xs, ys, style, label=text, markersize=4, color=color)
         if extra:
             extra(ax)
         if log:
@@ -88,7 +88,10 @@ def figures(runs: list[RunFolder]) -> list[Figure]:
 
     def curve(run: RunFolder, key: str, text: str, style: str = "-"):
         rows = [r for r in run.records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
-        return text, [x(r) for r in rows], [float(r[key]) for r in rows], style
+        return text, [x(r) for r in rows], [float(r[key]) for r in rows], style, color(run)
+
+    def color(run: RunFolder) -> str:  # one colour per run in every figure
+        return f"C{runs.index(run) % 10}"
 
     several = len(runs) > 1
 
@@ -114,14 +117,15 @@ def figures(runs: list[RunFolder]) -> list[Figure]:
     for run in runs:
         unit, rows = throughput(run)
         units.add(unit)
-        rates.append((f"{run.name} ({unit})" if several else unit, [x(r) for r, _ in rows], [v for _, v in rows], "-"))
+        rates.append((f"{run.name} ({unit})" if several else unit, [x(r) for r, _ in rows], [v for _, v in rows], "-",
+                      color(run)))
     draw("throughput", "throughput", " or ".join(sorted(units)) or "per second", rates,
          "Samples (or tokens) per second of each optimizer step, data loading included.")
 
     def batches(ax) -> None:
-        for index, run in enumerate(runs):
+        for run in runs:
             batch = run.plan.effective_batch
-            ax.axhline(batch, linestyle=":", color=f"C{index}", label=f"{run.name}: effective batch {batch}"
+            ax.axhline(batch, linestyle=":", color=color(run), label=f"{run.name}: effective batch {batch}"
                        if several else f"effective batch {batch}")
 
     draw("noise_scale", "gradient noise scale against the effective batch", f"noise scale ({runs[0].plan.unit})",
