@@ -191,12 +191,18 @@ def test_a_folder_that_is_not_a_run_is_one_line_exit_2(case, tmp_path, capsys):
     elif case == "a file":
         folder.write_text("x")
     code, _, err = report([str(folder)], capsys)
-    expected = {"not a run": "not a run of reproduce (no plan.yaml; it holds notes.txt, not a run of reproduce)",
+    expected = {"not a run": "not a run of reproduce (no plan.yaml; it holds notes.txt)",
                 "empty": "not a run of reproduce (no plan.yaml; it is empty)", "missing": "no such folder",
                 "a file": "not a folder"}[case]
     assert code == 2 and err.count("\n") == 1 and expected in err and err.startswith(f"error: {folder}: ")
     if folder.is_dir():
         assert sorted(p.name for p in folder.iterdir()) == (["notes.txt"] if case == "not a run" else [])
+
+
+def test_a_folder_of_runs_names_the_runs_to_give(runs, capsys):
+    code, _, err = report([str(runs)], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert f"it holds run folders: give them, e.g. reproduce report {runs / '8x'} {runs / 'base'}" in err
 
 
 def test_the_report_never_writes_over_the_runs_own_files(runs, tmp_path, capsys):

@@ -12,7 +12,6 @@ from pathlib import Path
 from ..errors import UserError
 from ..planfile import load_plan
 from ..planner import Plan
-from ..train.outputs import folder_holds
 
 
 @dataclass
@@ -93,6 +92,18 @@ def read_records(path: Path) -> tuple[list[dict], list[dict]]:
     return steps, events
 
 
+def what_it_holds(path: Path) -> str:
+    """A few words on a folder that is not a run: the runs inside it, else the first names in it."""
+    inside = sorted(p.parent for p in path.glob("*/plan.yaml"))
+    if inside:
+        shown = " ".join(str(p) for p in inside[:4]) + (" ..." if len(inside) > 4 else "")
+        return f"it holds run folders: give them, e.g. reproduce report {shown}"
+    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in path.iterdir())
+    if not names:
+        return "it is empty"
+    return "it holds " + ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def load_run(path: str | Path, name: str | None = None) -> RunFolder:
     """A run folder of `reproduce run`, or one line saying what the folder is instead."""
     path = Path(path)
@@ -101,8 +112,7 @@ def load_run(path: str | Path, name: str | None = None) -> RunFolder:
     if not path.is_dir():
         raise UserError(f"{path}: not a folder; give a run folder (the --out of reproduce run)")
     if not (path / "plan.yaml").is_file():
-        holds = folder_holds(path) if any(path.iterdir()) else "it is empty"
-        raise UserError(f"{path}: not a run of reproduce (no plan.yaml; {holds})")
+        raise UserError(f"{path}: not a run of reproduce (no plan.yaml; {what_it_holds(path)})")
     plan = load_plan(path / "plan.yaml")
     records, events = read_records(path / "metrics.jsonl")
     summary = None
