@@ -87,7 +87,8 @@ def runs_table(runs: list[RunFolder]) -> Table:
     for run in runs:
         final = [run.final(key) for key in ["loss", *evals]]
         seconds = run.summary.get("seconds") if run.summary else None
-        rows.append([run.name, str(run.path), run.status, f"{run.last_step} / {_number(run.plan.optimizer_steps)}",
+        steps = f"{_number(run.last_step)} / {_number(run.plan.optimizer_steps)}"
+        rows.append([run.name, str(run.path), run.status, steps,
                      *[_number(value[1]) if value else "-" for value in final], _number(seconds)])
     return Table(["run", "folder", "status", "steps", "final loss", *[f"final {k}" for k in evals], "seconds"], rows,
                  css="runs")
