@@ -6,7 +6,7 @@ One interface (`Tracker`: open, log, finish, close), three backends on the real 
 - the plan (paper, m x N x W, LR rule, schedule in steps, the whole recipe) is the run's config / params and
   plan.yaml its artifact; every numeric field of each metrics.jsonl record is logged at its optimizer step,
   under the record's own name (`loss`, `lr`, `eval_accuracy`, and whatever fields the trainer adds later);
-  summary.json and loss.png are artifacts at the end.
+  summary.json, loss.png and the curves `reproduce report` draws (plots/*.png) are artifacts at the end.
 - W&B runs offline unless WANDB_MODE says otherwise or an API key is set (WANDB_API_KEY or `wandb login`); its
   files go to RUN/wandb (`wandb sync RUN/wandb/offline-run-*` uploads them later). MLflow logs to
   RUN/mlflow (an SQLite store and the artifacts) unless MLFLOW_TRACKING_URI names another store or server.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -130,8 +131,9 @@ class Tracker:
     def log(self, step: int, values: dict[str, float]) -> None:
         raise NotImplementedError
 
-    def finish(self, summary: dict, files: list[Path]) -> None:
-        """The summary and the artifacts, then the run is closed as finished."""
+    def finish(self, summary: dict, files: dict[str, Path]) -> None:
+        """The summary and the artifacts (name in the tracker's run -> local file), then the run is closed as
+        finished."""
         raise NotImplementedError
 
     def close(self, status: str) -> None:
@@ -214,8 +216,8 @@ class WandbTracker(Tracker):
         self.run.summary.update({key: value for key, value in flatten(summary).items()
                                  if isinstance(value, (int, float)) and not isinstance(value, bool)})
         artifact = wandb.Artifact(f"run-outputs-{self.run.id}", type="reproduce-run")
-        for path in files:
-            artifact.add_file(str(path))
+        for name, path in files.items():
+            artifact.add_file(str(path), name=name)
         self.run.log_artifact(artifact)
         self.run.finish()
         self.run = None
@@ -299,8 +301,8 @@ class MlflowTracker(Tracker):
 
     def finish(self, summary, files):
         self._drain()
-        for path in files:
-            self.client.log_artifact(self.run_id, str(path))
+        for name, path in files.items():
+            self.client.log_artifact(self.run_id, str(path), artifact_path=str(Path(name).parent).strip(".") or None)
         self.client.set_terminated(self.run_id, "FINISHED")
         self.run_id = None
 
@@ -407,11 +409,32 @@ class TrackerReporter:
     def message(self, text: str) -> None:
         self.inner.message(text)
 
+    def _plots(self, folder: Path) -> dict[str, Path]:
+        """The report's curves of this run (`reproduce report`: loss, evaluation metrics, learning rate, gradient
+        norm, throughput, noise scale) as artifacts `plots/NAME.png`; none without matplotlib."""
+        from ..report.figures import figures, matplotlib_missing
+        from ..report.runs import load_run
+
+        if matplotlib_missing():
+            return {}
+        made = {}
+        for figure in figures([load_run(self.out)]):
+            path = folder / f"{figure.name}.png"
+            path.write_bytes(figure.png)
+            made[f"plots/{figure.name}.png"] = path
+        return made
+
     def finish(self, summary: dict) -> None:
-        files = [self.out / name for name in ("plan.yaml", "summary.json", "loss.png") if (self.out / name).is_file()]
-        for tracker in list(self.trackers):
-            if self._call(tracker, tracker.finish, summary, files, doing="finishing its run"):
-                self.trackers.remove(tracker)
+        files = {name: self.out / name for name in ("plan.yaml", "summary.json", "loss.png")
+                 if (self.out / name).is_file()}
+        with tempfile.TemporaryDirectory(prefix="reproduce-plots-") as folder:
+            try:
+                files.update(self._plots(Path(folder)) if self.trackers else {})
+            except Exception as error:  # the curves are extras: the run's own outputs are written
+                self.inner.message(f"warning: the trackers get no plots ({type(error).__name__}: {error})")
+            for tracker in list(self.trackers):
+                if self._call(tracker, tracker.finish, summary, files, doing="finishing its run"):
+                    self.trackers.remove(tracker)
         self.inner.finish(summary)
         wandb = self.state.get("wandb")
         if wandb and wandb.get("mode") == "offline":
