@@ -196,7 +196,8 @@ class WandbTracker(Tracker):
         run_id = saved["id"] if saved else uuid.uuid4().hex[:12]
         mode = wandb_mode()
         (out / "wandb").mkdir(parents=True, exist_ok=True)
-        options = dict(project=os.environ.get("WANDB_PROJECT") or experiment_name(plan), name=out.name, id=run_id,
+        project = saved["project"] if saved else os.environ.get("WANDB_PROJECT") or experiment_name(plan)
+        options = dict(project=project, name=out.name, id=run_id,
                        dir=str(out), config=plan_config(plan), resume="allow" if saved else None,
                        settings=wandb.Settings(silent=True, console="off"))
         try:
