@@ -304,3 +304,17 @@ def test_the_cli_logs_to_mlflow_and_force_removes_the_old_tracker_runs(tmp_path,
     runs = mlflow.search_runs(experiment_names=["digits-mlp"], output_format="list")
     assert len(runs) == 1 and sorted(runs[0].data.metrics) == sorted(numeric(json.loads(
         (out / "metrics.jsonl").read_text().splitlines()[-1])))
+
+
+def test_mlflow_tracking_uri_and_experiment_name_send_the_run_elsewhere(tmp_path, offline, monkeypatch, one_thread):
+    pytest.importorskip("mlflow", reason=NOT_INSTALLED.format("mlflow"))
+    import mlflow
+
+    store = f"sqlite:///{tmp_path / 'team.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "large-batch")
+    out = tmp_path / "run"
+    run(out, ["mlflow"], max_steps=2)
+    assert not (out / "mlflow").exists() and json.loads((out / STATE).read_text())["mlflow"]["tracking_uri"] == store
+    found = mlflow.search_runs(experiment_names=["large-batch"], output_format="list")
+    assert len(found) == 1 and found[0].info.run_name == "run" and found[0].data.params["arithmetic"]
