@@ -76,7 +76,10 @@ def write_reports(results: list[Result], seconds: float, junit: Path | None, sum
 
 def check_outputs(junit: Path | None, summary: Path | None, plots: Path | None, inputs: list[Path]) -> None:
     """Refuse output paths that are folders, lie under files, or are one of the check files."""
-    for path, option in ((junit, "--junit"), (summary, "--summary")):
+    from ..report.checks import html_beside
+
+    for path, option in ((junit, "--junit"), (summary, "--summary"),
+                         (html_beside(junit) if junit else None, "--junit (its HTML report beside it)")):
         if path is not None:
             check_writable(path, option, protect=tuple(inputs))
     if plots is not None and plots.exists() and not plots.is_dir():

@@ -12,6 +12,7 @@ from . import check as _check  # noqa: F401
 from . import papers as _papers  # noqa: F401
 from . import plan as _plan  # noqa: F401  (registers the command)
 from . import probe as _probe  # noqa: F401
+from . import report as _report  # noqa: F401
 from . import run as _run  # noqa: F401
 from . import verify as _verify  # noqa: F401
 from .app import app

@@ -59,14 +59,19 @@ def check_command(
         print(f"[{done}/{total}] {result.file}: {result.name}: {result.status.upper()} ({result.seconds:.1f}s) "
               f"measured {result.measured}", file=sys.stderr, flush=True)
 
+    html = None
     try:
         results = run_checks(loaded, folder, plots, log=log, on_result=on_result)
+        seconds = time.perf_counter() - started
+        if junit is not None:  # beside the JUnit file, with the runs' curves: made before the runs are removed
+            from ..report.checks import html_beside, write_check_report
+
+            html = write_check_report(results, seconds, folder, html_beside(junit))
     finally:
         cleanup(folder, temporary)
-    seconds = time.perf_counter() - started
     write_reports(results, seconds, junit, summary)
     render(results, seconds)
-    for path, what in ((junit, "JUnit XML"), (summary, "Markdown summary")):
+    for path, what in ((junit, "JUnit XML"), (html, "HTML report"), (summary, "Markdown summary")):
         if path is not None:
             stdout.print(f"{what} written to {path}", markup=False)
     raise typer.Exit(0 if all(r.passed for r in results) else 1)

@@ -20,6 +20,7 @@ from ..planner import Plan
 from ..recipe import Recipe, parse_recipe, with_data_paths
 from ..reported import reported_line
 from ..sharding import check_sharding, with_sharding
+from ..train.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from .app import app
 from .common import is_terminal, stderr, stdout
 from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, make_plan, plan_and_probe
@@ -284,6 +285,7 @@ def run_command(
     headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log each step's metrics to OUT/tensorboard."),
+    log_to: list[str] | None = typer.Option(None, "--log-to", metavar="TRACKERS", help=LOG_TO_HELP),
     sharding: Sharding | None = typer.Option(None, "--sharding", help=RUN_SHARDING_HELP),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
     eval_data_path: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
@@ -297,6 +299,8 @@ def run_command(
     from ..train import distributed  # torch is imported only by the commands that train
     from ..train.trainer import train
 
+    trackers = parse_log_to(log_to, tensorboard)
+    check_trackers(trackers)  # a missing package: one line, before anything is planned or trained
     world = distributed.world_from_env()
     sharding_name = sharding.value if sharding is not None else None
     if nproc_per_node is not None and not world.distributed:
@@ -314,10 +318,10 @@ def run_command(
             {"--policy": policy.value, "--device": device, "--micro-batch-max": micro_batch_max,
              "--max-steps": max_steps, "--seed": seed, "--checkpoint-every": checkpoint_every, "--memory": memory,
              "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
-             "--data": data_path, "--eval-data": eval_data_path, "--workers": workers},
+             "--data": data_path, "--eval-data": eval_data_path, "--workers": workers,
+             "--log-to": ",".join(trackers) or None},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
-             "--tensorboard": tensorboard, "--no-noise-scale": no_noise_scale,
-             "--stop-on-divergence": stop_on_divergence},
+             "--no-noise-scale": no_noise_scale, "--stop-on-divergence": stop_on_divergence},
         )
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
         os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(nproc_per_node, nnodes, node_rank, rdzv_endpoint))
@@ -358,8 +362,9 @@ def run_command(
     continue_with = continue_command(
         out, {"--max-steps": max_steps, "--micro-batch-max": micro_max,
               "--data": absolute(data_path), "--eval-data": absolute(eval_data_path), "--workers": workers,
-              "--device": device if device != "auto" else None, "--seed": seed, "--checkpoint-every": checkpoint_every},
-        {"--skip-nonfinite": skip_nonfinite, "--tensorboard": tensorboard, "--no-noise-scale": no_noise_scale,
+              "--device": device if device != "auto" else None, "--seed": seed, "--checkpoint-every": checkpoint_every,
+              "--log-to": ",".join(trackers) or None},
+        {"--skip-nonfinite": skip_nonfinite, "--no-noise-scale": no_noise_scale,
          "--stop-on-divergence": stop_on_divergence},
         launcher_of_this_job(world.size) if world.distributed else [],
     )
@@ -371,11 +376,9 @@ def run_command(
         train(plan, out, **train_options)
         return
     reporter = RichReporter(warnings) if is_terminal() else PlainReporter(warnings)
-    if tensorboard:  # metrics.jsonl stays the source of truth; TensorBoard gets the same scalars
-        from ..train.tensorboard import TensorboardReporter
-
-        reporter = TensorboardReporter(reporter, out / "tensorboard")
-    summary = train(plan, out, reporter=reporter, **train_options)
+    # metrics.jsonl stays the source of truth; the trackers get the same numbers (train/trackers.py)
+    with TrackerReporter(reporter, trackers, out) as reporter:
+        summary = train(plan, out, reporter=reporter, **train_options)
     final = summary["final"]
     line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s"
     this_call = summary.get("this_call") or {}

@@ -48,8 +48,10 @@ def remove_outputs(out: Path) -> None:
         (out / name).unlink(missing_ok=True)
     for sharded in (out / "checkpoints").glob(f"{SHARDED_PREFIX}*"):
         shutil.rmtree(sharded)
-    if (out / "tensorboard").is_dir():
-        shutil.rmtree(out / "tensorboard")
+    for folder in ("tensorboard", "wandb", "mlflow"):  # the trackers' local runs (train/trackers.py)
+        if (out / folder).is_dir():
+            shutil.rmtree(out / folder)
+    (out / "trackers.json").unlink(missing_ok=True)
 
 
 class MetricsLog:

@@ -1,0 +1,86 @@
+"""What `reproduce run --log-to` costs the training loop: milliseconds per optimizer step spent in each tracker.
+
+    python bench/trackers.py [--steps 100] [--repeats 3]
+
+The digits MLP (papers/digits-mlp.yaml, 32 x 8 x 1 = 256) trained for --steps optimizer steps once per tracker
+(none, tensorboard, wandb offline, mlflow in the run folder) per round, the trackers in turn; for each, the time
+the training thread spent in the tracker reporter's `step` (the tracker's log call and trackers.json), its
+`start` (opening the tracker's run) and `finish` (artifacts, closing; MLflow waits there for its queue), and
+the run's wall time. The median over --repeats rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from reproduce.planner import plan
+from reproduce.recipe import load_recipe
+from reproduce.train.trackers import TrackerReporter
+from reproduce.train.trainer import SilentReporter, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Timed(TrackerReporter):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.spent = {"start": 0.0, "step": [], "finish": 0.0}
+
+    def start(self, plan, total_steps, first_step):
+        began = time.perf_counter()
+        super().start(plan, total_steps, first_step)
+        self.spent["start"] = time.perf_counter() - began
+
+    def step(self, record):
+        began = time.perf_counter()
+        super().step(record)
+        self.spent["step"].append(time.perf_counter() - began)
+
+    def finish(self, summary):
+        began = time.perf_counter()
+        super().finish(summary)
+        self.spent["finish"] = time.perf_counter() - began
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    os.environ["WANDB_MODE"] = "offline"
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    torch.set_num_threads(1)
+    recipe = ROOT / "papers" / "digits-mlp.yaml"
+    the_plan = plan(load_recipe(recipe), 32, dataset_size=1437, recipe_path=str(recipe))
+    names = ["none", "tensorboard", "wandb", "mlflow"]
+    found: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory() as folder:
+        for round_ in range(args.repeats):
+            for name in names:
+                out = Path(folder) / f"{name}-{round_}"
+                reporter = Timed(SilentReporter(), [] if name == "none" else [name], out)
+                began = time.perf_counter()
+                with reporter:
+                    train(the_plan, out, device="cpu", max_steps=args.steps, reporter=reporter)
+                wall = time.perf_counter() - began
+                steps = reporter.spent["step"]
+                found[name].append((1000 * statistics.median(steps), 1000 * max(steps), reporter.spent["start"],
+                                    reporter.spent["finish"], wall))
+    print(f"{args.steps} optimizer steps of {the_plan.arithmetic}; median of {args.repeats} rounds")
+    print("| tracker | per step, median ms | per step, worst ms | opening s | finishing s | run wall s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in names:
+        columns = list(zip(*found[name], strict=True))
+        median, worst, start, finish, wall = (statistics.median(column) for column in columns)
+        print(f"| {name} | {median:.2f} | {worst:.1f} | {start:.2f} | {finish:.2f} | {wall:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

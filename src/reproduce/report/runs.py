@@ -1,0 +1,143 @@
+"""The run folders a report shows, read as far as they got: plan.yaml, metrics.jsonl, summary.json when finished.
+
+No torch here: a report is made anywhere the folders are, while the run is still going if need be.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UserError
+from ..planfile import load_plan
+from ..planner import Plan
+
+
+@dataclass
+class RunFolder:
+    path: Path
+    name: str
+    plan: Plan
+    records: list[dict]  # the optimizer steps' records, in order (event lines apart)
+    events: list[dict] = field(default_factory=list)  # out-of-memory notes and the like
+    summary: dict | None = None  # None: still going, or stopped before the end
+
+    @property
+    def last_step(self) -> int:
+        return self.records[-1]["step"] if self.records else 0
+
+    @property
+    def total_steps(self) -> int | None:
+        return self.summary["steps"] if self.summary else self.plan.optimizer_steps
+
+    @property
+    def status(self) -> str:
+        """finished, or how far a run still going (or stopped, or resumed) got."""
+        planned = self.plan.optimizer_steps
+        if self.summary is None:
+            return f"in progress or stopped: {self.last_step} of {planned} optimizer steps so far"
+        text = "finished" if self.summary["steps"] == planned else (
+            f"stopped early by --max-steps: {self.summary['steps']} of {planned} optimizer steps")
+        if self.summary.get("resumed_from_step"):
+            text += f" (resumed after step {self.summary['resumed_from_step']})"
+        return text
+
+    @property
+    def complete(self) -> bool:
+        return self.summary is not None and self.summary["steps"] == self.plan.optimizer_steps
+
+    def final(self, key: str) -> tuple[int, float] | None:
+        """The last step that has `key` and its value."""
+        for record in reversed(self.records):
+            if isinstance(record.get(key), (int, float)) and not isinstance(record.get(key), bool):
+                return record["step"], float(record[key])
+        return None
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        return [(r["step"], float(r[key])) for r in self.records
+                if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+
+
+NOT_METRICS = {"eval_items", "eval_samples", "eval_tokens", "eval_seconds"}  # counts of an evaluation, not results
+
+
+def eval_metrics(runs: list[RunFolder]) -> list[str]:
+    """The evaluation results the runs record (eval_loss, eval_accuracy, ...), in a fixed order."""
+    return sorted({key for run in runs for record in run.records for key in record
+                   if key.startswith("eval_") and key not in NOT_METRICS})
+
+
+def read_records(path: Path) -> tuple[list[dict], list[dict]]:
+    """Step records and event lines of metrics.jsonl. A run still writing may have a torn last line: left out."""
+    steps, events = [], []
+    if not path.is_file():
+        return steps, events
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break  # being written right now
+            raise UserError(f"{path}: line {number}: not a JSON record; metrics.jsonl is damaged") from None
+        if not isinstance(record, dict):
+            raise UserError(f"{path}: line {number}: expected a JSON object (a metrics record)")
+        if "event" in record:
+            events.append(record)
+        elif isinstance(record.get("step"), int):
+            steps.append(record)
+    return steps, events
+
+
+def what_it_holds(path: Path) -> str:
+    """A few words on a folder that is not a run: the runs inside it, else the first names in it."""
+    inside = sorted(p.parent for p in path.glob("*/plan.yaml"))
+    if inside:
+        shown = " ".join(str(p) for p in inside[:4]) + (" ..." if len(inside) > 4 else "")
+        return f"it holds run folders: give them, e.g. reproduce report {shown}"
+    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in path.iterdir())
+    if not names:
+        return "it is empty"
+    return "it holds " + ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def load_run(path: str | Path, name: str | None = None) -> RunFolder:
+    """A run folder of `reproduce run`, or one line saying what the folder is instead."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: no such folder")
+    if not path.is_dir():
+        raise UserError(f"{path}: not a folder; give a run folder (the --out of reproduce run)")
+    if not (path / "plan.yaml").is_file():
+        raise UserError(f"{path}: not a run of reproduce (no plan.yaml; {what_it_holds(path)})")
+    plan = load_plan(path / "plan.yaml")
+    records, events = read_records(path / "metrics.jsonl")
+    summary = None
+    if (path / "summary.json").is_file():
+        try:
+            summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise UserError(f"{path / 'summary.json'}: not JSON ({error.msg}, line {error.lineno})") from None
+        if summary.get("final") and records and summary["final"].get("step") != records[-1]["step"]:
+            summary = None  # a resumed run still going: the summary is the earlier part's
+    return RunFolder(path, name or path.name, plan, records, events, summary)
+
+
+def run_names(paths: list[Path]) -> list[str]:
+    """Short names that tell the runs apart: the folder names, with as many parent folders as it takes."""
+    parts = [Path(p).resolve().parts for p in paths]
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        names = ["/".join(p[-depth:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return [str(p) for p in paths]
+
+
+def load_runs(paths: list[str | Path]) -> list[RunFolder]:
+    if not paths:
+        raise UserError("RUN_DIR: give at least one run folder")
+    names = run_names([Path(p) for p in paths])
+    return [load_run(path, name) for path, name in zip(paths, names, strict=True)]

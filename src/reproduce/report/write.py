@@ -1,0 +1,41 @@
+"""Writing the report: the HTML file, its Markdown twin and the twin's PNG folder, each written whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import UserError
+from ..planfile import check_writable, write_text_atomic
+from .document import blocks, to_html, to_markdown
+from .figures import FIGURE_NAMES
+from .runs import RunFolder
+
+
+def images_folder(markdown: Path) -> Path:
+    """The Markdown twin's plots: `report.md` -> `report_files/` (the name browsers give a saved page's parts)."""
+    return markdown.with_name(markdown.stem + "_files")
+
+
+def write_report(runs: list[RunFolder], out: Path, markdown: Path | None = None, plots: bool = True) -> list[Path]:
+    """report.html (self-contained) and, unless `markdown` is the HTML itself, report.md with its PNGs."""
+    out = check_writable(out, "--out")
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise UserError(f"--out: {out}: expected an .html file name (the Markdown twin is written beside it as .md)")
+    markdown = out.with_suffix(".md") if markdown is None else check_writable(markdown, "--markdown")
+    protected = {run.path.resolve() / name for run in runs for name in ("plan.yaml", "metrics.jsonl", "summary.json")}
+    for path in (out, markdown):
+        if path.resolve() in protected:
+            raise UserError(f"{path}: is one of the run's own files; choose another name")
+    content = blocks(runs, plots)
+    images = images_folder(markdown)
+    text, files = to_markdown(content, images, markdown.parent)
+    if images.is_dir():  # plots an earlier report made that this one has not (only names a report gives)
+        for old in images.glob("*.png"):
+            if old not in files and (old.stem in FIGURE_NAMES or old.stem.startswith("eval_")):
+                old.unlink()
+    for path, png in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(png)
+    write_text_atomic(markdown, text)
+    write_text_atomic(out, to_html(content))
+    return [out, markdown, *files]

@@ -1,0 +1,446 @@
+"""`reproduce run --log-to tensorboard,wandb,mlflow`: the run in the experiment trackers researchers watch.
+
+One interface (`Tracker`: open, log, finish, close), three backends on the real libraries, and one reporter
+(`TrackerReporter`) that wraps the run's own reporter, so the trainer does not know trackers exist:
+
+- the plan (paper, m x N x W, LR rule, schedule in steps, the whole recipe) is the run's config / params and
+  plan.yaml its artifact; every numeric field of each metrics.jsonl record is logged at its optimizer step,
+  under the record's own name (`loss`, `lr`, `eval_accuracy`, and whatever fields the trainer adds later);
+  summary.json, loss.png and the curves `reproduce report` draws (plots/*.png) are artifacts at the end.
+- W&B runs offline unless WANDB_MODE says otherwise or an API key is set (WANDB_API_KEY or `wandb login`); its
+  files go to RUN/wandb (`wandb sync RUN/wandb/offline-run-*` uploads them later). MLflow logs to
+  RUN/mlflow (an SQLite store and the artifacts) unless MLFLOW_TRACKING_URI names another store or server.
+- RUN/trackers.json keeps each tracker's run id and the last step it logged. A resumed run continues the same
+  tracker run (W&B `resume`, the MLflow run id), first catching up from metrics.jsonl on the steps the tracker
+  missed and never logging a step twice: steps a tracker logged past the checkpoint keep the values it got
+  then (a resumed run recomputes them bitwise equal); TensorBoard drops them instead (`purge_step`).
+- A tracker that fails (disk full, a server gone) prints one warning and is dropped: the run goes on, and
+  metrics.jsonl stays the source of truth. A missing package is a UserError naming the extra, raised by
+  `check_trackers` before anything trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from ..errors import UserError
+from .outputs import read_metrics
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+STATE = "trackers.json"
+LOG_TO_HELP = ("Also log each optimizer step to experiment trackers: a comma-separated list of tensorboard, wandb, "
+               "mlflow (wandb offline without an API key, files in OUT/wandb; mlflow in OUT/mlflow unless "
+               "MLFLOW_TRACKING_URI is set).")
+_MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny"}
+
+
+def parse_log_to(values: list[str] | None, tensorboard: bool = False) -> list[str]:
+    """The trackers named by --log-to (repeatable, comma-separated) and --tensorboard, in a fixed order."""
+    names = [name.strip().lower() for value in values or [] for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown:
+        raise UserError(f"--log-to: unknown tracker {unknown[0]!r}; expected a comma-separated list of "
+                        f"{', '.join(TRACKERS)}")
+    chosen = set(names) | ({"tensorboard"} if tensorboard else set())
+    return [name for name in TRACKERS if name in chosen]
+
+
+def check_trackers(names: list[str]) -> None:
+    """Each tracker's package imports, or one line naming the extra to install (before anything trains)."""
+    import importlib
+
+    for name in names:
+        try:
+            importlib.import_module(_MODULES[name])
+        except ImportError:
+            raise UserError(f"--log-to {name}: the {_PACKAGES[name]} package is not installed; install the extra: "
+                            f"pip install 'reproduce[{name}]' (metrics.jsonl has the same numbers)") from None
+
+
+def numeric(record: dict) -> dict[str, float]:
+    """The numeric fields of a metrics record other than `step` (booleans as 0/1, a non-finite loss as it is;
+    None and text left out)."""
+    return {key: float(value) for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float))}
+
+
+def step_of(record: dict) -> int | None:
+    """The optimizer step of a step record; None for event lines (out of memory) and anything else."""
+    step = record.get("step")
+    if "event" in record or not isinstance(step, int) or isinstance(step, bool):
+        return None
+    return step
+
+
+def flatten(data, prefix: str = "") -> dict[str, object]:
+    """Nested mappings as dotted keys (`recipe.optimizer.lr`), lists as their JSON text."""
+    flat: dict[str, object] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        elif isinstance(value, (list, tuple)):
+            flat[name] = json.dumps(value)
+        else:
+            flat[name] = value
+    return flat
+
+
+def plan_config(plan) -> dict:
+    """The run's configuration as trackers show it: the plan's headline numbers, then the whole plan."""
+    data = plan.model_dump(mode="json")
+    title = plan.recipe.paper.title if plan.recipe.paper else None
+    return {
+        "paper": title,
+        "recipe_path": plan.recipe_path,
+        "arithmetic": plan.arithmetic,
+        "micro_batch": plan.micro_batch,
+        "accumulation_steps": plan.accumulation_steps,
+        "world_size": plan.world_size,
+        "effective_batch": plan.effective_batch,
+        "paper_effective_batch": plan.paper_effective_batch,
+        "exact": plan.exact,
+        "lr": plan.lr,
+        "lr_rule": plan.lr_rule,
+        "optimizer_steps": plan.optimizer_steps,
+        "warmup_steps": plan.warmup_steps,
+        "plan": {key: value for key, value in data.items() if key != "recipe"},
+        "recipe": data["recipe"],
+    }
+
+
+def experiment_name(plan) -> str:
+    """The recipe file's name (`digits-mlp`), the tracker-side name that groups the runs of one recipe."""
+    return Path(plan.recipe_path).stem if plan.recipe_path else "reproduce"
+
+
+class Tracker:
+    """One experiment tracker. `open` returns what `trackers.json` keeps to continue the same run later."""
+
+    name = ""
+
+    def open(self, plan, out: Path, first_step: int, saved: dict | None) -> dict:
+        raise NotImplementedError
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def finish(self, summary: dict, files: dict[str, Path]) -> None:
+        """The summary and the artifacts (name in the tracker's run -> local file), then the run is closed as
+        finished."""
+        raise NotImplementedError
+
+    def close(self, status: str) -> None:
+        """End the run early (`status`: failed / killed); nothing if it was finished."""
+
+    def resumes(self, first_step: int, saved: dict) -> int:
+        """The last step this tracker holds once opened on a run resumed after `first_step`."""
+        return saved.get("step", 0)
+
+
+class TensorboardTracker(Tracker):
+    """Scalars in OUT/tensorboard, as `reproduce run --tensorboard` always wrote them (train/loss, eval/loss)."""
+
+    name = "tensorboard"
+
+    def open(self, plan, out, first_step, saved):
+        from .tensorboard import TensorboardLog
+
+        self.log_ = TensorboardLog(out / "tensorboard")
+        self.log_.open(first_step)
+        return {}
+
+    def resumes(self, first_step, saved):
+        return min(saved.get("step", 0), first_step)  # purge_step dropped what it logged past the checkpoint
+
+    def log(self, step, values):
+        self.log_.write({"step": step, **values})
+
+    def finish(self, summary, files):
+        self.log_.close()
+
+    def close(self, status):
+        self.log_.close()
+
+
+def wandb_mode() -> str:
+    """WANDB_MODE when set; otherwise online with an API key (WANDB_API_KEY or `wandb login`'s netrc), else offline."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return "online" if netrc.netrc(os.environ.get("NETRC")).authenticators(host) else "offline"
+    except (OSError, netrc.NetrcParseError):
+        return "offline"
+
+
+class WandbTracker(Tracker):
+    """A W&B run with its files in OUT/wandb; project WANDB_PROJECT (default: the recipe's name)."""
+
+    name = "wandb"
+
+    def open(self, plan, out, first_step, saved):
+        import wandb
+
+        run_id = saved["id"] if saved else uuid.uuid4().hex[:12]
+        mode = wandb_mode()
+        (out / "wandb").mkdir(parents=True, exist_ok=True)
+        project = saved["project"] if saved else os.environ.get("WANDB_PROJECT") or experiment_name(plan)
+        options = dict(project=project, name=out.name, id=run_id,
+                       dir=str(out), config=plan_config(plan), resume="allow" if saved else None,
+                       settings=wandb.Settings(silent=True, console="off"))
+        try:
+            self.run = wandb.init(mode=mode, **options)
+        except Exception:
+            if mode != "online":
+                raise
+            self.run = wandb.init(mode="offline", **options)  # no network, or the key was refused
+        return {"id": run_id, "project": options["project"], "mode": self.run.settings.mode}
+
+    def log(self, step, values):
+        self.run.log(values, step=step)
+
+    def finish(self, summary, files):
+        import wandb
+
+        self.run.summary.update({key: value for key, value in flatten(summary).items()
+                                 if isinstance(value, (int, float)) and not isinstance(value, bool)})
+        artifact = wandb.Artifact(f"run-outputs-{self.run.id}", type="reproduce-run")
+        for name, path in files.items():
+            artifact.add_file(str(path), name=name)
+        self.run.log_artifact(artifact)
+        self.run.finish()
+        self.run = None
+
+    def close(self, status):
+        if self.run is not None:
+            self.run.finish(exit_code=1)
+            self.run = None
+
+
+class MlflowTracker(Tracker):
+    """An MLflow run: in OUT/mlflow (SQLite store, artifacts beside it) unless MLFLOW_TRACKING_URI is set.
+
+    MLflow 3 refuses its plain file store (`./mlruns`, in maintenance mode) unless MLFLOW_ALLOW_FILE_STORE is
+    set; a local SQLite file is the store it recommends, and still one folder under the run that moves with it.
+    The experiment is MLFLOW_EXPERIMENT_NAME, default the recipe's name.
+    """
+
+    name = "mlflow"
+    PARAMS_PER_CALL = 100  # MLflow's limit per log_batch
+    IN_FLIGHT = 8
+    pending: list
+    PARAM_LENGTH = 6000
+
+    def open(self, plan, out, first_step, saved):
+        import logging
+
+        from mlflow import MlflowClient
+
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # "Creating initial ... tables"
+
+        self.pending = []
+        if saved:
+            uri = saved["tracking_uri"]
+            self.client = MlflowClient(uri)
+            self.run_id = saved["run_id"]
+            self.client.update_run(self.run_id, status="RUNNING")
+            return dict(saved)
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        artifacts = None
+        if not uri:
+            (out / "mlflow").mkdir(parents=True, exist_ok=True)
+            uri = "sqlite:///" + str((out / "mlflow" / "mlflow.db").absolute())
+            artifacts = (out / "mlflow" / "artifacts").absolute().as_uri()
+        self.client = MlflowClient(uri)
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or experiment_name(plan)
+        experiment = self.client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
+            name, artifact_location=artifacts)
+        run = self.client.create_run(experiment_id, run_name=out.name,
+                                     tags={"reproduce.out": str(out.absolute()), "paper": plan_config(plan)["paper"]
+                                           or ""})
+        self.run_id = run.info.run_id
+        self._params(plan)
+        self.client.log_artifact(self.run_id, str(out / "plan.yaml"))
+        return {"run_id": self.run_id, "tracking_uri": uri, "experiment_id": experiment_id}
+
+    def _params(self, plan) -> None:
+        from mlflow.entities import Param
+
+        params = [Param(key, "" if value is None else str(value)[: self.PARAM_LENGTH])
+                  for key, value in flatten(plan_config(plan)).items()]
+        for start in range(0, len(params), self.PARAMS_PER_CALL):
+            self.client.log_batch(self.run_id, params=params[start:start + self.PARAMS_PER_CALL])
+
+    def log(self, step, values):
+        """Handed to MLflow's own background queue (synchronous=False): a store write (38 ms a step measured on
+        SQLite here, more on a busy disk or a remote server) does not hold up training. At most IN_FLIGHT steps
+        wait there; the oldest is waited for, which is when its failure, if any, is raised."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.pending.append(self.client.log_batch(
+            self.run_id, metrics=[Metric(key, value, now, step) for key, value in values.items()], synchronous=False))
+        while len(self.pending) > self.IN_FLIGHT:
+            self.pending.pop(0).wait()
+
+    def _drain(self) -> None:
+        while self.pending:
+            self.pending.pop(0).wait()
+
+    def finish(self, summary, files):
+        self._drain()
+        for name, path in files.items():
+            self.client.log_artifact(self.run_id, str(path), artifact_path=str(Path(name).parent).strip(".") or None)
+        self.client.set_terminated(self.run_id, "FINISHED")
+        self.run_id = None
+
+    def close(self, status):
+        if self.run_id is not None:
+            try:
+                self._drain()  # what was logged before the end
+            finally:
+                self.client.set_terminated(self.run_id, status.upper())
+            self.run_id = None
+
+
+BACKENDS = {"tensorboard": TensorboardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}
+
+
+class TrackerReporter:
+    """A run reporter that also sends each step to the trackers, then passes everything on to `inner`.
+
+    Use it as a context manager around `train`: a run that stops early (an error, a signal) closes its tracker
+    runs as failed or killed instead of leaving them running.
+    """
+
+    def __init__(self, inner, names: list[str], out: str | Path, backends: dict | None = None):
+        check_trackers(names)
+        self.inner, self.out = inner, Path(out)
+        self.trackers = [(backends or BACKENDS)[name]() for name in names]
+        self.last: dict[str, int] = {}  # tracker -> last step it holds
+        self.state: dict[str, dict] = {}
+
+    def __enter__(self) -> TrackerReporter:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        from ..errors import Interrupted
+
+        status = "killed" if kind is not None and issubclass(kind, (Interrupted, KeyboardInterrupt)) else "failed"
+        for tracker in self.trackers:
+            self._call(tracker, tracker.close, status)
+
+    def _warn(self, tracker: Tracker, doing: str, error: BaseException) -> None:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        self.inner.message(f"warning: {tracker.name} logging stopped ({doing}: {type(error).__name__}: {first}); "
+                           f"the run goes on and {self.out / 'metrics.jsonl'} has every step")
+
+    def _call(self, tracker: Tracker, method, *args, doing: str = "") -> bool:
+        """Call a tracker; a failure is one warning, and the tracker is dropped from the run."""
+        try:
+            method(*args)
+            return True
+        except Exception as error:  # any failure of a tracker's library: the run must go on
+            if tracker in self.trackers:
+                self.trackers.remove(tracker)
+                if doing:
+                    self._warn(tracker, doing, error)
+                try:
+                    tracker.close("failed")
+                except Exception:  # it failed once already, and that was reported
+                    pass
+            return False
+
+    def _save_state(self) -> None:
+        """trackers.json, replaced whole after each step. Without an fsync (12 ms each on this disk): a crash of
+        the machine itself may leave it a few steps behind, which W&B then drops as steps it already has."""
+        path = self.out / STATE
+        temporary = path.with_name(f".{STATE}.tmp")
+        temporary.write_text(json.dumps(self.state, indent=2) + "\n", encoding="utf-8")
+        os.replace(temporary, path)
+
+    def start(self, plan, total_steps: int, first_step: int) -> None:
+        path = self.out / STATE
+        saved = json.loads(path.read_text(encoding="utf-8")) if first_step and path.is_file() else {}
+        records = read_metrics(self.out / "metrics.jsonl") if first_step else []  # truncated to the checkpoint
+        for tracker in list(self.trackers):
+            previous = saved.get(tracker.name)
+
+            def opened(tracker=tracker, previous=previous) -> None:
+                self.state[tracker.name] = tracker.open(plan, self.out, first_step, previous)
+
+            if not self._call(tracker, opened, doing="opening its run"):
+                continue
+            self.last[tracker.name] = tracker.resumes(first_step, previous) if previous else 0
+            for record in records:  # catch up on the steps it missed (a resume, a tracker added on resume)
+                step = step_of(record)
+                if step is not None and step > self.last[tracker.name]:
+                    self._log(tracker, step, record)
+        if self.state:
+            self._save_state()
+        self.inner.start(plan, total_steps, first_step)
+
+    def _log(self, tracker: Tracker, step: int, record: dict) -> None:
+        if self._call(tracker, tracker.log, step, numeric(record), doing=f"step {step}"):
+            self.last[tracker.name] = step
+            self.state[tracker.name]["step"] = step
+
+    def step(self, record: dict) -> None:
+        step = step_of(record)
+        if step is not None and self.trackers:
+            for tracker in list(self.trackers):
+                if step > self.last.get(tracker.name, 0):
+                    self._log(tracker, step, record)
+            self._save_state()
+        self.inner.step(record)
+
+    def message(self, text: str) -> None:
+        self.inner.message(text)
+
+    def _plots(self, folder: Path) -> dict[str, Path]:
+        """The report's curves of this run (`reproduce report`: loss, evaluation metrics, learning rate, gradient
+        norm, throughput, noise scale) as artifacts `plots/NAME.png`; none without matplotlib."""
+        from ..report.figures import figures, matplotlib_missing
+        from ..report.runs import load_run
+
+        if matplotlib_missing():
+            return {}
+        made = {}
+        for figure in figures([load_run(self.out)]):
+            path = folder / f"{figure.name}.png"
+            path.write_bytes(figure.png)
+            made[f"plots/{figure.name}.png"] = path
+        return made
+
+    def finish(self, summary: dict) -> None:
+        files = {name: self.out / name for name in ("plan.yaml", "summary.json", "loss.png")
+                 if (self.out / name).is_file()}
+        with tempfile.TemporaryDirectory(prefix="reproduce-plots-") as folder:
+            try:
+                files.update(self._plots(Path(folder)) if self.trackers else {})
+            except Exception as error:  # the curves are extras: the run's own outputs are written
+                self.inner.message(f"warning: the trackers get no plots ({type(error).__name__}: {error})")
+            for tracker in list(self.trackers):
+                if self._call(tracker, tracker.finish, summary, files, doing="finishing its run"):
+                    self.trackers.remove(tracker)
+        self.inner.finish(summary)
+        wandb = self.state.get("wandb")
+        if wandb and wandb.get("mode") == "offline":
+            self.inner.message(f"wandb: offline run {wandb['id']} in {self.out / 'wandb'}; upload it with: "
+                               f"wandb sync {self.out / 'wandb'}/offline-run-*")
+        mlflow = self.state.get("mlflow")
+        if mlflow:
+            self.inner.message(f"mlflow: run {mlflow['run_id']} in {mlflow['tracking_uri']}")
