@@ -162,3 +162,12 @@ def assert_close_weights(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name].float(), b[name].float(), rtol=rtol, atol=atol)
+
+
+def read_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of a TensorBoard folder by tag, as TensorBoard's own event reader reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

@@ -6,18 +6,11 @@ import sys
 
 import pytest
 
+from helpers import read_scalars
 from reproduce.errors import UserError
 from reproduce.train.tensorboard import TensorboardLog, TensorboardReporter, scalars
 
 NO_TENSORBOARD = "tensorboard not installed (optional extra: pip install -e .[tensorboard]; make setup installs it)"
-
-
-def read_scalars(folder) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(folder))
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def test_scalars_of_a_record():

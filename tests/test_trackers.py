@@ -165,8 +165,8 @@ def test_mlflow_wandb_and_tensorboard_get_every_step_of_a_real_run(tmp_path, off
         pytest.importorskip(module, reason=NOT_INSTALLED.format(module))
     from mlflow import MlflowClient
 
+    from helpers import read_scalars
     from reproduce.train.outputs import read_metrics
-    from test_tensorboard import read_scalars
 
     out = tmp_path / "run"
     run(out, ["tensorboard", "wandb", "mlflow"], max_steps=5)
