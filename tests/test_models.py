@@ -56,6 +56,8 @@ PUBLISHED = [
     ("mae-vit-large-patch16", mae_encoder, 304e6, "ViT-L/16 encoder, 304M, as MAE's comparisons quote it (issue 11)"),
     # nanoGPT's model.py reports its count without the position embeddings: "number of parameters: 10.65M"
     ("gpt-char", without("model.transformer.wpe."), 10.65e6, "nanoGPT README, shakespeare-char: 10.65M"),
+    # nanoGPT's own GPT, bias=False, vocabulary 50304 (its train.py defaults): "number of parameters: 123.59M"
+    ("nanogpt", without("transformer.wpe."), 123.59e6, "nanoGPT train.py with config/train_gpt2.py: 123.59M"),
 ]
 
 

@@ -20,7 +20,8 @@ TRANSFORMERS_MODELS = (
     "mae-vit-large-patch16", "gpt2-124m", "gpt3-small", "gpt2-medium", "gpt-char", "bert-base", "roberta-base",
     "llama-7b",
 )
-MODELS = SMALL_MODELS + TORCHVISION_MODELS + TRANSFORMERS_MODELS
+TORCH_MODELS = ("nanogpt",)  # written here in torch alone (reproduce.models.nanogpt)
+MODELS = SMALL_MODELS + TORCHVISION_MODELS + TRANSFORMERS_MODELS + TORCH_MODELS
 LOSSES = ("mae-masked-pixel-mse",)
 DATA = ("digits", "pysource")
 TORCH_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "adafactor", "lars", "lamb")  # lars, lamb: train/large_batch.py

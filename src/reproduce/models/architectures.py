@@ -128,6 +128,46 @@ class TransformersModel(Architecture):
         return MaskedImagePretraining(model, self.kind) if self.kind == "mae" else HFLogits(model, self.kind)
 
 
+@dataclass(frozen=True)
+class NanoGPTModel(Architecture):
+    """nanoGPT's own GPT (models/nanogpt.py): `kwargs` are nanoGPT's GPTConfig fields (n_layer, n_head, n_embd,
+    block_size, vocab_size, dropout, bias); the defaults are GPT-2 124M as nanoGPT's train.py trains it."""
+
+    config: dict = field(default_factory=dict)
+
+    def make_config(self, kwargs: dict) -> Any:
+        from .nanogpt import GPTConfig
+
+        known = GPTConfig.names()
+        for key in kwargs:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]!r}?" if close else f"nanoGPT's GPTConfig: {', '.join(known)}"
+                raise UserError(f"model.kwargs: {self.name} has no setting {key!r} ({hint})")
+        try:
+            config = GPTConfig(**{**self.config, **kwargs})
+        except TypeError as exc:
+            raise UserError(f"model.kwargs: {self.name} rejected its configuration: {exc}") from None
+        if config.n_embd % config.n_head:
+            raise UserError(f"model.kwargs: {self.name}: n_embd {config.n_embd} is not a multiple of n_head "
+                            f"{config.n_head}")
+        return config
+
+    def model_inputs(self, kwargs: dict) -> dict:
+        config = self.make_config(kwargs)
+        return {"inputs": "tokens", "vocab_size": config.vocab_size, "context": config.block_size}
+
+    def build(self, kwargs: dict, data_info: dict | None = None) -> nn.Module:
+        from .nanogpt import GPT
+
+        config = self.make_config(kwargs)
+        vocab = (data_info or {}).get("vocab_size")
+        if vocab is not None and vocab > config.vocab_size:
+            raise UserError(f"model: the data has {vocab} token ids but {self.name} has a vocabulary of "
+                            f"{config.vocab_size} (model.kwargs: {{vocab_size: {vocab}}} to widen it)")
+        return GPT(config)
+
+
 def _transformers(name: str) -> Any:
     try:
         import transformers
@@ -199,10 +239,18 @@ ARCHITECTURES: dict[str, Architecture] = {
                 "mask_ratio": 0.75, "norm_pix_loss": True,
             },
         ),
+        # nanoGPT's own model.py GPT (karpathy/nanoGPT @ 3adf61e): GPT-2 124M's shape, 12 layers, 12 heads, 768 wide,
+        # context 1024, the vocabulary of 50257 padded to 50304, and train.py's bias=False: no bias in any Linear or
+        # LayerNorm, tied embeddings, dropout 0 (train.py's default). nanoGPT prints it as 123.59M parameters
+        # (without the position embeddings); shakespeare-char's 6 x 6 x 384 as 10.65M.
+        NanoGPTModel("nanogpt", "nanoGPT's GPT (reproduce.models.nanogpt, nanoGPT's state_dict names)",
+                     config={"bias": False}),
         # GPT-2 124M as nanoGPT (karpathy/nanoGPT @ 3adf61e, config/train_gpt2.py, model.py) and llm.c train it:
         # 12 layers, 12 heads, 768 wide, context 1024, no dropout, the vocabulary of 50257 padded to 50304 (a
         # multiple of 64, for speed). transformers' GPT-2 has biases in every Linear and LayerNorm where nanoGPT
-        # sets bias=False (+0.1M parameters); llm.c keeps them, as here.
+        # sets bias=False (+0.1M parameters: nanoGPT's recipes build `nanogpt` instead); llm.c keeps them, as here
+        # (llm.c @ f1e2ace train_gpt2.cu fill_in_parameter_sizes: 16 tensors, a bias beside every weight and
+        # LayerNorm scale, wte tied to the output, the vocabulary padded to 50304).
         TransformersModel(
             "gpt2-124m", "GPT-2 124M (transformers GPT-2)", config_class="GPT2Config",
             auto_class="AutoModelForCausalLM", aliases=_NANOGPT_NAMES,
