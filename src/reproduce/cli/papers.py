@@ -150,6 +150,9 @@ def status_text(recipe: Recipe) -> tuple[str, str]:
 def papers_command(
     ctx: typer.Context,
     folder: Path | None = typer.Option(None, "--dir", help=DIR_HELP),
+    devices: bool = typer.Option(False, "--devices", help="The hardware each paper ran on, and whether the "
+                                 "estimate meter models its device (--gpu), instead of the list."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the table as Markdown (docs/papers.md's)."),
 ) -> None:
     """List the shipped recipes: paper, effective batch, optimizer, model and parameters, and whether `reproduce run`
     can run it here (and why not, below the table)."""
@@ -158,6 +161,13 @@ def papers_command(
         return
     directory = papers_dir(folder)
     files = recipe_files(directory)
+    if markdown and not devices:
+        raise UserError("--markdown: only with --devices (reproduce papers --devices --markdown)")
+    if devices:
+        from .papers_devices import print_devices
+
+        print_devices(files, markdown)
+        return
     table = Table(title=f"recipes in {directory}", title_justify="left")
     table.add_column("recipe", no_wrap=True, min_width=max((len(p.stem) for p in files), default=6))
     table.add_column("year", no_wrap=True)

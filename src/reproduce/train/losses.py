@@ -50,6 +50,9 @@ class CustomLoss:
     def __init__(self, function: Callable):
         self.function = function
         self.counter = getattr(function, "count", None)
+        # a loss of terms normalised over different counts (BERT's masked tokens and sequences) is told the
+        # window's totals before its first forward: window(count, samples) (train/pretraining_loss.py)
+        self.window = getattr(function, "window", None)
 
     def count(self, target: Any) -> int:
         return int(self.counter(target)) if self.counter else len(target)
