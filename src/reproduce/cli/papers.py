@@ -229,8 +229,8 @@ def show_command(
     spec = recipe.optimizer
     stdout.print(f"  {spec.name} lr {spec.lr:g}, task {recipe.task}, precision {recipe.precision}", markup=False)
     stdout.print(f"  model: {model_line(recipe, parameter_counts(recipe))}", markup=False, soft_wrap=True)
-    for text in recipe.deviations:
-        stdout.print(f"  [yellow]deviation from the paper:[/] {escape(text.strip())}", soft_wrap=True)
+    for deviation in recipe.deviations:
+        stdout.print(f"  [yellow]deviation from the paper:[/] {escape(deviation.strip())}", soft_wrap=True)
     here = "[green]runnable[/]" if status == "runnable" else f"[yellow]plan-only[/] ({escape(why)})"
     stdout.print(f"  here: {here}")
     shown = path if not path.is_absolute() else _relative(path)
