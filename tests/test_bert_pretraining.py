@@ -166,3 +166,47 @@ def test_pysource_pairs_is_a_builtin_corpus_of_pairs():
     inputs, target = fetch(train, torch.arange(len(train)))
     assert int(inputs["input_ids"].max()) < 260 and set(target[:, -1].tolist()) == {0, 1}
     assert (inputs["input_ids"][:, 0] == BYTES.cls).all()
+
+
+def wordpiece_folder(folder: Path, lines: list[str]) -> Path:
+    """A small BERT-style WordPiece tokenizer trained here on `lines` (nothing downloaded), saved for AutoTokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tokenizer.train_from_iterator(lines, trainer=trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials,
+                                                                           show_progress=False))
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]",
+                                      cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    wrapped.save_pretrained(str(folder))
+    return folder
+
+
+def test_text_pairs_reads_berts_layout_with_a_local_tokenizer(tmp_path):
+    """One sentence per line, a blank line between documents (create_pretraining_data.py's input)."""
+    from transformers import AutoTokenizer
+
+    from reproduce.errors import UserError
+
+    sentences = [f"document {d} says sentence number {s} about topic {d * s % 7}." for d in range(8) for s in range(6)]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join("\n".join(sentences[d * 6:(d + 1) * 6]) for d in range(8)) + "\n")
+    folder = wordpiece_folder(tmp_path / "tokenizer", sentences)
+    recipe = parse_recipe({**bert_recipe(), "data": {"builtin": "text-pairs", "kwargs": {
+        "path": str(corpus), "tokenizer": str(folder), "dupe_factor": 3}}})
+    data = build_data(recipe)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    train = data["train"]
+    assert data["info"]["documents"] == 8 and data["info"]["vocab_size"] == len(tokenizer) and len(train) > 8
+    assert train.length == 32 and (train.input_ids[:, 0] == tokenizer.cls_token_id).all()
+    inputs, target = fetch(train, torch.arange(len(train)))
+    restored = torch.where(target[:, :-1] != -100, target[:, :-1], inputs["input_ids"])
+    first = tokenizer.decode(restored[0][inputs["attention_mask"][0].bool()])
+    assert first.startswith("[CLS] document") and first.count("[SEP]") == 2
+    assert set(target[:, -1].tolist()) == {0, 1}
+    missing = parse_recipe({**bert_recipe(), "data": {"builtin": "text-pairs", "kwargs": {
+        "path": str(tmp_path / "nothing.txt"), "tokenizer": str(folder)}}})
+    with pytest.raises(UserError, match=r"data.kwargs.path: .*nothing.txt: no such file \(expected text: one sentence"):
+        build_data(missing)

@@ -23,7 +23,7 @@ TRANSFORMERS_MODELS = (
 TORCH_MODELS = ("nanogpt",)  # written here in torch alone (reproduce.models.nanogpt)
 MODELS = SMALL_MODELS + TORCHVISION_MODELS + TRANSFORMERS_MODELS + TORCH_MODELS
 LOSSES = ("mae-masked-pixel-mse", "bert-mlm-nsp")
-DATA = ("digits", "pysource", "pysource-pairs")
+DATA = ("digits", "pysource", "pysource-pairs", "text-pairs")
 TORCH_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "adafactor", "lars", "lamb")  # lars, lamb: train/large_batch.py
 
 

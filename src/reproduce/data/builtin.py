@@ -108,4 +108,11 @@ def pysource_pairs(**kwargs) -> dict:
     return build(**kwargs)
 
 
-DATA = {"digits": digits, "pysource": pysource, "pysource-pairs": pysource_pairs}
+def text_pairs(**kwargs) -> dict:
+    """BERT's sentence pairs from a text file in BERT's layout and a local tokenizer (data/pairs.py)."""
+    from .pairs import text_pairs as build
+
+    return build(**kwargs)
+
+
+DATA = {"digits": digits, "pysource": pysource, "pysource-pairs": pysource_pairs, "text-pairs": text_pairs}

@@ -19,6 +19,10 @@ masked-LM labels, then the next-sentence label (what `bert-mlm-nsp` reads: train
 `pysource-pairs` (a built-in): the standard library's Python sources as documents, their non-blank lines (with
 their newline) as sentences, byte-level ids 0-255 with [PAD] 256, [CLS] 257, [SEP] 258, [MASK] 259 (vocabulary
 260); every tenth file goes to evaluation, as `pysource`. Real, offline, small: BERT pre-training end to end on a CPU.
+
+`text-pairs` (a built-in, for a real corpus): a text file in BERT's own input layout (one sentence per line, a
+blank line between documents), tokenised with a local tokenizer folder that has [CLS], [SEP], [MASK] and [PAD]:
+`data: {builtin: text-pairs, kwargs: {path: corpus.txt, tokenizer: bert-tokenizer/, eval_path: held-out.txt}}`.
 """
 
 from __future__ import annotations
@@ -27,10 +31,13 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
+from ..errors import UserError
 from .batches import IGNORE_INDEX
 from .builtin import stdlib_sources
 
@@ -183,4 +190,59 @@ def pysource_pairs(sequence_length: int = 128, max_bytes: int = 1_000_000, dupe_
         data["eval"] = SentencePairs(valid, sequence_length, BYTES, seed + 1, **options)
     data["info"] = {"name": "pysource-pairs", "vocab_size": BYTES.size, "files": len(train) + len(valid),
                     "fingerprint": fingerprint, "sequences": len(data["train"])}
+    return data
+
+
+def read_documents(path: Path, tokenizer: Any, field: str) -> list[list[list[int]]]:
+    """BERT's input layout (create_pretraining_data.py): one sentence per line, a blank line between documents;
+    each sentence tokenised without special tokens."""
+    if not path.is_file():
+        raise UserError(f"{field}: {path}: no such file (expected text: one sentence per line, a blank line between "
+                        "documents)")
+    documents: list[list[list[int]]] = [[]]
+    with path.open(encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if not line:
+                if documents[-1]:
+                    documents.append([])
+                continue
+            ids = tokenizer(line, add_special_tokens=False)["input_ids"]
+            if ids:
+                documents[-1].append(ids)
+    documents = [document for document in documents if document]
+    if not documents:
+        raise UserError(f"{field}: {path}: no sentences (expected one sentence per line)")
+    return documents
+
+
+def text_pairs(path: str, tokenizer: str, sequence_length: int = 128, eval_path: str | None = None,
+               dupe_factor: int = 1, seed: int = 12345) -> dict:
+    """Sentence pairs from a text file in BERT's layout, tokenised with a local tokenizer folder that has [CLS],
+    [SEP], [MASK] and [PAD] (a BERT WordPiece tokenizer: `data: {builtin: text-pairs, kwargs: {path, tokenizer}}`)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UserError("data.builtin: text-pairs needs transformers for its tokenizer (pip install transformers)"
+                        ) from None
+    try:
+        loaded = AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"data.kwargs.tokenizer: cannot load a tokenizer from {tokenizer!r} (a local folder): "
+                        f"{type(exc).__name__}") from None
+    names = {"cls": "cls_token_id", "sep": "sep_token_id", "mask": "mask_token_id", "pad": "pad_token_id"}
+    missing = [f"[{name.upper()}]" for name, attribute in names.items() if getattr(loaded, attribute) is None]
+    if missing:
+        raise UserError(f"data.kwargs.tokenizer: {tokenizer} has no {', '.join(missing)} token (BERT's pairs need "
+                        "[CLS], [SEP], [MASK] and [PAD])")
+    vocab = Vocabulary(size=len(loaded), words=len(loaded),
+                       **{name: int(getattr(loaded, attribute)) for name, attribute in names.items()})
+    options = {"dupe_factor": dupe_factor}
+    train = read_documents(Path(path).expanduser(), loaded, "data.kwargs.path")
+    data = {"train": SentencePairs(train, sequence_length, vocab, seed, **options)}
+    if eval_path is not None:
+        valid = read_documents(Path(eval_path).expanduser(), loaded, "data.kwargs.eval_path")
+        data["eval"] = SentencePairs(valid, sequence_length, vocab, seed + 1, **options)
+    data["info"] = {"name": Path(path).name, "vocab_size": vocab.size, "documents": len(train),
+                    "sequences": len(data["train"])}
     return data
