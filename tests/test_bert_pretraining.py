@@ -210,3 +210,16 @@ def test_text_pairs_reads_berts_layout_with_a_local_tokenizer(tmp_path):
         "path": str(tmp_path / "nothing.txt"), "tokenizer": str(folder)}}})
     with pytest.raises(UserError, match=r"data.kwargs.path: .*nothing.txt: no such file \(expected text: one sentence"):
         build_data(missing)
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_verify_finds_the_window_gradient_equal_to_one_pass(chunk):
+    """`reproduce verify`'s check on BERT pre-training: micro-batches of 4 against one pass (or chunks of 8), the
+    reference normalising each term over the whole batch's own count too."""
+    from reproduce.planner import plan
+    from reproduce.verify import verify
+
+    recipe = parse_recipe(bert_recipe())
+    data = build_data(recipe)
+    result = verify(plan(recipe, 4, dataset_size=len(data["train"])), data=data, chunk=chunk)
+    assert result.equivalent and result.global_relative_error < 1e-12 and result.micro_batches == 4
