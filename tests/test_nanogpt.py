@@ -199,3 +199,16 @@ def test_the_estimate_meter_runs_it_on_fake_tensors():
     meter = EstimateMeter(Workload(recipe), gpu.budget_bytes, 0.0, gpu=gpu, cap=64)
     trial = meter.measure(8)
     assert trial.fits and trial.parts["attention"] == {"flash": 6 * 2 * 2}  # 6 blocks x 2 micro-batches x 2 steps
+
+
+def test_papers_show_prints_nanogpts_own_count(capsys, monkeypatch, tmp_path):
+    from reproduce.cli import main
+    from reproduce.cli.papers import NANOGPT_DEFAULTS
+
+    assert {name: getattr(GPTConfig(), name) for name in NANOGPT_DEFAULTS} == NANOGPT_DEFAULTS
+    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path))
+    for name, line in (("nanogpt-shakespeare-char", "10,745,088 parameters (nanoGPT prints 10.65M"),
+                       ("nanogpt-gpt2-124m", "124,373,760 parameters (nanoGPT prints 123.59M")):
+        with pytest.raises(SystemExit):
+            main(["papers", "--dir", str(PAPERS), "show", name])
+        assert f"  model: nanogpt, {line}: without the position embeddings)" in capsys.readouterr().out

@@ -27,6 +27,7 @@ from ..units import format_count
 from .app import app
 from .common import is_terminal, stdout
 
+NANOGPT_DEFAULTS = {"block_size": 1024, "n_embd": 768}  # models.nanogpt.GPTConfig's (read here without torch)
 LIST_WIDTH = 165  # off a terminal (CI logs, pipes): room for every column of the list on one line
 DIR_HELP = "Folder of recipes (default: ./papers if present, else the papers/ shipped with reproduce)."
 
@@ -248,6 +249,10 @@ def model_line(recipe: Recipe, counts: tuple[int, int] | None) -> str:
     if counts is not None:
         total, trainable = counts
         text += f", {total:,} parameters" + (f" ({trainable:,} trainable)" if trainable != total else "")
+        if spec.builtin == "nanogpt":  # nanoGPT's own count leaves the position embeddings out
+            positions = spec.kwargs.get("block_size", NANOGPT_DEFAULTS["block_size"]) * spec.kwargs.get(
+                "n_embd", NANOGPT_DEFAULTS["n_embd"])
+            text += f" (nanoGPT prints {(total - positions) / 1e6:.2f}M: without the position embeddings)"
     if spec.dtype != "fp32":
         text += f", weights in {spec.dtype}"
     if spec.lora is not None:
