@@ -223,3 +223,16 @@ def test_verify_finds_the_window_gradient_equal_to_one_pass(chunk):
     data = build_data(recipe)
     result = verify(plan(recipe, 4, dataset_size=len(data["train"])), data=data, chunk=chunk)
     assert result.equivalent and result.global_relative_error < 1e-12 and result.micro_batches == 4
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_with_the_window_counts_summed_over_ranks(tmp_path):
+    """DDP over two processes (gloo): each rank's micro-batches hold other numbers of masked tokens, and the loss's
+    two terms are normalised by the counts summed over both ranks, so the run equals one process accumulating."""
+    from test_distributed import assert_close_weights, reproduce_run, reproduce_run_here, weights
+
+    recipe = bert_recipe(steps=3)
+    two = reproduce_run(recipe, tmp_path, "two", "--micro-batch-max", "4", "--nproc-per-node", "2")
+    assert "micro 4 x accumulation 2 x world 2 = 16" in two.stdout
+    reproduce_run_here(recipe, tmp_path, "one", "--micro-batch-max", "4")
+    assert_close_weights(weights(tmp_path, "two"), weights(tmp_path, "one"))
