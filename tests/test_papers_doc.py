@@ -15,6 +15,7 @@ from reproduce.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 PAPERS = ROOT / "papers"
 START, END = "<!-- generated: reproduce papers --devices --markdown -->\n", "<!-- end generated -->"
+MEASURED = "<!-- generated: reproduce papers --devices --estimate --markdown (measured) -->\n"
 
 
 def devices_markdown(capsys, *extra: str) -> str:
@@ -27,7 +28,7 @@ def devices_markdown(capsys, *extra: str) -> str:
 
 def test_docs_table_is_the_commands_output(capsys):
     text = (ROOT / "docs" / "papers.md").read_text(encoding="utf-8")
-    assert text.count(START) == 1 and text.count(END) == 1
+    assert text.count(START) == 1 and text.count(MEASURED) == 1
     pasted = text.split(START, 1)[1].split(END, 1)[0]
     assert pasted == devices_markdown(capsys), (
         "docs/papers.md: the hardware table is not `reproduce papers --devices --markdown`'s output; paste it again")
@@ -64,3 +65,26 @@ def test_the_devices_table_imports_no_torch():
             "print('torch' in sys.modules, file=sys.stderr)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert done.stderr.strip().splitlines()[-1] == "False" and "| goyal2017-resnet50 |" in done.stdout
+
+
+def table_rows(markdown: str) -> list[list[str]]:
+    return [re.split(r" (?<!\\)\| ", line.strip("| ")) for line in markdown.strip().splitlines()[2:]]
+
+
+def test_the_measured_table_in_the_docs_has_the_same_rows(capsys):
+    """The estimate's figures are measured (minutes), so the docs' copy is checked for its rows: the same recipes,
+    the same hardware columns as the command prints now."""
+    text = (ROOT / "docs" / "papers.md").read_text(encoding="utf-8")
+    measured = table_rows(text.split(MEASURED, 1)[1].split(END, 1)[0])
+    plain = table_rows(devices_markdown(capsys))
+    assert [row[:7] for row in measured] == plain
+    assert all(len(row) == 9 for row in measured)
+
+
+def test_the_estimate_columns(monkeypatch, tmp_path):
+    from reproduce.cli.papers_devices import estimate_cells
+
+    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path))
+    assert estimate_cells(PAPERS / "nanogpt-shakespeare-char.yaml") == [">= 64", "1.00"]  # capped at its batch
+    assert estimate_cells(PAPERS / "you2019-lamb-bert-large.yaml") == ["-", "-"]  # a TPU
+    assert estimate_cells(PAPERS / "he2016-resnet50.yaml") == ["-", "-"]  # no device stated

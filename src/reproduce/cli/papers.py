@@ -154,6 +154,8 @@ def papers_command(
     devices: bool = typer.Option(False, "--devices", help="The hardware each paper ran on, and whether the "
                                  "estimate meter models its device (--gpu), instead of the list."),
     markdown: bool = typer.Option(False, "--markdown", help="Print the table as Markdown (docs/papers.md's)."),
+    estimate: bool = typer.Option(False, "--estimate", help="With --devices: the estimate meter's largest "
+                                  "micro-batch on each paper's own device, against the paper's (minutes)."),
 ) -> None:
     """List the shipped recipes: paper, effective batch, optimizer, model and parameters, and whether `reproduce run`
     can run it here (and why not, below the table)."""
@@ -162,12 +164,13 @@ def papers_command(
         return
     directory = papers_dir(folder)
     files = recipe_files(directory)
-    if markdown and not devices:
-        raise UserError("--markdown: only with --devices (reproduce papers --devices --markdown)")
+    for given, option in ((markdown, "--markdown"), (estimate, "--estimate")):
+        if given and not devices:
+            raise UserError(f"{option}: only with --devices (reproduce papers --devices {option})")
     if devices:
         from .papers_devices import print_devices
 
-        print_devices(files, markdown)
+        print_devices(files, markdown, estimate)
         return
     table = Table(title=f"recipes in {directory}", title_justify="left")
     table.add_column("recipe", no_wrap=True, min_width=max((len(p.stem) for p in files), default=6))
