@@ -23,13 +23,27 @@ TINY_BERT = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2
              "attention_probs_dropout_prob": 0.0}
 
 
-def bert_recipe(steps: int = 3, **batch) -> dict:
+def bert_recipe(steps: int = 3, custom: bool = False, **batch) -> dict:
+    """Task language-modeling takes the model's own loss (bert-mlm-nsp); `custom` names it: task custom, loss."""
+    task = {"task": "custom", "loss": {"builtin": "bert-mlm-nsp"}} if custom else {"task": "language-modeling"}
     return {
-        "batch": {"effective": 16, "sequence_length": 32, **batch}, "task": "custom",
-        "model": {"builtin": "bert-base", "kwargs": TINY_BERT}, "loss": {"builtin": "bert-mlm-nsp"},
+        "batch": {"effective": 16, "sequence_length": 32, **batch}, **task,
+        "model": {"builtin": "bert-base", "kwargs": TINY_BERT},
         "data": {"factory": "factories:bert_pairs", "shuffle": False},
         "optimizer": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.01}, "schedule": {"total": {"steps": steps}},
     }
+
+
+@pytest.mark.parametrize("name", ["devlin2019-bert-base", "you2019-lamb-bert-large", "pysource-bert"])
+def test_language_modeling_with_a_bert_model_takes_its_pretraining_loss(name):
+    from reproduce.train.losses import TokenLoss, build_loss
+    from reproduce.train.pretraining_loss import MaskedLMNextSentenceLoss
+
+    recipe = load_recipe(PAPERS / f"{name}.yaml")
+    assert recipe.task == "language-modeling" and recipe.loss is None
+    assert isinstance(build_loss(recipe).function, MaskedLMNextSentenceLoss)
+    assert isinstance(build_loss(load_recipe(PAPERS / "pysource-gpt.yaml")), TokenLoss)
+    assert isinstance(build_loss(parse_recipe(bert_recipe(custom=True))).function, MaskedLMNextSentenceLoss)
 
 
 def test_bert_base_has_both_pretraining_heads_and_bert_large_is_336m():
@@ -41,8 +55,7 @@ def test_bert_base_has_both_pretraining_heads_and_bert_large_is_336m():
     assert base.model.cls.predictions.decoder.weight is base.model.bert.embeddings.word_embeddings.weight  # tied
     assert abs(count_parameters(base)[0] - 110e6) <= 0.01 * 110e6  # Devlin et al. sec. 3: 110M
     assert abs(count_parameters(large)[0] - 336e6) <= 0.01 * 336e6  # bert-large-uncased's card: 336M
-    recipe = load_recipe(PAPERS / "you2019-lamb-bert-large.yaml")
-    assert recipe.model.builtin == "bert-large" and recipe.loss.builtin == "bert-mlm-nsp"
+    assert load_recipe(PAPERS / "you2019-lamb-bert-large.yaml").model.builtin == "bert-large"
 
 
 def test_papers_labels_lamb_bert_large(capsys, monkeypatch, tmp_path):
@@ -219,7 +232,7 @@ def test_verify_finds_the_window_gradient_equal_to_one_pass(chunk):
     from reproduce.planner import plan
     from reproduce.verify import verify
 
-    recipe = parse_recipe(bert_recipe())
+    recipe = parse_recipe(bert_recipe(custom=True))  # the loss named: task custom
     data = build_data(recipe)
     result = verify(plan(recipe, 4, dataset_size=len(data["train"])), data=data, chunk=chunk)
     assert result.equivalent and result.global_relative_error < 1e-12 and result.micro_batches == 4
