@@ -68,6 +68,7 @@ def doc_commands(files: list[Path] = DOCS) -> list[DocCommand]:
                 index += 1
                 text = text[:-1] + " " + lines[index].strip()
             command, _, comment = text.partition(" #")
+            command = command.split(" | ")[0]  # a pipe into head / tail only trims what is shown
             output = []
             index += 1
             while index < len(lines) and not lines[index].startswith(("```", "$ ")):

@@ -84,3 +84,22 @@ def torchvision_resnet50(classes: int = 1000) -> torch.nn.Module:
     from torchvision.models import resnet50
 
     return resnet50(weights=None, num_classes=classes)
+
+
+def numbered_documents(documents: int = 6, sentences: int = 9) -> list[list[list[int]]]:
+    """Documents whose sentences are runs of consecutive ids, unique across the corpus: any token says where it
+    comes from (document d's sentence s holds 10 * (10 * d + s) + 0..k); sentences of 2 to 5 tokens."""
+    return [[[10 * (10 * d + s) + k for k in range(2 + (s + d) % 4)] for s in range(sentences)]
+            for d in range(documents)]
+
+
+NUMBERED_VOCAB = {"size": 2100, "pad": 2000, "cls": 2001, "sep": 2002, "mask": 2003, "words": 2000}
+
+
+def bert_pairs(sequence_length: int = 32, documents: int = 20, dupe_factor: int = 4) -> dict:
+    """BERT sentence pairs of many lengths (short documents of short sentences), for the window-count tests."""
+    from reproduce.data.pairs import SentencePairs, Vocabulary
+
+    vocab = Vocabulary(**NUMBERED_VOCAB)
+    train = SentencePairs(numbered_documents(documents), sequence_length, vocab, dupe_factor=dupe_factor)
+    return {"train": train, "info": {"name": "numbered-pairs", "vocab_size": vocab.size}}

@@ -46,6 +46,7 @@ PUBLISHED = [
     # built-in, what is counted, published count, its source
     ("resnet50", everything, 25.6e6, "keras.io/api/applications: ResNet50, 25.6M parameters"),
     ("bert-base", everything, 110e6, "Devlin et al. 2019 sec. 3: BERT-base, Total Parameters = 110M"),
+    ("bert-large", everything, 336e6, "google-bert/bert-large-uncased model card: 336M (the paper rounds to 340M)"),
     ("gpt2-124m", everything, 124e6, "openai/gpt-2's 124M model (its recount of the paper's 117M); nanoGPT README"),
     ("llama-7b", everything, 6.7e9, "Touvron et al. 2023 Table 2: 6.7B"),
     # the Transformer without its classification head, whose size depends on the dataset (21843 classes here)
@@ -56,6 +57,8 @@ PUBLISHED = [
     ("mae-vit-large-patch16", mae_encoder, 304e6, "ViT-L/16 encoder, 304M, as MAE's comparisons quote it (issue 11)"),
     # nanoGPT's model.py reports its count without the position embeddings: "number of parameters: 10.65M"
     ("gpt-char", without("model.transformer.wpe."), 10.65e6, "nanoGPT README, shakespeare-char: 10.65M"),
+    # nanoGPT's own GPT, bias=False, vocabulary 50304 (its train.py defaults): "number of parameters: 123.59M"
+    ("nanogpt", without("transformer.wpe."), 123.59e6, "nanoGPT train.py with config/train_gpt2.py: 123.59M"),
 ]
 
 
@@ -104,7 +107,13 @@ def test_paper_builds_its_model_and_synthetic_batch(path):
         model = build_model(recipe, info)
     inputs, target = workload.batch(2)
     fixed = model_inputs(recipe)
-    if fixed["inputs"] == "tokens":
+    if fixed.get("targets") == "mlm-nsp":  # BERT's sentence pairs: the masked-LM labels and a next-sentence label
+        length = recipe.batch.sequence_length
+        assert set(inputs) == {"input_ids", "token_type_ids", "attention_mask"} and target.shape == (2, length + 1)
+        inputs = inputs["input_ids"]
+        assert int(inputs.max()) < fixed["vocab_size"] == info["vocab_size"] and length <= fixed["context"]
+        assert model.model.cls.predictions.decoder.out_features == fixed["vocab_size"]
+    elif fixed["inputs"] == "tokens":
         length = recipe.batch.sequence_length or recipe.data.max_length
         assert inputs.shape == target.shape == (2, length) and inputs.dtype == torch.int64
         assert length <= fixed["context"] and int(inputs.max()) < fixed["vocab_size"] == info["vocab_size"]

@@ -17,12 +17,13 @@ if TYPE_CHECKING:
 SMALL_MODELS = ("mlp", "cnn-bn", "cnn-gn", "gpt")  # reproduce.models.small
 TORCHVISION_MODELS = ("resnet50", "vit-b16", "deit-b")  # the papers' architectures (reproduce.models.architectures)
 TRANSFORMERS_MODELS = (
-    "mae-vit-large-patch16", "gpt2-124m", "gpt3-small", "gpt2-medium", "gpt-char", "bert-base", "roberta-base",
-    "llama-7b",
+    "mae-vit-large-patch16", "gpt2-124m", "gpt3-small", "gpt2-medium", "gpt-char", "bert-base", "bert-large",
+    "roberta-base", "llama-7b",
 )
-MODELS = SMALL_MODELS + TORCHVISION_MODELS + TRANSFORMERS_MODELS
-LOSSES = ("mae-masked-pixel-mse",)
-DATA = ("digits", "pysource")
+TORCH_MODELS = ("nanogpt",)  # written here in torch alone (reproduce.models.nanogpt)
+MODELS = SMALL_MODELS + TORCHVISION_MODELS + TRANSFORMERS_MODELS + TORCH_MODELS
+LOSSES = ("mae-masked-pixel-mse", "bert-mlm-nsp")
+DATA = ("digits", "pysource", "pysource-pairs", "text-pairs")
 TORCH_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "adafactor", "lars", "lamb")  # lars, lamb: train/large_batch.py
 
 

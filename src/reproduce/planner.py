@@ -251,6 +251,7 @@ def plan(
             warnings.append(f"the batch of step {phase.start_step + 1} on ({phase.effective_batch}) is never reached: "
                             f"the run has {total} optimizer steps")
             break
+    warnings.extend(f"deviation from the paper: {text.strip()}" for text in recipe.deviations)
     return Plan(
         recipe_path=recipe_path,
         recipe=recipe,

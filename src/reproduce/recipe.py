@@ -565,6 +565,17 @@ class Recipe(Strict):
     seed: int = 0
     evaluation: Evaluation = Evaluation()
     reported: list[Reported] = []
+    deviations: list[str] = Field(
+        default=[], description="what this recipe cannot express or does differently from the paper, one sentence "
+        "each: `plan` prints them as warnings, `papers show` below the recipe"
+    )
+
+    @model_validator(mode="after")
+    def _deviations_written(self) -> Recipe:
+        for index, text in enumerate(self.deviations):
+            if not text.strip():
+                raise ValueError(f"deviations.{index}: an empty sentence; say what differs from the paper")
+        return self
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:

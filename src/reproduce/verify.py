@@ -323,6 +323,8 @@ def reference_gradient(setup: Setup, chunks: list[tuple[Any, Any]]) -> list[torc
     """d/dw of (summed loss over every chunk) / (loss-bearing items over every chunk): the large batch's mean loss."""
     model, loss_fn = setup.model, setup.loss
     count = max(sum(loss_fn.count(target) for _, target in chunks), 1)
+    if getattr(loss_fn, "window", None) is not None:  # BERT's two terms: masked tokens and sequences
+        loss_fn.window(count, sum(len(target) for _, target in chunks))
     for p in model.parameters():
         p.grad = None
     for inputs, target in chunks:

@@ -27,6 +27,7 @@ from ..units import format_count
 from .app import app
 from .common import is_terminal, stdout
 
+NANOGPT_DEFAULTS = {"block_size": 1024, "n_embd": 768}  # models.nanogpt.GPTConfig's (read here without torch)
 LIST_WIDTH = 165  # off a terminal (CI logs, pipes): room for every column of the list on one line
 DIR_HELP = "Folder of recipes (default: ./papers if present, else the papers/ shipped with reproduce)."
 
@@ -150,6 +151,11 @@ def status_text(recipe: Recipe) -> tuple[str, str]:
 def papers_command(
     ctx: typer.Context,
     folder: Path | None = typer.Option(None, "--dir", help=DIR_HELP),
+    devices: bool = typer.Option(False, "--devices", help="The hardware each paper ran on, and whether the "
+                                 "estimate meter models its device (--gpu), instead of the list."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the table as Markdown (docs/papers.md's)."),
+    estimate: bool = typer.Option(False, "--estimate", help="With --devices: the estimate meter's largest "
+                                  "micro-batch on each paper's own device, against the paper's (minutes)."),
 ) -> None:
     """List the shipped recipes: paper, effective batch, optimizer, model and parameters, and whether `reproduce run`
     can run it here (and why not, below the table)."""
@@ -158,6 +164,14 @@ def papers_command(
         return
     directory = papers_dir(folder)
     files = recipe_files(directory)
+    for given, option in ((markdown, "--markdown"), (estimate, "--estimate")):
+        if given and not devices:
+            raise UserError(f"{option}: only with --devices (reproduce papers --devices {option})")
+    if devices:
+        from .papers_devices import print_devices
+
+        print_devices(files, markdown, estimate)
+        return
     table = Table(title=f"recipes in {directory}", title_justify="left")
     table.add_column("recipe", no_wrap=True, min_width=max((len(p.stem) for p in files), default=6))
     table.add_column("year", no_wrap=True)
@@ -219,6 +233,8 @@ def show_command(
     spec = recipe.optimizer
     stdout.print(f"  {spec.name} lr {spec.lr:g}, task {recipe.task}, precision {recipe.precision}", markup=False)
     stdout.print(f"  model: {model_line(recipe, parameter_counts(recipe))}", markup=False, soft_wrap=True)
+    for deviation in recipe.deviations:
+        stdout.print(f"  [yellow]deviation from the paper:[/] {escape(deviation.strip())}", soft_wrap=True)
     here = "[green]runnable[/]" if status == "runnable" else f"[yellow]plan-only[/] ({escape(why)})"
     stdout.print(f"  here: {here}")
     shown = path if not path.is_absolute() else _relative(path)
@@ -236,6 +252,10 @@ def model_line(recipe: Recipe, counts: tuple[int, int] | None) -> str:
     if counts is not None:
         total, trainable = counts
         text += f", {total:,} parameters" + (f" ({trainable:,} trainable)" if trainable != total else "")
+        if spec.builtin == "nanogpt":  # nanoGPT's own count leaves the position embeddings out
+            positions = spec.kwargs.get("block_size", NANOGPT_DEFAULTS["block_size"]) * spec.kwargs.get(
+                "n_embd", NANOGPT_DEFAULTS["n_embd"])
+            text += f" (nanoGPT prints {(total - positions) / 1e6:.2f}M: without the position embeddings)"
     if spec.dtype != "fp32":
         text += f", weights in {spec.dtype}"
     if spec.lora is not None:

@@ -66,7 +66,7 @@ def build_data(recipe: Recipe) -> dict:
         data = build_format(recipe)
     else:
         extra = {}
-        if recipe.data.builtin == "pysource" and recipe.batch.sequence_length:
+        if recipe.data.builtin in ("pysource", "pysource-pairs", "text-pairs") and recipe.batch.sequence_length:
             extra["sequence_length"] = recipe.batch.sequence_length
         data = call_builder(recipe.data, "data", DATA, extra)
     if not isinstance(data, dict) or "train" not in data:

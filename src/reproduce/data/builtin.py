@@ -101,4 +101,18 @@ def pysource(sequence_length: int = 64, max_bytes: int = 2_000_000, validation_e
     }
 
 
-DATA = {"digits": digits, "pysource": pysource}
+def pysource_pairs(**kwargs) -> dict:
+    """BERT's sentence pairs from the standard library's sources (data/pairs.py)."""
+    from .pairs import pysource_pairs as build
+
+    return build(**kwargs)
+
+
+def text_pairs(**kwargs) -> dict:
+    """BERT's sentence pairs from a text file in BERT's layout and a local tokenizer (data/pairs.py)."""
+    from .pairs import text_pairs as build
+
+    return build(**kwargs)
+
+
+DATA = {"digits": digits, "pysource": pysource, "pysource-pairs": pysource_pairs, "text-pairs": text_pairs}

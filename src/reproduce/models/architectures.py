@@ -82,7 +82,8 @@ class TransformersModel(Architecture):
 
     config_class: str = ""
     auto_class: str = ""  # AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForPreTraining
-    kind: str = "causal-lm"  # causal-lm / masked-lm: logits (B, T, V); mae: MAE's pre-training output
+    kind: str = "causal-lm"  # causal-lm / masked-lm: logits (B, T, V); mae: MAE's pre-training output;
+    # pretraining: BERT's masked-LM and next-sentence logits
     config: dict = field(default_factory=dict)
     aliases: dict = field(default_factory=dict)  # a kwarg name -> the config fields it sets
     position_offset: int = 0  # positions the model reserves (RoBERTa: padding index + 1)
@@ -112,7 +113,10 @@ class TransformersModel(Architecture):
         if self.kind == "mae":
             return {"inputs": "images", "channels": config.num_channels, "image_size": config.image_size}
         context = getattr(config, "n_positions", None) or config.max_position_embeddings
-        return {"inputs": "tokens", "vocab_size": config.vocab_size, "context": context - self.position_offset}
+        fixed = {"inputs": "tokens", "vocab_size": config.vocab_size, "context": context - self.position_offset}
+        if self.kind == "pretraining":  # sentence pairs: masked-token labels and one next-sentence label per row
+            fixed["targets"] = "mlm-nsp"
+        return fixed
 
     def build(self, kwargs: dict, data_info: dict | None = None) -> nn.Module:
         transformers = _transformers(self.name)
@@ -125,7 +129,49 @@ class TransformersModel(Architecture):
             raise UserError(f"model: the data has {vocab} token ids but {self.name} has a vocabulary of "
                             f"{config.vocab_size} (model.kwargs: {{vocab_size: {vocab}}} to widen it)")
         model = getattr(transformers, self.auto_class).from_config(config)
+        if self.kind == "pretraining":
+            return BertPretraining(model, self.kind)
         return MaskedImagePretraining(model, self.kind) if self.kind == "mae" else HFLogits(model, self.kind)
+
+
+@dataclass(frozen=True)
+class NanoGPTModel(Architecture):
+    """nanoGPT's own GPT (models/nanogpt.py): `kwargs` are nanoGPT's GPTConfig fields (n_layer, n_head, n_embd,
+    block_size, vocab_size, dropout, bias); the defaults are GPT-2 124M as nanoGPT's train.py trains it."""
+
+    config: dict = field(default_factory=dict)
+
+    def make_config(self, kwargs: dict) -> Any:
+        from .nanogpt import GPTConfig
+
+        known = GPTConfig.names()
+        for key in kwargs:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]!r}?" if close else f"nanoGPT's GPTConfig: {', '.join(known)}"
+                raise UserError(f"model.kwargs: {self.name} has no setting {key!r} ({hint})")
+        try:
+            config = GPTConfig(**{**self.config, **kwargs})
+        except TypeError as exc:
+            raise UserError(f"model.kwargs: {self.name} rejected its configuration: {exc}") from None
+        if config.n_embd % config.n_head:
+            raise UserError(f"model.kwargs: {self.name}: n_embd {config.n_embd} is not a multiple of n_head "
+                            f"{config.n_head}")
+        return config
+
+    def model_inputs(self, kwargs: dict) -> dict:
+        config = self.make_config(kwargs)
+        return {"inputs": "tokens", "vocab_size": config.vocab_size, "context": config.block_size}
+
+    def build(self, kwargs: dict, data_info: dict | None = None) -> nn.Module:
+        from .nanogpt import GPT
+
+        config = self.make_config(kwargs)
+        vocab = (data_info or {}).get("vocab_size")
+        if vocab is not None and vocab > config.vocab_size:
+            raise UserError(f"model: the data has {vocab} token ids but {self.name} has a vocabulary of "
+                            f"{config.vocab_size} (model.kwargs: {{vocab_size: {vocab}}} to widen it)")
+        return GPT(config)
 
 
 def _transformers(name: str) -> Any:
@@ -146,6 +192,18 @@ class MaskedImagePretraining(HFLogits):
 
     def forward(self, images: Any) -> Any:
         return self.model(pixel_values=images)
+
+
+class BertPretraining(HFLogits):
+    """BERT's pre-training model (transformers' BertForPreTraining): the masked-LM head's logits (B, T, V) and the
+    next-sentence head's (B, 2), from the pooler's tanh of the [CLS] position; `bert-mlm-nsp` is its loss.
+
+    Inputs: a dict of input_ids, token_type_ids (0 for sentence A, 1 for B) and attention_mask, as
+    `reproduce.data.pairs` builds them (or input_ids alone)."""
+
+    def forward(self, inputs: Any) -> tuple[Any, Any]:
+        output = self.model(**(dict(inputs) if isinstance(inputs, dict) else {"input_ids": inputs}))
+        return output.prediction_logits, output.seq_relationship_logits
 
 
 class MaskedPixelLoss:
@@ -199,10 +257,18 @@ ARCHITECTURES: dict[str, Architecture] = {
                 "mask_ratio": 0.75, "norm_pix_loss": True,
             },
         ),
+        # nanoGPT's own model.py GPT (karpathy/nanoGPT @ 3adf61e): GPT-2 124M's shape, 12 layers, 12 heads, 768 wide,
+        # context 1024, the vocabulary of 50257 padded to 50304, and train.py's bias=False: no bias in any Linear or
+        # LayerNorm, tied embeddings, dropout 0 (train.py's default). nanoGPT prints it as 123.59M parameters
+        # (without the position embeddings); shakespeare-char's 6 x 6 x 384 as 10.65M.
+        NanoGPTModel("nanogpt", "nanoGPT's GPT (reproduce.models.nanogpt, nanoGPT's state_dict names)",
+                     config={"bias": False}),
         # GPT-2 124M as nanoGPT (karpathy/nanoGPT @ 3adf61e, config/train_gpt2.py, model.py) and llm.c train it:
         # 12 layers, 12 heads, 768 wide, context 1024, no dropout, the vocabulary of 50257 padded to 50304 (a
         # multiple of 64, for speed). transformers' GPT-2 has biases in every Linear and LayerNorm where nanoGPT
-        # sets bias=False (+0.1M parameters); llm.c keeps them, as here.
+        # sets bias=False (+0.1M parameters: nanoGPT's recipes build `nanogpt` instead); llm.c keeps them, as here
+        # (llm.c @ f1e2ace train_gpt2.cu fill_in_parameter_sizes: 16 tensors, a bias beside every weight and
+        # LayerNorm scale, wte tied to the output, the vocabulary padded to 50304).
         TransformersModel(
             "gpt2-124m", "GPT-2 124M (transformers GPT-2)", config_class="GPT2Config",
             auto_class="AutoModelForCausalLM", aliases=_NANOGPT_NAMES,
@@ -236,14 +302,22 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         # Devlin et al. 2019 (arXiv 1810.04805), sec. 3: BERT-base, L 12, H 768, A 12, 110M; google-research/bert
         # @ eedf571 bert_config.json of uncased_L-12_H-768_A-12: vocabulary 30522, 512 positions, 2 token types,
-        # GELU, dropout 0.1 (transformers' BertConfig defaults). The masked-LM head only: the next-sentence head
-        # (pooler and a 2-way classifier, 0.6M parameters, one B x 2 loss term) is left out.
+        # GELU, dropout 0.1 (transformers' BertConfig defaults). With both pre-training heads (sec. 3.1, A.1; the
+        # repo's run_pretraining.py): the masked-LM head (a dense + LayerNorm transform, the output tied to the
+        # word embeddings) and the next-sentence head (the pooler's tanh of [CLS], a 2-way classifier).
         TransformersModel(
-            "bert-base", "BERT-base, masked-LM head (transformers BERT)", config_class="BertConfig",
-            auto_class="AutoModelForMaskedLM",
-            kind="masked-lm", config={"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12,
-                                      "num_attention_heads": 12, "intermediate_size": 3072,
-                                      "max_position_embeddings": 512, "type_vocab_size": 2},
+            "bert-base", "BERT-base, masked-LM + next-sentence heads (transformers BertForPreTraining)",
+            config_class="BertConfig", auto_class="AutoModelForPreTraining", kind="pretraining",
+            config={"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                    "intermediate_size": 3072, "max_position_embeddings": 512, "type_vocab_size": 2},
+        ),
+        # BERT-Large (Devlin et al. 2019 sec. 3: L 24, H 1024, A 16, 340M; uncased_L-24_H-1024_A-16's
+        # bert_config.json: intermediate 4096), with both pre-training heads, as You et al. 2019 pre-train it.
+        TransformersModel(
+            "bert-large", "BERT-Large, masked-LM + next-sentence heads (transformers BertForPreTraining)",
+            config_class="BertConfig", auto_class="AutoModelForPreTraining", kind="pretraining",
+            config={"vocab_size": 30522, "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
+                    "intermediate_size": 4096, "max_position_embeddings": 512, "type_vocab_size": 2},
         ),
         # Liu et al. 2019 (arXiv 1907.11692): BERT-base's shape with GPT-2's byte-level BPE; fairseq roberta.base
         # (@ 3d262bb, 125M): vocabulary 50265, 514 positions (512 tokens after the padding index 1), one token type,
@@ -268,4 +342,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     )
 }
 
-LOSSES = {"mae-masked-pixel-mse": MaskedPixelLoss}
+def _bert_loss() -> Any:
+    from ..train.pretraining_loss import MaskedLMNextSentenceLoss
+
+    return MaskedLMNextSentenceLoss()
+
+
+LOSSES = {"mae-masked-pixel-mse": MaskedPixelLoss, "bert-mlm-nsp": _bert_loss}

@@ -49,6 +49,27 @@ class SyntheticTokens:
         return tokens[:, :-1], tokens[:, 1:]
 
 
+class SyntheticPairs(SyntheticTokens):
+    """BERT's sentence pairs of one length (data/pairs.py's layout): random tokens, the first half sentence A and
+    the second B, no padding; 15% of the positions masked-LM targets, and a next-sentence label per row."""
+
+    def batch(self, indices: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        rows, length = len(indices), self.length
+        tokens = torch.randint(0, self.vocab, (rows, length), generator=generator)
+        types = (torch.arange(length) >= length // 2).long().expand(rows, length).contiguous()
+        labels = torch.full((rows, length + 1), -100, dtype=torch.long)
+        masked = torch.rand((rows, length), generator=generator) < 0.15
+        labels[:, :-1][masked] = tokens[masked]
+        labels[:, -1] = torch.randint(0, 2, (rows,), generator=generator)
+        inputs = {"input_ids": tokens, "token_type_ids": types, "attention_mask": torch.ones_like(tokens)}
+        return inputs, labels
+
+    def __getitem__(self, index: int) -> tuple[dict, torch.Tensor]:
+        inputs, targets = self.batch(torch.tensor([index]))
+        return {key: value[0] for key, value in inputs.items()}, targets[0]
+
+
 class SyntheticSamples:
     """Random inputs of one shape with class labels."""
 
@@ -86,7 +107,8 @@ def declared_inputs(recipe: Recipe) -> dict:
         if context is not None and length > context:
             raise UserError(f"{source}: {length} tokens is longer than {spec.builtin} takes ({context} positions)")
         vocab = int(fixed.get("vocab_size") or spec.kwargs.get("vocab_size", 256))
-        return {"inputs": "tokens", "sequence_length": length, "vocab_size": vocab}
+        shape = {"inputs": "tokens", "sequence_length": length, "vocab_size": vocab}
+        return {**shape, "targets": fixed["targets"]} if "targets" in fixed else shape
     known = image_dataset(data.name) or {}
     classes = data.classes or data.kwargs.get("classes") or known.get("classes") or fixed.get("classes")
     if given:
@@ -112,7 +134,8 @@ def synthetic_data(recipe: Recipe) -> dict:
     shape = declared_inputs(recipe)
     if shape["inputs"] == "tokens":
         length, vocab = shape["sequence_length"], shape["vocab_size"]
-        dataset = SyntheticTokens(items, length, vocab)
+        pairs = shape.get("targets") == "mlm-nsp"
+        dataset = SyntheticPairs(items, length, vocab) if pairs else SyntheticTokens(items, length, vocab)
         return {"train": dataset, "info": {"name": f"synthetic tokens ({length} x vocabulary {vocab})",
                                            "vocab_size": vocab}}
     dims, classes = shape["shape"], shape["classes"]

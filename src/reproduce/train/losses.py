@@ -50,6 +50,9 @@ class CustomLoss:
     def __init__(self, function: Callable):
         self.function = function
         self.counter = getattr(function, "count", None)
+        # a loss of terms normalised over different counts (BERT's masked tokens and sequences) is told the
+        # window's totals before its first forward: window(count, samples) (train/pretraining_loss.py)
+        self.window = getattr(function, "window", None)
 
     def count(self, target: Any) -> int:
         return int(self.counter(target)) if self.counter else len(target)
@@ -62,10 +65,23 @@ def build_loss(recipe: Recipe) -> SampleLoss | TokenLoss | CustomLoss:
     if recipe.task == "classification":
         return SampleLoss()
     if recipe.task == "language-modeling":
-        return TokenLoss()
+        own = pretraining_loss(recipe)
+        return own if own is not None else TokenLoss()
     from ..models import LOSSES  # the losses that belong to a built-in architecture (MAE's masked-pixel loss)
 
     function = call_builder(recipe.loss, "loss", LOSSES)
     if not callable(function):
         raise UserError(f"loss: the factory must return a callable (got {type(function).__name__})")
     return CustomLoss(function)
+
+
+def pretraining_loss(recipe: Recipe) -> CustomLoss | None:
+    """A language model whose built-in architecture has its own pre-training loss (BERT: masked LM + next
+    sentence, `bert-mlm-nsp`), which task language-modeling uses in place of the next-token loss; else None."""
+    from ..models import model_inputs
+
+    if recipe.model.builtin is None or model_inputs(recipe).get("targets") != "mlm-nsp":
+        return None
+    from .pretraining_loss import MaskedLMNextSentenceLoss
+
+    return CustomLoss(MaskedLMNextSentenceLoss())

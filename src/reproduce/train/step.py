@@ -81,6 +81,8 @@ def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None =
         counts, samples = [loss_fn.count(t) for t in targets], sum(len(t) for t in targets)
         del targets
     count, samples = global_counts(setup, sum(counts), samples)
+    if getattr(loss_fn, "window", None) is not None:  # a loss of several terms, each over its own window count
+        loss_fn.window(count, samples)
     if noise is not None:
         noise.start_window(counts, count, samples)
     losses = []

@@ -1,0 +1,248 @@
+"""BERT's pre-training data: sentence pairs with masked tokens and the next-sentence label, built from local text.
+
+The instances are made as google-research/bert's create_pretraining_data.py makes them (Devlin et al. 2019,
+sec. 3.1 and A.1), from documents that are lists of sentences that are lists of token ids:
+- each document is cut into chunks of whole sentences of about `sequence_length - 3` tokens (with probability
+  `short_seq_prob` a shorter random target length, as BERT does for 10% of them);
+- a chunk's first `a_end` sentences (random, at least one) are sentence A; with probability 0.5 (or when the chunk
+  has one sentence) sentence B is a random span of another document (label 1, NotNext) and the chunk's unused
+  sentences go back to be read again; otherwise B is the rest of the chunk (label 0, IsNext);
+- the pair is cut to fit by dropping tokens from the front or the back of the longer (at random), then laid out
+  as [CLS] A [SEP] B [SEP] with token types 0 for [CLS] A [SEP] and 1 for B [SEP], padded to `sequence_length`;
+- round(15%) of its non-special tokens are chosen (at least one, at most `max_predictions`): 80% become [MASK],
+  10% a random token, 10% stay; their original ids are the masked-LM labels, -100 elsewhere.
+Masking is static (decided once, when the data is built) with `dupe_factor` maskings of the text, as BERT does.
+
+Items: inputs `{"input_ids", "token_type_ids", "attention_mask"}` (each T), targets one tensor of T + 1: the
+masked-LM labels, then the next-sentence label (what `bert-mlm-nsp` reads: train/pretraining_loss.py).
+
+`pysource-pairs` (a built-in): the standard library's Python sources as documents, their non-blank lines (with
+their newline) as sentences, byte-level ids 0-255 with [PAD] 256, [CLS] 257, [SEP] 258, [MASK] 259 (vocabulary
+260); every tenth file goes to evaluation, as `pysource`. Real, offline, small: BERT pre-training end to end on a CPU.
+
+`text-pairs` (a built-in, for a real corpus): a text file in BERT's own input layout (one sentence per line, a
+blank line between documents), tokenised with a local tokenizer folder that has [CLS], [SEP], [MASK] and [PAD]:
+`data: {builtin: text-pairs, kwargs: {path: corpus.txt, tokenizer: bert-tokenizer/, eval_path: held-out.txt}}`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from ..errors import UserError
+from .batches import IGNORE_INDEX
+from .builtin import stdlib_sources
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    size: int
+    pad: int
+    cls: int
+    sep: int
+    mask: int
+    words: int  # ids 0 .. words-1 are the ordinary tokens a random replacement draws from
+
+
+BYTES = Vocabulary(size=260, pad=256, cls=257, sep=258, mask=259, words=256)
+
+
+def _truncate_pair(a: list[int], b: list[int], limit: int, rng: random.Random) -> None:
+    while len(a) + len(b) > limit:
+        longer = a if len(a) > len(b) else b
+        if rng.random() < 0.5:
+            del longer[0]
+        else:
+            longer.pop()
+
+
+def _mask(tokens: list[int], vocab: Vocabulary, probability: float, most: int,
+          rng: random.Random) -> tuple[list[int], list[int]]:
+    candidates = [i for i, token in enumerate(tokens) if token not in (vocab.cls, vocab.sep)]
+    rng.shuffle(candidates)
+    chosen = candidates[: min(most, max(1, int(round(len(tokens) * probability))))]
+    output, labels = list(tokens), [IGNORE_INDEX] * len(tokens)
+    for index in chosen:
+        if rng.random() < 0.8:
+            output[index] = vocab.mask
+        elif rng.random() < 0.5:
+            output[index] = tokens[index]
+        else:
+            output[index] = rng.randint(0, vocab.words - 1)
+        labels[index] = tokens[index]
+    return output, labels
+
+
+def make_instances(documents: list[list[list[int]]], sequence_length: int, vocab: Vocabulary, seed: int = 12345,
+                   dupe_factor: int = 1, short_seq_prob: float = 0.1, masked_lm_prob: float = 0.15,
+                   max_predictions: int | None = None) -> list[tuple[list[int], list[int], list[int], int]]:
+    """(tokens, token types, masked-LM labels, next-sentence label) of every instance, BERT's way (module doc)."""
+    rng = random.Random(seed)
+    most = max_predictions or math.ceil(masked_lm_prob * sequence_length)
+    limit = sequence_length - 3
+    documents = [doc for doc in documents if doc]
+    instances = []
+    for _ in range(dupe_factor):
+        for doc_index, document in enumerate(documents):
+            target = rng.randint(2, limit) if rng.random() < short_seq_prob else limit
+            chunk, length, i = [], 0, 0
+            while i < len(document):
+                chunk.append(document[i])
+                length += len(document[i])
+                if i == len(document) - 1 or length >= target:
+                    a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
+                    a = [t for sentence in chunk[:a_end] for t in sentence]
+                    b: list[int] = []
+                    random_next = len(chunk) == 1 or rng.random() < 0.5
+                    if random_next and len(documents) > 1:
+                        other = doc_index
+                        for _ in range(10):
+                            other = rng.randint(0, len(documents) - 1)
+                            if other != doc_index:
+                                break
+                        picked = documents[other]
+                        for sentence in picked[rng.randint(0, len(picked) - 1):]:
+                            b.extend(sentence)
+                            if len(b) >= target - len(a):
+                                break
+                        i -= len(chunk) - a_end  # the unused sentences are read again
+                    else:
+                        random_next = False
+                        b = [t for sentence in chunk[a_end:] for t in sentence]
+                    _truncate_pair(a, b, limit, rng)
+                    if a and b:
+                        tokens = [vocab.cls, *a, vocab.sep, *b, vocab.sep]
+                        types = [0] * (len(a) + 2) + [1] * (len(b) + 1)
+                        masked, labels = _mask(tokens, vocab, masked_lm_prob, most, rng)
+                        instances.append((masked, types, labels, int(random_next)))
+                    chunk, length = [], 0
+                i += 1
+    return instances
+
+
+class SentencePairs(Dataset):
+    """BERT pre-training instances at one sequence length, held as tensors (padded to the length)."""
+
+    in_memory = True  # slices of tensors: loader workers would only add copying
+
+    def __init__(self, documents: list[list[list[int]]], sequence_length: int, vocab: Vocabulary = BYTES,
+                 seed: int = 12345, **options):
+        self.documents, self.length, self.vocab = documents, sequence_length, vocab
+        self.seed, self.options = seed, options
+        instances = make_instances(documents, sequence_length, vocab, seed, **options)
+        count = len(instances)
+        self.input_ids = torch.full((count, sequence_length), vocab.pad, dtype=torch.long)
+        self.token_type_ids = torch.zeros((count, sequence_length), dtype=torch.long)
+        self.attention_mask = torch.zeros((count, sequence_length), dtype=torch.long)
+        self.labels = torch.full((count, sequence_length + 1), IGNORE_INDEX, dtype=torch.long)
+        for row, (tokens, types, labels, next_label) in enumerate(instances):
+            n = len(tokens)
+            self.input_ids[row, :n] = torch.tensor(tokens)
+            self.token_type_ids[row, :n] = torch.tensor(types)
+            self.attention_mask[row, :n] = 1
+            self.labels[row, :n] = torch.tensor(labels)
+            self.labels[row, -1] = next_label
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[dict, torch.Tensor]:
+        inputs, targets = self.batch(torch.tensor([index]))
+        return {key: value[0] for key, value in inputs.items()}, targets[0]
+
+    def batch(self, indices: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        inputs = {"input_ids": self.input_ids[indices], "token_type_ids": self.token_type_ids[indices],
+                  "attention_mask": self.attention_mask[indices]}
+        return inputs, self.labels[indices]
+
+    def with_sequence_length(self, sequence_length: int) -> SentencePairs:
+        """The same documents made into instances of another length (BERT's 128 then 512: batch.phases)."""
+        return SentencePairs(self.documents, sequence_length, self.vocab, self.seed, **self.options)
+
+
+def source_documents(max_bytes: int) -> tuple[list[list[list[int]]], list[list[list[int]]], str]:
+    """(training documents, evaluation documents, fingerprint): the stdlib's files, their non-blank lines."""
+    train, valid, digest = [], [], hashlib.sha256()
+    for index, path in enumerate(stdlib_sources(max_bytes)):
+        raw = path.read_bytes()
+        digest.update(raw)
+        lines = [list(line) for line in raw.splitlines(keepends=True) if line.strip()]
+        (valid if index % 10 == 9 else train).append(lines)
+    return train, valid, digest.hexdigest()
+
+
+def pysource_pairs(sequence_length: int = 128, max_bytes: int = 1_000_000, dupe_factor: int = 1,
+                   seed: int = 12345) -> dict:
+    train, valid, fingerprint = source_documents(max_bytes)
+    if not train:
+        raise FileNotFoundError("no Python standard library sources found for the pysource-pairs corpus")
+    options = {"dupe_factor": dupe_factor}
+    data = {"train": SentencePairs(train, sequence_length, BYTES, seed, **options)}
+    if valid:
+        data["eval"] = SentencePairs(valid, sequence_length, BYTES, seed + 1, **options)
+    data["info"] = {"name": "pysource-pairs", "vocab_size": BYTES.size, "files": len(train) + len(valid),
+                    "fingerprint": fingerprint, "sequences": len(data["train"])}
+    return data
+
+
+def read_documents(path: Path, tokenizer: Any, field: str) -> list[list[list[int]]]:
+    """BERT's input layout (create_pretraining_data.py): one sentence per line, a blank line between documents;
+    each sentence tokenised without special tokens."""
+    if not path.is_file():
+        raise UserError(f"{field}: {path}: no such file (expected text: one sentence per line, a blank line between "
+                        "documents)")
+    documents: list[list[list[int]]] = [[]]
+    with path.open(encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if not line:
+                if documents[-1]:
+                    documents.append([])
+                continue
+            ids = tokenizer(line, add_special_tokens=False)["input_ids"]
+            if ids:
+                documents[-1].append(ids)
+    documents = [document for document in documents if document]
+    if not documents:
+        raise UserError(f"{field}: {path}: no sentences (expected one sentence per line)")
+    return documents
+
+
+def text_pairs(path: str, tokenizer: str, sequence_length: int = 128, eval_path: str | None = None,
+               dupe_factor: int = 1, seed: int = 12345) -> dict:
+    """Sentence pairs from a text file in BERT's layout, tokenised with a local tokenizer folder that has [CLS],
+    [SEP], [MASK] and [PAD] (a BERT WordPiece tokenizer: `data: {builtin: text-pairs, kwargs: {path, tokenizer}}`)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UserError("data.builtin: text-pairs needs transformers for its tokenizer (pip install transformers)"
+                        ) from None
+    try:
+        loaded = AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"data.kwargs.tokenizer: cannot load a tokenizer from {tokenizer!r} (a local folder): "
+                        f"{type(exc).__name__}") from None
+    names = {"cls": "cls_token_id", "sep": "sep_token_id", "mask": "mask_token_id", "pad": "pad_token_id"}
+    missing = [f"[{name.upper()}]" for name, attribute in names.items() if getattr(loaded, attribute) is None]
+    if missing:
+        raise UserError(f"data.kwargs.tokenizer: {tokenizer} has no {', '.join(missing)} token (BERT's pairs need "
+                        "[CLS], [SEP], [MASK] and [PAD])")
+    vocab = Vocabulary(size=len(loaded), words=len(loaded),
+                       **{name: int(getattr(loaded, attribute)) for name, attribute in names.items()})
+    options = {"dupe_factor": dupe_factor}
+    train = read_documents(Path(path).expanduser(), loaded, "data.kwargs.path")
+    data = {"train": SentencePairs(train, sequence_length, vocab, seed, **options)}
+    if eval_path is not None:
+        valid = read_documents(Path(eval_path).expanduser(), loaded, "data.kwargs.eval_path")
+        data["eval"] = SentencePairs(valid, sequence_length, vocab, seed + 1, **options)
+    data["info"] = {"name": Path(path).name, "vocab_size": vocab.size, "documents": len(train),
+                    "sequences": len(data["train"])}
+    return data
