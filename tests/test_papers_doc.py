@@ -34,6 +34,14 @@ def test_docs_table_is_the_commands_output(capsys):
         "docs/papers.md: the hardware table is not `reproduce papers --devices --markdown`'s output; paste it again")
 
 
+def test_readme_table_is_the_commands_output(capsys):
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert text.count(START) == 1
+    pasted = text.split(START, 1)[1].split(END, 1)[0]
+    assert pasted == devices_markdown(capsys), (
+        "README.md: the papers table is not `reproduce papers --devices --markdown`'s output; paste it again")
+
+
 def test_the_table_has_a_row_for_every_recipe_and_says_what_the_estimate_does(capsys):
     rows = devices_markdown(capsys).splitlines()[2:]
     assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == [p.stem for p in sorted(PAPERS.glob("*.yaml"))]
