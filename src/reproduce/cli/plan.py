@@ -18,6 +18,7 @@ from ..recipe import Recipe, load_recipe, phase_recipe
 from ..units import format_size
 from .app import app
 from .common import stderr, stdout
+from .memory import CHECKPOINTING_HELP, OFFLOAD_HELP, SHARDED_GRADIENTS_HELP, Offload, apply_memory
 from .probe import (
     GPU_HELP,
     HEADROOM_HELP,
@@ -158,6 +159,9 @@ def plan_command(
     emit_format: str | None = typer.Option(
         None, "--emit", metavar="FORMAT", help=f"Print the plan as {', '.join(FORMATS)} settings, not the table."
     ),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
+    sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
+    offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
 ) -> None:
     """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps.
 
@@ -169,6 +173,7 @@ def plan_command(
     if emit_format is not None:
         check_format(emit_format)
     recipe = apply_sharding(load_recipe(recipe_path), sharding, world_size)
+    recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, offload)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     the_plan, result = plan_and_probe(
         recipe, str(recipe_path), micro_batch_max, world_size, policy, probe=options,

@@ -19,6 +19,7 @@ from ..recipe import Recipe, parse_recipe, with_data_paths
 from ..sharding import check_sharding, with_sharding
 from .app import app
 from .common import is_terminal, stderr, stdout
+from .memory import CHECKPOINTING_HELP, OFFLOAD_HELP, SHARDED_GRADIENTS_HELP, Offload, apply_memory_to_run
 from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, make_plan, plan_and_probe
 from .probe import (
     GPU_HELP,
@@ -262,6 +263,9 @@ def run_command(
     eval_data_path: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
     workers: int | None = typer.Option(None, "--workers", min=0, help=WORKERS_HELP),
     no_noise_scale: bool = typer.Option(False, "--no-noise-scale", help=NO_NOISE_HELP),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
+    sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
+    offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
@@ -271,11 +275,13 @@ def run_command(
 
     world = distributed.world_from_env()
     sharding_name = sharding.value if sharding is not None else None
+    memory_flags = (activation_checkpointing, sharded_gradients, offload)
     if nproc_per_node is not None and not world.distributed:
         if nnodes > 1 and rdzv_endpoint is None:
             raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
         # bad input: one line, before launching
         recipe, plan = _recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
+        recipe, plan = apply_memory_to_run(recipe, plan, resume, out, *memory_flags)
         check_sharding(recipe, nproc_per_node * nnodes)
         _check_sharded_probe(recipe, plan, micro_batch_max, meter)
         args = _forwarded_args(
@@ -283,9 +289,11 @@ def run_command(
             {"--policy": policy.value, "--device": device, "--micro-batch-max": micro_batch_max,
              "--max-steps": max_steps, "--seed": seed, "--checkpoint-every": checkpoint_every, "--memory": memory,
              "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
-             "--data": data_path, "--eval-data": eval_data_path, "--workers": workers},
+             "--data": data_path, "--eval-data": eval_data_path, "--workers": workers,
+             "--offload": offload.value if offload is not None else None},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
-             "--tensorboard": tensorboard, "--no-noise-scale": no_noise_scale},
+             "--tensorboard": tensorboard, "--no-noise-scale": no_noise_scale,
+             "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients},
         )
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
         print("launching: " + " ".join(command), flush=True)
@@ -293,6 +301,7 @@ def run_command(
     if world.distributed:
         world_size = world.size
     recipe, plan = _recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
+    recipe, plan = apply_memory_to_run(recipe, plan, resume, out, *memory_flags)
     check_sharding(recipe, world.size)
     _check_sharded_probe(recipe, plan, micro_batch_max, meter)
     data = build_data(recipe)
