@@ -107,6 +107,8 @@ class Plan(Frozen):
     warnings: list[str] = []
     # batch.phases / batch.ramp: the batch each stretch of optimizer steps takes (empty: the batch above throughout)
     phases: list[PlanPhase] = []
+    # the memory knobs the plan took (activation checkpointing, sharded gradients), or the ways it weighed, and why
+    memory: list[str] = []
 
     @property
     def arithmetic(self) -> str:

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ..errors import UserError
 from ..export import FORMATS, check_format, emit
+from ..memory_options import memory_summary
 from ..planfile import check_writable, save_plan
 from ..planner import Plan, plan
 from ..probe.runner import BudgetRequired, ProbeOptions, ProbeResult, run_probe
@@ -86,7 +87,7 @@ def plan_and_probe(
     With batch phases of several sequence lengths the probe runs once per length (what fits at 128 tokens does not
     at 512), each at the largest batch of that length; the result returned is the main length's.
     """
-    result = None
+    result, memory = None, []
     if micro_batch_max is None and len(recipe.batch.sequence_lengths) > 1:
         maxima, result = {}, None
         for length, fixed in phase_probes(recipe).items():
@@ -111,6 +112,11 @@ def plan_and_probe(
                 raise
             hint = f"{error.lines[-1]} (or give --micro-batch-max to skip the probe)"
             raise UserError(*error.lines[:-1], hint) from None
+        from ..probe.memory_plan import choose as choose_memory  # (imports torch: only when the probe ran)
+
+        recipe, result, memory = choose_memory(
+            recipe, result, lambda changed: run_probe(changed, recipe_path, probe or ProbeOptions(), world_size,
+                                                      data=data), world_size)
         if result.micro_batch_max is None:
             raise does_not_fit(result)
         micro_batch_max = result.micro_batch_max
@@ -119,6 +125,8 @@ def plan_and_probe(
     the_plan = plan(
         recipe, micro_batch_max, world_size, policy.value, dataset_size=dataset_size, recipe_path=recipe_path
     )
+    if memory:  # the memory knobs the plan took, or the ways it weighed (probe/memory_plan.py)
+        the_plan = the_plan.model_copy(update={"memory": memory})
     return the_plan, result
 
 
@@ -254,7 +262,12 @@ def render_plan(p: Plan) -> None:
     if p.steps_per_epoch is not None:
         table.add_row("epoch", f"{p.dataset_size} {unit}", f"{p.steps_per_epoch} optimizer steps")
     table.add_row("precision / clip", f"{r.precision} / {r.clip_grad_norm or 'none'}", "same")
+    knobs = memory_summary(r)
+    if knobs:
+        table.add_row("memory", "", "; ".join(knobs))
     stdout.print(table)
+    for line in p.memory:
+        stdout.print(line, markup=False, soft_wrap=True)
     if p.phases:
         render_phases(p)
     if p.alternative is not None:

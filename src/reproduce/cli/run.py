@@ -314,6 +314,7 @@ def run_command(
         rank_device = distributed.init(world, resolve_device(device))
         probed_plan, probed = plan_and_probe(recipe, str(source), None, world_size, policy, size, probe=options,
                                              data=data, quiet=not world.is_main)
+        recipe = probed_plan.recipe  # with the memory knobs the plan took (probe/memory_plan.py)
         if probed_plan.phases:  # one maximum per sequence length, in the same order on every rank
             maxima = {phase.sequence_length: phase.micro_batch_max for phase in probed_plan.phases}
             micro_batch_max = {length: distributed.all_min(world, maxima[length], rank_device)

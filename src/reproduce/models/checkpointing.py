@@ -36,6 +36,8 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import UserError
 
 WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# transformers' layers call torch.utils.checkpoint.checkpoint with these (its default preserves the RNG state)
+HF_KWARGS = {"use_reentrant": False, "context_fn": lambda: contexts()}
 
 
 def enable(model: nn.Module, name: str) -> int:
@@ -47,9 +49,9 @@ def enable(model: nn.Module, name: str) -> int:
         count = 0
         for inner in pretrained:
             if hasattr(inner, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-                inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                inner.activation_checkpointing_enable(activation_checkpointing_kwargs=HF_KWARGS)
             else:
-                inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=HF_KWARGS)
             count += sum(1 for m in inner.modules() if getattr(m, "gradient_checkpointing", False))
         if count:
             return count
@@ -157,12 +159,32 @@ def _recomputing(module: nn.Module) -> Iterator[None]:
                     norm.num_batches_tracked.copy_(count)
 
 
+def contexts(module: nn.Module | None = None) -> tuple[contextlib.AbstractContextManager, ...]:
+    """`checkpoint`'s context_fn: nothing around the forward; around the recomputation, BatchNorm kept as forward
+    left it (`module`'s) and the torch function modes the forward ran under (backward runs without them: the
+    estimate meter's CUDA attention rules, probe/gpu_like.py, must choose the same kernels in the recomputation)."""
+    modes = list(torch.overrides._get_current_function_mode_stack())
+
+    @contextlib.contextmanager
+    def recomputing() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            active = torch.overrides._get_current_function_mode_stack()
+            for mode in modes:
+                if not any(mode is other for other in active):
+                    stack.enter_context(mode)
+            if module is not None:
+                stack.enter_context(_recomputing(module))
+            yield
+
+    return contextlib.nullcontext(), recomputing()
+
+
 def _run(module: nn.Module, function, *args, **kwargs):
     """`function` (the forward of `module`) checkpointed while training with gradients; as it is otherwise."""
     if not (module.training and torch.is_grad_enabled()):
         return function(*args, **kwargs)  # evaluation, or no_grad: nothing to save
     return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
-                      context_fn=lambda: (contextlib.nullcontext(), _recomputing(module)), **kwargs)
+                      context_fn=lambda: contexts(module), **kwargs)
 
 
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):

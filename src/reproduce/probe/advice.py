@@ -158,8 +158,21 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
             step = StepMemory(**shard_parts["step"])
             compute, decide, tensor_limit = shard_parts["compute_bytes"], sharder.decided, sharder.tensor_limit()
     explanation.ways_out.append(_fsdp_way_out(step, blocks, compute, tensor_limit, decide, world_size, window))
-    explanation.ways_out.extend(_recipe_ways_out(meter, gpu))
+    from .memory_ways import memory_ways_out  # checkpointing, sharded gradients, CPU offload, and combined
+
+    ways = memory_ways_out(meter, gpu, first, step, blocks, compute, decide, tensor_limit,
+                           activations=parts["step"]["activations"])
+    explanation.ways_out.extend(ways)
+    explanation.ways_out.extend(_recipe_ways_out(meter, gpu, extra=_best_memory_change(ways)))
     return explanation
+
+
+def _best_memory_change(ways: list[WayOut]) -> dict | None:
+    """The memory knobs to add to the recipe's own ways out when no way out alone fits (None when one does)."""
+    if any(way.fits for way in ways):
+        return None
+    changes = [way.changes for way in ways if way.changes]
+    return max(changes, key=lambda change: sum(len(value) for value in change.values())) if changes else None
 
 
 def _sharding_meter(meter: Any, gpu: Any) -> Any:
@@ -184,9 +197,9 @@ def _fsdp_way_out(step: StepMemory, blocks: Blocks, compute: int, tensor_limit: 
         detail = f"no number of processes is enough: what sharding leaves whole on each one ({left}) needs " + (
             format_size(decide(floor)))
         synced = smallest_world_size(step, blocks, tensor_limit, compute) if window else None
-        if synced is not None:  # what reducing after every micro-batch would allow (not what `run` does)
-            detail += (f"; reducing the gradients after every micro-batch instead (more communication; `reproduce "
-                       f"run` reduces once per optimizer step) would keep them sharded, and {synced} would do")
+        if synced is not None:  # what reducing after every micro-batch would allow
+            detail += (f"; with --sharded-gradients (a reduce-scatter after every micro-batch instead of one per "
+                       f"optimizer step) they stay sharded, and {synced} would do")
         return WayOut("--sharding fsdp", False, None, detail)
     peak = sharded_peak(step, blocks, ranks, compute, unsharded_window=window)
     return WayOut(
@@ -199,7 +212,9 @@ def _fsdp_way_out(step: StepMemory, blocks: Blocks, compute: int, tensor_limit: 
     )
 
 
-def _recipe_ways_out(meter: Any, gpu: Any) -> list[WayOut]:
+def _recipe_ways_out(meter: Any, gpu: Any, extra: dict | None = None) -> list[WayOut]:
+    """LoRA and bf16 weights, each alone, together, and (`extra`: the memory knobs tried, when none fits alone)
+    combined with those knobs, on the user's own configuration (sharding, world size, precision)."""
     recipe = meter.workload.recipe
     changes: list[tuple[str, dict]] = []
     can_lora, can_bf16 = lora_allowed(recipe), recipe.model.dtype == "fp32"
@@ -219,6 +234,12 @@ def _recipe_ways_out(meter: Any, gpu: Any) -> list[WayOut]:
     if can_lora and can_bf16 and not any(way.fits for way in ways):
         ways.append(_measure_change(meter, gpu, f"model.lora: {_flow(lora)} and model.dtype: bf16",
                                     {**bf16, "model": {"lora": lora, "dtype": "bf16"}}))
+    if extra and changes and not any(way.fits for way in ways):  # one alone is not enough: all of them together
+        from .memory_ways import describe, merged
+
+        what, change = changes[-1]
+        combined = merged(extra, change)
+        ways.append(_measure_change(meter, gpu, f"{describe(extra)} and {what.split(' (')[0]}", combined))
     if not lora_allowed(recipe) and recipe.model.lora is None:
         ways.append(WayOut("model.lora", False, None, "not offered: the recipe trains from scratch (LoRA "
                            "fine-tunes pretrained weights; set model.pretrained to say the recipe fine-tunes)"))
@@ -234,24 +255,36 @@ def _flow(mapping: dict) -> str:
 
 
 def _measure_change(meter: Any, gpu: Any, what: str, change: dict) -> WayOut:
+    trial = measure_change(meter, gpu, change)
+    if isinstance(trial, str):
+        return WayOut(what, False, None, trial)
+    shown = trial.peak_bytes
+    detail = (f"micro-batch 1 then needs {format_size(shown)}" if shown is not None
+              else f"micro-batch 1 still does not fit ({trial.note})")
+    return WayOut(what, trial.fits, shown, detail, changes=change)
+
+
+def measure_change(meter: Any, gpu: Any, change: dict) -> Any:
+    """The trial of micro-batch 1 of the recipe with `change`, on `meter`'s budget and configuration (a Measurement),
+    or why it cannot be measured (a string)."""
     from .workload import Workload
 
     try:
         changed = _changed(meter.workload.recipe, change)
     except UserError as error:
-        return WayOut(what, False, None, f"not measured: {error.lines[0]}")
+        return f"not measured: {error.lines[0]}"
     workload = Workload(changed, meter.workload.data)
-    kwargs = {"gpu": gpu} if meter.name == "estimate" else {"time_steps": False}
+    # on the user's own configuration: the sharding and world size the failed trial was counted with
+    kwargs = {"gpu": gpu, "sharding": meter.sharding, "world_size": meter.world_size} if meter.name == "estimate" \
+        else {"time_steps": False}
     other = type(meter)(workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes, cap=meter.cap,
                         **kwargs)
     try:
-        trial = other.measure(1)
+        return other.measure(1)
+    except UserError as error:  # (a model with no blocks to checkpoint)
+        return f"not measured: {error.lines[0]}"
     finally:
         other.close()
-    shown = trial.peak_bytes
-    detail = (f"micro-batch 1 then needs {format_size(shown)}" if shown is not None
-              else f"micro-batch 1 still does not fit ({trial.note})")
-    return WayOut(what, trial.fits, shown, detail, changes=change)
 
 
 def render(explanation: dict, budget_name: str) -> list[str]:

@@ -296,7 +296,7 @@ class EstimateMeter(Meter):
         parts = {
             "at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
             "blocks": {"root": blocks.root, "sizes": list(blocks.blocks), "trainable": blocks.trainable},
-            "attention": result.kernels, "window": window,
+            "attention": result.kernels, "window": window, "accumulates": len(inputs) > 1,
         }
         tracked = result.peak
         if self.sharding == "fsdp":
