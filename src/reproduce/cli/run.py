@@ -59,6 +59,10 @@ class PlainReporter:
         if plan.recipe.batch.sharding == "fsdp":
             print(f"sharding: fsdp (FSDP2: parameters, gradients and optimizer state split over {plan.world_size} "
                   "processes)", flush=True)
+        from ..memory_options import memory_summary
+
+        for line in [*plan.memory, *(f"memory: {knob}" for knob in memory_summary(plan.recipe))]:
+            print(line, flush=True)
         self.total, self.every = total_steps, max(1, total_steps // self.lines)
         self.started = time.perf_counter()
         where = f", resuming after step {first_step}" if first_step else ""
