@@ -172,3 +172,29 @@ def test_offload_without_fsdp_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err) == 1 and "--offload cpu" in err[0] and "--sharding fsdp" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_recomputation_check_fails_when_the_masks_are_not_redrawn(monkeypatch):
+    """Without the RNG state kept, the recomputed dropout masks differ: verify's check must then see it."""
+    from reproduce import models
+    from reproduce.recompute_check import recomputation_error
+    from reproduce.verify import GradientRecorder, _NoSchedule
+
+    recipe = parse_recipe(checkpointed(gpt_recipe()))
+    data = build_data(recipe)
+    the_plan = plan(recipe, micro_batch_max=4, dataset_size=len(data["train"]))
+    from reproduce.data.batches import collate
+
+    window = [collate([data["train"][i] for i in range(j, j + 4)]) for j in (0, 4)]
+    error, dropout = recomputation_error(the_plan, data, window, torch.device("cpu"), torch.float64, 0,
+                                         GradientRecorder, _NoSchedule)
+    assert dropout and error == 0.0
+    forget = models.checkpointing.checkpoint
+
+    def without_rng_state(*args, **kwargs):
+        return forget(*args, **{**kwargs, "preserve_rng_state": False})
+
+    monkeypatch.setattr(models.checkpointing, "checkpoint", without_rng_state)
+    error, _ = recomputation_error(the_plan, data, window, torch.device("cpu"), torch.float64, 0,
+                                   GradientRecorder, _NoSchedule)
+    assert error > 1e-3
