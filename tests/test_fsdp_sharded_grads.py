@@ -3,7 +3,8 @@
 - `batch.sharded_gradients`: each micro-batch's gradients reduce-scattered (a SUM over losses already divided by
   the window's global count) and accumulated as shards: one reduction round per micro-batch;
 - `model.activation_checkpointing` under FSDP2 (applied before `fully_shard`: the recomputation gathers the block);
-- `batch.offload: cpu`: FSDP2's CPUOffloadPolicy (parameters, gradients, optimizer state on the CPU).
+- `batch.offload: cpu`: FSDP2's CPUOffloadPolicy (parameters, gradients, optimizer state on the CPU);
+- checkpointing under DDP.
 One torchrun launch runs every job (`distributed_jobs.py`), as tests/test_fsdp.py does.
 """
 
@@ -33,6 +34,8 @@ CASES = {
     "mlp-offload": (MLP_CLIPPED, knobs(MLP_CLIPPED, offload="cpu"), 8, 6),
     "gpt-checkpointed-offload-sharded-grads": (
         GPT_CLIPPED, knobs(GPT_CLIPPED, True, offload="cpu", sharded_gradients=True), 2, 3),
+    # checkpointing under DDP (applied before the wrapper; no_sync on all but the last micro-batch)
+    "gpt-checkpointed-ddp": (GPT_CLIPPED, knobs(GPT_CLIPPED, True, sharding="none"), 2, 3),
 }
 
 

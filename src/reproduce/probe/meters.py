@@ -252,6 +252,9 @@ class EstimateMeter(Meter):
             f"estimate meter: peak = tracked tensors x {1 + ESTIMATE_MARGIN:g} + {format_size(self.fixed)} "
             f"(cuBLAS workspaces); attention kernels, dropout masks and autocast dtypes as CUDA runs them on {where}"
         )
+        if workload.recipe.model.activation_checkpointing:
+            self.notes.append("activation checkpointing: each block keeps its input, and its recomputation in "
+                              "backward is counted like any other op")
         if sharding == "fsdp":
             self.notes.append(
                 f"fsdp over {world_size} ranks: parameters, gradients and optimizer state divided over the ranks, "
