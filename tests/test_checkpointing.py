@@ -198,3 +198,20 @@ def test_the_recomputation_check_fails_when_the_masks_are_not_redrawn(monkeypatc
     error, _ = recomputation_error(the_plan, data, window, torch.device("cpu"), torch.float64, 0,
                                    GradientRecorder, _NoSchedule)
     assert error > 1e-3
+
+
+def test_run_with_the_option_says_so_and_resumes_with_it_from_its_plan(tmp_path, capsys):
+    path, out = tmp_path / "gpt.yaml", tmp_path / "out"
+    path.write_text(yaml.safe_dump(gpt_recipe(steps=2)))
+    common = ["run", str(path), "--out", str(out), "--micro-batch-max", "4", "--device", "cpu", "--workers", "0",
+              "--no-noise-scale"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*common, "--activation-checkpointing", "--max-steps", "1", "--checkpoint-every", "1"])
+    assert exit_.value.code == 0
+    assert "memory: activation checkpointing" in capsys.readouterr().out
+    saved = yaml.safe_load((out / "plan.yaml").read_text())
+    assert saved["recipe"]["model"]["activation_checkpointing"] is True
+    with pytest.raises(SystemExit) as exit_:
+        main([*common, "--resume"])  # the recipe file has no checkpointing: the run keeps its own
+    assert exit_.value.code == 0, capsys.readouterr().err
+    assert "memory: activation checkpointing" in capsys.readouterr().out

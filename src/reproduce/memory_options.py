@@ -69,3 +69,12 @@ def memory_summary(recipe: Recipe) -> list[str]:
         parts.append("CPU offload (parameters, gradients and optimizer state in CPU memory; the optimizer steps "
                      "on the CPU)")
     return parts
+
+
+def with_knobs_of(recipe: Recipe, other: Recipe) -> Recipe:
+    """`recipe` with `other`'s memory knobs (what a plan may have taken by itself: a resumed run keeps them)."""
+    return recipe.model_copy(update={
+        "model": recipe.model.model_copy(update={"activation_checkpointing": other.model.activation_checkpointing}),
+        "batch": recipe.batch.model_copy(update={"sharded_gradients": other.batch.sharded_gradients,
+                                                 "offload": other.batch.offload}),
+    })

@@ -12,6 +12,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..errors import UserError
+from ..memory_options import with_knobs_of
 from ..phases import phase_lines
 from ..planfile import load_plan, load_recipe_or_plan
 from ..planner import Plan
@@ -220,7 +221,7 @@ def _recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None
         raise UserError(f"--sharding: the run in {out} was started with sharding {started}; resume it with the same "
                         f"(got {sharding})")
     recipe = _resumed_data_paths(recipe, saved.recipe, data_path, eval_data_path, out, str(source))
-    if with_sharding(recipe, started) != saved.recipe:
+    if with_knobs_of(with_sharding(recipe, started), saved.recipe) != saved.recipe:  # (knobs the plan took kept)
         raise UserError(f"--resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
     return saved.recipe, saved
 
