@@ -145,6 +145,9 @@ def test_verify_with_checkpointing_and_dropout_prints_equivalent(tmp_path, capsy
 def test_a_model_without_blocks_is_one_line_naming_what_to_add(tmp_path, capsys):
     with pytest.raises(UserError, match="_no_split_modules"):
         enable(torch.nn.Linear(4, 4), "factories:linear")
+    undeclared = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    with pytest.raises(UserError, match="none declared"):  # layers, but no block list: the factory must say which
+        enable(undeclared, "factories:mlp")
     recipe = {**gpt_recipe(), "model": {"factory": "memory_factories:single_linear", "activation_checkpointing": True},
               "task": "classification", "data": {"builtin": "digits"}}
     path = tmp_path / "linear.yaml"

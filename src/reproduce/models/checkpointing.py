@@ -13,6 +13,8 @@ forward pass of compute (a third more for a transformer). Each architecture is c
 - the built-in MLP and small CNN (a `nn.Sequential` of layers, no blocks): per layer, a segment from each weight
   layer (Linear, Conv2d) up to the next, so its norm, activation and dropout are recomputed with it.
 
+A factory model with none of these blocks must declare its own (`_no_split_modules`): a one-line error says so.
+
 Always `use_reentrant=False` (the form PyTorch recommends, which works with DDP, FSDP2 and frozen inputs) and
 `preserve_rng_state=True`: the recomputation draws the same dropout masks as the forward did. BatchNorm in a
 recomputed block normalises with the batch's statistics as in forward, and its running statistics are updated
@@ -60,14 +62,17 @@ def enable(model: nn.Module, name: str) -> int:
         for block in blocks:
             block.forward = types.MethodType(_checkpointed_forward, block)
         return len(blocks)
-    layered = [m for m in model.modules() if _layered(m)]
+    from .small import MLP, SmallCNN  # the built-in models without blocks: per layer (a factory's must declare them)
+
+    layered = [m for owner in model.modules() if isinstance(owner, (MLP, SmallCNN)) for m in owner.modules()
+               if _layered(m)]
     if layered:
         for sequence in layered:
             sequence.forward = types.MethodType(_segmented_forward, sequence)
         return sum(len(_segments(sequence)) for sequence in layered)
     raise UserError(
         f"model.activation_checkpointing: {name} has no blocks to checkpoint ({type(model).__name__}: no transformer "
-        "or residual blocks and no nn.Sequential of layers); declare its blocks as Hugging Face models do: a class "
+        "or residual blocks, and none declared); declare its blocks as Hugging Face models do: a class "
         "attribute `_no_split_modules = [\"MyBlock\"]` naming the block classes, or set activation_checkpointing: "
         "false"
     )
