@@ -133,3 +133,18 @@ def test_the_70b_recipe_file_is_the_issues_shape():
     assert data["model"]["kwargs"] == {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                                        "num_attention_heads": 64, "num_key_value_heads": 8}
     assert parse_recipe(data).batch.sequence_length == 2048
+
+
+def test_an_unsharded_run_is_offered_sharding_with_checkpointing_and_the_probe_agrees():
+    refused = run_probe(parse_recipe(GPT, source="test"), options=ProbeOptions(memory="48MiB", meter="estimate",
+                                                                               headroom=0.0))
+    assert refused.micro_batch_max is None
+    (way,) = [w for w in refused.does_not_fit["ways_out"] if w["change"].startswith("--sharding fsdp --world-size")
+              and "--activation-checkpointing" in w["change"]]
+    assert way["fits"] and way["changes"]["model"] == {"activation_checkpointing": True}
+    ranks = int(way["change"].split("--world-size ")[1].split()[0])
+    changed = {**GPT, "batch": {**GPT["batch"], "effective": 64 * ranks, **way["changes"]["batch"]},
+               "model": {**GPT["model"], "activation_checkpointing": True}}
+    again = run_probe(parse_recipe(changed, source="test"), options=ProbeOptions(memory="48MiB", meter="estimate",
+                                                                                 headroom=0.0), world_size=ranks)
+    assert again.micro_batch_max == 1  # (capped at one sequence a process: the step the report counted)

@@ -140,7 +140,12 @@ def _checkpointing(meter, gpu, first, activations, decide, tensor_limit, sharded
         f"micro-batch 1 still does not fit ({trial.note})")
     ways = [WayOut(what, trial.fits, trial.peak_bytes, f"{needed}; {saved}; costs {RECOMPUTE_COST}",
                    changes=CHECKPOINTING)]
-    if trial.fits or parts is None or not sharded:
+    if trial.fits:
+        return ways
+    if not sharded:  # the user's run does not shard: with how many processes would sharding and checkpointing fit?
+        ways.extend(_sharded_and_checkpointed(meter, gpu, first, accumulates))
+        return ways
+    if parts is None:
         return ways
     rank = _Rank.of(meter, parts)
     cost = RECOMPUTE_COST
@@ -154,3 +159,41 @@ def _checkpointing(meter, gpu, first, activations, decide, tensor_limit, sharded
         what = "--activation-checkpointing" + (" --sharded-gradients" if sg else "") + " --offload cpu"
         ways.append(arithmetic(rank, CHECKPOINTING, what, sg, True, f"{cost}, {OFFLOAD_COST}"))
     return ways
+
+
+def _sharded_and_checkpointed(meter: Any, gpu: Any, first: Any, accumulates: bool) -> list[WayOut]:
+    """FSDP over the fewest processes that fit with checkpointing (and, if that is not enough, sharded gradients
+    too): the checkpointed step measured as FSDP runs it (an estimate meter sharding over 2), then divided."""
+    import torch
+
+    from .advice import _changed
+    from .meters import EstimateMeter
+    from .sharding import smallest_world_size
+    from .workload import Workload
+
+    capability = torch.cuda.get_device_capability() if meter.name == "cuda" else None
+    workload = Workload(_changed(meter.workload.recipe, CHECKPOINTING), meter.workload.data)
+    try:
+        sharder = EstimateMeter(workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes, gpu=gpu,
+                                cap=meter.cap, sharding="fsdp", world_size=2, capability=capability)
+    except Exception:  # (a budget below the estimate's margin: nothing to say)
+        return []
+    parts = sharder.measure(first.micro_batch).parts
+    step, compute = StepMemory(**parts["step"]), parts["compute_bytes"]
+    blocks = Blocks(root=parts["blocks"]["root"], blocks=tuple(parts["blocks"]["sizes"]),
+                    trainable=parts["blocks"].get("trainable"))
+    for sg in ((False, True) if accumulates else (False,)):
+        window = accumulates and not sg
+        ranks = smallest_world_size(step, blocks, sharder.tensor_limit(), compute, unsharded_window=window)
+        if ranks is None:
+            continue
+        peak = sharded_peak(step, blocks, ranks, compute, unsharded_window=window)
+        change = merged(CHECKPOINTING, {"batch": {"sharding": "fsdp", **({"sharded_gradients": True} if sg else {})}})
+        what = f"--sharding fsdp --world-size {ranks} --activation-checkpointing" + (" --sharded-gradients" if sg
+                                                                                     else "")
+        cost = RECOMPUTE_COST + (f" and {REDUCE_COST}" if sg else "")
+        return [WayOut(what, True, sharder.decided(peak.peak),
+                       f"{ranks} processes (GPUs) with each block recomputed in backward: micro-batch 1 then needs "
+                       f"{format_size(sharder.decided(peak.peak))} on each; costs {cost}", changes=change)]
+    return [WayOut("--sharding fsdp --activation-checkpointing", False, None,
+                   "no number of processes is enough even with checkpointing and sharded gradients")]
