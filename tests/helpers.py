@@ -171,3 +171,50 @@ def read_scalars(folder) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(str(folder))
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+# ---- FSDP2 runs under torchrun (tests/distributed_jobs.py) -------------------------------------------------
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+
+
+def fsdp(recipe: dict) -> dict:
+    """The recipe sharded with FSDP2."""
+    return {**recipe, "batch": {**recipe["batch"], "sharding": "fsdp"}}
+
+
+def gpt_recipe(optimizer: dict = ADAMW, steps: int = 3, **extra) -> dict:
+    """The built-in GPT (two blocks: three FSDP units with the root, tied embedding and head) on padded
+    sequences of different lengths."""
+    return fsdp({
+        "batch": {"effective": 16},
+        "task": "language-modeling",
+        "model": {"builtin": "gpt", "kwargs": {"layers": 2, "heads": 2, "dim": 16, "block_size": 16}},
+        "data": {"factory": "factories:variable_lm", "shuffle": False},
+        "optimizer": optimizer,
+        "schedule": {"total": {"steps": steps}},
+        **extra,
+    })
+
+
+MLP_CLIPPED = fsdp(digits_recipe(SGD, effective=64, steps=6, clip_grad_norm=0.25))
+
+
+MLP_CLIPPED = fsdp(digits_recipe(SGD, effective=64, steps=6, clip_grad_norm=0.25))
+GPT_CLIPPED = gpt_recipe(clip_grad_norm=0.05)
+
+
+def job(name: str, recipe: dict, micro_batch: int, dtype: str = "float64", **extra) -> dict:
+    """One run of a launch of tests/distributed_jobs.py."""
+    return {"name": name, "recipe": recipe, "micro_batch": micro_batch, "dtype": dtype, **extra}
+
+
+def run_weights(folder: Path) -> dict:
+    """The model.pt of the run in `folder`."""
+    return torch.load(folder / "model.pt", weights_only=True)
+
+
+def data_of(recipe: dict) -> dict:
+    """The recipe's data, built as the run builds it (tests/ on sys.path for its factories)."""
+    sys.path.insert(0, str(TESTS))  # the recipes' factories
+    return build_data(parse_recipe(recipe))

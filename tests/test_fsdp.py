@@ -21,39 +21,30 @@ import pytest
 import torch
 import yaml
 
-from helpers import ADAMW, LAMB_SPEC, LARS_SPEC, SGD, assert_same_weights, digits_recipe, run_plain
-from reproduce.data import build_data
+from helpers import (
+    ENV,
+    GPT_CLIPPED,
+    LAMB_SPEC,
+    LARS_SPEC,
+    MLP_CLIPPED,
+    SGD,
+    TESTS,
+    assert_same_weights,
+    data_of,
+    digits_recipe,
+    fsdp,
+    gpt_recipe,
+    job,
+    run_plain,
+    run_weights,
+)
 from reproduce.models import build_model
 from reproduce.recipe import parse_recipe
 from reproduce.train.trainer import read_metrics
 
-TESTS = Path(__file__).parent
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-
-
-def fsdp(recipe: dict) -> dict:
-    return {**recipe, "batch": {**recipe["batch"], "sharding": "fsdp"}}
-
-
-def gpt_recipe(optimizer: dict = ADAMW, steps: int = 3, **extra) -> dict:
-    """The built-in GPT (two blocks: three FSDP units with the root, tied embedding and head) on padded
-    sequences of different lengths."""
-    return fsdp({
-        "batch": {"effective": 16},
-        "task": "language-modeling",
-        "model": {"builtin": "gpt", "kwargs": {"layers": 2, "heads": 2, "dim": 16, "block_size": 16}},
-        "data": {"factory": "factories:variable_lm", "shuffle": False},
-        "optimizer": optimizer,
-        "schedule": {"total": {"steps": steps}},
-        **extra,
-    })
-
-
-MLP_CLIPPED = fsdp(digits_recipe(SGD, effective=64, steps=6, clip_grad_norm=0.25))
 # LARS and LAMB on FSDP2's DTensor shards: their trust ratios need whole-tensor norms
 MLP_LARS = fsdp(digits_recipe(LARS_SPEC, effective=64, steps=6))
 MLP_LAMB = fsdp(digits_recipe(LAMB_SPEC, effective=64, steps=6))
-GPT_CLIPPED = gpt_recipe(clip_grad_norm=0.05)
 # Out of memory: a narrow MLP on large micro-batches, so activations dominate its memory; plain SGD (no optimizer
 # state to allocate in the first step).
 OOM_DDP = digits_recipe({"name": "sgd", "lr": 0.1}, effective=768, steps=2)
@@ -64,10 +55,6 @@ BATCHNORM = digits_recipe(SGD, model="cnn-bn", effective=32, steps=3)
 # 12 sequences: 2 x 3 x 2 processes, or 2 x 2 x 3.
 KILLED = {**gpt_recipe(steps=16), "batch": {"effective": 12, "sharding": "fsdp"},
           "schedule": {"warmup": {"steps": 3}, "decay": {"kind": "cosine"}, "total": {"steps": 16}}}
-
-
-def job(name: str, recipe: dict, micro_batch: int, dtype: str = "float64", **extra) -> dict:
-    return {"name": name, "recipe": recipe, "micro_batch": micro_batch, "dtype": dtype, **extra}
 
 
 JOBS = [
@@ -110,21 +97,12 @@ def jobs(tmp_path_factory) -> tuple[Path, list[dict]]:
     return folder, results
 
 
-def weights(folder: Path) -> dict:
-    return torch.load(folder / "model.pt", weights_only=True)
-
-
-def data_of(recipe: dict) -> dict:
-    sys.path.insert(0, str(TESTS))  # the recipes' factories
-    return build_data(parse_recipe(recipe))
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("name, recipe, steps", [("gpt", GPT_CLIPPED, 3), ("mlp", MLP_CLIPPED, 6)])
 def test_sharded_accumulation_equals_the_plain_large_batch_loop_float64(name, recipe, steps, jobs):
     folder, _ = jobs
     reference = run_plain(recipe, data_of(recipe), steps=steps)  # one process, whole batches, clipped
-    ours = weights(folder / name)
+    ours = run_weights(folder / name)
     assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
     initial = build_model(parse_recipe(recipe), data_of(recipe).get("info")).double().state_dict()
     assert any(not torch.allclose(initial[k], ours[k]) for k in ours)  # the run did move the weights
@@ -142,7 +120,7 @@ def test_sharded_accumulation_equals_the_plain_large_batch_loop_float64(name, re
 def test_lars_and_lamb_on_sharded_parameters_equal_the_plain_large_batch_loop_float64(name, recipe, jobs):
     folder, _ = jobs
     reference = run_plain(recipe, data_of(recipe), steps=6)  # one process, whole tensors, batches of 64
-    assert_same_weights(weights(folder / name), reference, rtol=1e-6, atol=1e-12)
+    assert_same_weights(run_weights(folder / name), reference, rtol=1e-6, atol=1e-12)
     records = read_metrics(folder / name / "metrics.jsonl")
     assert len(records) == 6 and all(r["world_size"] == 2 and r["grad_syncs"] == 1 for r in records)
 
@@ -151,7 +129,7 @@ def test_lars_and_lamb_on_sharded_parameters_equal_the_plain_large_batch_loop_fl
 def test_sharded_float32_within_float32_rounding(jobs):
     folder, _ = jobs
     reference = run_plain(MLP_CLIPPED, data_of(MLP_CLIPPED), steps=6, dtype=torch.float32)
-    assert_same_weights(weights(folder / "mlp-fp32"), reference, rtol=1e-4, atol=1e-6)
+    assert_same_weights(run_weights(folder / "mlp-fp32"), reference, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.distributed
@@ -159,11 +137,11 @@ def test_mixed_precision_keeps_fp32_master_weights(jobs):
     folder, _ = jobs
     exact = run_plain(GPT_CLIPPED, data_of(GPT_CLIPPED), steps=3, dtype=torch.float32)
     for name in ("gpt-bf16", "mlp-fp16"):
-        ours = weights(folder / name)
+        ours = run_weights(folder / name)
         assert all(w.dtype == torch.float32 for w in ours.values()), name  # parameters stored in fp32
         records = read_metrics(folder / name / "metrics.jsonl")
         assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records), name
-    bf16 = weights(folder / "gpt-bf16")
+    bf16 = run_weights(folder / "gpt-bf16")
     moved = max(float((bf16[k] - exact[k]).abs().max()) for k in exact)
     assert 0 < moved < 2e-2  # bf16 compute: near the fp32 run's weights, not equal to them
 
@@ -171,7 +149,7 @@ def test_mixed_precision_keeps_fp32_master_weights(jobs):
 @pytest.mark.distributed
 def test_batchnorm_under_fsdp_keeps_rank_zeros_statistics_as_ddp_does(jobs):
     folder, _ = jobs
-    sharded, replicated = weights(folder / "bn-fsdp"), weights(folder / "bn-ddp")
+    sharded, replicated = run_weights(folder / "bn-fsdp"), run_weights(folder / "bn-ddp")
     assert any("running_mean" in k for k in sharded)
     assert_same_weights(sharded, replicated, rtol=1e-9, atol=1e-12)
 
@@ -179,7 +157,7 @@ def test_batchnorm_under_fsdp_keeps_rank_zeros_statistics_as_ddp_does(jobs):
 @pytest.mark.distributed
 def test_model_pt_is_the_whole_model_for_a_fresh_unsharded_one(jobs):
     folder, _ = jobs
-    state = weights(folder / "gpt")
+    state = run_weights(folder / "gpt")
     model = build_model(parse_recipe(GPT_CLIPPED), data_of(GPT_CLIPPED).get("info")).double()
     assert list(state) == list(model.state_dict())  # the model's own names, head.weight (tied) included
     model.load_state_dict(state)  # strict
@@ -202,7 +180,7 @@ def test_out_of_memory_under_ddp_agreed_by_all_ranks_halves_the_micro_batch(jobs
     assert [(r["micro_batch"], r["accumulation_steps"], r["samples"]) for r in steps] == [(64, 6, 768)] * 2
     # rank 0 never ran out: it changed the micro-batch because the ranks agreed; the updates are those of a run
     # planned at micro-batch 64 from the start
-    assert_same_weights(weights(folder / "ddp-oom"), weights(folder / "ddp-64"), rtol=1e-9, atol=1e-12)
+    assert_same_weights(run_weights(folder / "ddp-oom"), run_weights(folder / "ddp-64"), rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.distributed
@@ -243,7 +221,7 @@ def descendants(pid: int) -> list[int]:
 @pytest.mark.distributed
 def test_resume_gives_the_uninterrupted_runs_weights_bitwise(jobs):
     folder, _ = jobs
-    reference, resumed = weights(folder / "killed-reference"), weights(folder / "resumed")
+    reference, resumed = run_weights(folder / "killed-reference"), run_weights(folder / "resumed")
     assert resumed.keys() == reference.keys() and all(torch.equal(resumed[k], reference[k]) for k in resumed)
     assert [r["step"] for r in read_metrics(folder / "resumed" / "metrics.jsonl")] == list(range(1, 17))
 
@@ -278,8 +256,8 @@ def test_sigkill_then_resume_on_three_processes_gives_the_same_weights(jobs, tmp
     assert moved.returncode == 0, moved.stdout[-2000:] + moved.stderr[-3000:]
     assert "micro 2 x accumulation 2 x world 3 = 12 samples per step" in moved.stdout  # N re-derived
     assert "sharding: fsdp" in moved.stdout  # the run's own sharding, without --sharding
-    reference = weights(folder / "killed-reference")
-    assert_same_weights(weights(out), reference, rtol=1e-5, atol=1e-5)  # sums in another order: fp32 rounding
+    reference = run_weights(folder / "killed-reference")
+    assert_same_weights(run_weights(out), reference, rtol=1e-5, atol=1e-5)  # sums in another order: fp32 rounding
     assert [r["step"] for r in read_metrics(metrics)] == list(range(1, 17)), f"killed at step {kill_at}"
     assert [p.name for p in (out / "checkpoints").iterdir() if p.is_dir()] == ["sharded-step-00000016"]
 

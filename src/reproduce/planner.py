@@ -73,6 +73,8 @@ class Plan(Frozen):
     phases: list[Segment] = []
     # policy throughput: the exact splits timed and why the micro-batch was chosen (cli/throughput.py)
     throughput: dict | None = None
+    # the memory knobs the plan took (activation checkpointing, sharded gradients), or the ways it weighed, and why
+    memory: list[str] = []
 
     @property
     def arithmetic(self) -> str:

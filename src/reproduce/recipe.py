@@ -129,6 +129,14 @@ class Batch(Strict):
     sharding: Literal["none", "fsdp"] = Field(
         default="none", description="fsdp: parameters, gradients and optimizer state sharded over the devices"
     )
+    sharded_gradients: bool = Field(
+        default=False, description="fsdp: reduce-scatter the gradients after every micro-batch, so they stay sharded "
+        "through the accumulation window (one reduce-scatter per micro-batch instead of per window)",
+    )
+    offload: Literal["none", "cpu"] = Field(
+        default="none", description="fsdp: cpu keeps parameters, gradients and optimizer state in CPU memory "
+        "(FSDP2's CPUOffloadPolicy)",
+    )
     phases: list[BatchPhase] | None = Field(default=None, description="the batch in phases (BERT's 128 then 512)")
     ramp: BatchRamp | None = Field(default=None, description="a linear batch-size warm-up (GPT-3)")
 
@@ -303,6 +311,10 @@ class Model(Builder):
     norm_layers: Names[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
     dtype: Literal[WEIGHT_DTYPES] = "fp32"  # type: ignore[valid-type]
     lora: Lora | None = None
+    activation_checkpointing: bool = Field(
+        default=False, description="recompute each block's activations in backward instead of keeping them "
+        "(models/checkpointing.py): less memory, about a third more compute",
+    )
     description: str | None = None
     pretrained: str | None = Field(
         default=None, min_length=1,

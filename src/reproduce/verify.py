@@ -229,6 +229,12 @@ def verify(
         return fetch_seeded(train_set, indices, seed)
 
     micro_batches = [to_device(fetch(i), torch_device, param_dtype) for i in indices]
+    recomputed = None
+    if recipe.model.activation_checkpointing:  # the same masks in the recomputation (dropout on): recompute_check.py
+        from .recompute_check import recomputation_error
+
+        recomputed = recomputation_error(checked, data, micro_batches, torch_device, param_dtype, seed,
+                                         GradientRecorder, _NoSchedule)
     optimizer_step(setup, micro_batches)
     accumulated = recorder.gradients
     if scaler is not None and scaler.get_scale() < 65536.0:
@@ -268,6 +274,12 @@ def verify(
     judged = [row for row in rows if not row.negligible] or rows
     worst = max(judged, key=lambda row: row.relative_error if not math.isnan(row.relative_error) else math.inf)
     within = global_error <= tolerance and all(row.relative_error <= tolerance for row in judged)
+    if recomputed is not None:
+        error, dropout = recomputed
+        within = within and error <= tolerance
+        masks = "dropout on, as the recipe sets it" if dropout else "the model has no dropout"
+        notes.append(f"activation checkpointing: the plan's gradient with checkpointing against without ({masks}): "
+                     f"relative error {error:.3g} ({'within' if error <= tolerance else 'OVER'} the tolerance)")
     batchnorm = has_batchnorm(model)
     verdict, explanation = _verdict(within, batchnorm, plan, len(indices), len(pieces), total_samples, tolerance)
     if not within and scaler is not None and scaler.get_scale() < 65536.0:

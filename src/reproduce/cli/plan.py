@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ..errors import UserError
 from ..export import FORMATS, check_format, emit
+from ..memory_options import memory_summary
 from ..planfile import check_writable, save_plan
 from ..planner import Plan, first_plateau_step, lr_at, lr_points, plan
 from ..probe.runner import BudgetRequired, ProbeOptions, ProbeResult, run_probe
@@ -19,6 +20,7 @@ from ..segments import batch_phases
 from ..units import format_size
 from .app import app
 from .common import stderr, stdout
+from .memory import CHECKPOINTING_HELP, OFFLOAD_HELP, SHARDED_GRADIENTS_HELP, Offload, apply_memory
 from .probe import (
     GPU_HELP,
     HEADROOM_HELP,
@@ -100,7 +102,7 @@ def plan_and_probe(
     With batch phases of several sequence lengths the probe runs once per length (what fits at 128 tokens does not
     at 512), each at the largest batch of that length; the result returned is the main length's.
     """
-    result = None
+    result, memory = None, []
     if micro_batch_max is None and len(recipe.batch.sequence_lengths) > 1:
         maxima, result = {}, None
         for length, fixed in phase_probes(recipe).items():
@@ -125,6 +127,11 @@ def plan_and_probe(
                 raise
             hint = f"{error.lines[-1]} (or give --micro-batch-max to skip the probe)"
             raise UserError(*error.lines[:-1], hint) from None
+        from ..probe.memory_plan import choose as choose_memory  # (imports torch: only when the probe ran)
+
+        recipe, result, memory = choose_memory(
+            recipe, result, lambda changed: run_probe(changed, recipe_path, probe or ProbeOptions(), world_size,
+                                                      data=data), world_size)
         if result.micro_batch_max is None:
             raise does_not_fit(result)
         micro_batch_max = result.micro_batch_max
@@ -138,6 +145,8 @@ def plan_and_probe(
     the_plan = plan(
         recipe, micro_batch_max, world_size, policy.value, dataset_size=dataset_size, recipe_path=recipe_path
     )
+    if memory:  # the memory knobs the plan took, or the ways it weighed (probe/memory_plan.py)
+        the_plan = the_plan.model_copy(update={"memory": memory})
     return the_plan, result
 
 
@@ -193,6 +202,9 @@ def plan_command(
     ),
     assumed_mfu: float = typer.Option(DEFAULT_MFU, "--mfu", help=MFU_HELP),
     free_batchnorm: bool = typer.Option(False, "--free-batchnorm", help=FREE_BATCHNORM_HELP),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
+    sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
+    offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
 ) -> None:
     """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps.
 
@@ -205,6 +217,7 @@ def plan_command(
         check_format(emit_format)
     check_mfu(assumed_mfu)
     recipe = apply_sharding(load_recipe(recipe_path), sharding, world_size)
+    recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, offload)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     data, size = factory_data_size(recipe)
     the_plan, result = plan_and_probe(
@@ -310,7 +323,12 @@ def render_plan(p: Plan) -> None:
     if p.steps_per_epoch is not None:
         table.add_row("epoch", f"{p.dataset_size} {unit}", f"{p.steps_per_epoch} optimizer steps")
     table.add_row("precision / clip", f"{r.precision} / {r.clip_grad_norm or 'none'}", "same")
+    knobs = memory_summary(r)
+    if knobs:
+        table.add_row("memory", "", "; ".join(knobs))
     stdout.print(table)
+    for line in p.memory:
+        stdout.print(line, markup=False, soft_wrap=True)
     render_phases(p)
     if p.alternative is not None:
         alt = p.alternative

@@ -19,6 +19,7 @@ from ..sharding import with_sharding
 from ..units import format_size, parse_size
 from .app import app
 from .common import stderr, stdout
+from .memory import CHECKPOINTING_HELP, OFFLOAD_HELP, SHARDED_GRADIENTS_HELP, Offload, apply_memory
 
 
 class Sharding(str, Enum):
@@ -93,6 +94,9 @@ def probe_command(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=PROBE_DATA_HELP),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
+    sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
+    offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
 ) -> None:
     """Measure the largest micro-batch whose full training step fits one device's memory.
 
@@ -101,6 +105,7 @@ def probe_command(
     """
     recipe = with_data_paths(load_recipe(recipe_path), data_path, None, str(recipe_path))
     recipe = apply_sharding(recipe, sharding, world_size)
+    recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, offload)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     result = run_probe(recipe, str(recipe_path), options, world_size, on_trial=None if as_json else show_trial)
     the_plan = plan(recipe, result.micro_batch_max, world_size) if result.micro_batch_max else None

@@ -14,6 +14,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..errors import UserError
+from ..memory_options import with_knobs_of
 from ..phases import phase_lines
 from ..planfile import load_plan, load_recipe_or_plan
 from ..planner import Plan
@@ -23,6 +24,7 @@ from ..sharding import check_sharding, with_sharding
 from ..train.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from .app import app
 from .common import is_terminal, stderr, stdout
+from .memory import CHECKPOINTING_HELP, OFFLOAD_HELP, SHARDED_GRADIENTS_HELP, Offload, apply_memory_to_run
 from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, make_plan, plan_and_probe
 from .probe import (
     GPU_HELP,
@@ -66,6 +68,10 @@ class PlainReporter:
         if plan.recipe.batch.sharding == "fsdp":
             print(f"sharding: fsdp (FSDP2: parameters, gradients and optimizer state split over {plan.world_size} "
                   "processes)", flush=True)
+        from ..memory_options import memory_summary
+
+        for line in [*plan.memory, *(f"memory: {knob}" for knob in memory_summary(plan.recipe))]:
+            print(line, flush=True)
         self.total, self.every = total_steps, max(1, total_steps // self.lines)
         self.started = time.perf_counter()
         where = f", resuming after step {first_step}" if first_step else ""
@@ -243,7 +249,7 @@ def _recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None
         raise UserError(f"--sharding: the run in {out} was started with sharding {started}; resume it with the same "
                         f"(got {sharding})")
     recipe = _resumed_data_paths(recipe, saved.recipe, data_path, eval_data_path, out, str(source))
-    if with_sharding(recipe, started) != saved.recipe:
+    if with_knobs_of(with_sharding(recipe, started), saved.recipe) != saved.recipe:  # (knobs the plan took kept)
         raise UserError(f"--resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
     return saved.recipe, saved
 
@@ -292,6 +298,9 @@ def run_command(
     workers: int | None = typer.Option(None, "--workers", min=0, help=WORKERS_HELP),
     no_noise_scale: bool = typer.Option(False, "--no-noise-scale", help=NO_NOISE_HELP),
     stop_on_divergence: bool = typer.Option(False, "--stop-on-divergence", help=DIVERGENCE_HELP),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
+    sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
+    offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
@@ -303,11 +312,13 @@ def run_command(
     check_trackers(trackers)  # a missing package: one line, before anything is planned or trained
     world = distributed.world_from_env()
     sharding_name = sharding.value if sharding is not None else None
+    memory_flags = (activation_checkpointing, sharded_gradients, offload)
     if nproc_per_node is not None and not world.distributed:
         if nnodes > 1 and rdzv_endpoint is None:
             raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
         # bad input: one line, before launching
         recipe, plan = _recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
+        recipe, plan = apply_memory_to_run(recipe, plan, resume, out, *memory_flags)
         check_sharding(recipe, nproc_per_node * nnodes)
         _check_sharded_probe(recipe, plan, micro_batch_max, meter)
         if policy is Policy.throughput and plan is None and nproc_per_node * nnodes > 1:
@@ -319,9 +330,10 @@ def run_command(
              "--max-steps": max_steps, "--seed": seed, "--checkpoint-every": checkpoint_every, "--memory": memory,
              "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
              "--data": data_path, "--eval-data": eval_data_path, "--workers": workers,
-             "--log-to": ",".join(trackers) or None},
+             "--log-to": ",".join(trackers) or None, "--offload": offload.value if offload is not None else None},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
-             "--no-noise-scale": no_noise_scale, "--stop-on-divergence": stop_on_divergence},
+             "--no-noise-scale": no_noise_scale, "--stop-on-divergence": stop_on_divergence,
+             "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients},
         )
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
         os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(nproc_per_node, nnodes, node_rank, rdzv_endpoint))
@@ -330,6 +342,7 @@ def run_command(
     if world.distributed:
         world_size = world.size
     recipe, plan = _recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
+    recipe, plan = apply_memory_to_run(recipe, plan, resume, out, *memory_flags)
     check_sharding(recipe, world.size)
     _check_sharded_probe(recipe, plan, micro_batch_max, meter)
     data = build_data(recipe)
@@ -342,6 +355,7 @@ def run_command(
         rank_device = distributed.init(world, resolve_device(device))
         probed_plan, _ = plan_and_probe(recipe, str(source), None, world_size, policy, size, probe=options,
                                              data=data, quiet=not world.is_main)
+        recipe = probed_plan.recipe  # with the memory knobs the plan took (probe/memory_plan.py)
         # one maximum per sequence length the plan reads, agreed in the same order on every rank
         maxima = {segment.sequence_length: segment.micro_batch_max for segment in probed_plan.segments}
         agreed = {length: distributed.all_min(world, maxima[length], rank_device)

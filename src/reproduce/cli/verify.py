@@ -15,6 +15,7 @@ from ..planfile import load_recipe_or_plan
 from ..recipe import with_data_paths
 from .app import app
 from .common import stdout
+from .memory import CHECKPOINTING_HELP, apply_memory
 from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, make_plan
 
 SAMPLES_HELP = "Check on the first K samples instead of one effective batch (for big models)."
@@ -46,6 +47,7 @@ def verify_command(
     seed: int | None = typer.Option(None, "--seed", help=SEED_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
 ) -> None:
     """Compare the plan's accumulated gradient with the one-pass gradient: exit 0 equivalent, 1 not."""
     from ..data import build_data  # torch is imported only by the commands that need it
@@ -54,7 +56,7 @@ def verify_command(
     if tolerance is not None and not tolerance > 0:
         raise UserError(f"--tolerance: must be > 0 (got {tolerance})")
     recipe, the_plan = load_recipe_or_plan(source)
-    recipe = with_data_paths(recipe, data_path, None, str(source))
+    recipe = apply_memory(with_data_paths(recipe, data_path, None, str(source)), activation_checkpointing)
     if the_plan is not None:
         the_plan = the_plan.model_copy(update={"recipe": recipe})
     data = build_data(recipe)

@@ -9,11 +9,11 @@
 from __future__ import annotations
 
 import hashlib
-import sysconfig
-from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
+
+from .stdlib import stdlib_sources
 
 
 def digits(test_fraction: float = 0.2, seed: int = 0) -> dict:
@@ -65,17 +65,6 @@ class TokenWindows(Dataset):
     def with_sequence_length(self, sequence_length: int) -> TokenWindows:
         """The same bytes cut into windows of another length (a batch phase's; see data/lengths.py)."""
         return TokenWindows(self.data, sequence_length)
-
-
-def stdlib_sources(max_bytes: int) -> list[Path]:
-    """The standard library's top-level Python files, sorted, up to about `max_bytes` in total."""
-    files, total = [], 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        if total >= max_bytes:
-            break
-        files.append(path)
-        total += path.stat().st_size
-    return files
 
 
 def pysource(sequence_length: int = 64, max_bytes: int = 2_000_000, validation_every: int = 10) -> dict:

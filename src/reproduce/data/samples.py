@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .builtin import stdlib_sources
+from .stdlib import stdlib_sources
 
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 512

@@ -95,6 +95,30 @@ def model_notes(plan: Plan) -> list[str]:
             f"model = {lora_source(spec.lora)}; the optimizer takes only the parameters that require a gradient "
             "(peft keeps the adapters in fp32)"
         )
+    notes += memory_notes(plan)
+    return notes
+
+
+def memory_notes(plan: Plan) -> list[str]:
+    """The memory knobs of the recipe (reproduce/memory_options.py), with the code that sets them as `reproduce run`
+    does (models/checkpointing.py, train/fsdp.py)."""
+    recipe, notes = plan.recipe, []
+    if recipe.model.activation_checkpointing:
+        notes.append(
+            "the recipe checkpoints activations per block (model.activation_checkpointing), as reproduce run does, "
+            "before DDP or fully_shard wraps the model: a transformers model with model.gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False}), any other with torch.utils.checkpoint.checkpoint("
+            "block_forward, x, use_reentrant=False) around each block (the RNG state is kept: same dropout masks)"
+        )
+    if recipe.batch.sharding == "fsdp" and recipe.batch.sharded_gradients:
+        notes.append(
+            "the recipe keeps the gradients sharded through the window (batch.sharded_gradients): leave FSDP2's "
+            "gradient sync on for every micro-batch (no set_requires_gradient_sync(False), no no_sync): each backward "
+            "reduce-scatters, as a SUM of losses already divided by the window's global item count"
+        )
+    if recipe.batch.sharding == "fsdp" and recipe.batch.offload == "cpu":
+        notes.append("the recipe offloads to the CPU (batch.offload): fully_shard(..., offload_policy="
+                     "torch.distributed.fsdp.CPUOffloadPolicy()) on every unit and the root")
     return notes
 
 

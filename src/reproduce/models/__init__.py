@@ -44,7 +44,12 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
         if not isinstance(model, nn.Module):
             raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")
     check_vocabulary(model, data_info)  # token ids the embedding has no row for: refused before any step
-    return adapt(model, recipe)
+    model = adapt(model, recipe)
+    if spec.activation_checkpointing:  # before DDP and FSDP2 wrap it: they see the checkpointed blocks
+        from .checkpointing import enable
+
+        enable(model, spec.builtin or spec.factory or spec.hf or "the model")
+    return model
 
 
 def model_inputs(recipe: Recipe) -> dict:

@@ -29,26 +29,18 @@ import torch
 
 from ..errors import UserError
 from ..models import build_model
-from ..recipe import Recipe, parse_recipe
+from ..recipe import Recipe
 from ..units import format_size
 from .fake_step import block_sizes, run_fake_step
 from .gpu_like import GpuKind
 from .sharded_memory import Blocks, StepMemory, sharded_peak, smallest_world_size, unsharded_floor
+from .way_out import WayOut, measure_change
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.05}  # a common starting point (peft's examples)
 CATEGORY_NAMES = {
     "weights": "weights", "weight copies": "weight copies", "gradients": "gradients",
     "optimizer": "optimizer state", "activations": "activations", "optimizer step": "step temporaries",
 }
-
-
-@dataclass(frozen=True)
-class WayOut:
-    change: str  # what to change, as the user would: an option or a recipe field
-    fits: bool
-    peak_bytes: int | None  # one device's peak at micro-batch 1 with the change, as the meter decides it
-    detail: str
-    changes: dict | None = None  # the recipe fields it sets ({"model": {"lora": ...}}), for a program to apply
 
 
 @dataclass
@@ -91,14 +83,6 @@ def lora_targets(model: torch.nn.Module) -> list[str]:
 
     return sorted({name for block in shard_units(model) for name, layer in block.named_modules()  # names as peft
                    if isinstance(layer, torch.nn.Linear)})  # matches them: a module's name ends with one
-
-
-def _changed(recipe: Recipe, changes: dict) -> Recipe:
-    """`recipe` with `changes` merged in ({"model": {"dtype": "bf16"}, "precision": "bf16"}), validated again."""
-    data = recipe.model_dump(mode="json", exclude_none=True)
-    for key, value in changes.items():
-        data[key] = {**data[key], **value} if isinstance(value, dict) else value
-    return parse_recipe(data, source="(probe: way out)")
 
 
 def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
@@ -158,8 +142,21 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
             step = StepMemory(**shard_parts["step"])
             compute, decide, tensor_limit = shard_parts["compute_bytes"], sharder.decided, sharder.tensor_limit()
     explanation.ways_out.append(_fsdp_way_out(step, blocks, compute, tensor_limit, decide, world_size, window))
-    explanation.ways_out.extend(_recipe_ways_out(meter, gpu))
+    from .memory_ways import memory_ways_out  # checkpointing, sharded gradients, CPU offload, and combined
+
+    ways = memory_ways_out(meter, gpu, first, step, blocks, compute, decide, tensor_limit,
+                           activations=parts["step"]["activations"])
+    explanation.ways_out.extend(ways)
+    explanation.ways_out.extend(_recipe_ways_out(meter, gpu, extra=_best_memory_change(ways)))
     return explanation
+
+
+def _best_memory_change(ways: list[WayOut]) -> dict | None:
+    """The memory knobs to add to the recipe's own ways out when no way out alone fits (None when one does)."""
+    if any(way.fits for way in ways):
+        return None
+    changes = [way.changes for way in ways if way.changes]
+    return max(changes, key=lambda change: sum(len(value) for value in change.values())) if changes else None
 
 
 def _sharding_meter(meter: Any, gpu: Any) -> Any:
@@ -184,9 +181,9 @@ def _fsdp_way_out(step: StepMemory, blocks: Blocks, compute: int, tensor_limit: 
         detail = f"no number of processes is enough: what sharding leaves whole on each one ({left}) needs " + (
             format_size(decide(floor)))
         synced = smallest_world_size(step, blocks, tensor_limit, compute) if window else None
-        if synced is not None:  # what reducing after every micro-batch would allow (not what `run` does)
-            detail += (f"; reducing the gradients after every micro-batch instead (more communication; `reproduce "
-                       f"run` reduces once per optimizer step) would keep them sharded, and {synced} would do")
+        if synced is not None:  # what reducing after every micro-batch would allow
+            detail += (f"; with --sharded-gradients (a reduce-scatter after every micro-batch instead of one per "
+                       f"optimizer step) they stay sharded, and {synced} would do")
         return WayOut("--sharding fsdp", False, None, detail)
     peak = sharded_peak(step, blocks, ranks, compute, unsharded_window=window)
     return WayOut(
@@ -199,7 +196,9 @@ def _fsdp_way_out(step: StepMemory, blocks: Blocks, compute: int, tensor_limit: 
     )
 
 
-def _recipe_ways_out(meter: Any, gpu: Any) -> list[WayOut]:
+def _recipe_ways_out(meter: Any, gpu: Any, extra: dict | None = None) -> list[WayOut]:
+    """LoRA and bf16 weights, each alone, together, and (`extra`: the memory knobs tried, when none fits alone)
+    combined with those knobs, on the user's own configuration (sharding, world size, precision)."""
     recipe = meter.workload.recipe
     changes: list[tuple[str, dict]] = []
     can_lora, can_bf16 = lora_allowed(recipe), recipe.model.dtype == "fp32"
@@ -219,6 +218,12 @@ def _recipe_ways_out(meter: Any, gpu: Any) -> list[WayOut]:
     if can_lora and can_bf16 and not any(way.fits for way in ways):
         ways.append(_measure_change(meter, gpu, f"model.lora: {_flow(lora)} and model.dtype: bf16",
                                     {**bf16, "model": {"lora": lora, "dtype": "bf16"}}))
+    if extra and changes and not any(way.fits for way in ways):  # one alone is not enough: all of them together
+        from .memory_ways import describe, merged
+
+        what, change = changes[-1]
+        combined = merged(extra, change)
+        ways.append(_measure_change(meter, gpu, f"{describe(extra)} and {what.split(' (')[0]}", combined))
     if not lora_allowed(recipe) and recipe.model.lora is None:
         ways.append(WayOut("model.lora", False, None, "not offered: the recipe trains from scratch (LoRA "
                            "fine-tunes pretrained weights; set model.pretrained to say the recipe fine-tunes)"))
@@ -234,20 +239,9 @@ def _flow(mapping: dict) -> str:
 
 
 def _measure_change(meter: Any, gpu: Any, what: str, change: dict) -> WayOut:
-    from .workload import Workload
-
-    try:
-        changed = _changed(meter.workload.recipe, change)
-    except UserError as error:
-        return WayOut(what, False, None, f"not measured: {error.lines[0]}")
-    workload = Workload(changed, meter.workload.data)
-    kwargs = {"gpu": gpu} if meter.name == "estimate" else {"time_steps": False}
-    other = type(meter)(workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes, cap=meter.cap,
-                        **kwargs)
-    try:
-        trial = other.measure(1)
-    finally:
-        other.close()
+    trial = measure_change(meter, gpu, change)
+    if isinstance(trial, str):
+        return WayOut(what, False, None, trial)
     shown = trial.peak_bytes
     detail = (f"micro-batch 1 then needs {format_size(shown)}" if shown is not None
               else f"micro-batch 1 still does not fit ({trial.note})")

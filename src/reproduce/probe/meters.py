@@ -252,11 +252,18 @@ class EstimateMeter(Meter):
             f"estimate meter: peak = tracked tensors x {1 + ESTIMATE_MARGIN:g} + {format_size(self.fixed)} "
             f"(cuBLAS workspaces); attention kernels, dropout masks and autocast dtypes as CUDA runs them on {where}"
         )
+        if workload.recipe.model.activation_checkpointing:
+            self.notes.append("activation checkpointing: each block keeps its input, and its recomputation in "
+                              "backward is counted like any other op")
         if sharding == "fsdp":
             self.notes.append(
                 f"fsdp over {world_size} ranks: parameters, gradients and optimizer state divided over the ranks, "
-                "plus the root's and two blocks' parameters gathered in the compute dtype and one block's gradients; "
-                "within an accumulation window the whole model's gradients in fp32 (FSDP2 no_sync)"
+                "plus the root's and two blocks' parameters gathered in the compute dtype and one block's gradients"
+                + ("; gradients reduce-scattered after every micro-batch (sharded gradients)"
+                   if workload.recipe.batch.sharded_gradients else
+                   "; within an accumulation window the whole model's gradients in fp32 (FSDP2 no_sync)")
+                + ("; parameters, sharded gradients and optimizer state offloaded to CPU memory"
+                   if workload.recipe.batch.offload == "cpu" else "")
             )
 
     def decided(self, tracked: int) -> int:
@@ -287,11 +294,12 @@ class EstimateMeter(Meter):
             model = model.to(torch.bfloat16 if recipe.precision == "bf16" else torch.float16)  # and no autocast
         result = run_fake_step(self.workload.plan, self.workload.data.get("info"), inputs, self.gpu, model=model,
                                autocast=not mixed)
-        window = len(inputs) > 1  # micro-batches accumulated before the reduction (FSDP2 no_sync)
+        # micro-batches accumulated before the reduction (FSDP2 no_sync), unless reduce-scattered one by one
+        window = len(inputs) > 1 and not recipe.batch.sharded_gradients
         parts = {
             "at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
             "blocks": {"root": blocks.root, "sizes": list(blocks.blocks), "trainable": blocks.trainable},
-            "attention": result.kernels, "window": window,
+            "attention": result.kernels, "window": window, "accumulates": len(inputs) > 1,
         }
         tracked = result.peak
         if self.sharding == "fsdp":
@@ -299,7 +307,8 @@ class EstimateMeter(Meter):
             if mixed:
                 step = mixed_precision_step(step, blocks, master_bytes, result.compute_bytes)
                 parts["step"] = step.to_json()
-            sharded = sharded_peak(step, blocks, self.world_size, result.compute_bytes, unsharded_window=window)
+            sharded = sharded_peak(step, blocks, self.world_size, result.compute_bytes, unsharded_window=window,
+                                   offload=recipe.batch.offload == "cpu")
             parts["sharded"] = sharded.to_json()
             tracked = sharded.peak
         model = inputs = None

@@ -157,21 +157,25 @@ def gathered_bytes(blocks: Blocks, compute_bytes: int, reduce_bytes: int = 4) ->
 
 
 def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_bytes: int,
-                 reduce_bytes: int = 4, unsharded_window: bool = False) -> ShardedPeak:
+                 reduce_bytes: int = 4, unsharded_window: bool = False, offload: bool = False) -> ShardedPeak:
     """One rank's peak with the model states of `step` sharded over `world_size` ranks.
 
     `unsharded_window`: the step accumulates micro-batches without reducing between them (FSDP2's no_sync),
     so every rank holds the whole model's gradients, in the reduction dtype, until the window's last backward.
+    Without it (`batch.sharded_gradients`) each micro-batch's gradients are reduce-scattered and only the shard
+    is kept. `offload`: FSDP2's CPUOffloadPolicy keeps the sharded parameters, the sharded gradients and the
+    optimizer state in CPU memory and steps there; the device holds the buffers, the gathered units, the
+    activations and (within an unreduced window) the unsharded gradients.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1 (got {world_size})")
-    sharded_gradients = shard(step.gradients, world_size)
+    sharded_gradients = 0 if offload else shard(step.gradients, world_size)
     early = step.gradients if step.gradients_at_activation_peak is None else step.gradients_at_activation_peak
     late = step.activations if step.activations_at_gradient_peak is None else step.activations_at_gradient_peak
     if unsharded_window:  # the earlier micro-batches' gradients stay unsharded, in fp32, through the window
         early_gradients = late_gradients = blocks.with_gradients * reduce_bytes
     else:
-        early_gradients, late_gradients = shard(early, world_size), sharded_gradients
+        early_gradients, late_gradients = (0, 0) if offload else (shard(early, world_size), sharded_gradients)
     parameters = gathered_parameters(blocks, compute_bytes)
     # Forward and backward peak at one of two moments: the activations at their most (end of forward) with the
     # gradients there then, or the gradients at their most (end of backward) with the activations left and a
@@ -183,24 +187,27 @@ def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_byte
     )
     return ShardedPeak(
         world_size=world_size,
-        model_states=shard(step.weights - step.buffers + step.optimizer_state, world_size) + step.buffers,
+        model_states=(0 if offload else shard(step.weights - step.buffers + step.optimizer_state, world_size))
+        + step.buffers,
         gradients=gradients,
         sharded_gradients=sharded_gradients,
         gathered=gathered,
         activations=activations,
-        step_temporaries=shard(step.step_temporaries, world_size),
+        step_temporaries=0 if offload else shard(step.step_temporaries, world_size),
     )
 
 
 def smallest_world_size(step: StepMemory, blocks: Blocks, limit_bytes: int, compute_bytes: int,
-                        reduce_bytes: int = 4, unsharded_window: bool = False, most: int = 1 << 16) -> int | None:
+                        reduce_bytes: int = 4, unsharded_window: bool = False, most: int = 1 << 16,
+                        offload: bool = False) -> int | None:
     """The fewest ranks (>= 2) whose sharded peak is at most `limit_bytes`; None when no number of ranks does.
 
     The peak never grows with the number of ranks, so the answer is found by bisection; past `most` ranks
     (or when what is never sharded is already over the limit) there is none.
     """
     def fits(world_size: int) -> bool:
-        return sharded_peak(step, blocks, world_size, compute_bytes, reduce_bytes, unsharded_window).peak <= limit_bytes
+        peak = sharded_peak(step, blocks, world_size, compute_bytes, reduce_bytes, unsharded_window, offload).peak
+        return peak <= limit_bytes
 
     if not fits(most):
         return None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
+from ..segments import batch_phases
 from .figures import figures, matplotlib_missing
 from .runs import RunFolder, eval_metrics
 from .verdict import Verdict, verdicts
@@ -70,14 +71,15 @@ def plan_table(run: RunFolder) -> Table:
         ["exact", "-", "yes: the paper's batch, every step" if plan.exact else "no: see the learning-rate rule"],
     ]
     shown = 12  # a batch ramp can have many segments
-    for index, phase in enumerate(plan.phases[:shown]):
+    phases = batch_phases(plan.segments)
+    for index, phase in enumerate(phases[:shown]):
         end = f"{phase.start_step + phase.steps}" if phase.steps is not None else "end"
         length = f", sequence length {phase.sequence_length}" if phase.sequence_length else ""
         rows.append([f"batch {phase.kind} {index + 1}", _number(phase.paper_effective_batch),
                      f"steps {phase.start_step + 1}-{end}: {phase.micro_batch} x {phase.accumulation_steps} x "
                      f"{plan.world_size} = {phase.effective_batch:,}{length}"])
-    if len(plan.phases) > shown:
-        rows.append(["...", "", f"{len(plan.phases) - shown} more segments (plan.yaml has them all)"])
+    if len(phases) > shown:
+        rows.append(["...", "", f"{len(phases) - shown} more segments (plan.yaml has them all)"])
     return Table(["", "paper", f"this plan ({run.name})"], rows, css="plan")
 
 

@@ -33,7 +33,7 @@ def matplotlib_missing() -> str | None:
 
 
 def x_axis(runs: list[RunFolder]) -> str:
-    batches = {(run.plan.effective_batch, tuple(p.effective_batch for p in run.plan.phases)) for run in runs}
+    batches = {tuple(segment.effective_batch for segment in run.plan.segments) for run in runs}
     return "epoch" if len(batches) > 1 else "step"
 
 

@@ -10,7 +10,11 @@ root, and sets it up so accumulation stays the paper's large-batch update exactl
   which it skips (`_get_gradient_divide_factors` in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
   A SUM on every backend also sidesteps gloo's AVG, which once summed silently (pytorch/pytorch#162338);
 - `no_gradient_sync` turns reduction off for all but the window's last micro-batch (`set_requires_gradient_sync`,
-  the counterpart of DDP's `no_sync`): FSDP2 then accumulates unsharded gradients locally, one reduction per step;
+  the counterpart of DDP's `no_sync`): FSDP2 then accumulates unsharded gradients locally, one reduction per step.
+  With `batch.sharded_gradients` it stays on: each micro-batch's gradients are reduce-scattered (a SUM of losses
+  already divided by the window's global count) and FSDP2 adds them to the sharded gradients it holds, so no rank
+  ever holds the whole model's gradients and the window's gradient is the same (ZeRO-2/3's accumulation);
+- `batch.offload: cpu`: FSDP2's `CPUOffloadPolicy` (sharded parameters, gradients, optimizer state on the CPU);
 - mixed precision through `MixedPrecisionPolicy`: parameters all-gathered in the compute dtype (bf16 / fp16),
   gradients reduced in fp32, the sharded master weights and optimizer state kept in fp32;
 - BatchNorm running statistics follow rank 0 after every training forward, as DDP's buffer broadcast does.
@@ -26,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .distributed import SyncCounter, World
 
@@ -52,15 +56,20 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if m is not model and (isinstance(m, types) or type(m).__name__ in names)]
 
 
-def shard(model: nn.Module, precision: str, world: World, device: torch.device, counter: SyncCounter) -> nn.Module:
-    """`fully_shard` each unit, then the root (in place: the model keeps its class and its parameter names)."""
+def shard(model: nn.Module, precision: str, world: World, device: torch.device, counter: SyncCounter,
+          offload: bool = False) -> nn.Module:
+    """`fully_shard` each unit, then the root (in place: the model keeps its class and its parameter names).
+
+    `offload`: FSDP2's `CPUOffloadPolicy`, the sharded parameters, their gradients and so the optimizer state in
+    CPU memory (pinned on a GPU host), each unit copied to the device when it is gathered."""
     mesh = init_device_mesh(device.type, (world.size,))
     compute = COMPUTE_DTYPES.get(precision)
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
+    options = {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")} if offload else {}
     units = shard_units(model)
     for unit in reversed(units):  # innermost first: fully_shard needs a module's children sharded before it
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, **options)
+    fully_shard(model, mesh=mesh, mp_policy=policy, **options)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -66,8 +66,8 @@ class Setup:
     def gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         """Around one micro-batch's forward and backward: reduce its gradients over the ranks (`sync`, the window's
         last micro-batch) or accumulate them locally (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`)."""
-        if sync or not self.distributed:
-            return contextlib.nullcontext()
+        if sync or not self.distributed or (self.sharded and self.plan.recipe.batch.sharded_gradients):
+            return contextlib.nullcontext()  # sharded gradients: reduce-scattered after every micro-batch
         if self.sharded:
             from .fsdp import no_gradient_sync
 
@@ -108,7 +108,7 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
         if recipe.batch.sharding == "fsdp":  # before the optimizer: it must hold the sharded parameters
             from .fsdp import shard  # torch.distributed.fsdp takes 0.6 s to import: only for sharded runs
 
-            model = shard(model, recipe.precision, world, device, counter)
+            model = shard(model, recipe.precision, world, device, counter, offload=recipe.batch.offload == "cpu")
     optimizer = build_optimizer(plan, model)  # DDP shares the plain module's parameters
     scheduler = build_scheduler(plan, optimizer)
     # fp16 under FSDP too: the gradients are DTensors, and the scaler's inf check on them agrees over the ranks

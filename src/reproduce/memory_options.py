@@ -1,0 +1,80 @@
+"""The memory knobs of a run, as recipe fields, and the options that set them (pure Python, no torch).
+
+- `model.activation_checkpointing` (`--activation-checkpointing`): each block's activations recomputed in backward
+  (models/checkpointing.py);
+- `batch.sharded_gradients` (`--sharded-gradients`): under FSDP2, the gradients reduce-scattered after every
+  micro-batch, so no rank ever holds the whole model's gradients (train/fsdp.py);
+- `batch.offload` (`--offload cpu`): under FSDP2, parameters, gradients and optimizer state kept in CPU memory
+  (CPUOffloadPolicy).
+
+The last two need `batch.sharding: fsdp`. Each is exact: the run's weights are those of the plain large-batch loop.
+"""
+
+from __future__ import annotations
+
+from .errors import UserError
+from .recipe import Recipe
+
+OFFLOADS = ("none", "cpu")
+
+
+def with_memory_options(recipe: Recipe, activation_checkpointing: bool = False, sharded_gradients: bool = False,
+                        offload: str | None = None) -> Recipe:
+    """`recipe` with the options given on the command line switched on (a flag never switches one off)."""
+    if offload is not None and offload not in OFFLOADS:
+        raise UserError(f"--offload: expected one of {', '.join(OFFLOADS)} (got {offload!r})")
+    model, batch = {}, {}
+    if activation_checkpointing and not recipe.model.activation_checkpointing:
+        model["activation_checkpointing"] = True
+    if sharded_gradients and not recipe.batch.sharded_gradients:
+        batch["sharded_gradients"] = True
+    if offload is not None and offload != recipe.batch.offload:
+        batch["offload"] = offload
+    update = {}
+    if model:
+        update["model"] = recipe.model.model_copy(update=model)
+    if batch:
+        update["batch"] = recipe.batch.model_copy(update=batch)
+    changed = recipe.model_copy(update=update) if update else recipe
+    check_memory_options(changed)
+    return changed
+
+
+def check_memory_options(recipe: Recipe) -> None:
+    """One line for a knob that needs FSDP on a recipe that does not shard."""
+    batch = recipe.batch
+    if batch.sharding == "fsdp":
+        return
+    if batch.offload != "none":
+        raise UserError(
+            f"--offload {batch.offload}: offloads FSDP2's sharded parameters, gradients and optimizer state, and this "
+            "run does not shard (batch.sharding none); add --sharding fsdp (with --world-size / --nproc-per-node 2 "
+            "or more), or leave --offload out"
+        )
+    if batch.sharded_gradients:
+        raise UserError(
+            "--sharded-gradients: keeps FSDP2's gradients sharded through the accumulation window, and this run does "
+            "not shard (batch.sharding none); add --sharding fsdp, or leave --sharded-gradients out"
+        )
+
+
+def memory_summary(recipe: Recipe) -> list[str]:
+    """What the recipe's memory knobs do, one phrase each (for the plan and the run's first lines)."""
+    parts = []
+    if recipe.model.activation_checkpointing:
+        parts.append("activation checkpointing (each block recomputed in backward: about a third more compute)")
+    if recipe.batch.sharding == "fsdp" and recipe.batch.sharded_gradients:
+        parts.append("sharded gradients (one reduce-scatter per micro-batch instead of per optimizer step)")
+    if recipe.batch.sharding == "fsdp" and recipe.batch.offload == "cpu":
+        parts.append("CPU offload (parameters, gradients and optimizer state in CPU memory; the optimizer steps "
+                     "on the CPU)")
+    return parts
+
+
+def with_knobs_of(recipe: Recipe, other: Recipe) -> Recipe:
+    """`recipe` with `other`'s memory knobs (what a plan may have taken by itself: a resumed run keeps them)."""
+    return recipe.model_copy(update={
+        "model": recipe.model.model_copy(update={"activation_checkpointing": other.model.activation_checkpointing}),
+        "batch": recipe.batch.model_copy(update={"sharded_gradients": other.batch.sharded_gradients,
+                                                 "offload": other.batch.offload}),
+    })

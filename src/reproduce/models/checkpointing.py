@@ -1,0 +1,221 @@
+"""Activation checkpointing (`model.activation_checkpointing: true`): each block's activations recomputed in backward.
+
+A checkpointed block keeps only its input through forward; backward runs its forward again to get the activations
+it needs, so a step saves the activations of one block at a time beside the blocks' inputs, for about one more
+forward pass of compute (a third more for a transformer). Each architecture is checkpointed through its own support:
+
+- transformers models: their own `gradient_checkpointing_enable` with `use_reentrant=False` (named
+  `activation_checkpointing_enable` since transformers 5), which checkpoints each of the model's layers (GPT2Block,
+  LlamaDecoderLayer, ...);
+- the built-in GPT's `Block`, torchvision's residual blocks (`Bottleneck`, `BasicBlock`) and ViT encoder blocks, and
+  the blocks a factory model declares in `_no_split_modules` (class names, the convention of Hugging Face models,
+  which FSDP's sharding also reads): `torch.utils.checkpoint.checkpoint` around each block's forward;
+- the built-in MLP and small CNN (a `nn.Sequential` of layers, no blocks): per layer, a segment from each weight
+  layer (Linear, Conv2d) up to the next, so its norm, activation and dropout are recomputed with it.
+
+A factory model with none of these blocks must declare its own (`_no_split_modules`): a one-line error says so.
+
+Always `use_reentrant=False` (the form PyTorch recommends, which works with DDP, FSDP2 and frozen inputs) and
+`preserve_rng_state=True`: the recomputation draws the same dropout masks as the forward did. BatchNorm in a
+recomputed block normalises with the batch's statistics as in forward, and its running statistics are updated
+once (in forward), not again in the recomputation. The module tree, and so every parameter name, state dict and
+checkpoint, is unchanged: the block's forward is replaced on the instance. Applied when the model is built, so
+before DDP and before FSDP2's `fully_shard`, and on the meta device for the estimate meter, which then counts
+the recomputation like any other op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import UserError
+
+WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# transformers' layers call torch.utils.checkpoint.checkpoint with these (its default preserves the RNG state)
+HF_KWARGS = {"use_reentrant": False, "context_fn": lambda: contexts()}
+
+
+def enable(model: nn.Module, name: str) -> int:
+    """Checkpoint `model` per block (see the module's notes); the number of blocks checkpointed.
+
+    `name` is how the recipe names the model, for the one-line error when it has nothing to checkpoint."""
+    pretrained = _transformers_models(model)
+    if pretrained:
+        count = 0
+        for inner in pretrained:
+            if hasattr(inner, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+                inner.activation_checkpointing_enable(activation_checkpointing_kwargs=HF_KWARGS)
+            else:
+                inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=HF_KWARGS)
+            count += sum(1 for m in inner.modules() if getattr(m, "gradient_checkpointing", False))
+        if count:
+            return count
+    blocks = checkpoint_blocks(model)
+    if blocks:
+        for block in blocks:
+            block.forward = types.MethodType(_checkpointed_forward, block)
+        return len(blocks)
+    from .small import MLP, SmallCNN  # the built-in models without blocks: per layer (a factory's must declare them)
+
+    layered = [m for owner in model.modules() if isinstance(owner, (MLP, SmallCNN)) for m in owner.modules()
+               if _layered(m)]
+    if layered:
+        for sequence in layered:
+            sequence.forward = types.MethodType(_segmented_forward, sequence)
+        return sum(len(_segments(sequence)) for sequence in layered)
+    raise UserError(
+        f"model.activation_checkpointing: {name} has no blocks to checkpoint ({type(model).__name__}: no transformer "
+        "or residual blocks, and none declared); declare its blocks as Hugging Face models do: a class "
+        "attribute `_no_split_modules = [\"MyBlock\"]` naming the block classes, or set activation_checkpointing: "
+        "false"
+    )
+
+
+def check_checkpointable(recipe) -> None:
+    """One UserError line when the recipe asks for checkpointing and its model has nothing to checkpoint (the model
+    is built on the meta device: no memory, no weights)."""
+    if not recipe.model.activation_checkpointing or recipe.model.hf is not None:  # (hf: loaded from disk)
+        return
+    from . import build_model
+
+    with torch.device("meta"):
+        build_model(recipe)
+
+
+def enabled(model: nn.Module) -> bool:
+    """Whether some part of `model` is checkpointed."""
+    return any(
+        getattr(m, "gradient_checkpointing", False)
+        or getattr(getattr(m, "forward", None), "__func__", None) in (_checkpointed_forward, _segmented_forward)
+        for m in model.modules()
+    )
+
+
+def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
+    """The outermost blocks of `model`: built-in GPT blocks, torchvision residual and ViT encoder blocks, and the
+    classes named in any module's `_no_split_modules` (a block inside a block is recomputed with it)."""
+    from .small import Block
+
+    types_: tuple[type, ...] = (Block,)
+    resnet = sys.modules.get("torchvision.models.resnet")
+    if resnet is not None:
+        types_ += (resnet.Bottleneck, resnet.BasicBlock)
+    vit = sys.modules.get("torchvision.models.vision_transformer")
+    if vit is not None:
+        types_ += (vit.EncoderBlock,)
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, types_) or type(child).__name__ in names:
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+def _transformers_models(model: nn.Module) -> list[nn.Module]:
+    """The outermost transformers `PreTrainedModel`s inside `model` (HFLogits holds one; peft wraps one)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:
+        return []
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if isinstance(module, modeling.PreTrainedModel) and module.supports_gradient_checkpointing:
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found
+
+
+@contextlib.contextmanager
+def _recomputing(module: nn.Module) -> Iterator[None]:
+    """Around a block's recomputation: BatchNorm normalises with the batch's statistics as it did in forward (the
+    same op, saving the same tensors), but its running statistics stay as forward left them: a momentum of 0
+    keeps them (r x 1 + 0 x m, exactly), and its batch count is put back, so they are updated once per step."""
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    saved = [(norm.momentum, None if norm.num_batches_tracked is None else norm.num_batches_tracked.clone())
+             for norm in norms]
+    for norm in norms:
+        norm.momentum = 0.0
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for norm, (momentum, count) in zip(norms, saved, strict=True):
+                norm.momentum = momentum
+                if count is not None:
+                    norm.num_batches_tracked.copy_(count)
+
+
+def contexts(module: nn.Module | None = None) -> tuple[contextlib.AbstractContextManager, ...]:
+    """`checkpoint`'s context_fn: nothing around the forward; around the recomputation, BatchNorm kept as forward
+    left it (`module`'s) and the torch function modes the forward ran under (backward runs without them: the
+    estimate meter's CUDA attention rules, probe/gpu_like.py, must choose the same kernels in the recomputation)."""
+    modes = list(torch.overrides._get_current_function_mode_stack())
+
+    @contextlib.contextmanager
+    def recomputing() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            active = torch.overrides._get_current_function_mode_stack()
+            for mode in modes:
+                if not any(mode is other for other in active):
+                    stack.enter_context(mode)
+            if module is not None:
+                stack.enter_context(_recomputing(module))
+            yield
+
+    return contextlib.nullcontext(), recomputing()
+
+
+def _run(module: nn.Module, function, *args, **kwargs):
+    """`function` (the forward of `module`) checkpointed while training with gradients; as it is otherwise."""
+    if not (module.training and torch.is_grad_enabled()):
+        return function(*args, **kwargs)  # evaluation, or no_grad: nothing to save
+    return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=lambda: contexts(module), **kwargs)
+
+
+def _checkpointed_forward(self: nn.Module, *args, **kwargs):
+    """A block's own forward (its class's, also under FSDP2's subclass), checkpointed."""
+    return _run(self, type(self).forward.__get__(self), *args, **kwargs)
+
+
+def _layered(module: nn.Module) -> bool:
+    """An nn.Sequential of plain layers with at least two weight layers to cut it at (the MLP's, the CNN's)."""
+    return isinstance(module, nn.Sequential) and sum(isinstance(m, WEIGHT_LAYERS) for m in module) >= 2 and all(
+        not any(True for _ in layer.children()) for layer in module)
+
+
+def _segments(sequence: nn.Sequential) -> list[list[nn.Module]]:
+    """The layers of `sequence` cut before each weight layer: [Linear, ReLU, Dropout], [Linear, ReLU], ..."""
+    segments: list[list[nn.Module]] = []
+    for layer in sequence:
+        if not segments or isinstance(layer, WEIGHT_LAYERS):
+            segments.append([])
+        segments[-1].append(layer)
+    return segments
+
+
+def _segmented_forward(self: nn.Sequential, x):
+    for segment in _segments(self):
+        holder = nn.Sequential(*segment)  # not registered: the layers keep their place (and names) in `self`
+        holder.training = self.training
+        x = _run(holder, holder.forward, x)
+    return x

@@ -1,0 +1,198 @@
+"""The "does not fit" report's memory knobs: activation checkpointing, sharded gradients, CPU offload, combined.
+
+Each is computed for micro-batch 1 on the user's own configuration (budget, meter, sharding, world size,
+precision): checkpointing changes the step itself, so it is a new trial of the changed recipe (the estimate
+meter counts the recomputation on fake tensors); sharded gradients and CPU offload change only what an FSDP
+rank keeps of the measured step, so they are computed from its parts (probe/sharded_memory.py), for the step as it is
+and for the checkpointed one. Where one alone is not enough they are combined (checkpointing + sharded gradients,
+then + offload). Each way out carries the recipe fields it sets (`changes`), which the plan can take
+(`plan_memory_change`): checkpointing and sharded gradients, never offload (a slower run the user chooses).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..units import format_size
+from .sharded_memory import Blocks, StepMemory, sharded_peak
+from .way_out import WayOut, changed_recipe, measure_change
+
+CHECKPOINTING = {"model": {"activation_checkpointing": True}}
+SHARDED_GRADIENTS = {"batch": {"sharded_gradients": True}}
+OFFLOAD = {"batch": {"offload": "cpu"}}
+RECOMPUTE_COST = "one more forward pass of each block in backward (about a third more compute)"
+REDUCE_COST = "one reduce-scatter per micro-batch instead of one per optimizer step"
+OFFLOAD_COST = ("each unit copied to the device in every forward and backward and the optimizer stepping on the "
+                "CPU (much slower steps)")
+PLANNED_KNOBS = {("model", "activation_checkpointing"), ("batch", "sharded_gradients")}
+
+
+def merged(*changes: dict) -> dict:
+    """Recipe changes merged section by section ({"model": {...}} + {"batch": {...}})."""
+    result: dict = {}
+    for change in changes:
+        for key, value in change.items():
+            result[key] = {**result.get(key, {}), **value} if isinstance(value, dict) else value
+    return result
+
+
+def describe(change: dict) -> str:
+    """The options a change stands for: --activation-checkpointing, --sharded-gradients, --offload cpu."""
+    names = []
+    if change.get("model", {}).get("activation_checkpointing"):
+        names.append("--activation-checkpointing")
+    if change.get("batch", {}).get("sharded_gradients"):
+        names.append("--sharded-gradients")
+    if change.get("batch", {}).get("offload") == "cpu":
+        names.append("--offload cpu")
+    return " ".join(names)
+
+
+def plan_memory_change(ways_out: list[dict]) -> dict | None:
+    """The first way out that fits and sets only knobs a plan takes by itself (checkpointing, sharded gradients)."""
+    for way in ways_out:
+        change = way.get("changes")
+        if not way["fits"] or not change:
+            continue
+        fields = {(section, name) for section, values in change.items() if isinstance(values, dict)
+                  for name in values}
+        if fields and fields <= PLANNED_KNOBS and all(isinstance(v, dict) for v in change.values()):
+            return change
+    return None
+
+
+class _Rank:
+    """One FSDP rank's peak for a measured step, with or without sharded gradients and offload."""
+
+    def __init__(self, meter: Any, step: StepMemory, blocks: Blocks, compute: int, accumulates: bool):
+        self.meter, self.step, self.blocks, self.compute, self.accumulates = meter, step, blocks, compute, accumulates
+
+    @classmethod
+    def of(cls, meter: Any, parts: dict) -> _Rank:
+        blocks = Blocks(root=parts["blocks"]["root"], blocks=tuple(parts["blocks"]["sizes"]),
+                        trainable=parts["blocks"].get("trainable"))
+        return cls(meter, StepMemory(**parts["step"]), blocks, parts["compute_bytes"],
+                   parts.get("accumulates", parts.get("window", True)))
+
+    def peak(self, sharded_gradients: bool, offload: bool):
+        return sharded_peak(self.step, self.blocks, self.meter.world_size, self.compute,
+                            unsharded_window=self.accumulates and not sharded_gradients, offload=offload)
+
+
+def memory_ways_out(meter: Any, gpu: Any, first: Any, step: StepMemory, blocks: Blocks, compute: int, decide: Any,
+                    tensor_limit: int, activations: int) -> list[WayOut]:
+    """The memory knobs the recipe does not use yet, alone and combined (see the module's notes). `step` is the
+    failed step as an FSDP rank computes it; `activations` those of the failed trial as `meter` counted them."""
+    recipe = meter.workload.recipe
+    sharded = getattr(meter, "sharding", "none") == "fsdp" and getattr(meter, "world_size", 1) > 1
+    has_sg, has_offload = recipe.batch.sharded_gradients, recipe.batch.offload == "cpu"
+    ways: list[WayOut] = []
+
+    def arithmetic(rank: _Rank, base: dict, what: str, sg: bool, offload: bool, cost: str) -> WayOut:
+        peak = rank.peak(sg or has_sg, offload or has_offload)
+        needed = decide(peak.peak)
+        change = merged(base, SHARDED_GRADIENTS if sg else {}, OFFLOAD if offload else {})
+        kept = []
+        if sg:
+            whole = rank.blocks.with_gradients * 4
+            kept.append(f"each rank keeps its shard of the gradients ({format_size(shard_of(whole, meter))}) instead "
+                        f"of the whole model's ({format_size(whole)}) through the accumulation window")
+        if offload:
+            before = rank.peak(sg or has_sg, has_offload)
+            moved = before.model_states + before.sharded_gradients - peak.model_states
+            kept.append(f"{format_size(moved)} of parameters, gradients and optimizer state in CPU memory")
+        detail = f"micro-batch 1 then needs {format_size(needed)}; " + "; ".join(kept) + f"; costs {cost}"
+        return WayOut(what, peak.peak <= tensor_limit, needed, detail, changes=change)
+
+    accumulates = bool((first.parts or {}).get("accumulates", meter.cap is None or first.micro_batch < meter.cap))
+    rank = _Rank(meter, step, blocks, compute, accumulates)
+    if sharded and accumulates and not has_sg:
+        ways.append(arithmetic(rank, {}, "--sharded-gradients (batch.sharded_gradients: true)", True, False,
+                               REDUCE_COST))
+    if sharded and not has_offload:
+        ways.append(arithmetic(rank, {}, "--offload cpu (batch.offload: cpu)", False, True, OFFLOAD_COST))
+    if not recipe.model.activation_checkpointing:
+        ways.extend(_checkpointing(meter, gpu, first, activations, decide, tensor_limit, sharded, accumulates,
+                                   has_sg, has_offload, arithmetic))
+    return ways
+
+
+def shard_of(nbytes: int, meter: Any) -> int:
+    return -(-nbytes // max(1, meter.world_size))
+
+
+def _checkpointing(meter, gpu, first, activations, decide, tensor_limit, sharded, accumulates, has_sg, has_offload,
+                   arithmetic) -> list[WayOut]:
+    what = "--activation-checkpointing (model.activation_checkpointing: true)"
+    trial = measure_change(meter, gpu, CHECKPOINTING)
+    if isinstance(trial, str):
+        return [WayOut(what, False, None, trial)]
+    parts = trial.parts
+    if parts is not None:
+        after = parts["step"]["activations"]
+        saved = (f"the activations of one sample {format_size(activations)} -> {format_size(after)} "
+                 f"(saves {format_size(activations - after)})")
+    elif first.peak_bytes is not None and trial.peak_bytes is not None:
+        saved = f"saves {format_size(first.peak_bytes - trial.peak_bytes)} at micro-batch 1"
+    else:
+        saved = "the activations of one block at a time"
+    needed = f"micro-batch 1 then needs {format_size(trial.peak_bytes)}" if trial.peak_bytes is not None else (
+        f"micro-batch 1 still does not fit ({trial.note})")
+    ways = [WayOut(what, trial.fits, trial.peak_bytes, f"{needed}; {saved}; costs {RECOMPUTE_COST}",
+                   changes=CHECKPOINTING)]
+    if trial.fits:
+        return ways
+    if not sharded:  # the user's run does not shard: with how many processes would sharding and checkpointing fit?
+        ways.extend(_sharded_and_checkpointed(meter, gpu, first, accumulates))
+        return ways
+    if parts is None:
+        return ways
+    rank = _Rank.of(meter, parts)
+    cost = RECOMPUTE_COST
+    if accumulates and not has_sg:  # checkpointing + sharded gradients
+        ways.append(arithmetic(rank, CHECKPOINTING, "--activation-checkpointing --sharded-gradients", True, False,
+                               f"{cost} and {REDUCE_COST}"))
+        if ways[-1].fits:
+            return ways
+    if not has_offload:
+        sg = accumulates and not has_sg
+        what = "--activation-checkpointing" + (" --sharded-gradients" if sg else "") + " --offload cpu"
+        ways.append(arithmetic(rank, CHECKPOINTING, what, sg, True, f"{cost}, {OFFLOAD_COST}"))
+    return ways
+
+
+def _sharded_and_checkpointed(meter: Any, gpu: Any, first: Any, accumulates: bool) -> list[WayOut]:
+    """FSDP over the fewest processes that fit with checkpointing (and, if that is not enough, sharded gradients
+    too): the checkpointed step measured as FSDP runs it (an estimate meter sharding over 2), then divided."""
+    import torch
+
+    from .meters import EstimateMeter
+    from .sharded_memory import smallest_world_size
+    from .workload import Workload
+
+    capability = torch.cuda.get_device_capability() if meter.name == "cuda" else None
+    workload = Workload(changed_recipe(meter.workload.recipe, CHECKPOINTING), meter.workload.data)
+    try:
+        sharder = EstimateMeter(workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes, gpu=gpu,
+                                cap=meter.cap, sharding="fsdp", world_size=2, capability=capability)
+    except Exception:  # (a budget below the estimate's margin: nothing to say)
+        return []
+    parts = sharder.measure(first.micro_batch).parts
+    step, compute = StepMemory(**parts["step"]), parts["compute_bytes"]
+    blocks = Blocks(root=parts["blocks"]["root"], blocks=tuple(parts["blocks"]["sizes"]),
+                    trainable=parts["blocks"].get("trainable"))
+    for sg in ((False, True) if accumulates else (False,)):
+        window = accumulates and not sg
+        ranks = smallest_world_size(step, blocks, sharder.tensor_limit(), compute, unsharded_window=window)
+        if ranks is None:
+            continue
+        peak = sharded_peak(step, blocks, ranks, compute, unsharded_window=window)
+        change = merged(CHECKPOINTING, {"batch": {"sharding": "fsdp", **({"sharded_gradients": True} if sg else {})}})
+        what = f"--sharding fsdp --world-size {ranks} --activation-checkpointing" + (" --sharded-gradients" if sg
+                                                                                     else "")
+        cost = RECOMPUTE_COST + (f" and {REDUCE_COST}" if sg else "")
+        return [WayOut(what, True, sharder.decided(peak.peak),
+                       f"{ranks} processes (GPUs) with each block recomputed in backward: micro-batch 1 then needs "
+                       f"{format_size(sharder.decided(peak.peak))} on each; costs {cost}", changes=change)]
+    return [WayOut("--sharding fsdp --activation-checkpointing", False, None,
+                   "no number of processes is enough even with checkpointing and sharded gradients")]
