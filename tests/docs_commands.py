@@ -59,7 +59,9 @@ def doc_commands(files: list[Path] = DOCS) -> list[DocCommand]:
             line = lines[index]
             if line.startswith("```"):
                 fenced = not fenced
-            match = re.match(r"^\$ (?:python -m )?(reproduce(?:\.[\w.]+)?) (.*)$", line) if fenced else None
+            indent = "" if fenced else "    "  # a fenced block, or a Markdown code block indented by four spaces
+            match = re.match(rf"^{indent}\$ (?:python -m )?(reproduce(?:\.[\w.]+)?) (.*)$", line) if (
+                fenced or line.startswith("    $ ")) else None
             if not match:
                 index += 1
                 continue
@@ -71,8 +73,9 @@ def doc_commands(files: list[Path] = DOCS) -> list[DocCommand]:
             command = command.split(" | ")[0]  # a pipe into head / tail only trims what is shown
             output = []
             index += 1
-            while index < len(lines) and not lines[index].startswith(("```", "$ ")):
-                output.append(lines[index])
+            while index < len(lines) and not lines[index].startswith(("```", "$ ", "    $ ")) and (
+                    fenced or lines[index].startswith("    ")):
+                output.append(lines[index].strip())
                 index += 1
             found.append(DocCommand(path, start, shlex.split(command), _expected_exit(comment, output), module))
     return found
