@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from reproduce.cli.throughput import throughput_plan
 from reproduce.probe.timing import time_micro_step
 from reproduce.probe.workload import Workload
 from reproduce.recipe import load_recipe
 from reproduce.throughput import exact_splits
+from reproduce.throughput_plan import throughput_plan
 
 CASES = {"gpt": ("papers/pysource-gpt.yaml", 64), "mlp": ("papers/digits-mlp.yaml", 256)}
 
@@ -49,8 +49,7 @@ def main() -> None:
         rate = {m: m / statistics.median(values) for m, values in seconds.items()}
         best = max(rate, key=rate.get)
         started = time.perf_counter()
-        chosen = throughput_plan(recipe, path, cap, 1, len(workload.data["train"]), None, data=workload.data,
-                                 quiet=True)
+        chosen = throughput_plan(recipe, path, cap, 1, len(workload.data["train"]), None, data=workload.data)
         policy = time.perf_counter() - started
         decision = chosen.throughput
         timed = [c["micro_batch"] for c in decision["candidates"]]
