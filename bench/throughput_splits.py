@@ -5,7 +5,7 @@
 For each case: the exact splits m x N = the recipe's batch (m <= the cap given below), each timed as the probe
 and the policy time it (probe/timing.py: the recipe's real training step, a window of two micro-batches, the
 median of `--repeats` steps), in `--rounds` interleaved rounds (every split once per round, so the machine's
-load hits them alike; the median over rounds is kept). Then `--policy throughput` itself (cli/throughput.py,
+load hits them alike; the median over rounds is kept). Then `--policy throughput` itself (throughput_plan.py,
 no probe: it times the sizes its search picks) and where its choice stands: within 10% of the best measured
 is the goal. One torch thread, as the other benchmarks.
 """
