@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
-from reproduce.cli.plan import Policy, plan_and_probe
 from reproduce.errors import DoesNotFit, UserError
 from reproduce.models import build_model, count_parameters
 from reproduce.probe.catalog import lookup
 from reproduce.probe.runner import ProbeOptions, run_probe
 from reproduce.probe.workload import synthetic_data
 from reproduce.recipe import load_recipe
+from reproduce.session import plan_and_probe
 from reproduce.units import format_count, format_size
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
@@ -54,7 +54,8 @@ def probe_row(path: Path, recipe, gpu: str, headroom: float) -> list[str]:
     options = ProbeOptions(gpu=gpu, meter="estimate", headroom=headroom, use_cache=False)
     started = time.perf_counter()
     try:
-        the_plan, result = plan_and_probe(recipe, str(path), None, 1, Policy.exact, probe=options, quiet=True)
+        planned = plan_and_probe(recipe, str(path), None, 1, "exact", probe=options)
+        the_plan, result = planned.plan, planned.probe
     except DoesNotFit as error:  # exit 3: what would fit, from its report
         fitting = [line.strip() for line in error.lines if line.strip().startswith("[fits]")]
         note = "does not fit (exit 3); " + ("; ".join(fitting) if fitting else "nothing tried fits")

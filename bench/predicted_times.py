@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from reproduce.cli.throughput import total_samples
 from reproduce.errors import UserError
 from reproduce.planner import plan
+from reproduce.predicted_time import total_samples
 from reproduce.prediction import DEFAULT_MFU, predicted_seconds
 from reproduce.probe.catalog import lookup
 from reproduce.probe.cost import format_duration

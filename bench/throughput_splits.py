@@ -5,7 +5,7 @@
 For each case: the exact splits m x N = the recipe's batch (m <= the cap given below), each timed as the probe
 and the policy time it (probe/timing.py: the recipe's real training step, a window of two micro-batches, the
 median of `--repeats` steps), in `--rounds` interleaved rounds (every split once per round, so the machine's
-load hits them alike; the median over rounds is kept). Then `--policy throughput` itself (cli/throughput.py,
+load hits them alike; the median over rounds is kept). Then `--policy throughput` itself (throughput_plan.py,
 no probe: it times the sizes its search picks) and where its choice stands: within 10% of the best measured
 is the goal. One torch thread, as the other benchmarks.
 """
@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from reproduce.cli.throughput import throughput_plan
 from reproduce.probe.timing import time_micro_step
 from reproduce.probe.workload import Workload
 from reproduce.recipe import load_recipe
 from reproduce.throughput import exact_splits
+from reproduce.throughput_plan import throughput_plan
 
 CASES = {"gpt": ("papers/pysource-gpt.yaml", 64), "mlp": ("papers/digits-mlp.yaml", 256)}
 
@@ -49,8 +49,7 @@ def main() -> None:
         rate = {m: m / statistics.median(values) for m, values in seconds.items()}
         best = max(rate, key=rate.get)
         started = time.perf_counter()
-        chosen = throughput_plan(recipe, path, cap, 1, len(workload.data["train"]), None, data=workload.data,
-                                 quiet=True)
+        chosen = throughput_plan(recipe, path, cap, 1, len(workload.data["train"]), None, data=workload.data)
         policy = time.perf_counter() - started
         decision = chosen.throughput
         timed = [c["micro_batch"] for c in decision["candidates"]]

@@ -1,10 +1,12 @@
 """The seams of the code base, checked on its source: no import cycle in src/ (not even under TYPE_CHECKING or
-inside a function), train/ independent of the exports, check/ using only public names of the core, and test
+inside a function), train/ independent of the exports, check/ using only public names of the core, no CLI module
+importing another command's module (the decisions are in the core session layer, which prints nothing), and test
 modules that import shared helpers from tests/helpers.py, never from one another."""
 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,38 @@ def test_no_test_module_imports_another(path):
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert not {name for name in imported if name.startswith("test_") or name.startswith("tests.test_")}
+
+
+COMMANDS = {"check", "papers", "plan", "probe", "run", "verify", "report"}  # cli/<name>.py, one typer command each
+
+
+@functools.cache
+def _cli_modules_imported(name: str) -> set[str]:
+    return {target for target in _graph()[name] if target.startswith("reproduce.cli.")}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("reproduce.cli.")))
+def test_no_cli_module_imports_a_command_module(name):
+    """cli/ parses options, calls the core and renders: what several commands share lives in a neutral module
+    (cli/options.py, cli/common.py), never in another command's module (only cli/__init__ registers them)."""
+    commands = {f"reproduce.cli.{command}" for command in COMMANDS} - {name}
+    assert not _cli_modules_imported(name) & commands
+
+
+def test_every_command_module_is_known():
+    registered = {target.rsplit(".", 1)[1] for target in _cli_modules_imported("reproduce.cli")} - {"app"}
+    assert registered == COMMANDS
+
+
+@pytest.mark.parametrize("name", ["reproduce.session", "reproduce.resume_rules", "reproduce.throughput_plan",
+                                  "reproduce.predicted_time", "reproduce.plan_cost"])
+def test_the_session_layer_imports_no_cli_and_no_torch_at_import(name):
+    """The core session layer returns values and prints nothing: no typer, rich or cli/, and torch only inside the
+    functions that measure (so `reproduce plan --micro-batch-max` imports none)."""
+    imported = {target for target, _ in _imports(name)}
+    assert not {t for t in imported if t.split(".")[0] in ("typer", "rich") or t.startswith("reproduce.cli")}
+    top = ast.parse(MODULES[name].read_text()).body
+    at_import = {alias.name for node in top if isinstance(node, ast.Import) for alias in node.names}
+    assert "torch" not in at_import
+    source = MODULES[name].read_text()
+    assert "print(" not in source

@@ -16,9 +16,9 @@ import torch
 import yaml
 
 from reproduce.cli import main
-from reproduce.cli.plan import Policy, plan_and_probe
 from reproduce.probe.runner import ProbeOptions, run_probe
 from reproduce.recipe import parse_recipe
+from reproduce.session import plan_and_probe
 
 GPT = {  # tests/test_does_not_fit.py's small GPT: 8.4 MiB of tensors at micro-batch 1
     "batch": {"effective": 4096, "unit": "tokens", "sequence_length": 64},
@@ -88,7 +88,8 @@ def test_the_bf16_way_out_is_computed_with_the_users_sharding(refused):
 
 
 def test_the_plan_takes_sharded_gradients_and_says_why_and_what_it_costs(refused):
-    the_plan, result = plan_and_probe(sharded_gpt(), "gpt.yaml", None, 8, Policy.exact, probe=SMALL, quiet=True)
+    planned = plan_and_probe(sharded_gpt(), "gpt.yaml", None, 8, "exact", probe=SMALL)
+    the_plan, result = planned.plan, planned.probe
     assert the_plan.recipe.batch.sharded_gradients and not the_plan.recipe.model.activation_checkpointing
     assert result.micro_batch_max >= 1 and the_plan.micro_batch == min(result.micro_batch_max, the_plan.micro_batch)
     (note,) = the_plan.memory
@@ -99,7 +100,8 @@ def test_the_plan_takes_sharded_gradients_and_says_why_and_what_it_costs(refused
 def test_the_plan_takes_checkpointing_for_the_papers_batchnorm_batch_and_shows_both_ways():
     recipe = parse_recipe(CNN_BN, source="test")
     assert run_probe(recipe, options=SMALL).micro_batch_max < 64  # without checkpointing 64 does not fit
-    the_plan, result = plan_and_probe(recipe, "cnn.yaml", None, 1, Policy.exact, probe=SMALL, quiet=True)
+    planned = plan_and_probe(recipe, "cnn.yaml", None, 1, "exact", probe=SMALL)
+    the_plan, result = planned.plan, planned.probe
     assert the_plan.recipe.model.activation_checkpointing and result.micro_batch_max >= 64
     assert the_plan.micro_batch == 64 and the_plan.accumulation_steps == 4 and the_plan.batchnorm is None
     (note,) = the_plan.memory

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from reproduce.cli import main
-from reproduce.cli.plan import Policy, make_plan
 from reproduce.probe.catalog import CONTEXT_BYTES, GPUS, lookup
 from reproduce.probe.runner import ProbeOptions
 from reproduce.recipe import load_recipe
+from reproduce.session import make_plan
 
 DIGITS = """\
 batch: {effective: 2048, unit: samples}
@@ -175,7 +175,7 @@ def test_make_plan_probes_with_the_callers_data():
     recipe = load_recipe("digits.yaml")
     data = build_data(recipe)
     options = ProbeOptions(memory="256KiB", meter="cpu")
-    the_plan = make_plan(recipe, "digits.yaml", None, 2, Policy.exact, len(data["train"]), probe=options, data=data)
+    the_plan = make_plan(recipe, "digits.yaml", None, 2, "exact", len(data["train"]), probe=options, data=data)
     assert the_plan.world_size == 2 and the_plan.micro_batch * the_plan.accumulation_steps * 2 == 2048
     assert the_plan.micro_batch_max <= 1024  # capped at the per-rank batch
     assert the_plan.dataset_size == len(data["train"])

@@ -71,7 +71,7 @@ class Plan(Frozen):
     # batch.phases / batch.ramp: the batch each stretch of optimizer steps takes (empty: the batch above throughout;
     # `segments` is the plan as segments either way)
     phases: list[Segment] = []
-    # policy throughput: the exact splits timed and why the micro-batch was chosen (cli/throughput.py)
+    # policy throughput: the exact splits timed and why the micro-batch was chosen (throughput_plan.py)
     throughput: dict | None = None
     # the memory knobs the plan took (activation checkpointing, sharded gradients), or the ways it weighed, and why
     memory: list[str] = []

@@ -11,7 +11,7 @@ than the best so far by more than the noise, or after `MAX_TIMED` sizes. Through
 flattens (LitGPT issue 678: micro-batch 1 and 4 at virtually the same speed), so a smaller split only wins when
 it is measurably faster; ties within the measurement's noise go to the larger micro-batch (fewer, larger kernels
 and optimizer steps amortised over more samples). `choose` makes the choice from the timings, whatever gathered
-them; the CLI (cli/throughput.py) gathers them.
+them; throughput_plan.py gathers them.
 """
 
 from __future__ import annotations

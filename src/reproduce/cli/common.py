@@ -14,3 +14,8 @@ stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
 def is_terminal() -> bool:
     return sys.stdout.isatty()
+
+
+def show_note(line: str) -> None:
+    """A line the core hands back about how it reached its answer (the probe's result, a timing), on stderr."""
+    stderr.print(line, markup=False)

@@ -3,182 +3,45 @@
 from __future__ import annotations
 
 import json
-from enum import Enum
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
-from ..errors import UserError
 from ..export import FORMATS, check_format, emit
 from ..memory_options import memory_summary
+from ..plan_cost import cost_lines, costs_json, plan_costs
 from ..planfile import check_writable, save_plan
-from ..planner import Plan, first_plateau_step, lr_at, lr_points, plan
-from ..probe.runner import BudgetRequired, ProbeOptions, ProbeResult, run_probe
-from ..recipe import Recipe, load_recipe, phase_recipe
+from ..planner import Plan, first_plateau_step, lr_at, lr_points
+from ..predicted_time import predict
+from ..prediction import DEFAULT_MFU
+from ..recipe import load_recipe
 from ..segments import batch_phases
-from ..units import format_size
+from ..session import apply_memory, apply_sharding, factory_data_size, plan_and_probe
+from ..throughput_plan import check_mfu
 from .app import app
-from .common import stderr, stdout
-from .memory import CHECKPOINTING_HELP, OFFLOAD_HELP, SHARDED_GRADIENTS_HELP, Offload, apply_memory
-from .probe import (
+from .common import show_note, stderr, stdout
+from .options import (
+    CHECKPOINTING_HELP,
     GPU_HELP,
     HEADROOM_HELP,
     MEMORY_HELP,
     METER_HELP,
+    MICRO_BATCH_MAX_HELP,
     NO_CACHE_HELP,
+    OFFLOAD_HELP,
+    POLICY_HELP,
+    SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
+    WORLD_SIZE_HELP,
     MeterName,
+    Offload,
+    Policy,
     Sharding,
-    apply_sharding,
-    costs_json,
-    does_not_fit,
-    plan_costs,
     probe_options,
-    render_costs,
+    value_of,
 )
-from .throughput import (
-    DEFAULT_MFU,
-    FREE_BATCHNORM_HELP,
-    MFU_HELP,
-    check_mfu,
-    predict,
-    render_prediction,
-    render_throughput,
-)
-
-
-class Policy(str, Enum):
-    exact = "exact"
-    fast = "fast"
-    throughput = "throughput"
-
-
-MICRO_BATCH_MAX_HELP = "Largest micro-batch known to fit on one device (skips the memory probe)."
-WORLD_SIZE_HELP = "Number of data-parallel processes (GPUs) the run will use."
-POLICY_HELP = (
-    "exact: keep the paper's effective batch exactly; fast: the nearest batch with a larger micro-batch; throughput: "
-    "the exact split with the most samples per second, timed (BatchNorm keeps the paper's per-device batch)."
-)
-
-
-def make_plan(
-    recipe: Recipe,
-    recipe_path: str,
-    micro_batch_max: int | dict | None,
-    world_size: int,
-    policy: Policy,
-    dataset_size: int | dict | None = None,
-    *,
-    probe: ProbeOptions | None = None,
-    data: dict | None = None,
-    quiet: bool = False,
-) -> Plan:
-    """Plan `recipe`; the one place that decides where the micro-batch maximum comes from.
-
-    Given `micro_batch_max`, it is used as it is. Otherwise the memory probe measures it (`probe`: the
-    budget and meter; default: this machine's GPU), on `data` when the caller has built it already.
-    """
-    return plan_and_probe(
-        recipe, recipe_path, micro_batch_max, world_size, policy, dataset_size, probe=probe, data=data, quiet=quiet
-    )[0]
-
-
-def plan_and_probe(
-    recipe: Recipe,
-    recipe_path: str,
-    micro_batch_max: int | dict | None,
-    world_size: int,
-    policy: Policy,
-    dataset_size: int | dict | None = None,
-    *,
-    probe: ProbeOptions | None = None,
-    data: dict | None = None,
-    quiet: bool = False,
-    keep_batchnorm: bool = True,
-) -> tuple[Plan, ProbeResult | None]:
-    """`make_plan`, also returning the probe's result (None when `micro_batch_max` was given).
-
-    With batch phases of several sequence lengths the probe runs once per length (what fits at 128 tokens does not
-    at 512), each at the largest batch of that length; the result returned is the main length's.
-    """
-    result, memory = None, []
-    if micro_batch_max is None and len(recipe.batch.sequence_lengths) > 1:
-        maxima, result = {}, None
-        for length, fixed in phase_probes(recipe).items():
-            main = length == recipe.batch.sequence_length
-            probed = plan_and_probe(fixed, recipe_path, None, world_size, policy, None, probe=probe,
-                                    data=data if main else None, quiet=True)[1]
-            if not quiet:
-                stderr.print(f"sequence length {length}: {probe_line(probed)}", markup=False)
-            maxima[length] = probed.micro_batch_max
-            result = probed if main else result
-        micro_batch_max = maxima
-    if micro_batch_max is None:
-        try:
-            result = run_probe(recipe, recipe_path, probe or ProbeOptions(), world_size, data=data)
-        except BudgetRequired:
-            raise UserError(
-                "--micro-batch-max: required when there is no GPU here to probe: give --micro-batch-max N, "
-                "or --memory SIZE / --gpu NAME to probe for that memory"
-            ) from None
-        except UserError as error:
-            if "--micro-batch-max" in error.lines[-1]:
-                raise
-            hint = f"{error.lines[-1]} (or give --micro-batch-max to skip the probe)"
-            raise UserError(*error.lines[:-1], hint) from None
-        from ..probe.memory_plan import choose as choose_memory  # (imports torch: only when the probe ran)
-
-        recipe, result, memory = choose_memory(
-            recipe, result, lambda changed: run_probe(changed, recipe_path, probe or ProbeOptions(), world_size,
-                                                      data=data), world_size)
-        if result.micro_batch_max is None:
-            raise does_not_fit(result)
-        micro_batch_max = result.micro_batch_max
-        if not quiet:
-            stderr.print(probe_line(result), markup=False)
-    if policy is Policy.throughput:  # the exact splits timed, the fastest taken (cli/throughput.py)
-        from .throughput import throughput_plan
-
-        return throughput_plan(recipe, recipe_path, micro_batch_max, world_size, dataset_size, result, data=data,
-                               quiet=quiet, keep_batchnorm=keep_batchnorm, gpu=probe.gpu if probe else None), result
-    the_plan = plan(
-        recipe, micro_batch_max, world_size, policy.value, dataset_size=dataset_size, recipe_path=recipe_path
-    )
-    if memory:  # the memory knobs the plan took, or the ways it weighed (probe/memory_plan.py)
-        the_plan = the_plan.model_copy(update={"memory": memory})
-    return the_plan, result
-
-
-def factory_data_size(recipe: Recipe) -> tuple[dict | None, int | dict | None]:
-    """The data and its size from the recipe's data factory (the user's code), as `run` gets them, when the recipe
-    does not state data.train_size: the schedule in epochs, and the plan file, then hold the real numbers."""
-    spec = recipe.data
-    if spec.train_size is not None or not spec.available or spec.factory is None:
-        return None, None
-    from ..data import build_data  # torch, and the user's own code: only for data that a factory makes
-    from ..data.lengths import training_sizes
-
-    data = build_data(recipe)
-    return data, training_sizes(recipe, data["train"])
-
-
-def phase_probes(recipe: Recipe) -> dict[int | None, Recipe]:
-    """For each sequence length of the batch phases, the recipe to probe: its largest batch at that length."""
-    batch, largest = recipe.batch, {}
-    for phase in batch.phases or []:
-        length = phase.sequence_length or batch.sequence_length
-        largest[length] = max(largest.get(length, 0), batch.phase_sequences(phase))
-    return {length: phase_recipe(recipe, sequences, length) for length, sequences in sorted(largest.items())}
-
-
-def probe_line(result: ProbeResult) -> str:
-    """One line saying where the micro-batch maximum came from."""
-    where = "cached" if result.cached else f"{len(result.trials)} trials, {result.seconds:.1f} s"
-    return (
-        f"probe: largest micro-batch {result.micro_batch_max} (peak {format_size(result.peak_bytes)} of "
-        f"{format_size(result.budget_bytes)}, {result.headroom:.0%} headroom; {result.meter} meter; {where})"
-    )
+from .throughput import FREE_BATCHNORM_HELP, MFU_HELP, render_prediction, render_throughput
 
 
 @app.command("plan")
@@ -216,14 +79,16 @@ def plan_command(
     if emit_format is not None:
         check_format(emit_format)
     check_mfu(assumed_mfu)
-    recipe = apply_sharding(load_recipe(recipe_path), sharding, world_size)
-    recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, offload)
+    recipe = apply_sharding(load_recipe(recipe_path), value_of(sharding), world_size)
+    recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, value_of(offload))
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     data, size = factory_data_size(recipe)
-    the_plan, result = plan_and_probe(
-        recipe, str(recipe_path), micro_batch_max, world_size, policy, size, probe=options, data=data,
-        quiet=as_json or emit_format is not None, keep_batchnorm=not free_batchnorm,
+    quiet = as_json or emit_format is not None
+    planned = plan_and_probe(
+        recipe, str(recipe_path), micro_batch_max, world_size, policy.value, size, probe=options, data=data,
+        keep_batchnorm=not free_batchnorm, on_note=None if quiet else show_note,
     )
+    the_plan, result = planned.plan, planned.probe
     if out is not None:
         save_plan(the_plan, out)
     if emit_format is not None:
@@ -242,7 +107,8 @@ def plan_command(
     render_plan(the_plan)
     render_throughput(the_plan)
     if result is not None:
-        render_costs(the_plan, result)
+        for line in cost_lines(the_plan, result):
+            stdout.print(line, markup=False, soft_wrap=True)
     render_prediction(prediction)
     if out is not None:
         stdout.print(f"plan written to {out}")

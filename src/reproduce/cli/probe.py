@@ -3,83 +3,39 @@
 from __future__ import annotations
 
 import json
-from enum import Enum
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
-from ..errors import DoesNotFit, UserError
+from ..plan_cost import cost_lines, costs_json, plan_costs
 from ..planner import Plan, plan
-from ..probe.cost import Cost, cost, format_duration
-from ..probe.runner import ProbeOptions, ProbeResult, ProbeTrial, run_probe
+from ..probe.runner import ProbeResult, ProbeTrial, run_probe
 from ..probe.search import Measurement
-from ..recipe import Recipe, load_recipe, with_data_paths
-from ..sharding import with_sharding
-from ..units import format_size, parse_size
+from ..recipe import load_recipe, with_data_paths
+from ..session import apply_memory, apply_sharding, does_not_fit
+from ..units import format_size
 from .app import app
 from .common import stderr, stdout
-from .memory import CHECKPOINTING_HELP, OFFLOAD_HELP, SHARDED_GRADIENTS_HELP, Offload, apply_memory
-
-
-class Sharding(str, Enum):
-    none = "none"
-    fsdp = "fsdp"
-
-
-class MeterName(str, Enum):
-    auto = "auto"
-    cuda = "cuda"
-    cpu = "cpu"
-    estimate = "estimate"
-
-
-MEMORY_HELP = "Memory budget of one device to probe for, such as 24GiB, 16GB or 512MiB."
-GPU_HELP = "Plan for this GPU's memory (datasheet figure), such as a100-80gb, h100-80gb, rtx4090, t4."
-METER_HELP = (
-    "cuda: real trials on this GPU; cpu: real trials on the CPU, tensors counted against the budget; "
-    "estimate: fake tensors, no real memory (a GPU you do not have). auto: cuda when there is one, else estimate."
+from .options import (
+    CHECKPOINTING_HELP,
+    GPU_HELP,
+    HEADROOM_HELP,
+    MEMORY_HELP,
+    METER_HELP,
+    NO_CACHE_HELP,
+    OFFLOAD_HELP,
+    SHARDED_GRADIENTS_HELP,
+    SHARDING_HELP,
+    MeterName,
+    Offload,
+    Sharding,
+    probe_options,
+    value_of,
 )
-HEADROOM_HELP = "Fraction of the budget kept free: the largest micro-batch must peak under budget x (1 - headroom)."
-NO_CACHE_HELP = "Probe again even when a cached result for this recipe, device and budget exists."
+
 PROBE_DATA_HELP = "Probe on this data (in the recipe's data.format) instead of the recipe's data.path."
 WORLD_SIZE_HELP = "Number of data-parallel processes: the probe needs no micro-batch above batch / processes."
-SHARDING_HELP = (
-    "none: every process holds the whole model (DDP); fsdp: parameters, gradients and optimizer state sharded "
-    "over the processes (FSDP2 full_shard; plan and probe need --world-size 2 or more). Default: the recipe's "
-    "batch.sharding."
-)
-
-
-def apply_sharding(recipe: Recipe, sharding: Sharding | None, world_size: int) -> Recipe:
-    """The recipe with `--sharding` in place of its `batch.sharding` (what the probe counts and the plan keeps)."""
-    if sharding is None:
-        return recipe
-    if sharding is Sharding.fsdp and world_size < 2:
-        raise UserError(
-            f"--sharding fsdp: shards the model over the --world-size processes, and --world-size is {world_size}; "
-            "give --world-size 2 or more (one process has nothing to shard over)"
-        )
-    return with_sharding(recipe, sharding.value)
-
-
-def does_not_fit(result: ProbeResult) -> DoesNotFit:
-    """The error for a probe that found no micro-batch: the step's needs by category and what would fit."""
-    from ..probe.advice import render
-
-    if result.does_not_fit is None:  # (a cached result from before the breakdown existed)
-        return DoesNotFit(result.failure())
-    budget = f"--gpu {result.gpu}" if result.gpu else "the --memory budget"
-    return DoesNotFit(*render(result.does_not_fit, budget))
-
-
-def probe_options(memory: str | None, gpu: str | None, meter: MeterName, headroom: float, no_cache: bool
-                  ) -> ProbeOptions:
-    """The options `make_plan` and `run_probe` take, from the command-line flags (--memory checked now, before
-    anything is built or written)."""
-    if memory is not None:
-        parse_size(memory, "--memory")
-    return ProbeOptions(memory=memory, gpu=gpu, meter=meter.value, headroom=headroom, use_cache=not no_cache)
 
 
 @app.command("probe")
@@ -104,8 +60,8 @@ def probe_command(
     and what would make it fit are printed).
     """
     recipe = with_data_paths(load_recipe(recipe_path), data_path, None, str(recipe_path))
-    recipe = apply_sharding(recipe, sharding, world_size)
-    recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, offload)
+    recipe = apply_sharding(recipe, value_of(sharding), world_size)
+    recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, value_of(offload))
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     result = run_probe(recipe, str(recipe_path), options, world_size, on_trial=None if as_json else show_trial)
     the_plan = plan(recipe, result.micro_batch_max, world_size) if result.micro_batch_max else None
@@ -177,53 +133,6 @@ def render_probe(result: ProbeResult, the_plan: Plan | None) -> None:
         stdout.print(f"note: {note}", markup=False, soft_wrap=True)
     if the_plan is not None:
         render_costs(the_plan, result)
-
-
-def plan_costs(the_plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:
-    """The plan's cost, and its alternative's when it has one, keyed by policy."""
-    seq, timings = the_plan.recipe.batch.sequence_length, result.timings()
-    costs = {
-        the_plan.policy: cost(
-            timings, the_plan.micro_batch, the_plan.accumulation_steps, the_plan.effective_batch, seq,
-            the_plan.optimizer_steps,
-        )
-    }
-    alt = the_plan.alternative
-    if alt is not None:
-        steps = None
-        if the_plan.optimizer_steps is not None:  # the same data, in steps of the other batch
-            steps = round(the_plan.optimizer_steps * the_plan.effective_batch / alt.effective_batch)
-        costs[alt.policy] = cost(timings, alt.micro_batch, alt.accumulation_steps, alt.effective_batch, seq, steps)
-    return costs
-
-
-def costs_json(costs: dict[str, Cost | None]) -> dict:
-    return {policy: (c.to_json() if c else None) for policy, c in costs.items()}
-
-
-def cost_lines(the_plan: Plan, result: ProbeResult) -> list[str]:
-    """What the plan costs on the probed device, one line per policy."""
-    costs = plan_costs(the_plan, result)
-    if all(c is None for c in costs.values()):
-        why = "the estimate meter runs no real step" if result.meter == "estimate" else "no step was timed"
-        return [f"cost: not measured ({why}); probe with --meter cuda or cpu for step times"]
-    unit = the_plan.unit
-    lines = []
-    for policy, c in costs.items():
-        if c is None:
-            continue
-        rate = f"{c.samples_per_second:,.0f} {unit}/s" + (
-            f" ({c.tokens_per_second:,.0f} tokens/s)" if c.tokens_per_second else ""
-        )
-        total = (
-            f"; {c.optimizer_steps:,} steps: {format_duration(c.total_seconds)}" if c.total_seconds is not None
-            else "; total unknown (the number of steps needs the dataset size)"
-        )
-        lines.append(
-            f"cost on {result.device} ({policy}, {c.micro_batch} x {c.accumulation_steps}): {c.step_seconds:.3g} s "
-            f"per optimizer step ({c.accumulation_steps} x {c.micro_step_seconds:.3g} s), {rate}{total}"
-        )
-    return lines
 
 
 def render_costs(the_plan: Plan, result: ProbeResult) -> None:

@@ -14,28 +14,34 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..errors import UserError
-from ..memory_options import with_knobs_of
 from ..phases import phase_lines
-from ..planfile import load_plan, load_recipe_or_plan
 from ..planner import Plan
-from ..recipe import Recipe, parse_recipe, with_data_paths
 from ..reported import reported_line
-from ..sharding import check_sharding, with_sharding
+from ..resume_rules import recipe_and_plan
+from ..session import check_launch_policy, check_sharded_probe, memory_for_run, probe_consensus, run_plan
+from ..sharding import check_sharding
 from ..train.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from .app import app
-from .common import is_terminal, stderr, stdout
-from .memory import CHECKPOINTING_HELP, OFFLOAD_HELP, SHARDED_GRADIENTS_HELP, Offload, apply_memory_to_run
-from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, make_plan, plan_and_probe
-from .probe import (
+from .common import is_terminal, show_note, stderr, stdout
+from .options import (
+    CHECKPOINTING_HELP,
     GPU_HELP,
     HEADROOM_HELP,
     MEMORY_HELP,
     METER_HELP,
+    MICRO_BATCH_MAX_HELP,
     NO_CACHE_HELP,
+    OFFLOAD_HELP,
+    POLICY_HELP,
+    SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
+    WORLD_SIZE_HELP,
     MeterName,
+    Offload,
+    Policy,
     Sharding,
     probe_options,
+    value_of,
 )
 from .resume import LAUNCHER_ENV, absolute, continue_command, launcher_args, launcher_of_this_job
 
@@ -61,7 +67,7 @@ class PlainReporter:
             + ("" if plan.exact else f", not the paper's {plan.paper_effective_batch}: lr {plan.lr:.6g} "
                f"({plan.lr_rule})")
         )
-        if plan.throughput:  # --policy throughput: why this split (cli/throughput.py)
+        if plan.throughput:  # --policy throughput: why this split (throughput_plan.py)
             stdout.print(f"--policy throughput: {plan.throughput['reason']}", markup=False, soft_wrap=True)
         for line in phases:
             stdout.print(line, markup=False)
@@ -173,100 +179,6 @@ def _launch(command: list[str]) -> int:
             signal.signal(signum, handler)
 
 
-def _replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: int | dict, source: Path) -> Plan:
-    """The same effective batch and schedule on another number of processes, or with a smaller micro-batch (a
-    resumed run that ran out of memory; None: keep the plan's), or with the dataset's size when the plan was made
-    without it: N and the steps per epoch are re-derived. With batch phases each sequence
-    length keeps its own micro-batch, lowered to `micro_batch` where that is smaller."""
-    from ..planner import plan as make
-
-    cap = micro_batch or saved.micro_batch
-    micro = {s.sequence_length: min(s.micro_batch, micro_batch or s.micro_batch) for s in saved.segments}
-    micro = micro if len(micro) > 1 else cap  # one micro-batch per sequence length the plan reads
-    again = make(saved.recipe, micro, world_size, saved.policy, dataset_size=dataset_size,
-                 recipe_path=saved.recipe_path)
-    same = ("effective_batch", "steps_per_epoch", "optimizer_steps", "warmup_steps", "decay_milestones")
-    if saved.dataset_size is None:  # made without the data: its steps were not known, only its batches
-        same = ("effective_batch",)
-
-    def steps(p: Plan) -> list:
-        if saved.dataset_size is None:
-            return [segment.effective_batch for segment in p.segments]
-        return [(segment.start_step, segment.steps, segment.effective_batch) for segment in p.segments]
-
-    # what the saved plan could not know (made without the data: `reproduce plan --out`) comes from the data now
-    changed = [field for field in same if getattr(saved, field) is not None and getattr(again, field) != getattr(
-        saved, field)]
-    if changed or steps(again) != steps(saved):
-        raise UserError(
-            f"{source}: world_size: the plan ({saved.arithmetic}{_steps_text(saved)}) cannot be kept "
-            f"on {world_size} processes with micro-batch {cap}; plan again for {world_size}"
-        )
-    return again
-
-
-def _steps_text(plan: Plan) -> str:
-    """`, 300 steps`, or nothing for a plan whose schedule was never known (never `None steps`)."""
-    return f", {plan.optimizer_steps} steps" if plan.optimizer_steps is not None else ""
-
-
-def _resumed_data_paths(recipe: Recipe, saved: Recipe, data_path: str | None, eval_data_path: str | None,
-                        out: Path, source: str) -> Recipe:
-    """Resuming reads the data the run read: its paths come from its plan.yaml; --data / --eval-data, when given,
-    must name the same."""
-    if recipe.data.format is None or saved.data.format is None:
-        return recipe
-
-    def same(a: str | None, b: str | None) -> bool:
-        if a is None or b is None:
-            return a is b
-        return Path(a).expanduser().absolute() == Path(b).expanduser().absolute()
-
-    for option, given, mine, ran in (("--data", data_path, recipe.data.path, saved.data.path),
-                                     ("--eval-data", eval_data_path, recipe.data.eval_path, saved.data.eval_path)):
-        if given is not None and not same(mine, ran):
-            raise UserError(f"{option}: the run in {out} read {ran}; --resume continues it on the same data "
-                            f"(got {mine})")
-    data = recipe.model_dump(mode="json")
-    data["data"].update(path=saved.data.path, eval_path=saved.data.eval_path, available=saved.data.available)
-    return parse_recipe(data, source)
-
-
-def _recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None, data_path: str | None,
-                     eval_data_path: str | None) -> tuple[Recipe, Plan | None]:
-    """The recipe (and plan, when given or resumed) with the data paths and the sharding this run uses: --data /
-    --eval-data and --sharding, else the recipe's; a resumed run keeps the data and sharding it was started with."""
-    recipe, plan = load_recipe_or_plan(source)
-    recipe = with_data_paths(recipe, data_path, eval_data_path, str(source))
-    if not resume:
-        recipe = with_sharding(recipe, sharding)
-        return recipe, plan.model_copy(update={"recipe": recipe}) if plan is not None else None
-    saved = load_plan(out / "plan.yaml") if (out / "plan.yaml").is_file() else None
-    if saved is None:
-        raise UserError(f"--resume: {out} has no plan.yaml to resume")
-    started = saved.recipe.batch.sharding
-    if sharding is not None and sharding != started:
-        raise UserError(f"--sharding: the run in {out} was started with sharding {started}; resume it with the same "
-                        f"(got {sharding})")
-    recipe = _resumed_data_paths(recipe, saved.recipe, data_path, eval_data_path, out, str(source))
-    if with_knobs_of(with_sharding(recipe, started), saved.recipe) != saved.recipe:  # (knobs the plan took kept)
-        raise UserError(f"--resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
-    return saved.recipe, saved
-
-
-def _check_sharded_probe(recipe: Recipe, plan: Plan | None, micro_batch_max: int | None, meter: MeterName) -> None:
-    """A real (cuda / cpu) probe measures the whole unsharded model on one device: not what an FSDP rank holds."""
-    if recipe.batch.sharding != "fsdp" or plan is not None or micro_batch_max is not None:
-        return
-    import torch
-
-    if meter in (MeterName.cuda, MeterName.cpu) or (meter == MeterName.auto and torch.cuda.is_available()):
-        raise UserError(
-            "--micro-batch-max: with batch.sharding fsdp give it (or --meter estimate): the cuda and cpu probes "
-            "measure the whole unsharded model on one device, not one rank's share"
-        )
-
-
 @app.command("run")
 def run_command(
     source: Path = typer.Argument(..., metavar="PLAN_OR_RECIPE", help=SOURCE_HELP),
@@ -311,19 +223,17 @@ def run_command(
     trackers = parse_log_to(log_to, tensorboard)
     check_trackers(trackers)  # a missing package: one line, before anything is planned or trained
     world = distributed.world_from_env()
-    sharding_name = sharding.value if sharding is not None else None
-    memory_flags = (activation_checkpointing, sharded_gradients, offload)
+    sharding_name = value_of(sharding)
+    memory_flags = (activation_checkpointing, sharded_gradients, value_of(offload))
     if nproc_per_node is not None and not world.distributed:
         if nnodes > 1 and rdzv_endpoint is None:
             raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
         # bad input: one line, before launching
-        recipe, plan = _recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
-        recipe, plan = apply_memory_to_run(recipe, plan, resume, out, *memory_flags)
+        recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
+        recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
         check_sharding(recipe, nproc_per_node * nnodes)
-        _check_sharded_probe(recipe, plan, micro_batch_max, meter)
-        if policy is Policy.throughput and plan is None and nproc_per_node * nnodes > 1:
-            raise UserError("--policy throughput: each process would time its own device and might choose another "
-                            "split; plan first (reproduce plan --policy throughput --out plan.yaml) and run that plan")
+        check_sharded_probe(recipe, plan, micro_batch_max, meter.value)
+        check_launch_policy(policy.value, plan, nproc_per_node * nnodes)
         args = _forwarded_args(
             source, out,
             {"--policy": policy.value, "--device": device, "--micro-batch-max": micro_batch_max,
@@ -341,37 +251,25 @@ def run_command(
         raise typer.Exit(_launch(command))
     if world.distributed:
         world_size = world.size
-    recipe, plan = _recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
-    recipe, plan = apply_memory_to_run(recipe, plan, resume, out, *memory_flags)
+    recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
+    recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
     check_sharding(recipe, world.size)
-    _check_sharded_probe(recipe, plan, micro_batch_max, meter)
+    check_sharded_probe(recipe, plan, micro_batch_max, meter.value)
     data = build_data(recipe)
     size = training_sizes(recipe, data["train"])  # per sequence length when batch phases change it
     options = probe_options(memory, gpu, meter, headroom, no_cache)
+    on_note = show_note if world.is_main else None
     if plan is None and world.distributed and micro_batch_max is None:
         # every rank probes its own device; all take the smallest result, so no rank runs out of memory
         from ..train.setup import resolve_device
 
         rank_device = distributed.init(world, resolve_device(device))
-        probed_plan, _ = plan_and_probe(recipe, str(source), None, world_size, policy, size, probe=options,
-                                             data=data, quiet=not world.is_main)
-        recipe = probed_plan.recipe  # with the memory knobs the plan took (probe/memory_plan.py)
-        # one maximum per sequence length the plan reads, agreed in the same order on every rank
-        maxima = {segment.sequence_length: segment.micro_batch_max for segment in probed_plan.segments}
-        agreed = {length: distributed.all_min(world, maxima[length], rank_device)
-                  for length in sorted(maxima, key=lambda length: length or 0)}
-        micro_batch_max = agreed if len(agreed) > 1 else next(iter(agreed.values()))
-    if plan is None:
-        plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy, dataset_size=size, probe=options,
-                         data=data, quiet=not world.is_main)
-    else:
-        smaller = resume and micro_batch_max is not None and micro_batch_max < plan.micro_batch
-        if plan.world_size != world_size or smaller or plan.dataset_size is None:
-            plan = _replan(plan, world_size, micro_batch_max if smaller else None, size, source)
-    warnings = list(plan.warnings)
-    main_size = size.get(recipe.batch.sequence_length) if isinstance(size, dict) else size
-    if recipe.data.train_size is not None and recipe.data.train_size != main_size:
-        warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {main_size}: using {main_size}")
+        recipe, micro_batch_max = probe_consensus(
+            recipe, str(source), world_size, policy.value, size,
+            lambda maximum: distributed.all_min(world, maximum, rank_device), probe=options, data=data,
+            on_note=on_note)
+    plan, warnings = run_plan(recipe, str(source), plan, micro_batch_max, world_size, policy.value, size, resume,
+                              probe=options, data=data, on_note=on_note)
     micro_max = micro_batch_max if isinstance(micro_batch_max, int) else None  # (per-length maxima: no option)
     continue_with = continue_command(
         out, {"--max-steps": max_steps, "--micro-batch-max": micro_max,

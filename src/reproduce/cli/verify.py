@@ -13,10 +13,10 @@ from rich.table import Table
 from ..errors import UserError
 from ..planfile import load_recipe_or_plan
 from ..recipe import with_data_paths
+from ..session import apply_memory, make_plan
 from .app import app
-from .common import stdout
-from .memory import CHECKPOINTING_HELP, apply_memory
-from .plan import MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy, make_plan
+from .common import show_note, stdout
+from .options import CHECKPOINTING_HELP, MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy
 
 SAMPLES_HELP = "Check on the first K samples instead of one effective batch (for big models)."
 TOLERANCE_HELP = "Largest relative error that counts as equivalent (default per dtype: float64 1e-10, float32 1e-5)."
@@ -61,7 +61,8 @@ def verify_command(
         the_plan = the_plan.model_copy(update={"recipe": recipe})
     data = build_data(recipe)
     if the_plan is None:
-        the_plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy, dataset_size=len(data["train"]))
+        the_plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy.value,
+                             dataset_size=len(data["train"]), on_note=show_note)
     result = verify(
         the_plan, samples=samples, tolerance=tolerance, dtype=dtype.value, device=device, seed=seed, data=data
     )

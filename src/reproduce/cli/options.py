@@ -1,0 +1,78 @@
+"""Option definitions shared by several commands (plan, probe, run, verify): the choices, their help texts, and
+the flags turned into the core's arguments. No command lives here, so every command may import it."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from ..probe.runner import ProbeOptions
+from ..units import parse_size
+
+
+class Policy(str, Enum):
+    exact = "exact"
+    fast = "fast"
+    throughput = "throughput"
+
+
+class Sharding(str, Enum):
+    none = "none"
+    fsdp = "fsdp"
+
+
+class MeterName(str, Enum):
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
+    estimate = "estimate"
+
+
+class Offload(str, Enum):
+    none = "none"
+    cpu = "cpu"
+
+
+MICRO_BATCH_MAX_HELP = "Largest micro-batch known to fit on one device (skips the memory probe)."
+WORLD_SIZE_HELP = "Number of data-parallel processes (GPUs) the run will use."
+POLICY_HELP = (
+    "exact: keep the paper's effective batch exactly; fast: the nearest batch with a larger micro-batch; throughput: "
+    "the exact split with the most samples per second, timed (BatchNorm keeps the paper's per-device batch)."
+)
+MEMORY_HELP = "Memory budget of one device to probe for, such as 24GiB, 16GB or 512MiB."
+GPU_HELP = "Plan for this GPU's memory (datasheet figure), such as a100-80gb, h100-80gb, rtx4090, t4."
+METER_HELP = (
+    "cuda: real trials on this GPU; cpu: real trials on the CPU, tensors counted against the budget; "
+    "estimate: fake tensors, no real memory (a GPU you do not have). auto: cuda when there is one, else estimate."
+)
+HEADROOM_HELP = "Fraction of the budget kept free: the largest micro-batch must peak under budget x (1 - headroom)."
+NO_CACHE_HELP = "Probe again even when a cached result for this recipe, device and budget exists."
+SHARDING_HELP = (
+    "none: every process holds the whole model (DDP); fsdp: parameters, gradients and optimizer state sharded "
+    "over the processes (FSDP2 full_shard; plan and probe need --world-size 2 or more). Default: the recipe's "
+    "batch.sharding."
+)
+CHECKPOINTING_HELP = (
+    "Recompute each block's activations in backward instead of keeping them (model.activation_checkpointing): "
+    "less activation memory for about a third more compute; exact."
+)
+SHARDED_GRADIENTS_HELP = (
+    "With --sharding fsdp: reduce-scatter the gradients after every micro-batch so they stay sharded through the "
+    "accumulation window (batch.sharded_gradients); more communication, exact."
+)
+OFFLOAD_HELP = (
+    "With --sharding fsdp: cpu keeps parameters, gradients and optimizer state in CPU memory (batch.offload)."
+)
+
+
+def value_of(choice: Enum | None) -> str | None:
+    """An option's choice as the core takes it: its value, or None when not given."""
+    return choice.value if choice is not None else None
+
+
+def probe_options(memory: str | None, gpu: str | None, meter: MeterName, headroom: float, no_cache: bool
+                  ) -> ProbeOptions:
+    """The options `make_plan` and `run_probe` take, from the command-line flags (--memory checked now, before
+    anything is built or written)."""
+    if memory is not None:
+        parse_size(memory, "--memory")
+    return ProbeOptions(memory=memory, gpu=gpu, meter=meter.value, headroom=headroom, use_cache=not no_cache)

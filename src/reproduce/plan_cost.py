@@ -1,0 +1,55 @@
+"""What a plan costs on the probed device (`plan --json`'s `cost`, the cost lines of `plan` and `probe`), from the
+step times the probe's trials measured (probe/cost.py). Values and lines to show; nothing printed, no torch."""
+
+from __future__ import annotations
+
+from .planner import Plan
+from .probe.cost import Cost, cost, format_duration
+from .probe.runner import ProbeResult
+
+
+def plan_costs(the_plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:
+    """The plan's cost, and its alternative's when it has one, keyed by policy."""
+    seq, timings = the_plan.recipe.batch.sequence_length, result.timings()
+    costs = {
+        the_plan.policy: cost(
+            timings, the_plan.micro_batch, the_plan.accumulation_steps, the_plan.effective_batch, seq,
+            the_plan.optimizer_steps,
+        )
+    }
+    alt = the_plan.alternative
+    if alt is not None:
+        steps = None
+        if the_plan.optimizer_steps is not None:  # the same data, in steps of the other batch
+            steps = round(the_plan.optimizer_steps * the_plan.effective_batch / alt.effective_batch)
+        costs[alt.policy] = cost(timings, alt.micro_batch, alt.accumulation_steps, alt.effective_batch, seq, steps)
+    return costs
+
+
+def costs_json(costs: dict[str, Cost | None]) -> dict:
+    return {policy: (c.to_json() if c else None) for policy, c in costs.items()}
+
+
+def cost_lines(the_plan: Plan, result: ProbeResult) -> list[str]:
+    """What the plan costs on the probed device, one line per policy."""
+    costs = plan_costs(the_plan, result)
+    if all(c is None for c in costs.values()):
+        why = "the estimate meter runs no real step" if result.meter == "estimate" else "no step was timed"
+        return [f"cost: not measured ({why}); probe with --meter cuda or cpu for step times"]
+    unit = the_plan.unit
+    lines = []
+    for policy, c in costs.items():
+        if c is None:
+            continue
+        rate = f"{c.samples_per_second:,.0f} {unit}/s" + (
+            f" ({c.tokens_per_second:,.0f} tokens/s)" if c.tokens_per_second else ""
+        )
+        total = (
+            f"; {c.optimizer_steps:,} steps: {format_duration(c.total_seconds)}" if c.total_seconds is not None
+            else "; total unknown (the number of steps needs the dataset size)"
+        )
+        lines.append(
+            f"cost on {result.device} ({policy}, {c.micro_batch} x {c.accumulation_steps}): {c.step_seconds:.3g} s "
+            f"per optimizer step ({c.accumulation_steps} x {c.micro_step_seconds:.3g} s), {rate}{total}"
+        )
+    return lines

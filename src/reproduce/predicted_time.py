@@ -1,0 +1,107 @@
+"""The predicted wall time of a plan (`reproduce plan`'s `predicted_seconds`): on a device the probe measured, the
+measured step time x the steps; with `--gpu`, the FLOPs model (prediction.py) with its assumed MFU stated; and the
+same model on the paper's own hardware (`batch.devices` x `batch.device`) when it is a GPU of the catalog. Values
+only, nothing printed; the FLOPs counter (probe/flops.py) imports torch when a prediction is made.
+"""
+
+from __future__ import annotations
+
+from .errors import UserError
+from .plan_cost import plan_costs
+from .planner import Plan
+from .prediction import DEFAULT_MFU, MFU_SOURCE, predicted_seconds
+from .probe.runner import ProbeResult
+from .throughput_plan import check_mfu
+
+
+def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: float = DEFAULT_MFU,
+                    data: dict | None = None) -> dict:
+    """`predicted_seconds` (this plan), `paper_predicted_seconds` (the paper's hardware) and how they were made."""
+    from .probe.catalog import lookup
+    from .probe.flops import recipe_flops
+    from .probe.peaks import peaks_of, precision_key
+
+    recipe = p.recipe
+    notes: list[str] = []
+    flops = recipe_flops(recipe, data)
+    tf32 = flops.convolution_share > 0.5  # cuDNN runs fp32 convolutions on TF32 tensor cores by default
+    key = precision_key(recipe.precision, tf32)
+    samples = total_samples(p)
+    out: dict = {"flops_per_sample": flops.per_sample, "flops_per_step": flops.per_sample * p.effective_batch,
+                 "precision": key, "mfu_assumed": assumed_mfu, "mfu_source": MFU_SOURCE}
+    this, basis = None, None
+    measured = plan_costs(p, result).get(p.policy) if result is not None and result.meter != "estimate" else None
+    if measured is not None and measured.total_seconds is not None:
+        this, basis = measured.total_seconds, f"measured step time on {result.device}"
+    elif gpu is not None or (result is not None and result.gpu):
+        entry = lookup(gpu or result.gpu)
+        peak = _peak(peaks_of(entry.name), key)
+        this = _predict(samples, flops.per_sample, p.world_size, peak, assumed_mfu)
+        basis = f"FLOPs model: {p.world_size} x {entry.title} at {_tflops(peak)} {key} x MFU {assumed_mfu:.0%}"
+        if peak is None:
+            why = peaks_of(entry.name).source if peaks_of(entry.name) else "not in probe/peaks.py"
+            notes.append(f"{entry.title}: no datasheet peak for {key} in the catalog ({why}): no prediction")
+    else:
+        notes.append("no prediction for this plan: give --gpu NAME, or probe a local device (--meter cuda or cpu)")
+    if samples is None:
+        notes.append("the number of optimizer steps is unknown (the dataset size is needed): no prediction")
+    paper, paper_basis = None, None
+    device, devices = recipe.batch.device, recipe.batch.devices
+    if device and devices:
+        try:
+            entry = lookup(device)
+        except UserError as error:
+            notes.append(f"the paper's hardware: {error.lines[-1].removeprefix('--gpu: ')}")
+        else:
+            peak = _peak(peaks_of(entry.name), key)
+            paper = _predict(samples, flops.per_sample, devices, peak, assumed_mfu)
+            paper_basis = f"FLOPs model: {devices} x {entry.title} at {_tflops(peak)} {key} x MFU {assumed_mfu:.0%}"
+    else:
+        notes.append("the paper's hardware: batch.device and batch.devices are not both stated")
+    out.update(predicted_seconds=this, predicted_basis=basis, paper_predicted_seconds=paper, paper_basis=paper_basis,
+               notes=notes)
+    return out
+
+
+def total_samples(p: Plan) -> float | None:
+    """The samples of the whole schedule, in samples of the main sequence length (batch phases of another length
+    count in proportion to their tokens: FLOPs per token taken as constant)."""
+    if p.optimizer_steps is None:
+        return None
+    main, total = p.recipe.batch.sequence_length, 0.0
+    for phase in p.segments:
+        end = min(phase.end_step if phase.end_step is not None else p.optimizer_steps, p.optimizer_steps)
+        steps = max(0, end - phase.start_step)
+        total += steps * phase.effective_batch * ((phase.sequence_length or main) / main if main else 1)
+    return total
+
+
+def _predict(samples: float | None, per_sample: float, devices: int, peak: float | None, assumed_mfu: float
+             ) -> float | None:
+    if samples is None:
+        return None
+    return predicted_seconds(1, samples * per_sample, devices, peak, assumed_mfu)
+
+
+def _peak(peaks, key: str) -> float | None:
+    return peaks.flops(key) if peaks is not None else None
+
+
+def _tflops(peak: float | None) -> str:
+    return f"{peak / 1e12:g} TFLOP/s" if peak else "an unknown peak"
+
+
+def predict(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: float = DEFAULT_MFU) -> dict:
+    """`prediction_json` when there is hardware to predict for (--gpu, or a probed device); else why not. A model
+    the FLOPs counter cannot trace leaves the prediction null, never the plan undone."""
+    check_mfu(assumed_mfu)
+    if gpu is None and result is None:
+        return {"predicted_seconds": None, "paper_predicted_seconds": None,
+                "notes": ["no predicted time: give --gpu NAME (or let the plan probe a device) to predict one"]}
+    try:
+        return prediction_json(p, result, gpu, assumed_mfu)
+    except UserError:
+        raise
+    except Exception as error:  # the prediction is an addition to the plan, which stands without it
+        return {"predicted_seconds": None, "paper_predicted_seconds": None,
+                "notes": [f"FLOPs not counted ({type(error).__name__}: {str(error).splitlines()[0][:120]})"]}

@@ -1,0 +1,96 @@
+"""The resume rules: what a run continued with `reproduce run --resume` keeps from the run it continues, and how a
+plan is re-derived for another number of processes, a smaller micro-batch or the data's size. Values in, values
+out; a request that would change the run raises UserError naming the option. Pure Python, no torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import UserError
+from .memory_options import with_knobs_of
+from .planfile import load_plan, load_recipe_or_plan
+from .planner import Plan
+from .planner import plan as make
+from .recipe import Recipe, parse_recipe, with_data_paths
+from .sharding import with_sharding
+
+
+def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: int | dict, source: Path | str
+           ) -> Plan:
+    """The same effective batch and schedule on another number of processes, or with a smaller micro-batch (a
+    resumed run that ran out of memory; None: keep the plan's), or with the dataset's size when the plan was made
+    without it: N and the steps per epoch are re-derived. With batch phases each sequence
+    length keeps its own micro-batch, lowered to `micro_batch` where that is smaller."""
+    cap = micro_batch or saved.micro_batch
+    micro = {s.sequence_length: min(s.micro_batch, micro_batch or s.micro_batch) for s in saved.segments}
+    micro = micro if len(micro) > 1 else cap  # one micro-batch per sequence length the plan reads
+    again = make(saved.recipe, micro, world_size, saved.policy, dataset_size=dataset_size,
+                 recipe_path=saved.recipe_path)
+    same = ("effective_batch", "steps_per_epoch", "optimizer_steps", "warmup_steps", "decay_milestones")
+    if saved.dataset_size is None:  # made without the data: its steps were not known, only its batches
+        same = ("effective_batch",)
+
+    def steps(p: Plan) -> list:
+        if saved.dataset_size is None:
+            return [segment.effective_batch for segment in p.segments]
+        return [(segment.start_step, segment.steps, segment.effective_batch) for segment in p.segments]
+
+    # what the saved plan could not know (made without the data: `reproduce plan --out`) comes from the data now
+    changed = [field for field in same if getattr(saved, field) is not None and getattr(again, field) != getattr(
+        saved, field)]
+    if changed or steps(again) != steps(saved):
+        raise UserError(
+            f"{source}: world_size: the plan ({saved.arithmetic}{steps_text(saved)}) cannot be kept "
+            f"on {world_size} processes with micro-batch {cap}; plan again for {world_size}"
+        )
+    return again
+
+
+def steps_text(plan: Plan) -> str:
+    """`, 300 steps`, or nothing for a plan whose schedule was never known (never `None steps`)."""
+    return f", {plan.optimizer_steps} steps" if plan.optimizer_steps is not None else ""
+
+
+def resumed_data_paths(recipe: Recipe, saved: Recipe, data_path: str | None, eval_data_path: str | None,
+                       out: Path, source: str) -> Recipe:
+    """Resuming reads the data the run read: its paths come from its plan.yaml; --data / --eval-data, when given,
+    must name the same."""
+    if recipe.data.format is None or saved.data.format is None:
+        return recipe
+
+    def same(a: str | None, b: str | None) -> bool:
+        if a is None or b is None:
+            return a is b
+        return Path(a).expanduser().absolute() == Path(b).expanduser().absolute()
+
+    for option, given, mine, ran in (("--data", data_path, recipe.data.path, saved.data.path),
+                                     ("--eval-data", eval_data_path, recipe.data.eval_path, saved.data.eval_path)):
+        if given is not None and not same(mine, ran):
+            raise UserError(f"{option}: the run in {out} read {ran}; --resume continues it on the same data "
+                            f"(got {mine})")
+    data = recipe.model_dump(mode="json")
+    data["data"].update(path=saved.data.path, eval_path=saved.data.eval_path, available=saved.data.available)
+    return parse_recipe(data, source)
+
+
+def recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None, data_path: str | None,
+                    eval_data_path: str | None) -> tuple[Recipe, Plan | None]:
+    """The recipe (and plan, when given or resumed) with the data paths and the sharding this run uses: --data /
+    --eval-data and --sharding, else the recipe's; a resumed run keeps the data and sharding it was started with."""
+    recipe, plan = load_recipe_or_plan(source)
+    recipe = with_data_paths(recipe, data_path, eval_data_path, str(source))
+    if not resume:
+        recipe = with_sharding(recipe, sharding)
+        return recipe, plan.model_copy(update={"recipe": recipe}) if plan is not None else None
+    saved = load_plan(out / "plan.yaml") if (out / "plan.yaml").is_file() else None
+    if saved is None:
+        raise UserError(f"--resume: {out} has no plan.yaml to resume")
+    started = saved.recipe.batch.sharding
+    if sharding is not None and sharding != started:
+        raise UserError(f"--sharding: the run in {out} was started with sharding {started}; resume it with the same "
+                        f"(got {sharding})")
+    recipe = resumed_data_paths(recipe, saved.recipe, data_path, eval_data_path, out, str(source))
+    if with_knobs_of(with_sharding(recipe, started), saved.recipe) != saved.recipe:  # (knobs the plan took kept)
+        raise UserError(f"--resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
+    return saved.recipe, saved
+

@@ -1,0 +1,248 @@
+"""The session: what a command decides between reading its options and showing its output, as values.
+
+Probe, then plan (`plan_and_probe`): the micro-batch maximum comes from the caller, or from the memory probe
+(once per sequence length when batch phases change it), then the plan, by the chosen policy. The probe consensus
+across ranks (`probe_consensus`): every rank probes its own device and all take the smallest maximum. The
+checks a run makes before it starts (`check_sharded_probe`, `check_launch_policy`), and the plan a run uses
+(`run_plan`). Nothing here prints: the lines to show come back as data (`Planned.notes`, warnings), or are handed
+to the caller's `on_note` as they come (a probe or a timing can take a while); bad input raises UserError, a
+model that does not fit DoesNotFit. Torch is imported only inside the functions that measure (the probe, the
+timings), so planning with a given micro-batch imports none. The resume rules are in resume_rules.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .errors import DoesNotFit, UserError
+from .memory_options import with_memory_options
+from .planner import Plan, plan
+from .probe.runner import BudgetRequired, ProbeOptions, ProbeResult, run_probe
+from .recipe import Recipe, phase_recipe
+from .resume_rules import replan
+from .sharding import with_sharding
+from .units import format_size
+
+OnNote = Callable[[str], None]
+
+
+@dataclass
+class Planned:
+    """A plan, the probe's result behind it (None when the micro-batch maximum was given), and the lines to show
+    on stderr about how it was reached (the probe's result, each sequence length's, the timings)."""
+
+    plan: Plan
+    probe: ProbeResult | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _noter(notes: list[str], on_note: OnNote | None) -> OnNote:
+    def note(line: str) -> None:
+        notes.append(line)
+        if on_note is not None:
+            on_note(line)
+
+    return note
+
+
+def make_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict | None, world_size: int,
+              policy: str = "exact", dataset_size: int | dict | None = None, *, probe: ProbeOptions | None = None,
+              data: dict | None = None, on_note: OnNote | None = None) -> Plan:
+    """Plan `recipe`; the one place that decides where the micro-batch maximum comes from.
+
+    Given `micro_batch_max`, it is used as it is. Otherwise the memory probe measures it (`probe`: the
+    budget and meter; default: this machine's GPU), on `data` when the caller has built it already.
+    """
+    return plan_and_probe(recipe, recipe_path, micro_batch_max, world_size, policy, dataset_size, probe=probe,
+                          data=data, on_note=on_note).plan
+
+
+def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict | None, world_size: int,
+                   policy: str = "exact", dataset_size: int | dict | None = None, *, probe: ProbeOptions | None = None,
+                   data: dict | None = None, keep_batchnorm: bool = True, on_note: OnNote | None = None) -> Planned:
+    """`make_plan`, also returning the probe's result and the lines it gave.
+
+    With batch phases of several sequence lengths the probe runs once per length (what fits at 128 tokens does not
+    at 512), each at the largest batch of that length; the result returned is the main length's.
+    """
+    notes: list[str] = []
+    note = _noter(notes, on_note)
+    result, memory = None, []
+    if micro_batch_max is None and len(recipe.batch.sequence_lengths) > 1:
+        maxima = {}
+        for length, fixed in phase_probes(recipe).items():
+            main = length == recipe.batch.sequence_length
+            probed = plan_and_probe(fixed, recipe_path, None, world_size, policy, None, probe=probe,
+                                    data=data if main else None).probe
+            note(f"sequence length {length}: {probe_line(probed)}")
+            maxima[length] = probed.micro_batch_max
+            result = probed if main else result
+        micro_batch_max = maxima
+    if micro_batch_max is None:
+        options = probe or ProbeOptions()
+        try:
+            result = run_probe(recipe, recipe_path, options, world_size, data=data)
+        except BudgetRequired:
+            raise UserError(
+                "--micro-batch-max: required when there is no GPU here to probe: give --micro-batch-max N, "
+                "or --memory SIZE / --gpu NAME to probe for that memory"
+            ) from None
+        except UserError as error:
+            if "--micro-batch-max" in error.lines[-1]:
+                raise
+            hint = f"{error.lines[-1]} (or give --micro-batch-max to skip the probe)"
+            raise UserError(*error.lines[:-1], hint) from None
+        from .probe.memory_plan import choose as choose_memory  # (imports torch: only when the probe ran)
+
+        recipe, result, memory = choose_memory(
+            recipe, result, lambda changed: run_probe(changed, recipe_path, options, world_size, data=data),
+            world_size)
+        if result.micro_batch_max is None:
+            raise does_not_fit(result)
+        micro_batch_max = result.micro_batch_max
+        note(probe_line(result))
+    if policy == "throughput":  # the exact splits timed, the fastest taken (throughput_plan.py)
+        from .throughput_plan import throughput_plan
+
+        chosen = throughput_plan(recipe, recipe_path, micro_batch_max, world_size, dataset_size, result, data=data,
+                                 keep_batchnorm=keep_batchnorm, gpu=probe.gpu if probe else None, on_note=note)
+        return Planned(chosen, result, notes)
+    the_plan = plan(recipe, micro_batch_max, world_size, policy, dataset_size=dataset_size, recipe_path=recipe_path)
+    if memory:  # the memory knobs the plan took, or the ways it weighed (probe/memory_plan.py)
+        the_plan = the_plan.model_copy(update={"memory": memory})
+    return Planned(the_plan, result, notes)
+
+
+def phase_probes(recipe: Recipe) -> dict[int | None, Recipe]:
+    """For each sequence length of the batch phases, the recipe to probe: its largest batch at that length."""
+    batch, largest = recipe.batch, {}
+    for phase in batch.phases or []:
+        length = phase.sequence_length or batch.sequence_length
+        largest[length] = max(largest.get(length, 0), batch.phase_sequences(phase))
+    return {length: phase_recipe(recipe, sequences, length) for length, sequences in sorted(largest.items())}
+
+
+def probe_line(result: ProbeResult) -> str:
+    """One line saying where the micro-batch maximum came from."""
+    where = "cached" if result.cached else f"{len(result.trials)} trials, {result.seconds:.1f} s"
+    return (
+        f"probe: largest micro-batch {result.micro_batch_max} (peak {format_size(result.peak_bytes)} of "
+        f"{format_size(result.budget_bytes)}, {result.headroom:.0%} headroom; {result.meter} meter; {where})"
+    )
+
+
+def does_not_fit(result: ProbeResult) -> DoesNotFit:
+    """The error for a probe that found no micro-batch: the step's needs by category and what would fit."""
+    from .probe.advice import render
+
+    if result.does_not_fit is None:  # (a cached result from before the breakdown existed)
+        return DoesNotFit(result.failure())
+    budget = f"--gpu {result.gpu}" if result.gpu else "the --memory budget"
+    return DoesNotFit(*render(result.does_not_fit, budget))
+
+
+def factory_data_size(recipe: Recipe) -> tuple[dict | None, int | dict | None]:
+    """The data and its size from the recipe's data factory (the user's code), as `run` gets them, when the recipe
+    does not state data.train_size: the schedule in epochs, and the plan file, then hold the real numbers."""
+    spec = recipe.data
+    if spec.train_size is not None or not spec.available or spec.factory is None:
+        return None, None
+    from .data import build_data  # torch, and the user's own code: only for data that a factory makes
+    from .data.lengths import training_sizes
+
+    data = build_data(recipe)
+    return data, training_sizes(recipe, data["train"])
+
+
+def apply_sharding(recipe: Recipe, sharding: str | None, world_size: int) -> Recipe:
+    """The recipe with `--sharding` in place of its `batch.sharding` (what the probe counts and the plan keeps)."""
+    if sharding is None:
+        return recipe
+    if sharding == "fsdp" and world_size < 2:
+        raise UserError(
+            f"--sharding fsdp: shards the model over the --world-size processes, and --world-size is {world_size}; "
+            "give --world-size 2 or more (one process has nothing to shard over)"
+        )
+    return with_sharding(recipe, sharding)
+
+
+def apply_memory(recipe: Recipe, activation_checkpointing: bool = False, sharded_gradients: bool = False,
+                 offload: str | None = None) -> Recipe:
+    """The recipe with the memory options given on the command line (one line, exit 2, for a bad combination)."""
+    changed = with_memory_options(recipe, activation_checkpointing, sharded_gradients, offload)
+    if changed.model.activation_checkpointing:  # a model with no blocks: one line now, before anything runs
+        from .models.checkpointing import check_checkpointable
+
+        check_checkpointable(changed)
+    return changed
+
+
+def memory_for_run(recipe: Recipe, the_plan: Plan | None, resume: bool, out, activation_checkpointing: bool = False,
+                   sharded_gradients: bool = False, offload: str | None = None) -> tuple[Recipe, Plan | None]:
+    """`reproduce run`'s recipe and plan with the memory options; a resumed run keeps those it was started with."""
+    changed = apply_memory(recipe, activation_checkpointing, sharded_gradients, offload)
+    if changed == recipe:
+        return recipe, the_plan
+    if resume:
+        raise UserError(f"--activation-checkpointing/--sharded-gradients/--offload: the run in {out} was started "
+                        "without them; resume it as it was started (its plan.yaml keeps its memory options)")
+    return changed, the_plan.model_copy(update={"recipe": changed}) if the_plan is not None else None
+
+
+def check_sharded_probe(recipe: Recipe, the_plan: Plan | None, micro_batch_max: int | None, meter: str) -> None:
+    """A real (cuda / cpu) probe measures the whole unsharded model on one device: not what an FSDP rank holds."""
+    if recipe.batch.sharding != "fsdp" or the_plan is not None or micro_batch_max is not None:
+        return
+    import torch
+
+    if meter in ("cuda", "cpu") or (meter == "auto" and torch.cuda.is_available()):
+        raise UserError(
+            "--micro-batch-max: with batch.sharding fsdp give it (or --meter estimate): the cuda and cpu probes "
+            "measure the whole unsharded model on one device, not one rank's share"
+        )
+
+
+def check_launch_policy(policy: str, the_plan: Plan | None, processes: int) -> None:
+    """--policy throughput times one device: several processes would each choose their own split."""
+    if policy == "throughput" and the_plan is None and processes > 1:
+        raise UserError("--policy throughput: each process would time its own device and might choose another "
+                        "split; plan first (reproduce plan --policy throughput --out plan.yaml) and run that plan")
+
+
+def probe_consensus(recipe: Recipe, recipe_path: str, world_size: int, policy: str, dataset_size: int | dict | None,
+                    all_min: Callable[[int], int], *, probe: ProbeOptions | None = None, data: dict | None = None,
+                    on_note: OnNote | None = None) -> tuple[Recipe, int | dict]:
+    """Every rank probes its own device; all take the smallest result, so no rank runs out of memory.
+
+    `all_min(value)`: the smallest of every rank's value (a collective: every rank calls it, in the same order).
+    Returns the recipe with the memory knobs the plan took (probe/memory_plan.py) and the agreed micro-batch
+    maximum: one number, or one per sequence length the plan reads.
+    """
+    probed = plan_and_probe(recipe, recipe_path, None, world_size, policy, dataset_size, probe=probe, data=data,
+                            on_note=on_note).plan
+    # one maximum per sequence length the plan reads, agreed in the same order on every rank
+    maxima = {segment.sequence_length: segment.micro_batch_max for segment in probed.segments}
+    agreed = {length: all_min(maxima[length]) for length in sorted(maxima, key=lambda length: length or 0)}
+    return probed.recipe, agreed if len(agreed) > 1 else next(iter(agreed.values()))
+
+
+def run_plan(recipe: Recipe, source: str, the_plan: Plan | None, micro_batch_max: int | dict | None,
+             world_size: int, policy: str, dataset_size: int | dict, resume: bool, *,
+             probe: ProbeOptions | None = None, data: dict | None = None,
+             on_note: OnNote | None = None) -> tuple[Plan, list[str]]:
+    """The plan a run uses, and the warnings to show at its start: a new plan when none was given; the given (or
+    resumed) one re-derived for another number of processes, a smaller --micro-batch-max on resume, or the data's
+    size when it was made without it (resume_rules.replan)."""
+    if the_plan is None:
+        the_plan = make_plan(recipe, source, micro_batch_max, world_size, policy, dataset_size=dataset_size,
+                             probe=probe, data=data, on_note=on_note)
+    else:
+        smaller = resume and micro_batch_max is not None and micro_batch_max < the_plan.micro_batch
+        if the_plan.world_size != world_size or smaller or the_plan.dataset_size is None:
+            the_plan = replan(the_plan, world_size, micro_batch_max if smaller else None, dataset_size, source)
+    warnings = list(the_plan.warnings)
+    main_size = dataset_size.get(recipe.batch.sequence_length) if isinstance(dataset_size, dict) else dataset_size
+    if recipe.data.train_size is not None and recipe.data.train_size != main_size:
+        warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {main_size}: using {main_size}")
+    return the_plan, warnings

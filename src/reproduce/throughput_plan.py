@@ -1,0 +1,109 @@
+"""`--policy throughput`: the exact split with the most samples per second, its timings gathered.
+
+The choice itself is pure (throughput.py); here the timings are gathered. With the cuda or cpu meter the probe's
+trials already timed some sizes; `throughput.next_size` says which exact splits to time besides (probe/timing.py,
+on the probed device). With the estimate meter nothing runs for real: the FLOPs model (`throughput.model_micro_step`,
+the GPU's datasheet peak and bandwidth) gives each split a time, and the plan says it is a model. Without a probe
+(`--micro-batch-max`) the splits are timed on the device `run` would use. Torch is imported only to time. Nothing
+is printed: each timing's line goes to the caller's `on_note`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+
+from .errors import UserError
+from .planner import Plan, plan
+from .prediction import DEFAULT_MFU
+from .probe.runner import ProbeResult
+from .recipe import Recipe
+from .throughput import choose, exact_splits, model_micro_step, next_size, relative_spread
+
+
+def check_mfu(assumed_mfu: float) -> None:
+    if not 0 < assumed_mfu <= 1:
+        raise UserError(f"--mfu: expected a fraction in (0, 1], such as 0.4 (got {assumed_mfu:g})")
+
+def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, world_size: int,
+                    dataset_size: int | dict | None, result: ProbeResult | None, data: dict | None = None,
+                    keep_batchnorm: bool = True, assumed_mfu: float = DEFAULT_MFU, gpu: str | None = None,
+                    on_note: Callable[[str], None] | None = None) -> Plan:
+    """The exact plan whose split has the most samples per second (the decision under `plan.throughput`).
+
+    `gpu`: the --gpu named; without a probe (--micro-batch-max) the FLOPs model decides for that card.
+    `on_note`: given each timing's line as it is measured (nothing is printed here).
+    """
+    if recipe.batch.phases or recipe.batch.ramp or isinstance(micro_batch_max, dict):
+        raise UserError("--policy throughput: not available with batch phases or a ramp (each phase has its own "
+                        "split); use --policy exact")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("--policy throughput: each process would time its own device and might choose another split; "
+                        "plan first (reproduce plan --policy throughput --out plan.yaml) and run that plan")
+    base = plan(recipe, micro_batch_max, world_size, "throughput", dataset_size=dataset_size, recipe_path=recipe_path)
+    if not base.exact:  # no exact split (the batch does not divide over the processes): as the exact policy does
+        return base
+    per_rank = base.per_rank_batch
+    cap = min(micro_batch_max, math.ceil(recipe.batch.sequences / world_size))
+    splits = exact_splits(per_rank, cap)
+    per_device = recipe.batch.per_device
+    batchnorm = per_device if keep_batchnorm and recipe.model.has_batchnorm and per_device in splits else None
+    seq = recipe.batch.sequence_length
+    timed: dict[int, float] = {}
+    sources: dict[int, str] = {}
+    spreads: list[float] = []
+    basis, where = "measured", None
+    if micro_batch_max == 1 or len(splits) == 1:
+        pass  # nothing to choose: nothing timed
+    elif (result is not None and result.meter == "estimate") or (result is None and gpu is not None):
+        basis, where = "model", "the FLOPs model"
+        timed, sources = _model_times(recipe, result.gpu if result is not None else gpu, splits, data, assumed_mfu)
+    else:
+        import torch
+
+        from .probe.timing import time_micro_step
+        from .probe.workload import Workload
+
+        if result is not None:
+            cuda = result.meter == "cuda"
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+            for size, seconds in result.timings():
+                if size in splits:
+                    timed[size], sources[size] = seconds, "probe trial"
+        else:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        where = str(device)
+        workload = Workload(recipe, data)
+        while (size := next_size(splits, timed, max(spreads, default=0.0))) is not None:
+            seconds, repeats = time_micro_step(workload, device, size, cap)
+            timed[size], sources[size] = seconds, "timed"
+            spreads.append(relative_spread(repeats))
+            if on_note is not None:
+                on_note(f"  timed micro-batch {size}: {seconds:.3g} s per micro-step (repeats "
+                        f"{', '.join(f'{s:.3g}' for s in repeats)})")
+    decision = choose(splits, per_rank, timed, sources, seq, max(spreads, default=0.0), batchnorm, basis,
+                      micro_batch_max=micro_batch_max)
+    chosen = plan(recipe, micro_batch_max, world_size, "throughput", dataset_size=dataset_size,
+                  recipe_path=recipe_path, micro_batch=decision.micro_batch)
+    record = {**decision.to_json(), "device": where, "micro_batch_max": micro_batch_max}
+    if batchnorm is None and recipe.model.has_batchnorm and per_device:
+        record["reason"] += f" (BatchNorm statistics over {decision.micro_batch}, not the paper's {per_device})"
+    return chosen.model_copy(update={"throughput": record})
+
+def _model_times(recipe: Recipe, gpu: str | None, splits: list[int], data: dict | None, assumed_mfu: float
+                 ) -> tuple[dict[int, float], dict[int, str]]:
+    """Micro-step seconds by the FLOPs model on the GPU named: nothing is timed under the estimate meter."""
+    from .probe.catalog import lookup
+    from .probe.flops import recipe_flops
+    from .probe.peaks import peaks_of, precision_key
+
+    peaks = peaks_of(lookup(gpu).name) if gpu else None
+    flops = recipe_flops(recipe, data)
+    key = precision_key(recipe.precision, flops.convolution_share > 0.5)
+    peak = peaks.flops(key) if peaks else None
+    weights = flops.weight_bytes
+    if peak is None:  # no peak: every split costs the same FLOPs per sample, so none is faster (the largest wins)
+        return {m: m * flops.per_sample for m in splits}, dict.fromkeys(splits, "model (FLOPs only)")
+    times = {m: model_micro_step(m, flops.per_sample, peak, assumed_mfu, weights, peaks.bandwidth) for m in splits}
+    return times, dict.fromkeys(splits, "model")
