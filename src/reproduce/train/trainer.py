@@ -31,6 +31,7 @@ from .checkpoint import full_model_state, load_checkpoint, save_checkpoint
 from .distributed import World
 from .divergence import DivergenceWatch
 from .noise import NoiseScale, not_measured_reason, summarise
+from .options import RunOptions
 from .outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, remove_outputs
 from .plateau import check_plateau, step_plateau
 from .rates import StepRates
@@ -98,19 +99,17 @@ def seed_step(device: torch.device, value: int) -> None:
         torch.cuda.manual_seed(value)
 
 
-def train(plan: Plan, out: str | Path, **options) -> dict:
+def train(plan: Plan, out: str | Path, options: RunOptions | None = None) -> dict:
     """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `out`.
 
-    Options: device ("auto"), max_steps, resume, force, seed, checkpoint_every, skip_nonfinite, dtype (float32),
-    reporter, data, workers (DataLoader processes; None: `data.loader.default_workers`, 0: fetched in this
-    process), noise_scale (True: measure the gradient noise scale, train/noise.py; it never changes the weights).
+    `options` (train/options.py): device, max_steps, resume, seed, data, workers, ...; None: `RunOptions()`.
     Under torchrun every rank trains its share of each window; rank 0 alone writes. A rank that
     leaves with an error leaves the process group too, so the other ranks' collectives fail at once and they stop
     with a message of their own instead of waiting for it.
     """
     world = distributed.world_from_env()
     try:
-        return _train(plan, Path(out), **options)
+        return _train(plan, Path(out), options or RunOptions())
     except RuntimeError as error:
         if world.distributed and distributed.peer_failed(error):
             distributed.abandon(world)
@@ -125,26 +124,13 @@ def train(plan: Plan, out: str | Path, **options) -> dict:
         raise
 
 
-def _train(
-    plan: Plan,
-    out: Path,
-    *,
-    device: str = "auto",
-    max_steps: int | None = None,
-    resume: bool = False,
-    force: bool = False,
-    seed: int | None = None,
-    checkpoint_every: int | None = None,
-    skip_nonfinite: bool = False,
-    dtype: torch.dtype = torch.float32,
-    reporter: Reporter | None = None,
-    data: dict | None = None,
-    workers: int | None = None,
-    noise_scale: bool = True,
-    continue_with: str | None = None,
-    stop_on_divergence: bool = False,
-) -> dict:
-    reporter = reporter or SilentReporter()
+def _train(plan: Plan, out: Path, options: RunOptions) -> dict:
+    device, max_steps, resume, force = options.device, options.max_steps, options.resume, options.force
+    seed, checkpoint_every, skip_nonfinite, dtype = (options.seed, options.checkpoint_every, options.skip_nonfinite,
+                                                     options.dtype)
+    data, workers, noise_scale = options.data, options.workers, options.noise_scale
+    continue_with, stop_on_divergence = options.continue_with, options.stop_on_divergence
+    reporter = options.reporter or SilentReporter()
     world = distributed.world_from_env()
     if world.size != plan.world_size:
         raise UserError(f"plan: world_size is {plan.world_size}, but this job has {world.size} process(es)")
