@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from ..data.batches import LazyMicroBatch, to_device
-from ..data.loader import default_workers, eval_batches
+from ..data.batches import LazyMicroBatch
 from . import distributed
 from .losses import SampleLoss, TokenLoss
 from .noise import NoiseScale
@@ -175,31 +174,3 @@ def _apply_window(setup: Setup, window_loss: torch.Tensor, count: int, samples: 
     tokens = count if setup.plan.recipe.task == "language-modeling" else 0
     syncs = setup.sync_counter.take() if setup.sync_counter else None
     return StepResult(loss_value, norm_value, count, samples, tokens, finite, syncs, noise_fields)
-
-
-@torch.no_grad()
-def evaluate(setup: Setup, batch: int | None = None, workers: int | None = None) -> dict | None:
-    """Mean loss (and accuracy) over the eval split, in batches of `batch` (default: the micro-batch), fetched
-    by `workers` loader processes (default: `data.loader.default_workers`)."""
-    dataset = setup.data.get("eval")
-    if dataset is None or len(dataset) == 0:
-        return None
-    model = setup.core
-    was_training = model.training
-    model.eval()
-    total_loss, total_count, correct = 0.0, 0, 0
-    batch = max(batch or setup.plan.micro_batch, 1)
-    workers = default_workers(dataset) if workers is None else workers
-    for cpu_batch in eval_batches(dataset, batch, workers=workers, pin_memory=setup.device.type == "cuda"):
-        inputs, target = to_device(cpu_batch, setup.device, setup.dtype)
-        with setup.autocast():
-            output = model(inputs)
-        total_loss += float(setup.loss(output, target))
-        total_count += setup.loss.count(target)
-        if setup.plan.recipe.task == "classification":
-            correct += int((output.argmax(-1) == target).sum())
-    model.train(was_training)
-    result = {"eval_loss": total_loss / max(total_count, 1), "eval_items": total_count}
-    if setup.plan.recipe.task == "classification":
-        result["eval_accuracy"] = correct / max(total_count, 1)
-    return result

@@ -30,13 +30,14 @@ from . import distributed
 from .checkpoint import full_model_state, load_checkpoint, save_checkpoint
 from .distributed import World
 from .divergence import DivergenceWatch
+from .evaluation import evaluate_step, evaluation_due
 from .noise import NoiseScale, not_measured_reason, summarise
 from .options import RunOptions
 from .outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, remove_outputs
-from .plateau import check_plateau, step_plateau
+from .plateau import check_plateau
 from .rates import StepRates
 from .setup import build, resolve_device
-from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, evaluate, optimizer_step
+from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, optimizer_step
 from .windows import micro_batch_at, smaller_micro_batch, step_batch, step_epoch, window
 
 CHECKPOINT_SECONDS = 300.0
@@ -192,7 +193,6 @@ def _train(plan: Plan, out: Path, options: RunOptions) -> dict:
     earlier, divergence = earlier_segments(out, state if resume else None, first_step)
     waited = 0.0  # seconds the steps waited for data
     last_record: dict = {}
-    eval_every = plan.recipe.evaluation.every_steps
     setup.model.train()
     stop = StopSignals()
     # On a CPU, values below float32's normal range (late in training, in momentum and gradients) make every
@@ -327,14 +327,8 @@ def _train(plan: Plan, out: Path, options: RunOptions) -> dict:
                 reporter.message(f"warning: {diverging}" + ("" if stop_on_divergence else
                                                            " (the run goes on; --stop-on-divergence stops it)"))
             done = step + 1 == total
-            evaluating = (eval_every and (step + 1) % eval_every == 0) or (done and plan.recipe.evaluation.at_end)
-            evaluation = None
-            if evaluating and (main or setup.sharded):  # a sharded model's forward needs every rank
-                evaluation = evaluate(setup, micro_batch, workers)
-                if evaluation:
-                    record.update(evaluation)
-            if evaluating:  # plateau decay (plateau.py): the LR of the steps after this evaluation
-                record.update(step_plateau(setup, evaluation, step + 1))
+            if evaluation_due(setup, step + 1, done):  # the eval split's metrics, and the plateau decay's step
+                record.update(evaluate_step(setup, step + 1, micro_batch, workers, main))
                 if "plateau_lr" in record and not done:
                     reporter.message(f"step {step + 1}: {plan.recipe.schedule.decay.metric} has not improved: plateau "
                                      f"decay, lr -> {record['plateau_lr']:.6g} from step {step + 2}")
