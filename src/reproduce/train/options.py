@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .trainer import Reporter
+from .reporter import Reporter
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -18,12 +18,10 @@ from .noise import NoiseScale
 from .options import RunOptions
 from .outputs import MetricsLog
 from .rates import StepRates
+from .reporter import Reporter
 from .resume import Resumed
 from .setup import Setup
 from .windows import micro_batch_at, window
-
-if TYPE_CHECKING:
-    from .trainer import Reporter
 
 
 @dataclass

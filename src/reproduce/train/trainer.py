@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -35,6 +34,7 @@ from .outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, remo
 from .plateau import check_plateau
 from .rates import StepRates
 from .records import run_summary, step_record
+from .reporter import Reporter, SilentReporter
 from .resume import Resumed, earlier_segments, resume_run
 from .run_state import Run
 from .setup import build, resolve_device
@@ -44,20 +44,6 @@ from .windows import StepBatch, micro_batch_at, smaller_micro_batch, step_batch
 __all__ = ["Reporter", "RunOptions", "SilentReporter", "StopSignals", "read_metrics", "train"]
 
 CHECKPOINT_SECONDS = 300.0
-
-
-class Reporter(Protocol):
-    def start(self, plan: Plan, total_steps: int, first_step: int) -> None: ...
-    def step(self, record: dict) -> None: ...
-    def message(self, text: str) -> None: ...
-    def finish(self, summary: dict) -> None: ...
-
-
-class SilentReporter:
-    def start(self, plan: Plan, total_steps: int, first_step: int) -> None: ...
-    def step(self, record: dict) -> None: ...
-    def message(self, text: str) -> None: ...
-    def finish(self, summary: dict) -> None: ...
 
 
 class StopSignals:
