@@ -49,7 +49,7 @@ from reproduce.recipe import load_recipe, parse_recipe  # noqa: E402
 from reproduce.train import noise as noise_module  # noqa: E402
 from reproduce.train.setup import build  # noqa: E402
 from reproduce.train.step import optimizer_step  # noqa: E402
-from reproduce.train.trainer import read_metrics, train  # noqa: E402
+from reproduce.train.trainer import RunOptions, read_metrics, train  # noqa: E402
 from reproduce.train.windows import window  # noqa: E402
 from reproduce.units import format_size  # noqa: E402
 
@@ -105,7 +105,7 @@ def run_over_recipe(name: str, path: str, micro: int, steps: int | None) -> None
     data = build_data(recipe)
     the_plan = plan(recipe, micro_batch_max=micro, dataset_size=len(data["train"]))
     with tempfile.TemporaryDirectory() as folder:
-        summary = train(the_plan, Path(folder) / "run", device="cpu", data=data, max_steps=steps)
+        summary = train(the_plan, Path(folder) / "run", RunOptions(device="cpu", data=data, max_steps=steps))
         records = [r for r in read_metrics(Path(folder) / "run" / "metrics.jsonl") if "loss" in r]
     total = summary["steps"]
     noise = summary["noise_scale"]

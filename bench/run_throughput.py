@@ -25,7 +25,7 @@ from reproduce.data.batches import fetch
 from reproduce.models import build_model
 from reproduce.planner import plan
 from reproduce.recipe import Evaluation, load_recipe
-from reproduce.train.trainer import train
+from reproduce.train.trainer import RunOptions, train
 from reproduce.train.windows import epoch_order
 
 CASES = {"mlp": ("papers/digits-mlp.yaml", 32), "gpt": ("papers/pysource-gpt.yaml", 16)}
@@ -72,8 +72,8 @@ def minimal_loop(the_plan, data, steps: int) -> float:
 
 def ours(the_plan, data, steps: int, noise_scale: bool = True) -> float:
     with tempfile.TemporaryDirectory() as folder:
-        summary = train(the_plan, Path(folder) / "run", device="cpu", max_steps=steps, data=data,
-                        noise_scale=noise_scale)
+        summary = train(the_plan, Path(folder) / "run", RunOptions(device="cpu", max_steps=steps, data=data,
+                        noise_scale=noise_scale))
     return summary["samples"] / summary["seconds"]
 
 

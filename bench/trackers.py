@@ -23,7 +23,7 @@ import torch
 from reproduce.planner import plan
 from reproduce.recipe import load_recipe
 from reproduce.train.trackers import TrackerReporter
-from reproduce.train.trainer import SilentReporter, train
+from reproduce.train.trainer import RunOptions, SilentReporter, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ def main() -> None:
                 reporter = Timed(SilentReporter(), [] if name == "none" else [name], out)
                 began = time.perf_counter()
                 with reporter:
-                    train(the_plan, out, device="cpu", max_steps=args.steps, reporter=reporter)
+                    train(the_plan, out, RunOptions(device="cpu", max_steps=args.steps, reporter=reporter))
                 wall = time.perf_counter() - began
                 steps = reporter.spent["step"]
                 found[name].append((1000 * statistics.median(steps), 1000 * max(steps), reporter.spent["start"],

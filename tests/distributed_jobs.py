@@ -26,7 +26,7 @@ from reproduce.errors import TrainingStopped
 from reproduce.planner import plan
 from reproduce.probe.tracker import MemoryTracker
 from reproduce.recipe import parse_recipe
-from reproduce.train.trainer import train
+from reproduce.train.trainer import RunOptions, train
 
 
 def main(jobs_path: str, results: str) -> None:
@@ -49,9 +49,10 @@ def main(jobs_path: str, results: str) -> None:
         record: dict = {"budget": budget}
         try:
             with MemoryTracker(budget) if mine else contextlib.nullcontext() as measured:
-                train(the_plan, out / job.get("out", job["name"]), device="cpu", data=data,
-                      dtype=getattr(torch, job.get("dtype", "float32")), max_steps=job.get("max_steps"),
-                      resume=job.get("resume", False), checkpoint_every=job.get("checkpoint_every"))
+                train(the_plan, out / job.get("out", job["name"]), RunOptions(
+                    device="cpu", data=data, dtype=getattr(torch, job.get("dtype", "float32")),
+                    max_steps=job.get("max_steps"), resume=job.get("resume", False),
+                    checkpoint_every=job.get("checkpoint_every")))
             if mine:
                 record["peak"] = measured.peak
         except TrainingStopped as error:

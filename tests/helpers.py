@@ -24,7 +24,7 @@ from reproduce.planner import plan
 from reproduce.recipe import parse_recipe
 from reproduce.train.large_batch import LAMB, LARS
 from reproduce.train.optim import param_groups
-from reproduce.train.trainer import train
+from reproduce.train.trainer import RunOptions, train
 
 TESTS = Path(__file__).parent
 
@@ -67,7 +67,7 @@ def run_accumulated(recipe_data: dict, micro_batch: int, tmp_path, dtype=torch.f
     data = build_data(recipe)
     the_plan = plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
     assert the_plan.micro_batch == micro_batch and the_plan.accumulation_steps > 1
-    summary = train(the_plan, tmp_path / "run", device="cpu", dtype=dtype, data=data, **kwargs)
+    summary = train(the_plan, tmp_path / "run", RunOptions(device="cpu", dtype=dtype, data=data, **kwargs))
     weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     return the_plan, summary, weights, data
 

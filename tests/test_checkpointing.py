@@ -24,7 +24,7 @@ from reproduce.probe.fake_step import run_fake_step
 from reproduce.probe.meters import CpuMeter
 from reproduce.probe.workload import Workload
 from reproduce.recipe import parse_recipe
-from reproduce.train.trainer import train
+from reproduce.train.trainer import RunOptions, train
 
 ADAMW = {"name": "adamw", "lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
@@ -69,8 +69,8 @@ def trained(recipe: dict, micro_batch: int, folder, **options) -> dict:
     data = build_data(parsed)
     the_plan = plan(parsed, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
     assert the_plan.accumulation_steps > 1
-    train(the_plan, folder, device="cpu", dtype=torch.float64, data=data, noise_scale=False, workers=0,
-          **options)
+    train(the_plan, folder, RunOptions(device="cpu", dtype=torch.float64, data=data, noise_scale=False, workers=0,
+                                       **options))
     return torch.load(folder / "model.pt", weights_only=True)
 
 

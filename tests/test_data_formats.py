@@ -22,7 +22,7 @@ from reproduce.planner import plan
 from reproduce.recipe import parse_recipe, with_data_paths
 from reproduce.train.setup import build
 from reproduce.train.step import optimizer_step
-from reproduce.train.trainer import read_metrics, train
+from reproduce.train.trainer import RunOptions, read_metrics, train
 from reproduce.train.windows import window
 
 ADAMW = {"name": "adamw", "lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}
@@ -98,7 +98,7 @@ def test_tokens_without_shuffle_equal_a_plain_loop_float64(sample_data, tmp_path
     data = build_data(spec)
     the_plan = plan(spec, micro_batch_max=4, dataset_size=len(data["train"]))
     assert (the_plan.micro_batch, the_plan.accumulation_steps) == (4, 4)
-    train(the_plan, tmp_path / "run", device="cpu", dtype=torch.float64, data=data, workers=2)
+    train(the_plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data, workers=2))
     ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
 
     tokens = torch.from_numpy(np.fromfile(sample_data / "tokens" / "train.bin", dtype=np.uint16).astype(np.int64))
@@ -161,7 +161,7 @@ def test_instruction_data_masks_exactly_the_prompt_tokens(sample_data, tmp_path)
 
     # the window's count, known before the first backward, is the response tokens of its samples
     the_plan = plan(spec, micro_batch_max=2, dataset_size=len(dataset))
-    train(the_plan, tmp_path / "run", device="cpu", data=data, max_steps=2, workers=1)
+    train(the_plan, tmp_path / "run", RunOptions(device="cpu", data=data, max_steps=2, workers=1))
     records_out = read_metrics(tmp_path / "run" / "metrics.jsonl")
     for step, record in enumerate(records_out):
         window_targets = [dataset[i][1] for i in range(step * 8, (step + 1) * 8)]
@@ -217,9 +217,9 @@ def test_resume_with_workers_is_bitwise_mid_epoch(sample_data, tmp_path):
     data = build_data(spec)
     the_plan = plan(spec, micro_batch_max=8, dataset_size=len(data["train"]))
     assert the_plan.steps_per_epoch == 44
-    train(the_plan, tmp_path / "full", device="cpu", data=data, workers=0)
-    train(the_plan, tmp_path / "split", device="cpu", data=data, max_steps=3, workers=2)
-    train(the_plan, tmp_path / "split", device="cpu", data=data, resume=True, workers=1)
+    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data, workers=0))
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3, workers=2))
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True, workers=1))
     full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
     split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
     assert all(torch.equal(full[k], split[k]) for k in full)
@@ -275,7 +275,7 @@ def test_the_run_warns_once_when_the_loader_is_the_bottleneck(tmp_path):
     data = build_data(spec)
     the_plan = plan(spec, micro_batch_max=8, dataset_size=len(data["train"]))
     reporter = Messages()
-    train(the_plan, tmp_path / "run", device="cpu", data=data, reporter=reporter, workers=0)
+    train(the_plan, tmp_path / "run", RunOptions(device="cpu", data=data, reporter=reporter, workers=0))
     warnings = [line for line in reporter.lines if "the loader is the bottleneck" in line]
     assert len(warnings) == 1 and "with --workers 0" in warnings[0], reporter.lines
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")

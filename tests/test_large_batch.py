@@ -20,7 +20,7 @@ from reproduce.planner import plan
 from reproduce.recipe import parse_recipe
 from reproduce.train.large_batch import LAMB, LARS
 from reproduce.train.optim import build_optimizer, param_groups
-from reproduce.train.trainer import train
+from reproduce.train.trainer import RunOptions, train
 
 TESTS = Path(__file__).parent
 
@@ -160,9 +160,9 @@ def test_lamb_resume_is_bitwise(tmp_path):
     recipe = parse_recipe(digits_recipe(LAMB_SPEC, steps=6, data={"shuffle": True}))
     data = build_data(recipe)
     the_plan = plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "full", device="cpu", data=data)
-    train(the_plan, tmp_path / "split", device="cpu", data=data, max_steps=3)
-    train(the_plan, tmp_path / "split", device="cpu", data=data, resume=True)
+    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data))
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3))
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
     full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
     split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
     assert all(torch.equal(full[k], split[k]) for k in full)

@@ -19,7 +19,7 @@ from reproduce.planfile import parse_plan, plan_to_yaml
 from reproduce.planner import lr_at, plan
 from reproduce.recipe import Length, parse_recipe
 from reproduce.segments import Segment, epoch_steps, lengths_to_steps, stream_window
-from reproduce.train.trainer import read_metrics, train
+from reproduce.train.trainer import RunOptions, read_metrics, train
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 
@@ -237,7 +237,7 @@ def run(recipe_data: dict, micro: int, out, **kwargs):
     from reproduce.data.lengths import training_sizes
 
     the_plan = plan(recipe, micro, dataset_size=training_sizes(recipe, data["train"]))
-    train(the_plan, out, device="cpu", dtype=torch.float64, data=data, **kwargs)
+    train(the_plan, out, RunOptions(device="cpu", dtype=torch.float64, data=data, **kwargs))
     return the_plan, data, torch.load(out / "model.pt", weights_only=True), read_metrics(out / "metrics.jsonl")
 
 
@@ -304,9 +304,10 @@ def test_resume_across_phase_boundaries_is_bitwise(tmp_path):
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
     the_plan = plan(parsed, 16, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "full", device="cpu", data=data)
-    train(the_plan, tmp_path / "split", device="cpu", data=data, max_steps=2)  # stops inside the first phase
-    train(the_plan, tmp_path / "split", device="cpu", data=data, resume=True)  # and crosses both boundaries
+    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data))
+    # stops inside the first phase
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=2))
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))  # and crosses both boundaries
     full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
     split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
     assert all(torch.equal(full[k], split[k]) for k in full)

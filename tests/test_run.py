@@ -16,7 +16,7 @@ from reproduce.errors import UserError
 from reproduce.models import build_model
 from reproduce.planner import plan
 from reproduce.recipe import parse_recipe
-from reproduce.train.trainer import read_metrics, train
+from reproduce.train.trainer import RunOptions, read_metrics, train
 
 # workers: micro-batches fetched by DataLoader worker processes (0: in the training process)
 WITH_WORKERS = [pytest.param(SGD, 0, id="sgd-momentum"), pytest.param(ADAMW, 0, id="adamw"),
@@ -105,11 +105,11 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
     the_plan = plan(parsed, micro_batch_max=16, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "full", device="cpu", data=data)
-    train(the_plan, tmp_path / "split", device="cpu", data=data, max_steps=3, checkpoint_every=2)
+    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data))
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3, checkpoint_every=2))
     with pytest.raises(UserError, match="not empty"):
-        train(the_plan, tmp_path / "split", device="cpu", data=data)
-    train(the_plan, tmp_path / "split", device="cpu", data=data, resume=True)
+        train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data))
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
     full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
     split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
     for name in full:
@@ -196,17 +196,17 @@ def test_resume_keeps_the_runs_seed_and_refuses_a_finished_run(tmp_path):
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
     the_plan = plan(parsed, micro_batch_max=16, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "full", device="cpu", data=data, seed=5)
-    train(the_plan, tmp_path / "split", device="cpu", data=data, seed=5, max_steps=3)
+    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data, seed=5))
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, seed=5, max_steps=3))
     with pytest.raises(UserError, match="--seed: the run in .* was started with seed 5 \\(got 6\\)"):
-        train(the_plan, tmp_path / "split", device="cpu", data=data, seed=6, resume=True)
-    train(the_plan, tmp_path / "split", device="cpu", data=data, resume=True)  # no --seed: the run's own
+        train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, seed=6, resume=True))
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))  # no --seed: the run's own
     full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
     split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
     assert all(torch.equal(full[k], split[k]) for k in full)
     before = (tmp_path / "split" / "summary.json").read_bytes()
     with pytest.raises(UserError, match="has already run 6 of 6 optimizer steps"):
-        train(the_plan, tmp_path / "split", device="cpu", data=data, resume=True)
+        train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
     assert (tmp_path / "split" / "summary.json").read_bytes() == before
 
 
@@ -215,14 +215,14 @@ def test_force_clears_the_previous_runs_outputs_only(tmp_path):
     data = build_data(recipe)
     the_plan = plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
     out = tmp_path / "out"
-    train(the_plan, out, device="cpu", data=data)
+    train(the_plan, out, RunOptions(device="cpu", data=data))
     (out / "notes.txt").write_text("mine")
     failing = parse_recipe({**digits_recipe(SGD, steps=3), "optimizer": {"name": "sgd", "lr": 1e30}})
     failing_plan = plan(failing, micro_batch_max=16, dataset_size=len(data["train"]))
     from reproduce.errors import TrainingStopped
 
     with pytest.raises(TrainingStopped):
-        train(failing_plan, out, device="cpu", data=data, force=True)
+        train(failing_plan, out, RunOptions(device="cpu", data=data, force=True))
     assert (out / "notes.txt").read_text() == "mine"
     assert not (out / "model.pt").exists() and not (out / "summary.json").exists()
     assert not (out / "checkpoints" / "last.pt").exists()  # the old run's checkpoint is not left to resume from

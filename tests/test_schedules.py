@@ -25,7 +25,7 @@ from reproduce.planfile import parse_plan, plan_to_yaml
 from reproduce.planner import lr_at, lr_points, plan
 from reproduce.recipe import load_recipe, parse_recipe
 from reproduce.schedules import Plateau
-from reproduce.train.trainer import read_metrics, train
+from reproduce.train.trainer import RunOptions, read_metrics, train
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 
@@ -72,7 +72,7 @@ def run(recipe_data: dict, micro: int, out, **kwargs):
     recipe = parse_recipe(recipe_data)
     data = build_data(recipe)
     the_plan = plan(recipe, micro, dataset_size=len(data["train"]))
-    train(the_plan, out, device="cpu", dtype=torch.float64, data=data, **kwargs)
+    train(the_plan, out, RunOptions(device="cpu", dtype=torch.float64, data=data, **kwargs))
     return the_plan, data, torch.load(out / "model.pt", weights_only=True), read_metrics(out / "metrics.jsonl")
 
 
@@ -161,9 +161,10 @@ def test_resume_inside_the_second_warm_up_is_bitwise(tmp_path):
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
     the_plan = plan(parsed, 16, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "full", device="cpu", data=data)
-    train(the_plan, tmp_path / "split", device="cpu", data=data, max_steps=5)  # one step into the second warm-up
-    train(the_plan, tmp_path / "split", device="cpu", data=data, resume=True)
+    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data))
+    # one step into the second warm-up
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=5))
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
     full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
     split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
     assert all(torch.equal(full[k], split[k]) for k in full)
@@ -278,11 +279,11 @@ def test_plateau_state_is_checkpointed_and_resume_is_bitwise(tmp_path):
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
     the_plan = plan(parsed, 16, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "full", device="cpu", data=data)
-    train(the_plan, tmp_path / "split", device="cpu", data=data, max_steps=9)
+    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data))
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=9))
     saved = torch.load(tmp_path / "split" / "checkpoints" / "last.pt", weights_only=True)["scheduler"]["plateau"]
     assert saved["evaluations"] == 4 and saved["decreases"]  # 2, 4, 6, 8
-    train(the_plan, tmp_path / "split", device="cpu", data=data, resume=True)
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
     full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
     split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
     assert all(torch.equal(full[k], split[k]) for k in full)
@@ -384,7 +385,7 @@ def test_a_plateau_run_without_evaluation_data_stops_before_writing(tmp_path):
     data = build_data(parsed)
     del data["eval"]
     with pytest.raises(UserError, match="kind plateau watches eval_loss, but this run has no evaluation data"):
-        train(plan(parsed, 16, dataset_size=len(data["train"])), tmp_path / "run", device="cpu", data=data)
+        train(plan(parsed, 16, dataset_size=len(data["train"])), tmp_path / "run", RunOptions(device="cpu", data=data))
     assert not (tmp_path / "run").exists()
 
 

@@ -153,11 +153,11 @@ class Quiet:
 
 
 def run(out: Path, names: list[str], reporter=None, backends=None, **options) -> dict:
-    from reproduce.train.trainer import train
+    from reproduce.train.trainer import RunOptions, train
 
     reporter = reporter or Quiet()
     with TrackerReporter(reporter, names, out, backends=backends) as tracked:
-        return train(the_plan(), out, device="cpu", reporter=tracked, **options)
+        return train(the_plan(), out, RunOptions(device="cpu", reporter=tracked, **options))
 
 
 def test_mlflow_wandb_and_tensorboard_get_every_step_of_a_real_run(tmp_path, offline, one_thread):

@@ -549,7 +549,7 @@ class Reported(Strict):
     notes: str | None = None
 
 
-# The evaluation metrics a plateau decay can watch, by task (train/step.evaluate; eval_error = 1 - eval_accuracy)
+# The evaluation metrics a plateau decay can watch, by task (train/evaluation.evaluate; eval_error = 1 - eval_accuracy)
 PLATEAU_METRICS = {
     "classification": ("eval_loss", "eval_accuracy", "eval_error"),
     "language-modeling": ("eval_loss",),

@@ -86,7 +86,7 @@ class Runner:
         if key in self.cache:
             return self.cache[key]
         from ..data.lengths import training_sizes
-        from ..train.trainer import train
+        from ..train.trainer import RunOptions, train
 
         data = self.dataset(run.recipe)
         the_plan = self.plan_for(run, training_sizes(run.recipe, data["train"]))
@@ -97,7 +97,8 @@ class Runner:
         self.log(f"  training {run.name!r} seed {seed}: {the_plan.arithmetic}, "
                  f"{min(max_steps or the_plan.optimizer_steps or 0, the_plan.optimizer_steps or 0)} steps")
         started = time.perf_counter()
-        summary = train(the_plan, out, device=run.budget.device, max_steps=max_steps, seed=seed, force=True, data=data)
+        summary = train(the_plan, out, RunOptions(device=run.budget.device, max_steps=max_steps, seed=seed, force=True,
+                                                  data=data))
         result = RunResult(out, summary, time.perf_counter() - started)
         self.cache[key] = result
         return result

@@ -218,7 +218,7 @@ def run_command(
     from ..data import build_data
     from ..data.lengths import training_sizes
     from ..train import distributed  # torch is imported only by the commands that train
-    from ..train.trainer import train
+    from ..train.trainer import RunOptions, train
 
     trackers = parse_log_to(log_to, tensorboard)
     check_trackers(trackers)  # a missing package: one line, before anything is planned or trained
@@ -280,17 +280,17 @@ def run_command(
          "--stop-on-divergence": stop_on_divergence},
         launcher_of_this_job(world.size) if world.distributed else [],
     )
-    train_options = dict(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
-                         checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data, workers=workers,
-                         noise_scale=not no_noise_scale, continue_with=continue_with,
-                         stop_on_divergence=stop_on_divergence)
+    train_options = RunOptions(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
+                               checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data,
+                               workers=workers, noise_scale=not no_noise_scale, continue_with=continue_with,
+                               stop_on_divergence=stop_on_divergence)
     if not world.is_main:  # the other ranks train quietly; rank 0 reports
-        train(plan, out, **train_options)
+        train(plan, out, train_options)
         return
     reporter = RichReporter(warnings) if is_terminal() else PlainReporter(warnings)
     # metrics.jsonl stays the source of truth; the trackers get the same numbers (train/trackers.py)
     with TrackerReporter(reporter, trackers, out) as reporter:
-        summary = train(plan, out, reporter=reporter, **train_options)
+        summary = train(plan, out, train_options.replace(reporter=reporter))
     final = summary["final"]
     line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s"
     this_call = summary.get("this_call") or {}

@@ -10,13 +10,13 @@ The gradient is then exactly that of the mean loss over the whole effective batc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..data.batches import LazyMicroBatch, to_device
-from ..data.loader import default_workers, eval_batches
+from ..data.batches import LazyMicroBatch
 from . import distributed
 from .losses import SampleLoss, TokenLoss
 from .noise import NoiseScale
@@ -67,50 +67,55 @@ def global_counts(setup: Setup, count: int, samples: int) -> tuple[int, int]:
     return int(totals[0]), int(totals[1])
 
 
+def window_counts(loss_fn: Any, micro_batches: list) -> tuple[list[int], int]:
+    """(loss-bearing items of each micro-batch, samples) of this rank's window, fetching it only when needed."""
+    counted = _count_without_fetching(loss_fn, micro_batches)
+    if counted is not None:
+        return counted
+    targets = [_targets(micro_batch) for micro_batch in micro_batches]
+    return [loss_fn.count(t) for t in targets], sum(len(t) for t in targets)
+
+
 def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None = None) -> StepResult:
     """One optimizer step over a window of micro-batches: (inputs, targets) on the device, or LazyMicroBatch.
 
     `noise`, when given, measures the gradient noise scale on the way; it only reads the gradients.
     """
     model, loss_fn = setup.model, setup.loss
-    counted = _count_without_fetching(loss_fn, micro_batches)
-    if counted is not None:
-        counts, samples = counted
-    else:
-        targets = [_targets(micro_batch) for micro_batch in micro_batches]
-        counts, samples = [loss_fn.count(t) for t in targets], sum(len(t) for t in targets)
-        del targets
+    # 1. the window's loss-bearing items, over every rank, before any backward
+    counts, samples = window_counts(loss_fn, micro_batches)
     count, samples = global_counts(setup, sum(counts), samples)
     if getattr(loss_fn, "window", None) is not None:  # a loss of several terms, each over its own window count
         loss_fn.window(count, samples)
     if noise is not None:
         noise.start_window(counts, count, samples)
-    losses = []
-    vote = agrees_on_memory(setup, len(micro_batches))
-    out_of_memory: str | None = None  # the message only: the error's traceback would keep the window's tensors
-    for index, micro_batch in enumerate(micro_batches):
-        last = index == len(micro_batches) - 1
-        if last and vote:
-            _agree_on_memory(setup, out_of_memory)
-        if out_of_memory is not None:
-            continue  # this rank ran out of memory earlier in the window: on to the vote
-        try:
-            inputs, target = _load(micro_batch)
-            with setup.gradient_sync(last):
-                with setup.autocast():
-                    loss = loss_fn(model(inputs), target) / max(count, 1)
-                (setup.scaler.scale(loss) if setup.scaler else loss).backward()
-            if noise is not None:
-                noise.after_backward(index)
-        except torch.OutOfMemoryError as error:
-            if last or not vote:
-                raise
-            out_of_memory = str(error)
-            continue
-        losses.append(loss.detach())
+
+    # 2. each micro-batch's summed loss / the window's count, backward; gradients reduced on the last one only
+    last = len(micro_batches) - 1
+    loaded = None  # the micro-batch in use, kept until the next is loaded (the last: through step 3), as in one loop
+
+    def backward(index: int) -> torch.Tensor:
+        nonlocal loaded
+        loaded = _load(micro_batches[index])
+        inputs, target = loaded
+        with setup.gradient_sync(index == last):
+            with setup.autocast():
+                loss = loss_fn(model(inputs), target) / max(count, 1)
+            (setup.scaler.scale(loss) if setup.scaler else loss).backward()
+        if noise is not None:
+            noise.after_backward(index)
+        return loss.detach()
+
+    if agrees_on_memory(setup, len(micro_batches)):  # DDP: an out-of-memory error before the last is voted on
+        losses = backward_with_memory_vote(setup, backward, last)
+    else:
+        losses = [backward(index) for index in range(last)]
+    losses.append(backward(last))
     window_loss = torch.stack(losses).sum()
     if setup.distributed:  # the logged loss is the mean over the global window
         torch.distributed.all_reduce(window_loss)
+
+    # 3. once per window: unscale, clip, step, schedule, zero
     try:
         return _apply_window(setup, window_loss, count, samples, noise)
     except torch.OutOfMemoryError as error:
@@ -135,9 +140,19 @@ class AgreedOutOfMemory(torch.OutOfMemoryError):
     """Some rank ran out of memory before the window's last micro-batch; raised on every rank, after a vote."""
 
 
-def _agree_on_memory(setup: Setup, error: str | None) -> None:
+def backward_with_memory_vote(setup: Setup, backward: Callable[[int], torch.Tensor], last: int) -> list:
+    """The losses of `backward` over the micro-batches before the `last`, then the vote (`agrees_on_memory`): a
+    rank out of memory skips its remaining ones, and every rank raises AgreedOutOfMemory if any rank was."""
+    losses, error = [], None  # the message only: the error's traceback would keep the window's tensors
+    for index in range(last):
+        try:
+            losses.append(backward(index))
+        except torch.OutOfMemoryError as out_of_memory:
+            error = str(out_of_memory)
+            break
     if distributed.any_rank(setup.world, error is not None, setup.device):
         raise AgreedOutOfMemory(error or "out of memory on another rank")
+    return losses
 
 
 class OptimizerStepOutOfMemory(torch.OutOfMemoryError):
@@ -175,31 +190,3 @@ def _apply_window(setup: Setup, window_loss: torch.Tensor, count: int, samples: 
     tokens = count if setup.plan.recipe.task == "language-modeling" else 0
     syncs = setup.sync_counter.take() if setup.sync_counter else None
     return StepResult(loss_value, norm_value, count, samples, tokens, finite, syncs, noise_fields)
-
-
-@torch.no_grad()
-def evaluate(setup: Setup, batch: int | None = None, workers: int | None = None) -> dict | None:
-    """Mean loss (and accuracy) over the eval split, in batches of `batch` (default: the micro-batch), fetched
-    by `workers` loader processes (default: `data.loader.default_workers`)."""
-    dataset = setup.data.get("eval")
-    if dataset is None or len(dataset) == 0:
-        return None
-    model = setup.core
-    was_training = model.training
-    model.eval()
-    total_loss, total_count, correct = 0.0, 0, 0
-    batch = max(batch or setup.plan.micro_batch, 1)
-    workers = default_workers(dataset) if workers is None else workers
-    for cpu_batch in eval_batches(dataset, batch, workers=workers, pin_memory=setup.device.type == "cuda"):
-        inputs, target = to_device(cpu_batch, setup.device, setup.dtype)
-        with setup.autocast():
-            output = model(inputs)
-        total_loss += float(setup.loss(output, target))
-        total_count += setup.loss.count(target)
-        if setup.plan.recipe.task == "classification":
-            correct += int((output.argmax(-1) == target).sum())
-    model.train(was_training)
-    result = {"eval_loss": total_loss / max(total_count, 1), "eval_items": total_count}
-    if setup.plan.recipe.task == "classification":
-        result["eval_accuracy"] = correct / max(total_count, 1)
-    return result

@@ -1,0 +1,97 @@
+"""A run's records: the metrics.jsonl line of each optimizer step, and summary.json at the end."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..data.batches import DataClock
+from ..reported import compare_reported
+from .noise import summarise
+from .outputs import read_metrics
+from .run_state import Run
+from .step import StepResult
+from .windows import StepBatch, step_epoch
+
+
+def step_record(run: Run, step: int, batch: StepBatch, lr: float, result: StepResult, accumulation: int,
+                partial: bool, tick: float, clock: DataClock) -> dict:
+    """Optimizer step `step`'s metrics record (without its evaluation), with the loader's and the divergence
+    watch's warnings on the way."""
+    world, main = run.world, run.world.is_main
+    record = {
+        "step": step + 1,
+        "epoch": round(step_epoch(run.plan, step), 6),
+        "lr": lr,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "samples": result.samples,
+        "tokens": result.tokens,
+        "items": result.count,
+        "micro_batch": run.micro_batch(step),
+        "accumulation_steps": accumulation,
+        "world_size": world.size,
+        "partial": partial,
+        "skipped": not result.finite,
+        "seconds": round(time.perf_counter() - tick, 6),
+        "data_seconds": round(clock.seconds, 6),
+        "peak_memory_bytes": peak_memory(run.setup.device),
+    }
+    record.update(run.rates.fields(record))
+    slow_loader = run.watch.update(step + 1, clock.seconds, record["seconds"])
+    if slow_loader and main:
+        run.reporter.message(slow_loader)
+    if result.grad_syncs is not None:
+        record["grad_syncs"] = result.grad_syncs
+    if batch.phase is not None:
+        record.update(phase=batch.phase + 1, effective_batch=batch.effective_batch,
+                      sequence_length=batch.sequence_length)
+    if result.noise:
+        record.update(result.noise)
+    return record
+
+
+def run_summary(run: Run, elapsed: float) -> dict:
+    """summary.json: the whole run (every call before a resume too), then what this call ran."""
+    plan, counters, earlier, divergence = run.plan, run.counters, run.earlier, run.divergence
+    whole = {key: earlier[key] + (elapsed if key == "seconds" else counters[key]) for key in earlier}
+    summary = {
+        "steps": run.total,
+        "planned_steps": plan.optimizer_steps,
+        "resumed_from_step": run.resumed.first_step,
+        "arithmetic": plan.arithmetic,
+        "exact": plan.exact,
+        "world_size": run.world.size,
+        "final": run.last_record,
+        "seconds": round(whole["seconds"], 3),  # the whole run: every segment before a resume too
+        "samples_per_second": round(whole["samples"] / whole["seconds"], 2) if whole["seconds"] > 0 else None,
+        # what this call ran (the whole run unless it resumed)
+        "this_call": {"steps": run.total - run.resumed.first_step, "samples": counters["samples"],
+                      "tokens": counters["tokens"], "seconds": round(elapsed, 3),
+                      "samples_per_second": round(counters["samples"] / elapsed, 2) if elapsed > 0 else None},
+        "workers": run.workers,
+        "data_seconds": round(run.waited, 3),
+        "data_share": round(run.waited / elapsed, 4) if elapsed > 0 else None,
+        "window_policy": "drop_last" if plan.recipe.data.drop_last else "partial windows normalised by their items",
+        **counters,
+        "samples": whole["samples"],
+        "tokens": whole["tokens"],
+        "divergence": divergence.diverged,
+        "reported": compare_reported(plan.recipe, run.last_record, run.total, plan.optimizer_steps),
+        "data": run.setup.data.get("info", {}),
+        "notes": run.setup.notes,
+    }
+    if run.world.is_main and run.options.noise_scale:  # from metrics.jsonl: the steps before a resume count too
+        summary["noise_scale"] = summarise(read_metrics(run.out / "metrics.jsonl"), run.total, plan.recipe.task,
+                                           reason=run.unmeasured, warmup_steps=plan.warmup_steps,
+                                           diverged=divergence.diverged)
+    if run.world.is_main:  # medians of each step's rates, from metrics.jsonl
+        summary["throughput"] = run.rates.summary(read_metrics(run.out / "metrics.jsonl"))
+    return summary
+
+
+def peak_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return None

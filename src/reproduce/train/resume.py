@@ -1,0 +1,81 @@
+"""Resuming a run: the state its checkpoint hands back, and what the run did before this call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UserError
+from ..planner import Plan
+from ..segments import batch_phase
+from .checkpoint import load_checkpoint
+from .divergence import DivergenceWatch
+from .noise import NoiseScale
+from .outputs import read_metrics
+from .setup import Setup
+
+
+@dataclass
+class Resumed:
+    """Where a run starts: step 0 of a fresh run, or the step its checkpoint was written after."""
+
+    seed: int  # the data order and dropout streams: the run's own on resume
+    first_step: int = 0
+    metrics_offset: int = 0  # metrics.jsonl's length at the checkpoint (lines after it are dropped)
+    lowered: dict = field(default_factory=dict)  # sequence length -> the micro-batch an out-of-memory error set
+    state: dict | None = None  # the checkpoint's (None for a fresh run)
+
+
+def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, seed: int, asked_seed: int | None,
+               total: int, max_steps: int | None) -> Resumed:
+    """Load `out`'s checkpoint into `setup` (and `noise`), and check the run has steps left to run."""
+    state = load_checkpoint(setup, out / "checkpoints" / "last.pt")
+    if noise is not None and state["extra"].get("noise_scale"):
+        noise.load_state_dict(state["extra"]["noise_scale"])
+    first_step, metrics_offset = state["step"], state["metrics_offset"]
+    saved_seed = state["extra"].get("seed", seed)
+    if asked_seed is not None and asked_seed != saved_seed:
+        raise UserError(f"--seed: the run in {out} was started with seed {saved_seed} (got {asked_seed})")
+    if first_step >= total:
+        raise UserError(already_run(out, first_step, total, max_steps, plan.optimizer_steps))
+    # the run had lowered the micro-batch after running out of memory (by sequence length)
+    lowered = {int(k) if k != "None" else None: v for k, v in state["extra"].get("lowered", {}).items()}
+    saved_micro_batch = state.get("micro_batch")  # all a checkpoint written before batch phases says
+    if "lowered" not in state["extra"] and saved_micro_batch and batch_phase(plan.segments, 0) is None and (
+            saved_micro_batch < plan.micro_batch and plan.per_rank_batch % saved_micro_batch == 0):
+        lowered = {plan.recipe.batch.sequence_length: saved_micro_batch}
+    return Resumed(saved_seed, first_step, metrics_offset, lowered, state)
+
+
+def already_run(out: Path, first_step: int, total: int, max_steps: int | None, planned: int | None) -> str:
+    """Why a resume has nothing to do; with --max-steps (counted from the start of the run), the value that goes on."""
+    if max_steps is not None and planned is not None and first_step < planned:
+        more = min(first_step + max_steps, planned)
+        return (f"--max-steps: {out} has already run {first_step} of {total} optimizer steps; --max-steps counts "
+                f"from the start of the run (of {planned} steps): to run {more - first_step} more, give "
+                f"--max-steps {more}")
+    return f"--resume: {out} has already run {first_step} of {total} optimizer steps; nothing to do"
+
+
+def earlier_segments(out: Path, state: dict | None, first_step: int) -> tuple[dict, DivergenceWatch]:
+    """What the run did before this call (seconds, samples, tokens; zeros for a fresh run) and its divergence
+    watch, from the checkpoint, or from metrics.jsonl for a checkpoint written before they were kept."""
+    totals = {"seconds": 0.0, "samples": 0, "tokens": 0}
+    if state is None:
+        return totals, DivergenceWatch()
+    extra = state["extra"]
+    records = None
+    if "run_totals" in extra:
+        totals.update(extra["run_totals"])
+    else:
+        records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r and r.get("step", 0) <= first_step]
+        totals = {"seconds": sum(r.get("seconds", 0.0) for r in records),
+                  "samples": sum(r.get("samples", 0) for r in records),
+                  "tokens": sum(r.get("tokens", 0) for r in records)}
+    if "divergence" in extra:
+        watch = DivergenceWatch()
+        watch.load_state_dict(extra["divergence"])
+        return totals, watch
+    if records is None:
+        records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r and r.get("step", 0) <= first_step]
+    return totals, DivergenceWatch.from_records(records)

@@ -1,0 +1,87 @@
+"""What one `train` call holds while it runs: built once by `trainer.start_run`, updated by each step."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..data.batches import DataClock, LazyMicroBatch
+from ..data.loader import LoaderWatch, MicroBatchStream
+from ..planner import Plan
+from .distributed import World
+from .divergence import DivergenceWatch
+from .noise import NoiseScale
+from .options import RunOptions
+from .outputs import MetricsLog
+from .rates import StepRates
+from .reporter import Reporter
+from .resume import Resumed
+from .setup import Setup
+from .windows import micro_batch_at, window
+
+
+@dataclass
+class Run:
+    plan: Plan
+    out: Path
+    options: RunOptions
+    world: World
+    setup: Setup
+    reporter: Reporter
+    train_set: Any
+    size: int  # the training set's samples
+    total: int  # the optimizer step this call stops after
+    resumed: Resumed
+    noise: NoiseScale | None
+    metrics: MetricsLog
+    rates: StepRates
+    unmeasured: str | None  # why the noise scale is not measured
+    earlier: dict  # seconds, samples and tokens of the calls before a resume
+    divergence: DivergenceWatch
+    workers: int  # DataLoader processes
+    watch: LoaderWatch
+    started: float  # perf_counter at the first step
+    last_checkpoint: float  # perf_counter at the last checkpoint (or the start)
+    waited: float = 0.0  # seconds the steps waited for data
+    counters: dict = field(default_factory=lambda: {
+        "samples": 0, "tokens": 0, "partial_windows": 0, "skipped_nonfinite": 0, "out_of_memory": 0})
+    last_record: dict = field(default_factory=dict)
+    stream: MicroBatchStream | None = None
+
+    @property
+    def seed(self) -> int:
+        return self.resumed.seed
+
+    @property
+    def lowered(self) -> dict:
+        """Sequence length -> the micro-batch an out-of-memory error lowered it to."""
+        return self.resumed.lowered
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.out / "checkpoints" / "last.pt"
+
+    def micro_batch(self, step: int) -> int:
+        """Step `step`'s micro-batch: its batch phase's, or as lowered after running out of memory."""
+        return micro_batch_at(self.plan, step, self.lowered)
+
+    def windows(self, step: int) -> tuple[list[torch.Tensor], bool]:
+        """This rank's micro-batches of `step`, and whether the window is partial: the loop and the loader's
+        sampler both follow this one function."""
+        return window(self.plan, self.size, step, self.seed, self.setup.rank, self.micro_batch(step))
+
+    def open_stream(self, step: int) -> MicroBatchStream:
+        self.stream = MicroBatchStream(self.train_set, lambda at: self.windows(at)[0], step, self.total,
+                                       seed=self.seed, workers=self.workers,
+                                       pin_memory=self.setup.device.type == "cuda")
+        return self.stream
+
+    def micro_batches(self, step: int, indices: list, clock: DataClock) -> list[LazyMicroBatch]:
+        """The window's micro-batches, fetched from the stream as the step loads them."""
+        take = functools.partial(self.stream.take, step)
+        return [LazyMicroBatch(self.train_set, i, self.setup.device, self.options.dtype, take, clock)
+                for i in indices]
