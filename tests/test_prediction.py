@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from reproduce.cli import main
+from helpers import cli, cli_json
 from reproduce.prediction import DEFAULT_MFU
 
 PAPER = """\
@@ -33,21 +31,8 @@ def isolated(tmp_path, monkeypatch):
     torch.set_num_threads(threads)
 
 
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def plan_json(capsys, *argv: str) -> dict:
-    code, out, err = cli(capsys, "plan", *argv, "--json")
-    assert code == 0, err
-    return json.loads(out)
+    return cli_json(capsys, "plan", *argv)
 
 
 def test_predicted_time_is_the_flops_over_the_devices_peak_at_the_stated_mfu(capsys):

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from reproduce.cli import main
+from helpers import cli, cli_json
 from reproduce.probe.catalog import CONTEXT_BYTES, GPUS, lookup
 from reproduce.probe.runner import ProbeOptions
 from reproduce.recipe import load_recipe
@@ -46,21 +46,8 @@ def isolated(tmp_path, monkeypatch):
     torch.set_num_threads(threads)
 
 
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def probe_json(capsys, *argv: str) -> dict:
-    code, out, err = cli(capsys, "probe", *argv, "--json")
-    assert code == 0, err
-    return json.loads(out)
+    return cli_json(capsys, "probe", *argv)
 
 
 def test_probe_json_reports_every_trial_and_the_bracket(capsys, tmp_path):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from reproduce.cli import main
+from helpers import cli, cli_json
 from reproduce.throughput import (
     MAX_TIMED,
     choose,
@@ -45,17 +45,6 @@ def isolated(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_rates_are_the_micro_batch_over_the_step():
@@ -153,9 +142,7 @@ def test_relative_spread():
 
 
 def plan_json(capsys, *argv: str) -> dict:
-    code, out, err = cli(capsys, "plan", *argv, "--json")
-    assert code == 0, err
-    return json.loads(out)
+    return cli_json(capsys, "plan", *argv)
 
 
 def test_plan_policy_throughput_times_exact_splits_and_says_why(capsys):
