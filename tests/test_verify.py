@@ -121,3 +121,13 @@ def test_token_loss_gpt_from_a_plan_file(tmp_path, capsys):
     assert code == 0, out
     assert (result["samples"], result["micro_batches"]) == (10, 3)  # 4 + 4 + 2 sequences
     assert result["global_relative_error"] < 1e-12
+
+
+def test_a_plan_with_batch_phases_is_verified_on_its_first_phase(capsys):
+    """Batch phases read the data cut at each phase's sequence length (as the run indexes it): verify checks the
+    first optimizer step, at the first phase's batch and length (it raised an IndexError before)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["verify", "papers/pysource-gpt-phases.yaml", "--micro-batch-max", "16", "--json"])
+    assert exit_info.value.code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["equivalent"] and result["samples"] == 128  # the first phase: 128 sequences of 32 tokens

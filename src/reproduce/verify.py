@@ -25,10 +25,12 @@ from torch import nn
 
 from .data import build_data
 from .data.batches import to_device
+from .data.lengths import training_set
 from .data.loader import fetch_seeded
 from .errors import UserError
 from .models import build_model, has_batchnorm
 from .planner import Plan
+from .segments import length_sizes
 from .train.losses import build_loss
 from .train.setup import Setup, resolve_device
 from .train.step import optimizer_step
@@ -189,8 +191,9 @@ def verify(
     recipe = plan.recipe
     seed = recipe.seed if seed is None else seed
     data = data if data is not None else build_data(recipe)
-    train_set = data["train"]
-    size = len(train_set)
+    # as the run indexes it: batch phases of other sequence lengths read the same data cut at their length
+    train_set = training_set(recipe, data["train"], list(length_sizes(plan.segments)))
+    size = len(data["train"])
 
     # The plan as it trains, in the dtype of the check: autocast only for bf16/fp16, parameters in float64
     # or float32. Clipping stays: it acts on the accumulated gradient, and the reference clips the same way.

@@ -51,6 +51,7 @@ def verify_command(
 ) -> None:
     """Compare the plan's accumulated gradient with the one-pass gradient: exit 0 equivalent, 1 not."""
     from ..data import build_data  # torch is imported only by the commands that need it
+    from ..data.lengths import training_sizes
     from ..verify import verify
 
     if tolerance is not None and not tolerance > 0:
@@ -62,7 +63,7 @@ def verify_command(
     data = build_data(recipe)
     if the_plan is None:
         the_plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy.value,
-                             dataset_size=len(data["train"]), on_note=show_note)
+                             dataset_size=training_sizes(recipe, data["train"]), on_note=show_note)
     result = verify(
         the_plan, samples=samples, tolerance=tolerance, dtype=dtype.value, device=device, seed=seed, data=data
     )
