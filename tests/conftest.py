@@ -35,6 +35,30 @@ def make_recipe(**overrides):
 
 
 @pytest.fixture
+def one_thread():
+    """Torch on one thread for the test: tiny models run fastest so, and a loaded 2-core machine punishes
+    oversubscription. The thread count is put back afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def probe_cache(tmp_path, monkeypatch):
+    """The probe's cache in this test's own folder (REPRODUCE_CACHE_DIR), so no result is shared between tests."""
+    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def isolated(tmp_path, monkeypatch, probe_cache, one_thread):
+    """A probe or plan test in a folder of its own: the working directory, the probe's cache, one torch thread."""
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture
 def recipe():
     return make_recipe()
 

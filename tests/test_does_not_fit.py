@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from reproduce.cli import main
 from reproduce.probe.runner import ProbeOptions, run_probe
@@ -30,14 +29,7 @@ GPT = {
 TOO_SMALL = ProbeOptions(memory="48MiB", meter="estimate", headroom=0.0)
 
 
-@pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.chdir(tmp_path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("isolated")
 
 
 def recipe(**batch):

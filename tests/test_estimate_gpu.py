@@ -26,12 +26,7 @@ A100, V100, RTX4090 = (GpuKind(lookup(name).capability) for name in ("a100-80gb"
 B, H, S, D = 2, 4, 64, 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def lm(**changes) -> dict:

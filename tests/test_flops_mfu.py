@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from reproduce.cli import main
 from reproduce.prediction import DEFAULT_MFU, mfu, predicted_seconds
@@ -32,14 +31,7 @@ schedule: {total: {steps: 3}}
 """
 
 
-@pytest.fixture(autouse=True)
-def one_thread(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path / "cache"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("isolated")
 
 
 def test_mlp_flops_are_the_matrix_products_forward_and_backward():

@@ -115,15 +115,6 @@ def test_load_errors_are_user_errors(tiny_gpt2, model, message):
         build_model(parse_recipe(hf_recipe(model)))
 
 
-@pytest.fixture
-def one_thread():
-    """A model this small runs fastest on one thread (and is not slowed down by a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("optimizer", [SGD, ADAMW], ids=["sgd", "adamw"])
 def test_accumulated_run_equals_one_batch_of_eight(tiny_gpt2, optimizer, tmp_path, one_thread):
     """micro-batch 2 x accumulation 4 = one batch of 8 padded sequences, normalised by their tokens (float64)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from reproduce.cli import main
@@ -42,14 +41,7 @@ SMALL = ProbeOptions(memory="44MiB", meter="estimate", headroom=0.0)
 LLAMA_70B = Path(__file__).parent / "data" / "llama2-70b-shape.yaml"
 
 
-@pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.chdir(tmp_path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("isolated")
 
 
 def sharded_gpt(**batch):

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from reproduce.cli import main
 from reproduce.probe.catalog import lookup
@@ -18,13 +17,7 @@ from reproduce.recipe import load_recipe
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 
 
-@pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path / "cache"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("probe_cache", "one_thread")
 
 
 def paper_trial(name: str, world_size: int = 1):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from helpers import cli, cli_json
 from reproduce.prediction import DEFAULT_MFU
@@ -20,15 +19,9 @@ schedule: {total: {steps: 1000}}
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.chdir(tmp_path)
+def files(isolated, tmp_path):
     (tmp_path / "paper.yaml").write_text(PAPER, encoding="utf-8")
     (tmp_path / "tpu.yaml").write_text(PAPER.replace("A100-80GB", "TPUv3 chip"), encoding="utf-8")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def plan_json(capsys, *argv: str) -> dict:

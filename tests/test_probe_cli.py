@@ -34,16 +34,9 @@ CPU = ("--meter", "cpu", "--memory", "256KiB")
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    """A cache of the test's own, and one thread for tiny models (a loaded machine punishes more)."""
-    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.chdir(tmp_path)
+def files(isolated, tmp_path):
     (tmp_path / "digits.yaml").write_text(DIGITS, encoding="utf-8")
     (tmp_path / "offline.yaml").write_text(OFFLINE_LM, encoding="utf-8")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def probe_json(capsys, *argv: str) -> dict:

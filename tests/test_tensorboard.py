@@ -39,16 +39,6 @@ def test_every_numeric_field_at_its_step(tmp_path):
     assert "train/micro_batch" not in found
 
 
-@pytest.fixture
-def one_thread():
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny MLP: fastest on one thread, and unaffected by a busy machine
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_reporter_logs_a_real_run(tmp_path, one_thread):
     pytest.importorskip("tensorboard", reason=NO_TENSORBOARD)
     from reproduce.planner import plan

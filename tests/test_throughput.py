@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from helpers import cli, cli_json
 from reproduce.throughput import (
@@ -37,14 +36,8 @@ schedule: {total: {steps: 3}}
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.chdir(tmp_path)
+def files(isolated, tmp_path):
     (tmp_path / "gpt.yaml").write_text(GPT, encoding="utf-8")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_rates_are_the_micro_batch_over_the_step():

@@ -41,16 +41,6 @@ def offline(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # anything a library writes to its working directory lands here, not in the repo
 
 
-@pytest.fixture
-def one_thread():
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_log_to_names_and_the_tensorboard_alias():
     assert parse_log_to(["mlflow,wandb"], tensorboard=True) == ["tensorboard", "wandb", "mlflow"]
     assert parse_log_to([" MLflow ", "mlflow"]) == ["mlflow"]
