@@ -6,6 +6,7 @@ Test modules import from here (`from helpers import ...`), never from one anothe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -243,3 +244,11 @@ def cli_json(capsys, command: str, *argv: str) -> dict:
     code, out, err = cli(capsys, command, *argv, "--json")
     assert code == 0, err
     return json.loads(out)
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under `folder` by its SHA-256: compared before and after a refused command (nothing written)."""
+    if not folder.exists():
+        return {}
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}

@@ -3,12 +3,12 @@ and the output folder left exactly as it was."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
 import yaml
 
+from helpers import snapshot
 from reproduce.cli import main
 
 RUNNABLE = {
@@ -30,13 +30,6 @@ def changed(**changes) -> dict:
             node = node[part]
         node[last] = value
     return data
-
-
-def snapshot(folder: Path) -> dict:
-    if not folder.exists():
-        return {}
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 CASES = [

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from reproduce.cli import main
+from helpers import cli
 from reproduce.planner import plan
 from reproduce.recipe import load_recipe
 
@@ -15,10 +15,7 @@ PAPERS = Path(__file__).resolve().parent.parent / "papers"
 
 
 def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
+    return cli(capsys, *args)
 
 
 @pytest.mark.parametrize("name, words", [

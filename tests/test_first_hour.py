@@ -4,7 +4,6 @@ what its result means."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import shlex
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
-from reproduce.cli import main
+from helpers import cli, snapshot
 from reproduce.recipe import parse_recipe
 from reproduce.reported import compare_reported, reported_line
 from reproduce.train.divergence import DivergenceWatch
@@ -49,20 +48,6 @@ DIGITS = {
 def write(path: Path, recipe: dict) -> Path:
     path.write_text(yaml.safe_dump(recipe))
     return path
-
-
-def snapshot(folder: Path) -> dict:
-    if not folder.exists():
-        return {}
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
 
 
 def refused(capsys, tmp_path: Path, *args: str) -> str:

@@ -8,18 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from helpers import cli
 from reproduce import builtin_names
-from reproduce.cli import main
 from reproduce.recipe import load_recipe, parse_recipe
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 
 
 def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
+    return cli(capsys, *args)
 
 
 def test_builtin_names_equal_the_registries():
