@@ -252,3 +252,10 @@ def snapshot(folder: Path) -> dict:
         return {}
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def assert_same_model(first: Path, second: Path) -> None:
+    """The model.pt of two run folders bitwise equal (an interrupted and resumed run against an uninterrupted one)."""
+    a = torch.load(first / "model.pt", weights_only=True)
+    b = torch.load(second / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from helpers import assert_same_model
 from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.data.batches import LazyMicroBatch
@@ -220,9 +221,7 @@ def test_resume_with_workers_is_bitwise_mid_epoch(sample_data, tmp_path):
     train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data, workers=0))
     train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3, workers=2))
     train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True, workers=1))
-    full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
-    split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
-    assert all(torch.equal(full[k], split[k]) for k in full)
+    assert_same_model(tmp_path / "full", tmp_path / "split")
     losses = [r["loss"] for r in read_metrics(tmp_path / "split" / "metrics.jsonl")]
     assert losses == [r["loss"] for r in read_metrics(tmp_path / "full" / "metrics.jsonl")] and len(losses) == 6
 

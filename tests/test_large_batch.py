@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import LAMB_SPEC, LARS_SPEC, assert_same_weights, digits_recipe, run_accumulated, run_plain
+from helpers import (
+    LAMB_SPEC,
+    LARS_SPEC,
+    assert_same_model,
+    assert_same_weights,
+    digits_recipe,
+    run_accumulated,
+    run_plain,
+)
 from reproduce.data import build_data
 from reproduce.models import build_model
 from reproduce.planner import plan
@@ -163,9 +171,7 @@ def test_lamb_resume_is_bitwise(tmp_path):
     train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data))
     train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3))
     train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
-    full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
-    split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
-    assert all(torch.equal(full[k], split[k]) for k in full)
+    assert_same_model(tmp_path / "full", tmp_path / "split")
 
 
 # ---- FSDP2's sharded parameters: DTensor shards over two processes ---------------------------------------

@@ -11,7 +11,7 @@ import yaml
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from helpers import assert_same_weights, plain_loop
+from helpers import assert_same_model, assert_same_weights, plain_loop
 from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.errors import UserError
@@ -308,9 +308,7 @@ def test_resume_across_phase_boundaries_is_bitwise(tmp_path):
     # stops inside the first phase
     train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=2))
     train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))  # and crosses both boundaries
-    full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
-    split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
-    assert all(torch.equal(full[k], split[k]) for k in full)
+    assert_same_model(tmp_path / "full", tmp_path / "split")
     assert [r["loss"] for r in read_metrics(tmp_path / "split" / "metrics.jsonl")] == [
         r["loss"] for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
 

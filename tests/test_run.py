@@ -8,7 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import ADAMW, SGD, assert_same_weights, digits_recipe, lm_recipe, run_accumulated, run_plain
+from helpers import (
+    ADAMW,
+    SGD,
+    assert_same_model,
+    assert_same_weights,
+    digits_recipe,
+    lm_recipe,
+    run_accumulated,
+    run_plain,
+)
 from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.data.batches import collate
@@ -201,9 +210,7 @@ def test_resume_keeps_the_runs_seed_and_refuses_a_finished_run(tmp_path):
     with pytest.raises(UserError, match="--seed: the run in .* was started with seed 5 \\(got 6\\)"):
         train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, seed=6, resume=True))
     train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))  # no --seed: the run's own
-    full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
-    split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
-    assert all(torch.equal(full[k], split[k]) for k in full)
+    assert_same_model(tmp_path / "full", tmp_path / "split")
     before = (tmp_path / "split" / "summary.json").read_bytes()
     with pytest.raises(UserError, match="has already run 6 of 6 optimizer steps"):
         train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))

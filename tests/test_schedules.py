@@ -16,7 +16,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import assert_same_weights
+from helpers import assert_same_model, assert_same_weights
 from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.errors import UserError
@@ -165,9 +165,7 @@ def test_resume_inside_the_second_warm_up_is_bitwise(tmp_path):
     # one step into the second warm-up
     train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=5))
     train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
-    full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
-    split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
-    assert all(torch.equal(full[k], split[k]) for k in full)
+    assert_same_model(tmp_path / "full", tmp_path / "split")
     assert [(r["loss"], r["lr"]) for r in read_metrics(tmp_path / "split" / "metrics.jsonl")] == [
         (r["loss"], r["lr"]) for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
 
@@ -284,9 +282,7 @@ def test_plateau_state_is_checkpointed_and_resume_is_bitwise(tmp_path):
     saved = torch.load(tmp_path / "split" / "checkpoints" / "last.pt", weights_only=True)["scheduler"]["plateau"]
     assert saved["evaluations"] == 4 and saved["decreases"]  # 2, 4, 6, 8
     train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
-    full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
-    split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
-    assert all(torch.equal(full[k], split[k]) for k in full)
+    assert_same_model(tmp_path / "full", tmp_path / "split")
     assert [(r["loss"], r["lr"]) for r in read_metrics(tmp_path / "split" / "metrics.jsonl")] == [
         (r["loss"], r["lr"]) for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
 
