@@ -82,12 +82,12 @@ def run_summary(run: Run, elapsed: float) -> dict:
         "data": run.setup.data.get("info", {}),
         "notes": run.setup.notes,
     }
-    if run.world.is_main and run.options.noise_scale:  # from metrics.jsonl: the steps before a resume count too
-        summary["noise_scale"] = summarise(read_metrics(run.out / "metrics.jsonl"), run.total, plan.recipe.task,
-                                           reason=run.unmeasured, warmup_steps=plan.warmup_steps,
-                                           diverged=divergence.diverged)
-    if run.world.is_main:  # medians of each step's rates, from metrics.jsonl
-        summary["throughput"] = run.rates.summary(read_metrics(run.out / "metrics.jsonl"))
+    if run.world.is_main:  # from metrics.jsonl, read once: the steps before a resume count too
+        records = read_metrics(run.out / "metrics.jsonl")
+        if run.options.noise_scale:
+            summary["noise_scale"] = summarise(records, run.total, plan.recipe.task, reason=run.unmeasured,
+                                               warmup_steps=plan.warmup_steps, diverged=divergence.diverged)
+        summary["throughput"] = run.rates.summary(records)  # medians of each step's rates
     return summary
 
 
