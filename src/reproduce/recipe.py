@@ -18,6 +18,7 @@ OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lamb", "lars", "adafactor")
 SGD_FAMILY = ("sgd", "nesterov", "lars")
 ADAM_FAMILY = ("adam", "adamw", "lamb", "adafactor")
 NORM_LAYERS = ("batchnorm", "layernorm", "rmsnorm", "groupnorm", "none")
+BATCHNORM_CHOICES = ("keep", "sync", "frozen", "group")  # model.batchnorm (models/normalization.py)
 LENGTH_UNITS = ("steps", "epochs", "samples", "tokens")
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -309,6 +310,19 @@ class Model(Builder):
     hf: str | None = Field(default=None, description="Hugging Face model name or local folder")
     kind: Literal["causal-lm", "sequence-classification"] | None = None
     norm_layers: Names[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
+    batchnorm: Literal[BATCHNORM_CHOICES] = Field(  # type: ignore[valid-type]
+        default="keep", description="BatchNorm when the micro-batch is below the paper's BN batch: keep (per "
+        "micro-batch), sync (SyncBatchNorm over the processes, CUDA), frozen (FrozenBatchNorm2d), group (GroupNorm, "
+        "a deviation); models/normalization.py",
+    )
+    output_stride: Literal[8, 16] | None = Field(
+        default=None, description="segmentation models: input size / feature size, by dilating ResNet's last "
+        "stages (torchvision's default 8)",
+    )
+    aux_weight: float | None = Field(
+        default=None, ge=0, description="segmentation models: build the auxiliary head (FCN on ResNet's layer3) "
+        "and weigh its loss by this (MMSegmentation: 0.4); not given: no auxiliary head",
+    )
     dtype: Literal[WEIGHT_DTYPES] = "fp32"  # type: ignore[valid-type]
     lora: Lora | None = None
     activation_checkpointing: bool = Field(

@@ -18,20 +18,27 @@ from . import small
 from .architectures import ARCHITECTURES
 from .architectures import LOSSES as LOSSES
 from .hf import load_hf_model
+from .normalization import convert, count_batchnorm
+from .segmentation import SEGMENTATION_MODELS
 from .vocabulary import check_vocabulary
 from .weights import adapt, place
 
 __all__ = [
-    "LOSSES", "MODELS", "build_model", "count_parameters", "has_batchnorm", "model_inputs", "parameter_counts", "place",
+    "LOSSES", "MODELS", "build_model", "count_batchnorm", "count_parameters", "has_batchnorm", "model_inputs",
+    "parameter_counts", "place",
 ]
 
-MODELS = {**small.MODELS, **ARCHITECTURES}
+BUILT_IN = {**ARCHITECTURES, **SEGMENTATION_MODELS}  # the papers' architectures, built from their libraries
+MODELS = {**small.MODELS, **BUILT_IN}
 
 
 def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     spec = recipe.model
     if spec.hf is not None:
         model = load_hf_model(recipe, data_info)
+    elif spec.builtin in SEGMENTATION_MODELS:
+        declared = {"classes": recipe.data.classes} if recipe.data.classes else {}  # the data's own count first
+        model = SEGMENTATION_MODELS[spec.builtin].build(segmentation_kwargs(recipe), {**declared, **(data_info or {})})
     elif spec.builtin in ARCHITECTURES:
         model = ARCHITECTURES[spec.builtin].build(spec.kwargs, data_info)
     else:
@@ -43,6 +50,8 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
         model = call_builder(spec, "model", MODELS, extra)
         if not isinstance(model, nn.Module):
             raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")
+    if spec.builtin not in SEGMENTATION_MODELS:  # those build with their norm layer (models/segmentation.py)
+        model = convert(model, spec.batchnorm)
     check_vocabulary(model, data_info)  # token ids the embedding has no row for: refused before any step
     model = adapt(model, recipe)
     if spec.activation_checkpointing:  # before DDP and FSDP2 wrap it: they see the checkpointed blocks
@@ -50,6 +59,13 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
 
         enable(model, spec.builtin or spec.factory or spec.hf or "the model")
     return model
+
+
+def segmentation_kwargs(recipe: Recipe) -> dict:
+    """A segmentation model's kwargs: the recipe's, with model.output_stride, model.aux_weight and model.batchnorm."""
+    spec = recipe.model
+    extra = {"output_stride": spec.output_stride, "aux_loss": spec.aux_weight is not None, "norm": spec.batchnorm}
+    return {**spec.kwargs, **{key: value for key, value in extra.items() if value is not None}}
 
 
 def model_inputs(recipe: Recipe) -> dict:
@@ -62,8 +78,8 @@ def model_inputs(recipe: Recipe) -> dict:
     """
     spec = recipe.model
     kwargs = spec.kwargs
-    if spec.builtin in ARCHITECTURES:
-        return ARCHITECTURES[spec.builtin].model_inputs(kwargs)
+    if spec.builtin in BUILT_IN:
+        return BUILT_IN[spec.builtin].model_inputs(kwargs)
     if spec.builtin == "gpt":
         return {"inputs": "tokens", "vocab_size": kwargs.get("vocab_size", 256), "context": kwargs.get("block_size")}
     if spec.builtin in ("cnn-bn", "cnn-gn"):  # the digits: 1 x 8 x 8
