@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Literal
 
+from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
 from .errors import UserError
 from .phases import attach_phase_schedules, first_own_schedule_step, plan_phases
 from .recipe import Length, Recipe
@@ -65,7 +66,8 @@ class Plan(Frozen):
     decay_factor: float
     decay_end_step: int | None
     min_lr: float
-    batchnorm: str | None = None
+    batchnorm: str | None = None  # the warning when BatchNorm's batch is not the paper's
+    norm: BatchNormPlan | None = None  # BatchNorm: the run's BN batch against the paper's, the options (batchnorm/)
     alternative: Choice | None = None
     warnings: list[str] = []
     # batch.phases / batch.ramp: the batch each stretch of optimizer steps takes (empty: the batch above throughout;
@@ -111,13 +113,15 @@ def plan(
     dataset_size: int | Mapping[int | None, int] | None = None,
     recipe_path: str | None = None,
     micro_batch: int | None = None,
+    batchnorm_layers: int | None = None,
 ) -> Plan:
     """The plan for `recipe` on `world_size` processes that each fit `micro_batch_max` samples.
 
     With batch phases the micro-batch that fits, and the training samples, depend on the sequence length: both may
     be given per length ({sequence_length: value}); a single number holds for every length. Policy `throughput` is
     `exact` with the micro-batch `micro_batch` (the exact split the throughput search chose, reproduce/throughput.py)
-    when given, else the largest.
+    when given, else the largest. `batchnorm_layers`: the BatchNorm layers the torch layer counted in the built
+    model (built-ins are known without it; otherwise the recipe's label stands in).
     """
     maxima = micro_batch_max if isinstance(micro_batch_max, Mapping) else None
     sizes = dataset_size if isinstance(dataset_size, Mapping) else None
@@ -166,7 +170,11 @@ def plan(
     elif policy == "fast" and exact is not None and exact.micro_batch != fast.micro_batch:
         alternative = exact
 
-    batchnorm = _batchnorm_note(recipe, chosen.micro_batch)
+    norm = plan_batchnorm(recipe, chosen.micro_batch, cap, world_size, batchnorm_layers)
+    batchnorm = _batchnorm_note(recipe, norm)
+    disagreement = label_disagreement(recipe.model, batchnorm_layers)
+    if disagreement:
+        warnings.append(disagreement)
     rule, source = lr_rule(recipe, chosen.exact)
     if not chosen.exact:
         warnings.append(
@@ -248,6 +256,8 @@ def plan(
 
     if batchnorm:
         warnings.append(batchnorm)
+    if norm is not None:
+        warnings.extend(line for line in norm.lines[1:])
     for index, phase in enumerate(phases):
         if total is not None and phase.start_step >= total and index:
             warnings.append(f"the batch of step {phase.start_step + 1} on ({phase.effective_batch}) is never reached: "
@@ -288,6 +298,7 @@ def plan(
         decay_end_step=decay_end,
         min_lr=min_lr,
         batchnorm=batchnorm,
+        norm=norm,
         alternative=alternative,
         warnings=warnings,
         phases=phases,
@@ -316,17 +327,18 @@ def _adam_option(recipe: Recipe, choice: Choice) -> AdamOption:
     )
 
 
-def _batchnorm_note(recipe: Recipe, micro: int) -> str | None:
-    if not recipe.model.has_batchnorm:
+def _batchnorm_note(recipe: Recipe, norm: BatchNormPlan | None) -> str | None:
+    """The warning when BatchNorm normalises over another batch than the paper's (None when it is the paper's, or
+    when the run's model has no batch statistics)."""
+    if norm is None or norm.run_batch is None or norm.run_batch == norm.paper_batch:
         return None
-    per_device = recipe.batch.per_device
-    if per_device == micro:
-        return None
-    paper = f"the paper's per-device {per_device}" if per_device else "the paper's per-device batch (not stated)"
-    return (
-        f"BatchNorm statistics will be computed over micro-batches of {micro} samples instead of {paper}: "
-        "normalisation and running statistics differ from the paper's"
-    )
+    paper = (f"the paper's {norm.paper_batch}" if norm.paper_batch and norm.paper_mode == "sync" else
+             f"the paper's per-device {norm.paper_batch}" if norm.paper_batch else
+             "the paper's per-device batch (not stated)")
+    over = (f"micro-batches of {norm.micro_batch} samples" if norm.mode == "keep" else
+            f"{norm.processes} synced micro-batches of {norm.micro_batch} = {norm.run_batch} samples")
+    return (f"BatchNorm statistics will be computed over {over} instead of {paper}: normalisation and running "
+            "statistics differ from the paper's" + (" (see the BatchNorm options)" if norm.options else ""))
 
 
 def needs_train_size(recipe_path: str | None, what: str) -> str:

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from .batchnorm import MODES, batchnorm_in_run
 from .errors import UserError
 from .validation import format_validation_errors, read_yaml
 
@@ -18,7 +19,7 @@ OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lamb", "lars", "adafactor")
 SGD_FAMILY = ("sgd", "nesterov", "lars")
 ADAM_FAMILY = ("adam", "adamw", "lamb", "adafactor")
 NORM_LAYERS = ("batchnorm", "layernorm", "rmsnorm", "groupnorm", "none")
-BATCHNORM_CHOICES = ("keep", "sync", "frozen", "group")  # model.batchnorm (models/normalization.py)
+BATCHNORM_CHOICES = MODES  # model.batchnorm: keep | sync | frozen | group (batchnorm/__init__.py)
 LENGTH_UNITS = ("steps", "epochs", "samples", "tokens")
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -315,6 +316,10 @@ class Model(Builder):
         "micro-batch), sync (SyncBatchNorm over the processes, CUDA), frozen (FrozenBatchNorm2d), group (GroupNorm, "
         "a deviation); models/normalization.py",
     )
+    paper_batchnorm: Literal[BATCHNORM_CHOICES] | None = Field(  # type: ignore[valid-type]
+        default=None, description="how the paper normalised when the run's model.batchnorm differs (what "
+        "--batchnorm records; default: model.batchnorm)",
+    )
     output_stride: Literal[8, 16] | None = Field(
         default=None, description="segmentation models: input size / feature size, by dilating ResNet's last "
         "stages (torchvision's default 8)",
@@ -351,7 +356,9 @@ class Model(Builder):
 
     @property
     def has_batchnorm(self) -> bool:
-        return "batchnorm" in self.norm_layers
+        """The run's model normalises by batch statistics: BatchNorm layers found in the model (a built-in's known
+        count; else the label), kept or synced (batchnorm/__init__.py)."""
+        return batchnorm_in_run(self)
 
 
 DATA_FORMATS = ("imagefolder", "tokens", "instructions", "hf-datasets")
