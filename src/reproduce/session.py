@@ -108,7 +108,13 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
         chosen = throughput_plan(recipe, recipe_path, micro_batch_max, world_size, dataset_size, result, data=data,
                                  keep_batchnorm=keep_batchnorm, gpu=probe.gpu if probe else None, on_note=note)
         return Planned(chosen, result, notes)
-    the_plan = plan(recipe, micro_batch_max, world_size, policy, dataset_size=dataset_size, recipe_path=recipe_path)
+    counted = None
+    if result is not None and recipe.model.factory is not None:  # torch is imported: count the user's model's BN
+        from .models import counted_batchnorm
+
+        counted = counted_batchnorm(recipe, (data or {}).get("info"))
+    the_plan = plan(recipe, micro_batch_max, world_size, policy, dataset_size=dataset_size, recipe_path=recipe_path,
+                    batchnorm_layers=counted)
     if memory:  # the memory knobs the plan took, or the ways it weighed (probe/memory_plan.py)
         the_plan = the_plan.model_copy(update={"memory": memory})
     return Planned(the_plan, result, notes)

@@ -16,6 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from ..errors import UserError
+
 MODES = ("keep", "sync", "frozen", "group")
 # BatchNorm layers of each built-in as built by default (no auxiliary head); tests/test_batchnorm_plan.py counts them
 BUILTIN_LAYERS = {
@@ -198,3 +200,17 @@ def with_batchnorm(recipe: Any, mode: str | None) -> Any:
         raise ValueError(mode)
     changed = model.model_copy(update={"batchnorm": mode, "paper_batchnorm": paper_mode(model)})
     return recipe.model_copy(update={"model": changed})
+
+
+def batchnorm_for_run(recipe: Any, plan: Any, mode: str | None) -> tuple[Any, Any]:
+    """`reproduce run --batchnorm MODE`: the recipe to plan with it; a plan already made keeps its own choice (one
+    line when MODE is another: the BN batch, the probe and the options were planned for that one)."""
+    if mode is None:
+        return recipe, plan
+    if plan is None:
+        return with_batchnorm(recipe, mode), plan
+    planned = plan.recipe.model.batchnorm
+    if mode != planned:
+        raise UserError(f"--batchnorm: the plan was made with model.batchnorm {planned}; plan again for {mode} "
+                        f"(reproduce plan RECIPE --batchnorm {mode} --out plan.yaml), or leave --batchnorm out")
+    return recipe, plan
