@@ -127,3 +127,8 @@ def test_group_norm_on_mobilenet_and_small_models():
 def test_bad_settings(model, message):
     with pytest.raises(UserError, match=re.escape(message)):
         build_model(recipe(model))
+
+
+def test_batchnorm_momentum_from_the_papers_decay():
+    model = build_model(recipe({"builtin": "fcn-resnet50", "batchnorm_momentum": 0.0003}))
+    assert {m.momentum for m in model.modules() if isinstance(m, nn.BatchNorm2d)} == {0.0003}

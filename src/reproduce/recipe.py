@@ -320,6 +320,10 @@ class Model(Builder):
         default=None, description="how the paper normalised when the run's model.batchnorm differs (what "
         "--batchnorm records; default: model.batchnorm)",
     )
+    batchnorm_momentum: float | None = Field(
+        default=None, gt=0, lt=1, description="PyTorch's BatchNorm momentum for the running statistics, 1 - the "
+        "decay TensorFlow papers give (DeepLabV3's decay 0.9997: 0.0003); default: each layer's own (0.1)",
+    )
     output_stride: Literal[8, 16] | None = Field(
         default=None, description="segmentation models: input size / feature size, by dilating ResNet's last "
         "stages (torchvision's default 8)",

@@ -18,7 +18,7 @@ from . import small
 from .architectures import ARCHITECTURES
 from .architectures import LOSSES as LOSSES
 from .hf import load_hf_model
-from .normalization import convert, count_batchnorm
+from .normalization import convert, count_batchnorm, set_momentum
 from .segmentation import SEGMENTATION_MODELS
 from .vocabulary import check_vocabulary
 from .weights import adapt, place
@@ -52,6 +52,8 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
             raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")
     if spec.builtin not in SEGMENTATION_MODELS:  # those build with their norm layer (models/segmentation.py)
         model = convert(model, spec.batchnorm)
+    if spec.batchnorm_momentum is not None:
+        set_momentum(model, spec.batchnorm_momentum)
     check_vocabulary(model, data_info)  # token ids the embedding has no row for: refused before any step
     model = adapt(model, recipe)
     if spec.activation_checkpointing:  # before DDP and FSDP2 wrap it: they see the checkpointed blocks
