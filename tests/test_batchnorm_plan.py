@@ -10,6 +10,7 @@ import yaml
 from helpers import cli
 from reproduce import builtin_names
 from reproduce.batchnorm import AUX_HEAD_LAYERS, BUILTIN_LAYERS, with_batchnorm
+from reproduce.errors import UserError
 from reproduce.models import MODELS, count_batchnorm
 from reproduce.planner import plan
 from reproduce.recipe import parse_recipe
@@ -86,6 +87,14 @@ def test_sync_bn_batch_is_micro_batch_times_processes():
     kept = plan(with_batchnorm(mmseg, "keep"), micro_batch_max=2)
     assert (kept.norm.mode, kept.norm.paper_mode, kept.norm.run_batch, kept.norm.paper_batch) == ("keep", "sync", 2, 8)
     assert kept.recipe.model.paper_batchnorm == "sync"
+
+
+def test_a_bn_batch_of_one_is_refused_where_image_pooling_needs_two():
+    with pytest.raises(UserError, match="image pooling normalises a 1 x 1 map"):
+        plan(recipe({"builtin": "deeplabv3-resnet50"}), micro_batch_max=1)
+    assert plan(with_batchnorm(recipe({"builtin": "deeplabv3-resnet50"}), "group"), micro_batch_max=1).micro_batch == 1
+    with torch.device("meta"), pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        MODELS["deeplabv3-resnet50"]().train()(torch.randn(1, 3, 33, 33))  # what the refusal spares the run
 
 
 def test_group_is_a_deviation_and_frozen_is_warned():

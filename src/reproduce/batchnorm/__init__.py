@@ -28,6 +28,9 @@ BUILTIN_LAYERS = {
     "bert-large": 0, "roberta-base": 0, "llama-7b": 0, "nanogpt": 0,
 }
 AUX_HEAD_LAYERS = 1  # torchvision's FCNHead: conv, BatchNorm, ReLU, dropout, conv
+# BatchNorm over a 1 x 1 map (DeepLabV3's ASPP image pooling): one value per channel for a BN batch of 1, which
+# PyTorch refuses in training ("Expected more than 1 value per channel")
+POOLED_BATCHNORM = ("deeplabv3-resnet50", "deeplabv3-resnet101")
 GROUPNORM_SOURCE = "Wu & He 2018 (arXiv 1803.08494): GroupNorm's statistics do not depend on the batch"
 
 
@@ -125,12 +128,16 @@ def plan_batchnorm(recipe: Any, micro_batch: int, micro_batch_max: int, world_si
         return None
     mode, paper = model.batchnorm, paper_mode(model)
     run = {"keep": micro_batch, "sync": micro_batch * world_size}.get(mode)
+    if run == 1 and model.builtin in POOLED_BATCHNORM:
+        raise UserError(f"model.batchnorm: {model.batchnorm} with a micro-batch of 1: {model.builtin}'s image pooling "
+                        "normalises a 1 x 1 map, and BatchNorm needs 2 samples or more to train it; give "
+                        "--micro-batch-max 2 or more, or --batchnorm group | frozen")
     target = paper_batch(recipe)
     lines = [_summary(mode, run, micro_batch, world_size, layers, found) + "; " + _paper_words(recipe, paper, target)]
     if mode == "sync" and world_size < 2:
         lines.append("sync on one process normalises over its micro-batch alone, and `reproduce run` refuses it: "
                      "give --world-size N (N CUDA processes) or --batchnorm keep | frozen | group")
-    if mode == "frozen":
+    if mode == "frozen" and getattr(model, "weights", None) is None:  # model.weights: pretrained statistics
         lines.append("frozen: FrozenBatchNorm2d keeps the running statistics and affine parameters it starts with; "
                      "from random weights they are mean 0, variance 1, scale 1, shift 0 (meaningless: freeze a "
                      "pretrained model's)")
