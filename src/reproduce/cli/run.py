@@ -182,6 +182,16 @@ def _launch(command: list[str]) -> int:
             signal.signal(signum, handler)
 
 
+def check_sync_batchnorm(recipe, processes: int, device: str) -> None:
+    """`model.batchnorm: sync` refused before anything is built or launched: one process, or no CUDA device."""
+    if recipe.model.batchnorm != "sync":
+        return
+    from ..train.distributed import World
+    from ..train.setup import check_batchnorm, resolve_device
+
+    check_batchnorm("sync", World(size=processes), resolve_device(device))
+
+
 @app.command("run")
 def run_command(
     source: Path = typer.Argument(..., metavar="PLAN_OR_RECIPE", help=SOURCE_HELP),
@@ -236,6 +246,7 @@ def run_command(
         recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
         recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
         recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))
+        check_sync_batchnorm(recipe, nproc_per_node * nnodes, device)
         check_sharding(recipe, nproc_per_node * nnodes)
         check_sharded_probe(recipe, plan, micro_batch_max, meter.value)
         check_launch_policy(policy.value, plan, nproc_per_node * nnodes)
@@ -260,6 +271,7 @@ def run_command(
     recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
     recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
     recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))
+    check_sync_batchnorm(recipe, world.size, device)
     check_sharding(recipe, world.size)
     check_sharded_probe(recipe, plan, micro_batch_max, meter.value)
     data = build_data(recipe)
