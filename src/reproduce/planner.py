@@ -117,8 +117,8 @@ def plan(
 
     With batch phases the micro-batch that fits, and the training samples, depend on the sequence length: both may
     be given per length ({sequence_length: value}); a single number holds for every length. Policy `throughput` is
-    `exact` with the micro-batch `micro_batch` (the exact split the throughput search chose, reproduce/throughput.py)
-    when given, else the largest.
+    `exact` with the micro-batch `micro_batch` (the exact split the throughput search chose,
+    reproduce/throughput.py) when given, else the largest.
 
     It reads as its steps: the main batch's values, the checks, the split, its LR, the epoch, the batch phases, the
     schedule in optimizer steps, the last warnings. Every step appends its warnings to one list, in this order.
