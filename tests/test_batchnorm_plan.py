@@ -97,6 +97,13 @@ def test_a_bn_batch_of_one_is_refused_where_image_pooling_needs_two():
         MODELS["deeplabv3-resnet50"]().train()(torch.randn(1, 3, 33, 33))  # what the refusal spares the run
 
 
+def test_the_probe_plans_a_deeplab_workload_without_a_bn_batch_of_one():
+    from reproduce.probe.workload import Workload
+
+    deeplab = recipe({"builtin": "deeplabv3-resnet50"}, batch={"effective": 16, "per_device": 2})
+    assert Workload(deeplab, data={"train": list(range(32)), "info": {}}).plan.micro_batch == 2
+
+
 def test_group_is_a_deviation_and_frozen_is_warned():
     group = plan(with_batchnorm(recipe({"builtin": "deeplabv3-resnet50"}), "group"), micro_batch_max=2)
     assert group.norm.run_batch is None and group.batchnorm is None
@@ -131,3 +138,14 @@ def test_plan_prints_and_records_the_choice(tmp_path, capsys):
     saved = yaml.safe_load(out.read_text())
     assert saved["recipe"]["model"]["batchnorm"] == "group" and saved["recipe"]["model"]["paper_batchnorm"] == "keep"
     assert saved["norm"]["mode"] == "group" and saved["norm"]["paper_batch"] == 16
+
+
+@pytest.mark.parametrize(("mode", "samples"), [("keep", 2), ("group", 1)])
+def test_flops_counted_on_two_crops_where_image_pooling_needs_them(mode, samples, monkeypatch):
+    from reproduce.probe import flops
+
+    seen = []
+    monkeypatch.setattr(flops, "count_flops", lambda recipe, info, batch, capability: seen.append(len(batch[1])))
+    deeplab = recipe({"builtin": "deeplabv3-resnet50", "batchnorm": mode}, batch={"effective": 16, "per_device": 2})
+    flops.recipe_flops(deeplab, data={"train": [(torch.zeros(3, 8, 8), 0)] * 4, "info": {}})
+    assert seen == [samples]
