@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import yaml
@@ -62,6 +64,17 @@ def test_counted_layers_of_a_factory_model_win_over_its_label():
     assert plan(recipe(spec), micro_batch_max=2).norm is None  # not built: the label is all there is
     p = plan(recipe(spec), micro_batch_max=2, batchnorm_layers=53)
     assert p.norm.layers == 53 and p.norm.found == "counted in the built model" and p.batchnorm
+
+
+def test_the_plan_counts_a_factory_models_batchnorm_without_the_probe(tmp_path, capsys):
+    spec = {"factory": "factories:torchvision_resnet50", "norm_layers": "layernorm"}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe(spec).model_dump(mode="json", exclude_none=True)))
+    code, printed, err = cli(capsys, "plan", path, "--micro-batch-max", "2", "--json")
+    assert code == 0, err
+    norm = json.loads(printed)["norm"]
+    assert norm["layers"] == 53 and norm["found"] == "counted in the built model"
+    assert "labels factories:torchvision_resnet50 ['layernorm'], but it has 53 BatchNorm layers" in printed + err
 
 
 def test_the_options_and_what_each_needs():
