@@ -151,3 +151,17 @@ def test_frozen_loads_torchvisions_state_dict_strictly():
     torch.testing.assert_close(frozen.eval()(inputs)["out"], published.eval()(inputs)["out"])  # eval: no dropout
     assert isinstance(frozen.backbone.bn1, FrozenBatchNorm2d)
     torch.testing.assert_close(frozen.backbone.bn1.running_var, published.backbone.bn1.running_var)
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    ({"builtin": "resnet50", "output_stride": 16}, "model.output_stride: only for the segmentation built-ins"),
+    ({"factory": "factories:torchvision_resnet50", "output_stride": 8}, "model.output_stride: only for the"),
+    ({"builtin": "resnet50", "aux_weight": 0.4}, "model.aux_weight: resnet50 has no auxiliary head"),
+])
+def test_segmentation_fields_refused_where_nothing_reads_them(model, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        recipe(model)
+    recipe({"factory": "factories:torchvision_resnet50", "aux_weight": 0.4})  # its own "aux" output, weighed
+    from reproduce import recipe as recipe_module
+
+    assert recipe_module.SEGMENTATION_MODELS == builtin_names.SEGMENTATION_MODELS

@@ -15,6 +15,10 @@ from .batchnorm import MODES, batchnorm_in_run
 from .errors import UserError
 from .validation import format_validation_errors, read_yaml
 
+# the built-ins that read model.output_stride and model.aux_weight (builtin_names.SEGMENTATION_MODELS, which imports
+# this module: tests/test_segmentation_models.py keeps the two equal)
+SEGMENTATION_MODELS = ("deeplabv3-resnet50", "deeplabv3-resnet101", "fcn-resnet50", "lraspp-mobilenet-v3-large")
+
 OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lamb", "lars", "adafactor")
 SGD_FAMILY = ("sgd", "nesterov", "lars")
 ADAM_FAMILY = ("adam", "adamw", "lamb", "adafactor")
@@ -356,6 +360,13 @@ class Model(Builder):
             raise ValueError(f"hf: give a model name or a local folder (got {self.hf!r})")
         if self.kind is not None and self.hf is None:
             raise ValueError("kind: only used with hf (a Hugging Face model)")
+        segmentation = ", ".join(SEGMENTATION_MODELS)
+        if self.output_stride is not None and self.builtin not in SEGMENTATION_MODELS:
+            raise ValueError(f"output_stride: only for the segmentation built-ins ({segmentation}); give your own "
+                             "model's through model.kwargs")
+        if self.aux_weight is not None and self.builtin is not None and self.builtin not in SEGMENTATION_MODELS:
+            raise ValueError(f"aux_weight: {self.builtin} has no auxiliary head (the segmentation built-ins do: "
+                             f"{segmentation}; or your own model returning {{'out': ..., 'aux': ...}})")
         return self
 
     @property
