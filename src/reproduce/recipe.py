@@ -395,6 +395,8 @@ FORMAT_FIELDS = {
     "scale": ("segmentation",),
     "flip": ("segmentation",),
     "pad": ("segmentation",),
+    "split": ("segmentation",),
+    "eval_split": ("segmentation",),
 }
 
 
@@ -437,6 +439,10 @@ class Data(Builder):
         "ignore_index), as DeepLabV3 and MMSegmentation do; default false: such an image is an error")
     ignore_index: int | None = Field(
         default=None, ge=0, description="segmentation: the mask value that bears no loss and no metric (default 255)")
+    split: str | None = Field(default=None, min_length=1, description="segmentation, voc layout: the training list "
+                              "ImageSets/Segmentation/SPLIT.txt (default train; DeepLabV3: trainaug)")
+    eval_split: str | None = Field(default=None, min_length=1, description="segmentation, voc layout: the evaluation "
+                                   "list (default val), read from eval_path's folder, or path's")
 
     @model_validator(mode="before")
     @classmethod
@@ -452,6 +458,10 @@ class Data(Builder):
             raise ValueError(f"crop: height and width must be > 0 (got {list(self.crop)})")
         if self.scale is not None and not 0 < self.scale[0] <= self.scale[1]:
             raise ValueError(f"scale: expected [low, high] with 0 < low <= high (got {list(self.scale)})")
+        if self.layout == "images-masks" and (self.split or self.eval_split):
+            name = "split" if self.split else "eval_split"
+            raise ValueError(f"{name}: only used with layout voc (its ImageSets/Segmentation/ lists); images-masks "
+                             "reads every image of images/ (the evaluation folder: eval_path)")
         if self.format == "segmentation" and self.crop is None:
             raise ValueError("crop: required for segmentation data: the training crop every sample is cut to "
                              "(513 for DeepLabV3 on VOC, [512, 1024] for MMSegmentation on Cityscapes)")

@@ -318,6 +318,8 @@ def run_command(
     line += f", final loss {final['loss']:.4f}"
     if "eval_accuracy" in final:
         line += f", eval accuracy {final['eval_accuracy']:.4f}"
+    if "eval_miou" in final:
+        line += f", eval mIoU {final['eval_miou']:.4f}, pixel accuracy {final['eval_pixel_accuracy']:.4f}"
     if "eval_loss" in final:
         line += f", eval loss {final['eval_loss']:.4f}"
     if summary.get("data_share") is not None:
