@@ -119,6 +119,11 @@ def test_paper_builds_its_model_and_synthetic_batch(path):
         assert inputs.shape == target.shape == (2, length) and inputs.dtype == torch.int64
         assert length <= fixed["context"] and int(inputs.max()) < fixed["vocab_size"] == info["vocab_size"]
         assert last_linear(model).out_features == fixed["vocab_size"]  # logits over the whole vocabulary
+    elif recipe.task == "segmentation":  # the training crop, a mask of class ids each; the logits per pixel
+        height, width = recipe.data.crop
+        assert inputs.shape == (2, 3, height, width) and target.shape == (2, height, width)
+        assert int(target.max()) < recipe.data.classes == info["classes"]
+        assert [m for m in model.modules() if isinstance(m, nn.Conv2d)][-1].out_channels == recipe.data.classes
     else:
         assert inputs.shape == (2, 3, 224, 224) and target.shape == (2,)
         if recipe.task == "classification":

@@ -127,3 +127,41 @@ def test_group_norm_on_mobilenet_and_small_models():
 def test_bad_settings(model, message):
     with pytest.raises(UserError, match=re.escape(message)):
         build_model(recipe(model))
+
+
+def test_batchnorm_momentum_from_the_papers_decay():
+    model = build_model(recipe({"builtin": "fcn-resnet50", "batchnorm_momentum": 0.0003}))
+    assert {m.momentum for m in model.modules() if isinstance(m, nn.BatchNorm2d)} == {0.0003}
+
+
+def test_frozen_loads_torchvisions_state_dict_strictly():
+    """The hook for `model.weights`: a frozen-BN build takes a torchvision checkpoint's keys as they are (its
+    BatchNorm statistics and affine parameters; FrozenBatchNorm2d drops num_batches_tracked), so freezing a
+    pretrained model's BatchNorm needs no key mapping."""
+    torch.manual_seed(0)
+    published = segmentation.fcn_resnet50(weights=None, weights_backbone=None, num_classes=5, aux_loss=True)
+    with torch.no_grad():
+        for module in published.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.uniform_(-1, 1)
+                module.running_var.uniform_(1, 2)
+    frozen = build_model(recipe({"builtin": "fcn-resnet50", "batchnorm": "frozen", "aux_weight": 0.4}))
+    frozen.load_state_dict(published.state_dict(), strict=True)
+    inputs = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(frozen.eval()(inputs)["out"], published.eval()(inputs)["out"])  # eval: no dropout
+    assert isinstance(frozen.backbone.bn1, FrozenBatchNorm2d)
+    torch.testing.assert_close(frozen.backbone.bn1.running_var, published.backbone.bn1.running_var)
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    ({"builtin": "resnet50", "output_stride": 16}, "model.output_stride: only for the segmentation built-ins"),
+    ({"factory": "factories:torchvision_resnet50", "output_stride": 8}, "model.output_stride: only for the"),
+    ({"builtin": "resnet50", "aux_weight": 0.4}, "model.aux_weight: resnet50 has no auxiliary head"),
+])
+def test_segmentation_fields_refused_where_nothing_reads_them(model, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        recipe(model)
+    recipe({"factory": "factories:torchvision_resnet50", "aux_weight": 0.4})  # its own "aux" output, weighed
+    from reproduce import recipe as recipe_module
+
+    assert recipe_module.SEGMENTATION_MODELS == builtin_names.SEGMENTATION_MODELS

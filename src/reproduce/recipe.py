@@ -11,14 +11,19 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from .batchnorm import MODES, batchnorm_in_run
 from .errors import UserError
 from .validation import format_validation_errors, read_yaml
+
+# the built-ins that read model.output_stride and model.aux_weight (builtin_names.SEGMENTATION_MODELS, which imports
+# this module: tests/test_segmentation_models.py keeps the two equal)
+SEGMENTATION_MODELS = ("deeplabv3-resnet50", "deeplabv3-resnet101", "fcn-resnet50", "lraspp-mobilenet-v3-large")
 
 OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lamb", "lars", "adafactor")
 SGD_FAMILY = ("sgd", "nesterov", "lars")
 ADAM_FAMILY = ("adam", "adamw", "lamb", "adafactor")
 NORM_LAYERS = ("batchnorm", "layernorm", "rmsnorm", "groupnorm", "none")
-BATCHNORM_CHOICES = ("keep", "sync", "frozen", "group")  # model.batchnorm (models/normalization.py)
+BATCHNORM_CHOICES = MODES  # model.batchnorm: keep | sync | frozen | group (batchnorm/__init__.py)
 LENGTH_UNITS = ("steps", "epochs", "samples", "tokens")
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -315,6 +320,14 @@ class Model(Builder):
         "micro-batch), sync (SyncBatchNorm over the processes, CUDA), frozen (FrozenBatchNorm2d), group (GroupNorm, "
         "a deviation); models/normalization.py",
     )
+    paper_batchnorm: Literal[BATCHNORM_CHOICES] | None = Field(  # type: ignore[valid-type]
+        default=None, description="how the paper normalised when the run's model.batchnorm differs (what "
+        "--batchnorm records; default: model.batchnorm)",
+    )
+    batchnorm_momentum: float | None = Field(
+        default=None, gt=0, lt=1, description="PyTorch's BatchNorm momentum for the running statistics, 1 - the "
+        "decay TensorFlow papers give (DeepLabV3's decay 0.9997: 0.0003); default: each layer's own (0.1)",
+    )
     output_stride: Literal[8, 16] | None = Field(
         default=None, description="segmentation models: input size / feature size, by dilating ResNet's last "
         "stages (torchvision's default 8)",
@@ -347,11 +360,20 @@ class Model(Builder):
             raise ValueError(f"hf: give a model name or a local folder (got {self.hf!r})")
         if self.kind is not None and self.hf is None:
             raise ValueError("kind: only used with hf (a Hugging Face model)")
+        segmentation = ", ".join(SEGMENTATION_MODELS)
+        if self.output_stride is not None and self.builtin not in SEGMENTATION_MODELS:
+            raise ValueError(f"output_stride: only for the segmentation built-ins ({segmentation}); give your own "
+                             "model's through model.kwargs")
+        if self.aux_weight is not None and self.builtin is not None and self.builtin not in SEGMENTATION_MODELS:
+            raise ValueError(f"aux_weight: {self.builtin} has no auxiliary head (the segmentation built-ins do: "
+                             f"{segmentation}; or your own model returning {{'out': ..., 'aux': ...}})")
         return self
 
     @property
     def has_batchnorm(self) -> bool:
-        return "batchnorm" in self.norm_layers
+        """The run's model normalises by batch statistics: BatchNorm layers found in the model (a built-in's known
+        count; else the label), kept or synced (batchnorm/__init__.py)."""
+        return batchnorm_in_run(self)
 
 
 DATA_FORMATS = ("imagefolder", "tokens", "instructions", "hf-datasets", "segmentation")

@@ -18,14 +18,14 @@ from . import small
 from .architectures import ARCHITECTURES
 from .architectures import LOSSES as LOSSES
 from .hf import load_hf_model
-from .normalization import convert, count_batchnorm
+from .normalization import convert, count_batchnorm, set_momentum
 from .segmentation import SEGMENTATION_MODELS
 from .vocabulary import check_vocabulary
 from .weights import adapt, place
 
 __all__ = [
-    "LOSSES", "MODELS", "build_model", "count_batchnorm", "count_parameters", "has_batchnorm", "model_inputs",
-    "parameter_counts", "place",
+    "LOSSES", "MODELS", "build_model", "count_batchnorm", "count_parameters", "counted_batchnorm", "has_batchnorm",
+    "model_inputs", "parameter_counts", "place",
 ]
 
 BUILT_IN = {**ARCHITECTURES, **SEGMENTATION_MODELS}  # the papers' architectures, built from their libraries
@@ -52,6 +52,8 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
             raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")
     if spec.builtin not in SEGMENTATION_MODELS:  # those build with their norm layer (models/segmentation.py)
         model = convert(model, spec.batchnorm)
+    if spec.batchnorm_momentum is not None:
+        set_momentum(model, spec.batchnorm_momentum)
     check_vocabulary(model, data_info)  # token ids the embedding has no row for: refused before any step
     model = adapt(model, recipe)
     if spec.activation_checkpointing:  # before DDP and FSDP2 wrap it: they see the checkpointed blocks
@@ -99,6 +101,16 @@ def parameter_counts(recipe: Recipe, data_info: dict | None = None) -> tuple[int
     """(all parameters, those that train) of the recipe's model, built on the meta device: no memory, no weights."""
     with torch.device("meta"):
         return count_parameters(build_model(recipe, data_info))
+
+
+def counted_batchnorm(recipe: Recipe, data_info: dict | None = None) -> int | None:
+    """The BatchNorm layers of a factory model as the recipe builds it with `batchnorm: keep`, counted on the meta
+    device (no memory, no weights); None for other models (built-ins are known: batchnorm/__init__.py)."""
+    if recipe.model.factory is None:
+        return None
+    kept = recipe.model_copy(update={"model": recipe.model.model_copy(update={"batchnorm": "keep"})})
+    with torch.device("meta"):
+        return count_batchnorm(build_model(kept, data_info))
 
 
 def has_batchnorm(model: nn.Module) -> bool:

@@ -85,3 +85,11 @@ def _replacement(norm: nn.modules.batchnorm._BatchNorm, mode: str) -> nn.Module:
 def to_sync(model: nn.Module) -> nn.Module:
     """Every BatchNorm as `torch.nn.SyncBatchNorm` (statistics over all processes of the default group)."""
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def set_momentum(model: nn.Module, momentum: float) -> None:
+    """Every BatchNorm's running-statistics momentum (PyTorch's: new = (1 - m) x old + m x batch; TensorFlow's decay
+    is 1 - m)."""
+    for module in model.modules():
+        if is_batchnorm(module):
+            module.momentum = momentum
