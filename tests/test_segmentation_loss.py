@@ -104,3 +104,30 @@ def test_verify_says_equivalent_with_unequal_valid_pixel_counts(voc, tmp_path, c
     line = next(line for line in out.splitlines() if "valid pixels (not ignore_index) per micro-batch" in line)
     counts = [int(n) for n in line.split("micro-batch: ")[1].split(";")[0].split(", ")]
     assert len(counts) == 4 and len(set(counts)) > 1 and f"the window's {sum(counts)}" in line
+
+
+@pytest.mark.distributed
+@pytest.mark.subprocess
+def test_two_ranks_divide_by_the_valid_pixels_of_both(voc, tmp_path):
+    """torchrun, 2 gloo processes x 2 x 2 against one process 2 x 4: each rank counts its own crops' valid pixels
+    and the window's count is their sum (all-reduced before the first backward), so the weights agree and the
+    logged count is the whole window's."""
+    from helpers import assert_close_weights, reproduce_run, reproduce_run_here, weights
+
+    from reproduce.planner import plan
+    from reproduce.train.outputs import read_metrics
+    from reproduce.train.windows import window
+
+    recipe = recipe_for(voc, {"builtin": "lraspp-mobilenet-v3-large", "batchnorm": "group"}, crop=24, effective=8)
+    recipe["evaluation"] = {"at_end": False}
+    reproduce_run(recipe, tmp_path, "two", "--micro-batch-max", "2", "--nproc-per-node", "2")
+    reproduce_run_here(recipe, tmp_path, "one", "--micro-batch-max", "2")
+    assert_close_weights(weights(tmp_path, "two"), weights(tmp_path, "one"))
+    spec = parse_recipe(recipe)
+    data = build_data(spec)
+    one = plan(spec, micro_batch_max=2, dataset_size=len(data["train"]))
+    for record in read_metrics(tmp_path / "two" / "metrics.jsonl"):
+        step = record["step"] - 1
+        micro_batches, _ = window(one, len(data["train"]), step, spec.seed, 0, 2)
+        masks = [fetch_seeded(data["train"], indices, spec.seed, step)[1] for indices in micro_batches]
+        assert record["world_size"] == 2 and record["items"] == sum(int((m != 255).sum()) for m in masks)
