@@ -52,6 +52,30 @@ def test_the_loss_sums_valid_pixels_and_weighs_the_auxiliary_head():
     assert torch.allclose(PixelLoss(255)({"out": out, "aux": aux}, target), loss.pixels(out, target))
 
 
+def test_all_pixels_is_mmsegmentations_default_mean_over_the_whole_window(voc):
+    """data.loss_pixels: all, MMSegmentation's avg_non_ignore=False: the window's sum over every pixel of every crop
+    (ignored ones as zeros), float64 on the logits against one pass's mean; the count is the crops' area, known
+    without decoding a mask, and differs from the valid pixels."""
+    recipe = parse_recipe({**recipe_for(voc, {"builtin": "lraspp-mobilenet-v3-large", "batchnorm": "group"},
+                                        crop=16),
+                           "data": {**recipe_for(voc, {})["data"], "crop": 16, "loss_pixels": "all"}})
+    loss, data = build_loss(recipe), build_data(recipe)
+    assert loss.all_pixels and data["info"]["loss_pixels"] == "all"
+    indices = torch.arange(6)
+    _, target = fetch_seeded(data["train"], indices, seed=0, step=0)
+    assert data["train"].target_counts_at(0, 0, indices).tolist() == [16 * 16] * 6
+    assert loss.count(target) == 6 * 16 * 16 > int((target != 255).sum())
+    logits = torch.randn(6, 4, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
+                         requires_grad=True)
+    window = sum(loss.count(target[i:i + 2]) for i in range(0, 6, 2))
+    accumulated = sum(loss(logits[i:i + 2], target[i:i + 2]) / window for i in range(0, 6, 2))
+    pixels = F.cross_entropy(logits, target, ignore_index=255, reduction="none")  # 0 where ignored
+    (gradient,) = torch.autograd.grad(accumulated, logits)
+    (reference,) = torch.autograd.grad(pixels.mean(), logits)
+    assert torch.allclose(accumulated, pixels.mean(), rtol=1e-13, atol=0)
+    assert torch.allclose(gradient, reference, rtol=1e-12, atol=1e-18)
+
+
 def _gradients(model: torch.nn.Module, terms) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
     for term in terms:

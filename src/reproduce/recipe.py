@@ -398,6 +398,7 @@ FORMAT_FIELDS = {
     "split": ("segmentation",),
     "eval_split": ("segmentation",),
     "masks": ("segmentation",),
+    "loss_pixels": ("segmentation",),
 }
 
 
@@ -444,6 +445,10 @@ class Data(Builder):
                               "ImageSets/Segmentation/SPLIT.txt (default train; DeepLabV3: trainaug)")
     eval_split: str | None = Field(default=None, min_length=1, description="segmentation, voc layout: the evaluation "
                                    "list (default val), read from eval_path's folder, or path's")
+    loss_pixels: Literal["valid", "all"] | None = Field(
+        default=None, description="segmentation: the pixels the loss is averaged over, across the window: valid (not "
+        "ignore_index, default: F.cross_entropy's and torchvision's reference) or all (every pixel of every crop, "
+        "ignored ones as zeros: MMSegmentation's default avg_non_ignore=False)")
     masks: str | None = Field(default=None, min_length=1, pattern=r"^[^/\\]+$", description="segmentation, voc "
                               "layout: the training masks' folder beside JPEGImages/ (default SegmentationClass; "
                               "DeepLabV3's trainaug: SegmentationClassAug); evaluation reads SegmentationClass/")

@@ -68,6 +68,7 @@ class Augment:
     flip: bool = True
     pad: bool = False
     ignore_index: int = 255
+    all_pixels: bool = False  # data.loss_pixels: all, the loss's count is every pixel of the crop
 
 
 def _scaled(size: int, factor: float) -> int:
@@ -136,6 +137,8 @@ class SegmentationData(torch.utils.data.Dataset):
         draws from the same per-sample seed, the mask alone decoded."""
         from .loader import sample_seed
 
+        if self.augment.all_pixels and self.augment.train and self.augment.crop is not None:
+            return torch.full((len(indices),), self.augment.crop[0] * self.augment.crop[1], dtype=torch.int64)
         counts = []
         with torch.random.fork_rng(devices=[]):
             for index in indices.tolist():
@@ -297,7 +300,7 @@ def build_segmentation(recipe: Any) -> dict:
     root = Path(spec.path)
     layout, train_pairs = read_split(root, "data.path", spec.layout, spec.split or "train", spec.masks or VOC_MASKS)
     augment = Augment(True, tuple(spec.crop), tuple(spec.scale) if spec.scale else None, spec.flips, spec.pads,
-                      ignore)
+                      ignore, spec.loss_pixels == "all")
     check_crop(train_pairs, augment)
     check_masks(train_pairs, classes, ignore)
     data: dict = {"train": SegmentationData(train_pairs, augment)}
@@ -314,6 +317,6 @@ def build_segmentation(recipe: Any) -> dict:
         "eval_path": str(eval_root) if eval_root else None, "classes": classes, "channels": 3,
         "images": len(train_pairs), "eval_images": len(data["eval"]) if "eval" in data else None,
         "crop": list(spec.crop), "scale": list(spec.scale) if spec.scale else None, "flip": spec.flips,
-        "pad": spec.pads, "ignore_index": ignore, "masks": spec.masks,
+        "pad": spec.pads, "ignore_index": ignore, "masks": spec.masks, "loss_pixels": spec.loss_pixels or "valid",
     }
     return data
