@@ -20,6 +20,8 @@ from ..check import (
     run_checks,
     write_reports,
 )
+from ..errors import UserError
+from ..shipped import checks_folder, recipe_files
 from .app import app
 from .common import stdout
 
@@ -29,6 +31,9 @@ STYLE = {"pass": "green", "fail": "bold red", "error": "bold magenta"}
 @app.command("check")
 def check_command(
     paths: list[Path] = typer.Argument(None, metavar="PATH", help="Check files or folders (default: reproduce/)."),
+    shipped: bool = typer.Option(
+        False, "--shipped", help="Run the suite shipped with reproduce (PATHs are then its file names: digits-mlp)."
+    ),
     junit: Path | None = typer.Option(None, "--junit", help="Write a JUnit XML report here (for CI test views)."),
     summary: Path | None = typer.Option(None, "--summary", help="Write a Markdown report here (a CI job summary)."),
     work: Path | None = typer.Option(None, "--work", help="Keep the runs in this folder (default: a temporary one)."),
@@ -37,7 +42,7 @@ def check_command(
     ),
 ) -> None:
     """Run reproduction checks: plan invariants, gradient equivalence, metric thresholds, run comparisons."""
-    files = collect(list(paths or []))
+    files = collect(shipped_paths(list(paths or [])) if shipped else list(paths or []))
     loaded = load_all(files)  # every problem in every file, before anything runs: exit 2
     if plots is None and summary is not None:
         plots = summary.parent / "plots"
@@ -75,6 +80,21 @@ def check_command(
         if path is not None:
             stdout.print(f"{what} written to {path}", markup=False)
     raise typer.Exit(0 if all(r.passed for r in results) else 1)
+
+
+def shipped_paths(names: list[Path]) -> list[Path]:
+    """--shipped: the shipped suite's folder, or its files of these names (`digits-mlp`, `digits-mlp.yaml`)."""
+    folder = checks_folder()
+    if folder is None:
+        raise UserError("--shipped: no check files were shipped with this installation of reproduce")
+    if not names:
+        return [folder]
+    shipped = {p.stem: p for p in recipe_files(folder)}
+    stems = [n.stem if n.suffix in (".yaml", ".yml") else n.name for n in names]
+    missing = [str(n) for n, stem in zip(names, stems, strict=True) if stem not in shipped or len(n.parts) > 1]
+    if missing:
+        raise UserError(f"--shipped: no shipped check file {', '.join(missing)} (they are: {', '.join(shipped)})")
+    return [shipped[stem] for stem in stems]
 
 
 def render(results, seconds: float) -> None:
