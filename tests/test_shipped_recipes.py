@@ -102,6 +102,7 @@ def test_a_built_wheel_installed_elsewhere_lists_plans_and_checks_by_name(tmp_pa
     subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(source)],
                    check=True, capture_output=True, cwd=tmp_path)
     (wheel,) = (tmp_path / "dist").glob("*.whl")
+    assert wheel.name == "reproduce_large_batch-0.1.0-py3-none-any.whl"  # the distribution's name (docs/install.md)
     names = zipfile.ZipFile(wheel).namelist()
     assert f"reproduce/shipped/papers/{GOYAL}.yaml" in names
     assert "reproduce/shipped/checks/full-scale-papers.yaml" in names
