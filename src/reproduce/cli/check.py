@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from enum import Enum
 from pathlib import Path
 
 import typer
@@ -20,12 +21,17 @@ from ..check import (
     run_checks,
     write_reports,
 )
+from ..check.annotations import github_annotations
 from ..errors import UserError
 from ..shipped import checks_folder, recipe_files
 from .app import app
 from .common import stdout
 
 STYLE = {"pass": "green", "fail": "bold red", "error": "bold magenta"}
+
+
+class Annotations(str, Enum):
+    github = "github"
 
 
 @app.command("check")
@@ -39,6 +45,10 @@ def check_command(
     work: Path | None = typer.Option(None, "--work", help="Keep the runs in this folder (default: a temporary one)."),
     plots: Path | None = typer.Option(
         None, "--plots", help="Folder for comparison plots (default: plots/ beside --summary; needs matplotlib)."
+    ),
+    annotations: Annotations | None = typer.Option(
+        None, "--annotations", help="github: print each failing check as a GitHub Actions ::error annotation on "
+        "its line of the check file."
     ),
 ) -> None:
     """Run reproduction checks: plan invariants, gradient equivalence, metric thresholds, run comparisons."""
@@ -76,6 +86,9 @@ def check_command(
         cleanup(folder, temporary)
     write_reports(results, seconds, junit, summary)
     render(results, seconds)
+    if annotations is Annotations.github:
+        for line in github_annotations(loaded, results):
+            print(line, flush=True)
     for path, what in ((junit, "JUnit XML"), (html, "HTML report"), (summary, "Markdown summary")):
         if path is not None:
             stdout.print(f"{what} written to {path}", markup=False)
