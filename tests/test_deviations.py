@@ -32,7 +32,7 @@ def test_the_audits_findings_are_declared(name, words):
 
 def test_goyal_names_its_gpus():
     batch = load_recipe(PAPERS / "goyal2017-resnet50.yaml").batch
-    assert (batch.device, batch.devices, batch.per_device) == ("P100-16GB", 256, 32)
+    assert (batch.device, batch.devices, batch.per_device) == ("P100-SXM2-16GB", 256, 32)
 
 
 def test_plan_prints_each_deviation_as_a_warning(capsys):
