@@ -58,6 +58,21 @@ def test_an_unknown_name_is_one_line_with_the_closest_names(tmp_path, monkeypatc
         "goyal2017-resnet50, he2016-resnet50, you2017-lars-resnet50?)"]
 
 
+@pytest.mark.parametrize("command", ["probe", "run", "verify", "plan"])
+def test_every_recipe_command_takes_a_name_and_says_so_when_there_is_none(command, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(capsys, command, "digits-mpl", *(["--out", "r"] if command == "run" else []))
+    assert code == 2 and "digits-mpl: no such " in err and "did you mean digits-mlp" in err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_verify_by_name_from_another_folder(tmp_path, monkeypatch, capsys, one_thread):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(capsys, "verify", "digits-mlp", "--micro-batch-max", "32")
+    assert code == 0, err
+    assert err.startswith("recipe digits-mlp: ") and "digits-mlp.yaml (shipped with reproduce)" in err
+
+
 def test_papers_and_show_from_another_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path / "cache"))
