@@ -84,6 +84,10 @@ def test_the_options_and_what_each_needs():
     assert "keep with micro-batch 16 per device: the paper's BN batch (the largest that fits is 2)" in options
     assert "sync over 8 CUDA processes (--world-size 8 --batchnorm sync): micro-batch 2 x 8 = 16" in options
     assert "group (--batchnorm group)" in options and "frozen (--batchnorm frozen)" in options
+    four = plan(recipe({"builtin": "deeplabv3-resnet50"}), micro_batch_max=2, world_size=4)
+    assert "sync over the run's 4 CUDA processes (--batchnorm sync): BN batch 2 x 4 = 8, against the paper's 16" in (
+        four.norm.options)
+    assert not any("run's" in option for option in p.norm.options)  # one process: nothing of its own to sync
     fits = plan(recipe({"builtin": "deeplabv3-resnet50"}), micro_batch_max=16)
     assert fits.micro_batch == 16 and fits.norm.run_batch == 16 and not fits.norm.options and fits.batchnorm is None
 

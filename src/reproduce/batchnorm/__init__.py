@@ -143,7 +143,8 @@ def plan_batchnorm(recipe: Any, micro_batch: int, micro_batch_max: int, world_si
                      "pretrained model's)")
     if mode == "group" and paper != "group":
         lines.append(f"deviation from the paper: GroupNorm in place of its BatchNorm ({GROUPNORM_SOURCE})")
-    options = _options(recipe, mode, target, micro_batch_max, world_size) if target and run != target else []
+    options = (_options(recipe, mode, target, micro_batch, micro_batch_max, world_size)
+               if target and run != target else [])
     return BatchNormPlan(mode=mode, paper_mode=paper, layers=layers, found=found, micro_batch=micro_batch,
                          processes=world_size, run_batch=run, paper_batch=target, lines=lines, options=options)
 
@@ -171,7 +172,7 @@ def _paper_words(recipe: Any, mode: str, target: int | None) -> str:
     return f"the paper's BN batch: {target} per device"
 
 
-def _options(recipe: Any, mode: str, target: int, fits: int, world_size: int) -> list[str]:
+def _options(recipe: Any, mode: str, target: int, micro: int, fits: int, world_size: int) -> list[str]:
     """The choices that bring the BN batch to the paper's, each with the micro-batch it needs against what fits."""
     per_rank = recipe.batch.sequences // world_size if recipe.batch.sequences % world_size == 0 else None
     options = []
@@ -179,6 +180,11 @@ def _options(recipe: Any, mode: str, target: int, fits: int, world_size: int) ->
     keep_exact = per_rank is not None and per_rank % target == 0
     options.append(f"keep with micro-batch {target} per device: the paper's BN batch ({keep_fits}"
                    + ("" if keep_exact else f"; {target} does not split the batch exactly") + ")")
+    if mode == "keep" and world_size > 1:  # the run's own processes, synced: a larger BN batch at no memory cost
+        synced = micro * world_size
+        closer = "the paper's BN batch" if synced == target else f"against the paper's {target}"
+        options.append(f"sync over the run's {world_size} CUDA processes (--batchnorm sync): BN batch {micro} x "
+                       f"{world_size} = {synced}, {closer}")
     processes = _sync_processes(target, fits) if target > fits else None
     if processes is not None:
         options.append(f"sync over {processes} CUDA processes (--world-size {processes} --batchnorm sync): "
