@@ -303,10 +303,16 @@ class Model(Builder):
     With `hf`, `kind` says which head (default from the task: causal-lm for language-modeling,
     sequence-classification for classification) and `kwargs` go to `from_pretrained` (e.g. num_labels).
     `dtype` is the dtype the weights are stored in (bf16/fp16: as fine-tuning recipes load a base model);
-    `lora` freezes them and trains low-rank adapters instead.
+    `lora` freezes them and trains low-rank adapters instead. `weights` starts the run from pretrained weights on this
+    machine (models/pretrained.py): a Hugging Face folder, whose own config.json is then the architecture, or one
+    state dict file loaded into the built-in (or factory) model, keys and shapes checked strictly.
     """
 
     hf: str | None = Field(default=None, description="Hugging Face model name or local folder")
+    weights: str | None = Field(
+        default=None, description="pretrained weights on this machine: a Hugging Face folder (config.json + "
+        "safetensors, as save_pretrained writes it) or a state dict file (.safetensors, .pt, .pth)",
+    )
     kind: Literal["causal-lm", "sequence-classification"] | None = None
     norm_layers: Names[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
     dtype: Literal[WEIGHT_DTYPES] = "fp32"  # type: ignore[valid-type]
@@ -318,7 +324,7 @@ class Model(Builder):
     description: str | None = None
     pretrained: str | None = Field(
         default=None, min_length=1,
-        description="the pretrained weights the paper fine-tunes (documentation: runs start from random weights); "
+        description="the pretrained weights the paper fine-tunes (a label: model.weights loads them from disk); "
         "marks a fine-tuning recipe, for which the probe offers LoRA when full training does not fit",
     )
 
@@ -331,6 +337,8 @@ class Model(Builder):
             raise ValueError(f"give only one of builtin, factory, hf (got {', '.join(given)})")
         if self.hf is not None and not self.hf.strip():
             raise ValueError(f"hf: give a model name or a local folder (got {self.hf!r})")
+        if self.weights is not None and not self.weights.strip():
+            raise ValueError(f"weights: give a folder or a state dict file (got {self.weights!r})")
         if self.kind is not None and self.hf is None:
             raise ValueError("kind: only used with hf (a Hugging Face model)")
         return self
@@ -660,9 +668,9 @@ class Recipe(Strict):
             raise ValueError("data.image_size: required for image data (the side images are cropped or resized "
                              "to; 224 for ImageNet)")
         if data.text_columns:
-            if data.tokenizer is None and self.model.hf is None:
+            if data.tokenizer is None and self.model.hf is None and self.model.weights is None:
                 raise ValueError("data.tokenizer: required for text data: a local tokenizer folder (default: the "
-                                 "model's own with model.hf)")
+                                 "model's own with model.hf, or the folder of model.weights)")
             if data.max_length is None and self.batch.sequence_length is None:
                 raise ValueError("data.max_length: required for text data: the longest sequence in tokens, longer "
                                  "ones are truncated (Alpaca: 512)")
@@ -700,6 +708,16 @@ def parse_recipe(data: dict, source: str = "<recipe>") -> Recipe:
         return Recipe.model_validate(data)
     except ValidationError as exc:
         raise UserError(*format_validation_errors(exc, source, Recipe)) from None
+
+
+def with_weights(recipe: Recipe, path: str | None, source: str = "<recipe>") -> Recipe:
+    """The recipe starting from the weights at `path` (`--weights PATH`, in place of its `model.weights`), made
+    absolute so that a plan file written now can be run or resumed from another folder."""
+    if path is None:
+        return recipe
+    data = recipe.model_dump(mode="json")
+    data["model"]["weights"] = str(Path(path).expanduser().absolute())
+    return parse_recipe(data, source=source)
 
 
 def with_data_paths(recipe: Recipe, path: str | None, eval_path: str | None, source: str = "<recipe>") -> Recipe:

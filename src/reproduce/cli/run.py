@@ -35,6 +35,7 @@ from .options import (
     POLICY_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
+    WEIGHTS_HELP,
     WORLD_SIZE_HELP,
     MeterName,
     Offload,
@@ -76,6 +77,8 @@ class PlainReporter:
                   "processes)", flush=True)
         from ..memory_options import memory_summary
 
+        if plan.weights is not None:
+            print(plan.weights.line(plan.recipe.model.builtin or plan.recipe.model.factory), flush=True)
         for line in [*plan.memory, *(f"memory: {knob}" for knob in memory_summary(plan.recipe))]:
             print(line, flush=True)
         self.total, self.every = total_steps, max(1, total_steps // self.lines)
@@ -207,6 +210,7 @@ def run_command(
     sharding: Sharding | None = typer.Option(None, "--sharding", help=RUN_SHARDING_HELP),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
     eval_data_path: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
+    weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
     workers: int | None = typer.Option(None, "--workers", min=0, help=WORKERS_HELP),
     no_noise_scale: bool = typer.Option(False, "--no-noise-scale", help=NO_NOISE_HELP),
     stop_on_divergence: bool = typer.Option(False, "--stop-on-divergence", help=DIVERGENCE_HELP),
@@ -229,7 +233,7 @@ def run_command(
         if nnodes > 1 and rdzv_endpoint is None:
             raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
         # bad input: one line, before launching
-        recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
+        recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights)
         recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
         check_sharding(recipe, nproc_per_node * nnodes)
         check_sharded_probe(recipe, plan, micro_batch_max, meter.value)
@@ -239,7 +243,7 @@ def run_command(
             {"--policy": policy.value, "--device": device, "--micro-batch-max": micro_batch_max,
              "--max-steps": max_steps, "--seed": seed, "--checkpoint-every": checkpoint_every, "--memory": memory,
              "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
-             "--data": data_path, "--eval-data": eval_data_path, "--workers": workers,
+             "--data": data_path, "--eval-data": eval_data_path, "--weights": weights, "--workers": workers,
              "--log-to": ",".join(trackers) or None, "--offload": offload.value if offload is not None else None},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
              "--no-noise-scale": no_noise_scale, "--stop-on-divergence": stop_on_divergence,
@@ -251,7 +255,7 @@ def run_command(
         raise typer.Exit(_launch(command))
     if world.distributed:
         world_size = world.size
-    recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
+    recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights)
     recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
     check_sharding(recipe, world.size)
     check_sharded_probe(recipe, plan, micro_batch_max, meter.value)

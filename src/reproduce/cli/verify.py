@@ -12,11 +12,11 @@ from rich.table import Table
 
 from ..errors import UserError
 from ..planfile import load_recipe_or_plan
-from ..recipe import with_data_paths
+from ..recipe import with_data_paths, with_weights
 from ..session import apply_memory, make_plan
 from .app import app
 from .common import show_note, stdout
-from .options import CHECKPOINTING_HELP, MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy
+from .options import CHECKPOINTING_HELP, MICRO_BATCH_MAX_HELP, POLICY_HELP, WEIGHTS_HELP, WORLD_SIZE_HELP, Policy
 
 SAMPLES_HELP = "Check on the first K samples instead of one effective batch (for big models)."
 TOLERANCE_HELP = "Largest relative error that counts as equivalent (default per dtype: float64 1e-10, float32 1e-5)."
@@ -47,6 +47,7 @@ def verify_command(
     seed: int | None = typer.Option(None, "--seed", help=SEED_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
+    weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
 ) -> None:
     """Compare the plan's accumulated gradient with the one-pass gradient: exit 0 equivalent, 1 not."""
@@ -57,7 +58,8 @@ def verify_command(
     if tolerance is not None and not tolerance > 0:
         raise UserError(f"--tolerance: must be > 0 (got {tolerance})")
     recipe, the_plan = load_recipe_or_plan(source)
-    recipe = apply_memory(with_data_paths(recipe, data_path, None, str(source)), activation_checkpointing)
+    recipe = with_data_paths(with_weights(recipe, weights, str(source)), data_path, None, str(source))
+    recipe = apply_memory(recipe, activation_checkpointing)
     if the_plan is not None:
         the_plan = the_plan.model_copy(update={"recipe": recipe})
     data = build_data(recipe)

@@ -203,12 +203,28 @@ def instruction_texts(records: list[dict], template: str, fields: dict[str, str]
     return prompts, [r[fields["output"]] for r in records]
 
 
+def tokenizer_name(recipe: Any) -> tuple[str, str]:
+    """(the tokenizer to load, the field it comes from): data.tokenizer, else the folder of model.weights, else the
+    model's own with model.hf."""
+    spec, model = recipe.data, recipe.model
+    if spec.tokenizer is not None:
+        return spec.tokenizer, "data.tokenizer"
+    if model.weights is not None:
+        from ..weightfiles import inspect
+
+        weights = inspect(model.weights)
+        if weights.has_tokenizer:
+            return str(weights.path), "model.weights (data.tokenizer's default)"
+        if model.hf is None:
+            raise UserError(f"data.tokenizer: required: {model.weights} holds no tokenizer (tokenizer.json, as "
+                            "save_pretrained writes it) to default to; give data.tokenizer: a local tokenizer folder")
+    return model.hf, "model.hf (data.tokenizer's default)"
+
+
 def text_settings(recipe: Any) -> tuple[Any, int]:
-    """The tokenizer (data.tokenizer, default the model's own with model.hf) and the length to truncate to."""
-    spec = recipe.data
-    name = spec.tokenizer if spec.tokenizer is not None else recipe.model.hf
-    field = "data.tokenizer" if spec.tokenizer is not None else "model.hf (data.tokenizer's default)"
-    return load_tokenizer(name, field), spec.max_length or recipe.batch.sequence_length
+    """The tokenizer (`tokenizer_name`) and the length to truncate to."""
+    name, field = tokenizer_name(recipe)
+    return load_tokenizer(name, field), recipe.data.max_length or recipe.batch.sequence_length
 
 
 def build_instructions(recipe: Any) -> dict:
@@ -228,7 +244,7 @@ def build_instructions(recipe: Any) -> dict:
         raise UserError(f"data.path: {paths['train']}: no example has two or more tokens to train on")
     data["info"] = {
         "name": spec.name or paths["train"].stem, "format": "instructions", "path": str(paths["train"]),
-        "eval_path": spec.eval_path, "template": template, "tokenizer": spec.tokenizer or recipe.model.hf,
+        "eval_path": spec.eval_path, "template": template, "tokenizer": tokenizer_name(recipe)[0],
         "vocab_size": len(tokenizer), **{f"{split}_{key}": value for split, s in stats.items()
                                          for key, value in s.items() if key not in ("vocab_size",)},
     }

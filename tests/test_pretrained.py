@@ -1,0 +1,249 @@
+"""Pretrained weights on disk: `model.weights` / `--weights PATH` (models/pretrained.py, weightfiles/).
+
+Real files made here: a tiny LLaMA and a sharded GPT-2 saved with transformers' save_pretrained (random weights, but
+"pretrained" files on disk all the same), a torchvision ResNet-50 state dict, nanoGPT's ckpt.pt. The loaded models
+are compared with what transformers / torch load from the same files; bad input is one `error:` line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from helpers import cli, snapshot
+from reproduce.errors import UserError
+from reproduce.recipe import parse_recipe
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """tiny-llama/ and tiny-gpt2/ (3 shards) with a 512-token BPE tokenizer beside them, and alpaca.json."""
+    from reproduce.data.samples import train_tokenizer
+    from reproduce.models.samples import write_alpaca_json, write_gpt2, write_llama
+
+    root = tmp_path_factory.mktemp("pretrained")
+    train_tokenizer(root / "tokenizer", max_bytes=100_000)
+    write_llama(root / "tiny-llama", root / "tokenizer", num_hidden_layers=2)
+    write_gpt2(root / "tiny-gpt2", root / "tokenizer")
+    write_alpaca_json(root / "alpaca.json", limit=24)
+    return root
+
+
+def lm(model: dict, **data) -> dict:
+    return {
+        "batch": {"effective": 4}, "task": "language-modeling", "model": model,
+        "data": {"available": False, "format": "instructions", "template": "alpaca", "max_length": 160,
+                 "shuffle": False, **data},
+        "optimizer": {"name": "adamw", "lr": 1e-2}, "schedule": {"total": {"steps": 2}},
+    }
+
+
+def write(tmp_path, recipe: dict, name: str = "recipe.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+LLAMA_LORA = {"builtin": "llama-7b", "lora": {"r": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]}}
+
+
+def test_a_llama_folder_trains_from_its_weights(files, tmp_path, capsys, one_thread):
+    """The first step's loss is transformers' own loss of the loaded model on that micro-batch; after two steps the
+    frozen base weights are the file's, bit for bit, and the adapters moved."""
+    from safetensors.torch import load_file
+
+    from reproduce.data import build_data
+
+    recipe = write(tmp_path, lm(LLAMA_LORA))
+    code, out, err = cli(capsys, "run", recipe, "--weights", files / "tiny-llama", "--data", files / "alpaca.json",
+                         "--out", tmp_path / "run", "--micro-batch-max", "4", "--device", "cpu", "--max-steps", "2")
+    assert code == 0, err
+    assert f"weights: llama-7b's architecture from {files / 'tiny-llama'}'s config.json (LlamaForCausalLM" in out
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(files / "tiny-llama", local_files_only=True)
+    planned = parse_recipe(yaml.safe_load((tmp_path / "run" / "plan.yaml").read_text())["recipe"])
+    train = build_data(planned)["train"]  # (not shuffled: the first window is the first four records)
+    rows = [train.ids[int(train.offsets[i]):int(train.offsets[i + 1])].long() for i in range(4)]
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
+    labels = torch.full_like(ids, -100)
+    for i, row in enumerate(rows):
+        labels[i, int(train.prompt_lengths[i]):len(row)] = row[int(train.prompt_lengths[i]):]
+    with torch.no_grad():
+        expected = reference(input_ids=ids, labels=labels).loss.item()  # transformers shifts the labels itself
+    assert first["loss"] == pytest.approx(expected, rel=1e-5)
+
+    trained = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    stored = load_file(files / "tiny-llama" / "model.safetensors")
+    base = [key for key in trained if key.endswith("layers.0.self_attn.q_proj.base_layer.weight")]
+    assert len(base) == 1
+    assert torch.equal(trained[base[0]], stored["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(trained[next(k for k in trained if k.endswith("embed_tokens.weight"))],
+                       stored["model.embed_tokens.weight"])
+    lora_b = [key for key in trained if "lora_B" in key]
+    assert lora_b and any(trained[key].abs().sum() > 0 for key in lora_b)  # B starts at zero: the adapters trained
+
+
+def test_a_sharded_gpt2_folder_is_the_model_transformers_loads(files):
+    """Three safetensors shards and an index; GPT-2's tied output head; the plan's parameter count from the headers."""
+    from reproduce.models import build_model, count_parameters
+    from reproduce.session import with_weights_record
+    from reproduce.weightfiles import inspect
+
+    recipe = parse_recipe(lm({"builtin": "gpt2-medium", "weights": str(files / "tiny-gpt2")},
+                             available=True, path=str(files / "alpaca.json")))
+    model = build_model(recipe)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(files / "tiny-gpt2", local_files_only=True)
+    ids = torch.randint(0, 512, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(ids), reference(input_ids=ids).logits)
+    assert len(inspect(str(files / "tiny-gpt2")).files) == 3
+    from reproduce.planner import plan
+
+    record = with_weights_record(plan(recipe, 4, 1, dataset_size=20)).weights
+    assert record.parameters == count_parameters(model)[0] and record.kind == "folder"
+    assert "n_layer 2 (24)" in record.differs and "n_embd 32 (1024)" in record.differs
+    with torch.device("meta"):  # the estimate meter's build: the folder's config, no weights read
+        assert count_parameters(build_model(recipe)) == count_parameters(model)
+
+
+def test_a_torchvision_state_dict_loads_strictly(tmp_path):
+    import torchvision
+
+    from reproduce.models import build_model
+
+    torch.manual_seed(3)
+    saved = torchvision.models.resnet50(num_classes=10)
+    torch.save(saved.state_dict(), tmp_path / "resnet50.pth")
+    recipe = {"batch": {"effective": 4}, "task": "classification", "data": {"builtin": "digits"},
+              "optimizer": {"name": "sgd", "lr": 0.1}, "schedule": {"total": {"steps": 1}},
+              "model": {"builtin": "resnet50", "kwargs": {"num_classes": 10},
+                        "weights": str(tmp_path / "resnet50.pth")}}
+    model = build_model(parse_recipe(recipe))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), saved.state_dict().values(),
+                                                  strict=True))
+    recipe["model"]["kwargs"] = {}  # 1000 classes: the head's shapes differ
+    with pytest.raises(UserError) as error:
+        build_model(parse_recipe(recipe))
+    assert error.value.lines == [
+        f"model.weights: {tmp_path / 'resnet50.pth'}: its keys do not match resnet50's: 0 missing, 0 unexpected, "
+        "2 of another shape (fc.weight: file [10, 2048], model [1000, 2048]; fc.bias: file [10], model [1000]); "
+        "318 of the file's 320 tensors match"]
+
+
+def test_nanogpt_ckpt_pt_loads_its_model_key(tmp_path):
+    """nanoGPT's train.py saves {'model': raw_model.state_dict(), 'optimizer': ..., 'model_args': ..., ...}; under
+    torch.compile every key starts with _orig_mod."""
+    from reproduce.models import build_model
+    from reproduce.models.nanogpt import GPT, GPTConfig
+
+    shape = {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16, "vocab_size": 32}
+    torch.manual_seed(5)
+    saved = GPT(GPTConfig(**shape, bias=False))
+    torch.save({"model": {"_orig_mod." + k: v for k, v in saved.state_dict().items()}, "model_args": shape,
+                "iter_num": 5000, "best_val_loss": torch.tensor(1.47), "config": {"dataset": "shakespeare_char"}},
+               tmp_path / "ckpt.pt")
+    recipe = {"batch": {"effective": 4, "sequence_length": 16}, "task": "language-modeling",
+              "data": {"factory": "factories:variable_lm"}, "optimizer": {"name": "adamw", "lr": 1e-3},
+              "schedule": {"total": {"steps": 1}},
+              "model": {"builtin": "nanogpt", "kwargs": shape, "weights": str(tmp_path / "ckpt.pt")}}
+    model = build_model(parse_recipe(recipe))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.state_dict().items())
+    recipe["model"]["kwargs"] = {**shape, "n_layer": 3}
+    with pytest.raises(UserError, match=r"its keys do not match nanogpt's: 6 missing "
+                                        r"\(transformer\.h\.2\.ln_1\.weight, .*0 unexpected, 0 of another shape; "
+                                        r"16 of the file's 16 tensors match"):
+        build_model(parse_recipe(recipe))
+
+
+@pytest.mark.parametrize("case", ["missing", "no-config", "no-weights", "wrong-suffix", "small-vocabulary",
+                                  "not-transformers"])
+def test_bad_weights_are_one_line_and_nothing_written(case, files, tmp_path, capsys, one_thread):
+    model, weights = dict(LLAMA_LORA), tmp_path / "weights"
+    expected = {
+        "missing": f"model.weights: {weights}: no such file or folder",
+        "no-config": f"model.weights: {weights}: the folder has no config.json",
+        "no-weights": f"model.weights: {weights}: the folder has config.json but no weights",
+        "wrong-suffix": f"model.weights: {weights}.npz: expected a state dict file",
+        "small-vocabulary": f"model.weights: the data has 512 token ids but {weights} has a vocabulary of 100",
+        "not-transformers": f"model.weights: {weights} is a Hugging Face folder, whose config.json is a transformers "
+                            "architecture; the built-in nanogpt is not one",
+    }[case]
+    if case == "no-config":
+        weights.mkdir()
+        shutil.copy(files / "tiny-llama" / "model.safetensors", weights)
+    elif case in ("no-weights", "small-vocabulary", "not-transformers"):
+        shutil.copytree(files / "tiny-llama", weights, ignore=shutil.ignore_patterns("*.safetensors"))
+        if case != "no-weights":
+            from reproduce.models.samples import write_llama
+
+            write_llama(weights, files / "tokenizer", vocab_size=100, num_hidden_layers=1)
+        if case == "not-transformers":
+            model = {"builtin": "nanogpt"}
+    elif case == "wrong-suffix":
+        weights = tmp_path / "weights.npz"
+        weights.write_bytes(b"\0" * 16)
+    recipe = write(tmp_path, lm(model))
+    before = snapshot(tmp_path)
+    code, out, err = cli(capsys, "run", recipe, "--weights", weights, "--data", files / "alpaca.json", "--out",
+                         tmp_path / "run", "--micro-batch-max", "4", "--device", "cpu")
+    assert code == 2 and out == ""
+    assert err.startswith(f"error: {expected}") and err.count("\n") == 1, err
+    assert snapshot(tmp_path) == before
+
+
+def test_resume_refuses_other_weights(files, tmp_path, capsys, one_thread):
+    """The plan.yaml records the weights' fingerprint: changed weights, or other ones, cannot continue the run."""
+    weights = tmp_path / "llama"
+    shutil.copytree(files / "tiny-llama", weights)
+    recipe = write(tmp_path, lm({**LLAMA_LORA, "weights": str(weights)}))
+    common = ("--out", tmp_path / "run", "--device", "cpu", "--data", files / "alpaca.json")
+    code, _, err = cli(capsys, "run", recipe, *common, "--micro-batch-max", "4", "--max-steps", "1")
+    assert code == 0, err
+    saved = yaml.safe_load((tmp_path / "run" / "plan.yaml").read_text())
+    assert saved["weights"]["path"] == str(weights) and saved["weights"]["fingerprint"].startswith("sha256:")
+    plan_file = tmp_path / "run" / "plan.yaml"
+    code, _, err = cli(capsys, "run", plan_file, "--out", tmp_path / "run", "--resume", "--weights",
+                       files / "tiny-llama", "--device", "cpu")
+    assert code == 2 and err.startswith(f"error: --weights: the run in {tmp_path / 'run'} started from {weights}")
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2  # same shapes, same size: other content
+    save_file(tensors, weights / "model.safetensors", metadata={"format": "pt"})
+    before = snapshot(tmp_path / "run")
+    code, out, err = cli(capsys, "run", plan_file, "--out", tmp_path / "run", "--resume", "--device", "cpu")
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: --resume: the weights {weights} changed since the run in {tmp_path / 'run'} "
+                          f"started (fingerprint {saved['weights']['fingerprint']} in its plan.yaml, sha256:")
+    assert snapshot(tmp_path / "run") == before
+
+
+def test_the_fingerprint_follows_the_content_not_the_path(files, tmp_path):
+    from reproduce.weightfiles import fingerprint_of, inspect
+
+    shutil.copytree(files / "tiny-gpt2", tmp_path / "copy")
+    assert fingerprint_of(inspect(str(tmp_path / "copy"))) == fingerprint_of(inspect(str(files / "tiny-gpt2")))
+    config = json.loads((tmp_path / "copy" / "config.json").read_text())
+    (tmp_path / "copy" / "config.json").write_text(json.dumps({**config, "n_positions": 256}))
+    assert fingerprint_of(inspect(str(tmp_path / "copy"))) != fingerprint_of(inspect(str(files / "tiny-gpt2")))
+
+
+def test_plan_counts_the_data_as_run_does(files, tmp_path, capsys, one_thread):
+    """`plan --data` reads the data: the epochs' optimizer steps without data.train_size."""
+    recipe = lm(LLAMA_LORA)
+    recipe["schedule"] = {"total": {"epochs": 2}}
+    path = write(tmp_path, recipe)
+    code, out, err = cli(capsys, "plan", path, "--weights", files / "tiny-llama", "--data", files / "alpaca.json",
+                         "--micro-batch-max", "2", "--json")
+    assert code == 0, err
+    planned = json.loads(out)
+    assert planned["dataset_size"] == 24 and planned["optimizer_steps"] == 12
+    assert planned["weights"]["path"] == str(files / "tiny-llama")
