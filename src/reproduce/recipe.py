@@ -358,9 +358,13 @@ FORMAT_FIELDS = {
     "augment": ("imagefolder", "hf-datasets"),
     "dtype": ("tokens",),
     "template": ("instructions", "hf-datasets"),
+    "train_on_inputs": ("instructions", "hf-datasets"),
     "tokenizer": ("instructions", "hf-datasets"),
-    "columns": ("hf-datasets",),
+    "columns": ("hf-datasets", "instructions"),
 }
+# data.template: how a record's fields become the prompt and the response (data/text.py)
+TEMPLATES = ("alpaca", "alpaca-lora", "e2e")
+INSTRUCTION_COLUMN_SETS = ({"instruction", "output"}, {"instruction", "input", "output"})
 
 
 class Data(Builder):
@@ -383,7 +387,14 @@ class Data(Builder):
     eval_path: str | None = Field(default=None, description="the evaluation data, in the same format")
     augment: Literal["imagenet", "none"] | None = None
     dtype: Literal[TOKEN_DTYPES] | None = None  # type: ignore[valid-type]
-    template: Literal["alpaca"] | None = None
+    template: Literal[TEMPLATES] | None = Field(  # type: ignore[valid-type]
+        default=None, description="alpaca: Stanford Alpaca's prompt; alpaca-lora: Alpaca-LoRA's (a newline after "
+        "'### Response:'); e2e: microsoft/LoRA's E2E encoding (context, <|endoftext|>, ' ' + completion)",
+    )
+    train_on_inputs: bool | None = Field(
+        default=None, description="the loss covers the prompt's tokens too (Alpaca-LoRA's train_on_inputs, its "
+        "default); default false: only the response's",
+    )
     tokenizer: str | None = Field(default=None, description="a local tokenizer folder (tokenizer.json)")
     columns: dict[str, str] | None = None
 
@@ -414,6 +425,10 @@ class Data(Builder):
                 raise ValueError("augment: only used with an image column (columns: {image: ..., label: ...})")
             if self.template is not None and "instruction" not in self.columns:
                 raise ValueError("template: only used with instruction columns (columns: {instruction: ..., ...})")
+        if self.format == "instructions" and self.columns is not None and set(self.columns) not in (
+                INSTRUCTION_COLUMN_SETS):
+            raise ValueError(f"columns: the record fields that hold instruction and output (and input), e.g. "
+                             f"{{instruction: context, output: completion}} (got {sorted(self.columns)})")
         if self.builtin is None and self.factory is None and self.name is None and self.format is None:
             raise ValueError("give builtin: NAME, factory: 'package.module:function', format: with path:, or name: "
                              "for plan-only data")

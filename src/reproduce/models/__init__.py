@@ -27,6 +27,7 @@ from .pretrained import (
     load_state_dict_file,
     on_meta,
     weights_of,
+    wrap_transformers,
 )
 from .vocabulary import check_vocabulary
 from .weights import adapt, place
@@ -76,7 +77,7 @@ def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict 
     model = call_builder(spec, "model", MODELS, extra)
     if not isinstance(model, nn.Module):
         raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")
-    return model
+    return wrap_transformers(model, recipe)
 
 
 def model_inputs(recipe: Recipe) -> dict:

@@ -15,6 +15,7 @@ is the one place the arguments of `from_pretrained` are decided (the weights' dt
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,21 @@ def load_hf_model(recipe: Recipe, data_info: dict | None, weights: WeightsOnDisk
             f"model.kwargs: {name!r} has no pad_token_id, which sequence classification needs to find each "
             "row's last token; inputs are padded with 0, so add kwargs: {pad_token_id: 0} if 0 is the padding id"
         )
+    return HFLogits(model, kind)
+
+
+def wrap_transformers(model: nn.Module, recipe: Recipe) -> nn.Module:
+    """A factory's transformers model (its forward returns a ModelOutput) as the loop takes it: its logits, the
+    head the task needs (HFLogits); any other module as it is."""
+    transformers = sys.modules.get("transformers")  # (a factory that returned one has imported it)
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return model
+    name = type(model).__name__
+    kind = {"language-modeling": "masked-lm" if "MaskedLM" in name else "causal-lm",
+            "classification": "sequence-classification"}.get(recipe.task)
+    if kind is None:
+        raise UserError(f"model: the factory returned transformers' {name}, whose forward returns a ModelOutput; "
+                        f"task {recipe.task} needs a module whose output the loss takes: return one that gives it")
     return HFLogits(model, kind)
 
 
