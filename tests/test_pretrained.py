@@ -247,3 +247,47 @@ def test_plan_counts_the_data_as_run_does(files, tmp_path, capsys, one_thread):
     planned = json.loads(out)
     assert planned["dataset_size"] == 24 and planned["optimizer_steps"] == 12
     assert planned["weights"]["path"] == str(files / "tiny-llama")
+
+
+def test_the_adapter_and_the_merged_model_load_as_users_load_them(files, tmp_path, capsys, one_thread):
+    """adapter/ is peft's save_pretrained folder, put on transformers' own model of the weights folder; merged/ is a
+    Hugging Face folder from_pretrained loads alone. Both give the trained model's logits (GPT-2: peft's Conv1D)."""
+    import peft
+
+    from reproduce.models import build_model
+
+    model = {"builtin": "gpt2-medium", "lora": {"r": 2, "alpha": 4, "target_modules": ["c_attn"]}}
+    recipe = write(tmp_path, lm(model))
+    code, out, err = cli(capsys, "run", recipe, "--weights", files / "tiny-gpt2", "--data", files / "alpaca.json",
+                         "--out", tmp_path / "run", "--micro-batch-max", "4", "--device", "cpu", "--max-steps", "2",
+                         "--merged")
+    assert code == 0, err
+    assert "checkpoints/last.pt, adapter/, merged/" in " ".join(out.split())
+    planned = parse_recipe(yaml.safe_load((tmp_path / "run" / "plan.yaml").read_text())["recipe"])
+    trained = build_model(planned)
+    trained.load_state_dict(torch.load(tmp_path / "run" / "model.pt", weights_only=True))
+    ids = torch.randint(0, 512, (2, 9))
+    with torch.no_grad():
+        expected = trained.eval()(ids)
+        base = transformers.AutoModelForCausalLM.from_pretrained(files / "tiny-gpt2", local_files_only=True).eval()
+        assert not torch.allclose(base(input_ids=ids).logits, expected, atol=1e-4)  # the adapters trained
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "run" / "adapter").eval()
+        assert torch.equal(adapted(input_ids=ids).logits, expected)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "merged", local_files_only=True)
+        torch.testing.assert_close(merged.eval()(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+    config = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(files / "tiny-gpt2") and config["task_type"] == "CAUSAL_LM"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "run" / "merged")
+    assert len(tokenizer) == 512
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["adapter"] == str(tmp_path / "run" / "adapter")
+
+
+def test_merged_needs_lora(files, tmp_path, capsys, one_thread):
+    recipe = write(tmp_path, lm({"builtin": "gpt2-medium"}))
+    before = snapshot(tmp_path)
+    code, out, err = cli(capsys, "run", recipe, "--weights", files / "tiny-gpt2", "--data", files / "alpaca.json",
+                         "--out", tmp_path / "run", "--micro-batch-max", "4", "--device", "cpu", "--merged")
+    assert code == 2 and err == ("error: --merged: the recipe trains no LoRA adapters (model.lora) to merge; model.pt "
+                                 "is the trained model\n")
+    assert snapshot(tmp_path) == before

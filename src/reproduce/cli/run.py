@@ -154,6 +154,8 @@ RUN_SHARDING_HELP = SHARDING_HELP + " A resumed run keeps its own."
 
 MAX_STEPS_HELP = ("Stop after optimizer step K, counted from the start of the run: a resumed run goes on to step K "
                   "(smoke runs).")
+MERGED_HELP = ("With model.lora, also write OUT/merged: the adapters merged into the base, a Hugging Face folder that "
+               "from_pretrained loads (OUT/adapter, peft's save_pretrained folder, is always written).")
 DIVERGENCE_HELP = ("Stop when the loss diverges (not finite, or above 2x its first value for 10 steps in a row); "
                    "without it the run warns once and goes on.")
 
@@ -214,6 +216,7 @@ def run_command(
     workers: int | None = typer.Option(None, "--workers", min=0, help=WORKERS_HELP),
     no_noise_scale: bool = typer.Option(False, "--no-noise-scale", help=NO_NOISE_HELP),
     stop_on_divergence: bool = typer.Option(False, "--stop-on-divergence", help=DIVERGENCE_HELP),
+    merged: bool = typer.Option(False, "--merged", help=MERGED_HELP),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
@@ -246,7 +249,7 @@ def run_command(
              "--data": data_path, "--eval-data": eval_data_path, "--weights": weights, "--workers": workers,
              "--log-to": ",".join(trackers) or None, "--offload": offload.value if offload is not None else None},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
-             "--no-noise-scale": no_noise_scale, "--stop-on-divergence": stop_on_divergence,
+             "--no-noise-scale": no_noise_scale, "--stop-on-divergence": stop_on_divergence, "--merged": merged,
              "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients},
         )
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
@@ -281,13 +284,13 @@ def run_command(
               "--device": device if device != "auto" else None, "--seed": seed, "--checkpoint-every": checkpoint_every,
               "--log-to": ",".join(trackers) or None},
         {"--skip-nonfinite": skip_nonfinite, "--no-noise-scale": no_noise_scale,
-         "--stop-on-divergence": stop_on_divergence},
+         "--stop-on-divergence": stop_on_divergence, "--merged": merged},
         launcher_of_this_job(world.size) if world.distributed else [],
     )
     train_options = RunOptions(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
                                checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data,
                                workers=workers, noise_scale=not no_noise_scale, continue_with=continue_with,
-                               stop_on_divergence=stop_on_divergence)
+                               stop_on_divergence=stop_on_divergence, merged=merged)
     if not world.is_main:  # the other ranks train quietly; rank 0 reports
         train(plan, out, train_options)
         return
@@ -314,6 +317,7 @@ def run_command(
     noise = summary.get("noise_scale")
     if noise and not noise.get("noted"):  # a run that cannot measure it said so at its start
         stdout.print(f"noise scale: {noise['sentence']}", markup=False, soft_wrap=True)
-    stdout.print(f"outputs in {out}: plan.yaml, metrics.jsonl, model.pt, summary.json, checkpoints/last.pt")
+    folders = "".join(f", {name}/" for name in ("adapter", "merged") if summary.get(name))  # (models/trained.py)
+    stdout.print(f"outputs in {out}: plan.yaml, metrics.jsonl, model.pt, summary.json, checkpoints/last.pt{folders}")
     if summary.get("plot"):
         stdout.print(summary["plot"], markup=False)
