@@ -291,3 +291,23 @@ def test_merged_needs_lora(files, tmp_path, capsys, one_thread):
     assert code == 2 and err == ("error: --merged: the recipe trains no LoRA adapters (model.lora) to merge; model.pt "
                                  "is the trained model\n")
     assert snapshot(tmp_path) == before
+
+
+def test_the_shipped_alpaca_lora_recipe_plans_and_runs_on_a_folder_and_a_json_file(files, tmp_path, capsys,
+                                                                                   one_thread):
+    """papers/tloen2023-alpaca-lora.yaml names its data format (instructions, Alpaca-LoRA's template): --data and
+    --weights are all it needs; plan counts the file as run does (the recipe's train_size is the paper's)."""
+    from reproduce.recipe import load_recipe
+
+    paper = load_recipe("papers/tloen2023-alpaca-lora.yaml")
+    assert (paper.data.format, paper.data.template, paper.data.train_on_inputs) == ("instructions", "alpaca-lora", True)
+    args = ("papers/tloen2023-alpaca-lora.yaml", "--weights", files / "tiny-llama", "--data", files / "alpaca.json",
+            "--micro-batch-max", "4")
+    code, out, err = cli(capsys, "plan", *args, "--json")
+    assert code == 0, err
+    planned = json.loads(out)
+    assert (planned["dataset_size"], planned["micro_batch"], planned["accumulation_steps"]) == (24, 4, 32)
+    code, out, err = cli(capsys, "run", *args, "--out", tmp_path / "run", "--device", "cpu", "--max-steps", "1")
+    assert code == 0, err
+    assert "done: 1 steps" in out and "adapter/" in out
+    assert "warning: data.train_size is 49760; the data has 24: using 24" in err

@@ -158,13 +158,15 @@ def does_not_fit(result: ProbeResult) -> DoesNotFit:
     return DoesNotFit(*render(result.does_not_fit, budget))
 
 
-def planned_data_size(recipe: Recipe) -> tuple[dict | None, int | dict | None]:
-    """The data and its size as `run` gets them, when the recipe does not state data.train_size: from its data
-    factory (the user's code), or from its data on disk (`plan --data PATH`); the schedule in epochs, and the plan
-    file, then hold the real numbers."""
+def planned_data_size(recipe: Recipe, given: bool = False) -> tuple[dict | None, int | dict | None]:
+    """The data and its size as `run` gets them, when the recipe does not state data.train_size, or when the data is
+    `given` on the command line (`plan --data PATH`: a paper's recipe states the paper's size, `run` counts the
+    user's data): from its data factory (the user's code), or from its data on disk; the schedule in epochs, and
+    the plan file, then hold the real numbers."""
     spec = recipe.data
     on_disk = spec.format is not None and spec.path is not None
-    if spec.train_size is not None or not spec.available or (spec.factory is None and not on_disk):
+    if (spec.train_size is not None and not (given and on_disk)) or not spec.available or (
+            spec.factory is None and not on_disk):
         return None, None
     from .data import build_data  # torch, and the user's own code: only for data that a factory makes or on disk
     from .data.lengths import training_sizes

@@ -90,7 +90,7 @@ def plan_command(
     recipe = apply_sharding(recipe, value_of(sharding), world_size)
     recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, value_of(offload))
     options = probe_options(memory, gpu, meter, headroom, no_cache)
-    data, size = planned_data_size(recipe)
+    data, size = planned_data_size(recipe, given=data_path is not None)
     quiet = as_json or emit_format is not None
     planned = plan_and_probe(
         recipe, str(recipe_path), micro_batch_max, world_size, policy.value, size, probe=options, data=data,

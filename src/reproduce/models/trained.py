@@ -102,7 +102,10 @@ def save_merged(model: nn.Module, folder: Path, recipe: Recipe) -> None:
     model), as a Hugging Face folder with the data's tokenizer."""
     merged = peft_model(model).merge_and_unload()
     _, hf_model = transformers_inside(merged)
-    hf_model.save_pretrained(str(folder))
+    from .pretrained import quiet
+
+    with quiet(sys.modules["transformers"]):  # (its progress bar of the shards it writes)
+        hf_model.save_pretrained(str(folder))
     tokenizer = data_tokenizer(recipe)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
