@@ -311,3 +311,35 @@ def test_the_shipped_alpaca_lora_recipe_plans_and_runs_on_a_folder_and_a_json_fi
     assert code == 0, err
     assert "done: 1 steps" in out and "adapter/" in out
     assert "warning: data.train_size is 49760; the data has 24: using 24" in err
+
+
+@pytest.mark.parametrize("factory", ["transformers_gpt2", "gpt2_from_pretrained", "gpt2_output_wrapper"])
+def test_a_factory_of_a_transformers_model(factory, files, tmp_path, capsys, one_thread, monkeypatch):
+    """A factory returning transformers' model trains (its logits taken); one that calls from_pretrained trains with
+    a note in words on the FLOPs; a module returning a ModelOutput is one line."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # tests/factories.py
+    sys.modules.pop("factories", None)
+    kwargs = {"folder": str(files / "tiny-gpt2")} if factory == "gpt2_from_pretrained" else {}
+    recipe = write(tmp_path, lm({"factory": f"factories:{factory}", "kwargs": kwargs},
+                                tokenizer=str(files / "tokenizer")))
+    before = snapshot(tmp_path)
+    code, out, err = cli(capsys, "run", recipe, "--data", files / "alpaca.json", "--out", tmp_path / "run",
+                         "--micro-batch-max", "4", "--device", "cpu", "--max-steps", "1")
+    if factory == "gpt2_output_wrapper":
+        assert code == 2 and out == "" and err == (
+            "error: model: its forward returns CausalLMOutputWithCrossAttentions, not a tensor of logits; return "
+            "output.logits from it, or have the factory return the transformers model itself (reproduce takes its "
+            "logits)\n")
+        assert snapshot(tmp_path) == before
+        return
+    assert code == 0, err
+    assert "done: 1 steps" in out
+    if factory == "gpt2_from_pretrained":
+        assert "note: FLOPs not counted: they are counted on a model built without memory (the meta device), and " \
+               "this model's factory loads weights, which needs real memory; give the weights as model.weights " \
+               "instead" in " ".join(err.split())
+    else:
+        assert "FLOPs not counted" not in err

@@ -47,7 +47,7 @@ class TokenLoss:
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(
-            _upcast(output.flatten(0, -2)), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            _upcast(output).flatten(0, -2), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
 
 

@@ -186,6 +186,9 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     noise = NoiseScale(setup) if options.noise_scale and not setup.sharded else None
     resumed = resume_run(plan, out, setup, noise, seed, options.seed, total, max_steps) if options.resume else (
         Resumed(seed))
+    # the model FLOPs of a sample, counted once (train/rates.py); before anything is written, as a forward whose
+    # output no loss takes is refused there
+    rates = StepRates(plan, setup, world.size)
     if world.is_main:
         if options.force and not options.resume:  # another run's outputs go, so nothing of it is mistaken for this
             remove_outputs(out)
@@ -196,7 +199,6 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     last_checkpoint = time.perf_counter()
     for note in setup.notes:
         reporter.message(f"note: {note}")
-    rates = StepRates(plan, setup, world.size)  # the model FLOPs of a sample, counted once (train/rates.py)
     for note in rates.notes:
         reporter.message(f"note: {note}")
     # each segment's micro-batches per rank, as the run takes them (a micro-batch lowered after running out of memory)
