@@ -65,6 +65,7 @@ def test_a_llama_folder_trains_from_its_weights(files, tmp_path, capsys, one_thr
                          "--out", tmp_path / "run", "--micro-batch-max", "4", "--device", "cpu", "--max-steps", "2")
     assert code == 0, err
     assert f"weights: llama-7b's architecture from {files / 'tiny-llama'}'s config.json (LlamaForCausalLM" in out
+    assert "FLOPs not counted" not in err  # counted on the folder's config, built on the meta device
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(files / "tiny-llama", local_files_only=True)
@@ -163,7 +164,7 @@ def test_nanogpt_ckpt_pt_loads_its_model_key(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing", "no-config", "no-weights", "wrong-suffix", "small-vocabulary",
-                                  "not-transformers"])
+                                  "not-transformers", "other-family"])
 def test_bad_weights_are_one_line_and_nothing_written(case, files, tmp_path, capsys, one_thread):
     model, weights = dict(LLAMA_LORA), tmp_path / "weights"
     expected = {
@@ -174,6 +175,9 @@ def test_bad_weights_are_one_line_and_nothing_written(case, files, tmp_path, cap
         "small-vocabulary": f"model.weights: the data has 512 token ids but {weights} has a vocabulary of 100",
         "not-transformers": f"model.weights: {weights} is a Hugging Face folder, whose config.json is a transformers "
                             "architecture; the built-in nanogpt is not one",
+        "other-family": f"model.weights: {weights} holds a gpt2 model (GPT2LMHeadModel), and the built-in llama-7b is "
+                        f"a llama one: give a llama folder, or name the folder's own architecture with model: "
+                        f"{{hf: {weights}}}",
     }[case]
     if case == "no-config":
         weights.mkdir()
@@ -186,6 +190,8 @@ def test_bad_weights_are_one_line_and_nothing_written(case, files, tmp_path, cap
             write_llama(weights, files / "tokenizer", vocab_size=100, num_hidden_layers=1)
         if case == "not-transformers":
             model = {"builtin": "nanogpt"}
+    elif case == "other-family":
+        shutil.copytree(files / "tiny-gpt2", weights)
     elif case == "wrong-suffix":
         weights = tmp_path / "weights.npz"
         weights.write_bytes(b"\0" * 16)

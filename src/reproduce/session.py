@@ -24,6 +24,7 @@ from .recipe import Recipe, phase_recipe
 from .resume_rules import replan
 from .sharding import with_sharding
 from .units import format_size
+from .weightfiles import inspect as inspect_weights
 from .weightfiles import record as weights_record
 
 OnNote = Callable[[str], None]
@@ -125,7 +126,9 @@ def with_weights_record(the_plan: Plan) -> Plan:
     builtin = None
     if spec.builtin is not None and Path(spec.weights).expanduser().is_dir():
         from .models.architectures import ARCHITECTURES  # (torch: only for a folder in place of a built-in)
+        from .models.pretrained import check_family
 
+        check_family(spec.builtin, inspect_weights(spec.weights))
         builtin = getattr(ARCHITECTURES.get(spec.builtin), "config", None)
     return the_plan.model_copy(update={"weights": weights_record(spec.weights, builtin)})
 

@@ -174,6 +174,7 @@ def builtin_from_folder(recipe: Recipe, weights: WeightsOnDisk, data_info: dict 
         what = f"built-in {spec.builtin}" if spec.builtin else f"factory {spec.factory}"
         raise UserError(f"model.weights: {weights.path} is a Hugging Face folder, whose config.json is a transformers "
                         f"architecture; the {what} is not one: give a state dict file instead (.safetensors, .pt)")
+    check_family(spec.builtin, weights)
     overrides: dict = {}
     for key, value in spec.kwargs.items():
         for target in arch.aliases.get(key, (key,)):
@@ -187,6 +188,20 @@ def builtin_from_folder(recipe: Recipe, weights: WeightsOnDisk, data_info: dict 
         raise UserError(f"model.weights: the data has {wanted} token ids but {weights.path} has a vocabulary of "
                         f"{model.config.vocab_size}")
     return arch.wrap(model)
+
+
+def check_family(builtin: str, weights: WeightsOnDisk) -> None:
+    """A folder in place of a transformers built-in holds a model of the built-in's family (its config's model_type:
+    a LLaMA folder for llama-7b, of any size); another family is one line, before its weights are read."""
+    arch = ARCHITECTURES.get(builtin)
+    if not isinstance(arch, TransformersModel):
+        return
+    family = getattr(getattr(_transformers(builtin), arch.config_class), "model_type", None)
+    theirs = (weights.config or {}).get("model_type")
+    if family and theirs and theirs != family:
+        raise UserError(f"model.weights: {weights.path} holds a {theirs} model ({weights.architecture}), and the "
+                        f"built-in {builtin} is a {family} one: give a {family} folder, or name the folder's own "
+                        f"architecture with model: {{hf: {weights.path}}}")
 
 
 def folder_inputs(arch: Any, config: dict, kwargs: dict) -> dict:
