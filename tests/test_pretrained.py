@@ -299,24 +299,46 @@ def test_merged_needs_lora(files, tmp_path, capsys, one_thread):
     assert snapshot(tmp_path) == before
 
 
-def test_the_shipped_alpaca_lora_recipe_plans_and_runs_on_a_folder_and_a_json_file(files, tmp_path, capsys,
-                                                                                   one_thread):
-    """papers/tloen2023-alpaca-lora.yaml names its data format (instructions, Alpaca-LoRA's template): --data and
-    --weights are all it needs; plan counts the file as run does (the recipe's train_size is the paper's)."""
-    from reproduce.recipe import load_recipe
+def test_the_own_weights_page_runs_as_documented(tmp_path, capsys, monkeypatch, one_thread):
+    """docs/own-weights.md: each `$` command as the page shows it (the shipped Alpaca-LoRA recipe, unedited, on a
+    LLaMA folder and a JSON file through --weights and --data), and the lines it shows printed, but for times."""
+    import runpy
+    import shlex
+    import sys
+    from pathlib import Path
 
-    paper = load_recipe("papers/tloen2023-alpaca-lora.yaml")
-    assert (paper.data.format, paper.data.template, paper.data.train_on_inputs) == ("instructions", "alpaca-lora", True)
-    args = ("papers/tloen2023-alpaca-lora.yaml", "--weights", files / "tiny-llama", "--data", files / "alpaca.json",
-            "--micro-batch-max", "4")
-    code, out, err = cli(capsys, "plan", *args, "--json")
-    assert code == 0, err
-    planned = json.loads(out)
-    assert (planned["dataset_size"], planned["micro_batch"], planned["accumulation_steps"]) == (24, 4, 32)
-    code, out, err = cli(capsys, "run", *args, "--out", tmp_path / "run", "--device", "cpu", "--max-steps", "1")
-    assert code == 0, err
-    assert "done: 1 steps" in out and "adapter/" in out
-    assert "warning: data.train_size is 49760; the data has 24: using 24" in err
+    from reproduce.models.samples import main as samples
+
+    root = Path(__file__).parent.parent
+    page = (root / "docs" / "own-weights.md").read_text()
+    blocks = [block.split("\n```")[0] for block in page.split("```\n$ ")[1:]]
+    assert [block.split()[:2] for block in blocks] == [["python", "-m"], ["reproduce", "plan"], ["reproduce", "run"],
+                                                       ["python", "examples/own-weights/load.py"],
+                                                       ["reproduce", "run"]]
+    (tmp_path / "papers").mkdir()
+    shutil.copy(root / "papers" / "tloen2023-alpaca-lora.yaml", tmp_path / "papers")
+    shutil.copytree(root / "examples" / "own-weights", tmp_path / "examples" / "own-weights")
+    monkeypatch.chdir(tmp_path)
+    for block in blocks:
+        command, *shown = block.splitlines()
+        args = shlex.split(command)
+        if args[0] == "reproduce":
+            code, out, err = cli(capsys, *args[1:])
+        else:
+            if args[:2] == ["python", "-m"]:
+                code = samples(args[3:])
+            else:
+                monkeypatch.setattr(sys, "argv", args[1:])
+                runpy.run_path(args[1], run_name="__main__")
+                code = 0
+            out, err = capsys.readouterr()
+        printed = " ".join((out + err).split())
+        assert code == (2 if "--resume" in args else 0), printed
+        for line in shown:  # the table's rows are wrapped to the terminal; times vary
+            if line[0] in "┏┃┡│└" or line.startswith(("step ", "done: ", "runs/alpaca/loss.png")) or not line.strip():
+                continue
+            assert " ".join(line.replace("/tmp/ft2", str(tmp_path)).split()) in printed, line
+    assert (tmp_path / "runs" / "alpaca" / "merged" / "config.json").is_file()
 
 
 @pytest.mark.parametrize("factory", ["transformers_gpt2", "gpt2_from_pretrained", "gpt2_output_wrapper"])

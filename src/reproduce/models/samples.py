@@ -11,7 +11,7 @@ writes
   JSON list as alpaca_data.json is.
 
 The folders are what a user's `llama-7b/` is, small: `reproduce run papers/tloen2023-alpaca-lora.yaml --weights
-DIR/tiny-llama --data DIR/alpaca.json` runs the recipe on them. Tests and docs/own-model.md use them.
+DIR/tiny-llama --data DIR/alpaca.json` runs the recipe on them. Tests and docs/own-weights.md use them.
 """
 
 from __future__ import annotations
