@@ -371,3 +371,15 @@ def test_a_factory_of_a_transformers_model(factory, files, tmp_path, capsys, one
                "instead" in " ".join(err.split())
     else:
         assert "FLOPs not counted" not in err
+
+
+def test_verify_and_probe_take_weights(files, tmp_path, capsys, one_thread):
+    """--weights on verify (the accumulated LoRA gradient of the loaded model is the one-pass one) and on probe."""
+    recipe = write(tmp_path, lm(LLAMA_LORA))
+    common = ("--weights", files / "tiny-llama", "--data", files / "alpaca.json")
+    code, out, err = cli(capsys, "verify", recipe, *common, "--micro-batch-max", "2")
+    assert code == 0, err
+    assert "the plan's 2 micro-batch(es) give the one-pass gradient within 1e-10" in " ".join(out.split())
+    code, out, err = cli(capsys, "probe", recipe, *common, "--meter", "cpu", "--memory", "2GiB", "--no-cache")
+    assert code == 0, err
+    assert "largest micro-batch: 4" in out
