@@ -383,3 +383,25 @@ def test_verify_and_probe_take_weights(files, tmp_path, capsys, one_thread):
     code, out, err = cli(capsys, "probe", recipe, *common, "--meter", "cpu", "--memory", "2GiB", "--no-cache")
     assert code == 0, err
     assert "largest micro-batch: 4" in out
+
+
+def test_the_shipped_e2e_recipe_reads_context_completion_records(files, tmp_path):
+    """papers/hu2021-lora-gpt2m-e2e.yaml reads format_converting_e2e.py's records with --data: the context, the
+    tokenizer's EOS, ' ' + the completion, EOS (gpt2_encode.py --add_bos --add_eos); the loss on the completion."""
+    from reproduce.data import build_data
+    from reproduce.recipe import load_recipe, with_data_paths, with_weights
+
+    records = [{"context": "name : The Eagle | food : French", "completion": "The Eagle serves French food."}] * 3
+    (tmp_path / "e2e.json").write_text(json.dumps(records))
+    from pathlib import Path
+
+    paper = Path(__file__).parent.parent / "papers" / "hu2021-lora-gpt2m-e2e.yaml"
+    recipe = with_weights(load_recipe(paper), str(files / "tiny-gpt2"))
+    train = build_data(with_data_paths(recipe, str(tmp_path / "e2e.json"), None))["train"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(files / "tiny-gpt2")
+    eos = tokenizer.eos_token
+    assert eos
+    prompt = tokenizer(records[0]["context"] + eos)["input_ids"]
+    full = tokenizer(records[0]["context"] + eos + " " + records[0]["completion"] + eos)["input_ids"]
+    assert train.ids[int(train.offsets[0]):int(train.offsets[1])].tolist() == full
+    assert int(train.prompt_lengths[0]) == len(prompt) and len(train) == 3
