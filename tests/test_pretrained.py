@@ -405,3 +405,33 @@ def test_the_shipped_e2e_recipe_reads_context_completion_records(files, tmp_path
     full = tokenizer(records[0]["context"] + eos + " " + records[0]["completion"] + eos)["input_ids"]
     assert train.ids[int(train.offsets[0]):int(train.offsets[1])].tolist() == full
     assert int(train.prompt_lengths[0]) == len(prompt) and len(train) == 3
+
+
+def test_the_adapter_of_a_model_that_is_not_a_transformers_one(tmp_path):
+    """nanoGPT with LoRA: adapter/ is peft's save_pretrained folder as it is, put on a fresh GPT of the same weights."""
+    import peft
+
+    from reproduce.models import build_model
+    from reproduce.models.trained import save_adapter
+
+    shape = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "vocab_size": 32}
+    recipe = parse_recipe({
+        "batch": {"effective": 4, "sequence_length": 16}, "task": "language-modeling",
+        "data": {"factory": "factories:variable_lm"}, "optimizer": {"name": "adamw", "lr": 1e-3},
+        "schedule": {"total": {"steps": 1}},
+        "model": {"builtin": "nanogpt", "kwargs": shape, "lora": {"r": 2, "alpha": 4, "target_modules": ["c_attn"]}}})
+    torch.manual_seed(0)
+    model = build_model(recipe)
+    torch.manual_seed(0)
+    plain = {**recipe.model_dump(mode="json"), "model": {"builtin": "nanogpt", "kwargs": shape}}
+    base = build_model(parse_recipe(plain))
+    assert type(base).__name__ == "GPT"
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_()  # as if trained
+    assert save_adapter(model, tmp_path / "adapter", recipe)
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    ids = torch.randint(0, 32, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids), model.eval()(ids))

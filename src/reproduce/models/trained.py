@@ -55,8 +55,9 @@ def check_merged(model: nn.Module, recipe: Recipe, sharded: bool = False) -> Non
                         "holds its weights and adapter/ its adapters")
 
 
-def save_adapter(model: nn.Module, folder: Path, recipe: Recipe) -> bool:
-    """adapter/ with peft's save_pretrained; False when the model has no LoRA adapters."""
+def save_adapter(model: nn.Module, folder: Path, recipe: Recipe, state: dict | None = None) -> bool:
+    """adapter/ with peft's save_pretrained; False when the model has no LoRA adapters. `state`: the model's full
+    state dict (FSDP: gathered from the ranks' shards; None: the model's own)."""
     peft = peft_model(model)
     if peft is None:
         return False
@@ -68,22 +69,22 @@ def save_adapter(model: nn.Module, folder: Path, recipe: Recipe) -> bool:
         config.task_type = config.task_type or "CAUSAL_LM"  # AutoPeftModelForCausalLM reads it
     try:
         if hf_model is None or not inner:
-            peft.save_pretrained(str(folder))
+            peft.save_pretrained(str(folder), state_dict=state)
         else:  # the keys under the transformers model, as PeftModel.from_pretrained(its from_pretrained) has them
-            write_adapter(peft, folder, PEFT_PREFIX + inner + ".")
+            write_adapter(peft, folder, PEFT_PREFIX + inner + ".", state)
     finally:
         config.base_model_name_or_path, config.task_type = before
     return True
 
 
-def write_adapter(model: Any, folder: Path, wrapper: str) -> None:
+def write_adapter(model: Any, folder: Path, wrapper: str, state: dict | None = None) -> None:
     """What peft's save_pretrained writes (its adapter state dict, its config's save_pretrained), the keys under
     `wrapper` (base_model.model.<the wrapper's name for the transformers model>.) moved up to base_model.model.
     (save_pretrained takes a state_dict, but finds the adapters in it by the model's own module names.)"""
     from peft.utils import SAFETENSORS_WEIGHTS_NAME, get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    state = get_peft_model_state_dict(model, adapter_name="default")
+    state = get_peft_model_state_dict(model, state_dict=state, adapter_name="default")
     state = {PEFT_PREFIX + key[len(wrapper):] if key.startswith(wrapper) else key: value.detach().cpu().contiguous()
              for key, value in state.items()}
     folder.mkdir(parents=True, exist_ok=True)

@@ -363,7 +363,7 @@ def finish_run(run: Run) -> dict:
     model_state = full_model_state(run.setup)  # FSDP: gathered from every rank's shards
     if run.world.is_main:
         torch.save(model_state, run.out / "model.pt")
-        summary.update(save_trained(run))
+        summary.update(save_trained(run, model_state))
         write_text_atomic(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
         summary["plot"] = plot_metrics(run.out / "metrics.jsonl", run.out / "loss.png")
     distributed.barrier(run.world)
@@ -371,11 +371,11 @@ def finish_run(run: Run) -> dict:
     return summary
 
 
-def save_trained(run: Run) -> dict:
+def save_trained(run: Run, model_state: dict) -> dict:
     """adapter/ (peft's save_pretrained) with LoRA, and merged/ with --merged (models/trained.py): summary.json's
-    `adapter` and `merged`, the folders' paths."""
+    `adapter` and `merged`, the folders' paths. `model_state`: model.pt's (FSDP: gathered), the adapters' source."""
     core, recipe, written = run.setup.core, run.plan.recipe, {}
-    if save_adapter(core, run.out / "adapter", recipe):
+    if save_adapter(core, run.out / "adapter", recipe, model_state):
         written["adapter"] = str(run.out / "adapter")
     if run.options.merged:
         save_merged(core, run.out / "merged", recipe)
