@@ -435,3 +435,23 @@ def test_the_adapter_of_a_model_that_is_not_a_transformers_one(tmp_path):
     ids = torch.randint(0, 32, (2, 16))
     with torch.no_grad():
         assert torch.equal(loaded.eval()(ids), model.eval()(ids))
+
+
+def test_a_larger_vocab_size_widens_the_folder_embeddings_and_the_plan_says_so(files):
+    """Alpaca's train.py adds [PAD] to LLaMA's 32000 tokens (taori2023-alpaca-7b: kwargs vocab_size 32001): the
+    folder's embedding and output rows are kept, the new ones are their mean."""
+    from safetensors.torch import load_file
+
+    from reproduce.models import build_model
+    from reproduce.planner import plan
+    from reproduce.session import with_weights_record
+
+    model = {"builtin": "llama-7b", "kwargs": {"vocab_size": 515}, "weights": str(files / "tiny-llama")}
+    recipe = parse_recipe(lm(model, available=True, path=str(files / "alpaca.json")))
+    stored = load_file(files / "tiny-llama" / "model.safetensors")
+    model = build_model(recipe)
+    embedding = model.model.get_input_embeddings().weight
+    assert embedding.shape[0] == 515 and torch.equal(embedding[:512], stored["model.embed_tokens.weight"])
+    torch.testing.assert_close(embedding[512:], stored["model.embed_tokens.weight"].mean(0).expand(3, -1))
+    line = with_weights_record(plan(recipe, 4, 1, dataset_size=24)).weights.line("llama-7b")
+    assert "; model.kwargs vocab_size 515 widens its embeddings, the new rows the mean of the others;" in line

@@ -123,14 +123,15 @@ def with_weights_record(the_plan: Plan) -> Plan:
     spec = the_plan.recipe.model
     if spec.weights is None:
         return the_plan.model_copy(update={"weights": None}) if the_plan.weights is not None else the_plan
-    builtin = None
+    builtin, vocab = None, None
     if spec.builtin is not None and Path(spec.weights).expanduser().is_dir():
         from .models.architectures import ARCHITECTURES  # (torch: only for a folder in place of a built-in)
         from .models.pretrained import check_family
 
         check_family(spec.builtin, inspect_weights(spec.weights))
         builtin = getattr(ARCHITECTURES.get(spec.builtin), "config", None)
-    return the_plan.model_copy(update={"weights": weights_record(spec.weights, builtin)})
+        vocab = spec.kwargs.get("vocab_size")  # (builtin_from_folder widens the folder's embeddings to it)
+    return the_plan.model_copy(update={"weights": weights_record(spec.weights, builtin, vocab)})
 
 
 def phase_probes(recipe: Recipe) -> dict[int | None, Recipe]:

@@ -182,6 +182,7 @@ class WeightsRecord(BaseModel):
     architecture: str | None = None  # a folder's model class (LlamaForCausalLM)
     parameters: int | None = None  # counted in the safetensors headers
     differs: list[str] = []  # the folder's config fields unlike the recipe's built-in's: "hidden_size 32 (4096)"
+    vocab_size: int | None = None  # model.kwargs' vocab_size where it widens the folder's embeddings (Alpaca's [PAD])
 
     def line(self, builtin: str | None) -> str:
         """The plan's line about them: "llama-7b's architecture from PATH's config.json (LlamaForCausalLM, 6.74B
@@ -195,20 +196,23 @@ class WeightsRecord(BaseModel):
         who = f"{builtin}'s architecture" if builtin else "architecture"
         differs = (f", differing from the built-in {builtin} in {', '.join(self.differs)}" if self.differs and builtin
                    else "")
-        return (f"weights: {who} from {self.path}'s config.json ({self.architecture}{count}){differs}; "
+        widened = (f"; model.kwargs vocab_size {self.vocab_size} widens its embeddings, the new rows the mean of the "
+                   "others" if self.vocab_size else "")
+        return (f"weights: {who} from {self.path}'s config.json ({self.architecture}{count}){differs}{widened}; "
                 f"{format_size(self.bytes)}, fingerprint {self.fingerprint}")
 
 
-def record(path: str, builtin_config: dict | None = None) -> WeightsRecord:
+def record(path: str, builtin_config: dict | None = None, vocab_size: int | None = None) -> WeightsRecord:
     """The record of the weights at `path`; `builtin_config`: the recipe's built-in configuration, to name what a
-    folder's config changes of it."""
+    folder's config changes of it; `vocab_size`: the recipe's model.kwargs', which widens a folder's embeddings."""
     weights = inspect(path)
-    differs = []
+    differs, config = [], weights.config or {}
     if weights.is_folder and builtin_config:
-        config = weights.config or {}
         differs = [f"{key} {config[key]} ({value})" for key, value in builtin_config.items()
                    if key in config and config[key] != value]
+    if not weights.is_folder or vocab_size == config.get("vocab_size"):
+        vocab_size = None
     return WeightsRecord(path=str(weights.path), kind="folder" if weights.is_folder else "state-dict",
                          bytes=weights.size, fingerprint=fingerprint_of(weights),
                          architecture=weights.architecture if weights.is_folder else None,
-                         parameters=parameter_count(weights), differs=differs)
+                         parameters=parameter_count(weights), differs=differs, vocab_size=vocab_size)
