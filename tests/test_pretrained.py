@@ -412,7 +412,7 @@ def test_the_adapter_of_a_model_that_is_not_a_transformers_one(tmp_path):
     import peft
 
     from reproduce.models import build_model
-    from reproduce.models.trained import save_adapter
+    from reproduce.models.trained import check_merged, save_adapter
 
     shape = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "vocab_size": 32}
     recipe = parse_recipe({
@@ -435,6 +435,9 @@ def test_the_adapter_of_a_model_that_is_not_a_transformers_one(tmp_path):
     ids = torch.randint(0, 32, (2, 16))
     with torch.no_grad():
         assert torch.equal(loaded.eval()(ids), model.eval()(ids))
+    with pytest.raises(UserError, match=r"^--merged: nanogpt is not a transformers model, so it has no Hugging Face "
+                                        r"folder; model.pt holds its weights and adapter/ its adapters$"):
+        check_merged(model, recipe)
 
 
 def test_a_larger_vocab_size_widens_the_folder_embeddings_and_the_plan_says_so(files):
