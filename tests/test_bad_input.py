@@ -362,7 +362,7 @@ CASES = [
     Case(
         "data-template-unknown",
         mutate({"task": "language-modeling", "data.format": "instructions", "data.template": "vicuna"}),
-        ["error: {path}: data.template: expected one of 'alpaca' (got 'vicuna')"],
+        ["error: {path}: data.template: expected one of 'alpaca', 'alpaca-lora' or 'e2e' (got 'vicuna')"],
     ),
     Case(
         "data-hf-datasets-without-columns",
@@ -377,7 +377,7 @@ CASES = [
     Case(
         "data-columns-without-hf-datasets",
         mutate({"data.format": "imagefolder", "data.columns": {"image": "img", "label": "label"}}),
-        ["error: {path}: data.columns: only used with format hf-datasets (format is imagefolder)"],
+        ["error: {path}: data.columns: only used with format hf-datasets or instructions (format is imagefolder)"],
     ),
     Case(
         "data-path-empty",
