@@ -103,7 +103,7 @@ def test_every_split_warms_up_then_is_timed_in_rotated_rounds():
                                                                                               1: 1.5}.items()}
     decision = choose([4, 2, 1], 4, {}, {}, None, timings=timings)
     assert decision.micro_batch == 2 and decision.indistinguishable is None
-    assert "+25% over micro-batch 4, beyond their spread of 3%" in decision.reason
+    assert "(+25.0% over micro-batch 4, paired over 5 rounds, beyond the noise of 3.0%)" in decision.reason
 
 
 def test_a_busy_spell_slows_one_repeat_not_the_choice():
@@ -120,8 +120,8 @@ def test_short_steps_are_timed_several_to_a_repeat():
     steps = table({2: 0.001, 1: 0.02})
     timings = time_splits([2, 1], steps)
     assert timings.timed[2].steps_per_repeat == MAX_STEPS_PER_REPEAT == steps_per_repeat(0.001)
-    assert timings.timed[1].steps_per_repeat == steps_per_repeat(0.02) == 3
-    assert (2, MAX_STEPS_PER_REPEAT) in steps.calls and (1, 3) in steps.calls
+    assert timings.timed[1].steps_per_repeat == steps_per_repeat(0.02) == 10
+    assert (2, MAX_STEPS_PER_REPEAT) in steps.calls and (1, 10) in steps.calls
     assert timings.timed[2].repeats[0] == pytest.approx(0.001)  # a repeat is seconds per optimizer step
     assert steps_per_repeat(1.0) == 1
 
@@ -135,8 +135,8 @@ def test_the_top_two_within_their_spread_are_retimed_and_taken_larger_when_still
     assert len(steps.calls) == 3 + 3 * REPEATS + 2 * RETIME_ROUNDS
     decision = choose([16, 8, 4], 16, {}, {}, None, timings=timings)
     assert decision.micro_batch == 16 and decision.indistinguishable == [16, 8]
-    assert decision.reason == ("micro-batch 16 and 8 are indistinguishable (8 faster by 1.0%, within their spread of "
-                               "3% after re-timing both): the larger micro-batch, 16")
+    assert decision.reason == ("micro-batch 16 and 8 are indistinguishable (8 faster by 1.0%, paired over 8 rounds, "
+                               "within the noise of 3.0% after re-timing both): the larger micro-batch, 16")
     rows = {c.micro_batch: c for c in decision.candidates}
     assert rows[16].chosen and rows[8].share_of_best == 1 and rows[8].spread == 0.0
 
@@ -148,7 +148,19 @@ def test_retiming_can_separate_two_splits_a_noisy_round_had_made_look_alike():
     assert timings.retimed == (32, 16) and timings.timed[32].spread == pytest.approx(0.0)  # steady on re-timing
     decision = choose([32, 16], 32, {}, {}, None, timings=timings)
     assert decision.micro_batch == 16 and decision.indistinguishable is None
-    assert "beyond their spread of 3% after re-timing both" in decision.reason
+    assert "beyond the noise of 3.0% after re-timing both" in decision.reason
+
+
+def test_pairing_by_round_cancels_the_load_both_splits_saw():
+    load = [1.0, 1.0, 1.3, 0.9, 1.6, 1.1]  # the machine's load factor: warm-ups, then one per round of two calls
+    steps = FakeSteps(lambda m, call: (1.0 if m == 8 else 1.08) * load[min(call // 2, 5)])  # 16 is 8% slower
+    timings = time_splits([16, 8], steps)
+    assert timings.timed[8].spread > 0.3 and timings.retimed is None  # a wide spread, yet no doubt round by round
+    decision = choose([16, 8], 16, {}, {}, None, timings=timings)
+    assert decision.micro_batch == 8 and "+8.0% over micro-batch 16" in decision.reason
+    unpaired = choose([16, 8], 16, {m: t.median for m, t in timings.timed.items()}, {}, None,
+                      spreads={m: t.spread for m, t in timings.timed.items()})
+    assert unpaired.micro_batch == 16 and unpaired.indistinguishable == [16, 8]  # medians alone cannot tell
 
 
 def test_the_cost_is_bounded_and_stated_per_split():

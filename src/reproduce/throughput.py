@@ -13,9 +13,11 @@ split and returns their seconds (probe/timing.py: train/step.py's `optimizer_ste
    a few back to back when one step is shorter than `MIN_REPEAT_SECONDS` (timer and scheduler noise);
 3. each split's median step time, and its spread: twice the median absolute deviation of its repeats over their
    median (robust to the one repeat a busy machine slows; about 1.35 standard deviations);
-4. when the two fastest differ by no more than their spread (at least `NOISE_FLOOR`), both are timed again for
-   `RETIME_ROUNDS` more rounds and compared on all their repeats. Still within the spread: indistinguishable, and
-   the larger micro-batch is taken (fewer, larger kernels; the optimizer step amortised over more samples).
+4. the two fastest compared round by round (`paired`: the median of their rounds' ratios, which cancels the load
+   common to both, against twice its standard error, at least `NOISE_FLOOR`); when their difference is within that
+   noise, both are timed again for `RETIME_ROUNDS` more rounds, next to each other, and compared on all their
+   repeats. Still within it: indistinguishable, and the larger micro-batch is taken (fewer, larger kernels; the
+   optimizer step amortised over more samples).
 
 The cost of choosing is bounded by `BUDGET_SECONDS` of timed steps: warm-ups stop once they have taken
 `WARM_UP_SHARE` of it (the smaller splits left untimed, and said so), then the splits with the slowest warm-up are
@@ -35,10 +37,12 @@ REPEATS = 5  # timed rounds when the budget allows
 MIN_REPEATS = 3  # timed rounds whatever the budget
 RETIME_ROUNDS = 3  # more rounds of the two fastest when they are within their spread
 NOISE_FLOOR = 0.03  # the smallest relative difference taken as real, whatever the repeats' spread says
+MEDIAN_SE = 1.858  # a median's standard error per MAD / sqrt(n), for normal noise (1.4826 x 1.2533)
 BUDGET_SECONDS = 60.0  # timed steps allowed for choosing (warm-ups, rounds and re-timing)
 WARM_UP_SHARE = 0.5  # of the budget, for the warm-up steps
-MIN_REPEAT_SECONDS = 0.05  # a repeat shorter than this is several steps back to back
-MAX_STEPS_PER_REPEAT = 25
+MIN_REPEAT_SECONDS = 0.2  # a repeat shorter than this is several steps back to back (a preempted slice of a
+# few ms is then a few % of it: the digits MLP's 1 ms steps, 25 to a repeat, spread by 20-30% on the shared machine)
+MAX_STEPS_PER_REPEAT = 200
 
 RunSteps = Callable[[int, int], float]  # (micro-batch, steps) -> seconds those whole optimizer steps took
 
@@ -105,12 +109,17 @@ def steps_per_repeat(warm_up_seconds: float) -> int:
     return max(1, min(MAX_STEPS_PER_REPEAT, math.ceil(MIN_REPEAT_SECONDS / warm_up_seconds)))
 
 
-def close(a: SplitTiming, b: SplitTiming) -> float | None:
-    """The noise the two splits' difference is within (their larger spread, at least NOISE_FLOOR), or None when
-    the slower's median step is longer than the faster's by more than that."""
-    fast, slow = sorted((a, b), key=lambda t: t.median)
-    noise = max(fast.spread, slow.spread, NOISE_FLOOR)
-    return noise if slow.median / fast.median - 1 <= noise else None
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """(gap, noise) of two splits' repeats taken in the same rounds: gap, how much longer b's step is than a's (the
+    median of the rounds' ratios, less 1; negative: b is faster); noise, what the gap must exceed to be real: twice
+    the standard error of that median (`MEDIAN_SE` x the ratios' median absolute deviation / sqrt(rounds)), at least
+    `NOISE_FLOOR`. Pairing by round cancels the machine's load common to both, which the repeats' own spread keeps."""
+    ratios = [y / x for x, y in zip(a, b, strict=False) if x > 0]
+    if not ratios:
+        return 0.0, NOISE_FLOOR
+    middle = statistics.median(ratios)
+    deviation = statistics.median(abs(r - middle) for r in ratios)
+    return middle - 1, max(NOISE_FLOOR, 2 * MEDIAN_SE * deviation / math.sqrt(len(ratios)) / middle)
 
 
 def fastest(timed: dict[int, SplitTiming]) -> list[int]:
@@ -171,7 +180,8 @@ def time_splits(splits: list[int], run_steps: RunSteps, budget: float = BUDGET_S
         time_round(order[shift:] + order[:shift])
     retimed = None
     ranked = fastest(timed)
-    if len(ranked) >= 2 and close(timed[ranked[0]], timed[ranked[1]]) is not None:  # 4. the top two again
+    gap, noise = paired(timed[ranked[0]].repeats, timed[ranked[1]].repeats) if len(ranked) >= 2 else (1.0, 0.0)
+    if abs(gap) <= noise:  # 4. the top two again
         pair = ranked[:2]
         retimed = (max(pair), min(pair))
         for r in range(RETIME_ROUNDS):
@@ -244,9 +254,10 @@ def choose(
 ) -> Decision:
     """The exact split with the shortest optimizer step (`step_seconds`, the same per-process batch in each).
 
-    The two fastest are compared within their spreads (`spreads`, at least NOISE_FLOOR): within it they are
-    indistinguishable and the larger micro-batch wins. `timings`: what `time_splits` measured, whose medians, spreads,
-    repeats and cost are used instead of `step_seconds` and `spreads`. `batchnorm_micro_batch`: the paper's per-device
+    The two fastest are compared round by round when `timings` are given (`paired`), else within their `spreads`
+    (at least NOISE_FLOOR): within the noise they are indistinguishable and the larger micro-batch wins. `timings`:
+    what `time_splits` measured, whose medians, spreads, repeats and cost are used instead of `step_seconds` and
+    `spreads`. `batchnorm_micro_batch`: the paper's per-device
     batch, kept whatever the timings say (BatchNorm statistics over the paper's samples); the candidates are still
     listed so the cost of that choice is seen.
     """
@@ -272,25 +283,32 @@ def choose(
     micro = best
     if len(ranked) > 1:
         runner_up = ranked[1]
-        noise = max(spreads.get(best, 0.0), spreads.get(runner_up, 0.0), NOISE_FLOOR)
-        gap = step_seconds[runner_up] / step_seconds[best] - 1
+        if timings is not None:  # the two fastest compared round by round (their re-timing included)
+            gap, noise = paired(timings.timed[best].repeats, timings.timed[runner_up].repeats)
+            if gap < 0:  # paired, the runner-up is the faster
+                best, runner_up, gap = runner_up, best, 1 / (1 + gap) - 1
+        else:
+            noise = max(spreads.get(best, 0.0), spreads.get(runner_up, 0.0), NOISE_FLOOR)
+            gap = step_seconds[runner_up] / step_seconds[best] - 1
+        micro = best
+        rounds = f", paired over {len(timings.timed[best].repeats)} rounds" if timings is not None else ""
         if gap <= noise:
             pair, micro = sorted((best, runner_up), reverse=True), max(best, runner_up)
-            reason = (f"micro-batch {pair[0]} and {pair[1]} are indistinguishable ({best} faster by {gap:.1%}, "
-                      f"within their spread of {noise:.0%}{retimed}): the larger micro-batch, {micro}")
+            reason = (f"micro-batch {pair[0]} and {pair[1]} are indistinguishable ({best} faster by {gap:.1%}{rounds}, "
+                      f"within the noise of {noise:.1%}{retimed}): the larger micro-batch, {micro}")
         else:
-            reason = (f"micro-batch {micro}: the most samples per second of the {len(shown)} {what} ({gap:+.0%} "
-                      f"over micro-batch {runner_up}, beyond their spread of {noise:.0%}{retimed})")
+            reason = (f"micro-batch {micro}: the most samples per second of the {len(shown)} {what} ({gap:+.1%} "
+                      f"over micro-batch {runner_up}{rounds}, beyond the noise of {noise:.1%}{retimed})")
     else:
         reason = f"micro-batch {micro}: the only split {what}"
     if nothing:
         reason = nothing
     if basis == "model":
         reason += " (a model, not a measurement: nothing was timed)"
-    best_rate = per_rank_batch / step_seconds[best]
+    best_rate = per_rank_batch / min(step_seconds[m] for m in shown)
     if batchnorm_micro_batch is not None and batchnorm_micro_batch in splits and batchnorm_micro_batch != micro:
         kept = batchnorm_micro_batch
-        share = (f"{step_seconds[best] / step_seconds[kept]:.0%} of the best rate" if kept in step_seconds
+        share = (f"{per_rank_batch / step_seconds[kept] / best_rate:.0%} of the best rate" if kept in shown
                  else "not timed")
         reason = (f"micro-batch {kept}: the paper's per-device batch, kept for BatchNorm (its statistics over the "
                   f"paper's samples; {share}); by throughput alone: {micro}")
