@@ -151,6 +151,17 @@ def test_retiming_can_separate_two_splits_a_noisy_round_had_made_look_alike():
     assert "beyond the noise of 3.0% after re-timing both" in decision.reason
 
 
+def test_a_third_split_the_re_timing_left_second_is_compared_on_the_rounds_both_ran():
+    seconds = {64: iter([1.02] * 6), 32: iter([1.0, 0.98, 0.99, 1.0, 1.03, 1.04] + [1.05] * 3),
+               16: iter([1.01] * 6 + [1.05] * 3)}  # warm-up, 5 rounds, then a busy re-timing of 32 and 16
+    timings = time_splits([64, 32, 16], FakeSteps(lambda m, call: next(seconds[m])))
+    assert timings.retimed == (32, 16) and timings.timed[32].median == pytest.approx(1.035)  # now behind 64
+    decision = choose([64, 32, 16], 64, {}, {}, None, timings=timings)
+    assert decision.micro_batch == 64 and decision.indistinguishable == [64, 16]
+    assert decision.reason == ("micro-batch 64 and 16 are indistinguishable (16 faster by 1.0%, paired over 5 rounds, "
+                               "within the noise of 3.0%; 32 and 16 re-timed): the larger micro-batch, 64")
+
+
 def test_pairing_by_round_cancels_the_load_both_splits_saw():
     load = [1.0, 1.0, 1.3, 0.9, 1.6, 1.1]  # the machine's load factor: warm-ups, then one per round of two calls
     steps = FakeSteps(lambda m, call: (1.0 if m == 8 else 1.08) * load[min(call // 2, 5)])  # 16 is 8% slower

@@ -279,7 +279,7 @@ def choose(
     ranked = sorted(shown, key=lambda m: (step_seconds[m], -m))
     best, pair, noise = ranked[0], None, NOISE_FLOOR
     what = "modelled" if basis == "model" else "timed"
-    retimed = " after re-timing both" if timings is not None and timings.retimed else ""
+    retimed = ""
     micro = best
     if len(ranked) > 1:
         runner_up = ranked[1]
@@ -291,7 +291,14 @@ def choose(
             noise = max(spreads.get(best, 0.0), spreads.get(runner_up, 0.0), NOISE_FLOOR)
             gap = step_seconds[runner_up] / step_seconds[best] - 1
         micro = best
-        rounds = f", paired over {len(timings.timed[best].repeats)} rounds" if timings is not None else ""
+        rounds = ""
+        if timings is not None:  # the rounds both were timed in; the re-timing's, when it was these two
+            both = min(len(timings.timed[best].repeats), len(timings.timed[runner_up].repeats))
+            rounds = f", paired over {both} rounds"
+            if timings.retimed and set(timings.retimed) == {best, runner_up}:
+                retimed = " after re-timing both"
+            elif timings.retimed:
+                retimed = f"; {timings.retimed[0]} and {timings.retimed[1]} re-timed"
         if gap <= noise:
             pair, micro = sorted((best, runner_up), reverse=True), max(best, runner_up)
             reason = (f"micro-batch {pair[0]} and {pair[1]} are indistinguishable ({best} faster by {gap:.1%}{rounds}, "
