@@ -10,13 +10,23 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from ..batchnorm import batchnorm_for_run
 from ..errors import UserError
 from ..planfile import load_recipe_or_plan
 from ..recipe import with_data_paths
 from ..session import apply_memory, make_plan
 from .app import app
 from .common import recipe_argument, show_note, stdout
-from .options import CHECKPOINTING_HELP, MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy
+from .options import (
+    BATCHNORM_HELP,
+    CHECKPOINTING_HELP,
+    MICRO_BATCH_MAX_HELP,
+    POLICY_HELP,
+    WORLD_SIZE_HELP,
+    BatchNormChoice,
+    Policy,
+    value_of,
+)
 
 SAMPLES_HELP = "Check on the first K samples instead of one effective batch (for big models)."
 TOLERANCE_HELP = "Largest relative error that counts as equivalent (default per dtype: float64 1e-10, float32 1e-5)."
@@ -50,6 +60,7 @@ def verify_command(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
+    batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
 ) -> None:
     """Compare the plan's accumulated gradient with the one-pass gradient: exit 0 equivalent, 1 not."""
     from ..data import build_data  # torch is imported only by the commands that need it
@@ -63,6 +74,7 @@ def verify_command(
     recipe = apply_memory(with_data_paths(recipe, data_path, None, str(source)), activation_checkpointing)
     if the_plan is not None:
         the_plan = the_plan.model_copy(update={"recipe": recipe})
+    recipe, the_plan = batchnorm_for_run(recipe, the_plan, value_of(batchnorm))
     data = build_data(recipe)
     if the_plan is None:
         the_plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy.value,
