@@ -397,6 +397,8 @@ FORMAT_FIELDS = {
     "pad": ("segmentation",),
     "split": ("segmentation",),
     "eval_split": ("segmentation",),
+    "masks": ("segmentation",),
+    "loss_pixels": ("segmentation",),
 }
 
 
@@ -443,6 +445,13 @@ class Data(Builder):
                               "ImageSets/Segmentation/SPLIT.txt (default train; DeepLabV3: trainaug)")
     eval_split: str | None = Field(default=None, min_length=1, description="segmentation, voc layout: the evaluation "
                                    "list (default val), read from eval_path's folder, or path's")
+    loss_pixels: Literal["valid", "all"] | None = Field(
+        default=None, description="segmentation: the pixels the loss is averaged over, across the window: valid (not "
+        "ignore_index, default: F.cross_entropy's and torchvision's reference) or all (every pixel of every crop, "
+        "ignored ones as zeros: MMSegmentation's default avg_non_ignore=False)")
+    masks: str | None = Field(default=None, min_length=1, pattern=r"^[^/\\]+$", description="segmentation, voc "
+                              "layout: the training masks' folder beside JPEGImages/ (default SegmentationClass; "
+                              "DeepLabV3's trainaug: SegmentationClassAug); evaluation reads SegmentationClass/")
 
     @model_validator(mode="before")
     @classmethod
@@ -458,8 +467,8 @@ class Data(Builder):
             raise ValueError(f"crop: height and width must be > 0 (got {list(self.crop)})")
         if self.scale is not None and not 0 < self.scale[0] <= self.scale[1]:
             raise ValueError(f"scale: expected [low, high] with 0 < low <= high (got {list(self.scale)})")
-        if self.layout == "images-masks" and (self.split or self.eval_split):
-            name = "split" if self.split else "eval_split"
+        if self.layout == "images-masks" and (self.split or self.eval_split or self.masks):
+            name = "split" if self.split else "eval_split" if self.eval_split else "masks"
             raise ValueError(f"{name}: only used with layout voc (its ImageSets/Segmentation/ lists); images-masks "
                              "reads every image of images/ (the evaluation folder: eval_path)")
         if self.format == "segmentation" and self.crop is None:

@@ -98,6 +98,8 @@ class PlainReporter:
             line += f" eval_loss {record['eval_loss']:.4f}"
         if "eval_accuracy" in record:
             line += f" eval_accuracy {record['eval_accuracy']:.4f}"
+        if "eval_miou" in record:
+            line += f" eval_miou {record['eval_miou']:.4f}"
         rate = ""
         if record.get("tokens_per_second") or record.get("samples_per_second"):  # this step's (train/rates.py)
             rate = (f" {record['tokens_per_second']:,.0f} tokens/s" if record.get("tokens_per_second")
