@@ -309,10 +309,16 @@ class Model(Builder):
     With `hf`, `kind` says which head (default from the task: causal-lm for language-modeling,
     sequence-classification for classification) and `kwargs` go to `from_pretrained` (e.g. num_labels).
     `dtype` is the dtype the weights are stored in (bf16/fp16: as fine-tuning recipes load a base model);
-    `lora` freezes them and trains low-rank adapters instead.
+    `lora` freezes them and trains low-rank adapters instead. `weights` starts the run from pretrained weights on this
+    machine (models/pretrained.py): a Hugging Face folder, whose own config.json is then the architecture, or one
+    state dict file loaded into the built-in (or factory) model, keys and shapes checked strictly.
     """
 
     hf: str | None = Field(default=None, description="Hugging Face model name or local folder")
+    weights: str | None = Field(
+        default=None, description="pretrained weights on this machine: a Hugging Face folder (config.json + "
+        "safetensors, as save_pretrained writes it) or a state dict file (.safetensors, .pt, .pth)",
+    )
     kind: Literal["causal-lm", "sequence-classification"] | None = None
     norm_layers: Names[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
     batchnorm: Literal[BATCHNORM_CHOICES] = Field(  # type: ignore[valid-type]
@@ -345,7 +351,7 @@ class Model(Builder):
     description: str | None = None
     pretrained: str | None = Field(
         default=None, min_length=1,
-        description="the pretrained weights the paper fine-tunes (documentation: runs start from random weights); "
+        description="the pretrained weights the paper fine-tunes (a label: model.weights loads them from disk); "
         "marks a fine-tuning recipe, for which the probe offers LoRA when full training does not fit",
     )
 
@@ -358,6 +364,8 @@ class Model(Builder):
             raise ValueError(f"give only one of builtin, factory, hf (got {', '.join(given)})")
         if self.hf is not None and not self.hf.strip():
             raise ValueError(f"hf: give a model name or a local folder (got {self.hf!r})")
+        if self.weights is not None and not self.weights.strip():
+            raise ValueError(f"weights: give a folder or a state dict file (got {self.weights!r})")
         if self.kind is not None and self.hf is None:
             raise ValueError("kind: only used with hf (a Hugging Face model)")
         segmentation = ", ".join(SEGMENTATION_MODELS)
@@ -388,8 +396,9 @@ FORMAT_FIELDS = {
     "augment": ("imagefolder", "hf-datasets"),
     "dtype": ("tokens",),
     "template": ("instructions", "hf-datasets"),
+    "train_on_inputs": ("instructions", "hf-datasets"),
     "tokenizer": ("instructions", "hf-datasets"),
-    "columns": ("hf-datasets",),
+    "columns": ("hf-datasets", "instructions"),
     "layout": ("segmentation",),
     "crop": ("segmentation",),
     "scale": ("segmentation",),
@@ -400,6 +409,9 @@ FORMAT_FIELDS = {
     "masks": ("segmentation",),
     "loss_pixels": ("segmentation",),
 }
+# data.template: how a record's fields become the prompt and the response (data/text.py)
+TEMPLATES = ("alpaca", "alpaca-lora", "e2e")
+INSTRUCTION_COLUMN_SETS = ({"instruction", "output"}, {"instruction", "input", "output"})
 
 
 class Data(Builder):
@@ -423,7 +435,14 @@ class Data(Builder):
     eval_path: str | None = Field(default=None, description="the evaluation data, in the same format")
     augment: Literal["imagenet", "none"] | None = None
     dtype: Literal[TOKEN_DTYPES] | None = None  # type: ignore[valid-type]
-    template: Literal["alpaca"] | None = None
+    template: Literal[TEMPLATES] | None = Field(  # type: ignore[valid-type]
+        default=None, description="alpaca: Stanford Alpaca's prompt; alpaca-lora: Alpaca-LoRA's (a newline after "
+        "'### Response:'); e2e: microsoft/LoRA's E2E encoding (context, <|endoftext|>, ' ' + completion)",
+    )
+    train_on_inputs: bool | None = Field(
+        default=None, description="the loss covers the prompt's tokens too (Alpaca-LoRA's train_on_inputs, its "
+        "default); default false: only the response's",
+    )
     tokenizer: str | None = Field(default=None, description="a local tokenizer folder (tokenizer.json)")
     columns: dict[str, str] | None = None
     # format segmentation (docs/segmentation.md): images with a mask of class ids each, cut and flipped together
@@ -511,6 +530,10 @@ class Data(Builder):
                 raise ValueError("augment: only used with an image column (columns: {image: ..., label: ...})")
             if self.template is not None and "instruction" not in self.columns:
                 raise ValueError("template: only used with instruction columns (columns: {instruction: ..., ...})")
+        if self.format == "instructions" and self.columns is not None and set(self.columns) not in (
+                INSTRUCTION_COLUMN_SETS):
+            raise ValueError(f"columns: the record fields that hold instruction and output (and input), e.g. "
+                             f"{{instruction: context, output: completion}} (got {sorted(self.columns)})")
         if self.builtin is None and self.factory is None and self.name is None and self.format is None:
             raise ValueError("give builtin: NAME, factory: 'package.module:function', format: with path:, or name: "
                              "for plan-only data")
@@ -812,9 +835,9 @@ class Recipe(Strict):
             raise ValueError("data.image_size: required for image data (the side images are cropped or resized "
                              "to; 224 for ImageNet)")
         if data.text_columns:
-            if data.tokenizer is None and self.model.hf is None:
+            if data.tokenizer is None and self.model.hf is None and self.model.weights is None:
                 raise ValueError("data.tokenizer: required for text data: a local tokenizer folder (default: the "
-                                 "model's own with model.hf)")
+                                 "model's own with model.hf, or the folder of model.weights)")
             if data.max_length is None and self.batch.sequence_length is None:
                 raise ValueError("data.max_length: required for text data: the longest sequence in tokens, longer "
                                  "ones are truncated (Alpaca: 512)")
@@ -852,6 +875,16 @@ def parse_recipe(data: dict, source: str = "<recipe>") -> Recipe:
         return Recipe.model_validate(data)
     except ValidationError as exc:
         raise UserError(*format_validation_errors(exc, source, Recipe)) from None
+
+
+def with_weights(recipe: Recipe, path: str | None, source: str = "<recipe>") -> Recipe:
+    """The recipe starting from the weights at `path` (`--weights PATH`, in place of its `model.weights`), made
+    absolute so that a plan file written now can be run or resumed from another folder."""
+    if path is None:
+        return recipe
+    data = recipe.model_dump(mode="json")
+    data["model"]["weights"] = str(Path(path).expanduser().absolute())
+    return parse_recipe(data, source=source)
 
 
 def with_data_paths(recipe: Recipe, path: str | None, eval_path: str | None, source: str = "<recipe>") -> Recipe:

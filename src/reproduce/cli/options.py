@@ -66,6 +66,10 @@ SHARDED_GRADIENTS_HELP = (
     "With --sharding fsdp: reduce-scatter the gradients after every micro-batch so they stay sharded through the "
     "accumulation window (batch.sharded_gradients); more communication, exact."
 )
+WEIGHTS_HELP = (
+    "Start from these pretrained weights, instead of the recipe's model.weights: a Hugging Face model folder "
+    "(config.json + safetensors; its config is the architecture) or a state dict file (.safetensors, .pt, .pth)."
+)
 OFFLOAD_HELP = (
     "With --sharding fsdp: cpu keeps parameters, gradients and optimizer state in CPU memory (batch.offload)."
 )

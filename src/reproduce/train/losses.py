@@ -20,7 +20,12 @@ from ..recipe import Recipe
 
 
 def _upcast(output: torch.Tensor) -> torch.Tensor:
-    """Half-precision logits (autocast) are upcast for the loss; float32 and float64 are kept as they are."""
+    """Half-precision logits (autocast) are upcast for the loss; float32 and float64 are kept as they are. Anything
+    but a tensor of logits (a transformers ModelOutput from a module that wraps one) is one line."""
+    if not isinstance(output, torch.Tensor):
+        raise UserError(
+            f"model: its forward returns {type(output).__name__}, not a tensor of logits; return output.logits from "
+            "it, or have the factory return the transformers model itself (reproduce takes its logits)")
     return output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
 
 
@@ -42,7 +47,7 @@ class TokenLoss:
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(
-            _upcast(output.flatten(0, -2)), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            _upcast(output).flatten(0, -2), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
 
 
