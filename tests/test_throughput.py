@@ -1,20 +1,27 @@
-"""Throughput: trial rates, the search over exact splits and the choice, from fixed timings (no timing asserted)."""
+"""Throughput: trial rates, the timing of every exact split and the choice, from injected step times (no timing
+asserted: `time_splits` is given a fake `run_steps`, so its rounds, re-timing, bound and choice are deterministic)."""
 
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
 from helpers import cli, cli_json
 from reproduce.throughput import (
-    MAX_TIMED,
+    MAX_STEPS_PER_REPEAT,
+    MIN_REPEATS,
+    REPEATS,
+    RETIME_ROUNDS,
+    NotTimed,
     choose,
     exact_splits,
     model_micro_step,
-    next_size,
     rates,
     relative_spread,
+    steps_per_repeat,
+    time_splits,
 )
 
 GPT = """\
@@ -66,59 +73,158 @@ def test_exact_splits_divide_the_per_rank_batch_largest_first():
     assert exact_splits(7, 5) == [1]
 
 
-def search(splits, seconds, timed=None, noise=0.03):
-    """Run the search against fixed micro-step times; return the sizes it timed, in order."""
-    timed, order = dict(timed or {}), []
-    while (size := next_size(splits, timed, noise)) is not None:
-        assert size in splits and size not in timed  # never times a size twice
-        order.append(size)
-        timed[size] = seconds[size]
-    return order, timed
+class FakeSteps:
+    """`run_steps` for time_splits: each call's seconds from `seconds(micro_batch, call)` per optimizer step (call
+    counts every call, from 0), the calls recorded as (micro_batch, steps)."""
+
+    def __init__(self, seconds, fail=()):
+        self.seconds, self.fail, self.calls = seconds, set(fail), []
+
+    def __call__(self, micro_batch, steps):
+        if micro_batch in self.fail:
+            raise NotTimed(f"out of memory on fake while timing {micro_batch}")
+        call = len(self.calls)
+        self.calls.append((micro_batch, steps))
+        return steps * self.seconds(micro_batch, call)
 
 
-def test_search_stops_when_halving_is_no_faster():
-    flat = {m: 0.01 * m for m in (32, 16, 8, 4, 2, 1)}  # every split runs at the same rate
-    order, _ = search([32, 16, 8, 4, 2, 1], flat)
-    assert order == [32, 16]
+def table(times):
+    return FakeSteps(lambda m, call: times[m])
 
 
-def test_search_follows_a_faster_smaller_size_and_is_bounded():
-    faster_small = {m: 0.01 * m * (1 + m / 64) for m in (64, 32, 16, 8, 4, 2, 1)}  # smaller is always faster
-    order, _ = search([64, 32, 16, 8, 4, 2, 1], faster_small)
-    assert order == [64, 32, 16, 8][:MAX_TIMED]
+def test_every_split_warms_up_then_is_timed_in_rotated_rounds():
+    steps = table({4: 1.0, 2: 0.8, 1: 1.5})
+    timings = time_splits([4, 2, 1], steps)
+    assert steps.calls[:3] == [(4, 1), (2, 1), (1, 1)]  # a warm-up step each, largest first
+    rounds = [[m for m, _ in steps.calls[3 + 3 * r: 6 + 3 * r]] for r in range(REPEATS)]
+    assert rounds[:3] == [[4, 2, 1], [2, 1, 4], [1, 4, 2]]  # every split once a round, the order rotated
+    assert len(steps.calls) == 3 + 3 * REPEATS and timings.retimed is None  # 2 is 25% faster: no re-timing
+    assert {m: t.repeats for m, t in timings.timed.items()} == {m: [s] * REPEATS for m, s in {4: 1.0, 2: 0.8,
+                                                                                              1: 1.5}.items()}
+    decision = choose([4, 2, 1], 4, {}, {}, None, timings=timings)
+    assert decision.micro_batch == 2 and decision.indistinguishable is None
+    assert "(+25.0% over micro-batch 4, paired over 5 rounds, beyond the noise of 3.0%)" in decision.reason
 
 
-def test_search_reuses_the_probes_timings():
-    seconds = {m: 0.01 * m for m in (32, 16, 8, 4, 2, 1)}
-    order, _ = search([32, 16, 8, 4, 2, 1], seconds, timed={32: 0.32, 2: 0.02})
-    assert order == [16]
+def test_a_busy_spell_slows_one_repeat_not_the_choice():
+    true = {8: 1.0, 4: 0.85, 2: 0.95}
+    busy = {5, 6}  # the calls of a second when another process took the core: 3x slower, whichever split ran
+    steps = FakeSteps(lambda m, call: true[m] * (3 if call in busy else 1))
+    timings = time_splits([8, 4, 2], steps)
+    assert max(max(t.repeats) for t in timings.timed.values()) == pytest.approx(3 * 0.95)  # it was seen
+    assert {m: t.median for m, t in timings.timed.items()} == pytest.approx(true)  # and the medians ignore it
+    assert choose([8, 4, 2], 8, {}, {}, None, timings=timings).micro_batch == 4
 
 
-def test_choice_takes_the_most_samples_per_second():
-    decision = choose([32, 16, 8], 64, {32: 0.40, 16: 0.10, 8: 0.09}, {32: "probe trial"}, sequence_length=10)
+def test_short_steps_are_timed_several_to_a_repeat():
+    steps = table({2: 0.001, 1: 0.02})
+    timings = time_splits([2, 1], steps)
+    assert timings.timed[2].steps_per_repeat == MAX_STEPS_PER_REPEAT == steps_per_repeat(0.001)
+    assert timings.timed[1].steps_per_repeat == steps_per_repeat(0.02) == 10
+    assert (2, MAX_STEPS_PER_REPEAT) in steps.calls and (1, 10) in steps.calls
+    assert timings.timed[2].repeats[0] == pytest.approx(0.001)  # a repeat is seconds per optimizer step
+    assert steps_per_repeat(1.0) == 1
+
+
+def test_the_top_two_within_their_spread_are_retimed_and_taken_larger_when_still_indistinguishable():
+    steps = table({16: 1.0, 8: 0.99, 4: 2.0})  # 8 is 1% faster than 16: within the 3% floor
+    timings = time_splits([16, 8, 4], steps)
+    assert timings.retimed == (16, 8)
+    assert len(timings.timed[16].repeats) == len(timings.timed[8].repeats) == REPEATS + RETIME_ROUNDS
+    assert len(timings.timed[4].repeats) == REPEATS  # only the top two again
+    assert len(steps.calls) == 3 + 3 * REPEATS + 2 * RETIME_ROUNDS
+    decision = choose([16, 8, 4], 16, {}, {}, None, timings=timings)
+    assert decision.micro_batch == 16 and decision.indistinguishable == [16, 8]
+    assert decision.reason == ("micro-batch 16 and 8 are indistinguishable (8 faster by 1.0%, paired over 8 rounds, "
+                               "within the noise of 3.0% after re-timing both): the larger micro-batch, 16")
+    rows = {c.micro_batch: c for c in decision.candidates}
+    assert rows[16].chosen and rows[8].share_of_best == 1 and rows[8].spread == 0.0
+
+
+def test_retiming_can_separate_two_splits_a_noisy_round_had_made_look_alike():
+    noisy = iter([1.10, 1.25, 0.95, 1.10, 1.30])  # 32's first repeats spread 27%: within it, 16's 10% lead
+    steps = FakeSteps(lambda m, call: 1.0 if m == 16 else (1.10 if call < 2 else next(noisy, 1.10)))
+    timings = time_splits([32, 16], steps)
+    assert timings.retimed == (32, 16) and timings.timed[32].spread == pytest.approx(0.0)  # steady on re-timing
+    decision = choose([32, 16], 32, {}, {}, None, timings=timings)
+    assert decision.micro_batch == 16 and decision.indistinguishable is None
+    assert "beyond the noise of 3.0% after re-timing both" in decision.reason
+
+
+def test_a_third_split_the_re_timing_left_second_is_compared_on_the_rounds_both_ran():
+    seconds = {64: iter([1.02] * 6), 32: iter([1.0, 0.98, 0.99, 1.0, 1.03, 1.04] + [1.05] * 3),
+               16: iter([1.01] * 6 + [1.05] * 3)}  # warm-up, 5 rounds, then a busy re-timing of 32 and 16
+    timings = time_splits([64, 32, 16], FakeSteps(lambda m, call: next(seconds[m])))
+    assert timings.retimed == (32, 16) and timings.timed[32].median == pytest.approx(1.035)  # now behind 64
+    decision = choose([64, 32, 16], 64, {}, {}, None, timings=timings)
+    assert decision.micro_batch == 64 and decision.indistinguishable == [64, 16]
+    assert decision.reason == ("micro-batch 64 and 16 are indistinguishable (16 faster by 1.0%, paired over 5 rounds, "
+                               "within the noise of 3.0%; 32 and 16 re-timed): the larger micro-batch, 64")
+
+
+def test_pairing_by_round_cancels_the_load_both_splits_saw():
+    load = [1.0, 1.0, 1.3, 0.9, 1.6, 1.1]  # the machine's load factor: warm-ups, then one per round of two calls
+    steps = FakeSteps(lambda m, call: (1.0 if m == 8 else 1.08) * load[min(call // 2, 5)])  # 16 is 8% slower
+    timings = time_splits([16, 8], steps)
+    assert timings.timed[8].spread > 0.3 and timings.retimed is None  # a wide spread, yet no doubt round by round
+    decision = choose([16, 8], 16, {}, {}, None, timings=timings)
+    assert decision.micro_batch == 8 and "+8.0% over micro-batch 16" in decision.reason
+    unpaired = choose([16, 8], 16, {m: t.median for m, t in timings.timed.items()}, {}, None,
+                      spreads={m: t.spread for m, t in timings.timed.items()})
+    assert unpaired.micro_batch == 16 and unpaired.indistinguishable == [16, 8]  # medians alone cannot tell
+
+
+def test_the_cost_is_bounded_and_stated_per_split():
+    steps = table({8: 1.0, 4: 1.1, 2: 1.5, 1: 3.0})
+    timings = time_splits([8, 4, 2, 1], steps, budget=20)
+    assert sorted(timings.timed) == [4, 8] and sorted(timings.left_out) == [1, 2]  # the slowest warm-ups left out
+    assert "slowest" in timings.left_out[1] and timings.rounds == MIN_REPEATS
+    assert timings.seconds == pytest.approx(sum(n * steps.seconds(m, 0) for m, n in steps.calls))  # every step
+    assert timings.seconds <= 20
+    cost = timings.cost()
+    assert cost["bound_seconds"] == 20 and not cost["over_bound"] and cost["rounds"] == MIN_REPEATS
+    assert cost["per_split_seconds"] == [pytest.approx(1.0 * (1 + MIN_REPEATS)), pytest.approx(1.1 * 4)]
+    assert {m: t.seconds for m, t in timings.timed.items()} == pytest.approx({8: 4.0, 4: 4.4})
+    decision = choose([8, 4, 2, 1], 8, {}, {}, None, timings=timings)
+    assert decision.cost == cost and all(c.timing_seconds for c in decision.candidates)
+    generous = time_splits([8, 4, 2, 1], table({8: 1.0, 4: 1.1, 2: 1.5, 1: 3.0}))
+    assert sorted(generous.timed) == [1, 2, 4, 8] and generous.rounds == REPEATS
+
+
+def test_warm_ups_stop_at_their_share_and_a_bound_too_small_says_so():
+    timings = time_splits([8, 4, 2, 1], table({8: 1.0, 4: 1.5, 2: 2.0, 1: 3.0}), budget=4)
+    assert sorted(timings.timed) == [4, 8] and "warm-up steps had taken 2.5 s of the 4 s bound" in timings.left_out[2]
+    assert timings.rounds == MIN_REPEATS and timings.cost()["over_bound"]  # never fewer than 3 repeats of two
+
+
+def test_a_split_out_of_memory_is_left_out_with_its_reason():
+    timings = time_splits([8, 4, 2], FakeSteps(lambda m, call: {8: 1.0, 4: 0.9, 2: 1.2}[m], fail={8}))
+    assert sorted(timings.timed) == [2, 4] and "out of memory" in timings.left_out[8]
+    assert choose([8, 4, 2], 8, {}, {}, None, timings=timings).micro_batch == 4
+
+
+def test_choice_from_step_times_and_spreads():
+    decision = choose([32, 16, 8], 64, {32: 0.80, 16: 0.40, 8: 0.72}, {32: "model"}, sequence_length=10)
     assert (decision.micro_batch, decision.accumulation_steps) == (16, 4)
     rows = {c.micro_batch: c for c in decision.candidates}
     assert rows[16].chosen and rows[16].share_of_best == 1
-    assert rows[32].samples_per_second == pytest.approx(80) and rows[32].step_seconds == pytest.approx(0.8)
-    assert rows[8].share_of_best == pytest.approx((8 / 0.09) / 160)
-    assert rows[16].tokens_per_second == pytest.approx(1600) and rows[32].source == "probe trial"
+    assert rows[32].samples_per_second == pytest.approx(80) and rows[32].micro_step_seconds == pytest.approx(0.4)
+    assert rows[8].share_of_best == pytest.approx(0.40 / 0.72)
+    assert rows[16].tokens_per_second == pytest.approx(1600) and rows[32].source == "model"
     assert "the most samples per second" in decision.reason
-
-
-def test_ties_within_the_noise_go_to_the_larger_micro_batch():
-    timed = {32: 0.32, 16: 0.158}  # 16 is 1.3% faster: within a 3% floor
-    decision = choose([32, 16], 64, timed, {}, None)
-    assert decision.micro_batch == 32 and "ties go to the larger micro-batch" in decision.reason
-    noisy = choose([32, 16], 64, {32: 0.32, 16: 0.15}, {}, None, noise=0.10)  # 6.7% faster, 10% noise
-    assert noisy.micro_batch == 32
-    clear = choose([32, 16], 64, {32: 0.32, 16: 0.15}, {}, None, noise=0.01)
-    assert clear.micro_batch == 16
+    tie = choose([32, 16], 64, {32: 0.32, 16: 0.316}, {}, None)  # 16 is 1.3% faster: within a 3% floor
+    assert tie.micro_batch == 32 and "indistinguishable" in tie.reason and tie.indistinguishable == [32, 16]
+    noisy = choose([32, 16], 64, {32: 0.32, 16: 0.30}, {}, None, spreads={32: 0.10, 16: 0.02})
+    assert noisy.micro_batch == 32 and noisy.noise == 0.10  # 6.7% faster, within 32's 10% spread
+    clear = choose([32, 16], 64, {32: 0.32, 16: 0.30}, {}, None, spreads={32: 0.01, 16: 0.01})
+    assert clear.micro_batch == 16 and clear.noise == 0.03
 
 
 def test_batchnorm_keeps_the_papers_per_device_batch():
-    decision = choose([64, 32, 16], 64, {64: 0.5, 32: 0.2, 16: 0.2}, {}, None, batchnorm_micro_batch=16)
+    decision = choose([64, 32, 16], 64, {64: 0.5, 32: 0.4, 16: 0.8}, {}, None, batchnorm_micro_batch=16)
     assert decision.micro_batch == 16 and decision.accumulation_steps == 4
-    assert "BatchNorm" in decision.reason and "by throughput alone: 32" in decision.reason
+    assert "BatchNorm" in decision.reason and "50% of the best rate" in decision.reason
+    assert "by throughput alone: 32" in decision.reason
 
 
 def test_nothing_to_choose_is_said():
@@ -146,17 +252,26 @@ def test_plan_policy_throughput_times_exact_splits_and_says_why(capsys):
         "accumulation_steps"]
     assert summary["micro_batch"] * summary["accumulation_steps"] == 128  # 4096 tokens / 32
     candidates = decision["candidates"]
-    probed = {t["micro_batch"] for t in summary["probe"]["trials"] if t["fits"] and t["step_seconds"]}
-    assert 1 < len(candidates) < decision["exact_splits"]  # a few, not every split
+    assert len(candidates) == decision["exact_splits"] == len(exact_splits(128, summary["micro_batch_max"]))
     assert sum(c["chosen"] for c in candidates) == 1 and decision["reason"]
-    for c in candidates:
+    for c in candidates:  # every split timed in whole optimizer steps, at least three repeats, its spread kept
         assert 128 % c["micro_batch"] == 0 and c["micro_batch"] <= summary["micro_batch_max"]
+        assert c["source"] == "timed" and len(c["repeats"]) >= 3 and c["spread"] >= 0 and c["timing_seconds"] > 0
+        assert c["step_seconds"] == pytest.approx(statistics.median(c["repeats"]), rel=1e-4, abs=1e-6)
         assert c["step_seconds"] == pytest.approx(c["accumulation_steps"] * c["micro_step_seconds"])
         assert c["samples_per_second"] == pytest.approx(128 / c["step_seconds"])
-        assert c["source"] == ("probe trial" if c["micro_batch"] in probed else "timed")
     assert max(c["share_of_best"] for c in candidates) == 1
+    cost = decision["cost"]
+    assert cost["seconds"] >= sum(c["timing_seconds"] for c in candidates) - 1e-3 and cost["bound_seconds"] == 60
+    assert cost["per_split_seconds"] == [pytest.approx(min(c["timing_seconds"] for c in candidates), abs=1e-3),
+                                         pytest.approx(max(c["timing_seconds"] for c in candidates), abs=1e-3)]
+    assert summary["cost"]["throughput"]["micro_batch"] == summary["micro_batch"]
+    chosen = next(c for c in candidates if c["chosen"])
+    assert summary["cost"]["throughput"]["step_seconds"] == pytest.approx(chosen["step_seconds"], rel=1e-3)
     code, out, err = cli(capsys, "plan", "gpt.yaml", "--meter", "cpu", "--memory", "2MiB", "--policy", "throughput")
     assert code == 0 and "--policy throughput (measured on cpu)" in out and "throughput: micro-batch" in out
+    assert "cost of choosing: " in out and "s each: a warm-up step" in out and "bound 60 s" in out
+    assert "spread" in out and "timing s" in out
 
 
 def test_estimate_meter_lets_the_flops_model_decide(capsys):

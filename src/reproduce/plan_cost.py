@@ -11,9 +11,11 @@ from .probe.runner import ProbeResult
 def plan_costs(the_plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:
     """The plan's cost, and its alternative's when it has one, keyed by policy."""
     seq, timings = the_plan.recipe.batch.sequence_length, result.timings()
-    costs = {
+    decision = the_plan.throughput or {}
+    timed = [(c["micro_batch"], c["micro_step_seconds"]) for c in decision.get("candidates", []) if c.get("repeats")]
+    costs = {  # --policy throughput: its whole optimizer steps' medians (throughput_plan.py), not the probe's trials
         the_plan.policy: cost(
-            timings, the_plan.micro_batch, the_plan.accumulation_steps, the_plan.effective_batch, seq,
+            timed or timings, the_plan.micro_batch, the_plan.accumulation_steps, the_plan.effective_batch, seq,
             the_plan.optimizer_steps,
         )
     }

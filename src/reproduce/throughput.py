@@ -1,26 +1,192 @@
-"""The fastest exact split: which micro-batches to time, and which to take. Pure Python, no torch.
+"""The fastest exact split: how the splits are timed, and which to take. Pure Python, no torch.
 
 Among the exact splits m x N x W = the paper's batch with m <= the largest micro-batch that fits, the policy
-`throughput` takes the one with the most samples per second. An optimizer step of split (m, N) costs N micro-steps
-of t(m) seconds (the probe's timing: a window's step divided by its micro-batches, the optimizer step shared
-among them), so its rate is m / t(m) samples per second, the same for every N.
+`throughput` takes the one with the most samples per second. Every split runs the same per-process batch in one
+optimizer step, so the fastest is the one whose whole optimizer step (N micro-steps, then the update) is shortest.
 
-The search (`next_size`) times few splits, not all of them: it starts from the largest, then tries about half of
-the last size tried (the largest exact m at most half of it), and stops as soon as a smaller size is not faster
-than the best so far by more than the noise, or after `MAX_TIMED` sizes. Throughput on GPUs rises with m and then
-flattens (LitGPT issue 678: micro-batch 1 and 4 at virtually the same speed), so a smaller split only wins when
-it is measurably faster; ties within the measurement's noise go to the larger micro-batch (fewer, larger kernels
-and optimizer steps amortised over more samples). `choose` makes the choice from the timings, whatever gathered
-them; throughput_plan.py gathers them.
+`time_splits` times them as `reproduce run` executes them, given a function that runs whole optimizer steps of a
+split and returns their seconds (probe/timing.py: train/step.py's `optimizer_step`, on the run's device):
+
+1. a warm-up step of each split, largest first (first calls, allocator growth: never counted);
+2. `REPEATS` rounds (at least `MIN_REPEATS`), each timing every split once in an order rotated each round, so a
+   busy spell of the machine slows every split alike instead of one; a repeat is one optimizer step, or the mean of
+   a few back to back when one step is shorter than `MIN_REPEAT_SECONDS` (timer and scheduler noise);
+3. each split's median step time, and its spread: twice the median absolute deviation of its repeats over their
+   median (robust to the one repeat a busy machine slows; about 1.35 standard deviations);
+4. the two fastest compared round by round (`paired`: the median of their rounds' ratios, which cancels the load
+   common to both, against twice its standard error, at least `NOISE_FLOOR`); when their difference is within that
+   noise, both are timed again for `RETIME_ROUNDS` more rounds, next to each other, and compared on all their
+   repeats. Still within it: indistinguishable, and the larger micro-batch is taken (fewer, larger kernels; the
+   optimizer step amortised over more samples).
+
+The cost of choosing is bounded by `BUDGET_SECONDS` of timed steps: warm-ups stop once they have taken
+`WARM_UP_SHARE` of it (the smaller splits left untimed, and said so), then the splits with the slowest warm-up are
+left out (never the largest) and the rounds cut down to `MIN_REPEATS` until the rounds and a re-timing fit. A
+bound too small for two splits' warm-up and `MIN_REPEATS` rounds is exceeded, and the cost says so. Each
+candidate's seconds are kept in the plan (`throughput.candidates[].timing_seconds`, `throughput.cost`).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
-MAX_TIMED = 4  # sizes timed in all by the search (the largest included)
+REPEATS = 5  # timed rounds when the budget allows
+MIN_REPEATS = 3  # timed rounds whatever the budget
+RETIME_ROUNDS = 3  # more rounds of the two fastest when they are within their spread
 NOISE_FLOOR = 0.03  # the smallest relative difference taken as real, whatever the repeats' spread says
+MEDIAN_SE = 1.858  # a median's standard error per MAD / sqrt(n), for normal noise (1.4826 x 1.2533)
+BUDGET_SECONDS = 60.0  # timed steps allowed for choosing (warm-ups, rounds and re-timing)
+WARM_UP_SHARE = 0.5  # of the budget, for the warm-up steps
+MIN_REPEAT_SECONDS = 0.2  # a repeat shorter than this is several steps back to back (a preempted slice of a
+# few ms is then a few % of it: the digits MLP's 1 ms steps, 25 to a repeat, spread by 20-30% on the shared machine)
+MAX_STEPS_PER_REPEAT = 200
+
+RunSteps = Callable[[int, int], float]  # (micro-batch, steps) -> seconds those whole optimizer steps took
+
+
+class NotTimed(Exception):
+    """A split that could not be timed (out of memory on the device): left out, with this reason."""
+
+
+@dataclass
+class SplitTiming:
+    """One split's timing: its warm-up step, its repeats (seconds per optimizer step) and what it all cost."""
+
+    micro_batch: int
+    warm_up: float
+    steps_per_repeat: int
+    repeats: list[float] = field(default_factory=list)
+    seconds: float = 0.0  # every step this split ran while choosing, the warm-up included
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.repeats)
+
+    @property
+    def spread(self) -> float:
+        return relative_spread(self.repeats)
+
+    @property
+    def repeat_seconds(self) -> float:
+        """What one repeat costs, by the warm-up step (an overestimate: first calls are slower)."""
+        return self.steps_per_repeat * self.warm_up
+
+
+@dataclass
+class Timings:
+    """What `time_splits` measured: the splits timed (>= MIN_REPEATS repeats each), those left out and why."""
+
+    timed: dict[int, SplitTiming]
+    left_out: dict[int, str]
+    rounds: int
+    retimed: tuple[int, int] | None
+    budget: float
+    left_out_seconds: float = 0.0  # steps of splits dropped after their warm-up (counted in the cost)
+    setup_seconds: float | None = None  # building the model, optimizer and data once (outside the bound)
+
+    @property
+    def seconds(self) -> float:
+        return sum(t.seconds for t in self.timed.values()) + self.left_out_seconds
+
+    def cost(self) -> dict:
+        """The cost of choosing, for the plan: seconds of timed steps, in all and per split, against the bound."""
+        per = [t.seconds for t in self.timed.values()]
+        return {"seconds": round(self.seconds, 3), "bound_seconds": self.budget,
+                "setup_seconds": round(self.setup_seconds, 3) if self.setup_seconds is not None else None,
+                "over_bound": self.seconds > self.budget, "rounds": self.rounds,
+                "retimed": list(self.retimed) if self.retimed else None,
+                "per_split_seconds": [round(min(per), 3), round(max(per), 3)] if per else None,
+                "left_out": {str(m): why for m, why in self.left_out.items()}}
+
+
+def steps_per_repeat(warm_up_seconds: float) -> int:
+    """Optimizer steps in one repeat: enough to last `MIN_REPEAT_SECONDS` by the warm-up step, 1 to the maximum."""
+    if warm_up_seconds <= 0:
+        return MAX_STEPS_PER_REPEAT
+    return max(1, min(MAX_STEPS_PER_REPEAT, math.ceil(MIN_REPEAT_SECONDS / warm_up_seconds)))
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """(gap, noise) of two splits' repeats taken in the same rounds: gap, how much longer b's step is than a's (the
+    median of the rounds' ratios, less 1; negative: b is faster); noise, what the gap must exceed to be real: twice
+    the standard error of that median (`MEDIAN_SE` x the ratios' median absolute deviation / sqrt(rounds)), at least
+    `NOISE_FLOOR`. Pairing by round cancels the machine's load common to both, which the repeats' own spread keeps."""
+    ratios = [y / x for x, y in zip(a, b, strict=False) if x > 0]
+    if not ratios:
+        return 0.0, NOISE_FLOOR
+    middle = statistics.median(ratios)
+    deviation = statistics.median(abs(r - middle) for r in ratios)
+    return middle - 1, max(NOISE_FLOOR, 2 * MEDIAN_SE * deviation / math.sqrt(len(ratios)) / middle)
+
+
+def fastest(timed: dict[int, SplitTiming]) -> list[int]:
+    """The splits by median step time, fastest first; equal times: the larger micro-batch first."""
+    return sorted(timed, key=lambda m: (timed[m].median, -m))
+
+
+def time_splits(splits: list[int], run_steps: RunSteps, budget: float = BUDGET_SECONDS,
+                repeats: int = REPEATS) -> Timings:
+    """Time every exact split (`splits`, largest first) by `run_steps`, within `budget` seconds of timed steps."""
+    repeats = max(repeats, MIN_REPEATS)
+    timed: dict[int, SplitTiming] = {}
+    left_out: dict[int, str] = {}
+    spent = dropped_seconds = 0.0
+    for m in splits:  # 1. warm-up, largest first
+        if len(timed) >= 2 and spent > WARM_UP_SHARE * budget:
+            left_out[m] = f"not timed: the warm-up steps had taken {spent:.3g} s of the {budget:g} s bound"
+            continue
+        try:
+            seconds = run_steps(m, 1)
+        except NotTimed as error:
+            left_out[m] = str(error)
+            continue
+        spent += seconds
+        timed[m] = SplitTiming(m, seconds, steps_per_repeat(seconds), seconds=seconds)
+
+    def needed(rounds: int) -> float:
+        one_round = sum(t.repeat_seconds for t in timed.values())
+        retime = RETIME_ROUNDS * 2 * max((t.repeat_seconds for t in timed.values()), default=0.0)
+        return rounds * one_round + retime
+
+    while len(timed) > 2 and needed(MIN_REPEATS) > budget - spent:  # 2. the slowest left out, never the largest
+        slowest = max((m for m in timed if m != splits[0]), key=lambda m: timed[m].warm_up)
+        dropped_seconds += timed.pop(slowest).seconds
+        left_out[slowest] = "not timed: its warm-up step was the slowest, and the rounds would exceed the bound"
+    rounds = repeats
+    while rounds > MIN_REPEATS and needed(rounds) > budget - spent:
+        rounds -= 1
+
+    def time_round(order: list[int]) -> None:
+        for m in order:
+            if m not in timed:
+                continue
+            t = timed[m]
+            try:
+                seconds = run_steps(m, t.steps_per_repeat)
+            except NotTimed as error:
+                nonlocal dropped_seconds
+                dropped_seconds += timed.pop(m).seconds
+                left_out[m] = str(error)
+                continue
+            t.seconds += seconds
+            t.repeats.append(seconds / t.steps_per_repeat)
+
+    order = list(timed)
+    for r in range(rounds):  # 3. interleaved rounds, the order rotated
+        shift = r % len(order) if order else 0
+        time_round(order[shift:] + order[:shift])
+    retimed = None
+    ranked = fastest(timed)
+    gap, noise = paired(timed[ranked[0]].repeats, timed[ranked[1]].repeats) if len(ranked) >= 2 else (1.0, 0.0)
+    if abs(gap) <= noise:  # 4. the top two again
+        pair = ranked[:2]
+        retimed = (max(pair), min(pair))
+        for r in range(RETIME_ROUNDS):
+            time_round(pair if r % 2 else pair[::-1])
+    return Timings(timed, left_out, rounds, retimed, budget, dropped_seconds)
 
 
 def rates(micro_batch: int, step_seconds: float | None, sequence_length: int | None) -> tuple[float | None, ...]:
@@ -36,43 +202,20 @@ def exact_splits(per_rank_batch: int, cap: int) -> list[int]:
     return [m for m in range(min(cap, per_rank_batch), 0, -1) if per_rank_batch % m == 0]
 
 
-def next_size(splits: list[int], timed: dict[int, float], noise: float = NOISE_FLOOR) -> int | None:
-    """The next micro-batch to time (None: the search is done), given the micro-step seconds timed so far.
-
-    Sizes the probe's trials timed count as timed (and are not timed again), but only the sizes the search
-    itself visits decide when it stops.
-    """
-    if not splits:
-        return None
-    largest = splits[0]
-    if largest not in timed:
-        return largest
-    visited = [largest]
-    while True:
-        last = visited[-1]
-        smaller = [m for m in splits if m <= last // 2] or [m for m in splits if m < last][:1]
-        if not smaller:
-            return None
-        candidate = smaller[0]
-        if candidate not in timed:
-            return candidate if len(visited) < MAX_TIMED else None
-        best = max(visited, key=lambda m: m / timed[m])
-        if candidate / timed[candidate] <= (best / timed[best]) * (1 + noise):  # not faster: stop here
-            return None
-        visited.append(candidate)
-
-
 @dataclass(frozen=True)
 class Candidate:
     micro_batch: int
     accumulation_steps: int
-    micro_step_seconds: float
-    step_seconds: float  # one optimizer step: N micro-steps
+    micro_step_seconds: float  # the optimizer step over its N micro-steps
+    step_seconds: float  # one whole optimizer step: the median of the repeats (or the model's)
     samples_per_second: float
     tokens_per_second: float | None
     share_of_best: float  # samples/s over the best candidate's
-    source: str  # "probe trial", "timed" or "model"
+    source: str  # "timed" or "model"
     chosen: bool = False
+    spread: float | None = None  # the repeats' relative spread (twice their MAD over their median); None: a model
+    repeats: list[float] | None = None  # seconds of one optimizer step, each repeat (re-timing included)
+    timing_seconds: float | None = None  # every step this split ran while choosing, its warm-up included
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -85,77 +228,112 @@ class Decision:
     candidates: list[Candidate]
     reason: str
     basis: str  # "measured" or "model"
-    noise: float
+    noise: float  # the spread the two fastest were compared within
     splits: int  # exact splits there were to choose from
+    indistinguishable: list[int] | None = None  # the two fastest, when their difference is within the noise
+    cost: dict | None = None  # Timings.cost(): what choosing cost (measured basis)
 
     def to_json(self) -> dict:
         return {"micro_batch": self.micro_batch, "accumulation_steps": self.accumulation_steps,
                 "basis": self.basis, "noise": self.noise, "exact_splits": self.splits, "reason": self.reason,
+                "indistinguishable": self.indistinguishable, "cost": self.cost,
                 "candidates": [c.to_json() for c in self.candidates]}
 
 
 def choose(
     splits: list[int],
     per_rank_batch: int,
-    timed: dict[int, float],
+    step_seconds: dict[int, float],
     sources: dict[int, str],
     sequence_length: int | None,
-    noise: float = NOISE_FLOOR,
+    spreads: dict[int, float] | None = None,
     batchnorm_micro_batch: int | None = None,
     basis: str = "measured",
     micro_batch_max: int | None = None,
+    timings: Timings | None = None,
 ) -> Decision:
-    """The exact split with the most samples per second among the timed ones (`timed`: micro-step seconds).
+    """The exact split with the shortest optimizer step (`step_seconds`, the same per-process batch in each).
 
-    Within `noise` of the best rate, the largest micro-batch wins. `batchnorm_micro_batch`: the paper's per-device
+    The two fastest are compared round by round when `timings` are given (`paired`), else within their `spreads`
+    (at least NOISE_FLOOR): within the noise they are indistinguishable and the larger micro-batch wins. `timings`:
+    what `time_splits` measured, whose medians, spreads, repeats and cost are used instead of `step_seconds` and
+    `spreads`. `batchnorm_micro_batch`: the paper's per-device
     batch, kept whatever the timings say (BatchNorm statistics over the paper's samples); the candidates are still
     listed so the cost of that choice is seen.
     """
     if not splits:
         raise ValueError("no exact split to choose from")
-    noise = max(noise, NOISE_FLOOR)
-    shown = sorted((m for m in timed if m in splits), reverse=True)
+    if timings is not None:
+        step_seconds = {m: t.median for m, t in timings.timed.items()}
+        spreads = {m: t.spread for m, t in timings.timed.items()}
+    spreads = spreads or {}
+    shown = sorted((m for m in step_seconds if m in splits), reverse=True)
     nothing = ("only micro-batch 1 fits: nothing to choose" if micro_batch_max == 1 else
                f"one exact split ({splits[0]} x {per_rank_batch // splits[0]}): nothing to choose"
                if len(splits) == 1 else None)
+    cost = timings.cost() if timings is not None else None
     if not shown:  # nothing timed: the largest, for want of a measurement
         micro = batchnorm_micro_batch or splits[0]
         return Decision(micro, per_rank_batch // micro, [], nothing or "no step was timed: the largest exact "
-                        "micro-batch", basis, noise, len(splits))
-    rate = {m: m / timed[m] for m in shown}
-    best_rate = max(rate.values())
-    fastest = max(shown, key=lambda m: rate[m])
-    within = [m for m in shown if rate[m] >= best_rate / (1 + noise)]
-    micro = max(within)
+                        "micro-batch", basis, NOISE_FLOOR, len(splits), cost=cost)
+    ranked = sorted(shown, key=lambda m: (step_seconds[m], -m))
+    best, pair, noise = ranked[0], None, NOISE_FLOOR
+    what = "modelled" if basis == "model" else "timed"
+    retimed = ""
+    micro = best
+    if len(ranked) > 1:
+        runner_up = ranked[1]
+        if timings is not None:  # the two fastest compared round by round (their re-timing included)
+            gap, noise = paired(timings.timed[best].repeats, timings.timed[runner_up].repeats)
+            if gap < 0:  # paired, the runner-up is the faster
+                best, runner_up, gap = runner_up, best, 1 / (1 + gap) - 1
+        else:
+            noise = max(spreads.get(best, 0.0), spreads.get(runner_up, 0.0), NOISE_FLOOR)
+            gap = step_seconds[runner_up] / step_seconds[best] - 1
+        micro = best
+        rounds = ""
+        if timings is not None:  # the rounds both were timed in; the re-timing's, when it was these two
+            both = min(len(timings.timed[best].repeats), len(timings.timed[runner_up].repeats))
+            rounds = f", paired over {both} rounds"
+            if timings.retimed and set(timings.retimed) == {best, runner_up}:
+                retimed = " after re-timing both"
+            elif timings.retimed:
+                retimed = f"; {timings.retimed[0]} and {timings.retimed[1]} re-timed"
+        if gap <= noise:
+            pair, micro = sorted((best, runner_up), reverse=True), max(best, runner_up)
+            reason = (f"micro-batch {pair[0]} and {pair[1]} are indistinguishable ({best} faster by {gap:.1%}{rounds}, "
+                      f"within the noise of {noise:.1%}{retimed}): the larger micro-batch, {micro}")
+        else:
+            reason = (f"micro-batch {micro}: the most samples per second of the {len(shown)} {what} ({gap:+.1%} "
+                      f"over micro-batch {runner_up}{rounds}, beyond the noise of {noise:.1%}{retimed})")
+    else:
+        reason = f"micro-batch {micro}: the only split {what}"
     if nothing:
         reason = nothing
-    elif micro == fastest:
-        reason = f"micro-batch {micro}: the most samples per second of the {len(shown)} " + (
-            "modelled" if basis == "model" else "timed")
-        if len(within) == 1 and len(shown) > 1:
-            runner_up = max((m for m in shown if m != micro), key=lambda m: rate[m])
-            reason += f" ({rate[micro] / rate[runner_up] - 1:+.0%} over micro-batch {runner_up})"
-    else:
-        reason = (f"micro-batch {micro}: within the noise ({noise:.0%}) of the fastest, micro-batch {fastest} "
-                  f"({rate[micro] / best_rate - 1:+.1%}); ties go to the larger micro-batch")
     if basis == "model":
         reason += " (a model, not a measurement: nothing was timed)"
+    best_rate = per_rank_batch / min(step_seconds[m] for m in shown)
     if batchnorm_micro_batch is not None and batchnorm_micro_batch in splits and batchnorm_micro_batch != micro:
         kept = batchnorm_micro_batch
-        share = f"{rate[kept] / best_rate:.0%} of the best rate" if kept in rate else "not timed"
+        share = (f"{per_rank_batch / step_seconds[kept] / best_rate:.0%} of the best rate" if kept in shown
+                 else "not timed")
         reason = (f"micro-batch {kept}: the paper's per-device batch, kept for BatchNorm (its statistics over the "
                   f"paper's samples; {share}); by throughput alone: {micro}")
         micro = kept
     candidates = []
     for m in shown:
         n = per_rank_batch // m
-        samples = rate[m]
+        samples = per_rank_batch / step_seconds[m]
+        timing = timings.timed[m] if timings is not None else None
         candidates.append(Candidate(
-            micro_batch=m, accumulation_steps=n, micro_step_seconds=timed[m], step_seconds=n * timed[m],
+            micro_batch=m, accumulation_steps=n, micro_step_seconds=step_seconds[m] / n, step_seconds=step_seconds[m],
             samples_per_second=samples, tokens_per_second=samples * sequence_length if sequence_length else None,
             share_of_best=samples / best_rate, source=sources.get(m, "timed"), chosen=m == micro,
+            spread=spreads.get(m) if basis != "model" else None,
+            repeats=[round(r, 6) for r in timing.repeats] if timing else None,
+            timing_seconds=round(timing.seconds, 4) if timing else None,
         ))
-    return Decision(micro, per_rank_batch // micro, candidates, reason, basis, noise, len(splits))
+    return Decision(micro, per_rank_batch // micro, candidates, reason, basis, noise, len(splits), pair, cost)
 
 
 def relative_spread(samples: list[float]) -> float:

@@ -1,11 +1,14 @@
 """`--policy throughput`: the exact split with the most samples per second, its timings gathered.
 
-The choice itself is pure (throughput.py); here the timings are gathered. With the cuda or cpu meter the probe's
-trials already timed some sizes; `throughput.next_size` says which exact splits to time besides (probe/timing.py,
-on the probed device). With the estimate meter nothing runs for real: the FLOPs model (`throughput.model_micro_step`,
-the GPU's datasheet peak and bandwidth) gives each split a time, and the plan says it is a model. Without a probe
-(`--micro-batch-max`) the splits are timed on the device `run` would use. Torch is imported only to time. Nothing
-is printed: each timing's line goes to the caller's `on_note`.
+The timing and the choice are pure (throughput.py); here the steps are run. With the cuda or cpu meter, and without
+a probe (`--micro-batch-max`), every exact split is timed as `reproduce run` executes it, on the device the run
+would use (the probed one): whole optimizer steps of one model (probe/timing.py, train/step.py's `optimizer_step`),
+a warm-up step each, then interleaved rounds, the two fastest re-timed when they are within their spread, all within
+`throughput.BUDGET_SECONDS` of timed steps. The probe's trials are never used (one step each, the first call
+included, under the memory meter). With the estimate meter nothing runs for real: the FLOPs model
+(`throughput.model_micro_step`, the GPU's datasheet peak and bandwidth) gives each split a time, and the plan says
+it is a model. Torch is imported only to time. Nothing is printed: each timing's line goes to the caller's
+`on_note`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from .planner import Plan, plan
 from .prediction import DEFAULT_MFU
 from .probe.runner import ProbeResult
 from .recipe import Recipe
-from .throughput import choose, exact_splits, model_micro_step, next_size, relative_spread
+from .throughput import BUDGET_SECONDS, Timings, choose, exact_splits, model_micro_step, time_splits
 
 
 def check_mfu(assumed_mfu: float) -> None:
@@ -29,11 +32,12 @@ def check_mfu(assumed_mfu: float) -> None:
 def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, world_size: int,
                     dataset_size: int | dict | None, result: ProbeResult | None, data: dict | None = None,
                     keep_batchnorm: bool = True, assumed_mfu: float = DEFAULT_MFU, gpu: str | None = None,
-                    on_note: Callable[[str], None] | None = None) -> Plan:
+                    on_note: Callable[[str], None] | None = None, budget_seconds: float = BUDGET_SECONDS) -> Plan:
     """The exact plan whose split has the most samples per second (the decision under `plan.throughput`).
 
     `gpu`: the --gpu named; without a probe (--micro-batch-max) the FLOPs model decides for that card.
-    `on_note`: given each timing's line as it is measured (nothing is printed here).
+    `on_note`: given each timing's line as it is measured (nothing is printed here). `budget_seconds`: the bound on
+    the timed steps (throughput.time_splits).
     """
     if recipe.batch.phases or recipe.batch.ramp or isinstance(micro_batch_max, dict):
         raise UserError("--policy throughput: not available with batch phases or a ramp (each phase has its own "
@@ -52,44 +56,58 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, worl
     seq = recipe.batch.sequence_length
     timed: dict[int, float] = {}
     sources: dict[int, str] = {}
-    spreads: list[float] = []
-    basis, where = "measured", None
+    timings, basis, where = None, "measured", None
     if micro_batch_max == 1 or len(splits) == 1:
         pass  # nothing to choose: nothing timed
     elif (result is not None and result.meter == "estimate") or (result is None and gpu is not None):
         basis, where = "model", "the FLOPs model"
         timed, sources = _model_times(recipe, result.gpu if result is not None else gpu, splits, data, assumed_mfu)
+        timed = {m: per_rank // m * seconds for m, seconds in timed.items()}  # one optimizer step: N micro-steps
     else:
-        import torch
-
-        from .probe.timing import time_micro_step
-        from .probe.workload import Workload
-
-        if result is not None:
-            cuda = result.meter == "cuda"
-            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-            for size, seconds in result.timings():
-                if size in splits:
-                    timed[size], sources[size] = seconds, "probe trial"
-        else:
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        where = str(device)
-        workload = Workload(recipe, data)
-        while (size := next_size(splits, timed, max(spreads, default=0.0))) is not None:
-            seconds, repeats = time_micro_step(workload, device, size, cap)
-            timed[size], sources[size] = seconds, "timed"
-            spreads.append(relative_spread(repeats))
-            if on_note is not None:
-                on_note(f"  timed micro-batch {size}: {seconds:.3g} s per micro-step (repeats "
-                        f"{', '.join(f'{s:.3g}' for s in repeats)})")
-    decision = choose(splits, per_rank, timed, sources, seq, max(spreads, default=0.0), batchnorm, basis,
-                      micro_batch_max=micro_batch_max)
+        timings, where = _measure(recipe, data, result, per_rank, splits, budget_seconds, on_note)
+    decision = choose(splits, per_rank, timed, sources, seq, batchnorm_micro_batch=batchnorm, basis=basis,
+                      micro_batch_max=micro_batch_max, timings=timings)
     chosen = plan(recipe, micro_batch_max, world_size, "throughput", dataset_size=dataset_size,
                   recipe_path=recipe_path, micro_batch=decision.micro_batch)
     record = {**decision.to_json(), "device": where, "micro_batch_max": micro_batch_max}
     if batchnorm is None and recipe.model.has_batchnorm and per_device:
         record["reason"] += f" (BatchNorm statistics over {decision.micro_batch}, not the paper's {per_device})"
     return chosen.model_copy(update={"throughput": record})
+
+def _measure(recipe: Recipe, data: dict | None, result: ProbeResult | None, per_rank: int, splits: list[int],
+             budget_seconds: float, on_note: Callable[[str], None] | None) -> tuple[Timings, str]:
+    """Every exact split timed on the probed device (or, without a probe, the one `run` would use)."""
+    import time
+
+    import torch
+
+    from .probe.timing import SplitSteps
+    from .probe.workload import Workload
+
+    if result is not None:
+        cuda = result.meter == "cuda"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    started = time.perf_counter()
+    steps = SplitSteps(Workload(recipe, data), device, per_rank)
+    built = time.perf_counter() - started
+    try:
+        timings = time_splits(splits, steps, budget_seconds)
+    finally:
+        steps.close()
+    timings.setup_seconds = built
+    if on_note is not None:
+        for m, t in timings.timed.items():
+            on_note(f"  timed {m} x {per_rank // m}: {t.median:.3g} s per optimizer step, spread {t.spread:.1%} "
+                    f"({len(t.repeats)} repeats of {t.steps_per_repeat} step{'s' * (t.steps_per_repeat > 1)}; "
+                    f"{t.seconds:.2g} s)")
+        for m, why in timings.left_out.items():
+            on_note(f"  {m} x {per_rank // m}: {why}")
+        on_note(f"  choosing took {timings.seconds:.3g} s of timed steps (bound {timings.budget:g} s) and "
+                f"{built:.2g} s to build the model")
+    return timings, str(device)
+
 
 def _model_times(recipe: Recipe, gpu: str | None, splits: list[int], data: dict | None, assumed_mfu: float
                  ) -> tuple[dict[int, float], dict[int, str]]:

@@ -48,6 +48,7 @@ from .options import (
     value_of,
 )
 from .resume import LAUNCHER_ENV, absolute, continue_command, launcher_args, launcher_of_this_job
+from .throughput import cost_line
 
 
 class PlainReporter:
@@ -73,6 +74,8 @@ class PlainReporter:
         )
         if plan.throughput:  # --policy throughput: why this split (throughput_plan.py)
             stdout.print(f"--policy throughput: {plan.throughput['reason']}", markup=False, soft_wrap=True)
+            if cost_line(plan.throughput):
+                stdout.print(cost_line(plan.throughput), markup=False, soft_wrap=True)
         for line in phases:
             stdout.print(line, markup=False)
         if plan.recipe.batch.sharding == "fsdp":

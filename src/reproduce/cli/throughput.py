@@ -28,13 +28,15 @@ def render_throughput(p: Plan) -> None:
     if candidates:
         table = Table(title=title, title_justify="left")
         tokens = any(c["tokens_per_second"] for c in candidates)
-        columns = ["micro x accum", "s / optimizer step", f"{unit}/s", *(["tokens/s"] if tokens else []), "% of best",
-                   "from", ""]
+        measured = any(c.get("spread") is not None for c in candidates)
+        columns = ["micro x accum", "s / optimizer step", *(["spread", "repeats", "timing s"] if measured else []),
+                   f"{unit}/s", *(["tokens/s"] if tokens else []), "% of best", "from", ""]
         for column in columns:
             table.add_column(column, justify="left" if column in ("micro x accum", "from", "") else "right")
         for c in candidates:
             table.add_row(
                 f"{c['micro_batch']} x {c['accumulation_steps']}", f"{c['step_seconds']:.3g}",
+                *([f"{c['spread']:.1%}", str(len(c["repeats"])), f"{c['timing_seconds']:.2f}"] if measured else []),
                 f"{c['samples_per_second']:,.1f}",
                 *([f"{c['tokens_per_second']:,.0f}" if c["tokens_per_second"] else "-"] if tokens else []),
                 f"{c['share_of_best']:.0%}", c["source"], "chosen" if c["chosen"] else "",
@@ -43,6 +45,28 @@ def render_throughput(p: Plan) -> None:
     else:
         stdout.print(title)
     stdout.print(f"throughput: {decision['reason']}", markup=False, soft_wrap=True)
+    line = cost_line(decision)
+    if line:
+        stdout.print(line, markup=False, soft_wrap=True)
+
+
+def cost_line(decision: dict) -> str | None:
+    """The cost of choosing: seconds of timed steps, in all and per split, against the bound."""
+    cost = decision.get("cost")
+    if not cost or not cost.get("per_split_seconds"):
+        return None
+    low, high = cost["per_split_seconds"]
+    timed = len(decision["candidates"])
+    line = (f"cost of choosing: {cost['seconds']:.3g} s of timed steps for {timed} splits ({low:.2g} to {high:.2g} s "
+            f"each: a warm-up step, {cost['rounds']} interleaved rounds"
+            + (f", {' and '.join(map(str, cost['retimed']))} re-timed" if cost["retimed"] else "")
+            + f"), bound {cost['bound_seconds']:g} s"
+            + (" (over it: the least it takes)" if cost["over_bound"] else ""))
+    if cost.get("setup_seconds") is not None:
+        line += f"; building the model {cost['setup_seconds']:.2g} s"
+    if cost["left_out"]:
+        line += f"; {len(cost['left_out'])} left out"
+    return line
 
 
 def render_prediction(prediction: dict) -> None:

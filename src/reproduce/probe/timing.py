@@ -1,48 +1,78 @@
-"""Timing the training step at a given micro-batch, for the throughput policy: the probe's step, repeated.
+"""Whole optimizer steps of any exact split, timed as `reproduce run` executes them, for the throughput policy.
 
-The same step as the probe's cuda and cpu trials (probe/meters.py) and the run: the recipe's model, optimizer and
-precision built by `train.setup.build`, a window of `ACCUMULATED` micro-batches (one when the micro-batch is the
-whole per-process batch), warm-up steps until the optimizer has stepped, then `REPEATS` timed optimizer steps. A
-micro-step's time is a window's over its micro-batches (the optimizer step shared among them), as the probe's
-trials report it; the median of the repeats is kept, and their spread is the noise a difference must exceed.
+One model, optimizer and precision, built once by `train.setup.build` as the run builds them, serves every split
+(`time_splits` in reproduce/throughput.py interleaves them, so they share one model instead of one each; the
+weights' values do not change a step's time). A step of split m x N is train/step.py's `optimizer_step` over the
+window of the per-process batch split into N micro-batches of m, each a `LazyMicroBatch` fetched from the training
+set and moved to the device as its forward runs, with the gradient noise scale measured as `reproduce run` does by
+default; the CPU flushes denormals as the run does. Every split's k-th step takes the same samples (the k-th
+window of a fixed order), so splits of variable-length data pad alike. The clock runs from building the window to
+the end of the update (CUDA synchronised), as the run's `seconds` per step. A split that runs out of memory is
+`NotTimed` (its memory freed), not an error.
 """
 
 from __future__ import annotations
 
 import gc
-import statistics
 import time
+from collections import defaultdict
 
 import torch
 
-from ..data.batches import to_device
+from ..data.batches import LazyMicroBatch
+from ..throughput import NotTimed
+from ..train.noise import NoiseScale
 from ..train.setup import build
 from ..train.step import optimizer_step
-from .meters import ACCUMULATED, warm_up
 from .workload import Workload
 
-REPEATS = 5
 
+class SplitSteps:
+    """`steps(micro_batch, count) -> seconds`: `count` whole optimizer steps of that split, timed. Close when done."""
 
-def time_micro_step(workload: Workload, device: torch.device, micro_batch: int, cap: int,
-                    repeats: int = REPEATS) -> tuple[float, list[float]]:
-    """(median seconds of one micro-step at `micro_batch`, every repeat's) on `device`."""
-    workload.prepare()
-    setup = build(workload.plan, device, data=workload.data)
-    count = 1 if micro_batch >= cap else ACCUMULATED
-    window = [to_device(workload.batch(micro_batch), device, setup.dtype) for _ in range(count)]
-    warm_up(setup, window)
-    seconds = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        tick = time.perf_counter()
-        optimizer_step(setup, window)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds.append((time.perf_counter() - tick) / count)
-    setup = window = None
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return statistics.median(seconds), seconds
+    def __init__(self, workload: Workload, device: torch.device, per_rank_batch: int, noise_scale: bool = True):
+        workload.prepare()
+        self.device, self.per_rank = device, per_rank_batch
+        self.flushed = device.type == "cpu" and torch.set_flush_denormal(True)
+        self.setup = build(workload.plan, device, data=workload.data)
+        self.setup.model.train()
+        self.noise = NoiseScale(self.setup) if noise_scale else None
+        self.dataset = workload.data["train"]
+        self.order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(0))
+        self.taken: dict[int, int] = defaultdict(int)  # windows each split has run
+
+    def window(self, micro_batch: int) -> list[LazyMicroBatch]:
+        k = self.taken[micro_batch]
+        self.taken[micro_batch] += 1
+        indices = self.order[(k * self.per_rank + torch.arange(self.per_rank)) % len(self.order)]
+        return [LazyMicroBatch(self.dataset, i, self.device, self.setup.dtype)
+                for i in torch.split(indices, micro_batch)]
+
+    def __call__(self, micro_batch: int, count: int) -> float:
+        cuda = self.device.type == "cuda"
+        try:
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            tick = time.perf_counter()
+            for _ in range(count):
+                optimizer_step(self.setup, self.window(micro_batch), self.noise)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            return time.perf_counter() - tick
+        except torch.OutOfMemoryError:
+            pass  # the error's frames (activations) go with the except block, before the memory is freed
+        self.setup.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        raise NotTimed(f"out of memory on {self.device} while timing {micro_batch} x {self.per_rank // micro_batch}")
+
+    def close(self) -> None:
+        if self.noise is not None:
+            self.noise.close()
+        if self.flushed:
+            torch.set_flush_denormal(False)
+        self.setup = self.noise = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
