@@ -1,0 +1,141 @@
+"""A quantised frozen base (`model.quantize: int8 | nf4`, bitsandbytes) under LoRA, on this CPU: the layers are
+bitsandbytes' own, LoRA trains on them and a run resumes bitwise, accumulation equals the one-pass gradient, and
+the bad inputs get one line."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from helpers import assert_same_model
+from reproduce.data import build_data
+from reproduce.errors import UserError
+from reproduce.models import build_model
+from reproduce.planner import plan
+from reproduce.recipe import parse_recipe
+from reproduce.train.setup import build
+from reproduce.train.trainer import RunOptions, train
+from reproduce.verify import verify
+
+bnb = pytest.importorskip("bitsandbytes")  # `make setup` installs it (the quantize extra): these tests then run
+
+TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "vocab_size": 32, "max_position_embeddings": 32}
+
+
+def quantized_recipe(quantize: str, precision: str = "fp32", **model) -> dict:
+    return {
+        "batch": {"effective": 16},
+        "task": "language-modeling",
+        "model": {"builtin": "llama-7b", "kwargs": TINY_LLAMA, "quantize": quantize,
+                  "lora": {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}, **model},
+        "data": {"factory": "factories:variable_lm", "shuffle": True},
+        "optimizer": {"name": "adamw", "lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1},
+        "schedule": {"total": {"steps": 6}},
+        "precision": precision,
+    }
+
+
+@pytest.mark.parametrize("quantize, layer, stored", [("int8", "Linear8bitLt", torch.int8),
+                                                     ("nf4", "Linear4bit", torch.uint8)])
+def test_the_base_is_bitsandbytes_layers_with_lora_on_top(quantize, layer, stored):
+    """Every linear layer but the head is bitsandbytes' (peft's LoRA layer for bitsandbytes on q_proj and v_proj),
+    stored in 1 byte (int8) or half a byte (nf4, two weights a byte) a weight; only the adapters train."""
+    recipe = parse_recipe(quantized_recipe(quantize))
+    model = build_model(recipe, {"vocab_size": 32})
+    layers = {name: module for name, module in model.named_modules() if type(module).__name__ == layer}
+    q_proj = [name for name in layers if name.endswith("self_attn.q_proj")]
+    assert len(q_proj) == 2 and type(layers[q_proj[0]]).__module__ == "peft.tuners.lora.bnb"
+    base = [m for m in layers.values() if isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit))]
+    assert len(base) == 2 * 7  # q, k, v, o, gate, up, down in each of the 2 layers
+    weight = base[0].weight
+    assert weight.dtype == stored and weight.numel() * weight.element_size() == (
+        32 * 32 if quantize == "int8" else 32 * 32 // 2)
+    head = model.get_submodule("base_model.model.model.lm_head")
+    assert type(head) is torch.nn.Linear and head.weight.dtype == torch.float32
+    trains = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trains and all("lora_" in name for name in trains)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "nf4"])
+def test_lora_on_a_quantised_base_trains_and_resumes_bitwise(quantize, tmp_path):
+    """4 x 4 accumulated on an int8 / nf4 base with dropout in the adapters: the loss falls, the frozen quantised
+    weights are untouched, and a run stopped at step 3 and resumed ends bitwise where the uninterrupted one does."""
+    recipe = parse_recipe(quantized_recipe(quantize))
+    data = build_data(recipe)
+    the_plan = plan(recipe, micro_batch_max=4, dataset_size=len(data["train"]))
+    assert (the_plan.micro_batch, the_plan.accumulation_steps) == (4, 4)
+    summary = train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data, workers=0))
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, workers=0, max_steps=3,
+                                                   checkpoint_every=2))
+    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, workers=0, resume=True))
+    assert_same_model(tmp_path / "full", tmp_path / "split")
+    assert summary["steps"] == 6 and summary["final"]["loss"] < 3.6  # ln 32 = 3.47 at the start, random base
+    trained = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
+    torch.manual_seed(recipe.seed)
+    initial = build_model(recipe, data["info"]).state_dict()
+    assert trained.keys() == initial.keys()
+    frozen = [name for name in trained if "lora_" not in name]
+    assert any(trained[name].dtype == (torch.int8 if quantize == "int8" else torch.uint8) for name in frozen)
+    assert all(torch.equal(trained[name], initial[name]) for name in frozen)
+    assert all(not torch.equal(trained[name], initial[name]) for name in trained if "lora_B" in name)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "nf4"])
+def test_verify_is_equivalent_on_a_quantised_base_in_float64(quantize):
+    """The frozen quantised forward is the same for every micro-batch: the window's LoRA gradient equals the one-pass
+    gradient to float64 rounding (the dequantised weights are exact in float64; nf4's matmuls are run in it)."""
+    recipe = parse_recipe(quantized_recipe(quantize))
+    result = verify(plan(recipe, micro_batch_max=4, dataset_size=48))
+    assert result.equivalent and result.micro_batches == 4, result.verdict
+    assert result.global_relative_error < 1e-12
+    assert all("lora_" in row.name for row in result.parameters)
+    assert any("quantised base" in note for note in result.notes)
+
+
+def test_nf4_computes_in_the_recipes_precision_and_paged_adamw_steps_on_cpu(tmp_path):
+    """nf4 set explicitly (transformers' default is fp4) with double quantisation and the compute dtype of the recipe
+    (bf16, not transformers' float32 default); QLoRA's paged AdamW from bitsandbytes steps (unpaged on a CPU)."""
+    data = quantized_recipe("nf4", precision="bf16", dtype="bf16")
+    data["optimizer"] = {**data["optimizer"], "paged": True}
+    recipe = parse_recipe(data)
+    from reproduce.models.quantize import quantization_config
+
+    config = quantization_config(recipe)
+    assert (config.bnb_4bit_quant_type, config.bnb_4bit_use_double_quant, config.bnb_4bit_compute_dtype) == (
+        "nf4", True, torch.bfloat16)
+    setup = build(plan(recipe, micro_batch_max=8, dataset_size=48), torch.device("cpu"))
+    layer = next(m for m in setup.model.modules() if isinstance(m, bnb.nn.Linear4bit))
+    state = layer.weight.quant_state
+    assert (state.quant_type, state.nested, state.blocksize, layer.compute_dtype) == ("nf4", True, 64, torch.bfloat16)
+    assert type(setup.optimizer).__name__ == "PagedAdamW32bit"
+    summary = train(setup.plan, tmp_path / "run", RunOptions(device="cpu", workers=0, max_steps=2))
+    assert summary["steps"] == 2
+
+
+@pytest.mark.parametrize("model, expected", [
+    ({"builtin": "llama-7b", "kwargs": TINY_LLAMA, "quantize": "int8"},
+     r"<recipe>: model.quantize: an int8 base cannot train .* add lora"),
+    ({"builtin": "cnn-bn", "quantize": "nf4", "norm_layers": ["batchnorm"],
+      "lora": {"r": 2, "target_modules": ["conv1"]}}, None),
+])
+def test_bad_quantize_inputs_get_one_line(model, expected):
+    data = quantized_recipe("int8")
+    data["model"] = model
+    if expected is not None:
+        with pytest.raises(UserError, match=expected):
+            parse_recipe(data)
+        return
+    data.update(task="classification", data={"builtin": "digits"})
+    with pytest.raises(UserError, match=r"model.quantize: cnn-bn has no linear layers to quantise"):
+        build_model(parse_recipe(data), {})
+
+
+def test_bitsandbytes_not_installed_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what `import bitsandbytes` meets where it is absent
+    recipe = parse_recipe(quantized_recipe("nf4"))
+    with pytest.raises(UserError, match=r"model.quantize: needs bitsandbytes, which is not installed \(pip install "
+                                        r"'reproduce\[quantize\]'"):
+        build_model(recipe, {"vocab_size": 32})
