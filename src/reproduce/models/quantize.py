@@ -163,26 +163,41 @@ def _nf4_state_in_place(module: nn.Module, state_dict: dict, prefix: str, *args:
         value.copy_(saved)
 
 
-def materialize_quantized(model: nn.Module, device: torch.device) -> None:
-    """After `to_empty` on a meta model (the estimate meter's fake tensors): the scales and quantisation states that
-    bitsandbytes keeps outside parameters and buffers, made on `device` too."""
+def quantized_states(model: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """Each bitsandbytes layer with what it keeps outside its parameters (int8: the row scales; nf4: the
+    quantisation state), taken before `to_empty` replaces its weight (see `materialize_quantized`)."""
     bnb = sys.modules.get("bitsandbytes")  # not imported: nothing was quantised
     if bnb is None:
-        return
+        return []
+    found: list[tuple[nn.Module, Any]] = []
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear8bitLt):
+            found.append((module, module.weight.SCB if module.weight.SCB is not None else module.state.SCB))
+        elif isinstance(module, bnb.nn.Linear4bit):
+            found.append((module, module.weight.quant_state))
+    return found
 
+
+def materialize_quantized(states: list[tuple[nn.Module, Any]], device: torch.device) -> None:
+    """After `to_empty` on a meta model under `FakeTensorMode` (the estimate meter): give each bitsandbytes layer its
+    scales or quantisation state on `device` too. The fake weight `to_empty` made is a plain (fake) tensor, not
+    bitsandbytes' parameter class (a fake tensor cannot be re-classed), so the attributes the layers read from their
+    weight are set on it: its bytes are the packed weight's, and the layers' forward and backward run as they do."""
     def made(tensor: torch.Tensor | None) -> torch.Tensor | None:
         return torch.empty_like(tensor, device=device) if tensor is not None and tensor.is_meta else tensor
 
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear8bitLt):
-            module.weight.CB = module.weight.data
-            module.weight.SCB = made(module.weight.SCB)
-        elif isinstance(module, bnb.nn.Linear4bit) and module.weight.quant_state is not None:
-            state = module.weight.quant_state
-            state.absmax, state.code, state.offset = made(state.absmax), made(state.code), made(state.offset)
-            if state.state2 is not None:
-                state.state2.absmax, state.state2.code = made(state.state2.absmax), made(state.state2.code)
-            module.quant_state = state
+    for module, kept in states:
+        weight = module.weight
+        if hasattr(module, "state"):  # Linear8bitLt: the weight is its int8 rows, SCB their fp32 scales
+            weight.CB, weight.SCB, weight.has_fp16_weights = weight.data, made(kept), False
+            module.state.CB = module.state.SCB = None
+            continue
+        state = kept
+        state.absmax, state.code, state.offset = made(state.absmax), made(state.code), made(state.offset)
+        if state.state2 is not None:
+            state.state2.absmax, state.state2.code = made(state.state2.absmax), made(state.state2.code)
+        weight.quant_state = module.quant_state = state
+        weight.bnb_quantized = True
 
 
 def compute_in(model: nn.Module, dtype: torch.dtype) -> int:
