@@ -104,6 +104,7 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
         raise UserError(f"model.quantize: {model_name} has no linear layers to quantise ({found}: "
                         f"{recipe.model.quantize} applies to nn.Linear layers and GPT-2's Conv1D)")
     config = quantization_config(recipe)
+    _real_dynamic_map(bnb)
     replace_with_bnb_linear(model, modules_to_not_convert=skip or None, quantization_config=config)
     for name, old in originals.items():
         new = model.get_submodule(name)
@@ -133,6 +134,16 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename notice
         return peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def _real_dynamic_map(bnb: Any) -> None:
+    """bitsandbytes caches the 8-bit code of double quantisation at its first use, made on the device of the default
+    device context: built first under `torch.device("meta")` (the estimate meter) it would be a meta tensor that no
+    real quantisation can copy from afterwards. Made here on the CPU (each use moves it to its tensor's device)."""
+    cached = bnb.functional.name2qmap.get("dynamic")
+    if cached is None or cached.is_meta:
+        with torch.device("cpu"):
+            bnb.functional.name2qmap["dynamic"] = bnb.functional.create_dynamic_map()
 
 
 def _int8_scales_in_place(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
