@@ -56,3 +56,15 @@ def test_llama_7b_full_fine_tuning_on_one_gpu_says_what_it_needs_and_what_fits(c
     for part in ("gradients", "optimizer state", "activations of 1 sample"):
         assert any(line.startswith(f"  {part} ") for line in lines), part
     assert any(line.startswith("  " + way_out) for line in lines), err
+
+
+@pytest.mark.slow
+def test_alpaca_lora_plans_its_own_four_by_thirty_two_on_an_int8_base_on_one_rtx_4090():
+    """Alpaca-LoRA's int8 LLaMA-7B (model.quantize: int8, fp16 autocast, as its repository trains): 4 a micro-batch
+    fit one RTX 4090 (the 6.5 GB of int8 linear weights, the fp32 embeddings and head), so the plan is 4 x 32."""
+    pytest.importorskip("bitsandbytes")
+    recipe = load_recipe(PAPERS / "tloen2023-alpaca-lora.yaml")
+    assert recipe.model.quantize == "int8" and not recipe.deviations
+    trial = paper_trial("tloen2023-alpaca-lora")
+    assert trial.fits
+    assert 6.4e9 < trial.parts["step"]["weights"] < 7.7e9  # 6.48B int8 weights + their scales + 0.26B fp32

@@ -162,3 +162,37 @@ def test_the_estimate_meter_counts_a_quantised_base_as_real_cpu_tensors(quantize
     unquantised = 4 * (2 * 64 * 256 + 5 * 256)  # embedding, head and norms: fp32 (prepare_model_for_kbit_training)
     weights = fake.parts["step"]["weights"]
     assert linear * weight_bytes + unquantised < weights < linear * weight_bytes * 1.1 + unquantised + 65536
+
+
+def test_the_quantize_option_overrides_the_field_on_plan_run_and_verify(capsys, tmp_path, monkeypatch):
+    """`--quantize nf4` on a LoRA recipe: the plan says so, the run trains on bitsandbytes' 4-bit layers, verify is
+    equivalent; its resume with another base is refused, as is --quantize on a recipe that trains every weight."""
+    import yaml
+
+    from helpers import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))  # tests/factories.py
+    data = quantized_recipe("int8")
+    del data["model"]["quantize"]
+    data["schedule"] = {"total": {"steps": 2}}
+    (tmp_path / "lora.yaml").write_text(yaml.safe_dump(data))
+    code, out, err = cli(capsys, "plan", "lora.yaml", "--micro-batch-max", "4", "--quantize", "nf4")
+    assert code == 0 and "nf4 base (QLoRA's 4-bit NormalFloat" in out, err
+    code, out, err = cli(capsys, "run", "lora.yaml", "--out", "run", "--micro-batch-max", "4", "--quantize", "nf4",
+                         "--device", "cpu", "--workers", "0", "--max-steps", "1")
+    assert code == 0 and "done: 1 steps" in out, err
+    saved = yaml.safe_load((tmp_path / "run" / "plan.yaml").read_text())
+    assert saved["recipe"]["model"]["quantize"] == "nf4"
+    trained = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert any(name.endswith("weight.quant_state.bitsandbytes__nf4") for name in trained)
+    code, out, err = cli(capsys, "run", "lora.yaml", "--out", "run", "--resume", "--quantize", "int8")
+    assert code == 2 and "--quantize int8: the run in run was started with nf4 base" in err
+    code, out, err = cli(capsys, "run", "lora.yaml", "--out", "run", "--resume")  # keeps the base it started with
+    assert code == 0 and "memory: nf4 base" in out and "done: 2 steps" in out, err
+    code, out, err = cli(capsys, "verify", "lora.yaml", "--micro-batch-max", "4", "--quantize", "int8")
+    assert code == 0 and "equivalent" in out and "quantised base (int8)" in out, out + err
+    del data["model"]["lora"]
+    (tmp_path / "full.yaml").write_text(yaml.safe_dump(data))
+    code, out, err = cli(capsys, "plan", "full.yaml", "--micro-batch-max", "4", "--quantize", "int8")
+    assert code == 2 and err.startswith("error: --quantize int8: full.yaml trains every weight (no model.lora)"), err

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import UserError
-from .memory_options import with_knobs_of
+from .memory_options import with_knobs_of, with_quantized_base
 from .planfile import load_plan, load_recipe_or_plan
 from .planner import Plan
 from .planner import plan as make
@@ -74,13 +74,14 @@ def resumed_data_paths(recipe: Recipe, saved: Recipe, data_path: str | None, eva
 
 
 def recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None, data_path: str | None,
-                    eval_data_path: str | None) -> tuple[Recipe, Plan | None]:
-    """The recipe (and plan, when given or resumed) with the data paths and the sharding this run uses: --data /
-    --eval-data and --sharding, else the recipe's; a resumed run keeps the data and sharding it was started with."""
+                    eval_data_path: str | None, quantize: str | None = None) -> tuple[Recipe, Plan | None]:
+    """The recipe (and plan, when given or resumed) with the data paths, the sharding and the quantised base this run
+    uses: --data / --eval-data, --sharding and --quantize, else the recipe's; a resumed run keeps the data, sharding
+    and base it was started with."""
     recipe, plan = load_recipe_or_plan(source)
     recipe = with_data_paths(recipe, data_path, eval_data_path, str(source))
     if not resume:
-        recipe = with_sharding(recipe, sharding)
+        recipe = with_sharding(with_quantized_base(recipe, quantize, str(source)), sharding)
         return recipe, plan.model_copy(update={"recipe": recipe}) if plan is not None else None
     saved = load_plan(out / "plan.yaml") if (out / "plan.yaml").is_file() else None
     if saved is None:
@@ -90,6 +91,11 @@ def recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None,
         raise UserError(f"--sharding: the run in {out} was started with sharding {started}; resume it with the same "
                         f"(got {sharding})")
     recipe = resumed_data_paths(recipe, saved.recipe, data_path, eval_data_path, out, str(source))
+    base = saved.recipe.model.quantize
+    if quantize is not None and quantize != base:
+        raise UserError(f"--quantize {quantize}: the run in {out} was started with {base or 'an unquantised'} base; "
+                        "resume it as it was started (its plan.yaml keeps model.quantize)")
+    recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"quantize": base})})
     if with_knobs_of(with_sharding(recipe, started), saved.recipe) != saved.recipe:  # (knobs the plan took kept)
         raise UserError(f"--resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
     return saved.recipe, saved

@@ -27,6 +27,11 @@ class MeterName(str, Enum):
     estimate = "estimate"
 
 
+class Quantize(str, Enum):
+    int8 = "int8"
+    nf4 = "nf4"
+
+
 class Offload(str, Enum):
     none = "none"
     cpu = "cpu"
@@ -58,6 +63,10 @@ CHECKPOINTING_HELP = (
 SHARDED_GRADIENTS_HELP = (
     "With --sharding fsdp: reduce-scatter the gradients after every micro-batch so they stay sharded through the "
     "accumulation window (batch.sharded_gradients); more communication, exact."
+)
+QUANTIZE_HELP = (
+    "Store the frozen base's linear layers in 8 bits (int8: LLM.int8()) or 4 bits (nf4: QLoRA) through bitsandbytes, "
+    "under the recipe's LoRA (model.quantize; the option overrides the field). Needs the quantize extra."
 )
 OFFLOAD_HELP = (
     "With --sharding fsdp: cpu keeps parameters, gradients and optimizer state in CPU memory (batch.offload)."

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from ..export import FORMATS, check_format, emit
-from ..memory_options import memory_summary
+from ..memory_options import memory_summary, with_quantized_base
 from ..plan_cost import cost_lines, costs_json, plan_costs
 from ..planfile import check_writable, save_plan
 from ..planner import Plan, first_plateau_step, lr_at, lr_points
@@ -31,12 +31,14 @@ from .options import (
     NO_CACHE_HELP,
     OFFLOAD_HELP,
     POLICY_HELP,
+    QUANTIZE_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
     WORLD_SIZE_HELP,
     MeterName,
     Offload,
     Policy,
+    Quantize,
     Sharding,
     probe_options,
     value_of,
@@ -68,6 +70,7 @@ def plan_command(
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
+    quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
 ) -> None:
     """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps.
 
@@ -79,7 +82,8 @@ def plan_command(
     if emit_format is not None:
         check_format(emit_format)
     check_mfu(assumed_mfu)
-    recipe = apply_sharding(load_recipe(recipe_path), value_of(sharding), world_size)
+    recipe = with_quantized_base(load_recipe(recipe_path), value_of(quantize), str(recipe_path))
+    recipe = apply_sharding(recipe, value_of(sharding), world_size)
     recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, value_of(offload))
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     data, size = factory_data_size(recipe)

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from ..memory_options import with_quantized_base
 from ..plan_cost import cost_lines, costs_json, plan_costs
 from ..planner import Plan, plan
 from ..probe.runner import ProbeResult, ProbeTrial, run_probe
@@ -25,10 +26,12 @@ from .options import (
     METER_HELP,
     NO_CACHE_HELP,
     OFFLOAD_HELP,
+    QUANTIZE_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
     MeterName,
     Offload,
+    Quantize,
     Sharding,
     probe_options,
     value_of,
@@ -53,6 +56,7 @@ def probe_command(
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
+    quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
 ) -> None:
     """Measure the largest micro-batch whose full training step fits one device's memory.
 
@@ -60,6 +64,7 @@ def probe_command(
     and what would make it fit are printed).
     """
     recipe = with_data_paths(load_recipe(recipe_path), data_path, None, str(recipe_path))
+    recipe = with_quantized_base(recipe, value_of(quantize), str(recipe_path))
     recipe = apply_sharding(recipe, value_of(sharding), world_size)
     recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, value_of(offload))
     options = probe_options(memory, gpu, meter, headroom, no_cache)

@@ -33,12 +33,14 @@ from .options import (
     NO_CACHE_HELP,
     OFFLOAD_HELP,
     POLICY_HELP,
+    QUANTIZE_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
     WORLD_SIZE_HELP,
     MeterName,
     Offload,
     Policy,
+    Quantize,
     Sharding,
     probe_options,
     value_of,
@@ -213,6 +215,7 @@ def run_command(
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
+    quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
@@ -229,7 +232,8 @@ def run_command(
         if nnodes > 1 and rdzv_endpoint is None:
             raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
         # bad input: one line, before launching
-        recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
+        recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path,
+                                       value_of(quantize))
         recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
         check_sharding(recipe, nproc_per_node * nnodes)
         check_sharded_probe(recipe, plan, micro_batch_max, meter.value)
@@ -240,7 +244,8 @@ def run_command(
              "--max-steps": max_steps, "--seed": seed, "--checkpoint-every": checkpoint_every, "--memory": memory,
              "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
              "--data": data_path, "--eval-data": eval_data_path, "--workers": workers,
-             "--log-to": ",".join(trackers) or None, "--offload": offload.value if offload is not None else None},
+             "--log-to": ",".join(trackers) or None, "--offload": offload.value if offload is not None else None,
+             "--quantize": value_of(quantize)},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
              "--no-noise-scale": no_noise_scale, "--stop-on-divergence": stop_on_divergence,
              "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients},
@@ -251,7 +256,7 @@ def run_command(
         raise typer.Exit(_launch(command))
     if world.distributed:
         world_size = world.size
-    recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path)
+    recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, value_of(quantize))
     recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
     check_sharding(recipe, world.size)
     check_sharded_probe(recipe, plan, micro_batch_max, meter.value)

@@ -11,12 +11,22 @@ import typer
 from rich.table import Table
 
 from ..errors import UserError
+from ..memory_options import with_quantized_base
 from ..planfile import load_recipe_or_plan
 from ..recipe import with_data_paths
 from ..session import apply_memory, make_plan
 from .app import app
 from .common import show_note, stdout
-from .options import CHECKPOINTING_HELP, MICRO_BATCH_MAX_HELP, POLICY_HELP, WORLD_SIZE_HELP, Policy
+from .options import (
+    CHECKPOINTING_HELP,
+    MICRO_BATCH_MAX_HELP,
+    POLICY_HELP,
+    QUANTIZE_HELP,
+    WORLD_SIZE_HELP,
+    Policy,
+    Quantize,
+    value_of,
+)
 
 SAMPLES_HELP = "Check on the first K samples instead of one effective batch (for big models)."
 TOLERANCE_HELP = "Largest relative error that counts as equivalent (default per dtype: float64 1e-10, float32 1e-5)."
@@ -48,6 +58,7 @@ def verify_command(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
+    quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
 ) -> None:
     """Compare the plan's accumulated gradient with the one-pass gradient: exit 0 equivalent, 1 not."""
     from ..data import build_data  # torch is imported only by the commands that need it
@@ -58,6 +69,7 @@ def verify_command(
         raise UserError(f"--tolerance: must be > 0 (got {tolerance})")
     recipe, the_plan = load_recipe_or_plan(source)
     recipe = apply_memory(with_data_paths(recipe, data_path, None, str(source)), activation_checkpointing)
+    recipe = with_quantized_base(recipe, value_of(quantize), str(source))
     if the_plan is not None:
         the_plan = the_plan.model_copy(update={"recipe": recipe})
     data = build_data(recipe)

@@ -45,19 +45,29 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 NF4_BLOCK, NESTED_BLOCK = 64, 256  # bitsandbytes' 4-bit block and the double quantisation's block of absmax scales
 
 
-def bitsandbytes() -> Any:
-    """The bitsandbytes module, or one line naming the extra that installs it."""
+def quiet_bitsandbytes() -> None:
+    """Drop the warning bitsandbytes' CPU backend logs at import when the optional "kernels" package (a faster 4-bit
+    CPU matmul from the Hugging Face hub) is missing: the layers run without it, and a user would read it as a
+    failure. peft imports bitsandbytes too (for its LoRA layers), so this is called before either imports it."""
     import logging
 
-    quiet = logging.getLogger("bitsandbytes")  # its CPU backend logs a warning at import when an optional kernel
-    level = quiet.level  # package ("kernels") is missing; the layers run without it
-    quiet.setLevel(logging.ERROR)
+    cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _NoKernelsNotice) for f in cpu_ops.filters):
+        cpu_ops.addFilter(_NoKernelsNotice())
+
+
+class _NoKernelsNotice:
+    def filter(self, record: Any) -> bool:
+        return "kernels-community" not in str(record.msg)
+
+
+def bitsandbytes() -> Any:
+    """The bitsandbytes module, or one line naming the extra that installs it."""
+    quiet_bitsandbytes()
     try:
         import bitsandbytes as bnb
     except ImportError:
         raise UserError(f"model.quantize: needs bitsandbytes, which is not installed ({EXTRA})") from None
-    finally:
-        quiet.setLevel(level)
     return bnb
 
 

@@ -57,6 +57,9 @@ def adaptable_modules(model: nn.Module) -> list[str]:
 
 def with_lora(model: nn.Module, lora: Lora, model_name: str) -> nn.Module:
     """peft's LoRA on `model`: adapters of rank r on the target modules, every other weight frozen."""
+    from .quantize import quiet_bitsandbytes
+
+    quiet_bitsandbytes()  # peft imports bitsandbytes where it is installed
     try:
         import peft
     except ImportError:
