@@ -196,3 +196,25 @@ def test_the_quantize_option_overrides_the_field_on_plan_run_and_verify(capsys, 
     (tmp_path / "full.yaml").write_text(yaml.safe_dump(data))
     code, out, err = cli(capsys, "plan", "full.yaml", "--micro-batch-max", "4", "--quantize", "int8")
     assert code == 2 and err.startswith("error: --quantize int8: full.yaml trains every weight (no model.lora)"), err
+
+
+@pytest.mark.distributed
+@pytest.mark.subprocess
+@pytest.mark.parametrize("quantize", [pytest.param("int8", marks=pytest.mark.slow), "nf4"])  # (int8: also passes)
+def test_lora_on_a_quantised_base_under_two_gloo_processes_equals_one_process(quantize, tmp_path):
+    """DDP over two torchrun processes (gloo) on an int8 / nf4 base with activation checkpointing, where peers fail
+    with "Expected to mark a variable ready only once" (artidoro/qlora#223, peft#301): 4 x 2 x 2 ends where one
+    process's 4 x 4 does, within float32 rounding, and the frozen quantised weights are untouched."""
+    from helpers import assert_close_weights, reproduce_run, reproduce_run_here, weights
+
+    recipe = quantized_recipe(quantize, activation_checkpointing=True)
+    recipe["model"]["lora"]["dropout"] = 0.0  # each rank draws its own dropout masks: not one process's
+    recipe["schedule"] = {"total": {"steps": 3}}
+    two = reproduce_run(recipe, tmp_path, "two", "--micro-batch-max", "4", "--nproc-per-node", "2", "--workers", "0")
+    assert "micro 4 x accumulation 2 x world 2 = 16" in two.stdout, two.stdout
+    reproduce_run_here(recipe, tmp_path, "one", "--micro-batch-max", "4", "--workers", "0")
+    two_weights, one_weights = weights(tmp_path, "two"), weights(tmp_path, "one")
+    assert_close_weights(two_weights, one_weights)
+    frozen = [name for name in one_weights if "lora_" not in name and one_weights[name].dtype in (torch.int8,
+                                                                                                   torch.uint8)]
+    assert frozen and all(torch.equal(two_weights[name], one_weights[name]) for name in frozen)
