@@ -26,8 +26,9 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 
+# PYTEST_ARGS: pytest's arguments, e.g. make test PYTEST_ARGS=tests/test_shipped_checks.py (default: every test)
 test: lint
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 # The whole chain on a CPU in a few minutes, nothing downloaded: (1) probe the micro-batch of the built-in GPT
 # under a small declared memory, as if on a small GPU; (2) plan from it and run that plan; (3) a published paper

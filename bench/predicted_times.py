@@ -20,7 +20,7 @@ import torch
 
 from reproduce.errors import UserError
 from reproduce.planner import plan
-from reproduce.predicted_time import total_samples
+from reproduce.predicted_time import on_card, total_samples
 from reproduce.prediction import DEFAULT_MFU, predicted_seconds
 from reproduce.probe.catalog import lookup
 from reproduce.probe.cost import format_duration
@@ -30,6 +30,7 @@ from reproduce.recipe import load_recipe
 
 # (seconds, or GPU-hours for a recipe without a device count; what was said; where)
 REPORTED = {
+    "goyal2017-resnet50": (3600, "1 hour on 256 x P100", "Goyal et al. 2017, title and sec. 5"),
     "llmc-gpt2-124m": (90 * 60, "90 minutes on 8 x A100 80GB", "llm.c discussion #481 (Karpathy 2024)"),
     "nanogpt-gpt2-124m": (4 * 86400, "about 4 days on 8 x A100 40GB", "nanoGPT README"),
     "nanogpt-shakespeare-char": (3 * 60, "about 3 minutes on 1 A100", "nanoGPT README"),
@@ -71,7 +72,7 @@ def main() -> None:
         started = time.perf_counter()
         flops = recipe_flops(recipe)
         counted = time.perf_counter() - started
-        key = precision_key(recipe.precision, flops.convolution_share > 0.5)
+        key = on_card(precision_key(recipe.precision, flops.convolution_share > 0.5), gpu)  # no TF32 before Ampere
         peaks = peaks_of(gpu.name)
         peak = peaks.flops(key) if peaks else None
         samples = round(total_samples(the_plan))  # batch phases and ramps: each stretch's own batch

@@ -92,8 +92,8 @@ def test_reference_errors_exit_2_one_line_each(tmp_path, capsys):
     assert code == 2
     assert err.splitlines() == [
         f"error: {path}: runs.small.overrides: optimizer.lr: must be > 0.0 (got -1)",
-        f"error: {path}: runs.other.recipe: no recipe file 'no-such-recipe.yaml' (looked beside the check file "
-        "and in the working directory)",
+        f"error: {path}: runs.other.recipe: no recipe file 'no-such-recipe.yaml' (looked beside the check file, "
+        "in the working directory and among the shipped recipes)",
         f"error: {path}: checks[0].run: no run named 'smal' (did you mean 'small'?)",
         f"error: {path}: checks[1].expect.micro_bach: not a plan field (did you mean 'micro_batch'?)",
         f"error: {path}: checks[2].kind: a metric check trains run 'main', but its data 'imagenet-1k' is "

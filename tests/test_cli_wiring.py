@@ -27,7 +27,8 @@ def test_plan_emit_rejects_an_unknown_format_before_any_work(tmp_path, capsys):
 
 
 def test_run_tensorboard_logs_scalars(tmp_path):
-    pytest.importorskip("tensorboard", reason="tensorboard is an optional extra (pip install 'reproduce[tensorboard]')")
+    pytest.importorskip("tensorboard",
+                        reason="tensorboard is an optional extra (pip install 'reproduce-large-batch[tensorboard]')")
     with pytest.raises(SystemExit) as exit_info:
         main(["run", "papers/digits-mlp.yaml", "--micro-batch-max", "32", "--out", str(tmp_path / "out"),
               "--max-steps", "3", "--tensorboard"])

@@ -32,7 +32,7 @@ def test_the_audits_findings_are_declared(name, words):
 
 def test_goyal_names_its_gpus():
     batch = load_recipe(PAPERS / "goyal2017-resnet50.yaml").batch
-    assert (batch.device, batch.devices, batch.per_device) == ("P100-16GB", 256, 32)
+    assert (batch.device, batch.devices, batch.per_device) == ("P100-SXM2-16GB", 256, 32)
 
 
 def test_plan_prints_each_deviation_as_a_warning(capsys):
@@ -49,7 +49,7 @@ def test_papers_show_lists_the_deviations(capsys):
     code, out, _ = run_cli(["papers", "--dir", str(PAPERS), "show", "brown2020-gpt3-small"], capsys)
     lines = [line for line in out.splitlines() if line.startswith("  deviation from the paper: ")]
     assert code in (0, None) and len(lines) == len(load_recipe(PAPERS / "brown2020-gpt3-small.yaml").deviations)
-    assert "  plan it: reproduce plan papers/brown2020-gpt3-small.yaml --micro-batch-max 16" in out  # its header's
+    assert "  plan it: reproduce plan brown2020-gpt3-small --micro-batch-max 16" in out  # its header's, by name
 
 
 def test_a_recipe_without_deviations_plans_without_such_warnings():

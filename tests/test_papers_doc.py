@@ -46,8 +46,8 @@ def test_the_table_has_a_row_for_every_recipe_and_says_what_the_estimate_does(ca
     rows = devices_markdown(capsys).splitlines()[2:]
     assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == [p.stem for p in sorted(PAPERS.glob("*.yaml"))]
     row = {line.split(" | ")[0].removeprefix("| "): line for line in rows}
-    assert row["goyal2017-resnet50"] == ("| goyal2017-resnet50 | 256 x P100-16GB | 32 | - | 8,192 samples | - | "
-                                         "p100-16gb (16 GiB) |")
+    assert row["goyal2017-resnet50"] == ("| goyal2017-resnet50 | 256 x P100-SXM2-16GB | 32 | - | 8,192 samples | - | "
+                                         "p100-sxm2 (16 GiB) |")
     assert row["nanogpt-gpt2-124m"].startswith("| nanogpt-gpt2-124m | 8 x A100-40GB | 12 | 5 | 491,520 tokens |")
     assert row["taori2023-alpaca-7b"].endswith("| fsdp | a100-80gb (80 GiB) |")
     assert "a TPU: not modelled" in row["you2019-lamb-bert-large"] and "(of 2 phases)" in row["you2019-lamb-bert-large"]
@@ -59,7 +59,7 @@ def test_without_markdown_it_is_a_table_and_markdown_alone_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["papers", "--dir", str(PAPERS), "--devices"])
     out = capsys.readouterr().out
-    assert exit_info.value.code in (0, None) and "│ goyal2017-resnet50" in out and "P100-16GB" in out
+    assert exit_info.value.code in (0, None) and "│ goyal2017-resnet50" in out and "P100-SXM2-16GB" in out
     with pytest.raises(SystemExit) as exit_info:
         main(["papers", "--dir", str(PAPERS), "--markdown"])
     err = capsys.readouterr().err

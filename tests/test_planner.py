@@ -18,7 +18,8 @@ from reproduce.planner import lr_at, plan
 def test_planner_imports_no_torch():
     import subprocess
 
-    code = "import sys, reproduce.planner, reproduce.planfile, reproduce.recipe; print('torch' in sys.modules)"
+    code = ("import sys, reproduce.planner, reproduce.planfile, reproduce.recipe\n"
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -69,14 +69,15 @@ def test_wandb_is_offline_without_an_api_key(monkeypatch, tmp_path):
 
 def test_a_missing_package_is_one_line_naming_the_extra_before_anything_runs(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
-    with pytest.raises(UserError, match=r"--log-to wandb: the wandb package is not installed; .*reproduce\[wandb\]"):
+    with pytest.raises(UserError,
+                       match=r"--log-to wandb: the wandb package is not installed; .*reproduce-large-batch\[wandb\]"):
         check_trackers(["tensorboard", "wandb"])
     with pytest.raises(SystemExit) as exit_:
         main(["run", DIGITS, "--micro-batch-max", "64", "--out", str(tmp_path / "run"),
               "--log-to", "wandb"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "pip install 'reproduce[wandb]'" in err[0]
+    assert len(err) == 1 and "pip install 'reproduce-large-batch[wandb]'" in err[0]
     assert not (tmp_path / "run").exists()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 from .errors import UserError
@@ -116,8 +117,11 @@ def plan(
 
     With batch phases the micro-batch that fits, and the training samples, depend on the sequence length: both may
     be given per length ({sequence_length: value}); a single number holds for every length. Policy `throughput` is
-    `exact` with the micro-batch `micro_batch` (the exact split the throughput search chose, reproduce/throughput.py)
-    when given, else the largest.
+    `exact` with the micro-batch `micro_batch` (the exact split the throughput search chose,
+    reproduce/throughput.py) when given, else the largest.
+
+    It reads as its steps: the main batch's values, the checks, the split, its LR, the epoch, the batch phases, the
+    schedule in optimizer steps, the last warnings. Every step appends its warnings to one list, in this order.
     """
     maxima = micro_batch_max if isinstance(micro_batch_max, Mapping) else None
     sizes = dataset_size if isinstance(dataset_size, Mapping) else None
@@ -126,20 +130,82 @@ def plan(
         micro_batch_max = maxima[main_length]
     if sizes is not None:
         dataset_size = sizes.get(main_length)
+    check_arguments(recipe, micro_batch_max, world_size, policy)
+    split_policy = "exact" if policy == "throughput" else policy  # throughput: exact, its micro-batch chosen
+    warnings: list[str] = []
+    chosen, alternative = choose_split(recipe, micro_batch_max, world_size, split_policy, micro_batch, warnings)
+    rule, source, adam_option = scale_lr(recipe, chosen, warnings)
+    dataset_size = dataset_size or recipe.data.train_size
+    steps_per_epoch, partial = epoch_steps(dataset_size, chosen.effective_batch, world_size, recipe.data.drop_last)
+    warn_partial_epoch(recipe, dataset_size, chosen.effective_batch, world_size, partial, warnings)
+    phases = plan_phases(recipe, maxima or micro_batch_max, world_size, dataset_size, sizes, split_policy, chosen,
+                         warnings)
+    segments = phases or [whole_segment(chosen, micro_batch_max, recipe.batch.sequences, main_length, dataset_size,
+                                        steps_per_epoch)]
+    schedule = schedule_in_steps(recipe, recipe_path, chosen, segments, phases, steps_per_epoch, warnings)
+    batchnorm = _batchnorm_note(recipe, chosen.micro_batch)
+    warn_last(recipe, batchnorm, schedule, warnings)
+    return Plan(
+        recipe_path=recipe_path,
+        recipe=recipe,
+        policy=policy,
+        micro_batch_max=micro_batch_max,
+        micro_batch=chosen.micro_batch,
+        accumulation_steps=chosen.accumulation_steps,
+        world_size=world_size,
+        unit=recipe.batch.count_unit,
+        effective_batch=chosen.effective_batch,
+        effective_tokens=chosen.effective_batch * main_length if main_length else None,
+        paper_effective_batch=recipe.batch.sequences,
+        exact=chosen.exact,
+        batch_factor=chosen.batch_factor,
+        base_lr=recipe.optimizer.lr,
+        lr=chosen.lr,
+        lr_factor=chosen.lr_factor,
+        lr_rule=rule,
+        lr_rule_source=source,
+        adam_option=adam_option,
+        dataset_size=dataset_size,
+        steps_per_epoch=steps_per_epoch,
+        partial_window=partial,
+        optimizer_steps=schedule.total,
+        warmup_steps=schedule.warmup_steps,
+        warmup_start_lr=schedule.start_lr,
+        decay_kind=recipe.schedule.decay.kind,
+        decay_milestones=schedule.milestones,
+        decay_factor=recipe.schedule.decay.factor,
+        decay_end_step=schedule.decay_end,
+        min_lr=schedule.min_lr,
+        batchnorm=batchnorm,
+        alternative=alternative,
+        warnings=warnings,
+        phases=schedule.phases,
+    )
+
+
+def check_arguments(recipe: Recipe, micro_batch_max: int, world_size: int, policy: str) -> None:
+    """The plan's own arguments, each refused with the option's name."""
     if micro_batch_max < 1:
         raise UserError(f"--micro-batch-max: must be >= 1 (got {micro_batch_max})")
     if world_size < 1:
         raise UserError(f"--world-size: must be >= 1 (got {world_size})")
     if policy not in ("exact", "fast", "throughput"):
         raise UserError(f"--policy: expected exact, fast or throughput (got {policy!r})")
-    split_policy, policy_name = ("exact" if policy == "throughput" else policy), policy
     paper_batch = recipe.batch.sequences
     if world_size > paper_batch:
         raise UserError(
             f"--world-size: {world_size} processes exceed the paper's effective batch of {paper_batch} "
             f"{recipe.batch.count_unit}: each process needs at least one"
         )
-    warnings: list[str] = []
+
+
+def choose_split(recipe: Recipe, micro_batch_max: int, world_size: int, policy: str, micro_batch: int | None,
+                 warnings: list[str]) -> tuple[Choice, Choice | None]:
+    """The main batch's split under `policy` (exact or fast) and the other policy's, when worth showing.
+
+    The micro-batch is capped at what the paper's batch needs per process; `micro_batch`, when given, is the exact
+    split's (the throughput search's choice)."""
+    paper_batch = recipe.batch.sequences
     cap = min(micro_batch_max, math.ceil(paper_batch / world_size))
     if cap < micro_batch_max:
         warnings.append(
@@ -153,7 +219,6 @@ def plan(
             raise UserError(f"micro_batch: {micro_batch} is not an exact split of {per_rank} per process at most {cap}")
         exact = choice(recipe, "exact", micro_batch, per_rank // micro_batch, world_size)
     fast = fast_choice(recipe, cap, world_size)
-    policy = split_policy
     chosen, alternative = (exact, None) if policy == "exact" else (fast, None)
     if policy == "exact" and exact is None:
         chosen = fast
@@ -165,12 +230,15 @@ def plan(
         alternative = fast
     elif policy == "fast" and exact is not None and exact.micro_batch != fast.micro_batch:
         alternative = exact
+    return chosen, alternative
 
-    batchnorm = _batchnorm_note(recipe, chosen.micro_batch)
+
+def scale_lr(recipe: Recipe, chosen: Choice, warnings: list[str]) -> tuple[str, str, AdamOption | None]:
+    """The LR rule for the chosen batch (`exact` when it is the paper's), its source, and Adam's beta/eps option."""
     rule, source = lr_rule(recipe, chosen.exact)
     if not chosen.exact:
         warnings.append(
-            f"effective batch {chosen.effective_batch} is not the paper's {paper_batch} "
+            f"effective batch {chosen.effective_batch} is not the paper's {recipe.batch.sequences} "
             f"(x{chosen.batch_factor:.4g}): LR {recipe.optimizer.lr:g} -> {chosen.lr:.6g} by the {rule} rule"
         )
     # Malladi et al.'s beta/eps changes are for Adam itself; LAMB's paper changed only the LR
@@ -178,33 +246,51 @@ def plan(
         _adam_option(recipe, chosen)
         if rule == "sqrt" and recipe.optimizer.family == "adam" and recipe.optimizer.name != "lamb" else None
     )
+    return rule, source, adam_option
 
-    dataset_size = dataset_size or recipe.data.train_size
-    steps_per_epoch, partial = epoch_steps(dataset_size, chosen.effective_batch, world_size, recipe.data.drop_last)
-    if dataset_size is not None:
-        full = dataset_size // chosen.effective_batch
-        keep_partial = not recipe.data.drop_last and partial >= world_size  # every process needs an item
-        if full == 0:
-            warnings.append(
-                f"an epoch ({dataset_size} {recipe.batch.count_unit}) is shorter than one optimizer step "
-                f"({chosen.effective_batch}): "
-                + ("with drop_last no step would ever run" if recipe.data.drop_last else "every step is partial")
-            )
-        elif partial:
-            what = (
-                "dropped (drop_last)" if recipe.data.drop_last
-                else f"normalised by the {partial} it holds" if keep_partial
-                else f"dropped: fewer than the {world_size} processes"
-            )
-            warnings.append(
-                f"the last window of each epoch holds {partial} of {chosen.effective_batch} "
-                f"{recipe.batch.count_unit}: {what}"
-            )
 
-    phases = plan_phases(recipe, maxima or micro_batch_max, world_size, dataset_size, sizes, policy, chosen,
-                         warnings)
-    segments = phases or [whole_segment(chosen, micro_batch_max, paper_batch, recipe.batch.sequence_length,
-                                        dataset_size, steps_per_epoch)]
+def warn_partial_epoch(recipe: Recipe, dataset_size: int | None, effective_batch: int, world_size: int, partial: int,
+                       warnings: list[str]) -> None:
+    """The warning for an epoch shorter than one optimizer step, or one that ends on a partial window."""
+    if dataset_size is None:
+        return
+    full = dataset_size // effective_batch
+    keep_partial = not recipe.data.drop_last and partial >= world_size  # every process needs an item
+    if full == 0:
+        warnings.append(
+            f"an epoch ({dataset_size} {recipe.batch.count_unit}) is shorter than one optimizer step "
+            f"({effective_batch}): "
+            + ("with drop_last no step would ever run" if recipe.data.drop_last else "every step is partial")
+        )
+    elif partial:
+        what = (
+            "dropped (drop_last)" if recipe.data.drop_last
+            else f"normalised by the {partial} it holds" if keep_partial
+            else f"dropped: fewer than the {world_size} processes"
+        )
+        warnings.append(
+            f"the last window of each epoch holds {partial} of {effective_batch} "
+            f"{recipe.batch.count_unit}: {what}"
+        )
+
+
+@dataclass(frozen=True)
+class StepsSchedule:
+    """The recipe's schedule in optimizer steps, as `schedule_in_steps` plans it, and the phases with theirs."""
+
+    total: int | None
+    warmup_steps: int
+    start_lr: float
+    milestones: list[int]
+    decay_end: int | None
+    min_lr: float
+    phases: list[Segment]
+
+
+def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, segments: list[Segment],
+                      phases: list[Segment], steps_per_epoch: int | None, warnings: list[str]) -> StepsSchedule:
+    """Every length of `schedule` (total, warm-up, milestones, end of decay) in optimizer steps over `segments`,
+    the warm-up's start LR and the minimum LR, and each phase's own schedule (`attach_phase_schedules`)."""
 
     def steps(length: Length | None, what: str) -> int | None:
         if length is None:
@@ -245,53 +331,22 @@ def plan(
         start_lr = warmup.start_lr
     elif warmup is not None and warmup.start_factor is not None:
         start_lr = warmup.start_factor * chosen.lr
+    return StepsSchedule(total=total, warmup_steps=warmup_steps, start_lr=start_lr, milestones=milestones,
+                         decay_end=decay_end, min_lr=min_lr, phases=phases)
 
+
+def warn_last(recipe: Recipe, batchnorm: str | None, schedule: StepsSchedule, warnings: list[str]) -> None:
+    """The warnings that close the list: BatchNorm over micro-batches, a batch phase the run never reaches, and the
+    recipe's own deviations from the paper."""
     if batchnorm:
         warnings.append(batchnorm)
-    for index, phase in enumerate(phases):
+    total = schedule.total
+    for index, phase in enumerate(schedule.phases):
         if total is not None and phase.start_step >= total and index:
             warnings.append(f"the batch of step {phase.start_step + 1} on ({phase.effective_batch}) is never reached: "
                             f"the run has {total} optimizer steps")
             break
     warnings.extend(f"deviation from the paper: {text.strip()}" for text in recipe.deviations)
-    return Plan(
-        recipe_path=recipe_path,
-        recipe=recipe,
-        policy=policy_name,
-        micro_batch_max=micro_batch_max,
-        micro_batch=chosen.micro_batch,
-        accumulation_steps=chosen.accumulation_steps,
-        world_size=world_size,
-        unit=recipe.batch.count_unit,
-        effective_batch=chosen.effective_batch,
-        effective_tokens=(
-            chosen.effective_batch * recipe.batch.sequence_length if recipe.batch.sequence_length else None
-        ),
-        paper_effective_batch=paper_batch,
-        exact=chosen.exact,
-        batch_factor=chosen.batch_factor,
-        base_lr=recipe.optimizer.lr,
-        lr=chosen.lr,
-        lr_factor=chosen.lr_factor,
-        lr_rule=rule,
-        lr_rule_source=source,
-        adam_option=adam_option,
-        dataset_size=dataset_size,
-        steps_per_epoch=steps_per_epoch,
-        partial_window=partial,
-        optimizer_steps=total,
-        warmup_steps=warmup_steps,
-        warmup_start_lr=start_lr,
-        decay_kind=decay.kind,
-        decay_milestones=milestones,
-        decay_factor=decay.factor,
-        decay_end_step=decay_end,
-        min_lr=min_lr,
-        batchnorm=batchnorm,
-        alternative=alternative,
-        warnings=warnings,
-        phases=phases,
-    )
 
 
 def _no_steps_message(recipe: Recipe, effective_batch: int, steps_per_epoch: int | None) -> str:

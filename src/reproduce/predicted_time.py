@@ -1,7 +1,9 @@
 """The predicted wall time of a plan (`reproduce plan`'s `predicted_seconds`): on a device the probe measured, the
 measured step time x the steps; with `--gpu`, the FLOPs model (prediction.py) with its assumed MFU stated; and the
-same model on the paper's own hardware (`batch.devices` x `batch.device`) when it is a GPU of the catalog. Values
-only, nothing printed; the FLOPs counter (probe/flops.py) imports torch when a prediction is made.
+same model on the paper's own hardware (`batch.devices` x `batch.device`) when it is a GPU of the catalog with a
+datasheet peak, with or without --gpu (which changes only `predicted_seconds`). Values only, nothing printed. The
+FLOPs counter (probe/flops.py) imports torch; its count per sample is kept in the probe's cache (keyed by the recipe
+and the libraries' versions), so planning the same recipe again imports no torch.
 """
 
 from __future__ import annotations
@@ -18,16 +20,15 @@ def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assume
                     data: dict | None = None) -> dict:
     """`predicted_seconds` (this plan), `paper_predicted_seconds` (the paper's hardware) and how they were made."""
     from .probe.catalog import lookup
-    from .probe.flops import recipe_flops
     from .probe.peaks import peaks_of, precision_key
 
     recipe = p.recipe
     notes: list[str] = []
-    flops = recipe_flops(recipe, data)
-    tf32 = flops.convolution_share > 0.5  # cuDNN runs fp32 convolutions on TF32 tensor cores by default
+    per_sample, convolution_share = sample_flops(recipe, data)
+    tf32 = convolution_share > 0.5  # cuDNN runs fp32 convolutions on TF32 tensor cores by default
     key = precision_key(recipe.precision, tf32)
     samples = total_samples(p)
-    out: dict = {"flops_per_sample": flops.per_sample, "flops_per_step": flops.per_sample * p.effective_batch,
+    out: dict = {"flops_per_sample": per_sample, "flops_per_step": per_sample * p.effective_batch,
                  "precision": key, "mfu_assumed": assumed_mfu, "mfu_source": MFU_SOURCE}
     this, basis = None, None
     measured = plan_costs(p, result).get(p.policy) if result is not None and result.meter != "estimate" else None
@@ -35,12 +36,13 @@ def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assume
         this, basis = measured.total_seconds, f"measured step time on {result.device}"
     elif gpu is not None or (result is not None and result.gpu):
         entry = lookup(gpu or result.gpu)
-        peak = _peak(peaks_of(entry.name), key)
-        this = _predict(samples, flops.per_sample, p.world_size, peak, assumed_mfu)
-        basis = f"FLOPs model: {p.world_size} x {entry.title} at {_tflops(peak)} {key} x MFU {assumed_mfu:.0%}"
+        on = on_card(key, entry)
+        peak = _peak(peaks_of(entry.name), on)
+        this = _predict(samples, per_sample, p.world_size, peak, assumed_mfu)
+        basis = f"FLOPs model: {p.world_size} x {entry.title} at {_tflops(peak)} {on} x MFU {assumed_mfu:.0%}"
         if peak is None:
             why = peaks_of(entry.name).source if peaks_of(entry.name) else "not in probe/peaks.py"
-            notes.append(f"{entry.title}: no datasheet peak for {key} in the catalog ({why}): no prediction")
+            notes.append(f"{entry.title}: no datasheet peak for {on} in the catalog ({why}): no prediction")
     else:
         notes.append("no prediction for this plan: give --gpu NAME, or probe a local device (--meter cuda or cpu)")
     if samples is None:
@@ -53,14 +55,65 @@ def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assume
         except UserError as error:
             notes.append(f"the paper's hardware: {error.lines[-1].removeprefix('--gpu: ')}")
         else:
-            peak = _peak(peaks_of(entry.name), key)
-            paper = _predict(samples, flops.per_sample, devices, peak, assumed_mfu)
-            paper_basis = f"FLOPs model: {devices} x {entry.title} at {_tflops(peak)} {key} x MFU {assumed_mfu:.0%}"
+            on = on_card(key, entry)
+            peak = _peak(peaks_of(entry.name), on)
+            paper = _predict(samples, per_sample, devices, peak, assumed_mfu)
+            paper_basis = f"FLOPs model: {devices} x {entry.title} at {_tflops(peak)} {on} x MFU {assumed_mfu:.0%}"
+            if peak is None:
+                why = peaks_of(entry.name).source if peaks_of(entry.name) else "not in probe/peaks.py"
+                notes.append(f"the paper's {entry.title}: no datasheet peak for {on} ({why}): no prediction")
     else:
         notes.append("the paper's hardware: batch.device and batch.devices are not both stated")
     out.update(predicted_seconds=this, predicted_basis=basis, paper_predicted_seconds=paper, paper_basis=paper_basis,
                notes=notes)
     return out
+
+
+def on_card(key: str, entry) -> str:
+    """The datasheet column on this card: before Ampere (compute capability 8.0) there are no TF32 tensor cores, and
+    cuDNN's TF32 default runs FP32 convolutions on the CUDA cores (the fp32 column)."""
+    return "fp32" if key == "tf32" and entry.capability < (8, 0) else key
+
+
+def paper_gpu(recipe):
+    """The catalog entry of the paper's hardware (`batch.device`, with `batch.devices` stated); None for a TPU, a
+    card not in the catalog, or hardware not stated."""
+    from .probe.catalog import lookup
+
+    if not (recipe.batch.device and recipe.batch.devices):
+        return None
+    try:
+        return lookup(recipe.batch.device)
+    except UserError:
+        return None
+
+
+def sample_flops(recipe, data: dict | None = None) -> tuple[float, float]:
+    """(FLOPs of one sample, the share in convolutions): probe/flops.py's count. With the recipe's own data
+    description (`data` None) it is kept in the probe's cache, keyed by the recipe and the versions of the libraries
+    that build the model, and read back without torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .probe import cache
+
+    key = None
+    if data is None:
+        versions = {}
+        for name in ("torch", "torchvision", "transformers", "peft"):
+            try:
+                versions[name] = version(name)
+            except PackageNotFoundError:
+                versions[name] = None
+        key = cache.cache_key({"sample_flops": recipe.model_dump(mode="json"), "versions": versions})
+        saved = cache.load(key) or {}
+        if all(isinstance(saved.get(k), (int, float)) for k in ("per_sample", "convolution_share")):
+            return float(saved["per_sample"]), float(saved["convolution_share"])
+    from .probe.flops import recipe_flops
+
+    flops = recipe_flops(recipe, data)
+    if key is not None:
+        cache.store(key, {"per_sample": flops.per_sample, "convolution_share": flops.convolution_share})
+    return flops.per_sample, flops.convolution_share
 
 
 def total_samples(p: Plan) -> float | None:
@@ -95,7 +148,7 @@ def predict(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: f
     """`prediction_json` when there is hardware to predict for (--gpu, or a probed device); else why not. A model
     the FLOPs counter cannot trace leaves the prediction null, never the plan undone."""
     check_mfu(assumed_mfu)
-    if gpu is None and result is None:
+    if gpu is None and result is None and paper_gpu(p.recipe) is None:  # nothing to predict for: no FLOPs counted
         return {"predicted_seconds": None, "paper_predicted_seconds": None,
                 "notes": ["no predicted time: give --gpu NAME (or let the plan probe a device) to predict one"]}
     try:

@@ -15,6 +15,7 @@ from ..errors import UserError
 from ..factory import remember_folder
 from ..planner import Plan
 from ..recipe import Recipe, load_recipe, parse_recipe, read_yaml
+from ..shipped import resolve_recipe
 from .messages import format_errors
 from .schema import DEFAULT_FOLDER, MAIN, Budget, CheckFile
 
@@ -61,7 +62,8 @@ def collect(paths: list[Path]) -> list[Path]:
     for path in paths:
         if default and not path.exists():
             problems.append(f"{path}: no such folder (the default: run where the {DEFAULT_FOLDER}/ folder of check "
-                            "files is, or give check files or folders)")
+                            "files is, or give check files or folders; --shipped runs the suite shipped with "
+                            "reproduce)")
             continue
         if path.is_dir():
             found = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
@@ -133,16 +135,23 @@ def load_check_file(path: Path) -> LoadedFile:
 
 
 def _resolve_recipe_path(name: str, check_path: Path) -> Path | None:
+    """Beside the check file, in the working directory, else a shipped recipe's name (`recipe: goyal2017-resnet50`)."""
     candidates = [Path(name)] if Path(name).is_absolute() else [check_path.parent / name, Path(name)]
-    return next((c for c in candidates if c.is_file()), None)
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        try:
+            found = resolve_recipe(name)
+        except UserError:
+            return None
+    return found
 
 
 def _load_recipe(name: str, check_path: Path, source: str, field_name: str, problems: list[str]):
     found = _resolve_recipe_path(name, check_path)
     if found is None:
         problems.append(
-            f"{source}: {field_name}: no recipe file {name!r} (looked beside the check file and in the working "
-            "directory)"
+            f"{source}: {field_name}: no recipe file {name!r} (looked beside the check file, in the working "
+            "directory and among the shipped recipes)"
         )
         return None
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -71,7 +72,17 @@ def write_reports(results: list[Result], seconds: float, junit: Path | None, sum
     if junit is not None:
         write_text_atomic(junit, junit_xml(results, seconds))
     if summary is not None:
-        write_text_atomic(summary, markdown(results, seconds))
+        if is_step_summary(summary):  # GitHub's job summary: appended to, as the other steps of the job do
+            with summary.open("a", encoding="utf-8") as out:
+                out.write(markdown(results, seconds))
+        else:
+            write_text_atomic(summary, markdown(results, seconds))
+
+
+def is_step_summary(path: Path) -> bool:
+    """Whether `path` is the file GitHub Actions gives this step for its job summary ($GITHUB_STEP_SUMMARY)."""
+    given = os.environ.get("GITHUB_STEP_SUMMARY")
+    return bool(given) and path.exists() and Path(given).exists() and path.resolve() == Path(given).resolve()
 
 
 def check_outputs(junit: Path | None, summary: Path | None, plots: Path | None, inputs: list[Path]) -> None:

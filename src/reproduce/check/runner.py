@@ -238,7 +238,7 @@ class Runner:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            return None, "no plot: matplotlib is not installed (pip install 'reproduce[plots]')"
+            return None, "no plot: matplotlib is not installed (pip install 'reproduce-large-batch[plots]')"
         from ..train.outputs import read_metrics
 
         figure, axis = plt.subplots(figsize=(7, 4))

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import typer
 
+from .help_layout import install
+
+install()  # --help keeps option names whole at 80 columns
+
 app = typer.Typer(
     name="reproduce",
     help=(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from enum import Enum
 from pathlib import Path
 
 import typer
@@ -20,24 +21,38 @@ from ..check import (
     run_checks,
     write_reports,
 )
+from ..check.annotations import github_annotations
+from ..errors import UserError
+from ..shipped import checks_folder, recipe_files
 from .app import app
 from .common import stdout
 
 STYLE = {"pass": "green", "fail": "bold red", "error": "bold magenta"}
 
 
+class Annotations(str, Enum):
+    github = "github"
+
+
 @app.command("check")
 def check_command(
     paths: list[Path] = typer.Argument(None, metavar="PATH", help="Check files or folders (default: reproduce/)."),
+    shipped: bool = typer.Option(
+        False, "--shipped", help="Run the suite shipped with reproduce (PATHs are then its file names: digits-mlp)."
+    ),
     junit: Path | None = typer.Option(None, "--junit", help="Write a JUnit XML report here (for CI test views)."),
     summary: Path | None = typer.Option(None, "--summary", help="Write a Markdown report here (a CI job summary)."),
     work: Path | None = typer.Option(None, "--work", help="Keep the runs in this folder (default: a temporary one)."),
     plots: Path | None = typer.Option(
         None, "--plots", help="Folder for comparison plots (default: plots/ beside --summary; needs matplotlib)."
     ),
+    annotations: Annotations | None = typer.Option(
+        None, "--annotations", help="github: print each failing check as a GitHub Actions ::error annotation on "
+        "its line of the check file."
+    ),
 ) -> None:
     """Run reproduction checks: plan invariants, gradient equivalence, metric thresholds, run comparisons."""
-    files = collect(list(paths or []))
+    files = collect(shipped_paths(list(paths or [])) if shipped else list(paths or []))
     loaded = load_all(files)  # every problem in every file, before anything runs: exit 2
     if plots is None and summary is not None:
         plots = summary.parent / "plots"
@@ -71,10 +86,28 @@ def check_command(
         cleanup(folder, temporary)
     write_reports(results, seconds, junit, summary)
     render(results, seconds)
+    if annotations is Annotations.github:
+        for line in github_annotations(loaded, results):
+            print(line, flush=True)
     for path, what in ((junit, "JUnit XML"), (html, "HTML report"), (summary, "Markdown summary")):
         if path is not None:
             stdout.print(f"{what} written to {path}", markup=False)
     raise typer.Exit(0 if all(r.passed for r in results) else 1)
+
+
+def shipped_paths(names: list[Path]) -> list[Path]:
+    """--shipped: the shipped suite's folder, or its files of these names (`digits-mlp`, `digits-mlp.yaml`)."""
+    folder = checks_folder()
+    if folder is None:
+        raise UserError("--shipped: no check files were shipped with this installation of reproduce")
+    if not names:
+        return [folder]
+    shipped = {p.stem: p for p in recipe_files(folder)}
+    stems = [n.stem if n.suffix in (".yaml", ".yml") else n.name for n in names]
+    missing = [str(n) for n, stem in zip(names, stems, strict=True) if stem not in shipped or len(n.parts) > 1]
+    if missing:
+        raise UserError(f"--shipped: no shipped check file {', '.join(missing)} (they are: {', '.join(shipped)})")
+    return [shipped[stem] for stem in stems]
 
 
 def render(results, seconds: float) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from rich.console import Console
+
+from ..shipped import described, resolve_recipe
 
 # Off a terminal (CI logs) rich would wrap at 80 columns; give tables room instead.
 _WIDTH = None if sys.stdout.isatty() else 120
@@ -19,3 +22,12 @@ def is_terminal() -> bool:
 def show_note(line: str) -> None:
     """A line the core hands back about how it reached its answer (the probe's result, a timing), on stderr."""
     stderr.print(line, markup=False)
+
+
+def recipe_argument(given: Path, what: str = "recipe", say: bool = True) -> Path:
+    """The file a RECIPE (or PLAN_OR_RECIPE) argument names: a file, else a recipe's name (shipped/); with `say`, a
+    name is said on stderr with the file it read."""
+    path = resolve_recipe(given, what)
+    if say and path != given:
+        stderr.print(f"recipe {given}: {described(path, given)}", markup=False)
+    return path

@@ -23,13 +23,14 @@ from ..builtin_names import MODELS, why_not_runnable
 from ..errors import UserError
 from ..probe import cache
 from ..recipe import Recipe, load_recipe
+from ..shipped import described, is_shipped, papers_folder, recipe_files
 from ..units import format_count
 from .app import app
 from .common import is_terminal, stdout
 
 NANOGPT_DEFAULTS = {"block_size": 1024, "n_embd": 768}  # models.nanogpt.GPTConfig's (read here without torch)
 LIST_WIDTH = 165  # off a terminal (CI logs, pipes): room for every column of the list on one line
-DIR_HELP = "Folder of recipes (default: ./papers if present, else the papers/ shipped with reproduce)."
+DIR_HELP = "Folder of recipes (default: ./papers if present, else the recipes shipped with reproduce)."
 
 papers_app = typer.Typer(
     help="The shipped paper recipes: list them, or `show NAME` for one.",
@@ -39,24 +40,19 @@ papers_app = typer.Typer(
 app.add_typer(papers_app, name="papers")
 
 
-def shipped_dir() -> Path:
-    """The papers/ folder of this checkout (src/reproduce/cli/papers.py -> the repository root)."""
-    return Path(__file__).resolve().parents[3] / "papers"
-
-
 def papers_dir(given: Path | None) -> Path:
     if given is not None:
         if not given.is_dir():
             raise UserError(f"--dir: {given} is not a folder")
         return given
-    for folder in (Path.cwd() / "papers", shipped_dir()):
-        if folder.is_dir() and any(folder.glob("*.yaml")):
-            return folder
-    raise UserError("--dir: no papers/ folder here or beside reproduce's source; give --dir FOLDER")
-
-
-def recipe_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.glob("*.y*ml") if p.suffix in (".yaml", ".yml"))
+    here = Path("papers")
+    if here.is_dir() and recipe_files(here):
+        return here
+    folder = papers_folder()
+    if folder is None:
+        raise UserError("--dir: no papers/ folder here, and no recipes shipped with this installation of reproduce; "
+                        "give --dir FOLDER")
+    return folder
 
 
 def find_recipe(name: str, folder: Path) -> Path:
@@ -237,7 +233,9 @@ def show_command(
         stdout.print(f"  [yellow]deviation from the paper:[/] {escape(deviation.strip())}", soft_wrap=True)
     here = "[green]runnable[/]" if status == "runnable" else f"[yellow]plan-only[/] ({escape(why)})"
     stdout.print(f"  here: {here}")
-    shown = path if not path.is_absolute() else _relative(path)
+    stdout.print(f"  file: {escape(described(path, name))}", soft_wrap=True)
+    # the name works from any folder when it is the shipped file; a file of the user's is shown by its path
+    shown = path.stem if is_shipped(path) and not Path(name).exists() else _relative(path)
     found = re.search(r"--micro-batch-max (\d+)", text)  # the recipe's own header suggests one
     micro = found.group(1) if found else "32"
     stdout.print(f"  plan it: reproduce plan {shown} --micro-batch-max {micro}", markup=False)
@@ -266,6 +264,8 @@ def model_line(recipe: Recipe, counts: tuple[int, int] | None) -> str:
 
 
 def _relative(path: Path) -> Path:
+    if not path.is_absolute():
+        return path
     try:
         return path.relative_to(Path.cwd())
     except ValueError:

@@ -18,9 +18,10 @@ from ..prediction import DEFAULT_MFU
 from ..recipe import load_recipe
 from ..segments import batch_phases
 from ..session import apply_memory, apply_sharding, factory_data_size, plan_and_probe
+from ..shipped import described
 from ..throughput_plan import check_mfu
 from .app import app
-from .common import show_note, stderr, stdout
+from .common import recipe_argument, show_note, stderr, stdout
 from .options import (
     CHECKPOINTING_HELP,
     GPU_HELP,
@@ -49,7 +50,7 @@ from .throughput import FREE_BATCHNORM_HELP, MFU_HELP, render_prediction, render
 @app.command("plan")
 def plan_command(
     recipe_path: Path = typer.Argument(
-        ..., metavar="RECIPE", help="The paper's recipe, e.g. papers/goyal2017-resnet50.yaml."
+        ..., metavar="RECIPE", help="The paper's recipe: a file, or a shipped recipe's name (goyal2017-resnet50)."
     ),
     micro_batch_max: int | None = typer.Option(None, "--micro-batch-max", min=1, help=MICRO_BATCH_MAX_HELP),
     world_size: int = typer.Option(1, "--world-size", min=1, help=WORLD_SIZE_HELP),
@@ -77,6 +78,8 @@ def plan_command(
     Without --micro-batch-max the largest micro-batch is probed: on this GPU, or for --memory / --gpu.
     Exit code 3 when not even micro-batch 1 fits (what the step needs and what would make it fit are printed).
     """
+    quiet = as_json or emit_format is not None  # the table's first line says which file it read
+    recipe_path = recipe_argument(recipe_path, say=quiet)
     if out is not None:
         check_writable(out, "--out", protect=(recipe_path,))
     if emit_format is not None:
@@ -87,7 +90,6 @@ def plan_command(
     recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, value_of(offload))
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     data, size = factory_data_size(recipe)
-    quiet = as_json or emit_format is not None
     planned = plan_and_probe(
         recipe, str(recipe_path), micro_batch_max, world_size, policy.value, size, probe=options, data=data,
         keep_batchnorm=not free_batchnorm, on_note=None if quiet else show_note,
@@ -108,6 +110,7 @@ def plan_command(
                        paper_predicted_seconds=prediction.get("paper_predicted_seconds"), prediction=prediction)
         print(json.dumps(summary, indent=2))
         return
+    stdout.print(f"recipe: {described(recipe_path, recipe_path)}", markup=False, soft_wrap=True)
     render_plan(the_plan)
     render_throughput(the_plan)
     if result is not None:

@@ -17,7 +17,7 @@ from ..recipe import load_recipe, with_data_paths
 from ..session import apply_memory, apply_sharding, does_not_fit
 from ..units import format_size
 from .app import app
-from .common import stderr, stdout
+from .common import recipe_argument, stderr, stdout
 from .options import (
     CHECKPOINTING_HELP,
     GPU_HELP,
@@ -43,7 +43,9 @@ WORLD_SIZE_HELP = "Number of data-parallel processes: the probe needs no micro-b
 
 @app.command("probe")
 def probe_command(
-    recipe_path: Path = typer.Argument(..., metavar="RECIPE", help="The paper's recipe, e.g. papers/digits-mlp.yaml."),
+    recipe_path: Path = typer.Argument(
+        ..., metavar="RECIPE", help="The paper's recipe: a file, or a shipped recipe's name (digits-mlp)."
+    ),
     memory: str | None = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
     gpu: str | None = typer.Option(None, "--gpu", metavar="NAME", help=GPU_HELP),
     meter: MeterName = typer.Option(MeterName.auto, "--meter", help=METER_HELP),
@@ -63,6 +65,7 @@ def probe_command(
     Exit code 0 with an answer, 2 for bad input, 3 when not even micro-batch 1 fits (what the step needs
     and what would make it fit are printed).
     """
+    recipe_path = recipe_argument(recipe_path)
     recipe = with_data_paths(load_recipe(recipe_path), data_path, None, str(recipe_path))
     recipe = with_quantized_base(recipe, value_of(quantize), str(recipe_path))
     recipe = apply_sharding(recipe, value_of(sharding), world_size)

@@ -22,7 +22,7 @@ from ..session import check_launch_policy, check_sharded_probe, memory_for_run, 
 from ..sharding import check_sharding
 from ..train.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from .app import app
-from .common import is_terminal, show_note, stderr, stdout
+from .common import is_terminal, recipe_argument, show_note, stderr, stdout
 from .options import (
     CHECKPOINTING_HELP,
     GPU_HELP,
@@ -137,7 +137,7 @@ class RichReporter(PlainReporter):
         self.progress.stop()
 
 
-SOURCE_HELP = "A plan file from `reproduce plan --out`, or a recipe."
+SOURCE_HELP = "A plan file from `reproduce plan --out`, or a recipe (a file or a shipped recipe's name)."
 OUT_HELP = "Folder for plan.yaml, metrics.jsonl, checkpoints/, model.pt and summary.json."
 SEED_HELP = "Seed for initialisation, data order and dropout (default: the recipe's seed)."
 SKIP_HELP = "Skip optimizer steps whose loss or gradient is not finite, instead of stopping."
@@ -223,6 +223,7 @@ def run_command(
     from ..train import distributed  # torch is imported only by the commands that train
     from ..train.trainer import RunOptions, train
 
+    source = recipe_argument(source, "plan or recipe")
     trackers = parse_log_to(log_to, tensorboard)
     check_trackers(trackers)  # a missing package: one line, before anything is planned or trained
     world = distributed.world_from_env()

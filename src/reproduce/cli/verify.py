@@ -16,7 +16,7 @@ from ..planfile import load_recipe_or_plan
 from ..recipe import with_data_paths
 from ..session import apply_memory, make_plan
 from .app import app
-from .common import show_note, stdout
+from .common import recipe_argument, show_note, stdout
 from .options import (
     CHECKPOINTING_HELP,
     MICRO_BATCH_MAX_HELP,
@@ -46,7 +46,9 @@ class Dtype(str, Enum):
 
 @app.command("verify")
 def verify_command(
-    source: Path = typer.Argument(..., metavar="RECIPE_OR_PLAN", help="A recipe, or a plan file from `plan --out`."),
+    source: Path = typer.Argument(
+        ..., metavar="RECIPE_OR_PLAN", help="A recipe (a file or a shipped recipe's name), or a plan from `plan --out`."
+    ),
     micro_batch_max: int | None = typer.Option(None, "--micro-batch-max", min=1, help=MICRO_BATCH_MAX_HELP),
     world_size: int = typer.Option(1, "--world-size", min=1, help=WORLD_SIZE_HELP),
     policy: Policy = typer.Option(Policy.exact, "--policy", help=POLICY_HELP),
@@ -67,6 +69,7 @@ def verify_command(
 
     if tolerance is not None and not tolerance > 0:
         raise UserError(f"--tolerance: must be > 0 (got {tolerance})")
+    source = recipe_argument(source, "recipe or plan")
     recipe, the_plan = load_recipe_or_plan(source)
     recipe = apply_memory(with_data_paths(recipe, data_path, None, str(source)), activation_checkpointing)
     recipe = with_quantized_base(recipe, value_of(quantize), str(source))

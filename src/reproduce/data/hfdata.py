@@ -31,8 +31,8 @@ def _datasets():
     try:
         import datasets
     except ImportError:
-        raise UserError("data.format: hf-datasets needs the datasets package (pip install 'reproduce[datasets]')"
-                        ) from None
+        raise UserError("data.format: hf-datasets needs the datasets package "
+                        "(pip install 'reproduce-large-batch[datasets]')") from None
     return datasets
 
 

@@ -100,8 +100,8 @@ def model_notes(plan: Plan) -> list[str]:
 
 
 def memory_notes(plan: Plan) -> list[str]:
-    """The memory knobs of the recipe (reproduce/memory_options.py), with the code that sets them as `reproduce run`
-    does (models/checkpointing.py, train/fsdp.py)."""
+    """The memory knobs of the recipe (reproduce/memory_options.py), with the code that sets them as
+    `reproduce run` does (models/checkpointing.py, train/fsdp.py)."""
     recipe, notes = plan.recipe, []
     if recipe.model.activation_checkpointing:
         notes.append(

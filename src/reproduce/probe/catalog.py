@@ -94,6 +94,8 @@ GPUS = {
         Gpu("v100-32gb", "NVIDIA V100 32GB", 32, "HBM2", "volta", _NVIDIA + "v100/"),
         Gpu("v100-16gb", "NVIDIA V100 16GB", 16, "HBM2", "volta", _NVIDIA + "v100/"),
         Gpu("p100-16gb", "NVIDIA Tesla P100 16GB", 16, "HBM2", "pascal", _NVIDIA + "tesla-p100/"),
+        Gpu("p100-sxm2", "NVIDIA Tesla P100 SXM2 16GB", 16, "HBM2", "pascal", _NVIDIA + "tesla-p100/"),
+        Gpu("p100-pcie", "NVIDIA Tesla P100 PCIe 16GB", 16, "HBM2", "pascal", _NVIDIA + "tesla-p100/"),
         Gpu("rtx4090", "NVIDIA GeForce RTX 4090", 24, "GDDR6X", "ada",
             "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/rtx-4090/"),
         Gpu("rtx4080", "NVIDIA GeForce RTX 4080", 16, "GDDR6X", "ada",
@@ -112,6 +114,8 @@ GPUS = {
 ALIASES = {
     "v100": "v100-16gb",  # the V100 launched with 16 GB; the 32 GB card is always written as such
     "a100": "a100-40gb",  # nanoGPT's shakespeare-char "1 A100": the 40 GB card of its GPT-2 run (any A100 fits it)
+    "p100-sxm2-16gb": "p100-sxm2",  # torch.cuda.get_device_name()'s "Tesla P100-SXM2-16GB"
+    "p100-pcie-16gb": "p100-pcie",
 }
 NOT_GPUS = ("tpu",)  # accelerators the estimate cannot model (not CUDA: other kernels, other memory)
 

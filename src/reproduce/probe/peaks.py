@@ -74,6 +74,11 @@ PEAKS = {
     # NVIDIA Tesla P100 datasheet: 732 GB/s for the 16GB cards; FP32 10.6 (SXM2) or 9.3 (PCIe) TFLOPS: the catalog
     # does not say which card, so the rates are unknown.
     "p100-16gb": Peaks(None, None, None, None, 732 * G, "NVIDIA Tesla P100 datasheet (SXM2 or PCIe rates differ)"),
+    # NVIDIA Tesla P100 datasheet: "P100 for NVLink-optimized servers" (SXM2) FP32 10.6 TFLOPS, "P100 for PCIe-based
+    # servers" 9.3 TFLOPS; 732 GB/s for both 16GB cards. Pascal has no tensor cores (so no TF32, BF16, or FP16 with
+    # FP32 accumulation: its printed 21.2 / 18.7 half-precision TFLOPS accumulate in FP16, which PyTorch does not use).
+    "p100-sxm2": Peaks(10.6 * T, None, None, None, 732 * G, "NVIDIA Tesla P100 datasheet, P100 SXM2 (NVLink)"),
+    "p100-pcie": Peaks(9.3 * T, None, None, None, 732 * G, "NVIDIA Tesla P100 datasheet, P100 PCIe 16GB"),
     # NVIDIA Ada GPU architecture whitepaper, RTX 4090: FP32 82.6 TFLOPS, TF32 82.6, FP16/BF16 with FP32 accumulate
     # 165.2 (dense); 1,008 GB/s.
     "rtx4090": Peaks(82.6 * T, 82.6 * T, 165.2 * T, 165.2 * T, 1008 * G, "NVIDIA Ada GPU architecture whitepaper"),
@@ -108,7 +113,8 @@ _DEVICE_NAMES = (
     (("h100", "nvl"), "h100-nvl"), (("h100", "pcie"), "h100-pcie"), (("h100",), "h100-sxm"),
     (("a100",), "a100"), (("l40s",), "l40s"), (("l4",), "l4"), (("a10g",), "a10g"), (("a40",), "a40"),
     (("a10",), "a10"), (("rtx a6000",), "rtx-a6000"), (("t4",), "t4"), (("v100", "pcie"), None),
-    (("v100",), "v100"), (("rtx 4090",), "rtx4090"), (("rtx 4080",), "rtx4080"), (("rtx 3090",), "rtx3090"),
+    (("v100",), "v100"), (("p100", "sxm2"), "p100-sxm2"), (("p100", "pcie"), "p100-pcie"), (("rtx 4090",), "rtx4090"),
+    (("rtx 4080",), "rtx4080"), (("rtx 3090",), "rtx3090"),
     (("rtx 3080",), "rtx3080-10gb"), (("mi300x",), "mi300x"),
 )
 

@@ -28,7 +28,7 @@ def matplotlib_missing() -> str | None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return "no plots: matplotlib is not installed (pip install 'reproduce[plots]')"
+        return "no plots: matplotlib is not installed (pip install 'reproduce-large-batch[plots]')"
     return None
 
 

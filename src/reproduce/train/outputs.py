@@ -90,7 +90,7 @@ def plot_metrics(metrics_path: Path, png: Path) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "no loss plot: matplotlib is not installed (pip install 'reproduce[plots]')"
+        return "no loss plot: matplotlib is not installed (pip install 'reproduce-large-batch[plots]')"
     records = [r for r in read_metrics(metrics_path) if "loss" in r]  # not the out-of-memory event lines
     figure, axis = plt.subplots(figsize=(7, 4))
     axis.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")

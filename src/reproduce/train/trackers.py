@@ -60,7 +60,8 @@ def check_trackers(names: list[str]) -> None:
             importlib.import_module(_MODULES[name])
         except ImportError:
             raise UserError(f"--log-to {name}: the {_PACKAGES[name]} package is not installed; install the extra: "
-                            f"pip install 'reproduce[{name}]' (metrics.jsonl has the same numbers)") from None
+                            f"pip install 'reproduce-large-batch[{name}]' (metrics.jsonl has the same numbers)"
+                            ) from None
 
 
 def numeric(record: dict) -> dict[str, float]:
