@@ -68,3 +68,15 @@ def test_alpaca_lora_plans_its_own_four_by_thirty_two_on_an_int8_base_on_one_rtx
     trial = paper_trial("tloen2023-alpaca-lora")
     assert trial.fits
     assert 6.4e9 < trial.parts["step"]["weights"] < 7.7e9  # 6.48B int8 weights + their scales + 0.26B fp32
+
+
+@pytest.mark.slow
+def test_qlora_guanaco_7b_four_per_device_fit_a_48_gb_card():
+    """QLoRA's Guanaco 7B (nf4, double quantisation, r 64 on every linear layer, gradient checkpointing, paged
+    AdamW): the script's 4 a micro-batch fit the 48 GB RTX A6000 with room to spare (docs/papers.md)."""
+    pytest.importorskip("bitsandbytes")
+    recipe = load_recipe(PAPERS / "dettmers2023-qlora-guanaco-7b.yaml")
+    assert recipe.model.quantize == "nf4" and recipe.optimizer.paged and recipe.model.activation_checkpointing
+    trial = paper_trial("dettmers2023-qlora-guanaco-7b")
+    assert trial.fits and trial.peak_bytes < 16 * 2**30
+    assert 4.5e9 < trial.parts["step"]["weights"] < 5.5e9  # nf4 linear layers, fp32 embeddings, head, adapters
