@@ -245,23 +245,3 @@ def _dequantized_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     weight = bnb_functional.dequantize_4bit(self.weight.data, self.weight.quant_state).to(self.compute_dtype)
     bias = None if self.bias is None else self.bias.to(self.compute_dtype)
     return nn.functional.linear(x.to(self.compute_dtype), weight, bias).to(x.dtype)
-
-
-def quantized_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of the quantised weights and of their scales and states (what `plan` reports of a quantised base)."""
-    bnb = sys.modules.get("bitsandbytes")
-    if bnb is None:
-        return {}
-    weights = scales = 0
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear8bitLt):
-            weights += module.weight.numel()
-            scb = module.weight.SCB if module.weight.SCB is not None else module.state.SCB
-            scales += scb.numel() * scb.element_size() if scb is not None else 0
-        elif isinstance(module, bnb.nn.Linear4bit):
-            weights += module.weight.numel() * module.weight.element_size()
-            state = module.weight.quant_state
-            for tensor in (state.absmax, state.code, *((state.state2.absmax, state.state2.code) if state.nested
-                                                       else ())):
-                scales += tensor.numel() * tensor.element_size()
-    return {"weights": weights, "scales": scales}
