@@ -94,7 +94,8 @@ def test_the_cycle_finder_finds_one():
 
 
 def test_the_plan_core_imports_no_torch_and_no_cli():
-    core = ["reproduce.recipe", "reproduce.validation", "reproduce.split", "reproduce.segments", "reproduce.phases",
+    core = ["reproduce.recipe", "reproduce.batchnorm",
+            "reproduce.validation", "reproduce.split", "reproduce.segments", "reproduce.phases",
             "reproduce.schedules", "reproduce.planner", "reproduce.planfile", "reproduce.launch"]
     for name in core:
         imported = {target for target, _ in _imports(name)}

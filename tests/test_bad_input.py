@@ -296,8 +296,8 @@ CASES = [
     Case(
         "data-format-unknown",
         mutate({"data.format": "webdataset"}),
-        ["error: {path}: data.format: expected one of 'imagefolder', 'tokens', 'instructions' or 'hf-datasets'",
-         "(got 'webdataset')"],
+        ["error: {path}: data.format: expected one of 'imagefolder', 'tokens', 'instructions', 'hf-datasets' or "
+         "'segmentation'", "(got 'webdataset')"],
     ),
     Case(
         "data-format-without-path",
@@ -471,14 +471,15 @@ CASES = [
     ),
     Case(
         "probe-tokens-without-length",
-        mutate({"task": "language-modeling", "model": {"builtin": "gpt2-124m"}, "data.name": "web-text"}),
+        mutate({"task": "language-modeling", "model": {"builtin": "gpt2-124m"}, "data.name": "web-text",
+                "reported": DELETE}),
         ["error: batch.sequence_length: needed to probe with synthetic tokens", "data.max_length"],
         args=("--gpu", "rtx4090"),
     ),
     Case(
         "probe-sequence-longer-than-the-model",
         mutate({"task": "language-modeling", "model": {"builtin": "gpt2-124m"}, "data.name": "web-text",
-                "data.max_length": 4096}),
+                "data.max_length": 4096, "reported": DELETE}),
         ["error: data.max_length: 4096 tokens is longer than gpt2-124m takes (1024 positions)"],
         args=("--gpu", "rtx4090"),
     ),

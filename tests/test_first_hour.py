@@ -288,7 +288,7 @@ def test_the_hint_keeps_torchruns_options(tmp_path, monkeypatch):
 def test_the_run_puts_its_eval_loss_beside_the_papers(tmp_path, capsys):
     data = char_tokens(tmp_path / "char", 65)
     recipe = dict(CHAR_RECIPE, reported=[{"metric": "val_loss", "value": 1.4697, "split": "val"},
-                                         {"metric": "bleu", "value": 70.4, "split": "test"}])
+                                         {"metric": "bleu", "value": 70.4, "split": "test", "evaluated": False}])
     path = write(tmp_path / "char.yaml", recipe)
     code, printed, err = cli(capsys, "run", path, "--out", tmp_path / "out", "--data", data, "--device", "cpu",
                              "--micro-batch-max", "16", "--max-steps", "2")
@@ -305,7 +305,7 @@ def test_reported_metrics_are_matched_by_metric_split_and_scale():
         {"metric": "top1_error", "value": 23.74, "split": "val", "tolerance": 0.09},
         {"metric": "top1_accuracy", "value": 0.9},
         {"metric": "top1_accuracy", "value": 81.8, "split": "test"},
-        {"metric": "glue_average", "value": 79.6, "split": "val"},
+        {"metric": "glue_average", "value": 79.6, "split": "val", "evaluated": False},
     ]))
     rows = compare_reported(recipe, {"eval_accuracy": 0.75, "loss": 1.0}, 300, 300)
     assert [(r["metric"], round(r["run"], 6)) for r in rows] == [("top1_error", 25.0), ("top1_accuracy", 0.75)]

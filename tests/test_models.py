@@ -87,7 +87,8 @@ def test_every_named_architecture_is_registered_and_published():
     from_torchvision = {name for name, arch in MODELS.items() if isinstance(arch, TorchvisionClassifier)}
     assert from_torchvision == set(builtin_names.TORCHVISION_MODELS)
     papers = {row[0] for row in PUBLISHED}
-    assert papers | {"gpt3-small"} == set(MODELS) - set(builtin_names.SMALL_MODELS)
+    segmentation = set(builtin_names.SEGMENTATION_MODELS)  # their sizes: tests/test_segmentation_models.py
+    assert papers | {"gpt3-small"} | segmentation == set(MODELS) - set(builtin_names.SMALL_MODELS)
     with torch.device("meta"):  # GPT-3 Small: GPT-2 124M with 2048 positions and the unpadded vocabulary
         assert abs(everything(MODELS["gpt3-small"]()) - 125e6) <= TOLERANCE * 125e6  # Brown et al. Table 2.1
 
@@ -118,6 +119,11 @@ def test_paper_builds_its_model_and_synthetic_batch(path):
         assert inputs.shape == target.shape == (2, length) and inputs.dtype == torch.int64
         assert length <= fixed["context"] and int(inputs.max()) < fixed["vocab_size"] == info["vocab_size"]
         assert last_linear(model).out_features == fixed["vocab_size"]  # logits over the whole vocabulary
+    elif recipe.task == "segmentation":  # the training crop, a mask of class ids each; the logits per pixel
+        height, width = recipe.data.crop
+        assert inputs.shape == (2, 3, height, width) and target.shape == (2, height, width)
+        assert int(target.max()) < recipe.data.classes == info["classes"]
+        assert [m for m in model.modules() if isinstance(m, nn.Conv2d)][-1].out_channels == recipe.data.classes
     else:
         assert inputs.shape == (2, 3, 224, 224) and target.shape == (2,)
         if recipe.task == "classification":

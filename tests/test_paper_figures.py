@@ -116,6 +116,17 @@ FIGURES = [
     # GPT-3 Small 125M [P]; the batch ramp's steps may not depend on the micro-batch.
     Figures("brown2020-gpt3-small", (524_288, "tokens"), total_tokens=300e9, warmup_tokens=375e6, decay="cosine",
             parameters=125e6),
+    # Chen et al. 2017 (DeepLabV3) sec. 4.1: "batch size of 16" [P], "30K iterations" [P] at "initial learning rate =
+    # 0.007" [P], "poly" (1 - iter / max_iter)^0.9 [P]: 0.007 x 0.5^0.9 = 0.0037512 at 15K [D]; no warm-up stated.
+    Figures("chen2017-deeplabv3", (16, "samples"), total=30_000, warmup=0, decay="polynomial",
+            lr={0: 0.007, 15_000: 0.007 * 0.5**0.9}),
+    # its second stage: "another 30K iterations and smaller base learning rate = 0.001" [P], the same poly [P].
+    Figures("chen2017-deeplabv3-stage2", (16, "samples"), total=30_000, warmup=0, decay="polynomial",
+            lr={0: 0.001, 15_000: 0.001 * 0.5**0.9}),
+    # MMSegmentation deeplabv3_r50-d8_4xb2-40k_cityscapes-512x1024: 4 x 2 [C], max_iters 40000 [C], lr 0.01 [C], PolyLR
+    # power 0.9 to eta_min 1e-4 [C] (MMEngine: eta_min + (lr - eta_min) x (1 - t / T)^0.9): 0.0054053 at 20K [D].
+    Figures("mmseg-deeplabv3-r50-4xb2-cityscapes", (8, "samples"), total=40_000, warmup=0, decay="polynomial",
+            lr={0: 0.01, 20_000: 1e-4 + (0.01 - 1e-4) * 0.5**0.9}),
 ]
 BY_NAME = {figures.name: figures for figures in FIGURES}
 

@@ -16,12 +16,15 @@ if TYPE_CHECKING:
 
 SMALL_MODELS = ("mlp", "cnn-bn", "cnn-gn", "gpt")  # reproduce.models.small
 TORCHVISION_MODELS = ("resnet50", "vit-b16", "deit-b")  # the papers' architectures (reproduce.models.architectures)
+SEGMENTATION_MODELS = (  # torchvision's segmentation models (reproduce.models.segmentation)
+    "deeplabv3-resnet50", "deeplabv3-resnet101", "fcn-resnet50", "lraspp-mobilenet-v3-large",
+)
 TRANSFORMERS_MODELS = (
     "mae-vit-large-patch16", "gpt2-124m", "gpt3-small", "gpt2-medium", "gpt-char", "bert-base", "bert-large",
     "roberta-base", "llama-7b",
 )
 TORCH_MODELS = ("nanogpt",)  # written here in torch alone (reproduce.models.nanogpt)
-MODELS = SMALL_MODELS + TORCHVISION_MODELS + TRANSFORMERS_MODELS + TORCH_MODELS
+MODELS = SMALL_MODELS + TORCHVISION_MODELS + SEGMENTATION_MODELS + TRANSFORMERS_MODELS + TORCH_MODELS
 LOSSES = ("mae-masked-pixel-mse", "bert-mlm-nsp")
 DATA = ("digits", "pysource", "pysource-pairs", "text-pairs")
 TORCH_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "adafactor", "lars", "lamb")  # lars, lamb: train/large_batch.py
@@ -68,7 +71,7 @@ def why_not_runnable(recipe: Recipe) -> str | None:
     model, data = recipe.model, recipe.data
     if model.builtin is not None and model.builtin not in MODELS:
         return f"no built-in model {model.builtin}"
-    if model.builtin in TORCHVISION_MODELS and not _module_found("torchvision:models"):
+    if model.builtin in TORCHVISION_MODELS + SEGMENTATION_MODELS and not _module_found("torchvision:models"):
         return f"torchvision is not installed ({model.builtin})"
     if model.builtin in TRANSFORMERS_MODELS and not _module_found("transformers:AutoModel"):
         return f"transformers is not installed ({model.builtin})"

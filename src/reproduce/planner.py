@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
 from .errors import UserError
 from .phases import attach_phase_schedules, first_own_schedule_step, plan_phases
 from .recipe import Length, Recipe
@@ -66,7 +67,8 @@ class Plan(Frozen):
     decay_factor: float
     decay_end_step: int | None
     min_lr: float
-    batchnorm: str | None = None
+    batchnorm: str | None = None  # the warning when BatchNorm's batch is not the paper's
+    norm: BatchNormPlan | None = None  # BatchNorm: the run's BN batch against the paper's, the options (batchnorm/)
     alternative: Choice | None = None
     warnings: list[str] = []
     # batch.phases / batch.ramp: the batch each stretch of optimizer steps takes (empty: the batch above throughout;
@@ -112,13 +114,15 @@ def plan(
     dataset_size: int | Mapping[int | None, int] | None = None,
     recipe_path: str | None = None,
     micro_batch: int | None = None,
+    batchnorm_layers: int | None = None,
 ) -> Plan:
     """The plan for `recipe` on `world_size` processes that each fit `micro_batch_max` samples.
 
     With batch phases the micro-batch that fits, and the training samples, depend on the sequence length: both may
     be given per length ({sequence_length: value}); a single number holds for every length. Policy `throughput` is
     `exact` with the micro-batch `micro_batch` (the exact split the throughput search chose,
-    reproduce/throughput.py) when given, else the largest.
+    reproduce/throughput.py) when given, else the largest. `batchnorm_layers`: the BatchNorm layers the torch layer
+    counted in the built model (built-ins are known without it; otherwise the recipe's label stands in).
 
     It reads as its steps: the main batch's values, the checks, the split, its LR, the epoch, the batch phases, the
     schedule in optimizer steps, the last warnings. Every step appends its warnings to one list, in this order.
@@ -134,6 +138,7 @@ def plan(
     split_policy = "exact" if policy == "throughput" else policy  # throughput: exact, its micro-batch chosen
     warnings: list[str] = []
     chosen, alternative = choose_split(recipe, micro_batch_max, world_size, split_policy, micro_batch, warnings)
+    norm, batchnorm = plan_norm(recipe, chosen, micro_batch_max, world_size, batchnorm_layers, warnings)
     rule, source, adam_option = scale_lr(recipe, chosen, warnings)
     dataset_size = dataset_size or recipe.data.train_size
     steps_per_epoch, partial = epoch_steps(dataset_size, chosen.effective_batch, world_size, recipe.data.drop_last)
@@ -143,8 +148,7 @@ def plan(
     segments = phases or [whole_segment(chosen, micro_batch_max, recipe.batch.sequences, main_length, dataset_size,
                                         steps_per_epoch)]
     schedule = schedule_in_steps(recipe, recipe_path, chosen, segments, phases, steps_per_epoch, warnings)
-    batchnorm = _batchnorm_note(recipe, chosen.micro_batch)
-    warn_last(recipe, batchnorm, schedule, warnings)
+    warn_last(recipe, batchnorm, schedule, warnings, norm)
     return Plan(
         recipe_path=recipe_path,
         recipe=recipe,
@@ -177,6 +181,7 @@ def plan(
         decay_end_step=schedule.decay_end,
         min_lr=schedule.min_lr,
         batchnorm=batchnorm,
+        norm=norm,
         alternative=alternative,
         warnings=warnings,
         phases=schedule.phases,
@@ -231,6 +236,18 @@ def choose_split(recipe: Recipe, micro_batch_max: int, world_size: int, policy: 
     elif policy == "fast" and exact is not None and exact.micro_batch != fast.micro_batch:
         alternative = exact
     return chosen, alternative
+
+
+def plan_norm(recipe: Recipe, chosen: Choice, micro_batch_max: int, world_size: int, batchnorm_layers: int | None,
+              warnings: list[str]) -> tuple[BatchNormPlan | None, str | None]:
+    """BatchNorm (reproduce/batchnorm/): the run's BN batch against the paper's and the options, the warning when
+    they differ (added by `warn_last`), and the line when the recipe's label disagrees with the model."""
+    cap = min(micro_batch_max, math.ceil(recipe.batch.sequences / world_size))
+    norm = plan_batchnorm(recipe, chosen.micro_batch, cap, world_size, batchnorm_layers)
+    disagreement = label_disagreement(recipe.model, batchnorm_layers)
+    if disagreement:
+        warnings.append(disagreement)
+    return norm, _batchnorm_note(norm)
 
 
 def scale_lr(recipe: Recipe, chosen: Choice, warnings: list[str]) -> tuple[str, str, AdamOption | None]:
@@ -335,11 +352,14 @@ def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, s
                          decay_end=decay_end, min_lr=min_lr, phases=phases)
 
 
-def warn_last(recipe: Recipe, batchnorm: str | None, schedule: StepsSchedule, warnings: list[str]) -> None:
-    """The warnings that close the list: BatchNorm over micro-batches, a batch phase the run never reaches, and the
-    recipe's own deviations from the paper."""
+def warn_last(recipe: Recipe, batchnorm: str | None, schedule: StepsSchedule, warnings: list[str],
+              norm: BatchNormPlan | None = None) -> None:
+    """The warnings that close the list: BatchNorm over micro-batches (and the BN choice's own lines), a batch phase
+    the run never reaches, and the recipe's own deviations from the paper."""
     if batchnorm:
         warnings.append(batchnorm)
+    if norm is not None:
+        warnings.extend(norm.lines[1:])
     total = schedule.total
     for index, phase in enumerate(schedule.phases):
         if total is not None and phase.start_step >= total and index:
@@ -371,17 +391,18 @@ def _adam_option(recipe: Recipe, choice: Choice) -> AdamOption:
     )
 
 
-def _batchnorm_note(recipe: Recipe, micro: int) -> str | None:
-    if not recipe.model.has_batchnorm:
+def _batchnorm_note(norm: BatchNormPlan | None) -> str | None:
+    """The warning when BatchNorm normalises over another batch than the paper's (None when it is the paper's, or
+    when the run's model has no batch statistics)."""
+    if norm is None or norm.run_batch is None or norm.run_batch == norm.paper_batch:
         return None
-    per_device = recipe.batch.per_device
-    if per_device == micro:
-        return None
-    paper = f"the paper's per-device {per_device}" if per_device else "the paper's per-device batch (not stated)"
-    return (
-        f"BatchNorm statistics will be computed over micro-batches of {micro} samples instead of {paper}: "
-        "normalisation and running statistics differ from the paper's"
-    )
+    paper = (f"the paper's {norm.paper_batch}" if norm.paper_batch and norm.paper_mode == "sync" else
+             f"the paper's per-device {norm.paper_batch}" if norm.paper_batch else
+             "the paper's per-device batch (not stated)")
+    over = (f"micro-batches of {norm.micro_batch} samples" if norm.mode == "keep" else
+            f"{norm.processes} synced micro-batches of {norm.micro_batch} = {norm.run_batch} samples")
+    return (f"BatchNorm statistics will be computed over {over} instead of {paper}: normalisation and running "
+            "statistics differ from the paper's" + (" (see the BatchNorm options)" if norm.options else ""))
 
 
 def needs_train_size(recipe_path: str | None, what: str) -> str:

@@ -11,13 +11,19 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from .batchnorm import MODES, batchnorm_in_run
 from .errors import UserError
 from .validation import format_validation_errors, read_yaml
+
+# the built-ins that read model.output_stride and model.aux_weight (builtin_names.SEGMENTATION_MODELS, which imports
+# this module: tests/test_segmentation_models.py keeps the two equal)
+SEGMENTATION_MODELS = ("deeplabv3-resnet50", "deeplabv3-resnet101", "fcn-resnet50", "lraspp-mobilenet-v3-large")
 
 OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lamb", "lars", "adafactor")
 SGD_FAMILY = ("sgd", "nesterov", "lars")
 ADAM_FAMILY = ("adam", "adamw", "lamb", "adafactor")
 NORM_LAYERS = ("batchnorm", "layernorm", "rmsnorm", "groupnorm", "none")
+BATCHNORM_CHOICES = MODES  # model.batchnorm: keep | sync | frozen | group (batchnorm/__init__.py)
 LENGTH_UNITS = ("steps", "epochs", "samples", "tokens")
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
 QUANTIZED_BASES = ("int8", "nf4")  # bitsandbytes' LLM.int8() and 4-bit NormalFloat (models/quantize.py)
@@ -310,6 +316,27 @@ class Model(Builder):
     hf: str | None = Field(default=None, description="Hugging Face model name or local folder")
     kind: Literal["causal-lm", "sequence-classification"] | None = None
     norm_layers: Names[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
+    batchnorm: Literal[BATCHNORM_CHOICES] = Field(  # type: ignore[valid-type]
+        default="keep", description="BatchNorm when the micro-batch is below the paper's BN batch: keep (per "
+        "micro-batch), sync (SyncBatchNorm over the processes, CUDA), frozen (FrozenBatchNorm2d), group (GroupNorm, "
+        "a deviation); models/normalization.py",
+    )
+    paper_batchnorm: Literal[BATCHNORM_CHOICES] | None = Field(  # type: ignore[valid-type]
+        default=None, description="how the paper normalised when the run's model.batchnorm differs (what "
+        "--batchnorm records; default: model.batchnorm)",
+    )
+    batchnorm_momentum: float | None = Field(
+        default=None, gt=0, lt=1, description="PyTorch's BatchNorm momentum for the running statistics, 1 - the "
+        "decay TensorFlow papers give (DeepLabV3's decay 0.9997: 0.0003); default: each layer's own (0.1)",
+    )
+    output_stride: Literal[8, 16] | None = Field(
+        default=None, description="segmentation models: input size / feature size, by dilating ResNet's last "
+        "stages (torchvision's default 8)",
+    )
+    aux_weight: float | None = Field(
+        default=None, ge=0, description="segmentation models: build the auxiliary head (FCN on ResNet's layer3) "
+        "and weigh its loss by this (MMSegmentation: 0.4); not given: no auxiliary head",
+    )
     dtype: Literal[WEIGHT_DTYPES] = "fp32"  # type: ignore[valid-type]
     lora: Lora | None = None
     quantize: Literal[QUANTIZED_BASES] | None = Field(  # type: ignore[valid-type]
@@ -342,14 +369,25 @@ class Model(Builder):
         if self.quantize is not None and self.lora is None:
             raise ValueError(f"quantize: an {self.quantize} base cannot train (its weights are frozen integers); add "
                              "lora: {r: ..., target_modules: [...]} so that adapters train on top of it")
+        segmentation = ", ".join(SEGMENTATION_MODELS)
+        if self.output_stride is not None and self.builtin not in SEGMENTATION_MODELS:
+            raise ValueError(f"output_stride: only for the segmentation built-ins ({segmentation}); give your own "
+                             "model's through model.kwargs")
+        if self.aux_weight is not None and self.builtin is not None and self.builtin not in SEGMENTATION_MODELS:
+            raise ValueError(f"aux_weight: {self.builtin} has no auxiliary head (the segmentation built-ins do: "
+                             f"{segmentation}; or your own model returning {{'out': ..., 'aux': ...}})")
         return self
 
     @property
     def has_batchnorm(self) -> bool:
-        return "batchnorm" in self.norm_layers
+        """The run's model normalises by batch statistics: BatchNorm layers found in the model (a built-in's known
+        count; else the label), kept or synced (batchnorm/__init__.py)."""
+        return batchnorm_in_run(self)
 
 
-DATA_FORMATS = ("imagefolder", "tokens", "instructions", "hf-datasets")
+DATA_FORMATS = ("imagefolder", "tokens", "instructions", "hf-datasets", "segmentation")
+SEGMENTATION_LAYOUTS = ("voc", "images-masks")
+DEFAULT_IGNORE_INDEX = 255  # the mask value that bears no loss (VOC's borders, Cityscapes' void), as in MMSegmentation
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32", "int64")
 # hf-datasets: which columns hold what; one of these sets of keys (`input` is optional beside instruction/output)
 HF_COLUMN_SETS = ({"text"}, {"instruction", "output"}, {"instruction", "input", "output"}, {"image", "label"},
@@ -361,6 +399,13 @@ FORMAT_FIELDS = {
     "template": ("instructions", "hf-datasets"),
     "tokenizer": ("instructions", "hf-datasets"),
     "columns": ("hf-datasets",),
+    "layout": ("segmentation",),
+    "crop": ("segmentation",),
+    "scale": ("segmentation",),
+    "flip": ("segmentation",),
+    "pad": ("segmentation",),
+    "split": ("segmentation",),
+    "eval_split": ("segmentation",),
 }
 
 
@@ -374,7 +419,8 @@ class Data(Builder):
     # is not on this machine (defaults for the datasets the papers use come from the data's name).
     image_size: int | None = Field(default=None, gt=0, description="image height and width in pixels")
     channels: int | None = Field(default=None, gt=0, description="image channels (3 for RGB)")
-    classes: int | None = Field(default=None, gt=1, description="number of classes (classification)")
+    classes: int | None = Field(default=None, gt=1, description="number of classes (classification; segmentation: "
+                                "the mask's class ids 0 .. classes - 1, background included: 21 for Pascal VOC)")
     max_length: int | None = Field(
         default=None, gt=0, description="longest sequence in tokens (variable-length text is truncated to it)"
     )
@@ -387,6 +433,56 @@ class Data(Builder):
     template: Literal["alpaca"] | None = None
     tokenizer: str | None = Field(default=None, description="a local tokenizer folder (tokenizer.json)")
     columns: dict[str, str] | None = None
+    # format segmentation (docs/segmentation.md): images with a mask of class ids each, cut and flipped together
+    layout: Literal[SEGMENTATION_LAYOUTS] | None = Field(  # type: ignore[valid-type]
+        default=None, description="segmentation: voc (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/) or "
+        "images-masks (images/ and masks/ of the same names); default: found from the folder")
+    crop: tuple[int, int] | None = Field(
+        default=None, description="segmentation: the training crop, [height, width] or one side (513, [512, 1024])")
+    scale: tuple[float, float] | None = Field(
+        default=None, description="segmentation: the random rescale range before the crop, [low, high] (the papers' "
+        "[0.5, 2.0]); default: no rescale")
+    flip: bool | None = Field(default=None, description="segmentation: random horizontal flip (default true)")
+    pad: bool | None = Field(
+        default=None, description="segmentation: pad an image smaller than the crop (image 0 after normalisation, mask "
+        "ignore_index), as DeepLabV3 and MMSegmentation do; default false: such an image is an error")
+    ignore_index: int | None = Field(
+        default=None, ge=0, description="segmentation: the mask value that bears no loss and no metric (default 255)")
+    split: str | None = Field(default=None, min_length=1, description="segmentation, voc layout: the training list "
+                              "ImageSets/Segmentation/SPLIT.txt (default train; DeepLabV3: trainaug)")
+    eval_split: str | None = Field(default=None, min_length=1, description="segmentation, voc layout: the evaluation "
+                                   "list (default val), read from eval_path's folder, or path's")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_side(cls, value: Any) -> Any:
+        """`crop: 513` reads as [513, 513]."""
+        if isinstance(value, dict) and isinstance(value.get("crop"), int) and not isinstance(value["crop"], bool):
+            value = {**value, "crop": [value["crop"], value["crop"]]}
+        return value
+
+    @model_validator(mode="after")
+    def _segmentation_fields(self) -> Data:
+        if self.crop is not None and min(self.crop) <= 0:
+            raise ValueError(f"crop: height and width must be > 0 (got {list(self.crop)})")
+        if self.scale is not None and not 0 < self.scale[0] <= self.scale[1]:
+            raise ValueError(f"scale: expected [low, high] with 0 < low <= high (got {list(self.scale)})")
+        if self.layout == "images-masks" and (self.split or self.eval_split):
+            name = "split" if self.split else "eval_split"
+            raise ValueError(f"{name}: only used with layout voc (its ImageSets/Segmentation/ lists); images-masks "
+                             "reads every image of images/ (the evaluation folder: eval_path)")
+        if self.format == "segmentation" and self.crop is None:
+            raise ValueError("crop: required for segmentation data: the training crop every sample is cut to "
+                             "(513 for DeepLabV3 on VOC, [512, 1024] for MMSegmentation on Cityscapes)")
+        return self
+
+    @property
+    def flips(self) -> bool:
+        return self.flip is not False
+
+    @property
+    def pads(self) -> bool:
+        return bool(self.pad)
 
     @model_validator(mode="after")
     def _has_source(self) -> Data:
@@ -573,6 +669,19 @@ class Reported(Strict):
     split: str | None = None
     tolerance: float | None = Field(default=None, ge=0)
     notes: str | None = None
+    evaluated: bool = Field(
+        default=True, description="false: a figure the run does not measure (a downstream benchmark, BLEU after "
+        "generation), kept as documentation; true: one of the metrics the task evaluates, compared with the run's")
+
+
+LOSS_METRICS = ("val_loss", "eval_loss", "loss")
+# The `reported:` metrics the run evaluates, by task (reported.py puts them beside the run's values)
+REPORTED_METRICS = {
+    "classification": (*LOSS_METRICS, "top1_accuracy", "accuracy", "top1_error", "eval_accuracy"),
+    "language-modeling": LOSS_METRICS,
+    "custom": LOSS_METRICS,
+    "segmentation": (*LOSS_METRICS, "miou", "pixel_accuracy", "eval_miou", "eval_pixel_accuracy"),
+}
 
 
 # The evaluation metrics a plateau decay can watch, by task (train/evaluation.evaluate; eval_error = 1 - eval_accuracy)
@@ -580,6 +689,7 @@ PLATEAU_METRICS = {
     "classification": ("eval_loss", "eval_accuracy", "eval_error"),
     "language-modeling": ("eval_loss",),
     "custom": ("eval_loss",),
+    "segmentation": ("eval_loss", "eval_miou", "eval_pixel_accuracy"),
 }
 
 
@@ -591,7 +701,7 @@ class Evaluation(Strict):
 class Recipe(Strict):
     paper: Paper | None = None
     batch: Batch
-    task: Literal["classification", "language-modeling", "custom"]
+    task: Literal["classification", "language-modeling", "custom", "segmentation"]
     model: Model
     data: Data
     loss: Builder | None = None
@@ -647,8 +757,39 @@ class Recipe(Strict):
                 if length is not None and length.tokens is not None:
                     raise ValueError(f"{name}: counted in tokens, which needs batch.sequence_length")
         self._check_data_format()
+        self._check_segmentation()
         self._check_plateau()
+        self._check_reported()
         return self
+
+    @property
+    def ignore_index(self) -> int:
+        """Task segmentation: the mask value that bears no loss and no metric."""
+        given = self.data.ignore_index
+        return DEFAULT_IGNORE_INDEX if given is None else given
+
+    def _check_segmentation(self) -> None:
+        data = self.data
+        if self.task != "segmentation":
+            if data.ignore_index is not None:
+                raise ValueError(f"data.ignore_index: only used with task segmentation (task is {self.task})")
+            return
+        if data.classes is None:
+            raise ValueError("data.classes: required for task segmentation: the class ids 0 .. classes - 1 a mask "
+                             "holds, background included (21 for Pascal VOC, 19 for Cityscapes)")
+        if self.ignore_index < data.classes:
+            raise ValueError(f"data.ignore_index: {self.ignore_index} is one of the {data.classes} class ids "
+                             f"0 .. {data.classes - 1}; the ignored value must be none of them (255 by default)")
+
+    def _check_reported(self) -> None:
+        """A reported metric the run evaluates is one the task computes; any other says `evaluated: false`."""
+        known = REPORTED_METRICS[self.task]
+        for index, reported in enumerate(self.reported):
+            if reported.evaluated and reported.metric not in known:
+                raise ValueError(
+                    f"reported.{index}.metric: unknown metric {reported.metric!r} for task {self.task}, which "
+                    f"evaluates {', '.join(known)}; a figure the run does not measure (a downstream benchmark) "
+                    "says evaluated: false")
 
     def _check_plateau(self) -> None:
         """A plateau decay watches an evaluation metric: evaluations must happen, and report that metric."""
@@ -674,6 +815,8 @@ class Recipe(Strict):
             return
         if data.format == "hf-datasets":
             task = "language-modeling" if data.text_columns else "classification"
+        elif data.format == "segmentation":
+            task = "segmentation"
         else:
             task = "classification" if data.format == "imagefolder" else "language-modeling"
         if self.task != "custom" and self.task != task:

@@ -2,7 +2,8 @@
 
 A reported metric is compared only when the run measured the same thing on the same split: the evaluation
 data is the paper's validation split (`val`, `validation`, `dev`, or no split stated), and the metric is one the
-run computes (its eval loss, or its eval accuracy as top-1 accuracy or error, in the paper's scale). No torch.
+run computes (its eval loss, or its eval accuracy as top-1 accuracy or error, or segmentation's mIoU and pixel
+accuracy, in the paper's scale; recipe.REPORTED_METRICS by task). No torch.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ METRICS: dict[str, tuple[str, str, Callable[[float, float], float]]] = {
     "loss": ("eval_loss", "eval loss", lambda paper, value: value),
     "top1_accuracy": ("eval_accuracy", "eval top-1 accuracy", _percent_or_fraction),
     "accuracy": ("eval_accuracy", "eval accuracy", _percent_or_fraction),
+    "eval_accuracy": ("eval_accuracy", "eval accuracy", _percent_or_fraction),
     "top1_error": ("eval_accuracy", "eval top-1 error", lambda paper, value: _percent_or_fraction(paper, 1 - value)),
+    "miou": ("eval_miou", "eval mIoU", _percent_or_fraction),
+    "pixel_accuracy": ("eval_pixel_accuracy", "eval pixel accuracy", _percent_or_fraction),
+    "eval_miou": ("eval_miou", "eval mIoU", _percent_or_fraction),
+    "eval_pixel_accuracy": ("eval_pixel_accuracy", "eval pixel accuracy", _percent_or_fraction),
 }
 
 
@@ -36,7 +42,7 @@ def compare_reported(recipe: Recipe, final: dict, step: int, planned_steps: int 
     for reported in recipe.reported:
         known = METRICS.get(reported.metric)
         split = reported.split.lower() if reported.split else None
-        if known is None or split not in EVAL_SPLITS or known[0] not in final:
+        if known is None or not reported.evaluated or split not in EVAL_SPLITS or known[0] not in final:
             continue
         key, label, scale = known
         rows.append({"metric": reported.metric, "split": reported.split, "paper": reported.value,

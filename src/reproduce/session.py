@@ -108,10 +108,26 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
         chosen = throughput_plan(recipe, recipe_path, micro_batch_max, world_size, dataset_size, result, data=data,
                                  keep_batchnorm=keep_batchnorm, gpu=probe.gpu if probe else None, on_note=note)
         return Planned(chosen, result, notes)
-    the_plan = plan(recipe, micro_batch_max, world_size, policy, dataset_size=dataset_size, recipe_path=recipe_path)
+    counted = count_factory_batchnorm(recipe, data)
+    the_plan = plan(recipe, micro_batch_max, world_size, policy, dataset_size=dataset_size, recipe_path=recipe_path,
+                    batchnorm_layers=counted)
     if memory:  # the memory knobs the plan took, or the ways it weighed (probe/memory_plan.py)
         the_plan = the_plan.model_copy(update={"memory": memory})
     return Planned(the_plan, result, notes)
+
+
+def count_factory_batchnorm(recipe: Recipe, data: dict | None) -> int | None:
+    """The BatchNorm layers of the user's factory model, counted on the meta device (built-ins are known without
+    torch: batchnorm/); None for other models, or a factory that cannot be built before its data is (its label then
+    stands in, and the run counts the built model; the plan never fails for want of counting)."""
+    if recipe.model.factory is None:
+        return None
+    from .models import counted_batchnorm  # imports torch: only for a factory model
+
+    try:
+        return counted_batchnorm(recipe, (data or {}).get("info"))
+    except Exception:  # not importable here, or needs its data's shape: the run builds it (and says what fails)
+        return None
 
 
 def phase_probes(recipe: Recipe) -> dict[int | None, Recipe]:

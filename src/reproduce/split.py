@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from .batchnorm import preferred_micro_batch
 from .recipe import Recipe
 
 RULE_SOURCES = {
@@ -66,8 +67,8 @@ def exact_choice(recipe: Recipe, cap: int, world_size: int) -> Choice | None:
     if paper_batch % world_size:
         return None
     per_rank = paper_batch // world_size
-    per_device = recipe.batch.per_device
-    if recipe.model.has_batchnorm and per_device and per_device <= cap and per_rank % per_device == 0:
+    per_device = preferred_micro_batch(recipe, world_size)  # the paper's BN batch (per device, or over the processes)
+    if per_device and per_device <= cap and per_rank % per_device == 0:
         micro = per_device
     else:
         micro = next(m for m in range(cap, 0, -1) if per_rank % m == 0)

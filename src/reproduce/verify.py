@@ -31,7 +31,7 @@ from .errors import UserError
 from .models import build_model, has_batchnorm
 from .planner import Plan
 from .segments import length_sizes
-from .train.losses import build_loss
+from .train.losses import PixelLoss, build_loss
 from .train.setup import Setup, resolve_device
 from .train.step import optimizer_step
 from .train.windows import epoch_order, window
@@ -234,6 +234,10 @@ def verify(
         return fetch_seeded(train_set, indices, seed)
 
     micro_batches = [to_device(fetch(i), torch_device, param_dtype) for i in indices]
+    if isinstance(setup.loss, PixelLoss):  # what the window's count normalises: each micro-batch's valid pixels
+        counts = [setup.loss.count(target) for _, target in micro_batches]
+        notes.append(f"valid pixels (not ignore_index) per micro-batch: {', '.join(map(str, counts))}; every one is "
+                     f"divided by the window's {sum(counts)}")
     recomputed = None
     if recipe.model.activation_checkpointing:  # the same masks in the recomputation (dropout on): recompute_check.py
         from .recompute_check import recomputation_error

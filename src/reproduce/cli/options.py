@@ -32,6 +32,13 @@ class Quantize(str, Enum):
     nf4 = "nf4"
 
 
+class BatchNormChoice(str, Enum):
+    keep = "keep"
+    sync = "sync"
+    frozen = "frozen"
+    group = "group"
+
+
 class Offload(str, Enum):
     none = "none"
     cpu = "cpu"
@@ -70,6 +77,12 @@ QUANTIZE_HELP = (
 )
 OFFLOAD_HELP = (
     "With --sharding fsdp: cpu keeps parameters, gradients and optimizer state in CPU memory (batch.offload)."
+)
+
+BATCHNORM_HELP = (
+    "BatchNorm when the micro-batch is below the paper's BN batch (model.batchnorm): keep (per micro-batch), sync "
+    "(SyncBatchNorm over the --world-size CUDA processes), frozen (FrozenBatchNorm2d: fixed statistics, for "
+    "pretrained weights), group (GroupNorm, a deviation). The plan prints the BN batch against the paper's."
 )
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from ..batchnorm import with_batchnorm
 from ..export import FORMATS, check_format, emit
 from ..memory_options import memory_summary, with_quantized_base
 from ..plan_cost import cost_lines, costs_json, plan_costs
@@ -23,6 +24,7 @@ from ..throughput_plan import check_mfu
 from .app import app
 from .common import recipe_argument, show_note, stderr, stdout
 from .options import (
+    BATCHNORM_HELP,
     CHECKPOINTING_HELP,
     GPU_HELP,
     HEADROOM_HELP,
@@ -36,6 +38,7 @@ from .options import (
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
     WORLD_SIZE_HELP,
+    BatchNormChoice,
     MeterName,
     Offload,
     Policy,
@@ -72,6 +75,7 @@ def plan_command(
     sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
     quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
 ) -> None:
     """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps.
 
@@ -88,6 +92,7 @@ def plan_command(
     recipe = with_quantized_base(load_recipe(recipe_path), value_of(quantize), str(recipe_path))
     recipe = apply_sharding(recipe, value_of(sharding), world_size)
     recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, value_of(offload))
+    recipe = with_batchnorm(recipe, value_of(batchnorm))
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     data, size = factory_data_size(recipe)
     planned = plan_and_probe(
@@ -199,6 +204,8 @@ def render_plan(p: Plan) -> None:
     knobs = memory_summary(r)
     if knobs:
         table.add_row("memory", "", "; ".join(knobs))
+    if p.norm is not None:
+        table.add_row("BatchNorm", *batchnorm_cells(p))
     stdout.print(table)
     for line in p.memory:
         stdout.print(line, markup=False, soft_wrap=True)
@@ -209,8 +216,30 @@ def render_plan(p: Plan) -> None:
             f"[bold]alternative[/] --policy {alt.policy}: {alt.arithmetic} {unit}"
             + ("" if alt.exact else f" (x{alt.batch_factor:.4g} the paper's batch, lr {alt.lr:.6g})")
         )
+    if p.norm is not None:
+        stdout.print(p.norm.lines[0], markup=False, soft_wrap=True)
+        for option in p.norm.options:
+            stdout.print(f"  BatchNorm option: {option}", markup=False, soft_wrap=True)
     for warning in p.warnings:
         stderr.print(f"[yellow]warning:[/] {warning}")
+
+
+def batchnorm_cells(p: Plan) -> tuple[str, str]:
+    """The BatchNorm row: the paper's choice and BN batch, and the run's (per device and synced)."""
+    norm = p.norm
+    batch = p.recipe.batch
+    paper = {"frozen": "frozen BN, no BN batch", "group": "GroupNorm, no BN batch"}.get(norm.paper_mode) or (
+        f"BN batch {norm.paper_batch}" + (f" (SyncBN: {batch.per_device} x {batch.devices})"
+                                          if norm.paper_mode == "sync" else " per device")
+        if norm.paper_batch else "BN batch not stated")
+    if norm.mode == "sync":
+        run = f"sync, BN batch {norm.micro_batch} x {norm.processes} = {norm.run_batch}"
+    elif norm.mode == "keep":
+        run = f"keep, BN batch {norm.run_batch} per device (not synced)"
+    else:
+        run = f"{norm.mode}, no BN batch"
+    layers = f"{norm.layers} BatchNorm layers" if norm.layers is not None else "BatchNorm (label)"
+    return paper, f"{run}; {layers}"
 
 
 def plateau_cells(p: Plan) -> tuple[str, str]:

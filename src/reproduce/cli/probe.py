@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from ..batchnorm import with_batchnorm
 from ..memory_options import with_quantized_base
 from ..plan_cost import cost_lines, costs_json, plan_costs
 from ..planner import Plan, plan
@@ -19,6 +20,7 @@ from ..units import format_size
 from .app import app
 from .common import recipe_argument, stderr, stdout
 from .options import (
+    BATCHNORM_HELP,
     CHECKPOINTING_HELP,
     GPU_HELP,
     HEADROOM_HELP,
@@ -29,6 +31,7 @@ from .options import (
     QUANTIZE_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
+    BatchNormChoice,
     MeterName,
     Offload,
     Quantize,
@@ -59,6 +62,7 @@ def probe_command(
     sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
     quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
 ) -> None:
     """Measure the largest micro-batch whose full training step fits one device's memory.
 
@@ -70,6 +74,7 @@ def probe_command(
     recipe = with_quantized_base(recipe, value_of(quantize), str(recipe_path))
     recipe = apply_sharding(recipe, value_of(sharding), world_size)
     recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, value_of(offload))
+    recipe = with_batchnorm(recipe, value_of(batchnorm))
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     result = run_probe(recipe, str(recipe_path), options, world_size, on_trial=None if as_json else show_trial)
     the_plan = plan(recipe, result.micro_batch_max, world_size) if result.micro_batch_max else None
@@ -140,7 +145,25 @@ def render_probe(result: ProbeResult, the_plan: Plan | None) -> None:
     for note in result.notes:
         stdout.print(f"note: {note}", markup=False, soft_wrap=True)
     if the_plan is not None:
+        render_batchnorm(the_plan, result)
         render_costs(the_plan, result)
+
+
+def render_batchnorm(the_plan: Plan, result: ProbeResult) -> None:
+    """What micro-batch each BatchNorm choice needs: the paper's BN batch per device against what fits (and what
+    the fitted line says it would peak at), sync's over the processes, none for group and frozen."""
+    norm = the_plan.norm
+    if norm is None:
+        return
+    stdout.print(norm.summary, markup=False, soft_wrap=True)
+    target, line = norm.paper_batch, result.line
+    if target and target > (result.micro_batch_max or 0) and line is not None:
+        peak = line.intercept_bytes + line.bytes_per_sample * target
+        stdout.print(f"BatchNorm: the paper's BN batch of {target} on one device would peak at about "
+                     f"{format_size(peak)} (fitted line) against the limit of {format_size(result.limit_bytes)}",
+                     markup=False, soft_wrap=True)
+    for option in norm.options:
+        stdout.print(f"  BatchNorm option: {option}", markup=False, soft_wrap=True)
 
 
 def render_costs(the_plan: Plan, result: ProbeResult) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from ..batchnorm import batchnorm_for_run
 from ..errors import UserError
 from ..phases import phase_lines
 from ..planner import Plan
@@ -24,6 +25,7 @@ from ..train.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse
 from .app import app
 from .common import is_terminal, recipe_argument, show_note, stderr, stdout
 from .options import (
+    BATCHNORM_HELP,
     CHECKPOINTING_HELP,
     GPU_HELP,
     HEADROOM_HELP,
@@ -37,6 +39,7 @@ from .options import (
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
     WORLD_SIZE_HELP,
+    BatchNormChoice,
     MeterName,
     Offload,
     Policy,
@@ -181,6 +184,16 @@ def _launch(command: list[str]) -> int:
             signal.signal(signum, handler)
 
 
+def check_sync_batchnorm(recipe, processes: int, device: str) -> None:
+    """`model.batchnorm: sync` refused before anything is built or launched: one process, or no CUDA device."""
+    if recipe.model.batchnorm != "sync":
+        return
+    from ..train.distributed import World
+    from ..train.setup import check_batchnorm, resolve_device
+
+    check_batchnorm("sync", World(size=processes), resolve_device(device))
+
+
 @app.command("run")
 def run_command(
     source: Path = typer.Argument(..., metavar="PLAN_OR_RECIPE", help=SOURCE_HELP),
@@ -216,6 +229,7 @@ def run_command(
     sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
     quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
@@ -236,6 +250,8 @@ def run_command(
         recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path,
                                        value_of(quantize))
         recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
+        recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))
+        check_sync_batchnorm(recipe, nproc_per_node * nnodes, device)
         check_sharding(recipe, nproc_per_node * nnodes)
         check_sharded_probe(recipe, plan, micro_batch_max, meter.value)
         check_launch_policy(policy.value, plan, nproc_per_node * nnodes)
@@ -246,7 +262,7 @@ def run_command(
              "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
              "--data": data_path, "--eval-data": eval_data_path, "--workers": workers,
              "--log-to": ",".join(trackers) or None, "--offload": offload.value if offload is not None else None,
-             "--quantize": value_of(quantize)},
+             "--quantize": value_of(quantize), "--batchnorm": value_of(batchnorm)},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
              "--no-noise-scale": no_noise_scale, "--stop-on-divergence": stop_on_divergence,
              "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients},
@@ -259,6 +275,8 @@ def run_command(
         world_size = world.size
     recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, value_of(quantize))
     recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
+    recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))
+    check_sync_batchnorm(recipe, world.size, device)
     check_sharding(recipe, world.size)
     check_sharded_probe(recipe, plan, micro_batch_max, meter.value)
     data = build_data(recipe)
@@ -305,6 +323,8 @@ def run_command(
     line += f", final loss {final['loss']:.4f}"
     if "eval_accuracy" in final:
         line += f", eval accuracy {final['eval_accuracy']:.4f}"
+    if "eval_miou" in final:
+        line += f", eval mIoU {final['eval_miou']:.4f}, pixel accuracy {final['eval_pixel_accuracy']:.4f}"
     if "eval_loss" in final:
         line += f", eval loss {final['eval_loss']:.4f}"
     if summary.get("data_share") is not None:

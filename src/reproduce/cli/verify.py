@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from ..batchnorm import batchnorm_for_run
 from ..errors import UserError
 from ..memory_options import with_quantized_base
 from ..planfile import load_recipe_or_plan
@@ -18,11 +19,13 @@ from ..session import apply_memory, make_plan
 from .app import app
 from .common import recipe_argument, show_note, stdout
 from .options import (
+    BATCHNORM_HELP,
     CHECKPOINTING_HELP,
     MICRO_BATCH_MAX_HELP,
     POLICY_HELP,
     QUANTIZE_HELP,
     WORLD_SIZE_HELP,
+    BatchNormChoice,
     Policy,
     Quantize,
     value_of,
@@ -61,6 +64,7 @@ def verify_command(
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
 ) -> None:
     """Compare the plan's accumulated gradient with the one-pass gradient: exit 0 equivalent, 1 not."""
     from ..data import build_data  # torch is imported only by the commands that need it
@@ -75,6 +79,7 @@ def verify_command(
     recipe = with_quantized_base(recipe, value_of(quantize), str(source))
     if the_plan is not None:
         the_plan = the_plan.model_copy(update={"recipe": recipe})
+    recipe, the_plan = batchnorm_for_run(recipe, the_plan, value_of(batchnorm))
     data = build_data(recipe)
     if the_plan is None:
         the_plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy.value,

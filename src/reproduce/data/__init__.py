@@ -21,8 +21,10 @@ FORMATS = {
     "tokens": ("tokens", "build_tokens"),
     "instructions": ("text", "build_instructions"),
     "hf-datasets": ("hfdata", "build_hf_datasets"),
+    "segmentation": ("segmentation", "build_segmentation"),
 }
-NEEDS = {"imagefolder": "torchvision", "hf-datasets": "datasets", "instructions": "transformers"}
+NEEDS = {"imagefolder": "torchvision", "segmentation": "torchvision", "hf-datasets": "datasets",
+         "instructions": "transformers"}
 
 
 # what `--data PATH` is, for each data.format
@@ -31,6 +33,8 @@ EXPECTED = {
     "imagefolder": "a folder with one sub-folder of images per class (torchvision's ImageFolder layout)",
     "instructions": "an Alpaca-style JSON or JSONL file of instruction / input / output records",
     "hf-datasets": "a folder saved with the datasets library's save_to_disk, or parquet / JSONL files",
+    "segmentation": "Pascal VOC's folder (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/) or images/ and "
+                    "masks/ folders of label-id PNGs",
 }
 
 

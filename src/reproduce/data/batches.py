@@ -62,23 +62,37 @@ class LazyMicroBatch:
     """
 
     def __init__(self, dataset: Any, indices: torch.Tensor, device: torch.device, dtype: torch.dtype,
-                 source: Callable[[torch.Tensor], tuple[Any, Any]] | None = None, clock: DataClock | None = None):
+                 source: Callable[[torch.Tensor], tuple[Any, Any]] | None = None, clock: DataClock | None = None,
+                 step: int | None = None, seed: int = 0,
+                 drawn: Callable[[torch.Tensor], tuple[Any, Any]] | None = None):
         self.dataset, self.indices, self.device, self.dtype = dataset, indices, device, dtype
         self.source, self.clock = source, clock
+        # the optimizer step and run seed the loader draws this one's items with (augmentation), and the fetch in
+        # this process with those draws (data.loader.fetch_seeded), for counting the targets that will train
+        self.step, self.seed, self.drawn = step, seed, drawn
 
     def targets(self) -> Any:
         started = time.perf_counter()
         if isinstance(self.dataset, TensorDataset):
             targets = self.dataset.tensors[-1][self.indices]
+        elif self.drawn is not None:  # with the loader's per-sample draws, so the count is that of what trains
+            targets = self.drawn(self.indices)[1]
         else:
             targets = fetch(self.dataset, self.indices)[1]
         self._tick(started)
         return targets
 
-    def token_count(self) -> int | None:
-        """The target tokens that bear loss (not -100), when the dataset knows them without fetching."""
+    def known_count(self) -> int | None:
+        """The targets that bear loss (tokens not -100, pixels not ignore_index), when the dataset counts them
+        without fetching: from an index built once (`target_counts(indices)`), or, for random crops, from the masks
+        alone cut with the loader's draws (`target_counts_at(seed, step, indices)`)."""
         counts = getattr(self.dataset, "target_counts", None)
-        return int(counts(self.indices).sum()) if counts is not None else None
+        if counts is not None:
+            return int(counts(self.indices).sum())
+        counts_at = getattr(self.dataset, "target_counts_at", None)
+        if counts_at is not None and self.step is not None:
+            return int(counts_at(self.seed, self.step, self.indices).sum())
+        return None
 
     def load(self) -> tuple[Any, Any]:
         started = time.perf_counter()

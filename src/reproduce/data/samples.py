@@ -15,6 +15,9 @@ KIND:
 - `hf-datasets`: the same records saved with `datasets`' save_to_disk (DIR/instructions, splits train and
   validation) and the digits as parquet (DIR/digits-train.parquet, DIR/digits-val.parquet: `pixels`, 64
   numbers; `image`, PNG bytes; `label`);
+- `segmentation`: shapes on backgrounds with ignored outlines in Pascal VOC's layout (JPEGImages/,
+  SegmentationClass/ palette PNGs, ImageSets/Segmentation/train.txt and val.txt: 160 / 40 scenes, 4 classes;
+  `data.shape_scenes`);
 - `all`: each of the above in DIR/<kind> (tokens and instructions use DIR/tokenizer).
 
 Tests, the benchmark and `make demo` build their data with these functions.
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .shape_scenes import write_voc
 from .stdlib import stdlib_sources
 
 EOS = "<|endoftext|>"
@@ -205,7 +209,8 @@ def write_hf_datasets(folder: Path, limit: int = 2000) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m reproduce.data.samples", description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=["images", "tokenizer", "tokens", "instructions", "hf-datasets", "all"])
+    parser.add_argument("kind", choices=["images", "tokenizer", "tokens", "instructions", "hf-datasets", "segmentation",
+                                         "all"])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--max-bytes", type=int, default=MAX_BYTES, help="standard-library source bytes to use")
     parser.add_argument("--image-size", type=int, default=8, help="side of the digit images in pixels")
@@ -218,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": lambda folder: write_tokens(folder, args.max_bytes, shared),
         "instructions": lambda folder: write_instructions(folder, args.limit, args.max_bytes, shared),
         "hf-datasets": lambda folder: write_hf_datasets(folder, args.limit),
+        "segmentation": write_voc,
     }
     kinds = list(makers) if args.kind == "all" else [args.kind]
     for kind in kinds:

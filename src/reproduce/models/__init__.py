@@ -18,20 +18,27 @@ from . import small
 from .architectures import ARCHITECTURES
 from .architectures import LOSSES as LOSSES
 from .hf import load_hf_model
+from .normalization import convert, count_batchnorm, set_momentum
+from .segmentation import SEGMENTATION_MODELS
 from .vocabulary import check_vocabulary
 from .weights import adapt, place
 
 __all__ = [
-    "LOSSES", "MODELS", "build_model", "count_parameters", "has_batchnorm", "model_inputs", "parameter_counts", "place",
+    "LOSSES", "MODELS", "build_model", "count_batchnorm", "count_parameters", "counted_batchnorm", "has_batchnorm",
+    "model_inputs", "parameter_counts", "place",
 ]
 
-MODELS = {**small.MODELS, **ARCHITECTURES}
+BUILT_IN = {**ARCHITECTURES, **SEGMENTATION_MODELS}  # the papers' architectures, built from their libraries
+MODELS = {**small.MODELS, **BUILT_IN}
 
 
 def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     spec = recipe.model
     if spec.hf is not None:
         model = load_hf_model(recipe, data_info)
+    elif spec.builtin in SEGMENTATION_MODELS:
+        declared = {"classes": recipe.data.classes} if recipe.data.classes else {}  # the data's own count first
+        model = SEGMENTATION_MODELS[spec.builtin].build(segmentation_kwargs(recipe), {**declared, **(data_info or {})})
     elif spec.builtin in ARCHITECTURES:
         model = ARCHITECTURES[spec.builtin].build(spec.kwargs, data_info)
     else:
@@ -43,6 +50,10 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
         model = call_builder(spec, "model", MODELS, extra)
         if not isinstance(model, nn.Module):
             raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")
+    if spec.builtin not in SEGMENTATION_MODELS:  # those build with their norm layer (models/segmentation.py)
+        model = convert(model, spec.batchnorm)
+    if spec.batchnorm_momentum is not None:
+        set_momentum(model, spec.batchnorm_momentum)
     check_vocabulary(model, data_info)  # token ids the embedding has no row for: refused before any step
     model = adapt(model, recipe)
     if spec.activation_checkpointing:  # before DDP and FSDP2 wrap it: they see the checkpointed blocks
@@ -50,6 +61,13 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
 
         enable(model, spec.builtin or spec.factory or spec.hf or "the model")
     return model
+
+
+def segmentation_kwargs(recipe: Recipe) -> dict:
+    """A segmentation model's kwargs: the recipe's, with model.output_stride, model.aux_weight and model.batchnorm."""
+    spec = recipe.model
+    extra = {"output_stride": spec.output_stride, "aux_loss": spec.aux_weight is not None, "norm": spec.batchnorm}
+    return {**spec.kwargs, **{key: value for key, value in extra.items() if value is not None}}
 
 
 def model_inputs(recipe: Recipe) -> dict:
@@ -62,8 +80,8 @@ def model_inputs(recipe: Recipe) -> dict:
     """
     spec = recipe.model
     kwargs = spec.kwargs
-    if spec.builtin in ARCHITECTURES:
-        return ARCHITECTURES[spec.builtin].model_inputs(kwargs)
+    if spec.builtin in BUILT_IN:
+        return BUILT_IN[spec.builtin].model_inputs(kwargs)
     if spec.builtin == "gpt":
         return {"inputs": "tokens", "vocab_size": kwargs.get("vocab_size", 256), "context": kwargs.get("block_size")}
     if spec.builtin in ("cnn-bn", "cnn-gn"):  # the digits: 1 x 8 x 8
@@ -83,6 +101,16 @@ def parameter_counts(recipe: Recipe, data_info: dict | None = None) -> tuple[int
     """(all parameters, those that train) of the recipe's model, built on the meta device: no memory, no weights."""
     with torch.device("meta"):
         return count_parameters(build_model(recipe, data_info))
+
+
+def counted_batchnorm(recipe: Recipe, data_info: dict | None = None) -> int | None:
+    """The BatchNorm layers of a factory model as the recipe builds it with `batchnorm: keep`, counted on the meta
+    device (no memory, no weights); None for other models (built-ins are known: batchnorm/__init__.py)."""
+    if recipe.model.factory is None:
+        return None
+    kept = recipe.model_copy(update={"model": recipe.model.model_copy(update={"batchnorm": "keep"})})
+    with torch.device("meta"):
+        return count_batchnorm(build_model(kept, data_info))
 
 
 def has_batchnorm(model: nn.Module) -> bool:

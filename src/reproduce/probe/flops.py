@@ -77,8 +77,11 @@ def count_flops(recipe, data_info: dict | None, batch: tuple, capability: tuple[
 
 
 def recipe_flops(recipe, data: dict | None = None, capability: tuple[int, int] | None = None) -> SampleFlops:
-    """`count_flops` on one sample of the recipe's data (its own when available here, else synthetic)."""
+    """`count_flops` on one sample of the recipe's data (its own when available here, else synthetic); on two where
+    BatchNorm cannot train on one (DeepLabV3's image pooling normalises a 1 x 1 map: batchnorm.POOLED_BATCHNORM)."""
+    from ..batchnorm import POOLED_BATCHNORM, batchnorm_in_run
     from .workload import Workload
 
     workload = Workload(recipe, data)
-    return count_flops(recipe, workload.data.get("info"), workload.batch(COUNTED_AT), capability)
+    samples = 2 if recipe.model.builtin in POOLED_BATCHNORM and batchnorm_in_run(recipe.model) else COUNTED_AT
+    return count_flops(recipe, workload.data.get("info"), workload.batch(samples), capability)

@@ -5,7 +5,8 @@ for items of different shapes, the largest item seen in a sample of the data, re
 is what has to fit). Otherwise it is synthetic, of the shape `declared_inputs(recipe)` gives from the recipe,
 the dataset's known shape and what the model fixes (`reproduce.models.model_inputs`): token sequences of
 `batch.sequence_length` (or `data.max_length`, the longest of variable-length text) over the model's
-vocabulary; or images of `data.channels` x `data.image_size`^2 with `data.classes` labels, by default those
+vocabulary; segmentation crops of `data.crop` with a mask of `data.classes` ids; or images of `data.channels` x
+`data.image_size`^2 with `data.classes` labels, by default those
 of the dataset named (`reproduce.data.shapes`: ImageNet-1k 3 x 224 x 224, 1000 classes), else what the
 architecture fixes; or `data.kwargs.input_shape` (and `data.kwargs.classes`) for any other model.
 """
@@ -89,6 +90,16 @@ class SyntheticSamples:
         return inputs, torch.randint(0, self.classes, (len(indices),), generator=generator)
 
 
+class SyntheticMasks(SyntheticSamples):
+    """Segmentation crops: random images of one shape (C x H x W, the training crop) with a mask of random class ids
+    each (H x W), every pixel valid: the most pixels a crop can bring to the loss."""
+
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        inputs = torch.randn((len(indices), *self.shape), generator=generator)
+        return inputs, torch.randint(0, self.classes, (len(indices), *self.shape[1:]), generator=generator)
+
+
 def declared_inputs(recipe: Recipe) -> dict:
     """The shape of the recipe's samples without its data: `{"inputs": "tokens", "sequence_length", "vocab_size"}`
     or `{"inputs": "samples", "shape", "classes"}` (images C x H x W, or the MLP's vectors)."""
@@ -109,6 +120,9 @@ def declared_inputs(recipe: Recipe) -> dict:
         vocab = int(fixed.get("vocab_size") or spec.kwargs.get("vocab_size", 256))
         shape = {"inputs": "tokens", "sequence_length": length, "vocab_size": vocab}
         return {**shape, "targets": fixed["targets"]} if "targets" in fixed else shape
+    if recipe.task == "segmentation" and data.crop is not None:  # the training crop, with a mask of class ids
+        channels = data.channels or fixed.get("channels") or 3
+        return {"inputs": "masks", "shape": (int(channels), *data.crop), "classes": int(data.classes)}
     known = image_dataset(data.name) or {}
     classes = data.classes or data.kwargs.get("classes") or known.get("classes") or fixed.get("classes")
     if given:
@@ -139,8 +153,10 @@ def synthetic_data(recipe: Recipe) -> dict:
         return {"train": dataset, "info": {"name": f"synthetic tokens ({length} x vocabulary {vocab})",
                                            "vocab_size": vocab}}
     dims, classes = shape["shape"], shape["classes"]
-    dataset = SyntheticSamples(items, dims, classes)
-    info = {"name": f"synthetic {' x '.join(map(str, dims))} inputs, {classes} classes", "classes": classes}
+    masks = shape["inputs"] == "masks"
+    dataset = (SyntheticMasks if masks else SyntheticSamples)(items, dims, classes)
+    what = "images with masks" if masks else "inputs"
+    info = {"name": f"synthetic {' x '.join(map(str, dims))} {what}, {classes} classes", "classes": classes}
     if len(dims) == 3:
         info.update(channels=dims[0], image_size=dims[1])
     return {"train": dataset, "info": info}
@@ -166,7 +182,7 @@ class Workload:
 
     @property
     def synthetic(self) -> bool:
-        return isinstance(self.data["train"], (SyntheticTokens, SyntheticSamples))
+        return isinstance(self.data["train"], (SyntheticTokens, SyntheticSamples))  # SyntheticMasks too
 
     @property
     def description(self) -> str:
@@ -175,8 +191,11 @@ class Workload:
 
     @cached_property
     def plan(self) -> Plan:
-        """A plan for `trainer.build`: its optimizer and schedule (the learning rate does not change memory)."""
-        return plan(self.recipe, micro_batch_max=1, dataset_size=len(self.data["train"]))
+        """A plan for `trainer.build`: its optimizer and schedule (the learning rate does not change memory). Planned
+        at a micro-batch of 2 where the batch allows: the plan refuses a BN batch of 1 for a model whose image
+        pooling cannot train on one (DeepLabV3, batchnorm/), and the split changes no memory."""
+        return plan(self.recipe, micro_batch_max=min(2, self.recipe.batch.sequences),
+                    dataset_size=len(self.data["train"]))
 
     @cached_property
     def _largest_item(self) -> int | None:

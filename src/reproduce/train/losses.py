@@ -46,6 +46,33 @@ class TokenLoss:
         )
 
 
+class PixelLoss:
+    """Segmentation: summed cross-entropy over the pixels whose mask is not `ignore_index`, of the main head's logits
+    (torchvision's `{"out": ...}`) plus `aux_weight` times the auxiliary head's (`"aux"`, model.aux_weight).
+
+    Summed, then divided by the window's valid pixels over every rank (train/step.py): the large batch's mean over
+    its valid pixels, whatever each micro-batch holds (docs/segmentation.md). The auxiliary term is normalised over
+    the same count, as MMSegmentation's `loss_weight` scales a loss over the same pixels.
+    """
+
+    def __init__(self, ignore_index: int, aux_weight: float | None = None):
+        self.ignore_index, self.aux_weight = ignore_index, aux_weight
+
+    def count(self, target: torch.Tensor) -> int:
+        return int((target != self.ignore_index).sum())
+
+    def pixels(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(_upcast(logits), target, ignore_index=self.ignore_index, reduction="sum")
+
+    def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        if not isinstance(output, dict):
+            return self.pixels(output, target)
+        loss = self.pixels(output["out"], target)
+        if self.aux_weight and "aux" in output:
+            loss = loss + self.aux_weight * self.pixels(output["aux"], target)
+        return loss
+
+
 class CustomLoss:
     def __init__(self, function: Callable):
         self.function = function
@@ -61,9 +88,11 @@ class CustomLoss:
         return self.function(output, target)
 
 
-def build_loss(recipe: Recipe) -> SampleLoss | TokenLoss | CustomLoss:
+def build_loss(recipe: Recipe) -> SampleLoss | TokenLoss | PixelLoss | CustomLoss:
     if recipe.task == "classification":
         return SampleLoss()
+    if recipe.task == "segmentation":
+        return PixelLoss(recipe.ignore_index, recipe.model.aux_weight)
     if recipe.task == "language-modeling":
         own = pretraining_loss(recipe)
         return own if own is not None else TokenLoss()

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..data.batches import DataClock, LazyMicroBatch
-from ..data.loader import LoaderWatch, MicroBatchStream
+from ..data.loader import LoaderWatch, MicroBatchStream, fetch_seeded
 from ..planner import Plan
 from .distributed import World
 from .divergence import DivergenceWatch
@@ -83,5 +83,10 @@ class Run:
     def micro_batches(self, step: int, indices: list, clock: DataClock) -> list[LazyMicroBatch]:
         """The window's micro-batches, fetched from the stream as the step loads them."""
         take = functools.partial(self.stream.take, step)
-        return [LazyMicroBatch(self.train_set, i, self.setup.device, self.options.dtype, take, clock)
-                for i in indices]
+        drawn = functools.partial(self.drawn, step)
+        return [LazyMicroBatch(self.train_set, i, self.setup.device, self.options.dtype, take, clock, step, self.seed,
+                               drawn) for i in indices]
+
+    def drawn(self, step: int, indices: torch.Tensor) -> tuple:
+        """The micro-batch of `indices` fetched here with the loader's draws at `step` (to count its targets)."""
+        return fetch_seeded(self.train_set, indices, self.seed, step)

@@ -10,9 +10,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..batchnorm import label_disagreement
 from ..data import build_data
 from ..errors import UserError
-from ..models import build_model, has_batchnorm, place
+from ..models import build_model, count_batchnorm, has_batchnorm, place
+from ..models.normalization import to_sync
 from ..planner import Plan
 from . import distributed
 from .distributed import World
@@ -28,6 +30,40 @@ def resolve_device(name: str) -> torch.device:
     if name not in ("cpu", "cuda"):
         raise UserError(f"--device: expected cpu, cuda or auto (got {name!r})")
     return torch.device(name)
+
+
+def check_batchnorm(mode: str, world: World, device: torch.device) -> None:
+    """`sync` needs several CUDA processes: torch.nn.SyncBatchNorm runs on CUDA only, and one process has nothing to
+    synchronise with."""
+    if mode != "sync":
+        return
+    if not world.distributed:
+        raise UserError("model.batchnorm: sync normalises over the micro-batches of several processes, and this run "
+                        "has one: launch it with --world-size N on N GPUs, or give --batchnorm keep | frozen | group")
+    if device.type != "cuda":
+        raise UserError(f"model.batchnorm: sync needs CUDA (torch.nn.SyncBatchNorm runs on CUDA only in PyTorch) and "
+                        f"this run is on {device.type}: give --batchnorm keep | frozen | group")
+
+
+def batchnorm_notes(plan: Plan, model: nn.Module, world: World, device: torch.device) -> list[str]:
+    """What the run says about BatchNorm at its start: the plan's choice, and a label the built model disagrees
+    with; `sync` refused where it cannot run."""
+    recipe = plan.recipe
+    check_batchnorm(recipe.model.batchnorm, world, device)
+    notes = []
+    if plan.norm is not None:
+        notes.append(plan.norm.summary)
+    elif has_batchnorm(model) and not recipe.model.has_batchnorm:  # a model the plan could not count
+        notes.append(f"the model has {count_batchnorm(model)} BatchNorm layers (counted) the recipe does not list in "
+                     f"model.norm_layers: BN statistics are computed per micro-batch of {plan.micro_batch}, not over "
+                     "the effective batch")
+    if recipe.model.batchnorm in ("keep", "sync"):
+        disagreement = label_disagreement(recipe.model, count_batchnorm(model))
+        if disagreement and disagreement not in plan.warnings:
+            notes.append(disagreement)
+    if recipe.model.batchnorm == "frozen" and plan.norm is not None:  # from random weights: meaningless
+        notes.extend(line for line in plan.norm.lines if line.startswith("frozen:"))
+    return notes
 
 
 @dataclass
@@ -96,12 +132,9 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
     data = data if data is not None else build_data(recipe)
     torch.manual_seed(recipe.seed if seed is None else seed)
     model = place(build_model(recipe, data.get("info")), recipe, device, dtype)  # model.dtype kept in float32 runs
-    notes = []
-    if has_batchnorm(model) and not recipe.model.has_batchnorm:
-        notes.append(
-            "the model has BatchNorm layers but the recipe does not list batchnorm in model.norm_layers: "
-            f"BN statistics are computed per micro-batch of {plan.micro_batch}, not over the effective batch"
-        )
+    notes = batchnorm_notes(plan, model, world, device)
+    if recipe.model.batchnorm == "sync":
+        model = to_sync(model)  # statistics over every process's micro-batch (checked above: CUDA, several)
     counter = None
     if world.distributed:
         counter = distributed.SyncCounter()

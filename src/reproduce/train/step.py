@@ -18,7 +18,7 @@ import torch
 
 from ..data.batches import LazyMicroBatch
 from . import distributed
-from .losses import SampleLoss, TokenLoss
+from .losses import PixelLoss, SampleLoss, TokenLoss
 from .noise import NoiseScale
 from .setup import Setup
 
@@ -33,14 +33,15 @@ def _load(micro_batch: Any) -> tuple[Any, Any]:
 
 def _count_without_fetching(loss_fn: Any, micro_batches: list) -> tuple[list[int], int] | None:
     """(loss-bearing items of each micro-batch, samples) of a lazy window known without fetching it: every sample
-    bears loss (classification), or the dataset counts each sample's target tokens from an index built once."""
+    bears loss (classification), or the dataset counts each sample's target tokens from an index built once, or its
+    valid pixels from its mask alone, cut as the loader cuts it (data/segmentation.py)."""
     if not all(isinstance(m, LazyMicroBatch) for m in micro_batches):
         return None
     samples = sum(len(m.indices) for m in micro_batches)
     if isinstance(loss_fn, SampleLoss):
         return [len(m.indices) for m in micro_batches], samples
-    if isinstance(loss_fn, TokenLoss):
-        counts = [m.token_count() for m in micro_batches]
+    if isinstance(loss_fn, (TokenLoss, PixelLoss)):
+        counts = [m.known_count() for m in micro_batches]
         if None not in counts:
             return counts, samples
     return None

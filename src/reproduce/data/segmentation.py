@@ -1,0 +1,313 @@
+"""`format: segmentation`: images with a mask of class ids each (docs/data.md, docs/segmentation.md).
+
+Two layouts, found from the folder unless `data.layout` says which:
+- `voc`: Pascal VOC's, `JPEGImages/ID.jpg`, `SegmentationClass/ID.png` (palette PNGs: the palette index is the class
+  id, 255 the ignored border) and the lists `ImageSets/Segmentation/{train,val}.txt` (`data.split`,
+  `data.eval_split`); evaluation reads eval_path's list, or path's;
+- `images-masks`: `images/NAME.jpg|png` and `masks/NAME.png` of the same relative name (sub-folders allowed), the
+  masks greyscale or palette PNGs of label ids (Cityscapes' `*_labelTrainIds.png`); evaluation reads eval_path.
+
+Training samples are cut as DeepLabV3 and MMSegmentation cut them: a random rescale in `data.scale` (bilinear image,
+nearest mask), normalisation (ImageNet mean and std), padding to the crop where the image is smaller (image 0 after
+normalisation, i.e. the mean pixel; mask ignore_index) when `data.pad` says so, a random crop of `data.crop`, and a
+horizontal flip half the time (`data.flip`). Evaluation images are only normalised, at their own size.
+
+Every random number is drawn from torch's default generator, which the loader seeds per sample from (run seed,
+optimizer step, sample index) (`data.loader`): the same crops whatever the workers, and after a resume. The valid
+pixels of a sample (mask != ignore_index) are counted from its mask alone with the same draws (`target_counts_at`),
+so the window's count is known before its first backward without decoding its images (train/step.py).
+
+Every file is checked when the data is built, before anything is written: image and mask paired and of one size,
+mask values among the classes or ignore_index, no empty split, no image smaller than the crop unless padded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torchvision.transforms.v2 import InterpolationMode
+from torchvision.transforms.v2 import functional as TF
+
+from ..errors import UserError
+from .images import IMAGENET_MEAN, IMAGENET_STD
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff")
+MASK_SUFFIX = ".png"
+VOC_LISTS = Path("ImageSets") / "Segmentation"
+
+
+@dataclass(frozen=True)
+class Pair:
+    image: Path
+    mask: Path
+    height: int
+    width: int
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A training sample's random draws: the rescale factor, the crop's corner in the padded image, the flip."""
+
+    scale: float
+    top: int
+    left: int
+    flip: bool
+
+
+@dataclass(frozen=True)
+class Augment:
+    train: bool
+    crop: tuple[int, int] | None = None
+    scale: tuple[float, float] | None = None
+    flip: bool = True
+    pad: bool = False
+    ignore_index: int = 255
+
+
+def _scaled(size: int, factor: float) -> int:
+    return max(1, int(round(size * factor)))
+
+
+class SegmentationData(torch.utils.data.Dataset):
+    """(image float32 3 x H x W, normalised; mask int64 H x W) pairs, cut at random for training."""
+
+    def __init__(self, pairs: list[Pair], augment: Augment):
+        self.pairs, self.augment = pairs, augment
+        self.sizes_differ = len({(p.height, p.width) for p in pairs}) > 1  # evaluation then runs one image at a time
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def draw(self, index: int) -> Cut | None:
+        """This sample's random draws, from torch's default generator (seeded per sample by the loader)."""
+        augment = self.augment
+        if not augment.train or augment.crop is None:
+            return None
+        pair = self.pairs[index]
+        factor = 1.0
+        if augment.scale is not None:
+            low, high = augment.scale
+            factor = low + (high - low) * float(torch.rand((), dtype=torch.float64))
+        height, width = _scaled(pair.height, factor), _scaled(pair.width, factor)
+        crop_h, crop_w = augment.crop
+        top = int(torch.randint(0, max(height, crop_h) - crop_h + 1, ()))
+        left = int(torch.randint(0, max(width, crop_w) - crop_w + 1, ()))
+        flip = bool(torch.rand(()) < 0.5) if augment.flip else False
+        return Cut(factor, top, left, flip)
+
+    def _resize(self, tensor: torch.Tensor, cut: Cut | None, pair: Pair, nearest: bool) -> torch.Tensor:
+        if cut is None or cut.scale == 1.0:
+            return tensor
+        size = [_scaled(pair.height, cut.scale), _scaled(pair.width, cut.scale)]
+        mode = InterpolationMode.NEAREST if nearest else InterpolationMode.BILINEAR
+        return TF.resize(tensor, size, interpolation=mode, antialias=not nearest)
+
+    def _place(self, tensor: torch.Tensor, cut: Cut | None, fill: float) -> torch.Tensor:
+        """Pad a C x H x W tensor with `fill` to the crop where it is smaller, crop it and flip it as `cut` says."""
+        if cut is None:
+            return tensor
+        crop_h, crop_w = self.augment.crop
+        below, right = max(0, crop_h - tensor.shape[-2]), max(0, crop_w - tensor.shape[-1])
+        if below or right:
+            tensor = TF.pad(tensor, [0, 0, right, below], fill=fill)
+        tensor = tensor[..., cut.top:cut.top + crop_h, cut.left:cut.left + crop_w]
+        return TF.horizontal_flip(tensor) if cut.flip else tensor
+
+    def mask(self, index: int, cut: Cut | None) -> torch.Tensor:
+        pair = self.pairs[index]
+        mask = torch.from_numpy(read_mask(pair.mask).astype(np.int64))[None]
+        return self._place(self._resize(mask, cut, pair, nearest=True), cut, self.augment.ignore_index)[0]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pair = self.pairs[index]
+        cut = self.draw(index)  # first: the draws target_counts_at repeats
+        image = self._resize(TF.to_dtype(read_image(pair.image), torch.float32, scale=True), cut, pair, nearest=False)
+        image = self._place(TF.normalize(image, list(IMAGENET_MEAN), list(IMAGENET_STD)), cut, 0.0)
+        return image, self.mask(index, cut)
+
+    def target_counts_at(self, seed: int, step: int, indices: torch.Tensor) -> torch.Tensor:
+        """Each sample's valid pixels (mask != ignore_index) as the loader cuts it at optimizer step `step`: the same
+        draws from the same per-sample seed, the mask alone decoded."""
+        from .loader import sample_seed
+
+        counts = []
+        with torch.random.fork_rng(devices=[]):
+            for index in indices.tolist():
+                torch.default_generator.manual_seed(sample_seed(seed, step, index))
+                mask = self.mask(index, self.draw(index))
+                counts.append(int((mask != self.augment.ignore_index).sum()))
+        return torch.tensor(counts, dtype=torch.int64)
+
+
+# ---- reading and checking the files -------------------------------------------------------------------------------
+
+
+def read_image(path: Path) -> torch.Tensor:
+    """An image file as a uint8 3 x H x W RGB tensor; a file that is not an image is the user's error."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            array = np.asarray(image.convert("RGB"))
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise UserError(f"{path}: cannot read as an image: {exc}") from None
+    return torch.from_numpy(array.copy()).permute(2, 0, 1)
+
+
+def read_mask(path: Path) -> np.ndarray:
+    """A mask's class ids, H x W: a palette PNG's indices (VOC) or a greyscale PNG's values, never its colours."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as mask:
+            if mask.mode not in ("P", "L", "I", "I;16"):
+                raise UserError(f"{path}: a {mask.mode} image; a mask is a palette or greyscale PNG of class ids "
+                                "(VOC's SegmentationClass/, Cityscapes' *_labelTrainIds.png)")
+            return np.asarray(mask)
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise UserError(f"{path}: cannot read as a mask: {exc}") from None
+
+
+def _size(path: Path) -> tuple[int, int]:
+    """(height, width) from the file's header."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.height, image.width
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise UserError(f"{path}: cannot read as an image: {exc}") from None
+
+
+def _pair(image: Path, mask: Path) -> Pair:
+    height, width = _size(image)
+    mask_height, mask_width = _size(mask)
+    if (mask_height, mask_width) != (height, width):
+        raise UserError(f"{mask}: the mask is {mask_width} x {mask_height}, its image {image} is {width} x {height} "
+                        "(width x height); a mask has its image's size")
+    return Pair(image, mask, height, width)
+
+
+def _image_of(folder: Path, stem: str) -> Path | None:
+    for suffix in IMAGE_SUFFIXES:
+        for candidate in (folder / f"{stem}{suffix}", folder / f"{stem}{suffix.upper()}"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def voc_pairs(root: Path, split: str) -> list[Pair]:
+    """The image / mask pairs of VOC's list ImageSets/Segmentation/SPLIT.txt."""
+    listing = root / VOC_LISTS / f"{split}.txt"
+    if not listing.is_file():
+        present = sorted(p.stem for p in (root / VOC_LISTS).glob("*.txt"))
+        raise UserError(f"{listing}: no such list (the split's image ids, one a line; found: "
+                        f"{', '.join(present) or 'none'})")
+    ids = [line.strip() for line in listing.read_text().splitlines() if line.strip()]
+    if not ids:
+        raise UserError(f"{listing}: an empty list; expected the split's image ids, one a line")
+    pairs = []
+    for name in ids:
+        image = _image_of(root / "JPEGImages", name)
+        mask = root / "SegmentationClass" / f"{name}{MASK_SUFFIX}"
+        if image is None:
+            raise UserError(f"{listing}: image id {name!r} has no image JPEGImages/{name}.jpg"
+                            + (f" (its mask {mask} exists)" if mask.is_file() else ""))
+        if not mask.is_file():
+            raise UserError(f"{image}: no mask SegmentationClass/{name}.png (listed in {listing})")
+        pairs.append(_pair(image, mask))
+    return pairs
+
+
+def folder_pairs(root: Path) -> list[Pair]:
+    """The pairs of images/ and masks/: every image with the mask of its relative name, and no mask left over."""
+    images_root, masks_root = root / "images", root / "masks"
+    images = {p.relative_to(images_root).with_suffix(""): p for p in sorted(images_root.rglob("*"))
+              if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES}
+    masks = {p.relative_to(masks_root).with_suffix(""): p for p in sorted(masks_root.rglob("*"))
+             if p.is_file() and p.suffix.lower() == MASK_SUFFIX}
+    if not images:
+        raise UserError(f"{images_root}: no image files ({', '.join(IMAGE_SUFFIXES)})")
+    for name, image in images.items():
+        if name not in masks:
+            raise UserError(f"{image}: no mask {masks_root / name.with_suffix(MASK_SUFFIX)}")
+    for name, mask in masks.items():
+        if name not in images:
+            raise UserError(f"{mask}: a mask without an image (expected {images_root / name}.jpg or .png)")
+    return [_pair(images[name], masks[name]) for name in images]
+
+
+def find_layout(root: Path, field: str) -> str:
+    if not root.is_dir():
+        raise UserError(f"{field}: {root}: no such folder (expected the VOC layout or images/ and masks/)")
+    if (root / "JPEGImages").is_dir() and (root / "SegmentationClass").is_dir():
+        return "voc"
+    if (root / "images").is_dir() and (root / "masks").is_dir():
+        return "images-masks"
+    raise UserError(f"{field}: {root}: neither the VOC layout (JPEGImages/, SegmentationClass/, "
+                    "ImageSets/Segmentation/) nor images/ and masks/ folders")
+
+
+def check_masks(pairs: list[Pair], classes: int, ignore_index: int) -> None:
+    """Every mask value is a class id (0 .. classes - 1) or ignore_index."""
+    for pair in pairs:
+        values = np.unique(read_mask(pair.mask))
+        wrong = values[(values >= classes) & (values != ignore_index)]
+        if wrong.size:
+            raise UserError(f"{pair.mask}: mask value {int(wrong[0])} is neither a class (data.classes {classes}: ids "
+                            f"0 .. {classes - 1}) nor ignore_index {ignore_index}")
+
+
+def check_crop(pairs: list[Pair], augment: Augment) -> None:
+    """Without padding, every image at the lowest rescale holds the crop."""
+    if augment.pad or augment.crop is None:
+        return
+    low = augment.scale[0] if augment.scale else 1.0
+    crop_h, crop_w = augment.crop
+    for pair in pairs:
+        height, width = _scaled(pair.height, low), _scaled(pair.width, low)
+        if height < crop_h or width < crop_w:
+            scaled = f" ({width} x {height} at the lowest data.scale {low:g})" if low != 1.0 else ""
+            raise UserError(f"{pair.image}: {pair.width} x {pair.height}{scaled} is smaller than data.crop "
+                            f"{crop_w} x {crop_h} (width x height); state data.pad: true (pads the image with the "
+                            "mean pixel and the mask with ignore_index, as DeepLabV3 and MMSegmentation do) or a "
+                            "smaller crop")
+
+
+def read_split(root: Path, field: str, layout: str | None, split: str) -> tuple[str, list[Pair]]:
+    layout = layout or find_layout(root, field)
+    if not root.is_dir():
+        raise UserError(f"{field}: {root}: no such folder (expected the {layout} layout)")
+    return layout, (voc_pairs(root, split) if layout == "voc" else folder_pairs(root))
+
+
+def build_segmentation(recipe: Any) -> dict:
+    spec = recipe.data
+    classes, ignore = spec.classes, recipe.ignore_index
+    root = Path(spec.path)
+    layout, train_pairs = read_split(root, "data.path", spec.layout, spec.split or "train")
+    augment = Augment(True, tuple(spec.crop), tuple(spec.scale) if spec.scale else None, spec.flips, spec.pads,
+                      ignore)
+    check_crop(train_pairs, augment)
+    check_masks(train_pairs, classes, ignore)
+    data: dict = {"train": SegmentationData(train_pairs, augment)}
+    eval_root = Path(spec.eval_path) if spec.eval_path is not None else None
+    eval_split = spec.eval_split or "val"
+    if eval_root is None and layout == "voc" and (spec.eval_split or (root / VOC_LISTS / "val.txt").is_file()):
+        eval_root = root
+    if eval_root is not None:
+        _, eval_pairs = read_split(eval_root, "data.eval_path", layout, eval_split)
+        check_masks(eval_pairs, classes, ignore)
+        data["eval"] = SegmentationData(eval_pairs, Augment(False, ignore_index=ignore))
+    data["info"] = {
+        "name": spec.name or root.name, "format": "segmentation", "layout": layout, "path": str(root),
+        "eval_path": str(eval_root) if eval_root else None, "classes": classes, "channels": 3,
+        "images": len(train_pairs), "eval_images": len(data["eval"]) if "eval" in data else None,
+        "crop": list(spec.crop), "scale": list(spec.scale) if spec.scale else None, "flip": spec.flips,
+        "pad": spec.pads, "ignore_index": ignore,
+    }
+    return data
