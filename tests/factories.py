@@ -103,3 +103,34 @@ def bert_pairs(sequence_length: int = 32, documents: int = 20, dupe_factor: int 
     vocab = Vocabulary(**NUMBERED_VOCAB)
     train = SentencePairs(numbered_documents(documents), sequence_length, vocab, dupe_factor=dupe_factor)
     return {"train": train, "info": {"name": "numbered-pairs", "vocab_size": vocab.size}}
+
+
+def transformers_gpt2(n_layer: int = 1, n_embd: int = 16, vocab_size: int = 512) -> torch.nn.Module:
+    """transformers' GPT-2 itself, as a user's factory returns it: its forward returns a ModelOutput."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=2, n_positions=256,
+                                      vocab_size=vocab_size))
+
+
+def gpt2_from_pretrained(folder: str) -> torch.nn.Module:
+    """A factory that loads weights itself (from_pretrained): it cannot be built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+
+
+class OutputOfGpt2(torch.nn.Module):
+    """A module that wraps transformers' GPT-2 and returns its ModelOutput, not the logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = transformers_gpt2()
+
+    def forward(self, ids):
+        return self.inner(input_ids=ids)
+
+
+def gpt2_output_wrapper() -> torch.nn.Module:
+    return OutputOfGpt2()

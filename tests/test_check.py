@@ -249,3 +249,29 @@ def test_metric_relative_to_the_reported_value(tmp_path, capsys):
     assert (counts["tests"], counts["failures"], counts["errors"]) == (3, 1, 0)
     assert counts["failed"] == ["outside it"]
     assert "reported 150 +- 49" in out
+
+
+def test_sample_data_is_written_first_and_given_as_the_data_path(tmp_path, capsys):
+    """`sample_data: segmentation`: the shape scenes in a temporary VOC folder, the file's recipe (data not here,
+    available: false) planned and run on it; without the field the same file is refused (data not here)."""
+    from reproduce.check import load_check_file
+    from reproduce.errors import UserError
+
+    text = f"""\
+recipe: {PAPERS / "shapes-mini-segmentation.yaml"}
+sample_data: segmentation
+budget: {{micro_batch_max: 2, device: cpu}}
+checks:
+  - {{kind: plan, expect: {{micro_batch: 2, accumulation_steps: 8, exact: true}}}}
+  - {{kind: verify, samples: 4}}
+"""
+    loaded = load_check_file(write(tmp_path, "seg.yaml", text))
+    data = loaded.runs["main"].recipe.data
+    assert data.available and (Path(data.path) / "ImageSets" / "Segmentation" / "train.txt").is_file()
+    assert len((Path(data.path) / "ImageSets" / "Segmentation" / "val.txt").read_text().split()) == 40
+    code, out, err = run_cli(["check", str(tmp_path / "seg.yaml")], capsys)
+    assert code == 0, out + err
+    assert "2 passed" in out
+    with pytest.raises(UserError) as refused:
+        load_check_file(write(tmp_path, "no-data.yaml", text.replace("sample_data: segmentation\n", "")))
+    assert "data 'shape-scenes' is" in refused.value.lines[0]

@@ -17,6 +17,7 @@ from helpers import cli, snapshot
 from reproduce.data import build_data
 from reproduce.data.loader import MicroBatchStream, fetch_seeded
 from reproduce.data.shape_scenes import write_voc
+from reproduce.errors import UserError
 from reproduce.recipe import parse_recipe
 
 
@@ -77,6 +78,23 @@ def test_the_valid_pixels_are_counted_from_the_masks_as_cut(voc):
     assert counted.tolist() == (masks != 255).flatten(1).sum(1).tolist()
     assert len(set(counted.tolist())) > 1  # crops over padding and outlines: unequal counts
     assert (masks == 255).any()
+
+
+def test_trainaug_reads_its_list_and_masks_folder_and_evaluates_on_segmentationclass(tmp_path, voc):
+    """DeepLabV3's set-up: ImageSets/Segmentation/trainaug.txt with masks in SegmentationClassAug/ (data.split,
+    data.masks); val still from SegmentationClass/."""
+    root = _copy(voc, tmp_path)
+    shutil.copytree(root / "SegmentationClass", root / "SegmentationClassAug")
+    ids = (root / "ImageSets" / "Segmentation" / "train.txt").read_text().split()[:5]
+    (root / "ImageSets" / "Segmentation" / "trainaug.txt").write_text("\n".join(ids) + "\n")
+    data = build_data(parse_recipe(seg_recipe(root, split="trainaug", masks="SegmentationClassAug")))
+    assert len(data["train"]) == 5 and {p.mask.parent.name for p in data["train"].pairs} == {"SegmentationClassAug"}
+    assert {p.mask.parent.name for p in data["eval"].pairs} == {"SegmentationClass"} and len(data["eval"]) == 4
+    (root / "SegmentationClassAug" / f"{ids[2]}.png").unlink()
+    with pytest.raises(UserError, match=f"no mask SegmentationClassAug/{ids[2]}.png"):
+        build_data(parse_recipe(seg_recipe(root, split="trainaug", masks="SegmentationClassAug")))
+    with pytest.raises(UserError, match="no mask folder Missing/"):
+        build_data(parse_recipe(seg_recipe(root, layout="voc", masks="Missing")))
 
 
 def test_the_images_masks_layout_pairs_by_name(tmp_path, voc):
@@ -190,8 +208,6 @@ def test_bad_segmentation_data_is_one_line_exit_2_nothing_written(breaks, voc, t
 
 
 def test_a_mask_without_an_image_in_images_masks(tmp_path, voc):
-    from reproduce.errors import UserError
-
     root = tmp_path / "plain"
     (root / "images").mkdir(parents=True)
     (root / "masks").mkdir()

@@ -52,6 +52,30 @@ def test_the_loss_sums_valid_pixels_and_weighs_the_auxiliary_head():
     assert torch.allclose(PixelLoss(255)({"out": out, "aux": aux}, target), loss.pixels(out, target))
 
 
+def test_all_pixels_is_mmsegmentations_default_mean_over_the_whole_window(voc):
+    """data.loss_pixels: all, MMSegmentation's avg_non_ignore=False: the window's sum over every pixel of every crop
+    (ignored ones as zeros), float64 on the logits against one pass's mean; the count is the crops' area, known
+    without decoding a mask, and differs from the valid pixels."""
+    recipe = parse_recipe({**recipe_for(voc, {"builtin": "lraspp-mobilenet-v3-large", "batchnorm": "group"},
+                                        crop=16),
+                           "data": {**recipe_for(voc, {})["data"], "crop": 16, "loss_pixels": "all"}})
+    loss, data = build_loss(recipe), build_data(recipe)
+    assert loss.all_pixels and data["info"]["loss_pixels"] == "all"
+    indices = torch.arange(6)
+    _, target = fetch_seeded(data["train"], indices, seed=0, step=0)
+    assert data["train"].target_counts_at(0, 0, indices).tolist() == [16 * 16] * 6
+    assert loss.count(target) == 6 * 16 * 16 > int((target != 255).sum())
+    logits = torch.randn(6, 4, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
+                         requires_grad=True)
+    window = sum(loss.count(target[i:i + 2]) for i in range(0, 6, 2))
+    accumulated = sum(loss(logits[i:i + 2], target[i:i + 2]) / window for i in range(0, 6, 2))
+    pixels = F.cross_entropy(logits, target, ignore_index=255, reduction="none")  # 0 where ignored
+    (gradient,) = torch.autograd.grad(accumulated, logits)
+    (reference,) = torch.autograd.grad(pixels.mean(), logits)
+    assert torch.allclose(accumulated, pixels.mean(), rtol=1e-13, atol=0)
+    assert torch.allclose(gradient, reference, rtol=1e-12, atol=1e-18)
+
+
 def _gradients(model: torch.nn.Module, terms) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
     for term in terms:
@@ -104,3 +128,29 @@ def test_verify_says_equivalent_with_unequal_valid_pixel_counts(voc, tmp_path, c
     line = next(line for line in out.splitlines() if "valid pixels (not ignore_index) per micro-batch" in line)
     counts = [int(n) for n in line.split("micro-batch: ")[1].split(";")[0].split(", ")]
     assert len(counts) == 4 and len(set(counts)) > 1 and f"the window's {sum(counts)}" in line
+
+
+@pytest.mark.distributed
+@pytest.mark.subprocess
+def test_two_ranks_divide_by_the_valid_pixels_of_both(voc, tmp_path):
+    """torchrun, 2 gloo processes x 2 x 2 against one process 2 x 4: each rank counts its own crops' valid pixels
+    and the window's count is their sum (all-reduced before the first backward), so the weights agree and the
+    logged count is the whole window's."""
+    from helpers import assert_close_weights, reproduce_run, reproduce_run_here, weights
+    from reproduce.planner import plan
+    from reproduce.train.outputs import read_metrics
+    from reproduce.train.windows import window
+
+    recipe = recipe_for(voc, {"builtin": "lraspp-mobilenet-v3-large", "batchnorm": "group"}, crop=24, effective=8)
+    recipe["evaluation"] = {"at_end": False}
+    reproduce_run(recipe, tmp_path, "two", "--micro-batch-max", "2", "--nproc-per-node", "2")
+    reproduce_run_here(recipe, tmp_path, "one", "--micro-batch-max", "2")
+    assert_close_weights(weights(tmp_path, "two"), weights(tmp_path, "one"))
+    spec = parse_recipe(recipe)
+    data = build_data(spec)
+    one = plan(spec, micro_batch_max=2, dataset_size=len(data["train"]))
+    for record in read_metrics(tmp_path / "two" / "metrics.jsonl"):
+        step = record["step"] - 1
+        micro_batches, _ = window(one, len(data["train"]), step, spec.seed, 0, 2)
+        masks = [fetch_seeded(data["train"], indices, spec.seed, step)[1] for indices in micro_batches]
+        assert record["world_size"] == 2 and record["items"] == sum(int((m != 255).sum()) for m in masks)

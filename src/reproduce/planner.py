@@ -20,6 +20,7 @@ from .recipe import Length, Recipe
 from .schedules import StepSchedule
 from .segments import Segment, epoch_steps, lengths_to_steps, segment_lr, whole_segment
 from .split import Choice, Frozen, choice, exact_choice, fast_choice, lr_rule
+from .weightfiles import WeightsRecord
 
 MALLADI_SOURCE = "Malladi et al. 2022 SDE rule for Adam: (1-b1)xk, (1-b2)xk, eps/sqrt(k) (arXiv 2205.10287)"
 FAST_WHEN_BELOW = 0.5  # show the `fast` alternative when the exact micro-batch is below half the maximum
@@ -78,6 +79,8 @@ class Plan(Frozen):
     throughput: dict | None = None
     # the memory knobs the plan took (activation checkpointing, sharded gradients), or the ways it weighed, and why
     memory: list[str] = []
+    # model.weights: the pretrained weights the run starts from, with their fingerprint (`--resume` refuses others)
+    weights: WeightsRecord | None = None
 
     @property
     def arithmetic(self) -> str:

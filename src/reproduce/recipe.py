@@ -310,10 +310,16 @@ class Model(Builder):
     With `hf`, `kind` says which head (default from the task: causal-lm for language-modeling,
     sequence-classification for classification) and `kwargs` go to `from_pretrained` (e.g. num_labels).
     `dtype` is the dtype the weights are stored in (bf16/fp16: as fine-tuning recipes load a base model);
-    `lora` freezes them and trains low-rank adapters instead.
+    `lora` freezes them and trains low-rank adapters instead. `weights` starts the run from pretrained weights on this
+    machine (models/pretrained.py): a Hugging Face folder, whose own config.json is then the architecture, or one
+    state dict file loaded into the built-in (or factory) model, keys and shapes checked strictly.
     """
 
     hf: str | None = Field(default=None, description="Hugging Face model name or local folder")
+    weights: str | None = Field(
+        default=None, description="pretrained weights on this machine: a Hugging Face folder (config.json + "
+        "safetensors, as save_pretrained writes it) or a state dict file (.safetensors, .pt, .pth)",
+    )
     kind: Literal["causal-lm", "sequence-classification"] | None = None
     norm_layers: Names[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
     batchnorm: Literal[BATCHNORM_CHOICES] = Field(  # type: ignore[valid-type]
@@ -351,7 +357,7 @@ class Model(Builder):
     description: str | None = None
     pretrained: str | None = Field(
         default=None, min_length=1,
-        description="the pretrained weights the paper fine-tunes (documentation: runs start from random weights); "
+        description="the pretrained weights the paper fine-tunes (a label: model.weights loads them from disk); "
         "marks a fine-tuning recipe, for which the probe offers LoRA when full training does not fit",
     )
 
@@ -364,6 +370,8 @@ class Model(Builder):
             raise ValueError(f"give only one of builtin, factory, hf (got {', '.join(given)})")
         if self.hf is not None and not self.hf.strip():
             raise ValueError(f"hf: give a model name or a local folder (got {self.hf!r})")
+        if self.weights is not None and not self.weights.strip():
+            raise ValueError(f"weights: give a folder or a state dict file (got {self.weights!r})")
         if self.kind is not None and self.hf is None:
             raise ValueError("kind: only used with hf (a Hugging Face model)")
         if self.quantize is not None and self.lora is None:
@@ -397,8 +405,9 @@ FORMAT_FIELDS = {
     "augment": ("imagefolder", "hf-datasets"),
     "dtype": ("tokens",),
     "template": ("instructions", "hf-datasets"),
+    "train_on_inputs": ("instructions", "hf-datasets"),
     "tokenizer": ("instructions", "hf-datasets"),
-    "columns": ("hf-datasets",),
+    "columns": ("hf-datasets", "instructions"),
     "layout": ("segmentation",),
     "crop": ("segmentation",),
     "scale": ("segmentation",),
@@ -406,7 +415,12 @@ FORMAT_FIELDS = {
     "pad": ("segmentation",),
     "split": ("segmentation",),
     "eval_split": ("segmentation",),
+    "masks": ("segmentation",),
+    "loss_pixels": ("segmentation",),
 }
+# data.template: how a record's fields become the prompt and the response (data/text.py)
+TEMPLATES = ("alpaca", "alpaca-lora", "e2e")
+INSTRUCTION_COLUMN_SETS = ({"instruction", "output"}, {"instruction", "input", "output"})
 
 
 class Data(Builder):
@@ -430,7 +444,14 @@ class Data(Builder):
     eval_path: str | None = Field(default=None, description="the evaluation data, in the same format")
     augment: Literal["imagenet", "none"] | None = None
     dtype: Literal[TOKEN_DTYPES] | None = None  # type: ignore[valid-type]
-    template: Literal["alpaca"] | None = None
+    template: Literal[TEMPLATES] | None = Field(  # type: ignore[valid-type]
+        default=None, description="alpaca: Stanford Alpaca's prompt; alpaca-lora: Alpaca-LoRA's (a newline after "
+        "'### Response:'); e2e: microsoft/LoRA's E2E encoding (context, <|endoftext|>, ' ' + completion)",
+    )
+    train_on_inputs: bool | None = Field(
+        default=None, description="the loss covers the prompt's tokens too (Alpaca-LoRA's train_on_inputs, its "
+        "default); default false: only the response's",
+    )
     tokenizer: str | None = Field(default=None, description="a local tokenizer folder (tokenizer.json)")
     columns: dict[str, str] | None = None
     # format segmentation (docs/segmentation.md): images with a mask of class ids each, cut and flipped together
@@ -452,6 +473,13 @@ class Data(Builder):
                               "ImageSets/Segmentation/SPLIT.txt (default train; DeepLabV3: trainaug)")
     eval_split: str | None = Field(default=None, min_length=1, description="segmentation, voc layout: the evaluation "
                                    "list (default val), read from eval_path's folder, or path's")
+    loss_pixels: Literal["valid", "all"] | None = Field(
+        default=None, description="segmentation: the pixels the loss is averaged over, across the window: valid (not "
+        "ignore_index, default: F.cross_entropy's and torchvision's reference) or all (every pixel of every crop, "
+        "ignored ones as zeros: MMSegmentation's default avg_non_ignore=False)")
+    masks: str | None = Field(default=None, min_length=1, pattern=r"^[^/\\]+$", description="segmentation, voc "
+                              "layout: the training masks' folder beside JPEGImages/ (default SegmentationClass; "
+                              "DeepLabV3's trainaug: SegmentationClassAug); evaluation reads SegmentationClass/")
 
     @model_validator(mode="before")
     @classmethod
@@ -467,8 +495,8 @@ class Data(Builder):
             raise ValueError(f"crop: height and width must be > 0 (got {list(self.crop)})")
         if self.scale is not None and not 0 < self.scale[0] <= self.scale[1]:
             raise ValueError(f"scale: expected [low, high] with 0 < low <= high (got {list(self.scale)})")
-        if self.layout == "images-masks" and (self.split or self.eval_split):
-            name = "split" if self.split else "eval_split"
+        if self.layout == "images-masks" and (self.split or self.eval_split or self.masks):
+            name = "split" if self.split else "eval_split" if self.eval_split else "masks"
             raise ValueError(f"{name}: only used with layout voc (its ImageSets/Segmentation/ lists); images-masks "
                              "reads every image of images/ (the evaluation folder: eval_path)")
         if self.format == "segmentation" and self.crop is None:
@@ -511,6 +539,10 @@ class Data(Builder):
                 raise ValueError("augment: only used with an image column (columns: {image: ..., label: ...})")
             if self.template is not None and "instruction" not in self.columns:
                 raise ValueError("template: only used with instruction columns (columns: {instruction: ..., ...})")
+        if self.format == "instructions" and self.columns is not None and set(self.columns) not in (
+                INSTRUCTION_COLUMN_SETS):
+            raise ValueError(f"columns: the record fields that hold instruction and output (and input), e.g. "
+                             f"{{instruction: context, output: completion}} (got {sorted(self.columns)})")
         if self.builtin is None and self.factory is None and self.name is None and self.format is None:
             raise ValueError("give builtin: NAME, factory: 'package.module:function', format: with path:, or name: "
                              "for plan-only data")
@@ -832,9 +864,9 @@ class Recipe(Strict):
             raise ValueError("data.image_size: required for image data (the side images are cropped or resized "
                              "to; 224 for ImageNet)")
         if data.text_columns:
-            if data.tokenizer is None and self.model.hf is None:
+            if data.tokenizer is None and self.model.hf is None and self.model.weights is None:
                 raise ValueError("data.tokenizer: required for text data: a local tokenizer folder (default: the "
-                                 "model's own with model.hf)")
+                                 "model's own with model.hf, or the folder of model.weights)")
             if data.max_length is None and self.batch.sequence_length is None:
                 raise ValueError("data.max_length: required for text data: the longest sequence in tokens, longer "
                                  "ones are truncated (Alpaca: 512)")
@@ -872,6 +904,16 @@ def parse_recipe(data: dict, source: str = "<recipe>") -> Recipe:
         return Recipe.model_validate(data)
     except ValidationError as exc:
         raise UserError(*format_validation_errors(exc, source, Recipe)) from None
+
+
+def with_weights(recipe: Recipe, path: str | None, source: str = "<recipe>") -> Recipe:
+    """The recipe starting from the weights at `path` (`--weights PATH`, in place of its `model.weights`), made
+    absolute so that a plan file written now can be run or resumed from another folder."""
+    if path is None:
+        return recipe
+    data = recipe.model_dump(mode="json")
+    data["model"]["weights"] = str(Path(path).expanduser().absolute())
+    return parse_recipe(data, source=source)
 
 
 def with_data_paths(recipe: Recipe, path: str | None, eval_path: str | None, source: str = "<recipe>") -> Recipe:

@@ -11,8 +11,9 @@ from .memory_options import with_knobs_of, with_quantized_base
 from .planfile import load_plan, load_recipe_or_plan
 from .planner import Plan
 from .planner import plan as make
-from .recipe import Recipe, parse_recipe, with_data_paths
+from .recipe import Recipe, parse_recipe, with_data_paths, with_weights
 from .sharding import with_sharding
+from .weightfiles import fingerprint_of, inspect
 
 
 def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: int | dict, source: Path | str
@@ -25,7 +26,7 @@ def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: 
     micro = {s.sequence_length: min(s.micro_batch, micro_batch or s.micro_batch) for s in saved.segments}
     micro = micro if len(micro) > 1 else cap  # one micro-batch per sequence length the plan reads
     again = make(saved.recipe, micro, world_size, saved.policy, dataset_size=dataset_size,
-                 recipe_path=saved.recipe_path)
+                 recipe_path=saved.recipe_path).model_copy(update={"weights": saved.weights})
     same = ("effective_batch", "steps_per_epoch", "optimizer_steps", "warmup_steps", "decay_milestones")
     if saved.dataset_size is None:  # made without the data: its steps were not known, only its batches
         same = ("effective_batch",)
@@ -73,13 +74,33 @@ def resumed_data_paths(recipe: Recipe, saved: Recipe, data_path: str | None, eva
     return parse_recipe(data, source)
 
 
+def check_resumed_weights(recipe: Recipe, saved: Plan, weights_path: str | None, out: Path) -> None:
+    """A resumed run continues from the weights it started from: the same path (--weights, when given), and the same
+    content as the fingerprint in its plan.yaml says."""
+    ran, mine = saved.recipe.model.weights, recipe.model.weights
+    if weights_path is not None and (ran is None or Path(ran) != Path(mine or "")):
+        raise UserError(f"--weights: the run in {out} started from {ran or 'random weights'}; --resume continues it "
+                        f"from the same (got {mine})")
+    if saved.weights is None or ran is None:
+        return
+    if not Path(ran).exists():
+        raise UserError(f"--resume: the run in {out} started from the weights {ran}, which are no longer there")
+    now = fingerprint_of(inspect(ran))
+    if now != saved.weights.fingerprint:
+        raise UserError(f"--resume: the weights {ran} changed since the run in {out} started (fingerprint "
+                        f"{saved.weights.fingerprint} in its plan.yaml, {now} now); resume it with the weights it "
+                        "started from, or start a new run")
+
+
 def recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None, data_path: str | None,
-                    eval_data_path: str | None, quantize: str | None = None) -> tuple[Recipe, Plan | None]:
-    """The recipe (and plan, when given or resumed) with the data paths, the sharding and the quantised base this run
-    uses: --data / --eval-data, --sharding and --quantize, else the recipe's; a resumed run keeps the data, sharding
-    and base it was started with."""
+                    eval_data_path: str | None, weights_path: str | None = None,
+                    quantize: str | None = None) -> tuple[Recipe, Plan | None]:
+    """The recipe (and plan, when given or resumed) with the data paths, the weights, the sharding and the quantised
+    base this run uses: --data / --eval-data, --weights, --sharding and --quantize, else the recipe's; a resumed run
+    keeps the data, weights, sharding and base it was started with (and refuses weights whose content changed
+    since)."""
     recipe, plan = load_recipe_or_plan(source)
-    recipe = with_data_paths(recipe, data_path, eval_data_path, str(source))
+    recipe = with_data_paths(with_weights(recipe, weights_path, str(source)), data_path, eval_data_path, str(source))
     if not resume:
         recipe = with_sharding(with_quantized_base(recipe, quantize, str(source)), sharding)
         return recipe, plan.model_copy(update={"recipe": recipe}) if plan is not None else None
@@ -91,6 +112,7 @@ def recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None,
         raise UserError(f"--sharding: the run in {out} was started with sharding {started}; resume it with the same "
                         f"(got {sharding})")
     recipe = resumed_data_paths(recipe, saved.recipe, data_path, eval_data_path, out, str(source))
+    check_resumed_weights(recipe, saved, weights_path, out)
     base = saved.recipe.model.quantize
     if quantize is not None and quantize != base:
         raise UserError(f"--quantize {quantize}: the run in {out} was started with {base or 'an unquantised'} base; "

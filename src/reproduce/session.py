@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import DoesNotFit, UserError
 from .memory_options import with_memory_options
@@ -23,6 +24,8 @@ from .recipe import Recipe, phase_recipe
 from .resume_rules import replan
 from .sharding import with_sharding
 from .units import format_size
+from .weightfiles import inspect as inspect_weights
+from .weightfiles import record as weights_record
 
 OnNote = Callable[[str], None]
 
@@ -107,13 +110,30 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
 
         chosen = throughput_plan(recipe, recipe_path, micro_batch_max, world_size, dataset_size, result, data=data,
                                  keep_batchnorm=keep_batchnorm, gpu=probe.gpu if probe else None, on_note=note)
-        return Planned(chosen, result, notes)
+        return Planned(with_weights_record(chosen), result, notes)
     counted = count_factory_batchnorm(recipe, data)
     the_plan = plan(recipe, micro_batch_max, world_size, policy, dataset_size=dataset_size, recipe_path=recipe_path,
                     batchnorm_layers=counted)
     if memory:  # the memory knobs the plan took, or the ways it weighed (probe/memory_plan.py)
         the_plan = the_plan.model_copy(update={"memory": memory})
-    return Planned(the_plan, result, notes)
+    return Planned(with_weights_record(the_plan), result, notes)
+
+
+def with_weights_record(the_plan: Plan) -> Plan:
+    """The plan with the record of the pretrained weights it starts from (path, size, fingerprint, and what a
+    folder's config changes of the recipe's built-in), or as it is for a model of random weights."""
+    spec = the_plan.recipe.model
+    if spec.weights is None:
+        return the_plan.model_copy(update={"weights": None}) if the_plan.weights is not None else the_plan
+    builtin, vocab = None, None
+    if spec.builtin is not None and Path(spec.weights).expanduser().is_dir():
+        from .models.architectures import ARCHITECTURES  # (torch: only for a folder in place of a built-in)
+        from .models.pretrained import check_family
+
+        check_family(spec.builtin, inspect_weights(spec.weights))
+        builtin = getattr(ARCHITECTURES.get(spec.builtin), "config", None)
+        vocab = spec.kwargs.get("vocab_size")  # (builtin_from_folder widens the folder's embeddings to it)
+    return the_plan.model_copy(update={"weights": weights_record(spec.weights, builtin, vocab)})
 
 
 def count_factory_batchnorm(recipe: Recipe, data: dict | None) -> int | None:
@@ -158,13 +178,17 @@ def does_not_fit(result: ProbeResult) -> DoesNotFit:
     return DoesNotFit(*render(result.does_not_fit, budget))
 
 
-def factory_data_size(recipe: Recipe) -> tuple[dict | None, int | dict | None]:
-    """The data and its size from the recipe's data factory (the user's code), as `run` gets them, when the recipe
-    does not state data.train_size: the schedule in epochs, and the plan file, then hold the real numbers."""
+def planned_data_size(recipe: Recipe, given: bool = False) -> tuple[dict | None, int | dict | None]:
+    """The data and its size as `run` gets them, when the recipe does not state data.train_size, or when the data is
+    `given` on the command line (`plan --data PATH`: a paper's recipe states the paper's size, `run` counts the
+    user's data): from its data factory (the user's code), or from its data on disk; the schedule in epochs, and
+    the plan file, then hold the real numbers."""
     spec = recipe.data
-    if spec.train_size is not None or not spec.available or spec.factory is None:
+    on_disk = spec.format is not None and spec.path is not None
+    if (spec.train_size is not None and not (given and on_disk)) or not spec.available or (
+            spec.factory is None and not on_disk):
         return None, None
-    from .data import build_data  # torch, and the user's own code: only for data that a factory makes
+    from .data import build_data  # torch, and the user's own code: only for data that a factory makes or on disk
     from .data.lengths import training_sizes
 
     data = build_data(recipe)
@@ -257,6 +281,8 @@ def run_plan(recipe: Recipe, source: str, the_plan: Plan | None, micro_batch_max
         smaller = resume and micro_batch_max is not None and micro_batch_max < the_plan.micro_batch
         if the_plan.world_size != world_size or smaller or the_plan.dataset_size is None:
             the_plan = replan(the_plan, world_size, micro_batch_max if smaller else None, dataset_size, source)
+        if not resume:  # (a resumed run's weights were checked against its record: resume_rules)
+            the_plan = with_weights_record(the_plan)
     warnings = list(the_plan.warnings)
     main_size = dataset_size.get(recipe.batch.sequence_length) if isinstance(dataset_size, dict) else dataset_size
     if recipe.data.train_size is not None and recipe.data.train_size != main_size:

@@ -236,8 +236,10 @@ def verify(
     micro_batches = [to_device(fetch(i), torch_device, param_dtype) for i in indices]
     if isinstance(setup.loss, PixelLoss):  # what the window's count normalises: each micro-batch's valid pixels
         counts = [setup.loss.count(target) for _, target in micro_batches]
-        notes.append(f"valid pixels (not ignore_index) per micro-batch: {', '.join(map(str, counts))}; every one is "
-                     f"divided by the window's {sum(counts)}")
+        what = ("pixels (every one: data.loss_pixels all)" if setup.loss.all_pixels
+                else "valid pixels (not ignore_index)")
+        notes.append(f"{what} per micro-batch: {', '.join(map(str, counts))}; every one is divided by the window's "
+                     f"{sum(counts)}")
     recomputed = None
     if recipe.model.activation_checkpointing:  # the same masks in the recomputation (dropout on): recompute_check.py
         from .recompute_check import recomputation_error

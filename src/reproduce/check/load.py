@@ -107,6 +107,8 @@ def load_check_file(path: Path) -> LoadedFile:
     problems: list[str] = []
     base = _load_recipe(spec.recipe, path, source, "recipe", problems)
     runs: dict[str, Run] = {}
+    if base is not None and spec.sample_data is not None:
+        base = _with_sample_data(base, spec.sample_data, source, problems)
     if base is not None:
         recipe, recipe_path = base
         runs[MAIN] = Run(MAIN, recipe, recipe_path, spec.budget)
@@ -132,6 +134,37 @@ def load_check_file(path: Path) -> LoadedFile:
     if problems:
         raise UserError(*problems)
     return LoadedFile(path, spec, runs, names)
+
+
+def sample_folder(kind: str) -> Path:
+    """The data `python -m reproduce.data.samples KIND` writes, made once per process in a temporary folder that is
+    removed at exit (check files' `sample_data`)."""
+    if kind not in _SAMPLE_FOLDERS:
+        import atexit
+        import shutil
+        import tempfile
+
+        from ..data.shape_scenes import write_voc
+
+        folder = Path(tempfile.mkdtemp(prefix=f"reproduce-check-{kind}-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        write_voc(folder / kind)
+        _SAMPLE_FOLDERS[kind] = folder / kind
+    return _SAMPLE_FOLDERS[kind]
+
+
+_SAMPLE_FOLDERS: dict[str, Path] = {}
+
+
+def _with_sample_data(base: tuple[Recipe, str], kind: str, source: str, problems: list[str]):
+    recipe, recipe_path = base
+    merged = merge(recipe.model_dump(mode="json", exclude_unset=True),
+                   {"data": {"path": str(sample_folder(kind)), "available": True}})
+    try:
+        return parse_recipe(merged, source=f"{source}: sample_data"), recipe_path
+    except UserError as error:
+        problems.extend(error.lines)
+        return None
 
 
 def _resolve_recipe_path(name: str, check_path: Path) -> Path | None:

@@ -118,6 +118,9 @@ KINDS = ("plan", "verify", "metric", "compare")
 class CheckFile(Strict):
     description: str | None = None
     recipe: str
+    sample_data: Literal["segmentation"] | None = Field(
+        default=None, description="data the checks build first, as `python -m reproduce.data.samples KIND DIR` "
+        "writes it, in a temporary folder given to every run as data.path")
     budget: Budget = Budget()
     runs: dict[str, RunSpec] = {}
     checks: list[AnyCheck] = Field(min_length=1)

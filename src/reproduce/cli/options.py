@@ -75,6 +75,10 @@ QUANTIZE_HELP = (
     "Store the frozen base's linear layers in 8 bits (int8: LLM.int8()) or 4 bits (nf4: QLoRA) through bitsandbytes, "
     "under the recipe's LoRA (model.quantize; the option overrides the field). Needs the quantize extra."
 )
+WEIGHTS_HELP = (
+    "Start from these pretrained weights, instead of the recipe's model.weights: a Hugging Face model folder "
+    "(config.json + safetensors; its config is the architecture) or a state dict file (.safetensors, .pt, .pth)."
+)
 OFFLOAD_HELP = (
     "With --sharding fsdp: cpu keeps parameters, gradients and optimizer state in CPU memory (batch.offload)."
 )

@@ -16,9 +16,9 @@ from ..planfile import check_writable, save_plan
 from ..planner import Plan, first_plateau_step, lr_at, lr_points
 from ..predicted_time import predict
 from ..prediction import DEFAULT_MFU
-from ..recipe import load_recipe
+from ..recipe import load_recipe, with_data_paths, with_weights
 from ..segments import batch_phases
-from ..session import apply_memory, apply_sharding, factory_data_size, plan_and_probe
+from ..session import apply_memory, apply_sharding, plan_and_probe, planned_data_size
 from ..shipped import described
 from ..throughput_plan import check_mfu
 from .app import app
@@ -37,6 +37,7 @@ from .options import (
     QUANTIZE_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
+    WEIGHTS_HELP,
     WORLD_SIZE_HELP,
     BatchNormChoice,
     MeterName,
@@ -48,6 +49,9 @@ from .options import (
     value_of,
 )
 from .throughput import FREE_BATCHNORM_HELP, MFU_HELP, render_prediction, render_throughput
+
+PLAN_DATA_HELP = ("Plan on this data (a folder or file in the recipe's data.format), instead of the recipe's "
+                  "data.path: its size gives the epochs' optimizer steps, as `run` counts them.")
 
 
 @app.command("plan")
@@ -74,6 +78,8 @@ def plan_command(
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
+    data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=PLAN_DATA_HELP),
+    weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
     quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
 ) -> None:
@@ -89,12 +95,14 @@ def plan_command(
     if emit_format is not None:
         check_format(emit_format)
     check_mfu(assumed_mfu)
-    recipe = with_quantized_base(load_recipe(recipe_path), value_of(quantize), str(recipe_path))
+    recipe = with_weights(load_recipe(recipe_path), weights, str(recipe_path))  # (the tokenizer may come from it)
+    recipe = with_data_paths(recipe, data_path, None, str(recipe_path))
+    recipe = with_quantized_base(recipe, value_of(quantize), str(recipe_path))
     recipe = apply_sharding(recipe, value_of(sharding), world_size)
     recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, value_of(offload))
     recipe = with_batchnorm(recipe, value_of(batchnorm))
     options = probe_options(memory, gpu, meter, headroom, no_cache)
-    data, size = factory_data_size(recipe)
+    data, size = planned_data_size(recipe, given=data_path is not None)
     planned = plan_and_probe(
         recipe, str(recipe_path), micro_batch_max, world_size, policy.value, size, probe=options, data=data,
         keep_batchnorm=not free_batchnorm, on_note=None if quiet else show_note,
@@ -207,6 +215,8 @@ def render_plan(p: Plan) -> None:
     if p.norm is not None:
         table.add_row("BatchNorm", *batchnorm_cells(p))
     stdout.print(table)
+    if p.weights is not None:
+        stdout.print(p.weights.line(r.model.builtin or r.model.factory), markup=False, soft_wrap=True)
     for line in p.memory:
         stdout.print(line, markup=False, soft_wrap=True)
     render_phases(p)

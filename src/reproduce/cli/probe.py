@@ -14,7 +14,7 @@ from ..plan_cost import cost_lines, costs_json, plan_costs
 from ..planner import Plan, plan
 from ..probe.runner import ProbeResult, ProbeTrial, run_probe
 from ..probe.search import Measurement
-from ..recipe import load_recipe, with_data_paths
+from ..recipe import load_recipe, with_data_paths, with_weights
 from ..session import apply_memory, apply_sharding, does_not_fit
 from ..units import format_size
 from .app import app
@@ -31,6 +31,7 @@ from .options import (
     QUANTIZE_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
+    WEIGHTS_HELP,
     BatchNormChoice,
     MeterName,
     Offload,
@@ -58,6 +59,7 @@ def probe_command(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=PROBE_DATA_HELP),
+    weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
@@ -70,7 +72,8 @@ def probe_command(
     and what would make it fit are printed).
     """
     recipe_path = recipe_argument(recipe_path)
-    recipe = with_data_paths(load_recipe(recipe_path), data_path, None, str(recipe_path))
+    recipe = with_weights(load_recipe(recipe_path), weights, str(recipe_path))  # (the tokenizer may come from it)
+    recipe = with_data_paths(recipe, data_path, None, str(recipe_path))
     recipe = with_quantized_base(recipe, value_of(quantize), str(recipe_path))
     recipe = apply_sharding(recipe, value_of(sharding), world_size)
     recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, value_of(offload))

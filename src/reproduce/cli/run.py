@@ -38,6 +38,7 @@ from .options import (
     QUANTIZE_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
+    WEIGHTS_HELP,
     WORLD_SIZE_HELP,
     BatchNormChoice,
     MeterName,
@@ -81,6 +82,8 @@ class PlainReporter:
                   "processes)", flush=True)
         from ..memory_options import memory_summary
 
+        if plan.weights is not None:
+            print(plan.weights.line(plan.recipe.model.builtin or plan.recipe.model.factory), flush=True)
         for line in [*plan.memory, *(f"memory: {knob}" for knob in memory_summary(plan.recipe))]:
             print(line, flush=True)
         self.total, self.every = total_steps, max(1, total_steps // self.lines)
@@ -97,6 +100,8 @@ class PlainReporter:
             line += f" eval_loss {record['eval_loss']:.4f}"
         if "eval_accuracy" in record:
             line += f" eval_accuracy {record['eval_accuracy']:.4f}"
+        if "eval_miou" in record:
+            line += f" eval_miou {record['eval_miou']:.4f}"
         rate = ""
         if record.get("tokens_per_second") or record.get("samples_per_second"):  # this step's (train/rates.py)
             rate = (f" {record['tokens_per_second']:,.0f} tokens/s" if record.get("tokens_per_second")
@@ -156,6 +161,8 @@ RUN_SHARDING_HELP = SHARDING_HELP + " A resumed run keeps its own."
 
 MAX_STEPS_HELP = ("Stop after optimizer step K, counted from the start of the run: a resumed run goes on to step K "
                   "(smoke runs).")
+MERGED_HELP = ("With model.lora, also write OUT/merged: the adapters merged into the base, a Hugging Face folder that "
+               "from_pretrained loads (OUT/adapter, peft's save_pretrained folder, is always written).")
 DIVERGENCE_HELP = ("Stop when the loss diverges (not finite, or above 2x its first value for 10 steps in a row); "
                    "without it the run warns once and goes on.")
 
@@ -222,9 +229,11 @@ def run_command(
     sharding: Sharding | None = typer.Option(None, "--sharding", help=RUN_SHARDING_HELP),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
     eval_data_path: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
+    weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
     workers: int | None = typer.Option(None, "--workers", min=0, help=WORKERS_HELP),
     no_noise_scale: bool = typer.Option(False, "--no-noise-scale", help=NO_NOISE_HELP),
     stop_on_divergence: bool = typer.Option(False, "--stop-on-divergence", help=DIVERGENCE_HELP),
+    merged: bool = typer.Option(False, "--merged", help=MERGED_HELP),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
@@ -247,7 +256,7 @@ def run_command(
         if nnodes > 1 and rdzv_endpoint is None:
             raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
         # bad input: one line, before launching
-        recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path,
+        recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights,
                                        value_of(quantize))
         recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
         recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))
@@ -260,11 +269,11 @@ def run_command(
             {"--policy": policy.value, "--device": device, "--micro-batch-max": micro_batch_max,
              "--max-steps": max_steps, "--seed": seed, "--checkpoint-every": checkpoint_every, "--memory": memory,
              "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
-             "--data": data_path, "--eval-data": eval_data_path, "--workers": workers,
+             "--data": data_path, "--eval-data": eval_data_path, "--weights": weights, "--workers": workers,
              "--log-to": ",".join(trackers) or None, "--offload": offload.value if offload is not None else None,
              "--quantize": value_of(quantize), "--batchnorm": value_of(batchnorm)},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
-             "--no-noise-scale": no_noise_scale, "--stop-on-divergence": stop_on_divergence,
+             "--no-noise-scale": no_noise_scale, "--stop-on-divergence": stop_on_divergence, "--merged": merged,
              "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients},
         )
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
@@ -273,7 +282,8 @@ def run_command(
         raise typer.Exit(_launch(command))
     if world.distributed:
         world_size = world.size
-    recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, value_of(quantize))
+    recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights,
+                                   value_of(quantize))
     recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
     recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))
     check_sync_batchnorm(recipe, world.size, device)
@@ -301,13 +311,13 @@ def run_command(
               "--device": device if device != "auto" else None, "--seed": seed, "--checkpoint-every": checkpoint_every,
               "--log-to": ",".join(trackers) or None},
         {"--skip-nonfinite": skip_nonfinite, "--no-noise-scale": no_noise_scale,
-         "--stop-on-divergence": stop_on_divergence},
+         "--stop-on-divergence": stop_on_divergence, "--merged": merged},
         launcher_of_this_job(world.size) if world.distributed else [],
     )
     train_options = RunOptions(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
                                checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data,
                                workers=workers, noise_scale=not no_noise_scale, continue_with=continue_with,
-                               stop_on_divergence=stop_on_divergence)
+                               stop_on_divergence=stop_on_divergence, merged=merged)
     if not world.is_main:  # the other ranks train quietly; rank 0 reports
         train(plan, out, train_options)
         return
@@ -336,6 +346,7 @@ def run_command(
     noise = summary.get("noise_scale")
     if noise and not noise.get("noted"):  # a run that cannot measure it said so at its start
         stdout.print(f"noise scale: {noise['sentence']}", markup=False, soft_wrap=True)
-    stdout.print(f"outputs in {out}: plan.yaml, metrics.jsonl, model.pt, summary.json, checkpoints/last.pt")
+    folders = "".join(f", {name}/" for name in ("adapter", "merged") if summary.get(name))  # (models/trained.py)
+    stdout.print(f"outputs in {out}: plan.yaml, metrics.jsonl, model.pt, summary.json, checkpoints/last.pt{folders}")
     if summary.get("plot"):
         stdout.print(summary["plot"], markup=False)

@@ -14,7 +14,7 @@ from ..batchnorm import batchnorm_for_run
 from ..errors import UserError
 from ..memory_options import with_quantized_base
 from ..planfile import load_recipe_or_plan
-from ..recipe import with_data_paths
+from ..recipe import with_data_paths, with_weights
 from ..session import apply_memory, make_plan
 from .app import app
 from .common import recipe_argument, show_note, stdout
@@ -24,6 +24,7 @@ from .options import (
     MICRO_BATCH_MAX_HELP,
     POLICY_HELP,
     QUANTIZE_HELP,
+    WEIGHTS_HELP,
     WORLD_SIZE_HELP,
     BatchNormChoice,
     Policy,
@@ -62,6 +63,7 @@ def verify_command(
     seed: int | None = typer.Option(None, "--seed", help=SEED_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
+    weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
@@ -75,7 +77,8 @@ def verify_command(
         raise UserError(f"--tolerance: must be > 0 (got {tolerance})")
     source = recipe_argument(source, "recipe or plan")
     recipe, the_plan = load_recipe_or_plan(source)
-    recipe = apply_memory(with_data_paths(recipe, data_path, None, str(source)), activation_checkpointing)
+    recipe = with_data_paths(with_weights(recipe, weights, str(source)), data_path, None, str(source))
+    recipe = apply_memory(recipe, activation_checkpointing)
     recipe = with_quantized_base(recipe, value_of(quantize), str(source))
     if the_plan is not None:
         the_plan = the_plan.model_copy(update={"recipe": recipe})

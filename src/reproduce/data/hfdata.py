@@ -141,7 +141,8 @@ def _split(recipe: Any, table: Any, path: Path, train: bool, tokenizer: Any = No
         records = [dict(zip(fields.values(), row, strict=True)) for row in zip(*values, strict=True)]
         for number, record in enumerate(records, start=1):
             check_record(record, path, f"row {number}", fields)
-        return tokenise(tokenizer, *instruction_texts(records, spec.template or "alpaca", fields), max_length)
+        texts = instruction_texts(records, spec.template or "alpaca", fields, tokenizer.eos_token or "")
+        return tokenise(tokenizer, *texts, max_length, bool(spec.train_on_inputs))
     labels, count = _labels(table, columns["label"], path, classes or spec.classes)
     if "image" in columns:
         from .images import transforms_for  # torchvision only for image data

@@ -3,7 +3,8 @@
 Two layouts, found from the folder unless `data.layout` says which:
 - `voc`: Pascal VOC's, `JPEGImages/ID.jpg`, `SegmentationClass/ID.png` (palette PNGs: the palette index is the class
   id, 255 the ignored border) and the lists `ImageSets/Segmentation/{train,val}.txt` (`data.split`,
-  `data.eval_split`); evaluation reads eval_path's list, or path's;
+  `data.eval_split`; the training masks' folder `data.masks`, e.g. SegmentationClassAug for trainaug); evaluation
+  reads eval_path's list, or path's, with SegmentationClass/;
 - `images-masks`: `images/NAME.jpg|png` and `masks/NAME.png` of the same relative name (sub-folders allowed), the
   masks greyscale or palette PNGs of label ids (Cityscapes' `*_labelTrainIds.png`); evaluation reads eval_path.
 
@@ -38,6 +39,7 @@ from .images import IMAGENET_MEAN, IMAGENET_STD
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff")
 MASK_SUFFIX = ".png"
 VOC_LISTS = Path("ImageSets") / "Segmentation"
+VOC_MASKS = "SegmentationClass"
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class Augment:
     flip: bool = True
     pad: bool = False
     ignore_index: int = 255
+    all_pixels: bool = False  # data.loss_pixels: all, the loss's count is every pixel of the crop
 
 
 def _scaled(size: int, factor: float) -> int:
@@ -134,6 +137,8 @@ class SegmentationData(torch.utils.data.Dataset):
         draws from the same per-sample seed, the mask alone decoded."""
         from .loader import sample_seed
 
+        if self.augment.all_pixels and self.augment.train and self.augment.crop is not None:
+            return torch.full((len(indices),), self.augment.crop[0] * self.augment.crop[1], dtype=torch.int64)
         counts = []
         with torch.random.fork_rng(devices=[]):
             for index in indices.tolist():
@@ -200,8 +205,8 @@ def _image_of(folder: Path, stem: str) -> Path | None:
     return None
 
 
-def voc_pairs(root: Path, split: str) -> list[Pair]:
-    """The image / mask pairs of VOC's list ImageSets/Segmentation/SPLIT.txt."""
+def voc_pairs(root: Path, split: str, masks: str = VOC_MASKS) -> list[Pair]:
+    """The image / mask pairs of VOC's list ImageSets/Segmentation/SPLIT.txt, the masks in `masks`/."""
     listing = root / VOC_LISTS / f"{split}.txt"
     if not listing.is_file():
         present = sorted(p.stem for p in (root / VOC_LISTS).glob("*.txt"))
@@ -213,12 +218,12 @@ def voc_pairs(root: Path, split: str) -> list[Pair]:
     pairs = []
     for name in ids:
         image = _image_of(root / "JPEGImages", name)
-        mask = root / "SegmentationClass" / f"{name}{MASK_SUFFIX}"
+        mask = root / masks / f"{name}{MASK_SUFFIX}"
         if image is None:
             raise UserError(f"{listing}: image id {name!r} has no image JPEGImages/{name}.jpg"
                             + (f" (its mask {mask} exists)" if mask.is_file() else ""))
         if not mask.is_file():
-            raise UserError(f"{image}: no mask SegmentationClass/{name}.png (listed in {listing})")
+            raise UserError(f"{image}: no mask {masks}/{name}.png (listed in {listing})")
         pairs.append(_pair(image, mask))
     return pairs
 
@@ -241,10 +246,10 @@ def folder_pairs(root: Path) -> list[Pair]:
     return [_pair(images[name], masks[name]) for name in images]
 
 
-def find_layout(root: Path, field: str) -> str:
+def find_layout(root: Path, field: str, masks: str = VOC_MASKS) -> str:
     if not root.is_dir():
         raise UserError(f"{field}: {root}: no such folder (expected the VOC layout or images/ and masks/)")
-    if (root / "JPEGImages").is_dir() and (root / "SegmentationClass").is_dir():
+    if (root / "JPEGImages").is_dir() and (root / masks).is_dir():
         return "voc"
     if (root / "images").is_dir() and (root / "masks").is_dir():
         return "images-masks"
@@ -278,20 +283,24 @@ def check_crop(pairs: list[Pair], augment: Augment) -> None:
                             "smaller crop")
 
 
-def read_split(root: Path, field: str, layout: str | None, split: str) -> tuple[str, list[Pair]]:
-    layout = layout or find_layout(root, field)
+def read_split(root: Path, field: str, layout: str | None, split: str,
+               masks: str = VOC_MASKS) -> tuple[str, list[Pair]]:
+    layout = layout or find_layout(root, field, masks)
     if not root.is_dir():
         raise UserError(f"{field}: {root}: no such folder (expected the {layout} layout)")
-    return layout, (voc_pairs(root, split) if layout == "voc" else folder_pairs(root))
+    if layout == "voc" and not (root / masks).is_dir():
+        raise UserError(f"{field}: {root}: no mask folder {masks}/ (the voc layout: JPEGImages/, {masks}/, "
+                        "ImageSets/Segmentation/)")
+    return layout, (voc_pairs(root, split, masks) if layout == "voc" else folder_pairs(root))
 
 
 def build_segmentation(recipe: Any) -> dict:
     spec = recipe.data
     classes, ignore = spec.classes, recipe.ignore_index
     root = Path(spec.path)
-    layout, train_pairs = read_split(root, "data.path", spec.layout, spec.split or "train")
+    layout, train_pairs = read_split(root, "data.path", spec.layout, spec.split or "train", spec.masks or VOC_MASKS)
     augment = Augment(True, tuple(spec.crop), tuple(spec.scale) if spec.scale else None, spec.flips, spec.pads,
-                      ignore)
+                      ignore, spec.loss_pixels == "all")
     check_crop(train_pairs, augment)
     check_masks(train_pairs, classes, ignore)
     data: dict = {"train": SegmentationData(train_pairs, augment)}
@@ -308,6 +317,6 @@ def build_segmentation(recipe: Any) -> dict:
         "eval_path": str(eval_root) if eval_root else None, "classes": classes, "channels": 3,
         "images": len(train_pairs), "eval_images": len(data["eval"]) if "eval" in data else None,
         "crop": list(spec.crop), "scale": list(spec.scale) if spec.scale else None, "flip": spec.flips,
-        "pad": spec.pads, "ignore_index": ignore,
+        "pad": spec.pads, "ignore_index": ignore, "masks": spec.masks, "loss_pixels": spec.loss_pixels or "valid",
     }
     return data

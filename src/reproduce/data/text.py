@@ -50,7 +50,20 @@ def alpaca_prompt(instruction: str, input: str = "") -> str:  # noqa: A002 (Alpa
     return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
 
 
-TEMPLATES = {"alpaca": alpaca_prompt}
+def alpaca_lora_prompt(instruction: str, input: str = "") -> str:  # noqa: A002 (Alpaca's field name)
+    """Alpaca-LoRA's default template (tloen/alpaca-lora templates/alpaca.json): Stanford's wording with a newline
+    after "### Response:" (its alpaca_legacy.json is Stanford's exactly)."""
+    return alpaca_prompt(instruction, input) + "\n"
+
+
+def e2e_prompt(instruction: str, input: str = "", eos: str = "") -> str:  # noqa: A002
+    """microsoft/LoRA's E2E encoding (src/gpt2_encode.py --add_bos --add_eos, create_datasets.sh): the context's
+    tokens, then GPT-2's <|endoftext|> (id 50256) as the `bos`; the completion follows with a leading space."""
+    return instruction + (f"\n{input}" if input else "") + eos
+
+
+TEMPLATES = {"alpaca": alpaca_prompt, "alpaca-lora": alpaca_lora_prompt, "e2e": e2e_prompt}
+RESPONSE_PREFIX = {"e2e": " "}  # put before the response (gpt2_encode.py encodes ' ' + completion)
 
 
 class TokenisedTexts(Dataset):
@@ -112,8 +125,9 @@ def load_tokenizer(name: str, field: str = "data.tokenizer") -> Any:
                         f"{str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")) from None
 
 
-def read_records(path: Path, field: str) -> list[dict]:
-    """Alpaca records from a JSON file (a list of objects, as alpaca_data.json) or JSONL (one object a line)."""
+def read_records(path: Path, field: str, fields: dict[str, str] | None = None) -> list[dict]:
+    """Alpaca records from a JSON file (a list of objects, as alpaca_data.json) or JSONL (one object a line); `fields`:
+    our name -> the records' (data.columns)."""
     if not path.exists():
         raise UserError(f"{field}: {path}: no such file (expected JSON or JSONL records with instruction, input, "
                         "output)")
@@ -123,7 +137,7 @@ def read_records(path: Path, field: str) -> list[dict]:
     if not rows:
         raise UserError(f"{path}: no records (expected JSON or JSONL records with instruction, input, output)")
     for place, record in rows:
-        check_record(record, path, place)
+        check_record(record, path, place, fields)
     return [record for _, record in rows]
 
 
@@ -170,13 +184,15 @@ def check_record(record: Any, path: Path | str, place: str, fields: dict[str, st
             raise UserError(f"{path}: {place}: {column!r} must be a string (got {type(value).__name__})")
 
 
-def tokenise(tokenizer: Any, prompts: list[str], responses: list[str], max_length: int) -> tuple[TokenisedTexts, dict]:
+def tokenise(tokenizer: Any, prompts: list[str], responses: list[str], max_length: int,
+             train_on_inputs: bool = False) -> tuple[TokenisedTexts, dict]:
     """Alpaca's preprocessing: tokenise prompt + response (+ EOS) truncated to max_length, and mask the first
-    len(tokenised prompt) tokens. Examples of fewer than two tokens (nothing to predict) are left out."""
+    len(tokenised prompt) tokens (none with `train_on_inputs`, as Alpaca-LoRA's default). Examples of fewer than two
+    tokens (nothing to predict) are left out."""
     eos = tokenizer.eos_token or ""
     full = [prompt + response + eos for prompt, response in zip(prompts, responses, strict=True)]
     ids = tokenizer(full, truncation=True, max_length=max_length)["input_ids"]
-    if any(prompts):
+    if any(prompts) and not train_on_inputs:
         prompt_lengths = [len(p) for p in tokenizer(prompts, truncation=True, max_length=max_length)["input_ids"]]
     else:
         prompt_lengths = [0] * len(full)
@@ -194,21 +210,40 @@ def tokenise(tokenizer: Any, prompts: list[str], responses: list[str], max_lengt
     return dataset, stats
 
 
-def instruction_texts(records: list[dict], template: str, fields: dict[str, str] | None = None
+def instruction_texts(records: list[dict], template: str, fields: dict[str, str] | None = None, eos: str = ""
                       ) -> tuple[list[str], list[str]]:
-    """(prompts, responses) of the records under `template`."""
+    """(prompts, responses) of the records under `template` (`eos`: the tokenizer's, which the e2e template puts
+    after the context)."""
     fields = fields or {name: name for name in RECORD_FIELDS}
     prompt = TEMPLATES[template]
-    prompts = [prompt(r[fields["instruction"]], r.get(fields.get("input", "input")) or "") for r in records]
-    return prompts, [r[fields["output"]] for r in records]
+    extra = {"eos": eos} if template == "e2e" else {}
+    prompts = [prompt(r[fields["instruction"]], r.get(fields.get("input", "input")) or "", **extra) for r in records]
+    prefix = RESPONSE_PREFIX.get(template, "")
+    return prompts, [prefix + r[fields["output"]] for r in records]
+
+
+def tokenizer_name(recipe: Any) -> tuple[str, str]:
+    """(the tokenizer to load, the field it comes from): data.tokenizer, else the folder of model.weights, else the
+    model's own with model.hf."""
+    spec, model = recipe.data, recipe.model
+    if spec.tokenizer is not None:
+        return spec.tokenizer, "data.tokenizer"
+    if model.weights is not None:
+        from ..weightfiles import inspect
+
+        weights = inspect(model.weights)
+        if weights.has_tokenizer:
+            return str(weights.path), "model.weights (data.tokenizer's default)"
+        if model.hf is None:
+            raise UserError(f"data.tokenizer: required: {model.weights} holds no tokenizer (tokenizer.json, as "
+                            "save_pretrained writes it) to default to; give data.tokenizer: a local tokenizer folder")
+    return model.hf, "model.hf (data.tokenizer's default)"
 
 
 def text_settings(recipe: Any) -> tuple[Any, int]:
-    """The tokenizer (data.tokenizer, default the model's own with model.hf) and the length to truncate to."""
-    spec = recipe.data
-    name = spec.tokenizer if spec.tokenizer is not None else recipe.model.hf
-    field = "data.tokenizer" if spec.tokenizer is not None else "model.hf (data.tokenizer's default)"
-    return load_tokenizer(name, field), spec.max_length or recipe.batch.sequence_length
+    """The tokenizer (`tokenizer_name`) and the length to truncate to."""
+    name, field = tokenizer_name(recipe)
+    return load_tokenizer(name, field), recipe.data.max_length or recipe.batch.sequence_length
 
 
 def build_instructions(recipe: Any) -> dict:
@@ -217,18 +252,20 @@ def build_instructions(recipe: Any) -> dict:
     paths = {"train": Path(spec.path)}
     if spec.eval_path is not None:
         paths["eval"] = Path(spec.eval_path)
-    records = {split: read_records(path, "data.path" if split == "train" else "data.eval_path")
+    fields = dict(spec.columns) if spec.columns else None
+    records = {split: read_records(path, "data.path" if split == "train" else "data.eval_path", fields)
                for split, path in paths.items()}
     tokenizer, max_length = text_settings(recipe)
     data: dict = {}
     stats: dict = {}
     for split, rows in records.items():
-        data[split], stats[split] = tokenise(tokenizer, *instruction_texts(rows, template), max_length)
+        texts = instruction_texts(rows, template, fields, tokenizer.eos_token or "")
+        data[split], stats[split] = tokenise(tokenizer, *texts, max_length, bool(spec.train_on_inputs))
     if len(data["train"]) == 0:
         raise UserError(f"data.path: {paths['train']}: no example has two or more tokens to train on")
     data["info"] = {
         "name": spec.name or paths["train"].stem, "format": "instructions", "path": str(paths["train"]),
-        "eval_path": spec.eval_path, "template": template, "tokenizer": spec.tokenizer or recipe.model.hf,
+        "eval_path": spec.eval_path, "template": template, "tokenizer": tokenizer_name(recipe)[0],
         "vocab_size": len(tokenizer), **{f"{split}_{key}": value for split, s in stats.items()
                                          for key, value in s.items() if key not in ("vocab_size",)},
     }

@@ -1,8 +1,9 @@
 """Models: the one place the training loop, the probe and verify build a recipe's model.
 
 `build_model(recipe, data_info)` gives an `nn.Module` for a built-in name (`MODELS`: the small built-ins and the
-papers' architectures), the user's own `factory:`, or a Hugging Face model (`hf:`, local files only), with its
-weights in `model.dtype` and, with `model.lora`, LoRA adapters. `model_inputs(recipe)` says what the model fixes
+papers' architectures), the user's own `factory:`, or a Hugging Face model (`hf:`, local files only), starting from
+the pretrained weights of `model.weights` when it names some (models/pretrained.py), with its weights in
+`model.dtype` and, with `model.lora`, LoRA adapters. `model_inputs(recipe)` says what the model fixes
 about its inputs (vocabulary, context, image size), so data that is not on this machine can still be given a shape.
 """
 
@@ -14,11 +15,21 @@ from torch import nn
 from ..errors import UserError
 from ..factory import call_builder
 from ..recipe import Recipe
+from ..weightfiles import WeightsOnDisk
 from . import small
 from .architectures import ARCHITECTURES
 from .architectures import LOSSES as LOSSES
-from .hf import load_hf_model
 from .normalization import convert, count_batchnorm, set_momentum
+from .pretrained import (
+    builtin_from_folder,
+    check_state_dict_file,
+    folder_inputs,
+    load_hf_model,
+    load_state_dict_file,
+    on_meta,
+    weights_of,
+    wrap_transformers,
+)
 from .segmentation import SEGMENTATION_MODELS
 from .vocabulary import check_vocabulary
 from .weights import adapt, place
@@ -34,22 +45,16 @@ MODELS = {**small.MODELS, **BUILT_IN}
 
 def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     spec = recipe.model
-    if spec.hf is not None:
-        model = load_hf_model(recipe, data_info)
-    elif spec.builtin in SEGMENTATION_MODELS:
-        declared = {"classes": recipe.data.classes} if recipe.data.classes else {}  # the data's own count first
-        model = SEGMENTATION_MODELS[spec.builtin].build(segmentation_kwargs(recipe), {**declared, **(data_info or {})})
-    elif spec.builtin in ARCHITECTURES:
-        model = ARCHITECTURES[spec.builtin].build(spec.kwargs, data_info)
+    weights = weights_of(recipe)  # a missing path, a folder without config.json or weights: one line
+    name = spec.builtin or spec.factory or spec.hf or "the model"
+    if weights is not None and not weights.is_folder:  # keys and shapes checked strictly, on a model of no memory
+        if not on_meta():
+            with torch.device("meta"):
+                check_state_dict_file(architecture(recipe, None, data_info), weights, name)
+        model = architecture(recipe, weights, data_info)
+        load_state_dict_file(model, weights, name)  # into the architecture as published, before model.batchnorm
     else:
-        extra = {}
-        if spec.builtin == "gpt":
-            extra = {"vocab_size": (data_info or {}).get("vocab_size", 256)}
-            if recipe.batch.sequence_length:  # the longest sequence of any batch phase
-                extra["block_size"] = recipe.batch.longest_sequence_length
-        model = call_builder(spec, "model", MODELS, extra)
-        if not isinstance(model, nn.Module):
-            raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")
+        model = architecture(recipe, weights, data_info)
     if spec.builtin not in SEGMENTATION_MODELS:  # those build with their norm layer (models/segmentation.py)
         model = convert(model, spec.batchnorm)
     if spec.batchnorm_momentum is not None:
@@ -59,8 +64,31 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     if spec.activation_checkpointing:  # before DDP and FSDP2 wrap it: they see the checkpointed blocks
         from .checkpointing import enable
 
-        enable(model, spec.builtin or spec.factory or spec.hf or "the model")
+        enable(model, name)
     return model
+
+
+def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict | None) -> nn.Module:
+    """The recipe's model before any adaptation: built, or loaded from a Hugging Face folder."""
+    spec = recipe.model
+    if spec.hf is not None:
+        return load_hf_model(recipe, data_info, weights)
+    if weights is not None and weights.is_folder:  # the folder's own config is the architecture
+        return builtin_from_folder(recipe, weights, data_info)
+    if spec.builtin in SEGMENTATION_MODELS:
+        declared = {"classes": recipe.data.classes} if recipe.data.classes else {}  # the data's own count first
+        return SEGMENTATION_MODELS[spec.builtin].build(segmentation_kwargs(recipe), {**declared, **(data_info or {})})
+    if spec.builtin in ARCHITECTURES:
+        return ARCHITECTURES[spec.builtin].build(spec.kwargs, data_info)
+    extra = {}
+    if spec.builtin == "gpt":
+        extra = {"vocab_size": (data_info or {}).get("vocab_size", 256)}
+        if recipe.batch.sequence_length:  # the longest sequence of any batch phase
+            extra["block_size"] = recipe.batch.longest_sequence_length
+    model = call_builder(spec, "model", MODELS, extra)
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")
+    return wrap_transformers(model, recipe)
 
 
 def segmentation_kwargs(recipe: Recipe) -> dict:
@@ -80,6 +108,10 @@ def model_inputs(recipe: Recipe) -> dict:
     """
     spec = recipe.model
     kwargs = spec.kwargs
+    if spec.weights is not None and spec.builtin in ARCHITECTURES:
+        weights = weights_of(recipe)
+        if weights.is_folder:  # the folder's config is the architecture
+            return folder_inputs(ARCHITECTURES[spec.builtin], weights.config, kwargs)
     if spec.builtin in BUILT_IN:
         return BUILT_IN[spec.builtin].model_inputs(kwargs)
     if spec.builtin == "gpt":

@@ -128,7 +128,10 @@ class TransformersModel(Architecture):
         if self.kind != "mae" and vocab is not None and vocab > config.vocab_size:
             raise UserError(f"model: the data has {vocab} token ids but {self.name} has a vocabulary of "
                             f"{config.vocab_size} (model.kwargs: {{vocab_size: {vocab}}} to widen it)")
-        model = getattr(transformers, self.auto_class).from_config(config)
+        return self.wrap(getattr(transformers, self.auto_class).from_config(config))
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The transformers model with the forward this architecture's loss takes (logits, or its own output)."""
         if self.kind == "pretraining":
             return BertPretraining(model, self.kind)
         return MaskedImagePretraining(model, self.kind) if self.kind == "mae" else HFLogits(model, self.kind)

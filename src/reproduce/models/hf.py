@@ -1,16 +1,12 @@
-"""Hugging Face models named by `model: {hf: NAME_OR_LOCAL_PATH}`: local files only, never the network."""
+"""Hugging Face models as the loop takes them: their logits (HFLogits). They are loaded in models/pretrained.py
+(`model: {hf: NAME_OR_LOCAL_PATH}`, a weights folder: local files only, never the network)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-
-from ..builtin_names import hf_model_folder
-from ..errors import UserError
-from ..recipe import Recipe
 
 HF_KIND_FOR_TASK = {"language-modeling": "causal-lm", "classification": "sequence-classification"}
 
@@ -38,51 +34,3 @@ class HFLogits(nn.Module):
             kwargs.setdefault("use_cache", False)
         return self.model(**kwargs).logits
 
-
-def load_hf_model(recipe: Recipe, data_info: dict | None) -> nn.Module:
-    """`model: {hf: NAME_OR_PATH}`: from a local folder or the local Hugging Face cache, never the network."""
-    spec = recipe.model
-    expected = HF_KIND_FOR_TASK.get(recipe.task)
-    kind = spec.kind or expected
-    if kind is None:
-        raise UserError("model.kind: required with hf for task custom (causal-lm or sequence-classification)")
-    if expected is not None and kind != expected:
-        raise UserError(
-            f"model.kind: {kind} does not fit task {recipe.task} (which needs {expected}: "
-            f"{'token logits (B, T, V)' if expected == 'causal-lm' else 'one row of class logits per sample'})"
-        )
-    try:
-        import transformers
-    except ImportError:
-        raise UserError(
-            f"model.hf: loading {spec.hf!r} needs transformers, which is not installed (pip install transformers)"
-        ) from None
-    auto = transformers.AutoModelForCausalLM if kind == "causal-lm" else transformers.AutoModelForSequenceClassification
-    folder = Path(spec.hf).expanduser()
-    if spec.hf.startswith(("/", ".", "~")) and not folder.is_dir():
-        raise UserError(f"model.hf: no such folder {spec.hf!r}")
-    # A cached name is loaded from its snapshot folder: given a name, transformers 5.24 still asks the hub for an
-    # adapter_config.json despite local_files_only (23 s of retries offline, a request online).
-    local = hf_model_folder(spec.hf)
-    try:
-        if local is None:
-            raise OSError(spec.hf)
-        model = auto.from_pretrained(str(local), local_files_only=True, **spec.kwargs)
-    except OSError:  # not in the folder nor in the local cache: nothing was fetched
-        raise UserError(
-            f"model.hf: {spec.hf!r} is not on this machine (a local folder, or the local Hugging Face cache); "
-            f"reproduce never downloads at run time: fetch it first (huggingface-cli download {spec.hf})"
-        ) from None
-    except (ValueError, TypeError, KeyError) as exc:
-        raise UserError(f"model.hf: cannot load {spec.hf!r} as {kind}: {type(exc).__name__}: {exc}") from None
-    config = model.config
-    vocab = (data_info or {}).get("vocab_size")
-    if kind == "causal-lm" and vocab is not None and vocab > config.vocab_size:
-        raise UserError(f"model.hf: the data has {vocab} token ids but {spec.hf!r} has a vocabulary of "
-                        f"{config.vocab_size}")
-    if kind == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
-        raise UserError(
-            f"model.kwargs: {spec.hf!r} has no pad_token_id, which sequence classification needs to find each "
-            "row's last token; inputs are padded with 0, so add kwargs: {pad_token_id: 0} if 0 is the padding id"
-        )
-    return HFLogits(model, kind)

@@ -20,7 +20,12 @@ from ..recipe import Recipe
 
 
 def _upcast(output: torch.Tensor) -> torch.Tensor:
-    """Half-precision logits (autocast) are upcast for the loss; float32 and float64 are kept as they are."""
+    """Half-precision logits (autocast) are upcast for the loss; float32 and float64 are kept as they are. Anything
+    but a tensor of logits (a transformers ModelOutput from a module that wraps one) is one line."""
+    if not isinstance(output, torch.Tensor):
+        raise UserError(
+            f"model: its forward returns {type(output).__name__}, not a tensor of logits; return output.logits from "
+            "it, or have the factory return the transformers model itself (reproduce takes its logits)")
     return output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
 
 
@@ -42,7 +47,7 @@ class TokenLoss:
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(
-            _upcast(output.flatten(0, -2)), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            _upcast(output).flatten(0, -2), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
 
 
@@ -55,11 +60,12 @@ class PixelLoss:
     the same count, as MMSegmentation's `loss_weight` scales a loss over the same pixels.
     """
 
-    def __init__(self, ignore_index: int, aux_weight: float | None = None):
-        self.ignore_index, self.aux_weight = ignore_index, aux_weight
+    def __init__(self, ignore_index: int, aux_weight: float | None = None, all_pixels: bool = False):
+        self.ignore_index, self.aux_weight, self.all_pixels = ignore_index, aux_weight, all_pixels
 
     def count(self, target: torch.Tensor) -> int:
-        return int((target != self.ignore_index).sum())
+        """The pixels the window's sum is divided by: the valid ones, or every one (data.loss_pixels: all)."""
+        return target.numel() if self.all_pixels else int((target != self.ignore_index).sum())
 
     def pixels(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(_upcast(logits), target, ignore_index=self.ignore_index, reduction="sum")
@@ -92,7 +98,7 @@ def build_loss(recipe: Recipe) -> SampleLoss | TokenLoss | PixelLoss | CustomLos
     if recipe.task == "classification":
         return SampleLoss()
     if recipe.task == "segmentation":
-        return PixelLoss(recipe.ignore_index, recipe.model.aux_weight)
+        return PixelLoss(recipe.ignore_index, recipe.model.aux_weight, recipe.data.loss_pixels == "all")
     if recipe.task == "language-modeling":
         own = pretraining_loss(recipe)
         return own if own is not None else TokenLoss()

@@ -29,6 +29,7 @@ class RunOptions:
     noise_scale: bool = True  # measure the gradient noise scale (train/noise.py); it never changes the weights
     continue_with: str | None = None  # the command an interrupted run prints to continue
     stop_on_divergence: bool = False  # stop at the divergence warning instead of going on
+    merged: bool = False  # also write merged/: the LoRA adapters merged into the base, a Hugging Face folder
 
     def replace(self, **changes: Any) -> RunOptions:
         """These options with `changes` (a frozen dataclass: `dataclasses.replace`)."""

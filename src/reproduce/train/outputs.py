@@ -48,7 +48,7 @@ def remove_outputs(out: Path) -> None:
         (out / name).unlink(missing_ok=True)
     for sharded in (out / "checkpoints").glob(f"{SHARDED_PREFIX}*"):
         shutil.rmtree(sharded)
-    for folder in ("tensorboard", "wandb", "mlflow"):  # the trackers' local runs (train/trackers.py)
+    for folder in ("tensorboard", "wandb", "mlflow", "adapter", "merged"):  # trackers' runs, models/trained.py
         if (out / folder).is_dir():
             shutil.rmtree(out / folder)
     (out / "trackers.json").unlink(missing_ok=True)

@@ -13,6 +13,7 @@ import statistics
 
 import torch
 
+from ..errors import UserError
 from ..prediction import mfu
 from ..probe.peaks import identify, peaks_of, precision_key
 
@@ -30,9 +31,16 @@ class StepRates:
 
             with torch.random.fork_rng(devices=[]):  # the run's random streams stay as they were
                 self.flops = recipe_flops(plan.recipe, setup.data)
+        except UserError:  # the model's output is no loss's input (a ModelOutput): it cannot train either
+            raise
         except Exception as error:  # an auxiliary count: a model the counter cannot trace still trains
-            self.notes.append(f"FLOPs not counted ({type(error).__name__}: {str(error).splitlines()[0][:120]}): "
-                              "flops_per_second and mfu are null")
+            if "meta device" in str(error):  # the model's own code reads weights (a factory calling from_pretrained)
+                self.notes.append("FLOPs not counted: they are counted on a model built without memory (the meta "
+                                  "device), and this model's factory loads weights, which needs real memory; give "
+                                  "the weights as model.weights instead: flops_per_second and mfu are null")
+            else:
+                self.notes.append(f"FLOPs not counted ({type(error).__name__}: {str(error).splitlines()[0][:120]}): "
+                                  "flops_per_second and mfu are null")
         self.gpu, self.peak, self.precision = None, None, None
         if setup.device.type == "cuda":
             properties = torch.cuda.get_device_properties(setup.device)

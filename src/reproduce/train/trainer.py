@@ -20,6 +20,7 @@ from ..data.batches import DataClock
 from ..data.lengths import training_set
 from ..data.loader import LoaderWatch, cpu_share, default_workers
 from ..errors import Interrupted, TrainingStopped, UserError
+from ..models.trained import check_merged, save_adapter, save_merged
 from ..planfile import save_plan, write_text_atomic
 from ..planner import Plan
 from ..segments import batch_phases, length_sizes
@@ -174,6 +175,8 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     target_device = distributed.init(world, resolve_device(options.device))
     distributed.barrier(world)  # every rank has looked at --out before rank 0 writes to it
     setup = build(plan, target_device, options.dtype, seed, options.data, world)
+    if options.merged:  # a model with nothing to merge: one line before any step
+        check_merged(setup.core, plan.recipe, setup.sharded)
     check_plateau(plan, setup.data)
     # batch phases of other sequence lengths read the same data cut at their length (data/lengths.py)
     train_set = training_set(plan.recipe, setup.data["train"], list(length_sizes(plan.segments)))
@@ -183,6 +186,9 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     noise = NoiseScale(setup) if options.noise_scale and not setup.sharded else None
     resumed = resume_run(plan, out, setup, noise, seed, options.seed, total, max_steps) if options.resume else (
         Resumed(seed))
+    # the model FLOPs of a sample, counted once (train/rates.py); before anything is written, as a forward whose
+    # output no loss takes is refused there
+    rates = StepRates(plan, setup, world.size)
     if world.is_main:
         if options.force and not options.resume:  # another run's outputs go, so nothing of it is mistaken for this
             remove_outputs(out)
@@ -193,7 +199,6 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     last_checkpoint = time.perf_counter()
     for note in setup.notes:
         reporter.message(f"note: {note}")
-    rates = StepRates(plan, setup, world.size)  # the model FLOPs of a sample, counted once (train/rates.py)
     for note in rates.notes:
         reporter.message(f"note: {note}")
     # each segment's micro-batches per rank, as the run takes them (a micro-batch lowered after running out of memory)
@@ -352,16 +357,30 @@ def close_run(run: Run, stop: StopSignals, restore: Callable[[], None]) -> None:
 
 
 def finish_run(run: Run) -> dict:
-    """summary.json and model.pt (rank 0), the loss plot, and the reporter's last word."""
+    """summary.json and model.pt (rank 0), the LoRA adapter (and merged model) as users load them, the loss plot, and
+    the reporter's last word."""
     summary = run_summary(run, time.perf_counter() - run.started)
     model_state = full_model_state(run.setup)  # FSDP: gathered from every rank's shards
     if run.world.is_main:
         torch.save(model_state, run.out / "model.pt")
+        summary.update(save_trained(run, model_state))
         write_text_atomic(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
         summary["plot"] = plot_metrics(run.out / "metrics.jsonl", run.out / "loss.png")
     distributed.barrier(run.world)
     run.reporter.finish(summary)
     return summary
+
+
+def save_trained(run: Run, model_state: dict) -> dict:
+    """adapter/ (peft's save_pretrained) with LoRA, and merged/ with --merged (models/trained.py): summary.json's
+    `adapter` and `merged`, the folders' paths. `model_state`: model.pt's (FSDP: gathered), the adapters' source."""
+    core, recipe, written = run.setup.core, run.plan.recipe, {}
+    if save_adapter(core, run.out / "adapter", recipe, model_state):
+        written["adapter"] = str(run.out / "adapter")
+    if run.options.merged:
+        save_merged(core, run.out / "merged", recipe)
+        written["merged"] = str(run.out / "merged")
+    return written
 
 
 def check_training_set(plan: Plan, train_set) -> int:

@@ -1,0 +1,338 @@
+"""Models that start from weights on this machine: `model.weights` (or `--weights`) and `model.hf`.
+
+- A Hugging Face folder (config.json + safetensors): the architecture is the folder's own config, loaded with
+  transformers' `from_pretrained` (local files only) into the built-in's model class (`llama-7b`: a causal LM)
+  or `model.kind`'s (`hf:`); the folder's weights must cover the model (no key transformers would initialise).
+- One state dict file (.safetensors, .pt, .pth: torchvision's files, nanoGPT's ckpt.pt with its `model` key, a
+  torch.compile or DDP prefix stripped) loaded into the built-in or factory model; its keys and shapes must be
+  the model's, else one line names the first mismatches and their counts.
+
+On the meta device (the estimate meter, parameter counts) nothing is read but configs and headers: the model is
+built from the folder's config, and a state dict's names and shapes are checked all the same. `from_pretrained_kwargs`
+is the one place the arguments of `from_pretrained` are decided (the weights' dtype).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..builtin_names import hf_model_folder
+from ..errors import UserError
+from ..recipe import Recipe
+from ..weightfiles import WeightsOnDisk, inspect
+from .architectures import ARCHITECTURES, TransformersModel
+from .hf import HF_KIND_FOR_TASK, HFLogits
+
+AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification"}
+SHOWN = 3  # mismatched keys named in a message
+
+
+def weights_of(recipe: Recipe) -> WeightsOnDisk | None:
+    return inspect(recipe.model.weights) if recipe.model.weights is not None else None
+
+
+def on_meta() -> bool:
+    """Whether tensors are being made on the meta device (`with torch.device("meta")`): read no weights."""
+    return torch.empty(0).device.type == "meta"
+
+
+def from_pretrained_kwargs(recipe: Recipe) -> dict[str, Any]:
+    """What `from_pretrained` is given besides the folder: the dtype the recipe stores the weights in."""
+    from .weights import TORCH_DTYPES
+
+    return {"dtype": TORCH_DTYPES[recipe.model.dtype]}
+
+
+def _transformers(field: str) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(f"{field}: needs transformers, which is not installed (pip install transformers)") from None
+    return transformers
+
+
+@contextlib.contextmanager
+def quiet(transformers: Any):
+    """transformers without its progress bar of the tensors it loads (a line per load in every run's output)."""
+    logging = transformers.utils.logging
+    enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            logging.enable_progress_bar()
+
+
+def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overrides: dict | None = None,
+                new_head: bool = False) -> nn.Module:
+    """The transformers model of `folder`'s config and weights (only its config on the meta device). Weights the
+    folder does not hold are refused, but for a `new_head` (a classifier put on a language model, as
+    AutoModelForSequenceClassification does)."""
+    transformers = _transformers(field)
+    auto = getattr(transformers, auto_class)
+    overrides = dict(overrides or {})
+    try:
+        if on_meta():
+            config, unused = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True,
+                                                                     return_unused_kwargs=True, **overrides)
+            return auto.from_config(config, **unused)
+        with warnings.catch_warnings(), quiet(transformers):
+            warnings.simplefilter("ignore", UserWarning)
+            model, info = auto.from_pretrained(str(folder), local_files_only=True, output_loading_info=True,
+                                               **from_pretrained_kwargs(recipe), **overrides)
+    except OSError as exc:
+        raise UserError(f"{field}: cannot load a model from {folder}: {str(exc).splitlines()[0]}") from None
+    except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+        raise UserError(f"{field}: cannot load {folder} as {auto_class}: {type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    missing = [key for key in info.get("missing_keys", []) if key and not new_head]
+    mismatched = info.get("mismatched_keys", [])
+    if missing or mismatched:
+        names = list(missing) + [str(m[0] if isinstance(m, tuple) else m) for m in mismatched]
+        shown = ", ".join(names[:SHOWN])
+        raise UserError(f"{field}: {folder}: its weights do not cover {model.__class__.__name__} of its config: "
+                        f"{len(missing)} missing, {len(mismatched)} of another shape ({shown}); transformers would "
+                        "initialise them at random")
+    return model
+
+
+def load_hf_model(recipe: Recipe, data_info: dict | None, weights: WeightsOnDisk | None = None) -> nn.Module:
+    """`model: {hf: NAME_OR_PATH}` (or a weights folder in its place): from a local folder or the local Hugging Face
+    cache, never the network."""
+    spec = recipe.model
+    expected = HF_KIND_FOR_TASK.get(recipe.task)
+    kind = spec.kind or expected
+    if kind is None:
+        raise UserError("model.kind: required with hf for task custom (causal-lm or sequence-classification)")
+    if expected is not None and kind != expected:
+        raise UserError(
+            f"model.kind: {kind} does not fit task {recipe.task} (which needs {expected}: "
+            f"{'token logits (B, T, V)' if expected == 'causal-lm' else 'one row of class logits per sample'})"
+        )
+    _transformers(f"model.hf: loading {spec.hf!r}")
+    if weights is not None and weights.is_folder:
+        local, name, field = weights.path, str(weights.path), "model.weights"
+    else:
+        name, field = spec.hf, "model.hf"
+        folder = Path(spec.hf).expanduser()
+        if spec.hf.startswith(("/", ".", "~")) and not folder.is_dir():
+            raise UserError(f"model.hf: no such folder {spec.hf!r}")
+        # A cached name is loaded from its snapshot folder: given a name, transformers 5.24 still asks the hub for an
+        # adapter_config.json despite local_files_only (23 s of retries offline, a request online).
+        local = hf_model_folder(spec.hf)
+        if local is None or not (local / "config.json").is_file():
+            raise UserError(
+                f"model.hf: {spec.hf!r} is not on this machine (a local folder, or the local Hugging Face cache); "
+                f"reproduce never downloads at run time: fetch it first (huggingface-cli download {spec.hf})")
+    model = from_folder(local, AUTO_CLASSES[kind], recipe, field, spec.kwargs,
+                        new_head=kind == "sequence-classification")
+    config = model.config
+    vocab = (data_info or {}).get("vocab_size")
+    if kind == "causal-lm" and vocab is not None and vocab > config.vocab_size:
+        raise UserError(f"{field}: the data has {vocab} token ids but {name!r} has a vocabulary of "
+                        f"{config.vocab_size}")
+    if kind == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
+        raise UserError(
+            f"model.kwargs: {name!r} has no pad_token_id, which sequence classification needs to find each "
+            "row's last token; inputs are padded with 0, so add kwargs: {pad_token_id: 0} if 0 is the padding id"
+        )
+    return HFLogits(model, kind)
+
+
+def wrap_transformers(model: nn.Module, recipe: Recipe) -> nn.Module:
+    """A factory's transformers model (its forward returns a ModelOutput) as the loop takes it: its logits, the
+    head the task needs (HFLogits); any other module as it is."""
+    transformers = sys.modules.get("transformers")  # (a factory that returned one has imported it)
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return model
+    name = type(model).__name__
+    kind = {"language-modeling": "masked-lm" if "MaskedLM" in name else "causal-lm",
+            "classification": "sequence-classification"}.get(recipe.task)
+    if kind is None:
+        raise UserError(f"model: the factory returned transformers' {name}, whose forward returns a ModelOutput; "
+                        f"task {recipe.task} needs a module whose output the loss takes: return one that gives it")
+    return HFLogits(model, kind)
+
+
+def builtin_from_folder(recipe: Recipe, weights: WeightsOnDisk, data_info: dict | None) -> nn.Module:
+    """A transformers built-in (`llama-7b`) whose architecture is the weights folder's own config.
+
+    The recipe's kwargs change that config as they change the built-in's (dropout, ...); a larger `vocab_size`
+    than the folder's (Alpaca adds a [PAD] token to LLaMA's 32000) widens the embeddings as Alpaca's train.py
+    does, the new rows the mean of the others."""
+    spec = recipe.model
+    arch = ARCHITECTURES.get(spec.builtin or "")
+    if not isinstance(arch, TransformersModel):
+        what = f"built-in {spec.builtin}" if spec.builtin else f"factory {spec.factory}"
+        raise UserError(f"model.weights: {weights.path} is a Hugging Face folder, whose config.json is a transformers "
+                        f"architecture; the {what} is not one: give a state dict file instead (.safetensors, .pt)")
+    check_family(spec.builtin, weights)
+    overrides: dict = {}
+    for key, value in spec.kwargs.items():
+        for target in arch.aliases.get(key, (key,)):
+            overrides[target] = value
+    vocab = overrides.pop("vocab_size", None)
+    model = from_folder(weights.path, arch.auto_class, recipe, "model.weights", overrides)
+    if vocab is not None and vocab != model.config.vocab_size:
+        widen(model, vocab, weights)
+    wanted = (data_info or {}).get("vocab_size")
+    if arch.kind != "mae" and wanted is not None and wanted > model.config.vocab_size:
+        raise UserError(f"model.weights: the data has {wanted} token ids but {weights.path} has a vocabulary of "
+                        f"{model.config.vocab_size}")
+    return arch.wrap(model)
+
+
+def check_family(builtin: str, weights: WeightsOnDisk) -> None:
+    """A folder in place of a transformers built-in holds a model of the built-in's family (its config's model_type:
+    a LLaMA folder for llama-7b, of any size); another family is one line, before its weights are read."""
+    arch = ARCHITECTURES.get(builtin)
+    if not isinstance(arch, TransformersModel):
+        return
+    family = getattr(getattr(_transformers(builtin), arch.config_class), "model_type", None)
+    theirs = (weights.config or {}).get("model_type")
+    if family and theirs and theirs != family:
+        raise UserError(f"model.weights: {weights.path} holds a {theirs} model ({weights.architecture}), and the "
+                        f"built-in {builtin} is a {family} one: give a {family} folder, or name the folder's own "
+                        f"architecture with model: {{hf: {weights.path}}}")
+
+
+def folder_inputs(arch: Any, config: dict, kwargs: dict) -> dict:
+    """What a built-in whose architecture is a folder's config fixes about its inputs (`model_inputs`)."""
+    if not isinstance(arch, TransformersModel) or arch.kind == "mae":
+        return arch.model_inputs(kwargs)
+    context = kwargs.get("block_size") or config.get("n_positions") or config.get("max_position_embeddings")
+    fixed = {"inputs": "tokens", "vocab_size": kwargs.get("vocab_size", config.get("vocab_size")),
+             "context": context - arch.position_offset if context else None}
+    if arch.kind == "pretraining":
+        fixed["targets"] = "mlm-nsp"
+    return fixed
+
+
+def widen(model: nn.Module, vocab: int, weights: WeightsOnDisk) -> None:
+    """Alpaca's smart_tokenizer_and_embedding_resize: more token rows, each the mean of the pretrained ones."""
+    old = model.config.vocab_size
+    if vocab < old:
+        raise UserError(f"model.kwargs.vocab_size: {vocab} is smaller than the vocabulary of {weights.path} ({old}); "
+                        "a pretrained embedding can only be widened")
+    model.resize_token_embeddings(vocab, mean_resizing=False)
+    with torch.no_grad():
+        for embedding in (model.get_input_embeddings(), model.get_output_embeddings()):
+            if embedding is not None and embedding.weight.shape[0] == vocab:
+                embedding.weight[old:] = embedding.weight[:old].mean(dim=0, keepdim=True)
+
+
+# ---- one state dict file into a built model ---------------------------------------------------------------------
+
+
+def read_state_dict(weights: WeightsOnDisk, shapes_only: bool) -> dict[str, Any]:
+    """The file's tensors by name (their shapes only, as torch.Size, when `shapes_only`), a checkpoint's own state
+    dict taken out of it (nanoGPT's `model`, Lightning's `state_dict`) and a prefix every key has dropped."""
+    path = weights.files[0]
+    if path.suffix == ".safetensors":
+        if shapes_only:
+            from ..weightfiles import safetensors_header
+
+            state: Any = {name: torch.Size(entry["shape"]) for name, entry in safetensors_header(path).items()
+                          if name != "__metadata__"}
+        else:
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+    else:
+        state = _torch_load(path)
+    if isinstance(state, dict) and not _is_state_dict(state):
+        for key in ("model", "state_dict", "model_state_dict"):  # nanoGPT's ckpt.pt, Lightning's, a common one
+            if isinstance(state.get(key), dict) and _is_state_dict(state[key]):
+                state = state[key]
+                break
+    if not isinstance(state, dict) or not _is_state_dict(state):
+        keys = ", ".join(map(str, list(state)[:5])) if isinstance(state, dict) else type(state).__name__
+        raise UserError(f"model.weights: {path}: holds no state dict of tensors by name (found: {keys})")
+    for prefix in ("_orig_mod.", "module."):  # torch.compile's and DDP's wrappers
+        if state and all(key.startswith(prefix) for key in state):
+            state = {key[len(prefix):]: value for key, value in state.items()}
+    if shapes_only:
+        state = {key: (value if isinstance(value, torch.Size) else value.shape) for key, value in state.items()}
+    return state
+
+
+def _is_state_dict(value: dict) -> bool:
+    return bool(value) and all(isinstance(k, str) and isinstance(v, (torch.Tensor, torch.Size))
+                               for k, v in value.items())
+
+
+def _torch_load(path: Path) -> Any:
+    import pickle
+
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:  # the legacy (non-zip) format cannot be memory-mapped
+            if "mmap" not in str(exc):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UserError(f"model.weights: {path}: holds Python objects besides tensors, which reproduce does not "
+                        f"unpickle (torch.load weights_only): {str(exc).splitlines()[0]}") from None
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise UserError(f"model.weights: {path}: not a torch file ({str(exc).splitlines()[0]})") from None
+
+
+def _targets(model: nn.Module) -> list[nn.Module]:
+    """Where a state dict may go: the transformers model inside a wrapper (its own names), or the model itself."""
+    inner = getattr(model, "model", None)
+    return [inner, model] if isinstance(model, HFLogits) and isinstance(inner, nn.Module) else [model]
+
+
+def mismatches(module: nn.Module, shapes: dict[str, torch.Size]) -> tuple[list[str], list[str], list[str]]:
+    """(missing, unexpected, other shape) of a file's names and shapes against `module`'s state dict; a tied
+    parameter (GPT-2's lm_head and wte) is present when any of its names is."""
+    expected = {key: value.shape for key, value in module.state_dict(keep_vars=True).items()}
+    tied: dict[int, set[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(parameter), set()).add(name)
+    alias = {name: names for names in tied.values() for name in names}
+    missing = [key for key in expected if key not in shapes and not (alias.get(key, set()) & shapes.keys())]
+    unexpected = [key for key in shapes if key not in expected]
+    other = [f"{key}: file {list(shapes[key])}, model {list(expected[key])}" for key in shapes
+             if key in expected and tuple(shapes[key]) != tuple(expected[key])]
+    return missing, unexpected, other
+
+
+def check_state_dict_file(model: nn.Module, weights: WeightsOnDisk, name: str) -> nn.Module:
+    """The module of `model` the file loads into (the transformers model a wrapper holds, or the model), after
+    checking every key and shape: a mismatch is one line with the first few of each kind and their counts."""
+    shapes = read_state_dict(weights, shapes_only=True)
+    found = [(target, mismatches(target, shapes)) for target in _targets(model)]
+    target, (missing, unexpected, other) = min(found, key=lambda item: sum(map(len, item[1])))
+    if missing or unexpected or other:
+        parts = [_counted(missing, "missing", ", "), _counted(unexpected, "unexpected", ", "),
+                 _counted(other, "of another shape", "; ")]
+        matching = len(shapes) - len(unexpected) - len(other)
+        raise UserError(f"model.weights: {weights.path}: its keys do not match {name}'s: {', '.join(parts)}; "
+                        f"{matching} of the file's {len(shapes)} tensors match")
+    return target
+
+
+def _counted(names: list[str], what: str, separator: str) -> str:
+    shown = separator.join(names[:SHOWN]) + (f"{separator}..." if len(names) > SHOWN else "")
+    return f"{len(names)} {what}" + (f" ({shown})" if names else "")
+
+
+def load_state_dict_file(model: nn.Module, weights: WeightsOnDisk, name: str) -> None:
+    """Load the file into `model` (or the transformers model it wraps), its keys and shapes checked first; on the
+    meta device only checked."""
+    target = check_state_dict_file(model, weights, name)
+    if on_meta():
+        return
+    state = read_state_dict(weights, shapes_only=False)
+    with torch.no_grad():
+        target.load_state_dict(state, strict=False)  # every key checked above; tied names load once

@@ -1,0 +1,99 @@
+"""Pretrained-model folders to try `--weights` on, made on this machine (random weights: nothing is downloaded).
+
+    python -m reproduce.models.samples DIR [--max-bytes N] [--limit N]
+
+writes
+- DIR/tiny-llama: a 4-layer LLaMA (transformers' LlamaForCausalLM, 64 wide, 0.23M parameters) saved with
+  `save_pretrained` (config.json + model.safetensors), with a byte-level BPE tokenizer of 512 tokens trained
+  on the standard library's sources (reproduce.data.samples) beside it, as a model folder from the hub holds one;
+- DIR/tiny-gpt2: a 2-layer GPT-2 saved in two safetensors shards (model.safetensors.index.json), same tokenizer;
+- DIR/alpaca.json: Alpaca-format records (instruction, input, output) from the standard library's docstrings, one
+  JSON list as alpaca_data.json is.
+
+The folders are what a user's `llama-7b/` is, small: `reproduce run papers/tloen2023-alpaca-lora.yaml --weights
+DIR/tiny-llama --data DIR/alpaca.json` runs the recipe on them. Tests and docs/own-weights.md use them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..data.samples import MAX_BYTES, docstring_records, train_tokenizer
+
+LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 4, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+GPT2 = {"n_positions": 512, "n_embd": 32, "n_layer": 2, "n_head": 2}
+
+
+def _save(model, folder: Path, tokenizer: Path, **kwargs) -> dict:
+    from transformers import AutoTokenizer
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    model.save_pretrained(str(folder), **kwargs)
+    AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).save_pretrained(str(folder))
+    return {"folder": str(folder), "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def write_llama(folder: Path, tokenizer: Path, seed: int = 0, **config) -> dict:
+    """A small LLaMA saved with save_pretrained, random weights (seeded), with `tokenizer` beside them."""
+    import torch
+    import transformers
+
+    from ..data.text import load_tokenizer
+
+    loaded = load_tokenizer(str(tokenizer))
+    torch.manual_seed(seed)
+    settings = {**LLAMA, "vocab_size": len(loaded), "eos_token_id": loaded.eos_token_id,
+                "bos_token_id": loaded.eos_token_id, **config}
+    return _save(transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings)), folder, tokenizer)
+
+
+def write_gpt2(folder: Path, tokenizer: Path, seed: int = 0, shard: str = "100KB", **config) -> dict:
+    """A small GPT-2 saved with save_pretrained in shards of `shard` (an index names them), random weights."""
+    import torch
+    import transformers
+
+    from ..data.text import load_tokenizer
+
+    loaded = load_tokenizer(str(tokenizer))
+    torch.manual_seed(seed)
+    settings = {**GPT2, "vocab_size": len(loaded), "eos_token_id": loaded.eos_token_id,
+                "bos_token_id": loaded.eos_token_id, **config}
+    return _save(transformers.GPT2LMHeadModel(transformers.GPT2Config(**settings)), folder, tokenizer,
+                 max_shard_size=shard)
+
+
+def write_alpaca_json(path: Path, limit: int = 200) -> dict:
+    """Docstring records in Alpaca's alpaca_data.json layout: one JSON list of {instruction, input, output}."""
+    records = docstring_records(limit)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
+    return {"path": str(path), "records": len(records)}
+
+
+def write_all(folder: Path, max_bytes: int = MAX_BYTES, limit: int = 200) -> dict:
+    tokenizer = folder / "tokenizer"
+    made = {"tokenizer": train_tokenizer(tokenizer, max_bytes=max_bytes)}
+    made["tiny-llama"] = write_llama(folder / "tiny-llama", tokenizer)
+    made["tiny-gpt2"] = write_gpt2(folder / "tiny-gpt2", tokenizer)
+    made["alpaca.json"] = write_alpaca_json(folder / "alpaca.json", limit)
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m reproduce.models.samples", description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--max-bytes", type=int, default=MAX_BYTES, help="standard-library source bytes to use")
+    parser.add_argument("--limit", type=int, default=200, help="most docstring records")
+    args = parser.parse_args(argv)
+    for name, made in write_all(args.folder, args.max_bytes, args.limit).items():
+        print(f"{name}: {json.dumps(made)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
