@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	  $(BIN)/pip install -q --no-deps "torchvision==$$($(BIN)/python -c 'import torch; print("0.%d.*" % (int(torch.__version__.split(".")[1]) + 15))')" \
 	  && $(BIN)/python -c "import torchvision" 2>/dev/null; } || { $(BIN)/pip uninstall -q -y torchvision; \
 	  echo "warning: no torchvision imports beside this torch: image folders and resnet50 are unavailable"; }
-	$(BIN)/pip install -q -e ".[dev,plots,datasets,tensorboard,exports,wandb,mlflow]"
+	$(BIN)/pip install -q -e ".[dev,plots,datasets,tensorboard,exports,wandb,mlflow,quantize]"
 	touch $(STAMP)
 
 lint: $(STAMP)

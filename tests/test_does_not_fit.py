@@ -157,3 +157,30 @@ def test_bad_sharding_options_are_bad_input(capsys, tmp_path, args, batch, expec
         code, out, err = cli(capsys, tmp_path, command, "--memory", "1GiB", *args, **batch)
         assert code == 2 and "Traceback" not in err
         assert err.strip().splitlines()[-1].startswith(expected), err
+
+
+def test_a_fine_tuning_recipe_is_offered_a_quantised_base_and_it_fits_when_probed():
+    """LoRA on an int8 base (nf4 when int8 does not fit) is a way out for a recipe that fine-tunes; re-probed, it
+    fits."""
+    pytest.importorskip("bitsandbytes")
+    fine_tuning = {**GPT, "model": {**GPT["model"], "pretrained": "a small GPT"}}
+    result = run_probe(parse_recipe(fine_tuning, source="test"), options=TOO_SMALL)
+    ways = {way["change"].split(" ")[1]: way for way in result.does_not_fit["ways_out"]
+            if way["change"].startswith("model.quantize")}
+    assert list(ways) == ["int8"] and ways["int8"]["fits"]  # nf4 is not tried when int8 fits
+    changes = ways["int8"]["changes"]["model"]
+    assert changes["quantize"] == "int8" and changes["lora"]["target_modules"] == ["mlp.0", "mlp.2", "proj", "qkv"]
+    changed = {**fine_tuning, "batch": {**GPT["batch"], "effective": 64 * 2},
+               "model": {**fine_tuning["model"], **changes}}
+    assert run_probe(parse_recipe(changed, source="test"), options=TOO_SMALL).micro_batch_max >= 1
+
+
+def test_an_int8_recipe_that_does_not_fit_is_offered_nf4():
+    pytest.importorskip("bitsandbytes")
+    lora = {"r": 8, "alpha": 16, "target_modules": ["mlp.0", "mlp.2", "proj", "qkv"]}
+    changed = {**GPT, "model": {**GPT["model"], "pretrained": "a small GPT", "quantize": "int8", "lora": lora}}
+    tight = ProbeOptions(memory="42MiB", meter="estimate", headroom=0.0)
+    refused = run_probe(parse_recipe(changed, source="test"), options=tight)
+    assert refused.does_not_fit is not None
+    offered = [way["change"] for way in refused.does_not_fit["ways_out"] if way["change"].startswith("model.quantize")]
+    assert offered and all(change.startswith("model.quantize: nf4 (") for change in offered)

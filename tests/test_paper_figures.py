@@ -103,6 +103,11 @@ FIGURES = [
     # "trainable params: 4194304" (r 8 on q_proj and v_proj of 32 layers: 32 x 2 x 8 x 8192) [P].
     Figures("tloen2023-alpaca-lora", (128, "samples"), total=1167, warmup=100, lr={0: 0.0, 100: 3e-4},
             decay="linear", parameters=4_194_304, tolerance=0.0, counted="trainable"),
+    # QLoRA's Guanaco 7B (artidoro/qlora scripts/finetune_guanaco_7b.sh): 4 x 4 = 16 [P], max_steps 1875 [P], lr 2e-4
+    # constant [P] (transformers' constant schedule takes no warm-up); r 64 on all 7 linear layers of 32 blocks:
+    # 32 x 64 x (4 x (4096 + 4096) + 3 x (4096 + 11008)) = 159,907,840 trainable [D].
+    Figures("dettmers2023-qlora-guanaco-7b", (16, "samples"), total=1875, warmup=0, lr={0: 2e-4, 1874: 2e-4},
+            decay="constant", parameters=159_907_840, tolerance=0.0, counted="trainable"),
     # Touvron et al. 2023: "4M" tokens, read as 2^22 [S]; 1.0T tokens / 4,194,304 = 238,419 steps [D]; 2000 warm-up
     # steps to 3e-4 [S]; LLaMA-7B 6.7B [S].
     Figures("touvron2023-llama-7b", (4_194_304, "tokens"), total=238_419, warmup=2000, lr={0: 0.0, 2000: 3e-4},

@@ -56,3 +56,27 @@ def test_llama_7b_full_fine_tuning_on_one_gpu_says_what_it_needs_and_what_fits(c
     for part in ("gradients", "optimizer state", "activations of 1 sample"):
         assert any(line.startswith(f"  {part} ") for line in lines), part
     assert any(line.startswith("  " + way_out) for line in lines), err
+
+
+@pytest.mark.slow
+def test_alpaca_lora_plans_its_own_four_by_thirty_two_on_an_int8_base_on_one_rtx_4090():
+    """Alpaca-LoRA's int8 LLaMA-7B (model.quantize: int8, fp16 autocast, as its repository trains): 4 a micro-batch
+    fit one RTX 4090 (the 6.5 GB of int8 linear weights, the fp32 embeddings and head), so the plan is 4 x 32."""
+    pytest.importorskip("bitsandbytes")
+    recipe = load_recipe(PAPERS / "tloen2023-alpaca-lora.yaml")
+    assert recipe.model.quantize == "int8" and not recipe.deviations
+    trial = paper_trial("tloen2023-alpaca-lora")
+    assert trial.fits
+    assert 6.4e9 < trial.parts["step"]["weights"] < 7.7e9  # 6.48B int8 weights + their scales + 0.26B fp32
+
+
+@pytest.mark.slow
+def test_qlora_guanaco_7b_four_per_device_fit_a_48_gb_card():
+    """QLoRA's Guanaco 7B (nf4, double quantisation, r 64 on every linear layer, gradient checkpointing, paged
+    AdamW): the script's 4 a micro-batch fit the 48 GB RTX A6000 with room to spare (docs/papers.md)."""
+    pytest.importorskip("bitsandbytes")
+    recipe = load_recipe(PAPERS / "dettmers2023-qlora-guanaco-7b.yaml")
+    assert recipe.model.quantize == "nf4" and recipe.optimizer.paged and recipe.model.activation_checkpointing
+    trial = paper_trial("dettmers2023-qlora-guanaco-7b")
+    assert trial.fits and trial.peak_bytes < 16 * 2**30
+    assert 4.5e9 < trial.parts["step"]["weights"] < 5.5e9  # nf4 linear layers, fp32 embeddings, head, adapters

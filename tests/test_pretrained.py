@@ -8,6 +8,7 @@ are compared with what transformers / torch load from the same files; bad input 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -289,6 +290,50 @@ def test_the_adapter_and_the_merged_model_load_as_users_load_them(files, tmp_pat
     assert summary["adapter"] == str(tmp_path / "run" / "adapter")
 
 
+def test_merged_on_a_quantised_base_is_the_folders_weights_with_the_adapters(files, tmp_path, capsys, one_thread,
+                                                                               monkeypatch):
+    """On an int8 base, merged/ is the weights folder's unquantised model with the run's adapters merged in (as
+    Alpaca-LoRA's export_hf_checkpoint.py merges): no 8-bit tensors in it, from_pretrained alone gives the logits of
+    the adapter on the folder's model. Without a weights folder to merge into: one line, before any step."""
+    import peft
+    from safetensors import safe_open
+
+    recipe = write(tmp_path, lm({**LLAMA_LORA, "quantize": "int8"}))
+    code, out, err = cli(capsys, "run", recipe, "--weights", files / "tiny-llama", "--data", files / "alpaca.json",
+                         "--out", tmp_path / "run", "--micro-batch-max", "4", "--device", "cpu", "--max-steps", "2",
+                         "--merged")
+    assert code == 0, err
+    with safe_open(str(tmp_path / "run" / "merged" / "model.safetensors"), "pt") as merged_file:
+        names = list(merged_file.keys())
+        assert not [n for n in names if n.endswith((".SCB", ".weight_format"))]
+        q_proj = merged_file.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    ids = torch.randint(0, 512, (2, 9))
+    with torch.no_grad():
+        base = transformers.AutoModelForCausalLM.from_pretrained(files / "tiny-llama", local_files_only=True).eval()
+        assert q_proj.dtype == torch.float32
+        assert not torch.equal(q_proj, base.model.layers[0].self_attn.q_proj.weight)  # the adapters merged in
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "run" / "adapter").eval()
+        expected = adapted(input_ids=ids).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "merged", local_files_only=True)
+        torch.testing.assert_close(merged.eval()(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # tests/factories.py: a GPT-2 of random weights
+    sys.modules.pop("factories", None)
+    random_base = {"factory": "factories:transformers_gpt2", "quantize": "int8",
+                   "lora": {"r": 2, "alpha": 4, "target_modules": ["c_attn"]}}
+    no_folder = write(tmp_path, lm(random_base, tokenizer=str(files / "tokenizer")), "r2.yaml")
+    before = snapshot(tmp_path)
+    code, out, err = cli(capsys, "run", no_folder, "--data", files / "alpaca.json", "--out", tmp_path / "run2",
+                         "--micro-batch-max", "4", "--device", "cpu", "--merged")
+    assert code == 2 and err == ("error: --merged: on an int8 base the adapters merge into the base's own weights "
+                                 "folder (model.weights or --weights: a Hugging Face folder), read again unquantised; "
+                                 "this run has none, so adapter/ holds its adapters\n")
+    assert snapshot(tmp_path) == before
+
+
 def test_merged_needs_lora(files, tmp_path, capsys, one_thread):
     recipe = write(tmp_path, lm({"builtin": "gpt2-medium"}))
     before = snapshot(tmp_path)
@@ -336,7 +381,7 @@ def test_the_own_weights_page_runs_as_documented(tmp_path, capsys, monkeypatch, 
         for line in shown:  # the table's rows are wrapped to the terminal; times vary
             if line[0] in "┏┃┡│└" or line.startswith(("step ", "done: ", "runs/alpaca/loss.png")) or not line.strip():
                 continue
-            line = line.replace("/tmp/ft2", str(tmp_path)).replace("/work/wt/weights/src/reproduce", package)
+            line = re.sub(r"\S+/src/reproduce/shipped", package + "/shipped", line.replace("/tmp/ft2", str(tmp_path)))
             assert " ".join(line.split()) in printed, line
     assert (tmp_path / "runs" / "alpaca" / "merged" / "config.json").is_file()
 

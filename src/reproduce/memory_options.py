@@ -8,6 +8,10 @@
   (CPUOffloadPolicy).
 
 The last two need `batch.sharding: fsdp`. Each is exact: the run's weights are those of the plain large-batch loop.
+
+- `model.quantize` (`--quantize int8 | nf4`): the frozen base's linear layers stored in 8 or 4 bits under LoRA
+  (models/quantize.py); exact too (the frozen weights are the same numbers for every micro-batch), though the base
+  then computes with its quantised weights, not the recipe's.
 """
 
 from __future__ import annotations
@@ -40,6 +44,29 @@ def with_memory_options(recipe: Recipe, activation_checkpointing: bool = False, 
     return changed
 
 
+QUANTIZED_SUMMARY = {
+    "int8": "int8 base (LLM.int8(): 1 byte a frozen weight and an fp32 scale a row; bitsandbytes)",
+    "nf4": "nf4 base (QLoRA's 4-bit NormalFloat with double quantisation: about half a byte a frozen weight; "
+           "bitsandbytes)",
+}
+
+
+def with_quantized_base(recipe: Recipe, quantize: str | None, where: str = "the recipe") -> Recipe:
+    """`recipe` with `--quantize` as `model.quantize` (the option overrides the field), checked as the field is."""
+    if quantize is None or quantize == recipe.model.quantize:
+        return recipe
+    if quantize not in QUANTIZED_SUMMARY:
+        raise UserError(f"--quantize: expected one of {', '.join(QUANTIZED_SUMMARY)} (got {quantize!r})")
+    if recipe.model.lora is None:
+        raise UserError(f"--quantize {quantize}: {where} trains every weight (no model.lora), and a quantised base "
+                        "cannot train (its weights are frozen integers); add lora: {r: ..., target_modules: [...]} to "
+                        "its model")
+    if recipe.batch.sharding == "fsdp":
+        raise UserError(f"--quantize {quantize}: an {quantize} base is not sharded with fsdp here (FSDP2 cannot shard "
+                        "bitsandbytes' packed weights); use --sharding none")
+    return recipe.model_copy(update={"model": recipe.model.model_copy(update={"quantize": quantize})})
+
+
 def check_memory_options(recipe: Recipe) -> None:
     """One line for a knob that needs FSDP on a recipe that does not shard."""
     batch = recipe.batch
@@ -61,6 +88,8 @@ def check_memory_options(recipe: Recipe) -> None:
 def memory_summary(recipe: Recipe) -> list[str]:
     """What the recipe's memory knobs do, one phrase each (for the plan and the run's first lines)."""
     parts = []
+    if recipe.model.quantize is not None:
+        parts.append(QUANTIZED_SUMMARY[recipe.model.quantize])
     if recipe.model.activation_checkpointing:
         parts.append("activation checkpointing (each block recomputed in backward: about a third more compute)")
     if recipe.batch.sharding == "fsdp" and recipe.batch.sharded_gradients:

@@ -26,6 +26,7 @@ NORM_LAYERS = ("batchnorm", "layernorm", "rmsnorm", "groupnorm", "none")
 BATCHNORM_CHOICES = MODES  # model.batchnorm: keep | sync | frozen | group (batchnorm/__init__.py)
 LENGTH_UNITS = ("steps", "epochs", "samples", "tokens")
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
+QUANTIZED_BASES = ("int8", "nf4")  # bitsandbytes' LLM.int8() and 4-bit NormalFloat (models/quantize.py)
 
 Name = TypeVar("Name")
 
@@ -344,6 +345,11 @@ class Model(Builder):
     )
     dtype: Literal[WEIGHT_DTYPES] = "fp32"  # type: ignore[valid-type]
     lora: Lora | None = None
+    quantize: Literal[QUANTIZED_BASES] | None = Field(  # type: ignore[valid-type]
+        default=None, description="store the frozen base's linear layers in 8 bits (int8: LLM.int8(), Dettmers et "
+        "al. 2022) or 4 bits (nf4 with double quantisation: QLoRA, Dettmers et al. 2023) through bitsandbytes; "
+        "needs lora (only the adapters train)",
+    )
     activation_checkpointing: bool = Field(
         default=False, description="recompute each block's activations in backward instead of keeping them "
         "(models/checkpointing.py): less memory, about a third more compute",
@@ -368,6 +374,9 @@ class Model(Builder):
             raise ValueError(f"weights: give a folder or a state dict file (got {self.weights!r})")
         if self.kind is not None and self.hf is None:
             raise ValueError("kind: only used with hf (a Hugging Face model)")
+        if self.quantize is not None and self.lora is None:
+            raise ValueError(f"quantize: an {self.quantize} base cannot train (its weights are frozen integers); add "
+                             "lora: {r: ..., target_modules: [...]} so that adapters train on top of it")
         segmentation = ", ".join(SEGMENTATION_MODELS)
         if self.output_stride is not None and self.builtin not in SEGMENTATION_MODELS:
             raise ValueError(f"output_stride: only for the segmentation built-ins ({segmentation}); give your own "
@@ -563,6 +572,14 @@ class Optimizer(Strict):
     trust_coefficient: float | None = Field(
         default=None, gt=0, description="lars: eta, the trust coefficient of You et al. 2017 (default 0.001)"
     )
+    state_bits: Literal[32, 8] = Field(
+        default=32, description="adam/adamw: 8 keeps the two moments in 8 bits, blockwise quantised (bitsandbytes' "
+        "AdamW8bit, Dettmers et al. 2022, arXiv 2110.02861): about 2 bytes a parameter instead of 8",
+    )
+    paged: bool = Field(
+        default=False, description="adam/adamw: bitsandbytes' paged optimizer (QLoRA's paged_adamw_32bit): its state "
+        "in CUDA unified memory, paged out to the CPU when the GPU runs short instead of running out of memory",
+    )
 
     @model_validator(mode="after")
     def _betas(self) -> Optimizer:
@@ -573,7 +590,16 @@ class Optimizer(Strict):
             raise ValueError("momentum: nesterov needs momentum > 0")
         if self.trust_coefficient is not None and self.name != "lars":
             raise ValueError(f"trust_coefficient: only used by lars (name is {self.name})")
+        if (self.paged or self.state_bits != 32) and self.name not in ("adam", "adamw"):
+            field = "paged" if self.paged else "state_bits"
+            raise ValueError(f"{field}: bitsandbytes' paged and 8-bit optimizers are adam and adamw (name is "
+                             f"{self.name})")
         return self
+
+    @property
+    def bitsandbytes(self) -> bool:
+        """Stepped by a bitsandbytes optimizer (paged, or 8-bit state) rather than torch.optim's."""
+        return self.paged or self.state_bits != 32
 
     @property
     def family(self) -> str:
@@ -744,6 +770,9 @@ class Recipe(Strict):
                 f"{self.precision}" + (" (fp16 autocast would keep an fp16 copy of every bf16 weight for the backward)"
                                        if self.precision == "fp16" else "")
             )
+        if self.model.quantize is not None and self.batch.sharding == "fsdp":
+            raise ValueError(f"model.quantize: an {self.model.quantize} base is not sharded with fsdp here (FSDP2 "
+                             "cannot shard bitsandbytes' packed weights); use batch.sharding: none")
         if weights == "fp16" and self.model.lora is None:
             raise ValueError(
                 "model.dtype: fp16 weights can only stay frozen under model.lora (a GradScaler cannot unscale fp16 "

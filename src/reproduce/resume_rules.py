@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import UserError
-from .memory_options import with_knobs_of
+from .memory_options import with_knobs_of, with_quantized_base
 from .planfile import load_plan, load_recipe_or_plan
 from .planner import Plan
 from .planner import plan as make
@@ -93,14 +93,16 @@ def check_resumed_weights(recipe: Recipe, saved: Plan, weights_path: str | None,
 
 
 def recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None, data_path: str | None,
-                    eval_data_path: str | None, weights_path: str | None = None) -> tuple[Recipe, Plan | None]:
-    """The recipe (and plan, when given or resumed) with the data paths, the weights and the sharding this run uses:
-    --data / --eval-data, --weights and --sharding, else the recipe's; a resumed run keeps the data, weights and
-    sharding it was started with (and refuses weights whose content changed since)."""
+                    eval_data_path: str | None, weights_path: str | None = None,
+                    quantize: str | None = None) -> tuple[Recipe, Plan | None]:
+    """The recipe (and plan, when given or resumed) with the data paths, the weights, the sharding and the quantised
+    base this run uses: --data / --eval-data, --weights, --sharding and --quantize, else the recipe's; a resumed run
+    keeps the data, weights, sharding and base it was started with (and refuses weights whose content changed
+    since)."""
     recipe, plan = load_recipe_or_plan(source)
     recipe = with_data_paths(with_weights(recipe, weights_path, str(source)), data_path, eval_data_path, str(source))
     if not resume:
-        recipe = with_sharding(recipe, sharding)
+        recipe = with_sharding(with_quantized_base(recipe, quantize, str(source)), sharding)
         return recipe, plan.model_copy(update={"recipe": recipe}) if plan is not None else None
     saved = load_plan(out / "plan.yaml") if (out / "plan.yaml").is_file() else None
     if saved is None:
@@ -111,6 +113,11 @@ def recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None,
                         f"(got {sharding})")
     recipe = resumed_data_paths(recipe, saved.recipe, data_path, eval_data_path, out, str(source))
     check_resumed_weights(recipe, saved, weights_path, out)
+    base = saved.recipe.model.quantize
+    if quantize is not None and quantize != base:
+        raise UserError(f"--quantize {quantize}: the run in {out} was started with {base or 'an unquantised'} base; "
+                        "resume it as it was started (its plan.yaml keeps model.quantize)")
+    recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"quantize": base})})
     if with_knobs_of(with_sharding(recipe, started), saved.recipe) != saved.recipe:  # (knobs the plan took kept)
         raise UserError(f"--resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
     return saved.recipe, saved

@@ -219,13 +219,15 @@ def verify(
     model = build_model(recipe, data.get("info")).to(device=torch_device, dtype=param_dtype)
     model.train()
     dropped = disable_dropout(model)
+    notes = []
+    if recipe.model.quantize is not None:
+        notes.append(quantized_note(model, recipe.model.quantize, dtype, param_dtype, torch_device))
     parameters = [p for p in model.parameters() if p.requires_grad]
     names = {id(p): n for n, p in model.named_parameters()}
     recorder = GradientRecorder(parameters)
     scaler = torch.amp.GradScaler(torch_device.type) if precision == "fp16" else None
     setup = Setup(checked, model, recorder, _NoSchedule(), scaler, build_loss(recipe), data, torch_device, param_dtype)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    notes = []
 
     # The plan's gradient: the trainer's own optimizer step over the micro-batches.
     def fetch(indices: torch.Tensor) -> tuple[Any, Any]:  # as the run's loader fetches (augmentation seeded)
@@ -323,6 +325,23 @@ def verify(
         notes=notes,
         parameters=rows,
     )
+
+
+def quantized_note(model: nn.Module, quantize: str, dtype: str, param_dtype: torch.dtype, device: torch.device) -> str:
+    """A quantised base is checked in the check's dtype: its frozen int8 / nf4 weights are fixed numbers, exact once
+    dequantised into float64 (or float32), so the 4-bit layers multiply by their dequantised weights in that dtype
+    (`quantize.compute_in`; the 8-bit ones compute in their input's dtype on a CPU); under bf16/fp16 they keep the
+    recipe's compute dtype."""
+    if dtype in ("float64", "float32"):
+        from .models.quantize import compute_in
+
+        compute_in(model, param_dtype)
+    text = (f"quantised base ({quantize}): the frozen weights are the same numbers for every micro-batch, dequantised "
+            f"into {dtype if dtype in ('float64', 'float32') else 'the compute dtype'} for the check")
+    if quantize == "int8" and device.type == "cuda":
+        text += ("; on CUDA, LLM.int8() picks its fp16 outlier columns from each micro-batch's activations, so the "
+                 "frozen forward of a sample depends a little on the others in its micro-batch")
+    return text
 
 
 def reference_chunk(setup: Setup, first: tuple, micro: int, total: int, parameters: list[nn.Parameter]) -> int:

@@ -27,6 +27,11 @@ class MeterName(str, Enum):
     estimate = "estimate"
 
 
+class Quantize(str, Enum):
+    int8 = "int8"
+    nf4 = "nf4"
+
+
 class BatchNormChoice(str, Enum):
     keep = "keep"
     sync = "sync"
@@ -65,6 +70,10 @@ CHECKPOINTING_HELP = (
 SHARDED_GRADIENTS_HELP = (
     "With --sharding fsdp: reduce-scatter the gradients after every micro-batch so they stay sharded through the "
     "accumulation window (batch.sharded_gradients); more communication, exact."
+)
+QUANTIZE_HELP = (
+    "Store the frozen base's linear layers in 8 bits (int8: LLM.int8()) or 4 bits (nf4: QLoRA) through bitsandbytes, "
+    "under the recipe's LoRA (model.quantize; the option overrides the field). Needs the quantize extra."
 )
 WEIGHTS_HELP = (
     "Start from these pretrained weights, instead of the recipe's model.weights: a Hugging Face model folder "

@@ -95,7 +95,8 @@ def parameter_counts(recipe: Recipe) -> tuple[int, int] | None:
     and the libraries' versions), so listing again imports no torch."""
     if recipe.model.builtin not in MODELS:
         return None
-    key = cache.cache_key({"parameters": recipe.model_dump(mode="json"), "versions": _library_versions()})
+    key = cache.cache_key({"parameters": recipe.model_dump(mode="json"), "versions": _library_versions(),
+                           "counted": "unquantised"})
     saved = cache.load(key)
     if saved is not None and isinstance(saved.get("parameters"), int) and isinstance(saved.get("trainable"), int):
         return saved["parameters"], saved["trainable"]
@@ -256,6 +257,8 @@ def model_line(recipe: Recipe, counts: tuple[int, int] | None) -> str:
             text += f" (nanoGPT prints {(total - positions) / 1e6:.2f}M: without the position embeddings)"
     if spec.dtype != "fp32":
         text += f", weights in {spec.dtype}"
+    if spec.quantize is not None:
+        text += f", frozen base in {spec.quantize}"
     if spec.lora is not None:
         lora = spec.lora
         text += (f", LoRA r {lora.r} alpha {lora.lora_alpha:g} dropout {lora.dropout:g} on "

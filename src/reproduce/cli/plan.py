@@ -10,7 +10,7 @@ from rich.table import Table
 
 from ..batchnorm import with_batchnorm
 from ..export import FORMATS, check_format, emit
-from ..memory_options import memory_summary
+from ..memory_options import memory_summary, with_quantized_base
 from ..plan_cost import cost_lines, costs_json, plan_costs
 from ..planfile import check_writable, save_plan
 from ..planner import Plan, first_plateau_step, lr_at, lr_points
@@ -34,6 +34,7 @@ from .options import (
     NO_CACHE_HELP,
     OFFLOAD_HELP,
     POLICY_HELP,
+    QUANTIZE_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
     WEIGHTS_HELP,
@@ -42,6 +43,7 @@ from .options import (
     MeterName,
     Offload,
     Policy,
+    Quantize,
     Sharding,
     probe_options,
     value_of,
@@ -78,6 +80,7 @@ def plan_command(
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=PLAN_DATA_HELP),
     weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
+    quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
 ) -> None:
     """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps.
@@ -94,6 +97,7 @@ def plan_command(
     check_mfu(assumed_mfu)
     recipe = with_weights(load_recipe(recipe_path), weights, str(recipe_path))  # (the tokenizer may come from it)
     recipe = with_data_paths(recipe, data_path, None, str(recipe_path))
+    recipe = with_quantized_base(recipe, value_of(quantize), str(recipe_path))
     recipe = apply_sharding(recipe, value_of(sharding), world_size)
     recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, value_of(offload))
     recipe = with_batchnorm(recipe, value_of(batchnorm))

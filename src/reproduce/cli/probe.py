@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from ..batchnorm import with_batchnorm
+from ..memory_options import with_quantized_base
 from ..plan_cost import cost_lines, costs_json, plan_costs
 from ..planner import Plan, plan
 from ..probe.runner import ProbeResult, ProbeTrial, run_probe
@@ -27,12 +28,14 @@ from .options import (
     METER_HELP,
     NO_CACHE_HELP,
     OFFLOAD_HELP,
+    QUANTIZE_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
     WEIGHTS_HELP,
     BatchNormChoice,
     MeterName,
     Offload,
+    Quantize,
     Sharding,
     probe_options,
     value_of,
@@ -60,6 +63,7 @@ def probe_command(
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
+    quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
 ) -> None:
     """Measure the largest micro-batch whose full training step fits one device's memory.
@@ -70,6 +74,7 @@ def probe_command(
     recipe_path = recipe_argument(recipe_path)
     recipe = with_weights(load_recipe(recipe_path), weights, str(recipe_path))  # (the tokenizer may come from it)
     recipe = with_data_paths(recipe, data_path, None, str(recipe_path))
+    recipe = with_quantized_base(recipe, value_of(quantize), str(recipe_path))
     recipe = apply_sharding(recipe, value_of(sharding), world_size)
     recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, value_of(offload))
     recipe = with_batchnorm(recipe, value_of(batchnorm))

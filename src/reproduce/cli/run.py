@@ -35,6 +35,7 @@ from .options import (
     NO_CACHE_HELP,
     OFFLOAD_HELP,
     POLICY_HELP,
+    QUANTIZE_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
     WEIGHTS_HELP,
@@ -43,6 +44,7 @@ from .options import (
     MeterName,
     Offload,
     Policy,
+    Quantize,
     Sharding,
     probe_options,
     value_of,
@@ -238,6 +240,7 @@ def run_command(
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
+    quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
@@ -256,7 +259,8 @@ def run_command(
         if nnodes > 1 and rdzv_endpoint is None:
             raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
         # bad input: one line, before launching
-        recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights)
+        recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights,
+                                       value_of(quantize))
         recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
         recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))
         check_sync_batchnorm(recipe, nproc_per_node * nnodes, device)
@@ -270,7 +274,7 @@ def run_command(
              "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
              "--data": data_path, "--eval-data": eval_data_path, "--weights": weights, "--workers": workers,
              "--log-to": ",".join(trackers) or None, "--offload": offload.value if offload is not None else None,
-             "--batchnorm": value_of(batchnorm)},
+             "--quantize": value_of(quantize), "--batchnorm": value_of(batchnorm)},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
              "--no-noise-scale": no_noise_scale, "--stop-on-divergence": stop_on_divergence, "--merged": merged,
              "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients},
@@ -281,7 +285,8 @@ def run_command(
         raise typer.Exit(_launch(command))
     if world.distributed:
         world_size = world.size
-    recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights)
+    recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights,
+                                   value_of(quantize))
     recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
     recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))
     check_sync_batchnorm(recipe, world.size, device)

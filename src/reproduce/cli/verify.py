@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ..batchnorm import batchnorm_for_run
 from ..errors import UserError
+from ..memory_options import with_quantized_base
 from ..planfile import load_recipe_or_plan
 from ..recipe import with_data_paths, with_weights
 from ..session import apply_memory, make_plan
@@ -22,10 +23,12 @@ from .options import (
     CHECKPOINTING_HELP,
     MICRO_BATCH_MAX_HELP,
     POLICY_HELP,
+    QUANTIZE_HELP,
     WEIGHTS_HELP,
     WORLD_SIZE_HELP,
     BatchNormChoice,
     Policy,
+    Quantize,
     value_of,
 )
 
@@ -62,6 +65,7 @@ def verify_command(
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
     weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
+    quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
 ) -> None:
     """Compare the plan's accumulated gradient with the one-pass gradient: exit 0 equivalent, 1 not."""
@@ -75,6 +79,7 @@ def verify_command(
     recipe, the_plan = load_recipe_or_plan(source)
     recipe = with_data_paths(with_weights(recipe, weights, str(source)), data_path, None, str(source))
     recipe = apply_memory(recipe, activation_checkpointing)
+    recipe = with_quantized_base(recipe, value_of(quantize), str(source))
     if the_plan is not None:
         the_plan = the_plan.model_copy(update={"recipe": recipe})
     recipe, the_plan = batchnorm_for_run(recipe, the_plan, value_of(batchnorm))

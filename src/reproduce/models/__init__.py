@@ -130,9 +130,11 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 
 
 def parameter_counts(recipe: Recipe, data_info: dict | None = None) -> tuple[int, int]:
-    """(all parameters, those that train) of the recipe's model, built on the meta device: no memory, no weights."""
+    """(all parameters, those that train) of the recipe's model, built on the meta device: no memory, no weights.
+    Counted unquantised: bitsandbytes packs two 4-bit weights in a byte, so a quantised base would count half."""
+    plain = recipe.model_copy(update={"model": recipe.model.model_copy(update={"quantize": None})})
     with torch.device("meta"):
-        return count_parameters(build_model(recipe, data_info))
+        return count_parameters(build_model(plain, data_info))
 
 
 def counted_batchnorm(recipe: Recipe, data_info: dict | None = None) -> int | None:

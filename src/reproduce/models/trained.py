@@ -6,12 +6,17 @@
   trains a transformers model inside a module that returns its logits (HFLogits), so the adapter's keys are
   written as they are under the transformers model itself.
 - On request (`reproduce run --merged`), `merged/`: the base with the adapters merged in, as a Hugging Face folder
-  (`save_pretrained`, with the data's tokenizer), loaded with `from_pretrained` alone.
+  (`save_pretrained`, with the data's tokenizer), loaded with `from_pretrained` alone. On a quantised base
+  (`model.quantize`) the adapters are merged into the base's own weights folder read again unquantised, in
+  `model.dtype`, as Alpaca-LoRA's `export_hf_checkpoint.py` does (`load_in_8bit=False`, then
+  `PeftModel.from_pretrained(base, adapter).merge_and_unload()`): peft would merge them into the 8-bit / 4-bit layers
+  and save those, which `from_pretrained` alone does not read back.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +58,22 @@ def check_merged(model: nn.Module, recipe: Recipe, sharded: bool = False) -> Non
     if transformers_inside(peft.base_model.model)[1] is None:
         raise UserError(f"--merged: {name} is not a transformers model, so it has no Hugging Face folder; model.pt "
                         "holds its weights and adapter/ its adapters")
+    if recipe.model.quantize is not None and base_folder(recipe) is None:
+        raise UserError(f"--merged: on an {recipe.model.quantize} base the adapters merge into the base's own weights "
+                        "folder (model.weights or --weights: a Hugging Face folder), read again unquantised; this "
+                        "run has none, so adapter/ holds its adapters")
+
+
+def base_folder(recipe: Recipe) -> str | None:
+    """The Hugging Face folder the base's weights came from (model.weights, or model.hf's folder), or None."""
+    from ..builtin_names import hf_model_folder
+    from .pretrained import weights_of
+
+    weights = weights_of(recipe)
+    if weights is not None:
+        return str(weights.path) if weights.is_folder else None
+    local = hf_model_folder(recipe.model.hf) if recipe.model.hf is not None else None
+    return str(local) if local is not None else None
 
 
 def save_adapter(model: nn.Module, folder: Path, recipe: Recipe, state: dict | None = None) -> bool:
@@ -98,12 +119,24 @@ def write_adapter(model: Any, folder: Path, wrapper: str, state: dict | None = N
         config.inference_mode = inference_mode
 
 
-def save_merged(model: nn.Module, folder: Path, recipe: Recipe) -> None:
+def save_merged(model: nn.Module, folder: Path, recipe: Recipe, adapter: Path) -> None:
     """merged/: the adapters merged into the base (peft's merge_and_unload: in place, so the run's last use of the
-    model), as a Hugging Face folder with the data's tokenizer."""
-    merged = peft_model(model).merge_and_unload()
-    _, hf_model = transformers_inside(merged)
-    from .pretrained import quiet
+    model), as a Hugging Face folder with the data's tokenizer. On a quantised base: `adapter` (the run's adapter/)
+    put on the weights folder's model read again in model.dtype, and merged there."""
+    from .pretrained import from_pretrained_kwargs, quiet
+
+    if recipe.model.quantize is None:
+        merged = peft_model(model).merge_and_unload()
+        _, hf_model = transformers_inside(merged)
+    else:
+        import peft
+
+        kind = type(transformers_inside(peft_model(model).base_model.model)[1])
+        with quiet(sys.modules["transformers"]):
+            base = kind.from_pretrained(base_folder(recipe), **from_pretrained_kwargs(recipe))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename notice
+            hf_model = peft.PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
 
     with quiet(sys.modules["transformers"]):  # (its progress bar of the shards it writes)
         hf_model.save_pretrained(str(folder))

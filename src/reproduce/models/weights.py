@@ -1,7 +1,8 @@
 """How a model's weights are stored and which of them train: `model.dtype` and `model.lora` (through peft).
 
 `model.dtype: bf16` (or fp16) stores the weights in that dtype, as fine-tuning recipes load a base model;
-`model.lora` freezes them and adds low-rank adapters (peft's `get_peft_model`), which peft keeps in float32.
+`model.lora` freezes them and adds low-rank adapters (peft's `get_peft_model`), which peft keeps in float32;
+`model.quantize` stores the frozen linear layers in int8 or nf4 first (models/quantize.py).
 The optimizer sees only what trains (`train/optim.py` takes parameters that require a gradient).
 """
 
@@ -21,10 +22,15 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 def adapt(model: nn.Module, recipe: Recipe) -> nn.Module:
     """The built model with its weights in `model.dtype` and, with `model.lora`, adapters on the named modules."""
     spec = recipe.model
+    name = spec.builtin or spec.factory or spec.hf or "the model"
     if spec.dtype != "fp32":
         model = model.to(TORCH_DTYPES[spec.dtype])
+    if spec.quantize is not None:  # the frozen base in int8 / nf4, then the adapters on it (models/quantize.py)
+        from .quantize import quantize
+
+        model = quantize(model, recipe, name)
     if spec.lora is not None:
-        model = with_lora(model, spec.lora, spec.builtin or spec.factory or spec.hf or "the model")
+        model = with_lora(model, spec.lora, name)
     return model
 
 
@@ -51,6 +57,9 @@ def adaptable_modules(model: nn.Module) -> list[str]:
 
 def with_lora(model: nn.Module, lora: Lora, model_name: str) -> nn.Module:
     """peft's LoRA on `model`: adapters of rank r on the target modules, every other weight frozen."""
+    from .quantize import quiet_bitsandbytes
+
+    quiet_bitsandbytes()  # peft imports bitsandbytes where it is installed
     try:
         import peft
     except ImportError:

@@ -15,7 +15,10 @@ The ways out, each computed for micro-batch 1 on the same budget and meter rules
   weight (Hu et al. 2021); a pre-training recipe cannot, and LoRA is not offered there. Measured with
   `model.lora` set (peft's defaults for the architecture);
 - weights stored in bf16 (`model.dtype: bf16`) when they are fp32; measured the same way;
-- both together, when neither alone fits.
+- both together, when neither alone fits;
+- a quantised frozen base under LoRA (`model.quantize: int8`, then `nf4` when int8 does not fit: 1 byte or about
+  half a byte a frozen weight instead of 2 or 4, bitsandbytes' layers as Alpaca-LoRA and QLoRA train), for a recipe
+  that fine-tunes (LoRA set or allowed; nf4 for an int8 one); measured with the quantised layers on fake tensors.
 Each change that needs a measurement is a new trial of the changed recipe, so what is offered is what
 the probe would then find (a test re-probes them).
 """
@@ -57,6 +60,7 @@ class Explanation:
     parameters: int
     ways_out: list[WayOut] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    quantize: str | None = None  # the recipe's quantised base (int8 / nf4): its weights are not per-parameter bytes
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -128,6 +132,7 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
         micro_batch=first.micro_batch, meter=meter.name, budget_bytes=meter.budget_bytes,
         limit_bytes=meter.limit_bytes, peak_bytes=decide(tensors), tensor_bytes=tensors, at_peak=at_peak,
         step=step.to_json(), counted_on=counted_on, parameters=blocks.root + sum(blocks.blocks),
+        quantize=meter.workload.recipe.model.quantize,
     )
     batch = meter.workload.recipe.batch
     if batch.sharding == "fsdp" and world_size == 1:
@@ -224,9 +229,33 @@ def _recipe_ways_out(meter: Any, gpu: Any, extra: dict | None = None) -> list[Wa
         what, change = changes[-1]
         combined = merged(extra, change)
         ways.append(_measure_change(meter, gpu, f"{describe(extra)} and {what.split(' (')[0]}", combined))
+    ways.extend(_quantized_ways_out(meter, gpu, lora))
     if not lora_allowed(recipe) and recipe.model.lora is None:
         ways.append(WayOut("model.lora", False, None, "not offered: the recipe trains from scratch (LoRA "
                            "fine-tunes pretrained weights; set model.pretrained to say the recipe fine-tunes)"))
+    return ways
+
+
+QUANTIZED = {"int8": "1 byte a frozen weight and an fp32 scale a row: LLM.int8(), as Alpaca-LoRA trains",
+             "nf4": "about half a byte a frozen weight with double-quantised block scales: QLoRA"}
+
+
+def _quantized_ways_out(meter: Any, gpu: Any, lora: dict) -> list[WayOut]:
+    """`model.quantize: int8`, then nf4 if int8 does not fit (nf4 alone for an int8 recipe), with LoRA (the recipe's,
+    else `lora`), for a recipe that fine-tunes."""
+    recipe = meter.workload.recipe
+    kinds = list(QUANTIZED)
+    smaller = kinds[kinds.index(recipe.model.quantize) + 1:] if recipe.model.quantize else kinds
+    if recipe.model.lora is None and not lora:
+        return []
+    extra = {} if recipe.model.lora is not None else {"lora": lora}
+    ways = []
+    for kind in smaller:
+        what = QUANTIZED[kind]
+        shown = f"model.quantize: {kind}" + (f" with model.lora: {_flow(lora)}" if extra else "") + f" ({what})"
+        ways.append(_measure_change(meter, gpu, shown, {"model": {**extra, "quantize": kind}}))
+        if ways[-1].fits:
+            break
     return ways
 
 
@@ -265,6 +294,8 @@ def render(explanation: dict, budget_name: str) -> list[str]:
         per = round((step["weights"] - step["buffers"]) / parameters)
         stored = f"  {parameters / 1e9:.2f}B parameters" if parameters >= 1e8 else f"  {parameters:,} parameters"
         stored += {4: " in fp32", 2: " in bf16/fp16"}.get(per, "")
+    if explanation.get("quantize"):  # packed: nf4 stores two weights a byte, so the count is not the model's
+        stored = f"  the frozen linear layers in {explanation['quantize']} ({QUANTIZED[explanation['quantize']]})"
     rows = [
         ("weights", step["weights"], stored),
         ("weight copies for compute", step["weight_copies"], "  the bf16/fp16 copies autocast makes"),

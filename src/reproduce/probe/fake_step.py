@@ -185,8 +185,12 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         for name, param in module._parameters.items():
             if param is not None:
                 owners.setdefault(id(param), []).append((module, name))
+    from ..models.quantize import materialize_quantized, quantized_states
+
+    quantized = quantized_states(model)  # a quantised base's scales, outside parameters and buffers
     model.to_empty(device=device)
     for shared in owners.values():
         first, name = shared[0]
         for module, other in shared[1:]:
             module._parameters[other] = first._parameters[name]
+    materialize_quantized(quantized, device)

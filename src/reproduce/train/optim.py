@@ -48,6 +48,8 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str], lay
 def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
     spec = plan.recipe.optimizer
     groups = param_groups(model, spec.weight_decay, list(spec.no_decay))
+    if spec.bitsandbytes:
+        return bitsandbytes_optimizer(plan, groups)
     if spec.name in ("sgd", "nesterov"):
         return torch.optim.SGD(groups, lr=plan.lr, momentum=spec.momentum, nesterov=spec.name == "nesterov")
     if spec.name == "adam":
@@ -63,6 +65,27 @@ def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
     if spec.name == "adafactor" and hasattr(torch.optim, "Adafactor"):
         return torch.optim.Adafactor(groups, lr=plan.lr, eps=(None, spec.eps))
     raise UserError(f"optimizer.name: {spec.name} has no PyTorch implementation to run here (it can be planned)")
+
+
+def bitsandbytes_optimizer(plan: Plan, groups: list[dict]) -> torch.optim.Optimizer:
+    """adam/adamw with `paged` and/or `state_bits: 8`: bitsandbytes' PagedAdamW, AdamW8bit, PagedAdamW8bit (and the
+    Adam ones), the optimizers QLoRA and transformers' `optim: paged_adamw_32bit / adamw_8bit` use. Tensors under
+    4096 elements keep 32-bit state (bitsandbytes' min_8bit_size)."""
+    from ..models.quantize import bitsandbytes
+
+    spec = plan.recipe.optimizer
+    try:
+        bnb = bitsandbytes()
+    except UserError:
+        raise UserError(f"optimizer: {'paged' if spec.paged else 'state_bits: 8'} needs bitsandbytes, which is not "
+                        "installed (pip install 'reproduce[quantize]')") from None
+    name = ("Paged" if spec.paged else "") + ("AdamW" if spec.name == "adamw" else "Adam") + (
+        "8bit" if spec.state_bits == 8 else "32bit" if spec.paged else "")
+    import warnings
+
+    # on a CPU, at the first step: "Paged optimizers are not supported on CPU" (it steps unpaged, as documented)
+    warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
+    return getattr(bnb.optim, name)(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
 
 
 def build_scheduler(plan: Plan, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:

@@ -377,8 +377,8 @@ def save_trained(run: Run, model_state: dict) -> dict:
     core, recipe, written = run.setup.core, run.plan.recipe, {}
     if save_adapter(core, run.out / "adapter", recipe, model_state):
         written["adapter"] = str(run.out / "adapter")
-    if run.options.merged:
-        save_merged(core, run.out / "merged", recipe)
+    if run.options.merged:  # (after adapter/: on a quantised base, merged from it)
+        save_merged(core, run.out / "merged", recipe, run.out / "adapter")
         written["merged"] = str(run.out / "merged")
     return written
 
