@@ -23,13 +23,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from reproduce.memory_options import with_memory_options  # noqa: E402
+from reproduce.plan.memory_options import with_memory_options  # noqa: E402
+from reproduce.plan.recipe import load_recipe, parse_recipe  # noqa: E402
 from reproduce.probe.catalog import lookup  # noqa: E402
 from reproduce.probe.fake_step import run_fake_step  # noqa: E402
 from reproduce.probe.gpu_like import GpuKind  # noqa: E402
 from reproduce.probe.meters import CpuMeter  # noqa: E402
 from reproduce.probe.workload import Workload  # noqa: E402
-from reproduce.recipe import load_recipe, parse_recipe  # noqa: E402
 from reproduce.train.setup import build  # noqa: E402
 from reproduce.train.step import optimizer_step  # noqa: E402
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from reproduce.errors import UserError
-from reproduce.memory_options import with_memory_options
+from reproduce.plan.memory_options import with_memory_options
+from reproduce.plan.recipe import load_recipe
 from reproduce.probe.catalog import lookup
 from reproduce.probe.runner import ProbeOptions, run_probe
-from reproduce.recipe import load_recipe
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 

@@ -26,8 +26,8 @@ import torch
 
 from reproduce.data import build_data, samples
 from reproduce.data.loader import MicroBatchStream
-from reproduce.planner import plan
-from reproduce.recipe import parse_recipe
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import parse_recipe
 from reproduce.train.trainer import RunOptions, train
 from reproduce.train.windows import window
 

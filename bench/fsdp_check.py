@@ -31,15 +31,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from reproduce.models import build_model  # noqa: E402
+from reproduce.plan.recipe import parse_recipe  # noqa: E402
+from reproduce.plan.units import format_size  # noqa: E402
 from reproduce.probe.fake_step import block_sizes, run_fake_step  # noqa: E402
 from reproduce.probe.sharded_memory import Blocks, mixed_precision_step, sharded_peak  # noqa: E402
 from reproduce.probe.tracker import MemoryTracker, rounded  # noqa: E402
 from reproduce.probe.workload import Workload  # noqa: E402
-from reproduce.recipe import parse_recipe  # noqa: E402
 from reproduce.train.fsdp import shard_units  # noqa: E402
 from reproduce.train.losses import build_loss  # noqa: E402
 from reproduce.train.optim import build_optimizer  # noqa: E402
-from reproduce.units import format_size  # noqa: E402
 
 RECIPES = {
     "tiny": {  # the test's case (tests/test_sharding.py runs it): seconds

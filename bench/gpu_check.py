@@ -31,12 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+from reproduce.plan.recipe import parse_recipe  # noqa: E402
+from reproduce.plan.units import format_size  # noqa: E402
 from reproduce.probe.meters import EstimateMeter  # noqa: E402
 from reproduce.probe.runner import ProbeOptions, run_probe  # noqa: E402
 from reproduce.probe.search import search  # noqa: E402
 from reproduce.probe.workload import Workload  # noqa: E402
-from reproduce.recipe import parse_recipe  # noqa: E402
-from reproduce.units import format_size  # noqa: E402
 
 _CLASSIFY = {"task": "classification", "data": {"builtin": "digits"}, "schedule": {"total": {"steps": 100}},
              "batch": {"effective": 65536, "unit": "samples"}}

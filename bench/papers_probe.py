@@ -30,12 +30,12 @@ import torch
 
 from reproduce.errors import DoesNotFit, UserError
 from reproduce.models import build_model, count_parameters
+from reproduce.plan.recipe import load_recipe
+from reproduce.plan.units import format_count, format_size
 from reproduce.probe.catalog import lookup
 from reproduce.probe.runner import ProbeOptions, run_probe
 from reproduce.probe.workload import synthetic_data
-from reproduce.recipe import load_recipe
 from reproduce.session import plan_and_probe
-from reproduce.units import format_count, format_size
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 

@@ -16,8 +16,8 @@ import sys
 import torch
 
 from reproduce.errors import UserError
-from reproduce.planner import lr_at, plan
-from reproduce.recipe import load_recipe
+from reproduce.plan.planner import lr_at, plan
+from reproduce.plan.recipe import load_recipe
 from reproduce.train import windows as W
 
 out = {}

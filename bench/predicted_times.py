@@ -4,7 +4,7 @@
 
 For each papers/*.yaml whose `batch.device` is a GPU of the catalog: the model FLOPs of one sample counted on
 fake tensors (probe/flops.py) x the samples of the whole schedule, over `batch.devices` x the card's dense peak
-for the recipe's precision x the assumed MFU (reproduce/prediction.py). A recipe that does not state its device
+for the recipe's precision x the assumed MFU (reproduce/timing/prediction.py). A recipe that does not state its device
 count gets GPU-hours (one device) instead. The reported figures are quoted with their source in `REPORTED`;
 the ratio is predicted / reported (above 1: the prediction is slower than the paper was, i.e. the paper ran
 at a higher MFU than assumed).
@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 
 from reproduce.errors import UserError
-from reproduce.planner import plan
-from reproduce.predicted_time import on_card, total_samples
-from reproduce.prediction import DEFAULT_MFU, predicted_seconds
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import load_recipe
 from reproduce.probe.catalog import lookup
 from reproduce.probe.cost import format_duration
 from reproduce.probe.flops import recipe_flops
 from reproduce.probe.peaks import peaks_of, precision_key
-from reproduce.recipe import load_recipe
+from reproduce.timing.predicted_time import on_card, total_samples
+from reproduce.timing.prediction import DEFAULT_MFU, predicted_seconds
 
 # (seconds, or GPU-hours for a recipe without a device count; what was said; where)
 REPORTED = {

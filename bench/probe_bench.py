@@ -41,10 +41,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+from reproduce.plan.recipe import parse_recipe  # noqa: E402
 from reproduce.probe.meters import CpuMeter  # noqa: E402
 from reproduce.probe.search import search  # noqa: E402
 from reproduce.probe.workload import Workload  # noqa: E402
-from reproduce.recipe import parse_recipe  # noqa: E402
 
 MiB = 2**20
 HEADROOM = 0.1

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from reproduce.data import build_data
 from reproduce.data.batches import fetch
 from reproduce.models import build_model
-from reproduce.planner import plan
-from reproduce.recipe import Evaluation, load_recipe
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import Evaluation, load_recipe
 from reproduce.train.trainer import RunOptions, train
 from reproduce.train.windows import epoch_order
 

@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from reproduce.data import build_data
-from reproduce.planner import plan
-from reproduce.recipe import Evaluation, load_recipe
-from reproduce.throughput import exact_splits
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import Evaluation, load_recipe
+from reproduce.timing.throughput import exact_splits
 from reproduce.train.trainer import RunOptions, train
 
 CASES = {"gpt": "papers/pysource-gpt.yaml", "mlp": "papers/digits-mlp.yaml"}

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from reproduce.planner import plan
-from reproduce.recipe import load_recipe
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import load_recipe
 from reproduce.train.trackers import TrackerReporter
 from reproduce.train.trainer import RunOptions, SilentReporter, train
 

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from reproduce.recipe import parse_recipe
+from reproduce.plan.recipe import parse_recipe
 
 # A small, valid recipe used across the planner tests (numbers chosen for easy arithmetic).
 BASE = {

@@ -23,9 +23,9 @@ import torch
 
 from reproduce.data import build_data
 from reproduce.errors import TrainingStopped
-from reproduce.planner import plan
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.tracker import MemoryTracker
-from reproduce.recipe import parse_recipe
 from reproduce.train.trainer import RunOptions, train
 
 

@@ -94,9 +94,9 @@ def test_the_cycle_finder_finds_one():
 
 
 def test_the_plan_core_imports_no_torch_and_no_cli():
-    core = ["reproduce.recipe", "reproduce.batchnorm",
-            "reproduce.validation", "reproduce.split", "reproduce.segments", "reproduce.phases",
-            "reproduce.schedules", "reproduce.planner", "reproduce.planfile", "reproduce.launch"]
+    core = ["reproduce.plan.recipe", "reproduce.batchnorm",
+            "reproduce.plan.validation", "reproduce.plan.split", "reproduce.plan.segments", "reproduce.plan.phases",
+            "reproduce.plan.schedules", "reproduce.plan.planner", "reproduce.plan.planfile", "reproduce.plan.launch"]
     for name in core:
         imported = {target for target, _ in _imports(name)}
         assert not {t for t in imported if t.split(".")[0] in ("torch", "typer", "rich")}, name
@@ -144,8 +144,9 @@ def test_every_command_module_is_known():
     assert registered == COMMANDS
 
 
-@pytest.mark.parametrize("name", ["reproduce.session", "reproduce.resume_rules", "reproduce.throughput_plan",
-                                  "reproduce.predicted_time", "reproduce.plan_cost"])
+@pytest.mark.parametrize("name", ["reproduce.session", "reproduce.plan.resume_rules",
+                                  "reproduce.timing.throughput_plan", "reproduce.timing.predicted_time",
+                                  "reproduce.timing.plan_cost"])
 def test_the_session_layer_imports_no_cli_and_no_torch_at_import(name):
     """The core session layer returns values and prints nothing: no typer, rich or cli/, and torch only inside the
     functions that measure (so `reproduce plan --micro-batch-max` imports none)."""

@@ -2,7 +2,7 @@
 
 A table of bad recipes and bad options, each run through the real CLI (`reproduce.cli.main`) in this
 process, a few through the installed `reproduce` script in a subprocess, and hand-edited plan files
-loaded with `reproduce.planfile.load_plan`.
+loaded with `reproduce.plan.planfile.load_plan`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import yaml
 
 from reproduce.cli import main
 from reproduce.errors import UserError
-from reproduce.planfile import load_plan
+from reproduce.plan.planfile import load_plan
 
 # Goyal et al. 2017 (ResNet-50 in one hour): a valid recipe every bad case starts from.
 GOYAL = """\

@@ -10,12 +10,12 @@ import torch
 import yaml
 
 from helpers import cli
-from reproduce import builtin_names
 from reproduce.batchnorm import AUX_HEAD_LAYERS, BUILTIN_LAYERS, with_batchnorm
 from reproduce.errors import UserError
 from reproduce.models import MODELS, count_batchnorm
-from reproduce.planner import plan
-from reproduce.recipe import parse_recipe
+from reproduce.plan import builtin_names
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import parse_recipe
 
 
 def recipe(model: dict, batch: dict | None = None, **extra):

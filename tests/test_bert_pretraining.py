@@ -15,7 +15,7 @@ from reproduce.data import build_data
 from reproduce.data.batches import fetch
 from reproduce.data.pairs import BYTES, SentencePairs, Vocabulary
 from reproduce.models import LOSSES, MODELS, build_model, count_parameters
-from reproduce.recipe import load_recipe, parse_recipe
+from reproduce.plan.recipe import load_recipe, parse_recipe
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 TINY_BERT = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32,
@@ -143,7 +143,7 @@ def test_the_mean_of_micro_batch_losses_would_differ():
 def test_phases_cut_the_pairs_at_each_length(tmp_path):
     """BERT's 128-then-512 in miniature: one step at 16 tokens, then 32; the data made again at each length."""
     from reproduce.data.lengths import training_sizes
-    from reproduce.planner import plan
+    from reproduce.plan.planner import plan
     from reproduce.train.trainer import RunOptions, train
 
     recipe = parse_recipe(bert_recipe(steps=2, phases=[{"steps": 1, "effective": 16, "sequence_length": 16},
@@ -229,8 +229,8 @@ def test_text_pairs_reads_berts_layout_with_a_local_tokenizer(tmp_path):
 def test_verify_finds_the_window_gradient_equal_to_one_pass(chunk):
     """`reproduce verify`'s check on BERT pre-training: micro-batches of 4 against one pass (or chunks of 8), the
     reference normalising each term over the whole batch's own count too."""
-    from reproduce.planner import plan
-    from reproduce.verify import verify
+    from reproduce.plan.planner import plan
+    from reproduce.verify.accumulation import verify
 
     recipe = parse_recipe(bert_recipe(custom=True))  # the loss named: task custom
     data = build_data(recipe)

@@ -19,11 +19,11 @@ from reproduce.data import build_data
 from reproduce.errors import UserError
 from reproduce.models import build_model
 from reproduce.models.checkpointing import checkpoint_blocks, enable, enabled
-from reproduce.planner import plan
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.fake_step import run_fake_step
 from reproduce.probe.meters import CpuMeter
 from reproduce.probe.workload import Workload
-from reproduce.recipe import parse_recipe
 from reproduce.train.trainer import RunOptions, train
 
 ADAMW = {"name": "adamw", "lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}
@@ -180,8 +180,8 @@ def test_offload_without_fsdp_is_one_line(tmp_path, capsys):
 def test_the_recomputation_check_fails_when_the_masks_are_not_redrawn(monkeypatch):
     """Without the RNG state kept, the recomputed dropout masks differ: verify's check must then see it."""
     from reproduce import models
-    from reproduce.recompute_check import recomputation_error
-    from reproduce.verify import GradientRecorder, _NoSchedule
+    from reproduce.verify.accumulation import GradientRecorder, _NoSchedule
+    from reproduce.verify.recomputation import recomputation_error
 
     recipe = parse_recipe(checkpointed(gpt_recipe()))
     data = build_data(recipe)

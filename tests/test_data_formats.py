@@ -19,8 +19,8 @@ from reproduce.data import build_data
 from reproduce.data.batches import LazyMicroBatch
 from reproduce.data.loader import LoaderWatch, WindowSampler
 from reproduce.models import build_model
-from reproduce.planner import plan
-from reproduce.recipe import parse_recipe, with_data_paths
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import parse_recipe, with_data_paths
 from reproduce.train.setup import build
 from reproduce.train.step import optimizer_step
 from reproduce.train.trainer import RunOptions, read_metrics, train

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from helpers import cli
-from reproduce.planner import plan
-from reproduce.recipe import load_recipe
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import load_recipe
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 

@@ -20,7 +20,7 @@ from helpers import (
     weights,
 )
 from reproduce.data import build_data
-from reproduce.recipe import parse_recipe
+from reproduce.plan.recipe import parse_recipe
 from reproduce.train.trainer import read_metrics
 
 TESTS = Path(__file__).parent

@@ -12,9 +12,9 @@ import json
 import pytest
 
 from reproduce.cli import main
+from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.runner import ProbeOptions, run_probe
 from reproduce.probe.tracker import rounded
-from reproduce.recipe import parse_recipe
 
 GPT = {
     "batch": {"effective": 4096, "unit": "tokens", "sequence_length": 64},

@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.catalog import lookup
 from reproduce.probe.fake_step import run_fake_step
 from reproduce.probe.gpu_like import GpuKind, as_on_gpu, attention_kernel, cuda_autocast_names
 from reproduce.probe.meters import CpuMeter, EstimateMeter
 from reproduce.probe.tracker import MemoryTracker, rounded
 from reproduce.probe.workload import Workload
-from reproduce.recipe import parse_recipe
 
 A100, V100, RTX4090 = (GpuKind(lookup(name).capability) for name in ("a100-80gb", "v100-32gb", "rtx4090"))
 B, H, S, D = 2, 4, 64, 16

@@ -17,8 +17,8 @@ import yaml
 
 from reproduce.errors import UserError
 from reproduce.export import FORMATS, emit, export, hf_scheduler, lr_factor_source, torchrun_command
-from reproduce.planner import lr_at, plan
-from reproduce.recipe import load_recipe, parse_recipe
+from reproduce.plan.planner import lr_at, plan
+from reproduce.plan.recipe import load_recipe, parse_recipe
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 RECIPES = sorted(PAPERS.glob("*.yaml"))
@@ -56,7 +56,7 @@ def strip_comments(text: str) -> str:
 
 @pytest.mark.subprocess
 def test_export_imports_no_torch():
-    code = "import sys, reproduce.export, reproduce.builtin_names; print('torch' in sys.modules)"
+    code = "import sys, reproduce.export, reproduce.plan.builtin_names; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -345,7 +345,7 @@ def test_accelerate_reads_the_config(goyal, nanogpt, tmp_path):
 @pytest.fixture(scope="module")
 def sharded_gpt():
     """The pysource GPT sharded over 4 processes in bf16 (its blocks are the built-in GPT's `Block`)."""
-    from reproduce.sharding import with_sharding
+    from reproduce.plan.sharding import with_sharding
 
     recipe = with_sharding(load_recipe(PAPERS / "pysource-gpt.yaml"), "fsdp")
     recipe = recipe.model_copy(update={"precision": "bf16"})

@@ -17,8 +17,8 @@ import torch
 import yaml
 
 from reproduce.data import build_data
-from reproduce.planner import plan
-from reproduce.recipe import parse_recipe
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import parse_recipe
 from reproduce.train import trainer
 
 RECIPE = {

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from helpers import cli, snapshot
-from reproduce.recipe import parse_recipe
-from reproduce.reported import compare_reported, reported_line
+from reproduce.plan.recipe import parse_recipe
+from reproduce.plan.reported import compare_reported, reported_line
 from reproduce.train.divergence import DivergenceWatch
 from reproduce.train.noise import MIN_VERDICT_STEPS, summarise
 from reproduce.train.outputs import read_metrics
@@ -177,7 +177,7 @@ def test_memory_without_a_unit_is_refused(command, tmp_path, capsys):
 
 
 def test_memory_sizes_with_units_and_large_byte_counts_still_parse():
-    from reproduce.units import parse_size
+    from reproduce.plan.units import parse_size
 
     assert parse_size("8GiB") == 8 * 2**30 and parse_size("2097152") == 2**21 and parse_size("1MiB") == 2**20
 
@@ -409,9 +409,9 @@ def test_plan_asks_the_data_factory_for_its_size(tmp_path, capsys):
 
 
 def test_a_plan_file_made_without_the_data_size_runs_and_never_says_none(tmp_path, capsys):
-    from reproduce.planfile import save_plan
-    from reproduce.planner import plan
-    from reproduce.recipe import load_recipe
+    from reproduce.plan.planfile import save_plan
+    from reproduce.plan.planner import plan
+    from reproduce.plan.recipe import load_recipe
 
     # as an older `reproduce plan --out` wrote it (today's planner refuses epochs of an unknown size: issue 22)
     sized = plan(load_recipe(OWN / "recipe.yaml"), 32, dataset_size=1024)

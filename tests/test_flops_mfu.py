@@ -7,11 +7,11 @@ import json
 import pytest
 
 from reproduce.cli import main
-from reproduce.prediction import DEFAULT_MFU, mfu, predicted_seconds
+from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.catalog import GPUS
 from reproduce.probe.flops import recipe_flops
 from reproduce.probe.peaks import PEAKS, identify, peaks_of, precision_key
-from reproduce.recipe import parse_recipe
+from reproduce.timing.prediction import DEFAULT_MFU, mfu, predicted_seconds
 
 MLP = {
     "batch": {"effective": 64, "unit": "samples"},
@@ -47,7 +47,7 @@ def test_mlp_flops_are_the_matrix_products_forward_and_backward():
 
 def test_gpt_flops_count_attention_and_scale_per_token(tmp_path):
     (tmp_path / "gpt.yaml").write_text(GPT, encoding="utf-8")
-    from reproduce.recipe import load_recipe
+    from reproduce.plan.recipe import load_recipe
 
     flops = recipe_flops(load_recipe(tmp_path / "gpt.yaml"))
     assert any("attention" in op for op in flops.by_op)  # the fused kernel CUDA runs, counted on any machine

@@ -39,7 +39,7 @@ from helpers import (
     run_weights,
 )
 from reproduce.models import build_model
-from reproduce.recipe import parse_recipe
+from reproduce.plan.recipe import parse_recipe
 from reproduce.train.trainer import read_metrics
 
 # LARS and LAMB on FSDP2's DTensor shards: their trust ratios need whole-tensor norms

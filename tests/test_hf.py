@@ -13,7 +13,7 @@ import torch
 
 from helpers import ADAMW, SGD, assert_same_weights, lm_recipe, run_accumulated, run_plain
 from reproduce.errors import UserError
-from reproduce.recipe import parse_recipe
+from reproduce.plan.recipe import parse_recipe
 
 NO_TRANSFORMERS = "transformers not installed (a dependency: pip install -e .)"
 

@@ -24,8 +24,8 @@ from helpers import (
 )
 from reproduce.data import build_data
 from reproduce.models import build_model
-from reproduce.planner import plan
-from reproduce.recipe import parse_recipe
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import parse_recipe
 from reproduce.train.large_batch import LAMB, LARS
 from reproduce.train.optim import build_optimizer, param_groups
 from reproduce.train.trainer import RunOptions, train

@@ -10,11 +10,11 @@ from helpers import run_plain
 from reproduce.data import build_data
 from reproduce.errors import UserError
 from reproduce.models import build_model, count_parameters
-from reproduce.planner import plan
-from reproduce.recipe import parse_recipe
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import parse_recipe
 from reproduce.train.setup import build
 from reproduce.train.trainer import RunOptions, train
-from reproduce.verify import verify
+from reproduce.verify.accumulation import verify
 
 TINY_GPT2 = {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 32, "n_positions": 16}
 TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,

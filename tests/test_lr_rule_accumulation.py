@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_recipe
-from reproduce.planner import plan
+from reproduce.plan.planner import plan
 
 
 def mmengine_auto_scale_lr(lr: float, base_batch_size: int, world_size: int, batch_size: int) -> float:

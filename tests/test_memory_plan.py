@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from reproduce.cli import main
+from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.runner import ProbeOptions, run_probe
-from reproduce.recipe import parse_recipe
 from reproduce.session import plan_and_probe
 
 GPT = {  # tests/test_does_not_fit.py's small GPT: 8.4 MiB of tensors at micro-batch 1

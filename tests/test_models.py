@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from reproduce import builtin_names
 from reproduce.cli import main
 from reproduce.models import LOSSES, MODELS, build_model, count_parameters, model_inputs
 from reproduce.models.architectures import TorchvisionClassifier
+from reproduce.plan import builtin_names
+from reproduce.plan.recipe import load_recipe, parse_recipe
 from reproduce.probe.workload import Workload
-from reproduce.recipe import load_recipe, parse_recipe
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 # the papers' own recipes whose data is not here (not the small built-in demos that read data from disk: --data)

@@ -15,7 +15,7 @@ from helpers import ADAMW, assert_same_weights, lm_recipe, run_accumulated, run_
 from reproduce.models import MODELS, count_parameters, model_inputs
 from reproduce.models.nanogpt import GPT, GPTConfig
 from reproduce.models.nanogpt import main as export_main
-from reproduce.recipe import load_recipe, parse_recipe
+from reproduce.plan.recipe import load_recipe, parse_recipe
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 SHAKESPEARE = {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256, "dropout": 0.2, "bias": False,

@@ -21,8 +21,8 @@ from helpers import SGD, digits_recipe, lm_recipe, reproduce_run
 from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.data.batches import LazyMicroBatch, fetch
-from reproduce.planner import plan
-from reproduce.recipe import parse_recipe
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import parse_recipe
 from reproduce.train.noise import NoiseScale, estimates, summarise
 from reproduce.train.setup import build
 from reproduce.train.step import optimizer_step

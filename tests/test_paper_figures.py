@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from reproduce.models import build_model, count_parameters
-from reproduce.planner import lr_at, plan
+from reproduce.plan.planner import lr_at, plan
+from reproduce.plan.recipe import load_recipe
 from reproduce.probe.workload import synthetic_data
-from reproduce.recipe import load_recipe
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 IMAGENET = 1_281_167  # ImageNet-1k training images

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from helpers import cli_json
-from reproduce.predicted_time import on_card
-from reproduce.prediction import DEFAULT_MFU
 from reproduce.probe.catalog import lookup
 from reproduce.probe.peaks import identify, peaks_of
+from reproduce.timing.predicted_time import on_card
+from reproduce.timing.prediction import DEFAULT_MFU
 
 ROOT = Path(__file__).resolve().parent.parent
 GOYAL = str(ROOT / "papers" / "goyal2017-resnet50.yaml")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from reproduce.planner import plan
-from reproduce.recipe import load_recipe
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import load_recipe
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 RECIPES = sorted(PAPERS.glob("*.yaml"))

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from helpers import cli
-from reproduce import builtin_names
-from reproduce.recipe import load_recipe, parse_recipe
+from reproduce.plan import builtin_names
+from reproduce.plan.recipe import load_recipe, parse_recipe
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from reproduce.cli import main
+from reproduce.plan.recipe import load_recipe
 from reproduce.probe.catalog import lookup
 from reproduce.probe.meters import EstimateMeter
 from reproduce.probe.workload import Workload
-from reproduce.recipe import load_recipe
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 

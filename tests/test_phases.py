@@ -15,10 +15,10 @@ from helpers import assert_same_model, assert_same_weights, plain_loop
 from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.errors import UserError
-from reproduce.planfile import parse_plan, plan_to_yaml
-from reproduce.planner import lr_at, plan
-from reproduce.recipe import Length, parse_recipe
-from reproduce.segments import Segment, epoch_steps, lengths_to_steps, stream_window
+from reproduce.plan.planfile import parse_plan, plan_to_yaml
+from reproduce.plan.planner import lr_at, plan
+from reproduce.plan.recipe import Length, parse_recipe
+from reproduce.plan.segments import Segment, epoch_steps, lengths_to_steps, stream_window
 from reproduce.train.trainer import RunOptions, read_metrics, train
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
@@ -328,7 +328,7 @@ def test_check_re_derives_each_phase_length_and_catches_a_wrong_one(name):
 
     from reproduce.check.runner import plan_problems
     from reproduce.check.schema import Budget
-    from reproduce.recipe import load_recipe
+    from reproduce.plan.recipe import load_recipe
 
     the_plan = plan(load_recipe(Path(__file__).resolve().parent.parent / "papers" / name), 32, 1)
     assert plan_problems(the_plan, Budget(micro_batch_max=32)) == []

@@ -11,14 +11,14 @@ from hypothesis import strategies as st
 
 from conftest import make_recipe
 from reproduce.errors import UserError
-from reproduce.planner import lr_at, plan
+from reproduce.plan.planner import lr_at, plan
 
 
 @pytest.mark.subprocess
 def test_planner_imports_no_torch():
     import subprocess
 
-    code = ("import sys, reproduce.planner, reproduce.planfile, reproduce.recipe\n"
+    code = ("import sys, reproduce.plan.planner, reproduce.plan.planfile, reproduce.plan.recipe\n"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import make_recipe
 from reproduce.errors import UserError
-from reproduce.planner import (
+from reproduce.plan.planner import (
     check_arguments,
     choose_split,
     plan,
@@ -15,7 +15,7 @@ from reproduce.planner import (
     warn_last,
     warn_partial_epoch,
 )
-from reproduce.segments import whole_segment
+from reproduce.plan.segments import whole_segment
 
 
 @pytest.mark.parametrize(("micro", "world", "policy", "message"), [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import cli, cli_json
-from reproduce.prediction import DEFAULT_MFU
+from reproduce.timing.prediction import DEFAULT_MFU
 
 PAPER = """\
 batch: {effective: 4096, unit: tokens, sequence_length: 32, devices: 8, per_device: 16, device: A100-80GB}
@@ -74,9 +74,9 @@ def test_without_hardware_there_is_no_prediction_and_bad_mfu_is_one_line(capsys,
 def test_a_batch_ramp_counts_each_stretchs_own_batch():
     from pathlib import Path
 
-    from reproduce.planner import plan
-    from reproduce.predicted_time import total_samples
-    from reproduce.recipe import load_recipe
+    from reproduce.plan.planner import plan
+    from reproduce.plan.recipe import load_recipe
+    from reproduce.timing.predicted_time import total_samples
 
     recipe = load_recipe(Path(__file__).parent.parent / "papers" / "brown2020-gpt3-small.yaml")
     the_plan = plan(recipe, 4, 1)
@@ -87,8 +87,8 @@ def test_a_batch_ramp_counts_each_stretchs_own_batch():
 
 def test_exported_throughput_plan_names_the_chosen_micro_batch(capsys):
     from reproduce.export import emit
-    from reproduce.recipe import load_recipe
-    from reproduce.throughput_plan import throughput_plan
+    from reproduce.plan.recipe import load_recipe
+    from reproduce.timing.throughput_plan import throughput_plan
 
     the_plan = throughput_plan(load_recipe("paper.yaml"), "paper.yaml", 64, 1, None, None, gpu="a100-80gb")
     assert the_plan.policy == "throughput" and the_plan.throughput["basis"] == "model"

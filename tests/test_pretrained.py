@@ -17,7 +17,7 @@ import yaml
 
 from helpers import cli, snapshot
 from reproduce.errors import UserError
-from reproduce.recipe import parse_recipe
+from reproduce.plan.recipe import parse_recipe
 
 transformers = pytest.importorskip("transformers")
 
@@ -106,7 +106,7 @@ def test_a_sharded_gpt2_folder_is_the_model_transformers_loads(files):
     with torch.no_grad():
         assert torch.equal(model(ids), reference(input_ids=ids).logits)
     assert len(inspect(str(files / "tiny-gpt2")).files) == 3
-    from reproduce.planner import plan
+    from reproduce.plan.planner import plan
 
     record = with_weights_record(plan(recipe, 4, 1, dataset_size=20)).weights
     assert record.parameters == count_parameters(model)[0] and record.kind == "folder"
@@ -434,7 +434,7 @@ def test_the_shipped_e2e_recipe_reads_context_completion_records(files, tmp_path
     """papers/hu2021-lora-gpt2m-e2e.yaml reads format_converting_e2e.py's records with --data: the context, the
     tokenizer's EOS, ' ' + the completion, EOS (gpt2_encode.py --add_bos --add_eos); the loss on the completion."""
     from reproduce.data import build_data
-    from reproduce.recipe import load_recipe, with_data_paths, with_weights
+    from reproduce.plan.recipe import load_recipe, with_data_paths, with_weights
 
     records = [{"context": "name : The Eagle | food : French", "completion": "The Eagle serves French food."}] * 3
     (tmp_path / "e2e.json").write_text(json.dumps(records))
@@ -491,7 +491,7 @@ def test_a_larger_vocab_size_widens_the_folder_embeddings_and_the_plan_says_so(f
     from safetensors.torch import load_file
 
     from reproduce.models import build_model
-    from reproduce.planner import plan
+    from reproduce.plan.planner import plan
     from reproduce.session import with_weights_record
 
     model = {"builtin": "llama-7b", "kwargs": {"vocab_size": 515}, "weights": str(files / "tiny-llama")}

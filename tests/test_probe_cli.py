@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from helpers import cli, cli_json
+from reproduce.plan.recipe import load_recipe
 from reproduce.probe.catalog import CONTEXT_BYTES, GPUS, lookup
 from reproduce.probe.runner import ProbeOptions
-from reproduce.recipe import load_recipe
 from reproduce.session import make_plan
 
 DIGITS = """\

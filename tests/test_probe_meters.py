@@ -7,10 +7,10 @@ import torch
 
 from reproduce.errors import UserError
 from reproduce.models.small import GPT
+from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.meters import CpuMeter, CudaMeter, EstimateMeter, materialize
 from reproduce.probe.tracker import GRANULE, MemoryTracker, rounded
 from reproduce.probe.workload import SyntheticTokens, Workload
-from reproduce.recipe import parse_recipe
 
 DIGITS = {
     "batch": {"effective": 2048, "unit": "samples"},

@@ -13,11 +13,11 @@ from helpers import assert_same_model
 from reproduce.data import build_data
 from reproduce.errors import UserError
 from reproduce.models import build_model
-from reproduce.planner import plan
-from reproduce.recipe import parse_recipe
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import parse_recipe
 from reproduce.train.setup import build
 from reproduce.train.trainer import RunOptions, train
-from reproduce.verify import verify
+from reproduce.verify.accumulation import verify
 
 bnb = pytest.importorskip("bitsandbytes")  # `make setup` installs it (the quantize extra): these tests then run
 

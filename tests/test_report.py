@@ -61,8 +61,8 @@ def runs(tmp_path_factory):
     metrics stated in its recipe (one within its tolerance, one outside it, one the run does not measure)."""
     import torch
 
-    from reproduce.planner import plan
-    from reproduce.recipe import load_recipe
+    from reproduce.plan.planner import plan
+    from reproduce.plan.recipe import load_recipe
     from reproduce.train.trainer import RunOptions, train
 
     root = tmp_path_factory.mktemp("runs")
@@ -158,7 +158,7 @@ def test_the_papers_metric_beside_the_runs_final_value_with_the_verdict(runs, tm
 
 
 def test_a_run_still_going_and_a_resumed_run_are_reported_as_far_as_they_got(runs, tmp_path, capsys):
-    from reproduce.planfile import load_plan
+    from reproduce.plan.planfile import load_plan
     from reproduce.train.trainer import RunOptions, train
 
     going = tmp_path / "going"

@@ -23,8 +23,8 @@ from reproduce.data import build_data
 from reproduce.data.batches import collate
 from reproduce.errors import UserError
 from reproduce.models import build_model
-from reproduce.planner import plan
-from reproduce.recipe import parse_recipe
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import parse_recipe
 from reproduce.train.trainer import RunOptions, read_metrics, train
 
 # workers: micro-batches fetched by DataLoader worker processes (0: in the training process)

@@ -21,10 +21,10 @@ from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.errors import UserError
 from reproduce.models import build_model
-from reproduce.planfile import parse_plan, plan_to_yaml
-from reproduce.planner import lr_at, lr_points, plan
-from reproduce.recipe import load_recipe, parse_recipe
-from reproduce.schedules import Plateau
+from reproduce.plan.planfile import parse_plan, plan_to_yaml
+from reproduce.plan.planner import lr_at, lr_points, plan
+from reproduce.plan.recipe import load_recipe, parse_recipe
+from reproduce.plan.schedules import Plateau
 from reproduce.train.trainer import RunOptions, read_metrics, train
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}

@@ -18,7 +18,7 @@ from reproduce.data import build_data
 from reproduce.data.loader import MicroBatchStream, fetch_seeded
 from reproduce.data.shape_scenes import write_voc
 from reproduce.errors import UserError
-from reproduce.recipe import parse_recipe
+from reproduce.plan.recipe import parse_recipe
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +240,7 @@ def test_a_run_counts_the_pixels_it_trains_on_and_resumes_bitwise_with_workers(v
     bitwise the weights of an uninterrupted run without workers; each step's `items` is its window's valid pixels
     as the loader cut them."""
     from helpers import assert_same_model
-    from reproduce.planner import plan
+    from reproduce.plan.planner import plan
     from reproduce.train.outputs import read_metrics
     from reproduce.train.trainer import RunOptions, train
     from reproduce.train.windows import window

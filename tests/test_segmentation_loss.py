@@ -17,7 +17,7 @@ from reproduce.data import build_data
 from reproduce.data.loader import fetch_seeded
 from reproduce.data.shape_scenes import write_voc
 from reproduce.models import build_model
-from reproduce.recipe import parse_recipe
+from reproduce.plan.recipe import parse_recipe
 from reproduce.train.losses import PixelLoss, build_loss
 
 
@@ -137,7 +137,7 @@ def test_two_ranks_divide_by_the_valid_pixels_of_both(voc, tmp_path):
     and the window's count is their sum (all-reduced before the first backward), so the weights agree and the
     logged count is the whole window's."""
     from helpers import assert_close_weights, reproduce_run, reproduce_run_here, weights
-    from reproduce.planner import plan
+    from reproduce.plan.planner import plan
     from reproduce.train.outputs import read_metrics
     from reproduce.train.windows import window
 

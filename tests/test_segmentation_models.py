@@ -12,11 +12,11 @@ from torch import nn
 from torchvision.models import segmentation
 from torchvision.ops.misc import FrozenBatchNorm2d
 
-from reproduce import builtin_names
 from reproduce.errors import UserError
 from reproduce.models import MODELS, build_model, count_batchnorm, count_parameters
 from reproduce.models.normalization import convert
-from reproduce.recipe import parse_recipe
+from reproduce.plan import builtin_names
+from reproduce.plan.recipe import parse_recipe
 
 # torchvision's published parameter counts (its weights' meta, 21 VOC classes, with the auxiliary head where it has one)
 PUBLISHED = {
@@ -162,6 +162,6 @@ def test_segmentation_fields_refused_where_nothing_reads_them(model, message):
     with pytest.raises(UserError, match=re.escape(message)):
         recipe(model)
     recipe({"factory": "factories:torchvision_resnet50", "aux_weight": 0.4})  # its own "aux" output, weighed
-    from reproduce import recipe as recipe_module
+    from reproduce.plan import recipe as recipe_module
 
     assert recipe_module.SEGMENTATION_MODELS == builtin_names.SEGMENTATION_MODELS

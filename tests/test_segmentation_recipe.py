@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from reproduce.errors import UserError
-from reproduce.recipe import REPORTED_METRICS, parse_recipe
+from reproduce.plan.recipe import REPORTED_METRICS, parse_recipe
 
 
 def seg_recipe(data: dict | None = None, **extra) -> dict:
@@ -81,7 +81,7 @@ def test_an_unknown_reported_metric_names_the_metrics_the_task_evaluates():
 
 
 def test_reported_segmentation_metrics_meet_the_runs():
-    from reproduce.reported import compare_reported
+    from reproduce.plan.reported import compare_reported
 
     recipe = parse_recipe(seg_recipe(reported=[{"metric": "miou", "value": 77.21, "split": "val"},
                                                {"metric": "pixel_accuracy", "value": 0.95},

@@ -11,9 +11,9 @@ import pytest
 
 from conftest import make_recipe
 from reproduce.errors import UserError
-from reproduce.planner import plan
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import load_recipe
 from reproduce.probe.runner import ProbeOptions
-from reproduce.recipe import load_recipe
 from reproduce.session import plan_and_probe, probe_consensus, probe_line, run_plan
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from reproduce.check import Runner, collect, load_all, load_check_file
-from reproduce.planner import plan
-from reproduce.recipe import load_recipe
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "reproduce"

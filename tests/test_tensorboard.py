@@ -41,8 +41,8 @@ def test_every_numeric_field_at_its_step(tmp_path):
 
 def test_reporter_logs_a_real_run(tmp_path, one_thread):
     pytest.importorskip("tensorboard", reason=NO_TENSORBOARD)
-    from reproduce.planner import plan
-    from reproduce.recipe import load_recipe
+    from reproduce.plan.planner import plan
+    from reproduce.plan.recipe import load_recipe
     from reproduce.train.trainer import RunOptions, SilentReporter, read_metrics, train
 
     recipe = load_recipe("papers/digits-mlp.yaml")

@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from helpers import cli, cli_json
-from reproduce.throughput import (
+from reproduce.timing.throughput import (
     MAX_STEPS_PER_REPEAT,
     MIN_REPEATS,
     REPEATS,
@@ -311,7 +311,7 @@ def test_run_with_policy_throughput_keeps_the_choice_and_logs_tokens_per_second(
     code, out, err = cli(capsys, "run", "local.yaml", "--micro-batch-max", "16", "--policy", "throughput",
                          "--max-steps", "2", "--out", "out", "--no-noise-scale")
     assert code == 0, err
-    from reproduce.planfile import load_plan
+    from reproduce.plan.planfile import load_plan
 
     saved = load_plan(tmp_path / "out" / "plan.yaml")
     assert saved.policy == "throughput" and saved.throughput["micro_batch"] == saved.micro_batch

@@ -119,8 +119,8 @@ def wandb_history(out: Path) -> list[dict]:
 
 
 def the_plan(recipe_path=DIGITS):
-    from reproduce.planner import plan
-    from reproduce.recipe import load_recipe
+    from reproduce.plan.planner import plan
+    from reproduce.plan.recipe import load_recipe
 
     return plan(load_recipe(recipe_path), 64, dataset_size=1437, recipe_path=recipe_path)
 

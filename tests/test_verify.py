@@ -10,9 +10,9 @@ import yaml
 
 from reproduce.cli import main
 from reproduce.data import build_data
-from reproduce.planner import plan
-from reproduce.recipe import load_recipe, parse_recipe
-from reproduce.verify import verify
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import load_recipe, parse_recipe
+from reproduce.verify.accumulation import verify
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 DIGITS = PAPERS / "digits-mlp.yaml"

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import DoesNotFit, UserError
-from .memory_options import with_memory_options
-from .planner import Plan, plan
+from .plan.memory_options import with_memory_options
+from .plan.planner import Plan, plan
+from .plan.recipe import Recipe, phase_recipe
+from .plan.resume_rules import replan
+from .plan.sharding import with_sharding
+from .plan.units import format_size
 from .probe.runner import BudgetRequired, ProbeOptions, ProbeResult, run_probe
-from .recipe import Recipe, phase_recipe
-from .resume_rules import replan
-from .sharding import with_sharding
-from .units import format_size
 from .weightfiles import inspect as inspect_weights
 from .weightfiles import record as weights_record
 
@@ -106,7 +106,7 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
         micro_batch_max = result.micro_batch_max
         note(probe_line(result))
     if policy == "throughput":  # the exact splits timed, the fastest taken (throughput_plan.py)
-        from .throughput_plan import throughput_plan
+        from .timing.throughput_plan import throughput_plan
 
         chosen = throughput_plan(recipe, recipe_path, micro_batch_max, world_size, dataset_size, result, data=data,
                                  keep_batchnorm=keep_batchnorm, gpu=probe.gpu if probe else None, on_note=note)

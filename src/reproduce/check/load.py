@@ -12,9 +12,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..errors import UserError
-from ..factory import remember_folder
-from ..planner import Plan
-from ..recipe import Recipe, load_recipe, parse_recipe, read_yaml
+from ..plan.factory import remember_folder
+from ..plan.planner import Plan
+from ..plan.recipe import Recipe, load_recipe, parse_recipe, read_yaml
 from ..shipped import resolve_recipe
 from .messages import format_errors
 from .schema import DEFAULT_FOLDER, MAIN, Budget, CheckFile

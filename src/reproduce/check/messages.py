@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from ..validation import error_message, is_union_tag, unknown_key
+from ..plan.validation import error_message, is_union_tag, unknown_key
 from .schema import KINDS, CheckFile, _Check
 
 

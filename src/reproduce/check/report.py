@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from ..errors import UserError
-from ..planfile import check_writable, write_text_atomic
+from ..plan.planfile import check_writable, write_text_atomic
 from .runner import Result
 
 

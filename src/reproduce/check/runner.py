@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import Interrupted, UserError
-from ..planfile import check_plan
-from ..planner import Plan, plan
-from ..recipe import Recipe
-from ..segments import batch_phases
-from ..units import format_size, parse_size
+from ..plan.planfile import check_plan
+from ..plan.planner import Plan, plan
+from ..plan.recipe import Recipe
+from ..plan.segments import batch_phases
+from ..plan.units import format_size, parse_size
 from .load import LoadedFile, Run, check_name
 from .schema import WORK_MARKER, Budget, CompareCheck, MetricCheck, PlanCheck, VerifyCheck
 
@@ -145,7 +145,7 @@ class Runner:
         return ("pass" if not problems else "fail"), measured, expected, details, None
 
     def _verify(self, file: LoadedFile, check: VerifyCheck):
-        from ..verify import verify
+        from ..verify.accumulation import verify
 
         run = file.runs[check.run]
         from ..data.lengths import training_sizes
@@ -346,7 +346,7 @@ def plan_problems(the_plan: Plan, budget: Budget) -> list[str]:
             problems.append(f"warmup_steps: expected {want}, the plan has {the_plan.warmup_steps}")
     milestones = recipe.schedule.decay.milestones
     if milestones is not None:
-        from ..recipe import Length
+        from ..plan.recipe import Length
 
         want = [_steps(Length(**{milestones.unit: v}), *paper_batch, the_plan.effective_batch, per_epoch)
                 for v in milestones.value]

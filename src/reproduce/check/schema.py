@@ -7,8 +7,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from ..errors import UserError
-from ..recipe import Strict
-from ..units import parse_size
+from ..plan.recipe import Strict
+from ..plan.units import parse_size
 
 DEFAULT_FOLDER = "reproduce"
 WORK_MARKER = ".reproduce-check-work"

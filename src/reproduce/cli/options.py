@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from ..plan.units import parse_size
 from ..probe.runner import ProbeOptions
-from ..units import parse_size
 
 
 class Policy(str, Enum):

@@ -1,6 +1,6 @@
 """`reproduce papers`: the shipped recipes, their models, and whether each can run here; `papers show NAME` prints one.
 
-Whether a recipe is runnable is decided without torch, from the built-in names (`reproduce.builtin_names`), the
+Whether a recipe is runnable is decided without torch, from the built-in names (`reproduce.plan.builtin_names`), the
 data's availability, and whether factories and Hugging Face models are on this machine. The parameter counts of
 built-in models come from building them on torch's meta device (no memory, no weights), so torch is imported when
 the command runs, not when the CLI starts; a factory's code is never run to list it.
@@ -19,12 +19,12 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from .. import __version__
-from ..builtin_names import MODELS, why_not_runnable
 from ..errors import UserError
+from ..plan.builtin_names import MODELS, why_not_runnable
+from ..plan.recipe import Recipe, load_recipe
+from ..plan.units import format_count
 from ..probe import cache
-from ..recipe import Recipe, load_recipe
 from ..shipped import described, is_shipped, papers_folder, recipe_files
-from ..units import format_count
 from .app import app
 from .common import is_terminal, stdout
 

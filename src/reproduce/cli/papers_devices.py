@@ -19,8 +19,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UserError
+from ..plan.recipe import Recipe, load_recipe
 from ..probe.catalog import lookup
-from ..recipe import Recipe, load_recipe
 from .common import is_terminal, stdout
 
 COLUMNS = ("recipe", "paper's hardware", "per device", "accumulation", "effective batch", "sharding",

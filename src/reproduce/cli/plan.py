@@ -10,17 +10,17 @@ from rich.table import Table
 
 from ..batchnorm import with_batchnorm
 from ..export import FORMATS, check_format, emit
-from ..memory_options import memory_summary, with_quantized_base
-from ..plan_cost import cost_lines, costs_json, plan_costs
-from ..planfile import check_writable, save_plan
-from ..planner import Plan, first_plateau_step, lr_at, lr_points
-from ..predicted_time import predict
-from ..prediction import DEFAULT_MFU
-from ..recipe import load_recipe, with_data_paths, with_weights
-from ..segments import batch_phases
+from ..plan.memory_options import memory_summary, with_quantized_base
+from ..plan.planfile import check_writable, save_plan
+from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
+from ..plan.recipe import load_recipe, with_data_paths, with_weights
+from ..plan.segments import batch_phases
 from ..session import apply_memory, apply_sharding, plan_and_probe, planned_data_size
 from ..shipped import described
-from ..throughput_plan import check_mfu
+from ..timing.plan_cost import cost_lines, costs_json, plan_costs
+from ..timing.predicted_time import predict
+from ..timing.prediction import DEFAULT_MFU
+from ..timing.throughput_plan import check_mfu
 from .app import app
 from .common import recipe_argument, show_note, stderr, stdout
 from .options import (

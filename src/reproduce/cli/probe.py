@@ -9,14 +9,14 @@ import typer
 from rich.table import Table
 
 from ..batchnorm import with_batchnorm
-from ..memory_options import with_quantized_base
-from ..plan_cost import cost_lines, costs_json, plan_costs
-from ..planner import Plan, plan
+from ..plan.memory_options import with_quantized_base
+from ..plan.planner import Plan, plan
+from ..plan.recipe import load_recipe, with_data_paths, with_weights
+from ..plan.units import format_size
 from ..probe.runner import ProbeResult, ProbeTrial, run_probe
 from ..probe.search import Measurement
-from ..recipe import load_recipe, with_data_paths, with_weights
 from ..session import apply_memory, apply_sharding, does_not_fit
-from ..units import format_size
+from ..timing.plan_cost import cost_lines, costs_json, plan_costs
 from .app import app
 from .common import recipe_argument, stderr, stdout
 from .options import (

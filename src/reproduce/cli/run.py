@@ -15,12 +15,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..batchnorm import batchnorm_for_run
 from ..errors import UserError
-from ..phases import phase_lines
-from ..planner import Plan
-from ..reported import reported_line
-from ..resume_rules import recipe_and_plan
+from ..plan.phases import phase_lines
+from ..plan.planner import Plan
+from ..plan.reported import reported_line
+from ..plan.resume_rules import recipe_and_plan
+from ..plan.sharding import check_sharding
 from ..session import check_launch_policy, check_sharded_probe, memory_for_run, probe_consensus, run_plan
-from ..sharding import check_sharding
 from ..train.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from .app import app
 from .common import is_terminal, recipe_argument, show_note, stderr, stdout
@@ -83,7 +83,7 @@ class PlainReporter:
         if plan.recipe.batch.sharding == "fsdp":
             print(f"sharding: fsdp (FSDP2: parameters, gradients and optimizer state split over {plan.world_size} "
                   "processes)", flush=True)
-        from ..memory_options import memory_summary
+        from ..plan.memory_options import memory_summary
 
         if plan.weights is not None:
             print(plan.weights.line(plan.recipe.model.builtin or plan.recipe.model.factory), flush=True)

@@ -1,11 +1,11 @@
 """How `reproduce plan` shows the throughput policy's decision and the predicted time (rendering only: the decision
-is reproduce/throughput_plan.py, the prediction reproduce/predicted_time.py)."""
+is reproduce/timing/throughput_plan.py, the prediction reproduce/timing/predicted_time.py)."""
 
 from __future__ import annotations
 
 from rich.table import Table
 
-from ..planner import Plan
+from ..plan.planner import Plan
 from ..probe.cost import format_duration
 from .common import stdout
 

@@ -12,9 +12,9 @@ from rich.table import Table
 
 from ..batchnorm import batchnorm_for_run
 from ..errors import UserError
-from ..memory_options import with_quantized_base
-from ..planfile import load_recipe_or_plan
-from ..recipe import with_data_paths, with_weights
+from ..plan.memory_options import with_quantized_base
+from ..plan.planfile import load_recipe_or_plan
+from ..plan.recipe import with_data_paths, with_weights
 from ..session import apply_memory, make_plan
 from .app import app
 from .common import recipe_argument, show_note, stdout
@@ -71,7 +71,7 @@ def verify_command(
     """Compare the plan's accumulated gradient with the one-pass gradient: exit 0 equivalent, 1 not."""
     from ..data import build_data  # torch is imported only by the commands that need it
     from ..data.lengths import training_sizes
-    from ..verify import verify
+    from ..verify.accumulation import verify
 
     if tolerance is not None and not tolerance > 0:
         raise UserError(f"--tolerance: must be > 0 (got {tolerance})")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 
 from ..errors import UserError
-from ..factory import call_builder
-from ..recipe import Recipe
+from ..plan.factory import call_builder
+from ..plan.recipe import Recipe
 from . import builtin
 
 DATA = dict(builtin.DATA)

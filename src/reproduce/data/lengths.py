@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import UserError
-from ..recipe import Recipe
+from ..plan.recipe import Recipe
 from .batches import fetch
 
 

@@ -105,7 +105,7 @@ def load_tokenizer(name: str, field: str = "data.tokenizer") -> Any:
     """A tokenizer from a local folder (or tokenizer.json file), or the local Hugging Face cache: never fetched."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from ..builtin_names import hf_model_folder
+    from ..plan.builtin_names import hf_model_folder
 
     path = Path(name).expanduser()
     looks_local = name.startswith(("/", ".", "~")) or path.exists()

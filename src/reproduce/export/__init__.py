@@ -24,7 +24,7 @@ One module per framework; `common` and `code` hold what they share, `fsdp` the s
 from __future__ import annotations
 
 from ..errors import UserError
-from ..planner import Plan
+from ..plan.planner import Plan
 from . import accelerate, deepspeed, hf, lightning, torchrun
 from .code import lr_factor_source, optimizer_source, param_groups_source
 from .common import Export, arithmetic_line

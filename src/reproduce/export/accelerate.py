@@ -6,7 +6,7 @@ from typing import Any
 
 import yaml
 
-from ..planner import Plan
+from ..plan.planner import Plan
 from .code import no_torch_optimizer_note, optimizer_source, schedule_words
 from .common import Export, epoch_tail_note, header, mean_loss_note, steps_note
 from .fsdp import COMPUTE_DTYPES, fsdp_blocks, fsdp_notes, sharded

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..planner import Plan
+from ..plan.planner import Plan
 from .common import py_literal
 
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..phases import phase_lines
-from ..planner import Plan
-from ..recipe import Lora
-from ..segments import batch_phases
+from ..plan.phases import phase_lines
+from ..plan.planner import Plan
+from ..plan.recipe import Lora
+from ..plan.segments import batch_phases
 
 WIDTH = 110
 
@@ -100,7 +100,7 @@ def model_notes(plan: Plan) -> list[str]:
 
 
 def memory_notes(plan: Plan) -> list[str]:
-    """The memory knobs of the recipe (reproduce/memory_options.py), with the code that sets them as
+    """The memory knobs of the recipe (reproduce/plan/memory_options.py), with the code that sets them as
     `reproduce run` does (models/checkpointing.py, train/fsdp.py)."""
     recipe, notes = plan.recipe, []
     if recipe.model.activation_checkpointing:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..planner import Plan
+from ..plan.planner import Plan
 from .code import schedule_words
 from .common import Export, header
 from .fsdp import fsdp_notes, sharded

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..planner import Plan
-from ..sharding import SHARDABLE_OPTIMIZERS
+from ..plan.planner import Plan
+from ..plan.sharding import SHARDABLE_OPTIMIZERS
 
 
 def sharded(plan: Plan) -> bool:

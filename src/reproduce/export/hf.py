@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..planner import Plan
+from ..plan.planner import Plan
 from .code import lr_factor_source, schedule_words
 from .common import Export, epoch_tail_note, header, kwargs_block, run_name, steps_note
 from .fsdp import sharded

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..planner import Plan
+from ..plan.planner import Plan
 from .code import lr_factor_source, no_torch_optimizer_note, optimizer_source, param_groups_source, schedule_words
 from .common import Export, epoch_tail_note, header, kwargs_block, mean_loss_note, py_literal, steps_note
 from .fsdp import COMPUTE_DTYPES, fsdp_blocks, fsdp_notes, sharded

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..builtin_names import why_not_runnable
-from ..launch import torchrun_command
-from ..planner import Plan
+from ..plan.builtin_names import why_not_runnable
+from ..plan.launch import torchrun_command
+from ..plan.planner import Plan
 from .common import Export, comment, header, run_name
 
 

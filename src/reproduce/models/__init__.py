@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..factory import call_builder
-from ..recipe import Recipe
+from ..plan.factory import call_builder
+from ..plan.recipe import Recipe
 from ..weightfiles import WeightsOnDisk
 from . import small
 from .architectures import ARCHITECTURES

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..builtin_names import hf_model_folder
 from ..errors import UserError
-from ..recipe import Recipe
+from ..plan.builtin_names import hf_model_folder
+from ..plan.recipe import Recipe
 from ..weightfiles import WeightsOnDisk, inspect
 from .architectures import ARCHITECTURES, TransformersModel
 from .hf import HF_KIND_FOR_TASK, HFLogits

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..recipe import Recipe
+from ..plan.recipe import Recipe
 
 EXTRA = "pip install 'reproduce[quantize]'  (bitsandbytes==0.50.2)"
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

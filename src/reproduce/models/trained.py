@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import UserError
-from ..recipe import Recipe
+from ..plan.recipe import Recipe
 
 PEFT_PREFIX = "base_model.model."  # a PeftModel's keys: base_model (LoraModel) . model (what LoRA was put on)
 
@@ -66,7 +66,7 @@ def check_merged(model: nn.Module, recipe: Recipe, sharded: bool = False) -> Non
 
 def base_folder(recipe: Recipe) -> str | None:
     """The Hugging Face folder the base's weights came from (model.weights, or model.hf's folder), or None."""
-    from ..builtin_names import hf_model_folder
+    from ..plan.builtin_names import hf_model_folder
     from .pretrained import weights_of
 
     weights = weights_of(recipe)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..recipe import Lora, Recipe
+from ..plan.recipe import Lora, Recipe
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

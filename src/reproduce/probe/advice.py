@@ -32,8 +32,8 @@ import torch
 
 from ..errors import UserError
 from ..models import build_model
-from ..recipe import Recipe
-from ..units import format_size
+from ..plan.recipe import Recipe
+from ..plan.units import format_size
 from .fake_step import block_sizes, run_fake_step
 from .gpu_like import GpuKind
 from .sharded_memory import Blocks, StepMemory, sharded_peak, smallest_world_size, unsharded_floor

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from ..planfile import write_text_atomic
+from ..plan.planfile import write_text_atomic
 
 CACHE_ENV = "REPRODUCE_CACHE_DIR"
 FORMAT = "reproduce-probe/1"  # part of every key: a change in what a probe measures changes it

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from ..models import build_model
-from ..planner import Plan
+from ..plan.planner import Plan
 from ..train.losses import build_loss
 from ..train.optim import build_optimizer
 from .gpu_like import GpuKind, as_on_gpu

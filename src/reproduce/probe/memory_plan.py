@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..planner import plan
-from ..recipe import Recipe
-from ..units import format_size
+from ..plan.planner import plan
+from ..plan.recipe import Recipe
+from ..plan.units import format_size
 from .cost import cost
 from .memory_ways import CHECKPOINTING, RECOMPUTE_COST, REDUCE_COST, describe, plan_memory_change
 from .runner import ProbeResult

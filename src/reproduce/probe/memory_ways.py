@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..units import format_size
+from ..plan.units import format_size
 from .sharded_memory import Blocks, StepMemory, sharded_peak
 from .way_out import WayOut, changed_recipe, measure_change
 

@@ -47,9 +47,9 @@ from torch import nn
 from ..data.batches import to_device
 from ..errors import UserError
 from ..models import build_model
+from ..plan.units import available_host_memory, format_size
 from ..train.setup import build
 from ..train.step import optimizer_step
-from ..units import available_host_memory, format_size
 from .catalog import DEFAULT_CAPABILITY, Gpu, MiB
 from .fake_step import block_sizes, materialize, run_fake_step  # noqa: F401  (materialize: this module's interface)
 from .gpu_like import GpuKind

@@ -22,9 +22,9 @@ from pydantic import BaseModel, ConfigDict
 
 from .. import __version__
 from ..errors import UserError
-from ..recipe import Recipe
-from ..throughput import rates
-from ..units import format_size, parse_size
+from ..plan.recipe import Recipe
+from ..plan.units import format_size, parse_size
+from ..timing.throughput import rates
 from . import cache
 from .catalog import Gpu, lookup
 from .search import Measurement, search

@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from ..units import format_size
+from ..plan.units import format_size
 
 GRANULE = 512  # bytes: the CUDA caching allocator's rounding of every block
 WEIGHTS, WEIGHT_COPIES, GRADIENTS, OPTIMIZER, ACTIVATIONS = (

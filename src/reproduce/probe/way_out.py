@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UserError
-from ..recipe import Recipe, parse_recipe
+from ..plan.recipe import Recipe, parse_recipe
 
 
 @dataclass(frozen=True)

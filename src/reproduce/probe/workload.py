@@ -25,8 +25,8 @@ from ..data.batches import collate, fetch
 from ..data.shapes import image_dataset
 from ..errors import UserError
 from ..models import model_inputs
-from ..planner import Plan, plan
-from ..recipe import Recipe
+from ..plan.planner import Plan, plan
+from ..plan.recipe import Recipe
 
 SHAPE_SAMPLE = 256  # items looked at to tell fixed-shape data from variable-length data
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UserError
-from ..planfile import check_writable, write_text_atomic
+from ..plan.planfile import check_writable, write_text_atomic
 from .document import Block, Table, to_html
 from .figures import Figure, figures, matplotlib_missing
 from .runs import load_run

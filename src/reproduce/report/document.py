@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
-from ..segments import batch_phases
+from ..plan.segments import batch_phases
 from .figures import figures, matplotlib_missing
 from .runs import RunFolder, eval_metrics
 from .verdict import Verdict, verdicts

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
-from ..planfile import load_plan
-from ..planner import Plan
+from ..plan.planfile import load_plan
+from ..plan.planner import Plan
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UserError
-from ..planfile import check_writable, write_text_atomic
+from ..plan.planfile import check_writable, write_text_atomic
 from .document import blocks, to_html, to_markdown
 from .figures import FIGURE_NAMES
 from .runs import RunFolder

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..launch import torchrun_command  # noqa: F401  (what `reproduce run --nproc-per-node` launches)
+from ..plan.launch import torchrun_command  # noqa: F401  (what `reproduce run --nproc-per-node` launches)
 
 
 @dataclass(frozen=True)

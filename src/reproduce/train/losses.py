@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from ..data.batches import IGNORE_INDEX
 from ..errors import UserError
-from ..factory import call_builder
-from ..recipe import Recipe
+from ..plan.factory import call_builder
+from ..plan.recipe import Recipe
 
 
 def _upcast(output: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..planner import Plan
+from ..plan.planner import Plan
 from .large_batch import LAMB, LARS, LARS_TRUST_COEFFICIENT
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)

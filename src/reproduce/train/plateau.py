@@ -8,8 +8,8 @@ import math
 import torch
 
 from ..errors import UserError
-from ..planner import Plan, lr_at
-from ..schedules import Plateau
+from ..plan.planner import Plan, lr_at
+from ..plan.schedules import Plateau
 
 
 class PlanScheduler(torch.optim.lr_scheduler.LambdaLR):

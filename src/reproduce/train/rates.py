@@ -14,8 +14,8 @@ import statistics
 import torch
 
 from ..errors import UserError
-from ..prediction import mfu
 from ..probe.peaks import identify, peaks_of, precision_key
+from ..timing.prediction import mfu
 
 FIELDS = ("samples_per_second", "tokens_per_second", "flops_per_second", "mfu")
 

@@ -7,7 +7,7 @@ import time
 import torch
 
 from ..data.batches import DataClock
-from ..reported import compare_reported
+from ..plan.reported import compare_reported
 from .noise import summarise
 from .outputs import read_metrics
 from .run_state import Run

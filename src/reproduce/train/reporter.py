@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..planner import Plan
+from ..plan.planner import Plan
 
 
 class Reporter(Protocol):

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
-from ..planner import Plan
-from ..segments import batch_phase
+from ..plan.planner import Plan
+from ..plan.segments import batch_phase
 from .checkpoint import load_checkpoint
 from .divergence import DivergenceWatch
 from .noise import NoiseScale

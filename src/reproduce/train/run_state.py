@@ -11,7 +11,7 @@ import torch
 
 from ..data.batches import DataClock, LazyMicroBatch
 from ..data.loader import LoaderWatch, MicroBatchStream, fetch_seeded
-from ..planner import Plan
+from ..plan.planner import Plan
 from .distributed import World
 from .divergence import DivergenceWatch
 from .noise import NoiseScale

@@ -15,7 +15,7 @@ from ..data import build_data
 from ..errors import UserError
 from ..models import build_model, count_batchnorm, has_batchnorm, place
 from ..models.normalization import to_sync
-from ..planner import Plan
+from ..plan.planner import Plan
 from . import distributed
 from .distributed import World
 from .losses import build_loss

@@ -21,10 +21,10 @@ from ..data.lengths import training_set
 from ..data.loader import LoaderWatch, cpu_share, default_workers
 from ..errors import Interrupted, TrainingStopped, UserError
 from ..models.trained import check_merged, save_adapter, save_merged
-from ..planfile import save_plan, write_text_atomic
-from ..planner import Plan
-from ..segments import batch_phases, length_sizes
-from ..sharding import check_sharding
+from ..plan.planfile import save_plan, write_text_atomic
+from ..plan.planner import Plan
+from ..plan.segments import batch_phases, length_sizes
+from ..plan.sharding import check_sharding
 from . import distributed
 from .checkpoint import full_model_state, save_checkpoint
 from .distributed import World

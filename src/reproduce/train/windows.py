@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..planner import Plan
-from ..segments import batch_phase, epochs_done, length_sizes, segment_at, stream_window
+from ..plan.planner import Plan
+from ..plan.segments import batch_phase, epochs_done, length_sizes, segment_at, stream_window
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,7 @@ class WeightsRecord(BaseModel):
     def line(self, builtin: str | None) -> str:
         """The plan's line about them: "llama-7b's architecture from PATH's config.json (LlamaForCausalLM, 6.74B
         parameters), differing from the built-in in hidden_size 32 (4096), ..."."""
-        from ..units import format_count, format_size
+        from ..plan.units import format_count, format_size
 
         count = f", {format_count(self.parameters)} parameters" if self.parameters else ""
         if self.kind == "state-dict":

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+from ..errors import UserError
 
 _FOLDERS: list[str] = []  # folders of the recipe / plan / check files read, searched before the working directory
 

@@ -7,7 +7,7 @@ parameters, gradients and optimizer state over the processes with PyTorch's FSDP
 
 from __future__ import annotations
 
-from .errors import UserError
+from ..errors import UserError
 from .recipe import Recipe
 
 SHARDINGS = ("none", "fsdp")

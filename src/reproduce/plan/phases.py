@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import UserError
+from ..errors import UserError
 from .recipe import Decay, Length, Recipe, phase_recipe
 from .schedules import StepSchedule
 from .segments import Segment, epoch_steps, own_steps, size_at

@@ -16,7 +16,7 @@ The last two need `batch.sharding: fsdp`. Each is exact: the run's weights are t
 
 from __future__ import annotations
 
-from .errors import UserError
+from ..errors import UserError
 from .recipe import Recipe
 
 OFFLOADS = ("none", "cpu")

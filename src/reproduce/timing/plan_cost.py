@@ -3,9 +3,9 @@ step times the probe's trials measured (probe/cost.py). Values and lines to show
 
 from __future__ import annotations
 
-from .planner import Plan
-from .probe.cost import Cost, cost, format_duration
-from .probe.runner import ProbeResult
+from ..plan.planner import Plan
+from ..probe.cost import Cost, cost, format_duration
+from ..probe.runner import ProbeResult
 
 
 def plan_costs(the_plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:

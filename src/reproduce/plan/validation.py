@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from .errors import UserError
+from ..errors import UserError
 
 
 class UniqueKeyLoader(yaml.SafeLoader):

@@ -8,19 +8,19 @@ and the libraries' versions), so planning the same recipe again imports no torch
 
 from __future__ import annotations
 
-from .errors import UserError
+from ..errors import UserError
+from ..plan.planner import Plan
+from ..probe.runner import ProbeResult
 from .plan_cost import plan_costs
-from .planner import Plan
 from .prediction import DEFAULT_MFU, MFU_SOURCE, predicted_seconds
-from .probe.runner import ProbeResult
 from .throughput_plan import check_mfu
 
 
 def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: float = DEFAULT_MFU,
                     data: dict | None = None) -> dict:
     """`predicted_seconds` (this plan), `paper_predicted_seconds` (the paper's hardware) and how they were made."""
-    from .probe.catalog import lookup
-    from .probe.peaks import peaks_of, precision_key
+    from ..probe.catalog import lookup
+    from ..probe.peaks import peaks_of, precision_key
 
     recipe = p.recipe
     notes: list[str] = []
@@ -78,7 +78,7 @@ def on_card(key: str, entry) -> str:
 def paper_gpu(recipe):
     """The catalog entry of the paper's hardware (`batch.device`, with `batch.devices` stated); None for a TPU, a
     card not in the catalog, or hardware not stated."""
-    from .probe.catalog import lookup
+    from ..probe.catalog import lookup
 
     if not (recipe.batch.device and recipe.batch.devices):
         return None
@@ -94,7 +94,7 @@ def sample_flops(recipe, data: dict | None = None) -> tuple[float, float]:
     that build the model, and read back without torch."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from .probe import cache
+    from ..probe import cache
 
     key = None
     if data is None:
@@ -108,7 +108,7 @@ def sample_flops(recipe, data: dict | None = None) -> tuple[float, float]:
         saved = cache.load(key) or {}
         if all(isinstance(saved.get(k), (int, float)) for k in ("per_sample", "convolution_share")):
             return float(saved["per_sample"]), float(saved["convolution_share"])
-    from .probe.flops import recipe_flops
+    from ..probe.flops import recipe_flops
 
     flops = recipe_flops(recipe, data)
     if key is not None:

@@ -23,19 +23,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from .data import build_data
-from .data.batches import to_device
-from .data.lengths import training_set
-from .data.loader import fetch_seeded
-from .errors import UserError
-from .models import build_model, has_batchnorm
-from .planner import Plan
-from .segments import length_sizes
-from .train.losses import PixelLoss, build_loss
-from .train.setup import Setup, resolve_device
-from .train.step import optimizer_step
-from .train.windows import epoch_order, window
-from .units import available_host_memory
+from ..data import build_data
+from ..data.batches import to_device
+from ..data.lengths import training_set
+from ..data.loader import fetch_seeded
+from ..errors import UserError
+from ..models import build_model, has_batchnorm
+from ..plan.planner import Plan
+from ..plan.segments import length_sizes
+from ..plan.units import available_host_memory
+from ..train.losses import PixelLoss, build_loss
+from ..train.setup import Setup, resolve_device
+from ..train.step import optimizer_step
+from ..train.windows import epoch_order, window
 
 DTYPES = ("float64", "float32", "bf16", "fp16")
 # Default tolerances on the relative error: float64 rounding of a sum in another order is ~1e-16; float32
@@ -242,7 +242,7 @@ def verify(
                      f"{sum(counts)}")
     recomputed = None
     if recipe.model.activation_checkpointing:  # the same masks in the recomputation (dropout on): recompute_check.py
-        from .recompute_check import recomputation_error
+        from .recomputation import recomputation_error
 
         recomputed = recomputation_error(checked, data, micro_batches, torch_device, param_dtype, seed,
                                          GradientRecorder, _NoSchedule)
@@ -333,7 +333,7 @@ def quantized_note(model: nn.Module, quantize: str, dtype: str, param_dtype: tor
     (`quantize.compute_in`; the 8-bit ones compute in their input's dtype on a CPU); under bf16/fp16 they keep the
     recipe's compute dtype."""
     if dtype in ("float64", "float32"):
-        from .models.quantize import compute_in
+        from ..models.quantize import compute_in
 
         compute_in(model, param_dtype)
     text = (f"quantised base ({quantize}): the frozen weights are the same numbers for every micro-batch, dequantised "

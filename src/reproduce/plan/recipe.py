@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from .batchnorm import MODES, batchnorm_in_run
-from .errors import UserError
+from ..batchnorm import MODES, batchnorm_in_run
+from ..errors import UserError
 from .validation import format_validation_errors, read_yaml
 
 # the built-ins that read model.output_stride and model.aux_weight (builtin_names.SEGMENTATION_MODELS, which imports

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from .errors import UserError
+from ..errors import UserError
 from .recipe import Length, Recipe
 from .schedules import StepSchedule
 from .split import Choice

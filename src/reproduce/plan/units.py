@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import UserError
+from ..errors import UserError
 
 _FACTORS = {
     "": 1, "b": 1,

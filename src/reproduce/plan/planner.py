@@ -13,14 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
-from .errors import UserError
+from ..batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
+from ..errors import UserError
+from ..weightfiles import WeightsRecord
 from .phases import attach_phase_schedules, first_own_schedule_step, plan_phases
 from .recipe import Length, Recipe
 from .schedules import StepSchedule
 from .segments import Segment, epoch_steps, lengths_to_steps, segment_lr, whole_segment
 from .split import Choice, Frozen, choice, exact_choice, fast_choice, lr_rule
-from .weightfiles import WeightsRecord
 
 MALLADI_SOURCE = "Malladi et al. 2022 SDE rule for Adam: (1-b1)xk, (1-b2)xk, eps/sqrt(k) (arXiv 2205.10287)"
 FAST_WHEN_BELOW = 0.5  # show the `fast` alternative when the exact micro-batch is below half the maximum
@@ -124,8 +124,8 @@ def plan(
     With batch phases the micro-batch that fits, and the training samples, depend on the sequence length: both may
     be given per length ({sequence_length: value}); a single number holds for every length. Policy `throughput` is
     `exact` with the micro-batch `micro_batch` (the exact split the throughput search chose,
-    reproduce/throughput.py) when given, else the largest. `batchnorm_layers`: the BatchNorm layers the torch layer
-    counted in the built model (built-ins are known without it; otherwise the recipe's label stands in).
+    reproduce/timing/throughput.py) when given, else the largest. `batchnorm_layers`: the BatchNorm layers the torch
+    layer counted in the built model (built-ins are known without it; otherwise the recipe's label stands in).
 
     It reads as its steps: the main batch's values, the checks, the split, its LR, the epoch, the batch phases, the
     schedule in optimizer steps, the last warnings. Every step appends its warnings to one list, in this order.

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .models import build_model
-from .planner import Plan
-from .train.losses import build_loss
-from .train.setup import Setup
-from .train.step import optimizer_step
+from ..models import build_model
+from ..plan.planner import Plan
+from ..train.losses import build_loss
+from ..train.setup import Setup
+from ..train.step import optimizer_step
 
 
 def has_dropout(model: nn.Module) -> bool:

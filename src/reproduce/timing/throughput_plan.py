@@ -17,11 +17,11 @@ import math
 import os
 from collections.abc import Callable
 
-from .errors import UserError
-from .planner import Plan, plan
+from ..errors import UserError
+from ..plan.planner import Plan, plan
+from ..plan.recipe import Recipe
+from ..probe.runner import ProbeResult
 from .prediction import DEFAULT_MFU
-from .probe.runner import ProbeResult
-from .recipe import Recipe
 from .throughput import BUDGET_SECONDS, Timings, choose, exact_splits, model_micro_step, time_splits
 
 
@@ -81,8 +81,8 @@ def _measure(recipe: Recipe, data: dict | None, result: ProbeResult | None, per_
 
     import torch
 
-    from .probe.timing import SplitSteps
-    from .probe.workload import Workload
+    from ..probe.timing import SplitSteps
+    from ..probe.workload import Workload
 
     if result is not None:
         cuda = result.meter == "cuda"
@@ -112,9 +112,9 @@ def _measure(recipe: Recipe, data: dict | None, result: ProbeResult | None, per_
 def _model_times(recipe: Recipe, gpu: str | None, splits: list[int], data: dict | None, assumed_mfu: float
                  ) -> tuple[dict[int, float], dict[int, str]]:
     """Micro-step seconds by the FLOPs model on the GPU named: nothing is timed under the estimate meter."""
-    from .probe.catalog import lookup
-    from .probe.flops import recipe_flops
-    from .probe.peaks import peaks_of, precision_key
+    from ..probe.catalog import lookup
+    from ..probe.flops import recipe_flops
+    from ..probe.peaks import peaks_of, precision_key
 
     peaks = peaks_of(lookup(gpu).name) if gpu else None
     flops = recipe_flops(recipe, data)

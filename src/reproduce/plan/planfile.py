@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from .errors import UserError
+from ..errors import UserError
 from .factory import remember_folder
 from .planner import Plan
 from .recipe import Recipe, format_validation_errors, parse_recipe, read_yaml

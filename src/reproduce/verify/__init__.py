@@ -1,0 +1,3 @@
+"""`reproduce verify`: the plan's accumulated gradient against one large-batch pass, in float64
+(accumulation.py), and, with activation checkpointing, the recomputation's gradient (recomputation.py).
+"""
