@@ -1,7 +1,9 @@
-"""The seams of the code base, checked on its source: no import cycle in src/ (not even under TYPE_CHECKING or
-inside a function), train/ independent of the exports, check/ using only public names of the core, no CLI module
-importing another command's module (the decisions are in the core session layer, which prints nothing), and test
-modules that import shared helpers from tests/helpers.py, never from one another."""
+"""The seams of the code base, checked on its source: at most eight modules at the package root, the rest in
+packages; no import cycle in src/ (not even under TYPE_CHECKING or inside a function); the core (`plan/`) free of
+torch and of the CLI by package, importing nothing of reproduce outside itself but `errors`; no import of another
+package's private (underscore) module; train/ independent of the exports, check/ using only public names of the
+core, no CLI module importing another command's module (the decisions are in the session layer, which prints
+nothing), and test modules that import shared helpers from tests/helpers.py, never from one another."""
 
 from __future__ import annotations
 
@@ -93,14 +95,67 @@ def test_the_cycle_finder_finds_one():
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_the_plan_core_imports_no_torch_and_no_cli():
-    core = ["reproduce.plan.recipe", "reproduce.batchnorm",
-            "reproduce.plan.validation", "reproduce.plan.split", "reproduce.plan.segments", "reproduce.plan.phases",
-            "reproduce.plan.schedules", "reproduce.plan.planner", "reproduce.plan.planfile", "reproduce.plan.launch"]
-    for name in core:
-        imported = {target for target, _ in _imports(name)}
-        assert not {t for t in imported if t.split(".")[0] in ("torch", "typer", "rich")}, name
-        assert not {t for t in imported if t.startswith("reproduce.cli")}, name
+ROOT_MODULES_AT_MOST = 8  # issue 33: a reader finds the room by its folder's name
+CORE = "reproduce.plan"  # the torch-free core that plans and validates
+CORE_MAY_IMPORT = ("reproduce.plan", "reproduce.errors")
+
+
+def test_the_root_holds_at_most_eight_modules():
+    root = sorted(path.name for path in SRC.glob("*.py"))
+    assert len(root) <= ROOT_MODULES_AT_MOST, f"{len(root)} modules at src/reproduce/: put new ones in a package"
+
+
+def _in_package(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+CORE_MODULES = sorted(name for name in MODULES if _in_package(name, CORE))
+
+
+def test_the_core_is_a_package():
+    assert {"reproduce.plan.recipe", "reproduce.plan.planner", "reproduce.plan.planfile"} <= set(CORE_MODULES)
+
+
+@pytest.mark.parametrize("name", CORE_MODULES)
+def test_the_plan_core_imports_no_torch_and_no_cli(name):
+    """Every module of plan/, present and future: no torch, typer or rich, and of reproduce only plan/ itself and
+    errors.py (so nothing it imports brings torch or the CLI in either)."""
+    imported = {target for target, _ in _imports(name)}
+    assert not {t for t in imported if t.split(".")[0] in ("torch", "typer", "rich")}
+    mine = {t for t in imported if _in_package(t, "reproduce")}
+    outside = {t for t in mine if not any(_in_package(t, package) for package in CORE_MAY_IMPORT)}
+    assert not outside, outside
+
+
+@pytest.mark.subprocess
+def test_importing_the_whole_core_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = f"import sys; import {', '.join(CORE_MODULES)}; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+    code += "('torch', 'typer', 'rich')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def _private_imports(imports: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, module) for every import of a private module (`_name.py`) from outside the package holding it."""
+    found = []
+    for name, targets in imports.items():
+        for target in targets:
+            package, _, last = target.rpartition(".")
+            if last.startswith("_") and not last.startswith("__") and not _in_package(name, package):
+                found.append((name, target))
+    return sorted(found)
+
+
+def test_no_import_of_another_packages_private_module():
+    assert _private_imports(_graph()) == []
+
+
+def test_the_private_import_finder_finds_one():
+    imports = {"r.a.x": {"r.a._inner"}, "r.b.y": {"r.a._inner", "r.a.x"}, "r.a": {"r.a.__main__"}}
+    assert _private_imports(imports) == [("r.b.y", "r.a._inner")]
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("reproduce.train")))
@@ -144,9 +199,11 @@ def test_every_command_module_is_known():
     assert registered == COMMANDS
 
 
-@pytest.mark.parametrize("name", ["reproduce.session", "reproduce.plan.resume_rules",
-                                  "reproduce.timing.throughput_plan", "reproduce.timing.predicted_time",
-                                  "reproduce.timing.plan_cost"])
+SESSION_LAYER = ["reproduce.session", "reproduce.plan.resume_rules",
+                 *sorted(name for name in MODULES if _in_package(name, "reproduce.timing"))]
+
+
+@pytest.mark.parametrize("name", SESSION_LAYER)
 def test_the_session_layer_imports_no_cli_and_no_torch_at_import(name):
     """The core session layer returns values and prints nothing: no typer, rich or cli/, and torch only inside the
     functions that measure (so `reproduce plan --micro-batch-max` imports none)."""
