@@ -10,10 +10,10 @@ import torch
 import yaml
 
 from helpers import cli
-from reproduce.batchnorm import AUX_HEAD_LAYERS, BUILTIN_LAYERS, with_batchnorm
 from reproduce.errors import UserError
 from reproduce.models import MODELS, count_batchnorm
 from reproduce.plan import builtin_names
+from reproduce.plan.batchnorm import AUX_HEAD_LAYERS, BUILTIN_LAYERS, with_batchnorm
 from reproduce.plan.planner import plan
 from reproduce.plan.recipe import parse_recipe
 

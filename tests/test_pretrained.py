@@ -95,8 +95,8 @@ def test_a_llama_folder_trains_from_its_weights(files, tmp_path, capsys, one_thr
 def test_a_sharded_gpt2_folder_is_the_model_transformers_loads(files):
     """Three safetensors shards and an index; GPT-2's tied output head; the plan's parameter count from the headers."""
     from reproduce.models import build_model, count_parameters
+    from reproduce.plan.weightfiles import inspect
     from reproduce.session import with_weights_record
-    from reproduce.weightfiles import inspect
 
     recipe = parse_recipe(lm({"builtin": "gpt2-medium", "weights": str(files / "tiny-gpt2")},
                              available=True, path=str(files / "alpaca.json")))
@@ -234,7 +234,7 @@ def test_resume_refuses_other_weights(files, tmp_path, capsys, one_thread):
 
 
 def test_the_fingerprint_follows_the_content_not_the_path(files, tmp_path):
-    from reproduce.weightfiles import fingerprint_of, inspect
+    from reproduce.plan.weightfiles import fingerprint_of, inspect
 
     shutil.copytree(files / "tiny-gpt2", tmp_path / "copy")
     assert fingerprint_of(inspect(str(tmp_path / "copy"))) == fingerprint_of(inspect(str(files / "tiny-gpt2")))

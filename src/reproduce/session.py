@@ -23,9 +23,9 @@ from .plan.recipe import Recipe, phase_recipe
 from .plan.resume_rules import replan
 from .plan.sharding import with_sharding
 from .plan.units import format_size
+from .plan.weightfiles import inspect as inspect_weights
+from .plan.weightfiles import record as weights_record
 from .probe.runner import BudgetRequired, ProbeOptions, ProbeResult, run_probe
-from .weightfiles import inspect as inspect_weights
-from .weightfiles import record as weights_record
 
 OnNote = Callable[[str], None]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ..batchnorm import with_batchnorm
 from ..export import FORMATS, check_format, emit
+from ..plan.batchnorm import with_batchnorm
 from ..plan.memory_options import memory_summary, with_quantized_base
 from ..plan.planfile import check_writable, save_plan
 from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points

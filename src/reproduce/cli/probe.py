@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ..batchnorm import with_batchnorm
+from ..plan.batchnorm import with_batchnorm
 from ..plan.memory_options import with_quantized_base
 from ..plan.planner import Plan, plan
 from ..plan.recipe import load_recipe, with_data_paths, with_weights

@@ -13,8 +13,8 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ..batchnorm import batchnorm_for_run
 from ..errors import UserError
+from ..plan.batchnorm import batchnorm_for_run
 from ..plan.phases import phase_lines
 from ..plan.planner import Plan
 from ..plan.reported import reported_line

@@ -10,8 +10,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ..batchnorm import batchnorm_for_run
 from ..errors import UserError
+from ..plan.batchnorm import batchnorm_for_run
 from ..plan.memory_options import with_quantized_base
 from ..plan.planfile import load_recipe_or_plan
 from ..plan.recipe import with_data_paths, with_weights

@@ -229,7 +229,7 @@ def tokenizer_name(recipe: Any) -> tuple[str, str]:
     if spec.tokenizer is not None:
         return spec.tokenizer, "data.tokenizer"
     if model.weights is not None:
-        from ..weightfiles import inspect
+        from ..plan.weightfiles import inspect
 
         weights = inspect(model.weights)
         if weights.has_tokenizer:

@@ -15,7 +15,7 @@ from torch import nn
 from ..errors import UserError
 from ..plan.factory import call_builder
 from ..plan.recipe import Recipe
-from ..weightfiles import WeightsOnDisk
+from ..plan.weightfiles import WeightsOnDisk
 from . import small
 from .architectures import ARCHITECTURES
 from .architectures import LOSSES as LOSSES
@@ -139,7 +139,7 @@ def parameter_counts(recipe: Recipe, data_info: dict | None = None) -> tuple[int
 
 def counted_batchnorm(recipe: Recipe, data_info: dict | None = None) -> int | None:
     """The BatchNorm layers of a factory model as the recipe builds it with `batchnorm: keep`, counted on the meta
-    device (no memory, no weights); None for other models (built-ins are known: batchnorm/__init__.py)."""
+    device (no memory, no weights); None for other models (built-ins are known: plan/batchnorm.py)."""
     if recipe.model.factory is None:
         return None
     kept = recipe.model_copy(update={"model": recipe.model.model_copy(update={"batchnorm": "keep"})})

@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import Recipe
-from ..weightfiles import WeightsOnDisk, inspect
+from ..plan.weightfiles import WeightsOnDisk, inspect
 from .architectures import ARCHITECTURES, TransformersModel
 from .hf import HF_KIND_FOR_TASK, HFLogits
 
@@ -238,7 +238,7 @@ def read_state_dict(weights: WeightsOnDisk, shapes_only: bool) -> dict[str, Any]
     path = weights.files[0]
     if path.suffix == ".safetensors":
         if shapes_only:
-            from ..weightfiles import safetensors_header
+            from ..plan.weightfiles import safetensors_header
 
             state: Any = {name: torch.Size(entry["shape"]) for name, entry in safetensors_header(path).items()
                           if name != "__metadata__"}

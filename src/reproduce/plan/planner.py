@@ -13,14 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from ..batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
 from ..errors import UserError
-from ..weightfiles import WeightsRecord
+from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
 from .phases import attach_phase_schedules, first_own_schedule_step, plan_phases
 from .recipe import Length, Recipe
 from .schedules import StepSchedule
 from .segments import Segment, epoch_steps, lengths_to_steps, segment_lr, whole_segment
 from .split import Choice, Frozen, choice, exact_choice, fast_choice, lr_rule
+from .weightfiles import WeightsRecord
 
 MALLADI_SOURCE = "Malladi et al. 2022 SDE rule for Adam: (1-b1)xk, (1-b2)xk, eps/sqrt(k) (arXiv 2205.10287)"
 FAST_WHEN_BELOW = 0.5  # show the `fast` alternative when the exact micro-batch is below half the maximum
@@ -243,7 +243,7 @@ def choose_split(recipe: Recipe, micro_batch_max: int, world_size: int, policy: 
 
 def plan_norm(recipe: Recipe, chosen: Choice, micro_batch_max: int, world_size: int, batchnorm_layers: int | None,
               warnings: list[str]) -> tuple[BatchNormPlan | None, str | None]:
-    """BatchNorm (reproduce/batchnorm/): the run's BN batch against the paper's and the options, the warning when
+    """BatchNorm (reproduce/plan/batchnorm.py): the run's BN batch against the paper's and the options, the warning when
     they differ (added by `warn_last`), and the line when the recipe's label disagrees with the model."""
     cap = min(micro_batch_max, math.ceil(recipe.batch.sequences / world_size))
     norm = plan_batchnorm(recipe, chosen.micro_batch, cap, world_size, batchnorm_layers)

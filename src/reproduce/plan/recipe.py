@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from ..batchnorm import MODES, batchnorm_in_run
 from ..errors import UserError
+from .batchnorm import MODES, batchnorm_in_run
 from .validation import format_validation_errors, read_yaml
 
 # the built-ins that read model.output_stride and model.aux_weight (builtin_names.SEGMENTATION_MODELS, which imports
@@ -23,7 +23,7 @@ OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lamb", "lars", "adafactor")
 SGD_FAMILY = ("sgd", "nesterov", "lars")
 ADAM_FAMILY = ("adam", "adamw", "lamb", "adafactor")
 NORM_LAYERS = ("batchnorm", "layernorm", "rmsnorm", "groupnorm", "none")
-BATCHNORM_CHOICES = MODES  # model.batchnorm: keep | sync | frozen | group (batchnorm/__init__.py)
+BATCHNORM_CHOICES = MODES  # model.batchnorm: keep | sync | frozen | group (plan/batchnorm.py)
 LENGTH_UNITS = ("steps", "epochs", "samples", "tokens")
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
 QUANTIZED_BASES = ("int8", "nf4")  # bitsandbytes' LLM.int8() and 4-bit NormalFloat (models/quantize.py)
@@ -389,7 +389,7 @@ class Model(Builder):
     @property
     def has_batchnorm(self) -> bool:
         """The run's model normalises by batch statistics: BatchNorm layers found in the model (a built-in's known
-        count; else the label), kept or synced (batchnorm/__init__.py)."""
+        count; else the label), kept or synced (plan/batchnorm.py)."""
         return batchnorm_in_run(self)
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UserError
-from ..weightfiles import fingerprint_of, inspect
 from .memory_options import with_knobs_of, with_quantized_base
 from .planfile import load_plan, load_recipe_or_plan
 from .planner import Plan
 from .planner import plan as make
 from .recipe import Recipe, parse_recipe, with_data_paths, with_weights
 from .sharding import with_sharding
+from .weightfiles import fingerprint_of, inspect
 
 
 def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: int | dict, source: Path | str

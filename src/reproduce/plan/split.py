@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from ..batchnorm import preferred_micro_batch
+from .batchnorm import preferred_micro_batch
 from .recipe import Recipe
 
 RULE_SOURCES = {

@@ -79,7 +79,7 @@ def count_flops(recipe, data_info: dict | None, batch: tuple, capability: tuple[
 def recipe_flops(recipe, data: dict | None = None, capability: tuple[int, int] | None = None) -> SampleFlops:
     """`count_flops` on one sample of the recipe's data (its own when available here, else synthetic); on two where
     BatchNorm cannot train on one (DeepLabV3's image pooling normalises a 1 x 1 map: batchnorm.POOLED_BATCHNORM)."""
-    from ..batchnorm import POOLED_BATCHNORM, batchnorm_in_run
+    from ..plan.batchnorm import POOLED_BATCHNORM, batchnorm_in_run
     from .workload import Workload
 
     workload = Workload(recipe, data)

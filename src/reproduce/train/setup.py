@@ -10,11 +10,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..batchnorm import label_disagreement
 from ..data import build_data
 from ..errors import UserError
 from ..models import build_model, count_batchnorm, has_batchnorm, place
 from ..models.normalization import to_sync
+from ..plan.batchnorm import label_disagreement
 from ..plan.planner import Plan
 from . import distributed
 from .distributed import World
