@@ -214,3 +214,14 @@ def test_the_session_layer_imports_no_cli_and_no_torch_at_import(name):
     assert "torch" not in at_import
     source = MODULES[name].read_text()
     assert "print(" not in source
+
+
+def test_the_reading_order_names_every_package_and_root_module():
+    """docs/architecture.md matches the tree: its reading order (one line a package) names every folder of
+    src/reproduce/ and every module at the root but the entry points."""
+    doc = (SRC.parent.parent / "docs" / "architecture.md").read_text()
+    order = doc.split("## Reading order", 1)[1].split("\n## ", 1)[0]
+    folders = {f"src/reproduce/{path.name}/" for path in SRC.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    modules = {f"src/reproduce/{path.name}" for path in SRC.glob("*.py")} - {
+        "src/reproduce/__init__.py", "src/reproduce/__main__.py", "src/reproduce/errors.py"}
+    assert not {name for name in folders | modules if f"`{name}`" not in order}
