@@ -1,4 +1,4 @@
-"""The core session layer (reproduce/session.py, resume_rules.py): probe then plan, the probe consensus across
+"""The core session layer (reproduce/session.py, plan/resume_rules.py): probe then plan, the probe consensus across
 ranks and the resume rules, as values: the lines to show come back as data, nothing is printed."""
 
 from __future__ import annotations

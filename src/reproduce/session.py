@@ -7,7 +7,7 @@ checks a run makes before it starts (`check_sharded_probe`, `check_launch_policy
 (`run_plan`). Nothing here prints: the lines to show come back as data (`Planned.notes`, warnings), or are handed
 to the caller's `on_note` as they come (a probe or a timing can take a while); bad input raises UserError, a
 model that does not fit DoesNotFit. Torch is imported only inside the functions that measure (the probe, the
-timings), so planning with a given micro-batch imports none. The resume rules are in resume_rules.py.
+timings), so planning with a given micro-batch imports none. The resume rules are in plan/resume_rules.py.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
             raise does_not_fit(result)
         micro_batch_max = result.micro_batch_max
         note(probe_line(result))
-    if policy == "throughput":  # the exact splits timed, the fastest taken (throughput_plan.py)
+    if policy == "throughput":  # the exact splits timed, the fastest taken (timing/throughput_plan.py)
         from .timing.throughput_plan import throughput_plan
 
         chosen = throughput_plan(recipe, recipe_path, micro_batch_max, world_size, dataset_size, result, data=data,

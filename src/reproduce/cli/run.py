@@ -74,7 +74,7 @@ class PlainReporter:
             + ("" if plan.exact else f", not the paper's {plan.paper_effective_batch}: lr {plan.lr:.6g} "
                f"({plan.lr_rule})")
         )
-        if plan.throughput:  # --policy throughput: why this split (throughput_plan.py)
+        if plan.throughput:  # --policy throughput: why this split (timing/throughput_plan.py)
             stdout.print(f"--policy throughput: {plan.throughput['reason']}", markup=False, soft_wrap=True)
             if cost_line(plan.throughput):
                 stdout.print(cost_line(plan.throughput), markup=False, soft_wrap=True)

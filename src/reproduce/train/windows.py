@@ -1,7 +1,7 @@
 """Which samples go into each optimizer step's window, and how it splits into micro-batches and ranks.
 
 `step_batch(plan, step)` is each step's batch (micro-batch, N, effective batch, sequence length): its segment's
-(segments.py: the plan's batch throughout, or the batch phase's the step falls in); `window` gives its samples.
+(plan/segments.py: the plan's batch throughout, or the batch phase's the step falls in); `window` gives its samples.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def window(plan: Plan, size: int, step: int, seed: int, rank: int = 0,
            micro_batch: int | None = None) -> tuple[list[torch.Tensor], bool]:
     """This rank's micro-batches (index tensors) for optimizer step `step`, and whether the window is partial.
 
-    The window is the step's slice of its sequence length's stream of data (segments.py): the same slice of the
+    The window is the step's slice of its sequence length's stream of data (plan/segments.py): the same slice of the
     epoch's order whatever the micro-batch or world size, so a run that changes either (out of memory, resume
     elsewhere) still takes the same samples into each optimizer step. With batch phases of several sequence lengths
     the indices are into `data.lengths.ByLength`. `size` is the training set's (the plan's segments know it).
