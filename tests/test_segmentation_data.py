@@ -18,7 +18,7 @@ from reproduce.data import build_data
 from reproduce.data.loader import MicroBatchStream, fetch_seeded
 from reproduce.data.shape_scenes import write_voc
 from reproduce.errors import UserError
-from reproduce.plan.recipe import parse_recipe
+from reproduce.plan.recipe import parse_recipe, with_data_paths
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +82,8 @@ def test_the_valid_pixels_are_counted_from_the_masks_as_cut(voc):
 
 def test_trainaug_reads_its_list_and_masks_folder_and_evaluates_on_segmentationclass(tmp_path, voc):
     """DeepLabV3's set-up: ImageSets/Segmentation/trainaug.txt with masks in SegmentationClassAug/ (data.split,
-    data.masks); val still from SegmentationClass/."""
+    data.masks); val still from SegmentationClass/. (write_voc writes the augmented set's folder and list too.)"""
     root = _copy(voc, tmp_path)
-    shutil.copytree(root / "SegmentationClass", root / "SegmentationClassAug")
     ids = (root / "ImageSets" / "Segmentation" / "train.txt").read_text().split()[:5]
     (root / "ImageSets" / "Segmentation" / "trainaug.txt").write_text("\n".join(ids) + "\n")
     data = build_data(parse_recipe(seg_recipe(root, split="trainaug", masks="SegmentationClassAug")))
@@ -233,6 +232,15 @@ def test_samples_writes_a_voc_folder(tmp_path):
     assert len((lists / "train.txt").read_text().split()) == 160 and len((lists / "val.txt").read_text().split()) == 40
     mask = Image.open(tmp_path / "scenes" / "SegmentationClass" / "scene_00000.png")
     assert mask.mode == "P" and 255 in np.unique(np.asarray(mask))
+    # the augmented set DeepLabV3's recipe reads (split: trainaug, masks: SegmentationClassAug): the training scenes,
+    # their labels as greyscale PNGs
+    assert (lists / "trainaug.txt").read_text() == (lists / "train.txt").read_text()
+    augmented = Image.open(tmp_path / "scenes" / "SegmentationClassAug" / "scene_00000.png")
+    assert augmented.mode == "L" and np.array_equal(np.asarray(augmented), np.asarray(mask))
+    assert len(list((tmp_path / "scenes" / "SegmentationClassAug").glob("*.png"))) == 160
+    deeplab = yaml.safe_load((Path(__file__).parent.parent / "papers" / "chen2017-deeplabv3.yaml").read_text())
+    data = build_data(with_data_paths(parse_recipe(deeplab), str(tmp_path / "scenes"), None))  # --data PATH
+    assert len(data["train"]) == 160 and {p.mask.parent.name for p in data["train"].pairs} == {"SegmentationClassAug"}
 
 
 def test_a_run_counts_the_pixels_it_trains_on_and_resumes_bitwise_with_workers(voc, tmp_path):

@@ -16,7 +16,8 @@ KIND:
   validation) and the digits as parquet (DIR/digits-train.parquet, DIR/digits-val.parquet: `pixels`, 64
   numbers; `image`, PNG bytes; `label`);
 - `segmentation`: shapes on backgrounds with ignored outlines in Pascal VOC's layout (JPEGImages/,
-  SegmentationClass/ palette PNGs, ImageSets/Segmentation/train.txt and val.txt: 160 / 40 scenes, 4 classes;
+  SegmentationClass/ palette PNGs, ImageSets/Segmentation/train.txt and val.txt: 160 / 40 scenes, 4 classes,
+  and the training scenes as the augmented set DeepLabV3 reads, SegmentationClassAug/ and trainaug.txt;
   `data.shape_scenes`);
 - `all`: each of the above in DIR/<kind> (tokens and instructions use DIR/tokenizer).
 

@@ -4,8 +4,11 @@ Each scene is a smooth grey-ish random background with one to three shapes (clas
 the background), each in a jittered colour of its class (reddish, greenish, bluish), so a small model learns them
 in a minute on a CPU from colour and shape together. As in VOC's
 SegmentationClass/, every shape's outline is marked 255 (ignored, `BORDER` pixels wide), and the masks are palette
-PNGs whose palette index is the class id. Image sizes vary between scenes (`MIN_SIDE` .. `MAX_SIDE`), so random
-crops, padding and evaluation at the image's own size are all exercised. Deterministic from the seed.
+PNGs whose palette index is the class id. The training scenes' masks are written again as the augmented set that
+DeepLabV3 trains on lays them out (SegmentationClassAug/, greyscale PNGs of the label ids, and
+ImageSets/Segmentation/trainaug.txt: `split: trainaug`, `masks: SegmentationClassAug`), the same labels. Image sizes
+vary between scenes (`MIN_SIDE` .. `MAX_SIDE`), so random crops, padding and evaluation at the image's own size are
+all exercised. Deterministic from the seed.
 """
 
 from __future__ import annotations
@@ -85,11 +88,12 @@ def scene(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_voc(folder: Path, train: int = 160, val: int = 40, seed: int = 0) -> dict:
-    """`train` + `val` scenes as a VOC folder: JPEGImages/, SegmentationClass/, ImageSets/Segmentation/."""
+    """`train` + `val` scenes as a VOC folder: JPEGImages/, SegmentationClass/, ImageSets/Segmentation/, and the
+    training scenes as the augmented set too (SegmentationClassAug/, trainaug.txt)."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    for sub in ("JPEGImages", "SegmentationClass", "ImageSets/Segmentation"):
+    for sub in ("JPEGImages", "SegmentationClass", "SegmentationClassAug", "ImageSets/Segmentation"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
     palette = voc_palette()
     names = {"train": [f"scene_{i:05d}" for i in range(train)],
@@ -101,6 +105,9 @@ def write_voc(folder: Path, train: int = 160, val: int = 40, seed: int = 0) -> d
             picture = Image.fromarray(mask, mode="P")
             picture.putpalette(palette)
             picture.save(folder / "SegmentationClass" / f"{name}.png")
+            if split == "train":
+                Image.fromarray(mask, mode="L").save(folder / "SegmentationClassAug" / f"{name}.png")
         (folder / "ImageSets" / "Segmentation" / f"{split}.txt").write_text("".join(f"{n}\n" for n in ids))
+    (folder / "ImageSets" / "Segmentation" / "trainaug.txt").write_text("".join(f"{n}\n" for n in names["train"]))
     return {"path": str(folder), "layout": "voc", "classes": len(CLASSES), "train": train, "val": val,
             "ignore_index": IGNORE}
