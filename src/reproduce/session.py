@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import DoesNotFit, UserError
-from .plan.memory_options import with_memory_options
+from .plan.batchnorm import with_batchnorm
+from .plan.memory_options import with_memory_options, with_quantized_base
 from .plan.planner import Plan, plan
-from .plan.recipe import Recipe, phase_recipe
+from .plan.recipe import Recipe, load_recipe, phase_recipe, with_data_paths, with_weights
 from .plan.resume_rules import replan
 from .plan.sharding import with_sharding
 from .plan.units import format_size
@@ -193,6 +194,18 @@ def planned_data_size(recipe: Recipe, given: bool = False) -> tuple[dict | None,
 
     data = build_data(recipe)
     return data, training_sizes(recipe, data["train"])
+
+
+def recipe_with_options(recipe_path: Path, weights: str | None, data_path: str | None, quantize: str | None,
+                        sharding: str | None, world_size: int, activation_checkpointing: bool,
+                        sharded_gradients: bool, offload: str | None, batchnorm: str | None) -> Recipe:
+    """The recipe file as `plan` and `probe` take it: --weights first (the tokenizer may come from its folder),
+    then --data, --quantize, --sharding, the memory options and --batchnorm, each in place of its recipe field."""
+    source = str(recipe_path)
+    recipe = with_data_paths(with_weights(load_recipe(recipe_path), weights, source), data_path, None, source)
+    recipe = apply_sharding(with_quantized_base(recipe, quantize, source), sharding, world_size)
+    recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, offload)
+    return with_batchnorm(recipe, batchnorm)
 
 
 def apply_sharding(recipe: Recipe, sharding: str | None, world_size: int) -> Recipe:

@@ -9,13 +9,11 @@ import typer
 from rich.table import Table
 
 from ..export import FORMATS, check_format, emit
-from ..plan.batchnorm import with_batchnorm
-from ..plan.memory_options import memory_summary, with_quantized_base
+from ..plan.memory_options import memory_summary
 from ..plan.planfile import check_writable, save_plan
 from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
-from ..plan.recipe import load_recipe, with_data_paths, with_weights
 from ..plan.segments import batch_phases
-from ..session import apply_memory, apply_sharding, plan_and_probe, planned_data_size
+from ..session import plan_and_probe, planned_data_size, recipe_with_options
 from ..shipped import described
 from ..timing.plan_cost import cost_lines, costs_json, plan_costs
 from ..timing.predicted_time import predict
@@ -95,12 +93,8 @@ def plan_command(
     if emit_format is not None:
         check_format(emit_format)
     check_mfu(assumed_mfu)
-    recipe = with_weights(load_recipe(recipe_path), weights, str(recipe_path))  # (the tokenizer may come from it)
-    recipe = with_data_paths(recipe, data_path, None, str(recipe_path))
-    recipe = with_quantized_base(recipe, value_of(quantize), str(recipe_path))
-    recipe = apply_sharding(recipe, value_of(sharding), world_size)
-    recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, value_of(offload))
-    recipe = with_batchnorm(recipe, value_of(batchnorm))
+    recipe = recipe_with_options(recipe_path, weights, data_path, value_of(quantize), value_of(sharding), world_size,
+                                 activation_checkpointing, sharded_gradients, value_of(offload), value_of(batchnorm))
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     data, size = planned_data_size(recipe, given=data_path is not None)
     planned = plan_and_probe(

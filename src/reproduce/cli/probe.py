@@ -8,14 +8,11 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ..plan.batchnorm import with_batchnorm
-from ..plan.memory_options import with_quantized_base
 from ..plan.planner import Plan, plan
-from ..plan.recipe import load_recipe, with_data_paths, with_weights
 from ..plan.units import format_size
 from ..probe.runner import ProbeResult, ProbeTrial, run_probe
 from ..probe.search import Measurement
-from ..session import apply_memory, apply_sharding, does_not_fit
+from ..session import does_not_fit, recipe_with_options
 from ..timing.plan_cost import cost_lines, costs_json, plan_costs
 from .app import app
 from .common import recipe_argument, stderr, stdout
@@ -72,12 +69,8 @@ def probe_command(
     and what would make it fit are printed).
     """
     recipe_path = recipe_argument(recipe_path)
-    recipe = with_weights(load_recipe(recipe_path), weights, str(recipe_path))  # (the tokenizer may come from it)
-    recipe = with_data_paths(recipe, data_path, None, str(recipe_path))
-    recipe = with_quantized_base(recipe, value_of(quantize), str(recipe_path))
-    recipe = apply_sharding(recipe, value_of(sharding), world_size)
-    recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, value_of(offload))
-    recipe = with_batchnorm(recipe, value_of(batchnorm))
+    recipe = recipe_with_options(recipe_path, weights, data_path, value_of(quantize), value_of(sharding), world_size,
+                                 activation_checkpointing, sharded_gradients, value_of(offload), value_of(batchnorm))
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     result = run_probe(recipe, str(recipe_path), options, world_size, on_trial=None if as_json else show_trial)
     the_plan = plan(recipe, result.micro_batch_max, world_size) if result.micro_batch_max else None
