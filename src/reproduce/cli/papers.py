@@ -95,7 +95,8 @@ def parameter_counts(recipe: Recipe) -> tuple[int, int] | None:
     and the libraries' versions), so listing again imports no torch."""
     if recipe.model.builtin not in MODELS:
         return None
-    key = cache.cache_key({"parameters": recipe.model_dump(mode="json"), "versions": _library_versions(),
+    versions = {"reproduce": __version__, **cache.library_versions()}
+    key = cache.cache_key({"parameters": recipe.model_dump(mode="json"), "versions": versions,
                            "counted": "unquantised"})
     saved = cache.load(key)
     if saved is not None and isinstance(saved.get("parameters"), int) and isinstance(saved.get("trainable"), int):
@@ -113,19 +114,6 @@ def parameter_counts(recipe: Recipe) -> tuple[int, int] | None:
         return None
     cache.store(key, {"parameters": total, "trainable": trainable})
     return total, trainable
-
-
-def _library_versions() -> dict:
-    """The versions of the libraries that define the models (read from their metadata: nothing is imported)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {"reproduce": __version__}
-    for name in ("torch", "torchvision", "transformers", "peft"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = None
-    return found
 
 
 def model_text(recipe: Recipe, counts: tuple[int, int] | None) -> str:

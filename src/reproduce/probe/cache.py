@@ -30,6 +30,20 @@ def cache_key(fields: dict) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
+def library_versions() -> dict[str, str | None]:
+    """The versions of the libraries that define the models, for a key (read from their metadata: nothing is
+    imported; None for one not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict[str, str | None] = {}
+    for name in ("torch", "torchvision", "transformers", "peft"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
 def load(key: str, folder: Path | None = None) -> dict | None:
     path = (folder or cache_dir()) / f"{key}.json"
     try:

@@ -92,19 +92,11 @@ def sample_flops(recipe, data: dict | None = None) -> tuple[float, float]:
     """(FLOPs of one sample, the share in convolutions): probe/flops.py's count. With the recipe's own data
     description (`data` None) it is kept in the probe's cache, keyed by the recipe and the versions of the libraries
     that build the model, and read back without torch."""
-    from importlib.metadata import PackageNotFoundError, version
-
     from ..probe import cache
 
     key = None
     if data is None:
-        versions = {}
-        for name in ("torch", "torchvision", "transformers", "peft"):
-            try:
-                versions[name] = version(name)
-            except PackageNotFoundError:
-                versions[name] = None
-        key = cache.cache_key({"sample_flops": recipe.model_dump(mode="json"), "versions": versions})
+        key = cache.cache_key({"sample_flops": recipe.model_dump(mode="json"), "versions": cache.library_versions()})
         saved = cache.load(key) or {}
         if all(isinstance(saved.get(k), (int, float)) for k in ("per_sample", "convolution_share")):
             return float(saved["per_sample"]), float(saved["convolution_share"])
