@@ -198,6 +198,32 @@ def test_the_quantize_option_overrides_the_field_on_plan_run_and_verify(capsys, 
     assert code == 2 and err.startswith("error: --quantize int8: full.yaml trains every weight (no model.lora)"), err
 
 
+@pytest.mark.parametrize("args", [["--quantize", "nf4"], []])
+def test_a_quantised_base_with_fsdp_is_one_line_on_plan_probe_and_run(args, capsys, tmp_path, monkeypatch):
+    """--sharding fsdp on a quantised base (from the field or --quantize): one line, exit 2, nothing written (the
+    options skip the recipe's validators; the plan used to refuse it with a pydantic traceback)."""
+    import yaml
+
+    from helpers import cli, snapshot
+
+    monkeypatch.chdir(tmp_path)
+    data = quantized_recipe("int8")
+    if args:
+        del data["model"]["quantize"]
+    (tmp_path / "lora.yaml").write_text(yaml.safe_dump(data))
+    before = snapshot(tmp_path)
+    fsdp = ["--sharding", "fsdp", *args]
+    for command in (["plan", "lora.yaml", "--world-size", "2", "--micro-batch-max", "4"],
+                    ["probe", "lora.yaml", "--world-size", "2", "--gpu", "rtx4090"],
+                    ["run", "lora.yaml", "--out", "run", "--device", "cpu", "--micro-batch-max", "4"]):
+        code, out, err = cli(capsys, *command, *fsdp)
+        base = args[1] if args else "int8"
+        assert code == 2 and out == "" and err == (
+            f"error: --quantize / --sharding: an {base} base is not sharded with fsdp here (FSDP2 cannot shard "
+            "bitsandbytes' packed weights); use --sharding none, or leave --quantize out\n"), (command, err)
+    assert snapshot(tmp_path) == before
+
+
 @pytest.mark.distributed
 @pytest.mark.subprocess
 @pytest.mark.parametrize("quantize", [pytest.param("int8", marks=pytest.mark.slow), "nf4"])  # (int8: also passes)

@@ -78,8 +78,7 @@ def verify_command(
     source = recipe_argument(source, "recipe or plan")
     recipe, the_plan = load_recipe_or_plan(source)
     recipe = with_data_paths(with_weights(recipe, weights, str(source)), data_path, None, str(source))
-    recipe = apply_memory(recipe, activation_checkpointing)
-    recipe = with_quantized_base(recipe, value_of(quantize), str(source))
+    recipe = apply_memory(with_quantized_base(recipe, value_of(quantize), str(source)), activation_checkpointing)
     if the_plan is not None:
         the_plan = the_plan.model_copy(update={"recipe": recipe})
     recipe, the_plan = batchnorm_for_run(recipe, the_plan, value_of(batchnorm))

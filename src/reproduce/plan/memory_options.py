@@ -52,7 +52,8 @@ QUANTIZED_SUMMARY = {
 
 
 def with_quantized_base(recipe: Recipe, quantize: str | None, where: str = "the recipe") -> Recipe:
-    """`recipe` with `--quantize` as `model.quantize` (the option overrides the field), checked as the field is."""
+    """`recipe` with `--quantize` as `model.quantize` (the option overrides the field), checked as the field is
+    (with sharding: by `check_memory_options`, once --sharding too is in place)."""
     if quantize is None or quantize == recipe.model.quantize:
         return recipe
     if quantize not in QUANTIZED_SUMMARY:
@@ -61,16 +62,19 @@ def with_quantized_base(recipe: Recipe, quantize: str | None, where: str = "the 
         raise UserError(f"--quantize {quantize}: {where} trains every weight (no model.lora), and a quantised base "
                         "cannot train (its weights are frozen integers); add lora: {r: ..., target_modules: [...]} to "
                         "its model")
-    if recipe.batch.sharding == "fsdp":
-        raise UserError(f"--quantize {quantize}: an {quantize} base is not sharded with fsdp here (FSDP2 cannot shard "
-                        "bitsandbytes' packed weights); use --sharding none")
     return recipe.model_copy(update={"model": recipe.model.model_copy(update={"quantize": quantize})})
 
 
 def check_memory_options(recipe: Recipe) -> None:
-    """One line for a knob that needs FSDP on a recipe that does not shard."""
+    """One line for a knob that needs FSDP on a recipe that does not shard, or a quantised base on one that does
+    (the options are applied with model_copy, which skips the recipe's own validators: the plan would refuse it
+    later, with a traceback)."""
     batch = recipe.batch
     if batch.sharding == "fsdp":
+        if recipe.model.quantize is not None:
+            raise UserError(f"--quantize / --sharding: an {recipe.model.quantize} base is not sharded with fsdp here "
+                            "(FSDP2 cannot shard bitsandbytes' packed weights); use --sharding none, or leave "
+                            "--quantize out")
         return
     if batch.offload != "none":
         raise UserError(
