@@ -76,8 +76,9 @@ class PlainReporter:
         )
         if plan.throughput:  # --policy throughput: why this split (timing/throughput_plan.py)
             stdout.print(f"--policy throughput: {plan.throughput['reason']}", markup=False, soft_wrap=True)
-            if cost_line(plan.throughput):
-                stdout.print(cost_line(plan.throughput), markup=False, soft_wrap=True)
+            line = cost_line(plan.throughput)
+            if line:
+                stdout.print(line, markup=False, soft_wrap=True)
         for line in phases:
             stdout.print(line, markup=False)
         if plan.recipe.batch.sharding == "fsdp":

@@ -19,7 +19,7 @@ from ..plan.weightfiles import WeightsOnDisk
 from . import small
 from .architectures import ARCHITECTURES
 from .architectures import LOSSES as LOSSES
-from .normalization import convert, count_batchnorm, set_momentum
+from .normalization import convert, count_batchnorm, is_batchnorm, set_momentum
 from .pretrained import (
     builtin_from_folder,
     check_state_dict_file,
@@ -148,4 +148,4 @@ def counted_batchnorm(recipe: Recipe, data_info: dict | None = None) -> int | No
 
 
 def has_batchnorm(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return any(is_batchnorm(m) for m in model.modules())

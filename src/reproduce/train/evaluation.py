@@ -9,6 +9,7 @@ import torch
 
 from ..data.batches import to_device
 from ..data.loader import default_workers, eval_batches
+from ..models.segmentation import output_of
 from .plateau import step_plateau
 from .setup import Setup
 
@@ -68,7 +69,7 @@ class PixelMetrics:
         self.iou, self.accuracy = self.iou.to(setup.device), self.accuracy.to(setup.device)
 
     def update(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        logits = output["out"] if isinstance(output, dict) else output
+        logits = output_of(output)
         predicted = logits.argmax(1)
         self.iou.update(predicted, target)
         self.accuracy.update(predicted, target)

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..data import build_data
 from ..errors import UserError
-from ..models import build_model, count_batchnorm, has_batchnorm, place
+from ..models import build_model, count_batchnorm, place
 from ..models.normalization import to_sync
 from ..plan.batchnorm import label_disagreement
 from ..plan.planner import Plan
@@ -50,15 +50,15 @@ def batchnorm_notes(plan: Plan, model: nn.Module, world: World, device: torch.de
     with; `sync` refused where it cannot run."""
     recipe = plan.recipe
     check_batchnorm(recipe.model.batchnorm, world, device)
-    notes = []
+    notes, layers = [], count_batchnorm(model)
     if plan.norm is not None:
         notes.append(plan.norm.summary)
-    elif has_batchnorm(model) and not recipe.model.has_batchnorm:  # a model the plan could not count
-        notes.append(f"the model has {count_batchnorm(model)} BatchNorm layers (counted) the recipe does not list in "
+    elif layers and not recipe.model.has_batchnorm:  # a model the plan could not count
+        notes.append(f"the model has {layers} BatchNorm layers (counted) the recipe does not list in "
                      f"model.norm_layers: BN statistics are computed per micro-batch of {plan.micro_batch}, not over "
                      "the effective batch")
     if recipe.model.batchnorm in ("keep", "sync"):
-        disagreement = label_disagreement(recipe.model, count_batchnorm(model))
+        disagreement = label_disagreement(recipe.model, layers)
         if disagreement and disagreement not in plan.warnings:
             notes.append(disagreement)
     if recipe.model.batchnorm == "frozen" and plan.norm is not None:  # from random weights: meaningless
