@@ -34,7 +34,7 @@ from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
 from ..errors import UserError
-from .images import IMAGENET_MEAN, IMAGENET_STD
+from .images import IMAGENET_MEAN, IMAGENET_STD, open_image
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff")
 MASK_SUFFIX = ".png"
@@ -152,15 +152,9 @@ class SegmentationData(torch.utils.data.Dataset):
 
 
 def read_image(path: Path) -> torch.Tensor:
-    """An image file as a uint8 3 x H x W RGB tensor; a file that is not an image is the user's error."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as image:
-            array = np.asarray(image.convert("RGB"))
-    except (OSError, UnidentifiedImageError, ValueError) as exc:
-        raise UserError(f"{path}: cannot read as an image: {exc}") from None
-    return torch.from_numpy(array.copy()).permute(2, 0, 1)
+    """An image file as a uint8 3 x H x W RGB tensor; a file that is not an image is the user's error
+    (images.open_image)."""
+    return torch.from_numpy(np.asarray(open_image(str(path), "RGB")).copy()).permute(2, 0, 1)
 
 
 def read_mask(path: Path) -> np.ndarray:
