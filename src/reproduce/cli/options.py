@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from ..plan.batchnorm import MODES as BATCHNORM_MODES
+from ..plan.recipe import QUANTIZED_BASES
 from ..plan.units import parse_size
 from ..probe.runner import ProbeOptions
 
@@ -27,16 +29,9 @@ class MeterName(str, Enum):
     estimate = "estimate"
 
 
-class Quantize(str, Enum):
-    int8 = "int8"
-    nf4 = "nf4"
-
-
-class BatchNormChoice(str, Enum):
-    keep = "keep"
-    sync = "sync"
-    frozen = "frozen"
-    group = "group"
+# the choices the core defines (plan/recipe.py's quantised bases, plan/batchnorm.py's modes), as typer's enums
+Quantize = Enum("Quantize", {name: name for name in QUANTIZED_BASES}, type=str)
+BatchNormChoice = Enum("BatchNormChoice", {name: name for name in BATCHNORM_MODES}, type=str)
 
 
 class Offload(str, Enum):

@@ -17,7 +17,7 @@ The last two need `batch.sharding: fsdp`. Each is exact: the run's weights are t
 from __future__ import annotations
 
 from ..errors import UserError
-from .recipe import Recipe
+from .recipe import QUANTIZED_BASES, Recipe
 
 OFFLOADS = ("none", "cpu")
 
@@ -56,8 +56,8 @@ def with_quantized_base(recipe: Recipe, quantize: str | None, where: str = "the 
     (with sharding: by `check_memory_options`, once --sharding too is in place)."""
     if quantize is None or quantize == recipe.model.quantize:
         return recipe
-    if quantize not in QUANTIZED_SUMMARY:
-        raise UserError(f"--quantize: expected one of {', '.join(QUANTIZED_SUMMARY)} (got {quantize!r})")
+    if quantize not in QUANTIZED_BASES:
+        raise UserError(f"--quantize: expected one of {', '.join(QUANTIZED_BASES)} (got {quantize!r})")
     if recipe.model.lora is None:
         raise UserError(f"--quantize {quantize}: {where} trains every weight (no model.lora), and a quantised base "
                         "cannot train (its weights are frozen integers); add lora: {r: ..., target_modules: [...]} to "

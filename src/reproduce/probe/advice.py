@@ -32,7 +32,7 @@ import torch
 
 from ..errors import UserError
 from ..models import build_model
-from ..plan.recipe import Recipe
+from ..plan.recipe import QUANTIZED_BASES, Recipe
 from ..plan.units import format_size
 from .fake_step import block_sizes, run_fake_step
 from .gpu_like import GpuKind
@@ -244,7 +244,7 @@ def _quantized_ways_out(meter: Any, gpu: Any, lora: dict) -> list[WayOut]:
     """`model.quantize: int8`, then nf4 if int8 does not fit (nf4 alone for an int8 recipe), with LoRA (the recipe's,
     else `lora`), for a recipe that fine-tunes."""
     recipe = meter.workload.recipe
-    kinds = list(QUANTIZED)
+    kinds = list(QUANTIZED_BASES)
     smaller = kinds[kinds.index(recipe.model.quantize) + 1:] if recipe.model.quantize else kinds
     if recipe.model.lora is None and not lora:
         return []
