@@ -37,6 +37,7 @@ from reproduce.data import build_data
 from reproduce.plan.planner import plan
 from reproduce.plan.recipe import Evaluation, load_recipe
 from reproduce.timing.throughput import exact_splits
+from reproduce.train.outputs import read_metrics
 from reproduce.train.trainer import RunOptions, train
 
 CASES = {"gpt": "papers/pysource-gpt.yaml", "mlp": "papers/digits-mlp.yaml"}
@@ -66,7 +67,7 @@ def real_run(recipe, data, micro_batch: int, steps: int, folder: Path) -> float:
     assert the_plan.micro_batch == micro_batch and the_plan.exact, the_plan.arithmetic
     out = folder / f"m{micro_batch}"
     train(the_plan, out, RunOptions(device="cpu", max_steps=steps, data=data, force=True))
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(out / "metrics.jsonl")
     return statistics.median(r["seconds"] for r in records[1:])
 
 

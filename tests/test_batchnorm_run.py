@@ -43,21 +43,16 @@ def write(tmp_path, recipe: dict):
     return path
 
 
-def test_cli_sync_on_one_process_one_line_nothing_written(tmp_path, capsys):
+@pytest.mark.parametrize("processes, said", [
+    ([], "model.batchnorm: sync"),  # one process has nothing to synchronise over
+    (["--nproc-per-node", "2"], "sync needs CUDA"),  # refused before any process is launched
+])
+def test_cli_sync_is_one_line_nothing_written(processes, said, tmp_path, capsys):
     path = write(tmp_path, digits_recipe(SGD, model="cnn-bn", effective=32, steps=2))
     out = tmp_path / "out"
-    code, _, err = cli(capsys, "run", path, "--out", out, "--micro-batch-max", "8", "--device", "cpu",
+    code, _, err = cli(capsys, "run", path, "--out", out, "--micro-batch-max", "8", "--device", "cpu", *processes,
                        "--batchnorm", "sync")
-    assert code == 2 and err.strip().count("\n") == 0 and "model.batchnorm: sync" in err, err
-    assert snapshot(out) == {}
-
-
-def test_cli_sync_on_cpu_refused_before_any_process_is_launched(tmp_path, capsys):
-    path = write(tmp_path, digits_recipe(SGD, model="cnn-bn", effective=32, steps=2))
-    out = tmp_path / "out"
-    code, _, err = cli(capsys, "run", path, "--out", out, "--micro-batch-max", "8", "--device", "cpu",
-                       "--nproc-per-node", "2", "--batchnorm", "sync")
-    assert code == 2 and err.strip().count("\n") == 0 and "sync needs CUDA" in err, err
+    assert code == 2 and err.strip().count("\n") == 0 and said in err, err
     assert snapshot(out) == {}
 
 
