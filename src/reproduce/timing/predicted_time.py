@@ -20,7 +20,7 @@ def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assume
                     data: dict | None = None) -> dict:
     """`predicted_seconds` (this plan), `paper_predicted_seconds` (the paper's hardware) and how they were made."""
     from ..probe.catalog import lookup
-    from ..probe.peaks import peaks_of, precision_key
+    from ..probe.peaks import precision_key
 
     recipe = p.recipe
     notes: list[str] = []
@@ -36,12 +36,8 @@ def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assume
         this, basis = measured.total_seconds, f"measured step time on {result.device}"
     elif gpu is not None or (result is not None and result.gpu):
         entry = lookup(gpu or result.gpu)
-        on = on_card(key, entry)
-        peak = _peak(peaks_of(entry.name), on)
-        this = _predict(samples, per_sample, p.world_size, peak, assumed_mfu)
-        basis = f"FLOPs model: {p.world_size} x {entry.title} at {_tflops(peak)} {on} x MFU {assumed_mfu:.0%}"
-        if peak is None:
-            why = peaks_of(entry.name).source if peaks_of(entry.name) else "not in probe/peaks.py"
+        this, basis, on, why = _flops_model(entry, p.world_size, key, samples, per_sample, assumed_mfu)
+        if why is not None:
             notes.append(f"{entry.title}: no datasheet peak for {on} in the catalog ({why}): no prediction")
     else:
         notes.append("no prediction for this plan: give --gpu NAME, or probe a local device (--meter cuda or cpu)")
@@ -55,18 +51,27 @@ def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assume
         except UserError as error:
             notes.append(f"the paper's hardware: {error.lines[-1].removeprefix('--gpu: ')}")
         else:
-            on = on_card(key, entry)
-            peak = _peak(peaks_of(entry.name), on)
-            paper = _predict(samples, per_sample, devices, peak, assumed_mfu)
-            paper_basis = f"FLOPs model: {devices} x {entry.title} at {_tflops(peak)} {on} x MFU {assumed_mfu:.0%}"
-            if peak is None:
-                why = peaks_of(entry.name).source if peaks_of(entry.name) else "not in probe/peaks.py"
+            paper, paper_basis, on, why = _flops_model(entry, devices, key, samples, per_sample, assumed_mfu)
+            if why is not None:
                 notes.append(f"the paper's {entry.title}: no datasheet peak for {on} ({why}): no prediction")
     else:
         notes.append("the paper's hardware: batch.device and batch.devices are not both stated")
     out.update(predicted_seconds=this, predicted_basis=basis, paper_predicted_seconds=paper, paper_basis=paper_basis,
                notes=notes)
     return out
+
+
+def _flops_model(entry, devices: int, key: str, samples: int | None, per_sample: float,
+                mfu: float) -> tuple[float | None, str, str, str | None]:
+    """The FLOPs model's time on `devices` x the catalog card `entry`: (seconds, its basis, the datasheet column,
+    why that column has no peak, or None when it has one)."""
+    from ..probe.peaks import peaks_of
+
+    on, peaks = on_card(key, entry), peaks_of(entry.name)
+    peak = _peak(peaks, on)
+    basis = f"FLOPs model: {devices} x {entry.title} at {_tflops(peak)} {on} x MFU {mfu:.0%}"
+    why = None if peak is not None else (peaks.source if peaks else "not in probe/peaks.py")
+    return _predict(samples, per_sample, devices, peak, mfu), basis, on, why
 
 
 def on_card(key: str, entry) -> str:
