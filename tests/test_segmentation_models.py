@@ -96,6 +96,26 @@ def test_batchnorm_replaced_everywhere(mode, kind):
     assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())  # no running stats
 
 
+def test_a_segmentation_state_dict_loads_before_the_batchnorm_choice(tmp_path):
+    """model.weights into the architecture as published (its BatchNorm), then model.batchnorm: frozen keeps the
+    file's statistics and affine parameters, as for every other model."""
+    torch.manual_seed(0)
+    published = build_model(recipe({"builtin": "lraspp-mobilenet-v3-large"}))
+    with torch.no_grad():
+        for module in published.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.uniform_(-1, 1)
+                module.running_var.uniform_(0.5, 2)
+    torch.save(published.state_dict(), tmp_path / "lraspp.pth")
+    frozen = build_model(recipe({"builtin": "lraspp-mobilenet-v3-large", "batchnorm": "frozen",
+                                 "weights": str(tmp_path / "lraspp.pth")}))
+    pairs = [(a, b) for a, b in zip(published.modules(), frozen.modules(), strict=True)
+             if isinstance(a, nn.BatchNorm2d)]
+    assert len(pairs) == 47 and all(isinstance(b, FrozenBatchNorm2d) for _, b in pairs)
+    assert all(torch.equal(a.running_mean, b.running_mean) and torch.equal(a.running_var, b.running_var)
+               and torch.equal(a.weight, b.weight) for a, b in pairs)
+
+
 def test_frozen_keeps_the_statistics_it_replaces():
     norm = nn.BatchNorm2d(4, eps=1e-3)
     with torch.no_grad():

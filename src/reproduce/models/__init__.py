@@ -55,8 +55,7 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
         load_state_dict_file(model, weights, name)  # into the architecture as published, before model.batchnorm
     else:
         model = architecture(recipe, weights, data_info)
-    if spec.builtin not in SEGMENTATION_MODELS:  # those build with their norm layer (models/segmentation.py)
-        model = convert(model, spec.batchnorm)
+    model = convert(model, spec.batchnorm)
     if spec.batchnorm_momentum is not None:
         set_momentum(model, spec.batchnorm_momentum)
     check_vocabulary(model, data_info)  # token ids the embedding has no row for: refused before any step
@@ -92,9 +91,9 @@ def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict 
 
 
 def segmentation_kwargs(recipe: Recipe) -> dict:
-    """A segmentation model's kwargs: the recipe's, with model.output_stride, model.aux_weight and model.batchnorm."""
+    """A segmentation model's kwargs: the recipe's, with model.output_stride and model.aux_weight."""
     spec = recipe.model
-    extra = {"output_stride": spec.output_stride, "aux_loss": spec.aux_weight is not None, "norm": spec.batchnorm}
+    extra = {"output_stride": spec.output_stride, "aux_loss": spec.aux_weight is not None}
     return {**spec.kwargs, **{key: value for key, value in extra.items() if value is not None}}
 
 

@@ -5,16 +5,15 @@
 torchvision's dict: `{"out": logits (B, K, H, W)}`, with `"aux"` (the FCN head on ResNet's layer3) when built with
 `aux_loss=True`, which a recipe asks for with `model.aux_weight`. The logits are upsampled to the input's size.
 
-kwargs (the recipe's `model.kwargs`, and what `build_model` adds from `model.output_stride`, `model.aux_weight` and
-`model.batchnorm`):
+kwargs (the recipe's `model.kwargs`, and what `build_model` adds from `model.output_stride` and `model.aux_weight`;
+`model.batchnorm` converts the built model's BatchNorm as for every model, models/normalization.py):
 - `num_classes` (default: the data's classes, else 21 as Pascal VOC's);
 - `output_stride`: 8 or 16 (input size / feature size), set by dilating ResNet's last stages
   (`replace_stride_with_dilation`): [False, True, True] at 8, [False, False, True] at 16. torchvision's builds use
   8; DeepLabV3 trains at 16 and evaluates at 8 (sec. 4.1, "output_stride = 16 ... 8 for evaluation"), where ASPP's
   atrous rates double (6, 12, 18 at 16; 12, 24, 36 at 8, sec. 3.3). LR-ASPP's MobileNetV3 is fixed at 16;
-- `aux_loss`: build the auxiliary head (ResNet models);
-- `norm`: "frozen" or "group" builds ResNet with that `norm_layer` (deeplabv3_resnet50 takes none, so the model is
-  assembled from `resnet50(norm_layer=...)` as torchvision assembles it) and converts the heads' BatchNorm too.
+- `aux_loss`: build the auxiliary head (ResNet models; deeplabv3_resnet50 takes no output stride, so the model is
+  assembled from `resnet50(replace_stride_with_dilation=...)` as torchvision assembles it).
 """
 
 from __future__ import annotations
@@ -26,12 +25,11 @@ from torch import nn
 
 from ..errors import UserError
 from .architectures import IMAGE_CHANNELS, Architecture
-from .normalization import NORM_LAYERS, convert
 
 VOC_CLASSES = 21  # Pascal VOC 2012: 20 object classes and the background
 DILATION = {8: [False, True, True], 16: [False, False, True]}  # ResNet's layer2..4 dilated instead of strided
 ASPP_RATES = {8: (12, 24, 36), 16: (6, 12, 18)}  # Chen et al. 2017 sec. 3.3
-KNOWN = ("num_classes", "output_stride", "aux_loss", "norm")
+KNOWN = ("num_classes", "output_stride", "aux_loss")
 
 
 @dataclass(frozen=True)
@@ -63,10 +61,7 @@ class TorchvisionSegmentation(Architecture):
         aux = bool(kwargs.get("aux_loss"))
         if aux and not self.aux:
             raise UserError(f"model.aux_weight: {self.name} has no auxiliary head in torchvision (remove aux_weight)")
-        norm = kwargs.get("norm")
-        if norm not in (None, "keep", "sync", *NORM_LAYERS):
-            raise UserError(f"model.batchnorm: expected keep, sync, frozen or group (got {norm!r})")
-        return {"classes": int(classes), "stride": int(stride), "aux": aux, "norm": norm}
+        return {"classes": int(classes), "stride": int(stride), "aux": aux}
 
     def build(self, kwargs: dict, data_info: dict | None = None) -> nn.Module:
         settings = self.settings(kwargs, data_info)
@@ -76,25 +71,20 @@ class TorchvisionSegmentation(Architecture):
             raise UserError(f"model.builtin: {self.name} needs torchvision, which does not import here: {exc}"
                             ) from None
         if self.head == "lraspp":
-            model = segmentation.lraspp_mobilenet_v3_large(
+            return segmentation.lraspp_mobilenet_v3_large(
                 weights=None, weights_backbone=None, num_classes=settings["classes"])
-        else:
-            model = self._resnet_model(settings)
-        return convert(model, settings["norm"] or "keep")  # the heads' BatchNorm (ASPP, FCN heads) and LR-ASPP's
+        return self._resnet_model(settings)
 
     def _resnet_model(self, settings: dict) -> nn.Module:
         """Assembled as torchvision's `_deeplabv3_resnet` / `_fcn_resnet` do, from a ResNet built with the output
-        stride's dilation and the norm layer, and ASPP's rates for the output stride."""
+        stride's dilation, and ASPP's rates for the output stride."""
         import torchvision
         from torchvision.models._utils import IntermediateLayerGetter
         from torchvision.models.segmentation.deeplabv3 import DeepLabHead, DeepLabV3
         from torchvision.models.segmentation.fcn import FCN, FCNHead
 
-        norm = NORM_LAYERS.get(settings["norm"])
         backbone = getattr(torchvision.models, self.backbone)(
-            weights=None, replace_stride_with_dilation=DILATION[settings["stride"]],
-            **({"norm_layer": norm} if norm else {}),
-        )
+            weights=None, replace_stride_with_dilation=DILATION[settings["stride"]])
         classes, aux = settings["classes"], settings["aux"]
         returned = {"layer4": "out", **({"layer3": "aux"} if aux else {})}
         layers = IntermediateLayerGetter(backbone, return_layers=returned)
