@@ -19,6 +19,7 @@ import os
 import random
 import signal
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,28 @@ def sample_seed(seed: int, step: int, index: int) -> int:
     return (seed * 1_000_003 + (step + 2) * 998_244_353 + index * 2_654_435_761) % (2**63 - 1)
 
 
+@contextmanager
+def seeded_samples() -> Iterator[Callable[[int, int, int], None]]:
+    """Draws seeded per sample: `seed_sample(seed, step, index)` seeds torch, random and numpy from (seed, step,
+    index) before a sample's draws; the process's own generators are restored afterwards, so drawing in the
+    training process changes nothing. The loader's items and what is counted of them ahead (a segmentation
+    window's valid pixels) draw alike through it."""
+
+    def seed_sample(seed: int, step: int, index: int) -> None:
+        value = sample_seed(seed, step, index)
+        torch.default_generator.manual_seed(value)
+        random.seed(value)
+        np.random.seed(value % 2**32)
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield seed_sample
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
 class MicroBatches(Dataset):
     """The training set seen one micro-batch at a time: item `key` is the collated (inputs, targets) of its
     indices. Tensor data is sliced directly; item by item otherwise, each item's random draws seeded."""
@@ -77,22 +100,14 @@ class MicroBatches(Dataset):
             return Failure(tuple(error.lines))
 
     def _items(self, key: MicroBatchKey) -> list:
-        """The items, each drawing its random numbers (torch, random, numpy) from (seed, step, index); the
-        process's own generators are restored afterwards, so fetching in the training process changes nothing."""
-        python_state, numpy_state = random.getstate(), np.random.get_state()
-        try:
-            with torch.random.fork_rng(devices=[]):
-                items = []
-                for index in key.indices:
-                    value = sample_seed(self.seed, key.step, index)
-                    torch.default_generator.manual_seed(value)
-                    random.seed(value)
-                    np.random.seed(value % 2**32)
-                    items.append(self.dataset[index])
-                return items
-        finally:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
+        """The items, each drawing its random numbers (torch, random, numpy) from (seed, step, index)
+        (`seeded_samples`)."""
+        items = []
+        with seeded_samples() as seed_sample:
+            for index in key.indices:
+                seed_sample(self.seed, key.step, index)
+                items.append(self.dataset[index])
+        return items
 
 
 def fetch_seeded(dataset: Any, indices: torch.Tensor, seed: int, step: int = 0) -> tuple[Any, Any]:

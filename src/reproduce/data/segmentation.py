@@ -134,15 +134,15 @@ class SegmentationData(torch.utils.data.Dataset):
 
     def target_counts_at(self, seed: int, step: int, indices: torch.Tensor) -> torch.Tensor:
         """Each sample's valid pixels (mask != ignore_index) as the loader cuts it at optimizer step `step`: the same
-        draws from the same per-sample seed, the mask alone decoded."""
-        from .loader import sample_seed
+        draws from the same per-sample seeds (loader.seeded_samples), the mask alone decoded."""
+        from .loader import seeded_samples
 
         if self.augment.all_pixels and self.augment.train and self.augment.crop is not None:
             return torch.full((len(indices),), self.augment.crop[0] * self.augment.crop[1], dtype=torch.int64)
         counts = []
-        with torch.random.fork_rng(devices=[]):
+        with seeded_samples() as seed_sample:
             for index in indices.tolist():
-                torch.default_generator.manual_seed(sample_seed(seed, step, index))
+                seed_sample(seed, step, index)
                 mask = self.mask(index, self.draw(index))
                 counts.append(int((mask != self.augment.ignore_index).sum()))
         return torch.tensor(counts, dtype=torch.int64)
