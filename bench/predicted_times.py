@@ -24,8 +24,8 @@ from reproduce.plan.recipe import load_recipe
 from reproduce.probe.catalog import lookup
 from reproduce.probe.cost import format_duration
 from reproduce.probe.flops import recipe_flops
-from reproduce.probe.peaks import peaks_of, precision_key
-from reproduce.timing.predicted_time import on_card, total_samples
+from reproduce.probe.peaks import on_card, peaks_of, precision_key
+from reproduce.timing.predicted_time import total_samples
 from reproduce.timing.prediction import DEFAULT_MFU, predicted_seconds
 
 # (seconds, or GPU-hours for a recipe without a device count; what was said; where)
@@ -72,7 +72,8 @@ def main() -> None:
         started = time.perf_counter()
         flops = recipe_flops(recipe)
         counted = time.perf_counter() - started
-        key = on_card(precision_key(recipe.precision, flops.convolution_share > 0.5), gpu)  # no TF32 before Ampere
+        key = precision_key(recipe.precision, flops.convolution_share > 0.5)
+        key = on_card(key, gpu.capability)  # no TF32 before Ampere
         peaks = peaks_of(gpu.name)
         peak = peaks.flops(key) if peaks else None
         samples = round(total_samples(the_plan))  # batch phases and ramps: each stretch's own batch

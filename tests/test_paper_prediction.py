@@ -14,8 +14,7 @@ import pytest
 
 from helpers import cli_json
 from reproduce.probe.catalog import lookup
-from reproduce.probe.peaks import identify, peaks_of
-from reproduce.timing.predicted_time import on_card
+from reproduce.probe.peaks import identify, on_card, peaks_of
 from reproduce.timing.prediction import DEFAULT_MFU
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,5 +66,19 @@ def test_p100_datasheet_rates_and_no_tf32_before_ampere():
     assert peaks_of("p100-16gb").fp32 is None  # the name covers both cards: no single rate
     assert lookup("P100-SXM2-16GB").name == "p100-sxm2" and lookup("p100-pcie-16gb").name == "p100-pcie"
     assert identify("Tesla P100-SXM2-16GB", 16) == "p100-sxm2" and identify("Tesla P100-PCIE-16GB", 16) == "p100-pcie"
-    assert on_card("tf32", lookup("v100-32gb")) == "fp32" and on_card("tf32", lookup("p100-sxm2")) == "fp32"
-    assert on_card("tf32", lookup("a100-80gb")) == "tf32" and on_card("fp16", lookup("v100-32gb")) == "fp16"
+    assert on_card("tf32", lookup("v100-32gb").capability) == "fp32"
+    assert on_card("tf32", lookup("p100-sxm2").capability) == "fp32"
+    assert on_card("tf32", lookup("a100-80gb").capability) == "tf32"
+    assert on_card("fp16", lookup("v100-32gb").capability) == "fp16"
+
+
+def test_the_throughput_model_uses_the_fp32_peak_before_ampere():
+    """A convolution model in fp32 (cuDNN's TF32 column on Ampere and later) on a V100, which has no TF32: the
+    throughput policy's FLOPs model times its splits at the fp32 peak (probe/peaks.on_card), as predictions do."""
+    from reproduce.plan.recipe import load_recipe
+    from reproduce.timing.throughput_plan import _model_times
+
+    recipe = load_recipe(Path(__file__).parent.parent / "papers" / "goyal2017-resnet50.yaml")
+    times, kinds = _model_times(recipe, "v100-16gb", [16, 32], None, 0.4)
+    assert kinds == {16: "model", 32: "model"} and times[16] < times[32]
+    assert peaks_of("v100-16gb").tf32 is None and peaks_of("v100-16gb").fp32 is not None

@@ -98,6 +98,13 @@ def peaks_of(name: str | None) -> Peaks | None:
     return PEAKS.get(name) if name else None
 
 
+def on_card(key: str, capability: tuple[int, int]) -> str:
+    """The datasheet column `key` runs in on a card of this CUDA compute capability: before Ampere (8.0) there are no
+    TF32 tensor cores, and FP32 products (cuDNN's TF32 default for convolutions included) run on the CUDA cores, the
+    fp32 column."""
+    return "fp32" if key == "tf32" and capability < (8, 0) else key
+
+
 def precision_key(precision: str, tf32: bool = False) -> str:
     """The datasheet column a run's matrix products use: bf16/fp16 as the recipe says; fp32 runs on TF32 tensor cores
     when PyTorch lets them (`torch.backends.cuda.matmul.allow_tf32`, or cuDNN's default for convolutions)."""

@@ -65,19 +65,13 @@ def _flops_model(entry, devices: int, key: str, samples: int | None, per_sample:
                 mfu: float) -> tuple[float | None, str, str, str | None]:
     """The FLOPs model's time on `devices` x the catalog card `entry`: (seconds, its basis, the datasheet column,
     why that column has no peak, or None when it has one)."""
-    from ..probe.peaks import peaks_of
+    from ..probe.peaks import on_card, peaks_of
 
-    on, peaks = on_card(key, entry), peaks_of(entry.name)
+    on, peaks = on_card(key, entry.capability), peaks_of(entry.name)
     peak = _peak(peaks, on)
     basis = f"FLOPs model: {devices} x {entry.title} at {_tflops(peak)} {on} x MFU {mfu:.0%}"
     why = None if peak is not None else (peaks.source if peaks else "not in probe/peaks.py")
     return _predict(samples, per_sample, devices, peak, mfu), basis, on, why
-
-
-def on_card(key: str, entry) -> str:
-    """The datasheet column on this card: before Ampere (compute capability 8.0) there are no TF32 tensor cores, and
-    cuDNN's TF32 default runs FP32 convolutions on the CUDA cores (the fp32 column)."""
-    return "fp32" if key == "tf32" and entry.capability < (8, 0) else key
 
 
 def paper_gpu(recipe):

@@ -114,11 +114,13 @@ def _model_times(recipe: Recipe, gpu: str | None, splits: list[int], data: dict 
     """Micro-step seconds by the FLOPs model on the GPU named: nothing is timed under the estimate meter."""
     from ..probe.catalog import lookup
     from ..probe.flops import recipe_flops
-    from ..probe.peaks import peaks_of, precision_key
+    from ..probe.peaks import on_card, peaks_of, precision_key
 
-    peaks = peaks_of(lookup(gpu).name) if gpu else None
+    entry = lookup(gpu) if gpu else None
+    peaks = peaks_of(entry.name) if entry else None
     flops = recipe_flops(recipe, data)
     key = precision_key(recipe.precision, flops.convolution_share > 0.5)
+    key = on_card(key, entry.capability) if entry else key
     peak = peaks.flops(key) if peaks else None
     weights = flops.weight_bytes
     if peak is None:  # no peak: every split costs the same FLOPs per sample, so none is faster (the largest wins)

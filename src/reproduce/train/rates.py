@@ -14,7 +14,7 @@ import statistics
 import torch
 
 from ..errors import UserError
-from ..probe.peaks import identify, peaks_of, precision_key
+from ..probe.peaks import identify, on_card, peaks_of, precision_key
 from ..timing.prediction import mfu
 
 FIELDS = ("samples_per_second", "tokens_per_second", "flops_per_second", "mfu")
@@ -47,7 +47,7 @@ class StepRates:
             self.gpu = identify(properties.name, properties.total_memory / 2**30)
             conv = self.flops is not None and self.flops.convolution_share > 0.5
             tf32 = torch.backends.cuda.matmul.allow_tf32 or (conv and torch.backends.cudnn.allow_tf32)
-            self.precision = precision_key(plan.recipe.precision, tf32)
+            self.precision = on_card(precision_key(plan.recipe.precision, tf32), (properties.major, properties.minor))
             peaks = peaks_of(self.gpu)
             self.peak = peaks.flops(self.precision) if peaks else None
             if self.peak is None:
