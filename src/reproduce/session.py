@@ -139,7 +139,7 @@ def with_weights_record(the_plan: Plan) -> Plan:
 
 def count_factory_batchnorm(recipe: Recipe, data: dict | None) -> int | None:
     """The BatchNorm layers of the user's factory model, counted on the meta device (built-ins are known without
-    torch: batchnorm/); None for other models, or a factory that cannot be built before its data is (its label then
+    torch: plan.batchnorm); None for other models, or a factory that cannot be built before its data is (its label then
     stands in, and the run counts the built model; the plan never fails for want of counting)."""
     if recipe.model.factory is None:
         return None

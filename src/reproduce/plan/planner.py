@@ -69,7 +69,7 @@ class Plan(Frozen):
     decay_end_step: int | None
     min_lr: float
     batchnorm: str | None = None  # the warning when BatchNorm's batch is not the paper's
-    norm: BatchNormPlan | None = None  # BatchNorm: the run's BN batch against the paper's, the options (batchnorm/)
+    norm: BatchNormPlan | None = None  # BatchNorm: the run's BN batch against the paper's, the options (plan.batchnorm)
     alternative: Choice | None = None
     warnings: list[str] = []
     # batch.phases / batch.ramp: the batch each stretch of optimizer steps takes (empty: the batch above throughout;

@@ -241,7 +241,7 @@ def verify(
         notes.append(f"{what} per micro-batch: {', '.join(map(str, counts))}; every one is divided by the window's "
                      f"{sum(counts)}")
     recomputed = None
-    if recipe.model.activation_checkpointing:  # the same masks in the recomputation (dropout on): recompute_check.py
+    if recipe.model.activation_checkpointing:  # the same masks in the recomputation (dropout on): recomputation_error
         from .recomputation import recomputation_error
 
         recomputed = recomputation_error(checked, data, micro_batches, torch_device, param_dtype, seed,
