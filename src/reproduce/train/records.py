@@ -89,7 +89,8 @@ def run_summary(run: Run, elapsed: float) -> dict:
         records = read_metrics(run.out / "metrics.jsonl")
         if run.options.noise_scale:
             summary["noise_scale"] = summarise(records, run.total, plan.recipe.task, reason=run.unmeasured,
-                                               warmup_steps=plan.warmup_steps, diverged=divergence.diverged)
+                                               warmup_steps=plan.warmup_steps, diverged=divergence.diverged,
+                                               train_size=run.noise.population if run.noise else None)
         summary["throughput"] = run.rates.summary(records)  # medians of each step's rates
     return summary
 
