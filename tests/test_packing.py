@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
+import yaml
 
 from helpers import run_plain
 from reproduce.data import build_data
@@ -219,3 +226,38 @@ def test_the_packing_option_is_checked_as_the_field():
     with pytest.raises(UserError, match=r"^--packing: packed groups samples by their lengths, which image data"):
         with_packing(image, "packed")
     assert with_packing(parse_recipe(llama_lora()), "sorted", 64).data.token_budget == 64
+
+
+def cli_command(recipe, out, *args: str) -> list[str]:
+    return [sys.executable, "-m", "reproduce", "run", str(recipe), "--out", str(out), "--device", "cpu",
+            "--micro-batch-max", "4", "--checkpoint-every", "1", *args]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("way", ["sorted", "packed"])
+def test_sigkill_mid_window_then_resume_is_bitwise(way, tmp_path):
+    """`--packing WAY` from the command line, killed (SIGKILL) while a step runs, resumed: the uninterrupted run's
+    weights bit for bit, each step logged once."""
+    shutil.copy(Path(__file__).parent / "factories.py", tmp_path / "factories.py")  # the recipe's data, beside it
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(llama_lora(steps=8)))
+    full = subprocess.run(cli_command(recipe, tmp_path / "full", "--packing", way), capture_output=True, text=True)
+    assert full.returncode == 0, full.stderr
+    out = tmp_path / "out"
+    process = subprocess.Popen(cli_command(recipe, out, "--packing", way), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    resumed = subprocess.run(cli_command(recipe, out, "--resume"), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    ours, reference = (torch.load(folder / "model.pt", weights_only=True) for folder in (out, tmp_path / "full"))
+    assert ours.keys() == reference.keys() and all(torch.equal(ours[n], reference[n]) for n in ours)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert yaml.safe_load((out / "plan.yaml").read_text())["recipe"]["data"]["packing"] == way

@@ -24,3 +24,10 @@ def with_packing(recipe: Recipe, packing: str | None, token_budget: int | None =
         raise UserError(problem.replace("data.packing:", "--packing:", 1)
                         .replace("data.token_budget:", "--token-budget:", 1))
     return changed
+
+
+def with_grouping_of(recipe: Recipe, other: Recipe) -> Recipe:
+    """`recipe` with `other`'s data.packing and data.token_budget: a resumed run keeps the grouping it started with
+    (`--packing` may have set it; the windows' samples are the same either way)."""
+    return recipe.model_copy(update={"data": recipe.data.model_copy(update={
+        "packing": other.data.packing, "token_budget": other.data.token_budget})})
