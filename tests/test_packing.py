@@ -233,9 +233,8 @@ def cli_command(recipe, out, *args: str) -> list[str]:
             "--micro-batch-max", "4", "--checkpoint-every", "1", *args]
 
 
-@pytest.mark.slow
 @pytest.mark.subprocess
-@pytest.mark.parametrize("way", ["sorted", "packed"])
+@pytest.mark.parametrize("way", [pytest.param("sorted", marks=pytest.mark.slow), "packed"])
 def test_sigkill_mid_window_then_resume_is_bitwise(way, tmp_path):
     """`--packing WAY` from the command line, killed (SIGKILL) while a step runs, resumed: the uninterrupted run's
     weights bit for bit, each step logged once."""
