@@ -112,3 +112,27 @@ def smaller_micro_batch(per_rank_batch: int, micro_batch: int) -> int | None:
         if per_rank_batch % candidate == 0:
             return candidate
     return None
+
+
+def grouping_table(plan: Plan, lengths: torch.Tensor, budget: int | None, seed: int, steps: int = 32) -> dict:
+    """For each way (data/packing.py), over the first `steps` windows of the plan (every rank's): micro-batches per
+    rank and window (mean) and the padding fraction; what `plan --data` prints for text with lengths. `budget`:
+    data.token_budget, else the micro-batch x the longest example."""
+    from ..data.packing import WAYS, Grouping, computed_tokens
+
+    longest = int(lengths.max())
+    budget = budget or plan.micro_batch * longest
+    table = {"token_budget": budget, "windows": min(steps, plan.optimizer_steps)}
+    for way in WAYS:
+        grouping = None if way == "none" else Grouping(way, budget, longest, lengths, plan.micro_batch)
+        micro_batches = useful = computed = 0
+        for step in range(table["windows"]):
+            shares, _, micro = rank_shares(plan, step, seed)
+            groups = (grouped_window(shares, grouping, micro) if grouping else
+                      [list(torch.split(share, micro)) for share in shares])
+            micro_batches += len(groups[0])
+            useful += sum(int(lengths[share].sum()) for share in shares)
+            computed += sum(computed_tokens(g, lengths, way, longest) for rank in groups for g in rank)
+        table[way] = {"micro_batches": round(micro_batches / max(table["windows"], 1), 2),
+                      "padding_fraction": round(1 - useful / computed, 4) if computed else None}
+    return table
