@@ -17,7 +17,7 @@ import torch
 import transformers
 import yaml
 
-from helpers import run_plain
+from helpers import cli_json, run_plain
 from reproduce.data import build_data
 from reproduce.data.packing import Grouped, Grouping, balance, group, grouping_of, next_fit
 from reproduce.errors import UserError
@@ -260,3 +260,32 @@ def test_sigkill_mid_window_then_resume_is_bitwise(way, tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9))
     assert yaml.safe_load((out / "plan.yaml").read_text())["recipe"]["data"]["packing"] == way
+
+
+def instruction_recipe(sample_data, tmp_path, **data) -> Path:
+    recipe = llama_lora(effective=16)
+    recipe["model"]["kwargs"] = {**TINY_LLAMA, "max_position_embeddings": 512, "vocab_size": 512}
+    recipe["data"] = {"format": "instructions", "path": str(sample_data / "instructions" / "train.jsonl"),
+                      "tokenizer": str(sample_data / "tokenizer"), "max_length": 512, **data}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_plan_on_instruction_data_states_each_ways_padding(sample_data, tmp_path, capsys):
+    """plan --data: the token budget, each way's micro-batches per window and padding, from the data's lengths."""
+    recipe = instruction_recipe(sample_data, tmp_path)
+    summary = cli_json(capsys, "plan", recipe, "--micro-batch-max", "4", "--packing", "sorted",
+                       "--data", sample_data / "instructions" / "train.jsonl")
+    table = summary["packing"]
+    assert table["way"] == "sorted" and table["none"]["micro_batches"] == summary["accumulation_steps"] == 4
+    assert table["none"]["padding_fraction"] > table["sorted"]["padding_fraction"] >= 0
+    assert table["none"]["padding_fraction"] > table["packed"]["padding_fraction"] >= 0
+    assert table["packed"]["micro_batches"] <= table["none"]["micro_batches"]
+
+
+def test_verify_from_the_command_line_with_packed_instruction_data(sample_data, tmp_path, capsys):
+    recipe = instruction_recipe(sample_data, tmp_path)
+    result = cli_json(capsys, "verify", recipe, "--micro-batch-max", "4", "--packing", "packed")
+    assert result["equivalent"] and result["verdict"] == "equivalent"
+    assert any(note.startswith("data.packing packed") for note in result["notes"])
