@@ -19,6 +19,7 @@ contract takes them); the Trainer's are counted by its collator from the very sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -138,8 +139,9 @@ def trainer(setting: str, sequences: list[list[int]], effective: int, micro: int
             train_sampling_strategy="group_by_length" if setting == "trainer group_by_length" else "random",
             dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True,
         )
-        transformers.Trainer(model=model, args=arguments, train_dataset=rows, data_collator=collate,
-                             callbacks=[Clock()]).train()
+        with contextlib.redirect_stdout(sys.stderr):  # its closing log line: not in the table
+            transformers.Trainer(model=model, args=arguments, train_dataset=rows, data_collator=collate,
+                                 callbacks=[Clock()]).train()
     per_step = effective // micro
     tokens = sum(useful[per_step: per_step * steps])  # steps 2..K
     return tokens / (marks[-1] - marks[0]), {"padding": None, "micro_batches": per_step}
