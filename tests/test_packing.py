@@ -17,7 +17,7 @@ import torch
 import transformers
 import yaml
 
-from helpers import cli_json, run_plain
+from helpers import cli_json, reproduce_run, run_plain
 from reproduce.data import build_data
 from reproduce.data.packing import Grouped, Grouping, balance, group, grouping_of, next_fit
 from reproduce.errors import UserError
@@ -289,3 +289,24 @@ def test_verify_from_the_command_line_with_packed_instruction_data(sample_data, 
     result = cli_json(capsys, "verify", recipe, "--micro-batch-max", "4", "--packing", "packed")
     assert result["equivalent"] and result["verdict"] == "equivalent"
     assert any(note.startswith("data.packing packed") for note in result["notes"])
+
+
+@pytest.mark.distributed
+@pytest.mark.subprocess
+@pytest.mark.parametrize("way", ["sorted", "packed"])
+def test_two_processes_group_their_shares_and_give_the_large_batch(way, tmp_path):
+    """Two DDP processes (gloo), partial windows included (drop_last false: 48 samples, 20 a step): each rank
+    groups its own share, both run as many backward passes (one gradient reduction a step), and the weights are
+    the plain large-batch loop's over the same samples."""
+    recipe = llama_lora(way, effective=20, steps=3, shuffle=False, drop_last=False)
+    reproduce_run(recipe, tmp_path, "two", "--micro-batch-max", "2", "--nproc-per-node", "2")
+    data = build_data(parse_recipe(recipe))
+    reference = run_plain(recipe, data, steps=3, dtype=torch.float32)  # an epoch: 20, 20, then the partial 8
+    ours = torch.load(tmp_path / "two" / "model.pt", weights_only=True)
+    assert ours.keys() == reference.keys()
+    for name in ours:  # float32, summed over two processes in another order
+        torch.testing.assert_close(ours[name], reference[name], rtol=1e-5, atol=1e-6)
+    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["samples"] for r in records] == [20, 20, 8] and records[2]["partial"]
+    assert all(r["grad_syncs"] == 1 for r in records)
+    assert records[0]["micro_batches"] < 5  # fewer than the 5 micro-batches of 2 a rank `none` runs
