@@ -310,3 +310,23 @@ def test_two_processes_group_their_shares_and_give_the_large_batch(way, tmp_path
     assert [r["samples"] for r in records] == [20, 20, 8] and records[2]["partial"]
     assert all(r["grad_syncs"] == 1 for r in records)
     assert records[0]["micro_batches"] < 5  # fewer than the 5 micro-batches of 2 a rank `none` runs
+
+
+@pytest.mark.parametrize("way", ["sorted", "packed"])
+def test_an_empty_micro_batch_brings_no_loss_but_reaches_every_trained_parameter(way):
+    """What a rank with fewer samples than micro-batches runs (`balance`): one padding token without a target. Its
+    loss is 0 and every trained parameter gets a gradient of zeros, so DDP's reduction sees the same parameters on
+    every rank and the window's gradient is unchanged."""
+    from reproduce.models import build_model
+    from reproduce.train.losses import TokenLoss
+
+    spec, data, the_plan = make_plan(llama_lora(way))
+    grouping = grouping_of(spec, data["train"], the_plan.micro_batch)
+    torch.manual_seed(0)
+    model = build_model(spec, data["info"])
+    inputs, targets = Grouped(data["train"], grouping).batch(torch.empty(0, dtype=torch.long))
+    loss = TokenLoss()(model(inputs), targets)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and TokenLoss().count(targets) == 0
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None and not p.grad.any() for p in trained)
