@@ -145,8 +145,10 @@ def packing_lines(table: dict) -> list[str]:
     """The plan's grouping: the token budget, and each way's micro-batches per window and padding (session.py)."""
     ways = ", ".join(f"{way} {table[way]['micro_batches']:g} ({table[way]['padding_fraction']:.0%} padding)"
                      for way in ("none", "sorted", "packed"))
-    return [f"packing: {table['way']} (data.packing, --packing); token budget {table['token_budget']:,} per "
-            f"micro-batch (sorted, packed)",
+    budget = f"{table['token_budget']:,}" + ("" if table["given"] else f" = micro-batch x the longest example's "
+                                             f"{table['longest']} tokens")
+    return [f"packing: {table['way']} (data.packing, --packing); token budget {budget} per micro-batch (sorted, "
+            "packed)",
             f"  micro-batches per window and rank, over the first {table['windows']} windows of this data: {ways}"]
 
 

@@ -121,8 +121,9 @@ def grouping_table(plan: Plan, lengths: torch.Tensor, budget: int | None, seed: 
     from ..data.packing import WAYS, Grouping, computed_tokens
 
     longest = int(lengths.max())
-    budget = budget or plan.micro_batch * longest
-    table = {"token_budget": budget, "windows": min(steps, plan.optimizer_steps)}
+    budget = budget or plan.micro_batch * longest  # the probe's micro-batch is m copies of the longest: T's shape
+    table = {"token_budget": budget, "longest": longest, "given": budget != plan.micro_batch * longest,
+             "windows": min(steps, plan.optimizer_steps)}
     for way in WAYS:
         grouping = None if way == "none" else Grouping(way, budget, longest, lengths, plan.micro_batch)
         micro_batches = useful = computed = 0
