@@ -282,6 +282,7 @@ def test_plan_on_instruction_data_states_each_ways_padding(sample_data, tmp_path
     assert table["none"]["padding_fraction"] > table["sorted"]["padding_fraction"] >= 0
     assert table["none"]["padding_fraction"] > table["packed"]["padding_fraction"] >= 0
     assert table["packed"]["micro_batches"] <= table["none"]["micro_batches"]
+    assert not table["given"] and table["token_budget"] == 4 * table["longest"]  # the probed shape, m x L
 
 
 def test_verify_from_the_command_line_with_packed_instruction_data(sample_data, tmp_path, capsys):
