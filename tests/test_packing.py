@@ -331,3 +331,20 @@ def test_an_empty_micro_batch_brings_no_loss_but_reaches_every_trained_parameter
     assert float(loss.detach()) == 0.0 and TokenLoss().count(targets) == 0
     trained = [p for p in model.parameters() if p.requires_grad]
     assert trained and all(p.grad is not None and not p.grad.any() for p in trained)
+
+
+@pytest.mark.parametrize("way", ["sorted", "packed"])
+def test_a_micro_batch_lowered_after_out_of_memory_lowers_the_token_budget_and_keeps_the_samples(way):
+    spec, data, the_plan = make_plan(llama_lora(way, effective=16), micro=4)
+    grouping = grouping_of(spec, data["train"], the_plan.micro_batch)
+    size = len(data["train"])
+    full, _ = window(the_plan, size, 0, 3, grouping=grouping)
+    lowered, _ = window(the_plan, size, 0, 3, micro_batch=2, grouping=grouping)
+    assert grouping.budget_at(2) == grouping.budget // 2
+    assert sorted(torch.cat(lowered).tolist()) == sorted(torch.cat(full).tolist())
+    assert len(lowered) > len(full)
+    for indices in lowered:
+        lengths = grouping.lengths[indices].tolist()
+        computed = (len(lengths) * max(lengths) if way == "sorted"
+                    else len(next_fit(lengths, grouping.row)) * grouping.row)
+        assert computed <= grouping.budget // 2 or len(lengths) == 1
