@@ -301,3 +301,21 @@ def run_plan(recipe: Recipe, source: str, the_plan: Plan | None, micro_batch_max
     if recipe.data.train_size is not None and recipe.data.train_size != main_size:
         warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {main_size}: using {main_size}")
     return the_plan, warnings
+
+
+def packing_table(recipe: Recipe, the_plan: Plan, data: dict | None) -> dict | None:
+    """`plan --data` on text: each way's micro-batches per window and padding, from the data's lengths
+    (train/windows.grouping_table), and the way the recipe takes; None without data or lengths."""
+    if data is None or recipe.task != "language-modeling" or recipe.batch.unit != "samples" or (
+            recipe.batch.phases or recipe.batch.ramp):
+        return None
+    from .data.packing import sample_lengths
+    from .train.windows import grouping_table
+
+    try:
+        lengths = sample_lengths(data["train"])
+    except UserError:
+        return None
+    table = grouping_table(the_plan, lengths, recipe.data.token_budget, recipe.seed)
+    table["way"] = recipe.data.packing or "none"
+    return table

@@ -428,6 +428,7 @@ FORMAT_FIELDS = {
 }
 # data.template: how a record's fields become the prompt and the response (data/text.py)
 TEMPLATES = ("alpaca", "alpaca-lora", "e2e")
+PACKING_WAYS = ("none", "sorted", "packed")  # data.packing (data/packing.py)
 INSTRUCTION_COLUMN_SETS = ({"instruction", "output"}, {"instruction", "input", "output"})
 
 
@@ -461,6 +462,13 @@ class Data(Builder):
         "default); default false: only the response's",
     )
     tokenizer: str | None = Field(default=None, description="a local tokenizer folder (tokenizer.json)")
+    packing: Literal[PACKING_WAYS] | None = Field(  # type: ignore[valid-type]
+        default=None, description="how a window's samples group into micro-batches (data/packing.py): none (the "
+        "plan's micro-batch of m samples), sorted (by length, micro-batches of at most data.token_budget tokens), "
+        "packed (rows of samples with position ids restarting at each); the window's samples are the same with each")
+    token_budget: int | None = Field(
+        default=None, gt=0, description="sorted / packed: tokens per micro-batch, padding included (default: the "
+        "micro-batch x the longest example)")
     columns: dict[str, str] | None = None
     # format segmentation (docs/segmentation.md): images with a mask of class ids each, cut and flipped together
     layout: Literal[SEGMENTATION_LAYOUTS] | None = Field(  # type: ignore[valid-type]
@@ -855,6 +863,9 @@ class Recipe(Strict):
     def _check_data_format(self) -> None:
         """What a data format needs from the rest of the recipe (the task; the sizes it cuts or tokenises to)."""
         data = self.data
+        problem = packing_problem(self)
+        if problem:
+            raise ValueError(problem)
         if data.format is None:
             return
         if data.format == "hf-datasets":
@@ -882,6 +893,23 @@ class Recipe(Strict):
             if data.max_length is None and self.batch.sequence_length is None:
                 raise ValueError("data.max_length: required for text data: the longest sequence in tokens, longer "
                                  "ones are truncated (Alpaca: 512)")
+
+
+def packing_problem(recipe: Recipe) -> str | None:
+    """Why the recipe's `data.packing` cannot group its windows (data/packing.py), or None."""
+    data, batch = recipe.data, recipe.batch
+    if data.token_budget is not None and data.packing not in ("sorted", "packed"):
+        return "data.token_budget: only used with data.packing sorted or packed"
+    if data.packing not in ("sorted", "packed"):
+        return None
+    if data.format in ("imagefolder", "segmentation", "tokens") or "image" in (data.columns or {}):
+        what = "token files of one length" if data.format == "tokens" else "image data"
+        return (f"data.packing: {data.packing} groups samples by their lengths, which {what} does not have (text "
+                "only: format instructions, hf-datasets text, or a factory's token sequences); use packing: none")
+    if batch.phases or batch.ramp or batch.unit != "samples" or recipe.task != "language-modeling":
+        return (f"data.packing: {data.packing} groups a window of samples of language-modeling text; not with "
+                "batch.phases, batch.ramp, batch.unit tokens or another task")
+    return None
 
 
 def phase_recipe(recipe: Recipe, sequences: int, sequence_length: int | None) -> Recipe:

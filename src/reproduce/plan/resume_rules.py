@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from .memory_options import with_knobs_of, with_quantized_base
+from .packing import with_grouping_of
 from .planfile import load_plan, load_recipe_or_plan
 from .planner import Plan
 from .planner import plan as make
@@ -119,7 +120,8 @@ def recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None,
         raise UserError(f"--quantize {quantize}: the run in {out} was started with {base or 'an unquantised'} base; "
                         "resume it as it was started (its plan.yaml keeps model.quantize)")
     recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"quantize": base})})
-    if with_knobs_of(with_sharding(recipe, started), saved.recipe) != saved.recipe:  # (knobs the plan took kept)
+    kept = with_grouping_of(with_knobs_of(with_sharding(recipe, started), saved.recipe), saved.recipe)
+    if kept != saved.recipe:  # (knobs the plan took, and --packing, kept)
         raise UserError(f"--resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
     return saved.recipe, saved
 
