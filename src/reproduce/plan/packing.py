@@ -15,7 +15,7 @@ def with_packing(recipe: Recipe, packing: str | None, token_budget: int | None =
     fields; model_copy skips the recipe's validators, so the fields' own check runs here)."""
     if packing is None and token_budget is None:
         return recipe
-    update: dict = {"packing": packing or recipe.data.packing}
+    update: dict[str, object] = {"packing": packing or recipe.data.packing}
     if token_budget is not None:
         update["token_budget"] = token_budget
     changed = recipe.model_copy(update={"data": recipe.data.model_copy(update=update)})
