@@ -51,8 +51,15 @@ def init(world: World, device: torch.device) -> torch.device:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         # a long timeout: the other ranks wait in the next collective while rank 0 evaluates
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(hours=2))
+        timeout = datetime.timedelta(hours=2)
+        store, _, _ = next(dist.rendezvous("env://", world.rank, world.size, timeout=timeout))
+        # torchrun --max-restarts keeps its store across the group's restarts: a restarted rank that read the last
+        # attempt's keys (gloo's addresses of processes now gone) failed to connect in 2 of 4 tries here; each
+        # attempt takes keys of its own
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout,
+                                store=dist.PrefixStore(f"reproduce-attempt-{attempt}", store), rank=world.rank,
+                                world_size=world.size)
     return device
 
 

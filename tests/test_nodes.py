@@ -1,0 +1,167 @@
+"""Several machines: two torchrun launchers on this machine as two nodes (c10d rendezvous on 127.0.0.1, gloo), a run
+that continues by itself (--auto-resume), and torchrun restarting a group after a worker was SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from helpers import ENV, SGD, assert_close_weights, digits_recipe, reproduce_run, reproduce_run_here, weights
+from reproduce.cli import main
+from reproduce.train.trainer import read_metrics
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_node(recipe_path: Path, out: Path, port: int, *args: str) -> subprocess.Popen:
+    """One node of a two-node job: `reproduce run --nproc-per-node 1 --nnodes 2` with the c10d rendezvous here."""
+    command = [sys.executable, "-m", "reproduce", "run", str(recipe_path), "--out", str(out), "--device", "cpu",
+               "--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            cwd=recipe_path.parent)
+
+
+def two_nodes(tmp_path: Path, recipe: dict, out: Path, first: list[str], second: list[str]) -> list[tuple]:
+    """Both nodes' (exit code, stdout, stderr), started together."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    port = free_port()
+    nodes = [start_node(path, out, port, *args) for args in (first, second)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    return [(node.returncode, *output) for node, output in zip(nodes, outputs, strict=True)]
+
+
+@pytest.mark.distributed
+@pytest.mark.subprocess
+def test_two_nodes_equal_one_process_with_the_same_effective_batch(tmp_path):
+    """Two launchers, one process each, sharing --out (a filesystem both nodes see): the job's rank 0 alone writes
+    and reports, and the weights are one process's with twice the accumulation."""
+    recipe = digits_recipe(SGD, effective=128, steps=5, data={"shuffle": True})
+    nodes = two_nodes(tmp_path, recipe, tmp_path / "nodes", ["--micro-batch-max", "16"], ["--micro-batch-max", "16"])
+    for code, stdout, stderr in nodes:
+        assert code == 0, stdout[-2000:] + stderr[-3000:]
+        assert "--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:" in stdout
+    reports = [stdout for _, stdout, _ in nodes if "done: 5 steps" in stdout]
+    assert len(reports) == 1 and "micro 16 x accumulation 4 x world 2 = 128" in reports[0]  # rank 0's node alone
+    reproduce_run_here(recipe, tmp_path, "one", "--micro-batch-max", "16")  # micro 16 x accumulation 8 x world 1
+    assert_close_weights(weights(tmp_path, "nodes"), weights(tmp_path, "one"))
+    records = read_metrics(tmp_path / "nodes" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]  # one writer: each step once
+    assert all(r["world_size"] == 2 and r["accumulation_steps"] == 4 and r["grad_syncs"] == 1 for r in records)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.subprocess
+def test_a_node_started_with_another_plan_is_refused_by_the_job(tmp_path):
+    recipe = digits_recipe(SGD, effective=128, steps=3)
+    out = tmp_path / "nodes"
+    nodes = two_nodes(tmp_path, recipe, out, ["--micro-batch-max", "16"], ["--micro-batch-max", "8"])
+    assert all(code != 0 for code, _, _ in nodes)
+    for _, _, stderr in nodes:  # every rank says it, naming the node that differs from rank 0's
+        assert "with another plan than rank 0's" in stderr and "error: plan: node " in stderr
+    assert not out.exists()  # refused before rank 0 wrote anything
+
+
+# ---- --auto-resume, in this process ------------------------------------------------------------------------------
+
+def run_here(recipe: dict, tmp_path: Path, out: str, *args: str) -> int:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(path), "--out", str(tmp_path / out), "--device", "cpu", "--micro-batch-max", "16", *args])
+    return exit_info.value.code
+
+
+def test_auto_resume_starts_continues_and_then_has_nothing_to_do(tmp_path, capsys, one_thread):
+    recipe = digits_recipe(SGD, effective=64, steps=6, data={"shuffle": True})
+    assert run_here(recipe, tmp_path, "auto", "--auto-resume", "--max-steps", "3") == 0  # an empty folder: starts
+    assert run_here(recipe, tmp_path, "auto", "--auto-resume") == 0  # unfinished: resumes after step 3
+    assert "holds a checkpoint to continue from: resuming" in capsys.readouterr().out
+    before = (tmp_path / "auto" / "metrics.jsonl").read_text()
+    assert run_here(recipe, tmp_path, "auto", "--auto-resume") == 0  # finished: nothing to do, nothing written
+    assert "the run in" in capsys.readouterr().out and (tmp_path / "auto" / "metrics.jsonl").read_text() == before
+    run_here(recipe, tmp_path, "straight")
+    straight, auto = weights(tmp_path, "straight"), weights(tmp_path, "auto")
+    assert all(torch.equal(auto[name], straight[name]) for name in straight)  # bitwise: one process both times
+    assert [r["step"] for r in read_metrics(tmp_path / "auto" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_auto_resume_starts_again_a_run_that_never_checkpointed(tmp_path, capsys, one_thread):
+    recipe = digits_recipe(SGD, effective=64, steps=2)
+    assert run_here(recipe, tmp_path, "auto", "--max-steps", "1") == 0
+    (tmp_path / "auto" / "checkpoints" / "last.pt").unlink()  # killed before its first checkpoint
+    (tmp_path / "auto" / "summary.json").unlink()
+    assert run_here(recipe, tmp_path, "auto", "--auto-resume") == 0
+    assert "no checkpoint yet: starting again" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(tmp_path / "auto" / "metrics.jsonl")] == [1, 2]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--auto-resume"], "--auto-resume: {out} holds the run of another plan, which it neither resumes nor overwrites "
+                        "(--resume: the recipe in"),
+    (["--auto-resume", "--resume"], "--auto-resume: it decides between starting and resuming by itself; without "
+                                    "--resume"),
+    (["--max-restarts", "2"], "--max-restarts: torchrun restarts the processes it launched; give --nproc-per-node"),
+])
+def test_auto_resume_bad_input(tmp_path, capsys, one_thread, args, expected):
+    run_here(digits_recipe(SGD, effective=64, steps=1), tmp_path, "taken")
+    capsys.readouterr()
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "taken").rglob("*")}
+    other = digits_recipe({**SGD, "lr": SGD["lr"] * 2}, effective=64, steps=1)  # another recipe's run is there
+    assert run_here(other, tmp_path, "taken", *args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: " + expected.format(out=tmp_path / "taken")) and "\n" not in err
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "taken").rglob("*")} == before
+
+
+# ---- torchrun --max-restarts: a SIGKILLed worker, the group restarted, the run continued ---------------------------
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (from /proc: Linux)."""
+    tasks = Path(f"/proc/{pid}/task")
+    found = []
+    for task in tasks.iterdir() if tasks.is_dir() else []:
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.subprocess
+def test_a_worker_killed_under_max_restarts_ends_bitwise_equal(tmp_path):
+    recipe = digits_recipe(SGD, effective=128, steps=60, data={"shuffle": True})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "killed"
+    command = [sys.executable, "-m", "reproduce", "run", str(path), "--out", str(out), "--device", "cpu",
+               "--micro-batch-max", "16", "--nproc-per-node", "2", "--checkpoint-every", "5", "--max-restarts", "1"]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 12):  # past the checkpoint at 10
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-3000:]
+        time.sleep(0.05)
+    (torchrun,) = children(launcher.pid)
+    worker = children(torchrun)[0]
+    os.kill(worker, signal.SIGKILL)
+    log = launcher.communicate(timeout=300)[0]
+    assert launcher.returncode == 0, log[-3000:]
+    assert "--max-restarts=1" in log and "exitcode: -9" in log
+    assert "holds a checkpoint to continue from: resuming" in log and "resuming after step " in log
+    reproduce_run(recipe, tmp_path, "straight", "--micro-batch-max", "16", "--nproc-per-node", "2")
+    straight, killed = weights(tmp_path, "straight"), weights(tmp_path, "killed")
+    assert all(torch.equal(killed[name], straight[name]) for name in straight)  # bitwise: the same world size
+    assert [r["step"] for r in read_metrics(metrics)] == list(range(1, 61))
