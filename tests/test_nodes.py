@@ -165,3 +165,76 @@ def test_a_worker_killed_under_max_restarts_ends_bitwise_equal(tmp_path):
     straight, killed = weights(tmp_path, "straight"), weights(tmp_path, "killed")
     assert all(torch.equal(killed[name], straight[name]) for name in straight)  # bitwise: the same world size
     assert [r["step"] for r in read_metrics(metrics)] == list(range(1, 61))
+
+
+# ---- SLURM: `reproduce plan --emit slurm` -------------------------------------------------------------------------
+
+def slurm_script(tmp_path: Path, recipe: dict, *args: str) -> str:
+    """The sbatch script `reproduce plan --emit slurm` prints, and the plan saved as tmp_path/plan.yaml."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    command = [sys.executable, "-m", "reproduce", "plan", str(path), "--micro-batch-max", "16", "--emit", "slurm",
+               "--out", str(tmp_path / "plan.yaml"), *args]
+    done = subprocess.run(command, capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_emit_slurm_writes_an_sbatch_script_bash_accepts(tmp_path):
+    script = slurm_script(tmp_path, digits_recipe(SGD, effective=128, steps=3), "--world-size", "32")
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    assert lines[1].startswith("# reproduce plan: micro-batch 4 x accumulation 1 x world 32")
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --signal=B:USR1@300", "#SBATCH --requeue", "trap stop_and_requeue USR1"):
+        assert line in lines
+    (srun,) = [line for line in lines if line.startswith("srun ")]
+    assert srun == ("srun --kill-on-bad-exit=1 python -m torch.distributed.run --nproc-per-node=8 --nnodes=4 "
+                    "--rdzv-backend=c10d --rdzv-endpoint=$HEAD_NODE:29500 --rdzv-id=$SLURM_JOB_ID --max-restarts=3 "
+                    "-m reproduce run plan.yaml --out runs/recipe --auto-resume &")
+    (tmp_path / "job.sbatch").write_text(script)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0  # the shell parses it
+    six = slurm_script(tmp_path, digits_recipe(SGD, effective=128, steps=3), "--world-size", "12",
+                       "--gpus-per-node", "4")
+    assert "#SBATCH --nodes=3" in six and "#SBATCH --gpus-per-node=4" in six
+
+
+def test_emit_slurm_for_one_process_says_it_needs_none(tmp_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(digits_recipe(SGD, effective=128, steps=3)))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", str(path), "--micro-batch-max", "16", "--emit", "slurm"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "error: --emit slurm: the plan runs on 1 process, which needs no launcher: plan it for several (--world-size) "
+        "or submit `reproduce run` itself (sbatch --gpus=1 --wrap '...')")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.subprocess
+def test_the_slurm_scripts_torchrun_line_runs_as_two_local_nodes(tmp_path):
+    """No SLURM here: the script's srun line without srun, started twice (what srun does, one task per node) with the
+    job's first host 127.0.0.1; the run equals one process, and the same line again finds it finished."""
+    recipe = digits_recipe(SGD, effective=128, steps=4, data={"shuffle": True})
+    script = slurm_script(tmp_path, recipe, "--world-size", "2", "--gpus-per-node", "1")
+    (srun,) = [line for line in script.splitlines() if line.startswith("srun ")]
+    line = srun.removeprefix("srun --kill-on-bad-exit=1 python").removesuffix(" &").replace(":29500",
+                                                                                            f":{free_port()}")
+    env = {**ENV, "HEAD_NODE": "127.0.0.1", "SLURM_JOB_ID": "4242"}
+
+    def node() -> subprocess.Popen:
+        return subprocess.Popen(f"{sys.executable} {line}", shell=True, cwd=tmp_path, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    nodes = [node(), node()]
+    logs = [started.communicate(timeout=300)[0] for started in nodes]
+    assert [started.returncode for started in nodes] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    reproduce_run_here(recipe, tmp_path, "one", "--micro-batch-max", "16")
+    assert_close_weights(weights(tmp_path, "runs/recipe"), weights(tmp_path, "one"))
+    records = read_metrics(tmp_path / "runs" / "recipe" / "metrics.jsonl")
+    assert [(r["step"], r["world_size"], r["accumulation_steps"]) for r in records] == [(s, 2, 4) for s in range(1, 5)]
+    again = [node(), node()]  # a requeued job whose run had finished
+    logs = [started.communicate(timeout=300)[0] for started in again]
+    assert [started.returncode for started in again] == [0, 0]
+    assert any("--auto-resume: the run in runs/recipe is finished (4 of 4 optimizer steps run)" in log for log in logs)
