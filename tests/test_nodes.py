@@ -3,7 +3,9 @@ that continues by itself (--auto-resume), and torchrun restarting a group after 
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -238,3 +240,51 @@ def test_the_slurm_scripts_torchrun_line_runs_as_two_local_nodes(tmp_path):
     logs = [started.communicate(timeout=300)[0] for started in again]
     assert [started.returncode for started in again] == [0, 0]
     assert any("--auto-resume: the run in runs/recipe is finished (4 of 4 optimizer steps run)" in log for log in logs)
+
+
+def test_the_plan_says_what_the_cluster_costs_in_gpu_hours(tmp_path, capsys, isolated):
+    """The same recipe on one node of 8 and on four: the predicted time and GPUs x hours, with the nodes."""
+    def plan(*args: str) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["plan", "digits-mlp", "--micro-batch-max", "16", "--gpu", "a100-80gb", *args])
+        assert exit_info.value.code in (0, None)
+        return capsys.readouterr().out
+
+    summary = json.loads(plan("--world-size", "16", "--json"))
+    assert summary["gpu_hours"] == pytest.approx(summary["predicted_seconds"] * 16 / 3600)
+    assert "; {:.3g} GPU-hours (2 nodes x 8 GPUs)".format(summary["gpu_hours"]) in plan("--world-size", "16")
+    assert "GPU-hours (4 nodes x 4 GPUs)" in plan("--world-size", "16", "--gpus-per-node", "4")
+    one = json.loads(plan("--world-size", "2", "--json"))  # fewer GPUs, longer: the same FLOPs, the same GPU-hours
+    assert one["gpu_hours"] == pytest.approx(summary["gpu_hours"])
+    assert one["predicted_seconds"] == pytest.approx(summary["predicted_seconds"] * 8)
+
+
+def slurm_absent() -> str | None:
+    """Why no job can be submitted here (None: an idle SLURM node answers)."""
+    if shutil.which("sbatch") is None:
+        return "sbatch is not installed (Debian: apt-get install slurm-wlm munge, and a slurmctld + slurmd)"
+    states = subprocess.run(["sinfo", "-h", "-o", "%T %G"], capture_output=True, text=True, timeout=30)
+    if states.returncode != 0 or "idle" not in states.stdout or "gpu:2" not in states.stdout:
+        return f"no idle SLURM node with 2 GPUs (sinfo: {(states.stdout + states.stderr).strip()[:200]})"
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.subprocess
+def test_the_slurm_script_runs_under_sbatch(tmp_path):
+    """Submitted for real, to a one-node cluster (its 2 GPUs GRES entries: the processes run on the CPU here)."""
+    why = slurm_absent()
+    if why:
+        pytest.skip(why)
+    recipe = digits_recipe(SGD, effective=128, steps=4, data={"shuffle": True})
+    (tmp_path / "job.sbatch").write_text(slurm_script(tmp_path, recipe, "--world-size", "2", "--gpus-per-node", "2"))
+    env = {**ENV, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
+    done = subprocess.run(["sbatch", "--wait", "--parsable", "job.sbatch"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=600)
+    job = done.stdout.strip()
+    log = (tmp_path / f"reproduce-recipe-{job}.out").read_text()
+    assert done.returncode == 0, done.stderr + log[-3000:]
+    assert "micro 16 x accumulation 4 x world 2 = 128" in log and "done: 4 steps" in log
+    reproduce_run_here(recipe, tmp_path, "one", "--micro-batch-max", "16")
+    assert_close_weights(weights(tmp_path, "runs/recipe"), weights(tmp_path, "one"))

@@ -120,7 +120,8 @@ def plan_command(
             summary["probe"] = result.model_dump(mode="json")
             summary["cost"] = costs_json(plan_costs(the_plan, result))
         summary.update(predicted_seconds=prediction.get("predicted_seconds"),
-                       paper_predicted_seconds=prediction.get("paper_predicted_seconds"), prediction=prediction)
+                       paper_predicted_seconds=prediction.get("paper_predicted_seconds"),
+                       gpu_hours=prediction.get("gpu_hours"), prediction=prediction)
         print(json.dumps(summary, indent=2))
         return
     stdout.print(f"recipe: {described(recipe_path, recipe_path)}", markup=False, soft_wrap=True)
