@@ -288,3 +288,17 @@ def test_the_slurm_script_runs_under_sbatch(tmp_path):
     assert "micro 16 x accumulation 4 x world 2 = 128" in log and "done: 4 steps" in log
     reproduce_run_here(recipe, tmp_path, "one", "--micro-batch-max", "16")
     assert_close_weights(weights(tmp_path, "runs/recipe"), weights(tmp_path, "one"))
+
+
+def test_the_launch_line_takes_an_elastic_range_and_restarts():
+    from reproduce.errors import UserError
+    from reproduce.plan.launch import node_range, node_split, torchrun_command
+
+    assert node_range("2") == (2, 2) and node_range("1:4") == (1, 4)
+    for bad in ("0", "2:1", "a", "1:2:3", ""):
+        with pytest.raises(UserError, match="--nnodes"):
+            node_range(bad)
+    command = torchrun_command(["plan.yaml"], 8, "1:4", None, "h:29500", "python", 2, "77")
+    assert command[3:9] == ["--nproc-per-node=8", "--nnodes=1:4", "--rdzv-backend=c10d", "--rdzv-endpoint=h:29500",
+                            "--rdzv-id=77", "--max-restarts=2"]
+    assert [node_split(w) for w in (2, 8, 12, 32, 5)] == [(1, 2), (1, 8), (2, 6), (4, 8), (1, 5)]
