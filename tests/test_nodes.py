@@ -302,3 +302,53 @@ def test_the_launch_line_takes_an_elastic_range_and_restarts():
     assert command[3:9] == ["--nproc-per-node=8", "--nnodes=1:4", "--rdzv-backend=c10d", "--rdzv-endpoint=h:29500",
                             "--rdzv-id=77", "--max-restarts=2"]
     assert [node_split(w) for w in (2, 8, 12, 32, 5)] == [(1, 2), (1, 8), (2, 6), (4, 8), (1, 5)]
+
+
+def wait_for_port(port: int, process: subprocess.Popen, seconds: float = 120) -> None:
+    """Until something listens on 127.0.0.1:port (the first node's torchrun, hosting the c10d store)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, "the first node stopped or never listened"
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.subprocess
+def test_an_elastic_job_that_loses_a_node_continues_on_fewer(tmp_path):
+    """--nnodes 1:2 --max-restarts 1: the second node (launcher, torchrun and worker) SIGKILLed after step 12, the
+    first node's torchrun restarts its group alone, and --auto-resume continues on world 1 with the accumulation
+    re-derived (16 x 4 x 2 -> 16 x 8 x 1): the one-process run's weights within float rounding."""
+    recipe = digits_recipe(SGD, effective=128, steps=40, data={"shuffle": True})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out, port = tmp_path / "elastic", free_port()
+    args = ["--micro-batch-max", "16", "--max-restarts", "1", "--checkpoint-every", "5"]
+
+    def node() -> subprocess.Popen:
+        command = [sys.executable, "-m", "reproduce", "run", str(path), "--out", str(out), "--device", "cpu",
+                   "--nproc-per-node", "1", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", *args]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+
+    first = node()
+    wait_for_port(port, first)  # the first node hosts the store: the node that leaves must not be that one
+    second = node()
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 12):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
+        time.sleep(0.05)
+    (torchrun,) = children(second.pid)
+    for pid in [*children(torchrun), torchrun, second.pid]:
+        os.kill(pid, signal.SIGKILL)
+    second.wait()
+    log = first.communicate(timeout=400)[0]
+    assert first.returncode == 0, log[-3000:]
+    assert "micro 16 x accumulation 8 x world 1 = 128" in log and "resuming after step " in log
+    reproduce_run_here(recipe, tmp_path, "one", "--micro-batch-max", "16")
+    assert_close_weights(weights(tmp_path, "elastic"), weights(tmp_path, "one"))
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records] == list(range(1, 41))
+    assert {(r["world_size"], r["accumulation_steps"]) for r in records} == {(2, 4), (1, 8)}
