@@ -73,6 +73,10 @@ CASES = [
     ("resume-without-checkpoint", RUNNABLE, ["--resume"], "--resume:"),
     ("several-nodes-without-rendezvous", RUNNABLE, ["--nproc-per-node", "2", "--nnodes", "2"],
      "--rdzv-endpoint: required"),
+    ("elastic-nodes-without-rendezvous", RUNNABLE, ["--nproc-per-node", "1", "--nnodes", "1:2"],
+     "--rdzv-endpoint: required"),
+    ("nodes-not-a-number", RUNNABLE, ["--nproc-per-node", "1", "--nnodes", "2:x"],
+     "--nnodes: expected a number of machines N or an elastic range MIN:MAX (got '2:x')"),
     ("no-noise-scale-takes-no-value", RUNNABLE, ["--no-noise-scale=yes"],
      "Option '--no-noise-scale' does not take a value"),
     # FSDP: checked before anything is launched or written

@@ -22,7 +22,7 @@ def test_plan_emit_rejects_an_unknown_format_before_any_work(tmp_path, capsys):
               "--out", str(tmp_path / "plan.yaml")])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == (
-        "error: --emit: expected one of hf, lightning, deepspeed, accelerate, torchrun (got 'keras')")
+        "error: --emit: expected one of hf, lightning, deepspeed, accelerate, torchrun, slurm (got 'keras')")
     assert not (tmp_path / "plan.yaml").exists()
 
 

@@ -166,8 +166,9 @@ def test_exports_state_the_model_changes_with_code_that_makes_them():
     the_plan = plan(recipe, 4, 1)
     notes = model_notes(the_plan)
     assert len(notes) == 2 and "torch.bfloat16" in notes[0] and lora_source(recipe.model.lora) in notes[1]
-    for fmt in FORMATS:
-        text = " ".join(line.lstrip("#").strip() for line in emit(the_plan, fmt).splitlines())
+    for fmt in FORMATS:  # (slurm launches several processes: the plan on 2)
+        emitted = emit(the_plan if fmt != "slurm" else plan(recipe, 4, 2), fmt)
+        text = " ".join(line.lstrip("#").strip() for line in emitted.splitlines())
         assert "model.dtype" in text and "model.lora" in text and "peft.LoraConfig(r=4, lora_alpha=8.0" in text
 
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from ..export import FORMATS, check_format, emit
+from ..plan.launch import GPUS_PER_NODE
 from ..plan.memory_options import memory_summary
 from ..plan.packing import with_packing
 from ..plan.planfile import check_writable, save_plan
@@ -56,6 +57,10 @@ PLAN_DATA_HELP = ("Plan on this data (a folder or file in the recipe's data.form
                   "data.path: its size gives the epochs' optimizer steps, as `run` counts them.")
 
 
+GPUS_PER_NODE_HELP = ("GPUs per machine, for the nodes of a plan of several processes (--emit slurm's script, the "
+                      "GPU-hours line): full nodes of up to this many.")
+
+
 @app.command("plan")
 def plan_command(
     recipe_path: Path = typer.Argument(
@@ -75,6 +80,7 @@ def plan_command(
     emit_format: str | None = typer.Option(
         None, "--emit", metavar="FORMAT", help=f"Print the plan as {', '.join(FORMATS)} settings, not the table."
     ),
+    gpus_per_node: int = typer.Option(GPUS_PER_NODE, "--gpus-per-node", min=1, help=GPUS_PER_NODE_HELP),
     assumed_mfu: float = typer.Option(DEFAULT_MFU, "--mfu", help=MFU_HELP),
     free_batchnorm: bool = typer.Option(False, "--free-batchnorm", help=FREE_BATCHNORM_HELP),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
@@ -112,7 +118,7 @@ def plan_command(
     if out is not None:
         save_plan(the_plan, out)
     if emit_format is not None:
-        print(emit(the_plan, emit_format), end="")
+        print(emit(the_plan, emit_format, gpus_per_node), end="")
         return
     prediction = predict(the_plan, result, gpu, assumed_mfu)
     grouping = packing_table(recipe, the_plan, data)
@@ -124,7 +130,8 @@ def plan_command(
             summary["probe"] = result.model_dump(mode="json")
             summary["cost"] = costs_json(plan_costs(the_plan, result))
         summary.update(predicted_seconds=prediction.get("predicted_seconds"),
-                       paper_predicted_seconds=prediction.get("paper_predicted_seconds"), prediction=prediction)
+                       paper_predicted_seconds=prediction.get("paper_predicted_seconds"),
+                       gpu_hours=prediction.get("gpu_hours"), prediction=prediction)
         print(json.dumps(summary, indent=2))
         return
     stdout.print(f"recipe: {described(recipe_path, recipe_path)}", markup=False, soft_wrap=True)
@@ -136,7 +143,7 @@ def plan_command(
     if result is not None:
         for line in cost_lines(the_plan, result):
             stdout.print(line, markup=False, soft_wrap=True)
-    render_prediction(prediction)
+    render_prediction(prediction, the_plan.world_size, gpus_per_node)
     if out is not None:
         stdout.print(f"plan written to {out}")
 

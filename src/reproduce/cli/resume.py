@@ -4,16 +4,19 @@ it as printed goes on with the same run."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from pathlib import Path
 
+from ..errors import UserError
+
 LAUNCHER_ENV = "REPRODUCE_LAUNCHED_WITH"  # torchrun's options, for the resume command its processes print
 
 
-def launcher_args(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> list[str]:
+def launcher_args(nproc_per_node: int, nnodes: int | str, node_rank: int, rdzv_endpoint: str | None) -> list[str]:
     args = ["--nproc-per-node", str(nproc_per_node)]
-    if nnodes > 1:
+    if str(nnodes) != "1":
         args += ["--nnodes", str(nnodes), "--node-rank", str(node_rank)]
     if rdzv_endpoint is not None:
         args += ["--rdzv-endpoint", rdzv_endpoint]
@@ -42,3 +45,32 @@ def continue_command(out: Path, values: dict[str, object], switches: dict[str, b
         if value is not None:
             args += [flag, str(value)]
     return shlex.join(args + [flag for flag, on in switches.items() if on])
+
+
+def folder_state(out: Path, max_steps: int | None) -> tuple[str, str]:
+    """Where the run in `out` stands, for --auto-resume, with a few words on it: `new` (no run there), `started`
+    (its plan.yaml, no checkpoint yet: it starts again), `unfinished` (a checkpoint: it resumes) or `finished`
+    (summary.json has reached --max-steps, else the plan's last step: nothing to do)."""
+    if not (out / "plan.yaml").is_file():
+        return "new", "no run there"
+    summary_path = out / "summary.json"
+    if summary_path.is_file():
+        summary = json.loads(summary_path.read_text())
+        planned = summary.get("planned_steps") or summary["steps"]
+        target = min(max_steps, planned) if max_steps is not None else planned
+        if summary["steps"] >= target:
+            return "finished", f"{summary['steps']} of {planned} optimizer steps run"
+    if (out / "checkpoints" / "last.pt").is_file():
+        return "unfinished", "a checkpoint to continue from"
+    return "started", "its plan.yaml but no checkpoint yet"
+
+
+def auto_resume_flags(resume: bool, force: bool, max_restarts: int | None, launching: bool) -> None:
+    """--auto-resume chooses between starting and --resume itself; --max-restarts is torchrun's (it implies
+    --auto-resume, so a restarted group continues)."""
+    if resume or force:
+        raise UserError(f"--auto-resume: it decides between starting and resuming by itself; without "
+                        f"{'--resume' if resume else '--force'}")
+    if max_restarts is not None and not launching:
+        raise UserError("--max-restarts: torchrun restarts the processes it launched; give --nproc-per-node "
+                        "(or run torchrun --max-restarts yourself, with --auto-resume)")

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..errors import UserError
 from ..plan.batchnorm import batchnorm_for_run
+from ..plan.launch import node_range
 from ..plan.packing import with_packing
 from ..plan.phases import phase_lines
 from ..plan.planner import Plan
@@ -53,7 +54,15 @@ from .options import (
     probe_options,
     value_of,
 )
-from .resume import LAUNCHER_ENV, absolute, continue_command, launcher_args, launcher_of_this_job
+from .resume import (
+    LAUNCHER_ENV,
+    absolute,
+    auto_resume_flags,
+    continue_command,
+    folder_state,
+    launcher_args,
+    launcher_of_this_job,
+)
 from .throughput import cost_line
 
 
@@ -176,6 +185,11 @@ MAX_STEPS_HELP = ("Stop after optimizer step K, counted from the start of the ru
                   "(smoke runs).")
 MERGED_HELP = ("With model.lora, also write OUT/merged: the adapters merged into the base, a Hugging Face folder that "
                "from_pretrained loads (OUT/adapter, peft's save_pretrained folder, is always written).")
+AUTO_RESUME_HELP = ("Start when --out holds no run of this plan, resume when it holds an unfinished one, do nothing "
+                    "(exit 0) when it is finished; another plan's run is refused. For restarts and requeued jobs.")
+MAX_RESTARTS_HELP = ("torchrun restarts the processes up to N times after one fails; the run continues from its last "
+                     "checkpoint (implies --auto-resume).")
+NNODES_HELP = "Machines in the job (with --nproc-per-node), or MIN:MAX for torchrun's elastic range."
 DIVERGENCE_HELP = ("Stop when the loss diverges (not finite, or above 2x its first value for 10 steps in a row); "
                    "without it the run warns once and goes on.")
 
@@ -183,9 +197,12 @@ def packing_for_run(recipe, plan, resume: bool, packing: str | None, token_budge
     """The recipe and plan with --packing / --token-budget (plan/packing.py); a resumed run keeps its own."""
     if packing is None and token_budget is None:
         return recipe, plan
-    if resume:
+    if resume:  # the same options again (--auto-resume repeats the command) are the run's own
+        kept = plan.recipe.data if plan is not None else recipe.data
+        if (packing or kept.packing) == kept.packing and token_budget in (None, kept.token_budget):
+            return recipe, plan
         raise UserError("--packing / --token-budget: a resumed run keeps the grouping it was started with (its "
-                        "plan.yaml's data.packing); leave them out with --resume")
+                        f"plan.yaml's data.packing: {kept.packing}); leave them out with --resume")
     recipe = with_packing(recipe, packing, token_budget)
     return recipe, plan.model_copy(update={"recipe": recipe}) if plan is not None else None
 
@@ -198,6 +215,26 @@ def _forwarded_args(source: Path, out: Path, values: dict[str, object], switches
         if value is not None:
             args += [flag, str(value)]
     return args + [flag for flag, on in switches.items() if on]
+
+
+def _auto_resume(source: Path, out: Path, max_steps: int | None, is_main: bool, plan_args: tuple) -> tuple[bool, bool]:
+    """--auto-resume: (resume, force) for the run in `out`, after refusing another plan's run there; a finished run
+    exits 0 at once."""
+    state, words = folder_state(out, max_steps)
+    if state != "new":
+        try:
+            recipe_and_plan(source, out, True, *plan_args)
+        except UserError as error:
+            raise UserError(f"--auto-resume: {out} holds the run of another plan, which it neither resumes nor "
+                            f"overwrites ({error})") from None
+    if state == "finished":
+        if is_main:
+            print(f"--auto-resume: the run in {out} is finished ({words}); nothing to do", flush=True)
+        raise typer.Exit(0)
+    if is_main and state != "new":
+        print(f"--auto-resume: {out} holds {words}: " + ("resuming" if state == "unfinished" else "starting again"),
+              flush=True)
+    return state == "unfinished", state == "started"
 
 
 def _launch(command: list[str]) -> int:
@@ -234,13 +271,15 @@ def run_command(
     policy: Policy = typer.Option(Policy.exact, "--policy", help=POLICY_HELP),
     max_steps: int | None = typer.Option(None, "--max-steps", min=1, help=MAX_STEPS_HELP),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
+    auto_resume: bool = typer.Option(False, "--auto-resume", help=AUTO_RESUME_HELP),
+    max_restarts: int | None = typer.Option(None, "--max-restarts", min=0, metavar="N", help=MAX_RESTARTS_HELP),
     force: bool = typer.Option(False, "--force", help="Overwrite the outputs of another run in --out."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     seed: int | None = typer.Option(None, "--seed", help=SEED_HELP),
     checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", min=1, help=CHECKPOINT_HELP),
     skip_nonfinite: bool = typer.Option(False, "--skip-nonfinite", help=SKIP_HELP),
     nproc_per_node: int | None = typer.Option(None, "--nproc-per-node", min=1, help=NPROC_HELP),
-    nnodes: int = typer.Option(1, "--nnodes", min=1, help="Machines in the job (with --nproc-per-node)."),
+    nnodes: str = typer.Option("1", "--nnodes", metavar="N|MIN:MAX", help=NNODES_HELP),
     node_rank: int = typer.Option(0, "--node-rank", min=0, help="This machine's rank (with --nnodes)."),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0 (several nodes)."),
     memory: str | None = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
@@ -278,19 +317,27 @@ def run_command(
     world = distributed.world_from_env()
     sharding_name = value_of(sharding)
     memory_flags = (activation_checkpointing, sharded_gradients, value_of(offload))
-    if nproc_per_node is not None and not world.distributed:
-        if nnodes > 1 and rdzv_endpoint is None:
-            raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
+    launching = nproc_per_node is not None and not world.distributed
+    _, nodes = node_range(nnodes)
+    if launching and nodes > 1 and rdzv_endpoint is None:
+        raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
+    auto_resume = auto_resume or max_restarts is not None
+    if auto_resume:
+        auto_resume_flags(resume, force, max_restarts, launching)
+        resume, force = _auto_resume(source, out, max_steps, world.is_main, (
+            sharding_name, data_path, eval_data_path, weights, value_of(quantize)))
+    if launching:
+        processes = nproc_per_node * nodes  # an elastic job is planned for its most nodes; fewer re-derive N
         # bad input: one line, before launching
         recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights,
                                        value_of(quantize))
         recipe, plan = packing_for_run(recipe, plan, resume, value_of(packing), token_budget)
         recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
         recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))
-        check_sync_batchnorm(recipe, nproc_per_node * nnodes, device)
-        check_sharding(recipe, nproc_per_node * nnodes)
+        check_sync_batchnorm(recipe, processes, device)
+        check_sharding(recipe, processes)
         check_sharded_probe(recipe, plan, micro_batch_max, meter.value)
-        check_launch_policy(policy.value, plan, nproc_per_node * nnodes)
+        check_launch_policy(policy.value, plan, processes)
         args = _forwarded_args(
             source, out,
             {"--policy": policy.value, "--device": device, "--micro-batch-max": micro_batch_max,
@@ -300,11 +347,13 @@ def run_command(
              "--log-to": ",".join(trackers) or None, "--offload": offload.value if offload is not None else None,
              "--quantize": value_of(quantize), "--batchnorm": value_of(batchnorm), "--packing": value_of(packing),
              "--token-budget": token_budget},
-            {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
+            {"--resume": resume and not auto_resume, "--force": force and not auto_resume,
+             "--auto-resume": auto_resume, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
              "--no-noise-scale": no_noise_scale, "--stop-on-divergence": stop_on_divergence, "--merged": merged,
              "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients},
         )
-        command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+        command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint,
+                                               max_restarts=max_restarts)
         os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(nproc_per_node, nnodes, node_rank, rdzv_endpoint))
         print("launching: " + " ".join(command), flush=True)
         raise typer.Exit(_launch(command))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from ..plan.launch import GPUS_PER_NODE, node_split
 from ..plan.planner import Plan
 from ..probe.cost import format_duration
 from .common import stdout
@@ -69,7 +70,17 @@ def cost_line(decision: dict) -> str | None:
     return line
 
 
-def render_prediction(prediction: dict) -> None:
+def cluster_cost(hours: float | None, world_size: int = 0, gpus_per_node: int = GPUS_PER_NODE) -> str:
+    """`: 12.4 GPU-hours (4 nodes x 8 GPUs)`: the whole run's GPUs x hours, and the nodes a plan of several
+    processes fills."""
+    if hours is None:
+        return ""
+    nodes, per_node = node_split(world_size, gpus_per_node) if world_size > 1 else (1, 1)
+    where = f" ({nodes} node{'s' if nodes > 1 else ''} x {per_node} GPUs)" if world_size > 1 else ""
+    return f"; {hours:.3g} GPU-hours{where}"
+
+
+def render_prediction(prediction: dict, world_size: int = 1, gpus_per_node: int = GPUS_PER_NODE) -> None:
     if "flops_per_step" not in prediction:
         for note in prediction["notes"]:
             stdout.print(f"note: {note}", markup=False, soft_wrap=True)
@@ -81,11 +92,12 @@ def render_prediction(prediction: dict) -> None:
     stdout.print(f"FLOPs: {prediction['flops_per_sample']:.4g} per sample, {per_step:.4g} per optimizer step "
                  "(model FLOPs, forward and backward)", markup=False, soft_wrap=True)
     if prediction["predicted_basis"]:
-        stdout.print(f"predicted time: {text(prediction['predicted_seconds'])} ({prediction['predicted_basis']})",
-                     markup=False, soft_wrap=True)
+        stdout.print(f"predicted time: {text(prediction['predicted_seconds'])} ({prediction['predicted_basis']})"
+                     + cluster_cost(prediction["gpu_hours"], world_size, gpus_per_node), markup=False, soft_wrap=True)
     if prediction["paper_basis"]:
         stdout.print(f"predicted time on the paper's hardware: {text(prediction['paper_predicted_seconds'])} "
-                     f"({prediction['paper_basis']})", markup=False, soft_wrap=True)
+                     f"({prediction['paper_basis']})" + cluster_cost(prediction["paper_gpu_hours"]), markup=False,
+                     soft_wrap=True)
     if "FLOPs model" in (prediction["predicted_basis"] or "") + (prediction["paper_basis"] or ""):
         stdout.print(f"MFU: {prediction['mfu_source']}", markup=False, soft_wrap=True)
     for note in prediction["notes"]:

@@ -1,4 +1,4 @@
-"""A plan in another trainer's own terms: Hugging Face, Lightning, DeepSpeed, Accelerate, or torchrun.
+"""A plan in another trainer's own terms: Hugging Face, Lightning, DeepSpeed, Accelerate, torchrun, or SLURM.
 
 Pure Python, no torch. `emit(plan, fmt)` returns text to paste or save; `export(plan, fmt)` also returns the
 values the text is made of (what tests hand to the real libraries). Every text opens with a comment line
@@ -24,8 +24,9 @@ One module per framework; `common` and `code` hold what they share, `fsdp` the s
 from __future__ import annotations
 
 from ..errors import UserError
+from ..plan.launch import GPUS_PER_NODE
 from ..plan.planner import Plan
-from . import accelerate, deepspeed, hf, lightning, torchrun
+from . import accelerate, deepspeed, hf, lightning, slurm, torchrun
 from .code import lr_factor_source, optimizer_source, param_groups_source
 from .common import Export, arithmetic_line
 from .deepspeed import deepspeed_config
@@ -33,13 +34,14 @@ from .hf import hf_scheduler
 from .torchrun import torchrun_command
 
 BUILDERS = {"hf": hf.build, "lightning": lightning.build, "deepspeed": deepspeed.build,
-            "accelerate": accelerate.build, "torchrun": torchrun.build}
+            "accelerate": accelerate.build, "torchrun": torchrun.build, "slurm": slurm.build}
 FORMATS = tuple(BUILDERS)
 
 
-def emit(plan: Plan, fmt: str) -> str:
-    """The plan as `fmt` (hf, lightning, deepspeed, accelerate, torchrun): text that starts with a comment."""
-    return export(plan, fmt).text
+def emit(plan: Plan, fmt: str, gpus_per_node: int = GPUS_PER_NODE) -> str:
+    """The plan as `fmt` (hf, lightning, deepspeed, accelerate, torchrun, slurm): text that starts with a comment
+    (slurm: `#!/bin/bash`, then the comments); `gpus_per_node`: slurm's nodes."""
+    return export(plan, fmt, gpus_per_node).text
 
 
 def check_format(fmt: str) -> str:
@@ -49,8 +51,10 @@ def check_format(fmt: str) -> str:
     return fmt
 
 
-def export(plan: Plan, fmt: str) -> Export:
-    return BUILDERS[check_format(fmt)](plan)
+def export(plan: Plan, fmt: str, gpus_per_node: int = GPUS_PER_NODE) -> Export:
+    if check_format(fmt) == "slurm":
+        return slurm.build(plan, gpus_per_node)
+    return BUILDERS[fmt](plan)
 
 
 __all__ = ["FORMATS", "Export", "arithmetic_line", "check_format", "deepspeed_config", "emit", "export", "hf_scheduler",

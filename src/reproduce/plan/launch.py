@@ -1,23 +1,55 @@
 """The torchrun command line that runs `reproduce run` on several processes: pure, no torch, so the launcher
-(`reproduce run --nproc-per-node`) and the export (`reproduce plan --emit torchrun`) build it one way."""
+(`reproduce run --nproc-per-node`) and the exports (`reproduce plan --emit torchrun`, `--emit slurm`) build it one
+way."""
 
 from __future__ import annotations
 
 import sys
 
+from ..errors import UserError
+
+
+def node_range(nnodes: int | str) -> tuple[int, int]:
+    """`--nnodes N` or torchrun's elastic `MIN:MAX` as (MIN, MAX); bad text is one line naming the option."""
+    text = str(nnodes)
+    parts = text.split(":")
+    if len(parts) > 2 or not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise UserError(f"--nnodes: expected a number of machines N or an elastic range MIN:MAX (got {text!r})")
+    low, high = int(parts[0]), int(parts[-1])
+    if low > high:
+        raise UserError(f"--nnodes: the range {text} has MIN above MAX")
+    return low, high
+
+
+GPUS_PER_NODE = 8  # the usual server: a plan's processes fill nodes of 8 (fewer when 8 does not divide them)
+
+
+def node_split(world_size: int, per_node: int = GPUS_PER_NODE) -> tuple[int, int]:
+    """(nodes, processes per node) for `world_size` processes: full nodes of the largest count up to `per_node` that
+    divides it (12 -> 2 x 6, 32 -> 4 x 8, 5 -> 1 x 5)."""
+    most = max(count for count in range(1, min(per_node, world_size) + 1) if world_size % count == 0)
+    return world_size // most, most
+
 
 def torchrun_command(
-    run_args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
-    python: str | None = None,
+    run_args: list[str], nproc_per_node: int, nnodes: int | str = 1, node_rank: int | None = 0,
+    rdzv_endpoint: str | None = None, python: str | None = None, max_restarts: int | None = None,
+    rdzv_id: str | None = None,
 ) -> list[str]:
     """`python -m torch.distributed.run ... -m reproduce run ...`: what `reproduce run --nproc-per-node` launches
-    and what `reproduce plan --emit torchrun` prints."""
+    and what `reproduce plan --emit torchrun` prints. `max_restarts`: torchrun restarts the whole group after a
+    failed process that many times (the run then continues by itself, `--auto-resume`). `node_rank` None: left out
+    (the c10d rendezvous ranks the nodes in the order they join; torchrun ignores it there)."""
     command = [python or sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
-    if nnodes == 1 and rdzv_endpoint is None:
+    if str(nnodes) == "1" and rdzv_endpoint is None:
         command.append("--standalone")
     else:
         if rdzv_endpoint is None:
             raise ValueError("several nodes need a rendezvous endpoint")
-        command += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint={rdzv_endpoint}"]
+        command += [f"--nnodes={nnodes}", *([f"--node-rank={node_rank}"] if node_rank is not None else []),
+                    "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+        if rdzv_id is not None:
+            command.append(f"--rdzv-id={rdzv_id}")
+    if max_restarts is not None:
+        command.append(f"--max-restarts={max_restarts}")
     return [*command, "-m", "reproduce", "run", *run_args]

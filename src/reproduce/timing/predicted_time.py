@@ -56,9 +56,15 @@ def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assume
                 notes.append(f"the paper's {entry.title}: no datasheet peak for {on} ({why}): no prediction")
     else:
         notes.append("the paper's hardware: batch.device and batch.devices are not both stated")
+    # what the cluster costs: every process's GPU for the whole run (one node of 8 against four compare here)
     out.update(predicted_seconds=this, predicted_basis=basis, paper_predicted_seconds=paper, paper_basis=paper_basis,
-               notes=notes)
+               gpu_hours=gpu_hours(this, p.world_size), paper_gpu_hours=gpu_hours(paper, devices), notes=notes)
     return out
+
+
+def gpu_hours(seconds: float | None, gpus: int | None) -> float | None:
+    """GPUs x hours: what a run of `seconds` on `gpus` GPUs costs."""
+    return seconds * gpus / 3600 if seconds is not None and gpus else None
 
 
 def _flops_model(entry, devices: int, key: str, samples: int | None, per_sample: float,

@@ -8,12 +8,15 @@ Backend: NCCL on CUDA, gloo on CPU.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..errors import UserError
 from ..plan.launch import torchrun_command  # noqa: F401  (what `reproduce run --nproc-per-node` launches)
 
 
@@ -48,9 +51,42 @@ def init(world: World, device: torch.device) -> torch.device:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         # a long timeout: the other ranks wait in the next collective while rank 0 evaluates
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(hours=2))
+        timeout = datetime.timedelta(hours=2)
+        store, _, _ = next(dist.rendezvous("env://", world.rank, world.size, timeout=timeout))
+        # torchrun --max-restarts keeps its store across the group's restarts: a restarted rank that read the last
+        # attempt's keys (gloo's addresses of processes now gone) failed to connect in 2 of 4 tries here; each
+        # attempt takes keys of its own
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout,
+                                store=dist.PrefixStore(f"reproduce-attempt-{attempt}", store), rank=world.rank,
+                                world_size=world.size)
     return device
+
+
+def plan_fingerprint(plan, seed: int) -> int:
+    """What every node of a job must agree on, as a number: the recipe, the batch split, the schedule and the seed
+    (not the recipe's path, which differs from machine to machine, nor a throughput policy's timings)."""
+    shown = {"recipe": plan.recipe.model_dump(mode="json"), "seed": seed,
+             **{key: getattr(plan, key) for key in ("micro_batch", "accumulation_steps", "world_size",
+                                                    "effective_batch", "lr", "optimizer_steps", "policy")}}
+    digest = hashlib.sha256(json.dumps(shown, sort_keys=True, default=str).encode()).hexdigest()
+    return int(digest[:15], 16)  # fits an int64
+
+
+def check_same_plan(world: World, fingerprint: int, device: torch.device) -> None:
+    """Every rank runs rank 0's plan: a node started with another recipe, micro-batch or seed is refused by the
+    whole job at its start, naming that node (torchrun's GROUP_RANK, the node's place in the rendezvous)."""
+    if not world.distributed:
+        return
+    mine = torch.tensor([fingerprint, int(os.environ.get("GROUP_RANK", 0))], dtype=torch.int64, device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(world.size)]
+    dist.all_gather(everyone, mine)
+    odd = [(rank, int(pair[1])) for rank, pair in enumerate(everyone) if int(pair[0]) != int(everyone[0][0])]
+    if odd:
+        rank, node = odd[0]
+        raise UserError(f"plan: node {node} (rank {rank}) was started with another plan than rank 0's (node "
+                        f"{int(everyone[0][1])}): a different recipe, micro-batch, seed or batch split; start every "
+                        "node with the same command")
 
 
 def barrier(world: World) -> None:

@@ -175,6 +175,7 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     check_out_dir(out, options.resume, options.force)
     seed = plan.recipe.seed if options.seed is None else options.seed
     target_device = distributed.init(world, resolve_device(options.device))
+    distributed.check_same_plan(world, distributed.plan_fingerprint(plan, seed), target_device)
     distributed.barrier(world)  # every rank has looked at --out before rank 0 writes to it
     setup = build(plan, target_device, options.dtype, seed, options.data, world)
     if options.merged:  # a model with nothing to merge: one line before any step
