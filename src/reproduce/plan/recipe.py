@@ -320,6 +320,11 @@ class Model(Builder):
         default=None, description="pretrained weights on this machine: a Hugging Face folder (config.json + "
         "safetensors, as save_pretrained writes it) or a state dict file (.safetensors, .pt, .pth)",
     )
+    backbone_weights: str | None = Field(
+        default=None, description="segmentation built-ins: an ImageNet-pretrained backbone on this machine (a "
+        "torchvision / timm ResNet state dict, or an MMSegmentation / MMPretrain checkpoint's backbone.*), loaded "
+        "into the model's backbone with a report; the heads start at random (models/backbone.py)",
+    )
     kind: Literal["causal-lm", "sequence-classification"] | None = None
     norm_layers: Names[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
     batchnorm: Literal[BATCHNORM_CHOICES] = Field(  # type: ignore[valid-type]
@@ -381,6 +386,13 @@ class Model(Builder):
         if self.output_stride is not None and self.builtin not in SEGMENTATION_MODELS:
             raise ValueError(f"output_stride: only for the segmentation built-ins ({segmentation}); give your own "
                              "model's through model.kwargs")
+        if self.backbone_weights is not None:
+            if self.builtin not in SEGMENTATION_MODELS:
+                raise ValueError(f"backbone_weights: only for the segmentation built-ins ({segmentation}); give a "
+                                 "whole model's state dict as weights")
+            if self.weights is not None:
+                raise ValueError("backbone_weights: give one of weights (the whole model's, e.g. a run's model.pt) "
+                                 "and backbone_weights (an ImageNet backbone under new heads)")
         if self.aux_weight is not None and self.builtin is not None and self.builtin not in SEGMENTATION_MODELS:
             raise ValueError(f"aux_weight: {self.builtin} has no auxiliary head (the segmentation built-ins do: "
                              f"{segmentation}; or your own model returning {{'out': ..., 'aux': ...}})")
@@ -809,6 +821,11 @@ class Recipe(Strict):
         if data.classes is None:
             raise ValueError("data.classes: required for task segmentation: the class ids 0 .. classes - 1 a mask "
                              "holds, background included (21 for Pascal VOC, 19 for Cityscapes)")
+        outputs = self.model.kwargs.get("num_classes")
+        if self.model.builtin in SEGMENTATION_MODELS and outputs is not None and outputs != data.classes:
+            raise ValueError(f"model.kwargs.num_classes: {outputs} output channels, but data.classes is "
+                             f"{data.classes}: the model predicts one channel per class (remove num_classes: it "
+                             "follows data.classes)")
         if self.ignore_index < data.classes:
             raise ValueError(f"data.ignore_index: {self.ignore_index} is one of the {data.classes} class ids "
                              f"0 .. {data.classes - 1}; the ignored value must be none of them (255 by default)")
@@ -913,6 +930,15 @@ def with_weights(recipe: Recipe, path: str | None, source: str = "<recipe>") -> 
         return recipe
     data = recipe.model_dump(mode="json")
     data["model"]["weights"] = str(Path(path).expanduser().absolute())
+    return parse_recipe(data, source=source)
+
+
+def with_backbone_weights(recipe: Recipe, path: str | None, source: str = "<recipe>") -> Recipe:
+    """The recipe with `--backbone-weights PATH` in place of its `model.backbone_weights`, made absolute."""
+    if path is None:
+        return recipe
+    data = recipe.model_dump(mode="json")
+    data["model"]["backbone_weights"] = str(Path(path).expanduser().absolute())
     return parse_recipe(data, source=source)
 
 
