@@ -140,6 +140,22 @@ def test_miou_and_pixel_accuracy_over_the_whole_split():
     result = metrics.compute()
     assert result["eval_miou"] == pytest.approx(float(np.mean(true_positive[present] / union[present])), abs=1e-6)
     assert result["eval_pixel_accuracy"] == pytest.approx(true_positive.sum() / confusion.sum(), abs=1e-6)
+    # the per-class table: class 3 is n/a (None), the others their IoU; the mean is torchmetrics' macro Jaccard
+    assert result["eval_class_iou"][3] is None
+    assert result["eval_class_iou"][:3] == pytest.approx(list(true_positive[:3] / union[:3]), abs=1e-12)
+    from torchmetrics.functional.classification import multiclass_jaccard_index
+
+    generator = torch.Generator().manual_seed(0)
+    targets, predictions = [], []
+    for _ in range(3):
+        target = torch.randint(0, 3, (2, 8, 8), generator=generator)
+        target[:, 0] = 255
+        logits = torch.randn(2, 4, 8, 8, generator=generator)
+        logits[:, 3] -= 10
+        targets.append(target)
+        predictions.append(logits.argmax(1))
+    theirs = multiclass_jaccard_index(torch.cat(predictions), torch.cat(targets), 4, average="macro", ignore_index=255)
+    assert result["eval_miou"] == pytest.approx(float(theirs), abs=1e-6)
 
 
 # ---- bad input: one line naming the file, exit 2, nothing written ---------------------------------------------------
