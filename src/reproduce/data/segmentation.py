@@ -217,14 +217,31 @@ def voc_pairs(root: Path, split: str, masks: str = VOC_MASKS) -> list[Pair]:
             raise UserError(f"{listing}: image id {name!r} has no image JPEGImages/{name}.jpg"
                             + (f" (its mask {mask} exists)" if mask.is_file() else ""))
         if not mask.is_file():
-            raise UserError(f"{image}: no mask {masks}/{name}.png (listed in {listing})")
+            raise UserError(f"{image}: no mask {masks}/{name}.png (listed in {listing})" + _not_png(mask))
         pairs.append(_pair(image, mask))
     return pairs
 
 
-def folder_pairs(root: Path) -> list[Pair]:
-    """The pairs of images/ and masks/: every image with the mask of its relative name, and no mask left over."""
+def _not_png(mask: Path) -> str:
+    """Where a mask of another format stands in the expected .png's place: its name, and why it is not read."""
+    for suffix in IMAGE_SUFFIXES:
+        if suffix != MASK_SUFFIX and mask.with_suffix(suffix).is_file():
+            return (f"; {mask.with_suffix(suffix).name} is a {suffix[1:].upper()} file, and a mask is a PNG of class "
+                    "ids (JPEG's lossy compression changes the ids along every edge): save the masks as PNG")
+    return ""
+
+
+def split_folders(root: Path) -> bool:
+    """images/ and masks/ split into train/ and val/ sub-folders (read as the training and evaluation splits)."""
+    return all((root / top / split).is_dir() for top in ("images", "masks") for split in ("train", "val"))
+
+
+def folder_pairs(root: Path, split: str | None = None) -> list[Pair]:
+    """The pairs of images/ and masks/ (of images/SPLIT/ and masks/SPLIT/ when they are split): every image with the
+    mask of its relative name, and no mask left over."""
     images_root, masks_root = root / "images", root / "masks"
+    if split is not None:
+        images_root, masks_root = images_root / split, masks_root / split
     images = {p.relative_to(images_root).with_suffix(""): p for p in sorted(images_root.rglob("*"))
               if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES}
     masks = {p.relative_to(masks_root).with_suffix(""): p for p in sorted(masks_root.rglob("*"))
@@ -233,7 +250,8 @@ def folder_pairs(root: Path) -> list[Pair]:
         raise UserError(f"{images_root}: no image files ({', '.join(IMAGE_SUFFIXES)})")
     for name, image in images.items():
         if name not in masks:
-            raise UserError(f"{image}: no mask {masks_root / name.with_suffix(MASK_SUFFIX)}")
+            raise UserError(f"{image}: no mask {masks_root / name.with_suffix(MASK_SUFFIX)}"
+                            + _not_png(masks_root / name.with_suffix(MASK_SUFFIX)))
     for name, mask in masks.items():
         if name not in images:
             raise UserError(f"{mask}: a mask without an image (expected {images_root / name}.jpg or .png)")
@@ -247,8 +265,12 @@ def find_layout(root: Path, field: str, masks: str = VOC_MASKS) -> str:
         return "voc"
     if (root / "images").is_dir() and (root / "masks").is_dir():
         return "images-masks"
+    from .cityscapes import is_cityscapes
+
+    if is_cityscapes(root):
+        return "cityscapes"
     raise UserError(f"{field}: {root}: neither the VOC layout (JPEGImages/, SegmentationClass/, "
-                    "ImageSets/Segmentation/) nor images/ and masks/ folders")
+                    "ImageSets/Segmentation/), nor images/ and masks/ folders, nor Cityscapes' leftImg8bit/ and gtFine/")
 
 
 def check_masks(pairs: list[Pair], classes: int, ignore_index: int) -> None:
@@ -285,7 +307,13 @@ def read_split(root: Path, field: str, layout: str | None, split: str,
     if layout == "voc" and not (root / masks).is_dir():
         raise UserError(f"{field}: {root}: no mask folder {masks}/ (the voc layout: JPEGImages/, {masks}/, "
                         "ImageSets/Segmentation/)")
-    return layout, (voc_pairs(root, split, masks) if layout == "voc" else folder_pairs(root))
+    if layout == "voc":
+        return layout, voc_pairs(root, split, masks)
+    if layout == "cityscapes":
+        from .cityscapes import cityscapes_pairs
+
+        return layout, cityscapes_pairs(root, split)
+    return layout, folder_pairs(root, split if split_folders(root) else None)
 
 
 def build_segmentation(recipe: Any) -> dict:
@@ -301,6 +329,9 @@ def build_segmentation(recipe: Any) -> dict:
     eval_root = Path(spec.eval_path) if spec.eval_path is not None else None
     eval_split = spec.eval_split or "val"
     if eval_root is None and layout == "voc" and (spec.eval_split or (root / VOC_LISTS / "val.txt").is_file()):
+        eval_root = root
+    if eval_root is None and ((layout == "images-masks" and split_folders(root)) or (
+            layout == "cityscapes" and (root / "leftImg8bit" / eval_split).is_dir())):
         eval_root = root
     if eval_root is not None:
         _, eval_pairs = read_split(eval_root, "data.eval_path", layout, eval_split)

@@ -406,7 +406,7 @@ class Model(Builder):
 
 
 DATA_FORMATS = ("imagefolder", "tokens", "instructions", "hf-datasets", "segmentation")
-SEGMENTATION_LAYOUTS = ("voc", "images-masks")
+SEGMENTATION_LAYOUTS = ("voc", "images-masks", "cityscapes")
 DEFAULT_IGNORE_INDEX = 255  # the mask value that bears no loss (VOC's borders, Cityscapes' void), as in MMSegmentation
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32", "int64")
 # hf-datasets: which columns hold what; one of these sets of keys (`input` is optional beside instruction/output)
@@ -468,8 +468,9 @@ class Data(Builder):
     columns: dict[str, str] | None = None
     # format segmentation (docs/segmentation.md): images with a mask of class ids each, cut and flipped together
     layout: Literal[SEGMENTATION_LAYOUTS] | None = Field(  # type: ignore[valid-type]
-        default=None, description="segmentation: voc (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/) or "
-        "images-masks (images/ and masks/ of the same names); default: found from the folder")
+        default=None, description="segmentation: voc (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/), "
+        "images-masks (images/ and masks/ of the same names, or their train/ and val/ sub-folders) or cityscapes "
+        "(leftImg8bit/ and gtFine/ *_labelTrainIds.png); default: found from the folder")
     crop: tuple[int, int] | None = Field(
         default=None, description="segmentation: the training crop, [height, width] or one side (513, [512, 1024])")
     scale: tuple[float, float] | None = Field(
@@ -509,8 +510,11 @@ class Data(Builder):
             raise ValueError(f"scale: expected [low, high] with 0 < low <= high (got {list(self.scale)})")
         if self.layout == "images-masks" and (self.split or self.eval_split or self.masks):
             name = "split" if self.split else "eval_split" if self.eval_split else "masks"
-            raise ValueError(f"{name}: only used with layout voc (its ImageSets/Segmentation/ lists); images-masks "
-                             "reads every image of images/ (the evaluation folder: eval_path)")
+            raise ValueError(f"{name}: only used with layout voc (its ImageSets/Segmentation/ lists) or cityscapes "
+                             "(its split folders); images-masks reads every image of images/, or of images/train/ "
+                             "and images/val/ (the evaluation folder: eval_path)")
+        if self.layout == "cityscapes" and self.masks:
+            raise ValueError("masks: only used with layout voc; cityscapes reads gtFine/'s *_labelTrainIds.png")
         if self.format == "segmentation" and self.crop is None:
             raise ValueError("crop: required for segmentation data: the training crop every sample is cut to "
                              "(513 for DeepLabV3 on VOC, [512, 1024] for MMSegmentation on Cityscapes)")

@@ -137,6 +137,9 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
     loaded = backbone_report(recipe, data.get("info"))  # which tensors came from the backbone file, which did not
     if loaded:
         notes.insert(0, loaded)
+    if recipe.task == "segmentation" and data.get("eval") is None:
+        notes.append("no evaluation data: the run reports no eval loss, mIoU or pixel accuracy (give --eval-data, "
+                     "data.eval_path, a voc folder's val list, or images/ and masks/ with train/ and val/)")
     if recipe.model.batchnorm == "sync":
         model = to_sync(model)  # statistics over every process's micro-batch (checked above: CUDA, several)
     counter = None
