@@ -48,7 +48,7 @@ def test_a_segmentation_recipe_reads_with_its_defaults():
     ({"scale": [2.0, 0.5]}, {}, "data.scale: expected [low, high] with 0 < low <= high (got [2.0, 0.5])"),
     ({"classes": None}, {}, "data.classes: required for task segmentation"),
     ({"ignore_index": 3}, {}, "data.ignore_index: 3 is one of the 21 class ids 0 .. 20"),
-    ({"layout": "coco"}, {}, "data.layout: expected one of 'voc' or 'images-masks' (got 'coco')"),
+    ({"layout": "coco"}, {}, "data.layout: expected one of 'voc', 'images-masks' or 'cityscapes' (got 'coco')"),
     ({}, {"task": "classification"}, "data.format: segmentation data is for task segmentation (task is "
                                      "classification)"),
 ])

@@ -260,7 +260,8 @@ def folder_pairs(root: Path, split: str | None = None) -> list[Pair]:
 
 def find_layout(root: Path, field: str, masks: str = VOC_MASKS) -> str:
     if not root.is_dir():
-        raise UserError(f"{field}: {root}: no such folder (expected the VOC layout or images/ and masks/)")
+        raise UserError(f"{field}: {root}: no such folder (expected the VOC layout, images/ and masks/, or "
+                        "Cityscapes')")
     if (root / "JPEGImages").is_dir() and (root / masks).is_dir():
         return "voc"
     if (root / "images").is_dir() and (root / "masks").is_dir():
@@ -270,7 +271,8 @@ def find_layout(root: Path, field: str, masks: str = VOC_MASKS) -> str:
     if is_cityscapes(root):
         return "cityscapes"
     raise UserError(f"{field}: {root}: neither the VOC layout (JPEGImages/, SegmentationClass/, "
-                    "ImageSets/Segmentation/), nor images/ and masks/ folders, nor Cityscapes' leftImg8bit/ and gtFine/")
+                    "ImageSets/Segmentation/), nor images/ and masks/ folders, nor Cityscapes' leftImg8bit/ and "
+                    "gtFine/")
 
 
 def check_masks(pairs: list[Pair], classes: int, ignore_index: int) -> None:
