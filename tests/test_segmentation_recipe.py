@@ -88,3 +88,17 @@ def test_reported_segmentation_metrics_meet_the_runs():
                                                {"metric": "fw_iou", "value": 80.0, "evaluated": False}]))
     rows = compare_reported(recipe, {"eval_miou": 0.5, "eval_pixel_accuracy": 0.9}, 10, 30000)
     assert [(row["label"], row["run"]) for row in rows] == [("eval mIoU", 50.0), ("eval pixel accuracy", 0.9)]
+
+
+def test_plan_refuses_an_unknown_built_in_with_the_nearest_name(tmp_path, capsys):
+    import yaml
+
+    from helpers import cli
+
+    recipe = seg_recipe(model={"builtin": "deeplabv3-resnet5"})
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code, out, err = cli(capsys, "plan", path, "--micro-batch-max", "2")
+    assert code == 2 and err.strip() == ("error: model.builtin: no built-in 'deeplabv3-resnet5' (did you mean "
+                                         "'deeplabv3-resnet50'?); a model of your own is model.factory: "
+                                         "'package.module:function'")

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from ..export import FORMATS, check_format, emit
+from ..plan.builtin_names import check_builtin_model
 from ..plan.memory_options import memory_summary
 from ..plan.planfile import check_writable, save_plan
 from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
@@ -95,6 +96,7 @@ def plan_command(
     check_mfu(assumed_mfu)
     recipe = recipe_with_options(recipe_path, weights, data_path, value_of(quantize), value_of(sharding), world_size,
                                  activation_checkpointing, sharded_gradients, value_of(offload), value_of(batchnorm))
+    check_builtin_model(recipe)  # a typo: one line with the nearest name, as run says
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     data, size = planned_data_size(recipe, given=data_path is not None)
     planned = plan_and_probe(
