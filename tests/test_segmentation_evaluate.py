@@ -54,6 +54,15 @@ def test_evaluate_reproduces_the_runs_metrics_and_stage_2_starts_from_stage_1(vo
     lines = out.splitlines()
     assert lines[0] == "class  IoU" and len(lines) == 7
     assert lines[5].startswith(f"mIoU {final['eval_miou']:.4f}: the mean over the ")
+    # the report's per-class table: the last evaluation's IoU of each class (n/a where it has none) and the mean
+    code, out, err = cli(capsys, "report", tmp_path / "one", "--no-plots")
+    assert code == 0, err
+    markdown = (tmp_path / "one" / "report.md").read_text()
+    assert "## IoU per class (last evaluation)" in markdown
+    cells = ["n/a" if iou is None else f"{iou:.4f}" for iou in ious]
+    for index, cell in enumerate(cells):
+        assert f"| {index} | {cell} |" in markdown
+    assert f"| mIoU | {final['eval_miou']:.4f} |" in markdown
     # stage 2: batchnorm frozen, from stage 1's model.pt (written under keep), then its own model.pt evaluated again
     stage2 = tmp_path / "stage2.yaml"
     stage2.write_text(yaml.safe_dump(recipe(voc, "frozen", str(tmp_path / "one" / "model.pt"))))
