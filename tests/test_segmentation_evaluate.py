@@ -19,7 +19,7 @@ def voc(tmp_path_factory) -> Path:
     return Path(write_voc(tmp_path_factory.mktemp("scenes") / "voc", train=8, val=3)["path"])
 
 
-def recipe(voc: Path, batchnorm: str, weights: str | None = None) -> dict:
+def recipe(voc: Path, batchnorm: str, weights: str | None = None, evaluation: dict | None = None) -> dict:
     model = {"builtin": "lraspp-mobilenet-v3-large", "batchnorm": batchnorm}
     if weights:
         model["weights"] = weights
@@ -30,7 +30,7 @@ def recipe(voc: Path, batchnorm: str, weights: str | None = None) -> dict:
         "data": {"format": "segmentation", "path": str(voc), "classes": 4, "crop": 32, "pad": True},
         "optimizer": {"name": "adamw", "lr": 0.003},
         "schedule": {"total": {"steps": 2}},
-        "evaluation": {"at_end": True},
+        "evaluation": {"at_end": True, **(evaluation or {})},
     }
 
 
@@ -73,6 +73,21 @@ def test_evaluate_reproduces_the_runs_metrics_and_stage_2_starts_from_stage_1(vo
     code, out, err = cli(capsys, "evaluate", tmp_path / "two", "--device", "cpu", "--workers", "0", "--json")
     assert code == 0, err
     assert json.loads(out)["eval_miou"] == final["eval_miou"]
+
+
+def test_a_sliding_window_evaluation_is_evaluated_again_the_same(voc, tmp_path, capsys):
+    """evaluation.mode slide (MMSeg's windows, 32 x 32 every 16 pixels on 64 .. 88-pixel scenes): the run's metrics,
+    and reproduce evaluate's on its model.pt, are one and the same."""
+    path = tmp_path / "slide.yaml"
+    path.write_text(yaml.safe_dump(recipe(voc, "group", evaluation={"mode": "slide", "crop": 32, "stride": 16})))
+    code, out, err = cli(capsys, "run", path, "--out", tmp_path / "run", "--device", "cpu", "--micro-batch-max", "2",
+                         "--workers", "0", "--no-noise-scale", "--max-steps", "1")
+    assert code == 0, err
+    final = json.loads((tmp_path / "run" / "summary.json").read_text())["final"]
+    code, out, err = cli(capsys, "evaluate", tmp_path / "run", "--device", "cpu", "--workers", "0", "--json")
+    assert code == 0, err
+    again = json.loads(out)
+    assert (again["eval_miou"], again["eval_class_iou"]) == (final["eval_miou"], final["eval_class_iou"])
 
 
 def test_evaluate_needs_a_finished_run(tmp_path, capsys):

@@ -301,6 +301,19 @@ def check_crop(pairs: list[Pair], augment: Augment) -> None:
                             "smaller crop")
 
 
+def check_window(pairs: list[Pair], evaluation: Any, pad: bool) -> None:
+    """`evaluation.mode: slide` without data.pad: every evaluation image holds the window (with it, a smaller image is
+    one window of its own size, as MMSegmentation's slide_inference cuts it)."""
+    if evaluation.mode != "slide" or pad:
+        return
+    crop_h, crop_w = evaluation.crop
+    for pair in pairs:
+        if pair.height < crop_h or pair.width < crop_w:
+            raise UserError(f"{pair.image}: {pair.width} x {pair.height} is smaller than evaluation.crop {crop_w} x "
+                            f"{crop_h} (width x height, mode slide); give a smaller evaluation.crop, or data.pad: true "
+                            "(a smaller image is then one window of its own size, as MMSegmentation slides)")
+
+
 def read_split(root: Path, field: str, layout: str | None, split: str,
                masks: str = VOC_MASKS) -> tuple[str, list[Pair]]:
     layout = layout or find_layout(root, field, masks)
@@ -338,6 +351,7 @@ def build_segmentation(recipe: Any) -> dict:
     if eval_root is not None:
         _, eval_pairs = read_split(eval_root, "data.eval_path", layout, eval_split)
         check_masks(eval_pairs, classes, ignore)
+        check_window(eval_pairs, recipe.evaluation, spec.pads)
         data["eval"] = SegmentationData(eval_pairs, Augment(False, ignore_index=ignore))
     data["info"] = {
         "name": spec.name or root.name, "format": "segmentation", "layout": layout, "path": str(root),

@@ -744,6 +744,37 @@ PLATEAU_METRICS = {
 class Evaluation(Strict):
     every_steps: int | None = Field(default=None, gt=0, description="evaluate every K optimizer steps")
     at_end: bool = True
+    # segmentation (docs/segmentation.md): how the evaluation images go through the model, as MMSegmentation's
+    # test_cfg says (mode='whole' | 'slide', crop_size, stride), and at which output stride (DeepLabV3: 8)
+    mode: Literal["whole", "slide"] = Field(
+        default="whole", description="segmentation: whole (each image at its size) or slide (MMSegmentation's "
+        "sliding window: crops of `crop` every `stride` pixels, the overlapping logits averaged)")
+    crop: tuple[int, int] | None = Field(default=None, description="slide: the window, [height, width] or one side")
+    stride: tuple[int, int] | None = Field(default=None, description="slide: the step between windows, [height, "
+                                           "width] or one side")
+    output_stride: Literal[8, 16] | None = Field(
+        default=None, description="segmentation built-ins: evaluate at this output stride (DeepLabV3 trains at 16, "
+        "evaluates at 8, sec. 4.1); the same weights, ResNet's dilation and ASPP's rates set for it")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sides(cls, value: Any) -> Any:
+        """`crop: 512` reads as [512, 512], likewise `stride`."""
+        if isinstance(value, dict):
+            value = {**value, **{key: [value[key], value[key]] for key in ("crop", "stride")
+                                 if isinstance(value.get(key), int) and not isinstance(value[key], bool)}}
+        return value
+
+    @model_validator(mode="after")
+    def _slide(self) -> Evaluation:
+        if self.mode == "slide" and (self.crop is None or self.stride is None):
+            raise ValueError("mode: slide needs crop and stride (MMSegmentation's test_cfg crop_size and stride, "
+                             "[height, width] or one side)")
+        if self.mode == "whole" and (self.crop is not None or self.stride is not None):
+            raise ValueError("crop, stride: only used with mode: slide")
+        if self.crop is not None and min(self.crop) <= 0 or self.stride is not None and min(self.stride) <= 0:
+            raise ValueError("crop, stride: height and width must be > 0")
+        return self
 
 
 class Recipe(Strict):
@@ -821,10 +852,20 @@ class Recipe(Strict):
         if self.task != "segmentation":
             if data.ignore_index is not None:
                 raise ValueError(f"data.ignore_index: only used with task segmentation (task is {self.task})")
+            if self.evaluation.mode != "whole" or self.evaluation.output_stride is not None:
+                raise ValueError(f"evaluation.mode, output_stride: only used with task segmentation (task is "
+                                 f"{self.task})")
             return
         if data.classes is None:
             raise ValueError("data.classes: required for task segmentation: the class ids 0 .. classes - 1 a mask "
                              "holds, background included (21 for Pascal VOC, 19 for Cityscapes)")
+        evaluation = self.evaluation
+        if evaluation.output_stride is not None and self.model.builtin not in SEGMENTATION_MODELS:
+            raise ValueError("evaluation.output_stride: only for the segmentation built-ins "
+                             f"({', '.join(SEGMENTATION_MODELS)})")
+        if evaluation.output_stride == 8 and self.model.builtin == "lraspp-mobilenet-v3-large":
+            raise ValueError("evaluation.output_stride: lraspp-mobilenet-v3-large is built at 16 only (MobileNetV3's "
+                             "last block dilated, Howard et al. 2019 sec. 6.2)")
         outputs = self.model.kwargs.get("num_classes")
         if self.model.builtin in SEGMENTATION_MODELS and outputs is not None and outputs != data.classes:
             raise ValueError(f"model.kwargs.num_classes: {outputs} output channels, but data.classes is "

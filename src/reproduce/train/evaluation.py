@@ -13,6 +13,7 @@ from ..data.loader import default_workers, eval_batches
 from ..errors import UserError
 from ..models.segmentation import output_of
 from ..plan.planner import Plan
+from .eval_modes import evaluation_forward
 from .plateau import step_plateau
 from .setup import Setup
 
@@ -34,10 +35,12 @@ def evaluate(setup: Setup, batch: int | None = None, workers: int | None = None)
     if getattr(dataset, "sizes_differ", False):  # images of several sizes, each at its own: one at a time
         batch = 1
     workers = default_workers(dataset) if workers is None else workers
+    # segmentation: whole images or MMSeg's sliding window, at the evaluation's output stride (eval_modes.py)
+    forward = evaluation_forward(setup) if pixels is not None else model
     for cpu_batch in eval_batches(dataset, batch, workers=workers, pin_memory=setup.device.type == "cuda"):
         inputs, target = to_device(cpu_batch, setup.device, setup.dtype)
         with setup.autocast():
-            output = model(inputs)
+            output = forward(inputs)
         if pixels is not None:
             output = pixels.update(output, target)  # the main head's logits: its loss alone is the eval loss
         total_loss += float(setup.loss(output, target))
