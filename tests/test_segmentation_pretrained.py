@@ -219,3 +219,18 @@ def test_a_paper_recipe_without_its_backbone_file_warns():
             "model.pt) (docs/segmentation.md)") in warnings
     given = plan(parse_recipe(seg_recipe({**model, "backbone_weights": "resnet50.pth"})), micro_batch_max=2).warnings
     assert not any("starts from random weights" in line for line in given)
+
+
+def test_plan_takes_backbone_weights_and_refuses_a_missing_file(backbones, tmp_path, capsys):
+    root = Path(__file__).resolve().parent.parent
+    recipe = root / "papers" / "chen2017-deeplabv3.yaml"
+    code, out, err = cli(capsys, "plan", recipe, "--micro-batch-max", "2")
+    assert code == 0 and "this run starts from random weights; the paper started from an ImageNet-pretrained " \
+                         "ResNet-101" in err, err
+    code, out, err = cli(capsys, "plan", recipe, "--micro-batch-max", "2", "--backbone-weights",
+                         backbones["resnet101.pth"])
+    assert code == 0 and "starts from random weights" not in err, err
+    code, out, err = cli(capsys, "plan", recipe, "--micro-batch-max", "2", "--backbone-weights", tmp_path / "no.pth")
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: --backbone-weights: {tmp_path / 'no.pth'}: no such file or folder (expected a Hugging Face model "
+        "folder or a state dict file: .safetensors, .pt, .pth, .bin); weights are read from this machine only"], err

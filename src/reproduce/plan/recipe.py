@@ -982,6 +982,9 @@ def with_backbone_weights(recipe: Recipe, path: str | None, source: str = "<reci
     """The recipe with `--backbone-weights PATH` in place of its `model.backbone_weights`, made absolute."""
     if path is None:
         return recipe
+    from .weightfiles import inspect
+
+    inspect(path, "--backbone-weights")  # a missing file: one line now
     data = recipe.model_dump(mode="json")
     data["model"]["backbone_weights"] = str(Path(path).expanduser().absolute())
     return parse_recipe(data, source=source)
