@@ -22,11 +22,9 @@ def is_cityscapes(root: Path) -> bool:
     return (root / IMAGES).is_dir() and (root / MASKS).is_dir()
 
 
-def cityscapes_pairs(root: Path, split: str) -> list:
-    """The (image, labelTrainIds mask) pairs of one split; a split of labelIds masks only is one line naming the
+def cityscapes_files(root: Path, split: str) -> list[tuple[Path, Path]]:
+    """The (image, labelTrainIds mask) paths of one split; a split of labelIds masks only is one line naming the
     script that converts them."""
-    from .segmentation import _pair
-
     folder = root / IMAGES / split
     if not folder.is_dir():
         present = sorted(p.name for p in (root / IMAGES).iterdir() if p.is_dir())
@@ -45,5 +43,5 @@ def cityscapes_pairs(root: Path, split: str) -> list:
                 raise UserError(f"{raw}: Cityscapes' labelIds (34 raw ids) without its {MASK_SUFFIX[1:]} (the 19 "
                                 f"training classes, 255 void); {CONVERT.format(root=root)}")
             raise UserError(f"{image}: no mask {mask}")
-        pairs.append(_pair(image, mask))
+        pairs.append((image, mask))
     return pairs

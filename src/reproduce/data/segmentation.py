@@ -34,6 +34,7 @@ from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
 from ..errors import UserError
+from .cityscapes import cityscapes_files, is_cityscapes
 from .images import IMAGENET_MEAN, IMAGENET_STD, open_image
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff")
@@ -266,7 +267,6 @@ def find_layout(root: Path, field: str, masks: str = VOC_MASKS) -> str:
         return "voc"
     if (root / "images").is_dir() and (root / "masks").is_dir():
         return "images-masks"
-    from .cityscapes import is_cityscapes
 
     if is_cityscapes(root):
         return "cityscapes"
@@ -325,9 +325,7 @@ def read_split(root: Path, field: str, layout: str | None, split: str,
     if layout == "voc":
         return layout, voc_pairs(root, split, masks)
     if layout == "cityscapes":
-        from .cityscapes import cityscapes_pairs
-
-        return layout, cityscapes_pairs(root, split)
+        return layout, [_pair(image, mask) for image, mask in cityscapes_files(root, split)]
     return layout, folder_pairs(root, split if split_folders(root) else None)
 
 
