@@ -140,6 +140,22 @@ def test_miou_and_pixel_accuracy_over_the_whole_split():
     result = metrics.compute()
     assert result["eval_miou"] == pytest.approx(float(np.mean(true_positive[present] / union[present])), abs=1e-6)
     assert result["eval_pixel_accuracy"] == pytest.approx(true_positive.sum() / confusion.sum(), abs=1e-6)
+    # the per-class table: class 3 is n/a (None), the others their IoU; the mean is torchmetrics' macro Jaccard
+    assert result["eval_class_iou"][3] is None
+    assert result["eval_class_iou"][:3] == pytest.approx(list(true_positive[:3] / union[:3]), abs=1e-12)
+    from torchmetrics.functional.classification import multiclass_jaccard_index
+
+    generator = torch.Generator().manual_seed(0)
+    targets, predictions = [], []
+    for _ in range(3):
+        target = torch.randint(0, 3, (2, 8, 8), generator=generator)
+        target[:, 0] = 255
+        logits = torch.randn(2, 4, 8, 8, generator=generator)
+        logits[:, 3] -= 10
+        targets.append(target)
+        predictions.append(logits.argmax(1))
+    theirs = multiclass_jaccard_index(torch.cat(predictions), torch.cat(targets), 4, average="macro", ignore_index=255)
+    assert result["eval_miou"] == pytest.approx(float(theirs), abs=1e-6)
 
 
 # ---- bad input: one line naming the file, exit 2, nothing written ---------------------------------------------------
@@ -272,3 +288,87 @@ def test_a_run_counts_the_pixels_it_trains_on_and_resumes_bitwise_with_workers(v
         masks = [fetch_seeded(data["train"], indices, spec.seed, step)[1] for indices in micro_batches]
         assert record["items"] == sum(int((m != 255).sum()) for m in masks)
     assert sum("items" in r for r in records) == 4
+
+
+# ---- the data people have (issue 41, item 5) -----------------------------------------------------------------------
+
+def _cityscapes(voc: Path, root: Path, raw_only: bool = False) -> Path:
+    """The scenes as Cityscapes lays them out: leftImg8bit/SPLIT/CITY/*_leftImg8bit.png, gtFine/SPLIT/CITY/
+    *_gtFine_labelTrainIds.png (or only *_gtFine_labelIds.png, before createTrainIdLabelImgs.py)."""
+    lists = voc / "ImageSets" / "Segmentation"
+    for split in ("train", "val"):
+        for index, name in enumerate((lists / f"{split}.txt").read_text().split()):
+            city = ("aachen", "bremen")[index % 2]
+            stem = f"{city}_{index:06d}_000019"
+            images, masks = root / "leftImg8bit" / split / city, root / "gtFine" / split / city
+            images.mkdir(parents=True, exist_ok=True)
+            masks.mkdir(parents=True, exist_ok=True)
+            Image.open(voc / "JPEGImages" / f"{name}.jpg").save(images / f"{stem}_leftImg8bit.png")
+            ids = np.asarray(Image.open(voc / "SegmentationClass" / f"{name}.png"))
+            kind = "labelIds" if raw_only else "labelTrainIds"
+            Image.fromarray(ids).save(masks / f"{stem}_gtFine_{kind}.png")
+    return root
+
+
+def test_the_cityscapes_layout_reads_its_train_and_val_splits(voc, tmp_path):
+    root = _cityscapes(voc, tmp_path / "cityscapes")
+    data = build_data(parse_recipe(seg_recipe(root)))
+    assert data["info"]["layout"] == "cityscapes" and (len(data["train"]), len(data["eval"])) == (12, 4)
+    for pair in data["train"].pairs + data["eval"].pairs:  # each image with its city's labelTrainIds mask
+        assert pair.mask == root / "gtFine" / pair.image.relative_to(root / "leftImg8bit").parent / (
+            pair.image.name.replace("_leftImg8bit.png", "_gtFine_labelTrainIds.png"))
+    assert {p.image.parts[-3] for p in data["eval"].pairs} == {"val"}
+
+
+def test_cityscapes_with_labelids_only_names_the_script(voc, tmp_path, capsys):
+    root = _cityscapes(voc, tmp_path / "cityscapes", raw_only=True)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(seg_recipe(root)))
+    before = snapshot(tmp_path)
+    code, out, err = cli(capsys, "run", path, "--out", tmp_path / "out", "--device", "cpu", "--micro-batch-max", "2")
+    assert code == 2 and "Traceback" not in err
+    raw = root / "gtFine" / "train" / "aachen" / "aachen_000000_000019_gtFine_labelIds.png"
+    assert err.strip().splitlines() == [
+        f"error: {raw}: Cityscapes' labelIds (34 raw ids) without its gtFine_labelTrainIds.png (the 19 training "
+        f"classes, 255 void); make them with cityscapesscripts' createTrainIdLabelImgs.py (pip install "
+        f"cityscapesscripts; CITYSCAPES_DATASET={root} python -m cityscapesscripts.preparation."
+        "createTrainIdLabelImgs)"]
+    assert snapshot(tmp_path) == before
+
+
+def test_images_and_masks_with_train_and_val_folders_are_the_splits(voc, tmp_path):
+    root = tmp_path / "plain"
+    lists = voc / "ImageSets" / "Segmentation"
+    for split in ("train", "val"):
+        for top in ("images", "masks"):
+            (root / top / split).mkdir(parents=True)
+        for name in (lists / f"{split}.txt").read_text().split():
+            shutil.copy(voc / "JPEGImages" / f"{name}.jpg", root / "images" / split / f"{name}.jpg")
+            shutil.copy(voc / "SegmentationClass" / f"{name}.png", root / "masks" / split / f"{name}.png")
+    data = build_data(parse_recipe(seg_recipe(root)))
+    assert data["info"]["layout"] == "images-masks" and (len(data["train"]), len(data["eval"])) == (12, 4)
+    assert {p.image.parent.name for p in data["eval"].pairs} == {"val"}
+    # a JPEG mask where the PNG is expected is named
+    name = (lists / "val.txt").read_text().split()[0]
+    (root / "masks" / "val" / f"{name}.png").unlink()
+    Image.open(voc / "JPEGImages" / f"{name}.jpg").convert("L").save(root / "masks" / "val" / f"{name}.jpg")
+    with pytest.raises(UserError) as caught:
+        build_data(parse_recipe(seg_recipe(root)))
+    assert caught.value.lines == [
+        f"{root / 'images' / 'val' / name}.jpg: no mask {root / 'masks' / 'val' / name}.png; {name}.jpg is a JPG "
+        "file, and a mask is a PNG of class ids (JPEG's lossy compression changes the ids along every edge): save "
+        "the masks as PNG"]
+
+
+def test_a_run_without_evaluation_data_says_so(voc, tmp_path):
+    from reproduce.plan.planner import plan
+    from reproduce.train.setup import build
+
+    root = tmp_path / "train-only"
+    shutil.copytree(voc, root)
+    (root / "ImageSets" / "Segmentation" / "val.txt").unlink()
+    spec = parse_recipe(seg_recipe(root))
+    data = build_data(spec)
+    assert "eval" not in data
+    setup = build(plan(spec, micro_batch_max=2, dataset_size=len(data["train"])), torch.device("cpu"), data=data)
+    assert setup.notes[-1].startswith("no evaluation data: the run reports no eval loss, mIoU or pixel accuracy")

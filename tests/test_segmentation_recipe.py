@@ -48,7 +48,7 @@ def test_a_segmentation_recipe_reads_with_its_defaults():
     ({"scale": [2.0, 0.5]}, {}, "data.scale: expected [low, high] with 0 < low <= high (got [2.0, 0.5])"),
     ({"classes": None}, {}, "data.classes: required for task segmentation"),
     ({"ignore_index": 3}, {}, "data.ignore_index: 3 is one of the 21 class ids 0 .. 20"),
-    ({"layout": "coco"}, {}, "data.layout: expected one of 'voc' or 'images-masks' (got 'coco')"),
+    ({"layout": "coco"}, {}, "data.layout: expected one of 'voc', 'images-masks' or 'cityscapes' (got 'coco')"),
     ({}, {"task": "classification"}, "data.format: segmentation data is for task segmentation (task is "
                                      "classification)"),
 ])
@@ -88,3 +88,17 @@ def test_reported_segmentation_metrics_meet_the_runs():
                                                {"metric": "fw_iou", "value": 80.0, "evaluated": False}]))
     rows = compare_reported(recipe, {"eval_miou": 0.5, "eval_pixel_accuracy": 0.9}, 10, 30000)
     assert [(row["label"], row["run"]) for row in rows] == [("eval mIoU", 50.0), ("eval pixel accuracy", 0.9)]
+
+
+def test_plan_refuses_an_unknown_built_in_with_the_nearest_name(tmp_path, capsys):
+    import yaml
+
+    from helpers import cli
+
+    recipe = seg_recipe(model={"builtin": "deeplabv3-resnet5"})
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code, out, err = cli(capsys, "plan", path, "--micro-batch-max", "2")
+    assert code == 2 and err.strip() == ("error: model.builtin: no built-in 'deeplabv3-resnet5' (did you mean "
+                                         "'deeplabv3-resnet50'?); a model of your own is model.factory: "
+                                         "'package.module:function'")

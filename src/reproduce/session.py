@@ -140,13 +140,17 @@ def with_weights_record(the_plan: Plan) -> Plan:
 def count_factory_batchnorm(recipe: Recipe, data: dict | None) -> int | None:
     """The BatchNorm layers of the user's factory model, counted on the meta device (built-ins are known without
     torch: plan.batchnorm); None for other models, or a factory that cannot be built before its data is (its label then
-    stands in, and the run counts the built model; the plan never fails for want of counting)."""
+    stands in, and the run counts the built model; the plan never fails for want of counting). A built factory whose
+    logits are not the data's classes (task segmentation) is refused here, as the run would refuse it."""
     if recipe.model.factory is None:
         return None
     from .models import counted_batchnorm  # imports torch: only for a factory model
+    from .models.segmentation import ClassesDiffer
 
     try:
         return counted_batchnorm(recipe, (data or {}).get("info"))
+    except ClassesDiffer:  # built: its logits are not the data's classes (models/segmentation.check_output_classes)
+        raise
     except Exception:  # not importable here, or needs its data's shape: the run builds it (and says what fails)
         return None
 

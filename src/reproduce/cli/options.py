@@ -75,6 +75,10 @@ WEIGHTS_HELP = (
     "Start from these pretrained weights, instead of the recipe's model.weights: a Hugging Face model folder "
     "(config.json + safetensors; its config is the architecture) or a state dict file (.safetensors, .pt, .pth)."
 )
+BACKBONE_WEIGHTS_HELP = (
+    "Segmentation built-ins: load an ImageNet-pretrained backbone from this file (a torchvision or timm ResNet state "
+    "dict, or an MMSegmentation / MMPretrain checkpoint), instead of the recipe's model.backbone_weights."
+)
 OFFLOAD_HELP = (
     "With --sharding fsdp: cpu keeps parameters, gradients and optimizer state in CPU memory (batch.offload)."
 )

@@ -9,11 +9,13 @@ import typer
 from rich.table import Table
 
 from ..export import FORMATS, check_format, emit
+from ..plan.builtin_names import check_builtin_model
 from ..plan.launch import GPUS_PER_NODE
 from ..plan.memory_options import memory_summary
 from ..plan.packing import with_packing
 from ..plan.planfile import check_writable, save_plan
 from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
+from ..plan.recipe import with_backbone_weights
 from ..plan.segments import batch_phases
 from ..session import packing_table, plan_and_probe, planned_data_size, recipe_with_options
 from ..shipped import described
@@ -24,6 +26,7 @@ from ..timing.throughput_plan import check_mfu
 from .app import app
 from .common import recipe_argument, show_note, stderr, stdout
 from .options import (
+    BACKBONE_WEIGHTS_HELP,
     BATCHNORM_HELP,
     CHECKPOINTING_HELP,
     GPU_HELP,
@@ -88,6 +91,8 @@ def plan_command(
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=PLAN_DATA_HELP),
     weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
+    backbone_weights: str | None = typer.Option(None, "--backbone-weights", metavar="FILE",
+                                                help=BACKBONE_WEIGHTS_HELP),
     quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
     packing: PackingChoice | None = typer.Option(None, "--packing", help=PACKING_HELP),
@@ -107,6 +112,8 @@ def plan_command(
     check_mfu(assumed_mfu)
     recipe = recipe_with_options(recipe_path, weights, data_path, value_of(quantize), value_of(sharding), world_size,
                                  activation_checkpointing, sharded_gradients, value_of(offload), value_of(batchnorm))
+    check_builtin_model(recipe)  # a typo: one line with the nearest name, as run says
+    recipe = with_backbone_weights(recipe, backbone_weights, str(recipe_path))
     recipe = with_packing(recipe, value_of(packing), token_budget)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     data, size = planned_data_size(recipe, given=data_path is not None)

@@ -27,6 +27,7 @@ from ..train.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse
 from .app import app
 from .common import is_terminal, recipe_argument, show_note, stderr, stdout
 from .options import (
+    BACKBONE_WEIGHTS_HELP,
     BATCHNORM_HELP,
     CHECKPOINTING_HELP,
     GPU_HELP,
@@ -293,6 +294,8 @@ def run_command(
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
     eval_data_path: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
     weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
+    backbone_weights: str | None = typer.Option(None, "--backbone-weights", metavar="FILE",
+                                                help=BACKBONE_WEIGHTS_HELP),
     workers: int | None = typer.Option(None, "--workers", min=0, help=WORKERS_HELP),
     no_noise_scale: bool = typer.Option(False, "--no-noise-scale", help=NO_NOISE_HELP),
     stop_on_divergence: bool = typer.Option(False, "--stop-on-divergence", help=DIVERGENCE_HELP),
@@ -325,12 +328,12 @@ def run_command(
     if auto_resume:
         auto_resume_flags(resume, force, max_restarts, launching)
         resume, force = _auto_resume(source, out, max_steps, world.is_main, (
-            sharding_name, data_path, eval_data_path, weights, value_of(quantize)))
+            sharding_name, data_path, eval_data_path, weights, value_of(quantize), backbone_weights))
     if launching:
         processes = nproc_per_node * nodes  # an elastic job is planned for its most nodes; fewer re-derive N
         # bad input: one line, before launching
         recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights,
-                                       value_of(quantize))
+                                       value_of(quantize), backbone_weights)
         recipe, plan = packing_for_run(recipe, plan, resume, value_of(packing), token_budget)
         recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
         recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))
@@ -344,6 +347,7 @@ def run_command(
              "--max-steps": max_steps, "--seed": seed, "--checkpoint-every": checkpoint_every, "--memory": memory,
              "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
              "--data": data_path, "--eval-data": eval_data_path, "--weights": weights, "--workers": workers,
+             "--backbone-weights": backbone_weights,
              "--log-to": ",".join(trackers) or None, "--offload": offload.value if offload is not None else None,
              "--quantize": value_of(quantize), "--batchnorm": value_of(batchnorm), "--packing": value_of(packing),
              "--token-budget": token_budget},
@@ -360,7 +364,7 @@ def run_command(
     if world.distributed:
         world_size = world.size
     recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights,
-                                   value_of(quantize))
+                                   value_of(quantize), backbone_weights)
     recipe, plan = packing_for_run(recipe, plan, resume, value_of(packing), token_budget)
     recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
     recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))

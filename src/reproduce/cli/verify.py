@@ -15,11 +15,12 @@ from ..plan.batchnorm import batchnorm_for_run
 from ..plan.memory_options import with_quantized_base
 from ..plan.packing import with_packing
 from ..plan.planfile import load_recipe_or_plan
-from ..plan.recipe import with_data_paths, with_weights
+from ..plan.recipe import with_backbone_weights, with_data_paths, with_weights
 from ..session import apply_memory, make_plan
 from .app import app
 from .common import recipe_argument, show_note, stdout
 from .options import (
+    BACKBONE_WEIGHTS_HELP,
     BATCHNORM_HELP,
     CHECKPOINTING_HELP,
     MICRO_BATCH_MAX_HELP,
@@ -68,6 +69,8 @@ def verify_command(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
     weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
+    backbone_weights: str | None = typer.Option(None, "--backbone-weights", metavar="FILE",
+                                                help=BACKBONE_WEIGHTS_HELP),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
@@ -84,6 +87,7 @@ def verify_command(
     source = recipe_argument(source, "recipe or plan")
     recipe, the_plan = load_recipe_or_plan(source)
     recipe = with_data_paths(with_weights(recipe, weights, str(source)), data_path, None, str(source))
+    recipe = with_backbone_weights(recipe, backbone_weights, str(source))
     recipe = apply_memory(with_quantized_base(recipe, value_of(quantize), str(source)), activation_checkpointing)
     recipe = with_packing(recipe, value_of(packing), token_budget)
     if the_plan is not None:

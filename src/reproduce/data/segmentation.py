@@ -34,6 +34,7 @@ from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
 from ..errors import UserError
+from .cityscapes import cityscapes_files, is_cityscapes
 from .images import IMAGENET_MEAN, IMAGENET_STD, open_image
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff")
@@ -217,14 +218,31 @@ def voc_pairs(root: Path, split: str, masks: str = VOC_MASKS) -> list[Pair]:
             raise UserError(f"{listing}: image id {name!r} has no image JPEGImages/{name}.jpg"
                             + (f" (its mask {mask} exists)" if mask.is_file() else ""))
         if not mask.is_file():
-            raise UserError(f"{image}: no mask {masks}/{name}.png (listed in {listing})")
+            raise UserError(f"{image}: no mask {masks}/{name}.png (listed in {listing})" + _not_png(mask))
         pairs.append(_pair(image, mask))
     return pairs
 
 
-def folder_pairs(root: Path) -> list[Pair]:
-    """The pairs of images/ and masks/: every image with the mask of its relative name, and no mask left over."""
+def _not_png(mask: Path) -> str:
+    """Where a mask of another format stands in the expected .png's place: its name, and why it is not read."""
+    for suffix in IMAGE_SUFFIXES:
+        if suffix != MASK_SUFFIX and mask.with_suffix(suffix).is_file():
+            return (f"; {mask.with_suffix(suffix).name} is a {suffix[1:].upper()} file, and a mask is a PNG of class "
+                    "ids (JPEG's lossy compression changes the ids along every edge): save the masks as PNG")
+    return ""
+
+
+def split_folders(root: Path) -> bool:
+    """images/ and masks/ split into train/ and val/ sub-folders (read as the training and evaluation splits)."""
+    return all((root / top / split).is_dir() for top in ("images", "masks") for split in ("train", "val"))
+
+
+def folder_pairs(root: Path, split: str | None = None) -> list[Pair]:
+    """The pairs of images/ and masks/ (of images/SPLIT/ and masks/SPLIT/ when they are split): every image with the
+    mask of its relative name, and no mask left over."""
     images_root, masks_root = root / "images", root / "masks"
+    if split is not None:
+        images_root, masks_root = images_root / split, masks_root / split
     images = {p.relative_to(images_root).with_suffix(""): p for p in sorted(images_root.rglob("*"))
               if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES}
     masks = {p.relative_to(masks_root).with_suffix(""): p for p in sorted(masks_root.rglob("*"))
@@ -233,7 +251,8 @@ def folder_pairs(root: Path) -> list[Pair]:
         raise UserError(f"{images_root}: no image files ({', '.join(IMAGE_SUFFIXES)})")
     for name, image in images.items():
         if name not in masks:
-            raise UserError(f"{image}: no mask {masks_root / name.with_suffix(MASK_SUFFIX)}")
+            raise UserError(f"{image}: no mask {masks_root / name.with_suffix(MASK_SUFFIX)}"
+                            + _not_png(masks_root / name.with_suffix(MASK_SUFFIX)))
     for name, mask in masks.items():
         if name not in images:
             raise UserError(f"{mask}: a mask without an image (expected {images_root / name}.jpg or .png)")
@@ -242,13 +261,18 @@ def folder_pairs(root: Path) -> list[Pair]:
 
 def find_layout(root: Path, field: str, masks: str = VOC_MASKS) -> str:
     if not root.is_dir():
-        raise UserError(f"{field}: {root}: no such folder (expected the VOC layout or images/ and masks/)")
+        raise UserError(f"{field}: {root}: no such folder (expected the VOC layout, images/ and masks/, or "
+                        "Cityscapes')")
     if (root / "JPEGImages").is_dir() and (root / masks).is_dir():
         return "voc"
     if (root / "images").is_dir() and (root / "masks").is_dir():
         return "images-masks"
+
+    if is_cityscapes(root):
+        return "cityscapes"
     raise UserError(f"{field}: {root}: neither the VOC layout (JPEGImages/, SegmentationClass/, "
-                    "ImageSets/Segmentation/) nor images/ and masks/ folders")
+                    "ImageSets/Segmentation/), nor images/ and masks/ folders, nor Cityscapes' leftImg8bit/ and "
+                    "gtFine/")
 
 
 def check_masks(pairs: list[Pair], classes: int, ignore_index: int) -> None:
@@ -277,6 +301,19 @@ def check_crop(pairs: list[Pair], augment: Augment) -> None:
                             "smaller crop")
 
 
+def check_window(pairs: list[Pair], evaluation: Any, pad: bool) -> None:
+    """`evaluation.mode: slide` without data.pad: every evaluation image holds the window (with it, a smaller image is
+    one window of its own size, as MMSegmentation's slide_inference cuts it)."""
+    if evaluation.mode != "slide" or pad:
+        return
+    crop_h, crop_w = evaluation.crop
+    for pair in pairs:
+        if pair.height < crop_h or pair.width < crop_w:
+            raise UserError(f"{pair.image}: {pair.width} x {pair.height} is smaller than evaluation.crop {crop_w} x "
+                            f"{crop_h} (width x height, mode slide); give a smaller evaluation.crop, or data.pad: true "
+                            "(a smaller image is then one window of its own size, as MMSegmentation slides)")
+
+
 def read_split(root: Path, field: str, layout: str | None, split: str,
                masks: str = VOC_MASKS) -> tuple[str, list[Pair]]:
     layout = layout or find_layout(root, field, masks)
@@ -285,7 +322,11 @@ def read_split(root: Path, field: str, layout: str | None, split: str,
     if layout == "voc" and not (root / masks).is_dir():
         raise UserError(f"{field}: {root}: no mask folder {masks}/ (the voc layout: JPEGImages/, {masks}/, "
                         "ImageSets/Segmentation/)")
-    return layout, (voc_pairs(root, split, masks) if layout == "voc" else folder_pairs(root))
+    if layout == "voc":
+        return layout, voc_pairs(root, split, masks)
+    if layout == "cityscapes":
+        return layout, [_pair(image, mask) for image, mask in cityscapes_files(root, split)]
+    return layout, folder_pairs(root, split if split_folders(root) else None)
 
 
 def build_segmentation(recipe: Any) -> dict:
@@ -302,9 +343,13 @@ def build_segmentation(recipe: Any) -> dict:
     eval_split = spec.eval_split or "val"
     if eval_root is None and layout == "voc" and (spec.eval_split or (root / VOC_LISTS / "val.txt").is_file()):
         eval_root = root
+    if eval_root is None and ((layout == "images-masks" and split_folders(root)) or (
+            layout == "cityscapes" and (root / "leftImg8bit" / eval_split).is_dir())):
+        eval_root = root
     if eval_root is not None:
         _, eval_pairs = read_split(eval_root, "data.eval_path", layout, eval_split)
         check_masks(eval_pairs, classes, ignore)
+        check_window(eval_pairs, recipe.evaluation, spec.pads)
         data["eval"] = SegmentationData(eval_pairs, Augment(False, ignore_index=ignore))
     data["info"] = {
         "name": spec.name or root.name, "format": "segmentation", "layout": layout, "path": str(root),

@@ -26,11 +26,10 @@ from .pretrained import (
     folder_inputs,
     load_hf_model,
     load_state_dict_file,
-    on_meta,
     weights_of,
     wrap_transformers,
 )
-from .segmentation import SEGMENTATION_MODELS
+from .segmentation import SEGMENTATION_MODELS, check_output_classes
 from .vocabulary import check_vocabulary
 from .weights import adapt, place
 
@@ -48,14 +47,20 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     weights = weights_of(recipe)  # a missing path, a folder without config.json or weights: one line
     name = spec.builtin or spec.factory or spec.hf or "the model"
     if weights is not None and not weights.is_folder:  # keys and shapes checked strictly, on a model of no memory
-        if not on_meta():
-            with torch.device("meta"):
-                check_state_dict_file(architecture(recipe, None, data_info), weights, name)
+        converted_keys = keys_after_conversion(recipe, weights, data_info, name)
         model = architecture(recipe, weights, data_info)
-        load_state_dict_file(model, weights, name)  # into the architecture as published, before model.batchnorm
+        if converted_keys:  # the tool's own model.pt of a frozen / group run: loaded after the same conversion
+            model = convert(model, spec.batchnorm)
+        load_state_dict_file(model, weights, name)  # else into the architecture as published, before the conversion
     else:
         model = architecture(recipe, weights, data_info)
+        if spec.backbone_weights is not None:  # ImageNet weights into the backbone, before model.batchnorm
+            from .backbone import load_backbone
+
+            load_backbone(model, recipe)
     model = convert(model, spec.batchnorm)
+    if recipe.task == "segmentation" and recipe.data.classes:  # one line now, not at the first evaluation
+        check_output_classes(model, recipe.data.classes, recipe.data.crop, name)
     if spec.batchnorm_momentum is not None:
         set_momentum(model, spec.batchnorm_momentum)
     check_vocabulary(model, data_info)  # token ids the embedding has no row for: refused before any step
@@ -65,6 +70,26 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
 
         enable(model, name)
     return model
+
+
+def keys_after_conversion(recipe: Recipe, weights: WeightsOnDisk, data_info: dict | None, name: str) -> bool:
+    """Whether the state dict file holds the keys of the model after `model.batchnorm`'s conversion rather than of
+    the architecture as published: a model.pt this tool wrote under `frozen` (FrozenBatchNorm2d keeps no
+    num_batches_tracked) or `group` (GroupNorm keeps no running statistics). Checked on the meta device; a file that
+    fits neither is one line naming the published architecture's mismatches."""
+    with torch.device("meta"):
+        try:
+            check_state_dict_file(architecture(recipe, None, data_info), weights, name)
+            return False
+        except UserError as published:
+            if recipe.model.batchnorm not in ("frozen", "group"):
+                raise
+            try:
+                check_state_dict_file(convert(architecture(recipe, None, data_info), recipe.model.batchnorm),
+                                      weights, name)
+            except UserError:
+                raise published from None
+            return True
 
 
 def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict | None) -> nn.Module:

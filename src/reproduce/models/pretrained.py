@@ -232,7 +232,7 @@ def widen(model: nn.Module, vocab: int, weights: WeightsOnDisk) -> None:
 # ---- one state dict file into a built model ---------------------------------------------------------------------
 
 
-def read_state_dict(weights: WeightsOnDisk, shapes_only: bool) -> dict[str, Any]:
+def read_state_dict(weights: WeightsOnDisk, shapes_only: bool, field: str = "model.weights") -> dict[str, Any]:
     """The file's tensors by name (their shapes only, as torch.Size, when `shapes_only`), a checkpoint's own state
     dict taken out of it (nanoGPT's `model`, Lightning's `state_dict`) and a prefix every key has dropped."""
     path = weights.files[0]
@@ -247,7 +247,7 @@ def read_state_dict(weights: WeightsOnDisk, shapes_only: bool) -> dict[str, Any]
 
             state = load_file(str(path))
     else:
-        state = _torch_load(path)
+        state = _torch_load(path, field)
     if isinstance(state, dict) and not _is_state_dict(state):
         for key in ("model", "state_dict", "model_state_dict"):  # nanoGPT's ckpt.pt, Lightning's, a common one
             if isinstance(state.get(key), dict) and _is_state_dict(state[key]):
@@ -255,7 +255,7 @@ def read_state_dict(weights: WeightsOnDisk, shapes_only: bool) -> dict[str, Any]
                 break
     if not isinstance(state, dict) or not _is_state_dict(state):
         keys = ", ".join(map(str, list(state)[:5])) if isinstance(state, dict) else type(state).__name__
-        raise UserError(f"model.weights: {path}: holds no state dict of tensors by name (found: {keys})")
+        raise UserError(f"{field}: {path}: holds no state dict of tensors by name (found: {keys})")
     for prefix in ("_orig_mod.", "module."):  # torch.compile's and DDP's wrappers
         if state and all(key.startswith(prefix) for key in state):
             state = {key[len(prefix):]: value for key, value in state.items()}
@@ -269,7 +269,7 @@ def _is_state_dict(value: dict) -> bool:
                                for k, v in value.items())
 
 
-def _torch_load(path: Path) -> Any:
+def _torch_load(path: Path, field: str = "model.weights") -> Any:
     import pickle
 
     try:
@@ -280,10 +280,10 @@ def _torch_load(path: Path) -> Any:
                 raise
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise UserError(f"model.weights: {path}: holds Python objects besides tensors, which reproduce does not "
+        raise UserError(f"{field}: {path}: holds Python objects besides tensors, which reproduce does not "
                         f"unpickle (torch.load weights_only): {str(exc).splitlines()[0]}") from None
     except (RuntimeError, EOFError, OSError) as exc:
-        raise UserError(f"model.weights: {path}: not a torch file ({str(exc).splitlines()[0]})") from None
+        raise UserError(f"{field}: {path}: not a torch file ({str(exc).splitlines()[0]})") from None
 
 
 def _targets(model: nn.Module) -> list[nn.Module]:

@@ -53,7 +53,11 @@ class TorchvisionSegmentation(Architecture):
         channels = data_info.get("channels")
         if channels is not None and channels != IMAGE_CHANNELS:
             raise UserError(f"data.channels: {self.name} takes {IMAGE_CHANNELS}-channel images (got {channels})")
-        classes = kwargs.get("num_classes") or data_info.get("classes") or VOC_CLASSES
+        declared = data_info.get("classes")
+        if kwargs.get("num_classes") and declared and kwargs["num_classes"] != declared:
+            raise UserError(f"model.kwargs.num_classes: {kwargs['num_classes']} output channels, but data.classes is "
+                            f"{declared}: the model predicts one channel per class (remove num_classes)")
+        classes = kwargs.get("num_classes") or declared or VOC_CLASSES
         stride = kwargs.get("output_stride") or self.output_stride
         allowed = (16,) if self.head == "lraspp" else tuple(DILATION)
         if stride not in allowed:
@@ -92,6 +96,45 @@ class TorchvisionSegmentation(Architecture):
         if self.head == "fcn":
             return FCN(layers, FCNHead(2048, classes), aux_head)
         return DeepLabV3(layers, DeepLabHead(2048, classes, atrous_rates=ASPP_RATES[settings["stride"]]), aux_head)
+
+
+class ClassesDiffer(UserError):
+    """A model whose logits are not one channel per class of the data (a UserError: one line, exit 2)."""
+
+
+PROBE_SIDE = 64  # the side of the image the class check forwards: the channels do not depend on the size
+
+
+def check_output_classes(model: nn.Module, classes: int, crop: tuple[int, int] | None, name: str) -> None:
+    """A segmentation model's logits have one channel per class of the data: else one line now, when the model is
+    built (before `run` writes or removes anything), not a traceback at the first evaluation. Found by a forward of
+    one image: on the meta device (nothing computed) where the model is there, else of a small zero image in eval
+    mode without gradients (its weights, BatchNorm statistics and random state untouched). A model whose forward
+    fails on that image is left to the run (its own error then names it)."""
+    import torch
+
+    parameter = next(iter(model.parameters()), None)
+    if parameter is None:
+        return
+    height, width = crop or (PROBE_SIDE, PROBE_SIDE)
+    if parameter.device.type != "meta":
+        height, width = min(height, PROBE_SIDE), min(width, PROBE_SIDE)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            image = torch.zeros(1, 3, height, width, device=parameter.device, dtype=parameter.dtype)
+            logits = output_of(model(image))
+    except Exception:  # a size or device the user's model does not take here: the run's forward says what fails
+        return
+    finally:
+        model.train(was_training)
+    channels = logits.shape[1] if getattr(logits, "ndim", 0) == 4 else None
+    if channels != classes:
+        got = (f"{channels} output channels" if channels is not None
+               else f"output of shape {list(getattr(logits, 'shape', []))} (expected batch x classes x H x W)")
+        raise ClassesDiffer(f"model: {name} gives {got} on data of {classes} classes (data.classes): its logits need "
+                            f"one channel per class; build it with {classes} outputs")
 
 
 def output_of(output: Any) -> Any:

@@ -140,7 +140,8 @@ def plan_batchnorm(recipe: Any, micro_batch: int, micro_batch_max: int, world_si
     if mode == "sync" and world_size < 2:
         lines.append("sync on one process normalises over its micro-batch alone, and `reproduce run` refuses it: "
                      "give --world-size N (N CUDA processes) or --batchnorm keep | frozen | group")
-    if mode == "frozen" and getattr(model, "weights", None) is None:  # model.weights: pretrained statistics
+    pretrained = getattr(model, "weights", None) or getattr(model, "backbone_weights", None)
+    if mode == "frozen" and pretrained is None:  # model.weights, model.backbone_weights: pretrained statistics
         lines.append("frozen: FrozenBatchNorm2d keeps the running statistics and affine parameters it starts with; "
                      "from random weights they are mean 0, variance 1, scale 1, shift 0 (meaningless: freeze a "
                      "pretrained model's)")

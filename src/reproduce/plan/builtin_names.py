@@ -101,3 +101,19 @@ def why_not_runnable(recipe: Recipe) -> str | None:
     if recipe.optimizer.name not in TORCH_OPTIMIZERS:
         return f"no PyTorch {recipe.optimizer.name} optimizer"
     return None
+
+
+def check_builtin_model(recipe: Recipe) -> None:
+    """`plan` refuses a model.builtin that is no built-in, as `run` does, with the nearest name (a typo is the usual
+    cause: deeplabv3-resnet5). `papers` lists such a recipe as plan-only instead (why_not_runnable)."""
+    import difflib
+
+    from ..errors import UserError
+
+    name = recipe.model.builtin
+    if name is None or name in MODELS:
+        return
+    close = difflib.get_close_matches(name, MODELS, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else f"the built-ins: {', '.join(MODELS)}"
+    raise UserError(f"model.builtin: no built-in {name!r} ({hint}); a model of your own is model.factory: "
+                    "'package.module:function'")

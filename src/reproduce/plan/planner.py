@@ -365,6 +365,11 @@ def warn_last(recipe: Recipe, batchnorm: str | None, schedule: StepsSchedule, wa
                             f"the run has {total} optimizer steps")
             break
     warnings.extend(f"deviation from the paper: {text.strip()}" for text in recipe.deviations)
+    model = recipe.model
+    if recipe.task == "segmentation" and model.pretrained and model.weights is None and model.backbone_weights is None:
+        warnings.append(f"this run starts from random weights; the paper started from {model.pretrained} and its "
+                        "numbers assume it: give --backbone-weights FILE for an ImageNet backbone, or --weights FILE "
+                        "for a whole model (a run's model.pt) (docs/segmentation.md)")
 
 
 def _no_steps_message(recipe: Recipe, effective_batch: int, steps_per_epoch: int | None) -> str:

@@ -328,6 +328,11 @@ class Model(Builder):
         default=None, description="pretrained weights on this machine: a Hugging Face folder (config.json + "
         "safetensors, as save_pretrained writes it) or a state dict file (.safetensors, .pt, .pth)",
     )
+    backbone_weights: str | None = Field(
+        default=None, description="segmentation built-ins: an ImageNet-pretrained backbone on this machine (a "
+        "torchvision / timm ResNet state dict, or an MMSegmentation / MMPretrain checkpoint's backbone.*), loaded "
+        "into the model's backbone with a report; the heads start at random (models/backbone.py)",
+    )
     kind: Literal["causal-lm", "sequence-classification"] | None = None
     norm_layers: Names[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
     batchnorm: Literal[BATCHNORM_CHOICES] = Field(  # type: ignore[valid-type]
@@ -389,6 +394,13 @@ class Model(Builder):
         if self.output_stride is not None and self.builtin not in SEGMENTATION_MODELS:
             raise ValueError(f"output_stride: only for the segmentation built-ins ({segmentation}); give your own "
                              "model's through model.kwargs")
+        if self.backbone_weights is not None:
+            if self.builtin not in SEGMENTATION_MODELS:
+                raise ValueError(f"backbone_weights: only for the segmentation built-ins ({segmentation}); give a "
+                                 "whole model's state dict as weights")
+            if self.weights is not None:
+                raise ValueError("backbone_weights: give one of weights (the whole model's, e.g. a run's model.pt) "
+                                 "and backbone_weights (an ImageNet backbone under new heads)")
         if self.aux_weight is not None and self.builtin is not None and self.builtin not in SEGMENTATION_MODELS:
             raise ValueError(f"aux_weight: {self.builtin} has no auxiliary head (the segmentation built-ins do: "
                              f"{segmentation}; or your own model returning {{'out': ..., 'aux': ...}})")
@@ -402,7 +414,7 @@ class Model(Builder):
 
 
 DATA_FORMATS = ("imagefolder", "tokens", "instructions", "hf-datasets", "segmentation")
-SEGMENTATION_LAYOUTS = ("voc", "images-masks")
+SEGMENTATION_LAYOUTS = ("voc", "images-masks", "cityscapes")
 DEFAULT_IGNORE_INDEX = 255  # the mask value that bears no loss (VOC's borders, Cityscapes' void), as in MMSegmentation
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32", "int64")
 # hf-datasets: which columns hold what; one of these sets of keys (`input` is optional beside instruction/output)
@@ -472,8 +484,9 @@ class Data(Builder):
     columns: dict[str, str] | None = None
     # format segmentation (docs/segmentation.md): images with a mask of class ids each, cut and flipped together
     layout: Literal[SEGMENTATION_LAYOUTS] | None = Field(  # type: ignore[valid-type]
-        default=None, description="segmentation: voc (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/) or "
-        "images-masks (images/ and masks/ of the same names); default: found from the folder")
+        default=None, description="segmentation: voc (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/), "
+        "images-masks (images/ and masks/ of the same names, or their train/ and val/ sub-folders) or cityscapes "
+        "(leftImg8bit/ and gtFine/ *_labelTrainIds.png); default: found from the folder")
     crop: tuple[int, int] | None = Field(
         default=None, description="segmentation: the training crop, [height, width] or one side (513, [512, 1024])")
     scale: tuple[float, float] | None = Field(
@@ -513,8 +526,11 @@ class Data(Builder):
             raise ValueError(f"scale: expected [low, high] with 0 < low <= high (got {list(self.scale)})")
         if self.layout == "images-masks" and (self.split or self.eval_split or self.masks):
             name = "split" if self.split else "eval_split" if self.eval_split else "masks"
-            raise ValueError(f"{name}: only used with layout voc (its ImageSets/Segmentation/ lists); images-masks "
-                             "reads every image of images/ (the evaluation folder: eval_path)")
+            raise ValueError(f"{name}: only used with layout voc (its ImageSets/Segmentation/ lists) or cityscapes "
+                             "(its split folders); images-masks reads every image of images/, or of images/train/ "
+                             "and images/val/ (the evaluation folder: eval_path)")
+        if self.layout == "cityscapes" and self.masks:
+            raise ValueError("masks: only used with layout voc; cityscapes reads gtFine/'s *_labelTrainIds.png")
         if self.format == "segmentation" and self.crop is None:
             raise ValueError("crop: required for segmentation data: the training crop every sample is cut to "
                              "(513 for DeepLabV3 on VOC, [512, 1024] for MMSegmentation on Cityscapes)")
@@ -748,6 +764,37 @@ PLATEAU_METRICS = {
 class Evaluation(Strict):
     every_steps: int | None = Field(default=None, gt=0, description="evaluate every K optimizer steps")
     at_end: bool = True
+    # segmentation (docs/segmentation.md): how the evaluation images go through the model, as MMSegmentation's
+    # test_cfg says (mode='whole' | 'slide', crop_size, stride), and at which output stride (DeepLabV3: 8)
+    mode: Literal["whole", "slide"] = Field(
+        default="whole", description="segmentation: whole (each image at its size) or slide (MMSegmentation's "
+        "sliding window: crops of `crop` every `stride` pixels, the overlapping logits averaged)")
+    crop: tuple[int, int] | None = Field(default=None, description="slide: the window, [height, width] or one side")
+    stride: tuple[int, int] | None = Field(default=None, description="slide: the step between windows, [height, "
+                                           "width] or one side")
+    output_stride: Literal[8, 16] | None = Field(
+        default=None, description="segmentation built-ins: evaluate at this output stride (DeepLabV3 trains at 16, "
+        "evaluates at 8, sec. 4.1); the same weights, ResNet's dilation and ASPP's rates set for it")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sides(cls, value: Any) -> Any:
+        """`crop: 512` reads as [512, 512], likewise `stride`."""
+        if isinstance(value, dict):
+            value = {**value, **{key: [value[key], value[key]] for key in ("crop", "stride")
+                                 if isinstance(value.get(key), int) and not isinstance(value[key], bool)}}
+        return value
+
+    @model_validator(mode="after")
+    def _slide(self) -> Evaluation:
+        if self.mode == "slide" and (self.crop is None or self.stride is None):
+            raise ValueError("mode: slide needs crop and stride (MMSegmentation's test_cfg crop_size and stride, "
+                             "[height, width] or one side)")
+        if self.mode == "whole" and (self.crop is not None or self.stride is not None):
+            raise ValueError("crop, stride: only used with mode: slide")
+        if self.crop is not None and min(self.crop) <= 0 or self.stride is not None and min(self.stride) <= 0:
+            raise ValueError("crop, stride: height and width must be > 0")
+        return self
 
 
 class Recipe(Strict):
@@ -825,10 +872,25 @@ class Recipe(Strict):
         if self.task != "segmentation":
             if data.ignore_index is not None:
                 raise ValueError(f"data.ignore_index: only used with task segmentation (task is {self.task})")
+            if self.evaluation.mode != "whole" or self.evaluation.output_stride is not None:
+                raise ValueError(f"evaluation.mode, output_stride: only used with task segmentation (task is "
+                                 f"{self.task})")
             return
         if data.classes is None:
             raise ValueError("data.classes: required for task segmentation: the class ids 0 .. classes - 1 a mask "
                              "holds, background included (21 for Pascal VOC, 19 for Cityscapes)")
+        evaluation = self.evaluation
+        if evaluation.output_stride is not None and self.model.builtin not in SEGMENTATION_MODELS:
+            raise ValueError("evaluation.output_stride: only for the segmentation built-ins "
+                             f"({', '.join(SEGMENTATION_MODELS)})")
+        if evaluation.output_stride == 8 and self.model.builtin == "lraspp-mobilenet-v3-large":
+            raise ValueError("evaluation.output_stride: lraspp-mobilenet-v3-large is built at 16 only (MobileNetV3's "
+                             "last block dilated, Howard et al. 2019 sec. 6.2)")
+        outputs = self.model.kwargs.get("num_classes")
+        if self.model.builtin in SEGMENTATION_MODELS and outputs is not None and outputs != data.classes:
+            raise ValueError(f"model.kwargs.num_classes: {outputs} output channels, but data.classes is "
+                             f"{data.classes}: the model predicts one channel per class (remove num_classes: it "
+                             "follows data.classes)")
         if self.ignore_index < data.classes:
             raise ValueError(f"data.ignore_index: {self.ignore_index} is one of the {data.classes} class ids "
                              f"0 .. {data.classes - 1}; the ignored value must be none of them (255 by default)")
@@ -953,6 +1015,18 @@ def with_weights(recipe: Recipe, path: str | None, source: str = "<recipe>") -> 
         return recipe
     data = recipe.model_dump(mode="json")
     data["model"]["weights"] = str(Path(path).expanduser().absolute())
+    return parse_recipe(data, source=source)
+
+
+def with_backbone_weights(recipe: Recipe, path: str | None, source: str = "<recipe>") -> Recipe:
+    """The recipe with `--backbone-weights PATH` in place of its `model.backbone_weights`, made absolute."""
+    if path is None:
+        return recipe
+    from .weightfiles import inspect
+
+    inspect(path, "--backbone-weights")  # a missing file: one line now
+    data = recipe.model_dump(mode="json")
+    data["model"]["backbone_weights"] = str(Path(path).expanduser().absolute())
     return parse_recipe(data, source=source)
 
 

@@ -12,7 +12,7 @@ from .packing import with_grouping_of
 from .planfile import load_plan, load_recipe_or_plan
 from .planner import Plan
 from .planner import plan as make
-from .recipe import Recipe, parse_recipe, with_data_paths, with_weights
+from .recipe import Recipe, parse_recipe, with_backbone_weights, with_data_paths, with_weights
 from .sharding import with_sharding
 from .weightfiles import fingerprint_of, inspect
 
@@ -96,19 +96,23 @@ def check_resumed_weights(recipe: Recipe, saved: Plan, weights_path: str | None,
 
 def recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None, data_path: str | None,
                     eval_data_path: str | None, weights_path: str | None = None,
-                    quantize: str | None = None) -> tuple[Recipe, Plan | None]:
+                    quantize: str | None = None, backbone_path: str | None = None) -> tuple[Recipe, Plan | None]:
     """The recipe (and plan, when given or resumed) with the data paths, the weights, the sharding and the quantised
     base this run uses: --data / --eval-data, --weights, --sharding and --quantize, else the recipe's; a resumed run
     keeps the data, weights, sharding and base it was started with (and refuses weights whose content changed
     since)."""
     recipe, plan = load_recipe_or_plan(source)
     recipe = with_data_paths(with_weights(recipe, weights_path, str(source)), data_path, eval_data_path, str(source))
+    recipe = with_backbone_weights(recipe, backbone_path, str(source))
     if not resume:
         recipe = with_sharding(with_quantized_base(recipe, quantize, str(source)), sharding)
         return recipe, plan.model_copy(update={"recipe": recipe}) if plan is not None else None
     saved = load_plan(out / "plan.yaml") if (out / "plan.yaml").is_file() else None
     if saved is None:
         raise UserError(f"--resume: {out} has no plan.yaml to resume")
+    if backbone_path is not None and recipe.model.backbone_weights != saved.recipe.model.backbone_weights:
+        raise UserError(f"--backbone-weights: the run in {out} continues from its checkpoint; resume it without the "
+                        "option (its plan.yaml keeps the backbone file it started from)")
     started = saved.recipe.batch.sharding
     if sharding is not None and sharding != started:
         raise UserError(f"--sharding: the run in {out} was started with sharding {started}; resume it with the same "

@@ -108,12 +108,36 @@ def verdict_table(found: list[Verdict]) -> Table:
                  row_css=css)
 
 
+def class_iou_table(runs: list[RunFolder]) -> Table | None:
+    """Segmentation: each class's IoU at each run's last evaluation (n/a: in neither predictions nor targets, left out
+    of the mean), or None when no run records it."""
+    last = {}
+    for run in runs:
+        found = next((r for r in reversed(run.records) if isinstance(r.get("eval_class_iou"), list)), None)
+        if found is not None:
+            last[run.name] = found
+    if not last:
+        return None
+    classes = max(len(record["eval_class_iou"]) for record in last.values())
+    rows = [[str(index), *["-" if index >= len(r["eval_class_iou"]) else
+                           "n/a" if r["eval_class_iou"][index] is None else f"{r['eval_class_iou'][index]:.4f}"
+                           for r in last.values()]] for index in range(classes)]
+    rows.append(["mIoU", *[f"{r['eval_miou']:.4f}" for r in last.values()]])
+    return Table(["class", *[f"{name} (step {r['step']})" for name, r in last.items()]], rows, css="runs")
+
+
 def blocks(runs: list[RunFolder], plots: bool = True) -> list[Block]:
     out: list[Block] = [("h1", "reproduce report: " + ", ".join(run.name for run in runs)),
                         ("p", f"Made by reproduce {__version__} on "
                               f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC from "
                               f"{len(runs)} run folder{'s' if len(runs) > 1 else ''}.")]
     out += [("h2", "Runs"), ("table", runs_table(runs))]
+    per_class = class_iou_table(runs)
+    if per_class is not None:  # one confusion matrix over the split, as MMSegmentation reports it
+        out += [("h2", "IoU per class (last evaluation)"),
+                ("p", "One confusion matrix over the whole evaluation split (MMSegmentation's definition); n/a: a "
+                      "class in neither the predictions nor the targets, left out of the mean."),
+                ("table", per_class)]
     found = [v for run in runs for v in verdicts(run)]
     out.append(("h2", "The paper's reported result"))
     if found:

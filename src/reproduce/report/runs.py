@@ -59,7 +59,8 @@ class RunFolder:
                 if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
 
 
-NOT_METRICS = {"eval_items", "eval_samples", "eval_tokens", "eval_seconds"}  # counts of an evaluation, not results
+# counts of an evaluation, not results; and segmentation's per-class IoU, a list (the report's class table)
+NOT_METRICS = {"eval_items", "eval_samples", "eval_tokens", "eval_seconds", "eval_class_iou"}
 
 
 def eval_metrics(runs: list[RunFolder]) -> list[str]:

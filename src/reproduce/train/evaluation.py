@@ -3,13 +3,17 @@ plateau decay stepped on it."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..data.batches import to_device
 from ..data.loader import default_workers, eval_batches
+from ..errors import UserError
 from ..models.segmentation import output_of
+from ..plan.planner import Plan
+from .eval_modes import evaluation_forward
 from .plateau import step_plateau
 from .setup import Setup
 
@@ -31,10 +35,12 @@ def evaluate(setup: Setup, batch: int | None = None, workers: int | None = None)
     if getattr(dataset, "sizes_differ", False):  # images of several sizes, each at its own: one at a time
         batch = 1
     workers = default_workers(dataset) if workers is None else workers
+    # segmentation: whole images or MMSeg's sliding window, at the evaluation's output stride (eval_modes.py)
+    forward = evaluation_forward(setup) if pixels is not None else model
     for cpu_batch in eval_batches(dataset, batch, workers=workers, pin_memory=setup.device.type == "cuda"):
         inputs, target = to_device(cpu_batch, setup.device, setup.dtype)
         with setup.autocast():
-            output = model(inputs)
+            output = forward(inputs)
         if pixels is not None:
             output = pixels.update(output, target)  # the main head's logits: its loss alone is the eval loss
         total_loss += float(setup.loss(output, target))
@@ -51,32 +57,43 @@ def evaluate(setup: Setup, batch: int | None = None, workers: int | None = None)
 
 
 class PixelMetrics:
-    """mIoU and pixel accuracy over the whole eval split, as MMSegmentation reports them: one confusion matrix
-    summed over every batch (torchmetrics' MulticlassJaccardIndex, average "macro": the mean IoU of the classes
-    present in the targets or predictions; pixels at ignore_index excluded), not a mean of per-image scores.
+    """mIoU, per-class IoU and pixel accuracy over the whole eval split, as MMSegmentation reports them: one confusion
+    matrix summed over every batch (torchmetrics' MulticlassConfusionMatrix; pixels at ignore_index excluded), not
+    a mean of per-image scores. A class's IoU is TP / (TP + FP + FN) from the matrix; a class absent from both the
+    predictions and the targets has none (`n/a`, None in the records) and is left out of the mean, as MMSeg's
+    nanmean does (torchmetrics' MulticlassJaccardIndex, average "macro", gives the same mean).
 
     The split is evaluated whole on each evaluating rank (rank 0; under FSDP every rank, each the whole split), so
     the matrix is the split's with no reduction over ranks (sync_on_compute off: the other ranks are not here).
     """
 
     def __init__(self, setup: Setup):
-        from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
+        from torchmetrics.classification import MulticlassConfusionMatrix
 
         recipe = setup.plan.recipe
         classes, ignore = recipe.data.classes, recipe.ignore_index
-        self.iou = MulticlassJaccardIndex(classes, ignore_index=ignore, average="macro", sync_on_compute=False)
-        self.accuracy = MulticlassAccuracy(classes, ignore_index=ignore, average="micro", sync_on_compute=False)
-        self.iou, self.accuracy = self.iou.to(setup.device), self.accuracy.to(setup.device)
+        self.matrix = MulticlassConfusionMatrix(classes, ignore_index=ignore, sync_on_compute=False).to(setup.device)
 
     def update(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         logits = output_of(output)
-        predicted = logits.argmax(1)
-        self.iou.update(predicted, target)
-        self.accuracy.update(predicted, target)
+        self.matrix.update(logits.argmax(1), target)
         return logits
 
     def compute(self) -> dict:
-        return {"eval_miou": float(self.iou.compute()), "eval_pixel_accuracy": float(self.accuracy.compute())}
+        return pixel_metrics(self.matrix.compute())
+
+
+def pixel_metrics(matrix: torch.Tensor) -> dict:
+    """eval_miou, eval_pixel_accuracy and eval_class_iou (None: a class in neither predictions nor targets) of a
+    confusion matrix (rows: targets, columns: predictions)."""
+    matrix = matrix.double()
+    hits = matrix.diagonal()
+    union = matrix.sum(0) + matrix.sum(1) - hits
+    ious = [float(h / u) if u > 0 else None for h, u in zip(hits.tolist(), union.tolist(), strict=True)]
+    present = [iou for iou in ious if iou is not None]
+    total = float(matrix.sum())
+    return {"eval_miou": sum(present) / len(present) if present else 0.0,
+            "eval_pixel_accuracy": float(hits.sum()) / total if total else 0.0, "eval_class_iou": ious}
 
 
 def evaluation_due(setup: Setup, step: int, done: bool) -> bool:
@@ -98,3 +115,32 @@ def evaluate_step(setup: Setup, step: int, micro_batch: int, workers: int | None
             fields.update(evaluation)
     fields.update(step_plateau(setup, evaluation, step))
     return fields
+
+
+def evaluate_run(run_dir: Path, data_path: str | None = None, eval_data_path: str | None = None,
+                 device: str = "auto", workers: int | None = None) -> tuple[Plan, dict]:
+    """A finished run's model.pt evaluated again, without training: its plan.yaml's recipe and model (model.pt
+    loaded as `--weights` loads it, after the run's BatchNorm conversion where its keys are the converted model's),
+    its evaluation data (or `--data` / `--eval-data`), in batches of its micro-batch, so the metrics are the run's.
+    A folder without plan.yaml or model.pt, or a recipe with no evaluation data, is one line."""
+    from ..data import build_data
+    from ..plan.planfile import load_plan
+    from ..plan.recipe import with_data_paths, with_weights
+    from .setup import build, resolve_device
+
+    for name in ("plan.yaml", "model.pt"):
+        if not (run_dir / name).is_file():
+            raise UserError(f"RUN_DIR: {run_dir} has no {name} (the folder of a finished `reproduce run`)")
+    plan = load_plan(run_dir / "plan.yaml")
+    recipe = plan.recipe
+    source = str(run_dir / "plan.yaml")
+    unbacked = recipe.model_copy(update={"model": recipe.model.model_copy(update={"backbone_weights": None})})
+    recipe = with_data_paths(with_weights(unbacked, str(run_dir / "model.pt"), source), data_path, eval_data_path,
+                             source)
+    data = build_data(recipe)
+    if data.get("eval") is None or len(data["eval"]) == 0:
+        raise UserError(f"{source}: the run's recipe has no evaluation data (data.eval_path, or a voc folder's "
+                        "val list): give --eval-data PATH")
+    plan = plan.model_copy(update={"recipe": recipe})
+    setup = build(plan, resolve_device(device), data=data)
+    return plan, evaluate(setup, workers=workers) or {}

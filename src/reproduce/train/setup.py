@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..data import build_data
 from ..errors import UserError
 from ..models import build_model, count_batchnorm, place
+from ..models.backbone import backbone_report
 from ..models.normalization import to_sync
 from ..plan.batchnorm import label_disagreement
 from ..plan.planner import Plan
@@ -133,6 +134,12 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
     torch.manual_seed(recipe.seed if seed is None else seed)
     model = place(build_model(recipe, data.get("info")), recipe, device, dtype)  # model.dtype kept in float32 runs
     notes = batchnorm_notes(plan, model, world, device)
+    loaded = backbone_report(recipe, data.get("info"))  # which tensors came from the backbone file, which did not
+    if loaded:
+        notes.insert(0, loaded)
+    if recipe.task == "segmentation" and data.get("eval") is None:
+        notes.append("no evaluation data: the run reports no eval loss, mIoU or pixel accuracy (give --eval-data, "
+                     "data.eval_path, a voc folder's val list, or images/ and masks/ with train/ and val/)")
     if recipe.model.batchnorm == "sync":
         model = to_sync(model)  # statistics over every process's micro-batch (checked above: CUDA, several)
     counter = None
