@@ -247,6 +247,7 @@ def run_command(
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
     from ..data.lengths import training_sizes
+    from ..data.text import text_warnings
     from ..train import distributed  # torch is imported only by the commands that train
     from ..train.trainer import RunOptions, train
 
@@ -308,6 +309,7 @@ def run_command(
             on_note=on_note)
     plan, warnings = run_plan(recipe, str(source), plan, micro_batch_max, world_size, policy.value, size, resume,
                               probe=options, data=data, on_note=on_note)
+    warnings = [*warnings, *text_warnings(data.get("info") or {})]  # what tokenising cut, with counts
     micro_max = micro_batch_max if isinstance(micro_batch_max, int) else None  # (per-length maxima: no option)
     continue_with = continue_command(
         out, {"--max-steps": max_steps, "--micro-batch-max": micro_max,

@@ -23,6 +23,7 @@ FORMATS = {
     "hf-datasets": ("hfdata", "build_hf_datasets"),
     "segmentation": ("segmentation", "build_segmentation"),
 }
+TEXT_FORMATS = ("instructions", "hf-datasets")  # tokenised here, truncated to data.max_length
 NEEDS = {"imagefolder": "torchvision", "segmentation": "torchvision", "hf-datasets": "datasets",
          "instructions": "transformers"}
 
@@ -67,6 +68,10 @@ def build_data(recipe: Recipe) -> dict:
     if not recipe.data.available:
         raise UserError(unavailable_message(recipe))
     if recipe.data.format is not None:
+        if recipe.data.format in TEXT_FORMATS:  # before a token is read: the longest sequence the model takes
+            from ..models import check_context
+
+            check_context(recipe)
         data = build_format(recipe)
     else:
         extra = {}
