@@ -228,8 +228,8 @@ def text_warnings(info: dict) -> list[str]:
         examples, length = info.get(f"{split}_examples"), info.get(f"{split}_max_length")
         if examples is None:
             continue
-        counted = [("truncated", "are longer than data.max_length ({length} tokens): truncated, the end of the response "
-                    "and its EOS cut off"),
+        counted = [("truncated", "are longer than data.max_length ({length} tokens): truncated, the end of the "
+                    "response and its EOS cut off"),
                    ("without_response_tokens", "keep no response token within data.max_length ({length} tokens): "
                     "they bear no loss"),
                    ("skipped_too_short", "have fewer than two tokens (nothing to predict): left out")]
