@@ -146,6 +146,10 @@ def plan(
     dataset_size = dataset_size or recipe.data.train_size
     steps_per_epoch, partial = epoch_steps(dataset_size, chosen.effective_batch, world_size, recipe.data.drop_last)
     warn_partial_epoch(recipe, dataset_size, chosen.effective_batch, world_size, partial, warnings)
+    if recipe.loss is not None and recipe.loss.normalization == "micro-batch-mean":
+        warnings.append("loss.normalization: micro-batch-mean: each micro-batch's mean over its own items, averaged "
+                        "over the window's micro-batches and processes (the Hugging Face Trainer before transformers "
+                        "v4.46.0): not the large batch's gradient where micro-batches hold different counts")
     phases = plan_phases(recipe, maxima or micro_batch_max, world_size, dataset_size, sizes, split_policy, chosen,
                          warnings)
     segments = phases or [whole_segment(chosen, micro_batch_max, recipe.batch.sequences, main_length, dataset_size,

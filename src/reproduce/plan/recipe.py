@@ -284,6 +284,26 @@ class Builder(Strict):
         return self
 
 
+NORMALIZATIONS = ("window-tokens", "micro-batch-mean")
+
+
+class Loss(Builder):
+    """Task custom: its loss (`builtin` or `factory`). Any task: how each micro-batch's loss is normalised.
+
+    window-tokens (the default): each micro-batch's summed loss / the loss-bearing items (target tokens, samples,
+    pixels) of the whole window over every rank: the gradient of the large batch's mean, exactly. micro-batch-mean:
+    each micro-batch's mean over its own items / (the window's micro-batches x ranks), what the Hugging Face Trainer
+    computed before transformers v4.46.0 (PR #34191, October 2024) and so the arithmetic of the papers run on it
+    (Alpaca-LoRA, QLoRA): with micro-batches of unequal token counts not the large batch's mean.
+    """
+
+    normalization: Literal[NORMALIZATIONS] = Field(  # type: ignore[valid-type]
+        default="window-tokens", description="window-tokens: the large batch's mean over its loss-bearing items "
+        "(exact); micro-batch-mean: the mean of each micro-batch's own mean, as the Hugging Face Trainer before "
+        "transformers v4.46.0 (PR #34191) averaged a window",
+    )
+
+
 class Lora(Strict):
     """Low-rank adapters (Hu et al. 2021) through peft on the modules named: only the adapters train.
 
@@ -736,7 +756,7 @@ class Recipe(Strict):
     task: Literal["classification", "language-modeling", "custom", "segmentation"]
     model: Model
     data: Data
-    loss: Builder | None = None
+    loss: Loss | None = None
     optimizer: Optimizer
     schedule: Schedule
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -759,10 +779,12 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
-        if self.task == "custom" and self.loss is None:
+        named = self.loss is not None and (self.loss.builtin or self.loss.factory)
+        if self.task == "custom" and not named:
             raise ValueError("loss: task custom needs loss: {builtin: NAME} or {factory: 'package.module:function'}")
-        if self.task != "custom" and self.loss is not None:
-            raise ValueError(f"loss: only used with task custom (task is {self.task})")
+        if self.task != "custom" and named:
+            raise ValueError(f"loss: builtin and factory only with task custom (task is {self.task}); any task takes "
+                             "loss.normalization")
         weights = self.model.dtype
         if weights != "fp32" and self.precision != weights:
             raise ValueError(
