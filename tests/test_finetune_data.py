@@ -51,11 +51,11 @@ LLAMA = {"builtin": "llama-7b", "lora": {"r": 2, "alpha": 4, "target_modules": [
     (GPT2, "tiny-gpt2", {"max_length": 1024},  # transformers' GPT-2 raised a 275-line IndexError
      "error: data.max_length: 1024 tokens is longer than gpt2-medium (its config.json in {files}/tiny-gpt2) takes "
      "(512 positions)\n"),
-    (LLAMA, "tiny-llama", {"max_length": 600},  # LLaMA ran past its positions silently
-     "error: data.max_length: 600 tokens is longer than llama-7b (its config.json in {files}/tiny-llama) takes "
-     "(512 positions)\n"),
-    ({"hf": "{files}/tiny-llama"}, None, {"max_length": 513},
-     "error: data.max_length: 513 tokens is longer than {files}/tiny-llama takes (512 positions)\n"),
+    (LLAMA, "tiny-llama", {"max_length": 4096},  # LLaMA ran past its positions silently
+     "error: data.max_length: 4096 tokens is longer than llama-7b (its config.json in {files}/tiny-llama) takes "
+     "(2048 positions)\n"),
+    ({"hf": "{files}/tiny-llama"}, None, {"max_length": 2049},
+     "error: data.max_length: 2049 tokens is longer than {files}/tiny-llama takes (2048 positions)\n"),
     (GPT2, "tiny-gpt2", {"max_length": 24},  # every prompt longer than 24 tokens: it trained at loss 0.0000
      "error: data.path: {files}/alpaca.json: none of its 24 examples has a target token: train_on_inputs is false "
      "and no example keeps a response token within data.max_length (24 tokens): raise data.max_length, or set "

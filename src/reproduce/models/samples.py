@@ -24,7 +24,7 @@ from pathlib import Path
 from ..data.samples import MAX_BYTES, docstring_records, train_tokenizer
 
 LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-         "num_key_value_heads": 4, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+         "num_key_value_heads": 4, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 GPT2 = {"n_positions": 512, "n_embd": 32, "n_layer": 2, "n_head": 2}
 
 
