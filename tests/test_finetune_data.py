@@ -30,7 +30,23 @@ def files(tmp_path_factory):
     no_eos = transformers.AutoTokenizer.from_pretrained(root / "tokenizer")
     no_eos.eos_token = None
     no_eos.save_pretrained(root / "no-eos")
+    chat = transformers.AutoTokenizer.from_pretrained(root / "tokenizer")
+    chat.chat_template = CHAT_TEMPLATE
+    chat.save_pretrained(root / "chat-tokenizer")
     return root
+
+
+# a ChatML-like template (the sample tokenizer has none): each turn "<|role|>\ncontent<eos>\n"
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "Red."}, {"role": "user", "content": "Another?"},
+                {"role": "assistant", "content": "Blue, and green."}]
+
+
+def write_jsonl(path, records: list) -> str:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return str(path)
 
 
 def recipe(tmp_path, model: dict, name: str = "recipe.yaml", **data) -> str:
@@ -93,3 +109,60 @@ def test_what_tokenising_cut_is_said_with_counts(files, tmp_path, capsys, one_th
             "(160 tokens): they bear no loss") in lines
     assert (f"warning: data.tokenizer: {files / 'no-eos'} has no EOS token: the examples end without one, so the "
             "model does not learn where a response stops") in lines
+
+
+def chat_recipe(tmp_path, files, **data) -> str:
+    return recipe(tmp_path, LLAMA, format="chat", tokenizer=str(files / "chat-tokenizer"), max_length=256,
+                  template=None, **data)
+
+
+@pytest.mark.parametrize("layout", ["messages", "sharegpt"])
+def test_a_chat_file_trains_on_the_assistant_turns_only(layout, files, tmp_path, capsys, one_thread):
+    """Rendered by the tokenizer's own chat template; the targets are the assistant turns' tokens (each turn's end
+    of turn included), nothing of the system or user turns; ShareGPT's conversations read the same."""
+    from reproduce.data import build_data
+    from reproduce.plan.recipe import parse_recipe
+
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    record = ({"messages": CONVERSATION} if layout == "messages" else
+              {"conversations": [{"from": names[t["role"]], "value": t["content"]} for t in CONVERSATION]})
+    path = write_jsonl(tmp_path / "chat.jsonl", [record] * 8)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(files / "chat-tokenizer")
+    recipe_path = chat_recipe(tmp_path, files)
+    loaded = parse_recipe({**yaml.safe_load(open(recipe_path)), "data": {
+        **yaml.safe_load(open(recipe_path))["data"], "path": path, "available": True}})
+    train = build_data(loaded)["train"]
+    inputs, labels = train[0]
+    assert tokenizer.decode(labels[labels != -100]) == "Red.<|endoftext|>\nBlue, and green.<|endoftext|>\n"
+    rendered = tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert tokenizer.decode(inputs) + tokenizer.decode(labels[-1:]) == rendered
+    everything = parse_recipe({**loaded.model_dump(mode="json"),
+                               "data": {**loaded.data.model_dump(mode="json"), "train_on_inputs": True}})
+    assert int((build_data(everything)["train"][0][1] != -100).sum()) == len(inputs)  # train_on_inputs: all
+
+    code, out, err = cli(capsys, "run", recipe_path, "--weights", files / "tiny-llama", "--data", path, "--out",
+                         tmp_path / "run", "--micro-batch-max", "4", "--device", "cpu", "--max-steps", "1")
+    assert code == 0, err
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["items"] == 4 * int((labels != -100).sum())
+
+
+@pytest.mark.parametrize(("records", "tokenizer", "expected"), [
+    ([{"messages": CONVERSATION[:2]}], "chat-tokenizer",
+     "error: {data}: line 1: no assistant turn: nothing to train on (the loss covers the assistant's messages)\n"),
+    ([{"messages": CONVERSATION}, {"messages": [{"role": "bot", "content": "Hi."}]}], "chat-tokenizer",
+     "error: {data}: line 2: message 1: unknown role 'bot' (expected system, user, assistant)\n"),
+    ([{"conversations": [{"from": "robot", "value": "Hi."}]}], "chat-tokenizer",
+     "error: {data}: line 1: message 1: unknown from 'robot' (expected human, user, gpt, assistant, system)\n"),
+    ([{"messages": CONVERSATION}], "tokenizer",
+     "error: data.tokenizer: {files}/tokenizer has no chat template (chat_template in its tokenizer_config.json), "
+     "which format chat renders conversations with; give a tokenizer that has one, or use format instructions\n"),
+], ids=["no-assistant-turn", "unknown-role", "unknown-sharegpt-role", "no-chat-template"])
+def test_bad_chat_input_is_one_line(records, tokenizer, expected, files, tmp_path, capsys, one_thread):
+    data = write_jsonl(tmp_path / "chat.jsonl", records)
+    path = recipe(tmp_path, LLAMA, format="chat", tokenizer=str(files / tokenizer), max_length=256, template=None)
+    before = snapshot(tmp_path)
+    code, out, err = cli(capsys, "run", path, "--weights", files / "tiny-llama", "--data", data, "--out",
+                         tmp_path / "run", "--micro-batch-max", "4", "--device", "cpu")
+    assert (code, err) == (2, expected.format(data=data, files=files))
+    assert snapshot(tmp_path) == before

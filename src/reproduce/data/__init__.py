@@ -20,12 +20,13 @@ FORMATS = {
     "imagefolder": ("images", "build_imagefolder"),
     "tokens": ("tokens", "build_tokens"),
     "instructions": ("text", "build_instructions"),
+    "chat": ("chat", "build_chat"),
     "hf-datasets": ("hfdata", "build_hf_datasets"),
     "segmentation": ("segmentation", "build_segmentation"),
 }
-TEXT_FORMATS = ("instructions", "hf-datasets")  # tokenised here, truncated to data.max_length
+TEXT_FORMATS = ("instructions", "chat", "hf-datasets")  # tokenised here, truncated to data.max_length
 NEEDS = {"imagefolder": "torchvision", "segmentation": "torchvision", "hf-datasets": "datasets",
-         "instructions": "transformers"}
+         "instructions": "transformers", "chat": "transformers"}
 
 
 # what `--data PATH` is, for each data.format
@@ -33,6 +34,7 @@ EXPECTED = {
     "tokens": "a binary file of {dtype} token ids, or a nanoGPT data folder holding train.bin (and val.bin)",
     "imagefolder": "a folder with one sub-folder of images per class (torchvision's ImageFolder layout)",
     "instructions": "an Alpaca-style JSON or JSONL file of instruction / input / output records",
+    "chat": 'a JSON or JSONL file of {"messages": [{"role": ..., "content": ...}, ...]} records',
     "hf-datasets": "a folder saved with the datasets library's save_to_disk, or parquet / JSONL files",
     "segmentation": "Pascal VOC's folder (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/) or images/ and "
                     "masks/ folders of label-id PNGs",

@@ -413,7 +413,7 @@ class Model(Builder):
         return batchnorm_in_run(self)
 
 
-DATA_FORMATS = ("imagefolder", "tokens", "instructions", "hf-datasets", "segmentation")
+DATA_FORMATS = ("imagefolder", "tokens", "instructions", "chat", "hf-datasets", "segmentation")
 SEGMENTATION_LAYOUTS = ("voc", "images-masks")
 DEFAULT_IGNORE_INDEX = 255  # the mask value that bears no loss (VOC's borders, Cityscapes' void), as in MMSegmentation
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32", "int64")
@@ -425,8 +425,8 @@ FORMAT_FIELDS = {
     "augment": ("imagefolder", "hf-datasets"),
     "dtype": ("tokens",),
     "template": ("instructions", "hf-datasets"),
-    "train_on_inputs": ("instructions", "hf-datasets"),
-    "tokenizer": ("instructions", "hf-datasets"),
+    "train_on_inputs": ("instructions", "chat", "hf-datasets"),
+    "tokenizer": ("instructions", "chat", "hf-datasets"),
     "columns": ("hf-datasets", "instructions"),
     "layout": ("segmentation",),
     "crop": ("segmentation",),
@@ -575,8 +575,8 @@ class Data(Builder):
 
     @property
     def text_columns(self) -> bool:
-        """Whether the data is text to tokenise (instructions, or hf-datasets text/instruction columns)."""
-        return self.format == "instructions" or (
+        """Whether the data is text to tokenise (instructions, chat, or hf-datasets text/instruction columns)."""
+        return self.format in ("instructions", "chat") or (
             self.format == "hf-datasets" and self.columns is not None and "label" not in self.columns
         )
 
