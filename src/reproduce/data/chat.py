@@ -109,7 +109,8 @@ def build_chat(recipe: Any) -> dict:
         dataset = MaskedTexts([ids for ids, _ in kept], [mask for _, mask in kept])
         stats = {"examples": len(kept), "skipped_too_short": len(rendered) - len(kept),
                  "truncated": sum(cut for _, _, cut in rendered), "max_length": max_length,
-                 "without_response_tokens": int((dataset.counts == 0).sum()), "target_tokens": int(dataset.counts.sum())}
+                 "without_response_tokens": int((dataset.counts == 0).sum()),
+                 "target_tokens": int(dataset.counts.sum())}
         if split == "train":
             check_targets(stats, field, path, bool(spec.train_on_inputs))
         data[split] = dataset
