@@ -166,3 +166,34 @@ def test_bad_chat_input_is_one_line(records, tokenizer, expected, files, tmp_pat
                          tmp_path / "run", "--micro-batch-max", "4", "--device", "cpu")
     assert (code, err) == (2, expected.format(data=data, files=files))
     assert snapshot(tmp_path) == before
+
+
+def test_eval_size_holds_examples_out_with_the_seed(files, tmp_path, capsys, one_thread):
+    """data.eval_size: that many examples of the training file become the eval split, drawn with the recipe's seed
+    (another seed, another draw), the rest train; the plan counts what trains; more than the file is one line."""
+    from reproduce.data import build_data
+    from reproduce.plan.recipe import parse_recipe
+
+    def built(seed: int, size: int = 6) -> dict:
+        body = yaml.safe_load(open(recipe(tmp_path, GPT2, eval_size=size)))
+        body["data"].update({"path": str(files / "alpaca.json"), "available": True,
+                             "tokenizer": str(files / "tokenizer")})
+        return build_data(parse_recipe({**body, "seed": seed}))
+
+    whole = {tuple(built(0, 1)["train"].sequence(i)) for i in range(23)} | {tuple(built(0, 1)["eval"].sequence(0))}
+    first, again, other = built(0), built(0), built(1)
+    held = [tuple(first["eval"].sequence(i)) for i in range(len(first["eval"]))]
+    trained = [tuple(first["train"].sequence(i)) for i in range(len(first["train"]))]
+    assert (len(trained), len(held)) == (18, 6) and set(held) | set(trained) == whole and not set(held) & set(trained)
+    assert held == [tuple(again["eval"].sequence(i)) for i in range(6)]
+    assert held != [tuple(other["eval"].sequence(i)) for i in range(6)]
+
+    code, out, err = cli(capsys, "plan", recipe(tmp_path, GPT2, eval_size=6), "--weights", files / "tiny-gpt2",
+                         "--data", files / "alpaca.json", "--micro-batch-max", "4", "--json")
+    assert code == 0, err
+    assert json.loads(out)["dataset_size"] == 18
+    code, out, err = cli(capsys, "run", recipe(tmp_path, GPT2, eval_size=24), "--weights", files / "tiny-gpt2",
+                         "--data", files / "alpaca.json", "--out", tmp_path / "run", "--micro-batch-max", "4",
+                         "--device", "cpu")
+    assert (code, err) == (2, f"error: data.eval_size: 24 examples held out of {files / 'alpaca.json'}, which has 24: "
+                              "none would be left to train on\n")

@@ -75,6 +75,12 @@ def build_data(recipe: Recipe) -> dict:
 
             check_context(recipe)
         data = build_format(recipe)
+        if recipe.data.eval_size is not None:  # held out of the training file, drawn with the seed
+            from .text import hold_out
+
+            if not hasattr(data["train"], "select"):
+                raise UserError("data.eval_size: holds out text examples; this data is not text (give eval_path)")
+            data = hold_out(data, recipe.data.eval_size, recipe.seed, recipe.data.path)
     else:
         extra = {}
         if recipe.data.builtin in ("pysource", "pysource-pairs", "text-pairs") and recipe.batch.sequence_length:

@@ -33,6 +33,10 @@ class MaskedTexts(TokenisedTexts):
         self.mask = torch.tensor([bit for mask in masks for bit in mask], dtype=torch.bool)
         self.counts = torch.tensor([sum(mask[1:]) for mask in masks], dtype=torch.long)  # targets are labels[1:]
 
+    def select(self, indices: list[int]) -> MaskedTexts:
+        masks = [self.mask[int(self.offsets[i]):int(self.offsets[i + 1])].tolist() for i in indices]
+        return MaskedTexts([self.sequence(i) for i in indices], masks)
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = int(self.offsets[index]), int(self.offsets[index + 1])
         tokens = self.ids[start:end].long()

@@ -100,6 +100,27 @@ class TokenisedTexts(Dataset):
         """The index of the longest example: what the memory probe must fit."""
         return int(torch.argmax(self.lengths))
 
+    def sequence(self, index: int) -> list[int]:
+        return self.ids[int(self.offsets[index]):int(self.offsets[index + 1])].tolist()
+
+    def select(self, indices: Sequence[int]) -> TokenisedTexts:
+        """The examples at `indices`, in that order (a held-out split: data.eval_size)."""
+        return TokenisedTexts([self.sequence(i) for i in indices], [int(self.prompt_lengths[i]) for i in indices])
+
+
+def hold_out(data: dict, size: int, seed: int, path: Any) -> dict:
+    """`data` with `size` examples of its training set moved to an eval split, drawn with `seed` (as Alpaca-LoRA's
+    train_test_split(test_size=val_set_size) holds 2,000 out), each split in the file's order."""
+    train = data["train"]
+    if size >= len(train):
+        raise UserError(f"data.eval_size: {size} examples held out of {path}, which has {len(train)}: none would be "
+                        "left to train on")
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
+    held, kept = sorted(order[:size].tolist()), sorted(order[size:].tolist())
+    data["train"], data["eval"] = train.select(kept), train.select(held)
+    data["info"].update({"eval_size": size, "train_examples": len(kept), "eval_examples": size})
+    return data
+
 
 def load_tokenizer(name: str, field: str = "data.tokenizer") -> Any:
     """A tokenizer from a local folder (or tokenizer.json file), or the local Hugging Face cache: never fetched."""

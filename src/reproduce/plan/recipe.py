@@ -427,6 +427,7 @@ FORMAT_FIELDS = {
     "template": ("instructions", "hf-datasets"),
     "train_on_inputs": ("instructions", "chat", "hf-datasets"),
     "tokenizer": ("instructions", "chat", "hf-datasets"),
+    "eval_size": ("instructions", "chat", "hf-datasets"),
     "columns": ("hf-datasets", "instructions"),
     "layout": ("segmentation",),
     "crop": ("segmentation",),
@@ -462,6 +463,8 @@ class Data(Builder):
     format: Literal[DATA_FORMATS] | None = None  # type: ignore[valid-type]
     path: str | None = Field(default=None, description="the training data: a folder or a file")
     eval_path: str | None = Field(default=None, description="the evaluation data, in the same format")
+    eval_size: int | None = Field(default=None, gt=0, description="text: examples held out of data.path for "
+                                  "evaluation, drawn with the seed (Alpaca-LoRA's val_set_size: 2000)")
     augment: Literal["imagenet", "none"] | None = None
     dtype: Literal[TOKEN_DTYPES] | None = None  # type: ignore[valid-type]
     template: Literal[TEMPLATES] | None = Field(  # type: ignore[valid-type]
@@ -548,6 +551,8 @@ class Data(Builder):
             for name, formats in FORMAT_FIELDS.items():
                 if getattr(self, name) is not None and self.format not in formats:
                     raise ValueError(f"{name}: only used with format {' or '.join(formats)} (format is {self.format})")
+        if self.eval_size is not None and self.eval_path is not None:
+            raise ValueError("eval_size: holds examples out of data.path; not with eval_path (give one or the other)")
         if self.format == "hf-datasets":
             if self.columns is None:
                 raise ValueError("columns: required for format hf-datasets (which column holds what, e.g. "
