@@ -121,6 +121,7 @@ def test_the_trained_model_is_the_adapter_on_transformers_own_base(folder, built
     code, out, err = cli(capsys, "run", path, "--weights", folders / folder, "--data", folders / "alpaca.json",
                          "--out", tmp_path / "run", "--micro-batch-max", "4", "--device", "cpu", "--max-steps", "2")
     assert code == 0, err
+    assert len(transformers.AutoTokenizer.from_pretrained(tmp_path / "run" / "adapter")) == 512  # the data's tokenizer
     planned = parse_recipe(yaml.safe_load((tmp_path / "run" / "plan.yaml").read_text())["recipe"])
     trained = build_model(planned)
     trained.load_state_dict(torch.load(tmp_path / "run" / "model.pt", weights_only=True))
