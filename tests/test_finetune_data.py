@@ -197,3 +197,23 @@ def test_eval_size_holds_examples_out_with_the_seed(files, tmp_path, capsys, one
                          "--device", "cpu")
     assert (code, err) == (2, f"error: data.eval_size: 24 examples held out of {files / 'alpaca.json'}, which has 24: "
                               "none would be left to train on\n")
+
+
+def test_a_folder_whose_tensors_do_not_fit_its_config_is_one_line(files, tmp_path, capsys, one_thread):
+    """Not transformers' coloured load report (17 lines, then a RuntimeError pointing at it): one line naming the
+    tensors of another shape, with both shapes."""
+    import shutil
+
+    bad = tmp_path / "bad-llama"
+    shutil.copytree(files / "tiny-llama", bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    before = snapshot(tmp_path)
+    code, out, err = cli(capsys, "run", recipe(tmp_path / "..", LLAMA, name=f"{tmp_path.name}.yaml"), "--weights", bad,
+                         "--data", files / "alpaca.json", "--out", tmp_path / "run", "--micro-batch-max", "4",
+                         "--device", "cpu")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: model.weights: {bad}: its weights do not cover LlamaForCausalLM of its config: 0 "
+                          "missing, 3 of another shape (model.layers.0.mlp.")
+    assert "file [128, 64], model [96, 64]" in err and "LOAD REPORT" not in out + err
+    assert snapshot(tmp_path) == before
