@@ -12,21 +12,14 @@ import json
 import pytest
 import yaml
 
-from helpers import cli, snapshot
+from helpers import cli, pretrained_files, snapshot
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from reproduce.data.samples import train_tokenizer
-    from reproduce.models.samples import write_alpaca_json, write_gpt2, write_llama
-
-    root = tmp_path_factory.mktemp("finetune")
-    train_tokenizer(root / "tokenizer", max_bytes=100_000)
-    write_llama(root / "tiny-llama", root / "tokenizer", num_hidden_layers=1)
-    write_gpt2(root / "tiny-gpt2", root / "tokenizer")
-    write_alpaca_json(root / "alpaca.json", limit=24)
+    root = pretrained_files(tmp_path_factory.mktemp("finetune"), llama_layers=1)
     no_eos = transformers.AutoTokenizer.from_pretrained(root / "tokenizer")
     no_eos.eos_token = None
     no_eos.save_pretrained(root / "no-eos")

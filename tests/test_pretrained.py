@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import cli, snapshot
+from helpers import cli, pretrained_files, snapshot
 from reproduce.errors import UserError
 from reproduce.plan.recipe import parse_recipe
 
@@ -25,15 +25,7 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """tiny-llama/ and tiny-gpt2/ (3 shards) with a 512-token BPE tokenizer beside them, and alpaca.json."""
-    from reproduce.data.samples import train_tokenizer
-    from reproduce.models.samples import write_alpaca_json, write_gpt2, write_llama
-
-    root = tmp_path_factory.mktemp("pretrained")
-    train_tokenizer(root / "tokenizer", max_bytes=100_000)
-    write_llama(root / "tiny-llama", root / "tokenizer", num_hidden_layers=2)
-    write_gpt2(root / "tiny-gpt2", root / "tokenizer")
-    write_alpaca_json(root / "alpaca.json", limit=24)
-    return root
+    return pretrained_files(tmp_path_factory.mktemp("pretrained"))
 
 
 def lm(model: dict, **data) -> dict:

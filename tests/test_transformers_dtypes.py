@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import cli
+from helpers import cli, pretrained_files
 from reproduce.plan.recipe import parse_recipe
 
 transformers = pytest.importorskip("transformers")
@@ -68,14 +68,8 @@ def test_a_built_in_has_the_dtypes_from_config_gives_it(builtin, dtype="bf16"):
 def folders(tmp_path_factory):
     """tiny-llama/, tiny-gpt2/ (the samples' folders, GPT-2 64 wide), tiny-mistral/ and tiny-qwen2/
     (save_pretrained here), and alpaca.json."""
-    from reproduce.data.samples import train_tokenizer
-    from reproduce.models.samples import write_alpaca_json, write_gpt2, write_llama
-
-    root = tmp_path_factory.mktemp("dtypes")
-    train_tokenizer(root / "tokenizer", max_bytes=100_000)
-    write_llama(root / "tiny-llama", root / "tokenizer", num_hidden_layers=2)
-    write_gpt2(root / "tiny-gpt2", root / "tokenizer", n_embd=64)  # bitsandbytes' CPU 4-bit inference: 64 wide
-    write_alpaca_json(root / "alpaca.json", limit=24)
+    # GPT-2 64 wide: bitsandbytes' CPU 4-bit inference takes no layer narrower than its block of 64
+    root = pretrained_files(tmp_path_factory.mktemp("dtypes"), n_embd=64)
     for name, config_class in (("mistral", "MistralConfig"), ("qwen2", "Qwen2Config")):
         config = getattr(transformers, config_class)(**SMALL, num_key_value_heads=2, vocab_size=512)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / f"tiny-{name}")
