@@ -87,7 +87,7 @@ def test_lengths_are_one_line_before_force_removes_anything(model, folder, data,
 
 def test_what_tokenising_cut_is_said_with_counts(files, tmp_path, capsys, one_thread):
     """Truncated examples, examples whose response is cut off entirely, and a tokenizer without EOS are warnings
-    on the console, with the counts summary.json keeps."""
+    on the console, with the counts summary.json keeps; the run says how many parameters train."""
     path = recipe(tmp_path, GPT2, max_length=160, tokenizer=str(files / "no-eos"))
     code, out, err = cli(capsys, "run", path, "--weights", files / "tiny-gpt2", "--data", files / "alpaca.json",
                          "--out", tmp_path / "run", "--micro-batch-max", "4", "--device", "cpu", "--max-steps", "1")
@@ -102,6 +102,9 @@ def test_what_tokenising_cut_is_said_with_counts(files, tmp_path, capsys, one_th
             "(160 tokens): they bear no loss") in lines
     assert (f"warning: data.tokenizer: {files / 'no-eos'} has no EOS token: the examples end without one, so the "
             "model does not learn where a response stops") in lines
+    base = transformers.AutoModelForCausalLM.from_pretrained(files / "tiny-gpt2").num_parameters()
+    adapters = 2 * 2 * (32 + 96)  # 2 layers' c_attn (32 in, 96 out) with A (r x in) and B (out x r), r 2
+    assert f"parameters: {base + adapters:,}, of which {adapters:,} train (" in out
 
 
 def chat_recipe(tmp_path, files, **data) -> str:
