@@ -213,3 +213,29 @@ def test_a_folder_whose_tensors_do_not_fit_its_config_is_one_line(files, tmp_pat
                           "missing, 3 of another shape (model.layers.0.mlp.")
     assert "file [128, 64], model [96, 64]" in err and "LOAD REPORT" not in out + err
     assert snapshot(tmp_path) == before
+
+
+def test_resume_refuses_data_that_changed_since_the_run_began(files, tmp_path, capsys, one_thread):
+    """plan.yaml keeps a fingerprint of the data files (names, sizes, sampled blocks); --resume reads the same data
+    or is one line, as for the weights; the same data resumes."""
+    import shutil
+
+    data = tmp_path / "alpaca.json"
+    shutil.copy(files / "alpaca.json", data)
+    path = recipe(tmp_path, GPT2)
+    args = ("--micro-batch-max", "4", "--device", "cpu")
+    code, out, err = cli(capsys, "run", path, "--weights", files / "tiny-gpt2", "--data", data, "--out",
+                         tmp_path / "run", "--max-steps", "1", *args)
+    assert code == 0, err
+    saved = yaml.safe_load((tmp_path / "run" / "plan.yaml").read_text())["data_fingerprint"]
+    assert saved.startswith("sha256:")
+    records = json.loads(data.read_text())
+    data.write_text(json.dumps([{**records[0], "output": records[0]["output"] + "!"}, *records[1:]], indent=1) + "\n")
+    before = snapshot(tmp_path / "run")
+    code, out, err = cli(capsys, "run", tmp_path / "run" / "plan.yaml", "--out", tmp_path / "run", "--resume", *args)
+    assert code == 2 and err.startswith(f"error: --resume: the data {data} changed since the run in {tmp_path / 'run'} "
+                                        f"started (fingerprint {saved} in its plan.yaml, sha256:"), err
+    assert snapshot(tmp_path / "run") == before
+    shutil.copy(files / "alpaca.json", data)  # the same content again
+    code, out, err = cli(capsys, "run", tmp_path / "run" / "plan.yaml", "--out", tmp_path / "run", "--resume", *args)
+    assert code == 0, err

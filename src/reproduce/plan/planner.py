@@ -81,6 +81,8 @@ class Plan(Frozen):
     memory: list[str] = []
     # model.weights: the pretrained weights the run starts from, with their fingerprint (`--resume` refuses others)
     weights: WeightsRecord | None = None
+    # the data files' content fingerprint when the run started (`--resume` refuses data that changed since)
+    data_fingerprint: str | None = None
 
     @property
     def arithmetic(self) -> str:
