@@ -259,3 +259,16 @@ def assert_same_model(first: Path, second: Path) -> None:
     a = torch.load(first / "model.pt", weights_only=True)
     b = torch.load(second / "model.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def pretrained_files(root: Path, llama_layers: int = 2, **gpt2: int) -> Path:
+    """root/ with tokenizer/ (a 512-token byte-level BPE), tiny-llama/ and tiny-gpt2/ (save_pretrained, random
+    weights, the tokenizer beside them) and alpaca.json (24 records): a user's folders and file, small."""
+    from reproduce.data.samples import train_tokenizer
+    from reproduce.models.samples import write_alpaca_json, write_gpt2, write_llama
+
+    train_tokenizer(root / "tokenizer", max_bytes=100_000)
+    write_llama(root / "tiny-llama", root / "tokenizer", num_hidden_layers=llama_layers)
+    write_gpt2(root / "tiny-gpt2", root / "tokenizer", **gpt2)
+    write_alpaca_json(root / "alpaca.json", limit=24)
+    return root

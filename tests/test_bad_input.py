@@ -392,7 +392,7 @@ CASES = [
     Case(
         "loss-without-custom-task",
         mutate({"loss": {"factory": "a.b:c"}}),
-        ["error: {path}: loss: only used with task custom"],
+        ["error: {path}: loss: builtin and factory only with task custom"],
     ),
     Case(
         "unknown-task",

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import cli, snapshot
+from helpers import cli, pretrained_files, snapshot
 from reproduce.errors import UserError
 from reproduce.plan.recipe import parse_recipe
 
@@ -25,15 +25,7 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """tiny-llama/ and tiny-gpt2/ (3 shards) with a 512-token BPE tokenizer beside them, and alpaca.json."""
-    from reproduce.data.samples import train_tokenizer
-    from reproduce.models.samples import write_alpaca_json, write_gpt2, write_llama
-
-    root = tmp_path_factory.mktemp("pretrained")
-    train_tokenizer(root / "tokenizer", max_bytes=100_000)
-    write_llama(root / "tiny-llama", root / "tokenizer", num_hidden_layers=2)
-    write_gpt2(root / "tiny-gpt2", root / "tokenizer")
-    write_alpaca_json(root / "alpaca.json", limit=24)
-    return root
+    return pretrained_files(tmp_path_factory.mktemp("pretrained"))
 
 
 def lm(model: dict, **data) -> dict:
@@ -360,7 +352,8 @@ def test_the_own_weights_page_runs_as_documented(tmp_path, capsys, monkeypatch, 
     blocks = [block.split("\n```")[0] for block in page.split("```\n$ ")[1:]]
     assert [block.split()[:2] for block in blocks] == [["python", "-m"], ["reproduce", "plan"], ["reproduce", "run"],
                                                        ["python", "examples/own-weights/load.py"],
-                                                       ["reproduce", "run"]]
+                                                       ["python", "examples/own-weights/compare.py"],
+                                                       ["reproduce", "run"], ["reproduce", "run"]]
     shutil.copytree(root / "examples" / "own-weights", tmp_path / "examples" / "own-weights")
     monkeypatch.chdir(tmp_path)
     for block in blocks:
@@ -379,7 +372,8 @@ def test_the_own_weights_page_runs_as_documented(tmp_path, capsys, monkeypatch, 
         printed = " ".join((out + err).split())
         assert code == (2 if "--resume" in args else 0), printed
         for line in shown:  # the table's rows are wrapped to the terminal; times vary
-            if line[0] in "┏┃┡│└" or line.startswith(("step ", "done: ", "runs/alpaca/loss.png")) or not line.strip():
+            skipped = ("step ", "done: ", "runs/alpaca/loss.png", "runs/guanaco/loss.png")
+            if line[0] in "┏┃┡│└" or line.startswith(skipped) or not line.strip():
                 continue
             line = re.sub(r"\S+/src/reproduce/shipped", package + "/shipped", line.replace("/tmp/ft2", str(tmp_path)))
             assert " ".join(line.split()) in printed, line

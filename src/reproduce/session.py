@@ -24,6 +24,7 @@ from .plan.recipe import Recipe, load_recipe, phase_recipe, with_data_paths, wit
 from .plan.resume_rules import replan
 from .plan.sharding import with_sharding
 from .plan.units import format_size
+from .plan.weightfiles import data_fingerprint
 from .plan.weightfiles import inspect as inspect_weights
 from .plan.weightfiles import record as weights_record
 from .probe.runner import BudgetRequired, ProbeOptions, ProbeResult, run_probe
@@ -300,6 +301,9 @@ def run_plan(recipe: Recipe, source: str, the_plan: Plan | None, micro_batch_max
             the_plan = replan(the_plan, world_size, micro_batch_max if smaller else None, dataset_size, source)
         if not resume:  # (a resumed run's weights were checked against its record: resume_rules)
             the_plan = with_weights_record(the_plan)
+    if not resume and recipe.data.format is not None:  # (a resumed run's data was checked against it: resume_rules)
+        the_plan = the_plan.model_copy(update={"data_fingerprint": data_fingerprint(
+            [recipe.data.path, recipe.data.eval_path])})
     warnings = list(the_plan.warnings)
     main_size = dataset_size.get(recipe.batch.sequence_length) if isinstance(dataset_size, dict) else dataset_size
     if recipe.data.train_size is not None and recipe.data.train_size != main_size:

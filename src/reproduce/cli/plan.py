@@ -170,6 +170,7 @@ def plan_summary(the_plan: Plan) -> dict:
     """The plan as JSON: every field but the embedded recipe, plus the batch arithmetic."""
     summary = the_plan.model_dump(mode="json", exclude={"recipe"})
     summary["arithmetic"] = the_plan.arithmetic
+    summary["memory_options"] = memory_summary(the_plan.recipe)  # the recipe's own: quantised base, optimizer, ...
     summary.update(lr_points_summary(the_plan))
     return summary
 

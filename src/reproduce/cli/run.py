@@ -67,14 +67,26 @@ from .resume import (
 from .throughput import cost_line
 
 
+def counted_parameters(plan: Plan, data: dict) -> tuple[int, int] | None:
+    """(all parameters, those that train) of the run's model, counted on the meta device (a quantised base
+    unquantised); None for a model that cannot be built there (a factory's own code)."""
+    from ..models import parameter_counts
+
+    try:
+        return parameter_counts(plan.recipe, data.get("info"))
+    except (UserError, RuntimeError, NotImplementedError, TypeError, ValueError):
+        return None
+
+
 class PlainReporter:
     """Periodic log lines, for CI logs and other non-terminals.
 
     Nothing is printed before the run has checked its inputs (`start`), so bad input gets its one error line.
     """
 
-    def __init__(self, warnings: list[str], lines: int = 20):
+    def __init__(self, warnings: list[str], lines: int = 20, parameters: tuple[int, int] | None = None):
         self.warnings, self.lines, self.every, self.total, self.started = warnings, lines, 1, 0, 0.0
+        self.parameters = parameters  # (all, those that train) of the model
 
     def start(self, plan: Plan, total_steps: int, first_step: int) -> None:
         for warning in self.warnings:
@@ -102,6 +114,9 @@ class PlainReporter:
 
         if plan.weights is not None:
             print(plan.weights.line(plan.recipe.model.builtin or plan.recipe.model.factory), flush=True)
+        if self.parameters is not None:
+            total, trainable = self.parameters
+            print(f"parameters: {total:,}, of which {trainable:,} train ({trainable / max(total, 1):.2%})", flush=True)
         for line in [*plan.memory, *(f"memory: {knob}" for knob in memory_summary(plan.recipe))]:
             print(line, flush=True)
         self.total, self.every = total_steps, max(1, total_steps // self.lines)
@@ -311,6 +326,7 @@ def run_command(
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
     from ..data.lengths import training_sizes
+    from ..data.text import text_warnings
     from ..train import distributed  # torch is imported only by the commands that train
     from ..train.trainer import RunOptions, train
 
@@ -386,6 +402,7 @@ def run_command(
             on_note=on_note)
     plan, warnings = run_plan(recipe, str(source), plan, micro_batch_max, world_size, policy.value, size, resume,
                               probe=options, data=data, on_note=on_note)
+    warnings = [*warnings, *text_warnings(data.get("info") or {})]  # what tokenising cut, with counts
     micro_max = micro_batch_max if isinstance(micro_batch_max, int) else None  # (per-length maxima: no option)
     continue_with = continue_command(
         out, {"--max-steps": max_steps, "--micro-batch-max": micro_max,
@@ -403,7 +420,8 @@ def run_command(
     if not world.is_main:  # the other ranks train quietly; rank 0 reports
         train(plan, out, train_options)
         return
-    reporter = RichReporter(warnings) if is_terminal() else PlainReporter(warnings)
+    parameters = counted_parameters(plan, data)
+    reporter = (RichReporter if is_terminal() else PlainReporter)(warnings, parameters=parameters)
     # metrics.jsonl stays the source of truth; the trackers get the same numbers (train/trackers.py)
     with TrackerReporter(reporter, trackers, out) as reporter:
         summary = train(plan, out, train_options.replace(reporter=reporter))

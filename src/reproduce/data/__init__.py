@@ -20,11 +20,13 @@ FORMATS = {
     "imagefolder": ("images", "build_imagefolder"),
     "tokens": ("tokens", "build_tokens"),
     "instructions": ("text", "build_instructions"),
+    "chat": ("chat", "build_chat"),
     "hf-datasets": ("hfdata", "build_hf_datasets"),
     "segmentation": ("segmentation", "build_segmentation"),
 }
+TEXT_FORMATS = ("instructions", "chat", "hf-datasets")  # tokenised here, truncated to data.max_length
 NEEDS = {"imagefolder": "torchvision", "segmentation": "torchvision", "hf-datasets": "datasets",
-         "instructions": "transformers"}
+         "instructions": "transformers", "chat": "transformers"}
 
 
 # what `--data PATH` is, for each data.format
@@ -32,6 +34,7 @@ EXPECTED = {
     "tokens": "a binary file of {dtype} token ids, or a nanoGPT data folder holding train.bin (and val.bin)",
     "imagefolder": "a folder with one sub-folder of images per class (torchvision's ImageFolder layout)",
     "instructions": "an Alpaca-style JSON or JSONL file of instruction / input / output records",
+    "chat": 'a JSON or JSONL file of {"messages": [{"role": ..., "content": ...}, ...]} records',
     "hf-datasets": "a folder saved with the datasets library's save_to_disk, or parquet / JSONL files",
     "segmentation": "Pascal VOC's folder (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/) or images/ and "
                     "masks/ folders of label-id PNGs",
@@ -67,7 +70,17 @@ def build_data(recipe: Recipe) -> dict:
     if not recipe.data.available:
         raise UserError(unavailable_message(recipe))
     if recipe.data.format is not None:
+        if recipe.data.format in TEXT_FORMATS:  # before a token is read: the longest sequence the model takes
+            from ..models import check_context
+
+            check_context(recipe)
         data = build_format(recipe)
+        if recipe.data.eval_size is not None:  # held out of the training file, drawn with the seed
+            from .text import hold_out
+
+            if not hasattr(data["train"], "select"):
+                raise UserError("data.eval_size: holds out text examples; this data is not text (give eval_path)")
+            data = hold_out(data, recipe.data.eval_size, recipe.seed, recipe.data.path)
     else:
         extra = {}
         if recipe.data.builtin in ("pysource", "pysource-pairs", "text-pairs") and recipe.batch.sequence_length:

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from ..errors import UserError
-from .text import check_record, instruction_texts, read_json_rows, text_settings, tokenise
+from .text import check_record, check_targets, instruction_texts, read_json_rows, text_settings, tokenise
 
 EVAL_SPLITS = ("validation", "valid", "val", "test")
 
@@ -194,6 +194,8 @@ def build_hf_datasets(recipe: Any) -> dict:
         data[split], stats[split] = _split(recipe, table, paths[split], split == "train", tokenizer, max_length,
                                            classes)
         classes = stats[split].get("classes", classes)
+    if "target_tokens" in stats["train"]:  # tokenised text
+        check_targets(stats["train"], "data.path", train_path, bool(spec.train_on_inputs) or "text" in spec.columns)
     info = {"name": spec.name or train_path.stem, "format": "hf-datasets", "path": str(train_path),
             "eval_path": str(eval_path) if eval_path else None, "columns": dict(spec.columns),
             **{f"{split}_{key}": value for split, s in stats.items() for key, value in s.items()

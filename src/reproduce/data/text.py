@@ -104,6 +104,27 @@ class TokenisedTexts(Dataset):
         """The index of the longest example: what the memory probe must fit."""
         return int(torch.argmax(self.lengths))
 
+    def sequence(self, index: int) -> list[int]:
+        return self.ids[int(self.offsets[index]):int(self.offsets[index + 1])].tolist()
+
+    def select(self, indices: Sequence[int]) -> TokenisedTexts:
+        """The examples at `indices`, in that order (a held-out split: data.eval_size)."""
+        return TokenisedTexts([self.sequence(i) for i in indices], [int(self.prompt_lengths[i]) for i in indices])
+
+
+def hold_out(data: dict, size: int, seed: int, path: Any) -> dict:
+    """`data` with `size` examples of its training set moved to an eval split, drawn with `seed` (as Alpaca-LoRA's
+    train_test_split(test_size=val_set_size) holds 2,000 out), each split in the file's order."""
+    train = data["train"]
+    if size >= len(train):
+        raise UserError(f"data.eval_size: {size} examples held out of {path}, which has {len(train)}: none would be "
+                        "left to train on")
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
+    held, kept = sorted(order[:size].tolist()), sorted(order[size:].tolist())
+    data["train"], data["eval"] = train.select(kept), train.select(held)
+    data["info"].update({"eval_size": size, "train_examples": len(kept), "eval_examples": size})
+    return data
+
 
 def load_tokenizer(name: str, field: str = "data.tokenizer") -> Any:
     """A tokenizer from a local folder (or tokenizer.json file), or the local Hugging Face cache: never fetched."""
@@ -214,6 +235,40 @@ def tokenise(tokenizer: Any, prompts: list[str], responses: list[str], max_lengt
     return dataset, stats
 
 
+def check_targets(stats: dict, field: str, path: Path | str, train_on_inputs: bool) -> None:
+    """A training set with no loss-bearing token is one line (it would train at loss 0 and exit 0): every example's
+    response cut off by data.max_length, with the loss on responses only."""
+    if stats["examples"] and stats["target_tokens"] == 0:
+        why = ("train_on_inputs is false and no example keeps a response token within data.max_length "
+               f"({stats['max_length']} tokens): raise data.max_length, or set data.train_on_inputs: true"
+               if not train_on_inputs else f"no example has a token to predict within {stats['max_length']} tokens")
+        raise UserError(f"{field}: {path}: none of its {stats['examples']} examples has a target token: {why}")
+
+
+def text_warnings(info: dict) -> list[str]:
+    """What tokenising changed in the data, with counts: examples truncated, left out, without a response token
+    within data.max_length, and a tokenizer without EOS (the model would not learn to stop)."""
+    lines = []
+    for split, where in (("train", info.get("path")), ("eval", info.get("eval_path"))):
+        examples, length = info.get(f"{split}_examples"), info.get(f"{split}_max_length")
+        if examples is None:
+            continue
+        counted = [("truncated", "are longer than data.max_length ({length} tokens): truncated, the end of the "
+                    "response and its EOS cut off"),
+                   ("without_response_tokens", "keep no response token within data.max_length ({length} tokens): "
+                    "they bear no loss"),
+                   ("skipped_too_short", "have fewer than two tokens (nothing to predict): left out")]
+        for key, what in counted:
+            count = info.get(f"{split}_{key}") or 0
+            total = examples + (info.get(f"{split}_skipped_too_short") or 0)
+            if count:
+                lines.append(f"{where}: {count} of {total} examples {what.format(length=length)}")
+    if info.get("train_eos_appended") is False:
+        lines.append(f"data.tokenizer: {info.get('tokenizer', 'the tokenizer')} has no EOS token: the examples end "
+                     "without one, so the model does not learn where a response stops")
+    return lines
+
+
 def instruction_texts(records: list[dict], template: str, fields: dict[str, str] | None = None, eos: str = ""
                       ) -> tuple[list[str], list[str]]:
     """(prompts, responses) of the records under `template` (`eos`: the tokenizer's, which the e2e template puts
@@ -267,6 +322,7 @@ def build_instructions(recipe: Any) -> dict:
         data[split], stats[split] = tokenise(tokenizer, *texts, max_length, bool(spec.train_on_inputs))
     if len(data["train"]) == 0:
         raise UserError(f"data.path: {paths['train']}: no example has two or more tokens to train on")
+    check_targets(stats["train"], "data.path", paths["train"], bool(spec.train_on_inputs))
     data["info"] = {
         "name": spec.name or paths["train"].stem, "format": "instructions", "path": str(paths["train"]),
         "eval_path": spec.eval_path, "template": template, "tokenizer": tokenizer_name(recipe)[0],

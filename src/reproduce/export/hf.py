@@ -83,6 +83,8 @@ def build(plan: Plan) -> Export:
     if spec.name in ("sgd", "nesterov"):
         values["optim"] = "sgd"
         values["optim_args"] = f"momentum={spec.momentum!r}" + (",nesterov=True" if spec.name == "nesterov" else "")
+    elif spec.name in ("adam", "adamw") and spec.bitsandbytes:  # QLoRA's paged_adamw_32bit, AdamW8bit
+        values["optim"] = BITSANDBYTES_OPTIMS[spec.paged, spec.state_bits]
     elif spec.name in ("adam", "adamw"):
         values["optim"] = "adamw_torch"
         if spec.name == "adam" and spec.weight_decay:
@@ -114,6 +116,10 @@ def build(plan: Plan) -> Export:
             "token losses are exact when the model takes num_items_in_batch (HF models do) or you pass "
             "compute_loss_func: the Trainer then divides by the window's target tokens, as reproduce does"
         )
+    if recipe.loss is not None and recipe.loss.normalization == "micro-batch-mean":
+        notes.append("loss.normalization micro-batch-mean is not a TrainingArguments setting: the Trainer since "
+                     "transformers v4.46.0 (PR #34191) normalises by the window's tokens; use a transformers release "
+                     "before 4.46.0 for the old arithmetic")
     tail = epoch_tail_note(plan, "HF's Trainer")
     if tail:
         notes.append(tail)
@@ -129,6 +135,7 @@ def build(plan: Plan) -> Export:
     lines = header(plan, notes, [f"schedule: {schedule_words(plan)}", launch])
     lines += kwargs_block("training_args", values, comments)
     lines.append("# args = transformers.TrainingArguments(**training_args)")
+    lines += quantized_base(recipe)
     if problems:
         lines += ["", "", *lr_factor_source(plan), "", "",
                   "def plan_trainer():",
@@ -145,6 +152,33 @@ def build(plan: Plan) -> Export:
                   "",
                   "    return PlanTrainer"]
     return Export("hf", "\n".join(lines) + "\n", values, notes)
+
+
+BITSANDBYTES_OPTIMS = {(True, 32): "paged_adamw_32bit", (True, 8): "paged_adamw_8bit", (False, 8): "adamw_bnb_8bit"}
+COMPUTE_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
+
+
+def quantized_base(recipe: Any) -> list[str]:
+    """The BitsAndBytesConfig the base is loaded with (models/quantize.py's settings, every one given), and LoRA's
+    config, for a recipe that quantises its base."""
+    if recipe.model.quantize is None:
+        return []
+    if recipe.model.quantize == "int8":
+        arguments = "load_in_8bit=True, llm_int8_threshold=6.0, llm_int8_has_fp16_weight=False"
+    else:
+        arguments = ("load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True, "
+                     f"bnb_4bit_compute_dtype={COMPUTE_DTYPES[recipe.precision]}")
+    lines = ["", f"# the frozen base in {recipe.model.quantize} (bitsandbytes), as reproduce quantises it:",
+             f"# quantization_config = transformers.BitsAndBytesConfig({arguments})",
+             "# model = transformers.AutoModelForCausalLM.from_pretrained(WEIGHTS, "
+             f"dtype={COMPUTE_DTYPES[recipe.model.dtype]}, quantization_config=quantization_config)",
+             "# model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)"]
+    lora = recipe.model.lora
+    if lora is not None:
+        lines.append(f"# model = peft.get_peft_model(model, peft.LoraConfig(r={lora.r}, "
+                     f"lora_alpha={lora.lora_alpha!r}, lora_dropout={lora.dropout!r}, "
+                     f"target_modules={list(lora.target_modules)!r}, bias='none'))")
+    return lines
 
 
 def _hf_decay_note(plan: Plan) -> str | None:

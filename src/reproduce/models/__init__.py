@@ -34,8 +34,8 @@ from .vocabulary import check_vocabulary
 from .weights import adapt, place
 
 __all__ = [
-    "LOSSES", "MODELS", "build_model", "count_batchnorm", "count_parameters", "counted_batchnorm", "has_batchnorm",
-    "model_inputs", "parameter_counts", "place",
+    "LOSSES", "MODELS", "build_model", "check_context", "count_batchnorm", "count_parameters", "counted_batchnorm",
+    "has_batchnorm", "model_inputs", "parameter_counts", "place",
 ]
 
 BUILT_IN = {**ARCHITECTURES, **SEGMENTATION_MODELS}  # the papers' architectures, built from their libraries
@@ -132,6 +132,8 @@ def model_inputs(recipe: Recipe) -> dict:
     """
     spec = recipe.model
     kwargs = spec.kwargs
+    if spec.hf is not None:  # a local folder's config: its context only (its vocabulary is the tokenizer's)
+        return hf_context(recipe)
     if spec.weights is not None and spec.builtin in ARCHITECTURES:
         weights = weights_of(recipe)
         if weights.is_folder:  # the folder's config is the architecture
@@ -145,6 +147,40 @@ def model_inputs(recipe: Recipe) -> dict:
     if spec.builtin == "mlp":
         return {"inputs": "vectors", "features": kwargs.get("inputs", 64), "classes": kwargs.get("classes", 10)}
     return {}
+
+
+def hf_context(recipe: Recipe) -> dict:
+    """`{"context": T}` of a `model.hf` folder (or the weights folder in its place) from its config.json, T its
+    positions (RoBERTa's less the padding index + 1); {} where the folder is not on this machine."""
+    import json
+
+    from ..plan.builtin_names import hf_model_folder
+
+    weights = weights_of(recipe)
+    folder = weights.path if weights is not None and weights.is_folder else hf_model_folder(recipe.model.hf)
+    if folder is None or not (folder / "config.json").is_file():
+        return {}
+    config = json.loads((folder / "config.json").read_text())
+    positions = config.get("n_positions") or config.get("max_position_embeddings")
+    if positions and "roberta" in str(config.get("model_type")):
+        positions -= int(config.get("pad_token_id") or 1) + 1
+    return {"context": positions} if positions else {}
+
+
+def check_context(recipe: Recipe, fixed: dict | None = None) -> None:
+    """The recipe's longest sequence (batch.sequence_length, else data.max_length) within the positions the model
+    takes: one line, before any data is read or written (GPT-2 would raise IndexError in its position embedding,
+    LLaMA would run past its trained positions silently)."""
+    length = recipe.batch.sequence_length or recipe.data.max_length
+    context = (model_inputs(recipe) if fixed is None else fixed).get("context")
+    if length is None or context is None or length <= context:
+        return
+    source = "batch.sequence_length" if recipe.batch.sequence_length else "data.max_length"
+    spec = recipe.model
+    name = spec.builtin or spec.hf or spec.factory
+    weights = weights_of(recipe) if spec.weights is not None else None
+    where = f" (its config.json in {weights.path})" if weights is not None and weights.is_folder else ""
+    raise UserError(f"{source}: {length} tokens is longer than {name}{where} takes ({context} positions)")
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

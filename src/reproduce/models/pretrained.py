@@ -60,13 +60,16 @@ def _transformers(field: str) -> Any:
 
 @contextlib.contextmanager
 def quiet(transformers: Any):
-    """transformers without its progress bar of the tensors it loads (a line per load in every run's output)."""
+    """transformers without its progress bar of the tensors it loads (a line per load in every run's output) and
+    without its warnings, such as the coloured load report of tensors that do not fit (refused here in one line)."""
     logging = transformers.utils.logging
-    enabled = logging.is_progress_bar_enabled()
+    enabled, verbosity = logging.is_progress_bar_enabled(), logging.get_verbosity()
     logging.disable_progress_bar()
+    logging.set_verbosity_error()
     try:
         yield
     finally:
+        logging.set_verbosity(verbosity)
         if enabled:
             logging.enable_progress_bar()
 
@@ -86,8 +89,10 @@ def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overr
             return auto.from_config(config, **unused)
         with warnings.catch_warnings(), quiet(transformers):
             warnings.simplefilter("ignore", UserWarning)
+            # tensors of another shape are loaded as initialised and listed in `info`: refused below in one line
             model, info = auto.from_pretrained(str(folder), local_files_only=True, output_loading_info=True,
-                                               **from_pretrained_kwargs(recipe), **overrides)
+                                               ignore_mismatched_sizes=True, **from_pretrained_kwargs(recipe),
+                                               **overrides)
     except OSError as exc:
         raise UserError(f"{field}: cannot load a model from {folder}: {str(exc).splitlines()[0]}") from None
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
@@ -96,12 +101,19 @@ def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overr
     missing = [key for key in info.get("missing_keys", []) if key and not new_head]
     mismatched = info.get("mismatched_keys", [])
     if missing or mismatched:
-        names = list(missing) + [str(m[0] if isinstance(m, tuple) else m) for m in mismatched]
-        shown = ", ".join(names[:SHOWN])
+        names = list(missing) + [_shapes(m) for m in mismatched]
+        shown = "; ".join(names[:SHOWN])
         raise UserError(f"{field}: {folder}: its weights do not cover {model.__class__.__name__} of its config: "
                         f"{len(missing)} missing, {len(mismatched)} of another shape ({shown}); transformers would "
                         "initialise them at random")
     return model
+
+
+def _shapes(mismatched: Any) -> str:
+    """transformers' (name, file shape, model shape) of a tensor of another shape, in words."""
+    if isinstance(mismatched, tuple) and len(mismatched) == 3:
+        return f"{mismatched[0]}: file {list(mismatched[1])}, model {list(mismatched[2])}"
+    return str(mismatched[0] if isinstance(mismatched, tuple) else mismatched)
 
 
 def load_hf_model(recipe: Recipe, data_info: dict | None, weights: WeightsOnDisk | None = None) -> nn.Module:

@@ -8,7 +8,9 @@ writes
   on the standard library's sources (reproduce.data.samples) beside it, as a model folder from the hub holds one;
 - DIR/tiny-gpt2: a 2-layer GPT-2 saved in two safetensors shards (model.safetensors.index.json), same tokenizer;
 - DIR/alpaca.json: Alpaca-format records (instruction, input, output) from the standard library's docstrings, one
-  JSON list as alpaca_data.json is.
+  JSON list as alpaca_data.json is;
+- DIR/guanaco.jsonl: 40 of them as openassistant-guanaco's JSONL lines ({"text": "### Human: ... ### Assistant:
+  ..."}), QLoRA's data.
 
 The folders are what a user's `llama-7b/` is, small: `reproduce run papers/tloen2023-alpaca-lora.yaml --weights
 DIR/tiny-llama --data DIR/alpaca.json` runs the recipe on them. Tests and docs/own-weights.md use them.
@@ -24,7 +26,7 @@ from pathlib import Path
 from ..data.samples import MAX_BYTES, docstring_records, train_tokenizer
 
 LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-         "num_key_value_heads": 4, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+         "num_key_value_heads": 4, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 GPT2 = {"n_positions": 512, "n_embd": 32, "n_layer": 2, "n_head": 2}
 
 
@@ -75,12 +77,22 @@ def write_alpaca_json(path: Path, limit: int = 200) -> dict:
     return {"path": str(path), "records": len(records)}
 
 
+def write_guanaco_jsonl(path: Path, limit: int = 40) -> dict:
+    """Records in openassistant-guanaco's JSONL layout (QLoRA's data): one "text" field a line, "### Human: ...
+    ### Assistant: ...", from the docstring records (the answers cut to 200 characters)."""
+    records = docstring_records(limit)
+    lines = [json.dumps({"text": f"### Human: {r['instruction']}### Assistant: {r['output'][:200]}"}) for r in records]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return {"path": str(path), "records": len(lines)}
+
+
 def write_all(folder: Path, max_bytes: int = MAX_BYTES, limit: int = 200) -> dict:
     tokenizer = folder / "tokenizer"
     made = {"tokenizer": train_tokenizer(tokenizer, max_bytes=max_bytes)}
     made["tiny-llama"] = write_llama(folder / "tiny-llama", tokenizer)
     made["tiny-gpt2"] = write_gpt2(folder / "tiny-gpt2", tokenizer)
     made["alpaca.json"] = write_alpaca_json(folder / "alpaca.json", limit)
+    made["guanaco.jsonl"] = write_guanaco_jsonl(folder / "guanaco.jsonl")
     return made
 
 

@@ -1,6 +1,7 @@
 """The trained model as its users load it, beside the run's model.pt.
 
 - With `model.lora`, `adapter/`: peft's `save_pretrained` folder (adapter_config.json, adapter_model.safetensors),
+  with the data's tokenizer beside them (`AutoTokenizer.from_pretrained("adapter")`, as a hub adapter holds one),
   which `peft.PeftModel.from_pretrained(base, "adapter")` puts on the base model, transformers' as the weights folder
   loads it (`AutoModelForCausalLM.from_pretrained(WEIGHTS)`), or the built-in module for any other model. The loop
   trains a transformers model inside a module that returns its logits (HFLogits), so the adapter's keys are
@@ -95,6 +96,9 @@ def save_adapter(model: nn.Module, folder: Path, recipe: Recipe, state: dict | N
             write_adapter(peft, folder, PEFT_PREFIX + inner + ".", state)
     finally:
         config.base_model_name_or_path, config.task_type = before
+    tokenizer = data_tokenizer(recipe)  # the data's tokenizer beside the adapters: AutoTokenizer reads adapter/
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
     return True
 
 

@@ -1,6 +1,10 @@
 """How a model's weights are stored and which of them train: `model.dtype` and `model.lora` (through peft).
 
-`model.dtype: bf16` (or fp16) stores the weights in that dtype, as fine-tuning recipes load a base model;
+`model.dtype: bf16` (or fp16) stores the weights in that dtype, as fine-tuning recipes load a base model. A
+transformers model gets the dtypes `from_pretrained(..., dtype=...)` gives it (`in_dtype`): its parameters in that
+dtype but those its class keeps in float32 (`_keep_in_fp32_modules`), its buffers as the class builds them: the
+rotary embedding's `inv_freq` stays float32 (`model.to(bf16)` would round it: an angle error of about 2.5 rad at
+position 2047 for LLaMA-7B's frequencies), BERT's position ids int64. Any other model is cast whole (`model.to`);
 `model.lora` freezes them and adds low-rank adapters (peft's `get_peft_model`), which peft keeps in float32;
 `model.quantize` stores the frozen linear layers in int8 or nf4 first (models/quantize.py).
 The optimizer sees only what trains (`train/optim.py` takes parameters that require a gradient).
@@ -8,6 +12,7 @@ The optimizer sees only what trains (`train/optim.py` takes parameters that requ
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -24,13 +29,30 @@ def adapt(model: nn.Module, recipe: Recipe) -> nn.Module:
     spec = recipe.model
     name = spec.builtin or spec.factory or spec.hf or "the model"
     if spec.dtype != "fp32":
-        model = model.to(TORCH_DTYPES[spec.dtype])
+        model = in_dtype(model, TORCH_DTYPES[spec.dtype])
     if spec.quantize is not None:  # the frozen base in int8 / nf4, then the adapters on it (models/quantize.py)
         from .quantize import quantize
 
         model = quantize(model, recipe, name)
     if spec.lora is not None:
         model = with_lora(model, spec.lora, name)
+    return model
+
+
+def in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model` with its weights in `dtype`, as transformers' from_pretrained / from_config with `dtype` builds a
+    transformers model (every floating parameter in `dtype` but those of its `_keep_in_fp32_modules`, the buffers
+    untouched); any other module `.to(dtype)`, buffers included (PyTorch's own convention: BatchNorm's statistics)."""
+    transformers = sys.modules.get("transformers")  # not imported: no transformers model here
+    inner = [m for m in model.modules() if transformers is not None and isinstance(m, transformers.PreTrainedModel)]
+    if not inner:
+        return model.to(dtype)
+    kept = {name for pretrained in inner for name in (getattr(pretrained, "_keep_in_fp32_modules", None) or ())}
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():  # a tied parameter once
+            # transformers keeps a parameter in float32 when a part of its name is one of those modules' names
+            if parameter.is_floating_point() and parameter.dtype != dtype and not kept & set(name.split(".")):
+                parameter.data = parameter.data.to(dtype)
     return model
 
 

@@ -97,6 +97,12 @@ def memory_summary(recipe: Recipe) -> list[str]:
     parts = []
     if recipe.model.quantize is not None:
         parts.append(QUANTIZED_SUMMARY[recipe.model.quantize])
+    optimizer = recipe.optimizer
+    if optimizer.bitsandbytes:  # QLoRA's paged_adamw_32bit, bitsandbytes' AdamW8bit
+        state = "8-bit state (about 2 bytes a parameter instead of 8)" if optimizer.state_bits == 8 else "32-bit state"
+        paged = ", paged (its state in CUDA unified memory, paged to the CPU when the GPU runs short)" if (
+            optimizer.paged) else ""
+        parts.append(f"bitsandbytes {optimizer.name} of {state}{paged}")
     if recipe.model.activation_checkpointing:
         parts.append("activation checkpointing (each block recomputed in backward: about a third more compute)")
     if recipe.batch.sharding == "fsdp" and recipe.batch.sharded_gradients:

@@ -81,6 +81,8 @@ class Plan(Frozen):
     memory: list[str] = []
     # model.weights: the pretrained weights the run starts from, with their fingerprint (`--resume` refuses others)
     weights: WeightsRecord | None = None
+    # the data files' content fingerprint when the run started (`--resume` refuses data that changed since)
+    data_fingerprint: str | None = None
 
     @property
     def arithmetic(self) -> str:
@@ -144,6 +146,10 @@ def plan(
     size = size or recipe.data.train_size
     steps_per_epoch, partial = epoch_steps(size, chosen.effective_batch, world_size, recipe.data.drop_last)
     warn_partial_epoch(recipe, size, chosen.effective_batch, world_size, partial, warnings)
+    if recipe.loss is not None and recipe.loss.normalization == "micro-batch-mean":
+        warnings.append("loss.normalization: micro-batch-mean: each micro-batch's mean over its own items, averaged "
+                        "over the window's micro-batches and processes (the Hugging Face Trainer before transformers "
+                        "v4.46.0): not the large batch's gradient where micro-batches hold different counts")
     phases = plan_phases(recipe, maxima or cap, world_size, size, sizes, split_policy, chosen, warnings)
     segments = phases or [whole_segment(chosen, cap, recipe.batch.sequences, main_length, size, steps_per_epoch)]
     schedule = schedule_in_steps(recipe, recipe_path, chosen, segments, phases, steps_per_epoch, warnings)

@@ -292,6 +292,26 @@ class Builder(Strict):
         return self
 
 
+NORMALIZATIONS = ("window-tokens", "micro-batch-mean")
+
+
+class Loss(Builder):
+    """Task custom: its loss (`builtin` or `factory`). Any task: how each micro-batch's loss is normalised.
+
+    window-tokens (the default): each micro-batch's summed loss / the loss-bearing items (target tokens, samples,
+    pixels) of the whole window over every rank: the gradient of the large batch's mean, exactly. micro-batch-mean:
+    each micro-batch's mean over its own items / (the window's micro-batches x ranks), what the Hugging Face Trainer
+    computed before transformers v4.46.0 (PR #34191, October 2024) and so the arithmetic of the papers run on it
+    (Alpaca-LoRA, QLoRA): with micro-batches of unequal token counts not the large batch's mean.
+    """
+
+    normalization: Literal[NORMALIZATIONS] = Field(  # type: ignore[valid-type]
+        default="window-tokens", description="window-tokens: the large batch's mean over its loss-bearing items "
+        "(exact); micro-batch-mean: the mean of each micro-batch's own mean, as the Hugging Face Trainer before "
+        "transformers v4.46.0 (PR #34191) averaged a window",
+    )
+
+
 class Lora(Strict):
     """Low-rank adapters (Hu et al. 2021) through peft on the modules named: only the adapters train.
 
@@ -413,7 +433,7 @@ class Model(Builder):
         return batchnorm_in_run(self)
 
 
-DATA_FORMATS = ("imagefolder", "tokens", "instructions", "hf-datasets", "segmentation")
+DATA_FORMATS = ("imagefolder", "tokens", "instructions", "chat", "hf-datasets", "segmentation")
 SEGMENTATION_LAYOUTS = ("voc", "images-masks", "cityscapes")
 DEFAULT_IGNORE_INDEX = 255  # the mask value that bears no loss (VOC's borders, Cityscapes' void), as in MMSegmentation
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32", "int64")
@@ -425,8 +445,9 @@ FORMAT_FIELDS = {
     "augment": ("imagefolder", "hf-datasets"),
     "dtype": ("tokens",),
     "template": ("instructions", "hf-datasets"),
-    "train_on_inputs": ("instructions", "hf-datasets"),
-    "tokenizer": ("instructions", "hf-datasets"),
+    "train_on_inputs": ("instructions", "chat", "hf-datasets"),
+    "tokenizer": ("instructions", "chat", "hf-datasets"),
+    "eval_size": ("instructions", "chat", "hf-datasets"),
     "columns": ("hf-datasets", "instructions"),
     "layout": ("segmentation",),
     "crop": ("segmentation",),
@@ -463,6 +484,8 @@ class Data(Builder):
     format: Literal[DATA_FORMATS] | None = None  # type: ignore[valid-type]
     path: str | None = Field(default=None, description="the training data: a folder or a file")
     eval_path: str | None = Field(default=None, description="the evaluation data, in the same format")
+    eval_size: int | None = Field(default=None, gt=0, description="text: examples held out of data.path for "
+                                  "evaluation, drawn with the seed (Alpaca-LoRA's val_set_size: 2000)")
     augment: Literal["imagenet", "none"] | None = None
     dtype: Literal[TOKEN_DTYPES] | None = None  # type: ignore[valid-type]
     template: Literal[TEMPLATES] | None = Field(  # type: ignore[valid-type]
@@ -560,6 +583,8 @@ class Data(Builder):
             for name, formats in FORMAT_FIELDS.items():
                 if getattr(self, name) is not None and self.format not in formats:
                     raise ValueError(f"{name}: only used with format {' or '.join(formats)} (format is {self.format})")
+        if self.eval_size is not None and self.eval_path is not None:
+            raise ValueError("eval_size: holds examples out of data.path; not with eval_path (give one or the other)")
         if self.format == "hf-datasets":
             if self.columns is None:
                 raise ValueError("columns: required for format hf-datasets (which column holds what, e.g. "
@@ -587,8 +612,8 @@ class Data(Builder):
 
     @property
     def text_columns(self) -> bool:
-        """Whether the data is text to tokenise (instructions, or hf-datasets text/instruction columns)."""
-        return self.format == "instructions" or (
+        """Whether the data is text to tokenise (instructions, chat, or hf-datasets text/instruction columns)."""
+        return self.format in ("instructions", "chat") or (
             self.format == "hf-datasets" and self.columns is not None and "label" not in self.columns
         )
 
@@ -803,7 +828,7 @@ class Recipe(Strict):
     task: Literal["classification", "language-modeling", "custom", "segmentation"]
     model: Model
     data: Data
-    loss: Builder | None = None
+    loss: Loss | None = None
     optimizer: Optimizer
     schedule: Schedule
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -826,10 +851,12 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
-        if self.task == "custom" and self.loss is None:
+        loss_named = self.loss is not None and (self.loss.builtin or self.loss.factory)
+        if self.task == "custom" and not loss_named:
             raise ValueError("loss: task custom needs loss: {builtin: NAME} or {factory: 'package.module:function'}")
-        if self.task != "custom" and self.loss is not None:
-            raise ValueError(f"loss: only used with task custom (task is {self.task})")
+        if self.task != "custom" and loss_named:
+            raise ValueError(f"loss: builtin and factory only with task custom (task is {self.task}); any task takes "
+                             "loss.normalization")
         weights = self.model.dtype
         if weights != "fp32" and self.precision != weights:
             raise ValueError(

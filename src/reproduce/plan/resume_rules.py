@@ -14,7 +14,7 @@ from .planner import Plan
 from .planner import plan as make
 from .recipe import Recipe, parse_recipe, with_backbone_weights, with_data_paths, with_weights
 from .sharding import with_sharding
-from .weightfiles import fingerprint_of, inspect
+from .weightfiles import data_fingerprint, fingerprint_of, inspect
 
 
 def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: int | dict[int | None, int],
@@ -27,7 +27,8 @@ def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: 
     per_length = {s.sequence_length: min(s.micro_batch, micro_batch or s.micro_batch) for s in saved.segments}
     micro = per_length if len(per_length) > 1 else cap  # one micro-batch per sequence length the plan reads
     again = make(saved.recipe, micro, world_size, saved.policy, dataset_size=dataset_size,
-                 recipe_path=saved.recipe_path).model_copy(update={"weights": saved.weights})
+                 recipe_path=saved.recipe_path).model_copy(update={"weights": saved.weights,
+                                                                   "data_fingerprint": saved.data_fingerprint})
     same: tuple[str, ...] = ("effective_batch", "steps_per_epoch", "optimizer_steps", "warmup_steps",
                              "decay_milestones")
     if saved.dataset_size is None:  # made without the data: its steps were not known, only its batches
@@ -94,6 +95,18 @@ def check_resumed_weights(recipe: Recipe, saved: Plan, weights_path: str | None,
                         "started from, or start a new run")
 
 
+def check_resumed_data(saved: Plan, out: Path) -> None:
+    """A resumed run reads the data files it started on, unchanged since (the fingerprint in its plan.yaml)."""
+    if saved.data_fingerprint is None:
+        return
+    data = saved.recipe.data
+    now = data_fingerprint([data.path, data.eval_path])
+    if now != saved.data_fingerprint:
+        raise UserError(f"--resume: the data {data.path} changed since the run in {out} started (fingerprint "
+                        f"{saved.data_fingerprint} in its plan.yaml, {now} now); resume it on the data it started "
+                        "on, or start a new run")
+
+
 def recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None, data_path: str | None,
                     eval_data_path: str | None, weights_path: str | None = None,
                     quantize: str | None = None, backbone_path: str | None = None) -> tuple[Recipe, Plan | None]:
@@ -119,6 +132,7 @@ def recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None,
                         f"(got {sharding})")
     recipe = resumed_data_paths(recipe, saved.recipe, data_path, eval_data_path, out, str(source))
     check_resumed_weights(recipe, saved, weights_path, out)
+    check_resumed_data(saved, out)
     base = saved.recipe.model.quantize
     if quantize is not None and quantize != base:
         raise UserError(f"--quantize {quantize}: the run in {out} was started with {base or 'an unquantised'} base; "

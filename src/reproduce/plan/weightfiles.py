@@ -171,6 +171,27 @@ def fingerprint_of(weights: WeightsOnDisk) -> str:
     return _fingerprint(str(weights.path), stamp)
 
 
+DATA_FILES_AT_MOST = 1000  # a data folder of more files (ImageNet's 1.28M images) is not fingerprinted
+
+
+def data_fingerprint(paths: list[str | None]) -> str | None:
+    """A content fingerprint of data files (data.path, data.eval_path: each file's name, size and sampled blocks, a
+    folder's files by their names within it), or None where there is none, or a folder holds too many files."""
+    digest, found = hashlib.sha256(), False
+    for given in paths:
+        if given is None:
+            continue
+        path = Path(given).expanduser()
+        files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+        if len(files) > DATA_FILES_AT_MOST or not all(f.is_file() for f in files):
+            return None
+        for file in files:
+            digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
+            digest.update(_file_summary(file))
+            found = True
+    return "sha256:" + digest.hexdigest()[:16] if found else None
+
+
 class WeightsRecord(BaseModel):
     """What a plan (plan.yaml's `weights`) says of the weights it starts from: `--resume` refuses other ones."""
 

@@ -24,7 +24,7 @@ from ..data import build_data
 from ..data.batches import collate, fetch
 from ..data.shapes import image_dataset
 from ..errors import UserError
-from ..models import model_inputs
+from ..models import check_context, model_inputs
 from ..plan.planner import Plan, plan
 from ..plan.recipe import Recipe
 
@@ -108,15 +108,12 @@ def declared_inputs(recipe: Recipe) -> dict:
     kind = fixed.get("inputs") or ("tokens" if recipe.task == "language-modeling" and not given else "images")
     if kind == "tokens":
         length = recipe.batch.sequence_length or data.max_length
-        source = "batch.sequence_length" if recipe.batch.sequence_length else "data.max_length"
         if length is None:
             raise UserError(
                 "batch.sequence_length: needed to probe with synthetic tokens (the data is not available here); "
                 "for variable-length text give data.max_length, its longest sequence"
             )
-        context = fixed.get("context")
-        if context is not None and length > context:
-            raise UserError(f"{source}: {length} tokens is longer than {spec.builtin} takes ({context} positions)")
+        check_context(recipe, fixed)
         vocab = int(fixed.get("vocab_size") or spec.kwargs.get("vocab_size", 256))
         shape = {"inputs": "tokens", "sequence_length": length, "vocab_size": vocab}
         return {**shape, "targets": fixed["targets"]} if "targets" in fixed else shape

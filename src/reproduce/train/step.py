@@ -2,7 +2,9 @@
 
   1. count the window's loss-bearing items (samples, or target tokens != -100) before any backward;
   2. for each micro-batch: summed loss / window count, backward (gradients reduced over the ranks on the last
-     only: DDP's `no_sync`, FSDP2's `set_requires_gradient_sync(False)` on the others);
+     only: DDP's `no_sync`, FSDP2's `set_requires_gradient_sync(False)` on the others); with
+     `loss.normalization: micro-batch-mean`, summed loss / (its own count x micro-batches x ranks) instead: the
+     Hugging Face Trainer's arithmetic before transformers v4.46.0, not the large batch's mean (`divisors`);
   3. once per window: unscale (fp16), clip, optimizer step, scheduler step, zero_grad(set_to_none=True).
 The gradient is then exactly that of the mean loss over the whole effective batch.
 """
@@ -94,6 +96,7 @@ def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None =
         noise.start_window(counts, count, samples)
 
     # 2. each micro-batch's summed loss / the window's count, backward; gradients reduced on the last one only
+    divide = divisors(setup, counts, count)
     last = len(micro_batches) - 1
     loaded = None  # the micro-batch in use, kept until the next is loaded (the last: through step 3), as in one loop
 
@@ -103,7 +106,7 @@ def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None =
         inputs, target = loaded
         with setup.gradient_sync(index == last):
             with setup.autocast():
-                loss = loss_fn(model(inputs), target) / max(count, 1)
+                loss = loss_fn(model(inputs), target) / divide[index]
             (setup.scaler.scale(loss) if setup.scaler else loss).backward()
         if noise is not None:
             noise.after_backward(index)
@@ -123,6 +126,17 @@ def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None =
         return _apply_window(setup, window_loss, count, samples, noise)
     except torch.OutOfMemoryError as error:
         raise OptimizerStepOutOfMemory(str(error)) from None
+
+
+def divisors(setup: Setup, counts: list[int], count: int) -> list[int]:
+    """What each micro-batch's summed loss is divided by. window-tokens: the window's count over every rank, so the
+    gradient is the large batch's mean. micro-batch-mean: the micro-batch's own count (its mean, as a model's loss
+    is) times the window's micro-batches and ranks: the Trainer's `loss / gradient_accumulation_steps` averaged by
+    DDP over the ranks (transformers before v4.46.0, PR #34191). An empty micro-batch's loss is 0 either way."""
+    loss = setup.plan.recipe.loss
+    if loss is None or loss.normalization == "window-tokens":
+        return [max(count, 1)] * len(counts)
+    return [max(own, 1) * len(counts) * setup.world.size for own in counts]
 
 
 def agrees_on_memory(setup: Setup, micro_batches: int) -> bool:
