@@ -239,3 +239,30 @@ def test_resume_refuses_data_that_changed_since_the_run_began(files, tmp_path, c
     shutil.copy(files / "alpaca.json", data)  # the same content again
     code, out, err = cli(capsys, "run", tmp_path / "run" / "plan.yaml", "--out", tmp_path / "run", "--resume", *args)
     assert code == 0, err
+
+
+def test_eval_fraction_holds_a_share_out(files, tmp_path, capsys, one_thread):
+    """data.eval_fraction: the share of the training file's examples held out (rounded), drawn as eval_size draws
+    that many; not with eval_size or eval_path; a share that leaves nothing to train on is one line."""
+    from reproduce.data import build_data
+    from reproduce.plan.recipe import parse_recipe
+
+    def built(**held) -> dict:
+        body = yaml.safe_load(open(recipe(tmp_path, GPT2, **held)))
+        body["data"].update({"path": str(files / "alpaca.json"), "available": True,
+                             "tokenizer": str(files / "tokenizer")})
+        return build_data(parse_recipe(body))
+
+    share, count = built(eval_fraction=0.25), built(eval_size=6)  # 24 examples: a quarter is 6
+    assert (len(share["train"]), len(share["eval"])) == (18, 6)
+    assert [share["eval"].sequence(i) for i in range(6)] == [count["eval"].sequence(i) for i in range(6)]
+    code, out, err = cli(capsys, "plan", recipe(tmp_path, GPT2, eval_fraction=0.25, eval_size=6), "--micro-batch-max",
+                         "4")
+    assert code == 2 and "eval_fraction: give eval_size (examples) or eval_fraction (a share), not both" in err
+    code, out, err = cli(capsys, "plan", recipe(tmp_path, GPT2, eval_fraction=1.5), "--micro-batch-max", "4")
+    assert code == 2 and "data.eval_fraction: must be < 1" in err
+    code, out, err = cli(capsys, "run", recipe(tmp_path, GPT2, eval_fraction=0.99), "--weights", files / "tiny-gpt2",
+                         "--data", files / "alpaca.json", "--out", tmp_path / "run", "--micro-batch-max", "4",
+                         "--device", "cpu")
+    assert (code, err) == (2, f"error: data.eval_fraction: 24 examples held out of {files / 'alpaca.json'}, which "
+                              "has 24: none would be left to train on\n")

@@ -75,12 +75,15 @@ def build_data(recipe: Recipe) -> dict:
 
             check_context(recipe)
         data = build_format(recipe)
-        if recipe.data.eval_size is not None:  # held out of the training file, drawn with the seed
+        share = recipe.data.eval_fraction
+        if recipe.data.eval_size is not None or share is not None:  # held out of the training file, with the seed
             from .text import hold_out
 
+            field = "data.eval_size" if share is None else "data.eval_fraction"
             if not hasattr(data["train"], "select"):
-                raise UserError("data.eval_size: holds out text examples; this data is not text (give eval_path)")
-            data = hold_out(data, recipe.data.eval_size, recipe.seed, recipe.data.path)
+                raise UserError(f"{field}: holds out text examples; this data is not text (give eval_path)")
+            size = recipe.data.eval_size if share is None else max(1, round(share * len(data["train"])))
+            data = hold_out(data, size, recipe.seed, recipe.data.path, field)
     else:
         extra = {}
         if recipe.data.builtin in ("pysource", "pysource-pairs", "text-pairs") and recipe.batch.sequence_length:

@@ -112,12 +112,12 @@ class TokenisedTexts(Dataset):
         return TokenisedTexts([self.sequence(i) for i in indices], [int(self.prompt_lengths[i]) for i in indices])
 
 
-def hold_out(data: dict, size: int, seed: int, path: Any) -> dict:
+def hold_out(data: dict, size: int, seed: int, path: Any, field: str = "data.eval_size") -> dict:
     """`data` with `size` examples of its training set moved to an eval split, drawn with `seed` (as Alpaca-LoRA's
     train_test_split(test_size=val_set_size) holds 2,000 out), each split in the file's order."""
     train = data["train"]
     if size >= len(train):
-        raise UserError(f"data.eval_size: {size} examples held out of {path}, which has {len(train)}: none would be "
+        raise UserError(f"{field}: {size} examples held out of {path}, which has {len(train)}: none would be "
                         "left to train on")
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
     held, kept = sorted(order[:size].tolist()), sorted(order[size:].tolist())

@@ -448,6 +448,7 @@ FORMAT_FIELDS = {
     "train_on_inputs": ("instructions", "chat", "hf-datasets"),
     "tokenizer": ("instructions", "chat", "hf-datasets"),
     "eval_size": ("instructions", "chat", "hf-datasets"),
+    "eval_fraction": ("instructions", "chat", "hf-datasets"),
     "columns": ("hf-datasets", "instructions"),
     "layout": ("segmentation",),
     "crop": ("segmentation",),
@@ -486,6 +487,8 @@ class Data(Builder):
     eval_path: str | None = Field(default=None, description="the evaluation data, in the same format")
     eval_size: int | None = Field(default=None, gt=0, description="text: examples held out of data.path for "
                                   "evaluation, drawn with the seed (Alpaca-LoRA's val_set_size: 2000)")
+    eval_fraction: float | None = Field(default=None, gt=0, lt=1, description="text: the share of data.path's "
+                                        "examples held out for evaluation (rounded, at least one), drawn with the seed")
     augment: Literal["imagenet", "none"] | None = None
     dtype: Literal[TOKEN_DTYPES] | None = None  # type: ignore[valid-type]
     template: Literal[TEMPLATES] | None = Field(  # type: ignore[valid-type]
@@ -583,8 +586,11 @@ class Data(Builder):
             for name, formats in FORMAT_FIELDS.items():
                 if getattr(self, name) is not None and self.format not in formats:
                     raise ValueError(f"{name}: only used with format {' or '.join(formats)} (format is {self.format})")
-        if self.eval_size is not None and self.eval_path is not None:
-            raise ValueError("eval_size: holds examples out of data.path; not with eval_path (give one or the other)")
+        held = [name for name in ("eval_size", "eval_fraction") if getattr(self, name) is not None]
+        if len(held) > 1:
+            raise ValueError("eval_fraction: give eval_size (examples) or eval_fraction (a share), not both")
+        if held and self.eval_path is not None:
+            raise ValueError(f"{held[0]}: holds examples out of data.path; not with eval_path (give one or the other)")
         if self.format == "hf-datasets":
             if self.columns is None:
                 raise ValueError("columns: required for format hf-datasets (which column holds what, e.g. "
