@@ -39,3 +39,23 @@ def test_emit_hf_carries_the_optimizer_and_the_bitsandbytes_config_of_the_run(na
     config = eval(emitted, {"transformers": transformers, "torch": torch})  # noqa: S307 (our own output)
     assert config.to_dict() == quantization_config(load_recipe(shipped_recipes()[name])).to_dict()
     assert "peft.prepare_model_for_kbit_training(model" in out and "peft.LoraConfig(r=" in out
+
+
+@pytest.mark.parametrize(("form", "framework"), [("accelerate", "Accelerate"), ("lightning", "Lightning"),
+                                                 ("deepspeed", "DeepSpeed's config")])
+def test_every_emitted_form_says_what_it_cannot_express_of_a_finetune(form, framework, capsys):
+    """The quantised base and bitsandbytes' optimizer state are no setting of these frameworks: each form says so,
+    with the code the run uses; a recipe without them gets no such note."""
+    from reproduce.plan.recipe import load_recipe as load
+    from reproduce.shipped import shipped_recipes
+
+    code, out, err = cli(capsys, "plan", QLORA, "--micro-batch-max", "4", "--emit", form)
+    assert code == 0, err
+    text = " ".join(line.lstrip("#").strip() for line in out.splitlines())
+    assert f"{framework} has no setting for the recipe's nf4 base (model.quantize)" in text
+    optimizer = load(shipped_recipes()[QLORA]).optimizer.bitsandbytes_class
+    assert optimizer == "PagedAdamW32bit"
+    assert f"step with bitsandbytes.optim.{optimizer}(params, lr=...)" in text
+    code, out, err = cli(capsys, "plan", "hu2021-lora-gpt2m-e2e", "--micro-batch-max", "4", "--emit", form)
+    assert code == 0, err
+    assert "has no setting for the recipe's" not in out

@@ -8,7 +8,7 @@ import yaml
 
 from ..plan.planner import Plan
 from .code import no_torch_optimizer_note, optimizer_source, schedule_words
-from .common import Export, epoch_tail_note, header, mean_loss_note, steps_note
+from .common import Export, epoch_tail_note, finetune_notes, header, mean_loss_note, steps_note
 from .fsdp import COMPUTE_DTYPES, fsdp_blocks, fsdp_notes, sharded
 
 ACCELERATE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -16,7 +16,7 @@ ACCELERATE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 def build(plan: Plan) -> Export:
     recipe = plan.recipe
-    notes: list[str] = []
+    notes: list[str] = finetune_notes(plan, "Accelerate")
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP" if sharded(plan) else "MULTI_GPU" if plan.world_size > 1 else "NO",

@@ -122,6 +122,27 @@ def memory_notes(plan: Plan) -> list[str]:
     return notes
 
 
+def finetune_notes(plan: Plan, framework: str) -> list[str]:
+    """What a framework's own settings do not carry of a fine-tuning recipe (a quantised base, bitsandbytes'
+    optimizer state, the old Trainer's loss arithmetic), with the code `reproduce run` uses; `--emit hf` writes the
+    first two as TrainingArguments and a BitsAndBytesConfig instead."""
+    recipe, notes = plan.recipe, []
+    if recipe.model.quantize is not None:
+        notes.append(f"{framework} has no setting for the recipe's {recipe.model.quantize} base (model.quantize): "
+                     "load it with from_pretrained(..., quantization_config=transformers.BitsAndBytesConfig(...)) "
+                     "(reproduce plan --emit hf writes the config) and call peft.prepare_model_for_kbit_training "
+                     "before the adapters, as reproduce run does")
+    optimizer = recipe.optimizer.bitsandbytes_class
+    if optimizer is not None:
+        notes.append(f"{framework} has no setting for the recipe's optimizer state (optimizer.paged / state_bits): "
+                     f"step with bitsandbytes.optim.{optimizer}(params, lr=...) in place of torch.optim's, as "
+                     "reproduce run does")
+    if recipe.loss is not None and recipe.loss.normalization == "micro-batch-mean":
+        notes.append("loss.normalization micro-batch-mean: each micro-batch's mean loss divided by the accumulation "
+                     "steps (the Hugging Face Trainer before v4.46.0), not by the window's count of items")
+    return notes
+
+
 def lora_source(lora: Lora, model: str = "model") -> str:
     """`peft.get_peft_model(model, peft.LoraConfig(...))` with the recipe's adapters, as `reproduce run` makes them."""
     return (

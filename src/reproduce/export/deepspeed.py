@@ -7,7 +7,7 @@ from typing import Any
 
 from ..plan.planner import Plan
 from .code import schedule_words
-from .common import Export, header
+from .common import Export, finetune_notes, header
 from .fsdp import fsdp_notes, sharded
 
 
@@ -119,6 +119,7 @@ def _deepspeed_scheduler(plan: Plan) -> tuple[dict | None, list[str]]:
 
 def build(plan: Plan) -> Export:
     config, notes = deepspeed_config(plan)
+    notes = [*finetune_notes(plan, "DeepSpeed's config"), *notes]
     extra = [
         f"schedule: {schedule_words(plan)}",
         "DeepSpeed itself reads this file with its comments (hjson); Hugging Face's and Accelerate's deepspeed= "

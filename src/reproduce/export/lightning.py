@@ -6,7 +6,16 @@ from typing import Any
 
 from ..plan.planner import Plan
 from .code import lr_factor_source, no_torch_optimizer_note, optimizer_source, param_groups_source, schedule_words
-from .common import Export, epoch_tail_note, header, kwargs_block, mean_loss_note, py_literal, steps_note
+from .common import (
+    Export,
+    epoch_tail_note,
+    finetune_notes,
+    header,
+    kwargs_block,
+    mean_loss_note,
+    py_literal,
+    steps_note,
+)
 from .fsdp import COMPUTE_DTYPES, fsdp_blocks, fsdp_notes, sharded
 
 LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -14,7 +23,7 @@ LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixe
 
 def build(plan: Plan) -> Export:
     recipe = plan.recipe
-    notes: list[str] = []
+    notes: list[str] = finetune_notes(plan, "Lightning")
     trainer: dict[str, Any] = {
         "accelerator": "auto",
         "devices": plan.world_size,

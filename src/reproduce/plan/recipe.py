@@ -665,6 +665,14 @@ class Optimizer(Strict):
         return self.paged or self.state_bits != 32
 
     @property
+    def bitsandbytes_class(self) -> str | None:
+        """The bitsandbytes.optim class that steps it (PagedAdamW32bit, AdamW8bit, PagedAdam8bit, ...), or None."""
+        if not self.bitsandbytes:
+            return None
+        return ("Paged" if self.paged else "") + ("AdamW" if self.name == "adamw" else "Adam") + (
+            "8bit" if self.state_bits == 8 else "32bit" if self.paged else "")
+
+    @property
     def family(self) -> str:
         return "sgd" if self.name in SGD_FAMILY else "adam"
 

@@ -79,8 +79,7 @@ def bitsandbytes_optimizer(plan: Plan, groups: list[dict]) -> torch.optim.Optimi
     except UserError:
         raise UserError(f"optimizer: {'paged' if spec.paged else 'state_bits: 8'} needs bitsandbytes, which is not "
                         "installed (pip install 'reproduce[quantize]')") from None
-    name = ("Paged" if spec.paged else "") + ("AdamW" if spec.name == "adamw" else "Adam") + (
-        "8bit" if spec.state_bits == 8 else "32bit" if spec.paged else "")
+    name = spec.bitsandbytes_class
     import warnings
 
     # on a CPU, at the first step: "Paged optimizers are not supported on CPU" (it steps unpaged, as documented)
