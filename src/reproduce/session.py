@@ -16,8 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import __version__
 from .errors import DoesNotFit, UserError
 from .plan.batchnorm import with_batchnorm
+from .plan.builtin_names import MODELS
 from .plan.memory_options import with_memory_options, with_quantized_base
 from .plan.planner import Plan, plan
 from .plan.recipe import Recipe, load_recipe, phase_recipe, with_data_paths, with_weights
@@ -27,6 +29,7 @@ from .plan.units import format_size
 from .plan.weightfiles import data_fingerprint
 from .plan.weightfiles import inspect as inspect_weights
 from .plan.weightfiles import record as weights_record
+from .probe import cache
 from .probe.runner import BudgetRequired, ProbeOptions, ProbeResult, run_probe
 
 OnNote = Callable[[str], None]
@@ -327,3 +330,30 @@ def packing_table(recipe: Recipe, the_plan: Plan, data: dict | None) -> dict | N
     table = grouping_table(the_plan, lengths, recipe.data.token_budget, recipe.seed)
     table["way"] = recipe.data.packing or "none"
     return table
+
+
+def parameter_counts(recipe: Recipe) -> tuple[int, int] | None:
+    """(all, trainable) parameters of a built-in model as the recipe builds it (on the meta device); None for a
+    factory or Hugging Face model, or when it cannot be built here. Kept in the probe's cache (keyed by the recipe
+    and the libraries' versions), so listing again imports no torch."""
+    if recipe.model.builtin not in MODELS:
+        return None
+    versions = {"reproduce": __version__, **cache.library_versions()}
+    key = cache.cache_key({"parameters": recipe.model_dump(mode="json"), "versions": versions,
+                           "counted": "unquantised"})
+    saved = cache.load(key)
+    if saved is not None and isinstance(saved.get("parameters"), int) and isinstance(saved.get("trainable"), int):
+        return saved["parameters"], saved["trainable"]
+    from .models import parameter_counts as count
+    from .probe.workload import synthetic_data
+
+    try:
+        info = synthetic_data(recipe)["info"]  # the head and vocabulary the recipe's data declares
+    except UserError:
+        info = None
+    try:
+        total, trainable = count(recipe, info)
+    except (UserError, ImportError):
+        return None
+    cache.store(key, {"parameters": total, "trainable": trainable})
+    return total, trainable

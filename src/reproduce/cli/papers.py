@@ -18,12 +18,11 @@ from rich.markup import escape
 from rich.syntax import Syntax
 from rich.table import Table
 
-from .. import __version__
 from ..errors import UserError
-from ..plan.builtin_names import MODELS, why_not_runnable
+from ..plan.builtin_names import why_not_runnable
 from ..plan.recipe import Recipe, load_recipe
 from ..plan.units import format_count
-from ..probe import cache
+from ..session import parameter_counts
 from ..shipped import described, is_shipped, papers_folder, recipe_files
 from .app import app
 from .common import is_terminal, stdout
@@ -87,33 +86,6 @@ def paper_text(recipe: Recipe) -> str:
 
 def optimizer_text(recipe: Recipe) -> str:
     return f"{recipe.optimizer.name} {recipe.optimizer.lr:g}"
-
-
-def parameter_counts(recipe: Recipe) -> tuple[int, int] | None:
-    """(all, trainable) parameters of a built-in model as the recipe builds it (on the meta device); None for a
-    factory or Hugging Face model, or when it cannot be built here. Kept in the probe's cache (keyed by the recipe
-    and the libraries' versions), so listing again imports no torch."""
-    if recipe.model.builtin not in MODELS:
-        return None
-    versions = {"reproduce": __version__, **cache.library_versions()}
-    key = cache.cache_key({"parameters": recipe.model_dump(mode="json"), "versions": versions,
-                           "counted": "unquantised"})
-    saved = cache.load(key)
-    if saved is not None and isinstance(saved.get("parameters"), int) and isinstance(saved.get("trainable"), int):
-        return saved["parameters"], saved["trainable"]
-    from ..models import parameter_counts as count
-    from ..probe.workload import synthetic_data
-
-    try:
-        info = synthetic_data(recipe)["info"]  # the head and vocabulary the recipe's data declares
-    except UserError:
-        info = None
-    try:
-        total, trainable = count(recipe, info)
-    except (UserError, ImportError):
-        return None
-    cache.store(key, {"parameters": total, "trainable": trainable})
-    return total, trainable
 
 
 def model_text(recipe: Recipe, counts: tuple[int, int] | None) -> str:

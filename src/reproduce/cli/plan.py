@@ -17,7 +17,7 @@ from ..plan.planfile import check_writable, save_plan
 from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
 from ..plan.recipe import with_backbone_weights
 from ..plan.segments import batch_phases
-from ..session import packing_table, plan_and_probe, planned_data_size, recipe_with_options
+from ..session import packing_table, parameter_counts, plan_and_probe, planned_data_size, recipe_with_options
 from ..shipped import described
 from ..timing.plan_cost import cost_lines, costs_json, plan_costs
 from ..timing.predicted_time import predict
@@ -143,6 +143,11 @@ def plan_command(
         return
     stdout.print(f"recipe: {described(recipe_path, recipe_path)}", markup=False, soft_wrap=True)
     render_plan(the_plan)
+    counts = parameter_counts(recipe)
+    if counts is not None:  # a built-in, counted on the meta device once (the probe's cache keeps it)
+        total, trainable = counts
+        stdout.print(f"parameters: {total:,}, of which {trainable:,} train ({trainable / max(total, 1):.2%})",
+                     markup=False)
     if grouping is not None:
         for line in packing_lines(grouping):
             stdout.print(line, markup=False, soft_wrap=True)
