@@ -56,7 +56,7 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
     recipe's bf16/fp16 precision comes from the parameters' own dtype instead (FSDP's mixed precision, which
     `reproduce run` uses without autocast).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     recipe = plan.recipe
     if model is None:
@@ -71,10 +71,12 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
         materialize(model, torch.device("cpu"))
         tracker.phase = ACTIVATIONS
         buffers = sum(rounded(b.untyped_storage().nbytes()) for b in model.buffers())
-        optimizer = build_optimizer(plan, model)
-        for group in optimizer.param_groups:
-            if "foreach" in group:
-                group["foreach"] = True  # what a GPU run does; fake tensors would not choose it
+        with unset_fake_temporarily():  # bitsandbytes' 8-bit optimizers build their quantisation maps from values
+            optimizer = build_optimizer(plan, model)  # (`.tolist()`): real, tiny (256 floats), made here
+        if recipe.optimizer.implementation is None:  # PyTorch's choice on a GPU; fake tensors would not make it
+            for group in optimizer.param_groups:
+                if "foreach" in group:
+                    group["foreach"] = True
         for param in model.parameters():
             if param.requires_grad:
                 hooks.append(param.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], GRADIENTS)))
