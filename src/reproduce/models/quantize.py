@@ -3,9 +3,10 @@
 The settings are transformers' `BitsAndBytesConfig`, as a user of `from_pretrained(quantization_config=...)` writes
 them: int8 is `load_in_8bit` (LLM.int8(), Dettmers et al. 2022, arXiv 2208.07339: 1 byte a weight and one fp32 scale
 per output row; its default outlier threshold 6.0); nf4 is `load_in_4bit` with `bnb_4bit_quant_type="nf4"` and
-`bnb_4bit_use_double_quant` from `model.double_quant`, true by default (QLoRA, Dettmers et al. 2023, arXiv 2305.14314: 4-bit NormalFloat in blocks of 64,
-whose absmax scales are themselves quantised to 8 bits in blocks of 256) and the recipe's precision as
-`bnb_4bit_compute_dtype` (transformers' defaults would be fp4 and float32). Both set explicitly.
+`bnb_4bit_use_double_quant` from `model.double_quant`, true unless the recipe says false (QLoRA, Dettmers et al.
+2023, arXiv 2305.14314: 4-bit NormalFloat in blocks of 64, whose absmax scales are themselves quantised to 8 bits in
+blocks of 256) and the recipe's precision as `bnb_4bit_compute_dtype` (transformers' defaults would be fp4 and
+float32, and no double quantisation). All set explicitly.
 
 How the model is quantised: in memory, the way `from_pretrained` does it, without writing the model to disk.
 transformers' `replace_with_bnb_linear` swaps each `nn.Linear` (and GPT-2's `Conv1D`) but the output head for a
@@ -147,11 +148,9 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
         warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename notice
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if not recipe.model.upcast_embeddings:  # QLoRA's qlora.py: embeddings and head back in the model's dtype
-        from .weights import TORCH_DTYPES
-
         for name, module in model.named_modules():
             if isinstance(module, nn.Embedding) or name in skip:
-                module.to(TORCH_DTYPES[recipe.model.dtype])
+                module.to(COMPUTE_DTYPES[recipe.model.dtype])
     return model
 
 

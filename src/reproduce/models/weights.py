@@ -1,7 +1,8 @@
 """How a model's weights are stored and which of them train: `model.dtype` and `model.lora` (through peft).
 
 `model.dtype: bf16` (or fp16) stores the weights in that dtype, as fine-tuning recipes load a base model;
-`model.lora` freezes them and adds low-rank adapters (peft's `get_peft_model`), which peft keeps in float32 (`model.lora.dtype: bf16` casts them, as QLoRA does);
+`model.lora` freezes them and adds low-rank adapters (peft's `get_peft_model`), which peft keeps in float32
+(`model.lora.dtype: bf16` casts them, as QLoRA does);
 `model.quantize` stores the frozen linear layers in int8 or nf4 first (models/quantize.py).
 The optimizer sees only what trains (`train/optim.py` takes parameters that require a gradient).
 """

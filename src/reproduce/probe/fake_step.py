@@ -46,6 +46,10 @@ class FakeStepResult:
     step: StepMemory
     compute_bytes: int  # bytes per element of the compute dtype (what FSDP gathers parameters in)
     kernels: dict[str, int] = field(default_factory=dict)  # attention calls by the kernel counted
+    peak_stage: str = "forward"  # forward, backward or optimizer step: where `peak` was reached
+    loss_bytes: int = 0  # the most the logits and the loss computed from them held at once (part of activations)
+    paged_bytes: int = 0  # optimizer state in bitsandbytes' paged (CUDA unified) memory: outside PyTorch's allocator
+    optimizer: str = ""  # the optimizer's class and kernels, as the step ran it
 
 
 def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind | None,
@@ -90,6 +94,7 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
             fake_step(model, optimizer, loss, fake_window, precision, recipe.clip_grad_norm, tracker)
             if step == 0:
                 tracker.retag(_state_tensors(optimizer), OPTIMIZER)
+                paged = paged_bytes(optimizer) if recipe.optimizer.paged else 0
         for hook in hooks:
             hook.remove()
         memory = StepMemory(
@@ -107,7 +112,32 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
         )
         compute = _compute_bytes(model, recipe.precision)
     at_peak = {name: size for name, size in tracker.peak_by.items() if size}
-    return FakeStepResult(tracker.peak, at_peak, memory, compute, dict(getattr(kernels, "kernels", {}) or {}))
+    return FakeStepResult(tracker.peak, at_peak, memory, compute, dict(getattr(kernels, "kernels", {}) or {}),
+                          peak_stage=tracker.peak_stage, loss_bytes=tracker.marked_most, paged_bytes=paged,
+                          optimizer=optimizer_kernels(optimizer))
+
+
+PAGED_MIN = 100_000  # bitsandbytes pages the state of tensors of at least 1e5 elements (`get_state_buffer`)
+
+
+def paged_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The state a bitsandbytes paged optimizer keeps in CUDA unified memory (cudaMallocManaged, which PyTorch's
+    allocator never sees): each moment of a parameter of at least 1e5 elements."""
+    return sum(rounded(value.untyped_storage().nbytes()) for param, state in optimizer.state.items()
+               if param.numel() >= PAGED_MIN for value in state.values()
+               if isinstance(value, torch.Tensor) and value.numel() == param.numel())
+
+
+def optimizer_kernels(optimizer: torch.optim.Optimizer) -> str:
+    """Which optimizer stepped and how: torch.optim's foreach, fused or one parameter at a time, or bitsandbytes'."""
+    kind = type(optimizer)
+    if not kind.__module__.startswith("torch.optim"):
+        return f"{kind.__module__.split('.')[0]} {kind.__name__} (its own kernels, one parameter at a time)"
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    how = ("fused (one kernel a parameter group; no temporaries the size of the parameters)" if group.get("fused")
+           else "foreach (temporaries the size of every parameter at once)" if group.get("foreach")
+           else "for-loop (one parameter at a time)")
+    return f"torch.optim.{kind.__name__}, {how}"
 
 
 @contextlib.contextmanager
@@ -169,7 +199,14 @@ def fake_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, 
         if precision != "fp32":
             autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
         with autocast:
-            loss = loss_fn(model(inputs), target) / max(1, count)
+            output = model(inputs)
+            if tracker is not None:  # the logits and what the loss computes from them, counted apart too
+                tracker.mark([output])
+                tracker.marking = True
+            loss = loss_fn(output, target) / max(1, count)
+            if tracker is not None:
+                tracker.marking = False
+            output = None
         loss.backward()
     if tracker is not None:
         tracker.phase = STEP
