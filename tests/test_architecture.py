@@ -178,7 +178,8 @@ def test_no_test_module_imports_another(path):
     assert not {name for name in imported if name.startswith("test_") or name.startswith("tests.test_")}
 
 
-COMMANDS = {"check", "memory", "papers", "plan", "probe", "run", "verify", "report"}  # cli/<name>.py, one typer command each
+# cli/<name>.py, one typer command each
+COMMANDS = {"check", "memory", "papers", "plan", "probe", "run", "verify", "report"}
 
 
 @functools.cache

@@ -64,6 +64,14 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
         from .checkpointing import enable
 
         enable(model, name)
+    if spec.loss_chunks:  # the head applied by the loss, chunk by chunk (train/chunked_loss.py)
+        from .loss_head import defer_head
+
+        defer_head(model, name)
+    if spec.offload_activations:
+        from .offload import offload_activations
+
+        model = offload_activations(model)
     return model
 
 

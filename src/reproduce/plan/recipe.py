@@ -366,6 +366,16 @@ class Model(Builder):
         "weight it did not quantise (embeddings, output head, norms) to fp32 (true, peft's and Alpaca-LoRA's way); "
         "false keeps the embeddings and head in model.dtype and the norms in fp32, as QLoRA's qlora.py does",
     )
+    loss_chunks: int | None = Field(
+        default=None, ge=2, description="language models: the output head and cross-entropy over this many chunks of "
+        "tokens, each recomputed in backward, so the whole logits (and their fp32 copy) never exist at once "
+        "(train/chunked_loss.py; torchtune's CEWithChunkedOutputLoss uses 8); exact",
+    )
+    offload_activations: bool = Field(
+        default=False, description="copy what the model's forward saves for backward to CPU memory, and back when "
+        "backward needs it (models/offload.py; torch.autograd.graph.saved_tensors_hooks, as save_on_cpu); exact, "
+        "slower steps",
+    )
     activation_checkpointing: bool = Field(
         default=False, description="recompute each block's activations in backward instead of keeping them "
         "(models/checkpointing.py): less memory, about a third more compute",
@@ -815,6 +825,12 @@ class Recipe(Strict):
                 f"{self.precision}" + (" (fp16 autocast would keep an fp16 copy of every bf16 weight for the backward)"
                                        if self.precision == "fp16" else "")
             )
+        if self.model.loss_chunks and self.task != "language-modeling":
+            raise ValueError(f"model.loss_chunks: chunks a language model's next-token loss (task is {self.task})")
+        for name in ("loss_chunks", "offload_activations"):
+            if getattr(self.model, name) and self.batch.sharding == "fsdp":
+                raise ValueError(f"model.{name}: not with batch.sharding: fsdp here (FSDP2 shards the head's weight "
+                                 "outside its forward, and the offload hooks are untested under it); use DDP")
         if self.model.quantize is not None and self.batch.sharding == "fsdp":
             raise ValueError(f"model.quantize: an {self.model.quantize} base is not sharded with fsdp here (FSDP2 "
                              "cannot shard bitsandbytes' packed weights); use batch.sharding: none")

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from ..models import build_model
+from ..models.offload import host
 from ..plan.planner import Plan
 from ..train.losses import build_loss
 from ..train.optim import build_optimizer
@@ -69,8 +70,10 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
     tracker = MemoryTracker()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     semantics = as_on_gpu(gpu) if gpu is not None else contextlib.nullcontext()
+    # offloaded activations leave the (stand-in) GPU: for the meta device, as a GPU's go to CPU memory
+    offloaded_to = host("meta") if gpu is not None else contextlib.nullcontext()
     hooks = []
-    with unpacked_sequences(), fake, tracker, semantics as kernels:
+    with unpacked_sequences(), fake, tracker, semantics as kernels, offloaded_to:
         tracker.phase = WEIGHTS
         materialize(model, torch.device("cpu"))
         tracker.phase = ACTIVATIONS
@@ -86,7 +89,7 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
                 hooks.append(param.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], GRADIENTS)))
         fake_window = tree_map_only(torch.Tensor, fake.from_tensor, window)
         tracker.charge(fake_window, ACTIVATIONS)
-        loss = build_loss(recipe)
+        loss = build_loss(recipe, model)
         for step in range(1 + MEASURED_STEPS):
             if step == 1:
                 tracker.reset_peak()
