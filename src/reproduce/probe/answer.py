@@ -178,9 +178,8 @@ def weights_form(recipe: Recipe, workload: Workload) -> str:
     if spec.quantize:
         double = "" if spec.quantize != "nf4" else (" double-quantised" if spec.double_quant is not False
                                                      else " single-quantised")
-        shown = (f"{format_count(total)} stored parameters: the frozen linear layers in {spec.quantize}{double}, the "
-                 f"rest in {spec.dtype}" + (", embeddings and head upcast to fp32" if spec.upcast_embeddings and
-                                            spec.dtype != "fp32" else ""))
+        shown = (f"the frozen linear layers in {spec.quantize}{double} (packed), the rest in {spec.dtype}"
+                 + (", embeddings and head upcast to fp32" if spec.upcast_embeddings and spec.dtype != "fp32" else ""))
     if trained != total:
         shown += f"; {format_count(trained)} train" + (f" (LoRA adapters in {spec.lora.dtype})" if spec.lora else "")
     return shown

@@ -1,7 +1,8 @@
 """One training step on fake tensors, its memory counted by category: what the estimate meter measures.
 
 The model is built on `meta` and materialised inside `FakeTensorMode` (no real memory), the optimizer is
-the recipe's own with `foreach=True` (what a GPU run uses; fake tensors would not choose it), and the
+the recipe's own with its `optimizer.implementation`, or else `foreach=True` with a GPU's rules (what a GPU run uses;
+fake tensors would not choose it) and the CPU's own choice with the CPU's, and the
 step is the trainer's: a window of micro-batches, forward and backward under the recipe's precision,
 clipping, the optimizer step, `zero_grad(set_to_none=True)`. A warm-up step first creates the optimizer
 state; the measured step follows. With a `GpuKind`, attention, dropout and autocast run as CUDA runs
@@ -80,7 +81,8 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
         buffers = sum(rounded(b.untyped_storage().nbytes()) for b in model.buffers())
         with unset_fake_temporarily():  # bitsandbytes' 8-bit optimizers build their quantisation maps from values
             optimizer = build_optimizer(plan, model)  # (`.tolist()`): real, tiny (256 floats), made here
-        if recipe.optimizer.implementation is None:  # PyTorch's choice on a GPU; fake tensors would not make it
+        if recipe.optimizer.implementation is None and gpu is not None:  # PyTorch's choice on a GPU, which fake
+            # tensors would not make (with the CPU's rules, its own choice: one parameter at a time)
             for group in optimizer.param_groups:
                 if "foreach" in group:
                     group["foreach"] = True
