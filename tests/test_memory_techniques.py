@@ -1,6 +1,6 @@
-"""The chunked language-model loss (`model.loss_chunks`) and activation offloading (`model.offload_activations`):
-exact in a run (float64, the plain loop's weights), counted by the estimate and the cpu meter, offered when a
-micro-batch does not fit (issue 40, item 2)."""
+"""The chunked language-model loss (`model.loss_chunks`), activation offloading (`model.offload_activations`) and
+selective checkpointing (`model.selective_checkpointing`): exact in a run (float64, the plain loop's weights),
+counted by the estimate and the cpu meter, offered when a micro-batch does not fit (issue 40, item 2)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def trained(recipe: dict, micro_batch: int, folder) -> dict:
 
 
 @pytest.mark.parametrize("builtin", ["gpt", "gpt-char"])  # the built-in GPT (tied head), transformers' GPT-2
-@pytest.mark.parametrize("model", [{"loss_chunks": 3}, {"offload_activations": True}])
+@pytest.mark.parametrize("model", [{"loss_chunks": 3}, {"offload_activations": True},
+                                   {"activation_checkpointing": True, "selective_checkpointing": True}])
 def test_a_run_with_the_technique_gives_the_plain_loops_weights(builtin, model, tmp_path):
     """Accumulated micro-batches of 4 with the technique against the same run without, float64, dropout on (the
     same masks drawn): the same weights. The state dict keeps its names (the head stays where it was)."""
@@ -105,6 +106,8 @@ def test_the_does_not_fit_report_offers_both_with_their_cost(capsys, isolated, t
 
 
 @pytest.mark.parametrize("change, expected", [
+    ({"model": {"builtin": "gpt", "selective_checkpointing": True}},
+     r"model.selective_checkpointing: chooses what a checkpointed block keeps"),
     ({"task": "classification", "model": {"builtin": "mlp", "loss_chunks": 4}, "data": {"builtin": "digits"}},
      r"model.loss_chunks: chunks a language model's next-token loss \(task is classification\)"),
     ({"model": {"builtin": "gpt", "offload_activations": True},
@@ -124,3 +127,19 @@ def test_optimizer_in_backward_is_refused_on_the_command_line(capsys, isolated, 
     (tmp_path / "lm.yaml").write_text(yaml.safe_dump(recipe), encoding="utf-8")
     code, out, err = cli(capsys, "plan", "lm.yaml", "--micro-batch-max", "4")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "optimizer.in_backward" in err
+
+
+def test_selective_checkpointing_keeps_between_none_and_whole_blocks():
+    """A 4-layer GPT at 8 x 64 tokens (dropout on): whole-block checkpointing keeps the least, selective keeps the
+    blocks' matrix products too, no checkpointing the most; on real CPU tensors and on the estimate alike."""
+    results = []
+    for model in ({}, {"activation_checkpointing": True, "selective_checkpointing": True},
+                  {"activation_checkpointing": True}):
+        recipe = big_vocab(**model)
+        recipe["model"]["kwargs"].update(layers=4, dim=128, vocab_size=256, dropout=0.1)
+        workload = Workload(parse_recipe(recipe), None).prepare()
+        real = CpuMeter(workload, 512 * MiB, 0.1, time_steps=False).measure(8)
+        fake = EstimateMeter(workload, 512 * MiB, 0.1).measure(8)
+        results.append((real.peak_bytes, fake.parts["step"]["activations"]))
+    (plain, plain_fake), (selective, selective_fake), (whole, whole_fake) = results
+    assert plain > selective > whole and plain_fake > selective_fake > whole_fake

@@ -48,11 +48,12 @@ def memory_command(
 ) -> None:
     """How much memory one training step needs at micro-batch N: weights, gradients, optimizer state, activations,
     logits and loss, the optimizer step's temporaries; where the peak is; allocated, reserved and driver-level."""
+    given = str(recipe_path)  # as the user named it (a shipped recipe's name, or a file)
     recipe_path = recipe_argument(recipe_path)
     recipe = recipe_with_options(recipe_path, weights, None, value_of(quantize), None, 1, activation_checkpointing,
                                  False, None, None)
     options = probe_options(memory, gpu, meter, headroom, True)
-    answer = memory_at(recipe, micro_batch, options, str(recipe_path), sequence_length).to_json()
+    answer = memory_at(recipe, micro_batch, options, given, sequence_length).to_json()
     if as_json:
         print(json.dumps(answer, indent=2))
         return

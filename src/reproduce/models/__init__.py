@@ -63,7 +63,7 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     if spec.activation_checkpointing:  # before DDP and FSDP2 wrap it: they see the checkpointed blocks
         from .checkpointing import enable
 
-        enable(model, name)
+        enable(model, name, selective=spec.selective_checkpointing)
     if spec.loss_chunks:  # the head applied by the loss, chunk by chunk (train/chunked_loss.py)
         from .loss_head import defer_head
 

@@ -366,6 +366,11 @@ class Model(Builder):
         "weight it did not quantise (embeddings, output head, norms) to fp32 (true, peft's and Alpaca-LoRA's way); "
         "false keeps the embeddings and head in model.dtype and the norms in fp32, as QLoRA's qlora.py does",
     )
+    selective_checkpointing: bool = Field(
+        default=False, description="with activation_checkpointing: each block keeps what its matrix products and "
+        "attention return and recomputes only the ops between them (torchtitan's per-op policy; "
+        "models/checkpointing.py): more memory than whole blocks, less recomputation; exact",
+    )
     loss_chunks: int | None = Field(
         default=None, ge=2, description="language models: the output head and cross-entropy over this many chunks of "
         "tokens, each recomputed in backward, so the whole logits (and their fp32 copy) never exist at once "
@@ -405,6 +410,9 @@ class Model(Builder):
                              "lora: {r: ..., target_modules: [...]} so that adapters train on top of it")
         if self.double_quant is not None and self.quantize != "nf4":
             raise ValueError(f"double_quant: only for quantize: nf4 (quantize is {self.quantize})")
+        if self.selective_checkpointing and not self.activation_checkpointing:
+            raise ValueError("selective_checkpointing: chooses what a checkpointed block keeps; set "
+                             "activation_checkpointing: true (or --activation-checkpointing) with it")
         if not self.upcast_embeddings and self.quantize is None:
             raise ValueError("upcast_embeddings: only for a quantised base (model.quantize: int8 or nf4); without one "
                              "the embeddings and head stay in model.dtype already")
