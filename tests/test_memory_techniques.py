@@ -89,7 +89,7 @@ def test_offloading_shrinks_the_estimates_activations_and_not_a_cpus():
     assert results[True][1] < 0.4 * results[False][1]
 
 
-def test_the_does_not_fit_report_offers_both_with_their_cost(capsys, isolated, tmp_path):
+def test_the_does_not_fit_report_offers_each_with_its_cost(capsys, isolated, tmp_path):
     import yaml
 
     """Sequences of 1024 tokens over 4096 words: micro-batch 1 needs 106 MiB on the estimate, most of it the logits;
@@ -99,10 +99,12 @@ def test_the_does_not_fit_report_offers_both_with_their_cost(capsys, isolated, t
     (tmp_path / "lm.yaml").write_text(yaml.safe_dump(recipe), encoding="utf-8")
     code, out, err = cli(capsys, "probe", "lm.yaml", "--memory", "72MiB", "--headroom", "0")
     assert code == 3, err
-    lines = [line for line in err.splitlines() if "model.loss_chunks: 8" in line or "offload_activations" in line]
-    assert len(lines) == 2
+    lines = [line for line in err.splitlines() if any(
+        name in line for name in ("model.loss_chunks: 8", "offload_activations", "selective_checkpointing"))]
+    assert len(lines) == 3
     assert lines[0].startswith("  [fits] model.loss_chunks: 8") and "costs one more output-head matmul" in lines[0]
     assert "costs every saved activation copied" in lines[1]
+    assert "costs the ops between each block's matrix products recomputed" in lines[2]
 
 
 @pytest.mark.parametrize("change, expected", [

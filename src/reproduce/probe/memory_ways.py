@@ -31,6 +31,10 @@ CHUNKED_LOSS = {"model": {"loss_chunks": LOSS_CHUNKS}}
 OFFLOAD_ACTIVATIONS = {"model": {"offload_activations": True}}
 CHUNK_COST = f"one more output-head matmul in backward ({LOSS_CHUNKS} chunks, each recomputed)"
 OFFLOAD_ACTIVATIONS_COST = "every saved activation copied to CPU memory in forward and back in backward"
+SELECTIVE = {"model": {"activation_checkpointing": True, "selective_checkpointing": True}}
+SELECTIVE_COST = "the ops between each block's matrix products recomputed in backward (less than whole blocks)"
+KEPT_EMBEDDINGS = {"model": {"upcast_embeddings": False}}
+KEPT_EMBEDDINGS_COST = "the embeddings and head trained against in the model's dtype instead of fp32 (QLoRA's choice)"
 
 
 def merged(*changes: dict) -> dict:
@@ -126,7 +130,8 @@ def memory_ways_out(meter: Any, gpu: Any, first: Any, step: StepMemory, blocks: 
 
 
 def _techniques(meter: Any, gpu: Any, first: Any, activations: int) -> list[WayOut]:
-    """The chunked language-model loss and activation offloading, each a new trial of the changed recipe."""
+    """The chunked language-model loss, activation offloading, selective checkpointing and (under a quantised base)
+    the embeddings and head kept in the model's dtype: each a new trial of the changed recipe."""
     from ..train.losses import pretraining_loss
 
     recipe = meter.workload.recipe
@@ -135,6 +140,11 @@ def _techniques(meter: Any, gpu: Any, first: Any, activations: int) -> list[WayO
         offers.append((f"model.loss_chunks: {LOSS_CHUNKS}", CHUNKED_LOSS, CHUNK_COST))
     if not recipe.model.offload_activations and meter.name != "cpu":  # (on a CPU there is nowhere to offload to)
         offers.append(("model.offload_activations: true", OFFLOAD_ACTIVATIONS, OFFLOAD_ACTIVATIONS_COST))
+    if not recipe.model.activation_checkpointing:
+        offers.append(("--activation-checkpointing with model.selective_checkpointing: true", SELECTIVE,
+                       SELECTIVE_COST))
+    if recipe.model.quantize and recipe.model.upcast_embeddings and recipe.model.dtype != "fp32":
+        offers.append(("model.upcast_embeddings: false", KEPT_EMBEDDINGS, KEPT_EMBEDDINGS_COST))
     ways = []
     for what, change, cost in offers:
         trial = measure_change(meter, gpu, change)
