@@ -154,3 +154,20 @@ def test_bf16_adapters_need_bf16_compute():
     data["precision"] = "fp32"
     with pytest.raises(UserError, match=r"model.lora.dtype: bf16 adapters compute under precision: bf16, not fp32"):
         parse_recipe(data)
+
+
+def test_a_quantised_bf16_base_that_does_not_fit_is_offered_its_embeddings_in_bf16(capsys, isolated, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    import yaml
+
+    from helpers import cli
+
+    data = qlora_recipe()
+    data["model"]["kwargs"] = {**TINY_LLAMA, "vocab_size": 4096, "hidden_size": 256}
+    data["batch"] = {"effective": 16, "sequence_length": 32}
+    data["data"] = {"name": "synthetic", "available": False, "train_size": 1000}
+    (tmp_path / "q.yaml").write_text(yaml.safe_dump(data), encoding="utf-8")
+    code, out, err = cli(capsys, "probe", "q.yaml", "--memory", "41MiB", "--headroom", "0")
+    assert code == 3, err
+    offered = [line for line in err.splitlines() if "model.upcast_embeddings: false" in line]
+    assert len(offered) == 1 and "costs the frozen embeddings and head computed in the model's dtype" in offered[0]

@@ -34,7 +34,7 @@ OFFLOAD_ACTIVATIONS_COST = "every saved activation copied to CPU memory in forwa
 SELECTIVE = {"model": {"activation_checkpointing": True, "selective_checkpointing": True}}
 SELECTIVE_COST = "the ops between each block's matrix products recomputed in backward (less than whole blocks)"
 KEPT_EMBEDDINGS = {"model": {"upcast_embeddings": False}}
-KEPT_EMBEDDINGS_COST = "the embeddings and head trained against in the model's dtype instead of fp32 (QLoRA's choice)"
+KEPT_EMBEDDINGS_COST = "the frozen embeddings and head computed in the model's dtype instead of fp32 (QLoRA's choice)"
 
 
 def merged(*changes: dict) -> dict:
