@@ -145,3 +145,15 @@ def test_selective_checkpointing_keeps_between_none_and_whole_blocks():
         results.append((real.peak_bytes, fake.parts["step"]["activations"]))
     (plain, plain_fake), (selective, selective_fake), (whole, whole_fake) = results
     assert plain > selective > whole and plain_fake > selective_fake > whole_fake
+
+
+def test_the_plan_states_each_technique():
+    from reproduce.plan.memory_options import memory_summary
+
+    recipe = lm_recipe(activation_checkpointing=True, selective_checkpointing=True, loss_chunks=4,
+                       offload_activations=True)
+    recipe["optimizer"]["implementation"] = "fused"
+    summary = " ".join(memory_summary(parse_recipe(recipe)))
+    for phrase in ("selective activation checkpointing", "chunked loss (the output head and cross-entropy over 4 "
+                   "chunks", "activation offloading", "optimizer kernels: fused"):
+        assert phrase in summary
