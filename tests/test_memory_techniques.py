@@ -157,3 +157,14 @@ def test_the_plan_states_each_technique():
     for phrase in ("selective activation checkpointing", "chunked loss (the output head and cross-entropy over 4 "
                    "chunks", "activation offloading", "optimizer kernels: fused"):
         assert phrase in summary
+
+
+def test_a_chunked_loss_on_a_model_with_its_own_pretraining_loss_is_one_line():
+    from reproduce.models import build_model
+    from reproduce.plan.recipe import load_recipe
+
+    data = load_recipe("papers/pysource-bert.yaml").model_dump(mode="json", exclude_unset=True)
+    data["model"]["loss_chunks"] = 4
+    with torch.device("meta"), pytest.raises(UserError, match=r"model.loss_chunks: bert-base trains with its own "
+                                                                r"pre-training loss"):
+        build_model(parse_recipe(data), {"vocab_size": 200})

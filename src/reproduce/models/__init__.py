@@ -67,6 +67,10 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     if spec.loss_chunks:  # the head applied by the loss, chunk by chunk (train/chunked_loss.py)
         from .loss_head import defer_head
 
+        if model_inputs(recipe).get("targets") == "mlm-nsp":
+            raise UserError(f"model.loss_chunks: {name} trains with its own pre-training loss (masked LM and next "
+                            "sentence), which the chunked next-token loss does not replace; leave loss_chunks out")
+
         defer_head(model, name)
     if spec.offload_activations:
         from .offload import offload_activations
