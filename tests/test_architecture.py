@@ -179,7 +179,7 @@ def test_no_test_module_imports_another(path):
 
 
 # cli/<name>.py, one typer command each
-COMMANDS = {"check", "papers", "plan", "probe", "run", "verify", "report", "evaluate"}
+COMMANDS = {"check", "evaluate", "memory", "papers", "plan", "probe", "run", "verify", "report"}
 
 
 @functools.cache

@@ -438,7 +438,7 @@ CASES = [
     Case(
         "lora-unknown-key",
         mutate({"model.lora": {"rank": 4, "target_modules": ["fc"]}}),
-        ["error: {path}: model.lora.rank: unknown key (known: r, alpha, dropout, target_modules)"],
+        ["error: {path}: model.lora.rank: unknown key (known: r, alpha, dropout, target_modules, dtype)"],
         lines=2,  # and r is missing
     ),
     Case(

@@ -79,4 +79,6 @@ def test_qlora_guanaco_7b_four_per_device_fit_a_48_gb_card():
     assert recipe.model.quantize == "nf4" and recipe.optimizer.paged and recipe.model.activation_checkpointing
     trial = paper_trial("dettmers2023-qlora-guanaco-7b")
     assert trial.fits and trial.peak_bytes < 16 * 2**30
-    assert 4.5e9 < trial.parts["step"]["weights"] < 5.5e9  # nf4 linear layers, fp32 embeddings, head, adapters
+    # nf4 linear layers (3.24e9 with their scales), the embeddings and head kept in bf16 (0.52e9) and the bf16
+    # adapters (0.32e9): qlora.py's choices, which the recipe states (upcast_embeddings: false, lora.dtype: bf16)
+    assert 3.9e9 < trial.parts["step"]["weights"] < 4.5e9

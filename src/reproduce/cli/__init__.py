@@ -10,6 +10,7 @@ from typer.exceptions import TyperException
 from ..errors import DoesNotFit, Interrupted, TrainingStopped, UserError
 from . import check as _check  # noqa: F401
 from . import evaluate as _evaluate  # noqa: F401
+from . import memory as _memory  # noqa: F401
 from . import papers as _papers  # noqa: F401
 from . import plan as _plan  # noqa: F401  (registers the command)
 from . import probe as _probe  # noqa: F401

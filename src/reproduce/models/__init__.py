@@ -68,7 +68,19 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     if spec.activation_checkpointing:  # before DDP and FSDP2 wrap it: they see the checkpointed blocks
         from .checkpointing import enable
 
-        enable(model, name)
+        enable(model, name, selective=spec.selective_checkpointing)
+    if spec.loss_chunks:  # the head applied by the loss, chunk by chunk (train/chunked_loss.py)
+        from .loss_head import defer_head
+
+        if model_inputs(recipe).get("targets") == "mlm-nsp":
+            raise UserError(f"model.loss_chunks: {name} trains with its own pre-training loss (masked LM and next "
+                            "sentence), which the chunked next-token loss does not replace; leave loss_chunks out")
+
+        defer_head(model, name)
+    if spec.offload_activations:
+        from .offload import offload_activations
+
+        model = offload_activations(model)
     return model
 
 

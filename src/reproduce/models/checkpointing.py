@@ -42,18 +42,22 @@ WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 HF_KWARGS = {"use_reentrant": False, "context_fn": lambda: contexts()}
 
 
-def enable(model: nn.Module, name: str) -> int:
+def enable(model: nn.Module, name: str, selective: bool = False) -> int:
     """Checkpoint `model` per block (see the module's notes); the number of blocks checkpointed.
 
-    `name` is how the recipe names the model, for the one-line error when it has nothing to checkpoint."""
+    `name` is how the recipe names the model, for the one-line error when it has nothing to checkpoint. `selective`:
+    the blocks keep their matrix products' outputs and recompute only the ops between them (`SAVED_OPS`)."""
     pretrained = _transformers_models(model)
+    kwargs = {**HF_KWARGS, "context_fn": lambda: contexts(selective=True)} if selective else HF_KWARGS
+    for module in model.modules():
+        module.selective_checkpoint = selective
     if pretrained:
         count = 0
         for inner in pretrained:
             if hasattr(inner, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-                inner.activation_checkpointing_enable(activation_checkpointing_kwargs=HF_KWARGS)
+                inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
-                inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=HF_KWARGS)
+                inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
             count += sum(1 for m in inner.modules() if getattr(m, "gradient_checkpointing", False))
         if count:
             return count
@@ -164,11 +168,30 @@ def _recomputing(module: nn.Module) -> Iterator[None]:
                     norm.num_batches_tracked.copy_(count)
 
 
-def contexts(module: nn.Module | None = None) -> tuple[contextlib.AbstractContextManager, ...]:
+def _matmuls_saved(ctx, op, *args, **kwargs):
+    """Selective checkpointing's policy (torchtitan's per-op one): keep what the matrix products and attention
+    kernels return, recompute the cheap ops between them (norms, activations, dropout, residual adds)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def saved_ops() -> set:
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    return {getattr(aten, name).default for name in names if hasattr(aten, name)}
+
+
+def contexts(module: nn.Module | None = None, selective: bool = False
+             ) -> tuple[contextlib.AbstractContextManager, ...]:
     """`checkpoint`'s context_fn: nothing around the forward; around the recomputation, BatchNorm kept as forward
     left it (`module`'s) and the torch function modes the forward ran under (backward runs without them: the
-    estimate meter's CUDA attention rules, probe/gpu_like.py, must choose the same kernels in the recomputation)."""
+    estimate meter's CUDA attention rules, probe/gpu_like.py, must choose the same kernels in the recomputation).
+    `selective` (or the module's `selective_checkpoint`): PyTorch's selective checkpointing contexts around both,
+    with the policy `_matmuls_saved`."""
     modes = list(torch.overrides._get_current_function_mode_stack())
+    selective = selective or bool(getattr(module, "selective_checkpoint", False))
 
     @contextlib.contextmanager
     def recomputing() -> Iterator[None]:
@@ -179,9 +202,16 @@ def contexts(module: nn.Module | None = None) -> tuple[contextlib.AbstractContex
                     stack.enter_context(mode)
             if module is not None:
                 stack.enter_context(_recomputing(module))
+            if selective:
+                stack.enter_context(recompute_ops)
             yield
 
-    return contextlib.nullcontext(), recomputing()
+    if not selective:
+        return contextlib.nullcontext(), recomputing()
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    forward_ops, recompute_ops = create_selective_checkpoint_contexts(_matmuls_saved)
+    return forward_ops, recomputing()
 
 
 def _run(module: nn.Module, function, *args, **kwargs):

@@ -86,7 +86,9 @@ def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overr
         if on_meta():
             config, unused = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True,
                                                                      return_unused_kwargs=True, **overrides)
-            return auto.from_config(config, **unused)
+            # in the dtype the run loads it in (config.json's torch_dtype would otherwise decide on meta: a bf16
+            # folder built in bf16 for an fp32 run halves the estimate's weights, gradients and states)
+            return auto.from_config(config, **from_pretrained_kwargs(recipe), **unused)
         with warnings.catch_warnings(), quiet(transformers):
             warnings.simplefilter("ignore", UserWarning)
             # tensors of another shape are loaded as initialised and listed in `info`: refused below in one line

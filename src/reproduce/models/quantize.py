@@ -3,9 +3,10 @@
 The settings are transformers' `BitsAndBytesConfig`, as a user of `from_pretrained(quantization_config=...)` writes
 them: int8 is `load_in_8bit` (LLM.int8(), Dettmers et al. 2022, arXiv 2208.07339: 1 byte a weight and one fp32 scale
 per output row; its default outlier threshold 6.0); nf4 is `load_in_4bit` with `bnb_4bit_quant_type="nf4"` and
-`bnb_4bit_use_double_quant=True` (QLoRA, Dettmers et al. 2023, arXiv 2305.14314: 4-bit NormalFloat in blocks of 64,
-whose absmax scales are themselves quantised to 8 bits in blocks of 256) and the recipe's precision as
-`bnb_4bit_compute_dtype` (transformers' defaults would be fp4 and float32). Both set explicitly.
+`bnb_4bit_use_double_quant` from `model.double_quant`, true unless the recipe says false (QLoRA, Dettmers et al.
+2023, arXiv 2305.14314: 4-bit NormalFloat in blocks of 64, whose absmax scales are themselves quantised to 8 bits in
+blocks of 256) and the recipe's precision as `bnb_4bit_compute_dtype` (transformers' defaults would be fp4 and
+float32, and no double quantisation). All set explicitly.
 
 How the model is quantised: in memory, the way `from_pretrained` does it, without writing the model to disk.
 transformers' `replace_with_bnb_linear` swaps each `nn.Linear` (and GPT-2's `Conv1D`) but the output head for a
@@ -15,7 +16,8 @@ serves a built-in from its config (random weights), a factory's model and weight
 device (the estimate meter) gives the packed weights' true sizes with no data. Saving a random model to a temporary
 folder to read it back through from_pretrained would cost a disk copy of the whole model (13 GB for LLaMA-7B in
 fp16) for the same layers. Then peft's `prepare_model_for_kbit_training` (every base weight frozen, the weights left
-in fp16/bf16 cast to fp32, as Alpaca-LoRA and QLoRA train) and, in `weights.adapt`, peft's LoRA, which puts its
+in fp16/bf16 cast to fp32, as Alpaca-LoRA trains; with `model.upcast_embeddings: false` the embeddings and head go
+back to the model's dtype, as QLoRA's qlora.py does) and, in `weights.adapt`, peft's LoRA, which puts its
 bitsandbytes adapter layers on the quantised ones. Its gradient checkpointing is not used: the recipe's
 `activation_checkpointing` applies (models/checkpointing.py, non-reentrant).
 
@@ -78,7 +80,7 @@ def quantization_config(recipe: Recipe) -> Any:
     if recipe.model.quantize == "int8":
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0, llm_int8_has_fp16_weight=False)
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quantised(recipe),
         bnb_4bit_compute_dtype=COMPUTE_DTYPES[recipe.precision], bnb_4bit_quant_storage=torch.uint8,
     )
 
@@ -125,7 +127,8 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
             param = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
         else:
             param = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", blocksize=NF4_BLOCK,
-                                      compress_statistics=True, quant_storage=torch.uint8, module=new)
+                                      compress_statistics=double_quantised(recipe), quant_storage=torch.uint8,
+                                      module=new)
         # `.to(device)` quantises (what from_pretrained does); on meta it would not, and `_quantize` gives the
         # packed tensors' shapes and dtypes without data (bitsandbytes registers meta kernels for its ops)
         new.weight = param._quantize(weight.device) if weight.is_meta else param.to(weight.device)
@@ -143,7 +146,17 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename notice
-        return peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if not recipe.model.upcast_embeddings:  # QLoRA's qlora.py: embeddings and head back in the model's dtype
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Embedding) or name in skip:
+                module.to(COMPUTE_DTYPES[recipe.model.dtype])
+    return model
+
+
+def double_quantised(recipe: Recipe) -> bool:
+    """nf4's absmax scales quantised again (model.double_quant; true unless the recipe says false)."""
+    return recipe.model.double_quant is not False
 
 
 def _real_dynamic_map(bnb: Any) -> None:

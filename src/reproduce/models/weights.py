@@ -5,7 +5,8 @@ transformers model gets the dtypes `from_pretrained(..., dtype=...)` gives it (`
 dtype but those its class keeps in float32 (`_keep_in_fp32_modules`), its buffers as the class builds them: the
 rotary embedding's `inv_freq` stays float32 (`model.to(bf16)` would round it: an angle error of about 2.5 rad at
 position 2047 for LLaMA-7B's frequencies), BERT's position ids int64. Any other model is cast whole (`model.to`);
-`model.lora` freezes them and adds low-rank adapters (peft's `get_peft_model`), which peft keeps in float32;
+`model.lora` freezes them and adds low-rank adapters (peft's `get_peft_model`), which peft keeps in float32
+(`model.lora.dtype: bf16` casts them, as QLoRA does);
 `model.quantize` stores the frozen linear layers in int8 or nf4 first (models/quantize.py).
 The optimizer sees only what trains (`train/optim.py` takes parameters that require a gradient).
 """
@@ -59,7 +60,9 @@ def in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 def place(model: nn.Module, recipe: Recipe, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The model on `device`, in `dtype`; weights the recipe stores in bf16/fp16 stay so when the run computes in
     float32 (its default), and only a run in another dtype (float64: verify, the equivalence tests) casts them all."""
-    if recipe.model.dtype != "fp32" and dtype == torch.float32:
+    spec = recipe.model
+    stored = spec.dtype != "fp32" or (spec.lora is not None and spec.lora.dtype != "fp32")
+    if stored and dtype == torch.float32:
         return model.to(device=device)
     return model.to(device=device, dtype=dtype)
 
@@ -101,6 +104,11 @@ def with_lora(model: nn.Module, lora: Lora, model_name: str) -> nn.Module:
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", FutureWarning)
         try:
-            return peft.get_peft_model(model, config)
+            model = peft.get_peft_model(model, config)
         except ValueError as exc:  # a target of a kind LoRA cannot adapt
             raise UserError(f"model.lora.target_modules: {exc}") from None
+    if lora.dtype != "fp32":  # peft keeps adapters in fp32; QLoRA casts them to bf16
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.data = param.data.to(TORCH_DTYPES[lora.dtype])
+    return model

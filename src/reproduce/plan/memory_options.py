@@ -103,8 +103,19 @@ def memory_summary(recipe: Recipe) -> list[str]:
         paged = ", paged (its state in CUDA unified memory, paged to the CPU when the GPU runs short)" if (
             optimizer.paged) else ""
         parts.append(f"bitsandbytes {optimizer.name} of {state}{paged}")
-    if recipe.model.activation_checkpointing:
+    if recipe.model.activation_checkpointing and recipe.model.selective_checkpointing:
+        parts.append("selective activation checkpointing (each block keeps its matrix products; the ops between "
+                     "them recomputed in backward)")
+    elif recipe.model.activation_checkpointing:
         parts.append("activation checkpointing (each block recomputed in backward: about a third more compute)")
+    if recipe.model.loss_chunks:
+        parts.append(f"chunked loss (the output head and cross-entropy over {recipe.model.loss_chunks} chunks of "
+                     "tokens, each recomputed in backward)")
+    if recipe.model.offload_activations:
+        parts.append("activation offloading (saved activations in CPU memory between forward and backward)")
+    optimizer = recipe.optimizer
+    if optimizer.implementation is not None:
+        parts.append(f"optimizer kernels: {optimizer.implementation}")
     if recipe.batch.sharding == "fsdp" and recipe.batch.sharded_gradients:
         parts.append("sharded gradients (one reduce-scatter per micro-batch instead of per optimizer step)")
     if recipe.batch.sharding == "fsdp" and recipe.batch.offload == "cpu":

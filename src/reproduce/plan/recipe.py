@@ -22,6 +22,8 @@ SEGMENTATION_MODELS = ("deeplabv3-resnet50", "deeplabv3-resnet101", "fcn-resnet5
 OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lamb", "lars", "adafactor")
 SGD_FAMILY = ("sgd", "nesterov", "lars")
 ADAM_FAMILY = ("adam", "adamw", "lamb", "adafactor")
+OPTIMIZER_IMPLEMENTATIONS = ("foreach", "fused", "for-loop")
+IMPLEMENTED_BY_TORCH = ("sgd", "nesterov", "adam", "adamw", "adafactor")
 NORM_LAYERS = ("batchnorm", "layernorm", "rmsnorm", "groupnorm", "none")
 BATCHNORM_CHOICES = MODES  # model.batchnorm: keep | sync | frozen | group (plan/batchnorm.py)
 LENGTH_UNITS = ("steps", "epochs", "samples", "tokens")
@@ -325,6 +327,10 @@ class Lora(Strict):
     target_modules: Annotated[Names[str], Field(min_length=1)] = Field(
         description="names (or name endings) of the modules to adapt, e.g. [q_proj, v_proj]"
     )
+    dtype: Literal["fp32", "bf16"] = Field(
+        default="fp32", description="the adapters' weights (and so their gradients and optimizer state): fp32, "
+        "peft's default; bf16 as QLoRA's qlora.py casts them under --bf16",
+    )
 
     @property
     def lora_alpha(self) -> float:
@@ -383,6 +389,31 @@ class Model(Builder):
         "al. 2022) or 4 bits (nf4 with double quantisation: QLoRA, Dettmers et al. 2023) through bitsandbytes; "
         "needs lora (only the adapters train)",
     )
+    double_quant: bool | None = Field(
+        default=None, description="quantize nf4: quantise the 4-bit blocks' absmax scales again, to 8 bits in blocks "
+        "of 256 (QLoRA's --double_quant; about 0.37 bits a weight less); default true. BitsAndBytesConfig's own "
+        "default is false",
+    )
+    upcast_embeddings: bool = Field(
+        default=True, description="under a quantised base: peft's prepare_model_for_kbit_training casts every "
+        "weight it did not quantise (embeddings, output head, norms) to fp32 (true, peft's and Alpaca-LoRA's way); "
+        "false keeps the embeddings and head in model.dtype and the norms in fp32, as QLoRA's qlora.py does",
+    )
+    selective_checkpointing: bool = Field(
+        default=False, description="with activation_checkpointing: each block keeps what its matrix products and "
+        "attention return and recomputes only the ops between them (torchtitan's per-op policy; "
+        "models/checkpointing.py): more memory than whole blocks, less recomputation; exact",
+    )
+    loss_chunks: int | None = Field(
+        default=None, ge=2, description="language models: the output head and cross-entropy over this many chunks of "
+        "tokens, each recomputed in backward, so the whole logits (and their fp32 copy) never exist at once "
+        "(train/chunked_loss.py; torchtune's CEWithChunkedOutputLoss uses 8); exact",
+    )
+    offload_activations: bool = Field(
+        default=False, description="copy what the model's forward saves for backward to CPU memory, and back when "
+        "backward needs it (models/offload.py; torch.autograd.graph.saved_tensors_hooks, as save_on_cpu); exact, "
+        "slower steps",
+    )
     activation_checkpointing: bool = Field(
         default=False, description="recompute each block's activations in backward instead of keeping them "
         "(models/checkpointing.py): less memory, about a third more compute",
@@ -410,6 +441,14 @@ class Model(Builder):
         if self.quantize is not None and self.lora is None:
             raise ValueError(f"quantize: an {self.quantize} base cannot train (its weights are frozen integers); add "
                              "lora: {r: ..., target_modules: [...]} so that adapters train on top of it")
+        if self.double_quant is not None and self.quantize != "nf4":
+            raise ValueError(f"double_quant: only for quantize: nf4 (quantize is {self.quantize})")
+        if self.selective_checkpointing and not self.activation_checkpointing:
+            raise ValueError("selective_checkpointing: chooses what a checkpointed block keeps; set "
+                             "activation_checkpointing: true (or --activation-checkpointing) with it")
+        if not self.upcast_embeddings and self.quantize is None:
+            raise ValueError("upcast_embeddings: only for a quantised base (model.quantize: int8 or nf4); without one "
+                             "the embeddings and head stay in model.dtype already")
         segmentation = ", ".join(SEGMENTATION_MODELS)
         if self.output_stride is not None and self.builtin not in SEGMENTATION_MODELS:
             raise ValueError(f"output_stride: only for the segmentation built-ins ({segmentation}); give your own "
@@ -643,6 +682,16 @@ class Optimizer(Strict):
         default=False, description="adam/adamw: bitsandbytes' paged optimizer (QLoRA's paged_adamw_32bit): its state "
         "in CUDA unified memory, paged out to the CPU when the GPU runs short instead of running out of memory",
     )
+    implementation: Literal[OPTIMIZER_IMPLEMENTATIONS] | None = Field(  # type: ignore[valid-type]
+        default=None, description="torch.optim's kernels (sgd, nesterov, adam, adamw, adafactor): foreach (one "
+        "kernel over a list of tensors: temporaries the size of all the parameters), fused (one kernel per "
+        "parameter group, no such temporaries; adam, adamw, sgd) or for-loop (one parameter at a time); default: "
+        "PyTorch's choice, foreach on CUDA, for-loop on a CPU",
+    )
+    in_backward: bool = Field(
+        default=False, description="step the optimizer inside backward, each parameter as its gradient is made "
+        "(torchtune's optimizer_in_bwd): not with gradient accumulation, refused",
+    )
 
     @model_validator(mode="after")
     def _betas(self) -> Optimizer:
@@ -653,6 +702,20 @@ class Optimizer(Strict):
             raise ValueError("momentum: nesterov needs momentum > 0")
         if self.trust_coefficient is not None and self.name != "lars":
             raise ValueError(f"trust_coefficient: only used by lars (name is {self.name})")
+        if self.in_backward:
+            raise ValueError(
+                "in_backward: an optimizer stepped in backward frees each gradient as soon as it is made, and "
+                "accumulation needs every micro-batch's gradients held until the window ends: the two cannot be "
+                "exact together; leave in_backward out (activation checkpointing, a chunked loss or offloading save "
+                "memory and keep the accumulation exact)")
+        if self.implementation is not None and self.name not in IMPLEMENTED_BY_TORCH:
+            raise ValueError(f"implementation: only for torch.optim's {', '.join(IMPLEMENTED_BY_TORCH)} "
+                             f"(name is {self.name}, whose step is train/large_batch.py's own)")
+        if self.implementation == "fused" and self.name not in ("sgd", "nesterov", "adam", "adamw"):
+            raise ValueError(f"implementation: fused: torch.optim has no fused {self.name} (fused: adam, adamw, sgd)")
+        if self.implementation is not None and self.bitsandbytes:
+            raise ValueError("implementation: bitsandbytes' paged and 8-bit optimizers step with their own kernels "
+                             "(one parameter at a time); leave implementation out")
         if (self.paged or self.state_bits != 32) and self.name not in ("adam", "adamw"):
             field = "paged" if self.paged else "state_bits"
             raise ValueError(f"{field}: bitsandbytes' paged and 8-bit optimizers are adam and adamw (name is "
@@ -878,9 +941,17 @@ class Recipe(Strict):
                 f"{self.precision}" + (" (fp16 autocast would keep an fp16 copy of every bf16 weight for the backward)"
                                        if self.precision == "fp16" else "")
             )
+        if self.model.loss_chunks and self.task != "language-modeling":
+            raise ValueError(f"model.loss_chunks: chunks a language model's next-token loss (task is {self.task})")
+        for name in ("loss_chunks", "offload_activations"):
+            if getattr(self.model, name) and self.batch.sharding == "fsdp":
+                raise ValueError(f"model.{name}: not with batch.sharding: fsdp here (FSDP2 shards the head's weight "
+                                 "outside its forward, and the offload hooks are untested under it); use DDP")
         if self.model.quantize is not None and self.batch.sharding == "fsdp":
             raise ValueError(f"model.quantize: an {self.model.quantize} base is not sharded with fsdp here (FSDP2 "
                              "cannot shard bitsandbytes' packed weights); use batch.sharding: none")
+        if self.model.lora is not None and self.model.lora.dtype == "bf16" and self.precision != "bf16":
+            raise ValueError(f"model.lora.dtype: bf16 adapters compute under precision: bf16, not {self.precision}")
         if weights == "fp16" and self.model.lora is None:
             raise ValueError(
                 "model.dtype: fp16 weights can only stay frozen under model.lora (a GradScaler cannot unscale fp16 "

@@ -1,7 +1,8 @@
 """One training step on fake tensors, its memory counted by category: what the estimate meter measures.
 
 The model is built on `meta` and materialised inside `FakeTensorMode` (no real memory), the optimizer is
-the recipe's own with `foreach=True` (what a GPU run uses; fake tensors would not choose it), and the
+the recipe's own with its `optimizer.implementation`, or else `foreach=True` with a GPU's rules (what a GPU run uses;
+fake tensors would not choose it) and the CPU's own choice with the CPU's, and the
 step is the trainer's: a window of micro-batches, forward and backward under the recipe's precision,
 clipping, the optimizer step, `zero_grad(set_to_none=True)`. A warm-up step first creates the optimizer
 state; the measured step follows. With a `GpuKind`, attention, dropout and autocast run as CUDA runs
@@ -28,6 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from ..models import build_model
+from ..models.offload import host
 from ..plan.planner import Plan
 from ..train.losses import build_loss
 from ..train.optim import build_optimizer
@@ -46,6 +48,10 @@ class FakeStepResult:
     step: StepMemory
     compute_bytes: int  # bytes per element of the compute dtype (what FSDP gathers parameters in)
     kernels: dict[str, int] = field(default_factory=dict)  # attention calls by the kernel counted
+    peak_stage: str = "forward"  # forward, backward or optimizer step: where `peak` was reached
+    loss_bytes: int = 0  # the most the logits and the loss computed from them held at once (part of activations)
+    paged_bytes: int = 0  # optimizer state in bitsandbytes' paged (CUDA unified) memory: outside PyTorch's allocator
+    optimizer: str = ""  # the optimizer's class and kernels, as the step ran it
 
 
 def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind | None,
@@ -56,7 +62,7 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
     recipe's bf16/fp16 precision comes from the parameters' own dtype instead (FSDP's mixed precision, which
     `reproduce run` uses without autocast).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     recipe = plan.recipe
     if model is None:
@@ -65,22 +71,27 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
     tracker = MemoryTracker()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     semantics = as_on_gpu(gpu) if gpu is not None else contextlib.nullcontext()
+    # offloaded activations leave the (stand-in) GPU: for the meta device, as a GPU's go to CPU memory
+    offloaded_to = host("meta") if gpu is not None else contextlib.nullcontext()
     hooks = []
-    with unpacked_sequences(), fake, tracker, semantics as kernels:
+    with unpacked_sequences(), fake, tracker, semantics as kernels, offloaded_to:
         tracker.phase = WEIGHTS
         materialize(model, torch.device("cpu"))
         tracker.phase = ACTIVATIONS
         buffers = sum(rounded(b.untyped_storage().nbytes()) for b in model.buffers())
-        optimizer = build_optimizer(plan, model)
-        for group in optimizer.param_groups:
-            if "foreach" in group:
-                group["foreach"] = True  # what a GPU run does; fake tensors would not choose it
+        with unset_fake_temporarily():  # bitsandbytes' 8-bit optimizers build their quantisation maps from values
+            optimizer = build_optimizer(plan, model)  # (`.tolist()`): real, tiny (256 floats), made here
+        if recipe.optimizer.implementation is None and gpu is not None:  # PyTorch's choice on a GPU, which fake
+            # tensors would not make (with the CPU's rules, its own choice: one parameter at a time)
+            for group in optimizer.param_groups:
+                if "foreach" in group:
+                    group["foreach"] = True
         for param in model.parameters():
             if param.requires_grad:
                 hooks.append(param.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], GRADIENTS)))
         fake_window = tree_map_only(torch.Tensor, fake.from_tensor, window)
         tracker.charge(fake_window, ACTIVATIONS)
-        loss = build_loss(recipe)
+        loss = build_loss(recipe, model)
         for step in range(1 + MEASURED_STEPS):
             if step == 1:
                 tracker.reset_peak()
@@ -88,6 +99,7 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
             fake_step(model, optimizer, loss, fake_window, precision, recipe.clip_grad_norm, tracker)
             if step == 0:
                 tracker.retag(_state_tensors(optimizer), OPTIMIZER)
+                paged = paged_bytes(optimizer) if recipe.optimizer.paged else 0
         for hook in hooks:
             hook.remove()
         memory = StepMemory(
@@ -105,7 +117,32 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
         )
         compute = _compute_bytes(model, recipe.precision)
     at_peak = {name: size for name, size in tracker.peak_by.items() if size}
-    return FakeStepResult(tracker.peak, at_peak, memory, compute, dict(getattr(kernels, "kernels", {}) or {}))
+    return FakeStepResult(tracker.peak, at_peak, memory, compute, dict(getattr(kernels, "kernels", {}) or {}),
+                          peak_stage=tracker.peak_stage, loss_bytes=tracker.marked_most, paged_bytes=paged,
+                          optimizer=optimizer_kernels(optimizer))
+
+
+PAGED_MIN = 100_000  # bitsandbytes pages the state of tensors of at least 1e5 elements (`get_state_buffer`)
+
+
+def paged_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The state a bitsandbytes paged optimizer keeps in CUDA unified memory (cudaMallocManaged, which PyTorch's
+    allocator never sees): each moment of a parameter of at least 1e5 elements."""
+    return sum(rounded(value.untyped_storage().nbytes()) for param, state in optimizer.state.items()
+               if param.numel() >= PAGED_MIN for value in state.values()
+               if isinstance(value, torch.Tensor) and value.numel() == param.numel())
+
+
+def optimizer_kernels(optimizer: torch.optim.Optimizer) -> str:
+    """Which optimizer stepped and how: torch.optim's foreach, fused or one parameter at a time, or bitsandbytes'."""
+    kind = type(optimizer)
+    if not kind.__module__.startswith("torch.optim"):
+        return f"{kind.__module__.split('.')[0]} {kind.__name__} (its own kernels, one parameter at a time)"
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    how = ("fused (one kernel a parameter group; no temporaries the size of the parameters)" if group.get("fused")
+           else "foreach (temporaries the size of every parameter at once)" if group.get("foreach")
+           else "for-loop (one parameter at a time)")
+    return f"torch.optim.{kind.__name__}, {how}"
 
 
 @contextlib.contextmanager
@@ -167,7 +204,14 @@ def fake_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, 
         if precision != "fp32":
             autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
         with autocast:
-            loss = loss_fn(model(inputs), target) / max(1, count)
+            output = model(inputs)
+            if tracker is not None:  # the logits and what the loss computes from them, counted apart too
+                tracker.mark([output])
+                tracker.marking = True
+            loss = loss_fn(output, target) / max(1, count)
+            if tracker is not None:
+                tracker.marking = False
+            output = None
         loss.backward()
     if tracker is not None:
         tracker.phase = STEP

@@ -66,7 +66,7 @@ def count_flops(recipe, data_info: dict | None, batch: tuple, capability: tuple[
         materialize(model, torch.device("cpu"))
         model.train()
         inputs, targets = tree_map_only(torch.Tensor, fake.from_tensor, batch)
-        loss_fn = build_loss(recipe)
+        loss_fn = build_loss(recipe, model)
         with counter:
             loss = loss_fn(model(inputs), targets)
             loss.backward()

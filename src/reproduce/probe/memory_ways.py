@@ -1,4 +1,5 @@
-"""The "does not fit" report's memory knobs: activation checkpointing, sharded gradients, CPU offload, combined.
+"""The "does not fit" report's memory knobs: activation checkpointing, sharded gradients, CPU offload, combined;
+and, on one process, the chunked language-model loss and activation offloading (new trials of the changed recipe).
 
 Each is computed for micro-batch 1 on the user's own configuration (budget, meter, sharding, world size,
 precision): checkpointing changes the step itself, so it is a new trial of the changed recipe (the estimate
@@ -25,6 +26,15 @@ REDUCE_COST = "one reduce-scatter per micro-batch instead of one per optimizer s
 OFFLOAD_COST = ("each unit copied to the device in every forward and backward and the optimizer stepping on the "
                 "CPU (much slower steps)")
 PLANNED_KNOBS = {("model", "activation_checkpointing"), ("batch", "sharded_gradients")}
+LOSS_CHUNKS = 8  # torchtune's CEWithChunkedOutputLoss
+CHUNKED_LOSS = {"model": {"loss_chunks": LOSS_CHUNKS}}
+OFFLOAD_ACTIVATIONS = {"model": {"offload_activations": True}}
+CHUNK_COST = f"one more output-head matmul in backward ({LOSS_CHUNKS} chunks, each recomputed)"
+OFFLOAD_ACTIVATIONS_COST = "every saved activation copied to CPU memory in forward and back in backward"
+SELECTIVE = {"model": {"activation_checkpointing": True, "selective_checkpointing": True}}
+SELECTIVE_COST = "the ops between each block's matrix products recomputed in backward (less than whole blocks)"
+KEPT_EMBEDDINGS = {"model": {"upcast_embeddings": False}}
+KEPT_EMBEDDINGS_COST = "the frozen embeddings and head computed in the model's dtype instead of fp32 (QLoRA's choice)"
 
 
 def merged(*changes: dict) -> dict:
@@ -111,9 +121,42 @@ def memory_ways_out(meter: Any, gpu: Any, first: Any, step: StepMemory, blocks: 
                                REDUCE_COST))
     if sharded and not has_offload:
         ways.append(arithmetic(rank, {}, "--offload cpu (batch.offload: cpu)", False, True, OFFLOAD_COST))
+    if not sharded:  # (neither is taken under FSDP here)
+        ways.extend(_techniques(meter, gpu, first, activations))
     if not recipe.model.activation_checkpointing:
         ways.extend(_checkpointing(meter, gpu, first, activations, decide, tensor_limit, sharded, accumulates,
                                    has_sg, has_offload, arithmetic))
+    return ways
+
+
+def _techniques(meter: Any, gpu: Any, first: Any, activations: int) -> list[WayOut]:
+    """The chunked language-model loss, activation offloading, selective checkpointing and (under a quantised base)
+    the embeddings and head kept in the model's dtype: each a new trial of the changed recipe."""
+    from ..train.losses import pretraining_loss
+
+    recipe = meter.workload.recipe
+    offers = []
+    if recipe.task == "language-modeling" and not recipe.model.loss_chunks and pretraining_loss(recipe) is None:
+        offers.append((f"model.loss_chunks: {LOSS_CHUNKS}", CHUNKED_LOSS, CHUNK_COST))
+    if not recipe.model.offload_activations and meter.name != "cpu":  # (on a CPU there is nowhere to offload to)
+        offers.append(("model.offload_activations: true", OFFLOAD_ACTIVATIONS, OFFLOAD_ACTIVATIONS_COST))
+    if not recipe.model.activation_checkpointing:
+        offers.append(("--activation-checkpointing with model.selective_checkpointing: true", SELECTIVE,
+                       SELECTIVE_COST))
+    if recipe.model.quantize and recipe.model.upcast_embeddings and recipe.model.dtype != "fp32":
+        offers.append(("model.upcast_embeddings: false", KEPT_EMBEDDINGS, KEPT_EMBEDDINGS_COST))
+    ways = []
+    for what, change, cost in offers:
+        trial = measure_change(meter, gpu, change)
+        if isinstance(trial, str):
+            ways.append(WayOut(what, False, None, trial))
+            continue
+        after = (trial.parts or {}).get("step", {}).get("activations")
+        saved = (f"; the activations of one sample {format_size(activations)} -> {format_size(after)}"
+                 if after is not None else "")
+        needed = f"micro-batch 1 then needs {format_size(trial.peak_bytes)}" if trial.peak_bytes is not None else (
+            f"micro-batch 1 still does not fit ({trial.note})")
+        ways.append(WayOut(what, trial.fits, trial.peak_bytes, f"{needed}{saved}; costs {cost}", changes=change))
     return ways
 
 

@@ -183,6 +183,7 @@ class CudaMeter(Meter):
         self.device = f"cuda ({torch.cuda.get_device_name(self.cuda)}, {format_size(total)})"
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), self.cuda)
         context = total - free - torch.cuda.memory_reserved(self.cuda)
+        self.context_bytes = context  # the CUDA context (and any other process): what the driver adds
         self.notes.append(
             f"cuda meter: peak = max_memory_reserved; the CUDA context and other processes use "
             f"{format_size(context)} outside the budget"
@@ -300,6 +301,8 @@ class EstimateMeter(Meter):
             "at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
             "blocks": {"root": blocks.root, "sizes": list(blocks.blocks), "trainable": blocks.trainable},
             "attention": result.kernels, "window": window, "accumulates": len(inputs) > 1,
+            "peak_stage": result.peak_stage, "loss_bytes": result.loss_bytes, "paged_bytes": result.paged_bytes,
+            "optimizer": result.optimizer,
         }
         tracked = result.peak
         if self.sharding == "fsdp":

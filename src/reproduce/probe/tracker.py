@@ -12,6 +12,8 @@ and the sharding arithmetic need): what operators allocate goes to the current `
 fp32 weight) is `weight copies`. `live_by` holds the live bytes of each category, `peak_by` their values
 at the moment of the peak (they sum to `peak`), `most_by` the most each category held, per phase, and
 `when_most` what every category held at the moment activations or gradients were at their most.
+`peak_stage` says whether the peak came in forward, backward (autograd's engine running) or the optimizer step;
+`marked_most` is the most held at once by storages made while `marking` (the logits and the loss: fake_step.py).
 
 With a budget, an operator that takes the live total past it raises `torch.OutOfMemoryError`, the type
 CUDA raises, so code that handles a GPU running out of memory handles this the same way.
@@ -54,6 +56,10 @@ class MemoryTracker(TorchDispatchMode):
         self.most_by: dict[tuple[str, str], int] = {}  # (phase, category) -> the most that category held
         self.when_most: dict[tuple[str, str], dict[str, int]] = {}  # (phase, category) -> live_by at that moment
         self._sizes: dict[int, tuple[int, str]] = {}  # storage (its C++ address, unique while alive) -> bytes, category
+        self.peak_stage = "forward"  # forward, backward or the optimizer step: where the peak was reached
+        self.marking = False  # storages made while True are also counted in `marked` (the logits and the loss)
+        self._marked: set[int] = set()
+        self.marked_live = self.marked_most = 0
 
     @property
     def phase(self) -> str:
@@ -84,6 +90,19 @@ class MemoryTracker(TorchDispatchMode):
                     self._move(known[0], known[1], category)
                     self._sizes[key] = (known[0], category)
 
+    def mark(self, tensors: Iterable) -> None:
+        """Count tensors already counted in `marked` too (the model's output, before the loss reads it)."""
+        for value in tree_leaves(list(tensors)):
+            if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+                key = value.untyped_storage()._cdata
+                if key in self._sizes and key not in self._marked:
+                    self._marked.add(key)
+                    self._note_marked(self._sizes[key][0])
+
+    def _note_marked(self, size: int) -> None:
+        self.marked_live += size
+        self.marked_most = max(self.marked_most, self.marked_live)
+
     def category_of(self, value: torch.Tensor) -> str | None:
         known = self._sizes.get(value.untyped_storage()._cdata) if value.layout == torch.strided else None
         return known[1] if known else None
@@ -93,6 +112,8 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_by = dict(self.live_by)
         self.most_by = {}
         self.when_most = {}
+        self.marked_most = self.marked_live
+        self.peak_stage = "forward"
         self._note_most()
 
     def _move(self, size: int, source: str | None, target: str | None) -> None:
@@ -133,13 +154,22 @@ class MemoryTracker(TorchDispatchMode):
         self._sizes[key] = (size, category)
         self.live += size - (known[0] if known else 0)
         self._move(size, None, category)
+        if self.marking and known is None:
+            self._marked.add(key)
+            self._note_marked(size)
         if self.live > self.peak:
             self.peak = self.live
             self.peak_by = dict(self.live_by)
+            # autograd's engine runs a graph task only in backward (checkpointed blocks recompute there too)
+            self.peak_stage = "backward" if torch._C._current_graph_task_id() != -1 else (
+                "optimizer step" if self._phase == "optimizer step" else "forward")
 
     def _release(self, key: int) -> None:
         size, category = self._sizes.pop(key, (0, None))
         self.live -= size
+        if key in self._marked:
+            self._marked.discard(key)
+            self.marked_live -= size
         if category is not None:
             self.live_by[category] -= size
 

@@ -94,13 +94,19 @@ class CustomLoss:
         return self.function(output, target)
 
 
-def build_loss(recipe: Recipe) -> SampleLoss | TokenLoss | PixelLoss | CustomLoss:
+def build_loss(recipe: Recipe, model: Any = None) -> SampleLoss | TokenLoss | PixelLoss | CustomLoss:
+    """The recipe's loss; `model`, built, is where a chunked loss finds the head it applies (model.loss_chunks)."""
     if recipe.task == "classification":
         return SampleLoss()
     if recipe.task == "segmentation":
         return PixelLoss(recipe.ignore_index, recipe.model.aux_weight, recipe.data.loss_pixels == "all")
     if recipe.task == "language-modeling":
         own = pretraining_loss(recipe)
+        if own is None and recipe.model.loss_chunks:
+            from ..models.loss_head import deferred_head
+            from .chunked_loss import ChunkedTokenLoss
+
+            return ChunkedTokenLoss(deferred_head(model), recipe.model.loss_chunks)
         return own if own is not None else TokenLoss()
     from ..models import LOSSES  # the losses that belong to a built-in architecture (MAE's masked-pixel loss)
 

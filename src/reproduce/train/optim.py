@@ -50,12 +50,13 @@ def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
     groups = param_groups(model, spec.weight_decay, list(spec.no_decay))
     if spec.bitsandbytes:
         return bitsandbytes_optimizer(plan, groups)
+    kernels = implementation_kwargs(spec.implementation)
     if spec.name in ("sgd", "nesterov"):
-        return torch.optim.SGD(groups, lr=plan.lr, momentum=spec.momentum, nesterov=spec.name == "nesterov")
+        return torch.optim.SGD(groups, lr=plan.lr, momentum=spec.momentum, nesterov=spec.name == "nesterov", **kernels)
     if spec.name == "adam":
-        return torch.optim.Adam(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps)
+        return torch.optim.Adam(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps, **kernels)
     if spec.name == "adamw":
-        return torch.optim.AdamW(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps)
+        return torch.optim.AdamW(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps, **kernels)
     if spec.name in ("lars", "lamb"):
         groups = param_groups(model, spec.weight_decay, list(spec.no_decay), layer_adaptation=True)
         if spec.name == "lars":
@@ -63,8 +64,15 @@ def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
                         trust_coefficient=spec.trust_coefficient or LARS_TRUST_COEFFICIENT)
         return LAMB(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps)
     if spec.name == "adafactor" and hasattr(torch.optim, "Adafactor"):
-        return torch.optim.Adafactor(groups, lr=plan.lr, eps=(None, spec.eps))
+        return torch.optim.Adafactor(groups, lr=plan.lr, eps=(None, spec.eps), **kernels)
     raise UserError(f"optimizer.name: {spec.name} has no PyTorch implementation to run here (it can be planned)")
+
+
+def implementation_kwargs(implementation: str | None) -> dict:
+    """torch.optim's arguments for `optimizer.implementation`; none for PyTorch's own choice (foreach on CUDA)."""
+    if implementation is None:
+        return {}
+    return {"foreach": implementation == "foreach", **({"fused": True} if implementation == "fused" else {})}
 
 
 def bitsandbytes_optimizer(plan: Plan, groups: list[dict]) -> torch.optim.Optimizer:

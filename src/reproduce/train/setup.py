@@ -157,5 +157,5 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
         device_ids = [device.index] if device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=device_ids)
         model.register_comm_hook(None, counter.hook)
-    return Setup(plan, model, optimizer, scheduler, scaler, build_loss(recipe), data, device, dtype, world, counter,
-                 notes)
+    loss = build_loss(recipe, model)  # a chunked loss applies the model's head (model.loss_chunks)
+    return Setup(plan, model, optimizer, scheduler, scaler, loss, data, device, dtype, world, counter, notes)

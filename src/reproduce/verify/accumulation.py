@@ -231,7 +231,8 @@ def verify(
     names = {id(p): n for n, p in model.named_parameters()}
     recorder = GradientRecorder(parameters)
     scaler = torch.amp.GradScaler(torch_device.type) if precision == "fp16" else None
-    setup = Setup(checked, model, recorder, _NoSchedule(), scaler, build_loss(recipe), data, torch_device, param_dtype)
+    loss = build_loss(recipe, model)
+    setup = Setup(checked, model, recorder, _NoSchedule(), scaler, loss, data, torch_device, param_dtype)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     # The plan's gradient: the trainer's own optimizer step over the micro-batches.

@@ -49,7 +49,7 @@ def recomputation_error(plan: Plan, data: dict, micro_batches: list, device: tor
         dropout = dropout or has_dropout(model)
         recorder = recorder_type([p for p in model.parameters() if p.requires_grad])
         setup = Setup(plan.model_copy(update={"recipe": recipe}), model, recorder, no_schedule(), None,
-                      build_loss(recipe), data, device, dtype)
+                      build_loss(recipe, model), data, device, dtype)
         torch.manual_seed(seed + 1)  # the dropout masks: the same stream in both steps
         optimizer_step(setup, micro_batches)
         gradients.append(recorder.gradients)

@@ -1,0 +1,195 @@
+"""How much memory one training step needs at micro-batch N: what `reproduce memory` answers.
+
+The step is the probe's trial (probe/meters.py: a window of two micro-batches when the run accumulates, clipping, the
+optimizer step), counted on fake tensors by category (probe/fake_step.py) with the target GPU's kernels (estimate
+meter), the CPU's (cpu meter: the same step also runs on real CPU tensors, and their count is the answer) or this
+GPU's (cuda meter: the step runs on it; `max_memory_allocated` and `max_memory_reserved` are the answer, and the
+fake step only splits it).
+
+The three figures people compare, and what separates them:
+- allocated (`torch.cuda.max_memory_allocated`): the tensors live at the peak, each rounded to 512 bytes;
+- reserved (`max_memory_reserved`): what the caching allocator holds, segments and fragmentation included; the
+  estimate adds its margin (5%) and the cuBLAS/cuBLASLt workspaces to the tensors (meters.EstimateMeter.decided);
+- driver (`nvidia-smi`, `mem_get_info`): reserved plus the CUDA context and kernels (`catalog.CONTEXT_BYTES`,
+  512 MiB, or the context measured on this GPU) plus what lives outside PyTorch's allocator: bitsandbytes' paged
+  optimizer state (CUDA unified memory), which neither allocated nor reserved counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..errors import UserError
+from ..plan.recipe import Recipe
+from ..plan.units import available_host_memory, format_count
+from .catalog import CONTEXT_BYTES
+from .fake_step import run_fake_step
+from .gpu_like import GpuKind
+from .runner import ProbeOptions, resolve_budget
+from .workload import Workload, synthetic_data
+
+UNBOUNDED = 2**50  # the estimate's budget when none is given: the answer then says nothing about fitting
+
+
+@dataclass
+class MemoryAnswer:
+    recipe_path: str | None
+    micro_batch: int
+    sequence_length: int | None
+    meter: str
+    device: str
+    data: str
+    accumulates: bool  # the step holds one micro-batch's gradients through the next's forward
+    optimizer: str  # the optimizer's class and kernels
+    weights_form: str  # the parameters and how they are stored
+    held: dict[str, int]  # the most each part held during the step
+    at_peak: dict[str, int]  # what each part held at the peak (sums to tensors at peak)
+    peak_stage: str  # forward, backward or optimizer step
+    tensor_bytes: int  # tensors at the peak, as counted (bitsandbytes' paged state included)
+    allocated_bytes: int  # what max_memory_allocated reports: tensors in PyTorch's allocator
+    reserved_bytes: int | None  # max_memory_reserved (cuda), or the estimate's (None on the cpu meter)
+    driver_bytes: int | None  # reserved + the CUDA context + memory outside PyTorch's allocator
+    allowances: dict[str, int]  # what reserved and driver add, by name
+    measured: str  # what was measured rather than estimated
+    budget_bytes: int | None = None
+    limit_bytes: int | None = None
+    fits: bool | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def with_sequence_length(recipe: Recipe, length: int | None) -> Recipe:
+    """The recipe with its token sequences of `length` (--sequence-length): one line for samples that are not tokens."""
+    if length is None:
+        return recipe
+    if length < 1:
+        raise UserError(f"--sequence-length: expected a positive number of tokens (got {length})")
+    from .workload import declared_inputs
+
+    data = recipe.model_dump(mode="json", exclude_unset=True)
+    data["batch"] = {**data.get("batch", {}), "sequence_length": length}
+    changed = type(recipe).model_validate(data)
+    if declared_inputs(changed)["inputs"] != "tokens":
+        raise UserError("--sequence-length: the recipe's samples are not token sequences (it sets the tokens of a "
+                        "language model's sequence)")
+    return changed
+
+
+def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_path: str | None = None,
+              sequence_length: int | None = None) -> MemoryAnswer:
+    """The step's memory at `micro_batch` on one process (see the module's notes)."""
+    from .meters import METERS
+
+    if micro_batch < 1:
+        raise UserError(f"--micro-batch: expected 1 or more (got {micro_batch})")
+    recipe = with_sequence_length(recipe, sequence_length)
+    budget, gpu = resolve_budget(options)
+    meter_name = options.meter if options.meter != "auto" else ("cuda" if torch.cuda.is_available() and (
+        budget is None) else "estimate")
+    if recipe.batch.sharding == "fsdp":
+        raise UserError("batch.sharding: fsdp: `reproduce memory` answers for one whole process; use reproduce probe "
+                        "--sharding fsdp --world-size W for one rank's share")
+    workload = Workload(recipe, synthetic_data(recipe) if sequence_length else None).prepare()
+    cap = recipe.batch.sequences
+    if meter_name == "estimate":
+        meter = METERS["estimate"](workload, budget or UNBOUNDED, options.headroom, gpu=gpu, cap=cap)
+    elif meter_name == "cpu":
+        available = available_host_memory()
+        meter = METERS["cpu"](workload, budget or int(0.5 * (available or 2**34)), options.headroom, time_steps=False,
+                              cap=cap)
+    else:
+        meter = METERS["cuda"](workload, budget, options.headroom, time_steps=False, cap=cap)
+    try:
+        measured = meter.measure(micro_batch)
+    finally:
+        meter.close()
+    if meter_name == "estimate":
+        parts = measured.parts
+        accumulates = parts["accumulates"]
+    else:  # split what the real step held by counting the same step on fake tensors (this GPU's kernels on cuda)
+        kind = GpuKind(torch.cuda.get_device_capability()) if meter_name == "cuda" else None
+        window = meter.window(micro_batch, torch.device("cpu"), torch.float32)
+        result = run_fake_step(workload.plan, workload.data.get("info"), window, kind)
+        parts = {"at_peak": result.at_peak, "step": result.step.to_json(), "peak_stage": result.peak_stage,
+                 "loss_bytes": result.loss_bytes, "paged_bytes": result.paged_bytes, "optimizer": result.optimizer}
+        accumulates = len(window) > 1
+    step, paged = parts["step"], parts["paged_bytes"]
+    held = {
+        "weights": step["weights"], "weight copies": step["weight_copies"], "gradients": step["gradients"],
+        "optimizer state": step["optimizer_state"] - paged, "optimizer state outside PyTorch's allocator": paged,
+        "activations": step["activations"], "logits and loss": parts["loss_bytes"],
+        "optimizer step temporaries": step["step_temporaries"],
+    }
+    tensors = sum(parts["at_peak"].values())
+    notes = list(meter.notes)
+    allowances: dict[str, int] = {}
+    if meter_name == "estimate":
+        allocated = tensors - paged
+        reserved = meter.decided(allocated)
+        allowances = {"allocator segments and fragmentation (5%)": reserved - meter.fixed - allocated,
+                      "cuBLAS and cuBLASLt workspaces": meter.fixed}
+        what = "nothing: fake tensors counted with the GPU's kernels (estimate)"
+        decided = measured.peak_bytes
+    elif meter_name == "cpu":
+        allocated, reserved, tensors = measured.tensor_bytes, None, measured.tensor_bytes
+        what = "the tensors of a real step on this CPU (exact for tensors; no allocator, no CUDA)"
+        decided = allocated
+    else:
+        allocated, reserved = measured.tensor_bytes, measured.peak_bytes
+        what = "max_memory_allocated and max_memory_reserved of a real step on this GPU"
+        decided = reserved
+    driver = None
+    if reserved is not None:
+        context = getattr(meter, "context_bytes", None)
+        allowances["CUDA context and kernels" + (" (measured here)" if context is not None else " (allowance)")] = (
+            context if context is not None else CONTEXT_BYTES)
+        if paged:
+            allowances["bitsandbytes' paged optimizer state (CUDA unified memory)"] = paged
+        driver = reserved + allowances[next(k for k in allowances if k.startswith("CUDA context"))] + paged
+    if decided is None:  # the cuda meter ran out of memory
+        raise UserError(f"--micro-batch {micro_batch}: the step ran out of memory on this GPU ({measured.note}); use "
+                        "--meter estimate to see what it needs")
+    budget_bytes = meter.budget_bytes if budget or meter_name == "cuda" else None
+    return MemoryAnswer(
+        recipe_path=recipe_path, micro_batch=micro_batch, sequence_length=recipe.batch.sequence_length,
+        meter=meter_name, device=meter.device, data=workload.description, accumulates=accumulates,
+        optimizer=parts["optimizer"], weights_form=weights_form(recipe, workload), held=held,
+        at_peak=dict(parts["at_peak"]), peak_stage=parts["peak_stage"], tensor_bytes=tensors,
+        allocated_bytes=allocated, reserved_bytes=reserved, driver_bytes=driver, allowances=allowances,
+        measured=what, budget_bytes=budget_bytes, limit_bytes=meter.limit_bytes if budget_bytes else None,
+        fits=decided <= meter.limit_bytes if budget_bytes else None, notes=notes,
+    )
+
+
+def weights_form(recipe: Recipe, workload: Workload) -> str:
+    """The parameters and how they are stored: "124.4M parameters in fp32; 1.2M train (LoRA adapters in bf16)"."""
+    from ..models import build_model
+
+    with torch.device("meta"):
+        model = build_model(recipe, workload.data.get("info"))
+    parameters = list(model.parameters())
+    total, trained = sum(p.numel() for p in parameters), sum(p.numel() for p in parameters if p.requires_grad)
+    spec = recipe.model
+    shown = f"{format_count(total)} parameters in {spec.dtype}"
+    if spec.quantize:
+        double = "" if spec.quantize != "nf4" else (" double-quantised" if spec.double_quant is not False
+                                                     else " single-quantised")
+        shown = (f"the frozen linear layers in {spec.quantize}{double} (packed), the rest in {spec.dtype}"
+                 + (", embeddings and head upcast to fp32" if spec.upcast_embeddings and spec.dtype != "fp32" else ""))
+    if trained != total:
+        shown += f"; {format_count(trained)} train" + (f" (LoRA adapters in {spec.lora.dtype})" if spec.lora else "")
+    return shown
+
+
+def peak_line(answer: dict) -> str:
+    """The peak's composition, largest part first: "gradients 1.2 GiB + activations 800 MiB"."""
+    from ..plan.units import format_size
+
+    names = {"optimizer": "optimizer state", "optimizer step": "step temporaries"}
+    parts = sorted(answer["at_peak"].items(), key=lambda item: -item[1])
+    return " + ".join(f"{names.get(name, name)} {format_size(size)}" for name, size in parts if size)
+
