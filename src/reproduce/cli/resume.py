@@ -8,7 +8,7 @@ import os
 import shlex
 from pathlib import Path
 
-LAUNCHER_ENV = "REPRODUCE_LAUNCHED_WITH"  # torchrun's options, for the resume command its processes print
+from ..storage.lock import LAUNCHER_ENV  # torchrun's options, for the resume command its processes print
 
 
 def launcher_args(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> list[str]:

@@ -272,6 +272,12 @@ def _is_state_dict(value: dict) -> bool:
 def _torch_load(path: Path) -> Any:
     import pickle
 
+    from ..storage.files import check_torch_file
+
+    damaged = check_torch_file(path)  # torch.load does not check the stored checksums: a flipped bit loads
+    if damaged:
+        raise UserError(f"model.weights: {path} is {damaged}" if damaged.startswith("damaged") else
+                        f"model.weights: {path}: {damaged}")
     try:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -279,9 +285,9 @@ def _torch_load(path: Path) -> Any:
             if "mmap" not in str(exc):
                 raise
             return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
+    except pickle.UnpicklingError:
         raise UserError(f"model.weights: {path}: holds Python objects besides tensors, which reproduce does not "
-                        f"unpickle (torch.load weights_only): {str(exc).splitlines()[0]}") from None
+                        "unpickle (torch.load weights_only)") from None
     except (RuntimeError, EOFError, OSError) as exc:
         raise UserError(f"model.weights: {path}: not a torch file ({str(exc).splitlines()[0]})") from None
 

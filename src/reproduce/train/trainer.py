@@ -6,6 +6,7 @@ needs is built by `setup.build`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import signal
@@ -19,24 +20,27 @@ import torch
 from ..data.batches import DataClock
 from ..data.lengths import training_set
 from ..data.loader import LoaderWatch, cpu_share, default_workers
-from ..errors import Interrupted, TrainingStopped, UserError
-from ..models.trained import check_merged, save_adapter, save_merged
-from ..plan.planfile import save_plan, write_text_atomic
+from ..errors import DiskFull, Interrupted, TrainingStopped, UserError
+from ..models.trained import check_merged, peft_model, save_adapter, save_merged
+from ..plan.planfile import save_plan
 from ..plan.planner import Plan
 from ..plan.segments import batch_phases, length_sizes
 from ..plan.sharding import check_sharding
+from ..storage import lock
+from ..storage.aside import Previous, setting_aside
+from ..storage.files import WriteFailed, replace_folder, write_atomic, write_text
 from . import distributed
 from .checkpoint import full_model_state, save_checkpoint
 from .distributed import World
 from .evaluation import evaluate_step, evaluation_due
 from .noise import NoiseScale, not_measured_reason
 from .options import RunOptions
-from .outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, remove_outputs
+from .outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, run_outputs
 from .plateau import check_plateau
 from .rates import StepRates
 from .records import run_summary, step_record
 from .reporter import Reporter, SilentReporter
-from .resume import Resumed, earlier_segments, resume_run
+from .resume import Resumed, earlier_segments, last_record, resume_run
 from .run_state import Run
 from .setup import build, resolve_device
 from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, StepResult, optimizer_step
@@ -98,9 +102,13 @@ def train(plan: Plan, out: str | Path, options: RunOptions | None = None) -> dic
     leaves with an error leaves the process group too, so the other ranks' collectives fail at once and they stop
     with a message of their own instead of waiting for it.
     """
-    world = distributed.world_from_env()
+    world, options, out = distributed.world_from_env(), options or RunOptions(), Path(out)
     try:
-        return _train(plan, Path(out), options or RunOptions())
+        with lock.hold(out) if lock.owns_the_run(world.distributed, world.rank) else contextlib.nullcontext():
+            return _train(plan, out, options)
+    except WriteFailed as error:
+        distributed.abandon(world)
+        raise write_failed(error, out, options) from None
     except RuntimeError as error:
         if world.distributed and distributed.peer_failed(error):
             distributed.abandon(world)
@@ -115,8 +123,29 @@ def train(plan: Plan, out: str | Path, options: RunOptions | None = None) -> dic
         raise
 
 
+def write_failed(error: WriteFailed, out: Path, options: RunOptions) -> Exception:
+    """A write that failed, in one line: a full disk mid-run stops with exit code 3 and the command that goes on
+    (once space is freed) from the last checkpoint; any other write error is the user's to fix (exit code 2)."""
+    if not error.disk_full:
+        return UserError(str(error))
+    if not (out / "checkpoints" / "last.pt").is_file():
+        return DiskFull(f"{error}; free space, then start the run again")
+    command = options.continue_with or f"reproduce run {out / 'plan.yaml'} --out {out} --resume"
+    return DiskFull(f"{error}; what was written before is whole; free space, then continue with: {command}")
+
+
 def _train(plan: Plan, out: Path, options: RunOptions) -> dict:
-    run = start_run(plan, out, options)  # checks, the model and data, the resumed state, the run folder
+    # --force: the previous run's outputs stay aside until this run's first optimizer step, and come back if
+    # anything fails before it (storage/aside.py)
+    with setting_aside(out, run_outputs(out), options.force and not options.resume and
+                       distributed.world_from_env().is_main) as previous:
+        run = start_run(plan, out, options)  # checks, the model and data, the resumed state, the run folder
+        _train_steps(run, previous)
+    return finish_run(run)
+
+
+def _train_steps(run: Run, previous: Previous | None) -> None:
+    plan, options = run.plan, run.options
     setup, stop, restore = run.setup, StopSignals(), cpu_compute(run)
     try:
         stop.__enter__()
@@ -145,6 +174,8 @@ def _train(plan: Plan, out: Path, options: RunOptions) -> dict:
                 del micro_batches
                 recover_from_out_of_memory(run, step, batch, agreed)
             count_step(run, step, result, partial, clock)
+            if previous is not None:  # started for real: the previous run's outputs go
+                previous.started()
             record = step_record(run, step, batch, lr, result, len(micro_batches), partial, tick, clock)
             diverging = watch_divergence(run, step, result)
             done = step + 1 == run.total
@@ -159,7 +190,6 @@ def _train(plan: Plan, out: Path, options: RunOptions) -> dict:
             checkpoint_or_stop(run, stop, step, done)
     finally:
         close_run(run, stop, restore)
-    return finish_run(run)
 
 
 def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
@@ -190,11 +220,14 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     # output no loss takes is refused there
     rates = StepRates(plan, setup, world.size)
     if world.is_main:
-        if options.force and not options.resume:  # another run's outputs go, so nothing of it is mistaken for this
-            remove_outputs(out)
         out.mkdir(parents=True, exist_ok=True)
         save_plan(plan, out / "plan.yaml")
-    metrics = MetricsLog(out / "metrics.jsonl", resumed.metrics_offset, enabled=world.is_main)
+    metrics = MetricsLog(out / "metrics.jsonl", resumed.metrics, enabled=world.is_main)
+    if metrics.repaired:
+        reporter.message(f"note: {metrics.repaired}")
+    if resumed.rebuild:
+        reporter.message(f"note: the run has run all {total} steps, but {resumed.rebuild}: writing its end again "
+                         f"from {out / 'checkpoints' / 'last.pt'}")
     # Checkpoint every K steps when asked; otherwise every CHECKPOINT_SECONDS of wall time, and always at the end.
     last_checkpoint = time.perf_counter()
     for note in setup.notes:
@@ -212,8 +245,10 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     earlier, divergence = earlier_segments(out, resumed.state, resumed.first_step)
     setup.model.train()
     workers = default_workers(train_set) if options.workers is None else options.workers
-    return Run(plan, out, options, world, setup, reporter, train_set, size, total, resumed, noise, metrics, rates,
-               unmeasured, earlier, divergence, workers, LoaderWatch(workers), started, last_checkpoint)
+    run = Run(plan, out, options, world, setup, reporter, train_set, size, total, resumed, noise, metrics, rates,
+              unmeasured, earlier, divergence, workers, LoaderWatch(workers), started, last_checkpoint)
+    run.last_record = last_record(out, resumed.state, resumed.first_step)  # (a resume at the last step: the end's)
+    return run
 
 
 def cpu_compute(run: Run) -> Callable[[], None]:
@@ -333,7 +368,8 @@ def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool) -> No
                                "samples": run.earlier["samples"] + run.counters["samples"],
                                "tokens": run.earlier["tokens"] + run.counters["tokens"]}
         extra["divergence"] = run.divergence.state_dict()
-        save_checkpoint(setup, run.checkpoint_path, step + 1, run.metrics.offset(), extra)
+        extra["last_record"] = run.last_record
+        save_checkpoint(setup, run.checkpoint_path, step + 1, bytes(run.metrics.kept), extra)
         run.last_checkpoint = time.perf_counter()
     if received:
         distributed.barrier(run.world)
@@ -361,11 +397,11 @@ def finish_run(run: Run) -> dict:
     the reporter's last word."""
     summary = run_summary(run, time.perf_counter() - run.started)
     model_state = full_model_state(run.setup)  # FSDP: gathered from every rank's shards
-    if run.world.is_main:
-        torch.save(model_state, run.out / "model.pt")
+    if run.world.is_main:  # each written whole or not at all; summary.json last, as it names the others
+        write_atomic(run.out / "model.pt", lambda handle: torch.save(model_state, handle))
         summary.update(save_trained(run, model_state))
-        write_text_atomic(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
         summary["plot"] = plot_metrics(run.out / "metrics.jsonl", run.out / "loss.png")
+        write_text(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
     distributed.barrier(run.world)
     run.reporter.finish(summary)
     return summary
@@ -375,10 +411,11 @@ def save_trained(run: Run, model_state: dict) -> dict:
     """adapter/ (peft's save_pretrained) with LoRA, and merged/ with --merged (models/trained.py): summary.json's
     `adapter` and `merged`, the folders' paths. `model_state`: model.pt's (FSDP: gathered), the adapters' source."""
     core, recipe, written = run.setup.core, run.plan.recipe, {}
-    if save_adapter(core, run.out / "adapter", recipe, model_state):
+    if peft_model(core) is not None:  # each folder built beside its place, then put there (storage/files.py)
+        replace_folder(run.out / "adapter", lambda folder: save_adapter(core, folder, recipe, model_state))
         written["adapter"] = str(run.out / "adapter")
     if run.options.merged:  # (after adapter/: on a quantised base, merged from it)
-        save_merged(core, run.out / "merged", recipe, run.out / "adapter")
+        replace_folder(run.out / "merged", lambda folder: save_merged(core, folder, recipe, run.out / "adapter"))
         written["merged"] = str(run.out / "merged")
     return written
 
