@@ -335,3 +335,24 @@ def test_a_full_disk_mid_run_stops_in_one_line_and_resumes_bitwise(whole, tmp_pa
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+# ---- 7. what the stop and done lines say ---------------------------------------------------------------------------
+
+def test_a_stop_names_a_checkpoint_only_when_one_exists(tmp_path, capsys):
+    code, _, err = run(capsys, tmp_path, tmp_path / "out", recipe={**RECIPE, "optimizer": {"name": "sgd", "lr": 1e30}})
+    assert code == 1 and "non-finite loss or gradient at optimizer step 2" in err  # before the first checkpoint
+    assert not (tmp_path / "out" / "checkpoints" / "last.pt").exists()
+    assert "no checkpoint was written yet" in err and "last.pt" not in err
+    code, _, err = run(capsys, tmp_path, tmp_path / "again", "--checkpoint-every", "1",
+                       recipe={**RECIPE, "optimizer": {"name": "sgd", "lr": 1e30}})
+    assert code == 1 and f"the last good checkpoint is {tmp_path / 'again' / 'checkpoints' / 'last.pt'}" in err
+
+
+def test_skip_nonfinite_says_how_many_steps_it_skipped(tmp_path, capsys):
+    code, stdout, err = run(capsys, tmp_path, tmp_path / "out", "--skip-nonfinite",
+                            recipe={**RECIPE, "optimizer": {"name": "sgd", "lr": 1e30}})
+    assert code == 0, err
+    skipped = sum(r["skipped"] for r in map(json.loads, (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()))
+    assert skipped >= 5
+    assert f"skipped {skipped} non-finite steps" in stdout

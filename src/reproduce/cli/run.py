@@ -219,7 +219,7 @@ def run_command(
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
     force: bool = typer.Option(False, "--force", help="Overwrite the outputs of another run in --out."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
-    seed: int | None = typer.Option(None, "--seed", help=SEED_HELP),
+    seed: int | None = typer.Option(None, "--seed", min=0, max=2**64 - 1, help=SEED_HELP),
     checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", min=1, help=CHECKPOINT_HELP),
     skip_nonfinite: bool = typer.Option(False, "--skip-nonfinite", help=SKIP_HELP),
     nproc_per_node: int | None = typer.Option(None, "--nproc-per-node", min=1, help=NPROC_HELP),
@@ -345,6 +345,9 @@ def run_command(
         if summary.get("resumed_from_step"):  # the whole run, then what this call added
             line += f" ({this_call['steps']} in this call, {this_call['seconds']:.1f}s)"
         line += f", final loss {final['loss']:.4f}"
+        if skip_nonfinite:  # (counted in this call)
+            skipped = summary.get("skipped_nonfinite", 0)
+            line += f", skipped {skipped} non-finite step{'' if skipped == 1 else 's'}"
         if "eval_accuracy" in final:
             line += f", eval accuracy {final['eval_accuracy']:.4f}"
         if "eval_miou" in final:

@@ -34,6 +34,9 @@ class AdamOption(Frozen):
     source: str = MALLADI_SOURCE
 
 
+MOST_STEPS = 10**9  # a value past this is a typo (epochs: 1e18), never a run
+
+
 class Plan(Frozen):
     """What `reproduce run` executes. Saved as YAML with the recipe inside it."""
 
@@ -151,6 +154,9 @@ def plan(
     segments = phases or [whole_segment(chosen, micro_batch_max, recipe.batch.sequences, main_length, dataset_size,
                                         steps_per_epoch)]
     schedule = schedule_in_steps(recipe, recipe_path, chosen, segments, phases, steps_per_epoch, warnings)
+    if schedule.total is not None and schedule.total > MOST_STEPS:
+        raise UserError(f"{recipe_path}: schedule.total: {schedule.total:.3g} optimizer steps; no run takes more "
+                        f"than {MOST_STEPS:.0e} (at a millisecond a step, {MOST_STEPS / 1000 / 86400:.0f} days)")
     warn_last(recipe, batchnorm, schedule, warnings, norm)
     return Plan(
         recipe_path=recipe_path,

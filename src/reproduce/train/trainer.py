@@ -185,8 +185,7 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
             run.last_record = record
             run.reporter.step(record)
             if diverging and options.stop_on_divergence:  # its step logged; the checkpoint before it kept
-                raise TrainingStopped(f"{diverging}; stopped (--stop-on-divergence); the last checkpoint is "
-                                      f"{run.checkpoint_path}")
+                raise TrainingStopped(f"{diverging}; stopped (--stop-on-divergence); {run.last_checkpoint_note()}")
             checkpoint_or_stop(run, stop, step, done)
     finally:
         close_run(run, stop, restore)
@@ -285,9 +284,10 @@ def start_batch_phase(run: Run, step: int, batch: StepBatch) -> None:
 
 
 def optimizer_step_out_of_memory(run: Run, step: int, error: OptimizerStepOutOfMemory) -> str:
+    then = (f"--resume from {run.checkpoint_path}" if run.checkpoint_path.is_file() else
+            "start the run again (no checkpoint was written yet)")
     return (f"out of memory in the optimizer step itself at optimizer step {step + 1}, after the window's gradients "
-            f"were accumulated ({error}); lower --micro-batch-max or free memory, then --resume from "
-            f"{run.checkpoint_path}")
+            f"were accumulated ({error}); lower --micro-batch-max or free memory, then {then}")
 
 
 def recover_from_out_of_memory(run: Run, step: int, batch: StepBatch, agreed: bool) -> None:
@@ -307,7 +307,7 @@ def recover_from_out_of_memory(run: Run, step: int, batch: StepBatch, agreed: bo
     if smaller is None:
         raise TrainingStopped(
             f"out of memory at optimizer step {step + 1} with micro-batch {micro_batch}: no smaller micro-batch "
-            f"keeps the effective batch exact; the last good checkpoint is {run.checkpoint_path}"
+            f"keeps the effective batch exact; {run.last_checkpoint_note(good=True)}"
         )
     run.counters["out_of_memory"] += 1
     run.metrics.write({"event": "out_of_memory", "step": step + 1, "micro_batch": smaller,
@@ -326,7 +326,7 @@ def count_step(run: Run, step: int, result: StepResult, partial: bool, clock: Da
         if not run.options.skip_nonfinite and not run.setup.scaler:
             raise TrainingStopped(
                 f"non-finite loss or gradient at optimizer step {step + 1} (loss {result.loss}, "
-                f"grad norm {result.grad_norm}); the last good checkpoint is {run.checkpoint_path}"
+                f"grad norm {result.grad_norm}); {run.last_checkpoint_note(good=True)}"
             )
         run.counters["skipped_nonfinite"] += 1
     run.counters["samples"] += result.samples
