@@ -339,25 +339,7 @@ def run_command(
         # metrics.jsonl stays the source of truth; the trackers get the same numbers (train/trackers.py)
         with TrackerReporter(reporter, trackers, out) as reporter:
             summary = train(plan, out, train_options.replace(reporter=reporter))
-        final = summary["final"]
-        line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s"
-        this_call = summary.get("this_call") or {}
-        if summary.get("resumed_from_step"):  # the whole run, then what this call added
-            line += f" ({this_call['steps']} in this call, {this_call['seconds']:.1f}s)"
-        line += f", final loss {final['loss']:.4f}"
-        if skip_nonfinite:  # (counted in this call)
-            skipped = summary.get("skipped_nonfinite", 0)
-            line += f", skipped {skipped} non-finite step{'' if skipped == 1 else 's'}"
-        if "eval_accuracy" in final:
-            line += f", eval accuracy {final['eval_accuracy']:.4f}"
-        if "eval_miou" in final:
-            line += f", eval mIoU {final['eval_miou']:.4f}, pixel accuracy {final['eval_pixel_accuracy']:.4f}"
-        if "eval_loss" in final:
-            line += f", eval loss {final['eval_loss']:.4f}"
-        if summary.get("data_share") is not None:
-            workers = f"{summary['workers']} worker{'' if summary['workers'] == 1 else 's'}"
-            line += f"; waited for data {summary['data_share']:.0%} of the time ({workers})"
-        stdout.print(line)
+        stdout.print(done_line(summary, skip_nonfinite))
         for row in summary.get("reported") or []:
             stdout.print(reported_line(row), markup=False, soft_wrap=True)
         noise = summary.get("noise_scale")
@@ -368,3 +350,26 @@ def run_command(
                      f"checkpoints/last.pt{folders}")
         if summary.get("plot"):
             stdout.print(summary["plot"], markup=False)
+
+
+def done_line(summary: dict, skip_nonfinite: bool) -> str:
+    """The line a finished run prints: its steps and time, the final loss and evaluation, the data's wait."""
+    final = summary["final"]
+    line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s"
+    this_call = summary.get("this_call") or {}
+    if summary.get("resumed_from_step"):  # the whole run, then what this call added
+        line += f" ({this_call['steps']} in this call, {this_call['seconds']:.1f}s)"
+    line += f", final loss {final['loss']:.4f}"
+    if skip_nonfinite:  # (counted in this call)
+        skipped = summary.get("skipped_nonfinite", 0)
+        line += f", skipped {skipped} non-finite step{'' if skipped == 1 else 's'}"
+    if "eval_accuracy" in final:
+        line += f", eval accuracy {final['eval_accuracy']:.4f}"
+    if "eval_miou" in final:
+        line += f", eval mIoU {final['eval_miou']:.4f}, pixel accuracy {final['eval_pixel_accuracy']:.4f}"
+    if "eval_loss" in final:
+        line += f", eval loss {final['eval_loss']:.4f}"
+    if summary.get("data_share") is not None:
+        workers = f"{summary['workers']} worker{'' if summary['workers'] == 1 else 's'}"
+        line += f"; waited for data {summary['data_share']:.0%} of the time ({workers})"
+    return line
