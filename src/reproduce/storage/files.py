@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from ..errors import DiskFull, UserError
+
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -33,6 +35,16 @@ class WriteFailed(Exception):
     @property
     def disk_full(self) -> bool:
         return self.error.errno in FULL_DISK
+
+    def said(self, resume: str | None) -> Exception:
+        """The error to show, in one line: a full disk mid-run stops (exit code 3) with `resume`, the command that
+        goes on from the last checkpoint once there is space (None: no checkpoint yet); any other write error is
+        the user's to fix (UserError, exit code 2)."""
+        if not self.disk_full:
+            return UserError(str(self))
+        if resume is None:
+            return DiskFull(f"{self}; free space, then start the run again")
+        return DiskFull(f"{self}; what was written before is whole; free space, then continue with: {resume}")
 
 
 class _Recording:

@@ -20,7 +20,7 @@ import torch
 from ..data.batches import DataClock
 from ..data.lengths import training_set
 from ..data.loader import LoaderWatch, cpu_share, default_workers
-from ..errors import DiskFull, Interrupted, TrainingStopped, UserError
+from ..errors import Interrupted, TrainingStopped, UserError
 from ..models.trained import check_merged, peft_model, save_adapter, save_merged
 from ..plan.planfile import save_plan
 from ..plan.planner import Plan
@@ -106,9 +106,11 @@ def train(plan: Plan, out: str | Path, options: RunOptions | None = None) -> dic
     try:
         with lock.hold(out) if lock.owns_the_run(world.distributed, world.rank) else contextlib.nullcontext():
             return _train(plan, out, options)
-    except WriteFailed as error:
+    except WriteFailed as error:  # one line: a full disk stops with exit code 3 and the command that goes on
         distributed.abandon(world)
-        raise write_failed(error, out, options) from None
+        checkpoint = (out / "checkpoints" / "last.pt").is_file()
+        raise error.said(options.continue_with or f"reproduce run {out / 'plan.yaml'} --out {out} --resume"
+                         if checkpoint else None) from None
     except RuntimeError as error:
         if world.distributed and distributed.peer_failed(error):
             distributed.abandon(world)
@@ -121,17 +123,6 @@ def train(plan: Plan, out: str | Path, options: RunOptions | None = None) -> dic
     except BaseException:
         distributed.abandon(world)
         raise
-
-
-def write_failed(error: WriteFailed, out: Path, options: RunOptions) -> Exception:
-    """A write that failed, in one line: a full disk mid-run stops with exit code 3 and the command that goes on
-    (once space is freed) from the last checkpoint; any other write error is the user's to fix (exit code 2)."""
-    if not error.disk_full:
-        return UserError(str(error))
-    if not (out / "checkpoints" / "last.pt").is_file():
-        return DiskFull(f"{error}; free space, then start the run again")
-    command = options.continue_with or f"reproduce run {out / 'plan.yaml'} --out {out} --resume"
-    return DiskFull(f"{error}; what was written before is whole; free space, then continue with: {command}")
 
 
 def _train(plan: Plan, out: Path, options: RunOptions) -> dict:
@@ -219,8 +210,11 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     # output no loss takes is refused there
     rates = StepRates(plan, setup, world.size)
     if world.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        save_plan(plan, out / "plan.yaml")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            save_plan(plan, out / "plan.yaml")
+        except OSError as error:
+            raise WriteFailed(out / "plan.yaml", error) from None
     metrics = MetricsLog(out / "metrics.jsonl", resumed.metrics, enabled=world.is_main)
     if metrics.repaired:
         reporter.message(f"note: {metrics.repaired}")
