@@ -193,6 +193,29 @@ def test_two_runs_started_together_into_one_folder_one_runs_one_is_refused(tmp_p
     assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == list(range(1, 9))
 
 
+def test_the_process_that_owns_the_run_takes_the_lock(monkeypatch):
+    """One process: it. Under torchrun started by `reproduce run --nproc-per-node` (which sets LAUNCHER_ENV and
+    holds the lock for its whole life): no worker. Under torchrun started by hand: rank 0 alone."""
+    from reproduce.storage import lock
+
+    monkeypatch.delenv(lock.LAUNCHER_ENV, raising=False)
+    assert lock.owns_the_run(False, 0)
+    assert [lock.owns_the_run(True, rank) for rank in range(3)] == [True, False, False]
+    monkeypatch.setenv(lock.LAUNCHER_ENV, "--nproc-per-node 2")
+    assert [lock.owns_the_run(True, rank) for rank in range(3)] == [False, False, False]
+
+
+def test_the_lock_is_taken_once_per_process_and_an_unused_folder_goes_with_it(tmp_path):
+    from reproduce.storage import lock
+
+    out = tmp_path / "new"
+    with lock.hold(out):
+        with lock.hold(out):  # (the CLI, then train inside it)
+            assert lock.held(out)
+        assert lock.held(out)
+    assert not lock.held(out) and not out.exists()  # created for the run, left empty: removed
+
+
 # ---- 4. a damaged checkpoint is refused --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("damage", ["flipped bits", "random bytes", "cut short"])
