@@ -161,6 +161,7 @@ HOLD = "import fcntl, os, sys, time; d = os.open(sys.argv[1], os.O_RDONLY); fcnt
        "print('held', flush=True); time.sleep(120)"
 
 
+@pytest.mark.subprocess
 def test_a_second_run_into_a_busy_folder_is_refused_until_the_first_is_gone(tmp_path, capsys):
     """Another process holds --out (as a run in progress does): one line, exit 2, nothing written; once that
     process is killed (SIGKILL: no clean-up of its own) the OS has released the lock and the run goes ahead."""
@@ -180,6 +181,7 @@ def test_a_second_run_into_a_busy_folder_is_refused_until_the_first_is_gone(tmp_
     assert code == 0, err
 
 
+@pytest.mark.subprocess
 def test_two_runs_started_together_into_one_folder_one_runs_one_is_refused(tmp_path):
     recipe, out = recipe_file(tmp_path), tmp_path / "out"
     command = [sys.executable, "-m", "reproduce", "run", str(recipe), "--out", str(out), *RUN]
