@@ -381,3 +381,20 @@ def test_skip_nonfinite_says_how_many_steps_it_skipped(tmp_path, capsys):
     skipped = sum(r["skipped"] for r in map(json.loads, (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()))
     assert skipped >= 5
     assert f"skipped {skipped} non-finite steps" in stdout
+
+
+def test_a_checkpoint_from_before_the_metrics_were_kept_never_pads_the_file(tmp_path, capsys):
+    """Such a checkpoint holds metrics.jsonl's length alone: a longer file is cut back to it, a shorter one is kept
+    as its whole lines (a truncate() to the length padded it with NUL bytes) and the resume goes on."""
+    out = tmp_path / "out"
+    assert run(capsys, tmp_path, out, "--max-steps", "4")[0] == 0
+    checkpoint = out / "checkpoints" / "last.pt"
+    state = torch.load(checkpoint, weights_only=True)
+    del state["metrics"], state["extra"]["last_record"]
+    torch.save(state, checkpoint)
+    metrics = out / "metrics.jsonl"
+    metrics.write_text(metrics.read_text()[:100])
+    code, _, err = run(capsys, tmp_path, out, "--resume")
+    assert code == 0, err
+    assert "is shorter than at the checkpoint" in err and b"\0" not in metrics.read_bytes()
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [5, 6, 7, 8]  # line 1 was cut

@@ -112,13 +112,16 @@ def _restore(path: Path, kept: bytes) -> str | None:
 
 
 def _cut_back(path: Path, offset: int) -> str | None:
-    """Cut metrics.jsonl back to `offset` bytes, only when it is longer (a shorter file is never padded)."""
+    """Cut metrics.jsonl back to `offset` bytes when it is longer; a shorter file is never padded (truncate would
+    fill it with NUL bytes): its whole lines are kept."""
     size = path.stat().st_size if path.exists() else 0
+    held = path.read_bytes() if size < offset else b""
+    whole = held[: held.rfind(b"\n") + 1]
+    with open(path, "a+b") as handle:
+        handle.truncate(offset if size >= offset else len(whole))
     if size >= offset:
-        with open(path, "a+b") as handle:
-            handle.truncate(offset)
         return None
-    return f"{path} is shorter than at the checkpoint ({size} of {offset} bytes): kept as it is"
+    return f"{path} is shorter than at the checkpoint ({size} of {offset} bytes): its whole lines kept"
 
 
 def missing_final_outputs(out: Path, step: int) -> str | None:
