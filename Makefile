@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
 
 # PYTEST_ARGS: pytest's arguments, e.g. make test PYTEST_ARGS=tests/test_shipped_checks.py (default: every test)
 test: lint

@@ -331,3 +331,22 @@ def test_no_noise_scale_reaches_every_process_torchrun_starts(tmp_path, monkeypa
     assert exit_info.value.code == 0
     command = launched[0]
     assert command[command.index("run"):].count("--no-noise-scale") == 1
+
+
+def _measured(noise_scale: float, batch: int) -> list[dict]:
+    """100 measured steps whose estimates give `noise_scale` at an effective batch of `batch` samples."""
+    return [{"step": s, "loss": 0.5, "items": batch, "noise_grad_sq": 1.0, "noise_trace": noise_scale,
+             "noise_b_small": batch / 8, "noise_scale": noise_scale} for s in range(1, 101)]
+
+
+def test_the_verdict_never_asks_for_a_batch_the_training_set_does_not_hold():
+    """Below the critical batch the sentence suggests a larger one: never past the training set's size."""
+    unbounded = summarise(_measured(5000, 256), 100, "classification")["sentence"]
+    assert "a larger batch would still cut" in unbounded
+    bounded = summarise(_measured(5000, 256), 100, "classification", train_size=1437)["sentence"]
+    assert "a larger batch, up to the training set's 1437 samples, would still cut" in bounded
+    whole = summarise(_measured(5000, 1024), 100, "classification", train_size=1437)["sentence"]
+    assert "below the critical batch, but the training set holds only 1437 samples" in whole
+    assert "would still cut" not in whole
+    near = summarise(_measured(300, 256), 100, "classification", train_size=1437)["sentence"]
+    assert "near the critical batch" in near

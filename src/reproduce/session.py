@@ -139,7 +139,7 @@ def with_weights_record(the_plan: Plan) -> Plan:
 
 def count_factory_batchnorm(recipe: Recipe, data: dict | None) -> int | None:
     """The BatchNorm layers of the user's factory model, counted on the meta device (built-ins are known without
-    torch: batchnorm/); None for other models, or a factory that cannot be built before its data is (its label then
+    torch: plan.batchnorm); None for other models, or a factory that cannot be built before its data is (its label then
     stands in, and the run counts the built model; the plan never fails for want of counting)."""
     if recipe.model.factory is None:
         return None
@@ -301,3 +301,21 @@ def run_plan(recipe: Recipe, source: str, the_plan: Plan | None, micro_batch_max
     if recipe.data.train_size is not None and recipe.data.train_size != main_size:
         warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {main_size}: using {main_size}")
     return the_plan, warnings
+
+
+def packing_table(recipe: Recipe, the_plan: Plan, data: dict | None) -> dict | None:
+    """`plan --data` on text: each way's micro-batches per window and padding, from the data's lengths
+    (train/windows.grouping_table), and the way the recipe takes; None without data or lengths."""
+    if data is None or recipe.task != "language-modeling" or recipe.batch.unit != "samples" or (
+            recipe.batch.phases or recipe.batch.ramp):
+        return None
+    from .data.packing import sample_lengths
+    from .train.windows import grouping_table
+
+    try:
+        lengths = sample_lengths(data["train"])
+    except UserError:
+        return None
+    table = grouping_table(the_plan, lengths, recipe.data.token_budget, recipe.seed)
+    table["way"] = recipe.data.packing or "none"
+    return table

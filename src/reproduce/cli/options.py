@@ -6,7 +6,7 @@ from __future__ import annotations
 from enum import Enum
 
 from ..plan.batchnorm import MODES as BATCHNORM_MODES
-from ..plan.recipe import QUANTIZED_BASES
+from ..plan.recipe import PACKING_WAYS, QUANTIZED_BASES
 from ..plan.units import parse_size
 from ..probe.runner import ProbeOptions
 
@@ -32,6 +32,7 @@ class MeterName(str, Enum):
 # the choices the core defines (plan/recipe.py's quantised bases, plan/batchnorm.py's modes), as typer's enums
 Quantize = Enum("Quantize", {name: name for name in QUANTIZED_BASES}, type=str)
 BatchNormChoice = Enum("BatchNormChoice", {name: name for name in BATCHNORM_MODES}, type=str)
+PackingChoice = Enum("PackingChoice", {name: name for name in PACKING_WAYS}, type=str)
 
 
 class Offload(str, Enum):
@@ -83,6 +84,13 @@ BATCHNORM_HELP = (
     "(SyncBatchNorm over the --world-size CUDA processes), frozen (FrozenBatchNorm2d: fixed statistics, for "
     "pretrained weights), group (GroupNorm, a deviation). The plan prints the BN batch against the paper's."
 )
+
+PACKING_HELP = (
+    "How each window's samples group into micro-batches (data.packing): none (the micro-batch of m samples), sorted "
+    "(by length, at most --token-budget tokens each, padded within), packed (rows of samples, attention confined to "
+    "each). The window's samples, and so the gradient, are the same with each."
+)
+TOKEN_BUDGET_HELP = "sorted / packed: tokens per micro-batch, padding included (default: micro-batch x the longest)."
 
 
 def value_of(choice: Enum | None) -> str | None:

@@ -10,10 +10,11 @@ from rich.table import Table
 
 from ..export import FORMATS, check_format, emit
 from ..plan.memory_options import memory_summary
+from ..plan.packing import with_packing
 from ..plan.planfile import check_writable, save_plan
 from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
 from ..plan.segments import batch_phases
-from ..session import plan_and_probe, planned_data_size, recipe_with_options
+from ..session import packing_table, plan_and_probe, planned_data_size, recipe_with_options
 from ..shipped import described
 from ..timing.plan_cost import cost_lines, costs_json, plan_costs
 from ..timing.predicted_time import predict
@@ -31,15 +32,18 @@ from .options import (
     MICRO_BATCH_MAX_HELP,
     NO_CACHE_HELP,
     OFFLOAD_HELP,
+    PACKING_HELP,
     POLICY_HELP,
     QUANTIZE_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
+    TOKEN_BUDGET_HELP,
     WEIGHTS_HELP,
     WORLD_SIZE_HELP,
     BatchNormChoice,
     MeterName,
     Offload,
+    PackingChoice,
     Policy,
     Quantize,
     Sharding,
@@ -80,6 +84,8 @@ def plan_command(
     weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
     quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
+    packing: PackingChoice | None = typer.Option(None, "--packing", help=PACKING_HELP),
+    token_budget: int | None = typer.Option(None, "--token-budget", min=1, help=TOKEN_BUDGET_HELP),
 ) -> None:
     """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps.
 
@@ -95,6 +101,7 @@ def plan_command(
     check_mfu(assumed_mfu)
     recipe = recipe_with_options(recipe_path, weights, data_path, value_of(quantize), value_of(sharding), world_size,
                                  activation_checkpointing, sharded_gradients, value_of(offload), value_of(batchnorm))
+    recipe = with_packing(recipe, value_of(packing), token_budget)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     data, size = planned_data_size(recipe, given=data_path is not None)
     planned = plan_and_probe(
@@ -108,8 +115,11 @@ def plan_command(
         print(emit(the_plan, emit_format), end="")
         return
     prediction = predict(the_plan, result, gpu, assumed_mfu)
+    grouping = packing_table(recipe, the_plan, data)
     if as_json:
         summary = plan_summary(the_plan)
+        if grouping is not None:
+            summary["packing"] = grouping
         if result is not None:
             summary["probe"] = result.model_dump(mode="json")
             summary["cost"] = costs_json(plan_costs(the_plan, result))
@@ -119,6 +129,9 @@ def plan_command(
         return
     stdout.print(f"recipe: {described(recipe_path, recipe_path)}", markup=False, soft_wrap=True)
     render_plan(the_plan)
+    if grouping is not None:
+        for line in packing_lines(grouping):
+            stdout.print(line, markup=False, soft_wrap=True)
     render_throughput(the_plan)
     if result is not None:
         for line in cost_lines(the_plan, result):
@@ -126,6 +139,17 @@ def plan_command(
     render_prediction(prediction)
     if out is not None:
         stdout.print(f"plan written to {out}")
+
+
+def packing_lines(table: dict) -> list[str]:
+    """The plan's grouping: the token budget, and each way's micro-batches per window and padding (session.py)."""
+    ways = ", ".join(f"{way} {table[way]['micro_batches']:g} ({table[way]['padding_fraction']:.0%} padding)"
+                     for way in ("none", "sorted", "packed"))
+    budget = f"{table['token_budget']:,}" + ("" if table["given"] else f" = micro-batch x the longest example's "
+                                             f"{table['longest']} tokens")
+    return [f"packing: {table['way']} (data.packing, --packing); token budget {budget} per micro-batch (sorted, "
+            "packed)",
+            f"  micro-batches per window and rank, over the first {table['windows']} windows of this data: {ways}"]
 
 
 def plan_summary(the_plan: Plan) -> dict:

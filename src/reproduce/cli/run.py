@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..errors import UserError
 from ..plan.batchnorm import batchnorm_for_run
+from ..plan.packing import with_packing
 from ..plan.phases import phase_lines
 from ..plan.planner import Plan
 from ..plan.reported import reported_line
@@ -37,15 +38,18 @@ from .options import (
     MICRO_BATCH_MAX_HELP,
     NO_CACHE_HELP,
     OFFLOAD_HELP,
+    PACKING_HELP,
     POLICY_HELP,
     QUANTIZE_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
+    TOKEN_BUDGET_HELP,
     WEIGHTS_HELP,
     WORLD_SIZE_HELP,
     BatchNormChoice,
     MeterName,
     Offload,
+    PackingChoice,
     Policy,
     Quantize,
     Sharding,
@@ -110,7 +114,9 @@ class PlainReporter:
         if "eval_miou" in record:
             line += f" eval_miou {record['eval_miou']:.4f}"
         rate = ""
-        if record.get("tokens_per_second") or record.get("samples_per_second"):  # this step's (train/rates.py)
+        if record.get("useful_tokens_per_second"):  # variable-length text: tokens that are not padding
+            rate = f" {record['useful_tokens_per_second']:,.0f} useful tokens/s"
+        elif record.get("tokens_per_second") or record.get("samples_per_second"):  # this step's (train/rates.py)
             rate = (f" {record['tokens_per_second']:,.0f} tokens/s" if record.get("tokens_per_second")
                     else f" {record['samples_per_second']:,.0f} samples/s")
         print(line + rate + f" ({time.perf_counter() - self.started:.1f}s)", flush=True)
@@ -128,7 +134,9 @@ class RichReporter(PlainReporter):
     def start(self, plan: Plan, total_steps: int, first_step: int) -> None:
         super().start(plan, total_steps, first_step)
         self.samples = 0
-        self.rate_unit = "tokens/s" if plan.recipe.batch.sequence_length else f"{plan.unit}/s"
+        text = plan.recipe.data.text_columns or plan.recipe.data.packing in ("sorted", "packed")
+        self.rate_unit = ("tokens/s" if plan.recipe.batch.sequence_length else "useful tokens/s" if text
+                          else f"{plan.unit}/s")
         self.progress = Progress(
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
             TextColumn("micro x{task.fields[micro]}  loss {task.fields[loss]}  {task.fields[rate]} "
@@ -142,7 +150,8 @@ class RichReporter(PlainReporter):
 
     def step(self, record: dict) -> None:
         self.samples += record["samples"]
-        rate = record.get("tokens_per_second") or record.get("samples_per_second") or 0  # this step's (rates.py)
+        rate = (record.get("tokens_per_second") or record.get("useful_tokens_per_second")
+                or record.get("samples_per_second") or 0)  # this step's (rates.py)
         self.progress.update(self.task, advance=1, loss=f"{record['loss']:.4f}", rate=f"{rate:,.0f}")
 
     def message(self, text: str) -> None:
@@ -172,6 +181,17 @@ MERGED_HELP = ("With model.lora, also write OUT/merged: the adapters merged into
                "from_pretrained loads (OUT/adapter, peft's save_pretrained folder, is always written).")
 DIVERGENCE_HELP = ("Stop when the loss diverges (not finite, or above 2x its first value for 10 steps in a row); "
                    "without it the run warns once and goes on.")
+
+def packing_for_run(recipe, plan, resume: bool, packing: str | None, token_budget: int | None) -> tuple:
+    """The recipe and plan with --packing / --token-budget (plan/packing.py); a resumed run keeps its own."""
+    if packing is None and token_budget is None:
+        return recipe, plan
+    if resume:
+        raise UserError("--packing / --token-budget: a resumed run keeps the grouping it was started with (its "
+                        "plan.yaml's data.packing); leave them out with --resume")
+    recipe = with_packing(recipe, packing, token_budget)
+    return recipe, plan.model_copy(update={"recipe": recipe}) if plan is not None else None
+
 
 def _forwarded_args(source: Path, out: Path, values: dict[str, object], switches: dict[str, bool]) -> list[str]:
     """This command's own options, for each process torchrun starts (without the launcher options):
@@ -246,6 +266,8 @@ def run_command(
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
     quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
+    packing: PackingChoice | None = typer.Option(None, "--packing", help=PACKING_HELP),
+    token_budget: int | None = typer.Option(None, "--token-budget", min=1, help=TOKEN_BUDGET_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
@@ -265,6 +287,7 @@ def run_command(
         # bad input: one line, before launching
         recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights,
                                        value_of(quantize))
+        recipe, plan = packing_for_run(recipe, plan, resume, value_of(packing), token_budget)
         recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
         recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))
         check_sync_batchnorm(recipe, nproc_per_node * nnodes, device)
@@ -278,7 +301,8 @@ def run_command(
              "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
              "--data": data_path, "--eval-data": eval_data_path, "--weights": weights, "--workers": workers,
              "--log-to": ",".join(trackers) or None, "--offload": offload.value if offload is not None else None,
-             "--quantize": value_of(quantize), "--batchnorm": value_of(batchnorm)},
+             "--quantize": value_of(quantize), "--batchnorm": value_of(batchnorm), "--packing": value_of(packing),
+             "--token-budget": token_budget},
             {"--resume": resume, "--force": force, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
              "--no-noise-scale": no_noise_scale, "--stop-on-divergence": stop_on_divergence, "--merged": merged,
              "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients},
@@ -295,6 +319,7 @@ def run_command(
         world_size = world.size
     recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights,
                                    value_of(quantize))
+    recipe, plan = packing_for_run(recipe, plan, resume, value_of(packing), token_budget)
     recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
     recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))
     check_sync_batchnorm(recipe, world.size, device)

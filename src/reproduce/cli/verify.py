@@ -13,6 +13,7 @@ from rich.table import Table
 from ..errors import UserError
 from ..plan.batchnorm import batchnorm_for_run
 from ..plan.memory_options import with_quantized_base
+from ..plan.packing import with_packing
 from ..plan.planfile import load_recipe_or_plan
 from ..plan.recipe import with_data_paths, with_weights
 from ..session import apply_memory, make_plan
@@ -22,11 +23,14 @@ from .options import (
     BATCHNORM_HELP,
     CHECKPOINTING_HELP,
     MICRO_BATCH_MAX_HELP,
+    PACKING_HELP,
     POLICY_HELP,
     QUANTIZE_HELP,
+    TOKEN_BUDGET_HELP,
     WEIGHTS_HELP,
     WORLD_SIZE_HELP,
     BatchNormChoice,
+    PackingChoice,
     Policy,
     Quantize,
     value_of,
@@ -67,6 +71,8 @@ def verify_command(
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
+    packing: PackingChoice | None = typer.Option(None, "--packing", help=PACKING_HELP),
+    token_budget: int | None = typer.Option(None, "--token-budget", min=1, help=TOKEN_BUDGET_HELP),
 ) -> None:
     """Compare the plan's accumulated gradient with the one-pass gradient: exit 0 equivalent, 1 not."""
     from ..data import build_data  # torch is imported only by the commands that need it
@@ -79,6 +85,7 @@ def verify_command(
     recipe, the_plan = load_recipe_or_plan(source)
     recipe = with_data_paths(with_weights(recipe, weights, str(source)), data_path, None, str(source))
     recipe = apply_memory(with_quantized_base(recipe, value_of(quantize), str(source)), activation_checkpointing)
+    recipe = with_packing(recipe, value_of(packing), token_budget)
     if the_plan is not None:
         the_plan = the_plan.model_copy(update={"recipe": recipe})
     recipe, the_plan = batchnorm_for_run(recipe, the_plan, value_of(batchnorm))

@@ -96,6 +96,10 @@ class TokenisedTexts(Dataset):
     def target_counts(self, indices: torch.Tensor) -> torch.Tensor:
         return self.counts[indices]
 
+    def input_lengths(self) -> torch.Tensor:
+        """Each example's input tokens (its tokens less the last): what a micro-batch computes of it."""
+        return self.lengths - 1
+
     def longest_item(self) -> int:
         """The index of the longest example: what the memory probe must fit."""
         return int(torch.argmax(self.lengths))

@@ -30,7 +30,55 @@ class HFLogits(nn.Module):
 
     def forward(self, inputs: Any) -> torch.Tensor:
         kwargs = dict(inputs) if isinstance(inputs, dict) else {"input_ids": inputs}
-        if self.kind == "causal-lm":
+        if "position_ids" in kwargs and "attention_mask" not in kwargs:
+            # packed samples (data/packing.py): transformers confines attention to each run of positions only without
+            # a cache; a model whose config says use_cache (the saved default) would attend across samples silently
+            kwargs["use_cache"] = False
+        elif self.kind == "causal-lm":
             kwargs.setdefault("use_cache", False)
         return self.model(**kwargs).logits
 
+
+def hf_logits(model: nn.Module) -> HFLogits | None:
+    """The HFLogits in `model` (itself, or under peft's LoRA wrapper), or None."""
+    return next((module for module in model.modules() if isinstance(module, HFLogits)), None)
+
+
+def attention_name(model: nn.Module) -> str:
+    """The attention implementation a model runs: transformers' config._attn_implementation, else its class."""
+    inner = hf_logits(model)
+    name = getattr(getattr(inner.model, "config", None), "_attn_implementation", None) if inner else None
+    return f"{name} ({type(inner.model).__name__})" if name else f"{type(model).__name__}'s own"
+
+
+def confines_packed(model: nn.Module, device: torch.device) -> bool:
+    """Whether the model attends within each packed sample: the logits of two samples packed in one row with position
+    ids restarting at the second equal those of the second alone (eval mode, no gradient; the mode is restored)."""
+    inner = hf_logits(model)
+    if inner is None or inner.kind != "causal-lm":
+        return False
+    vocab = int(getattr(inner.model.config, "vocab_size", 2) or 2)
+    first = torch.arange(3, device=device) % vocab
+    second = (torch.arange(4, device=device) * 7 + 1) % vocab
+    row = {"input_ids": torch.cat([first, second])[None], "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]],
+                                                                                          device=device)}
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed, alone = model(row)[0, 3:], model(second[None])[0]
+    finally:
+        model.train(training)
+    scale = float(alone.abs().max()) or 1.0
+    return float((packed - alone).abs().max()) <= 1e-3 * scale
+
+
+
+def check_packed(model: nn.Module, device: torch.device) -> None:
+    """`data.packing: packed` needs attention confined to each sample (`confines_packed`): one line otherwise."""
+    if not confines_packed(model, device):
+        from ..errors import UserError
+
+        raise UserError(f"data.packing: packed: this model's attention ({attention_name(model)}) does not confine "
+                        "packed samples (a token would attend across a sample boundary); use data.packing: sorted "
+                        "(--packing sorted), exact with any attention")

@@ -77,7 +77,8 @@ def batchnorm_in_run(model: Any, counted: int | None = None) -> bool:
 
 
 def paper_mode(model: Any) -> str:
-    return getattr(model, "paper_batchnorm", None) or getattr(model, "batchnorm", "keep")
+    mode = getattr(model, "paper_batchnorm", None) or getattr(model, "batchnorm", "keep")
+    return str(mode)
 
 
 def paper_batch(recipe: Any) -> int | None:
@@ -88,7 +89,8 @@ def paper_batch(recipe: Any) -> int | None:
         return None
     if mode == "sync":
         return batch.per_device * batch.devices if batch.devices else None
-    return batch.per_device
+    per_device: int = batch.per_device
+    return per_device
 
 
 def preferred_micro_batch(recipe: Any, world_size: int) -> int | None:
@@ -98,7 +100,8 @@ def preferred_micro_batch(recipe: Any, world_size: int) -> int | None:
         return None
     target = paper_batch(recipe)
     if target is None:
-        return recipe.batch.per_device
+        per_device: int | None = recipe.batch.per_device
+        return per_device
     if recipe.model.batchnorm == "sync":
         return target // world_size if target % world_size == 0 else None
     return target

@@ -77,11 +77,12 @@ def why_not_runnable(recipe: Recipe) -> str | None:
         return f"transformers is not installed ({model.builtin})"
     if model.factory is not None and not _module_found(model.factory):
         return f"model factory {model.factory!r} not importable"
-    if getattr(model, "hf", None) is not None:
+    hf = getattr(model, "hf", None)
+    if hf is not None:
         if not _module_found("transformers:AutoModel"):
             return "transformers is not installed"
-        if not hf_model_local(model.hf):
-            return f"Hugging Face model {model.hf!r} is not on this machine"
+        if not hf_model_local(hf):
+            return f"Hugging Face model {hf!r} is not on this machine"
     if getattr(model, "lora", None) is not None and not _module_found("peft:get_peft_model"):
         return "peft is not installed (model.lora)"
     if not data.available:

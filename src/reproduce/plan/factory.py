@@ -53,10 +53,10 @@ def import_factory(spec: str, field: str) -> Callable[..., Any]:
     function = getattr(module, attr, None)
     if not callable(function):
         raise UserError(f"{field}: {module_name!r} has no function {attr!r}")
-    return function
+    return function  # type: ignore[no-any-return]  # callable() above: a function of the user's module
 
 
-def call_builder(builder: Any, field: str, registry: dict, extra: dict | None = None) -> Any:
+def call_builder(builder: Any, field: str, registry: dict[str, Any], extra: dict[str, Any] | None = None) -> Any:
     """Build `builder` (a recipe's `model` or `data`: recipe.Builder): its `factory`, or its `builtin` from `registry`,
     called with its `kwargs` over `extra`."""
     kwargs = {**(extra or {}), **builder.kwargs}

@@ -16,6 +16,8 @@ The last two need `batch.sharding: fsdp`. Each is exact: the run's weights are t
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import UserError
 from .recipe import QUANTIZED_BASES, Recipe
 
@@ -27,14 +29,15 @@ def with_memory_options(recipe: Recipe, activation_checkpointing: bool = False, 
     """`recipe` with the options given on the command line switched on (a flag never switches one off)."""
     if offload is not None and offload not in OFFLOADS:
         raise UserError(f"--offload: expected one of {', '.join(OFFLOADS)} (got {offload!r})")
-    model, batch = {}, {}
+    model: dict[str, Any] = {}
+    batch: dict[str, Any] = {}
     if activation_checkpointing and not recipe.model.activation_checkpointing:
         model["activation_checkpointing"] = True
     if sharded_gradients and not recipe.batch.sharded_gradients:
         batch["sharded_gradients"] = True
     if offload is not None and offload != recipe.batch.offload:
         batch["offload"] = offload
-    update = {}
+    update: dict[str, Any] = {}
     if model:
         update["model"] = recipe.model.model_copy(update=model)
     if batch:

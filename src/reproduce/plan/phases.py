@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import UserError
 from .recipe import Decay, Length, Recipe, phase_recipe
 from .schedules import StepSchedule
 from .segments import Segment, epoch_steps, own_steps, size_at
-from .split import Choice, split
+from .split import Choice, SplitPolicy, split
 
 # ---- planning ----------------------------------------------------------------------------------------------
 
@@ -32,7 +32,7 @@ def plan_phases(
     world_size: int,
     dataset_size: int | None,
     sizes: Mapping[int | None, int] | None,
-    policy: str,
+    policy: SplitPolicy,
     target: Choice,
     warnings: list[str],
 ) -> list[Segment]:
@@ -52,8 +52,8 @@ def plan_phases(
             return micro_batch_max.get(length, micro_batch_max[batch.sequence_length])
         return micro_batch_max
 
-    def segment(kind: str, start: int, steps: int | None, choice: Any, paper: int | None, length: int | None,
-                cap: int, exact: bool | None) -> Segment:
+    def segment(kind: Literal["phase", "ramp", "whole"], start: int, steps: int | None, choice: Any,
+                paper: int | None, length: int | None, cap: int, exact: bool | None) -> Segment:
         size = size_at(length, recipe, dataset_size, sizes)
         per_epoch, _ = epoch_steps(size, choice.effective_batch, world_size, drop_last)
         return Segment(
@@ -96,10 +96,11 @@ def _ramp(recipe: Recipe, target: Choice, cap: int, world_size: int, segment: An
           warnings: list[str]) -> list[Segment]:
     """One segment per distinct batch of the ramp, then the target batch to the end."""
     batch, ramp = recipe.batch, recipe.batch.ramp
+    assert ramp is not None  # (plan_phases calls it for a ramp)
     length = batch.sequence_length
     final = batch.sequences
     grain = ramp_grain(recipe, world_size)  # the recipe's, not the micro-batch's: the same ramp on any machine
-    start = ramp.start // length if batch.unit == "tokens" else ramp.start
+    start = ramp.start // batch.token_length if batch.unit == "tokens" else ramp.start
     last = segment("phase", 0, None, target, final, length, cap, target.exact)
     if not target.exact:
         warnings.append(f"batch.ramp: the ramp ends at this plan's batch {target.effective_batch}, not the paper's "
@@ -123,7 +124,7 @@ def _ramp(recipe: Recipe, target: Choice, cap: int, world_size: int, segment: An
                             "data.train_size)")
         value, unit = value * size, "samples"
     elif unit == "tokens":
-        value, unit = value / length, "samples"
+        value, unit = value / batch.token_length, "samples"
     target_batch = target.effective_batch
 
     def batch_at(position: float) -> int:
@@ -157,10 +158,10 @@ def ramp_grain(recipe: Recipe, world_size: int) -> int:
     `batch.ramp.granularity`, by default one sequence per process; never the micro-batch, so the ramp (and the run's
     optimizer steps) are the same whatever fits on the machine."""
     batch = recipe.batch
-    given = batch.ramp.granularity
+    given = batch.ramp.granularity if batch.ramp is not None else None
     if given is None:
         return world_size
-    grain = given // batch.sequence_length if batch.unit == "tokens" else given
+    grain = given // batch.token_length if batch.unit == "tokens" else given
     if grain % world_size:
         raise UserError(f"--world-size: {world_size} processes cannot share batch.ramp.granularity's {grain} "
                         f"{batch.count_unit} equally; use a world size that divides it")
@@ -213,7 +214,8 @@ def attach_phase_schedules(recipe: Recipe, phases: list[Segment], total: int | N
                                                                else f"the next schedule starts at step {end + 1}"))
         paper = phase.paper_effective_batch
 
-        def steps(length: Length, name: str, phase=phase, paper=paper, what=what) -> int:
+        def steps(length: Length, name: str, phase: Segment = phase, paper: int | None = paper, what: str = what
+                  ) -> int:
             return own_steps(length, phase, f"{what}.{name}")
 
         span = end - phase.start_step
@@ -229,8 +231,8 @@ def attach_phase_schedules(recipe: Recipe, phases: list[Segment], total: int | N
         decay = spec.decay or _inherited_decay(recipe.schedule.decay, what)
         milestones = []
         if decay.milestones is not None:
-            milestones = [phase.start_step + steps(Length(**{decay.milestones.unit: value}), "decay.milestones")
-                          for value in decay.milestones.value]
+            milestones = [phase.start_step + steps(Length.model_validate({decay.milestones.unit: value}),
+                                                   "decay.milestones") for value in decay.milestones.values]
         decay_end = phase.start_step + steps(decay.until, "decay.until") if decay.until is not None else end
         min_lr = decay.min_lr * phase.lr_factor if decay.min_lr is not None else (decay.min_ratio or 0.0) * peak
         schedule = StepSchedule(

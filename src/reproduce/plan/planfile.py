@@ -6,6 +6,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -13,12 +14,13 @@ from pydantic import ValidationError
 from ..errors import UserError
 from .factory import remember_folder
 from .planner import Plan
-from .recipe import Recipe, format_validation_errors, parse_recipe, read_yaml
+from .recipe import Recipe, parse_recipe
+from .validation import format_validation_errors, read_yaml
 
 PLAN_FORMAT = "reproduce-plan/1"
 
 
-def is_plan(data: dict) -> bool:
+def is_plan(data: dict[str, Any]) -> bool:
     return data.get("format") == PLAN_FORMAT
 
 
@@ -73,7 +75,7 @@ def load_plan(path: str | Path) -> Plan:
     return parse_plan(data, str(path))
 
 
-def parse_plan(data: dict, source: str) -> Plan:
+def parse_plan(data: dict[str, Any], source: str) -> Plan:
     if not is_plan(data):
         raise UserError(f"{source}: format: expected {PLAN_FORMAT!r} (got {data.get('format')!r}); is this a recipe?")
     recipe_data = data.get("recipe")

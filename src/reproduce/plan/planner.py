@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from ..errors import UserError
 from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
@@ -19,7 +19,7 @@ from .phases import attach_phase_schedules, first_own_schedule_step, plan_phases
 from .recipe import Length, Recipe
 from .schedules import StepSchedule
 from .segments import Segment, epoch_steps, lengths_to_steps, segment_lr, whole_segment
-from .split import Choice, Frozen, choice, exact_choice, fast_choice, lr_rule
+from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule
 from .weightfiles import WeightsRecord
 
 MALLADI_SOURCE = "Malladi et al. 2022 SDE rule for Adam: (1-b1)xk, (1-b2)xk, eps/sqrt(k) (arXiv 2205.10287)"
@@ -72,14 +72,14 @@ class Plan(Frozen):
     decay_end_step: int | None
     min_lr: float
     batchnorm: str | None = None  # the warning when BatchNorm's batch is not the paper's
-    norm: BatchNormPlan | None = None  # BatchNorm: the run's BN batch against the paper's, the options (batchnorm/)
+    norm: BatchNormPlan | None = None  # BatchNorm: the run's BN batch against the paper's, the options (plan.batchnorm)
     alternative: Choice | None = None
     warnings: list[str] = []
     # batch.phases / batch.ramp: the batch each stretch of optimizer steps takes (empty: the batch above throughout;
     # `segments` is the plan as segments either way)
     phases: list[Segment] = []
     # policy throughput: the exact splits timed and why the micro-batch was chosen (throughput_plan.py)
-    throughput: dict | None = None
+    throughput: dict[str, Any] | None = None
     # the memory knobs the plan took (activation checkpointing, sharded gradients), or the ways it weighed, and why
     memory: list[str] = []
     # model.weights: the pretrained weights the run starts from, with their fingerprint (`--resume` refuses others)
@@ -136,23 +136,19 @@ def plan(
     maxima = micro_batch_max if isinstance(micro_batch_max, Mapping) else None
     sizes = dataset_size if isinstance(dataset_size, Mapping) else None
     main_length = recipe.batch.sequence_length
-    if maxima is not None:
-        micro_batch_max = maxima[main_length]
-    if sizes is not None:
-        dataset_size = sizes.get(main_length)
-    check_arguments(recipe, micro_batch_max, world_size, policy)
+    cap = micro_batch_max[main_length] if isinstance(micro_batch_max, Mapping) else micro_batch_max
+    size = dataset_size.get(main_length) if isinstance(dataset_size, Mapping) else dataset_size
+    check_arguments(recipe, cap, world_size, policy)
     split_policy = "exact" if policy == "throughput" else policy  # throughput: exact, its micro-batch chosen
     warnings: list[str] = []
-    chosen, alternative = choose_split(recipe, micro_batch_max, world_size, split_policy, micro_batch, warnings)
-    norm, batchnorm = plan_norm(recipe, chosen, micro_batch_max, world_size, batchnorm_layers, warnings)
+    chosen, alternative = choose_split(recipe, cap, world_size, split_policy, micro_batch, warnings)
+    norm, batchnorm = plan_norm(recipe, chosen, cap, world_size, batchnorm_layers, warnings)
     rule, source, adam_option = scale_lr(recipe, chosen, warnings)
-    dataset_size = dataset_size or recipe.data.train_size
-    steps_per_epoch, partial = epoch_steps(dataset_size, chosen.effective_batch, world_size, recipe.data.drop_last)
-    warn_partial_epoch(recipe, dataset_size, chosen.effective_batch, world_size, partial, warnings)
-    phases = plan_phases(recipe, maxima or micro_batch_max, world_size, dataset_size, sizes, split_policy, chosen,
-                         warnings)
-    segments = phases or [whole_segment(chosen, micro_batch_max, recipe.batch.sequences, main_length, dataset_size,
-                                        steps_per_epoch)]
+    size = size or recipe.data.train_size
+    steps_per_epoch, partial = epoch_steps(size, chosen.effective_batch, world_size, recipe.data.drop_last)
+    warn_partial_epoch(recipe, size, chosen.effective_batch, world_size, partial, warnings)
+    phases = plan_phases(recipe, maxima or cap, world_size, size, sizes, split_policy, chosen, warnings)
+    segments = phases or [whole_segment(chosen, cap, recipe.batch.sequences, main_length, size, steps_per_epoch)]
     schedule = schedule_in_steps(recipe, recipe_path, chosen, segments, phases, steps_per_epoch, warnings)
     if schedule.total is not None and schedule.total > MOST_STEPS:
         raise UserError(f"{recipe_path}: schedule.total: {schedule.total:.3g} optimizer steps; no run takes more "
@@ -162,7 +158,7 @@ def plan(
         recipe_path=recipe_path,
         recipe=recipe,
         policy=policy,
-        micro_batch_max=micro_batch_max,
+        micro_batch_max=cap,
         micro_batch=chosen.micro_batch,
         accumulation_steps=chosen.accumulation_steps,
         world_size=world_size,
@@ -178,7 +174,7 @@ def plan(
         lr_rule=rule,
         lr_rule_source=source,
         adam_option=adam_option,
-        dataset_size=dataset_size,
+        dataset_size=size,
         steps_per_epoch=steps_per_epoch,
         partial_window=partial,
         optimizer_steps=schedule.total,
@@ -213,7 +209,7 @@ def check_arguments(recipe: Recipe, micro_batch_max: int, world_size: int, polic
         )
 
 
-def choose_split(recipe: Recipe, micro_batch_max: int, world_size: int, policy: str, micro_batch: int | None,
+def choose_split(recipe: Recipe, micro_batch_max: int, world_size: int, policy: SplitPolicy, micro_batch: int | None,
                  warnings: list[str]) -> tuple[Choice, Choice | None]:
     """The main batch's split under `policy` (exact or fast) and the other policy's, when worth showing.
 
@@ -233,14 +229,14 @@ def choose_split(recipe: Recipe, micro_batch_max: int, world_size: int, policy: 
             raise UserError(f"micro_batch: {micro_batch} is not an exact split of {per_rank} per process at most {cap}")
         exact = choice(recipe, "exact", micro_batch, per_rank // micro_batch, world_size)
     fast = fast_choice(recipe, cap, world_size)
-    chosen, alternative = (exact, None) if policy == "exact" else (fast, None)
+    chosen, alternative = (exact or fast, None) if policy == "exact" else (fast, None)
     if policy == "exact" and exact is None:
-        chosen = fast
         warnings.append(
             f"no exact split: {paper_batch} {recipe.batch.count_unit} is not divisible by world size "
             f"{world_size}; using the nearest batch {fast.effective_batch}"
         )
-    elif policy == "exact" and fast.micro_batch != exact.micro_batch and exact.micro_batch < FAST_WHEN_BELOW * cap:
+    elif (policy == "exact" and exact is not None and fast.micro_batch != exact.micro_batch
+          and exact.micro_batch < FAST_WHEN_BELOW * cap):
         alternative = fast
     elif policy == "fast" and exact is not None and exact.micro_batch != fast.micro_batch:
         alternative = exact
@@ -259,7 +255,7 @@ def plan_norm(recipe: Recipe, chosen: Choice, micro_batch_max: int, world_size: 
     return norm, _batchnorm_note(norm)
 
 
-def scale_lr(recipe: Recipe, chosen: Choice, warnings: list[str]) -> tuple[str, str, AdamOption | None]:
+def scale_lr(recipe: Recipe, chosen: Choice, warnings: list[str]) -> tuple[LrRule, str, AdamOption | None]:
     """The LR rule for the chosen batch (`exact` when it is the paper's), its source, and Adam's beta/eps option."""
     rule, source = lr_rule(recipe, chosen.exact)
     if not chosen.exact:
@@ -337,12 +333,11 @@ def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, s
     if total is not None and warmup_steps > total:
         warnings.append(f"warm-up ({warmup_steps} steps) is longer than the whole run ({total} steps)")
     decay = recipe.schedule.decay
-    milestones = []
+    milestones: list[int] = []
     if decay.milestones is not None:
-        for value in decay.milestones.value:
-            single = Length(**{decay.milestones.unit: value})
-            milestones.append(steps(single, "schedule.decay.milestones"))
-        milestones = [m for m in milestones if m is not None]
+        for value in decay.milestones.values:
+            step = steps(Length.model_validate({decay.milestones.unit: value}), "schedule.decay.milestones")
+            milestones += [step] if step is not None else []
     # the recipe's schedule ends where a batch phase starts its own (schedules.py), else with the run
     own_start = first_own_schedule_step(recipe, phases)
     decay_end = steps(decay.until, "schedule.decay.until") if decay.until is not None else (
@@ -451,7 +446,7 @@ def first_plateau_step(plan: Plan) -> int | None:
     """
     decay = plan.recipe.schedule.decay
     every = plan.recipe.evaluation.every_steps
-    if decay.kind != "plateau" or not every:
+    if decay.kind != "plateau" or not every or decay.patience is None:  # (plateau requires a patience)
         return None
     first = every * max(1, math.ceil(plan.warmup_steps / every))  # 1-based step of the first counted evaluation
     return first + (decay.patience + 1) * every

@@ -106,7 +106,8 @@ class Length(Strict):
 
     @property
     def value(self) -> float:
-        return getattr(self, self.unit)
+        value: float = getattr(self, self.unit)
+        return value
 
     def label(self) -> str:
         """The length as written in messages and tables: "90 epochs", "4e+09 tokens"."""
@@ -218,7 +219,7 @@ class Batch(Strict):
                 raise ValueError(f"{where}.sequence_length: needs batch.sequence_length (the length of the other "
                                  "phases and of the main batch)")
             length = phase.sequence_length or self.sequence_length
-            if self.unit == "tokens" and phase.effective % length:
+            if self.unit == "tokens" and phase.effective % (phase.sequence_length or self.token_length):
                 raise ValueError(f"{where}.effective: {phase.effective} tokens is not a whole number of sequences "
                                  f"of {length}")
             if phase.tokens is not None and length is None:
@@ -246,8 +247,8 @@ class Batch(Strict):
         decay = phase.decay
         if decay is not None and decay.kind == "plateau":
             raise ValueError(f"{where}.decay.kind: plateau applies to the whole run (schedule.decay), not to a phase")
-        lengths = [("warmup", phase.warmup), ("decay.until", decay and decay.until),
-                   ("decay.milestones", decay and decay.milestones)]
+        lengths = [("warmup", phase.warmup), ("decay.until", decay.until if decay else None),
+                   ("decay.milestones", decay.milestones if decay else None)]
         for name, length in lengths:
             if length is not None and length.tokens is not None and self.sequence_length is None:
                 raise ValueError(f"{where}.{name}.tokens: counted in tokens, which needs batch.sequence_length")
@@ -256,12 +257,12 @@ class Batch(Strict):
         if ramp.start >= self.effective:
             raise ValueError(f"ramp.start: {ramp.start} must be below the batch it ramps up to, effective "
                              f"{self.effective}")
-        if self.unit == "tokens" and ramp.start % self.sequence_length:
+        if self.unit == "tokens" and ramp.start % self.token_length:
             raise ValueError(f"ramp.start: {ramp.start} tokens is not a whole number of sequences of "
                              f"{self.sequence_length}")
         if ramp.length.tokens is not None and self.sequence_length is None:
             raise ValueError("ramp.length.tokens: counted in tokens, which needs batch.sequence_length")
-        if ramp.granularity is not None and self.unit == "tokens" and ramp.granularity % self.sequence_length:
+        if ramp.granularity is not None and self.unit == "tokens" and ramp.granularity % self.token_length:
             raise ValueError(f"ramp.granularity: {ramp.granularity} tokens is not a whole number of sequences of "
                              f"{self.sequence_length}")
         if ramp.granularity is not None and ramp.granularity >= self.effective:
@@ -271,12 +272,19 @@ class Batch(Strict):
     @property
     def sequences(self) -> int:
         """The effective batch in samples (sequences for token batches)."""
-        return self.effective // self.sequence_length if self.unit == "tokens" else self.effective
+        return self.effective // self.token_length if self.unit == "tokens" else self.effective
 
     def phase_sequences(self, phase: BatchPhase) -> int:
         """A phase's effective batch in samples (sequences for token batches)."""
-        length = phase.sequence_length or self.sequence_length
-        return phase.effective // length if self.unit == "tokens" else phase.effective
+        return phase.effective // (phase.sequence_length or self.token_length) if self.unit == "tokens" else \
+            phase.effective
+
+    @property
+    def token_length(self) -> int:
+        """The sequence length a batch in tokens is counted in (`_consistent` requires one with unit tokens)."""
+        if self.sequence_length is None:
+            raise ValueError("sequence_length: required when unit is tokens (the batch is counted in tokens)")
+        return self.sequence_length
 
     @property
     def sequence_lengths(self) -> list[int | None]:
@@ -291,7 +299,7 @@ class Batch(Strict):
         return self.sequence_lengths[-1]
 
     @property
-    def count_unit(self) -> str:
+    def count_unit(self) -> Literal["samples", "sequences"]:
         return "sequences" if self.unit == "tokens" else "samples"
 
 
@@ -445,6 +453,7 @@ FORMAT_FIELDS = {
 }
 # data.template: how a record's fields become the prompt and the response (data/text.py)
 TEMPLATES = ("alpaca", "alpaca-lora", "e2e")
+PACKING_WAYS = ("none", "sorted", "packed")  # data.packing (data/packing.py)
 INSTRUCTION_COLUMN_SETS = ({"instruction", "output"}, {"instruction", "input", "output"})
 
 
@@ -478,6 +487,13 @@ class Data(Builder):
         "default); default false: only the response's",
     )
     tokenizer: str | None = Field(default=None, description="a local tokenizer folder (tokenizer.json)")
+    packing: Literal[PACKING_WAYS] | None = Field(  # type: ignore[valid-type]
+        default=None, description="how a window's samples group into micro-batches (data/packing.py): none (the "
+        "plan's micro-batch of m samples), sorted (by length, micro-batches of at most data.token_budget tokens), "
+        "packed (rows of samples with position ids restarting at each); the window's samples are the same with each")
+    token_budget: int | None = Field(
+        default=None, gt=0, description="sorted / packed: tokens per micro-batch, padding included (default: the "
+        "micro-batch x the longest example)")
     columns: dict[str, str] | None = None
     # format segmentation (docs/segmentation.md): images with a mask of class ids each, cut and flipped together
     layout: Literal[SEGMENTATION_LAYOUTS] | None = Field(  # type: ignore[valid-type]
@@ -660,11 +676,15 @@ class Milestones(Length):
     samples: list[int] | None = None  # type: ignore[assignment]
     tokens: list[int] | None = None  # type: ignore[assignment]
 
+    @property
+    def values(self) -> list[float]:
+        return list(getattr(self, self.unit))
+
     @model_validator(mode="after")
     def _increasing(self) -> Milestones:
-        values = self.value
-        if any(v < 0 for v in values) or list(values) != sorted(set(values)):
-            raise ValueError(f"{self.unit}: milestones must be increasing and >= 0 (got {list(values)})")
+        values = self.values
+        if any(v < 0 for v in values) or values != sorted(set(values)):
+            raise ValueError(f"{self.unit}: milestones must be increasing and >= 0 (got {values})")
         return self
 
 
@@ -868,6 +888,9 @@ class Recipe(Strict):
     def _check_data_format(self) -> None:
         """What a data format needs from the rest of the recipe (the task; the sizes it cuts or tokenises to)."""
         data = self.data
+        problem = packing_problem(self)
+        if problem:
+            raise ValueError(problem)
         if data.format is None:
             return
         if data.format == "hf-datasets":
@@ -897,13 +920,30 @@ class Recipe(Strict):
                                  "ones are truncated (Alpaca: 512)")
 
 
+def packing_problem(recipe: Recipe) -> str | None:
+    """Why the recipe's `data.packing` cannot group its windows (data/packing.py), or None."""
+    data, batch = recipe.data, recipe.batch
+    if data.token_budget is not None and data.packing not in ("sorted", "packed"):
+        return "data.token_budget: only used with data.packing sorted or packed"
+    if data.packing not in ("sorted", "packed"):
+        return None
+    if data.format in ("imagefolder", "segmentation", "tokens") or "image" in (data.columns or {}):
+        what = "token files of one length" if data.format == "tokens" else "image data"
+        return (f"data.packing: {data.packing} groups samples by their lengths, which {what} does not have (text "
+                "only: format instructions, hf-datasets text, or a factory's token sequences); use packing: none")
+    if batch.phases or batch.ramp or batch.unit != "samples" or recipe.task != "language-modeling":
+        return (f"data.packing: {data.packing} groups a window of samples of language-modeling text; not with "
+                "batch.phases, batch.ramp, batch.unit tokens or another task")
+    return None
+
+
 def phase_recipe(recipe: Recipe, sequences: int, sequence_length: int | None) -> Recipe:
     """`recipe` with one fixed batch: `sequences` samples (sequences) of `sequence_length`, no phases or ramp.
 
     What one phase of a changing batch is planned and probed as (the micro-batch that fits depends on the length).
     """
     batch = recipe.batch
-    effective = sequences * sequence_length if batch.unit == "tokens" else sequences
+    effective = sequences * (sequence_length or batch.token_length) if batch.unit == "tokens" else sequences
     fixed = batch.model_copy(update={
         "effective": effective, "sequence_length": sequence_length, "phases": None, "ramp": None,
         "devices": None, "per_device": None, "accumulation": None,
@@ -924,7 +964,7 @@ def load_recipe(path: str | Path) -> Recipe:
     return parse_recipe(data, source=str(path))
 
 
-def parse_recipe(data: dict, source: str = "<recipe>") -> Recipe:
+def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:

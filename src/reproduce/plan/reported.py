@@ -9,6 +9,7 @@ accuracy, in the paper's scale; recipe.REPORTED_METRICS by task). No torch.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from .recipe import Recipe
 
@@ -36,7 +37,8 @@ METRICS: dict[str, tuple[str, str, Callable[[float, float], float]]] = {
 }
 
 
-def compare_reported(recipe: Recipe, final: dict, step: int, planned_steps: int | None) -> list[dict]:
+def compare_reported(recipe: Recipe, final: dict[str, Any], step: int, planned_steps: int | None
+                     ) -> list[dict[str, Any]]:
     """Each `reported` value the run can be put beside: the paper's value, the run's, and where the run stopped."""
     rows = []
     for reported in recipe.reported:
@@ -51,7 +53,7 @@ def compare_reported(recipe: Recipe, final: dict, step: int, planned_steps: int 
     return rows
 
 
-def reported_line(row: dict) -> str:
+def reported_line(row: dict[str, Any]) -> str:
     """`eval loss 1.89; the paper reports 1.47 at step 5000; this run stopped at step 40 of 5000`."""
     planned, step = row["planned_steps"], row["step"]
     at = f" at step {planned}" if planned else ""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from .memory_options import with_knobs_of, with_quantized_base
+from .packing import with_grouping_of
 from .planfile import load_plan, load_recipe_or_plan
 from .planner import Plan
 from .planner import plan as make
@@ -16,22 +17,23 @@ from .sharding import with_sharding
 from .weightfiles import fingerprint_of, inspect
 
 
-def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: int | dict, source: Path | str
-           ) -> Plan:
+def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: int | dict[int | None, int],
+           source: Path | str) -> Plan:
     """The same effective batch and schedule on another number of processes, or with a smaller micro-batch (a
     resumed run that ran out of memory; None: keep the plan's), or with the dataset's size when the plan was made
     without it: N and the steps per epoch are re-derived. With batch phases each sequence
     length keeps its own micro-batch, lowered to `micro_batch` where that is smaller."""
     cap = micro_batch or saved.micro_batch
-    micro = {s.sequence_length: min(s.micro_batch, micro_batch or s.micro_batch) for s in saved.segments}
-    micro = micro if len(micro) > 1 else cap  # one micro-batch per sequence length the plan reads
+    per_length = {s.sequence_length: min(s.micro_batch, micro_batch or s.micro_batch) for s in saved.segments}
+    micro = per_length if len(per_length) > 1 else cap  # one micro-batch per sequence length the plan reads
     again = make(saved.recipe, micro, world_size, saved.policy, dataset_size=dataset_size,
                  recipe_path=saved.recipe_path).model_copy(update={"weights": saved.weights})
-    same = ("effective_batch", "steps_per_epoch", "optimizer_steps", "warmup_steps", "decay_milestones")
+    same: tuple[str, ...] = ("effective_batch", "steps_per_epoch", "optimizer_steps", "warmup_steps",
+                             "decay_milestones")
     if saved.dataset_size is None:  # made without the data: its steps were not known, only its batches
         same = ("effective_batch",)
 
-    def steps(p: Plan) -> list:
+    def steps(p: Plan) -> list[object]:
         if saved.dataset_size is None:
             return [segment.effective_batch for segment in p.segments]
         return [(segment.start_step, segment.steps, segment.effective_batch) for segment in p.segments]
@@ -118,7 +120,8 @@ def recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None,
         raise UserError(f"--quantize {quantize}: the run in {out} was started with {base or 'an unquantised'} base; "
                         "resume it as it was started (its plan.yaml keeps model.quantize)")
     recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"quantize": base})})
-    if with_knobs_of(with_sharding(recipe, started), saved.recipe) != saved.recipe:  # (knobs the plan took kept)
+    kept = with_grouping_of(with_knobs_of(with_sharding(recipe, started), saved.recipe), saved.recipe)
+    if kept != saved.recipe:  # (knobs the plan took, and --packing, kept)
         raise UserError(f"--resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
     return saved.recipe, saved
 

@@ -21,6 +21,7 @@ knows the schedule only up to the first step where one could happen (`first_plat
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -63,7 +64,7 @@ class StepSchedule(BaseModel):
             return self.min_lr + (peak - self.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
         if kind == "linear":
             return peak + (self.min_lr - peak) * progress
-        return self.min_lr + (peak - self.min_lr) * (1 - progress) ** self.power
+        return self.min_lr + (peak - self.min_lr) * float((1 - progress) ** self.power)
 
 
 # ---- plateau decay at evaluation points ---------------------------------------------------------------------
@@ -80,7 +81,7 @@ class Plateau:
 
     EPS = 1e-8  # ReduceLROnPlateau's default eps
 
-    def __init__(self, decay: Decay, peak: float, min_lr: float, state: dict | None = None) -> None:
+    def __init__(self, decay: Decay, peak: float, min_lr: float, state: dict[str, Any] | None = None) -> None:
         """`decay`: the recipe's plateau decay; `peak` and `min_lr`: the planned LR and its floor (plan.lr, min_lr)."""
         self.factor, self.patience = decay.factor, decay.patience
         self.mode = decay.mode or ("max" if decay.metric == "eval_accuracy" else "min")
@@ -94,7 +95,7 @@ class Plateau:
                                "scale": 1.0, "evaluations": 0, "decreases": []}
 
     @staticmethod
-    def metric_value(metric: str, evaluation: dict) -> float | None:
+    def metric_value(metric: str, evaluation: dict[str, Any]) -> float | None:
         if metric == "eval_error":
             accuracy = evaluation.get("eval_accuracy")
             return None if accuracy is None else 1.0 - accuracy

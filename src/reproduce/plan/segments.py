@@ -23,7 +23,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 from pydantic import BaseModel, ConfigDict
 
@@ -80,6 +80,10 @@ def whole_segment(choice: Choice, micro_batch_max: int, paper_batch: int, sequen
                    lr_factor=choice.lr_factor, dataset_size=dataset_size, steps_per_epoch=steps_per_epoch)
 
 
+@overload
+def epoch_steps(dataset_size: int, batch: int, world_size: int, drop_last: bool) -> tuple[int, int]: ...
+@overload
+def epoch_steps(dataset_size: int | None, batch: int, world_size: int, drop_last: bool) -> tuple[int | None, int]: ...
 def epoch_steps(dataset_size: int | None, batch: int, world_size: int, drop_last: bool) -> tuple[int | None, int]:
     """Optimizer steps per epoch of `dataset_size` samples at `batch`, and the samples of its last window."""
     if dataset_size is None:
@@ -89,7 +93,7 @@ def epoch_steps(dataset_size: int | None, batch: int, world_size: int, drop_last
     return (full + 1 if keep_partial and partial else full), partial
 
 
-def size_at(length: int | None, recipe: Recipe, size: int | None, sizes: Mapping | None) -> int | None:
+def size_at(length: int | None, recipe: Recipe, size: int | None, sizes: Mapping[int | None, int] | None) -> int | None:
     """Training samples at sequence length `length`: as given, else the main length's data cut at `length`."""
     if sizes is not None and length in sizes:
         return sizes[length]
@@ -110,6 +114,7 @@ def _per_step(segment: Segment, unit: str) -> float:
         return segment.effective_batch / (segment.paper_effective_batch or segment.effective_batch)
     if unit == "samples":
         return segment.effective_batch
+    assert segment.sequence_length is not None, "a length in tokens needs batch.sequence_length (the recipe's rule)"
     return segment.effective_batch * segment.sequence_length
 
 
@@ -139,9 +144,9 @@ def lengths_to_steps(segments: list[Segment], length: Length, what: str, warning
             if message not in warnings:
                 warnings.append(message)
             return None
-        last = segment.steps is None or index == len(segments) - 1
-        if last or remaining <= segment.steps * _per_step(segment, unit):
-            return segment.start_step + _count(segment, unit, remaining, what)
+        if segment.steps is None or index == len(segments) - 1 or remaining <= segment.steps * _per_step(segment, unit):
+            counted = _count(segment, unit, remaining, what)  # (not None: epochs with a known size, checked above)
+            return None if counted is None else segment.start_step + counted
         remaining -= segment.steps * _per_step(segment, unit)
     return None
 
@@ -183,7 +188,9 @@ def epochs_done(segments: list[Segment], step: int, world_size: int, drop_last: 
     """The epochs of data read once optimizer step `step` (0-based) is done: of the whole data for a plan without
     batch phases (its windows over the epoch's), of the step's sequence length's data with them (samples read)."""
     if batch_phase(segments, step) is None:
-        return (step + 1) / segments[0].steps_per_epoch
+        per_epoch = segments[0].steps_per_epoch
+        assert per_epoch is not None, "a run reads data of a known size"
+        return (step + 1) / per_epoch
     where = stream_window(segments, step, world_size, drop_last)
     return where.epoch + (where.offset + where.size) / where.dataset_size
 
@@ -212,7 +219,8 @@ def segment_lr(segments: list[Segment], main: StepSchedule, main_factor: float, 
     A segment whose batch is not the paper's multiplies the schedule it continues by its own factor over that
     schedule's (`main_factor` for the recipe's schedule, the owning phase's for a phase's own)."""
     owner = schedule_owner(segments, step)
-    schedule, factor = (owner.schedule, owner.lr_factor) if owner is not None else (main, main_factor)
+    schedule, factor = (owner.schedule, owner.lr_factor) if owner is not None and owner.schedule is not None else (
+        main, main_factor)
     value = schedule.lr_at(step)
     segment = segment_at(segments, step)
     if segment.lr_factor != factor:
@@ -248,12 +256,14 @@ def stream_window(phases: list[Segment], step: int, world_size: int, drop_last: 
     phase = phases[index]
     epoch, offset, size = _window(epoch, offset, step - phase.start_step, phase.effective_batch,
                                   phase.dataset_size, world_size, drop_last)
+    assert phase.dataset_size is not None  # (_window refuses an unknown size)
     return StreamWindow(index, phase.sequence_length, epoch, offset, size, phase.dataset_size,
                         phase.effective_batch)
 
 
 @functools.lru_cache(maxsize=8)
-def _segment_starts(key: tuple, world_size: int, drop_last: bool) -> list[tuple[int, int]]:
+def _segment_starts(key: tuple[tuple[int, int | None, int, int | None, int | None], ...], world_size: int,
+                    drop_last: bool) -> list[tuple[int, int]]:
     """(epoch, offset) where each segment's stream stands before its first step: computed once per plan.
 
     The offset is where the last window of that length stopped reading; whether the rest of that epoch holds a

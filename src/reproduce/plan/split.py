@@ -33,6 +33,10 @@ OPTIMIZER_RULE_SOURCES = {
 }
 
 
+LrRule = Literal["exact", "linear", "sqrt", "none"]
+SplitPolicy = Literal["exact", "fast"]
+
+
 class Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -40,7 +44,7 @@ class Frozen(BaseModel):
 class Choice(Frozen):
     """One way to split the effective batch: micro-batch x accumulation x world size."""
 
-    policy: Literal["exact", "fast"]
+    policy: SplitPolicy
     micro_batch: int
     accumulation_steps: int
     world_size: int
@@ -55,7 +59,7 @@ class Choice(Frozen):
         return f"{self.micro_batch} x {self.accumulation_steps} x {self.world_size} = {self.effective_batch}"
 
 
-def split(recipe: Recipe, cap: int, world_size: int, policy: str) -> Choice:
+def split(recipe: Recipe, cap: int, world_size: int, policy: SplitPolicy) -> Choice:
     """A fixed batch's split: exact when the policy asks for it and it exists, otherwise the nearest batch."""
     exact = exact_choice(recipe, cap, world_size) if policy == "exact" else None
     return exact or fast_choice(recipe, cap, world_size)
@@ -78,17 +82,18 @@ def exact_choice(recipe: Recipe, cap: int, world_size: int) -> Choice | None:
 def fast_choice(recipe: Recipe, cap: int, world_size: int) -> Choice:
     """A micro-batch in [cap/2, cap] whose batch m x N x W is nearest the paper's (larger m on ties)."""
     paper_batch = recipe.batch.sequences
-    best = None
+    best: tuple[int, int, int] | None = None
     for micro in range(cap, max(1, cap // 2) - 1, -1):
         accumulation = max(1, round(paper_batch / (micro * world_size)))
         distance = abs(micro * accumulation * world_size - paper_batch)
         if best is None or distance < best[0]:
             best = (distance, micro, accumulation)
+    assert best is not None  # cap >= 1: the range holds at least one micro-batch
     _, micro, accumulation = best
     return choice(recipe, "fast", micro, accumulation, world_size)
 
 
-def choice(recipe: Recipe, policy: str, micro: int, accumulation: int, world_size: int) -> Choice:
+def choice(recipe: Recipe, policy: SplitPolicy, micro: int, accumulation: int, world_size: int) -> Choice:
     """The split micro x accumulation x world_size of the recipe's batch, with its LR rule's factor."""
     effective = micro * accumulation * world_size
     factor = effective / recipe.batch.sequences
@@ -101,8 +106,9 @@ def choice(recipe: Recipe, policy: str, micro: int, accumulation: int, world_siz
     )
 
 
-def lr_rule(recipe: Recipe, exact: bool) -> tuple[str, str]:
+def lr_rule(recipe: Recipe, exact: bool) -> tuple[LrRule, str]:
     """The LR rule a split takes (exact, linear, sqrt, none) and its source."""
+    rule: LrRule
     if exact:
         rule = "exact"
     elif recipe.scaling_rule == "auto":

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from ..errors import UserError
 
@@ -19,7 +20,7 @@ from ..errors import UserError
 class UniqueKeyLoader(yaml.SafeLoader):
     """`yaml.SafeLoader` that refuses a key given twice in one mapping (YAML would keep the last silently)."""
 
-    def construct_mapping(self, node, deep=False):
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
@@ -31,7 +32,7 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def read_yaml(path: str | Path, what: str = "recipe") -> dict:
+def read_yaml(path: str | Path, what: str = "recipe") -> dict[str, Any]:
     """A mapping from a YAML file, read with `yaml.safe_load` only; errors name the line and column."""
     path = Path(path)
     if not path.is_file():
@@ -124,7 +125,7 @@ def is_union_tag(part: Any) -> bool:
     return isinstance(part, str) and ("[" in part or part in ("list", "tuple", "dict", "int", "float", "str"))
 
 
-def error_message(error: dict, root: type[BaseModel]) -> str:
+def error_message(error: ErrorDetails, root: type[BaseModel]) -> str:
     """The message of one pydantic error, in the words a recipe's author reads (without the path)."""
     kind, ctx, got = error["type"], error.get("ctx", {}), error.get("input")
     loc = [str(part) for part in error["loc"] if not is_union_tag(part)]

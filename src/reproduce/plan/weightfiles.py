@@ -17,7 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -38,7 +38,7 @@ class WeightsOnDisk:
 
     path: Path
     files: tuple[Path, ...]  # the weight files (a folder's shards, or the one file)
-    config: dict | None = None  # a folder's config.json
+    config: dict[str, Any] | None = None  # a folder's config.json
     index: Path | None = None  # a sharded folder's index
 
     @property
@@ -105,7 +105,7 @@ def _shards(index: Path, field: str) -> tuple[Path, ...]:
     return tuple(index.parent / name for name in names)
 
 
-def safetensors_header(path: Path) -> dict:
+def safetensors_header(path: Path) -> dict[str, Any]:
     """A .safetensors file's header: {name: {dtype, shape, data_offsets}} (and __metadata__), read without torch."""
     with open(path, "rb") as handle:
         head = handle.read(8)
@@ -115,7 +115,8 @@ def safetensors_header(path: Path) -> dict:
         if length > 100_000_000:
             raise UserError(f"model.weights: {path}: not a safetensors file (header length {length})")
         try:
-            return json.loads(handle.read(length))
+            header: dict[str, Any] = json.loads(handle.read(length))
+            return header
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise UserError(f"model.weights: {path}: not a safetensors file (its header is not JSON)") from None
 
@@ -152,7 +153,7 @@ def _file_summary(path: Path) -> bytes:
 
 
 @lru_cache(maxsize=16)
-def _fingerprint(path: str, stamp: tuple) -> str:
+def _fingerprint(path: str, stamp: tuple[object, ...]) -> str:
     weights = inspect(path)
     digest = hashlib.sha256()
     for extra in ((weights.path / "config.json",) if weights.is_folder else ()) + ((weights.index,) if
@@ -202,7 +203,7 @@ class WeightsRecord(BaseModel):
                 f"{format_size(self.bytes)}, fingerprint {self.fingerprint}")
 
 
-def record(path: str, builtin_config: dict | None = None, vocab_size: int | None = None) -> WeightsRecord:
+def record(path: str, builtin_config: dict[str, Any] | None = None, vocab_size: int | None = None) -> WeightsRecord:
     """The record of the weights at `path`; `builtin_config`: the recipe's built-in configuration, to name what a
     folder's config changes of it; `vocab_size`: the recipe's model.kwargs', which widens a folder's embeddings."""
     weights = inspect(path)

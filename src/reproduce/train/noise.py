@@ -107,6 +107,7 @@ class NoiseScale:
     def __init__(self, setup: Any, ema: float = EMA_FACTOR, hooked_share: float = HOOKED_SHARE):
         self.setup, self.ema, self.hooked_share = setup, ema, hooked_share
         self.dataset_size = len(setup.data["train"])
+        self.population: float | None = None  # the training set in items (tokens for a language model)
         self.window: Window | None = None
         self.sink = None  # the running window's `parameters.append`: the hooks' one attribute to look up
         self.grad_sq = self.trace = 0.0  # EMA sums (not bias-corrected: the ratio cancels the correction)
@@ -139,6 +140,7 @@ class NoiseScale:
         """Before the window's first backward: this rank's items per micro-batch, and the window's items and
         samples over all ranks (items per sample x the training set's samples = its items, for token counts)."""
         population = self.dataset_size * count / samples if samples else None
+        self.population = population or self.population
         self.window = Window(list(counts), count, population)
         # The first micro-batches' summed gradient is what `.grad` holds right after their backward passes, when
         # `.grad` starts empty (the run zeroes it with set_to_none): one fused norm then, no hooks. The last
@@ -258,11 +260,13 @@ MIN_VERDICT_STEPS = 10
 
 
 def summarise(records: list[dict], total_steps: int, task: str, ema: float = EMA_FACTOR,
-              reason: str | None = None, warmup_steps: int = 0, diverged: dict | None = None) -> dict:
+              reason: str | None = None, warmup_steps: int = 0, diverged: dict | None = None,
+              train_size: int | None = None) -> dict:
     """summary.json's `noise_scale`: its value at the end, over the last tenth of the run, and the sentence
     (`reason`: why the run could not measure it, already said at its start). `verdict_from` names the figure the
     sentence used (`last_tenth` or `final`); the verdict is `withheld` (with the reason) when the run ended inside
     its warm-up (`warmup_steps`), measured too few steps (MIN_VERDICT_STEPS), or diverged (`diverged`).
+    `train_size` (the training set, in the same unit) bounds any larger batch the sentence speaks of.
 
     `last_tenth` is the ratio of the mean tr(Sigma) and |G|^2 estimates over the steps of the last tenth of the
     run (the paper's ratio of averages, equally weighted), read from metrics.jsonl so that a resumed run counts
@@ -290,6 +294,7 @@ def summarise(records: list[dict], total_steps: int, task: str, ema: float = EMA
         "small_batch": mean("noise_b_small", tenth or steps),
         "measured_steps": len(steps),
         "ema_factor": ema,
+        "train_size": train_size,
     }
     if last_tenth is not None and len(tenth) >= MIN_VERDICT_STEPS:
         summary["verdict_from"] = "last_tenth"
@@ -346,9 +351,16 @@ def sentence(summary: dict) -> str:
         return (f"{head}: past the critical batch; by McCandlish et al. 2018 it takes ~{_number(steps)}x the fewest "
                 f"optimizer steps but ~{_number(data)}x the fewest {unit}: {unit} beyond ~{_number(noise)} per step "
                 "buy little")
+    train_size = summary.get("train_size")
+    if ratio < 0.5 and train_size and batch >= train_size / 2:  # no batch twice this one exists in the data
+        return (f"{head}: below the critical batch, but the training set holds only {_number(train_size)} {unit}: "
+                f"no batch much larger than this one exists in it (the whole set is "
+                f"{_number(train_size / batch)}x this batch)")
     if ratio < 0.5:
-        return (f"{head}: below the critical batch; by McCandlish et al. 2018 a larger batch would still cut the "
-                f"optimizer steps almost in proportion (this one takes ~{_number(steps)}x the fewest steps, "
+        larger = (f", up to the training set's {_number(train_size)} {unit}," if train_size and noise > train_size
+                  else "")
+        return (f"{head}: below the critical batch; by McCandlish et al. 2018 a larger batch{larger} would still cut "
+                f"the optimizer steps almost in proportion (this one takes ~{_number(steps)}x the fewest steps, "
                 f"~{_number(data)}x the fewest {unit})")
     return (f"{head}: near the critical batch, McCandlish et al. 2018's balance of steps and {unit} "
             f"(~{_number(steps)}x the fewest optimizer steps, ~{_number(data)}x the fewest {unit})")

@@ -17,12 +17,15 @@ from ..errors import UserError
 from ..probe.peaks import identify, on_card, peaks_of, precision_key
 from ..timing.prediction import mfu
 
-FIELDS = ("samples_per_second", "tokens_per_second", "flops_per_second", "mfu")
+FIELDS = ("samples_per_second", "tokens_per_second", "useful_tokens_per_second", "flops_per_second", "mfu")
 
 
 class StepRates:
     def __init__(self, plan, setup, world_size: int):
         self.sequence_length = plan.recipe.batch.sequence_length
+        # variable-length text: the input tokens of the sample the FLOPs were counted on (the longest), so a step's
+        # FLOPs are those of the tokens it computed (padding included), not of every sample at the longest's
+        self.counted_length: int | None = None
         self.world_size = world_size
         self.notes: list[str] = []
         self.flops = None
@@ -63,11 +66,16 @@ class StepRates:
         samples = record["samples"] / seconds
         length = record.get("sequence_length") or self.sequence_length  # batch phases: this step's length
         flops = None
-        if self.flops is not None:  # another length than the counted one: its FLOPs in proportion (per token)
+        computed = record.get("padded_tokens")
+        if self.flops is not None and computed and self.counted_length:  # the tokens computed, at FLOPs per token
+            flops = computed / seconds * self.flops.per_sample / self.counted_length
+        elif self.flops is not None:  # another length than the counted one: its FLOPs in proportion (per token)
             flops = samples * self.flops.per_sample * (length / self.sequence_length if length else 1)
         fields = {"samples_per_second": round(samples, 4)}
         if length:  # token batches only
             fields["tokens_per_second"] = round(samples * length, 2)
+        if record.get("useful_tokens") is not None:  # variable-length text: input tokens, padding left out
+            fields["useful_tokens_per_second"] = round(record["useful_tokens"] / seconds, 2)
         value = mfu(flops, self.world_size, self.peak)
         fields["flops_per_second"] = round(flops, 1) if flops is not None else None
         fields["mfu"] = round(value, 6) if value is not None else None

@@ -31,6 +31,7 @@ def step_record(run: Run, step: int, batch: StepBatch, lr: float, result: StepRe
         "items": result.count,
         "micro_batch": run.micro_batch(step),
         "accumulation_steps": accumulation,
+        "micro_batches": accumulation,
         "world_size": world.size,
         "partial": partial,
         "skipped": not result.finite,
@@ -38,6 +39,9 @@ def step_record(run: Run, step: int, batch: StepBatch, lr: float, result: StepRe
         "data_seconds": round(clock.seconds, 6),
         "peak_memory_bytes": peak_memory(run.setup.device),
     }
+    tokens = run.window_tokens(step)
+    if tokens is not None:  # input tokens, and those computed with padding, over every rank (data/packing.py)
+        record["useful_tokens"], record["padded_tokens"] = tokens
     record.update(run.rates.fields(record))
     slow_loader = run.watch.update(step + 1, clock.seconds, record["seconds"])
     if slow_loader and main:
@@ -89,8 +93,14 @@ def run_summary(run: Run, elapsed: float) -> dict:
         records = read_metrics(run.out / "metrics.jsonl")
         if run.options.noise_scale:
             summary["noise_scale"] = summarise(records, run.total, plan.recipe.task, reason=run.unmeasured,
-                                               warmup_steps=plan.warmup_steps, diverged=divergence.diverged)
+                                               warmup_steps=plan.warmup_steps, diverged=divergence.diverged,
+                                               train_size=run.noise.population if run.noise else None)
         summary["throughput"] = run.rates.summary(records)  # medians of each step's rates
+        padded = sum(r.get("padded_tokens", 0) for r in records if "step" in r and "event" not in r)
+        if padded:
+            useful = sum(r.get("useful_tokens", 0) for r in records if "step" in r and "event" not in r)
+            summary["packing"] = run.plan.recipe.data.packing or "none"
+            summary["padding_fraction"] = round(1 - useful / padded, 6)
     return summary
 
 

@@ -11,6 +11,7 @@ import torch
 
 from ..data.batches import DataClock, LazyMicroBatch
 from ..data.loader import LoaderWatch, MicroBatchStream, fetch_seeded
+from ..data.packing import Grouping, computed_tokens
 from ..plan.planner import Plan
 from .distributed import World
 from .divergence import DivergenceWatch
@@ -21,7 +22,7 @@ from .rates import StepRates
 from .reporter import Reporter
 from .resume import Resumed
 from .setup import Setup
-from .windows import micro_batch_at, window
+from .windows import grouped_window, micro_batch_at, rank_shares, window
 
 
 @dataclass
@@ -51,6 +52,8 @@ class Run:
         "samples": 0, "tokens": 0, "partial_windows": 0, "skipped_nonfinite": 0, "out_of_memory": 0})
     last_record: dict = field(default_factory=dict)
     stream: MicroBatchStream | None = None
+    grouping: Grouping | None = None  # data.packing sorted / packed (data/packing.py)
+    lengths: torch.Tensor | None = None  # each sample's input tokens, when the data has them (text)
 
     @property
     def seed(self) -> int:
@@ -78,7 +81,22 @@ class Run:
     def windows(self, step: int) -> tuple[list[torch.Tensor], bool]:
         """This rank's micro-batches of `step`, and whether the window is partial: the loop and the loader's
         sampler both follow this one function."""
-        return window(self.plan, self.size, step, self.seed, self.setup.rank, self.micro_batch(step))
+        return window(self.plan, self.size, step, self.seed, self.setup.rank, self.micro_batch(step), self.grouping)
+
+    def window_tokens(self, step: int) -> tuple[int, int] | None:
+        """(input tokens, tokens computed with padding) of step `step`'s window over every rank, when the data has
+        lengths."""
+        if self.lengths is None:
+            return None
+        shares, _, _ = rank_shares(self.plan, step, self.seed)
+        micro_batch = self.micro_batch(step)
+        if self.grouping is None:
+            groups = [list(torch.split(share, micro_batch)) for share in shares]
+        else:
+            groups = grouped_window(shares, self.grouping, micro_batch)
+        way, row = (self.grouping.way, self.grouping.row) if self.grouping else ("none", 0)
+        useful = sum(int(self.lengths[share].sum()) for share in shares)
+        return useful, sum(computed_tokens(g, self.lengths, way, row) for rank in groups for g in rank)
 
     def open_stream(self, step: int) -> MicroBatchStream:
         self.stream = MicroBatchStream(self.train_set, lambda at: self.windows(at)[0], step, self.total,

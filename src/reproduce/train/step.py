@@ -74,7 +74,9 @@ def window_counts(loss_fn: Any, micro_batches: list) -> tuple[list[int], int]:
     if counted is not None:
         return counted
     targets = [_targets(micro_batch) for micro_batch in micro_batches]
-    return [loss_fn.count(t) for t in targets], sum(len(t) for t in targets)
+    lazy = all(isinstance(m, LazyMicroBatch) for m in micro_batches)  # its samples: a packed row holds several
+    samples = sum(len(m.indices) for m in micro_batches) if lazy else sum(len(t) for t in targets)
+    return [loss_fn.count(t) for t in targets], samples
 
 
 def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None = None) -> StepResult:

@@ -20,7 +20,9 @@ import torch
 from ..data.batches import DataClock
 from ..data.lengths import training_set
 from ..data.loader import LoaderWatch, cpu_share, default_workers
+from ..data.packing import Grouped, grouping_of, sample_lengths
 from ..errors import Interrupted, TrainingStopped, UserError
+from ..models.hf import check_packed
 from ..models.trained import check_merged, peft_model, save_adapter, save_merged
 from ..plan.planfile import save_plan
 from ..plan.planner import Plan
@@ -201,6 +203,7 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     # batch phases of other sequence lengths read the same data cut at their length (data/lengths.py)
     train_set = training_set(plan.recipe, setup.data["train"], list(length_sizes(plan.segments)))
     size = check_training_set(plan, train_set)
+    train_set, grouping, lengths = group_training_set(plan, setup, train_set)
     max_steps = options.max_steps
     total = plan.optimizer_steps if max_steps is None else min(max_steps, plan.optimizer_steps)
     noise = NoiseScale(setup) if options.noise_scale and not setup.sharded else None
@@ -209,6 +212,7 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     # the model FLOPs of a sample, counted once (train/rates.py); before anything is written, as a forward whose
     # output no loss takes is refused there
     rates = StepRates(plan, setup, world.size)
+    rates.counted_length = int(lengths.max()) if lengths is not None and len(lengths) else None
     if world.is_main:
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -239,9 +243,28 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     setup.model.train()
     workers = default_workers(train_set) if options.workers is None else options.workers
     run = Run(plan, out, options, world, setup, reporter, train_set, size, total, resumed, noise, metrics, rates,
-              unmeasured, earlier, divergence, workers, LoaderWatch(workers), started, last_checkpoint)
+              unmeasured, earlier, divergence, workers, LoaderWatch(workers), started, last_checkpoint,
+              grouping=grouping, lengths=lengths)
     run.last_record = last_record(out, resumed.state, resumed.first_step)  # (a resume at the last step: the end's)
     return run
+
+
+def group_training_set(plan: Plan, setup, train_set) -> tuple:
+    """data.packing sorted / packed: the training set as those micro-batches collate it, the grouping, and each
+    sample's input tokens (also kept for text with `none`, for the padding the metrics count)."""
+    grouping = grouping_of(plan.recipe, train_set, plan.micro_batch)
+    if grouping is None:
+        lengths = None
+        if plan.recipe.task == "language-modeling" and (hasattr(train_set, "input_lengths")
+                                                          or isinstance(train_set, (list, tuple))):
+            try:
+                lengths = sample_lengths(train_set)
+            except UserError:  # not token sequences: no padding to count
+                lengths = None
+        return train_set, None, lengths
+    if grouping.way == "packed":  # attention confined to each sample, or one line before any step
+        check_packed(setup.core, setup.device)
+    return Grouped(train_set, grouping), grouping, grouping.lengths
 
 
 def cpu_compute(run: Run) -> Callable[[], None]:

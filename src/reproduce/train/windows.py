@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..data.packing import Grouping, balance, group
 from ..plan.planner import Plan
 from ..plan.segments import batch_phase, epochs_done, length_sizes, segment_at, stream_window
 
@@ -67,25 +68,41 @@ def _order(size: int, epoch: int, seed: int, shuffle: bool) -> torch.Tensor:
     return torch.randperm(size, generator=generator)
 
 
-def window(plan: Plan, size: int, step: int, seed: int, rank: int = 0,
-           micro_batch: int | None = None) -> tuple[list[torch.Tensor], bool]:
+def window(plan: Plan, size: int, step: int, seed: int, rank: int = 0, micro_batch: int | None = None,
+           grouping: Grouping | None = None) -> tuple[list[torch.Tensor], bool]:
     """This rank's micro-batches (index tensors) for optimizer step `step`, and whether the window is partial.
 
     The window is the step's slice of its sequence length's stream of data (plan/segments.py): the same slice of the
     epoch's order whatever the micro-batch or world size, so a run that changes either (out of memory, resume
     elsewhere) still takes the same samples into each optimizer step. With batch phases of several sequence lengths
     the indices are into `data.lengths.ByLength`. `size` is the training set's (the plan's segments know it).
+    With `grouping` (data.packing sorted or packed) the same share is grouped by length instead (data/packing.py).
     """
+    shares, partial, planned = rank_shares(plan, step, seed)
+    micro_batch = micro_batch or planned
+    if grouping is not None:
+        return grouped_window(shares, grouping, micro_batch)[rank], partial
+    return list(torch.split(shares[rank], micro_batch)), partial
+
+
+def grouped_window(shares: list[torch.Tensor], grouping: Grouping, micro_batch: int) -> list[list[torch.Tensor]]:
+    """Every rank's micro-batches of its share, grouped by length, as many on each rank (data/packing.py)."""
+    budget = grouping.budget_at(micro_batch)
+    return balance([group(share, grouping, budget) for share in shares])
+
+
+def rank_shares(plan: Plan, step: int, seed: int) -> tuple[list[torch.Tensor], bool, int]:
+    """Every rank's sample indices of optimizer step `step`'s window, whether the window is partial, and the
+    micro-batch its segment plans."""
     segments = plan.segments
     where = stream_window(segments, step, plan.world_size, plan.recipe.data.drop_last)
     base = length_offsets(length_sizes(segments))[where.sequence_length]
     order = epoch_order(plan, where.dataset_size, where.epoch, seed)
     indices = order[where.offset : where.offset + where.size] + base
     per_rank = where.effective_batch // plan.world_size
-    mine = torch.tensor_split(indices, plan.world_size)[rank] if where.partial else (
-        indices[rank * per_rank : (rank + 1) * per_rank]
-    )
-    return list(torch.split(mine, micro_batch or segments[where.phase].micro_batch)), where.partial
+    shares = list(torch.tensor_split(indices, plan.world_size)) if where.partial else [
+        indices[rank * per_rank : (rank + 1) * per_rank] for rank in range(plan.world_size)]
+    return shares, where.partial, segments[where.phase].micro_batch
 
 
 def smaller_micro_batch(per_rank_batch: int, micro_batch: int) -> int | None:
@@ -95,3 +112,28 @@ def smaller_micro_batch(per_rank_batch: int, micro_batch: int) -> int | None:
         if per_rank_batch % candidate == 0:
             return candidate
     return None
+
+
+def grouping_table(plan: Plan, lengths: torch.Tensor, budget: int | None, seed: int, steps: int = 32) -> dict:
+    """For each way (data/packing.py), over the first `steps` windows of the plan (every rank's): micro-batches per
+    rank and window (mean) and the padding fraction; what `plan --data` prints for text with lengths. `budget`:
+    data.token_budget, else the micro-batch x the longest example."""
+    from ..data.packing import WAYS, Grouping, computed_tokens
+
+    longest = int(lengths.max())
+    budget = budget or plan.micro_batch * longest  # the probe's micro-batch is m copies of the longest: T's shape
+    table = {"token_budget": budget, "longest": longest, "given": budget != plan.micro_batch * longest,
+             "windows": min(steps, plan.optimizer_steps)}
+    for way in WAYS:
+        grouping = None if way == "none" else Grouping(way, budget, longest, lengths, plan.micro_batch)
+        micro_batches = useful = computed = 0
+        for step in range(table["windows"]):
+            shares, _, micro = rank_shares(plan, step, seed)
+            groups = (grouped_window(shares, grouping, micro) if grouping else
+                      [list(torch.split(share, micro)) for share in shares])
+            micro_batches += len(groups[0])
+            useful += sum(int(lengths[share].sum()) for share in shares)
+            computed += sum(computed_tokens(g, lengths, way, longest) for rank in groups for g in rank)
+        table[way] = {"micro_batches": round(micro_batches / max(table["windows"], 1), 2),
+                      "padding_fraction": round(1 - useful / computed, 4) if computed else None}
+    return table

@@ -27,15 +27,17 @@ from ..data import build_data
 from ..data.batches import to_device
 from ..data.lengths import training_set
 from ..data.loader import fetch_seeded
+from ..data.packing import Grouped, Grouping, computed_tokens, grouping_of
 from ..errors import UserError
 from ..models import build_model, has_batchnorm
+from ..models.hf import check_packed
 from ..plan.planner import Plan
 from ..plan.segments import length_sizes
 from ..plan.units import available_host_memory
 from ..train.losses import PixelLoss, build_loss
 from ..train.setup import Setup, resolve_device
 from ..train.step import optimizer_step
-from ..train.windows import epoch_order, window
+from ..train.windows import epoch_order, grouped_window, window
 
 DTYPES = ("float64", "float32", "bf16", "fp16")
 # Default tolerances on the relative error: float64 rounding of a sum in another order is ~1e-16; float32
@@ -202,17 +204,20 @@ def verify(
     checked = plan.model_copy(update={"recipe": recipe.model_copy(update={"precision": precision})})
 
     # The samples: one effective batch (every rank's micro-batches of optimizer step 0), or the first K of
-    # epoch 0's order, in micro-batches of the plan's size.
+    # epoch 0's order, in micro-batches of the plan's size, or grouped by length (data.packing: data/packing.py).
+    grouping = grouping_of(recipe, train_set, plan.micro_batch)
     if samples is None:
         if not plan.steps_per_epoch or plan.dataset_size != size:
             per_epoch = max(1, size // plan.effective_batch)
             checked = checked.model_copy(update={"dataset_size": size, "steps_per_epoch": per_epoch})
-        indices = [i for rank in range(plan.world_size) for i in window(checked, size, 0, seed, rank)[0]]
+        indices = [i for rank in range(plan.world_size) for i in window(checked, size, 0, seed, rank,
+                                                                         grouping=grouping)[0]]
     else:
         if samples > size:
             raise UserError(f"--samples: {samples} exceeds the {size} samples of the training set")
         order = epoch_order(checked, size, 0, seed)[:samples]
-        indices = list(torch.split(order, plan.micro_batch))
+        indices = (grouped_window([order], grouping, plan.micro_batch)[0] if grouping else
+                   list(torch.split(order, plan.micro_batch)))
     total_samples = sum(len(i) for i in indices)
 
     torch.manual_seed(seed)
@@ -233,7 +238,13 @@ def verify(
     def fetch(indices: torch.Tensor) -> tuple[Any, Any]:  # as the run's loader fetches (augmentation seeded)
         return fetch_seeded(train_set, indices, seed)
 
-    micro_batches = [to_device(fetch(i), torch_device, param_dtype) for i in indices]
+    grouped = train_set
+    if grouping is not None:  # sorted / packed micro-batches against the same samples unpacked in the reference
+        if grouping.way == "packed":
+            check_packed(model, torch_device)
+        grouped = Grouped(train_set, grouping)
+        notes.append(packing_note(grouping, indices))
+    micro_batches = [to_device(fetch_seeded(grouped, i, seed), torch_device, param_dtype) for i in indices]
     if isinstance(setup.loss, PixelLoss):  # what the window's count normalises: each micro-batch's valid pixels
         counts = [setup.loss.count(target) for _, target in micro_batches]
         what = ("pixels (every one: data.loss_pixels all)" if setup.loss.all_pixels
@@ -241,7 +252,7 @@ def verify(
         notes.append(f"{what} per micro-batch: {', '.join(map(str, counts))}; every one is divided by the window's "
                      f"{sum(counts)}")
     recomputed = None
-    if recipe.model.activation_checkpointing:  # the same masks in the recomputation (dropout on): recompute_check.py
+    if recipe.model.activation_checkpointing:  # the same masks in the recomputation (dropout on): recomputation_error
         from .recomputation import recomputation_error
 
         recomputed = recomputation_error(checked, data, micro_batches, torch_device, param_dtype, seed,
@@ -325,6 +336,13 @@ def verify(
         notes=notes,
         parameters=rows,
     )
+
+
+def packing_note(grouping: Grouping, indices: list[torch.Tensor]) -> str:
+    """What the grouped micro-batches hold: samples and tokens computed of each."""
+    sizes = ", ".join(f"{len(i)}/{computed_tokens(i, grouping.lengths, grouping.way, grouping.row)}" for i in indices)
+    return (f"data.packing {grouping.way}, token budget {grouping.budget}: micro-batches of samples/tokens computed "
+            f"{sizes}; the reference takes the same samples unpacked, padded to the longest")
 
 
 def quantized_note(model: nn.Module, quantize: str, dtype: str, param_dtype: torch.dtype, device: torch.device) -> str:

@@ -1,0 +1,194 @@
+"""How a window's samples are grouped into micro-batches (`data.packing`): none, sorted, packed.
+
+The window itself never changes: an optimizer step takes exactly the samples the unpacked plan draws for it (same
+sampler, same order, the paper's effective batch in samples, the same share on each rank: train/windows.py); only
+their grouping does, and the loss stays normalised by the window's target tokens (train/step.py), so the
+accumulated gradient is the large batch's whatever the grouping.
+
+- none: the plan's fixed micro-batch of m samples, padded to its longest;
+- sorted: the rank's share ordered by length (longest first) and cut into micro-batches of at most T tokens
+  (rows x longest row), padded within each: any attention implementation;
+- packed: the share packed first-fit-decreasing into rows as long as the data's longest example, T // that rows per
+  micro-batch, with position ids restarting at each sample, so that transformers confines attention to each sample
+  (masking_utils.find_packed_sequence_indices: a 2D attention mask None, no cache); no padding inside a row.
+
+T, the token budget, is `data.token_budget`, by default the plan's micro-batch x the longest example: what the fixed
+micro-batch was sized for, so either way fits where `none` did (rows of the longest example: the attention's memory,
+quadratic in the row with a dense mask, stays the unpacked micro-batch's).
+
+The micro-batches of a window number alike on every rank (DDP and FSDP reduce on the last one): a rank whose share
+groups into fewer splits its largest micro-batch, and, when it has fewer samples than micro-batches to run (a partial
+window), runs empty ones (one padding token, no target: no loss, no gradient, the same collectives).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import UserError
+from .batches import IGNORE_INDEX, collate
+
+WAYS = ("none", "sorted", "packed")
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """How `window` groups a rank's share: the way, the token budget T per micro-batch at the plan's micro-batch,
+    the row length of `packed`, and each training sample's input tokens."""
+
+    way: str
+    budget: int
+    row: int
+    lengths: torch.Tensor
+    micro_batch: int  # the plan's: a micro-batch lowered after an out-of-memory error lowers T in proportion
+
+    def budget_at(self, micro_batch: int) -> int:
+        return max(1, self.budget * micro_batch // self.micro_batch)
+
+
+def sample_lengths(dataset: Any) -> torch.Tensor:
+    """Each sample's input tokens: from the lengths tokenised text indexed once, else from its items' inputs."""
+    input_lengths = getattr(dataset, "input_lengths", None)
+    if input_lengths is not None:
+        return input_lengths()
+    lengths = []
+    for index in range(len(dataset)):
+        inputs = dataset[index][0]
+        if not isinstance(inputs, torch.Tensor) or inputs.ndim != 1:
+            raise UserError(f"data.packing: the training data ({type(dataset).__name__}) has no lengths to group by "
+                            "(its samples are not token sequences); packing is for text: use data.packing: none")
+        lengths.append(len(inputs))
+    return torch.tensor(lengths, dtype=torch.long)
+
+
+def grouping_of(recipe: Any, dataset: Any, micro_batch: int) -> Grouping | None:
+    """The recipe's grouping for `dataset` (None with `none`); a token budget below the longest example is one line."""
+    way = recipe.data.packing or "none"
+    if way == "none":
+        return None
+    lengths = sample_lengths(dataset)
+    longest = int(lengths.max())
+    budget = recipe.data.token_budget or micro_batch * longest
+    if budget < longest:
+        index = int(torch.argmax(lengths))
+        raise UserError(f"data.token_budget: {budget} tokens is smaller than example {index}'s {longest} input tokens "
+                        "(after truncation to data.max_length); give at least that")
+    return Grouping(way, budget, longest, lengths, micro_batch)
+
+
+def group(indices: torch.Tensor, grouping: Grouping, budget: int) -> list[torch.Tensor]:
+    """One rank's share of a window, grouped into micro-batches of at most `budget` tokens (see the module)."""
+    if len(indices) == 0:
+        return []
+    own = grouping.lengths[indices]
+    order = torch.argsort(own, descending=True, stable=True)
+    if grouping.way == "sorted":
+        groups, start = [], 0
+        while start < len(order):
+            take = max(1, budget // int(own[order[start]]))  # rows x the longest row (the first: longest first)
+            groups.append(indices[order[start : start + take]])
+            start += take
+        return groups
+    rows: list[list[int]] = []  # first-fit decreasing: positions in `indices`
+    used: list[int] = []
+    for position in order.tolist():
+        length = int(own[position])
+        for row, filled in enumerate(used):
+            if filled + length <= grouping.row:
+                rows[row].append(position)
+                used[row] += length
+                break
+        else:
+            rows.append([position])
+            used.append(length)
+    per = max(1, budget // grouping.row)
+    return [indices[[p for row in rows[start : start + per] for p in row]] for start in range(0, len(rows), per)]
+
+
+def balance(shares: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """Every rank's micro-batches made as many as the most any rank has: split the largest, else add empty ones."""
+    target = max(len(groups) for groups in shares)
+    balanced = []
+    for groups in shares:
+        groups = list(groups)
+        while len(groups) < target:
+            largest = max(range(len(groups)), key=lambda i: len(groups[i]), default=None)
+            if largest is None or len(groups[largest]) < 2:
+                groups.append(torch.empty(0, dtype=torch.long))
+                continue
+            piece = groups.pop(largest)
+            half = (len(piece) + 1) // 2
+            groups[largest:largest] = [piece[:half], piece[half:]]
+        balanced.append(groups)
+    return balanced
+
+
+def computed_tokens(indices: torch.Tensor, lengths: torch.Tensor, way: str, row: int) -> int:
+    """Tokens a micro-batch computes, padding included: rows x its longest row."""
+    if len(indices) == 0:
+        return 1
+    own = lengths[indices].tolist()
+    if way != "packed":
+        return len(own) * max(own)
+    rows = next_fit(own, row)
+    return len(rows) * max(sum(own[i] for i in r) for r in rows)
+
+
+def next_fit(lengths: list[int], row: int) -> list[list[int]]:
+    """Positions in `lengths` cut into rows in order, a new row when the next does not fit: the rows `group` packed
+    (first-fit decreasing, flattened row by row: a row's first sample did not fit the fuller row before it)."""
+    rows: list[list[int]] = []
+    filled = row + 1
+    for position, length in enumerate(lengths):
+        if filled + length > row:
+            rows.append([])
+            filled = 0
+        rows[-1].append(position)
+        filled += length
+    return rows
+
+
+class Grouped(torch.utils.data.Dataset):
+    """The training set as `sorted` or `packed` micro-batches collate it: `batch(indices)` pads the samples to the
+    longest (sorted), or packs them into rows (packed: inputs are {input_ids, position_ids}); empty indices give one
+    padding token without a target. Items, lengths and target counts are the dataset's own."""
+
+    def __init__(self, dataset: Any, grouping: Grouping):
+        self.dataset, self.grouping = dataset, grouping
+        self.in_memory = getattr(dataset, "in_memory", isinstance(dataset, (list, tuple)))
+        if hasattr(dataset, "target_counts"):
+            self.target_counts = dataset.target_counts
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def batch(self, indices: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        packed = self.grouping.way == "packed"
+        if len(indices) == 0:
+            tokens = torch.zeros((1, 1), dtype=torch.long)
+            inputs = {"input_ids": tokens, "position_ids": torch.zeros_like(tokens)} if packed else tokens
+            return inputs, torch.full((1, 1), IGNORE_INDEX, dtype=torch.long)
+        items = [self.dataset[int(i)] for i in indices]
+        if not packed:
+            return collate(items)
+        rows = next_fit([len(inputs) for inputs, _ in items], self.grouping.row)
+        width = max(sum(len(items[i][0]) for i in row) for row in rows)
+        input_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, row in enumerate(rows):
+            start = 0
+            for i in row:
+                inputs, target = items[i]
+                end = start + len(inputs)
+                input_ids[r, start:end], targets[r, start:end] = torch.as_tensor(inputs), torch.as_tensor(target)
+                positions[r, start:end] = torch.arange(len(inputs))
+                start = end
+            positions[r, start:] = torch.arange(width - start)  # the padding: a segment of its own, no target
+        return {"input_ids": input_ids, "position_ids": positions}, targets

@@ -1,0 +1,33 @@
+"""`--packing` / `--token-budget`: how a window's samples group into micro-batches (pure Python, no torch).
+
+The ways themselves live in data/packing.py; here the options become `data.packing` / `data.token_budget`, checked
+as the recipe's fields are (`recipe.packing_problem`), so that a plan, a run and verify read them alike.
+"""
+
+from __future__ import annotations
+
+from ..errors import UserError
+from .recipe import Recipe, packing_problem
+
+
+def with_packing(recipe: Recipe, packing: str | None, token_budget: int | None = None) -> Recipe:
+    """`recipe` with `--packing` / `--token-budget` as data.packing / data.token_budget (the options override the
+    fields; model_copy skips the recipe's validators, so the fields' own check runs here)."""
+    if packing is None and token_budget is None:
+        return recipe
+    update: dict[str, object] = {"packing": packing or recipe.data.packing}
+    if token_budget is not None:
+        update["token_budget"] = token_budget
+    changed = recipe.model_copy(update={"data": recipe.data.model_copy(update=update)})
+    problem = packing_problem(changed)
+    if problem:
+        raise UserError(problem.replace("data.packing:", "--packing:", 1)
+                        .replace("data.token_budget:", "--token-budget:", 1))
+    return changed
+
+
+def with_grouping_of(recipe: Recipe, other: Recipe) -> Recipe:
+    """`recipe` with `other`'s data.packing and data.token_budget: a resumed run keeps the grouping it started with
+    (`--packing` may have set it; the windows' samples are the same either way)."""
+    return recipe.model_copy(update={"data": recipe.data.model_copy(update={
+        "packing": other.data.packing, "token_budget": other.data.token_budget})})
