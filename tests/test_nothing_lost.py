@@ -109,7 +109,7 @@ def test_resume_at_the_last_step_writes_a_lost_end_again(how, whole, tmp_path, c
 
 def test_the_end_of_a_run_leaves_no_temporaries(whole):
     names = {p.name for p in whole.rglob("*")}
-    assert not [n for n in names if n.endswith(".tmp") or n.startswith(".")], names
+    assert not [n for n in names if n.endswith(".tmp") or n.startswith(".") and n != ".reproduce.lock"], names
     assert json.loads((whole / "summary.json").read_text())["plot"].endswith("loss.png")
 
 
@@ -157,8 +157,8 @@ def test_reading_a_garbled_metrics_line_names_it(tmp_path):
 
 # ---- 3. one run per folder --------------------------------------------------------------------------------------
 
-HOLD = "import fcntl, os, sys, time; d = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(d, fcntl.LOCK_EX); " \
-       "print('held', flush=True); time.sleep(120)"
+HOLD = "import fcntl, os, sys, time; d = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.lockf(d, fcntl.LOCK_EX)" \
+       "; print('held', flush=True); time.sleep(120)"
 
 
 @pytest.mark.subprocess
@@ -167,13 +167,14 @@ def test_a_second_run_into_a_busy_folder_is_refused_until_the_first_is_gone(tmp_
     process is killed (SIGKILL: no clean-up of its own) the OS has released the lock and the run goes ahead."""
     out = tmp_path / "out"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out / ".reproduce.lock")], stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert holder.stdout.readline() == "held\n"
         code, stdout, err = run(capsys, tmp_path, out)
         assert code == 2 and err.strip().count("\n") == 0, err
         assert f"error: --out: another run is using {out.absolute()}" in err
-        assert list(out.iterdir()) == []
+        assert [p.name for p in out.iterdir()] == [".reproduce.lock"]
     finally:
         holder.kill()
         holder.wait()
@@ -266,7 +267,7 @@ def test_force_puts_the_previous_run_back_after_a_late_check(whole, tmp_path, ca
     code, _, err = cli(capsys, "run", tmp_path / "plan.yaml", "--out", out, *RUN, "--force")
     assert code == 2 and "does not match the training set" in err and err.count("\n") == 1, err
     assert snapshot(out) == before
-    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [".reproduce.lock"]
 
 
 def test_force_puts_the_previous_run_back_when_the_first_step_fails(whole, tmp_path):
@@ -290,7 +291,7 @@ def test_force_puts_the_previous_run_back_when_the_first_step_fails(whole, tmp_p
         with MemoryTracker(budget_bytes=tracker.peak - 512):
             trainer.train(the_plan, out, trainer.RunOptions(device="cpu", data=data, force=True))
     assert snapshot(out) == before
-    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [".reproduce.lock"]
 
 
 def test_force_replaces_the_previous_run_once_the_new_one_has_started(whole, tmp_path, capsys):
@@ -301,7 +302,7 @@ def test_force_replaces_the_previous_run_once_the_new_one_has_started(whole, tmp
     assert code == 0, err
     assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3]
     assert (out / "notes.txt").read_text() == "mine"  # not the run's: never touched
-    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [".reproduce.lock"]
 
 
 # ---- 6. write errors are one line ---------------------------------------------------------------------------------

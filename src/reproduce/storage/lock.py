@@ -1,15 +1,16 @@
 """One run per folder: an OS lock on `--out`, held by the process that owns the run for the whole run or resume.
 
-The lock is `flock` on the folder itself (no lock file to leave behind or to mistake for an output); the OS releases
-it when its holder exits, killed or not, so a dead run never blocks the next. The owner is the in-process run, or the
-`reproduce run --nproc-per-node` launcher for its whole life (its torchrun workers do not take it; with several
-nodes, node rank 0's launcher alone). Taking it again in the process that holds it is a no-op, so the CLI can take
-it before setting up and `train` again inside.
+The lock is a POSIX lock (`lockf`) on `--out/.reproduce.lock`; the OS releases it when its holder exits, killed or
+not, so a dead run never blocks the next (the lock file, left in place, is never taken for an output). The owner
+is the in-process run, or the `reproduce run --nproc-per-node` launcher for its whole life (its torchrun workers do
+not take it; with several nodes, node rank 0's launcher alone). Taking it again in the process that holds it is a
+no-op, so the CLI can take it before setting up and `train` again inside.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import tempfile
@@ -19,6 +20,7 @@ from pathlib import Path
 from ..errors import UserError
 from .files import WriteFailed
 
+LOCK_NAME = ".reproduce.lock"  # in --out; not an output, and never a reason to call the folder "not empty"
 _held: dict[Path, int] = {}  # folder -> how many holders in this process
 
 
@@ -37,25 +39,45 @@ def hold(out: str | Path) -> Iterator[None]:
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(out, os.O_RDONLY)
+        descriptor = _locked(out / LOCK_NAME)
     except OSError as error:
         raise UserError(f"--out: {WriteFailed(out, error)}") from None
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(descriptor)
-        raise UserError(f"--out: another run is using {out} (it holds the folder's lock); wait for it to end, "
-                        "or choose another folder") from None
+    if descriptor is None:
+        raise UserError(f"--out: another run is using {out} (it holds {LOCK_NAME}'s lock); wait for it to end, "
+                        "or choose another folder")
     _held[out] = 1
     try:
         check_writable(out)
         yield
     finally:
         del _held[out]
-        if created:
+        if created and [entry.name for entry in out.iterdir()] == [LOCK_NAME]:  # nothing was written
             with contextlib.suppress(OSError):
-                out.rmdir()  # only when empty: nothing was written
+                (out / LOCK_NAME).unlink()
+                out.rmdir()
         os.close(descriptor)  # (releases the lock)
+
+
+def _locked(path: Path) -> int | None:
+    """An open descriptor of `path` holding its POSIX lock, or None when another process holds it. A POSIX lock
+    belongs to the process: the DataLoader workers it forks do not hold it, so a run killed with SIGKILL frees the
+    folder at once, while its workers are still winding down (a flock would be theirs too)."""
+    while True:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            os.close(descriptor)
+            if error.errno in (errno.EACCES, errno.EAGAIN):
+                return None
+            raise
+        try:
+            same = os.stat(path).st_ino == os.fstat(descriptor).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:  # (not a file its holder removed while this process opened it)
+            return descriptor
+        os.close(descriptor)
 
 
 def check_writable(out: Path) -> None:

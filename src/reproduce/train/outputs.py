@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..storage.files import WriteFailed, check_torch_file, write_atomic
+from ..storage.lock import LOCK_NAME
 
 
 def check_out_dir(out: Path, resume: bool, force: bool) -> None:
@@ -20,7 +21,7 @@ def check_out_dir(out: Path, resume: bool, force: bool) -> None:
         if not (out / "checkpoints" / "last.pt").is_file():
             raise UserError(f"--resume: {out} has no checkpoints/last.pt to resume from")
         return
-    if out.is_dir() and any(out.iterdir()) and not force:
+    if out.is_dir() and any(entry.name != LOCK_NAME for entry in out.iterdir()) and not force:
         raise UserError(f"--out: {out} is not empty ({folder_holds(out)}); " + (
             "pass --resume to continue it, --force to overwrite its outputs, or choose another folder"
             if any((out / name).exists() for name in OUTPUTS) else
@@ -33,7 +34,7 @@ def folder_holds(out: Path) -> str:
     runs = [name for name in OUTPUTS if (out / name).exists()]
     if runs:
         return f"it holds another run: {', '.join(runs)}"
-    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in out.iterdir())
+    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in out.iterdir() if entry.name != LOCK_NAME)
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return f"it holds {shown}, not a run of reproduce"
 
