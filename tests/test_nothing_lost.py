@@ -109,7 +109,7 @@ def test_resume_at_the_last_step_writes_a_lost_end_again(how, whole, tmp_path, c
 
 def test_the_end_of_a_run_leaves_no_temporaries(whole):
     names = {p.name for p in whole.rglob("*")}
-    assert not [n for n in names if n.endswith(".tmp") or n.startswith(".") and n != ".reproduce.lock"], names
+    assert not [n for n in names if n.endswith(".tmp") or n.startswith(".")], names
     assert json.loads((whole / "summary.json").read_text())["plot"].endswith("loss.png")
 
 
@@ -267,7 +267,7 @@ def test_force_puts_the_previous_run_back_after_a_late_check(whole, tmp_path, ca
     code, _, err = cli(capsys, "run", tmp_path / "plan.yaml", "--out", out, *RUN, "--force")
     assert code == 2 and "does not match the training set" in err and err.count("\n") == 1, err
     assert snapshot(out) == before
-    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [".reproduce.lock"]
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
 
 
 def test_force_puts_the_previous_run_back_when_the_first_step_fails(whole, tmp_path):
@@ -291,7 +291,7 @@ def test_force_puts_the_previous_run_back_when_the_first_step_fails(whole, tmp_p
         with MemoryTracker(budget_bytes=tracker.peak - 512):
             trainer.train(the_plan, out, trainer.RunOptions(device="cpu", data=data, force=True))
     assert snapshot(out) == before
-    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [".reproduce.lock"]
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
 
 
 def test_force_replaces_the_previous_run_once_the_new_one_has_started(whole, tmp_path, capsys):
@@ -302,7 +302,7 @@ def test_force_replaces_the_previous_run_once_the_new_one_has_started(whole, tmp
     assert code == 0, err
     assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3]
     assert (out / "notes.txt").read_text() == "mine"  # not the run's: never touched
-    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [".reproduce.lock"]
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
 
 
 # ---- 6. write errors are one line ---------------------------------------------------------------------------------

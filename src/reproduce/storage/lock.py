@@ -1,7 +1,7 @@
 """One run per folder: an OS lock on `--out`, held by the process that owns the run for the whole run or resume.
 
 The lock is a POSIX lock (`lockf`) on `--out/.reproduce.lock`; the OS releases it when its holder exits, killed or
-not, so a dead run never blocks the next (the lock file, left in place, is never taken for an output). The owner
+not, so a dead run never blocks the next (a lock file a killed run leaves is never taken for an output). The owner
 is the in-process run, or the `reproduce run --nproc-per-node` launcher for its whole life (its torchrun workers do
 not take it; with several nodes, node rank 0's launcher alone). Taking it again in the process that holds it is a
 no-op, so the CLI can take it before setting up and `train` again inside.
@@ -51,10 +51,10 @@ def hold(out: str | Path) -> Iterator[None]:
         yield
     finally:
         del _held[out]
-        if created and [entry.name for entry in out.iterdir()] == [LOCK_NAME]:  # nothing was written
-            with contextlib.suppress(OSError):
-                (out / LOCK_NAME).unlink()
-                out.rmdir()
+        with contextlib.suppress(OSError):
+            (out / LOCK_NAME).unlink()  # before the lock goes: a process that opened it retries (`_locked`)
+            if created:
+                out.rmdir()  # only when empty: nothing was written
         os.close(descriptor)  # (releases the lock)
 
 
