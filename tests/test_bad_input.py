@@ -104,6 +104,25 @@ CASES = [
         ["error: {path}: YAML syntax error at line", "another document"],
     ),
     Case("top-level-list", "- batch\n- task\n", ["error: {path}: expected a mapping", "(got list)"]),
+    # ---- hostile or absurd recipes (issue 38): refused in bounded time and memory, values echoed short ----------
+    Case(
+        "alias-bomb",
+        "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+            f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+        + "batch: {effective: *i}\n",
+        ["error: {path}: its aliases (*name) expand to 9.26e+08 values, more than 100,000"],
+    ),
+    Case("nested-brackets", "batch: " + "[" * 5000 + "]" * 5000 + "\n",
+         ["error: {path}: line 1: nested more than 64 levels deep"]),
+    Case("long-value-echoed-short", mutate({"batch.effective": "x" * 5000}),
+         ["error: {path}: batch.effective: expected an integer (got 'xxxxxxxx", "...x')"]),
+    Case("lr-infinite", mutate({"optimizer.lr": float("inf")}),
+         ["error: {path}: optimizer.lr: Input should be a finite number (got inf)"]),
+    Case("effective-true", mutate({"batch.effective": True}),
+         ["error: {path}: batch.effective: expected a number (got True)"]),
+    Case("seed-past-64-bits", mutate({"seed": 2**64}), ["error: {path}: seed: must be <= 18446744073709551615"]),
+    Case("epochs-1e18", mutate({"schedule.total": {"epochs": 1e18}}),
+         ["error: {path}: schedule.total:", "optimizer steps; no run takes more than 1e+09"]),
     Case("top-level-string", '"a recipe"\n', ["error: {path}: expected a mapping", "(got str)"]),
     Case("empty-file", "", ["error: {path}: the file is empty; expected a recipe"]),
     Case("comments-only", "# nothing yet\n", ["error: {path}: the file is empty; expected a recipe"]),

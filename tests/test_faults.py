@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import random
@@ -128,6 +130,8 @@ def test_ctrl_c_to_the_process_group_with_workers_checkpoints_and_stops(tmp_path
 
 
 def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    from reproduce.errors import DiskFull
+
     recipe = parse_recipe(RECIPE)
     data = build_data(recipe)
     the_plan = plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
@@ -136,18 +140,20 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypat
     before = checkpoint.read_bytes()
     real_save = torch.save
 
-    def dies_halfway(state, path, *args, **kwargs):  # a crash in the middle of writing the new checkpoint
-        real_save(state, path, *args, **kwargs)
-        with open(path, "r+b") as handle:
-            handle.truncate(os.path.getsize(path) // 2)
-        raise OSError("No space left on device")
+    def dies_halfway(state, handle, *args, **kwargs):  # the disk fills in the middle of writing the new checkpoint
+        whole = io.BytesIO()
+        real_save(state, whole, *args, **kwargs)
+        handle.write(whole.getvalue()[: len(whole.getvalue()) // 2])
+        handle.write(b"")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(trainer.torch, "save", dies_halfway)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(DiskFull, match=r"last.pt: cannot write: No space left on device; .* --resume"):
         trainer.train(the_plan, tmp_path / "run", trainer.RunOptions(device="cpu", data=data, max_steps=6, resume=True,
                       checkpoint_every=1))
     assert checkpoint.read_bytes() == before
     assert torch.load(checkpoint, weights_only=True)["step"] == 4
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["last.pt"]  # no temporary left behind
 
 
 def test_non_finite_loss_stops_naming_the_step(tmp_path, capsys):

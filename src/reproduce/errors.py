@@ -27,6 +27,14 @@ class DoesNotFit(UserError):
 class TrainingStopped(Exception):
     """A run stopped for a reason that is not the user's input (a non-finite loss); its last checkpoint is kept."""
 
+    exit_code = 1
+
+
+class DiskFull(TrainingStopped):
+    """No space left on the device mid-run: what was written is whole, and the line says how to go on."""
+
+    exit_code = 3
+
 
 class Interrupted(TrainingStopped):
     """SIGINT or SIGTERM: the current optimizer step was finished and checkpointed before stopping."""

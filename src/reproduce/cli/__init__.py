@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(error.exit_code)
     except TrainingStopped as error:
         print(f"stopped: {error}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(error.exit_code)
     except TyperException as error:  # click's usage errors: bad option values, missing arguments
         print(f"error: {error.format_message()}", file=sys.stderr)
         sys.exit(error.exit_code)

@@ -10,8 +10,7 @@ import shlex
 from pathlib import Path
 
 from ..errors import UserError
-
-LAUNCHER_ENV = "REPRODUCE_LAUNCHED_WITH"  # torchrun's options, for the resume command its processes print
+from ..storage.lock import LAUNCHER_ENV  # torchrun's options, for the resume command its processes print
 
 
 def launcher_args(nproc_per_node: int, nnodes: int | str, node_rank: int, rdzv_endpoint: str | None) -> list[str]:

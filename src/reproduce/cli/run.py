@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -23,6 +24,8 @@ from ..plan.reported import reported_line
 from ..plan.resume_rules import recipe_and_plan
 from ..plan.sharding import check_sharding
 from ..session import check_launch_policy, check_sharded_probe, memory_for_run, probe_consensus, run_plan
+from ..storage import lock
+from ..train.outputs import check_out_dir
 from ..train.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from .app import app
 from .common import is_terminal, recipe_argument, show_note, stderr, stdout
@@ -291,7 +294,7 @@ def run_command(
     max_restarts: int | None = typer.Option(None, "--max-restarts", min=0, metavar="N", help=MAX_RESTARTS_HELP),
     force: bool = typer.Option(False, "--force", help="Overwrite the outputs of another run in --out."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
-    seed: int | None = typer.Option(None, "--seed", help=SEED_HELP),
+    seed: int | None = typer.Option(None, "--seed", min=0, max=2**64 - 1, help=SEED_HELP),
     checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", min=1, help=CHECKPOINT_HELP),
     skip_nonfinite: bool = typer.Option(False, "--skip-nonfinite", help=SKIP_HELP),
     nproc_per_node: int | None = typer.Option(None, "--nproc-per-node", min=1, help=NPROC_HELP),
@@ -375,8 +378,12 @@ def run_command(
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint,
                                                max_restarts=max_restarts)
         os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(nproc_per_node, nnodes, node_rank, rdzv_endpoint))
-        print("launching: " + " ".join(command), flush=True)
-        raise typer.Exit(_launch(command))
+        check_out_dir(out, resume, force)
+        # the launcher owns the run: it holds --out's lock for its whole life (node 0's alone), its workers do not
+        with lock.hold(out) if node_rank == 0 else contextlib.nullcontext():
+            print("launching: " + " ".join(command), flush=True)
+            code = _launch(command)
+        raise typer.Exit(code)
     if world.distributed:
         world_size = world.size
     recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights,
@@ -387,50 +394,71 @@ def run_command(
     check_sync_batchnorm(recipe, world.size, device)
     check_sharding(recipe, world.size)
     check_sharded_probe(recipe, plan, micro_batch_max, meter.value)
-    data = build_data(recipe)
-    size = training_sizes(recipe, data["train"])  # per sequence length when batch phases change it
-    options = probe_options(memory, gpu, meter, headroom, no_cache)
-    on_note = show_note if world.is_main else None
-    if plan is None and world.distributed and micro_batch_max is None:
-        # every rank probes its own device; all take the smallest result, so no rank runs out of memory
-        from ..train.setup import resolve_device
+    check_out_dir(out, resume, force)  # --out taken (one run per folder) and writable before anything is set up
+    with lock.hold(out) if lock.owns_the_run(world.distributed, world.rank) else contextlib.nullcontext():
+        data = build_data(recipe)
+        size = training_sizes(recipe, data["train"])  # per sequence length when batch phases change it
+        options = probe_options(memory, gpu, meter, headroom, no_cache)
+        on_note = show_note if world.is_main else None
+        if plan is None and world.distributed and micro_batch_max is None:
+            # every rank probes its own device; all take the smallest result, so no rank runs out of memory
+            from ..train.setup import resolve_device
 
-        rank_device = distributed.init(world, resolve_device(device))
-        recipe, micro_batch_max = probe_consensus(
-            recipe, str(source), world_size, policy.value, size,
-            lambda maximum: distributed.all_min(world, maximum, rank_device), probe=options, data=data,
-            on_note=on_note)
-    plan, warnings = run_plan(recipe, str(source), plan, micro_batch_max, world_size, policy.value, size, resume,
-                              probe=options, data=data, on_note=on_note)
-    warnings = [*warnings, *text_warnings(data.get("info") or {})]  # what tokenising cut, with counts
-    micro_max = micro_batch_max if isinstance(micro_batch_max, int) else None  # (per-length maxima: no option)
-    continue_with = continue_command(
-        out, {"--max-steps": max_steps, "--micro-batch-max": micro_max,
-              "--data": absolute(data_path), "--eval-data": absolute(eval_data_path), "--workers": workers,
-              "--device": device if device != "auto" else None, "--seed": seed, "--checkpoint-every": checkpoint_every,
-              "--log-to": ",".join(trackers) or None},
-        {"--skip-nonfinite": skip_nonfinite, "--no-noise-scale": no_noise_scale,
-         "--stop-on-divergence": stop_on_divergence, "--merged": merged},
-        launcher_of_this_job(world.size) if world.distributed else [],
-    )
-    train_options = RunOptions(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
-                               checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data,
-                               workers=workers, noise_scale=not no_noise_scale, continue_with=continue_with,
-                               stop_on_divergence=stop_on_divergence, merged=merged)
-    if not world.is_main:  # the other ranks train quietly; rank 0 reports
-        train(plan, out, train_options)
-        return
-    parameters = counted_parameters(plan, data)
-    reporter = (RichReporter if is_terminal() else PlainReporter)(warnings, parameters=parameters)
-    # metrics.jsonl stays the source of truth; the trackers get the same numbers (train/trackers.py)
-    with TrackerReporter(reporter, trackers, out) as reporter:
-        summary = train(plan, out, train_options.replace(reporter=reporter))
+            rank_device = distributed.init(world, resolve_device(device))
+            recipe, micro_batch_max = probe_consensus(
+                recipe, str(source), world_size, policy.value, size,
+                lambda maximum: distributed.all_min(world, maximum, rank_device), probe=options, data=data,
+                on_note=on_note)
+        plan, warnings = run_plan(recipe, str(source), plan, micro_batch_max, world_size, policy.value, size, resume,
+                                  probe=options, data=data, on_note=on_note)
+        warnings = [*warnings, *text_warnings(data.get("info") or {})]  # what tokenising cut, with counts
+        micro_max = micro_batch_max if isinstance(micro_batch_max, int) else None  # (per-length maxima: no option)
+        continue_with = continue_command(
+            out, {"--max-steps": max_steps, "--micro-batch-max": micro_max,
+                  "--data": absolute(data_path), "--eval-data": absolute(eval_data_path), "--workers": workers,
+                  "--device": device if device != "auto" else None, "--seed": seed,
+                  "--checkpoint-every": checkpoint_every,
+                  "--log-to": ",".join(trackers) or None},
+            {"--skip-nonfinite": skip_nonfinite, "--no-noise-scale": no_noise_scale,
+             "--stop-on-divergence": stop_on_divergence, "--merged": merged},
+            launcher_of_this_job(world.size) if world.distributed else [],
+        )
+        train_options = RunOptions(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
+                                   checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data,
+                                   workers=workers, noise_scale=not no_noise_scale, continue_with=continue_with,
+                                   stop_on_divergence=stop_on_divergence, merged=merged)
+        if not world.is_main:  # the other ranks train quietly; rank 0 reports
+            train(plan, out, train_options)
+            return
+        parameters = counted_parameters(plan, data)
+        reporter = (RichReporter if is_terminal() else PlainReporter)(warnings, parameters=parameters)
+        # metrics.jsonl stays the source of truth; the trackers get the same numbers (train/trackers.py)
+        with TrackerReporter(reporter, trackers, out) as reporter:
+            summary = train(plan, out, train_options.replace(reporter=reporter))
+        stdout.print(done_line(summary, skip_nonfinite))
+        for row in summary.get("reported") or []:
+            stdout.print(reported_line(row), markup=False, soft_wrap=True)
+        noise = summary.get("noise_scale")
+        if noise and not noise.get("noted"):  # a run that cannot measure it said so at its start
+            stdout.print(f"noise scale: {noise['sentence']}", markup=False, soft_wrap=True)
+        folders = "".join(f", {name}/" for name in ("adapter", "merged") if summary.get(name))  # (models/trained.py)
+        stdout.print(f"outputs in {out}: plan.yaml, metrics.jsonl, model.pt, summary.json, "
+                     f"checkpoints/last.pt{folders}")
+        if summary.get("plot"):
+            stdout.print(summary["plot"], markup=False)
+
+
+def done_line(summary: dict, skip_nonfinite: bool) -> str:
+    """The line a finished run prints: its steps and time, the final loss and evaluation, the data's wait."""
     final = summary["final"]
     line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s"
     this_call = summary.get("this_call") or {}
     if summary.get("resumed_from_step"):  # the whole run, then what this call added
         line += f" ({this_call['steps']} in this call, {this_call['seconds']:.1f}s)"
     line += f", final loss {final['loss']:.4f}"
+    if skip_nonfinite:  # (counted in this call)
+        skipped = summary.get("skipped_nonfinite", 0)
+        line += f", skipped {skipped} non-finite step{'' if skipped == 1 else 's'}"
     if "eval_accuracy" in final:
         line += f", eval accuracy {final['eval_accuracy']:.4f}"
     if "eval_miou" in final:
@@ -440,13 +468,4 @@ def run_command(
     if summary.get("data_share") is not None:
         workers = f"{summary['workers']} worker{'' if summary['workers'] == 1 else 's'}"
         line += f"; waited for data {summary['data_share']:.0%} of the time ({workers})"
-    stdout.print(line)
-    for row in summary.get("reported") or []:
-        stdout.print(reported_line(row), markup=False, soft_wrap=True)
-    noise = summary.get("noise_scale")
-    if noise and not noise.get("noted"):  # a run that cannot measure it said so at its start
-        stdout.print(f"noise scale: {noise['sentence']}", markup=False, soft_wrap=True)
-    folders = "".join(f", {name}/" for name in ("adapter", "merged") if summary.get(name))  # (models/trained.py)
-    stdout.print(f"outputs in {out}: plan.yaml, metrics.jsonl, model.pt, summary.json, checkpoints/last.pt{folders}")
-    if summary.get("plot"):
-        stdout.print(summary["plot"], markup=False)
+    return line

@@ -286,6 +286,12 @@ def _is_state_dict(value: dict) -> bool:
 def _torch_load(path: Path, field: str = "model.weights") -> Any:
     import pickle
 
+    from ..storage.files import check_torch_file
+
+    damaged = check_torch_file(path)  # torch.load does not check the stored checksums: a flipped bit loads
+    if damaged:
+        raise UserError(f"model.weights: {path} is {damaged}" if damaged.startswith("damaged") else
+                        f"model.weights: {path}: {damaged}")
     try:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -293,9 +299,9 @@ def _torch_load(path: Path, field: str = "model.weights") -> Any:
             if "mmap" not in str(exc):
                 raise
             return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
+    except pickle.UnpicklingError:  # (torch's message advises weights_only=False: never repeated here)
         raise UserError(f"{field}: {path}: holds Python objects besides tensors, which reproduce does not "
-                        f"unpickle (torch.load weights_only): {str(exc).splitlines()[0]}") from None
+                        "unpickle (torch.load weights_only)") from None
     except (RuntimeError, EOFError, OSError) as exc:
         raise UserError(f"{field}: {path}: not a torch file ({str(exc).splitlines()[0]})") from None
 

@@ -34,6 +34,9 @@ class AdamOption(Frozen):
     source: str = MALLADI_SOURCE
 
 
+MOST_STEPS = 10**9  # a value past this is a typo (epochs: 1e18), never a run
+
+
 class Plan(Frozen):
     """What `reproduce run` executes. Saved as YAML with the recipe inside it."""
 
@@ -153,6 +156,9 @@ def plan(
     phases = plan_phases(recipe, maxima or cap, world_size, size, sizes, split_policy, chosen, warnings)
     segments = phases or [whole_segment(chosen, cap, recipe.batch.sequences, main_length, size, steps_per_epoch)]
     schedule = schedule_in_steps(recipe, recipe_path, chosen, segments, phases, steps_per_epoch, warnings)
+    if schedule.total is not None and schedule.total > MOST_STEPS:
+        raise UserError(f"{recipe_path}: schedule.total: {schedule.total:.3g} optimizer steps; no run takes more "
+                        f"than {MOST_STEPS:.0e} (at a millisecond a step, {MOST_STEPS / 1000 / 86400:.0f} days)")
     warn_last(recipe, batchnorm, schedule, warnings, norm)
     return Plan(
         recipe_path=recipe_path,

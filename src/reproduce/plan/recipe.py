@@ -6,6 +6,7 @@ in the file, one line each: `papers/x.yaml: batch.effective: must be > 0 (got -3
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -43,7 +44,31 @@ Names = Annotated[list[Name], BeforeValidator(_one_or_many)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # no field takes inf or nan; a number is never `true` (pydantic would read it as 1)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name) if isinstance(name, str) else None
+                if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+                    raise ValueError(f"{name}: expected a number (got {value!r})")
+        return data
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field's type takes a number and not a boolean (int, float, or an optional one)."""
+    kinds, stack = set(), [annotation]
+    while stack:
+        kind = stack.pop()
+        arguments = typing.get_args(kind)
+        if arguments:
+            stack.extend(arguments)
+        else:
+            kinds.add(kind)
+    return bool(kinds & {int, float}) and bool not in kinds
 
 
 class Paper(Strict):
@@ -911,7 +936,7 @@ class Recipe(Strict):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     clip_grad_norm: float | None = Field(default=None, gt=0)
     scaling_rule: Literal["auto", "linear", "sqrt", "none"] = "auto"
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**64 - 1)  # what torch.manual_seed takes
     evaluation: Evaluation = Evaluation()
     reported: list[Reported] = []
     deviations: list[str] = Field(

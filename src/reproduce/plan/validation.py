@@ -42,6 +42,7 @@ def read_yaml(path: str | Path, what: str = "recipe") -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot read: {exc}") from None
     try:
+        check_shape(text, path)
         data = yaml.load(text, Loader=UniqueKeyLoader)  # SafeLoader: plain data only, never Python objects
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -54,6 +55,43 @@ def read_yaml(path: str | Path, what: str = "recipe") -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of {what} fields at the top level (got {type(data).__name__})")
     return data
+
+
+MOST_DEPTH = 64  # a recipe nests a few levels; PyYAML's composer recurses once per level
+MOST_VALUES = 100_000  # a recipe holds a few hundred values; aliases (*name) could expand to billions
+
+
+def check_shape(text: str, path: Path) -> None:
+    """Refuse, in bounded time and memory, YAML nested deeper than MOST_DEPTH (the event parser does not recurse)
+    or whose aliases expand to more than MOST_VALUES values (counted once per node, not expanded)."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MOST_DEPTH:
+                where = f"line {event.start_mark.line + 1}: " if event.start_mark is not None else ""
+                raise UserError(f"{path}: {where}nested more than {MOST_DEPTH} levels deep; a recipe nests a few")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        if id(node) not in sizes:
+            children = [part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode) else (
+                node.value if isinstance(node, yaml.SequenceNode) else [])
+            sizes[id(node)] = 1 + sum(size(child) for child in children)
+        return sizes[id(node)]
+
+    for document in yaml.compose_all(text, Loader=yaml.SafeLoader):
+        if document is not None and size(document) > MOST_VALUES:
+            raise UserError(f"{path}: its aliases (*name) expand to {size(document):.3g} values, more than "
+                            f"{MOST_VALUES:,}; a recipe holds a few hundred")
+
+
+def echo(value: Any, most: int = 80) -> str:
+    """A value as a message shows it: its repr, cut to `most` characters."""
+    text = repr(value)
+    return text if len(text) <= most else f"{text[: most - 5]}...{text[-2:]}"
 
 
 def unknown_key(key: str, known: list[str]) -> str:
@@ -100,24 +138,24 @@ def error_message(error: ErrorDetails, root: type[BaseModel]) -> str:
     if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
         op = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}[kind]
         bound = next(iter(ctx.values()))
-        return f"must be {op} {bound} (got {got!r})"
+        return f"must be {op} {bound} (got {echo(got)})"
     if kind == "literal_error":
-        return f"expected one of {ctx.get('expected', '')} (got {got!r})"
+        return f"expected one of {ctx.get('expected', '')} (got {echo(got)})"
     if kind == "string_pattern_mismatch":
-        return f"expected 'package.module:function' (got {got!r})"
+        return f"expected 'package.module:function' (got {echo(got)})"
     if kind == "too_short":
         least = ctx.get("min_length", 1)
-        return f"expected at least {least} item{'s' if least != 1 else ''} (got {got!r})"
+        return f"expected at least {least} item{'s' if least != 1 else ''} (got {echo(got)})"
     if kind == "int_from_float":
-        return f"expected an integer (got {got!r})"
+        return f"expected an integer (got {echo(got)})"
     if kind.endswith("_type") or kind.endswith("_parsing") or kind == "model_type":
         expected = {
             "int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
             "list": "a list", "dict": "a mapping", "model": "a mapping", "tuple": "a list of two numbers",
             "model_attributes": "a mapping",
         }.get(kind.rsplit("_", 1)[0], kind.replace("_", " "))
-        return f"expected {expected} (got {got!r})"
-    return f"{error['msg']} (got {got!r})"
+        return f"expected {expected} (got {echo(got)})"
+    return f"{error['msg']} (got {echo(got)})"
 
 
 def field_names_at(root: type[BaseModel], loc: list[str]) -> list[str]:

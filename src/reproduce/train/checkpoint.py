@@ -9,22 +9,25 @@ the previous pair whole. DCP reshards on load: a run can resume on another numbe
 
 from __future__ import annotations
 
-import os
+import pickle
 import random
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
 
 from ..errors import UserError
+from ..storage.files import check_torch_file, write_atomic
 from .setup import Setup
 
 SHARDED_PREFIX = "sharded-step-"
 
 
-def save_checkpoint(setup: Setup, path: Path, step: int, metrics_offset: int, extra: dict) -> None:
+def save_checkpoint(setup: Setup, path: Path, step: int, metrics: bytes, extra: dict) -> None:
     """Atomically: write a temporary file, then rename over the previous checkpoint. Called on every rank (rank 0
-    alone writes an unsharded checkpoint; a sharded one needs every rank's shards)."""
+    alone writes an unsharded checkpoint; a sharded one needs every rank's shards). `metrics`: metrics.jsonl as
+    written so far, kept (compressed) so that a resume never depends on the file (train/outputs.MetricsLog)."""
     if not (setup.world.is_main or setup.sharded):
         return
     state = {
@@ -34,7 +37,8 @@ def save_checkpoint(setup: Setup, path: Path, step: int, metrics_offset: int, ex
         "rng_torch": torch.get_rng_state(),
         "rng_cuda": torch.cuda.get_rng_state_all() if setup.device.type == "cuda" else None,
         "rng_python": list(random.getstate()[1]),
-        "metrics_offset": metrics_offset,
+        "metrics_offset": len(metrics),
+        "metrics": torch.frombuffer(bytearray(zlib.compress(metrics)), dtype=torch.uint8),
         "micro_batch": extra.get("micro_batch"),
         "world_size": setup.world.size,
         "extra": extra,
@@ -45,12 +49,7 @@ def save_checkpoint(setup: Setup, path: Path, step: int, metrics_offset: int, ex
         state.update(model=setup.core.state_dict(), optimizer=setup.optimizer.state_dict())
     if not setup.world.is_main:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(state, tmp)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, lambda handle: torch.save(state, handle))
     if setup.sharded:  # only now is the previous sharded folder no longer named by last.pt
         for old in path.parent.glob(f"{SHARDED_PREFIX}*"):
             if old.name != state["sharded"]:
@@ -76,10 +75,9 @@ def _save_sharded(setup: Setup, folder: Path, step: int) -> str:
 
 
 def load_checkpoint(setup: Setup, path: Path) -> dict:
-    try:
-        state = torch.load(path, map_location=setup.device, weights_only=True)
-    except Exception as exc:
-        raise UserError(f"{path}: cannot load checkpoint: {type(exc).__name__}: {exc}") from None
+    """The checkpoint's state, loaded into `setup`; a damaged file (a record that fails its stored checksum) is
+    refused in one line, never trained on."""
+    state = read_torch_file(path, "--resume", setup.device)
     sharded = state.get("sharded")
     if bool(sharded) != setup.sharded:
         was, now = ("fsdp", "none") if sharded else ("none", "fsdp")
@@ -97,6 +95,31 @@ def load_checkpoint(setup: Setup, path: Path) -> dict:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["rng_cuda"]])
     random.setstate((3, tuple(state["rng_python"]), None))
     return state
+
+
+def read_torch_file(path: Path, option: str, device: torch.device | str = "cpu") -> dict:
+    """A torch file reproduce wrote (a checkpoint, model.pt), checked against its stored checksums first; one line
+    naming `option` and the file when it is damaged or not one of ours (never torch's advice to unpickle code)."""
+    damaged = check_torch_file(path)
+    if damaged:
+        raise UserError(f"{option}: {path} is {damaged}" if damaged.startswith("damaged") else
+                        f"{option}: {path}: {damaged}")
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:
+        raise UserError(f"{option}: {path}: holds Python objects besides tensors: not a file reproduce wrote, and it "
+                        "is not unpickled") from None
+    except Exception as exc:
+        raise UserError(f"{option}: {path}: cannot load: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(state, dict):
+        raise UserError(f"{option}: {path}: holds a {type(state).__name__}, not a checkpoint")
+    return state
+
+
+def kept_metrics(state: dict) -> bytes | int:
+    """metrics.jsonl as the checkpoint kept it, or (a checkpoint written before it kept it) its length."""
+    kept = state.get("metrics")
+    return zlib.decompress(kept.cpu().numpy().tobytes()) if kept is not None else state["metrics_offset"]
 
 
 def _load_sharded(setup: Setup, folder: Path) -> None:

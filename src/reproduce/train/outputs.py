@@ -4,11 +4,13 @@ No torch here: `reproduce check` reads metrics and plots without it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import shutil
 from pathlib import Path
 
 from ..errors import UserError
+from ..storage.files import WriteFailed, check_torch_file, write_atomic
+from ..storage.lock import LOCK_NAME
 
 
 def check_out_dir(out: Path, resume: bool, force: bool) -> None:
@@ -19,7 +21,7 @@ def check_out_dir(out: Path, resume: bool, force: bool) -> None:
         if not (out / "checkpoints" / "last.pt").is_file():
             raise UserError(f"--resume: {out} has no checkpoints/last.pt to resume from")
         return
-    if out.is_dir() and any(out.iterdir()) and not force:
+    if out.is_dir() and any(entry.name != LOCK_NAME for entry in out.iterdir()) and not force:
         raise UserError(f"--out: {out} is not empty ({folder_holds(out)}); " + (
             "pass --resume to continue it, --force to overwrite its outputs, or choose another folder"
             if any((out / name).exists() for name in OUTPUTS) else
@@ -32,54 +34,135 @@ def folder_holds(out: Path) -> str:
     runs = [name for name in OUTPUTS if (out / name).exists()]
     if runs:
         return f"it holds another run: {', '.join(runs)}"
-    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in out.iterdir())
+    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in out.iterdir() if entry.name != LOCK_NAME)
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return f"it holds {shown}, not a run of reproduce"
 
 
 OUTPUTS = ("plan.yaml", "metrics.jsonl", "summary.json", "model.pt", "loss.png", "checkpoints/last.pt")
+FOLDERS = ("tensorboard", "wandb", "mlflow", "adapter", "merged")  # trackers' runs, models/trained.py
 
 
-def remove_outputs(out: Path) -> None:
-    """The files a run writes, removed before another run takes the folder over (--force); nothing else."""
+def run_outputs(out: Path) -> list[str]:
+    """The names (relative to `out`) of everything a run writes there, and nothing else: what --force sets aside."""
     from .checkpoint import SHARDED_PREFIX  # (torch: this module is read without it)
 
-    for name in OUTPUTS:
-        (out / name).unlink(missing_ok=True)
-    for sharded in (out / "checkpoints").glob(f"{SHARDED_PREFIX}*"):
-        shutil.rmtree(sharded)
-    for folder in ("tensorboard", "wandb", "mlflow", "adapter", "merged"):  # trackers' runs, models/trained.py
-        if (out / folder).is_dir():
-            shutil.rmtree(out / folder)
-    (out / "trackers.json").unlink(missing_ok=True)
+    sharded = sorted(f"checkpoints/{p.name}" for p in (out / "checkpoints").glob(f"{SHARDED_PREFIX}*"))
+    return [*OUTPUTS, *sharded, *FOLDERS, "trackers.json"]
 
 
 class MetricsLog:
-    """metrics.jsonl, appended and flushed once per optimizer step; written by rank 0 alone."""
+    """metrics.jsonl, appended and flushed once per optimizer step; written by rank 0 alone.
 
-    def __init__(self, path: Path, offset: int, enabled: bool):
-        self.path, self.handle = path, None
-        if enabled:
-            with open(path, "a+b") as handle:
-                handle.truncate(offset)  # drop lines written after the checkpoint we resume from
-            self.handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+    It keeps what it wrote (`kept`), which each checkpoint stores: a resume starts from the checkpoint's copy, so
+    a metrics.jsonl cut short, deleted or garbled after the checkpoint never blocks it. The file is cut back when
+    it is longer (lines written after the checkpoint), rewritten when it differs, and `repaired` says what was
+    wrong with it."""
+
+    def __init__(self, path: Path, kept: bytes | int | None, enabled: bool):
+        """`kept`: metrics.jsonl at the checkpoint resumed from (an older checkpoint: its length; None: a new run)."""
+        self.path, self.handle, self.kept, self.repaired = path, None, bytearray(), None
+        if not enabled:
+            return
+        try:
+            if isinstance(kept, int):  # a checkpoint written before it kept the lines: their length alone
+                self.repaired = _cut_back(path, kept)
+                self.kept = bytearray(path.read_bytes()[:kept]) if path.exists() else bytearray()
+            elif kept is not None:
+                self.kept = bytearray(kept)
+                self.repaired = _restore(path, kept)
+            self.handle = open(path, "wb" if kept is None else "ab")  # noqa: SIM115 (closed in close())
+        except OSError as error:
+            raise WriteFailed(path, error) from None
 
     def write(self, record: dict) -> None:
         if self.handle:
-            self.handle.write(json.dumps(record) + "\n")
-            self.handle.flush()
+            line = (json.dumps(record) + "\n").encode("utf-8")
+            try:
+                self.handle.write(line)
+                self.handle.flush()
+            except OSError as error:
+                raise WriteFailed(self.path, error) from None
+            self.kept += line
 
     def offset(self) -> int:
-        return self.handle.tell() if self.handle else 0
+        return len(self.kept)
 
     def close(self) -> None:
         if self.handle:
-            self.handle.close()
+            with contextlib.suppress(OSError):  # (a full disk: the write that failed said so)
+                self.handle.close()
+
+
+def _restore(path: Path, kept: bytes) -> str | None:
+    """metrics.jsonl as it was at the checkpoint (`kept`): lines after it cut off; the file rewritten from `kept`
+    when it is missing, shorter or differs. Why it was rewritten, or None."""
+    held = path.read_bytes() if path.exists() else None
+    if held is not None and held.startswith(kept):
+        if len(held) > len(kept):
+            with open(path, "r+b") as handle:
+                handle.truncate(len(kept))  # drop lines written after the checkpoint we resume from
+        return None
+    write_atomic(path, lambda handle: handle.write(kept))
+    if held is None:
+        return f"{path} was missing: rewritten from the checkpoint"
+    pairs = zip(held.split(b"\n"), kept.split(b"\n"), strict=False)
+    line = next((n for n, (a, b) in enumerate(pairs, 1) if a != b), None)
+    why = f"line {line} differs from what the run wrote" if line else "it is shorter than at the checkpoint"
+    return f"{path}: {why}: rewritten from the checkpoint"
+
+
+def _cut_back(path: Path, offset: int) -> str | None:
+    """Cut metrics.jsonl back to `offset` bytes when it is longer; a shorter file is never padded (truncate would
+    fill it with NUL bytes): its whole lines are kept."""
+    size = path.stat().st_size if path.exists() else 0
+    held = path.read_bytes() if size < offset else b""
+    whole = held[: held.rfind(b"\n") + 1]
+    with open(path, "a+b") as handle:
+        handle.truncate(offset if size >= offset else len(whole))
+    if size >= offset:
+        return None
+    return f"{path} is shorter than at the checkpoint ({size} of {offset} bytes): its whole lines kept"
+
+
+def missing_final_outputs(out: Path, step: int) -> str | None:
+    """What of the end of a run at `step` is missing or damaged (summary.json, model.pt, adapter/, merged/,
+    loss.png), or None when it is all there. summary.json is written last, so it names the others."""
+    path = out / "summary.json"
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"{path} is missing"
+    except (OSError, ValueError) as error:
+        return f"{path} is damaged ({error})"
+    if not isinstance(summary, dict) or summary.get("steps") != step:
+        return f"{path} is not of step {step}"
+    model = out / "model.pt"
+    damaged = check_torch_file(model) if model.is_file() else "missing"
+    if damaged:
+        return f"{model} is {damaged}"
+    folders = [out / name for name in ("adapter", "merged") if summary.get(name)]
+    plot = summary.get("plot")
+    if isinstance(plot, str) and plot.endswith(".png"):
+        folders.append(out / "loss.png")
+    return next((f"{path} is missing" for path in folders if not path.exists()), None)
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    """metrics.jsonl's records; a line that is not a JSON record is named (UserError), never a traceback."""
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as error:
+                raise UserError(f"{path}: line {number} is not a JSON record ({error})") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{path}: line {number} is not a JSON record (a {type(record).__name__})")
+            records.append(record)
+    return records
 
 
 def plot_metrics(metrics_path: Path, png: Path) -> str:
@@ -101,6 +184,8 @@ def plot_metrics(metrics_path: Path, png: Path) -> str:
     axis.set_ylabel("loss")
     axis.legend()
     figure.tight_layout()
-    figure.savefig(png, dpi=100)
-    plt.close(figure)
+    try:
+        write_atomic(png, lambda handle: figure.savefig(handle, format="png", dpi=100))
+    finally:
+        plt.close(figure)
     return str(png)

@@ -8,10 +8,10 @@ from pathlib import Path
 from ..errors import UserError
 from ..plan.planner import Plan
 from ..plan.segments import batch_phase
-from .checkpoint import load_checkpoint
+from .checkpoint import kept_metrics, load_checkpoint
 from .divergence import DivergenceWatch
 from .noise import NoiseScale
-from .outputs import read_metrics
+from .outputs import missing_final_outputs, read_metrics
 from .setup import Setup
 
 
@@ -21,9 +21,10 @@ class Resumed:
 
     seed: int  # the data order and dropout streams: the run's own on resume
     first_step: int = 0
-    metrics_offset: int = 0  # metrics.jsonl's length at the checkpoint (lines after it are dropped)
+    metrics: bytes | int | None = None  # metrics.jsonl at the checkpoint (an older checkpoint: its length)
     lowered: dict = field(default_factory=dict)  # sequence length -> the micro-batch an out-of-memory error set
     state: dict | None = None  # the checkpoint's (None for a fresh run)
+    rebuild: str | None = None  # at the last step: the end of the run to write again, and why
 
 
 def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, seed: int, asked_seed: int | None,
@@ -32,19 +33,21 @@ def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, se
     state = load_checkpoint(setup, out / "checkpoints" / "last.pt")
     if noise is not None and state["extra"].get("noise_scale"):
         noise.load_state_dict(state["extra"]["noise_scale"])
-    first_step, metrics_offset = state["step"], state["metrics_offset"]
+    first_step, rebuild = state["step"], None
     saved_seed = state["extra"].get("seed", seed)
     if asked_seed is not None and asked_seed != saved_seed:
         raise UserError(f"--seed: the run in {out} was started with seed {saved_seed} (got {asked_seed})")
     if first_step >= total:
-        raise UserError(already_run(out, first_step, total, max_steps, plan.optimizer_steps))
+        rebuild = missing_final_outputs(out, first_step) if first_step == total else None
+        if rebuild is None:  # (a resume past its --max-steps never rewrites the run's end)
+            raise UserError(already_run(out, first_step, total, max_steps, plan.optimizer_steps))
     # the run had lowered the micro-batch after running out of memory (by sequence length)
     lowered = {int(k) if k != "None" else None: v for k, v in state["extra"].get("lowered", {}).items()}
     saved_micro_batch = state.get("micro_batch")  # all a checkpoint written before batch phases says
     if "lowered" not in state["extra"] and saved_micro_batch and batch_phase(plan.segments, 0) is None and (
             saved_micro_batch < plan.micro_batch and plan.per_rank_batch % saved_micro_batch == 0):
         lowered = {plan.recipe.batch.sequence_length: saved_micro_batch}
-    return Resumed(saved_seed, first_step, metrics_offset, lowered, state)
+    return Resumed(saved_seed, first_step, kept_metrics(state), lowered, state, rebuild)
 
 
 def already_run(out: Path, first_step: int, total: int, max_steps: int | None, planned: int | None) -> str:
@@ -55,6 +58,17 @@ def already_run(out: Path, first_step: int, total: int, max_steps: int | None, p
                 f"from the start of the run (of {planned} steps): to run {more - first_step} more, give "
                 f"--max-steps {more}")
     return f"--resume: {out} has already run {first_step} of {total} optimizer steps; nothing to do"
+
+
+def last_record(out: Path, state: dict | None, first_step: int) -> dict:
+    """The record of the checkpoint's step (summary.json's `final` when a resume only writes the run's end again):
+    kept in the checkpoint, or from metrics.jsonl for a checkpoint written before it was kept."""
+    if state is None:
+        return {}
+    if "last_record" in state["extra"]:
+        return state["extra"]["last_record"]
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r and r.get("step") == first_step]
+    return records[-1] if records else {}
 
 
 def earlier_segments(out: Path, state: dict | None, first_step: int) -> tuple[dict, DivergenceWatch]:

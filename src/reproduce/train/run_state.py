@@ -68,6 +68,12 @@ class Run:
     def checkpoint_path(self) -> Path:
         return self.out / "checkpoints" / "last.pt"
 
+    def last_checkpoint_note(self, good: bool = False) -> str:
+        """`the last (good) checkpoint is PATH`, or that there is none yet (a stop before the first checkpoint)."""
+        if self.checkpoint_path.is_file():
+            return f"the last {'good ' if good else ''}checkpoint is {self.checkpoint_path}"
+        return "no checkpoint was written yet"
+
     def micro_batch(self, step: int) -> int:
         """Step `step`'s micro-batch: its batch phase's, or as lowered after running out of memory."""
         return micro_batch_at(self.plan, step, self.lowered)

@@ -6,6 +6,7 @@ needs is built by `setup.build`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import signal
@@ -22,23 +23,26 @@ from ..data.loader import LoaderWatch, cpu_share, default_workers
 from ..data.packing import Grouped, grouping_of, sample_lengths
 from ..errors import Interrupted, TrainingStopped, UserError
 from ..models.hf import check_packed
-from ..models.trained import check_merged, save_adapter, save_merged
-from ..plan.planfile import save_plan, write_text_atomic
+from ..models.trained import check_merged, peft_model, save_adapter, save_merged
+from ..plan.planfile import save_plan
 from ..plan.planner import Plan
 from ..plan.segments import batch_phases, length_sizes
 from ..plan.sharding import check_sharding
+from ..storage import lock
+from ..storage.aside import Previous, setting_aside
+from ..storage.files import WriteFailed, replace_folder, write_atomic, write_text
 from . import distributed
 from .checkpoint import full_model_state, save_checkpoint
 from .distributed import World
 from .evaluation import evaluate_step, evaluation_due
 from .noise import NoiseScale, not_measured_reason
 from .options import RunOptions
-from .outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, remove_outputs
+from .outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, run_outputs
 from .plateau import check_plateau
 from .rates import StepRates
 from .records import run_summary, step_record
 from .reporter import Reporter, SilentReporter
-from .resume import Resumed, earlier_segments, resume_run
+from .resume import Resumed, earlier_segments, last_record, resume_run
 from .run_state import Run
 from .setup import build, resolve_device
 from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, StepResult, optimizer_step
@@ -100,9 +104,15 @@ def train(plan: Plan, out: str | Path, options: RunOptions | None = None) -> dic
     leaves with an error leaves the process group too, so the other ranks' collectives fail at once and they stop
     with a message of their own instead of waiting for it.
     """
-    world = distributed.world_from_env()
+    world, options, out = distributed.world_from_env(), options or RunOptions(), Path(out)
     try:
-        return _train(plan, Path(out), options or RunOptions())
+        with lock.hold(out) if lock.owns_the_run(world.distributed, world.rank) else contextlib.nullcontext():
+            return _train(plan, out, options)
+    except WriteFailed as error:  # one line: a full disk stops with exit code 3 and the command that goes on
+        distributed.abandon(world)
+        checkpoint = (out / "checkpoints" / "last.pt").is_file()
+        raise error.said(options.continue_with or f"reproduce run {out / 'plan.yaml'} --out {out} --resume"
+                         if checkpoint else None) from None
     except RuntimeError as error:
         if world.distributed and distributed.peer_failed(error):
             distributed.abandon(world)
@@ -118,7 +128,17 @@ def train(plan: Plan, out: str | Path, options: RunOptions | None = None) -> dic
 
 
 def _train(plan: Plan, out: Path, options: RunOptions) -> dict:
-    run = start_run(plan, out, options)  # checks, the model and data, the resumed state, the run folder
+    # --force: the previous run's outputs stay aside until this run's first optimizer step, and come back if
+    # anything fails before it (storage/aside.py)
+    with setting_aside(out, run_outputs(out), options.force and not options.resume and
+                       distributed.world_from_env().is_main) as previous:
+        run = start_run(plan, out, options)  # checks, the model and data, the resumed state, the run folder
+        _train_steps(run, previous)
+    return finish_run(run)
+
+
+def _train_steps(run: Run, previous: Previous | None) -> None:
+    plan, options = run.plan, run.options
     setup, stop, restore = run.setup, StopSignals(), cpu_compute(run)
     try:
         stop.__enter__()
@@ -147,6 +167,8 @@ def _train(plan: Plan, out: Path, options: RunOptions) -> dict:
                 del micro_batches
                 recover_from_out_of_memory(run, step, batch, agreed)
             count_step(run, step, result, partial, clock)
+            if previous is not None:  # started for real: the previous run's outputs go
+                previous.started()
             record = step_record(run, step, batch, lr, result, len(micro_batches), partial, tick, clock)
             diverging = watch_divergence(run, step, result)
             done = step + 1 == run.total
@@ -156,12 +178,10 @@ def _train(plan: Plan, out: Path, options: RunOptions) -> dict:
             run.last_record = record
             run.reporter.step(record)
             if diverging and options.stop_on_divergence:  # its step logged; the checkpoint before it kept
-                raise TrainingStopped(f"{diverging}; stopped (--stop-on-divergence); the last checkpoint is "
-                                      f"{run.checkpoint_path}")
+                raise TrainingStopped(f"{diverging}; stopped (--stop-on-divergence); {run.last_checkpoint_note()}")
             checkpoint_or_stop(run, stop, step, done)
     finally:
         close_run(run, stop, restore)
-    return finish_run(run)
 
 
 def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
@@ -195,11 +215,17 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     rates = StepRates(plan, setup, world.size)
     rates.counted_length = int(lengths.max()) if lengths is not None and len(lengths) else None
     if world.is_main:
-        if options.force and not options.resume:  # another run's outputs go, so nothing of it is mistaken for this
-            remove_outputs(out)
-        out.mkdir(parents=True, exist_ok=True)
-        save_plan(plan, out / "plan.yaml")
-    metrics = MetricsLog(out / "metrics.jsonl", resumed.metrics_offset, enabled=world.is_main)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            save_plan(plan, out / "plan.yaml")
+        except OSError as error:
+            raise WriteFailed(out / "plan.yaml", error) from None
+    metrics = MetricsLog(out / "metrics.jsonl", resumed.metrics, enabled=world.is_main)
+    if metrics.repaired:
+        reporter.message(f"note: {metrics.repaired}")
+    if resumed.rebuild:
+        reporter.message(f"note: the run has run all {total} steps, but {resumed.rebuild}: writing its end again "
+                         f"from {out / 'checkpoints' / 'last.pt'}")
     # Checkpoint every K steps when asked; otherwise every CHECKPOINT_SECONDS of wall time, and always at the end.
     last_checkpoint = time.perf_counter()
     for note in setup.notes:
@@ -217,9 +243,11 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     earlier, divergence = earlier_segments(out, resumed.state, resumed.first_step)
     setup.model.train()
     workers = default_workers(train_set) if options.workers is None else options.workers
-    return Run(plan, out, options, world, setup, reporter, train_set, size, total, resumed, noise, metrics, rates,
-               unmeasured, earlier, divergence, workers, LoaderWatch(workers), started, last_checkpoint,
-               grouping=grouping, lengths=lengths)
+    run = Run(plan, out, options, world, setup, reporter, train_set, size, total, resumed, noise, metrics, rates,
+              unmeasured, earlier, divergence, workers, LoaderWatch(workers), started, last_checkpoint,
+              grouping=grouping, lengths=lengths)
+    run.last_record = last_record(out, resumed.state, resumed.first_step)  # (a resume at the last step: the end's)
+    return run
 
 
 def group_training_set(plan: Plan, setup, train_set) -> tuple:
@@ -274,9 +302,10 @@ def start_batch_phase(run: Run, step: int, batch: StepBatch) -> None:
 
 
 def optimizer_step_out_of_memory(run: Run, step: int, error: OptimizerStepOutOfMemory) -> str:
+    then = (f"--resume from {run.checkpoint_path}" if run.checkpoint_path.is_file() else
+            "start the run again (no checkpoint was written yet)")
     return (f"out of memory in the optimizer step itself at optimizer step {step + 1}, after the window's gradients "
-            f"were accumulated ({error}); lower --micro-batch-max or free memory, then --resume from "
-            f"{run.checkpoint_path}")
+            f"were accumulated ({error}); lower --micro-batch-max or free memory, then {then}")
 
 
 def recover_from_out_of_memory(run: Run, step: int, batch: StepBatch, agreed: bool) -> None:
@@ -296,7 +325,7 @@ def recover_from_out_of_memory(run: Run, step: int, batch: StepBatch, agreed: bo
     if smaller is None:
         raise TrainingStopped(
             f"out of memory at optimizer step {step + 1} with micro-batch {micro_batch}: no smaller micro-batch "
-            f"keeps the effective batch exact; the last good checkpoint is {run.checkpoint_path}"
+            f"keeps the effective batch exact; {run.last_checkpoint_note(good=True)}"
         )
     run.counters["out_of_memory"] += 1
     run.metrics.write({"event": "out_of_memory", "step": step + 1, "micro_batch": smaller,
@@ -315,7 +344,7 @@ def count_step(run: Run, step: int, result: StepResult, partial: bool, clock: Da
         if not run.options.skip_nonfinite and not run.setup.scaler:
             raise TrainingStopped(
                 f"non-finite loss or gradient at optimizer step {step + 1} (loss {result.loss}, "
-                f"grad norm {result.grad_norm}); the last good checkpoint is {run.checkpoint_path}"
+                f"grad norm {result.grad_norm}); {run.last_checkpoint_note(good=True)}"
             )
         run.counters["skipped_nonfinite"] += 1
     run.counters["samples"] += result.samples
@@ -357,7 +386,8 @@ def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool) -> No
                                "samples": run.earlier["samples"] + run.counters["samples"],
                                "tokens": run.earlier["tokens"] + run.counters["tokens"]}
         extra["divergence"] = run.divergence.state_dict()
-        save_checkpoint(setup, run.checkpoint_path, step + 1, run.metrics.offset(), extra)
+        extra["last_record"] = run.last_record
+        save_checkpoint(setup, run.checkpoint_path, step + 1, bytes(run.metrics.kept), extra)
         run.last_checkpoint = time.perf_counter()
     if received:
         distributed.barrier(run.world)
@@ -385,11 +415,11 @@ def finish_run(run: Run) -> dict:
     the reporter's last word."""
     summary = run_summary(run, time.perf_counter() - run.started)
     model_state = full_model_state(run.setup)  # FSDP: gathered from every rank's shards
-    if run.world.is_main:
-        torch.save(model_state, run.out / "model.pt")
+    if run.world.is_main:  # each written whole or not at all; summary.json last, as it names the others
+        write_atomic(run.out / "model.pt", lambda handle: torch.save(model_state, handle))
         summary.update(save_trained(run, model_state))
-        write_text_atomic(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
         summary["plot"] = plot_metrics(run.out / "metrics.jsonl", run.out / "loss.png")
+        write_text(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
     distributed.barrier(run.world)
     run.reporter.finish(summary)
     return summary
@@ -399,10 +429,11 @@ def save_trained(run: Run, model_state: dict) -> dict:
     """adapter/ (peft's save_pretrained) with LoRA, and merged/ with --merged (models/trained.py): summary.json's
     `adapter` and `merged`, the folders' paths. `model_state`: model.pt's (FSDP: gathered), the adapters' source."""
     core, recipe, written = run.setup.core, run.plan.recipe, {}
-    if save_adapter(core, run.out / "adapter", recipe, model_state):
+    if peft_model(core) is not None:  # each folder built beside its place, then put there (storage/files.py)
+        replace_folder(run.out / "adapter", lambda folder: save_adapter(core, folder, recipe, model_state))
         written["adapter"] = str(run.out / "adapter")
     if run.options.merged:  # (after adapter/: on a quantised base, merged from it)
-        save_merged(core, run.out / "merged", recipe, run.out / "adapter")
+        replace_folder(run.out / "merged", lambda folder: save_merged(core, folder, recipe, run.out / "adapter"))
         written["merged"] = str(run.out / "merged")
     return written
 

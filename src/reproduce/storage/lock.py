@@ -1,0 +1,106 @@
+"""One run per folder: an OS lock on `--out`, held by the process that owns the run for the whole run or resume.
+
+The lock is a POSIX lock (`lockf`) on `--out/.reproduce.lock`; the OS releases it when its holder exits, killed or
+not, so a dead run never blocks the next (a lock file a killed run leaves is never taken for an output). The owner
+is the in-process run, or the `reproduce run --nproc-per-node` launcher for its whole life (its torchrun workers do
+not take it; with several nodes, node rank 0's launcher alone). Taking it again in the process that holds it is a
+no-op, so the CLI can take it before setting up and `train` again inside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import UserError
+from .files import WriteFailed
+
+LOCK_NAME = ".reproduce.lock"  # in --out; not an output, and never a reason to call the folder "not empty"
+_held: dict[Path, int] = {}  # folder -> how many holders in this process
+
+
+@contextlib.contextmanager
+def hold(out: str | Path) -> Iterator[None]:
+    """Hold the lock on `out` (created when missing, removed again when it is left empty) or raise UserError
+    naming the folder when another process holds it."""
+    out = Path(out).absolute()
+    if out in _held:
+        _held[out] += 1
+        try:
+            yield
+        finally:
+            _held[out] -= 1
+        return
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        descriptor = _locked(out / LOCK_NAME)
+    except OSError as error:
+        raise UserError(f"--out: {WriteFailed(out, error)}") from None
+    if descriptor is None:
+        raise UserError(f"--out: another run is using {out} (it holds {LOCK_NAME}'s lock); wait for it to end, "
+                        "or choose another folder")
+    _held[out] = 1
+    try:
+        check_writable(out)
+        yield
+    finally:
+        del _held[out]
+        with contextlib.suppress(OSError):
+            (out / LOCK_NAME).unlink()  # before the lock goes: a process that opened it retries (`_locked`)
+            if created:
+                out.rmdir()  # only when empty: nothing was written
+        os.close(descriptor)  # (releases the lock)
+
+
+def _locked(path: Path) -> int | None:
+    """An open descriptor of `path` holding its POSIX lock, or None when another process holds it. A POSIX lock
+    belongs to the process: the DataLoader workers it forks do not hold it, so a run killed with SIGKILL frees the
+    folder at once, while its workers are still winding down (a flock would be theirs too)."""
+    while True:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            os.close(descriptor)
+            if error.errno in (errno.EACCES, errno.EAGAIN):
+                return None
+            raise
+        try:
+            same = os.stat(path).st_ino == os.fstat(descriptor).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:  # (not a file its holder removed while this process opened it)
+            return descriptor
+        os.close(descriptor)
+
+
+def check_writable(out: Path) -> None:
+    """One byte written to a temporary in `out` and removed: a read-only, unwritable or full folder is said now, in
+    one line, not after the model and data are set up."""
+    try:
+        with tempfile.TemporaryFile(dir=out) as handle:
+            handle.write(b"\0")
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        raise UserError(f"--out: {WriteFailed(out, error)}") from None
+
+
+def held(out: str | Path) -> bool:
+    """Whether this process holds the lock on `out`."""
+    return Path(out).absolute() in _held
+
+
+LAUNCHER_ENV = "REPRODUCE_LAUNCHED_WITH"  # set by `reproduce run --nproc-per-node` for its torchrun (cli/resume.py)
+
+
+def owns_the_run(distributed: bool, rank: int) -> bool:
+    """Whether this process takes the lock: a run of one process; under torchrun, none of the workers when
+    `reproduce run --nproc-per-node` launched them (the launcher holds it), else (torchrun started by hand) rank 0."""
+    return not distributed or (rank == 0 and LAUNCHER_ENV not in os.environ)
