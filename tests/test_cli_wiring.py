@@ -34,3 +34,10 @@ def test_run_tensorboard_logs_scalars(tmp_path):
               "--max-steps", "3", "--tensorboard"])
     assert exit_info.value.code == 0
     assert list((tmp_path / "out" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_a_loss_prints_with_significant_digits():
+    """A loss far below 1 (a fine-tune near convergence) is not rounded away: 2e-5 is not 0.0000."""
+    from reproduce.cli.common import loss_text
+
+    assert [loss_text(v) for v in (1.70531, 0.151034, 2e-5, 12.34567)] == ["1.7053", "0.15103", "2e-05", "12.346"]

@@ -15,6 +15,11 @@ stdout = Console(highlight=False, width=_WIDTH)
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+def loss_text(value: float) -> str:
+    """A loss with five significant digits: 1.7053, 0.15103, 2.1e-05 (fixed decimals would print 0.0000)."""
+    return f"{value:.5g}"
+
+
 def is_terminal() -> bool:
     return sys.stdout.isatty()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from .app import app
-from .common import stdout
+from .common import loss_text, stdout
 
 RUN_HELP = "A finished run's folder (the --out of reproduce run): its plan.yaml and model.pt."
 DATA_HELP = "The data folder, instead of the run's data.path (a voc folder's val list is evaluated)."
@@ -50,5 +50,5 @@ def metric_lines(metrics: dict) -> list[str]:
                      f"accuracy {metrics['eval_pixel_accuracy']:.4f}")
     if "eval_accuracy" in metrics:
         lines.append(f"accuracy {metrics['eval_accuracy']:.4f}")
-    lines.append(f"eval loss {metrics['eval_loss']:.4f} over {metrics['eval_items']:,} items")
+    lines.append(f"eval loss {loss_text(metrics['eval_loss'])} over {metrics['eval_items']:,} items")
     return lines

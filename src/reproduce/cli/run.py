@@ -28,7 +28,7 @@ from ..storage import lock
 from ..train.outputs import check_out_dir
 from ..train.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from .app import app
-from .common import is_terminal, recipe_argument, show_note, stderr, stdout
+from .common import is_terminal, loss_text, recipe_argument, show_note, stderr, stdout
 from .options import (
     BACKBONE_WEIGHTS_HELP,
     BATCHNORM_HELP,
@@ -131,9 +131,9 @@ class PlainReporter:
         step = record["step"]
         if step % self.every and step != self.total and step != 1:
             return
-        line = f"step {step}/{self.total} loss {record['loss']:.4f} lr {record['lr']:.4g}"
+        line = f"step {step}/{self.total} loss {loss_text(record['loss'])} lr {record['lr']:.4g}"
         if "eval_loss" in record:
-            line += f" eval_loss {record['eval_loss']:.4f}"
+            line += f" eval_loss {loss_text(record['eval_loss'])}"
         if "eval_accuracy" in record:
             line += f" eval_accuracy {record['eval_accuracy']:.4f}"
         if "eval_miou" in record:
@@ -177,7 +177,7 @@ class RichReporter(PlainReporter):
         self.samples += record["samples"]
         rate = (record.get("tokens_per_second") or record.get("useful_tokens_per_second")
                 or record.get("samples_per_second") or 0)  # this step's (rates.py)
-        self.progress.update(self.task, advance=1, loss=f"{record['loss']:.4f}", rate=f"{rate:,.0f}")
+        self.progress.update(self.task, advance=1, loss=loss_text(record['loss']), rate=f"{rate:,.0f}")
 
     def message(self, text: str) -> None:
         stderr.print(text)
@@ -455,7 +455,7 @@ def done_line(summary: dict, skip_nonfinite: bool) -> str:
     this_call = summary.get("this_call") or {}
     if summary.get("resumed_from_step"):  # the whole run, then what this call added
         line += f" ({this_call['steps']} in this call, {this_call['seconds']:.1f}s)"
-    line += f", final loss {final['loss']:.4f}"
+    line += f", final loss {loss_text(final['loss'])}"
     if skip_nonfinite:  # (counted in this call)
         skipped = summary.get("skipped_nonfinite", 0)
         line += f", skipped {skipped} non-finite step{'' if skipped == 1 else 's'}"
@@ -464,7 +464,7 @@ def done_line(summary: dict, skip_nonfinite: bool) -> str:
     if "eval_miou" in final:
         line += f", eval mIoU {final['eval_miou']:.4f}, pixel accuracy {final['eval_pixel_accuracy']:.4f}"
     if "eval_loss" in final:
-        line += f", eval loss {final['eval_loss']:.4f}"
+        line += f", eval loss {loss_text(final['eval_loss'])}"
     if summary.get("data_share") is not None:
         workers = f"{summary['workers']} worker{'' if summary['workers'] == 1 else 's'}"
         line += f"; waited for data {summary['data_share']:.0%} of the time ({workers})"
