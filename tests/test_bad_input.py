@@ -315,8 +315,8 @@ CASES = [
     Case(
         "data-format-unknown",
         mutate({"data.format": "webdataset"}),
-        ["error: {path}: data.format: expected one of 'imagefolder', 'tokens', 'instructions', 'hf-datasets' or "
-         "'segmentation'", "(got 'webdataset')"],
+        ["error: {path}: data.format: expected one of 'imagefolder', 'tokens', 'instructions', 'chat', 'hf-datasets' "
+         "or 'segmentation'", "(got 'webdataset')"],
     ),
     Case(
         "data-format-without-path",
@@ -326,7 +326,8 @@ CASES = [
     Case(
         "data-path-without-format",
         mutate({"data.path": "/data/imagenet/train"}),
-        ["error: {path}: data.path: only used with format: imagefolder | tokens | instructions | hf-datasets"],
+        ["error: {path}: data.path: only used with format: imagefolder | tokens | instructions | chat | hf-datasets | "
+         "segmentation"],
     ),
     Case(
         "data-format-and-builtin",
