@@ -197,14 +197,17 @@ def test_two_runs_started_together_into_one_folder_one_runs_one_is_refused(tmp_p
 
 
 def test_the_process_that_owns_the_run_takes_the_lock(monkeypatch):
-    """One process: it. Under torchrun started by `reproduce run --nproc-per-node` (which sets LAUNCHER_ENV and
-    holds the lock for its whole life): no worker. Under torchrun started by hand: rank 0 alone."""
+    """One process: it. Under torchrun started by a one-machine `reproduce run --nproc-per-node` (which holds the
+    lock for its whole life and says so): no worker. Under torchrun started by hand (SLURM's srun), or by the
+    launchers of several nodes: the job's rank 0 alone."""
     from reproduce.storage import lock
 
-    monkeypatch.delenv(lock.LAUNCHER_ENV, raising=False)
+    monkeypatch.delenv(lock.HELD_ENV, raising=False)
     assert lock.owns_the_run(False, 0)
     assert [lock.owns_the_run(True, rank) for rank in range(3)] == [True, False, False]
-    monkeypatch.setenv(lock.LAUNCHER_ENV, "--nproc-per-node 2")
+    monkeypatch.setenv(lock.LAUNCHER_ENV, "--nproc-per-node 1 --nnodes 2")  # several nodes: the launchers hold none
+    assert [lock.owns_the_run(True, rank) for rank in range(3)] == [True, False, False]
+    monkeypatch.setenv(lock.HELD_ENV, "1")
     assert [lock.owns_the_run(True, rank) for rank in range(3)] == [False, False, False]
 
 

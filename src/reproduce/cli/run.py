@@ -379,8 +379,11 @@ def run_command(
                                                max_restarts=max_restarts)
         os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(nproc_per_node, nnodes, node_rank, rdzv_endpoint))
         check_out_dir(out, resume, force)
-        # the launcher owns the run: it holds --out's lock for its whole life (node 0's alone), its workers do not
-        with lock.hold(out) if node_rank == 0 else contextlib.nullcontext():
+        # a one-machine launcher owns the run: it holds --out's lock for its whole life, its workers do not; the
+        # nodes of a job of several share --out, whose lock the job's rank 0 worker takes (storage/lock.py)
+        if nodes == 1:
+            os.environ[lock.HELD_ENV] = "1"
+        with lock.hold(out) if nodes == 1 else contextlib.nullcontext():
             print("launching: " + " ".join(command), flush=True)
             code = _launch(command)
         raise typer.Exit(code)

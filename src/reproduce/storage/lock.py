@@ -2,8 +2,10 @@
 
 The lock is a POSIX lock (`lockf`) on `--out/.reproduce.lock`; the OS releases it when its holder exits, killed or
 not, so a dead run never blocks the next (a lock file a killed run leaves is never taken for an output). The owner
-is the in-process run, or the `reproduce run --nproc-per-node` launcher for its whole life (its torchrun workers do
-not take it; with several nodes, node rank 0's launcher alone). Taking it again in the process that holds it is a
+is the in-process run, or the `reproduce run --nproc-per-node` launcher of a one-machine job for its whole life (its
+torchrun workers do not take it). A job of several nodes shares `--out` (a filesystem every node sees): no launcher
+takes it, the job's rank 0 worker does, wherever it runs, so the nodes of one job share the folder and a second job
+is refused. Taking it again in the process that holds it is a
 no-op, so the CLI can take it before setting up and `train` again inside.
 """
 
@@ -98,9 +100,11 @@ def held(out: str | Path) -> bool:
 
 
 LAUNCHER_ENV = "REPRODUCE_LAUNCHED_WITH"  # set by `reproduce run --nproc-per-node` for its torchrun (cli/resume.py)
+HELD_ENV = "REPRODUCE_LAUNCHER_HOLDS_THE_LOCK"  # set by a one-machine launcher that holds --out's lock
 
 
 def owns_the_run(distributed: bool, rank: int) -> bool:
-    """Whether this process takes the lock: a run of one process; under torchrun, none of the workers when
-    `reproduce run --nproc-per-node` launched them (the launcher holds it), else (torchrun started by hand) rank 0."""
-    return not distributed or (rank == 0 and LAUNCHER_ENV not in os.environ)
+    """Whether this process takes the lock: a run of one process; under torchrun, none of the workers when a
+    one-machine `reproduce run --nproc-per-node` launched them (the launcher holds it), else (several nodes, or
+    torchrun started by hand, as under SLURM) the job's rank 0."""
+    return not distributed or (rank == 0 and HELD_ENV not in os.environ)
