@@ -332,10 +332,11 @@ def packing_table(recipe: Recipe, the_plan: Plan, data: dict | None) -> dict | N
     return table
 
 
-def parameter_counts(recipe: Recipe) -> tuple[int, int] | None:
+def parameter_counts(recipe: Recipe, build: bool = True) -> tuple[int, int] | None:
     """(all, trainable) parameters of a built-in model as the recipe builds it (on the meta device); None for a
     factory or Hugging Face model, or when it cannot be built here. Kept in the probe's cache (keyed by the recipe
-    and the libraries' versions), so listing again imports no torch."""
+    and the libraries' versions), so listing again imports no torch; `build=False` only reads that cache (a plan
+    that imports no torch)."""
     if recipe.model.builtin not in MODELS:
         return None
     versions = {"reproduce": __version__, **cache.library_versions()}
@@ -344,6 +345,8 @@ def parameter_counts(recipe: Recipe) -> tuple[int, int] | None:
     saved = cache.load(key)
     if saved is not None and isinstance(saved.get("parameters"), int) and isinstance(saved.get("trainable"), int):
         return saved["parameters"], saved["trainable"]
+    if not build:
+        return None
     from .models import parameter_counts as count
     from .probe.workload import synthetic_data
 

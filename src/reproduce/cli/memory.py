@@ -8,7 +8,6 @@ from pathlib import Path
 import typer
 
 from ..plan.units import format_size
-from ..probe.answer import memory_at, peak_line
 from ..session import recipe_with_options
 from .app import app
 from .common import recipe_argument, stdout
@@ -53,6 +52,8 @@ def memory_command(
     recipe = recipe_with_options(recipe_path, weights, None, value_of(quantize), None, 1, activation_checkpointing,
                                  False, None, None)
     options = probe_options(memory, gpu, meter, headroom, True)
+    from ..probe.answer import memory_at  # torch: only when the command runs (`reproduce --help` imports none)
+
     answer = memory_at(recipe, micro_batch, options, given, sequence_length).to_json()
     if as_json:
         print(json.dumps(answer, indent=2))
@@ -62,6 +63,8 @@ def memory_command(
 
 
 def render(answer: dict) -> list[str]:
+    from ..probe.answer import peak_line
+
     size = format_size
     micro = answer["micro_batch"]
     tokens = f" x {answer['sequence_length']} tokens" if answer["sequence_length"] else ""

@@ -143,8 +143,8 @@ def plan_command(
         return
     stdout.print(f"recipe: {described(recipe_path, recipe_path)}", markup=False, soft_wrap=True)
     render_plan(the_plan)
-    counts = parameter_counts(recipe)
-    if counts is not None:  # a built-in, counted on the meta device once (the probe's cache keeps it)
+    counts = parameter_counts(recipe, build=result is not None)  # counted on the meta device when the plan probed
+    if counts is not None:  # (or by `papers` or an earlier probe: the probe's cache keeps it) and no torch otherwise
         total, trainable = counts
         stdout.print(f"parameters: {total:,}, of which {trainable:,} train ({trainable / max(total, 1):.2%})",
                      markup=False)
