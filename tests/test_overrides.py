@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from reproduce.errors import UserError
@@ -68,3 +70,51 @@ def test_a_list_item_by_its_number():
     assert changed.batch.phases[0].steps == first.steps + 1
     with pytest.raises(UserError, match=r"batch.phases.9: expected an item number below 2"):
         apply_overrides(recipe, ["batch.phases.9.steps=1"])
+
+
+# ---- the commands ---------------------------------------------------------------------------------------------
+
+def test_plan_takes_set_validated_as_the_file(capsys):
+    from helpers import cli
+
+    code, out, err = cli(capsys, "plan", GPT, "--micro-batch-max", "16", "--set", "optimizer.lr=0.0005", "--json")
+    assert code == 0, err
+    assert json.loads(out)["lr"] == 0.0005
+    code, out, err = cli(capsys, "plan", GPT, "--micro-batch-max", "16", "--set", "batch.effective=2048", "--set",
+                         "batch.per_device=32", "--json")  # 2048 tokens of 64: 32 sequences, on the paper's 1 device
+    assert code == 0, err
+    assert (json.loads(out)["effective_batch"], json.loads(out)["arithmetic"]) == (32, "16 x 2 x 1 = 32 sequences (2048 tokens)")
+    code, out, err = cli(capsys, "plan", GPT, "--micro-batch-max", "16", "--set", "batch.effective=2048")
+    assert (code, err) == (2, "error: --set: batch: devices x per_device = 1 x 64 = 64, but effective is 32 "
+                              "sequences; state the paper's accumulation steps or correct the numbers\n")
+    code, out, err = cli(capsys, "plan", GPT, "--micro-batch-max", "16", "--set", "optimizer.lr=-1")
+    assert (code, err) == (2, "error: --set: optimizer.lr: must be > 0.0 (got -1)\n")
+
+
+def test_a_run_with_set_resumes_from_its_plan_and_refuses_a_plan_file_with_set(tmp_path, capsys, one_thread):
+    """The overridden fields are the run's recipe (plan.yaml holds them): a resume from plan.yaml needs no --set,
+    the same command again (as --auto-resume repeats it) is the same run, and --set on a plan file is refused."""
+    from helpers import cli
+
+    out = tmp_path / "run"
+    code, _, err = cli(capsys, "run", "papers/digits-mlp.yaml", "--micro-batch-max", "32", "--out", out, "--device",
+                       "cpu", "--max-steps", "2", "--no-noise-scale", "--set", "optimizer.lr=0.05")
+    assert code == 0, err
+    assert load_recipe_plan(out).optimizer.lr == 0.05
+    code, _, err = cli(capsys, "run", "papers/digits-mlp.yaml", "--micro-batch-max", "32", "--out", out, "--device",
+                       "cpu", "--max-steps", "3", "--no-noise-scale", "--resume", "--set", "optimizer.lr=0.05")
+    assert code == 0, err
+    code, _, err = cli(capsys, "run", "papers/digits-mlp.yaml", "--micro-batch-max", "32", "--out", out, "--device",
+                       "cpu", "--max-steps", "4", "--no-noise-scale", "--resume")  # without it: another recipe
+    assert code == 2 and "differs from the one" in err
+    code, _, err = cli(capsys, "run", out / "plan.yaml", "--out", out, "--device", "cpu", "--max-steps", "4",
+                       "--no-noise-scale", "--resume")
+    assert code == 0, err
+    code, _, err = cli(capsys, "verify", out / "plan.yaml", "--set", "optimizer.lr=0.1")
+    assert code == 2 and err.startswith(f"error: --set: {out / 'plan.yaml'} is a plan file")
+
+
+def load_recipe_plan(out):
+    from reproduce.plan.planfile import load_plan
+
+    return load_plan(out / "plan.yaml").recipe

@@ -12,7 +12,7 @@ timings), so planning with a given micro-batch imports none. The resume rules ar
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from .errors import DoesNotFit, UserError
 from .plan.batchnorm import with_batchnorm
 from .plan.builtin_names import MODELS
 from .plan.memory_options import with_memory_options, with_quantized_base
+from .plan.overrides import apply_overrides
 from .plan.planner import Plan, plan
 from .plan.recipe import Recipe, load_recipe, phase_recipe, with_data_paths, with_weights
 from .plan.resume_rules import replan
@@ -206,11 +207,14 @@ def planned_data_size(recipe: Recipe, given: bool = False) -> tuple[dict | None,
 
 def recipe_with_options(recipe_path: Path, weights: str | None, data_path: str | None, quantize: str | None,
                         sharding: str | None, world_size: int, activation_checkpointing: bool,
-                        sharded_gradients: bool, offload: str | None, batchnorm: str | None) -> Recipe:
-    """The recipe file as `plan` and `probe` take it: --weights first (the tokenizer may come from its folder),
-    then --data, --quantize, --sharding, the memory options and --batchnorm, each in place of its recipe field."""
+                        sharded_gradients: bool, offload: str | None, batchnorm: str | None,
+                        overrides: Sequence[str] = ()) -> Recipe:
+    """The recipe file as `plan` and `probe` take it: --set first (as if the file said it), then --weights (the
+    tokenizer may come from its folder), --data, --quantize, --sharding, the memory options and --batchnorm, each
+    in place of its recipe field."""
     source = str(recipe_path)
-    recipe = with_data_paths(with_weights(load_recipe(recipe_path), weights, source), data_path, None, source)
+    recipe = apply_overrides(load_recipe(recipe_path), overrides)
+    recipe = with_data_paths(with_weights(recipe, weights, source), data_path, None, source)
     recipe = apply_sharding(with_quantized_base(recipe, quantize, source), sharding, world_size)
     recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, offload)
     return with_batchnorm(recipe, batchnorm)

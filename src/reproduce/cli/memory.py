@@ -17,6 +17,7 @@ from .options import (
     HEADROOM_HELP,
     MEMORY_HELP,
     QUANTIZE_HELP,
+    SET_HELP,
     WEIGHTS_HELP,
     MeterName,
     Quantize,
@@ -44,13 +45,14 @@ def memory_command(
     weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    overrides: list[str] = typer.Option([], "--set", metavar="FIELD.PATH=VALUE", help=SET_HELP),
 ) -> None:
     """How much memory one training step needs at micro-batch N: weights, gradients, optimizer state, activations,
     logits and loss, the optimizer step's temporaries; where the peak is; allocated, reserved and driver-level."""
     given = str(recipe_path)  # as the user named it (a shipped recipe's name, or a file)
     recipe_path = recipe_argument(recipe_path)
     recipe = recipe_with_options(recipe_path, weights, None, value_of(quantize), None, 1, activation_checkpointing,
-                                 False, None, None)
+                                 False, None, None, overrides)
     options = probe_options(memory, gpu, meter, headroom, True)
     from ..probe.answer import memory_at  # torch: only when the command runs (`reproduce --help` imports none)
 

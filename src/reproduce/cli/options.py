@@ -40,6 +40,8 @@ class Offload(str, Enum):
     cpu = "cpu"
 
 
+SET_HELP = ("Set a recipe field by its dotted path, as if the file said it: --set optimizer.lr=1e-4 --set "
+            "data.max_length=1024 (the value read as YAML, the recipe validated again; repeat for several).")
 MICRO_BATCH_MAX_HELP = "Largest micro-batch known to fit on one device (skips the memory probe)."
 WORLD_SIZE_HELP = "Number of data-parallel processes (GPUs) the run will use."
 POLICY_HELP = (

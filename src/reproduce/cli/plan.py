@@ -39,6 +39,7 @@ from .options import (
     PACKING_HELP,
     POLICY_HELP,
     QUANTIZE_HELP,
+    SET_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
     TOKEN_BUDGET_HELP,
@@ -97,6 +98,7 @@ def plan_command(
     batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
     packing: PackingChoice | None = typer.Option(None, "--packing", help=PACKING_HELP),
     token_budget: int | None = typer.Option(None, "--token-budget", min=1, help=TOKEN_BUDGET_HELP),
+    overrides: list[str] = typer.Option([], "--set", metavar="FIELD.PATH=VALUE", help=SET_HELP),
 ) -> None:
     """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps.
 
@@ -111,7 +113,8 @@ def plan_command(
         check_format(emit_format)
     check_mfu(assumed_mfu)
     recipe = recipe_with_options(recipe_path, weights, data_path, value_of(quantize), value_of(sharding), world_size,
-                                 activation_checkpointing, sharded_gradients, value_of(offload), value_of(batchnorm))
+                                 activation_checkpointing, sharded_gradients, value_of(offload), value_of(batchnorm),
+                                 overrides)
     check_builtin_model(recipe)  # a typo: one line with the nearest name, as run says
     recipe = with_backbone_weights(recipe, backbone_weights, str(recipe_path))
     recipe = with_packing(recipe, value_of(packing), token_budget)

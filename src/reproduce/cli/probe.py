@@ -26,6 +26,7 @@ from .options import (
     NO_CACHE_HELP,
     OFFLOAD_HELP,
     QUANTIZE_HELP,
+    SET_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
     WEIGHTS_HELP,
@@ -62,6 +63,7 @@ def probe_command(
     offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
     quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
+    overrides: list[str] = typer.Option([], "--set", metavar="FIELD.PATH=VALUE", help=SET_HELP),
 ) -> None:
     """Measure the largest micro-batch whose full training step fits one device's memory.
 
@@ -70,7 +72,8 @@ def probe_command(
     """
     recipe_path = recipe_argument(recipe_path)
     recipe = recipe_with_options(recipe_path, weights, data_path, value_of(quantize), value_of(sharding), world_size,
-                                 activation_checkpointing, sharded_gradients, value_of(offload), value_of(batchnorm))
+                                 activation_checkpointing, sharded_gradients, value_of(offload), value_of(batchnorm),
+                                 overrides)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     result = run_probe(recipe, str(recipe_path), options, world_size, on_trial=None if as_json else show_trial)
     the_plan = plan(recipe, result.micro_batch_max, world_size) if result.micro_batch_max else None

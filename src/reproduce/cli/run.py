@@ -43,6 +43,7 @@ from .options import (
     PACKING_HELP,
     POLICY_HELP,
     QUANTIZE_HELP,
+    SET_HELP,
     SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
     TOKEN_BUDGET_HELP,
@@ -325,6 +326,7 @@ def run_command(
     batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
     packing: PackingChoice | None = typer.Option(None, "--packing", help=PACKING_HELP),
     token_budget: int | None = typer.Option(None, "--token-budget", min=1, help=TOKEN_BUDGET_HELP),
+    overrides: list[str] = typer.Option([], "--set", metavar="FIELD.PATH=VALUE", help=SET_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     from ..data import build_data
@@ -347,12 +349,12 @@ def run_command(
     if auto_resume:
         auto_resume_flags(resume, force, max_restarts, launching)
         resume, force = _auto_resume(source, out, max_steps, world.is_main, (
-            sharding_name, data_path, eval_data_path, weights, value_of(quantize), backbone_weights))
+            sharding_name, data_path, eval_data_path, weights, value_of(quantize), backbone_weights, overrides))
     if launching:
         processes = nproc_per_node * nodes  # an elastic job is planned for its most nodes; fewer re-derive N
         # bad input: one line, before launching
         recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights,
-                                       value_of(quantize), backbone_weights)
+                                       value_of(quantize), backbone_weights, overrides)
         recipe, plan = packing_for_run(recipe, plan, resume, value_of(packing), token_budget)
         recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
         recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))
@@ -375,6 +377,7 @@ def run_command(
              "--no-noise-scale": no_noise_scale, "--stop-on-divergence": stop_on_divergence, "--merged": merged,
              "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients},
         )
+        args += [part for override in overrides for part in ("--set", override)]  # each process sets them too
         command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint,
                                                max_restarts=max_restarts)
         os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(nproc_per_node, nnodes, node_rank, rdzv_endpoint))
@@ -390,7 +393,7 @@ def run_command(
     if world.distributed:
         world_size = world.size
     recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights,
-                                   value_of(quantize), backbone_weights)
+                                   value_of(quantize), backbone_weights, overrides)
     recipe, plan = packing_for_run(recipe, plan, resume, value_of(packing), token_budget)
     recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
     recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))

@@ -13,6 +13,7 @@ from rich.table import Table
 from ..errors import UserError
 from ..plan.batchnorm import batchnorm_for_run
 from ..plan.memory_options import with_quantized_base
+from ..plan.overrides import overrides_of_recipe
 from ..plan.packing import with_packing
 from ..plan.planfile import load_recipe_or_plan
 from ..plan.recipe import with_backbone_weights, with_data_paths, with_weights
@@ -27,6 +28,7 @@ from .options import (
     PACKING_HELP,
     POLICY_HELP,
     QUANTIZE_HELP,
+    SET_HELP,
     TOKEN_BUDGET_HELP,
     WEIGHTS_HELP,
     WORLD_SIZE_HELP,
@@ -76,6 +78,7 @@ def verify_command(
     batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
     packing: PackingChoice | None = typer.Option(None, "--packing", help=PACKING_HELP),
     token_budget: int | None = typer.Option(None, "--token-budget", min=1, help=TOKEN_BUDGET_HELP),
+    overrides: list[str] = typer.Option([], "--set", metavar="FIELD.PATH=VALUE", help=SET_HELP),
 ) -> None:
     """Compare the plan's accumulated gradient with the one-pass gradient: exit 0 equivalent, 1 not."""
     from ..data import build_data  # torch is imported only by the commands that need it
@@ -86,6 +89,7 @@ def verify_command(
         raise UserError(f"--tolerance: must be > 0 (got {tolerance})")
     source = recipe_argument(source, "recipe or plan")
     recipe, the_plan = load_recipe_or_plan(source)
+    recipe = overrides_of_recipe(recipe, overrides, the_plan is not None, str(source))
     recipe = with_data_paths(with_weights(recipe, weights, str(source)), data_path, None, str(source))
     recipe = with_backbone_weights(recipe, backbone_weights, str(source))
     recipe = apply_memory(with_quantized_base(recipe, value_of(quantize), str(source)), activation_checkpointing)

@@ -66,6 +66,14 @@ def _put(data: dict[str, Any], parts: list[str], value: Any, shown: str) -> None
             node = node[part]
 
 
+def overrides_of_recipe(recipe: Recipe, overrides: Sequence[str], plan_file: bool, source: str) -> Recipe:
+    """`apply_overrides` on a recipe file's recipe; a plan file's recipe is what its plan was made for: refused."""
+    if overrides and plan_file:
+        raise UserError(f"--set: {source} is a plan file, whose recipe its plan was made for; give the recipe file "
+                        "to set its fields (a resumed run's plan.yaml already holds the fields it was started with)")
+    return apply_overrides(recipe, overrides)
+
+
 def apply_overrides(recipe: Recipe, overrides: Sequence[str]) -> Recipe:
     """`recipe` with each `PATH=VALUE` of `overrides` applied in order, validated again as a whole."""
     if not overrides:

@@ -4,10 +4,12 @@ out; a request that would change the run raises UserError naming the option. Pur
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import UserError
 from .memory_options import with_knobs_of, with_quantized_base
+from .overrides import overrides_of_recipe
 from .packing import with_grouping_of
 from .planfile import load_plan, load_recipe_or_plan
 from .planner import Plan
@@ -109,12 +111,14 @@ def check_resumed_data(saved: Plan, out: Path) -> None:
 
 def recipe_and_plan(source: Path, out: Path, resume: bool, sharding: str | None, data_path: str | None,
                     eval_data_path: str | None, weights_path: str | None = None,
-                    quantize: str | None = None, backbone_path: str | None = None) -> tuple[Recipe, Plan | None]:
+                    quantize: str | None = None, backbone_path: str | None = None,
+                    overrides: Sequence[str] = ()) -> tuple[Recipe, Plan | None]:
     """The recipe (and plan, when given or resumed) with the data paths, the weights, the sharding and the quantised
     base this run uses: --data / --eval-data, --weights, --sharding and --quantize, else the recipe's; a resumed run
     keeps the data, weights, sharding and base it was started with (and refuses weights whose content changed
     since)."""
     recipe, plan = load_recipe_or_plan(source)
+    recipe = overrides_of_recipe(recipe, overrides, plan is not None, str(source))  # --set: first, as the file
     recipe = with_data_paths(with_weights(recipe, weights_path, str(source)), data_path, eval_data_path, str(source))
     recipe = with_backbone_weights(recipe, backbone_path, str(source))
     if not resume:
