@@ -310,7 +310,11 @@ def test_reported_metrics_are_matched_by_metric_split_and_scale():
     rows = compare_reported(recipe, {"eval_accuracy": 0.75, "loss": 1.0}, 300, 300)
     assert [(r["metric"], round(r["run"], 6)) for r in rows] == [("top1_error", 25.0), ("top1_accuracy", 0.75)]
     assert reported_line(rows[0]) == ("eval top-1 error 25; the paper reports top1_error 23.74 +- 0.09 on val at step "
-                                      "300; this run ran all 300 steps")
+                                      "300; this run ran all 300 steps: outside the paper's tolerance")
+    within = compare_reported(recipe, {"eval_accuracy": 0.7630, "loss": 1.0}, 300, 300)[0]  # error 23.70
+    assert reported_line(within).endswith("this run ran all 300 steps: within the paper's tolerance")
+    early = compare_reported(recipe, {"eval_accuracy": 0.7630, "loss": 1.0}, 30, 300)[0]  # no verdict mid-run
+    assert reported_line(early).endswith("this run stopped at step 30 of 300")
     assert compare_reported(recipe, {"loss": 1.0}, 3, 300) == []  # no evaluation: nothing to put beside it
 
 

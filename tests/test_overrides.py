@@ -83,7 +83,8 @@ def test_plan_takes_set_validated_as_the_file(capsys):
     code, out, err = cli(capsys, "plan", GPT, "--micro-batch-max", "16", "--set", "batch.effective=2048", "--set",
                          "batch.per_device=32", "--json")  # 2048 tokens of 64: 32 sequences, on the paper's 1 device
     assert code == 0, err
-    assert (json.loads(out)["effective_batch"], json.loads(out)["arithmetic"]) == (32, "16 x 2 x 1 = 32 sequences (2048 tokens)")
+    planned = json.loads(out)
+    assert (planned["effective_batch"], planned["arithmetic"]) == (32, "16 x 2 x 1 = 32 sequences (2048 tokens)")
     code, out, err = cli(capsys, "plan", GPT, "--micro-batch-max", "16", "--set", "batch.effective=2048")
     assert (code, err) == (2, "error: --set: batch: devices x per_device = 1 x 64 = 64, but effective is 32 "
                               "sequences; state the paper's accumulation steps or correct the numbers\n")

@@ -54,12 +54,16 @@ def compare_reported(recipe: Recipe, final: dict[str, Any], step: int, planned_s
 
 
 def reported_line(row: dict[str, Any]) -> str:
-    """`eval loss 1.89; the paper reports 1.47 at step 5000; this run stopped at step 40 of 5000`."""
+    """`eval loss 1.89; the paper reports 1.47 at step 5000; this run stopped at step 40 of 5000`, and for a run
+    that ran all its steps against a value with a tolerance, whether it lands within it."""
     planned, step = row["planned_steps"], row["step"]
     at = f" at step {planned}" if planned else ""
     tolerance = f" +- {row['tolerance']:g}" if row.get("tolerance") else ""
-    where = (f"this run stopped at step {step} of {planned}" if planned and step < planned
-             else f"this run ran all {step} steps")
+    stopped = bool(planned and step < planned)
+    where = f"this run stopped at step {step} of {planned}" if stopped else f"this run ran all {step} steps"
+    if row.get("tolerance") and not stopped:
+        inside = abs(row["run"] - row["paper"]) <= row["tolerance"]
+        where += f": {'within' if inside else 'outside'} the paper's tolerance"
     split = f" on {row['split']}" if row["split"] else ""
     return (f"{row['label']} {row['run']:.4g}; the paper reports {row['metric']} {row['paper']:g}{tolerance}{split}"
             f"{at}; {where}")
