@@ -64,7 +64,8 @@ def test_alpaca_lora_plans_its_own_four_by_thirty_two_on_an_int8_base_on_one_rtx
     fit one RTX 4090 (the 6.5 GB of int8 linear weights, the fp32 embeddings and head), so the plan is 4 x 32."""
     pytest.importorskip("bitsandbytes")
     recipe = load_recipe(PAPERS / "tloen2023-alpaca-lora.yaml")
-    assert recipe.model.quantize == "int8" and not recipe.deviations
+    assert recipe.model.quantize == "int8"
+    assert [d for d in recipe.deviations if "loss.normalization" not in d] == []  # the Trainer's loss arithmetic alone
     trial = paper_trial("tloen2023-alpaca-lora")
     assert trial.fits
     assert 6.4e9 < trial.parts["step"]["weights"] < 7.7e9  # 6.48B int8 weights + their scales + 0.26B fp32
