@@ -15,6 +15,12 @@ stdout = Console(highlight=False, width=_WIDTH)
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+def parameters_line(counts: tuple[int, int]) -> str:
+    """`parameters: 6,742,609,920, of which 4,194,304 train (0.06%)`: what `plan` and `run` print."""
+    total, trainable = counts
+    return f"parameters: {total:,}, of which {trainable:,} train ({trainable / max(total, 1):.2%})"
+
+
 def loss_text(value: float) -> str:
     """A loss with five significant digits: 1.7053, 0.15103, 2.1e-05 (fixed decimals would print 0.0000)."""
     return f"{value:.5g}"

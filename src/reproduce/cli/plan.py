@@ -24,7 +24,7 @@ from ..timing.predicted_time import predict
 from ..timing.prediction import DEFAULT_MFU
 from ..timing.throughput_plan import check_mfu
 from .app import app
-from .common import recipe_argument, show_note, stderr, stdout
+from .common import parameters_line, recipe_argument, show_note, stderr, stdout
 from .options import (
     BACKBONE_WEIGHTS_HELP,
     BATCHNORM_HELP,
@@ -148,9 +148,7 @@ def plan_command(
     render_plan(the_plan)
     counts = parameter_counts(recipe, build=result is not None)  # counted on the meta device when the plan probed
     if counts is not None:  # (or by `papers` or an earlier probe: the probe's cache keeps it) and no torch otherwise
-        total, trainable = counts
-        stdout.print(f"parameters: {total:,}, of which {trainable:,} train ({trainable / max(total, 1):.2%})",
-                     markup=False)
+        stdout.print(parameters_line(counts), markup=False)
     if grouping is not None:
         for line in packing_lines(grouping):
             stdout.print(line, markup=False, soft_wrap=True)

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..errors import UserError
 from ..plan.batchnorm import batchnorm_for_run
 from ..plan.launch import node_range
-from ..plan.packing import with_packing
+from ..plan.packing import packing_for_run
 from ..plan.phases import phase_lines
 from ..plan.planner import Plan
 from ..plan.reported import reported_line
@@ -28,7 +28,7 @@ from ..storage import lock
 from ..train.outputs import check_out_dir
 from ..train.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from .app import app
-from .common import is_terminal, loss_text, recipe_argument, show_note, stderr, stdout
+from .common import is_terminal, loss_text, parameters_line, recipe_argument, show_note, stderr, stdout
 from .options import (
     BACKBONE_WEIGHTS_HELP,
     BATCHNORM_HELP,
@@ -119,8 +119,7 @@ class PlainReporter:
         if plan.weights is not None:
             print(plan.weights.line(plan.recipe.model.builtin or plan.recipe.model.factory), flush=True)
         if self.parameters is not None:
-            total, trainable = self.parameters
-            print(f"parameters: {total:,}, of which {trainable:,} train ({trainable / max(total, 1):.2%})", flush=True)
+            print(parameters_line(self.parameters), flush=True)
         for line in [*plan.memory, *(f"memory: {knob}" for knob in memory_summary(plan.recipe))]:
             print(line, flush=True)
         self.total, self.every = total_steps, max(1, total_steps // self.lines)
@@ -212,20 +211,6 @@ MAX_RESTARTS_HELP = ("torchrun restarts the processes up to N times after one fa
 NNODES_HELP = "Machines in the job (with --nproc-per-node), or MIN:MAX for torchrun's elastic range."
 DIVERGENCE_HELP = ("Stop when the loss diverges (not finite, or above 2x its first value for 10 steps in a row); "
                    "without it the run warns once and goes on.")
-
-def packing_for_run(recipe, plan, resume: bool, packing: str | None, token_budget: int | None) -> tuple:
-    """The recipe and plan with --packing / --token-budget (plan/packing.py); a resumed run keeps its own."""
-    if packing is None and token_budget is None:
-        return recipe, plan
-    if resume:  # the same options again (--auto-resume repeats the command) are the run's own
-        kept = plan.recipe.data if plan is not None else recipe.data
-        if (packing or kept.packing) == kept.packing and token_budget in (None, kept.token_budget):
-            return recipe, plan
-        raise UserError("--packing / --token-budget: a resumed run keeps the grouping it was started with (its "
-                        f"plan.yaml's data.packing: {kept.packing}); leave them out with --resume")
-    recipe = with_packing(recipe, packing, token_budget)
-    return recipe, plan.model_copy(update={"recipe": recipe}) if plan is not None else None
-
 
 def _forwarded_args(source: Path, out: Path, values: dict[str, object], switches: dict[str, bool]) -> list[str]:
     """This command's own options, for each process torchrun starts (without the launcher options):
@@ -382,11 +367,7 @@ def run_command(
                                                max_restarts=max_restarts)
         os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(nproc_per_node, nnodes, node_rank, rdzv_endpoint))
         check_out_dir(out, resume, force)
-        # a one-machine launcher owns the run: it holds --out's lock for its whole life, its workers do not; the
-        # nodes of a job of several share --out, whose lock the job's rank 0 worker takes (storage/lock.py)
-        if nodes == 1:
-            os.environ[lock.HELD_ENV] = "1"
-        with lock.hold(out) if nodes == 1 else contextlib.nullcontext():
+        with lock.hold_for_launch(out, nodes):  # one machine: the launcher's, for its whole life; several: rank 0's
             print("launching: " + " ".join(command), flush=True)
             code = _launch(command)
         raise typer.Exit(code)

@@ -7,6 +7,7 @@ as the recipe's fields are (`recipe.packing_problem`), so that a plan, a run and
 from __future__ import annotations
 
 from ..errors import UserError
+from .planner import Plan
 from .recipe import Recipe, packing_problem
 
 
@@ -24,6 +25,22 @@ def with_packing(recipe: Recipe, packing: str | None, token_budget: int | None =
         raise UserError(problem.replace("data.packing:", "--packing:", 1)
                         .replace("data.token_budget:", "--token-budget:", 1))
     return changed
+
+
+def packing_for_run(recipe: Recipe, plan: Plan | None, resume: bool, packing: str | None,
+                    token_budget: int | None) -> tuple[Recipe, Plan | None]:
+    """The run's recipe and plan with --packing / --token-budget. A resumed run keeps the grouping it was started
+    with: the same options again (as --auto-resume repeats the command) are its own, others are refused."""
+    if packing is None and token_budget is None:
+        return recipe, plan
+    if resume:
+        kept = plan.recipe.data if plan is not None else recipe.data
+        if (packing or kept.packing) == kept.packing and token_budget in (None, kept.token_budget):
+            return recipe, plan
+        raise UserError("--packing / --token-budget: a resumed run keeps the grouping it was started with (its "
+                        f"plan.yaml's data.packing: {kept.packing}); leave them out with --resume")
+    recipe = with_packing(recipe, packing, token_budget)
+    return recipe, plan.model_copy(update={"recipe": recipe}) if plan is not None else None
 
 
 def with_grouping_of(recipe: Recipe, other: Recipe) -> Recipe:

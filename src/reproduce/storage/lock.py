@@ -103,6 +103,18 @@ LAUNCHER_ENV = "REPRODUCE_LAUNCHED_WITH"  # set by `reproduce run --nproc-per-no
 HELD_ENV = "REPRODUCE_LAUNCHER_HOLDS_THE_LOCK"  # set by a one-machine launcher that holds --out's lock
 
 
+@contextlib.contextmanager
+def hold_for_launch(out: str | Path, nodes: int) -> Iterator[None]:
+    """The `reproduce run --nproc-per-node` launcher's part: on one machine it holds the lock for its whole life
+    and tells its workers so (`owns_the_run`); the launchers of several nodes hold none (the job's rank 0 does)."""
+    if nodes > 1:
+        yield
+        return
+    os.environ[HELD_ENV] = "1"
+    with hold(out):
+        yield
+
+
 def owns_the_run(distributed: bool, rank: int) -> bool:
     """Whether this process takes the lock: a run of one process; under torchrun, none of the workers when a
     one-machine `reproduce run --nproc-per-node` launched them (the launcher holds it), else (several nodes, or
