@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from reproduce.plan.memory_options import with_memory_options  # noqa: E402
+from reproduce.plan.overlay import Change, overlay  # noqa: E402
 from reproduce.plan.recipe import load_recipe, parse_recipe  # noqa: E402
 from reproduce.probe.catalog import lookup  # noqa: E402
 from reproduce.probe.fake_step import run_fake_step  # noqa: E402
@@ -42,7 +42,7 @@ def cpu_meter(path: str, micro_batch: int) -> None:
     machine moves both alike), the best of each kept."""
     setups, peaks = {}, {}
     for on in (False, True):
-        recipe = with_memory_options(load_recipe(ROOT / path), activation_checkpointing=on)
+        recipe = overlay(load_recipe(ROOT / path), [Change("model.activation_checkpointing", on)], path)
         workload = Workload(recipe).prepare()
         meter = CpuMeter(workload, 1024 * MiB, 0.0, time_steps=False)
         peaks[on] = meter.measure(micro_batch).peak_bytes

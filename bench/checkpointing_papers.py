@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from reproduce.errors import UserError
-from reproduce.plan.memory_options import with_memory_options
+from reproduce.plan.overlay import Change, overlay
 from reproduce.plan.recipe import load_recipe
 from reproduce.probe.catalog import lookup
 from reproduce.probe.runner import ProbeOptions, run_probe
@@ -55,7 +55,8 @@ def main(prefixes: list[str]) -> None:
             continue
         world = batch.devices if batch.sharding == "fsdp" and batch.devices else 1
         without, first = largest(recipe, gpu.name, world)
-        checkpointed, second = largest(with_memory_options(recipe, activation_checkpointing=True), gpu.name, world)
+        checkpointing = overlay(recipe, [Change("model.activation_checkpointing", True)], str(path))
+        checkpointed, second = largest(checkpointing, gpu.name, world)
         print(f"| {path.stem} | {gpu.name} | {world} | {without} | {checkpointed} | {first + second:.0f} |", flush=True)
 
 

@@ -272,3 +272,26 @@ def pretrained_files(root: Path, llama_layers: int = 2, **gpt2: int) -> Path:
     write_gpt2(root / "tiny-gpt2", root / "tokenizer", **gpt2)
     write_alpaca_json(root / "alpaca.json", limit=24)
     return root
+
+
+def data_paths(recipe, path, eval_path=None):
+    """`recipe` reading its data.format data from `path` (and `eval_path`), as `--data` / `--eval-data` set them."""
+    from reproduce.plan.overlay import Change, overlay
+
+    changes = [Change(field, value) for field, value in (("data.path", path), ("data.eval_path", eval_path))
+               if value is not None]
+    return overlay(recipe, changes, "test recipe")
+
+
+def weights_of(recipe, path):
+    """`recipe` starting from the weights at `path`, as `--weights` sets them."""
+    from reproduce.plan.overlay import Change, overlay
+
+    return overlay(recipe, [Change("model.weights", path)], "test recipe")
+
+
+def with_batchnorm(recipe, mode):
+    """`recipe` normalising with `mode`, as `--batchnorm` sets it (the paper's choice kept)."""
+    from reproduce.plan.overlay import Change, overlay
+
+    return overlay(recipe, [Change("model.batchnorm", mode)], "test recipe")

@@ -9,11 +9,11 @@ import pytest
 import torch
 import yaml
 
-from helpers import cli
+from helpers import cli, with_batchnorm
 from reproduce.errors import UserError
 from reproduce.models import MODELS, count_batchnorm
 from reproduce.plan import builtin_names
-from reproduce.plan.batchnorm import AUX_HEAD_LAYERS, BUILTIN_LAYERS, with_batchnorm
+from reproduce.plan.batchnorm import AUX_HEAD_LAYERS, BUILTIN_LAYERS
 from reproduce.plan.planner import plan
 from reproduce.plan.recipe import parse_recipe
 

@@ -173,7 +173,8 @@ def test_offload_without_fsdp_is_one_line(tmp_path, capsys):
         main(["run", str(path), "--out", str(tmp_path / "out"), "--micro-batch-max", "4", "--offload", "cpu",
               "--device", "cpu"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert exit_.value.code == 2 and len(err) == 1 and "--offload cpu" in err[0] and "--sharding fsdp" in err[0]
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith(
+        "error: --offload: batch.offload: cpu offloads FSDP2's") and "set sharding: fsdp" in err[0]
     assert not (tmp_path / "out").exists()
 
 

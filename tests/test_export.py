@@ -349,9 +349,9 @@ def test_accelerate_reads_the_config(goyal, nanogpt, tmp_path):
 @pytest.fixture(scope="module")
 def sharded_gpt():
     """The pysource GPT sharded over 4 processes in bf16 (its blocks are the built-in GPT's `Block`)."""
-    from reproduce.plan.sharding import with_sharding
+    from reproduce.plan.overlay import Change, overlay
 
-    recipe = with_sharding(load_recipe(PAPERS / "pysource-gpt.yaml"), "fsdp")
+    recipe = overlay(load_recipe(PAPERS / "pysource-gpt.yaml"), [Change("batch.sharding", "fsdp")], "pysource-gpt.yaml")
     recipe = recipe.model_copy(update={"precision": "bf16"})
     return plan(recipe, 16, 4, recipe_path="papers/pysource-gpt.yaml", dataset_size=20000)
 

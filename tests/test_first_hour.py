@@ -268,6 +268,9 @@ def test_max_steps_counts_from_the_start_and_a_resume_past_it_says_what_goes_on(
 
 def test_the_hint_keeps_torchruns_options(tmp_path, monkeypatch):
     from reproduce.cli.resume import LAUNCHER_ENV, continue_command, launcher_args, launcher_of_this_job
+    from reproduce.cli.run import request_args
+    from reproduce.plan.overlay import Change
+    from reproduce.session import RunRequest
 
     launcher = launcher_args(2, 2, 0, "node0:29500")
     monkeypatch.setenv(LAUNCHER_ENV, shlex.join(launcher))
@@ -275,12 +278,13 @@ def test_the_hint_keeps_torchruns_options(tmp_path, monkeypatch):
     monkeypatch.delenv(LAUNCHER_ENV)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun started by hand: what it tells each process
     assert launcher_of_this_job(2) == ["--nproc-per-node", "2"]
-    hint = continue_command(tmp_path / "out", {"--max-steps": 30, "--data": "/data/my set", "--workers": None},
-                            {"--stop-on-divergence": True, "--tensorboard": False}, launcher)
+    request = RunRequest(source=tmp_path / "recipe.yaml", out=tmp_path / "out", max_steps=30, stop_on_divergence=True,
+                         changes=(Change("data.path", "/data/my set", "--data"),))
+    hint = continue_command(tmp_path / "out", launcher, request_args(request, "resume"))
     assert shlex.split(hint) == ["reproduce", "run", str(tmp_path / "out" / "plan.yaml"), "--out",
                                  str(tmp_path / "out"), "--resume", "--nproc-per-node", "2", "--nnodes", "2",
                                  "--node-rank", "0", "--rdzv-endpoint", "node0:29500", "--max-steps", "30",
-                                 "--data", "/data/my set", "--stop-on-divergence"]
+                                 "--stop-on-divergence", "--data", "/data/my set"]
 
 
 # ---- 9. the result beside the paper's --------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from reproduce.data import build_data
 from reproduce.data.packing import Grouped, Grouping, balance, group, grouping_of, next_fit
 from reproduce.errors import UserError
 from reproduce.models.hf import HFLogits, check_packed
-from reproduce.plan.packing import with_packing
+from reproduce.plan.overlay import Change, overlay
 from reproduce.plan.planner import plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.trainer import RunOptions, train
@@ -223,9 +223,11 @@ def test_the_packing_option_is_checked_as_the_field():
     image = parse_recipe({"batch": {"effective": 8}, "task": "classification", "model": {"builtin": "mlp"},
                           "data": {"format": "imagefolder", "available": False, "image_size": 8},
                           "optimizer": {"name": "sgd", "lr": 0.1}, "schedule": {"total": {"steps": 1}}})
-    with pytest.raises(UserError, match=r"^--packing: packed groups samples by their lengths, which image data"):
-        with_packing(image, "packed")
-    assert with_packing(parse_recipe(llama_lora()), "sorted", 64).data.token_budget == 64
+    with pytest.raises(UserError, match=r"^--packing: data.packing: packed groups samples by their lengths, which "
+                                        r"image data"):
+        overlay(image, [Change("data.packing", "packed", "--packing")], "image.yaml")
+    changes = [Change("data.packing", "sorted", "--packing"), Change("data.token_budget", 64, "--token-budget")]
+    assert overlay(parse_recipe(llama_lora()), changes, "llama.yaml").data.token_budget == 64
 
 
 def cli_command(recipe, out, *args: str) -> list[str]:

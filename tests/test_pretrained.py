@@ -210,7 +210,8 @@ def test_resume_refuses_other_weights(files, tmp_path, capsys, one_thread):
     plan_file = tmp_path / "run" / "plan.yaml"
     code, _, err = cli(capsys, "run", plan_file, "--out", tmp_path / "run", "--resume", "--weights",
                        files / "tiny-llama", "--device", "cpu")
-    assert code == 2 and err.startswith(f"error: --weights: the run in {tmp_path / 'run'} started from {weights}")
+    assert code == 2 and err.startswith(f"error: --weights: the run in {tmp_path / 'run'} was started with "
+                                                 f"model.weights {weights}")
 
     from safetensors.torch import load_file, save_file
 
@@ -427,16 +428,17 @@ def test_verify_and_probe_take_weights(files, tmp_path, capsys, one_thread):
 def test_the_shipped_e2e_recipe_reads_context_completion_records(files, tmp_path):
     """papers/hu2021-lora-gpt2m-e2e.yaml reads format_converting_e2e.py's records with --data: the context, the
     tokenizer's EOS, ' ' + the completion, EOS (gpt2_encode.py --add_bos --add_eos); the loss on the completion."""
+    from helpers import data_paths, weights_of
     from reproduce.data import build_data
-    from reproduce.plan.recipe import load_recipe, with_data_paths, with_weights
+    from reproduce.plan.recipe import load_recipe
 
     records = [{"context": "name : The Eagle | food : French", "completion": "The Eagle serves French food."}] * 3
     (tmp_path / "e2e.json").write_text(json.dumps(records))
     from pathlib import Path
 
     paper = Path(__file__).parent.parent / "papers" / "hu2021-lora-gpt2m-e2e.yaml"
-    recipe = with_weights(load_recipe(paper), str(files / "tiny-gpt2"))
-    train = build_data(with_data_paths(recipe, str(tmp_path / "e2e.json"), None))["train"]
+    recipe = weights_of(load_recipe(paper), str(files / "tiny-gpt2"))
+    train = build_data(data_paths(recipe, str(tmp_path / "e2e.json"), None))["train"]
     tokenizer = transformers.AutoTokenizer.from_pretrained(files / "tiny-gpt2")
     eos = tokenizer.eos_token
     assert eos

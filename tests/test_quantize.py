@@ -187,7 +187,7 @@ def test_the_quantize_option_overrides_the_field_on_plan_run_and_verify(capsys, 
     trained = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert any(name.endswith("weight.quant_state.bitsandbytes__nf4") for name in trained)
     code, out, err = cli(capsys, "run", "lora.yaml", "--out", "run", "--resume", "--quantize", "int8")
-    assert code == 2 and "--quantize int8: the run in run was started with nf4 base" in err
+    assert code == 2 and "--quantize: the run in run was started with model.quantize nf4" in err
     code, out, err = cli(capsys, "run", "lora.yaml", "--out", "run", "--resume")  # keeps the base it started with
     assert code == 0 and "memory: nf4 base" in out and "done: 2 steps" in out, err
     code, out, err = cli(capsys, "verify", "lora.yaml", "--micro-batch-max", "4", "--quantize", "int8")
@@ -195,7 +195,7 @@ def test_the_quantize_option_overrides_the_field_on_plan_run_and_verify(capsys, 
     del data["model"]["lora"]
     (tmp_path / "full.yaml").write_text(yaml.safe_dump(data))
     code, out, err = cli(capsys, "plan", "full.yaml", "--micro-batch-max", "4", "--quantize", "int8")
-    assert code == 2 and err.startswith("error: --quantize int8: full.yaml trains every weight (no model.lora)"), err
+    assert code == 2 and err.startswith("error: --quantize: model.quantize: an int8 base cannot train"), err
 
 
 @pytest.mark.parametrize("args", [["--quantize", "nf4"], []])
@@ -219,8 +219,8 @@ def test_a_quantised_base_with_fsdp_is_one_line_on_plan_probe_and_run(args, caps
         code, out, err = cli(capsys, *command, *fsdp)
         base = args[1] if args else "int8"
         assert code == 2 and out == "" and err == (
-            f"error: --quantize / --sharding: an {base} base is not sharded with fsdp here (FSDP2 cannot shard "
-            "bitsandbytes' packed weights); use --sharding none, or leave --quantize out\n"), (command, err)
+            f"error: {'--quantize' if args else '--sharding'}: model.quantize: an {base} base is not sharded with fsdp "
+            "here (FSDP2 cannot shard bitsandbytes' packed weights); use batch.sharding: none\n"), (command, err)
     assert snapshot(tmp_path) == before
 
 

@@ -13,12 +13,12 @@ import torch
 import yaml
 from PIL import Image
 
-from helpers import cli, snapshot
+from helpers import cli, data_paths, snapshot
 from reproduce.data import build_data
 from reproduce.data.loader import MicroBatchStream, fetch_seeded
 from reproduce.data.shape_scenes import write_voc
 from reproduce.errors import UserError
-from reproduce.plan.recipe import parse_recipe, with_data_paths
+from reproduce.plan.recipe import parse_recipe
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +255,7 @@ def test_samples_writes_a_voc_folder(tmp_path):
     assert augmented.mode == "L" and np.array_equal(np.asarray(augmented), np.asarray(mask))
     assert len(list((tmp_path / "scenes" / "SegmentationClassAug").glob("*.png"))) == 160
     deeplab = yaml.safe_load((Path(__file__).parent.parent / "papers" / "chen2017-deeplabv3.yaml").read_text())
-    data = build_data(with_data_paths(parse_recipe(deeplab), str(tmp_path / "scenes"), None))  # --data PATH
+    data = build_data(data_paths(parse_recipe(deeplab), str(tmp_path / "scenes"), None))  # --data PATH
     assert len(data["train"]) == 160 and {p.mask.parent.name for p in data["train"].pairs} == {"SegmentationClassAug"}
 
 

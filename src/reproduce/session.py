@@ -1,31 +1,35 @@
 """The session: what a command decides between reading its options and showing its output, as values.
 
+The recipe a command works on (`recipe_for_plan` for plan, probe and memory; `recipe_for_run` for run and verify,
+which also take a plan file or resume one): the file with the command's changes, applied and validated once
+(plan/overlay.py), and the resume rules. A run (`RunRequest`, one frozen value of its options): `checked_run`
+makes every check that needs no data (the launcher's, before it launches), `prepare_run` then builds the data,
+probes (every rank its own device, all taking the smallest maximum: `probe_consensus`) and plans (`run_plan`).
 Probe, then plan (`plan_and_probe`): the micro-batch maximum comes from the caller, or from the memory probe
-(once per sequence length when batch phases change it), then the plan, by the chosen policy. The probe consensus
-across ranks (`probe_consensus`): every rank probes its own device and all take the smallest maximum. The
-checks a run makes before it starts (`check_sharded_probe`, `check_launch_policy`), and the plan a run uses
-(`run_plan`). Nothing here prints: the lines to show come back as data (`Planned.notes`, warnings), or are handed
-to the caller's `on_note` as they come (a probe or a timing can take a while); bad input raises UserError, a
-model that does not fit DoesNotFit. Torch is imported only inside the functions that measure (the probe, the
-timings), so planning with a given micro-batch imports none. The resume rules are in plan/resume_rules.py.
+(once per sequence length when batch phases change it), then the plan, by the chosen policy. Nothing here prints:
+the lines to show come back as data (`Planned.notes`, warnings), or are handed to the caller's `on_note` as they
+come (a probe or a timing can take a while); bad input raises UserError, a model that does not fit DoesNotFit.
+Torch is imported only inside the functions that measure or build (the probe, the timings, the data), so planning
+with a given micro-batch imports none.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from . import __version__
 from .errors import DoesNotFit, UserError
-from .plan.batchnorm import with_batchnorm
 from .plan.builtin_names import MODELS
-from .plan.memory_options import with_memory_options, with_quantized_base
-from .plan.overrides import apply_overrides
+from .plan.overlay import Change, overlay, resumed
+from .plan.overrides import changes_of
+from .plan.planfile import load_plan, load_recipe_or_plan
 from .plan.planner import Plan, plan
-from .plan.recipe import Recipe, load_recipe, phase_recipe, with_data_paths, with_weights
-from .plan.resume_rules import replan
-from .plan.sharding import with_sharding
+from .plan.recipe import Recipe, load_recipe, phase_recipe
+from .plan.resume_rules import check_resumed_data, check_resumed_weights, replan
+from .plan.sharding import check_sharding
 from .plan.units import format_size
 from .plan.weightfiles import data_fingerprint
 from .plan.weightfiles import inspect as inspect_weights
@@ -205,54 +209,59 @@ def planned_data_size(recipe: Recipe, given: bool = False) -> tuple[dict | None,
     return data, training_sizes(recipe, data["train"])
 
 
-def recipe_with_options(recipe_path: Path, weights: str | None, data_path: str | None, quantize: str | None,
-                        sharding: str | None, world_size: int, activation_checkpointing: bool,
-                        sharded_gradients: bool, offload: str | None, batchnorm: str | None,
-                        overrides: Sequence[str] = ()) -> Recipe:
-    """The recipe file as `plan` and `probe` take it: --set first (as if the file said it), then --weights (the
-    tokenizer may come from its folder), --data, --quantize, --sharding, the memory options and --batchnorm, each
-    in place of its recipe field."""
-    source = str(recipe_path)
-    recipe = apply_overrides(load_recipe(recipe_path), overrides)
-    recipe = with_data_paths(with_weights(recipe, weights, source), data_path, None, source)
-    recipe = apply_sharding(with_quantized_base(recipe, quantize, source), sharding, world_size)
-    recipe = apply_memory(recipe, activation_checkpointing, sharded_gradients, offload)
-    return with_batchnorm(recipe, batchnorm)
+def recipe_for_plan(source: Path, changes: Sequence[Change], world_size: int = 1) -> Recipe:
+    """The recipe file as `plan`, `probe` and `memory` take it: with the command's changes (`--set`, then its
+    options, each onto its field: plan/overlay.py), validated once, and the checks the changes need."""
+    recipe = overlay(load_recipe(source), changes, str(source))
+    _check_changed(recipe, changes, world_size)
+    return recipe
 
 
-def apply_sharding(recipe: Recipe, sharding: str | None, world_size: int) -> Recipe:
-    """The recipe with `--sharding` in place of its `batch.sharding` (what the probe counts and the plan keeps)."""
-    if sharding is None:
-        return recipe
-    if sharding == "fsdp" and world_size < 2:
-        raise UserError(
-            f"--sharding fsdp: shards the model over the --world-size processes, and --world-size is {world_size}; "
-            "give --world-size 2 or more (one process has nothing to shard over)"
-        )
-    return with_sharding(recipe, sharding)
+def recipe_for_run(source: Path, overrides: Sequence[Change], options: Sequence[Change], *, resume: bool = False,
+                   out: Path | None = None) -> tuple[Recipe, Plan | None]:
+    """The recipe (and plan, when `source` is a plan file or the run is resumed) as `run` and `verify` take it.
+
+    `overrides` (`--set`) change a recipe file's fields, as if the file said them; a plan file's recipe is what its
+    plan was made for, so they are refused on one. `options` change either. A resumed run keeps the fields its
+    plan.yaml fixes (`overlay.resumed`), from the weights and data it started on, unchanged since.
+    """
+    recipe, the_plan = load_recipe_or_plan(source)
+    if overrides and the_plan is not None:
+        raise UserError(f"{overrides[0].label}: {source} is a plan file, whose recipe its plan was made for; give "
+                        "the recipe file to set its fields (a resumed run's plan.yaml already holds the fields it "
+                        "was started with)")
+    changes = [*overrides, *options]
+    changed = overlay(recipe, changes, str(source))
+    _check_changed(changed, changes, None)
+    if resume:
+        saved = load_plan(out / "plan.yaml") if out is not None and (out / "plan.yaml").is_file() else None
+        if saved is None:
+            raise UserError(f"resume: {out} has no plan.yaml to resume")
+        saved_recipe = resumed(changed, changes, saved.recipe, out, str(source))
+        check_resumed_weights(saved, out)
+        check_resumed_data(saved, out)
+        return saved_recipe, saved
+    if the_plan is None:
+        return changed, None
+    for change in changes:  # the plan's BN batch, probe and options were planned for its own choice
+        planned = the_plan.recipe.model.batchnorm
+        if change.path == "model.batchnorm" and change.value != planned:
+            raise UserError(f"{change.label}: the plan was made with model.batchnorm {planned}; plan again for "
+                            f"{change.value}, or leave it out")
+    return changed, the_plan.model_copy(update={"recipe": changed})
 
 
-def apply_memory(recipe: Recipe, activation_checkpointing: bool = False, sharded_gradients: bool = False,
-                 offload: str | None = None) -> Recipe:
-    """The recipe with the memory options given on the command line (one line, exit 2, for a bad combination)."""
-    changed = with_memory_options(recipe, activation_checkpointing, sharded_gradients, offload)
-    if changed.model.activation_checkpointing:  # a model with no blocks: one line now, before anything runs
+def _check_changed(recipe: Recipe, changes: Sequence[Change], world_size: int | None) -> None:
+    """What a change needs beyond the schema: processes to shard over; blocks to checkpoint (torch: only then)."""
+    for change in changes:
+        if change.path == "batch.sharding" and change.value == "fsdp" and world_size is not None and world_size < 2:
+            raise UserError(
+                f"{change.label} fsdp: shards the model over the world_size processes, and world_size is "
+                f"{world_size}; give 2 or more (one process has nothing to shard over)")
+    if recipe.model.activation_checkpointing:  # a model with no blocks: one line now, before anything runs
         from .models.checkpointing import check_checkpointable
 
-        check_checkpointable(changed)
-    return changed
-
-
-def memory_for_run(recipe: Recipe, the_plan: Plan | None, resume: bool, out, activation_checkpointing: bool = False,
-                   sharded_gradients: bool = False, offload: str | None = None) -> tuple[Recipe, Plan | None]:
-    """`reproduce run`'s recipe and plan with the memory options; a resumed run keeps those it was started with."""
-    changed = apply_memory(recipe, activation_checkpointing, sharded_gradients, offload)
-    if changed == recipe:
-        return recipe, the_plan
-    if resume:
-        raise UserError(f"--activation-checkpointing/--sharded-gradients/--offload: the run in {out} was started "
-                        "without them; resume it as it was started (its plan.yaml keeps its memory options)")
-    return changed, the_plan.model_copy(update={"recipe": changed}) if the_plan is not None else None
+        check_checkpointable(recipe)
 
 
 def check_sharded_probe(recipe: Recipe, the_plan: Plan | None, micro_batch_max: int | None, meter: str) -> None:
@@ -290,6 +299,112 @@ def probe_consensus(recipe: Recipe, recipe_path: str, world_size: int, policy: s
     maxima = {segment.sequence_length: segment.micro_batch_max for segment in probed.segments}
     agreed = {length: all_min(maxima[length]) for length in sorted(maxima, key=lambda length: length or 0)}
     return probed.recipe, agreed if len(agreed) > 1 else next(iter(agreed.values()))
+
+
+def option(default: object = None, *, torchrun: bool = True, resume: bool = False) -> Any:
+    """A field of RunRequest. `torchrun`: every process torchrun starts is given it again; `resume`: the command
+    that continues the run repeats it (the rest the run's plan.yaml keeps, or the launcher gives)."""
+    return field(default=default, metadata={"torchrun": torchrun, "resume": resume})
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What `reproduce run` was asked, as values: one field per option, named as the option (`data` is `--data`,
+    `overrides` `--set`); a field at its default was not given."""
+
+    source: Path
+    out: Path
+    max_steps: int | None = option(resume=True)
+    micro_batch_max: int | None = option(resume=True)
+    workers: int | None = option(resume=True)
+    device: str = option("auto", resume=True)
+    seed: int | None = option(resume=True)
+    checkpoint_every: int | None = option(resume=True)
+    log_to: tuple[str, ...] = option((), resume=True)
+    skip_nonfinite: bool = option(False, resume=True)
+    no_noise_scale: bool = option(False, resume=True)
+    stop_on_divergence: bool = option(False, resume=True)
+    merged: bool = option(False, resume=True)
+    world_size: int = option(1, torchrun=False)
+    policy: str = option("exact")
+    resume: bool = option(False)
+    auto_resume: bool = option(False)
+    max_restarts: int | None = option(torchrun=False)
+    force: bool = option(False)
+    nproc_per_node: int | None = option(torchrun=False)
+    nnodes: str = option("1", torchrun=False)
+    node_rank: int = option(0, torchrun=False)
+    rdzv_endpoint: str | None = option(torchrun=False)
+    memory: str | None = option()
+    gpu: str | None = option()
+    meter: str = option("auto")
+    headroom: float = option(0.1)
+    no_cache: bool = option(False)
+    changes: tuple[Change, ...] = option(())  # the recipe fields its options set (data.path: --data, ...)
+    overrides: tuple[str, ...] = option(())  # --set FIELD.PATH=VALUE
+
+    def given(self, which: str) -> dict[str, object]:
+        """The fields given (not at their default) that `which` ("torchrun" or "resume") repeats."""
+        return {item.name: getattr(self, item.name) for item in fields(self)
+                if item.metadata.get(which) and item.name != "changes"
+                and not _at_default(getattr(self, item.name), item.default)}
+
+
+def _at_default(value: object, default: object) -> bool:
+    return value is None or value is False or value == () or (type(value) is type(default) and value == default)
+
+
+@dataclass
+class PreparedRun:
+    """A run ready to train: its recipe and plan, its data, and the warnings to show at its start."""
+
+    recipe: Recipe
+    plan: Plan
+    data: dict
+    warnings: list[str]
+
+
+def checked_run(request: RunRequest, processes: int, resume: bool) -> tuple[Recipe, Plan | None]:
+    """The recipe (and plan, when given or resumed) of a run of `processes`, after every check that needs no data:
+    the launcher's before it launches, and each process's again."""
+    recipe, the_plan = recipe_for_run(request.source, changes_of(request.overrides), request.changes, resume=resume,
+                                      out=request.out)
+    if recipe.model.batchnorm == "sync":  # refused before anything is built or launched: one process, or no CUDA
+        from .train.distributed import World
+        from .train.setup import check_batchnorm, resolve_device
+
+        check_batchnorm("sync", World(size=processes), resolve_device(request.device))
+    check_sharding(recipe, processes)
+    check_sharded_probe(recipe, the_plan, request.micro_batch_max, request.meter)
+    return recipe, the_plan
+
+
+def prepare_run(request: RunRequest, world: Any, resume: bool, probe: ProbeOptions, on_note: OnNote | None = None,
+                checked: tuple[Recipe, Plan | None] | None = None) -> PreparedRun:
+    """This process's run: the checks (`checked`: made already), its data, the probe (every rank its own device,
+    all taking the smallest result, under torchrun) and the plan; the warnings its start shows."""
+    from .data import build_data
+    from .data.lengths import training_sizes
+    from .data.text import text_warnings
+
+    recipe, the_plan = checked or checked_run(request, world.size, resume)
+    data = build_data(recipe)
+    size = training_sizes(recipe, data["train"])  # per sequence length when batch phases change it
+    world_size = world.size if world.distributed else request.world_size
+    micro_batch_max: int | dict | None = request.micro_batch_max
+    if the_plan is None and world.distributed and micro_batch_max is None:
+        from .train import distributed
+        from .train.setup import resolve_device
+
+        rank_device = distributed.init(world, resolve_device(request.device))
+        recipe, micro_batch_max = probe_consensus(
+            recipe, str(request.source), world_size, request.policy, size,
+            lambda maximum: distributed.all_min(world, maximum, rank_device), probe=probe, data=data,
+            on_note=on_note)
+    the_plan, warnings = run_plan(recipe, str(request.source), the_plan, micro_batch_max, world_size,
+                                  request.policy, size, resume, probe=probe, data=data, on_note=on_note)
+    warnings = [*warnings, *text_warnings(data.get("info") or {})]  # what tokenising cut, with counts
+    return PreparedRun(recipe, the_plan, data, warnings)
 
 
 def run_plan(recipe: Recipe, source: str, the_plan: Plan | None, micro_batch_max: int | dict | None,

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from ..plan.units import format_size
-from ..session import recipe_with_options
+from ..session import recipe_for_plan
 from .app import app
 from .common import recipe_argument, stdout
 from .options import (
@@ -21,8 +21,9 @@ from .options import (
     WEIGHTS_HELP,
     MeterName,
     Quantize,
+    field_changes,
+    override_changes,
     probe_options,
-    value_of,
 )
 
 METER_HELP = ("estimate: fake tensors with the GPU's kernels (a GPU you do not have; the default without a GPU "
@@ -51,8 +52,8 @@ def memory_command(
     logits and loss, the optimizer step's temporaries; where the peak is; allocated, reserved and driver-level."""
     given = str(recipe_path)  # as the user named it (a shipped recipe's name, or a file)
     recipe_path = recipe_argument(recipe_path)
-    recipe = recipe_with_options(recipe_path, weights, None, value_of(quantize), None, 1, activation_checkpointing,
-                                 False, None, None, overrides)
+    recipe = recipe_for_plan(recipe_path, [*override_changes(overrides), *field_changes({
+        "--weights": weights, "--quantize": quantize, "--activation-checkpointing": activation_checkpointing})])
     options = probe_options(memory, gpu, meter, headroom, True)
     from ..probe.answer import memory_at  # torch: only when the command runs (`reproduce --help` imports none)
 

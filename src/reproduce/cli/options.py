@@ -6,6 +6,8 @@ from __future__ import annotations
 from enum import Enum
 
 from ..plan.batchnorm import MODES as BATCHNORM_MODES
+from ..plan.overlay import Change
+from ..plan.overrides import changes_of
 from ..plan.recipe import PACKING_WAYS, QUANTIZED_BASES
 from ..plan.units import parse_size
 from ..probe.runner import ProbeOptions
@@ -111,3 +113,34 @@ def probe_options(memory: str | None, gpu: str | None, meter: MeterName, headroo
     if memory is not None:
         parse_size(memory, "--memory")
     return ProbeOptions(memory=memory, gpu=gpu, meter=meter.value, headroom=headroom, use_cache=not no_cache)
+
+
+# Each option that changes the recipe is an alias of one field (the one table of them). A new recipe knob gets no
+# new option: `--set FIELD.PATH=VALUE` reaches every field.
+FIELD_OF_FLAG = {
+    "--weights": "model.weights",
+    "--backbone-weights": "model.backbone_weights",
+    "--data": "data.path",
+    "--eval-data": "data.eval_path",
+    "--quantize": "model.quantize",
+    "--sharding": "batch.sharding",
+    "--activation-checkpointing": "model.activation_checkpointing",
+    "--sharded-gradients": "batch.sharded_gradients",
+    "--offload": "batch.offload",
+    "--batchnorm": "model.batchnorm",
+    "--packing": "data.packing",
+    "--token-budget": "data.token_budget",
+}
+
+
+def field_changes(given: dict[str, object]) -> list[Change]:
+    """The options given (flag: value; None or a switch left off: not given) as the changes of their fields, in the
+    table's order (a switch only switches its field on)."""
+    values = {flag: value.value if isinstance(value, Enum) else value for flag, value in given.items()}
+    return [Change(path, values[flag], flag) for flag, path in FIELD_OF_FLAG.items()
+            if values.get(flag) is not None and values.get(flag) is not False]
+
+
+def override_changes(overrides: list[str] | None) -> list[Change]:
+    """`--set FIELD.PATH=VALUE`, each as the change of its field."""
+    return changes_of(overrides or [])

@@ -12,12 +12,10 @@ from ..export import FORMATS, check_format, emit
 from ..plan.builtin_names import check_builtin_model
 from ..plan.launch import GPUS_PER_NODE
 from ..plan.memory_options import memory_summary
-from ..plan.packing import with_packing
 from ..plan.planfile import check_writable, save_plan
 from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
-from ..plan.recipe import with_backbone_weights
 from ..plan.segments import batch_phases
-from ..session import packing_table, parameter_counts, plan_and_probe, planned_data_size, recipe_with_options
+from ..session import packing_table, parameter_counts, plan_and_probe, planned_data_size, recipe_for_plan
 from ..shipped import described
 from ..timing.plan_cost import cost_lines, costs_json, plan_costs
 from ..timing.predicted_time import predict
@@ -52,8 +50,9 @@ from .options import (
     Policy,
     Quantize,
     Sharding,
+    field_changes,
+    override_changes,
     probe_options,
-    value_of,
 )
 from .throughput import FREE_BATCHNORM_HELP, MFU_HELP, render_prediction, render_throughput
 
@@ -112,12 +111,12 @@ def plan_command(
     if emit_format is not None:
         check_format(emit_format)
     check_mfu(assumed_mfu)
-    recipe = recipe_with_options(recipe_path, weights, data_path, value_of(quantize), value_of(sharding), world_size,
-                                 activation_checkpointing, sharded_gradients, value_of(offload), value_of(batchnorm),
-                                 overrides)
+    recipe = recipe_for_plan(recipe_path, [*override_changes(overrides), *field_changes({
+        "--weights": weights, "--data": data_path, "--quantize": quantize, "--sharding": sharding,
+        "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients,
+        "--offload": offload, "--batchnorm": batchnorm, "--backbone-weights": backbone_weights, "--packing": packing,
+        "--token-budget": token_budget})], world_size)
     check_builtin_model(recipe)  # a typo: one line with the nearest name, as run says
-    recipe = with_backbone_weights(recipe, backbone_weights, str(recipe_path))
-    recipe = with_packing(recipe, value_of(packing), token_budget)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     data, size = planned_data_size(recipe, given=data_path is not None)
     planned = plan_and_probe(

@@ -12,7 +12,7 @@ from ..plan.planner import Plan, plan
 from ..plan.units import format_size
 from ..probe.runner import ProbeResult, ProbeTrial, run_probe
 from ..probe.search import Measurement
-from ..session import does_not_fit, recipe_with_options
+from ..session import does_not_fit, recipe_for_plan
 from ..timing.plan_cost import cost_lines, costs_json, plan_costs
 from .app import app
 from .common import recipe_argument, stderr, stdout
@@ -35,8 +35,9 @@ from .options import (
     Offload,
     Quantize,
     Sharding,
+    field_changes,
+    override_changes,
     probe_options,
-    value_of,
 )
 
 PROBE_DATA_HELP = "Probe on this data (in the recipe's data.format) instead of the recipe's data.path."
@@ -71,9 +72,10 @@ def probe_command(
     and what would make it fit are printed).
     """
     recipe_path = recipe_argument(recipe_path)
-    recipe = recipe_with_options(recipe_path, weights, data_path, value_of(quantize), value_of(sharding), world_size,
-                                 activation_checkpointing, sharded_gradients, value_of(offload), value_of(batchnorm),
-                                 overrides)
+    recipe = recipe_for_plan(recipe_path, [*override_changes(overrides), *field_changes({
+        "--weights": weights, "--data": data_path, "--quantize": quantize, "--sharding": sharding,
+        "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients,
+        "--offload": offload, "--batchnorm": batchnorm})], world_size)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     result = run_probe(recipe, str(recipe_path), options, world_size, on_trial=None if as_json else show_trial)
     the_plan = plan(recipe, result.micro_batch_max, world_size) if result.micro_batch_max else None

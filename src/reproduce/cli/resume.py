@@ -36,14 +36,10 @@ def absolute(path: str | None) -> str | None:
     return str(Path(path).expanduser().absolute()) if path is not None else None
 
 
-def continue_command(out: Path, values: dict[str, object], switches: dict[str, bool], launcher: list[str]) -> str:
+def continue_command(out: Path, launcher: list[str], args: list[str]) -> str:
     """The command that continues this run after a signal, with every option that shapes it (pasted, it goes on to
     the same --max-steps, on the same data, workers and processes)."""
-    args = ["reproduce", "run", str(out / "plan.yaml"), "--out", str(out), "--resume", *launcher]
-    for flag, value in values.items():
-        if value is not None:
-            args += [flag, str(value)]
-    return shlex.join(args + [flag for flag, on in switches.items() if on])
+    return shlex.join(["reproduce", "run", str(out / "plan.yaml"), "--out", str(out), "--resume", *launcher, *args])
 
 
 def folder_state(out: Path, max_steps: int | None) -> tuple[str, str]:

@@ -9,21 +9,19 @@ import signal
 import subprocess
 import sys
 import time
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..errors import UserError
-from ..plan.batchnorm import batchnorm_for_run
 from ..plan.launch import node_range
-from ..plan.packing import packing_for_run
 from ..plan.phases import phase_lines
 from ..plan.planner import Plan
 from ..plan.reported import reported_line
-from ..plan.resume_rules import recipe_and_plan
-from ..plan.sharding import check_sharding
-from ..session import check_launch_policy, check_sharded_probe, memory_for_run, probe_consensus, run_plan
+from ..session import RunRequest, check_launch_policy, checked_run, prepare_run
 from ..storage import lock
 from ..train.outputs import check_out_dir
 from ..train.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
@@ -33,6 +31,7 @@ from .options import (
     BACKBONE_WEIGHTS_HELP,
     BATCHNORM_HELP,
     CHECKPOINTING_HELP,
+    FIELD_OF_FLAG,
     GPU_HELP,
     HEADROOM_HELP,
     MEMORY_HELP,
@@ -56,6 +55,7 @@ from .options import (
     Policy,
     Quantize,
     Sharding,
+    field_changes,
     probe_options,
     value_of,
 )
@@ -212,59 +212,94 @@ NNODES_HELP = "Machines in the job (with --nproc-per-node), or MIN:MAX for torch
 DIVERGENCE_HELP = ("Stop when the loss diverges (not finite, or above 2x its first value for 10 steps in a row); "
                    "without it the run warns once and goes on.")
 
-def _forwarded_args(source: Path, out: Path, values: dict[str, object], switches: dict[str, bool]) -> list[str]:
-    """This command's own options, for each process torchrun starts (without the launcher options):
-    `--flag value` for each value that is set, `--flag` for each switch that is on."""
-    args = [str(source), "--out", str(out)]
-    for flag, value in values.items():
-        if value is not None:
-            args += [flag, str(value)]
-    return args + [flag for flag, on in switches.items() if on]
+def _flag(name: str) -> str:
+    return "--set" if name == "overrides" else "--" + name.replace("_", "-")
 
 
-def _auto_resume(source: Path, out: Path, max_steps: int | None, is_main: bool, plan_args: tuple) -> tuple[bool, bool]:
-    """--auto-resume: (resume, force) for the run in `out`, after refusing another plan's run there; a finished run
-    exits 0 at once."""
-    state, words = folder_state(out, max_steps)
+def run_request(params: dict[str, Any]) -> RunRequest:
+    """The command's options as one frozen request: choices as their values, the options that set recipe fields as
+    their changes (cli.options.FIELD_OF_FLAG), the trackers parsed, `--max-restarts` implying `--auto-resume`."""
+    values = {name: value_of(value) if isinstance(value, Enum) else value for name, value in params.items()}
+    changes = field_changes({flag: values.pop(flag[2:].replace("-", "_")) for flag in FIELD_OF_FLAG})
+    log_to = parse_log_to(values.pop("log_to"), values.pop("tensorboard"))
+    return RunRequest(**{**values, "source": recipe_argument(values["source"], "plan or recipe"),
+                         "auto_resume": values["auto_resume"] or values["max_restarts"] is not None,
+                         "log_to": tuple(log_to), "overrides": tuple(values["overrides"]), "changes": tuple(changes)})
+
+
+def request_args(request: RunRequest, which: str) -> list[str]:
+    """The options `which` repeats ("torchrun": each process's; "resume": the continuing command's), as arguments:
+    `--flag value` for a value, `--flag` for a switch; the recipe's changes by their own flags (a resumed run's
+    plan.yaml keeps them, but for the data's paths, which it checks)."""
+    args: list[str] = []
+    for name, value in request.given(which).items():
+        if name == "overrides":
+            args += [part for text in value for part in ("--set", text)]  # type: ignore[attr-defined]
+        elif value is True:
+            args.append(_flag(name))
+        else:
+            args += [_flag(name), ",".join(value) if isinstance(value, tuple) else str(value)]
+    for change in request.changes:
+        if which == "torchrun":
+            args += [change.given_as] + ([] if change.value is True else [str(change.value)])
+        elif change.path in ("data.path", "data.eval_path"):
+            args += [change.given_as, str(absolute(str(change.value)))]
+    return args
+
+
+def starting(request: RunRequest, world: Any, launching: bool) -> tuple[bool, bool]:
+    """(resume, force) for the run in --out: as given, or as --auto-resume decides after refusing another plan's run
+    there (a finished run exits 0 at once)."""
+    if not request.auto_resume:
+        return request.resume, request.force
+    auto_resume_flags(request.resume, request.force, request.max_restarts, launching)
+    state, words = folder_state(request.out, request.max_steps)
     if state != "new":
         try:
-            recipe_and_plan(source, out, True, *plan_args)
+            checked_run(request, 1, True)
         except UserError as error:
-            raise UserError(f"--auto-resume: {out} holds the run of another plan, which it neither resumes nor "
-                            f"overwrites ({error})") from None
+            raise UserError(f"--auto-resume: {request.out} holds the run of another plan, which it neither resumes "
+                            f"nor overwrites ({error})") from None
     if state == "finished":
-        if is_main:
-            print(f"--auto-resume: the run in {out} is finished ({words}); nothing to do", flush=True)
+        if world.is_main:
+            print(f"--auto-resume: the run in {request.out} is finished ({words}); nothing to do", flush=True)
         raise typer.Exit(0)
-    if is_main and state != "new":
-        print(f"--auto-resume: {out} holds {words}: " + ("resuming" if state == "unfinished" else "starting again"),
-              flush=True)
+    if world.is_main and state != "new":
+        print(f"--auto-resume: {request.out} holds {words}: " + ("resuming" if state == "unfinished" else
+                                                                  "starting again"), flush=True)
     return state == "unfinished", state == "started"
 
 
-def _launch(command: list[str]) -> int:
-    """Run torchrun, passing SIGINT/SIGTERM on to it (it forwards them to every rank, which checkpoint and stop)."""
-    child = subprocess.Popen(command)
+def launch(request: RunRequest, world: Any) -> int:
+    """`--nproc-per-node`: the run's checks here, then torchrun starting this command in each process, passing
+    SIGINT/SIGTERM on to it (it forwards them to every rank, which checkpoint and stop)."""
+    from ..train import distributed
 
-    def forward(signum, frame):
-        child.send_signal(signum)
+    _, nodes = node_range(request.nnodes)
+    if nodes > 1 and request.rdzv_endpoint is None:
+        raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
+    resume, force = starting(request, world, True)
+    processes = request.nproc_per_node * nodes  # an elastic job is planned for its most nodes; fewer re-derive N
+    _, plan = checked_run(request, processes, resume)  # bad input: one line, before launching
+    check_launch_policy(request.policy, plan, processes)
+    args = [str(request.source), "--out", str(request.out), *request_args(request, "torchrun")]
+    launcher = (request.nproc_per_node, request.nnodes, request.node_rank, request.rdzv_endpoint)
+    command = distributed.torchrun_command(args, *launcher, max_restarts=request.max_restarts)
+    os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(*launcher))
+    check_out_dir(request.out, resume, force)
+    with lock.hold_for_launch(request.out, nodes):  # one machine: the launcher's, for its whole life; several: rank 0's
+        print("launching: " + " ".join(command), flush=True)
+        child = subprocess.Popen(command)
 
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return child.wait()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        def forward(signum, frame):
+            child.send_signal(signum)
 
-
-def check_sync_batchnorm(recipe, processes: int, device: str) -> None:
-    """`model.batchnorm: sync` refused before anything is built or launched: one process, or no CUDA device."""
-    if recipe.model.batchnorm != "sync":
-        return
-    from ..train.distributed import World
-    from ..train.setup import check_batchnorm, resolve_device
-
-    check_batchnorm("sync", World(size=processes), resolve_device(device))
+        previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return child.wait()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 @app.command("run")
@@ -295,8 +330,8 @@ def run_command(
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log each step's metrics to OUT/tensorboard."),
     log_to: list[str] | None = typer.Option(None, "--log-to", metavar="TRACKERS", help=LOG_TO_HELP),
     sharding: Sharding | None = typer.Option(None, "--sharding", help=RUN_SHARDING_HELP),
-    data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
-    eval_data_path: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
+    data: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
+    eval_data: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
     weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
     backbone_weights: str | None = typer.Option(None, "--backbone-weights", metavar="FILE",
                                                 help=BACKBONE_WEIGHTS_HELP),
@@ -314,125 +349,51 @@ def run_command(
     overrides: list[str] = typer.Option([], "--set", metavar="FIELD.PATH=VALUE", help=SET_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
-    from ..data import build_data
-    from ..data.lengths import training_sizes
-    from ..data.text import text_warnings
+    request = run_request(dict(locals()))
     from ..train import distributed  # torch is imported only by the commands that train
     from ..train.trainer import RunOptions, train
 
-    source = recipe_argument(source, "plan or recipe")
-    trackers = parse_log_to(log_to, tensorboard)
-    check_trackers(trackers)  # a missing package: one line, before anything is planned or trained
+    check_trackers(request.log_to)  # a missing package: one line, before anything is planned or trained
     world = distributed.world_from_env()
-    sharding_name = value_of(sharding)
-    memory_flags = (activation_checkpointing, sharded_gradients, value_of(offload))
-    launching = nproc_per_node is not None and not world.distributed
-    _, nodes = node_range(nnodes)
-    if launching and nodes > 1 and rdzv_endpoint is None:
-        raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
-    auto_resume = auto_resume or max_restarts is not None
-    if auto_resume:
-        auto_resume_flags(resume, force, max_restarts, launching)
-        resume, force = _auto_resume(source, out, max_steps, world.is_main, (
-            sharding_name, data_path, eval_data_path, weights, value_of(quantize), backbone_weights, overrides))
-    if launching:
-        processes = nproc_per_node * nodes  # an elastic job is planned for its most nodes; fewer re-derive N
-        # bad input: one line, before launching
-        recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights,
-                                       value_of(quantize), backbone_weights, overrides)
-        recipe, plan = packing_for_run(recipe, plan, resume, value_of(packing), token_budget)
-        recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
-        recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))
-        check_sync_batchnorm(recipe, processes, device)
-        check_sharding(recipe, processes)
-        check_sharded_probe(recipe, plan, micro_batch_max, meter.value)
-        check_launch_policy(policy.value, plan, processes)
-        args = _forwarded_args(
-            source, out,
-            {"--policy": policy.value, "--device": device, "--micro-batch-max": micro_batch_max,
-             "--max-steps": max_steps, "--seed": seed, "--checkpoint-every": checkpoint_every, "--memory": memory,
-             "--gpu": gpu, "--meter": meter.value, "--headroom": headroom, "--sharding": sharding_name,
-             "--data": data_path, "--eval-data": eval_data_path, "--weights": weights, "--workers": workers,
-             "--backbone-weights": backbone_weights,
-             "--log-to": ",".join(trackers) or None, "--offload": offload.value if offload is not None else None,
-             "--quantize": value_of(quantize), "--batchnorm": value_of(batchnorm), "--packing": value_of(packing),
-             "--token-budget": token_budget},
-            {"--resume": resume and not auto_resume, "--force": force and not auto_resume,
-             "--auto-resume": auto_resume, "--skip-nonfinite": skip_nonfinite, "--no-cache": no_cache,
-             "--no-noise-scale": no_noise_scale, "--stop-on-divergence": stop_on_divergence, "--merged": merged,
-             "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients},
-        )
-        args += [part for override in overrides for part in ("--set", override)]  # each process sets them too
-        command = distributed.torchrun_command(args, nproc_per_node, nnodes, node_rank, rdzv_endpoint,
-                                               max_restarts=max_restarts)
-        os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(nproc_per_node, nnodes, node_rank, rdzv_endpoint))
-        check_out_dir(out, resume, force)
-        with lock.hold_for_launch(out, nodes):  # one machine: the launcher's, for its whole life; several: rank 0's
-            print("launching: " + " ".join(command), flush=True)
-            code = _launch(command)
-        raise typer.Exit(code)
-    if world.distributed:
-        world_size = world.size
-    recipe, plan = recipe_and_plan(source, out, resume, sharding_name, data_path, eval_data_path, weights,
-                                   value_of(quantize), backbone_weights, overrides)
-    recipe, plan = packing_for_run(recipe, plan, resume, value_of(packing), token_budget)
-    recipe, plan = memory_for_run(recipe, plan, resume, out, *memory_flags)
-    recipe, plan = batchnorm_for_run(recipe, plan, value_of(batchnorm))
-    check_sync_batchnorm(recipe, world.size, device)
-    check_sharding(recipe, world.size)
-    check_sharded_probe(recipe, plan, micro_batch_max, meter.value)
+    if request.nproc_per_node is not None and not world.distributed:
+        raise typer.Exit(launch(request, world))
+    resume, force = starting(request, world, False)
+    checked = checked_run(request, world.size, resume)
     check_out_dir(out, resume, force)  # --out taken (one run per folder) and writable before anything is set up
     with lock.hold(out) if lock.owns_the_run(world.distributed, world.rank) else contextlib.nullcontext():
-        data = build_data(recipe)
-        size = training_sizes(recipe, data["train"])  # per sequence length when batch phases change it
-        options = probe_options(memory, gpu, meter, headroom, no_cache)
-        on_note = show_note if world.is_main else None
-        if plan is None and world.distributed and micro_batch_max is None:
-            # every rank probes its own device; all take the smallest result, so no rank runs out of memory
-            from ..train.setup import resolve_device
-
-            rank_device = distributed.init(world, resolve_device(device))
-            recipe, micro_batch_max = probe_consensus(
-                recipe, str(source), world_size, policy.value, size,
-                lambda maximum: distributed.all_min(world, maximum, rank_device), probe=options, data=data,
-                on_note=on_note)
-        plan, warnings = run_plan(recipe, str(source), plan, micro_batch_max, world_size, policy.value, size, resume,
-                                  probe=options, data=data, on_note=on_note)
-        warnings = [*warnings, *text_warnings(data.get("info") or {})]  # what tokenising cut, with counts
-        micro_max = micro_batch_max if isinstance(micro_batch_max, int) else None  # (per-length maxima: no option)
-        continue_with = continue_command(
-            out, {"--max-steps": max_steps, "--micro-batch-max": micro_max,
-                  "--data": absolute(data_path), "--eval-data": absolute(eval_data_path), "--workers": workers,
-                  "--device": device if device != "auto" else None, "--seed": seed,
-                  "--checkpoint-every": checkpoint_every,
-                  "--log-to": ",".join(trackers) or None},
-            {"--skip-nonfinite": skip_nonfinite, "--no-noise-scale": no_noise_scale,
-             "--stop-on-divergence": stop_on_divergence, "--merged": merged},
-            launcher_of_this_job(world.size) if world.distributed else [],
-        )
-        train_options = RunOptions(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
-                                   checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=data,
-                                   workers=workers, noise_scale=not no_noise_scale, continue_with=continue_with,
-                                   stop_on_divergence=stop_on_divergence, merged=merged)
+        probe = probe_options(memory, gpu, meter, headroom, no_cache)
+        prepared = prepare_run(request, world, resume, probe, show_note if world.is_main else None, checked)
+        launcher = launcher_of_this_job(world.size) if world.distributed else []
+        continue_with = continue_command(out, launcher, request_args(request, "resume"))
+        options = RunOptions(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
+                             checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=prepared.data,
+                             workers=workers, noise_scale=not no_noise_scale, continue_with=continue_with,
+                             stop_on_divergence=stop_on_divergence, merged=merged)
         if not world.is_main:  # the other ranks train quietly; rank 0 reports
-            train(plan, out, train_options)
+            train(prepared.plan, out, options)
             return
-        parameters = counted_parameters(plan, data)
-        reporter = (RichReporter if is_terminal() else PlainReporter)(warnings, parameters=parameters)
+        parameters = counted_parameters(prepared.plan, prepared.data)
+        reporter = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings, parameters=parameters)
         # metrics.jsonl stays the source of truth; the trackers get the same numbers (train/trackers.py)
-        with TrackerReporter(reporter, trackers, out) as reporter:
-            summary = train(plan, out, train_options.replace(reporter=reporter))
-        stdout.print(done_line(summary, skip_nonfinite))
-        for row in summary.get("reported") or []:
-            stdout.print(reported_line(row), markup=False, soft_wrap=True)
-        noise = summary.get("noise_scale")
-        if noise and not noise.get("noted"):  # a run that cannot measure it said so at its start
-            stdout.print(f"noise scale: {noise['sentence']}", markup=False, soft_wrap=True)
-        folders = "".join(f", {name}/" for name in ("adapter", "merged") if summary.get(name))  # (models/trained.py)
-        stdout.print(f"outputs in {out}: plan.yaml, metrics.jsonl, model.pt, summary.json, "
-                     f"checkpoints/last.pt{folders}")
-        if summary.get("plot"):
-            stdout.print(summary["plot"], markup=False)
+        with TrackerReporter(reporter, request.log_to, out) as reporter:
+            summary = train(prepared.plan, out, options.replace(reporter=reporter))
+    show_end(summary, out, skip_nonfinite)
+
+
+def show_end(summary: dict, out: Path, skip_nonfinite: bool) -> None:
+    """What a finished run prints: its steps, losses and evaluation; the paper's values beside the run's; the noise
+    scale's verdict; where its outputs are."""
+    stdout.print(done_line(summary, skip_nonfinite))
+    for row in summary.get("reported") or []:
+        stdout.print(reported_line(row), markup=False, soft_wrap=True)
+    noise = summary.get("noise_scale")
+    if noise and not noise.get("noted"):  # a run that cannot measure it said so at its start
+        stdout.print(f"noise scale: {noise['sentence']}", markup=False, soft_wrap=True)
+    folders = "".join(f", {name}/" for name in ("adapter", "merged") if summary.get(name))  # (models/trained.py)
+    stdout.print(f"outputs in {out}: plan.yaml, metrics.jsonl, model.pt, summary.json, "
+                 f"checkpoints/last.pt{folders}")
+    if summary.get("plot"):
+        stdout.print(summary["plot"], markup=False)
 
 
 def done_line(summary: dict, skip_nonfinite: bool) -> str:

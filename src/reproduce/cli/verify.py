@@ -11,13 +11,7 @@ import typer
 from rich.table import Table
 
 from ..errors import UserError
-from ..plan.batchnorm import batchnorm_for_run
-from ..plan.memory_options import with_quantized_base
-from ..plan.overrides import overrides_of_recipe
-from ..plan.packing import with_packing
-from ..plan.planfile import load_recipe_or_plan
-from ..plan.recipe import with_backbone_weights, with_data_paths, with_weights
-from ..session import apply_memory, make_plan
+from ..session import make_plan, recipe_for_run
 from .app import app
 from .common import recipe_argument, show_note, stdout
 from .options import (
@@ -36,7 +30,8 @@ from .options import (
     PackingChoice,
     Policy,
     Quantize,
-    value_of,
+    field_changes,
+    override_changes,
 )
 
 SAMPLES_HELP = "Check on the first K samples instead of one effective batch (for big models)."
@@ -88,15 +83,10 @@ def verify_command(
     if tolerance is not None and not tolerance > 0:
         raise UserError(f"--tolerance: must be > 0 (got {tolerance})")
     source = recipe_argument(source, "recipe or plan")
-    recipe, the_plan = load_recipe_or_plan(source)
-    recipe = overrides_of_recipe(recipe, overrides, the_plan is not None, str(source))
-    recipe = with_data_paths(with_weights(recipe, weights, str(source)), data_path, None, str(source))
-    recipe = with_backbone_weights(recipe, backbone_weights, str(source))
-    recipe = apply_memory(with_quantized_base(recipe, value_of(quantize), str(source)), activation_checkpointing)
-    recipe = with_packing(recipe, value_of(packing), token_budget)
-    if the_plan is not None:
-        the_plan = the_plan.model_copy(update={"recipe": recipe})
-    recipe, the_plan = batchnorm_for_run(recipe, the_plan, value_of(batchnorm))
+    recipe, the_plan = recipe_for_run(source, override_changes(overrides), field_changes({
+        "--weights": weights, "--data": data_path, "--backbone-weights": backbone_weights, "--quantize": quantize,
+        "--activation-checkpointing": activation_checkpointing, "--packing": packing, "--token-budget": token_budget,
+        "--batchnorm": batchnorm}))
     data = build_data(recipe)
     if the_plan is None:
         the_plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy.value,

@@ -205,29 +205,3 @@ def _options(recipe: Any, mode: str, target: int, micro: int, fits: int, world_s
 def _sync_processes(target: int, fits: int) -> int | None:
     """The fewest processes whose micro-batches, synced, make the paper's BN batch with a micro-batch that fits."""
     return next((k for k in range(2, target + 1) if target % k == 0 and target // k <= fits), None)
-
-
-def with_batchnorm(recipe: Any, mode: str | None) -> Any:
-    """The recipe whose run normalises with `mode` (`--batchnorm`), the paper's own choice kept in
-    `model.paper_batchnorm`; the recipe itself when `mode` is None or already its choice."""
-    model = recipe.model
-    if mode is None or mode == model.batchnorm:
-        return recipe
-    if mode not in MODES:
-        raise ValueError(mode)
-    changed = model.model_copy(update={"batchnorm": mode, "paper_batchnorm": paper_mode(model)})
-    return recipe.model_copy(update={"model": changed})
-
-
-def batchnorm_for_run(recipe: Any, plan: Any, mode: str | None) -> tuple[Any, Any]:
-    """`reproduce run --batchnorm MODE`: the recipe to plan with it; a plan already made keeps its own choice (one
-    line when MODE is another: the BN batch, the probe and the options were planned for that one)."""
-    if mode is None:
-        return recipe, plan
-    if plan is None:
-        return with_batchnorm(recipe, mode), plan
-    planned = plan.recipe.model.batchnorm
-    if mode != planned:
-        raise UserError(f"--batchnorm: the plan was made with model.batchnorm {planned}; plan again for {mode} "
-                        f"(reproduce plan RECIPE --batchnorm {mode} --out plan.yaml), or leave --batchnorm out")
-    return recipe, plan

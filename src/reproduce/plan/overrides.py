@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
 
 from ..errors import UserError
+from .overlay import Change, overlay
 from .recipe import Recipe
-from .validation import UniqueKeyLoader, format_validation_errors
+from .validation import UniqueKeyLoader
 
 SHOWN_AT_MOST = 80  # characters of an override echoed in a message
 
@@ -41,48 +41,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return [part.strip() for part in parts], value
 
 
-def _put(data: dict[str, Any], parts: list[str], value: Any, shown: str) -> None:
-    """Set `value` at `parts` in the nested mapping `data`, making the mappings on the way that are not there."""
-    node: Any = data
-    for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
-        where = ".".join(parts[: depth + 1])
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise UserError(f"--set {shown}: {where}: expected an item number below {len(node)} of the list")
-            index = int(part)
-            if last:
-                node[index] = value
-            else:
-                node = node[index]
-            continue
-        if not isinstance(node, dict):
-            raise UserError(f"--set {shown}: {'.'.join(parts[:depth])}: is {node!r}, not a mapping of fields")
-        if last:
-            node[part] = value
-        else:
-            if node.get(part) is None:
-                node[part] = {}
-            node = node[part]
+def changes_of(overrides: Sequence[str]) -> list[Change]:
+    """Each `PATH=VALUE` of `overrides` as the change of its field, given as `--set`."""
+    return [Change(".".join(parts), value, "--set") for parts, value in map(parse_override, overrides)]
 
 
-def overrides_of_recipe(recipe: Recipe, overrides: Sequence[str], plan_file: bool, source: str) -> Recipe:
-    """`apply_overrides` on a recipe file's recipe; a plan file's recipe is what its plan was made for: refused."""
-    if overrides and plan_file:
-        raise UserError(f"--set: {source} is a plan file, whose recipe its plan was made for; give the recipe file "
-                        "to set its fields (a resumed run's plan.yaml already holds the fields it was started with)")
-    return apply_overrides(recipe, overrides)
-
-
-def apply_overrides(recipe: Recipe, overrides: Sequence[str]) -> Recipe:
+def apply_overrides(recipe: Recipe, overrides: Sequence[str], source: str = "the recipe") -> Recipe:
     """`recipe` with each `PATH=VALUE` of `overrides` applied in order, validated again as a whole."""
-    if not overrides:
-        return recipe
-    data = recipe.model_dump(mode="json")
-    for text in overrides:
-        parts, value = parse_override(text)
-        _put(data, parts, value, _shown(text))
-    try:
-        return Recipe.model_validate(data)
-    except ValidationError as exc:  # the file alone was valid: the overrides made it wrong
-        raise UserError(*format_validation_errors(exc, "--set", Recipe)) from None
+    return overlay(recipe, changes_of(overrides), source)

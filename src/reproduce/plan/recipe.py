@@ -196,6 +196,14 @@ class Batch(Strict):
                     f"{product}, but effective is {self.sequences} {self.count_unit}; state the paper's "
                     "accumulation steps or correct the numbers"
                 )
+        if self.sharding != "fsdp" and self.offload != "none":
+            raise ValueError(f"offload: {self.offload} offloads FSDP2's sharded parameters, gradients and optimizer "
+                             "state, and this batch does not shard (sharding none); set sharding: fsdp (with 2 or "
+                             "more processes), or leave offload out")
+        if self.sharding != "fsdp" and self.sharded_gradients:
+            raise ValueError("sharded_gradients: keeps FSDP2's gradients sharded through the accumulation window, and "
+                             "this batch does not shard (sharding none); set sharding: fsdp, or leave "
+                             "sharded_gradients out")
         if self.phases is not None:
             self._check_phases(self.phases)
         if self.ramp is not None:
@@ -1143,47 +1151,3 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         return Recipe.model_validate(data)
     except ValidationError as exc:
         raise UserError(*format_validation_errors(exc, source, Recipe)) from None
-
-
-def with_weights(recipe: Recipe, path: str | None, source: str = "<recipe>") -> Recipe:
-    """The recipe starting from the weights at `path` (`--weights PATH`, in place of its `model.weights`), made
-    absolute so that a plan file written now can be run or resumed from another folder."""
-    if path is None:
-        return recipe
-    data = recipe.model_dump(mode="json")
-    data["model"]["weights"] = str(Path(path).expanduser().absolute())
-    return parse_recipe(data, source=source)
-
-
-def with_backbone_weights(recipe: Recipe, path: str | None, source: str = "<recipe>") -> Recipe:
-    """The recipe with `--backbone-weights PATH` in place of its `model.backbone_weights`, made absolute."""
-    if path is None:
-        return recipe
-    from .weightfiles import inspect
-
-    inspect(path, "--backbone-weights")  # a missing file: one line now
-    data = recipe.model_dump(mode="json")
-    data["model"]["backbone_weights"] = str(Path(path).expanduser().absolute())
-    return parse_recipe(data, source=source)
-
-
-def with_data_paths(recipe: Recipe, path: str | None, eval_path: str | None, source: str = "<recipe>") -> Recipe:
-    """The recipe reading its `data.format` data from `path` (and `eval_path`): `reproduce run --data/--eval-data`.
-
-    The paths are made absolute (a plan file written now can be resumed from another folder), and the data
-    becomes available: a paper's recipe names its data's format, the user's copy gives the path.
-    """
-    if path is None and eval_path is None:
-        return recipe
-    option = "--data" if path is not None else "--eval-data"
-    if recipe.data.format is None:
-        kind = f"built-in data {recipe.data.builtin!r}" if recipe.data.builtin else (
-            f"factory data {recipe.data.factory!r}" if recipe.data.factory else "no data format")
-        raise UserError(f"{option}: {source} reads {kind}; {option} gives the path of data.format data "
-                        f"({', '.join(DATA_FORMATS)})")
-    data = recipe.model_dump(mode="json")
-    for key, value in (("path", path), ("eval_path", eval_path)):
-        if value is not None:
-            data["data"][key] = str(Path(value).expanduser().absolute())
-    data["data"]["available"] = data["data"]["path"] is not None
-    return parse_recipe(data, source=source)

@@ -20,15 +20,6 @@ SHARDABLE_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lars", "lamb")  # l
 # over the shards (train/large_batch.py)
 
 
-def with_sharding(recipe: Recipe, sharding: str | None) -> Recipe:
-    """`recipe` with `batch.sharding` set to `sharding` (unchanged when None or already so)."""
-    if sharding is None or sharding == recipe.batch.sharding:
-        return recipe
-    if sharding not in SHARDINGS:
-        raise UserError(f"--sharding: expected one of {', '.join(SHARDINGS)} (got {sharding!r})")
-    return recipe.model_copy(update={"batch": recipe.batch.model_copy(update={"sharding": sharding})})
-
-
 def check_sharding(recipe: Recipe, processes: int) -> None:
     """One UserError line for a combination FSDP cannot run; nothing for `none`."""
     if recipe.batch.sharding != "fsdp":

@@ -124,8 +124,8 @@ def evaluate_run(run_dir: Path, data_path: str | None = None, eval_data_path: st
     its evaluation data (or `--data` / `--eval-data`), in batches of its micro-batch, so the metrics are the run's.
     A folder without plan.yaml or model.pt, or a recipe with no evaluation data, is one line."""
     from ..data import build_data
+    from ..plan.overlay import Change, overlay
     from ..plan.planfile import load_plan
-    from ..plan.recipe import with_data_paths, with_weights
     from .setup import build, resolve_device
 
     for name in ("plan.yaml", "model.pt"):
@@ -134,9 +134,11 @@ def evaluate_run(run_dir: Path, data_path: str | None = None, eval_data_path: st
     plan = load_plan(run_dir / "plan.yaml")
     recipe = plan.recipe
     source = str(run_dir / "plan.yaml")
-    unbacked = recipe.model_copy(update={"model": recipe.model.model_copy(update={"backbone_weights": None})})
-    recipe = with_data_paths(with_weights(unbacked, str(run_dir / "model.pt"), source), data_path, eval_data_path,
-                             source)
+    changes = [Change("model.backbone_weights", None), Change("model.weights", str(run_dir / "model.pt")),
+               *(Change(path, value, flag) for path, value, flag in (("data.path", data_path, "--data"),
+                                                                    ("data.eval_path", eval_data_path, "--eval-data"))
+                 if value is not None)]
+    recipe = overlay(recipe, changes, source)
     data = build_data(recipe)
     if data.get("eval") is None or len(data["eval"]) == 0:
         raise UserError(f"{source}: the run's recipe has no evaluation data (data.eval_path, or a voc folder's "
