@@ -30,7 +30,7 @@ def test_group_and_frozen_accumulate_to_the_large_batch_float64(mode, tmp_path):
 
 
 def test_sync_is_refused_on_one_process_and_on_the_cpu():
-    with pytest.raises(UserError, match="this run has one: launch it with --world-size N"):
+    with pytest.raises(UserError, match="this run has one: launch it with `world_size` N"):
         check_batchnorm("sync", World(), torch.device("cpu"))
     with pytest.raises(UserError, match=r"sync needs CUDA \(torch.nn.SyncBatchNorm runs on CUDA only"):
         check_batchnorm("sync", World(rank=0, size=2), torch.device("cpu"))

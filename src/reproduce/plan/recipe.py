@@ -470,7 +470,7 @@ class Model(Builder):
             raise ValueError(f"double_quant: only for quantize: nf4 (quantize is {self.quantize})")
         if self.selective_checkpointing and not self.activation_checkpointing:
             raise ValueError("selective_checkpointing: chooses what a checkpointed block keeps; set "
-                             "activation_checkpointing: true (or --activation-checkpointing) with it")
+                             "activation_checkpointing: true (or `activation_checkpointing`) with it")
         if not self.upcast_embeddings and self.quantize is None:
             raise ValueError("upcast_embeddings: only for a quantised base (model.quantize: int8 or nf4); without one "
                              "the embeddings and head stay in model.dtype already")
@@ -676,7 +676,7 @@ class Data(Builder):
         if self.available and self.builtin is None and self.factory is None and self.path is None:
             if self.format is not None:
                 raise ValueError(f"path: required for {self.format} data (a folder or file), or set available: "
-                                 "false and give it on the command line: reproduce run --data PATH")
+                                 "false and give it on the command line: reproduce run `data_path` PATH")
             raise ValueError(f"available: data {self.name!r} has no builtin or factory; set available: false")
         return self
 
@@ -1161,7 +1161,7 @@ def with_backbone_weights(recipe: Recipe, path: str | None, source: str = "<reci
         return recipe
     from .weightfiles import inspect
 
-    inspect(path, "--backbone-weights")  # a missing file: one line now
+    inspect(path, "`backbone_weights`")  # a missing file: one line now
     data = recipe.model_dump(mode="json")
     data["model"]["backbone_weights"] = str(Path(path).expanduser().absolute())
     return parse_recipe(data, source=source)
@@ -1175,7 +1175,7 @@ def with_data_paths(recipe: Recipe, path: str | None, eval_path: str | None, sou
     """
     if path is None and eval_path is None:
         return recipe
-    option = "--data" if path is not None else "--eval-data"
+    option = "`data_path`" if path is not None else "`eval_data_path`"
     if recipe.data.format is None:
         kind = f"built-in data {recipe.data.builtin!r}" if recipe.data.builtin else (
             f"factory data {recipe.data.factory!r}" if recipe.data.factory else "no data format")
