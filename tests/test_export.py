@@ -229,7 +229,8 @@ def test_emitted_param_groups_equal_the_trainers(no_decay):
 
 
 def test_unknown_format_is_a_user_error(goyal):
-    with pytest.raises(UserError, match="`emit_format`: expected one of hf, lightning, deepspeed, accelerate, torchrun"):
+    with pytest.raises(UserError, match="`emit_format`: expected one of hf, lightning, deepspeed, accelerate, "
+                                        "torchrun"):
         emit(goyal, "keras")
 
 
