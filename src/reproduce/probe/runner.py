@@ -111,7 +111,7 @@ class ProbeResult(BaseModel):
         """One line: why not even micro-batch 1 fits."""
         smallest = min(self.trials, key=lambda t: t.micro_batch)
         return (
-            f"--memory/--gpu: not even micro-batch {smallest.micro_batch} fits in {format_size(self.budget_bytes)} "
+            f"`memory`/`gpu`: not even micro-batch {smallest.micro_batch} fits in {format_size(self.budget_bytes)} "
             f"less {self.headroom:.0%} headroom ({self.meter} meter): {smallest.note or 'over the limit'}"
         )
 
