@@ -91,8 +91,8 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
     meter_name = options.meter if options.meter != "auto" else ("cuda" if torch.cuda.is_available() and (
         budget is None) else "estimate")
     if recipe.batch.sharding == "fsdp":
-        raise UserError("batch.sharding: fsdp: `reproduce memory` answers for one whole process; use reproduce probe "
-                        "`sharding` fsdp `world_size` W for one rank's share")
+        raise UserError("fsdp: `reproduce memory` answers for one whole process; use reproduce probe `sharding` fsdp "
+                        "`world_size` W for one rank's share", field="batch.sharding")
     workload = Workload(recipe, synthetic_data(recipe) if sequence_length else None).prepare()
     cap = recipe.batch.sequences
     if meter_name == "estimate":
