@@ -16,6 +16,10 @@ import re
 from collections.abc import Sequence
 from functools import cache
 
+import typer.main
+
+from .app import app
+
 # the recipe fields an option sets: the option overrides the field, so an error about the field names the option
 # when the user typed it
 RECIPE_FLAGS = {
@@ -38,11 +42,8 @@ NAME = re.compile(r"`([a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*)`")
 
 @cache
 def request_flags() -> dict[str, str]:
-    """Each option's parameter name and its flag, over every command (`micro_batch_max` -> `--micro-batch-max`)."""
-    import typer.main
-
-    from .app import app
-
+    """Each option's parameter name and its flag, over every command (`micro_batch_max` -> `--micro-batch-max`);
+    read when the first error is shown, after every command has registered its options."""
     flags: dict[str, str] = {}
 
     def walk(command) -> None:
