@@ -607,7 +607,7 @@ CASES = [
     Case(
         "sharding-fsdp-one-process",
         GOYAL,
-        ["error: --sharding fsdp: shards the model over the world_size processes, and world_size is 1"],
+        ["error: --sharding fsdp: shards the model over the --world-size processes, and --world-size is 1"],
         args=(*OK_ARGS, "--sharding", "fsdp"),
     ),
     Case(

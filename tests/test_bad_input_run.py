@@ -70,7 +70,7 @@ CASES = [
     ("world-size-zero", RUNNABLE, ["--world-size", "0"], "--world-size"),
     ("bad-device", RUNNABLE, ["--device", "tpu"], "--device: expected cpu, cuda or auto (got 'tpu')"),
     ("max-steps-zero", RUNNABLE, ["--max-steps", "0"], "--max-steps"),
-    ("resume-without-checkpoint", RUNNABLE, ["--resume"], "resume: "),
+    ("resume-without-checkpoint", RUNNABLE, ["--resume"], "--resume:"),
     ("several-nodes-without-rendezvous", RUNNABLE, ["--nproc-per-node", "2", "--nnodes", "2"],
      "--rdzv-endpoint: required"),
     ("elastic-nodes-without-rendezvous", RUNNABLE, ["--nproc-per-node", "1", "--nnodes", "1:2"],
@@ -177,7 +177,7 @@ def test_resume_with_a_changed_recipe_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["run", str(recipe), "--out", str(out), "--device", "cpu", "--resume"])
     assert exit_info.value.code == 2
-    assert "resume: the recipe in" in capsys.readouterr().err
+    assert "--resume: the recipe in" in capsys.readouterr().err
     assert snapshot(out) == before
 
 

@@ -30,7 +30,7 @@ def test_group_and_frozen_accumulate_to_the_large_batch_float64(mode, tmp_path):
 
 
 def test_sync_is_refused_on_one_process_and_on_the_cpu():
-    with pytest.raises(UserError, match="this run has one: launch it with --world-size N"):
+    with pytest.raises(UserError, match="this run has one: launch it with `world_size` N"):
         check_batchnorm("sync", World(), torch.device("cpu"))
     with pytest.raises(UserError, match=r"sync needs CUDA \(torch.nn.SyncBatchNorm runs on CUDA only"):
         check_batchnorm("sync", World(rank=0, size=2), torch.device("cpu"))
@@ -43,16 +43,22 @@ def write(tmp_path, recipe: dict):
     return path
 
 
-@pytest.mark.parametrize("processes, said", [
-    ([], "model.batchnorm: sync"),  # one process has nothing to synchronise over
-    (["--nproc-per-node", "2"], "sync needs CUDA"),  # refused before any process is launched
+@pytest.mark.parametrize("processes, flag, said", [
+    # one process has nothing to synchronise over; the line names the field as the user gave it
+    ([], ["--batchnorm", "sync"], "error: --batchnorm: sync normalises over the micro-batches of several processes"),
+    ([], [], "error: model.batchnorm: sync normalises over the micro-batches of several processes"),  # the recipe's
+    (["--nproc-per-node", "2"], ["--batchnorm", "sync"], "sync needs CUDA"),  # refused before any launch
 ])
-def test_cli_sync_is_one_line_nothing_written(processes, said, tmp_path, capsys):
-    path = write(tmp_path, digits_recipe(SGD, model="cnn-bn", effective=32, steps=2))
+def test_cli_sync_is_one_line_nothing_written(processes, flag, said, tmp_path, capsys):
+    recipe = digits_recipe(SGD, model="cnn-bn", effective=32, steps=2)
+    if not flag:
+        recipe["model"]["batchnorm"] = "sync"
+    path = write(tmp_path, recipe)
     out = tmp_path / "out"
     code, _, err = cli(capsys, "run", path, "--out", out, "--micro-batch-max", "8", "--device", "cpu", *processes,
-                       "--batchnorm", "sync")
+                       *flag)
     assert code == 2 and err.strip().count("\n") == 0 and said in err, err
+    assert "--world-size N on N GPUs, or give --batchnorm keep | frozen | group" in err or processes, err
     assert snapshot(out) == {}
 
 

@@ -143,8 +143,8 @@ def test_cli_json_reports_the_breakdown_and_still_exits_3(capsys, tmp_path):
 @pytest.mark.parametrize(
     "args, batch, expected",
     [
-        (("--sharding", "fsdp"), {}, "error: --sharding fsdp: shards the model over the world_size processes, and "
-                                     "world_size is 1; give 2 or more"),
+        (("--sharding", "fsdp"), {}, "error: --sharding fsdp: shards the model over the --world-size processes, and "
+                                     "--world-size is 1; give --world-size 2 or more"),
         (("--sharding", "fsdp", "--world-size", "4", "--meter", "cpu"), {},
          "error: --meter cpu: measures one whole process and cannot shard"),
         (("--world-size", "2", "--meter", "cpu"), {"sharding": "fsdp"},

@@ -67,7 +67,7 @@ def test_every_shipped_recipe_emits_with_the_arithmetic_first(path, fmt):
     the_plan = plan(load_recipe(path), 16, 2 if load_recipe(path).batch.sequences % 2 == 0 else 1,
                     recipe_path=f"papers/{path.name}")
     if fmt == "slurm" and the_plan.world_size == 1:  # a launcher for several processes (tests/test_nodes.py)
-        with pytest.raises(UserError, match="--emit slurm: the plan runs on 1 process, which needs no launcher"):
+        with pytest.raises(UserError, match="`emit_format` slurm: the plan runs on 1 process, which needs no launcher"):
             emit(the_plan, fmt)
         return
     lines = emit(the_plan, fmt).splitlines()
@@ -229,7 +229,8 @@ def test_emitted_param_groups_equal_the_trainers(no_decay):
 
 
 def test_unknown_format_is_a_user_error(goyal):
-    with pytest.raises(UserError, match="--emit: expected one of hf, lightning, deepspeed, accelerate, torchrun"):
+    with pytest.raises(UserError, match="`emit_format`: expected one of hf, lightning, deepspeed, accelerate, "
+                                        "torchrun"):
         emit(goyal, "keras")
 
 

@@ -296,7 +296,7 @@ def test_the_launch_line_takes_an_elastic_range_and_restarts():
 
     assert node_range("2") == (2, 2) and node_range("1:4") == (1, 4)
     for bad in ("0", "2:1", "a", "1:2:3", ""):
-        with pytest.raises(UserError, match="--nnodes"):
+        with pytest.raises(UserError, match="^`nnodes`: "):
             node_range(bad)
     command = torchrun_command(["plan.yaml"], 8, "1:4", None, "h:29500", "python", 2, "77")
     assert command[3:9] == ["--nproc-per-node=8", "--nnodes=1:4", "--rdzv-backend=c10d", "--rdzv-endpoint=h:29500",

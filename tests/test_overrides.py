@@ -40,13 +40,13 @@ def test_a_missing_section_is_made_and_validated():
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("optimizer.lr=-1", "--set: optimizer.lr: must be > 0.0 (got -1)"),
-    ("optimizer.lrr=0.1", "--set: optimizer.lrr: unknown key (did you mean 'lr'?)"),
-    ("batch.effective=many", "--set: batch.effective: expected an integer (got 'many')"),
-    ("optimizer.lr", "--set optimizer.lr: expected FIELD.PATH=VALUE, e.g. --set optimizer.lr=1e-4"),
-    ("optimizer..lr=1", "--set optimizer..lr=1: expected FIELD.PATH=VALUE, e.g. --set optimizer.lr=1e-4"),
-    ("optimizer.lr=[1", "--set optimizer.lr=[1: the value is not YAML: "),
-    ("optimizer.lr.x=1", "--set optimizer.lr.x=1: optimizer.lr: is "),
+    ("optimizer.lr=-1", "`overrides`: optimizer.lr: must be > 0.0 (got -1)"),
+    ("optimizer.lrr=0.1", "`overrides`: optimizer.lrr: unknown key (did you mean 'lr'?)"),
+    ("batch.effective=many", "`overrides`: batch.effective: expected an integer (got 'many')"),
+    ("optimizer.lr", "`overrides` optimizer.lr: expected FIELD.PATH=VALUE, e.g. `overrides` optimizer.lr=1e-4"),
+    ("optimizer..lr=1", "`overrides` optimizer..lr=1: expected FIELD.PATH=VALUE, e.g. `overrides` optimizer.lr=1e-4"),
+    ("optimizer.lr=[1", "`overrides` optimizer.lr=[1: the value is not YAML: "),
+    ("optimizer.lr.x=1", "`overrides` optimizer.lr.x=1: optimizer.lr: is "),
 ])
 def test_a_bad_override_is_one_line_naming_the_field(override, expected):
     with pytest.raises(UserError) as caught:
@@ -59,7 +59,7 @@ def test_an_override_obeys_the_rules_across_sections():
     """The whole recipe is validated again: a rule between two sections holds for an override as for the file."""
     with pytest.raises(UserError) as caught:
         apply_overrides(load_recipe(GPT), ["batch.unit=tokens", "batch.sequence_length=null"])
-    assert caught.value.lines[0].startswith("--set: batch")
+    assert caught.value.lines[0].startswith("`overrides`: batch")
     assert "sequence_length" in caught.value.lines[0]
 
 

@@ -165,11 +165,14 @@ def test_lr_schedule_cosine_ends_at_min_lr():
 
 
 def test_bad_arguments_are_user_errors(recipe):
-    with pytest.raises(UserError, match="--micro-batch-max"):
+    """A library caller is told about the argument it passed, not a command-line flag."""
+    with pytest.raises(UserError) as caught:
         plan(recipe, micro_batch_max=0)
-    with pytest.raises(UserError, match="--world-size"):
+    assert caught.value.field == "micro_batch_max"
+    assert str(caught.value) == "`micro_batch_max`: must be >= 1 (got 0)"
+    with pytest.raises(UserError, match="^`world_size`: must be >= 1"):
         plan(recipe, micro_batch_max=4, world_size=0)
-    with pytest.raises(UserError, match="exceed the paper's effective batch"):
+    with pytest.raises(UserError, match="^`world_size`: 129 processes exceed the paper's effective batch"):
         plan(recipe, micro_batch_max=4, world_size=129)
 
 

@@ -476,7 +476,7 @@ def test_the_adapter_of_a_model_that_is_not_a_transformers_one(tmp_path):
     ids = torch.randint(0, 32, (2, 16))
     with torch.no_grad():
         assert torch.equal(loaded.eval()(ids), model.eval()(ids))
-    with pytest.raises(UserError, match=r"^--merged: nanogpt is not a transformers model, so it has no Hugging Face "
+    with pytest.raises(UserError, match=r"^`merged`: nanogpt is not a transformers model, so it has no Hugging Face "
                                         r"folder; model.pt holds its weights and adapter/ its adapters$"):
         check_merged(model, recipe)
 

@@ -127,7 +127,7 @@ def test_an_out_of_memory_trial_leaves_nothing_behind(digits):
 
 
 def test_cpu_meter_refuses_a_budget_beyond_free_ram(digits):
-    with pytest.raises(UserError, match="--meter estimate"):
+    with pytest.raises(UserError, match="`meter` estimate"):
         CpuMeter(digits, budget_bytes=2**60, headroom=0.1)
 
 
@@ -157,7 +157,7 @@ def test_estimate_matches_real_cpu_tensors():
 
 def test_estimate_refuses_a_budget_smaller_than_its_margin():
     workload = Workload(parse_recipe(OFFLINE_LM, source="test"))
-    with pytest.raises(UserError, match="--meter cpu"):
+    with pytest.raises(UserError, match="`meter` cpu"):
         EstimateMeter(workload, 16 * 2**20, 0.1)
 
 

@@ -207,7 +207,7 @@ def test_resume_keeps_the_runs_seed_and_refuses_a_finished_run(tmp_path):
     the_plan = plan(parsed, micro_batch_max=16, dataset_size=len(data["train"]))
     train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data, seed=5))
     train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, seed=5, max_steps=3))
-    with pytest.raises(UserError, match="--seed: the run in .* was started with seed 5 \\(got 6\\)"):
+    with pytest.raises(UserError, match="`seed`: the run in .* was started with seed 5 \\(got 6\\)"):
         train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, seed=6, resume=True))
     train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))  # no --seed: the run's own
     assert_same_model(tmp_path / "full", tmp_path / "split")

@@ -213,7 +213,7 @@ def test_ramp_granularity_is_the_recipes():
     data["batch"]["ramp"]["granularity"] = 8 * 2048  # 8 sequences
     p = plan(parse_recipe(data), 4, world_size=2)
     assert all(ph.effective_batch % 8 == 0 for ph in p.phases[:-1])
-    with pytest.raises(UserError, match="--world-size: 3 processes cannot share batch.ramp.granularity"):
+    with pytest.raises(UserError, match="`world_size`: 3 processes cannot share batch.ramp.granularity"):
         plan(parse_recipe(data), 4, world_size=3)
 
 

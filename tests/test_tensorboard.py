@@ -21,7 +21,7 @@ def test_scalars_of_a_record():
 
 def test_missing_tensorboard_is_a_user_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(UserError, match="--tensorboard: needs the tensorboard package"):
+    with pytest.raises(UserError, match="`tensorboard`: needs the tensorboard package"):
         TensorboardLog(tmp_path / "tb")
 
 

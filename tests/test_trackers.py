@@ -45,7 +45,7 @@ def test_log_to_names_and_the_tensorboard_alias():
     assert parse_log_to(["mlflow,wandb"], tensorboard=True) == ["tensorboard", "wandb", "mlflow"]
     assert parse_log_to([" MLflow ", "mlflow"]) == ["mlflow"]
     assert parse_log_to(None) == []
-    with pytest.raises(UserError, match="--log-to: unknown tracker 'neptune'; expected .*tensorboard, wandb, mlflow"):
+    with pytest.raises(UserError, match="`log_to`: unknown tracker 'neptune'; expected .*tensorboard, wandb, mlflow"):
         parse_log_to(["mlflow,neptune"])
 
 
@@ -70,7 +70,7 @@ def test_wandb_is_offline_without_an_api_key(monkeypatch, tmp_path):
 def test_a_missing_package_is_one_line_naming_the_extra_before_anything_runs(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(UserError,
-                       match=r"--log-to wandb: the wandb package is not installed; .*reproduce-large-batch\[wandb\]"):
+                       match=r"`log_to` wandb: the wandb package is not installed; .*reproduce-large-batch\[wandb\]"):
         check_trackers(["tensorboard", "wandb"])
     with pytest.raises(SystemExit) as exit_:
         main(["run", DIGITS, "--micro-batch-max", "64", "--out", str(tmp_path / "run"),

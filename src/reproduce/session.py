@@ -98,13 +98,13 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
             result = run_probe(recipe, recipe_path, options, world_size, data=data)
         except BudgetRequired:
             raise UserError(
-                "--micro-batch-max: required when there is no GPU here to probe: give --micro-batch-max N, "
-                "or --memory SIZE / --gpu NAME to probe for that memory"
+                "`micro_batch_max`: required when there is no GPU here to probe: give `micro_batch_max` N, "
+                "or `memory` SIZE / `gpu` NAME to probe for that memory"
             ) from None
         except UserError as error:
-            if "--micro-batch-max" in error.lines[-1]:
+            if "`micro_batch_max`" in error.lines[-1]:
                 raise
-            hint = f"{error.lines[-1]} (or give --micro-batch-max to skip the probe)"
+            hint = f"{error.lines[-1]} (or give `micro_batch_max` to skip the probe)"
             raise UserError(*error.lines[:-1], hint) from None
         from .probe.memory_plan import choose as choose_memory  # (imports torch: only when the probe ran)
 
@@ -236,7 +236,7 @@ def recipe_for_run(source: Path, overrides: Sequence[Change], options: Sequence[
     if resume:
         saved = load_plan(out / "plan.yaml") if out is not None and (out / "plan.yaml").is_file() else None
         if saved is None:
-            raise UserError(f"resume: {out} has no plan.yaml to resume")
+            raise UserError(f"`resume`: {out} has no plan.yaml to resume")
         saved_recipe = resumed(changed, changes, saved.recipe, out, str(source))
         check_resumed_weights(saved, out)
         check_resumed_data(saved, out)
@@ -256,8 +256,8 @@ def _check_changed(recipe: Recipe, changes: Sequence[Change], world_size: int | 
     for change in changes:
         if change.path == "batch.sharding" and change.value == "fsdp" and world_size is not None and world_size < 2:
             raise UserError(
-                f"{change.label} fsdp: shards the model over the world_size processes, and world_size is "
-                f"{world_size}; give 2 or more (one process has nothing to shard over)")
+                f"{change.label} fsdp: shards the model over the `world_size` processes, and `world_size` is "
+                f"{world_size}; give `world_size` 2 or more (one process has nothing to shard over)")
     if recipe.model.activation_checkpointing:  # a model with no blocks: one line now, before anything runs
         from .models.checkpointing import check_checkpointable
 
@@ -272,7 +272,7 @@ def check_sharded_probe(recipe: Recipe, the_plan: Plan | None, micro_batch_max: 
 
     if meter in ("cuda", "cpu") or (meter == "auto" and torch.cuda.is_available()):
         raise UserError(
-            "--micro-batch-max: with batch.sharding fsdp give it (or --meter estimate): the cuda and cpu probes "
+            "`micro_batch_max`: with `batch.sharding` fsdp give it (or `meter` estimate): the cuda and cpu probes "
             "measure the whole unsharded model on one device, not one rank's share"
         )
 
@@ -280,8 +280,8 @@ def check_sharded_probe(recipe: Recipe, the_plan: Plan | None, micro_batch_max: 
 def check_launch_policy(policy: str, the_plan: Plan | None, processes: int) -> None:
     """--policy throughput times one device: several processes would each choose their own split."""
     if policy == "throughput" and the_plan is None and processes > 1:
-        raise UserError("--policy throughput: each process would time its own device and might choose another "
-                        "split; plan first (reproduce plan --policy throughput --out plan.yaml) and run that plan")
+        raise UserError("`policy` throughput: each process would time its own device and might choose another "
+                        "split; plan first (`reproduce plan` `policy` throughput `out` plan.yaml) and run that plan")
 
 
 def probe_consensus(recipe: Recipe, recipe_path: str, world_size: int, policy: str, dataset_size: int | dict | None,

@@ -62,7 +62,7 @@ def collect(paths: list[Path]) -> list[Path]:
     for path in paths:
         if default and not path.exists():
             problems.append(f"{path}: no such folder (the default: run where the {DEFAULT_FOLDER}/ folder of check "
-                            "files is, or give check files or folders; --shipped runs the suite shipped with "
+                            "files is, or give check files or folders; `shipped` runs the suite shipped with "
                             "reproduce)")
             continue
         if path.is_dir():

@@ -89,9 +89,9 @@ def check_outputs(junit: Path | None, summary: Path | None, plots: Path | None, 
     """Refuse output paths that are folders, lie under files, or are one of the check files."""
     from ..report.checks import html_beside
 
-    for path, option in ((junit, "--junit"), (summary, "--summary"),
-                         (html_beside(junit) if junit else None, "--junit (its HTML report beside it)")):
+    for path, option in ((junit, "`junit`"), (summary, "`summary`"),
+                         (html_beside(junit) if junit else None, "`junit` (its HTML report beside it)")):
         if path is not None:
             check_writable(path, option, protect=tuple(inputs))
     if plots is not None and plots.exists() and not plots.is_dir():
-        raise UserError(f"--plots: {plots} exists and is not a folder")
+        raise UserError(f"{plots} exists and is not a folder", field="plots")

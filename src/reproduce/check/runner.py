@@ -421,10 +421,10 @@ def prepare_work(work: Path | None) -> tuple[Path, bool]:
     if work is None:
         return Path(tempfile.mkdtemp(prefix="reproduce-check-")), True
     if work.exists() and not work.is_dir():
-        raise UserError(f"--work: {work} exists and is not a folder")
+        raise UserError(f"{work} exists and is not a folder", field="work")
     if work.is_dir() and any(work.iterdir()) and not (work / WORK_MARKER).is_file():
-        raise UserError(f"--work: {work} holds other files (it is not a work folder of `reproduce check`); "
-                        "choose an empty or new folder")
+        raise UserError(f"{work} holds other files (it is not a work folder of `reproduce check`); "
+                        "choose an empty or new folder", field="work")
     work.mkdir(parents=True, exist_ok=True)
     (work / WORK_MARKER).write_text("runs of `reproduce check`; safe to delete\n", encoding="utf-8")
     return work, False

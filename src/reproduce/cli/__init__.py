@@ -18,6 +18,7 @@ from . import report as _report  # noqa: F401
 from . import run as _run  # noqa: F401
 from . import verify as _verify  # noqa: F401
 from .app import app
+from .flags import as_typed
 
 EXIT_USER_ERROR = 2
 EXIT_DOES_NOT_FIT = DoesNotFit.exit_code  # 3: valid input, but not even micro-batch 1 fits the memory
@@ -25,15 +26,16 @@ EXIT_DOES_NOT_FIT = DoesNotFit.exit_code  # 3: valid input, but not even micro-b
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `reproduce` console script."""
+    typed = sys.argv[1:] if argv is None else argv
     try:
         code = app(args=argv, prog_name="reproduce", standalone_mode=False)
     except DoesNotFit as error:
         for line in error.lines:
-            print(line, file=sys.stderr)
+            print(as_typed(line, typed), file=sys.stderr)
         sys.exit(EXIT_DOES_NOT_FIT)
-    except UserError as error:
+    except UserError as error:  # its fields named as the user gave them: the flag typed, or the recipe's path
         for line in error.lines:
-            print(f"error: {line}", file=sys.stderr)
+            print(f"error: {as_typed(line, typed)}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     except Interrupted as error:
         print(f"interrupted: {error}", file=sys.stderr)

@@ -131,13 +131,14 @@ FIELD_OF_FLAG = {
     "--packing": "data.packing",
     "--token-budget": "data.token_budget",
 }
+FLAG_OF_FIELD = {path: flag for flag, path in FIELD_OF_FLAG.items()}
 
 
 def field_changes(given: dict[str, object]) -> list[Change]:
     """The options given (flag: value; None or a switch left off: not given) as the changes of their fields, in the
     table's order (a switch only switches its field on)."""
     values = {flag: value.value if isinstance(value, Enum) else value for flag, value in given.items()}
-    return [Change(path, values[flag], flag) for flag, path in FIELD_OF_FLAG.items()
+    return [Change(path, values[flag], f"`{path}`") for flag, path in FIELD_OF_FLAG.items()
             if values.get(flag) is not None and values.get(flag) is not False]
 
 

@@ -26,6 +26,7 @@ from ..session import parameter_counts
 from ..shipped import described, is_shipped, papers_folder, recipe_files
 from .app import app
 from .common import is_terminal, stdout
+from .flags import as_typed
 
 NANOGPT_DEFAULTS = {"block_size": 1024, "n_embd": 768}  # models.nanogpt.GPTConfig's (read here without torch)
 LIST_WIDTH = 165  # off a terminal (CI logs, pipes): room for every column of the list on one line
@@ -145,7 +146,7 @@ def papers_command(
         except UserError as error:
             counts["invalid"] += 1
             table.add_row(escape(path.stem), "", "[red]invalid recipe[/]", "-", "-", "-", "[red]invalid[/]")
-            reasons.append(f"  {path.stem}: {error.lines[0]}")
+            reasons.append(f"  {path.stem}: {as_typed(error.lines[0], ())}")
             continue
         status, why = status_text(recipe)
         counts[status] += 1

@@ -22,6 +22,7 @@ from ..errors import UserError
 from ..plan.recipe import Recipe, load_recipe
 from ..probe.catalog import lookup
 from .common import is_terminal, stdout
+from .flags import as_typed
 
 COLUMNS = ("recipe", "paper's hardware", "per device", "accumulation", "effective batch", "sharding",
            "estimate meter (--gpu)")
@@ -63,7 +64,7 @@ def device_row(path: Path) -> list[str]:
     try:
         recipe = load_recipe(path)
     except UserError as error:
-        return [path.stem, "invalid recipe", "-", "-", "-", "-", error.lines[0]]
+        return [path.stem, "invalid recipe", "-", "-", "-", "-", as_typed(error.lines[0], ())]
     batch = recipe.batch
     return [
         path.stem, hardware(recipe),

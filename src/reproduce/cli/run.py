@@ -32,6 +32,7 @@ from .options import (
     BATCHNORM_HELP,
     CHECKPOINTING_HELP,
     FIELD_OF_FLAG,
+    FLAG_OF_FIELD,
     GPU_HELP,
     HEADROOM_HELP,
     MEMORY_HELP,
@@ -240,10 +241,11 @@ def request_args(request: RunRequest, which: str) -> list[str]:
         else:
             args += [_flag(name), ",".join(value) if isinstance(value, tuple) else str(value)]
     for change in request.changes:
+        flag = FLAG_OF_FIELD[change.path]
         if which == "torchrun":
-            args += [change.given_as] + ([] if change.value is True else [str(change.value)])
+            args += [flag] + ([] if change.value is True else [str(change.value)])
         elif change.path in ("data.path", "data.eval_path"):
-            args += [change.given_as, str(absolute(str(change.value)))]
+            args += [flag, str(absolute(str(change.value)))]
     return args
 
 

@@ -42,14 +42,14 @@ EXPECTED = {
 
 
 def unavailable_message(recipe: Recipe) -> str:
-    """Data marked `available: false`: the fix is the data's path (`--data`) when the recipe names its format."""
+    """Data marked `available: false`: the fix is the data's path (`data_path`) when the recipe names its format."""
     data = recipe.data
     head = f"data: {data.name!r} is marked available: false"
     if data.format is None:
         return (f"{head} and names no data.format: this recipe can be planned but not run here; to run it, give "
-                "data.factory (your own data) or data.format, and its path with --data PATH")
+                "data.factory (your own data) or data.format, and its path with `data_path` PATH")
     expected = EXPECTED[data.format].format(dtype=data.dtype or "uint16")
-    return f"{head}: give its path with --data PATH (format {data.format}: {expected})"
+    return f"{head}: give its path with `data_path` PATH (format {data.format}: {expected})"
 
 
 def build_format(recipe: Recipe) -> dict:

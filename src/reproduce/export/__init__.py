@@ -47,7 +47,7 @@ def emit(plan: Plan, fmt: str, gpus_per_node: int = GPUS_PER_NODE) -> str:
 def check_format(fmt: str) -> str:
     """`fmt` if it is one of FORMATS, else the one-line UserError `reproduce plan --emit` reports."""
     if fmt not in FORMATS:
-        raise UserError(f"--emit: expected one of {', '.join(FORMATS)} (got {fmt!r})")
+        raise UserError(f"expected one of {', '.join(FORMATS)} (got {fmt!r})", field="emit_format")
     return fmt
 
 

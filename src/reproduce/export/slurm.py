@@ -15,8 +15,8 @@ PORT = 29500
 
 def build(plan: Plan, gpus_per_node: int = GPUS_PER_NODE) -> Export:
     if plan.world_size == 1:
-        raise UserError("--emit slurm: the plan runs on 1 process, which needs no launcher: plan it for several "
-                        "(--world-size) or submit `reproduce run` itself (sbatch --gpus=1 --wrap '...')")
+        raise UserError("`emit_format` slurm: the plan runs on 1 process, which needs no launcher: plan it for several "
+                        "(`world_size`) or submit `reproduce run` itself (sbatch --gpus=1 --wrap '...')")
     nodes, per_node = node_split(plan.world_size, gpus_per_node)
     name = run_name(plan)
     out = f"runs/{name}"

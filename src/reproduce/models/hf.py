@@ -81,4 +81,4 @@ def check_packed(model: nn.Module, device: torch.device) -> None:
 
         raise UserError(f"data.packing: packed: this model's attention ({attention_name(model)}) does not confine "
                         "packed samples (a token would attend across a sample boundary); use data.packing: sorted "
-                        "(--packing sorted), exact with any attention")
+                        "(`packing` sorted), exact with any attention")

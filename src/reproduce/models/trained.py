@@ -50,19 +50,19 @@ def check_merged(model: nn.Module, recipe: Recipe, sharded: bool = False) -> Non
     """`--merged` needs LoRA on a transformers model, unsharded: one line before any step, else."""
     name = recipe.model.builtin or recipe.model.factory or recipe.model.hf or "the model"
     if sharded:
-        raise UserError("--merged: not with FSDP sharding (each rank holds a shard); merge adapter/ into the base "
-                        "afterwards: PeftModel.from_pretrained(base, adapter).merge_and_unload()")
+        raise UserError("not with FSDP sharding (each rank holds a shard); merge adapter/ into the base "
+                        "afterwards: PeftModel.from_pretrained(base, adapter).merge_and_unload()", field="merged")
     peft = peft_model(model)
     if peft is None:
-        raise UserError("--merged: the recipe trains no LoRA adapters (model.lora) to merge; model.pt is the trained "
-                        "model")
+        raise UserError("the recipe trains no LoRA adapters (model.lora) to merge; model.pt is the trained "
+                        "model", field="merged")
     if transformers_inside(peft.base_model.model)[1] is None:
-        raise UserError(f"--merged: {name} is not a transformers model, so it has no Hugging Face folder; model.pt "
-                        "holds its weights and adapter/ its adapters")
+        raise UserError(f"{name} is not a transformers model, so it has no Hugging Face folder; model.pt "
+                        "holds its weights and adapter/ its adapters", field="merged")
     if recipe.model.quantize is not None and base_folder(recipe) is None:
-        raise UserError(f"--merged: on an {recipe.model.quantize} base the adapters merge into the base's own weights "
-                        "folder (model.weights or --weights: a Hugging Face folder), read again unquantised; this "
-                        "run has none, so adapter/ holds its adapters")
+        raise UserError(f"on an {recipe.model.quantize} base the adapters merge into the base's own weights "
+                        "folder (model.weights or `weights`: a Hugging Face folder), read again unquantised; this "
+                        "run has none, so adapter/ holds its adapters", field="merged")
 
 
 def base_folder(recipe: Recipe) -> str | None:

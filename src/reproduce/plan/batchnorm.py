@@ -134,7 +134,7 @@ def plan_batchnorm(recipe: Any, micro_batch: int, micro_batch_max: int, world_si
     if run == 1 and model.builtin in POOLED_BATCHNORM:
         raise UserError(f"model.batchnorm: {model.batchnorm} with a micro-batch of 1: {model.builtin}'s image pooling "
                         "normalises a 1 x 1 map, and BatchNorm needs 2 samples or more to train it; give "
-                        "--micro-batch-max 2 or more, or --batchnorm group | frozen")
+                        "`micro_batch_max` 2 or more, or `model.batchnorm` group | frozen")
     target = paper_batch(recipe)
     lines = [_summary(mode, run, micro_batch, world_size, layers, found) + "; " + _paper_words(recipe, paper, target)]
     if mode == "sync" and world_size < 2:

@@ -14,10 +14,10 @@ def node_range(nnodes: int | str) -> tuple[int, int]:
     text = str(nnodes)
     parts = text.split(":")
     if len(parts) > 2 or not all(part.isdigit() and int(part) >= 1 for part in parts):
-        raise UserError(f"--nnodes: expected a number of machines N or an elastic range MIN:MAX (got {text!r})")
+        raise UserError(f"expected a number of machines N or an elastic range MIN:MAX (got {text!r})", field="nnodes")
     low, high = int(parts[0]), int(parts[-1])
     if low > high:
-        raise UserError(f"--nnodes: the range {text} has MIN above MAX")
+        raise UserError(f"the range {text} has MIN above MAX", field="nnodes")
     return low, high
 
 

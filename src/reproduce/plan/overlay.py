@@ -155,5 +155,5 @@ def resumed(recipe: Recipe, changes: Sequence[Change], saved: Recipe, out: Path,
     for path in FIXED_ON_RESUME:  # what the plan may have taken by itself (memory knobs), and the data it read
         put_at(now, path.split("."), value_at(then, path), path)
     if now != then:
-        raise UserError(f"resume: the recipe in {source} differs from the one {out}/plan.yaml was run with")
+        raise UserError(f"`resume`: the recipe in {source} differs from the one {out}/plan.yaml was run with")
     return saved

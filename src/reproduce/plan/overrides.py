@@ -32,18 +32,18 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     path, sep, raw = text.partition("=")
     parts = path.strip().split(".")
     if not sep or not all(part.strip() for part in parts):
-        raise UserError(f"--set {shown}: expected FIELD.PATH=VALUE, e.g. --set optimizer.lr=1e-4")
+        raise UserError(f"`overrides` {shown}: expected FIELD.PATH=VALUE, e.g. `overrides` optimizer.lr=1e-4")
     try:
         value = yaml.load(raw, Loader=UniqueKeyLoader) if raw.strip() else None
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise UserError(f"--set {shown}: the value is not YAML: {problem}") from None
+        raise UserError(f"`overrides` {shown}: the value is not YAML: {problem}") from None
     return [part.strip() for part in parts], value
 
 
 def changes_of(overrides: Sequence[str]) -> list[Change]:
-    """Each `PATH=VALUE` of `overrides` as the change of its field, given as `--set`."""
-    return [Change(".".join(parts), value, "--set") for parts, value in map(parse_override, overrides)]
+    """Each `PATH=VALUE` of `overrides` (`--set` on the command line) as the change of its field."""
+    return [Change(".".join(parts), value, "`overrides`") for parts, value in map(parse_override, overrides)]
 
 
 def apply_overrides(recipe: Recipe, overrides: Sequence[str], source: str = "the recipe") -> Recipe:

@@ -70,8 +70,8 @@ def plan_phases(
             length = phase.sequence_length or batch.sequence_length
             paper = batch.phase_sequences(phase)
             if world_size > paper:
-                raise UserError(f"--world-size: {world_size} processes exceed batch.phases[{index}]'s batch of "
-                                f"{paper} {batch.count_unit}: each process needs at least one")
+                raise UserError(f"{world_size} processes exceed batch.phases[{index}]'s batch of "
+                                f"{paper} {batch.count_unit}: each process needs at least one", field="world_size")
             cap = cap_at(length)
             choice = split(phase_recipe(recipe, paper, length), min(cap, math.ceil(paper / world_size)), world_size,
                            policy)
@@ -163,8 +163,8 @@ def ramp_grain(recipe: Recipe, world_size: int) -> int:
         return world_size
     grain = given // batch.token_length if batch.unit == "tokens" else given
     if grain % world_size:
-        raise UserError(f"--world-size: {world_size} processes cannot share batch.ramp.granularity's {grain} "
-                        f"{batch.count_unit} equally; use a world size that divides it")
+        raise UserError(f"{world_size} processes cannot share batch.ramp.granularity's {grain} "
+                        f"{batch.count_unit} equally; use a world size that divides it", field="world_size")
     return grain
 
 

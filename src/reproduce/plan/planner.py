@@ -200,19 +200,17 @@ def plan(
 
 
 def check_arguments(recipe: Recipe, micro_batch_max: int, world_size: int, policy: str) -> None:
-    """The plan's own arguments, each refused with the option's name."""
+    """The plan's own arguments, each refused with the argument's name."""
     if micro_batch_max < 1:
-        raise UserError(f"--micro-batch-max: must be >= 1 (got {micro_batch_max})")
+        raise UserError(f"must be >= 1 (got {micro_batch_max})", field="micro_batch_max")
     if world_size < 1:
-        raise UserError(f"--world-size: must be >= 1 (got {world_size})")
+        raise UserError(f"must be >= 1 (got {world_size})", field="world_size")
     if policy not in ("exact", "fast", "throughput"):
-        raise UserError(f"--policy: expected exact, fast or throughput (got {policy!r})")
+        raise UserError(f"expected exact, fast or throughput (got {policy!r})", field="policy")
     paper_batch = recipe.batch.sequences
     if world_size > paper_batch:
-        raise UserError(
-            f"--world-size: {world_size} processes exceed the paper's effective batch of {paper_batch} "
-            f"{recipe.batch.count_unit}: each process needs at least one"
-        )
+        raise UserError(f"{world_size} processes exceed the paper's effective batch of {paper_batch} "
+                        f"{recipe.batch.count_unit}: each process needs at least one", field="world_size")
 
 
 def choose_split(recipe: Recipe, micro_batch_max: int, world_size: int, policy: SplitPolicy, micro_batch: int | None,

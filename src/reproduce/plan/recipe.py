@@ -478,7 +478,7 @@ class Model(Builder):
             raise ValueError(f"double_quant: only for quantize: nf4 (quantize is {self.quantize})")
         if self.selective_checkpointing and not self.activation_checkpointing:
             raise ValueError("selective_checkpointing: chooses what a checkpointed block keeps; set "
-                             "activation_checkpointing: true (or --activation-checkpointing) with it")
+                             "activation_checkpointing: true (or `activation_checkpointing`) with it")
         if not self.upcast_embeddings and self.quantize is None:
             raise ValueError("upcast_embeddings: only for a quantised base (model.quantize: int8 or nf4); without one "
                              "the embeddings and head stay in model.dtype already")
@@ -684,7 +684,7 @@ class Data(Builder):
         if self.available and self.builtin is None and self.factory is None and self.path is None:
             if self.format is not None:
                 raise ValueError(f"path: required for {self.format} data (a folder or file), or set available: "
-                                 "false and give it on the command line: reproduce run --data PATH")
+                                 "false and give it on the command line: reproduce run `data_path` PATH")
             raise ValueError(f"available: data {self.name!r} has no builtin or factory; set available: false")
         return self
 

@@ -57,10 +57,10 @@ def check_resumed_weights(saved: Plan, out: Path) -> None:
     if saved.weights is None or ran is None:
         return
     if not Path(ran).exists():
-        raise UserError(f"--resume: the run in {out} started from the weights {ran}, which are no longer there")
+        raise UserError(f"`resume`: the run in {out} started from the weights {ran}, which are no longer there")
     now = fingerprint_of(inspect(ran))
     if now != saved.weights.fingerprint:
-        raise UserError(f"--resume: the weights {ran} changed since the run in {out} started (fingerprint "
+        raise UserError(f"`resume`: the weights {ran} changed since the run in {out} started (fingerprint "
                         f"{saved.weights.fingerprint} in its plan.yaml, {now} now); resume it with the weights it "
                         "started from, or start a new run")
 
@@ -72,6 +72,6 @@ def check_resumed_data(saved: Plan, out: Path) -> None:
     data = saved.recipe.data
     now = data_fingerprint([data.path, data.eval_path])
     if now != saved.data_fingerprint:
-        raise UserError(f"--resume: the data {data.path} changed since the run in {out} started (fingerprint "
+        raise UserError(f"`resume`: the data {data.path} changed since the run in {out} started (fingerprint "
                         f"{saved.data_fingerprint} in its plan.yaml, {now} now); resume it on the data it started "
                         "on, or start a new run")

@@ -27,12 +27,12 @@ def check_sharding(recipe: Recipe, processes: int) -> None:
     if processes < 2:
         raise UserError(
             "batch.sharding: fsdp shards the model over several processes, but this run has 1; add "
-            "--nproc-per-node K (K >= 2) or launch it under torchrun, or run it unsharded with --sharding none"
+            "`nproc_per_node` K (K >= 2) or launch it under torchrun, or run it unsharded with `batch.sharding` none"
         )
     name = recipe.optimizer.name
     if name not in SHARDABLE_OPTIMIZERS:
         raise UserError(
             f"optimizer.name: {name} cannot step FSDP's sharded parameters exactly (its update needs statistics of "
             f"whole tensors, and each process holds a shard); with batch.sharding fsdp use one of "
-            f"{', '.join(SHARDABLE_OPTIMIZERS)}, or --sharding none"
+            f"{', '.join(SHARDABLE_OPTIMIZERS)}, or `batch.sharding` none"
         )

@@ -17,7 +17,7 @@ BARE_BYTES_MIN = 2**20  # a bare number below 1 MiB is a unit left out, not a me
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(text: str, what: str = "--memory") -> int:
+def parse_size(text: str, what: str = "`memory`") -> int:
     """Bytes in `text`; a UserError naming `what` when it is not a size."""
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else None

@@ -67,15 +67,15 @@ def with_sequence_length(recipe: Recipe, length: int | None) -> Recipe:
     if length is None:
         return recipe
     if length < 1:
-        raise UserError(f"--sequence-length: expected a positive number of tokens (got {length})")
+        raise UserError(f"expected a positive number of tokens (got {length})", field="sequence_length")
     from .workload import declared_inputs
 
     data = recipe.model_dump(mode="json", exclude_unset=True)
     data["batch"] = {**data.get("batch", {}), "sequence_length": length}
     changed = type(recipe).model_validate(data)
     if declared_inputs(changed)["inputs"] != "tokens":
-        raise UserError("--sequence-length: the recipe's samples are not token sequences (it sets the tokens of a "
-                        "language model's sequence)")
+        raise UserError("the recipe's samples are not token sequences (it sets the tokens of a "
+                        "language model's sequence)", field="sequence_length")
     return changed
 
 
@@ -85,14 +85,14 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
     from .meters import METERS
 
     if micro_batch < 1:
-        raise UserError(f"--micro-batch: expected 1 or more (got {micro_batch})")
+        raise UserError(f"expected 1 or more (got {micro_batch})", field="micro_batch")
     recipe = with_sequence_length(recipe, sequence_length)
     budget, gpu = resolve_budget(options)
     meter_name = options.meter if options.meter != "auto" else ("cuda" if torch.cuda.is_available() and (
         budget is None) else "estimate")
     if recipe.batch.sharding == "fsdp":
-        raise UserError("batch.sharding: fsdp: `reproduce memory` answers for one whole process; use reproduce probe "
-                        "--sharding fsdp --world-size W for one rank's share")
+        raise UserError("fsdp: `reproduce memory` answers for one whole process; use reproduce probe `sharding` fsdp "
+                        "`world_size` W for one rank's share", field="batch.sharding")
     workload = Workload(recipe, synthetic_data(recipe) if sequence_length else None).prepare()
     cap = recipe.batch.sequences
     if meter_name == "estimate":
@@ -151,8 +151,8 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
             allowances["bitsandbytes' paged optimizer state (CUDA unified memory)"] = paged
         driver = reserved + allowances[next(k for k in allowances if k.startswith("CUDA context"))] + paged
     if decided is None:  # the cuda meter ran out of memory
-        raise UserError(f"--micro-batch {micro_batch}: the step ran out of memory on this GPU ({measured.note}); use "
-                        "--meter estimate to see what it needs")
+        raise UserError(f"`micro_batch` {micro_batch}: the step ran out of memory on this GPU ({measured.note}); use "
+                        "`meter` estimate to see what it needs")
     budget_bytes = meter.budget_bytes if budget or meter_name == "cuda" else None
     return MemoryAnswer(
         recipe_path=recipe_path, micro_batch=micro_batch, sequence_length=recipe.batch.sequence_length,

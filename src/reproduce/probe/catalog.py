@@ -128,13 +128,13 @@ def lookup(name: str) -> Gpu:
         return GPUS[key]
     if any(word in key for word in NOT_GPUS):
         raise UserError(
-            f"--gpu: {name!r} is a TPU, not a GPU: the estimate models CUDA's attention kernels, dropout, autocast "
-            "and caching allocator, and has nothing to say about a TPU's memory; give --memory SIZE to plan for its "
-            "memory as if it were a GPU"
+            f"{name!r} is a TPU, not a GPU: the estimate models CUDA's attention kernels, dropout, autocast "
+            "and caching allocator, and has nothing to say about a TPU's memory; give `memory` SIZE to plan for its "
+            "memory as if it were a GPU", field="gpu"
         )
     squashed = {k.replace("-", ""): k for k in GPUS}
     if key.replace("-", "") in squashed:
         return GPUS[squashed[key.replace("-", "")]]
     close = [k for k in GPUS if k.startswith(key)] or difflib.get_close_matches(key, list(GPUS), n=1)
     hint = f"did you mean {' or '.join(repr(k) for k in close)}? " if close else ""
-    raise UserError(f"--gpu: unknown GPU {name!r}; {hint}known: {', '.join(GPUS)} (or give --memory SIZE)")
+    raise UserError(f"unknown GPU {name!r}; {hint}known: {', '.join(GPUS)} (or give `memory` SIZE)", field="gpu")

@@ -124,8 +124,8 @@ class CpuMeter(Meter):
         available = available_host_memory()
         if available is not None and budget_bytes > HOST_SHARE * available:
             raise UserError(
-                f"--meter cpu: the budget of {format_size(budget_bytes)} would be allocated for real, and this "
-                f"machine has {format_size(available)} free; use --meter estimate to plan for that much memory"
+                f"`meter` cpu: the budget of {format_size(budget_bytes)} would be allocated for real, and this "
+                f"machine has {format_size(available)} free; use `meter` estimate to plan for that much memory"
             )
         super().__init__(workload, budget_bytes, headroom, time_steps, cap)
         self.notes.append("cpu meter: tensor storage counted exactly (512 B blocks); no allocator or CUDA overheads")
@@ -165,7 +165,7 @@ class CudaMeter(Meter):
     def __init__(self, workload: Workload, budget_bytes: int | None, headroom: float, time_steps: bool = True,
                  cap: int | None = None):
         if not torch.cuda.is_available():
-            raise UserError("--meter cuda: torch sees no CUDA device here (use --meter estimate or --meter cpu)")
+            raise UserError("`meter` cuda: torch sees no CUDA device here (use `meter` estimate or `meter` cpu)")
         self.cuda = torch.device("cuda", torch.cuda.current_device())
         gc.collect()
         torch.cuda.empty_cache()
@@ -175,8 +175,8 @@ class CudaMeter(Meter):
             budget_bytes = usable
         elif budget_bytes > usable:
             raise UserError(
-                f"--memory/--gpu: {format_size(budget_bytes)} is more than this GPU has free "
-                f"({format_size(usable)} of {format_size(total)}); use --meter estimate to plan for a larger card"
+                f"`memory`/`gpu`: {format_size(budget_bytes)} is more than this GPU has free "
+                f"({format_size(usable)} of {format_size(total)}); use `meter` estimate to plan for a larger card"
             )
         super().__init__(workload, budget_bytes, headroom, time_steps, cap)
         self.total = total
@@ -237,9 +237,9 @@ class EstimateMeter(Meter):
         self.fixed = CUBLAS_WORKSPACE + (gpu.cublaslt_workspace if gpu is not None else 32 * MiB)
         if self.limit_bytes <= self.fixed:
             raise UserError(
-                f"--memory: {format_size(budget_bytes)} less headroom leaves nothing once the estimate meter's "
+                f"{format_size(budget_bytes)} less headroom leaves nothing once the estimate meter's "
                 f"margin of {format_size(self.fixed)} (cuBLAS workspaces on a GPU) is taken off; "
-                "use --meter cpu for a budget this small"
+                "use `meter` cpu for a budget this small", field="memory"
             )
         # the GPU whose kernels are counted: the catalog's, one given (bench/gpu_check.py: the card it runs on), or
         # without either an Ampere card (flash attention for bf16/fp16, the memory-efficient kernel for fp32)

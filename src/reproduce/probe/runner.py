@@ -111,7 +111,7 @@ class ProbeResult(BaseModel):
         """One line: why not even micro-batch 1 fits."""
         smallest = min(self.trials, key=lambda t: t.micro_batch)
         return (
-            f"--memory/--gpu: not even micro-batch {smallest.micro_batch} fits in {format_size(self.budget_bytes)} "
+            f"`memory`/`gpu`: not even micro-batch {smallest.micro_batch} fits in {format_size(self.budget_bytes)} "
             f"less {self.headroom:.0%} headroom ({self.meter} meter): {smallest.note or 'over the limit'}"
         )
 
@@ -125,16 +125,16 @@ def timed_trial(measurement: Measurement, sequence_length: int | None) -> ProbeT
 def resolve_budget(options: ProbeOptions) -> tuple[int | None, Gpu | None]:
     """The requested budget in bytes (None: take it from the GPU here) and the catalog entry, if any."""
     if not 0 <= options.headroom < 1:
-        raise UserError(f"--headroom: expected a fraction in [0, 1), such as 0.1 (got {options.headroom:g})")
+        raise UserError(f"expected a fraction in [0, 1), such as 0.1 (got {options.headroom:g})", field="headroom")
     if options.meter not in METERS:
-        raise UserError(f"--meter: expected one of {', '.join(METERS)} (got {options.meter!r})")
+        raise UserError(f"expected one of {', '.join(METERS)} (got {options.meter!r})", field="meter")
     if options.memory is not None and options.gpu is not None:
-        raise UserError("--memory, --gpu: give one of them, not both")
+        raise UserError("`memory`, `gpu`: give one of them, not both")
     if options.gpu is not None:
         gpu = lookup(options.gpu)
         return gpu.budget_bytes, gpu
     if options.memory is not None:
-        return parse_size(options.memory, "--memory"), None
+        return parse_size(options.memory), None
     return None, None
 
 
@@ -143,19 +143,19 @@ def choose_meter(options: ProbeOptions, budget: int | None, sharding: str = "non
 
     if sharding == "fsdp" and options.meter in ("cuda", "cpu"):
         raise UserError(
-            f"--meter {options.meter}: measures one whole process and cannot shard; with --sharding fsdp (or "
-            "batch.sharding: fsdp) over several processes use --meter estimate (or auto)"
+            f"`meter` {options.meter}: measures one whole process and cannot shard; with `sharding` fsdp (or "
+            "batch.sharding: fsdp) over several processes use `meter` estimate (or auto)"
         )
     if sharding == "fsdp":
         if budget is None:  # (a GPU here would measure one whole process, not one rank's share)
             raise UserError(
-                "--memory or --gpu: required with fsdp sharding: the estimate meter computes one rank's share for "
-                "the GPU named, such as --gpu a100-80gb"
+                "`memory` or `gpu`: required with fsdp sharding: the estimate meter computes one rank's share for "
+                "the GPU named, such as `gpu` a100-80gb"
             )
         return "estimate"
     if options.meter != "auto":
         if options.meter in ("cpu", "estimate") and budget is None:
-            raise BudgetRequired(f"--meter {options.meter}: needs a budget: give --memory SIZE or --gpu NAME")
+            raise BudgetRequired(f"`meter` {options.meter}: needs a budget: give `memory` SIZE or `gpu` NAME")
         return options.meter
     if torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info()
@@ -163,8 +163,8 @@ def choose_meter(options: ProbeOptions, budget: int | None, sharding: str = "non
             return "cuda"
     if budget is None:
         raise BudgetRequired(
-            "--memory or --gpu: required: there is no CUDA device here to measure; give the memory to plan for, "
-            "such as --gpu a100-80gb or --memory 24GiB"
+            "`memory` or `gpu`: required: there is no CUDA device here to measure; give the memory to plan for, "
+            "such as `gpu` a100-80gb or `memory` 24GiB"
         )
     return "estimate"
 

@@ -56,6 +56,6 @@ def html_beside(junit: Path) -> Path:
 
 
 def write_check_report(results: list, seconds: float, work: Path, path: Path) -> Path:
-    path = check_writable(path, "--junit (its HTML report)")
+    path = check_writable(path, "`junit` (its HTML report)")
     write_text_atomic(path, to_html(check_blocks(results, seconds, work)))
     return path

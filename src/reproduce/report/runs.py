@@ -111,7 +111,7 @@ def load_run(path: str | Path, name: str | None = None) -> RunFolder:
     if not path.exists():
         raise UserError(f"{path}: no such folder")
     if not path.is_dir():
-        raise UserError(f"{path}: not a folder; give a run folder (the --out of reproduce run)")
+        raise UserError(f"{path}: not a folder; give a run folder (the `out` of reproduce run)")
     if not (path / "plan.yaml").is_file():
         raise UserError(f"{path}: not a run of reproduce (no plan.yaml; {what_it_holds(path)})")
     plan = load_plan(path / "plan.yaml")

@@ -18,10 +18,11 @@ def images_folder(markdown: Path) -> Path:
 
 def write_report(runs: list[RunFolder], out: Path, markdown: Path | None = None, plots: bool = True) -> list[Path]:
     """report.html (self-contained) and, unless `markdown` is the HTML itself, report.md with its PNGs."""
-    out = check_writable(out, "--out")
+    out = check_writable(out, "`out`")
     if out.suffix.lower() not in (".html", ".htm"):
-        raise UserError(f"--out: {out}: expected an .html file name (the Markdown twin is written beside it as .md)")
-    markdown = out.with_suffix(".md") if markdown is None else check_writable(markdown, "--markdown")
+        raise UserError(f"{out}: expected an .html file name (the Markdown twin is written beside it as .md)",
+                        field="out")
+    markdown = out.with_suffix(".md") if markdown is None else check_writable(markdown, "`markdown`")
     protected = {run.path.resolve() / name for run in runs for name in ("plan.yaml", "metrics.jsonl", "summary.json")}
     for path in (out, markdown):
         if path.resolve() in protected:

@@ -43,10 +43,10 @@ def hold(out: str | Path) -> Iterator[None]:
         out.mkdir(parents=True, exist_ok=True)
         descriptor = _locked(out / LOCK_NAME)
     except OSError as error:
-        raise UserError(f"--out: {WriteFailed(out, error)}") from None
+        raise UserError(str(WriteFailed(out, error)), field="out") from None
     if descriptor is None:
-        raise UserError(f"--out: another run is using {out} (it holds {LOCK_NAME}'s lock); wait for it to end, "
-                        "or choose another folder")
+        raise UserError(f"another run is using {out} (it holds {LOCK_NAME}'s lock); wait for it to end, "
+                        "or choose another folder", field="out")
     _held[out] = 1
     try:
         check_writable(out)
@@ -91,7 +91,7 @@ def check_writable(out: Path) -> None:
             handle.flush()
             os.fsync(handle.fileno())
     except OSError as error:
-        raise UserError(f"--out: {WriteFailed(out, error)}") from None
+        raise UserError(str(WriteFailed(out, error)), field="out") from None
 
 
 def held(out: str | Path) -> bool:

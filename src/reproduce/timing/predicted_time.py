@@ -49,7 +49,7 @@ def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assume
         try:
             entry = lookup(device)
         except UserError as error:
-            notes.append(f"the paper's hardware: {error.lines[-1].removeprefix('--gpu: ')}")
+            notes.append(f"the paper's hardware: {error.lines[-1].removeprefix('`gpu`: ')}")
         else:
             paper, paper_basis, on, why = _flops_model(entry, devices, key, samples, per_sample, assumed_mfu)
             if why is not None:

@@ -27,7 +27,7 @@ from .throughput import BUDGET_SECONDS, Timings, choose, exact_splits, model_mic
 
 def check_mfu(assumed_mfu: float) -> None:
     if not 0 < assumed_mfu <= 1:
-        raise UserError(f"--mfu: expected a fraction in (0, 1], such as 0.4 (got {assumed_mfu:g})")
+        raise UserError(f"expected a fraction in (0, 1], such as 0.4 (got {assumed_mfu:g})", field="assumed_mfu")
 
 def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, world_size: int,
                     dataset_size: int | dict | None, result: ProbeResult | None, data: dict | None = None,
@@ -40,11 +40,11 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, worl
     the timed steps (throughput.time_splits).
     """
     if recipe.batch.phases or recipe.batch.ramp or isinstance(micro_batch_max, dict):
-        raise UserError("--policy throughput: not available with batch phases or a ramp (each phase has its own "
-                        "split); use --policy exact")
+        raise UserError("`policy` throughput: not available with batch phases or a ramp (each phase has its own "
+                        "split); use `policy` exact")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("--policy throughput: each process would time its own device and might choose another split; "
-                        "plan first (reproduce plan --policy throughput --out plan.yaml) and run that plan")
+        raise UserError("`policy` throughput: each process would time its own device and might choose another split; "
+                        "plan first (reproduce plan `policy` throughput `out` plan.yaml) and run that plan")
     base = plan(recipe, micro_batch_max, world_size, "throughput", dataset_size=dataset_size, recipe_path=recipe_path)
     if not base.exact:  # no exact split (the batch does not divide over the processes): as the exact policy does
         return base

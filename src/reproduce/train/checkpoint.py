@@ -77,11 +77,11 @@ def _save_sharded(setup: Setup, folder: Path, step: int) -> str:
 def load_checkpoint(setup: Setup, path: Path) -> dict:
     """The checkpoint's state, loaded into `setup`; a damaged file (a record that fails its stored checksum) is
     refused in one line, never trained on."""
-    state = read_torch_file(path, "--resume", setup.device)
+    state = read_torch_file(path, "`resume`", setup.device)
     sharded = state.get("sharded")
     if bool(sharded) != setup.sharded:
         was, now = ("fsdp", "none") if sharded else ("none", "fsdp")
-        raise UserError(f"--resume: {path} was written by a run with sharding {was}; this one has {now}")
+        raise UserError(f"{path} was written by a run with sharding {was}; this one has {now}", field="resume")
     if sharded:
         _load_sharded(setup, path.parent / sharded)
     else:
@@ -128,7 +128,8 @@ def _load_sharded(setup: Setup, folder: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     if not folder.is_dir():
-        raise UserError(f"--resume: {folder} (named by last.pt) is missing: the sharded checkpoint cannot be read")
+        raise UserError(f"{folder} (named by last.pt) is missing: the sharded checkpoint cannot be read",
+                        field="resume")
     model_state, optimizer_state = get_state_dict(setup.model, setup.optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=folder)

@@ -142,7 +142,7 @@ def evaluate_run(run_dir: Path, data_path: str | None = None, eval_data_path: st
     data = build_data(recipe)
     if data.get("eval") is None or len(data["eval"]) == 0:
         raise UserError(f"{source}: the run's recipe has no evaluation data (data.eval_path, or a voc folder's "
-                        "val list): give --eval-data PATH")
+                        "val list): give `eval_data_path` PATH")
     plan = plan.model_copy(update={"recipe": recipe})
     setup = build(plan, resolve_device(device), data=data)
     return plan, evaluate(setup, workers=workers) or {}

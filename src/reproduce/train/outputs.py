@@ -16,17 +16,17 @@ from ..storage.lock import LOCK_NAME
 def check_out_dir(out: Path, resume: bool, force: bool) -> None:
     """Never overwrite another run: a non-empty folder needs --resume (same run) or --force."""
     if out.exists() and not out.is_dir():
-        raise UserError(f"--out: {out} exists and is not a folder")
+        raise UserError(f"{out} exists and is not a folder", field="out")
     if resume:
         if not (out / "checkpoints" / "last.pt").is_file():
-            raise UserError(f"--resume: {out} has no checkpoints/last.pt to resume from")
+            raise UserError(f"{out} has no checkpoints/last.pt to resume from", field="resume")
         return
     if out.is_dir() and any(entry.name != LOCK_NAME for entry in out.iterdir()) and not force:
-        raise UserError(f"--out: {out} is not empty ({folder_holds(out)}); " + (
-            "pass --resume to continue it, --force to overwrite its outputs, or choose another folder"
+        raise UserError(f"{out} is not empty ({folder_holds(out)}); " + (
+            "pass `resume` to continue it, `force` to overwrite its outputs, or choose another folder"
             if any((out / name).exists() for name in OUTPUTS) else
-            "choose another folder (--force would keep these files and write the run's outputs beside them)"
-        ))
+            "choose another folder (`force` would keep these files and write the run's outputs beside them)"
+        ), field="out")
 
 
 def folder_holds(out: Path) -> str:

@@ -60,7 +60,7 @@ def check_plateau(plan: Plan, data: dict) -> None:
     decay = plan.recipe.schedule.decay
     if decay.kind == "plateau" and data.get("eval") is None:
         raise UserError(f"schedule.decay: kind plateau watches {decay.metric}, but this run has no evaluation data; "
-                        "give --eval-data PATH (or data.eval_path)")
+                        "give `eval_data_path` PATH (or data.eval_path)")
 
 
 def step_plateau(setup, evaluation: dict | None, step: int) -> dict:

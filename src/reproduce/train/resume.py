@@ -36,7 +36,7 @@ def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, se
     first_step, rebuild = state["step"], None
     saved_seed = state["extra"].get("seed", seed)
     if asked_seed is not None and asked_seed != saved_seed:
-        raise UserError(f"--seed: the run in {out} was started with seed {saved_seed} (got {asked_seed})")
+        raise UserError(f"the run in {out} was started with seed {saved_seed} (got {asked_seed})", field="seed")
     if first_step >= total:
         rebuild = missing_final_outputs(out, first_step) if first_step == total else None
         if rebuild is None:  # (a resume past its --max-steps never rewrites the run's end)

@@ -27,9 +27,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device: cuda was asked for, but torch sees no CUDA device (use --device cpu)")
+        raise UserError("cuda was asked for, but torch sees no CUDA device (use `device` cpu)", field="device")
     if name not in ("cpu", "cuda"):
-        raise UserError(f"--device: expected cpu, cuda or auto (got {name!r})")
+        raise UserError(f"expected cpu, cuda or auto (got {name!r})", field="device")
     return torch.device(name)
 
 
@@ -39,11 +39,12 @@ def check_batchnorm(mode: str, world: World, device: torch.device) -> None:
     if mode != "sync":
         return
     if not world.distributed:
-        raise UserError("model.batchnorm: sync normalises over the micro-batches of several processes, and this run "
-                        "has one: launch it with --world-size N on N GPUs, or give --batchnorm keep | frozen | group")
+        raise UserError("sync normalises over the micro-batches of several processes, and this run has one: launch "
+                        "it with `world_size` N on N GPUs, or give `batchnorm` keep | frozen | group",
+                        field="model.batchnorm")
     if device.type != "cuda":
-        raise UserError(f"model.batchnorm: sync needs CUDA (torch.nn.SyncBatchNorm runs on CUDA only in PyTorch) and "
-                        f"this run is on {device.type}: give --batchnorm keep | frozen | group")
+        raise UserError(f"sync needs CUDA (torch.nn.SyncBatchNorm runs on CUDA only in PyTorch) and this run is on "
+                        f"{device.type}: give `batchnorm` keep | frozen | group", field="model.batchnorm")
 
 
 def batchnorm_notes(plan: Plan, model: nn.Module, world: World, device: torch.device) -> list[str]:

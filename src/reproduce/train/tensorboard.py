@@ -35,8 +35,8 @@ class TensorboardLog:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise UserError(
-                "--tensorboard: needs the tensorboard package, which is not installed (pip install tensorboard); "
-                "metrics.jsonl has the same numbers"
+                "needs the tensorboard package, which is not installed (pip install tensorboard); "
+                "metrics.jsonl has the same numbers", field="tensorboard"
             ) from None
         self.out_dir = Path(out_dir)
         self._writer_class = SummaryWriter

@@ -45,8 +45,8 @@ def parse_log_to(values: list[str] | None, tensorboard: bool = False) -> list[st
     names = [name.strip().lower() for value in values or [] for name in value.split(",") if name.strip()]
     unknown = [name for name in names if name not in TRACKERS]
     if unknown:
-        raise UserError(f"--log-to: unknown tracker {unknown[0]!r}; expected a comma-separated list of "
-                        f"{', '.join(TRACKERS)}")
+        raise UserError(f"unknown tracker {unknown[0]!r}; expected a comma-separated list of "
+                        f"{', '.join(TRACKERS)}", field="log_to")
     chosen = set(names) | ({"tensorboard"} if tensorboard else set())
     return [name for name in TRACKERS if name in chosen]
 
@@ -59,7 +59,7 @@ def check_trackers(names: list[str]) -> None:
         try:
             importlib.import_module(_MODULES[name])
         except ImportError:
-            raise UserError(f"--log-to {name}: the {_PACKAGES[name]} package is not installed; install the extra: "
+            raise UserError(f"`log_to` {name}: the {_PACKAGES[name]} package is not installed; install the extra: "
                             f"pip install 'reproduce-large-batch[{name}]' (metrics.jsonl has the same numbers)"
                             ) from None
 

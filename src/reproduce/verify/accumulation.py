@@ -181,15 +181,15 @@ def verify(
 ) -> VerifyResult:
     """The plan's accumulated gradient against the one-pass gradient of the same samples, from the same weights."""
     if dtype not in DTYPES:
-        raise UserError(f"--dtype: expected one of {', '.join(DTYPES)} (got {dtype!r})")
+        raise UserError(f"expected one of {', '.join(DTYPES)} (got {dtype!r})", field="dtype")
     if tolerance is not None and not tolerance > 0:
-        raise UserError(f"--tolerance: must be > 0 (got {tolerance})")
+        raise UserError(f"must be > 0 (got {tolerance})", field="tolerance")
     if samples is not None and samples < 1:
-        raise UserError(f"--samples: must be >= 1 (got {samples})")
+        raise UserError(f"must be >= 1 (got {samples})", field="samples")
     tolerance = TOLERANCE[dtype] if tolerance is None else tolerance
     torch_device = resolve_device(device)
     if dtype == "fp16" and torch_device.type == "cpu" and not hasattr(torch.amp, "GradScaler"):
-        raise UserError("--dtype: fp16 needs torch.amp.GradScaler, which this torch lacks")
+        raise UserError("fp16 needs torch.amp.GradScaler, which this torch lacks", field="dtype")
     recipe = plan.recipe
     seed = recipe.seed if seed is None else seed
     data = data if data is not None else build_data(recipe)
@@ -214,7 +214,7 @@ def verify(
                                                                          grouping=grouping)[0]]
     else:
         if samples > size:
-            raise UserError(f"--samples: {samples} exceeds the {size} samples of the training set")
+            raise UserError(f"{samples} exceeds the {size} samples of the training set", field="samples")
         order = epoch_order(checked, size, 0, seed)[:samples]
         indices = (grouped_window([order], grouping, plan.micro_batch)[0] if grouping else
                    list(torch.split(order, plan.micro_batch)))

@@ -1,0 +1,63 @@
+"""A user error's names as the user typed them: the core names a request's field (`micro_batch_max`) or a recipe's
+dotted path (`batch.sharding`) in backticks, never a flag; here, once, each name becomes its flag.
+
+- A request's field is an option's parameter name, so its flag comes from the commands' own declarations (one
+  table, built from what typer registered, which cannot drift from the options): `micro_batch_max` prints as
+  `--micro-batch-max`, whether the user typed it or left it at its default (the flag is how to change it).
+- A recipe's path prints as its flag when the user typed that flag (`--sharding fsdp` gives `--sharding: ...`), and
+  as the path otherwise: a user who wrote `batch.sharding: fsdp` in the recipe, or `--set batch.sharding=fsdp`,
+  sees the field they wrote.
+Names that are neither (a command such as `reproduce run`, a word) are left as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from functools import cache
+
+import typer.main
+
+from .app import app
+from .options import FLAG_OF_FIELD
+
+# the recipe fields an option sets (the option is an alias of the field), so an error about the field names the
+# option when the user typed it
+RECIPE_FLAGS = FLAG_OF_FIELD
+
+NAME = re.compile(r"`([a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*)`")
+
+
+@cache
+def request_flags() -> dict[str, str]:
+    """Each option's parameter name and its flag, over every command (`micro_batch_max` -> `--micro-batch-max`);
+    read when the first error is shown, after every command has registered its options."""
+    flags: dict[str, str] = {}
+
+    def walk(command) -> None:
+        for param in command.params:
+            if param.param_type_name == "option":
+                flags.setdefault(param.name, param.opts[0])
+        for sub in getattr(command, "commands", {}).values():
+            walk(sub)
+
+    walk(typer.main.get_command(app))
+    return flags
+
+
+def typed(flag: str, argv: Sequence[str]) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
+
+
+def shown(name: str, argv: Sequence[str]) -> str | None:
+    """What the CLI prints for the field `name`: its flag, the path itself, or None for a name that is no field."""
+    if name in RECIPE_FLAGS:
+        return RECIPE_FLAGS[name] if typed(RECIPE_FLAGS[name], argv) else name
+    if "." in name:  # a recipe's path no option sets
+        return name
+    return request_flags().get(name)
+
+
+def as_typed(line: str, argv: Sequence[str]) -> str:
+    """`line` with each field it names in backticks as the user can give it (see the module's docstring)."""
+    return NAME.sub(lambda match: shown(match.group(1), argv) or match.group(0), line)
