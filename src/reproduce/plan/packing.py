@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from ..errors import UserError
 from .planner import Plan
-from .recipe import Recipe, packing_problem
+from .recipe import Recipe, default_packing, packing_problem
+
+DEFAULT_WHY = ("the default for instruction and chat data: the fastest exact way with the dense attention runs "
+               "here use (sdpa, eager); data.packing or --packing to choose")
 
 
 def with_packing(recipe: Recipe, packing: str | None, token_budget: int | None = None) -> Recipe:
@@ -48,3 +51,19 @@ def with_grouping_of(recipe: Recipe, other: Recipe) -> Recipe:
     (`--packing` may have set it; the windows' samples are the same either way)."""
     return recipe.model_copy(update={"data": recipe.data.model_copy(update={
         "packing": other.data.packing, "token_budget": other.data.token_budget})})
+
+
+def kept_grouping(saved: Recipe) -> Recipe:
+    """A saved plan's recipe, re-planned (resume_rules.replan) with the grouping it ran with: a plan written before
+    instruction data defaulted to `sorted` left data.packing unset and ran `none`, which it keeps."""
+    if saved.data.packing is None and default_packing(saved) is not None:
+        return saved.model_copy(update={"data": saved.data.model_copy(update={"packing": "none"})})
+    return saved
+
+
+def packing_origin(given: Recipe, planned: Recipe) -> str | None:
+    """Where the plan's data.packing came from: the recipe or --packing, the data's default (`default_packing`),
+    or None when neither gave one (the plan groups as `none`, as for any data without lengths)."""
+    if given.data.packing is not None:
+        return "data.packing, --packing"
+    return DEFAULT_WHY if planned.data.packing is not None else None

@@ -1111,6 +1111,25 @@ def packing_problem(recipe: Recipe) -> str | None:
     return None
 
 
+def default_packing(recipe: Recipe) -> str | None:
+    """The way a recipe that leaves `data.packing` unset takes, or None (`none`, as for any other data).
+
+    Instruction and chat text (format instructions or chat, hf-datasets text) of a language-modeling run whose loss
+    is normalised by the window's tokens: `sorted`, the fastest exact way on the attention the run uses. Its
+    micro-batches are right-padded rows with no mask, which sdpa runs with `is_causal` (flash attention on a GPU);
+    `packed` rows need transformers' block mask over each whole row, which a dense kernel computes in full, so it
+    is faster only with a varlen kernel (flash_attention_2), which no run here selects (docs/packing.md has the
+    measurements). Not with `loss.normalization: micro-batch-mean`: its arithmetic is the paper's micro-batches'.
+    """
+    data = recipe.data
+    if data.packing is not None or not data.text_columns:
+        return None
+    if recipe.loss is not None and recipe.loss.normalization != "window-tokens":
+        return None
+    return None if packing_problem(recipe.model_copy(update={"data": data.model_copy(update={"packing": "sorted"})}
+                                                     )) else "sorted"
+
+
 def phase_recipe(recipe: Recipe, sequences: int, sequence_length: int | None) -> Recipe:
     """`recipe` with one fixed batch: `sequences` samples (sequences) of `sequence_length`, no phases or ramp.
 
