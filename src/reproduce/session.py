@@ -22,6 +22,7 @@ from .plan.batchnorm import with_batchnorm
 from .plan.builtin_names import MODELS
 from .plan.memory_options import with_memory_options, with_quantized_base
 from .plan.overrides import apply_overrides
+from .plan.packing import with_probed_budget
 from .plan.planner import Plan, plan
 from .plan.recipe import Recipe, load_recipe, phase_recipe, with_data_paths, with_weights
 from .plan.resume_rules import replan
@@ -110,6 +111,7 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
         if result.micro_batch_max is None:
             raise does_not_fit(result)
         micro_batch_max = result.micro_batch_max
+        recipe = with_probed_budget(recipe, result.token_budget)  # sorted: T measured in tokens (probe/tokens.py)
         note(probe_line(result))
     if policy == "throughput":  # the exact splits timed, the fastest taken (timing/throughput_plan.py)
         from .timing.throughput_plan import throughput_plan

@@ -24,7 +24,7 @@ from ..timing.predicted_time import predict
 from ..timing.prediction import DEFAULT_MFU
 from ..timing.throughput_plan import check_mfu
 from .app import app
-from .common import parameters_line, recipe_argument, show_note, stderr, stdout
+from .common import parameters_line, recipe_argument, show_note, stderr, stdout, token_budget_text
 from .options import (
     BACKBONE_WEIGHTS_HELP,
     BATCHNORM_HELP,
@@ -152,7 +152,8 @@ def plan_command(
     if counts is not None:  # (or by `papers` or an earlier probe: the probe's cache keeps it) and no torch otherwise
         stdout.print(parameters_line(counts), markup=False)
     if grouping is not None or origin is not None:
-        for line in packing_lines(the_plan.recipe.data.packing or "none", origin, grouping):
+        probed = token_budget_text(result) if recipe.data.token_budget is None else None
+        for line in packing_lines(the_plan.recipe.data.packing or "none", origin, grouping, probed):
             stdout.print(line, markup=False, soft_wrap=True)
     render_throughput(the_plan)
     if result is not None:
@@ -163,17 +164,18 @@ def plan_command(
         stdout.print(f"plan written to {out}")
 
 
-def packing_lines(way: str, origin: str | None, table: dict | None) -> list[str]:
-    """The plan's grouping and where it came from (plan/packing.py); with the data's lengths, the token budget and
-    each way's micro-batches per window and padding (session.py)."""
+def packing_lines(way: str, origin: str | None, table: dict | None, probed: str | None = None) -> list[str]:
+    """The plan's grouping and where it came from (plan/packing.py), the token budget (`probed`: how the probe
+    measured it, probe/tokens.py), and with the data's lengths each way's micro-batches per window and padding."""
     line = f"packing: {way} ({origin or 'the default for this data; data.packing or --packing to choose'})"
     if table is None:
-        return [line]
+        return [line + (f"; token budget {probed}" if probed else "")]
     ways = ", ".join(f"{way} {table[way]['micro_batches']:g} ({table[way]['padding_fraction']:.0%} padding)"
                      for way in ("none", "sorted", "packed"))
-    budget = f"{table['token_budget']:,}" + ("" if table["given"] else f" = micro-batch x the longest example's "
-                                             f"{table['longest']} tokens")
-    return [f"{line}; token budget {budget} per micro-batch (sorted, packed)",
+    budget = (probed or f"{table['token_budget']:,}" + (" (data.token_budget, --token-budget)" if table["given"] else
+                                                       f" = micro-batch x the longest example's {table['longest']} "
+                                                       "tokens per micro-batch (sorted, packed)"))
+    return [f"{line}; token budget {budget}",
             f"  micro-batches per window and rank, over the first {table['windows']} windows of this data: {ways}"]
 
 

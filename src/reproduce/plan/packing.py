@@ -67,3 +67,13 @@ def packing_origin(given: Recipe, planned: Recipe) -> str | None:
     if given.data.packing is not None:
         return "data.packing, --packing"
     return DEFAULT_WHY if planned.data.packing is not None else None
+
+
+def with_probed_budget(recipe: Recipe, token_budget: int | None) -> Recipe:
+    """`recipe` with the token budget the probe measured for `sorted` (probe/tokens.py) as data.token_budget, and
+    the way it was measured for (the default's `sorted`, written out); unchanged without one or with its own."""
+    if token_budget is None or recipe.data.token_budget is not None:
+        return recipe
+    way = recipe.data.packing or default_packing(recipe)
+    return recipe.model_copy(update={"data": recipe.data.model_copy(update={"packing": way,
+                                                                            "token_budget": token_budget})})
