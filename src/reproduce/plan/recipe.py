@@ -567,10 +567,11 @@ class Data(Builder):
     packing: Literal[PACKING_WAYS] | None = Field(  # type: ignore[valid-type]
         default=None, description="how a window's samples group into micro-batches (data/packing.py): none (the "
         "plan's micro-batch of m samples), sorted (by length, micro-batches of at most data.token_budget tokens), "
-        "packed (rows of samples with position ids restarting at each); the window's samples are the same with each")
+        "packed (rows of samples with position ids restarting at each); the window's samples are the same with each. "
+        "Default: sorted for instruction and chat data (default_packing), else none")
     token_budget: int | None = Field(
         default=None, gt=0, description="sorted / packed: tokens per micro-batch, padding included (default: the "
-        "micro-batch x the longest example)")
+        "largest the probe measured to fit for sorted, else the micro-batch x the longest example)")
     columns: dict[str, str] | None = None
     # format segmentation (docs/segmentation.md): images with a mask of class ids each, cut and flipped together
     layout: Literal[SEGMENTATION_LAYOUTS] | None = Field(  # type: ignore[valid-type]
