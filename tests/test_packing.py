@@ -17,14 +17,16 @@ import torch
 import transformers
 import yaml
 
-from helpers import cli_json, reproduce_run, run_plain
+from helpers import cli, cli_json, reproduce_run, run_plain
 from reproduce.data import build_data
 from reproduce.data.packing import Grouped, Grouping, balance, group, grouping_of, next_fit
 from reproduce.errors import UserError
 from reproduce.models.hf import HFLogits, check_packed
 from reproduce.plan.overlay import Change, overlay
+from reproduce.plan.packing import DEFAULT_WHY, kept_grouping
 from reproduce.plan.planner import plan
-from reproduce.plan.recipe import parse_recipe
+from reproduce.plan.recipe import default_packing, load_recipe, parse_recipe
+from reproduce.plan.resume_rules import replan
 from reproduce.train.trainer import RunOptions, train
 from reproduce.train.windows import window
 from reproduce.verify.accumulation import verify
@@ -292,6 +294,73 @@ def test_verify_from_the_command_line_with_packed_instruction_data(sample_data, 
     result = cli_json(capsys, "verify", recipe, "--micro-batch-max", "4", "--packing", "packed")
     assert result["equivalent"] and result["verdict"] == "equivalent"
     assert any(note.startswith("data.packing packed") for note in result["notes"])
+
+
+INSTRUCTIONS = {"format": "instructions", "tokenizer": "tok", "max_length": 512, "available": False}
+
+
+@pytest.mark.parametrize(("data", "loss", "expected"), [
+    (INSTRUCTIONS, None, "sorted"),  # instruction text, the loss over the window's tokens: the default
+    ({**INSTRUCTIONS, "format": "chat"}, None, "sorted"),
+    ({**INSTRUCTIONS, "packing": "none"}, None, "none"),  # the recipe's own way is kept
+    ({**INSTRUCTIONS, "packing": "packed"}, None, "packed"),
+    (INSTRUCTIONS, {"normalization": "micro-batch-mean"}, None),  # the paper's micro-batches are its arithmetic
+    ({"factory": "factories:variable_lm"}, None, None),  # token sequences of a factory: not instruction data
+])
+def test_instruction_data_left_unset_plans_sorted_and_every_other_recipe_keeps_its_way(data, loss, expected):
+    body = llama_lora()
+    body["data"] = data
+    if loss:
+        body["loss"] = loss
+    recipe = parse_recipe(body)
+    planned = plan(recipe, 4)
+    assert planned.recipe.data.packing == expected
+    assert default_packing(recipe) == (expected if "packing" not in data else None)
+    # a plan saved before the default (data.packing unset: it ran `none`) keeps `none` when re-planned on resume
+    old = planned.model_copy(update={"recipe": recipe})
+    assert kept_grouping(recipe).data.packing == ("none" if expected == "sorted" and "packing" not in data
+                                                  else recipe.data.packing)
+    assert replan(old, 2, None, 1000, "plan.yaml").recipe.data.packing == (
+        "none" if expected == "sorted" and "packing" not in data else expected)
+
+
+def test_the_shipped_recipes_take_sorted_only_for_instruction_and_chat_data():
+    papers = Path(__file__).parent.parent / "papers"
+    ways = {path.name: default_packing(load_recipe(path)) for path in sorted(papers.glob("*.yaml"))}
+    assert {name for name, way in ways.items() if way} == {
+        "hu2021-lora-gpt2m-e2e.yaml", "taori2023-alpaca-7b.yaml", "tloen2023-alpaca-lora.yaml",
+        "dettmers2023-qlora-guanaco-7b.yaml"}  # (the last two: window-tokens, their stated deviation)
+    assert set(ways.values()) == {None, "sorted"}
+
+
+def test_the_plan_states_the_default_and_a_run_and_its_resume_keep_it(sample_data, tmp_path, capsys):
+    """No --packing on instruction data: plan prints sorted and why; the run groups by length (the paper's 16
+    samples a step in fewer micro-batches), plan.yaml keeps sorted, and a resume keeps it (bitwise) and refuses
+    another way."""
+    recipe = instruction_recipe(sample_data, tmp_path)
+    summary = cli_json(capsys, "plan", recipe, "--micro-batch-max", "4")
+    table = summary["packing"]
+    assert (table["way"], table["origin"]) == ("sorted", DEFAULT_WHY) and table["sorted"]["micro_batches"] < 4
+    code, out, _ = cli(capsys, "plan", recipe, "--micro-batch-max", "4", "--packing", "none")
+    assert code == 0 and "packing: none (data.packing, --packing)" in out
+    code, out, _ = cli(capsys, "plan", recipe, "--micro-batch-max", "4")
+    assert code == 0 and "packing: sorted (the default for instruction and chat data" in " ".join(out.split())
+
+    for out_dir, steps in (("full", "3"), ("part", "2")):
+        code, _, err = cli(capsys, "run", recipe, "--out", tmp_path / out_dir, "--device", "cpu",
+                           "--micro-batch-max", "4", "--max-steps", steps)
+        assert code == 0, err
+    saved = yaml.safe_load((tmp_path / "part" / "plan.yaml").read_text())
+    assert saved["recipe"]["data"]["packing"] == "sorted"
+    code, _, err = cli(capsys, "run", recipe, "--out", tmp_path / "part", "--device", "cpu", "--resume",
+                       "--packing", "none")
+    assert code == 2 and "--packing: the run in " in err and "was started with data.packing sorted" in err
+    code, _, err = cli(capsys, "run", recipe, "--out", tmp_path / "part", "--device", "cpu", "--resume")
+    assert code == 0, err
+    records = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["samples"] for r in records] == [16] * 3 and sum(r["micro_batches"] for r in records) < 3 * 4
+    ours, reference = (torch.load(tmp_path / d / "model.pt", weights_only=True) for d in ("part", "full"))
+    assert all(torch.equal(ours[n], reference[n]) for n in reference)
 
 
 @pytest.mark.distributed

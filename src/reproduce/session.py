@@ -25,6 +25,7 @@ from .errors import DoesNotFit, UserError
 from .plan.builtin_names import MODELS
 from .plan.overlay import Change, overlay, resumed
 from .plan.overrides import changes_of
+from .plan.packing import with_probed_budget
 from .plan.planfile import load_plan, load_recipe_or_plan
 from .plan.planner import Plan, plan
 from .plan.recipe import Recipe, load_recipe, phase_recipe
@@ -114,6 +115,7 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
         if result.micro_batch_max is None:
             raise does_not_fit(result)
         micro_batch_max = result.micro_batch_max
+        recipe = with_probed_budget(recipe, result.token_budget)  # sorted: T measured in tokens (probe/tokens.py)
         note(probe_line(result))
     if policy == "throughput":  # the exact splits timed, the fastest taken (timing/throughput_plan.py)
         from .timing.throughput_plan import throughput_plan

@@ -42,3 +42,16 @@ def recipe_argument(given: Path, what: str = "recipe", say: bool = True) -> Path
     if say and path != given:
         stderr.print(f"recipe {given}: {described(path, given)}", markup=False)
     return path
+
+
+def token_budget_text(result) -> str | None:
+    """How the probe found `sorted`'s token budget (probe/tokens.py), or None when it searched none: what `probe`
+    and `plan` print."""
+    if result is None or result.token_budget is None:
+        return None
+    rows, longest = result.micro_batch_max, result.longest
+    failed = [t.micro_batch for t in result.token_trials if not t.fits]
+    above = min(failed) if failed else (rows + 1) * longest
+    return (f"{result.token_budget:,} tokens per micro-batch (sorted), measured: {rows} rows of the longest example "
+            f"({longest} tokens) fit, then {len(result.token_trials)} trials above {rows * longest:,} tokens in steps "
+            f"of {result.token_step}; {above:,} does not fit")

@@ -96,9 +96,11 @@ BATCHNORM_HELP = (
 PACKING_HELP = (
     "How each window's samples group into micro-batches (data.packing): none (the micro-batch of m samples), sorted "
     "(by length, at most --token-budget tokens each, padded within), packed (rows of samples, attention confined to "
-    "each). The window's samples, and so the gradient, are the same with each."
+    "each). The window's samples, and so the gradient, are the same with each. Default: sorted for instruction and "
+    "chat data, else none."
 )
-TOKEN_BUDGET_HELP = "sorted / packed: tokens per micro-batch, padding included (default: micro-batch x the longest)."
+TOKEN_BUDGET_HELP = ("sorted / packed: tokens per micro-batch, padding included (default: the largest the probe "
+                     "measured to fit for sorted, else micro-batch x the longest).")
 
 
 def value_of(choice: Enum | None) -> str | None:

@@ -12,6 +12,7 @@ from ..export import FORMATS, check_format, emit
 from ..plan.builtin_names import check_builtin_model
 from ..plan.launch import GPUS_PER_NODE
 from ..plan.memory_options import memory_summary
+from ..plan.packing import packing_origin
 from ..plan.planfile import check_writable, save_plan
 from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
 from ..plan.segments import batch_phases
@@ -22,7 +23,7 @@ from ..timing.predicted_time import predict
 from ..timing.prediction import DEFAULT_MFU
 from ..timing.throughput_plan import check_mfu
 from .app import app
-from .common import parameters_line, recipe_argument, show_note, stderr, stdout
+from .common import parameters_line, recipe_argument, show_note, stderr, stdout, token_budget_text
 from .options import (
     BACKBONE_WEIGHTS_HELP,
     BATCHNORM_HELP,
@@ -130,11 +131,13 @@ def plan_command(
         print(emit(the_plan, emit_format, gpus_per_node), end="")
         return
     prediction = predict(the_plan, result, gpu, assumed_mfu)
-    grouping = packing_table(recipe, the_plan, data)
+    grouping = packing_table(the_plan.recipe, the_plan, data)  # (the plan's recipe: data.packing's default taken)
+    origin = packing_origin(recipe, the_plan.recipe)
     if as_json:
         summary = plan_summary(the_plan)
-        if grouping is not None:
-            summary["packing"] = grouping
+        if grouping is not None or origin is not None:
+            summary["packing"] = {"way": the_plan.recipe.data.packing or "none", **(grouping or {}),
+                                  "origin": origin or "the default for this data"}
         if result is not None:
             summary["probe"] = result.model_dump(mode="json")
             summary["cost"] = costs_json(plan_costs(the_plan, result))
@@ -148,8 +151,9 @@ def plan_command(
     counts = parameter_counts(recipe, build=result is not None)  # counted on the meta device when the plan probed
     if counts is not None:  # (or by `papers` or an earlier probe: the probe's cache keeps it) and no torch otherwise
         stdout.print(parameters_line(counts), markup=False)
-    if grouping is not None:
-        for line in packing_lines(grouping):
+    if grouping is not None or origin is not None:
+        probed = token_budget_text(result) if recipe.data.token_budget is None else None
+        for line in packing_lines(the_plan.recipe.data.packing or "none", origin, grouping, probed):
             stdout.print(line, markup=False, soft_wrap=True)
     render_throughput(the_plan)
     if result is not None:
@@ -160,14 +164,18 @@ def plan_command(
         stdout.print(f"plan written to {out}")
 
 
-def packing_lines(table: dict) -> list[str]:
-    """The plan's grouping: the token budget, and each way's micro-batches per window and padding (session.py)."""
+def packing_lines(way: str, origin: str | None, table: dict | None, probed: str | None = None) -> list[str]:
+    """The plan's grouping and where it came from (plan/packing.py), the token budget (`probed`: how the probe
+    measured it, probe/tokens.py), and with the data's lengths each way's micro-batches per window and padding."""
+    line = f"packing: {way} ({origin or 'the default for this data; data.packing or --packing to choose'})"
+    if table is None:
+        return [line + (f"; token budget {probed}" if probed else "")]
     ways = ", ".join(f"{way} {table[way]['micro_batches']:g} ({table[way]['padding_fraction']:.0%} padding)"
                      for way in ("none", "sorted", "packed"))
-    budget = f"{table['token_budget']:,}" + ("" if table["given"] else f" = micro-batch x the longest example's "
-                                             f"{table['longest']} tokens")
-    return [f"packing: {table['way']} (data.packing, --packing); token budget {budget} per micro-batch (sorted, "
-            "packed)",
+    budget = (probed or f"{table['token_budget']:,}" + (" (data.token_budget, --token-budget)" if table["given"] else
+                                                       f" = micro-batch x the longest example's {table['longest']} "
+                                                       "tokens per micro-batch (sorted, packed)"))
+    return [f"{line}; token budget {budget}",
             f"  micro-batches per window and rank, over the first {table['windows']} windows of this data: {ways}"]
 
 

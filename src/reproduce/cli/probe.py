@@ -15,7 +15,7 @@ from ..probe.search import Measurement
 from ..session import does_not_fit, recipe_for_plan
 from ..timing.plan_cost import cost_lines, costs_json, plan_costs
 from .app import app
-from .common import recipe_argument, stderr, stdout
+from .common import recipe_argument, stderr, stdout, token_budget_text
 from .options import (
     BATCHNORM_HELP,
     CHECKPOINTING_HELP,
@@ -143,6 +143,9 @@ def render_probe(result: ProbeResult, the_plan: Plan | None) -> None:
             f"[bold]largest micro-batch: {result.micro_batch_max}[/] (peak {format_size(result.peak_bytes)}, "
             f"{share:.0%} of the budget; {why}); {len(result.trials)} trials {when}"
         )
+    budget = token_budget_text(result)
+    if budget is not None:
+        stdout.print(f"token budget: {budget}", markup=False, soft_wrap=True)
     for note in result.notes:
         stdout.print(f"note: {note}", markup=False, soft_wrap=True)
     if the_plan is not None:

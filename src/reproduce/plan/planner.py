@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 from ..errors import UserError
 from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
+from .overlay import Change, overlay
 from .phases import attach_phase_schedules, first_own_schedule_step, plan_phases
-from .recipe import Length, Recipe
+from .recipe import Length, Recipe, default_packing
 from .schedules import StepSchedule
 from .segments import Segment, epoch_steps, lengths_to_steps, segment_lr, whole_segment
 from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule
@@ -132,9 +133,15 @@ def plan(
     reproduce/timing/throughput.py) when given, else the largest. `batchnorm_layers`: the BatchNorm layers the torch
     layer counted in the built model (built-ins are known without it; otherwise the recipe's label stands in).
 
+    `data.packing` left unset takes the data's default (`recipe.default_packing`), written into the plan's recipe
+    so that the run, verify and a resume group alike.
+
     It reads as its steps: the main batch's values, the checks, the split, its LR, the epoch, the batch phases, the
     schedule in optimizer steps, the last warnings. Every step appends its warnings to one list, in this order.
     """
+    way = default_packing(recipe)  # data.packing unset: instruction data takes sorted, and the plan keeps it
+    if way is not None:
+        recipe = overlay(recipe, [Change("data.packing", way)], recipe_path or "the recipe")
     maxima = micro_batch_max if isinstance(micro_batch_max, Mapping) else None
     sizes = dataset_size if isinstance(dataset_size, Mapping) else None
     main_length = recipe.batch.sequence_length

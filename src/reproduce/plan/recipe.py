@@ -575,10 +575,11 @@ class Data(Builder):
     packing: Literal[PACKING_WAYS] | None = Field(  # type: ignore[valid-type]
         default=None, description="how a window's samples group into micro-batches (data/packing.py): none (the "
         "plan's micro-batch of m samples), sorted (by length, micro-batches of at most data.token_budget tokens), "
-        "packed (rows of samples with position ids restarting at each); the window's samples are the same with each")
+        "packed (rows of samples with position ids restarting at each); the window's samples are the same with each. "
+        "Default: sorted for instruction and chat data (default_packing), else none")
     token_budget: int | None = Field(
         default=None, gt=0, description="sorted / packed: tokens per micro-batch, padding included (default: the "
-        "micro-batch x the longest example)")
+        "largest the probe measured to fit for sorted, else the micro-batch x the longest example)")
     columns: dict[str, str] | None = None
     # format segmentation (docs/segmentation.md): images with a mask of class ids each, cut and flipped together
     layout: Literal[SEGMENTATION_LAYOUTS] | None = Field(  # type: ignore[valid-type]
@@ -1102,21 +1103,40 @@ class Recipe(Strict):
                                  "ones are truncated (Alpaca: 512)")
 
 
-def packing_problem(recipe: Recipe) -> str | None:
-    """Why the recipe's `data.packing` cannot group its windows (data/packing.py), or None."""
+def packing_problem(recipe: Recipe, way: str | None = None) -> str | None:
+    """Why the recipe's `data.packing` (or `way`) cannot group its windows (data/packing.py), or None."""
     data, batch = recipe.data, recipe.batch
-    if data.token_budget is not None and data.packing not in ("sorted", "packed"):
+    way = way or data.packing
+    if data.token_budget is not None and way not in ("sorted", "packed"):
         return "data.token_budget: only used with data.packing sorted or packed"
-    if data.packing not in ("sorted", "packed"):
+    if way not in ("sorted", "packed"):
         return None
     if data.format in ("imagefolder", "segmentation", "tokens") or "image" in (data.columns or {}):
         what = "token files of one length" if data.format == "tokens" else "image data"
-        return (f"data.packing: {data.packing} groups samples by their lengths, which {what} does not have (text "
+        return (f"data.packing: {way} groups samples by their lengths, which {what} does not have (text "
                 "only: format instructions, hf-datasets text, or a factory's token sequences); use packing: none")
     if batch.phases or batch.ramp or batch.unit != "samples" or recipe.task != "language-modeling":
-        return (f"data.packing: {data.packing} groups a window of samples of language-modeling text; not with "
+        return (f"data.packing: {way} groups a window of samples of language-modeling text; not with "
                 "batch.phases, batch.ramp, batch.unit tokens or another task")
     return None
+
+
+def default_packing(recipe: Recipe) -> str | None:
+    """The way a recipe that leaves `data.packing` unset takes, or None (`none`, as for any other data).
+
+    Instruction and chat text (format instructions or chat, hf-datasets text) of a language-modeling run whose loss
+    is normalised by the window's tokens: `sorted`, the fastest exact way on the attention the run uses. Its
+    micro-batches are right-padded rows with no mask, which sdpa runs with `is_causal` (flash attention on a GPU);
+    `packed` rows need transformers' block mask over each whole row, which a dense kernel computes in full, so it
+    is faster only with a varlen kernel (flash_attention_2), which no run here selects (docs/packing.md has the
+    measurements). Not with `loss.normalization: micro-batch-mean`: its arithmetic is the paper's micro-batches'.
+    """
+    data = recipe.data
+    if data.packing is not None or not data.text_columns:
+        return None
+    if recipe.loss is not None and recipe.loss.normalization != "window-tokens":
+        return None
+    return None if packing_problem(recipe, "sorted") else "sorted"
 
 
 def phase_recipe(recipe: Recipe, sequences: int, sequence_length: int | None) -> Recipe:

@@ -74,7 +74,9 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
     # offloaded activations leave the (stand-in) GPU: for the meta device, as a GPU's go to CPU memory
     offloaded_to = host("meta") if gpu is not None else contextlib.nullcontext()
     hooks = []
-    with unpacked_sequences(), fake, tracker, semantics as kernels, offloaded_to:
+    packed = any(isinstance(inputs, dict) and "position_ids" in inputs for inputs, _ in window)  # data.packing packed
+    with contextlib.nullcontext() if packed else unpacked_sequences(), fake, tracker, semantics as kernels, \
+            offloaded_to:
         tracker.phase = WEIGHTS
         materialize(model, torch.device("cpu"))
         tracker.phase = ACTIVATIONS
@@ -152,8 +154,10 @@ def unpacked_sequences() -> Iterator[None]:
     Given no attention mask, transformers (masking_utils) reads the position ids to tell whether a row
     packs several sequences; with one sequence per row it passes no mask and `is_causal=True` to SDPA,
     which lets CUDA run flash attention. Fake tensors have no values to read, so it assumes packing and
-    builds a B x S x S mask, which rules flash out. The probe's micro-batches never pack sequences (every
-    row is one sample, positions 0 to S - 1), so the fake step answers the question the way real tensors do.
+    builds a B x S x S mask, which rules flash out. The probe's micro-batches pack sequences only for
+    `data.packing: packed` (their position ids restart: `run_fake_step` then leaves the question to
+    transformers, whose answer is then right); otherwise every row is one sample, positions 0 to S - 1,
+    so the fake step answers the question the way real tensors do.
     """
     masking_utils = sys.modules.get("transformers.masking_utils")  # loaded by any Hugging Face model
     if masking_utils is None or not hasattr(masking_utils, "find_packed_sequence_indices"):

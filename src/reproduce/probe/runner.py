@@ -13,6 +13,7 @@ process there is nothing to shard over, and the step is probed whole. When not e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .. import __version__
 from ..errors import UserError
-from ..plan.recipe import Recipe
+from ..plan.recipe import Recipe, default_packing
 from ..plan.units import format_size, parse_size
 from ..timing.throughput import rates
 from . import cache
@@ -99,6 +100,12 @@ class ProbeResult(BaseModel):
     cached: bool = False
     sharding: Literal["none", "fsdp"] = "none"
     does_not_fit: dict | None = None  # what micro-batch 1 needs and what would fit (probe/advice.py)
+    # data.packing sorted: the largest token budget T per micro-batch measured to fit, found in steps of token_step
+    # tokens above micro_batch_max rows of the longest example (probe/tokens.py); token_trials' micro_batch is T
+    token_budget: int | None = None
+    token_step: int | None = None
+    longest: int | None = None
+    token_trials: list[ProbeTrial] = []
 
     @property
     def capped(self) -> bool:
@@ -181,6 +188,7 @@ def run_probe(
     import torch
 
     from .meters import METERS as METER_TYPES
+    from .tokens import token_search
     from .workload import Workload
 
     requested, gpu = resolve_budget(options)
@@ -188,12 +196,16 @@ def run_probe(
     kind = choose_meter(options, requested, sharding)
     cap = math.ceil(recipe.batch.sequences / world_size)
     workload = Workload(recipe, data)
-    meter_type = METER_TYPES[kind]
-    if kind == "estimate":
-        meter = meter_type(workload, requested, options.headroom, gpu=gpu, cap=cap, sharding=sharding,
-                           world_size=world_size)
-    else:
-        meter = meter_type(workload, requested, options.headroom, time_steps=options.time_steps, cap=cap)
+    way = recipe.data.packing or default_packing(recipe) or "none"  # sorted: T searched in tokens (probe/tokens.py)
+
+    def make_meter(workload: Workload, cap: int | None = cap):
+        meter_type = METER_TYPES[kind]
+        if kind == "estimate":
+            return meter_type(workload, requested, options.headroom, gpu=gpu, cap=cap, sharding=sharding,
+                              world_size=world_size)
+        return meter_type(workload, requested, options.headroom, time_steps=options.time_steps, cap=cap)
+
+    meter = make_meter(workload)
     if recipe.batch.sharding == "fsdp" and sharding == "none":
         meter.notes.append("batch.sharding fsdp with one process: nothing to shard over, so the whole step is probed")
     try:
@@ -201,6 +213,7 @@ def run_probe(
             "recipe": recipe.model_dump(mode="json"), "meter": kind, "device": meter.device,
             "budget": meter.budget_bytes, "headroom": options.headroom, "cap": cap, "timed": options.time_steps,
             "sharding": sharding, "world_size": world_size, "torch": torch.__version__, "reproduce": __version__,
+            **({"packing": way} if way != "none" else {}),  # (packed rows, sorted's tokens: other trials)
         })
         if options.use_cache:
             saved = cache.load(key)
@@ -225,6 +238,9 @@ def run_probe(
             does_not_fit = explain(meter, found.trials, world_size, gpu).to_json()
     finally:
         meter.close()
+    tokens = None
+    if way == "sorted" and token_budget_wanted(recipe, workload):
+        tokens = token_search(found, workload, lambda budgeted: make_meter(budgeted, cap=None))
     chosen = found.chosen
     result = ProbeResult(
         recipe_path=recipe_path,
@@ -251,7 +267,24 @@ def run_probe(
         notes=meter.notes,
         sharding=sharding,
         does_not_fit=does_not_fit,
+        **(token_fields(tokens) if tokens is not None else {}),
     )
     cache.store(key, result.model_dump(mode="json", exclude={"recipe_path", "cached"}))
     return result
 
+
+
+def token_budget_wanted(recipe: Recipe, workload) -> bool:
+    """Whether the probe searches T in tokens: `sorted` without a data.token_budget of the recipe's own, on token
+    sequences of one dimension (text)."""
+    if recipe.data.token_budget is not None:
+        return False
+    inputs = workload.longest()[0]
+    return inputs.ndim == 1
+
+
+def token_fields(tokens) -> dict:
+    """ProbeResult's token fields from a probe/tokens.TokenSearch (each trial's micro_batch: its budget T)."""
+    trials = [ProbeTrial(**dataclasses.replace(t, micro_batch=budget).to_json()) for budget, t in tokens.trials]
+    return {"token_budget": tokens.budget, "token_step": tokens.step, "longest": tokens.longest,
+            "token_trials": trials}

@@ -209,11 +209,32 @@ class Workload:
         return max(sizes, key=sizes.get)
 
     def batch(self, micro_batch: int) -> tuple[Any, Any]:
-        """`micro_batch` items as (inputs, targets), on the CPU."""
+        """`micro_batch` items as (inputs, targets), on the CPU. With `data.packing: packed`, `micro_batch` rows of
+        the longest example as the run packs them (`packed_rows`)."""
         dataset = self.data["train"]
+        if self.recipe.data.packing == "packed":
+            return self.packed_rows(micro_batch)
         if self._largest_item is not None:
             return collate([dataset[self._largest_item]] * micro_batch)
         return fetch(dataset, torch.arange(micro_batch) % len(dataset))
+
+    def longest(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The longest example's (inputs, targets): token sequences (any item when they all have one length)."""
+        inputs, targets = self.data["train"][self._largest_item or 0]
+        return torch.as_tensor(inputs), torch.as_tensor(targets)
+
+    def rows(self, count: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`count` rows of the longest example's first `length` tokens: a `sorted` micro-batch of that shape."""
+        inputs, targets = self.longest()
+        return inputs[:length].repeat(count, 1), targets[:length].repeat(count, 1)
+
+    def packed_rows(self, count: int) -> tuple[dict, torch.Tensor]:
+        """`count` rows of the longest example's length, each holding two samples (position ids restarting halfway),
+        as `data.packing: packed` feeds them: transformers attends through its block mask over each whole row."""
+        inputs, targets = self.rows(count, len(self.longest()[0]))
+        half = inputs.shape[1] // 2
+        positions = torch.cat([torch.arange(half), torch.arange(inputs.shape[1] - half)]).repeat(count, 1)
+        return {"input_ids": inputs, "position_ids": positions}, targets
 
 
 def _numel(item: Any) -> int:

@@ -1,0 +1,115 @@
+"""The probe in tokens (probe/tokens.py): with `sorted` the token budget T is searched between the sample probe's
+m x L (fits) and (m + 1) x L (does not) in steps of L / 8 by the probe's own search, on real trials of a small LLaMA
+with LoRA (the cpu meter) over the sample instructions; `packed` trials attend through the block mask the run uses
+(cpu and estimate meters); the plan takes T and says how it was found."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from helpers import cli, cli_json
+from reproduce.data.packing import Grouping, group
+from reproduce.plan.recipe import parse_recipe
+from reproduce.probe.meters import CpuMeter, EstimateMeter
+from reproduce.probe.runner import ProbeOptions, run_probe
+from reproduce.probe.tokens import TOKEN_STEPS
+from reproduce.probe.workload import Workload
+from reproduce.session import plan_and_probe
+
+TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512}
+
+
+def instructions(sample_data, **data) -> dict:
+    return {
+        "batch": {"effective": 16}, "task": "language-modeling",
+        "model": {"builtin": "llama-7b", "kwargs": TINY_LLAMA,
+                  "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
+        "data": {"format": "instructions", "path": str(sample_data / "instructions" / "train.jsonl"),
+                 "tokenizer": str(sample_data / "tokenizer"), "max_length": 512, **data},
+        "optimizer": {"name": "adamw", "lr": 1e-2}, "schedule": {"total": {"steps": 3}},
+    }
+
+
+CPU_12MIB = ProbeOptions(memory="12MiB", meter="cpu", time_steps=False)  # 2 rows of the longest (457) fit, 3 do not
+
+
+def test_sorted_searches_its_token_budget_between_m_and_m_plus_one_rows(sample_data, isolated):
+    """No data.packing (instruction data: sorted): T is the largest m x L + x x step measured to fit, and the next
+    step up was measured not to (or is (m + 1) x L, which the sample probe measured not to fit)."""
+    recipe = parse_recipe(instructions(sample_data))
+    result = run_probe(recipe, options=CPU_12MIB)
+    rows, longest, step, budget = result.micro_batch_max, result.longest, result.token_step, result.token_budget
+    assert rows is not None and not result.capped and step == -(-longest // TOKEN_STEPS)
+    assert rows * longest <= budget < (rows + 1) * longest and (budget - rows * longest) % step == 0
+    assert budget > rows * longest  # finer than rows of the longest example here
+    trials = {t.micro_batch: t for t in result.token_trials}
+    assert trials[budget].fits and trials[budget].peak_bytes <= result.limit_bytes
+    above = budget + step
+    assert (above in trials and not trials[above].fits) or above >= (rows + 1) * longest
+    assert all(t.fits == (t.micro_batch <= budget) for t in result.token_trials)  # (peaks grow with T)
+    assert any(t.micro_batch == rows + 1 and not t.fits for t in result.trials)
+
+    planned = plan_and_probe(recipe, "recipe.yaml", None, 1, probe=CPU_12MIB).plan  # (the cached probe)
+    assert (planned.recipe.data.packing, planned.recipe.data.token_budget) == ("sorted", budget)
+
+
+def test_probe_and_plan_print_the_token_budget_and_how_it_was_found(sample_data, isolated, tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(instructions(sample_data)))
+    options = ("--memory", "12MiB", "--meter", "cpu")
+    probed = cli_json(capsys, "probe", path, *options)
+    budget = probed["token_budget"]
+    code, out, err = cli(capsys, "probe", path, *options)  # from the cache
+    assert code == 0, err
+    said = f"token budget: {budget:,} tokens per micro-batch (sorted), measured: {probed['micro_batch_max']} rows of"
+    assert said in " ".join(out.split())
+    summary = cli_json(capsys, "plan", path, *options)
+    assert summary["packing"]["token_budget"] == budget and summary["packing"]["given"]
+    code, out, err = cli(capsys, "plan", path, *options)
+    assert code == 0 and f"token budget {budget:,} tokens per micro-batch (sorted), measured:" in " ".join(out.split())
+    code, out, err = cli(capsys, "plan", path, *options, "--token-budget", "600", "--packing", "sorted")
+    assert code == 0 and "token budget 600 (data.token_budget, --token-budget)" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("meter", [CpuMeter, EstimateMeter])
+def test_packed_trials_attend_through_the_block_mask_the_run_uses(sample_data, meter, one_thread):
+    """`packed` rows of the longest example, position ids restarting, cost their block mask over each whole row:
+    more than the same rows unpacked (which run with is_causal), on a real step (cpu) and on fake tensors
+    (estimate: transformers is left to see the packing)."""
+    peaks = {}
+    for way in ("sorted", "packed"):
+        workload = Workload(parse_recipe(instructions(sample_data, packing=way)))
+        inputs, _ = workload.batch(2)
+        if way == "packed":
+            positions = inputs["position_ids"]
+            assert positions.shape == inputs["input_ids"].shape and (positions == 0).sum() == 4  # two samples a row
+        peaks[way] = meter(workload, 1 << 30, 0.1).measure(2).peak_bytes
+    assert peaks["packed"] > peaks["sorted"]
+
+
+def test_packed_finds_its_budget_in_rows_with_no_token_search(sample_data, isolated):
+    result = run_probe(parse_recipe(instructions(sample_data, packing="packed")), options=CPU_12MIB)
+    assert result.micro_batch_max is not None and result.token_budget is None and not result.token_trials
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_sorted_micro_batch_of_t_tokens_is_bounded_by_the_measured_shape(seed):
+    """The argument of probe/tokens.py on random lengths and budgets: a sorted micro-batch within T computes at most
+    T tokens, and has either at most m rows (of at most L: the m rows of L measured) or rows no longer than the
+    measured shape's T // (m + 1)."""
+    generator = random.Random(seed)
+    lengths = torch.tensor([generator.randint(1, 300) for _ in range(200)])
+    longest = int(lengths.max())
+    rows = generator.randint(1, 6)
+    budget = rows * longest + generator.randint(1, longest - 1)
+    grouping = Grouping("sorted", budget, longest, lengths, micro_batch=rows)
+    for micro_batch in group(torch.randperm(200, generator=torch.Generator().manual_seed(seed)), grouping, budget):
+        count, row = len(micro_batch), int(lengths[micro_batch].max())
+        assert count * row <= budget
+        assert count <= rows or row <= budget // (rows + 1)
