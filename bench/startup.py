@@ -5,12 +5,14 @@
 Each is a fresh Python process on the digits MLP (papers/digits-mlp.yaml, 32 x 8 x 1 = 256 samples a step, --steps
 optimizer steps, the CPU, one torch thread each unless --threads): `python -m reproduce run papers/digits-mlp.yaml
 --micro-batch-max 32 --max-steps 40 --device cpu --out ...` with everything it does by default (plan.yaml,
-metrics.jsonl, noise scale, evaluation at the end, checkpoint, model.pt, loss.png, summary.json), and the loop (the
+metrics.jsonl, noise scale, evaluation at the end, checkpoint, model.pt, loss.svg, summary.json), and the loop (the
 same data, model, optimizer, schedule, an evaluation at the end, model.pt). The two alternate, which goes first
-alternating too, so the machine's load hits both alike; --warmup pairs first (not counted) fill the file cache. Per
-process: wall time, and CPU time (user + system of the child, resource.getrusage(RUSAGE_CHILDREN)); the time its
-optimizer steps took (summary.json's `seconds`; the loop prints its own). The ratios are ours over the loop's, the
-median of the pairs' own ratios.
+alternating too, so the machine's load hits both alike; --warmup pairs first (not counted) fill the file cache.
+`reproduce` leaves its objects to the OS at exit instead of CPython's last collection (about 1 s of CPU with torch
+loaded); --loop-freezes makes the loop do the same, to see what is left of `reproduce`'s own cost. Per process: wall
+time, and CPU time (user + system of the child, resource.getrusage(RUSAGE_CHILDREN)); the time its optimizer steps
+took (summary.json's `seconds`; the loop prints its own). The ratios are ours over the loop's, the median of the
+pairs' own ratios.
 Goal: whole-process ratio under 1.05.
 """
 
@@ -52,9 +54,9 @@ def ours(steps: int, out: Path, threads: int) -> dict:
     return {"wall": wall, "cpu": cpu, "steps": steps_seconds}
 
 
-def loop(steps: int, out: Path, threads: int) -> dict:
+def loop(steps: int, out: Path, threads: int, freeze: bool = False) -> dict:
     wall, cpu, stdout = timed([sys.executable, str(ROOT / "bench" / "startup_loop.py"), "--steps", str(steps),
-                               "--out", str(out)], threads)
+                               "--out", str(out), *(["--freeze-at-exit"] if freeze else [])], threads)
     return {"wall": wall, "cpu": cpu, "steps": float(re.search(r"steps ([0-9.]+)s", stdout).group(1))}
 
 
@@ -64,12 +66,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=1, help="pairs run first and not counted")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of both processes")
+    parser.add_argument("--loop-freezes", action="store_true",
+                        help="the loop skips the interpreter's last garbage collection too, as reproduce does")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for index in range(args.warmup + args.pairs):
             first, second = (ours, loop) if index % 2 == 0 else (loop, ours)
-            results = {run.__name__: run(args.steps, Path(folder) / f"{run.__name__}-{index}", args.threads)
+            results = {run.__name__: run(args.steps, Path(folder) / f"{run.__name__}-{index}", args.threads,
+                                         **({"freeze": True} if run is loop and args.loop_freezes else {}))
                        for run in (first, second)}
             if index >= args.warmup:
                 rows.append(results)

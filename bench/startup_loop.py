@@ -7,12 +7,15 @@ with the same stratified 80/20 split, the same MLP (64 -> 128 -> 128 -> 10), SGD
 decay 1e-4 off the biases, 2 epochs of linear warm-up from 0.02 to 0.2 then cosine to 1% over the recipe's 300
 steps, 256 samples a step as 8 micro-batches of 32 (each micro-batch's summed loss over the window's 256), the
 last partial window of each epoch dropped, a loss line a step, the eval split's loss and accuracy at the end,
-the weights saved. It imports torch and scikit-learn only (not `reproduce`).
+the weights saved. It imports torch and scikit-learn only (not `reproduce`). --freeze-at-exit: skip CPython's last
+garbage collection at exit as `reproduce` does (cli.leave_to_the_os), to compare like with like.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import math
 import time
 from pathlib import Path
@@ -39,7 +42,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--freeze-at-exit", action="store_true")
     args = parser.parse_args()
+    if args.freeze_at_exit:
+        atexit.register(gc.freeze)
     torch.set_flush_denormal(True)  # as `reproduce run` does on a CPU (the same arithmetic)
     x_train, y_train, x_test, y_test = digits()
     torch.manual_seed(0)

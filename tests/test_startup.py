@@ -67,21 +67,37 @@ def test_plot_metrics_reads_metrics_jsonl_and_skips_event_lines(tmp_path):
 
 
 def test_a_short_run_imports_no_matplotlib_no_help_renderer_and_no_other_command(tmp_path):
-    code = ("import json, sys\n"
-            "from reproduce.cli import main\n"
-            "try:\n"
-            "    main(sys.argv[1:])\n"
-            "finally:\n"
-            "    print(json.dumps(sorted(sys.modules)), file=sys.stderr)\n")
+    # `python -m reproduce run ...` as a user starts it; at its exit (after the command's own exit handlers) the
+    # modules it loaded, and whether its objects were left to the OS (cli.leave_to_the_os) rather than collected
+    code = ("import atexit, gc, json, runpy, sys\n"
+            "report = lambda: print(json.dumps([sorted(sys.modules), gc.get_freeze_count()]), file=sys.stderr)\n"
+            "atexit.register(report)\n"
+            "sys.argv[0] = 'reproduce'\n"
+            "runpy.run_module('reproduce', run_name='__main__', alter_sys=True)\n")
     out = tmp_path / "run"
     done = subprocess.run([sys.executable, "-c", code, "run", "papers/digits-mlp.yaml", "--micro-batch-max", "32",
                            "--max-steps", "2", "--device", "cpu", "--out", str(out)], cwd=ROOT, capture_output=True,
                           text=True, env={"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
                                           "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr[-2000:]
-    modules = set(json.loads(done.stderr.splitlines()[-1]))
+    modules, frozen = json.loads(done.stderr.splitlines()[-1])
     assert "torch" in modules and "reproduce.train.trainer" in modules  # (it did train)
     unused = {"matplotlib", "typer.rich_utils", "pygments", "reproduce.check", "reproduce.report"}
-    assert not unused & modules
+    assert not unused & set(modules)
+    assert frozen > 100_000  # torch's objects, left to the OS at exit
+    assert done.stdout.rstrip().endswith(str(out / "loss.svg"))  # the last line printed, flushed
     assert json.loads((out / "summary.json").read_text())["plot"] == str(out / "loss.svg")
     assert ET.parse(out / "loss.svg").getroot().tag == f"{SVG}svg"
+
+
+@pytest.mark.parametrize("argv, registered", [(["--version"], False), (None, True)])
+def test_only_the_process_entry_leaves_its_objects_to_the_os(argv, registered, monkeypatch):
+    import reproduce.cli as cli
+
+    handlers = []
+    monkeypatch.setattr(cli.atexit, "register", handlers.append)
+    monkeypatch.setattr(sys, "argv", ["reproduce", "--version"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 0
+    assert (cli.leave_to_the_os in handlers) is registered  # main(argv) from tests or a program: left alone
