@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shlex
 import signal
 import subprocess
@@ -312,9 +313,13 @@ def test_reported_metrics_are_matched_by_metric_split_and_scale():
         {"metric": "glue_average", "value": 79.6, "split": "val", "evaluated": False},
     ]))
     rows = compare_reported(recipe, {"eval_accuracy": 0.75, "loss": 1.0}, 300, 300)
-    assert [(r["metric"], round(r["run"], 6)) for r in rows] == [("top1_error", 25.0), ("top1_accuracy", 0.75)]
-    assert reported_line(rows[0]) == ("eval top-1 error 25; the paper reports top1_error 23.74 +- 0.09 on val at step "
-                                      "300; this run ran all 300 steps: outside the paper's tolerance")
+    # one scale: the run's fraction, and the paper's percentage (above 1) and its tolerance as fractions too
+    assert [(r["metric"], round(r["run"], 6), r["paper"], r["tolerance"]) for r in rows] == [
+        ("top1_error", 0.25, 0.2374, 0.0009), ("top1_accuracy", 0.75, 0.9, None)]
+    assert reported_line(rows[0]) == ("eval top-1 error 0.25; the paper reports top1_error 0.2374 +- 0.0009 "
+                                      "(23.74 +- 0.09%) on val at step 300; this run ran all 300 steps: outside the "
+                                      "paper's tolerance")
+    assert reported_line(rows[1]).startswith("eval top-1 accuracy 0.75; the paper reports top1_accuracy 0.9 at")
     within = compare_reported(recipe, {"eval_accuracy": 0.7630, "loss": 1.0}, 300, 300)[0]  # error 23.70
     assert reported_line(within).endswith("this run ran all 300 steps: within the paper's tolerance")
     early = compare_reported(recipe, {"eval_accuracy": 0.7630, "loss": 1.0}, 30, 300)[0]  # no verdict mid-run
@@ -525,8 +530,10 @@ def test_the_own_model_walkthrough_runs_as_documented(tmp_path, capsys, monkeypa
     assert "1024 samples │ 8 optimizer steps" in printed["plan"]  # the size from the data factory
     assert "probe: largest micro-batch " in printed["plan"] and (tmp_path / "own-plan.yaml").is_file()
     assert "the plan's 4 micro-batch(es) give the one-pass gradient within 1e-10" in printed["verify"]
-    assert "done: 32 steps" in printed["run"] and "the paper reports top1_accuracy 95.7 +- 2 on val at step 32; " \
-        "this run ran all 32 steps" in printed["run"]
+    assert "done: 32 steps" in printed["run"] and "the paper reports top1_accuracy 0.957 +- 0.02 (95.7 +- 2%) on val " \
+        "at step 32; this run ran all 32 steps" in printed["run"]
+    final = re.search(r"eval accuracy (0\.\d+), .* eval top-1 accuracy (0\.\d+);", printed["run"])
+    assert final and float(final[1]) == pytest.approx(float(final[2]), abs=1e-3)  # the same scale on both lines
     assert "6 passed, 0 failed" in printed["check"]
     summary = json.loads((tmp_path / "runs" / "own" / "summary.json").read_text())
     assert summary["final"]["eval_accuracy"] >= 0.9 and summary["noise_scale"]["verdict_from"] == "final"

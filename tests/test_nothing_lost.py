@@ -79,7 +79,7 @@ def flip_a_weight(path: Path) -> None:
 
 def _lose_the_end(out: Path, how: str) -> None:
     if how == "killed after the last checkpoint":  # nothing of the end was written (5 of 40 kills)
-        for name in ("model.pt", "summary.json", "loss.png"):
+        for name in ("model.pt", "summary.json", "loss.svg"):
             (out / name).unlink(missing_ok=True)
     elif how == "model.pt cut short":
         data = (out / "model.pt").read_bytes()
@@ -110,7 +110,7 @@ def test_resume_at_the_last_step_writes_a_lost_end_again(how, whole, tmp_path, c
 def test_the_end_of_a_run_leaves_no_temporaries(whole):
     names = {p.name for p in whole.rglob("*")}
     assert not [n for n in names if n.endswith(".tmp") or n.startswith(".")], names
-    assert json.loads((whole / "summary.json").read_text())["plot"].endswith("loss.png")
+    assert json.loads((whole / "summary.json").read_text())["plot"].endswith("loss.svg")
 
 
 # ---- 2. metrics.jsonl cannot block a resume ---------------------------------------------------------------------

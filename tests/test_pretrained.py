@@ -373,7 +373,7 @@ def test_the_own_weights_page_runs_as_documented(tmp_path, capsys, monkeypatch, 
         printed = " ".join((out + err).split())
         assert code == (2 if "--resume" in args else 0), printed
         for line in shown:  # the table's rows are wrapped to the terminal; times vary
-            skipped = ("step ", "done: ", "runs/alpaca/loss.png", "runs/guanaco/loss.png")
+            skipped = ("step ", "done: ", "runs/alpaca/loss.svg", "runs/guanaco/loss.svg")
             if line[0] in "┏┃┡│└" or line.startswith(skipped) or not line.strip():
                 continue
             line = re.sub(r"\S+/src/reproduce/shipped", package + "/shipped", line.replace("/tmp/ft2", str(tmp_path)))

@@ -146,15 +146,15 @@ def test_the_papers_metric_beside_the_runs_final_value_with_the_verdict(runs, tm
     assert rows[0]["cells"] == ["run", "paper's metric", "paper", "tolerance", "this run", "verdict", "note"]
     found = {row["cells"][1]: (row["class"], row["cells"]) for row in rows[1:]}
     css, cells = found["top1_accuracy (test)"]
-    assert css == "pass" and cells[5] == "within tolerance" and cells[3] == "+- 100"
-    assert cells[4] == f"{accuracy * 100:.4g} (100 x eval_accuracy, step 2)"
+    assert css == "pass" and cells[5] == "within tolerance" and cells[2] == "0.5" and cells[3] == "+- 1"
+    assert cells[4] == f"{accuracy:.4g} (eval_accuracy, step 2)"  # one scale: fractions, as the run records them
     assert "has not trained the paper's 300 steps" in cells[6]
     css, cells = found["top1_error"]
     assert css == "fail" and cells[5] == "outside tolerance"
-    assert cells[4] == f"{(1 - accuracy) * 100:.4g} (100 x (1 - eval_accuracy), step 2)"
+    assert cells[4] == f"{1 - accuracy:.4g} (1 - eval_accuracy, step 2)"
     css, cells = found["bleu"]
     assert css == "none" and cells[5] == "not measured by this run" and cells[4] == "-"
-    assert f"top1_accuracy: paper 50 +- 100, this run {accuracy * 100:.4g}: within tolerance" in stdout
+    assert f"top1_accuracy: paper 0.5 +- 1, this run {accuracy:.4g}: within tolerance" in stdout
 
 
 def test_a_run_still_going_and_a_resumed_run_are_reported_as_far_as_they_got(runs, tmp_path, capsys):

@@ -87,7 +87,8 @@ def test_reported_segmentation_metrics_meet_the_runs():
                                                {"metric": "pixel_accuracy", "value": 0.95},
                                                {"metric": "fw_iou", "value": 80.0, "evaluated": False}]))
     rows = compare_reported(recipe, {"eval_miou": 0.5, "eval_pixel_accuracy": 0.9}, 10, 30000)
-    assert [(row["label"], row["run"]) for row in rows] == [("eval mIoU", 50.0), ("eval pixel accuracy", 0.9)]
+    assert [(row["label"], row["run"], row["paper"]) for row in rows] == [("eval mIoU", 0.5, 0.7721),
+                                                                          ("eval pixel accuracy", 0.9, 0.95)]
 
 
 def test_plan_refuses_an_unknown_built_in_with_the_nearest_name(tmp_path, capsys):

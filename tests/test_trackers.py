@@ -177,7 +177,7 @@ def test_mlflow_wandb_and_tensorboard_get_every_step_of_a_real_run(tmp_path, off
         assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r[field]))
                                                          for r in records if field in r], field
     artifacts = {a.path for a in client.list_artifacts(found.info.run_id)}
-    assert {"plan.yaml", "summary.json", "loss.png", "plots"} <= artifacts
+    assert {"plan.yaml", "summary.json", "loss.svg", "plots"} <= artifacts
     plots = {a.path for a in client.list_artifacts(found.info.run_id, "plots")}
     assert plots == {f"plots/{name}.png" for name in ("loss", "eval_accuracy", "lr", "grad_norm", "throughput",
                                                       "noise_scale")}

@@ -10,18 +10,6 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ..check import (
-    ICONS,
-    check_outputs,
-    cleanup,
-    collect,
-    counts,
-    load_all,
-    prepare_work,
-    run_checks,
-    write_reports,
-)
-from ..check.annotations import github_annotations
 from ..errors import UserError
 from ..shipped import checks_folder, recipe_files
 from .app import app
@@ -52,6 +40,10 @@ def check_command(
     ),
 ) -> None:
     """Run reproduction checks: plan invariants, gradient equivalence, metric thresholds, run comparisons."""
+    # imported here, not with the CLI: every other command (a short `run` most) starts without them
+    from ..check import check_outputs, cleanup, collect, load_all, prepare_work, run_checks, write_reports
+    from ..check.annotations import github_annotations
+
     files = collect(shipped_paths(list(paths or [])) if shipped else list(paths or []))
     loaded = load_all(files)  # every problem in every file, before anything runs: exit 2
     if plots is None and summary is not None:
@@ -111,6 +103,8 @@ def shipped_paths(names: list[Path]) -> list[Path]:
 
 
 def render(results, seconds: float) -> None:
+    from ..check import ICONS, counts
+
     table = Table(title="reproduce check", title_justify="left")
     table.add_column("file", no_wrap=True)
     table.add_column("check", ratio=2)

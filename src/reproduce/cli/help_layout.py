@@ -12,7 +12,7 @@ from __future__ import annotations
 from rich.columns import Columns
 from rich.table import Table
 from rich.text import Text
-from typer import rich_utils
+from typer import core
 
 
 def _is_name(cell) -> bool:
@@ -38,5 +38,19 @@ class OptionsTable(Table):
 
 
 def install() -> None:
-    """Make typer build its help panels from OptionsTable (it looks `Table` up in its module when it prints)."""
-    rich_utils.Table = OptionsTable
+    """Make typer build its help panels from OptionsTable (it looks `Table` up in its module when it prints).
+
+    Only when help is printed: typer's rich_utils (rich's markdown, syntax and traceback, pygments) is a tenth of a
+    second a command that prints no help should not pay."""
+    for command in (core.TyperCommand, core.TyperGroup):
+        command.format_help = _with_options_table(command.format_help)
+
+
+def _with_options_table(format_help):
+    def wrapped(self, ctx, formatter) -> None:
+        from typer import rich_utils
+
+        rich_utils.Table = OptionsTable
+        return format_help(self, ctx, formatter)
+
+    return wrapped

@@ -15,7 +15,6 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.syntax import Syntax
 from rich.table import Table
 
 from ..errors import UserError
@@ -176,6 +175,8 @@ def show_command(
     name: str = typer.Argument(..., metavar="NAME", help="A recipe's file name without .yaml: goyal2017-resnet50."),
 ) -> None:
     """Print one recipe with syntax highlighting, and a short summary."""
+    from rich.syntax import Syntax  # (pygments: only this command's colouring needs it)
+
     path = find_recipe(name, papers_dir(ctx.obj))
     text = path.read_text(encoding="utf-8")
     stdout.print(Syntax(text, "yaml", theme="ansi_dark", background_color="default", word_wrap=True))

@@ -3,7 +3,12 @@
 A reported metric is compared only when the run measured the same thing on the same split: the evaluation
 data is the paper's validation split (`val`, `validation`, `dev`, or no split stated), and the metric is one the
 run computes (its eval loss, or its eval accuracy as top-1 accuracy or error, or segmentation's mIoU and pixel
-accuracy, in the paper's scale; recipe.REPORTED_METRICS by task). No torch.
+accuracy; recipe.REPORTED_METRICS by task). No torch.
+
+One scale for accuracy everywhere a user reads it: a fraction (0.9306), as metrics.jsonl, summary.json, the
+console and `reproduce report` give the run's. Papers print percentages (76.3), and a recipe's `reported:` copies
+the paper, so a rate above 1 there is a percentage: the rows here carry it, and its tolerance, as a fraction too
+(`as_written` keeps the recipe's number).
 """
 
 from __future__ import annotations
@@ -16,24 +21,37 @@ from .recipe import Recipe
 EVAL_SPLITS = (None, "val", "valid", "validation", "dev", "eval")
 
 
-def _percent_or_fraction(paper: float, fraction: float) -> float:
-    """A fraction in the paper's scale: percent when the paper's value is above 1."""
-    return fraction * 100 if paper > 1 else fraction
+# reported metrics that are rates (accuracy, error, IoU): fractions in the run, usually percentages in a paper
+RATES = ("top1_accuracy", "accuracy", "eval_accuracy", "top1_error", "error", "miou", "pixel_accuracy", "eval_miou",
+         "eval_pixel_accuracy")
 
 
-# reported metric -> (the run's metric, its label, the run's value in the paper's scale)
-METRICS: dict[str, tuple[str, str, Callable[[float, float], float]]] = {
-    "val_loss": ("eval_loss", "eval loss", lambda paper, value: value),
-    "eval_loss": ("eval_loss", "eval loss", lambda paper, value: value),
-    "loss": ("eval_loss", "eval loss", lambda paper, value: value),
-    "top1_accuracy": ("eval_accuracy", "eval top-1 accuracy", _percent_or_fraction),
-    "accuracy": ("eval_accuracy", "eval accuracy", _percent_or_fraction),
-    "eval_accuracy": ("eval_accuracy", "eval accuracy", _percent_or_fraction),
-    "top1_error": ("eval_accuracy", "eval top-1 error", lambda paper, value: _percent_or_fraction(paper, 1 - value)),
-    "miou": ("eval_miou", "eval mIoU", _percent_or_fraction),
-    "pixel_accuracy": ("eval_pixel_accuracy", "eval pixel accuracy", _percent_or_fraction),
-    "eval_miou": ("eval_miou", "eval mIoU", _percent_or_fraction),
-    "eval_pixel_accuracy": ("eval_pixel_accuracy", "eval pixel accuracy", _percent_or_fraction),
+def paper_scale(metric: str, value: float) -> float:
+    """What a reported value is multiplied by to be in the run's scale: 1/100 for a rate written as a percentage."""
+    return 0.01 if metric in RATES and value > 1 else 1.0
+
+
+def _same(value: float) -> float:
+    return value
+
+
+def _error(accuracy: float) -> float:
+    return 1 - accuracy
+
+
+# reported metric -> (the run's metric, its label, the run's value of the reported metric)
+METRICS: dict[str, tuple[str, str, Callable[[float], float]]] = {
+    "val_loss": ("eval_loss", "eval loss", _same),
+    "eval_loss": ("eval_loss", "eval loss", _same),
+    "loss": ("eval_loss", "eval loss", _same),
+    "top1_accuracy": ("eval_accuracy", "eval top-1 accuracy", _same),
+    "accuracy": ("eval_accuracy", "eval accuracy", _same),
+    "eval_accuracy": ("eval_accuracy", "eval accuracy", _same),
+    "top1_error": ("eval_accuracy", "eval top-1 error", _error),
+    "miou": ("eval_miou", "eval mIoU", _same),
+    "pixel_accuracy": ("eval_pixel_accuracy", "eval pixel accuracy", _same),
+    "eval_miou": ("eval_miou", "eval mIoU", _same),
+    "eval_pixel_accuracy": ("eval_pixel_accuracy", "eval pixel accuracy", _same),
 }
 
 
@@ -46,11 +64,20 @@ def compare_reported(recipe: Recipe, final: dict[str, Any], step: int, planned_s
         split = reported.split.lower() if reported.split else None
         if known is None or not reported.evaluated or split not in EVAL_SPLITS or known[0] not in final:
             continue
-        key, label, scale = known
-        rows.append({"metric": reported.metric, "split": reported.split, "paper": reported.value,
-                     "run_metric": key, "label": label, "run": scale(reported.value, final[key]), "step": step,
-                     "planned_steps": planned_steps, "tolerance": reported.tolerance})
+        key, label, of_run = known
+        scale = paper_scale(reported.metric, reported.value)
+        tolerance = None if reported.tolerance is None else round(reported.tolerance * scale, 12)
+        rows.append({"metric": reported.metric, "split": reported.split, "paper": round(reported.value * scale, 12),
+                     "as_written": as_written(reported, scale), "run_metric": key, "label": label,
+                     "run": of_run(final[key]), "step": step, "planned_steps": planned_steps, "tolerance": tolerance})
     return rows
+
+
+def as_written(reported, scale: float) -> str | None:
+    """The recipe's own figure (`23.74 +- 0.09`) when the row shows it in another scale, else None."""
+    if scale == 1.0:
+        return None
+    return f"{reported.value:g}" + (f" +- {reported.tolerance:g}" if reported.tolerance else "")
 
 
 def reported_line(row: dict[str, Any]) -> str:
@@ -65,5 +92,7 @@ def reported_line(row: dict[str, Any]) -> str:
         inside = abs(row["run"] - row["paper"]) <= row["tolerance"]
         where += f": {'within' if inside else 'outside'} the paper's tolerance"
     split = f" on {row['split']}" if row["split"] else ""
-    return (f"{row['label']} {row['run']:.4g}; the paper reports {row['metric']} {row['paper']:g}{tolerance}{split}"
-            f"{at}; {where}")
+    written = row.get("as_written")  # a percentage in the recipe: as the paper printed it, beside the fraction
+    percent = f" ({written}%)" if written else ""
+    return (f"{row['label']} {row['run']:.4g}; the paper reports {row['metric']} {row['paper']:g}{tolerance}{percent}"
+            f"{split}{at}; {where}")

@@ -1,21 +1,23 @@
 """The paper's reported metric beside the run's final value, with its tolerance and the verdict.
 
 Papers report `top1_accuracy` / `top1_error` in percent, `val_loss`, ...; runs record `eval_accuracy` as a
-fraction and `eval_loss`. The reported name is matched to the run's field here, in one table.
+fraction and `eval_loss`. The reported name is matched to the run's field here, in one table, and the paper's
+percentage is shown as a fraction, the run's scale (plan/reported.py: one scale for accuracy everywhere).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..plan.reported import paper_scale
 from .runs import RunFolder
 
-# reported metric -> (the run's field, how the run's value becomes the paper's: "percent", "error %", "same")
+# reported metric -> (the run's field, how the run's value becomes the reported metric: "same" or "error")
 MATCHES = {
-    "top1_accuracy": ("eval_accuracy", "percent"),
-    "accuracy": ("eval_accuracy", "percent"),
-    "top1_error": ("eval_accuracy", "error %"),
-    "error": ("eval_accuracy", "error %"),
+    "top1_accuracy": ("eval_accuracy", "same"),
+    "accuracy": ("eval_accuracy", "same"),
+    "top1_error": ("eval_accuracy", "error"),
+    "error": ("eval_accuracy", "error"),
     "val_loss": ("eval_loss", "same"),
     "eval_loss": ("eval_loss", "same"),
     "test_loss": ("eval_loss", "same"),
@@ -27,10 +29,10 @@ class Verdict:
     run: str
     metric: str
     split: str | None
-    reported: float
+    reported: float  # the paper's value in the run's scale (a percentage as a fraction)
     tolerance: float | None
     field: str | None  # the run's value compared, as a formula of its field (None: the run does not measure it)
-    value: float | None  # the run's final value, in the paper's unit
+    value: float | None  # the run's final value of the reported metric (a rate as a fraction)
     step: int | None
     verdict: str  # "within tolerance", "outside tolerance", "no tolerance stated", "not measured by this run"
     note: str = ""
@@ -40,13 +42,10 @@ class Verdict:
         return {"within tolerance": True, "outside tolerance": False}.get(self.verdict)
 
 
-def convert(value: float, how: str, reported: float, field: str) -> tuple[float, str]:
-    """The run's value in the paper's unit (percent when the paper's number is one: above 1), and the formula."""
-    scale, times = (100.0, "100 x ") if reported > 1.0 else (1.0, "")
-    if how == "error %":
-        return (1.0 - value) * scale, f"{times}(1 - {field})"
-    if how == "percent":
-        return value * scale, f"{times}{field}"
+def convert(value: float, how: str, field: str) -> tuple[float, str]:
+    """The run's value of the reported metric, and the formula."""
+    if how == "error":
+        return 1.0 - value, f"1 - {field}"
     return value, field
 
 
@@ -61,18 +60,21 @@ def verdicts(run: RunFolder) -> list[Verdict]:
             if final is not None:
                 field = candidate
                 break
-        common = dict(run=run.name, metric=reported.metric, split=reported.split, reported=reported.value,
-                      tolerance=reported.tolerance)
+        scale = paper_scale(reported.metric, reported.value)
+        common = dict(run=run.name, metric=reported.metric, split=reported.split,
+                      reported=round(reported.value * scale, 12),
+                      tolerance=None if reported.tolerance is None else round(reported.tolerance * scale, 12))
         if final is None:
             found.append(Verdict(**common, field=None, value=None, step=None, verdict="not measured by this run",
                                  note=f"the run records no {' or '.join(candidates)}"))
             continue
         step, raw = final
-        value, formula = convert(raw, how, reported.value, field)
-        if reported.tolerance is None:
+        value, formula = convert(raw, how, field)
+        if common["tolerance"] is None:
             verdict = "no tolerance stated"
         else:
-            verdict = "within tolerance" if abs(value - reported.value) <= reported.tolerance else "outside tolerance"
+            inside = abs(value - common["reported"]) <= common["tolerance"]
+            verdict = "within tolerance" if inside else "outside tolerance"
         note = "" if run.complete else f"the run has not trained the paper's {run.plan.optimizer_steps} steps"
         found.append(Verdict(**common, field=formula, value=value, step=step, verdict=verdict, note=note))
     return found

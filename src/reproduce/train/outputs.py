@@ -11,6 +11,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..storage.files import WriteFailed, check_torch_file, write_atomic
 from ..storage.lock import LOCK_NAME
+from .loss_plot import loss_svg
 
 
 def check_out_dir(out: Path, resume: bool, force: bool) -> None:
@@ -39,7 +40,8 @@ def folder_holds(out: Path) -> str:
     return f"it holds {shown}, not a run of reproduce"
 
 
-OUTPUTS = ("plan.yaml", "metrics.jsonl", "summary.json", "model.pt", "loss.png", "checkpoints/last.pt")
+# loss.png: the plot of runs before loss.svg, still another run's output here
+OUTPUTS = ("plan.yaml", "metrics.jsonl", "summary.json", "model.pt", "loss.svg", "loss.png", "checkpoints/last.pt")
 FOLDERS = ("tensorboard", "wandb", "mlflow", "adapter", "merged")  # trackers' runs, models/trained.py
 
 
@@ -127,7 +129,7 @@ def _cut_back(path: Path, offset: int) -> str | None:
 
 def missing_final_outputs(out: Path, step: int) -> str | None:
     """What of the end of a run at `step` is missing or damaged (summary.json, model.pt, adapter/, merged/,
-    loss.png), or None when it is all there. summary.json is written last, so it names the others."""
+    the loss plot), or None when it is all there. summary.json is written last, so it names the others."""
     path = out / "summary.json"
     try:
         summary = json.loads(path.read_text(encoding="utf-8"))
@@ -143,8 +145,8 @@ def missing_final_outputs(out: Path, step: int) -> str | None:
         return f"{model} is {damaged}"
     folders = [out / name for name in ("adapter", "merged") if summary.get(name)]
     plot = summary.get("plot")
-    if isinstance(plot, str) and plot.endswith(".png"):
-        folders.append(out / "loss.png")
+    if isinstance(plot, str) and plot.endswith((".svg", ".png")):  # (a note when no plot was made, before loss.svg)
+        folders.append(out / Path(plot).name)
     return next((f"{path} is missing" for path in folders if not path.exists()), None)
 
 
@@ -165,27 +167,11 @@ def read_metrics(path: str | Path) -> list[dict]:
     return records
 
 
-def plot_metrics(metrics_path: Path, png: Path) -> str:
-    """A loss curve PNG when matplotlib is installed (the `plots` extra); otherwise a note saying so."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no loss plot: matplotlib is not installed (pip install 'reproduce-large-batch[plots]')"
+def plot_metrics(metrics_path: Path, svg: Path) -> str:
+    """The loss curve of metrics.jsonl as an SVG file (train/loss_plot.py); returns its path."""
     records = [r for r in read_metrics(metrics_path) if "loss" in r]  # not the out-of-memory event lines
-    figure, axis = plt.subplots(figsize=(7, 4))
-    axis.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")
-    evals = [r for r in records if "eval_loss" in r]
-    if evals:
-        axis.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
-    axis.set_xlabel("optimizer step")
-    axis.set_ylabel("loss")
-    axis.legend()
-    figure.tight_layout()
-    try:
-        write_atomic(png, lambda handle: figure.savefig(handle, format="png", dpi=100))
-    finally:
-        plt.close(figure)
-    return str(png)
+    train = [(r["step"], float(r["loss"])) for r in records]
+    evals = [(r["step"], float(r["eval_loss"])) for r in records if r.get("eval_loss") is not None]
+    document = loss_svg(train, evals)
+    write_atomic(svg, lambda handle: handle.write(document.encode("utf-8")))
+    return str(svg)

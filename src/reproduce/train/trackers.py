@@ -6,7 +6,7 @@ One interface (`Tracker`: open, log, finish, close), three backends on the real 
 - the plan (paper, m x N x W, LR rule, schedule in steps, the whole recipe) is the run's config / params and
   plan.yaml its artifact; every numeric field of each metrics.jsonl record is logged at its optimizer step,
   under the record's own name (`loss`, `lr`, `eval_accuracy`, and whatever fields the trainer adds later);
-  summary.json, loss.png and the curves `reproduce report` draws (plots/*.png) are artifacts at the end.
+  summary.json, loss.svg and the curves `reproduce report` draws (plots/*.png) are artifacts at the end.
 - W&B runs offline unless WANDB_MODE says otherwise or an API key is set (WANDB_API_KEY or `wandb login`); its
   files go to RUN/wandb (`wandb sync RUN/wandb/offline-run-*` uploads them later). MLflow logs to
   RUN/mlflow (an SQLite store and the artifacts) unless MLFLOW_TRACKING_URI names another store or server.
@@ -427,7 +427,7 @@ class TrackerReporter:
         return made
 
     def finish(self, summary: dict) -> None:
-        files = {name: self.out / name for name in ("plan.yaml", "summary.json", "loss.png")
+        files = {name: self.out / name for name in ("plan.yaml", "summary.json", "loss.svg")
                  if (self.out / name).is_file()}
         with tempfile.TemporaryDirectory(prefix="reproduce-plots-") as folder:
             try:

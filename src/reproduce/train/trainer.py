@@ -418,7 +418,7 @@ def finish_run(run: Run) -> dict:
     if run.world.is_main:  # each written whole or not at all; summary.json last, as it names the others
         write_atomic(run.out / "model.pt", lambda handle: torch.save(model_state, handle))
         summary.update(save_trained(run, model_state))
-        summary["plot"] = plot_metrics(run.out / "metrics.jsonl", run.out / "loss.png")
+        summary["plot"] = plot_metrics(run.out / "metrics.jsonl", run.out / "loss.svg")
         write_text(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
     distributed.barrier(run.world)
     run.reporter.finish(summary)
