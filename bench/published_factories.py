@@ -43,7 +43,8 @@ class MMSegASPPHead(torch.nn.Module):
     """MMSeg's ASPPHead (mmseg/models/decode_heads/aspp_head.py) with the R-50-D8 config's figures: image pooling and
     four branches (1x1, and 3x3 at dilations 12, 24, 36) of 512 channels each, concatenated (2560 channels), a 3x3
     bottleneck ConvModule to 512, then BaseDecodeHead's cls_seg (Dropout2d 0.1, a 1x1 convolution to the classes).
-    torchvision's DeepLabHead instead: 256-channel branches, a 1x1 projection with Dropout 0.5, then a 3x3 ConvBNReLU."""
+    torchvision's DeepLabHead instead: 256-channel branches, a 1x1 projection with Dropout 0.5, then a 3x3
+    ConvBNReLU."""
 
     def __init__(self, inputs: int = 2048, channels: int = 512, dilations=(1, 12, 24, 36), classes: int = 19):
         from torch import nn

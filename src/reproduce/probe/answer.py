@@ -27,8 +27,8 @@ from ..plan.units import available_host_memory, format_count
 from .catalog import CONTEXT_BYTES
 from .fake_step import run_fake_step
 from .gpu_like import GpuKind
-from .tracker import ALLOWANCE
 from .runner import ProbeOptions, resolve_budget
+from .tracker import ALLOWANCE
 from .workload import Workload, synthetic_data
 
 UNBOUNDED = 2**50  # the estimate's budget when none is given: the answer then says nothing about fitting

@@ -30,8 +30,9 @@ recipe's or ours, and is raised), then everything it allocated is freed before t
   `gpu_like.UNSEEN_ACTIVATIONS` (25%) of the activations live at each moment, added inside the fake step (the
   published peaks that set it: bench/published_memory.py); then the allocator's 2 MiB/20 MiB segments and
   fragmentation, `ESTIMATE_MARGIN` (5%) of the peak, and the cuBLAS/cuBLASLt workspaces (8 MiB + 1 to 32 MiB
-  by architecture) are added to every estimate; the CUDA context is outside the budget (catalog.py). fp16's GradScaler is left out (its state is a few scalars). With `sharding="fsdp"` one rank's
-  peak is computed from the measured parts (probe/sharded_memory.py). `bench/gpu_check.py` prints the estimate
+  by architecture) are added to every estimate; the CUDA context is outside the budget (catalog.py). fp16's
+  GradScaler is left out (its state is a few scalars). With `sharding="fsdp"` one rank's peak is computed from
+  the measured parts (probe/sharded_memory.py). `bench/gpu_check.py` prints the estimate
   beside the measured peak on a real card.
 """
 
