@@ -47,6 +47,17 @@ def one_thread():
 
 
 @pytest.fixture
+def tensors_only(monkeypatch):
+    """The estimate's GPU rules without what it adds beyond the tensors operators return (the fused attention
+    backward's workspaces, the allowance on the activations: tests/test_estimate_allowance.py checks those), for the
+    tests that hold the rules' count against real CPU tensors."""
+    import reproduce.probe.fake_step as fake_step
+
+    monkeypatch.setattr(fake_step, "UNSEEN_ACTIVATIONS", 0.0)
+    monkeypatch.setattr(fake_step, "kernel_workspaces", dict)
+
+
+@pytest.fixture
 def probe_cache(tmp_path, monkeypatch):
     """The probe's cache in this test's own folder (REPRODUCE_CACHE_DIR), so no result is shared between tests."""
     monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path / "cache"))

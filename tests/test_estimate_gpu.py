@@ -129,7 +129,7 @@ def test_cuda_autocast_runs_its_fp32_ops_in_fp32_and_only_inside_the_block():
 # ---- whole steps --------------------------------------------------------------------------------------------
 
 
-def test_where_the_kernels_are_the_same_the_gpu_count_is_the_cpu_count():
+def test_where_the_kernels_are_the_same_the_gpu_count_is_the_cpu_count(tensors_only):
     """bf16 without dropout: flash attention on both, the same autocast outcome: the real CPU step's peak."""
     workload = Workload(parse_recipe(lm(precision="bf16"), source="test")).prepare()
     real = CpuMeter(workload, 256 * 2**20, 0.0, time_steps=False).measure(8).peak_bytes
@@ -143,7 +143,7 @@ def test_where_the_kernels_are_the_same_the_gpu_count_is_the_cpu_count():
     assert abs(gpu.peak - real) <= 0.02 * real  # foreach=True here against the CPU's per-parameter loop
 
 
-def test_dropout_costs_a_gpu_less_than_a_cpu_by_the_math_path_and_the_noise():
+def test_dropout_costs_a_gpu_less_than_a_cpu_by_the_math_path_and_the_noise(tensors_only):
     recipe = lm(model={"builtin": "gpt", "kwargs": {"layers": 2, "heads": 2, "dim": 32, "vocab_size": 64,
                                                     "dropout": 0.1}})
     workload = Workload(parse_recipe(recipe, source="test")).prepare()

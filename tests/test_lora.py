@@ -139,7 +139,7 @@ def offline_llama(dtype: str) -> dict:
     }
 
 
-def test_estimate_meter_builds_the_recipes_weight_dtype_and_adapters():
+def test_estimate_meter_builds_the_recipes_weight_dtype_and_adapters(tensors_only):
     """The estimate meter builds the model as the run does (bf16 base weights, float32 adapters): its fake tensors
     count what the cpu meter's real ones do, and bf16 weights take less than float32 ones."""
     from reproduce.probe.meters import CpuMeter, EstimateMeter

@@ -33,7 +33,7 @@ def estimate(data: dict, micro_batch: int = 4, real: bool = False):
     return fake, CpuMeter(workload, 512 * MiB, 0.1, time_steps=False).measure(micro_batch)
 
 
-def test_8bit_optimizer_state_is_estimated_as_real_cpu_tensors_hold_it():
+def test_8bit_optimizer_state_is_estimated_as_real_cpu_tensors_hold_it(tensors_only):
     """`state_bits: 8` crashed the estimate (bitsandbytes builds its quantisation map with `.tolist()`, which fake
     tensors cannot answer); now the fake step counts what a real CPU step holds, and the state is about a quarter of
     32-bit AdamW's (1 byte a moment, 32-bit state kept for tensors under 4096 elements)."""

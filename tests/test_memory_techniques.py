@@ -58,7 +58,7 @@ def big_vocab(**model) -> dict:
             "optimizer": {"name": "adamw", "lr": 1e-3}, "schedule": {"total": {"steps": 4}}}
 
 
-def test_the_chunked_loss_shrinks_the_cpu_meters_real_peak_and_the_estimate_alike():
+def test_the_chunked_loss_shrinks_the_cpu_meters_real_peak_and_the_estimate_alike(tensors_only):
     """8 sequences of 64 tokens over 4096 words: fp32 logits of 8 MiB a micro-batch, their log-softmax and its
     gradient. Chunked in 8, what the loss holds drops to about an eighth, on real CPU tensors and on the estimate."""
     peaks = {}

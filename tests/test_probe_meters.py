@@ -142,7 +142,7 @@ def test_variable_length_data_probes_its_longest_item():
 # ---- the estimate meter -------------------------------------------------------------------------------------
 
 
-def test_estimate_matches_real_cpu_tensors():
+def test_estimate_matches_real_cpu_tensors(tensors_only):
     """Fake tensors count what real ones do; the estimate adds its stated margin for what it cannot see."""
     workload = Workload(parse_recipe(OFFLINE_LM, source="test")).prepare()
     assert isinstance(workload.data["train"], SyntheticTokens) and workload.synthetic

@@ -142,7 +142,8 @@ def test_bitsandbytes_not_installed_names_the_extra(monkeypatch):
 
 
 @pytest.mark.parametrize("quantize, weight_bytes, most_over", [("int8", 1, 0.2), ("nf4", 0.5, 0.01)])
-def test_the_estimate_meter_counts_a_quantised_base_as_real_cpu_tensors(quantize, weight_bytes, most_over):
+def test_the_estimate_meter_counts_a_quantised_base_as_real_cpu_tensors(quantize, weight_bytes, most_over,
+                                                                       tensors_only):
     """The estimate meter's fake step on an int8 / nf4 base: the packed weights (1 or half a byte a weight) with their
     scales and quantisation states, the dequantised temporaries, the adapters' gradients and AdamW state. nf4 counts
     what real CPU tensors hold; int8 counts more (16% on this model, measured: conservative, never less)."""

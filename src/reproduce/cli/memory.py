@@ -67,6 +67,8 @@ def memory_command(
 
 def render(answer: dict) -> list[str]:
     from ..probe.answer import peak_line
+    from ..probe.gpu_like import UNSEEN_ACTIVATIONS
+    from ..probe.tracker import ALLOWANCE
 
     size = format_size
     micro = answer["micro_batch"]
@@ -83,7 +85,9 @@ def render(answer: dict) -> list[str]:
     for name, value in answer["held"].items():
         if value:
             note = "  (part of activations: the model's output and the loss computed from it)" if (
-                name == "logits and loss") else ""
+                name == "logits and loss") else (
+                f"  ({UNSEEN_ACTIVATIONS:.0%} of activations: cuDNN's workspaces, the allocator's whole blocks, ...)"
+                if name == ALLOWANCE else "")
             lines.append(f"  {name:<50} {size(value):>11}{note}")
     lines.append(f"peak: in {answer['peak_stage']}, {size(answer['tensor_bytes'])} of tensors: {peak_line(answer)}")
     figures = [("allocated (max_memory_allocated)", answer["allocated_bytes"])]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .recipe import Recipe
+from .recipe import Recipe, Reported
 
 EVAL_SPLITS = (None, "val", "valid", "validation", "dev", "eval")
 
@@ -73,7 +73,7 @@ def compare_reported(recipe: Recipe, final: dict[str, Any], step: int, planned_s
     return rows
 
 
-def as_written(reported, scale: float) -> str | None:
+def as_written(reported: Reported, scale: float) -> str | None:
     """The recipe's own figure (`23.74 +- 0.09`) when the row shows it in another scale, else None."""
     if scale == 1.0:
         return None

@@ -61,6 +61,7 @@ class Explanation:
     ways_out: list[WayOut] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     quantize: str | None = None  # the recipe's quantised base (int8 / nf4): its weights are not per-parameter bytes
+    unseen: int = 0  # of step["activations"]: the estimate's allowance for kernels' workspaces (GPU rules only)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -108,7 +109,7 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         parts = {"at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
                  "blocks": {"root": root, "sizes": list(sizes), "trainable": trainable},
-                 "window": meter.cap is None or first.micro_batch < meter.cap}
+                 "window": meter.cap is None or first.micro_batch < meter.cap, "unseen_bytes": result.unseen_bytes}
         counted_on = "the same step on fake tensors (the trial itself stopped at the budget)"
     step = StepMemory(**parts["step"])
     blocks = Blocks(root=parts["blocks"]["root"], blocks=tuple(parts["blocks"]["sizes"]),
@@ -132,7 +133,7 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
         micro_batch=first.micro_batch, meter=meter.name, budget_bytes=meter.budget_bytes,
         limit_bytes=meter.limit_bytes, peak_bytes=decide(tensors), tensor_bytes=tensors, at_peak=at_peak,
         step=step.to_json(), counted_on=counted_on, parameters=blocks.root + sum(blocks.blocks),
-        quantize=meter.workload.recipe.model.quantize,
+        quantize=meter.workload.recipe.model.quantize, unseen=parts.get("unseen_bytes", 0),
     )
     batch = meter.workload.recipe.batch
     if batch.sharding == "fsdp" and world_size == 1:
@@ -302,7 +303,8 @@ def render(explanation: dict, budget_name: str) -> list[str]:
         ("gradients", step["gradients"], ""),
         ("optimizer state", step["optimizer_state"], ""),
         (f"activations of {micro} sample{'s' if micro > 1 else ''}", step["activations"],
-         "  forward and backward, with inputs and temporaries"),
+         "  forward and backward, with inputs and temporaries" + (
+             ", and the estimate's allowance for kernels' workspaces" if explanation.get("unseen") else "")),
         ("optimizer step temporaries", step["step_temporaries"], "  clipping and the optimizer's own"),
     ]
     for name, value, note in rows:

@@ -28,6 +28,7 @@ from .catalog import CONTEXT_BYTES
 from .fake_step import run_fake_step
 from .gpu_like import GpuKind
 from .runner import ProbeOptions, resolve_budget
+from .tracker import ALLOWANCE
 from .workload import Workload, synthetic_data
 
 UNBOUNDED = 2**50  # the estimate's budget when none is given: the answer then says nothing about fitting
@@ -115,14 +116,15 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
         window = meter.window(micro_batch, torch.device("cpu"), torch.float32)
         result = run_fake_step(workload.plan, workload.data.get("info"), window, kind)
         parts = {"at_peak": result.at_peak, "step": result.step.to_json(), "peak_stage": result.peak_stage,
-                 "loss_bytes": result.loss_bytes, "paged_bytes": result.paged_bytes, "optimizer": result.optimizer}
+                 "loss_bytes": result.loss_bytes, "paged_bytes": result.paged_bytes, "optimizer": result.optimizer,
+                 "unseen_bytes": result.unseen_bytes}
         accumulates = len(window) > 1
-    step, paged = parts["step"], parts["paged_bytes"]
+    step, paged, unseen = parts["step"], parts["paged_bytes"], parts.get("unseen_bytes", 0)
     held = {
         "weights": step["weights"], "weight copies": step["weight_copies"], "gradients": step["gradients"],
         "optimizer state": step["optimizer_state"] - paged, "optimizer state outside PyTorch's allocator": paged,
-        "activations": step["activations"], "logits and loss": parts["loss_bytes"],
-        "optimizer step temporaries": step["step_temporaries"],
+        "activations": step["activations"] - unseen, "logits and loss": parts["loss_bytes"],
+        ALLOWANCE: unseen, "optimizer step temporaries": step["step_temporaries"],
     }
     tensors = sum(parts["at_peak"].values())
     notes = list(meter.notes)

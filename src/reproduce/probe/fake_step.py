@@ -6,7 +6,10 @@ fake tensors would not choose it) and the CPU's own choice with the CPU's, and t
 step is the trainer's: a window of micro-batches, forward and backward under the recipe's precision,
 clipping, the optimizer step, `zero_grad(set_to_none=True)`. A warm-up step first creates the optimizer
 state; the measured step follows. With a `GpuKind`, attention, dropout and autocast run as CUDA runs
-them on that GPU (`gpu_like.py`); without one, as the CPU does (then the count equals real CPU tensors).
+them on that GPU (`gpu_like.py`), the fused attention kernels' backward workspaces are counted, and the activations
+carry `gpu_like.UNSEEN_ACTIVATIONS` on top (what a CUDA step allocates that no operator returns: cuDNN's workspaces,
+the allocator's whole blocks; in `at_peak` as `tracker.ALLOWANCE`, and in `step.activations`); without one, as the
+CPU does (then the count equals real CPU tensors).
 
 The tracker names what each storage is: weights (parameters and buffers), autocast's copies of them,
 gradients (tagged as they are accumulated), optimizer state (tagged after the warm-up), activations
@@ -33,7 +36,7 @@ from ..models.offload import host
 from ..plan.planner import Plan
 from ..train.losses import build_loss
 from ..train.optim import build_optimizer
-from .gpu_like import GpuKind, as_on_gpu
+from .gpu_like import UNSEEN_ACTIVATIONS, GpuKind, as_on_gpu, kernel_workspaces
 from .sharded_memory import StepMemory
 from .tracker import ACTIVATIONS, GRADIENTS, OPTIMIZER, WEIGHT_COPIES, WEIGHTS, MemoryTracker, rounded
 
@@ -52,6 +55,7 @@ class FakeStepResult:
     loss_bytes: int = 0  # the most the logits and the loss computed from them held at once (part of activations)
     paged_bytes: int = 0  # optimizer state in bitsandbytes' paged (CUDA unified) memory: outside PyTorch's allocator
     optimizer: str = ""  # the optimizer's class and kernels, as the step ran it
+    unseen_bytes: int = 0  # of `step.activations`: the allowance for what no operator returns (GPU rules only)
 
 
 def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind | None,
@@ -69,6 +73,9 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
         with torch.device("meta"):
             model = build_model(recipe, data_info)
     tracker = MemoryTracker()
+    allowance = UNSEEN_ACTIVATIONS if gpu is not None else 0.0  # what a CUDA step allocates that no operator returns
+    if gpu is not None:
+        tracker.workspaces = kernel_workspaces()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     semantics = as_on_gpu(gpu) if gpu is not None else contextlib.nullcontext()
     # offloaded activations leave the (stand-in) GPU: for the meta device, as a GPU's go to CPU memory
@@ -96,6 +103,7 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
         loss = build_loss(recipe, model)
         for step in range(1 + MEASURED_STEPS):
             if step == 1:
+                tracker.allowance = allowance
                 tracker.reset_peak()
             precision = recipe.precision if autocast else "fp32"
             fake_step(model, optimizer, loss, fake_window, precision, recipe.clip_grad_norm, tracker)
@@ -104,24 +112,26 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
                 paged = paged_bytes(optimizer) if recipe.optimizer.paged else 0
         for hook in hooks:
             hook.remove()
+        activations = tracker.most(ACTIVATIONS, ACTIVATIONS)
+        unseen = math.ceil(allowance * activations)
         memory = StepMemory(
             weights=tracker.live_by.get(WEIGHTS, 0),
             buffers=buffers,
             gradients=tracker.most(GRADIENTS),
             optimizer_state=tracker.live_by.get(OPTIMIZER, 0),
-            activations=tracker.most(ACTIVATIONS, ACTIVATIONS),
+            activations=activations + unseen,
             weight_copies=tracker.most(WEIGHT_COPIES),
             step_temporaries=tracker.most(STEP, STEP),
             gradients_at_activation_peak=tracker.when_most.get((ACTIVATIONS, ACTIVATIONS), {}).get(GRADIENTS, 0),
-            activations_at_gradient_peak=max(
+            activations_at_gradient_peak=math.ceil((1 + allowance) * max(
                 (when.get(ACTIVATIONS, 0) for (phase, name), when in tracker.when_most.items()
-                 if name == GRADIENTS and phase == ACTIVATIONS), default=0),
+                 if name == GRADIENTS and phase == ACTIVATIONS), default=0)),
         )
         compute = _compute_bytes(model, recipe.precision)
     at_peak = {name: size for name, size in tracker.peak_by.items() if size}
     return FakeStepResult(tracker.peak, at_peak, memory, compute, dict(getattr(kernels, "kernels", {}) or {}),
                           peak_stage=tracker.peak_stage, loss_bytes=tracker.marked_most, paged_bytes=paged,
-                          optimizer=optimizer_kernels(optimizer))
+                          optimizer=optimizer_kernels(optimizer), unseen_bytes=unseen)
 
 
 PAGED_MIN = 100_000  # bitsandbytes pages the state of tensors of at least 1e5 elements (`get_state_buffer`)

@@ -24,12 +24,15 @@ recipe's or ours, and is raised), then everything it allocated is freed before t
   same tracker by category: no real memory, about constant time per trial, and every trial runs to its
   end (a size that does not fit still says what it needs). It runs on the CPU device; where CUDA runs the
   step differently it is made to do what CUDA does (probe/gpu_like.py): SDPA's fused attention kernels
-  for the target GPU instead of the CPU's math path, 1-byte dropout masks, CUDA autocast's fp32 ops. What
-  it still cannot see: the CUDA context, cuBLAS/cuBLASLt workspaces (8 MiB + 1 to 32 MiB by
-  architecture), kernels' internal workspaces and the allocator's 2 MiB/20 MiB segments and
-  fragmentation: a margin of `ESTIMATE_MARGIN` (5%) of the peak plus the workspaces is added to every
-  estimate. fp16's GradScaler is left out (its state is a few scalars). With `sharding="fsdp"` one rank's
-  peak is computed from the measured parts (probe/sharded_memory.py). `bench/gpu_check.py` prints the estimate
+  for the target GPU instead of the CPU's math path and their backward's fp32 workspaces, 1-byte dropout
+  masks, CUDA autocast's fp32 ops. What it still cannot see is allowed for: what a CUDA step allocates beyond
+  the tensors operators return (cuDNN's convolution workspaces, the allocator's whole blocks), an allowance of
+  `gpu_like.UNSEEN_ACTIVATIONS` (25%) of the activations live at each moment, added inside the fake step (the
+  published peaks that set it: bench/published_memory.py); then the allocator's 2 MiB/20 MiB segments and
+  fragmentation, `ESTIMATE_MARGIN` (5%) of the peak, and the cuBLAS/cuBLASLt workspaces (8 MiB + 1 to 32 MiB
+  by architecture) are added to every estimate; the CUDA context is outside the budget (catalog.py). fp16's
+  GradScaler is left out (its state is a few scalars). With `sharding="fsdp"` one rank's peak is computed from
+  the measured parts (probe/sharded_memory.py). `bench/gpu_check.py` prints the estimate
   beside the measured peak on a real card.
 """
 
@@ -52,7 +55,7 @@ from ..train.setup import build
 from ..train.step import optimizer_step
 from .catalog import DEFAULT_CAPABILITY, Gpu, MiB
 from .fake_step import block_sizes, materialize, run_fake_step  # noqa: F401  (materialize: this module's interface)
-from .gpu_like import GpuKind
+from .gpu_like import UNSEEN_ACTIVATIONS, GpuKind
 from .search import Measurement
 from .sharded_memory import Blocks, mixed_precision_step, sharded_peak
 from .tracker import MemoryTracker
@@ -250,8 +253,9 @@ class EstimateMeter(Meter):
         where = gpu.title if gpu is not None and capability is None else (
             f"a GPU of compute capability {major}.{minor}" + ("" if capability else " (no --gpu given)"))
         self.notes.append(
-            f"estimate meter: peak = tracked tensors x {1 + ESTIMATE_MARGIN:g} + {format_size(self.fixed)} "
-            f"(cuBLAS workspaces); attention kernels, dropout masks and autocast dtypes as CUDA runs them on {where}"
+            f"estimate meter: peak = (tracked tensors + {UNSEEN_ACTIVATIONS:.0%} of the activations) x "
+            f"{1 + ESTIMATE_MARGIN:g} + {format_size(self.fixed)} (cuBLAS workspaces); attention kernels and their "
+            f"backward workspaces, dropout masks and autocast dtypes as CUDA runs them on {where}"
         )
         if workload.recipe.model.activation_checkpointing:
             self.notes.append("activation checkpointing: each block keeps its input, and its recomputation in "
@@ -302,7 +306,7 @@ class EstimateMeter(Meter):
             "blocks": {"root": blocks.root, "sizes": list(blocks.blocks), "trainable": blocks.trainable},
             "attention": result.kernels, "window": window, "accumulates": len(inputs) > 1,
             "peak_stage": result.peak_stage, "loss_bytes": result.loss_bytes, "paged_bytes": result.paged_bytes,
-            "optimizer": result.optimizer,
+            "optimizer": result.optimizer, "unseen_bytes": result.unseen_bytes,
         }
         tracked = result.peak
         if self.sharding == "fsdp":

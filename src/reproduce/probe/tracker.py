@@ -15,6 +15,12 @@ at the moment of the peak (they sum to `peak`), `most_by` the most each category
 `peak_stage` says whether the peak came in forward, backward (autograd's engine running) or the optimizer step;
 `marked_most` is the most held at once by storages made while `marking` (the logits and the loss: fake_step.py).
 
+Two things a dispatch-level count cannot see can be added where the caller knows them (the estimate meter's GPU
+rules, probe/gpu_like.py): `workspace(nbytes)`, a buffer a kernel allocates and frees inside one operator (flash
+attention's fp32 gradient accumulator), live for that moment only; and `allowance`, a share of the live activations
+counted on top of them at every moment (`ALLOWANCE` in `peak_by`), for what no operator returns. Both count in `peak`
+(and the workspaces in `most_by`), never in `live`, and neither takes part in the budget.
+
 With a budget, an operator that takes the live total past it raises `torch.OutOfMemoryError`, the type
 CUDA raises, so code that handles a GPU running out of memory handles this the same way.
 
@@ -26,6 +32,7 @@ about twice as fast (measured with PyTorch 2.13 on a CPU).
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterable
 
@@ -38,6 +45,7 @@ from ..plan.units import format_size
 GRANULE = 512  # bytes: the CUDA caching allocator's rounding of every block
 WEIGHTS, WEIGHT_COPIES, GRADIENTS, OPTIMIZER, ACTIVATIONS = (
     "weights", "weight copies", "gradients", "optimizer", "activations")
+ALLOWANCE = "kernels' workspaces (allowance)"  # counted at the peak only: see `MemoryTracker.allowance`
 
 
 def rounded(nbytes: int) -> int:
@@ -60,6 +68,8 @@ class MemoryTracker(TorchDispatchMode):
         self.marking = False  # storages made while True are also counted in `marked` (the logits and the loss)
         self._marked: set[int] = set()
         self.marked_live = self.marked_most = 0
+        self.allowance = 0.0  # a share of the live activations counted on top of them in `peak` (see the notes)
+        self.workspaces: dict = {}  # operator -> bytes(args, kwargs) it allocates and frees inside itself
 
     @property
     def phase(self) -> str:
@@ -108,13 +118,36 @@ class MemoryTracker(TorchDispatchMode):
         return known[1] if known else None
 
     def reset_peak(self) -> None:
-        self.peak = self.live
-        self.peak_by = dict(self.live_by)
+        self.peak = -1
         self.most_by = {}
         self.when_most = {}
         self.marked_most = self.marked_live
+        self._note_peak()
         self.peak_stage = "forward"
         self._note_most()
+
+    def workspace(self, nbytes: int) -> None:
+        """A buffer of `nbytes` that an operator allocates and frees inside itself: live for this moment only."""
+        size = rounded(nbytes)
+        if size <= 0:
+            return
+        self.live += size
+        self._move(size, None, ACTIVATIONS)
+        self._note_peak()
+        self.live -= size
+        self._move(size, ACTIVATIONS, None)
+
+    def _note_peak(self) -> None:
+        """A new peak, when the live tensors and the allowance on the live activations are more than the last."""
+        extra = math.ceil(self.allowance * max(0, self.live_by.get(ACTIVATIONS, 0))) if self.allowance else 0
+        if self.live + extra > self.peak:
+            self.peak = self.live + extra
+            self.peak_by = dict(self.live_by)
+            if extra:
+                self.peak_by[ALLOWANCE] = extra
+            # autograd's engine runs a graph task only in backward (checkpointed blocks recompute there too)
+            self.peak_stage = "backward" if torch._C._current_graph_task_id() != -1 else (
+                "optimizer step" if self._phase == "optimizer step" else "forward")
 
     def _move(self, size: int, source: str | None, target: str | None) -> None:
         if source is not None:
@@ -157,12 +190,7 @@ class MemoryTracker(TorchDispatchMode):
         if self.marking and known is None:
             self._marked.add(key)
             self._note_marked(size)
-        if self.live > self.peak:
-            self.peak = self.live
-            self.peak_by = dict(self.live_by)
-            # autograd's engine runs a graph task only in backward (checkpointed blocks recompute there too)
-            self.peak_stage = "backward" if torch._C._current_graph_task_id() != -1 else (
-                "optimizer step" if self._phase == "optimizer step" else "forward")
+        self._note_peak()
 
     def _release(self, key: int) -> None:
         size, category = self._sizes.pop(key, (0, None))
@@ -190,4 +218,7 @@ class MemoryTracker(TorchDispatchMode):
             self._add(value, category)
         if self.live > before:  # only an operator that allocates can run out of memory, as on a GPU
             self._check()
+        sizer = self.workspaces.get(func)
+        if sizer is not None:
+            self.workspace(sizer(args, kwargs or {}))
         return out
