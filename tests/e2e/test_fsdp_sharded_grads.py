@@ -5,7 +5,7 @@
 - `model.activation_checkpointing` under FSDP2 (applied before `fully_shard`: the recomputation gathers the block);
 - `batch.offload: cpu`: FSDP2's CPUOffloadPolicy (parameters, gradients, optimizer state on the CPU);
 - checkpointing under DDP.
-One torchrun launch runs every job (`distributed_jobs.py`), as tests/test_fsdp.py does.
+One torchrun launch runs every job (`distributed_jobs.py`), as tests/e2e/test_fsdp.py does.
 """
 
 from __future__ import annotations

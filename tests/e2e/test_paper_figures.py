@@ -6,7 +6,7 @@ to optimizer steps where the paper counts epochs or tokens: [P] stated, [D] deri
 arithmetic in the comment), [S] secondary. The plan is made for the paper's own per-device batch (exact policy, so
 the paper's lr). Figures that need the per-phase schedules, the plateau decay, ViT's dataset size or the machine-
 independent GPT-3 ramp (branch `schedules`) are expected failures until that branch is merged; what a recipe does
-differently from its paper on purpose is in its `deviations:` (tests/test_deviations.py), never hidden here.
+differently from its paper on purpose is in its `deviations:` (tests/cli/test_deviations.py), never hidden here.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def test_export_imports_no_torch():
 def test_every_shipped_recipe_emits_with_the_arithmetic_first(path, fmt):
     the_plan = plan(load_recipe(path), 16, 2 if load_recipe(path).batch.sequences % 2 == 0 else 1,
                     recipe_path=f"papers/{path.name}")
-    if fmt == "slurm" and the_plan.world_size == 1:  # a launcher for several processes (tests/test_nodes.py)
+    if fmt == "slurm" and the_plan.world_size == 1:  # a launcher for several processes (tests/e2e/test_nodes.py)
         with pytest.raises(UserError, match="--emit slurm: the plan runs on 1 process, which needs no launcher"):
             emit(the_plan, fmt)
         return

@@ -87,7 +87,7 @@ def test_every_named_architecture_is_registered_and_published():
     from_torchvision = {name for name, arch in MODELS.items() if isinstance(arch, TorchvisionClassifier)}
     assert from_torchvision == set(builtin_names.TORCHVISION_MODELS)
     papers = {row[0] for row in PUBLISHED}
-    segmentation = set(builtin_names.SEGMENTATION_MODELS)  # their sizes: tests/test_segmentation_models.py
+    segmentation = set(builtin_names.SEGMENTATION_MODELS)  # their sizes: tests/torch/models/test_segmentation_models.py
     assert papers | {"gpt3-small"} | segmentation == set(MODELS) - set(builtin_names.SMALL_MODELS)
     with torch.device("meta"):  # GPT-3 Small: GPT-2 124M with 2048 positions and the unpadded vocabulary
         assert abs(everything(MODELS["gpt3-small"]()) - 125e6) <= TOLERANCE * 125e6  # Brown et al. Table 2.1

@@ -19,7 +19,7 @@ from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.runner import ProbeOptions, run_probe
 from reproduce.session import plan_and_probe
 
-GPT = {  # tests/test_does_not_fit.py's small GPT: 8.4 MiB of tensors at micro-batch 1
+GPT = {  # tests/cli/test_does_not_fit.py's small GPT: 8.4 MiB of tensors at micro-batch 1
     "batch": {"effective": 4096, "unit": "tokens", "sequence_length": 64},
     "task": "language-modeling",
     "model": {"builtin": "gpt", "kwargs": {"layers": 2, "heads": 2, "dim": 128, "vocab_size": 256, "dropout": 0.1}},
