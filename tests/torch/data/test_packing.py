@@ -294,7 +294,9 @@ def test_verify_from_the_command_line_with_packed_instruction_data(sample_data, 
 
 @pytest.mark.distributed
 @pytest.mark.subprocess
-@pytest.mark.parametrize("way", ["sorted", "packed"])
+# sorted: slow (16 s); its per-rank grouping is test_each_steps_sample_ids_are_the_unpacked_plans_on_every_rank's,
+# its exactness test_lora_run_with_each_way_is_the_large_batch_float64's, the two-process path packed's
+@pytest.mark.parametrize("way", [pytest.param("sorted", marks=pytest.mark.slow), "packed"])
 def test_two_processes_group_their_shares_and_give_the_large_batch(way, tmp_path):
     """Two DDP processes (gloo), partial windows included (drop_last false: 48 samples, 20 a step): each rank
     groups its own share, both run as many backward passes (one gradient reduction a step), and the weights are

@@ -330,6 +330,8 @@ schedule: {total: {steps: 10}}
 """
 
 
+@pytest.mark.slow  # 14 s of timing; the rule is test_batchnorm_keeps_the_papers_per_device_batch's, the timed plan
+# through the CLI test_plan_policy_throughput_times_exact_splits_and_says_why's
 def test_batchnorm_keeps_the_per_device_batch_unless_freed(tmp_path, capsys):
     (tmp_path / "bn.yaml").write_text(BATCHNORM, encoding="utf-8")
     kept = plan_json(capsys, "bn.yaml", "--micro-batch-max", "64", "--policy", "throughput")

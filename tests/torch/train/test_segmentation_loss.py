@@ -130,6 +130,10 @@ def test_verify_says_equivalent_with_unequal_valid_pixel_counts(voc, tmp_path, c
     assert len(counts) == 4 and len(set(counts)) > 1 and f"the window's {sum(counts)}" in line
 
 
+# slow (13 s): the window's pixel count is proven by
+# test_the_window_count_is_exact_and_a_mean_of_micro_batch_means_is_not, a count all-reduced over ranks before the
+# first backward by tests/e2e/test_distributed.py (tokens)
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.subprocess
 def test_two_ranks_divide_by_the_valid_pixels_of_both(voc, tmp_path):
