@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_DIR ?= runs/demo
 
-.PHONY: setup test lint demo check docs-check bench clean
+.PHONY: setup test test-core lint demo check docs-check bench clean
 
 setup: $(STAMP)
 
@@ -27,9 +27,15 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
 
-# PYTEST_ARGS: pytest's arguments, e.g. make test PYTEST_ARGS=tests/test_shipped_checks.py (default: every test)
+# PYTEST_ARGS: pytest's arguments, e.g. make test PYTEST_ARGS=tests/e2e/test_shipped_checks.py (default: every test
+# of tests/: core/, torch/<package>/, cli/, e2e/; the slow ones only with PYTEST_ARGS="-m slow")
 test: lint
 	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
+
+# The torch-free core's tests alone (tests/core/: planner, recipe validation, overrides, the probe's search, the
+# code's layering): seconds, no lint; the session fails if any of them imports torch (tests/core/conftest.py).
+test-core: $(STAMP)
+	$(BIN)/python -m pytest -q tests/core $(PYTEST_ARGS)
 
 # The whole chain on a CPU in a few minutes, nothing downloaded: (1) probe the micro-batch of the built-in GPT
 # under a small declared memory, as if on a small GPU; (2) plan from it and run that plan; (3) a published paper

@@ -42,7 +42,7 @@ from reproduce.train.losses import build_loss  # noqa: E402
 from reproduce.train.optim import build_optimizer  # noqa: E402
 
 RECIPES = {
-    "tiny": {  # the test's case (tests/test_sharding.py runs it): seconds
+    "tiny": {  # the test's case (tests/torch/probe/test_sharded_memory.py runs it): seconds
         "batch": {"effective": 64 * 64, "unit": "tokens", "sequence_length": 64},
         "task": "language-modeling",
         "model": {"builtin": "gpt", "kwargs": {"layers": 2, "heads": 2, "dim": 128, "vocab_size": 512}},

@@ -1,37 +1,8 @@
 from __future__ import annotations
 
-import copy
-
 import pytest
 
-from reproduce.plan.recipe import parse_recipe
-
-# A small, valid recipe used across the planner tests (numbers chosen for easy arithmetic).
-BASE = {
-    "batch": {"effective": 128, "unit": "samples", "devices": 4, "per_device": 32},
-    "task": "classification",
-    "model": {"builtin": "mlp"},
-    "data": {"builtin": "digits", "train_size": 1000},
-    "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
-    "schedule": {
-        "warmup": {"epochs": 1},
-        "decay": {"kind": "step", "milestones": {"epochs": [5, 8]}, "factor": 0.1},
-        "total": {"epochs": 10},
-    },
-}
-
-
-def make_recipe(**overrides):
-    """BASE with nested overrides: make_recipe(batch={"effective": 96}) merges into BASE['batch']."""
-    data = copy.deepcopy(BASE)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
-            data[key] = {**data[key], **value}
-        elif value is None:
-            data.pop(key, None)
-        else:
-            data[key] = value
-    return parse_recipe(data, source="test")
+from core_helpers import make_recipe
 
 
 @pytest.fixture
@@ -49,8 +20,8 @@ def one_thread():
 @pytest.fixture
 def tensors_only(monkeypatch):
     """The estimate's GPU rules without what it adds beyond the tensors operators return (the fused attention
-    backward's workspaces, the allowance on the activations: tests/test_estimate_allowance.py checks those), for the
-    tests that hold the rules' count against real CPU tensors."""
+    backward's workspaces, the allowance on the activations: tests/torch/probe/test_estimate_allowance.py checks
+    those), for the tests that hold the rules' count against real CPU tensors."""
     import reproduce.probe.fake_step as fake_step
 
     monkeypatch.setattr(fake_step, "UNSEEN_ACTIVATIONS", 0.0)

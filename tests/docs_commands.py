@@ -1,6 +1,6 @@
 """The `reproduce` commands shown in README.md and docs/*.md, so that none goes stale.
 
-`tests/test_docs.py` checks each one against the CLI without running it (the command and every option exist,
+`tests/e2e/test_docs.py` checks each one against the CLI without running it (the command and every option exist,
 files it reads are in the repository); `make docs-check` runs them all for real from the repository root and
 compares each exit code with the one the docs show (`exit code N` in a comment, an `error:` line for 2, a
 "does not fit" report for 3, else 0):

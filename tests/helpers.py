@@ -6,8 +6,6 @@ Test modules import from here (`from helpers import ...`), never from one anothe
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from core_helpers import BASE, cli, cli_json, make_recipe, snapshot  # noqa: F401  (the torch-free ones)
 from reproduce.data import build_data
 from reproduce.data.batches import fetch
 from reproduce.models import build_model
@@ -220,38 +219,6 @@ def data_of(recipe: dict) -> dict:
     """The recipe's data, built as the run builds it (tests/ on sys.path for its factories)."""
     sys.path.insert(0, str(TESTS))  # the recipes' factories
     return build_data(parse_recipe(recipe))
-
-
-# ---- the CLI in this process ---------------------------------------------------------------------------------
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    """`reproduce ARGV` in this process: its exit code, stdout and stderr."""
-    from reproduce.cli import main
-
-    capsys.readouterr()
-    try:
-        main([str(arg) for arg in argv])
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def cli_json(capsys, command: str, *argv: str) -> dict:
-    """`reproduce COMMAND ARGV --json`, which must exit 0: its JSON."""
-    code, out, err = cli(capsys, command, *argv, "--json")
-    assert code == 0, err
-    return json.loads(out)
-
-
-def snapshot(folder: Path) -> dict:
-    """Every file under `folder` by its SHA-256: compared before and after a refused command (nothing written)."""
-    if not folder.exists():
-        return {}
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def assert_same_model(first: Path, second: Path) -> None:

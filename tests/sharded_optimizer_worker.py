@@ -1,5 +1,6 @@
-"""LARS and LAMB on DTensor-sharded parameters, as FSDP2 gives them: run by tests/test_large_batch.py under torchrun
-with two processes (gloo on CPU); rank 0 saves the gathered weights to the file named on the command line."""
+"""LARS and LAMB on DTensor-sharded parameters, as FSDP2 gives them: run by tests/torch/train/test_large_batch.py
+under torchrun with two processes (gloo on CPU); rank 0 saves the gathered weights to the file named on the command
+line."""
 
 from __future__ import annotations
 

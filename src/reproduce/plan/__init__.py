@@ -1,4 +1,4 @@
-"""The core that plans and validates, pure Python: no torch, no CLI (tests/test_architecture.py).
+"""The core that plans and validates, pure Python: no torch, no CLI (tests/core/test_architecture.py).
 
 The recipe and its YAML reading (recipe.py, validation.py, units.py), the plan (planner.py, with split.py,
 segments.py, phases.py, schedules.py), the plan file (planfile.py), sharding and memory options as recipe

@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import UserError
 
 MODES = ("keep", "sync", "frozen", "group")
-# BatchNorm layers of each built-in as built by default (no auxiliary head); tests/test_batchnorm_plan.py counts them
+# BatchNorm layers of each built-in as built by default (no auxiliary head); tests/torch/plan/test_batchnorm_plan.py
+# counts them
 BUILTIN_LAYERS = {
     "mlp": 0, "cnn-bn": 3, "cnn-gn": 0, "gpt": 0,
     "resnet50": 53, "vit-b16": 0, "deit-b": 0,

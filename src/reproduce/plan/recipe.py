@@ -17,7 +17,7 @@ from .batchnorm import MODES, batchnorm_in_run
 from .validation import format_validation_errors, read_yaml
 
 # the built-ins that read model.output_stride and model.aux_weight (builtin_names.SEGMENTATION_MODELS, which imports
-# this module: tests/test_segmentation_models.py keeps the two equal)
+# this module: tests/torch/models/test_segmentation_models.py keeps the two equal)
 SEGMENTATION_MODELS = ("deeplabv3-resnet50", "deeplabv3-resnet101", "fcn-resnet50", "lraspp-mobilenet-v3-large")
 
 OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lamb", "lars", "adafactor")

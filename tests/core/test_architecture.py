@@ -1,0 +1,231 @@
+"""The seams of the code base, checked on its source: at most eight modules at the package root, the rest in
+packages; no import cycle in src/ (not even under TYPE_CHECKING or inside a function); the core (`plan/`) free of
+torch and of the CLI by package, importing nothing of reproduce outside itself but `errors`; no import of another
+package's private (underscore) module; train/ independent of the exports, check/ using only public names of the
+core, no CLI module importing another command's module (the decisions are in the session layer, which prints
+nothing), and test modules that import shared helpers from tests/helpers.py, never from one another."""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "reproduce"
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in SRC.rglob("*.py")}
+
+
+def _imports(name: str) -> list[tuple[str, list[str]]]:
+    """(module imported, names taken from it) for every import statement in module `name`, anywhere in it."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [alias.name for alias in node.names]
+            # `from . import x` imports the module x when there is one
+            submodules = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+            found += [(sub, []) for sub in submodules] or [(target, names)]
+    return found
+
+
+@functools.cache  # read once: every module's imports, parsed (seconds on a loaded machine)
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for name in MODULES:
+        targets = set()
+        for target, _ in _imports(name):
+            while target and target not in MODULES:  # reproduce.x.y.attr -> the module that defines it
+                target = target.rsplit(".", 1)[0] if "." in target else ""
+            if target and target != name and not name.startswith(target + "."):  # a package's own __init__ aside
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle_under_src():
+    assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()) or [])
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+ROOT_MODULES_AT_MOST = 8  # issue 33: a reader finds the room by its folder's name
+CORE = "reproduce.plan"  # the torch-free core that plans and validates
+CORE_MAY_IMPORT = ("reproduce.plan", "reproduce.errors")
+
+
+def test_the_root_holds_at_most_eight_modules():
+    root = sorted(path.name for path in SRC.glob("*.py"))
+    assert len(root) <= ROOT_MODULES_AT_MOST, f"{len(root)} modules at src/reproduce/: put new ones in a package"
+
+
+def _in_package(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+CORE_MODULES = sorted(name for name in MODULES if _in_package(name, CORE))
+
+
+def test_the_core_is_a_package():
+    assert {"reproduce.plan.recipe", "reproduce.plan.planner", "reproduce.plan.planfile"} <= set(CORE_MODULES)
+
+
+@pytest.mark.parametrize("name", CORE_MODULES)
+def test_the_plan_core_imports_no_torch_and_no_cli(name):
+    """Every module of plan/, present and future: no torch, typer or rich, and of reproduce only plan/ itself and
+    errors.py (so nothing it imports brings torch or the CLI in either)."""
+    imported = {target for target, _ in _imports(name)}
+    assert not {t for t in imported if t.split(".")[0] in ("torch", "typer", "rich")}
+    mine = {t for t in imported if _in_package(t, "reproduce")}
+    outside = {t for t in mine if not any(_in_package(t, package) for package in CORE_MAY_IMPORT)}
+    assert not outside, outside
+
+
+@pytest.mark.subprocess
+def test_importing_the_whole_core_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = f"import sys; import {', '.join(CORE_MODULES)}; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+    code += "('torch', 'typer', 'rich')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def _private_imports(imports: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, module) for every import of a private module (`_name.py`) from outside the package holding it."""
+    found = []
+    for name, targets in imports.items():
+        for target in targets:
+            package, _, last = target.rpartition(".")
+            if last.startswith("_") and not last.startswith("__") and not _in_package(name, package):
+                found.append((name, target))
+    return sorted(found)
+
+
+def test_no_import_of_another_packages_private_module():
+    assert _private_imports(_graph()) == []
+
+
+def test_the_private_import_finder_finds_one():
+    imports = {"r.a.x": {"r.a._inner"}, "r.b.y": {"r.a._inner", "r.a.x"}, "r.a": {"r.a.__main__"}}
+    assert _private_imports(imports) == [("r.b.y", "r.a._inner")]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("reproduce.train")))
+def test_train_does_not_import_the_exports(name):
+    assert not [t for t, _ in _imports(name) if t.startswith("reproduce.export")]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("reproduce.check")))
+def test_check_uses_public_names_of_other_modules(name):
+    private = [(target, n) for target, names in _imports(name) for n in names
+               if n.startswith("_") and not target.startswith("reproduce.check") and target != "__future__"]
+    assert not private, private
+
+
+@pytest.mark.parametrize("path", sorted(TESTS.rglob("*.py")), ids=lambda p: p.name)
+def test_no_test_module_imports_another(path):
+    tree = ast.parse(path.read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not {name for name in imported if name.startswith("test_") or name.startswith("tests.test_")}
+
+
+# cli/<name>.py, one typer command each
+COMMANDS = {"check", "evaluate", "memory", "papers", "plan", "probe", "run", "verify", "report"}
+
+
+@functools.cache
+def _cli_modules_imported(name: str) -> set[str]:
+    return {target for target in _graph()[name] if target.startswith("reproduce.cli.")}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("reproduce.cli.")))
+def test_no_cli_module_imports_a_command_module(name):
+    """cli/ parses options, calls the core and renders: what several commands share lives in a neutral module
+    (cli/options.py, cli/common.py), never in another command's module (only cli/__init__ registers them)."""
+    commands = {f"reproduce.cli.{command}" for command in COMMANDS} - {name}
+    assert not _cli_modules_imported(name) & commands
+
+
+def test_every_command_module_is_known():
+    # app: the typer app the commands register on; flags: a user error's fields as the flags typed (main's catch)
+    registered = {target.rsplit(".", 1)[1] for target in _cli_modules_imported("reproduce.cli")} - {"app", "flags"}
+    assert registered == COMMANDS
+
+
+SESSION_LAYER = ["reproduce.session", "reproduce.plan.resume_rules",
+                 *sorted(name for name in MODULES if _in_package(name, "reproduce.timing"))]
+
+
+@pytest.mark.parametrize("name", SESSION_LAYER)
+def test_the_session_layer_imports_no_cli_and_no_torch_at_import(name):
+    """The core session layer returns values and prints nothing: no typer, rich or cli/, and torch only inside the
+    functions that measure (so `reproduce plan --micro-batch-max` imports none)."""
+    imported = {target for target, _ in _imports(name)}
+    assert not {t for t in imported if t.split(".")[0] in ("typer", "rich") or t.startswith("reproduce.cli")}
+    top = ast.parse(MODULES[name].read_text()).body
+    at_import = {alias.name for node in top if isinstance(node, ast.Import) for alias in node.names}
+    assert "torch" not in at_import
+    calls = [node.func.id for node in ast.walk(ast.parse(MODULES[name].read_text()))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
+    assert "print" not in calls
+
+
+def test_the_reading_order_names_every_package_and_root_module():
+    """docs/architecture.md matches the tree: its reading order (one line a package) names every folder of
+    src/reproduce/ and every module at the root but the entry points."""
+    doc = (SRC.parent.parent / "docs" / "architecture.md").read_text()
+    order = doc.split("## Reading order", 1)[1].split("\n## ", 1)[0]
+    folders = {f"src/reproduce/{path.name}/" for path in SRC.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    modules = {f"src/reproduce/{path.name}" for path in SRC.glob("*.py")} - {
+        "src/reproduce/__init__.py", "src/reproduce/__main__.py", "src/reproduce/errors.py"}
+    assert not {name for name in folders | modules if f"`{name}`" not in order}

@@ -1,0 +1,80 @@
+"""The core session layer (reproduce/session.py, plan/resume_rules.py): probe then plan, the probe consensus across
+ranks and the resume rules, as values: the lines to show come back as data, nothing is printed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from core_helpers import make_recipe
+from reproduce.errors import UserError
+from reproduce.plan.planner import plan
+from reproduce.plan.recipe import load_recipe
+from reproduce.probe.runner import ProbeOptions
+from reproduce.session import plan_and_probe, probe_consensus, probe_line, run_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS = ROOT / "papers" / "digits-mlp.yaml"
+ESTIMATE = ProbeOptions(memory="44MiB", meter="estimate", headroom=0.0, use_cache=False)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_probe_then_plan_returns_its_lines_and_prints_nothing(capfd):
+    heard: list[str] = []
+    planned = plan_and_probe(load_recipe(DIGITS), str(DIGITS), None, 1, "exact", probe=ESTIMATE,
+                             on_note=heard.append)
+    assert planned.probe is not None and planned.plan.micro_batch_max == planned.probe.micro_batch_max
+    assert planned.notes == heard == [probe_line(planned.probe)]
+    assert planned.notes[0].startswith(f"probe: largest micro-batch {planned.probe.micro_batch_max} (")
+    out, err = capfd.readouterr()
+    assert out == err == ""
+
+
+def test_a_given_maximum_probes_nothing():
+    planned = plan_and_probe(load_recipe(DIGITS), str(DIGITS), 16, 1, "exact")
+    assert planned.probe is None and planned.notes == [] and planned.plan.micro_batch == 16
+
+
+def test_the_probe_consensus_takes_the_smallest_maximum_of_the_ranks():
+    """Each rank's maximum goes through `all_min`; here the other rank's device fits 3."""
+    seen: list[int] = []
+
+    def all_min(maximum: int) -> int:
+        seen.append(maximum)
+        return min(maximum, 3)
+
+    recipe, agreed = probe_consensus(load_recipe(DIGITS), str(DIGITS), 2, "exact", None, all_min, probe=ESTIMATE)
+    assert seen and seen[0] > 3 and agreed == 3
+    assert plan(recipe, agreed, 2).micro_batch_max == 3
+
+
+def test_a_resumed_plan_is_replanned_for_a_smaller_micro_batch_with_the_same_steps():
+    recipe = make_recipe()
+    saved = plan(recipe, 32, 1, dataset_size=1000)
+    again, warnings = run_plan(recipe, "r.yaml", saved, 16, 1, "exact", 1000, resume=True)
+    assert (again.micro_batch, again.accumulation_steps) == (16, 8)
+    assert (again.effective_batch, again.optimizer_steps) == (saved.effective_batch, saved.optimizer_steps)
+    assert warnings == list(again.warnings)
+    _, warnings = run_plan(recipe, "r.yaml", saved, None, 1, "exact", 900, resume=False)
+    assert "data.train_size is 1000; the data has 900: using 900" in warnings
+
+
+def test_a_plan_that_cannot_be_kept_on_another_world_size_says_so():
+    saved = plan(make_recipe(), 32, 1, dataset_size=1000)
+    with pytest.raises(UserError, match="r.yaml: world_size: the plan .* cannot be kept on 3 processes"):
+        run_plan(saved.recipe, "r.yaml", saved, None, 3, "exact", 1000, resume=True)
+
+
+def test_plan_with_a_given_maximum_imports_no_torch():
+    code = ("import sys; from reproduce.cli import main\n"
+            f"try:\n    main(['plan', {str(DIGITS)!r}, '--micro-batch-max', '16'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stderr.strip().splitlines()[-1] == "False" and "16 x" in done.stdout
