@@ -91,7 +91,7 @@ CASES = [
      "optimizer.name: adafactor cannot step FSDP's sharded parameters exactly"),
     ("fsdp-real-probe", RUNNABLE, ["--sharding", "fsdp", "--nproc-per-node", "2", "--meter", "cpu", "--memory",
                                    "1GiB", "--no-micro-batch-max"],
-     "--micro-batch-max: with batch.sharding fsdp give it (or --meter estimate)"),
+     "--micro-batch-max: with --sharding fsdp give it (or --meter estimate)"),
     ("sharding-unknown", RUNNABLE, ["--sharding", "zero3"], "'zero3' is not one of 'none', 'fsdp'"),
 ]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 import sys
 
 import typer
@@ -29,7 +30,9 @@ EXIT_DOES_NOT_FIT = DoesNotFit.exit_code  # 3: valid input, but not even micro-b
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `reproduce` console script."""
     typed = sys.argv[1:] if argv is None else argv
-    if argv is None:  # this process is the command (the console script, python -m reproduce): see leave_to_the_os
+    # this process is the command (the console script, python -m reproduce), not one of torchrun's workers, whose
+    # process group's threads must be torn down by the collection: see leave_to_the_os
+    if argv is None and "TORCHELASTIC_RUN_ID" not in os.environ and "WORLD_SIZE" not in os.environ:
         atexit.register(leave_to_the_os)
     try:
         code = app(args=argv, prog_name="reproduce", standalone_mode=False)

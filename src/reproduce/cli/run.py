@@ -273,8 +273,7 @@ def starting(request: RunRequest, world: Any, launching: bool) -> tuple[bool, bo
 
 
 def launch(request: RunRequest, world: Any) -> int:
-    """`--nproc-per-node`: the run's checks here, then torchrun starting this command in each process, passing
-    SIGINT/SIGTERM on to it (it forwards them to every rank, which checkpoint and stop)."""
+    """`--nproc-per-node`: the run's checks here, then torchrun starting this command in each process."""
     from ..train import distributed
 
     _, nodes = node_range(request.nnodes)
@@ -291,17 +290,22 @@ def launch(request: RunRequest, world: Any) -> int:
     check_out_dir(request.out, resume, force)
     with lock.hold_for_launch(request.out, nodes):  # one machine: the launcher's, for its whole life; several: rank 0's
         print("launching: " + " ".join(command), flush=True)
-        child = subprocess.Popen(command)
+        return _launch(command)
 
-        def forward(signum, frame):
-            child.send_signal(signum)
 
-        previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            return child.wait()
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+def _launch(command: list[str]) -> int:
+    """Run torchrun, passing SIGINT/SIGTERM on to it (it forwards them to every rank, which checkpoint and stop)."""
+    child = subprocess.Popen(command)
+
+    def forward(signum, frame):
+        child.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @app.command("run")

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..errors import UserError
 from ..plan.factory import call_builder
+from ..plan.overlay import variant
 from ..plan.recipe import Recipe
 from ..plan.weightfiles import WeightsOnDisk
 from . import small
@@ -204,7 +205,7 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 def parameter_counts(recipe: Recipe, data_info: dict | None = None) -> tuple[int, int]:
     """(all parameters, those that train) of the recipe's model, built on the meta device: no memory, no weights.
     Counted unquantised: bitsandbytes packs two 4-bit weights in a byte, so a quantised base would count half."""
-    plain = recipe.model_copy(update={"model": recipe.model.model_copy(update={"quantize": None})})
+    plain = variant(recipe, {"model.quantize": None})
     with torch.device("meta"):
         return count_parameters(build_model(plain, data_info))
 
@@ -214,7 +215,7 @@ def counted_batchnorm(recipe: Recipe, data_info: dict | None = None) -> int | No
     device (no memory, no weights); None for other models (built-ins are known: plan/batchnorm.py)."""
     if recipe.model.factory is None:
         return None
-    kept = recipe.model_copy(update={"model": recipe.model.model_copy(update={"batchnorm": "keep"})})
+    kept = variant(recipe, {"model.batchnorm": "keep"})
     with torch.device("meta"):
         return count_batchnorm(build_model(kept, data_info))
 

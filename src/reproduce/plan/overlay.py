@@ -48,6 +48,18 @@ class Change:
         return self.given_as or self.path
 
 
+def variant(recipe: Recipe, fields: dict[str, Any]) -> Recipe:
+    """A recipe the code derives from the user's to build or measure something (one phase's fixed batch, the model
+    at another output stride, the unquantised model counted, the dtype `verify` checks in): `fields` (a section, or
+    `section.field`) set as given, without the schema's rules between fields, which hold for the user's recipe, not
+    for these copies, and never written to a plan. The one place, beside `overlay`, that changes a recipe."""
+    for path, value in fields.items():
+        section, _, name = path.partition(".")
+        part = value if not name else getattr(recipe, section).model_copy(update={name: value})
+        recipe = recipe.model_copy(update={section: part})
+    return recipe
+
+
 def value_at(data: Any, path: str) -> Any:
     for part in path.split("."):
         data = data[int(part)] if isinstance(data, list) else (data or {}).get(part)

@@ -1146,11 +1146,11 @@ def phase_recipe(recipe: Recipe, sequences: int, sequence_length: int | None) ->
     """
     batch = recipe.batch
     effective = sequences * (sequence_length or batch.token_length) if batch.unit == "tokens" else sequences
-    fixed = batch.model_copy(update={
-        "effective": effective, "sequence_length": sequence_length, "phases": None, "ramp": None,
-        "devices": None, "per_device": None, "accumulation": None,
-    })
-    return recipe.model_copy(update={"batch": fixed})
+    fixed = {"effective": effective, "sequence_length": sequence_length, "phases": None, "ramp": None,
+             "devices": None, "per_device": None, "accumulation": None}
+    from .overlay import variant  # (overlay imports this module)
+
+    return variant(recipe, {f"batch.{name}": value for name, value in fixed.items()})
 
 
 # ---- reading a file (YAML reading and error formatting: validation.py) -------------------------------

@@ -42,12 +42,12 @@ def model_at_stride(setup, stride: int) -> nn.Module:
     """The run's model at output stride `stride` for evaluation: built again (random state kept: torch's generator
     is forked) and loaded with the trained model's state dict, in its mode, on its device and dtype."""
     from ..models import build_model, place
+    from ..plan.overlay import variant
 
     recipe = setup.plan.recipe
-    spec = recipe.model.model_copy(update={"output_stride": stride, "weights": None, "backbone_weights": None})
+    at_stride = variant(recipe, {"model.output_stride": stride, "model.weights": None, "model.backbone_weights": None})
     with torch.random.fork_rng(devices=[setup.device] if setup.device.type == "cuda" else []):
-        model = place(build_model(recipe.model_copy(update={"model": spec}), setup.data.get("info")), recipe,
-                      setup.device, setup.dtype)
+        model = place(build_model(at_stride, setup.data.get("info")), recipe, setup.device, setup.dtype)
     model.load_state_dict(setup.core.state_dict())
     return model.train(setup.core.training)
 

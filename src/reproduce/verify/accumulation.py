@@ -31,6 +31,7 @@ from ..data.packing import Grouped, Grouping, computed_tokens, grouping_of
 from ..errors import UserError
 from ..models import build_model, has_batchnorm
 from ..models.hf import check_packed
+from ..plan.overlay import variant
 from ..plan.planner import Plan
 from ..plan.segments import length_sizes
 from ..plan.units import available_host_memory
@@ -201,7 +202,7 @@ def verify(
     # or float32. Clipping stays: it acts on the accumulated gradient, and the reference clips the same way.
     precision = {"bf16": "bf16", "fp16": "fp16"}.get(dtype, "fp32")
     param_dtype = torch.float64 if dtype == "float64" else torch.float32
-    checked = plan.model_copy(update={"recipe": recipe.model_copy(update={"precision": precision})})
+    checked = plan.model_copy(update={"recipe": variant(recipe, {"precision": precision})})
 
     # The samples: one effective batch (every rank's micro-batches of optimizer step 0), or the first K of
     # epoch 0's order, in micro-batches of the plan's size, or grouped by length (data.packing: data/packing.py).

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..models import build_model
+from ..plan.overlay import variant
 from ..plan.planner import Plan
 from ..train.losses import build_loss
 from ..train.setup import Setup
@@ -41,8 +42,7 @@ def recomputation_error(plan: Plan, data: dict, micro_batches: list, device: tor
     gradients, dropout = [], False
     for checkpointing in (True, False):
         recipe = plan.recipe
-        recipe = recipe.model_copy(update={"model": recipe.model.model_copy(
-            update={"activation_checkpointing": checkpointing})})
+        recipe = variant(recipe, {"model.activation_checkpointing": checkpointing})
         torch.manual_seed(seed)
         model = build_model(recipe, data.get("info")).to(device=device, dtype=dtype)
         model.train()

@@ -325,7 +325,7 @@ def test_instruction_data_left_unset_plans_sorted_and_every_other_recipe_keeps_i
 
 
 def test_the_shipped_recipes_take_sorted_only_for_instruction_and_chat_data():
-    papers = Path(__file__).parent.parent / "papers"
+    papers = Path(__file__).parents[3] / "papers"
     ways = {path.name: default_packing(load_recipe(path)) for path in sorted(papers.glob("*.yaml"))}
     assert {name for name, way in ways.items() if way} == {
         "hu2021-lora-gpt2m-e2e.yaml", "taori2023-alpaca-7b.yaml", "tloen2023-alpaca-lora.yaml",
