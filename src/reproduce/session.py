@@ -23,12 +23,12 @@ from typing import Any
 from . import __version__
 from .errors import DoesNotFit, UserError
 from .plan.builtin_names import MODELS
-from .plan.overlay import Change, overlay, resumed
+from .plan.overlay import Change, overlay, phase_recipe, resumed
 from .plan.overrides import changes_of
 from .plan.packing import with_probed_budget
 from .plan.planfile import load_plan, load_recipe_or_plan
 from .plan.planner import Plan, plan
-from .plan.recipe import Recipe, load_recipe, phase_recipe
+from .plan.recipe import Recipe, load_recipe
 from .plan.resume_rules import check_resumed_data, check_resumed_weights, replan
 from .plan.sharding import check_sharding
 from .plan.units import format_size

@@ -60,6 +60,18 @@ def variant(recipe: Recipe, fields: dict[str, Any]) -> Recipe:
     return recipe
 
 
+def phase_recipe(recipe: Recipe, sequences: int, sequence_length: int | None) -> Recipe:
+    """`recipe` with one fixed batch: `sequences` samples (sequences) of `sequence_length`, no phases or ramp.
+
+    What one phase of a changing batch is planned and probed as (the micro-batch that fits depends on the length).
+    """
+    batch = recipe.batch
+    effective = sequences * (sequence_length or batch.token_length) if batch.unit == "tokens" else sequences
+    fixed = {"effective": effective, "sequence_length": sequence_length, "phases": None, "ramp": None,
+             "devices": None, "per_device": None, "accumulation": None}
+    return variant(recipe, {f"batch.{name}": value for name, value in fixed.items()})
+
+
 def value_at(data: Any, path: str) -> Any:
     for part in path.split("."):
         data = data[int(part)] if isinstance(data, list) else (data or {}).get(part)

@@ -18,7 +18,8 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from ..errors import UserError
-from .recipe import Decay, Length, Recipe, phase_recipe
+from .overlay import phase_recipe
+from .recipe import Decay, Length, Recipe
 from .schedules import StepSchedule
 from .segments import Segment, epoch_steps, own_steps, size_at
 from .split import Choice, SplitPolicy, split

@@ -1139,20 +1139,6 @@ def default_packing(recipe: Recipe) -> str | None:
     return None if packing_problem(recipe, "sorted") else "sorted"
 
 
-def phase_recipe(recipe: Recipe, sequences: int, sequence_length: int | None) -> Recipe:
-    """`recipe` with one fixed batch: `sequences` samples (sequences) of `sequence_length`, no phases or ramp.
-
-    What one phase of a changing batch is planned and probed as (the micro-batch that fits depends on the length).
-    """
-    batch = recipe.batch
-    effective = sequences * (sequence_length or batch.token_length) if batch.unit == "tokens" else sequences
-    fixed = {"effective": effective, "sequence_length": sequence_length, "phases": None, "ramp": None,
-             "devices": None, "per_device": None, "accumulation": None}
-    from .overlay import variant  # (overlay imports this module)
-
-    return variant(recipe, {f"batch.{name}": value for name, value in fixed.items()})
-
-
 # ---- reading a file (YAML reading and error formatting: validation.py) -------------------------------
 
 
