@@ -134,17 +134,7 @@ def plan_command(
     grouping = packing_table(the_plan.recipe, the_plan, data)  # (the plan's recipe: data.packing's default taken)
     origin = packing_origin(recipe, the_plan.recipe)
     if as_json:
-        summary = plan_summary(the_plan)
-        if grouping is not None or origin is not None:
-            summary["packing"] = {"way": the_plan.recipe.data.packing or "none", **(grouping or {}),
-                                  "origin": origin or "the default for this data"}
-        if result is not None:
-            summary["probe"] = result.model_dump(mode="json")
-            summary["cost"] = costs_json(plan_costs(the_plan, result))
-        summary.update(predicted_seconds=prediction.get("predicted_seconds"),
-                       paper_predicted_seconds=prediction.get("paper_predicted_seconds"),
-                       gpu_hours=prediction.get("gpu_hours"), prediction=prediction)
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(plan_json(the_plan, result, prediction, grouping, origin), indent=2))
         return
     stdout.print(f"recipe: {described(recipe_path, recipe_path)}", markup=False, soft_wrap=True)
     render_plan(the_plan)
@@ -162,6 +152,21 @@ def plan_command(
     render_prediction(prediction, the_plan.world_size, gpus_per_node)
     if out is not None:
         stdout.print(f"plan written to {out}")
+
+
+def plan_json(the_plan: Plan, result, prediction: dict, grouping: dict | None, origin: str | None) -> dict:
+    """`plan --json`: the plan, its grouping, the probe behind it and its cost, the predicted time."""
+    summary = plan_summary(the_plan)
+    if grouping is not None or origin is not None:
+        summary["packing"] = {"way": the_plan.recipe.data.packing or "none", **(grouping or {}),
+                              "origin": origin or "the default for this data"}
+    if result is not None:
+        summary["probe"] = result.model_dump(mode="json")
+        summary["cost"] = costs_json(plan_costs(the_plan, result))
+    summary.update(predicted_seconds=prediction.get("predicted_seconds"),
+                   paper_predicted_seconds=prediction.get("paper_predicted_seconds"),
+                   gpu_hours=prediction.get("gpu_hours"), prediction=prediction)
+    return summary
 
 
 def packing_lines(way: str, origin: str | None, table: dict | None, probed: str | None = None) -> list[str]:

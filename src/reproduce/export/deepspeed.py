@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from ..plan.planner import Plan
+from ..plan.split import split_text
 from .code import schedule_words
 from .common import Export, finetune_notes, header
 from .fsdp import fsdp_notes, sharded
@@ -125,7 +126,7 @@ def build(plan: Plan) -> Export:
         "DeepSpeed itself reads this file with its comments (hjson); Hugging Face's and Accelerate's deepspeed= "
         "options read strict JSON: drop the # lines first (grep -v '^#')",
         f"launch: deepspeed --num_gpus={plan.world_size} train.py (DeepSpeed checks train_batch_size = "
-        f"{plan.micro_batch} x {plan.accumulation_steps} x {plan.world_size})",
+        f"{split_text(plan.micro_batch, plan.accumulation_steps, plan.world_size)})",
     ]
     text = "\n".join(header(plan, notes, extra)) + "\n" + json.dumps(config, indent=2) + "\n"
     return Export("deepspeed", text, config, notes)

@@ -15,6 +15,7 @@ from ..errors import UserError
 from .factory import remember_folder
 from .planner import Plan
 from .recipe import Recipe, parse_recipe
+from .split import split_text
 from .validation import format_validation_errors, read_yaml
 
 PLAN_FORMAT = "reproduce-plan/1"
@@ -103,7 +104,7 @@ def check_plan(plan: Plan, source: str) -> None:
     if product != plan.effective_batch:
         problems.append(
             f"{source}: effective_batch: micro_batch x accumulation_steps x world_size = "
-            f"{plan.micro_batch} x {plan.accumulation_steps} x {plan.world_size} = {product}, "
+            f"{split_text(plan.micro_batch, plan.accumulation_steps, plan.world_size, product)}, "
             f"not {plan.effective_batch}"
         )
     if plan.paper_effective_batch != batch.sequences:
@@ -157,9 +158,9 @@ def phase_problems(plan: Plan) -> list[str]:
                                 f"{plan.world_size} process(es) in micro-batches of {phase.micro_batch} takes "
                                 f"{-(-share // phase.micro_batch)} (got {phase.accumulation_steps})")
         elif product != phase.effective_batch:
-            shown = f"{phase.micro_batch} x {phase.accumulation_steps} x {plan.world_size}"
-            problems.append(f"{where}.effective_batch: micro_batch x accumulation_steps x world_size = {shown} = "
-                            f"{product}, not {phase.effective_batch}")
+            shown = split_text(phase.micro_batch, phase.accumulation_steps, plan.world_size, product)
+            problems.append(f"{where}.effective_batch: micro_batch x accumulation_steps x world_size = {shown}, "
+                            f"not {phase.effective_batch}")
         if phase.micro_batch > phase.micro_batch_max:
             problems.append(f"{where}.micro_batch: {phase.micro_batch} exceeds micro_batch_max {phase.micro_batch_max}")
         if phase.start_step != expected_start:

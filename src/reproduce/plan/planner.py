@@ -20,7 +20,7 @@ from .phases import attach_phase_schedules, first_own_schedule_step, plan_phases
 from .recipe import Length, Recipe, default_packing
 from .schedules import StepSchedule
 from .segments import Segment, epoch_steps, lengths_to_steps, segment_lr, whole_segment
-from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule
+from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule, split_text
 from .weightfiles import WeightsRecord
 
 MALLADI_SOURCE = "Malladi et al. 2022 SDE rule for Adam: (1-b1)xk, (1-b2)xk, eps/sqrt(k) (arXiv 2205.10287)"
@@ -90,7 +90,7 @@ class Plan(Frozen):
 
     @property
     def arithmetic(self) -> str:
-        text = f"{self.micro_batch} x {self.accumulation_steps} x {self.world_size} = {self.effective_batch}"
+        text = split_text(self.micro_batch, self.accumulation_steps, self.world_size, self.effective_batch)
         if self.effective_tokens is not None:
             text += f" sequences ({self.effective_tokens} tokens)"
         return text

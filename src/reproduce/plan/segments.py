@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import UserError
 from .recipe import Length, Recipe
 from .schedules import StepSchedule
-from .split import Choice
+from .split import Choice, split_text
 
 
 class Segment(BaseModel):
@@ -65,10 +65,7 @@ class Segment(BaseModel):
         if micro * count * world_size != self.effective_batch:  # a ramp step: the last micro-batch is smaller
             last = self.effective_batch // world_size - micro * (count - 1)
             return f"({micro} x {count - 1} + {last}) x {world_size} = {self.effective_batch}"
-        return f"{micro} x {count} x {world_size} = {self.effective_batch}"
-
-
-PlanPhase = Segment  # the name plan files' `phases` entries had before every plan was segments
+        return split_text(micro, count, world_size, self.effective_batch)
 
 
 def whole_segment(choice: Choice, micro_batch_max: int, paper_batch: int, sequence_length: int | None,

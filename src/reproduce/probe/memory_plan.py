@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from ..plan.planner import plan
 from ..plan.recipe import Recipe
+from ..plan.split import split_text
 from ..plan.units import format_size
 from .cost import cost
 from .memory_ways import CHECKPOINTING, RECOMPUTE_COST, REDUCE_COST, describe, plan_memory_change
@@ -87,7 +88,7 @@ def per_device_batch(recipe: Recipe, result: ProbeResult, probe: Probe, world_si
     def line(name: str, the_plan) -> str:
         timed = f"{times[name]:.3g} s per optimizer step" if times[name] else "step time not measured"
         knob = "with activation checkpointing" if name == "with" else "without checkpointing"
-        return f"{the_plan.micro_batch} x {the_plan.accumulation_steps} x {world_size} {knob} ({timed})"
+        return f"{split_text(the_plan.micro_batch, the_plan.accumulation_steps, world_size)} {knob} ({timed})"
 
     notes = [f"memory: the paper's {what} of {paper} fits only with activation checkpointing: "
              f"{line('without', without)}; or {line('with', with_it)}; took {take} checkpointing: {why}"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..plan.segments import batch_phases
+from ..plan.split import split_text
 from .figures import figures, matplotlib_missing
 from .runs import RunFolder, eval_metrics
 from .verdict import Verdict, verdicts
@@ -75,9 +76,9 @@ def plan_table(run: RunFolder) -> Table:
     for index, phase in enumerate(phases[:shown]):
         end = f"{phase.start_step + phase.steps}" if phase.steps is not None else "end"
         length = f", sequence length {phase.sequence_length}" if phase.sequence_length else ""
+        split = split_text(phase.micro_batch, phase.accumulation_steps, plan.world_size, f"{phase.effective_batch:,}")
         rows.append([f"batch {phase.kind} {index + 1}", _number(phase.paper_effective_batch),
-                     f"steps {phase.start_step + 1}-{end}: {phase.micro_batch} x {phase.accumulation_steps} x "
-                     f"{plan.world_size} = {phase.effective_batch:,}{length}"])
+                     f"steps {phase.start_step + 1}-{end}: {split}{length}"])
     if len(phases) > shown:
         rows.append(["...", "", f"{len(phases) - shown} more segments (plan.yaml has them all)"])
     return Table(["", "paper", f"this plan ({run.name})"], rows, css="plan")
