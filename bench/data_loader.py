@@ -26,7 +26,7 @@ import torch
 
 from reproduce.data import build_data, samples
 from reproduce.data.loader import MicroBatchStream
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.trainer import RunOptions, train
 from reproduce.train.windows import window
@@ -54,12 +54,12 @@ def recipes(folder: Path) -> dict:
     }
 
 
-def loader_alone(the_plan, data, steps: int, workers: int) -> float:
+def loader_alone(plan, data, steps: int, workers: int) -> float:
     """Samples/s of taking every micro-batch of `steps` windows from the stream, as the run takes them."""
-    train_set, size, seed = data["train"], len(data["train"]), the_plan.recipe.seed
+    train_set, size, seed = data["train"], len(data["train"]), plan.recipe.seed
 
     def windows(step: int) -> list[torch.Tensor]:
-        return window(the_plan, size, step, seed)[0]
+        return window(plan, size, step, seed)[0]
 
     stream = MicroBatchStream(train_set, windows, 0, steps + 1, seed=seed, workers=workers, pin_memory=False)
     taken = 0
@@ -74,10 +74,10 @@ def loader_alone(the_plan, data, steps: int, workers: int) -> float:
     return taken / elapsed
 
 
-def run(the_plan, data, steps: int, workers: int) -> tuple[float, float]:
+def run(plan, data, steps: int, workers: int) -> tuple[float, float]:
     """(samples/s, share of the time spent waiting for data) of `reproduce run` for `steps` optimizer steps."""
     with tempfile.TemporaryDirectory() as folder:
-        summary = train(the_plan, Path(folder) / "run", RunOptions(device="cpu", max_steps=steps, data=data,
+        summary = train(plan, Path(folder) / "run", RunOptions(device="cpu", max_steps=steps, data=data,
                                                                    workers=workers, checkpoint_every=10**6))
     return summary["samples"] / summary["seconds"], summary["data_share"]
 
@@ -103,17 +103,17 @@ def main() -> None:
         for name, (recipe, micro) in recipes(folder).items():
             spec = parse_recipe(recipe)
             data = build_data(spec)
-            the_plan = plan(spec, micro_batch_max=micro, dataset_size=len(data["train"]))
-            run(the_plan, data, 2, 0)  # warm-up: first-call allocations
+            plan = make_plan(spec, micro_batch_max=micro, dataset_size=len(data["train"]))
+            run(plan, data, 2, 0)  # warm-up: first-call allocations
             alone, runs = {w: [] for w in WORKERS}, {w: [] for w in WORKERS}
             for _ in range(args.repeats):  # alternating, so the machine's noise hits every worker count alike
                 for workers in WORKERS:
-                    alone[workers].append(loader_alone(the_plan, data, args.steps, workers))
-                    runs[workers].append(run(the_plan, data, args.steps, workers))
+                    alone[workers].append(loader_alone(plan, data, args.steps, workers))
+                    runs[workers].append(run(plan, data, args.steps, workers))
             for workers in WORKERS:
                 rate = statistics.median(r[0] for r in runs[workers])
                 share = statistics.median(r[1] for r in runs[workers])
-                print(f"| {name} | {the_plan.arithmetic} | {workers} | {statistics.median(alone[workers]):,.0f} | "
+                print(f"| {name} | {plan.arithmetic} | {workers} | {statistics.median(alone[workers]):,.0f} | "
                       f"{rate:,.0f} | {share:.1%} |", flush=True)
 
 

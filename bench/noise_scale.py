@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from reproduce.data import build_data  # noqa: E402
 from reproduce.data.batches import LazyMicroBatch  # noqa: E402
-from reproduce.plan.planner import plan  # noqa: E402
+from reproduce.plan.planner import make_plan  # noqa: E402
 from reproduce.plan.recipe import load_recipe, parse_recipe  # noqa: E402
 from reproduce.plan.units import format_size  # noqa: E402
 from reproduce.probe.tracker import MemoryTracker  # noqa: E402
@@ -103,13 +103,13 @@ class TimedNoiseScale(noise_module.NoiseScale):
 def run_over_recipe(name: str, path: str, micro: int, steps: int | None) -> None:
     recipe = load_recipe(ROOT / path)
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=micro, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(data["train"]))
     with tempfile.TemporaryDirectory() as folder:
-        summary = train(the_plan, Path(folder) / "run", RunOptions(device="cpu", data=data, max_steps=steps))
+        summary = train(plan, Path(folder) / "run", RunOptions(device="cpu", data=data, max_steps=steps))
         records = [r for r in read_metrics(Path(folder) / "run" / "metrics.jsonl") if "loss" in r]
     total = summary["steps"]
     noise = summary["noise_scale"]
-    print(f"\n{name} ({path}): {the_plan.arithmetic}, {total} steps in {summary['seconds']:.0f} s")
+    print(f"\n{name} ({path}): {plan.arithmetic}, {total} steps in {summary['seconds']:.0f} s")
     print("| step | loss | noise_scale (EMA) |")
     print("|---:|---:|---:|")
     for step in sorted({max(1, round(total * k / 10)) for k in range(11)}):
@@ -133,14 +133,14 @@ def cost(name: str, path: str, micro: int, pairs: int) -> None:
     recipe = load_recipe(ROOT / path)
     data = build_data(recipe)
     train_set = data["train"]
-    the_plan = plan(recipe, micro_batch_max=micro, dataset_size=len(train_set))
-    setup = build(the_plan, torch.device("cpu"), data=data)
+    plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(train_set))
+    setup = build(plan, torch.device("cpu"), data=data)
     step = 0
 
     def one_step(measure: bool) -> tuple[float, float, float, float]:
         """(cpu, wall) seconds of one optimizer step, and of the measurement inside it."""
         nonlocal step
-        indices, _ = window(the_plan, len(train_set), step, recipe.seed)
+        indices, _ = window(plan, len(train_set), step, recipe.seed)
         batches = [LazyMicroBatch(train_set, i, setup.device, setup.dtype) for i in indices]
         monitor = TimedNoiseScale(setup) if measure else None  # its hooks exist only for this step
         cpu, wall = time.thread_time(), time.perf_counter()
@@ -160,7 +160,7 @@ def cost(name: str, path: str, micro: int, pairs: int) -> None:
         differences = sorted((pair[0][column] - pair[1][column]) / pair[1][column] for pair in rows)
         quartiles = statistics.quantiles(differences, n=4)
         own = statistics.median(pair[0][column + 2] for pair in rows)
-        print(f"| {name} | {the_plan.arithmetic} | {label} | {off * 1e3:.2f} ms | {on * 1e3:.2f} ms | "
+        print(f"| {name} | {plan.arithmetic} | {label} | {off * 1e3:.2f} ms | {on * 1e3:.2f} ms | "
               f"{statistics.median(differences):+.2%} ({quartiles[0]:+.1%} .. {quartiles[2]:+.1%}) | "
               f"{own * 1e3:.3f} ms | {own / off:.2%} |", flush=True)
 
@@ -174,9 +174,9 @@ def memory(name: str, path: str, micro: int) -> None:
     recipe = load_recipe(ROOT / path)
     data = build_data(recipe)
     train_set = data["train"]
-    the_plan = plan(recipe, micro_batch_max=micro, dataset_size=len(train_set))
-    setup = build(the_plan, torch.device("cpu"), data=data)
-    indices, _ = window(the_plan, len(train_set), 0, recipe.seed)
+    plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(train_set))
+    setup = build(plan, torch.device("cpu"), data=data)
+    indices, _ = window(plan, len(train_set), 0, recipe.seed)
     batches = lambda: [LazyMicroBatch(train_set, i, setup.device, setup.dtype) for i in indices]  # noqa: E731
     optimizer_step(setup, batches())  # warm-up: the optimizer state exists
 
@@ -192,7 +192,7 @@ def memory(name: str, path: str, micro: int) -> None:
     monitor = noise_module.NoiseScale(setup)
     with_noise = peak(monitor)
     monitor.close()
-    print(f"| {name} | {the_plan.arithmetic} | {format_size(without)} | {format_size(with_noise)} | "
+    print(f"| {name} | {plan.arithmetic} | {format_size(without)} | {format_size(with_noise)} | "
           f"{with_noise - without:+d} B |", flush=True)
 
 
@@ -210,15 +210,15 @@ def definition(steps: int = 100) -> None:
     })
     data = build_data(recipe)
     train_set = data["train"]
-    the_plan = plan(recipe, micro_batch_max=8, dataset_size=len(train_set))
-    setup = build(the_plan, torch.device("cpu"), data=data)
+    plan = make_plan(recipe, micro_batch_max=8, dataset_size=len(train_set))
+    setup = build(plan, torch.device("cpu"), data=data)
     for group in setup.optimizer.param_groups:  # the learning rate at 0: the weights stay where they are
         group["lr"] = 0.0
     setup.scheduler.base_lrs = [0.0] * len(setup.scheduler.base_lrs)
     monitor = noise_module.NoiseScale(setup)
     records = []
     for step in range(steps):
-        indices, _ = window(the_plan, len(train_set), step, recipe.seed)
+        indices, _ = window(plan, len(train_set), step, recipe.seed)
         batches = [LazyMicroBatch(train_set, i, setup.device, setup.dtype) for i in indices]
         records.append(optimizer_step(setup, batches, monitor).noise)
     monitor.close()
@@ -245,7 +245,7 @@ def definition(steps: int = 100) -> None:
     ratio = statistics.fmean(r["noise_trace"] for r in measured) / statistics.fmean(r["noise_grad_sq"]
                                                                                     for r in measured)
     print(f"\n## What a noise scale in tokens means: {n} sequences of {length} tokens, weights fixed, {steps} windows "
-          f"of {the_plan.arithmetic}")
+          f"of {plan.arithmetic}")
     print(f"exact, per sequence drawn (x {length}): {by_sequence:.1f} tokens; exact, per token drawn alone: "
           f"{by_token:.1f} tokens")
     print(f"the run's estimate: EMA at the end {records[-1]['noise_scale']:.1f}, ratio of the mean estimates over "

@@ -80,15 +80,15 @@ def recipe(way: str, effective: int, steps: int, size: int) -> dict:
 
 
 def ours(way: str, sequences: list[list[int]], effective: int, micro: int, steps: int) -> tuple[float, dict]:
-    from reproduce.plan.planner import plan
+    from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import parse_recipe
     from reproduce.train.trainer import RunOptions, train
 
     data = {"train": as_pairs(sequences), "info": {"name": "bench", "vocab_size": 512}}
     spec = parse_recipe(recipe(way, effective, steps, len(sequences)))
-    the_plan = plan(spec, micro_batch_max=micro, dataset_size=len(sequences))
+    plan = make_plan(spec, micro_batch_max=micro, dataset_size=len(sequences))
     with tempfile.TemporaryDirectory() as out:
-        summary = train(the_plan, Path(out) / "run", RunOptions(device="cpu", data=data, noise_scale=False))
+        summary = train(plan, Path(out) / "run", RunOptions(device="cpu", data=data, noise_scale=False))
         records = [json.loads(line) for line in (Path(out) / "run" / "metrics.jsonl").read_text().splitlines()]
     timed = records[1:]
     rate = sum(r["useful_tokens"] for r in timed) / sum(r["seconds"] for r in timed)

@@ -55,7 +55,7 @@ def probe_row(path: Path, recipe, gpu: str, headroom: float) -> list[str]:
     started = time.perf_counter()
     try:
         planned = plan_and_probe(recipe, str(path), None, 1, "exact", probe=options)
-        the_plan, result = planned.plan, planned.probe
+        plan, result = planned.plan, planned.probe
     except DoesNotFit as error:  # exit 3: what would fit, from its report
         fitting = [line.strip() for line in error.lines if line.strip().startswith("[fits]")]
         note = "does not fit (exit 3); " + ("; ".join(fitting) if fitting else "nothing tried fits")
@@ -63,7 +63,7 @@ def probe_row(path: Path, recipe, gpu: str, headroom: float) -> list[str]:
     except UserError as error:
         return [gpu, "-", "-", f"{time.perf_counter() - started:.0f}", f"error: {error.lines[-1]}"]
     peak = f"{result.micro_batch_max} ({format_size(result.peak_bytes)})"
-    return [gpu, peak, the_plan.arithmetic, f"{time.perf_counter() - started:.0f}", ""]
+    return [gpu, peak, plan.arithmetic, f"{time.perf_counter() - started:.0f}", ""]
 
 
 def paper_batch_row(path: Path) -> dict:

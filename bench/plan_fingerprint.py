@@ -16,7 +16,7 @@ import sys
 import torch
 
 from reproduce.errors import UserError
-from reproduce.plan.planner import lr_at, plan
+from reproduce.plan.planner import lr_at, make_plan
 from reproduce.plan.recipe import load_recipe
 from reproduce.train import windows as W
 
@@ -32,7 +32,7 @@ for path in recipes:
             for size in (None, 5000, 1_281_167):
                 key = f"{path}|{micro}|{world}|{size}"
                 try:
-                    p = plan(r, micro, world, dataset_size=size)
+                    p = make_plan(r, micro, world, dataset_size=size)
                 except UserError as e:
                     out[key] = "error: " + str(e)
                     continue

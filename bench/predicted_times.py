@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from reproduce.errors import UserError
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe
 from reproduce.probe.catalog import lookup
 from reproduce.probe.cost import format_duration
@@ -65,8 +65,8 @@ def main() -> None:
         except UserError as error:
             print(f"| {path.stem} | {devices or '?'} x {device} | | | | | - | {error.lines[-1][7:60]} | | |")
             continue
-        the_plan = plan(recipe, recipe.batch.per_device or 1, devices or 1)
-        if the_plan.optimizer_steps is None:
+        plan = make_plan(recipe, recipe.batch.per_device or 1, devices or 1)
+        if plan.optimizer_steps is None:
             print(f"| {path.stem} | {devices or '?'} x {gpu.name} | | | | | - | steps unknown | | |")
             continue
         started = time.perf_counter()
@@ -76,7 +76,7 @@ def main() -> None:
         key = on_card(key, gpu.capability)  # no TF32 before Ampere
         peaks = peaks_of(gpu.name)
         peak = peaks.flops(key) if peaks else None
-        samples = round(total_samples(the_plan))  # batch phases and ramps: each stretch's own batch
+        samples = round(total_samples(plan))  # batch phases and ramps: each stretch's own batch
         seconds = predicted_seconds(1, samples * flops.per_sample, devices or 1, peak, args.mfu)
         reported = REPORTED.get(path.stem)
         if seconds is None:

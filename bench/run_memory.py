@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from reproduce.data import build_data  # noqa: E402
 from reproduce.data.batches import LazyMicroBatch  # noqa: E402
-from reproduce.plan.planner import plan  # noqa: E402
+from reproduce.plan.planner import make_plan  # noqa: E402
 from reproduce.plan.recipe import load_recipe  # noqa: E402
 from reproduce.plan.units import format_size  # noqa: E402
 from reproduce.probe.tracker import MemoryTracker  # noqa: E402
@@ -66,15 +66,15 @@ def main() -> None:
         recipe = load_recipe(ROOT / path)
         data = build_data(recipe)
         train_set = data["train"]
-        the_plan = plan(recipe, micro_batch_max=micro, dataset_size=len(train_set))
-        setup = build(the_plan, torch.device("cpu"), data=data)
-        indices, _ = window(the_plan, len(train_set), 0, recipe.seed)
+        plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(train_set))
+        setup = build(plan, torch.device("cpu"), data=data)
+        indices, _ = window(plan, len(train_set), 0, recipe.seed)
         optimizer_step(setup, [LazyMicroBatch(train_set, i, setup.device, setup.dtype) for i in indices])  # warm-up
         single, _ = step_peak(setup, train_set, indices[:1])
         accumulated, inputs = step_peak(setup, train_set, indices)
         difference = accumulated / single - 1
         gradients = sum(-(-p.untyped_storage().nbytes() // 512) * 512 for p in setup.core.parameters())
-        print(f"| {name} ({path}) | {the_plan.micro_batch} x {the_plan.accumulation_steps} | "
+        print(f"| {name} ({path}) | {plan.micro_batch} x {plan.accumulation_steps} | "
               f"{format_size(single)} | {format_size(accumulated)} | {difference:+.2%} | {format_size(inputs)} | "
               f"{format_size(gradients)} | {'met' if difference <= GOAL else 'NOT met'} |", flush=True)
 

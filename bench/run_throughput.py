@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from reproduce.data import build_data
 from reproduce.data.batches import fetch
 from reproduce.models import build_model
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import Evaluation, load_recipe
 from reproduce.train.trainer import RunOptions, train
 from reproduce.train.windows import epoch_order
@@ -31,27 +31,27 @@ from reproduce.train.windows import epoch_order
 CASES = {"mlp": ("papers/digits-mlp.yaml", 32), "gpt": ("papers/pysource-gpt.yaml", 16)}
 
 
-def minimal_loop(the_plan, data, steps: int) -> float:
+def minimal_loop(plan, data, steps: int) -> float:
     """The loop a careful user would write by hand; returns samples/s."""
-    recipe = the_plan.recipe
+    recipe = plan.recipe
     torch.manual_seed(recipe.seed)
     model = build_model(recipe, data.get("info"))
     spec = recipe.optimizer
     if spec.name == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=the_plan.lr, betas=spec.betas,
+        optimizer = torch.optim.AdamW(model.parameters(), lr=plan.lr, betas=spec.betas,
                                       weight_decay=spec.weight_decay)
     else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=the_plan.lr, momentum=spec.momentum,
+        optimizer = torch.optim.SGD(model.parameters(), lr=plan.lr, momentum=spec.momentum,
                                     weight_decay=spec.weight_decay)
-    train_set, batch, micro = data["train"], the_plan.effective_batch, the_plan.micro_batch
+    train_set, batch, micro = data["train"], plan.effective_batch, plan.micro_batch
     language = recipe.task == "language-modeling"
     model.train()
     started, samples = time.perf_counter(), 0
     orders = {}
     for step in range(steps):
-        epoch, position = divmod(step, the_plan.steps_per_epoch)
+        epoch, position = divmod(step, plan.steps_per_epoch)
         if epoch not in orders:  # one permutation per epoch
-            orders = {epoch: epoch_order(the_plan, len(train_set), epoch, recipe.seed)}
+            orders = {epoch: epoch_order(plan, len(train_set), epoch, recipe.seed)}
         order = orders[epoch][position * batch:(position + 1) * batch]
         for indices in torch.split(order, micro):
             inputs, target = fetch(train_set, indices)
@@ -70,9 +70,9 @@ def minimal_loop(the_plan, data, steps: int) -> float:
     return samples / (time.perf_counter() - started)
 
 
-def ours(the_plan, data, steps: int, noise_scale: bool = True) -> float:
+def ours(plan, data, steps: int, noise_scale: bool = True) -> float:
     with tempfile.TemporaryDirectory() as folder:
-        summary = train(the_plan, Path(folder) / "run", RunOptions(device="cpu", max_steps=steps, data=data,
+        summary = train(plan, Path(folder) / "run", RunOptions(device="cpu", max_steps=steps, data=data,
                         noise_scale=noise_scale))
     return summary["samples"] / summary["seconds"]
 
@@ -91,18 +91,18 @@ def main() -> None:
         # training throughput only: no evaluation passes in either loop
         recipe = load_recipe(path).model_copy(update={"evaluation": Evaluation(at_end=False)})
         data = build_data(recipe)
-        the_plan = plan(recipe, micro_batch_max=micro, dataset_size=len(data["train"]))
+        plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(data["train"]))
         steps = args.steps_mlp if name == "mlp" else args.steps_gpt
-        ours(the_plan, data, 2)  # warm-up: first-call allocations, thread pools
-        minimal_loop(the_plan, data, 2)
+        ours(plan, data, 2)  # warm-up: first-call allocations, thread pools
+        minimal_loop(plan, data, 2)
         rates_ours, rates_minimal, rates_quiet = [], [], []
         for _ in range(args.repeats):
-            rates_ours.append(ours(the_plan, data, steps))
-            rates_minimal.append(minimal_loop(the_plan, data, steps))
-            rates_quiet.append(ours(the_plan, data, steps, noise_scale=False))
+            rates_ours.append(ours(plan, data, steps))
+            rates_minimal.append(minimal_loop(plan, data, steps))
+            rates_quiet.append(ours(plan, data, steps, noise_scale=False))
         mine, base = statistics.median(rates_ours), statistics.median(rates_minimal)
         quiet = statistics.median(rates_quiet)
-        print(f"{name:6} {the_plan.arithmetic:22} {steps:5d} {mine:15.0f} {base:18.0f} "
+        print(f"{name:6} {plan.arithmetic:22} {steps:5d} {mine:15.0f} {base:18.0f} "
               f"{overhead(rates_ours, rates_minimal)} {quiet:23.0f} {overhead(rates_quiet, rates_minimal)}")
 
 

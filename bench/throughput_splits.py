@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from reproduce.data import build_data
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import Evaluation, load_recipe
 from reproduce.timing.throughput import exact_splits
 from reproduce.train.outputs import read_metrics
@@ -63,10 +63,10 @@ def policy(path: str) -> tuple[dict, float]:
 
 def real_run(recipe, data, micro_batch: int, steps: int, folder: Path) -> float:
     """Median seconds of one optimizer step of `reproduce run` at this split, its first step left out."""
-    the_plan = plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
-    assert the_plan.micro_batch == micro_batch and the_plan.exact, the_plan.arithmetic
+    plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
+    assert plan.micro_batch == micro_batch and plan.exact, plan.arithmetic
     out = folder / f"m{micro_batch}"
-    train(the_plan, out, RunOptions(device="cpu", max_steps=steps, data=data, force=True))
+    train(plan, out, RunOptions(device="cpu", max_steps=steps, data=data, force=True))
     records = read_metrics(out / "metrics.jsonl")
     return statistics.median(r["seconds"] for r in records[1:])
 

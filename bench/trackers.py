@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe
 from reproduce.train.trackers import TrackerReporter
 from reproduce.train.trainer import RunOptions, SilentReporter, train
@@ -58,7 +58,7 @@ def main() -> None:
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     torch.set_num_threads(1)
     recipe = ROOT / "papers" / "digits-mlp.yaml"
-    the_plan = plan(load_recipe(recipe), 32, dataset_size=1437, recipe_path=str(recipe))
+    the_plan = make_plan(load_recipe(recipe), 32, dataset_size=1437, recipe_path=str(recipe))
     names = ["none", "tensorboard", "wandb", "mlflow"]
     found: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as folder:

@@ -23,7 +23,7 @@ import torch
 
 from reproduce.data import build_data
 from reproduce.errors import TrainingStopped
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.tracker import MemoryTracker
 from reproduce.train.trainer import RunOptions, train
@@ -37,7 +37,7 @@ def main(jobs_path: str, results: str) -> None:
     for job in jobs:
         recipe = parse_recipe(job["recipe"])
         data = build_data(recipe)
-        the_plan = plan(recipe, micro_batch_max=job["micro_batch"], world_size=int(os.environ["WORLD_SIZE"]),
+        plan = make_plan(recipe, micro_batch_max=job["micro_batch"], world_size=int(os.environ["WORLD_SIZE"]),
                         dataset_size=len(data["train"]))
         tracker = job.get("tracker") or {}
         mine = tracker.get("rank") == rank
@@ -49,7 +49,7 @@ def main(jobs_path: str, results: str) -> None:
         record: dict = {"budget": budget}
         try:
             with MemoryTracker(budget) if mine else contextlib.nullcontext() as measured:
-                train(the_plan, out / job.get("out", job["name"]), RunOptions(
+                train(plan, out / job.get("out", job["name"]), RunOptions(
                     device="cpu", data=data, dtype=getattr(torch, job.get("dtype", "float32")),
                     max_steps=job.get("max_steps"), resume=job.get("resume", False),
                     checkpoint_every=job.get("checkpoint_every")))

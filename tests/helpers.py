@@ -21,7 +21,7 @@ from core_helpers import BASE, cli, cli_json, make_recipe, snapshot  # noqa: F40
 from reproduce.data import build_data
 from reproduce.data.batches import fetch
 from reproduce.models import build_model
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.large_batch import LAMB, LARS
 from reproduce.train.optim import param_groups
@@ -66,11 +66,11 @@ def run_accumulated(recipe_data: dict, micro_batch: int, tmp_path, dtype=torch.f
     """`reproduce`'s trainer on the recipe with micro-batches of `micro_batch` (more than one per step)."""
     recipe = parse_recipe(recipe_data)
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
-    assert the_plan.micro_batch == micro_batch and the_plan.accumulation_steps > 1
-    summary = train(the_plan, tmp_path / "run", RunOptions(device="cpu", dtype=dtype, data=data, **kwargs))
+    plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
+    assert plan.micro_batch == micro_batch and plan.accumulation_steps > 1
+    summary = train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=dtype, data=data, **kwargs))
     weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
-    return the_plan, summary, weights, data
+    return plan, summary, weights, data
 
 
 def plain_optimizer(recipe, model: torch.nn.Module) -> torch.optim.Optimizer:

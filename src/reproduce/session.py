@@ -27,7 +27,7 @@ from .plan.overlay import Change, overlay, phase_recipe, resumed
 from .plan.overrides import changes_of
 from .plan.packing import with_probed_budget
 from .plan.planfile import load_plan, load_recipe_or_plan
-from .plan.planner import Plan, plan
+from .plan.planner import Plan, make_plan
 from .plan.recipe import Recipe, load_recipe
 from .plan.resume_rules import check_resumed_data, check_resumed_weights, replan
 from .plan.sharding import check_sharding
@@ -60,22 +60,12 @@ def _noter(notes: list[str], on_note: OnNote | None) -> OnNote:
     return note
 
 
-def make_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict | None, world_size: int,
-              policy: str = "exact", dataset_size: int | dict | None = None, *, probe: ProbeOptions | None = None,
-              data: dict | None = None, on_note: OnNote | None = None) -> Plan:
-    """Plan `recipe`; the one place that decides where the micro-batch maximum comes from.
-
-    Given `micro_batch_max`, it is used as it is. Otherwise the memory probe measures it (`probe`: the
-    budget and meter; default: this machine's GPU), on `data` when the caller has built it already.
-    """
-    return plan_and_probe(recipe, recipe_path, micro_batch_max, world_size, policy, dataset_size, probe=probe,
-                          data=data, on_note=on_note).plan
-
-
 def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict | None, world_size: int,
                    policy: str = "exact", dataset_size: int | dict | None = None, *, probe: ProbeOptions | None = None,
                    data: dict | None = None, keep_batchnorm: bool = True, on_note: OnNote | None = None) -> Planned:
-    """`make_plan`, also returning the probe's result and the lines it gave.
+    """Plan `recipe`; the one place that decides where the micro-batch maximum comes from: given, it is used as it
+    is; otherwise the memory probe measures it (`probe`: the budget and meter; default: this machine's GPU), on
+    `data` when the caller has built it already. Returns the plan, the probe's result and the lines it gave.
 
     With batch phases of several sequence lengths the probe runs once per length (what fits at 128 tokens does not
     at 512), each at the largest batch of that length; the result returned is the main length's.
@@ -124,8 +114,8 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
                                  keep_batchnorm=keep_batchnorm, gpu=probe.gpu if probe else None, on_note=note)
         return Planned(with_weights_record(chosen), result, notes)
     counted = count_factory_batchnorm(recipe, data)
-    the_plan = plan(recipe, micro_batch_max, world_size, policy, dataset_size=dataset_size, recipe_path=recipe_path,
-                    batchnorm_layers=counted)
+    the_plan = make_plan(recipe, micro_batch_max, world_size, policy, dataset_size=dataset_size,
+                         recipe_path=recipe_path, batchnorm_layers=counted)
     if memory:  # the memory knobs the plan took, or the ways it weighed (probe/memory_plan.py)
         the_plan = the_plan.model_copy(update={"memory": memory})
     return Planned(with_weights_record(the_plan), result, notes)
@@ -417,8 +407,8 @@ def run_plan(recipe: Recipe, source: str, the_plan: Plan | None, micro_batch_max
     resumed) one re-derived for another number of processes, a smaller --micro-batch-max on resume, or the data's
     size when it was made without it (resume_rules.replan)."""
     if the_plan is None:
-        the_plan = make_plan(recipe, source, micro_batch_max, world_size, policy, dataset_size=dataset_size,
-                             probe=probe, data=data, on_note=on_note)
+        the_plan = plan_and_probe(recipe, source, micro_batch_max, world_size, policy, dataset_size=dataset_size,
+                                  probe=probe, data=data, on_note=on_note).plan
     else:
         smaller = resume and micro_batch_max is not None and micro_batch_max < the_plan.micro_batch
         if the_plan.world_size != world_size or smaller or the_plan.dataset_size is None:

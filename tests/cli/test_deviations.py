@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from helpers import cli
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe
 
 PAPERS = Path(__file__).resolve().parents[2] / "papers"
@@ -37,7 +37,7 @@ def test_goyal_names_its_gpus():
 
 def test_plan_prints_each_deviation_as_a_warning(capsys):
     recipe = load_recipe(PAPERS / "hu2021-lora-gpt2m-e2e.yaml")
-    warnings = plan(recipe, micro_batch_max=8).warnings
+    warnings = make_plan(recipe, micro_batch_max=8).warnings
     for text in recipe.deviations:
         assert f"deviation from the paper: {text}" in warnings
     code, out, err = run_cli(["plan", str(PAPERS / "hu2021-lora-gpt2m-e2e.yaml"), "--micro-batch-max", "8"], capsys)
@@ -54,7 +54,7 @@ def test_papers_show_lists_the_deviations(capsys):
 
 def test_a_recipe_without_deviations_plans_without_such_warnings():
     recipe = load_recipe(PAPERS / "digits-mlp.yaml")
-    assert recipe.deviations == [] and not any("deviation" in w for w in plan(recipe, micro_batch_max=32).warnings)
+    assert recipe.deviations == [] and not any("deviation" in w for w in make_plan(recipe, micro_batch_max=32).warnings)
 
 
 @pytest.mark.parametrize("value, message", [

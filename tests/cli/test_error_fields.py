@@ -15,7 +15,7 @@ from helpers import digits_recipe
 from reproduce.cli import main
 from reproduce.cli.flags import RECIPE_FLAGS, as_typed, request_flags
 from reproduce.errors import UserError
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "reproduce"
@@ -121,7 +121,7 @@ def test_the_field_opens_the_message_and_stays_on_the_error():
 def test_a_library_caller_sees_the_argument_the_cli_user_the_flag(tmp_path, capsys):
     recipe = digits_recipe({"name": "sgd", "lr": 0.1}, effective=64)
     with pytest.raises(UserError) as caught:
-        plan(parse_recipe(recipe), micro_batch_max=4, world_size=65)
+        make_plan(parse_recipe(recipe), micro_batch_max=4, world_size=65)
     assert caught.value.field == "world_size"
     assert str(caught.value) == ("`world_size`: 65 processes exceed the paper's effective batch of 64 samples: each "
                                  "process needs at least one")

@@ -12,7 +12,7 @@ from helpers import cli, cli_json
 from reproduce.plan.recipe import load_recipe
 from reproduce.probe.catalog import CONTEXT_BYTES, GPUS, lookup
 from reproduce.probe.runner import ProbeOptions
-from reproduce.session import make_plan
+from reproduce.session import plan_and_probe
 
 DIGITS = """\
 batch: {effective: 2048, unit: samples}
@@ -149,16 +149,17 @@ def test_plan_for_a_gpu_we_do_not_have(capsys):
 
 
 def test_make_plan_probes_with_the_callers_data():
-    """What `reproduce run` calls: make_plan with probe options and the data it has already built."""
+    """What `reproduce run` calls: plan_and_probe with probe options and the data it has already built."""
     from reproduce.data import build_data
 
     recipe = load_recipe("digits.yaml")
     data = build_data(recipe)
     options = ProbeOptions(memory="256KiB", meter="cpu")
-    the_plan = make_plan(recipe, "digits.yaml", None, 2, "exact", len(data["train"]), probe=options, data=data)
-    assert the_plan.world_size == 2 and the_plan.micro_batch * the_plan.accumulation_steps * 2 == 2048
-    assert the_plan.micro_batch_max <= 1024  # capped at the per-rank batch
-    assert the_plan.dataset_size == len(data["train"])
+    plan = plan_and_probe(recipe, "digits.yaml", None, 2, "exact", len(data["train"]), probe=options,
+                              data=data).plan
+    assert plan.world_size == 2 and plan.micro_batch * plan.accumulation_steps * 2 == 2048
+    assert plan.micro_batch_max <= 1024  # capped at the per-rank batch
+    assert plan.dataset_size == len(data["train"])
     assert len(os.listdir(os.environ["REPRODUCE_CACHE_DIR"])) == 1
 
 

@@ -61,7 +61,7 @@ def runs(tmp_path_factory):
     metrics stated in its recipe (one within its tolerance, one outside it, one the run does not measure)."""
     import torch
 
-    from reproduce.plan.planner import plan
+    from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import load_recipe
     from reproduce.train.trainer import RunOptions, train
 
@@ -77,8 +77,8 @@ def runs(tmp_path_factory):
         for name, recipe, micro, steps in (("base", ROOT / "papers" / "goyal-mini-digits-base.yaml", 32, 16),
                                            ("8x", ROOT / "papers" / "goyal-mini-digits-8x.yaml", 64, 2),
                                            ("stated", root / "digits-reported.yaml", 128, 2)):
-            the_plan = plan(load_recipe(recipe), micro, dataset_size=1437, recipe_path=str(recipe))
-            train(the_plan, root / name, RunOptions(device="cpu", max_steps=steps))
+            plan = make_plan(load_recipe(recipe), micro, dataset_size=1437, recipe_path=str(recipe))
+            train(plan, root / name, RunOptions(device="cpu", max_steps=steps))
     finally:
         torch.set_num_threads(threads)
     return root

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from core_helpers import make_recipe
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 
 
 def mmengine_auto_scale_lr(lr: float, base_batch_size: int, world_size: int, batch_size: int) -> float:
@@ -26,7 +26,7 @@ def four_by_two():
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_the_papers_batch_by_accumulation_keeps_the_papers_lr(four_by_two, world_size):
-    p = plan(four_by_two, micro_batch_max=2, world_size=world_size)
+    p = make_plan(four_by_two, micro_batch_max=2, world_size=world_size)
     assert (p.micro_batch, p.accumulation_steps, p.world_size) == (2, 4 // world_size, world_size)
     assert p.exact and p.effective_batch == 8 and p.lr_rule == "exact" and p.lr == 0.01
     wrong = mmengine_auto_scale_lr(0.01, base_batch_size=8, world_size=world_size, batch_size=2)
@@ -39,7 +39,7 @@ def test_a_batch_that_differs_scales_by_the_effective_batch_not_the_per_step_one
     factor is (micro x accumulation x world) / the paper's 127, never micro x world / 127."""
     recipe = make_recipe(batch={"effective": 127, "devices": None, "per_device": None},
                          optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9})
-    p = plan(recipe, micro_batch_max=8, policy="fast")
+    p = make_plan(recipe, micro_batch_max=8, policy="fast")
     assert not p.exact and p.accumulation_steps > 1 and p.lr_rule == "linear"
     assert p.effective_batch == p.micro_batch * p.accumulation_steps * p.world_size
     assert p.lr == pytest.approx(0.01 * p.effective_batch / 127)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe
 
 PAPERS = Path(__file__).resolve().parents[2] / "papers"
@@ -21,7 +21,7 @@ def test_there_are_at_least_ten_recipes():
 @pytest.mark.parametrize("path", RECIPES, ids=[path.stem for path in RECIPES])
 def test_recipe_plans_with_the_batch_arithmetic(path: Path):
     recipe = load_recipe(path)
-    result = plan(recipe, micro_batch_max=MICRO_BATCH_MAX)
+    result = make_plan(recipe, micro_batch_max=MICRO_BATCH_MAX)
     assert result.micro_batch * result.accumulation_steps * result.world_size == result.effective_batch
     assert result.exact == (result.effective_batch == recipe.batch.sequences)
     assert 1 <= result.micro_batch <= MICRO_BATCH_MAX
@@ -45,7 +45,7 @@ def test_recipe_opens_with_its_plan_command(path: Path):
 
 def test_goyal_plans_the_papers_per_worker_batch():
     recipe = load_recipe(PAPERS / "goyal2017-resnet50.yaml")
-    result = plan(recipe, micro_batch_max=32)
+    result = make_plan(recipe, micro_batch_max=32)
     assert (result.micro_batch, result.accumulation_steps, result.world_size) == (32, 256, 1)
     assert result.effective_batch == 8192 and result.exact
     assert result.lr == 3.2
@@ -63,7 +63,7 @@ def test_nanogpt_token_batch_is_480_sequences():
     assert recipe.batch.effective == 491520
     assert recipe.batch.sequence_length == 1024
     assert recipe.batch.sequences == 480  # 12 x 5 accumulation x 8 GPUs
-    result = plan(recipe, micro_batch_max=MICRO_BATCH_MAX)
+    result = make_plan(recipe, micro_batch_max=MICRO_BATCH_MAX)
     assert result.effective_batch == 480 and result.exact
     assert result.effective_tokens == 491520
     assert result.optimizer_steps == 600000 and result.warmup_steps == 2000

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from core_helpers import make_recipe
 from reproduce.errors import UserError
-from reproduce.plan.planner import lr_at, plan
+from reproduce.plan.planner import lr_at, make_plan
 
 
 @pytest.mark.subprocess
@@ -25,26 +25,26 @@ def test_planner_imports_no_torch():
 
 
 def test_exact_split_uses_largest_divisor(recipe):
-    p = plan(recipe, micro_batch_max=48)
+    p = make_plan(recipe, micro_batch_max=48)
     assert (p.micro_batch, p.accumulation_steps, p.world_size) == (32, 4, 1)
     assert p.exact and p.effective_batch == 128 and p.lr == 0.1 and p.lr_rule == "exact"
 
 
 def test_world_size_splits_across_processes(recipe):
-    p = plan(recipe, micro_batch_max=16, world_size=4)
+    p = make_plan(recipe, micro_batch_max=16, world_size=4)
     assert p.micro_batch * p.accumulation_steps * p.world_size == 128
     assert (p.micro_batch, p.accumulation_steps) == (16, 2)
 
 
 def test_micro_batch_capped_at_per_rank_batch(recipe):
-    p = plan(recipe, micro_batch_max=1000)
+    p = make_plan(recipe, micro_batch_max=1000)
     assert (p.micro_batch, p.accumulation_steps) == (128, 1)
     assert any("capped" in w for w in p.warnings)
 
 
 def test_fast_alternative_offered_when_exact_micro_batch_is_small():
     r = make_recipe(batch={"effective": 127, "devices": None, "per_device": None})  # 127 is prime
-    p = plan(r, micro_batch_max=32)
+    p = make_plan(r, micro_batch_max=32)
     assert p.exact and p.micro_batch == 1 and p.accumulation_steps == 127
     alt = p.alternative
     assert alt is not None and alt.policy == "fast" and alt.micro_batch >= 16
@@ -54,7 +54,7 @@ def test_fast_alternative_offered_when_exact_micro_batch_is_small():
 
 def test_fast_policy_scales_lr_linearly_for_sgd():
     r = make_recipe(batch={"effective": 127, "devices": None, "per_device": None})
-    p = plan(r, micro_batch_max=32, policy="fast")
+    p = make_plan(r, micro_batch_max=32, policy="fast")
     assert not p.exact and p.lr_rule == "linear"
     assert p.lr == pytest.approx(0.1 * p.effective_batch / 127)
     assert any("not the paper's" in w for w in p.warnings)
@@ -65,7 +65,7 @@ def test_fast_policy_scales_lr_by_sqrt_for_adam_and_offers_malladi_option():
         batch={"effective": 127, "devices": None, "per_device": None},
         optimizer={"name": "adamw", "lr": 1e-3, "momentum": 0.0, "betas": [0.9, 0.95], "eps": 1e-8},
     )
-    p = plan(r, micro_batch_max=32, policy="fast")
+    p = make_plan(r, micro_batch_max=32, policy="fast")
     k = p.effective_batch / 127
     assert p.lr_rule == "sqrt" and p.lr == pytest.approx(1e-3 * math.sqrt(k))
     assert p.adam_option is not None
@@ -75,19 +75,19 @@ def test_fast_policy_scales_lr_by_sqrt_for_adam_and_offers_malladi_option():
 
 def test_scaling_rule_override():
     r = make_recipe(batch={"effective": 127, "devices": None, "per_device": None}, scaling_rule="none")
-    p = plan(r, micro_batch_max=32, policy="fast")
+    p = make_plan(r, micro_batch_max=32, policy="fast")
     assert p.lr_rule == "none" and p.lr == 0.1
 
 
 def test_no_exact_split_when_world_size_does_not_divide():
     r = make_recipe(batch={"effective": 129, "devices": None, "per_device": None})
-    p = plan(r, micro_batch_max=8, world_size=2)
+    p = make_plan(r, micro_batch_max=8, world_size=2)
     assert not p.exact
     assert any("no exact split" in w for w in p.warnings)
 
 
 def test_epochs_converted_to_optimizer_steps(recipe):
-    p = plan(recipe, micro_batch_max=32)
+    p = make_plan(recipe, micro_batch_max=32)
     # 1000 samples / 128 per step = 7 full steps (drop_last), 104 left over
     assert p.steps_per_epoch == 7 and p.partial_window == 104
     assert p.optimizer_steps == 70 and p.warmup_steps == 7 and p.decay_milestones == [35, 56]
@@ -96,14 +96,14 @@ def test_epochs_converted_to_optimizer_steps(recipe):
 
 def test_partial_window_kept_without_drop_last():
     r = make_recipe(data={"drop_last": False})
-    p = plan(r, micro_batch_max=32)
+    p = make_plan(r, micro_batch_max=32)
     assert p.steps_per_epoch == 8
     assert any("normalised by the 104" in w for w in p.warnings)
 
 
 def test_epoch_shorter_than_one_step_warns():
     r = make_recipe(data={"train_size": 100})
-    p = plan(r, micro_batch_max=32)
+    p = make_plan(r, micro_batch_max=32)
     assert p.steps_per_epoch == 0
     assert any("shorter than one optimizer step" in w for w in p.warnings)
 
@@ -117,7 +117,7 @@ def test_token_batches_count_sequences():
                   "total": {"steps": 600000}},
         optimizer={"name": "adamw", "lr": 6e-4},
     )
-    p = plan(r, micro_batch_max=12, world_size=8)
+    p = make_plan(r, micro_batch_max=12, world_size=8)
     assert p.effective_batch == 480 and p.effective_tokens == 491520 and p.unit == "sequences"
     assert (p.micro_batch, p.accumulation_steps) == (12, 5)
     assert p.optimizer_steps == 600000 and p.warmup_steps == 2000
@@ -126,19 +126,19 @@ def test_token_batches_count_sequences():
 def test_steps_keep_the_data_they_cover_when_batch_changes():
     r = make_recipe(batch={"effective": 127, "devices": None, "per_device": None},
                     schedule={"warmup": None, "decay": {"kind": "constant"}, "total": {"steps": 1000}})
-    p = plan(r, micro_batch_max=32, policy="fast")
+    p = make_plan(r, micro_batch_max=32, policy="fast")
     assert p.optimizer_steps == round(1000 * 127 / p.effective_batch)
 
 
 def test_batchnorm_prefers_papers_per_device_batch():
     r = make_recipe(model={"builtin": "cnn", "norm_layers": ["batchnorm"]})
-    p = plan(r, micro_batch_max=64)  # 64 would divide 128 too, but the paper's BN batch is 32
+    p = make_plan(r, micro_batch_max=64)  # 64 would divide 128 too, but the paper's BN batch is 32
     assert p.micro_batch == 32 and p.batchnorm is None
 
 
 def test_batchnorm_warns_when_per_device_does_not_fit():
     r = make_recipe(model={"builtin": "cnn", "norm_layers": ["batchnorm"]})
-    p = plan(r, micro_batch_max=16)
+    p = make_plan(r, micro_batch_max=16)
     assert p.micro_batch == 16
     assert "BatchNorm statistics will be computed over micro-batches of 16" in p.batchnorm
     assert p.batchnorm in p.warnings
@@ -148,7 +148,7 @@ def test_lr_schedule_warmup_then_step_decay(recipe):
     r = make_recipe(schedule={"warmup": {"epochs": 1, "start_lr": 0.01},
                               "decay": {"kind": "step", "milestones": {"epochs": [5, 8]}, "factor": 0.1},
                               "total": {"epochs": 10}})
-    p = plan(r, micro_batch_max=32)
+    p = make_plan(r, micro_batch_max=32)
     assert lr_at(p, 0) == pytest.approx(0.01)
     assert lr_at(p, 7) == pytest.approx(0.1)
     assert lr_at(p, 34) == pytest.approx(0.1) and lr_at(p, 35) == pytest.approx(0.01)
@@ -158,7 +158,7 @@ def test_lr_schedule_warmup_then_step_decay(recipe):
 def test_lr_schedule_cosine_ends_at_min_lr():
     r = make_recipe(schedule={"warmup": {"steps": 0}, "decay": {"kind": "cosine", "min_ratio": 0.1},
                               "total": {"epochs": 10}})
-    p = plan(r, micro_batch_max=32)
+    p = make_plan(r, micro_batch_max=32)
     assert lr_at(p, 0) == pytest.approx(0.1)
     assert lr_at(p, p.optimizer_steps) == pytest.approx(0.01)
     assert lr_at(p, p.optimizer_steps // 2) == pytest.approx(0.055, rel=0.05)
@@ -167,13 +167,13 @@ def test_lr_schedule_cosine_ends_at_min_lr():
 def test_bad_arguments_are_user_errors(recipe):
     """A library caller is told about the argument it passed, not a command-line flag."""
     with pytest.raises(UserError) as caught:
-        plan(recipe, micro_batch_max=0)
+        make_plan(recipe, micro_batch_max=0)
     assert caught.value.field == "micro_batch_max"
     assert str(caught.value) == "`micro_batch_max`: must be >= 1 (got 0)"
     with pytest.raises(UserError, match="^`world_size`: must be >= 1"):
-        plan(recipe, micro_batch_max=4, world_size=0)
+        make_plan(recipe, micro_batch_max=4, world_size=0)
     with pytest.raises(UserError, match="^`world_size`: 129 processes exceed the paper's effective batch"):
-        plan(recipe, micro_batch_max=4, world_size=129)
+        make_plan(recipe, micro_batch_max=4, world_size=129)
 
 
 @settings(max_examples=300, deadline=None)
@@ -189,7 +189,7 @@ def test_plan_invariants(effective, micro_batch_max, world_size, policy, optimiz
         return
     r = make_recipe(batch={"effective": effective, "devices": None, "per_device": None},
                     optimizer={"name": optimizer, "lr": 0.5, "momentum": 0.0})
-    p = plan(r, micro_batch_max=micro_batch_max, world_size=world_size, policy=policy)
+    p = make_plan(r, micro_batch_max=micro_batch_max, world_size=world_size, policy=policy)
     assert p.micro_batch * p.accumulation_steps * p.world_size == p.effective_batch
     assert p.exact == (p.effective_batch == effective)
     assert 1 <= p.micro_batch <= micro_batch_max

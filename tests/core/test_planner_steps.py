@@ -9,7 +9,7 @@ from reproduce.errors import UserError
 from reproduce.plan.planner import (
     check_arguments,
     choose_split,
-    plan,
+    make_plan,
     scale_lr,
     schedule_in_steps,
     warn_last,
@@ -28,7 +28,7 @@ def test_check_arguments_names_the_field(micro, world, policy, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_arguments(make_recipe(), micro, world, policy)
     with pytest.raises(UserError, match=message.split(":")[0]):  # plan refuses the same, before anything else
-        plan(make_recipe(), micro, world, policy)
+        make_plan(make_recipe(), micro, world, policy)
 
 
 def test_choose_split_exact_fast_and_the_alternative():
@@ -94,7 +94,7 @@ def test_schedule_in_steps_converts_every_length():
     s = schedule_in_steps(r, None, chosen, segments, [], 7, warnings)
     assert (s.total, s.warmup_steps, s.milestones, s.decay_end, s.min_lr, s.start_lr) == (70, 7, [35, 56], 70, 0, 0)
     assert s.phases == [] and warnings == []
-    p = plan(r, 48)
+    p = make_plan(r, 48)
     assert (p.optimizer_steps, p.warmup_steps, p.decay_milestones, p.decay_end_step) == (70, 7, [35, 56], 70)
 
 
@@ -119,11 +119,11 @@ def test_plan_warnings_come_in_the_steps_order():
     r = make_recipe(batch={"effective": 100, "devices": None, "per_device": None},
                     model={"builtin": "cnn", "norm_layers": ["batchnorm"]}, data={"drop_last": False},
                     deviations=["fewer epochs"])
-    p = plan(r, 1000, world_size=3)
+    p = make_plan(r, 1000, world_size=3)
     assert [w.split(" ")[0] for w in p.warnings] == ["micro-batch", "no", "effective", "the", "BatchNorm", "deviation"]
     assert p.policy == "exact" and p.effective_tokens is None and p.paper_effective_batch == 100
 
 
 def test_throughput_policy_is_exact_with_its_name():
-    p = plan(make_recipe(), 64, policy="throughput", micro_batch=16)
+    p = make_plan(make_recipe(), 64, policy="throughput", micro_batch=16)
     assert (p.policy, p.micro_batch, p.accumulation_steps, p.exact) == ("throughput", 16, 8, True)

@@ -423,11 +423,11 @@ def test_plan_asks_the_data_factory_for_its_size(tmp_path, capsys):
 
 def test_a_plan_file_made_without_the_data_size_runs_and_never_says_none(tmp_path, capsys):
     from reproduce.plan.planfile import save_plan
-    from reproduce.plan.planner import plan
+    from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import load_recipe
 
     # as an older `reproduce plan --out` wrote it (today's planner refuses epochs of an unknown size: issue 22)
-    sized = plan(load_recipe(OWN / "recipe.yaml"), 32, dataset_size=1024)
+    sized = make_plan(load_recipe(OWN / "recipe.yaml"), 32, dataset_size=1024)
     blind = sized.model_copy(update={"dataset_size": None, "steps_per_epoch": None, "optimizer_steps": None,
                                      "warmup_steps": 0, "decay_end_step": None, "decay_milestones": []})
     save_plan(blind, tmp_path / "plan.yaml")

@@ -260,13 +260,13 @@ def test_a_damaged_model_file_is_refused_as_weights(whole, tmp_path, capsys):
 def test_force_puts_the_previous_run_back_after_a_late_check(whole, tmp_path, capsys):
     """The training set is not the one the plan was made for: found after the model and data are built."""
     from reproduce.plan.planfile import save_plan
-    from reproduce.plan.planner import plan
+    from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import parse_recipe
 
     out = tmp_path / "out"
     shutil.copytree(whole, out)
     before = snapshot(out)
-    save_plan(plan(parse_recipe(RECIPE), micro_batch_max=16, dataset_size=1000), tmp_path / "plan.yaml")
+    save_plan(make_plan(parse_recipe(RECIPE), micro_batch_max=16, dataset_size=1000), tmp_path / "plan.yaml")
     code, _, err = cli(capsys, "run", tmp_path / "plan.yaml", "--out", out, *RUN, "--force")
     assert code == 2 and "does not match the training set" in err and err.count("\n") == 1, err
     assert snapshot(out) == before
@@ -277,22 +277,22 @@ def test_force_puts_the_previous_run_back_when_the_first_step_fails(whole, tmp_p
     """Out of memory at micro-batch 1 in the first step (the probe's CPU memory budget raises it, as CUDA does)."""
     from reproduce.data import build_data
     from reproduce.errors import TrainingStopped
-    from reproduce.plan.planner import plan
+    from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import parse_recipe
     from reproduce.probe.tracker import MemoryTracker
     from reproduce.train import trainer
 
     recipe = parse_recipe(RECIPE)
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=1, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=1, dataset_size=len(data["train"]))
     with MemoryTracker() as tracker:
-        trainer.train(the_plan, tmp_path / "measure", trainer.RunOptions(device="cpu", data=data, max_steps=1))
+        trainer.train(plan, tmp_path / "measure", trainer.RunOptions(device="cpu", data=data, max_steps=1))
     out = tmp_path / "out"
     shutil.copytree(whole, out)
     before = snapshot(out)
     with pytest.raises(TrainingStopped, match="out of memory .*optimizer step 1"):
         with MemoryTracker(budget_bytes=tracker.peak - 512):
-            trainer.train(the_plan, out, trainer.RunOptions(device="cpu", data=data, force=True))
+            trainer.train(plan, out, trainer.RunOptions(device="cpu", data=data, force=True))
     assert snapshot(out) == before
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from reproduce.models import build_model, count_parameters
-from reproduce.plan.planner import lr_at, plan
+from reproduce.plan.planner import lr_at, make_plan
 from reproduce.plan.recipe import load_recipe
 from reproduce.probe.workload import synthetic_data
 
@@ -149,7 +149,7 @@ def case(figure: str, *, where=None) -> list:
 
 def planned(row: Figures):
     recipe = load_recipe(PAPERS / f"{row.name}.yaml")
-    return recipe, plan(recipe, micro_batch_max=recipe.batch.per_device or 16)
+    return recipe, make_plan(recipe, micro_batch_max=recipe.batch.per_device or 16)
 
 
 def test_every_shipped_paper_has_a_row():
@@ -158,12 +158,12 @@ def test_every_shipped_paper_has_a_row():
 
 @pytest.mark.parametrize("row", case("batch"))
 def test_effective_batch(row):
-    recipe, the_plan = planned(row)
+    recipe, plan = planned(row)
     effective, unit = row.batch
     assert (recipe.batch.effective, recipe.batch.unit) == (effective, unit)
-    assert the_plan.exact and the_plan.lr == recipe.optimizer.lr
+    assert plan.exact and plan.lr == recipe.optimizer.lr
     if unit == "tokens":
-        assert the_plan.effective_tokens == effective
+        assert plan.effective_tokens == effective
 
 
 @pytest.mark.parametrize("row", case("total", where=lambda row: row.total is not None))
@@ -178,12 +178,12 @@ def test_warmup_steps(row):
 
 @pytest.mark.parametrize("row", case("lr", where=lambda row: row.lr))
 def test_lr_where_each_stretch_starts(row):
-    recipe, the_plan = planned(row)
-    phase_starts = {phase.start_step for phase in the_plan.phases if phase.kind == "phase"}
+    recipe, plan = planned(row)
+    phase_starts = {phase.start_step for phase in plan.phases if phase.kind == "phase"}
     assert phase_starts <= set(row.lr)  # every phase start has its figure
     for step, expected in row.lr.items():  # exactly; "near zero" (0.5% of the peak) where a warm-up starts
         near = recipe.optimizer.lr * 5e-3 if expected == 0 else 0.0
-        assert lr_at(the_plan, step) == pytest.approx(expected, rel=1e-9, abs=near), step
+        assert lr_at(plan, step) == pytest.approx(expected, rel=1e-9, abs=near), step
 
 
 @pytest.mark.parametrize("row", case("decay", where=lambda row: row.decay is not None))
@@ -191,10 +191,10 @@ def test_decay_kind(row):
     assert planned(row)[1].decay_kind == row.decay
 
 
-def tokens_until(the_plan, steps: int) -> int:
+def tokens_until(plan, steps: int) -> int:
     """The tokens the plan's first `steps` optimizer steps read, phase by phase (a ramp's batches included)."""
     total = 0
-    for phase in the_plan.phases:
+    for phase in plan.phases:
         end = min(phase.end_step if phase.end_step is not None else steps, steps)
         if end > phase.start_step:
             total += (end - phase.start_step) * phase.effective_batch * phase.sequence_length
@@ -203,16 +203,16 @@ def tokens_until(the_plan, steps: int) -> int:
 
 @pytest.mark.parametrize("row", case("tokens", where=lambda row: row.total_tokens is not None))
 def test_runs_counted_in_tokens(row):
-    _, the_plan = planned(row)
+    _, plan = planned(row)
     step_tokens = row.batch[0]
-    assert abs(tokens_until(the_plan, the_plan.optimizer_steps) - row.total_tokens) <= step_tokens
-    assert abs(tokens_until(the_plan, the_plan.warmup_steps) - row.warmup_tokens) <= step_tokens
+    assert abs(tokens_until(plan, plan.optimizer_steps) - row.total_tokens) <= step_tokens
+    assert abs(tokens_until(plan, plan.warmup_steps) - row.warmup_tokens) <= step_tokens
 
 
 @pytest.mark.parametrize("row", case("ramp", where=lambda row: row.total_tokens is not None))
 def test_a_ramp_does_not_depend_on_the_machine(row):
     recipe = load_recipe(PAPERS / f"{row.name}.yaml")
-    steps = {m: plan(recipe, micro_batch_max=m).optimizer_steps for m in (1, 16, 256)}
+    steps = {m: make_plan(recipe, micro_batch_max=m).optimizer_steps for m in (1, 16, 256)}
     assert len(set(steps.values())) == 1, steps
 
 

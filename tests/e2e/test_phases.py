@@ -16,7 +16,7 @@ from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.errors import UserError
 from reproduce.plan.planfile import parse_plan, plan_to_yaml
-from reproduce.plan.planner import lr_at, plan
+from reproduce.plan.planner import lr_at, make_plan
 from reproduce.plan.recipe import Length, parse_recipe
 from reproduce.plan.segments import Segment, epoch_steps, lengths_to_steps, stream_window
 from reproduce.train.trainer import RunOptions, read_metrics, train
@@ -43,7 +43,7 @@ BERT = [{"steps": 900, "effective": 256, "sequence_length": 128}, {"effective": 
 
 def test_each_phase_gets_the_micro_batch_that_fits_at_its_length():
     recipe = parse_recipe(lm(BERT, warmup={"steps": 100}, decay={"kind": "linear"}))
-    p = plan(recipe, {128: 64, 512: 16})
+    p = make_plan(recipe, {128: 64, 512: 16})
     first, second = p.phases
     assert (first.micro_batch, first.accumulation_steps, first.sequence_length) == (64, 4, 128)
     assert (second.micro_batch, second.accumulation_steps, second.sequence_length) == (16, 16, 512)
@@ -52,7 +52,7 @@ def test_each_phase_gets_the_micro_batch_that_fits_at_its_length():
     # the main batch (batch.effective at batch.sequence_length) is the 512 phase
     assert (p.micro_batch, p.accumulation_steps) == (16, 16)
     # the LR schedule runs on across the phases: the same as the plan of one batch throughout
-    single = plan(parse_recipe(lm(None, warmup={"steps": 100}, decay={"kind": "linear"})), 16)
+    single = make_plan(parse_recipe(lm(None, warmup={"steps": 100}, decay={"kind": "linear"})), 16)
     assert [lr_at(p, s) for s in (0, 50, 899, 900, 901, 999)] == [lr_at(single, s) for s in (0, 50, 899, 900, 901,
                                                                                                 999)]
 
@@ -60,7 +60,7 @@ def test_each_phase_gets_the_micro_batch_that_fits_at_its_length():
 def test_a_phase_that_cannot_be_exact_gets_its_own_lr_factor():
     phases = [{"steps": 10, "effective": 64, "sequence_length": 128}, {"effective": 96}]
     recipe = parse_recipe(lm(phases, effective=96, total={"steps": 30}))
-    p = plan(recipe, 8, world_size=5)  # neither 64 nor 96 splits over 5 processes
+    p = make_plan(recipe, 8, world_size=5)  # neither 64 nor 96 splits over 5 processes
     assert not p.phases[0].exact and p.phases[0].effective_batch % 5 == 0
     factor = p.phases[0].effective_batch / 64
     assert p.phases[0].lr_factor == pytest.approx(factor ** 0.5)  # AdamW: square-root rule
@@ -76,7 +76,7 @@ def gpt3_like(start=8, grain_tokens=4000, total_tokens=40000, warmup_tokens=3000
 
 
 def test_ramp_batches_follow_the_recipes_granularity_and_the_tokens_stay_exact():
-    p = plan(gpt3_like(), 4, world_size=2)  # 64 sequences of 8 tokens; grain: one sequence per process = 2
+    p = make_plan(gpt3_like(), 4, world_size=2)  # 64 sequences of 8 tokens; grain: one sequence per process = 2
     ramp, final = p.phases[:-1], p.phases[-1]
     batches = [phase.effective_batch for phase in ramp]
     assert batches == sorted(set(batches)) and batches[0] == 8 and batches[-1] < 64
@@ -99,7 +99,7 @@ def test_ramp_invariants(start, micro, world, length, steps_unit):
     unit = {"steps": max(1, length // 1000)} if steps_unit else {"samples": length}
     recipe = parse_recipe(lm(None, ramp={"start": start * 8, "length": unit}, effective=512, length=8,
                              total={"samples": 200000}, unit="tokens"))
-    p = plan(recipe, micro, world_size=world)
+    p = make_plan(recipe, micro, world_size=world)
     grain = world  # the recipe's default granularity: one sequence per process, whatever the micro-batch
     assert p.phases[-1].effective_batch == p.effective_batch and p.phases[-1].steps is None
     for index, phase in enumerate(p.phases):
@@ -160,7 +160,7 @@ def test_schedule_in_epochs_walks_the_phases():
         "task": "classification", "model": {"builtin": "mlp"}, "data": {"builtin": "digits", "train_size": 1000},
         "optimizer": SGD, "schedule": {"warmup": {"epochs": 3}, "total": {"epochs": 4}},
     })
-    p = plan(recipe, 16)
+    p = make_plan(recipe, 16)
     assert p.phases[0].steps == 62 and p.phases[1].start_step == 62  # 2 x (1000 // 32)
     assert p.warmup_steps == 62 + 15 and p.optimizer_steps == 62 + 2 * 15  # then epochs of 1000 // 64 = 15 steps
     assert lengths_to_steps(p.segments, Length(samples=32 * 62 + 64), "x", []) == 63
@@ -171,7 +171,7 @@ def test_schedule_in_epochs_walks_the_phases():
 
 def test_plans_with_phases_round_trip_and_check_their_phases():
     recipe = parse_recipe(lm(BERT))
-    p = plan(recipe, {128: 64, 512: 16})
+    p = make_plan(recipe, {128: 64, 512: 16})
     data = yaml.safe_load(plan_to_yaml(p))
     assert parse_plan(data, "plan.yaml") == p
     data["phases"][1]["accumulation_steps"] = 8
@@ -191,7 +191,7 @@ def test_plans_with_phases_round_trip_and_check_their_phases():
 
 
 def test_a_plan_from_before_phases_loads_as_before():
-    p = plan(parse_recipe(lm(None)), 16)
+    p = make_plan(parse_recipe(lm(None)), 16)
     data = yaml.safe_load(plan_to_yaml(p))
     del data["phases"]  # written by a version without batch phases
     assert parse_plan(data, "old.yaml") == p
@@ -236,15 +236,15 @@ def run(recipe_data: dict, micro: int, out, **kwargs):
     data = build_data(recipe)
     from reproduce.data.lengths import training_sizes
 
-    the_plan = plan(recipe, micro, dataset_size=training_sizes(recipe, data["train"]))
-    train(the_plan, out, RunOptions(device="cpu", dtype=torch.float64, data=data, **kwargs))
-    return the_plan, data, torch.load(out / "model.pt", weights_only=True), read_metrics(out / "metrics.jsonl")
+    plan = make_plan(recipe, micro, dataset_size=training_sizes(recipe, data["train"]))
+    train(plan, out, RunOptions(device="cpu", dtype=torch.float64, data=data, **kwargs))
+    return plan, data, torch.load(out / "model.pt", weights_only=True), read_metrics(out / "metrics.jsonl")
 
 
 def test_batch_phases_run_equals_a_plain_loop_over_the_same_batches_float64(tmp_path):
     recipe = digits({"effective": 64, "phases": [{"steps": 3, "effective": 32}, {"steps": 2, "effective": 128},
                                                  {"effective": 64}]}, steps=8)
-    the_plan, data, ours, records = run(recipe, 16, tmp_path / "run")
+    plan, data, ours, records = run(recipe, 16, tmp_path / "run")
     assert [r["accumulation_steps"] for r in records] == [2, 2, 2, 8, 8, 4, 4, 4]
     assert [r["phase"] for r in records] == [1, 1, 1, 2, 2, 3, 3, 3]
     batches = [(32, None)] * 3 + [(128, None)] * 2 + [(64, None)] * 3
@@ -257,7 +257,7 @@ def test_batch_phases_run_equals_a_plain_loop_over_the_same_batches_float64(tmp_
 
 def test_ramp_run_equals_a_plain_loop_over_the_ramps_batches_float64(tmp_path):
     recipe = digits({"effective": 96, "ramp": {"start": 16, "length": {"samples": 300}}}, steps=12)
-    the_plan, data, ours, records = run(recipe, 16, tmp_path / "run")
+    plan, data, ours, records = run(recipe, 16, tmp_path / "run")
     # by the ramp's definition: batch = 16 + (96 - 16) x samples read / 300, rounded down to whole samples (the
     # default granularity, one per process: not the micro-batch), until 300 samples are read; then 96
     expected, read = [], 0
@@ -288,7 +288,7 @@ def pysource_lm(shuffle=False, dropout=0.0) -> dict:
 @pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "loader-worker"])
 def test_sequence_length_phases_read_the_data_cut_at_each_length_float64(workers, tmp_path):
     recipe = pysource_lm()
-    the_plan, data, ours, records = run(recipe, 2, tmp_path / "run", workers=workers)
+    plan, data, ours, records = run(recipe, 2, tmp_path / "run", workers=workers)
     assert [(r["sequence_length"], r["samples"], r["tokens"]) for r in records] == [
         (16, 8, 128), (16, 8, 128), (32, 4, 128), (32, 4, 128)]
     cut = {16: data["train"].with_sequence_length(16), 32: data["train"]}
@@ -303,11 +303,11 @@ def test_resume_across_phase_boundaries_is_bitwise(tmp_path):
                     model={"builtin": "mlp", "kwargs": {"dropout": 0.3}})
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
-    the_plan = plan(parsed, 16, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data))
+    plan = make_plan(parsed, 16, dataset_size=len(data["train"]))
+    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
     # stops inside the first phase
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=2))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))  # and crosses both boundaries
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=2))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))  # and crosses both boundaries
     assert_same_model(tmp_path / "full", tmp_path / "split")
     assert [r["loss"] for r in read_metrics(tmp_path / "split" / "metrics.jsonl")] == [
         r["loss"] for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
@@ -330,10 +330,10 @@ def test_check_re_derives_each_phase_length_and_catches_a_wrong_one(name):
     from reproduce.check.schema import Budget
     from reproduce.plan.recipe import load_recipe
 
-    the_plan = plan(load_recipe(Path(__file__).resolve().parents[2] / "papers" / name), 32, 1)
-    assert plan_problems(the_plan, Budget(micro_batch_max=32)) == []
-    phases = list(the_plan.phases)
+    plan = make_plan(load_recipe(Path(__file__).resolve().parents[2] / "papers" / name), 32, 1)
+    assert plan_problems(plan, Budget(micro_batch_max=32)) == []
+    phases = list(plan.phases)
     phases[0] = phases[0].model_copy(update={"steps": phases[0].steps + 1})
-    problems = plan_problems(the_plan.model_copy(update={"phases": phases}), Budget(micro_batch_max=32))
-    assert (f"phases[0].steps: batch.phases[0] is {the_plan.recipe.batch.phases[0].value:g} steps, "
+    problems = plan_problems(plan.model_copy(update={"phases": phases}), Budget(micro_batch_max=32))
+    assert (f"phases[0].steps: batch.phases[0] is {plan.recipe.batch.phases[0].value:g} steps, "
             f"{phases[0].steps - 1} steps of {phases[0].effective_batch}; the plan has {phases[0].steps}") in problems

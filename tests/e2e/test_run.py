@@ -23,7 +23,7 @@ from reproduce.data import build_data
 from reproduce.data.batches import collate
 from reproduce.errors import UserError
 from reproduce.models import build_model
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.trainer import RunOptions, read_metrics, train
 
@@ -35,9 +35,9 @@ WITH_WORKERS = [pytest.param(SGD, 0, id="sgd-momentum"), pytest.param(ADAMW, 0, 
 @pytest.mark.parametrize("optimizer, workers", WITH_WORKERS)
 def test_classifier_accumulation_equals_large_batch_float64(optimizer, workers, tmp_path):
     recipe = digits_recipe(optimizer)
-    the_plan, summary, ours, data = run_accumulated(recipe, micro_batch=8, tmp_path=tmp_path, workers=workers)
+    plan, summary, ours, data = run_accumulated(recipe, micro_batch=8, tmp_path=tmp_path, workers=workers)
     assert summary["workers"] == workers
-    assert (the_plan.micro_batch, the_plan.accumulation_steps) == (8, 8)
+    assert (plan.micro_batch, plan.accumulation_steps) == (8, 8)
     reference = run_plain(recipe, data, steps=6)
     assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
     # and the weights really moved: the test would catch a run that did nothing
@@ -49,8 +49,8 @@ def test_classifier_accumulation_equals_large_batch_float64(optimizer, workers, 
 @pytest.mark.parametrize("optimizer, workers", WITH_WORKERS)
 def test_language_model_with_padding_normalises_by_tokens_float64(optimizer, workers, tmp_path):
     recipe = lm_recipe(optimizer)
-    the_plan, summary, ours, data = run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path, workers=workers)
-    assert the_plan.accumulation_steps == 4
+    plan, summary, ours, data = run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path, workers=workers)
+    assert plan.accumulation_steps == 4
     lengths = {len(x) for x, _ in data["train"]}
     assert len(lengths) > 3  # sequences really differ in length, so padding and counting matter
     reference = run_plain(recipe, data, steps=3)
@@ -83,8 +83,8 @@ def test_float32_within_rounding(tmp_path):
 def test_partial_last_window_normalised_by_what_it_holds(tmp_path):
     # 1437 training digits, batch 512: two full windows and a partial one of 413 samples, kept (drop_last false)
     recipe = digits_recipe(SGD, effective=512, steps=3, data={"drop_last": False})
-    the_plan, summary, ours, data = run_accumulated(recipe, micro_batch=128, tmp_path=tmp_path)
-    assert the_plan.steps_per_epoch == 3 and the_plan.partial_window == 413
+    plan, summary, ours, data = run_accumulated(recipe, micro_batch=128, tmp_path=tmp_path)
+    assert plan.steps_per_epoch == 3 and plan.partial_window == 413
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["samples"] for r in records] == [512, 512, 413] and records[-1]["partial"]
     assert summary["partial_windows"] == 1
@@ -95,8 +95,8 @@ def test_partial_last_window_normalised_by_what_it_holds(tmp_path):
 def test_batchnorm_is_not_equivalent(tmp_path):
     """BN normalises each micro-batch by its own statistics: accumulation cannot match the large batch."""
     recipe = digits_recipe(SGD, model="cnn-bn", effective=32, steps=3)
-    the_plan, _, ours, data = run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path)
-    assert "BatchNorm statistics will be computed over micro-batches of 4" in " ".join(the_plan.warnings)
+    plan, _, ours, data = run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path)
+    assert "BatchNorm statistics will be computed over micro-batches of 4" in " ".join(plan.warnings)
     reference = run_plain(recipe, data, steps=3)
     differences = [float((ours[k] - reference[k]).abs().max()) for k in ours if ours[k].is_floating_point()]
     assert max(differences) > 1e-3
@@ -113,12 +113,12 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
     recipe["model"] = {"builtin": "mlp", "kwargs": {"dropout": 0.3}}  # dropout: the RNG state must resume too
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
-    the_plan = plan(parsed, micro_batch_max=16, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3, checkpoint_every=2))
+    plan = make_plan(parsed, micro_batch_max=16, dataset_size=len(data["train"]))
+    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3, checkpoint_every=2))
     with pytest.raises(UserError, match="not empty"):
-        train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
+        train(plan, tmp_path / "split", RunOptions(device="cpu", data=data))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
     full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
     split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
     for name in full:
@@ -204,28 +204,28 @@ def test_resume_keeps_the_runs_seed_and_refuses_a_finished_run(tmp_path):
     recipe = digits_recipe(SGD, steps=6, data={"shuffle": True})
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
-    the_plan = plan(parsed, micro_batch_max=16, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data, seed=5))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, seed=5, max_steps=3))
+    plan = make_plan(parsed, micro_batch_max=16, dataset_size=len(data["train"]))
+    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data, seed=5))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, seed=5, max_steps=3))
     with pytest.raises(UserError, match="`seed`: the run in .* was started with seed 5 \\(got 6\\)"):
-        train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, seed=6, resume=True))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))  # no --seed: the run's own
+        train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, seed=6, resume=True))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))  # no --seed: the run's own
     assert_same_model(tmp_path / "full", tmp_path / "split")
     before = (tmp_path / "split" / "summary.json").read_bytes()
     with pytest.raises(UserError, match="has already run 6 of 6 optimizer steps"):
-        train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
+        train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
     assert (tmp_path / "split" / "summary.json").read_bytes() == before
 
 
 def test_force_clears_the_previous_runs_outputs_only(tmp_path):
     recipe = parse_recipe(digits_recipe(SGD, steps=3))
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
     out = tmp_path / "out"
-    train(the_plan, out, RunOptions(device="cpu", data=data))
+    train(plan, out, RunOptions(device="cpu", data=data))
     (out / "notes.txt").write_text("mine")
     failing = parse_recipe({**digits_recipe(SGD, steps=3), "optimizer": {"name": "sgd", "lr": 1e30}})
-    failing_plan = plan(failing, micro_batch_max=16, dataset_size=len(data["train"]))
+    failing_plan = make_plan(failing, micro_batch_max=16, dataset_size=len(data["train"]))
     from reproduce.errors import TrainingStopped
 
     with pytest.raises(TrainingStopped):

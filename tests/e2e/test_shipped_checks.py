@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from reproduce.check import Runner, collect, load_all, load_check_file
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +117,7 @@ def test_gpt3_steps_are_the_papers_tokens_under_its_ramp():
         expect = stated(run)
         assert (expect["optimizer_steps"], expect["warmup_steps"]) == (steps, warmup)
         for micro in (1, 8, 64):
-            p = plan(recipe, micro, world)
+            p = make_plan(recipe, micro, world)
             assert (p.optimizer_steps, p.warmup_steps) == (steps, warmup), (world, micro)
     assert paper_steps(8) == (589_212, 8_435) and paper_steps(1) == (587_381, 7_296)
     # Unrounded, the ramp takes integral dx / b(x) = RAMP / 240 x ln 16 steps: rounding down only adds steps, fewer

@@ -11,7 +11,7 @@ import pytest
 
 from core_helpers import make_recipe
 from reproduce.errors import UserError
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe
 from reproduce.probe.runner import ProbeOptions
 from reproduce.session import plan_and_probe, probe_consensus, probe_line, run_plan
@@ -52,12 +52,12 @@ def test_the_probe_consensus_takes_the_smallest_maximum_of_the_ranks():
 
     recipe, agreed = probe_consensus(load_recipe(DIGITS), str(DIGITS), 2, "exact", None, all_min, probe=ESTIMATE)
     assert seen and seen[0] > 3 and agreed == 3
-    assert plan(recipe, agreed, 2).micro_batch_max == 3
+    assert make_plan(recipe, agreed, 2).micro_batch_max == 3
 
 
 def test_a_resumed_plan_is_replanned_for_a_smaller_micro_batch_with_the_same_steps():
     recipe = make_recipe()
-    saved = plan(recipe, 32, 1, dataset_size=1000)
+    saved = make_plan(recipe, 32, 1, dataset_size=1000)
     again, warnings = run_plan(recipe, "r.yaml", saved, 16, 1, "exact", 1000, resume=True)
     assert (again.micro_batch, again.accumulation_steps) == (16, 8)
     assert (again.effective_batch, again.optimizer_steps) == (saved.effective_batch, saved.optimizer_steps)
@@ -67,7 +67,7 @@ def test_a_resumed_plan_is_replanned_for_a_smaller_micro_batch_with_the_same_ste
 
 
 def test_a_plan_that_cannot_be_kept_on_another_world_size_says_so():
-    saved = plan(make_recipe(), 32, 1, dataset_size=1000)
+    saved = make_plan(make_recipe(), 32, 1, dataset_size=1000)
     with pytest.raises(UserError, match="r.yaml: world_size: the plan .* cannot be kept on 3 processes"):
         run_plan(saved.recipe, "r.yaml", saved, None, 3, "exact", 1000, resume=True)
 

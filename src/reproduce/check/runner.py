@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from ..errors import Interrupted, UserError
 from ..plan.planfile import check_plan
-from ..plan.planner import Plan, plan
+from ..plan.planner import Plan, make_plan
 from ..plan.recipe import Recipe
 from ..plan.segments import batch_phases
 from ..plan.units import format_size, parse_size
@@ -78,7 +78,7 @@ class Runner:
 
     def plan_for(self, run: Run, dataset_size: int | dict | None) -> Plan:
         budget = run.budget
-        return plan(run.recipe, budget.micro_batch_max, budget.world_size, budget.policy,
+        return make_plan(run.recipe, budget.micro_batch_max, budget.world_size, budget.policy,
                     dataset_size=dataset_size, recipe_path=run.recipe_path)
 
     def train(self, file: LoadedFile, run: Run, seed: int) -> RunResult:
@@ -89,15 +89,15 @@ class Runner:
         from ..train.trainer import RunOptions, train
 
         data = self.dataset(run.recipe)
-        the_plan = self.plan_for(run, training_sizes(run.recipe, data["train"]))
+        plan = self.plan_for(run, training_sizes(run.recipe, data["train"]))
         max_steps = run.budget.max_steps
-        if run.budget.max_epochs is not None and the_plan.steps_per_epoch:
-            max_steps = max(1, math.ceil(run.budget.max_epochs * the_plan.steps_per_epoch))
+        if run.budget.max_epochs is not None and plan.steps_per_epoch:
+            max_steps = max(1, math.ceil(run.budget.max_epochs * plan.steps_per_epoch))
         out = self.work / _slug(file.path.stem) / _slug(run.name) / f"seed-{seed}"
-        self.log(f"  training {run.name!r} seed {seed}: {the_plan.arithmetic}, "
-                 f"{min(max_steps or the_plan.optimizer_steps or 0, the_plan.optimizer_steps or 0)} steps")
+        self.log(f"  training {run.name!r} seed {seed}: {plan.arithmetic}, "
+                 f"{min(max_steps or plan.optimizer_steps or 0, plan.optimizer_steps or 0)} steps")
         started = time.perf_counter()
-        summary = train(the_plan, out, RunOptions(device=run.budget.device, max_steps=max_steps, seed=seed, force=True,
+        summary = train(plan, out, RunOptions(device=run.budget.device, max_steps=max_steps, seed=seed, force=True,
                                                   data=data))
         result = RunResult(out, summary, time.perf_counter() - started)
         self.cache[key] = result
@@ -126,20 +126,20 @@ class Runner:
 
     def _plan(self, file: LoadedFile, check: PlanCheck):
         run = file.runs[check.run]
-        the_plan = self.plan_for(run, self.factory_size(run.recipe))
-        problems = plan_problems(the_plan, run.budget)
+        plan = self.plan_for(run, self.factory_size(run.recipe))
+        problems = plan_problems(plan, run.budget)
         for key, want in check.expect.items():
-            got = getattr(the_plan, key)
+            got = getattr(plan, key)
             if not _same(got, want):
                 problems.append(f"{key}: expected {want!r}, the plan has {got!r}")
-        steps = the_plan.optimizer_steps
-        measured = (f"{the_plan.arithmetic} {'' if the_plan.effective_tokens else the_plan.unit}".rstrip()
-                    + f", lr {the_plan.lr:.4g}, {steps if steps is not None else '?'} steps")
+        steps = plan.optimizer_steps
+        measured = (f"{plan.arithmetic} {'' if plan.effective_tokens else plan.unit}".rstrip()
+                    + f", lr {plan.lr:.4g}, {steps if steps is not None else '?'} steps")
         budget = run.budget
         memory = f", {format_size(parse_size(budget.memory))}" if budget.memory else ""
         stated = f" + {len(check.expect)} stated values" if check.expect else ""
         expected = f"invariants{stated} (m <= {budget.micro_batch_max}, W = {budget.world_size}{memory})"
-        details = problems + [f"plan warning: {w}" for w in the_plan.warnings]
+        details = problems + [f"plan warning: {w}" for w in plan.warnings]
         if check.expect:
             details.append("stated: " + ", ".join(f"{k} {_short(v)}" for k, v in check.expect.items()))
         return ("pass" if not problems else "fail"), measured, expected, details, None
@@ -151,9 +151,9 @@ class Runner:
         from ..data.lengths import training_sizes
 
         data = self.dataset(run.recipe)
-        the_plan = self.plan_for(run, training_sizes(run.recipe, data["train"]))
+        plan = self.plan_for(run, training_sizes(run.recipe, data["train"]))
         seed = run.seeds[0]
-        result = verify(the_plan, samples=check.samples, tolerance=check.tolerance, dtype=check.dtype,
+        result = verify(plan, samples=check.samples, tolerance=check.tolerance, dtype=check.dtype,
                         device=check.device, seed=seed, data=data)
         got = "equivalent" if result.within_tolerance else "not-equivalent"
         measured = f"{result.verdict}: rel. error {result.global_relative_error:.3g}"
@@ -284,74 +284,74 @@ def aggregate(values: list[float], how: str) -> float:
     return {"mean": statistics.fmean, "min": min, "max": max}[how](values)
 
 
-def plan_problems(the_plan: Plan, budget: Budget) -> list[str]:
+def plan_problems(plan: Plan, budget: Budget) -> list[str]:
     """Invariants every plan must satisfy, derived here independently of the planner."""
     problems = []
     try:
-        check_plan(the_plan, "plan")
+        check_plan(plan, "plan")
     except UserError as error:
         problems.extend(line.removeprefix("plan: ") for line in error.lines)
-    recipe = the_plan.recipe
+    recipe = plan.recipe
     paper = recipe.batch.sequences
-    micro, accumulation, world = the_plan.micro_batch, the_plan.accumulation_steps, the_plan.world_size
-    if micro * accumulation * world != the_plan.effective_batch:
-        problems.append(f"effective batch: {micro} x {accumulation} x {world} != {the_plan.effective_batch}")
+    micro, accumulation, world = plan.micro_batch, plan.accumulation_steps, plan.world_size
+    if micro * accumulation * world != plan.effective_batch:
+        problems.append(f"effective batch: {micro} x {accumulation} x {world} != {plan.effective_batch}")
     if budget.micro_batch_max is not None and micro > budget.micro_batch_max:
         problems.append(f"micro_batch: {micro} exceeds the budget's micro_batch_max {budget.micro_batch_max}")
     if world != budget.world_size:
         problems.append(f"world_size: {world}, but the budget declares {budget.world_size}")
-    if budget.policy == "exact" and paper % budget.world_size == 0 and not the_plan.exact:
+    if budget.policy == "exact" and paper % budget.world_size == 0 and not plan.exact:
         problems.append(f"exact: {paper} {recipe.batch.count_unit} split over {budget.world_size} process(es) "
-                        f"exactly, but the plan's batch is {the_plan.effective_batch}")
+                        f"exactly, but the plan's batch is {plan.effective_batch}")
     # the LR rule as stated
-    factor = the_plan.effective_batch / paper
-    if the_plan.exact:
+    factor = plan.effective_batch / paper
+    if plan.exact:
         rule = "exact"
     elif recipe.scaling_rule == "auto":
         rule = "linear" if recipe.optimizer.family == "sgd" else "sqrt"
     else:
         rule = recipe.scaling_rule
     want_lr = recipe.optimizer.lr * {"exact": 1.0, "none": 1.0, "linear": factor, "sqrt": math.sqrt(factor)}[rule]
-    if the_plan.lr_rule != rule:
+    if plan.lr_rule != rule:
         problems.append(f"lr_rule: expected {rule} (scaling_rule {recipe.scaling_rule}, optimizer "
-                        f"{recipe.optimizer.name}), the plan applies {the_plan.lr_rule}")
-    if not math.isclose(the_plan.lr, want_lr, rel_tol=1e-9):
+                        f"{recipe.optimizer.name}), the plan applies {plan.lr_rule}")
+    if not math.isclose(plan.lr, want_lr, rel_tol=1e-9):
         problems.append(f"lr: the {rule} rule gives {want_lr:.6g} for batch x{factor:.4g}; the plan has "
-                        f"{the_plan.lr:.6g}")
-    if batch_phases(the_plan.segments):
+                        f"{plan.lr:.6g}")
+    if batch_phases(plan.segments):
         # the steps of a changing batch come from walking its phases (plan/segments.py); check_plan has checked each
         # phase's split and order above, and the phases must cover the recipe's
-        return problems + _phase_schedule_problems(the_plan)
+        return problems + _phase_schedule_problems(plan)
     # steps converted: the same data as the paper's schedule covers
-    dataset = the_plan.dataset_size
+    dataset = plan.dataset_size
     per_epoch = None
     if dataset is not None:
-        full, rest = divmod(dataset, the_plan.effective_batch)
+        full, rest = divmod(dataset, plan.effective_batch)
         per_epoch = full if recipe.data.drop_last or not rest else full + 1
-        if the_plan.steps_per_epoch != per_epoch:
-            problems.append(f"steps_per_epoch: {dataset} // {the_plan.effective_batch} gives {per_epoch}; the "
-                            f"plan has {the_plan.steps_per_epoch}")
+        if plan.steps_per_epoch != per_epoch:
+            problems.append(f"steps_per_epoch: {dataset} // {plan.effective_batch} gives {per_epoch}; the "
+                            f"plan has {plan.steps_per_epoch}")
     paper_batch = (recipe.batch.sequences, recipe.batch.sequence_length)  # in samples (sequences), for steps
-    total = _steps(recipe.schedule.total, *paper_batch, the_plan.effective_batch, per_epoch)
-    if total is not None and the_plan.optimizer_steps != total:
+    total = _steps(recipe.schedule.total, *paper_batch, plan.effective_batch, per_epoch)
+    if total is not None and plan.optimizer_steps != total:
         problems.append(f"optimizer_steps: schedule.total {recipe.schedule.total.label()} is {total} steps of "
-                        f"{the_plan.effective_batch}; the plan has {the_plan.optimizer_steps}")
+                        f"{plan.effective_batch}; the plan has {plan.optimizer_steps}")
     warmup = recipe.schedule.warmup
     if warmup is not None:
         if warmup.ratio is not None:
-            want = round(warmup.ratio * the_plan.optimizer_steps) if the_plan.optimizer_steps is not None else None
+            want = round(warmup.ratio * plan.optimizer_steps) if plan.optimizer_steps is not None else None
         else:
-            want = _steps(warmup, *paper_batch, the_plan.effective_batch, per_epoch)
-        if want is not None and the_plan.warmup_steps != want:
-            problems.append(f"warmup_steps: expected {want}, the plan has {the_plan.warmup_steps}")
+            want = _steps(warmup, *paper_batch, plan.effective_batch, per_epoch)
+        if want is not None and plan.warmup_steps != want:
+            problems.append(f"warmup_steps: expected {want}, the plan has {plan.warmup_steps}")
     milestones = recipe.schedule.decay.milestones
     if milestones is not None:
         from ..plan.recipe import Length
 
-        want = [_steps(Length(**{milestones.unit: v}), *paper_batch, the_plan.effective_batch, per_epoch)
+        want = [_steps(Length(**{milestones.unit: v}), *paper_batch, plan.effective_batch, per_epoch)
                 for v in milestones.value]
-        if None not in want and the_plan.decay_milestones != want:
-            problems.append(f"decay_milestones: expected {want}, the plan has {the_plan.decay_milestones}")
+        if None not in want and plan.decay_milestones != want:
+            problems.append(f"decay_milestones: expected {want}, the plan has {plan.decay_milestones}")
     if recipe.model.has_batchnorm and recipe.batch.per_device:
         per_device = recipe.batch.per_device
         per_rank = paper // world if paper % world == 0 else None
@@ -362,11 +362,11 @@ def plan_problems(the_plan: Plan, budget: Budget) -> list[str]:
     return problems
 
 
-def _phase_schedule_problems(the_plan: Plan) -> list[str]:
+def _phase_schedule_problems(plan: Plan) -> list[str]:
     """With batch phases: each phase's length in steps covers the data the recipe's phase length says, re-derived
     here phase by phase (exact phases keep the paper's steps)."""
     problems = []
-    for index, (phase, spec) in enumerate(zip(the_plan.phases, the_plan.recipe.batch.phases or [], strict=False)):
+    for index, (phase, spec) in enumerate(zip(plan.phases, plan.recipe.batch.phases or [], strict=False)):
         if phase.steps is None:
             continue
         want = _steps(spec, phase.paper_effective_batch, phase.sequence_length, phase.effective_batch,

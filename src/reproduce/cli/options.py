@@ -110,7 +110,7 @@ def value_of(choice: Enum | None) -> str | None:
 
 def probe_options(memory: str | None, gpu: str | None, meter: MeterName, headroom: float, no_cache: bool
                   ) -> ProbeOptions:
-    """The options `make_plan` and `run_probe` take, from the command-line flags (--memory checked now, before
+    """The options `plan_and_probe` and `run_probe` take, from the command-line flags (--memory checked now, before
     anything is built or written)."""
     if memory is not None:
         parse_size(memory, "--memory")

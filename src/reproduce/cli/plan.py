@@ -124,45 +124,45 @@ def plan_command(
         recipe, str(recipe_path), micro_batch_max, world_size, policy.value, size, probe=options, data=data,
         keep_batchnorm=not free_batchnorm, on_note=None if quiet else show_note,
     )
-    the_plan, result = planned.plan, planned.probe
+    plan, result = planned.plan, planned.probe
     if out is not None:
-        save_plan(the_plan, out)
+        save_plan(plan, out)
     if emit_format is not None:
-        print(emit(the_plan, emit_format, gpus_per_node), end="")
+        print(emit(plan, emit_format, gpus_per_node), end="")
         return
-    prediction = predict(the_plan, result, gpu, assumed_mfu)
-    grouping = packing_table(the_plan.recipe, the_plan, data)  # (the plan's recipe: data.packing's default taken)
-    origin = packing_origin(recipe, the_plan.recipe)
+    prediction = predict(plan, result, gpu, assumed_mfu)
+    grouping = packing_table(plan.recipe, plan, data)  # (the plan's recipe: data.packing's default taken)
+    origin = packing_origin(recipe, plan.recipe)
     if as_json:
-        print(json.dumps(plan_json(the_plan, result, prediction, grouping, origin), indent=2))
+        print(json.dumps(plan_json(plan, result, prediction, grouping, origin), indent=2))
         return
     stdout.print(f"recipe: {described(recipe_path, recipe_path)}", markup=False, soft_wrap=True)
-    render_plan(the_plan)
+    render_plan(plan)
     counts = parameter_counts(recipe, build=result is not None)  # counted on the meta device when the plan probed
     if counts is not None:  # (or by `papers` or an earlier probe: the probe's cache keeps it) and no torch otherwise
         stdout.print(parameters_line(counts), markup=False)
     if grouping is not None or origin is not None:
         probed = token_budget_text(result) if recipe.data.token_budget is None else None
-        for line in packing_lines(the_plan.recipe.data.packing or "none", origin, grouping, probed):
+        for line in packing_lines(plan.recipe.data.packing or "none", origin, grouping, probed):
             stdout.print(line, markup=False, soft_wrap=True)
-    render_throughput(the_plan)
+    render_throughput(plan)
     if result is not None:
-        for line in cost_lines(the_plan, result):
+        for line in cost_lines(plan, result):
             stdout.print(line, markup=False, soft_wrap=True)
-    render_prediction(prediction, the_plan.world_size, gpus_per_node)
+    render_prediction(prediction, plan.world_size, gpus_per_node)
     if out is not None:
         stdout.print(f"plan written to {out}")
 
 
-def plan_json(the_plan: Plan, result, prediction: dict, grouping: dict | None, origin: str | None) -> dict:
+def plan_json(plan: Plan, result, prediction: dict, grouping: dict | None, origin: str | None) -> dict:
     """`plan --json`: the plan, its grouping, the probe behind it and its cost, the predicted time."""
-    summary = plan_summary(the_plan)
+    summary = plan_summary(plan)
     if grouping is not None or origin is not None:
-        summary["packing"] = {"way": the_plan.recipe.data.packing or "none", **(grouping or {}),
+        summary["packing"] = {"way": plan.recipe.data.packing or "none", **(grouping or {}),
                               "origin": origin or "the default for this data"}
     if result is not None:
         summary["probe"] = result.model_dump(mode="json")
-        summary["cost"] = costs_json(plan_costs(the_plan, result))
+        summary["cost"] = costs_json(plan_costs(plan, result))
     summary.update(predicted_seconds=prediction.get("predicted_seconds"),
                    paper_predicted_seconds=prediction.get("paper_predicted_seconds"),
                    gpu_hours=prediction.get("gpu_hours"), prediction=prediction)
@@ -184,20 +184,20 @@ def packing_lines(way: str, origin: str | None, table: dict | None, probed: str 
             f"  micro-batches per window and rank, over the first {table['windows']} windows of this data: {ways}"]
 
 
-def plan_summary(the_plan: Plan) -> dict:
+def plan_summary(plan: Plan) -> dict:
     """The plan as JSON: every field but the embedded recipe, plus the batch arithmetic."""
-    summary = the_plan.model_dump(mode="json", exclude={"recipe"})
-    summary["arithmetic"] = the_plan.arithmetic
-    summary["memory_options"] = memory_summary(the_plan.recipe)  # the recipe's own: quantised base, optimizer, ...
-    summary.update(lr_points_summary(the_plan))
+    summary = plan.model_dump(mode="json", exclude={"recipe"})
+    summary["arithmetic"] = plan.arithmetic
+    summary["memory_options"] = memory_summary(plan.recipe)  # the recipe's own: quantised base, optimizer, ...
+    summary.update(lr_points_summary(plan))
     return summary
 
 
-def lr_points_summary(the_plan: Plan) -> dict:
+def lr_points_summary(plan: Plan) -> dict:
     """`lr_points`: [optimizer step (1-based), lr] where the schedule changes shape (docs/schedules.md); with plateau
     decay only up to the first step a decrease could change, which `lr_points_note` says."""
-    summary: dict = {"lr_points": lr_points(the_plan)}
-    first = first_plateau_step(the_plan)
+    summary: dict = {"lr_points": lr_points(plan)}
+    first = first_plateau_step(plan)
     if first is not None:
         summary["lr_points_note"] = (f"plateau decay: the decreases depend on the run's evaluations; the points stop "
                                      f"at step {first + 1}, the first whose LR a decrease could change")

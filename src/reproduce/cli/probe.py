@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ..plan.planner import Plan, plan
+from ..plan.planner import Plan, make_plan
 from ..plan.units import format_size
 from ..probe.runner import ProbeResult, ProbeTrial, run_probe
 from ..probe.search import Measurement
@@ -78,14 +78,14 @@ def probe_command(
         "--offload": offload, "--batchnorm": batchnorm})], world_size)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     result = run_probe(recipe, str(recipe_path), options, world_size, on_trial=None if as_json else show_trial)
-    the_plan = plan(recipe, result.micro_batch_max, world_size) if result.micro_batch_max else None
+    plan = make_plan(recipe, result.micro_batch_max, world_size) if result.micro_batch_max else None
     if as_json:
         summary = result.model_dump(mode="json")
-        if the_plan is not None:
-            summary["plan"] = {"arithmetic": the_plan.arithmetic, "cost": costs_json(plan_costs(the_plan, result))}
+        if plan is not None:
+            summary["plan"] = {"arithmetic": plan.arithmetic, "cost": costs_json(plan_costs(plan, result))}
         print(json.dumps(summary, indent=2))
     else:
-        render_probe(result, the_plan)
+        render_probe(result, plan)
     if result.micro_batch_max is None:
         raise does_not_fit(result)
 
@@ -100,7 +100,7 @@ def show_trial(trial: Measurement) -> None:
     stderr.print(f"  trial micro-batch {trial.micro_batch}: {verdict(trial)}, peak {peak} ({trial.seconds:.2f} s)")
 
 
-def render_probe(result: ProbeResult, the_plan: Plan | None) -> None:
+def render_probe(result: ProbeResult, plan: Plan | None) -> None:
     source = "--gpu " + result.gpu if result.gpu else "budget"
     stdout.print(
         f"[bold]probe[/] {result.recipe_path}: {result.meter} meter, {result.device}; {result.data}\n"
@@ -148,15 +148,15 @@ def render_probe(result: ProbeResult, the_plan: Plan | None) -> None:
         stdout.print(f"token budget: {budget}", markup=False, soft_wrap=True)
     for note in result.notes:
         stdout.print(f"note: {note}", markup=False, soft_wrap=True)
-    if the_plan is not None:
-        render_batchnorm(the_plan, result)
-        render_costs(the_plan, result)
+    if plan is not None:
+        render_batchnorm(plan, result)
+        render_costs(plan, result)
 
 
-def render_batchnorm(the_plan: Plan, result: ProbeResult) -> None:
+def render_batchnorm(plan: Plan, result: ProbeResult) -> None:
     """What micro-batch each BatchNorm choice needs: the paper's BN batch per device against what fits (and what
     the fitted line says it would peak at), sync's over the processes, none for group and frozen."""
-    norm = the_plan.norm
+    norm = plan.norm
     if norm is None:
         return
     stdout.print(norm.summary, markup=False, soft_wrap=True)
@@ -170,6 +170,6 @@ def render_batchnorm(the_plan: Plan, result: ProbeResult) -> None:
         stdout.print(f"  BatchNorm option: {option}", markup=False, soft_wrap=True)
 
 
-def render_costs(the_plan: Plan, result: ProbeResult) -> None:
-    for line in cost_lines(the_plan, result):
+def render_costs(plan: Plan, result: ProbeResult) -> None:
+    for line in cost_lines(plan, result):
         stdout.print(line, markup=False, soft_wrap=True)

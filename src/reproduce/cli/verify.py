@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from ..errors import UserError
-from ..session import make_plan, recipe_for_run
+from ..session import plan_and_probe, recipe_for_run
 from .app import app
 from .common import recipe_argument, show_note, stdout
 from .options import (
@@ -83,16 +83,16 @@ def verify_command(
     if tolerance is not None and not tolerance > 0:
         raise UserError(f"--tolerance: must be > 0 (got {tolerance})")
     source = recipe_argument(source, "recipe or plan")
-    recipe, the_plan = recipe_for_run(source, override_changes(overrides), field_changes({
+    recipe, plan = recipe_for_run(source, override_changes(overrides), field_changes({
         "--weights": weights, "--data": data_path, "--backbone-weights": backbone_weights, "--quantize": quantize,
         "--activation-checkpointing": activation_checkpointing, "--packing": packing, "--token-budget": token_budget,
         "--batchnorm": batchnorm}))
     data = build_data(recipe)
-    if the_plan is None:
-        the_plan = make_plan(recipe, str(source), micro_batch_max, world_size, policy.value,
-                             dataset_size=training_sizes(recipe, data["train"]), on_note=show_note)
+    if plan is None:
+        plan = plan_and_probe(recipe, str(source), micro_batch_max, world_size, policy.value,
+                             dataset_size=training_sizes(recipe, data["train"]), on_note=show_note).plan
     result = verify(
-        the_plan, samples=samples, tolerance=tolerance, dtype=dtype.value, device=device, seed=seed, data=data
+        plan, samples=samples, tolerance=tolerance, dtype=dtype.value, device=device, seed=seed, data=data
     )
     if as_json:
         print(json.dumps(result.to_json(), indent=2))

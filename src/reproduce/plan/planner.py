@@ -1,6 +1,6 @@
 """The planner: from a paper's recipe and the largest micro-batch that fits, the accumulation plan.
 
-Pure Python, no torch. `plan(recipe, micro_batch_max, world_size, policy)` returns a `Plan`:
+Pure Python, no torch. `make_plan(recipe, micro_batch_max, world_size, policy)` returns a `Plan`:
 micro-batch m, accumulation steps N and world size W with m x N x W = the paper's effective batch when
 that is possible; the LR rule applied when it is not; and the schedule converted to optimizer steps.
 `lr_at(plan, step)` is the learning rate of optimizer step `step`, used by the training loop.
@@ -115,7 +115,7 @@ class Plan(Frozen):
                       lr=self.lr, lr_factor=self.lr_factor)
 
 
-def plan(
+def make_plan(
     recipe: Recipe,
     micro_batch_max: int | Mapping[int | None, int],
     world_size: int = 1,

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from .packing import kept_grouping
-from .planner import Plan
-from .planner import plan as make
+from .planner import Plan, make_plan
 from .weightfiles import data_fingerprint, fingerprint_of, inspect
 
 
@@ -22,7 +21,7 @@ def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: 
     cap = micro_batch or saved.micro_batch
     per_length = {s.sequence_length: min(s.micro_batch, micro_batch or s.micro_batch) for s in saved.segments}
     micro = per_length if len(per_length) > 1 else cap  # one micro-batch per sequence length the plan reads
-    again = make(kept_grouping(saved.recipe), micro, world_size, saved.policy, dataset_size=dataset_size,
+    again = make_plan(kept_grouping(saved.recipe), micro, world_size, saved.policy, dataset_size=dataset_size,
                  recipe_path=saved.recipe_path).model_copy(update={"weights": saved.weights,
                                                                    "data_fingerprint": saved.data_fingerprint})
     same: tuple[str, ...] = ("effective_batch", "steps_per_epoch", "optimizer_steps", "warmup_steps",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..plan.planner import plan
+from ..plan.planner import make_plan
 from ..plan.recipe import Recipe
 from ..plan.split import split_text
 from ..plan.units import format_size
@@ -68,12 +68,12 @@ def per_device_batch(recipe: Recipe, result: ProbeResult, probe: Probe, world_si
     if checkpointed.micro_batch_max is None or checkpointed.micro_batch_max < paper:
         return recipe, result, [f"memory: the paper's {what} of {paper} does not fit, with activation checkpointing "
                                 f"either (largest micro-batch {checkpointed.micro_batch_max or 0})"]
-    without = plan(recipe, found, world_size)
-    with_it = plan(changed, paper, world_size)
+    without = make_plan(recipe, found, world_size)
+    with_it = make_plan(changed, paper, world_size)
     seq = recipe.batch.sequence_length
     times = {}
-    for name, the_plan, probed in (("without", without, result), ("with", with_it, checkpointed)):
-        c = cost(probed.timings(), the_plan.micro_batch, the_plan.accumulation_steps, the_plan.effective_batch, seq,
+    for name, plan, probed in (("without", without, result), ("with", with_it, checkpointed)):
+        c = cost(probed.timings(), plan.micro_batch, plan.accumulation_steps, plan.effective_batch, seq,
                  None)
         times[name] = c.step_seconds if c else None
     if recipe.model.has_batchnorm:
@@ -85,10 +85,10 @@ def per_device_batch(recipe: Recipe, result: ProbeResult, probe: Probe, world_si
         take, why = "without", ("no step was timed (estimate meter), and it recomputes nothing; "
                                 "--activation-checkpointing takes the other")
 
-    def line(name: str, the_plan) -> str:
+    def line(name: str, plan) -> str:
         timed = f"{times[name]:.3g} s per optimizer step" if times[name] else "step time not measured"
         knob = "with activation checkpointing" if name == "with" else "without checkpointing"
-        return f"{split_text(the_plan.micro_batch, the_plan.accumulation_steps, world_size)} {knob} ({timed})"
+        return f"{split_text(plan.micro_batch, plan.accumulation_steps, world_size)} {knob} ({timed})"
 
     notes = [f"memory: the paper's {what} of {paper} fits only with activation checkpointing: "
              f"{line('without', without)}; or {line('with', with_it)}; took {take} checkpointing: {why}"]

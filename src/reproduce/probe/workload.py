@@ -25,7 +25,7 @@ from ..data.batches import collate, fetch
 from ..data.shapes import image_dataset
 from ..errors import UserError
 from ..models import check_context, model_inputs
-from ..plan.planner import Plan, plan
+from ..plan.planner import Plan, make_plan
 from ..plan.recipe import Recipe
 
 SHAPE_SAMPLE = 256  # items looked at to tell fixed-shape data from variable-length data
@@ -187,11 +187,11 @@ class Workload:
         return f"{name} ({'synthetic' if self.synthetic else 'real'} inputs)"
 
     @cached_property
-    def plan(self) -> Plan:
+    def make_plan(self) -> Plan:
         """A plan for `trainer.build`: its optimizer and schedule (the learning rate does not change memory). Planned
         at a micro-batch of 2 where the batch allows: the plan refuses a BN batch of 1 for a model whose image
         pooling cannot train on one (DeepLabV3, plan.batchnorm), and the split changes no memory."""
-        return plan(self.recipe, micro_batch_max=min(2, self.recipe.batch.sequences),
+        return make_plan(self.recipe, micro_batch_max=min(2, self.recipe.batch.sequences),
                     dataset_size=len(self.data["train"]))
 
     @cached_property

@@ -8,22 +8,22 @@ from ..probe.cost import Cost, cost, format_duration
 from ..probe.runner import ProbeResult
 
 
-def plan_costs(the_plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:
+def plan_costs(plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:
     """The plan's cost, and its alternative's when it has one, keyed by policy."""
-    seq, timings = the_plan.recipe.batch.sequence_length, result.timings()
-    decision = the_plan.throughput or {}
+    seq, timings = plan.recipe.batch.sequence_length, result.timings()
+    decision = plan.throughput or {}
     timed = [(c["micro_batch"], c["micro_step_seconds"]) for c in decision.get("candidates", []) if c.get("repeats")]
     costs = {  # --policy throughput: its whole optimizer steps' medians (throughput_plan.py), not the probe's trials
-        the_plan.policy: cost(
-            timed or timings, the_plan.micro_batch, the_plan.accumulation_steps, the_plan.effective_batch, seq,
-            the_plan.optimizer_steps,
+        plan.policy: cost(
+            timed or timings, plan.micro_batch, plan.accumulation_steps, plan.effective_batch, seq,
+            plan.optimizer_steps,
         )
     }
-    alt = the_plan.alternative
+    alt = plan.alternative
     if alt is not None:
         steps = None
-        if the_plan.optimizer_steps is not None:  # the same data, in steps of the other batch
-            steps = round(the_plan.optimizer_steps * the_plan.effective_batch / alt.effective_batch)
+        if plan.optimizer_steps is not None:  # the same data, in steps of the other batch
+            steps = round(plan.optimizer_steps * plan.effective_batch / alt.effective_batch)
         costs[alt.policy] = cost(timings, alt.micro_batch, alt.accumulation_steps, alt.effective_batch, seq, steps)
     return costs
 
@@ -32,13 +32,13 @@ def costs_json(costs: dict[str, Cost | None]) -> dict:
     return {policy: (c.to_json() if c else None) for policy, c in costs.items()}
 
 
-def cost_lines(the_plan: Plan, result: ProbeResult) -> list[str]:
+def cost_lines(plan: Plan, result: ProbeResult) -> list[str]:
     """What the plan costs on the probed device, one line per policy."""
-    costs = plan_costs(the_plan, result)
+    costs = plan_costs(plan, result)
     if all(c is None for c in costs.values()):
         why = "the estimate meter runs no real step" if result.meter == "estimate" else "no step was timed"
         return [f"cost: not measured ({why}); probe with --meter cuda or cpu for step times"]
-    unit = the_plan.unit
+    unit = plan.unit
     lines = []
     for policy, c in costs.items():
         if c is None:

@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 
 from ..errors import UserError
-from ..plan.planner import Plan, plan
+from ..plan.planner import Plan, make_plan
 from ..plan.recipe import Recipe
 from ..probe.runner import ProbeResult
 from .prediction import DEFAULT_MFU
@@ -45,7 +45,8 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, worl
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("`policy` throughput: each process would time its own device and might choose another split; "
                         "plan first (reproduce plan `policy` throughput `out` plan.yaml) and run that plan")
-    base = plan(recipe, micro_batch_max, world_size, "throughput", dataset_size=dataset_size, recipe_path=recipe_path)
+    base = make_plan(recipe, micro_batch_max, world_size, "throughput", dataset_size=dataset_size,
+                     recipe_path=recipe_path)
     if not base.exact:  # no exact split (the batch does not divide over the processes): as the exact policy does
         return base
     per_rank = base.per_rank_batch
@@ -67,7 +68,7 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, worl
         timings, where = _measure(recipe, data, result, per_rank, splits, budget_seconds, on_note)
     decision = choose(splits, per_rank, timed, sources, seq, batchnorm_micro_batch=batchnorm, basis=basis,
                       micro_batch_max=micro_batch_max, timings=timings)
-    chosen = plan(recipe, micro_batch_max, world_size, "throughput", dataset_size=dataset_size,
+    chosen = make_plan(recipe, micro_batch_max, world_size, "throughput", dataset_size=dataset_size,
                   recipe_path=recipe_path, micro_batch=decision.micro_batch)
     record = {**decision.to_json(), "device": where, "micro_batch_max": micro_batch_max}
     if batchnorm is None and recipe.model.has_batchnorm and per_device:

@@ -19,7 +19,7 @@ from reproduce.data import build_data
 from reproduce.data.batches import LazyMicroBatch
 from reproduce.data.loader import LoaderWatch, WindowSampler
 from reproduce.models import build_model
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.setup import build
 from reproduce.train.step import optimizer_step
@@ -97,9 +97,9 @@ def test_tokens_without_shuffle_equal_a_plain_loop_float64(sample_data, tmp_path
     spec = data_paths(parse_recipe(recipe_for("tokens", sample_data, shuffle=False)),
                            str(sample_data / "tokens" / "train.bin"), None)
     data = build_data(spec)
-    the_plan = plan(spec, micro_batch_max=4, dataset_size=len(data["train"]))
-    assert (the_plan.micro_batch, the_plan.accumulation_steps) == (4, 4)
-    train(the_plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data, workers=2))
+    plan = make_plan(spec, micro_batch_max=4, dataset_size=len(data["train"]))
+    assert (plan.micro_batch, plan.accumulation_steps) == (4, 4)
+    train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data, workers=2))
     ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
 
     tokens = torch.from_numpy(np.fromfile(sample_data / "tokens" / "train.bin", dtype=np.uint16).astype(np.int64))
@@ -161,8 +161,8 @@ def test_instruction_data_masks_exactly_the_prompt_tokens(sample_data, tmp_path)
         assert int(dataset.target_counts(torch.tensor([index]))) == int((targets != -100).sum())
 
     # the window's count, known before the first backward, is the response tokens of its samples
-    the_plan = plan(spec, micro_batch_max=2, dataset_size=len(dataset))
-    train(the_plan, tmp_path / "run", RunOptions(device="cpu", data=data, max_steps=2, workers=1))
+    plan = make_plan(spec, micro_batch_max=2, dataset_size=len(dataset))
+    train(plan, tmp_path / "run", RunOptions(device="cpu", data=data, max_steps=2, workers=1))
     records_out = read_metrics(tmp_path / "run" / "metrics.jsonl")
     for step, record in enumerate(records_out):
         window_targets = [dataset[i][1] for i in range(step * 8, (step + 1) * 8)]
@@ -183,8 +183,8 @@ def test_window_count_is_known_before_any_micro_batch_is_fetched(sample_data):
         return counts(indices)
 
     dataset.target_counts = counted
-    the_plan = plan(spec, micro_batch_max=2, dataset_size=len(dataset))
-    setup = build(the_plan, torch.device("cpu"), data=data)
+    plan = make_plan(spec, micro_batch_max=2, dataset_size=len(dataset))
+    setup = build(plan, torch.device("cpu"), data=data)
     original_forward = setup.model.forward
 
     def forward(inputs):
@@ -197,7 +197,7 @@ def test_window_count_is_known_before_any_micro_batch_is_fetched(sample_data):
         events.append("load")
         return dataset.batch(indices) if hasattr(dataset, "batch") else _collate(dataset, indices)
 
-    indices, _ = window(the_plan, len(dataset), 0, spec.seed)
+    indices, _ = window(plan, len(dataset), 0, spec.seed)
     micro_batches = [LazyMicroBatch(dataset, i, setup.device, setup.dtype, source) for i in indices]
     optimizer_step(setup, micro_batches)
     assert events == ["count"] * 4 + ["load", "forward"] * 4
@@ -216,11 +216,11 @@ def test_resume_with_workers_is_bitwise_mid_epoch(sample_data, tmp_path):
     recipe["model"] = {"builtin": "mlp", "kwargs": {"dropout": 0.3}}
     spec = data_paths(parse_recipe(recipe), str(sample_data / "images" / "train"), None)
     data = build_data(spec)
-    the_plan = plan(spec, micro_batch_max=8, dataset_size=len(data["train"]))
-    assert the_plan.steps_per_epoch == 44
-    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data, workers=0))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3, workers=2))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True, workers=1))
+    plan = make_plan(spec, micro_batch_max=8, dataset_size=len(data["train"]))
+    assert plan.steps_per_epoch == 44
+    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data, workers=0))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3, workers=2))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True, workers=1))
     assert_same_model(tmp_path / "full", tmp_path / "split")
     losses = [r["loss"] for r in read_metrics(tmp_path / "split" / "metrics.jsonl")]
     assert losses == [r["loss"] for r in read_metrics(tmp_path / "full" / "metrics.jsonl")] and len(losses) == 6
@@ -248,9 +248,9 @@ def test_resume_reads_the_runs_own_data_and_refuses_other_data(sample_data, tmp_
 def test_sampler_yields_the_windows_micro_batches_in_order():
     spec = parse_recipe({"batch": {"effective": 24}, "task": "classification", "model": {"builtin": "mlp"},
                          "data": {"builtin": "digits"}, "optimizer": SGD, "schedule": {"total": {"steps": 100}}})
-    the_plan = plan(spec, micro_batch_max=8, dataset_size=100)
-    keys = list(WindowSampler(lambda step: window(the_plan, 100, step, 7, 0, 6)[0], 2, 6))
-    expected = [(step, tuple(i.tolist())) for step in range(2, 6) for i in window(the_plan, 100, step, 7, 0, 6)[0]]
+    plan = make_plan(spec, micro_batch_max=8, dataset_size=100)
+    keys = list(WindowSampler(lambda step: window(plan, 100, step, 7, 0, 6)[0], 2, 6))
+    expected = [(step, tuple(i.tolist())) for step in range(2, 6) for i in window(plan, 100, step, 7, 0, 6)[0]]
     assert [(k.step, k.indices) for k in keys] == expected and len(keys) == 4 * 4  # micro-batch 6: 4 per window
     assert keys[-1].step == 5 and len({k.indices for k in keys[:8]}) == 8  # epoch 1 starts at step 4: reshuffled
 
@@ -271,9 +271,9 @@ def test_the_run_warns_once_when_the_loader_is_the_bottleneck(tmp_path):
                          "data": {"factory": "factories:slow_digits", "kwargs": {"delay": 0.003}},
                          "optimizer": SGD, "schedule": {"total": {"steps": 5}}, "evaluation": {"at_end": False}})
     data = build_data(spec)
-    the_plan = plan(spec, micro_batch_max=8, dataset_size=len(data["train"]))
+    plan = make_plan(spec, micro_batch_max=8, dataset_size=len(data["train"]))
     reporter = Messages()
-    train(the_plan, tmp_path / "run", RunOptions(device="cpu", data=data, reporter=reporter, workers=0))
+    train(plan, tmp_path / "run", RunOptions(device="cpu", data=data, reporter=reporter, workers=0))
     warnings = [line for line in reporter.lines if "the loader is the bottleneck" in line]
     assert len(warnings) == 1 and "with --workers 0" in warnings[0], reporter.lines
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")

@@ -24,7 +24,7 @@ from reproduce.errors import UserError
 from reproduce.models.hf import HFLogits, check_packed
 from reproduce.plan.overlay import Change, overlay
 from reproduce.plan.packing import DEFAULT_WHY, kept_grouping
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import default_packing, load_recipe, parse_recipe
 from reproduce.plan.resume_rules import replan
 from reproduce.train.trainer import RunOptions, train
@@ -81,10 +81,10 @@ def test_balance_gives_every_rank_as_many_micro_batches_splitting_or_adding_empt
     assert [len(g) for g in balanced[2]] == [1, 0, 0]  # one sample: two empty micro-batches beside it
 
 
-def make_plan(recipe: dict, world_size: int = 1, micro: int = 4):
+def grouped_plan(recipe: dict, world_size: int = 1, micro: int = 4):
     spec = parse_recipe(recipe)
     data = build_data(spec)
-    return spec, data, plan(spec, micro_batch_max=micro, world_size=world_size, dataset_size=len(data["train"]),
+    return spec, data, make_plan(spec, micro_batch_max=micro, world_size=world_size, dataset_size=len(data["train"]),
                             policy="fast" if recipe["batch"]["effective"] % (world_size * micro) else "exact")
 
 
@@ -95,7 +95,7 @@ def test_each_steps_sample_ids_are_the_unpacked_plans_on_every_rank(way, world_s
     those of `none`; every rank has as many micro-batches."""
     recipe = llama_lora(way, effective=18, steps=9)
     recipe["data"]["drop_last"] = False
-    spec, data, the_plan = make_plan(recipe, world_size, micro=2)
+    spec, data, the_plan = grouped_plan(recipe, world_size, micro=2)
     grouping = grouping_of(spec, data["train"], the_plan.micro_batch)
     size = len(data["train"])
     partials = 0
@@ -149,7 +149,7 @@ def test_packed_with_attention_over_the_whole_row_is_one_line():
     recipe = llama_lora("packed")
     recipe["model"] = {"builtin": "gpt", "kwargs": {"vocab_size": 32, "block_size": 16, "layers": 1, "heads": 2,
                                                      "dim": 16}}
-    spec, data, the_plan = make_plan(recipe)
+    spec, data, the_plan = grouped_plan(recipe)
     with pytest.raises(UserError) as error:
         train(the_plan, "unused-out", RunOptions(device="cpu", data=data))
     assert len(error.value.lines) == 1
@@ -162,7 +162,7 @@ def test_lora_run_with_each_way_is_the_large_batch_float64(way, tmp_path):
     """A LoRA run on variable-length sequences, grouped `way`: the weights of the plain large-batch loop over the
     same samples within float64 rounding, the paper's samples per step in the metrics, padding counted."""
     recipe = llama_lora(way, shuffle=False)
-    spec, data, the_plan = make_plan(recipe)
+    spec, data, the_plan = grouped_plan(recipe)
     summary = train(the_plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
     ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     reference = run_plain(recipe, data, steps=3)
@@ -181,21 +181,21 @@ def test_sorted_and_packed_pad_less_than_none(tmp_path):
     fractions = {}
     for way in ("none", "sorted", "packed"):
         recipe = llama_lora(way if way != "none" else None, effective=32, steps=2)
-        spec, data, the_plan = make_plan(recipe, micro=8)
+        spec, data, the_plan = grouped_plan(recipe, micro=8)
         fractions[way] = train(the_plan, tmp_path / way, RunOptions(device="cpu", data=data))["padding_fraction"]
     assert fractions["packed"] < fractions["sorted"] < fractions["none"]
 
 
 @pytest.mark.parametrize("way", ["sorted", "packed"])
 def test_verify_says_equivalent_float64(way):
-    spec, data, the_plan = make_plan(llama_lora(way, effective=16), micro=4)
+    spec, data, the_plan = grouped_plan(llama_lora(way, effective=16), micro=4)
     result = verify(the_plan, data=data)
     assert result.equivalent and result.global_relative_error < 1e-12, result.explanation
     assert any(f"data.packing {way}" in note for note in result.notes)
 
 
 def test_a_token_budget_below_the_longest_example_is_one_line():
-    spec, data, the_plan = make_plan(llama_lora("sorted", token_budget=5))
+    spec, data, the_plan = grouped_plan(llama_lora("sorted", token_budget=5))
     with pytest.raises(UserError) as error:
         grouping_of(spec, data["train"], the_plan.micro_batch)
     longest = max(len(x) for x, _ in data["train"])
@@ -313,7 +313,7 @@ def test_instruction_data_left_unset_plans_sorted_and_every_other_recipe_keeps_i
     if loss:
         body["loss"] = loss
     recipe = parse_recipe(body)
-    planned = plan(recipe, 4)
+    planned = make_plan(recipe, 4)
     assert planned.recipe.data.packing == expected
     assert default_packing(recipe) == (expected if "packing" not in data else None)
     # a plan saved before the default (data.packing unset: it ran `none`) keeps `none` when re-planned on resume
@@ -394,7 +394,7 @@ def test_an_empty_micro_batch_brings_no_loss_but_reaches_every_trained_parameter
     from reproduce.models import build_model
     from reproduce.train.losses import TokenLoss
 
-    spec, data, the_plan = make_plan(llama_lora(way))
+    spec, data, the_plan = grouped_plan(llama_lora(way))
     grouping = grouping_of(spec, data["train"], the_plan.micro_batch)
     torch.manual_seed(0)
     model = build_model(spec, data["info"])
@@ -408,7 +408,7 @@ def test_an_empty_micro_batch_brings_no_loss_but_reaches_every_trained_parameter
 
 @pytest.mark.parametrize("way", ["sorted", "packed"])
 def test_a_micro_batch_lowered_after_out_of_memory_lowers_the_token_budget_and_keeps_the_samples(way):
-    spec, data, the_plan = make_plan(llama_lora(way, effective=16), micro=4)
+    spec, data, the_plan = grouped_plan(llama_lora(way, effective=16), micro=4)
     grouping = grouping_of(spec, data["train"], the_plan.micro_batch)
     size = len(data["train"])
     full, _ = window(the_plan, size, 0, 3, grouping=grouping)

@@ -264,7 +264,7 @@ def test_a_run_counts_the_pixels_it_trains_on_and_resumes_bitwise_with_workers(v
     bitwise the weights of an uninterrupted run without workers; each step's `items` is its window's valid pixels
     as the loader cut them."""
     from helpers import assert_same_model
-    from reproduce.plan.planner import plan
+    from reproduce.plan.planner import make_plan
     from reproduce.train.outputs import read_metrics
     from reproduce.train.trainer import RunOptions, train
     from reproduce.train.windows import window
@@ -274,17 +274,17 @@ def test_a_run_counts_the_pixels_it_trains_on_and_resumes_bitwise_with_workers(v
     recipe["evaluation"] = {"at_end": False}
     spec = parse_recipe(recipe)
     data = build_data(spec)
-    the_plan = plan(spec, micro_batch_max=2, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data, workers=0))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=2, workers=1))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True, workers=1))
+    plan = make_plan(spec, micro_batch_max=2, dataset_size=len(data["train"]))
+    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data, workers=0))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=2, workers=1))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True, workers=1))
     assert_same_model(tmp_path / "full", tmp_path / "split")
     records = read_metrics(tmp_path / "full" / "metrics.jsonl")
     for record in records:
         if "items" not in record:
             continue
         step = record["step"] - 1
-        micro_batches, _ = window(the_plan, len(data["train"]), step, spec.seed, 0, 2)
+        micro_batches, _ = window(plan, len(data["train"]), step, spec.seed, 0, 2)
         masks = [fetch_seeded(data["train"], indices, spec.seed, step)[1] for indices in micro_batches]
         assert record["items"] == sum(int((m != 255).sum()) for m in masks)
     assert sum("items" in r for r in records) == 4
@@ -361,7 +361,7 @@ def test_images_and_masks_with_train_and_val_folders_are_the_splits(voc, tmp_pat
 
 
 def test_a_run_without_evaluation_data_says_so(voc, tmp_path):
-    from reproduce.plan.planner import plan
+    from reproduce.plan.planner import make_plan
     from reproduce.train.setup import build
 
     root = tmp_path / "train-only"
@@ -370,5 +370,5 @@ def test_a_run_without_evaluation_data_says_so(voc, tmp_path):
     spec = parse_recipe(seg_recipe(root))
     data = build_data(spec)
     assert "eval" not in data
-    setup = build(plan(spec, micro_batch_max=2, dataset_size=len(data["train"])), torch.device("cpu"), data=data)
+    setup = build(make_plan(spec, micro_batch_max=2, dataset_size=len(data["train"])), torch.device("cpu"), data=data)
     assert setup.notes[-1].startswith("no evaluation data: the run reports no eval loss, mIoU or pixel accuracy")

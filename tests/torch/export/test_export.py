@@ -17,7 +17,7 @@ import yaml
 
 from reproduce.errors import UserError
 from reproduce.export import FORMATS, emit, export, hf_scheduler, lr_factor_source, torchrun_command
-from reproduce.plan.planner import lr_at, plan
+from reproduce.plan.planner import lr_at, make_plan
 from reproduce.plan.recipe import load_recipe, parse_recipe
 
 PAPERS = Path(__file__).resolve().parents[3] / "papers"
@@ -31,7 +31,7 @@ DEEPSPEED_SKIP = (
 
 def planned(name: str, micro_batch_max: int, world_size: int, **kwargs):
     path = PAPERS / name
-    return plan(load_recipe(path), micro_batch_max, world_size, recipe_path=f"papers/{name}", **kwargs)
+    return make_plan(load_recipe(path), micro_batch_max, world_size, recipe_path=f"papers/{name}", **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -64,18 +64,18 @@ def test_export_imports_no_torch():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_every_shipped_recipe_emits_with_the_arithmetic_first(path, fmt):
-    the_plan = plan(load_recipe(path), 16, 2 if load_recipe(path).batch.sequences % 2 == 0 else 1,
+    plan = make_plan(load_recipe(path), 16, 2 if load_recipe(path).batch.sequences % 2 == 0 else 1,
                     recipe_path=f"papers/{path.name}")
-    if fmt == "slurm" and the_plan.world_size == 1:  # a launcher for several processes (tests/e2e/test_nodes.py)
+    if fmt == "slurm" and plan.world_size == 1:  # a launcher for several processes (tests/e2e/test_nodes.py)
         with pytest.raises(UserError, match="`emit_format` slurm: the plan runs on 1 process, which needs no launcher"):
-            emit(the_plan, fmt)
+            emit(plan, fmt)
         return
-    lines = emit(the_plan, fmt).splitlines()
+    lines = emit(plan, fmt).splitlines()
     first = lines[1] if fmt == "slurm" else lines[0]  # (a shell script opens with its #!/bin/bash)
-    p = the_plan
+    p = plan
     assert first.startswith(f"# reproduce plan: micro-batch {p.micro_batch} x accumulation {p.accumulation_steps} "
                             f"x world {p.world_size} = {p.effective_batch} ")
-    assert ("as published (no LR rule)" in first) == the_plan.exact
+    assert ("as published (no LR rule)" in first) == plan.exact
 
 
 def test_hf_arithmetic_goyal(goyal):
@@ -121,7 +121,7 @@ def test_hf_scheduler_mapping(decay, expected):
         "data": {"builtin": "digits"}, "optimizer": {"name": "sgd", "lr": 0.1},
         "schedule": {"decay": decay, "total": {"steps": 100}},
     })
-    kind, kwargs, problems = hf_scheduler(plan(recipe, 16))
+    kind, kwargs, problems = hf_scheduler(make_plan(recipe, 16))
     assert (kind, kwargs) == expected and problems == []
 
 
@@ -138,13 +138,13 @@ def test_lightning_arithmetic(goyal, nanogpt):
 
 
 def test_deepspeed_arithmetic(goyal, nanogpt):
-    for the_plan in (goyal, nanogpt):
-        text = emit(the_plan, "deepspeed")
+    for plan in (goyal, nanogpt):
+        text = emit(plan, "deepspeed")
         config = json.loads(strip_comments(text))
-        assert config == export(the_plan, "deepspeed").values
+        assert config == export(plan, "deepspeed").values
         assert config["train_batch_size"] == (
-            config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * the_plan.world_size
-        ) == the_plan.effective_batch
+            config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * plan.world_size
+        ) == plan.effective_batch
     config = export(goyal, "deepspeed").values
     assert config["optimizer"] == {"type": "SGD", "params": {"lr": 3.2, "weight_decay": 1e-4, "momentum": 0.9,
                                                              "nesterov": True}}
@@ -189,21 +189,21 @@ def test_torchrun_matches_the_launcher_reproduce_uses(goyal):
 
 
 def test_inexact_plan_states_the_rule():
-    the_plan = planned("goyal2017-resnet50.yaml", 30, 3)  # 8192 is not divisible by 3
-    first = emit(the_plan, "hf").splitlines()[0]
-    assert not the_plan.exact and "not the paper's 8192" in first and "by the linear rule" in first
+    plan = planned("goyal2017-resnet50.yaml", 30, 3)  # 8192 is not divisible by 3
+    first = emit(plan, "hf").splitlines()[0]
+    assert not plan.exact and "not the paper's 8192" in first and "by the linear rule" in first
 
 
 @pytest.mark.parametrize("name", ["goyal2017-resnet50.yaml", "nanogpt-gpt2-124m.yaml", "pysource-gpt.yaml",
                                   "hu2021-lora-gpt2m-e2e.yaml", "digits-mlp.yaml"])
 def test_lr_factor_is_the_plans_schedule(name):
-    the_plan = planned(name, 16, 1, dataset_size=5000)
-    lr_factor = run_source("\n".join(lr_factor_source(the_plan)))["lr_factor"]
-    total = the_plan.optimizer_steps or 1000
-    steps = sorted({0, 1, 2, the_plan.warmup_steps - 1, the_plan.warmup_steps, the_plan.warmup_steps + 1,
-                    *the_plan.decay_milestones, total // 2, total - 1, total} - {-1})
+    plan = planned(name, 16, 1, dataset_size=5000)
+    lr_factor = run_source("\n".join(lr_factor_source(plan)))["lr_factor"]
+    total = plan.optimizer_steps or 1000
+    steps = sorted({0, 1, 2, plan.warmup_steps - 1, plan.warmup_steps, plan.warmup_steps + 1,
+                    *plan.decay_milestones, total // 2, total - 1, total} - {-1})
     for step in steps:
-        assert the_plan.lr * lr_factor(step) == pytest.approx(lr_at(the_plan, step), rel=1e-12, abs=1e-15), step
+        assert plan.lr * lr_factor(step) == pytest.approx(lr_at(plan, step), rel=1e-12, abs=1e-15), step
 
 
 @pytest.mark.parametrize("no_decay", [[], ["bias"], ["norm", "bias"], ["1d"], ["embedding", "norm"]])
@@ -221,7 +221,7 @@ def test_emitted_param_groups_equal_the_trainers(no_decay):
         "schedule": {"total": {"steps": 10}},
     })
     model = GPT(vocab_size=32, block_size=8, layers=1, heads=2, dim=16)
-    groups = run_source("\n".join(param_groups_source(plan(recipe, 4))))["param_groups"](model)
+    groups = run_source("\n".join(param_groups_source(make_plan(recipe, 4))))["param_groups"](model)
     reference = param_groups(model, 0.1, no_decay)
     assert [[id(p) for p in g["params"]] for g in groups] == [[id(p) for p in g["params"]] for g in reference]
     assert [g["weight_decay"] for g in groups] == [g["weight_decay"] for g in reference]
@@ -241,12 +241,12 @@ def test_transformers_accepts_the_training_arguments(goyal, nanogpt, tmp_path):
     transformers = pytest.importorskip("transformers", reason=f"transformers not installed; {NOT_IN_CI}")
     import torch
 
-    for the_plan in (goyal, nanogpt):
-        ns = run_source(emit(the_plan, "hf"))
+    for plan in (goyal, nanogpt):
+        ns = run_source(emit(plan, "hf"))
         args = transformers.TrainingArguments(**{**ns["training_args"], "output_dir": str(tmp_path), "use_cpu": True})
-        assert args.per_device_train_batch_size * args.gradient_accumulation_steps * the_plan.world_size == \
-            the_plan.effective_batch
-        assert args.max_steps == the_plan.optimizer_steps and args.warmup_steps == the_plan.warmup_steps
+        assert args.per_device_train_batch_size * args.gradient_accumulation_steps * plan.world_size == \
+            plan.effective_batch
+        assert args.max_steps == plan.optimizer_steps and args.warmup_steps == plan.warmup_steps
     # nanoGPT's schedule is HF's own cosine_with_min_lr: the LR of every step is the plan's
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate)
     scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
@@ -264,19 +264,19 @@ def test_lightning_accepts_the_trainer_arguments(goyal, nanogpt):
     lightning = pytest.importorskip("lightning", reason=f"lightning not installed; {NOT_IN_CI}")
     import torch
 
-    for the_plan in (goyal, nanogpt):
-        ns = run_source(emit(the_plan, "lightning"))
+    for plan in (goyal, nanogpt):
+        ns = run_source(emit(plan, "lightning"))
         kwargs = {**ns["trainer_kwargs"], "accelerator": "cpu"}  # the emitted "auto", pinned to this CPU
         trainer = lightning.Trainer(**kwargs, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-        assert trainer.accumulate_grad_batches == the_plan.accumulation_steps
-        assert trainer.max_steps == the_plan.optimizer_steps and trainer.num_devices == the_plan.world_size
-        assert ns["batch_size"] * trainer.accumulate_grad_batches * trainer.num_devices == the_plan.effective_batch
+        assert trainer.accumulate_grad_batches == plan.accumulation_steps
+        assert trainer.max_steps == plan.optimizer_steps and trainer.num_devices == plan.world_size
+        assert ns["batch_size"] * trainer.accumulate_grad_batches * trainer.num_devices == plan.effective_batch
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
         configured = ns["configure_optimizers"](model)
         scheduler = configured["lr_scheduler"]["scheduler"]
         assert configured["lr_scheduler"]["interval"] == "step"
         for step in range(3):
-            assert configured["optimizer"].param_groups[0]["lr"] == pytest.approx(lr_at(the_plan, step), rel=1e-12)
+            assert configured["optimizer"].param_groups[0]["lr"] == pytest.approx(lr_at(plan, step), rel=1e-12)
             configured["optimizer"].step()
             scheduler.step()
 
@@ -288,15 +288,15 @@ def test_deepspeed_config_checker_accepts_it(goyal, nanogpt, tmp_path, monkeypat
     world = {"size": 1}
     monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
     monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *a, **k: world["size"])
-    for the_plan in (goyal, nanogpt):
+    for plan in (goyal, nanogpt):
         path = tmp_path / "ds_config.json"
-        path.write_text(emit(the_plan, "deepspeed"))  # with its # comments: DeepSpeed reads hjson
-        world["size"] = the_plan.world_size
+        path.write_text(emit(plan, "deepspeed"))  # with its # comments: DeepSpeed reads hjson
+        world["size"] = plan.world_size
         config = ds_config.DeepSpeedConfig(str(path))
         assert (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) \
-            == (the_plan.effective_batch, the_plan.micro_batch, the_plan.accumulation_steps)
+            == (plan.effective_batch, plan.micro_batch, plan.accumulation_steps)
         # the checker is real: a world size that breaks the product is refused
-        world["size"] = the_plan.world_size + 1
+        world["size"] = plan.world_size + 1
         with pytest.raises(AssertionError, match="Check batch related parameters"):
             ds_config.DeepSpeedConfig(str(path))
 
@@ -306,20 +306,20 @@ def test_deepspeed_schedule_lags_one_step_in_warmup_as_noted(nanogpt):
     import torch
     from deepspeed.runtime import lr_schedules
 
-    the_plan = planned("pysource-gpt.yaml", 16, 1, dataset_size=20000)  # warm-up 20, cosine to step 300
-    block = export(the_plan, "deepspeed").values["scheduler"]
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=the_plan.lr)
+    plan = planned("pysource-gpt.yaml", 16, 1, dataset_size=20000)  # warm-up 20, cosine to step 300
+    block = export(plan, "deepspeed").values["scheduler"]
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=plan.lr)
     scheduler = getattr(lr_schedules, block["type"])(optimizer, **block["params"])
-    warmup = the_plan.warmup_steps
-    for step in range(the_plan.optimizer_steps):  # as DeepSpeed's engine: optimizer step, then scheduler.step()
+    warmup = plan.warmup_steps
+    for step in range(plan.optimizer_steps):  # as DeepSpeed's engine: optimizer step, then scheduler.step()
         lr = optimizer.param_groups[0]["lr"]
         if 1 <= step <= warmup:
-            assert lr == pytest.approx(lr_at(the_plan, step - 1), rel=1e-9, abs=1e-15), step
+            assert lr == pytest.approx(lr_at(plan, step - 1), rel=1e-9, abs=1e-15), step
         elif step > warmup:
-            assert lr == pytest.approx(lr_at(the_plan, step), rel=1e-9, abs=1e-15), step
+            assert lr == pytest.approx(lr_at(plan, step), rel=1e-9, abs=1e-15), step
         optimizer.step()
         scheduler.step()
-    assert any("one optimizer step later" in n for n in export(the_plan, "deepspeed").notes)
+    assert any("one optimizer step later" in n for n in export(plan, "deepspeed").notes)
     assert math.isfinite(lr)
 
 
@@ -329,16 +329,16 @@ def test_accelerate_reads_the_config(goyal, nanogpt, tmp_path):
     from accelerate.commands.config.config_args import ClusterConfig
     from accelerate.state import AcceleratorState, GradientState
 
-    for the_plan in (goyal, nanogpt):
-        out = export(the_plan, "accelerate")
+    for plan in (goyal, nanogpt):
+        out = export(plan, "accelerate")
         path = tmp_path / "accelerate.yaml"
         path.write_text(out.text)
         config = ClusterConfig.from_yaml_file(str(path))
-        assert config.num_processes == the_plan.world_size
+        assert config.num_processes == plan.world_size
         assert config.mixed_precision == out.values["accelerator"]["mixed_precision"]
         try:
             accelerator = Accelerator(**{**out.values["accelerator"], "mixed_precision": "no"}, cpu=True)
-            assert accelerator.gradient_accumulation_steps == the_plan.accumulation_steps
+            assert accelerator.gradient_accumulation_steps == plan.accumulation_steps
         finally:
             AcceleratorState._reset_state(True)
             GradientState._reset_state()
@@ -354,7 +354,7 @@ def sharded_gpt():
 
     recipe = overlay(load_recipe(PAPERS / "pysource-gpt.yaml"), [Change("batch.sharding", "fsdp")], "pysource-gpt.yaml")
     recipe = recipe.model_copy(update={"precision": "bf16"})
-    return plan(recipe, 16, 4, recipe_path="papers/pysource-gpt.yaml", dataset_size=20000)
+    return make_plan(recipe, 16, 4, recipe_path="papers/pysource-gpt.yaml", dataset_size=20000)
 
 
 def test_sharded_plan_emits_the_fsdp_forms_and_says_what_differs(sharded_gpt, goyal):

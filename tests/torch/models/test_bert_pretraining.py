@@ -102,8 +102,8 @@ def test_window_loss_equals_transformers_loss_over_the_whole_batch_float64(tmp_p
     """Micro-batches of 4 (masked tokens differ between them) accumulated over the window of 16 give the weights a
     plain loop gets from BertForPreTraining(labels=..., next_sentence_label=...).loss: mean masked-LM + mean NSP."""
     recipe = bert_recipe()
-    the_plan, summary, ours, data = run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path)
-    assert the_plan.accumulation_steps == 4
+    plan, summary, ours, data = run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path)
+    assert plan.accumulation_steps == 4
     parsed = parse_recipe(recipe)
     torch.manual_seed(parsed.seed)
     model = build_model(parsed, data["info"]).to(torch.float64)
@@ -143,16 +143,16 @@ def test_the_mean_of_micro_batch_losses_would_differ():
 def test_phases_cut_the_pairs_at_each_length(tmp_path):
     """BERT's 128-then-512 in miniature: one step at 16 tokens, then 32; the data made again at each length."""
     from reproduce.data.lengths import training_sizes
-    from reproduce.plan.planner import plan
+    from reproduce.plan.planner import make_plan
     from reproduce.train.trainer import RunOptions, train
 
     recipe = parse_recipe(bert_recipe(steps=2, phases=[{"steps": 1, "effective": 16, "sequence_length": 16},
                                                        {"effective": 16}]))
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=8, dataset_size=training_sizes(recipe, data["train"]))
-    summary = train(the_plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
+    plan = make_plan(recipe, micro_batch_max=8, dataset_size=training_sizes(recipe, data["train"]))
+    summary = train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
     weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
-    assert [(p.sequence_length, p.accumulation_steps) for p in the_plan.phases] == [(16, 2), (32, 2)]
+    assert [(p.sequence_length, p.accumulation_steps) for p in plan.phases] == [(16, 2), (32, 2)]
     assert summary["steps"] == 2 and all(torch.isfinite(w).all() for w in weights.values())
 
 
@@ -229,12 +229,12 @@ def test_text_pairs_reads_berts_layout_with_a_local_tokenizer(tmp_path):
 def test_verify_finds_the_window_gradient_equal_to_one_pass(chunk):
     """`reproduce verify`'s check on BERT pre-training: micro-batches of 4 against one pass (or chunks of 8), the
     reference normalising each term over the whole batch's own count too."""
-    from reproduce.plan.planner import plan
+    from reproduce.plan.planner import make_plan
     from reproduce.verify.accumulation import verify
 
     recipe = parse_recipe(bert_recipe(custom=True))  # the loss named: task custom
     data = build_data(recipe)
-    result = verify(plan(recipe, 4, dataset_size=len(data["train"])), data=data, chunk=chunk)
+    result = verify(make_plan(recipe, 4, dataset_size=len(data["train"])), data=data, chunk=chunk)
     assert result.equivalent and result.global_relative_error < 1e-12 and result.micro_batches == 4
 
 

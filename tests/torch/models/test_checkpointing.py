@@ -19,7 +19,7 @@ from reproduce.data import build_data
 from reproduce.errors import UserError
 from reproduce.models import build_model
 from reproduce.models.checkpointing import checkpoint_blocks, enable, enabled
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.fake_step import run_fake_step
 from reproduce.probe.meters import CpuMeter
@@ -67,9 +67,9 @@ def hf_recipe() -> dict:
 def trained(recipe: dict, micro_batch: int, folder, **options) -> dict:
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
-    the_plan = plan(parsed, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
-    assert the_plan.accumulation_steps > 1
-    train(the_plan, folder, RunOptions(device="cpu", dtype=torch.float64, data=data, noise_scale=False, workers=0,
+    plan = make_plan(parsed, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
+    assert plan.accumulation_steps > 1
+    train(plan, folder, RunOptions(device="cpu", dtype=torch.float64, data=data, noise_scale=False, workers=0,
                                        **options))
     return torch.load(folder / "model.pt", weights_only=True)
 
@@ -186,11 +186,11 @@ def test_the_recomputation_check_fails_when_the_masks_are_not_redrawn(monkeypatc
 
     recipe = parse_recipe(checkpointed(gpt_recipe()))
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=4, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=4, dataset_size=len(data["train"]))
     from reproduce.data.batches import collate
 
     window = [collate([data["train"][i] for i in range(j, j + 4)]) for j in (0, 4)]
-    error, dropout = recomputation_error(the_plan, data, window, torch.device("cpu"), torch.float64, 0,
+    error, dropout = recomputation_error(plan, data, window, torch.device("cpu"), torch.float64, 0,
                                          GradientRecorder, _NoSchedule)
     assert dropout and error == 0.0
     forget = models.checkpointing.checkpoint
@@ -199,7 +199,7 @@ def test_the_recomputation_check_fails_when_the_masks_are_not_redrawn(monkeypatc
         return forget(*args, **{**kwargs, "preserve_rng_state": False})
 
     monkeypatch.setattr(models.checkpointing, "checkpoint", without_rng_state)
-    error, _ = recomputation_error(the_plan, data, window, torch.device("cpu"), torch.float64, 0,
+    error, _ = recomputation_error(plan, data, window, torch.device("cpu"), torch.float64, 0,
                                    GradientRecorder, _NoSchedule)
     assert error > 1e-3
 
@@ -226,8 +226,8 @@ def test_every_emitted_form_says_the_memory_knobs():
 
     recipe = parse_recipe({**checkpointed(gpt_recipe()), "batch": {"effective": 16, "sharding": "fsdp",
                                                                    "sharded_gradients": True, "offload": "cpu"}})
-    the_plan = plan(recipe, micro_batch_max=2, world_size=2, dataset_size=48)
+    plan = make_plan(recipe, micro_batch_max=2, world_size=2, dataset_size=48)
     for name in FORMATS:
-        text = " ".join(emit(the_plan, name).split())
+        text = " ".join(emit(plan, name).split())
         assert "model.activation_checkpointing" in text and "use_reentrant" in text, name
         assert "batch.sharded_gradients" in text and "CPUOffloadPolicy" in text, name

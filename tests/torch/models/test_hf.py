@@ -120,8 +120,8 @@ def test_accumulated_run_equals_one_batch_of_eight(tiny_gpt2, optimizer, tmp_pat
     """micro-batch 2 x accumulation 4 = one batch of 8 padded sequences, normalised by their tokens (float64)."""
     recipe = lm_recipe(optimizer, effective=8, steps=3)
     recipe["model"] = {"hf": str(tiny_gpt2), "kind": "causal-lm"}
-    the_plan, summary, ours, data = run_accumulated(recipe, micro_batch=2, tmp_path=tmp_path)
-    assert (the_plan.micro_batch, the_plan.accumulation_steps) == (2, 4) and summary["steps"] == 3
+    plan, summary, ours, data = run_accumulated(recipe, micro_batch=2, tmp_path=tmp_path)
+    assert (plan.micro_batch, plan.accumulation_steps) == (2, 4) and summary["steps"] == 3
     reference = run_plain(recipe, data, steps=3)
     assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
     torch.manual_seed(0)

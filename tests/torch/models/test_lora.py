@@ -10,7 +10,7 @@ from helpers import run_plain
 from reproduce.data import build_data
 from reproduce.errors import UserError
 from reproduce.models import build_model, count_parameters
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.setup import build
 from reproduce.train.trainer import RunOptions, train
@@ -42,9 +42,9 @@ def test_lora_accumulation_equals_the_large_batch_float64(tmp_path):
     different lengths: the same weights within 1e-6, the base weights untouched, the adapters moved."""
     recipe = parse_recipe(GPT2_LORA)
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=4, dataset_size=len(data["train"]))
-    assert (the_plan.micro_batch, the_plan.accumulation_steps) == (4, 4)
-    train(the_plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
+    plan = make_plan(recipe, micro_batch_max=4, dataset_size=len(data["train"]))
+    assert (plan.micro_batch, plan.accumulation_steps) == (4, 4)
+    train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
     ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     reference = run_plain(GPT2_LORA, data, steps=3)
     assert ours.keys() == reference.keys()
@@ -60,7 +60,7 @@ def test_lora_accumulation_equals_the_large_batch_float64(tmp_path):
 
 def test_verify_checks_only_what_trains():
     recipe = parse_recipe(GPT2_LORA)
-    result = verify(plan(recipe, micro_batch_max=4, dataset_size=48), samples=16)
+    result = verify(make_plan(recipe, micro_batch_max=4, dataset_size=48), samples=16)
     assert result.equivalent
     names = [row.name for row in result.parameters]
     assert names and all("lora_" in name for name in names)
@@ -78,8 +78,8 @@ def test_bf16_base_weights_and_fp32_adapters_only_adapters_train(tmp_path):
     recipe = parse_recipe(recipe_data)
     assert recipe.model.lora.target_modules == ["q_proj"]
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=8, dataset_size=len(data["train"]))
-    setup = build(the_plan, torch.device("cpu"), data=data)
+    plan = make_plan(recipe, micro_batch_max=8, dataset_size=len(data["train"]))
+    setup = build(plan, torch.device("cpu"), data=data)
     named = dict(setup.model.named_parameters())
     trainable = {n for n, p in named.items() if p.requires_grad}
     assert trainable and all("lora_" in n and named[n].dtype == torch.float32 for n in trainable)
@@ -88,7 +88,7 @@ def test_bf16_base_weights_and_fp32_adapters_only_adapters_train(tmp_path):
     assert in_optimizer == {id(named[n]) for n in trainable}
     total, trains = count_parameters(setup.model)
     assert trains == 2 * 32 + 32 * 2  # one q_proj: A (r x 32) and B (32 x r), r = 2
-    train(the_plan, tmp_path / "run", RunOptions(device="cpu", data=data, max_steps=2))
+    train(plan, tmp_path / "run", RunOptions(device="cpu", data=data, max_steps=2))
     after = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     before = setup.model.state_dict()
     for name, value in after.items():
@@ -163,11 +163,11 @@ def test_exports_state_the_model_changes_with_code_that_makes_them():
     from reproduce.export.common import lora_source, model_notes
 
     recipe = parse_recipe({**GPT2_LORA, "precision": "bf16", "model": {**GPT2_LORA["model"], "dtype": "bf16"}})
-    the_plan = plan(recipe, 4, 1)
-    notes = model_notes(the_plan)
+    plan = make_plan(recipe, 4, 1)
+    notes = model_notes(plan)
     assert len(notes) == 2 and "torch.bfloat16" in notes[0] and lora_source(recipe.model.lora) in notes[1]
     for fmt in FORMATS:  # (slurm launches several processes: the plan on 2)
-        emitted = emit(the_plan if fmt != "slurm" else plan(recipe, 4, 2), fmt)
+        emitted = emit(plan if fmt != "slurm" else make_plan(recipe, 4, 2), fmt)
         text = " ".join(line.lstrip("#").strip() for line in emitted.splitlines())
         assert "model.dtype" in text and "model.lora" in text and "peft.LoraConfig(r=4, lora_alpha=8.0" in text
 

@@ -172,8 +172,8 @@ def nanogpt_recipe() -> dict:
 
 def test_accumulation_equals_one_large_batch_and_model_pt_loads_strictly(tmp_path, capsys):
     recipe = nanogpt_recipe()
-    the_plan, _, ours, data = run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path)
-    assert the_plan.accumulation_steps == 4
+    plan, _, ours, data = run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path)
+    assert plan.accumulation_steps == 4
     assert_same_weights(ours, run_plain(recipe, data, steps=3), rtol=1e-6, atol=1e-12)
     fresh = GPT(GPTConfig(**TINY)).double()
     assert not fresh.load_state_dict(ours, strict=True).missing_keys

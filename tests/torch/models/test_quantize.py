@@ -13,7 +13,7 @@ from helpers import assert_same_model
 from reproduce.data import build_data
 from reproduce.errors import UserError
 from reproduce.models import build_model
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.setup import build
 from reproduce.train.trainer import RunOptions, train
@@ -65,12 +65,12 @@ def test_lora_on_a_quantised_base_trains_and_resumes_bitwise(quantize, tmp_path)
     weights are untouched, and a run stopped at step 3 and resumed ends bitwise where the uninterrupted one does."""
     recipe = parse_recipe(quantized_recipe(quantize))
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=4, dataset_size=len(data["train"]))
-    assert (the_plan.micro_batch, the_plan.accumulation_steps) == (4, 4)
-    summary = train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data, workers=0))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, workers=0, max_steps=3,
+    plan = make_plan(recipe, micro_batch_max=4, dataset_size=len(data["train"]))
+    assert (plan.micro_batch, plan.accumulation_steps) == (4, 4)
+    summary = train(plan, tmp_path / "full", RunOptions(device="cpu", data=data, workers=0))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, workers=0, max_steps=3,
                                                    checkpoint_every=2))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, workers=0, resume=True))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, workers=0, resume=True))
     assert_same_model(tmp_path / "full", tmp_path / "split")
     assert summary["steps"] == 6 and summary["final"]["loss"] < 3.6  # ln 32 = 3.47 at the start, random base
     trained = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
@@ -88,7 +88,7 @@ def test_verify_is_equivalent_on_a_quantised_base_in_float64(quantize):
     """The frozen quantised forward is the same for every micro-batch: the window's LoRA gradient equals the one-pass
     gradient to float64 rounding (the dequantised weights are exact in float64; nf4's matmuls are run in it)."""
     recipe = parse_recipe(quantized_recipe(quantize))
-    result = verify(plan(recipe, micro_batch_max=4, dataset_size=48))
+    result = verify(make_plan(recipe, micro_batch_max=4, dataset_size=48))
     assert result.equivalent and result.micro_batches == 4, result.verdict
     assert result.global_relative_error < 1e-12
     assert all("lora_" in row.name for row in result.parameters)
@@ -106,7 +106,7 @@ def test_nf4_computes_in_the_recipes_precision_and_paged_adamw_steps_on_cpu(tmp_
     config = quantization_config(recipe)
     assert (config.bnb_4bit_quant_type, config.bnb_4bit_use_double_quant, config.bnb_4bit_compute_dtype) == (
         "nf4", True, torch.bfloat16)
-    setup = build(plan(recipe, micro_batch_max=8, dataset_size=48), torch.device("cpu"))
+    setup = build(make_plan(recipe, micro_batch_max=8, dataset_size=48), torch.device("cpu"))
     layer = next(m for m in setup.model.modules() if isinstance(m, bnb.nn.Linear4bit))
     state = layer.weight.quant_state
     assert (state.quant_type, state.nested, state.blocksize, layer.compute_dtype) == ("nf4", True, 64, torch.bfloat16)

@@ -213,14 +213,15 @@ def test_backbone_weights_belong_to_the_segmentation_built_ins():
 
 
 def test_a_paper_recipe_without_its_backbone_file_warns():
-    from reproduce.plan.planner import plan
+    from reproduce.plan.planner import make_plan
 
     model = {"builtin": "deeplabv3-resnet50", "pretrained": "ResNet-50, ImageNet"}
-    warnings = plan(parse_recipe(seg_recipe(model)), micro_batch_max=2).warnings
+    warnings = make_plan(parse_recipe(seg_recipe(model)), micro_batch_max=2).warnings
     assert ("this run starts from random weights; the paper started from ResNet-50, ImageNet and its numbers assume "
             "it: give --backbone-weights FILE for an ImageNet backbone, or --weights FILE for a whole model (a run's "
             "model.pt) (docs/segmentation.md)") in warnings
-    given = plan(parse_recipe(seg_recipe({**model, "backbone_weights": "resnet50.pth"})), micro_batch_max=2).warnings
+    backed = parse_recipe(seg_recipe({**model, "backbone_weights": "resnet50.pth"}))
+    given = make_plan(backed, micro_batch_max=2).warnings
     assert not any("starts from random weights" in line for line in given)
 
 

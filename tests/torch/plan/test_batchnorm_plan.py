@@ -14,7 +14,7 @@ from reproduce.errors import UserError
 from reproduce.models import MODELS, count_batchnorm
 from reproduce.plan import builtin_names
 from reproduce.plan.batchnorm import AUX_HEAD_LAYERS, BUILTIN_LAYERS
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 
 
@@ -43,7 +43,7 @@ def test_the_known_counts_are_the_built_models():
 @pytest.mark.parametrize("label", [[], ["groupnorm"]])
 def test_batchnorm_found_in_the_model_not_the_label(label):
     """A DeepLabV3 recipe unlabelled or labelled groupnorm still plans as a BatchNorm model."""
-    p = plan(recipe({"builtin": "deeplabv3-resnet50", "norm_layers": label}), micro_batch_max=2)
+    p = make_plan(recipe({"builtin": "deeplabv3-resnet50", "norm_layers": label}), micro_batch_max=2)
     assert p.norm.layers == 60 and p.norm.run_batch == 2 and p.norm.paper_batch == 16
     assert "BatchNorm statistics will be computed over micro-batches of 2 samples instead of the paper's " \
            "per-device 16" in p.batchnorm
@@ -54,15 +54,15 @@ def test_batchnorm_found_in_the_model_not_the_label(label):
 
 
 def test_a_label_that_claims_batchnorm_the_model_lacks():
-    p = plan(recipe({"builtin": "vit-b16", "norm_layers": "batchnorm"}), micro_batch_max=4)
+    p = make_plan(recipe({"builtin": "vit-b16", "norm_layers": "batchnorm"}), micro_batch_max=4)
     assert p.norm is None and p.batchnorm is None
     assert "model.norm_layers: the recipe lists batchnorm, but vit-b16 has no BatchNorm layer" in " ".join(p.warnings)
 
 
 def test_counted_layers_of_a_factory_model_win_over_its_label():
     spec = {"factory": "factories:torchvision_resnet50", "norm_layers": "layernorm"}
-    assert plan(recipe(spec), micro_batch_max=2).norm is None  # not built: the label is all there is
-    p = plan(recipe(spec), micro_batch_max=2, batchnorm_layers=53)
+    assert make_plan(recipe(spec), micro_batch_max=2).norm is None  # not built: the label is all there is
+    p = make_plan(recipe(spec), micro_batch_max=2, batchnorm_layers=53)
     assert p.norm.layers == 53 and p.norm.found == "counted in the built model" and p.batchnorm
 
 
@@ -78,17 +78,17 @@ def test_the_plan_counts_a_factory_models_batchnorm_without_the_probe(tmp_path, 
 
 
 def test_the_options_and_what_each_needs():
-    p = plan(recipe({"builtin": "deeplabv3-resnet50"}), micro_batch_max=2)
+    p = make_plan(recipe({"builtin": "deeplabv3-resnet50"}), micro_batch_max=2)
     assert (p.micro_batch, p.accumulation_steps) == (2, 8)
     options = " | ".join(p.norm.options)
     assert "keep with micro-batch 16 per device: the paper's BN batch (the largest that fits is 2)" in options
     assert "sync over 8 CUDA processes (--world-size 8 --batchnorm sync): micro-batch 2 x 8 = 16" in options
     assert "group (--batchnorm group)" in options and "frozen (--batchnorm frozen)" in options
-    four = plan(recipe({"builtin": "deeplabv3-resnet50"}), micro_batch_max=2, world_size=4)
+    four = make_plan(recipe({"builtin": "deeplabv3-resnet50"}), micro_batch_max=2, world_size=4)
     assert "sync over the run's 4 CUDA processes (--batchnorm sync): BN batch 2 x 4 = 8, against the paper's 16" in (
         four.norm.options)
     assert not any("run's" in option for option in p.norm.options)  # one process: nothing of its own to sync
-    fits = plan(recipe({"builtin": "deeplabv3-resnet50"}), micro_batch_max=16)
+    fits = make_plan(recipe({"builtin": "deeplabv3-resnet50"}), micro_batch_max=16)
     assert fits.micro_batch == 16 and fits.norm.run_batch == 16 and not fits.norm.options and fits.batchnorm is None
 
 
@@ -96,20 +96,21 @@ def test_sync_bn_batch_is_micro_batch_times_processes():
     """MMSegmentation's 4xb2 with SyncBN: the paper's BN batch is 2 x 4 = 8; so is the run's on 4 processes."""
     mmseg = recipe({"builtin": "deeplabv3-resnet50", "batchnorm": "sync", "aux_weight": 0.4},
                    batch={"effective": 8, "devices": 4, "per_device": 2})
-    four = plan(mmseg, micro_batch_max=4, world_size=4)
+    four = make_plan(mmseg, micro_batch_max=4, world_size=4)
     assert (four.micro_batch, four.norm.run_batch, four.norm.paper_batch, four.norm.layers) == (2, 8, 8, 61)
     assert four.batchnorm is None and not four.norm.options
-    one = plan(mmseg, micro_batch_max=4)
+    one = make_plan(mmseg, micro_batch_max=4)
     assert one.norm.run_batch == 4 and "`reproduce run` refuses it" in " ".join(one.warnings)
-    kept = plan(with_batchnorm(mmseg, "keep"), micro_batch_max=2)
+    kept = make_plan(with_batchnorm(mmseg, "keep"), micro_batch_max=2)
     assert (kept.norm.mode, kept.norm.paper_mode, kept.norm.run_batch, kept.norm.paper_batch) == ("keep", "sync", 2, 8)
     assert kept.recipe.model.paper_batchnorm == "sync"
 
 
 def test_a_bn_batch_of_one_is_refused_where_image_pooling_needs_two():
     with pytest.raises(UserError, match="image pooling normalises a 1 x 1 map"):
-        plan(recipe({"builtin": "deeplabv3-resnet50"}), micro_batch_max=1)
-    assert plan(with_batchnorm(recipe({"builtin": "deeplabv3-resnet50"}), "group"), micro_batch_max=1).micro_batch == 1
+        make_plan(recipe({"builtin": "deeplabv3-resnet50"}), micro_batch_max=1)
+    grouped = with_batchnorm(recipe({"builtin": "deeplabv3-resnet50"}), "group")
+    assert make_plan(grouped, micro_batch_max=1).micro_batch == 1
     with torch.device("meta"), pytest.raises(ValueError, match="Expected more than 1 value per channel"):
         MODELS["deeplabv3-resnet50"]().train()(torch.randn(1, 3, 33, 33))  # what the refusal spares the run
 
@@ -122,21 +123,21 @@ def test_the_probe_plans_a_deeplab_workload_without_a_bn_batch_of_one():
 
 
 def test_group_is_a_deviation_and_frozen_is_warned():
-    group = plan(with_batchnorm(recipe({"builtin": "deeplabv3-resnet50"}), "group"), micro_batch_max=2)
+    group = make_plan(with_batchnorm(recipe({"builtin": "deeplabv3-resnet50"}), "group"), micro_batch_max=2)
     assert group.norm.run_batch is None and group.batchnorm is None
     assert any(w.startswith("deviation from the paper: GroupNorm in place of its BatchNorm") for w in group.warnings)
     assert not [o for o in group.norm.options if o.startswith("group")]
-    frozen = plan(with_batchnorm(recipe({"builtin": "deeplabv3-resnet50"}), "frozen"), micro_batch_max=2)
+    frozen = make_plan(with_batchnorm(recipe({"builtin": "deeplabv3-resnet50"}), "frozen"), micro_batch_max=2)
     assert any("from random weights they are mean 0, variance 1" in w for w in frozen.warnings)
 
 
 def test_policy_never_changes_the_bn_batch_silently():
     """The exact split takes the paper's BN batch per device when it fits; when it does not, the plan says so."""
     spec = recipe({"builtin": "resnet50"}, batch={"effective": 256, "devices": 4, "per_device": 64})
-    exact = plan(spec, micro_batch_max=200)
+    exact = make_plan(spec, micro_batch_max=200)
     assert exact.micro_batch == 64 and exact.batchnorm is None  # not 128, the largest split that fits
     for policy in ("exact", "fast"):
-        smaller = plan(spec, micro_batch_max=48, policy=policy)
+        smaller = make_plan(spec, micro_batch_max=48, policy=policy)
         assert smaller.micro_batch < 64 and "instead of the paper's per-device 64" in smaller.batchnorm
         assert smaller.batchnorm in smaller.warnings
 

@@ -9,7 +9,7 @@ import torch
 
 from reproduce.errors import UserError
 from reproduce.models import build_model
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe, parse_recipe
 from reproduce.probe.meters import CpuMeter, EstimateMeter
 from reproduce.probe.workload import Workload
@@ -53,7 +53,7 @@ def test_the_optimizers_implementation_is_chosen_and_changes_the_steps_temporari
         data = gpt_recipe(**({"implementation": implementation} if implementation else {}))
         recipe = parse_recipe(data, source="test")
         model = build_model(recipe, {"vocab_size": 256})
-        group = build_optimizer(plan(recipe, micro_batch_max=4, dataset_size=1000), model).param_groups[0]
+        group = build_optimizer(make_plan(recipe, micro_batch_max=4, dataset_size=1000), model).param_groups[0]
         assert (group["foreach"], group.get("fused")) == {
             None: (None, None), "foreach": (True, None), "for-loop": (False, None), "fused": (False, True)}[
             implementation]

@@ -10,7 +10,7 @@ import torch
 from helpers import cli
 from reproduce.data import build_data
 from reproduce.errors import UserError
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.meters import CpuMeter, EstimateMeter
 from reproduce.probe.workload import Workload
@@ -32,8 +32,8 @@ def lm_recipe(builtin: str = "gpt", **model) -> dict:
 def trained(recipe: dict, micro_batch: int, folder) -> dict:
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
-    the_plan = plan(parsed, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
-    train(the_plan, folder, RunOptions(device="cpu", dtype=torch.float64, data=data, noise_scale=False, workers=0))
+    plan = make_plan(parsed, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
+    train(plan, folder, RunOptions(device="cpu", dtype=torch.float64, data=data, noise_scale=False, workers=0))
     return torch.load(folder / "model.pt", weights_only=True)
 
 

@@ -74,15 +74,15 @@ def test_without_hardware_there_is_no_prediction_and_bad_mfu_is_one_line(capsys,
 def test_a_batch_ramp_counts_each_stretchs_own_batch():
     from pathlib import Path
 
-    from reproduce.plan.planner import plan
+    from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import load_recipe
     from reproduce.timing.predicted_time import total_samples
 
     recipe = load_recipe(Path(__file__).parents[3] / "papers" / "brown2020-gpt3-small.yaml")
-    the_plan = plan(recipe, 4, 1)
-    expected = sum(((p.end_step if p.end_step is not None else the_plan.optimizer_steps) - p.start_step)
-                   * p.effective_batch for p in the_plan.phases)
-    assert total_samples(the_plan) == expected < the_plan.optimizer_steps * the_plan.effective_batch
+    plan = make_plan(recipe, 4, 1)
+    expected = sum(((p.end_step if p.end_step is not None else plan.optimizer_steps) - p.start_step)
+                   * p.effective_batch for p in plan.phases)
+    assert total_samples(plan) == expected < plan.optimizer_steps * plan.effective_batch
 
 
 def test_exported_throughput_plan_names_the_chosen_micro_batch(capsys):
@@ -90,6 +90,6 @@ def test_exported_throughput_plan_names_the_chosen_micro_batch(capsys):
     from reproduce.plan.recipe import load_recipe
     from reproduce.timing.throughput_plan import throughput_plan
 
-    the_plan = throughput_plan(load_recipe("paper.yaml"), "paper.yaml", 64, 1, None, None, gpu="a100-80gb")
-    assert the_plan.policy == "throughput" and the_plan.throughput["basis"] == "model"
-    assert f"--micro-batch-max {the_plan.micro_batch} --world-size 1" in emit(the_plan, "torchrun")
+    plan = throughput_plan(load_recipe("paper.yaml"), "paper.yaml", 64, 1, None, None, gpu="a100-80gb")
+    assert plan.policy == "throughput" and plan.throughput["basis"] == "model"
+    assert f"--micro-batch-max {plan.micro_batch} --world-size 1" in emit(plan, "torchrun")

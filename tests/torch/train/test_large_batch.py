@@ -24,7 +24,7 @@ from helpers import (
 )
 from reproduce.data import build_data
 from reproduce.models import build_model
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.large_batch import LAMB, LARS
 from reproduce.train.optim import build_optimizer, param_groups
@@ -146,7 +146,7 @@ def test_no_decay_parameters_get_ratio_one_and_no_decay_even_without_weight_deca
     assert {id(p) for p in groups[1]["params"]} == biases and groups[1]["weight_decay"] == 0.0
     lars = parse_recipe(digits_recipe({"name": "lars", "lr": 1.0, "momentum": 0.9, "weight_decay": 1e-4,
                                        "no_decay": ["bias"], "trust_coefficient": 0.01}))
-    optimizer = build_optimizer(plan(lars, micro_batch_max=64), build_model(lars))
+    optimizer = build_optimizer(make_plan(lars, micro_batch_max=64), build_model(lars))
     assert isinstance(optimizer, LARS)
     assert [(g["weight_decay"], g["layer_adaptation"], g["trust_coefficient"]) for g in optimizer.param_groups] == [
         (1e-4, True, 0.01), (0.0, False, 0.01)]
@@ -155,8 +155,8 @@ def test_no_decay_parameters_get_ratio_one_and_no_decay_even_without_weight_deca
 @pytest.mark.parametrize("spec", [LARS_SPEC, LAMB_SPEC], ids=["lars", "lamb"])
 def test_accumulation_equals_the_large_batch_float64(spec, tmp_path):
     recipe = digits_recipe(spec)
-    the_plan, _, ours, data = run_accumulated(recipe, micro_batch=8, tmp_path=tmp_path)
-    assert (the_plan.micro_batch, the_plan.accumulation_steps) == (8, 8)
+    plan, _, ours, data = run_accumulated(recipe, micro_batch=8, tmp_path=tmp_path)
+    assert (plan.micro_batch, plan.accumulation_steps) == (8, 8)
     reference = run_plain(recipe, data, steps=6)
     assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
     torch.manual_seed(0)
@@ -167,10 +167,10 @@ def test_accumulation_equals_the_large_batch_float64(spec, tmp_path):
 def test_lamb_resume_is_bitwise(tmp_path):
     recipe = parse_recipe(digits_recipe(LAMB_SPEC, steps=6, data={"shuffle": True}))
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
+    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
     assert_same_model(tmp_path / "full", tmp_path / "split")
 
 

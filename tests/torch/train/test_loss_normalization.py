@@ -37,8 +37,8 @@ def old_trainer_loop(recipe_data: dict, data: dict, micro: int, steps: int) -> d
 
 def test_micro_batch_mean_is_the_old_trainers_formula_and_not_the_windows(tmp_path):
     old = {**lm_recipe(SGD, steps=STEPS), "loss": {"normalization": "micro-batch-mean"}}
-    the_plan, _, ours, data = run_accumulated(old, micro_batch=MICRO, tmp_path=tmp_path / "old")
-    assert the_plan.accumulation_steps == 4
+    plan, _, ours, data = run_accumulated(old, micro_batch=MICRO, tmp_path=tmp_path / "old")
+    assert plan.accumulation_steps == 4
     counts = [int((target != -100).sum()) for _, target in whole_batches(data["train"], MICRO, 4)]
     assert len(set(counts)) > 1  # the micro-batches hold different token counts: the two normalisations differ
     assert_same_weights(ours, old_trainer_loop(old, data, MICRO, STEPS), rtol=1e-6, atol=1e-12)
@@ -51,11 +51,12 @@ def test_micro_batch_mean_is_the_old_trainers_formula_and_not_the_windows(tmp_pa
 
 
 def test_normalization_is_the_only_loss_field_other_tasks_take():
-    from reproduce.plan.planner import plan
+    from reproduce.plan.planner import make_plan
 
     recipe = parse_recipe({**lm_recipe(SGD), "loss": {"normalization": "micro-batch-mean"}})
     assert recipe.loss.normalization == "micro-batch-mean"
-    said = [line for line in plan(recipe, micro_batch_max=4, dataset_size=64).warnings if "micro-batch-mean" in line]
+    warnings = make_plan(recipe, micro_batch_max=4, dataset_size=64).warnings
+    said = [line for line in warnings if "micro-batch-mean" in line]
     assert said == ["loss.normalization: micro-batch-mean: each micro-batch's mean over its own items, averaged over "
                     "the window's micro-batches and processes (the Hugging Face Trainer before transformers v4.46.0): "
                     "not the large batch's gradient where micro-batches hold different counts"]

@@ -21,7 +21,7 @@ from helpers import SGD, digits_recipe, lm_recipe, reproduce_run
 from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.data.batches import LazyMicroBatch, fetch
-from reproduce.plan.planner import plan
+from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.noise import NoiseScale, estimates, summarise
 from reproduce.train.setup import build
@@ -49,8 +49,8 @@ def frozen_run(recipe_data: dict, micro_batch: int, steps: int, dtype: torch.dty
     fixed (checked bitwise), so every window samples the same gradient distribution."""
     recipe = parse_recipe(recipe_data)
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
-    setup = build(the_plan, torch.device("cpu"), dtype, data=data)
+    plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
+    setup = build(plan, torch.device("cpu"), dtype, data=data)
     for group in setup.optimizer.param_groups:
         group["lr"] = 0.0
     setup.scheduler.base_lrs = [0.0] * len(setup.scheduler.base_lrs)
@@ -58,7 +58,7 @@ def frozen_run(recipe_data: dict, micro_batch: int, steps: int, dtype: torch.dty
     noise = NoiseScale(setup)
     records = []
     for step in range(steps):
-        indices, _ = window(the_plan, len(data["train"]), step, recipe.seed)
+        indices, _ = window(plan, len(data["train"]), step, recipe.seed)
         micro_batches = [LazyMicroBatch(data["train"], i, setup.device, setup.dtype) for i in indices]
         records.append(optimizer_step(setup, micro_batches, noise).noise)
     assert all(torch.equal(before[k], v) for k, v in setup.core.state_dict().items())
@@ -149,15 +149,15 @@ def test_one_window_is_exactly_the_formulas_on_its_micro_batches(case, tmp_path)
         recipe_data, micro, step = digits_recipe(SGD, effective=512, steps=3, data={"drop_last": False}), 128, 2
     recipe = parse_recipe(recipe_data)
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=micro, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
+    plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(data["train"]))
+    train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
     record = read_metrics(tmp_path / "run" / "metrics.jsonl")[step]
 
-    setup = build(the_plan, torch.device("cpu"), torch.float64, data=data)  # the weights before the run
+    setup = build(plan, torch.device("cpu"), torch.float64, data=data)  # the weights before the run
     for past in range(step):
-        indices, _ = window(the_plan, len(data["train"]), past, recipe.seed)
+        indices, _ = window(plan, len(data["train"]), past, recipe.seed)
         optimizer_step(setup, [LazyMicroBatch(data["train"], i, setup.device, setup.dtype) for i in indices])
-    indices, _ = window(the_plan, len(data["train"]), step, recipe.seed)
+    indices, _ = window(plan, len(data["train"]), step, recipe.seed)
     loads = [LazyMicroBatch(data["train"], i, setup.device, setup.dtype).load() for i in indices]
     items_per_sample = record["items"] / sum(len(i) for i in indices)
     expected = window_estimates(setup.core, setup.loss, [loads], len(data["train"]) * items_per_sample)
@@ -170,9 +170,9 @@ def test_one_window_is_exactly_the_formulas_on_its_micro_batches(case, tmp_path)
 def test_measuring_never_changes_the_weights(tmp_path):
     recipe = parse_recipe(digits_recipe({"name": "adamw", "lr": 3e-3}, steps=12, data={"shuffle": True}))
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "on", RunOptions(device="cpu", data=data))
-    train(the_plan, tmp_path / "off", RunOptions(device="cpu", data=data, noise_scale=False))
+    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+    train(plan, tmp_path / "on", RunOptions(device="cpu", data=data))
+    train(plan, tmp_path / "off", RunOptions(device="cpu", data=data, noise_scale=False))
     on = torch.load(tmp_path / "on" / "model.pt", weights_only=True)
     off = torch.load(tmp_path / "off" / "model.pt", weights_only=True)
     assert all(torch.equal(on[k], off[k]) for k in on)
@@ -190,8 +190,8 @@ def test_fp16_scaled_gradients_are_measured_unscaled(tmp_path):
     for precision in ("fp32", "fp16"):
         recipe = parse_recipe(digits_recipe(SGD, steps=1, precision=precision))
         data = build_data(recipe)
-        the_plan = plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
-        train(the_plan, tmp_path / precision, RunOptions(device="cpu", data=data))
+        plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+        train(plan, tmp_path / precision, RunOptions(device="cpu", data=data))
         results[precision] = read_metrics(tmp_path / precision / "metrics.jsonl")[0]
     for key in ("noise_trace", "noise_grad_sq"):
         assert results["fp16"][key] == pytest.approx(results["fp32"][key], rel=0.02)
@@ -200,8 +200,8 @@ def test_fp16_scaled_gradients_are_measured_unscaled(tmp_path):
 def test_skipped_nonfinite_steps_leave_the_estimate_alone(tmp_path):
     recipe = parse_recipe(digits_recipe({"name": "sgd", "lr": 1e30}, steps=6))
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
-    summary = train(the_plan, tmp_path / "run", RunOptions(device="cpu", data=data, skip_nonfinite=True))
+    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+    summary = train(plan, tmp_path / "run", RunOptions(device="cpu", data=data, skip_nonfinite=True))
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     skipped = [r for r in records if r["skipped"]]
     assert summary["skipped_nonfinite"] == len(skipped) >= 3 and not records[0]["skipped"]
@@ -214,10 +214,10 @@ def test_skipped_nonfinite_steps_leave_the_estimate_alone(tmp_path):
 def test_resume_continues_the_average(tmp_path):
     recipe = parse_recipe(digits_recipe(SGD, steps=8, data={"shuffle": True}))
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3))
-    split = train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
+    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3))
+    split = train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
     full = json.loads((tmp_path / "full" / "summary.json").read_text())
     noise_of = lambda name: [(r.get("noise_scale"), r["noise_trace"], r["noise_grad_sq"])  # noqa: E731
                              for r in read_metrics(tmp_path / name / "metrics.jsonl")]
@@ -310,8 +310,8 @@ def test_two_processes_measure_each_ranks_gradient_before_synchronisation(tmp_pa
     assert record["accumulation_steps"] == 4 and record["grad_syncs"] == 1  # measuring adds no synchronisation
     recipe = parse_recipe(recipe_data)
     data = build_data(recipe)
-    the_plan = plan(recipe, micro_batch_max=16, world_size=2, dataset_size=len(data["train"]))
-    setup = build(the_plan, torch.device("cpu"), torch.float32, data=data)  # every rank's initial weights
+    plan = make_plan(recipe, micro_batch_max=16, world_size=2, dataset_size=len(data["train"]))
+    setup = build(plan, torch.device("cpu"), torch.float32, data=data)  # every rank's initial weights
     ranks = [[fetch(data["train"], torch.arange(start, start + 16)) for start in range(64 * rank, 64 * rank + 64, 16)]
              for rank in range(2)]
     expected = window_estimates(setup.core, setup.loss, ranks, len(data["train"]))

@@ -22,7 +22,7 @@ from reproduce.data import build_data
 from reproduce.errors import UserError
 from reproduce.models import build_model
 from reproduce.plan.planfile import parse_plan, plan_to_yaml
-from reproduce.plan.planner import lr_at, lr_points, plan
+from reproduce.plan.planner import lr_at, lr_points, make_plan
 from reproduce.plan.recipe import load_recipe, parse_recipe
 from reproduce.plan.schedules import Plateau
 from reproduce.train.trainer import RunOptions, read_metrics, train
@@ -71,9 +71,9 @@ def phases_recipe(**options) -> dict:
 def run(recipe_data: dict, micro: int, out, **kwargs):
     recipe = parse_recipe(recipe_data)
     data = build_data(recipe)
-    the_plan = plan(recipe, micro, dataset_size=len(data["train"]))
-    train(the_plan, out, RunOptions(device="cpu", dtype=torch.float64, data=data, **kwargs))
-    return the_plan, data, torch.load(out / "model.pt", weights_only=True), read_metrics(out / "metrics.jsonl")
+    plan = make_plan(recipe, micro, dataset_size=len(data["train"]))
+    train(plan, out, RunOptions(device="cpu", dtype=torch.float64, data=data, **kwargs))
+    return plan, data, torch.load(out / "model.pt", weights_only=True), read_metrics(out / "metrics.jsonl")
 
 
 def plain_loop(recipe_data: dict, data: dict, batches: list[int], lrs: list[float], plateau: dict | None = None,
@@ -111,7 +111,7 @@ def plain_loop(recipe_data: dict, data: dict, batches: list[int], lrs: list[floa
 
 
 def test_a_phase_with_its_own_schedule_restarts_the_lr():
-    p = plan(parse_recipe(phases_recipe()), 16, dataset_size=1437)
+    p = make_plan(parse_recipe(phases_recipe()), 16, dataset_size=1437)
     assert p.decay_end_step == 4  # the recipe's schedule ends where the second phase's begins
     own = p.phases[1].schedule
     assert (own.start_step, own.end_step, own.warmup_steps, own.lr, own.min_lr) == (4, 9, 2, 0.1, 0.01)
@@ -124,7 +124,7 @@ def test_a_phase_with_its_own_schedule_restarts_the_lr():
     edited["phases"][1]["schedule"] = None
     with pytest.raises(UserError, match="phases\\[1\\].schedule: the recipe's phase has its own lr / warmup / decay"):
         parse_plan(edited, "plan.yaml")
-    old = yaml.safe_load(plan_to_yaml(plan(parse_recipe(digits({"effective": 64, "phases": [
+    old = yaml.safe_load(plan_to_yaml(make_plan(parse_recipe(digits({"effective": 64, "phases": [
         {"steps": 4, "effective": 32}, {"effective": 64}]}, 9)), 16, dataset_size=1437)))
     for phase in old["phases"]:
         del phase["schedule"]
@@ -135,19 +135,19 @@ def test_a_phases_lengths_count_in_its_own_units():
     # warm-up in samples at the second phase's batch of 64: 128 samples = 2 of its steps; decay until 2 epochs
     second = {"effective": 64, "warmup": {"samples": 128}, "decay": {"kind": "linear", "until": {"epochs": 0.1}}}
     recipe = parse_recipe(digits({"effective": 64, "phases": [{"steps": 4, "effective": 32}, second]}, 40))
-    p = plan(recipe, 16, dataset_size=1437)
+    p = make_plan(recipe, 16, dataset_size=1437)
     own = p.phases[1].schedule
     assert own.warmup_steps == 2 and own.decay_end_step == 4 + round(0.1 * (1437 // 64))
     assert own.lr == SGD["lr"]  # no lr of its own: optimizer.lr
     early = parse_recipe(digits({"effective": 64, "phases": [{"steps": 4, "effective": 32}, second]}, 40,
                                 {"warmup": {"steps": 6}}))
     assert ("schedule.warmup: 6 steps, but batch.phases[1] starts its own schedule at step 5: the recipe's warm-up "
-            "never reaches its peak") in plan(early, 16, dataset_size=1437).warnings
+            "never reaches its peak") in make_plan(early, 16, dataset_size=1437).warnings
 
 
 def test_a_phase_schedule_run_equals_a_plain_loop_across_the_boundary_float64(tmp_path):
     recipe = phases_recipe()
-    the_plan, data, ours, records = run(recipe, 16, tmp_path / "run")
+    plan, data, ours, records = run(recipe, 16, tmp_path / "run")
     batches = [32] * 4 + [64] * 5
     assert [r["samples"] for r in records] == batches
     assert [r["lr"] for r in records] == pytest.approx([by_hand(s) for s in range(ALL_STEPS)], abs=1e-15)
@@ -160,11 +160,11 @@ def test_resume_inside_the_second_warm_up_is_bitwise(tmp_path):
     recipe = phases_recipe(shuffle=True, model={"builtin": "mlp", "kwargs": {"dropout": 0.3}})
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
-    the_plan = plan(parsed, 16, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data))
+    plan = make_plan(parsed, 16, dataset_size=len(data["train"]))
+    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
     # one step into the second warm-up
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=5))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=5))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
     assert_same_model(tmp_path / "full", tmp_path / "split")
     assert [(r["loss"], r["lr"]) for r in read_metrics(tmp_path / "split" / "metrics.jsonl")] == [
         (r["loss"], r["lr"]) for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
@@ -174,9 +174,9 @@ def test_resume_inside_the_second_warm_up_is_bitwise(tmp_path):
 
 
 def test_lr_points_mark_every_change_of_shape():
-    p = plan(parse_recipe(phases_recipe()), 16, dataset_size=1437)
+    p = make_plan(parse_recipe(phases_recipe()), 16, dataset_size=1437)
     assert lr_points(p) == [[s + 1, pytest.approx(by_hand(s), abs=1e-15)] for s in (0, 2, 3, 4, 6, 8)]
-    goyal = plan(load_recipe("papers/goyal2017-resnet50.yaml"), 32)
+    goyal = make_plan(load_recipe("papers/goyal2017-resnet50.yaml"), 32)
     points = dict((step, lr) for step, lr in lr_points(goyal))
     warm, (first, *_) = goyal.warmup_steps, goyal.decay_milestones
     assert points[1] == pytest.approx(0.1) and points[warm + 1] == pytest.approx(3.2)
@@ -200,7 +200,7 @@ def test_lamb_plan_json_rewarms_at_the_second_phase_and_the_table_shows_the_same
 
 def test_gpt3_steps_do_not_depend_on_the_micro_batch():
     recipe = load_recipe("papers/brown2020-gpt3-small.yaml")
-    plans = [plan(recipe, m) for m in (1, 16, 256)]
+    plans = [make_plan(recipe, m) for m in (1, 16, 256)]
     assert len({p.optimizer_steps for p in plans}) == 1 and len({p.warmup_steps for p in plans}) == 1
     ramps = [[(ph.start_step, ph.effective_batch) for ph in p.phases] for p in plans]
     assert ramps[0] == ramps[1] == ramps[2] and len(ramps[0]) > 200  # the ramp is followed even at m = 256
@@ -211,14 +211,14 @@ def test_gpt3_steps_do_not_depend_on_the_micro_batch():
 def test_ramp_granularity_is_the_recipes():
     data = load_recipe("papers/brown2020-gpt3-small.yaml").model_dump(mode="json", exclude_none=True)
     data["batch"]["ramp"]["granularity"] = 8 * 2048  # 8 sequences
-    p = plan(parse_recipe(data), 4, world_size=2)
+    p = make_plan(parse_recipe(data), 4, world_size=2)
     assert all(ph.effective_batch % 8 == 0 for ph in p.phases[:-1])
     with pytest.raises(UserError, match="`world_size`: 3 processes cannot share batch.ramp.granularity"):
-        plan(parse_recipe(data), 4, world_size=3)
+        make_plan(parse_recipe(data), 4, world_size=3)
 
 
 def test_vit_plans_to_whole_steps_and_a_missing_train_size_is_one_line(tmp_path, capsys):
-    p = plan(load_recipe("papers/dosovitskiy2021-vit-b16.yaml"), 64)
+    p = make_plan(load_recipe("papers/dosovitskiy2021-vit-b16.yaml"), 64)
     assert p.optimizer_steps == 90 * (14_000_000 // 4096) and p.decay_end_step == p.optimizer_steps
     data = yaml.safe_load(open("papers/dosovitskiy2021-vit-b16.yaml"))
     del data["data"]["train_size"]
@@ -242,7 +242,7 @@ def test_vit_plans_to_whole_steps_and_a_missing_train_size_is_one_line(tmp_path,
 def test_plateau_decides_as_torchs_reduce_lr_on_plateau(options):
     decay = {"kind": "plateau", "metric": "eval_loss", "factor": 0.1, **options}
     recipe = parse_recipe(digits({"effective": 64}, 100, {"decay": decay}, {"every_steps": 1}))
-    planned = plan(recipe, 16, dataset_size=1437)
+    planned = make_plan(recipe, 16, dataset_size=1437)
     ours = Plateau(planned.recipe.schedule.decay, planned.lr, planned.min_lr)
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=SGD["lr"])
     theirs = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, **{"factor": 0.1, **options})
@@ -261,8 +261,8 @@ PLATEAU = {"kind": "plateau", "metric": "eval_loss", "patience": 1, "factor": 0.
 def test_plateau_run_equals_a_plain_loop_with_reduce_lr_on_plateau_float64(tmp_path):
     recipe = digits({"effective": 64}, 14, {"warmup": {"steps": 2}, "decay": PLATEAU}, {"every_steps": 2,
                                                                                        "at_end": False})
-    the_plan, data, ours, records = run(recipe, 16, tmp_path / "run")
-    planned = [lr_at(the_plan, s) for s in range(14)]
+    plan, data, ours, records = run(recipe, 16, tmp_path / "run")
+    planned = [lr_at(plan, s) for s in range(14)]
     reference, used = plain_loop(recipe, data, [64] * 14, planned, plateau={
         "factor": 0.5, "patience": 1, "threshold": 0.02}, every=2)
     assert [r["lr"] for r in records] == pytest.approx(used, rel=1e-12)
@@ -276,12 +276,12 @@ def test_plateau_state_is_checkpointed_and_resume_is_bitwise(tmp_path):
     recipe = digits({"effective": 64}, 14, {"decay": PLATEAU}, {"every_steps": 2, "at_end": False}, shuffle=True)
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
-    the_plan = plan(parsed, 16, dataset_size=len(data["train"]))
-    train(the_plan, tmp_path / "full", RunOptions(device="cpu", data=data))
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=9))
+    plan = make_plan(parsed, 16, dataset_size=len(data["train"]))
+    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=9))
     saved = torch.load(tmp_path / "split" / "checkpoints" / "last.pt", weights_only=True)["scheduler"]["plateau"]
     assert saved["evaluations"] == 4 and saved["decreases"]  # 2, 4, 6, 8
-    train(the_plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
+    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
     assert_same_model(tmp_path / "full", tmp_path / "split")
     assert [(r["loss"], r["lr"]) for r in read_metrics(tmp_path / "split" / "metrics.jsonl")] == [
         (r["loss"], r["lr"]) for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
@@ -296,7 +296,7 @@ def test_he2016_plans_with_plateau_decay(capsys):
 
 
 def test_a_scheduler_state_from_before_plateau_decay_loads():
-    p = plan(parse_recipe(digits({"effective": 64}, 10, {"warmup": {"steps": 4}})), 16, dataset_size=1437)
+    p = make_plan(parse_recipe(digits({"effective": 64}, 10, {"warmup": {"steps": 4}})), 16, dataset_size=1437)
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=p.lr)
     old = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -381,7 +381,8 @@ def test_a_plateau_run_without_evaluation_data_stops_before_writing(tmp_path):
     data = build_data(parsed)
     del data["eval"]
     with pytest.raises(UserError, match="kind plateau watches eval_loss, but this run has no evaluation data"):
-        train(plan(parsed, 16, dataset_size=len(data["train"])), tmp_path / "run", RunOptions(device="cpu", data=data))
+        planned = make_plan(parsed, 16, dataset_size=len(data["train"]))
+        train(planned, tmp_path / "run", RunOptions(device="cpu", data=data))
     assert not (tmp_path / "run").exists()
 
 
@@ -395,7 +396,7 @@ def test_a_ramp_is_the_same_whatever_the_micro_batch(start, micro, world, length
     recipe = parse_recipe({"batch": batch, "task": "language-modeling", "model": {"builtin": "gpt"},
                            "data": {"name": "text", "available": False}, "optimizer": {"name": "adamw", "lr": 1e-4},
                            "schedule": {"total": {"samples": 100000}, "warmup": {"samples": 3000}}})
-    small, large = plan(recipe, 1, world_size=world), plan(recipe, micro, world_size=world)
+    small, large = make_plan(recipe, 1, world_size=world), make_plan(recipe, micro, world_size=world)
     assert [(p.start_step, p.steps, p.effective_batch) for p in small.phases] == [
         (p.start_step, p.steps, p.effective_batch) for p in large.phases]
     assert (small.optimizer_steps, small.warmup_steps) == (large.optimizer_steps, large.warmup_steps)

@@ -141,7 +141,7 @@ def test_two_ranks_divide_by_the_valid_pixels_of_both(voc, tmp_path):
     and the window's count is their sum (all-reduced before the first backward), so the weights agree and the
     logged count is the whole window's."""
     from helpers import assert_close_weights, reproduce_run, reproduce_run_here, weights
-    from reproduce.plan.planner import plan
+    from reproduce.plan.planner import make_plan
     from reproduce.train.outputs import read_metrics
     from reproduce.train.windows import window
 
@@ -152,7 +152,7 @@ def test_two_ranks_divide_by_the_valid_pixels_of_both(voc, tmp_path):
     assert_close_weights(weights(tmp_path, "two"), weights(tmp_path, "one"))
     spec = parse_recipe(recipe)
     data = build_data(spec)
-    one = plan(spec, micro_batch_max=2, dataset_size=len(data["train"]))
+    one = make_plan(spec, micro_batch_max=2, dataset_size=len(data["train"]))
     for record in read_metrics(tmp_path / "two" / "metrics.jsonl"):
         step = record["step"] - 1
         micro_batches, _ = window(one, len(data["train"]), step, spec.seed, 0, 2)

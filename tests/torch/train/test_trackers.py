@@ -119,10 +119,10 @@ def wandb_history(out: Path) -> list[dict]:
 
 
 def the_plan(recipe_path=DIGITS):
-    from reproduce.plan.planner import plan
+    from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import load_recipe
 
-    return plan(load_recipe(recipe_path), 64, dataset_size=1437, recipe_path=recipe_path)
+    return make_plan(load_recipe(recipe_path), 64, dataset_size=1437, recipe_path=recipe_path)
 
 
 class Quiet:
