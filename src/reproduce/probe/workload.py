@@ -187,12 +187,12 @@ class Workload:
         return f"{name} ({'synthetic' if self.synthetic else 'real'} inputs)"
 
     @cached_property
-    def make_plan(self) -> Plan:
+    def plan(self) -> Plan:
         """A plan for `trainer.build`: its optimizer and schedule (the learning rate does not change memory). Planned
         at a micro-batch of 2 where the batch allows: the plan refuses a BN batch of 1 for a model whose image
         pooling cannot train on one (DeepLabV3, plan.batchnorm), and the split changes no memory."""
         return make_plan(self.recipe, micro_batch_max=min(2, self.recipe.batch.sequences),
-                    dataset_size=len(self.data["train"]))
+                         dataset_size=len(self.data["train"]))
 
     @cached_property
     def _largest_item(self) -> int | None:
