@@ -27,6 +27,7 @@ from ..train.outputs import check_out_dir
 from ..train.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from .app import app
 from .common import is_terminal, loss_text, parameters_line, recipe_argument, show_note, stderr, stdout
+from .flags import request_flags
 from .options import (
     BACKBONE_WEIGHTS_HELP,
     BATCHNORM_HELP,
@@ -213,10 +214,6 @@ NNODES_HELP = "Machines in the job (with --nproc-per-node), or MIN:MAX for torch
 DIVERGENCE_HELP = ("Stop when the loss diverges (not finite, or above 2x its first value for 10 steps in a row); "
                    "without it the run warns once and goes on.")
 
-def _flag(name: str) -> str:
-    return "--set" if name == "overrides" else "--" + name.replace("_", "-")
-
-
 def run_request(params: dict[str, Any]) -> RunRequest:
     """The command's options as one frozen request: choices as their values, the options that set recipe fields as
     their changes (cli.options.FIELD_OF_FLAG), the trackers parsed, `--max-restarts` implying `--auto-resume`."""
@@ -233,13 +230,14 @@ def request_args(request: RunRequest, which: str) -> list[str]:
     `--flag value` for a value, `--flag` for a switch; the recipe's changes by their own flags (a resumed run's
     plan.yaml keeps them, but for the data's paths, which it checks)."""
     args: list[str] = []
+    flags = request_flags()  # each field's flag, as the command declares it (`overrides` is --set)
     for name, value in request.given(which).items():
         if name == "overrides":
-            args += [part for text in value for part in ("--set", text)]  # type: ignore[attr-defined]
+            args += [part for text in value for part in (flags[name], text)]  # type: ignore[attr-defined]
         elif value is True:
-            args.append(_flag(name))
+            args.append(flags[name])
         else:
-            args += [_flag(name), ",".join(value) if isinstance(value, tuple) else str(value)]
+            args += [flags[name], ",".join(value) if isinstance(value, tuple) else str(value)]
     for change in request.changes:
         flag = FLAG_OF_FIELD[change.path]
         if which == "torchrun":

@@ -129,9 +129,16 @@ def overlay(recipe: Recipe, changes: Sequence[Change], source: str) -> Recipe:
         raise UserError(*_labelled(format_validation_errors(exc, source, Recipe), changes, source)) from None
 
 
+SHOWN_AT_MOST = 80  # characters of a change echoed in a message
+
+
+def shortened(text: str) -> str:
+    """`text` as a message echoes it: at most SHOWN_AT_MOST characters, then `...`."""
+    return text if len(text) <= SHOWN_AT_MOST else text[:SHOWN_AT_MOST] + "..."
+
+
 def _shown(change: Change) -> str:
-    text = f"{change.path}={change.value}"
-    return f"{change.label} {text if len(text) <= 80 else text[:80] + '...'}"
+    return f"{change.label} {shortened(f'{change.path}={change.value}')}"
 
 
 def _check_data_format(data: dict[str, Any], change: Change, source: str) -> None:

@@ -15,20 +15,14 @@ from typing import Any
 import yaml
 
 from ..errors import UserError
-from .overlay import Change, overlay
+from .overlay import Change, overlay, shortened
 from .recipe import Recipe
 from .validation import UniqueKeyLoader
-
-SHOWN_AT_MOST = 80  # characters of an override echoed in a message
-
-
-def _shown(text: str) -> str:
-    return text if len(text) <= SHOWN_AT_MOST else text[:SHOWN_AT_MOST] + "..."
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`PATH=VALUE` as (the path's parts, the value read as YAML)."""
-    shown = _shown(text)
+    shown = shortened(text)
     path, sep, raw = text.partition("=")
     parts = path.strip().split(".")
     if not sep or not all(part.strip() for part in parts):
