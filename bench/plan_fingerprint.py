@@ -1,7 +1,9 @@
-"""A fingerprint of every plan: the plan, the LR of sampled steps, each sampled step's window of sample indices (its
-md5), epoch and batch, for every recipe in papers/ and reproduce/ x micro-batch (1, 3, 16, 64, 256) x world size
-(1, 2, 8) x dataset size (the recipe's, 5000, 1,281,167). Written to compare two versions of the code that must plan
-and run alike (a refactor): run it on both and diff the JSON files.
+"""A fingerprint of every plan: the plan as `plan --json` shows it (`cli.plan.plan_summary`, without the probe),
+the LR of sampled steps, each sampled step's window of sample indices (its md5), epoch and batch, for every recipe in
+papers/ and reproduce/ x micro-batch (1, 3, 16, 64, 256) x world size (1, 2, 8) x dataset size (the recipe's, 5000,
+1,281,167). Written to compare two versions of the code that must plan and run alike (a refactor): run it on both
+and diff the JSON files. The flat `plan --json` view, not the Plan's own fields, so that a change to how the Plan
+is composed inside can be compared with the code before it.
 
     PYTHONPATH=src python bench/plan_fingerprint.py /tmp/before.json     # about 2 minutes here
     git switch other-version; PYTHONPATH=src python bench/plan_fingerprint.py /tmp/after.json
@@ -15,6 +17,7 @@ import sys
 
 import torch
 
+from reproduce.cli.plan import plan_summary
 from reproduce.errors import UserError
 from reproduce.plan.planner import lr_at, make_plan
 from reproduce.plan.recipe import load_recipe
@@ -36,7 +39,7 @@ for path in recipes:
                 except UserError as e:
                     out[key] = "error: " + str(e)
                     continue
-                d = p.model_dump(mode="json")
+                d = plan_summary(p)
                 total = p.optimizer_steps or 0
                 steps = sorted({0, 1, total // 3, total // 2, max(0, total - 1), 7, 100, 1000} )
                 steps = [s for s in steps if s < total]
