@@ -88,7 +88,7 @@ def gpt2_estimate() -> None:
         started = time.perf_counter()
         peaks, activations = [], []
         for size in (2, 4):
-            result = run_fake_step(workload.plan, workload.data.get("info"),
+            result = run_fake_step(workload.plan, workload.data.info,
                                    [workload.batch(size), workload.batch(size)], gpu)
             peaks.append(result.peak)
             activations.append(result.step.activations)

@@ -56,7 +56,7 @@ def recipes(folder: Path) -> dict:
 
 def loader_alone(plan, data, steps: int, workers: int) -> float:
     """Samples/s of taking every micro-batch of `steps` windows from the stream, as the run takes them."""
-    train_set, size, seed = data["train"], len(data["train"]), plan.recipe.seed
+    train_set, size, seed = data.train, len(data.train), plan.recipe.seed
 
     def windows(step: int) -> list[torch.Tensor]:
         return window(plan, size, step, seed)[0]
@@ -103,7 +103,7 @@ def main() -> None:
         for name, (recipe, micro) in recipes(folder).items():
             spec = parse_recipe(recipe)
             data = build_data(spec)
-            plan = make_plan(spec, micro_batch_max=micro, dataset_size=len(data["train"]))
+            plan = make_plan(spec, micro_batch_max=micro, dataset_size=len(data.train))
             run(plan, data, 2, 0)  # warm-up: first-call allocations
             alone, runs = {w: [] for w in WORKERS}, {w: [] for w in WORKERS}
             for _ in range(args.repeats):  # alternating, so the machine's noise hits every worker count alike

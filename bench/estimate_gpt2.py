@@ -55,7 +55,7 @@ def main() -> None:
                 started = time.perf_counter()
                 peaks, kernels = [], {}
                 for size in (2, 4):
-                    result = run_fake_step(workload.plan, workload.data.get("info"),
+                    result = run_fake_step(workload.plan, workload.data.info,
                                            [workload.batch(size), workload.batch(size)], kind)
                     peaks.append(result.peak)
                     kernels = result.kernels

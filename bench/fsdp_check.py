@@ -82,7 +82,7 @@ def fsdp_peak(recipe, workload: Workload, world: int, micro_batch: int, window: 
         tracker = ResizeAwareTracker()
         with tracker:
             torch.manual_seed(0)
-            model = build_model(recipe, workload.data.get("info"))
+            model = build_model(recipe, workload.data.info)
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             for block in reversed(shard_units(model)):  # the units `reproduce run` shards (train/fsdp.py)
                 fully_shard(block, mp_policy=policy)
@@ -146,10 +146,10 @@ class ResizeAwareTracker(MemoryTracker):
 def estimated(recipe, workload: Workload, world: int, micro_batch: int, window: int) -> int:
     """What the estimate meter computes for one rank (EstimateMeter.measure), with the CPU's kernels."""
     with torch.device("meta"):
-        model = build_model(recipe, workload.data.get("info"))
+        model = build_model(recipe, workload.data.info)
     root, sizes = block_sizes(model)
     blocks = Blocks(root=root, blocks=sizes)
-    result = run_fake_step(workload.plan, workload.data.get("info"),
+    result = run_fake_step(workload.plan, workload.data.info,
                            [workload.batch(micro_batch) for _ in range(window)], gpu=None,
                            model=model.to(torch.bfloat16), autocast=False)
     step = mixed_precision_step(result.step, blocks, master_bytes=4, compute_bytes=2)

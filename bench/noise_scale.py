@@ -103,7 +103,7 @@ class TimedNoiseScale(noise_module.NoiseScale):
 def run_over_recipe(name: str, path: str, micro: int, steps: int | None) -> None:
     recipe = load_recipe(ROOT / path)
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(data.train))
     with tempfile.TemporaryDirectory() as folder:
         summary = train(plan, Path(folder) / "run", RunOptions(device="cpu", data=data, max_steps=steps))
         records = [r for r in read_metrics(Path(folder) / "run" / "metrics.jsonl") if "loss" in r]
@@ -132,7 +132,7 @@ def run_over_recipe(name: str, path: str, micro: int, steps: int | None) -> None
 def cost(name: str, path: str, micro: int, pairs: int) -> None:
     recipe = load_recipe(ROOT / path)
     data = build_data(recipe)
-    train_set = data["train"]
+    train_set = data.train
     plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(train_set))
     setup = build(plan, torch.device("cpu"), data=data)
     step = 0
@@ -173,7 +173,7 @@ def state_tensors(setup) -> list[torch.Tensor]:
 def memory(name: str, path: str, micro: int) -> None:
     recipe = load_recipe(ROOT / path)
     data = build_data(recipe)
-    train_set = data["train"]
+    train_set = data.train
     plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(train_set))
     setup = build(plan, torch.device("cpu"), data=data)
     indices, _ = window(plan, len(train_set), 0, recipe.seed)
@@ -209,7 +209,7 @@ def definition(steps: int = 100) -> None:
         "optimizer": {"name": "sgd", "lr": 0.1}, "schedule": {"total": {"steps": 1000}},
     })
     data = build_data(recipe)
-    train_set = data["train"]
+    train_set = data.train
     plan = make_plan(recipe, micro_batch_max=8, dataset_size=len(train_set))
     setup = build(plan, torch.device("cpu"), data=data)
     for group in setup.optimizer.param_groups:  # the learning rate at 0: the weights stay where they are

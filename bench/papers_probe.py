@@ -43,7 +43,7 @@ PAPERS = Path(__file__).resolve().parent.parent / "papers"
 def model_text(recipe) -> str:
     if recipe.model.builtin is None:
         return "-"
-    info = synthetic_data(recipe)["info"] if not recipe.data.available else None
+    info = synthetic_data(recipe).info if not recipe.data.available else None
     with torch.device("meta"):
         total, trainable = count_parameters(build_model(recipe, info))
     text = f"{recipe.model.builtin} {format_count(total)}"

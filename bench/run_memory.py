@@ -65,7 +65,7 @@ def main() -> None:
     for name, (path, micro) in CASES.items():
         recipe = load_recipe(ROOT / path)
         data = build_data(recipe)
-        train_set = data["train"]
+        train_set = data.train
         plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(train_set))
         setup = build(plan, torch.device("cpu"), data=data)
         indices, _ = window(plan, len(train_set), 0, recipe.seed)

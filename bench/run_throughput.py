@@ -35,7 +35,7 @@ def minimal_loop(plan, data, steps: int) -> float:
     """The loop a careful user would write by hand; returns samples/s."""
     recipe = plan.recipe
     torch.manual_seed(recipe.seed)
-    model = build_model(recipe, data.get("info"))
+    model = build_model(recipe, data.info)
     spec = recipe.optimizer
     if spec.name == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=plan.lr, betas=spec.betas,
@@ -43,7 +43,7 @@ def minimal_loop(plan, data, steps: int) -> float:
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=plan.lr, momentum=spec.momentum,
                                     weight_decay=spec.weight_decay)
-    train_set, batch, micro = data["train"], plan.effective_batch, plan.micro_batch
+    train_set, batch, micro = data.train, plan.effective_batch, plan.micro_batch
     language = recipe.task == "language-modeling"
     model.train()
     started, samples = time.perf_counter(), 0
@@ -91,7 +91,7 @@ def main() -> None:
         # training throughput only: no evaluation passes in either loop
         recipe = load_recipe(path).model_copy(update={"evaluation": Evaluation(at_end=False)})
         data = build_data(recipe)
-        plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(data["train"]))
+        plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(data.train))
         steps = args.steps_mlp if name == "mlp" else args.steps_gpt
         ours(plan, data, 2)  # warm-up: first-call allocations, thread pools
         minimal_loop(plan, data, 2)

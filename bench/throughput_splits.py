@@ -63,7 +63,7 @@ def policy(path: str) -> tuple[dict, float]:
 
 def real_run(recipe, data, micro_batch: int, steps: int, folder: Path) -> float:
     """Median seconds of one optimizer step of `reproduce run` at this split, its first step left out."""
-    plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data.train))
     assert plan.micro_batch == micro_batch and plan.exact, plan.arithmetic
     out = folder / f"m{micro_batch}"
     train(plan, out, RunOptions(device="cpu", max_steps=steps, data=data, force=True))

@@ -38,7 +38,7 @@ def main(jobs_path: str, results: str) -> None:
         recipe = parse_recipe(job["recipe"])
         data = build_data(recipe)
         plan = make_plan(recipe, micro_batch_max=job["micro_batch"], world_size=int(os.environ["WORLD_SIZE"]),
-                        dataset_size=len(data["train"]))
+                        dataset_size=len(data.train))
         tracker = job.get("tracker") or {}
         mine = tracker.get("rank") == rank
         budget = None

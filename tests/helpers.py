@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import yaml
 
 from core_helpers import BASE, cli, cli_json, make_recipe, snapshot  # noqa: F401  (the torch-free ones)
-from reproduce.data import build_data
+from reproduce.data import Datasets, build_data
 from reproduce.data.batches import fetch
 from reproduce.models import build_model
 from reproduce.plan.planner import make_plan
@@ -66,7 +66,7 @@ def run_accumulated(recipe_data: dict, micro_batch: int, tmp_path, dtype=torch.f
     """`reproduce`'s trainer on the recipe with micro-batches of `micro_batch` (more than one per step)."""
     recipe = parse_recipe(recipe_data)
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data.train))
     assert plan.micro_batch == micro_batch and plan.accumulation_steps > 1
     summary = train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=dtype, data=data, **kwargs))
     weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
@@ -121,7 +121,7 @@ def whole_batches(dataset, batch: int, steps: int):
 def run_plain(recipe_data: dict, data: dict, steps: int, dtype=torch.float64) -> dict:
     """The plain loop over the recipe's effective batch, in the data's order."""
     batch = parse_recipe(recipe_data).batch.effective
-    return plain_loop(recipe_data, whole_batches(data["train"], batch, steps), data.get("info"), dtype)
+    return plain_loop(recipe_data, whole_batches(data.train, batch, steps), data.info, dtype)
 
 
 def assert_same_weights(ours: dict, reference: dict, rtol: float, atol: float) -> None:
@@ -215,7 +215,7 @@ def run_weights(folder: Path) -> dict:
     return torch.load(folder / "model.pt", weights_only=True)
 
 
-def data_of(recipe: dict) -> dict:
+def data_of(recipe: dict) -> Datasets:
     """The recipe's data, built as the run builds it (tests/ on sys.path for its factories)."""
     sys.path.insert(0, str(TESTS))  # the recipes' factories
     return build_data(parse_recipe(recipe))

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .errors import DoesNotFit, UserError
@@ -37,6 +37,9 @@ from .plan.weightfiles import inspect as inspect_weights
 from .plan.weightfiles import record as weights_record
 from .probe import cache
 from .probe.runner import BudgetRequired, ProbeOptions, ProbeResult, run_probe
+
+if TYPE_CHECKING:
+    from .data import Datasets
 
 OnNote = Callable[[str], None]
 
@@ -62,7 +65,7 @@ def _noter(notes: list[str], on_note: OnNote | None) -> OnNote:
 
 def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict | None, world_size: int,
                    policy: str = "exact", dataset_size: int | dict | None = None, *, probe: ProbeOptions | None = None,
-                   data: dict | None = None, keep_batchnorm: bool = True, on_note: OnNote | None = None) -> Planned:
+                   data: Datasets | None = None, keep_batchnorm: bool = True, on_note: OnNote | None = None) -> Planned:
     """Plan `recipe`; the one place that decides where the micro-batch maximum comes from: given, it is used as it
     is; otherwise the memory probe measures it (`probe`: the budget and meter; default: this machine's GPU), on
     `data` when the caller has built it already. Returns the plan, the probe's result and the lines it gave.
@@ -138,7 +141,7 @@ def with_weights_record(the_plan: Plan) -> Plan:
     return the_plan.model_copy(update={"weights": weights_record(spec.weights, builtin, vocab)})
 
 
-def count_factory_batchnorm(recipe: Recipe, data: dict | None) -> int | None:
+def count_factory_batchnorm(recipe: Recipe, data: Datasets | None) -> int | None:
     """The BatchNorm layers of the user's factory model, counted on the meta device (built-ins are known without
     torch: plan.batchnorm); None for other models, or a factory that cannot be built before its data is (its label then
     stands in, and the run counts the built model; the plan never fails for want of counting). A built factory whose
@@ -149,7 +152,7 @@ def count_factory_batchnorm(recipe: Recipe, data: dict | None) -> int | None:
     from .models.segmentation import ClassesDiffer
 
     try:
-        return counted_batchnorm(recipe, (data or {}).get("info"))
+        return counted_batchnorm(recipe, data.info if data else None)
     except ClassesDiffer:  # built: its logits are not the data's classes (models/segmentation.check_output_classes)
         raise
     except Exception:  # not importable here, or needs its data's shape: the run builds it (and says what fails)
@@ -198,7 +201,7 @@ def planned_data_size(recipe: Recipe, given: bool = False) -> tuple[dict | None,
     from .data.lengths import training_sizes
 
     data = build_data(recipe)
-    return data, training_sizes(recipe, data["train"])
+    return data, training_sizes(recipe, data.train)
 
 
 def recipe_for_plan(source: Path, changes: Sequence[Change], world_size: int = 1) -> Recipe:
@@ -277,7 +280,7 @@ def check_launch_policy(policy: str, the_plan: Plan | None, processes: int) -> N
 
 
 def probe_consensus(recipe: Recipe, recipe_path: str, world_size: int, policy: str, dataset_size: int | dict | None,
-                    all_min: Callable[[int], int], *, probe: ProbeOptions | None = None, data: dict | None = None,
+                    all_min: Callable[[int], int], *, probe: ProbeOptions | None = None, data: Datasets | None = None,
                     on_note: OnNote | None = None) -> tuple[Recipe, int | dict]:
     """Every rank probes its own device; all take the smallest result, so no rank runs out of memory.
 
@@ -352,7 +355,7 @@ class PreparedRun:
 
     recipe: Recipe
     plan: Plan
-    data: dict
+    data: Datasets
     warnings: list[str]
 
 
@@ -381,7 +384,7 @@ def prepare_run(request: RunRequest, world: Any, resume: bool, probe: ProbeOptio
 
     recipe, the_plan = checked or checked_run(request, world.size, resume)
     data = build_data(recipe)
-    size = training_sizes(recipe, data["train"])  # per sequence length when batch phases change it
+    size = training_sizes(recipe, data.train)  # per sequence length when batch phases change it
     world_size = world.size if world.distributed else request.world_size
     micro_batch_max: int | dict | None = request.micro_batch_max
     if the_plan is None and world.distributed and micro_batch_max is None:
@@ -395,13 +398,13 @@ def prepare_run(request: RunRequest, world: Any, resume: bool, probe: ProbeOptio
             on_note=on_note)
     the_plan, warnings = run_plan(recipe, str(request.source), the_plan, micro_batch_max, world_size,
                                   request.policy, size, resume, probe=probe, data=data, on_note=on_note)
-    warnings = [*warnings, *text_warnings(data.get("info") or {})]  # what tokenising cut, with counts
+    warnings = [*warnings, *text_warnings(data.info)]  # what tokenising cut, with counts
     return PreparedRun(recipe, the_plan, data, warnings)
 
 
 def run_plan(recipe: Recipe, source: str, the_plan: Plan | None, micro_batch_max: int | dict | None,
              world_size: int, policy: str, dataset_size: int | dict, resume: bool, *,
-             probe: ProbeOptions | None = None, data: dict | None = None,
+             probe: ProbeOptions | None = None, data: Datasets | None = None,
              on_note: OnNote | None = None) -> tuple[Plan, list[str]]:
     """The plan a run uses, and the warnings to show at its start: a new plan when none was given; the given (or
     resumed) one re-derived for another number of processes, a smaller --micro-batch-max on resume, or the data's
@@ -425,7 +428,7 @@ def run_plan(recipe: Recipe, source: str, the_plan: Plan | None, micro_batch_max
     return the_plan, warnings
 
 
-def packing_table(recipe: Recipe, the_plan: Plan, data: dict | None) -> dict | None:
+def packing_table(recipe: Recipe, the_plan: Plan, data: Datasets | None) -> dict | None:
     """`plan --data` on text: each way's micro-batches per window and padding, from the data's lengths
     (train/windows.grouping_table), and the way the recipe takes; None without data or lengths."""
     if data is None or recipe.task != "language-modeling" or recipe.batch.unit != "samples" or (
@@ -435,7 +438,7 @@ def packing_table(recipe: Recipe, the_plan: Plan, data: dict | None) -> dict | N
     from .train.windows import grouping_table
 
     try:
-        lengths = sample_lengths(data["train"])
+        lengths = sample_lengths(data.train)
     except UserError:
         return None
     table = grouping_table(the_plan, lengths, recipe.data.token_budget, recipe.seed)
@@ -462,7 +465,7 @@ def parameter_counts(recipe: Recipe, build: bool = True) -> tuple[int, int] | No
     from .probe.workload import synthetic_data
 
     try:
-        info = synthetic_data(recipe)["info"]  # the head and vocabulary the recipe's data declares
+        info = synthetic_data(recipe).info  # the head and vocabulary the recipe's data declares
     except UserError:
         info = None
     try:

@@ -120,4 +120,4 @@ def test_shipped_runnable_recipes_really_build():
     recipe = load_recipe(PAPERS / "digits-mlp.yaml")
     assert builtin_names.why_not_runnable(recipe) is None
     data = build_data(recipe)
-    assert build_model(recipe, data.get("info")) is not None
+    assert build_model(recipe, data.info) is not None

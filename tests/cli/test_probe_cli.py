@@ -155,11 +155,11 @@ def test_make_plan_probes_with_the_callers_data():
     recipe = load_recipe("digits.yaml")
     data = build_data(recipe)
     options = ProbeOptions(memory="256KiB", meter="cpu")
-    plan = plan_and_probe(recipe, "digits.yaml", None, 2, "exact", len(data["train"]), probe=options,
+    plan = plan_and_probe(recipe, "digits.yaml", None, 2, "exact", len(data.train), probe=options,
                               data=data).plan
     assert plan.world_size == 2 and plan.micro_batch * plan.accumulation_steps * 2 == 2048
     assert plan.micro_batch_max <= 1024  # capped at the per-rank batch
-    assert plan.dataset_size == len(data["train"])
+    assert plan.dataset_size == len(data.train)
     assert len(os.listdir(os.environ["REPRODUCE_CACHE_DIR"])) == 1
 
 

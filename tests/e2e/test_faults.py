@@ -134,7 +134,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypat
 
     recipe = parse_recipe(RECIPE)
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
     trainer.train(plan, tmp_path / "run", trainer.RunOptions(device="cpu", data=data, max_steps=4))
     checkpoint = tmp_path / "run" / "checkpoints" / "last.pt"
     before = checkpoint.read_bytes()
@@ -175,7 +175,7 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path, capsys):
 def test_skip_nonfinite_skips_and_counts(tmp_path):
     recipe = parse_recipe({**RECIPE, "optimizer": {"name": "sgd", "lr": 1e30}})
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
     summary = trainer.train(plan, tmp_path / "run", trainer.RunOptions(device="cpu", data=data, max_steps=8,
                                                                                  skip_nonfinite=True))
     records = trainer.read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -196,7 +196,7 @@ def test_out_of_memory_mid_run_halves_the_micro_batch_and_keeps_the_batch_exact(
     data = build_data(recipe)
 
     def peak_of(micro_batch: int, folder: str) -> int:
-        plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
+        plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data.train))
         with MemoryTracker() as tracker:
             trainer.train(plan, tmp_path / folder,
                           trainer.RunOptions(device="cpu", data=data, max_steps=2, workers=workers))
@@ -204,7 +204,7 @@ def test_out_of_memory_mid_run_halves_the_micro_batch_and_keeps_the_batch_exact(
 
     small, large = peak_of(32, "m32"), peak_of(64, "m64")
     assert large > small
-    plan = make_plan(recipe, micro_batch_max=64, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=64, dataset_size=len(data.train))
     assert (plan.micro_batch, plan.accumulation_steps) == (64, 2)
     with MemoryTracker(budget_bytes=(small + large) // 2):
         summary = trainer.train(plan, tmp_path / "oom",
@@ -219,7 +219,7 @@ def test_out_of_memory_mid_run_halves_the_micro_batch_and_keeps_the_batch_exact(
     assert [r["micro_batch"] for r in steps] == [64] * index + [32] * (4 - index)
     assert all(r["micro_batch"] * r["accumulation_steps"] == r["samples"] == 128 for r in steps)
     # the same updates as a plain run planned at micro-batch 32: the effective batch never changed
-    reference = make_plan(recipe, micro_batch_max=32, dataset_size=len(data["train"]))
+    reference = make_plan(recipe, micro_batch_max=32, dataset_size=len(data.train))
     trainer.train(reference, tmp_path / "ref", trainer.RunOptions(device="cpu", data=data))
     ours = torch.load(tmp_path / "oom" / "model.pt", weights_only=True)
     theirs = torch.load(tmp_path / "ref" / "model.pt", weights_only=True)
@@ -238,7 +238,7 @@ def test_out_of_memory_that_cannot_be_recovered_stops_with_a_message(momentum, m
     recipe = parse_recipe({**RECIPE, "schedule": {"total": {"steps": 2}},
                            "optimizer": {"name": "sgd", "lr": 0.1, "momentum": momentum}})
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=1, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=1, dataset_size=len(data.train))
     with MemoryTracker() as tracker:
         trainer.train(plan, tmp_path / "measure", trainer.RunOptions(device="cpu", data=data, max_steps=1))
     with pytest.raises(TrainingStopped, match=message):

@@ -104,7 +104,7 @@ def test_sharded_accumulation_equals_the_plain_large_batch_loop_float64(name, re
     reference = run_plain(recipe, data_of(recipe), steps=steps)  # one process, whole batches, clipped
     ours = run_weights(folder / name)
     assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
-    initial = build_model(parse_recipe(recipe), data_of(recipe).get("info")).double().state_dict()
+    initial = build_model(parse_recipe(recipe), data_of(recipe).info).double().state_dict()
     assert any(not torch.allclose(initial[k], ours[k]) for k in ours)  # the run did move the weights
     records = read_metrics(folder / name / "metrics.jsonl")
     assert len(records) == steps
@@ -158,7 +158,7 @@ def test_batchnorm_under_fsdp_keeps_rank_zeros_statistics_as_ddp_does(jobs):
 def test_model_pt_is_the_whole_model_for_a_fresh_unsharded_one(jobs):
     folder, _ = jobs
     state = run_weights(folder / "gpt")
-    model = build_model(parse_recipe(GPT_CLIPPED), data_of(GPT_CLIPPED).get("info")).double()
+    model = build_model(parse_recipe(GPT_CLIPPED), data_of(GPT_CLIPPED).info).double()
     assert list(state) == list(model.state_dict())  # the model's own names, head.weight (tied) included
     model.load_state_dict(state)  # strict
     assert torch.equal(model.head.weight, state["head.weight"])

@@ -284,7 +284,7 @@ def test_force_puts_the_previous_run_back_when_the_first_step_fails(whole, tmp_p
 
     recipe = parse_recipe(RECIPE)
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=1, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=1, dataset_size=len(data.train))
     with MemoryTracker() as tracker:
         trainer.train(plan, tmp_path / "measure", trainer.RunOptions(device="cpu", data=data, max_steps=1))
     out = tmp_path / "out"

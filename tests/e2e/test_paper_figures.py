@@ -220,7 +220,7 @@ def test_a_ramp_does_not_depend_on_the_machine(row):
 def test_parameter_count(row):
     recipe = load_recipe(PAPERS / f"{row.name}.yaml")
     with torch.device("meta"):
-        model = build_model(recipe, synthetic_data(recipe)["info"])
+        model = build_model(recipe, synthetic_data(recipe).info)
     total, trainable = count_parameters(model)
     if row.counted == "trainable":
         counted = trainable

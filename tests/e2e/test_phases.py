@@ -236,7 +236,7 @@ def run(recipe_data: dict, micro: int, out, **kwargs):
     data = build_data(recipe)
     from reproduce.data.lengths import training_sizes
 
-    plan = make_plan(recipe, micro, dataset_size=training_sizes(recipe, data["train"]))
+    plan = make_plan(recipe, micro, dataset_size=training_sizes(recipe, data.train))
     train(plan, out, RunOptions(device="cpu", dtype=torch.float64, data=data, **kwargs))
     return plan, data, torch.load(out / "model.pt", weights_only=True), read_metrics(out / "metrics.jsonl")
 
@@ -251,7 +251,7 @@ def test_batch_phases_run_equals_a_plain_loop_over_the_same_batches_float64(tmp_
     windows = [(length, start, size) for (_, length), (_, start, size) in zip(
         batches, naive_stream(batches, {None: 1437}, 1, True), strict=True)]
     assert windows[3] == (None, 96, 128) and windows[5] == (None, 352, 64)
-    reference = plain_loop_over(recipe, windows, {None: data["train"]})
+    reference = plain_loop_over(recipe, windows, {None: data.train})
     assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
 
 
@@ -270,7 +270,7 @@ def test_ramp_run_equals_a_plain_loop_over_the_ramps_batches_float64(tmp_path):
     assert [r["accumulation_steps"] for r in records] == [-(-b // 16) for b in expected]
     starts = [sum(expected[:i]) for i in range(12)]
     reference = plain_loop_over(recipe, [(None, s, b) for s, b in zip(starts, expected, strict=True)],
-                           {None: data["train"]})
+                           {None: data.train})
     assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
 
 
@@ -291,7 +291,7 @@ def test_sequence_length_phases_read_the_data_cut_at_each_length_float64(workers
     plan, data, ours, records = run(recipe, 2, tmp_path / "run", workers=workers)
     assert [(r["sequence_length"], r["samples"], r["tokens"]) for r in records] == [
         (16, 8, 128), (16, 8, 128), (32, 4, 128), (32, 4, 128)]
-    cut = {16: data["train"].with_sequence_length(16), 32: data["train"]}
+    cut = {16: data.train.with_sequence_length(16), 32: data.train}
     windows = [(16, 0, 8), (16, 8, 8), (32, 0, 4), (32, 4, 4)]  # each length reads its own data from its start
     reference = plain_loop_over(recipe, windows, cut)
     assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
@@ -303,7 +303,7 @@ def test_resume_across_phase_boundaries_is_bitwise(tmp_path):
                     model={"builtin": "mlp", "kwargs": {"dropout": 0.3}})
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
-    plan = make_plan(parsed, 16, dataset_size=len(data["train"]))
+    plan = make_plan(parsed, 16, dataset_size=len(data.train))
     train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
     # stops inside the first phase
     train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=2))

@@ -51,19 +51,19 @@ def test_language_model_with_padding_normalises_by_tokens_float64(optimizer, wor
     recipe = lm_recipe(optimizer)
     plan, summary, ours, data = run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path, workers=workers)
     assert plan.accumulation_steps == 4
-    lengths = {len(x) for x, _ in data["train"]}
+    lengths = {len(x) for x, _ in data.train}
     assert len(lengths) > 3  # sequences really differ in length, so padding and counting matter
     reference = run_plain(recipe, data, steps=3)
     assert_same_weights(ours, reference, rtol=1e-6, atol=1e-12)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    first = [collate([data["train"][i] for i in range(16)])][0][1]
+    first = [collate([data.train[i] for i in range(16)])][0][1]
     assert records[0]["items"] == int((first != -100).sum())  # normalised by the window's real tokens
 
 
 def test_mean_of_micro_batch_means_would_differ(tmp_path):
     """The peers' bug (HF #34191): averaging per-micro-batch token means is not the large-batch loss."""
     data = build_data(parse_recipe(lm_recipe(SGD)))
-    window = [data["train"][i] for i in range(16)]
+    window = [data.train[i] for i in range(16)]
     torch.manual_seed(0)
     logits = torch.randn(16, 16, 32, dtype=torch.float64)
     _, target = collate(window)
@@ -113,7 +113,7 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
     recipe["model"] = {"builtin": "mlp", "kwargs": {"dropout": 0.3}}  # dropout: the RNG state must resume too
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
-    plan = make_plan(parsed, micro_batch_max=16, dataset_size=len(data["train"]))
+    plan = make_plan(parsed, micro_batch_max=16, dataset_size=len(data.train))
     train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
     train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3, checkpoint_every=2))
     with pytest.raises(UserError, match="not empty"):
@@ -204,7 +204,7 @@ def test_resume_keeps_the_runs_seed_and_refuses_a_finished_run(tmp_path):
     recipe = digits_recipe(SGD, steps=6, data={"shuffle": True})
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
-    plan = make_plan(parsed, micro_batch_max=16, dataset_size=len(data["train"]))
+    plan = make_plan(parsed, micro_batch_max=16, dataset_size=len(data.train))
     train(plan, tmp_path / "full", RunOptions(device="cpu", data=data, seed=5))
     train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, seed=5, max_steps=3))
     with pytest.raises(UserError, match="`seed`: the run in .* was started with seed 5 \\(got 6\\)"):
@@ -220,12 +220,12 @@ def test_resume_keeps_the_runs_seed_and_refuses_a_finished_run(tmp_path):
 def test_force_clears_the_previous_runs_outputs_only(tmp_path):
     recipe = parse_recipe(digits_recipe(SGD, steps=3))
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
     out = tmp_path / "out"
     train(plan, out, RunOptions(device="cpu", data=data))
     (out / "notes.txt").write_text("mine")
     failing = parse_recipe({**digits_recipe(SGD, steps=3), "optimizer": {"name": "sgd", "lr": 1e30}})
-    failing_plan = make_plan(failing, micro_batch_max=16, dataset_size=len(data["train"]))
+    failing_plan = make_plan(failing, micro_batch_max=16, dataset_size=len(data.train))
     from reproduce.errors import TrainingStopped
 
     with pytest.raises(TrainingStopped):

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import Interrupted, UserError
 from ..plan.planfile import check_plan
@@ -22,6 +22,9 @@ from ..plan.segments import batch_phases
 from ..plan.units import format_size, parse_size
 from .load import LoadedFile, Run, check_name
 from .schema import WORK_MARKER, Budget, CompareCheck, MetricCheck, PlanCheck, VerifyCheck
+
+if TYPE_CHECKING:
+    from ..data import Datasets
 
 
 @dataclass
@@ -55,11 +58,11 @@ class Runner:
         self.work, self.plots = work, plots
         self.log = log or (lambda text: None)
         self.cache: dict[str, RunResult] = {}
-        self.data: dict[str, dict] = {}
+        self.data: dict[str, Datasets] = {}
 
     # ---- runs ---------------------------------------------------------------------------------------
 
-    def dataset(self, recipe: Recipe) -> dict:
+    def dataset(self, recipe: Recipe) -> Datasets:
         from ..data import build_data
 
         key = json.dumps([recipe.data.model_dump(mode="json"), recipe.batch.sequence_length], sort_keys=True)
@@ -74,7 +77,7 @@ class Runner:
             return spec.train_size
         from ..data.lengths import training_sizes
 
-        return training_sizes(recipe, self.dataset(recipe)["train"])
+        return training_sizes(recipe, self.dataset(recipe).train)
 
     def plan_for(self, run: Run, dataset_size: int | dict | None) -> Plan:
         budget = run.budget
@@ -89,7 +92,7 @@ class Runner:
         from ..train.trainer import RunOptions, train
 
         data = self.dataset(run.recipe)
-        plan = self.plan_for(run, training_sizes(run.recipe, data["train"]))
+        plan = self.plan_for(run, training_sizes(run.recipe, data.train))
         max_steps = run.budget.max_steps
         if run.budget.max_epochs is not None and plan.steps_per_epoch:
             max_steps = max(1, math.ceil(run.budget.max_epochs * plan.steps_per_epoch))
@@ -151,7 +154,7 @@ class Runner:
         from ..data.lengths import training_sizes
 
         data = self.dataset(run.recipe)
-        plan = self.plan_for(run, training_sizes(run.recipe, data["train"]))
+        plan = self.plan_for(run, training_sizes(run.recipe, data.train))
         seed = run.seeds[0]
         result = verify(plan, samples=check.samples, tolerance=check.tolerance, dtype=check.dtype,
                         device=check.device, seed=seed, data=data)

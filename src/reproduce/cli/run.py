@@ -11,7 +11,7 @@ import sys
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -72,14 +72,17 @@ from .resume import (
 )
 from .throughput import cost_line
 
+if TYPE_CHECKING:
+    from ..data import Datasets
 
-def counted_parameters(plan: Plan, data: dict) -> tuple[int, int] | None:
+
+def counted_parameters(plan: Plan, data: Datasets) -> tuple[int, int] | None:
     """(all parameters, those that train) of the run's model, counted on the meta device (a quantised base
     unquantised); None for a model that cannot be built there (a factory's own code)."""
     from ..models import parameter_counts
 
     try:
-        return parameter_counts(plan.recipe, data.get("info"))
+        return parameter_counts(plan.recipe, data.info)
     except (UserError, RuntimeError, NotImplementedError, TypeError, ValueError):
         return None
 

@@ -90,7 +90,7 @@ def verify_command(
     data = build_data(recipe)
     if plan is None:
         plan = plan_and_probe(recipe, str(source), micro_batch_max, world_size, policy.value,
-                             dataset_size=training_sizes(recipe, data["train"]), on_note=show_note).plan
+                             dataset_size=training_sizes(recipe, data.train), on_note=show_note).plan
     result = verify(
         plan, samples=samples, tolerance=tolerance, dtype=dtype.value, device=device, seed=seed, data=data
     )

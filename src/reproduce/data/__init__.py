@@ -1,13 +1,16 @@
 """Data: the one place the training loop, the probe and verify build a recipe's datasets.
 
-`build_data(recipe)` gives `{"train": Dataset, "eval": Dataset (optional), "info": {...}}` from a built-in
-name (`DATA`), the user's own `factory:`, or data on disk in one of the `FORMATS` (`data.format` with
-`data.path`); items are `(input, target)` pairs.
+`build_data(recipe)` gives the recipe's `Datasets` (training set, evaluation set, info) from a built-in name
+(`DATA`), the user's own `factory:`, or data on disk in one of the `FORMATS` (`data.format` with `data.path`).
+Each of these builders returns a dict with "train", "eval" (optional) and "info" (optional) keys, the contract a
+user's factory follows; `build_data` checks it and gives the `Datasets`. Items are `(input, target)` pairs.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from ..errors import UserError
 from ..plan.factory import call_builder
@@ -41,6 +44,23 @@ EXPECTED = {
 }
 
 
+class SizedDataset(Protocol):
+    """A map-style dataset: a torch `Dataset` with a length, a `datasets.Dataset`, a list of pairs."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Datasets:
+    """A recipe's data, as `build_data` gives it to the run, the probe and verify."""
+
+    train: SizedDataset
+    eval: SizedDataset | None = None  # None: the recipe has no evaluation data (no eval loss, no plateau decay)
+    info: dict[str, Any] = field(default_factory=dict)  # name, vocab_size, classes, ...: what the model is built for
+
+
 def unavailable_message(recipe: Recipe) -> str:
     """Data marked `available: false`: the fix is the data's path (`data_path`) when the recipe names its format."""
     data = recipe.data
@@ -66,7 +86,7 @@ def build_format(recipe: Recipe) -> dict:
     return getattr(module, builder)(recipe)
 
 
-def build_data(recipe: Recipe) -> dict:
+def build_data(recipe: Recipe) -> Datasets:
     if not recipe.data.available:
         raise UserError(unavailable_message(recipe))
     if recipe.data.format is not None:
@@ -96,5 +116,7 @@ def build_data(recipe: Recipe) -> dict:
             raise UserError(f"data: {split!r} must be a sized dataset (got {type(data[split]).__name__})")
     if len(data["train"]) == 0:
         raise UserError(f"data: the training set is empty{f' ({recipe.data.path})' if recipe.data.path else ''}")
-    data.setdefault("info", {"name": recipe.data.name or recipe.data.builtin or recipe.data.factory})
-    return data
+    info = data.get("info")
+    if info is None:
+        info = {"name": recipe.data.name or recipe.data.builtin or recipe.data.factory}
+    return Datasets(data["train"], data.get("eval"), info)

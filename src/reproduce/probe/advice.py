@@ -100,7 +100,7 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
     counted_on = "the failed trial itself, run to its end on fake tensors"
     if parts is None:  # the cpu and cuda meters stopped at the budget: count the same step on fake tensors
         kind = GpuKind(torch.cuda.get_device_capability()) if meter.name == "cuda" else None
-        info = meter.workload.data.get("info")
+        info = meter.workload.data.info
         result = run_fake_step(meter.workload.plan, info, meter.window(first.micro_batch, torch.device("cpu"),
                                                                        torch.float32), kind)
         with torch.device("meta"):
@@ -211,7 +211,7 @@ def _recipe_ways_out(meter: Any, gpu: Any, extra: dict | None = None) -> list[Wa
     lora: dict = {}
     if can_lora:
         with torch.device("meta"):
-            targets = lora_targets(build_model(recipe, meter.workload.data.get("info")))
+            targets = lora_targets(build_model(recipe, meter.workload.data.info))
         lora = {**LORA, "target_modules": targets}
         changes.append((f"model.lora: {_flow(lora)}", {"model": {"lora": lora}}))
     bf16 = {"model": {"dtype": "bf16"}}

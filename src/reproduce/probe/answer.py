@@ -114,7 +114,7 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
     else:  # split what the real step held by counting the same step on fake tensors (this GPU's kernels on cuda)
         kind = GpuKind(torch.cuda.get_device_capability()) if meter_name == "cuda" else None
         window = meter.window(micro_batch, torch.device("cpu"), torch.float32)
-        result = run_fake_step(workload.plan, workload.data.get("info"), window, kind)
+        result = run_fake_step(workload.plan, workload.data.info, window, kind)
         parts = {"at_peak": result.at_peak, "step": result.step.to_json(), "peak_stage": result.peak_stage,
                  "loss_bytes": result.loss_bytes, "paged_bytes": result.paged_bytes, "optimizer": result.optimizer,
                  "unseen_bytes": result.unseen_bytes}
@@ -172,7 +172,7 @@ def weights_form(recipe: Recipe, workload: Workload) -> str:
     from ..models import build_model
 
     with torch.device("meta"):
-        model = build_model(recipe, workload.data.get("info"))
+        model = build_model(recipe, workload.data.info)
     parameters = list(model.parameters())
     total, trained = sum(p.numel() for p in parameters), sum(p.numel() for p in parameters if p.requires_grad)
     spec = recipe.model

@@ -15,9 +15,13 @@ of variable length the micro-batch is the longest item repeated (probe/workload.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._pytree import tree_map_only
+
+if TYPE_CHECKING:
+    from ..data import Datasets
 
 COUNTED_AT = 1  # samples in the counted micro-batch
 
@@ -76,7 +80,7 @@ def count_flops(recipe, data_info: dict | None, batch: tuple, capability: tuple[
                        sequence_length=recipe.batch.sequence_length, weight_bytes=weights)
 
 
-def recipe_flops(recipe, data: dict | None = None, capability: tuple[int, int] | None = None) -> SampleFlops:
+def recipe_flops(recipe, data: Datasets | None = None, capability: tuple[int, int] | None = None) -> SampleFlops:
     """`count_flops` on one sample of the recipe's data (its own when available here, else synthetic); on two where
     BatchNorm cannot train on one (DeepLabV3's image pooling normalises a 1 x 1 map: batchnorm.POOLED_BATCHNORM)."""
     from ..plan.batchnorm import POOLED_BATCHNORM, batchnorm_in_run
@@ -84,4 +88,4 @@ def recipe_flops(recipe, data: dict | None = None, capability: tuple[int, int] |
 
     workload = Workload(recipe, data)
     samples = 2 if recipe.model.builtin in POOLED_BATCHNORM and batchnorm_in_run(recipe.model) else COUNTED_AT
-    return count_flops(recipe, workload.data.get("info"), workload.batch(samples), capability)
+    return count_flops(recipe, workload.data.info, workload.batch(samples), capability)

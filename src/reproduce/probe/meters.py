@@ -291,13 +291,13 @@ class EstimateMeter(Meter):
         inputs = self.window(micro_batch, torch.device("cpu"), torch.float32)
         recipe = self.workload.recipe
         with torch.device("meta"):
-            model = build_model(recipe, self.workload.data.get("info"))
+            model = build_model(recipe, self.workload.data.info)
         blocks = self.blocks(model)
         master_bytes = next((p.element_size() for p in model.parameters()), 4)
         mixed = self.sharding == "fsdp" and recipe.precision != "fp32"
         if mixed:  # FSDP2's MixedPrecisionPolicy: forward and backward on parameters gathered in the compute dtype,
             model = model.to(torch.bfloat16 if recipe.precision == "bf16" else torch.float16)  # and no autocast
-        result = run_fake_step(self.workload.plan, self.workload.data.get("info"), inputs, self.gpu, model=model,
+        result = run_fake_step(self.workload.plan, self.workload.data.info, inputs, self.gpu, model=model,
                                autocast=not mixed)
         # micro-batches accumulated before the reduction (FSDP2 no_sync), unless reduce-scattered one by one
         window = len(inputs) > 1 and not recipe.batch.sharded_gradients

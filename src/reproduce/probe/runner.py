@@ -17,7 +17,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -29,6 +29,9 @@ from ..timing.throughput import rates
 from . import cache
 from .catalog import Gpu, lookup
 from .search import Measurement, search
+
+if TYPE_CHECKING:
+    from ..data import Datasets
 
 METERS = ("auto", "cuda", "cpu", "estimate")
 
@@ -181,7 +184,7 @@ def run_probe(
     recipe_path: str | None = None,
     options: ProbeOptions = ProbeOptions(),
     world_size: int = 1,
-    data: dict | None = None,
+    data: Datasets | None = None,
     on_trial: Callable[[Measurement], None] | None = None,
 ) -> ProbeResult:
     """The largest micro-batch of `recipe` that fits the budget, measured; from the cache when it is there."""

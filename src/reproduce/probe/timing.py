@@ -37,7 +37,7 @@ class SplitSteps:
         self.setup = build(workload.plan, device, data=workload.data)
         self.setup.model.train()
         self.noise = NoiseScale(self.setup) if noise_scale else None
-        self.dataset = workload.data["train"]
+        self.dataset = workload.data.train
         self.order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(0))
         self.taken: dict[int, int] = defaultdict(int)  # windows each split has run
 

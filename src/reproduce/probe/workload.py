@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
-from ..data import build_data
+from ..data import Datasets, build_data
 from ..data.batches import collate, fetch
 from ..data.shapes import image_dataset
 from ..errors import UserError
@@ -139,7 +139,7 @@ def declared_inputs(recipe: Recipe) -> dict:
     return {"inputs": "samples", "shape": (int(channels), int(size), int(size)), "classes": int(classes or 1000)}
 
 
-def synthetic_data(recipe: Recipe) -> dict:
+def synthetic_data(recipe: Recipe) -> Datasets:
     """A stand-in training set of the recipe's declared shapes, for data that is not available here."""
     items = recipe.batch.sequences
     shape = declared_inputs(recipe)
@@ -147,8 +147,8 @@ def synthetic_data(recipe: Recipe) -> dict:
         length, vocab = shape["sequence_length"], shape["vocab_size"]
         pairs = shape.get("targets") == "mlm-nsp"
         dataset = SyntheticPairs(items, length, vocab) if pairs else SyntheticTokens(items, length, vocab)
-        return {"train": dataset, "info": {"name": f"synthetic tokens ({length} x vocabulary {vocab})",
-                                           "vocab_size": vocab}}
+        return Datasets(dataset, info={"name": f"synthetic tokens ({length} x vocabulary {vocab})",
+                                       "vocab_size": vocab})
     dims, classes = shape["shape"], shape["classes"]
     masks = shape["inputs"] == "masks"
     dataset = (SyntheticMasks if masks else SyntheticSamples)(items, dims, classes)
@@ -156,18 +156,18 @@ def synthetic_data(recipe: Recipe) -> dict:
     info = {"name": f"synthetic {' x '.join(map(str, dims))} {what}, {classes} classes", "classes": classes}
     if len(dims) == 3:
         info.update(channels=dims[0], image_size=dims[1])
-    return {"train": dataset, "info": info}
+    return Datasets(dataset, info=info)
 
 
 class Workload:
     """The recipe, its (real or synthetic) data, built on first use, and one micro-batch of any size."""
 
-    def __init__(self, recipe: Recipe, data: dict | None = None):
+    def __init__(self, recipe: Recipe, data: Datasets | None = None):
         self.recipe = recipe
         self._data = data
 
     @cached_property
-    def data(self) -> dict:
+    def data(self) -> Datasets:
         if self._data is not None:
             return self._data
         return build_data(self.recipe) if self.recipe.data.available else synthetic_data(self.recipe)
@@ -179,11 +179,11 @@ class Workload:
 
     @property
     def synthetic(self) -> bool:
-        return isinstance(self.data["train"], (SyntheticTokens, SyntheticSamples))  # SyntheticMasks too
+        return isinstance(self.data.train, (SyntheticTokens, SyntheticSamples))  # SyntheticMasks too
 
     @property
     def description(self) -> str:
-        name = self.data.get("info", {}).get("name") or "data"
+        name = self.data.info.get("name") or "data"
         return f"{name} ({'synthetic' if self.synthetic else 'real'} inputs)"
 
     @cached_property
@@ -192,12 +192,12 @@ class Workload:
         at a micro-batch of 2 where the batch allows: the plan refuses a BN batch of 1 for a model whose image
         pooling cannot train on one (DeepLabV3, plan.batchnorm), and the split changes no memory."""
         return make_plan(self.recipe, micro_batch_max=min(2, self.recipe.batch.sequences),
-                         dataset_size=len(self.data["train"]))
+                         dataset_size=len(self.data.train))
 
     @cached_property
     def _largest_item(self) -> int | None:
         """The index of the largest item when items differ in shape; None when they all have one shape."""
-        dataset = self.data["train"]
+        dataset = self.data.train
         if hasattr(dataset, "longest_item"):  # variable-length data that indexed its lengths (tokenised text)
             return dataset.longest_item()
         if isinstance(dataset, TensorDataset) or hasattr(dataset, "batch"):
@@ -211,7 +211,7 @@ class Workload:
     def batch(self, micro_batch: int) -> tuple[Any, Any]:
         """`micro_batch` items as (inputs, targets), on the CPU. With `data.packing: packed`, `micro_batch` rows of
         the longest example as the run packs them (`packed_rows`)."""
-        dataset = self.data["train"]
+        dataset = self.data.train
         if self.recipe.data.packing == "packed":
             return self.packed_rows(micro_batch)
         if self._largest_item is not None:
@@ -220,7 +220,7 @@ class Workload:
 
     def longest(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The longest example's (inputs, targets): token sequences (any item when they all have one length)."""
-        inputs, targets = self.data["train"][self._largest_item or 0]
+        inputs, targets = self.data.train[self._largest_item or 0]
         return torch.as_tensor(inputs), torch.as_tensor(targets)
 
     def rows(self, count: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,8 @@ and the libraries' versions), so planning the same recipe again imports no torch
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..errors import UserError
 from ..plan.planner import Plan
 from ..probe.runner import ProbeResult
@@ -15,9 +17,12 @@ from .plan_cost import plan_costs
 from .prediction import DEFAULT_MFU, MFU_SOURCE, predicted_seconds
 from .throughput_plan import check_mfu
 
+if TYPE_CHECKING:
+    from ..data import Datasets
+
 
 def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: float = DEFAULT_MFU,
-                    data: dict | None = None) -> dict:
+                    data: Datasets | None = None) -> dict:
     """`predicted_seconds` (this plan), `paper_predicted_seconds` (the paper's hardware) and how they were made."""
     from ..probe.catalog import lookup
     from ..probe.peaks import precision_key
@@ -93,7 +98,7 @@ def paper_gpu(recipe):
         return None
 
 
-def sample_flops(recipe, data: dict | None = None) -> tuple[float, float]:
+def sample_flops(recipe, data: Datasets | None = None) -> tuple[float, float]:
     """(FLOPs of one sample, the share in convolutions): probe/flops.py's count. With the recipe's own data
     description (`data` None) it is kept in the probe's cache, keyed by the recipe and the versions of the libraries
     that build the model, and read back without torch."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..plan.planner import Plan, make_plan
@@ -24,13 +25,16 @@ from ..probe.runner import ProbeResult
 from .prediction import DEFAULT_MFU
 from .throughput import BUDGET_SECONDS, Timings, choose, exact_splits, model_micro_step, time_splits
 
+if TYPE_CHECKING:
+    from ..data import Datasets
+
 
 def check_mfu(assumed_mfu: float) -> None:
     if not 0 < assumed_mfu <= 1:
         raise UserError(f"expected a fraction in (0, 1], such as 0.4 (got {assumed_mfu:g})", field="assumed_mfu")
 
 def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, world_size: int,
-                    dataset_size: int | dict | None, result: ProbeResult | None, data: dict | None = None,
+                    dataset_size: int | dict | None, result: ProbeResult | None, data: Datasets | None = None,
                     keep_batchnorm: bool = True, assumed_mfu: float = DEFAULT_MFU, gpu: str | None = None,
                     on_note: Callable[[str], None] | None = None, budget_seconds: float = BUDGET_SECONDS) -> Plan:
     """The exact plan whose split has the most samples per second (the decision under `plan.throughput`).
@@ -75,7 +79,7 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, worl
         record["reason"] += f" (BatchNorm statistics over {decision.micro_batch}, not the paper's {per_device})"
     return chosen.model_copy(update={"throughput": record})
 
-def _measure(recipe: Recipe, data: dict | None, result: ProbeResult | None, per_rank: int, splits: list[int],
+def _measure(recipe: Recipe, data: Datasets | None, result: ProbeResult | None, per_rank: int, splits: list[int],
              budget_seconds: float, on_note: Callable[[str], None] | None) -> tuple[Timings, str]:
     """Every exact split timed on the probed device (or, without a probe, the one `run` would use)."""
     import time
@@ -110,7 +114,7 @@ def _measure(recipe: Recipe, data: dict | None, result: ProbeResult | None, per_
     return timings, str(device)
 
 
-def _model_times(recipe: Recipe, gpu: str | None, splits: list[int], data: dict | None, assumed_mfu: float
+def _model_times(recipe: Recipe, gpu: str | None, splits: list[int], data: Datasets | None, assumed_mfu: float
                  ) -> tuple[dict[int, float], dict[int, str]]:
     """Micro-step seconds by the FLOPs model on the GPU named: nothing is timed under the estimate meter."""
     from ..probe.catalog import lookup

@@ -47,7 +47,7 @@ def model_at_stride(setup, stride: int) -> nn.Module:
     recipe = setup.plan.recipe
     at_stride = variant(recipe, {"model.output_stride": stride, "model.weights": None, "model.backbone_weights": None})
     with torch.random.fork_rng(devices=[setup.device] if setup.device.type == "cuda" else []):
-        model = place(build_model(at_stride, setup.data.get("info")), recipe, setup.device, setup.dtype)
+        model = place(build_model(at_stride, setup.data.info), recipe, setup.device, setup.dtype)
     model.load_state_dict(setup.core.state_dict())
     return model.train(setup.core.training)
 

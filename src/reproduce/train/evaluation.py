@@ -22,7 +22,7 @@ from .setup import Setup
 def evaluate(setup: Setup, batch: int | None = None, workers: int | None = None) -> dict | None:
     """Mean loss (and accuracy) over the eval split, in batches of `batch` (default: the micro-batch), fetched
     by `workers` loader processes (default: `data.loader.default_workers`)."""
-    dataset = setup.data.get("eval")
+    dataset = setup.data.eval
     if dataset is None or len(dataset) == 0:
         return None
     model = setup.core
@@ -140,7 +140,7 @@ def evaluate_run(run_dir: Path, data_path: str | None = None, eval_data_path: st
                  if value is not None)]
     recipe = overlay(recipe, changes, source)
     data = build_data(recipe)
-    if data.get("eval") is None or len(data["eval"]) == 0:
+    if data.eval is None or len(data.eval) == 0:
         raise UserError(f"{source}: the run's recipe has no evaluation data (data.eval_path, or a voc folder's "
                         "val list): give `eval_data_path` PATH")
     plan = plan.model_copy(update={"recipe": recipe})

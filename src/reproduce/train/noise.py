@@ -106,7 +106,7 @@ class NoiseScale:
 
     def __init__(self, setup: Any, ema: float = EMA_FACTOR, hooked_share: float = HOOKED_SHARE):
         self.setup, self.ema, self.hooked_share = setup, ema, hooked_share
-        self.dataset_size = len(setup.data["train"])
+        self.dataset_size = len(setup.data.train)
         self.population: float | None = None  # the training set in items (tokens for a language model)
         self.window: Window | None = None
         self.sink = None  # the running window's `parameters.append`: the hooks' one attribute to look up

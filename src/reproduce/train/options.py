@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .reporter import Reporter
+
+if TYPE_CHECKING:
+    from ..data import Datasets
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,7 @@ class RunOptions:
     skip_nonfinite: bool = False  # skip a step whose loss or gradient is not finite instead of stopping
     dtype: torch.dtype = torch.float32
     reporter: Reporter | None = None  # None: silent
-    data: dict[str, Any] | None = None  # the datasets (`data.build_data`); None: built from the recipe
+    data: Datasets | None = None  # the datasets (`data.build_data`); None: built from the recipe
     workers: int | None = None  # DataLoader processes; None: `data.loader.default_workers`, 0: this process
     noise_scale: bool = True  # measure the gradient noise scale (train/noise.py); it never changes the weights
     continue_with: str | None = None  # the command an interrupted run prints to continue

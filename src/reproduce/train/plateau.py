@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import UserError
 from ..plan.planner import Plan, lr_at
 from ..plan.schedules import Plateau
+
+if TYPE_CHECKING:
+    from ..data import Datasets
 
 
 class PlanScheduler(torch.optim.lr_scheduler.LambdaLR):
@@ -55,10 +59,10 @@ class PlanScheduler(torch.optim.lr_scheduler.LambdaLR):
         return decreased
 
 
-def check_plateau(plan: Plan, data: dict) -> None:
+def check_plateau(plan: Plan, data: Datasets) -> None:
     """A plateau decay needs evaluation data to watch (the recipe's evaluation.every_steps is checked on load)."""
     decay = plan.recipe.schedule.decay
-    if decay.kind == "plateau" and data.get("eval") is None:
+    if decay.kind == "plateau" and data.eval is None:
         raise UserError(f"schedule.decay: kind plateau watches {decay.metric}, but this run has no evaluation data; "
                         "give `eval_data_path` PATH (or data.eval_path)")
 

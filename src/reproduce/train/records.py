@@ -83,7 +83,7 @@ def run_summary(run: Run, elapsed: float) -> dict:
         "tokens": whole["tokens"],
         "divergence": divergence.diverged,
         "reported": compare_reported(plan.recipe, run.last_record, run.total, plan.optimizer_steps),
-        "data": run.setup.data.get("info", {}),
+        "data": run.setup.data.info,
         "notes": run.setup.notes,
     }
     if plan.norm is not None:  # the BatchNorm choice and the BN batch it gave, against the paper's

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..data import build_data
+from ..data import Datasets, build_data
 from ..errors import UserError
 from ..models import build_model, count_batchnorm, place
 from ..models.backbone import backbone_report
@@ -76,7 +76,7 @@ class Setup:
     scheduler: Any
     scaler: Any
     loss: Any
-    data: dict
+    data: Datasets
     device: torch.device
     dtype: torch.dtype
     world: World = World()
@@ -121,7 +121,7 @@ class Setup:
 
 
 def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, seed: int | None = None,
-          data: dict | None = None, world: World | None = None) -> Setup:
+          data: Datasets | None = None, world: World | None = None) -> Setup:
     """Model, optimizer, scheduler, scaler, loss and data for `plan`, seeded for a reproducible start.
 
     Under several processes the model is wrapped in DistributedDataParallel, or sharded with FSDP2 when the recipe's
@@ -133,12 +133,12 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
     world = world or World()
     data = data if data is not None else build_data(recipe)
     torch.manual_seed(recipe.seed if seed is None else seed)
-    model = place(build_model(recipe, data.get("info")), recipe, device, dtype)  # model.dtype kept in float32 runs
+    model = place(build_model(recipe, data.info), recipe, device, dtype)  # model.dtype kept in float32 runs
     notes = batchnorm_notes(plan, model, world, device)
-    loaded = backbone_report(recipe, data.get("info"))  # which tensors came from the backbone file, which did not
+    loaded = backbone_report(recipe, data.info)  # which tensors came from the backbone file, which did not
     if loaded:
         notes.insert(0, loaded)
-    if recipe.task == "segmentation" and data.get("eval") is None:
+    if recipe.task == "segmentation" and data.eval is None:
         notes.append("no evaluation data: the run reports no eval loss, mIoU or pixel accuracy (give --eval-data, "
                      "data.eval_path, a voc folder's val list, or images/ and masks/ with train/ and val/)")
     if recipe.model.batchnorm == "sync":

@@ -202,7 +202,7 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
         check_merged(setup.core, plan.recipe, setup.sharded)
     check_plateau(plan, setup.data)
     # batch phases of other sequence lengths read the same data cut at their length (data/lengths.py)
-    train_set = training_set(plan.recipe, setup.data["train"], list(length_sizes(plan.segments)))
+    train_set = training_set(plan.recipe, setup.data.train, list(length_sizes(plan.segments)))
     size = check_training_set(plan, train_set)
     train_set, grouping, lengths = group_training_set(plan, setup, train_set)
     max_steps = options.max_steps

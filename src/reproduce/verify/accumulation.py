@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data import build_data
+from ..data import Datasets, build_data
 from ..data.batches import to_device
 from ..data.lengths import training_set
 from ..data.loader import fetch_seeded
@@ -177,7 +177,7 @@ def verify(
     dtype: str = "float64",
     device: str = "cpu",
     seed: int | None = None,
-    data: dict | None = None,
+    data: Datasets | None = None,
     chunk: int | None = None,
 ) -> VerifyResult:
     """The plan's accumulated gradient against the one-pass gradient of the same samples, from the same weights."""
@@ -195,8 +195,8 @@ def verify(
     seed = recipe.seed if seed is None else seed
     data = data if data is not None else build_data(recipe)
     # as the run indexes it: batch phases of other sequence lengths read the same data cut at their length
-    train_set = training_set(recipe, data["train"], list(length_sizes(plan.segments)))
-    size = len(data["train"])
+    train_set = training_set(recipe, data.train, list(length_sizes(plan.segments)))
+    size = len(data.train)
 
     # The plan as it trains, in the dtype of the check: autocast only for bf16/fp16, parameters in float64
     # or float32. Clipping stays: it acts on the accumulated gradient, and the reference clips the same way.
@@ -222,7 +222,7 @@ def verify(
     total_samples = sum(len(i) for i in indices)
 
     torch.manual_seed(seed)
-    model = build_model(recipe, data.get("info")).to(device=torch_device, dtype=param_dtype)
+    model = build_model(recipe, data.info).to(device=torch_device, dtype=param_dtype)
     model.train()
     dropped = disable_dropout(model)
     notes = []

@@ -10,7 +10,7 @@ the two accumulated gradients must agree within the check's tolerance.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from ..plan.planner import Plan
 from ..train.losses import build_loss
 from ..train.setup import Setup
 from ..train.step import optimizer_step
+
+if TYPE_CHECKING:
+    from ..data import Datasets
 
 
 def has_dropout(model: nn.Module) -> bool:
@@ -35,7 +38,7 @@ def has_dropout(model: nn.Module) -> bool:
     return False
 
 
-def recomputation_error(plan: Plan, data: dict, micro_batches: list, device: torch.device, dtype: torch.dtype,
+def recomputation_error(plan: Plan, data: Datasets, micro_batches: list, device: torch.device, dtype: torch.dtype,
                         seed: int, recorder_type: Any, no_schedule: Any) -> tuple[float, bool]:
     """(relative difference of the accumulated gradients with and without checkpointing, dropout on; whether the
     model has dropout to check). `micro_batches` are on the device; both steps start from the same seed."""
@@ -44,7 +47,7 @@ def recomputation_error(plan: Plan, data: dict, micro_batches: list, device: tor
         recipe = plan.recipe
         recipe = variant(recipe, {"model.activation_checkpointing": checkpointing})
         torch.manual_seed(seed)
-        model = build_model(recipe, data.get("info")).to(device=device, dtype=dtype)
+        model = build_model(recipe, data.info).to(device=device, dtype=dtype)
         model.train()
         dropout = dropout or has_dropout(model)
         recorder = recorder_type([p for p in model.parameters() if p.requires_grad])

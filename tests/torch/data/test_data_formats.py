@@ -97,14 +97,14 @@ def test_tokens_without_shuffle_equal_a_plain_loop_float64(sample_data, tmp_path
     spec = data_paths(parse_recipe(recipe_for("tokens", sample_data, shuffle=False)),
                            str(sample_data / "tokens" / "train.bin"), None)
     data = build_data(spec)
-    plan = make_plan(spec, micro_batch_max=4, dataset_size=len(data["train"]))
+    plan = make_plan(spec, micro_batch_max=4, dataset_size=len(data.train))
     assert (plan.micro_batch, plan.accumulation_steps) == (4, 4)
     train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data, workers=2))
     ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
 
     tokens = torch.from_numpy(np.fromfile(sample_data / "tokens" / "train.bin", dtype=np.uint16).astype(np.int64))
     torch.manual_seed(spec.seed)
-    model = build_model(spec, data["info"]).double()
+    model = build_model(spec, data.info).double()
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.optimizer.lr, betas=spec.optimizer.betas,
                                   eps=spec.optimizer.eps, weight_decay=spec.optimizer.weight_decay)
     length, sequences = 32, 16
@@ -119,7 +119,7 @@ def test_tokens_without_shuffle_equal_a_plain_loop_float64(sample_data, tmp_path
     assert ours.keys() == reference.keys()
     for name in ours:
         torch.testing.assert_close(ours[name], reference[name], rtol=1e-6, atol=1e-12)
-    initial = build_model(spec, data["info"]).state_dict()
+    initial = build_model(spec, data.info).state_dict()
     assert any(not torch.allclose(initial[k].double(), ours[k]) for k in ours)  # the weights moved
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert all(r["tokens"] == 512 for r in records)
@@ -138,7 +138,7 @@ def test_instruction_data_masks_exactly_the_prompt_tokens(sample_data, tmp_path)
     spec = data_paths(parse_recipe(recipe_for("instructions", sample_data, shuffle=False)),
                            str(sample_data / "instructions" / "train.jsonl"), None)
     data = build_data(spec)
-    dataset = data["train"]
+    dataset = data.train
     tokenizer = AutoTokenizer.from_pretrained(str(sample_data / "tokenizer"), local_files_only=True)
     records = [json.loads(line) for line in (sample_data / "instructions" / "train.jsonl").read_text().splitlines()]
     assert len(dataset) == len(records)
@@ -175,7 +175,7 @@ def test_window_count_is_known_before_any_micro_batch_is_fetched(sample_data):
     spec = data_paths(parse_recipe(recipe_for("instructions", sample_data, shuffle=False)),
                            str(sample_data / "instructions" / "train.jsonl"), None)
     data = build_data(spec)
-    dataset, events = data["train"], []
+    dataset, events = data.train, []
     counts = dataset.target_counts
 
     def counted(indices):
@@ -216,7 +216,7 @@ def test_resume_with_workers_is_bitwise_mid_epoch(sample_data, tmp_path):
     recipe["model"] = {"builtin": "mlp", "kwargs": {"dropout": 0.3}}
     spec = data_paths(parse_recipe(recipe), str(sample_data / "images" / "train"), None)
     data = build_data(spec)
-    plan = make_plan(spec, micro_batch_max=8, dataset_size=len(data["train"]))
+    plan = make_plan(spec, micro_batch_max=8, dataset_size=len(data.train))
     assert plan.steps_per_epoch == 44
     train(plan, tmp_path / "full", RunOptions(device="cpu", data=data, workers=0))
     train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3, workers=2))
@@ -271,7 +271,7 @@ def test_the_run_warns_once_when_the_loader_is_the_bottleneck(tmp_path):
                          "data": {"factory": "factories:slow_digits", "kwargs": {"delay": 0.003}},
                          "optimizer": SGD, "schedule": {"total": {"steps": 5}}, "evaluation": {"at_end": False}})
     data = build_data(spec)
-    plan = make_plan(spec, micro_batch_max=8, dataset_size=len(data["train"]))
+    plan = make_plan(spec, micro_batch_max=8, dataset_size=len(data.train))
     reporter = Messages()
     train(plan, tmp_path / "run", RunOptions(device="cpu", data=data, reporter=reporter, workers=0))
     warnings = [line for line in reporter.lines if "the loader is the bottleneck" in line]
@@ -293,12 +293,12 @@ def test_hf_datasets_image_column_decodes_and_transforms_each_row(sample_data):
                            str(sample_data / "hf" / "digits-val.parquet"))
     data = build_data(spec)
     labels = pq.read_table(sample_data / "hf" / "digits-train.parquet").column("label").to_pylist()
-    assert len(data["train"]) == len(labels) == 1437 and len(data["eval"]) == 360
-    assert data["info"]["classes"] == 10
+    assert len(data.train) == len(labels) == 1437 and len(data.eval) == 360
+    assert data.info["classes"] == 10
     folder = build_data(data_paths(parse_recipe(recipe_for("imagefolder", sample_data, augment="none")),
-                                        str(sample_data / "images" / "train"), None))["train"]
+                                        str(sample_data / "images" / "train"), None)).train
     for index in (0, 700, 1436):  # the parquet rows and the PNG files hold the same digits, in the same order
-        image, label = data["train"][index]
+        image, label = data.train[index]
         assert image.shape == (1, 8, 8) and int(label) == labels[index]
         same = [i for i, (path, target) in enumerate(folder.samples) if path.endswith(f"{index:04d}.png")]
         assert len(same) == 1 and folder.samples[same[0]][1] == labels[index]

@@ -127,14 +127,14 @@ def test_a_chat_file_trains_on_the_assistant_turns_only(layout, files, tmp_path,
     recipe_path = chat_recipe(tmp_path, files)
     loaded = parse_recipe({**yaml.safe_load(open(recipe_path)), "data": {
         **yaml.safe_load(open(recipe_path))["data"], "path": path, "available": True}})
-    train = build_data(loaded)["train"]
+    train = build_data(loaded).train
     inputs, labels = train[0]
     assert tokenizer.decode(labels[labels != -100]) == "Red.<|endoftext|>\nBlue, and green.<|endoftext|>\n"
     rendered = tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
     assert tokenizer.decode(inputs) + tokenizer.decode(labels[-1:]) == rendered
     everything = parse_recipe({**loaded.model_dump(mode="json"),
                                "data": {**loaded.data.model_dump(mode="json"), "train_on_inputs": True}})
-    assert int((build_data(everything)["train"][0][1] != -100).sum()) == len(inputs)  # train_on_inputs: all
+    assert int((build_data(everything).train[0][1] != -100).sum()) == len(inputs)  # train_on_inputs: all
 
     code, out, err = cli(capsys, "run", recipe_path, "--weights", files / "tiny-llama", "--data", path, "--out",
                          tmp_path / "run", "--micro-batch-max", "4", "--device", "cpu", "--max-steps", "1")
@@ -167,22 +167,22 @@ def test_bad_chat_input_is_one_line(records, tokenizer, expected, files, tmp_pat
 def test_eval_size_holds_examples_out_with_the_seed(files, tmp_path, capsys, one_thread):
     """data.eval_size: that many examples of the training file become the eval split, drawn with the recipe's seed
     (another seed, another draw), the rest train; the plan counts what trains; more than the file is one line."""
-    from reproduce.data import build_data
+    from reproduce.data import Datasets, build_data
     from reproduce.plan.recipe import parse_recipe
 
-    def built(seed: int, size: int = 6) -> dict:
+    def built(seed: int, size: int = 6) -> Datasets:
         body = yaml.safe_load(open(recipe(tmp_path, GPT2, eval_size=size)))
         body["data"].update({"path": str(files / "alpaca.json"), "available": True,
                              "tokenizer": str(files / "tokenizer")})
         return build_data(parse_recipe({**body, "seed": seed}))
 
-    whole = {tuple(built(0, 1)["train"].sequence(i)) for i in range(23)} | {tuple(built(0, 1)["eval"].sequence(0))}
+    whole = {tuple(built(0, 1).train.sequence(i)) for i in range(23)} | {tuple(built(0, 1).eval.sequence(0))}
     first, again, other = built(0), built(0), built(1)
-    held = [tuple(first["eval"].sequence(i)) for i in range(len(first["eval"]))]
-    trained = [tuple(first["train"].sequence(i)) for i in range(len(first["train"]))]
+    held = [tuple(first.eval.sequence(i)) for i in range(len(first.eval))]
+    trained = [tuple(first.train.sequence(i)) for i in range(len(first.train))]
     assert (len(trained), len(held)) == (18, 6) and set(held) | set(trained) == whole and not set(held) & set(trained)
-    assert held == [tuple(again["eval"].sequence(i)) for i in range(6)]
-    assert held != [tuple(other["eval"].sequence(i)) for i in range(6)]
+    assert held == [tuple(again.eval.sequence(i)) for i in range(6)]
+    assert held != [tuple(other.eval.sequence(i)) for i in range(6)]
 
     code, out, err = cli(capsys, "plan", recipe(tmp_path, GPT2, eval_size=6), "--weights", files / "tiny-gpt2",
                          "--data", files / "alpaca.json", "--micro-batch-max", "4", "--json")
@@ -244,18 +244,18 @@ def test_resume_refuses_data_that_changed_since_the_run_began(files, tmp_path, c
 def test_eval_fraction_holds_a_share_out(files, tmp_path, capsys, one_thread):
     """data.eval_fraction: the share of the training file's examples held out (rounded), drawn as eval_size draws
     that many; not with eval_size or eval_path; a share that leaves nothing to train on is one line."""
-    from reproduce.data import build_data
+    from reproduce.data import Datasets, build_data
     from reproduce.plan.recipe import parse_recipe
 
-    def built(**held) -> dict:
+    def built(**held) -> Datasets:
         body = yaml.safe_load(open(recipe(tmp_path, GPT2, **held)))
         body["data"].update({"path": str(files / "alpaca.json"), "available": True,
                              "tokenizer": str(files / "tokenizer")})
         return build_data(parse_recipe(body))
 
     share, count = built(eval_fraction=0.25), built(eval_size=6)  # 24 examples: a quarter is 6
-    assert (len(share["train"]), len(share["eval"])) == (18, 6)
-    assert [share["eval"].sequence(i) for i in range(6)] == [count["eval"].sequence(i) for i in range(6)]
+    assert (len(share.train), len(share.eval)) == (18, 6)
+    assert [share.eval.sequence(i) for i in range(6)] == [count.eval.sequence(i) for i in range(6)]
     code, out, err = cli(capsys, "plan", recipe(tmp_path, GPT2, eval_fraction=0.25, eval_size=6), "--micro-batch-max",
                          "4")
     assert code == 2 and "eval_fraction: give eval_size (examples) or eval_fraction (a share), not both" in err

@@ -84,7 +84,7 @@ def test_balance_gives_every_rank_as_many_micro_batches_splitting_or_adding_empt
 def grouped_plan(recipe: dict, world_size: int = 1, micro: int = 4):
     spec = parse_recipe(recipe)
     data = build_data(spec)
-    return spec, data, make_plan(spec, micro_batch_max=micro, world_size=world_size, dataset_size=len(data["train"]),
+    return spec, data, make_plan(spec, micro_batch_max=micro, world_size=world_size, dataset_size=len(data.train),
                             policy="fast" if recipe["batch"]["effective"] % (world_size * micro) else "exact")
 
 
@@ -96,8 +96,8 @@ def test_each_steps_sample_ids_are_the_unpacked_plans_on_every_rank(way, world_s
     recipe = llama_lora(way, effective=18, steps=9)
     recipe["data"]["drop_last"] = False
     spec, data, the_plan = grouped_plan(recipe, world_size, micro=2)
-    grouping = grouping_of(spec, data["train"], the_plan.micro_batch)
-    size = len(data["train"])
+    grouping = grouping_of(spec, data.train, the_plan.micro_batch)
+    size = len(data.train)
     partials = 0
     for step in range(the_plan.optimizer_steps):
         counts = set()
@@ -197,8 +197,8 @@ def test_verify_says_equivalent_float64(way):
 def test_a_token_budget_below_the_longest_example_is_one_line():
     spec, data, the_plan = grouped_plan(llama_lora("sorted", token_budget=5))
     with pytest.raises(UserError) as error:
-        grouping_of(spec, data["train"], the_plan.micro_batch)
-    longest = max(len(x) for x, _ in data["train"])
+        grouping_of(spec, data.train, the_plan.micro_batch)
+    longest = max(len(x) for x, _ in data.train)
     assert str(error.value).startswith("data.token_budget: 5 tokens is smaller than example ")
     assert f"'s {longest} input tokens" in str(error.value)
 
@@ -395,10 +395,10 @@ def test_an_empty_micro_batch_brings_no_loss_but_reaches_every_trained_parameter
     from reproduce.train.losses import TokenLoss
 
     spec, data, the_plan = grouped_plan(llama_lora(way))
-    grouping = grouping_of(spec, data["train"], the_plan.micro_batch)
+    grouping = grouping_of(spec, data.train, the_plan.micro_batch)
     torch.manual_seed(0)
-    model = build_model(spec, data["info"])
-    inputs, targets = Grouped(data["train"], grouping).batch(torch.empty(0, dtype=torch.long))
+    model = build_model(spec, data.info)
+    inputs, targets = Grouped(data.train, grouping).batch(torch.empty(0, dtype=torch.long))
     loss = TokenLoss()(model(inputs), targets)
     loss.backward()
     assert float(loss.detach()) == 0.0 and TokenLoss().count(targets) == 0
@@ -409,8 +409,8 @@ def test_an_empty_micro_batch_brings_no_loss_but_reaches_every_trained_parameter
 @pytest.mark.parametrize("way", ["sorted", "packed"])
 def test_a_micro_batch_lowered_after_out_of_memory_lowers_the_token_budget_and_keeps_the_samples(way):
     spec, data, the_plan = grouped_plan(llama_lora(way, effective=16), micro=4)
-    grouping = grouping_of(spec, data["train"], the_plan.micro_batch)
-    size = len(data["train"])
+    grouping = grouping_of(spec, data.train, the_plan.micro_batch)
+    size = len(data.train)
     full, _ = window(the_plan, size, 0, 3, grouping=grouping)
     lowered, _ = window(the_plan, size, 0, 3, micro_batch=2, grouping=grouping)
     assert grouping.budget_at(2) == grouping.budget // 2

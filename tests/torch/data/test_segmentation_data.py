@@ -40,9 +40,9 @@ def seg_recipe(path: Path | str, **data) -> dict:
 
 def test_the_voc_layout_reads_its_lists_and_cuts_image_and_mask_together(voc):
     data = build_data(parse_recipe(seg_recipe(voc)))
-    train, evaluation = data["train"], data["eval"]
+    train, evaluation = data.train, data.eval
     assert (len(train), len(evaluation)) == (12, 4)
-    assert data["info"]["layout"] == "voc" and data["info"]["classes"] == 4
+    assert data.info["layout"] == "voc" and data.info["classes"] == 4
     image, mask = fetch_seeded(train, torch.arange(4), seed=0, step=3)
     assert image.shape == (4, 3, 48, 48) and image.dtype == torch.float32
     assert mask.shape == (4, 48, 48) and mask.dtype == torch.int64
@@ -55,7 +55,7 @@ def test_the_voc_layout_reads_its_lists_and_cuts_image_and_mask_together(voc):
 
 
 def test_the_draws_come_from_seed_step_and_index_alone(voc):
-    train = build_data(parse_recipe(seg_recipe(voc)))["train"]
+    train = build_data(parse_recipe(seg_recipe(voc))).train
     together = fetch_seeded(train, torch.tensor([0, 5, 7]), seed=1, step=4)
     apart = [fetch_seeded(train, torch.tensor([i]), seed=1, step=4) for i in (0, 5, 7)]
     assert torch.equal(together[0], torch.cat([a[0] for a in apart]))
@@ -71,7 +71,7 @@ def test_the_draws_come_from_seed_step_and_index_alone(voc):
 
 
 def test_the_valid_pixels_are_counted_from_the_masks_as_cut(voc):
-    train = build_data(parse_recipe(seg_recipe(voc)))["train"]
+    train = build_data(parse_recipe(seg_recipe(voc))).train
     indices = torch.arange(12)
     _, masks = fetch_seeded(train, indices, seed=2, step=9)
     counted = train.target_counts_at(2, 9, indices)
@@ -87,8 +87,8 @@ def test_trainaug_reads_its_list_and_masks_folder_and_evaluates_on_segmentationc
     ids = (root / "ImageSets" / "Segmentation" / "train.txt").read_text().split()[:5]
     (root / "ImageSets" / "Segmentation" / "trainaug.txt").write_text("\n".join(ids) + "\n")
     data = build_data(parse_recipe(seg_recipe(root, split="trainaug", masks="SegmentationClassAug")))
-    assert len(data["train"]) == 5 and {p.mask.parent.name for p in data["train"].pairs} == {"SegmentationClassAug"}
-    assert {p.mask.parent.name for p in data["eval"].pairs} == {"SegmentationClass"} and len(data["eval"]) == 4
+    assert len(data.train) == 5 and {p.mask.parent.name for p in data.train.pairs} == {"SegmentationClassAug"}
+    assert {p.mask.parent.name for p in data.eval.pairs} == {"SegmentationClass"} and len(data.eval) == 4
     (root / "SegmentationClassAug" / f"{ids[2]}.png").unlink()
     with pytest.raises(UserError, match=f"no mask SegmentationClassAug/{ids[2]}.png"):
         build_data(parse_recipe(seg_recipe(root, split="trainaug", masks="SegmentationClassAug")))
@@ -106,9 +106,9 @@ def test_the_images_masks_layout_pairs_by_name(tmp_path, voc):
         ids = np.asarray(Image.open(voc / "SegmentationClass" / f"{name}.png"))
         Image.fromarray(ids, mode="L").save(root / "masks" / "a" / f"{name}.png")  # label ids, greyscale
     data = build_data(parse_recipe(seg_recipe(root, eval_path=str(root))))
-    assert data["info"]["layout"] == "images-masks" and len(data["train"]) == 3 and len(data["eval"]) == 3
-    first = data["eval"].pairs[0]
-    assert torch.equal(data["eval"][0][1], torch.from_numpy(np.asarray(Image.open(first.mask)).astype(np.int64)))
+    assert data.info["layout"] == "images-masks" and len(data.train) == 3 and len(data.eval) == 3
+    first = data.eval.pairs[0]
+    assert torch.equal(data.eval[0][1], torch.from_numpy(np.asarray(Image.open(first.mask)).astype(np.int64)))
 
 
 def test_miou_and_pixel_accuracy_over_the_whole_split():
@@ -256,7 +256,7 @@ def test_samples_writes_a_voc_folder(tmp_path):
     assert len(list((tmp_path / "scenes" / "SegmentationClassAug").glob("*.png"))) == 160
     deeplab = yaml.safe_load((Path(__file__).parents[3] / "papers" / "chen2017-deeplabv3.yaml").read_text())
     data = build_data(data_paths(parse_recipe(deeplab), str(tmp_path / "scenes"), None))  # --data PATH
-    assert len(data["train"]) == 160 and {p.mask.parent.name for p in data["train"].pairs} == {"SegmentationClassAug"}
+    assert len(data.train) == 160 and {p.mask.parent.name for p in data.train.pairs} == {"SegmentationClassAug"}
 
 
 def test_a_run_counts_the_pixels_it_trains_on_and_resumes_bitwise_with_workers(voc, tmp_path):
@@ -274,7 +274,7 @@ def test_a_run_counts_the_pixels_it_trains_on_and_resumes_bitwise_with_workers(v
     recipe["evaluation"] = {"at_end": False}
     spec = parse_recipe(recipe)
     data = build_data(spec)
-    plan = make_plan(spec, micro_batch_max=2, dataset_size=len(data["train"]))
+    plan = make_plan(spec, micro_batch_max=2, dataset_size=len(data.train))
     train(plan, tmp_path / "full", RunOptions(device="cpu", data=data, workers=0))
     train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=2, workers=1))
     train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True, workers=1))
@@ -284,8 +284,8 @@ def test_a_run_counts_the_pixels_it_trains_on_and_resumes_bitwise_with_workers(v
         if "items" not in record:
             continue
         step = record["step"] - 1
-        micro_batches, _ = window(plan, len(data["train"]), step, spec.seed, 0, 2)
-        masks = [fetch_seeded(data["train"], indices, spec.seed, step)[1] for indices in micro_batches]
+        micro_batches, _ = window(plan, len(data.train), step, spec.seed, 0, 2)
+        masks = [fetch_seeded(data.train, indices, spec.seed, step)[1] for indices in micro_batches]
         assert record["items"] == sum(int((m != 255).sum()) for m in masks)
     assert sum("items" in r for r in records) == 4
 
@@ -313,11 +313,11 @@ def _cityscapes(voc: Path, root: Path, raw_only: bool = False) -> Path:
 def test_the_cityscapes_layout_reads_its_train_and_val_splits(voc, tmp_path):
     root = _cityscapes(voc, tmp_path / "cityscapes")
     data = build_data(parse_recipe(seg_recipe(root)))
-    assert data["info"]["layout"] == "cityscapes" and (len(data["train"]), len(data["eval"])) == (12, 4)
-    for pair in data["train"].pairs + data["eval"].pairs:  # each image with its city's labelTrainIds mask
+    assert data.info["layout"] == "cityscapes" and (len(data.train), len(data.eval)) == (12, 4)
+    for pair in data.train.pairs + data.eval.pairs:  # each image with its city's labelTrainIds mask
         assert pair.mask == root / "gtFine" / pair.image.relative_to(root / "leftImg8bit").parent / (
             pair.image.name.replace("_leftImg8bit.png", "_gtFine_labelTrainIds.png"))
-    assert {p.image.parts[-3] for p in data["eval"].pairs} == {"val"}
+    assert {p.image.parts[-3] for p in data.eval.pairs} == {"val"}
 
 
 def test_cityscapes_with_labelids_only_names_the_script(voc, tmp_path, capsys):
@@ -346,8 +346,8 @@ def test_images_and_masks_with_train_and_val_folders_are_the_splits(voc, tmp_pat
             shutil.copy(voc / "JPEGImages" / f"{name}.jpg", root / "images" / split / f"{name}.jpg")
             shutil.copy(voc / "SegmentationClass" / f"{name}.png", root / "masks" / split / f"{name}.png")
     data = build_data(parse_recipe(seg_recipe(root)))
-    assert data["info"]["layout"] == "images-masks" and (len(data["train"]), len(data["eval"])) == (12, 4)
-    assert {p.image.parent.name for p in data["eval"].pairs} == {"val"}
+    assert data.info["layout"] == "images-masks" and (len(data.train), len(data.eval)) == (12, 4)
+    assert {p.image.parent.name for p in data.eval.pairs} == {"val"}
     # a JPEG mask where the PNG is expected is named
     name = (lists / "val.txt").read_text().split()[0]
     (root / "masks" / "val" / f"{name}.png").unlink()
@@ -369,6 +369,6 @@ def test_a_run_without_evaluation_data_says_so(voc, tmp_path):
     (root / "ImageSets" / "Segmentation" / "val.txt").unlink()
     spec = parse_recipe(seg_recipe(root))
     data = build_data(spec)
-    assert "eval" not in data
-    setup = build(make_plan(spec, micro_batch_max=2, dataset_size=len(data["train"])), torch.device("cpu"), data=data)
+    assert data.eval is None
+    setup = build(make_plan(spec, micro_batch_max=2, dataset_size=len(data.train)), torch.device("cpu"), data=data)
     assert setup.notes[-1].startswith("no evaluation data: the run reports no eval loss, mIoU or pixel accuracy")

@@ -106,11 +106,11 @@ def test_window_loss_equals_transformers_loss_over_the_whole_batch_float64(tmp_p
     assert plan.accumulation_steps == 4
     parsed = parse_recipe(recipe)
     torch.manual_seed(parsed.seed)
-    model = build_model(parsed, data["info"]).to(torch.float64)
+    model = build_model(parsed, data.info).to(torch.float64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     counts = []
     for step in range(3):
-        inputs, target = fetch(data["train"], torch.arange(step * 16, (step + 1) * 16))
+        inputs, target = fetch(data.train, torch.arange(step * 16, (step + 1) * 16))
         output = model.model(**inputs, labels=target[:, :-1].contiguous(), next_sentence_label=target[:, -1])
         counts.append([int((target[i:i + 4, :-1] != -100).sum()) for i in range(0, 16, 4)])
         optimizer.zero_grad()
@@ -127,7 +127,7 @@ def test_the_mean_of_micro_batch_losses_would_differ():
     loss = LOSSES["bert-mlm-nsp"]()
     torch.manual_seed(0)
     mlm, nsp = torch.randn(16, 32, 2100, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64)
-    _, target = fetch(data["train"], torch.arange(16))
+    _, target = fetch(data.train, torch.arange(16))
     parts = [target[i:i + 4] for i in range(0, 16, 4)]
     counts = [loss.count(part) for part in parts]
     loss.window(sum(counts), 16)
@@ -149,7 +149,7 @@ def test_phases_cut_the_pairs_at_each_length(tmp_path):
     recipe = parse_recipe(bert_recipe(steps=2, phases=[{"steps": 1, "effective": 16, "sequence_length": 16},
                                                        {"effective": 16}]))
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=8, dataset_size=training_sizes(recipe, data["train"]))
+    plan = make_plan(recipe, micro_batch_max=8, dataset_size=training_sizes(recipe, data.train))
     summary = train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
     weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert [(p.sequence_length, p.accumulation_steps) for p in plan.phases] == [(16, 2), (32, 2)]
@@ -174,8 +174,8 @@ def test_pysource_pairs_is_a_builtin_corpus_of_pairs():
     data = build_data(parse_recipe({**bert_recipe(), "model": {"builtin": "bert-base", "kwargs": {
         **TINY_BERT, "vocab_size": BYTES.size, "pad_token_id": BYTES.pad}},
         "data": {"builtin": "pysource-pairs", "kwargs": {"max_bytes": 60_000}}}))
-    train = data["train"]
-    assert data["info"]["vocab_size"] == 260 and len(train) > 100 and train.length == 32
+    train = data.train
+    assert data.info["vocab_size"] == 260 and len(train) > 100 and train.length == 32
     inputs, target = fetch(train, torch.arange(len(train)))
     assert int(inputs["input_ids"].max()) < 260 and set(target[:, -1].tolist()) == {0, 1}
     assert (inputs["input_ids"][:, 0] == BYTES.cls).all()
@@ -211,8 +211,8 @@ def test_text_pairs_reads_berts_layout_with_a_local_tokenizer(tmp_path):
         "path": str(corpus), "tokenizer": str(folder), "dupe_factor": 3}}})
     data = build_data(recipe)
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    train = data["train"]
-    assert data["info"]["documents"] == 8 and data["info"]["vocab_size"] == len(tokenizer) and len(train) > 8
+    train = data.train
+    assert data.info["documents"] == 8 and data.info["vocab_size"] == len(tokenizer) and len(train) > 8
     assert train.length == 32 and (train.input_ids[:, 0] == tokenizer.cls_token_id).all()
     inputs, target = fetch(train, torch.arange(len(train)))
     restored = torch.where(target[:, :-1] != -100, target[:, :-1], inputs["input_ids"])
@@ -234,7 +234,7 @@ def test_verify_finds_the_window_gradient_equal_to_one_pass(chunk):
 
     recipe = parse_recipe(bert_recipe(custom=True))  # the loss named: task custom
     data = build_data(recipe)
-    result = verify(make_plan(recipe, 4, dataset_size=len(data["train"])), data=data, chunk=chunk)
+    result = verify(make_plan(recipe, 4, dataset_size=len(data.train)), data=data, chunk=chunk)
     assert result.equivalent and result.global_relative_error < 1e-12 and result.micro_batches == 4
 
 

@@ -67,7 +67,7 @@ def hf_recipe() -> dict:
 def trained(recipe: dict, micro_batch: int, folder, **options) -> dict:
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
-    plan = make_plan(parsed, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
+    plan = make_plan(parsed, micro_batch_max=micro_batch, dataset_size=len(data.train))
     assert plan.accumulation_steps > 1
     train(plan, folder, RunOptions(device="cpu", dtype=torch.float64, data=data, noise_scale=False, workers=0,
                                        **options))
@@ -115,7 +115,7 @@ def test_the_recomputation_saves_activations_on_the_cpu_meter_and_the_estimate_c
         workload = Workload(recipe).prepare()
         meter = CpuMeter(workload, 256 * 2**20, 0.0, time_steps=False)
         real = meter.measure(16).peak_bytes
-        fake = run_fake_step(workload.plan, workload.data.get("info"),
+        fake = run_fake_step(workload.plan, workload.data.info,
                              meter.window(16, torch.device("cpu"), torch.float32), None)
         assert abs(fake.peak - real) <= 4096, (on, fake.peak, real)
         peaks[on] = (real, fake.step.activations)
@@ -186,10 +186,10 @@ def test_the_recomputation_check_fails_when_the_masks_are_not_redrawn(monkeypatc
 
     recipe = parse_recipe(checkpointed(gpt_recipe()))
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=4, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=4, dataset_size=len(data.train))
     from reproduce.data.batches import collate
 
-    window = [collate([data["train"][i] for i in range(j, j + 4)]) for j in (0, 4)]
+    window = [collate([data.train[i] for i in range(j, j + 4)]) for j in (0, 4)]
     error, dropout = recomputation_error(plan, data, window, torch.device("cpu"), torch.float64, 0,
                                          GradientRecorder, _NoSchedule)
     assert dropout and error == 0.0

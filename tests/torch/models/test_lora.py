@@ -42,7 +42,7 @@ def test_lora_accumulation_equals_the_large_batch_float64(tmp_path):
     different lengths: the same weights within 1e-6, the base weights untouched, the adapters moved."""
     recipe = parse_recipe(GPT2_LORA)
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=4, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=4, dataset_size=len(data.train))
     assert (plan.micro_batch, plan.accumulation_steps) == (4, 4)
     train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
     ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
@@ -52,7 +52,7 @@ def test_lora_accumulation_equals_the_large_batch_float64(tmp_path):
         torch.testing.assert_close(ours[name], reference[name], rtol=1e-6, atol=1e-12,
                                    msg=lambda m, n=name: f"{n}: {m}")
     torch.manual_seed(recipe.seed)
-    initial = build_model(recipe, data["info"]).to(torch.float64).state_dict()
+    initial = build_model(recipe, data.info).to(torch.float64).state_dict()
     adapters = [name for name in ours if "lora_" in name]
     assert adapters and all(torch.equal(ours[n], initial[n]) for n in ours if "lora_" not in n)
     assert all(not torch.equal(ours[n], initial[n]) for n in adapters)
@@ -78,7 +78,7 @@ def test_bf16_base_weights_and_fp32_adapters_only_adapters_train(tmp_path):
     recipe = parse_recipe(recipe_data)
     assert recipe.model.lora.target_modules == ["q_proj"]
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=8, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=8, dataset_size=len(data.train))
     setup = build(plan, torch.device("cpu"), data=data)
     named = dict(setup.model.named_parameters())
     trainable = {n for n, p in named.items() if p.requires_grad}

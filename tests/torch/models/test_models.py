@@ -103,7 +103,7 @@ def test_paper_builds_its_model_and_synthetic_batch(path):
     context of a language model, the image size and classes of a classifier (the head is sized to the data)."""
     recipe = load_recipe(path)
     workload = Workload(recipe)
-    info = workload.data["info"]
+    info = workload.data.info
     with torch.device("meta"):
         model = build_model(recipe, info)
     inputs, target = workload.batch(2)
@@ -143,7 +143,7 @@ def test_recipe_fields_override_the_dataset_defaults():
     inputs, _ = workload.batch(1)
     assert inputs.shape == (1, 3, 384, 384)
     with torch.device("meta"):
-        model = build_model(recipe, workload.data["info"])
+        model = build_model(recipe, workload.data.info)
     assert model.image_size == 384 and last_linear(model).out_features == 10  # position embeddings for 24 x 24
 
 

@@ -63,7 +63,7 @@ def test_a_llama_folder_trains_from_its_weights(files, tmp_path, capsys, one_thr
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(files / "tiny-llama", local_files_only=True)
     planned = parse_recipe(yaml.safe_load((tmp_path / "run" / "plan.yaml").read_text())["recipe"])
-    train = build_data(planned)["train"]  # (not shuffled: the first window is the first four records)
+    train = build_data(planned).train  # (not shuffled: the first window is the first four records)
     rows = [train.ids[int(train.offsets[i]):int(train.offsets[i + 1])].long() for i in range(4)]
     ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
     labels = torch.full_like(ids, -100)
@@ -438,7 +438,7 @@ def test_the_shipped_e2e_recipe_reads_context_completion_records(files, tmp_path
 
     paper = Path(__file__).parents[3] / "papers" / "hu2021-lora-gpt2m-e2e.yaml"
     recipe = weights_of(load_recipe(paper), str(files / "tiny-gpt2"))
-    train = build_data(data_paths(recipe, str(tmp_path / "e2e.json"), None))["train"]
+    train = build_data(data_paths(recipe, str(tmp_path / "e2e.json"), None)).train
     tokenizer = transformers.AutoTokenizer.from_pretrained(files / "tiny-gpt2")
     eos = tokenizer.eos_token
     assert eos

@@ -65,7 +65,7 @@ def test_lora_on_a_quantised_base_trains_and_resumes_bitwise(quantize, tmp_path)
     weights are untouched, and a run stopped at step 3 and resumed ends bitwise where the uninterrupted one does."""
     recipe = parse_recipe(quantized_recipe(quantize))
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=4, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=4, dataset_size=len(data.train))
     assert (plan.micro_batch, plan.accumulation_steps) == (4, 4)
     summary = train(plan, tmp_path / "full", RunOptions(device="cpu", data=data, workers=0))
     train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, workers=0, max_steps=3,
@@ -75,7 +75,7 @@ def test_lora_on_a_quantised_base_trains_and_resumes_bitwise(quantize, tmp_path)
     assert summary["steps"] == 6 and summary["final"]["loss"] < 3.6  # ln 32 = 3.47 at the start, random base
     trained = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
     torch.manual_seed(recipe.seed)
-    initial = build_model(recipe, data["info"]).state_dict()
+    initial = build_model(recipe, data.info).state_dict()
     assert trained.keys() == initial.keys()
     frozen = [name for name in trained if "lora_" not in name]
     assert any(trained[name].dtype == (torch.int8 if quantize == "int8" else torch.uint8) for name in frozen)

@@ -10,6 +10,7 @@ import torch
 import yaml
 
 from helpers import cli, with_batchnorm
+from reproduce.data import Datasets
 from reproduce.errors import UserError
 from reproduce.models import MODELS, count_batchnorm
 from reproduce.plan import builtin_names
@@ -119,7 +120,7 @@ def test_the_probe_plans_a_deeplab_workload_without_a_bn_batch_of_one():
     from reproduce.probe.workload import Workload
 
     deeplab = recipe({"builtin": "deeplabv3-resnet50"}, batch={"effective": 16, "per_device": 2})
-    assert Workload(deeplab, data={"train": list(range(32)), "info": {}}).plan.micro_batch == 2
+    assert Workload(deeplab, data=Datasets(list(range(32)))).plan.micro_batch == 2
 
 
 def test_group_is_a_deviation_and_frozen_is_warned():
@@ -165,5 +166,5 @@ def test_flops_counted_on_two_crops_where_image_pooling_needs_them(mode, samples
     seen = []
     monkeypatch.setattr(flops, "count_flops", lambda recipe, info, batch, capability: seen.append(len(batch[1])))
     deeplab = recipe({"builtin": "deeplabv3-resnet50", "batchnorm": mode}, batch={"effective": 16, "per_device": 2})
-    flops.recipe_flops(deeplab, data={"train": [(torch.zeros(3, 8, 8), 0)] * 4, "info": {}})
+    flops.recipe_flops(deeplab, data=Datasets([(torch.zeros(3, 8, 8), 0)] * 4))
     assert seen == [samples]

@@ -88,9 +88,9 @@ def test_the_flash_backward_workspace_is_counted_at_the_backward():
 def test_the_gpu_step_adds_the_allowance_on_its_activations(monkeypatch):
     workload = Workload(parse_recipe(lm(), source="test")).prepare()
     window = [workload.batch(8), workload.batch(8)]
-    full = run_fake_step(workload.plan, workload.data["info"], window, gpu=A100)
+    full = run_fake_step(workload.plan, workload.data.info, window, gpu=A100)
     monkeypatch.setattr(fake_step, "UNSEEN_ACTIVATIONS", 0.0)
-    without = run_fake_step(workload.plan, workload.data["info"], window, gpu=A100)
+    without = run_fake_step(workload.plan, workload.data.info, window, gpu=A100)
     assert ALLOWANCE not in without.at_peak and without.unseen_bytes == 0
     activations = full.at_peak[ACTIVATIONS]
     assert full.at_peak[ALLOWANCE] == math.ceil(UNSEEN_ACTIVATIONS * activations) > 0
@@ -102,7 +102,7 @@ def test_the_gpu_step_adds_the_allowance_on_its_activations(monkeypatch):
 def test_the_cpu_rules_add_nothing():
     """The cpu meter's split and the checks against real CPU tensors: no allowance, no workspaces."""
     workload = Workload(parse_recipe(lm(), source="test")).prepare()
-    result = run_fake_step(workload.plan, workload.data["info"], [workload.batch(8)], gpu=None)
+    result = run_fake_step(workload.plan, workload.data.info, [workload.batch(8)], gpu=None)
     assert ALLOWANCE not in result.at_peak and result.unseen_bytes == 0
 
 

@@ -134,8 +134,8 @@ def test_where_the_kernels_are_the_same_the_gpu_count_is_the_cpu_count(tensors_o
     workload = Workload(parse_recipe(lm(precision="bf16"), source="test")).prepare()
     real = CpuMeter(workload, 256 * 2**20, 0.0, time_steps=False).measure(8).peak_bytes
     window = [workload.batch(8), workload.batch(8)]
-    cpu = run_fake_step(workload.plan, workload.data["info"], window, gpu=None)
-    gpu = run_fake_step(workload.plan, workload.data["info"], window, gpu=A100)
+    cpu = run_fake_step(workload.plan, workload.data.info, window, gpu=None)
+    gpu = run_fake_step(workload.plan, workload.data.info, window, gpu=A100)
     assert gpu.kernels == {"flash": 8}  # 2 blocks x 2 micro-batches x (warm-up + measured step)
     assert cpu.step.weight_copies == gpu.step.weight_copies and cpu.step.gradients == gpu.step.gradients
     # CUDA's flash kernel also keeps its random seed and offset (one 512 B block each) for the backward
@@ -148,8 +148,8 @@ def test_dropout_costs_a_gpu_less_than_a_cpu_by_the_math_path_and_the_noise(tens
                                                     "dropout": 0.1}})
     workload = Workload(parse_recipe(recipe, source="test")).prepare()
     window = [workload.batch(8), workload.batch(8)]
-    cpu = run_fake_step(workload.plan, workload.data["info"], window, gpu=None).step.activations
-    gpu = run_fake_step(workload.plan, workload.data["info"], window, gpu=A100).step.activations
+    cpu = run_fake_step(workload.plan, workload.data.info, window, gpu=None).step.activations
+    gpu = run_fake_step(workload.plan, workload.data.info, window, gpu=A100).step.activations
     scores = 8 * 2 * 32 * 32 * 4  # one attention's B x H x S x S in fp32
     assert cpu - gpu >= 2 * 2 * scores  # two blocks, each keeping at least softmax and noise on the math path
 

@@ -32,7 +32,7 @@ def lm_recipe(builtin: str = "gpt", **model) -> dict:
 def trained(recipe: dict, micro_batch: int, folder) -> dict:
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
-    plan = make_plan(parsed, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
+    plan = make_plan(parsed, micro_batch_max=micro_batch, dataset_size=len(data.train))
     train(plan, folder, RunOptions(device="cpu", dtype=torch.float64, data=data, noise_scale=False, workers=0))
     return torch.load(folder / "model.pt", weights_only=True)
 

@@ -134,7 +134,7 @@ def test_cpu_meter_refuses_a_budget_beyond_free_ram(digits):
 def test_variable_length_data_probes_its_longest_item():
     workload = Workload(parse_recipe(VARIABLE_LM, source="test")).prepare()
     inputs, target = workload.batch(5)
-    longest = max(len(x) for x, _ in workload.data["train"])
+    longest = max(len(x) for x, _ in workload.data.train)
     assert inputs.shape == (5, longest) and target.shape == (5, longest)
     assert CpuMeter(workload, 16 * 2**20, 0.1).measure(5).fits
 
@@ -145,7 +145,7 @@ def test_variable_length_data_probes_its_longest_item():
 def test_estimate_matches_real_cpu_tensors(tensors_only):
     """Fake tensors count what real ones do; the estimate adds its stated margin for what it cannot see."""
     workload = Workload(parse_recipe(OFFLINE_LM, source="test")).prepare()
-    assert isinstance(workload.data["train"], SyntheticTokens) and workload.synthetic
+    assert isinstance(workload.data.train, SyntheticTokens) and workload.synthetic
     assert workload.batch(3)[0].shape == (3, 32)
     real = CpuMeter(workload, 64 * 2**20, 0.1, time_steps=False).measure(8)
     meter = EstimateMeter(workload, 256 * 2**20, 0.1)
@@ -206,5 +206,5 @@ def test_accumulation_window_holds_gradients_through_a_forward():
     workload = Workload(parse_recipe(OFFLINE_LM, source="test")).prepare()
     alone = CpuMeter(workload, 64 * 2**20, 0.1, time_steps=False, cap=8).measure(8)  # the whole batch: N = 1
     window = CpuMeter(workload, 64 * 2**20, 0.1, time_steps=False, cap=128).measure(8)  # N > 1
-    gradients = param_bytes(build_model(workload.recipe, workload.data["info"]))
+    gradients = param_bytes(build_model(workload.recipe, workload.data.info))
     assert window.peak_bytes - alone.peak_bytes >= gradients

@@ -167,7 +167,7 @@ def test_accumulation_equals_the_large_batch_float64(spec, tmp_path):
 def test_lamb_resume_is_bitwise(tmp_path):
     recipe = parse_recipe(digits_recipe(LAMB_SPEC, steps=6, data={"shuffle": True}))
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
     train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
     train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3))
     train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))

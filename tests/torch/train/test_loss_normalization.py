@@ -22,10 +22,10 @@ def old_trainer_loop(recipe_data: dict, data: dict, micro: int, steps: int) -> d
     step (Trainer.training_step: `loss = loss / self.args.gradient_accumulation_steps`)."""
     recipe = parse_recipe(recipe_data)
     torch.manual_seed(recipe.seed)
-    model = build_model(recipe, data.get("info")).to(torch.float64)
+    model = build_model(recipe, data.info).to(torch.float64)
     optimizer = plain_optimizer(recipe, model)
     accumulation = recipe.batch.effective // micro
-    batches = whole_batches(data["train"], micro, steps * accumulation)
+    batches = whole_batches(data.train, micro, steps * accumulation)
     for index, (inputs, target) in enumerate(batches, start=1):
         loss = F.cross_entropy(model(inputs).flatten(0, -2), target.flatten(), ignore_index=-100)
         (loss / accumulation).backward()
@@ -39,7 +39,7 @@ def test_micro_batch_mean_is_the_old_trainers_formula_and_not_the_windows(tmp_pa
     old = {**lm_recipe(SGD, steps=STEPS), "loss": {"normalization": "micro-batch-mean"}}
     plan, _, ours, data = run_accumulated(old, micro_batch=MICRO, tmp_path=tmp_path / "old")
     assert plan.accumulation_steps == 4
-    counts = [int((target != -100).sum()) for _, target in whole_batches(data["train"], MICRO, 4)]
+    counts = [int((target != -100).sum()) for _, target in whole_batches(data.train, MICRO, 4)]
     assert len(set(counts)) > 1  # the micro-batches hold different token counts: the two normalisations differ
     assert_same_weights(ours, old_trainer_loop(old, data, MICRO, STEPS), rtol=1e-6, atol=1e-12)
 

@@ -49,7 +49,7 @@ def frozen_run(recipe_data: dict, micro_batch: int, steps: int, dtype: torch.dty
     fixed (checked bitwise), so every window samples the same gradient distribution."""
     recipe = parse_recipe(recipe_data)
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data.train))
     setup = build(plan, torch.device("cpu"), dtype, data=data)
     for group in setup.optimizer.param_groups:
         group["lr"] = 0.0
@@ -58,11 +58,11 @@ def frozen_run(recipe_data: dict, micro_batch: int, steps: int, dtype: torch.dty
     noise = NoiseScale(setup)
     records = []
     for step in range(steps):
-        indices, _ = window(plan, len(data["train"]), step, recipe.seed)
-        micro_batches = [LazyMicroBatch(data["train"], i, setup.device, setup.dtype) for i in indices]
+        indices, _ = window(plan, len(data.train), step, recipe.seed)
+        micro_batches = [LazyMicroBatch(data.train, i, setup.device, setup.dtype) for i in indices]
         records.append(optimizer_step(setup, micro_batches, noise).noise)
     assert all(torch.equal(before[k], v) for k, v in setup.core.state_dict().items())
-    return setup.core, data["train"], records
+    return setup.core, data.train, records
 
 
 def definition(model: torch.nn.Module, dataset, loss_of, chunk: int = 64) -> tuple[float, float]:
@@ -149,18 +149,18 @@ def test_one_window_is_exactly_the_formulas_on_its_micro_batches(case, tmp_path)
         recipe_data, micro, step = digits_recipe(SGD, effective=512, steps=3, data={"drop_last": False}), 128, 2
     recipe = parse_recipe(recipe_data)
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(data.train))
     train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
     record = read_metrics(tmp_path / "run" / "metrics.jsonl")[step]
 
     setup = build(plan, torch.device("cpu"), torch.float64, data=data)  # the weights before the run
     for past in range(step):
-        indices, _ = window(plan, len(data["train"]), past, recipe.seed)
-        optimizer_step(setup, [LazyMicroBatch(data["train"], i, setup.device, setup.dtype) for i in indices])
-    indices, _ = window(plan, len(data["train"]), step, recipe.seed)
-    loads = [LazyMicroBatch(data["train"], i, setup.device, setup.dtype).load() for i in indices]
+        indices, _ = window(plan, len(data.train), past, recipe.seed)
+        optimizer_step(setup, [LazyMicroBatch(data.train, i, setup.device, setup.dtype) for i in indices])
+    indices, _ = window(plan, len(data.train), step, recipe.seed)
+    loads = [LazyMicroBatch(data.train, i, setup.device, setup.dtype).load() for i in indices]
     items_per_sample = record["items"] / sum(len(i) for i in indices)
-    expected = window_estimates(setup.core, setup.loss, [loads], len(data["train"]) * items_per_sample)
+    expected = window_estimates(setup.core, setup.loss, [loads], len(data.train) * items_per_sample)
     assert len(expected["groups"]) == 3 and len(set(expected["groups"])) > 1  # groups of different sizes
     assert record["items"] == expected["items"]
     for key in ("noise_b_small", "noise_trace", "noise_grad_sq"):
@@ -170,7 +170,7 @@ def test_one_window_is_exactly_the_formulas_on_its_micro_batches(case, tmp_path)
 def test_measuring_never_changes_the_weights(tmp_path):
     recipe = parse_recipe(digits_recipe({"name": "adamw", "lr": 3e-3}, steps=12, data={"shuffle": True}))
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
     train(plan, tmp_path / "on", RunOptions(device="cpu", data=data))
     train(plan, tmp_path / "off", RunOptions(device="cpu", data=data, noise_scale=False))
     on = torch.load(tmp_path / "on" / "model.pt", weights_only=True)
@@ -190,7 +190,7 @@ def test_fp16_scaled_gradients_are_measured_unscaled(tmp_path):
     for precision in ("fp32", "fp16"):
         recipe = parse_recipe(digits_recipe(SGD, steps=1, precision=precision))
         data = build_data(recipe)
-        plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+        plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
         train(plan, tmp_path / precision, RunOptions(device="cpu", data=data))
         results[precision] = read_metrics(tmp_path / precision / "metrics.jsonl")[0]
     for key in ("noise_trace", "noise_grad_sq"):
@@ -200,7 +200,7 @@ def test_fp16_scaled_gradients_are_measured_unscaled(tmp_path):
 def test_skipped_nonfinite_steps_leave_the_estimate_alone(tmp_path):
     recipe = parse_recipe(digits_recipe({"name": "sgd", "lr": 1e30}, steps=6))
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
     summary = train(plan, tmp_path / "run", RunOptions(device="cpu", data=data, skip_nonfinite=True))
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     skipped = [r for r in records if r["skipped"]]
@@ -214,7 +214,7 @@ def test_skipped_nonfinite_steps_leave_the_estimate_alone(tmp_path):
 def test_resume_continues_the_average(tmp_path):
     recipe = parse_recipe(digits_recipe(SGD, steps=8, data={"shuffle": True}))
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
     train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
     train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3))
     split = train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
@@ -310,11 +310,11 @@ def test_two_processes_measure_each_ranks_gradient_before_synchronisation(tmp_pa
     assert record["accumulation_steps"] == 4 and record["grad_syncs"] == 1  # measuring adds no synchronisation
     recipe = parse_recipe(recipe_data)
     data = build_data(recipe)
-    plan = make_plan(recipe, micro_batch_max=16, world_size=2, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro_batch_max=16, world_size=2, dataset_size=len(data.train))
     setup = build(plan, torch.device("cpu"), torch.float32, data=data)  # every rank's initial weights
-    ranks = [[fetch(data["train"], torch.arange(start, start + 16)) for start in range(64 * rank, 64 * rank + 64, 16)]
+    ranks = [[fetch(data.train, torch.arange(start, start + 16)) for start in range(64 * rank, 64 * rank + 64, 16)]
              for rank in range(2)]
-    expected = window_estimates(setup.core, setup.loss, ranks, len(data["train"]))
+    expected = window_estimates(setup.core, setup.loss, ranks, len(data.train))
     assert expected["groups"] == [32, 16, 16, 32, 16, 16]
     for key in ("noise_b_small", "noise_trace", "noise_grad_sq"):
         assert record[key] == pytest.approx(expected[key], rel=1e-4), key

@@ -5,6 +5,7 @@ PyTorch loop whose LRs are written out by hand here, in float64."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import random
@@ -71,7 +72,7 @@ def phases_recipe(**options) -> dict:
 def run(recipe_data: dict, micro: int, out, **kwargs):
     recipe = parse_recipe(recipe_data)
     data = build_data(recipe)
-    plan = make_plan(recipe, micro, dataset_size=len(data["train"]))
+    plan = make_plan(recipe, micro, dataset_size=len(data.train))
     train(plan, out, RunOptions(device="cpu", dtype=torch.float64, data=data, **kwargs))
     return plan, data, torch.load(out / "model.pt", weights_only=True), read_metrics(out / "metrics.jsonl")
 
@@ -85,8 +86,8 @@ def plain_loop(recipe_data: dict, data: dict, batches: list[int], lrs: list[floa
     model = build_model(recipe, {}).to(torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=SGD["lr"], momentum=SGD["momentum"])
     reduce = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, **plateau) if plateau else None
-    inputs, targets = data["train"].tensors
-    eval_inputs, eval_targets = data["eval"].tensors
+    inputs, targets = data.train.tensors
+    eval_inputs, eval_targets = data.eval.tensors
     scale, used, start = 1.0, [], 0
     for step, (size, lr) in enumerate(zip(batches, lrs, strict=True)):
         for group in optimizer.param_groups:
@@ -160,7 +161,7 @@ def test_resume_inside_the_second_warm_up_is_bitwise(tmp_path):
     recipe = phases_recipe(shuffle=True, model={"builtin": "mlp", "kwargs": {"dropout": 0.3}})
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
-    plan = make_plan(parsed, 16, dataset_size=len(data["train"]))
+    plan = make_plan(parsed, 16, dataset_size=len(data.train))
     train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
     # one step into the second warm-up
     train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=5))
@@ -276,7 +277,7 @@ def test_plateau_state_is_checkpointed_and_resume_is_bitwise(tmp_path):
     recipe = digits({"effective": 64}, 14, {"decay": PLATEAU}, {"every_steps": 2, "at_end": False}, shuffle=True)
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
-    plan = make_plan(parsed, 16, dataset_size=len(data["train"]))
+    plan = make_plan(parsed, 16, dataset_size=len(data.train))
     train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
     train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=9))
     saved = torch.load(tmp_path / "split" / "checkpoints" / "last.pt", weights_only=True)["scheduler"]["plateau"]
@@ -379,9 +380,9 @@ def test_plateau_decides_alike_on_every_rank(tmp_path):
 def test_a_plateau_run_without_evaluation_data_stops_before_writing(tmp_path):
     parsed = parse_recipe(digits({"effective": 64}, 4, {"decay": PLATEAU}, {"every_steps": 2}))
     data = build_data(parsed)
-    del data["eval"]
+    data = dataclasses.replace(data, eval=None)
     with pytest.raises(UserError, match="kind plateau watches eval_loss, but this run has no evaluation data"):
-        planned = make_plan(parsed, 16, dataset_size=len(data["train"]))
+        planned = make_plan(parsed, 16, dataset_size=len(data.train))
         train(planned, tmp_path / "run", RunOptions(device="cpu", data=data))
     assert not (tmp_path / "run").exists()
 

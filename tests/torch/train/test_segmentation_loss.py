@@ -60,10 +60,10 @@ def test_all_pixels_is_mmsegmentations_default_mean_over_the_whole_window(voc):
                                         crop=16),
                            "data": {**recipe_for(voc, {})["data"], "crop": 16, "loss_pixels": "all"}})
     loss, data = build_loss(recipe), build_data(recipe)
-    assert loss.all_pixels and data["info"]["loss_pixels"] == "all"
+    assert loss.all_pixels and data.info["loss_pixels"] == "all"
     indices = torch.arange(6)
-    _, target = fetch_seeded(data["train"], indices, seed=0, step=0)
-    assert data["train"].target_counts_at(0, 0, indices).tolist() == [16 * 16] * 6
+    _, target = fetch_seeded(data.train, indices, seed=0, step=0)
+    assert data.train.target_counts_at(0, 0, indices).tolist() == [16 * 16] * 6
     assert loss.count(target) == 6 * 16 * 16 > int((target != 255).sum())
     logits = torch.randn(6, 4, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
                          requires_grad=True)
@@ -96,10 +96,10 @@ def test_the_window_count_is_exact_and_a_mean_of_micro_batch_means_is_not(voc):
     loss = build_loss(recipe)
     assert isinstance(loss, PixelLoss)
     torch.manual_seed(0)
-    model = build_model(recipe, data["info"]).double().eval()  # eval: no dropout (GroupNorm has no running stats)
+    model = build_model(recipe, data.info).double().eval()  # eval: no dropout (GroupNorm has no running stats)
     assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     micro = [torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([4, 5])]
-    batches = [fetch_seeded(data["train"], i, seed=0, step=0) for i in micro]
+    batches = [fetch_seeded(data.train, i, seed=0, step=0) for i in micro]
     batches = [(x.double(), y) for x, y in batches]
     counts = [loss.count(y) for _, y in batches]
     assert len(set(counts)) == 3, counts  # different valid-pixel counts in each micro-batch
@@ -152,9 +152,9 @@ def test_two_ranks_divide_by_the_valid_pixels_of_both(voc, tmp_path):
     assert_close_weights(weights(tmp_path, "two"), weights(tmp_path, "one"))
     spec = parse_recipe(recipe)
     data = build_data(spec)
-    one = make_plan(spec, micro_batch_max=2, dataset_size=len(data["train"]))
+    one = make_plan(spec, micro_batch_max=2, dataset_size=len(data.train))
     for record in read_metrics(tmp_path / "two" / "metrics.jsonl"):
         step = record["step"] - 1
-        micro_batches, _ = window(one, len(data["train"]), step, spec.seed, 0, 2)
-        masks = [fetch_seeded(data["train"], indices, spec.seed, step)[1] for indices in micro_batches]
+        micro_batches, _ = window(one, len(data.train), step, spec.seed, 0, 2)
+        masks = [fetch_seeded(data.train, indices, spec.seed, step)[1] for indices in micro_batches]
         assert record["world_size"] == 2 and record["items"] == sum(int((m != 255).sum()) for m in masks)

@@ -45,7 +45,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
 
 def test_mlp_float64_accumulation_is_the_large_batch(digits_data):
     recipe = digits_recipe()
-    plan = make_plan(recipe, 32, dataset_size=len(digits_data["train"]))
+    plan = make_plan(recipe, 32, dataset_size=len(digits_data.train))
     result = verify(plan, data=digits_data)
     assert (result.micro_batch, result.micro_batches, result.samples) == (32, 8, 256)
     assert result.reference_chunks == 1 and result.dtype == "float64"
@@ -57,7 +57,7 @@ def test_mlp_float64_accumulation_is_the_large_batch(digits_data):
 
 def test_partial_micro_batch_chunked_reference_and_two_ranks(digits_data):
     recipe = digits_recipe()
-    size = len(digits_data["train"])
+    size = len(digits_data.train)
     # 100 samples in micro-batches of 32, 32, 32, 4: the window count normalises the short one too
     result = verify(make_plan(recipe, 32, dataset_size=size), samples=100, data=digits_data, chunk=48)
     assert (result.samples, result.micro_batches, result.reference_chunks) == (100, 4, 3)
@@ -69,7 +69,7 @@ def test_partial_micro_batch_chunked_reference_and_two_ranks(digits_data):
 
 def test_dropout_is_disabled_for_the_check(digits_data):
     recipe = digits_recipe(builtin="mlp", kwargs={"hidden": 64, "dropout": 0.5})
-    result = verify(make_plan(recipe, 32, dataset_size=len(digits_data["train"])), data=digits_data)
+    result = verify(make_plan(recipe, 32, dataset_size=len(digits_data.train)), data=digits_data)
     assert result.dropout_disabled == ["net.3 (p=0.5)"]
     assert result.global_relative_error < 1e-12
 
@@ -82,7 +82,7 @@ def test_float32_within_its_default_tolerance(digits_data):
 
 def test_batchnorm_is_reported_not_equivalent_with_the_difference(digits_data):
     recipe = digits_recipe(builtin="cnn-bn", norm_layers=["batchnorm"], kwargs={"channels": 8})
-    result = verify(make_plan(recipe, 32, dataset_size=len(digits_data["train"])), samples=64, data=digits_data)
+    result = verify(make_plan(recipe, 32, dataset_size=len(digits_data.train)), samples=64, data=digits_data)
     assert result.batchnorm and not result.within_tolerance
     assert result.verdict == "NOT equivalent"
     assert "BatchNorm" in result.explanation
