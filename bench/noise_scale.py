@@ -167,7 +167,7 @@ def cost(name: str, path: str, micro: int, pairs: int) -> None:
 
 def state_tensors(setup) -> list[torch.Tensor]:
     state = [t for s in setup.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return [*setup.core.parameters(), *setup.core.buffers(), *state]
+    return [*setup.unwrapped_model.parameters(), *setup.unwrapped_model.buffers(), *state]
 
 
 def memory(name: str, path: str, micro: int) -> None:
@@ -222,7 +222,7 @@ def definition(steps: int = 100) -> None:
         batches = [LazyMicroBatch(train_set, i, setup.device, setup.dtype) for i in indices]
         records.append(optimizer_step(setup, batches, monitor).noise)
     monitor.close()
-    model = setup.core
+    model = setup.unwrapped_model
     params = {name: p.detach() for name, p in model.named_parameters()}
 
     def token_losses(p, tokens, target):

@@ -37,7 +37,7 @@ GOAL = 0.05
 
 
 def state_tensors(setup) -> list[torch.Tensor]:
-    model = setup.core
+    model = setup.unwrapped_model
     state = [t for s in setup.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     return [*model.parameters(), *model.buffers(), *state]
 
@@ -73,7 +73,7 @@ def main() -> None:
         single, _ = step_peak(setup, train_set, indices[:1])
         accumulated, inputs = step_peak(setup, train_set, indices)
         difference = accumulated / single - 1
-        gradients = sum(-(-p.untyped_storage().nbytes() // 512) * 512 for p in setup.core.parameters())
+        gradients = sum(-(-p.untyped_storage().nbytes() // 512) * 512 for p in setup.unwrapped_model.parameters())
         print(f"| {name} ({path}) | {plan.micro_batch} x {plan.accumulation_steps} | "
               f"{format_size(single)} | {format_size(accumulated)} | {difference:+.2%} | {format_size(inputs)} | "
               f"{format_size(gradients)} | {'met' if difference <= GOAL else 'NOT met'} |", flush=True)

@@ -46,7 +46,7 @@ def save_checkpoint(setup: Setup, path: Path, step: int, metrics: bytes, extra: 
     if setup.sharded:
         state["sharded"] = _save_sharded(setup, path.parent, step)
     else:
-        state.update(model=setup.core.state_dict(), optimizer=setup.optimizer.state_dict())
+        state.update(model=setup.unwrapped_model.state_dict(), optimizer=setup.optimizer.state_dict())
     if not setup.world.is_main:
         return
     write_atomic(path, lambda handle: torch.save(state, handle))
@@ -85,7 +85,7 @@ def load_checkpoint(setup: Setup, path: Path) -> dict:
     if sharded:
         _load_sharded(setup, path.parent / sharded)
     else:
-        setup.core.load_state_dict(state["model"])
+        setup.unwrapped_model.load_state_dict(state["model"])
         setup.optimizer.load_state_dict(state["optimizer"])
     setup.scheduler.load_state_dict(state["scheduler"])
     if setup.scaler and state["scaler"]:
@@ -141,7 +141,7 @@ def full_model_state(setup: Setup) -> dict:
     """The model's own `state_dict`, unsharded (FSDP: gathered once, onto rank 0's CPU; every rank must call this);
     what model.pt holds, loadable into a fresh unsharded model."""
     if not setup.sharded:
-        return setup.core.state_dict()
+        return setup.unwrapped_model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(setup.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -48,15 +48,15 @@ def model_at_stride(setup, stride: int) -> nn.Module:
     at_stride = variant(recipe, {"model.output_stride": stride, "model.weights": None, "model.backbone_weights": None})
     with torch.random.fork_rng(devices=[setup.device] if setup.device.type == "cuda" else []):
         model = place(build_model(at_stride, setup.data.info), recipe, setup.device, setup.dtype)
-    model.load_state_dict(setup.core.state_dict())
-    return model.train(setup.core.training)
+    model.load_state_dict(setup.unwrapped_model.state_dict())
+    return model.train(setup.unwrapped_model.training)
 
 
 def evaluation_forward(setup) -> callable:
     """The function the evaluation calls on a batch of images: the model's forward, or the sliding window's, on the
     model at the evaluation's output stride."""
     evaluation = setup.plan.recipe.evaluation
-    model = setup.core
+    model = setup.unwrapped_model
     if evaluation.output_stride is not None and evaluation.output_stride != (setup.plan.recipe.model.output_stride
                                                                              or 0):
         model = model_at_stride(setup, evaluation.output_stride)

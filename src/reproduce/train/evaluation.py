@@ -25,7 +25,7 @@ def evaluate(setup: Setup, batch: int | None = None, workers: int | None = None)
     dataset = setup.data.eval
     if dataset is None or len(dataset) == 0:
         return None
-    model = setup.core
+    model = setup.unwrapped_model
     was_training = model.training
     model.eval()
     total_loss, total_count, correct = 0.0, 0, 0

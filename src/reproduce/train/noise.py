@@ -126,7 +126,7 @@ class NoiseScale:
         micro-batch, as under DDP); the first half's group, read from `.grad`, would then be each rank's slice of
         a reduced gradient, so it too would need the unsharded accumulation FSDP keeps with its gradient sync off.
         """
-        return [p for p in self.setup.core.parameters() if p.requires_grad]
+        return [p for p in self.setup.unwrapped_model.parameters() if p.requires_grad]
 
     def close(self) -> None:
         """Remove the parameter hooks (a model used after the run computes no norms)."""

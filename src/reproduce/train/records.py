@@ -58,8 +58,8 @@ def step_record(run: Run, step: int, batch: StepBatch, lr: float, result: StepRe
 
 def run_summary(run: Run, elapsed: float) -> dict:
     """summary.json: the whole run (every call before a resume too), then what this call ran."""
-    plan, counters, earlier, divergence = run.plan, run.counters, run.earlier, run.divergence
-    whole = {key: earlier[key] + (elapsed if key == "seconds" else counters[key]) for key in earlier}
+    plan, counters, before, divergence = run.plan, run.counters, run.totals_before_resume, run.divergence
+    whole = {key: before[key] + (elapsed if key == "seconds" else counters[key]) for key in before}
     summary = {
         "steps": run.total,
         "planned_steps": plan.optimizer_steps,
@@ -92,8 +92,9 @@ def run_summary(run: Run, elapsed: float) -> dict:
     if run.world.is_main:  # from metrics.jsonl, read once: the steps before a resume count too
         records = read_metrics(run.out / "metrics.jsonl")
         if run.options.noise_scale:
-            summary["noise_scale"] = summarise(records, run.total, plan.recipe.task, reason=run.unmeasured,
-                                               warmup_steps=plan.warmup_steps, diverged=divergence.diverged,
+            summary["noise_scale"] = summarise(records, run.total, plan.recipe.task,
+                                               reason=run.noise_scale_skipped_because, warmup_steps=plan.warmup_steps,
+                                               diverged=divergence.diverged,
                                                train_size=run.noise.population if run.noise else None)
         summary["throughput"] = run.rates.summary(records)  # medians of each step's rates
         padded = sum(r.get("padded_tokens", 0) for r in records if "step" in r and "event" not in r)

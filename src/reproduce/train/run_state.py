@@ -40,8 +40,8 @@ class Run:
     noise: NoiseScale | None
     metrics: MetricsLog
     rates: StepRates
-    unmeasured: str | None  # why the noise scale is not measured
-    earlier: dict  # seconds, samples and tokens of the calls before a resume
+    noise_scale_skipped_because: str | None  # why the run cannot measure it; None: it can, or was told not to
+    totals_before_resume: dict  # seconds, samples and tokens of the calls before this one (zeros for a fresh run)
     divergence: DivergenceWatch
     workers: int  # DataLoader processes
     watch: LoaderWatch

@@ -97,7 +97,7 @@ class Setup:
         return self.world.rank
 
     @property
-    def core(self) -> nn.Module:
+    def unwrapped_model(self) -> nn.Module:
         """The model without DDP's wrapper (FSDP2 shards the model in place: no wrapper)."""
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 

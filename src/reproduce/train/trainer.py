@@ -199,7 +199,7 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     distributed.barrier(world)  # every rank has looked at --out before rank 0 writes to it
     setup = build(plan, target_device, options.dtype, seed, options.data, world)
     if options.merged:  # a model with nothing to merge: one line before any step
-        check_merged(setup.core, plan.recipe, setup.sharded)
+        check_merged(setup.unwrapped_model, plan.recipe, setup.sharded)
     check_plateau(plan, setup.data)
     # batch phases of other sequence lengths read the same data cut at their length (data/lengths.py)
     train_set = training_set(plan.recipe, setup.data.train, list(length_sizes(plan.segments)))
@@ -235,16 +235,16 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     # each segment's micro-batches per rank, as the run takes them (a micro-batch lowered after running out of memory)
     accumulations = [-(-(segment.effective_batch // plan.world_size)
                        // micro_batch_at(plan, segment.start_step, resumed.lowered)) for segment in plan.segments]
-    unmeasured = not_measured_reason(world.size, max(accumulations), setup.sharded) if options.noise_scale else None
-    if unmeasured:
-        reporter.message(f"note: noise scale not measured: {unmeasured}")
+    noise_skipped = not_measured_reason(world.size, max(accumulations), setup.sharded) if options.noise_scale else None
+    if noise_skipped:
+        reporter.message(f"note: noise scale not measured: {noise_skipped}")
     reporter.start(plan, total, resumed.first_step)
     started = time.perf_counter()
-    earlier, divergence = earlier_segments(out, resumed.state, resumed.first_step)
+    before_resume, divergence = earlier_segments(out, resumed.state, resumed.first_step)
     setup.model.train()
     workers = default_workers(train_set) if options.workers is None else options.workers
     run = Run(plan, out, options, world, setup, reporter, train_set, size, total, resumed, noise, metrics, rates,
-              unmeasured, earlier, divergence, workers, LoaderWatch(workers), started, last_checkpoint,
+              noise_skipped, before_resume, divergence, workers, LoaderWatch(workers), started, last_checkpoint,
               grouping=grouping, lengths=lengths)
     run.last_record = last_record(out, resumed.state, resumed.first_step)  # (a resume at the last step: the end's)
     return run
@@ -264,7 +264,7 @@ def group_training_set(plan: Plan, setup, train_set) -> tuple:
                 lengths = None
         return train_set, None, lengths
     if grouping.way == "packed":  # attention confined to each sample, or one line before any step
-        check_packed(setup.core, setup.device)
+        check_packed(setup.unwrapped_model, setup.device)
     return Grouped(train_set, grouping), grouping, grouping.lengths
 
 
@@ -382,9 +382,9 @@ def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool) -> No
                  "lowered": {str(length): value for length, value in run.lowered.items()}}
         if run.noise is not None:
             extra["noise_scale"] = run.noise.state_dict()
-        extra["run_totals"] = {"seconds": run.earlier["seconds"] + time.perf_counter() - run.started,
-                               "samples": run.earlier["samples"] + run.counters["samples"],
-                               "tokens": run.earlier["tokens"] + run.counters["tokens"]}
+        extra["run_totals"] = {"seconds": run.totals_before_resume["seconds"] + time.perf_counter() - run.started,
+                               "samples": run.totals_before_resume["samples"] + run.counters["samples"],
+                               "tokens": run.totals_before_resume["tokens"] + run.counters["tokens"]}
         extra["divergence"] = run.divergence.state_dict()
         extra["last_record"] = run.last_record
         save_checkpoint(setup, run.checkpoint_path, step + 1, bytes(run.metrics.kept), extra)
@@ -428,12 +428,12 @@ def finish_run(run: Run) -> dict:
 def save_trained(run: Run, model_state: dict) -> dict:
     """adapter/ (peft's save_pretrained) with LoRA, and merged/ with --merged (models/trained.py): summary.json's
     `adapter` and `merged`, the folders' paths. `model_state`: model.pt's (FSDP: gathered), the adapters' source."""
-    core, recipe, written = run.setup.core, run.plan.recipe, {}
-    if peft_model(core) is not None:  # each folder built beside its place, then put there (storage/files.py)
-        replace_folder(run.out / "adapter", lambda folder: save_adapter(core, folder, recipe, model_state))
+    model, recipe, written = run.setup.unwrapped_model, run.plan.recipe, {}
+    if peft_model(model) is not None:  # each folder built beside its place, then put there (storage/files.py)
+        replace_folder(run.out / "adapter", lambda folder: save_adapter(model, folder, recipe, model_state))
         written["adapter"] = str(run.out / "adapter")
     if run.options.merged:  # (after adapter/: on a quantised base, merged from it)
-        replace_folder(run.out / "merged", lambda folder: save_merged(core, folder, recipe, run.out / "adapter"))
+        replace_folder(run.out / "merged", lambda folder: save_merged(model, folder, recipe, run.out / "adapter"))
         written["merged"] = str(run.out / "merged")
     return written
 

@@ -54,15 +54,15 @@ def frozen_run(recipe_data: dict, micro_batch: int, steps: int, dtype: torch.dty
     for group in setup.optimizer.param_groups:
         group["lr"] = 0.0
     setup.scheduler.base_lrs = [0.0] * len(setup.scheduler.base_lrs)
-    before = {k: v.clone() for k, v in setup.core.state_dict().items()}
+    before = {k: v.clone() for k, v in setup.unwrapped_model.state_dict().items()}
     noise = NoiseScale(setup)
     records = []
     for step in range(steps):
         indices, _ = window(plan, len(data.train), step, recipe.seed)
         micro_batches = [LazyMicroBatch(data.train, i, setup.device, setup.dtype) for i in indices]
         records.append(optimizer_step(setup, micro_batches, noise).noise)
-    assert all(torch.equal(before[k], v) for k, v in setup.core.state_dict().items())
-    return setup.core, data.train, records
+    assert all(torch.equal(before[k], v) for k, v in setup.unwrapped_model.state_dict().items())
+    return setup.unwrapped_model, data.train, records
 
 
 def definition(model: torch.nn.Module, dataset, loss_of, chunk: int = 64) -> tuple[float, float]:
@@ -160,7 +160,7 @@ def test_one_window_is_exactly_the_formulas_on_its_micro_batches(case, tmp_path)
     indices, _ = window(plan, len(data.train), step, recipe.seed)
     loads = [LazyMicroBatch(data.train, i, setup.device, setup.dtype).load() for i in indices]
     items_per_sample = record["items"] / sum(len(i) for i in indices)
-    expected = window_estimates(setup.core, setup.loss, [loads], len(data.train) * items_per_sample)
+    expected = window_estimates(setup.unwrapped_model, setup.loss, [loads], len(data.train) * items_per_sample)
     assert len(expected["groups"]) == 3 and len(set(expected["groups"])) > 1  # groups of different sizes
     assert record["items"] == expected["items"]
     for key in ("noise_b_small", "noise_trace", "noise_grad_sq"):
@@ -314,7 +314,7 @@ def test_two_processes_measure_each_ranks_gradient_before_synchronisation(tmp_pa
     setup = build(plan, torch.device("cpu"), torch.float32, data=data)  # every rank's initial weights
     ranks = [[fetch(data.train, torch.arange(start, start + 16)) for start in range(64 * rank, 64 * rank + 64, 16)]
              for rank in range(2)]
-    expected = window_estimates(setup.core, setup.loss, ranks, len(data.train))
+    expected = window_estimates(setup.unwrapped_model, setup.loss, ranks, len(data.train))
     assert expected["groups"] == [32, 16, 16, 32, 16, 16]
     for key in ("noise_b_small", "noise_trace", "noise_grad_sq"):
         assert record[key] == pytest.approx(expected[key], rel=1e-4), key
