@@ -1,4 +1,4 @@
-"""MMSegmentation's DeepLabV3 R-50-D8 against the torchvision model the shipped recipe builds (issue 40, item 4).
+"""MMSegmentation's DeepLabV3 R-50-D8 against the torchvision model the shipped recipe builds.
 
 papers/mmseg-deeplabv3-r50-4xb2-cityscapes.yaml builds torchvision's DeepLabV3 ResNet-50 at output stride 8 (the
 7x7 stem, DeepLabHead's 256-channel ASPP, FCNHead on layer3); MMSeg's R-50-D8 is ResNetV1c (three 3x3 stem

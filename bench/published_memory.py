@@ -1,7 +1,7 @@
 """The estimate against published measured peaks: each row a named configuration on a named GPU, the source's figure
-and metric, `reproduce memory`'s figure of the same metric for the same configuration, and their ratio (issue 40,
-items 3 and 5), without and with the estimate's allowance for what a CUDA step allocates beyond the tensors operators
-return (probe/gpu_like.py, UNSEEN_ACTIVATIONS: "before" is the same estimate with it set to 0).
+and metric, `reproduce memory`'s figure of the same metric for the same configuration, and their ratio, without and
+with the estimate's allowance for what a CUDA step allocates beyond the tensors operators return (probe/gpu_like.py,
+UNSEEN_ACTIVATIONS: "before" is the same estimate with it set to 0).
 
     PYTHONPATH=src:bench python bench/published_memory.py        # about 8 minutes on 2 busy CPU cores
     PYTHONPATH=src:bench python bench/published_memory.py Llama  # the rows whose name holds "Llama"

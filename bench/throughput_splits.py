@@ -3,7 +3,7 @@
     python bench/throughput_splits.py [--policy-runs 5] [--rounds 5] [--steps-gpt 16] [--steps-mlp 60] [--keep FILE]
                                       [cases ...]
 
-Cases: gpt (papers/pysource-gpt.yaml) and mlp (papers/digits-mlp.yaml), each planned as in issue 32 with
+Cases: gpt (papers/pysource-gpt.yaml) and mlp (papers/digits-mlp.yaml), each planned with
 `--meter cpu --memory 256MiB`. For each case:
 
 - the truth: every exact split m x N = the recipe's batch (m <= the probe's largest micro-batch) trained for real by

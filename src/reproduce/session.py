@@ -126,7 +126,7 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
 
 def with_weights_record(the_plan: Plan) -> Plan:
     """The plan with the record of the pretrained weights it starts from (path, size, fingerprint, and what a
-    folder's config changes of the recipe's built-in), or as it is for a model of random weights."""
+    folder's config changes of the recipe's built-in); unchanged for a model of random weights."""
     spec = the_plan.recipe.model
     if spec.weights is None:
         return the_plan.model_copy(update={"weights": None}) if the_plan.weights is not None else the_plan
@@ -143,9 +143,10 @@ def with_weights_record(the_plan: Plan) -> Plan:
 
 def count_factory_batchnorm(recipe: Recipe, data: Datasets | None) -> int | None:
     """The BatchNorm layers of the user's factory model, counted on the meta device (built-ins are known without
-    torch: plan.batchnorm); None for other models, or a factory that cannot be built before its data is (its label then
-    stands in, and the run counts the built model; the plan never fails for want of counting). A built factory whose
-    logits are not the data's classes (task segmentation) is refused here, as the run would refuse it."""
+    torch: plan.batchnorm). None for other models, and for a factory that cannot be built before its data is: the
+    plan then goes by the factory's label, and the run counts the built model, so the plan never fails for want of
+    counting. A built factory whose logits are not the data's classes (task segmentation) is refused here, as the
+    run would refuse it."""
     if recipe.model.factory is None:
         return None
     from .models import counted_batchnorm  # imports torch: only for a factory model
@@ -181,13 +182,13 @@ def does_not_fit(result: ProbeResult) -> DoesNotFit:
     """The error for a probe that found no micro-batch: the step's needs by category and what would fit."""
     from .probe.advice import render
 
-    if result.does_not_fit is None:  # (a cached result from before the breakdown existed)
+    if result.does_not_fit is None:  # a result that carries no breakdown: its one-line failure
         return DoesNotFit(result.failure())
     budget = f"--gpu {result.gpu}" if result.gpu else "the --memory budget"
     return DoesNotFit(*render(result.does_not_fit, budget))
 
 
-def planned_data_size(recipe: Recipe, given: bool = False) -> tuple[dict | None, int | dict | None]:
+def planned_data_size(recipe: Recipe, given: bool = False) -> tuple[Datasets | None, int | dict | None]:
     """The data and its size as `run` gets them, when the recipe does not state data.train_size, or when the data is
     `given` on the command line (`plan --data PATH`: a paper's recipe states the paper's size, `run` counts the
     user's data): from its data factory (the user's code), or from its data on disk; the schedule in epochs, and
@@ -247,7 +248,8 @@ def recipe_for_run(source: Path, overrides: Sequence[Change], options: Sequence[
 
 
 def _check_changed(recipe: Recipe, changes: Sequence[Change], world_size: int | None) -> None:
-    """What a change needs beyond the schema: processes to shard over; blocks to checkpoint (torch: only then)."""
+    """The checks a change needs beyond the schema: sharding needs two or more processes; activation checkpointing
+    needs a model with blocks to checkpoint (the only check here that imports torch)."""
     for change in changes:
         if change.path == "batch.sharding" and change.value == "fsdp" and world_size is not None and world_size < 2:
             raise UserError(

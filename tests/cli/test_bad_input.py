@@ -104,7 +104,7 @@ CASES = [
         ["error: {path}: YAML syntax error at line", "another document"],
     ),
     Case("top-level-list", "- batch\n- task\n", ["error: {path}: expected a mapping", "(got list)"]),
-    # ---- hostile or absurd recipes (issue 38): refused in bounded time and memory, values echoed short ----------
+    # ---- hostile or absurd recipes: refused in bounded time and memory, values echoed short -----------------------
     Case(
         "alias-bomb",
         "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(

@@ -1,5 +1,5 @@
 """`reproduce memory RECIPE --micro-batch N`: the step's memory by part, the phase of its peak, allocated against
-reserved and driver-level, through the real CLI on tiny models (issue 40, item 1)."""
+reserved and driver-level, through the real CLI on tiny models."""
 
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ def test_the_cycle_finder_finds_one():
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-ROOT_MODULES_AT_MOST = 8  # issue 33: a reader finds the room by its folder's name
+ROOT_MODULES_AT_MOST = 8  # so that a reader finds the room by its folder's name
 CORE = "reproduce.plan"  # the torch-free core that plans and validates
 CORE_MAY_IMPORT = ("reproduce.plan", "reproduce.errors")
 

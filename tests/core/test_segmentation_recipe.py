@@ -1,4 +1,4 @@
-"""The recipe schema of task `segmentation` (issue 31): its data format's fields, ignore_index, classes, and the
+"""The recipe schema of task `segmentation`: its data format's fields, ignore_index, classes, and the
 reported metrics each task evaluates (an unknown one is an error, never silently ignored)."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_an_unknown_reported_metric_names_the_metrics_the_task_evaluates():
     assert line == ("r.yaml: reported.0.metric: unknown metric 'mIoU_percent' for task segmentation, which evaluates "
                     f"{', '.join(REPORTED_METRICS['segmentation'])}; a figure the run does not measure (a downstream "
                     "benchmark) says evaluated: false")
-    # miou before this issue: a classification recipe does not evaluate it
+    # miou is a segmentation metric: a classification recipe does not evaluate it
     imagefolder = {"format": "imagefolder", "available": False, "classes": 10, "crop": None, "scale": None,
                    "pad": None}
     line = error(seg_recipe(imagefolder, task="classification", reported=[{"metric": "miou", "value": 70.0}]))

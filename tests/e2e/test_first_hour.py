@@ -1,4 +1,4 @@
-"""A newcomer's first hour (issue 25): ordinary mistakes get one `error:` line (exit 2, nothing written, no
+"""A newcomer's first hour: ordinary mistakes get one `error:` line (exit 2, nothing written, no
 traceback), messages point at the real fix, the printed resume command continues the same run, and the run says
 what its result means."""
 
@@ -426,7 +426,7 @@ def test_a_plan_file_made_without_the_data_size_runs_and_never_says_none(tmp_pat
     from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import load_recipe
 
-    # as an older `reproduce plan --out` wrote it (today's planner refuses epochs of an unknown size: issue 22)
+    # a plan file with no data size, as `make_plan` can no longer write one (it refuses epochs of an unknown size)
     sized = make_plan(load_recipe(OWN / "recipe.yaml"), 32, dataset_size=1024)
     blind = sized.model_copy(update={"dataset_size": None, "steps_per_epoch": None, "optimizer_steps": None,
                                      "warmup_steps": 0, "decay_end_step": None, "decay_milestones": []})

@@ -1,4 +1,4 @@
-"""Nothing lost (issue 38): the end of a run, a damaged metrics.jsonl or checkpoint, two runs in one folder, --force,
+"""Nothing lost: the end of a run, a damaged metrics.jsonl or checkpoint, two runs in one folder, --force,
 write errors and a full disk, each done to a real run of the digits MLP and checked for a bitwise resume with
 complete outputs, or one line naming what happened with nothing already written lost."""
 

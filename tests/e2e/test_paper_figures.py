@@ -1,12 +1,11 @@
 """Every shipped paper recipe against the figures its paper states: the effective batch, the length of the run, the
-warm-up, the learning rate where each stretch of the schedule starts, and the parameter count (issue 22).
+warm-up, the learning rate where each stretch of the schedule starts, and the parameter count.
 
 Each row is what a careful reader takes from the paper (or the authors' code, which the recipes cite), converted
 to optimizer steps where the paper counts epochs or tokens: [P] stated, [D] derived from stated figures (the
 arithmetic in the comment), [S] secondary. The plan is made for the paper's own per-device batch (exact policy, so
-the paper's lr). Figures that need the per-phase schedules, the plateau decay, ViT's dataset size or the machine-
-independent GPT-3 ramp (branch `schedules`) are expected failures until that branch is merged; what a recipe does
-differently from its paper on purpose is in its `deviations:` (tests/cli/test_deviations.py), never hidden here.
+the paper's lr). What a recipe does differently from its paper on purpose is in its `deviations:`
+(tests/cli/test_deviations.py), never hidden here.
 """
 
 from __future__ import annotations

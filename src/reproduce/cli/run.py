@@ -77,8 +77,8 @@ if TYPE_CHECKING:
 
 
 def counted_parameters(plan: Plan, data: Datasets) -> tuple[int, int] | None:
-    """(all parameters, those that train) of the run's model, counted on the meta device (a quantised base
-    unquantised); None for a model that cannot be built there (a factory's own code)."""
+    """The run's model's parameters, (all, trainable), counted on the meta device, a quantised base as if it were not
+    quantised; None for a model that cannot be built there (a factory's own code)."""
     from ..models import parameter_counts
 
     try:
@@ -231,7 +231,7 @@ def run_request(params: dict[str, Any]) -> RunRequest:
 def request_args(request: RunRequest, which: str) -> list[str]:
     """The options `which` repeats ("torchrun": each process's; "resume": the continuing command's), as arguments:
     `--flag value` for a value, `--flag` for a switch; the recipe's changes by their own flags (a resumed run's
-    plan.yaml keeps them, but for the data's paths, which it checks)."""
+    plan.yaml keeps every change but the data's paths, whose files the resume checks by fingerprint)."""
     args: list[str] = []
     flags = request_flags()  # each field's flag, as the command declares it (`overrides` is --set)
     for name, value in request.given(which).items():

@@ -17,7 +17,7 @@ from ..plan.planfile import write_text_atomic
 
 CACHE_ENV = "REPRODUCE_CACHE_DIR"
 FORMAT = "reproduce-probe/2"  # part of every key: a change in what a probe measures changes it (2: the estimate's
-# allowance on the activations and the attention workspaces, issue 40 item 5)
+# allowance on the activations and the attention workspaces, gpu_like.UNSEEN_ACTIVATIONS)
 
 
 def cache_dir() -> Path:

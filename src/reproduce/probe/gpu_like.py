@@ -78,7 +78,7 @@ CUDA_FP32_OUTPUT = (  # fp32_set_opt_dtype: run with dtype=float32 unless the ca
 # `cudnn.benchmark`), the allocator's blocks handed out whole when the rest of a cached block would be under 1 MiB
 # (c10/cuda/CUDACachingAllocator.cpp, `should_split`), and what older kernels saved that today's do not. Its size is
 # set from published measured peaks, not derived from any kernel: the estimate's tensors were 0.84 to 0.98 of every
-# published allocated peak checked (issue 40; bench/published_memory.py: MMSegmentation's DeepLabV3 rows 0.89), what
+# published allocated peak checked (bench/published_memory.py: MMSegmentation's DeepLabV3 rows 0.89), what
 # was missing grew with the micro-batch, and activations are about 85% of such a step: 1/0.84 - 1 = 19% of the step
 # is 22% of its activations, rounded up to 25% (MMSeg's rows then 1.08; torchtune's packed Llama 3.2 3B row, within
 # 1% without it, 1.17). It is applied by the estimate meter only

@@ -117,7 +117,7 @@ def read_torch_file(path: Path, option: str, device: torch.device | str = "cpu")
 
 
 def kept_metrics(state: dict) -> bytes | int:
-    """metrics.jsonl as the checkpoint kept it, or (a checkpoint written before it kept it) its length."""
+    """metrics.jsonl as the checkpoint kept it, or its length when the checkpoint holds only `metrics_offset`."""
     kept = state.get("metrics")
     return zlib.decompress(kept.cpu().numpy().tobytes()) if kept is not None else state["metrics_offset"]
 

@@ -53,7 +53,7 @@ class DivergenceWatch:
 
     @classmethod
     def from_records(cls, records: list[dict]) -> DivergenceWatch:
-        """The watch as it stood after the steps in metrics.jsonl (a checkpoint written before the watch existed)."""
+        """The watch as it stood after the steps in metrics.jsonl (for a checkpoint that holds no watch state)."""
         watch = cls()
         for record in records:
             if "loss" in record and "step" in record:

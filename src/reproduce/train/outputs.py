@@ -62,12 +62,12 @@ class MetricsLog:
     wrong with it."""
 
     def __init__(self, path: Path, kept: bytes | int | None, enabled: bool):
-        """`kept`: metrics.jsonl at the checkpoint resumed from (an older checkpoint: its length; None: a new run)."""
+        """`kept`: metrics.jsonl at the checkpoint resumed from (or its length: `kept_metrics`; None: a new run)."""
         self.path, self.handle, self.kept, self.repaired = path, None, bytearray(), None
         if not enabled:
             return
         try:
-            if isinstance(kept, int):  # a checkpoint written before it kept the lines: their length alone
+            if isinstance(kept, int):  # the checkpoint holds the lines' length, not the lines
                 self.repaired = _cut_back(path, kept)
                 self.kept = bytearray(path.read_bytes()[:kept]) if path.exists() else bytearray()
             elif kept is not None:

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 class PlanScheduler(torch.optim.lr_scheduler.LambdaLR):
     """The LR of optimizer step s: `lr_at(plan, s)`, times the plateau decay's scale (1 without one).
 
-    `state_dict` adds the plateau's state (plain numbers, loadable with `weights_only=True`); a checkpoint written
-    before plateau decay existed loads as a LambdaLR's did.
+    `state_dict` adds the plateau's state (plain numbers, loadable with `weights_only=True`); a state without it
+    loads as a LambdaLR's does, and leaves the plateau's scale where it starts.
     """
 
     def __init__(self, plan: Plan, optimizer: torch.optim.Optimizer) -> None:

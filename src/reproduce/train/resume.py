@@ -21,7 +21,7 @@ class Resumed:
 
     seed: int  # the data order and dropout streams: the run's own on resume
     first_step: int = 0
-    metrics: bytes | int | None = None  # metrics.jsonl at the checkpoint (an older checkpoint: its length)
+    metrics: bytes | int | None = None  # metrics.jsonl at the checkpoint (or its length: `kept_metrics`)
     lowered: dict = field(default_factory=dict)  # sequence length -> the micro-batch an out-of-memory error set
     state: dict | None = None  # the checkpoint's (None for a fresh run)
     rebuild: str | None = None  # at the last step: the end of the run to write again, and why
@@ -43,7 +43,7 @@ def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, se
             raise UserError(already_run(out, first_step, total, max_steps, plan.optimizer_steps))
     # the run had lowered the micro-batch after running out of memory (by sequence length)
     lowered = {int(k) if k != "None" else None: v for k, v in state["extra"].get("lowered", {}).items()}
-    saved_micro_batch = state.get("micro_batch")  # all a checkpoint written before batch phases says
+    saved_micro_batch = state.get("micro_batch")  # without extra["lowered"], the only trace of a lowered one
     if "lowered" not in state["extra"] and saved_micro_batch and batch_phase(plan.segments, 0) is None and (
             saved_micro_batch < plan.micro_batch and plan.per_rank_batch % saved_micro_batch == 0):
         lowered = {plan.recipe.batch.sequence_length: saved_micro_batch}
@@ -62,7 +62,7 @@ def already_run(out: Path, first_step: int, total: int, max_steps: int | None, p
 
 def last_record(out: Path, state: dict | None, first_step: int) -> dict:
     """The record of the checkpoint's step (summary.json's `final` when a resume only writes the run's end again):
-    kept in the checkpoint, or from metrics.jsonl for a checkpoint written before it was kept."""
+    kept in the checkpoint, or read from metrics.jsonl when the checkpoint has none."""
     if state is None:
         return {}
     if "last_record" in state["extra"]:
@@ -73,7 +73,7 @@ def last_record(out: Path, state: dict | None, first_step: int) -> dict:
 
 def earlier_segments(out: Path, state: dict | None, first_step: int) -> tuple[dict, DivergenceWatch]:
     """What the run did before this call (seconds, samples, tokens; zeros for a fresh run) and its divergence
-    watch, from the checkpoint, or from metrics.jsonl for a checkpoint written before they were kept."""
+    watch, from the checkpoint, or from metrics.jsonl when it has no `run_totals` or `divergence`."""
     totals = {"seconds": 0.0, "samples": 0, "tokens": 0}
     if state is None:
         return totals, DivergenceWatch()

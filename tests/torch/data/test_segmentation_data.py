@@ -1,4 +1,4 @@
-"""Data format `segmentation` (issue 31): the VOC and images/ + masks/ layouts, joint transforms drawn per sample
+"""Data format `segmentation`: the VOC and images/ + masks/ layouts, joint transforms drawn per sample
 from (seed, step, index), the valid-pixel counts from the masks alone, mIoU and pixel accuracy over the whole
 split, and bad input (one line naming the file, exit 2, nothing written)."""
 
@@ -290,7 +290,7 @@ def test_a_run_counts_the_pixels_it_trains_on_and_resumes_bitwise_with_workers(v
     assert sum("items" in r for r in records) == 4
 
 
-# ---- the data people have (issue 41, item 5) -----------------------------------------------------------------------
+# ---- the layouts people have their data in: Cityscapes, MMSegmentation's ----------------------------------------
 
 def _cityscapes(voc: Path, root: Path, raw_only: bool = False) -> Path:
     """The scenes as Cityscapes lays them out: leftImg8bit/SPLIT/CITY/*_leftImg8bit.png, gtFine/SPLIT/CITY/

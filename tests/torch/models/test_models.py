@@ -54,7 +54,7 @@ PUBLISHED = [
     ("deit-b", everything, 86e6, "Touvron et al. 2021 Table 1: DeiT-B, 86M (1000 classes)"),
     ("roberta-base", everything, 125e6, "fairseq examples/roberta/README.md: roberta.base, 125M"),
     ("gpt2-medium", everything, 354.92e6, "Hu et al. 2021 Table 3: GPT-2 M (FT), 354.92M trainable parameters"),
-    ("mae-vit-large-patch16", mae_encoder, 304e6, "ViT-L/16 encoder, 304M, as MAE's comparisons quote it (issue 11)"),
+    ("mae-vit-large-patch16", mae_encoder, 304e6, "ViT-L/16 encoder, 304M, as MAE's comparisons quote it"),
     # nanoGPT's model.py reports its count without the position embeddings: "number of parameters: 10.65M"
     ("gpt-char", without("model.transformer.wpe."), 10.65e6, "nanoGPT README, shakespeare-char: 10.65M"),
     # nanoGPT's own GPT, bias=False, vocabulary 50304 (its train.py defaults): "number of parameters: 123.59M"

@@ -1,4 +1,4 @@
-"""Segmentation as the papers trained it (issue 41): the classes checked when the model is built (before anything is
+"""Segmentation as the papers trained it: the classes checked when the model is built (before anything is
 written), the tool's own model.pt of a frozen / group run loaded again, and an ImageNet backbone from a local file
 (torchvision's, MMSegmentation's and timm's names; ResNetV1c and a deeper ResNet refused, naming what fits).
 The backbone files are made here: a torchvision ResNet's random-init state dict, saved as each library saves it."""

@@ -1,4 +1,4 @@
-"""What the estimate adds for a CUDA step beyond the tensors operators return (issue 40, item 5): the fused attention
+"""What the estimate adds for a CUDA step beyond the tensors operators return: the fused attention
 backward's workspaces (probe/gpu_like.kernel_workspaces) and the allowance on the activations (UNSEEN_ACTIVATIONS),
 counted by the tracker at its peak. Without them the estimate was under every published allocated peak checked
 (bench/published_memory.py), which lets the probe pick a micro-batch that runs out of memory."""

@@ -1,6 +1,6 @@
 """What changes a step's memory is a recipe field the estimate reads: the optimizer's implementation and 8-bit state,
 a Hugging Face folder's dtype, LoRA adapters' dtype, nf4's double quantisation, the embeddings and head under a
-quantised base (issue 40, item 6)."""
+quantised base."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 Each way out is computed on the user's own configuration (sharding, world size, precision) and what the plan
 takes is what a new probe finds: sharded gradients when the whole model's gradients through the window are what
 does not fit; checkpointing when the paper's BatchNorm batch fits only with it (both ways shown). The 70B-shaped
-recipe of the issue plans on 64 H100s with checkpointing and sharded gradients (slow: fake steps of 69B
-parameters).
+recipe (tests/data/llama2-70b-shape.yaml) plans on 64 H100s with checkpointing and sharded gradients (slow: fake
+steps of 69B parameters).
 """
 
 from __future__ import annotations

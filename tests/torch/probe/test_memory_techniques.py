@@ -1,6 +1,6 @@
 """The chunked language-model loss (`model.loss_chunks`), activation offloading (`model.offload_activations`) and
 selective checkpointing (`model.selective_checkpointing`): exact in a run (float64, the plain loop's weights),
-counted by the estimate and the cpu meter, offered when a micro-batch does not fit (issue 40, item 2)."""
+counted by the estimate and the cpu meter, offered when a micro-batch does not fit."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The estimate against what the papers ran, on their own devices (issue 11, point 3; the whole table is
+"""The estimate against what the papers ran, on their own devices (the whole table is
 `python bench/papers_probe.py --paper-batches`). One paper here; the LLaMA-7B ones are slow (a trial of the full-size
 step takes 5 to 25 s on a loaded 2-core machine)."""
 

@@ -1,4 +1,4 @@
-"""Evaluation as MMSegmentation configures it (issue 41, item 4): `evaluation.mode: slide` (windows of a crop every
+"""Evaluation as MMSegmentation configures it: `evaluation.mode: slide` (windows of a crop every
 stride pixels, the overlapping logits averaged) and `evaluation.output_stride` (the trained weights evaluated at
 another output stride: DeepLabV3 trains at 16, evaluates at 8)."""
 

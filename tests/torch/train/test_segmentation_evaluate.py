@@ -1,4 +1,4 @@
-"""`reproduce evaluate RUN_DIR` (issue 41, item 4): a finished run's model.pt evaluated again without training gives
+"""`reproduce evaluate RUN_DIR`: a finished run's model.pt evaluated again without training gives
 the run's own metrics (mIoU, per-class IoU with n/a, pixel accuracy, eval loss), and its table; a run stage 2 starts
 from its stage 1's model.pt under batchnorm frozen."""
 

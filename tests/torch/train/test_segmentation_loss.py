@@ -1,4 +1,4 @@
-"""Task segmentation's loss (issue 31): per-pixel cross-entropy over the pixels not at ignore_index, the window's sum
+"""Task segmentation's loss: per-pixel cross-entropy over the pixels not at ignore_index, the window's sum
 divided by the window's valid pixels, the auxiliary head's term included. In float64 against one pass over the whole
 batch: the plan's normalisation is exact when micro-batches hold different valid-pixel counts; MMSegmentation's
 per-micro-batch mean (accumulative_counts, avg_non_ignore=True or F.cross_entropy's default mean) is not."""
