@@ -201,8 +201,8 @@ def test_the_quantize_option_overrides_the_field_on_plan_run_and_verify(capsys, 
 
 @pytest.mark.parametrize("args", [["--quantize", "nf4"], []])
 def test_a_quantised_base_with_fsdp_is_one_line_on_plan_probe_and_run(args, capsys, tmp_path, monkeypatch):
-    """--sharding fsdp on a quantised base (from the field or --quantize): one line, exit 2, nothing written (the
-    options skip the recipe's validators; the plan used to refuse it with a pydantic traceback)."""
+    """--sharding fsdp on a quantised base (from the field or --quantize): one line, exit 2, nothing written, never
+    a pydantic traceback (the options skip the recipe's validators)."""
     import yaml
 
     from helpers import cli, snapshot
