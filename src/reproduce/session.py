@@ -36,7 +36,7 @@ from .plan.weightfiles import data_fingerprint
 from .plan.weightfiles import inspect as inspect_weights
 from .plan.weightfiles import record as weights_record
 from .probe import cache
-from .probe.runner import BudgetRequired, ProbeOptions, ProbeResult, run_probe
+from .probe.runner import BudgetRequired, ProbeOptions, ProbeResult, measures_whole_model, run_probe
 
 if TYPE_CHECKING:
     from .data import Datasets
@@ -262,12 +262,11 @@ def _check_changed(recipe: Recipe, changes: Sequence[Change], world_size: int | 
 
 
 def check_sharded_probe(recipe: Recipe, the_plan: Plan | None, micro_batch_max: int | None, meter: str) -> None:
-    """A real (cuda / cpu) probe measures the whole unsharded model on one device: not what an FSDP rank holds."""
+    """With FSDP and no micro-batch maximum given, refuse a probe that measures the whole unsharded model on one
+    device (the cuda and cpu meters): that is not what one rank holds."""
     if recipe.batch.sharding != "fsdp" or the_plan is not None or micro_batch_max is not None:
         return
-    import torch
-
-    if meter in ("cuda", "cpu") or (meter == "auto" and torch.cuda.is_available()):
+    if measures_whole_model(meter):
         raise UserError(
             "`micro_batch_max`: with `batch.sharding` fsdp give it (or `meter` estimate): the cuda and cpu probes "
             "measure the whole unsharded model on one device, not one rank's share"

@@ -148,6 +148,14 @@ def resolve_budget(options: ProbeOptions) -> tuple[int | None, Gpu | None]:
     return None, None
 
 
+def measures_whole_model(meter: str) -> bool:
+    """Whether `meter` measures the whole model on this process's device (cuda and cpu, and auto when a GPU is
+    here), rather than computing one FSDP rank's share (estimate)."""
+    import torch  # only to look for a GPU
+
+    return meter in ("cuda", "cpu") or (meter == "auto" and torch.cuda.is_available())
+
+
 def choose_meter(options: ProbeOptions, budget: int | None, sharding: str = "none") -> str:
     import torch
 
