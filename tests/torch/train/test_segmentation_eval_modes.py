@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from reproduce.data import Datasets
 from reproduce.errors import UserError
 from reproduce.models import build_model
 from reproduce.plan.recipe import parse_recipe
@@ -55,8 +56,8 @@ def test_a_model_trained_at_16_evaluates_at_8_with_its_own_weights():
                                      {"output_stride": 8}))
     torch.manual_seed(0)
     trained = build_model(recipe)
-    setup = SimpleNamespace(plan=SimpleNamespace(recipe=recipe), core=trained.eval(), device=torch.device("cpu"),
-                            dtype=torch.float32, data={})
+    setup = SimpleNamespace(plan=SimpleNamespace(recipe=recipe), unwrapped_model=trained.eval(),
+                            device=torch.device("cpu"), dtype=torch.float32, data=Datasets([]))
     state = torch.get_rng_state()
     at8 = model_at_stride(setup, 8)
     assert torch.equal(torch.get_rng_state(), state)  # the run's random stream untouched
