@@ -134,3 +134,10 @@ class OutputOfGpt2(torch.nn.Module):
 
 def gpt2_output_wrapper() -> torch.nn.Module:
     return OutputOfGpt2()
+
+
+def train_only_digits() -> dict:
+    """The digits training set alone: no evaluation set and no info, the least a data factory may return."""
+    from reproduce.data.builtin import digits
+
+    return {"train": digits()["train"]}

@@ -303,3 +303,20 @@ def test_hf_datasets_image_column_decodes_and_transforms_each_row(sample_data):
         same = [i for i, (path, target) in enumerate(folder.samples) if path.endswith(f"{index:04d}.png")]
         assert len(same) == 1 and folder.samples[same[0]][1] == labels[index]
         torch.testing.assert_close(folder[same[0]][0], image)
+
+
+def test_build_data_types_the_dict_a_factory_returns():
+    """A factory returns a dict with "train" (and optionally "eval" and "info"); the run, the probe and verify get a
+    frozen `Datasets`, whose info names the factory when the factory gave none."""
+    from dataclasses import FrozenInstanceError
+
+    from helpers import SGD, data_of, digits_recipe
+    from reproduce.data import Datasets
+
+    bare = data_of({**digits_recipe(SGD), "data": {"factory": "factories:train_only_digits", "shuffle": False}})
+    assert isinstance(bare, Datasets) and bare.eval is None and bare.info == {"name": "factories:train_only_digits"}
+    assert len(bare.train) == 1437
+    with pytest.raises(FrozenInstanceError):
+        bare.eval = bare.train
+    builtin = data_of(digits_recipe(SGD))
+    assert (len(builtin.train), len(builtin.eval), builtin.info["name"]) == (1437, 360, "digits")
