@@ -7,7 +7,7 @@ their own mean and variance, so its statistics are over the micro-batch (keep), 
 label: known here for the built-ins (tests count them on the built models), counted by the torch layer for any
 other model it builds (`counted`), and only otherwise read from `model.norm_layers`.
 
-Nothing here imports torch or the recipe module (recipe.py reads `batchnorm_in_run` for `Model.has_batchnorm`).
+Nothing here imports torch or the recipe module (recipe/model.py reads `batchnorm_in_run` for `Model.has_batchnorm`).
 """
 
 from __future__ import annotations
