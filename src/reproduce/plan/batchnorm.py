@@ -12,13 +12,15 @@ Nothing here imports torch or the recipe module (recipe/model.py reads `batchnor
 
 from __future__ import annotations
 
-from typing import Any
+import typing
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import UserError
 
-MODES = ("keep", "sync", "frozen", "group")
+BatchnormMode = Literal["keep", "sync", "frozen", "group"]  # model.batchnorm, model.paper_batchnorm
+MODES: tuple[BatchnormMode, ...] = typing.get_args(BatchnormMode)
 # BatchNorm layers of each built-in as built by default (no auxiliary head); tests/torch/plan/test_batchnorm_plan.py
 # counts them
 BUILTIN_LAYERS = {

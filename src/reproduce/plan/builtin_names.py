@@ -11,14 +11,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .recipe.model import SEGMENTATION_MODELS
+
 if TYPE_CHECKING:
     from .recipe import Recipe
 
 SMALL_MODELS = ("mlp", "cnn-bn", "cnn-gn", "gpt")  # reproduce.models.small
 TORCHVISION_MODELS = ("resnet50", "vit-b16", "deit-b")  # the papers' architectures (reproduce.models.architectures)
-SEGMENTATION_MODELS = (  # torchvision's segmentation models (reproduce.models.segmentation)
-    "deeplabv3-resnet50", "deeplabv3-resnet101", "fcn-resnet50", "lraspp-mobilenet-v3-large",
-)
 TRANSFORMERS_MODELS = (
     "mae-vit-large-patch16", "gpt2-124m", "gpt3-small", "gpt2-medium", "gpt-char", "bert-base", "bert-large",
     "roberta-base", "llama-7b",

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import typing
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from .common import Builder
 
-DATA_FORMATS = ("imagefolder", "tokens", "instructions", "chat", "hf-datasets", "segmentation")
-SEGMENTATION_LAYOUTS = ("voc", "images-masks", "cityscapes")
+DataFormat = Literal["imagefolder", "tokens", "instructions", "chat", "hf-datasets", "segmentation"]
+DATA_FORMATS: tuple[DataFormat, ...] = typing.get_args(DataFormat)
+SegmentationLayout = Literal["voc", "images-masks", "cityscapes"]
+SEGMENTATION_LAYOUTS: tuple[SegmentationLayout, ...] = typing.get_args(SegmentationLayout)
 DEFAULT_IGNORE_INDEX = 255  # the mask value that bears no loss (VOC's borders, Cityscapes' void), as in MMSegmentation
-TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32", "int64")
+TokenDtype = Literal["uint8", "uint16", "int32", "uint32", "int64"]
+TOKEN_DTYPES: tuple[TokenDtype, ...] = typing.get_args(TokenDtype)
 # hf-datasets: which columns hold what; one of these sets of keys (`input` is optional beside instruction/output)
 HF_COLUMN_SETS = ({"text"}, {"instruction", "output"}, {"instruction", "input", "output"}, {"image", "label"},
                   {"input", "label"})
@@ -36,8 +40,10 @@ FORMAT_FIELDS = {
     "loss_pixels": ("segmentation",),
 }
 # data.template: how a record's fields become the prompt and the response (data/text.py)
-TEMPLATES = ("alpaca", "alpaca-lora", "e2e")
-PACKING_WAYS = ("none", "sorted", "packed")  # data.packing (data/packing.py)
+Template = Literal["alpaca", "alpaca-lora", "e2e"]
+TEMPLATES: tuple[Template, ...] = typing.get_args(Template)
+PackingWay = Literal["none", "sorted", "packed"]  # data.packing (data/packing.py)
+PACKING_WAYS: tuple[PackingWay, ...] = typing.get_args(PackingWay)
 INSTRUCTION_COLUMN_SETS = ({"instruction", "output"}, {"instruction", "input", "output"})
 
 
@@ -57,7 +63,7 @@ class Data(Builder):
         default=None, gt=0, description="longest sequence in tokens (variable-length text is truncated to it)"
     )
     # Data on disk in a standard layout (`reproduce run --data PATH` / `--eval-data PATH` replace the paths).
-    format: Literal[DATA_FORMATS] | None = None  # type: ignore[valid-type]
+    format: DataFormat | None = None
     path: str | None = Field(default=None, description="the training data: a folder or a file")
     eval_path: str | None = Field(default=None, description="the evaluation data, in the same format")
     eval_size: int | None = Field(default=None, gt=0, description="text: examples held out of data.path for "
@@ -65,8 +71,8 @@ class Data(Builder):
     eval_fraction: float | None = Field(default=None, gt=0, lt=1, description="text: the share of data.path's "
                                         "examples held out for evaluation (rounded, at least one), drawn with the seed")
     augment: Literal["imagenet", "none"] | None = None
-    dtype: Literal[TOKEN_DTYPES] | None = None  # type: ignore[valid-type]
-    template: Literal[TEMPLATES] | None = Field(  # type: ignore[valid-type]
+    dtype: TokenDtype | None = None
+    template: Template | None = Field(
         default=None, description="alpaca: Stanford Alpaca's prompt; alpaca-lora: Alpaca-LoRA's (a newline after "
         "'### Response:'); e2e: microsoft/LoRA's E2E encoding (context, <|endoftext|>, ' ' + completion)",
     )
@@ -75,7 +81,7 @@ class Data(Builder):
         "default); default false: only the response's",
     )
     tokenizer: str | None = Field(default=None, description="a local tokenizer folder (tokenizer.json)")
-    packing: Literal[PACKING_WAYS] | None = Field(  # type: ignore[valid-type]
+    packing: PackingWay | None = Field(
         default=None, description="how a window's samples group into micro-batches (data/packing.py): none (the "
         "plan's micro-batch of m samples), sorted (by length, micro-batches of at most data.token_budget tokens), "
         "packed (rows of samples with position ids restarting at each); the window's samples are the same with each. "
@@ -85,7 +91,7 @@ class Data(Builder):
         "largest the probe measured to fit for sorted, else the micro-batch x the longest example)")
     columns: dict[str, str] | None = None
     # format segmentation (docs/segmentation.md): images with a mask of class ids each, cut and flipped together
-    layout: Literal[SEGMENTATION_LAYOUTS] | None = Field(  # type: ignore[valid-type]
+    layout: SegmentationLayout | None = Field(
         default=None, description="segmentation: voc (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/), "
         "images-masks (images/ and masks/ of the same names, or their train/ and val/ sub-folders) or cityscapes "
         "(leftImg8bit/ and gtFine/ *_labelTrainIds.png); default: found from the folder")

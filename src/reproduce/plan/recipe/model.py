@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from ..batchnorm import MODES, batchnorm_in_run
+from ..batchnorm import MODES, BatchnormMode, batchnorm_in_run
 from .common import Builder, Names, Strict
 
-# the built-ins that read model.output_stride and model.aux_weight (builtin_names.SEGMENTATION_MODELS, which imports
-# this module: tests/torch/models/test_segmentation_models.py keeps the two equal)
+# torchvision's segmentation models (reproduce.models.segmentation): the built-ins that read model.output_stride and
+# model.aux_weight; builtin_names lists them among the built-ins
 SEGMENTATION_MODELS = ("deeplabv3-resnet50", "deeplabv3-resnet101", "fcn-resnet50", "lraspp-mobilenet-v3-large")
-NORM_LAYERS = ("batchnorm", "layernorm", "rmsnorm", "groupnorm", "none")
+NormLayer = Literal["batchnorm", "layernorm", "rmsnorm", "groupnorm", "none"]
+NORM_LAYERS: tuple[NormLayer, ...] = typing.get_args(NormLayer)
 BATCHNORM_CHOICES = MODES  # model.batchnorm: keep | sync | frozen | group (plan/batchnorm.py)
-WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
-QUANTIZED_BASES = ("int8", "nf4")  # bitsandbytes' LLM.int8() and 4-bit NormalFloat (models/quantize.py)
+WeightDtype = Literal["fp32", "bf16", "fp16"]
+WEIGHT_DTYPES: tuple[WeightDtype, ...] = typing.get_args(WeightDtype)
+QuantizedBase = Literal["int8", "nf4"]  # bitsandbytes' LLM.int8() and 4-bit NormalFloat (models/quantize.py)
+QUANTIZED_BASES: tuple[QuantizedBase, ...] = typing.get_args(QuantizedBase)
 
 
-NORMALIZATIONS = ("window-tokens", "micro-batch-mean")
+Normalization = Literal["window-tokens", "micro-batch-mean"]
+NORMALIZATIONS: tuple[Normalization, ...] = typing.get_args(Normalization)
 
 
 class Loss(Builder):
@@ -31,7 +36,7 @@ class Loss(Builder):
     (Alpaca-LoRA, QLoRA): with micro-batches of unequal token counts not the large batch's mean.
     """
 
-    normalization: Literal[NORMALIZATIONS] = Field(  # type: ignore[valid-type]
+    normalization: Normalization = Field(
         default="window-tokens", description="window-tokens: the large batch's mean over its loss-bearing items "
         "(exact); micro-batch-mean: the mean of each micro-batch's own mean, as the Hugging Face Trainer before "
         "transformers v4.46.0 (PR #34191) averaged a window",
@@ -84,13 +89,13 @@ class Model(Builder):
         "into the model's backbone with a report; the heads start at random (models/backbone.py)",
     )
     kind: Literal["causal-lm", "sequence-classification"] | None = None
-    norm_layers: Names[Literal[NORM_LAYERS]] = []  # type: ignore[valid-type]
-    batchnorm: Literal[BATCHNORM_CHOICES] = Field(  # type: ignore[valid-type]
+    norm_layers: Names[NormLayer] = []
+    batchnorm: BatchnormMode = Field(
         default="keep", description="BatchNorm when the micro-batch is below the paper's BN batch: keep (per "
         "micro-batch), sync (SyncBatchNorm over the processes, CUDA), frozen (FrozenBatchNorm2d), group (GroupNorm, "
         "a deviation); models/normalization.py",
     )
-    paper_batchnorm: Literal[BATCHNORM_CHOICES] | None = Field(  # type: ignore[valid-type]
+    paper_batchnorm: BatchnormMode | None = Field(
         default=None, description="how the paper normalised when the run's model.batchnorm differs (what "
         "--batchnorm records; default: model.batchnorm)",
     )
@@ -106,9 +111,9 @@ class Model(Builder):
         default=None, ge=0, description="segmentation models: build the auxiliary head (FCN on ResNet's layer3) "
         "and weigh its loss by this (MMSegmentation: 0.4); not given: no auxiliary head",
     )
-    dtype: Literal[WEIGHT_DTYPES] = "fp32"  # type: ignore[valid-type]
+    dtype: WeightDtype = "fp32"
     lora: Lora | None = None
-    quantize: Literal[QUANTIZED_BASES] | None = Field(  # type: ignore[valid-type]
+    quantize: QuantizedBase | None = Field(
         default=None, description="store the frozen base's linear layers in 8 bits (int8: LLM.int8(), Dettmers et "
         "al. 2022) or 4 bits (nf4 with double quantisation: QLoRA, Dettmers et al. 2023) through bitsandbytes; "
         "needs lora (only the adapters train)",

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import typing
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from .common import Names, Strict
 
-OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lamb", "lars", "adafactor")
+OptimizerName = Literal["sgd", "nesterov", "adam", "adamw", "lamb", "lars", "adafactor"]
+OPTIMIZERS: tuple[OptimizerName, ...] = typing.get_args(OptimizerName)
 SGD_FAMILY = ("sgd", "nesterov", "lars")
 ADAM_FAMILY = ("adam", "adamw", "lamb", "adafactor")
-OPTIMIZER_IMPLEMENTATIONS = ("foreach", "fused", "for-loop")
+Implementation = Literal["foreach", "fused", "for-loop"]
+OPTIMIZER_IMPLEMENTATIONS: tuple[Implementation, ...] = typing.get_args(Implementation)
 IMPLEMENTED_BY_TORCH = ("sgd", "nesterov", "adam", "adamw", "adafactor")
 
 
 class Optimizer(Strict):
-    name: Literal[OPTIMIZERS]  # type: ignore[valid-type]
+    name: OptimizerName
     lr: float = Field(gt=0)
     momentum: float = Field(default=0.0, ge=0, lt=1)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -34,7 +37,7 @@ class Optimizer(Strict):
         default=False, description="adam/adamw: bitsandbytes' paged optimizer (QLoRA's paged_adamw_32bit): its state "
         "in CUDA unified memory, paged out to the CPU when the GPU runs short instead of running out of memory",
     )
-    implementation: Literal[OPTIMIZER_IMPLEMENTATIONS] | None = Field(  # type: ignore[valid-type]
+    implementation: Implementation | None = Field(
         default=None, description="torch.optim's kernels (sgd, nesterov, adam, adamw, adafactor): foreach (one "
         "kernel over a list of tensors: temporaries the size of all the parameters), fused (one kernel per "
         "parameter group, no such temporaries; adam, adamw, sgd) or for-loop (one parameter at a time); default: "
