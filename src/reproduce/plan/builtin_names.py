@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .recipe.data import NamedData
 from .recipe.model import SEGMENTATION_MODELS
 
 if TYPE_CHECKING:
@@ -89,9 +90,9 @@ def why_not_runnable(recipe: Recipe) -> str | None:
             named = f"{data.format} data {data.name}" if data.name else f"{data.format} data"
             return f"{named} not on this machine (reproduce run --data PATH)"
         return f"data {data.name} not available"
-    if data.builtin is not None and data.builtin not in DATA:
+    if isinstance(data, NamedData) and data.builtin is not None and data.builtin not in DATA:
         return f"no built-in data {data.builtin}"
-    if data.factory is not None and not _module_found(data.factory):
+    if isinstance(data, NamedData) and data.factory is not None and not _module_found(data.factory):
         return f"data factory {data.factory!r} not importable"
     if recipe.loss is not None and recipe.loss.builtin is not None and recipe.loss.builtin not in LOSSES:
         return f"no built-in loss {recipe.loss.builtin}"

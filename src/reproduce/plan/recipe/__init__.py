@@ -13,14 +13,25 @@ from .common import LENGTH_UNITS, Builder, Length, Name, Names, Strict
 from .data import (
     DATA_FORMATS,
     DEFAULT_IGNORE_INDEX,
-    FORMAT_FIELDS,
+    FIELD_FORMATS,
+    FORMATS,
     HF_COLUMN_SETS,
     INSTRUCTION_COLUMN_SETS,
     PACKING_WAYS,
     SEGMENTATION_LAYOUTS,
     TEMPLATES,
     TOKEN_DTYPES,
+    BaseData,
+    ChatData,
     Data,
+    FileData,
+    HfDatasetsData,
+    ImageFolderData,
+    InstructionsData,
+    NamedData,
+    SegmentationData,
+    TextData,
+    TokensData,
 )
 from .evaluation import LOSS_METRICS, PLATEAU_METRICS, REPORTED_METRICS, Evaluation, Reported
 from .load import load_recipe, parse_recipe
@@ -40,11 +51,13 @@ from .recipe import Paper, Recipe, default_packing, packing_problem
 from .schedule import PLATEAU_FIELDS, Decay, Milestones, Schedule, Warmup
 
 __all__ = [
-    "ADAM_FAMILY", "BATCHNORM_CHOICES", "DATA_FORMATS", "DEFAULT_IGNORE_INDEX", "FORMAT_FIELDS", "HF_COLUMN_SETS",
-    "IMPLEMENTED_BY_TORCH", "INSTRUCTION_COLUMN_SETS", "LENGTH_UNITS", "LOSS_METRICS", "NORMALIZATIONS", "NORM_LAYERS",
-    "OPTIMIZERS", "OPTIMIZER_IMPLEMENTATIONS", "PACKING_WAYS", "PLATEAU_FIELDS", "PLATEAU_METRICS", "QUANTIZED_BASES",
-    "REPORTED_METRICS", "SEGMENTATION_LAYOUTS", "SEGMENTATION_MODELS", "SGD_FAMILY", "TEMPLATES", "TOKEN_DTYPES",
-    "WEIGHT_DTYPES", "Batch", "BatchPhase", "BatchRamp", "Builder", "Data", "Decay", "Evaluation", "Length", "Lora",
-    "Loss", "Milestones", "Model", "Name", "Names", "Optimizer", "Paper", "Recipe", "Reported", "Schedule", "Strict",
-    "Warmup", "default_packing", "load_recipe", "packing_problem", "parse_recipe",
+    "ADAM_FAMILY", "BATCHNORM_CHOICES", "DATA_FORMATS", "DEFAULT_IGNORE_INDEX", "FIELD_FORMATS", "FORMATS",
+    "HF_COLUMN_SETS", "IMPLEMENTED_BY_TORCH", "INSTRUCTION_COLUMN_SETS", "LENGTH_UNITS", "LOSS_METRICS",
+    "NORMALIZATIONS", "NORM_LAYERS", "OPTIMIZERS", "OPTIMIZER_IMPLEMENTATIONS", "PACKING_WAYS", "PLATEAU_FIELDS",
+    "PLATEAU_METRICS", "QUANTIZED_BASES", "REPORTED_METRICS", "SEGMENTATION_LAYOUTS", "SEGMENTATION_MODELS",
+    "SGD_FAMILY", "TEMPLATES", "TOKEN_DTYPES", "WEIGHT_DTYPES", "BaseData", "Batch", "BatchPhase", "BatchRamp",
+    "Builder", "ChatData", "Data", "Decay", "Evaluation", "FileData", "HfDatasetsData", "ImageFolderData",
+    "InstructionsData", "Length", "Lora", "Loss", "Milestones", "Model", "Name", "NamedData", "Names", "Optimizer",
+    "Paper", "Recipe", "Reported", "Schedule", "SegmentationData", "Strict", "TextData", "TokensData", "Warmup",
+    "default_packing", "load_recipe", "packing_problem", "parse_recipe"
 ]

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from .batch import Batch
 from .common import Names, Strict
-from .data import DEFAULT_IGNORE_INDEX, Data
+from .data import DEFAULT_IGNORE_INDEX, Data, HfDatasetsData, InstructionsData, TextData
 from .evaluation import PLATEAU_METRICS, REPORTED_METRICS, Evaluation, Reported
 from .model import SEGMENTATION_MODELS, Loss, Model
 from .optimizer import Optimizer
@@ -174,19 +174,19 @@ class Recipe(Strict):
             task = "segmentation"
         else:
             task = "classification" if data.format == "imagefolder" else "language-modeling"
+        columns = isinstance(data, (InstructionsData, HfDatasetsData)) and data.columns
         if self.task != "custom" and self.task != task:
-            raise ValueError(f"data.format: {data.format} data{' with these columns' if data.columns else ''} is "
+            raise ValueError(f"data.format: {data.format} data{' with these columns' if columns else ''} is "
                              f"for task {task} (task is {self.task})")
         if data.format == "tokens" and self.batch.sequence_length is None:
             raise ValueError("batch.sequence_length: required with data.format tokens (each sample is that many "
                              "tokens)")
         if not data.available:
             return  # plan only until a path is given (reproduce run --data PATH)
-        images = data.format == "imagefolder" or (data.columns is not None and "image" in data.columns)
-        if images and data.image_size is None:
+        if data.images and data.image_size is None:
             raise ValueError("data.image_size: required for image data (the side images are cropped or resized "
                              "to; 224 for ImageNet)")
-        if data.text_columns:
+        if isinstance(data, TextData) and data.text_columns:
             if data.tokenizer is None and self.model.hf is None and self.model.weights is None:
                 raise ValueError("data.tokenizer: required for text data: a local tokenizer folder (default: the "
                                  "model's own with model.hf, or the folder of model.weights)")
@@ -203,7 +203,7 @@ def packing_problem(recipe: Recipe, way: str | None = None) -> str | None:
         return "data.token_budget: only used with data.packing sorted or packed"
     if way not in ("sorted", "packed"):
         return None
-    if data.format in ("imagefolder", "segmentation", "tokens") or "image" in (data.columns or {}):
+    if data.format in ("imagefolder", "segmentation", "tokens") or data.images:
         what = "token files of one length" if data.format == "tokens" else "image data"
         return (f"data.packing: {way} groups samples by their lengths, which {what} does not have (text "
                 "only: format instructions, hf-datasets text, or a factory's token sequences); use packing: none")
