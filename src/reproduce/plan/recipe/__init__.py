@@ -8,6 +8,7 @@ recipe and its cross-section rules (recipe), reading a file (load). The names ar
 `from reproduce.plan.recipe import Recipe, load_recipe`.
 """
 
+from ..validation import read_yaml  # check/load.py reads YAML through here (as before the package)
 from .batch import Batch, BatchPhase, BatchRamp
 from .common import LENGTH_UNITS, Builder, Length, Name, Names, Strict
 from .data import (
@@ -59,5 +60,5 @@ __all__ = [
     "Builder", "ChatData", "Data", "Decay", "Evaluation", "FileData", "HfDatasetsData", "ImageFolderData",
     "InstructionsData", "Length", "Lora", "Loss", "Milestones", "Model", "Name", "NamedData", "Names", "Optimizer",
     "Paper", "Recipe", "Reported", "Schedule", "SegmentationData", "Strict", "TextData", "TokensData", "Warmup",
-    "default_packing", "load_recipe", "packing_problem", "parse_recipe"
+    "default_packing", "load_recipe", "packing_problem", "parse_recipe", "read_yaml"
 ]
