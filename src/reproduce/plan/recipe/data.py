@@ -27,6 +27,9 @@ HF_COLUMN_SETS = ({"text"}, {"instruction", "output"}, {"instruction", "input", 
 # data.template: how a record's fields become the prompt and the response (data/text.py)
 Template = Literal["alpaca", "alpaca-lora", "e2e"]
 TEMPLATES: tuple[Template, ...] = typing.get_args(Template)
+PromptTemplate = Annotated[Template | None, Field(
+    description="alpaca: Stanford Alpaca's prompt; alpaca-lora: Alpaca-LoRA's (a newline after '### Response:'); e2e: "
+    "microsoft/LoRA's E2E encoding (context, <|endoftext|>, ' ' + completion)")]  # instructions, hf-datasets
 PackingWay = Literal["none", "sorted", "packed"]  # data.packing (data/packing.py)
 PACKING_WAYS: tuple[PackingWay, ...] = typing.get_args(PackingWay)
 INSTRUCTION_COLUMN_SETS = ({"instruction", "output"}, {"instruction", "input", "output"})
@@ -215,10 +218,7 @@ class InstructionsData(TextData):
     """JSON / JSONL records of instruction, input and output (Alpaca's), rendered by a template."""
 
     format: Literal["instructions"]
-    template: Template | None = Field(
-        default=None, description="alpaca: Stanford Alpaca's prompt; alpaca-lora: Alpaca-LoRA's (a newline after "
-        "'### Response:'); e2e: microsoft/LoRA's E2E encoding (context, <|endoftext|>, ' ' + completion)",
-    )
+    template: PromptTemplate = None
     columns: dict[str, str] | None = None
 
     @model_validator(mode="after")
@@ -240,10 +240,7 @@ class HfDatasetsData(TextData):
 
     format: Literal["hf-datasets"]
     augment: Literal["imagenet", "none"] | None = None
-    template: Template | None = Field(
-        default=None, description="alpaca: Stanford Alpaca's prompt; alpaca-lora: Alpaca-LoRA's (a newline after "
-        "'### Response:'); e2e: microsoft/LoRA's E2E encoding (context, <|endoftext|>, ' ' + completion)",
-    )
+    template: PromptTemplate = None
     columns: dict[str, str] | None = None
 
     @model_validator(mode="after")
