@@ -28,7 +28,7 @@ from .plan.overrides import changes_of
 from .plan.packing import with_probed_budget
 from .plan.planfile import load_plan, load_recipe_or_plan
 from .plan.planner import Plan, make_plan
-from .plan.recipe import Recipe, load_recipe
+from .plan.recipe import NamedData, Recipe, load_recipe
 from .plan.resume_rules import check_resumed_data, check_resumed_weights, replan
 from .plan.sharding import check_sharding
 from .plan.units import format_size
@@ -194,9 +194,9 @@ def planned_data_size(recipe: Recipe, given: bool = False) -> tuple[Datasets | N
     user's data): from its data factory (the user's code), or from its data on disk; the schedule in epochs, and
     the plan file, then hold the real numbers."""
     spec = recipe.data
-    on_disk = spec.format is not None and spec.path is not None
+    on_disk = bool(spec.files) and spec.files[0] is not None
     if (spec.train_size is not None and not (given and on_disk)) or not spec.available or (
-            spec.factory is None and not on_disk):
+            not (isinstance(spec, NamedData) and spec.factory is not None) and not on_disk):
         return None, None
     from .data import build_data  # torch, and the user's own code: only for data that a factory makes or on disk
     from .data.lengths import training_sizes

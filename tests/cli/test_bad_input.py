@@ -397,7 +397,7 @@ CASES = [
     Case(
         "data-columns-without-hf-datasets",
         mutate({"data.format": "imagefolder", "data.columns": {"image": "img", "label": "label"}}),
-        ["error: {path}: data.columns: only used with format hf-datasets or instructions (format is imagefolder)"],
+        ["error: {path}: data.columns: only used with format instructions or hf-datasets (format is imagefolder)"],
     ),
     Case(
         "data-path-empty",

@@ -1,6 +1,6 @@
 """Comments and docstrings in src/ that point at a file or folder of this project point at one that exists: a move
 that leaves a pointer behind fails here. Three shapes are read: a path whose first folder is one of the project's
-(`train/step.py`, `docs/schedules`, `reproduce/plan/recipe.py`), a bare module name (`recompute_check.py`), and a
+(`train/step.py`, `docs/schedules`, `reproduce/plan/recipe/data.py`), a bare module name (`recompute_check.py`), and a
 folder named alone in parentheses (`(batchnorm/)`). Placeholders (`papers/NAME`, `DIR/train`) and files of other
 projects (nanoGPT's `train.py`, listed below) are not pointers of this one."""
 
@@ -71,6 +71,6 @@ def test_comments_point_at_files_that_exist(path):
 def test_a_stale_pointer_is_found(tmp_path):
     module = tmp_path / "m.py"
     module.write_text('"""Built as train/no_such_module.py does (batchnorm/)."""\n'
-                      "x = 1  # see recompute_check.py and plan/recipe.py\n"
+                      "x = 1  # see recompute_check.py and plan/recipe/data.py\n"
                       "# as nanoGPT's train.py does, for papers/NAME (models/)\n")
     assert sorted(stale_pointers(module)) == ["1: batchnorm/)", "1: train/no_such_module.py", "2: recompute_check.py"]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..errors import Interrupted, UserError
 from ..plan.planfile import check_plan
 from ..plan.planner import Plan, make_plan
-from ..plan.recipe import Recipe
+from ..plan.recipe import NamedData, Recipe
 from ..plan.segments import batch_phases
 from ..plan.units import format_size, parse_size
 from .load import LoadedFile, Run, check_name
@@ -73,7 +73,8 @@ class Runner:
     def factory_size(self, recipe: Recipe) -> int | dict | None:
         """data.train_size, else the size of the data a `factory:` makes, as `reproduce plan` asks it."""
         spec = recipe.data
-        if spec.train_size is not None or not spec.available or spec.factory is None:
+        if spec.train_size is not None or not spec.available or not isinstance(spec, NamedData) or (
+                spec.factory is None):
             return spec.train_size
         from ..data.lengths import training_sizes
 

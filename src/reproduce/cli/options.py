@@ -31,7 +31,7 @@ class MeterName(str, Enum):
     estimate = "estimate"
 
 
-# the choices the core defines (plan/recipe.py's quantised bases, plan/batchnorm.py's modes), as typer's enums
+# the choices the core defines (plan/recipe/model.py's quantised bases, plan/batchnorm.py's modes), as typer's enums
 Quantize = Enum("Quantize", {name: name for name in QUANTIZED_BASES}, type=str)
 BatchNormChoice = Enum("BatchNormChoice", {name: name for name in BATCHNORM_MODES}, type=str)
 PackingChoice = Enum("PackingChoice", {name: name for name in PACKING_WAYS}, type=str)

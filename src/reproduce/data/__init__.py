@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from ..errors import UserError
 from ..plan.factory import call_builder
-from ..plan.recipe import Recipe
+from ..plan.recipe import Recipe, TextData, TokensData
 from . import builtin
 
 DATA = dict(builtin.DATA)
@@ -68,7 +68,7 @@ def unavailable_message(recipe: Recipe) -> str:
     if data.format is None:
         return (f"{head} and names no data.format: this recipe can be planned but not run here; to run it, give "
                 "data.factory (your own data) or data.format, and its path with `data_path` PATH")
-    expected = EXPECTED[data.format].format(dtype=data.dtype or "uint16")
+    expected = EXPECTED[data.format].format(dtype=(data.dtype if isinstance(data, TokensData) else None) or "uint16")
     return f"{head}: give its path with `data_path` PATH (format {data.format}: {expected})"
 
 
@@ -95,18 +95,19 @@ def build_data(recipe: Recipe) -> Datasets:
 
             check_context(recipe)
         data = build_format(recipe)
-        share = recipe.data.eval_fraction
-        if recipe.data.eval_size is not None or share is not None:  # held out of the training file, with the seed
+        spec = recipe.data
+        share = spec.eval_fraction if isinstance(spec, TextData) else None
+        if isinstance(spec, TextData) and (spec.eval_size is not None or share is not None):  # held out, with the seed
             from .text import hold_out
 
             field = "data.eval_size" if share is None else "data.eval_fraction"
             if not hasattr(data["train"], "select"):
                 raise UserError(f"{field}: holds out text examples; this data is not text (give eval_path)")
-            size = recipe.data.eval_size if share is None else max(1, round(share * len(data["train"])))
-            data = hold_out(data, size, recipe.seed, recipe.data.path, field)
+            size = spec.eval_size if share is None else max(1, round(share * len(data["train"])))
+            data = hold_out(data, size, recipe.seed, spec.path, field)
     else:
         extra = {}
-        if recipe.data.builtin in ("pysource", "pysource-pairs", "text-pairs") and recipe.batch.sequence_length:
+        if recipe.data.made_by in ("pysource", "pysource-pairs", "text-pairs") and recipe.batch.sequence_length:
             extra["sequence_length"] = recipe.batch.sequence_length
         data = call_builder(recipe.data, "data", DATA, extra)
     if not isinstance(data, dict) or "train" not in data:
@@ -115,8 +116,9 @@ def build_data(recipe: Recipe) -> Datasets:
         if split in data and not hasattr(data[split], "__len__"):
             raise UserError(f"data: {split!r} must be a sized dataset (got {type(data[split]).__name__})")
     if len(data["train"]) == 0:
-        raise UserError(f"data: the training set is empty{f' ({recipe.data.path})' if recipe.data.path else ''}")
+        path = next(iter(recipe.data.files), None)
+        raise UserError(f"data: the training set is empty{f' ({path})' if path else ''}")
     info = data.get("info")
     if info is None:
-        info = {"name": recipe.data.name or recipe.data.builtin or recipe.data.factory}
+        info = {"name": recipe.data.name or recipe.data.made_by}
     return Datasets(data["train"], data.get("eval"), info)

@@ -25,7 +25,7 @@ def cut_at_lengths(recipe: Recipe, train: Any, lengths: list[int | None]) -> dic
     main = recipe.batch.sequence_length
     others = [length for length in lengths if length != main]
     if others and not hasattr(train, "with_sequence_length"):
-        name = recipe.data.builtin or recipe.data.factory or recipe.data.name or "the data"
+        name = recipe.data.made_by or recipe.data.name or "the data"
         raise UserError(
             f"batch.phases: sequence length {others[0]} differs from batch.sequence_length {main}, but the training "
             f"data ({name}, {type(train).__name__}) cannot be cut at another length: its dataset has no "

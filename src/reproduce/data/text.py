@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import UserError
+from ..plan.recipe import TextData
 from .batches import IGNORE_INDEX
 
 # The prompt wording of Stanford Alpaca, PROMPT_DICT in tatsu-lab/stanford_alpaca's train.py at commit
@@ -285,7 +286,7 @@ def tokenizer_name(recipe: Any) -> tuple[str, str]:
     """(the tokenizer to load, the field it comes from): data.tokenizer, else the folder of model.weights, else the
     model's own with model.hf."""
     spec, model = recipe.data, recipe.model
-    if spec.tokenizer is not None:
+    if isinstance(spec, TextData) and spec.tokenizer is not None:
         return spec.tokenizer, "data.tokenizer"
     if model.weights is not None:
         from ..plan.weightfiles import inspect

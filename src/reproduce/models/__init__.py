@@ -15,7 +15,7 @@ from torch import nn
 from ..errors import UserError
 from ..plan.factory import call_builder
 from ..plan.overlay import variant
-from ..plan.recipe import Recipe
+from ..plan.recipe import Recipe, SegmentationData
 from ..plan.weightfiles import WeightsOnDisk
 from . import small
 from .architectures import ARCHITECTURES
@@ -61,7 +61,8 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
             load_backbone(model, recipe)
     model = convert(model, spec.batchnorm)
     if recipe.task == "segmentation" and recipe.data.classes:  # one line now, not at the first evaluation
-        check_output_classes(model, recipe.data.classes, recipe.data.crop, name)
+        crop = recipe.data.crop if isinstance(recipe.data, SegmentationData) else None
+        check_output_classes(model, recipe.data.classes, crop, name)
     if spec.batchnorm_momentum is not None:
         set_momentum(model, spec.batchnorm_momentum)
     check_vocabulary(model, data_info)  # token ids the embedding has no row for: refused before any step

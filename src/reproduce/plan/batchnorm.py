@@ -7,18 +7,20 @@ their own mean and variance, so its statistics are over the micro-batch (keep), 
 label: known here for the built-ins (tests count them on the built models), counted by the torch layer for any
 other model it builds (`counted`), and only otherwise read from `model.norm_layers`.
 
-Nothing here imports torch or the recipe module (recipe.py reads `batchnorm_in_run` for `Model.has_batchnorm`).
+Nothing here imports torch or the recipe module (recipe/model.py reads `batchnorm_in_run` for `Model.has_batchnorm`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import typing
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import UserError
 
-MODES = ("keep", "sync", "frozen", "group")
+BatchnormMode = Literal["keep", "sync", "frozen", "group"]  # model.batchnorm, model.paper_batchnorm
+MODES: tuple[BatchnormMode, ...] = typing.get_args(BatchnormMode)
 # BatchNorm layers of each built-in as built by default (no auxiliary head); tests/torch/plan/test_batchnorm_plan.py
 # counts them
 BUILTIN_LAYERS = {

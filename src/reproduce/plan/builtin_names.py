@@ -11,14 +11,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .recipe.data import NamedData
+from .recipe.model import SEGMENTATION_MODELS
+
 if TYPE_CHECKING:
     from .recipe import Recipe
 
 SMALL_MODELS = ("mlp", "cnn-bn", "cnn-gn", "gpt")  # reproduce.models.small
 TORCHVISION_MODELS = ("resnet50", "vit-b16", "deit-b")  # the papers' architectures (reproduce.models.architectures)
-SEGMENTATION_MODELS = (  # torchvision's segmentation models (reproduce.models.segmentation)
-    "deeplabv3-resnet50", "deeplabv3-resnet101", "fcn-resnet50", "lraspp-mobilenet-v3-large",
-)
 TRANSFORMERS_MODELS = (
     "mae-vit-large-patch16", "gpt2-124m", "gpt3-small", "gpt2-medium", "gpt-char", "bert-base", "bert-large",
     "roberta-base", "llama-7b",
@@ -90,9 +90,9 @@ def why_not_runnable(recipe: Recipe) -> str | None:
             named = f"{data.format} data {data.name}" if data.name else f"{data.format} data"
             return f"{named} not on this machine (reproduce run --data PATH)"
         return f"data {data.name} not available"
-    if data.builtin is not None and data.builtin not in DATA:
+    if isinstance(data, NamedData) and data.builtin is not None and data.builtin not in DATA:
         return f"no built-in data {data.builtin}"
-    if data.factory is not None and not _module_found(data.factory):
+    if isinstance(data, NamedData) and data.factory is not None and not _module_found(data.factory):
         return f"data factory {data.factory!r} not importable"
     if recipe.loss is not None and recipe.loss.builtin is not None and recipe.loss.builtin not in LOSSES:
         return f"no built-in loss {recipe.loss.builtin}"

@@ -184,7 +184,8 @@ def resumed(recipe: Recipe, changes: Sequence[Change], saved: Recipe, out: Path,
                             f"{value_at(then, change.path)}; resume it as it was started (its plan.yaml keeps "
                             f"{change.path}; got {value_at(now, change.path)})")
     for path in FIXED_ON_RESUME:  # what the plan may have taken by itself (memory knobs), and the data it read
-        put_at(now, path.split("."), value_at(then, path), path)
+        if value_at(now, path) != value_at(then, path):  # (a field the data's format lacks is in neither)
+            put_at(now, path.split("."), value_at(then, path), path)
     if now != then:
         raise UserError(f"`resume`: the recipe in {source} differs from the one {out}/plan.yaml was run with")
     return saved

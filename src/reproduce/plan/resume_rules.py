@@ -9,6 +9,7 @@ from pathlib import Path
 from ..errors import UserError
 from .packing import kept_grouping
 from .planner import Plan, make_plan
+from .recipe import FileData
 from .weightfiles import data_fingerprint, fingerprint_of, inspect
 
 
@@ -67,10 +68,10 @@ def check_resumed_weights(saved: Plan, out: Path) -> None:
 
 def check_resumed_data(saved: Plan, out: Path) -> None:
     """A resumed run reads the data files it started on, unchanged since (the fingerprint in its plan.yaml)."""
-    if saved.data_fingerprint is None:
-        return
     data = saved.recipe.data
-    now = data_fingerprint([data.path, data.eval_path])
+    if saved.data_fingerprint is None or not isinstance(data, FileData):
+        return
+    now = data_fingerprint(data.files)
     if now != saved.data_fingerprint:
         raise UserError(f"`resume`: the data {data.path} changed since the run in {out} started (fingerprint "
                         f"{saved.data_fingerprint} in its plan.yaml, {now} now); resume it on the data it started "

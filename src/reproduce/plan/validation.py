@@ -159,24 +159,21 @@ def error_message(error: ErrorDetails, root: type[BaseModel]) -> str:
 
 
 def field_names_at(root: type[BaseModel], loc: list[str]) -> list[str]:
-    """The field names of the model found by following `loc` from `root` (empty when it leads elsewhere)."""
-    model: Any = root
+    """The field names of the model found by following `loc` from `root` (empty when it leads elsewhere); of all
+    the members of a union of models (the data formats), in their order."""
+    models: list[type[BaseModel]] = [root]
     for part in loc:
         if part.isdigit():  # an item of a list: the list's model, already found
             continue
-        fields = getattr(model, "model_fields", None)
-        if fields is None or part not in fields:
+        models = [found for model in models if part in model.model_fields
+                  for found in models_in(model.model_fields[part].annotation)]
+        if not models:
             return []
-        model = model_in(fields[part].annotation)
-    fields = getattr(model, "model_fields", None)
-    return list(fields) if fields else []
+    return list(dict.fromkeys(name for model in models for name in model.model_fields))
 
 
-def model_in(annotation: Any) -> Any:
+def models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models a field's type holds: itself, the item of a list, the members of a union."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        found = model_in(arg)
-        if found is not None:
-            return found
-    return None
+        return [annotation]
+    return [found for arg in getattr(annotation, "__args__", ()) for found in models_in(arg)]

@@ -26,7 +26,7 @@ from ..data.shapes import image_dataset
 from ..errors import UserError
 from ..models import check_context, model_inputs
 from ..plan.planner import Plan, make_plan
-from ..plan.recipe import Recipe
+from ..plan.recipe import NamedData, Recipe, SegmentationData
 
 SHAPE_SAMPLE = 256  # items looked at to tell fixed-shape data from variable-length data
 
@@ -104,7 +104,8 @@ def declared_inputs(recipe: Recipe) -> dict:
     """The shape of the recipe's samples without its data: `{"inputs": "tokens", "sequence_length", "vocab_size"}`
     or `{"inputs": "samples", "shape", "classes"}` (images C x H x W, or the MLP's vectors)."""
     fixed, data, spec = model_inputs(recipe), recipe.data, recipe.model
-    given = data.kwargs.get("input_shape")
+    kwargs = data.kwargs if isinstance(data, NamedData) else {}  # (data in a format takes none)
+    given = kwargs.get("input_shape")
     kind = fixed.get("inputs") or ("tokens" if recipe.task == "language-modeling" and not given else "images")
     if kind == "tokens":
         length = recipe.batch.sequence_length or data.max_length
@@ -117,11 +118,11 @@ def declared_inputs(recipe: Recipe) -> dict:
         vocab = int(fixed.get("vocab_size") or spec.kwargs.get("vocab_size", 256))
         shape = {"inputs": "tokens", "sequence_length": length, "vocab_size": vocab}
         return {**shape, "targets": fixed["targets"]} if "targets" in fixed else shape
-    if recipe.task == "segmentation" and data.crop is not None:  # the training crop, with a mask of class ids
+    if isinstance(data, SegmentationData) and data.crop is not None:  # the training crop, with a mask of class ids
         channels = data.channels or fixed.get("channels") or 3
         return {"inputs": "masks", "shape": (int(channels), *data.crop), "classes": int(data.classes)}
     known = image_dataset(data.name) or {}
-    classes = data.classes or data.kwargs.get("classes") or known.get("classes") or fixed.get("classes")
+    classes = data.classes or kwargs.get("classes") or known.get("classes") or fixed.get("classes")
     if given:
         return {"inputs": "samples", "shape": tuple(int(size) for size in given), "classes": int(classes or 10)}
     if kind == "vectors":

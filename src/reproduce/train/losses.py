@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ..data.batches import IGNORE_INDEX
 from ..errors import UserError
 from ..plan.factory import call_builder
-from ..plan.recipe import Recipe
+from ..plan.recipe import Recipe, SegmentationData
 
 
 def _upcast(output: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,8 @@ def build_loss(recipe: Recipe, model: Any = None) -> SampleLoss | TokenLoss | Pi
     if recipe.task == "classification":
         return SampleLoss()
     if recipe.task == "segmentation":
-        return PixelLoss(recipe.ignore_index, recipe.model.aux_weight, recipe.data.loss_pixels == "all")
+        every = isinstance(recipe.data, SegmentationData) and recipe.data.loss_pixels == "all"
+        return PixelLoss(recipe.ignore_index, recipe.model.aux_weight, every)
     if recipe.task == "language-modeling":
         own = pretraining_loss(recipe)
         if own is None and recipe.model.loss_chunks:

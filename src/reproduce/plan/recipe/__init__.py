@@ -1,0 +1,64 @@
+"""The recipe: one paper's batch recipe as published, read from YAML and validated strictly.
+
+No torch here. `load_recipe(path)` returns a `Recipe` or raises one `UserError` listing every problem
+in the file, one line each: `papers/x.yaml: batch.effective: must be > 0 (got -3)`.
+
+One module a section (batch, model, data, optimizer, schedule, evaluation), what they share (common), the whole
+recipe and its cross-section rules (recipe), reading a file (load). The names are re-exported here:
+`from reproduce.plan.recipe import Recipe, load_recipe`.
+"""
+
+from ..validation import read_yaml  # check/load.py reads YAML through here (as before the package)
+from .batch import Batch, BatchPhase, BatchRamp
+from .common import LENGTH_UNITS, Builder, Length, Name, Names, Strict
+from .data import (
+    DATA_FORMATS,
+    DEFAULT_IGNORE_INDEX,
+    FIELD_FORMATS,
+    FORMATS,
+    HF_COLUMN_SETS,
+    INSTRUCTION_COLUMN_SETS,
+    PACKING_WAYS,
+    SEGMENTATION_LAYOUTS,
+    TEMPLATES,
+    TOKEN_DTYPES,
+    BaseData,
+    ChatData,
+    Data,
+    FileData,
+    HfDatasetsData,
+    ImageFolderData,
+    InstructionsData,
+    NamedData,
+    SegmentationData,
+    TextData,
+    TokensData,
+)
+from .evaluation import LOSS_METRICS, PLATEAU_METRICS, REPORTED_METRICS, Evaluation, Reported
+from .load import load_recipe, parse_recipe
+from .model import (
+    BATCHNORM_CHOICES,
+    NORM_LAYERS,
+    NORMALIZATIONS,
+    QUANTIZED_BASES,
+    SEGMENTATION_MODELS,
+    WEIGHT_DTYPES,
+    Lora,
+    Loss,
+    Model,
+)
+from .optimizer import ADAM_FAMILY, IMPLEMENTED_BY_TORCH, OPTIMIZER_IMPLEMENTATIONS, OPTIMIZERS, SGD_FAMILY, Optimizer
+from .recipe import Paper, Recipe, default_packing, packing_problem
+from .schedule import PLATEAU_FIELDS, Decay, Milestones, Schedule, Warmup
+
+__all__ = [
+    "ADAM_FAMILY", "BATCHNORM_CHOICES", "DATA_FORMATS", "DEFAULT_IGNORE_INDEX", "FIELD_FORMATS", "FORMATS",
+    "HF_COLUMN_SETS", "IMPLEMENTED_BY_TORCH", "INSTRUCTION_COLUMN_SETS", "LENGTH_UNITS", "LOSS_METRICS",
+    "NORMALIZATIONS", "NORM_LAYERS", "OPTIMIZERS", "OPTIMIZER_IMPLEMENTATIONS", "PACKING_WAYS", "PLATEAU_FIELDS",
+    "PLATEAU_METRICS", "QUANTIZED_BASES", "REPORTED_METRICS", "SEGMENTATION_LAYOUTS", "SEGMENTATION_MODELS",
+    "SGD_FAMILY", "TEMPLATES", "TOKEN_DTYPES", "WEIGHT_DTYPES", "BaseData", "Batch", "BatchPhase", "BatchRamp",
+    "Builder", "ChatData", "Data", "Decay", "Evaluation", "FileData", "HfDatasetsData", "ImageFolderData",
+    "InstructionsData", "Length", "Lora", "Loss", "Milestones", "Model", "Name", "NamedData", "Names", "Optimizer",
+    "Paper", "Recipe", "Reported", "Schedule", "SegmentationData", "Strict", "TextData", "TokensData", "Warmup",
+    "default_packing", "load_recipe", "packing_problem", "parse_recipe", "read_yaml"
+]
