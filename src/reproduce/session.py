@@ -117,7 +117,7 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
     the_plan = make_plan(recipe, micro_batch_max, world_size, policy, dataset_size=dataset_size,
                          recipe_path=recipe_path, batchnorm_layers=counted)
     if memory:  # the memory knobs the plan took, or the ways it weighed (probe/memory_plan.py)
-        the_plan = the_plan.model_copy(update={"memory": memory})
+        the_plan = the_plan.model_copy(update={"memory_notes": memory})
     return Planned(with_weights_record(the_plan), result, notes)
 
 

@@ -428,15 +428,18 @@ def test_a_plan_file_made_without_the_data_size_runs_and_never_says_none(tmp_pat
 
     # as an older `reproduce plan --out` wrote it (today's planner refuses epochs of an unknown size: issue 22)
     sized = make_plan(load_recipe(OWN / "recipe.yaml"), 32, dataset_size=1024)
-    blind = sized.model_copy(update={"dataset_size": None, "steps_per_epoch": None, "optimizer_steps": None,
-                                     "warmup_steps": 0, "decay_end_step": None, "decay_milestones": []})
+    unsized = {"dataset_size": None, "steps_per_epoch": None}
+    schedule = sized.schedule.model_copy(update={"end_step": None, "warmup_steps": 0, "decay_end_step": None,
+                                                 "decay_milestones": []})
+    blind = sized.model_copy(update={**unsized, "schedule": schedule,
+                                     "segments": [sized.segments[0].model_copy(update=unsized)]})
     save_plan(blind, tmp_path / "plan.yaml")
     code, printed, err = cli(capsys, "run", tmp_path / "plan.yaml", "--out", tmp_path / "out", "--device", "cpu",
                              "--max-steps", "2")
     assert code == 0, err
     assert "None" not in printed + err and "training 2 optimizer steps" in printed
     saved = yaml.safe_load((tmp_path / "out" / "plan.yaml").read_text())
-    assert (saved["dataset_size"], saved["optimizer_steps"]) == (1024, 32)
+    assert (saved["dataset_size"], saved["schedule"]["end_step"]) == (1024, 32)
 
 
 def test_a_size_that_is_truly_unknown_names_data_train_size_never_none_or_step_0(tmp_path, capsys):

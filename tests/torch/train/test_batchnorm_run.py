@@ -22,7 +22,7 @@ def test_group_and_frozen_accumulate_to_the_large_batch_float64(mode, tmp_path):
     recipe = digits_recipe(SGD, model="cnn-bn", effective=32, steps=3)
     recipe["model"]["batchnorm"] = mode
     plan, summary, ours, data = run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path)
-    assert plan.batchnorm is None and plan.norm.run_batch is None and plan.norm.layers == 3
+    assert plan.batchnorm_warning is None and plan.batchnorm.run_batch is None and plan.batchnorm.layers == 3
     assert summary["batchnorm"]["mode"] == mode and summary["batchnorm"]["run_batch"] is None
     assert not any(name.endswith("num_batches_tracked") for name in ours)  # no BatchNorm left
     assert any(name.endswith("running_mean") for name in ours) == (mode == "frozen")  # frozen keeps its statistics
