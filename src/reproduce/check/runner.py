@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import Interrupted, UserError
+from ..plan.flatview import flat_fields
 from ..plan.planfile import check_plan
 from ..plan.planner import Plan, make_plan
 from ..plan.recipe import Recipe
@@ -128,8 +129,9 @@ class Runner:
         run = file.runs[check.run]
         plan = self.plan_for(run, self.factory_size(run.recipe))
         problems = plan_problems(plan, run.budget)
+        shown = flat_fields(plan)  # the fields as `plan --json` shows them, which `expect` names
         for key, want in check.expect.items():
-            got = getattr(plan, key)
+            got = shown[key]
             if not _same(got, want):
                 problems.append(f"{key}: expected {want!r}, the plan has {got!r}")
         steps = plan.optimizer_steps

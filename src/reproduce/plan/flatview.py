@@ -13,6 +13,14 @@ from typing import Any
 from .planner import Plan
 
 FLAT_FORMAT = "reproduce-plan/1"  # the flat view's field names and order are the first plan format's
+FLAT_FIELDS = (  # its keys, in order: what `plan --json` shows and a plan check's `expect` may name
+    "format", "recipe_path", "policy", "micro_batch_max", "micro_batch", "accumulation_steps", "world_size", "unit",
+    "effective_batch", "effective_tokens", "paper_effective_batch", "exact", "batch_factor", "base_lr", "lr",
+    "lr_factor", "lr_rule", "lr_rule_source", "adam_option", "dataset_size", "steps_per_epoch", "partial_window",
+    "optimizer_steps", "warmup_steps", "warmup_start_lr", "decay_kind", "decay_milestones", "decay_factor",
+    "decay_end_step", "min_lr", "batchnorm", "norm", "alternative", "warnings", "phases", "throughput", "memory",
+    "weights", "data_fingerprint",
+)
 
 
 def flat_fields(plan: Plan) -> dict[str, Any]:

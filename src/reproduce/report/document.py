@@ -57,9 +57,9 @@ def plan_table(run: RunFolder) -> Table:
     decay = schedule.decay
     paper_decay = decay.kind + (f" at {list(decay.milestones.value)} {decay.milestones.unit}, x{decay.factor:g}"
                                 if decay.milestones else "")
-    schedule = plan.schedule
-    plan_decay = schedule.decay_kind + (f" at steps {schedule.decay_milestones}, x{schedule.decay_factor:g}"
-                                        if schedule.decay_milestones else "") + f", to lr {schedule.min_lr:.4g}"
+    steps = plan.schedule
+    plan_decay = steps.decay_kind + (f" at steps {steps.decay_milestones}, x{steps.decay_factor:g}"
+                                     if steps.decay_milestones else "") + f", to lr {steps.min_lr:.4g}"
     rows = [
         ["effective batch", paper_batch, f"{plan.arithmetic} {'' if plan.effective_tokens else plan.unit}".strip()
          + ("" if plan.exact else f" (not the paper's {plan.paper_effective_batch:,})")],

@@ -61,7 +61,7 @@ def test_a_label_that_claims_batchnorm_the_model_lacks():
 
 def test_counted_layers_of_a_factory_model_win_over_its_label():
     spec = {"factory": "factories:torchvision_resnet50", "norm_layers": "layernorm"}
-    assert make_plan(recipe(spec), micro_batch_max=2).norm is None  # not built: the label is all there is
+    assert make_plan(recipe(spec), micro_batch_max=2).batchnorm is None  # not built: the label is all there is
     p = make_plan(recipe(spec), micro_batch_max=2, batchnorm_layers=53)
     assert p.batchnorm.layers == 53 and p.batchnorm.found == "counted in the built model" and p.batchnorm_warning
 
@@ -127,9 +127,9 @@ def test_the_probe_plans_a_deeplab_workload_without_a_bn_batch_of_one():
 
 def test_group_is_a_deviation_and_frozen_is_warned():
     group = make_plan(with_batchnorm(recipe({"builtin": "deeplabv3-resnet50"}), "group"), micro_batch_max=2)
-    assert group.norm.run_batch is None and group.batchnorm is None
+    assert group.batchnorm.run_batch is None and group.batchnorm_warning is None
     assert any(w.startswith("deviation from the paper: GroupNorm in place of its BatchNorm") for w in group.warnings)
-    assert not [o for o in group.norm.options if o.startswith("group")]
+    assert not [o for o in group.batchnorm.options if o.startswith("group")]
     frozen = make_plan(with_batchnorm(recipe({"builtin": "deeplabv3-resnet50"}), "frozen"), micro_batch_max=2)
     assert any("from random weights they are mean 0, variance 1" in w for w in frozen.warnings)
 
@@ -158,7 +158,7 @@ def test_plan_prints_and_records_the_choice(tmp_path, capsys):
     assert "group, no BN batch; 60 BatchNorm layers" in output and "BN batch 16 per device" in output
     saved = yaml.safe_load(out.read_text())
     assert saved["recipe"]["model"]["batchnorm"] == "group" and saved["recipe"]["model"]["paper_batchnorm"] == "keep"
-    assert saved["norm"]["mode"] == "group" and saved["norm"]["paper_batch"] == 16
+    assert saved["batchnorm"]["mode"] == "group" and saved["batchnorm"]["paper_batch"] == 16
 
 
 @pytest.mark.parametrize(("mode", "samples"), [("keep", 2), ("group", 1)])

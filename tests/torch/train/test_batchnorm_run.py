@@ -72,7 +72,7 @@ def test_cli_frozen_warns_and_records_the_choice(tmp_path, capsys):
     assert "BatchNorm (frozen): 3 BatchNorm layers (known for the built-in cnn-bn) as FrozenBatchNorm2d" in said
     assert "from random weights they are mean 0, variance 1" in said
     saved = yaml.safe_load((out / "plan.yaml").read_text())
-    assert saved["recipe"]["model"]["batchnorm"] == "frozen" and saved["norm"]["paper_mode"] == "keep"
+    assert saved["recipe"]["model"]["batchnorm"] == "frozen" and saved["batchnorm"]["paper_mode"] == "keep"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["batchnorm"]["mode"] == "frozen"
     code, _, err = cli(capsys, "run", out / "plan.yaml", "--out", tmp_path / "again", "--batchnorm", "group")
