@@ -171,7 +171,8 @@ def test_mlflow_wandb_and_tensorboard_get_every_step_of_a_real_run(tmp_path, off
     assert found.info.status == "FINISHED" and found.info.run_name == "run"
     params = found.data.params
     assert params["arithmetic"] == "64 x 4 x 1 = 256" and params["lr_rule"] == "exact"
-    assert params["recipe.optimizer.lr"] == "0.2" and params["plan.schedule.end_step"] == str(the_plan().optimizer_steps)
+    assert params["recipe.optimizer.lr"] == "0.2"
+    assert params["plan.schedule.end_step"] == str(the_plan().optimizer_steps)  # the plan file's parts
     for field in ("loss", "lr", "grad_norm", "samples", "seconds", "noise_scale", "eval_accuracy"):
         history = client.get_metric_history(found.info.run_id, field)
         assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r[field]))
