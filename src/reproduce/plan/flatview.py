@@ -77,7 +77,8 @@ def parts_from_flat(data: dict[str, Any]) -> dict[str, Any]:
     """A `reproduce-plan/1` file's fields as `reproduce-plan/2`'s parts; what is missing or wrong is left for
     `Plan`'s validation (and planfile.check_plan) to name. The v1 fields that the parts derive from the recipe
     (unit, effective_tokens, paper_effective_batch, base_lr) are not kept: `Plan` reads them from its recipe."""
-    recipe = data.get("recipe") if isinstance(data.get("recipe"), dict) else {}
+    given = data.get("recipe")
+    recipe: dict[str, Any] = given if isinstance(given, dict) else {}
     decay = (recipe.get("schedule") or {}).get("decay") or {}
     policy = data.get("policy")
     split = {key: data.get(key) for key in ("micro_batch", "accumulation_steps", "world_size", "effective_batch",

@@ -151,11 +151,11 @@ def phase_problems(plan: Plan) -> list[str]:
         if len(phases) != 1 or whole.kind != "whole":
             return [f"segments: the recipe's batch has no phases or ramp: expected one `whole` segment, got "
                     f"{len(phases)} ({', '.join(segment.kind for segment in phases)})"]
-        got = (whole.start_step, whole.steps, whole.micro_batch, whole.accumulation_steps, whole.effective_batch)
-        wanted = (0, None, split.micro_batch, split.accumulation_steps, split.effective_batch)
-        if got != wanted:
+        found = (whole.start_step, whole.steps, whole.micro_batch, whole.accumulation_steps, whole.effective_batch)
+        split_batch = (0, None, split.micro_batch, split.accumulation_steps, split.effective_batch)
+        if found != split_batch:
             return [f"segments[0]: the whole run at the split's batch: expected (start_step, steps, micro_batch, "
-                    f"accumulation_steps, effective_batch) {wanted}, got {got}"]
+                    f"accumulation_steps, effective_batch) {split_batch}, got {found}"]
         return []
     if not plan.has_phases:
         return ["segments: the recipe's batch has phases or a ramp, but the plan has one `whole` segment; plan it "
