@@ -58,7 +58,7 @@ def main() -> None:
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     torch.set_num_threads(1)
     recipe = ROOT / "papers" / "digits-mlp.yaml"
-    the_plan = make_plan(load_recipe(recipe), 32, dataset_size=1437, recipe_path=str(recipe))
+    plan = make_plan(load_recipe(recipe), 32, dataset_size=1437, recipe_path=str(recipe))
     names = ["none", "tensorboard", "wandb", "mlflow"]
     found: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as folder:
@@ -68,12 +68,12 @@ def main() -> None:
                 reporter = Timed(SilentReporter(), [] if name == "none" else [name], out)
                 began = time.perf_counter()
                 with reporter:
-                    train(the_plan, out, RunOptions(device="cpu", max_steps=args.steps, reporter=reporter))
+                    train(plan, out, RunOptions(device="cpu", max_steps=args.steps, reporter=reporter))
                 wall = time.perf_counter() - began
                 steps = reporter.spent["step"]
                 found[name].append((1000 * statistics.median(steps), 1000 * max(steps), reporter.spent["start"],
                                     reporter.spent["finish"], wall))
-    print(f"{args.steps} optimizer steps of {the_plan.arithmetic}; median of {args.repeats} rounds")
+    print(f"{args.steps} optimizer steps of {plan.arithmetic}; median of {args.repeats} rounds")
     print("| tracker | per step, median ms | per step, worst ms | opening s | finishing s | run wall s |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in names:

@@ -117,19 +117,19 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
                                  keep_batchnorm=keep_batchnorm, gpu=probe.gpu if probe else None, on_note=note)
         return Planned(with_weights_record(chosen), result, notes)
     counted = count_factory_batchnorm(recipe, data)
-    the_plan = make_plan(recipe, micro_batch_max, world_size, policy, dataset_size=dataset_size,
+    plan = make_plan(recipe, micro_batch_max, world_size, policy, dataset_size=dataset_size,
                          recipe_path=recipe_path, batchnorm_layers=counted)
     if memory:  # the memory knobs the plan took, or the ways it weighed (probe/memory_plan.py)
-        the_plan = the_plan.model_copy(update={"memory": memory})
-    return Planned(with_weights_record(the_plan), result, notes)
+        plan = plan.model_copy(update={"memory_notes": memory})
+    return Planned(with_weights_record(plan), result, notes)
 
 
-def with_weights_record(the_plan: Plan) -> Plan:
+def with_weights_record(plan: Plan) -> Plan:
     """The plan with the record of the pretrained weights it starts from (path, size, fingerprint, and what a
     folder's config changes of the recipe's built-in); unchanged for a model of random weights."""
-    spec = the_plan.recipe.model
+    spec = plan.recipe.model
     if spec.weights is None:
-        return the_plan.model_copy(update={"weights": None}) if the_plan.weights is not None else the_plan
+        return plan.model_copy(update={"weights": None}) if plan.weights is not None else plan
     builtin, vocab = None, None
     if spec.builtin is not None and Path(spec.weights).expanduser().is_dir():
         from .models.architectures import ARCHITECTURES  # (torch: only for a folder in place of a built-in)
@@ -138,7 +138,7 @@ def with_weights_record(the_plan: Plan) -> Plan:
         check_family(spec.builtin, inspect_weights(spec.weights))
         builtin = getattr(ARCHITECTURES.get(spec.builtin), "config", None)
         vocab = spec.kwargs.get("vocab_size")  # (builtin_from_folder widens the folder's embeddings to it)
-    return the_plan.model_copy(update={"weights": weights_record(spec.weights, builtin, vocab)})
+    return plan.model_copy(update={"weights": weights_record(spec.weights, builtin, vocab)})
 
 
 def count_factory_batchnorm(recipe: Recipe, data: Datasets | None) -> int | None:
@@ -221,8 +221,8 @@ def recipe_for_run(source: Path, overrides: Sequence[Change], options: Sequence[
     plan was made for, so they are refused on one. `options` change either. A resumed run keeps the fields its
     plan.yaml fixes (`overlay.resumed`), from the weights and data it started on, unchanged since.
     """
-    recipe, the_plan = load_recipe_or_plan(source)
-    if overrides and the_plan is not None:
+    recipe, plan = load_recipe_or_plan(source)
+    if overrides and plan is not None:
         raise UserError(f"{overrides[0].label}: {source} is a plan file, whose recipe its plan was made for; give "
                         "the recipe file to set its fields (a resumed run's plan.yaml already holds the fields it "
                         "was started with)")
@@ -237,14 +237,14 @@ def recipe_for_run(source: Path, overrides: Sequence[Change], options: Sequence[
         check_resumed_weights(saved, out)
         check_resumed_data(saved, out)
         return saved_recipe, saved
-    if the_plan is None:
+    if plan is None:
         return changed, None
     for change in changes:  # the plan's BN batch, probe and options were planned for its own choice
-        planned = the_plan.recipe.model.batchnorm
+        planned = plan.recipe.model.batchnorm
         if change.path == "model.batchnorm" and change.value != planned:
             raise UserError(f"{change.label}: the plan was made with model.batchnorm {planned}; plan again for "
                             f"{change.value}, or leave it out")
-    return changed, the_plan.model_copy(update={"recipe": changed})
+    return changed, plan.model_copy(update={"recipe": changed})
 
 
 def _check_changed(recipe: Recipe, changes: Sequence[Change], world_size: int | None) -> None:
@@ -261,10 +261,10 @@ def _check_changed(recipe: Recipe, changes: Sequence[Change], world_size: int | 
         check_checkpointable(recipe)
 
 
-def check_sharded_probe(recipe: Recipe, the_plan: Plan | None, micro_batch_max: int | None, meter: str) -> None:
+def check_sharded_probe(recipe: Recipe, plan: Plan | None, micro_batch_max: int | None, meter: str) -> None:
     """With FSDP and no micro-batch maximum given, refuse a probe that measures the whole unsharded model on one
     device (the cuda and cpu meters): that is not what one rank holds."""
-    if recipe.batch.sharding != "fsdp" or the_plan is not None or micro_batch_max is not None:
+    if recipe.batch.sharding != "fsdp" or plan is not None or micro_batch_max is not None:
         return
     if measures_whole_model(meter):
         raise UserError(
@@ -273,9 +273,9 @@ def check_sharded_probe(recipe: Recipe, the_plan: Plan | None, micro_batch_max: 
         )
 
 
-def check_launch_policy(policy: str, the_plan: Plan | None, processes: int) -> None:
+def check_launch_policy(policy: str, plan: Plan | None, processes: int) -> None:
     """--policy throughput times one device: several processes would each choose their own split."""
-    if policy == "throughput" and the_plan is None and processes > 1:
+    if policy == "throughput" and plan is None and processes > 1:
         raise UserError("`policy` throughput: each process would time its own device and might choose another "
                         "split; plan first (`reproduce plan` `policy` throughput `out` plan.yaml) and run that plan")
 
@@ -363,7 +363,7 @@ class PreparedRun:
 def checked_run(request: RunRequest, processes: int, resume: bool) -> tuple[Recipe, Plan | None]:
     """The recipe (and plan, when given or resumed) of a run of `processes`, after every check that needs no data:
     the launcher's before it launches, and each process's again."""
-    recipe, the_plan = recipe_for_run(request.source, changes_of(request.overrides), request.changes, resume=resume,
+    recipe, plan = recipe_for_run(request.source, changes_of(request.overrides), request.changes, resume=resume,
                                       out=request.out)
     if recipe.model.batchnorm == "sync":  # refused before anything is built or launched: one process, or no CUDA
         from .train.distributed import World
@@ -371,8 +371,8 @@ def checked_run(request: RunRequest, processes: int, resume: bool) -> tuple[Reci
 
         check_batchnorm("sync", World(size=processes), resolve_device(request.device))
     check_sharding(recipe, processes)
-    check_sharded_probe(recipe, the_plan, request.micro_batch_max, request.meter)
-    return recipe, the_plan
+    check_sharded_probe(recipe, plan, request.micro_batch_max, request.meter)
+    return recipe, plan
 
 
 def prepare_run(request: RunRequest, world: Any, resume: bool, probe: ProbeOptions, on_note: OnNote | None = None,
@@ -383,12 +383,12 @@ def prepare_run(request: RunRequest, world: Any, resume: bool, probe: ProbeOptio
     from .data.lengths import training_sizes
     from .data.text import text_warnings
 
-    recipe, the_plan = checked or checked_run(request, world.size, resume)
+    recipe, plan = checked or checked_run(request, world.size, resume)
     data = build_data(recipe)
     size = training_sizes(recipe, data.train)  # per sequence length when batch phases change it
     world_size = world.size if world.distributed else request.world_size
     micro_batch_max: int | dict | None = request.micro_batch_max
-    if the_plan is None and world.distributed and micro_batch_max is None:
+    if plan is None and world.distributed and micro_batch_max is None:
         from .train import distributed
         from .train.setup import resolve_device
 
@@ -397,39 +397,39 @@ def prepare_run(request: RunRequest, world: Any, resume: bool, probe: ProbeOptio
             recipe, str(request.source), world_size, request.policy, size,
             lambda maximum: distributed.all_min(world, maximum, rank_device), probe=probe, data=data,
             on_note=on_note)
-    the_plan, warnings = run_plan(recipe, str(request.source), the_plan, micro_batch_max, world_size,
+    plan, warnings = run_plan(recipe, str(request.source), plan, micro_batch_max, world_size,
                                   request.policy, size, resume, probe=probe, data=data, on_note=on_note)
     warnings = [*warnings, *text_warnings(data.info)]  # what tokenising cut, with counts
-    return PreparedRun(recipe, the_plan, data, warnings)
+    return PreparedRun(recipe, plan, data, warnings)
 
 
-def run_plan(recipe: Recipe, source: str, the_plan: Plan | None, micro_batch_max: int | dict | None,
+def run_plan(recipe: Recipe, source: str, plan: Plan | None, micro_batch_max: int | dict | None,
              world_size: int, policy: str, dataset_size: int | dict, resume: bool, *,
              probe: ProbeOptions | None = None, data: Datasets | None = None,
              on_note: OnNote | None = None) -> tuple[Plan, list[str]]:
     """The plan a run uses, and the warnings to show at its start: a new plan when none was given; the given (or
     resumed) one re-derived for another number of processes, a smaller --micro-batch-max on resume, or the data's
     size when it was made without it (resume_rules.replan)."""
-    if the_plan is None:
-        the_plan = plan_and_probe(recipe, source, micro_batch_max, world_size, policy, dataset_size=dataset_size,
+    if plan is None:
+        plan = plan_and_probe(recipe, source, micro_batch_max, world_size, policy, dataset_size=dataset_size,
                                   probe=probe, data=data, on_note=on_note).plan
     else:
-        smaller = resume and micro_batch_max is not None and micro_batch_max < the_plan.micro_batch
-        if the_plan.world_size != world_size or smaller or the_plan.dataset_size is None:
-            the_plan = replan(the_plan, world_size, micro_batch_max if smaller else None, dataset_size, source)
+        smaller = resume and micro_batch_max is not None and micro_batch_max < plan.micro_batch
+        if plan.world_size != world_size or smaller or plan.dataset_size is None:
+            plan = replan(plan, world_size, micro_batch_max if smaller else None, dataset_size, source)
         if not resume:  # (a resumed run's weights were checked against its record: resume_rules)
-            the_plan = with_weights_record(the_plan)
+            plan = with_weights_record(plan)
     if not resume and recipe.data.format is not None:  # (a resumed run's data was checked against it: resume_rules)
-        the_plan = the_plan.model_copy(update={"data_fingerprint": data_fingerprint(
+        plan = plan.model_copy(update={"data_fingerprint": data_fingerprint(
             [recipe.data.path, recipe.data.eval_path])})
-    warnings = list(the_plan.warnings)
+    warnings = list(plan.warnings)
     main_size = dataset_size.get(recipe.batch.sequence_length) if isinstance(dataset_size, dict) else dataset_size
     if recipe.data.train_size is not None and recipe.data.train_size != main_size:
         warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {main_size}: using {main_size}")
-    return the_plan, warnings
+    return plan, warnings
 
 
-def packing_table(recipe: Recipe, the_plan: Plan, data: Datasets | None) -> dict | None:
+def packing_table(recipe: Recipe, plan: Plan, data: Datasets | None) -> dict | None:
     """`plan --data` on text: each way's micro-batches per window and padding, from the data's lengths
     (train/windows.grouping_table), and the way the recipe takes; None without data or lengths."""
     if data is None or recipe.task != "language-modeling" or recipe.batch.unit != "samples" or (
@@ -442,7 +442,7 @@ def packing_table(recipe: Recipe, the_plan: Plan, data: Datasets | None) -> dict
         lengths = sample_lengths(data.train)
     except UserError:
         return None
-    table = grouping_table(the_plan, lengths, recipe.data.token_budget, recipe.seed)
+    table = grouping_table(plan, lengths, recipe.data.token_budget, recipe.seed)
     table["way"] = recipe.data.packing or "none"
     return table
 

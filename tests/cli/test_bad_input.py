@@ -849,45 +849,57 @@ def _edit(data: dict, **changes) -> dict:
     return data
 
 
+def _split(data: dict, **changes) -> dict:
+    """The plan with its split (micro-batch x accumulation x world size) edited by hand, its segment left as is."""
+    return _edit(data, split={**data["split"], **changes})
+
+
+WHOLE = ("{p}: segments[0]: the whole run at the split's batch: expected (start_step, steps, micro_batch, "
+         "accumulation_steps, effective_batch) {wanted}, got (0, None, 8, 1024, 8192)")
 PLAN_EDITS = [
     pytest.param(
-        lambda d: _edit(d, accumulation_steps=d["accumulation_steps"] + 1),
+        lambda d: _split(d, accumulation_steps=d["split"]["accumulation_steps"] + 1),
         [
-            "{p}: effective_batch: micro_batch x accumulation_steps x world_size = 8 x 1025 x 1 = 8200, "
-            "not 8192"
+            "{p}: split.effective_batch: micro_batch x accumulation_steps x world_size = 8 x 1025 x 1 = 8200, "
+            "not 8192",
+            WHOLE.replace("{wanted}", "(0, None, 8, 1025, 8192)"),
         ],
         id="accumulation-changed",
     ),
     pytest.param(
-        lambda d: _edit(d, world_size=2),
+        lambda d: _split(d, world_size=2),
         [
-            "{p}: effective_batch: micro_batch x accumulation_steps x world_size = 8 x 1024 x 2 = 16384, "
+            "{p}: split.effective_batch: micro_batch x accumulation_steps x world_size = 8 x 1024 x 2 = 16384, "
             "not 8192"
         ],
         id="world-size-changed",
     ),
     pytest.param(
-        lambda d: _edit(d, exact=False),
-        ["{p}: exact: False contradicts effective_batch 8192 vs the paper's 8192"],
+        lambda d: _split(d, exact=False),
+        ["{p}: split.exact: False contradicts effective_batch 8192 vs the paper's 8192"],
         id="exact-flipped",
     ),
     pytest.param(
-        lambda d: _edit(d, exact=False, accumulation_steps=3),
+        lambda d: _split(d, exact=False, accumulation_steps=3),
         [
-            "{p}: effective_batch: micro_batch x accumulation_steps x world_size = 8 x 3 x 1 = 24, not 8192",
-            "{p}: exact: False contradicts effective_batch 8192 vs the paper's 8192",
+            "{p}: split.effective_batch: micro_batch x accumulation_steps x world_size = 8 x 3 x 1 = 24, not 8192",
+            "{p}: split.exact: False contradicts effective_batch 8192 vs the paper's 8192",
+            WHOLE.replace("{wanted}", "(0, None, 8, 3, 8192)"),
         ],
         id="both-at-once",
     ),
     pytest.param(
-        lambda d: _edit(d, lr=1.0), ["{p}: lr: expected base_lr x lr_factor = 3.2 (got 1)"], id="lr-edited"
+        lambda d: _split(d, lr=1.0),
+        ["{p}: split.lr: expected the recipe's lr x lr_factor = 3.2 (got 1)",
+         "{p}: schedule: starts at step 0 with the split's lr 1 (got step 0, lr 3.2)"],
+        id="lr-edited",
     ),
     pytest.param(
-        lambda d: _edit(d, micro_batch=0), ["{p}: micro_batch: must be >= 1 (got 0)"], id="micro-batch-zero"
+        lambda d: _split(d, micro_batch=0), ["{p}: split.micro_batch: must be >= 1 (got 0)"], id="micro-batch-zero"
     ),
     pytest.param(
-        lambda d: _edit(d, micro_batch="big"),
-        ["{p}: micro_batch: expected an integer (got 'big')"],
+        lambda d: _split(d, micro_batch="big"),
+        ["{p}: split.micro_batch: expected an integer (got 'big')"],
         id="micro-batch-string",
     ),
     pytest.param(
@@ -897,13 +909,17 @@ PLAN_EDITS = [
     ),
     pytest.param(
         lambda d: _edit(d, format="x"),
-        ["{p}: format: expected 'reproduce-plan/1' (got 'x'); is this a recipe?"],
+        ["{p}: format: expected 'reproduce-plan/2' (got 'x'); is this a recipe?"],
         id="format-changed",
     ),
     pytest.param(
         lambda d: _edit(d, recipe={**d["recipe"], "batch": {**d["recipe"]["batch"], "effective": -1}}),
         ["{p}: recipe: batch.effective: must be > 0 (got -1)"],
         id="recipe-inside-broken",
+    ),
+    pytest.param(
+        lambda d: _edit(d, segments=[]), ["{p}: segments: a plan has at least one segment; plan it again"],
+        id="no-segment",
     ),
 ]
 

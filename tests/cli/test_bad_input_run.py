@@ -154,14 +154,15 @@ def test_plan_edited_into_inconsistency_is_refused_by_run(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plan", str(recipe), "--micro-batch-max", "16", "--out", str(plan_path)])
     data = yaml.safe_load(plan_path.read_text())
-    data["accumulation_steps"] = 3  # 16 x 3 x 1 != 64
+    data["split"]["accumulation_steps"] = 3  # 16 x 3 x 1 != 64
     plan_path.write_text(yaml.safe_dump(data))
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         main(["run", str(plan_path), "--out", str(tmp_path / "out"), "--device", "cpu"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
-    assert f"error: {plan_path}: effective_batch: micro_batch x accumulation_steps x world_size = 16 x 3 x 1" in err
+    assert (f"error: {plan_path}: split.effective_batch: micro_batch x accumulation_steps x world_size = 16 x 3 x 1"
+            in err)
     assert not (tmp_path / "out").exists()
 
 

@@ -28,7 +28,7 @@ def four_by_two():
 def test_the_papers_batch_by_accumulation_keeps_the_papers_lr(four_by_two, world_size):
     p = make_plan(four_by_two, micro_batch_max=2, world_size=world_size)
     assert (p.micro_batch, p.accumulation_steps, p.world_size) == (2, 4 // world_size, world_size)
-    assert p.exact and p.effective_batch == 8 and p.lr_rule == "exact" and p.lr == 0.01
+    assert p.exact and p.effective_batch == 8 and p.lr_scaling.rule == "exact" and p.lr == 0.01
     wrong = mmengine_auto_scale_lr(0.01, base_batch_size=8, world_size=world_size, batch_size=2)
     if world_size < 4:  # accumulation in use: MMEngine's rule would have shrunk the LR
         assert wrong < p.lr and wrong == pytest.approx(0.01 * world_size / 4)
@@ -40,7 +40,7 @@ def test_a_batch_that_differs_scales_by_the_effective_batch_not_the_per_step_one
     recipe = make_recipe(batch={"effective": 127, "devices": None, "per_device": None},
                          optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9})
     p = make_plan(recipe, micro_batch_max=8, policy="fast")
-    assert not p.exact and p.accumulation_steps > 1 and p.lr_rule == "linear"
+    assert not p.exact and p.accumulation_steps > 1 and p.lr_scaling.rule == "linear"
     assert p.effective_batch == p.micro_batch * p.accumulation_steps * p.world_size
     assert p.lr == pytest.approx(0.01 * p.effective_batch / 127)
     assert p.lr > 2 * mmengine_auto_scale_lr(0.01, 127, p.world_size, p.micro_batch)

@@ -52,9 +52,9 @@ def test_goyal_plans_the_papers_per_worker_batch():
     assert result.steps_per_epoch == 156  # 1281167 // 8192, drop_last
     assert result.optimizer_steps == 14040  # 90 epochs x 156
     assert result.warmup_steps == 780  # 5 epochs x 156
-    assert result.warmup_start_lr == 0.1
-    assert result.decay_milestones == [4680, 9360, 12480]  # epochs 30, 60, 80
-    assert result.batchnorm is None
+    assert result.schedule.warmup_start_lr == 0.1
+    assert result.schedule.decay_milestones == [4680, 9360, 12480]  # epochs 30, 60, 80
+    assert result.batchnorm_warning is None
 
 
 def test_nanogpt_token_batch_is_480_sequences():

@@ -27,7 +27,7 @@ def test_planner_imports_no_torch():
 def test_exact_split_uses_largest_divisor(recipe):
     p = make_plan(recipe, micro_batch_max=48)
     assert (p.micro_batch, p.accumulation_steps, p.world_size) == (32, 4, 1)
-    assert p.exact and p.effective_batch == 128 and p.lr == 0.1 and p.lr_rule == "exact"
+    assert p.exact and p.effective_batch == 128 and p.lr == 0.1 and p.lr_scaling.rule == "exact"
 
 
 def test_world_size_splits_across_processes(recipe):
@@ -55,7 +55,7 @@ def test_fast_alternative_offered_when_exact_micro_batch_is_small():
 def test_fast_policy_scales_lr_linearly_for_sgd():
     r = make_recipe(batch={"effective": 127, "devices": None, "per_device": None})
     p = make_plan(r, micro_batch_max=32, policy="fast")
-    assert not p.exact and p.lr_rule == "linear"
+    assert not p.exact and p.lr_scaling.rule == "linear"
     assert p.lr == pytest.approx(0.1 * p.effective_batch / 127)
     assert any("not the paper's" in w for w in p.warnings)
 
@@ -67,16 +67,16 @@ def test_fast_policy_scales_lr_by_sqrt_for_adam_and_offers_malladi_option():
     )
     p = make_plan(r, micro_batch_max=32, policy="fast")
     k = p.effective_batch / 127
-    assert p.lr_rule == "sqrt" and p.lr == pytest.approx(1e-3 * math.sqrt(k))
-    assert p.adam_option is not None
-    assert p.adam_option.betas[1] == pytest.approx(1 - k * 0.05)
-    assert p.adam_option.eps == pytest.approx(1e-8 / math.sqrt(k))
+    assert p.lr_scaling.rule == "sqrt" and p.lr == pytest.approx(1e-3 * math.sqrt(k))
+    assert p.lr_scaling.adam_option is not None
+    assert p.lr_scaling.adam_option.betas[1] == pytest.approx(1 - k * 0.05)
+    assert p.lr_scaling.adam_option.eps == pytest.approx(1e-8 / math.sqrt(k))
 
 
 def test_scaling_rule_override():
     r = make_recipe(batch={"effective": 127, "devices": None, "per_device": None}, scaling_rule="none")
     p = make_plan(r, micro_batch_max=32, policy="fast")
-    assert p.lr_rule == "none" and p.lr == 0.1
+    assert p.lr_scaling.rule == "none" and p.lr == 0.1
 
 
 def test_no_exact_split_when_world_size_does_not_divide():
@@ -90,7 +90,7 @@ def test_epochs_converted_to_optimizer_steps(recipe):
     p = make_plan(recipe, micro_batch_max=32)
     # 1000 samples / 128 per step = 7 full steps (drop_last), 104 left over
     assert p.steps_per_epoch == 7 and p.partial_window == 104
-    assert p.optimizer_steps == 70 and p.warmup_steps == 7 and p.decay_milestones == [35, 56]
+    assert p.optimizer_steps == 70 and p.warmup_steps == 7 and p.schedule.decay_milestones == [35, 56]
     assert any("104 of 128" in w and "dropped" in w for w in p.warnings)
 
 
@@ -133,15 +133,15 @@ def test_steps_keep_the_data_they_cover_when_batch_changes():
 def test_batchnorm_prefers_papers_per_device_batch():
     r = make_recipe(model={"builtin": "cnn", "norm_layers": ["batchnorm"]})
     p = make_plan(r, micro_batch_max=64)  # 64 would divide 128 too, but the paper's BN batch is 32
-    assert p.micro_batch == 32 and p.batchnorm is None
+    assert p.micro_batch == 32 and p.batchnorm_warning is None
 
 
 def test_batchnorm_warns_when_per_device_does_not_fit():
     r = make_recipe(model={"builtin": "cnn", "norm_layers": ["batchnorm"]})
     p = make_plan(r, micro_batch_max=16)
     assert p.micro_batch == 16
-    assert "BatchNorm statistics will be computed over micro-batches of 16" in p.batchnorm
-    assert p.batchnorm in p.warnings
+    assert "BatchNorm statistics will be computed over micro-batches of 16" in p.batchnorm_warning
+    assert p.batchnorm_warning in p.warnings
 
 
 def test_lr_schedule_warmup_then_step_decay(recipe):

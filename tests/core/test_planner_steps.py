@@ -95,7 +95,8 @@ def test_schedule_in_steps_converts_every_length():
     assert (s.total, s.warmup_steps, s.milestones, s.decay_end, s.min_lr, s.start_lr) == (70, 7, [35, 56], 70, 0, 0)
     assert s.phases == [] and warnings == []
     p = make_plan(r, 48)
-    assert (p.optimizer_steps, p.warmup_steps, p.decay_milestones, p.decay_end_step) == (70, 7, [35, 56], 70)
+    steps = (p.optimizer_steps, p.warmup_steps, p.schedule.decay_milestones, p.schedule.decay_end_step)
+    assert steps == (70, 7, [35, 56], 70)
 
 
 def test_schedule_in_steps_needs_the_data_size_for_epochs():

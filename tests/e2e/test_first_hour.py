@@ -143,10 +143,10 @@ def test_a_plan_file_edited_to_zero_steps_is_refused(tmp_path, capsys):
     path = write(tmp_path / "digits.yaml", DIGITS)
     assert cli(capsys, "plan", path, "--micro-batch-max", "16", "--out", tmp_path / "plan.yaml")[0] == 0
     plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
-    plan["optimizer_steps"] = 0
+    plan["schedule"]["end_step"] = 0
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
     line = refused(capsys, tmp_path, "run", tmp_path / "plan.yaml", "--out", tmp_path / "out", "--device", "cpu")
-    assert "optimizer_steps: must be >= 1 (got 0): one optimizer step reads 64 samples" in line
+    assert "schedule.end_step: must be >= 1 (got 0): one optimizer step reads 64 samples" in line
 
 
 # ---- 3. data marked available: false -----------------------------------------------------------------------------
@@ -414,7 +414,7 @@ def test_plan_asks_the_data_factory_for_its_size(tmp_path, capsys):
     assert "4 epochs │ 32 optimizer steps" in text and "1024 samples │ 8 optimizer" in text
     assert "data.train_size" not in err
     plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
-    assert (plan["dataset_size"], plan["optimizer_steps"], plan["warmup_steps"]) == (1024, 32, 8)
+    assert (plan["dataset_size"], plan["schedule"]["end_step"], plan["schedule"]["warmup_steps"]) == (1024, 32, 8)
     code, printed, err = cli(capsys, "run", tmp_path / "plan.yaml", "--out", tmp_path / "out", "--device", "cpu",
                              "--max-steps", "2")
     assert code == 0, err
@@ -428,15 +428,18 @@ def test_a_plan_file_made_without_the_data_size_runs_and_never_says_none(tmp_pat
 
     # a plan file with no data size, as `make_plan` can no longer write one (it refuses epochs of an unknown size)
     sized = make_plan(load_recipe(OWN / "recipe.yaml"), 32, dataset_size=1024)
-    blind = sized.model_copy(update={"dataset_size": None, "steps_per_epoch": None, "optimizer_steps": None,
-                                     "warmup_steps": 0, "decay_end_step": None, "decay_milestones": []})
+    unsized = {"dataset_size": None, "steps_per_epoch": None}
+    schedule = sized.schedule.model_copy(update={"end_step": None, "warmup_steps": 0, "decay_end_step": None,
+                                                 "decay_milestones": []})
+    blind = sized.model_copy(update={**unsized, "schedule": schedule,
+                                     "segments": [sized.segments[0].model_copy(update=unsized)]})
     save_plan(blind, tmp_path / "plan.yaml")
     code, printed, err = cli(capsys, "run", tmp_path / "plan.yaml", "--out", tmp_path / "out", "--device", "cpu",
                              "--max-steps", "2")
     assert code == 0, err
     assert "None" not in printed + err and "training 2 optimizer steps" in printed
     saved = yaml.safe_load((tmp_path / "out" / "plan.yaml").read_text())
-    assert (saved["dataset_size"], saved["optimizer_steps"]) == (1024, 32)
+    assert (saved["dataset_size"], saved["schedule"]["end_step"]) == (1024, 32)
 
 
 def test_a_size_that_is_truly_unknown_names_data_train_size_never_none_or_step_0(tmp_path, capsys):

@@ -178,7 +178,7 @@ def test_warmup_steps(row):
 @pytest.mark.parametrize("row", case("lr", where=lambda row: row.lr))
 def test_lr_where_each_stretch_starts(row):
     recipe, plan = planned(row)
-    phase_starts = {phase.start_step for phase in plan.phases if phase.kind == "phase"}
+    phase_starts = {phase.start_step for phase in plan.segments if phase.kind == "phase"}
     assert phase_starts <= set(row.lr)  # every phase start has its figure
     for step, expected in row.lr.items():  # exactly; "near zero" (0.5% of the peak) where a warm-up starts
         near = recipe.optimizer.lr * 5e-3 if expected == 0 else 0.0
@@ -187,13 +187,13 @@ def test_lr_where_each_stretch_starts(row):
 
 @pytest.mark.parametrize("row", case("decay", where=lambda row: row.decay is not None))
 def test_decay_kind(row):
-    assert planned(row)[1].decay_kind == row.decay
+    assert planned(row)[1].schedule.decay_kind == row.decay
 
 
 def tokens_until(plan, steps: int) -> int:
     """The tokens the plan's first `steps` optimizer steps read, phase by phase (a ramp's batches included)."""
     total = 0
-    for phase in plan.phases:
+    for phase in plan.segments:
         end = min(phase.end_step if phase.end_step is not None else steps, steps)
         if end > phase.start_step:
             total += (end - phase.start_step) * phase.effective_batch * phase.sequence_length

@@ -15,6 +15,7 @@ from helpers import assert_same_model, assert_same_weights, plain_loop
 from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.errors import UserError
+from reproduce.plan.flatview import flat_fields
 from reproduce.plan.planfile import parse_plan, plan_to_yaml
 from reproduce.plan.planner import lr_at, make_plan
 from reproduce.plan.recipe import Length, parse_recipe
@@ -44,7 +45,7 @@ BERT = [{"steps": 900, "effective": 256, "sequence_length": 128}, {"effective": 
 def test_each_phase_gets_the_micro_batch_that_fits_at_its_length():
     recipe = parse_recipe(lm(BERT, warmup={"steps": 100}, decay={"kind": "linear"}))
     p = make_plan(recipe, {128: 64, 512: 16})
-    first, second = p.phases
+    first, second = p.segments
     assert (first.micro_batch, first.accumulation_steps, first.sequence_length) == (64, 4, 128)
     assert (second.micro_batch, second.accumulation_steps, second.sequence_length) == (16, 16, 512)
     assert (first.start_step, first.steps, second.start_step, second.steps) == (0, 900, 900, None)
@@ -61,11 +62,11 @@ def test_a_phase_that_cannot_be_exact_gets_its_own_lr_factor():
     phases = [{"steps": 10, "effective": 64, "sequence_length": 128}, {"effective": 96}]
     recipe = parse_recipe(lm(phases, effective=96, total={"steps": 30}))
     p = make_plan(recipe, 8, world_size=5)  # neither 64 nor 96 splits over 5 processes
-    assert not p.phases[0].exact and p.phases[0].effective_batch % 5 == 0
-    factor = p.phases[0].effective_batch / 64
-    assert p.phases[0].lr_factor == pytest.approx(factor ** 0.5)  # AdamW: square-root rule
+    assert not p.segments[0].exact and p.segments[0].effective_batch % 5 == 0
+    factor = p.segments[0].effective_batch / 64
+    assert p.segments[0].lr_factor == pytest.approx(factor ** 0.5)  # AdamW: square-root rule
     assert lr_at(p, 0) == pytest.approx(1e-4 * factor ** 0.5)
-    assert lr_at(p, 29) == pytest.approx(1e-4 * p.phases[1].lr_factor)
+    assert lr_at(p, 29) == pytest.approx(1e-4 * p.segments[1].lr_factor)
     assert any("batch.phases[0]: effective batch" in w for w in p.warnings)
 
 
@@ -77,13 +78,13 @@ def gpt3_like(start=8, grain_tokens=4000, total_tokens=40000, warmup_tokens=3000
 
 def test_ramp_batches_follow_the_recipes_granularity_and_the_tokens_stay_exact():
     p = make_plan(gpt3_like(), 4, world_size=2)  # 64 sequences of 8 tokens; grain: one sequence per process = 2
-    ramp, final = p.phases[:-1], p.phases[-1]
+    ramp, final = p.segments[:-1], p.segments[-1]
     batches = [phase.effective_batch for phase in ramp]
     assert batches == sorted(set(batches)) and batches[0] == 8 and batches[-1] < 64
     assert all(b % 2 == 0 and phase.micro_batch == 4 and phase.accumulation_steps == -(-b // 2 // 4)
                for b, phase in zip(batches, ramp, strict=True))
     assert final.kind == "phase" and final.effective_batch == 64 and final.exact
-    per_step = [phase.effective_batch * 8 for phase in p.phases for _ in range(phase.steps or 0)]
+    per_step = [phase.effective_batch * 8 for phase in p.segments for _ in range(phase.steps or 0)]
     total_tokens = sum(per_step) + (p.optimizer_steps - len(per_step)) * 64 * 8
     assert abs(total_tokens - 40000) <= 64 * 8 / 2  # the schedule's 40,000 tokens, to half a step
     assert abs(sum(per_step[: p.warmup_steps]) - 3000) <= max(per_step[: p.warmup_steps + 1]) / 2
@@ -101,18 +102,18 @@ def test_ramp_invariants(start, micro, world, length, steps_unit):
                              total={"samples": 200000}, unit="tokens"))
     p = make_plan(recipe, micro, world_size=world)
     grain = world  # the recipe's default granularity: one sequence per process, whatever the micro-batch
-    assert p.phases[-1].effective_batch == p.effective_batch and p.phases[-1].steps is None
-    for index, phase in enumerate(p.phases):
+    assert p.segments[-1].effective_batch == p.effective_batch and p.segments[-1].steps is None
+    for index, phase in enumerate(p.segments):
         if phase.kind == "ramp":
             share = phase.effective_batch // world
             assert phase.effective_batch % grain == 0 and grain <= phase.effective_batch < p.effective_batch
             assert phase.micro_batch == min(p.micro_batch, share)
             assert phase.accumulation_steps == -(-share // phase.micro_batch)
-            assert index == 0 or p.phases[index - 1].effective_batch < phase.effective_batch
+            assert index == 0 or p.segments[index - 1].effective_batch < phase.effective_batch
         else:
             assert phase.micro_batch * phase.accumulation_steps * world == phase.effective_batch
         if index:
-            assert phase.start_step == p.phases[index - 1].start_step + p.phases[index - 1].steps
+            assert phase.start_step == p.segments[index - 1].start_step + p.segments[index - 1].steps
 
 
 def naive_stream(batches: list[tuple[int, int]], sizes: dict, world: int, drop_last: bool) -> list[tuple]:
@@ -161,7 +162,7 @@ def test_schedule_in_epochs_walks_the_phases():
         "optimizer": SGD, "schedule": {"warmup": {"epochs": 3}, "total": {"epochs": 4}},
     })
     p = make_plan(recipe, 16)
-    assert p.phases[0].steps == 62 and p.phases[1].start_step == 62  # 2 x (1000 // 32)
+    assert p.segments[0].steps == 62 and p.segments[1].start_step == 62  # 2 x (1000 // 32)
     assert p.warmup_steps == 62 + 15 and p.optimizer_steps == 62 + 2 * 15  # then epochs of 1000 // 64 = 15 steps
     assert lengths_to_steps(p.segments, Length(samples=32 * 62 + 64), "x", []) == 63
 
@@ -174,25 +175,25 @@ def test_plans_with_phases_round_trip_and_check_their_phases():
     p = make_plan(recipe, {128: 64, 512: 16})
     data = yaml.safe_load(plan_to_yaml(p))
     assert parse_plan(data, "plan.yaml") == p
-    data["phases"][1]["accumulation_steps"] = 8
-    data["phases"][0]["start_step"] = 3
+    data["segments"][1]["accumulation_steps"] = 8
+    data["segments"][0]["start_step"] = 3
     with pytest.raises(UserError) as info:
         parse_plan(data, "plan.yaml")
     assert info.value.lines == [
-        "plan.yaml: phases[0].start_step: expected 0 (where the segment before it ends), got 3",
-        "plan.yaml: phases[1].effective_batch: micro_batch x accumulation_steps x world_size = 16 x 8 x 1 = 128, "
+        "plan.yaml: segments[0].start_step: expected 0 (where the segment before it ends), got 3",
+        "plan.yaml: segments[1].effective_batch: micro_batch x accumulation_steps x world_size = 16 x 8 x 1 = 128, "
         "not 256",
-        "plan.yaml: phases[1].start_step: expected 903 (where the segment before it ends), got 900",
+        "plan.yaml: segments[1].start_step: expected 903 (where the segment before it ends), got 900",
     ]
     data = yaml.safe_load(plan_to_yaml(p))
-    del data["phases"]
-    with pytest.raises(UserError, match="the recipe's batch has phases or a ramp, but the plan has none"):
+    data["segments"] = [{**data["segments"][-1], "kind": "whole", "start_step": 0}]
+    with pytest.raises(UserError, match="the recipe's batch has phases or a ramp, but the plan has one `whole`"):
         parse_plan(data, "plan.yaml")
 
 
 def test_a_plan_from_before_phases_loads_as_before():
     p = make_plan(parse_recipe(lm(None)), 16)
-    data = yaml.safe_load(plan_to_yaml(p))
+    data = {**flat_fields(p), "recipe": p.recipe.model_dump(mode="json")}  # a reproduce-plan/1 file's fields
     del data["phases"]  # written by a version without batch phases
     assert parse_plan(data, "old.yaml") == p
 
@@ -332,8 +333,8 @@ def test_check_re_derives_each_phase_length_and_catches_a_wrong_one(name):
 
     plan = make_plan(load_recipe(Path(__file__).resolve().parents[2] / "papers" / name), 32, 1)
     assert plan_problems(plan, Budget(micro_batch_max=32)) == []
-    phases = list(plan.phases)
+    phases = list(plan.segments)
     phases[0] = phases[0].model_copy(update={"steps": phases[0].steps + 1})
-    problems = plan_problems(plan.model_copy(update={"phases": phases}), Budget(micro_batch_max=32))
+    problems = plan_problems(plan.model_copy(update={"segments": phases}), Budget(micro_batch_max=32))
     assert (f"phases[0].steps: batch.phases[0] is {plan.recipe.batch.phases[0].value:g} steps, "
             f"{phases[0].steps - 1} steps of {phases[0].effective_batch}; the plan has {phases[0].steps}") in problems

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from ..errors import UserError
 from ..plan.factory import remember_folder
-from ..plan.planner import Plan
+from ..plan.flatview import FLAT_FIELDS
 from ..plan.recipe import Recipe, load_recipe, parse_recipe, read_yaml
 from ..shipped import resolve_recipe
 from .messages import format_errors
@@ -250,7 +250,7 @@ def _check_problems(check: Any, runs: dict[str, Run], where: str) -> list[str]:
             problems.append(f"{where}: budget.world_size: runs train in one process; {label} has world_size "
                             f"{run.budget.world_size} (plan checks may declare more)")
     if check.kind == "plan":
-        known = [name for name in Plan.model_fields if name != "recipe"]
+        known = list(FLAT_FIELDS)  # the plan as `plan --json` shows it (plan/flatview.py)
         for key in check.expect:
             if key not in known:
                 close = difflib.get_close_matches(key, known, n=1)

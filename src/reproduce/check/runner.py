@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import Interrupted, UserError
+from ..plan.flatview import flat_fields
 from ..plan.planfile import check_plan
 from ..plan.planner import Plan, make_plan
 from ..plan.recipe import NamedData, Recipe
@@ -132,8 +133,9 @@ class Runner:
         run = file.runs[check.run]
         plan = self.plan_for(run, self.factory_size(run.recipe))
         problems = plan_problems(plan, run.budget)
+        shown = flat_fields(plan)  # the fields as `plan --json` shows them, which `expect` names
         for key, want in check.expect.items():
-            got = getattr(plan, key)
+            got = shown[key]
             if not _same(got, want):
                 problems.append(f"{key}: expected {want!r}, the plan has {got!r}")
         steps = plan.optimizer_steps
@@ -316,9 +318,9 @@ def plan_problems(plan: Plan, budget: Budget) -> list[str]:
     else:
         rule = recipe.scaling_rule
     want_lr = recipe.optimizer.lr * {"exact": 1.0, "none": 1.0, "linear": factor, "sqrt": math.sqrt(factor)}[rule]
-    if plan.lr_rule != rule:
+    if plan.lr_scaling.rule != rule:
         problems.append(f"lr_rule: expected {rule} (scaling_rule {recipe.scaling_rule}, optimizer "
-                        f"{recipe.optimizer.name}), the plan applies {plan.lr_rule}")
+                        f"{recipe.optimizer.name}), the plan applies {plan.lr_scaling.rule}")
     if not math.isclose(plan.lr, want_lr, rel_tol=1e-9):
         problems.append(f"lr: the {rule} rule gives {want_lr:.6g} for batch x{factor:.4g}; the plan has "
                         f"{plan.lr:.6g}")
@@ -354,8 +356,8 @@ def plan_problems(plan: Plan, budget: Budget) -> list[str]:
 
         want = [_steps(Length(**{milestones.unit: v}), *paper_batch, plan.effective_batch, per_epoch)
                 for v in milestones.value]
-        if None not in want and plan.decay_milestones != want:
-            problems.append(f"decay_milestones: expected {want}, the plan has {plan.decay_milestones}")
+        if None not in want and plan.schedule.decay_milestones != want:
+            problems.append(f"decay_milestones: expected {want}, the plan has {plan.schedule.decay_milestones}")
     if recipe.model.has_batchnorm and recipe.batch.per_device:
         per_device = recipe.batch.per_device
         per_rank = paper // world if paper % world == 0 else None
@@ -370,7 +372,7 @@ def _phase_schedule_problems(plan: Plan) -> list[str]:
     """With batch phases: each phase's length in steps covers the data the recipe's phase length says, re-derived
     here phase by phase (exact phases keep the paper's steps)."""
     problems = []
-    for index, (phase, spec) in enumerate(zip(plan.phases, plan.recipe.batch.phases or [], strict=False)):
+    for index, (phase, spec) in enumerate(zip(plan.segments, plan.recipe.batch.phases or [], strict=False)):
         if phase.steps is None:
             continue
         want = _steps(spec, phase.paper_effective_batch, phase.sequence_length, phase.effective_batch,

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from ..export import FORMATS, check_format, emit
 from ..plan.builtin_names import check_builtin_model
+from ..plan.flatview import flat_fields
 from ..plan.launch import GPUS_PER_NODE
 from ..plan.memory_options import memory_summary
 from ..plan.packing import packing_origin
@@ -185,8 +186,8 @@ def packing_lines(way: str, origin: str | None, table: dict | None, probed: str 
 
 
 def plan_summary(plan: Plan) -> dict:
-    """The plan as JSON: every field but the embedded recipe, plus the batch arithmetic."""
-    summary = plan.model_dump(mode="json", exclude={"recipe"})
+    """The plan as JSON: its flat view without the embedded recipe, plus the batch arithmetic."""
+    summary = flat_fields(plan)  # reproduce-plan/1's flat fields, which pipelines read (plan/flatview.py)
     summary["arithmetic"] = plan.arithmetic
     summary["memory_options"] = memory_summary(plan.recipe)  # the recipe's own: quantised base, optimizer, ...
     summary.update(lr_points_summary(plan))
@@ -227,13 +228,13 @@ def render_plan(p: Plan) -> None:
     table.add_row(
         "learning rate",
         f"{r.optimizer.name} lr {r.optimizer.lr:g}",
-        f"{p.lr:.6g} ({p.lr_rule}{'' if p.exact else f', x{p.lr_factor:.4g}'})",
+        f"{p.lr:.6g} ({p.lr_scaling.rule}{'' if p.exact else f', x{p.lr_factor:.4g}'})",
     )
-    table.add_row("LR rule", "", p.lr_rule_source)
-    if p.adam_option:
+    table.add_row("LR rule", "", p.lr_scaling.source)
+    if p.lr_scaling.adam_option:
         table.add_row(
             "option (Adam)", f"betas {list(r.optimizer.betas)} eps {r.optimizer.eps:g}",
-            f"betas {[round(b, 6) for b in p.adam_option.betas]} eps {p.adam_option.eps:.3g}",
+            f"betas {[round(b, 6) for b in p.lr_scaling.adam_option.betas]} eps {p.lr_scaling.adam_option.eps:.3g}",
         )
     table.add_row("schedule total", _length(r.schedule.total), _steps(p.optimizer_steps))
     if r.schedule.warmup is not None:
@@ -241,7 +242,7 @@ def render_plan(p: Plan) -> None:
         shown = f"ratio {warm.ratio:g}" if warm.ratio is not None else _length(warm)
         unknown = warm.unit == "epochs" if warm.ratio is None else p.optimizer_steps is None
         table.add_row("warm-up", shown, f"unknown ({UNKNOWN_SIZE})" if unknown and p.steps_per_epoch is None else
-                      f"{p.warmup_steps} steps from lr {p.warmup_start_lr:g}")
+                      f"{p.warmup_steps} steps from lr {p.schedule.warmup_start_lr:g}")
     decay = r.schedule.decay
     decay_paper = decay.kind
     if decay.milestones is not None:
@@ -249,11 +250,12 @@ def render_plan(p: Plan) -> None:
     decay_plan = decay.kind
     if decay.kind == "plateau":
         decay_paper, decay_plan = plateau_cells(p)
-    elif p.decay_milestones:
-        decay_plan += f" at steps {p.decay_milestones}"
+    elif p.schedule.decay_milestones:
+        decay_plan += f" at steps {p.schedule.decay_milestones}"
     elif decay.kind != "constant":
-        decay_plan += f" to lr {p.min_lr:.3g} at " + (
-            f"step {p.decay_end_step}" if p.decay_end_step is not None else f"the end ({UNKNOWN_SIZE})")
+        end = p.schedule.decay_end_step
+        decay_plan += f" to lr {p.schedule.min_lr:.3g} at " + (
+            f"step {end}" if end is not None else f"the end ({UNKNOWN_SIZE})")
     elif decay.milestones is not None and p.steps_per_epoch is None and decay.milestones.unit == "epochs":
         decay_plan += f" at steps unknown ({UNKNOWN_SIZE})"
     table.add_row("decay", decay_paper, decay_plan)
@@ -263,12 +265,12 @@ def render_plan(p: Plan) -> None:
     knobs = memory_summary(r)
     if knobs:
         table.add_row("memory", "", "; ".join(knobs))
-    if p.norm is not None:
+    if p.batchnorm is not None:
         table.add_row("BatchNorm", *batchnorm_cells(p))
     stdout.print(table)
     if p.weights is not None:
         stdout.print(p.weights.line(r.model.builtin or r.model.factory), markup=False, soft_wrap=True)
-    for line in p.memory:
+    for line in p.memory_notes:
         stdout.print(line, markup=False, soft_wrap=True)
     render_phases(p)
     if p.alternative is not None:
@@ -277,9 +279,9 @@ def render_plan(p: Plan) -> None:
             f"[bold]alternative[/] --policy {alt.policy}: {alt.arithmetic} {unit}"
             + ("" if alt.exact else f" (x{alt.batch_factor:.4g} the paper's batch, lr {alt.lr:.6g})")
         )
-    if p.norm is not None:
-        stdout.print(p.norm.lines[0], markup=False, soft_wrap=True)
-        for option in p.norm.options:
+    if p.batchnorm is not None:
+        stdout.print(p.batchnorm.lines[0], markup=False, soft_wrap=True)
+        for option in p.batchnorm.options:
             stdout.print(f"  BatchNorm option: {option}", markup=False, soft_wrap=True)
     for warning in p.warnings:
         stderr.print(f"[yellow]warning:[/] {warning}")
@@ -287,7 +289,7 @@ def render_plan(p: Plan) -> None:
 
 def batchnorm_cells(p: Plan) -> tuple[str, str]:
     """The BatchNorm row: the paper's choice and BN batch, and the run's (per device and synced)."""
-    norm = p.norm
+    norm = p.batchnorm
     batch = p.recipe.batch
     paper = {"frozen": "frozen BN, no BN batch", "group": "GroupNorm, no BN batch"}.get(norm.paper_mode) or (
         f"BN batch {norm.paper_batch}" + (f" (SyncBN: {batch.per_device} x {batch.devices})"

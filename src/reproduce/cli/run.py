@@ -107,7 +107,7 @@ class PlainReporter:
             f"{plan.effective_batch} {plan.unit} per step"
             + (f" ({plan.effective_tokens} tokens)" if plan.effective_tokens else "")
             + ("" if plan.exact else f", not the paper's {plan.paper_effective_batch}: lr {plan.lr:.6g} "
-               f"({plan.lr_rule})")
+               f"({plan.lr_scaling.rule})")
         )
         if plan.throughput:  # --policy throughput: why this split (timing/throughput_plan.py)
             stdout.print(f"--policy throughput: {plan.throughput['reason']}", markup=False, soft_wrap=True)
@@ -125,7 +125,7 @@ class PlainReporter:
             print(plan.weights.line(plan.recipe.model.builtin or plan.recipe.model.factory), flush=True)
         if self.parameters is not None:
             print(parameters_line(self.parameters), flush=True)
-        for line in [*plan.memory, *(f"memory: {knob}" for knob in memory_summary(plan.recipe))]:
+        for line in [*plan.memory_notes, *(f"memory: {knob}" for knob in memory_summary(plan.recipe))]:
             print(line, flush=True)
         self.total, self.every = total_steps, max(1, total_steps // self.lines)
         self.started = time.perf_counter()

@@ -17,23 +17,24 @@ def lr_factor_source(plan: Plan, name: str = "lr_factor") -> list[str]:
         f'    """The LR of optimizer step `step` (0-based) over the peak {peak!r}: the plan\'s schedule exactly."""',
     ]
     if warmup:
-        start = plan.warmup_start_lr
+        start = plan.schedule.warmup_start_lr
         lines += [
             f"    if step < {warmup}:",
             f"        return ({start!r} + ({peak!r} - {start!r}) * step / {warmup}) / {peak!r}",
         ]
-    kind = plan.decay_kind
+    kind = plan.schedule.decay_kind
     if kind == "constant":
         return [*lines, "    return 1.0"]
     if kind == "plateau":  # its decreases come at the run's evaluations: torch's ReduceLROnPlateau decides them
         return [*lines, "    return 1.0  # then x factor where ReduceLROnPlateau decides (plateau decay)"]
     if kind == "step":
-        return [*lines, f"    return {plan.decay_factor!r} ** sum(step >= m for m in {plan.decay_milestones!r})"]
-    end = plan.decay_end_step if plan.decay_end_step is not None else plan.optimizer_steps
+        factor, milestones = plan.schedule.decay_factor, plan.schedule.decay_milestones
+        return [*lines, f"    return {factor!r} ** sum(step >= m for m in {milestones!r})"]
+    end = plan.schedule.decay_end_step if plan.schedule.decay_end_step is not None else plan.optimizer_steps
     if end is None or end <= warmup:
         return [*lines, "    return 1.0  # the run's length is unknown (dataset size), so no decay end: constant"]
     lines.append(f"    progress = min(1.0, max(0.0, (step - {warmup}) / ({end} - {warmup})))")
-    low = plan.min_lr
+    low = plan.schedule.min_lr
     if kind == "cosine":
         lines.insert(2, "    import math")
         cosine = f"{low!r} + ({peak!r} - {low!r}) * 0.5 * (1 + math.cos(math.pi * progress))"
@@ -45,14 +46,14 @@ def lr_factor_source(plan: Plan, name: str = "lr_factor") -> list[str]:
 
 
 def schedule_words(plan: Plan) -> str:
-    warm = f"warm-up {plan.warmup_steps} steps from lr {plan.warmup_start_lr:g}, " if plan.warmup_steps else ""
-    kind = plan.decay_kind
+    warm = f"warm-up {plan.warmup_steps} steps from lr {plan.schedule.warmup_start_lr:g}, " if plan.warmup_steps else ""
+    kind = plan.schedule.decay_kind
     if kind == "step":
-        decay = f"step decay x{plan.decay_factor:g} at steps {plan.decay_milestones}"
+        decay = f"step decay x{plan.schedule.decay_factor:g} at steps {plan.schedule.decay_milestones}"
     elif kind in ("constant", "plateau"):
         decay = kind
     else:
-        decay = f"{kind} decay to lr {plan.min_lr:.3g} at step {plan.decay_end_step}"
+        decay = f"{kind} decay to lr {plan.schedule.min_lr:.3g} at step {plan.schedule.decay_end_step}"
     return warm + decay
 
 

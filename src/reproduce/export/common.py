@@ -41,8 +41,9 @@ def arithmetic_line(plan: Plan) -> str:
     if plan.exact:
         return text + f", the paper's batch exactly; lr {plan.lr:g} as published (no LR rule)"
     return (
-        text + f", not the paper's {plan.paper_effective_batch} (x{plan.batch_factor:.4g}); lr {plan.base_lr:g} -> "
-        f"{plan.lr:.6g} by the {plan.lr_rule} rule (x{plan.lr_factor:.4g})"
+        text + f", not the paper's {plan.paper_effective_batch} (x{plan.split.batch_factor:.4g}); "
+        f"lr {plan.recipe.optimizer.lr:g} -> "
+        f"{plan.lr:.6g} by the {plan.lr_scaling.rule} rule (x{plan.lr_factor:.4g})"
     )
 
 
@@ -61,9 +62,9 @@ def header(plan: Plan, notes: list[str], extra: list[str] = ()) -> list[str]:
         source += f": {recipe.paper.title}" + (f" ({recipe.paper.year})" if recipe.paper.year else "")
     lines += comment(source)
     if not plan.exact:
-        lines += comment(f"LR rule: {plan.lr_rule_source}")
-    if plan.adam_option is not None:
-        option = plan.adam_option
+        lines += comment(f"LR rule: {plan.lr_scaling.source}")
+    if plan.lr_scaling.adam_option is not None:
+        option = plan.lr_scaling.adam_option
         lines += comment(
             f"optional, not applied: betas {[round(b, 6) for b in option.betas]} eps {option.eps:.3g} ({option.source})"
         )

@@ -75,8 +75,8 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
 
 
 def _deepspeed_scheduler(plan: Plan) -> tuple[dict | None, list[str]]:
-    warmup, start, peak, low = plan.warmup_steps, plan.warmup_start_lr, plan.lr, plan.min_lr
-    kind, end = plan.decay_kind, plan.decay_end_step
+    warmup, start, peak, low = plan.warmup_steps, plan.schedule.warmup_start_lr, plan.lr, plan.schedule.min_lr
+    kind, end = plan.schedule.decay_kind, plan.schedule.decay_end_step
     notes = []
     exact_alternative = (
         "for the plan's exact schedule pass deepspeed.initialize(lr_scheduler=lambda opt: "
@@ -89,7 +89,7 @@ def _deepspeed_scheduler(plan: Plan) -> tuple[dict | None, list[str]]:
         )
     why = None
     if kind == "step":
-        why = f"step decay x{plan.decay_factor:g} at steps {plan.decay_milestones}"
+        why = f"step decay x{plan.schedule.decay_factor:g} at steps {plan.schedule.decay_milestones}"
     elif kind == "polynomial":
         why = "polynomial decay"
     elif kind == "plateau":

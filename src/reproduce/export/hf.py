@@ -13,12 +13,12 @@ from .fsdp import sharded
 def hf_scheduler(plan: Plan) -> tuple[str, dict, list[str]]:
     """HF's `lr_scheduler_type` and `lr_scheduler_kwargs` for the plan, and what they get wrong (empty: exact)."""
     problems = []
-    if plan.warmup_steps and plan.warmup_start_lr:
+    if plan.warmup_steps and plan.schedule.warmup_start_lr:
         problems.append(
-            f"HF warms up linearly from lr 0, not from the recipe's {plan.warmup_start_lr:g}: the first "
+            f"HF warms up linearly from lr 0, not from the recipe's {plan.schedule.warmup_start_lr:g}: the first "
             f"{plan.warmup_steps} steps would get lower LRs"
         )
-    kind, low = plan.decay_kind, plan.min_lr
+    kind, low = plan.schedule.decay_kind, plan.schedule.min_lr
     plain = "constant_with_warmup" if plan.warmup_steps else "constant"
     if kind == "constant":
         return plain, {}, problems
@@ -30,15 +30,16 @@ def hf_scheduler(plan: Plan) -> tuple[str, dict, list[str]]:
         return plain, {}, problems
     if kind == "step":
         problems.append(
-            f"HF has no step (multi-step) decay: x{plan.decay_factor:g} at steps {plan.decay_milestones} cannot be "
+            f"HF has no step (multi-step) decay: x{plan.schedule.decay_factor:g} at steps "
+            f"{plan.schedule.decay_milestones} cannot be "
             f"an lr_scheduler_type; {plain} alone would never decay"
         )
         return plain, {}, problems
     if plan.optimizer_steps is None:
         problems.append(f"{kind} decay needs max_steps, which the plan does not know (dataset size)")
-    elif plan.decay_end_step != plan.optimizer_steps:
+    elif plan.schedule.decay_end_step != plan.optimizer_steps:
         problems.append(
-            f"the recipe's decay ends at step {plan.decay_end_step} and holds lr {low:.3g} until step "
+            f"the recipe's decay ends at step {plan.schedule.decay_end_step} and holds lr {low:.3g} until step "
             f"{plan.optimizer_steps}; HF decays until max_steps"
         )
     if kind == "cosine":
@@ -69,7 +70,7 @@ def build(plan: Plan) -> Export:
     values["lr_scheduler_type"] = scheduler
     if scheduler_kwargs:
         values["lr_scheduler_kwargs"] = scheduler_kwargs
-    if scheduler == "polynomial" and plan.decay_kind == "linear":
+    if scheduler == "polynomial" and plan.schedule.decay_kind == "linear":
         comments["lr_scheduler_kwargs"] = "power 1: linear decay to lr_end"
     if problems:
         notes += problems

@@ -13,16 +13,18 @@ from pydantic import ValidationError
 
 from ..errors import UserError
 from .factory import remember_folder
+from .flatview import FLAT_FORMAT, parts_from_flat
 from .planner import Plan
 from .recipe import Recipe, parse_recipe
 from .split import split_text
 from .validation import format_validation_errors, read_yaml
 
-PLAN_FORMAT = "reproduce-plan/1"
+PLAN_FORMAT = "reproduce-plan/2"
+PLAN_FORMATS = (PLAN_FORMAT, FLAT_FORMAT)  # a reproduce-plan/1 file (flat fields) still loads: flatview.py
 
 
 def is_plan(data: dict[str, Any]) -> bool:
-    return data.get("format") == PLAN_FORMAT
+    return data.get("format") in PLAN_FORMATS
 
 
 def plan_to_yaml(plan: Plan) -> str:
@@ -79,6 +81,8 @@ def load_plan(path: str | Path) -> Plan:
 def parse_plan(data: dict[str, Any], source: str) -> Plan:
     if not is_plan(data):
         raise UserError(f"{source}: format: expected {PLAN_FORMAT!r} (got {data.get('format')!r}); is this a recipe?")
+    if data.get("format") == FLAT_FORMAT:
+        data = parts_from_flat(data)
     recipe_data = data.get("recipe")
     if not isinstance(recipe_data, dict):
         raise UserError(f"{source}: recipe: expected the recipe as a mapping")
@@ -95,57 +99,71 @@ def check_plan(plan: Plan, source: str) -> None:
     """The invariants a plan edited by hand must still satisfy; every broken one is reported."""
     problems = []
     batch = plan.recipe.batch
-    for field in ("micro_batch", "accumulation_steps", "world_size", "micro_batch_max", "effective_batch"):
-        if getattr(plan, field) < 1:
-            problems.append(f"{source}: {field}: must be >= 1 (got {getattr(plan, field)})")
+    split = plan.split
+    sizes = {"split.micro_batch": split.micro_batch, "split.accumulation_steps": split.accumulation_steps,
+             "split.world_size": split.world_size, "micro_batch_max": plan.micro_batch_max,
+             "split.effective_batch": split.effective_batch}
+    for field, value in sizes.items():
+        if value < 1:
+            problems.append(f"{source}: {field}: must be >= 1 (got {value})")
     if problems:
         raise UserError(*problems)
-    product = plan.micro_batch * plan.accumulation_steps * plan.world_size
-    if product != plan.effective_batch:
+    product = split.micro_batch * split.accumulation_steps * split.world_size
+    if product != split.effective_batch:
         problems.append(
-            f"{source}: effective_batch: micro_batch x accumulation_steps x world_size = "
-            f"{split_text(plan.micro_batch, plan.accumulation_steps, plan.world_size, product)}, "
-            f"not {plan.effective_batch}"
+            f"{source}: split.effective_batch: micro_batch x accumulation_steps x world_size = "
+            f"{split_text(split.micro_batch, split.accumulation_steps, split.world_size, product)}, "
+            f"not {split.effective_batch}"
         )
-    if plan.paper_effective_batch != batch.sequences:
+    if split.exact != (split.effective_batch == batch.sequences):
         problems.append(
-            f"{source}: paper_effective_batch: the recipe's batch is {batch.sequences} {batch.count_unit} "
-            f"(got {plan.paper_effective_batch})"
-        )
-    if plan.exact != (plan.effective_batch == batch.sequences):
-        problems.append(
-            f"{source}: exact: {plan.exact} contradicts effective_batch {plan.effective_batch} "
+            f"{source}: split.exact: {split.exact} contradicts effective_batch {split.effective_batch} "
             f"vs the paper's {batch.sequences}"
         )
-    if plan.micro_batch > plan.micro_batch_max:
-        problems.append(f"{source}: micro_batch: {plan.micro_batch} exceeds micro_batch_max {plan.micro_batch_max}")
-    if plan.base_lr != plan.recipe.optimizer.lr:
-        problems.append(f"{source}: base_lr: the recipe's lr is {plan.recipe.optimizer.lr} (got {plan.base_lr})")
-    if not math.isclose(plan.lr, plan.base_lr * plan.lr_factor, rel_tol=1e-9):
-        expected = plan.base_lr * plan.lr_factor
-        problems.append(f"{source}: lr: expected base_lr x lr_factor = {expected:g} (got {plan.lr:g})")
-    if plan.exact and plan.lr_factor != 1.0:
-        problems.append(f"{source}: lr_factor: must be 1 when the batch is exact (got {plan.lr_factor})")
+    if split.micro_batch > plan.micro_batch_max:
+        problems.append(f"{source}: split.micro_batch: {split.micro_batch} exceeds micro_batch_max "
+                        f"{plan.micro_batch_max}")
+    base_lr = plan.recipe.optimizer.lr
+    if not math.isclose(split.lr, base_lr * split.lr_factor, rel_tol=1e-9):
+        problems.append(f"{source}: split.lr: expected the recipe's lr x lr_factor = {base_lr * split.lr_factor:g} "
+                        f"(got {split.lr:g})")
+    if split.exact and split.lr_factor != 1.0:
+        problems.append(f"{source}: split.lr_factor: must be 1 when the batch is exact (got {split.lr_factor})")
+    if plan.schedule.lr != split.lr or plan.schedule.start_step != 0:
+        problems.append(f"{source}: schedule: starts at step 0 with the split's lr {split.lr:g} (got step "
+                        f"{plan.schedule.start_step}, lr {plan.schedule.lr:g})")
     if plan.optimizer_steps is not None and plan.optimizer_steps < 1:
-        problems.append(f"{source}: optimizer_steps: must be >= 1 (got {plan.optimizer_steps}): one optimizer step "
-                        f"reads {plan.effective_batch} {plan.unit}")
+        problems.append(f"{source}: schedule.end_step: must be >= 1 (got {plan.optimizer_steps}): one optimizer "
+                        f"step reads {plan.effective_batch} {plan.unit}")
     problems.extend(f"{source}: {problem}" for problem in phase_problems(plan))
     if problems:
         raise UserError(*problems)
 
 
 def phase_problems(plan: Plan) -> list[str]:
-    """What is wrong with a plan's batch phases (`phases`): each segment's split, their order, and their match
-    with the recipe's `batch.phases` or `batch.ramp`."""
-    batch, phases = plan.recipe.batch, plan.phases
-    if not (batch.phases or batch.ramp):
-        return [f"phases: the recipe's batch has no phases or ramp, but the plan has {len(phases)}"] if phases else []
+    """What is wrong with a plan's segments: one `whole` segment of the split without batch phases; with them, each
+    segment's split, their order, and their match with the recipe's `batch.phases` or `batch.ramp`."""
+    batch, phases = plan.recipe.batch, plan.segments
     if not phases:
-        return ["phases: the recipe's batch has phases or a ramp, but the plan has none; plan it again"]
+        return ["segments: a plan has at least one segment; plan it again"]
+    if not (batch.phases or batch.ramp):
+        whole, split = phases[0], plan.split
+        if len(phases) != 1 or whole.kind != "whole":
+            return [f"segments: the recipe's batch has no phases or ramp: expected one `whole` segment, got "
+                    f"{len(phases)} ({', '.join(segment.kind for segment in phases)})"]
+        found = (whole.start_step, whole.steps, whole.micro_batch, whole.accumulation_steps, whole.effective_batch)
+        split_batch = (0, None, split.micro_batch, split.accumulation_steps, split.effective_batch)
+        if found != split_batch:
+            return [f"segments[0]: the whole run at the split's batch: expected (start_step, steps, micro_batch, "
+                    f"accumulation_steps, effective_batch) {split_batch}, got {found}"]
+        return []
+    if not plan.has_phases:
+        return ["segments: the recipe's batch has phases or a ramp, but the plan has one `whole` segment; plan it "
+                "again"]
     problems = []
     expected_start = 0
     for index, phase in enumerate(phases):
-        where = f"phases[{index}]"
+        where = f"segments[{index}]"
         last = index == len(phases) - 1
         if min(phase.micro_batch, phase.accumulation_steps, phase.effective_batch) < 1:
             problems.append(f"{where}: micro_batch, accumulation_steps and effective_batch must be >= 1")
@@ -196,16 +214,16 @@ def phase_problems(plan: Plan) -> list[str]:
         wanted = [(batch.phase_sequences(p), p.sequence_length or batch.sequence_length) for p in batch.phases]
         got = [(p.paper_effective_batch, p.sequence_length) for p in phases]
         if kinds != ["phase"] * len(batch.phases) or got != wanted:
-            problems.append(f"phases: the recipe's phases are {wanted} (batch, sequence length); the plan has {got}")
-        problems.extend(f"phases[{index}].schedule: " + ("the recipe's phase has its own lr / warmup / decay; plan it "
-                                                         "again" if spec.has_schedule else
-                                                         "the recipe's phase has no schedule of its own")
+            problems.append(f"segments: the recipe's phases are {wanted} (batch, sequence length); the plan has {got}")
+        problems.extend(f"segments[{index}].schedule: " + ("the recipe's phase has its own lr / warmup / decay; "
+                                                           "plan it again" if spec.has_schedule else
+                                                           "the recipe's phase has no schedule of its own")
                         for index, (spec, phase) in enumerate(zip(batch.phases, phases, strict=False))
                         if spec.has_schedule != (phase.schedule is not None))
     elif kinds[-1] != "phase" or "phase" in kinds[:-1] or phases[-1].paper_effective_batch != batch.sequences:
-        problems.append("phases: a ramp plan is ramp segments, then the recipe's batch to the end")
+        problems.append("segments: a ramp plan is ramp segments, then the recipe's batch to the end")
     if not batch.phases and any(phase.schedule is not None for phase in phases):
-        problems.append("phases: a ramp's segments have no schedules of their own")
+        problems.append("segments: a ramp's segments have no schedules of their own")
     return problems
 
 

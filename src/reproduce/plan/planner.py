@@ -38,55 +38,95 @@ class AdamOption(Frozen):
 MOST_STEPS = 10**9  # a value past this is a typo (epochs: 1e18), never a run
 
 
-class Plan(Frozen):
-    """What `reproduce run` executes. Saved as YAML with the recipe inside it."""
+class LrScaling(Frozen):
+    """The LR rule the split took (`exact` when the batch is the paper's), its source, and Adam's beta/eps option
+    that goes with the square-root rule."""
 
-    format: Literal["reproduce-plan/1"] = "reproduce-plan/1"
+    rule: LrRule
+    source: str
+    adam_option: AdamOption | None = None
+
+
+class Plan(Frozen):
+    """What `reproduce run` executes, made of its parts: the split, the LR rule, the schedule in optimizer steps and
+    the segments. Saved as YAML with the recipe inside it (planfile.py)."""
+
+    format: Literal["reproduce-plan/2"] = "reproduce-plan/2"
     recipe_path: str | None = None
     recipe: Recipe
     policy: Literal["exact", "fast", "throughput"]
     micro_batch_max: int
-    micro_batch: int
-    accumulation_steps: int
-    world_size: int
-    unit: Literal["samples", "sequences"]
-    effective_batch: int
-    effective_tokens: int | None
-    paper_effective_batch: int
-    exact: bool
-    batch_factor: float
-    base_lr: float
-    lr: float
-    lr_factor: float
-    lr_rule: Literal["exact", "linear", "sqrt", "none"]
-    lr_rule_source: str
-    adam_option: AdamOption | None = None
-    dataset_size: int | None
+    split: Choice  # the main batch's micro-batch x accumulation x world size, its effective batch and LR
+    alternative: Choice | None = None  # the other policy's split, when worth showing
+    lr_scaling: LrScaling
+    dataset_size: int | None  # training samples at the main sequence length
     steps_per_epoch: int | None
-    partial_window: int
-    optimizer_steps: int | None
-    warmup_steps: int
-    warmup_start_lr: float
-    decay_kind: str
-    decay_milestones: list[int] = []
-    decay_factor: float
-    decay_end_step: int | None
-    min_lr: float
-    batchnorm: str | None = None  # the warning when BatchNorm's batch is not the paper's
-    norm: BatchNormPlan | None = None  # BatchNorm: the run's BN batch against the paper's, the options (plan.batchnorm)
-    alternative: Choice | None = None
+    partial_window: int  # the samples of an epoch's last window
+    schedule: StepSchedule  # the recipe's schedule.warmup / decay in optimizer steps, from step 0
+    # the plan as consecutive stretches of optimizer steps, at least one: `whole` (one batch throughout) or the
+    # batch.phases / batch.ramp segments
+    segments: list[Segment]
+    batchnorm: BatchNormPlan | None = None  # BatchNorm: the run's BN batch against the paper's, and the options
+    batchnorm_warning: str | None = None  # the warning when BatchNorm's batch is not the paper's
     warnings: list[str] = []
-    # batch.phases / batch.ramp: the batch each stretch of optimizer steps takes (empty: the batch above throughout;
-    # `segments` is the plan as segments either way)
-    phases: list[Segment] = []
     # policy throughput: the exact splits timed and why the micro-batch was chosen (throughput_plan.py)
     throughput: dict[str, Any] | None = None
     # the memory knobs the plan took (activation checkpointing, sharded gradients), or the ways it weighed, and why
-    memory: list[str] = []
+    memory_notes: list[str] = []
     # model.weights: the pretrained weights the run starts from, with their fingerprint (`--resume` refuses others)
     weights: WeightsRecord | None = None
     # the data files' content fingerprint when the run started (`--resume` refuses data that changed since)
     data_fingerprint: str | None = None
+
+    # the split's numbers, which most readers want (stored once, in `split`)
+    @property
+    def micro_batch(self) -> int:
+        return self.split.micro_batch
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.split.accumulation_steps
+
+    @property
+    def world_size(self) -> int:
+        return self.split.world_size
+
+    @property
+    def effective_batch(self) -> int:
+        return self.split.effective_batch
+
+    @property
+    def exact(self) -> bool:
+        return self.split.exact
+
+    @property
+    def lr(self) -> float:
+        return self.split.lr
+
+    @property
+    def lr_factor(self) -> float:
+        return self.split.lr_factor
+
+    @property
+    def optimizer_steps(self) -> int | None:
+        return self.schedule.end_step
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.schedule.warmup_steps
+
+    @property
+    def unit(self) -> Literal["samples", "sequences"]:
+        return self.recipe.batch.count_unit
+
+    @property
+    def paper_effective_batch(self) -> int:
+        return self.recipe.batch.sequences
+
+    @property
+    def effective_tokens(self) -> int | None:
+        length = self.recipe.batch.sequence_length
+        return self.effective_batch * length if length else None
 
     @property
     def arithmetic(self) -> str:
@@ -100,19 +140,9 @@ class Plan(Frozen):
         return self.micro_batch * self.accumulation_steps
 
     @property
-    def segments(self) -> list[Segment]:
-        """The plan as segments of optimizer steps: its batch phases, or one segment of its batch throughout."""
-        return self.phases or [whole_segment(self.main_choice, self.micro_batch_max, self.paper_effective_batch,
-                                             self.recipe.batch.sequence_length, self.dataset_size,
-                                             self.steps_per_epoch)]
-
-    @property
-    def main_choice(self) -> Choice:
-        """The split of the recipe's main batch, as the planner chose it."""
-        return Choice(policy="fast" if self.policy == "fast" else "exact", micro_batch=self.micro_batch,
-                      accumulation_steps=self.accumulation_steps, world_size=self.world_size,
-                      effective_batch=self.effective_batch, exact=self.exact, batch_factor=self.batch_factor,
-                      lr=self.lr, lr_factor=self.lr_factor)
+    def has_phases(self) -> bool:
+        """Whether the plan's batch changes (batch.phases or batch.ramp), not one `whole` segment."""
+        return self.segments[0].kind != "whole"
 
 
 def make_plan(
@@ -172,37 +202,21 @@ def make_plan(
         recipe=recipe,
         policy=policy,
         micro_batch_max=cap,
-        micro_batch=chosen.micro_batch,
-        accumulation_steps=chosen.accumulation_steps,
-        world_size=world_size,
-        unit=recipe.batch.count_unit,
-        effective_batch=chosen.effective_batch,
-        effective_tokens=chosen.effective_batch * main_length if main_length else None,
-        paper_effective_batch=recipe.batch.sequences,
-        exact=chosen.exact,
-        batch_factor=chosen.batch_factor,
-        base_lr=recipe.optimizer.lr,
-        lr=chosen.lr,
-        lr_factor=chosen.lr_factor,
-        lr_rule=rule,
-        lr_rule_source=source,
-        adam_option=adam_option,
+        split=chosen,
+        alternative=alternative,
+        lr_scaling=LrScaling(rule=rule, source=source, adam_option=adam_option),
         dataset_size=size,
         steps_per_epoch=steps_per_epoch,
         partial_window=partial,
-        optimizer_steps=schedule.total,
-        warmup_steps=schedule.warmup_steps,
-        warmup_start_lr=schedule.start_lr,
-        decay_kind=recipe.schedule.decay.kind,
-        decay_milestones=schedule.milestones,
-        decay_factor=recipe.schedule.decay.factor,
-        decay_end_step=schedule.decay_end,
-        min_lr=schedule.min_lr,
-        batchnorm=batchnorm,
-        norm=norm,
-        alternative=alternative,
+        schedule=StepSchedule(
+            start_step=0, end_step=schedule.total, lr=chosen.lr, warmup_steps=schedule.warmup_steps,
+            warmup_start_lr=schedule.start_lr, decay_kind=recipe.schedule.decay.kind,
+            decay_milestones=schedule.milestones, decay_factor=recipe.schedule.decay.factor,
+            decay_end_step=schedule.decay_end, min_lr=schedule.min_lr, power=recipe.schedule.decay.power),
+        segments=schedule.phases or segments,
+        batchnorm=norm,
+        batchnorm_warning=batchnorm,
         warnings=warnings,
-        phases=schedule.phases,
     )
 
 
@@ -434,23 +448,13 @@ def needs_train_size(recipe_path: str | None, what: str) -> str:
 # ---- the learning rate of each step ------------------------------------------------------------------------------
 
 
-def global_schedule(plan: Plan) -> StepSchedule:
-    """The recipe's own schedule (schedule.warmup / decay) as the plan holds it, from step 0."""
-    return StepSchedule(
-        start_step=0, end_step=plan.optimizer_steps, lr=plan.lr, warmup_steps=plan.warmup_steps,
-        warmup_start_lr=plan.warmup_start_lr, decay_kind=plan.decay_kind, decay_milestones=plan.decay_milestones,
-        decay_factor=plan.decay_factor, decay_end_step=plan.decay_end_step, min_lr=plan.min_lr,
-        power=plan.recipe.schedule.decay.power,
-    )
-
-
 def lr_at(plan: Plan, step: int) -> float:
     """The learning rate for optimizer step `step` (0-based): warm-up, then the recipe's decay.
 
     With batch phases the schedule runs on across them, or restarts where a phase gives its own (phases.py); a
     phase whose batch is not the paper's has its own LR rule factor in place of the main batch's.
     """
-    return segment_lr(plan.segments, global_schedule(plan), plan.lr_factor, step)
+    return segment_lr(plan.segments, plan.schedule, plan.lr_factor, step)
 
 
 def first_plateau_step(plan: Plan) -> int | None:
@@ -476,7 +480,7 @@ def lr_points(plan: Plan) -> list[list[float]]:
     total = plan.optimizer_steps
     if total is None:
         return []
-    schedules = [global_schedule(plan), *(seg.schedule for seg in plan.segments if seg.schedule is not None)]
+    schedules = [plan.schedule, *(seg.schedule for seg in plan.segments if seg.schedule is not None)]
     marks, jumps = {0, total - 1}, set()
     for schedule in schedules:
         marks.update((schedule.start_step + schedule.warmup_steps,

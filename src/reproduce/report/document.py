@@ -57,14 +57,15 @@ def plan_table(run: RunFolder) -> Table:
     decay = schedule.decay
     paper_decay = decay.kind + (f" at {list(decay.milestones.value)} {decay.milestones.unit}, x{decay.factor:g}"
                                 if decay.milestones else "")
-    plan_decay = plan.decay_kind + (f" at steps {plan.decay_milestones}, x{plan.decay_factor:g}"
-                                    if plan.decay_milestones else "") + f", to lr {plan.min_lr:.4g}"
+    steps = plan.schedule
+    plan_decay = steps.decay_kind + (f" at steps {steps.decay_milestones}, x{steps.decay_factor:g}"
+                                     if steps.decay_milestones else "") + f", to lr {steps.min_lr:.4g}"
     rows = [
         ["effective batch", paper_batch, f"{plan.arithmetic} {'' if plan.effective_tokens else plan.unit}".strip()
          + ("" if plan.exact else f" (not the paper's {plan.paper_effective_batch:,})")],
-        ["learning rate", f"{plan.base_lr:.6g} ({recipe.optimizer.name})",
-         f"{plan.lr:.6g}: rule {plan.lr_rule} ({plan.lr_rule_source})"],
-        ["warm-up", paper_warmup, f"{plan.warmup_steps} optimizer steps from lr {plan.warmup_start_lr:.4g}"],
+        ["learning rate", f"{plan.recipe.optimizer.lr:.6g} ({recipe.optimizer.name})",
+         f"{plan.lr:.6g}: rule {plan.lr_scaling.rule} ({plan.lr_scaling.source})"],
+        ["warm-up", paper_warmup, f"{plan.warmup_steps} optimizer steps from lr {plan.schedule.warmup_start_lr:.4g}"],
         ["decay", paper_decay, plan_decay],
         ["length", schedule.total.label(),
          f"{_number(plan.optimizer_steps)} optimizer steps ({_number(plan.steps_per_epoch)} per epoch of "

@@ -24,8 +24,8 @@ class PlanScheduler(torch.optim.lr_scheduler.LambdaLR):
     """
 
     def __init__(self, plan: Plan, optimizer: torch.optim.Optimizer) -> None:
-        plateau = plan.decay_kind == "plateau"
-        self._plateau = Plateau(plan.recipe.schedule.decay, plan.lr, plan.min_lr) if plateau else None
+        plateau = plan.schedule.decay_kind == "plateau"
+        self._plateau = Plateau(plan.recipe.schedule.decay, plan.lr, plan.schedule.min_lr) if plateau else None
         plateau = self._plateau
         super().__init__(optimizer, lambda step: lr_at(plan, step) / plan.lr * (
             plateau.state["scale"] if plateau is not None else 1.0))

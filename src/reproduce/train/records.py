@@ -86,8 +86,8 @@ def run_summary(run: Run, elapsed: float) -> dict:
         "data": run.setup.data.info,
         "notes": run.setup.notes,
     }
-    if plan.norm is not None:  # the BatchNorm choice and the BN batch it gave, against the paper's
-        summary["batchnorm"] = plan.norm.model_dump(include={"mode", "paper_mode", "layers", "run_batch",
+    if plan.batchnorm is not None:  # the BatchNorm choice and the BN batch it gave, against the paper's
+        summary["batchnorm"] = plan.batchnorm.model_dump(include={"mode", "paper_mode", "layers", "run_batch",
                                                              "paper_batch", "micro_batch", "processes"})
     if run.world.is_main:  # from metrics.jsonl, read once: the steps before a resume count too
         records = read_metrics(run.out / "metrics.jsonl")

@@ -53,8 +53,8 @@ def batchnorm_notes(plan: Plan, model: nn.Module, world: World, device: torch.de
     recipe = plan.recipe
     check_batchnorm(recipe.model.batchnorm, world, device)
     notes, layers = [], count_batchnorm(model)
-    if plan.norm is not None:
-        notes.append(plan.norm.summary)
+    if plan.batchnorm is not None:
+        notes.append(plan.batchnorm.summary)
     elif layers and not recipe.model.has_batchnorm:  # a model the plan could not count
         notes.append(f"the model has {layers} BatchNorm layers (counted) the recipe does not list in "
                      f"model.norm_layers: BN statistics are computed per micro-batch of {plan.micro_batch}, not over "
@@ -63,8 +63,8 @@ def batchnorm_notes(plan: Plan, model: nn.Module, world: World, device: torch.de
         disagreement = label_disagreement(recipe.model, layers)
         if disagreement and disagreement not in plan.warnings:
             notes.append(disagreement)
-    if recipe.model.batchnorm == "frozen" and plan.norm is not None:  # from random weights: meaningless
-        notes.extend(line for line in plan.norm.lines if line.startswith("frozen:"))
+    if recipe.model.batchnorm == "frozen" and plan.batchnorm is not None:  # from random weights: meaningless
+        notes.extend(line for line in plan.batchnorm.lines if line.startswith("frozen:"))
     return notes
 
 

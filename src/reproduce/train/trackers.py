@@ -108,7 +108,7 @@ def plan_config(plan) -> dict:
         "paper_effective_batch": plan.paper_effective_batch,
         "exact": plan.exact,
         "lr": plan.lr,
-        "lr_rule": plan.lr_rule,
+        "lr_rule": plan.lr_scaling.rule,
         "optimizer_steps": plan.optimizer_steps,
         "warmup_steps": plan.warmup_steps,
         "plan": {key: value for key, value in data.items() if key != "recipe"},

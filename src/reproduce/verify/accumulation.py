@@ -210,7 +210,10 @@ def verify(
     if samples is None:
         if not plan.steps_per_epoch or plan.dataset_size != size:
             per_epoch = max(1, size // plan.effective_batch)
-            checked = checked.model_copy(update={"dataset_size": size, "steps_per_epoch": per_epoch})
+            epoch = {"dataset_size": size, "steps_per_epoch": per_epoch}
+            segments = [segment.model_copy(update=epoch) if segment.kind == "whole" else segment
+                        for segment in checked.segments]  # the whole run's segment counts the same epoch
+            checked = checked.model_copy(update={**epoch, "segments": segments})
         indices = [i for rank in range(plan.world_size) for i in window(checked, size, 0, seed, rank,
                                                                          grouping=grouping)[0]]
     else:

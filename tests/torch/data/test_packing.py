@@ -95,15 +95,15 @@ def test_each_steps_sample_ids_are_the_unpacked_plans_on_every_rank(way, world_s
     those of `none`; every rank has as many micro-batches."""
     recipe = llama_lora(way, effective=18, steps=9)
     recipe["data"]["drop_last"] = False
-    spec, data, the_plan = grouped_plan(recipe, world_size, micro=2)
-    grouping = grouping_of(spec, data.train, the_plan.micro_batch)
+    spec, data, plan = grouped_plan(recipe, world_size, micro=2)
+    grouping = grouping_of(spec, data.train, plan.micro_batch)
     size = len(data.train)
     partials = 0
-    for step in range(the_plan.optimizer_steps):
+    for step in range(plan.optimizer_steps):
         counts = set()
         for rank in range(world_size):
-            plain, partial = window(the_plan, size, step, 7, rank)
-            grouped, partial_too = window(the_plan, size, step, 7, rank, grouping=grouping)
+            plain, partial = window(plan, size, step, 7, rank)
+            grouped, partial_too = window(plan, size, step, 7, rank, grouping=grouping)
             assert partial == partial_too
             assert sorted(torch.cat(grouped).tolist()) == sorted(torch.cat(plain).tolist()), (step, rank)
             counts.add(len(grouped))
@@ -149,9 +149,9 @@ def test_packed_with_attention_over_the_whole_row_is_one_line():
     recipe = llama_lora("packed")
     recipe["model"] = {"builtin": "gpt", "kwargs": {"vocab_size": 32, "block_size": 16, "layers": 1, "heads": 2,
                                                      "dim": 16}}
-    spec, data, the_plan = grouped_plan(recipe)
+    spec, data, plan = grouped_plan(recipe)
     with pytest.raises(UserError) as error:
-        train(the_plan, "unused-out", RunOptions(device="cpu", data=data))
+        train(plan, "unused-out", RunOptions(device="cpu", data=data))
     assert len(error.value.lines) == 1
     assert "attention (GPT's own) does not confine packed samples" in str(error.value)
     assert "data.packing: sorted" in str(error.value)
@@ -162,8 +162,8 @@ def test_lora_run_with_each_way_is_the_large_batch_float64(way, tmp_path):
     """A LoRA run on variable-length sequences, grouped `way`: the weights of the plain large-batch loop over the
     same samples within float64 rounding, the paper's samples per step in the metrics, padding counted."""
     recipe = llama_lora(way, shuffle=False)
-    spec, data, the_plan = grouped_plan(recipe)
-    summary = train(the_plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
+    spec, data, plan = grouped_plan(recipe)
+    summary = train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
     ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     reference = run_plain(recipe, data, steps=3)
     for name in ours:
@@ -181,23 +181,23 @@ def test_sorted_and_packed_pad_less_than_none(tmp_path):
     fractions = {}
     for way in ("none", "sorted", "packed"):
         recipe = llama_lora(way if way != "none" else None, effective=32, steps=2)
-        spec, data, the_plan = grouped_plan(recipe, micro=8)
-        fractions[way] = train(the_plan, tmp_path / way, RunOptions(device="cpu", data=data))["padding_fraction"]
+        spec, data, plan = grouped_plan(recipe, micro=8)
+        fractions[way] = train(plan, tmp_path / way, RunOptions(device="cpu", data=data))["padding_fraction"]
     assert fractions["packed"] < fractions["sorted"] < fractions["none"]
 
 
 @pytest.mark.parametrize("way", ["sorted", "packed"])
 def test_verify_says_equivalent_float64(way):
-    spec, data, the_plan = grouped_plan(llama_lora(way, effective=16), micro=4)
-    result = verify(the_plan, data=data)
+    spec, data, plan = grouped_plan(llama_lora(way, effective=16), micro=4)
+    result = verify(plan, data=data)
     assert result.equivalent and result.global_relative_error < 1e-12, result.explanation
     assert any(f"data.packing {way}" in note for note in result.notes)
 
 
 def test_a_token_budget_below_the_longest_example_is_one_line():
-    spec, data, the_plan = grouped_plan(llama_lora("sorted", token_budget=5))
+    spec, data, plan = grouped_plan(llama_lora("sorted", token_budget=5))
     with pytest.raises(UserError) as error:
-        grouping_of(spec, data.train, the_plan.micro_batch)
+        grouping_of(spec, data.train, plan.micro_batch)
     longest = max(len(x) for x, _ in data.train)
     assert str(error.value).startswith("data.token_budget: 5 tokens is smaller than example ")
     assert f"'s {longest} input tokens" in str(error.value)
@@ -394,8 +394,8 @@ def test_an_empty_micro_batch_brings_no_loss_but_reaches_every_trained_parameter
     from reproduce.models import build_model
     from reproduce.train.losses import TokenLoss
 
-    spec, data, the_plan = grouped_plan(llama_lora(way))
-    grouping = grouping_of(spec, data.train, the_plan.micro_batch)
+    spec, data, plan = grouped_plan(llama_lora(way))
+    grouping = grouping_of(spec, data.train, plan.micro_batch)
     torch.manual_seed(0)
     model = build_model(spec, data.info)
     inputs, targets = Grouped(data.train, grouping).batch(torch.empty(0, dtype=torch.long))
@@ -408,11 +408,11 @@ def test_an_empty_micro_batch_brings_no_loss_but_reaches_every_trained_parameter
 
 @pytest.mark.parametrize("way", ["sorted", "packed"])
 def test_a_micro_batch_lowered_after_out_of_memory_lowers_the_token_budget_and_keeps_the_samples(way):
-    spec, data, the_plan = grouped_plan(llama_lora(way, effective=16), micro=4)
-    grouping = grouping_of(spec, data.train, the_plan.micro_batch)
+    spec, data, plan = grouped_plan(llama_lora(way, effective=16), micro=4)
+    grouping = grouping_of(spec, data.train, plan.micro_batch)
     size = len(data.train)
-    full, _ = window(the_plan, size, 0, 3, grouping=grouping)
-    lowered, _ = window(the_plan, size, 0, 3, micro_batch=2, grouping=grouping)
+    full, _ = window(plan, size, 0, 3, grouping=grouping)
+    lowered, _ = window(plan, size, 0, 3, micro_batch=2, grouping=grouping)
     assert grouping.budget_at(2) == grouping.budget // 2
     assert sorted(torch.cat(lowered).tolist()) == sorted(torch.cat(full).tolist())
     assert len(lowered) > len(full)

@@ -201,7 +201,7 @@ def test_lr_factor_is_the_plans_schedule(name):
     lr_factor = run_source("\n".join(lr_factor_source(plan)))["lr_factor"]
     total = plan.optimizer_steps or 1000
     steps = sorted({0, 1, 2, plan.warmup_steps - 1, plan.warmup_steps, plan.warmup_steps + 1,
-                    *plan.decay_milestones, total // 2, total - 1, total} - {-1})
+                    *plan.schedule.decay_milestones, total // 2, total - 1, total} - {-1})
     for step in steps:
         assert plan.lr * lr_factor(step) == pytest.approx(lr_at(plan, step), rel=1e-12, abs=1e-15), step
 

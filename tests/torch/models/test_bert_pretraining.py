@@ -152,7 +152,7 @@ def test_phases_cut_the_pairs_at_each_length(tmp_path):
     plan = make_plan(recipe, micro_batch_max=8, dataset_size=training_sizes(recipe, data.train))
     summary = train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
     weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
-    assert [(p.sequence_length, p.accumulation_steps) for p in plan.phases] == [(16, 2), (32, 2)]
+    assert [(p.sequence_length, p.accumulation_steps) for p in plan.segments] == [(16, 2), (32, 2)]
     assert summary["steps"] == 2 and all(torch.isfinite(w).all() for w in weights.values())
 
 

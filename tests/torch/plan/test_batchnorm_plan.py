@@ -45,9 +45,9 @@ def test_the_known_counts_are_the_built_models():
 def test_batchnorm_found_in_the_model_not_the_label(label):
     """A DeepLabV3 recipe unlabelled or labelled groupnorm still plans as a BatchNorm model."""
     p = make_plan(recipe({"builtin": "deeplabv3-resnet50", "norm_layers": label}), micro_batch_max=2)
-    assert p.norm.layers == 60 and p.norm.run_batch == 2 and p.norm.paper_batch == 16
+    assert p.batchnorm.layers == 60 and p.batchnorm.run_batch == 2 and p.batchnorm.paper_batch == 16
     assert "BatchNorm statistics will be computed over micro-batches of 2 samples instead of the paper's " \
-           "per-device 16" in p.batchnorm
+           "per-device 16" in p.batchnorm_warning
     disagree = [w for w in p.warnings if w.startswith("model.norm_layers:")]
     assert disagree == ([] if not label else [
         "model.norm_layers: the recipe labels deeplabv3-resnet50 ['groupnorm'], but it has 60 BatchNorm layers "
@@ -56,15 +56,15 @@ def test_batchnorm_found_in_the_model_not_the_label(label):
 
 def test_a_label_that_claims_batchnorm_the_model_lacks():
     p = make_plan(recipe({"builtin": "vit-b16", "norm_layers": "batchnorm"}), micro_batch_max=4)
-    assert p.norm is None and p.batchnorm is None
+    assert p.batchnorm is None and p.batchnorm_warning is None
     assert "model.norm_layers: the recipe lists batchnorm, but vit-b16 has no BatchNorm layer" in " ".join(p.warnings)
 
 
 def test_counted_layers_of_a_factory_model_win_over_its_label():
     spec = {"factory": "factories:torchvision_resnet50", "norm_layers": "layernorm"}
-    assert make_plan(recipe(spec), micro_batch_max=2).norm is None  # not built: the label is all there is
+    assert make_plan(recipe(spec), micro_batch_max=2).batchnorm is None  # not built: the label is all there is
     p = make_plan(recipe(spec), micro_batch_max=2, batchnorm_layers=53)
-    assert p.norm.layers == 53 and p.norm.found == "counted in the built model" and p.batchnorm
+    assert p.batchnorm.layers == 53 and p.batchnorm.found == "counted in the built model" and p.batchnorm_warning
 
 
 def test_the_plan_counts_a_factory_models_batchnorm_without_the_probe(tmp_path, capsys):
@@ -81,16 +81,17 @@ def test_the_plan_counts_a_factory_models_batchnorm_without_the_probe(tmp_path, 
 def test_the_options_and_what_each_needs():
     p = make_plan(recipe({"builtin": "deeplabv3-resnet50"}), micro_batch_max=2)
     assert (p.micro_batch, p.accumulation_steps) == (2, 8)
-    options = " | ".join(p.norm.options)
+    options = " | ".join(p.batchnorm.options)
     assert "keep with micro-batch 16 per device: the paper's BN batch (the largest that fits is 2)" in options
     assert "sync over 8 CUDA processes (--world-size 8 --batchnorm sync): micro-batch 2 x 8 = 16" in options
     assert "group (--batchnorm group)" in options and "frozen (--batchnorm frozen)" in options
     four = make_plan(recipe({"builtin": "deeplabv3-resnet50"}), micro_batch_max=2, world_size=4)
     assert "sync over the run's 4 CUDA processes (--batchnorm sync): BN batch 2 x 4 = 8, against the paper's 16" in (
-        four.norm.options)
-    assert not any("run's" in option for option in p.norm.options)  # one process: nothing of its own to sync
+        four.batchnorm.options)
+    assert not any("run's" in option for option in p.batchnorm.options)  # one process: nothing of its own to sync
     fits = make_plan(recipe({"builtin": "deeplabv3-resnet50"}), micro_batch_max=16)
-    assert fits.micro_batch == 16 and fits.norm.run_batch == 16 and not fits.norm.options and fits.batchnorm is None
+    assert fits.micro_batch == 16 and fits.batchnorm.run_batch == 16 and not fits.batchnorm.options
+    assert fits.batchnorm_warning is None
 
 
 def test_sync_bn_batch_is_micro_batch_times_processes():
@@ -98,12 +99,14 @@ def test_sync_bn_batch_is_micro_batch_times_processes():
     mmseg = recipe({"builtin": "deeplabv3-resnet50", "batchnorm": "sync", "aux_weight": 0.4},
                    batch={"effective": 8, "devices": 4, "per_device": 2})
     four = make_plan(mmseg, micro_batch_max=4, world_size=4)
-    assert (four.micro_batch, four.norm.run_batch, four.norm.paper_batch, four.norm.layers) == (2, 8, 8, 61)
-    assert four.batchnorm is None and not four.norm.options
+    norm = four.batchnorm
+    assert (four.micro_batch, norm.run_batch, norm.paper_batch, norm.layers) == (2, 8, 8, 61)
+    assert four.batchnorm_warning is None and not four.batchnorm.options
     one = make_plan(mmseg, micro_batch_max=4)
-    assert one.norm.run_batch == 4 and "`reproduce run` refuses it" in " ".join(one.warnings)
+    assert one.batchnorm.run_batch == 4 and "`reproduce run` refuses it" in " ".join(one.warnings)
     kept = make_plan(with_batchnorm(mmseg, "keep"), micro_batch_max=2)
-    assert (kept.norm.mode, kept.norm.paper_mode, kept.norm.run_batch, kept.norm.paper_batch) == ("keep", "sync", 2, 8)
+    norm = kept.batchnorm
+    assert (norm.mode, norm.paper_mode, norm.run_batch, norm.paper_batch) == ("keep", "sync", 2, 8)
     assert kept.recipe.model.paper_batchnorm == "sync"
 
 
@@ -125,9 +128,9 @@ def test_the_probe_plans_a_deeplab_workload_without_a_bn_batch_of_one():
 
 def test_group_is_a_deviation_and_frozen_is_warned():
     group = make_plan(with_batchnorm(recipe({"builtin": "deeplabv3-resnet50"}), "group"), micro_batch_max=2)
-    assert group.norm.run_batch is None and group.batchnorm is None
+    assert group.batchnorm.run_batch is None and group.batchnorm_warning is None
     assert any(w.startswith("deviation from the paper: GroupNorm in place of its BatchNorm") for w in group.warnings)
-    assert not [o for o in group.norm.options if o.startswith("group")]
+    assert not [o for o in group.batchnorm.options if o.startswith("group")]
     frozen = make_plan(with_batchnorm(recipe({"builtin": "deeplabv3-resnet50"}), "frozen"), micro_batch_max=2)
     assert any("from random weights they are mean 0, variance 1" in w for w in frozen.warnings)
 
@@ -136,11 +139,11 @@ def test_policy_never_changes_the_bn_batch_silently():
     """The exact split takes the paper's BN batch per device when it fits; when it does not, the plan says so."""
     spec = recipe({"builtin": "resnet50"}, batch={"effective": 256, "devices": 4, "per_device": 64})
     exact = make_plan(spec, micro_batch_max=200)
-    assert exact.micro_batch == 64 and exact.batchnorm is None  # not 128, the largest split that fits
+    assert exact.micro_batch == 64 and exact.batchnorm_warning is None  # not 128, the largest split that fits
     for policy in ("exact", "fast"):
         smaller = make_plan(spec, micro_batch_max=48, policy=policy)
-        assert smaller.micro_batch < 64 and "instead of the paper's per-device 64" in smaller.batchnorm
-        assert smaller.batchnorm in smaller.warnings
+        assert smaller.micro_batch < 64 and "instead of the paper's per-device 64" in smaller.batchnorm_warning
+        assert smaller.batchnorm_warning in smaller.warnings
 
 
 def test_plan_prints_and_records_the_choice(tmp_path, capsys):
@@ -156,7 +159,7 @@ def test_plan_prints_and_records_the_choice(tmp_path, capsys):
     assert "group, no BN batch; 60 BatchNorm layers" in output and "BN batch 16 per device" in output
     saved = yaml.safe_load(out.read_text())
     assert saved["recipe"]["model"]["batchnorm"] == "group" and saved["recipe"]["model"]["paper_batchnorm"] == "keep"
-    assert saved["norm"]["mode"] == "group" and saved["norm"]["paper_batch"] == 16
+    assert saved["batchnorm"]["mode"] == "group" and saved["batchnorm"]["paper_batch"] == 16
 
 
 @pytest.mark.parametrize(("mode", "samples"), [("keep", 2), ("group", 1)])

@@ -84,7 +84,7 @@ def test_the_plan_takes_sharded_gradients_and_says_why_and_what_it_costs(refused
     plan, result = planned.plan, planned.probe
     assert plan.recipe.batch.sharded_gradients and not plan.recipe.model.activation_checkpointing
     assert result.micro_batch_max >= 1 and plan.micro_batch == min(result.micro_batch_max, plan.micro_batch)
-    (note,) = plan.memory
+    (note,) = plan.memory_notes
     assert note.startswith("memory: took --sharded-gradients: without, not even micro-batch 1 fits")
     assert "one reduce-scatter per micro-batch instead of one per optimizer step" in note
 
@@ -95,8 +95,8 @@ def test_the_plan_takes_checkpointing_for_the_papers_batchnorm_batch_and_shows_b
     planned = plan_and_probe(recipe, "cnn.yaml", None, 1, "exact", probe=SMALL)
     plan, result = planned.plan, planned.probe
     assert plan.recipe.model.activation_checkpointing and result.micro_batch_max >= 64
-    assert plan.micro_batch == 64 and plan.accumulation_steps == 4 and plan.batchnorm is None
-    (note,) = plan.memory
+    assert plan.micro_batch == 64 and plan.accumulation_steps == 4 and plan.batchnorm_warning is None
+    (note,) = plan.memory_notes
     assert "BatchNorm batch of 64 fits only with activation checkpointing" in note
     assert "without checkpointing" in note and "64 x 4 x 1 with activation checkpointing" in note
     assert "took with checkpointing: it keeps the paper's BatchNorm batch of 64" in note

@@ -81,7 +81,7 @@ def test_a_batch_ramp_counts_each_stretchs_own_batch():
     recipe = load_recipe(Path(__file__).parents[3] / "papers" / "brown2020-gpt3-small.yaml")
     plan = make_plan(recipe, 4, 1)
     expected = sum(((p.end_step if p.end_step is not None else plan.optimizer_steps) - p.start_step)
-                   * p.effective_batch for p in plan.phases)
+                   * p.effective_batch for p in plan.segments)
     assert total_samples(plan) == expected < plan.optimizer_steps * plan.effective_batch
 
 

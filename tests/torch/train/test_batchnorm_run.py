@@ -22,7 +22,7 @@ def test_group_and_frozen_accumulate_to_the_large_batch_float64(mode, tmp_path):
     recipe = digits_recipe(SGD, model="cnn-bn", effective=32, steps=3)
     recipe["model"]["batchnorm"] = mode
     plan, summary, ours, data = run_accumulated(recipe, micro_batch=4, tmp_path=tmp_path)
-    assert plan.batchnorm is None and plan.norm.run_batch is None and plan.norm.layers == 3
+    assert plan.batchnorm_warning is None and plan.batchnorm.run_batch is None and plan.batchnorm.layers == 3
     assert summary["batchnorm"]["mode"] == mode and summary["batchnorm"]["run_batch"] is None
     assert not any(name.endswith("num_batches_tracked") for name in ours)  # no BatchNorm left
     assert any(name.endswith("running_mean") for name in ours) == (mode == "frozen")  # frozen keeps its statistics
@@ -72,7 +72,7 @@ def test_cli_frozen_warns_and_records_the_choice(tmp_path, capsys):
     assert "BatchNorm (frozen): 3 BatchNorm layers (known for the built-in cnn-bn) as FrozenBatchNorm2d" in said
     assert "from random weights they are mean 0, variance 1" in said
     saved = yaml.safe_load((out / "plan.yaml").read_text())
-    assert saved["recipe"]["model"]["batchnorm"] == "frozen" and saved["norm"]["paper_mode"] == "keep"
+    assert saved["recipe"]["model"]["batchnorm"] == "frozen" and saved["batchnorm"]["paper_mode"] == "keep"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["batchnorm"]["mode"] == "frozen"
     code, _, err = cli(capsys, "run", out / "plan.yaml", "--out", tmp_path / "again", "--batchnorm", "group")

@@ -113,23 +113,23 @@ def plain_loop(recipe_data: dict, data: dict, batches: list[int], lrs: list[floa
 
 def test_a_phase_with_its_own_schedule_restarts_the_lr():
     p = make_plan(parse_recipe(phases_recipe()), 16, dataset_size=1437)
-    assert p.decay_end_step == 4  # the recipe's schedule ends where the second phase's begins
-    own = p.phases[1].schedule
+    assert p.schedule.decay_end_step == 4  # the recipe's schedule ends where the second phase's begins
+    own = p.segments[1].schedule
     assert (own.start_step, own.end_step, own.warmup_steps, own.lr, own.min_lr) == (4, 9, 2, 0.1, 0.01)
     assert [lr_at(p, s) for s in range(ALL_STEPS)] == pytest.approx([by_hand(s) for s in range(ALL_STEPS)],
                                                                      abs=1e-15)
     # the plan file keeps it, and a plan file written before phases had schedules still loads
     again = parse_plan(yaml.safe_load(plan_to_yaml(p)), "plan.yaml")
-    assert again.phases[1].schedule == own
+    assert again.segments[1].schedule == own
     edited = yaml.safe_load(plan_to_yaml(p))
-    edited["phases"][1]["schedule"] = None
-    with pytest.raises(UserError, match="phases\\[1\\].schedule: the recipe's phase has its own lr / warmup / decay"):
+    edited["segments"][1]["schedule"] = None
+    with pytest.raises(UserError, match="segments\\[1\\].schedule: the recipe's phase has its own lr / warmup / decay"):
         parse_plan(edited, "plan.yaml")
     old = yaml.safe_load(plan_to_yaml(make_plan(parse_recipe(digits({"effective": 64, "phases": [
         {"steps": 4, "effective": 32}, {"effective": 64}]}, 9)), 16, dataset_size=1437)))
-    for phase in old["phases"]:
+    for phase in old["segments"]:
         del phase["schedule"]
-    assert parse_plan(old, "old.yaml").phases[1].schedule is None
+    assert parse_plan(old, "old.yaml").segments[1].schedule is None
 
 
 def test_a_phases_lengths_count_in_its_own_units():
@@ -137,7 +137,7 @@ def test_a_phases_lengths_count_in_its_own_units():
     second = {"effective": 64, "warmup": {"samples": 128}, "decay": {"kind": "linear", "until": {"epochs": 0.1}}}
     recipe = parse_recipe(digits({"effective": 64, "phases": [{"steps": 4, "effective": 32}, second]}, 40))
     p = make_plan(recipe, 16, dataset_size=1437)
-    own = p.phases[1].schedule
+    own = p.segments[1].schedule
     assert own.warmup_steps == 2 and own.decay_end_step == 4 + round(0.1 * (1437 // 64))
     assert own.lr == SGD["lr"]  # no lr of its own: optimizer.lr
     early = parse_recipe(digits({"effective": 64, "phases": [{"steps": 4, "effective": 32}, second]}, 40,
@@ -179,7 +179,7 @@ def test_lr_points_mark_every_change_of_shape():
     assert lr_points(p) == [[s + 1, pytest.approx(by_hand(s), abs=1e-15)] for s in (0, 2, 3, 4, 6, 8)]
     goyal = make_plan(load_recipe("papers/goyal2017-resnet50.yaml"), 32)
     points = dict((step, lr) for step, lr in lr_points(goyal))
-    warm, (first, *_) = goyal.warmup_steps, goyal.decay_milestones
+    warm, (first, *_) = goyal.warmup_steps, goyal.schedule.decay_milestones
     assert points[1] == pytest.approx(0.1) and points[warm + 1] == pytest.approx(3.2)
     assert points[first] == pytest.approx(3.2) and points[first + 1] == pytest.approx(0.32)  # both sides of a drop
     assert max(points) == goyal.optimizer_steps
@@ -203,9 +203,9 @@ def test_gpt3_steps_do_not_depend_on_the_micro_batch():
     recipe = load_recipe("papers/brown2020-gpt3-small.yaml")
     plans = [make_plan(recipe, m) for m in (1, 16, 256)]
     assert len({p.optimizer_steps for p in plans}) == 1 and len({p.warmup_steps for p in plans}) == 1
-    ramps = [[(ph.start_step, ph.effective_batch) for ph in p.phases] for p in plans]
+    ramps = [[(ph.start_step, ph.effective_batch) for ph in p.segments] for p in plans]
     assert ramps[0] == ramps[1] == ramps[2] and len(ramps[0]) > 200  # the ramp is followed even at m = 256
-    first = plans[2].phases[0]
+    first = plans[2].segments[0]
     assert (first.micro_batch, first.accumulation_steps, first.effective_batch) == (16, 1, 16)  # one smaller one
 
 
@@ -213,14 +213,14 @@ def test_ramp_granularity_is_the_recipes():
     data = load_recipe("papers/brown2020-gpt3-small.yaml").model_dump(mode="json", exclude_none=True)
     data["batch"]["ramp"]["granularity"] = 8 * 2048  # 8 sequences
     p = make_plan(parse_recipe(data), 4, world_size=2)
-    assert all(ph.effective_batch % 8 == 0 for ph in p.phases[:-1])
+    assert all(ph.effective_batch % 8 == 0 for ph in p.segments[:-1])
     with pytest.raises(UserError, match="`world_size`: 3 processes cannot share batch.ramp.granularity"):
         make_plan(parse_recipe(data), 4, world_size=3)
 
 
 def test_vit_plans_to_whole_steps_and_a_missing_train_size_is_one_line(tmp_path, capsys):
     p = make_plan(load_recipe("papers/dosovitskiy2021-vit-b16.yaml"), 64)
-    assert p.optimizer_steps == 90 * (14_000_000 // 4096) and p.decay_end_step == p.optimizer_steps
+    assert p.optimizer_steps == 90 * (14_000_000 // 4096) and p.schedule.decay_end_step == p.optimizer_steps
     data = yaml.safe_load(open("papers/dosovitskiy2021-vit-b16.yaml"))
     del data["data"]["train_size"]
     path = tmp_path / "vit.yaml"
@@ -244,7 +244,7 @@ def test_plateau_decides_as_torchs_reduce_lr_on_plateau(options):
     decay = {"kind": "plateau", "metric": "eval_loss", "factor": 0.1, **options}
     recipe = parse_recipe(digits({"effective": 64}, 100, {"decay": decay}, {"every_steps": 1}))
     planned = make_plan(recipe, 16, dataset_size=1437)
-    ours = Plateau(planned.recipe.schedule.decay, planned.lr, planned.min_lr)
+    ours = Plateau(planned.recipe.schedule.decay, planned.lr, planned.schedule.min_lr)
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=SGD["lr"])
     theirs = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, **{"factor": 0.1, **options})
     rng = random.Random(0)
@@ -398,10 +398,10 @@ def test_a_ramp_is_the_same_whatever_the_micro_batch(start, micro, world, length
                            "data": {"name": "text", "available": False}, "optimizer": {"name": "adamw", "lr": 1e-4},
                            "schedule": {"total": {"samples": 100000}, "warmup": {"samples": 3000}}})
     small, large = make_plan(recipe, 1, world_size=world), make_plan(recipe, micro, world_size=world)
-    assert [(p.start_step, p.steps, p.effective_batch) for p in small.phases] == [
-        (p.start_step, p.steps, p.effective_batch) for p in large.phases]
+    assert [(p.start_step, p.steps, p.effective_batch) for p in small.segments] == [
+        (p.start_step, p.steps, p.effective_batch) for p in large.segments]
     assert (small.optimizer_steps, small.warmup_steps) == (large.optimizer_steps, large.warmup_steps)
-    for phase in large.phases[:-1]:  # whole windows: micro-batches of the main one, the last one smaller
+    for phase in large.segments[:-1]:  # whole windows: micro-batches of the main one, the last one smaller
         share = phase.effective_batch // world
         assert phase.micro_batch == min(large.micro_batch, share)
         count = phase.accumulation_steps

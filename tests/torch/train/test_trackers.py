@@ -118,7 +118,7 @@ def wandb_history(out: Path) -> list[dict]:
     return [items(r.history.item) for r in wandb_records(out) if r.WhichOneof("record_type") == "history"]
 
 
-def the_plan(recipe_path=DIGITS):
+def digits_plan(recipe_path=DIGITS):
     from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import load_recipe
 
@@ -148,7 +148,7 @@ def run(out: Path, names: list[str], reporter=None, backends=None, **options) ->
 
     reporter = reporter or Quiet()
     with TrackerReporter(reporter, names, out, backends=backends) as tracked:
-        return train(the_plan(), out, RunOptions(device="cpu", reporter=tracked, **options))
+        return train(digits_plan(), out, RunOptions(device="cpu", reporter=tracked, **options))
 
 
 def test_mlflow_wandb_and_tensorboard_get_every_step_of_a_real_run(tmp_path, offline, one_thread):
@@ -171,7 +171,8 @@ def test_mlflow_wandb_and_tensorboard_get_every_step_of_a_real_run(tmp_path, off
     assert found.info.status == "FINISHED" and found.info.run_name == "run"
     params = found.data.params
     assert params["arithmetic"] == "64 x 4 x 1 = 256" and params["lr_rule"] == "exact"
-    assert params["recipe.optimizer.lr"] == "0.2" and params["plan.optimizer_steps"] == str(the_plan().optimizer_steps)
+    assert params["recipe.optimizer.lr"] == "0.2"
+    assert params["plan.schedule.end_step"] == str(digits_plan().optimizer_steps)  # the plan file's parts
     for field in ("loss", "lr", "grad_norm", "samples", "seconds", "noise_scale", "eval_accuracy"):
         history = client.get_metric_history(found.info.run_id, field)
         assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r[field]))

@@ -1,0 +1,125 @@
+"""The plan's flat view: the fields of a `reproduce-plan/1` file, one level deep.
+
+Pure Python, no torch. `reproduce-plan/2` stores the plan as its parts (planner.Plan: the split, the LR rule, the
+schedule, the segments); `plan --json`, which CI pipelines read, keeps the flat field names and order of
+`reproduce-plan/1`: `flat_fields(plan)` writes them from the parts. `parts_from_flat(data)` is the other way, for a
+`reproduce-plan/1` file (a run folder written before the parts): its fields as the parts `Plan` validates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .planner import Plan
+
+FLAT_FORMAT = "reproduce-plan/1"  # the flat view's field names and order are the first plan format's
+FLAT_FIELDS = (  # its keys, in order: what `plan --json` shows and a plan check's `expect` may name
+    "format", "recipe_path", "policy", "micro_batch_max", "micro_batch", "accumulation_steps", "world_size", "unit",
+    "effective_batch", "effective_tokens", "paper_effective_batch", "exact", "batch_factor", "base_lr", "lr",
+    "lr_factor", "lr_rule", "lr_rule_source", "adam_option", "dataset_size", "steps_per_epoch", "partial_window",
+    "optimizer_steps", "warmup_steps", "warmup_start_lr", "decay_kind", "decay_milestones", "decay_factor",
+    "decay_end_step", "min_lr", "batchnorm", "norm", "alternative", "warnings", "phases", "throughput", "memory",
+    "weights", "data_fingerprint",
+)
+
+
+def flat_fields(plan: Plan) -> dict[str, Any]:
+    """The plan as JSON in `reproduce-plan/1`'s fields and order, without the recipe."""
+    split, schedule, scaling = plan.split, plan.schedule, plan.lr_scaling
+
+    def dump(value: Any) -> Any:
+        return None if value is None else value.model_dump(mode="json")
+
+    return {
+        "format": FLAT_FORMAT,
+        "recipe_path": plan.recipe_path,
+        "policy": plan.policy,
+        "micro_batch_max": plan.micro_batch_max,
+        "micro_batch": split.micro_batch,
+        "accumulation_steps": split.accumulation_steps,
+        "world_size": split.world_size,
+        "unit": plan.unit,
+        "effective_batch": split.effective_batch,
+        "effective_tokens": plan.effective_tokens,
+        "paper_effective_batch": plan.paper_effective_batch,
+        "exact": split.exact,
+        "batch_factor": split.batch_factor,
+        "base_lr": plan.recipe.optimizer.lr,
+        "lr": split.lr,
+        "lr_factor": split.lr_factor,
+        "lr_rule": scaling.rule,
+        "lr_rule_source": scaling.source,
+        "adam_option": dump(scaling.adam_option),
+        "dataset_size": plan.dataset_size,
+        "steps_per_epoch": plan.steps_per_epoch,
+        "partial_window": plan.partial_window,
+        "optimizer_steps": schedule.end_step,
+        "warmup_steps": schedule.warmup_steps,
+        "warmup_start_lr": schedule.warmup_start_lr,
+        "decay_kind": schedule.decay_kind,
+        "decay_milestones": list(schedule.decay_milestones),
+        "decay_factor": schedule.decay_factor,
+        "decay_end_step": schedule.decay_end_step,
+        "min_lr": schedule.min_lr,
+        "batchnorm": plan.batchnorm_warning,
+        "norm": dump(plan.batchnorm),
+        "alternative": dump(plan.alternative),
+        "warnings": list(plan.warnings),
+        "phases": [segment.model_dump(mode="json") for segment in plan.segments] if plan.has_phases else [],
+        "throughput": plan.throughput,
+        "memory": list(plan.memory_notes),
+        "weights": dump(plan.weights),
+        "data_fingerprint": plan.data_fingerprint,
+    }
+
+
+def parts_from_flat(data: dict[str, Any]) -> dict[str, Any]:
+    """A `reproduce-plan/1` file's fields as `reproduce-plan/2`'s parts; what is missing or wrong is left for
+    `Plan`'s validation (and planfile.check_plan) to name. The v1 fields that the parts derive from the recipe
+    (unit, effective_tokens, paper_effective_batch, base_lr) are not kept: `Plan` reads them from its recipe."""
+    given = data.get("recipe")
+    recipe: dict[str, Any] = given if isinstance(given, dict) else {}
+    decay = (recipe.get("schedule") or {}).get("decay") or {}
+    policy = data.get("policy")
+    split = {key: data.get(key) for key in ("micro_batch", "accumulation_steps", "world_size", "effective_batch",
+                                             "exact", "batch_factor", "lr", "lr_factor")}
+    split["policy"] = "fast" if policy == "fast" else "exact"
+    schedule = {
+        "start_step": 0, "end_step": data.get("optimizer_steps"), "lr": data.get("lr"),
+        "warmup_steps": data.get("warmup_steps"), "warmup_start_lr": data.get("warmup_start_lr"),
+        "decay_kind": data.get("decay_kind"), "decay_milestones": data.get("decay_milestones", []),
+        "decay_factor": data.get("decay_factor"), "decay_end_step": data.get("decay_end_step"),
+        "min_lr": data.get("min_lr"), "power": decay.get("power", 1.0),
+    }
+    phases = data.get("phases") or []
+    segments = phases or [{
+        "kind": "whole", "start_step": 0, "micro_batch_max": data.get("micro_batch_max"),
+        "micro_batch": split["micro_batch"], "accumulation_steps": split["accumulation_steps"],
+        "effective_batch": split["effective_batch"], "paper_effective_batch": data.get("paper_effective_batch"),
+        "sequence_length": (recipe.get("batch") or {}).get("sequence_length"), "exact": split["exact"],
+        "lr_factor": split["lr_factor"], "dataset_size": data.get("dataset_size"),
+        "steps_per_epoch": data.get("steps_per_epoch"),
+    }]
+    return {
+        "format": "reproduce-plan/2",
+        "recipe_path": data.get("recipe_path"),
+        "recipe": data.get("recipe"),
+        "policy": policy,
+        "micro_batch_max": data.get("micro_batch_max"),
+        "split": split,
+        "alternative": data.get("alternative"),
+        "lr_scaling": {"rule": data.get("lr_rule"), "source": data.get("lr_rule_source"),
+                       "adam_option": data.get("adam_option")},
+        "dataset_size": data.get("dataset_size"),
+        "steps_per_epoch": data.get("steps_per_epoch"),
+        "partial_window": data.get("partial_window"),
+        "schedule": schedule,
+        "segments": segments,
+        "batchnorm": data.get("norm"),
+        "batchnorm_warning": data.get("batchnorm"),
+        "warnings": data.get("warnings", []),
+        "throughput": data.get("throughput"),
+        "memory_notes": data.get("memory", []),
+        "weights": data.get("weights"),
+        "data_fingerprint": data.get("data_fingerprint"),
+    }
