@@ -23,9 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from reproduce.hardware.catalog import lookup  # noqa: E402
 from reproduce.plan.overlay import Change, overlay  # noqa: E402
 from reproduce.plan.recipe import load_recipe, parse_recipe  # noqa: E402
-from reproduce.probe.catalog import lookup  # noqa: E402
 from reproduce.probe.fake_step import run_fake_step  # noqa: E402
 from reproduce.probe.gpu_like import GpuKind  # noqa: E402
 from reproduce.probe.meters import CpuMeter  # noqa: E402

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from reproduce.errors import UserError
+from reproduce.hardware.catalog import lookup
 from reproduce.plan.overlay import Change, overlay
 from reproduce.plan.recipe import load_recipe
-from reproduce.probe.catalog import lookup
 from reproduce.probe.runner import ProbeOptions, run_probe
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"

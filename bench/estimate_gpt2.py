@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+from reproduce.hardware.catalog import lookup  # noqa: E402
 from reproduce.plan.recipe import parse_recipe  # noqa: E402
-from reproduce.probe.catalog import lookup  # noqa: E402
 from reproduce.probe.fake_step import run_fake_step  # noqa: E402
 from reproduce.probe.gpu_like import GpuKind  # noqa: E402
 from reproduce.probe.meters import CUBLAS_WORKSPACE, ESTIMATE_MARGIN  # noqa: E402

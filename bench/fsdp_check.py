@@ -37,9 +37,9 @@ from reproduce.probe.fake_step import block_sizes, run_fake_step  # noqa: E402
 from reproduce.probe.sharded_memory import Blocks, mixed_precision_step, sharded_peak  # noqa: E402
 from reproduce.probe.tracker import MemoryTracker, rounded  # noqa: E402
 from reproduce.probe.workload import Workload  # noqa: E402
-from reproduce.train.fsdp import shard_units  # noqa: E402
+from reproduce.train.distributed.fsdp import shard_units  # noqa: E402
 from reproduce.train.losses import build_loss  # noqa: E402
-from reproduce.train.optim import build_optimizer  # noqa: E402
+from reproduce.train.optim.optimizers import build_optimizer  # noqa: E402
 
 RECIPES = {
     "tiny": {  # the test's case (tests/torch/probe/test_sharded_memory.py runs it): seconds
@@ -84,7 +84,7 @@ def fsdp_peak(recipe, workload: Workload, world: int, micro_batch: int, window: 
             torch.manual_seed(0)
             model = build_model(recipe, workload.data.info)
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            for block in reversed(shard_units(model)):  # the units `reproduce run` shards (train/fsdp.py)
+            for block in reversed(shard_units(model)):  # the units `reproduce run` shards (train/distributed/fsdp.py)
                 fully_shard(block, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
             optimizer = build_optimizer(workload.plan, model)

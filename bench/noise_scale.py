@@ -43,11 +43,11 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from reproduce.data import build_data  # noqa: E402
 from reproduce.data.batches import LazyMicroBatch  # noqa: E402
+from reproduce.observe import noise as noise_module  # noqa: E402
 from reproduce.plan.planner import make_plan  # noqa: E402
 from reproduce.plan.recipe import load_recipe, parse_recipe  # noqa: E402
 from reproduce.plan.units import format_size  # noqa: E402
 from reproduce.probe.tracker import MemoryTracker  # noqa: E402
-from reproduce.train import noise as noise_module  # noqa: E402
 from reproduce.train.setup import build  # noqa: E402
 from reproduce.train.step import optimizer_step  # noqa: E402
 from reproduce.train.trainer import RunOptions, read_metrics, train  # noqa: E402

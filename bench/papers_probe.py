@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from reproduce.errors import DoesNotFit, UserError
+from reproduce.hardware.catalog import lookup
 from reproduce.models import build_model, count_parameters
 from reproduce.plan.recipe import load_recipe
 from reproduce.plan.units import format_count, format_size
-from reproduce.probe.catalog import lookup
 from reproduce.probe.runner import ProbeOptions, run_probe
 from reproduce.probe.workload import synthetic_data
 from reproduce.session import plan_and_probe

@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from reproduce.data import build_data
+from reproduce.observe.outputs import read_metrics
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import Evaluation, load_recipe
-from reproduce.timing.throughput import exact_splits
-from reproduce.train.outputs import read_metrics
+from reproduce.throughput.splits import exact_splits
 from reproduce.train.trainer import RunOptions, train
 
 CASES = {"gpt": "papers/pysource-gpt.yaml", "mlp": "papers/digits-mlp.yaml"}

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from reproduce.observe.trackers import TrackerReporter
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe
-from reproduce.train.trackers import TrackerReporter
 from reproduce.train.trainer import RunOptions, SilentReporter, train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from reproduce.train.large_batch import LAMB, LARS
+from reproduce.train.optim.large_batch import LAMB, LARS
 
 STEPS = 3
 

@@ -110,8 +110,8 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
         micro_batch_max = result.micro_batch_max
         recipe = with_probed_budget(recipe, result.token_budget)  # sorted: T measured in tokens (probe/tokens.py)
         note(probe_line(result))
-    if policy == "throughput":  # the exact splits timed, the fastest taken (timing/throughput_plan.py)
-        from .timing.throughput_plan import throughput_plan
+    if policy == "throughput":  # the exact splits timed, the fastest taken (throughput/policy.py)
+        from .throughput.policy import throughput_plan
 
         chosen = throughput_plan(recipe, recipe_path, micro_batch_max, world_size, dataset_size, result, data=data,
                                  keep_batchnorm=keep_batchnorm, gpu=probe.gpu if probe else None, on_note=note)
@@ -366,7 +366,7 @@ def checked_run(request: RunRequest, processes: int, resume: bool) -> tuple[Reci
     recipe, plan = recipe_for_run(request.source, changes_of(request.overrides), request.changes, resume=resume,
                                       out=request.out)
     if recipe.model.batchnorm == "sync":  # refused before anything is built or launched: one process, or no CUDA
-        from .train.distributed import World
+        from .train.distributed.processes import World
         from .train.setup import check_batchnorm, resolve_device
 
         check_batchnorm("sync", World(size=processes), resolve_device(request.device))
@@ -389,7 +389,7 @@ def prepare_run(request: RunRequest, world: Any, resume: bool, probe: ProbeOptio
     world_size = world.size if world.distributed else request.world_size
     micro_batch_max: int | dict | None = request.micro_batch_max
     if plan is None and world.distributed and micro_batch_max is None:
-        from .train import distributed
+        from .train.distributed import processes as distributed
         from .train.setup import resolve_device
 
         rank_device = distributed.init(world, resolve_device(request.device))

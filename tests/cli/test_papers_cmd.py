@@ -93,7 +93,7 @@ def test_invalid_recipe_is_listed_not_fatal(tmp_path, capsys):
         ({"data": {"name": "imagenet", "available": False}}, "data imagenet not available"),
         ({"data": {"name": "imagenet", "format": "imagefolder", "available": False}},
          "imagefolder data imagenet not on this machine (reproduce run --data PATH)"),
-        ({"optimizer": {"name": "lars", "lr": 0.1}}, ""),  # runs: reproduce.train.large_batch
+        ({"optimizer": {"name": "lars", "lr": 0.1}}, ""),  # runs: reproduce.train.optim.large_batch
         ({"model": {"hf": "/no/such/model"}}, None),  # transformers missing, or the model is not here
         ({"model": {"factory": "factories:tiny_gpt"}}, ""),
     ],

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from helpers import cli, cli_json
+from reproduce.hardware.catalog import CONTEXT_BYTES, GPUS, lookup
 from reproduce.plan.recipe import load_recipe
-from reproduce.probe.catalog import CONTEXT_BYTES, GPUS, lookup
 from reproduce.probe.runner import ProbeOptions
 from reproduce.session import plan_and_probe
 

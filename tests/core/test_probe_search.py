@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reproduce.probe.cost import cost, format_duration, micro_step_seconds
 from reproduce.probe.search import MAX_GUIDED, Measurement, fit_line, search
+from reproduce.throughput.cost import cost, format_duration, micro_step_seconds
 
 GRANULE = 512
 
@@ -58,8 +58,8 @@ def bound(cap: int) -> int:
 @pytest.mark.subprocess
 def test_search_imports_no_torch():
     code = (
-        "import sys, reproduce.probe.search, reproduce.probe.catalog, reproduce.probe.cache, "
-        "reproduce.probe.cost, reproduce.probe.runner; print('torch' in sys.modules)"
+        "import sys, reproduce.probe.search, reproduce.hardware.catalog, reproduce.probe.cache, "
+        "reproduce.throughput.cost, reproduce.probe.runner; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -19,11 +19,11 @@ import pytest
 import yaml
 
 from helpers import cli, snapshot
+from reproduce.observe.divergence import DivergenceWatch
+from reproduce.observe.noise import MIN_VERDICT_STEPS, summarise
+from reproduce.observe.outputs import read_metrics
 from reproduce.plan.recipe import parse_recipe
 from reproduce.plan.reported import compare_reported, reported_line
-from reproduce.train.divergence import DivergenceWatch
-from reproduce.train.noise import MIN_VERDICT_STEPS, summarise
-from reproduce.train.outputs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -147,7 +147,7 @@ def test_a_damaged_metrics_file_never_blocks_a_resume(how, whole, tmp_path, caps
 
 def test_reading_a_garbled_metrics_line_names_it(tmp_path):
     from reproduce.errors import UserError
-    from reproduce.train.outputs import read_metrics
+    from reproduce.observe.outputs import read_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "lo\n')

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from reproduce.train.loss_plot import BOTTOM, HEIGHT, LEFT, RIGHT, TOP, WIDTH, loss_svg, nice_ticks
-from reproduce.train.outputs import plot_metrics
+from reproduce.observe.loss_plot import BOTTOM, HEIGHT, LEFT, RIGHT, TOP, WIDTH, loss_svg, nice_ticks
+from reproduce.observe.outputs import plot_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 SVG = "{http://www.w3.org/2000/svg}"

@@ -245,7 +245,7 @@ class Runner:
             import matplotlib.pyplot as plt
         except ImportError:
             return None, "no plot: matplotlib is not installed (pip install 'reproduce-large-batch[plots]')"
-        from ..train.outputs import read_metrics
+        from ..observe.outputs import read_metrics
 
         figure, axis = plt.subplots(figsize=(7, 4))
         key = check.metric

@@ -2,7 +2,7 @@
 
 One row per recipe: the devices and the device the paper names, its per-device batch and accumulation, the
 effective batch, sharding, and what the estimate meter can do with that device (`--gpu` reads the same names:
-probe/catalog.py). docs/papers.md holds the Markdown of this table; a test keeps the two equal, so the table lists
+hardware/catalog.py). docs/papers.md holds the Markdown of this table; a test keeps the two equal, so the table lists
 every recipe and cannot go stale. No torch: only the recipes and the GPU catalog are read.
 
 `--estimate` adds what the estimate meter measures on each paper's own device (minutes: it probes every paper
@@ -19,8 +19,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UserError
+from ..hardware.catalog import lookup
 from ..plan.recipe import Recipe, load_recipe
-from ..probe.catalog import lookup
 from .common import is_terminal, stdout
 from .flags import as_typed
 

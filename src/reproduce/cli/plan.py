@@ -19,10 +19,10 @@ from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
 from ..plan.segments import batch_phases
 from ..session import packing_table, parameter_counts, plan_and_probe, planned_data_size, recipe_for_plan
 from ..shipped import described
-from ..timing.plan_cost import cost_lines, costs_json, plan_costs
-from ..timing.predicted_time import predict
-from ..timing.prediction import DEFAULT_MFU
-from ..timing.throughput_plan import check_mfu
+from ..throughput.plan_cost import cost_lines, costs_json, plan_costs
+from ..throughput.policy import check_mfu
+from ..throughput.predicted_time import predict
+from ..throughput.prediction import DEFAULT_MFU
 from .app import app
 from .common import parameters_line, recipe_argument, show_note, stderr, stdout, token_budget_text
 from .options import (

@@ -13,7 +13,7 @@ from ..plan.units import format_size
 from ..probe.runner import ProbeResult, ProbeTrial, run_probe
 from ..probe.search import Measurement
 from ..session import does_not_fit, recipe_for_plan
-from ..timing.plan_cost import cost_lines, costs_json, plan_costs
+from ..throughput.plan_cost import cost_lines, costs_json, plan_costs
 from .app import app
 from .common import recipe_argument, stderr, stdout, token_budget_text
 from .options import (

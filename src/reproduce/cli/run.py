@@ -17,14 +17,14 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..errors import UserError
+from ..observe.outputs import check_out_dir
+from ..observe.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from ..plan.launch import node_range
 from ..plan.phases import phase_lines
 from ..plan.planner import Plan
 from ..plan.reported import reported_line
 from ..session import RunRequest, check_launch_policy, checked_run, prepare_run
 from ..storage import lock
-from ..train.outputs import check_out_dir
-from ..train.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from .app import app
 from .common import is_terminal, loss_text, parameters_line, recipe_argument, show_note, stderr, stdout
 from .flags import request_flags
@@ -109,7 +109,7 @@ class PlainReporter:
             + ("" if plan.exact else f", not the paper's {plan.paper_effective_batch}: lr {plan.lr:.6g} "
                f"({plan.lr_scaling.rule})")
         )
-        if plan.throughput:  # --policy throughput: why this split (timing/throughput_plan.py)
+        if plan.throughput:  # --policy throughput: why this split (throughput/policy.py)
             stdout.print(f"--policy throughput: {plan.throughput['reason']}", markup=False, soft_wrap=True)
             line = cost_line(plan.throughput)
             if line:
@@ -146,7 +146,7 @@ class PlainReporter:
         rate = ""
         if record.get("useful_tokens_per_second"):  # variable-length text: tokens that are not padding
             rate = f" {record['useful_tokens_per_second']:,.0f} useful tokens/s"
-        elif record.get("tokens_per_second") or record.get("samples_per_second"):  # this step's (train/rates.py)
+        elif record.get("tokens_per_second") or record.get("samples_per_second"):  # this step's (observe/rates.py)
             rate = (f" {record['tokens_per_second']:,.0f} tokens/s" if record.get("tokens_per_second")
                     else f" {record['samples_per_second']:,.0f} samples/s")
         print(line + rate + f" ({time.perf_counter() - self.started:.1f}s)", flush=True)
@@ -181,7 +181,7 @@ class RichReporter(PlainReporter):
     def step(self, record: dict) -> None:
         self.samples += record["samples"]
         rate = (record.get("tokens_per_second") or record.get("useful_tokens_per_second")
-                or record.get("samples_per_second") or 0)  # this step's (rates.py)
+                or record.get("samples_per_second") or 0)  # this step's (observe/rates.py)
         self.progress.update(self.task, advance=1, loss=loss_text(record['loss']), rate=f"{rate:,.0f}")
 
     def message(self, text: str) -> None:
@@ -275,7 +275,7 @@ def starting(request: RunRequest, world: Any, launching: bool) -> tuple[bool, bo
 
 def launch(request: RunRequest, world: Any) -> int:
     """`--nproc-per-node`: the run's checks here, then torchrun starting this command in each process."""
-    from ..train import distributed
+    from ..train.distributed import processes as distributed
 
     _, nodes = node_range(request.nnodes)
     if nodes > 1 and request.rdzv_endpoint is None:
@@ -357,7 +357,7 @@ def run_command(
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     request = run_request(dict(locals()))
-    from ..train import distributed  # torch is imported only by the commands that train
+    from ..train.distributed import processes as distributed  # torch is imported only by the commands that train
     from ..train.trainer import RunOptions, train
 
     check_trackers(request.log_to)  # a missing package: one line, before anything is planned or trained
@@ -381,7 +381,7 @@ def run_command(
             return
         parameters = counted_parameters(prepared.plan, prepared.data)
         reporter = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings, parameters=parameters)
-        # metrics.jsonl stays the source of truth; the trackers get the same numbers (train/trackers.py)
+        # metrics.jsonl stays the source of truth; the trackers get the same numbers (observe/trackers.py)
         with TrackerReporter(reporter, request.log_to, out) as reporter:
             summary = train(prepared.plan, out, options.replace(reporter=reporter))
     show_end(summary, out, skip_nonfinite)

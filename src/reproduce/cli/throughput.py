@@ -1,5 +1,5 @@
 """How `reproduce plan` shows the throughput policy's decision and the predicted time (rendering only: the decision
-is reproduce/timing/throughput_plan.py, the prediction reproduce/timing/predicted_time.py)."""
+is reproduce/throughput/policy.py, the prediction reproduce/throughput/predicted_time.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from rich.table import Table
 
 from ..plan.launch import GPUS_PER_NODE, node_split
 from ..plan.planner import Plan
-from ..probe.cost import format_duration
+from ..throughput.cost import format_duration
 from .common import stdout
 
 FREE_BATCHNORM_HELP = (

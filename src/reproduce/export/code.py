@@ -120,6 +120,7 @@ def no_torch_optimizer_note(plan: Plan) -> str | None:
     name = plan.recipe.optimizer.name
     if name in ("lamb", "lars"):
         return (f"{name}: PyTorch has no {name.upper()} optimizer; reproduce's own is "
-                f"reproduce.train.large_batch.{name.upper()} (parameter groups from reproduce.train.optim.param_groups "
+                f"reproduce.train.optim.large_batch.{name.upper()} (parameter groups from "
+                f"reproduce.train.optim.optimizers.param_groups "
                 f"with layer_adaptation=True), at lr {plan.lr:.6g}")
     return None

@@ -102,7 +102,7 @@ def model_notes(plan: Plan) -> list[str]:
 
 def memory_notes(plan: Plan) -> list[str]:
     """The memory knobs of the recipe (reproduce/plan/memory_options.py), with the code that sets them as
-    `reproduce run` does (models/checkpointing.py, train/fsdp.py)."""
+    `reproduce run` does (models/checkpointing.py, train/distributed/fsdp.py)."""
     recipe, notes = plan.recipe, []
     if recipe.model.activation_checkpointing:
         notes.append(

@@ -8,7 +8,7 @@ position 2047 for LLaMA-7B's frequencies), BERT's position ids int64. Any other 
 `model.lora` freezes them and adds low-rank adapters (peft's `get_peft_model`), which peft keeps in float32
 (`model.lora.dtype: bf16` casts them, as QLoRA does);
 `model.quantize` stores the frozen linear layers in int8 or nf4 first (models/quantize.py).
-The optimizer sees only what trains (`train/optim.py` takes parameters that require a gradient).
+The optimizer sees only what trains (`train/optim/optimizers.py` takes parameters that require a gradient).
 """
 
 from __future__ import annotations

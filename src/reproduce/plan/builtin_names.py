@@ -27,7 +27,8 @@ TORCH_MODELS = ("nanogpt",)  # written here in torch alone (reproduce.models.nan
 MODELS = SMALL_MODELS + TORCHVISION_MODELS + SEGMENTATION_MODELS + TRANSFORMERS_MODELS + TORCH_MODELS
 LOSSES = ("mae-masked-pixel-mse", "bert-mlm-nsp")
 DATA = ("digits", "pysource", "pysource-pairs", "text-pairs")
-TORCH_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "adafactor", "lars", "lamb")  # lars, lamb: train/large_batch.py
+# lars, lamb: train/optim/large_batch.py
+TORCH_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "adafactor", "lars", "lamb")
 
 
 def _module_found(spec: str) -> bool:

@@ -3,7 +3,7 @@
 - `model.activation_checkpointing` (`--activation-checkpointing`): each block's activations recomputed in backward
   (models/checkpointing.py);
 - `batch.sharded_gradients` (`--sharded-gradients`): under FSDP2, the gradients reduce-scattered after every
-  micro-batch, so no rank ever holds the whole model's gradients (train/fsdp.py);
+  micro-batch, so no rank ever holds the whole model's gradients (train/distributed/fsdp.py);
 - `batch.offload` (`--offload cpu`): under FSDP2, parameters, gradients and optimizer state kept in CPU memory
   (CPUOffloadPolicy).
 

@@ -69,7 +69,7 @@ class Plan(Frozen):
     batchnorm: BatchNormPlan | None = None  # BatchNorm: the run's BN batch against the paper's, and the options
     batchnorm_warning: str | None = None  # the warning when BatchNorm's batch is not the paper's
     warnings: list[str] = []
-    # policy throughput: the exact splits timed and why the micro-batch was chosen (throughput_plan.py)
+    # policy throughput: the exact splits timed and why the micro-batch was chosen (throughput/policy.py)
     throughput: dict[str, Any] | None = None
     # the memory knobs the plan took (activation checkpointing, sharded gradients), or the ways it weighed, and why
     memory_notes: list[str] = []
@@ -160,7 +160,7 @@ def make_plan(
     With batch phases the micro-batch that fits, and the training samples, depend on the sequence length: both may
     be given per length ({sequence_length: value}); a single number holds for every length. Policy `throughput` is
     `exact` with the micro-batch `micro_batch` (the exact split the throughput search chose,
-    reproduce/timing/throughput.py) when given, else the largest. `batchnorm_layers`: the BatchNorm layers the torch
+    reproduce/throughput/splits.py) when given, else the largest. `batchnorm_layers`: the BatchNorm layers the torch
     layer counted in the built model (built-ins are known without it; otherwise the recipe's label stands in).
 
     `data.packing` left unset takes the data's default (`recipe.default_packing`), written into the plan's recipe

@@ -17,7 +17,7 @@ SHARDINGS = ("none", "fsdp")
 # (on FSDP2's sharded DTensors its in-place updates fail: "in-place operations that require placement changes are
 # not supported"); LARS and LAMB scale each parameter by the ratio of whole-tensor norms.
 SHARDABLE_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lars", "lamb")  # lars, lamb: whole-tensor norms
-# over the shards (train/large_batch.py)
+# over the shards (train/optim/large_batch.py)
 
 
 def check_sharding(recipe: Recipe, processes: int) -> None:

@@ -84,7 +84,7 @@ def lora_targets(model: torch.nn.Module) -> list[str]:
         kind = getattr(getattr(module, "config", None), "model_type", None)
         if kind in table:
             return list(table[kind])
-    from ..train.fsdp import shard_units
+    from ..train.distributed.fsdp import shard_units
 
     return sorted({name for block in shard_units(model) for name, layer in block.named_modules()  # names as peft
                    if isinstance(layer, torch.nn.Linear)})  # matches them: a module's name ends with one

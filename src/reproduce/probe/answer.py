@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..errors import UserError
+from ..hardware.catalog import CONTEXT_BYTES
 from ..plan.recipe import Recipe
 from ..plan.units import available_host_memory, format_count
-from .catalog import CONTEXT_BYTES
 from .fake_step import run_fake_step
 from .gpu_like import GpuKind
 from .runner import ProbeOptions, resolve_budget

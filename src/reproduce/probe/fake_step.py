@@ -35,7 +35,7 @@ from ..models import build_model
 from ..models.offload import host
 from ..plan.planner import Plan
 from ..train.losses import build_loss
-from ..train.optim import build_optimizer
+from ..train.optim.optimizers import build_optimizer
 from .gpu_like import UNSEEN_ACTIVATIONS, GpuKind, as_on_gpu, kernel_workspaces
 from .sharded_memory import StepMemory
 from .tracker import ACTIVATIONS, GRADIENTS, OPTIMIZER, WEIGHT_COPIES, WEIGHTS, MemoryTracker, rounded
@@ -179,9 +179,9 @@ def unpacked_sequences() -> Iterator[None]:
 
 def block_sizes(model: nn.Module) -> tuple[int, tuple[int, ...]]:
     """(parameters in no unit, parameters of each unit) for the units FSDP wraps one by one (`reproduce run`'s own
-    choice, `train.fsdp.shard_units`: transformer blocks, residual blocks); a unit's own parameters, not those of
-    a unit inside it (sharded first), and a shared parameter once."""
-    from ..train.fsdp import shard_units
+    choice, `train.distributed.fsdp.shard_units`: transformer blocks, residual blocks); a unit's own parameters,
+    not those of a unit inside it (sharded first), and a shared parameter once."""
+    from ..train.distributed.fsdp import shard_units
 
     counted: set[int] = set()
     sizes = []

@@ -55,9 +55,9 @@ def count_flops(recipe, data_info: dict | None, batch: tuple, capability: tuple[
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
+    from ..hardware.catalog import DEFAULT_CAPABILITY
     from ..models import build_model
     from ..train.losses import build_loss
-    from .catalog import DEFAULT_CAPABILITY
     from .fake_step import materialize, unpacked_sequences
     from .gpu_like import GpuKind, as_on_gpu
 

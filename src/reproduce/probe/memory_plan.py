@@ -18,7 +18,7 @@ from ..plan.planner import make_plan
 from ..plan.recipe import Recipe
 from ..plan.split import split_text
 from ..plan.units import format_size
-from .cost import cost
+from ..throughput.cost import cost
 from .memory_ways import CHECKPOINTING, RECOMPUTE_COST, REDUCE_COST, describe, plan_memory_change
 from .runner import ProbeResult
 from .way_out import changed_recipe

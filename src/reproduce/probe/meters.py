@@ -30,7 +30,7 @@ recipe's or ours, and is raised), then everything it allocated is freed before t
   `gpu_like.UNSEEN_ACTIVATIONS` (25%) of the activations live at each moment, added inside the fake step (the
   published peaks that set it: bench/published_memory.py); then the allocator's 2 MiB/20 MiB segments and
   fragmentation, `ESTIMATE_MARGIN` (5%) of the peak, and the cuBLAS/cuBLASLt workspaces (8 MiB + 1 to 32 MiB
-  by architecture) are added to every estimate; the CUDA context is outside the budget (catalog.py). fp16's
+  by architecture) are added to every estimate; the CUDA context is outside the budget (hardware/catalog.py). fp16's
   GradScaler is left out (its state is a few scalars). With `sharding="fsdp"` one rank's peak is computed from
   the measured parts (probe/sharded_memory.py). `bench/gpu_check.py` prints the estimate
   beside the measured peak on a real card.
@@ -49,11 +49,11 @@ from torch import nn
 
 from ..data.batches import to_device
 from ..errors import UserError
+from ..hardware.catalog import DEFAULT_CAPABILITY, Gpu, MiB
 from ..models import build_model
 from ..plan.units import available_host_memory, format_size
 from ..train.setup import build
 from ..train.step import optimizer_step
-from .catalog import DEFAULT_CAPABILITY, Gpu, MiB
 from .fake_step import block_sizes, materialize, run_fake_step  # noqa: F401  (materialize: this module's interface)
 from .gpu_like import UNSEEN_ACTIVATIONS, GpuKind
 from .search import Measurement

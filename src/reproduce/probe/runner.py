@@ -23,11 +23,11 @@ from pydantic import BaseModel, ConfigDict
 
 from .. import __version__
 from ..errors import UserError
+from ..hardware.catalog import Gpu, lookup
 from ..plan.recipe import Recipe, default_packing
 from ..plan.units import format_size, parse_size
-from ..timing.throughput import rates
+from ..throughput.splits import rates
 from . import cache
-from .catalog import Gpu, lookup
 from .search import Measurement, search
 
 if TYPE_CHECKING:

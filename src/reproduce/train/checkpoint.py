@@ -27,7 +27,7 @@ SHARDED_PREFIX = "sharded-step-"
 def save_checkpoint(setup: Setup, path: Path, step: int, metrics: bytes, extra: dict) -> None:
     """Atomically: write a temporary file, then rename over the previous checkpoint. Called on every rank (rank 0
     alone writes an unsharded checkpoint; a sharded one needs every rank's shards). `metrics`: metrics.jsonl as
-    written so far, kept (compressed) so that a resume never depends on the file (train/outputs.MetricsLog)."""
+    written so far, kept (compressed) so that a resume never depends on the file (observe/outputs.MetricsLog)."""
     if not (setup.world.is_main or setup.sharded):
         return
     state = {
@@ -61,7 +61,7 @@ def _save_sharded(setup: Setup, folder: Path, step: int) -> str:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from . import distributed
+    from .distributed import processes as distributed
 
     name = f"{SHARDED_PREFIX}{step:08d}"
     if setup.world.is_main:

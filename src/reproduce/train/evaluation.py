@@ -14,7 +14,7 @@ from ..errors import UserError
 from ..models.segmentation import output_of
 from ..plan.planner import Plan
 from .eval_modes import evaluation_forward
-from .plateau import step_plateau
+from .optim.plateau import step_plateau
 from .setup import Setup
 
 
@@ -106,7 +106,7 @@ def evaluation_due(setup: Setup, step: int, done: bool) -> bool:
 def evaluate_step(setup: Setup, step: int, micro_batch: int, workers: int | None, main: bool) -> dict:
     """The metrics record's fields of an evaluation after optimizer step `step` (counted from 1): the eval
     split's (rank 0 alone, or every rank of a sharded model, whose forward needs them all) and the plateau decay's
-    (plateau.py: the LR of the steps after it)."""
+    (train/optim/plateau.py: the LR of the steps after it)."""
     fields: dict = {}
     evaluation = None
     if main or setup.sharded:

@@ -29,7 +29,7 @@ class RunOptions:
     reporter: Reporter | None = None  # None: silent
     data: Datasets | None = None  # the datasets (`data.build_data`); None: built from the recipe
     workers: int | None = None  # DataLoader processes; None: `data.loader.default_workers`, 0: this process
-    noise_scale: bool = True  # measure the gradient noise scale (train/noise.py); it never changes the weights
+    noise_scale: bool = True  # measure the gradient noise scale (observe/noise.py); it never changes the weights
     continue_with: str | None = None  # the command an interrupted run prints to continue
     stop_on_divergence: bool = False  # stop at the divergence warning instead of going on
     merged: bool = False  # also write merged/: the LoRA adapters merged into the base, a Hugging Face folder

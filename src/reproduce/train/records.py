@@ -7,9 +7,9 @@ import time
 import torch
 
 from ..data.batches import DataClock
+from ..observe.noise import summarise
+from ..observe.outputs import read_metrics
 from ..plan.reported import compare_reported
-from .noise import summarise
-from .outputs import read_metrics
 from .run_state import Run
 from .step import StepResult
 from .windows import StepBatch, step_epoch

@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from ..observe.divergence import DivergenceWatch
+from ..observe.noise import NoiseScale
+from ..observe.outputs import missing_final_outputs, read_metrics
 from ..plan.planner import Plan
 from ..plan.segments import batch_phase
 from .checkpoint import kept_metrics, load_checkpoint
-from .divergence import DivergenceWatch
-from .noise import NoiseScale
-from .outputs import missing_final_outputs, read_metrics
 from .setup import Setup
 
 

@@ -12,13 +12,13 @@ import torch
 from ..data.batches import DataClock, LazyMicroBatch
 from ..data.loader import LoaderWatch, MicroBatchStream, fetch_seeded
 from ..data.packing import Grouping, computed_tokens
+from ..observe.divergence import DivergenceWatch
+from ..observe.noise import NoiseScale
+from ..observe.outputs import MetricsLog
+from ..observe.rates import StepRates
 from ..plan.planner import Plan
-from .distributed import World
-from .divergence import DivergenceWatch
-from .noise import NoiseScale
+from .distributed.processes import World
 from .options import RunOptions
-from .outputs import MetricsLog
-from .rates import StepRates
 from .reporter import Reporter
 from .resume import Resumed
 from .setup import Setup

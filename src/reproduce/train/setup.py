@@ -17,10 +17,10 @@ from ..models.backbone import backbone_report
 from ..models.normalization import to_sync
 from ..plan.batchnorm import label_disagreement
 from ..plan.planner import Plan
-from . import distributed
-from .distributed import World
+from .distributed import processes as distributed
+from .distributed.processes import World
 from .losses import build_loss
-from .optim import build_optimizer, build_scheduler
+from .optim.optimizers import build_optimizer, build_scheduler
 
 
 def resolve_device(name: str) -> torch.device:
@@ -107,7 +107,7 @@ class Setup:
         if sync or not self.distributed or (self.sharded and self.plan.recipe.batch.sharded_gradients):
             return contextlib.nullcontext()  # sharded gradients: reduce-scattered after every micro-batch
         if self.sharded:
-            from .fsdp import no_gradient_sync
+            from .distributed.fsdp import no_gradient_sync
 
             return no_gradient_sync(self.model)
         return self.model.no_sync()
@@ -147,7 +147,7 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
     if world.distributed:
         counter = distributed.SyncCounter()
         if recipe.batch.sharding == "fsdp":  # before the optimizer: it must hold the sharded parameters
-            from .fsdp import shard  # torch.distributed.fsdp takes 0.6 s to import: only for sharded runs
+            from .distributed.fsdp import shard  # torch.distributed.fsdp takes 0.6 s to import: only for sharded runs
 
             model = shard(model, recipe.precision, world, device, counter, offload=recipe.batch.offload == "cpu")
     optimizer = build_optimizer(plan, model)  # DDP shares the plain module's parameters

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from ..data.batches import LazyMicroBatch
-from . import distributed
+from ..observe.noise import NoiseScale
+from .distributed import processes as distributed
 from .losses import PixelLoss, SampleLoss, TokenLoss
-from .noise import NoiseScale
 from .setup import Setup
 
 
@@ -58,7 +58,7 @@ class StepResult:
     tokens: int
     finite: bool
     grad_syncs: int | None = None
-    noise: dict | None = None  # the noise scale's fields for the metrics record (train/noise.py)
+    noise: dict | None = None  # the noise scale's fields for the metrics record (observe/noise.py)
 
 
 def global_counts(setup: Setup, count: int, samples: int) -> tuple[int, int]:

@@ -24,6 +24,9 @@ from ..data.packing import Grouped, grouping_of, sample_lengths
 from ..errors import Interrupted, TrainingStopped, UserError
 from ..models.hf import check_packed
 from ..models.trained import check_merged, peft_model, save_adapter, save_merged
+from ..observe.noise import NoiseScale, not_measured_reason
+from ..observe.outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, run_outputs
+from ..observe.rates import StepRates
 from ..plan.planfile import save_plan
 from ..plan.planner import Plan
 from ..plan.segments import batch_phases, length_sizes
@@ -31,15 +34,12 @@ from ..plan.sharding import check_sharding
 from ..storage import lock
 from ..storage.aside import Previous, setting_aside
 from ..storage.files import WriteFailed, replace_folder, write_atomic, write_text
-from . import distributed
 from .checkpoint import full_model_state, save_checkpoint
-from .distributed import World
+from .distributed import processes as distributed
+from .distributed.processes import World
 from .evaluation import evaluate_step, evaluation_due
-from .noise import NoiseScale, not_measured_reason
+from .optim.plateau import check_plateau
 from .options import RunOptions
-from .outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, run_outputs
-from .plateau import check_plateau
-from .rates import StepRates
 from .records import run_summary, step_record
 from .reporter import Reporter, SilentReporter
 from .resume import Resumed, earlier_segments, last_record, resume_run
@@ -210,7 +210,7 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     noise = NoiseScale(setup) if options.noise_scale and not setup.sharded else None
     resumed = resume_run(plan, out, setup, noise, seed, options.seed, total, max_steps) if options.resume else (
         Resumed(seed))
-    # the model FLOPs of a sample, counted once (train/rates.py); before anything is written, as a forward whose
+    # the model FLOPs of a sample, counted once (observe/rates.py); before anything is written, as a forward whose
     # output no loss takes is refused there
     rates = StepRates(plan, setup, world.size)
     rates.counted_length = int(lengths.max()) if lengths is not None and len(lengths) else None

@@ -264,8 +264,8 @@ def test_a_run_counts_the_pixels_it_trains_on_and_resumes_bitwise_with_workers(v
     bitwise the weights of an uninterrupted run without workers; each step's `items` is its window's valid pixels
     as the loader cut them."""
     from helpers import assert_same_model
+    from reproduce.observe.outputs import read_metrics
     from reproduce.plan.planner import make_plan
-    from reproduce.train.outputs import read_metrics
     from reproduce.train.trainer import RunOptions, train
     from reproduce.train.windows import window
 

@@ -169,7 +169,7 @@ def test_accelerate_arithmetic(goyal, nanogpt):
 
 
 def test_torchrun_matches_the_launcher_reproduce_uses(goyal):
-    from reproduce.train.distributed import torchrun_command as launcher
+    from reproduce.train.distributed.processes import torchrun_command as launcher
 
     args = ["plan.yaml", "--out", "runs/x"]
     # what `reproduce run --nproc-per-node` really launches (the launcher uses export's builder)
@@ -212,7 +212,7 @@ def test_emitted_param_groups_equal_the_trainers(no_decay):
 
     from reproduce.export import param_groups_source
     from reproduce.models.small import GPT
-    from reproduce.train.optim import param_groups
+    from reproduce.train.optim.optimizers import param_groups
 
     recipe = parse_recipe({
         "batch": {"effective": 8}, "task": "language-modeling", "model": {"builtin": "gpt"},

@@ -157,7 +157,7 @@ def test_phases_cut_the_pairs_at_each_length(tmp_path):
 
 
 def test_the_estimate_runs_bert_pretraining_on_fake_tensors():
-    from reproduce.probe.catalog import lookup
+    from reproduce.hardware.catalog import lookup
     from reproduce.probe.meters import EstimateMeter
     from reproduce.probe.workload import Workload
 

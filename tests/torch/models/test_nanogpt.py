@@ -190,7 +190,7 @@ def test_accumulation_equals_one_large_batch_and_model_pt_loads_strictly(tmp_pat
 
 
 def test_the_estimate_meter_runs_it_on_fake_tensors():
-    from reproduce.probe.catalog import lookup
+    from reproduce.hardware.catalog import lookup
     from reproduce.probe.meters import EstimateMeter
     from reproduce.probe.workload import Workload
 

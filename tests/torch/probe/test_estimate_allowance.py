@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import reproduce.probe.fake_step as fake_step
+from reproduce.hardware.catalog import lookup
 from reproduce.plan.recipe import parse_recipe
-from reproduce.probe.catalog import lookup
 from reproduce.probe.fake_step import run_fake_step
 from reproduce.probe.gpu_like import UNSEEN_ACTIVATIONS, GpuKind, kernel_workspaces
 from reproduce.probe.meters import EstimateMeter

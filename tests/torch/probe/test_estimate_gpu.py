@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from reproduce.hardware.catalog import lookup
 from reproduce.plan.recipe import parse_recipe
-from reproduce.probe.catalog import lookup
 from reproduce.probe.fake_step import run_fake_step
 from reproduce.probe.gpu_like import GpuKind, as_on_gpu, attention_kernel, cuda_autocast_names
 from reproduce.probe.meters import CpuMeter, EstimateMeter

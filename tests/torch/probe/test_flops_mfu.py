@@ -7,11 +7,11 @@ import json
 import pytest
 
 from reproduce.cli import main
+from reproduce.hardware.catalog import GPUS
+from reproduce.hardware.peaks import PEAKS, identify, peaks_of, precision_key
 from reproduce.plan.recipe import parse_recipe
-from reproduce.probe.catalog import GPUS
 from reproduce.probe.flops import recipe_flops
-from reproduce.probe.peaks import PEAKS, identify, peaks_of, precision_key
-from reproduce.timing.prediction import DEFAULT_MFU, mfu, predicted_seconds
+from reproduce.throughput.prediction import DEFAULT_MFU, mfu, predicted_seconds
 
 MLP = {
     "batch": {"effective": 64, "unit": "samples"},

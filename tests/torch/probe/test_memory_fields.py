@@ -13,7 +13,7 @@ from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe, parse_recipe
 from reproduce.probe.meters import CpuMeter, EstimateMeter
 from reproduce.probe.workload import Workload
-from reproduce.train.optim import build_optimizer
+from reproduce.train.optim.optimizers import build_optimizer
 
 MiB = 2**20
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from reproduce.cli import main
+from reproduce.hardware.catalog import lookup
 from reproduce.plan.recipe import load_recipe
-from reproduce.probe.catalog import lookup
 from reproduce.probe.meters import EstimateMeter
 from reproduce.probe.workload import Workload
 

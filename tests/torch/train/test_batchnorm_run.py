@@ -13,7 +13,7 @@ from torch import nn
 
 from helpers import SGD, assert_same_weights, cli, digits_recipe, run_accumulated, run_plain, snapshot
 from reproduce.errors import UserError
-from reproduce.train.distributed import World
+from reproduce.train.distributed.processes import World
 from reproduce.train.setup import check_batchnorm
 
 

@@ -26,8 +26,8 @@ from reproduce.data import build_data
 from reproduce.models import build_model
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
-from reproduce.train.large_batch import LAMB, LARS
-from reproduce.train.optim import build_optimizer, param_groups
+from reproduce.train.optim.large_batch import LAMB, LARS
+from reproduce.train.optim.optimizers import build_optimizer, param_groups
 from reproduce.train.trainer import RunOptions, train
 
 TESTS = Path(__file__).parents[2]

@@ -303,7 +303,7 @@ def test_a_scheduler_state_from_before_plateau_decay_loads():
     old = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     optimizer.step()
     old.step()
-    from reproduce.train.optim import build_scheduler
+    from reproduce.train.optim.optimizers import build_scheduler
 
     scheduler = build_scheduler(p, torch.optim.SGD(model.parameters(), lr=p.lr))
     scheduler.load_state_dict(old.state_dict())

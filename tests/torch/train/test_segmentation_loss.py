@@ -141,8 +141,8 @@ def test_two_ranks_divide_by_the_valid_pixels_of_both(voc, tmp_path):
     and the window's count is their sum (all-reduced before the first backward), so the weights agree and the
     logged count is the whole window's."""
     from helpers import assert_close_weights, reproduce_run, reproduce_run_here, weights
+    from reproduce.observe.outputs import read_metrics
     from reproduce.plan.planner import make_plan
-    from reproduce.train.outputs import read_metrics
     from reproduce.train.windows import window
 
     recipe = recipe_for(voc, {"builtin": "lraspp-mobilenet-v3-large", "batchnorm": "group"}, crop=24, effective=8)

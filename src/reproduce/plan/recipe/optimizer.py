@@ -65,7 +65,7 @@ class Optimizer(Strict):
                 "memory and keep the accumulation exact)")
         if self.implementation is not None and self.name not in IMPLEMENTED_BY_TORCH:
             raise ValueError(f"implementation: only for torch.optim's {', '.join(IMPLEMENTED_BY_TORCH)} "
-                             f"(name is {self.name}, whose step is train/large_batch.py's own)")
+                             f"(name is {self.name}, whose step is train/optim/large_batch.py's own)")
         if self.implementation == "fused" and self.name not in ("sgd", "nesterov", "adam", "adamw"):
             raise ValueError(f"implementation: fused: torch.optim has no fused {self.name} (fused: adam, adamw, sgd)")
         if self.implementation is not None and self.bitsandbytes:

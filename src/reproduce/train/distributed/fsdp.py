@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from .distributed import SyncCounter, World
+from .processes import SyncCounter, World
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -44,7 +44,7 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     built-in GPT has `Block`; torchvision's ResNets `Bottleneck` / `BasicBlock`. Empty for a model without any
     (the MLP): the root alone is sharded then.
     """
-    from ..models.small import Block
+    from ...models.small import Block
 
     names: set[str] = set()
     for module in model.modules():

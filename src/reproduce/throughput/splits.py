@@ -5,7 +5,7 @@ Among the exact splits m x N x W = the paper's batch with m <= the largest micro
 optimizer step, so the fastest is the one whose whole optimizer step (N micro-steps, then the update) is shortest.
 
 `time_splits` times them as `reproduce run` executes them, given a function that runs whole optimizer steps of a
-split and returns their seconds (probe/timing.py: train/step.py's `optimizer_step`, on the run's device):
+split and returns their seconds (throughput/split_steps.py: train/step.py's `optimizer_step`, on the run's device):
 
 1. a warm-up step of each split, largest first (first calls, allocator growth: never counted);
 2. `REPEATS` rounds (at least `MIN_REPEATS`), each timing every split once in an order rotated each round, so a

@@ -1,4 +1,4 @@
-"""The gradient noise scale measured during `reproduce run` (train/noise.py), against its definition.
+"""The gradient noise scale measured during `reproduce run` (observe/noise.py), against its definition.
 
 With the weights held fixed (learning rate 0), the run's estimate must agree with tr(Sigma) / |G|^2 computed from
 the exact per-item gradients of the whole training set (`torch.func`), for a classifier and a language model; one
@@ -21,9 +21,9 @@ from helpers import SGD, digits_recipe, lm_recipe, reproduce_run
 from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.data.batches import LazyMicroBatch, fetch
+from reproduce.observe.noise import NoiseScale, estimates, summarise
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
-from reproduce.train.noise import NoiseScale, estimates, summarise
 from reproduce.train.setup import build
 from reproduce.train.step import optimizer_step
 from reproduce.train.trainer import RunOptions, read_metrics, train
@@ -122,7 +122,7 @@ def micro_batch_gradients(model, micro_batches, loss_fn) -> tuple[list[torch.Ten
 
 def window_estimates(model, loss_fn, ranks: list[list], population: float) -> dict:
     """What one window's record must hold, from plain autograd on each rank's micro-batches: the first half of a
-    rank's micro-batches is one group, each of the last half a group of its own (train/noise.py, HOOKED_SHARE)."""
+    rank's micro-batches is one group, each of the last half a group of its own (observe/noise.py, HOOKED_SHARE)."""
     groups = []
     for micro_batches in ranks:
         gradients, counts = micro_batch_gradients(model, micro_batches, loss_fn)

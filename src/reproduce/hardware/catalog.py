@@ -20,7 +20,7 @@ with a line saying so rather than guessing a budget.
 adds it to its margin.
 
 Each card's dense peak FLOP/s per precision and its memory bandwidth (MFU, the predicted time, the throughput
-policy's model) are in probe/peaks.py, by the same names; `h100-sxm` and `h100-pcie` name the two H100 80GB cards,
+policy's model) are in hardware/peaks.py, by the same names; `h100-sxm` and `h100-pcie` name the two H100 80GB cards,
 whose rates differ (`h100-80gb`, either of them, plans memory alike but has no single peak).
 """
 

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import UserError
-from ..plan.planner import Plan, lr_at
-from ..plan.schedules import Plateau
+from ...errors import UserError
+from ...plan.planner import Plan, lr_at
+from ...plan.schedules import Plateau
 
 if TYPE_CHECKING:
-    from ..data import Datasets
+    from ...data import Datasets
 
 
 class PlanScheduler(torch.optim.lr_scheduler.LambdaLR):

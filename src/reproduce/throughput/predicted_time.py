@@ -14,8 +14,8 @@ from ..errors import UserError
 from ..plan.planner import Plan
 from ..probe.runner import ProbeResult
 from .plan_cost import plan_costs
+from .policy import check_mfu
 from .prediction import DEFAULT_MFU, MFU_SOURCE, predicted_seconds
-from .throughput_plan import check_mfu
 
 if TYPE_CHECKING:
     from ..data import Datasets
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: float = DEFAULT_MFU,
                     data: Datasets | None = None) -> dict:
     """`predicted_seconds` (this plan), `paper_predicted_seconds` (the paper's hardware) and how they were made."""
-    from ..probe.catalog import lookup
-    from ..probe.peaks import precision_key
+    from ..hardware.catalog import lookup
+    from ..hardware.peaks import precision_key
 
     recipe = p.recipe
     notes: list[str] = []
@@ -76,19 +76,19 @@ def _flops_model(entry, devices: int, key: str, samples: int | None, per_sample:
                 mfu: float) -> tuple[float | None, str, str, str | None]:
     """The FLOPs model's time on `devices` x the catalog card `entry`: (seconds, its basis, the datasheet column,
     why that column has no peak, or None when it has one)."""
-    from ..probe.peaks import on_card, peaks_of
+    from ..hardware.peaks import on_card, peaks_of
 
     on, peaks = on_card(key, entry.capability), peaks_of(entry.name)
     peak = _peak(peaks, on)
     basis = f"FLOPs model: {devices} x {entry.title} at {_tflops(peak)} {on} x MFU {mfu:.0%}"
-    why = None if peak is not None else (peaks.source if peaks else "not in probe/peaks.py")
+    why = None if peak is not None else (peaks.source if peaks else "not in hardware/peaks.py")
     return _predict(samples, per_sample, devices, peak, mfu), basis, on, why
 
 
 def paper_gpu(recipe):
     """The catalog entry of the paper's hardware (`batch.device`, with `batch.devices` stated); None for a TPU, a
     card not in the catalog, or hardware not stated."""
-    from ..probe.catalog import lookup
+    from ..hardware.catalog import lookup
 
     if not (recipe.batch.device and recipe.batch.devices):
         return None

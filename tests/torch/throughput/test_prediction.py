@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import cli, cli_json
-from reproduce.timing.prediction import DEFAULT_MFU
+from reproduce.throughput.prediction import DEFAULT_MFU
 
 PAPER = """\
 batch: {effective: 4096, unit: tokens, sequence_length: 32, devices: 8, per_device: 16, device: A100-80GB}
@@ -76,7 +76,7 @@ def test_a_batch_ramp_counts_each_stretchs_own_batch():
 
     from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import load_recipe
-    from reproduce.timing.predicted_time import total_samples
+    from reproduce.throughput.predicted_time import total_samples
 
     recipe = load_recipe(Path(__file__).parents[3] / "papers" / "brown2020-gpt3-small.yaml")
     plan = make_plan(recipe, 4, 1)
@@ -88,7 +88,7 @@ def test_a_batch_ramp_counts_each_stretchs_own_batch():
 def test_exported_throughput_plan_names_the_chosen_micro_batch(capsys):
     from reproduce.export import emit
     from reproduce.plan.recipe import load_recipe
-    from reproduce.timing.throughput_plan import throughput_plan
+    from reproduce.throughput.policy import throughput_plan
 
     plan = throughput_plan(load_recipe("paper.yaml"), "paper.yaml", 64, 1, None, None, gpu="a100-80gb")
     assert plan.policy == "throughput" and plan.throughput["basis"] == "model"

@@ -1,12 +1,12 @@
 """`--policy throughput`: the exact split with the most samples per second, its timings gathered.
 
-The timing and the choice are pure (throughput.py); here the steps are run. With the cuda or cpu meter, and without
+The timing and the choice are pure (splits.py); here the steps are run. With the cuda or cpu meter, and without
 a probe (`--micro-batch-max`), every exact split is timed as `reproduce run` executes it, on the device the run
-would use (the probed one): whole optimizer steps of one model (probe/timing.py, train/step.py's `optimizer_step`),
+would use (the probed one): whole optimizer steps of one model (split_steps.py, train/step.py's `optimizer_step`),
 a warm-up step each, then interleaved rounds, the two fastest re-timed when they are within their spread, all within
-`throughput.BUDGET_SECONDS` of timed steps. The probe's trials are never used (one step each, the first call
+`splits.BUDGET_SECONDS` of timed steps. The probe's trials are never used (one step each, the first call
 included, under the memory meter). With the estimate meter nothing runs for real: the FLOPs model
-(`throughput.model_micro_step`, the GPU's datasheet peak and bandwidth) gives each split a time, and the plan says
+(`splits.model_micro_step`, the GPU's datasheet peak and bandwidth) gives each split a time, and the plan says
 it is a model. Torch is imported only to time. Nothing is printed: each timing's line goes to the caller's
 `on_note`.
 """
@@ -23,7 +23,7 @@ from ..plan.planner import Plan, make_plan
 from ..plan.recipe import Recipe
 from ..probe.runner import ProbeResult
 from .prediction import DEFAULT_MFU
-from .throughput import BUDGET_SECONDS, Timings, choose, exact_splits, model_micro_step, time_splits
+from .splits import BUDGET_SECONDS, Timings, choose, exact_splits, model_micro_step, time_splits
 
 if TYPE_CHECKING:
     from ..data import Datasets
@@ -41,7 +41,7 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, worl
 
     `gpu`: the --gpu named; without a probe (--micro-batch-max) the FLOPs model decides for that card.
     `on_note`: given each timing's line as it is measured (nothing is printed here). `budget_seconds`: the bound on
-    the timed steps (throughput.time_splits).
+    the timed steps (splits.time_splits).
     """
     if recipe.batch.phases or recipe.batch.ramp or isinstance(micro_batch_max, dict):
         raise UserError("`policy` throughput: not available with batch phases or a ramp (each phase has its own "
@@ -86,8 +86,8 @@ def _measure(recipe: Recipe, data: Datasets | None, result: ProbeResult | None, 
 
     import torch
 
-    from ..probe.timing import SplitSteps
     from ..probe.workload import Workload
+    from .split_steps import SplitSteps
 
     if result is not None:
         cuda = result.meter == "cuda"
@@ -117,9 +117,9 @@ def _measure(recipe: Recipe, data: Datasets | None, result: ProbeResult | None, 
 def _model_times(recipe: Recipe, gpu: str | None, splits: list[int], data: Datasets | None, assumed_mfu: float
                  ) -> tuple[dict[int, float], dict[int, str]]:
     """Micro-step seconds by the FLOPs model on the GPU named: nothing is timed under the estimate meter."""
-    from ..probe.catalog import lookup
+    from ..hardware.catalog import lookup
+    from ..hardware.peaks import on_card, peaks_of, precision_key
     from ..probe.flops import recipe_flops
-    from ..probe.peaks import on_card, peaks_of, precision_key
 
     entry = lookup(gpu) if gpu else None
     peaks = peaks_of(entry.name) if entry else None

@@ -47,7 +47,7 @@ FOLDERS = ("tensorboard", "wandb", "mlflow", "adapter", "merged")  # trackers' r
 
 def run_outputs(out: Path) -> list[str]:
     """The names (relative to `out`) of everything a run writes there, and nothing else: what --force sets aside."""
-    from .checkpoint import SHARDED_PREFIX  # (torch: this module is read without it)
+    from ..train.checkpoint import SHARDED_PREFIX  # (torch: this module is read without it)
 
     sharded = sorted(f"checkpoints/{p.name}" for p in (out / "checkpoints").glob(f"{SHARDED_PREFIX}*"))
     return [*OUTPUTS, *sharded, *FOLDERS, "trackers.json"]
@@ -168,7 +168,7 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def plot_metrics(metrics_path: Path, svg: Path) -> str:
-    """The loss curve of metrics.jsonl as an SVG file (train/loss_plot.py); returns its path."""
+    """The loss curve of metrics.jsonl as an SVG file (observe/loss_plot.py); returns its path."""
     records = [r for r in read_metrics(metrics_path) if "loss" in r]  # not the out-of-memory event lines
     train = [(r["step"], float(r["loss"])) for r in records]
     evals = [(r["step"], float(r["eval_loss"])) for r in records if r.get("eval_loss") is not None]

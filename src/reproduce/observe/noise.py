@@ -21,7 +21,7 @@ tr(Sigma) / B_small exactly): the paper's data-parallel recipe (each device's no
 averaged), with groups of micro-batches as the devices. Averaging K groups that make up the window, rather than
 taking one small batch, cancels the term 2 G.(noise) that |G_small|^2 and |G_big|^2 share: the tr(Sigma) estimate
 becomes the items-weighted variance of the groups' gradients, never negative and many times steadier (one small
-batch: 325% spread per window on the language model of tests/torch/train/test_noise_scale.py; 5 groups: 30%). With one
+batch: 325% spread per window on the language model of tests/torch/observe/test_noise_scale.py; 5 groups: 30%). With one
 process and one micro-batch per step there is no smaller batch, and under FSDP the hooks see no gradient: no
 estimate (the run says so once, at its start).
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import UserError
-from ..plan.launch import torchrun_command  # noqa: F401  (what `reproduce run --nproc-per-node` launches)
+from ...errors import UserError
+from ...plan.launch import torchrun_command  # noqa: F401  (what `reproduce run --nproc-per-node` launches)
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def peer_failed(error: BaseException) -> bool:
 
 class SyncCounter:
     """A DDP communication hook: all-reduce the gradient buckets as a SUM, and count the synchronisations
-    (FSDP2 reduces as a SUM itself, see train/fsdp.py, and calls `fsdp_hook` once per round).
+    (FSDP2 reduces as a SUM itself, see train/distributed/fsdp.py, and calls `fsdp_hook` once per round).
 
     Each rank's loss is already divided by the window's global item count (summed over ranks before the first
     backward), so the gradient of the effective batch is the sum over ranks; DDP's default hook would average,

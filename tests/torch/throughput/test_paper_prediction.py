@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from helpers import cli_json
-from reproduce.probe.catalog import lookup
-from reproduce.probe.peaks import identify, on_card, peaks_of
-from reproduce.timing.prediction import DEFAULT_MFU
+from reproduce.hardware.catalog import lookup
+from reproduce.hardware.peaks import identify, on_card, peaks_of
+from reproduce.throughput.prediction import DEFAULT_MFU
 
 ROOT = Path(__file__).resolve().parents[3]
 GOYAL = str(ROOT / "papers" / "goyal2017-resnet50.yaml")
@@ -74,9 +74,9 @@ def test_p100_datasheet_rates_and_no_tf32_before_ampere():
 
 def test_the_throughput_model_uses_the_fp32_peak_before_ampere():
     """A convolution model in fp32 (cuDNN's TF32 column on Ampere and later) on a V100, which has no TF32: the
-    throughput policy's FLOPs model times its splits at the fp32 peak (probe/peaks.on_card), as predictions do."""
+    throughput policy's FLOPs model times its splits at the fp32 peak (hardware/peaks.on_card), as predictions do."""
     from reproduce.plan.recipe import load_recipe
-    from reproduce.timing.throughput_plan import _model_times
+    from reproduce.throughput.policy import _model_times
 
     recipe = load_recipe(Path(__file__).parents[3] / "papers" / "goyal2017-resnet50.yaml")
     times, kinds = _model_times(recipe, "v100-16gb", [16, 32], None, 0.4)

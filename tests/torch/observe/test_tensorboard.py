@@ -1,4 +1,4 @@
-"""`reproduce.train.tensorboard`: metrics records as TensorBoard scalars (skips without tensorboard)."""
+"""`reproduce.observe.tensorboard`: metrics records as TensorBoard scalars (skips without tensorboard)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from helpers import read_scalars
 from reproduce.errors import UserError
-from reproduce.train.tensorboard import TensorboardLog, TensorboardReporter, scalars
+from reproduce.observe.tensorboard import TensorboardLog, TensorboardReporter, scalars
 
 NO_TENSORBOARD = "tensorboard not installed (optional extra: pip install -e .[tensorboard]; make setup installs it)"
 

@@ -1,4 +1,4 @@
-"""`reproduce run --log-to tensorboard,wandb,mlflow` (train/trackers.py) on real runs and the real libraries.
+"""`reproduce run --log-to tensorboard,wandb,mlflow` (observe/trackers.py) on real runs and the real libraries.
 
 MLflow's own client reads its store back; W&B's offline run files are read with W&B's own protobuf records;
 TensorBoard's event reader reads its folder. Never on the network: W&B offline, MLflow in the run folder.
@@ -16,7 +16,7 @@ import pytest
 
 from reproduce.cli import main
 from reproduce.errors import UserError
-from reproduce.train.trackers import (
+from reproduce.observe.trackers import (
     STATE,
     MlflowTracker,
     TrackerReporter,
@@ -157,7 +157,7 @@ def test_mlflow_wandb_and_tensorboard_get_every_step_of_a_real_run(tmp_path, off
     from mlflow import MlflowClient
 
     from helpers import read_scalars
-    from reproduce.train.outputs import read_metrics
+    from reproduce.observe.outputs import read_metrics
 
     out = tmp_path / "run"
     run(out, ["tensorboard", "wandb", "mlflow"], max_steps=5)
@@ -207,7 +207,7 @@ def test_resume_continues_the_same_tracker_runs_without_a_duplicate_step(tmp_pat
         pytest.importorskip(module, reason=NOT_INSTALLED.format(module))
     from mlflow import MlflowClient
 
-    from reproduce.train.outputs import read_metrics
+    from reproduce.observe.outputs import read_metrics
 
     out = tmp_path / "run"
     # checkpoint at step 3; the trackers log steps 4 and 5, then the run dies: they hold 1-5, metrics.jsonl 1-3
@@ -262,7 +262,7 @@ def test_a_tracker_that_fails_mid_run_is_one_warning_and_the_run_goes_on(tmp_pat
     pytest.importorskip("mlflow", reason=NOT_INSTALLED.format("mlflow"))
     from mlflow import MlflowClient
 
-    from reproduce.train.outputs import read_metrics
+    from reproduce.observe.outputs import read_metrics
 
     reporter = Quiet()
     out = tmp_path / "run"

@@ -3,7 +3,7 @@
 predicted seconds = optimizer steps x FLOPs per optimizer step / (devices x peak FLOP/s x MFU)
 
 with the FLOPs counted once by probe/flops.py (model FLOPs: forward and backward of every sample of the effective
-batch), the peak of the devices' datasheet for the run's precision (probe/peaks.py), and an MFU that is assumed,
+batch), the peak of the devices' datasheet for the run's precision (hardware/peaks.py), and an MFU that is assumed,
 stated and sourced (`DEFAULT_MFU`, or --mfu). MFU (model FLOPs utilisation, Chowdhery et al. 2022, PaLM, appendix
 B) is the run's model FLOP/s over the devices' peak; a device whose peak is unknown has no MFU, never a made-up one.
 """

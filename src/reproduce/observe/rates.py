@@ -14,8 +14,8 @@ import statistics
 import torch
 
 from ..errors import UserError
-from ..probe.peaks import identify, on_card, peaks_of, precision_key
-from ..timing.prediction import mfu
+from ..hardware.peaks import identify, on_card, peaks_of, precision_key
+from ..throughput.prediction import mfu
 
 FIELDS = ("samples_per_second", "tokens_per_second", "useful_tokens_per_second", "flops_per_second", "mfu")
 

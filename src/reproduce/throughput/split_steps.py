@@ -1,7 +1,7 @@
 """Whole optimizer steps of any exact split, timed as `reproduce run` executes them, for the throughput policy.
 
 One model, optimizer and precision, built once by `train.setup.build` as the run builds them, serves every split
-(`time_splits` in reproduce/timing/throughput.py interleaves them, so they share one model instead of one each; the
+(`time_splits` in reproduce/throughput/splits.py interleaves them, so they share one model instead of one each; the
 weights' values do not change a step's time). A step of split m x N is train/step.py's `optimizer_step` over the
 window of the per-process batch split into N micro-batches of m, each a `LazyMicroBatch` fetched from the training
 set and moved to the device as its forward runs, with the gradient noise scale measured as `reproduce run` does by
@@ -20,11 +20,11 @@ from collections import defaultdict
 import torch
 
 from ..data.batches import LazyMicroBatch
-from ..timing.throughput import NotTimed
-from ..train.noise import NoiseScale
+from ..observe.noise import NoiseScale
+from ..probe.workload import Workload
 from ..train.setup import build
 from ..train.step import optimizer_step
-from .workload import Workload
+from .splits import NotTimed
 
 
 class SplitSteps:

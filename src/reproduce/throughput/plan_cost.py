@@ -1,11 +1,11 @@
 """What a plan costs on the probed device (`plan --json`'s `cost`, the cost lines of `plan` and `probe`), from the
-step times the probe's trials measured (probe/cost.py). Values and lines to show; nothing printed, no torch."""
+step times the probe's trials measured (throughput/cost.py). Values and lines to show; nothing printed, no torch."""
 
 from __future__ import annotations
 
 from ..plan.planner import Plan
-from ..probe.cost import Cost, cost, format_duration
 from ..probe.runner import ProbeResult
+from .cost import Cost, cost, format_duration
 
 
 def plan_costs(plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:
@@ -13,7 +13,7 @@ def plan_costs(plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:
     seq, timings = plan.recipe.batch.sequence_length, result.timings()
     decision = plan.throughput or {}
     timed = [(c["micro_batch"], c["micro_step_seconds"]) for c in decision.get("candidates", []) if c.get("repeats")]
-    costs = {  # --policy throughput: its whole optimizer steps' medians (throughput_plan.py), not the probe's trials
+    costs = {  # --policy throughput: its whole optimizer steps' medians (policy.py), not the probe's trials
         plan.policy: cost(
             timed or timings, plan.micro_batch, plan.accumulation_steps, plan.effective_batch, seq,
             plan.optimizer_steps,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import UserError
-from ..plan.planner import Plan
+from ...errors import UserError
+from ...plan.planner import Plan
 from .large_batch import LAMB, LARS, LARS_TRUST_COEFFICIENT
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
@@ -79,7 +79,7 @@ def bitsandbytes_optimizer(plan: Plan, groups: list[dict]) -> torch.optim.Optimi
     """adam/adamw with `paged` and/or `state_bits: 8`: bitsandbytes' PagedAdamW, AdamW8bit, PagedAdamW8bit (and the
     Adam ones), the optimizers QLoRA and transformers' `optim: paged_adamw_32bit / adamw_8bit` use. Tensors under
     4096 elements keep 32-bit state (bitsandbytes' min_8bit_size)."""
-    from ..models.quantize import bitsandbytes
+    from ...models.quantize import bitsandbytes
 
     spec = plan.recipe.optimizer
     try:

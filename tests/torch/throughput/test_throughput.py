@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from helpers import cli, cli_json
-from reproduce.timing.throughput import (
+from reproduce.throughput.splits import (
     MAX_STEPS_PER_REPEAT,
     MIN_REPEATS,
     REPEATS,

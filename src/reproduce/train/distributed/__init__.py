@@ -1,0 +1,2 @@
+"""Several processes: the world and its collectives under torchrun (processes.py), FSDP2 sharding
+(fsdp.py)."""
