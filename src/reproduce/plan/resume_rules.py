@@ -25,10 +25,15 @@ def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: 
     again = make_plan(kept_grouping(saved.recipe), micro, world_size, saved.policy, dataset_size=dataset_size,
                  recipe_path=saved.recipe_path).model_copy(update={"weights": saved.weights,
                                                                    "data_fingerprint": saved.data_fingerprint})
-    same: tuple[str, ...] = ("effective_batch", "steps_per_epoch", "optimizer_steps", "warmup_steps",
-                             "decay_milestones")
-    if saved.dataset_size is None:  # made without the data: its steps were not known, only its batches
-        same = ("effective_batch",)
+
+    def kept(p: Plan) -> dict[str, object]:
+        """What a re-derived plan must keep of the saved one; made without the data, its steps were not known,
+        only its batch."""
+        if saved.dataset_size is None:
+            return {"effective_batch": p.effective_batch}
+        return {"effective_batch": p.effective_batch, "steps_per_epoch": p.steps_per_epoch,
+                "optimizer_steps": p.optimizer_steps, "warmup_steps": p.warmup_steps,
+                "decay_milestones": p.schedule.decay_milestones}
 
     def steps(p: Plan) -> list[object]:
         if saved.dataset_size is None:
@@ -36,8 +41,7 @@ def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: 
         return [(segment.start_step, segment.steps, segment.effective_batch) for segment in p.segments]
 
     # what the saved plan could not know (made without the data: `reproduce plan --out`) comes from the data now
-    changed = [field for field in same if getattr(saved, field) is not None and getattr(again, field) != getattr(
-        saved, field)]
+    changed = [field for field, value in kept(saved).items() if value is not None and kept(again)[field] != value]
     if changed or steps(again) != steps(saved):
         raise UserError(
             f"{source}: world_size: the plan ({saved.arithmetic}{steps_text(saved)}) cannot be kept "
