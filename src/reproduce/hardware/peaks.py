@@ -32,9 +32,10 @@ class Peaks:
     source: str  # the datasheet the figures come from
 
     def flops(self, precision: str) -> float | None:
-        return getattr(self, precision)
+        """The peak of `precision` (fp32, tf32, bf16, fp16); None where the datasheet gives none."""
+        return {"fp32": self.fp32, "tf32": self.tf32, "bf16": self.bf16, "fp16": self.fp16}[precision]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, float | str | None]:
         return {"fp32": self.fp32, "tf32": self.tf32, "bf16": self.bf16, "fp16": self.fp16,
                 "bandwidth_bytes_per_second": self.bandwidth, "source": self.source}
 
