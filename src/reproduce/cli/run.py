@@ -110,7 +110,7 @@ class PlainReporter:
                f"({plan.lr_scaling.rule})")
         )
         if plan.throughput:  # --policy throughput: why this split (throughput/policy.py)
-            stdout.print(f"--policy throughput: {plan.throughput['reason']}", markup=False, soft_wrap=True)
+            stdout.print(f"--policy throughput: {plan.throughput.reason}", markup=False, soft_wrap=True)
             line = cost_line(plan.throughput)
             if line:
                 stdout.print(line, markup=False, soft_wrap=True)

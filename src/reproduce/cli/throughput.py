@@ -7,6 +7,7 @@ from rich.table import Table
 
 from ..plan.launch import GPUS_PER_NODE, node_split
 from ..plan.planner import Plan
+from ..plan.throughput_choice import ThroughputChoice
 from ..throughput.cost import format_duration
 from .common import stdout
 
@@ -22,42 +23,41 @@ def render_throughput(p: Plan) -> None:
     if not decision:
         return
     unit = p.unit
-    where = decision.get("device") or "-"
-    candidates = decision["candidates"]
-    how = "a model: nothing timed" if decision["basis"] == "model" else f"measured on {where}"
-    title = f"--policy throughput ({how}): {len(candidates)} of {decision['exact_splits']} exact splits"
+    candidates = decision.candidates
+    how = "a model: nothing timed" if decision.basis == "model" else f"measured on {decision.device or '-'}"
+    title = f"--policy throughput ({how}): {len(candidates)} of {decision.exact_splits} exact splits"
     if candidates:
         table = Table(title=title, title_justify="left")
-        tokens = any(c["tokens_per_second"] for c in candidates)
-        measured = any(c.get("spread") is not None for c in candidates)
+        tokens = any(c.tokens_per_second for c in candidates)
+        measured = any(c.spread is not None for c in candidates)
         columns = ["micro x accum", "s / optimizer step", *(["spread", "repeats", "timing s"] if measured else []),
                    f"{unit}/s", *(["tokens/s"] if tokens else []), "% of best", "from", ""]
         for column in columns:
             table.add_column(column, justify="left" if column in ("micro x accum", "from", "") else "right")
         for c in candidates:
             table.add_row(
-                f"{c['micro_batch']} x {c['accumulation_steps']}", f"{c['step_seconds']:.3g}",
-                *([f"{c['spread']:.1%}", str(len(c["repeats"])), f"{c['timing_seconds']:.2f}"] if measured else []),
-                f"{c['samples_per_second']:,.1f}",
-                *([f"{c['tokens_per_second']:,.0f}" if c["tokens_per_second"] else "-"] if tokens else []),
-                f"{c['share_of_best']:.0%}", c["source"], "chosen" if c["chosen"] else "",
+                f"{c.micro_batch} x {c.accumulation_steps}", f"{c.step_seconds:.3g}",
+                *([f"{c.spread:.1%}", str(len(c.repeats or [])), f"{c.timing_seconds:.2f}"] if measured else []),
+                f"{c.samples_per_second:,.1f}",
+                *([f"{c.tokens_per_second:,.0f}" if c.tokens_per_second else "-"] if tokens else []),
+                f"{c.share_of_best:.0%}", c.source, "chosen" if c.chosen else "",
             )
         stdout.print(table)
     else:
         stdout.print(title)
-    stdout.print(f"throughput: {decision['reason']}", markup=False, soft_wrap=True)
+    stdout.print(f"throughput: {decision.reason}", markup=False, soft_wrap=True)
     line = cost_line(decision)
     if line:
         stdout.print(line, markup=False, soft_wrap=True)
 
 
-def cost_line(decision: dict) -> str | None:
+def cost_line(decision: ThroughputChoice) -> str | None:
     """The cost of choosing: seconds of timed steps, in all and per split, against the bound."""
-    cost = decision.get("cost")
+    cost = decision.cost
     if not cost or not cost.get("per_split_seconds"):
         return None
     low, high = cost["per_split_seconds"]
-    timed = len(decision["candidates"])
+    timed = len(decision.candidates)
     line = (f"cost of choosing: {cost['seconds']:.3g} s of timed steps for {timed} splits ({low:.2g} to {high:.2g} s "
             f"each: a warm-up step, {cost['rounds']} interleaved rounds"
             + (f", {' and '.join(map(str, cost['retimed']))} re-timed" if cost["retimed"] else "")

@@ -66,7 +66,7 @@ def flat_fields(plan: Plan) -> dict[str, Any]:
         "alternative": dump(plan.alternative),
         "warnings": list(plan.warnings),
         "phases": [segment.model_dump(mode="json") for segment in plan.segments] if plan.has_phases else [],
-        "throughput": plan.throughput,
+        "throughput": dump(plan.throughput),
         "memory": list(plan.memory_notes),
         "weights": dump(plan.weights),
         "data_fingerprint": plan.data_fingerprint,

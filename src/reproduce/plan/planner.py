@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from ..errors import UserError
 from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
@@ -21,6 +21,7 @@ from .recipe import Length, Recipe, default_packing
 from .schedules import StepSchedule
 from .segments import Segment, epoch_steps, lengths_to_steps, segment_lr, whole_segment
 from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule, split_text
+from .throughput_choice import ThroughputChoice
 from .weightfiles import WeightsRecord
 
 MALLADI_SOURCE = "Malladi et al. 2022 SDE rule for Adam: (1-b1)xk, (1-b2)xk, eps/sqrt(k) (arXiv 2205.10287)"
@@ -70,7 +71,7 @@ class Plan(Frozen):
     batchnorm_warning: str | None = None  # the warning when BatchNorm's batch is not the paper's
     warnings: list[str] = []
     # policy throughput: the exact splits timed and why the micro-batch was chosen (throughput/policy.py)
-    throughput: dict[str, Any] | None = None
+    throughput: ThroughputChoice | None = None
     # the memory knobs the plan took (activation checkpointing, sharded gradients), or the ways it weighed, and why
     memory_notes: list[str] = []
     # model.weights: the pretrained weights the run starts from, with their fingerprint (`--resume` refuses others)

@@ -11,8 +11,8 @@ from .cost import Cost, cost, format_duration
 def plan_costs(plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:
     """The plan's cost, and its alternative's when it has one, keyed by policy."""
     seq, timings = plan.recipe.batch.sequence_length, result.timings()
-    decision = plan.throughput or {}
-    timed = [(c["micro_batch"], c["micro_step_seconds"]) for c in decision.get("candidates", []) if c.get("repeats")]
+    candidates = plan.throughput.candidates if plan.throughput else []
+    timed = [(c.micro_batch, c.micro_step_seconds) for c in candidates if c.repeats]
     costs = {  # --policy throughput: its whole optimizer steps' medians (policy.py), not the probe's trials
         plan.policy: cost(
             timed or timings, plan.micro_batch, plan.accumulation_steps, plan.effective_batch, seq,

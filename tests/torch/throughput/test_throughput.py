@@ -314,7 +314,7 @@ def test_run_with_policy_throughput_keeps_the_choice_and_logs_tokens_per_second(
     from reproduce.plan.planfile import load_plan
 
     saved = load_plan(tmp_path / "out" / "plan.yaml")
-    assert saved.policy == "throughput" and saved.throughput["micro_batch"] == saved.micro_batch
+    assert saved.policy == "throughput" and saved.throughput.micro_batch == saved.micro_batch
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["tokens_per_second"] > 0 and r["micro_batch"] == saved.micro_batch for r in records)
     assert "--policy throughput: " in out
