@@ -77,6 +77,7 @@ def main(out: str) -> None:
         results = run_steps(init_device_mesh("cpu", (dist.get_world_size(),)))
         if dist.get_rank() == 0:
             torch.save(results, out)
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 
