@@ -31,7 +31,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+from ..plan.throughput_choice import TimedSplit
 
 REPEATS = 5  # timed rounds when the budget allows
 MIN_REPEATS = 3  # timed rounds whatever the budget
@@ -203,29 +205,10 @@ def exact_splits(per_rank_batch: int, cap: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class Candidate:
-    micro_batch: int
-    accumulation_steps: int
-    micro_step_seconds: float  # the optimizer step over its N micro-steps
-    step_seconds: float  # one whole optimizer step: the median of the repeats (or the model's)
-    samples_per_second: float
-    tokens_per_second: float | None
-    share_of_best: float  # samples/s over the best candidate's
-    source: str  # "timed" or "model"
-    chosen: bool = False
-    spread: float | None = None  # the repeats' relative spread (twice their MAD over their median); None: a model
-    repeats: list[float] | None = None  # seconds of one optimizer step, each repeat (re-timing included)
-    timing_seconds: float | None = None  # every step this split ran while choosing, its warm-up included
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
 class Decision:
     micro_batch: int
     accumulation_steps: int
-    candidates: list[Candidate]
+    candidates: list[TimedSplit]  # every exact split weighed, the chosen one marked
     reason: str
     basis: str  # "measured" or "model"
     noise: float  # the spread the two fastest were compared within
@@ -237,7 +220,7 @@ class Decision:
         return {"micro_batch": self.micro_batch, "accumulation_steps": self.accumulation_steps,
                 "basis": self.basis, "noise": self.noise, "exact_splits": self.splits, "reason": self.reason,
                 "indistinguishable": self.indistinguishable, "cost": self.cost,
-                "candidates": [c.to_json() for c in self.candidates]}
+                "candidates": [c.model_dump() for c in self.candidates]}
 
 
 def choose(
@@ -325,7 +308,7 @@ def choose(
         n = per_rank_batch // m
         samples = per_rank_batch / step_seconds[m]
         timing = timings.timed[m] if timings is not None else None
-        candidates.append(Candidate(
+        candidates.append(TimedSplit(
             micro_batch=m, accumulation_steps=n, micro_step_seconds=step_seconds[m] / n, step_seconds=step_seconds[m],
             samples_per_second=samples, tokens_per_second=samples * sequence_length if sequence_length else None,
             share_of_best=samples / best_rate, source=sources.get(m, "timed"), chosen=m == micro,
