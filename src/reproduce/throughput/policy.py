@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 from ..errors import UserError
 from ..plan.planner import Plan, make_plan
 from ..plan.recipe import Recipe
-from ..plan.throughput_choice import ThroughputChoice
 from ..probe.runner import ProbeResult
 from .prediction import DEFAULT_MFU
 from .splits import BUDGET_SECONDS, Timings, choose, exact_splits, model_micro_step, time_splits
@@ -75,10 +74,10 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, worl
                       micro_batch_max=micro_batch_max, timings=timings)
     chosen = make_plan(recipe, micro_batch_max, world_size, "throughput", dataset_size=dataset_size,
                   recipe_path=recipe_path, micro_batch=decision.micro_batch)
-    record = {**decision.to_json(), "device": where, "micro_batch_max": micro_batch_max}
+    note = ""
     if batchnorm is None and recipe.model.has_batchnorm and per_device:
-        record["reason"] += f" (BatchNorm statistics over {decision.micro_batch}, not the paper's {per_device})"
-    return chosen.model_copy(update={"throughput": ThroughputChoice.model_validate(record)})
+        note = f" (BatchNorm statistics over {decision.micro_batch}, not the paper's {per_device})"
+    return chosen.model_copy(update={"throughput": decision.as_choice(where, micro_batch_max, note)})
 
 def _measure(recipe: Recipe, data: Datasets | None, result: ProbeResult | None, per_rank: int, splits: list[int],
              budget_seconds: float, on_note: Callable[[str], None] | None) -> tuple[Timings, str]:

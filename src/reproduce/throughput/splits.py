@@ -33,7 +33,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..plan.throughput_choice import TimedSplit
+from ..plan.throughput_choice import ThroughputChoice, TimedSplit
 
 REPEATS = 5  # timed rounds when the budget allows
 MIN_REPEATS = 3  # timed rounds whatever the budget
@@ -216,11 +216,14 @@ class Decision:
     indistinguishable: list[int] | None = None  # the two fastest, when their difference is within the noise
     cost: dict | None = None  # Timings.cost(): what choosing cost (measured basis)
 
-    def to_json(self) -> dict:
-        return {"micro_batch": self.micro_batch, "accumulation_steps": self.accumulation_steps,
-                "basis": self.basis, "noise": self.noise, "exact_splits": self.splits, "reason": self.reason,
-                "indistinguishable": self.indistinguishable, "cost": self.cost,
-                "candidates": [c.model_dump() for c in self.candidates]}
+    def as_choice(self, device: str | None, micro_batch_max: int, note: str = "") -> ThroughputChoice:
+        """The record a plan keeps of this decision (`Plan.throughput`): where the splits were timed (None: a
+        model), the maximum it chose under, and `note` after the reason."""
+        return ThroughputChoice(
+            micro_batch=self.micro_batch, accumulation_steps=self.accumulation_steps, basis=self.basis,
+            noise=self.noise, exact_splits=self.splits, reason=self.reason + note,
+            indistinguishable=self.indistinguishable, cost=self.cost, candidates=self.candidates, device=device,
+            micro_batch_max=micro_batch_max)
 
 
 def choose(
