@@ -70,6 +70,16 @@ def test_schema_errors_exit_2_one_line_each(tmp_path, capsys):
     ]
 
 
+
+def test_an_unknown_key_is_named_as_written_whatever_it_reads(tmp_path, capsys):
+    path = write(tmp_path, "bad.yaml", f"recipe: {PAPERS / 'digits-mlp.yaml'}\nchecks: [{{kind: verify}}]\n"
+                                       "foo[0]: 1\nlist: 2\n")
+    code, out, err = run_cli(["check", str(path)], capsys)
+    assert code == 2 and out == ""
+    assert [line.split(": unknown key")[0] for line in err.splitlines()] == [
+        f"error: {path}: foo[0]", f"error: {path}: list"]
+
+
 BAD_REFERENCES = f"""\
 recipe: {PAPERS / "goyal2017-resnet50.yaml"}
 budget: {{micro_batch_max: 32}}

@@ -15,8 +15,10 @@ def format_errors(exc: ValidationError, source: str, root: type[BaseModel] = Che
     """recipe.format_validation_errors' style for check files: `file: checks[1].min: must be ... (got ...)`."""
     lines = []
     for error in exc.errors(include_url=False):
-        loc = [part for part in error["loc"] if not (isinstance(part, str) and is_union_tag(part))]
         kind = error["type"]
+        parts = list(error["loc"])
+        key = [parts.pop()] if kind == "extra_forbidden" and parts else []  # the file's own key, whatever it reads
+        loc = [part for part in parts if not (isinstance(part, str) and is_union_tag(part))] + key
         if kind == "union_tag_not_found":
             loc, message = [*loc, "kind"], f"required: one of {', '.join(KINDS)}"
         elif kind == "union_tag_invalid":

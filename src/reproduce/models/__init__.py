@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..plan.factory import call_builder
+from ..plan.factory import call_builder, rejected
 from ..plan.overlay import variant
 from ..plan.recipe import Recipe, SegmentationData
 from ..plan.weightfiles import WeightsOnDisk
@@ -113,11 +113,17 @@ def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict 
         return load_hf_model(recipe, data_info, weights)
     if weights is not None and weights.is_folder:  # the folder's own config is the architecture
         return builtin_from_folder(recipe, weights, data_info)
-    if spec.builtin in SEGMENTATION_MODELS:
-        declared = {"classes": recipe.data.classes} if recipe.data.classes else {}  # the data's own count first
-        return SEGMENTATION_MODELS[spec.builtin].build(segmentation_kwargs(recipe), {**declared, **(data_info or {})})
-    if spec.builtin in ARCHITECTURES:
-        return ARCHITECTURES[spec.builtin].build(spec.kwargs, data_info)
+    try:
+        if spec.builtin in SEGMENTATION_MODELS:
+            declared = {"classes": recipe.data.classes} if recipe.data.classes else {}  # the data's own count first
+            return SEGMENTATION_MODELS[spec.builtin].build(segmentation_kwargs(recipe),
+                                                           {**declared, **(data_info or {})})
+        if spec.builtin in ARCHITECTURES:
+            return ARCHITECTURES[spec.builtin].build(spec.kwargs, data_info)
+    except UserError:
+        raise
+    except Exception as exc:  # the architecture's own error for the recipe's kwargs
+        raise rejected("model.kwargs", str(spec.builtin), exc) from None
     extra = {}
     if spec.builtin == "gpt":
         extra = {"vocab_size": (data_info or {}).get("vocab_size", 256)}

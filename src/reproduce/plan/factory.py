@@ -71,5 +71,14 @@ def call_builder(builder: Any, field: str, registry: dict[str, Any], extra: dict
         )
     try:
         return function(**kwargs)
-    except TypeError as exc:
-        raise UserError(f"{field}.kwargs: {name} rejected its arguments: {exc}") from None
+    except UserError:
+        raise
+    except Exception as exc:
+        raise rejected(f"{field}.kwargs", name, exc) from None
+
+
+def rejected(field: str, name: str, exc: Exception) -> UserError:
+    """A builder's own error for the arguments a recipe gave it (`hidden: -5`: a negative tensor size; `hidden:
+    10000000000000`: no memory for it; a config's validation), as one line: the recipe's input is the cause."""
+    text = " ".join(str(exc).split()) or type(exc).__name__  # one line, however many the error has
+    return UserError(f"{field}: {name} rejected its arguments: {text if len(text) <= 240 else text[:237] + '...'}")

@@ -7,6 +7,7 @@ Shared by the recipe, the plan file and the check files; no torch. A line reads
 from __future__ import annotations
 
 import difflib
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,10 @@ class UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # `? [a, b]`: a list or mapping as a key
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a {type(key).__name__} as a key; keys are names", key_node.start_mark
+                )
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r}", key_node.start_mark
@@ -38,6 +43,9 @@ def read_yaml(path: str | Path, what: str = "recipe") -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{path}: no such {what} file" if not path.exists() else f"{path}: is not a file")
     try:
+        size = path.stat().st_size
+        if size > MOST_BYTES:
+            raise UserError(f"{path}: {size:,} bytes, more than {MOST_BYTES:,}; a {what} is a few kilobytes")
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot read: {exc}") from None
@@ -48,8 +56,13 @@ def read_yaml(path: str | Path, what: str = "recipe") -> dict[str, Any]:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise UserError(f"{path}: YAML syntax error at {where}{exc.problem or exc}") from None
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow (a NUL byte, say): where it is
+        line = text.count("\n", 0, exc.position) + 1
+        column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        raise UserError(f"{path}: YAML syntax error at line {line}, column {column}: the character "
+                        f"U+{exc.character:04X} is not allowed here")  from None
     except yaml.YAMLError as exc:
-        raise UserError(f"{path}: YAML syntax error: {exc}") from None
+        raise UserError(f"{path}: YAML syntax error: {' '.join(str(exc).split())}") from None
     if data is None:
         raise UserError(f"{path}: the file is empty; expected a {what}")
     if not isinstance(data, dict):
@@ -57,6 +70,7 @@ def read_yaml(path: str | Path, what: str = "recipe") -> dict[str, Any]:
     return data
 
 
+MOST_BYTES = 1 << 20  # the largest shipped recipe or plan file is under 10 kB
 MOST_DEPTH = 64  # a recipe nests a few levels; PyYAML's composer recurses once per level
 MOST_VALUES = 100_000  # a recipe holds a few hundred values; aliases (*name) could expand to billions
 
@@ -101,22 +115,55 @@ def unknown_key(key: str, known: list[str]) -> str:
     return f"unknown key{hint}"
 
 
+MOST_LINES = 20  # problems shown of one file; a file with more is not one mistake to fix line by line
+MOST_UNKNOWN = 3  # unknown keys of one mapping shown one a line (each with its closest field); more share a line
+
+
 def format_validation_errors(exc: ValidationError, source: str, root: type[BaseModel]) -> list[str]:
-    """One line per problem: `source: dotted.path: message (got value)`."""
+    """One line per problem: `source: dotted.path: message (got value)`. Many unknown keys of one mapping share a
+    line, and no more than MOST_LINES lines are shown."""
+    errors = exc.errors(include_url=False)
+    unknown: dict[tuple[str, ...], list[str]] = {}
+    for error in errors:
+        if error["type"] == "extra_forbidden":
+            loc = error_loc(error)
+            unknown.setdefault(tuple(loc[:-1]), []).append(loc[-1])
     lines = []
-    for error in exc.errors(include_url=False):
-        loc = [str(part) for part in error["loc"] if not is_union_tag(part)]
-        message = error_message(error, root)
+    for error in errors:
+        loc = error_loc(error)
+        if error["type"] == "extra_forbidden" and len(unknown[tuple(loc[:-1])]) > MOST_UNKNOWN:
+            keys = unknown[tuple(loc[:-1])]
+            known = field_names_at(root, loc[:-1])
+            message = (f"{len(keys):,} unknown keys ({', '.join(echo(key, 40) for key in keys[:MOST_UNKNOWN])}, ...)"
+                       + (f"; known: {', '.join(known)}" if known else ""))
+            loc = loc[:-1]
+        else:
+            message = error_message(error, root)
         head = message.split(":", 1)[0]
         if ":" in message and head.split(".")[0] in field_names_at(root, loc) and " " not in head:
             # a cross-field check already names its (dotted) field: attach it to the path
             loc = [*loc, *head.split(".")]
             message = message.split(":", 1)[1].strip()
-        path = ".".join(loc) or "(top level)"
+        path = ".".join(short(part) for part in loc) or "(top level)"
         line = f"{source}: {path}: {message}"
         if line not in lines:
             lines.append(line)
+    if len(lines) > MOST_LINES:
+        lines = [*lines[: MOST_LINES - 1], f"{source}: and {len(lines) - MOST_LINES + 1:,} more problems"]
     return lines
+
+
+def short(part: str, most: int = 60) -> str:
+    """A key as a path shows it, cut to `most` characters."""
+    return part if len(part) <= most else f"{part[: most - 3]}..."
+
+
+def error_loc(error: ErrorDetails) -> list[str]:
+    """An error's location as the file's keys, without the member names pydantic adds inside unions and literals;
+    an unknown key is the file's own, whatever it reads (`foo[0]`, `list`), so it stays."""
+    parts = list(error["loc"])
+    last = [str(parts.pop())] if error["type"] == "extra_forbidden" and parts else []
+    return [str(part) for part in parts if not is_union_tag(part)] + last
 
 
 def is_union_tag(part: Any) -> bool:
@@ -128,7 +175,7 @@ def is_union_tag(part: Any) -> bool:
 def error_message(error: ErrorDetails, root: type[BaseModel]) -> str:
     """The message of one pydantic error, in the words a recipe's author reads (without the path)."""
     kind, ctx, got = error["type"], error.get("ctx", {}), error.get("input")
-    loc = [str(part) for part in error["loc"] if not is_union_tag(part)]
+    loc = error_loc(error)
     if kind == "extra_forbidden":
         return unknown_key(loc[-1], field_names_at(root, loc[:-1]))
     if kind == "missing":
