@@ -13,12 +13,13 @@ import pickle
 import random
 import shutil
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ..errors import UserError
-from ..storage.files import check_torch_file, write_atomic
+from ..storage.files import check_torch_file, write_torch_file
 from .setup import Setup
 
 SHARDED_PREFIX = "sharded-step-"
@@ -49,7 +50,7 @@ def save_checkpoint(setup: Setup, path: Path, step: int, metrics: bytes, extra: 
         state.update(model=setup.unwrapped_model.state_dict(), optimizer=setup.optimizer.state_dict())
     if not setup.world.is_main:
         return
-    write_atomic(path, lambda handle: torch.save(state, handle))
+    write_torch_file(path, lambda handle: torch.save(state, handle))  # sealed: its SHA-256 in its zip comment
     if setup.sharded:  # only now is the previous sharded folder no longer named by last.pt
         for old in path.parent.glob(f"{SHARDED_PREFIX}*"):
             if old.name != state["sharded"]:
@@ -74,10 +75,13 @@ def _save_sharded(setup: Setup, folder: Path, step: int) -> str:
     return name
 
 
-def load_checkpoint(setup: Setup, path: Path) -> dict:
-    """The checkpoint's state, loaded into `setup`; a damaged file (a record that fails its stored checksum) is
-    refused in one line, never trained on."""
+def load_checkpoint(setup: Setup, path: Path, check: Callable[[dict], None] | None = None) -> dict:
+    """The checkpoint's state, loaded into `setup`; a damaged file (a byte that differs from its SHA-256 seal, or a
+    record from its stored checksum) is refused in one line, never trained on. `check(state)`: what must hold
+    before anything is loaded (the plan it was trained with: train/resume.py)."""
     state = read_torch_file(path, "`resume`", setup.device)
+    if check is not None:
+        check(state)
     sharded = state.get("sharded")
     if bool(sharded) != setup.sharded:
         was, now = ("fsdp", "none") if sharded else ("none", "fsdp")
