@@ -42,10 +42,11 @@ def computation(plan: Plan) -> dict[str, Any]:
 
 
 def _flatten(value: Any, path: str, into: dict[str, Any]) -> None:
-    if isinstance(value, dict) and value:
+    """Each leaf by its dotted path; an empty mapping or list has none (its items, when it gets some, are named)."""
+    if isinstance(value, dict):
         for key, item in value.items():
             _flatten(item, f"{path}.{key}" if path else str(key), into)
-    elif isinstance(value, list) and value:
+    elif isinstance(value, list):
         for index, item in enumerate(value):
             _flatten(item, f"{path}.{index}", into)
     else:

@@ -219,12 +219,12 @@ def check_torch_file(path: str | Path) -> str | None:
     record the directory names). A file of torch's legacy (non-zip) format has no checksums: None."""
     path = Path(path)
     try:
-        with open(path, "rb") as handle:
-            if handle.read(4) != b"PK\x03\x04":  # not a zip: the legacy format, or garbage torch.load refuses
-                return None if _legacy(path) else "not a torch file (no zip archive)"
         sealed = _seal_problem(path)
         if sealed != NO_SEAL:
             return sealed
+        with open(path, "rb") as handle:
+            if handle.read(4) != b"PK\x03\x04":  # not a zip: the legacy format, or garbage torch.load refuses
+                return None if _legacy(path) else "not a torch file (no zip archive)"
         with zipfile.ZipFile(path) as archive:
             problem = _header_problem(path, archive.infolist())
             bad = None if problem else archive.testzip()
