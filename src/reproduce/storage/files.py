@@ -188,6 +188,15 @@ def _archive_digest(handle: BinaryIO, size: int) -> hashlib._Hash:
     return digest
 
 
+def file_digest(path: str | Path) -> str:
+    """The SHA-256 of a file, in hex (a sharded checkpoint's shard files: last.pt, sealed itself, keeps theirs)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _seal_problem(path: Path) -> str | None:
     """Why a sealed torch file does not match its seal: None when it matches, `NO_SEAL` when it carries none."""
     size = path.stat().st_size

@@ -37,7 +37,7 @@ def end_problem(out: Path, state: dict) -> str | None:
     if isinstance(kept, bytes):
         held = metrics.read_bytes() if metrics.is_file() else None
         if held != kept:
-            return f"{metrics} is " + ("missing" if held is None else "not the run's (the checkpoint's copy differs)")
+            return f"{metrics} is " + ("missing" if held is None else "not the run's: the checkpoint's copy differs")
     if summary is None:
         problem = missing_final_outputs(out, step)
         return problem if problem is not None else _model_problem(out, state)
@@ -47,10 +47,10 @@ def end_problem(out: Path, state: dict) -> str | None:
     except FileNotFoundError:
         return f"{path} is missing"
     except (OSError, ValueError) as error:
-        return f"{path} is damaged ({str(error).splitlines()[0]})"
+        return f"{path} is damaged: {str(error).splitlines()[0]}"
     if not isinstance(written, dict) or _canonical({k: v for k, v in written.items() if k not in END_FIELDS}) != (
             _canonical(summary)):
-        return f"{path} is not the run's (it differs from the summary its checkpoint holds)"
+        return f"{path} is not the run's: it differs from the summary its checkpoint holds"
     problem = _model_problem(out, state)
     if problem:
         return problem
@@ -60,7 +60,7 @@ def end_problem(out: Path, state: dict) -> str | None:
         if not svg.is_file():
             return f"{svg} is missing"
         if isinstance(kept, bytes) and svg.read_bytes() != loss_document(kept).encode("utf-8"):
-            return f"{svg} is not the run's loss plot (it differs from the plot of the checkpoint's metrics)"
+            return f"{svg} is not the run's loss plot: it differs from the plot of the checkpoint's metrics"
     return next((f"{out / name} is missing" for name in ("adapter", "merged")
                  if written.get(name) and not (out / name).exists()), None)
 
