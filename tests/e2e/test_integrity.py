@@ -434,3 +434,39 @@ def test_a_whole_finished_run_is_finished(copy, capsys):
     code, _, err = run(capsys, copy / "plan.yaml", copy, "--resume")
     assert code == 2 and "nothing to do" in err and err.count("\n") == 1, err
     assert snapshot(copy) == before
+
+
+# ---- 1. a sharded checkpoint's shard files ----------------------------------------------------------------------
+
+@pytest.mark.slow  # two torchrun launches of 2 processes (~1 min here); the seal itself: the tests above
+@pytest.mark.distributed
+@pytest.mark.subprocess
+def test_a_damaged_shard_file_of_a_sharded_checkpoint_is_refused_before_dcp_loads_it(tmp_path):
+    """FSDP2 on 2 gloo processes: last.pt (sealed) keeps every shard file's SHA-256; a flipped byte in a shard is
+    found before DCP loads it, naming the file; nothing of the run is written."""
+    import subprocess
+    import sys
+
+    from helpers import ENV, MLP_CLIPPED
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(MLP_CLIPPED))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "reproduce", "run", str(recipe), "--out", str(out), "--device", "cpu",
+               "--micro-batch-max", "16", "--nproc-per-node", "2", "--checkpoint-every", "2"]
+    first = subprocess.run([*command, "--max-steps", "2"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    folder = out / "checkpoints" / state["sharded"]
+    assert state["sharded_digests"] and set(state["sharded_digests"]) == {
+        str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    shard = max((p for p in folder.rglob("*.distcp")), key=lambda p: p.stat().st_size)
+    data = shard.read_bytes()
+    shard.write_bytes(flipped(data, len(data) // 2, 3))
+    before = snapshot(out)
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert resumed.returncode != 0
+    assert f"{shard}: damaged or missing: it does not match the SHA-256 last.pt keeps of it" in resumed.stderr, (
+        resumed.stderr[-3000:])
+    assert {k: v for k, v in snapshot(out).items() if not k.startswith(".")} == {
+        k: v for k, v in before.items() if not k.startswith(".")}
