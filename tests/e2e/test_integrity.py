@@ -195,12 +195,19 @@ def test_an_unsealed_checkpoint_damaged_in_its_headers_is_refused_or_loads_the_s
     assert outcomes["refused"] > 50, outcomes
 
 
-@pytest.mark.parametrize("how", ["encrypted flag", "compression method deflate", "a record's byte"])
+def record_of(data: bytes, tensor: torch.Tensor) -> tuple[int, int]:
+    """Where the archive holds `tensor`'s bytes (one record's range)."""
+    held = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    [where] = [(s, e) for s, e in structures(data)["record"] if data[s:e] == held]
+    return where
+
+
+@pytest.mark.parametrize("how", ["encrypted flag", "compression method deflate", "rng_torch", "metrics"])
 def test_a_damaged_checkpoint_is_refused_by_resume_in_one_line_with_nothing_written(how, copy, capsys):
     checkpoint = copy / "checkpoints" / "last.pt"
     data = checkpoint.read_bytes()
-    if how == "a record's byte":  # in the RNG state record: the seal covers every record, not only the weights
-        start, end = structures(data)["record"][-3]
+    if how in ("rng_torch", "metrics"):  # a byte of the RNG state, of the kept metrics.jsonl: not only the weights
+        start, end = record_of(data, torch.load(checkpoint, weights_only=True)[how])
         checkpoint.write_bytes(flipped(data, (start + end) // 2, 0))
     else:
         checkpoint.write_bytes(header_damage(data, how))
