@@ -250,7 +250,7 @@ def test_a_damaged_model_file_is_refused_as_weights(whole, tmp_path, capsys):
     shutil.copy(whole / "model.pt", damaged)
     flip_a_weight(damaged)
     code, _, err = run(capsys, tmp_path, tmp_path / "out", "--weights", str(damaged), "--max-steps", "1")
-    assert code == 2 and "does not match its stored checksum" in err and err.count("\n") == 1, err
+    assert code == 2 and "is damaged: its bytes do not match the SHA-256" in err and err.count("\n") == 1, err
     code, _, err = run(capsys, tmp_path, tmp_path / "fine", "--weights", str(whole / "model.pt"), "--max-steps", "1")
     assert code == 0, err
 

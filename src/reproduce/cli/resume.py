@@ -10,6 +10,7 @@ import shlex
 from pathlib import Path
 
 from ..errors import UserError
+from ..plan.planfile import load_plan
 from ..storage.lock import LAUNCHER_ENV  # torchrun's options, for the resume command its processes print
 
 
@@ -44,20 +45,34 @@ def continue_command(out: Path, launcher: list[str], args: list[str]) -> str:
 
 def folder_state(out: Path, max_steps: int | None) -> tuple[str, str]:
     """Where the run in `out` stands, for --auto-resume, with a few words on it: `new` (no run there), `started`
-    (its plan.yaml, no checkpoint yet: it starts again), `unfinished` (a checkpoint: it resumes) or `finished`
-    (summary.json has reached --max-steps, else the plan's last step: nothing to do)."""
+    (its plan.yaml, no checkpoint yet: it starts again), `unfinished` (a checkpoint: it resumes; a finished run's
+    end that is not the run's is written again) or `finished` (it has reached --max-steps, else the plan's last step,
+    and its end is whole: nothing to do). Judged from the last checkpoint (train/run_end.py), never from a
+    summary.json that may be damaged."""
     if not (out / "plan.yaml").is_file():
         return "new", "no run there"
-    summary_path = out / "summary.json"
-    if summary_path.is_file():
-        summary = json.loads(summary_path.read_text())
-        planned = summary.get("planned_steps") or summary["steps"]
-        target = min(max_steps, planned) if max_steps is not None else planned
-        if summary["steps"] >= target:
-            return "finished", f"{summary['steps']} of {planned} optimizer steps run"
-    if (out / "checkpoints" / "last.pt").is_file():
-        return "unfinished", "a checkpoint to continue from"
-    return "started", "its plan.yaml but no checkpoint yet"
+    if not (out / "checkpoints" / "last.pt").is_file():
+        summary = _summary(out)  # (nothing to check it against)
+        steps, planned = summary.get("steps"), summary.get("planned_steps") or summary.get("steps")
+        if isinstance(steps, int) and isinstance(planned, int) and steps >= (
+                planned if max_steps is None else min(max_steps, planned)):
+            return "finished", f"{steps} of {planned} optimizer steps run"
+        return "started", "its plan.yaml but no checkpoint yet"
+    from ..train.run_end import finished_state  # (torch: only for a folder with a checkpoint)
+
+    try:
+        planned = load_plan(out / "plan.yaml").optimizer_steps
+    except UserError:  # the resume says what is wrong with it
+        planned = None
+    return finished_state(out, max_steps, planned)
+
+
+def _summary(out: Path) -> dict:
+    try:
+        summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
 
 
 def auto_resume_flags(resume: bool, force: bool, max_restarts: int | None, launching: bool) -> None:

@@ -302,8 +302,9 @@ def _torch_load(path: Path, field: str = "model.weights") -> Any:
     except pickle.UnpicklingError:  # (torch's message advises weights_only=False: never repeated here)
         raise UserError(f"{field}: {path}: holds Python objects besides tensors, which reproduce does not "
                         "unpickle (torch.load weights_only)") from None
-    except (RuntimeError, EOFError, OSError) as exc:
-        raise UserError(f"{field}: {path}: not a torch file ({str(exc).splitlines()[0]})") from None
+    except Exception as exc:  # (torch's RuntimeError, zlib.error, ... of an archive damaged past its checks)
+        said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{field}: {path}: not a torch file ({said})") from None
 
 
 def _targets(model: nn.Module) -> list[nn.Module]:

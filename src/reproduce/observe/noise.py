@@ -229,11 +229,13 @@ class NoiseScale:
         return self.trace / self.grad_sq
 
     def state_dict(self) -> dict:
-        return {"grad_sq": self.grad_sq, "trace": self.trace, "measured": self.measured, "ema": self.ema}
+        return {"grad_sq": self.grad_sq, "trace": self.trace, "measured": self.measured, "ema": self.ema,
+                "population": self.population}  # (summary.json's train_size, when a resume runs no step)
 
     def load_state_dict(self, state: dict) -> None:
         self.grad_sq, self.trace = state["grad_sq"], state["trace"]
         self.measured, self.ema = state["measured"], state["ema"]
+        self.population = state.get("population", self.population)
 
 
 # ---- the run's summary and its sentence -------------------------------------------------------------------

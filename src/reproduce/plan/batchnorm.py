@@ -42,8 +42,8 @@ class BatchNormPlan(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: str  # the run's: keep | sync | frozen | group
-    paper_mode: str  # the paper's (model.paper_batchnorm, else model.batchnorm)
+    mode: BatchnormMode  # the run's: keep | sync | frozen | group
+    paper_mode: BatchnormMode  # the paper's (model.paper_batchnorm, else model.batchnorm)
     layers: int | None  # BatchNorm layers of the model as the paper built it (None: not known)
     found: str  # where that count comes from
     micro_batch: int
@@ -79,9 +79,10 @@ def batchnorm_in_run(model: Any, counted: int | None = None) -> bool:
     return layers > 0 if layers is not None else "batchnorm" in model.norm_layers
 
 
-def paper_mode(model: Any) -> str:
-    mode = getattr(model, "paper_batchnorm", None) or getattr(model, "batchnorm", "keep")
-    return str(mode)
+def paper_mode(model: Any) -> BatchnormMode:
+    paper: Any = getattr(model, "paper_batchnorm", None)
+    mode: BatchnormMode = paper or getattr(model, "batchnorm", "keep")
+    return mode
 
 
 def paper_batch(recipe: Any) -> int | None:

@@ -21,11 +21,14 @@ knows the schedule only up to the first step where one could happen (`first_plat
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from .recipe import Decay
+
+DecayKind = Literal["constant", "step", "cosine", "linear", "polynomial", "plateau"]  # the recipe's decay.kind
+
 
 
 class StepSchedule(BaseModel):
@@ -38,7 +41,7 @@ class StepSchedule(BaseModel):
     lr: float  # the peak, with the phase's LR-rule factor
     warmup_steps: int = 0
     warmup_start_lr: float = 0.0
-    decay_kind: str = "constant"
+    decay_kind: DecayKind = "constant"  # (a kind it does not know is refused: never another decay)
     decay_milestones: list[int] = []
     decay_factor: float = 0.1
     decay_end_step: int | None = None

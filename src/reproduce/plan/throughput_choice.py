@@ -19,7 +19,7 @@ class TimedSplit(Frozen):
     samples_per_second: float
     tokens_per_second: float | None
     share_of_best: float  # samples/s over the best split's
-    source: str  # "timed" or "model"
+    source: Literal["timed", "model"]
     chosen: bool = False
     spread: float | None = None  # the repeats' relative spread (twice their MAD over their median); None: a model
     repeats: list[float] | None = None  # seconds of one optimizer step, each repeat (re-timing included)

@@ -6,12 +6,18 @@ leaves either the previous file or the new one, never half of one. The OS error 
 `WriteFailed` naming the file; a full disk is `disk_full`.
 
 torch's files are zip archives that store a CRC-32 of every record, which `torch.load` does not check: a flipped bit
-in a tensor loads silently. `check_torch_file` reads every record against its checksum before anything is loaded.
+in a tensor loads silently, and the CRC-32s cover no header (a flipped encrypted flag, compression method or directory
+attribute passes them, then torch raises or reads another tensor's bytes). So a torch file reproduce writes
+(`write_torch_file`: checkpoints, model.pt) is sealed: the SHA-256 of the whole archive goes into the zip's own comment
+(the end-of-archive record's, which torch and zipfile read past), and `check_torch_file` checks it before anything
+is loaded, every byte of every record and header included. A torch file without one (written by torch itself, or by
+reproduce before the seal) gets the checks its format allows: each record against its CRC-32, and its headers.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import shutil
 import tempfile
@@ -79,7 +85,7 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
     os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the file should read like any other the user writes
     recording = None
     try:
-        with os.fdopen(descriptor, "wb") as handle:
+        with os.fdopen(descriptor, "w+b") as handle:  # (read too: write_torch_file may hash it again)
             recording = _Recording(handle)
             write(recording)
             handle.flush()
@@ -121,21 +127,147 @@ def replace_folder(path: str | Path, write: Callable[[Path], object]) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+SEAL = b"reproduce-sha256:"  # the zip comment of a sealed torch file: this, then the archive's SHA-256 in hex
+SEAL_LENGTH = len(SEAL) + 64
+END_OF_ARCHIVE = b"PK\x05\x06"  # the end-of-central-directory record: 22 bytes, then the comment
+END_LENGTH = 22
+CHUNK = 1 << 20
+
+
+class _Hashing:
+    """A binary file that hashes what is written to it, in order (torch.save only writes and flushes)."""
+
+    def __init__(self, handle) -> None:
+        self.handle, self.digest, self.written, self.tail, self.in_order = handle, hashlib.sha256(), 0, b"", True
+
+    def write(self, data) -> int:
+        written = self.handle.write(data)
+        view = memoryview(data).cast("B")[:written]
+        self.digest.update(view)
+        self.written += written
+        self.tail = (self.tail + bytes(view[-END_LENGTH:]))[-END_LENGTH:]
+        return written
+
+    def seek(self, *args):  # (never called by torch.save: then the file is hashed again from disk)
+        self.in_order = False
+        return self.handle.seek(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+
+def write_torch_file(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
+    """`write(handle)` (a torch.save) written atomically as `write_atomic` does, then sealed: the archive's SHA-256
+    put into its zip comment, which `check_torch_file` checks before any load."""
+
+    def sealed(handle: BinaryIO) -> None:
+        hashing = _Hashing(handle)
+        write(hashing)  # type: ignore[arg-type]
+        if not hashing.tail.startswith(END_OF_ARCHIVE) or hashing.tail[-2:] != b"\0\0":
+            raise ValueError(f"{path}: not a zip archive without a comment (torch.save's format): cannot seal it")
+        handle.flush()
+        size = handle.seek(0, os.SEEK_END)
+        digest = hashing.digest if hashing.in_order and hashing.written == size else _archive_digest(handle, size)
+        handle.seek(size - 2)
+        handle.write(SEAL_LENGTH.to_bytes(2, "little") + SEAL + digest.hexdigest().encode("ascii"))
+
+    write_atomic(path, sealed)
+
+
+def _archive_digest(handle: BinaryIO, size: int) -> hashlib._Hash:
+    """The SHA-256 of the archive as torch wrote it: its first `size` - 2 bytes, then an empty comment's length."""
+    digest, left = hashlib.sha256(), size - 2
+    handle.seek(0)
+    while left > 0:
+        chunk = handle.read(min(CHUNK, left))
+        if not chunk:
+            break
+        digest.update(chunk)
+        left -= len(chunk)
+    digest.update(b"\0\0")
+    return digest
+
+
+def file_digest(path: str | Path) -> str:
+    """The SHA-256 of a file, in hex (a sharded checkpoint's shard files: last.pt, sealed itself, keeps theirs)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _seal_problem(path: Path) -> str | None:
+    """Why a sealed torch file does not match its seal: None when it matches, `NO_SEAL` when it carries none."""
+    size = path.stat().st_size
+    if size < END_LENGTH + SEAL_LENGTH:
+        return NO_SEAL
+    with open(path, "rb") as handle:
+        handle.seek(size - SEAL_LENGTH)
+        comment = handle.read(SEAL_LENGTH)
+        if not comment.startswith(SEAL):
+            return NO_SEAL
+        handle.seek(size - SEAL_LENGTH - END_LENGTH)
+        end = handle.read(END_LENGTH)
+        if not end.startswith(END_OF_ARCHIVE) or end[20:] != SEAL_LENGTH.to_bytes(2, "little"):
+            return "damaged: its end-of-archive record is not where its SHA-256 seal says (a cut or garbled archive)"
+        digest = _archive_digest(handle, size - SEAL_LENGTH)
+    if digest.hexdigest().encode("ascii") != comment[len(SEAL):]:
+        return "damaged: its bytes do not match the SHA-256 written into it when it was saved"
+    return None
+
+
+NO_SEAL = "no seal"
+
+
 def check_torch_file(path: str | Path) -> str | None:
-    """Why the torch file at `path` is damaged (a record whose bytes do not match its stored CRC-32, a cut or garbled
-    archive), or None when every record is whole. A file of torch's legacy (non-zip) format has no checksums: None."""
+    """Why the torch file at `path` is damaged, or None when it is whole. A file reproduce sealed
+    (`write_torch_file`) is checked against its SHA-256: any byte changed, header or record, is found. Another (torch's
+    own, an older reproduce's) is checked as its format allows: every record against its stored CRC-32, and the
+    headers torch would read it by (not encrypted, stored or deflated, not a directory, the local header naming the
+    record the directory names). A file of torch's legacy (non-zip) format has no checksums: None."""
     path = Path(path)
     try:
+        sealed = _seal_problem(path)
+        if sealed != NO_SEAL:
+            return sealed
         with open(path, "rb") as handle:
             if handle.read(4) != b"PK\x03\x04":  # not a zip: the legacy format, or garbage torch.load refuses
                 return None if _legacy(path) else "not a torch file (no zip archive)"
         with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
-    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError) as error:
-        return f"damaged: {error}"
+            problem = _header_problem(path, archive.infolist())
+            bad = None if problem else archive.testzip()
     except OSError as error:
         return f"cannot read: {error.strerror or error}"
+    except Exception as error:  # zipfile's own (BadZipFile, an encrypted record's RuntimeError, zlib.error, ...)
+        return f"damaged: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+    if problem:
+        return f"damaged: {problem}"
     return None if bad is None else f"damaged: the record {bad} does not match its stored checksum"
+
+
+def _header_problem(path: Path, records: list[zipfile.ZipInfo]) -> str | None:
+    """What of an unsealed archive's headers torch would misread: an encrypted flag, a compression method other than
+    stored or deflated, a directory attribute, a local header that is not the directory's record."""
+    with open(path, "rb") as handle:
+        for info in records:
+            if info.flag_bits & 0x1:
+                return f"the record {info.filename} is marked encrypted"
+            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+                return f"the record {info.filename} has compression method {info.compress_type}"
+            if info.is_dir() or info.external_attr & 0x10:
+                return f"the record {info.filename} is marked a directory"
+            handle.seek(info.header_offset)
+            local = handle.read(30)
+            if len(local) < 30 or not local.startswith(b"PK\x03\x04"):
+                return f"the record {info.filename} has no local header where the directory says"
+            flags, method = int.from_bytes(local[6:8], "little"), int.from_bytes(local[8:10], "little")
+            name = handle.read(int.from_bytes(local[26:28], "little"))
+            if name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+                return f"the record {info.filename}'s local header names another record"
+            if method != info.compress_type or (flags ^ info.flag_bits) & 0x1:
+                return f"the record {info.filename}'s local header differs from the directory's"
+    return None
 
 
 def _legacy(path: Path) -> bool:

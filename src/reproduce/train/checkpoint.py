@@ -13,12 +13,13 @@ import pickle
 import random
 import shutil
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ..errors import UserError
-from ..storage.files import check_torch_file, write_atomic
+from ..storage.files import check_torch_file, file_digest, write_torch_file
 from .setup import Setup
 
 SHARDED_PREFIX = "sharded-step-"
@@ -45,11 +46,15 @@ def save_checkpoint(setup: Setup, path: Path, step: int, metrics: bytes, extra: 
     }
     if setup.sharded:
         state["sharded"] = _save_sharded(setup, path.parent, step)
+        if setup.world.is_main:  # each shard file's SHA-256, in last.pt (sealed): checked before a resume loads them
+            folder = path.parent / state["sharded"]
+            state["sharded_digests"] = {str(p.relative_to(folder)): file_digest(p)
+                                        for p in sorted(folder.rglob("*")) if p.is_file()}
     else:
         state.update(model=setup.unwrapped_model.state_dict(), optimizer=setup.optimizer.state_dict())
     if not setup.world.is_main:
         return
-    write_atomic(path, lambda handle: torch.save(state, handle))
+    write_torch_file(path, lambda handle: torch.save(state, handle))  # sealed: its SHA-256 in its zip comment
     if setup.sharded:  # only now is the previous sharded folder no longer named by last.pt
         for old in path.parent.glob(f"{SHARDED_PREFIX}*"):
             if old.name != state["sharded"]:
@@ -74,16 +79,19 @@ def _save_sharded(setup: Setup, folder: Path, step: int) -> str:
     return name
 
 
-def load_checkpoint(setup: Setup, path: Path) -> dict:
-    """The checkpoint's state, loaded into `setup`; a damaged file (a record that fails its stored checksum) is
-    refused in one line, never trained on."""
+def load_checkpoint(setup: Setup, path: Path, check: Callable[[dict], None] | None = None) -> dict:
+    """The checkpoint's state, loaded into `setup`; a damaged file (a byte that differs from its SHA-256 seal, or a
+    record from its stored checksum) is refused in one line, never trained on. `check(state)`: what must hold
+    before anything is loaded (the plan it was trained with: train/resume.py)."""
     state = read_torch_file(path, "`resume`", setup.device)
+    if check is not None:
+        check(state)
     sharded = state.get("sharded")
     if bool(sharded) != setup.sharded:
         was, now = ("fsdp", "none") if sharded else ("none", "fsdp")
         raise UserError(f"{path} was written by a run with sharding {was}; this one has {now}", field="resume")
     if sharded:
-        _load_sharded(setup, path.parent / sharded)
+        _load_sharded(setup, path.parent / sharded, state.get("sharded_digests"))
     else:
         setup.unwrapped_model.load_state_dict(state["model"])
         setup.optimizer.load_state_dict(state["optimizer"])
@@ -122,14 +130,26 @@ def kept_metrics(state: dict) -> bytes | int:
     return zlib.decompress(kept.cpu().numpy().tobytes()) if kept is not None else state["metrics_offset"]
 
 
-def _load_sharded(setup: Setup, folder: Path) -> None:
-    """Each rank reads the shards it now owns (DCP reshards when the number of processes changed)."""
+def _load_sharded(setup: Setup, folder: Path, digests: dict | None = None) -> None:
+    """Each rank reads the shards it now owns (DCP reshards when the number of processes changed), once every shard
+    file matches the SHA-256 last.pt keeps of it (`digests`; each rank checks its share, all agree)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from .distributed import processes as distributed
 
     if not folder.is_dir():
         raise UserError(f"{folder} (named by last.pt) is missing: the sharded checkpoint cannot be read",
                         field="resume")
+    if digests:
+        world = setup.world
+        names = sorted(digests)[world.rank::world.size]
+        bad = next((name for name in names if not (folder / name).is_file()
+                    or file_digest(folder / name) != digests[name]), None)
+        if distributed.any_rank(world, bad is not None, setup.device):
+            raise UserError(f"{folder / bad if bad else folder}: " + (
+                "damaged or missing: it does not match the SHA-256 last.pt keeps of it" if bad else
+                "a shard file is damaged or missing (another rank found it)"), field="resume")
     model_state, optimizer_state = get_state_dict(setup.model, setup.optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=folder)

@@ -8,10 +8,12 @@ from pathlib import Path
 from ..errors import UserError
 from ..observe.divergence import DivergenceWatch
 from ..observe.noise import NoiseScale
-from ..observe.outputs import missing_final_outputs, read_metrics
+from ..observe.outputs import read_metrics
 from ..plan.planner import Plan
 from ..plan.segments import batch_phase
+from ..plan.trained_with import changed_fields
 from .checkpoint import kept_metrics, load_checkpoint
+from .run_end import end_problem
 from .setup import Setup
 
 
@@ -30,7 +32,7 @@ class Resumed:
 def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, seed: int, asked_seed: int | None,
                total: int, max_steps: int | None) -> Resumed:
     """Load `out`'s checkpoint into `setup` (and `noise`), and check the run has steps left to run."""
-    state = load_checkpoint(setup, out / "checkpoints" / "last.pt")
+    state = load_checkpoint(setup, out / "checkpoints" / "last.pt", lambda saved: check_same_plan(saved, plan, out))
     if noise is not None and state["extra"].get("noise_scale"):
         noise.load_state_dict(state["extra"]["noise_scale"])
     first_step, rebuild = state["step"], None
@@ -38,7 +40,7 @@ def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, se
     if asked_seed is not None and asked_seed != saved_seed:
         raise UserError(f"the run in {out} was started with seed {saved_seed} (got {asked_seed})", field="seed")
     if first_step >= total:
-        rebuild = missing_final_outputs(out, first_step) if first_step == total else None
+        rebuild = end_problem(out, state) if first_step == total else None  # checked, not trusted (run_end.py)
         if rebuild is None:  # (a resume past its --max-steps never rewrites the run's end)
             raise UserError(already_run(out, first_step, total, max_steps, plan.optimizer_steps))
     # the run had lowered the micro-batch after running out of memory (by sequence length)
@@ -48,6 +50,21 @@ def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, se
             saved_micro_batch < plan.micro_batch and plan.per_rank_batch % saved_micro_batch == 0):
         lowered = {plan.recipe.batch.sequence_length: saved_micro_batch}
     return Resumed(saved_seed, first_step, kept_metrics(state), lowered, state, rebuild)
+
+
+def check_same_plan(state: dict, plan: Plan, out: Path) -> None:
+    """A resumed run trains the plan its checkpoint was trained with: one line naming every field that changes the
+    computation and differs (plan/trained_with.py). A checkpoint written before it kept its plan is not checked."""
+    recorded = state.get("extra", {}).get("plan")
+    if not isinstance(recorded, str):
+        return
+    changed = changed_fields(recorded, plan)
+    if changed:
+        shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+        raise UserError(f"{out / 'plan.yaml'} differs from the plan {out / 'checkpoints' / 'last.pt'} was trained "
+                        f"with: {shown}; a resumed run trains its checkpoint's plan: put plan.yaml back as it was "
+                        "(the micro-batch and the processes have their own options: --micro-batch-max, "
+                        "--nproc-per-node), or start a new run with the new plan", field="resume")
 
 
 def already_run(out: Path, first_step: int, total: int, max_steps: int | None, planned: int | None) -> str:

@@ -54,6 +54,7 @@ class Run:
     stream: MicroBatchStream | None = None
     grouping: Grouping | None = None  # data.packing sorted / packed (data/packing.py)
     lengths: torch.Tensor | None = None  # each sample's input tokens, when the data has them (text)
+    summary: dict | None = None  # summary.json as computed at the last step (kept in its checkpoint)
 
     @property
     def seed(self) -> int:

@@ -27,13 +27,14 @@ from ..models.trained import check_merged, peft_model, save_adapter, save_merged
 from ..observe.noise import NoiseScale, not_measured_reason
 from ..observe.outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, run_outputs
 from ..observe.rates import StepRates
+from ..plan import trained_with
 from ..plan.planfile import save_plan
 from ..plan.planner import Plan
 from ..plan.segments import batch_phases, length_sizes
 from ..plan.sharding import check_sharding
 from ..storage import lock
 from ..storage.aside import Previous, setting_aside
-from ..storage.files import WriteFailed, replace_folder, write_atomic, write_text
+from ..storage.files import WriteFailed, replace_folder, write_text, write_torch_file
 from .checkpoint import full_model_state, save_checkpoint
 from .distributed import processes as distributed
 from .distributed.processes import World
@@ -43,6 +44,7 @@ from .options import RunOptions
 from .records import run_summary, step_record
 from .reporter import Reporter, SilentReporter
 from .resume import Resumed, earlier_segments, last_record, resume_run
+from .run_end import kept_summary
 from .run_state import Run
 from .setup import build, resolve_device
 from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, StepResult, optimizer_step
@@ -378,15 +380,21 @@ def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool) -> No
         time.perf_counter() - run.last_checkpoint >= CHECKPOINT_SECONDS)
     received, due = stop.agreed(run.world, setup.device, due) if not done else (None, due)
     if due or done or received:
+        now = time.perf_counter()
+        if done:  # summary.json, kept in the last checkpoint: a lost or damaged end is written again as it was
+            run.summary = run_summary(run, now - run.started)
         extra = {"seed": run.seed, "micro_batch": run.micro_batch(step),
                  "lowered": {str(length): value for length, value in run.lowered.items()}}
         if run.noise is not None:
             extra["noise_scale"] = run.noise.state_dict()
-        extra["run_totals"] = {"seconds": run.totals_before_resume["seconds"] + time.perf_counter() - run.started,
+        extra["run_totals"] = {"seconds": run.totals_before_resume["seconds"] + now - run.started,
                                "samples": run.totals_before_resume["samples"] + run.counters["samples"],
                                "tokens": run.totals_before_resume["tokens"] + run.counters["tokens"]}
         extra["divergence"] = run.divergence.state_dict()
         extra["last_record"] = run.last_record
+        extra["plan"] = trained_with.as_record(run.plan)  # a resume refuses another plan (plan/trained_with.py)
+        if run.summary is not None:
+            extra["summary"] = json.dumps(run.summary)  # (train/run_end.py)
         save_checkpoint(setup, run.checkpoint_path, step + 1, bytes(run.metrics.kept), extra)
         run.last_checkpoint = time.perf_counter()
     if received:
@@ -413,10 +421,13 @@ def close_run(run: Run, stop: StopSignals, restore: Callable[[], None]) -> None:
 def finish_run(run: Run) -> dict:
     """summary.json and model.pt (rank 0), the LoRA adapter (and merged model) as users load them, the loss plot, and
     the reporter's last word."""
-    summary = run_summary(run, time.perf_counter() - run.started)
+    # as the last checkpoint holds it (a resume that writes the end again: the uninterrupted run's, byte for byte)
+    summary = run.summary if run.summary is not None else kept_summary(run.resumed.state) if (
+        run.resumed.rebuild) else None
+    summary = summary if summary is not None else run_summary(run, time.perf_counter() - run.started)
     model_state = full_model_state(run.setup)  # FSDP: gathered from every rank's shards
     if run.world.is_main:  # each written whole or not at all; summary.json last, as it names the others
-        write_atomic(run.out / "model.pt", lambda handle: torch.save(model_state, handle))
+        write_torch_file(run.out / "model.pt", lambda handle: torch.save(model_state, handle))
         summary.update(save_trained(run, model_state))
         summary["plot"] = plot_metrics(run.out / "metrics.jsonl", run.out / "loss.svg")
         write_text(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
