@@ -232,6 +232,27 @@ def test_the_packing_option_is_checked_as_the_field():
     assert overlay(parse_recipe(llama_lora()), changes, "llama.yaml").data.token_budget == 64
 
 
+@pytest.mark.parametrize("way", ["sorted", "packed"])
+def test_micro_batch_mean_with_an_explicit_grouping_is_refused_in_one_line(way, tmp_path, capsys):
+    """The mean of micro-batch means is defined on the paper's micro-batches of m samples: regrouped, it is neither
+    the Trainer's update nor the exact window's; the field and --packing are refused alike, nothing written."""
+    body = {**llama_lora(way), "loss": {"normalization": "micro-batch-mean"}}
+    with pytest.raises(UserError, match=rf"^<recipe>: data.packing: {way} with loss.normalization micro-batch-mean: "):
+        parse_recipe(body)
+    body = {**llama_lora(), "loss": {"normalization": "micro-batch-mean"}}
+    assert parse_recipe(body).data.packing is None and make_plan(parse_recipe(body), 4).recipe.data.packing is None
+    path = tmp_path / "mean.yaml"
+    path.write_text(yaml.safe_dump(body))
+    out = tmp_path / "run"
+    code, stdout, stderr = cli(capsys, "run", path, "--packing", way, "--micro-batch-max", "4", "--device", "cpu",
+                               "--out", out)
+    assert code == 2 and stdout == "" and not out.exists()
+    assert stderr.startswith(f"error: --packing: data.packing: {way} with loss.normalization micro-batch-mean: "
+                             "that mean is defined on the paper's micro-batches")
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
+    assert parse_recipe({**body, "data": {**body["data"], "packing": "none"}}).data.packing == "none"
+
+
 def cli_command(recipe, out, *args: str) -> list[str]:
     return [sys.executable, "-m", "reproduce", "run", str(recipe), "--out", str(out), "--device", "cpu",
             "--micro-batch-max", "4", "--checkpoint-every", "1", *args]

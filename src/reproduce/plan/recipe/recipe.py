@@ -210,6 +210,10 @@ def packing_problem(recipe: Recipe, way: str | None = None) -> str | None:
     if batch.phases or batch.ramp or batch.unit != "samples" or recipe.task != "language-modeling":
         return (f"data.packing: {way} groups a window of samples of language-modeling text; not with "
                 "batch.phases, batch.ramp, batch.unit tokens or another task")
+    if recipe.loss is not None and recipe.loss.normalization == "micro-batch-mean":
+        return (f"data.packing: {way} with loss.normalization micro-batch-mean: that mean is defined on the paper's "
+                f"micro-batches of m samples, which {way} regroups (the update would be neither the Trainer's nor "
+                "the exact window's); use data.packing: none, or loss.normalization: window-tokens")
     return None
 
 
