@@ -23,6 +23,7 @@ from ..data.loader import LoaderWatch, cpu_share, default_workers
 from ..data.packing import Grouped, grouping_of, sample_lengths
 from ..errors import Interrupted, TrainingStopped, UserError
 from ..models.hf import check_packed
+from ..models.varlen import runs_varlen
 from ..models.trained import check_merged, peft_model, save_adapter, save_merged
 from ..observe.noise import NoiseScale, not_measured_reason
 from ..observe.outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, run_outputs
@@ -253,7 +254,7 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
 def group_training_set(plan: Plan, setup, train_set) -> tuple:
     """data.packing sorted / packed: the training set as those micro-batches collate it, the grouping, and each
     sample's input tokens (also kept for text with `none`, for the padding the metrics count)."""
-    grouping = grouping_of(plan.recipe, train_set, plan.micro_batch)
+    grouping = grouping_of(plan.recipe, train_set, plan.micro_batch, varlen=runs_varlen(setup.unwrapped_model))
     if grouping is None:
         lengths = None
         if plan.recipe.task == "language-modeling" and (hasattr(train_set, "input_lengths")

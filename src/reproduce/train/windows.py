@@ -125,7 +125,10 @@ def grouping_table(plan: Plan, lengths: torch.Tensor, budget: int | None, seed: 
     table = {"token_budget": budget, "longest": longest, "given": budget != plan.micro_batch * longest,
              "windows": min(steps, plan.optimizer_steps)}
     for way in WAYS:
-        grouping = None if way == "none" else Grouping(way, budget, longest, lengths, plan.micro_batch)
+        # packed: one row per micro-batch, as a transformers model runs it through the varlen attention that
+        # build_model selects for it (models/varlen.py; another model refuses packed before its first step)
+        grouping = None if way == "none" else Grouping(way, budget, longest, lengths, plan.micro_batch,
+                                                       varlen=way == "packed")
         micro_batches = useful = computed = 0
         for step in range(table["windows"]):
             shares, _, micro = rank_shares(plan, step, seed)
@@ -133,7 +136,7 @@ def grouping_table(plan: Plan, lengths: torch.Tensor, budget: int | None, seed: 
                       [list(torch.split(share, micro)) for share in shares])
             micro_batches += len(groups[0])
             useful += sum(int(lengths[share].sum()) for share in shares)
-            computed += sum(computed_tokens(g, lengths, way, longest) for rank in groups for g in rank)
+            computed += sum(computed_tokens(g, lengths, way, longest, way == "packed") for rank in groups for g in rank)
         table[way] = {"micro_batches": round(micro_batches / max(table["windows"], 1), 2),
                       "padding_fraction": round(1 - useful / computed, 4) if computed else None}
     return table
