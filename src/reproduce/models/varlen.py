@@ -10,8 +10,8 @@ each sample without any dense (T x T) mask: the samples' bounds (cu_seqlens) com
   position ids and runs flash-attention's varlen kernel (not run here: no GPU on this machine).
 
 Anything else falls back to transformers' own sdpa: an explicit attention mask (its mask function builds it as sdpa's
-does), no position ids (an unpacked row: one sample, `is_causal`), a cache, and fake tensors (the estimate meter's
-fake step, whose position ids have no values: one causal pass over the whole row, an upper bound on the memory).
+does), no position ids (an unpacked row: one sample, `is_causal`), a cache, and fake position ids (which have no
+values: one causal pass over the whole row, an upper bound on the memory; the estimate meter keeps them real).
 
 `use_varlen(model)` switches a transformers model that runs `sdpa` (the default here) to it; build_model does so
 for a packed recipe, so the run, verify and the probe run the same kernel.
@@ -29,9 +29,12 @@ VARLEN = "reproduce_varlen"
 
 def segments(position_ids: torch.Tensor, rows: int, width: int) -> list[int]:
     """The start of each sample in the flattened (rows x width) tokens, and their end: position 0 starts one, as
-    does each row."""
-    flat = position_ids.expand(rows, width).reshape(-1)
-    starts = set((flat == 0).nonzero().flatten().tolist()) | set(range(0, rows * width, width))
+    does each row. Real position ids are read as such under the estimate meter's fake mode (probe/fake_step.py)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        flat = position_ids.expand(rows, width).reshape(-1)
+        starts = set((flat == 0).nonzero().flatten().tolist()) | set(range(0, rows * width, width))
     return sorted(starts) + [rows * width]
 
 

@@ -23,8 +23,8 @@ from ..data.loader import LoaderWatch, cpu_share, default_workers
 from ..data.packing import Grouped, grouping_of, sample_lengths
 from ..errors import Interrupted, TrainingStopped, UserError
 from ..models.hf import check_packed
-from ..models.varlen import runs_varlen
 from ..models.trained import check_merged, peft_model, save_adapter, save_merged
+from ..models.varlen import runs_varlen
 from ..observe.noise import NoiseScale, not_measured_reason
 from ..observe.outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, run_outputs
 from ..observe.rates import StepRates

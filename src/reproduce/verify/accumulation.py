@@ -345,7 +345,8 @@ def verify(
 
 def packing_note(grouping: Grouping, indices: list[torch.Tensor]) -> str:
     """What the grouped micro-batches hold: samples and tokens computed of each."""
-    sizes = ", ".join(f"{len(i)}/{computed_tokens(i, grouping.lengths, grouping.way, grouping.row, grouping.varlen)}" for i in indices)
+    computed = [computed_tokens(i, grouping.lengths, grouping.way, grouping.row, grouping.varlen) for i in indices]
+    sizes = ", ".join(f"{len(i)}/{tokens}" for i, tokens in zip(indices, computed, strict=True))
     return (f"data.packing {grouping.way}, token budget {grouping.budget}: micro-batches of samples/tokens computed "
             f"{sizes}; the reference takes the same samples unpacked, padded to the longest")
 
