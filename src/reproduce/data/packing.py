@@ -70,11 +70,12 @@ def sample_lengths(dataset: Any) -> torch.Tensor:
     return torch.tensor(lengths, dtype=torch.long)
 
 
-def grouping_of(recipe: Any, dataset: Any, micro_batch: int, varlen: bool = False) -> Grouping | None:
+def grouping_of(recipe: Any, dataset: Any, micro_batch: int, varlen: bool = False,
+                way: str | None = None) -> Grouping | None:
     """The recipe's grouping for `dataset` (None with `none`); a token budget below the longest example is one line.
     `varlen`: the model attends through a varlen attention (models/varlen.py `runs_varlen`): packed rows are one
-    per micro-batch."""
-    way = recipe.data.packing or "none"
+    per micro-batch. `way`: in place of the recipe's data.packing (a plan's default, before the plan writes it)."""
+    way = way or recipe.data.packing or "none"
     if way == "none":
         return None
     lengths = sample_lengths(dataset)

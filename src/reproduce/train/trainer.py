@@ -47,7 +47,7 @@ from .resume import Resumed, earlier_segments, last_record, resume_run
 from .run_state import Run
 from .setup import build, resolve_device
 from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, StepResult, optimizer_step
-from .windows import StepBatch, micro_batch_at, smaller_micro_batch, step_batch
+from .windows import StepBatch, grouping_line, micro_batch_at, smaller_micro_batch, step_batch
 
 __all__ = ["Reporter", "RunOptions", "SilentReporter", "StopSignals", "read_metrics", "train"]
 
@@ -239,6 +239,8 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     noise_skipped = not_measured_reason(world.size, max(accumulations), setup.sharded) if options.noise_scale else None
     if noise_skipped:
         reporter.message(f"note: noise scale not measured: {noise_skipped}")
+    if grouping is not None:  # the way this run groups, and what it pads (data/packing.py)
+        reporter.message(grouping_line(plan, grouping, resumed.seed, resumed.first_step))
     reporter.start(plan, total, resumed.first_step)
     started = time.perf_counter()
     before_resume, divergence = earlier_segments(out, resumed.state, resumed.first_step)

@@ -442,3 +442,51 @@ def test_a_micro_batch_lowered_after_out_of_memory_lowers_the_token_budget_and_k
         computed = (len(lengths) * max(lengths) if way == "sorted"
                     else len(next_fit(lengths, grouping.row)) * grouping.row)
         assert computed <= grouping.budget // 2 or len(lengths) == 1
+
+
+@pytest.mark.parametrize("way", ["none", "sorted", "packed"])
+def test_the_throughput_policy_times_windows_grouped_as_the_run_groups_them(way, one_thread):
+    """--policy throughput's steps (throughput/split_steps.py): each window of split m grouped as the run groups it
+    (T = m x the longest example), through the run's attention (varlen for packed), and timed."""
+    from reproduce.probe.workload import Workload
+    from reproduce.throughput.split_steps import SplitSteps
+
+    steps = SplitSteps(Workload(parse_recipe(llama_lora(way if way != "none" else None, effective=8))),
+                       torch.device("cpu"), 8, noise_scale=False)
+    try:
+        window = steps.window(4)
+        indices = steps.order[:8]
+        if way == "none":
+            assert steps.grouping is None and [m.indices.tolist() for m in window] == [indices[:4].tolist(),
+                                                                                       indices[4:].tolist()]
+        else:
+            assert steps.grouping.way == way and steps.grouping.varlen is (way == "packed")
+            expected = group(indices, steps.grouping, 4 * int(steps.grouping.lengths.max()))
+            assert [m.indices.tolist() for m in window] == [g.tolist() for g in expected]
+            assert isinstance(steps.dataset, Grouped)
+        assert steps(4, 1) > 0
+    finally:
+        steps.close()
+
+
+@pytest.mark.parametrize("way", ["sorted", "packed"])
+def test_the_run_says_at_its_start_how_it_groups_and_what_it_pads(way, tmp_path):
+    """The first line of a grouped run: the way, T, the attention, and the padding share of its first windows, as
+    the run's own metrics then count it (packed through the varlen attention: no padding at all)."""
+    from reproduce.train.reporter import SilentReporter
+
+    said: list[str] = []
+
+    class Lines(SilentReporter):
+        def message(self, text: str) -> None:
+            said.append(text)
+
+    spec, data, plan = grouped_plan(llama_lora(way, effective=16, steps=2))
+    summary = train(plan, tmp_path / "run", RunOptions(device="cpu", data=data, reporter=Lines()))
+    line = next(text for text in said if text.startswith("packing: "))
+    budget = 4 * max(len(x) for x, _ in data.train)
+    assert line.startswith(f"packing: {way}, token budget {budget:,} tokens per micro-batch, ")
+    assert "over the first 2 windows: " in line
+    padding = int(line.rsplit(", ", 1)[1].split("%")[0])
+    assert padding == round(100 * summary["padding_fraction"])
+    assert ("varlen attention" in line and padding == 0) if way == "packed" else "rows padded" in line
