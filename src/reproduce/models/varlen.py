@@ -65,10 +65,12 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     bounds = segments(position_ids, rows, width)
-    flat = [t.transpose(0, 1).reshape(1, heads, rows * width, dim) for t in (query, key, value)]
-    pieces = [torch.nn.functional.scaled_dot_product_attention(
-        *(t[:, :, start:end] for t in flat), dropout_p=dropout, is_causal=True, scale=scaling)
-        for start, end in zip(bounds, bounds[1:], strict=False)]
+    sizes = [end - start for start, end in zip(bounds, bounds[1:], strict=False)]
+    # torch.split, not slices: its backward is one concatenation, where each slice's would zero-fill the whole row
+    flat = [torch.split(t.transpose(0, 1).reshape(1, heads, rows * width, dim), sizes, dim=2)
+            for t in (query, key, value)]
+    pieces = [torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                               scale=scaling) for q, k, v in zip(*flat, strict=True)]
     out = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
     return out.reshape(heads, rows, width, dim).permute(1, 2, 0, 3).contiguous(), None
 
