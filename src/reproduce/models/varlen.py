@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 VARLEN = "reproduce_varlen"
+CALLS = {"cut": 0, "whole": 0}  # attention calls that cut their rows at the samples, and those that did not
 
 
 def segments(position_ids: torch.Tensor, rows: int, width: int) -> list[int]:
@@ -54,8 +55,10 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     rows, heads, width, dim = query.shape
     if (attention_mask is not None or position_ids is None or key.shape[2] != width or width == 1
             or _is_fake(position_ids) or not getattr(module, "is_causal", True)):
+        CALLS["whole"] += 1
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    CALLS["cut"] += 1
     if query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16) and _flash_available():
         from transformers.integrations.flash_attention import flash_attention_forward
 
@@ -127,3 +130,21 @@ def runs_varlen(model: nn.Module) -> bool:
     inner = hf_logits(model)
     name = getattr(getattr(inner.model, "config", None), "_attn_implementation", None) if inner else None
     return isinstance(name, str) and (name == VARLEN or name.startswith("flash_attention"))
+
+
+def varlen_confines(model: nn.Module, device: torch.device) -> bool:
+    """Whether every attention call of a forward over a packed row cut it at its samples (VARLEN with the position
+    ids it needs: confined by construction). In the model's own mode, so nothing converts for inference (bitsandbytes'
+    4-bit layers on a CPU repack their weights in eval mode, into a kernel without a backward)."""
+    from .hf import hf_logits
+
+    inner = hf_logits(model)
+    if inner is None:
+        return False
+    vocab = int(getattr(inner.model.config, "vocab_size", 2) or 2)
+    row = {"input_ids": (torch.arange(7, device=device) % vocab)[None],
+           "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]], device=device)}
+    before = dict(CALLS)
+    with torch.no_grad():
+        model(row)
+    return CALLS["cut"] > before["cut"] and CALLS["whole"] == before["whole"]

@@ -170,7 +170,7 @@ def make_plan(
     It reads as its steps: the main batch's values, the checks, the split, its LR, the epoch, the batch phases, the
     schedule in optimizer steps, the last warnings. Every step appends its warnings to one list, in this order.
     """
-    way = default_packing(recipe)  # data.packing unset: instruction data takes sorted, and the plan keeps it
+    way = default_packing(recipe)  # data.packing unset: instruction data takes packed or sorted, the plan keeps it
     if way is not None:
         recipe = overlay(recipe, [Change("data.packing", way)], recipe_path or "the recipe")
     maxima = micro_batch_max if isinstance(micro_batch_max, Mapping) else None

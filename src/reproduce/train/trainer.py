@@ -267,7 +267,8 @@ def group_training_set(plan: Plan, setup, train_set) -> tuple:
                 lengths = None
         return train_set, None, lengths
     if grouping.way == "packed":  # attention confined to each sample, or one line before any step
-        check_packed(setup.unwrapped_model, setup.device)
+        with setup.autocast():  # (as the steps run it: a bf16 base under autocast)
+            check_packed(setup.unwrapped_model, setup.device)
     return Grouped(train_set, grouping), grouping, grouping.lengths
 
 

@@ -246,7 +246,8 @@ def verify(
     grouped = train_set
     if grouping is not None:  # sorted / packed micro-batches against the same samples unpacked in the reference
         if grouping.way == "packed":
-            check_packed(model, torch_device)
+            with setup.autocast():  # (as the steps run it)
+                check_packed(model, torch_device)
         grouped = Grouped(train_set, grouping)
         notes.append(packing_note(grouping, indices))
     micro_batches = [to_device(fetch_seeded(grouped, i, seed), torch_device, param_dtype) for i in indices]

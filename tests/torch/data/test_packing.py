@@ -320,62 +320,68 @@ def test_verify_from_the_command_line_with_packed_instruction_data(sample_data, 
 INSTRUCTIONS = {"format": "instructions", "tokenizer": "tok", "max_length": 512, "available": False}
 
 
-@pytest.mark.parametrize(("data", "loss", "expected"), [
-    (INSTRUCTIONS, None, "sorted"),  # instruction text, the loss over the window's tokens: the default
-    ({**INSTRUCTIONS, "format": "chat"}, None, "sorted"),
-    ({**INSTRUCTIONS, "packing": "none"}, None, "none"),  # the recipe's own way is kept
-    ({**INSTRUCTIONS, "packing": "packed"}, None, "packed"),
-    (INSTRUCTIONS, {"normalization": "micro-batch-mean"}, None),  # the paper's micro-batches are its arithmetic
-    ({"factory": "factories:variable_lm"}, None, None),  # token sequences of a factory: not instruction data
+GPT = {"builtin": "gpt", "kwargs": {"vocab_size": 32, "block_size": 16, "layers": 1, "heads": 2, "dim": 16}}
+
+
+@pytest.mark.parametrize(("data", "loss", "model", "expected"), [
+    (INSTRUCTIONS, None, None, "packed"),  # instruction text, the loss over the window's tokens, transformers' LLaMA
+    ({**INSTRUCTIONS, "format": "chat"}, None, None, "packed"),
+    (INSTRUCTIONS, None, GPT, "sorted"),  # a model of its own attention: sorted, exact with any
+    ({**INSTRUCTIONS, "packing": "none"}, None, None, "none"),  # the recipe's own way is kept
+    ({**INSTRUCTIONS, "packing": "sorted"}, None, None, "sorted"),
+    (INSTRUCTIONS, {"normalization": "micro-batch-mean"}, None, None),  # the paper's micro-batches: its arithmetic
+    ({"factory": "factories:variable_lm"}, None, None, None),  # token sequences of a factory: not instruction data
 ])
-def test_instruction_data_left_unset_plans_sorted_and_every_other_recipe_keeps_its_way(data, loss, expected):
+def test_instruction_data_left_unset_plans_the_fastest_way_and_every_other_recipe_keeps_its_way(data, loss, model,
+                                                                                                expected):
     body = llama_lora()
     body["data"] = data
     if loss:
         body["loss"] = loss
+    if model:
+        body["model"] = model
     recipe = parse_recipe(body)
     planned = make_plan(recipe, 4)
     assert planned.recipe.data.packing == expected
     assert default_packing(recipe) == (expected if "packing" not in data else None)
     # a plan saved before the default (data.packing unset: it ran `none`) keeps `none` when re-planned on resume
     old = planned.model_copy(update={"recipe": recipe})
-    assert kept_grouping(recipe).data.packing == ("none" if expected == "sorted" and "packing" not in data
-                                                  else recipe.data.packing)
-    assert replan(old, 2, None, 1000, "plan.yaml").recipe.data.packing == (
-        "none" if expected == "sorted" and "packing" not in data else expected)
+    defaulted = expected in ("sorted", "packed") and "packing" not in data
+    assert kept_grouping(recipe).data.packing == ("none" if defaulted else recipe.data.packing)
+    assert replan(old, 2, None, 1000, "plan.yaml").recipe.data.packing == ("none" if defaulted else expected)
 
 
-def test_the_shipped_recipes_take_sorted_only_for_instruction_and_chat_data():
+def test_the_shipped_recipes_take_packed_only_for_instruction_and_chat_data():
     papers = Path(__file__).parents[3] / "papers"
     ways = {path.name: default_packing(load_recipe(path)) for path in sorted(papers.glob("*.yaml"))}
     assert {name for name, way in ways.items() if way} == {
         "hu2021-lora-gpt2m-e2e.yaml", "taori2023-alpaca-7b.yaml", "tloen2023-alpaca-lora.yaml",
         "dettmers2023-qlora-guanaco-7b.yaml"}  # (the last two: window-tokens, their stated deviation)
-    assert set(ways.values()) == {None, "sorted"}
+    assert set(ways.values()) == {None, "packed"}  # (GPT-2 Medium and LLaMA-7B: transformers' models)
 
 
 def test_the_plan_states_the_default_and_a_run_and_its_resume_keep_it(sample_data, tmp_path, capsys):
-    """No --packing on instruction data: plan prints sorted and why; the run groups by length (the paper's 16
-    samples a step in fewer micro-batches), plan.yaml keeps sorted, and a resume keeps it (bitwise) and refuses
-    another way."""
+    """No --packing on instruction data: plan prints packed and why; the run packs (the paper's 16 samples a step
+    in fewer micro-batches), plan.yaml keeps packed, and a resume keeps it (bitwise) and refuses another way."""
     recipe = instruction_recipe(sample_data, tmp_path)
     summary = cli_json(capsys, "plan", recipe, "--micro-batch-max", "4")
     table = summary["packing"]
-    assert (table["way"], table["origin"]) == ("sorted", DEFAULT_WHY) and table["sorted"]["micro_batches"] < 4
+    assert (table["way"], table["origin"]) == ("packed", DEFAULT_WHY) and table["packed"]["micro_batches"] < 4
+    assert table["packed"]["padding_fraction"] == 0  # one row per micro-batch (the varlen attention)
     code, out, _ = cli(capsys, "plan", recipe, "--micro-batch-max", "4", "--packing", "none")
     assert code == 0 and "packing: none (data.packing, --packing)" in out
     code, out, _ = cli(capsys, "plan", recipe, "--micro-batch-max", "4")
-    assert code == 0 and "packing: sorted (the default for instruction and chat data" in " ".join(out.split())
+    assert code == 0 and "packing: packed (the default for instruction and chat data" in " ".join(out.split())
 
     for out_dir, steps in (("full", "3"), ("part", "2")):
         code, _, err = cli(capsys, "run", recipe, "--out", tmp_path / out_dir, "--device", "cpu",
                            "--micro-batch-max", "4", "--max-steps", steps)
         assert code == 0, err
     saved = yaml.safe_load((tmp_path / "part" / "plan.yaml").read_text())
-    assert saved["recipe"]["data"]["packing"] == "sorted"
+    assert saved["recipe"]["data"]["packing"] == "packed"
     code, _, err = cli(capsys, "run", recipe, "--out", tmp_path / "part", "--device", "cpu", "--resume",
                        "--packing", "none")
-    assert code == 2 and "--packing: the run in " in err and "was started with data.packing sorted" in err
+    assert code == 2 and "--packing: the run in " in err and "was started with data.packing packed" in err
     code, _, err = cli(capsys, "run", recipe, "--out", tmp_path / "part", "--device", "cpu", "--resume")
     assert code == 0, err
     records = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]

@@ -138,3 +138,24 @@ def test_registering_twice_keeps_one_entry():
     register()
     register()
     assert transformers.AttentionInterface._global_mapping[VARLEN].__name__ == "varlen_attention"
+
+
+def test_the_varlen_check_runs_in_the_models_own_mode_and_fails_without_position_ids(monkeypatch):
+    """check_packed under VARLEN: every attention call must have cut the row at its samples; it keeps the model's
+    mode (eval would make bitsandbytes' CPU 4-bit layers repack into a kernel without a backward). A model whose
+    attention never sees the position ids (here: they are dropped on the way) fails it."""
+    from reproduce.models.hf import confines_packed
+
+    _, varlen = model_pair("llama-gqa")
+    varlen.train()
+    assert confines_packed(varlen, torch.device("cpu")) and varlen.training
+    from reproduce.models import varlen as module
+
+    original = module.varlen_attention
+
+    def without_positions(*args, **kwargs):
+        kwargs.pop("position_ids", None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, VARLEN, without_positions)
+    assert not confines_packed(varlen, torch.device("cpu"))

@@ -38,9 +38,9 @@ CPU_12MIB = ProbeOptions(memory="12MiB", meter="cpu", time_steps=False)  # 2 row
 
 
 def test_sorted_searches_its_token_budget_between_m_and_m_plus_one_rows(sample_data, isolated):
-    """No data.packing (instruction data: sorted): T is the largest m x L + x x step measured to fit, and the next
-    step up was measured not to (or is (m + 1) x L, which the sample probe measured not to fit)."""
-    recipe = parse_recipe(instructions(sample_data))
+    """data.packing sorted: T is the largest m x L + x x step measured to fit, and the next step up was measured
+    not to (or is (m + 1) x L, which the sample probe measured not to fit)."""
+    recipe = parse_recipe(instructions(sample_data, packing="sorted"))
     result = run_probe(recipe, options=CPU_12MIB)
     rows, longest, step, budget = result.micro_batch_max, result.longest, result.token_step, result.token_budget
     assert rows is not None and not result.capped and step == -(-longest // TOKEN_STEPS)
@@ -61,7 +61,7 @@ def test_probe_and_plan_print_the_token_budget_and_how_it_was_found(sample_data,
     import yaml
 
     path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(instructions(sample_data)))
+    path.write_text(yaml.safe_dump(instructions(sample_data, packing="sorted")))
     options = ("--memory", "12MiB", "--meter", "cpu")
     probed = cli_json(capsys, "probe", path, *options)
     budget = probed["token_budget"]
