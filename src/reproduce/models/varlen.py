@@ -106,42 +106,48 @@ def register() -> None:
         AttentionMaskInterface.register(VARLEN, varlen_mask)
 
 
+def transformers_model(model: nn.Module) -> nn.Module | None:
+    """The outermost transformers model in `model` (under HFLogits and peft's wrappers), or None."""
+    import sys
+
+    modeling = sys.modules.get("transformers.modeling_utils")  # loaded by any transformers model
+    if modeling is None:
+        return None
+    return next((module for module in model.modules() if isinstance(module, modeling.PreTrainedModel)), None)
+
+
+def attention_of(model: nn.Module) -> str | None:
+    """The attention implementation the transformers model in `model` runs (config._attn_implementation)."""
+    inner = transformers_model(model)
+    name = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    return name if isinstance(name, str) else None
+
+
 def use_varlen(model: nn.Module) -> bool:
     """Switch the transformers model in `model` from `sdpa` to VARLEN; whether it now runs a varlen attention
     (VARLEN, or a flash-attention it already had). A model of another attention (eager, flex, its own) is kept."""
-    from .hf import hf_logits
-
-    inner = hf_logits(model)
-    config = getattr(inner.model, "config", None) if inner is not None else None
-    name = getattr(config, "_attn_implementation", None)
-    if inner is None or name is None:
-        return False
+    name = attention_of(model)
     if name == "sdpa":
         register()
-        inner.model.set_attn_implementation(VARLEN)
+        transformers_model(model).set_attn_implementation(VARLEN)  # type: ignore[union-attr,operator]
         return True
-    return name == VARLEN or name.startswith("flash_attention")
+    return runs_varlen(model)
 
 
 def runs_varlen(model: nn.Module) -> bool:
     """Whether the transformers model in `model` attends through a varlen attention (VARLEN or flash-attention)."""
-    from .hf import hf_logits
-
-    inner = hf_logits(model)
-    name = getattr(getattr(inner.model, "config", None), "_attn_implementation", None) if inner else None
-    return isinstance(name, str) and (name == VARLEN or name.startswith("flash_attention"))
+    name = attention_of(model)
+    return name is not None and (name == VARLEN or name.startswith("flash_attention"))
 
 
 def varlen_confines(model: nn.Module, device: torch.device) -> bool:
     """Whether every attention call of a forward over a packed row cut it at its samples (VARLEN with the position
     ids it needs: confined by construction). In the model's own mode, so nothing converts for inference (bitsandbytes'
     4-bit layers on a CPU repack their weights in eval mode, into a kernel without a backward)."""
-    from .hf import hf_logits
-
-    inner = hf_logits(model)
+    inner = transformers_model(model)
     if inner is None:
         return False
-    vocab = int(getattr(inner.model.config, "vocab_size", 2) or 2)
+    vocab = int(getattr(inner.config, "vocab_size", 2) or 2)
     row = {"input_ids": (torch.arange(7, device=device) % vocab)[None],
            "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]], device=device)}
     before = dict(CALLS)
