@@ -86,6 +86,17 @@ def test_warn_partial_epoch():
     ]
 
 
+@pytest.mark.parametrize(("total", "said"), [(7, False), (8, True), (20, True)])
+def test_the_partial_last_window_is_said_only_of_a_run_that_reaches_it(total, said):
+    """1,000 samples at 128 a step without drop_last: 7 whole windows, then one of 104. A run of 7 steps or fewer
+    never meets it."""
+    recipe = make_recipe(data={"drop_last": False}, schedule={"warmup": {"steps": 0}, "decay": {"kind": "constant"},
+                                                              "total": {"steps": total}})
+    plan = make_plan(recipe, 32)
+    epoch_end = "the last window of each epoch holds 104 of 128 samples: normalised by the 104 it holds"
+    assert (epoch_end in plan.warnings) is said and plan.partial_window == 104
+
+
 def test_schedule_in_steps_converts_every_length():
     r = make_recipe()  # 1000 samples, drop_last: 7 steps an epoch; 1 warm-up epoch, milestones at 5 and 8, 10 epochs
     chosen, _ = choose_split(r, 48, 1, "exact", None, [])

@@ -7,9 +7,14 @@ accumulated gradient is the large batch's whatever the grouping.
 
 - none: the plan's fixed micro-batch of m samples, padded to its longest;
 - sorted: the rank's share ordered by length (longest first) and cut into micro-batches of at most T tokens
-  (rows x longest row), padded within each: any attention implementation;
-- packed: the share packed first-fit-decreasing into rows as long as the data's longest example, T // that rows per
-  micro-batch, with position ids restarting at each sample, so that transformers confines attention to each sample
+  (rows x longest row), padded within each: any attention implementation. The cut is the optimal one (`split`):
+  the fewest micro-batches the budget allows, and among those the fewest padded tokens (a dynamic programme over
+  the sorted lengths; an optimal partition is contiguous in that order);
+- packed: with a varlen attention (models/varlen.py, which build_model selects for a packed transformers model),
+  the share packed first-fit-decreasing into micro-batches of at most T tokens, each ONE row of its samples back to
+  back (no padding at all), position ids restarting at each sample, which the varlen attention reads; without one
+  (a model of another attention), rows as long as the data's longest example, T // that rows per micro-batch, so
+  that transformers confines attention to each sample through its block mask
   (masking_utils.find_packed_sequence_indices: a 2D attention mask None, no cache); no padding inside a row.
 
 T, the token budget, is `data.token_budget`, by default the plan's micro-batch x the longest example: what the fixed
@@ -44,6 +49,7 @@ class Grouping:
     row: int
     lengths: torch.Tensor
     micro_batch: int  # the plan's: a micro-batch lowered after an out-of-memory error lowers T in proportion
+    varlen: bool = False  # packed: one row per micro-batch, for a varlen attention (models/varlen.py)
 
     def budget_at(self, micro_batch: int) -> int:
         return max(1, self.budget * micro_batch // self.micro_batch)
@@ -64,9 +70,12 @@ def sample_lengths(dataset: Any) -> torch.Tensor:
     return torch.tensor(lengths, dtype=torch.long)
 
 
-def grouping_of(recipe: Any, dataset: Any, micro_batch: int) -> Grouping | None:
-    """The recipe's grouping for `dataset` (None with `none`); a token budget below the longest example is one line."""
-    way = recipe.data.packing or "none"
+def grouping_of(recipe: Any, dataset: Any, micro_batch: int, varlen: bool = False,
+                way: str | None = None) -> Grouping | None:
+    """The recipe's grouping for `dataset` (None with `none`); a token budget below the longest example is one line.
+    `varlen`: the model attends through a varlen attention (models/varlen.py `runs_varlen`): packed rows are one
+    per micro-batch. `way`: in place of the recipe's data.packing (a plan's default, before the plan writes it)."""
+    way = way or recipe.data.packing or "none"
     if way == "none":
         return None
     lengths = sample_lengths(dataset)
@@ -76,7 +85,7 @@ def grouping_of(recipe: Any, dataset: Any, micro_batch: int) -> Grouping | None:
         index = int(torch.argmax(lengths))
         raise UserError(f"data.token_budget: {budget} tokens is smaller than example {index}'s {longest} input tokens "
                         "(after truncation to data.max_length); give at least that")
-    return Grouping(way, budget, longest, lengths, micro_batch)
+    return Grouping(way, budget, longest, lengths, micro_batch, varlen=varlen and way == "packed")
 
 
 def group(indices: torch.Tensor, grouping: Grouping, budget: int) -> list[torch.Tensor]:
@@ -86,26 +95,52 @@ def group(indices: torch.Tensor, grouping: Grouping, budget: int) -> list[torch.
     own = grouping.lengths[indices]
     order = torch.argsort(own, descending=True, stable=True)
     if grouping.way == "sorted":
-        groups, start = [], 0
-        while start < len(order):
-            take = max(1, budget // int(own[order[start]]))  # rows x the longest row (the first: longest first)
-            groups.append(indices[order[start : start + take]])
-            start += take
-        return groups
+        sizes = split(own[order].tolist(), budget)
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        return [indices[order[start : start + size]] for start, size in zip(starts, sizes, strict=True)]
+    row = budget if grouping.varlen else grouping.row
     rows: list[list[int]] = []  # first-fit decreasing: positions in `indices`
     used: list[int] = []
     for position in order.tolist():
         length = int(own[position])
-        for row, filled in enumerate(used):
-            if filled + length <= grouping.row:
-                rows[row].append(position)
-                used[row] += length
+        for row_index, filled in enumerate(used):
+            if filled + length <= row:
+                rows[row_index].append(position)
+                used[row_index] += length
                 break
         else:
             rows.append([position])
             used.append(length)
-    per = max(1, budget // grouping.row)
+    per = 1 if grouping.varlen else max(1, budget // grouping.row)
     return [indices[[p for row in rows[start : start + per] for p in row]] for start in range(0, len(rows), per)]
+
+
+def split(lengths: list[int], budget: int) -> list[int]:
+    """The sizes of the consecutive micro-batches that cut `lengths` (sorted longest first) under `budget` tokens
+    each (rows x its first, longest, row; a sample alone always fits): the fewest micro-batches, and among those the
+    fewest padded tokens (sum of rows x longest less the lengths). A dynamic programme over prefixes, O(n^2) for a
+    rank's share of n samples. A partition of the sorted lengths that is not contiguous is never better: swapping a
+    shorter sample into the group of longer ones lowers no group's longest row."""
+    n = len(lengths)
+    best: list[tuple[int, int]] = [(0, 0)] + [(n + 1, 0)] * n  # (micro-batches, padded tokens) of each prefix
+    cut = [0] * (n + 1)
+    prefix = [0]
+    for length in lengths:
+        prefix.append(prefix[-1] + length)
+    for end in range(1, n + 1):
+        for start in range(end - 1, -1, -1):
+            rows = end - start
+            if rows > 1 and rows * lengths[start] > budget:
+                break  # (a longer group from an earlier, longer start fits even less)
+            padded = rows * lengths[start] - (prefix[end] - prefix[start])
+            candidate = (best[start][0] + 1, best[start][1] + padded)
+            if candidate < best[end]:
+                best[end], cut[end] = candidate, start
+    sizes, end = [], n
+    while end > 0:
+        sizes.append(end - cut[end])
+        end = cut[end]
+    return sizes[::-1]
 
 
 def balance(shares: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
@@ -126,13 +161,16 @@ def balance(shares: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
     return balanced
 
 
-def computed_tokens(indices: torch.Tensor, lengths: torch.Tensor, way: str, row: int) -> int:
-    """Tokens a micro-batch computes, padding included: rows x its longest row."""
+def computed_tokens(indices: torch.Tensor, lengths: torch.Tensor, way: str, row: int, varlen: bool = False) -> int:
+    """Tokens a micro-batch computes, padding included: rows x its longest row (packed for a varlen attention:
+    its samples' tokens, one row without padding)."""
     if len(indices) == 0:
         return 1
     own = lengths[indices].tolist()
     if way != "packed":
         return len(own) * max(own)
+    if varlen:
+        return sum(own)
     rows = next_fit(own, row)
     return len(rows) * max(sum(own[i] for i in r) for r in rows)
 
@@ -177,7 +215,8 @@ class Grouped(torch.utils.data.Dataset):
         items = [self.dataset[int(i)] for i in indices]
         if not packed:
             return collate(items)
-        rows = next_fit([len(inputs) for inputs, _ in items], self.grouping.row)
+        sizes = [len(inputs) for inputs, _ in items]
+        rows = next_fit(sizes, sum(sizes) if self.grouping.varlen else self.grouping.row)  # varlen: one row
         width = max(sum(len(items[i][0]) for i in row) for row in rows)
         input_ids = torch.zeros((len(rows), width), dtype=torch.long)
         targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)

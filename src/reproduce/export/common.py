@@ -141,7 +141,28 @@ def finetune_notes(plan: Plan, framework: str) -> list[str]:
     if recipe.loss is not None and recipe.loss.normalization == "micro-batch-mean":
         notes.append("loss.normalization micro-batch-mean: each micro-batch's mean loss divided by the accumulation "
                      "steps (the Hugging Face Trainer before v4.46.0), not by the window's count of items")
+    note = packing_note(plan, framework)
+    if note:
+        notes.append(note)
     return notes
+
+
+def packing_note(plan: Plan, framework: str) -> str | None:
+    """data.packing sorted / packed (data/packing.py): no framework setting groups a step's samples so; what to do."""
+    way, budget = plan.recipe.data.packing, plan.recipe.data.token_budget
+    if way not in ("sorted", "packed"):
+        return None
+    tokens = f"{budget:,} tokens" if budget else "the micro-batch x the longest example's tokens"
+    if way == "sorted":
+        how = ("each optimizer step's samples ordered by length and cut into the fewest micro-batches of at most "
+               f"{tokens} (rows x the longest row), padded within each")
+    else:
+        how = (f"each optimizer step's samples packed into micro-batches of at most {tokens}, one row each, position "
+               "ids restarting at each sample, under a varlen attention (flash_attention_2 on a GPU: "
+               "transformers.DataCollatorWithFlattening's rows)")
+    return (f"data.packing {way}: {framework} has no setting for it: reproduce run groups {how}; the loss stays "
+            "over the window's target tokens, so the emitted fixed micro-batches give the same update, with more "
+            "padding")
 
 
 def lora_source(lora: Lora, model: str = "model") -> str:

@@ -121,6 +121,14 @@ def build(plan: Plan) -> Export:
         notes.append("loss.normalization micro-batch-mean is not a TrainingArguments setting: the Trainer since "
                      "transformers v4.46.0 (PR #34191) normalises by the window's tokens; use a transformers release "
                      "before 4.46.0 for the old arithmetic")
+    if recipe.data.packing == "sorted":  # the Trainer's own regrouping of a step's samples (transformers >= 5.24)
+        values["train_sampling_strategy"] = "batch_rebalance"
+        comments["train_sampling_strategy"] = ("data.packing sorted: each step's samples regrouped by length (not "
+                                               "group_by_length, which chooses a step's samples)")
+    elif recipe.data.packing == "packed":
+        notes.append("data.packing packed: pass data_collator=transformers.DataCollatorWithFlattening() and load the "
+                     "model with attn_implementation=\"flash_attention_2\" (a varlen kernel; under sdpa a flattened "
+                     "row attends through a dense mask); the step's samples stay the same")
     tail = epoch_tail_note(plan, "HF's Trainer")
     if tail:
         notes.append(tail)

@@ -66,6 +66,10 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     if spec.batchnorm_momentum is not None:
         set_momentum(model, spec.batchnorm_momentum)
     check_vocabulary(model, data_info)  # token ids the embedding has no row for: refused before any step
+    if recipe.data.packing == "packed":  # a transformers model on sdpa attends through the varlen attention
+        from .varlen import use_varlen
+
+        use_varlen(model)
     model = adapt(model, recipe)
     if spec.activation_checkpointing:  # before DDP and FSDP2 wrap it: they see the checkpointed blocks
         from .checkpointing import enable

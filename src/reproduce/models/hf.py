@@ -53,10 +53,15 @@ def attention_name(model: nn.Module) -> str:
 
 def confines_packed(model: nn.Module, device: torch.device) -> bool:
     """Whether the model attends within each packed sample: the logits of two samples packed in one row with position
-    ids restarting at the second equal those of the second alone (eval mode, no gradient; the mode is restored)."""
+    ids restarting at the second equal those of the second alone (eval mode, no gradient; the mode is restored);
+    under the varlen attention, every attention call cut the row at its samples (in the model's own mode)."""
     inner = hf_logits(model)
     if inner is None or inner.kind != "causal-lm":
         return False
+    from .varlen import VARLEN, varlen_confines
+
+    if getattr(inner.model.config, "_attn_implementation", None) == VARLEN:  # confined by construction when every
+        return varlen_confines(model, device)  # attention call reads the position ids (models/varlen.py)
     vocab = int(getattr(inner.model.config, "vocab_size", 2) or 2)
     first = torch.arange(3, device=device) % vocab
     second = (torch.arange(4, device=device) * 7 + 1) % vocab

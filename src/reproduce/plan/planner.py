@@ -170,7 +170,7 @@ def make_plan(
     It reads as its steps: the main batch's values, the checks, the split, its LR, the epoch, the batch phases, the
     schedule in optimizer steps, the last warnings. Every step appends its warnings to one list, in this order.
     """
-    way = default_packing(recipe)  # data.packing unset: instruction data takes sorted, and the plan keeps it
+    way = default_packing(recipe)  # data.packing unset: instruction data takes packed or sorted, the plan keeps it
     if way is not None:
         recipe = overlay(recipe, [Change("data.packing", way)], recipe_path or "the recipe")
     maxima = micro_batch_max if isinstance(micro_batch_max, Mapping) else None
@@ -186,7 +186,9 @@ def make_plan(
     rule, source, adam_option = scale_lr(recipe, chosen, warnings)
     size = size or recipe.data.train_size
     steps_per_epoch, partial = epoch_steps(size, chosen.effective_batch, world_size, recipe.data.drop_last)
-    warn_partial_epoch(recipe, size, chosen.effective_batch, world_size, partial, warnings)
+    epoch_end: list[str] = []  # said only of a run that reaches an epoch's end (below, once its steps are known)
+    at = len(warnings)
+    warn_partial_epoch(recipe, size, chosen.effective_batch, world_size, partial, epoch_end)
     if recipe.loss is not None and recipe.loss.normalization == "micro-batch-mean":
         warnings.append("loss.normalization: micro-batch-mean: each micro-batch's mean over its own items, averaged "
                         "over the window's micro-batches and processes (the Hugging Face Trainer before transformers "
@@ -197,6 +199,10 @@ def make_plan(
     if schedule.total is not None and schedule.total > MOST_STEPS:
         raise UserError(f"{recipe_path}: schedule.total: {schedule.total:.3g} optimizer steps; no run takes more "
                         f"than {MOST_STEPS:.0e} (at a millisecond a step, {MOST_STEPS / 1000 / 86400:.0f} days)")
+    full = size // chosen.effective_batch if size else 0
+    if not (phases or schedule.total is None) and 0 < full and schedule.total <= full:
+        epoch_end = []  # the run ends within the first epoch's full windows: it never meets the last one
+    warnings[at:at] = epoch_end
     warn_last(recipe, batchnorm, schedule, warnings, norm)
     return Plan(
         recipe_path=recipe_path,

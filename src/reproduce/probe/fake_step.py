@@ -98,7 +98,11 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
         for param in model.parameters():
             if param.requires_grad:
                 hooks.append(param.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], GRADIENTS)))
-        fake_window = tree_map_only(torch.Tensor, fake.from_tensor, window)
+        # packed: the position ids stay real, so the varlen attention (models/varlen.py) cuts each row at its
+        # samples as the run does (fake tensors have no values to read)
+        fake_window = [(({k: v if k == "position_ids" else fake.from_tensor(v) for k, v in inputs.items()}
+                         if isinstance(inputs, dict) else tree_map_only(torch.Tensor, fake.from_tensor, inputs)),
+                        tree_map_only(torch.Tensor, fake.from_tensor, targets)) for inputs, targets in window]
         tracker.charge(fake_window, ACTIVATIONS)
         loss = build_loss(recipe, model)
         for step in range(1 + MEASURED_STEPS):

@@ -230,12 +230,12 @@ class Workload:
         return inputs[:length].repeat(count, 1), targets[:length].repeat(count, 1)
 
     def packed_rows(self, count: int) -> tuple[dict, torch.Tensor]:
-        """`count` rows of the longest example's length, each holding two samples (position ids restarting halfway),
-        as `data.packing: packed` feeds them: transformers attends through its block mask over each whole row."""
+        """A `data.packing: packed` micro-batch of T = `count` x the longest example's L tokens, as the run feeds it
+        to the varlen attention build_model selects for it (models/varlen.py): ONE row of `count` samples of L
+        tokens back to back, position ids restarting at each, so the probe measures the run's own kernel."""
         inputs, targets = self.rows(count, len(self.longest()[0]))
-        half = inputs.shape[1] // 2
-        positions = torch.cat([torch.arange(half), torch.arange(inputs.shape[1] - half)]).repeat(count, 1)
-        return {"input_ids": inputs, "position_ids": positions}, targets
+        positions = torch.arange(inputs.shape[1]).repeat(count, 1)
+        return {"input_ids": inputs.reshape(1, -1), "position_ids": positions.reshape(1, -1)}, targets.reshape(1, -1)
 
 
 def _numel(item: Any) -> int:

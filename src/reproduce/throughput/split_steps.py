@@ -6,7 +6,9 @@ weights' values do not change a step's time). A step of split m x N is train/ste
 window of the per-process batch split into N micro-batches of m, each a `LazyMicroBatch` fetched from the training
 set and moved to the device as its forward runs, with the gradient noise scale measured as `reproduce run` does by
 default; the CPU flushes denormals as the run does. Every split's k-th step takes the same samples (the k-th
-window of a fixed order), so splits of variable-length data pad alike. The clock runs from building the window to
+window of a fixed order), so splits of variable-length data pad alike; with `data.packing` sorted or packed (the
+recipe's, else the data's default) each window is grouped as the run groups it, T = m x the longest example, through
+the attention the run uses (models/varlen.py for packed). The clock runs from building the window to
 the end of the update (CUDA synchronised), as the run's `seconds` per step. A split that runs out of memory is
 `NotTimed` (its memory freed), not an error.
 """
@@ -20,7 +22,10 @@ from collections import defaultdict
 import torch
 
 from ..data.batches import LazyMicroBatch
+from ..data.packing import Grouped, group, grouping_of
+from ..models.varlen import runs_varlen
 from ..observe.noise import NoiseScale
+from ..plan.recipe import default_packing
 from ..probe.workload import Workload
 from ..train.setup import build
 from ..train.step import optimizer_step
@@ -38,6 +43,12 @@ class SplitSteps:
         self.setup.model.train()
         self.noise = NoiseScale(self.setup) if noise_scale else None
         self.dataset = workload.data.train
+        recipe = workload.plan.recipe  # data.packing sorted / packed: the windows grouped as the run groups them
+        way = recipe.data.packing or default_packing(recipe)
+        self.grouping = None if way in (None, "none") else grouping_of(
+            recipe, self.dataset, workload.plan.micro_batch, runs_varlen(self.setup.model), way=way)
+        if self.grouping is not None:
+            self.dataset = Grouped(self.dataset, self.grouping)
         self.order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(0))
         self.taken: dict[int, int] = defaultdict(int)  # windows each split has run
 
@@ -45,8 +56,9 @@ class SplitSteps:
         k = self.taken[micro_batch]
         self.taken[micro_batch] += 1
         indices = self.order[(k * self.per_rank + torch.arange(self.per_rank)) % len(self.order)]
-        return [LazyMicroBatch(self.dataset, i, self.device, self.setup.dtype)
-                for i in torch.split(indices, micro_batch)]
+        groups = (group(indices, self.grouping, self.grouping.budget_at(micro_batch)) if self.grouping else
+                  torch.split(indices, micro_batch))
+        return [LazyMicroBatch(self.dataset, i, self.device, self.setup.dtype) for i in groups]
 
     def __call__(self, micro_batch: int, count: int) -> float:
         cuda = self.device.type == "cuda"

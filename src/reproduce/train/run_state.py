@@ -96,8 +96,9 @@ class Run:
         else:
             groups = grouped_window(shares, self.grouping, micro_batch)
         way, row = (self.grouping.way, self.grouping.row) if self.grouping else ("none", 0)
+        varlen = self.grouping is not None and self.grouping.varlen
         useful = sum(int(self.lengths[share].sum()) for share in shares)
-        return useful, sum(computed_tokens(g, self.lengths, way, row) for rank in groups for g in rank)
+        return useful, sum(computed_tokens(g, self.lengths, way, row, varlen) for rank in groups for g in rank)
 
     def open_stream(self, step: int) -> MicroBatchStream:
         self.stream = MicroBatchStream(self.train_set, lambda at: self.windows(at)[0], step, self.total,

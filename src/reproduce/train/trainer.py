@@ -24,6 +24,7 @@ from ..data.packing import Grouped, grouping_of, sample_lengths
 from ..errors import Interrupted, TrainingStopped, UserError
 from ..models.hf import check_packed
 from ..models.trained import check_merged, peft_model, save_adapter, save_merged
+from ..models.varlen import runs_varlen
 from ..observe.noise import NoiseScale, not_measured_reason
 from ..observe.outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, run_outputs
 from ..observe.rates import StepRates
@@ -48,7 +49,7 @@ from .run_end import kept_summary
 from .run_state import Run
 from .setup import build, resolve_device
 from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, StepResult, optimizer_step
-from .windows import StepBatch, micro_batch_at, smaller_micro_batch, step_batch
+from .windows import StepBatch, grouping_line, micro_batch_at, smaller_micro_batch, step_batch
 
 __all__ = ["Reporter", "RunOptions", "SilentReporter", "StopSignals", "read_metrics", "train"]
 
@@ -240,6 +241,8 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     noise_skipped = not_measured_reason(world.size, max(accumulations), setup.sharded) if options.noise_scale else None
     if noise_skipped:
         reporter.message(f"note: noise scale not measured: {noise_skipped}")
+    if grouping is not None:  # the way this run groups, and what it pads (data/packing.py)
+        reporter.message(grouping_line(plan, grouping, resumed.seed, resumed.first_step))
     reporter.start(plan, total, resumed.first_step)
     started = time.perf_counter()
     before_resume, divergence = earlier_segments(out, resumed.state, resumed.first_step)
@@ -255,7 +258,7 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
 def group_training_set(plan: Plan, setup, train_set) -> tuple:
     """data.packing sorted / packed: the training set as those micro-batches collate it, the grouping, and each
     sample's input tokens (also kept for text with `none`, for the padding the metrics count)."""
-    grouping = grouping_of(plan.recipe, train_set, plan.micro_batch)
+    grouping = grouping_of(plan.recipe, train_set, plan.micro_batch, varlen=runs_varlen(setup.unwrapped_model))
     if grouping is None:
         lengths = None
         if plan.recipe.task == "language-modeling" and (hasattr(train_set, "input_lengths")
@@ -266,7 +269,8 @@ def group_training_set(plan: Plan, setup, train_set) -> tuple:
                 lengths = None
         return train_set, None, lengths
     if grouping.way == "packed":  # attention confined to each sample, or one line before any step
-        check_packed(setup.unwrapped_model, setup.device)
+        with setup.autocast():  # (as the steps run it: a bf16 base under autocast)
+            check_packed(setup.unwrapped_model, setup.device)
     return Grouped(train_set, grouping), grouping, grouping.lengths
 
 

@@ -125,7 +125,10 @@ def grouping_table(plan: Plan, lengths: torch.Tensor, budget: int | None, seed: 
     table = {"token_budget": budget, "longest": longest, "given": budget != plan.micro_batch * longest,
              "windows": min(steps, plan.optimizer_steps)}
     for way in WAYS:
-        grouping = None if way == "none" else Grouping(way, budget, longest, lengths, plan.micro_batch)
+        # packed: one row per micro-batch, as a transformers model runs it through the varlen attention that
+        # build_model selects for it (models/varlen.py; another model refuses packed before its first step)
+        grouping = None if way == "none" else Grouping(way, budget, longest, lengths, plan.micro_batch,
+                                                       varlen=way == "packed")
         micro_batches = useful = computed = 0
         for step in range(table["windows"]):
             shares, _, micro = rank_shares(plan, step, seed)
@@ -133,7 +136,31 @@ def grouping_table(plan: Plan, lengths: torch.Tensor, budget: int | None, seed: 
                       [list(torch.split(share, micro)) for share in shares])
             micro_batches += len(groups[0])
             useful += sum(int(lengths[share].sum()) for share in shares)
-            computed += sum(computed_tokens(g, lengths, way, longest) for rank in groups for g in rank)
+            computed += sum(computed_tokens(g, lengths, way, longest, way == "packed") for rank in groups for g in rank)
         table[way] = {"micro_batches": round(micro_batches / max(table["windows"], 1), 2),
                       "padding_fraction": round(1 - useful / computed, 4) if computed else None}
     return table
+
+
+def grouping_line(plan: Plan, grouping: Grouping, seed: int, first_step: int = 0, steps: int = 32) -> str:
+    """What the run says at its start of the way it groups (data/packing.py): the way, T, the attention, and over
+    its first `steps` windows (every rank's) the micro-batches per window and rank and the padding share."""
+    from ..data.packing import computed_tokens
+
+    windows = range(first_step, min(first_step + steps, plan.optimizer_steps or first_step + steps))
+    micro_batches = useful = computed = 0
+    for step in windows:
+        shares, _, micro = rank_shares(plan, step, seed)
+        groups = grouped_window(shares, grouping, micro)
+        micro_batches += len(groups[0])
+        useful += sum(int(grouping.lengths[share].sum()) for share in shares)
+        computed += sum(computed_tokens(g, grouping.lengths, grouping.way, grouping.row, grouping.varlen)
+                        for rank in groups for g in rank)
+    attention = ("one row per micro-batch, varlen attention (no padding, no dense mask)" if grouping.varlen else
+                 "rows of the longest example, transformers' block mask" if grouping.way == "packed" else
+                 "rows padded to the longest in each micro-batch")
+    line = f"packing: {grouping.way}, token budget {grouping.budget:,} tokens per micro-batch, {attention}"
+    if not len(windows) or not computed:
+        return line
+    return (f"{line}; over the first {len(windows)} windows: {micro_batches / len(windows):.3g} micro-batches per "
+            f"window and rank, {1 - useful / computed:.0%} padding")

@@ -31,6 +31,7 @@ from ..data.packing import Grouped, Grouping, computed_tokens, grouping_of
 from ..errors import UserError
 from ..models import build_model, has_batchnorm
 from ..models.hf import check_packed
+from ..models.varlen import runs_varlen
 from ..plan.overlay import variant
 from ..plan.planner import Plan
 from ..plan.segments import length_sizes
@@ -204,9 +205,13 @@ def verify(
     param_dtype = torch.float64 if dtype == "float64" else torch.float32
     checked = plan.model_copy(update={"recipe": variant(recipe, {"precision": precision})})
 
+    torch.manual_seed(seed)
+    model = build_model(recipe, data.info).to(device=torch_device, dtype=param_dtype)
+    model.train()
+    dropped = disable_dropout(model)
     # The samples: one effective batch (every rank's micro-batches of optimizer step 0), or the first K of
     # epoch 0's order, in micro-batches of the plan's size, or grouped by length (data.packing: data/packing.py).
-    grouping = grouping_of(recipe, train_set, plan.micro_batch)
+    grouping = grouping_of(recipe, train_set, plan.micro_batch, varlen=runs_varlen(model))  # (packed: the model's)
     if samples is None:
         if not plan.steps_per_epoch or plan.dataset_size != size:
             per_epoch = max(1, size // plan.effective_batch)
@@ -223,11 +228,6 @@ def verify(
         indices = (grouped_window([order], grouping, plan.micro_batch)[0] if grouping else
                    list(torch.split(order, plan.micro_batch)))
     total_samples = sum(len(i) for i in indices)
-
-    torch.manual_seed(seed)
-    model = build_model(recipe, data.info).to(device=torch_device, dtype=param_dtype)
-    model.train()
-    dropped = disable_dropout(model)
     notes = []
     if recipe.model.quantize is not None:
         notes.append(quantized_note(model, recipe.model.quantize, dtype, param_dtype, torch_device))
@@ -246,7 +246,8 @@ def verify(
     grouped = train_set
     if grouping is not None:  # sorted / packed micro-batches against the same samples unpacked in the reference
         if grouping.way == "packed":
-            check_packed(model, torch_device)
+            with setup.autocast():  # (as the steps run it)
+                check_packed(model, torch_device)
         grouped = Grouped(train_set, grouping)
         notes.append(packing_note(grouping, indices))
     micro_batches = [to_device(fetch_seeded(grouped, i, seed), torch_device, param_dtype) for i in indices]
@@ -345,7 +346,8 @@ def verify(
 
 def packing_note(grouping: Grouping, indices: list[torch.Tensor]) -> str:
     """What the grouped micro-batches hold: samples and tokens computed of each."""
-    sizes = ", ".join(f"{len(i)}/{computed_tokens(i, grouping.lengths, grouping.way, grouping.row)}" for i in indices)
+    computed = [computed_tokens(i, grouping.lengths, grouping.way, grouping.row, grouping.varlen) for i in indices]
+    sizes = ", ".join(f"{len(i)}/{tokens}" for i, tokens in zip(indices, computed, strict=True))
     return (f"data.packing {grouping.way}, token budget {grouping.budget}: micro-batches of samples/tokens computed "
             f"{sizes}; the reference takes the same samples unpacked, padded to the longest")
 

@@ -232,6 +232,27 @@ def test_the_packing_option_is_checked_as_the_field():
     assert overlay(parse_recipe(llama_lora()), changes, "llama.yaml").data.token_budget == 64
 
 
+@pytest.mark.parametrize("way", ["sorted", "packed"])
+def test_micro_batch_mean_with_an_explicit_grouping_is_refused_in_one_line(way, tmp_path, capsys):
+    """The mean of micro-batch means is defined on the paper's micro-batches of m samples: regrouped, it is neither
+    the Trainer's update nor the exact window's; the field and --packing are refused alike, nothing written."""
+    body = {**llama_lora(way), "loss": {"normalization": "micro-batch-mean"}}
+    with pytest.raises(UserError, match=rf"^<recipe>: data.packing: {way} with loss.normalization micro-batch-mean: "):
+        parse_recipe(body)
+    body = {**llama_lora(), "loss": {"normalization": "micro-batch-mean"}}
+    assert parse_recipe(body).data.packing is None and make_plan(parse_recipe(body), 4).recipe.data.packing is None
+    path = tmp_path / "mean.yaml"
+    path.write_text(yaml.safe_dump(body))
+    out = tmp_path / "run"
+    code, stdout, stderr = cli(capsys, "run", path, "--packing", way, "--micro-batch-max", "4", "--device", "cpu",
+                               "--out", out)
+    assert code == 2 and stdout == "" and not out.exists()
+    assert stderr.startswith(f"error: --packing: data.packing: {way} with loss.normalization micro-batch-mean: "
+                             "that mean is defined on the paper's micro-batches")
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
+    assert parse_recipe({**body, "data": {**body["data"], "packing": "none"}}).data.packing == "none"
+
+
 def cli_command(recipe, out, *args: str) -> list[str]:
     return [sys.executable, "-m", "reproduce", "run", str(recipe), "--out", str(out), "--device", "cpu",
             "--micro-batch-max", "4", "--checkpoint-every", "1", *args]
@@ -299,62 +320,68 @@ def test_verify_from_the_command_line_with_packed_instruction_data(sample_data, 
 INSTRUCTIONS = {"format": "instructions", "tokenizer": "tok", "max_length": 512, "available": False}
 
 
-@pytest.mark.parametrize(("data", "loss", "expected"), [
-    (INSTRUCTIONS, None, "sorted"),  # instruction text, the loss over the window's tokens: the default
-    ({**INSTRUCTIONS, "format": "chat"}, None, "sorted"),
-    ({**INSTRUCTIONS, "packing": "none"}, None, "none"),  # the recipe's own way is kept
-    ({**INSTRUCTIONS, "packing": "packed"}, None, "packed"),
-    (INSTRUCTIONS, {"normalization": "micro-batch-mean"}, None),  # the paper's micro-batches are its arithmetic
-    ({"factory": "factories:variable_lm"}, None, None),  # token sequences of a factory: not instruction data
+GPT = {"builtin": "gpt", "kwargs": {"vocab_size": 32, "block_size": 16, "layers": 1, "heads": 2, "dim": 16}}
+
+
+@pytest.mark.parametrize(("data", "loss", "model", "expected"), [
+    (INSTRUCTIONS, None, None, "packed"),  # instruction text, the loss over the window's tokens, transformers' LLaMA
+    ({**INSTRUCTIONS, "format": "chat"}, None, None, "packed"),
+    (INSTRUCTIONS, None, GPT, "sorted"),  # a model of its own attention: sorted, exact with any
+    ({**INSTRUCTIONS, "packing": "none"}, None, None, "none"),  # the recipe's own way is kept
+    ({**INSTRUCTIONS, "packing": "sorted"}, None, None, "sorted"),
+    (INSTRUCTIONS, {"normalization": "micro-batch-mean"}, None, None),  # the paper's micro-batches: its arithmetic
+    ({"factory": "factories:variable_lm"}, None, None, None),  # token sequences of a factory: not instruction data
 ])
-def test_instruction_data_left_unset_plans_sorted_and_every_other_recipe_keeps_its_way(data, loss, expected):
+def test_instruction_data_left_unset_plans_the_fastest_way_and_every_other_recipe_keeps_its_way(data, loss, model,
+                                                                                                expected):
     body = llama_lora()
     body["data"] = data
     if loss:
         body["loss"] = loss
+    if model:
+        body["model"] = model
     recipe = parse_recipe(body)
     planned = make_plan(recipe, 4)
     assert planned.recipe.data.packing == expected
     assert default_packing(recipe) == (expected if "packing" not in data else None)
     # a plan saved before the default (data.packing unset: it ran `none`) keeps `none` when re-planned on resume
     old = planned.model_copy(update={"recipe": recipe})
-    assert kept_grouping(recipe).data.packing == ("none" if expected == "sorted" and "packing" not in data
-                                                  else recipe.data.packing)
-    assert replan(old, 2, None, 1000, "plan.yaml").recipe.data.packing == (
-        "none" if expected == "sorted" and "packing" not in data else expected)
+    defaulted = expected in ("sorted", "packed") and "packing" not in data
+    assert kept_grouping(recipe).data.packing == ("none" if defaulted else recipe.data.packing)
+    assert replan(old, 2, None, 1000, "plan.yaml").recipe.data.packing == ("none" if defaulted else expected)
 
 
-def test_the_shipped_recipes_take_sorted_only_for_instruction_and_chat_data():
+def test_the_shipped_recipes_take_packed_only_for_instruction_and_chat_data():
     papers = Path(__file__).parents[3] / "papers"
     ways = {path.name: default_packing(load_recipe(path)) for path in sorted(papers.glob("*.yaml"))}
     assert {name for name, way in ways.items() if way} == {
         "hu2021-lora-gpt2m-e2e.yaml", "taori2023-alpaca-7b.yaml", "tloen2023-alpaca-lora.yaml",
         "dettmers2023-qlora-guanaco-7b.yaml"}  # (the last two: window-tokens, their stated deviation)
-    assert set(ways.values()) == {None, "sorted"}
+    assert set(ways.values()) == {None, "packed"}  # (GPT-2 Medium and LLaMA-7B: transformers' models)
 
 
 def test_the_plan_states_the_default_and_a_run_and_its_resume_keep_it(sample_data, tmp_path, capsys):
-    """No --packing on instruction data: plan prints sorted and why; the run groups by length (the paper's 16
-    samples a step in fewer micro-batches), plan.yaml keeps sorted, and a resume keeps it (bitwise) and refuses
-    another way."""
+    """No --packing on instruction data: plan prints packed and why; the run packs (the paper's 16 samples a step
+    in fewer micro-batches), plan.yaml keeps packed, and a resume keeps it (bitwise) and refuses another way."""
     recipe = instruction_recipe(sample_data, tmp_path)
     summary = cli_json(capsys, "plan", recipe, "--micro-batch-max", "4")
     table = summary["packing"]
-    assert (table["way"], table["origin"]) == ("sorted", DEFAULT_WHY) and table["sorted"]["micro_batches"] < 4
+    assert (table["way"], table["origin"]) == ("packed", DEFAULT_WHY) and table["packed"]["micro_batches"] < 4
+    assert table["packed"]["padding_fraction"] == 0  # one row per micro-batch (the varlen attention)
     code, out, _ = cli(capsys, "plan", recipe, "--micro-batch-max", "4", "--packing", "none")
     assert code == 0 and "packing: none (data.packing, --packing)" in out
     code, out, _ = cli(capsys, "plan", recipe, "--micro-batch-max", "4")
-    assert code == 0 and "packing: sorted (the default for instruction and chat data" in " ".join(out.split())
+    assert code == 0 and "packing: packed (the default for instruction and chat data" in " ".join(out.split())
 
     for out_dir, steps in (("full", "3"), ("part", "2")):
         code, _, err = cli(capsys, "run", recipe, "--out", tmp_path / out_dir, "--device", "cpu",
                            "--micro-batch-max", "4", "--max-steps", steps)
         assert code == 0, err
     saved = yaml.safe_load((tmp_path / "part" / "plan.yaml").read_text())
-    assert saved["recipe"]["data"]["packing"] == "sorted"
+    assert saved["recipe"]["data"]["packing"] == "packed"
     code, _, err = cli(capsys, "run", recipe, "--out", tmp_path / "part", "--device", "cpu", "--resume",
                        "--packing", "none")
-    assert code == 2 and "--packing: the run in " in err and "was started with data.packing sorted" in err
+    assert code == 2 and "--packing: the run in " in err and "was started with data.packing packed" in err
     code, _, err = cli(capsys, "run", recipe, "--out", tmp_path / "part", "--device", "cpu", "--resume")
     assert code == 0, err
     records = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
@@ -421,3 +448,51 @@ def test_a_micro_batch_lowered_after_out_of_memory_lowers_the_token_budget_and_k
         computed = (len(lengths) * max(lengths) if way == "sorted"
                     else len(next_fit(lengths, grouping.row)) * grouping.row)
         assert computed <= grouping.budget // 2 or len(lengths) == 1
+
+
+@pytest.mark.parametrize("way", ["none", "sorted", "packed"])
+def test_the_throughput_policy_times_windows_grouped_as_the_run_groups_them(way, one_thread):
+    """--policy throughput's steps (throughput/split_steps.py): each window of split m grouped as the run groups it
+    (T = m x the longest example), through the run's attention (varlen for packed), and timed."""
+    from reproduce.probe.workload import Workload
+    from reproduce.throughput.split_steps import SplitSteps
+
+    steps = SplitSteps(Workload(parse_recipe(llama_lora(way if way != "none" else None, effective=8))),
+                       torch.device("cpu"), 8, noise_scale=False)
+    try:
+        window = steps.window(4)
+        indices = steps.order[:8]
+        if way == "none":
+            assert steps.grouping is None and [m.indices.tolist() for m in window] == [indices[:4].tolist(),
+                                                                                       indices[4:].tolist()]
+        else:
+            assert steps.grouping.way == way and steps.grouping.varlen is (way == "packed")
+            expected = group(indices, steps.grouping, 4 * int(steps.grouping.lengths.max()))
+            assert [m.indices.tolist() for m in window] == [g.tolist() for g in expected]
+            assert isinstance(steps.dataset, Grouped)
+        assert steps(4, 1) > 0
+    finally:
+        steps.close()
+
+
+@pytest.mark.parametrize("way", ["sorted", "packed"])
+def test_the_run_says_at_its_start_how_it_groups_and_what_it_pads(way, tmp_path):
+    """The first line of a grouped run: the way, T, the attention, and the padding share of its first windows, as
+    the run's own metrics then count it (packed through the varlen attention: no padding at all)."""
+    from reproduce.train.reporter import SilentReporter
+
+    said: list[str] = []
+
+    class Lines(SilentReporter):
+        def message(self, text: str) -> None:
+            said.append(text)
+
+    spec, data, plan = grouped_plan(llama_lora(way, effective=16, steps=2))
+    summary = train(plan, tmp_path / "run", RunOptions(device="cpu", data=data, reporter=Lines()))
+    line = next(text for text in said if text.startswith("packing: "))
+    budget = 4 * max(len(x) for x, _ in data.train)
+    assert line.startswith(f"packing: {way}, token budget {budget:,} tokens per micro-batch, ")
+    assert "over the first 2 windows: " in line
+    padding = int(line.rsplit(", ", 1)[1].split("%")[0])
+    assert padding == round(100 * summary["padding_fraction"])
+    assert ("varlen attention" in line and padding == 0) if way == "packed" else "rows padded" in line

@@ -404,3 +404,22 @@ def test_accelerate_and_lightning_accept_the_fsdp_forms(sharded_gpt, tmp_path):
     assert policy(model.blocks[0], False, 0) and not policy(model, False, 0)  # one unit per block
     assert strategy.mixed_precision.param_dtype == torch.bfloat16
     assert strategy.mixed_precision.reduce_dtype == torch.float32
+
+
+@pytest.mark.parametrize("way", ["sorted", "packed", "none"])
+def test_the_exports_carry_data_packing(way, tmp_path):
+    """The instruction recipe's grouping: the Trainer's batch_rebalance for sorted (TrainingArguments takes it),
+    flattening with a varlen kernel for packed, and a note in the frameworks that have no setting for it."""
+    transformers = pytest.importorskip("transformers", reason=f"transformers not installed; {NOT_IN_CI}")
+    recipe = load_recipe(PAPERS / "hu2021-lora-gpt2m-e2e.yaml")
+    plan = make_plan(parse_recipe({**recipe.model_dump(exclude_unset=True),
+                                   "data": {**recipe.data.model_dump(exclude_unset=True), "packing": way}}), 4)
+    assert plan.recipe.data.packing == way
+    hf = export(plan, "hf")
+    args = transformers.TrainingArguments(**{**run_source(hf.text)["training_args"], "output_dir": str(tmp_path),
+                                             "use_cpu": True})
+    assert args.train_sampling_strategy == ("batch_rebalance" if way == "sorted" else "random")
+    assert any("DataCollatorWithFlattening" in n for n in hf.notes) is (way == "packed")
+    for framework in ("lightning", "accelerate", "deepspeed"):
+        said = [n for n in export(plan, framework).notes if n.startswith(f"data.packing {way}:")]
+        assert len(said) == (0 if way == "none" else 1), framework

@@ -38,9 +38,9 @@ CPU_12MIB = ProbeOptions(memory="12MiB", meter="cpu", time_steps=False)  # 2 row
 
 
 def test_sorted_searches_its_token_budget_between_m_and_m_plus_one_rows(sample_data, isolated):
-    """No data.packing (instruction data: sorted): T is the largest m x L + x x step measured to fit, and the next
-    step up was measured not to (or is (m + 1) x L, which the sample probe measured not to fit)."""
-    recipe = parse_recipe(instructions(sample_data))
+    """data.packing sorted: T is the largest m x L + x x step measured to fit, and the next step up was measured
+    not to (or is (m + 1) x L, which the sample probe measured not to fit)."""
+    recipe = parse_recipe(instructions(sample_data, packing="sorted"))
     result = run_probe(recipe, options=CPU_12MIB)
     rows, longest, step, budget = result.micro_batch_max, result.longest, result.token_step, result.token_budget
     assert rows is not None and not result.capped and step == -(-longest // TOKEN_STEPS)
@@ -61,7 +61,7 @@ def test_probe_and_plan_print_the_token_budget_and_how_it_was_found(sample_data,
     import yaml
 
     path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(instructions(sample_data)))
+    path.write_text(yaml.safe_dump(instructions(sample_data, packing="sorted")))
     options = ("--memory", "12MiB", "--meter", "cpu")
     probed = cli_json(capsys, "probe", path, *options)
     budget = probed["token_budget"]
@@ -78,19 +78,23 @@ def test_probe_and_plan_print_the_token_budget_and_how_it_was_found(sample_data,
 
 
 @pytest.mark.parametrize("meter", [CpuMeter, EstimateMeter])
-def test_packed_trials_attend_through_the_block_mask_the_run_uses(sample_data, meter, one_thread):
-    """`packed` rows of the longest example, position ids restarting, cost their block mask over each whole row:
-    more than the same rows unpacked (which run with is_causal), on a real step (cpu) and on fake tensors
-    (estimate: transformers is left to see the packing)."""
-    peaks = {}
-    for way in ("sorted", "packed"):
-        workload = Workload(parse_recipe(instructions(sample_data, packing=way)))
-        inputs, _ = workload.batch(2)
-        if way == "packed":
-            positions = inputs["position_ids"]
-            assert positions.shape == inputs["input_ids"].shape and (positions == 0).sum() == 4  # two samples a row
-        peaks[way] = meter(workload, 1 << 30, 0.1).measure(2).peak_bytes
-    assert peaks["packed"] > peaks["sorted"]
+def test_packed_trials_run_the_varlen_attention_the_run_uses(sample_data, meter, one_thread, monkeypatch):
+    """A `packed` trial is the run's micro-batch of m x L tokens: ONE row of m samples of L, position ids restarting
+    at each, through the varlen attention build_model selects (models/varlen.py), on a real step (cpu) and on fake
+    tensors (estimate: the position ids stay real). The same row through transformers' dense block mask (the model
+    left on sdpa) costs more: the (T x T) mask and the masked pairs the varlen attention never computes."""
+    workload = Workload(parse_recipe(instructions(sample_data, packing="packed")))
+    inputs, targets = workload.batch(2)
+    longest = len(workload.longest()[0])
+    positions = inputs["position_ids"]
+    assert positions.shape == inputs["input_ids"].shape == targets.shape == (1, 2 * longest)
+    assert positions[0].tolist() == list(range(longest)) * 2  # two samples in one row
+    varlen = meter(workload, 1 << 30, 0.1).measure(2).peak_bytes
+    from reproduce.models import varlen as module
+
+    monkeypatch.setattr(module, "use_varlen", lambda model: False)  # the model left on sdpa: the dense block mask
+    dense = meter(Workload(parse_recipe(instructions(sample_data, packing="packed"))), 1 << 30, 0.1).measure(2)
+    assert dense.peak_bytes > varlen
 
 
 def test_packed_finds_its_budget_in_rows_with_no_token_search(sample_data, isolated):

@@ -56,7 +56,8 @@ class BaseData(Strict):
         default=None, description="how a window's samples group into micro-batches (data/packing.py): none (the "
         "plan's micro-batch of m samples), sorted (by length, micro-batches of at most data.token_budget tokens), "
         "packed (rows of samples with position ids restarting at each); the window's samples are the same with each. "
-        "Default: sorted for instruction and chat data (default_packing), else none")
+        "Default for instruction and chat data (default_packing): packed for the built-in GPT-2 and LLaMA, sorted for "
+        "other models; else none")
     token_budget: int | None = Field(
         default=None, gt=0, description="sorted / packed: tokens per micro-batch, padding included (default: the "
         "largest the probe measured to fit for sorted, else the micro-batch x the longest example)")

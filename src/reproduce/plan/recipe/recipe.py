@@ -210,22 +210,33 @@ def packing_problem(recipe: Recipe, way: str | None = None) -> str | None:
     if batch.phases or batch.ramp or batch.unit != "samples" or recipe.task != "language-modeling":
         return (f"data.packing: {way} groups a window of samples of language-modeling text; not with "
                 "batch.phases, batch.ramp, batch.unit tokens or another task")
+    if recipe.loss is not None and recipe.loss.normalization == "micro-batch-mean":
+        return (f"data.packing: {way} with loss.normalization micro-batch-mean: that mean is defined on the paper's "
+                f"micro-batches of m samples, which {way} regroups (the update would be neither the Trainer's nor "
+                "the exact window's); use data.packing: none, or loss.normalization: window-tokens")
     return None
+
+
+# the built-in causal language models transformers runs (GPT-2 and LLaMA, models/architectures.py): packed attends
+# through the varlen attention build_model registers for them (models/varlen.py)
+VARLEN_MODELS = ("gpt2-124m", "gpt3-small", "gpt2-medium", "gpt-char", "llama-7b")
 
 
 def default_packing(recipe: Recipe) -> str | None:
     """The way a recipe that leaves `data.packing` unset takes, or None (`none`, as for any other data).
 
     Instruction and chat text (format instructions or chat, hf-datasets text) of a language-modeling run whose loss
-    is normalised by the window's tokens: `sorted`, the fastest exact way on the attention the run uses. Its
-    micro-batches are right-padded rows with no mask, which sdpa runs with `is_causal` (flash attention on a GPU);
-    `packed` rows need transformers' block mask over each whole row, which a dense kernel computes in full, so it
-    is faster only with a varlen kernel (flash_attention_2), which no run here selects (docs/packing.md has the
-    measurements). Not with `loss.normalization: micro-batch-mean`: its arithmetic is the paper's micro-batches'.
+    is normalised by the window's tokens: the fastest exact way measured (docs/packing.md, bench/packing.py).
+    `packed` for the built-in transformers causal LMs (VARLEN_MODELS): one row per micro-batch without padding,
+    through the varlen attention (no dense mask, no masked pair); `sorted` for any other model (its own attention,
+    or a model.hf whose attention is not known before it loads), exact with any attention. Not with
+    `loss.normalization: micro-batch-mean`: its arithmetic is the paper's micro-batches'.
     """
     data = recipe.data
     if data.packing is not None or not data.text_columns:
         return None
     if recipe.loss is not None and recipe.loss.normalization != "window-tokens":
         return None
-    return None if packing_problem(recipe, "sorted") else "sorted"
+    if packing_problem(recipe, "sorted"):
+        return None
+    return "packed" if recipe.model.builtin in VARLEN_MODELS else "sorted"

@@ -1,0 +1,156 @@
+"""A variable-length attention for `data.packing: packed`, registered with transformers' AttentionInterface.
+
+A packed micro-batch is one row of its samples back to back, position ids restarting at each (data/packing.py):
+no padding, so the linear layers and the loss compute only the samples' tokens. `varlen_attention` attends within
+each sample without any dense (T x T) mask: the samples' bounds (cu_seqlens) come from the position ids, and
+
+- on a CPU (and on CUDA without flash-attention, or in float32 / float64): SDPA with `is_causal` on each sample's
+  slice: one causal kernel per sample, no masked pair computed, exact (docs/packing.md has the measurements);
+- on CUDA in bf16 / fp16 with flash-attention installed: transformers' flash-attention path, which reads the same
+  position ids and runs flash-attention's varlen kernel (not run here: no GPU on this machine).
+
+Anything else falls back to transformers' own sdpa: an explicit attention mask (its mask function builds it as sdpa's
+does), no position ids (an unpacked row: one sample, `is_causal`), a cache, and fake position ids (which have no
+values: one causal pass over the whole row, an upper bound on the memory; the estimate meter keeps them real).
+
+`use_varlen(model)` switches a transformers model that runs `sdpa` (the default here) to it; build_model does so
+for a packed recipe, so the run, verify and the probe run the same kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+VARLEN = "reproduce_varlen"
+CALLS = {"cut": 0, "whole": 0}  # attention calls that cut their rows at the samples, and those that did not
+
+
+def segments(position_ids: torch.Tensor, rows: int, width: int) -> list[int]:
+    """The start of each sample in the flattened (rows x width) tokens, and their end: position 0 starts one, as
+    does each row. Real position ids are read as such under the estimate meter's fake mode (probe/fake_step.py)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        flat = position_ids.expand(rows, width).reshape(-1)
+        starts = set((flat == 0).nonzero().flatten().tolist()) | set(range(0, rows * width, width))
+    return sorted(starts) + [rows * width]
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(is_fake(tensor)) or tensor.device.type == "meta"
+
+
+def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: query (B, H, T, D), key and value (B, Hkv, T, D); returns (B, T, H, D)."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    position_ids = kwargs.get("position_ids")
+    rows, heads, width, dim = query.shape
+    if (attention_mask is not None or position_ids is None or key.shape[2] != width or width == 1
+            or _is_fake(position_ids) or not getattr(module, "is_causal", True)):
+        CALLS["whole"] += 1
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    CALLS["cut"] += 1
+    if query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16) and _flash_available():
+        from transformers.integrations.flash_attention import flash_attention_forward
+
+        return flash_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                       **kwargs)
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    bounds = segments(position_ids, rows, width)
+    sizes = [end - start for start, end in zip(bounds, bounds[1:], strict=False)]
+    # torch.split, not slices: its backward is one concatenation, where each slice's would zero-fill the whole row
+    flat = [torch.split(t.transpose(0, 1).reshape(1, heads, rows * width, dim), sizes, dim=2)
+            for t in (query, key, value)]
+    pieces = [torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                               scale=scaling) for q, k, v in zip(*flat, strict=True)]
+    out = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
+    return out.reshape(heads, rows, width, dim).permute(1, 2, 0, 3).contiguous(), None
+
+
+def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
+    """The mask transformers builds for VARLEN: none for packed rows (the attention reads the position ids), else
+    sdpa's (an explicit 2D attention mask keeps its meaning)."""
+    if attention_mask is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)  # type: ignore[no-any-return]
+
+
+def _flash_available() -> bool:
+    try:
+        from transformers.utils import is_flash_attn_2_available
+    except ImportError:
+        return False
+    return bool(is_flash_attn_2_available())
+
+
+def register() -> None:
+    """VARLEN in transformers' attention and mask interfaces (once; idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if VARLEN not in AttentionInterface._global_mapping:
+        AttentionInterface.register(VARLEN, varlen_attention)
+        AttentionMaskInterface.register(VARLEN, varlen_mask)
+
+
+def transformers_model(model: nn.Module) -> nn.Module | None:
+    """The outermost transformers model in `model` (under HFLogits and peft's wrappers), or None."""
+    import sys
+
+    modeling = sys.modules.get("transformers.modeling_utils")  # loaded by any transformers model
+    if modeling is None:
+        return None
+    return next((module for module in model.modules() if isinstance(module, modeling.PreTrainedModel)), None)
+
+
+def attention_of(model: nn.Module) -> str | None:
+    """The attention implementation the transformers model in `model` runs (config._attn_implementation)."""
+    inner = transformers_model(model)
+    name = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    return name if isinstance(name, str) else None
+
+
+def use_varlen(model: nn.Module) -> bool:
+    """Switch the transformers model in `model` from `sdpa` to VARLEN; whether it now runs a varlen attention
+    (VARLEN, or a flash-attention it already had). A model of another attention (eager, flex, its own) is kept."""
+    name = attention_of(model)
+    if name == "sdpa":
+        register()
+        transformers_model(model).set_attn_implementation(VARLEN)  # type: ignore[union-attr,operator]
+        return True
+    return runs_varlen(model)
+
+
+def runs_varlen(model: nn.Module) -> bool:
+    """Whether the transformers model in `model` attends through a varlen attention (VARLEN or flash-attention)."""
+    name = attention_of(model)
+    return name is not None and (name == VARLEN or name.startswith("flash_attention"))
+
+
+def varlen_confines(model: nn.Module, device: torch.device) -> bool:
+    """Whether every attention call of a forward over a packed row cut it at its samples (VARLEN with the position
+    ids it needs: confined by construction). In the model's own mode, so nothing converts for inference (bitsandbytes'
+    4-bit layers on a CPU repack their weights in eval mode, into a kernel without a backward)."""
+    inner = transformers_model(model)
+    if inner is None:
+        return False
+    vocab = int(getattr(inner.config, "vocab_size", 2) or 2)
+    row = {"input_ids": (torch.arange(7, device=device) % vocab)[None],
+           "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]], device=device)}
+    before = dict(CALLS)
+    with torch.no_grad():
+        model(row)
+    return CALLS["cut"] > before["cut"] and CALLS["whole"] == before["whole"]

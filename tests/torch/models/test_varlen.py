@@ -1,0 +1,161 @@
+"""The varlen attention of `data.packing: packed` (models/varlen.py): registered with transformers, it attends within
+each sample of a packed row from its position ids, without a dense mask, exactly as transformers' own block mask does
+(float64), and build_model selects it for packed recipes only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from reproduce.data.packing import Grouped, Grouping, group
+from reproduce.models import build_model
+from reproduce.models.hf import HFLogits, check_packed
+from reproduce.models.varlen import VARLEN, register, runs_varlen, segments, use_varlen
+from reproduce.plan.recipe import parse_recipe
+
+CONFIGS = {
+    "llama-gqa": lambda: transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=32,
+                                                  max_position_embeddings=64),
+    "gpt2": lambda: transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=64),
+}
+LENGTHS = (5, 3, 7, 2, 6, 4, 1, 9)
+
+
+def model_pair(name: str):
+    """The same float64 model twice: on transformers' sdpa (the dense block mask for packed rows) and on VARLEN."""
+    torch.manual_seed(0)
+    dense = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation="sdpa").double()
+    varlen = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation="sdpa").double()
+    varlen.load_state_dict(dense.state_dict())
+    assert use_varlen(HFLogits(varlen, "causal-lm")) and varlen.config._attn_implementation == VARLEN
+    return HFLogits(dense.eval(), "causal-lm"), HFLogits(varlen.eval(), "causal-lm")  # (eval: no dropout)
+
+
+def packed_rows(rows: int = 2):
+    """`rows` rows of the LENGTHS samples back to back (the last row padded as a segment of its own)."""
+    generator = torch.Generator().manual_seed(1)
+    samples = [torch.randint(0, 32, (n,), generator=generator) for n in LENGTHS]
+    per = len(samples) // rows
+    width = max(sum(LENGTHS[r * per:(r + 1) * per]) for r in range(rows)) + 1
+    input_ids = torch.zeros((rows, width), dtype=torch.long)
+    positions = torch.zeros((rows, width), dtype=torch.long)
+    spans = []
+    for r in range(rows):
+        start = 0
+        for sample in samples[r * per:(r + 1) * per]:
+            input_ids[r, start:start + len(sample)] = sample
+            positions[r, start:start + len(sample)] = torch.arange(len(sample))
+            spans.append((r, start, sample))
+            start += len(sample)
+        positions[r, start:] = torch.arange(width - start)
+    return {"input_ids": input_ids, "position_ids": positions}, spans
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("rows", [1, 2])
+def test_varlen_equals_the_block_mask_and_each_sample_alone_float64(name, rows, one_thread):
+    """Logits and gradients of packed rows through VARLEN equal those through transformers' dense block mask, and
+    each sample's logits its logits alone (float64): no token attends across a sample, none is left out."""
+    dense, varlen = model_pair(name)
+    inputs, spans = packed_rows(rows)
+    outputs = {}
+    for key, model in (("dense", dense), ("varlen", varlen)):
+        model.zero_grad()
+        logits = model(inputs)
+        (logits * torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)).sum().backward()
+        outputs[key] = logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.testing.assert_close(outputs["varlen"][0], outputs["dense"][0], rtol=1e-12, atol=1e-12)
+    for parameter, gradient in outputs["dense"][1].items():
+        torch.testing.assert_close(outputs["varlen"][1][parameter], gradient, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        for row, start, sample in spans:
+            alone = varlen(sample[None])[0]
+            torch.testing.assert_close(outputs["varlen"][0][row, start:start + len(sample)], alone, rtol=1e-12,
+                                       atol=1e-12)
+    check_packed(varlen, torch.device("cpu"))
+
+
+def test_an_explicit_attention_mask_and_an_unpacked_row_are_sdpas():
+    """No position ids (an unpacked row) or a 2D attention mask (here left padding): VARLEN computes what sdpa does."""
+    dense, varlen = model_pair("llama-gqa")
+    tokens = torch.randint(0, 32, (3, 11), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(tokens)
+    mask[0, :4] = 0
+    mask[2, :2] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(varlen(tokens), dense(tokens), rtol=1e-12, atol=1e-12)
+        both = {"input_ids": tokens, "attention_mask": mask}
+        torch.testing.assert_close(varlen(both), dense(both), rtol=1e-12, atol=1e-12)
+
+
+def test_segments_start_at_each_position_zero_and_each_row():
+    positions = torch.tensor([[0, 1, 2, 0, 1], [3, 4, 0, 1, 2]])  # a row may start mid-sample (its own segment)
+    assert segments(positions, 2, 5) == [0, 3, 5, 7, 10]
+
+
+def test_build_model_selects_varlen_for_packed_transformers_models_only():
+    body = {"batch": {"effective": 4}, "task": "language-modeling",
+            "model": {"builtin": "llama-7b", "kwargs": {"hidden_size": 16, "intermediate_size": 32,
+                                                         "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                         "num_key_value_heads": 2, "vocab_size": 32,
+                                                         "max_position_embeddings": 32},
+                      "lora": {"r": 2, "alpha": 4, "target_modules": ["q_proj"]}},
+            "data": {"factory": "factories:variable_lm"}, "optimizer": {"name": "sgd", "lr": 0.1},
+            "schedule": {"total": {"steps": 1}}}
+    ways = {}
+    for way in ("none", "sorted", "packed"):
+        ways[way] = runs_varlen(build_model(parse_recipe({**body, "data": {**body["data"], "packing": way}})))
+    assert ways == {"none": False, "sorted": False, "packed": True}
+    gpt = {**body, "model": {"builtin": "gpt", "kwargs": {"vocab_size": 32, "block_size": 16, "layers": 1,
+                                                          "heads": 2, "dim": 16}},
+           "data": {**body["data"], "packing": "packed"}}
+    assert not runs_varlen(build_model(parse_recipe(gpt)))  # its own attention: refused by check_packed at the run
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_varlen_packed_micro_batches_are_one_row_of_their_samples_without_padding(seed):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 40, (60,), generator=generator)
+    budget = 3 * int(lengths.max())
+    grouping = Grouping("packed", budget, int(lengths.max()), lengths, 3, varlen=True)
+    share = torch.randperm(60, generator=generator)[:29]
+    samples = [(torch.arange(int(n)) % 32, torch.arange(int(n)) % 32) for n in lengths]
+    dataset = Grouped(samples, grouping)
+    groups = group(share, grouping, budget)
+    assert sorted(torch.cat(groups).tolist()) == sorted(share.tolist())
+    filled = [int(lengths[indices].sum()) for indices in groups]
+    assert all(a + b > budget for i, a in enumerate(filled) for b in filled[i + 1:])  # first fit: none could merge
+    for indices in groups:
+        inputs, targets = dataset.batch(indices)
+        assert inputs["input_ids"].shape == (1, int(lengths[indices].sum())) <= (1, budget)
+        assert (targets != -100).sum() == int(lengths[indices].sum())  # every token a sample's: no padding
+        assert int((inputs["position_ids"] == 0).sum()) == len(indices)
+
+
+def test_registering_twice_keeps_one_entry():
+    register()
+    register()
+    assert transformers.AttentionInterface._global_mapping[VARLEN].__name__ == "varlen_attention"
+
+
+def test_the_varlen_check_runs_in_the_models_own_mode_and_fails_without_position_ids(monkeypatch):
+    """check_packed under VARLEN: every attention call must have cut the row at its samples; it keeps the model's
+    mode (eval would make bitsandbytes' CPU 4-bit layers repack into a kernel without a backward). A model whose
+    attention never sees the position ids (here: they are dropped on the way) fails it."""
+    from reproduce.models.hf import confines_packed
+
+    _, varlen = model_pair("llama-gqa")
+    varlen.train()
+    assert confines_packed(varlen, torch.device("cpu")) and varlen.training
+    from reproduce.models import varlen as module
+
+    original = module.varlen_attention
+
+    def without_positions(*args, **kwargs):
+        kwargs.pop("position_ids", None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, VARLEN, without_positions)
+    assert not confines_packed(varlen, torch.device("cpu"))
