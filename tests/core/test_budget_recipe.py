@@ -18,7 +18,7 @@ def test_no_budget_unless_given():
 def test_set_makes_the_section():
     recipe = apply_overrides(load_recipe(GPT), ["budget.gpu_hours=40"])
     assert recipe.budget == Budget(gpu_hours=40.0)
-    assert recipe.budget.money is None and recipe.budget.currency == "USD"
+    assert recipe.budget.money is None and recipe.budget.currency is None
     recipe = apply_overrides(recipe, ["budget.money=500", "budget.price=2.5", "budget.currency=EUR"])
     assert (recipe.budget.gpu_hours, recipe.budget.money, recipe.budget.price, recipe.budget.currency) == (
         40.0, 500.0, 2.5, "EUR")

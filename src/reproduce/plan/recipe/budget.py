@@ -21,8 +21,8 @@ class Budget(Strict):
         "price of one (`price`, or `plan --price`)")
     price: float | None = Field(
         default=None, gt=0, description="the price of one GPU-hour, in `currency` (the user's own; none is shipped)")
-    currency: str = Field(default="USD", min_length=1, max_length=8, pattern=r"^\S+$",
-                          description="the unit `money` and `price` are in, as printed (USD, EUR, credits)")
+    currency: str | None = Field(default=None, min_length=1, max_length=8, pattern=r"^\S+$",
+                                 description="the unit `money` and `price` are in, as printed (USD, EUR, credits)")
 
     @model_validator(mode="after")
     def _something_bounded(self) -> Budget:
