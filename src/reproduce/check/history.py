@@ -2,10 +2,11 @@
 (with the git commit, the date and the machine), and a check with `drift:` must stay within a band of its own last
 values there, so that a change that shifts a reproduced metric slowly, run after run, is caught.
 
-One line a check a run: {"file", "check", "kind", "metric", "value", "values", "status", "measured", "commit",
-"dirty", "date", "machine", "reproduce"}. A check's history is the lines of its file name and check name; the band
-is made of the last `drift.last` of them that passed (a value that failed is recorded but not counted: a deliberate
-change is accepted by starting a new history file, or removing the check's older lines). No torch here.
+One line a check a run: {"file", "check", "kind", "metric", "value", "values", "status", "measured", "paper" (the
+recipe's reported value of the metric, or null), "commit", "dirty", "date", "machine", "reproduce"}. A check's
+history is the lines of its file name and check name; the band is made of the last `drift.last` of them that
+passed (a value that failed is recorded but not counted: a deliberate change is accepted by starting a new history
+file, or removing the check's older lines). No torch here.
 """
 
 from __future__ import annotations
@@ -19,14 +20,12 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .. import __version__
+import reproduce
+
 from ..errors import UserError
 from .schema import Drift
-
-if TYPE_CHECKING:
-    from .runner import Result
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ class History:
             widths.append(drift.sigmas * statistics.stdev(values))
         return Band(mean, max(widths), len(values), min(values), max(values)), len(values)
 
-    def append(self, results: list[Result]) -> int:
+    def append(self, results: list[Any]) -> int:
         """One line per result, after the checks ran; returns how many were written."""
         stamp = provenance()
         lines = [json.dumps({**record_of(r), **stamp}, sort_keys=False) for r in results]
@@ -109,16 +108,18 @@ def read_history(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def record_of(result: Result) -> dict[str, Any]:
+def record_of(result: Any) -> dict[str, Any]:
+    """A check's line (`result`: the runner's Result, not imported here: the runner imports this module)."""
     return {"file": result.file, "check": result.name, "kind": result.kind, "metric": result.metric,
-            "value": result.value, "values": result.values, "status": result.status, "measured": result.measured}
+            "value": result.value, "values": result.values, "status": result.status, "measured": result.measured,
+            "paper": result.paper}
 
 
 def provenance() -> dict[str, Any]:
     """The commit (of the working directory's git checkout, None outside one), the date (UTC) and the machine."""
     commit, dirty = git_state(Path.cwd())
     return {"commit": commit, "dirty": dirty, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(), "reproduce": __version__}
+            "machine": machine(), "reproduce": reproduce.__version__}
 
 
 def git_state(folder: Path) -> tuple[str | None, bool | None]:

@@ -43,6 +43,7 @@ class Result:
     metric: str | None = None  # what `value` measures (metric and compare checks; `--history` keeps it)
     value: float | None = None
     values: list[float] | None = None  # per seed (compare: a's and b's aggregates)
+    paper: dict | None = None  # the paper's value of the metric {value, tolerance}, as `value` is scaled
 
     @property
     def passed(self) -> bool:
@@ -122,11 +123,12 @@ class Runner:
         check = file.spec.checks[index]
         name = file.names[index]
         started = time.perf_counter()
-        value, values = None, None
+        value, values, paper = None, None, None
         try:
             status, measured, expected, details, plot, *numbers = getattr(self, f"_{check.kind}")(file, check)
             if numbers:
                 value, values = numbers
+                paper = paper_value(file.runs[check.run].recipe, check) if check.kind == "metric" else None
             drift = getattr(check, "drift", None)
             if drift is not None and value is not None:  # the value against the band of its own history
                 holds, band, line = drift_verdict(self.history, file.label, name, value, drift)
@@ -142,7 +144,7 @@ class Runner:
             details = [f"{type(error).__name__}: {error}"]
         return Result(file.label, name, check.kind, status, measured, expected,
                       round(time.perf_counter() - started, 2), details, plot, getattr(check, "metric", None), value,
-                      values)
+                      values, paper)
 
     def _plan(self, file: LoadedFile, check: PlanCheck):
         run = file.runs[check.run]
@@ -299,6 +301,17 @@ def lookup(summary: dict, metric: str) -> float:
     if not isinstance(node, (int, float)) or isinstance(node, bool):
         raise UserError(f"metric {metric!r}: is not a number (got {node!r})")
     return float(node)
+
+
+def paper_value(recipe: Recipe, check: MetricCheck) -> dict | None:
+    """The paper's value of a metric check's measure, from the recipe's `reported:`: the one the check names, else
+    the one of its metric when the check does not scale it; None when the paper reports none."""
+    name = check.reported or (check.metric if check.scale == 1 else None)
+    found = next((r for r in recipe.reported if r.metric == name), None)
+    if found is None:
+        return None
+    tolerance = check.tolerance if check.reported is not None and check.tolerance is not None else found.tolerance
+    return {"metric": found.metric, "value": found.value, "tolerance": tolerance}
 
 
 def aggregate(values: list[float], how: str) -> float:

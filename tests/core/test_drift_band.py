@@ -1,5 +1,6 @@
 """Drift across reruns (check/history.py): the JSONL history's band of a check's last passing values, the `drift:`
-schema, and a bad history refused in one line. The end-to-end run is tests/cli/test_check_history.py."""
+schema, and a bad history refused in one line. The end-to-end run is tests/cli/test_check_history.py (`check
+--history`, `report --history`)."""
 
 from __future__ import annotations
 
