@@ -116,6 +116,24 @@ def test_the_flops_models_hours_are_the_same_for_every_split_so_nothing_else_fit
     assert forecast(plan, None, {**prediction, "gpu_hours": 0.5})["basis_kind"] == "datasheet"
 
 
+def test_on_the_datasheets_the_card_with_the_fewest_gpu_hours_that_fit_is_named():
+    """2 GPU-hours on an A100's 19.5 TFLOP/s fp32 at MFU 40%: the same FLOPs on each catalog card's own peak."""
+    plan = make_plan(apply_overrides(load_recipe(GPT), ["budget.gpu_hours=1"]), 64, 1, recipe_path=GPT)
+    per_sample = 2 * 3600 * 19.5e12 * 0.4 / (300 * 64)
+    prediction = {"predicted_seconds": 7200.0, "gpu_hours": 2.0, "flops_per_sample": per_sample,
+                  "precision": "fp32", "mfu_assumed": 0.4,
+                  "predicted_basis": "FLOPs model: 1 x NVIDIA A100 80GB at 19.5 TFLOP/s fp32 x MFU 40%"}
+    with pytest.raises(UserError) as caught:
+        forecast(plan, None, prediction)
+    assert caught.value.lines[0].endswith(  # MI300X: 163.4 TFLOP/s fp32 (AMD's data sheet): 2 x 19.5 / 163.4
+        "the catalog's mi300x would (0.239 GPU-hours at its datasheet peak; `gpu` mi300x plans it, memory "
+        "included), or raise the budget to at least 2 GPU-hours")
+    with pytest.raises(UserError) as caught:  # no card does 0.1 GPU-hours
+        forecast(make_plan(apply_overrides(load_recipe(GPT), ["budget.gpu_hours=0.1"]), 64, 1), None, prediction)
+    assert caught.value.lines[0].endswith("the same for all of them, nor does another GPU of the catalog; raise the "
+                                          "budget to at least 2 GPU-hours")
+
+
 def test_a_money_budget_needs_a_price_and_no_forecast_leaves_the_budget_unchecked():
     plan = make_plan(apply_overrides(load_recipe(GPT), ["budget.money=10"]), 64, 1, recipe_path=GPT)
     with pytest.raises(UserError) as caught:
@@ -126,3 +144,12 @@ def test_a_money_budget_needs_a_price_and_no_forecast_leaves_the_budget_unchecke
     assert out["within_budget"] is None and out["notes"][0].startswith("budget not checked: no forecast")
     with pytest.raises(UserError, match="price of one GPU-hour, > 0"):
         forecast(plan, None, {}, price=0)
+
+
+def test_when_the_plan_is_the_cheapest_way_the_line_says_so():
+    result = probed(FASTER_LARGE)
+    plan, prediction = planned(["budget.gpu_hours=0.01"], 1, result)  # 1 GPU at 64 x 1: 0.0267, the cheapest
+    with pytest.raises(UserError) as caught:
+        forecast(plan, result, prediction)
+    assert caught.value.lines[0].endswith("no exact split or GPU count fits (this plan's is the cheapest, on the "
+                                          "probe's step times); raise the budget to at least 0.0267 GPU-hours")

@@ -23,6 +23,7 @@ from ..plan.planner import Plan
 from ..plan.split import exact_choice
 from ..probe.runner import ProbeResult
 from .cost import cost, format_duration
+from .predicted_time import total_samples
 
 MOST_GPUS = 4096  # the GPU counts weighed for a cheaper way: 1 .. this many (those that divide the batch)
 
@@ -80,7 +81,8 @@ def forecast(plan: Plan, result: ProbeResult | None, prediction: dict, price: fl
     fitting = [way for way in ways if way.gpu_hours <= limit]
     if fitting:
         out["cheapest_within"] = asdict(fitting[0])
-    raise UserError(over_budget_line(plan, out, limit, ways, fitting), field=over_field(budget, gpu_hours, money))
+    raise UserError(over_budget_line(plan, out, limit, ways, fitting, prediction),
+                    field=over_field(budget, gpu_hours, money))
 
 
 def check_price(price: float | None) -> None:
@@ -108,7 +110,8 @@ def at_least(out: dict, gpu_hours: float) -> str:
     return f"{hours(gpu_hours)} GPU-hours{money}"
 
 
-def over_budget_line(plan: Plan, out: dict, limit: float, ways: list[Way], fitting: list[Way]) -> str:
+def over_budget_line(plan: Plan, out: dict, limit: float, ways: list[Way], fitting: list[Way],
+                     prediction: dict) -> str:
     """The refusal: the forecast against the budget, on what basis, and the cheapest way that fits or that none
     does."""
     budget = plan.recipe.budget
@@ -132,11 +135,36 @@ def over_budget_line(plan: Plan, out: dict, limit: float, ways: list[Way], fitti
         if plan.has_phases:
             return f"{line}; no other split is forecast for a plan with batch phases; raise the budget"
         cheapest = ways[0] if ways else None
-        least = f"the cheapest is {cheapest.text()}" if cheapest else "none was timed"
+        own = cheapest is not None and (cheapest.world_size, cheapest.micro_batch) == (plan.world_size,
+                                                                                       plan.micro_batch)
+        least = ("this plan's is the cheapest" if own else f"the cheapest is {cheapest.text()}" if cheapest
+                 else "none was timed")
         return (f"{line}; no exact split or GPU count fits ({least}, on the probe's step times); raise the budget "
                 f"to at least {at_least(out, cheapest.gpu_hours if cheapest else out['gpu_hours'])}")
-    return (f"{line}; no split or GPU count fits: the FLOPs model's GPU-hours are the same for all of them; raise "
-            f"the budget to at least {at_least(out, out['gpu_hours'])}, or plan for a faster GPU (`gpu`)")
+    least = at_least(out, out["gpu_hours"])
+    head = f"{line}; no split or GPU count fits: the FLOPs model's GPU-hours are the same for all of them"
+    if prediction.get("flops_per_sample") is None or total_samples(plan) is None:
+        return f"{head}; raise the budget to at least {least}, or plan for a faster GPU (`gpu`)"
+    card = faster_card(plan, prediction, limit)
+    if card is None:
+        return f"{head}, nor does another GPU of the catalog; raise the budget to at least {least}"
+    return (f"{head}; the catalog's {card[0]} would ({hours(card[1])} GPU-hours at its datasheet peak; `gpu` "
+            f"{card[0]} plans it, memory included), or raise the budget to at least {least}")
+
+
+def faster_card(plan: Plan, prediction: dict, limit: float) -> tuple[str, float] | None:
+    """The catalog's card whose datasheet peak (the prediction's precision, its MFU) runs the whole schedule in the
+    fewest GPU-hours, with them, when they are within `limit`; None when no card's are."""
+    from ..hardware.catalog import GPUS
+    from .predicted_time import _flops_model as flops_model  # the FLOPs model on one catalog card
+
+    samples, per_sample = total_samples(plan), prediction["flops_per_sample"]
+    fits = []
+    for entry in GPUS.values():
+        seconds = flops_model(entry, 1, prediction["precision"], samples, per_sample, prediction["mfu_assumed"])[0]
+        if seconds is not None and seconds / 3600 <= limit:
+            fits.append((seconds / 3600, entry.name))
+    return (min(fits)[1], min(fits)[0]) if fits else None
 
 
 def cheaper_ways(plan: Plan, result: ProbeResult | None) -> list[Way]:

@@ -52,8 +52,8 @@ def test_a_budget_the_forecast_exceeds_is_refused_with_one_line_and_nothing_writ
         assert line.startswith("error: budget.gpu_hours: the forecast of the whole run is 9.15e-07 GPU-hours (1 GPU "
                                "at 16 x 8, FLOPs model: 1 x NVIDIA A100 80GB")
         assert line.endswith("over the budget of 1e-09 GPU-hours; no split or GPU count fits: the FLOPs model's "
-                             "GPU-hours are the same for all of them; raise the budget to at least 9.15e-07 "
-                             "GPU-hours, or plan for a faster GPU (--gpu)")
+                             "GPU-hours are the same for all of them, nor does another GPU of the catalog; raise "
+                             "the budget to at least 9.15e-07 GPU-hours")
         assert not (tmp_path / "plan.yaml").exists()
 
 
@@ -64,8 +64,11 @@ def test_a_money_budget_needs_a_price_and_a_bad_price_is_one_line(capsys):
     code, _, err = cli(capsys, "plan", "paper.yaml", *ON_A100, "--price", "0")
     assert code == 2 and err.strip() == "error: --price: expected the price of one GPU-hour, > 0 (got 0)"
     code, out, err = cli(capsys, "plan", "paper.yaml", *ON_A100, "--set", "budget.money=1e-7", "--price", "0.5")
-    assert code == 2 and err.strip().endswith("raise the budget to at least 9.15e-07 GPU-hours = 4.57e-07, or plan "
-                                              "for a faster GPU (--gpu)")
+    assert code == 2 and err.strip().endswith("raise the budget to at least 9.15e-07 GPU-hours = 4.57e-07")
+    code, out, err = cli(capsys, "plan", "paper.yaml", *ON_A100, "--set", "budget.gpu_hours=5e-7")
+    assert code == 2 and err.strip().endswith(  # bf16: the A100's 312 TFLOP/s, the MI300X's 1307.4
+        "the catalog's mi300x would (2.18e-07 GPU-hours at its datasheet peak; --gpu mi300x plans it, memory "
+        "included), or raise the budget to at least 9.15e-07 GPU-hours")
 
 
 def test_a_measured_device_forecasts_from_its_step_time_and_refuses_on_it(capsys):
@@ -79,4 +82,4 @@ def test_a_measured_device_forecasts_from_its_step_time_and_refuses_on_it(capsys
     line, = [line for line in err.splitlines() if line.startswith("error:")]  # (after the probe's line)
     assert line.startswith("error: budget.gpu_hours: the forecast of the whole run is ")
     assert "measured step time on cpu), over the budget of " in line
-    assert "; no exact split or GPU count fits (the cheapest is " in line, line  # 1000 x cheaper: none does
+    assert "; no exact split or GPU count fits (" in line, line  # 1000 x cheaper: none does
