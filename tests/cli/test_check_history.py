@@ -73,7 +73,8 @@ def test_history_records_every_value_and_a_value_beyond_its_band_fails(tmp_path,
     assert accuracy["date"].endswith("+00:00") and accuracy["machine"]["cpus"] >= 1
     assert accuracy["machine"]["torch"] and accuracy["reproduce"]
     assert accuracy["paper"] == {"metric": "eval_accuracy", "value": 0.95, "tolerance": 0.02}
-    assert new["steady"]["paper"] is None
+    assert new["steady"]["paper"] is None and new["accuracy"]["band"] is None  # (no history for it yet)
+    assert new["moved"]["band"] == {"mean": pytest.approx(0.4666667), "half_width": 0.01, "runs": 3}
 
     code, out, err = run_cli(["report", "--history", str(history), "--out", str(tmp_path / "drift.html")], capsys)
     assert code == 0, err

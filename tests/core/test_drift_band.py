@@ -44,12 +44,12 @@ def test_a_slow_creep_is_caught_once_it_leaves_the_band(tmp_path):
     value, verdicts = 0.95, []
     for _ in range(6):
         value -= 0.002
-        holds, _, line = drift_verdict(History(path), "a.yaml", "accuracy", value, drift)
+        holds, _, line, _ = drift_verdict(History(path), "a.yaml", "accuracy", value, drift)
         verdicts.append(holds)
         write_history(path, [value], status="pass" if holds else "fail")
     assert verdicts == [True, True, True, False, False, False]
-    holds, expected, line = drift_verdict(History(path), "a.yaml", "accuracy", 0.94, drift)
-    assert not holds
+    holds, expected, line, band = drift_verdict(History(path), "a.yaml", "accuracy", 0.94, drift)
+    assert not holds and band.to_json() == {"mean": pytest.approx(0.9476), "half_width": 0.005, "runs": 5}
     assert line.startswith("drift: 0.94 moved -0.0076 from 0.9476 +- 0.005 of its last 5 passing runs in ")
     assert line.endswith("(0.944 .. 0.95), beyond the band") and expected.startswith("within 0.9476 +- 0.005")
 
@@ -59,7 +59,7 @@ def test_too_few_values_or_no_history_is_not_checked(tmp_path):
     write_history(path, [0.9])
     assert drift_verdict(History(path), "a.yaml", "accuracy", 0.1, Drift(tolerance=0.01))[:2] == (
         True, "drift: 1 of 2 runs")
-    holds, _, line = drift_verdict(None, "a.yaml", "accuracy", 0.1, Drift(tolerance=0.01))
+    holds, _, line, _ = drift_verdict(None, "a.yaml", "accuracy", 0.1, Drift(tolerance=0.01))
     assert holds and "give --history FILE" in line
     assert History(tmp_path / "new.jsonl").records == []
 

@@ -3,10 +3,10 @@
 values there, so that a change that shifts a reproduced metric slowly, run after run, is caught.
 
 One line a check a run: {"file", "check", "kind", "metric", "value", "values", "status", "measured", "paper" (the
-recipe's reported value of the metric, or null), "commit", "dirty", "date", "machine", "reproduce"}. A check's
-history is the lines of its file name and check name; the band is made of the last `drift.last` of them that
-passed (a value that failed is recorded but not counted: a deliberate change is accepted by starting a new history
-file, or removing the check's older lines). No torch here.
+recipe's reported value of the metric, or null), "band" (the drift band it was checked against, or null), "commit",
+"dirty", "date", "machine", "reproduce"}. A check's history is the lines of its file name and check name; the band
+is made of the last `drift.last` of them that passed (a value that failed is recorded but not counted: a deliberate
+change is accepted by starting a new history file, or removing the check's older lines). No torch here.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ class Band:
 
     def holds(self, value: float) -> bool:
         return abs(value - self.mean) <= self.half_width
+
+    def to_json(self) -> dict[str, float | int]:
+        return {"mean": self.mean, "half_width": self.half_width, "runs": self.runs}
 
     def text(self) -> str:
         return f"{self.mean:.4g} +- {self.half_width:.3g} of its last {self.runs} passing runs"
@@ -112,7 +115,7 @@ def record_of(result: Any) -> dict[str, Any]:
     """A check's line (`result`: the runner's Result, not imported here: the runner imports this module)."""
     return {"file": result.file, "check": result.name, "kind": result.kind, "metric": result.metric,
             "value": result.value, "values": result.values, "status": result.status, "measured": result.measured,
-            "paper": result.paper}
+            "paper": result.paper, "band": result.band}
 
 
 def provenance() -> dict[str, Any]:
@@ -146,17 +149,18 @@ def machine() -> dict[str, Any]:
 
 
 def drift_verdict(history: History | None, file: str, check: str, value: float, drift: Drift,
-                  ) -> tuple[bool, str, str]:
-    """(whether the value holds, the expected text, the detail line) of a check's drift against its history."""
+                  ) -> tuple[bool, str, str, Band | None]:
+    """(whether the value holds, the expected text, the detail line, the band) of a check's drift against its
+    history."""
     if history is None:
-        return True, "drift not checked", "drift: not checked (give --history FILE to keep and check the values)"
+        return True, "drift not checked", "drift: not checked (give --history FILE to keep and check the values)", None
     band, runs = history.band(file, check, drift)
     if band is None:
         return True, f"drift: {runs} of {drift.min_runs} runs", (
-            f"drift: not checked yet: {runs} passing value(s) in {history.path}, the band needs {drift.min_runs}")
+            f"drift: not checked yet: {runs} passing value(s) in {history.path}, the band needs {drift.min_runs}"), None
     expected = f"within {band.text()}"
     if band.holds(value):
         return True, expected, f"drift: {value:.4g} within {band.text()} in {history.path} ({band.low:.4g} .. " \
-                               f"{band.high:.4g})"
+                               f"{band.high:.4g})", band
     return False, expected, (f"drift: {value:.4g} moved {value - band.mean:+.3g} from {band.text()} in "
-                             f"{history.path} ({band.low:.4g} .. {band.high:.4g}), beyond the band")
+                             f"{history.path} ({band.low:.4g} .. {band.high:.4g}), beyond the band"), band

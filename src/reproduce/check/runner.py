@@ -44,6 +44,7 @@ class Result:
     value: float | None = None
     values: list[float] | None = None  # per seed (compare: a's and b's aggregates)
     paper: dict | None = None  # the paper's value of the metric {value, tolerance}, as `value` is scaled
+    band: dict | None = None  # the drift band `value` was checked against {mean, half_width, runs}
 
     @property
     def passed(self) -> bool:
@@ -123,7 +124,7 @@ class Runner:
         check = file.spec.checks[index]
         name = file.names[index]
         started = time.perf_counter()
-        value, values, paper = None, None, None
+        value, values, paper, band = None, None, None, None
         try:
             status, measured, expected, details, plot, *numbers = getattr(self, f"_{check.kind}")(file, check)
             if numbers:
@@ -131,9 +132,10 @@ class Runner:
                 paper = paper_value(file.runs[check.run].recipe, check) if check.kind == "metric" else None
             drift = getattr(check, "drift", None)
             if drift is not None and value is not None:  # the value against the band of its own history
-                holds, band, line = drift_verdict(self.history, file.label, name, value, drift)
+                holds, wanted, line, found = drift_verdict(self.history, file.label, name, value, drift)
+                band = found.to_json() if found is not None else None
                 status = status if holds else "fail"
-                expected = f"{expected}, {band}" if expected else band
+                expected = f"{expected}, {wanted}" if expected else wanted
                 details = [line, *details] if not holds else [*details, line]
         except UserError as error:
             status, measured, expected, details, plot = "error", "-", "-", list(error.lines), None
@@ -144,7 +146,7 @@ class Runner:
             details = [f"{type(error).__name__}: {error}"]
         return Result(file.label, name, check.kind, status, measured, expected,
                       round(time.perf_counter() - started, 2), details, plot, getattr(check, "metric", None), value,
-                      values, paper)
+                      values, paper, band)
 
     def _plan(self, file: LoadedFile, check: PlanCheck):
         run = file.runs[check.run]

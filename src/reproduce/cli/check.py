@@ -96,7 +96,8 @@ def check_command(
         if path is not None:
             stdout.print(f"{what} written to {path}", markup=False)
     if history is not None:
-        stdout.print(f"{len(results)} values appended to the history {history}", markup=False)
+        stdout.print(f"{len(results)} value{'s' if len(results) != 1 else ''} appended to the history {history}",
+                     markup=False)
     raise typer.Exit(0 if all(r.passed for r in results) else 1)
 
 

@@ -56,6 +56,7 @@ def history_figures(found: dict[tuple[str, str], list[dict]]) -> list[Figure]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     made = []
     for index, ((file, check), records) in enumerate(found.items()):
@@ -67,6 +68,10 @@ def history_figures(found: dict[tuple[str, str], list[dict]]) -> list[Figure]:
             picked = [(x, y) for x, y, r in zip(xs, ys, records, strict=True) if r.get("status") == status]
             if picked:
                 ax.plot(*zip(*picked, strict=True), marker, color=color, linestyle="none", label=f"check {status}")
+        band = records[-1].get("band")
+        if isinstance(band, dict):  # what the last rerun was checked against
+            ax.axhspan(band["mean"] - band["half_width"], band["mean"] + band["half_width"], color="C0", alpha=0.1,
+                       label=f"drift band at the last rerun (its last {band['runs']} passing)")
         paper = _paper(records)
         if paper is not None:
             ax.axhline(paper["value"], color="C2", linestyle="--", label=f"paper {paper['value']:g}")
@@ -74,6 +79,7 @@ def history_figures(found: dict[tuple[str, str], list[dict]]) -> list[Figure]:
                 ax.axhspan(paper["value"] - paper["tolerance"], paper["value"] + paper["tolerance"], color="C2",
                            alpha=0.12, label=f"paper +- {paper['tolerance']:g}")
         metric = records[-1].get("metric") or "value"
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("rerun (oldest first)")
         ax.set_ylabel(metric)
         ax.set_title(f"{file}: {check}")
@@ -84,8 +90,9 @@ def history_figures(found: dict[tuple[str, str], list[dict]]) -> list[Figure]:
         figure.savefig(buffer, format="png", dpi=90)
         plt.close(figure)
         dates = f"{records[0].get('date', '?')} to {records[-1].get('date', '?')}"
-        made.append(Figure(f"history_{index + 1}", f"{file}: {check}", f"{metric} at each of {len(records)} reruns "
-                           f"({dates}); the paper's value dashed where the recipe reports one.", buffer.getvalue()))
+        caption = (f"{metric} at each of {len(records)} reruns ({dates}); the paper's value dashed where the recipe "
+                   "reports one, the drift band shaded where the last rerun was checked against one.")
+        made.append(Figure(f"history_{index + 1}", f"{file}: {check}", caption, buffer.getvalue()))
     return made
 
 
