@@ -153,3 +153,14 @@ def test_when_the_plan_is_the_cheapest_way_the_line_says_so():
         forecast(plan, result, prediction)
     assert caught.value.lines[0].endswith("no exact split or GPU count fits (this plan's is the cheapest, on the "
                                           "probe's step times); raise the budget to at least 0.0267 GPU-hours")
+
+
+def test_a_plan_with_batch_phases_is_refused_without_other_splits():
+    plan = make_plan(apply_overrides(load_recipe("papers/pysource-gpt-phases.yaml"), ["budget.gpu_hours=0.001"]), 64,
+                     1, recipe_path="papers/pysource-gpt-phases.yaml")
+    assert plan.has_phases and cheaper_ways(plan, probed(FASTER_LARGE)) == []
+    prediction = {"predicted_seconds": 36.0, "gpu_hours": 0.01, "predicted_basis": "measured step time on cpu"}
+    with pytest.raises(UserError) as caught:
+        forecast(plan, probed(FASTER_LARGE), prediction)
+    assert caught.value.lines[0].endswith("over the budget of 0.001 GPU-hours; no other split is forecast for a plan "
+                                          "with batch phases; raise the budget to at least 0.01 GPU-hours")

@@ -16,7 +16,7 @@ and count (the same FLOPs at the same peak), so there nothing else fits.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..errors import UserError
 from ..plan.planner import Plan
@@ -62,7 +62,7 @@ def forecast(plan: Plan, result: ProbeResult | None, prediction: dict, price: fl
         "currency": budget.currency if budget else None, "money": money,
         "budget": budget.model_dump(mode="json", exclude_none=True) if budget else None,
         "paper_gpu_hours": prediction.get("paper_gpu_hours"), "paper_basis": prediction.get("paper_basis"),
-        "within_budget": None, "cheapest_within": None, "notes": [],
+        "within_budget": None, "notes": [],
     }
     if budget is None:
         return out
@@ -79,8 +79,6 @@ def forecast(plan: Plan, result: ProbeResult | None, prediction: dict, price: fl
         return out
     ways = cheaper_ways(plan, result) if kind == "measured" else []
     fitting = [way for way in ways if way.gpu_hours <= limit]
-    if fitting:
-        out["cheapest_within"] = asdict(fitting[0])
     raise UserError(over_budget_line(plan, out, limit, ways, fitting, prediction),
                     field=over_field(budget, gpu_hours, money))
 
@@ -133,7 +131,8 @@ def over_budget_line(plan: Plan, out: dict, limit: float, ways: list[Way], fitti
         return f"{line}; the cheapest exact split that fits: {way.text()} ({how})"
     if out["basis_kind"] == "measured":
         if plan.has_phases:
-            return f"{line}; no other split is forecast for a plan with batch phases; raise the budget"
+            return (f"{line}; no other split is forecast for a plan with batch phases; raise the budget to at least "
+                    f"{at_least(out, out['gpu_hours'])}")
         cheapest = ways[0] if ways else None
         own = cheapest is not None and (cheapest.world_size, cheapest.micro_batch) == (plan.world_size,
                                                                                        plan.micro_batch)
