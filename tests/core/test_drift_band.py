@@ -85,8 +85,8 @@ def test_a_history_line_that_is_not_a_record_is_one_line(tmp_path):
     with pytest.raises(UserError) as caught:
         History(path)
     assert caught.value.lines == [f"`history`: {path}: line 2: not JSON (Expecting property name enclosed in double "
-                                  "quotes); a history holds one JSON object a line (`reproduce check --history` "
-                                  "writes them)"]
+                                  "quotes); a history holds one JSON object a line, as `history` of reproduce check "
+                                  "writes them"]
     path.write_text("[1, 2]\n", encoding="utf-8")
     with pytest.raises(UserError, match="line 1: expected an object with file, check and value"):
         History(path)

@@ -101,12 +101,12 @@ def read_history(path: Path) -> list[dict[str, Any]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise UserError(f"{path}: line {number}: not JSON ({error.msg}); a history holds one JSON object a line "
-                            "(`reproduce check --history` writes them)", field="history") from None
+            raise UserError(f"{path}: line {number}: not JSON ({error.msg}); a history holds one JSON object a line, "
+                            "as `history` of reproduce check writes them", field="history") from None
         if not isinstance(record, dict) or not isinstance(record.get("file"), str) or not isinstance(
                 record.get("check"), str):
-            raise UserError(f"{path}: line {number}: expected an object with file, check and value (`reproduce "
-                            "check --history` writes them)", field="history")
+            raise UserError(f"{path}: line {number}: expected an object with file, check and value, as `history` of "
+                            "reproduce check writes them", field="history")
         records.append(record)
     return records
 
