@@ -63,7 +63,7 @@ def test_schema_errors_exit_2_one_line_each(tmp_path, capsys):
         f"error: {path}: runs.plain.overides: unknown key (did you mean 'overrides'?)",
         f"error: {path}: checks[0].kind: expected one of plan, verify, metric, compare (got 'verfy'; "
         "did you mean 'verify'?)",
-        f"error: {path}: checks[1]: give min, max, baseline with min_ratio/max_ratio, or reported",
+        f"error: {path}: checks[1]: give min, max, baseline with min_ratio/max_ratio, reported, or drift",
         f"error: {path}: checks[2].mn: unknown key (did you mean 'min'?)",
         f"error: {path}: checks[3].tolerance: must be >= 0.0 (got -1)",
         f"error: {path}: checks[4].kind: required: one of plan, verify, metric, compare",

@@ -21,6 +21,7 @@ from ..plan.planner import Plan, make_plan
 from ..plan.recipe import NamedData, Recipe
 from ..plan.segments import batch_phases
 from ..plan.units import format_size, parse_size
+from .history import History, drift_verdict
 from .load import LoadedFile, Run, check_name
 from .schema import WORK_MARKER, Budget, CompareCheck, MetricCheck, PlanCheck, VerifyCheck
 
@@ -39,6 +40,11 @@ class Result:
     seconds: float
     details: list[str] = field(default_factory=list)
     plot: str | None = None
+    metric: str | None = None  # what `value` measures (metric and compare checks; `--history` keeps it)
+    value: float | None = None
+    values: list[float] | None = None  # per seed (compare: a's and b's aggregates)
+    paper: dict | None = None  # the paper's value of the metric {value, tolerance}, as `value` is scaled
+    band: dict | None = None  # the drift band `value` was checked against {mean, half_width, runs}
 
     @property
     def passed(self) -> bool:
@@ -55,8 +61,9 @@ class RunResult:
 class Runner:
     """Evaluates checks; trains each distinct (recipe, budget, seed) once, in `work`."""
 
-    def __init__(self, work: Path, plots: Path | None = None, log: Callable[[str], None] | None = None):
-        self.work, self.plots = work, plots
+    def __init__(self, work: Path, plots: Path | None = None, log: Callable[[str], None] | None = None,
+                 history: History | None = None):
+        self.work, self.plots, self.history = work, plots, history
         self.log = log or (lambda text: None)
         self.cache: dict[str, RunResult] = {}
         self.data: dict[str, Datasets] = {}
@@ -117,8 +124,19 @@ class Runner:
         check = file.spec.checks[index]
         name = file.names[index]
         started = time.perf_counter()
+        value, values, paper, band = None, None, None, None
         try:
-            status, measured, expected, details, plot = getattr(self, f"_{check.kind}")(file, check)
+            status, measured, expected, details, plot, *numbers = getattr(self, f"_{check.kind}")(file, check)
+            if numbers:
+                value, values = numbers
+                paper = paper_value(file.runs[check.run].recipe, check) if check.kind == "metric" else None
+            drift = getattr(check, "drift", None)
+            if drift is not None and value is not None:  # the value against the band of its own history
+                holds, wanted, line, found = drift_verdict(self.history, file.label, name, value, drift)
+                band = found.to_json() if found is not None else None
+                status = status if holds else "fail"
+                expected = f"{expected}, {wanted}" if expected else wanted
+                details = [line, *details] if not holds else [*details, line]
         except UserError as error:
             status, measured, expected, details, plot = "error", "-", "-", list(error.lines), None
         except Interrupted:
@@ -127,7 +145,8 @@ class Runner:
             status, measured, expected, plot = "error", "-", "-", None
             details = [f"{type(error).__name__}: {error}"]
         return Result(file.label, name, check.kind, status, measured, expected,
-                      round(time.perf_counter() - started, 2), details, plot)
+                      round(time.perf_counter() - started, 2), details, plot, getattr(check, "metric", None), value,
+                      values, paper, band)
 
     def _plan(self, file: LoadedFile, check: PlanCheck):
         run = file.runs[check.run]
@@ -204,7 +223,7 @@ class Runner:
             tolerance = check.tolerance if check.tolerance is not None else reported.tolerance
             conditions.append(abs(value - reported.value) <= tolerance)
             expected.append(f"reported {reported.value:g} +- {tolerance:g}")
-        return ("pass" if all(conditions) else "fail"), measured, ", ".join(expected), details, None
+        return ("pass" if all(conditions) else "fail"), measured, ", ".join(expected), details, None, value, values
 
     def _compare(self, file: LoadedFile, check: CompareCheck):
         run_a, run_b = file.runs[check.a], file.runs[check.b]
@@ -232,7 +251,7 @@ class Runner:
         plot, note = self.plot(file, check, run_a, run_b)
         if note:
             details.append(note)
-        return ("pass" if all(conditions) else "fail"), measured, ", ".join(expected), details, plot
+        return ("pass" if all(conditions) else "fail"), measured, ", ".join(expected), details, plot, diff, [a, b]
 
     def plot(self, file: LoadedFile, check: CompareCheck, run_a: Run, run_b: Run) -> tuple[str | None, str | None]:
         """Both runs' curves of the compared metric on one PNG (first seed of each), when matplotlib is here."""
@@ -284,6 +303,17 @@ def lookup(summary: dict, metric: str) -> float:
     if not isinstance(node, (int, float)) or isinstance(node, bool):
         raise UserError(f"metric {metric!r}: is not a number (got {node!r})")
     return float(node)
+
+
+def paper_value(recipe: Recipe, check: MetricCheck) -> dict | None:
+    """The paper's value of a metric check's measure, from the recipe's `reported:`: the one the check names, else
+    the one of its metric when the check does not scale it; None when the paper reports none."""
+    name = check.reported or (check.metric if check.scale == 1 else None)
+    found = next((r for r in recipe.reported if r.metric == name), None)
+    if found is None:
+        return None
+    tolerance = check.tolerance if check.reported is not None and check.tolerance is not None else found.tolerance
+    return {"metric": found.metric, "value": found.value, "tolerance": tolerance}
 
 
 def aggregate(values: list[float], how: str) -> float:
@@ -439,8 +469,9 @@ def prepare_work(work: Path | None) -> tuple[Path, bool]:
 def run_checks(
     files: list[LoadedFile], work: Path, plots: Path | None = None,
     log: Callable[[str], None] | None = None, on_result: Callable[[Result], None] | None = None,
+    history: History | None = None,
 ) -> list[Result]:
-    runner = Runner(work, plots, log)
+    runner = Runner(work, plots, log, history)
     results = []
     for file in files:
         for index in range(len(file.spec.checks)):

@@ -46,6 +46,30 @@ class RunSpec(Strict):
     budget: dict[str, Any] = Field(default={}, description="fields of the file's budget to change")
 
 
+class Drift(Strict):
+    """`drift:` of a metric or compare check: its value must stay within a band of its own history, the values the
+    same check (file name, check name) measured in the last `last` passing runs of `reproduce check --history FILE`
+    (check/history.py). The band is the history's mean +- the widest of `tolerance`, `rel_tolerance` x |mean| and
+    `sigmas` x the history's standard deviation."""
+
+    last: int = Field(default=5, ge=1, description="the band is made of the check's last K passing values")
+    tolerance: float | None = Field(default=None, gt=0, description="mean +- tolerance")
+    rel_tolerance: float | None = Field(default=None, gt=0, description="mean +- rel_tolerance x |mean|")
+    sigmas: float | None = Field(default=None, gt=0, description="mean +- sigmas x the values' standard deviation")
+    min_runs: int = Field(default=2, ge=1, description="with fewer values in the history, not checked yet")
+
+    @model_validator(mode="after")
+    def _a_band(self) -> Drift:
+        if self.tolerance is None and self.rel_tolerance is None and self.sigmas is None:
+            raise ValueError("give tolerance, rel_tolerance or sigmas (the band's half-width around the history's "
+                             "mean)")
+        if self.min_runs > self.last:
+            raise ValueError(f"min_runs: {self.min_runs} is more than the last {self.last} values the band is made of")
+        if self.sigmas is not None and self.min_runs < 2:
+            raise ValueError("min_runs: sigmas needs a standard deviation, of 2 values at least")
+        return self
+
+
 class _Check(Strict):
     name: str | None = None
 
@@ -79,11 +103,12 @@ class MetricCheck(_Check):
     max_ratio: float | None = None
     reported: str | None = Field(default=None, description="a metric in the recipe's `reported` list")
     tolerance: float | None = Field(default=None, ge=0)
+    drift: Drift | None = Field(default=None, description="stay within a band of this check's own history")
 
     @model_validator(mode="after")
     def _something_to_check(self) -> MetricCheck:
-        if all(v is None for v in (self.min, self.max, self.min_ratio, self.max_ratio, self.reported)):
-            raise ValueError("give min, max, baseline with min_ratio/max_ratio, or reported")
+        if all(v is None for v in (self.min, self.max, self.min_ratio, self.max_ratio, self.reported, self.drift)):
+            raise ValueError("give min, max, baseline with min_ratio/max_ratio, reported, or drift")
         if (self.min_ratio is not None or self.max_ratio is not None) and self.baseline is None:
             raise ValueError("baseline: required with min_ratio or max_ratio")
         if self.baseline is not None and self.min_ratio is None and self.max_ratio is None:
@@ -103,11 +128,12 @@ class CompareCheck(_Check):
     rel_tolerance: float | None = Field(default=None, ge=0, description="|a - b| <= rel_tolerance x |b|")
     at_least: float | None = Field(default=None, description="a - b >= at_least")
     at_most: float | None = Field(default=None, description="a - b <= at_most")
+    drift: Drift | None = Field(default=None, description="a - b stays within a band of this check's own history")
 
     @model_validator(mode="after")
     def _something_to_check(self) -> CompareCheck:
-        if all(v is None for v in (self.tolerance, self.rel_tolerance, self.at_least, self.at_most)):
-            raise ValueError("give tolerance, rel_tolerance, at_least or at_most")
+        if all(v is None for v in (self.tolerance, self.rel_tolerance, self.at_least, self.at_most, self.drift)):
+            raise ValueError("give tolerance, rel_tolerance, at_least, at_most or drift")
         return self
 
 

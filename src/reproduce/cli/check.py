@@ -34,6 +34,10 @@ def check_command(
     plots: Path | None = typer.Option(
         None, "--plots", help="Folder for comparison plots (default: plots/ beside --summary; needs matplotlib)."
     ),
+    history: Path | None = typer.Option(
+        None, "--history", metavar="FILE", help="Append each check's measured value (with the git commit, the date, "
+        "the machine) to this JSONL file, and check each `drift:` against the check's own last values there."
+    ),
     annotations: Annotations | None = typer.Option(
         None, "--annotations", help="github: print each failing check as a GitHub Actions ::error annotation on "
         "its line of the check file."
@@ -43,12 +47,17 @@ def check_command(
     # imported here, not with the CLI: every other command (a short `run` most) starts without them
     from ..check import check_outputs, cleanup, collect, load_all, prepare_work, run_checks, write_reports
     from ..check.annotations import github_annotations
+    from ..check.history import History, check_history_path
 
     files = collect(shipped_paths(list(paths or [])) if shipped else list(paths or []))
     loaded = load_all(files)  # every problem in every file, before anything runs: exit 2
     if plots is None and summary is not None:
         plots = summary.parent / "plots"
     check_outputs(junit, summary, plots, files)
+    kept = None
+    if history is not None:
+        check_history_path(history, files)
+        kept = History(history)  # read (and a bad line refused) before anything runs
     folder, temporary = prepare_work(work)
     total = sum(len(f.spec.checks) for f in loaded)
     print(f"{total} checks in {len(loaded)} file(s); runs in {folder}{' (temporary)' if temporary else ''}",
@@ -68,7 +77,7 @@ def check_command(
 
     html = None
     try:
-        results = run_checks(loaded, folder, plots, log=log, on_result=on_result)
+        results = run_checks(loaded, folder, plots, log=log, on_result=on_result, history=kept)
         seconds = time.perf_counter() - started
         if junit is not None:  # beside the JUnit file, with the runs' curves: made before the runs are removed
             from ..report.checks import html_beside, write_check_report
@@ -77,6 +86,8 @@ def check_command(
     finally:
         cleanup(folder, temporary)
     write_reports(results, seconds, junit, summary)
+    if kept is not None:
+        kept.append(results)  # after the reports: an interrupted suite adds nothing
     render(results, seconds)
     if annotations is Annotations.github:
         for line in github_annotations(loaded, results):
@@ -84,6 +95,9 @@ def check_command(
     for path, what in ((junit, "JUnit XML"), (html, "HTML report"), (summary, "Markdown summary")):
         if path is not None:
             stdout.print(f"{what} written to {path}", markup=False)
+    if history is not None:
+        stdout.print(f"{len(results)} value{'s' if len(results) != 1 else ''} appended to the history {history}",
+                     markup=False)
     raise typer.Exit(0 if all(r.passed for r in results) else 1)
 
 

@@ -19,6 +19,8 @@ from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
 from ..plan.segments import batch_phases
 from ..session import packing_table, parameter_counts, plan_and_probe, planned_data_size, recipe_for_plan
 from ..shipped import described
+from ..throughput.budget import check_price, forecast_cell, paper_forecast_cell
+from ..throughput.budget import forecast as budget_forecast
 from ..throughput.plan_cost import cost_lines, costs_json, plan_costs
 from ..throughput.policy import check_mfu
 from ..throughput.predicted_time import predict
@@ -62,6 +64,9 @@ PLAN_DATA_HELP = ("Plan on this data (a folder or file in the recipe's data.form
                   "data.path: its size gives the epochs' optimizer steps, as `run` counts them.")
 
 
+PRICE_HELP = ("The price of one GPU-hour (yours: none is shipped), for the forecast's money and a recipe's "
+              "budget.money; the recipe's budget.price otherwise.")
+
 GPUS_PER_NODE_HELP = ("GPUs per machine, for the nodes of a plan of several processes (--emit slurm's script, the "
                       "GPU-hours line): full nodes of up to this many.")
 
@@ -87,6 +92,7 @@ def plan_command(
     ),
     gpus_per_node: int = typer.Option(GPUS_PER_NODE, "--gpus-per-node", min=1, help=GPUS_PER_NODE_HELP),
     assumed_mfu: float = typer.Option(DEFAULT_MFU, "--mfu", help=MFU_HELP),
+    price: float | None = typer.Option(None, "--price", metavar="PRICE", help=PRICE_HELP),
     free_batchnorm: bool = typer.Option(False, "--free-batchnorm", help=FREE_BATCHNORM_HELP),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
@@ -113,6 +119,7 @@ def plan_command(
     if emit_format is not None:
         check_format(emit_format)
     check_mfu(assumed_mfu)
+    check_price(price)
     recipe = recipe_for_plan(recipe_path, [*override_changes(overrides), *field_changes({
         "--weights": weights, "--data": data_path, "--quantize": quantize, "--sharding": sharding,
         "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients,
@@ -126,19 +133,23 @@ def plan_command(
         keep_batchnorm=not free_batchnorm, on_note=None if quiet else show_note,
     )
     plan, result = planned.plan, planned.probe
+    prediction: dict = {}
+    forecast = None
+    if emit_format is None or plan.recipe.budget is not None:  # a budget the forecast exceeds: refused, nothing written
+        prediction = predict(plan, result, gpu, assumed_mfu)
+        forecast = budget_forecast(plan, result, prediction, price)
     if out is not None:
         save_plan(plan, out)
     if emit_format is not None:
         print(emit(plan, emit_format, gpus_per_node), end="")
         return
-    prediction = predict(plan, result, gpu, assumed_mfu)
     grouping = packing_table(plan.recipe, plan, data)  # (the plan's recipe: data.packing's default taken)
     origin = packing_origin(recipe, plan.recipe)
     if as_json:
-        print(json.dumps(plan_json(plan, result, prediction, grouping, origin), indent=2))
+        print(json.dumps(plan_json(plan, result, prediction, grouping, origin, forecast), indent=2))
         return
     stdout.print(f"recipe: {described(recipe_path, recipe_path)}", markup=False, soft_wrap=True)
-    render_plan(plan)
+    render_plan(plan, forecast)
     counts = parameter_counts(recipe, build=result is not None)  # counted on the meta device when the plan probed
     if counts is not None:  # (or by `papers` or an earlier probe: the probe's cache keeps it) and no torch otherwise
         stdout.print(parameters_line(counts), markup=False)
@@ -155,7 +166,8 @@ def plan_command(
         stdout.print(f"plan written to {out}")
 
 
-def plan_json(plan: Plan, result, prediction: dict, grouping: dict | None, origin: str | None) -> dict:
+def plan_json(plan: Plan, result, prediction: dict, grouping: dict | None, origin: str | None,
+              forecast: dict | None = None) -> dict:
     """`plan --json`: the plan, its grouping, the probe behind it and its cost, the predicted time."""
     summary = plan_summary(plan)
     if grouping is not None or origin is not None:
@@ -167,6 +179,8 @@ def plan_json(plan: Plan, result, prediction: dict, grouping: dict | None, origi
     summary.update(predicted_seconds=prediction.get("predicted_seconds"),
                    paper_predicted_seconds=prediction.get("paper_predicted_seconds"),
                    gpu_hours=prediction.get("gpu_hours"), prediction=prediction)
+    if forecast is not None:
+        summary["forecast"] = forecast
     return summary
 
 
@@ -205,7 +219,7 @@ def lr_points_summary(plan: Plan) -> dict:
     return summary
 
 
-def render_plan(p: Plan) -> None:
+def render_plan(p: Plan, forecast: dict | None = None) -> None:
     r = p.recipe
     unit = p.unit
     title = r.paper.title if r.paper else (p.recipe_path or "recipe")
@@ -267,6 +281,8 @@ def render_plan(p: Plan) -> None:
         table.add_row("memory", "", "; ".join(knobs))
     if p.batchnorm is not None:
         table.add_row("BatchNorm", *batchnorm_cells(p))
+    if forecast is not None:
+        table.add_row("cost (forecast)", paper_forecast_cell(forecast), forecast_cell(forecast))
     stdout.print(table)
     if p.weights is not None:
         stdout.print(p.weights.line(r.model.builtin or r.model.factory), markup=False, soft_wrap=True)

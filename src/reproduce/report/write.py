@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..plan.planfile import check_writable, write_text_atomic
-from .document import blocks, to_html, to_markdown
+from .document import Block, blocks, to_html, to_markdown
 from .figures import FIGURE_NAMES
 from .runs import RunFolder
 
@@ -16,8 +16,11 @@ def images_folder(markdown: Path) -> Path:
     return markdown.with_name(markdown.stem + "_files")
 
 
-def write_report(runs: list[RunFolder], out: Path, markdown: Path | None = None, plots: bool = True) -> list[Path]:
-    """report.html (self-contained) and, unless `markdown` is the HTML itself, report.md with its PNGs."""
+def write_report(runs: list[RunFolder], out: Path, markdown: Path | None = None, plots: bool = True,
+                 history: tuple[Path, list[dict]] | None = None) -> list[Path]:
+    """report.html (self-contained) and, unless `markdown` is the HTML itself, report.md with its PNGs; with
+    `history` (a `reproduce check --history` file and its records) its values rerun after rerun beside the paper's
+    (runs optional)."""
     out = check_writable(out, "`out`")
     if out.suffix.lower() not in (".html", ".htm"):
         raise UserError(f"{out}: expected an .html file name (the Markdown twin is written beside it as .md)",
@@ -27,12 +30,16 @@ def write_report(runs: list[RunFolder], out: Path, markdown: Path | None = None,
     for path in (out, markdown):
         if path.resolve() in protected:
             raise UserError(f"{path}: is one of the run's own files; choose another name")
-    content = blocks(runs, plots)
+    content = blocks(runs, plots) if runs else history_heading(history[0] if history else None)
+    if history is not None:
+        from .history import history_blocks
+
+        content += history_blocks(*history, plots)
     images = images_folder(markdown)
     text, files = to_markdown(content, images, markdown.parent)
     if images.is_dir():  # plots an earlier report made that this one has not (only names a report gives)
         for old in images.glob("*.png"):
-            if old not in files and (old.stem in FIGURE_NAMES or old.stem.startswith("eval_")):
+            if old not in files and (old.stem in FIGURE_NAMES or old.stem.startswith(("eval_", "history_"))):
                 old.unlink()
     for path, png in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -40,3 +47,14 @@ def write_report(runs: list[RunFolder], out: Path, markdown: Path | None = None,
     write_text_atomic(markdown, text)
     write_text_atomic(out, to_html(content))
     return [out, markdown, *files]
+
+
+def history_heading(history: Path | None) -> list[Block]:
+    """The report's title when it shows a history and no run."""
+    import datetime
+
+    from .. import __version__
+
+    made = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"
+    return [("h1", f"reproduce report: {history.name if history else 'no run'}"),
+            ("p", f"Made by reproduce {__version__} on {made} UTC from the history {history}.")]

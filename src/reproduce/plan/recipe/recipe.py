@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from .batch import Batch
+from .budget import Budget
 from .common import Names, Strict
 from .data import DEFAULT_IGNORE_INDEX, Data, HfDatasetsData, InstructionsData, TextData
 from .evaluation import PLATEAU_METRICS, REPORTED_METRICS, Evaluation, Reported
@@ -40,6 +41,8 @@ class Recipe(Strict):
     seed: int = Field(default=0, ge=0, le=2**64 - 1)  # what torch.manual_seed takes
     evaluation: Evaluation = Evaluation()
     reported: list[Reported] = []
+    budget: Budget | None = Field(default=None, description="the most the whole run may cost (GPU-hours, money): "
+                                  "`plan` refuses a forecast beyond it")
     deviations: list[str] = Field(
         default=[], description="what this recipe cannot express or does differently from the paper, one sentence "
         "each: `plan` prints them as warnings, `papers show` below the recipe"
