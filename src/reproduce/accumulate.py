@@ -41,6 +41,7 @@ __all__ = ["Accumulator", "OptimizerStepOutOfMemory", "Window", "WindowObserver"
            "split_items"]
 
 NORMALIZATIONS = ("window", "micro-batch-mean")
+REDUCTIONS = ("auto", "sum", "mean")
 
 
 class WindowObserver(Protocol):
@@ -80,6 +81,11 @@ class Accumulator:
       arithmetic before transformers v4.46.0, kept to reproduce papers that trained so; not the large batch's mean).
     - `sync_every_micro_batch`: reduce gradients after every micro-batch (FSDP2 with sharded gradients); by default
       they are reduced on the window's last micro-batch only.
+    - `gradient_reduction`: how the model's wrapper combines the ranks' gradients: `sum` (what the window's division
+      by the global count needs: `reproduce run` registers a SUM hook) or `mean` (DDP's default hook and FSDP2's
+      default divide by the world size; the window then divides by the count over the world size instead, so the
+      reduced gradient is the same). `auto`: DDP without a comm hook of the user's, and FSDP2, average; anything
+      else sums (a model that is not wrapped: the caller reduces, by a sum).
     - `device`: where the count's all_reduce tensor lives (the model's first parameter's device by default: CUDA
       for NCCL, the CPU for gloo); `process_group`: the ranks the window spans (the default group).
     - `skip_nonfinite`: a window whose loss or gradient norm is not finite leaves the weights alone (the scheduler
@@ -88,11 +94,14 @@ class Accumulator:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
                  clip_grad_norm: float | None = None, *, scaler: Any = None, normalization: str = "window",
-                 sync_every_micro_batch: bool = False, device: torch.device | str | None = None,
-                 process_group: Any = None):
+                 sync_every_micro_batch: bool = False, gradient_reduction: str = "auto",
+                 device: torch.device | str | None = None, process_group: Any = None):
         if normalization not in NORMALIZATIONS:
             raise UserError(f"expected one of {', '.join(NORMALIZATIONS)} (got {normalization!r})",
                             field="normalization")
+        if gradient_reduction not in REDUCTIONS:
+            raise UserError(f"expected one of {', '.join(REDUCTIONS)} (got {gradient_reduction!r})",
+                            field="gradient_reduction")
         if clip_grad_norm is not None and clip_grad_norm < 0:
             raise UserError(f"must be >= 0 (got {clip_grad_norm})", field="clip_grad_norm")
         self.model = model
@@ -102,6 +111,7 @@ class Accumulator:
         self.scaler = scaler
         self.normalization = normalization
         self.sync_every_micro_batch = sync_every_micro_batch
+        self.gradient_reduction = gradient_reduction
         self.process_group = process_group
         self._device = torch.device(device) if device is not None else None
         self.micro_batch: int | None = None  # `step`'s current micro-batch (lowered after out of memory)
@@ -113,6 +123,15 @@ class Accumulator:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def ranks_average(self) -> bool:
+        """Whether the model's gradient reduction divides by the world size (`gradient_reduction`)."""
+        if self.gradient_reduction != "auto" or not self.distributed:
+            return self.gradient_reduction == "mean" and self.distributed
+        if isinstance(self.model, DistributedDataParallel):
+            return not self.model._comm_hooks  # DDP's default hook: an average
+        return hasattr(self.model, "set_requires_gradient_sync")  # FSDP2's default divide factor: the world size
 
     @property
     def device(self) -> torch.device:
@@ -199,7 +218,7 @@ class Window:
         self.count = sum(counts)
         self.samples = samples
         self.observer = observer
-        self.divisors: list[int] = []
+        self.divisors: list[float] = []
         self.loss: float | None = None
         self.grad_norm: float | None = None
         self.finite: bool | None = None
@@ -222,13 +241,15 @@ class Window:
             self.count = int(totals[0])
             self.samples = int(totals[1]) if self.samples is not None else None
         self.divisors = self._divisors(acc.world_size)
+        if acc.ranks_average:  # the reduction divides by the world size: divide by that much less here
+            self.divisors = [divisor / acc.world_size for divisor in self.divisors]
         if self.observer is not None:
             self.observer.start_window(self.counts, self.count, self.samples or 0)
         if len(self.counts) > 1:
             self._pause_sync()
         return self
 
-    def _divisors(self, world_size: int) -> list[int]:
+    def _divisors(self, world_size: int) -> list[float]:
         """window: the window's count over every rank, so the gradient is the large batch's mean. micro-batch-mean:
         the micro-batch's own count times the window's micro-batches and ranks (the Trainer's `loss /
         gradient_accumulation_steps` averaged by DDP over the ranks). An empty micro-batch's loss is 0 either way."""

@@ -75,14 +75,15 @@ def window_counts(loss_fn: Any, micro_batches: list) -> tuple[list[int], int]:
 
 def accumulator(setup: Setup) -> Accumulator:
     """The run's exact window (accumulate.py, the library's `reproduce.Accumulator`) around the setup's model,
-    optimizer, scheduler and scaler: the recipe's clipping and loss normalization; under FSDP with sharded
-    gradients, reduced after every micro-batch."""
+    optimizer, scheduler and scaler: the recipe's clipping and loss normalization; the ranks' gradients summed
+    (setup.py); under FSDP with sharded gradients, reduced after every micro-batch."""
     recipe = setup.plan.recipe
     loss = recipe.loss
     return Accumulator(setup.model, setup.optimizer, setup.scheduler, recipe.clip_grad_norm, scaler=setup.scaler,
                        normalization="window" if loss is None or loss.normalization == "window-tokens" else
                        "micro-batch-mean",
-                       sync_every_micro_batch=setup.sharded and recipe.batch.sharded_gradients, device=setup.device)
+                       sync_every_micro_batch=setup.sharded and recipe.batch.sharded_gradients,
+                       gradient_reduction="sum", device=setup.device)  # DDP: SyncCounter's SUM; FSDP2: a SUM
 
 
 def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None = None) -> StepResult:
