@@ -1,7 +1,8 @@
 """reproduce: run a paper's large-batch training recipe on the hardware you have, exactly.
 
 The public API is what `__all__` lists (docs/library.md); everything else is private. The names are imported when
-first used, so `import reproduce` imports neither torch nor the CLI.
+first used, so `import reproduce` imports neither torch nor the CLI. (`reproduce.plan` and `reproduce.probe` are the
+packages of the CLI's planner and probe: the library's functions are `plan_recipe`, `plan_batch`, `probe_step`.)
 """
 
 from __future__ import annotations
@@ -18,13 +19,21 @@ _PUBLIC = {
     "OptimizerStepOutOfMemory": "reproduce.accumulate",
     "split_items": "reproduce.accumulate",
     "UserError": "reproduce.errors",
+    "plan_recipe": "reproduce.library.planning",
+    "plan_batch": "reproduce.library.planning",
+    "lr_at": "reproduce.library.planning",
+    "probe_step": "reproduce.library.probing",
+    "PROBE_WINDOW": "reproduce.library.probing",
 }
 
-__all__ = sorted(_PUBLIC)
+__all__ = ["PROBE_WINDOW", "Accumulator", "OptimizerStepOutOfMemory", "UserError", "Window", "lr_at", "plan_batch",
+           "plan_recipe", "probe_step", "split_items"]
 
 if TYPE_CHECKING:
     from .accumulate import Accumulator, OptimizerStepOutOfMemory, Window, split_items
     from .errors import UserError
+    from .library.planning import lr_at, plan_batch, plan_recipe
+    from .library.probing import PROBE_WINDOW, probe_step
 
 
 def __getattr__(name: str) -> Any:
