@@ -55,7 +55,8 @@ def test_the_mean_of_micro_batch_means_is_not_the_one_pass_gradient(one_thread):
     indices = worker.windows()[0]
     micro_batches = list(torch.split(indices, worker.MICRO_BATCH))
     for m in micro_batches:
-        (worker.summed_loss(model, tokens[m], targets[m]) / worker.tokens_of(targets[m]) / len(micro_batches)).backward()
+        mean = worker.summed_loss(model, tokens[m], targets[m]) / worker.tokens_of(targets[m])
+        (mean / len(micro_batches)).backward()
     averaged = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     (worker.summed_loss(model, tokens[indices], targets[indices]) / worker.tokens_of(targets[indices])).backward()
