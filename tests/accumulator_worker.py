@@ -70,8 +70,13 @@ class KeepGradients(torch.optim.SGD):
         self.kept: list[list[torch.Tensor]] = []
 
     def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:  # Lightning's: the last micro-batch's forward and backward, its hooks, the clip
+            with torch.enable_grad():
+                loss = closure()
         self.kept.append([p.grad.detach().clone() for group in self.param_groups for p in group["params"]])
-        return super().step(closure)
+        super().step()
+        return loss
 
 
 def windows() -> list[torch.Tensor]:
