@@ -8,7 +8,7 @@ packages of the CLI's planner and probe: the library's functions are `plan_recip
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -28,12 +28,6 @@ _PUBLIC = {
 
 __all__ = ["PROBE_WINDOW", "Accumulator", "OptimizerStepOutOfMemory", "UserError", "Window", "lr_at", "plan_batch",
            "plan_recipe", "probe_step", "split_items"]
-
-if TYPE_CHECKING:
-    from .accumulate import Accumulator, OptimizerStepOutOfMemory, Window, split_items
-    from .errors import UserError
-    from .library.planning import lr_at, plan_batch, plan_recipe
-    from .library.probing import PROBE_WINDOW, probe_step
 
 
 def __getattr__(name: str) -> Any:

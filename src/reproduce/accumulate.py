@@ -224,7 +224,7 @@ class Window:
         self.finite: bool | None = None
         self.observed: Any = None  # what the observer's end_window returned
         self._losses: list[torch.Tensor] = []
-        self._no_sync: contextlib.AbstractContextManager | None = None
+        self._no_sync: contextlib.AbstractContextManager[Any] | None = None
         self._fsdp_paused = False
 
     @property
@@ -266,7 +266,7 @@ class Window:
             self._no_sync = model.no_sync()
             self._no_sync.__enter__()
         elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-            model.set_requires_gradient_sync(False)
+            model.set_requires_gradient_sync(False)  # type: ignore[operator]
             self._fsdp_paused = True
 
     def _resume_sync(self) -> None:
@@ -348,7 +348,7 @@ def _length(micro: Any) -> int:
     return len(micro)
 
 
-def split_items(items: Any, micro_batch: int) -> list:
+def split_items(items: Any, micro_batch: int) -> list[Any]:
     """`items` cut into micro-batches of `micro_batch` (the last one shorter when it does not divide): a tensor,
     a tuple or dict of tensors cut along their first dimension together, or a list."""
     if micro_batch < 1:
