@@ -142,3 +142,30 @@ def test_a_plain_loop_with_the_accumulator_trains_to_the_run_s_weights(tmp_path,
                 window.backward(F.cross_entropy(model(x).flatten(0, 1), t.flatten(), ignore_index=-100,
                                                 reduction="sum"))
     assert_same_weights(model.state_dict(), ran, rtol=1e-10, atol=1e-12)
+
+
+def test_a_grad_scaler_scales_for_backward_and_unscales_before_the_clip(one_thread):
+    """fp16's GradScaler (here on float64 weights, where its power-of-two scale is exact): the losses are scaled for
+    backward and the gradients unscaled before clipping, so the norms and the update are the unscaled window's."""
+
+    def train(scaler) -> tuple[list, dict, list[float]]:
+        model, tokens, targets = worker.model_and_data()
+        optimizer, scheduler = worker.optimizer_of(model)
+        acc = reproduce.Accumulator(model, optimizer, scheduler=scheduler, clip_grad_norm=worker.CLIP, scaler=scaler)
+        norms = []
+        for indices in worker.windows():
+            micro_batches = list(torch.split(indices, worker.MICRO_BATCH))
+            with acc.window([worker.tokens_of(targets[m]) for m in micro_batches]) as window:
+                for m in micro_batches:
+                    window.backward(worker.summed_loss(model, tokens[m], targets[m]))
+            norms.append(window.grad_norm)
+        return optimizer.kept, model.state_dict(), norms
+
+    plain_grads, plain, plain_norms = train(None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    grads, weights, norms = train(scaler)
+    assert scaler.get_scale() == 2.0**10  # no overflow: every step was taken
+    assert norms == plain_norms and min(norms) > worker.CLIP  # unscaled before the norm, and the clip bound
+    for ours, reference in zip(grads, plain_grads, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True))
+    assert all(torch.equal(value, plain[name]) for name, value in weights.items())
