@@ -308,3 +308,48 @@ def test_no_cycle_between_packages_but_the_known_back_edges():
 def test_each_known_back_edge_is_still_there(edge):
     """A back edge that was fixed leaves this list, so that it cannot come back unseen."""
     assert edge[1] in _graph()[edge[0]], f"{edge} is gone: remove it from KNOWN_BACK_EDGES"
+
+
+# The library (docs/library.md): the exact window `accumulate.py` sits below train/ (which runs every step through
+# it) and imports nothing of reproduce but errors; `library/` and `integrations/` sit on top, imported by nothing
+# else; only integrations/ imports Lightning or transformers' Trainer; `import reproduce` stays light.
+LIBRARY_ON_TOP = ("reproduce.library", "reproduce.integrations")
+
+
+def test_the_exact_window_imports_nothing_of_reproduce_but_errors():
+    mine = {target for target, _ in _imports("reproduce.accumulate") if _in_package(target, "reproduce")}
+    assert mine == {"reproduce.errors"}
+    assert "reproduce.accumulate" in _graph()["reproduce.train.step"]  # the run's step is its user
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if not any(_in_package(n, p) for p in LIBRARY_ON_TOP)
+                                        and n != "reproduce"))
+def test_nothing_below_imports_the_library_or_the_integrations(name):
+    assert not {t for t in _graph()[name] if any(_in_package(t, p) for p in LIBRARY_ON_TOP)}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if not _in_package(n, "reproduce.integrations")))
+def test_only_the_integrations_import_lightning(name):
+    assert not {t for t, _ in _imports(name) if t.split(".")[0] in ("lightning", "pytorch_lightning")}
+
+
+def test_the_package_root_imports_its_public_names_lazily():
+    """`reproduce/__init__.py` imports nothing at import time (its names come from `__getattr__`): `__all__` is
+    the one list of the public names, each mapped to the module that defines it."""
+    top = ast.parse(MODULES["reproduce"].read_text()).body
+    imported = [node for node in top if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert {alias.name for node in imported for alias in node.names} <= {"annotations", "importlib", "Any"}
+    import reproduce
+
+    assert sorted(reproduce.__all__) == sorted(reproduce._PUBLIC)
+
+
+@pytest.mark.subprocess
+def test_import_reproduce_imports_no_torch_until_a_name_is_used():
+    import subprocess
+    import sys
+
+    code = ("import sys, reproduce; print('torch' in sys.modules); reproduce.Accumulator; "
+            "print('torch' in sys.modules, 'lightning' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True", "False", "False"]

@@ -101,17 +101,6 @@ class Setup:
         """The model without DDP's wrapper (FSDP2 shards the model in place: no wrapper)."""
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
-    def gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
-        """Around one micro-batch's forward and backward: reduce its gradients over the ranks (`sync`, the window's
-        last micro-batch) or accumulate them locally (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`)."""
-        if sync or not self.distributed or (self.sharded and self.plan.recipe.batch.sharded_gradients):
-            return contextlib.nullcontext()  # sharded gradients: reduce-scattered after every micro-batch
-        if self.sharded:
-            from .distributed.fsdp import no_gradient_sync
-
-            return no_gradient_sync(self.model)
-        return self.model.no_sync()
-
     def autocast(self) -> contextlib.AbstractContextManager:
         precision = self.plan.recipe.precision
         if precision == "fp32" or self.sharded:  # FSDP: its MixedPrecisionPolicy casts the parameters instead

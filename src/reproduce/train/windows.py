@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..accumulate import smaller_micro_batch  # noqa: F401  (the run's out-of-memory rule, one definition)
 from ..data.packing import Grouping, balance, group
 from ..plan.planner import Plan
 from ..plan.segments import batch_phase, epochs_done, length_sizes, segment_at, stream_window
@@ -103,15 +104,6 @@ def rank_shares(plan: Plan, step: int, seed: int) -> tuple[list[torch.Tensor], b
     shares = list(torch.tensor_split(indices, plan.world_size)) if where.partial else [
         indices[rank * per_rank : (rank + 1) * per_rank] for rank in range(plan.world_size)]
     return shares, where.partial, segments[where.phase].micro_batch
-
-
-def smaller_micro_batch(per_rank_batch: int, micro_batch: int) -> int | None:
-    """After an out-of-memory error: the largest micro-batch <= half the current one that still divides this
-    rank's share of the effective batch (so the effective batch stays exact); None below 1."""
-    for candidate in range(micro_batch // 2, 0, -1):
-        if per_rank_batch % candidate == 0:
-            return candidate
-    return None
 
 
 def grouping_table(plan: Plan, lengths: torch.Tensor, budget: int | None, seed: int, steps: int = 32) -> dict:

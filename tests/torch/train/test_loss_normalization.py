@@ -1,5 +1,5 @@
-"""`loss.normalization` (train/step.py `divisors`): window-tokens, the large batch's mean, and micro-batch-mean, the
-Hugging Face Trainer's arithmetic before transformers v4.46.0 (PR #34191): each micro-batch's mean over its own
+"""`loss.normalization` (accumulate.py `Window.divisors`): window-tokens, the large batch's mean, and micro-batch-mean,
+the Hugging Face Trainer's arithmetic before transformers v4.46.0 (PR #34191): each micro-batch's mean over its own
 tokens, divided by the accumulation steps. A tiny GPT on sequences of different lengths, in float64."""
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ root, and sets it up so accumulation stays the paper's large-batch update exactl
   lacks; with `set_force_sum_reduction_for_comms(True)` as well, FSDP2 reduces with ReduceOp.SUM and divides by 1,
   which it skips (`_get_gradient_divide_factors` in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
   A SUM on every backend also sidesteps gloo's AVG, which once summed silently (pytorch/pytorch#162338);
-- `no_gradient_sync` turns reduction off for all but the window's last micro-batch (`set_requires_gradient_sync`,
-  the counterpart of DDP's `no_sync`): FSDP2 then accumulates unsharded gradients locally, one reduction per step.
+- the exact window (accumulate.py) turns reduction off for all but the window's last micro-batch
+  (`set_requires_gradient_sync`, the counterpart of DDP's `no_sync`): FSDP2 then accumulates unsharded gradients
+  locally, one reduction per step.
   With `batch.sharded_gradients` it stays on: each micro-batch's gradients are reduce-scattered (a SUM of losses
   already divided by the window's global count) and FSDP2 adds them to the sharded gradients it holds, so no rank
   ever holds the whole model's gradients and the window's gradient is the same (ZeRO-2/3's accumulation);
@@ -22,9 +23,7 @@ root, and sets it up so accumulation stays the paper's large-batch update exactl
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -114,13 +113,3 @@ def _follow_rank_zero_batchnorm(model: nn.Module) -> None:
                     offset += old.numel()
 
     model.register_forward_hook(broadcast)
-
-
-@contextlib.contextmanager
-def no_gradient_sync(model: nn.Module) -> Iterator[None]:
-    """Accumulate this micro-batch's gradients without reducing them (FSDP2's counterpart of DDP's `no_sync`)."""
-    model.set_requires_gradient_sync(False)  # type: ignore[operator]
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)  # type: ignore[operator]

@@ -1,0 +1,373 @@
+"""The exact accumulation window, for any PyTorch loop: `Accumulator` and its `Window`.
+
+One optimizer step over N micro-batches is the large batch's update when
+
+  1. the window's loss-bearing items (samples, or target tokens) are counted over every rank before the first
+     backward (`counts` in, one all_reduce);
+  2. each micro-batch's *summed* loss is divided by that global count and back-propagated, with the gradient
+     reduction over the ranks skipped on all but the last micro-batch (DDP's `no_sync`, FSDP2's
+     `set_requires_gradient_sync(False)`), so the summed gradient is the mean over the whole effective batch;
+  3. once per window: unscale (a GradScaler's), clip, optimizer step, scheduler step, zero_grad.
+
+```python
+acc = Accumulator(model, optimizer, scheduler=None, clip_grad_norm=1.0)
+with acc.window(counts) as window:      # counts: the loss items of each of this rank's micro-batches
+    for batch in micro_batches:
+        window.backward(loss_fn(model(batch), reduction="sum"))
+# leaving the block: the global count was used, clip, optimizer.step(), scheduler.step(), zero_grad()
+```
+
+`reproduce run` takes every optimizer step through this class (train/step.py), so the library and the CLI share
+one implementation of the exact step. `Accumulator.step` adds the out-of-memory recovery the run has: the window's
+items split again at half the micro-batch, the same items and the same count, so the update stays exact.
+This module imports torch and nothing of `reproduce` but `errors` (it sits below `train/`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .errors import UserError
+
+__all__ = ["Accumulator", "OptimizerStepOutOfMemory", "Window", "WindowObserver", "smaller_micro_batch",
+           "split_items"]
+
+NORMALIZATIONS = ("window", "micro-batch-mean")
+REDUCTIONS = ("auto", "sum", "mean")
+
+
+class WindowObserver(Protocol):
+    """What may watch a window's gradients as they accumulate (the run's gradient noise scale, observe/noise.py)."""
+
+    def start_window(self, counts: list[int], count: int, samples: int) -> None: ...
+
+    def after_backward(self, index: int) -> None: ...
+
+    def end_window(self, norm: float, finite: bool, scale: float) -> Any: ...
+
+
+class OptimizerStepOutOfMemory(torch.OutOfMemoryError):
+    """Out of memory after the window's gradients were accumulated (unscale, clip or the optimizer's step).
+
+    Still an out-of-memory error to a probe; the window cannot be redone (the scaler has unscaled, or some
+    parameters have stepped), so a run stops instead of lowering the micro-batch.
+    """
+
+
+def _world(process_group: Any) -> int:
+    """The processes the window's count is summed over: 1 without an initialised process group."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 1
+    return int(torch.distributed.get_world_size(process_group))
+
+
+class Accumulator:
+    """Exact gradient accumulation around the user's model, optimizer and (optional) LR scheduler.
+
+    - `clip_grad_norm`: the max norm, applied once per window to the accumulated gradient (None or 0: not clipped;
+      the norm is still computed, `Window.grad_norm`).
+    - `scaler`: a `torch.amp.GradScaler` (fp16): losses are scaled for backward, unscaled before clipping, and the
+      scaler steps the optimizer (skipping an overflowed step) and updates its scale.
+    - `normalization`: `window` (the large batch's mean: each summed loss / the window's global count) or
+      `micro-batch-mean` (each micro-batch's own mean / (micro-batches x ranks): the Hugging Face Trainer's
+      arithmetic before transformers v4.46.0, kept to reproduce papers that trained so; not the large batch's mean).
+    - `sync_every_micro_batch`: reduce gradients after every micro-batch (FSDP2 with sharded gradients); by default
+      they are reduced on the window's last micro-batch only.
+    - `gradient_reduction`: how the model's wrapper combines the ranks' gradients: `sum` (what the window's division
+      by the global count needs: `reproduce run` registers a SUM hook) or `mean` (DDP's default hook and FSDP2's
+      default divide by the world size; the window then divides by the count over the world size instead, so the
+      reduced gradient is the same). `auto`: DDP without a comm hook of the user's, and FSDP2, average; anything
+      else sums (a model that is not wrapped: the caller reduces, by a sum).
+    - `device`: where the count's all_reduce tensor lives (the model's first parameter's device by default: CUDA
+      for NCCL, the CPU for gloo); `process_group`: the ranks the window spans (the default group).
+    - `skip_nonfinite`: a window whose loss or gradient norm is not finite leaves the weights alone (the scheduler
+      still steps); the window says so (`Window.finite`). Without a scaler only: a scaler skips such steps itself.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
+                 clip_grad_norm: float | None = None, *, scaler: Any = None, normalization: str = "window",
+                 sync_every_micro_batch: bool = False, gradient_reduction: str = "auto",
+                 device: torch.device | str | None = None, process_group: Any = None):
+        if normalization not in NORMALIZATIONS:
+            raise UserError(f"expected one of {', '.join(NORMALIZATIONS)} (got {normalization!r})",
+                            field="normalization")
+        if gradient_reduction not in REDUCTIONS:
+            raise UserError(f"expected one of {', '.join(REDUCTIONS)} (got {gradient_reduction!r})",
+                            field="gradient_reduction")
+        if clip_grad_norm is not None and clip_grad_norm < 0:
+            raise UserError(f"must be >= 0 (got {clip_grad_norm})", field="clip_grad_norm")
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.clip_grad_norm = clip_grad_norm
+        self.scaler = scaler
+        self.normalization = normalization
+        self.sync_every_micro_batch = sync_every_micro_batch
+        self.gradient_reduction = gradient_reduction
+        self.process_group = process_group
+        self._device = torch.device(device) if device is not None else None
+        self.micro_batch: int | None = None  # `step`'s current micro-batch (lowered after out of memory)
+
+    @property
+    def world_size(self) -> int:
+        return _world(self.process_group)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def ranks_average(self) -> bool:
+        """Whether the model's gradient reduction divides by the world size (`gradient_reduction`)."""
+        if self.gradient_reduction != "auto" or not self.distributed:
+            return self.gradient_reduction == "mean" and self.distributed
+        if isinstance(self.model, DistributedDataParallel):
+            return not self.model._comm_hooks  # DDP's default hook: an average
+        return hasattr(self.model, "set_requires_gradient_sync")  # FSDP2's default divide factor: the world size
+
+    @property
+    def device(self) -> torch.device:
+        if self._device is not None:
+            return self._device
+        parameter = next(self.model.parameters(), None)
+        return parameter.device if parameter is not None else torch.device("cpu")
+
+    def window(self, counts: Sequence[int], *, samples: int | None = None,
+               observer: WindowObserver | None = None) -> Window:
+        """One optimizer step's window: `counts` are the loss-bearing items of each of this rank's micro-batches
+        (tokens, or samples), in the order their losses will be given to `Window.backward`. `samples` (optional):
+        this rank's samples in the window, summed over the ranks with the count (reported, and given to the
+        observer). Use it as a context manager: the optimizer steps when the block ends without an error."""
+        return Window(self, [int(count) for count in counts], samples, observer)
+
+    def step(self, items: Any, micro_batch: int, loss: Callable[[Any], torch.Tensor],
+             count: Callable[[Any], int] | None = None, *, divides: int | None = None) -> Window:
+        """One whole optimizer step over this rank's `items` (a tensor, a tuple or dict of tensors sharing their
+        first dimension, or a list), cut into micro-batches of `micro_batch` (`split_items`); `loss(micro)` returns
+        the micro-batch's summed loss (forward included), `count(micro)` its loss-bearing items (default: its
+        length). After an out-of-memory error before the window's gradients are complete, the gradients are
+        dropped and the same items are split again at the largest micro-batch <= half (one that divides
+        `divides`, the rank's share of the effective batch, when given, so N stays whole): the same items and the
+        same global count, so the update is the same. Under several processes the ranks vote before the last
+        micro-batch, and all split again together. The micro-batch in use is kept in `self.micro_batch`."""
+        self.micro_batch = min(self.micro_batch or micro_batch, micro_batch)
+        count = count or _length
+        while True:
+            micro_batches = split_items(items, self.micro_batch)
+            try:
+                with self.window([count(micro) for micro in micro_batches]) as window:
+                    last = len(micro_batches) - 1
+                    out_of_memory = None
+                    for index in range(last):
+                        try:
+                            window.backward(loss(micro_batches[index]))
+                        except torch.OutOfMemoryError as error:
+                            out_of_memory = str(error)
+                            break
+                    if self._any_rank(out_of_memory is not None):
+                        raise torch.OutOfMemoryError(out_of_memory or "out of memory on another rank")
+                    window.backward(loss(micro_batches[last]))
+                return window
+            except OptimizerStepOutOfMemory:
+                raise
+            except torch.OutOfMemoryError:
+                pass
+            # the error and the failed window's frames are gone: free what is left, then split again
+            del micro_batches
+            self.optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            smaller = (smaller_micro_batch(divides, self.micro_batch) if divides else
+                       self.micro_batch // 2 or None)
+            if smaller is None:
+                raise torch.OutOfMemoryError(f"out of memory with micro-batch {self.micro_batch}, and no smaller "
+                                             "micro-batch is left")
+            self.micro_batch = smaller
+
+    def _any_rank(self, flag: bool) -> bool:
+        if not self.distributed:
+            return flag
+        tensor = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+        return bool(tensor.item())
+
+
+class Window:
+    """One optimizer step's accumulation (made by `Accumulator.window`): `count` and `samples` are the window's
+    totals over every rank (known once the block is entered), `divisors` what each micro-batch's loss is divided
+    by; after the block, `loss` (the window's loss, the mean over the global window), `grad_norm` (before
+    clipping, unscaled) and `finite`."""
+
+    def __init__(self, accumulator: Accumulator, counts: list[int], samples: int | None,
+                 observer: WindowObserver | None):
+        if not counts:
+            raise UserError("a window needs at least one micro-batch (got no counts)", field="counts")
+        if any(count < 0 for count in counts):
+            raise UserError(f"item counts must be >= 0 (got {counts})", field="counts")
+        self.accumulator = accumulator
+        self.counts = counts
+        self.count = sum(counts)
+        self.samples = samples
+        self.observer = observer
+        self.divisors: list[float] = []
+        self.loss: float | None = None
+        self.grad_norm: float | None = None
+        self.finite: bool | None = None
+        self.observed: Any = None  # what the observer's end_window returned
+        self._losses: list[torch.Tensor] = []
+        self._no_sync: contextlib.AbstractContextManager[Any] | None = None
+        self._fsdp_paused = False
+
+    @property
+    def index(self) -> int:
+        """How many micro-batches have been back-propagated."""
+        return len(self._losses)
+
+    def __enter__(self) -> Window:
+        acc = self.accumulator
+        # 1. the window's loss-bearing items, over every rank, before any backward
+        if acc.distributed:
+            totals = torch.tensor([self.count, self.samples or 0], dtype=torch.int64, device=acc.device)
+            torch.distributed.all_reduce(totals, group=acc.process_group)
+            self.count = int(totals[0])
+            self.samples = int(totals[1]) if self.samples is not None else None
+        self.divisors = self._divisors(acc.world_size)
+        if acc.ranks_average:  # the reduction divides by the world size: divide by that much less here
+            self.divisors = [divisor / acc.world_size for divisor in self.divisors]
+        if self.observer is not None:
+            self.observer.start_window(self.counts, self.count, self.samples or 0)
+        if len(self.counts) > 1:
+            self._pause_sync()
+        return self
+
+    def _divisors(self, world_size: int) -> list[float]:
+        """window: the window's count over every rank, so the gradient is the large batch's mean. micro-batch-mean:
+        the micro-batch's own count times the window's micro-batches and ranks (the Trainer's `loss /
+        gradient_accumulation_steps` averaged by DDP over the ranks). An empty micro-batch's loss is 0 either way."""
+        if self.accumulator.normalization == "window":
+            return [max(self.count, 1)] * len(self.counts)
+        return [max(own, 1) * len(self.counts) * world_size for own in self.counts]
+
+    def _pause_sync(self) -> None:
+        """Accumulate locally until the last micro-batch: set before its forward (DDP decides in the forward)."""
+        acc, model = self.accumulator, self.accumulator.model
+        if not acc.distributed or acc.sync_every_micro_batch:
+            return
+        if isinstance(model, DistributedDataParallel):
+            self._no_sync = model.no_sync()
+            self._no_sync.__enter__()
+        elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+            model.set_requires_gradient_sync(False)  # type: ignore[operator]
+            self._fsdp_paused = True
+
+    def _resume_sync(self) -> None:
+        if self._no_sync is not None:
+            self._no_sync.__exit__(None, None, None)
+            self._no_sync = None
+        if self._fsdp_paused:
+            self.accumulator.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+            self._fsdp_paused = False
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Back-propagate one micro-batch's summed loss divided by the window's global count (`divisors`);
+        returns that divided loss, detached. Give the micro-batches in the order of `counts`."""
+        index = self.index
+        if index >= len(self.counts):
+            raise UserError(f"the window was given {len(self.counts)} counts, and this is backward call "
+                            f"{index + 1}: give one count per micro-batch", field="counts")
+        divided = loss / self.divisors[index]
+        scaler = self.accumulator.scaler
+        (scaler.scale(divided) if scaler else divided).backward()
+        detached = divided.detach()
+        self._losses.append(detached)
+        if self.index == len(self.counts) - 1:  # the next micro-batch is the last: its backward reduces
+            self._resume_sync()
+        if self.observer is not None:
+            self.observer.after_backward(index)
+        return detached
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        self._resume_sync()
+        if kind is not None:  # the gradients of a failed window stay for the caller to drop (or redo)
+            return
+        if self.index != len(self.counts):
+            raise UserError(f"the window was given {len(self.counts)} counts and {self.index} backward calls: "
+                            "give one count per micro-batch", field="counts")
+        self.finish()
+
+    def finish(self) -> None:
+        """Once per window: the logged loss over every rank, then unscale, clip, step, schedule and zero."""
+        acc = self.accumulator
+        window_loss = torch.stack(self._losses).sum()
+        if acc.distributed:  # the logged loss is the mean over the global window
+            torch.distributed.all_reduce(window_loss, group=acc.process_group)
+        try:
+            self._apply(window_loss)
+        except torch.OutOfMemoryError as error:
+            raise OptimizerStepOutOfMemory(str(error)) from None
+
+    def _apply(self, window_loss: torch.Tensor) -> None:
+        acc = self.accumulator
+        model, optimizer, scaler = acc.model, acc.optimizer, acc.scaler
+        if scaler:
+            scaler.unscale_(optimizer)
+        if acc.clip_grad_norm:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), acc.clip_grad_norm)
+        else:  # the norm for the caller, without clip_grad_norm_'s rescaling pass
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        self.loss, self.grad_norm = float(window_loss), float(grad_norm)
+        self.finite = math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+        if self.observer is not None:  # the window's norm, unscaled and before clipping; the scale backward used
+            self.observed = self.observer.end_window(self.grad_norm, self.finite,
+                                                     scaler.get_scale() if scaler else 1.0)
+        if scaler:
+            scaler.step(optimizer)  # skips the update itself when fp16 gradients overflowed
+            scaler.update()
+            self.finite = math.isfinite(self.loss)
+        elif self.finite:  # a non-finite step never touches the weights
+            optimizer.step()
+        if acc.scheduler is not None:
+            acc.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _length(micro: Any) -> int:
+    if isinstance(micro, dict):
+        micro = next(iter(micro.values()))
+    elif isinstance(micro, tuple):
+        micro = micro[0]
+    return len(micro)
+
+
+def split_items(items: Any, micro_batch: int) -> list[Any]:
+    """`items` cut into micro-batches of `micro_batch` (the last one shorter when it does not divide): a tensor,
+    a tuple or dict of tensors cut along their first dimension together, or a list."""
+    if micro_batch < 1:
+        raise UserError(f"must be >= 1 (got {micro_batch})", field="micro_batch")
+    if isinstance(items, torch.Tensor):
+        return list(torch.split(items, micro_batch))
+    if isinstance(items, tuple):
+        return list(zip(*(torch.split(part, micro_batch) for part in items), strict=True))
+    if isinstance(items, dict):
+        keys = list(items)
+        parts = zip(*(torch.split(items[key], micro_batch) for key in keys), strict=True)
+        return [dict(zip(keys, values, strict=True)) for values in parts]
+    return [items[start:start + micro_batch] for start in range(0, len(items), micro_batch)]
+
+
+def smaller_micro_batch(per_rank_batch: int, micro_batch: int) -> int | None:
+    """After an out-of-memory error: the largest micro-batch <= half the current one that still divides this
+    rank's share of the effective batch (so the effective batch stays exact); None below 1."""
+    for candidate in range(micro_batch // 2, 0, -1):
+        if per_rank_batch % candidate == 0:
+            return candidate
+    return None

@@ -1,0 +1,165 @@
+"""The largest micro-batch of the user's own training step: the CLI probe's search (probe/search.py) and its `cpu`
+and `cuda` meters (probe/meters.py) around a callable `step(micro_batch)` that runs one optimizer step of the
+user's model, loss and optimizer at that micro-batch. Write the step as the run takes it, one window of
+`PROBE_WINDOW` micro-batches (`reproduce.Accumulator`), so that the gradients accumulation holds while the next
+micro-batch's forward runs are counted, as `reproduce probe` counts them.
+
+Each trial runs the step once to warm up (the optimizer's state is made then), then once measured; a trial that
+runs out of memory (`torch.OutOfMemoryError`, which the cpu meter raises as CUDA does) does not fit, and the
+gradients it left are dropped. The `estimate` meter needs the model built from a recipe (fake tensors): not here.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ..errors import UserError
+from ..plan.units import parse_size
+from ..probe.meters import ACCUMULATED, CpuMeter, CudaMeter
+from ..probe.runner import ProbeLine, ProbeResult, timed_trial
+from ..probe.search import Measurement, search
+from ..probe.tracker import MemoryTracker
+
+__all__ = ["PROBE_WINDOW", "probe_step"]
+
+PROBE_WINDOW = ACCUMULATED  # micro-batches in the window a trial measures, as `reproduce probe`'s
+
+
+def _held(model: Any, optimizer: Any) -> list[torch.Tensor]:
+    """What exists before a trial and stays through it: the parameters, buffers, gradients, optimizer state."""
+    tensors: list[torch.Tensor] = []
+    if model is not None:
+        tensors += [*model.parameters(), *model.buffers()]
+        tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+class _Step:
+    """One trial of the user's step: warm-up, then the measured step; what it left dropped after an error."""
+
+    def __init__(self, step: Callable[[int], Any], model: Any, optimizer: Any):
+        self.step, self.model, self.optimizer = step, model, optimizer
+
+    def held(self) -> Iterable[torch.Tensor]:
+        return _held(self.model, self.optimizer)
+
+    def failed(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        elif self.model is not None:
+            self.model.zero_grad(set_to_none=True)
+        gc.collect()
+
+
+class StepCpuMeter(CpuMeter):
+    """The cpu meter around the user's step: tensors counted by `MemoryTracker`, the budget enforced by it."""
+
+    def __init__(self, user: _Step, budget_bytes: int, headroom: float, time_steps: bool, cap: int):
+        super().__init__(None, budget_bytes, headroom, time_steps, cap)  # type: ignore[arg-type]
+        self.user = user
+
+    def measure(self, micro_batch: int) -> Measurement:
+        started = time.perf_counter()
+        tracker = MemoryTracker(self.budget_bytes)
+        peak = step = note = None
+        try:
+            with tracker:
+                tracker.charge(self.user.held())
+                self.user.step(micro_batch)  # warm-up: the optimizer's state is made here
+                tracker.reset_peak()
+                self.user.step(micro_batch)
+            peak = tracker.peak
+            if self.time_steps and peak <= self.limit_bytes:  # timed outside the tracker (it slows small ops)
+                tick = time.perf_counter()
+                self.user.step(micro_batch)
+                step = round((time.perf_counter() - tick) / PROBE_WINDOW, 6)  # one micro-step
+        except torch.OutOfMemoryError as error:
+            note = f"out of memory: {error}"
+            self.user.failed()
+        return self._result(micro_batch, peak, peak, step, started, note)
+
+
+class StepCudaMeter(CudaMeter):
+    """The cuda meter around the user's step: the caching allocator's own counters."""
+
+    def __init__(self, user: _Step, budget_bytes: int | None, headroom: float, time_steps: bool, cap: int):
+        super().__init__(None, budget_bytes, headroom, time_steps, cap)  # type: ignore[arg-type]
+        self.user = user
+
+    def measure(self, micro_batch: int) -> Measurement:
+        started = time.perf_counter()
+        reserved = allocated = step = note = None
+        torch.cuda.empty_cache()
+        try:
+            self.user.step(micro_batch)
+            torch.cuda.synchronize(self.cuda)
+            torch.cuda.reset_peak_memory_stats(self.cuda)
+            tick = time.perf_counter()
+            self.user.step(micro_batch)
+            torch.cuda.synchronize(self.cuda)
+            step = round((time.perf_counter() - tick) / PROBE_WINDOW, 6)
+            reserved = int(torch.cuda.max_memory_reserved(self.cuda))
+            allocated = int(torch.cuda.max_memory_allocated(self.cuda))
+        except torch.OutOfMemoryError as error:
+            note = f"out of memory: {str(error).splitlines()[0]}"
+            self.user.failed()
+        torch.cuda.empty_cache()
+        return self._result(micro_batch, reserved, allocated, step if self.time_steps else None, started, note)
+
+
+def probe_step(step: Callable[[int], Any], *, cap: int, model: Any = None, optimizer: Any = None,
+          memory: str | int | None = None, meter: str = "auto", headroom: float = 0.1,
+          time_steps: bool = True, on_trial: Callable[[Measurement], None] | None = None) -> ProbeResult:
+    """The largest micro-batch in [1, `cap`] (the per-process batch: larger needs no accumulation) at which
+    `step(micro_batch)`, one optimizer step of the user's model, fits `memory` (bytes, or a size such as "8GiB";
+    with the cuda meter, default: what this GPU has free) less `headroom`. `model` and `optimizer`, when given, are
+    counted by the cpu meter (made before the trials, they are outside its count otherwise) and have their
+    gradients dropped after a trial that ran out of memory. `meter`: cpu, cuda, or auto (cuda when a GPU is here).
+    Returns what `reproduce probe --json` prints (`micro_batch_max`, the trials, the peak)."""
+    if not 0 <= headroom < 1:
+        raise UserError(f"expected a fraction in [0, 1), such as 0.1 (got {headroom:g})", field="headroom")
+    if cap < 1:
+        raise UserError(f"must be >= 1 (got {cap})", field="cap")
+    if meter == "auto":
+        meter = "cuda" if torch.cuda.is_available() else "cpu"
+    if meter not in ("cpu", "cuda"):
+        raise UserError(f"expected cpu, cuda or auto (got {meter!r}); the estimate meter needs a recipe's model: "
+                        "use `reproduce.plan_recipe(recipe, memory=..., meter='estimate')`", field="meter")
+    budget = parse_size(memory) if isinstance(memory, str) else memory
+    user = _Step(step, model, optimizer)
+    if meter == "cpu":
+        if budget is None:
+            raise UserError("the cpu meter needs a budget: give `memory` SIZE", field="memory")
+        chosen: CpuMeter | CudaMeter = StepCpuMeter(user, budget, headroom, time_steps, cap)
+    else:
+        chosen = StepCudaMeter(user, budget, headroom, time_steps, cap)
+    chosen.notes.append("the user's own step (reproduce.probe_step)")
+
+    def fits(micro_batch: int) -> Measurement:
+        measurement = chosen.measure(micro_batch)
+        if on_trial is not None:
+            on_trial(measurement)
+        return measurement
+
+    try:
+        found = search(fits, chosen.limit_bytes, cap)
+    finally:
+        chosen.close()
+    best = found.chosen
+    return ProbeResult(
+        recipe_path=None, meter=chosen.name, device=chosen.device, gpu=None, data="the user's step",  # type: ignore
+        budget_bytes=chosen.budget_bytes, headroom=headroom, limit_bytes=chosen.limit_bytes, cap=cap, world_size=1,
+        micro_batch_max=found.micro_batch_max, peak_bytes=best.peak_bytes if best else None,
+        tensor_bytes=best.tensor_bytes if best else None, step_seconds=best.step_seconds if best else None,
+        trials=[timed_trial(t, None) for t in found.trials],
+        line=(ProbeLine(intercept_bytes=found.line.intercept, bytes_per_sample=found.line.slope,
+                        points=found.line.points) if found.line else None),
+        seconds=round(found.seconds, 3), torch_version=torch.__version__, notes=chosen.notes,
+    )
