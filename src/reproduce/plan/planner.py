@@ -15,6 +15,7 @@ from typing import Literal
 
 from ..errors import UserError
 from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
+from .gates import planned_gates
 from .overlay import Change, overlay
 from .phases import attach_phase_schedules, first_own_schedule_step, plan_phases
 from .recipe import Length, Recipe, default_packing
@@ -198,7 +199,7 @@ def make_plan(
         raise UserError(f"{recipe_path}: schedule.total: {schedule.total:.3g} optimizer steps; no run takes more "
                         f"than {MOST_STEPS:.0e} (at a millisecond a step, {MOST_STEPS / 1000 / 86400:.0f} days)")
     warn_last(recipe, batchnorm, schedule, warnings, norm)
-    return Plan(
+    plan = Plan(
         recipe_path=recipe_path,
         recipe=recipe,
         policy=policy,
@@ -219,6 +220,8 @@ def make_plan(
         batchnorm_warning=batchnorm,
         warnings=warnings,
     )
+    planned_gates(plan)  # each gate at an optimizer step of the run, or one line now (plan/gates.py)
+    return plan
 
 
 def check_arguments(recipe: Recipe, micro_batch_max: int, world_size: int, policy: str) -> None:
