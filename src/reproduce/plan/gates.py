@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UserError
+from ..errors import GatePaused, UserError
 from .recipe import Gate, Length
 from .segments import lengths_to_steps
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .planner import Plan
 
 # the exit status of a run a `pause` gate stopped (0 done, 1 stopped, 2 bad input, 3 does not fit / disk full)
-EXIT_PAUSED = 4
+EXIT_PAUSED = GatePaused.exit_code
 BUDGET_GATE = "budget"
 # the cost gate compares the forecast from the measured pace, which the first steps (warm-up, caches) overstate:
 # checked from this step (or the run's last, when shorter)
@@ -102,7 +102,7 @@ def gate_by_name(planned: list[PlannedGate], name: str, option: str) -> PlannedG
 def outcome_line(event: dict[str, Any]) -> str:
     """The one line the run prints as a gate passes or misses: `gate early at step 20: loss 2.31 > max 1, paused`."""
     value, status = event["value"], event["status"]
-    measured = "not measured" if value is None else f"{event['metric']} {value:.6g}"
-    held = {"passed": "within", "accepted": "outside"}.get(status, "outside")
-    return (f"gate {event['name']} at step {event['step']}: {measured} ({held} {event['bound']}), {status}"
+    measured = f"{event['metric']} not measured" if value is None else f"{event['metric']} {value:.5g}"
+    verb = "meets" if status == "passed" else "misses"
+    return (f"gate {event['name']} at step {event['step']}: {measured} {verb} {event['bound']}: {status}"
             + (f"; source: {event['source']}" if event.get("source") else ""))

@@ -54,6 +54,8 @@ class Run:
     stream: MicroBatchStream | None = None
     grouping: Grouping | None = None  # data.packing sorted / packed (data/packing.py)
     lengths: torch.Tensor | None = None  # each sample's input tokens, when the data has them (text)
+    gates: Any = None  # the recipe's gates as the run checks them (train/gates.py); None without gates
+    reference: Any = None  # the reference runs' curve (observe/reference.py); None without
 
     @property
     def seed(self) -> int:
