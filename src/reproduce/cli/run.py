@@ -156,8 +156,9 @@ class PlainReporter:
         print(text, file=sys.stderr, flush=True)
 
     def gate(self, event: dict) -> None:
-        """A gate passed, warned, accepted or paused: one line (plan/gates.py)."""
-        print(outcome_line(event), flush=True)
+        """A gate passed, warned or accepted: one line (plan/gates.py); a pause's line is the run's last."""
+        if event["status"] != "paused":
+            print(outcome_line(event), flush=True)
 
     def finish(self, summary: dict) -> None:
         pass
@@ -193,7 +194,8 @@ class RichReporter(PlainReporter):
         stderr.print(text)
 
     def gate(self, event: dict) -> None:
-        self.progress.console.print(outcome_line(event), markup=False, soft_wrap=True)
+        if event["status"] != "paused":
+            self.progress.console.print(outcome_line(event), markup=False, soft_wrap=True)
 
     def finish(self, summary: dict) -> None:
         self.progress.stop()

@@ -171,7 +171,7 @@ def keep_checkpoint(out: Path, name: str, sharded: bool) -> Path | None:
 def paused_line(event: dict, out: Path, kept: Path | None, continue_with: str) -> str:
     """The pause's one line: the gate, measured against its bound, its checkpoint, and the two ways on."""
     where = f"checkpoint {kept}" if kept else f"checkpoint {out / 'checkpoints' / 'last.pt'}"
-    return (f"{outcome_line(event)}; {where}. Go on: fix the cause and resume ({continue_with}), or accept this "
+    return (f"{outcome_line(event, status=False)}; {where}. Go on: fix the cause and resume ({continue_with}), or accept this "
             f"gate ({continue_with} --accept-gate {event['name']})")
 
 
