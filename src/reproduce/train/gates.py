@@ -38,10 +38,15 @@ def gate_checkpoint(out: Path, name: str) -> Path:
 
 
 def budget_hours(recipe: Any) -> float | None:
-    """The recipe's `budget.gpu_hours`, when its schema has one (the budget section)."""
+    """The most GPU-hours the recipe's `budget:` allows: `gpu_hours`, or `money` at its `price` per GPU-hour (the
+    smaller when both are given); None without a budget in GPU-hours."""
     budget = getattr(recipe, "budget", None)
-    hours = getattr(budget, "gpu_hours", None) if budget is not None else None
-    return float(hours) if hours is not None else None
+    if budget is None:
+        return None
+    bounds = [budget.gpu_hours] if budget.gpu_hours is not None else []
+    if budget.money is not None and budget.price is not None:
+        bounds.append(budget.money / budget.price)
+    return float(min(bounds)) if bounds else None
 
 
 class GateWatch:

@@ -10,6 +10,7 @@ recipe and its cross-section rules (recipe), reading a file (load). The names ar
 
 from ..validation import read_yaml  # check/load.py reads YAML through here (as before the package)
 from .batch import Batch, BatchPhase, BatchRamp
+from .budget import Budget
 from .common import LENGTH_UNITS, Builder, Length, Name, Names, Strict
 from .data import (
     DATA_FORMATS,
@@ -58,7 +59,7 @@ __all__ = [
     "NORMALIZATIONS", "NORM_LAYERS", "OPTIMIZERS", "OPTIMIZER_IMPLEMENTATIONS", "PACKING_WAYS", "PLATEAU_FIELDS",
     "PLATEAU_METRICS", "QUANTIZED_BASES", "REPORTED_METRICS", "SEGMENTATION_LAYOUTS", "SEGMENTATION_MODELS",
     "SGD_FAMILY", "TEMPLATES", "TOKEN_DTYPES", "WEIGHT_DTYPES", "BaseData", "Batch", "BatchPhase", "BatchRamp",
-    "Builder", "ChatData", "Data", "Decay", "Evaluation", "FileData", "HfDatasetsData", "ImageFolderData",
+    "Budget", "Builder", "ChatData", "Data", "Decay", "Evaluation", "FileData", "HfDatasetsData", "ImageFolderData",
     "InstructionsData", "Length", "Lora", "Loss", "Milestones", "Model", "Name", "NamedData", "Names", "Optimizer",
     "Paper", "Recipe", "Reported", "Schedule", "SegmentationData", "Strict", "TextData", "TokensData", "Warmup",
     "default_packing", "load_recipe", "packing_problem", "parse_recipe", "read_yaml"

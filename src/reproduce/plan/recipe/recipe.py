@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from .batch import Batch
+from .budget import Budget
 from .common import Names, Strict
 from .data import DEFAULT_IGNORE_INDEX, Data, HfDatasetsData, InstructionsData, TextData
 from .evaluation import PLATEAU_METRICS, REPORTED_METRICS, Evaluation, Reported
@@ -44,6 +45,8 @@ class Recipe(Strict):
     # targets checked while the run goes, and earlier runs its curve must follow (recipe/gates.py)
     gates: list[Gate] = []
     reference: Reference | None = None
+    budget: Budget | None = Field(default=None, description="the most the whole run may cost (GPU-hours, money): "
+                                  "`plan` refuses a forecast beyond it")
     deviations: list[str] = Field(
         default=[], description="what this recipe cannot express or does differently from the paper, one sentence "
         "each: `plan` prints them as warnings, `papers show` below the recipe"
