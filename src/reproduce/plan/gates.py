@@ -11,14 +11,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import GatePaused, UserError
-from .recipe import Gate, Length
-from .segments import lengths_to_steps
+from .recipe import Gate, GateAt, Length, Recipe
+from .segments import Segment, lengths_to_steps
 
-if TYPE_CHECKING:
-    from .planner import Plan
+
+class Planned(Protocol):
+    """What the gates read of a plan (planner.Plan, which imports this module to check its gates)."""
+
+    @property
+    def recipe(self) -> Recipe: ...
+    @property
+    def segments(self) -> list[Segment]: ...
+    @property
+    def optimizer_steps(self) -> int | None: ...
 
 # the exit status of a run a `pause` gate stopped (0 done, 1 stopped, 2 bad input, 3 does not fit / disk full)
 EXIT_PAUSED = GatePaused.exit_code
@@ -56,7 +64,7 @@ class PlannedGate:
                 + (f"; source: {gate.source}" if gate.source else ""))
 
 
-def planned_gates(plan: Plan, budget_gpu_hours: float | None = None) -> list[PlannedGate]:
+def planned_gates(plan: Planned, budget_gpu_hours: float | None = None) -> list[PlannedGate]:
     """The recipe's gates at their optimizer steps, in the order the run meets them; the cost gate last when a
     budget is given. One line for a gate the plan cannot place."""
     total = plan.optimizer_steps
@@ -72,7 +80,8 @@ def planned_gates(plan: Plan, budget_gpu_hours: float | None = None) -> list[Pla
         else:
             unit = {"step": "steps", "epoch": "epochs"}.get(at.unit, at.unit)
             warnings: list[str] = []
-            counted = lengths_to_steps(plan.segments, Length(**{unit: at.value}), what, warnings)
+            length = Length.model_validate({unit: at.value})
+            counted = lengths_to_steps(plan.segments, length, what, warnings)
             if counted is None:
                 raise UserError(warnings[0] if warnings else f"{what}: cannot be counted in optimizer steps")
             step = max(1, counted)
@@ -84,7 +93,7 @@ def planned_gates(plan: Plan, budget_gpu_hours: float | None = None) -> list[Pla
     if budget_gpu_hours is not None:
         if any(gate.name == BUDGET_GATE for gate in plan.recipe.gates):
             raise UserError(f"gates: the name {BUDGET_GATE!r} is the budget's cost gate's; name the gate otherwise")
-        gate = Gate(name=BUDGET_GATE, at={"step": 1}, metric="forecast_gpu_hours", max=budget_gpu_hours,
+        gate = Gate(name=BUDGET_GATE, at=GateAt(step=1), metric="forecast_gpu_hours", max=budget_gpu_hours,
                     action="pause", source="budget.gpu_hours")
         planned.append(PlannedGate(-1, min(BUDGET_FROM, total or BUDGET_FROM), gate, every_step=True))
     return planned

@@ -64,6 +64,7 @@ class GateWatch:
         self.seconds: deque[float] = deque(maxlen=PACE_STEPS)
         self.outcomes: dict[str, dict] = {}  # gate name -> its event (the last check)
         self.paused: str | None = None  # the gate the run paused at (from its checkpoint)
+        self.held: dict[str, dict] = {}  # the cost gate's last check while it held
 
     # ---- the checkpoint's part -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -125,7 +126,8 @@ class GateWatch:
         for gate in self.due(step):
             value = self.value(gate, step, record, spent_seconds, world_size)
             held = value is not None and gate.gate.holds(value)
-            if gate.every_step and held:
+            if gate.every_step and held:  # the cost gate while it holds: its last value, for the summary
+                self.held[gate.name] = {"status": "held", "value": round(value or 0.0, 8), "step": step}
                 continue
             status = ("passed" if held else "accepted" if gate.name in self.accept else
                       "warned" if gate.gate.action == "warn" else "paused")
@@ -144,7 +146,7 @@ class GateWatch:
         for gate in self.planned:
             outcome = self.outcomes.get(gate.name)
             if gate.every_step and outcome is None:
-                outcome = {"status": "held"}
+                outcome = self.held.get(gate.name)
             rows.append({"name": gate.name, "step": gate.step, "metric": gate.gate.metric,
                          "bound": gate.gate.bound_label(), "action": gate.gate.action, "source": gate.gate.source,
                          "status": outcome["status"] if outcome else "not reached",
@@ -176,8 +178,8 @@ def keep_checkpoint(out: Path, name: str, sharded: bool) -> Path | None:
 def paused_line(event: dict, out: Path, kept: Path | None, continue_with: str) -> str:
     """The pause's one line: the gate, measured against its bound, its checkpoint, and the two ways on."""
     where = f"checkpoint {kept}" if kept else f"checkpoint {out / 'checkpoints' / 'last.pt'}"
-    return (f"{outcome_line(event, status=False)}; {where}. Go on: fix the cause and resume ({continue_with}), or accept this "
-            f"gate ({continue_with} --accept-gate {event['name']})")
+    return (f"{outcome_line(event, status=False)}; {where}. Go on: fix the cause and resume ({continue_with}), or "
+            f"accept this gate ({continue_with} --accept-gate {event['name']})")
 
 
 def resume_source(out: Path, name: str | None, planned: list[PlannedGate]) -> Path:
@@ -219,8 +221,8 @@ def start_gates(run: Any) -> None:
     if gate.evaluated:
         record.update(_evaluation(run, step - 1))
     event = watch.check(step, record, run.totals_before_resume["seconds"], run.world.size)
-    event = [e for e in event if e["name"] == name] or [{**watch.outcomes.get(name, {}), "status": "passed"}]
-    _tell(run, event)
+    event = [e for e in event if e["name"] == name]
+    tell_gates(run, event)
     if agreed(watch.paused is not None, run.world, run.setup.device):
         raise GatePaused(paused_line(event[0], run.out, gate_checkpoint(run.out, name),
                                      run.options.continue_with or _continue(run.out)))

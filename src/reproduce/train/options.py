@@ -35,7 +35,7 @@ class RunOptions:
     merged: bool = False  # also write merged/: the LoRA adapters merged into the base, a Hugging Face folder
     accept_gates: tuple[str, ...] = ()  # gates whose miss goes on (train/gates.py)
     resume_from: str | None = None  # with resume: the gate whose kept checkpoint the run starts from; None: last.pt
-    reference: tuple[str, ...] = ()  # earlier runs of the recipe whose curve this one must follow (observe/reference.py)
+    reference: tuple[str, ...] = ()  # earlier runs of the recipe, whose curve this one follows (observe/reference.py)
 
     def replace(self, **changes: Any) -> RunOptions:
         """These options with `changes` (a frozen dataclass: `dataclasses.replace`)."""

@@ -27,8 +27,8 @@ from ..models.trained import check_merged, peft_model, save_adapter, save_merged
 from ..observe.noise import NoiseScale, not_measured_reason
 from ..observe.outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, run_outputs
 from ..observe.rates import StepRates
-from ..plan.planfile import save_plan
 from ..plan.gates import planned_gates
+from ..plan.planfile import save_plan
 from ..plan.planner import Plan
 from ..plan.segments import batch_phases, length_sizes
 from ..plan.sharding import check_sharding
