@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import GatePaused, UserError
+from ..observe.reference import REFERENCE_GATE, reference_curve
 from ..plan.gates import EXIT_PAUSED, PlannedGate, gate_by_name, outcome_line, planned_gates
 
 __all__ = ["EXIT_PAUSED", "GatePaused", "GateWatch", "gate_checkpoint"]
@@ -65,10 +66,12 @@ class GateWatch:
         self.outcomes: dict[str, dict] = {}  # gate name -> its event (the last check)
         self.paused: str | None = None  # the gate the run paused at (from its checkpoint)
         self.held: dict[str, dict] = {}  # the cost gate's last check while it held
+        self.reference: Any = None  # the reference runs' curve (observe/reference.py), whose state travels here
 
     # ---- the checkpoint's part -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"losses": list(self.losses), "rates": list(self.rates), "seconds": list(self.seconds),
+        return {"reference": self.reference.state_dict() if self.reference is not None else {},
+                "losses": list(self.losses), "rates": list(self.rates), "seconds": list(self.seconds),
                 "outcomes": dict(self.outcomes), "paused": self.paused}
 
     def load_state_dict(self, state: dict) -> None:
@@ -198,9 +201,13 @@ def resume_source(out: Path, name: str | None, planned: list[PlannedGate]) -> Pa
 def start_gates(run: Any) -> None:
     """The run's gate watch (None without gates), its state from the checkpoint resumed from; evaluation gates need
     evaluation data. A run that paused at a gate checks it again now, before any step, unless it is accepted."""
-    watch = GateWatch(run.plan, run.options.accept_gates)
-    if not watch.planned:
+    run.reference = reference_curve(run.plan.recipe, run.options.reference)
+    extra = (REFERENCE_GATE,) if run.reference is not None else ()
+    watch = GateWatch(run.plan, tuple(name for name in run.options.accept_gates if name not in extra))
+    if not watch.planned and run.reference is None:
         return
+    watch.accept |= set(run.options.accept_gates)
+    watch.reference = run.reference
     run.gates = watch
     data = run.setup.data
     for gate in watch.planned:
@@ -211,8 +218,19 @@ def start_gates(run: Any) -> None:
     if state is None:
         return
     watch.load_state_dict(state["extra"].get("gates", {}))
+    if run.reference is not None:
+        run.reference.load_state_dict(state["extra"].get("gates", {}).get("reference", {}))
     name = watch.paused
     if name is None:
+        return
+    if name == REFERENCE_GATE:  # its band missed: going on is accepting it
+        if name not in watch.accept:
+            event = {**watch.outcomes[name]}
+            raise GatePaused(paused_line(event, run.out, gate_checkpoint(run.out, name),
+                                         run.options.continue_with or _continue(run.out)))
+        watch.outcomes[name] = {**watch.outcomes[name], "status": "accepted"}
+        watch.paused = None
+        tell_gates(run, [watch.outcomes[name]])
         return
     step = run.resumed.first_step
     gate = gate_by_name(watch.planned, name, "accept_gate")
@@ -235,12 +253,23 @@ def check_gates(run: Any, step: int, record: dict) -> list[dict]:
     if watch is None:
         return []
     watch.observe(record)
+    found = run.reference.check(step + 1, record) if run.reference is not None else None
+    if found is not None:
+        if found["status"] == "paused" and REFERENCE_GATE in watch.accept:
+            found["status"] = "accepted"
+        watch.outcomes[found["name"]] = found
+        if found["status"] == "paused":
+            watch.paused = found["name"]
     if not watch.due(step + 1):
-        return []
+        if found is not None:
+            record["gates"] = {found["name"]: found["status"]}
+        return [found] if found is not None else []
     if watch.needs_evaluation(step + 1) and "eval_loss" not in record:
         record.update(_evaluation(run, step))
     spent = run.totals_before_resume["seconds"] + _now() - run.started
-    events = watch.check(step + 1, record, spent, run.world.size)
+    events = watch.check(step + 1, record, spent, run.world.size) + ([found] if found is not None else [])
+    if found is not None and found["status"] == "paused":
+        watch.paused = found["name"]
     if events:
         record["gates"] = {event["name"]: event["status"] for event in events}
     return events

@@ -114,8 +114,8 @@ class Gate(Strict):
 class Reference(Strict):
     """`reference:`: earlier runs of the same recipe whose curve this run must follow (`--reference RUN_DIR`)."""
 
-    runs: list[str] = Field(min_length=1, description="run folders (their metrics.jsonl), any machine, any "
-                            "micro-batch")
+    runs: list[str] = Field(default=[], description="run folders (their metrics.jsonl), any machine, any "
+                            "micro-batch; `reproduce run --reference RUN_DIR` gives them instead")
     metric: Literal["loss", "eval_loss"] = "loss"
     band: float | None = Field(default=None, gt=0, description="the largest difference allowed at each of the "
                                "reference's logged steps; none: `spread` x the reference runs' seed spread (two "
@@ -137,7 +137,7 @@ class Reference(Strict):
 
     @model_validator(mode="after")
     def _band_source(self) -> Reference:
-        if self.band is None and len(self.runs) < 2:
+        if self.band is None and len(self.runs) == 1:
             raise ValueError("runs: one reference run gives no seed spread; give band (the largest difference "
                              "allowed), or two or more runs of other seeds")
         return self
