@@ -118,3 +118,49 @@ def test_cli_pause_exit_status_4_and_accept(tmp_path, capsys):
     assert summary["gates"][0]["status"] == "accepted" and summary["steps"] == 5
     code, _, err = cli(capsys, "run", recipe, "--out", tmp_path / "x", "--from", "warm", "--device", "cpu")
     assert code == 2 and "--from: starts a resumed run from a gate's checkpoint; give it with --resume" in err
+
+
+def goyal(reference=None, **changes):
+    """The Goyal et al. miniature (batch 256 = 8 x 32, lr 0.4 = 0.05 x 256/32 by the linear rule), 12 steps."""
+    with open("papers/goyal-mini-digits-8x.yaml") as handle:
+        recipe = yaml.safe_load(handle)
+    recipe["schedule"]["total"] = {"steps": 12}
+    for path, value in changes.items():
+        section, key = path.split(".")
+        recipe[section][key] = value
+    return parse_recipe({**recipe, **({"reference": reference} if reference else {})})
+
+
+def run_goyal(recipe, out, micro_batch, **options):
+    data = build_data(recipe)
+    plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data.train))
+    return train(plan, out, RunOptions(device="cpu", data=data, noise_scale=False, **options))
+
+
+def test_another_micro_batch_stays_in_the_reference_band_and_the_lr_rule_off_leaves_it(tmp_path):
+    references = []
+    for seed in (0, 1, 2):  # the band: 3 x the seed spread of three reference runs at micro-batch 32
+        references.append(str(tmp_path / f"seed{seed}"))
+        run_goyal(goyal(), tmp_path / f"seed{seed}", 32, seed=seed)
+    same = run_goyal(goyal(), tmp_path / "micro16", 16, reference=tuple(references))
+    assert same["reference"]["within"] and same["reference"]["compared"] == 12, same["reference"]
+    # the linear scaling rule off: the base lr 0.05 of batch 32 at batch 256 (Goyal et al. Table 2a's "no scaling")
+    off = run_goyal(goyal(**{"optimizer.lr": 0.05}, **{"schedule.warmup": {"epochs": 2, "start_lr": 0.05}}),
+                    tmp_path / "off", 32, reference=tuple(references))
+    assert not off["reference"]["within"] and off["reference"]["outside"] > 0, off["reference"]
+    found = [e for e in events(tmp_path / "off") if e["name"] == "reference"]
+    assert len(found) == 1 and found[0]["status"] == "warned" and found[0]["step"] == off["reference"]["first_outside"]
+    assert "within" in found[0]["bound"] and "of the reference's" in found[0]["bound"]
+
+
+def test_a_reference_band_the_user_sets_and_a_pause_on_leaving_it(tmp_path):
+    run_goyal(goyal(), tmp_path / "ref", 32)
+    recipe = goyal(reference={"band": 1e-3, "action": "pause"})
+    summary = run_goyal(recipe, tmp_path / "micro8", 8, reference=(str(tmp_path / "ref"),))
+    assert summary["reference"]["within"] and summary["reference"]["worst"] < 0.01  # differences of rounding
+    wrong = goyal(reference={"band": 1e-3, "action": "pause"}, **{"optimizer.lr": 4.0})
+    with pytest.raises(GatePaused, match=r"gate reference at step \d+: loss .* misses within 0.001 of the "):
+        run_goyal(wrong, tmp_path / "wrong", 32, reference=(str(tmp_path / "ref"),))
+    assert (tmp_path / "wrong" / "checkpoints" / "gate-reference.pt").is_file()
+    with pytest.raises(UserError, match="one reference run gives no seed spread"):
+        run_goyal(goyal(), tmp_path / "none", 32, reference=(str(tmp_path / "ref"),))
