@@ -116,6 +116,13 @@ def test_cli_pause_exit_status_4_and_accept(tmp_path, capsys):
     assert "gate warm at step 3: loss" in printed and "misses <= 2.4: accepted" in printed
     summary = json.loads((out / "summary.json").read_text())
     assert summary["gates"][0]["status"] == "accepted" and summary["steps"] == 5
+    # report marks the gates: a table row per gate event, and the cost so far
+    code, _, err = cli(capsys, "report", out, "--out", tmp_path / "report" / "report.html", "--no-plots")
+    assert code == 0, err
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## Gates and cost" in text and "GPU-hours spent over 5 optimizer steps" in text
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines() if "| warm |" in line]
+    assert [(row[1], row[2], row[6]) for row in cells] == [("warm", "3", "paused"), ("warm", "3", "accepted")]
     code, _, err = cli(capsys, "run", recipe, "--out", tmp_path / "x", "--from", "warm", "--device", "cpu")
     assert code == 2 and "--from: starts a resumed run from a gate's checkpoint; give it with --resume" in err
 
