@@ -112,7 +112,7 @@ def outcome_line(event: dict[str, Any], status: bool = True) -> str:
     """The one line the run prints as a gate passes or misses: `gate early at step 20: loss 2.31 > max 1, paused`."""
     value = event["value"]
     measured = f"{event['metric']} not measured" if value is None else f"{event['metric']} {value:.5g}"
-    verb = "meets" if event["status"] == "passed" else "misses"
+    verb = "meets" if event["status"] == "passed" else "cannot check" if value is None else "misses"
     return (f"gate {event['name']} at step {event['step']}: {measured} {verb} {event['bound']}"
             + (f": {event['status']}" if status else "")
             + (f"; source: {event['source']}" if event.get("source") else ""))

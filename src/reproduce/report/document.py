@@ -110,7 +110,7 @@ def verdict_table(found: list[Verdict]) -> Table:
                  row_css=css)
 
 
-GATE_CSS = {"passed": "pass", "paused": "fail", "warned": "warn", "accepted": "warn"}
+GATE_CSS = {"passed": "pass", "paused": "fail", "warned": "warn", "accepted": "warn", "not measured": "warn"}
 
 
 def gate_events(run: RunFolder) -> list[dict]:

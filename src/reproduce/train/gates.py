@@ -132,8 +132,9 @@ class GateWatch:
             if gate.every_step and held:  # the cost gate while it holds: its last value, for the summary
                 self.held[gate.name] = {"status": "held", "value": round(value or 0.0, 8), "step": step}
                 continue
-            status = ("passed" if held else "accepted" if gate.name in self.accept else
-                      "warned" if gate.gate.action == "warn" else "paused")
+            # a metric the run cannot measure (no evaluation data) neither passes nor pauses: it is said so
+            status = ("passed" if held else "not measured" if value is None else "accepted" if gate.name in
+                      self.accept else "warned" if gate.gate.action == "warn" else "paused")
             event = {"event": "gate", "step": step, "name": gate.name, "metric": gate.gate.metric,
                      "value": None if value is None else round(value, 8), "bound": gate.gate.bound_label(),
                      "action": gate.gate.action, "status": status, "source": gate.gate.source}
@@ -211,9 +212,9 @@ def start_gates(run: Any) -> None:
     run.gates = watch
     data = run.setup.data
     for gate in watch.planned:
-        if gate.evaluated and (data.eval is None or len(data.eval) == 0):
-            raise UserError(f"gates.{gate.index}.metric: {gate.gate.metric} is measured on evaluation data, and "
-                            "this run has none (data.eval_path, or a built-in's test split)")
+        if gate.evaluated and (data.eval is None or len(data.eval) == 0) and run.world.is_main:
+            run.reporter.message(f"note: gate {gate.name}: {gate.gate.metric} is measured on evaluation data, and "
+                                 "this run has none (data.eval_path, or --eval-data): it will say 'not measured'")
     state = run.resumed.state
     if state is None:
         return

@@ -104,8 +104,8 @@ class Gate(Strict):
 
     def bound_label(self) -> str:
         if self.max is not None and self.min is not None:
-            return f"within [{self.min:g}, {self.max:g}]"
-        return f"<= {self.max:g}" if self.max is not None else f">= {self.min:g}"
+            return f"within [{self.min:.10g}, {self.max:.10g}]"
+        return f"<= {self.max:.10g}" if self.max is not None else f">= {self.min:.10g}"
 
     def holds(self, value: float) -> bool:
         return (self.max is None or value <= self.max) and (self.min is None or value >= self.min)
