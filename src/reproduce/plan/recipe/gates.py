@@ -145,7 +145,8 @@ class Reference(Strict):
 
 def gate_metrics(task: str, plateau_metrics: tuple[str, ...]) -> tuple[str, ...]:
     """The metrics a gate of a run of `task` can watch."""
-    evaluated = (*plateau_metrics, "eval_error") if "eval_accuracy" in plateau_metrics else plateau_metrics
+    evaluated = (*plateau_metrics, *(("eval_error",) if "eval_accuracy" in plateau_metrics and "eval_error" not in
+                                    plateau_metrics else ()))
     return (*RUN_METRICS, *evaluated)
 
 
