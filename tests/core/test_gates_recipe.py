@@ -110,3 +110,14 @@ def test_plan_prints_the_gates(capsys, tmp_path):
     path.write_text(yaml.safe_dump({**BASE, "gates": [{**EARLY, "at": {"step": 700}}]}))
     code, out, err = cli(capsys, "plan", path, "--micro-batch-max", "32")
     assert code == 2 and err.strip().startswith("error: ") and "gates.0.at: step 700 past the run's 70" in err
+
+
+def test_the_reference_section():
+    recipe = make_recipe(reference={"runs": "runs/a", "band": 0.05})
+    assert recipe.reference.runs == ["runs/a"] and recipe.reference.band == 0.05 and recipe.reference.action == "warn"
+    assert make_recipe(reference={"runs": ["runs/a", "runs/b"]}).reference.spread == 3.0  # the seed spread's band
+    assert make_recipe(reference={"band": 0.1}).reference.runs == []  # the runs from --reference
+    with pytest.raises(UserError, match="reference.runs: one reference run gives no seed spread; give band"):
+        make_recipe(reference={"runs": ["runs/a"]})
+    with pytest.raises(UserError, match="reference.metric: expected one of 'loss' or 'eval_loss'"):
+        make_recipe(reference={"runs": ["runs/a"], "band": 0.1, "metric": "accuracy"})
