@@ -122,12 +122,15 @@ class GateWatch:
         value = record.get(metric)
         return float(value) if isinstance(value, (int, float)) else None
 
-    def check(self, step: int, record: dict, spent_seconds: float, world_size: int) -> list[dict]:
+    def check(self, step: int, record: dict, spent_seconds: float, world_size: int,
+              agree: Any = None) -> list[dict]:
         """The events of the gates due after `step`: each gate's value against its bound, and its status (passed,
         warned, accepted, paused). The cost gate says nothing while it holds."""
         events = []
         for gate in self.due(step):
             value = self.value(gate, step, record, spent_seconds, world_size)
+            if gate.every_step and agree is not None:  # every rank takes the slowest rank's forecast: one decision
+                value = agree(value or 0.0)
             held = value is not None and gate.gate.holds(value)
             if gate.every_step and held:  # the cost gate while it holds: its last value, for the summary
                 self.held[gate.name] = {"status": "held", "value": round(value or 0.0, 8), "step": step}
@@ -165,6 +168,13 @@ def agreed(paused: bool, world: Any, device: torch.device) -> bool:
     flag = torch.tensor([int(paused)], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag[0])
+
+
+def _largest(value: float, device: torch.device) -> float:
+    """The largest of every rank's `value` (the cost gate's forecast: each rank times its own steps)."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return float(tensor[0])
 
 
 def keep_checkpoint(out: Path, name: str, sharded: bool) -> Path | None:
@@ -254,6 +264,17 @@ def check_gates(run: Any, step: int, record: dict) -> list[dict]:
     if watch is None:
         return []
     watch.observe(record)
+    due = bool(watch.due(step + 1))  # the same on every rank
+    events = _check(run, watch, step, record)
+    # several processes: rank 0 alone evaluates, so the ranks agree on whether this step checkpoints for a gate (a
+    # rank with no event of its own takes a placeholder, which it neither writes nor tells)
+    if run.world.distributed and (due or run.reference is not None):
+        if agreed(bool(events), run.world, run.setup.device) and not events:
+            events = [{"event": "gate", "step": step + 1, "name": "", "status": "elsewhere"}]
+    return events
+
+
+def _check(run: Any, watch: GateWatch, step: int, record: dict) -> list[dict]:
     found = run.reference.check(step + 1, record) if run.reference is not None else None
     if found is not None:
         if found["status"] == "paused" and REFERENCE_GATE in watch.accept:
@@ -268,7 +289,8 @@ def check_gates(run: Any, step: int, record: dict) -> list[dict]:
     if watch.needs_evaluation(step + 1) and "eval_loss" not in record:
         record.update(_evaluation(run, step))
     spent = run.totals_before_resume["seconds"] + _now() - run.started
-    events = watch.check(step + 1, record, spent, run.world.size) + ([found] if found is not None else [])
+    agree = (lambda value: _largest(value, run.setup.device)) if run.world.distributed else None
+    events = watch.check(step + 1, record, spent, run.world.size, agree) + ([found] if found is not None else [])
     if found is not None and found["status"] == "paused":
         watch.paused = found["name"]
     if events:
@@ -282,7 +304,7 @@ def after_checkpoint(run: Any, events: list[dict]) -> None:
         return
     kept = None
     for event in events:
-        if run.world.is_main:
+        if run.world.is_main and event["status"] != "elsewhere":
             kept = keep_checkpoint(run.out, event["name"], run.setup.sharded)
     paused = [event for event in events if event["status"] == "paused"]
     if agreed(bool(paused), run.world, run.setup.device):
