@@ -419,6 +419,9 @@ def show_end(summary: dict, out: Path, skip_nonfinite: bool) -> None:
     stdout.print(done_line(summary, skip_nonfinite))
     for row in summary.get("reported") or []:
         stdout.print(reported_line(row), markup=False, soft_wrap=True)
+    reference = summary.get("reference")
+    if reference:  # the curve against the reference runs' (observe/reference.py)
+        stdout.print(reference_line(reference), markup=False, soft_wrap=True)
     noise = summary.get("noise_scale")
     if noise and not noise.get("noted"):  # a run that cannot measure it said so at its start
         stdout.print(f"noise scale: {noise['sentence']}", markup=False, soft_wrap=True)
@@ -427,6 +430,17 @@ def show_end(summary: dict, out: Path, skip_nonfinite: bool) -> None:
                  f"checkpoints/last.pt{folders}")
     if summary.get("plot"):
         stdout.print(summary["plot"], markup=False)
+
+
+def reference_line(reference: dict) -> str:
+    """`reference: 30 steps compared with 3 runs (band: ...): all within, at most 0.38 of the band`."""
+    runs = len(reference["runs"])
+    line = (f"reference: {reference['metric']} at {reference['compared']} steps compared with {runs} "
+            f"run{'s' if runs > 1 else ''} (band {reference['band']}): ")
+    if reference["within"]:
+        worst = reference.get("worst")
+        return line + "all within" + (f", at most {worst:.2g} of the band" if worst is not None else "")
+    return line + f"{reference['outside']} outside, the first at step {reference['first_outside']}"
 
 
 def done_line(summary: dict, skip_nonfinite: bool) -> str:
