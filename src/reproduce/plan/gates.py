@@ -85,7 +85,7 @@ def planned_gates(plan: Planned, budget_gpu_hours: float | None = None) -> list[
             if counted is None:
                 raise UserError(warnings[0] if warnings else f"{what}: cannot be counted in optimizer steps")
             step = max(1, counted)
-        if total is not None and step > total:
+        if total and step > total:  # (a plan of no step at all has its own warning, and checks nothing)
             which = "" if at.unit == "step" else f" is optimizer step {step},"
             raise UserError(f"{what}: {at.label()}{which} past the run's {total} optimizer steps")
         planned.append(PlannedGate(index, step, gate))
