@@ -253,6 +253,8 @@ def start_gates(run: Any) -> None:
     event = [e for e in event if e["name"] == name]
     tell_gates(run, event)
     if agreed(watch.paused is not None, run.world, run.setup.device):
+        if not run.world.is_main:  # rank 0 prints the line
+            raise GatePaused("a gate paused the run (rank 0 says which)")
         raise GatePaused(paused_line(event[0], run.out, gate_checkpoint(run.out, name),
                                      run.options.continue_with or _continue(run.out)))
 
