@@ -39,7 +39,8 @@ test-core: $(STAMP)
 
 # The whole chain on a CPU in a few minutes, nothing downloaded: (1) probe the micro-batch of the built-in GPT
 # under a small declared memory, as if on a small GPU; (2) plan from it and run that plan; (3) a published paper
-# planned for a common GPU with the estimate meter; (4) verify the plan of (2); (5) a run on an on-disk format.
+# planned for a common GPU with the estimate meter; (4) verify the plan of (2); (5) a run on an on-disk format;
+# (6) gates: a wrong learning rate paused at the first gate (exit 4), then the fixed run passing them all.
 demo: $(STAMP)
 	@start=$$(date +%s); set -e; \
 	echo; echo "== 1. probe: the largest micro-batch of the built-in GPT whose training step fits 32 MiB (cpu meter)"; \
@@ -55,6 +56,11 @@ demo: $(STAMP)
 	$(BIN)/python -m reproduce.data.samples images $(RUN_DIR)/data/digits-png; \
 	$(BIN)/reproduce run papers/digits-imagefolder.yaml --micro-batch-max 32 --out $(RUN_DIR)/digits-imagefolder --force \
 	  --data $(RUN_DIR)/data/digits-png/train --eval-data $(RUN_DIR)/data/digits-png/val; \
+	echo; echo "== 6. gates: the digits recipe's targets, checked as it runs; a learning rate 100x too small pauses at the first (exit 4)"; \
+	$(BIN)/reproduce run papers/digits-mlp.yaml --micro-batch-max 32 --out $(RUN_DIR)/gates --force \
+	  --set optimizer.lr=0.002 --set schedule.warmup.start_lr=0.0002 || test $$? -eq 4; \
+	echo "-- the fix (the recipe's own learning rate), run again: every gate passes"; \
+	$(BIN)/reproduce run papers/digits-mlp.yaml --micro-batch-max 32 --out $(RUN_DIR)/gates --force; \
 	echo; echo "demo done in $$(( $$(date +%s) - start )) s; outputs in $(RUN_DIR)/"
 
 # The reproduction checks in reproduce/ (plans, gradient equivalence, trained metrics, Goyal et al. in miniature).

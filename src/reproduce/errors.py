@@ -45,6 +45,13 @@ class DiskFull(TrainingStopped):
     exit_code = 3
 
 
+class GatePaused(TrainingStopped):
+    """A `pause` gate of the recipe missed its bound: the run checkpointed at the gate and stopped (exit status 4);
+    the line says the gate, measured against its bound, and the two ways on (resume after a fix, or accept it)."""
+
+    exit_code = 4
+
+
 class Interrupted(TrainingStopped):
     """SIGINT or SIGTERM: the current optimizer step was finished and checkpointed before stopping."""
 

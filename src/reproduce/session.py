@@ -338,6 +338,9 @@ class RunRequest:
     no_cache: bool = option(False)
     changes: tuple[Change, ...] = option(())  # the recipe fields its options set (data.path: --data, ...)
     overrides: tuple[str, ...] = option(())  # --set FIELD.PATH=VALUE
+    accept_gate: tuple[str, ...] = option(())  # gates whose miss goes on (train/gates.py)
+    from_gate: str | None = option()  # --from: with --resume, the kept checkpoint of this gate
+    reference: tuple[str, ...] = option((), resume=True)  # earlier runs' curves (observe/reference.py)
 
     def given(self, which: str) -> dict[str, object]:
         """The fields given (not at their default) that `which` ("torchrun" or "resume") repeats."""

@@ -33,7 +33,9 @@ def test_a_v1_plan_file_loads_as_todays_plan_and_its_flat_view_is_the_file(name)
     assert flat_fields(loaded) == {key: value for key, value in v1.items() if key != "recipe"}
     assert list(flat_fields(loaded)) == list(FLAT_FIELDS) == [key for key in v1 if key != "recipe"]
     recipe_path, micro_batch_max = V1_FILES[name]
-    made = make_plan(load_recipe(ROOT / recipe_path), micro_batch_max, recipe_path=recipe_path)
+    # (the v1 files predate the recipes' gates: the plan made today without them)
+    recipe = load_recipe(ROOT / recipe_path).model_copy(update={"gates": []})
+    made = make_plan(recipe, micro_batch_max, recipe_path=recipe_path)
     data_facts = {"data_fingerprint": loaded.data_fingerprint}  # what the run adds to the plan it made
     assert loaded == made.model_copy(update=data_facts)
     assert parse_plan(yaml.safe_load(plan_to_yaml(loaded)), "again.yaml") == loaded  # written again as v2

@@ -10,7 +10,7 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
-from ..errors import DoesNotFit, Interrupted, TrainingStopped, UserError
+from ..errors import DoesNotFit, GatePaused, Interrupted, TrainingStopped, UserError
 from . import check as _check  # noqa: F401
 from . import evaluate as _evaluate  # noqa: F401
 from . import memory as _memory  # noqa: F401
@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_USER_ERROR)
     except Interrupted as error:
         print(f"interrupted: {error}", file=sys.stderr)
+        sys.exit(error.exit_code)
+    except GatePaused as error:  # exit status 4: a gate's checkpoint kept, and the two ways on
+        print(f"paused: {error}", file=sys.stderr)
         sys.exit(error.exit_code)
     except TrainingStopped as error:
         print(f"stopped: {error}", file=sys.stderr)

@@ -11,6 +11,7 @@ from rich.table import Table
 from ..export import FORMATS, check_format, emit
 from ..plan.builtin_names import check_builtin_model
 from ..plan.flatview import flat_fields
+from ..plan.gates import planned_gates
 from ..plan.launch import GPUS_PER_NODE
 from ..plan.memory_options import memory_summary
 from ..plan.packing import packing_origin
@@ -150,6 +151,8 @@ def plan_command(
         return
     stdout.print(f"recipe: {described(recipe_path, recipe_path)}", markup=False, soft_wrap=True)
     render_plan(plan, forecast)
+    for gate in planned_gates(plan):  # each gate at its optimizer step (plan/gates.py)
+        stdout.print(gate.line(), markup=False, soft_wrap=True)
     counts = parameter_counts(recipe, build=result is not None)  # counted on the meta device when the plan probed
     if counts is not None:  # (or by `papers` or an earlier probe: the probe's cache keeps it) and no torch otherwise
         stdout.print(parameters_line(counts), markup=False)

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..errors import UserError
 from ..observe.outputs import check_out_dir
 from ..observe.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
+from ..plan.gates import outcome_line
 from ..plan.launch import node_range
 from ..plan.phases import phase_lines
 from ..plan.planner import Plan
@@ -154,6 +155,11 @@ class PlainReporter:
     def message(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
+    def gate(self, event: dict) -> None:
+        """A gate passed, warned or accepted: one line (plan/gates.py); a pause's line is the run's last."""
+        if event["status"] != "paused":
+            print(outcome_line(event), flush=True)
+
     def finish(self, summary: dict) -> None:
         pass
 
@@ -187,6 +193,10 @@ class RichReporter(PlainReporter):
     def message(self, text: str) -> None:
         stderr.print(text)
 
+    def gate(self, event: dict) -> None:
+        if event["status"] != "paused":
+            self.progress.console.print(outcome_line(event), markup=False, soft_wrap=True)
+
     def finish(self, summary: dict) -> None:
         self.progress.stop()
 
@@ -217,6 +227,15 @@ NNODES_HELP = "Machines in the job (with --nproc-per-node), or MIN:MAX for torch
 DIVERGENCE_HELP = ("Stop when the loss diverges (not finite, or above 2x its first value for 10 steps in a row); "
                    "without it the run warns once and goes on.")
 
+ACCEPT_GATE_HELP = ("With --resume: go on past the gate NAME the run paused at (its miss recorded as accepted); "
+                    "repeatable.")
+FROM_GATE_HELP = ("With --resume: start from the checkpoint kept at the gate GATE (checkpoints/gate-GATE.pt), the "
+                  "same state as the uninterrupted run after that step.")
+REFERENCE_HELP = ("An earlier run of this recipe (its folder): this run's curve must stay within the recipe's "
+                  "reference.band of its at the reference's logged steps; repeatable (several seeds give the band "
+                  "from their spread).")
+
+
 def run_request(params: dict[str, Any]) -> RunRequest:
     """The command's options as one frozen request: choices as their values, the options that set recipe fields as
     their changes (cli.options.FIELD_OF_FLAG), the trackers parsed, `--max-restarts` implying `--auto-resume`."""
@@ -225,7 +244,8 @@ def run_request(params: dict[str, Any]) -> RunRequest:
     log_to = parse_log_to(values.pop("log_to"), values.pop("tensorboard"))
     return RunRequest(**{**values, "source": recipe_argument(values["source"], "plan or recipe"),
                          "auto_resume": values["auto_resume"] or values["max_restarts"] is not None,
-                         "log_to": tuple(log_to), "overrides": tuple(values["overrides"]), "changes": tuple(changes)})
+                         "log_to": tuple(log_to), "overrides": tuple(values["overrides"]), "changes": tuple(changes),
+                         "accept_gate": tuple(values["accept_gate"]), "reference": tuple(values["reference"])})
 
 
 def request_args(request: RunRequest, which: str) -> list[str]:
@@ -354,6 +374,9 @@ def run_command(
     packing: PackingChoice | None = typer.Option(None, "--packing", help=PACKING_HELP),
     token_budget: int | None = typer.Option(None, "--token-budget", min=1, help=TOKEN_BUDGET_HELP),
     overrides: list[str] = typer.Option([], "--set", metavar="FIELD.PATH=VALUE", help=SET_HELP),
+    accept_gate: list[str] = typer.Option([], "--accept-gate", metavar="NAME", help=ACCEPT_GATE_HELP),
+    from_gate: str | None = typer.Option(None, "--from", metavar="GATE", help=FROM_GATE_HELP),
+    reference: list[str] = typer.Option([], "--reference", metavar="RUN_DIR", help=REFERENCE_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     request = run_request(dict(locals()))
@@ -365,6 +388,8 @@ def run_command(
     if request.nproc_per_node is not None and not world.distributed:
         raise typer.Exit(launch(request, world))
     resume, force = starting(request, world, False)
+    if from_gate is not None and not resume:
+        raise UserError("--from: starts a resumed run from a gate's checkpoint; give it with --resume")
     checked = checked_run(request, world.size, resume)
     check_out_dir(out, resume, force)  # --out taken (one run per folder) and writable before anything is set up
     with lock.hold(out) if lock.owns_the_run(world.distributed, world.rank) else contextlib.nullcontext():
@@ -375,7 +400,8 @@ def run_command(
         options = RunOptions(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
                              checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=prepared.data,
                              workers=workers, noise_scale=not no_noise_scale, continue_with=continue_with,
-                             stop_on_divergence=stop_on_divergence, merged=merged)
+                             stop_on_divergence=stop_on_divergence, merged=merged,
+                             accept_gates=tuple(accept_gate), resume_from=from_gate, reference=tuple(reference))
         if not world.is_main:  # the other ranks train quietly; rank 0 reports
             train(prepared.plan, out, options)
             return
@@ -393,6 +419,9 @@ def show_end(summary: dict, out: Path, skip_nonfinite: bool) -> None:
     stdout.print(done_line(summary, skip_nonfinite))
     for row in summary.get("reported") or []:
         stdout.print(reported_line(row), markup=False, soft_wrap=True)
+    reference = summary.get("reference")
+    if reference:  # the curve against the reference runs' (observe/reference.py)
+        stdout.print(reference_line(reference), markup=False, soft_wrap=True)
     noise = summary.get("noise_scale")
     if noise and not noise.get("noted"):  # a run that cannot measure it said so at its start
         stdout.print(f"noise scale: {noise['sentence']}", markup=False, soft_wrap=True)
@@ -401,6 +430,17 @@ def show_end(summary: dict, out: Path, skip_nonfinite: bool) -> None:
                  f"checkpoints/last.pt{folders}")
     if summary.get("plot"):
         stdout.print(summary["plot"], markup=False)
+
+
+def reference_line(reference: dict) -> str:
+    """`reference: 30 steps compared with 3 runs (band: ...): all within, at most 0.38 of the band`."""
+    runs = len(reference["runs"])
+    line = (f"reference: {reference['metric']} at {reference['compared']} steps compared with {runs} "
+            f"run{'s' if runs > 1 else ''} (band {reference['band']}): ")
+    if reference["within"]:
+        worst = reference.get("worst")
+        return line + "all within" + (f", at most {worst:.2g} of the band" if worst is not None else "")
+    return line + f"{reference['outside']} outside, the first at step {reference['first_outside']}"
 
 
 def done_line(summary: dict, skip_nonfinite: bool) -> str:

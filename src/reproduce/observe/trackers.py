@@ -121,6 +121,9 @@ def experiment_name(plan) -> str:
     return Path(plan.recipe_path).stem if plan.recipe_path else "reproduce"
 
 
+GATE_STATUS = {"passed": 1.0, "warned": 0.0, "accepted": 0.0, "paused": -1.0}
+
+
 class Tracker:
     """One experiment tracker. `open` returns what `trackers.json` keeps to continue the same run later."""
 
@@ -139,6 +142,14 @@ class Tracker:
 
     def close(self, status: str) -> None:
         """End the run early (`status`: failed / killed); nothing if it was finished."""
+
+    def event(self, step: int, event: dict) -> None:
+        """A gate's outcome (train/gates.py) at its step: its measured value and its status as scalars
+        `gate/NAME/METRIC` and `gate/NAME/status` (1 passed, 0 warned or accepted, -1 paused), beside the curves."""
+        values = {f"gate/{event['name']}/status": GATE_STATUS.get(event["status"], 0.0)}
+        if event.get("value") is not None:
+            values[f"gate/{event['name']}/{event['metric']}"] = float(event["value"])
+        self.log(step, values)
 
     def resumes(self, first_step: int, saved: dict) -> int:
         """The last step this tracker holds once opened on a run resumed after `first_step`."""
@@ -410,6 +421,18 @@ class TrackerReporter:
 
     def message(self, text: str) -> None:
         self.inner.message(text)
+
+    def gate(self, event: dict) -> None:
+        """A gate's outcome: an event to each tracker, then the inner reporter's line."""
+        for tracker in list(self.trackers):
+            self._call(tracker, tracker.event, event["step"], event, doing=f"gate {event['name']}")
+        inner = getattr(self.inner, "gate", None)
+        if inner is not None:
+            inner(event)
+        else:
+            from ..plan.gates import outcome_line
+
+            self.inner.message(outcome_line(event))
 
     def _plots(self, folder: Path) -> dict[str, Path]:
         """The report's curves of this run (`reproduce report`: loss, evaluation metrics, learning rate, gradient

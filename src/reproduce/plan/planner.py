@@ -15,6 +15,7 @@ from typing import Literal
 
 from ..errors import UserError
 from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
+from .gates import planned_gates
 from .overlay import Change, overlay
 from .phases import attach_phase_schedules, first_own_schedule_step, plan_phases
 from .recipe import Length, Recipe, default_packing
@@ -204,7 +205,7 @@ def make_plan(
         epoch_end = []  # the run ends within the first epoch's full windows: it never meets the last one
     warnings[at:at] = epoch_end
     warn_last(recipe, batchnorm, schedule, warnings, norm)
-    return Plan(
+    plan = Plan(
         recipe_path=recipe_path,
         recipe=recipe,
         policy=policy,
@@ -225,6 +226,8 @@ def make_plan(
         batchnorm_warning=batchnorm,
         warnings=warnings,
     )
+    planned_gates(plan)  # each gate at an optimizer step of the run, or one line now (plan/gates.py)
+    return plan
 
 
 def check_arguments(recipe: Recipe, micro_batch_max: int, world_size: int, policy: str) -> None:

@@ -110,6 +110,40 @@ def verdict_table(found: list[Verdict]) -> Table:
                  row_css=css)
 
 
+GATE_CSS = {"passed": "pass", "paused": "fail", "warned": "warn", "accepted": "warn", "not measured": "warn"}
+
+
+def gate_events(run: RunFolder) -> list[dict]:
+    """The run's gate events (train/gates.py) in metrics.jsonl, in order."""
+    return [event for event in run.events if event.get("event") == "gate"]
+
+
+def gates_table(runs: list[RunFolder]) -> Table | None:
+    """Each gate the runs met: its step, metric, bound, the measured value and what it did; None without any."""
+    rows, css = [], []
+    for run in runs:
+        for event in gate_events(run):
+            value = "not measured" if event.get("value") is None else f"{event['value']:.5g}"
+            rows.append([run.name, event["name"], str(event["step"]), event["metric"], event["bound"], value,
+                         event["status"], event.get("source") or "-"])
+            css.append(GATE_CSS.get(event["status"], "none"))
+    if not rows:
+        return None
+    return Table(["run", "gate", "step", "metric", "bound", "measured", "status", "source"], rows, css="verdict",
+                 row_css=css)
+
+
+def cost_line(run: RunFolder) -> str:
+    """The GPU-hours the run has spent (its steps' wall time x its processes), against the recipe's budget."""
+    seconds = sum(float(r.get("seconds", 0.0)) for r in run.records)
+    spent = seconds * run.plan.world_size / 3600
+    budget = getattr(run.plan.recipe, "budget", None)
+    hours = getattr(budget, "gpu_hours", None)
+    against = f" of the budget's {hours:g} ({spent / hours:.1%})" if hours else " (the recipe sets no budget)"
+    return (f"{run.name}: {spent:.4g} GPU-hours spent over {run.last_step} optimizer steps (the steps' wall time x "
+            f"{run.plan.world_size} process{'es' if run.plan.world_size > 1 else ''}){against}.")
+
+
 def class_iou_table(runs: list[RunFolder]) -> Table | None:
     """Segmentation: each class's IoU at each run's last evaluation (n/a: in neither predictions nor targets, left out
     of the mean), or None when no run records it."""
@@ -146,6 +180,15 @@ def blocks(runs: list[RunFolder], plots: bool = True) -> list[Block]:
         out.append(("table", verdict_table(found)))
     else:
         out.append(("p", "The recipe reports no metric to compare with (its `reported:` list is empty)."))
+    gates = gates_table(runs)
+    if gates is not None or any(run.plan.recipe.gates or getattr(run.plan.recipe, "budget", None) for run in runs):
+        out += [("h2", "Gates and cost"),
+                ("p", "Each gate the run met (the recipe's gates:, its budget's cost gate, a reference run's band): "
+                      "passed, warned, accepted (a miss the run was told to go past) or paused; marked on the loss "
+                      "curve at its step.")]
+        if gates is not None:
+            out.append(("table", gates))
+        out += [("p", cost_line(run)) for run in runs]
     out.append(("h2", "Curves"))
     missing = matplotlib_missing() if plots else "plots left out (--no-plots)"
     if missing:
@@ -157,7 +200,7 @@ def blocks(runs: list[RunFolder], plots: bool = True) -> list[Block]:
         noise = (run.summary or {}).get("noise_scale")
         if noise and noise.get("sentence"):
             out.append(("p", f"Gradient noise scale: {noise['sentence']}"))
-        for event in run.events:
+        for event in (e for e in run.events if e.get("event") != "gate"):  # (gates: their own table)
             out.append(("p", f"Event at step {event.get('step')}: {event.get('event')} "
                              + ", ".join(f"{k} {v}" for k, v in event.items() if k not in ("event", "step"))))
     return out
@@ -177,7 +220,7 @@ body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2e
 table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.92em; }
 th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
 th { background: #f2f2f2; }
-tr.pass td { background: #e6f4ea; } tr.fail td { background: #fce8e6; }
+tr.pass td { background: #e6f4ea; } tr.fail td { background: #fce8e6; } tr.warn td { background: #fef7e0; }
 figure { margin: 1em 0 2em; } figure img { max-width: 100%; border: 1px solid #ddd; }
 figcaption { font-size: 0.9em; color: #555; }
 """

@@ -24,6 +24,9 @@ class Figure:
     png: bytes
 
 
+GATE_COLORS = {"passed": "tab:green", "warned": "tab:orange", "accepted": "tab:orange", "paused": "tab:red"}
+
+
 def matplotlib_missing() -> str | None:
     try:
         import matplotlib  # noqa: F401
@@ -101,8 +104,18 @@ def figures(runs: list[RunFolder]) -> list[Figure]:
     lines = []
     for run in runs:
         lines += [curve(run, "loss", named(run, "train loss")), curve(run, "eval_loss", named(run, "eval loss"), "o--")]
+
+    def gates(ax) -> None:  # each gate the runs met, at its step: green passed, orange warned or accepted, red paused
+        for run in runs:
+            by_step = {r["step"]: x(r) for r in run.records}
+            for event in (e for e in run.events if e.get("event") == "gate" and e.get("step") in by_step):
+                ax.axvline(by_step[event["step"]], linestyle="--", linewidth=1,
+                           color=GATE_COLORS.get(event["status"], "grey"),
+                           label=named(run, f"gate {event['name']}: {event['status']}"))
+
     draw("loss", "loss", "loss", lines, "Training loss of each optimizer step (the whole window's mean) and the "
-         "evaluation loss.")
+         "evaluation loss; dashed lines: the gates (green passed, orange warned or accepted, red paused).",
+         extra=gates)
     evals = [key for key in eval_metrics(runs) if key != "eval_loss"]
     for key in evals:
         draw(key, key.removeprefix("eval_").replace("_", " ") + " (evaluation)", key,

@@ -33,6 +33,9 @@ class RunOptions:
     continue_with: str | None = None  # the command an interrupted run prints to continue
     stop_on_divergence: bool = False  # stop at the divergence warning instead of going on
     merged: bool = False  # also write merged/: the LoRA adapters merged into the base, a Hugging Face folder
+    accept_gates: tuple[str, ...] = ()  # gates whose miss goes on (train/gates.py)
+    resume_from: str | None = None  # with resume: the gate whose kept checkpoint the run starts from; None: last.pt
+    reference: tuple[str, ...] = ()  # earlier runs of the recipe, whose curve this one follows (observe/reference.py)
 
     def replace(self, **changes: Any) -> RunOptions:
         """These options with `changes` (a frozen dataclass: `dataclasses.replace`)."""

@@ -86,6 +86,10 @@ def run_summary(run: Run, elapsed: float) -> dict:
         "data": run.setup.data.info,
         "notes": run.setup.notes,
     }
+    if run.gates is not None:  # each gate at its step and what the run measured there (train/gates.py)
+        summary["gates"] = run.gates.summary()
+    if run.reference is not None:  # the curve against the reference runs' (observe/reference.py)
+        summary["reference"] = run.reference.summary()
     if plan.batchnorm is not None:  # the BatchNorm choice and the BN batch it gave, against the paper's
         summary["batchnorm"] = plan.batchnorm.model_dump(include={"mode", "paper_mode", "layers", "run_batch",
                                                              "paper_batch", "micro_batch", "processes"})

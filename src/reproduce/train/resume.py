@@ -30,9 +30,11 @@ class Resumed:
 
 
 def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, seed: int, asked_seed: int | None,
-               total: int, max_steps: int | None) -> Resumed:
-    """Load `out`'s checkpoint into `setup` (and `noise`), and check the run has steps left to run."""
-    state = load_checkpoint(setup, out / "checkpoints" / "last.pt", lambda saved: check_same_plan(saved, plan, out))
+               total: int, max_steps: int | None, checkpoint: Path | None = None) -> Resumed:
+    """Load `out`'s checkpoint (last.pt, or `checkpoint`: a gate's) into `setup` (and `noise`), and check the run
+    has steps left to run."""
+    state = load_checkpoint(setup, checkpoint or out / "checkpoints" / "last.pt",
+                            lambda saved: check_same_plan(saved, plan, out))
     if noise is not None and state["extra"].get("noise_scale"):
         noise.load_state_dict(state["extra"]["noise_scale"])
     first_step, rebuild = state["step"], None

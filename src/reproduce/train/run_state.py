@@ -55,6 +55,8 @@ class Run:
     grouping: Grouping | None = None  # data.packing sorted / packed (data/packing.py)
     lengths: torch.Tensor | None = None  # each sample's input tokens, when the data has them (text)
     summary: dict | None = None  # summary.json as computed at the last step (kept in its checkpoint)
+    gates: Any = None  # the recipe's gates as the run checks them (train/gates.py); None without gates
+    reference: Any = None  # the reference runs' curve (observe/reference.py); None without
 
     @property
     def seed(self) -> int:

@@ -29,6 +29,7 @@ from ..observe.noise import NoiseScale, not_measured_reason
 from ..observe.outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, run_outputs
 from ..observe.rates import StepRates
 from ..plan import trained_with
+from ..plan.gates import planned_gates
 from ..plan.planfile import save_plan
 from ..plan.planner import Plan
 from ..plan.segments import batch_phases, length_sizes
@@ -40,6 +41,7 @@ from .checkpoint import full_model_state, save_checkpoint
 from .distributed import processes as distributed
 from .distributed.processes import World
 from .evaluation import evaluate_step, evaluation_due
+from .gates import after_checkpoint, check_gates, resume_source, start_gates, tell_gates
 from .optim.plateau import check_plateau
 from .options import RunOptions
 from .records import run_summary, step_record
@@ -177,12 +179,15 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
             done = step + 1 == run.total
             if evaluation_due(setup, step + 1, done):  # the eval split's metrics, and the plateau decay's step
                 evaluate_into(run, step, record, done)
+            gates = check_gates(run, step, record)  # the gates at this step (train/gates.py)
             run.metrics.write(record)
             run.last_record = record
             run.reporter.step(record)
+            tell_gates(run, gates)
             if diverging and options.stop_on_divergence:  # its step logged; the checkpoint before it kept
                 raise TrainingStopped(f"{diverging}; stopped (--stop-on-divergence); {run.last_checkpoint_note()}")
-            checkpoint_or_stop(run, stop, step, done)
+            checkpoint_or_stop(run, stop, step, done, gate=bool(gates))
+            after_checkpoint(run, gates)  # each gate's checkpoint kept; a pause gate stops here, exit status 4
     finally:
         close_run(run, stop, restore)
 
@@ -211,8 +216,9 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     max_steps = options.max_steps
     total = plan.optimizer_steps if max_steps is None else min(max_steps, plan.optimizer_steps)
     noise = NoiseScale(setup) if options.noise_scale and not setup.sharded else None
-    resumed = resume_run(plan, out, setup, noise, seed, options.seed, total, max_steps) if options.resume else (
-        Resumed(seed))
+    checkpoint = resume_source(out, options.resume_from, planned_gates(plan)) if options.resume_from else None
+    resumed = resume_run(plan, out, setup, noise, seed, options.seed, total, max_steps, checkpoint) if (
+        options.resume) else Resumed(seed)
     # the model FLOPs of a sample, counted once (observe/rates.py); before anything is written, as a forward whose
     # output no loss takes is refused there
     rates = StepRates(plan, setup, world.size)
@@ -252,6 +258,7 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
               noise_skipped, before_resume, divergence, workers, LoaderWatch(workers), started, last_checkpoint,
               grouping=grouping, lengths=lengths)
     run.last_record = last_record(out, resumed.state, resumed.first_step)  # (a resume at the last step: the end's)
+    start_gates(run)  # the recipe's gates (train/gates.py): a gate the run paused at is checked again here
     return run
 
 
@@ -376,14 +383,14 @@ def evaluate_into(run: Run, step: int, record: dict, done: bool) -> None:
                              f"decay, lr -> {record['plateau_lr']:.6g} from step {step + 2}")
 
 
-def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool) -> None:
-    """Write the checkpoint when due (every K steps, every CHECKPOINT_SECONDS, at the end, or on a signal any rank
-    received); after a signal, stop with the command that continues the run."""
+def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool, gate: bool = False) -> None:
+    """Write the checkpoint when due (every K steps, every CHECKPOINT_SECONDS, at the end, at a gate, or on a signal
+    any rank received); after a signal, stop with the command that continues the run."""
     setup, options = run.setup, run.options
     due = (step + 1) % options.checkpoint_every == 0 if options.checkpoint_every else (
         time.perf_counter() - run.last_checkpoint >= CHECKPOINT_SECONDS)
     received, due = stop.agreed(run.world, setup.device, due) if not done else (None, due)
-    if due or done or received:
+    if due or done or received or gate:
         now = time.perf_counter()
         if done:  # summary.json, kept in the last checkpoint: a lost or damaged end is written again as it was
             run.summary = run_summary(run, now - run.started)
@@ -399,6 +406,8 @@ def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool) -> No
         extra["plan"] = trained_with.as_record(run.plan)  # a resume refuses another plan (plan/trained_with.py)
         if run.summary is not None:
             extra["summary"] = json.dumps(run.summary)  # (train/run_end.py)
+        if run.gates is not None:
+            extra["gates"] = run.gates.state_dict()
         save_checkpoint(setup, run.checkpoint_path, step + 1, bytes(run.metrics.kept), extra)
         run.last_checkpoint = time.perf_counter()
     if received:

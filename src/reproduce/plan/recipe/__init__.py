@@ -36,6 +36,7 @@ from .data import (
     TokensData,
 )
 from .evaluation import LOSS_METRICS, PLATEAU_METRICS, REPORTED_METRICS, Evaluation, Reported
+from .gates import AT_UNITS, RUN_METRICS, Gate, GateAt, Reference, gate_metrics
 from .load import load_recipe, parse_recipe
 from .model import (
     BATCHNORM_CHOICES,
@@ -53,7 +54,8 @@ from .recipe import Paper, Recipe, default_packing, packing_problem
 from .schedule import PLATEAU_FIELDS, Decay, Milestones, Schedule, Warmup
 
 __all__ = [
-    "ADAM_FAMILY", "BATCHNORM_CHOICES", "DATA_FORMATS", "DEFAULT_IGNORE_INDEX", "FIELD_FORMATS", "FORMATS",
+    "ADAM_FAMILY", "AT_UNITS", "RUN_METRICS", "Gate", "GateAt", "Reference", "gate_metrics",
+    "BATCHNORM_CHOICES", "DATA_FORMATS", "DEFAULT_IGNORE_INDEX", "FIELD_FORMATS", "FORMATS",
     "HF_COLUMN_SETS", "IMPLEMENTED_BY_TORCH", "INSTRUCTION_COLUMN_SETS", "LENGTH_UNITS", "LOSS_METRICS",
     "NORMALIZATIONS", "NORM_LAYERS", "OPTIMIZERS", "OPTIMIZER_IMPLEMENTATIONS", "PACKING_WAYS", "PLATEAU_FIELDS",
     "PLATEAU_METRICS", "QUANTIZED_BASES", "REPORTED_METRICS", "SEGMENTATION_LAYOUTS", "SEGMENTATION_MODELS",

@@ -11,6 +11,7 @@ from .budget import Budget
 from .common import Names, Strict
 from .data import DEFAULT_IGNORE_INDEX, Data, HfDatasetsData, InstructionsData, TextData
 from .evaluation import PLATEAU_METRICS, REPORTED_METRICS, Evaluation, Reported
+from .gates import Gate, Reference, gates_problem
 from .model import SEGMENTATION_MODELS, Loss, Model
 from .optimizer import Optimizer
 from .schedule import Schedule
@@ -41,6 +42,9 @@ class Recipe(Strict):
     seed: int = Field(default=0, ge=0, le=2**64 - 1)  # what torch.manual_seed takes
     evaluation: Evaluation = Evaluation()
     reported: list[Reported] = []
+    # targets checked while the run goes, and earlier runs its curve must follow (recipe/gates.py)
+    gates: list[Gate] = []
+    reference: Reference | None = None
     budget: Budget | None = Field(default=None, description="the most the whole run may cost (GPU-hours, money): "
                                   "`plan` refuses a forecast beyond it")
     deviations: list[str] = Field(
@@ -100,6 +104,9 @@ class Recipe(Strict):
         self._check_segmentation()
         self._check_plateau()
         self._check_reported()
+        problem = gates_problem(self.gates, self.task, PLATEAU_METRICS[self.task])
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

@@ -1,0 +1,128 @@
+"""A reference run as a target: this run's curve against an earlier run's of the same recipe, step by step.
+
+`--reference RUN_DIR` (or the recipe's `reference.runs`) names earlier runs of the recipe, on any machine, at any
+micro-batch: the effective batch is exact, so their curves agree with this run's up to rounding. At each of the
+reference's logged steps the run compares its value of the metric (the training loss, or the evaluation loss where
+the reference evaluated) with the reference's (the runs' mean), within a band: `reference.band` (absolute, or a
+fraction of the reference's value with `relative`), or, from two reference runs or more of other seeds,
+`reference.spread` times their standard deviation at that step. The first step outside the band is an event like
+a gate's (`name: reference`, its action `warn` or `pause`); summary.json's `reference` says how many steps were
+compared, how many fell outside, and the largest difference against its band.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import yaml
+
+from ..errors import UserError
+from ..plan.recipe import Gate, GateAt, Recipe, Reference
+from .outputs import read_metrics
+
+REFERENCE_GATE = "reference"
+
+
+def _curve(folder: Path, metric: str) -> dict[int, float]:
+    """A reference run's values of `metric` by optimizer step, from its metrics.jsonl."""
+    path = folder / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{folder}: no metrics.jsonl (the folder of an earlier `reproduce run`)", field="reference")
+    return {int(r["step"]): float(r[metric]) for r in read_metrics(path)
+            if "event" not in r and isinstance(r.get(metric), (int, float)) and "step" in r}
+
+
+def _check_same_recipe(folder: Path, recipe: Recipe) -> None:
+    """The reference ran the same batch: its plan.yaml's effective batch is this recipe's."""
+    plan = folder / "plan.yaml"
+    if not plan.is_file():
+        raise UserError(f"{folder}: no plan.yaml (the folder of an earlier `reproduce run`)", field="reference")
+    saved = (yaml.safe_load(plan.read_text(encoding="utf-8")) or {}).get("recipe", {})
+    effective = saved.get("batch", {}).get("effective")
+    if effective != recipe.batch.effective:
+        raise UserError(f"{folder} ran effective batch {effective}, this recipe {recipe.batch.effective}: a reference "
+                        "is a run of the same recipe", field="reference")
+
+
+class ReferenceCurve:
+    """The reference runs' curve, and this run's comparison with it so far."""
+
+    def __init__(self, spec: Reference, runs: list[str], recipe: Recipe):
+        if spec.band is None and len(runs) < 2:
+            raise UserError("reference.band: one reference run gives no seed spread; give reference.band (the "
+                            "largest difference allowed) or two reference runs or more of other seeds")
+        self.spec, self.runs = spec, runs
+        curves = []
+        for run in runs:
+            _check_same_recipe(Path(run), recipe)
+            curves.append(_curve(Path(run), spec.metric))
+        common = sorted(set.intersection(*(set(curve) for curve in curves)))
+        if not common:
+            raise UserError(f"{', '.join(runs)}: no step logged {spec.metric} in every reference run",
+                            field="reference")
+        self.steps = common[::spec.every]
+        self.mean = {step: statistics.fmean(curve[step] for curve in curves) for step in common}
+        self.band = {step: self._band(step, [curve[step] for curve in curves]) for step in common}
+        self.values: dict[int, float] = {}  # this run's, at the reference's steps
+        self.compared, self.outside, self.worst, self.first_outside = 0, 0, 0.0, None
+        self.gate = Gate(name=REFERENCE_GATE, at=GateAt(step=1), metric=spec.metric, max=0.0,
+                         action=spec.action, source=f"reference runs {', '.join(runs)}")
+
+    def _band(self, step: int, values: list[float]) -> float:
+        if self.spec.band is not None:
+            return self.spec.band * (abs(self.mean[step]) if self.spec.relative else 1.0)
+        return self.spec.spread * statistics.stdev(values)
+
+    def check(self, step: int, record: dict) -> dict | None:
+        """After optimizer step `step`: compare at a reference step; the event of the first step outside the band."""
+        value = record.get(self.spec.metric)
+        if isinstance(value, (int, float)):
+            self.values[step] = float(value)
+        if step not in self.steps or step not in self.values:
+            return None
+        own = [self.values[s] for s in sorted(self.values) if s <= step][-self.spec.smooth:]
+        theirs = [self.mean[s] for s in sorted(self.mean) if s <= step][-self.spec.smooth:]
+        mine, reference, band = statistics.fmean(own), statistics.fmean(theirs), self.band[step]
+        difference = abs(mine - reference)
+        self.compared += 1
+        self.worst = max(self.worst, difference / band if band > 0 else float("inf") if difference else 0.0)
+        if difference <= band:
+            return None
+        self.outside += 1
+        if self.first_outside is not None:
+            return None
+        self.first_outside = step
+        return {"event": "gate", "step": step, "name": REFERENCE_GATE, "metric": self.spec.metric,
+                "value": round(mine, 8), "bound": f"within {band:.4g} of the reference's {reference:.5g}",
+                "action": self.spec.action, "status": "warned" if self.spec.action == "warn" else "paused",
+                "source": self.gate.source}
+
+    def state_dict(self) -> dict:
+        return {"values": {str(k): v for k, v in self.values.items()}, "compared": self.compared,
+                "outside": self.outside, "worst": self.worst, "first_outside": self.first_outside}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.values = {int(k): v for k, v in state.get("values", {}).items()}
+        self.compared, self.outside = state.get("compared", 0), state.get("outside", 0)
+        self.worst, self.first_outside = state.get("worst", 0.0), state.get("first_outside")
+
+    def summary(self) -> dict:
+        """summary.json's `reference`: the runs, the band's source, the steps compared and outside it."""
+        return {"runs": self.runs, "metric": self.spec.metric,
+                "band": (f"{self.spec.band:g}" + (" x the reference's value" if self.spec.relative else "")
+                         if self.spec.band is not None else f"{self.spec.spread:g} x the seed spread of "
+                         f"{len(self.runs)} runs"),
+                "compared": self.compared, "outside": self.outside, "first_outside": self.first_outside,
+                "worst": round(self.worst, 6) if self.worst != float("inf") else None,
+                "within": self.outside == 0}
+
+
+def reference_curve(recipe: Recipe, runs: tuple[str, ...]) -> ReferenceCurve | None:
+    """The reference of a run: `runs` (`--reference`) or the recipe's `reference.runs`, compared as the recipe's
+    `reference:` says (its defaults without one); None without reference runs."""
+    spec = recipe.reference or Reference()
+    chosen = list(runs) or list(spec.runs)
+    if not chosen:
+        return None
+    return ReferenceCurve(spec, chosen, recipe)

@@ -1,0 +1,353 @@
+"""The recipe's gates checked as the run goes, a pause that keeps the gate's checkpoint, and the way back.
+
+At each gate's optimizer step (plan/gates.py) the run measures the gate's metric (the training loss smoothed over the
+gate's `smooth` steps, the evaluation's metrics, evaluated there when the step is not an evaluation step already,
+samples or tokens per second, GPU-hours spent, the forecast GPU-hours of the whole run at the measured pace), and
+the gate passes, warns, or pauses: the run checkpoints, keeps that checkpoint as checkpoints/gate-NAME.pt beside
+last.pt (every gate's checkpoint is kept, passed or not), prints one line and exits with status 4. Resumed, a
+paused gate is checked again before any step (a fix to the data or the code can make it hold), unless the run is
+told to accept it (`accept`). `--resume --from NAME` starts from a kept gate's checkpoint: the same state as the
+uninterrupted run after that step.
+
+The watch's state (the recent losses and step times, each gate's outcome, the gate a run paused at) travels in
+the checkpoint's `extra["gates"]`, so a resumed run checks what the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import GatePaused, UserError
+from ..observe.reference import REFERENCE_GATE, reference_curve
+from ..plan.gates import EXIT_PAUSED, PlannedGate, gate_by_name, outcome_line, planned_gates
+
+__all__ = ["EXIT_PAUSED", "GatePaused", "GateWatch", "gate_checkpoint"]
+
+PACE_STEPS = 20  # the forecast's pace: the median wall time of the last this many steps
+
+
+def gate_checkpoint(out: Path, name: str) -> Path:
+    """Where a gate's checkpoint is kept: beside last.pt, under the gate's name, never overwritten by last.pt."""
+    return out / "checkpoints" / f"gate-{name}.pt"
+
+
+def budget_hours(recipe: Any) -> float | None:
+    """The most GPU-hours the recipe's `budget:` allows: `gpu_hours`, or `money` at its `price` per GPU-hour (the
+    smaller when both are given); None without a budget in GPU-hours."""
+    budget = getattr(recipe, "budget", None)
+    if budget is None:
+        return None
+    bounds = [budget.gpu_hours] if budget.gpu_hours is not None else []
+    if budget.money is not None and budget.price is not None:
+        bounds.append(budget.money / budget.price)
+    return float(min(bounds)) if bounds else None
+
+
+class GateWatch:
+    """The gates of one run, and what it has measured for them."""
+
+    def __init__(self, plan: Any, accept: tuple[str, ...] = ()):
+        self.planned = planned_gates(plan, budget_hours(plan.recipe))
+        for name in accept:
+            gate_by_name(self.planned, name, "accept_gate")
+        self.accept = set(accept)
+        self.planned_steps = plan.optimizer_steps
+        longest = max([gate.gate.smooth for gate in self.planned], default=1)
+        self.losses: deque[float] = deque(maxlen=longest)
+        self.rates: deque[dict] = deque(maxlen=longest)
+        self.seconds: deque[float] = deque(maxlen=PACE_STEPS)
+        self.outcomes: dict[str, dict] = {}  # gate name -> its event (the last check)
+        self.paused: str | None = None  # the gate the run paused at (from its checkpoint)
+        self.held: dict[str, dict] = {}  # the cost gate's last check while it held
+        self.reference: Any = None  # the reference runs' curve (observe/reference.py), whose state travels here
+
+    # ---- the checkpoint's part -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"reference": self.reference.state_dict() if self.reference is not None else {},
+                "losses": list(self.losses), "rates": list(self.rates), "seconds": list(self.seconds),
+                "outcomes": dict(self.outcomes), "paused": self.paused}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.losses.extend(state.get("losses", []))
+        self.rates.extend(state.get("rates", []))
+        self.seconds.extend(state.get("seconds", []))
+        self.outcomes.update(state.get("outcomes", {}))
+        self.paused = state.get("paused")
+
+    # ---- what is due ----------------------------------------------------------------------------------------
+    def due(self, step: int) -> list[PlannedGate]:
+        """The gates checked after optimizer step `step` (from 1): those at it, and the cost gate from its first
+        step on until it has missed."""
+        return [gate for gate in self.planned
+                if (gate.step == step and not gate.every_step)
+                or (gate.every_step and step >= gate.step and gate.name not in self.outcomes)]
+
+    def needs_evaluation(self, step: int) -> bool:
+        return any(gate.evaluated for gate in self.due(step))
+
+    def observe(self, record: dict) -> None:
+        """A step's record: its loss, rates and wall time, for the smoothed values and the pace."""
+        loss = record.get("loss")
+        if isinstance(loss, float) and loss == loss and abs(loss) != float("inf"):
+            self.losses.append(loss)
+        self.rates.append({key: record[key] for key in ("samples_per_second", "tokens_per_second") if key in record})
+        self.seconds.append(float(record.get("seconds", 0.0)))
+
+    # ---- measuring ------------------------------------------------------------------------------------------
+    def value(self, gate: PlannedGate, step: int, record: dict, spent_seconds: float, world_size: int
+              ) -> float | None:
+        """The gate's metric after step `step`: None when the run did not measure it (no evaluation data)."""
+        metric, smooth = gate.gate.metric, gate.gate.smooth
+        if metric == "loss":
+            recent = list(self.losses)[-smooth:]
+            return sum(recent) / len(recent) if recent else None
+        if metric in ("samples_per_second", "tokens_per_second"):
+            recent = [rates[metric] for rates in list(self.rates)[-smooth:] if metric in rates]
+            return sum(recent) / len(recent) if recent else None
+        if metric == "gpu_hours":
+            return spent_seconds * world_size / 3600
+        if metric == "forecast_gpu_hours":
+            left = max(0, (self.planned_steps or step) - step)
+            pace = statistics.median(self.seconds) if self.seconds else 0.0
+            return (spent_seconds + left * pace) * world_size / 3600
+        if metric == "eval_error":
+            return 1 - record["eval_accuracy"] if "eval_accuracy" in record else None
+        value = record.get(metric)
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def check(self, step: int, record: dict, spent_seconds: float, world_size: int,
+              agree: Any = None) -> list[dict]:
+        """The events of the gates due after `step`: each gate's value against its bound, and its status (passed,
+        warned, accepted, paused). The cost gate says nothing while it holds."""
+        events = []
+        for gate in self.due(step):
+            value = self.value(gate, step, record, spent_seconds, world_size)
+            if gate.every_step and agree is not None:  # every rank takes the slowest rank's forecast: one decision
+                value = agree(value or 0.0)
+            held = value is not None and gate.gate.holds(value)
+            if gate.every_step and held:  # the cost gate while it holds: its last value, for the summary
+                self.held[gate.name] = {"status": "held", "value": round(value or 0.0, 8), "step": step}
+                continue
+            # a metric the run cannot measure (no evaluation data) neither passes nor pauses: it is said so
+            status = ("passed" if held else "not measured" if value is None else "accepted" if gate.name in
+                      self.accept else "warned" if gate.gate.action == "warn" else "paused")
+            event = {"event": "gate", "step": step, "name": gate.name, "metric": gate.gate.metric,
+                     "value": None if value is None else round(value, 8), "bound": gate.gate.bound_label(),
+                     "action": gate.gate.action, "status": status, "source": gate.gate.source}
+            self.outcomes[gate.name] = event
+            events.append(event)
+        paused = [event["name"] for event in events if event["status"] == "paused"]
+        self.paused = paused[0] if paused else None
+        return events
+
+    def summary(self) -> list[dict]:
+        """summary.json's `gates`: each planned gate at its step, with its outcome when the run reached it."""
+        rows = []
+        for gate in self.planned:
+            outcome = self.outcomes.get(gate.name)
+            if gate.every_step and outcome is None:
+                outcome = self.held.get(gate.name)
+            rows.append({"name": gate.name, "step": gate.step, "metric": gate.gate.metric,
+                         "bound": gate.gate.bound_label(), "action": gate.gate.action, "source": gate.gate.source,
+                         "status": outcome["status"] if outcome else "not reached",
+                         **({"value": outcome.get("value"), "checked_at": outcome.get("step")} if outcome else {})})
+        return rows
+
+
+def agreed(paused: bool, world: Any, device: torch.device) -> bool:
+    """Whether any rank paused (rank 0 alone evaluates): every rank stops after the same step."""
+    if not world.distributed:
+        return paused
+    flag = torch.tensor([int(paused)], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag[0])
+
+
+def _largest(value: float, device: torch.device) -> float:
+    """The largest of every rank's `value` (the cost gate's forecast: each rank times its own steps)."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return float(tensor[0])
+
+
+def keep_checkpoint(out: Path, name: str, sharded: bool) -> Path | None:
+    """Copy last.pt (just written after the gate's step) to the gate's own file, atomically; None for a sharded
+    run, whose model lives in a folder last.pt names (not kept per gate here)."""
+    if sharded:
+        return None
+    source, target = out / "checkpoints" / "last.pt", gate_checkpoint(out, name)
+    temporary = target.with_name(f".{target.name}.tmp")
+    shutil.copyfile(source, temporary)
+    os.replace(temporary, target)
+    return target
+
+
+def paused_line(event: dict, out: Path, kept: Path | None, continue_with: str) -> str:
+    """The pause's one line: the gate, measured against its bound, its checkpoint, and the two ways on."""
+    where = f"checkpoint {kept}" if kept else f"checkpoint {out / 'checkpoints' / 'last.pt'}"
+    return (f"{outcome_line(event, status=False)}; {where}. Go on: fix the cause and resume ({continue_with}), or "
+            f"accept this gate ({continue_with} --accept-gate {event['name']})")
+
+
+def resume_source(out: Path, name: str | None, planned: list[PlannedGate]) -> Path:
+    """The checkpoint a resumed run loads: last.pt, or with `--from NAME` the kept checkpoint of gate NAME."""
+    if name is None:
+        return out / "checkpoints" / "last.pt"
+    gate_by_name(planned, name, "resume_from")
+    path = gate_checkpoint(out, name)
+    if not path.is_file():
+        raise UserError(f"gate {name!r} has no checkpoint in {out / 'checkpoints'} (the run has not reached it)",
+                        field="resume_from")
+    return path
+
+
+# ---- in the run loop (train/trainer.py calls these three) ---------------------------------------------------
+def start_gates(run: Any) -> None:
+    """The run's gate watch (None without gates), its state from the checkpoint resumed from; evaluation gates need
+    evaluation data. A run that paused at a gate checks it again now, before any step, unless it is accepted."""
+    run.reference = reference_curve(run.plan.recipe, run.options.reference)
+    extra = (REFERENCE_GATE,) if run.reference is not None else ()
+    watch = GateWatch(run.plan, tuple(name for name in run.options.accept_gates if name not in extra))
+    if not watch.planned and run.reference is None:
+        return
+    watch.accept |= set(run.options.accept_gates)
+    watch.reference = run.reference
+    run.gates = watch
+    data = run.setup.data
+    for gate in watch.planned:
+        if gate.evaluated and (data.eval is None or len(data.eval) == 0) and run.world.is_main:
+            run.reporter.message(f"note: gate {gate.name}: {gate.gate.metric} is measured on evaluation data, and "
+                                 "this run has none (data.eval_path, or --eval-data): it will say 'not measured'")
+    state = run.resumed.state
+    if state is None:
+        return
+    watch.load_state_dict(state["extra"].get("gates", {}))
+    if run.reference is not None:
+        run.reference.load_state_dict(state["extra"].get("gates", {}).get("reference", {}))
+    name = watch.paused
+    if name is None:
+        return
+    if name == REFERENCE_GATE:  # its band missed: going on is accepting it
+        if name not in watch.accept:
+            event = {**watch.outcomes[name]}
+            raise GatePaused(paused_line(event, run.out, gate_checkpoint(run.out, name),
+                                         run.options.continue_with or _continue(run.out)))
+        watch.outcomes[name] = {**watch.outcomes[name], "status": "accepted"}
+        watch.paused = None
+        tell_gates(run, [watch.outcomes[name]])
+        return
+    step = run.resumed.first_step
+    gate = gate_by_name(watch.planned, name, "accept_gate")
+    watch.outcomes.pop(name, None)
+    record = dict(run.last_record)
+    if gate.evaluated:
+        record.update(_evaluation(run, step - 1))
+    event = watch.check(step, record, run.totals_before_resume["seconds"], run.world.size)
+    event = [e for e in event if e["name"] == name]
+    tell_gates(run, event)
+    if agreed(watch.paused is not None, run.world, run.setup.device):
+        if not run.world.is_main:  # rank 0 prints the line
+            raise GatePaused("a gate paused the run (rank 0 says which)")
+        raise GatePaused(paused_line(event[0], run.out, gate_checkpoint(run.out, name),
+                                     run.options.continue_with or _continue(run.out)))
+
+
+def check_gates(run: Any, step: int, record: dict) -> list[dict]:
+    """After optimizer step `step` (from 0): the gates due there, measured (evaluating first when a gate watches
+    the evaluation and the step has none), their events written after the step's record by `tell_gates`."""
+    watch = run.gates
+    if watch is None:
+        return []
+    watch.observe(record)
+    due = bool(watch.due(step + 1))  # the same on every rank
+    events = _check(run, watch, step, record)
+    # several processes: rank 0 alone evaluates, so the ranks agree on whether this step checkpoints for a gate (a
+    # rank with no event of its own takes a placeholder, which it neither writes nor tells)
+    if run.world.distributed and (due or run.reference is not None):
+        if agreed(bool(events), run.world, run.setup.device) and not events:
+            events = [{"event": "gate", "step": step + 1, "name": "", "status": "elsewhere"}]
+    return events
+
+
+def _check(run: Any, watch: GateWatch, step: int, record: dict) -> list[dict]:
+    found = run.reference.check(step + 1, record) if run.reference is not None else None
+    if found is not None:
+        if found["status"] == "paused" and REFERENCE_GATE in watch.accept:
+            found["status"] = "accepted"
+        watch.outcomes[found["name"]] = found
+        if found["status"] == "paused":
+            watch.paused = found["name"]
+    if not watch.due(step + 1):
+        if found is not None:
+            record["gates"] = {found["name"]: found["status"]}
+        return [found] if found is not None else []
+    if watch.needs_evaluation(step + 1) and "eval_loss" not in record:
+        record.update(_evaluation(run, step))
+    spent = run.totals_before_resume["seconds"] + _now() - run.started
+    agree = (lambda value: _largest(value, run.setup.device)) if run.world.distributed else None
+    events = watch.check(step + 1, record, spent, run.world.size, agree) + ([found] if found is not None else [])
+    if found is not None and found["status"] == "paused":
+        watch.paused = found["name"]
+    if events:
+        record["gates"] = {event["name"]: event["status"] for event in events}
+    return events
+
+
+def after_checkpoint(run: Any, events: list[dict]) -> None:
+    """After the gate step's checkpoint: keep it under each gate's name, then pause when a gate says so."""
+    if not events:
+        return
+    kept = None
+    for event in events:
+        if run.world.is_main and event["status"] != "elsewhere":
+            kept = keep_checkpoint(run.out, event["name"], run.setup.sharded)
+    paused = [event for event in events if event["status"] == "paused"]
+    if agreed(bool(paused), run.world, run.setup.device):
+        if not paused:  # another rank's evaluation: rank 0 prints the line
+            raise GatePaused("a gate paused the run (rank 0 says which)")
+        kept = gate_checkpoint(run.out, paused[0]["name"]) if kept is not None else None
+        raise GatePaused(paused_line(paused[0], run.out, kept, run.options.continue_with or _continue(run.out)))
+
+
+def tell_gates(run: Any, events: list[dict]) -> None:
+    """Each gate's event into metrics.jsonl (after its step's record), and to the reporter (one line; the
+    trackers as an event)."""
+    for event in events:
+        run.metrics.write(event)
+    _tell(run, events)
+
+
+def _tell(run: Any, events: list[dict]) -> None:
+    if not run.world.is_main:
+        return
+    for event in events:
+        gate = getattr(run.reporter, "gate", None)
+        if gate is not None:
+            gate(event)
+        else:
+            run.reporter.message(outcome_line(event))
+
+
+def _evaluation(run: Any, step: int) -> dict:
+    from .evaluation import evaluate
+
+    if not (run.world.is_main or run.setup.sharded):
+        return {}
+    return evaluate(run.setup, run.micro_batch(max(step, 0)), run.workers) or {}
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+def _continue(out: Path) -> str:
+    return f"reproduce run {out / 'plan.yaml'} --out {out} --resume"
