@@ -12,6 +12,7 @@ from typer.exceptions import TyperException
 
 from ..errors import DoesNotFit, Interrupted, TrainingStopped, UserError
 from . import check as _check  # noqa: F401
+from . import common
 from . import evaluate as _evaluate  # noqa: F401
 from . import memory as _memory  # noqa: F401
 from . import papers as _papers  # noqa: F401
@@ -30,6 +31,7 @@ EXIT_DOES_NOT_FIT = DoesNotFit.exit_code  # 3: valid input, but not even micro-b
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `reproduce` console script."""
     typed = sys.argv[1:] if argv is None else argv
+    common.typed_args[:] = typed
     # this process is the command (the console script, python -m reproduce), not one of torchrun's workers, whose
     # process group's threads must be torn down by the collection: see leave_to_the_os
     if argv is None and "TORCHELASTIC_RUN_ID" not in os.environ and "WORLD_SIZE" not in os.environ:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ..errors import UserError
+from ..errors import Interrupted, UserError
 from ..observe.outputs import check_out_dir
 from ..observe.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from ..plan.launch import node_range
@@ -24,9 +24,9 @@ from ..plan.phases import phase_lines
 from ..plan.planner import Plan
 from ..plan.reported import reported_line
 from ..session import RunRequest, check_launch_policy, checked_run, prepare_run
-from ..storage import lock
+from ..storage import lock, signals
 from .app import app
-from .common import is_terminal, loss_text, parameters_line, recipe_argument, show_note, stderr, stdout
+from .common import is_terminal, loss_text, parameters_line, recipe_argument, show_note, stderr, stdout, typed_args
 from .flags import request_flags
 from .options import (
     BACKBONE_WEIGHTS_HELP,
@@ -273,6 +273,44 @@ def starting(request: RunRequest, world: Any, launching: bool) -> tuple[bool, bo
     return state == "unfinished", state == "started"
 
 
+def settle_folder(out: Path, say: bool) -> None:
+    """What a process killed in `out` left (the caller holds the lock): its temporaries are gone (storage/lock.py),
+    and the previous run a killed `--force` set aside is put back, or goes if the new run had its own checkpoint."""
+    from ..observe.outputs import run_outputs
+    from ..storage.aside import settle
+
+    note = settle(out, run_outputs(out)) if out.is_dir() else None
+    if note and say:
+        show_note(note)
+
+
+@contextlib.contextmanager
+def stopped_while_starting(request: RunRequest, decided: dict):
+    """SIGINT / SIGTERM before the run's step loop (storage/signals.py): one line, exit 130 / 143, with the command
+    that goes on: the resume of the checkpoint that was there, untouched; else the command as typed, as nothing of
+    this run was kept (a previous run set aside by `--force` is back)."""
+    try:
+        yield
+    except signals.SignalReceived as received:
+        out = request.out
+        if decided["resume"] and (out / "checkpoints" / "last.pt").is_file():
+            from ..train.distributed import processes as distributed
+
+            world = distributed.world_from_env()
+            launcher = launcher_of_this_job(world.size) if world.distributed else []
+            then = (f"{out / 'checkpoints' / 'last.pt'} is as it was. Continue with: "
+                    + continue_command(out, launcher, request_args(request, "resume")))
+        else:
+            kept = "the previous run is back in place" if decided["force"] else "nothing of this run was kept"
+            typed = os.environ.get(COMMAND_ENV) or shlex.join(["reproduce", *map(str, typed_args)])
+            then = f"{kept} in {out}. Start again with: {typed}"
+        when = "this call's first optimizer step" if decided["resume"] else "the first optimizer step"
+        raise Interrupted(f"{received.name} before {when}; {then}", received.exit_code) from None
+
+
+COMMAND_ENV = "REPRODUCE_COMMAND"  # the command the user typed, for the processes a launcher started
+
+
 def launch(request: RunRequest, world: Any) -> int:
     """`--nproc-per-node`: the run's checks here, then torchrun starting this command in each process."""
     from ..train.distributed import processes as distributed
@@ -280,16 +318,18 @@ def launch(request: RunRequest, world: Any) -> int:
     _, nodes = node_range(request.nnodes)
     if nodes > 1 and request.rdzv_endpoint is None:
         raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
-    resume, force = starting(request, world, True)
-    processes = request.nproc_per_node * nodes  # an elastic job is planned for its most nodes; fewer re-derive N
-    _, plan = checked_run(request, processes, resume)  # bad input: one line, before launching
-    check_launch_policy(request.policy, plan, processes)
-    args = [str(request.source), "--out", str(request.out), *request_args(request, "torchrun")]
-    launcher = (request.nproc_per_node, request.nnodes, request.node_rank, request.rdzv_endpoint)
-    command = distributed.torchrun_command(args, *launcher, max_restarts=request.max_restarts)
-    os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(*launcher))
-    check_out_dir(request.out, resume, force)
     with lock.hold_for_launch(request.out, nodes):  # one machine: the launcher's, for its whole life; several: rank 0's
+        if nodes == 1:
+            settle_folder(request.out, True)
+        resume, force = starting(request, world, True)
+        processes = request.nproc_per_node * nodes  # an elastic job is planned for its most nodes; fewer re-derive N
+        _, plan = checked_run(request, processes, resume)  # bad input: one line, before launching
+        check_launch_policy(request.policy, plan, processes)
+        args = [str(request.source), "--out", str(request.out), *request_args(request, "torchrun")]
+        launcher = (request.nproc_per_node, request.nnodes, request.node_rank, request.rdzv_endpoint)
+        command = distributed.torchrun_command(args, *launcher, max_restarts=request.max_restarts)
+        os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(*launcher))
+        check_out_dir(request.out, resume, force)
         print("launching: " + " ".join(command), flush=True)
         return _launch(command)
 
@@ -357,35 +397,45 @@ def run_command(
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     request = run_request(dict(locals()))
-    from ..train.distributed import processes as distributed  # torch is imported only by the commands that train
-    from ..train.trainer import RunOptions, train
+    decided = {"resume": request.resume, "force": request.force}
+    with signals.guard(), stopped_while_starting(request, decided):
+        from ..train.distributed import processes as distributed  # torch is imported only by the commands that train
+        from ..train.trainer import RunOptions, train
 
-    check_trackers(request.log_to)  # a missing package: one line, before anything is planned or trained
-    world = distributed.world_from_env()
-    if request.nproc_per_node is not None and not world.distributed:
-        raise typer.Exit(launch(request, world))
-    resume, force = starting(request, world, False)
-    checked = checked_run(request, world.size, resume)
-    check_out_dir(out, resume, force)  # --out taken (one run per folder) and writable before anything is set up
-    with lock.hold(out) if lock.owns_the_run(world.distributed, world.rank) else contextlib.nullcontext():
-        probe = probe_options(memory, gpu, meter, headroom, no_cache)
-        prepared = prepare_run(request, world, resume, probe, show_note if world.is_main else None, checked)
-        launcher = launcher_of_this_job(world.size) if world.distributed else []
-        continue_with = continue_command(out, launcher, request_args(request, "resume"))
-        options = RunOptions(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
-                             checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=prepared.data,
-                             workers=workers, noise_scale=not no_noise_scale, continue_with=continue_with,
-                             stop_on_divergence=stop_on_divergence, merged=merged)
-        if not world.is_main:  # the other ranks train quietly; rank 0 reports
-            train(prepared.plan, out, options)
-            return
-        parameters = counted_parameters(prepared.plan, prepared.data)
-        reporter = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings, parameters=parameters)
-        # metrics.jsonl stays the source of truth; the trackers get the same numbers (observe/trackers.py)
-        with TrackerReporter(reporter, request.log_to, out) as reporter:
-            summary = train(prepared.plan, out, options.replace(reporter=reporter))
-    show_end(summary, out, skip_nonfinite)
-
+        check_trackers(request.log_to)  # a missing package: one line, before anything is planned or trained
+        world = distributed.world_from_env()
+        if request.nproc_per_node is not None and not world.distributed:
+            raise typer.Exit(launch(request, world))
+        owner = lock.owns_the_run(world.distributed, world.rank)
+        # --out taken (one run per folder), writable and settled before anything is decided or set up
+        with lock.hold(out) if owner else contextlib.nullcontext():
+            if owner:
+                settle_folder(out, world.is_main)
+            resume, force = starting(request, world, False)
+            decided.update(resume=resume, force=force)
+            checked = checked_run(request, world.size, resume)
+            check_out_dir(out, resume, force)
+            probe = probe_options(memory, gpu, meter, headroom, no_cache)
+            prepared = prepare_run(request, world, resume, probe, show_note if world.is_main else None, checked)
+            launcher = launcher_of_this_job(world.size) if world.distributed else []
+            continue_with = continue_command(out, launcher, request_args(request, "resume"))
+            options = RunOptions(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
+                                 checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=prepared.data,
+                                 workers=workers, noise_scale=not no_noise_scale, continue_with=continue_with,
+                                 stop_on_divergence=stop_on_divergence, merged=merged)
+            if not world.is_main:  # the other ranks train quietly; rank 0 reports
+                train(prepared.plan, out, options)
+                return
+            parameters = counted_parameters(prepared.plan, prepared.data)
+            reporter = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings, parameters=parameters)
+            # metrics.jsonl stays the source of truth; the trackers get the same numbers (observe/trackers.py)
+            with TrackerReporter(reporter, request.log_to, out) as reporter:
+                summary = train(prepared.plan, out, options.replace(reporter=reporter))
+        show_end(summary, out, skip_nonfinite)
+        received = signals.take()
+        if received is not None:  # after the end was written: nothing to continue
+            raise Interrupted(f"{signal.Signals(received).name} after the run finished: its outputs in {out} are "
+                              "complete", signals.exit_code(received))
 
 def show_end(summary: dict, out: Path, skip_nonfinite: bool) -> None:
     """What a finished run prints: its steps, losses and evaluation; the paper's values beside the run's; the noise
