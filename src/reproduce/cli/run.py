@@ -281,7 +281,7 @@ def settle_folder(out: Path, say: bool) -> None:
 
     note = settle(out, run_outputs(out)) if out.is_dir() else None
     if note and say:
-        show_note(note)
+        show_note(f"note: {note}")
 
 
 @contextlib.contextmanager

@@ -4,7 +4,8 @@ SIGNAL (SIGINT, SIGTERM, SIGKILL) the Nth time (default the first) it reaches PO
 the tests), `at` costs a dictionary look-up.
 
 Points: `start` (the run set up, plan.yaml written, before its first step), `write:NAME` (inside the write of the
-file NAME, e.g. model.pt, last.pt, plan.yaml: its temporary exists, the file is not yet in place), `aside` (--force:
+file NAME, e.g. model.pt, last.pt, plan.yaml: its temporary holds the first bytes, the file is not yet in
+place), `aside` (--force:
 the previous run set aside, its outputs not yet removed from the folder), `end` (after the last step, before the
 run's end is written).
 """
@@ -16,6 +17,10 @@ import signal
 
 FAULT_ENV = "REPRODUCE_FAULT_AT"
 _seen: dict[str, int] = {}
+
+
+def armed() -> bool:
+    return bool(os.environ.get(FAULT_ENV))
 
 
 def at(point: str) -> None:

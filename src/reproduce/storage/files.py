@@ -58,14 +58,17 @@ class _Recording:
         self.handle, self.error, self.name, self.started = handle, None, name, False
 
     def write(self, data) -> int:
-        if not self.started:  # (the tests' exact point: inside the write, e.g. torch.save's, of `name`)
-            self.started = True
-            faults.at(f"write:{self.name}")
         try:
-            return self.handle.write(data)
+            written = self.handle.write(data)
         except OSError as error:
             self.error = error
             raise
+        if not self.started:  # (the tests' exact point: inside the write, e.g. torch.save's, of `name`, begun)
+            self.started = True
+            if faults.armed():
+                self.handle.flush()
+                faults.at(f"write:{self.name}")
+        return written
 
     def __getattr__(self, name):
         return getattr(self.handle, name)
