@@ -5,6 +5,7 @@ compared with the uninterrupted run, byte for byte."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -243,3 +244,72 @@ def test_deleting_the_lock_file_under_a_live_run_lets_no_second_run_in(tmp_path)
     finally:
         first.kill()
         first.wait()
+
+
+# ---- 7. several processes ------------------------------------------------------------------------------------------
+
+LONG = {**RECIPE, "schedule": {"total": {"steps": 400}}}
+
+
+def processes_of(out: Path) -> list[int]:
+    """The processes whose command line names `out` (the launcher, torchrun, its workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if str(out).encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
+def launched_until(tmp: Path, out: Path, steps: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "reproduce", "run", str(recipe_file(tmp, LONG)), "--out", str(out), *RUN,
+               "--nproc-per-node", "2"]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.monotonic() + 240
+    while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < steps:
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.monotonic() < deadline, "the run did not reach the step in time"
+        time.sleep(0.05)
+    return launcher
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143)])
+def test_a_signal_to_the_launcher_stops_both_ranks_with_one_line(signum, code, tmp_path):
+    """Before: the resume command from both ranks on one interleaved line, torchrun's traceback, exit 1."""
+    out = tmp_path / "out"
+    launcher = launched_until(tmp_path, out, 3)
+    launcher.send_signal(signum)
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == code, stderr
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr
+    [line] = [line for line in stderr.splitlines() if not line.startswith("warning:")]
+    assert line.startswith(f"interrupted: {signal.Signals(signum).name} after optimizer step "), stderr
+    assert line.count("Continue with:") == 1 and "--resume --nproc-per-node 2" in line
+    assert not processes_of(out)
+
+
+@pytest.mark.distributed
+def test_the_workers_die_with_a_launcher_killed_with_sigkill(tmp_path):
+    """Before: torchrun and its workers went on training into a folder whose lock was free."""
+    out = tmp_path / "out"
+    launcher = launched_until(tmp_path, out, 3)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while processes_of(out):
+        assert time.monotonic() < deadline, f"still running: {processes_of(out)}"
+        time.sleep(0.1)
+    lines = len((out / "metrics.jsonl").read_text().splitlines())
+    time.sleep(1)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == lines
+
+
+@pytest.mark.slow  # (the refusal path of one process: tests/e2e/test_nothing_lost.py; the launcher's own: above)
+@pytest.mark.distributed
+def test_a_refusal_inside_the_ranks_is_said_once_with_its_code(tmp_path):
+    result = run(tmp_path, tmp_path / "out", "--nproc-per-node", "2", "--merged")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("error: --merged: the recipe trains no LoRA adapters") == 1, result.stderr
+    assert "Traceback" not in result.stderr

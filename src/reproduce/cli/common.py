@@ -13,7 +13,6 @@ from ..shipped import described, resolve_recipe
 _WIDTH = None if sys.stdout.isatty() else 120
 stdout = Console(highlight=False, width=_WIDTH)
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
-typed_args: list[str] = []  # the command's arguments as typed (set by `main`), for a "start again with" line
 
 
 def parameters_line(counts: tuple[int, int]) -> str:

@@ -6,7 +6,6 @@ import contextlib
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from enum import Enum
@@ -26,8 +25,8 @@ from ..plan.reported import reported_line
 from ..session import RunRequest, check_launch_policy, checked_run, prepare_run
 from ..storage import lock, signals
 from .app import app
-from .common import is_terminal, loss_text, parameters_line, recipe_argument, show_note, stderr, stdout, typed_args
-from .flags import request_flags
+from .common import is_terminal, loss_text, parameters_line, recipe_argument, show_note, stderr, stdout
+from .flags import request_flags, typed_args
 from .options import (
     BACKBONE_WEIGHTS_HELP,
     BATCHNORM_HELP,
@@ -335,18 +334,11 @@ def launch(request: RunRequest, world: Any) -> int:
 
 
 def _launch(command: list[str]) -> int:
-    """Run torchrun, passing SIGINT/SIGTERM on to it (it forwards them to every rank, which checkpoint and stop)."""
-    child = subprocess.Popen(command)
+    """Run torchrun: its workers die with this process, get its SIGINT/SIGTERM, and say their ending through it,
+    once (train/distributed/launched.py)."""
+    from ..train.distributed.launched import run_launched
 
-    def forward(signum, frame):
-        child.send_signal(signum)
-
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return child.wait()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    return run_launched(command, shlex.join(["reproduce", *map(str, typed_args)]))
 
 
 @app.command("run")
@@ -404,6 +396,10 @@ def run_command(
 
         check_trackers(request.log_to)  # a missing package: one line, before anything is planned or trained
         world = distributed.world_from_env()
+        if world.distributed:  # under a one-machine launcher: die with it, take its signals (launched.py)
+            from ..train.distributed.launched import join_launcher
+
+            join_launcher()
         if request.nproc_per_node is not None and not world.distributed:
             raise typer.Exit(launch(request, world))
         owner = lock.owns_the_run(world.distributed, world.rank)

@@ -117,10 +117,12 @@ def train(plan: Plan, out: str | Path, options: RunOptions | None = None) -> dic
     except RuntimeError as error:
         if world.distributed and distributed.peer_failed(error):
             distributed.abandon(world)
-            raise TrainingStopped(
+            stopped = TrainingStopped(
                 f"rank {world.rank}: a collective with the other ranks failed ({str(error).splitlines()[0]}): "
                 "another rank stopped, and its message says why"
-            ) from None
+            )
+            stopped.peer = True  # type: ignore[attr-defined]  (a launcher says another rank's ending first)
+            raise stopped from None
         distributed.abandon(world)
         raise
     except BaseException:
