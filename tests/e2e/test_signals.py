@@ -93,7 +93,8 @@ def same_end(out: Path, whole: Path) -> None:
 @pytest.mark.parametrize("fault, code", [
     ("write:model.pt:SIGINT", 130),  # inside the final torch.save of model.pt (a traceback before)
     ("end:SIGTERM", 143),  # after the last step, before the end is written (no word before)
-    ("write:loss.svg:SIGTERM", 143),
+    # (the same stop between two files of the end: the model.pt case above is the faster proof)
+    pytest.param("write:loss.svg:SIGTERM", 143, marks=pytest.mark.slow),
 ])
 def test_a_signal_while_the_end_is_written_stops_in_one_line_and_the_resume_writes_it(fault, code, whole, tmp_path):
     out = tmp_path / "out"
@@ -113,7 +114,7 @@ def test_a_signal_after_the_last_write_says_the_run_is_complete(whole, tmp_path)
     same_end(out, whole)
 
 
-@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)])  # (SIGINT: as SIGTERM)
 def test_a_signal_before_the_first_step_leaves_the_folder_as_it_was(signum, whole, tmp_path):
     """Set up, plan.yaml written, no step yet: the folder is as before (here: none), and the command as typed
     starts the run again."""
@@ -153,7 +154,7 @@ def test_a_run_killed_while_writing_plan_yaml_leaves_a_new_run(whole, tmp_path):
         same_end(out, whole)
 
 
-@pytest.mark.parametrize("how", ["--resume", "--auto-resume"])
+@pytest.mark.parametrize("how", ["--resume", pytest.param("--auto-resume", marks=pytest.mark.slow)])  # (as --resume)
 def test_a_run_killed_while_writing_a_checkpoint_resumes_and_its_temporary_goes(how, whole, tmp_path):
     out = tmp_path / "out"
     killed = run(tmp_path, out, fault="write:last.pt#2:SIGKILL")  # the second checkpoint, half-written
@@ -165,6 +166,7 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_and_its_temporary_goes(
     same_end(out, whole)
 
 
+@pytest.mark.slow  # (the same sweep as test_a_run_killed_while_writing_plan_yaml_leaves_a_new_run, in a resume)
 def test_a_resume_killed_while_writing_plan_yaml_resumes(whole, tmp_path):
     out = tmp_path / "out"
     assert run(tmp_path, out, "--max-steps", "4").returncode == 0
@@ -185,7 +187,7 @@ def previous(whole, tmp_path) -> tuple[Path, dict]:
     return out, snapshot(out)
 
 
-@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("signum", ["SIGINT", pytest.param("SIGTERM", marks=pytest.mark.slow)])  # (as SIGINT)
 def test_a_signal_while_force_moves_the_previous_run_aside_puts_it_back(signum, previous, tmp_path):
     """The previous run is aside (one rename), its files not yet removed from the folder: the signal waits for the
     move, then everything is put back, byte for byte."""
