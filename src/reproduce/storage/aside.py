@@ -117,6 +117,13 @@ def _put_back(out: Path, folder: Path, names: list[str]) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def _same(a: Path, b: Path) -> bool:
+    """The same file (a hard link), or its copy (shutil.copy2 keeps the time of the last change)."""
+    one, other = a.stat(), b.stat()
+    return (one.st_dev, one.st_ino) == (other.st_dev, other.st_ino) or (
+        one.st_size == other.st_size and one.st_mtime_ns == other.st_mtime_ns)
+
+
 def settle(out: Path, names: list[str], checkpoint: str = "checkpoints/last.pt") -> str | None:
     """An aside folder a killed `--force` run left in `out` (the caller holds the lock): kept by the new run that
     has a checkpoint of its own (not the previous run's file still in place), else put back. A note, or None."""
@@ -125,7 +132,7 @@ def settle(out: Path, names: list[str], checkpoint: str = "checkpoints/last.pt")
         if folder.name.endswith(".tmp") or not (folder / NAMES).is_file():
             continue
         mine, theirs = out / checkpoint, folder / checkpoint
-        own = mine.is_file() and not (theirs.exists() and os.path.samefile(mine, theirs))
+        own = mine.is_file() and not (theirs.is_file() and _same(mine, theirs))
         if own:
             shutil.rmtree(folder, ignore_errors=True)
             continue
