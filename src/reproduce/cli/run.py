@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shlex
 import signal
@@ -284,13 +285,16 @@ def settle_folder(out: Path, say: bool) -> None:
 
 
 @contextlib.contextmanager
-def stopped_while_starting(request: RunRequest, decided: dict):
+def stopped_while_starting(decided: dict):
     """SIGINT / SIGTERM before the run's step loop (storage/signals.py): one line, exit 130 / 143, with the command
     that goes on: the resume of the checkpoint that was there, untouched; else the command as typed, as nothing of
     this run was kept (a previous run set aside by `--force` is back)."""
     try:
         yield
     except signals.SignalReceived as received:
+        if "request" not in decided:  # (before the options were read: nothing decided, nothing written)
+            raise Interrupted(f"{received.name} before the run started", received.exit_code) from None
+        request = decided["request"]
         out = request.out
         if decided["resume"] and (out / "checkpoints" / "last.pt").is_file():
             from ..train.distributed import processes as distributed
@@ -341,7 +345,28 @@ def _launch(command: list[str]) -> int:
     return run_launched(command, shlex.join(["reproduce", *map(str, typed_args)]))
 
 
+starting_run: dict[str, Any] = {}  # the run command's request, and whether it resumes or forces (once decided)
+
+
+def stops_in_one_line(command):
+    """The run command with SIGINT / SIGTERM handled in every phase (storage/signals.py): before the step loop by
+    `stopped_while_starting`, in it and in the end's writes by the trainer, after them here."""
+
+    @functools.wraps(command)
+    def guarded(**kwargs: Any) -> None:
+        starting_run.clear()
+        with signals.guard(), stopped_while_starting(starting_run):
+            command(**kwargs)
+            received = signals.take()
+            if received is not None:  # after the end was written: nothing to continue
+                raise Interrupted(f"{signal.Signals(received).name} after the run finished: its outputs in "
+                                  f"{starting_run['request'].out} are complete", signals.exit_code(received))
+
+    return guarded
+
+
 @app.command("run")
+@stops_in_one_line
 def run_command(
     source: Path = typer.Argument(..., metavar="PLAN_OR_RECIPE", help=SOURCE_HELP),
     out: Path = typer.Option(..., "--out", help=OUT_HELP),
@@ -389,49 +414,45 @@ def run_command(
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     request = run_request(dict(locals()))
-    decided = {"resume": request.resume, "force": request.force}
-    with signals.guard(), stopped_while_starting(request, decided):
-        from ..train.distributed import processes as distributed  # torch is imported only by the commands that train
-        from ..train.trainer import RunOptions, train
+    starting_run.update(request=request, resume=request.resume, force=request.force)
+    from ..train.distributed import processes as distributed  # torch is imported only by the commands that train
+    from ..train.trainer import RunOptions, train
 
-        check_trackers(request.log_to)  # a missing package: one line, before anything is planned or trained
-        world = distributed.world_from_env()
-        if world.distributed:  # under a one-machine launcher: die with it, take its signals (launched.py)
-            from ..train.distributed.launched import join_launcher
+    check_trackers(request.log_to)  # a missing package: one line, before anything is planned or trained
+    world = distributed.world_from_env()
+    if world.distributed:  # under a one-machine launcher: die with it, take its signals (launched.py)
+        from ..train.distributed.launched import join_launcher
 
-            join_launcher()
-        if request.nproc_per_node is not None and not world.distributed:
-            raise typer.Exit(launch(request, world))
-        owner = lock.owns_the_run(world.distributed, world.rank)
-        # --out taken (one run per folder), writable and settled before anything is decided or set up
-        with lock.hold(out) if owner else contextlib.nullcontext():
-            if owner:
-                settle_folder(out, world.is_main)
-            resume, force = starting(request, world, False)
-            decided.update(resume=resume, force=force)
-            checked = checked_run(request, world.size, resume)
-            check_out_dir(out, resume, force)
-            probe = probe_options(memory, gpu, meter, headroom, no_cache)
-            prepared = prepare_run(request, world, resume, probe, show_note if world.is_main else None, checked)
-            launcher = launcher_of_this_job(world.size) if world.distributed else []
-            continue_with = continue_command(out, launcher, request_args(request, "resume"))
-            options = RunOptions(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
-                                 checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=prepared.data,
-                                 workers=workers, noise_scale=not no_noise_scale, continue_with=continue_with,
-                                 stop_on_divergence=stop_on_divergence, merged=merged)
-            if not world.is_main:  # the other ranks train quietly; rank 0 reports
-                train(prepared.plan, out, options)
-                return
-            parameters = counted_parameters(prepared.plan, prepared.data)
-            reporter = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings, parameters=parameters)
-            # metrics.jsonl stays the source of truth; the trackers get the same numbers (observe/trackers.py)
-            with TrackerReporter(reporter, request.log_to, out) as reporter:
-                summary = train(prepared.plan, out, options.replace(reporter=reporter))
-        show_end(summary, out, skip_nonfinite)
-        received = signals.take()
-        if received is not None:  # after the end was written: nothing to continue
-            raise Interrupted(f"{signal.Signals(received).name} after the run finished: its outputs in {out} are "
-                              "complete", signals.exit_code(received))
+        join_launcher()
+    if request.nproc_per_node is not None and not world.distributed:
+        raise typer.Exit(launch(request, world))
+    owner = lock.owns_the_run(world.distributed, world.rank)
+    # --out taken (one run per folder), writable and settled before anything is decided or set up
+    with lock.hold(out) if owner else contextlib.nullcontext():
+        if owner:
+            settle_folder(out, world.is_main)
+        resume, force = starting(request, world, False)
+        starting_run.update(resume=resume, force=force)
+        checked = checked_run(request, world.size, resume)
+        check_out_dir(out, resume, force)
+        probe = probe_options(memory, gpu, meter, headroom, no_cache)
+        prepared = prepare_run(request, world, resume, probe, show_note if world.is_main else None, checked)
+        launcher = launcher_of_this_job(world.size) if world.distributed else []
+        continue_with = continue_command(out, launcher, request_args(request, "resume"))
+        options = RunOptions(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
+                             checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=prepared.data,
+                             workers=workers, noise_scale=not no_noise_scale, continue_with=continue_with,
+                             stop_on_divergence=stop_on_divergence, merged=merged)
+        if not world.is_main:  # the other ranks train quietly; rank 0 reports
+            train(prepared.plan, out, options)
+            return
+        parameters = counted_parameters(prepared.plan, prepared.data)
+        reporter = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings, parameters=parameters)
+        # metrics.jsonl stays the source of truth; the trackers get the same numbers (observe/trackers.py)
+        with TrackerReporter(reporter, request.log_to, out) as reporter:
+            summary = train(prepared.plan, out, options.replace(reporter=reporter))
+    show_end(summary, out, skip_nonfinite)
+
 
 def show_end(summary: dict, out: Path, skip_nonfinite: bool) -> None:
     """What a finished run prints: its steps, losses and evaluation; the paper's values beside the run's; the noise
