@@ -228,8 +228,13 @@ def test_force_clears_the_previous_runs_outputs_only(tmp_path):
     failing_plan = make_plan(failing, micro_batch_max=16, dataset_size=len(data.train))
     from reproduce.errors import TrainingStopped
 
-    with pytest.raises(TrainingStopped):
+    previous = {name: (out / name).read_bytes() for name in ("model.pt", "summary.json", "checkpoints/last.pt")}
+    with pytest.raises(TrainingStopped):  # step 2 is not finite: before the new run's first checkpoint
         train(failing_plan, out, RunOptions(device="cpu", data=data, force=True))
     assert (out / "notes.txt").read_text() == "mine"
-    assert not (out / "model.pt").exists() and not (out / "summary.json").exists()
-    assert not (out / "checkpoints" / "last.pt").exists()  # the old run's checkpoint is not left to resume from
+    # the previous run is deleted only once the new run has a checkpoint of its own: here it is back, whole
+    assert {name: (out / name).read_bytes() for name in previous} == previous
+    train(plan, out, RunOptions(device="cpu", data=data, force=True, max_steps=2, checkpoint_every=1))
+    assert (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []

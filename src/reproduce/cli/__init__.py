@@ -11,6 +11,7 @@ import typer
 from typer.exceptions import TyperException
 
 from ..errors import DoesNotFit, GatePaused, Interrupted, TrainingStopped, UserError
+from ..train.distributed import launched
 from . import check as _check  # noqa: F401
 from . import evaluate as _evaluate  # noqa: F401
 from . import memory as _memory  # noqa: F401
@@ -21,7 +22,7 @@ from . import report as _report  # noqa: F401
 from . import run as _run  # noqa: F401
 from . import verify as _verify  # noqa: F401
 from .app import app
-from .flags import as_typed
+from .flags import as_typed, typed_args
 
 EXIT_USER_ERROR = 2
 EXIT_DOES_NOT_FIT = DoesNotFit.exit_code  # 3: valid input, but not even micro-batch 1 fits the memory
@@ -30,6 +31,7 @@ EXIT_DOES_NOT_FIT = DoesNotFit.exit_code  # 3: valid input, but not even micro-b
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `reproduce` console script."""
     typed = sys.argv[1:] if argv is None else argv
+    typed_args[:] = typed
     # this process is the command (the console script, python -m reproduce), not one of torchrun's workers, whose
     # process group's threads must be torn down by the collection: see leave_to_the_os
     if argv is None and "TORCHELASTIC_RUN_ID" not in os.environ and "WORLD_SIZE" not in os.environ:
@@ -37,22 +39,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = app(args=argv, prog_name="reproduce", standalone_mode=False)
     except DoesNotFit as error:
-        for line in error.lines:
-            print(as_typed(line, typed), file=sys.stderr)
-        sys.exit(EXIT_DOES_NOT_FIT)
+        _end([as_typed(line, typed) for line in error.lines], EXIT_DOES_NOT_FIT)
     except UserError as error:  # its fields named as the user gave them: the flag typed, or the recipe's path
-        for line in error.lines:
-            print(f"error: {as_typed(line, typed)}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+        _end([f"error: {as_typed(line, typed)}" for line in error.lines], EXIT_USER_ERROR)
     except Interrupted as error:
-        print(f"interrupted: {error}", file=sys.stderr)
-        sys.exit(error.exit_code)
+        _end([f"interrupted: {error}"], error.exit_code, quiet=launched.quiet_rank())
     except GatePaused as error:  # exit status 4: a gate's checkpoint kept, and the two ways on
-        print(f"paused: {error}", file=sys.stderr)
-        sys.exit(error.exit_code)
+        _end([f"paused: {error}"], error.exit_code, quiet=launched.quiet_rank())
     except TrainingStopped as error:
-        print(f"stopped: {error}", file=sys.stderr)
-        sys.exit(error.exit_code)
+        _end([f"stopped: {error}"], error.exit_code, peer=getattr(error, "peer", False))
     except TyperException as error:  # click's usage errors: bad option values, missing arguments
         print(f"error: {error.format_message()}", file=sys.stderr)
         sys.exit(error.exit_code)
@@ -60,6 +55,17 @@ def main(argv: list[str] | None = None) -> None:
         print("aborted", file=sys.stderr)
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _end(lines: list[str], code: int, peer: bool = False, quiet: bool = False) -> None:
+    """Say the command's ending and exit with its code; a worker a launcher started leaves both to the launcher,
+    which says the ranks' ending once (train/distributed/launched.py)."""
+    if launched.report(lines, code, peer):
+        sys.exit(0)
+    if not quiet:
+        for line in lines:
+            print(line, file=sys.stderr)
+    sys.exit(code)
 
 
 def leave_to_the_os() -> None:

@@ -25,6 +25,7 @@ from .options import FLAG_OF_FIELD
 # option when the user typed it
 RECIPE_FLAGS = FLAG_OF_FIELD
 
+typed_args: list[str] = []  # the command's arguments as typed (set by `main`), for a "start again with" line
 NAME = re.compile(r"`([a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*)`")
 
 

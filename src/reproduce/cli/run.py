@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from enum import Enum
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ..errors import UserError
+from ..errors import Interrupted, UserError
 from ..observe.outputs import check_out_dir
 from ..observe.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from ..plan.gates import outcome_line
@@ -25,10 +25,10 @@ from ..plan.phases import phase_lines
 from ..plan.planner import Plan
 from ..plan.reported import reported_line
 from ..session import RunRequest, check_launch_policy, checked_run, prepare_run
-from ..storage import lock
+from ..storage import lock, signals
 from .app import app
 from .common import is_terminal, loss_text, parameters_line, recipe_argument, show_note, stderr, stdout
-from .flags import request_flags
+from .flags import request_flags, typed_args
 from .options import (
     BACKBONE_WEIGHTS_HELP,
     BATCHNORM_HELP,
@@ -293,6 +293,47 @@ def starting(request: RunRequest, world: Any, launching: bool) -> tuple[bool, bo
     return state == "unfinished", state == "started"
 
 
+def settle_folder(out: Path, say: bool) -> None:
+    """What a process killed in `out` left (the caller holds the lock): its temporaries are gone (storage/lock.py),
+    and the previous run a killed `--force` set aside is put back, or goes if the new run had its own checkpoint."""
+    from ..observe.outputs import run_outputs
+    from ..storage.aside import settle
+
+    note = settle(out, run_outputs(out)) if out.is_dir() else None
+    if note and say:
+        show_note(f"note: {note}")
+
+
+@contextlib.contextmanager
+def stopped_while_starting(decided: dict):
+    """SIGINT / SIGTERM before the run's step loop (storage/signals.py): one line, exit 130 / 143, with the command
+    that goes on: the resume of the checkpoint that was there, untouched; else the command as typed, as nothing of
+    this run was kept (a previous run set aside by `--force` is back)."""
+    try:
+        yield
+    except signals.SignalReceived as received:
+        if "request" not in decided:  # (before the options were read: nothing decided, nothing written)
+            raise Interrupted(f"{received.name} before the run started", received.exit_code) from None
+        request = decided["request"]
+        out = request.out
+        if decided["resume"] and (out / "checkpoints" / "last.pt").is_file():
+            from ..train.distributed import processes as distributed
+
+            world = distributed.world_from_env()
+            launcher = launcher_of_this_job(world.size) if world.distributed else []
+            then = (f"{out / 'checkpoints' / 'last.pt'} is as it was. Continue with: "
+                    + continue_command(out, launcher, request_args(request, "resume")))
+        else:
+            kept = "the previous run is back in place" if decided["force"] else "nothing of this run was kept"
+            typed = os.environ.get(COMMAND_ENV) or shlex.join(["reproduce", *map(str, typed_args)])
+            then = f"{kept} in {out}. Start again with: {typed}"
+        when = "this call's first optimizer step" if decided["resume"] else "the first optimizer step"
+        raise Interrupted(f"{received.name} before {when}; {then}", received.exit_code) from None
+
+
+COMMAND_ENV = "REPRODUCE_COMMAND"  # the command the user typed, for the processes a launcher started
+
+
 def launch(request: RunRequest, world: Any) -> int:
     """`--nproc-per-node`: the run's checks here, then torchrun starting this command in each process."""
     from ..train.distributed import processes as distributed
@@ -300,36 +341,52 @@ def launch(request: RunRequest, world: Any) -> int:
     _, nodes = node_range(request.nnodes)
     if nodes > 1 and request.rdzv_endpoint is None:
         raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
-    resume, force = starting(request, world, True)
-    processes = request.nproc_per_node * nodes  # an elastic job is planned for its most nodes; fewer re-derive N
-    _, plan = checked_run(request, processes, resume)  # bad input: one line, before launching
-    check_launch_policy(request.policy, plan, processes)
-    args = [str(request.source), "--out", str(request.out), *request_args(request, "torchrun")]
-    launcher = (request.nproc_per_node, request.nnodes, request.node_rank, request.rdzv_endpoint)
-    command = distributed.torchrun_command(args, *launcher, max_restarts=request.max_restarts)
-    os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(*launcher))
-    check_out_dir(request.out, resume, force)
     with lock.hold_for_launch(request.out, nodes):  # one machine: the launcher's, for its whole life; several: rank 0's
+        if nodes == 1:
+            settle_folder(request.out, True)
+        resume, force = starting(request, world, True)
+        processes = request.nproc_per_node * nodes  # an elastic job is planned for its most nodes; fewer re-derive N
+        _, plan = checked_run(request, processes, resume)  # bad input: one line, before launching
+        check_launch_policy(request.policy, plan, processes)
+        args = [str(request.source), "--out", str(request.out), *request_args(request, "torchrun")]
+        launcher = (request.nproc_per_node, request.nnodes, request.node_rank, request.rdzv_endpoint)
+        command = distributed.torchrun_command(args, *launcher, max_restarts=request.max_restarts)
+        os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(*launcher))
+        check_out_dir(request.out, resume, force)
         print("launching: " + " ".join(command), flush=True)
         return _launch(command)
 
 
 def _launch(command: list[str]) -> int:
-    """Run torchrun, passing SIGINT/SIGTERM on to it (it forwards them to every rank, which checkpoint and stop)."""
-    child = subprocess.Popen(command)
+    """Run torchrun: its workers die with this process, get its SIGINT/SIGTERM, and say their ending through it,
+    once (train/distributed/launched.py)."""
+    from ..train.distributed.launched import run_launched
 
-    def forward(signum, frame):
-        child.send_signal(signum)
+    return run_launched(command, shlex.join(["reproduce", *map(str, typed_args)]))
 
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return child.wait()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+
+starting_run: dict[str, Any] = {}  # the run command's request, and whether it resumes or forces (once decided)
+
+
+def stops_in_one_line(command):
+    """The run command with SIGINT / SIGTERM handled in every phase (storage/signals.py): before the step loop by
+    `stopped_while_starting`, in it and in the end's writes by the trainer, after them here."""
+
+    @functools.wraps(command)
+    def guarded(**kwargs: Any) -> None:
+        starting_run.clear()
+        with signals.guard(), stopped_while_starting(starting_run):
+            command(**kwargs)
+            received = signals.take()
+            if received is not None:  # after the end was written: nothing to continue
+                raise Interrupted(f"{signal.Signals(received).name} after the run finished: its outputs in "
+                                  f"{starting_run['request'].out} are complete", signals.exit_code(received))
+
+    return guarded
 
 
 @app.command("run")
+@stops_in_one_line
 def run_command(
     source: Path = typer.Argument(..., metavar="PLAN_OR_RECIPE", help=SOURCE_HELP),
     out: Path = typer.Option(..., "--out", help=OUT_HELP),
@@ -380,19 +437,29 @@ def run_command(
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
     request = run_request(dict(locals()))
+    starting_run.update(request=request, resume=request.resume, force=request.force)
     from ..train.distributed import processes as distributed  # torch is imported only by the commands that train
     from ..train.trainer import RunOptions, train
 
     check_trackers(request.log_to)  # a missing package: one line, before anything is planned or trained
     world = distributed.world_from_env()
+    if world.distributed:  # under a one-machine launcher: die with it, take its signals (launched.py)
+        from ..train.distributed.launched import join_launcher
+
+        join_launcher()
     if request.nproc_per_node is not None and not world.distributed:
         raise typer.Exit(launch(request, world))
-    resume, force = starting(request, world, False)
-    if from_gate is not None and not resume:
-        raise UserError("--from: starts a resumed run from a gate's checkpoint; give it with --resume")
-    checked = checked_run(request, world.size, resume)
-    check_out_dir(out, resume, force)  # --out taken (one run per folder) and writable before anything is set up
-    with lock.hold(out) if lock.owns_the_run(world.distributed, world.rank) else contextlib.nullcontext():
+    owner = lock.owns_the_run(world.distributed, world.rank)
+    # --out taken (one run per folder), writable and settled before anything is decided or set up
+    with lock.hold(out) if owner else contextlib.nullcontext():
+        if owner:
+            settle_folder(out, world.is_main)
+        resume, force = starting(request, world, False)
+        starting_run.update(resume=resume, force=force)
+        if from_gate is not None and not resume:
+            raise UserError("--from: starts a resumed run from a gate's checkpoint; give it with --resume")
+        checked = checked_run(request, world.size, resume)
+        check_out_dir(out, resume, force)
         probe = probe_options(memory, gpu, meter, headroom, no_cache)
         prepared = prepare_run(request, world, resume, probe, show_note if world.is_main else None, checked)
         launcher = launcher_of_this_job(world.size) if world.distributed else []

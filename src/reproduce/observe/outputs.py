@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from ..errors import UserError
-from ..storage.files import WriteFailed, check_torch_file, write_atomic
+from ..storage.files import TEMPORARY, WriteFailed, check_torch_file, write_atomic
 from ..storage.lock import LOCK_NAME
 from .loss_plot import loss_svg
 
@@ -22,7 +22,8 @@ def check_out_dir(out: Path, resume: bool, force: bool) -> None:
         if not (out / "checkpoints" / "last.pt").is_file():
             raise UserError(f"{out} has no checkpoints/last.pt to resume from", field="resume")
         return
-    if out.is_dir() and any(entry.name != LOCK_NAME for entry in out.iterdir()) and not force:
+    if out.is_dir() and any(entry.name != LOCK_NAME and not TEMPORARY.match(entry.name) for entry in out.iterdir()) \
+            and not force:  # (a dead writer's temporaries go when the run takes the lock: storage/lock.py)
         raise UserError(f"{out} is not empty ({folder_holds(out)}); " + (
             "pass `resume` to continue it, `force` to overwrite its outputs, or choose another folder"
             if any((out / name).exists() for name in OUTPUTS) else

@@ -350,8 +350,10 @@ class TrackerReporter:
 
     def __exit__(self, kind, error, traceback) -> None:
         from ..errors import Interrupted
+        from ..storage.signals import SignalReceived
 
-        status = "killed" if kind is not None and issubclass(kind, (Interrupted, KeyboardInterrupt)) else "failed"
+        stopped = (Interrupted, KeyboardInterrupt, SignalReceived)
+        status = "killed" if kind is not None and issubclass(kind, stopped) else "failed"
         for tracker in self.trackers:
             self._call(tracker, tracker.close, status)
 

@@ -1,72 +1,170 @@
-"""`--force` takes a folder over from a previous run without losing it to a run that never starts.
+"""`--force` takes a folder over from a previous run, all or nothing.
 
-The previous run's outputs are moved aside (into a hidden folder in `--out`) when the new run takes the folder, and
-deleted only once the new run has started for real: its model, data and plan built and its first optimizer step
-taken (`Previous.started`). Any failure before that (a late check, an error in the first step, a signal) puts them
-back (`setting_aside`'s exit), whatever raised it, so a check added later needs nothing of its own. A run killed
-before its first step leaves them aside, where they can be moved back by hand (see docs/run.md).
+The previous run's outputs are set aside in one rename: they are first linked (hard links: no copy of the data;
+a copy where the filesystem has none) into a hidden temporary `.previous-run.XXXXXXXX.tmp` with a list of their
+names, which is then renamed to `.previous-run.XXXXXXXX`. Only then are they removed from the folder. The rename is
+the commit: before it the folder is untouched (a temporary of a dead writer, removed at the next start), after it
+the previous run is whole in the aside folder. It is deleted only once the new run has written a checkpoint of its
+own (`Previous.started`, renamed to a temporary first, so a kill half-way through the deletion leaves litter, never
+half a previous run that looks whole). Any failure or signal before that puts it back (`setting_aside`'s exit) in
+place of what the new run wrote; the moves and the putting back run with SIGINT/SIGTERM deferred
+(`signals.deferred`), so a signal cannot split them.
+
+A process killed with SIGKILL in between leaves the aside folder: the next run or resume in that folder, holding its
+lock, settles it (`settle`): a new run that has a checkpoint of its own keeps it and the aside goes; otherwise the
+previous run is put back, and a note says so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from . import faults, signals
+
 ASIDE_PREFIX = ".previous-run."
+NAMES = ".names.json"  # in the aside folder: the outputs set aside, relative to the run's folder
+
+
+def _link_tree(source: Path, target: Path) -> None:
+    """`target` made the same tree as `source`: files hard-linked (copied where links are not possible)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if source.is_symlink() or not source.is_dir():
+        if source.is_symlink():
+            os.symlink(os.readlink(source), target)
+            return
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
+        return
+    target.mkdir()
+    for entry in source.iterdir():
+        _link_tree(entry, target / entry.name)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 class Previous:
-    """The previous run's outputs set aside in `folder` (None: nothing was there)."""
+    """The previous run's outputs set aside in `folder` (None: nothing was there, or they are gone or back)."""
 
     def __init__(self, out: Path, names: list[str]):
-        self.out, self.names, self.folder, self.moved = out, names, None, []
-        present = [name for name in names if (out / name).exists()]
-        if not present:
+        self.out, self.names, self.folder = out, names, None
+        self.present = [name for name in names if (out / name).exists() or (out / name).is_symlink()]
+
+    def move(self) -> None:
+        """Set the present outputs aside (one rename commits it), then remove them from the folder."""
+        if not self.present:
             return
-        self.folder = Path(tempfile.mkdtemp(dir=out, prefix=ASIDE_PREFIX))
-        for name in present:
-            (self.folder / name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(out / name, self.folder / name)
-            self.moved.append(name)
+        with signals.deferred(raise_on_exit=True):
+            building = Path(tempfile.mkdtemp(dir=self.out, prefix=ASIDE_PREFIX, suffix=".tmp"))
+            try:
+                for name in self.present:
+                    _link_tree(self.out / name, building / name)
+                (building / NAMES).write_text(json.dumps(self.present))
+                folder = building.with_name(building.name[: -len(".tmp")])
+                os.rename(building, folder)  # the commit: the previous run is whole in `folder`
+            except BaseException:
+                shutil.rmtree(building, ignore_errors=True)
+                raise
+            self.folder = folder
+            faults.at("aside")
+            for name in self.present:
+                _remove(self.out / name)
 
     def started(self) -> None:
-        """The new run has taken its first step: the previous outputs go."""
-        if self.folder is not None:
+        """The new run has a checkpoint of its own: the previous outputs go (renamed to a temporary first)."""
+        if self.folder is None:
+            return
+        with signals.deferred():
+            gone = self.folder.with_name(self.folder.name + ".gone.tmp")
+            with contextlib.suppress(OSError):
+                os.rename(self.folder, gone)
+                self.folder = gone
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
 
     def put_back(self) -> None:
-        """The new run failed before its first step: what it wrote goes, and the previous outputs return."""
+        """The new run failed or was stopped before its first checkpoint: what it wrote goes, and the previous
+        outputs return. Idempotent: a put-back cut short by a kill is finished by `settle`."""
         if self.folder is None:
             return
-        for name in self.names:  # what the new run wrote of its outputs
-            target = self.out / name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            else:
-                target.unlink(missing_ok=True)
-        for name in self.moved:
-            (self.out / name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(self.folder / name, self.out / name)
-        shutil.rmtree(self.folder, ignore_errors=True)
-        self.folder = None
+        with signals.deferred():  # (a signal here is the one being handled, or is said by the caller)
+            _put_back(self.out, self.folder, self.names)
+            self.folder = None
+
+
+def _put_back(out: Path, folder: Path, names: list[str]) -> None:
+    aside = json.loads((folder / NAMES).read_text())
+    for name in names:  # what the new run wrote of the outputs the previous run did not have
+        if name not in aside:
+            _remove(out / name)
+    for name in aside:
+        if (folder / name).exists() or (folder / name).is_symlink():
+            _remove(out / name)
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(folder / name, out / name)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _same(a: Path, b: Path) -> bool:
+    """The same file (a hard link), or its copy (shutil.copy2 keeps the time of the last change)."""
+    one, other = a.stat(), b.stat()
+    return (one.st_dev, one.st_ino) == (other.st_dev, other.st_ino) or (
+        one.st_size == other.st_size and one.st_mtime_ns == other.st_mtime_ns)
+
+
+def settle(out: Path, names: list[str], checkpoint: str = "checkpoints/last.pt") -> str | None:
+    """An aside folder a killed `--force` run left in `out` (the caller holds the lock): kept by the new run that
+    has a checkpoint of its own (not the previous run's file still in place), else put back. A note, or None."""
+    notes = []
+    for folder in sorted(out.glob(f"{ASIDE_PREFIX}*")):
+        if folder.name.endswith(".tmp") or not (folder / NAMES).is_file():
+            continue
+        mine, theirs = out / checkpoint, folder / checkpoint
+        own = mine.is_file() and not (theirs.is_file() and _same(mine, theirs))
+        if own:
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        with signals.deferred():
+            _put_back(out, folder, names)
+        notes.append(f"{out}: a --force run was stopped before its first checkpoint; the previous run it set aside "
+                     f"in {folder.name} is back in place")
+    return "; ".join(notes) or None
 
 
 @contextlib.contextmanager
-def setting_aside(out: Path, names: list[str], enabled: bool) -> Iterator[Previous | None]:
-    """The previous run's `names` set aside while the block runs (when `enabled`), put back if it raises before
-    `started()` was called."""
+def setting_aside(out: Path, names: list[str], enabled: bool,
+                  committed: Callable[[], bool] = lambda: True) -> Iterator[Previous | None]:
+    """The previous run's `names` set aside while the block runs (when `enabled`). On the block's exit they go when
+    `committed()` (the new run has a checkpoint of its own), else they are put back, whatever the exit; a signal
+    before that also removes what the new run wrote where there was no previous run (the folder as it was)."""
     if not enabled:
         yield None
         return
     previous = Previous(out, names)
     try:
+        previous.move()
         yield previous
-    except BaseException:
-        previous.put_back()
+    except BaseException as error:
+        if committed():
+            previous.started()
+        elif previous.folder is not None:
+            previous.put_back()
+        elif isinstance(error, signals.SignalReceived):  # stopped while starting: the folder as it was
+            with signals.deferred():
+                for name in names:
+                    if name not in previous.present:
+                        _remove(out / name)
         raise
     previous.started()  # (a run of no steps at all: done is started)

@@ -16,9 +16,11 @@ reproduce before the seal) gets the checks its format allows: each record agains
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 import zipfile
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import DiskFull, UserError
+from . import faults
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 
@@ -57,15 +60,21 @@ class _Recording:
     """A binary file that remembers the OS error of a failed write: torch.save reports one as a RuntimeError
     ("unexpected pos ...") that no longer says the disk was full."""
 
-    def __init__(self, handle: BinaryIO):
-        self.handle, self.error = handle, None
+    def __init__(self, handle: BinaryIO, name: str = ""):
+        self.handle, self.error, self.name, self.started = handle, None, name, False
 
     def write(self, data) -> int:
         try:
-            return self.handle.write(data)
+            written = self.handle.write(data)
         except OSError as error:
             self.error = error
             raise
+        if not self.started:  # (the tests' exact point: inside the write, e.g. torch.save's, of `name`, begun)
+            self.started = True
+            if faults.armed():
+                self.handle.flush()
+                faults.at(f"write:{self.name}")
+        return written
 
     def __getattr__(self, name):
         return getattr(self.handle, name)
@@ -86,7 +95,7 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
     recording = None
     try:
         with os.fdopen(descriptor, "w+b") as handle:  # (read too: write_torch_file may hash it again)
-            recording = _Recording(handle)
+            recording = _Recording(handle, path.name)
             write(recording)
             handle.flush()
             os.fsync(handle.fileno())
@@ -274,3 +283,33 @@ def _legacy(path: Path) -> bool:
     """A file in torch's pre-1.6 format: a pickle that starts with the format's magic number (a protocol-2 pickle)."""
     with open(path, "rb") as handle:
         return handle.read(2) == b"\x80\x02"
+
+
+# what write_atomic, replace_folder and the plan file leave while they write (mkstemp's 8 characters), what
+# replace_folder moves aside for a moment, and the trackers' state on its way to trackers.json
+TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$|^\.(adapter|merged)\.old$|^\.trackers\.json\.tmp$")
+
+
+def dead_temporaries(out: Path) -> list[Path]:
+    """The temporaries a writer left in `out` and `out/checkpoints` (hidden names of the patterns above). Only the
+    process that holds `out`'s lock may call them dead: no other run is writing there (storage/lock.py)."""
+    found = []
+    for folder in (out, out / "checkpoints"):
+        try:
+            entries = list(folder.iterdir())
+        except OSError:
+            continue
+        found += [entry for entry in entries if TEMPORARY.match(entry.name)]
+    return sorted(found)
+
+
+def remove_dead_temporaries(out: Path) -> list[Path]:
+    """Remove what `dead_temporaries` finds; returns it."""
+    found = dead_temporaries(out)
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
+    return found

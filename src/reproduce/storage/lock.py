@@ -7,6 +7,15 @@ torchrun workers do not take it). A job of several nodes shares `--out` (a files
 takes it, the job's rank 0 worker does, wherever it runs, so the nodes of one job share the folder and a second job
 is refused. Taking it again in the process that holds it is a
 no-op, so the CLI can take it before setting up and `train` again inside.
+
+A lock file can be deleted under a live run, and a new file of that name locked by another: the folder itself is
+locked too (`flock` on a descriptor of the folder, which no deletion of a path undoes), so a second run is refused
+while the first lives. The processes this one forks (DataLoader workers) close their copy of that descriptor at
+once (`os.register_at_fork`), so a run killed with SIGKILL frees the folder at once, as the POSIX lock does. On a
+filesystem without flock on folders (NFS) the lock file's lock is the lock, as before.
+
+Whoever takes the lock first in a process removes the temporaries a dead writer left in the folder
+(`files.remove_dead_temporaries`): holding the lock, no other run is writing there.
 """
 
 from __future__ import annotations
@@ -20,10 +29,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import UserError
-from .files import WriteFailed
+from .files import WriteFailed, remove_dead_temporaries
 
 LOCK_NAME = ".reproduce.lock"  # in --out; not an output, and never a reason to call the folder "not empty"
 _held: dict[Path, int] = {}  # folder -> how many holders in this process
+_folders: dict[Path, int] = {}  # folder -> the descriptor of the folder itself, holding its flock
+
+
+def _close_folders_in_child() -> None:
+    """A forked child (a DataLoader worker) drops its copy of the folders' descriptors: the flock belongs to the
+    descriptor, and the folder is free once the run itself is gone, whatever its workers do."""
+    for descriptor in _folders.values():
+        with contextlib.suppress(OSError):
+            os.close(descriptor)
+    _folders.clear()
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_folders_in_child)
 
 
 @contextlib.contextmanager
@@ -44,20 +67,29 @@ def hold(out: str | Path) -> Iterator[None]:
         descriptor = _locked(out / LOCK_NAME)
     except OSError as error:
         raise UserError(str(WriteFailed(out, error)), field="out") from None
-    if descriptor is None:
+    folder = _folder_locked(out) if descriptor is not None else None
+    if descriptor is None or folder is None:
+        if descriptor is not None:
+            os.close(descriptor)
         raise UserError(f"another run is using {out} (it holds {LOCK_NAME}'s lock); wait for it to end, "
                         "or choose another folder", field="out")
     _held[out] = 1
+    if folder >= 0:
+        _folders[out] = folder
     try:
         check_writable(out)
+        remove_dead_temporaries(out)
         yield
     finally:
         del _held[out]
+        _folders.pop(out, None)
         with contextlib.suppress(OSError):
             (out / LOCK_NAME).unlink()  # before the lock goes: a process that opened it retries (`_locked`)
             if created:
                 out.rmdir()  # only when empty: nothing was written
         os.close(descriptor)  # (releases the lock)
+        if folder >= 0:
+            os.close(folder)
 
 
 def _locked(path: Path) -> int | None:
@@ -80,6 +112,21 @@ def _locked(path: Path) -> int | None:
         if same:  # (not a file its holder removed while this process opened it)
             return descriptor
         os.close(descriptor)
+
+
+def _folder_locked(out: Path) -> int | None:
+    """A descriptor of the folder `out` holding its flock; None when another process holds it; -1 where the
+    filesystem locks no folders (the lock file's lock is then the lock)."""
+    try:
+        descriptor = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return -1
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        os.close(descriptor)
+        return None if error.errno in (errno.EAGAIN, errno.EACCES) else -1
+    return descriptor
 
 
 def check_writable(out: Path) -> None:

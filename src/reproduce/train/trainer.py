@@ -10,7 +10,6 @@ import contextlib
 import gc
 import json
 import signal
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,12 +29,12 @@ from ..observe.outputs import MetricsLog, check_out_dir, plot_metrics, read_metr
 from ..observe.rates import StepRates
 from ..plan import trained_with
 from ..plan.gates import planned_gates
-from ..plan.planfile import save_plan
+from ..plan.planfile import plan_to_yaml
 from ..plan.planner import Plan
 from ..plan.segments import batch_phases, length_sizes
 from ..plan.sharding import check_sharding
-from ..storage import lock
-from ..storage.aside import Previous, setting_aside
+from ..storage import faults, lock, signals
+from ..storage.aside import Previous, setting_aside, settle
 from ..storage.files import WriteFailed, replace_folder, write_text, write_torch_file
 from .checkpoint import full_model_state, save_checkpoint
 from .distributed import processes as distributed
@@ -59,26 +58,28 @@ CHECKPOINT_SECONDS = 300.0
 
 
 class StopSignals:
-    """SIGINT / SIGTERM set a flag; the loop finishes its optimizer step, checkpoints, and stops."""
+    """SIGINT / SIGTERM set a flag; the loop finishes its optimizer step, checkpoints, and stops. The handlers are
+    the command's (storage/signals.py: deferred here), or installed for the loop alone (a library caller)."""
 
-    EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+    EXIT_CODES = signals.EXIT_CODES
 
     def __init__(self) -> None:
-        self.received: int | None = None
-        self.previous: dict = {}
+        self.sections: list = []
+
+    @property
+    def received(self) -> int | None:
+        return signals.pending()
 
     def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.EXIT_CODES:
-                self.previous[signum] = signal.signal(signum, self._handle)
+        self.sections = [signals.guard(), signals.deferred()]
+        for section in self.sections:
+            section.__enter__()
         return self
 
-    def _handle(self, signum, frame) -> None:
-        self.received = signum
-
     def __exit__(self, *exc) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
+        for section in reversed(self.sections):
+            section.__exit__(None, None, None)
+        self.sections = []
 
     def agreed(self, world: World, device: torch.device, due: bool = False) -> tuple[int | None, bool]:
         """The signal any rank received, and whether any rank's checkpoint is due: all ranks stop, and save (a
@@ -121,10 +122,12 @@ def train(plan: Plan, out: str | Path, options: RunOptions | None = None) -> dic
     except RuntimeError as error:
         if world.distributed and distributed.peer_failed(error):
             distributed.abandon(world)
-            raise TrainingStopped(
+            stopped = TrainingStopped(
                 f"rank {world.rank}: a collective with the other ranks failed ({str(error).splitlines()[0]}): "
                 "another rank stopped, and its message says why"
-            ) from None
+            )
+            stopped.peer = True  # type: ignore[attr-defined]  (a launcher says another rank's ending first)
+            raise stopped from None
         distributed.abandon(world)
         raise
     except BaseException:
@@ -133,10 +136,15 @@ def train(plan: Plan, out: str | Path, options: RunOptions | None = None) -> dic
 
 
 def _train(plan: Plan, out: Path, options: RunOptions) -> dict:
-    # --force: the previous run's outputs stay aside until this run's first optimizer step, and come back if
-    # anything fails before it (storage/aside.py)
-    with setting_aside(out, run_outputs(out), options.force and not options.resume and
-                       distributed.world_from_env().is_main) as previous:
+    # --force: the previous run's outputs stay aside until this run's first checkpoint, and come back if anything
+    # fails or a signal stops it before then; a new run stopped by a signal while starting leaves the folder as it
+    # found it (storage/aside.py)
+    main = distributed.world_from_env().is_main
+    note = settle(out, run_outputs(out)) if main and lock.held(out) else None  # what a killed --force left
+    if note and options.reporter is not None:
+        options.reporter.message(f"note: {note}")
+    checkpoint = out / "checkpoints" / "last.pt"
+    with setting_aside(out, run_outputs(out), not options.resume and main, committed=checkpoint.is_file) as previous:
         run = start_run(plan, out, options)  # checks, the model and data, the resumed state, the run folder
         _train_steps(run, previous)
     return finish_run(run)
@@ -172,8 +180,6 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
                 del micro_batches
                 recover_from_out_of_memory(run, step, batch, agreed)
             count_step(run, step, result, partial, clock)
-            if previous is not None:  # started for real: the previous run's outputs go
-                previous.started()
             record = step_record(run, step, batch, lr, result, len(micro_batches), partial, tick, clock)
             diverging = watch_divergence(run, step, result)
             done = step + 1 == run.total
@@ -187,6 +193,9 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
             if diverging and options.stop_on_divergence:  # its step logged; the checkpoint before it kept
                 raise TrainingStopped(f"{diverging}; stopped (--stop-on-divergence); {run.last_checkpoint_note()}")
             checkpoint_or_stop(run, stop, step, done, gate=bool(gates))
+            if previous is not None and run.checkpoint_path.is_file():  # a checkpoint of its own: the previous go
+                previous.started()
+                previous = None
             after_checkpoint(run, gates)  # each gate's checkpoint kept; a pause gate stops here, exit status 4
     finally:
         close_run(run, stop, restore)
@@ -226,7 +235,7 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     if world.is_main:
         try:
             out.mkdir(parents=True, exist_ok=True)
-            save_plan(plan, out / "plan.yaml")
+            write_text(out / "plan.yaml", plan_to_yaml(plan))
         except OSError as error:
             raise WriteFailed(out / "plan.yaml", error) from None
     metrics = MetricsLog(out / "metrics.jsonl", resumed.metrics, enabled=world.is_main)
@@ -249,6 +258,7 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
         reporter.message(f"note: noise scale not measured: {noise_skipped}")
     if grouping is not None:  # the way this run groups, and what it pads (data/packing.py)
         reporter.message(grouping_line(plan, grouping, resumed.seed, resumed.first_step))
+    faults.at("start")  # (the tests' exact point: set up, plan.yaml written, no step yet)
     reporter.start(plan, total, resumed.first_step)
     started = time.perf_counter()
     before_resume, divergence = earlier_segments(out, resumed.state, resumed.first_step)
@@ -413,6 +423,7 @@ def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool, gate:
     if received:
         distributed.barrier(run.world)
         out = run.out
+        signals.take()
         raise Interrupted(
             f"{signal.Signals(received).name} after optimizer step {step + 1} of {run.total}; checkpoint "
             f"written to {run.checkpoint_path}. Continue with: "
@@ -433,20 +444,42 @@ def close_run(run: Run, stop: StopSignals, restore: Callable[[], None]) -> None:
 
 def finish_run(run: Run) -> dict:
     """summary.json and model.pt (rank 0), the LoRA adapter (and merged model) as users load them, the loss plot, and
-    the reporter's last word."""
+    the reporter's last word. A signal meanwhile lets the file being written finish, then stops before the next one
+    (`stop_in_end`): the checkpoint of the last step is whole, and the resume writes the end again."""
     # as the last checkpoint holds it (a resume that writes the end again: the uninterrupted run's, byte for byte)
     summary = run.summary if run.summary is not None else kept_summary(run.resumed.state) if (
         run.resumed.rebuild) else None
     summary = summary if summary is not None else run_summary(run, time.perf_counter() - run.started)
-    model_state = full_model_state(run.setup)  # FSDP: gathered from every rank's shards
-    if run.world.is_main:  # each written whole or not at all; summary.json last, as it names the others
-        write_torch_file(run.out / "model.pt", lambda handle: torch.save(model_state, handle))
-        summary.update(save_trained(run, model_state))
-        summary["plot"] = plot_metrics(run.out / "metrics.jsonl", run.out / "loss.svg")
-        write_text(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    with signals.deferred():
+        faults.at("end")
+        model_state = full_model_state(run.setup)  # FSDP: gathered from every rank's shards
+        if run.world.is_main:  # each written whole or not at all; summary.json last, as it names the others
+            stop_in_end(run, "model.pt")
+            write_torch_file(run.out / "model.pt", lambda handle: torch.save(model_state, handle))
+            stop_in_end(run, "adapter/" if peft_model(run.setup.unwrapped_model) is not None else "loss.svg")
+            summary.update(save_trained(run, model_state))
+            stop_in_end(run, "loss.svg")
+            summary["plot"] = plot_metrics(run.out / "metrics.jsonl", run.out / "loss.svg")
+            stop_in_end(run, "summary.json")
+            write_text(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
     distributed.barrier(run.world)
     run.reporter.finish(summary)
     return summary
+
+
+def stop_in_end(run: Run, next_file: str) -> None:
+    """After a signal while the run's end is written: stop before `next_file`, with the command that writes the end
+    again from the last checkpoint (a resume at the last step)."""
+    received = signals.take()
+    if received is None:
+        return
+    out = run.out
+    raise Interrupted(
+        f"{signal.Signals(received).name} while the run's end was written, before {out / next_file}; the checkpoint "
+        f"after optimizer step {run.total} of {run.total} is whole, and a resume writes the end again. Continue "
+        "with: " + (run.options.continue_with or f"reproduce run {out / 'plan.yaml'} --out {out} --resume"),
+        StopSignals.EXIT_CODES[received],
+    )
 
 
 def save_trained(run: Run, model_state: dict) -> dict:
