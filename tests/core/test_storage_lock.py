@@ -20,9 +20,13 @@ HOLDER = """
 import os, sys, time
 from reproduce.storage import lock
 with lock.hold(sys.argv[1]):
-    if sys.argv[2] == "fork" and os.fork() == 0:  # a child as a DataLoader worker: it outlives the holder
-        time.sleep(60)
-        os._exit(0)
+    if sys.argv[2] == "fork":  # a child as a DataLoader worker: it outlives the holder
+        ready, started = os.pipe()
+        if os.fork() == 0:
+            os.write(started, b"x")  # (running: the fork's handlers are done, as in a worker that loads data)
+            time.sleep(60)
+            os._exit(0)
+        os.read(ready, 1)
     print("held", flush=True)
     time.sleep(60)
 """

@@ -27,6 +27,7 @@ from .pretrained import (
     folder_inputs,
     load_hf_model,
     load_state_dict_file,
+    on_meta,
     weights_of,
     wrap_transformers,
 )
@@ -127,13 +128,15 @@ def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict 
     except UserError:
         raise
     except Exception as exc:  # the architecture's own error for the recipe's kwargs
+        if on_meta() and not isinstance(exc, TypeError):  # a count's build: its caller says what it could not do
+            raise
         raise rejected("model.kwargs", str(spec.builtin), exc) from None
     extra = {}
     if spec.builtin == "gpt":
         extra = {"vocab_size": (data_info or {}).get("vocab_size", 256)}
         if recipe.batch.sequence_length:  # the longest sequence of any batch phase
             extra["block_size"] = recipe.batch.longest_sequence_length
-    model = call_builder(spec, "model", MODELS, extra)
+    model = call_builder(spec, "model", MODELS, extra, own_errors=on_meta())  # (a count's build: its caller says)
     if not isinstance(model, nn.Module):
         raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")
     return wrap_transformers(model, recipe)

@@ -56,9 +56,11 @@ def import_factory(spec: str, field: str) -> Callable[..., Any]:
     return function  # type: ignore[no-any-return]  # callable() above: a function of the user's module
 
 
-def call_builder(builder: Any, field: str, registry: dict[str, Any], extra: dict[str, Any] | None = None) -> Any:
+def call_builder(builder: Any, field: str, registry: dict[str, Any], extra: dict[str, Any] | None = None,
+                 own_errors: bool = False) -> Any:
     """Build `builder` (a recipe's `model` or `data`: recipe.Builder): its `factory`, or its `builtin` from `registry`,
-    called with its `kwargs` over `extra`."""
+    called with its `kwargs` over `extra`. Its own errors are the recipe's (one line naming `field.kwargs`), unless
+    `own_errors`: a count made on the meta device, whose caller knows what such a build cannot do."""
     kwargs = {**(extra or {}), **builder.kwargs}
     if builder.factory is not None:
         function, name = import_factory(builder.factory, f"{field}.factory"), builder.factory
@@ -73,7 +75,11 @@ def call_builder(builder: Any, field: str, registry: dict[str, Any], extra: dict
         return function(**kwargs)
     except UserError:
         raise
+    except TypeError as exc:
+        raise rejected(f"{field}.kwargs", name, exc) from None
     except Exception as exc:
+        if own_errors:
+            raise
         raise rejected(f"{field}.kwargs", name, exc) from None
 
 

@@ -65,8 +65,8 @@ def check_same_plan(state: dict, plan: Plan, out: Path) -> None:
         shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
         raise UserError(f"{out / 'plan.yaml'} differs from the plan {out / 'checkpoints' / 'last.pt'} was trained "
                         f"with: {shown}; a resumed run trains its checkpoint's plan: put plan.yaml back as it was "
-                        "(the micro-batch and the processes have their own options: --micro-batch-max, "
-                        "--nproc-per-node), or start a new run with the new plan", field="resume")
+                        "(the micro-batch and the processes have their own options: `micro_batch_max`, "
+                        "`nproc_per_node`), or start a new run with the new plan", field="resume")
 
 
 def already_run(out: Path, first_step: int, total: int, max_steps: int | None, planned: int | None) -> str:
