@@ -25,7 +25,6 @@ from ..plan.planner import Plan
 from ..plan.reported import reported_line
 from ..session import RunRequest, check_launch_policy, checked_run, prepare_run
 from ..storage import lock, signals
-from ..train.reporter import RunStart
 from .app import app
 from .common import is_terminal, loss_text, parameters_line, recipe_argument, show_note, stderr, stdout
 from .flags import request_flags, typed_args
@@ -74,6 +73,7 @@ from .resume import (
 
 if TYPE_CHECKING:
     from ..data import Datasets
+    from ..train.reporter import RunStart
 
 
 def counted_parameters(plan: Plan, data: Datasets) -> tuple[int, int] | None:
