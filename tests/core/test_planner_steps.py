@@ -15,8 +15,7 @@ from reproduce.plan.planner import (
     warn_last,
     warn_partial_epoch,
 )
-from reproduce.plan.segments import whole_segment
-from reproduce.plan.split import micro_batch_cap
+from reproduce.plan.segments import micro_batch_cap, whole_segment
 
 
 @pytest.mark.parametrize(("micro", "world", "policy", "message"), [

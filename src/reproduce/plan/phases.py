@@ -21,8 +21,8 @@ from ..errors import UserError
 from .overlay import phase_recipe
 from .recipe import Decay, Length, Recipe
 from .schedules import StepSchedule
-from .segments import Segment, epoch_steps, own_steps, size_at
-from .split import Choice, SplitPolicy, micro_batch_cap, split
+from .segments import Segment, epoch_steps, micro_batch_cap, own_steps, size_at
+from .split import Choice, SplitPolicy, split
 
 # ---- planning ----------------------------------------------------------------------------------------------
 

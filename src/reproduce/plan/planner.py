@@ -20,19 +20,8 @@ from .overlay import Change, overlay
 from .phases import attach_phase_schedules, first_own_schedule_step, plan_phases
 from .recipe import Length, Recipe, default_packing
 from .schedules import StepSchedule
-from .segments import Segment, epoch_steps, lengths_to_steps, segment_lr, whole_segment
-from .split import (
-    Choice,
-    Frozen,
-    LrRule,
-    SplitPolicy,
-    choice,
-    exact_choice,
-    fast_choice,
-    lr_rule,
-    micro_batch_cap,
-    split_text,
-)
+from .segments import Segment, epoch_steps, lengths_to_steps, micro_batch_cap, segment_lr, whole_segment
+from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule, split_text
 from .throughput_choice import ThroughputChoice
 from .weightfiles import WeightsRecord
 

@@ -65,11 +65,6 @@ class Choice(Frozen):
         return split_text(self.micro_batch, self.accumulation_steps, self.world_size, self.effective_batch)
 
 
-def micro_batch_cap(micro_batch_max: int, batch: int, world_size: int) -> int:
-    """The largest micro-batch worth taking: what fits, at most what `batch` needs per process of `world_size`."""
-    return min(micro_batch_max, math.ceil(batch / world_size))
-
-
 def split(recipe: Recipe, cap: int, world_size: int, policy: SplitPolicy) -> Choice:
     """A fixed batch's split: exact when the policy asks for it and it exists, otherwise the nearest batch."""
     exact = exact_choice(recipe, cap, world_size) if policy == "exact" else None

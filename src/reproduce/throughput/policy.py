@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from ..errors import UserError
 from ..plan.planner import Plan, make_plan
 from ..plan.recipe import Recipe
-from ..plan.split import micro_batch_cap
+from ..plan.segments import micro_batch_cap
 from ..plan.weightfiles import WeightsRecord
 from ..probe.runner import ProbeResult
 from .prediction import DEFAULT_MFU
