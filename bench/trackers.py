@@ -33,9 +33,9 @@ class Timed(TrackerReporter):
         super().__init__(*args)
         self.spent = {"start": 0.0, "step": [], "finish": 0.0}
 
-    def start(self, plan, total_steps, first_step):
+    def start(self, start):
         began = time.perf_counter()
-        super().start(plan, total_steps, first_step)
+        super().start(start)
         self.spent["start"] = time.perf_counter() - began
 
     def step(self, record):

@@ -27,12 +27,12 @@ from .plan.overlay import Change, overlay, phase_recipe, resumed
 from .plan.overrides import changes_of
 from .plan.packing import with_probed_budget
 from .plan.planfile import load_plan, load_recipe_or_plan
-from .plan.planner import Plan, make_plan
+from .plan.planner import Plan, finish_plan, make_plan
 from .plan.recipe import NamedData, Recipe, load_recipe
 from .plan.resume_rules import check_resumed_data, check_resumed_weights, replan
 from .plan.sharding import check_sharding
 from .plan.units import format_size
-from .plan.weightfiles import data_fingerprint
+from .plan.weightfiles import WeightsRecord, data_fingerprint
 from .plan.weightfiles import inspect as inspect_weights
 from .plan.weightfiles import record as weights_record
 from .probe import cache
@@ -65,10 +65,12 @@ def _noter(notes: list[str], on_note: OnNote | None) -> OnNote:
 
 def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict | None, world_size: int,
                    policy: str = "exact", dataset_size: int | dict | None = None, *, probe: ProbeOptions | None = None,
-                   data: Datasets | None = None, keep_batchnorm: bool = True, on_note: OnNote | None = None) -> Planned:
+                   data: Datasets | None = None, keep_batchnorm: bool = True, on_note: OnNote | None = None,
+                   fingerprint: str | None = None) -> Planned:
     """Plan `recipe`; the one place that decides where the micro-batch maximum comes from: given, it is used as it
     is; otherwise the memory probe measures it (`probe`: the budget and meter; default: this machine's GPU), on
-    `data` when the caller has built it already. Returns the plan, the probe's result and the lines it gave.
+    `data` when the caller has built it already. Returns the plan, the probe's result and the lines it gave; the
+    plan records the pretrained weights it starts from and `fingerprint`, the data files' (a run's).
 
     With batch phases of several sequence lengths the probe runs once per length (what fits at 128 tokens does not
     at 512), each at the largest batch of that length; the result returned is the main length's.
@@ -114,22 +116,23 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
         from .throughput.policy import throughput_plan
 
         chosen = throughput_plan(recipe, recipe_path, micro_batch_max, world_size, dataset_size, result, data=data,
-                                 keep_batchnorm=keep_batchnorm, gpu=probe.gpu if probe else None, on_note=note)
-        return Planned(with_weights_record(chosen), result, notes)
+                                 keep_batchnorm=keep_batchnorm, gpu=probe.gpu if probe else None, on_note=note,
+                                 weights=weights_of(recipe), data_fingerprint=fingerprint)
+        return Planned(chosen, result, notes)
     counted = count_factory_batchnorm(recipe, data)
-    plan = make_plan(recipe, micro_batch_max, world_size, policy, dataset_size=dataset_size,
-                         recipe_path=recipe_path, batchnorm_layers=counted)
-    if memory:  # the memory knobs the plan took, or the ways it weighed (probe/memory_plan.py)
-        plan = plan.model_copy(update={"memory_notes": memory})
-    return Planned(with_weights_record(plan), result, notes)
+    # with the memory knobs the plan took, or the ways it weighed (probe/memory_plan.py)
+    plan = make_plan(recipe, micro_batch_max, world_size, policy, dataset_size=dataset_size, recipe_path=recipe_path,
+                     batchnorm_layers=counted, memory_notes=memory, weights=weights_of(recipe),
+                     data_fingerprint=fingerprint)
+    return Planned(plan, result, notes)
 
 
-def with_weights_record(plan: Plan) -> Plan:
-    """The plan with the record of the pretrained weights it starts from (path, size, fingerprint, and what a
-    folder's config changes of the recipe's built-in); unchanged for a model of random weights."""
-    spec = plan.recipe.model
+def weights_of(recipe: Recipe) -> WeightsRecord | None:
+    """The record of the pretrained weights a run of `recipe` starts from (path, size, fingerprint, and what a
+    folder's config changes of the recipe's built-in); None for a model of random weights."""
+    spec = recipe.model
     if spec.weights is None:
-        return plan.model_copy(update={"weights": None}) if plan.weights is not None else plan
+        return None
     builtin, vocab = None, None
     if spec.builtin is not None and Path(spec.weights).expanduser().is_dir():
         from .models.architectures import ARCHITECTURES  # (torch: only for a folder in place of a built-in)
@@ -138,7 +141,7 @@ def with_weights_record(plan: Plan) -> Plan:
         check_family(spec.builtin, inspect_weights(spec.weights))
         builtin = getattr(ARCHITECTURES.get(spec.builtin), "config", None)
         vocab = spec.kwargs.get("vocab_size")  # (builtin_from_folder widens the folder's embeddings to it)
-    return plan.model_copy(update={"weights": weights_record(spec.weights, builtin, vocab)})
+    return weights_record(spec.weights, builtin, vocab)
 
 
 def count_factory_batchnorm(recipe: Recipe, data: Datasets | None) -> int | None:
@@ -244,7 +247,7 @@ def recipe_for_run(source: Path, overrides: Sequence[Change], options: Sequence[
         if change.path == "model.batchnorm" and change.value != planned:
             raise UserError(f"{change.label}: the plan was made with model.batchnorm {planned}; plan again for "
                             f"{change.value}, or leave it out")
-    return changed, plan.model_copy(update={"recipe": changed})
+    return changed, finish_plan(plan, recipe=changed)
 
 
 def _check_changed(recipe: Recipe, changes: Sequence[Change], world_size: int | None) -> None:
@@ -413,18 +416,19 @@ def run_plan(recipe: Recipe, source: str, plan: Plan | None, micro_batch_max: in
     """The plan a run uses, and the warnings to show at its start: a new plan when none was given; the given (or
     resumed) one re-derived for another number of processes, a smaller --micro-batch-max on resume, or the data's
     size when it was made without it (resume_rules.replan)."""
+    # (a resumed run's weights and data were checked against its records: resume_rules)
+    fingerprint = (data_fingerprint([recipe.data.path, recipe.data.eval_path])
+                   if not resume and recipe.data.format is not None else None)
     if plan is None:
         plan = plan_and_probe(recipe, source, micro_batch_max, world_size, policy, dataset_size=dataset_size,
-                                  probe=probe, data=data, on_note=on_note).plan
+                              probe=probe, data=data, on_note=on_note, fingerprint=fingerprint).plan
     else:
         smaller = resume and micro_batch_max is not None and micro_batch_max < plan.micro_batch
         if plan.world_size != world_size or smaller or plan.dataset_size is None:
             plan = replan(plan, world_size, micro_batch_max if smaller else None, dataset_size, source)
-        if not resume:  # (a resumed run's weights were checked against its record: resume_rules)
-            plan = with_weights_record(plan)
-    if not resume and recipe.data.format is not None:  # (a resumed run's data was checked against it: resume_rules)
-        plan = plan.model_copy(update={"data_fingerprint": data_fingerprint(
-            [recipe.data.path, recipe.data.eval_path])})
+        if not resume:
+            plan = finish_plan(plan, weights=weights_of(plan.recipe), data_fingerprint=fingerprint
+                               if recipe.data.format is not None else plan.data_fingerprint)
     warnings = list(plan.warnings)
     main_size = dataset_size.get(recipe.batch.sequence_length) if isinstance(dataset_size, dict) else dataset_size
     if recipe.data.train_size is not None and recipe.data.train_size != main_size:

@@ -15,7 +15,7 @@ from reproduce.plan.planner import (
     warn_last,
     warn_partial_epoch,
 )
-from reproduce.plan.segments import whole_segment
+from reproduce.plan.segments import micro_batch_cap, whole_segment
 
 
 @pytest.mark.parametrize(("micro", "world", "policy", "message"), [
@@ -37,9 +37,10 @@ def test_choose_split_exact_fast_and_the_alternative():
     chosen, alternative = choose_split(r, 40, 1, "exact", None, warnings)
     assert (chosen.micro_batch, chosen.accumulation_steps, chosen.exact) == (32, 3, True)
     assert alternative is None and warnings == []
-    chosen, alternative = choose_split(r, 1000, 1, "fast", None, warnings)
-    assert (chosen.micro_batch, chosen.accumulation_steps) == (96, 1)
-    assert warnings == ["micro-batch capped at 96: the paper's batch of 96 over 1 process(es) needs no more per step"]
+    chosen, alternative = choose_split(r, 96, 1, "fast", None, warnings)  # (the cap: micro_batch_cap)
+    assert (chosen.micro_batch, chosen.accumulation_steps) == (96, 1) and warnings == []
+    capped = "micro-batch capped at 96: the paper's batch of 96 over 1 process(es) needs no more per step"
+    assert make_plan(r, 1000, 1, "fast").warnings[0] == capped and micro_batch_cap(1000, 96, 1) == 96
 
 
 def test_choose_split_takes_a_given_exact_micro_batch_or_refuses_it():
@@ -53,15 +54,15 @@ def test_choose_split_takes_a_given_exact_micro_batch_or_refuses_it():
 def test_choose_split_without_an_exact_split_takes_the_nearest_batch():
     r = make_recipe(batch={"effective": 100, "devices": None, "per_device": None})
     warnings: list[str] = []
-    chosen, alternative = choose_split(r, 1000, 3, "exact", None, warnings)
+    chosen, alternative = choose_split(r, micro_batch_cap(1000, 100, 3), 3, "exact", None, warnings)
     assert (chosen.micro_batch, chosen.accumulation_steps, chosen.effective_batch, chosen.exact) == (33, 1, 99, False)
-    assert warnings[1] == "no exact split: 100 samples is not divisible by world size 3; using the nearest batch 99"
+    assert warnings[0] == "no exact split: 100 samples is not divisible by world size 3; using the nearest batch 99"
 
 
 def test_scale_lr_sqrt_rule_and_adam_option():
     r = make_recipe(batch={"effective": 100, "devices": None, "per_device": None},
                     optimizer={"name": "adam", "lr": 1e-3})
-    chosen, _ = choose_split(r, 1000, 3, "exact", None, [])
+    chosen, _ = choose_split(r, micro_batch_cap(1000, 100, 3), 3, "exact", None, [])
     warnings: list[str] = []
     rule, source, adam = scale_lr(r, chosen, warnings)
     assert rule == "sqrt" and adam is not None and adam.eps == pytest.approx(1e-8 / 0.99 ** 0.5)

@@ -21,7 +21,6 @@ from ..observe.outputs import check_out_dir
 from ..observe.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from ..plan.gates import outcome_line
 from ..plan.launch import node_range
-from ..plan.phases import phase_lines
 from ..plan.planner import Plan
 from ..plan.reported import reported_line
 from ..session import RunRequest, check_launch_policy, checked_run, prepare_run
@@ -71,10 +70,10 @@ from .resume import (
     launcher_args,
     launcher_of_this_job,
 )
-from .throughput import cost_line
 
 if TYPE_CHECKING:
     from ..data import Datasets
+    from ..train.reporter import RunStart
 
 
 def counted_parameters(plan: Plan, data: Datasets) -> tuple[int, int] | None:
@@ -98,40 +97,21 @@ class PlainReporter:
         self.warnings, self.lines, self.every, self.total, self.started = warnings, lines, 1, 0, 0.0
         self.parameters = parameters  # (all, those that train) of the model
 
-    def start(self, plan: Plan, total_steps: int, first_step: int) -> None:
+    def start(self, start: RunStart) -> None:
+        """The start's lines as the trainer composed them (train/reporter.run_start), the warnings before them."""
         for warning in self.warnings:
             stderr.print(f"[yellow]warning:[/] {warning}")
-        phases = phase_lines(plan.segments, plan.world_size, plan.unit)
-        stdout.print(
-            ("main batch: " if phases else "")
-            + f"micro {plan.micro_batch} x accumulation {plan.accumulation_steps} x world {plan.world_size} = "
-            f"{plan.effective_batch} {plan.unit} per step"
-            + (f" ({plan.effective_tokens} tokens)" if plan.effective_tokens else "")
-            + ("" if plan.exact else f", not the paper's {plan.paper_effective_batch}: lr {plan.lr:.6g} "
-               f"({plan.lr_scaling.rule})")
-        )
-        if plan.throughput:  # --policy throughput: why this split (throughput/policy.py)
-            stdout.print(f"--policy throughput: {plan.throughput.reason}", markup=False, soft_wrap=True)
-            line = cost_line(plan.throughput)
-            if line:
-                stdout.print(line, markup=False, soft_wrap=True)
-        for line in phases:
+        stdout.print(start.batch)
+        for line in start.throughput:
+            stdout.print(line, markup=False, soft_wrap=True)
+        for line in start.phases:
             stdout.print(line, markup=False)
-        if plan.recipe.batch.sharding == "fsdp":
-            print(f"sharding: fsdp (FSDP2: parameters, gradients and optimizer state split over {plan.world_size} "
-                  "processes)", flush=True)
-        from ..plan.memory_options import memory_summary
-
-        if plan.weights is not None:
-            print(plan.weights.line(plan.recipe.model.builtin or plan.recipe.model.factory), flush=True)
-        if self.parameters is not None:
-            print(parameters_line(self.parameters), flush=True)
-        for line in [*plan.memory_notes, *(f"memory: {knob}" for knob in memory_summary(plan.recipe))]:
+        parameters = [parameters_line(self.parameters)] if self.parameters is not None else []
+        for line in [*filter(None, [start.sharding, start.weights]), *parameters, *start.memory]:
             print(line, flush=True)
-        self.total, self.every = total_steps, max(1, total_steps // self.lines)
+        self.total, self.every = start.total_steps, max(1, start.total_steps // self.lines)
         self.started = time.perf_counter()
-        where = f", resuming after step {first_step}" if first_step else ""
-        print(f"training {total_steps} optimizer steps{where}", flush=True)
+        print(start.training, flush=True)
 
     def step(self, record: dict) -> None:
         step = record["step"]
@@ -167,12 +147,10 @@ class PlainReporter:
 class RichReporter(PlainReporter):
     """A progress bar: optimizer step of total, loss, samples/s, ETA."""
 
-    def start(self, plan: Plan, total_steps: int, first_step: int) -> None:
-        super().start(plan, total_steps, first_step)
+    def start(self, start: RunStart) -> None:
+        super().start(start)
         self.samples = 0
-        text = plan.recipe.data.text_columns or plan.recipe.data.packing in ("sorted", "packed")
-        self.rate_unit = ("tokens/s" if plan.recipe.batch.sequence_length else "useful tokens/s" if text
-                          else f"{plan.unit}/s")
+        self.rate_unit = start.rate_unit
         self.progress = Progress(
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
             TextColumn("micro x{task.fields[micro]}  loss {task.fields[loss]}  {task.fields[rate]} "
@@ -180,7 +158,8 @@ class RichReporter(PlainReporter):
             TimeRemainingColumn(), console=stdout,
         )
         self.task = self.progress.add_task(
-            "train", total=total_steps, completed=first_step, loss="-", rate="-", micro=plan.accumulation_steps
+            "train", total=start.total_steps, completed=start.first_step, loss="-", rate="-",
+            micro=start.accumulation_steps
         )
         self.progress.start()
 

@@ -7,7 +7,6 @@ from rich.table import Table
 
 from ..plan.launch import GPUS_PER_NODE, node_split
 from ..plan.planner import Plan
-from ..plan.throughput_choice import ThroughputChoice
 from ..throughput.cost import format_duration
 from .common import stdout
 
@@ -46,28 +45,9 @@ def render_throughput(p: Plan) -> None:
     else:
         stdout.print(title)
     stdout.print(f"throughput: {decision.reason}", markup=False, soft_wrap=True)
-    line = cost_line(decision)
+    line = decision.cost_line()
     if line:
         stdout.print(line, markup=False, soft_wrap=True)
-
-
-def cost_line(decision: ThroughputChoice) -> str | None:
-    """The cost of choosing: seconds of timed steps, in all and per split, against the bound."""
-    cost = decision.cost
-    if not cost or not cost.get("per_split_seconds"):
-        return None
-    low, high = cost["per_split_seconds"]
-    timed = len(decision.candidates)
-    line = (f"cost of choosing: {cost['seconds']:.3g} s of timed steps for {timed} splits ({low:.2g} to {high:.2g} s "
-            f"each: a warm-up step, {cost['rounds']} interleaved rounds"
-            + (f", {' and '.join(map(str, cost['retimed']))} re-timed" if cost["retimed"] else "")
-            + f"), bound {cost['bound_seconds']:g} s"
-            + (" (over it: the least it takes)" if cost["over_bound"] else ""))
-    if cost.get("setup_seconds") is not None:
-        line += f"; building the model {cost['setup_seconds']:.2g} s"
-    if cost["left_out"]:
-        line += f"; {len(cost['left_out'])} left out"
-    return line
 
 
 def cluster_cost(hours: float | None, world_size: int = 0, gpus_per_node: int = GPUS_PER_NODE) -> str:

@@ -74,9 +74,9 @@ class TensorboardReporter:
     def __init__(self, inner, out_dir: str | Path):
         self.inner, self.log = inner, TensorboardLog(out_dir)
 
-    def start(self, plan, total_steps: int, first_step: int) -> None:
-        self.log.open(first_step)
-        self.inner.start(plan, total_steps, first_step)
+    def start(self, start) -> None:
+        self.log.open(start.first_step)
+        self.inner.start(start)
 
     def step(self, record: dict) -> None:
         self.log.write(record)

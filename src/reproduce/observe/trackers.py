@@ -386,7 +386,9 @@ class TrackerReporter:
         temporary.write_text(json.dumps(self.state, indent=2) + "\n", encoding="utf-8")
         os.replace(temporary, path)
 
-    def start(self, plan, total_steps: int, first_step: int) -> None:
+    def start(self, start) -> None:
+        """Each tracker's run opened with the plan (`start`: train/reporter.RunStart), then the inner reporter's."""
+        plan, first_step = start.plan, start.first_step
         path = self.out / STATE
         saved = json.loads(path.read_text(encoding="utf-8")) if first_step and path.is_file() else {}
         records = read_metrics(self.out / "metrics.jsonl") if first_step else []  # truncated to the checkpoint
@@ -405,7 +407,7 @@ class TrackerReporter:
                     self._log(tracker, step, record)
         if self.state:
             self._save_state()
-        self.inner.start(plan, total_steps, first_step)
+        self.inner.start(start)
 
     def _log(self, tracker: Tracker, step: int, record: dict) -> None:
         if self._call(tracker, tracker.log, step, numeric(record), doing=f"step {step}"):

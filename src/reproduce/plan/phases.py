@@ -21,7 +21,7 @@ from ..errors import UserError
 from .overlay import phase_recipe
 from .recipe import Decay, Length, Recipe
 from .schedules import StepSchedule
-from .segments import Segment, epoch_steps, own_steps, size_at
+from .segments import Segment, epoch_steps, micro_batch_cap, own_steps, size_at
 from .split import Choice, SplitPolicy, split
 
 # ---- planning ----------------------------------------------------------------------------------------------
@@ -74,7 +74,7 @@ def plan_phases(
                 raise UserError(f"{world_size} processes exceed batch.phases[{index}]'s batch of "
                                 f"{paper} {batch.count_unit}: each process needs at least one", field="world_size")
             cap = cap_at(length)
-            choice = split(phase_recipe(recipe, paper, length), min(cap, math.ceil(paper / world_size)), world_size,
+            choice = split(phase_recipe(recipe, paper, length), micro_batch_cap(cap, paper, world_size), world_size,
                            policy)
             placed = segment("phase", start, None, choice, paper, length, cap, choice.exact)
             if index < len(batch.phases) - 1:

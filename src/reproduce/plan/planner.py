@@ -9,7 +9,7 @@ that is possible; the LR rule applied when it is not; and the schedule converted
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,7 +20,7 @@ from .overlay import Change, overlay
 from .phases import attach_phase_schedules, first_own_schedule_step, plan_phases
 from .recipe import Length, Recipe, default_packing
 from .schedules import StepSchedule
-from .segments import Segment, epoch_steps, lengths_to_steps, segment_lr, whole_segment
+from .segments import Segment, epoch_steps, lengths_to_steps, micro_batch_cap, segment_lr, whole_segment
 from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule, split_text
 from .throughput_choice import ThroughputChoice
 from .weightfiles import WeightsRecord
@@ -156,6 +156,11 @@ def make_plan(
     recipe_path: str | None = None,
     micro_batch: int | None = None,
     batchnorm_layers: int | None = None,
+    *,
+    memory_notes: Sequence[str] = (),
+    weights: WeightsRecord | None = None,
+    data_fingerprint: str | None = None,
+    throughput: ThroughputChoice | None = None,
 ) -> Plan:
     """The plan for `recipe` on `world_size` processes that each fit `micro_batch_max` samples.
 
@@ -164,6 +169,9 @@ def make_plan(
     `exact` with the micro-batch `micro_batch` (the exact split the throughput search chose,
     reproduce/throughput/splits.py) when given, else the largest. `batchnorm_layers`: the BatchNorm layers the torch
     layer counted in the built model (built-ins are known without it; otherwise the recipe's label stands in).
+    The parts the caller measured or read, which the plan records as they are: `memory_notes` (the memory knobs
+    the probe took, probe/memory_plan.py), `weights` (the record of the pretrained weights, weightfiles.record),
+    `data_fingerprint` (the data files' when a run starts), `throughput` (the timed splits, throughput/policy.py).
 
     `data.packing` left unset takes the data's default (`recipe.default_packing`), written into the plan's recipe
     so that the run, verify and a resume group alike.
@@ -182,8 +190,12 @@ def make_plan(
     check_arguments(recipe, cap, world_size, policy)
     split_policy = "exact" if policy == "throughput" else policy  # throughput: exact, its micro-batch chosen
     warnings: list[str] = []
-    chosen, alternative = choose_split(recipe, cap, world_size, split_policy, micro_batch, warnings)
-    norm, batchnorm = plan_norm(recipe, chosen, cap, world_size, batchnorm_layers, warnings)
+    capped = micro_batch_cap(cap, recipe.batch.sequences, world_size)
+    if capped < cap:
+        warnings.append(f"micro-batch capped at {capped}: the paper's batch of {recipe.batch.sequences} over "
+                        f"{world_size} process(es) needs no more per step")
+    chosen, alternative = choose_split(recipe, capped, world_size, split_policy, micro_batch, warnings)
+    norm, batchnorm = plan_norm(recipe, chosen, capped, world_size, batchnorm_layers, warnings)
     rule, source, adam_option = scale_lr(recipe, chosen, warnings)
     size = size or recipe.data.train_size
     steps_per_epoch, partial = epoch_steps(size, chosen.effective_batch, world_size, recipe.data.drop_last)
@@ -225,9 +237,20 @@ def make_plan(
         batchnorm=norm,
         batchnorm_warning=batchnorm,
         warnings=warnings,
+        throughput=throughput,
+        memory_notes=list(memory_notes),
+        weights=weights,
+        data_fingerprint=data_fingerprint,
     )
     planned_gates(plan)  # each gate at an optimizer step of the run, or one line now (plan/gates.py)
     return plan
+
+
+def finish_plan(plan: Plan, **parts: object) -> Plan:
+    """A plan made before (a plan file's) with the parts a run changes or adds: its recipe with the command's
+    options, the records of the pretrained weights it starts from (None for random ones) and of the data files;
+    validated as a new Plan (a part it does not have is refused)."""
+    return Plan.model_validate({**dict(plan), **parts})
 
 
 def check_arguments(recipe: Recipe, micro_batch_max: int, world_size: int, policy: str) -> None:
@@ -244,19 +267,13 @@ def check_arguments(recipe: Recipe, micro_batch_max: int, world_size: int, polic
                         f"{recipe.batch.count_unit}: each process needs at least one", field="world_size")
 
 
-def choose_split(recipe: Recipe, micro_batch_max: int, world_size: int, policy: SplitPolicy, micro_batch: int | None,
+def choose_split(recipe: Recipe, cap: int, world_size: int, policy: SplitPolicy, micro_batch: int | None,
                  warnings: list[str]) -> tuple[Choice, Choice | None]:
     """The main batch's split under `policy` (exact or fast) and the other policy's, when worth showing.
 
-    The micro-batch is capped at what the paper's batch needs per process; `micro_batch`, when given, is the exact
-    split's (the throughput search's choice)."""
+    `cap`: the micro-batch that fits, capped at what the paper's batch needs per process (`micro_batch_cap`);
+    `micro_batch`, when given, is the exact split's (the throughput search's choice)."""
     paper_batch = recipe.batch.sequences
-    cap = min(micro_batch_max, math.ceil(paper_batch / world_size))
-    if cap < micro_batch_max:
-        warnings.append(
-            f"micro-batch capped at {cap}: the paper's batch of {paper_batch} over {world_size} "
-            f"process(es) needs no more per step"
-        )
     exact = exact_choice(recipe, cap, world_size)
     if micro_batch is not None and exact is not None:
         per_rank = exact.micro_batch * exact.accumulation_steps
@@ -278,11 +295,11 @@ def choose_split(recipe: Recipe, micro_batch_max: int, world_size: int, policy: 
     return chosen, alternative
 
 
-def plan_norm(recipe: Recipe, chosen: Choice, micro_batch_max: int, world_size: int, batchnorm_layers: int | None,
+def plan_norm(recipe: Recipe, chosen: Choice, cap: int, world_size: int, batchnorm_layers: int | None,
               warnings: list[str]) -> tuple[BatchNormPlan | None, str | None]:
     """BatchNorm (reproduce/plan/batchnorm.py): the run's BN batch against the paper's and the options, the warning when
-    they differ (added by `warn_last`), and the line when the recipe's label disagrees with the model."""
-    cap = min(micro_batch_max, math.ceil(recipe.batch.sequences / world_size))
+    they differ (added by `warn_last`), and the line when the recipe's label disagrees with the model. `cap`: as
+    `choose_split`'s."""
     norm = plan_batchnorm(recipe, chosen.micro_batch, cap, world_size, batchnorm_layers)
     disagreement = label_disagreement(recipe.model, batchnorm_layers)
     if disagreement:

@@ -68,6 +68,11 @@ class Segment(BaseModel):
         return split_text(micro, count, world_size, self.effective_batch)
 
 
+def micro_batch_cap(micro_batch_max: int, batch: int, world_size: int) -> int:
+    """The largest micro-batch worth taking: what fits, at most what `batch` needs per process of `world_size`."""
+    return min(micro_batch_max, math.ceil(batch / world_size))
+
+
 def whole_segment(choice: Choice, micro_batch_max: int, paper_batch: int, sequence_length: int | None,
                   dataset_size: int | None, steps_per_epoch: int | None) -> Segment:
     """The one segment of a plan without batch phases: its batch from step 0 to the end."""

@@ -40,3 +40,21 @@ class ThroughputChoice(Frozen):
     candidates: list[TimedSplit]
     device: str | None = None  # where the splits were timed (None: a model, nothing timed)
     micro_batch_max: int
+
+    def cost_line(self) -> str | None:
+        """The cost of choosing: seconds of timed steps, in all and per split, against the bound."""
+        cost = self.cost
+        if not cost or not cost.get("per_split_seconds"):
+            return None
+        low, high = cost["per_split_seconds"]
+        timed = len(self.candidates)
+        line = (f"cost of choosing: {cost['seconds']:.3g} s of timed steps for {timed} splits ({low:.2g} to {high:.2g} "
+                f"s each: a warm-up step, {cost['rounds']} interleaved rounds"
+                + (f", {' and '.join(map(str, cost['retimed']))} re-timed" if cost["retimed"] else "")
+                + f"), bound {cost['bound_seconds']:g} s"
+                + (" (over it: the least it takes)" if cost["over_bound"] else ""))
+        if cost.get("setup_seconds") is not None:
+            line += f"; building the model {cost['setup_seconds']:.2g} s"
+        if cost["left_out"]:
+            line += f"; {len(cost['left_out'])} left out"
+        return str(line)

@@ -13,7 +13,6 @@ it is a model. Torch is imported only to time. Nothing is printed: each timing's
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -21,6 +20,8 @@ from typing import TYPE_CHECKING
 from ..errors import UserError
 from ..plan.planner import Plan, make_plan
 from ..plan.recipe import Recipe
+from ..plan.segments import micro_batch_cap
+from ..plan.weightfiles import WeightsRecord
 from ..probe.runner import ProbeResult
 from .prediction import DEFAULT_MFU
 from .splits import BUDGET_SECONDS, Timings, choose, exact_splits, model_micro_step, time_splits
@@ -36,12 +37,13 @@ def check_mfu(assumed_mfu: float) -> None:
 def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, world_size: int,
                     dataset_size: int | dict | None, result: ProbeResult | None, data: Datasets | None = None,
                     keep_batchnorm: bool = True, assumed_mfu: float = DEFAULT_MFU, gpu: str | None = None,
-                    on_note: Callable[[str], None] | None = None, budget_seconds: float = BUDGET_SECONDS) -> Plan:
+                    on_note: Callable[[str], None] | None = None, budget_seconds: float = BUDGET_SECONDS,
+                    weights: WeightsRecord | None = None, data_fingerprint: str | None = None) -> Plan:
     """The exact plan whose split has the most samples per second (the decision under `plan.throughput`).
 
     `gpu`: the --gpu named; without a probe (--micro-batch-max) the FLOPs model decides for that card.
     `on_note`: given each timing's line as it is measured (nothing is printed here). `budget_seconds`: the bound on
-    the timed steps (splits.time_splits).
+    the timed steps (splits.time_splits). `weights`, `data_fingerprint`: the records the plan keeps (make_plan).
     """
     if recipe.batch.phases or recipe.batch.ramp or isinstance(micro_batch_max, dict):
         raise UserError("`policy` throughput: not available with batch phases or a ramp (each phase has its own "
@@ -50,11 +52,11 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, worl
         raise UserError("`policy` throughput: each process would time its own device and might choose another split; "
                         "plan first (reproduce plan `policy` throughput `out` plan.yaml) and run that plan")
     base = make_plan(recipe, micro_batch_max, world_size, "throughput", dataset_size=dataset_size,
-                     recipe_path=recipe_path)
+                     recipe_path=recipe_path, weights=weights, data_fingerprint=data_fingerprint)
     if not base.exact:  # no exact split (the batch does not divide over the processes): as the exact policy does
         return base
     per_rank = base.per_rank_batch
-    cap = min(micro_batch_max, math.ceil(recipe.batch.sequences / world_size))
+    cap = micro_batch_cap(micro_batch_max, recipe.batch.sequences, world_size)
     splits = exact_splits(per_rank, cap)
     per_device = recipe.batch.per_device
     batchnorm = per_device if keep_batchnorm and recipe.model.has_batchnorm and per_device in splits else None
@@ -72,12 +74,12 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, worl
         timings, where = _measure(recipe, data, result, per_rank, splits, budget_seconds, on_note)
     decision = choose(splits, per_rank, timed, sources, seq, batchnorm_micro_batch=batchnorm, basis=basis,
                       micro_batch_max=micro_batch_max, timings=timings)
-    chosen = make_plan(recipe, micro_batch_max, world_size, "throughput", dataset_size=dataset_size,
-                  recipe_path=recipe_path, micro_batch=decision.micro_batch)
     note = ""
     if batchnorm is None and recipe.model.has_batchnorm and per_device:
         note = f" (BatchNorm statistics over {decision.micro_batch}, not the paper's {per_device})"
-    return chosen.model_copy(update={"throughput": decision.as_choice(where, micro_batch_max, note)})
+    return make_plan(recipe, micro_batch_max, world_size, "throughput", dataset_size=dataset_size,
+                     recipe_path=recipe_path, micro_batch=decision.micro_batch, weights=weights,
+                     data_fingerprint=data_fingerprint, throughput=decision.as_choice(where, micro_batch_max, note))
 
 def _measure(recipe: Recipe, data: Datasets | None, result: ProbeResult | None, per_rank: int, splits: list[int],
              budget_seconds: float, on_note: Callable[[str], None] | None) -> tuple[Timings, str]:

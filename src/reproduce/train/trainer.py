@@ -44,7 +44,7 @@ from .gates import after_checkpoint, check_gates, resume_source, start_gates, te
 from .optim.plateau import check_plateau
 from .options import RunOptions
 from .records import run_summary, step_record
-from .reporter import Reporter, SilentReporter
+from .reporter import Reporter, SilentReporter, run_start
 from .resume import Resumed, earlier_segments, last_record, resume_run
 from .run_end import kept_summary
 from .run_state import Run
@@ -259,7 +259,7 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     if grouping is not None:  # the way this run groups, and what it pads (data/packing.py)
         reporter.message(grouping_line(plan, grouping, resumed.seed, resumed.first_step))
     faults.at("start")  # (the tests' exact point: set up, plan.yaml written, no step yet)
-    reporter.start(plan, total, resumed.first_step)
+    reporter.start(run_start(plan, total, resumed.first_step))  # the start's lines, as data
     started = time.perf_counter()
     before_resume, divergence = earlier_segments(out, resumed.state, resumed.first_step)
     setup.model.train()

@@ -88,7 +88,7 @@ def test_a_sharded_gpt2_folder_is_the_model_transformers_loads(files):
     """Three safetensors shards and an index; GPT-2's tied output head; the plan's parameter count from the headers."""
     from reproduce.models import build_model, count_parameters
     from reproduce.plan.weightfiles import inspect
-    from reproduce.session import with_weights_record
+    from reproduce.session import weights_of
 
     recipe = parse_recipe(lm({"builtin": "gpt2-medium", "weights": str(files / "tiny-gpt2")},
                              available=True, path=str(files / "alpaca.json")))
@@ -100,7 +100,7 @@ def test_a_sharded_gpt2_folder_is_the_model_transformers_loads(files):
     assert len(inspect(str(files / "tiny-gpt2")).files) == 3
     from reproduce.plan.planner import make_plan
 
-    record = with_weights_record(make_plan(recipe, 4, 1, dataset_size=20)).weights
+    record = make_plan(recipe, 4, 1, dataset_size=20, weights=weights_of(recipe)).weights
     assert record.parameters == count_parameters(model)[0] and record.kind == "folder"
     assert "n_layer 2 (24)" in record.differs and "n_embd 32 (1024)" in record.differs
     with torch.device("meta"):  # the estimate meter's build: the folder's config, no weights read
@@ -488,7 +488,7 @@ def test_a_larger_vocab_size_widens_the_folder_embeddings_and_the_plan_says_so(f
 
     from reproduce.models import build_model
     from reproduce.plan.planner import make_plan
-    from reproduce.session import with_weights_record
+    from reproduce.session import weights_of
 
     model = {"builtin": "llama-7b", "kwargs": {"vocab_size": 515}, "weights": str(files / "tiny-llama")}
     recipe = parse_recipe(lm(model, available=True, path=str(files / "alpaca.json")))
@@ -497,5 +497,5 @@ def test_a_larger_vocab_size_widens_the_folder_embeddings_and_the_plan_says_so(f
     embedding = model.model.get_input_embeddings().weight
     assert embedding.shape[0] == 515 and torch.equal(embedding[:512], stored["model.embed_tokens.weight"])
     torch.testing.assert_close(embedding[512:], stored["model.embed_tokens.weight"].mean(0).expand(3, -1))
-    line = with_weights_record(make_plan(recipe, 4, 1, dataset_size=24)).weights.line("llama-7b")
+    line = make_plan(recipe, 4, 1, dataset_size=24, weights=weights_of(recipe)).weights.line("llama-7b")
     assert "; model.kwargs vocab_size 515 widens its embeddings, the new rows the mean of the others;" in line

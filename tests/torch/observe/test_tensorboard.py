@@ -43,6 +43,7 @@ def test_reporter_logs_a_real_run(tmp_path, one_thread):
     pytest.importorskip("tensorboard", reason=NO_TENSORBOARD)
     from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import load_recipe
+    from reproduce.train.reporter import run_start
     from reproduce.train.trainer import RunOptions, SilentReporter, read_metrics, train
 
     recipe = load_recipe("papers/digits-mlp.yaml")
@@ -56,7 +57,7 @@ def test_reporter_logs_a_real_run(tmp_path, one_thread):
     # resumed after a checkpoint at step 2: TensorBoard drops the old step 3 and keeps the new one
     train(plan, tmp_path / "again", RunOptions(device="cpu", max_steps=2, checkpoint_every=1))
     first = TensorboardReporter(SilentReporter(), tmp_path / "again" / "tensorboard")
-    first.start(plan, 2, 0)
+    first.start(run_start(plan, 2, 0))
     for record in read_metrics(tmp_path / "again" / "metrics.jsonl"):
         first.step({**record, "loss": 99.0})
     first.step({"step": 3, "loss": 99.0})  # logged, then lost: the run died before its checkpoint

@@ -131,7 +131,7 @@ class Quiet:
     def __init__(self, stop_after: int | None = None):
         self.messages, self.stop_after = [], stop_after
 
-    def start(self, plan, total_steps, first_step): ...
+    def start(self, start): ...
 
     def step(self, record):
         if self.stop_after is not None and record["step"] == self.stop_after:
