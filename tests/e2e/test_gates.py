@@ -127,6 +127,31 @@ def test_cli_pause_exit_status_4_and_accept(tmp_path, capsys):
     assert code == 2 and "--from: starts a resumed run from a gate's checkpoint; give it with --resume" in err
 
 
+
+@pytest.mark.distributed
+@pytest.mark.subprocess
+def test_a_pause_under_two_processes_is_one_line_and_exit_status_4(tmp_path):
+    """Both ranks pause after the same step and leave the group together (a rank that left first made gloo abort the
+    other, and torchrun printed its traceback); the launcher says rank 0's line once, with the ranks' status 4."""
+    import os
+    import subprocess
+    import sys
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(digits_recipe({**SGD, "lr": 40.0}, steps=5, gates=[WARM])))
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "reproduce", "run", str(recipe), "--out", str(out), "--device", "cpu",
+               "--micro-batch-max", "16", "--nproc-per-node", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 4, result.stderr
+    assert "Traceback" not in result.stderr and "SIGABRT" not in result.stderr, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("paused:")] == [
+        line for line in result.stderr.splitlines() if "gate warm" in line]
+    assert sum(line.startswith("paused: gate warm at step 3: loss ") for line in result.stderr.splitlines()) == 1
+    assert (out / "checkpoints" / "gate-warm.pt").is_file()
+
+
 def goyal(reference=None, **changes):
     """The Goyal et al. miniature (batch 256 = 8 x 32, lr 0.4 = 0.05 x 256/32 by the linear rule), 12 steps."""
     with open("papers/goyal-mini-digits-8x.yaml") as handle:

@@ -92,7 +92,9 @@ def same_end(out: Path, whole: Path) -> None:
 
 @pytest.mark.parametrize("fault, code", [
     ("write:model.pt:SIGINT", 130),  # inside the final torch.save of model.pt (a traceback before)
-    ("end:SIGTERM", 143),  # after the last step, before the end is written (no word before)
+    # after the last step, before the end is written (no word before): slow, the same deferred stop as model.pt's, and
+    # SIGTERM's line and 143 are test_a_signal_before_the_first_step_leaves_the_folder_as_it_was's
+    pytest.param("end:SIGTERM", 143, marks=pytest.mark.slow),
     # (the same stop between two files of the end: the model.pt case above is the faster proof)
     pytest.param("write:loss.svg:SIGTERM", 143, marks=pytest.mark.slow),
 ])
@@ -199,7 +201,10 @@ def test_a_signal_while_force_moves_the_previous_run_aside_puts_it_back(signum, 
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
 
 
-@pytest.mark.parametrize("fault", ["aside:SIGKILL", "write:last.pt:SIGKILL"], ids=["moving-aside", "first-checkpoint"])
+# first-checkpoint: slow, the same put-back by the next command as moving-aside's (the previous run waits whole in
+# .previous-run.*), and a new run failing before its first checkpoint is the test below
+@pytest.mark.parametrize("fault", ["aside:SIGKILL", pytest.param("write:last.pt:SIGKILL", marks=pytest.mark.slow)],
+                         ids=["moving-aside", "first-checkpoint"])
 def test_a_force_run_killed_before_its_first_checkpoint_gives_the_previous_run_back(fault, previous, tmp_path):
     """SIGKILL half-way through the move, or at step 4 inside the new run's first checkpoint: the next command in the
     folder puts the previous run back (a note says so) before it decides anything."""
@@ -228,7 +233,9 @@ def test_a_force_run_that_fails_before_its_first_checkpoint_gives_the_previous_r
 
 def test_deleting_the_lock_file_under_a_live_run_lets_no_second_run_in(tmp_path):
     out = tmp_path / "out"
-    recipe = recipe_file(tmp_path, {**RECIPE, "schedule": {"total": {"steps": 400}}})
+    # (far more steps than the test lasts: the first run must still be training when the second starts; it is
+    # killed below, and 400 steps ended before the second's start on an idle machine)
+    recipe = recipe_file(tmp_path, {**RECIPE, "schedule": {"total": {"steps": 100_000}}})
     first = subprocess.Popen([sys.executable, "-m", "reproduce", "run", str(recipe), "--out", str(out), *RUN],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:

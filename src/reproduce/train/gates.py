@@ -27,6 +27,7 @@ import torch
 from ..errors import GatePaused, UserError
 from ..observe.reference import REFERENCE_GATE, reference_curve
 from ..plan.gates import EXIT_PAUSED, PlannedGate, gate_by_name, outcome_line, planned_gates
+from .distributed import processes as distributed
 
 __all__ = ["EXIT_PAUSED", "GatePaused", "GateWatch", "gate_checkpoint"]
 
@@ -253,6 +254,7 @@ def start_gates(run: Any) -> None:
     event = [e for e in event if e["name"] == name]
     tell_gates(run, event)
     if agreed(watch.paused is not None, run.world, run.setup.device):
+        distributed.barrier(run.world)  # every rank here before any leaves the group (else gloo aborts one)
         if not run.world.is_main:  # rank 0 prints the line
             raise GatePaused("a gate paused the run (rank 0 says which)")
         raise GatePaused(paused_line(event[0], run.out, gate_checkpoint(run.out, name),
@@ -310,6 +312,7 @@ def after_checkpoint(run: Any, events: list[dict]) -> None:
             kept = keep_checkpoint(run.out, event["name"], run.setup.sharded)
     paused = [event for event in events if event["status"] == "paused"]
     if agreed(bool(paused), run.world, run.setup.device):
+        distributed.barrier(run.world)  # every rank here before any leaves the group (else gloo aborts one)
         if not paused:  # another rank's evaluation: rank 0 prints the line
             raise GatePaused("a gate paused the run (rank 0 says which)")
         kept = gate_checkpoint(run.out, paused[0]["name"]) if kept is not None else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import typing
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -49,19 +49,16 @@ def _numeric(annotation: Any) -> bool:
     return bool(kinds & {int, float}) and bool not in kinds
 
 
-class Length(Strict):
-    """A length in exactly one unit: optimizer steps, epochs, samples (sequences) or tokens."""
+class OneUnit(Strict):
+    """A quantity given in exactly one of `UNITS` (each an optional field of the subclass)."""
 
-    steps: int | None = Field(default=None, ge=0)
-    epochs: float | None = Field(default=None, ge=0)
-    samples: int | None = Field(default=None, ge=0)
-    tokens: int | None = Field(default=None, ge=0)
+    UNITS: ClassVar[tuple[str, ...]] = ()
 
     @model_validator(mode="after")
-    def _one_unit(self) -> Length:
+    def _one_unit(self) -> OneUnit:
         given = self.units_given
         if len(given) != 1 and not self._allows_none():
-            raise ValueError(f"give exactly one of steps, epochs, samples, tokens (got {', '.join(given) or 'none'})")
+            raise ValueError(f"give exactly one of {', '.join(self.UNITS)} (got {', '.join(given) or 'none'})")
         return self
 
     def _allows_none(self) -> bool:
@@ -69,7 +66,7 @@ class Length(Strict):
 
     @property
     def units_given(self) -> list[str]:
-        return [unit for unit in LENGTH_UNITS if getattr(self, unit) is not None]
+        return [unit for unit in self.UNITS if getattr(self, unit) is not None]
 
     @property
     def unit(self) -> str:
@@ -80,10 +77,20 @@ class Length(Strict):
         value: float = getattr(self, self.unit)
         return value
 
+
+class Length(OneUnit):
+    """A length in exactly one unit: optimizer steps, epochs, samples (sequences) or tokens."""
+
+    UNITS: ClassVar[tuple[str, ...]] = LENGTH_UNITS
+
+    steps: int | None = Field(default=None, ge=0)
+    epochs: float | None = Field(default=None, ge=0)
+    samples: int | None = Field(default=None, ge=0)
+    tokens: int | None = Field(default=None, ge=0)
+
     def label(self) -> str:
         """The length as written in messages and tables: "90 epochs", "4e+09 tokens"."""
         return f"{self.value:g} {self.unit}"
-
 
 
 class Builder(Strict):

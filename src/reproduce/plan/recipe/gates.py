@@ -13,11 +13,11 @@ paper's figure with its `[P]` mark, a reference run, the user) and what a miss d
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .common import Strict
+from .common import OneUnit, Strict
 
 # every task's metrics a gate can watch besides the evaluation's (recipe.PLATEAU_METRICS by task)
 RUN_METRICS = ("loss", "samples_per_second", "tokens_per_second", "gpu_hours", "forecast_gpu_hours")
@@ -27,7 +27,7 @@ _PLURALS = {"steps": "step", "epochs": "epoch", "fractions": "fraction"}
 GATE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
 
-class GateAt(Strict):
+class GateAt(OneUnit):
     """When a gate is checked: after exactly one of these (an optimizer step counted from 1, an epoch, a fraction
     of the planned run, samples or tokens of training data seen)."""
 
@@ -37,6 +37,8 @@ class GateAt(Strict):
     samples: int | None = Field(default=None, ge=1)
     tokens: int | None = Field(default=None, ge=1)
 
+    UNITS: ClassVar[tuple[str, ...]] = AT_UNITS
+
     @model_validator(mode="before")
     @classmethod
     def _plurals(cls, value: Any) -> Any:
@@ -44,26 +46,6 @@ class GateAt(Strict):
         if isinstance(value, dict):
             value = {_PLURALS.get(key, key) if isinstance(key, str) and _PLURALS.get(key) not in value else key: item
                      for key, item in value.items()}
-        return value
-
-    @model_validator(mode="after")
-    def _one_unit(self) -> GateAt:
-        given = self.units_given
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of {', '.join(AT_UNITS)} (got {', '.join(given) or 'none'})")
-        return self
-
-    @property
-    def units_given(self) -> list[str]:
-        return [unit for unit in AT_UNITS if getattr(self, unit) is not None]
-
-    @property
-    def unit(self) -> str:
-        return self.units_given[0]
-
-    @property
-    def value(self) -> float:
-        value: float = getattr(self, self.unit)
         return value
 
     def label(self) -> str:
