@@ -15,7 +15,6 @@ the checkpoint's `extra["gates"]`, so a resumed run checks what the uninterrupte
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 from collections import deque
@@ -27,6 +26,7 @@ import torch
 from ..errors import GatePaused, UserError
 from ..observe.reference import REFERENCE_GATE, reference_curve
 from ..plan.gates import EXIT_PAUSED, PlannedGate, gate_by_name, outcome_line, planned_gates
+from ..storage.files import write_atomic
 from .distributed import processes as distributed
 
 __all__ = ["EXIT_PAUSED", "GatePaused", "GateWatch", "gate_checkpoint"]
@@ -184,9 +184,8 @@ def keep_checkpoint(out: Path, name: str, sharded: bool) -> Path | None:
     if sharded:
         return None
     source, target = out / "checkpoints" / "last.pt", gate_checkpoint(out, name)
-    temporary = target.with_name(f".{target.name}.tmp")
-    shutil.copyfile(source, temporary)
-    os.replace(temporary, target)
+    with open(source, "rb") as sealed:  # (its bytes, seal included: write_atomic's temporary is a dead writer's to
+        write_atomic(target, lambda handle: shutil.copyfileobj(sealed, handle))  # remove, storage/files.py)
     return target
 
 
