@@ -59,9 +59,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def _end(lines: list[str], code: int, peer: bool = False, quiet: bool = False) -> None:
     """Say the command's ending and exit with its code; a worker a launcher started leaves both to the launcher,
-    which says the ranks' ending once (train/distributed/launched.py)."""
+    which says the ranks' ending once (train/distributed/launched.py). A rank stopped because another left (`peer`)
+    still fails its worker, so that torchrun restarts the group under --max-restarts (an elastic job goes on with
+    the nodes left), as it does a worker that crashed."""
     if launched.report(lines, code, peer):
-        sys.exit(0)
+        sys.exit(code if peer else 0)
     if not quiet:
         for line in lines:
             print(line, file=sys.stderr)

@@ -422,10 +422,11 @@ def run_command(
 
     check_trackers(request.log_to)  # a missing package: one line, before anything is planned or trained
     world = distributed.world_from_env()
-    if world.distributed:  # under a one-machine launcher: die with it, take its signals (launched.py)
-        from ..train.distributed.launched import join_launcher
+    # under reproduce's launcher (a worker of torchrun, even alone after an elastic restart): die with it, take its
+    # signals, and clear an earlier attempt's report (launched.py; nothing elsewhere)
+    from ..train.distributed.launched import join_launcher
 
-        join_launcher()
+    join_launcher()
     if request.nproc_per_node is not None and not world.distributed:
         raise typer.Exit(launch(request, world))
     owner = lock.owns_the_run(world.distributed, world.rank)
