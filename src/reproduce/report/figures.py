@@ -35,6 +35,19 @@ def matplotlib_missing() -> str | None:
     return None
 
 
+def finished_png(figure, ax) -> bytes:
+    """The report's finish of one figure (grid, legend, tight layout) as PNG bytes; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=90)
+    plt.close(figure)
+    return buffer.getvalue()
+
+
 def x_axis(runs: list[RunFolder]) -> str:
     batches = {tuple(segment.effective_batch for segment in run.plan.segments) for run in runs}
     return "epoch" if len(batches) > 1 else "step"
@@ -81,13 +94,7 @@ def figures(runs: list[RunFolder]) -> list[Figure]:
         ax.set_xlabel(label)
         ax.set_ylabel(ylabel)
         ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        figure.tight_layout()
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png", dpi=90)
-        plt.close(figure)
-        made.append(Figure(name, title, f"{caption} Runs: {names}.", buffer.getvalue()))
+        made.append(Figure(name, title, f"{caption} Runs: {names}.", finished_png(figure, ax)))
 
     def curve(run: RunFolder, key: str, text: str, style: str = "-"):
         rows = [r for r in run.records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]

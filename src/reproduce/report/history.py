@@ -4,11 +4,10 @@ moves slowly away from the paper shows before a check fails."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 from .document import Block, Table
-from .figures import Figure, matplotlib_missing
+from .figures import Figure, finished_png, matplotlib_missing
 
 
 def series(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
@@ -83,16 +82,11 @@ def history_figures(found: dict[tuple[str, str], list[dict]]) -> list[Figure]:
         ax.set_xlabel("rerun (oldest first)")
         ax.set_ylabel(metric)
         ax.set_title(f"{file}: {check}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        figure.tight_layout()
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png", dpi=90)
-        plt.close(figure)
+        png = finished_png(figure, ax)
         dates = f"{records[0].get('date', '?')} to {records[-1].get('date', '?')}"
         caption = (f"{metric} at each of {len(records)} reruns ({dates}); the paper's value dashed where the recipe "
                    "reports one, the drift band shaded where the last rerun was checked against one.")
-        made.append(Figure(f"history_{index + 1}", f"{file}: {check}", caption, buffer.getvalue()))
+        made.append(Figure(f"history_{index + 1}", f"{file}: {check}", caption, png))
     return made
 
 
