@@ -314,7 +314,7 @@ def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, s
         for value in decay.milestones.values:
             step = steps(Length.model_validate({decay.milestones.unit: value}), "schedule.decay.milestones")
             milestones += [step] if step is not None else []
-    # the recipe's schedule ends where a batch phase starts its own (schedules.py), else with the run
+    # the recipe's schedule ends where a batch phase starts its own, else with the run
     own_start = first_own_schedule_step(recipe, phases)
     decay_end = steps(decay.until, "schedule.decay.until") if decay.until is not None else (
         own_start if own_start is not None else total)

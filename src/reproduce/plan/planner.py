@@ -70,7 +70,7 @@ class Plan(Frozen):
     batchnorm: BatchNormPlan | None = None  # BatchNorm: the run's BN batch against the paper's, and the options
     batchnorm_warning: str | None = None  # the warning when BatchNorm's batch is not the paper's
     warnings: list[str] = []
-    # policy throughput: the exact splits timed and why the micro-batch was chosen (throughput/policy.py)
+    # policy throughput: the exact splits timed and why the micro-batch was chosen
     throughput: ThroughputChoice | None = None
     # the memory knobs the plan took (activation checkpointing, sharded gradients), or the ways it weighed, and why
     memory_notes: list[str] = []
@@ -219,7 +219,7 @@ def make_plan(
         segments=schedule.phases or segments, batchnorm=norm, batchnorm_warning=batchnorm, warnings=warnings,
         throughput=throughput, memory_notes=list(memory_notes), weights=weights, data_fingerprint=data_fingerprint,
     )
-    planned_gates(plan)  # each gate at an optimizer step of the run, or one line now (plan/gates.py)
+    planned_gates(plan)  # each gate at an optimizer step of the run, or one line now
     return plan
 
 
@@ -274,7 +274,7 @@ def choose_split(recipe: Recipe, cap: int, world_size: int, policy: SplitPolicy,
 
 def plan_norm(recipe: Recipe, chosen: Choice, cap: int, world_size: int, batchnorm_layers: int | None,
               warnings: list[str]) -> tuple[BatchNormPlan | None, str | None]:
-    """BatchNorm (reproduce/plan/batchnorm.py): the run's BN batch against the paper's and the options, the warning when
+    """BatchNorm: the run's BN batch against the paper's and the options, the warning when
     they differ (added by `warn_last`), and the line when the recipe's label disagrees with the model. `cap`: as
     `choose_split`'s."""
     norm = plan_batchnorm(recipe, chosen.micro_batch, cap, world_size, batchnorm_layers)
