@@ -18,6 +18,7 @@ The three figures people compare, and what separates them:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -83,8 +84,6 @@ def with_sequence_length(recipe: Recipe, length: int | None) -> Recipe:
 def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_path: str | None = None,
               sequence_length: int | None = None) -> MemoryAnswer:
     """The step's memory at `micro_batch` on one process (see the module's notes)."""
-    from .meters import METERS
-
     if micro_batch < 1:
         raise UserError(f"expected 1 or more (got {micro_batch})", field="micro_batch")
     recipe = with_sequence_length(recipe, sequence_length)
@@ -95,15 +94,7 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
         raise UserError("fsdp: `reproduce memory` answers for one whole process; use reproduce probe `sharding` fsdp "
                         "`world_size` W for one rank's share", field="batch.sharding")
     workload = Workload(recipe, synthetic_data(recipe) if sequence_length else None).prepare()
-    cap = recipe.batch.sequences
-    if meter_name == "estimate":
-        meter = METERS["estimate"](workload, budget or UNBOUNDED, options.headroom, gpu=gpu, cap=cap)
-    elif meter_name == "cpu":
-        available = available_host_memory()
-        meter = METERS["cpu"](workload, budget or int(0.5 * (available or 2**34)), options.headroom, time_steps=False,
-                              cap=cap)
-    else:
-        meter = METERS["cuda"](workload, budget, options.headroom, time_steps=False, cap=cap)
+    meter = _meter(meter_name, workload, budget, options.headroom, gpu, recipe.batch.sequences)
     try:
         measured = meter.measure(micro_batch)
     finally:
@@ -165,6 +156,19 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
         measured=what, budget_bytes=budget_bytes, limit_bytes=meter.limit_bytes if budget_bytes else None,
         fits=decided <= meter.limit_bytes if budget_bytes else None, notes=notes,
     )
+
+
+def _meter(name: str, workload: Workload, budget: int | None, headroom: float, gpu: Any, cap: int) -> Any:
+    """The meter `memory_at` measures one step with: estimate, cpu (half the free memory unless a budget is given)
+    or cuda, none of them timing the step."""
+    from .meters import METERS
+
+    if name == "estimate":
+        return METERS["estimate"](workload, budget or UNBOUNDED, headroom, gpu=gpu, cap=cap)
+    if name == "cpu":
+        available = available_host_memory()
+        return METERS["cpu"](workload, budget or int(0.5 * (available or 2**34)), headroom, time_steps=False, cap=cap)
+    return METERS["cuda"](workload, budget, headroom, time_steps=False, cap=cap)
 
 
 def weights_form(recipe: Recipe, workload: Workload) -> str:

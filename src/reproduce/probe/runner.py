@@ -226,14 +226,9 @@ def run_probe(
             "sharding": sharding, "world_size": world_size, "torch": torch.__version__, "reproduce": __version__,
             **({"packing": way} if way != "none" else {}),  # (packed rows, sorted's tokens: other trials)
         })
-        if options.use_cache:
-            saved = cache.load(key)
-            if saved is not None:
-                saved.pop("format", None)
-                try:
-                    return ProbeResult.model_validate({**saved, "recipe_path": recipe_path, "cached": True})
-                except ValueError:
-                    pass  # written by another version: probe again
+        cached = _cached(key, recipe_path) if options.use_cache else None
+        if cached is not None:
+            return cached
 
         def fits(micro_batch: int) -> Measurement:
             measurement = meter.measure(micro_batch)
@@ -254,25 +249,14 @@ def run_probe(
         tokens = token_search(found, workload, lambda budgeted: make_meter(budgeted, cap=None))
     chosen = found.chosen
     result = ProbeResult(
-        recipe_path=recipe_path,
-        meter=kind,
-        device=meter.device,
-        gpu=gpu.name if gpu else None,
-        data=workload.description,
-        budget_bytes=meter.budget_bytes,
-        headroom=options.headroom,
-        limit_bytes=meter.limit_bytes,
-        cap=cap,
-        world_size=world_size,
-        micro_batch_max=found.micro_batch_max,
-        peak_bytes=chosen.peak_bytes if chosen else None,
-        tensor_bytes=chosen.tensor_bytes if chosen else None,
+        recipe_path=recipe_path, meter=kind, device=meter.device, gpu=gpu.name if gpu else None,
+        data=workload.description, budget_bytes=meter.budget_bytes, headroom=options.headroom,
+        limit_bytes=meter.limit_bytes, cap=cap, world_size=world_size, micro_batch_max=found.micro_batch_max,
+        peak_bytes=chosen.peak_bytes if chosen else None, tensor_bytes=chosen.tensor_bytes if chosen else None,
         step_seconds=chosen.step_seconds if chosen else None,
         trials=[timed_trial(t, recipe.batch.sequence_length) for t in found.trials],
-        line=(
-            ProbeLine(intercept_bytes=found.line.intercept, bytes_per_sample=found.line.slope, points=found.line.points)
-            if found.line else None
-        ),
+        line=ProbeLine(intercept_bytes=found.line.intercept, bytes_per_sample=found.line.slope,
+                       points=found.line.points) if found.line else None,
         seconds=round(found.seconds, 3),
         torch_version=torch.__version__,
         notes=meter.notes,
@@ -282,6 +266,18 @@ def run_probe(
     )
     cache.store(key, result.model_dump(mode="json", exclude={"recipe_path", "cached"}))
     return result
+
+
+def _cached(key: str, recipe_path: str | None) -> ProbeResult | None:
+    """The probe's saved result for `key`, None when there is none or another version wrote it (probe again)."""
+    saved = cache.load(key)
+    if saved is None:
+        return None
+    saved.pop("format", None)
+    try:
+        return ProbeResult.model_validate({**saved, "recipe_path": recipe_path, "cached": True})
+    except ValueError:
+        return None
 
 
 
