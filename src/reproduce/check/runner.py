@@ -197,13 +197,9 @@ class Runner:
         run = file.runs[check.run]
         values = [v * check.scale for v in self.values(file, run, check.metric)]
         value = aggregate(values, check.aggregate)
-        conditions, expected = [], []
-        if check.min is not None:
-            conditions.append(value >= check.min)
-            expected.append(f">= {check.min:g}")
-        if check.max is not None:
-            conditions.append(value <= check.max)
-            expected.append(f"<= {check.max:g}")
+        conditions: list[bool] = []
+        expected: list[str] = []
+        _bounds(value, check.min, check.max, conditions, expected)
         measured = _measured(value, values, check.aggregate)
         details = [f"{check.metric} x {check.scale:g}" if check.scale != 1 else check.metric]
         details[0] += f" per seed {run.seeds}: {', '.join(f'{v:.4g}' for v in values)}"
@@ -211,12 +207,7 @@ class Runner:
             base = aggregate(self.values(file, run, check.baseline), check.aggregate)
             ratio = value / base if base else math.inf
             measured += f" = {ratio:.3f} x {check.baseline} ({base:.4g})"
-            if check.min_ratio is not None:
-                conditions.append(ratio >= check.min_ratio)
-                expected.append(f">= {check.min_ratio:g} x {check.baseline}")
-            if check.max_ratio is not None:
-                conditions.append(ratio <= check.max_ratio)
-                expected.append(f"<= {check.max_ratio:g} x {check.baseline}")
+            _bounds(ratio, check.min_ratio, check.max_ratio, conditions, expected, suffix=f" x {check.baseline}")
         if check.reported is not None:
             reported = next(r for r in run.recipe.reported if r.metric == check.reported)
             tolerance = check.tolerance if check.tolerance is not None else reported.tolerance
@@ -236,12 +227,7 @@ class Runner:
         if check.rel_tolerance is not None:
             conditions.append(abs(diff) <= check.rel_tolerance * abs(b))
             expected.append(f"|a - b| <= {check.rel_tolerance:g} x |b|")
-        if check.at_least is not None:
-            conditions.append(diff >= check.at_least)
-            expected.append(f"a - b >= {check.at_least:g}")
-        if check.at_most is not None:
-            conditions.append(diff <= check.at_most)
-            expected.append(f"a - b <= {check.at_most:g}")
+        _bounds(diff, check.at_least, check.at_most, conditions, expected, prefix="a - b ")
         measured = f"a {a:.4g}, b {b:.4g}: a - b = {diff:+.3g}"
         details = [
             f"a = {check.a} ({check.aggregate} over seeds {run_a.seeds}: {', '.join(f'{v:.4g}' for v in values_a)})",
@@ -317,6 +303,17 @@ def paper_value(recipe: Recipe, check: MetricCheck) -> dict | None:
 
 def aggregate(values: list[float], how: str) -> float:
     return {"mean": statistics.fmean, "min": min, "max": max}[how](values)
+
+
+def _bounds(value: float, low: float | None, high: float | None, conditions: list[bool], expected: list[str],
+            prefix: str = "", suffix: str = "") -> None:
+    """`value` >= `low` and <= `high`, each bound given: its condition, and its line in the expected text."""
+    if low is not None:
+        conditions.append(value >= low)
+        expected.append(f"{prefix}>= {low:g}{suffix}")
+    if high is not None:
+        conditions.append(value <= high)
+        expected.append(f"{prefix}<= {high:g}{suffix}")
 
 
 def _same(got: Any, want: Any) -> bool:
