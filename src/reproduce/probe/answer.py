@@ -25,7 +25,7 @@ import torch
 from ..errors import UserError
 from ..hardware.catalog import CONTEXT_BYTES
 from ..plan.recipe import Recipe
-from ..plan.units import available_host_memory, format_count
+from ..plan.units import available_host_memory, format_count, format_size
 from .fake_step import run_fake_step
 from .gpu_like import GpuKind
 from .runner import ProbeOptions, resolve_budget
@@ -193,8 +193,6 @@ def weights_form(recipe: Recipe, workload: Workload) -> str:
 
 def peak_line(answer: dict) -> str:
     """The peak's composition, largest part first: "gradients 1.2 GiB + activations 800 MiB"."""
-    from ..plan.units import format_size
-
     names = {"optimizer": "optimizer state", "optimizer step": "step temporaries"}
     parts = sorted(answer["at_peak"].items(), key=lambda item: -item[1])
     return " + ".join(f"{names.get(name, name)} {format_size(size)}" for name, size in parts if size)
