@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
+from ..hardware.catalog import lookup
+from ..hardware.peaks import precision_key
 from ..plan.planner import Plan
 from ..probe.runner import ProbeResult
 from .plan_cost import plan_costs
@@ -24,9 +26,6 @@ if TYPE_CHECKING:
 def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: float = DEFAULT_MFU,
                     data: Datasets | None = None) -> dict:
     """`predicted_seconds` (this plan), `paper_predicted_seconds` (the paper's hardware) and how they were made."""
-    from ..hardware.catalog import lookup
-    from ..hardware.peaks import precision_key
-
     recipe = p.recipe
     notes: list[str] = []
     per_sample, convolution_share = sample_flops(recipe, data)
@@ -88,8 +87,6 @@ def _flops_model(entry, devices: int, key: str, samples: int | None, per_sample:
 def paper_gpu(recipe):
     """The catalog entry of the paper's hardware (`batch.device`, with `batch.devices` stated); None for a TPU, a
     card not in the catalog, or hardware not stated."""
-    from ..hardware.catalog import lookup
-
     if not (recipe.batch.device and recipe.batch.devices):
         return None
     try:

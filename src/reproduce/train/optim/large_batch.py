@@ -61,7 +61,7 @@ def _ratio(numerator: torch.Tensor, denominator: torch.Tensor, w_norm: torch.Ten
 
 
 class _LayerWise(torch.optim.Optimizer):
-    """What LARS and LAMB share: each parameter with a gradient takes `update`'s step, on its local part."""
+    """What LARS and LAMB share: each parameter with a gradient takes the subclass's `update`, on its local part."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -76,10 +76,6 @@ class _LayerWise(torch.optim.Optimizer):
                     weight = _local(param)
                     weight.sub_(self.update(group, param, weight, _local(param.grad), decay))
         return loss
-
-    def update(self, group: dict, param: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
-               decay: float) -> torch.Tensor:
-        raise NotImplementedError
 
 
 class LARS(_LayerWise):
