@@ -229,14 +229,7 @@ def run_probe(
         cached = _cached(key, recipe_path) if options.use_cache else None
         if cached is not None:
             return cached
-
-        def fits(micro_batch: int) -> Measurement:
-            measurement = meter.measure(micro_batch)
-            if on_trial is not None:
-                on_trial(measurement)
-            return measurement
-
-        found = search(fits, meter.limit_bytes, cap)
+        found = search(meter.measure, meter.limit_bytes, cap, on_trial)
         does_not_fit = None
         if found.micro_batch_max is None:
             from .advice import explain
