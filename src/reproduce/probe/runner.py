@@ -102,7 +102,7 @@ class ProbeResult(BaseModel):
     notes: list[str] = []
     cached: bool = False
     sharding: Literal["none", "fsdp"] = "none"
-    does_not_fit: dict | None = None  # what micro-batch 1 needs and what would fit (probe/advice.py)
+    does_not_fit: dict | None = None  # what micro-batch 1 needs and what would fit
     # data.packing sorted: the largest token budget T per micro-batch measured to fit, found in steps of token_step
     # tokens above micro_batch_max rows of the longest example (probe/tokens.py); token_trials' micro_batch is T
     token_budget: int | None = None
@@ -207,7 +207,7 @@ def run_probe(
     kind = choose_meter(options, requested, sharding)
     cap = math.ceil(recipe.batch.sequences / world_size)
     workload = Workload(recipe, data)
-    way = recipe.data.packing or default_packing(recipe) or "none"  # sorted: T searched in tokens (probe/tokens.py)
+    way = recipe.data.packing or default_packing(recipe) or "none"  # sorted: T searched in tokens
 
     def make_meter(workload: Workload, cap: int | None = cap):
         meter_type = METER_TYPES[kind]

@@ -265,7 +265,7 @@ def _checked_options(dtype: str, tolerance: float | None, samples: int | None) -
 def _sample_indices(checked: Plan, size: int, samples: int | None, seed: int,
                     grouping: Grouping | None) -> tuple[Plan, list[torch.Tensor]]:
     """The samples: one effective batch (every rank's micro-batches of optimizer step 0), or the first `samples` of
-    epoch 0's order, in micro-batches of the plan's size, or grouped by length (data.packing: data/packing.py)."""
+    epoch 0's order, in micro-batches of the plan's size, or grouped by length (data.packing)."""
     if samples is None:
         if not checked.steps_per_epoch or checked.dataset_size != size:
             per_epoch = max(1, size // checked.effective_batch)
