@@ -30,7 +30,7 @@ from .fake_step import run_fake_step
 from .gpu_like import GpuKind
 from .runner import ProbeOptions, resolve_budget
 from .tracker import ALLOWANCE
-from .workload import Workload, synthetic_data
+from .workload import Workload, declared_inputs, synthetic_data
 
 UNBOUNDED = 2**50  # the estimate's budget when none is given: the answer then says nothing about fitting
 
@@ -70,8 +70,6 @@ def with_sequence_length(recipe: Recipe, length: int | None) -> Recipe:
         return recipe
     if length < 1:
         raise UserError(f"expected a positive number of tokens (got {length})", field="sequence_length")
-    from .workload import declared_inputs
-
     data = recipe.model_dump(mode="json", exclude_unset=True)
     data["batch"] = {**data.get("batch", {}), "sequence_length": length}
     changed = type(recipe).model_validate(data)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..hardware.catalog import lookup
-from ..hardware.peaks import precision_key
+from ..hardware.peaks import on_card, peaks_of, precision_key
 from ..plan.planner import Plan
 from ..probe.runner import ProbeResult
 from .plan_cost import plan_costs
@@ -75,8 +75,6 @@ def _flops_model(entry, devices: int, key: str, samples: int | None, per_sample:
                 mfu: float) -> tuple[float | None, str, str, str | None]:
     """The FLOPs model's time on `devices` x the catalog card `entry`: (seconds, its basis, the datasheet column,
     why that column has no peak, or None when it has one)."""
-    from ..hardware.peaks import on_card, peaks_of
-
     on, peaks = on_card(key, entry.capability), peaks_of(entry.name)
     peak = _peak(peaks, on)
     basis = f"FLOPs model: {devices} x {entry.title} at {_tflops(peak)} {on} x MFU {mfu:.0%}"
