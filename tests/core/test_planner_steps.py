@@ -6,12 +6,12 @@ import pytest
 
 from core_helpers import make_recipe
 from reproduce.errors import UserError
+from reproduce.plan.phases import schedule_in_steps
 from reproduce.plan.planner import (
     check_arguments,
     choose_split,
     make_plan,
     scale_lr,
-    schedule_in_steps,
     warn_last,
     warn_partial_epoch,
 )

@@ -327,7 +327,7 @@ def test_check_re_derives_each_phase_length_and_catches_a_wrong_one(name):
     """`reproduce check`'s plan invariants: each phase's steps come back from its recipe length; one more is caught."""
     from pathlib import Path
 
-    from reproduce.check.runner import plan_problems
+    from reproduce.check.invariants import plan_problems
     from reproduce.check.schema import Budget
     from reproduce.plan.recipe import load_recipe
 

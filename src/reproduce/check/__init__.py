@@ -20,9 +20,10 @@ every problem one line, before anything runs. Runs train in a work folder (tempo
 are shared between the checks that name them. Torch is imported only when a check trains or verifies.
 """
 
+from .invariants import plan_problems
 from .load import LoadedFile, Run, collect, load_all, load_check_file, merge
 from .report import ICONS, check_outputs, counts, junit_xml, markdown, write_reports
-from .runner import Result, Runner, cleanup, plan_problems, prepare_work, run_checks
+from .runner import Result, Runner, cleanup, prepare_work, run_checks
 from .schema import KINDS, CheckFile
 
 __all__ = ["ICONS", "KINDS", "CheckFile", "LoadedFile", "Result", "Run", "Runner", "check_outputs", "cleanup",

@@ -25,6 +25,7 @@ from typing import Any
 import reproduce
 
 from ..errors import UserError
+from ..plan.planfile import check_writable
 from .schema import Drift
 
 
@@ -86,8 +87,6 @@ class History:
 
 def check_history_path(path: Path, inputs: list[Path]) -> None:
     """`--history FILE`: a file (new, or a history) that is none of the check files; refused before anything runs."""
-    from ..plan.planfile import check_writable
-
     check_writable(path, "`history`", protect=tuple(inputs))
 
 

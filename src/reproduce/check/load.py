@@ -250,7 +250,7 @@ def _check_problems(check: Any, runs: dict[str, Run], where: str) -> list[str]:
             problems.append(f"{where}: budget.world_size: runs train in one process; {label} has world_size "
                             f"{run.budget.world_size} (plan checks may declare more)")
     if check.kind == "plan":
-        known = list(FLAT_FIELDS)  # the plan as `plan --json` shows it (plan/flatview.py)
+        known = list(FLAT_FIELDS)  # the plan as `plan --json` shows it
         for key in check.expect:
             if key not in known:
                 close = difflib.get_close_matches(key, known, n=1)

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import UserError
+from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import TextData
 from .batches import IGNORE_INDEX
 
@@ -130,8 +131,6 @@ def hold_out(data: dict, size: int, seed: int, path: Any, field: str = "data.eva
 def load_tokenizer(name: str, field: str = "data.tokenizer") -> Any:
     """A tokenizer from a local folder (or tokenizer.json file), or the local Hugging Face cache: never fetched."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    from ..plan.builtin_names import hf_model_folder
 
     path = Path(name).expanduser()
     looks_local = name.startswith(("/", ".", "~")) or path.exists()

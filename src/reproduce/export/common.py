@@ -148,7 +148,7 @@ def finetune_notes(plan: Plan, framework: str) -> list[str]:
 
 
 def packing_note(plan: Plan, framework: str) -> str | None:
-    """data.packing sorted / packed (data/packing.py): no framework setting groups a step's samples so; what to do."""
+    """data.packing sorted / packed: no framework setting groups a step's samples so; what to do."""
     way, budget = plan.recipe.data.packing, plan.recipe.data.token_budget
     if way not in ("sorted", "packed"):
         return None

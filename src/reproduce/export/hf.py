@@ -81,29 +81,7 @@ def build(plan: Plan) -> Export:
         comments["max_grad_norm"] = "0: no clipping, as the recipe (HF's default would clip at 1.0)"
     values["bf16"] = recipe.precision == "bf16"
     values["fp16"] = recipe.precision == "fp16"
-    if spec.name in ("sgd", "nesterov"):
-        values["optim"] = "sgd"
-        values["optim_args"] = f"momentum={spec.momentum!r}" + (",nesterov=True" if spec.name == "nesterov" else "")
-    elif spec.name in ("adam", "adamw") and spec.bitsandbytes:  # QLoRA's paged_adamw_32bit, AdamW8bit
-        values["optim"] = BITSANDBYTES_OPTIMS[spec.paged, spec.state_bits]
-    elif spec.name in ("adam", "adamw"):
-        values["optim"] = "adamw_torch"
-        if spec.name == "adam" and spec.weight_decay:
-            notes.append(
-                "HF has no Adam with coupled L2 weight decay (torch.optim.Adam's weight_decay): adamw_torch decays "
-                "decoupled, a different update"
-            )
-    elif spec.name == "adafactor":
-        values["optim"] = "adafactor"
-        notes.append(
-            "HF's adafactor is transformers.Adafactor (relative_step off, scale_parameter off); reproduce runs "
-            "torch.optim.Adafactor: not the same update"
-        )
-    else:
-        notes.append(f"{spec.name}: no HF optim for it; pass your own optimizer with Trainer(optimizers=(opt, None))")
-    if spec.family == "adam":
-        values["adam_beta1"], values["adam_beta2"] = spec.betas
-        values["adam_epsilon"] = spec.eps
+    _optimizer(spec, values, notes)
     if spec.weight_decay:
         note = _hf_decay_note(plan)
         if note:
@@ -146,23 +124,52 @@ def build(plan: Plan) -> Export:
     lines.append("# args = transformers.TrainingArguments(**training_args)")
     lines += quantized_base(recipe)
     if problems:
-        lines += ["", "", *lr_factor_source(plan), "", "",
-                  "def plan_trainer():",
-                  '    """A Trainer subclass whose LR follows lr_factor: PlanTrainer = plan_trainer()."""',
-                  "    import torch",
-                  "    from transformers import Trainer",
-                  "",
-                  "    class PlanTrainer(Trainer):",
-                  "        def create_scheduler(self, num_training_steps, optimizer=None):",
-                  "            if self.lr_scheduler is None:",
-                  "                optimizer = optimizer if optimizer is not None else self.optimizer",
-                  "                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)",
-                  "            return self.lr_scheduler",
-                  "",
-                  "    return PlanTrainer"]
+        lines += ["", "", *lr_factor_source(plan), "", "", *PLAN_TRAINER]
     return Export("hf", "\n".join(lines) + "\n", values, notes)
 
 
+def _optimizer(spec: Any, values: dict[str, Any], notes: list[str]) -> None:
+    """The Trainer's `optim` (and Adam's betas and eps) for the recipe's optimizer, or why there is none."""
+    if spec.name in ("sgd", "nesterov"):
+        values["optim"] = "sgd"
+        values["optim_args"] = f"momentum={spec.momentum!r}" + (",nesterov=True" if spec.name == "nesterov" else "")
+    elif spec.name in ("adam", "adamw") and spec.bitsandbytes:  # QLoRA's paged_adamw_32bit, AdamW8bit
+        values["optim"] = BITSANDBYTES_OPTIMS[spec.paged, spec.state_bits]
+    elif spec.name in ("adam", "adamw"):
+        values["optim"] = "adamw_torch"
+        if spec.name == "adam" and spec.weight_decay:
+            notes.append(
+                "HF has no Adam with coupled L2 weight decay (torch.optim.Adam's weight_decay): adamw_torch decays "
+                "decoupled, a different update"
+            )
+    elif spec.name == "adafactor":
+        values["optim"] = "adafactor"
+        notes.append(
+            "HF's adafactor is transformers.Adafactor (relative_step off, scale_parameter off); reproduce runs "
+            "torch.optim.Adafactor: not the same update"
+        )
+    else:
+        notes.append(f"{spec.name}: no HF optim for it; pass your own optimizer with Trainer(optimizers=(opt, None))")
+    if spec.family == "adam":
+        values["adam_beta1"], values["adam_beta2"] = spec.betas
+        values["adam_epsilon"] = spec.eps
+
+
+PLAN_TRAINER = [  # (the export's text, written when HF's schedulers cannot express the plan's)
+    "def plan_trainer():",
+    '    """A Trainer subclass whose LR follows lr_factor: PlanTrainer = plan_trainer()."""',
+    "    import torch",
+    "    from transformers import Trainer",
+    "",
+    "    class PlanTrainer(Trainer):",
+    "        def create_scheduler(self, num_training_steps, optimizer=None):",
+    "            if self.lr_scheduler is None:",
+    "                optimizer = optimizer if optimizer is not None else self.optimizer",
+    "                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)",
+    "            return self.lr_scheduler",
+    "",
+    "    return PlanTrainer",
+]
 BITSANDBYTES_OPTIMS = {(True, 32): "paged_adamw_32bit", (True, 8): "paged_adamw_8bit", (False, 8): "adamw_bnb_8bit"}
 COMPUTE_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 

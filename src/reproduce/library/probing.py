@@ -141,15 +141,8 @@ def probe_step(step: Callable[[int], Any], *, cap: int, model: Any = None, optim
     else:
         chosen = StepCudaMeter(user, budget, headroom, time_steps, cap)
     chosen.notes.append("the user's own step (reproduce.probe_step)")
-
-    def fits(micro_batch: int) -> Measurement:
-        measurement = chosen.measure(micro_batch)
-        if on_trial is not None:
-            on_trial(measurement)
-        return measurement
-
     try:
-        found = search(fits, chosen.limit_bytes, cap)
+        found = search(chosen.measure, chosen.limit_bytes, cap, on_trial)
     finally:
         chosen.close()
     best = found.chosen

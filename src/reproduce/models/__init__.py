@@ -9,10 +9,13 @@ about its inputs (vocabulary, context, image size), so data that is not on this 
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch import nn
 
 from ..errors import UserError
+from ..plan.builtin_names import hf_model_folder
 from ..plan.factory import call_builder, rejected
 from ..plan.overlay import variant
 from ..plan.recipe import Recipe, SegmentationData
@@ -179,10 +182,6 @@ def model_inputs(recipe: Recipe) -> dict:
 def hf_context(recipe: Recipe) -> dict:
     """`{"context": T}` of a `model.hf` folder (or the weights folder in its place) from its config.json, T its
     positions (RoBERTa's less the padding index + 1); {} where the folder is not on this machine."""
-    import json
-
-    from ..plan.builtin_names import hf_model_folder
-
     weights = weights_of(recipe)
     folder = weights.path if weights is not None and weights.is_folder else hf_model_folder(recipe.model.hf)
     if folder is None or not (folder / "config.json").is_file():

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import UserError
+
 HF_KIND_FOR_TASK = {"language-modeling": "causal-lm", "classification": "sequence-classification"}
 
 
@@ -82,8 +84,6 @@ def confines_packed(model: nn.Module, device: torch.device) -> bool:
 def check_packed(model: nn.Module, device: torch.device) -> None:
     """`data.packing: packed` needs attention confined to each sample (`confines_packed`): one line otherwise."""
     if not confines_packed(model, device):
-        from ..errors import UserError
-
         raise UserError(f"data.packing: packed: this model's attention ({attention_name(model)}) does not confine "
                         "packed samples (a token would attend across a sample boundary); use data.packing: sorted "
                         "(`packing` sorted), exact with any attention")

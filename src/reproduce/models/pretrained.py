@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import Recipe
-from ..plan.weightfiles import WeightsOnDisk, inspect
+from ..plan.weightfiles import WeightsOnDisk, inspect, safetensors_header
 from .architectures import ARCHITECTURES, TransformersModel
 from .hf import HF_KIND_FOR_TASK, HFLogits
 
@@ -252,8 +252,6 @@ def read_state_dict(weights: WeightsOnDisk, shapes_only: bool, field: str = "mod
     path = weights.files[0]
     if path.suffix == ".safetensors":
         if shapes_only:
-            from ..plan.weightfiles import safetensors_header
-
             state: Any = {name: torch.Size(entry["shape"]) for name, entry in safetensors_header(path).items()
                           if name != "__metadata__"}
         else:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..errors import UserError
@@ -111,8 +112,6 @@ def check_output_classes(model: nn.Module, classes: int, crop: tuple[int, int] |
     one image: on the meta device (nothing computed) where the model is there, else of a small zero image in eval
     mode without gradients (its weights, BatchNorm statistics and random state untouched). A model whose forward
     fails on that image is left to the run (its own error then names it)."""
-    import torch
-
     parameter = next(iter(model.parameters()), None)
     if parameter is None:
         return

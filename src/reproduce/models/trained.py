@@ -24,6 +24,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import UserError
+from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import Recipe
 
 PEFT_PREFIX = "base_model.model."  # a PeftModel's keys: base_model (LoraModel) . model (what LoRA was put on)
@@ -67,7 +68,6 @@ def check_merged(model: nn.Module, recipe: Recipe, sharded: bool = False) -> Non
 
 def base_folder(recipe: Recipe) -> str | None:
     """The Hugging Face folder the base's weights came from (model.weights, or model.hf's folder), or None."""
-    from ..plan.builtin_names import hf_model_folder
     from .pretrained import weights_of
 
     weights = weights_of(recipe)

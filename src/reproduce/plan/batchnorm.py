@@ -209,3 +209,18 @@ def _options(recipe: Any, mode: str, target: int, micro: int, fits: int, world_s
 def _sync_processes(target: int, fits: int) -> int | None:
     """The fewest processes whose micro-batches, synced, make the paper's BN batch with a micro-batch that fits."""
     return next((k for k in range(2, target + 1) if target % k == 0 and target // k <= fits), None)
+
+
+def batchnorm_note(norm: BatchNormPlan | None) -> str | None:
+    """The warning when BatchNorm normalises over another batch than the paper's (None when it is the paper's, or
+    when the run's model has no batch statistics)."""
+    if norm is None or norm.run_batch is None or norm.run_batch == norm.paper_batch:
+        return None
+    paper = (f"the paper's {norm.paper_batch}" if norm.paper_batch and norm.paper_mode == "sync" else
+             f"the paper's per-device {norm.paper_batch}" if norm.paper_batch else
+             "the paper's per-device batch (not stated)")
+    over = (f"micro-batches of {norm.micro_batch} samples" if norm.mode == "keep" else
+            f"{norm.processes} synced micro-batches of {norm.micro_batch} = {norm.run_batch} samples")
+    return (f"BatchNorm statistics will be computed over {over} instead of {paper}: normalisation and running "
+            "statistics differ from the paper's" + (" (see the BatchNorm options)" if norm.options else ""))
+

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..errors import UserError
 from .recipe.data import NamedData
 from .recipe.model import SEGMENTATION_MODELS
 
@@ -108,8 +109,6 @@ def check_builtin_model(recipe: Recipe) -> None:
     """`plan` refuses a model.builtin that is no built-in, as `run` does, with the nearest name (a typo is the usual
     cause: deeplabv3-resnet5). `papers` lists such a recipe as plan-only instead (why_not_runnable)."""
     import difflib
-
-    from ..errors import UserError
 
     name = recipe.model.builtin
     if name is None or name in MODELS:

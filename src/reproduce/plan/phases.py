@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import UserError
 from .overlay import phase_recipe
 from .recipe import Decay, Length, Recipe
 from .schedules import StepSchedule
-from .segments import Segment, epoch_steps, micro_batch_cap, own_steps, size_at
+from .segments import Segment, epoch_steps, lengths_to_steps, micro_batch_cap, own_steps, size_at
 from .split import Choice, SplitPolicy, split
 
 # ---- planning ----------------------------------------------------------------------------------------------
@@ -269,3 +270,83 @@ def phase_lines(segments: list[Segment], world_size: int, unit: str) -> list[str
                          f"{phase.accumulation_steps} x world {world_size} = {phase.effective_batch} "
                          f"{'sequences' if length else unit}{length}")
     return lines
+
+
+@dataclass(frozen=True)
+class StepsSchedule:
+    """The recipe's schedule in optimizer steps, as `schedule_in_steps` plans it, and the phases with theirs."""
+
+    total: int | None
+    warmup_steps: int
+    start_lr: float
+    milestones: list[int]
+    decay_end: int | None
+    min_lr: float
+    phases: list[Segment]
+
+
+def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, segments: list[Segment],
+                      phases: list[Segment], steps_per_epoch: int | None, warnings: list[str]) -> StepsSchedule:
+    """Every length of `schedule` (total, warm-up, milestones, end of decay) in optimizer steps over `segments`,
+    the warm-up's start LR and the minimum LR, and each phase's own schedule (`attach_phase_schedules`)."""
+
+    def steps(length: Length | None, what: str) -> int | None:
+        if length is None:
+            return None
+        value = lengths_to_steps(segments, length, what, warnings)
+        if value is None:
+            raise UserError(needs_train_size(recipe_path, what))
+        return value
+
+    total = steps(recipe.schedule.total, "schedule.total")
+    if total == 0 and (recipe.schedule.total.unit != "epochs" or steps_per_epoch):  # (an epoch of no step: warned)
+        raise UserError(_no_steps_message(recipe, chosen.effective_batch, steps_per_epoch))
+    warmup = recipe.schedule.warmup
+    if warmup is not None and warmup.ratio is not None:
+        warmup_steps = round(warmup.ratio * total) if total is not None else 0
+    else:
+        warmup_steps = steps(warmup, "schedule.warmup") or 0
+    if total is not None and warmup_steps > total:
+        warnings.append(f"warm-up ({warmup_steps} steps) is longer than the whole run ({total} steps)")
+    decay = recipe.schedule.decay
+    milestones: list[int] = []
+    if decay.milestones is not None:
+        for value in decay.milestones.values:
+            step = steps(Length.model_validate({decay.milestones.unit: value}), "schedule.decay.milestones")
+            milestones += [step] if step is not None else []
+    # the recipe's schedule ends where a batch phase starts its own, else with the run
+    own_start = first_own_schedule_step(recipe, phases)
+    decay_end = steps(decay.until, "schedule.decay.until") if decay.until is not None else (
+        own_start if own_start is not None else total)
+    phases = attach_phase_schedules(recipe, phases, total, warnings, recipe_path, warmup_steps)
+    if decay.min_lr is not None:
+        min_lr = decay.min_lr * chosen.lr_factor
+    else:
+        min_lr = (decay.min_ratio or 0.0) * chosen.lr
+    start_lr = 0.0
+    if warmup is not None and warmup.start_lr is not None:
+        start_lr = warmup.start_lr
+    elif warmup is not None and warmup.start_factor is not None:
+        start_lr = warmup.start_factor * chosen.lr
+    return StepsSchedule(total=total, warmup_steps=warmup_steps, start_lr=start_lr, milestones=milestones,
+                         decay_end=decay_end, min_lr=min_lr, phases=phases)
+
+
+def _no_steps_message(recipe: Recipe, effective_batch: int, steps_per_epoch: int | None) -> str:
+    """Why a schedule of zero optimizer steps is refused: what it asks for, and what one optimizer step reads."""
+    length = recipe.schedule.total
+    length_text = length.label()
+    one_step = f"{effective_batch} {recipe.batch.count_unit}"
+    if recipe.batch.sequence_length:
+        one_step += f" ({effective_batch * recipe.batch.sequence_length:,} tokens)"
+    if length.unit == "epochs" and steps_per_epoch:
+        one_step += f"; an epoch is {steps_per_epoch} optimizer steps"
+    return (f"schedule.total: {length_text} is less than one optimizer step, which reads {one_step}: the run "
+            "would take 0 optimizer steps; give a longer total")
+
+
+def needs_train_size(recipe_path: str | None, what: str) -> str:
+    """The one line for a plan that must count epochs of data it does not know the size of."""
+    return (f"{recipe_path or 'recipe'}: data.train_size: required: {what} is counted in epochs, and the plan needs "
+            "the training samples per epoch to count its optimizer steps (or plan the run with its data)")
+

@@ -147,16 +147,7 @@ def phase_problems(plan: Plan) -> list[str]:
     if not phases:
         return ["segments: a plan has at least one segment; plan it again"]
     if not (batch.phases or batch.ramp):
-        whole, split = phases[0], plan.split
-        if len(phases) != 1 or whole.kind != "whole":
-            return [f"segments: the recipe's batch has no phases or ramp: expected one `whole` segment, got "
-                    f"{len(phases)} ({', '.join(segment.kind for segment in phases)})"]
-        found = (whole.start_step, whole.steps, whole.micro_batch, whole.accumulation_steps, whole.effective_batch)
-        split_batch = (0, None, split.micro_batch, split.accumulation_steps, split.effective_batch)
-        if found != split_batch:
-            return [f"segments[0]: the whole run at the split's batch: expected (start_step, steps, micro_batch, "
-                    f"accumulation_steps, effective_batch) {split_batch}, got {found}"]
-        return []
+        return _whole_problems(plan)
     if not plan.has_phases:
         return ["segments: the recipe's batch has phases or a ramp, but the plan has one `whole` segment; plan it "
                 "again"]
@@ -225,6 +216,21 @@ def phase_problems(plan: Plan) -> list[str]:
     if not batch.phases and any(phase.schedule is not None for phase in phases):
         problems.append("segments: a ramp's segments have no schedules of their own")
     return problems
+
+
+def _whole_problems(plan: Plan) -> list[str]:
+    """A plan without batch phases: one `whole` segment at the split's batch."""
+    segments, split = plan.segments, plan.split
+    whole = segments[0]
+    if len(segments) != 1 or whole.kind != "whole":
+        return [f"segments: the recipe's batch has no phases or ramp: expected one `whole` segment, got "
+                f"{len(segments)} ({', '.join(segment.kind for segment in segments)})"]
+    found = (whole.start_step, whole.steps, whole.micro_batch, whole.accumulation_steps, whole.effective_batch)
+    split_batch = (0, None, split.micro_batch, split.accumulation_steps, split.effective_batch)
+    if found != split_batch:
+        return [f"segments[0]: the whole run at the split's batch: expected (start_step, steps, micro_batch, "
+                f"accumulation_steps, effective_batch) {split_batch}, got {found}"]
+    return []
 
 
 def load_recipe_or_plan(path: str | Path) -> tuple[Recipe, Plan | None]:

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import UserError
-from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
+from .batchnorm import BatchNormPlan, batchnorm_note, label_disagreement, plan_batchnorm
 from .gates import planned_gates
 from .overlay import Change, overlay
-from .phases import attach_phase_schedules, first_own_schedule_step, plan_phases
-from .recipe import Length, Recipe, default_packing
+from .phases import StepsSchedule, plan_phases, schedule_in_steps
+from .recipe import Recipe, default_packing
 from .schedules import StepSchedule
-from .segments import Segment, epoch_steps, lengths_to_steps, micro_batch_cap, segment_lr, whole_segment
+from .segments import Segment, epoch_steps, micro_batch_cap, segment_lr, whole_segment
 from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule, split_text
 from .throughput_choice import ThroughputChoice
 from .weightfiles import WeightsRecord
@@ -71,7 +70,7 @@ class Plan(Frozen):
     batchnorm: BatchNormPlan | None = None  # BatchNorm: the run's BN batch against the paper's, and the options
     batchnorm_warning: str | None = None  # the warning when BatchNorm's batch is not the paper's
     warnings: list[str] = []
-    # policy throughput: the exact splits timed and why the micro-batch was chosen (throughput/policy.py)
+    # policy throughput: the exact splits timed and why the micro-batch was chosen
     throughput: ThroughputChoice | None = None
     # the memory knobs the plan took (activation checkpointing, sharded gradients), or the ways it weighed, and why
     memory_notes: list[str] = []
@@ -164,20 +163,11 @@ def make_plan(
 ) -> Plan:
     """The plan for `recipe` on `world_size` processes that each fit `micro_batch_max` samples.
 
-    With batch phases the micro-batch that fits, and the training samples, depend on the sequence length: both may
-    be given per length ({sequence_length: value}); a single number holds for every length. Policy `throughput` is
-    `exact` with the micro-batch `micro_batch` (the exact split the throughput search chose,
-    reproduce/throughput/splits.py) when given, else the largest. `batchnorm_layers`: the BatchNorm layers the torch
-    layer counted in the built model (built-ins are known without it; otherwise the recipe's label stands in).
-    The parts the caller measured or read, which the plan records as they are: `memory_notes` (the memory knobs
-    the probe took, probe/memory_plan.py), `weights` (the record of the pretrained weights, weightfiles.record),
-    `data_fingerprint` (the data files' when a run starts), `throughput` (the timed splits, throughput/policy.py).
-
-    `data.packing` left unset takes the data's default (`recipe.default_packing`), written into the plan's recipe
-    so that the run, verify and a resume group alike.
-
-    It reads as its steps: the main batch's values, the checks, the split, its LR, the epoch, the batch phases, the
-    schedule in optimizer steps, the last warnings. Every step appends its warnings to one list, in this order.
+    With batch phases the micro-batch that fits and the training samples may be given per sequence length. Policy
+    `throughput` is `exact` with the throughput search's `micro_batch` when given. `batchnorm_layers`: as counted in
+    the built model. The keyword parts are recorded as the caller measured or read them. An unset `data.packing`
+    takes the data's default, written into the plan's recipe so that run, verify and resume group alike. Each step
+    below appends its warnings to one list, in order.
     """
     way = default_packing(recipe)  # data.packing unset: instruction data takes packed or sorted, the plan keeps it
     if way is not None:
@@ -218,31 +208,18 @@ def make_plan(
     warnings[at:at] = epoch_end
     warn_last(recipe, batchnorm, schedule, warnings, norm)
     plan = Plan(
-        recipe_path=recipe_path,
-        recipe=recipe,
-        policy=policy,
-        micro_batch_max=cap,
-        split=chosen,
-        alternative=alternative,
-        lr_scaling=LrScaling(rule=rule, source=source, adam_option=adam_option),
-        dataset_size=size,
-        steps_per_epoch=steps_per_epoch,
-        partial_window=partial,
+        recipe_path=recipe_path, recipe=recipe, policy=policy, micro_batch_max=cap, split=chosen,
+        alternative=alternative, lr_scaling=LrScaling(rule=rule, source=source, adam_option=adam_option),
+        dataset_size=size, steps_per_epoch=steps_per_epoch, partial_window=partial,
         schedule=StepSchedule(
             start_step=0, end_step=schedule.total, lr=chosen.lr, warmup_steps=schedule.warmup_steps,
             warmup_start_lr=schedule.start_lr, decay_kind=recipe.schedule.decay.kind,
             decay_milestones=schedule.milestones, decay_factor=recipe.schedule.decay.factor,
             decay_end_step=schedule.decay_end, min_lr=schedule.min_lr, power=recipe.schedule.decay.power),
-        segments=schedule.phases or segments,
-        batchnorm=norm,
-        batchnorm_warning=batchnorm,
-        warnings=warnings,
-        throughput=throughput,
-        memory_notes=list(memory_notes),
-        weights=weights,
-        data_fingerprint=data_fingerprint,
+        segments=schedule.phases or segments, batchnorm=norm, batchnorm_warning=batchnorm, warnings=warnings,
+        throughput=throughput, memory_notes=list(memory_notes), weights=weights, data_fingerprint=data_fingerprint,
     )
-    planned_gates(plan)  # each gate at an optimizer step of the run, or one line now (plan/gates.py)
+    planned_gates(plan)  # each gate at an optimizer step of the run, or one line now
     return plan
 
 
@@ -297,14 +274,14 @@ def choose_split(recipe: Recipe, cap: int, world_size: int, policy: SplitPolicy,
 
 def plan_norm(recipe: Recipe, chosen: Choice, cap: int, world_size: int, batchnorm_layers: int | None,
               warnings: list[str]) -> tuple[BatchNormPlan | None, str | None]:
-    """BatchNorm (reproduce/plan/batchnorm.py): the run's BN batch against the paper's and the options, the warning when
+    """BatchNorm: the run's BN batch against the paper's and the options, the warning when
     they differ (added by `warn_last`), and the line when the recipe's label disagrees with the model. `cap`: as
     `choose_split`'s."""
     norm = plan_batchnorm(recipe, chosen.micro_batch, cap, world_size, batchnorm_layers)
     disagreement = label_disagreement(recipe.model, batchnorm_layers)
     if disagreement:
         warnings.append(disagreement)
-    return norm, _batchnorm_note(norm)
+    return norm, batchnorm_note(norm)
 
 
 def scale_lr(recipe: Recipe, chosen: Choice, warnings: list[str]) -> tuple[LrRule, str, AdamOption | None]:
@@ -315,11 +292,11 @@ def scale_lr(recipe: Recipe, chosen: Choice, warnings: list[str]) -> tuple[LrRul
             f"effective batch {chosen.effective_batch} is not the paper's {recipe.batch.sequences} "
             f"(x{chosen.batch_factor:.4g}): LR {recipe.optimizer.lr:g} -> {chosen.lr:.6g} by the {rule} rule"
         )
-    # Malladi et al.'s beta/eps changes are for Adam itself; LAMB's paper changed only the LR
-    adam_option = (
-        _adam_option(recipe, chosen)
-        if rule == "sqrt" and recipe.optimizer.family == "adam" and recipe.optimizer.name != "lamb" else None
-    )
+    adam_option = None  # Malladi et al.'s beta/eps changes are for Adam itself; LAMB's paper changed only the LR
+    if rule == "sqrt" and recipe.optimizer.family == "adam" and recipe.optimizer.name != "lamb":
+        k, (beta1, beta2) = chosen.batch_factor, recipe.optimizer.betas
+        adam_option = AdamOption(betas=(max(0.0, 1 - k * (1 - beta1)), max(0.0, 1 - k * (1 - beta2))),
+                                 eps=recipe.optimizer.eps / math.sqrt(k))
     return rule, source, adam_option
 
 
@@ -348,66 +325,6 @@ def warn_partial_epoch(recipe: Recipe, dataset_size: int | None, effective_batch
         )
 
 
-@dataclass(frozen=True)
-class StepsSchedule:
-    """The recipe's schedule in optimizer steps, as `schedule_in_steps` plans it, and the phases with theirs."""
-
-    total: int | None
-    warmup_steps: int
-    start_lr: float
-    milestones: list[int]
-    decay_end: int | None
-    min_lr: float
-    phases: list[Segment]
-
-
-def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, segments: list[Segment],
-                      phases: list[Segment], steps_per_epoch: int | None, warnings: list[str]) -> StepsSchedule:
-    """Every length of `schedule` (total, warm-up, milestones, end of decay) in optimizer steps over `segments`,
-    the warm-up's start LR and the minimum LR, and each phase's own schedule (`attach_phase_schedules`)."""
-
-    def steps(length: Length | None, what: str) -> int | None:
-        if length is None:
-            return None
-        value = lengths_to_steps(segments, length, what, warnings)
-        if value is None:
-            raise UserError(needs_train_size(recipe_path, what))
-        return value
-
-    total = steps(recipe.schedule.total, "schedule.total")
-    if total == 0 and (recipe.schedule.total.unit != "epochs" or steps_per_epoch):  # (an epoch of no step: warned)
-        raise UserError(_no_steps_message(recipe, chosen.effective_batch, steps_per_epoch))
-    warmup = recipe.schedule.warmup
-    if warmup is not None and warmup.ratio is not None:
-        warmup_steps = round(warmup.ratio * total) if total is not None else 0
-    else:
-        warmup_steps = steps(warmup, "schedule.warmup") or 0
-    if total is not None and warmup_steps > total:
-        warnings.append(f"warm-up ({warmup_steps} steps) is longer than the whole run ({total} steps)")
-    decay = recipe.schedule.decay
-    milestones: list[int] = []
-    if decay.milestones is not None:
-        for value in decay.milestones.values:
-            step = steps(Length.model_validate({decay.milestones.unit: value}), "schedule.decay.milestones")
-            milestones += [step] if step is not None else []
-    # the recipe's schedule ends where a batch phase starts its own (schedules.py), else with the run
-    own_start = first_own_schedule_step(recipe, phases)
-    decay_end = steps(decay.until, "schedule.decay.until") if decay.until is not None else (
-        own_start if own_start is not None else total)
-    phases = attach_phase_schedules(recipe, phases, total, warnings, recipe_path, warmup_steps)
-    if decay.min_lr is not None:
-        min_lr = decay.min_lr * chosen.lr_factor
-    else:
-        min_lr = (decay.min_ratio or 0.0) * chosen.lr
-    start_lr = 0.0
-    if warmup is not None and warmup.start_lr is not None:
-        start_lr = warmup.start_lr
-    elif warmup is not None and warmup.start_factor is not None:
-        start_lr = warmup.start_factor * chosen.lr
-    return StepsSchedule(total=total, warmup_steps=warmup_steps, start_lr=start_lr, milestones=milestones,
-                         decay_end=decay_end, min_lr=min_lr, phases=phases)
-
-
 def warn_last(recipe: Recipe, batchnorm: str | None, schedule: StepsSchedule, warnings: list[str],
               norm: BatchNormPlan | None = None) -> None:
     """The warnings that close the list: BatchNorm over micro-batches (and the BN choice's own lines), a batch phase
@@ -428,48 +345,6 @@ def warn_last(recipe: Recipe, batchnorm: str | None, schedule: StepsSchedule, wa
         warnings.append(f"this run starts from random weights; the paper started from {model.pretrained} and its "
                         "numbers assume it: give --backbone-weights FILE for an ImageNet backbone, or --weights FILE "
                         "for a whole model (a run's model.pt) (docs/segmentation.md)")
-
-
-def _no_steps_message(recipe: Recipe, effective_batch: int, steps_per_epoch: int | None) -> str:
-    """Why a schedule of zero optimizer steps is refused: what it asks for, and what one optimizer step reads."""
-    length = recipe.schedule.total
-    length_text = length.label()
-    one_step = f"{effective_batch} {recipe.batch.count_unit}"
-    if recipe.batch.sequence_length:
-        one_step += f" ({effective_batch * recipe.batch.sequence_length:,} tokens)"
-    if length.unit == "epochs" and steps_per_epoch:
-        one_step += f"; an epoch is {steps_per_epoch} optimizer steps"
-    return (f"schedule.total: {length_text} is less than one optimizer step, which reads {one_step}: the run "
-            "would take 0 optimizer steps; give a longer total")
-
-
-def _adam_option(recipe: Recipe, choice: Choice) -> AdamOption:
-    k = choice.batch_factor
-    beta1, beta2 = recipe.optimizer.betas
-    return AdamOption(
-        betas=(max(0.0, 1 - k * (1 - beta1)), max(0.0, 1 - k * (1 - beta2))),
-        eps=recipe.optimizer.eps / math.sqrt(k),
-    )
-
-
-def _batchnorm_note(norm: BatchNormPlan | None) -> str | None:
-    """The warning when BatchNorm normalises over another batch than the paper's (None when it is the paper's, or
-    when the run's model has no batch statistics)."""
-    if norm is None or norm.run_batch is None or norm.run_batch == norm.paper_batch:
-        return None
-    paper = (f"the paper's {norm.paper_batch}" if norm.paper_batch and norm.paper_mode == "sync" else
-             f"the paper's per-device {norm.paper_batch}" if norm.paper_batch else
-             "the paper's per-device batch (not stated)")
-    over = (f"micro-batches of {norm.micro_batch} samples" if norm.mode == "keep" else
-            f"{norm.processes} synced micro-batches of {norm.micro_batch} = {norm.run_batch} samples")
-    return (f"BatchNorm statistics will be computed over {over} instead of {paper}: normalisation and running "
-            "statistics differ from the paper's" + (" (see the BatchNorm options)" if norm.options else ""))
-
-
-def needs_train_size(recipe_path: str | None, what: str) -> str:
-    """The one line for a plan that must count epochs of data it does not know the size of."""
-    return (f"{recipe_path or 'recipe'}: data.train_size: required: {what} is counted in epochs, and the plan needs "
-            "the training samples per epoch to count its optimizer steps (or plan the run with its data)")
 
 
 # ---- the learning rate of each step ------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import UserError
+from .units import format_count, format_size
 
 STATE_DICT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 # the weight files of a Hugging Face folder, in the order transformers looks for them
@@ -212,8 +213,6 @@ class WeightsRecord(BaseModel):
     def line(self, builtin: str | None) -> str:
         """The plan's line about them: "llama-7b's architecture from PATH's config.json (LlamaForCausalLM, 6.74B
         parameters), differing from the built-in in hidden_size 32 (4096), ..."."""
-        from ..plan.units import format_count, format_size
-
         count = f", {format_count(self.parameters)} parameters" if self.parameters else ""
         if self.kind == "state-dict":
             return (f"weights: {self.path} ({format_size(self.bytes)}{count}) loaded into {builtin or 'the model'}, "

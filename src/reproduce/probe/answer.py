@@ -18,18 +18,19 @@ The three figures people compare, and what separates them:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
 from ..errors import UserError
 from ..hardware.catalog import CONTEXT_BYTES
 from ..plan.recipe import Recipe
-from ..plan.units import available_host_memory, format_count
+from ..plan.units import available_host_memory, format_count, format_size
 from .fake_step import run_fake_step
 from .gpu_like import GpuKind
 from .runner import ProbeOptions, resolve_budget
 from .tracker import ALLOWANCE
-from .workload import Workload, synthetic_data
+from .workload import Workload, declared_inputs, synthetic_data
 
 UNBOUNDED = 2**50  # the estimate's budget when none is given: the answer then says nothing about fitting
 
@@ -69,8 +70,6 @@ def with_sequence_length(recipe: Recipe, length: int | None) -> Recipe:
         return recipe
     if length < 1:
         raise UserError(f"expected a positive number of tokens (got {length})", field="sequence_length")
-    from .workload import declared_inputs
-
     data = recipe.model_dump(mode="json", exclude_unset=True)
     data["batch"] = {**data.get("batch", {}), "sequence_length": length}
     changed = type(recipe).model_validate(data)
@@ -83,8 +82,6 @@ def with_sequence_length(recipe: Recipe, length: int | None) -> Recipe:
 def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_path: str | None = None,
               sequence_length: int | None = None) -> MemoryAnswer:
     """The step's memory at `micro_batch` on one process (see the module's notes)."""
-    from .meters import METERS
-
     if micro_batch < 1:
         raise UserError(f"expected 1 or more (got {micro_batch})", field="micro_batch")
     recipe = with_sequence_length(recipe, sequence_length)
@@ -95,15 +92,7 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
         raise UserError("fsdp: `reproduce memory` answers for one whole process; use reproduce probe `sharding` fsdp "
                         "`world_size` W for one rank's share", field="batch.sharding")
     workload = Workload(recipe, synthetic_data(recipe) if sequence_length else None).prepare()
-    cap = recipe.batch.sequences
-    if meter_name == "estimate":
-        meter = METERS["estimate"](workload, budget or UNBOUNDED, options.headroom, gpu=gpu, cap=cap)
-    elif meter_name == "cpu":
-        available = available_host_memory()
-        meter = METERS["cpu"](workload, budget or int(0.5 * (available or 2**34)), options.headroom, time_steps=False,
-                              cap=cap)
-    else:
-        meter = METERS["cuda"](workload, budget, options.headroom, time_steps=False, cap=cap)
+    meter = _meter(meter_name, workload, budget, options.headroom, gpu, recipe.batch.sequences)
     try:
         measured = meter.measure(micro_batch)
     finally:
@@ -167,6 +156,19 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
     )
 
 
+def _meter(name: str, workload: Workload, budget: int | None, headroom: float, gpu: Any, cap: int) -> Any:
+    """The meter `memory_at` measures one step with: estimate, cpu (half the free memory unless a budget is given)
+    or cuda, none of them timing the step."""
+    from .meters import METERS
+
+    if name == "estimate":
+        return METERS["estimate"](workload, budget or UNBOUNDED, headroom, gpu=gpu, cap=cap)
+    if name == "cpu":
+        available = available_host_memory()
+        return METERS["cpu"](workload, budget or int(0.5 * (available or 2**34)), headroom, time_steps=False, cap=cap)
+    return METERS["cuda"](workload, budget, headroom, time_steps=False, cap=cap)
+
+
 def weights_form(recipe: Recipe, workload: Workload) -> str:
     """The parameters and how they are stored: "124.4M parameters in fp32; 1.2M train (LoRA adapters in bf16)"."""
     from ..models import build_model
@@ -189,8 +191,6 @@ def weights_form(recipe: Recipe, workload: Workload) -> str:
 
 def peak_line(answer: dict) -> str:
     """The peak's composition, largest part first: "gradients 1.2 GiB + activations 800 MiB"."""
-    from ..plan.units import format_size
-
     names = {"optimizer": "optimizer state", "optimizer step": "step temporaries"}
     parts = sorted(answer["at_peak"].items(), key=lambda item: -item[1])
     return " + ".join(f"{names.get(name, name)} {format_size(size)}" for name, size in parts if size)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..plan.units import format_size
-from .sharded_memory import Blocks, StepMemory, sharded_peak
+from .sharded_memory import Blocks, StepMemory, sharded_peak, smallest_world_size
 from .way_out import WayOut, changed_recipe, measure_change
 
 CHECKPOINTING = {"model": {"activation_checkpointing": True}}
@@ -210,7 +210,6 @@ def _sharded_and_checkpointed(meter: Any, gpu: Any, first: Any, accumulates: boo
     import torch
 
     from .meters import EstimateMeter
-    from .sharded_memory import smallest_world_size
     from .workload import Workload
 
     capability = torch.cuda.get_device_capability() if meter.name == "cuda" else None

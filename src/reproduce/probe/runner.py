@@ -102,7 +102,7 @@ class ProbeResult(BaseModel):
     notes: list[str] = []
     cached: bool = False
     sharding: Literal["none", "fsdp"] = "none"
-    does_not_fit: dict | None = None  # what micro-batch 1 needs and what would fit (probe/advice.py)
+    does_not_fit: dict | None = None  # what micro-batch 1 needs and what would fit
     # data.packing sorted: the largest token budget T per micro-batch measured to fit, found in steps of token_step
     # tokens above micro_batch_max rows of the longest example (probe/tokens.py); token_trials' micro_batch is T
     token_budget: int | None = None
@@ -207,7 +207,7 @@ def run_probe(
     kind = choose_meter(options, requested, sharding)
     cap = math.ceil(recipe.batch.sequences / world_size)
     workload = Workload(recipe, data)
-    way = recipe.data.packing or default_packing(recipe) or "none"  # sorted: T searched in tokens (probe/tokens.py)
+    way = recipe.data.packing or default_packing(recipe) or "none"  # sorted: T searched in tokens
 
     def make_meter(workload: Workload, cap: int | None = cap):
         meter_type = METER_TYPES[kind]
@@ -226,22 +226,10 @@ def run_probe(
             "sharding": sharding, "world_size": world_size, "torch": torch.__version__, "reproduce": __version__,
             **({"packing": way} if way != "none" else {}),  # (packed rows, sorted's tokens: other trials)
         })
-        if options.use_cache:
-            saved = cache.load(key)
-            if saved is not None:
-                saved.pop("format", None)
-                try:
-                    return ProbeResult.model_validate({**saved, "recipe_path": recipe_path, "cached": True})
-                except ValueError:
-                    pass  # written by another version: probe again
-
-        def fits(micro_batch: int) -> Measurement:
-            measurement = meter.measure(micro_batch)
-            if on_trial is not None:
-                on_trial(measurement)
-            return measurement
-
-        found = search(fits, meter.limit_bytes, cap)
+        cached = _cached(key, recipe_path) if options.use_cache else None
+        if cached is not None:
+            return cached
+        found = search(meter.measure, meter.limit_bytes, cap, on_trial)
         does_not_fit = None
         if found.micro_batch_max is None:
             from .advice import explain
@@ -254,25 +242,14 @@ def run_probe(
         tokens = token_search(found, workload, lambda budgeted: make_meter(budgeted, cap=None))
     chosen = found.chosen
     result = ProbeResult(
-        recipe_path=recipe_path,
-        meter=kind,
-        device=meter.device,
-        gpu=gpu.name if gpu else None,
-        data=workload.description,
-        budget_bytes=meter.budget_bytes,
-        headroom=options.headroom,
-        limit_bytes=meter.limit_bytes,
-        cap=cap,
-        world_size=world_size,
-        micro_batch_max=found.micro_batch_max,
-        peak_bytes=chosen.peak_bytes if chosen else None,
-        tensor_bytes=chosen.tensor_bytes if chosen else None,
+        recipe_path=recipe_path, meter=kind, device=meter.device, gpu=gpu.name if gpu else None,
+        data=workload.description, budget_bytes=meter.budget_bytes, headroom=options.headroom,
+        limit_bytes=meter.limit_bytes, cap=cap, world_size=world_size, micro_batch_max=found.micro_batch_max,
+        peak_bytes=chosen.peak_bytes if chosen else None, tensor_bytes=chosen.tensor_bytes if chosen else None,
         step_seconds=chosen.step_seconds if chosen else None,
         trials=[timed_trial(t, recipe.batch.sequence_length) for t in found.trials],
-        line=(
-            ProbeLine(intercept_bytes=found.line.intercept, bytes_per_sample=found.line.slope, points=found.line.points)
-            if found.line else None
-        ),
+        line=ProbeLine(intercept_bytes=found.line.intercept, bytes_per_sample=found.line.slope,
+                       points=found.line.points) if found.line else None,
         seconds=round(found.seconds, 3),
         torch_version=torch.__version__,
         notes=meter.notes,
@@ -282,6 +259,18 @@ def run_probe(
     )
     cache.store(key, result.model_dump(mode="json", exclude={"recipe_path", "cached"}))
     return result
+
+
+def _cached(key: str, recipe_path: str | None) -> ProbeResult | None:
+    """The probe's saved result for `key`, None when there is none or another version wrote it (probe again)."""
+    saved = cache.load(key)
+    if saved is None:
+        return None
+    saved.pop("format", None)
+    try:
+        return ProbeResult.model_validate({**saved, "recipe_path": recipe_path, "cached": True})
+    except ValueError:
+        return None
 
 
 

@@ -135,8 +135,10 @@ def safe_size(measured: Measurement, limit_bytes: float) -> int:
     return math.floor(limit_bytes * measured.micro_batch / measured.peak_bytes)
 
 
-def search(fits: Callable[[int], Measurement], limit_bytes: int, cap: int) -> SearchResult:
-    """The largest micro-batch in [1, cap] that `fits`, with every trial it took to know it."""
+def search(fits: Callable[[int], Measurement], limit_bytes: int, cap: int,
+           on_trial: Callable[[Measurement], None] | None = None) -> SearchResult:
+    """The largest micro-batch in [1, cap] that `fits`, with every trial it took to know it (each shown to
+    `on_trial` as it is measured)."""
     if cap < 1:
         raise ValueError(f"cap must be >= 1 (got {cap})")
     trials: list[Measurement] = []
@@ -146,6 +148,8 @@ def search(fits: Callable[[int], Measurement], limit_bytes: int, cap: int) -> Se
     size, from_line = min(FIRST_SIZE, cap), False
     while True:
         result = fits(size)
+        if on_trial is not None:
+            on_trial(result)
         if result.micro_batch != size:
             raise ValueError(f"fits({size}) reported micro_batch {result.micro_batch}")
         trials.append(result)

@@ -31,18 +31,30 @@ from ..plan.recipe import NamedData, Recipe, SegmentationData
 SHAPE_SAMPLE = 256  # items looked at to tell fixed-shape data from variable-length data
 
 
-class SyntheticTokens:
-    """Token sequences of one length: input the first L of L + 1 random tokens, target the last L."""
+class SyntheticSamples:
+    """Random inputs of one shape with class labels, made a batch at a time (the same for every index)."""
 
-    def __init__(self, items: int, sequence_length: int, vocab_size: int):
-        self.items, self.length, self.vocab = items, sequence_length, vocab_size
+    def __init__(self, items: int, input_shape: tuple[int, ...], classes: int):
+        self.items, self.shape, self.classes = items, input_shape, classes
 
     def __len__(self) -> int:
         return self.items
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[Any, torch.Tensor]:
         inputs, targets = self.batch(torch.tensor([index]))
         return inputs[0], targets[0]
+
+    def batch(self, indices: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        inputs = torch.randn((len(indices), *self.shape), generator=generator)
+        return inputs, torch.randint(0, self.classes, (len(indices),), generator=generator)
+
+
+class SyntheticTokens(SyntheticSamples):
+    """Token sequences of one length: input the first L of L + 1 random tokens, target the last L."""
+
+    def __init__(self, items: int, sequence_length: int, vocab_size: int):
+        self.items, self.length, self.vocab = items, sequence_length, vocab_size
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(0)
@@ -69,25 +81,6 @@ class SyntheticPairs(SyntheticTokens):
     def __getitem__(self, index: int) -> tuple[dict, torch.Tensor]:
         inputs, targets = self.batch(torch.tensor([index]))
         return {key: value[0] for key, value in inputs.items()}, targets[0]
-
-
-class SyntheticSamples:
-    """Random inputs of one shape with class labels."""
-
-    def __init__(self, items: int, input_shape: tuple[int, ...], classes: int):
-        self.items, self.shape, self.classes = items, input_shape, classes
-
-    def __len__(self) -> int:
-        return self.items
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = self.batch(torch.tensor([index]))
-        return inputs[0], targets[0]
-
-    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        generator = torch.Generator().manual_seed(0)
-        inputs = torch.randn((len(indices), *self.shape), generator=generator)
-        return inputs, torch.randint(0, self.classes, (len(indices),), generator=generator)
 
 
 class SyntheticMasks(SyntheticSamples):

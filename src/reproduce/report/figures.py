@@ -112,17 +112,9 @@ def figures(runs: list[RunFolder]) -> list[Figure]:
     for run in runs:
         lines += [curve(run, "loss", named(run, "train loss")), curve(run, "eval_loss", named(run, "eval loss"), "o--")]
 
-    def gates(ax) -> None:  # each gate the runs met, at its step: green passed, orange warned or accepted, red paused
-        for run in runs:
-            by_step = {r["step"]: x(r) for r in run.records}
-            for event in (e for e in run.events if e.get("event") == "gate" and e.get("step") in by_step):
-                ax.axvline(by_step[event["step"]], linestyle="--", linewidth=1,
-                           color=GATE_COLORS.get(event["status"], "grey"),
-                           label=named(run, f"gate {event['name']}: {event['status']}"))
-
     draw("loss", "loss", "loss", lines, "Training loss of each optimizer step (the whole window's mean) and the "
          "evaluation loss; dashed lines: the gates (green passed, orange warned or accepted, red paused).",
-         extra=gates)
+         extra=lambda ax: _gate_lines(ax, runs, x, named))
     evals = [key for key in eval_metrics(runs) if key != "eval_loss"]
     for key in evals:
         draw(key, key.removeprefix("eval_").replace("_", " ") + " (evaluation)", key,
@@ -142,14 +134,24 @@ def figures(runs: list[RunFolder]) -> list[Figure]:
     draw("throughput", "throughput", " or ".join(sorted(units)) or "per second", rates,
          "Samples (or tokens) per second of each optimizer step, data loading included.")
 
-    def batches(ax) -> None:
-        for run in runs:
-            batch = run.plan.effective_batch
-            ax.axhline(batch, linestyle=":", color=color(run), label=f"{run.name}: effective batch {batch}"
-                       if several else f"effective batch {batch}")
-
     draw("noise_scale", "gradient noise scale against the effective batch", f"noise scale ({runs[0].plan.unit})",
          [curve(run, "noise_scale", run.name) for run in runs], "The simple gradient noise scale B_simple "
          "(McCandlish et al. 2018), averaged over steps; a batch far above it buys few steps for its samples.",
-         log=True, extra=batches)
+         log=True, extra=lambda ax: _batch_lines(ax, runs, color, named))
     return made
+
+
+def _gate_lines(ax, runs: list[RunFolder], x, named) -> None:
+    """Each gate the runs met, at its step: green passed, orange warned or accepted, red paused."""
+    for run in runs:
+        by_step = {r["step"]: x(r) for r in run.records}
+        for event in (e for e in run.events if e.get("event") == "gate" and e.get("step") in by_step):
+            ax.axvline(by_step[event["step"]], linestyle="--", linewidth=1,
+                       color=GATE_COLORS.get(event["status"], "grey"),
+                       label=named(run, f"gate {event['name']}: {event['status']}"))
+
+
+def _batch_lines(ax, runs: list[RunFolder], color, named) -> None:
+    for run in runs:
+        batch = run.plan.effective_batch
+        ax.axhline(batch, linestyle=":", color=color(run), label=named(run, f"effective batch {batch}"))

@@ -23,7 +23,7 @@ from ..plan.planner import Plan
 from ..plan.split import exact_choice
 from ..probe.runner import ProbeResult
 from .cost import cost, format_duration
-from .predicted_time import total_samples
+from .predicted_time import _flops_model, total_samples  # (_flops_model: the FLOPs model on one catalog card)
 
 MOST_GPUS = 4096  # the GPU counts weighed for a cheaper way: 1 .. this many (those that divide the batch)
 
@@ -155,12 +155,11 @@ def faster_card(plan: Plan, prediction: dict, limit: float) -> tuple[str, float]
     """The catalog's card whose datasheet peak (the prediction's precision, its MFU) runs the whole schedule in the
     fewest GPU-hours, with them, when they are within `limit`; None when no card's are."""
     from ..hardware.catalog import GPUS
-    from .predicted_time import _flops_model as flops_model  # the FLOPs model on one catalog card
 
     samples, per_sample = total_samples(plan), prediction["flops_per_sample"]
     fits = []
     for entry in GPUS.values():
-        seconds = flops_model(entry, 1, prediction["precision"], samples, per_sample, prediction["mfu_assumed"])[0]
+        seconds = _flops_model(entry, 1, prediction["precision"], samples, per_sample, prediction["mfu_assumed"])[0]
         if seconds is not None and seconds / 3600 <= limit:
             fits.append((seconds / 3600, entry.name))
     return (min(fits)[1], min(fits)[0]) if fits else None

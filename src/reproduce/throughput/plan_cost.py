@@ -13,7 +13,7 @@ def plan_costs(plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:
     seq, timings = plan.recipe.batch.sequence_length, result.timings()
     candidates = plan.throughput.candidates if plan.throughput else []
     timed = [(c.micro_batch, c.micro_step_seconds) for c in candidates if c.repeats]
-    costs = {  # --policy throughput: its whole optimizer steps' medians (policy.py), not the probe's trials
+    costs = {  # --policy throughput: its whole optimizer steps' medians, not the probe's trials
         plan.policy: cost(
             timed or timings, plan.micro_batch, plan.accumulation_steps, plan.effective_batch, seq,
             plan.optimizer_steps,

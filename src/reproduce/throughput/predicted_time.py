@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
+from ..hardware.catalog import lookup
+from ..hardware.peaks import on_card, peaks_of, precision_key
 from ..plan.planner import Plan
 from ..probe.runner import ProbeResult
 from .plan_cost import plan_costs
@@ -24,9 +26,6 @@ if TYPE_CHECKING:
 def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: float = DEFAULT_MFU,
                     data: Datasets | None = None) -> dict:
     """`predicted_seconds` (this plan), `paper_predicted_seconds` (the paper's hardware) and how they were made."""
-    from ..hardware.catalog import lookup
-    from ..hardware.peaks import precision_key
-
     recipe = p.recipe
     notes: list[str] = []
     per_sample, convolution_share = sample_flops(recipe, data)
@@ -76,8 +75,6 @@ def _flops_model(entry, devices: int, key: str, samples: int | None, per_sample:
                 mfu: float) -> tuple[float | None, str, str, str | None]:
     """The FLOPs model's time on `devices` x the catalog card `entry`: (seconds, its basis, the datasheet column,
     why that column has no peak, or None when it has one)."""
-    from ..hardware.peaks import on_card, peaks_of
-
     on, peaks = on_card(key, entry.capability), peaks_of(entry.name)
     peak = _peak(peaks, on)
     basis = f"FLOPs model: {devices} x {entry.title} at {_tflops(peak)} {on} x MFU {mfu:.0%}"
@@ -88,8 +85,6 @@ def _flops_model(entry, devices: int, key: str, samples: int | None, per_sample:
 def paper_gpu(recipe):
     """The catalog entry of the paper's hardware (`batch.device`, with `batch.devices` stated); None for a TPU, a
     card not in the catalog, or hardware not stated."""
-    from ..hardware.catalog import lookup
-
     if not (recipe.batch.device and recipe.batch.devices):
         return None
     try:

@@ -227,25 +227,16 @@ class Decision:
 
 
 def choose(
-    splits: list[int],
-    per_rank_batch: int,
-    step_seconds: dict[int, float],
-    sources: dict[int, str],
-    sequence_length: int | None,
-    spreads: dict[int, float] | None = None,
-    batchnorm_micro_batch: int | None = None,
-    basis: str = "measured",
-    micro_batch_max: int | None = None,
-    timings: Timings | None = None,
+    splits: list[int], per_rank_batch: int, step_seconds: dict[int, float], sources: dict[int, str],
+    sequence_length: int | None, spreads: dict[int, float] | None = None, batchnorm_micro_batch: int | None = None,
+    basis: str = "measured", micro_batch_max: int | None = None, timings: Timings | None = None,
 ) -> Decision:
     """The exact split with the shortest optimizer step (`step_seconds`, the same per-process batch in each).
 
-    The two fastest are compared round by round when `timings` are given (`paired`), else within their `spreads`
-    (at least NOISE_FLOOR): within the noise they are indistinguishable and the larger micro-batch wins. `timings`:
-    what `time_splits` measured, whose medians, spreads, repeats and cost are used instead of `step_seconds` and
-    `spreads`. `batchnorm_micro_batch`: the paper's per-device
-    batch, kept whatever the timings say (BatchNorm statistics over the paper's samples); the candidates are still
-    listed so the cost of that choice is seen.
+    The two fastest are compared round by round when `timings` (what `time_splits` measured, used in place of
+    `step_seconds` and `spreads`) are given, else within their `spreads` (at least NOISE_FLOOR): within the noise the
+    larger micro-batch wins. `batchnorm_micro_batch`, the paper's per-device batch, is kept whatever the timings say
+    (BatchNorm statistics over the paper's samples); the candidates still show what that choice costs.
     """
     if not splits:
         raise ValueError("no exact split to choose from")
@@ -306,20 +297,25 @@ def choose(
         reason = (f"micro-batch {kept}: the paper's per-device batch, kept for BatchNorm (its statistics over the "
                   f"paper's samples; {share}); by throughput alone: {micro}")
         micro = kept
-    candidates = []
-    for m in shown:
-        n = per_rank_batch // m
-        samples = per_rank_batch / step_seconds[m]
-        timing = timings.timed[m] if timings is not None else None
-        candidates.append(TimedSplit(
-            micro_batch=m, accumulation_steps=n, micro_step_seconds=step_seconds[m] / n, step_seconds=step_seconds[m],
-            samples_per_second=samples, tokens_per_second=samples * sequence_length if sequence_length else None,
-            share_of_best=samples / best_rate, source=sources.get(m, "timed"), chosen=m == micro,
-            spread=spreads.get(m) if basis != "model" else None,
-            repeats=[round(r, 6) for r in timing.repeats] if timing else None,
-            timing_seconds=round(timing.seconds, 4) if timing else None,
-        ))
+    candidates = [_timed_split(m, micro, per_rank_batch, step_seconds[m], best_rate, sequence_length, sources,
+                               spreads.get(m) if basis != "model" else None,
+                               timings.timed[m] if timings is not None else None) for m in shown]
     return Decision(micro, per_rank_batch // micro, candidates, reason, basis, noise, len(splits), pair, cost)
+
+
+def _timed_split(m: int, chosen: int, per_rank_batch: int, seconds: float, best_rate: float,
+                 sequence_length: int | None, sources: dict[int, str], spread: float | None,
+                 timing: SplitTiming | None) -> TimedSplit:
+    """Micro-batch `m`'s row among the candidates: its step's rates, its share of the best one, its timing."""
+    n = per_rank_batch // m
+    samples = per_rank_batch / seconds
+    return TimedSplit(
+        micro_batch=m, accumulation_steps=n, micro_step_seconds=seconds / n, step_seconds=seconds,
+        samples_per_second=samples, tokens_per_second=samples * sequence_length if sequence_length else None,
+        share_of_best=samples / best_rate, source=sources.get(m, "timed"), chosen=m == chosen, spread=spread,
+        repeats=[round(r, 6) for r in timing.repeats] if timing else None,
+        timing_seconds=round(timing.seconds, 4) if timing else None,
+    )
 
 
 def relative_spread(samples: list[float]) -> float:

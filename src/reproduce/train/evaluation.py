@@ -15,7 +15,7 @@ from ..models.segmentation import output_of
 from ..plan.planner import Plan
 from .eval_modes import evaluation_forward
 from .optim.plateau import step_plateau
-from .setup import Setup
+from .setup import Setup, build, resolve_device
 
 
 @torch.no_grad()
@@ -126,7 +126,6 @@ def evaluate_run(run_dir: Path, data_path: str | None = None, eval_data_path: st
     from ..data import build_data
     from ..plan.overlay import Change, overlay
     from ..plan.planfile import load_plan
-    from .setup import build, resolve_device
 
     for name in ("plan.yaml", "model.pt"):
         if not (run_dir / name).is_file():

@@ -35,11 +35,11 @@ from ..models.varlen import runs_varlen
 from ..plan.overlay import variant
 from ..plan.planner import Plan
 from ..plan.segments import length_sizes
-from ..plan.units import available_host_memory
 from ..train.losses import PixelLoss, build_loss
 from ..train.setup import Setup, resolve_device
 from ..train.step import optimizer_step
 from ..train.windows import epoch_order, grouped_window, window
+from .reference import copy_gradients, one_pass_reference
 
 DTYPES = ("float64", "float32", "bf16", "fp16")
 # Default tolerances on the relative error: float64 rounding of a sum in another order is ~1e-16; float32
@@ -50,7 +50,6 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
 NEGLIGIBLE_ULPS = 10
 EPSILON = {"float64": torch.finfo(torch.float64).eps, "float32": torch.finfo(torch.float32).eps,
            "bf16": torch.finfo(torch.bfloat16).eps, "fp16": torch.finfo(torch.float16).eps}
-MEMORY_FRACTION = 0.5  # of the free memory, for the one-pass reference's activations
 
 
 @dataclass
@@ -120,10 +119,6 @@ class GradientRecorder:
             p.grad = None
 
 
-def copy_gradients(parameters: list[nn.Parameter]) -> list[torch.Tensor]:
-    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in parameters]
-
-
 class _NoSchedule:
     def step(self) -> None: ...
 
@@ -145,31 +140,6 @@ def disable_dropout(model: nn.Module) -> list[str]:
     return changed
 
 
-def free_memory(device: torch.device) -> int | None:
-    """Bytes free for tensors on `device` (the CPU: MemAvailable), or None when unknown."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    return available_host_memory()
-
-
-def saved_bytes(setup: Setup, inputs: Any, target: Any) -> int:
-    """Bytes autograd keeps for the backward pass of one forward on (inputs, target): activation memory."""
-    total, seen = 0, set()
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        key = (tensor.data_ptr(), tensor.numel(), tensor.dtype)
-        if key not in seen:
-            seen.add(key)
-            total += tensor.numel() * tensor.element_size()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        with setup.autocast():
-            setup.loss(setup.model(inputs), target)
-    return total
-
-
 def verify(
     plan: Plan,
     *,
@@ -182,13 +152,7 @@ def verify(
     chunk: int | None = None,
 ) -> VerifyResult:
     """The plan's accumulated gradient against the one-pass gradient of the same samples, from the same weights."""
-    if dtype not in DTYPES:
-        raise UserError(f"expected one of {', '.join(DTYPES)} (got {dtype!r})", field="dtype")
-    if tolerance is not None and not tolerance > 0:
-        raise UserError(f"must be > 0 (got {tolerance})", field="tolerance")
-    if samples is not None and samples < 1:
-        raise UserError(f"must be >= 1 (got {samples})", field="samples")
-    tolerance = TOLERANCE[dtype] if tolerance is None else tolerance
+    tolerance = _checked_options(dtype, tolerance, samples)
     torch_device = resolve_device(device)
     if dtype == "fp16" and torch_device.type == "cpu" and not hasattr(torch.amp, "GradScaler"):
         raise UserError("fp16 needs torch.amp.GradScaler, which this torch lacks", field="dtype")
@@ -206,51 +170,71 @@ def verify(
     checked = plan.model_copy(update={"recipe": variant(recipe, {"precision": precision})})
 
     torch.manual_seed(seed)
-    model = build_model(recipe, data.info).to(device=torch_device, dtype=param_dtype)
-    model.train()
+    model = build_model(recipe, data.info).to(device=torch_device, dtype=param_dtype).train()
     dropped = disable_dropout(model)
-    # The samples: one effective batch (every rank's micro-batches of optimizer step 0), or the first K of
-    # epoch 0's order, in micro-batches of the plan's size, or grouped by length (data.packing: data/packing.py).
     grouping = grouping_of(recipe, train_set, plan.micro_batch, varlen=runs_varlen(model))  # (packed: the model's)
-    if samples is None:
-        if not plan.steps_per_epoch or plan.dataset_size != size:
-            per_epoch = max(1, size // plan.effective_batch)
-            epoch = {"dataset_size": size, "steps_per_epoch": per_epoch}
-            segments = [segment.model_copy(update=epoch) if segment.kind == "whole" else segment
-                        for segment in checked.segments]  # the whole run's segment counts the same epoch
-            checked = checked.model_copy(update={**epoch, "segments": segments})
-        indices = [i for rank in range(plan.world_size) for i in window(checked, size, 0, seed, rank,
-                                                                         grouping=grouping)[0]]
-    else:
-        if samples > size:
-            raise UserError(f"{samples} exceeds the {size} samples of the training set", field="samples")
-        order = epoch_order(checked, size, 0, seed)[:samples]
-        indices = (grouped_window([order], grouping, plan.micro_batch)[0] if grouping else
-                   list(torch.split(order, plan.micro_batch)))
+    checked, indices = _sample_indices(checked, size, samples, seed, grouping)
     total_samples = sum(len(i) for i in indices)
     notes = []
     if recipe.model.quantize is not None:
         notes.append(quantized_note(model, recipe.model.quantize, dtype, param_dtype, torch_device))
     parameters = [p for p in model.parameters() if p.requires_grad]
-    names = {id(p): n for n, p in model.named_parameters()}
     recorder = GradientRecorder(parameters)
     scaler = torch.amp.GradScaler(torch_device.type) if precision == "fp16" else None
-    loss = build_loss(recipe, model)
-    setup = Setup(checked, model, recorder, _NoSchedule(), scaler, loss, data, torch_device, param_dtype)
+    setup = Setup(checked, model, recorder, _NoSchedule(), scaler, build_loss(recipe, model), data, torch_device,
+                  param_dtype)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    # The plan's gradient: the trainer's own optimizer step over the micro-batches.
-    def fetch(indices: torch.Tensor) -> tuple[Any, Any]:  # as the run's loader fetches (augmentation seeded)
-        return fetch_seeded(train_set, indices, seed)
+    accumulated, recomputed = _plan_gradient(setup, recorder, train_set, grouping, indices, seed, notes)
+    if scaler is not None and scaler.get_scale() < 65536.0:
+        notes.append("fp16: the loss scaler found an overflow and skipped the step; the gradients are not comparable")
+    model.load_state_dict(initial)
 
+    reference, chunk, pieces = one_pass_reference(setup, train_set, indices, seed, chunk, parameters, notes)
+    model.load_state_dict(initial)
+
+    rows, global_error, worst, within = _compare(model, parameters, reference, accumulated, dtype, tolerance)
+    if recomputed is not None:
+        error, dropout = recomputed
+        within = within and error <= tolerance
+        masks = "dropout on, as the recipe sets it" if dropout else "the model has no dropout"
+        notes.append(f"activation checkpointing: the plan's gradient with checkpointing against without ({masks}): "
+                     f"relative error {error:.3g} ({'within' if error <= tolerance else 'OVER'} the tolerance)")
+    batchnorm = has_batchnorm(model)
+    verdict, explanation = _verdict(within, batchnorm, plan, len(indices), pieces, total_samples, tolerance)
+    if not within and scaler is not None and scaler.get_scale() < 65536.0:
+        explanation += "; fp16 overflow"
+    if batchnorm and plan.micro_batch == recipe.batch.per_device:
+        notes.append(
+            f"the paper also normalised BatchNorm over per-device batches of {recipe.batch.per_device}: the plan "
+            "keeps the paper's BN batches; the difference shown is to one pass over all the samples"
+        )
+    if len(indices) == 1:
+        notes.append("the samples fit one micro-batch: nothing is accumulated, so the check is trivial")
+    return VerifyResult(
+        recipe=plan.recipe_path or "recipe", arithmetic=plan.arithmetic, samples=total_samples,
+        micro_batch=plan.micro_batch, micro_batches=len(indices), reference_chunks=pieces, reference_chunk=chunk,
+        dtype=dtype, device=str(torch_device), seed=seed, tolerance=tolerance, global_relative_error=global_error,
+        worst_parameter=worst.name, worst_relative_error=worst.relative_error, within_tolerance=within,
+        batchnorm=batchnorm, verdict=verdict, explanation=explanation, dropout_disabled=dropped, notes=notes,
+        parameters=rows,
+    )
+
+
+def _plan_gradient(setup: Setup, recorder: GradientRecorder, train_set: Any, grouping: Grouping | None,
+                   indices: list[torch.Tensor], seed: int,
+                   notes: list[str]) -> tuple[list[torch.Tensor] | None, tuple[float, bool] | None]:
+    """The plan's gradient: the trainer's own optimizer step over the micro-batches, fetched as the run's loader
+    fetches them (augmentation seeded); with activation checkpointing, also its error against no checkpointing."""
+    model, device, dtype = setup.model, setup.device, setup.dtype
     grouped = train_set
     if grouping is not None:  # sorted / packed micro-batches against the same samples unpacked in the reference
         if grouping.way == "packed":
             with setup.autocast():  # (as the steps run it)
-                check_packed(model, torch_device)
+                check_packed(model, device)
         grouped = Grouped(train_set, grouping)
         notes.append(packing_note(grouping, indices))
-    micro_batches = [to_device(fetch_seeded(grouped, i, seed), torch_device, param_dtype) for i in indices]
+    micro_batches = [to_device(fetch_seeded(grouped, i, seed), device, dtype) for i in indices]
     if isinstance(setup.loss, PixelLoss):  # what the window's count normalises: each micro-batch's valid pixels
         counts = [setup.loss.count(target) for _, target in micro_batches]
         what = ("pixels (every one: data.loss_pixels all)" if setup.loss.all_pixels
@@ -258,32 +242,52 @@ def verify(
         notes.append(f"{what} per micro-batch: {', '.join(map(str, counts))}; every one is divided by the window's "
                      f"{sum(counts)}")
     recomputed = None
-    if recipe.model.activation_checkpointing:  # the same masks in the recomputation (dropout on): recomputation_error
+    if setup.plan.recipe.model.activation_checkpointing:  # the same masks in the recomputation (dropout on)
         from .recomputation import recomputation_error
 
-        recomputed = recomputation_error(checked, data, micro_batches, torch_device, param_dtype, seed,
+        recomputed = recomputation_error(setup.plan, setup.data, micro_batches, device, dtype, seed,
                                          GradientRecorder, _NoSchedule)
     optimizer_step(setup, micro_batches)
-    accumulated = recorder.gradients
-    if scaler is not None and scaler.get_scale() < 65536.0:
-        notes.append("fp16: the loss scaler found an overflow and skipped the step; the gradients are not comparable")
-    model.load_state_dict(initial)
-    del micro_batches
+    return recorder.gradients, recomputed
 
-    # The reference: the mean loss over all samples, in one pass when it fits, else in large chunks.
-    order = torch.cat(indices)
-    if chunk is None:
-        chunk = reference_chunk(setup, fetch(indices[0]), len(indices[0]), total_samples, parameters)
-    chunk = max(1, min(chunk, total_samples))
-    pieces = list(torch.split(order, chunk))
-    if len(pieces) > 1:
-        notes.append(
-            f"one pass over {total_samples} samples would not fit in half the free memory: the reference is "
-            f"computed in {len(pieces)} chunks of up to {chunk}"
-        )
-    reference = reference_gradient(setup, [to_device(fetch(i), torch_device, param_dtype) for i in pieces])
-    model.load_state_dict(initial)
 
+def _checked_options(dtype: str, tolerance: float | None, samples: int | None) -> float:
+    """The check's own options, each refused with its name; the tolerance, the dtype's default when not given."""
+    if dtype not in DTYPES:
+        raise UserError(f"expected one of {', '.join(DTYPES)} (got {dtype!r})", field="dtype")
+    if tolerance is not None and not tolerance > 0:
+        raise UserError(f"must be > 0 (got {tolerance})", field="tolerance")
+    if samples is not None and samples < 1:
+        raise UserError(f"must be >= 1 (got {samples})", field="samples")
+    return TOLERANCE[dtype] if tolerance is None else tolerance
+
+
+def _sample_indices(checked: Plan, size: int, samples: int | None, seed: int,
+                    grouping: Grouping | None) -> tuple[Plan, list[torch.Tensor]]:
+    """The samples: one effective batch (every rank's micro-batches of optimizer step 0), or the first `samples` of
+    epoch 0's order, in micro-batches of the plan's size, or grouped by length (data.packing)."""
+    if samples is None:
+        if not checked.steps_per_epoch or checked.dataset_size != size:
+            per_epoch = max(1, size // checked.effective_batch)
+            epoch = {"dataset_size": size, "steps_per_epoch": per_epoch}
+            segments = [segment.model_copy(update=epoch) if segment.kind == "whole" else segment
+                        for segment in checked.segments]  # the whole run's segment counts the same epoch
+            checked = checked.model_copy(update={**epoch, "segments": segments})
+        return checked, [i for rank in range(checked.world_size)
+                         for i in window(checked, size, 0, seed, rank, grouping=grouping)[0]]
+    if samples > size:
+        raise UserError(f"{samples} exceeds the {size} samples of the training set", field="samples")
+    order = epoch_order(checked, size, 0, seed)[:samples]
+    micro = checked.micro_batch
+    return checked, (grouped_window([order], grouping, micro)[0] if grouping else list(torch.split(order, micro)))
+
+
+def _compare(model: nn.Module, parameters: list[nn.Parameter], reference: list[torch.Tensor],
+             accumulated: list[torch.Tensor], dtype: str,
+             tolerance: float) -> tuple[list[ParameterError], float, ParameterError, bool]:
+    """Each parameter's relative error and the whole gradient's, the worst judged one, and whether all are within
+    `tolerance` (a parameter at the rounding level of the whole is shown, not judged alone)."""
+    names = {id(p): n for n, p in model.named_parameters()}
     rows = []
     diff_sq = ref_sq = 0.0
     for param, ref, acc in zip(parameters, reference, accumulated, strict=True):
@@ -301,47 +305,8 @@ def verify(
         row.negligible = row.reference_norm <= floor and row.difference_norm <= floor
     judged = [row for row in rows if not row.negligible] or rows
     worst = max(judged, key=lambda row: row.relative_error if not math.isnan(row.relative_error) else math.inf)
-    within = global_error <= tolerance and all(row.relative_error <= tolerance for row in judged)
-    if recomputed is not None:
-        error, dropout = recomputed
-        within = within and error <= tolerance
-        masks = "dropout on, as the recipe sets it" if dropout else "the model has no dropout"
-        notes.append(f"activation checkpointing: the plan's gradient with checkpointing against without ({masks}): "
-                     f"relative error {error:.3g} ({'within' if error <= tolerance else 'OVER'} the tolerance)")
-    batchnorm = has_batchnorm(model)
-    verdict, explanation = _verdict(within, batchnorm, plan, len(indices), len(pieces), total_samples, tolerance)
-    if not within and scaler is not None and scaler.get_scale() < 65536.0:
-        explanation += "; fp16 overflow"
-    if batchnorm and plan.micro_batch == recipe.batch.per_device:
-        notes.append(
-            f"the paper also normalised BatchNorm over per-device batches of {recipe.batch.per_device}: the plan "
-            "keeps the paper's BN batches; the difference shown is to one pass over all the samples"
-        )
-    if len(indices) == 1:
-        notes.append("the samples fit one micro-batch: nothing is accumulated, so the check is trivial")
-    return VerifyResult(
-        recipe=plan.recipe_path or "recipe",
-        arithmetic=plan.arithmetic,
-        samples=total_samples,
-        micro_batch=plan.micro_batch,
-        micro_batches=len(indices),
-        reference_chunks=len(pieces),
-        reference_chunk=chunk,
-        dtype=dtype,
-        device=str(torch_device),
-        seed=seed,
-        tolerance=tolerance,
-        global_relative_error=global_error,
-        worst_parameter=worst.name,
-        worst_relative_error=worst.relative_error,
-        within_tolerance=within,
-        batchnorm=batchnorm,
-        verdict=verdict,
-        explanation=explanation,
-        dropout_disabled=dropped,
-        notes=notes,
-        parameters=rows,
-    )
+    return rows, global_error, worst, global_error <= tolerance and all(row.relative_error <= tolerance
+                                                                         for row in judged)
 
 
 def packing_note(grouping: Grouping, indices: list[torch.Tensor]) -> str:
@@ -367,42 +332,6 @@ def quantized_note(model: nn.Module, quantize: str, dtype: str, param_dtype: tor
         text += ("; on CUDA, LLM.int8() picks its fp16 outlier columns from each micro-batch's activations, so the "
                  "frozen forward of a sample depends a little on the others in its micro-batch")
     return text
-
-
-def reference_chunk(setup: Setup, first: tuple, micro: int, total: int, parameters: list[nn.Parameter]) -> int:
-    """Samples per reference pass: all of them when their activations fit half the free memory, else fewer."""
-    free = free_memory(setup.device)
-    if free is None:
-        return total
-    inputs, target = to_device(first, setup.device, setup.dtype)
-    per_sample = saved_bytes(setup, inputs, target) / max(micro, 1)
-    weights = 3 * sum(p.numel() * p.element_size() for p in parameters)  # weights, gradients, the recorded copy
-    budget = MEMORY_FRACTION * free - weights
-    if per_sample <= 0 or per_sample * total <= budget:
-        return total
-    fits = int(budget // per_sample)
-    return max(micro, fits // micro * micro)
-
-
-def reference_gradient(setup: Setup, chunks: list[tuple[Any, Any]]) -> list[torch.Tensor]:
-    """d/dw of (summed loss over every chunk) / (loss-bearing items over every chunk): the large batch's mean loss."""
-    model, loss_fn = setup.model, setup.loss
-    count = max(sum(loss_fn.count(target) for _, target in chunks), 1)
-    if getattr(loss_fn, "window", None) is not None:  # BERT's two terms: masked tokens and sequences
-        loss_fn.window(count, sum(len(target) for _, target in chunks))
-    for p in model.parameters():
-        p.grad = None
-    for inputs, target in chunks:
-        with setup.autocast():
-            loss = loss_fn(model(inputs), target) / count
-        loss.backward()
-    clip = setup.plan.recipe.clip_grad_norm
-    if clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    gradients = copy_gradients(setup.optimizer.param_groups[0]["params"])
-    for p in model.parameters():
-        p.grad = None
-    return gradients
 
 
 def _relative(difference: float, reference: float) -> float:

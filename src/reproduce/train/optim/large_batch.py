@@ -60,7 +60,25 @@ def _ratio(numerator: torch.Tensor, denominator: torch.Tensor, w_norm: torch.Ten
     return torch.where(usable, numerator / torch.where(usable, denominator, 1.0), 1.0)
 
 
-class LARS(torch.optim.Optimizer):
+class _LayerWise(torch.optim.Optimizer):
+    """What LARS and LAMB share: each parameter with a gradient takes the subclass's `update`, on its local part."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            decay = group["weight_decay"] if group["layer_adaptation"] else 0.0
+            for param in group["params"]:
+                if param.grad is not None:
+                    weight = _local(param)
+                    weight.sub_(self.update(group, param, weight, _local(param.grad), decay))
+        return loss
+
+
+class LARS(_LayerWise):
     """Layer-wise Adaptive Rate Scaling (You et al. 2017, Algorithm 1), heavy-ball momentum.
 
     Group options: lr, momentum, weight_decay, trust_coefficient, layer_adaptation (False: ratio 1, no decay).
@@ -72,37 +90,24 @@ class LARS(torch.optim.Optimizer):
                         layer_adaptation=layer_adaptation)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, momentum = group["lr"], group["momentum"]
-            adapt = group["layer_adaptation"]
-            decay = group["weight_decay"] if adapt else 0.0
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                weight, grad = _local(param), _local(param.grad)
-                if adapt:
-                    w_norm, g_norm = whole_norm(weight, param), whole_norm(grad, param.grad)
-                    local_lr = _ratio(group["trust_coefficient"] * w_norm, g_norm + decay * w_norm, w_norm, g_norm)
-                    step = (grad + decay * weight) * (lr * local_lr)
-                else:
-                    step = grad * lr
-                if momentum:
-                    state = self.state[param]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(param)  # a DTensor for a DTensor parameter
-                    buffer = _local(state["momentum_buffer"])
-                    step = buffer.mul_(momentum).add_(step)
-                weight.sub_(step)
-        return loss
+    def update(self, group: dict, param: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
+               decay: float) -> torch.Tensor:
+        lr, momentum = group["lr"], group["momentum"]
+        if group["layer_adaptation"]:
+            w_norm, g_norm = whole_norm(weight, param), whole_norm(grad, param.grad)
+            local_lr = _ratio(group["trust_coefficient"] * w_norm, g_norm + decay * w_norm, w_norm, g_norm)
+            step = (grad + decay * weight) * (lr * local_lr)
+        else:
+            step = grad * lr
+        if momentum:
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(param)  # a DTensor for a DTensor parameter
+            step = _local(state["momentum_buffer"]).mul_(momentum).add_(step)
+        return step
 
 
-class LAMB(torch.optim.Optimizer):
+class LAMB(_LayerWise):
     """Layer-wise Adaptive Moments for Batch training (You et al. 2019, Algorithm 2), with bias correction.
 
     Group options: lr, betas, eps, weight_decay, layer_adaptation (False: ratio 1, no decay).
@@ -113,38 +118,24 @@ class LAMB(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, layer_adaptation=layer_adaptation)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            adapt = group["layer_adaptation"]
-            decay = group["weight_decay"] if adapt else 0.0
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                weight, grad = _local(param), _local(param.grad)
-                state = self.state[param]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(param)
-                    state["exp_avg_sq"] = torch.zeros_like(param)
-                state["step"] += 1
-                exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-                exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                m_hat = exp_avg / (1 - beta1 ** state["step"])
-                v_hat = exp_avg_sq / (1 - beta2 ** state["step"])
-                update = m_hat / (v_hat.sqrt() + group["eps"])
-                if decay:
-                    update = update + decay * weight
-                if adapt:
-                    w_norm, u_norm = whole_norm(weight, param), whole_norm(update, param)
-                    update = update * (group["lr"] * _ratio(w_norm, u_norm, w_norm, u_norm))
-                else:
-                    update = update * group["lr"]
-                weight.sub_(update)
-        return loss
+    def update(self, group: dict, param: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
+               decay: float) -> torch.Tensor:
+        beta1, beta2 = group["betas"]
+        state = self.state[param]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(param)
+            state["exp_avg_sq"] = torch.zeros_like(param)
+        state["step"] += 1
+        exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+        exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        m_hat = exp_avg / (1 - beta1 ** state["step"])
+        v_hat = exp_avg_sq / (1 - beta2 ** state["step"])
+        update = m_hat / (v_hat.sqrt() + group["eps"])
+        if decay:
+            update = update + decay * weight
+        if group["layer_adaptation"]:
+            w_norm, u_norm = whole_norm(weight, param), whole_norm(update, param)
+            return update * (group["lr"] * _ratio(w_norm, u_norm, w_norm, u_norm))
+        return update * group["lr"]
