@@ -132,11 +132,6 @@ PackingOption = Annotated[PackingChoice | None, typer.Option("--packing", help=P
 TokenBudgetOption = Annotated[int | None, typer.Option("--token-budget", min=1, help=TOKEN_BUDGET_HELP)]
 
 
-def value_of(choice: Enum | None) -> str | None:
-    """An option's choice as the core takes it: its value, or None when not given."""
-    return choice.value if choice is not None else None
-
-
 def probe_options(memory: str | None, gpu: str | None, meter: MeterName, headroom: float, no_cache: bool
                   ) -> ProbeOptions:
     """The options `plan_and_probe` and `run_probe` take, from the command-line flags (--memory checked now, before
@@ -166,20 +161,11 @@ FLAG_OF_FIELD = {path: flag for flag, path in FIELD_OF_FLAG.items()}
 
 
 def alias_changes(context: typer.Context) -> list[Change]:
-    """The options of the command that alias a recipe field, as the changes of their fields: found by their flags
-    (FIELD_OF_FLAG) among the options the command declares, so no command lists them again."""
-    return field_changes({flag: context.params[name] for flag, name in alias_names(context).items()})
-
-
-def alias_names(context: typer.Context) -> dict[str, str]:
-    """The command's options that alias a recipe field: flag -> parameter name (`--data` -> `data_path`)."""
-    return {param.opts[0]: param.name for param in context.command.params
-            if param.opts and param.opts[0] in FIELD_OF_FLAG and param.name is not None}
-
-
-def field_changes(given: dict[str, object]) -> list[Change]:
-    """The options given (flag: value; None or a switch left off: not given) as the changes of their fields, in the
-    table's order (a switch only switches its field on)."""
+    """The options the command declares that alias a recipe field (found by their flags: no command lists them
+    again), as the changes of their fields, in the table's order; an option not given (None, or a switch left off)
+    changes nothing, a switch only switches its field on."""
+    given = {param.opts[0]: context.params[param.name] for param in context.command.params
+             if param.opts and param.opts[0] in FIELD_OF_FLAG and param.name is not None}
     values = {flag: value.value if isinstance(value, Enum) else value for flag, value in given.items()}
     return [Change(path, values[flag], f"`{path}`") for flag, path in FIELD_OF_FLAG.items()
             if values.get(flag) is not None and values.get(flag) is not False]

@@ -55,8 +55,6 @@ from .options import (
     WeightsOption,
     WorldSizeOption,
     alias_changes,
-    alias_names,
-    value_of,
 )
 from .resume import (
     LAUNCHER_ENV,
@@ -213,18 +211,17 @@ REFERENCE_HELP = ("An earlier run of this recipe (its folder): this run's curve 
 
 
 def run_request(context: typer.Context) -> RunRequest:
-    """The run command's options (its parameters, each named as the request's field) as one frozen request: choices
-    as their values, the options that alias recipe fields as their changes (cli.options.alias_changes), the trackers
-    parsed, `--max-restarts` implying `--auto-resume`."""
-    aliases = alias_names(context).values()
-    values = {name: value_of(value) if isinstance(value, Enum) else value for name, value in context.params.items()
-              if name not in aliases}
-    log_to = parse_log_to(values.pop("log_to"), values.pop("tensorboard"))
-    return RunRequest(**{**values, "source": recipe_argument(values["source"], "plan or recipe"),
-                         "auto_resume": values["auto_resume"] or values["max_restarts"] is not None,
-                         "log_to": tuple(log_to), "overrides": tuple(values["overrides"] or ()),
-                         "changes": tuple(alias_changes(context)), "accept_gate": tuple(values["accept_gate"]),
-                         "reference": tuple(values["reference"])})
+    """The run command's options as one frozen request: each parameter named as the request's field gives it (a
+    choice its value), the options that alias recipe fields their changes (cli.options.alias_changes), the trackers
+    parsed (`--log-to`, `--tensorboard`), `--max-restarts` implying `--auto-resume`."""
+    given = context.params
+    values = {item.name: given[item.name].value if isinstance(given[item.name], Enum) else given[item.name]
+              for item in dataclasses.fields(RunRequest) if item.name in given}
+    return RunRequest(**{**values, "source": recipe_argument(given["source"], "plan or recipe"),
+                         "auto_resume": given["auto_resume"] or given["max_restarts"] is not None,
+                         "log_to": tuple(parse_log_to(given["log_to"], given["tensorboard"])),
+                         "overrides": tuple(given["overrides"] or ()), "changes": tuple(alias_changes(context)),
+                         "accept_gate": tuple(given["accept_gate"]), "reference": tuple(given["reference"])})
 
 
 def request_args(request: RunRequest, which: str) -> list[str]:
@@ -415,11 +412,7 @@ def run_command(
     reference: list[str] = typer.Option([], "--reference", metavar="RUN_DIR", help=REFERENCE_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
-    run(run_request(context))
-
-
-def run(request: RunRequest) -> None:
-    """`reproduce run` as its request asks: launch, or check, prepare and train this process's share."""
+    request = run_request(context)  # the one value of the options above, from here to the trainer
     starting_run.update(request=request, resume=request.resume, force=request.force)
     from ..train.distributed import processes as distributed  # torch is imported only by the commands that train
     from ..train.trainer import train
