@@ -188,7 +188,7 @@ def does_not_fit(result: ProbeResult) -> DoesNotFit:
 
     if result.does_not_fit is None:  # a result that carries no breakdown: its one-line failure
         return DoesNotFit(result.failure())
-    budget = f"--gpu {result.gpu}" if result.gpu else "the --memory budget"
+    budget = f"`gpu` {result.gpu}" if result.gpu else "the `memory` budget"
     return DoesNotFit(*render(result.does_not_fit, budget))
 
 
