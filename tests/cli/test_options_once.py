@@ -4,6 +4,7 @@ line to the trainer (train/options.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from reproduce.cli import app
 from reproduce.cli.options import FIELD_OF_FLAG, alias_changes
 from reproduce.cli.run import run_request
 from reproduce.plan.overlay import Change
+from reproduce.train.options import RunRequest
 
 CLI = Path(__file__).resolve().parents[2] / "src" / "reproduce" / "cli"
 # options whose help says what the command does with them, so each command declares its own
@@ -52,3 +54,12 @@ def test_the_run_request_holds_every_option_by_its_name(tmp_path):
     assert request.log_to == ("tensorboard",) and request.overrides == ("optimizer.lr=0.5",)
     assert request.changes == (Change("data.packing", "none", "`data.packing`"),)
     assert request.given("resume") == {"micro_batch_max": 8, "log_to": ("tensorboard",), "no_noise_scale": True}
+
+
+def test_every_option_of_run_reaches_the_request():
+    """A new option of `run` is a field of RunRequest (by its parameter's name) or an alias of a recipe field; only
+    --tensorboard is neither (it is one of the trackers, `log_to`)."""
+    names = {item.name for item in dataclasses.fields(RunRequest)}
+    params = typer.main.get_command(app).commands["run"].params
+    aliases = {param.name for param in params if param.opts[0] in FIELD_OF_FLAG}
+    assert {param.name for param in params} - names - aliases == {"tensorboard"}
