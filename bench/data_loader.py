@@ -28,7 +28,7 @@ from reproduce.data import build_data, samples
 from reproduce.data.loader import MicroBatchStream
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
-from reproduce.train.trainer import RunOptions, train
+from reproduce.train.trainer import RunRequest, train
 from reproduce.train.windows import window
 
 WORKERS = (0, 1, 2)
@@ -77,8 +77,9 @@ def loader_alone(plan, data, steps: int, workers: int) -> float:
 def run(plan, data, steps: int, workers: int) -> tuple[float, float]:
     """(samples/s, share of the time spent waiting for data) of `reproduce run` for `steps` optimizer steps."""
     with tempfile.TemporaryDirectory() as folder:
-        summary = train(plan, Path(folder) / "run", RunOptions(device="cpu", max_steps=steps, data=data,
-                                                                   workers=workers, checkpoint_every=10**6))
+        summary = train(plan, RunRequest(Path(folder) / "run",
+                                         device="cpu", max_steps=steps, workers=workers, checkpoint_every=10**6),
+                        data=data)
     return summary["samples"] / summary["seconds"], summary["data_share"]
 
 

@@ -50,7 +50,7 @@ from reproduce.plan.units import format_size  # noqa: E402
 from reproduce.probe.tracker import MemoryTracker  # noqa: E402
 from reproduce.train.setup import build  # noqa: E402
 from reproduce.train.step import optimizer_step  # noqa: E402
-from reproduce.train.trainer import RunOptions, read_metrics, train  # noqa: E402
+from reproduce.train.trainer import RunRequest, read_metrics, train  # noqa: E402
 from reproduce.train.windows import window  # noqa: E402
 
 CASES = {"mlp": ("papers/digits-mlp.yaml", 32), "gpt": ("papers/pysource-gpt.yaml", 16)}  # m: the recipes' own
@@ -105,7 +105,7 @@ def run_over_recipe(name: str, path: str, micro: int, steps: int | None) -> None
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(data.train))
     with tempfile.TemporaryDirectory() as folder:
-        summary = train(plan, Path(folder) / "run", RunOptions(device="cpu", data=data, max_steps=steps))
+        summary = train(plan, RunRequest(Path(folder) / "run", device="cpu", max_steps=steps), data=data)
         records = [r for r in read_metrics(Path(folder) / "run" / "metrics.jsonl") if "loss" in r]
     total = summary["steps"]
     noise = summary["noise_scale"]

@@ -78,7 +78,7 @@ def ours(way: str, sequences: list[list[int]], effective: int, micro: int, steps
     from reproduce.data import Datasets
     from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import parse_recipe
-    from reproduce.train.trainer import RunOptions, train
+    from reproduce.train.trainer import RunRequest, train
 
     data = Datasets(train=as_pairs(sequences), info={"name": "bench", "vocab_size": 512})
     spec = parse_recipe(recipe(way, effective, steps, len(sequences)))
@@ -92,8 +92,8 @@ def ours(way: str, sequences: list[list[int]], effective: int, micro: int, steps
             marks.append((time.perf_counter(), time.process_time()))
 
     with tempfile.TemporaryDirectory() as out:
-        summary = train(plan, Path(out) / "run", RunOptions(device="cpu", data=data, noise_scale=False,
-                                                            reporter=Clock()))
+        summary = train(plan, RunRequest(Path(out) / "run", device="cpu", no_noise_scale=True),
+                        data=data, reporter=Clock())
         records = [json.loads(line) for line in (Path(out) / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["samples"] == effective for r in records)  # the paper's batch, every step
     tokens = sum(r["tokens"] for r in records[1:])

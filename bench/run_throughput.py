@@ -25,7 +25,7 @@ from reproduce.data.batches import fetch
 from reproduce.models import build_model
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import Evaluation, load_recipe
-from reproduce.train.trainer import RunOptions, train
+from reproduce.train.trainer import RunRequest, train
 from reproduce.train.windows import epoch_order
 
 CASES = {"mlp": ("papers/digits-mlp.yaml", 32), "gpt": ("papers/pysource-gpt.yaml", 16)}
@@ -72,8 +72,9 @@ def minimal_loop(plan, data, steps: int) -> float:
 
 def ours(plan, data, steps: int, noise_scale: bool = True) -> float:
     with tempfile.TemporaryDirectory() as folder:
-        summary = train(plan, Path(folder) / "run", RunOptions(device="cpu", max_steps=steps, data=data,
-                        noise_scale=noise_scale))
+        summary = train(plan, RunRequest(Path(folder) / "run",
+                                         device="cpu", max_steps=steps, no_noise_scale=not noise_scale),
+                        data=data)
     return summary["samples"] / summary["seconds"]
 
 

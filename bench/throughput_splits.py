@@ -38,7 +38,7 @@ from reproduce.observe.outputs import read_metrics
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import Evaluation, load_recipe
 from reproduce.throughput.splits import exact_splits
-from reproduce.train.trainer import RunOptions, train
+from reproduce.train.trainer import RunRequest, train
 
 CASES = {"gpt": "papers/pysource-gpt.yaml", "mlp": "papers/digits-mlp.yaml"}
 METER = ["--meter", "cpu", "--memory", "256MiB"]
@@ -66,7 +66,7 @@ def real_run(recipe, data, micro_batch: int, steps: int, folder: Path) -> float:
     plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data.train))
     assert plan.micro_batch == micro_batch and plan.exact, plan.arithmetic
     out = folder / f"m{micro_batch}"
-    train(plan, out, RunOptions(device="cpu", max_steps=steps, data=data, force=True))
+    train(plan, RunRequest(out, device="cpu", max_steps=steps, force=True), data=data)
     records = read_metrics(out / "metrics.jsonl")
     return statistics.median(r["seconds"] for r in records[1:])
 

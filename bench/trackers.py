@@ -23,7 +23,7 @@ import torch
 from reproduce.observe.trackers import TrackerReporter
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe
-from reproduce.train.trainer import RunOptions, SilentReporter, train
+from reproduce.train.trainer import RunRequest, SilentReporter, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ def main() -> None:
                 reporter = Timed(SilentReporter(), [] if name == "none" else [name], out)
                 began = time.perf_counter()
                 with reporter:
-                    train(plan, out, RunOptions(device="cpu", max_steps=args.steps, reporter=reporter))
+                    train(plan, RunRequest(out, device="cpu", max_steps=args.steps), reporter=reporter)
                 wall = time.perf_counter() - began
                 steps = reporter.spent["step"]
                 found[name].append((1000 * statistics.median(steps), 1000 * max(steps), reporter.spent["start"],

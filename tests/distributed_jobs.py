@@ -26,7 +26,7 @@ from reproduce.errors import TrainingStopped
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.tracker import MemoryTracker
-from reproduce.train.trainer import RunOptions, train
+from reproduce.train.trainer import RunRequest, train
 
 
 def main(jobs_path: str, results: str) -> None:
@@ -49,10 +49,9 @@ def main(jobs_path: str, results: str) -> None:
         record: dict = {"budget": budget}
         try:
             with MemoryTracker(budget) if mine else contextlib.nullcontext() as measured:
-                train(plan, out / job.get("out", job["name"]), RunOptions(
-                    device="cpu", data=data, dtype=getattr(torch, job.get("dtype", "float32")),
-                    max_steps=job.get("max_steps"), resume=job.get("resume", False),
-                    checkpoint_every=job.get("checkpoint_every")))
+                train(plan, RunRequest(out / job.get("out", job["name"]), device="cpu", max_steps=job.get("max_steps"),
+                                       resume=job.get("resume", False), checkpoint_every=job.get("checkpoint_every")),
+                      data=data, dtype=getattr(torch, job.get("dtype", "float32")))
             if mine:
                 record["peak"] = measured.peak
         except TrainingStopped as error:

@@ -25,7 +25,7 @@ from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.optim.large_batch import LAMB, LARS
 from reproduce.train.optim.optimizers import param_groups
-from reproduce.train.trainer import RunOptions, train
+from reproduce.train.trainer import RunRequest, train
 
 TESTS = Path(__file__).parent
 
@@ -68,7 +68,7 @@ def run_accumulated(recipe_data: dict, micro_batch: int, tmp_path, dtype=torch.f
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data.train))
     assert plan.micro_batch == micro_batch and plan.accumulation_steps > 1
-    summary = train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=dtype, data=data, **kwargs))
+    summary = train(plan, RunRequest(tmp_path / "run", device="cpu", **kwargs), dtype=dtype, data=data)
     weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     return plan, summary, weights, data
 

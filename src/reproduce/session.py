@@ -16,7 +16,7 @@ with a given micro-batch imports none.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +31,13 @@ from .plan.planner import Plan, finish_plan, make_plan
 from .plan.recipe import NamedData, Recipe, load_recipe
 from .plan.resume_rules import check_resumed_data, check_resumed_weights, replan
 from .plan.sharding import check_sharding
-from .plan.units import format_size
+from .plan.units import format_size, parse_size
 from .plan.weightfiles import WeightsRecord, data_fingerprint
 from .plan.weightfiles import inspect as inspect_weights
 from .plan.weightfiles import record as weights_record
 from .probe import cache
 from .probe.runner import BudgetRequired, ProbeOptions, ProbeResult, measures_whole_model, run_probe
+from .train.options import RunRequest
 
 if TYPE_CHECKING:
     from .data import Datasets
@@ -187,7 +188,7 @@ def does_not_fit(result: ProbeResult) -> DoesNotFit:
 
     if result.does_not_fit is None:  # a result that carries no breakdown: its one-line failure
         return DoesNotFit(result.failure())
-    budget = f"--gpu {result.gpu}" if result.gpu else "the --memory budget"
+    budget = f"`gpu` {result.gpu}" if result.gpu else "the `memory` budget"
     return DoesNotFit(*render(result.does_not_fit, budget))
 
 
@@ -300,62 +301,6 @@ def probe_consensus(recipe: Recipe, recipe_path: str, world_size: int, policy: s
     return probed.recipe, agreed if len(agreed) > 1 else next(iter(agreed.values()))
 
 
-def option(default: object = None, *, torchrun: bool = True, resume: bool = False) -> Any:
-    """A field of RunRequest. `torchrun`: every process torchrun starts is given it again; `resume`: the command
-    that continues the run repeats it (the rest the run's plan.yaml keeps, or the launcher gives)."""
-    return field(default=default, metadata={"torchrun": torchrun, "resume": resume})
-
-
-@dataclass(frozen=True)
-class RunRequest:
-    """What `reproduce run` was asked, as values: one field per option, named as the option (`data` is `--data`,
-    `overrides` `--set`); a field at its default was not given."""
-
-    source: Path
-    out: Path
-    max_steps: int | None = option(resume=True)
-    micro_batch_max: int | None = option(resume=True)
-    workers: int | None = option(resume=True)
-    device: str = option("auto", resume=True)
-    seed: int | None = option(resume=True)
-    checkpoint_every: int | None = option(resume=True)
-    log_to: tuple[str, ...] = option((), resume=True)
-    skip_nonfinite: bool = option(False, resume=True)
-    no_noise_scale: bool = option(False, resume=True)
-    stop_on_divergence: bool = option(False, resume=True)
-    merged: bool = option(False, resume=True)
-    world_size: int = option(1, torchrun=False)
-    policy: str = option("exact")
-    resume: bool = option(False)
-    auto_resume: bool = option(False)
-    max_restarts: int | None = option(torchrun=False)
-    force: bool = option(False)
-    nproc_per_node: int | None = option(torchrun=False)
-    nnodes: str = option("1", torchrun=False)
-    node_rank: int = option(0, torchrun=False)
-    rdzv_endpoint: str | None = option(torchrun=False)
-    memory: str | None = option()
-    gpu: str | None = option()
-    meter: str = option("auto")
-    headroom: float = option(0.1)
-    no_cache: bool = option(False)
-    changes: tuple[Change, ...] = option(())  # the recipe fields its options set (data.path: --data, ...)
-    overrides: tuple[str, ...] = option(())  # --set FIELD.PATH=VALUE
-    accept_gate: tuple[str, ...] = option(())  # gates whose miss goes on (train/gates.py)
-    from_gate: str | None = option()  # --from: with --resume, the kept checkpoint of this gate
-    reference: tuple[str, ...] = option((), resume=True)  # earlier runs' curves (observe/reference.py)
-
-    def given(self, which: str) -> dict[str, object]:
-        """The fields given (not at their default) that `which` ("torchrun" or "resume") repeats."""
-        return {item.name: getattr(self, item.name) for item in fields(self)
-                if item.metadata.get(which) and item.name != "changes"
-                and not _at_default(getattr(self, item.name), item.default)}
-
-
-def _at_default(value: object, default: object) -> bool:
-    return value is None or value is False or value == () or (type(value) is type(default) and value == default)
-
-
 @dataclass
 class PreparedRun:
     """A run ready to train: its recipe and plan, its data, and the warnings to show at its start."""
@@ -381,7 +326,7 @@ def checked_run(request: RunRequest, processes: int, resume: bool) -> tuple[Reci
     return recipe, plan
 
 
-def prepare_run(request: RunRequest, world: Any, resume: bool, probe: ProbeOptions, on_note: OnNote | None = None,
+def prepare_run(request: RunRequest, world: Any, resume: bool, on_note: OnNote | None = None,
                 checked: tuple[Recipe, Plan | None] | None = None) -> PreparedRun:
     """This process's run: the checks (`checked`: made already), its data, the probe (every rank its own device,
     all taking the smallest result, under torchrun) and the plan; the warnings its start shows."""
@@ -389,6 +334,10 @@ def prepare_run(request: RunRequest, world: Any, resume: bool, probe: ProbeOptio
     from .data.lengths import training_sizes
     from .data.text import text_warnings
 
+    if request.memory is not None:  # a budget that is no size: one line, before anything is built
+        parse_size(request.memory)
+    probe = ProbeOptions(memory=request.memory, gpu=request.gpu, meter=request.meter, headroom=request.headroom,
+                         use_cache=not request.no_cache)
     recipe, plan = checked or checked_run(request, world.size, resume)
     data = build_data(recipe)
     size = training_sizes(recipe, data.train)  # per sequence length when batch phases change it

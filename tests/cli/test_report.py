@@ -63,7 +63,7 @@ def runs(tmp_path_factory):
 
     from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import load_recipe
-    from reproduce.train.trainer import RunOptions, train
+    from reproduce.train.trainer import RunRequest, train
 
     root = tmp_path_factory.mktemp("runs")
     data = yaml.safe_load((ROOT / "papers" / "digits-mlp.yaml").read_text())
@@ -78,7 +78,7 @@ def runs(tmp_path_factory):
                                            ("8x", ROOT / "papers" / "goyal-mini-digits-8x.yaml", 64, 2),
                                            ("stated", root / "digits-reported.yaml", 128, 2)):
             plan = make_plan(load_recipe(recipe), micro, dataset_size=1437, recipe_path=str(recipe))
-            train(plan, root / name, RunOptions(device="cpu", max_steps=steps))
+            train(plan, RunRequest(root / name, device="cpu", max_steps=steps))
     finally:
         torch.set_num_threads(threads)
     return root
@@ -159,7 +159,7 @@ def test_the_papers_metric_beside_the_runs_final_value_with_the_verdict(runs, tm
 
 def test_a_run_still_going_and_a_resumed_run_are_reported_as_far_as_they_got(runs, tmp_path, capsys):
     from reproduce.plan.planfile import load_plan
-    from reproduce.train.trainer import RunOptions, train
+    from reproduce.train.trainer import RunRequest, train
 
     going = tmp_path / "going"
     shutil.copytree(runs / "8x", going)
@@ -173,7 +173,7 @@ def test_a_run_still_going_and_a_resumed_run_are_reported_as_far_as_they_got(run
 
     resumed = tmp_path / "resumed"
     shutil.copytree(runs / "8x", resumed)
-    train(load_plan(resumed / "plan.yaml"), resumed, RunOptions(device="cpu", max_steps=3, resume=True))
+    train(load_plan(resumed / "plan.yaml"), RunRequest(resumed, device="cpu", max_steps=3, resume=True))
     code, _, _ = report([str(resumed), "--no-plots"], capsys)
     rows = Page((resumed / "report.html").read_text()).table("runs")
     assert rows[1]["cells"][2] == "stopped early by --max-steps: 3 of 150 optimizer steps (resumed after step 2)"

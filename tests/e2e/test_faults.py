@@ -135,7 +135,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypat
     recipe = parse_recipe(RECIPE)
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
-    trainer.train(plan, tmp_path / "run", trainer.RunOptions(device="cpu", data=data, max_steps=4))
+    trainer.train(plan, trainer.RunRequest(tmp_path / "run", device="cpu", max_steps=4), data=data)
     checkpoint = tmp_path / "run" / "checkpoints" / "last.pt"
     before = checkpoint.read_bytes()
     real_save = torch.save
@@ -149,8 +149,9 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypat
 
     monkeypatch.setattr(trainer.torch, "save", dies_halfway)
     with pytest.raises(DiskFull, match=r"last.pt: cannot write: No space left on device; .* --resume"):
-        trainer.train(plan, tmp_path / "run", trainer.RunOptions(device="cpu", data=data, max_steps=6, resume=True,
-                      checkpoint_every=1))
+        trainer.train(plan, trainer.RunRequest(tmp_path / "run",
+                                               device="cpu", max_steps=6, resume=True, checkpoint_every=1),
+                      data=data)
     assert checkpoint.read_bytes() == before
     assert torch.load(checkpoint, weights_only=True)["step"] == 4
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["last.pt"]  # no temporary left behind
@@ -176,8 +177,8 @@ def test_skip_nonfinite_skips_and_counts(tmp_path):
     recipe = parse_recipe({**RECIPE, "optimizer": {"name": "sgd", "lr": 1e30}})
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
-    summary = trainer.train(plan, tmp_path / "run", trainer.RunOptions(device="cpu", data=data, max_steps=8,
-                                                                                 skip_nonfinite=True))
+    summary = trainer.train(plan, trainer.RunRequest(tmp_path / "run", device="cpu", max_steps=8, skip_nonfinite=True),
+                            data=data)
     records = trainer.read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert summary["skipped_nonfinite"] == sum(r["skipped"] for r in records) >= 5
     assert len(records) == 8
@@ -198,8 +199,8 @@ def test_out_of_memory_mid_run_halves_the_micro_batch_and_keeps_the_batch_exact(
     def peak_of(micro_batch: int, folder: str) -> int:
         plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data.train))
         with MemoryTracker() as tracker:
-            trainer.train(plan, tmp_path / folder,
-                          trainer.RunOptions(device="cpu", data=data, max_steps=2, workers=workers))
+            trainer.train(plan, trainer.RunRequest(tmp_path / folder, device="cpu", max_steps=2, workers=workers),
+                          data=data)
         return tracker.peak
 
     small, large = peak_of(32, "m32"), peak_of(64, "m64")
@@ -207,8 +208,7 @@ def test_out_of_memory_mid_run_halves_the_micro_batch_and_keeps_the_batch_exact(
     plan = make_plan(recipe, micro_batch_max=64, dataset_size=len(data.train))
     assert (plan.micro_batch, plan.accumulation_steps) == (64, 2)
     with MemoryTracker(budget_bytes=(small + large) // 2):
-        summary = trainer.train(plan, tmp_path / "oom",
-                                trainer.RunOptions(device="cpu", data=data, workers=workers))
+        summary = trainer.train(plan, trainer.RunRequest(tmp_path / "oom", device="cpu", workers=workers), data=data)
     assert summary["out_of_memory"] == 1
     records = trainer.read_metrics(tmp_path / "oom" / "metrics.jsonl")
     [index] = [i for i, r in enumerate(records) if "event" in r]
@@ -220,7 +220,7 @@ def test_out_of_memory_mid_run_halves_the_micro_batch_and_keeps_the_batch_exact(
     assert all(r["micro_batch"] * r["accumulation_steps"] == r["samples"] == 128 for r in steps)
     # the same updates as a plain run planned at micro-batch 32: the effective batch never changed
     reference = make_plan(recipe, micro_batch_max=32, dataset_size=len(data.train))
-    trainer.train(reference, tmp_path / "ref", trainer.RunOptions(device="cpu", data=data))
+    trainer.train(reference, trainer.RunRequest(tmp_path / "ref", device="cpu"), data=data)
     ours = torch.load(tmp_path / "oom" / "model.pt", weights_only=True)
     theirs = torch.load(tmp_path / "ref" / "model.pt", weights_only=True)
     for name in ours:
@@ -240,8 +240,8 @@ def test_out_of_memory_that_cannot_be_recovered_stops_with_a_message(momentum, m
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=1, dataset_size=len(data.train))
     with MemoryTracker() as tracker:
-        trainer.train(plan, tmp_path / "measure", trainer.RunOptions(device="cpu", data=data, max_steps=1))
+        trainer.train(plan, trainer.RunRequest(tmp_path / "measure", device="cpu", max_steps=1), data=data)
     with pytest.raises(TrainingStopped, match=message):
         with MemoryTracker(budget_bytes=tracker.peak - 512):
-            trainer.train(plan, tmp_path / "run", trainer.RunOptions(device="cpu", data=data))
+            trainer.train(plan, trainer.RunRequest(tmp_path / "run", device="cpu"), data=data)
     assert not (tmp_path / "run" / "model.pt").exists()

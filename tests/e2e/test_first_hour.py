@@ -271,7 +271,7 @@ def test_the_hint_keeps_torchruns_options(tmp_path, monkeypatch):
     from reproduce.cli.resume import LAUNCHER_ENV, continue_command, launcher_args, launcher_of_this_job
     from reproduce.cli.run import request_args
     from reproduce.plan.overlay import Change
-    from reproduce.session import RunRequest
+    from reproduce.train.options import RunRequest
 
     launcher = launcher_args(2, 2, 0, "node0:29500")
     monkeypatch.setenv(LAUNCHER_ENV, shlex.join(launcher))

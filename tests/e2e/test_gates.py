@@ -14,7 +14,7 @@ from reproduce.data import build_data
 from reproduce.errors import GatePaused, UserError
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
-from reproduce.train.trainer import RunOptions, read_metrics, train
+from reproduce.train.trainer import RunRequest, read_metrics, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,7 +36,7 @@ def events(out):
 
 def test_gates_pass_keep_their_checkpoints_and_resume_from_one_is_bitwise(tmp_path):
     plan, data = gated()
-    summary = train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
+    summary = train(plan, RunRequest(tmp_path / "full", device="cpu"), data=data)
     full = tmp_path / "full"
     assert [(e["name"], e["step"], e["status"]) for e in events(full)] == [("warm", 3, "passed"),
                                                                           ("accurate", 6, "passed")]
@@ -50,21 +50,21 @@ def test_gates_pass_keep_their_checkpoints_and_resume_from_one_is_bitwise(tmp_pa
     import shutil
 
     shutil.copytree(full, copy)
-    train(plan, copy, RunOptions(device="cpu", data=data, resume=True, resume_from="warm"))
+    train(plan, RunRequest(copy, device="cpu", resume=True, from_gate="warm"), data=data)
     for name, tensor in torch.load(full / "model.pt", weights_only=True).items():
         assert torch.equal(tensor, torch.load(copy / "model.pt", weights_only=True)[name]), name
     losses = [(r["step"], r["loss"]) for r in read_metrics(full / "metrics.jsonl") if "loss" in r]
     assert [(r["step"], r["loss"]) for r in read_metrics(copy / "metrics.jsonl") if "loss" in r] == losses
     assert [e["name"] for e in events(copy)] == ["warm", "accurate"]  # (warm's from before, accurate checked again)
     with pytest.raises(UserError, match="no gate named 'nope'.*its gates: warm, accurate"):
-        train(plan, copy, RunOptions(device="cpu", data=data, resume=True, resume_from="nope"))
+        train(plan, RunRequest(copy, device="cpu", resume=True, from_gate="nope"), data=data)
 
 
 def test_a_wrong_learning_rate_pauses_at_the_first_gate(tmp_path):
     plan, data = gated(lr=40.0, gates=(WARM, {**ACCURATE, "min": 0.99}))
     out = tmp_path / "run"
     with pytest.raises(GatePaused) as paused:
-        train(plan, out, RunOptions(device="cpu", data=data))
+        train(plan, RunRequest(out, device="cpu"), data=data)
     assert paused.value.exit_code == 4
     line = str(paused.value)
     assert "\n" not in line and line.startswith("gate warm at step 3: loss ") and "misses <= 2.4" in line
@@ -74,20 +74,20 @@ def test_a_wrong_learning_rate_pauses_at_the_first_gate(tmp_path):
     assert torch.load(out / "checkpoints" / "gate-warm.pt", weights_only=True)["step"] == 3
     # resumed without a fix, the gate is checked again and pauses again, before any step
     with pytest.raises(GatePaused, match="gate warm at step 3"):
-        train(plan, out, RunOptions(device="cpu", data=data, resume=True))
+        train(plan, RunRequest(out, device="cpu", resume=True), data=data)
     assert max(r["step"] for r in read_metrics(out / "metrics.jsonl")) == 3
     # accepted, the run goes on to the next gate
     with pytest.raises(GatePaused, match="gate accurate at step 6: eval_accuracy .* misses >= 0.99"):
-        train(plan, out, RunOptions(device="cpu", data=data, resume=True, accept_gates=("warm",)))
+        train(plan, RunRequest(out, device="cpu", resume=True, accept_gate=("warm",)), data=data)
     assert [(e["name"], e["status"]) for e in events(out)] == [("warm", "paused"), ("warm", "accepted"),
                                                                ("accurate", "paused")]
     with pytest.raises(UserError, match="no gate named 'cold'"):
-        train(plan, out, RunOptions(device="cpu", data=data, resume=True, accept_gates=("cold",)))
+        train(plan, RunRequest(out, device="cpu", resume=True, accept_gate=("cold",)), data=data)
 
 
 def test_a_warn_gate_goes_on(tmp_path):
     plan, data = gated(lr=40.0, steps=4, gates=[{**WARM, "action": "warn"}])
-    summary = train(plan, tmp_path / "run", RunOptions(device="cpu", data=data))
+    summary = train(plan, RunRequest(tmp_path / "run", device="cpu"), data=data)
     assert summary["steps"] == 4 and summary["gates"][0]["status"] == "warned"
 
 
@@ -95,9 +95,9 @@ def test_the_budget_pauses_the_run_when_its_forecast_passes_it(tmp_path):
     plan, data = gated(steps=12, gates=[], budget={"gpu_hours": 1e-7})
     with pytest.raises(GatePaused, match=r"gate budget at step 10: forecast_gpu_hours .* misses <= 1e-07; source: "
                                          r"budget.gpu_hours"):
-        train(plan, tmp_path / "run", RunOptions(device="cpu", data=data))
+        train(plan, RunRequest(tmp_path / "run", device="cpu"), data=data)
     plan, data = gated(steps=12, gates=[], budget={"gpu_hours": 100})
-    summary = train(plan, tmp_path / "fine", RunOptions(device="cpu", data=data))
+    summary = train(plan, RunRequest(tmp_path / "fine", device="cpu"), data=data)
     cost = summary["gates"][0]
     assert (cost["name"], cost["status"], cost["checked_at"], cost["bound"]) == ("budget", "held", 12, "<= 100")
     assert 0 < cost["value"] < 100
@@ -166,7 +166,7 @@ def goyal(reference=None, **changes):
 def run_goyal(recipe, out, micro_batch, **options):
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=micro_batch, dataset_size=len(data.train))
-    return train(plan, out, RunOptions(device="cpu", data=data, noise_scale=False, **options))
+    return train(plan, RunRequest(out, device="cpu", no_noise_scale=True, **options), data=data)
 
 
 def test_another_micro_batch_stays_in_the_reference_band_and_the_lr_rule_off_leaves_it(tmp_path):

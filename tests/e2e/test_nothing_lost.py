@@ -286,13 +286,13 @@ def test_force_puts_the_previous_run_back_when_the_first_step_fails(whole, tmp_p
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=1, dataset_size=len(data.train))
     with MemoryTracker() as tracker:
-        trainer.train(plan, tmp_path / "measure", trainer.RunOptions(device="cpu", data=data, max_steps=1))
+        trainer.train(plan, trainer.RunRequest(tmp_path / "measure", device="cpu", max_steps=1), data=data)
     out = tmp_path / "out"
     shutil.copytree(whole, out)
     before = snapshot(out)
     with pytest.raises(TrainingStopped, match="out of memory .*optimizer step 1"):
         with MemoryTracker(budget_bytes=tracker.peak - 512):
-            trainer.train(plan, out, trainer.RunOptions(device="cpu", data=data, force=True))
+            trainer.train(plan, trainer.RunRequest(out, device="cpu", force=True), data=data)
     assert snapshot(out) == before
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
 

@@ -20,7 +20,7 @@ from reproduce.plan.planfile import parse_plan, plan_to_yaml
 from reproduce.plan.planner import lr_at, make_plan
 from reproduce.plan.recipe import Length, parse_recipe
 from reproduce.plan.segments import Segment, epoch_steps, lengths_to_steps, stream_window
-from reproduce.train.trainer import RunOptions, read_metrics, train
+from reproduce.train.trainer import RunRequest, read_metrics, train
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 
@@ -238,7 +238,7 @@ def run(recipe_data: dict, micro: int, out, **kwargs):
     from reproduce.data.lengths import training_sizes
 
     plan = make_plan(recipe, micro, dataset_size=training_sizes(recipe, data.train))
-    train(plan, out, RunOptions(device="cpu", dtype=torch.float64, data=data, **kwargs))
+    train(plan, RunRequest(out, device="cpu", **kwargs), dtype=torch.float64, data=data)
     return plan, data, torch.load(out / "model.pt", weights_only=True), read_metrics(out / "metrics.jsonl")
 
 
@@ -305,10 +305,10 @@ def test_resume_across_phase_boundaries_is_bitwise(tmp_path):
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
     plan = make_plan(parsed, 16, dataset_size=len(data.train))
-    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
+    train(plan, RunRequest(tmp_path / "full", device="cpu"), data=data)
     # stops inside the first phase
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=2))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))  # and crosses both boundaries
+    train(plan, RunRequest(tmp_path / "split", device="cpu", max_steps=2), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", resume=True), data=data)  # and crosses both boundaries
     assert_same_model(tmp_path / "full", tmp_path / "split")
     assert [r["loss"] for r in read_metrics(tmp_path / "split" / "metrics.jsonl")] == [
         r["loss"] for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]

@@ -25,7 +25,7 @@ from reproduce.errors import UserError
 from reproduce.models import build_model
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
-from reproduce.train.trainer import RunOptions, read_metrics, train
+from reproduce.train.trainer import RunRequest, read_metrics, train
 
 # workers: micro-batches fetched by DataLoader worker processes (0: in the training process)
 WITH_WORKERS = [pytest.param(SGD, 0, id="sgd-momentum"), pytest.param(ADAMW, 0, id="adamw"),
@@ -114,11 +114,11 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
     plan = make_plan(parsed, micro_batch_max=16, dataset_size=len(data.train))
-    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3, checkpoint_every=2))
+    train(plan, RunRequest(tmp_path / "full", device="cpu"), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", max_steps=3, checkpoint_every=2), data=data)
     with pytest.raises(UserError, match="not empty"):
-        train(plan, tmp_path / "split", RunOptions(device="cpu", data=data))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
+        train(plan, RunRequest(tmp_path / "split", device="cpu"), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", resume=True), data=data)
     full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
     split = torch.load(tmp_path / "split" / "model.pt", weights_only=True)
     for name in full:
@@ -205,15 +205,15 @@ def test_resume_keeps_the_runs_seed_and_refuses_a_finished_run(tmp_path):
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
     plan = make_plan(parsed, micro_batch_max=16, dataset_size=len(data.train))
-    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data, seed=5))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, seed=5, max_steps=3))
+    train(plan, RunRequest(tmp_path / "full", device="cpu", seed=5), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", seed=5, max_steps=3), data=data)
     with pytest.raises(UserError, match="`seed`: the run in .* was started with seed 5 \\(got 6\\)"):
-        train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, seed=6, resume=True))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))  # no --seed: the run's own
+        train(plan, RunRequest(tmp_path / "split", device="cpu", seed=6, resume=True), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", resume=True), data=data)  # no --seed: the run's own
     assert_same_model(tmp_path / "full", tmp_path / "split")
     before = (tmp_path / "split" / "summary.json").read_bytes()
     with pytest.raises(UserError, match="has already run 6 of 6 optimizer steps"):
-        train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
+        train(plan, RunRequest(tmp_path / "split", device="cpu", resume=True), data=data)
     assert (tmp_path / "split" / "summary.json").read_bytes() == before
 
 
@@ -222,7 +222,7 @@ def test_force_clears_the_previous_runs_outputs_only(tmp_path):
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
     out = tmp_path / "out"
-    train(plan, out, RunOptions(device="cpu", data=data))
+    train(plan, RunRequest(out, device="cpu"), data=data)
     (out / "notes.txt").write_text("mine")
     failing = parse_recipe({**digits_recipe(SGD, steps=3), "optimizer": {"name": "sgd", "lr": 1e30}})
     failing_plan = make_plan(failing, micro_batch_max=16, dataset_size=len(data.train))
@@ -230,11 +230,11 @@ def test_force_clears_the_previous_runs_outputs_only(tmp_path):
 
     previous = {name: (out / name).read_bytes() for name in ("model.pt", "summary.json", "checkpoints/last.pt")}
     with pytest.raises(TrainingStopped):  # step 2 is not finite: before the new run's first checkpoint
-        train(failing_plan, out, RunOptions(device="cpu", data=data, force=True))
+        train(failing_plan, RunRequest(out, device="cpu", force=True), data=data)
     assert (out / "notes.txt").read_text() == "mine"
     # the previous run is deleted only once the new run has a checkpoint of its own: here it is back, whole
     assert {name: (out / name).read_bytes() for name in previous} == previous
-    train(plan, out, RunOptions(device="cpu", data=data, force=True, max_steps=2, checkpoint_every=1))
+    train(plan, RunRequest(out, device="cpu", force=True, max_steps=2, checkpoint_every=1), data=data)
     assert (out / "notes.txt").read_text() == "mine"
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []

@@ -97,7 +97,7 @@ class Runner:
         if key in self.cache:
             return self.cache[key]
         from ..data.lengths import training_sizes
-        from ..train.trainer import RunOptions, train
+        from ..train.trainer import RunRequest, train
 
         data = self.dataset(run.recipe)
         plan = self.plan_for(run, training_sizes(run.recipe, data.train))
@@ -108,8 +108,8 @@ class Runner:
         self.log(f"  training {run.name!r} seed {seed}: {plan.arithmetic}, "
                  f"{min(max_steps or plan.optimizer_steps or 0, plan.optimizer_steps or 0)} steps")
         started = time.perf_counter()
-        summary = train(plan, out, RunOptions(device=run.budget.device, max_steps=max_steps, seed=seed, force=True,
-                                                  data=data))
+        summary = train(plan, RunRequest(out, device=run.budget.device, max_steps=max_steps, seed=seed, force=True),
+                        data=data)
         result = RunResult(out, summary, time.perf_counter() - started)
         self.cache[key] = result
         return result

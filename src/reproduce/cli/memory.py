@@ -12,16 +12,15 @@ from ..session import recipe_for_plan
 from .app import app
 from .common import recipe_argument, stdout
 from .options import (
-    CHECKPOINTING_HELP,
-    GPU_HELP,
-    HEADROOM_HELP,
-    MEMORY_HELP,
-    QUANTIZE_HELP,
-    SET_HELP,
-    WEIGHTS_HELP,
+    CheckpointingOption,
+    GpuOption,
+    HeadroomOption,
+    MemoryOption,
     MeterName,
-    Quantize,
-    field_changes,
+    QuantizeOption,
+    SetOption,
+    WeightsOption,
+    alias_changes,
     override_changes,
     probe_options,
 )
@@ -33,27 +32,27 @@ SEQUENCE_HELP = "Tokens a sequence, instead of the recipe's batch.sequence_lengt
 
 @app.command("memory")
 def memory_command(
+    context: typer.Context,
     recipe_path: Path = typer.Argument(
         ..., metavar="RECIPE", help="The paper's recipe: a file, or a shipped recipe's name (digits-mlp)."
     ),
     micro_batch: int = typer.Option(..., "--micro-batch", min=1, help="Samples (sequences) a micro-batch."),
-    gpu: str | None = typer.Option(None, "--gpu", metavar="NAME", help=GPU_HELP),
-    memory: str | None = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
+    gpu: GpuOption = None,
+    memory: MemoryOption = None,
     meter: MeterName = typer.Option(MeterName.auto, "--meter", help=METER_HELP),
     sequence_length: int | None = typer.Option(None, "--sequence-length", metavar="L", help=SEQUENCE_HELP),
-    headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
+    headroom: HeadroomOption = 0.1,
     as_json: bool = typer.Option(False, "--json", help="Print the answer as one JSON object."),
-    weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
-    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
-    quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
-    overrides: list[str] = typer.Option([], "--set", metavar="FIELD.PATH=VALUE", help=SET_HELP),
+    weights: WeightsOption = None,
+    activation_checkpointing: CheckpointingOption = False,
+    quantize: QuantizeOption = None,
+    overrides: SetOption = None,
 ) -> None:
     """How much memory one training step needs at micro-batch N: weights, gradients, optimizer state, activations,
     logits and loss, the optimizer step's temporaries; where the peak is; allocated, reserved and driver-level."""
     given = str(recipe_path)  # as the user named it (a shipped recipe's name, or a file)
     recipe_path = recipe_argument(recipe_path)
-    recipe = recipe_for_plan(recipe_path, [*override_changes(overrides), *field_changes({
-        "--weights": weights, "--quantize": quantize, "--activation-checkpointing": activation_checkpointing})])
+    recipe = recipe_for_plan(recipe_path, [*override_changes(overrides), *alias_changes(context)])
     options = probe_options(memory, gpu, meter, headroom, True)
     from ..probe.answer import memory_at  # torch: only when the command runs (`reproduce --help` imports none)
 

@@ -4,6 +4,9 @@ the flags turned into the core's arguments. No command lives here, so every comm
 from __future__ import annotations
 
 from enum import Enum
+from typing import Annotated
+
+import typer
 
 from ..plan.batchnorm import MODES as BATCHNORM_MODES
 from ..plan.overlay import Change
@@ -103,9 +106,30 @@ TOKEN_BUDGET_HELP = ("sorted / packed: tokens per micro-batch, padding included 
                      "measured to fit for sorted, else micro-batch x the longest).")
 
 
-def value_of(choice: Enum | None) -> str | None:
-    """An option's choice as the core takes it: its value, or None when not given."""
-    return choice.value if choice is not None else None
+# The options several commands declare alike, each declared here once (a parameter annotated with one takes its
+# default from the parameter: `weights: WeightsOption = None`).
+MicroBatchMaxOption = Annotated[int | None, typer.Option("--micro-batch-max", min=1, help=MICRO_BATCH_MAX_HELP)]
+WorldSizeOption = Annotated[int, typer.Option("--world-size", min=1, help=WORLD_SIZE_HELP)]
+PolicyOption = Annotated[Policy, typer.Option("--policy", help=POLICY_HELP)]
+SetOption = Annotated[list[str] | None, typer.Option("--set", metavar="FIELD.PATH=VALUE", help=SET_HELP)]
+# the probe's: the budget and how it is measured (`probe_options`)
+MemoryOption = Annotated[str | None, typer.Option("--memory", metavar="SIZE", help=MEMORY_HELP)]
+GpuOption = Annotated[str | None, typer.Option("--gpu", metavar="NAME", help=GPU_HELP)]
+MeterOption = Annotated[MeterName, typer.Option("--meter", help=METER_HELP)]
+HeadroomOption = Annotated[float, typer.Option("--headroom", help=HEADROOM_HELP)]
+NoCacheOption = Annotated[bool, typer.Option("--no-cache", help=NO_CACHE_HELP)]
+# the aliases of one recipe field each (FIELD_OF_FLAG; `alias_changes` reads them off the command)
+WeightsOption = Annotated[str | None, typer.Option("--weights", metavar="PATH", help=WEIGHTS_HELP)]
+BackboneWeightsOption = Annotated[str | None, typer.Option("--backbone-weights", metavar="FILE",
+                                                           help=BACKBONE_WEIGHTS_HELP)]
+QuantizeOption = Annotated[Quantize | None, typer.Option("--quantize", help=QUANTIZE_HELP)]
+ShardingOption = Annotated[Sharding | None, typer.Option("--sharding", help=SHARDING_HELP)]
+CheckpointingOption = Annotated[bool, typer.Option("--activation-checkpointing", help=CHECKPOINTING_HELP)]
+ShardedGradientsOption = Annotated[bool, typer.Option("--sharded-gradients", help=SHARDED_GRADIENTS_HELP)]
+OffloadOption = Annotated[Offload | None, typer.Option("--offload", help=OFFLOAD_HELP)]
+BatchNormOption = Annotated[BatchNormChoice | None, typer.Option("--batchnorm", help=BATCHNORM_HELP)]
+PackingOption = Annotated[PackingChoice | None, typer.Option("--packing", help=PACKING_HELP)]
+TokenBudgetOption = Annotated[int | None, typer.Option("--token-budget", min=1, help=TOKEN_BUDGET_HELP)]
 
 
 def probe_options(memory: str | None, gpu: str | None, meter: MeterName, headroom: float, no_cache: bool
@@ -136,9 +160,12 @@ FIELD_OF_FLAG = {
 FLAG_OF_FIELD = {path: flag for flag, path in FIELD_OF_FLAG.items()}
 
 
-def field_changes(given: dict[str, object]) -> list[Change]:
-    """The options given (flag: value; None or a switch left off: not given) as the changes of their fields, in the
-    table's order (a switch only switches its field on)."""
+def alias_changes(context: typer.Context) -> list[Change]:
+    """The options the command declares that alias a recipe field (found by their flags: no command lists them
+    again), as the changes of their fields, in the table's order; an option not given (None, or a switch left off)
+    changes nothing, a switch only switches its field on."""
+    given = {param.opts[0]: context.params[param.name] for param in context.command.params
+             if param.opts and param.opts[0] in FIELD_OF_FLAG and param.name is not None}
     values = {flag: value.value if isinstance(value, Enum) else value for flag, value in given.items()}
     return [Change(path, values[flag], f"`{path}`") for flag, path in FIELD_OF_FLAG.items()
             if values.get(flag) is not None and values.get(flag) is not False]

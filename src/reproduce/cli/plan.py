@@ -29,33 +29,28 @@ from ..throughput.prediction import DEFAULT_MFU
 from .app import app
 from .common import parameters_line, recipe_argument, show_note, stderr, stdout, token_budget_text
 from .options import (
-    BACKBONE_WEIGHTS_HELP,
-    BATCHNORM_HELP,
-    CHECKPOINTING_HELP,
-    GPU_HELP,
-    HEADROOM_HELP,
-    MEMORY_HELP,
-    METER_HELP,
-    MICRO_BATCH_MAX_HELP,
-    NO_CACHE_HELP,
-    OFFLOAD_HELP,
-    PACKING_HELP,
-    POLICY_HELP,
-    QUANTIZE_HELP,
-    SET_HELP,
-    SHARDED_GRADIENTS_HELP,
-    SHARDING_HELP,
-    TOKEN_BUDGET_HELP,
-    WEIGHTS_HELP,
-    WORLD_SIZE_HELP,
-    BatchNormChoice,
+    BackboneWeightsOption,
+    BatchNormOption,
+    CheckpointingOption,
+    GpuOption,
+    HeadroomOption,
+    MemoryOption,
     MeterName,
-    Offload,
-    PackingChoice,
+    MeterOption,
+    MicroBatchMaxOption,
+    NoCacheOption,
+    OffloadOption,
+    PackingOption,
     Policy,
-    Quantize,
-    Sharding,
-    field_changes,
+    PolicyOption,
+    QuantizeOption,
+    SetOption,
+    ShardedGradientsOption,
+    ShardingOption,
+    TokenBudgetOption,
+    WeightsOption,
+    WorldSizeOption,
+    alias_changes,
     override_changes,
     probe_options,
 )
@@ -74,20 +69,21 @@ GPUS_PER_NODE_HELP = ("GPUs per machine, for the nodes of a plan of several proc
 
 @app.command("plan")
 def plan_command(
+    context: typer.Context,
     recipe_path: Path = typer.Argument(
         ..., metavar="RECIPE", help="The paper's recipe: a file, or a shipped recipe's name (goyal2017-resnet50)."
     ),
-    micro_batch_max: int | None = typer.Option(None, "--micro-batch-max", min=1, help=MICRO_BATCH_MAX_HELP),
-    world_size: int = typer.Option(1, "--world-size", min=1, help=WORLD_SIZE_HELP),
-    policy: Policy = typer.Option(Policy.exact, "--policy", help=POLICY_HELP),
+    micro_batch_max: MicroBatchMaxOption = None,
+    world_size: WorldSizeOption = 1,
+    policy: PolicyOption = Policy.exact,
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
     out: Path | None = typer.Option(None, "--out", help="Write the plan to this YAML file (what `run` reads)."),
-    memory: str | None = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
-    gpu: str | None = typer.Option(None, "--gpu", metavar="NAME", help=GPU_HELP),
-    meter: MeterName = typer.Option(MeterName.auto, "--meter", help=METER_HELP),
-    headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
-    no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
-    sharding: Sharding | None = typer.Option(None, "--sharding", help=SHARDING_HELP),
+    memory: MemoryOption = None,
+    gpu: GpuOption = None,
+    meter: MeterOption = MeterName.auto,
+    headroom: HeadroomOption = 0.1,
+    no_cache: NoCacheOption = False,
+    sharding: ShardingOption = None,
     emit_format: str | None = typer.Option(
         None, "--emit", metavar="FORMAT", help=f"Print the plan as {', '.join(FORMATS)} settings, not the table."
     ),
@@ -95,18 +91,17 @@ def plan_command(
     assumed_mfu: float = typer.Option(DEFAULT_MFU, "--mfu", help=MFU_HELP),
     price: float | None = typer.Option(None, "--price", metavar="PRICE", help=PRICE_HELP),
     free_batchnorm: bool = typer.Option(False, "--free-batchnorm", help=FREE_BATCHNORM_HELP),
-    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
-    sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
-    offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
+    activation_checkpointing: CheckpointingOption = False,
+    sharded_gradients: ShardedGradientsOption = False,
+    offload: OffloadOption = None,
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=PLAN_DATA_HELP),
-    weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
-    backbone_weights: str | None = typer.Option(None, "--backbone-weights", metavar="FILE",
-                                                help=BACKBONE_WEIGHTS_HELP),
-    quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
-    batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
-    packing: PackingChoice | None = typer.Option(None, "--packing", help=PACKING_HELP),
-    token_budget: int | None = typer.Option(None, "--token-budget", min=1, help=TOKEN_BUDGET_HELP),
-    overrides: list[str] = typer.Option([], "--set", metavar="FIELD.PATH=VALUE", help=SET_HELP),
+    weights: WeightsOption = None,
+    backbone_weights: BackboneWeightsOption = None,
+    quantize: QuantizeOption = None,
+    batchnorm: BatchNormOption = None,
+    packing: PackingOption = None,
+    token_budget: TokenBudgetOption = None,
+    overrides: SetOption = None,
 ) -> None:
     """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps.
 
@@ -121,11 +116,7 @@ def plan_command(
         check_format(emit_format)
     check_mfu(assumed_mfu)
     check_price(price)
-    recipe = recipe_for_plan(recipe_path, [*override_changes(overrides), *field_changes({
-        "--weights": weights, "--data": data_path, "--quantize": quantize, "--sharding": sharding,
-        "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients,
-        "--offload": offload, "--batchnorm": batchnorm, "--backbone-weights": backbone_weights, "--packing": packing,
-        "--token-budget": token_budget})], world_size)
+    recipe = recipe_for_plan(recipe_path, [*override_changes(overrides), *alias_changes(context)], world_size)
     check_builtin_model(recipe)  # a typo: one line with the nearest name, as run says
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     data, size = planned_data_size(recipe, given=data_path is not None)

@@ -17,25 +17,21 @@ from ..throughput.plan_cost import cost_lines, costs_json, plan_costs
 from .app import app
 from .common import recipe_argument, stderr, stdout, token_budget_text
 from .options import (
-    BATCHNORM_HELP,
-    CHECKPOINTING_HELP,
-    GPU_HELP,
-    HEADROOM_HELP,
-    MEMORY_HELP,
-    METER_HELP,
-    NO_CACHE_HELP,
-    OFFLOAD_HELP,
-    QUANTIZE_HELP,
-    SET_HELP,
-    SHARDED_GRADIENTS_HELP,
-    SHARDING_HELP,
-    WEIGHTS_HELP,
-    BatchNormChoice,
+    BatchNormOption,
+    CheckpointingOption,
+    GpuOption,
+    HeadroomOption,
+    MemoryOption,
     MeterName,
-    Offload,
-    Quantize,
-    Sharding,
-    field_changes,
+    MeterOption,
+    NoCacheOption,
+    OffloadOption,
+    QuantizeOption,
+    SetOption,
+    ShardedGradientsOption,
+    ShardingOption,
+    WeightsOption,
+    alias_changes,
     override_changes,
     probe_options,
 )
@@ -46,25 +42,26 @@ WORLD_SIZE_HELP = "Number of data-parallel processes: the probe needs no micro-b
 
 @app.command("probe")
 def probe_command(
+    context: typer.Context,
     recipe_path: Path = typer.Argument(
         ..., metavar="RECIPE", help="The paper's recipe: a file, or a shipped recipe's name (digits-mlp)."
     ),
-    memory: str | None = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
-    gpu: str | None = typer.Option(None, "--gpu", metavar="NAME", help=GPU_HELP),
-    meter: MeterName = typer.Option(MeterName.auto, "--meter", help=METER_HELP),
-    headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
+    memory: MemoryOption = None,
+    gpu: GpuOption = None,
+    meter: MeterOption = MeterName.auto,
+    headroom: HeadroomOption = 0.1,
     world_size: int = typer.Option(1, "--world-size", min=1, help=WORLD_SIZE_HELP),
-    sharding: Sharding | None = typer.Option(None, "--sharding", help=SHARDING_HELP),
+    sharding: ShardingOption = None,
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
-    no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
+    no_cache: NoCacheOption = False,
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=PROBE_DATA_HELP),
-    weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
-    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
-    sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
-    offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
-    quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
-    batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
-    overrides: list[str] = typer.Option([], "--set", metavar="FIELD.PATH=VALUE", help=SET_HELP),
+    weights: WeightsOption = None,
+    activation_checkpointing: CheckpointingOption = False,
+    sharded_gradients: ShardedGradientsOption = False,
+    offload: OffloadOption = None,
+    quantize: QuantizeOption = None,
+    batchnorm: BatchNormOption = None,
+    overrides: SetOption = None,
 ) -> None:
     """Measure the largest micro-batch whose full training step fits one device's memory.
 
@@ -72,10 +69,7 @@ def probe_command(
     and what would make it fit are printed).
     """
     recipe_path = recipe_argument(recipe_path)
-    recipe = recipe_for_plan(recipe_path, [*override_changes(overrides), *field_changes({
-        "--weights": weights, "--data": data_path, "--quantize": quantize, "--sharding": sharding,
-        "--activation-checkpointing": activation_checkpointing, "--sharded-gradients": sharded_gradients,
-        "--offload": offload, "--batchnorm": batchnorm})], world_size)
+    recipe = recipe_for_plan(recipe_path, [*override_changes(overrides), *alias_changes(context)], world_size)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     result = run_probe(recipe, str(recipe_path), options, world_size, on_trial=None if as_json else show_trial)
     plan = make_plan(recipe, result.micro_batch_max, world_size) if result.micro_batch_max else None

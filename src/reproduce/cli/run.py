@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import shlex
@@ -23,43 +24,37 @@ from ..plan.gates import outcome_line
 from ..plan.launch import node_range
 from ..plan.planner import Plan
 from ..plan.reported import reported_line
-from ..session import RunRequest, check_launch_policy, checked_run, prepare_run
+from ..session import check_launch_policy, checked_run, prepare_run
 from ..storage import lock, signals
+from ..train.options import RunRequest
 from .app import app
 from .common import is_terminal, loss_text, parameters_line, recipe_argument, show_note, stderr, stdout
 from .flags import request_flags, typed_args
 from .options import (
-    BACKBONE_WEIGHTS_HELP,
-    BATCHNORM_HELP,
-    CHECKPOINTING_HELP,
-    FIELD_OF_FLAG,
     FLAG_OF_FIELD,
-    GPU_HELP,
-    HEADROOM_HELP,
-    MEMORY_HELP,
-    METER_HELP,
-    MICRO_BATCH_MAX_HELP,
-    NO_CACHE_HELP,
-    OFFLOAD_HELP,
-    PACKING_HELP,
-    POLICY_HELP,
-    QUANTIZE_HELP,
-    SET_HELP,
-    SHARDED_GRADIENTS_HELP,
     SHARDING_HELP,
-    TOKEN_BUDGET_HELP,
-    WEIGHTS_HELP,
-    WORLD_SIZE_HELP,
-    BatchNormChoice,
+    BackboneWeightsOption,
+    BatchNormOption,
+    CheckpointingOption,
+    GpuOption,
+    HeadroomOption,
+    MemoryOption,
     MeterName,
-    Offload,
-    PackingChoice,
+    MeterOption,
+    MicroBatchMaxOption,
+    NoCacheOption,
+    OffloadOption,
+    PackingOption,
     Policy,
-    Quantize,
+    PolicyOption,
+    QuantizeOption,
+    SetOption,
+    ShardedGradientsOption,
     Sharding,
-    field_changes,
-    probe_options,
-    value_of,
+    TokenBudgetOption,
+    WeightsOption,
+    WorldSizeOption,
+    alias_changes,
 )
 from .resume import (
     LAUNCHER_ENV,
@@ -215,16 +210,18 @@ REFERENCE_HELP = ("An earlier run of this recipe (its folder): this run's curve 
                   "from their spread).")
 
 
-def run_request(params: dict[str, Any]) -> RunRequest:
-    """The command's options as one frozen request: choices as their values, the options that set recipe fields as
-    their changes (cli.options.FIELD_OF_FLAG), the trackers parsed, `--max-restarts` implying `--auto-resume`."""
-    values = {name: value_of(value) if isinstance(value, Enum) else value for name, value in params.items()}
-    changes = field_changes({flag: values.pop(flag[2:].replace("-", "_")) for flag in FIELD_OF_FLAG})
-    log_to = parse_log_to(values.pop("log_to"), values.pop("tensorboard"))
-    return RunRequest(**{**values, "source": recipe_argument(values["source"], "plan or recipe"),
-                         "auto_resume": values["auto_resume"] or values["max_restarts"] is not None,
-                         "log_to": tuple(log_to), "overrides": tuple(values["overrides"]), "changes": tuple(changes),
-                         "accept_gate": tuple(values["accept_gate"]), "reference": tuple(values["reference"])})
+def run_request(context: typer.Context) -> RunRequest:
+    """The run command's options as one frozen request: each parameter named as the request's field gives it (a
+    choice its value), the options that alias recipe fields their changes (cli.options.alias_changes), the trackers
+    parsed (`--log-to`, `--tensorboard`), `--max-restarts` implying `--auto-resume`."""
+    given = context.params
+    values = {item.name: given[item.name].value if isinstance(given[item.name], Enum) else given[item.name]
+              for item in dataclasses.fields(RunRequest) if item.name in given}
+    return RunRequest(**{**values, "source": recipe_argument(given["source"], "plan or recipe"),
+                         "auto_resume": given["auto_resume"] or given["max_restarts"] is not None,
+                         "log_to": tuple(parse_log_to(given["log_to"], given["tensorboard"])),
+                         "overrides": tuple(given["overrides"] or ()), "changes": tuple(alias_changes(context)),
+                         "accept_gate": tuple(given["accept_gate"]), "reference": tuple(given["reference"])})
 
 
 def request_args(request: RunRequest, which: str) -> list[str]:
@@ -367,11 +364,12 @@ def stops_in_one_line(command):
 @app.command("run")
 @stops_in_one_line
 def run_command(
+    context: typer.Context,
     source: Path = typer.Argument(..., metavar="PLAN_OR_RECIPE", help=SOURCE_HELP),
     out: Path = typer.Option(..., "--out", help=OUT_HELP),
-    micro_batch_max: int | None = typer.Option(None, "--micro-batch-max", min=1, help=MICRO_BATCH_MAX_HELP),
-    world_size: int = typer.Option(1, "--world-size", min=1, help=WORLD_SIZE_HELP),
-    policy: Policy = typer.Option(Policy.exact, "--policy", help=POLICY_HELP),
+    micro_batch_max: MicroBatchMaxOption = None,
+    world_size: WorldSizeOption = 1,
+    policy: PolicyOption = Policy.exact,
     max_steps: int | None = typer.Option(None, "--max-steps", min=1, help=MAX_STEPS_HELP),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
     auto_resume: bool = typer.Option(False, "--auto-resume", help=AUTO_RESUME_HELP),
@@ -385,40 +383,39 @@ def run_command(
     nnodes: str = typer.Option("1", "--nnodes", metavar="N|MIN:MAX", help=NNODES_HELP),
     node_rank: int = typer.Option(0, "--node-rank", min=0, help="This machine's rank (with --nnodes)."),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0 (several nodes)."),
-    memory: str | None = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
-    gpu: str | None = typer.Option(None, "--gpu", metavar="NAME", help=GPU_HELP),
-    meter: MeterName = typer.Option(MeterName.auto, "--meter", help=METER_HELP),
-    headroom: float = typer.Option(0.1, "--headroom", help=HEADROOM_HELP),
-    no_cache: bool = typer.Option(False, "--no-cache", help=NO_CACHE_HELP),
+    memory: MemoryOption = None,
+    gpu: GpuOption = None,
+    meter: MeterOption = MeterName.auto,
+    headroom: HeadroomOption = 0.1,
+    no_cache: NoCacheOption = False,
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log each step's metrics to OUT/tensorboard."),
     log_to: list[str] | None = typer.Option(None, "--log-to", metavar="TRACKERS", help=LOG_TO_HELP),
     sharding: Sharding | None = typer.Option(None, "--sharding", help=RUN_SHARDING_HELP),
     data: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
     eval_data: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
-    weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
-    backbone_weights: str | None = typer.Option(None, "--backbone-weights", metavar="FILE",
-                                                help=BACKBONE_WEIGHTS_HELP),
+    weights: WeightsOption = None,
+    backbone_weights: BackboneWeightsOption = None,
     workers: int | None = typer.Option(None, "--workers", min=0, help=WORKERS_HELP),
     no_noise_scale: bool = typer.Option(False, "--no-noise-scale", help=NO_NOISE_HELP),
     stop_on_divergence: bool = typer.Option(False, "--stop-on-divergence", help=DIVERGENCE_HELP),
     merged: bool = typer.Option(False, "--merged", help=MERGED_HELP),
-    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
-    sharded_gradients: bool = typer.Option(False, "--sharded-gradients", help=SHARDED_GRADIENTS_HELP),
-    offload: Offload | None = typer.Option(None, "--offload", help=OFFLOAD_HELP),
-    quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
-    batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
-    packing: PackingChoice | None = typer.Option(None, "--packing", help=PACKING_HELP),
-    token_budget: int | None = typer.Option(None, "--token-budget", min=1, help=TOKEN_BUDGET_HELP),
-    overrides: list[str] = typer.Option([], "--set", metavar="FIELD.PATH=VALUE", help=SET_HELP),
+    activation_checkpointing: CheckpointingOption = False,
+    sharded_gradients: ShardedGradientsOption = False,
+    offload: OffloadOption = None,
+    quantize: QuantizeOption = None,
+    batchnorm: BatchNormOption = None,
+    packing: PackingOption = None,
+    token_budget: TokenBudgetOption = None,
+    overrides: SetOption = None,
     accept_gate: list[str] = typer.Option([], "--accept-gate", metavar="NAME", help=ACCEPT_GATE_HELP),
     from_gate: str | None = typer.Option(None, "--from", metavar="GATE", help=FROM_GATE_HELP),
     reference: list[str] = typer.Option([], "--reference", metavar="RUN_DIR", help=REFERENCE_HELP),
 ) -> None:
     """Train with the plan: micro-batches accumulated into the paper's effective batch, exactly."""
-    request = run_request(dict(locals()))
+    request = run_request(context)  # the one value of the options above, from here to the trainer
     starting_run.update(request=request, resume=request.resume, force=request.force)
     from ..train.distributed import processes as distributed  # torch is imported only by the commands that train
-    from ..train.trainer import RunOptions, train
+    from ..train.trainer import train
 
     check_trackers(request.log_to)  # a missing package: one line, before anything is planned or trained
     world = distributed.world_from_env()
@@ -431,33 +428,28 @@ def run_command(
         raise typer.Exit(launch(request, world))
     owner = lock.owns_the_run(world.distributed, world.rank)
     # --out taken (one run per folder), writable and settled before anything is decided or set up
-    with lock.hold(out) if owner else contextlib.nullcontext():
+    with lock.hold(request.out) if owner else contextlib.nullcontext():
         if owner:
-            settle_folder(out, world.is_main)
+            settle_folder(request.out, world.is_main)
         resume, force = starting(request, world, False)
         starting_run.update(resume=resume, force=force)
-        if from_gate is not None and not resume:
+        if request.from_gate is not None and not resume:
             raise UserError("--from: starts a resumed run from a gate's checkpoint; give it with --resume")
         checked = checked_run(request, world.size, resume)
-        check_out_dir(out, resume, force)
-        probe = probe_options(memory, gpu, meter, headroom, no_cache)
-        prepared = prepare_run(request, world, resume, probe, show_note if world.is_main else None, checked)
+        check_out_dir(request.out, resume, force)
+        prepared = prepare_run(request, world, resume, show_note if world.is_main else None, checked)
         launcher = launcher_of_this_job(world.size) if world.distributed else []
-        continue_with = continue_command(out, launcher, request_args(request, "resume"))
-        options = RunOptions(device=device, max_steps=max_steps, resume=resume, force=force, seed=seed,
-                             checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite, data=prepared.data,
-                             workers=workers, noise_scale=not no_noise_scale, continue_with=continue_with,
-                             stop_on_divergence=stop_on_divergence, merged=merged,
-                             accept_gates=tuple(accept_gate), resume_from=from_gate, reference=tuple(reference))
+        continue_with = continue_command(request.out, launcher, request_args(request, "resume"))
+        decided = dataclasses.replace(request, resume=resume, force=force)  # as --auto-resume decided
         if not world.is_main:  # the other ranks train quietly; rank 0 reports
-            train(prepared.plan, out, options)
+            train(prepared.plan, decided, data=prepared.data, continue_with=continue_with)
             return
         parameters = counted_parameters(prepared.plan, prepared.data)
         reporter = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings, parameters=parameters)
         # metrics.jsonl stays the source of truth; the trackers get the same numbers (observe/trackers.py)
-        with TrackerReporter(reporter, request.log_to, out) as reporter:
-            summary = train(prepared.plan, out, options.replace(reporter=reporter))
-    show_end(summary, out, skip_nonfinite)
+        with TrackerReporter(reporter, request.log_to, request.out) as reporter:
+            summary = train(prepared.plan, decided, data=prepared.data, reporter=reporter, continue_with=continue_with)
+    show_end(summary, request.out, request.skip_nonfinite)
 
 
 def show_end(summary: dict, out: Path, skip_nonfinite: bool) -> None:

@@ -15,22 +15,19 @@ from ..session import plan_and_probe, recipe_for_run
 from .app import app
 from .common import recipe_argument, show_note, stdout
 from .options import (
-    BACKBONE_WEIGHTS_HELP,
-    BATCHNORM_HELP,
-    CHECKPOINTING_HELP,
-    MICRO_BATCH_MAX_HELP,
-    PACKING_HELP,
-    POLICY_HELP,
-    QUANTIZE_HELP,
-    SET_HELP,
-    TOKEN_BUDGET_HELP,
-    WEIGHTS_HELP,
-    WORLD_SIZE_HELP,
-    BatchNormChoice,
-    PackingChoice,
+    BackboneWeightsOption,
+    BatchNormOption,
+    CheckpointingOption,
+    MicroBatchMaxOption,
+    PackingOption,
     Policy,
-    Quantize,
-    field_changes,
+    PolicyOption,
+    QuantizeOption,
+    SetOption,
+    TokenBudgetOption,
+    WeightsOption,
+    WorldSizeOption,
+    alias_changes,
     override_changes,
 )
 
@@ -52,12 +49,13 @@ class Dtype(str, Enum):
 
 @app.command("verify")
 def verify_command(
+    context: typer.Context,
     source: Path = typer.Argument(
         ..., metavar="RECIPE_OR_PLAN", help="A recipe (a file or a shipped recipe's name), or a plan from `plan --out`."
     ),
-    micro_batch_max: int | None = typer.Option(None, "--micro-batch-max", min=1, help=MICRO_BATCH_MAX_HELP),
-    world_size: int = typer.Option(1, "--world-size", min=1, help=WORLD_SIZE_HELP),
-    policy: Policy = typer.Option(Policy.exact, "--policy", help=POLICY_HELP),
+    micro_batch_max: MicroBatchMaxOption = None,
+    world_size: WorldSizeOption = 1,
+    policy: PolicyOption = Policy.exact,
     samples: int | None = typer.Option(None, "--samples", min=1, help=SAMPLES_HELP),
     tolerance: float | None = typer.Option(None, "--tolerance", help=TOLERANCE_HELP),
     dtype: Dtype = typer.Option(Dtype.float64, "--dtype", help=DTYPE_HELP),
@@ -65,15 +63,14 @@ def verify_command(
     seed: int | None = typer.Option(None, "--seed", help=SEED_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
-    weights: str | None = typer.Option(None, "--weights", metavar="PATH", help=WEIGHTS_HELP),
-    backbone_weights: str | None = typer.Option(None, "--backbone-weights", metavar="FILE",
-                                                help=BACKBONE_WEIGHTS_HELP),
-    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
-    quantize: Quantize | None = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
-    batchnorm: BatchNormChoice | None = typer.Option(None, "--batchnorm", help=BATCHNORM_HELP),
-    packing: PackingChoice | None = typer.Option(None, "--packing", help=PACKING_HELP),
-    token_budget: int | None = typer.Option(None, "--token-budget", min=1, help=TOKEN_BUDGET_HELP),
-    overrides: list[str] = typer.Option([], "--set", metavar="FIELD.PATH=VALUE", help=SET_HELP),
+    weights: WeightsOption = None,
+    backbone_weights: BackboneWeightsOption = None,
+    activation_checkpointing: CheckpointingOption = False,
+    quantize: QuantizeOption = None,
+    batchnorm: BatchNormOption = None,
+    packing: PackingOption = None,
+    token_budget: TokenBudgetOption = None,
+    overrides: SetOption = None,
 ) -> None:
     """Compare the plan's accumulated gradient with the one-pass gradient: exit 0 equivalent, 1 not."""
     from ..data import build_data  # torch is imported only by the commands that need it
@@ -83,10 +80,7 @@ def verify_command(
     if tolerance is not None and not tolerance > 0:
         raise UserError(f"--tolerance: must be > 0 (got {tolerance})")
     source = recipe_argument(source, "recipe or plan")
-    recipe, plan = recipe_for_run(source, override_changes(overrides), field_changes({
-        "--weights": weights, "--data": data_path, "--backbone-weights": backbone_weights, "--quantize": quantize,
-        "--activation-checkpointing": activation_checkpointing, "--packing": packing, "--token-budget": token_budget,
-        "--batchnorm": batchnorm}))
+    recipe, plan = recipe_for_run(source, override_changes(overrides), alias_changes(context))
     data = build_data(recipe)
     if plan is None:
         plan = plan_and_probe(recipe, str(source), micro_batch_max, world_size, policy.value,

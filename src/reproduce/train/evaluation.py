@@ -134,9 +134,9 @@ def evaluate_run(run_dir: Path, data_path: str | None = None, eval_data_path: st
     recipe = plan.recipe
     source = str(run_dir / "plan.yaml")
     changes = [Change("model.backbone_weights", None), Change("model.weights", str(run_dir / "model.pt")),
-               *(Change(path, value, flag) for path, value, flag in (("data.path", data_path, "--data"),
-                                                                    ("data.eval_path", eval_data_path, "--eval-data"))
-                 if value is not None)]
+               *(Change(path, value, f"`{path}`") for path, value in (("data.path", data_path),
+                                                                      ("data.eval_path", eval_data_path))
+                 if value is not None)]  # (named by the flag the user typed: cli/flags.py)
     recipe = overlay(recipe, changes, source)
     data = build_data(recipe)
     if data.eval is None or len(data.eval) == 0:

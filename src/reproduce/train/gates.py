@@ -212,12 +212,12 @@ def resume_source(out: Path, name: str | None, planned: list[PlannedGate]) -> Pa
 def start_gates(run: Any) -> None:
     """The run's gate watch (None without gates), its state from the checkpoint resumed from; evaluation gates need
     evaluation data. A run that paused at a gate checks it again now, before any step, unless it is accepted."""
-    run.reference = reference_curve(run.plan.recipe, run.options.reference)
+    run.reference = reference_curve(run.plan.recipe, run.request.reference)
     extra = (REFERENCE_GATE,) if run.reference is not None else ()
-    watch = GateWatch(run.plan, tuple(name for name in run.options.accept_gates if name not in extra))
+    watch = GateWatch(run.plan, tuple(name for name in run.request.accept_gate if name not in extra))
     if not watch.planned and run.reference is None:
         return
-    watch.accept |= set(run.options.accept_gates)
+    watch.accept |= set(run.request.accept_gate)
     watch.reference = run.reference
     run.gates = watch
     data = run.setup.data
@@ -238,7 +238,7 @@ def start_gates(run: Any) -> None:
         if name not in watch.accept:
             event = {**watch.outcomes[name]}
             raise GatePaused(paused_line(event, run.out, gate_checkpoint(run.out, name),
-                                         run.options.continue_with or _continue(run.out)))
+                                         run.continue_with))
         watch.outcomes[name] = {**watch.outcomes[name], "status": "accepted"}
         watch.paused = None
         tell_gates(run, [watch.outcomes[name]])
@@ -257,7 +257,7 @@ def start_gates(run: Any) -> None:
         if not run.world.is_main:  # rank 0 prints the line
             raise GatePaused("a gate paused the run (rank 0 says which)")
         raise GatePaused(paused_line(event[0], run.out, gate_checkpoint(run.out, name),
-                                     run.options.continue_with or _continue(run.out)))
+                                     run.continue_with))
 
 
 def check_gates(run: Any, step: int, record: dict) -> list[dict]:
@@ -315,7 +315,7 @@ def after_checkpoint(run: Any, events: list[dict]) -> None:
         if not paused:  # another rank's evaluation: rank 0 prints the line
             raise GatePaused("a gate paused the run (rank 0 says which)")
         kept = gate_checkpoint(run.out, paused[0]["name"]) if kept is not None else None
-        raise GatePaused(paused_line(paused[0], run.out, kept, run.options.continue_with or _continue(run.out)))
+        raise GatePaused(paused_line(paused[0], run.out, kept, run.continue_with))
 
 
 def tell_gates(run: Any, events: list[dict]) -> None:
@@ -351,5 +351,3 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def _continue(out: Path) -> str:
-    return f"reproduce run {out / 'plan.yaml'} --out {out} --resume"

@@ -1,42 +1,68 @@
-"""What a run is asked to do beyond its plan: `train(plan, out, RunOptions(...))`."""
+"""What `reproduce run` was asked: `RunRequest`, the one value of its options, from the command line to the trainer
+(`train(plan, request)`), read by name everywhere (`request.micro_batch_max`)."""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
 
-import torch
+from ..plan.overlay import Change
 
-from .reporter import Reporter
 
-if TYPE_CHECKING:
-    from ..data import Datasets
+def option(default: object = None, *, torchrun: bool = True, resume: bool = False) -> Any:
+    """A field of RunRequest. `torchrun`: every process torchrun starts is given it again; `resume`: the command
+    that continues the run repeats it (the rest the run's plan.yaml keeps, or the launcher gives)."""
+    return field(default=default, metadata={"torchrun": torchrun, "resume": resume})
 
 
 @dataclass(frozen=True)
-class RunOptions:
-    """The options of one `train` call; every one has the default `reproduce run` gives it."""
+class RunRequest:
+    """What `reproduce run` was asked, as values: one field per option, named as the option's parameter
+    (`micro_batch_max` is `--micro-batch-max`, `overrides` `--set`, `from_gate` `--from`; the options that alias a
+    recipe field are its `changes`); a field at its default was not given. A library caller gives `out` and what it
+    needs: `train(plan, RunRequest(out, device="cpu"))`."""
 
-    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
-    max_steps: int | None = None  # stop after this optimizer step (counted from the start of the run)
-    resume: bool = False  # continue the run in `out` from its checkpoint
-    force: bool = False  # replace another run's outputs in `out`
-    seed: int | None = None  # None: the recipe's (on resume: the run's own)
-    checkpoint_every: int | None = None  # optimizer steps; None: every CHECKPOINT_SECONDS of wall time
-    skip_nonfinite: bool = False  # skip a step whose loss or gradient is not finite instead of stopping
-    dtype: torch.dtype = torch.float32
-    reporter: Reporter | None = None  # None: silent
-    data: Datasets | None = None  # the datasets (`data.build_data`); None: built from the recipe
-    workers: int | None = None  # DataLoader processes; None: `data.loader.default_workers`, 0: this process
-    noise_scale: bool = True  # measure the gradient noise scale (observe/noise.py); it never changes the weights
-    continue_with: str | None = None  # the command an interrupted run prints to continue
-    stop_on_divergence: bool = False  # stop at the divergence warning instead of going on
-    merged: bool = False  # also write merged/: the LoRA adapters merged into the base, a Hugging Face folder
-    accept_gates: tuple[str, ...] = ()  # gates whose miss goes on (train/gates.py)
-    resume_from: str | None = None  # with resume: the gate whose kept checkpoint the run starts from; None: last.pt
-    reference: tuple[str, ...] = ()  # earlier runs of the recipe, whose curve this one follows (observe/reference.py)
+    out: Path
+    source: Path | None = None  # the plan or recipe file (None: a library caller's plan)
+    max_steps: int | None = option(resume=True)  # stop after this optimizer step, counted from the run's start
+    micro_batch_max: int | None = option(resume=True)
+    workers: int | None = option(resume=True)  # DataLoader processes; None: `data.loader.default_workers`
+    device: str = option("auto", resume=True)  # "auto", "cpu", "cuda", "cuda:1", ...
+    seed: int | None = option(resume=True)  # None: the recipe's (on resume: the run's own)
+    checkpoint_every: int | None = option(resume=True)  # optimizer steps; None: every few minutes of wall time
+    log_to: tuple[str, ...] = option((), resume=True)
+    skip_nonfinite: bool = option(False, resume=True)  # skip a step whose loss or gradient is not finite
+    no_noise_scale: bool = option(False, resume=True)  # do not measure the gradient noise scale (observe/noise.py)
+    stop_on_divergence: bool = option(False, resume=True)  # stop at the divergence warning instead of going on
+    merged: bool = option(False, resume=True)  # also write merged/: LoRA's adapters merged into the base
+    world_size: int = option(1, torchrun=False)
+    policy: str = option("exact")
+    resume: bool = option(False)  # continue the run in `out` from its checkpoint
+    auto_resume: bool = option(False)
+    max_restarts: int | None = option(torchrun=False)
+    force: bool = option(False)  # replace another run's outputs in `out`
+    nproc_per_node: int | None = option(torchrun=False)
+    nnodes: str = option("1", torchrun=False)
+    node_rank: int = option(0, torchrun=False)
+    rdzv_endpoint: str | None = option(torchrun=False)
+    memory: str | None = option()
+    gpu: str | None = option()
+    meter: str = option("auto")
+    headroom: float = option(0.1)
+    no_cache: bool = option(False)
+    changes: tuple[Change, ...] = option(())  # the recipe fields its options set (data.path: --data, ...)
+    overrides: tuple[str, ...] = option(())  # --set FIELD.PATH=VALUE
+    accept_gate: tuple[str, ...] = option(())  # gates whose miss goes on (train/gates.py)
+    from_gate: str | None = option()  # --from: with resume, the gate whose kept checkpoint the run starts from
+    reference: tuple[str, ...] = option((), resume=True)  # earlier runs' curves (observe/reference.py)
 
-    def replace(self, **changes: Any) -> RunOptions:
-        """These options with `changes` (a frozen dataclass: `dataclasses.replace`)."""
-        return dataclasses.replace(self, **changes)
+    def given(self, which: str) -> dict[str, object]:
+        """The fields given (not at their default) that `which` ("torchrun" or "resume") repeats."""
+        return {item.name: getattr(self, item.name) for item in fields(self)
+                if item.metadata.get(which) and item.name != "changes"
+                and not _at_default(getattr(self, item.name), item.default)}
+
+
+def _at_default(value: object, default: object) -> bool:
+    return value is None or value is False or value == () or (type(value) is type(default) and value == default)

@@ -95,7 +95,7 @@ def run_summary(run: Run, elapsed: float) -> dict:
                                                              "paper_batch", "micro_batch", "processes"})
     if run.world.is_main:  # from metrics.jsonl, read once: the steps before a resume count too
         records = read_metrics(run.out / "metrics.jsonl")
-        if run.options.noise_scale:
+        if not run.request.no_noise_scale:
             summary["noise_scale"] = summarise(records, run.total, plan.recipe.task,
                                                reason=run.noise_scale_skipped_because, warmup_steps=plan.warmup_steps,
                                                diverged=divergence.diverged,

@@ -73,10 +73,10 @@ def already_run(out: Path, first_step: int, total: int, max_steps: int | None, p
     """Why a resume has nothing to do; with --max-steps (counted from the start of the run), the value that goes on."""
     if max_steps is not None and planned is not None and first_step < planned:
         more = min(first_step + max_steps, planned)
-        return (f"--max-steps: {out} has already run {first_step} of {total} optimizer steps; --max-steps counts "
+        return (f"`max_steps`: {out} has already run {first_step} of {total} optimizer steps; `max_steps` counts "
                 f"from the start of the run (of {planned} steps): to run {more - first_step} more, give "
-                f"--max-steps {more}")
-    return f"--resume: {out} has already run {first_step} of {total} optimizer steps; nothing to do"
+                f"`max_steps` {more}")
+    return f"`resume`: {out} has already run {first_step} of {total} optimizer steps; nothing to do"
 
 
 def last_record(out: Path, state: dict | None, first_step: int) -> dict:

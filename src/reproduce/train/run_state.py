@@ -18,7 +18,7 @@ from ..observe.outputs import MetricsLog
 from ..observe.rates import StepRates
 from ..plan.planner import Plan
 from .distributed.processes import World
-from .options import RunOptions
+from .options import RunRequest
 from .reporter import Reporter
 from .resume import Resumed
 from .setup import Setup
@@ -29,7 +29,7 @@ from .windows import grouped_window, micro_batch_at, rank_shares, window
 class Run:
     plan: Plan
     out: Path
-    options: RunOptions
+    request: RunRequest
     world: World
     setup: Setup
     reporter: Reporter
@@ -57,6 +57,7 @@ class Run:
     summary: dict | None = None  # summary.json as computed at the last step (kept in its checkpoint)
     gates: Any = None  # the recipe's gates as the run checks them (train/gates.py); None without gates
     reference: Any = None  # the reference runs' curve (observe/reference.py); None without
+    continue_with: str = ""  # the command an interrupted run prints to go on (`train`'s)
 
     @property
     def seed(self) -> int:
@@ -112,7 +113,7 @@ class Run:
         """The window's micro-batches, fetched from the stream as the step loads them."""
         take = functools.partial(self.stream.take, step)
         drawn = functools.partial(self.drawn, step)
-        return [LazyMicroBatch(self.train_set, i, self.setup.device, self.options.dtype, take, clock, step, self.seed,
+        return [LazyMicroBatch(self.train_set, i, self.setup.device, self.setup.dtype, take, clock, step, self.seed,
                                drawn) for i in indices]
 
     def drawn(self, step: int, indices: torch.Tensor) -> tuple:

@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,7 +43,7 @@ from .distributed.processes import World
 from .evaluation import evaluate_step, evaluation_due
 from .gates import after_checkpoint, check_gates, resume_source, start_gates, tell_gates
 from .optim.plateau import check_plateau
-from .options import RunOptions
+from .options import RunRequest
 from .records import run_summary, step_record
 from .reporter import Reporter, SilentReporter, run_start
 from .resume import Resumed, earlier_segments, last_record, resume_run
@@ -52,7 +53,10 @@ from .setup import build, resolve_device
 from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, StepResult, optimizer_step
 from .windows import StepBatch, grouping_line, micro_batch_at, smaller_micro_batch, step_batch
 
-__all__ = ["Reporter", "RunOptions", "SilentReporter", "StopSignals", "read_metrics", "train"]
+if TYPE_CHECKING:
+    from ..data import Datasets
+
+__all__ = ["Reporter", "RunRequest", "SilentReporter", "StopSignals", "read_metrics", "train"]
 
 CHECKPOINT_SECONDS = 300.0
 
@@ -102,23 +106,26 @@ def seed_step(device: torch.device, value: int) -> None:
         torch.cuda.manual_seed(value)
 
 
-def train(plan: Plan, out: str | Path, options: RunOptions | None = None) -> dict:
-    """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `out`.
+def train(plan: Plan, request: RunRequest, *, data: Datasets | None = None, reporter: Reporter | None = None,
+          dtype: torch.dtype = torch.float32, continue_with: str | None = None) -> dict:
+    """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `request.out`.
 
-    `options` (train/options.py): device, max_steps, resume, seed, data, workers, ...; None: `RunOptions()`.
+    `request` (train/options.py): the run's options as `reproduce run` was given them (device, max_steps, resume,
+    seed, workers, ...). `data`: the datasets (None: built from the recipe); `reporter`: None is silent;
+    `continue_with`: the command an interrupted run prints to go on (None: its plan.yaml resumed).
     Under torchrun every rank trains its share of each window; rank 0 alone writes. A rank that
     leaves with an error leaves the process group too, so the other ranks' collectives fail at once and they stop
     with a message of their own instead of waiting for it.
     """
-    world, options, out = distributed.world_from_env(), options or RunOptions(), Path(out)
+    world, out = distributed.world_from_env(), Path(request.out)
+    continue_with = continue_with or f"reproduce run {out / 'plan.yaml'} --out {out} --resume"
     try:
         with lock.hold(out) if lock.owns_the_run(world.distributed, world.rank) else contextlib.nullcontext():
-            return _train(plan, out, options)
+            return _train(plan, request, data, reporter or SilentReporter(), dtype, continue_with)
     except WriteFailed as error:  # one line: a full disk stops with exit code 3 and the command that goes on
         distributed.abandon(world)
         checkpoint = (out / "checkpoints" / "last.pt").is_file()
-        raise error.said(options.continue_with or f"reproduce run {out / 'plan.yaml'} --out {out} --resume"
-                         if checkpoint else None) from None
+        raise error.said(continue_with if checkpoint else None) from None
     except RuntimeError as error:
         if world.distributed and distributed.peer_failed(error):
             distributed.abandon(world)
@@ -135,23 +142,25 @@ def train(plan: Plan, out: str | Path, options: RunOptions | None = None) -> dic
         raise
 
 
-def _train(plan: Plan, out: Path, options: RunOptions) -> dict:
+def _train(plan: Plan, request: RunRequest, data: Datasets | None, reporter: Reporter, dtype: torch.dtype,
+           continue_with: str) -> dict:
     # --force: the previous run's outputs stay aside until this run's first checkpoint, and come back if anything
     # fails or a signal stops it before then; a new run stopped by a signal while starting leaves the folder as it
     # found it (storage/aside.py)
-    main = distributed.world_from_env().is_main
+    main, out = distributed.world_from_env().is_main, Path(request.out)
     note = settle(out, run_outputs(out)) if main and lock.held(out) else None  # what a killed --force left
-    if note and options.reporter is not None:
-        options.reporter.message(f"note: {note}")
+    if note:
+        reporter.message(f"note: {note}")
     checkpoint = out / "checkpoints" / "last.pt"
-    with setting_aside(out, run_outputs(out), not options.resume and main, committed=checkpoint.is_file) as previous:
-        run = start_run(plan, out, options)  # checks, the model and data, the resumed state, the run folder
+    with setting_aside(out, run_outputs(out), not request.resume and main, committed=checkpoint.is_file) as previous:
+        # checks, the model and data, the resumed state, the run folder
+        run = start_run(plan, request, data, reporter, dtype, continue_with)
         _train_steps(run, previous)
     return finish_run(run)
 
 
 def _train_steps(run: Run, previous: Previous | None) -> None:
-    plan, options = run.plan, run.options
+    plan, request = run.plan, run.request
     setup, stop, restore = run.setup, StopSignals(), cpu_compute(run)
     try:
         stop.__enter__()
@@ -190,7 +199,7 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
             run.last_record = record
             run.reporter.step(record)
             tell_gates(run, gates)
-            if diverging and options.stop_on_divergence:  # its step logged; the checkpoint before it kept
+            if diverging and request.stop_on_divergence:  # its step logged; the checkpoint before it kept
                 raise TrainingStopped(f"{diverging}; stopped (--stop-on-divergence); {run.last_checkpoint_note()}")
             checkpoint_or_stop(run, stop, step, done, gate=bool(gates))
             if previous is not None and run.checkpoint_path.is_file():  # a checkpoint of its own: the previous go
@@ -201,33 +210,34 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
         close_run(run, stop, restore)
 
 
-def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
+def start_run(plan: Plan, request: RunRequest, data: Datasets | None, reporter: Reporter, dtype: torch.dtype,
+              continue_with: str) -> Run:
     """Check the plan, the world and `out`; build the model and data; load the checkpoint on --resume; write
     plan.yaml; report the notes and the start."""
-    reporter = options.reporter or SilentReporter()
+    out = Path(request.out)
     world = distributed.world_from_env()
     if world.size != plan.world_size:
         raise UserError(f"plan: world_size is {plan.world_size}, but this job has {world.size} process(es)")
     check_sharding(plan.recipe, world.size)
-    check_out_dir(out, options.resume, options.force)
-    seed = plan.recipe.seed if options.seed is None else options.seed
-    target_device = distributed.init(world, resolve_device(options.device))
+    check_out_dir(out, request.resume, request.force)
+    seed = plan.recipe.seed if request.seed is None else request.seed
+    target_device = distributed.init(world, resolve_device(request.device))
     distributed.check_same_plan(world, distributed.plan_fingerprint(plan, seed), target_device)
     distributed.barrier(world)  # every rank has looked at --out before rank 0 writes to it
-    setup = build(plan, target_device, options.dtype, seed, options.data, world)
-    if options.merged:  # a model with nothing to merge: one line before any step
+    setup = build(plan, target_device, dtype, seed, data, world)
+    if request.merged:  # a model with nothing to merge: one line before any step
         check_merged(setup.unwrapped_model, plan.recipe, setup.sharded)
     check_plateau(plan, setup.data)
     # batch phases of other sequence lengths read the same data cut at their length (data/lengths.py)
     train_set = training_set(plan.recipe, setup.data.train, list(length_sizes(plan.segments)))
     size = check_training_set(plan, train_set)
     train_set, grouping, lengths = group_training_set(plan, setup, train_set)
-    max_steps = options.max_steps
+    max_steps = request.max_steps
     total = plan.optimizer_steps if max_steps is None else min(max_steps, plan.optimizer_steps)
-    noise = NoiseScale(setup) if options.noise_scale and not setup.sharded else None
-    checkpoint = resume_source(out, options.resume_from, planned_gates(plan)) if options.resume_from else None
-    resumed = resume_run(plan, out, setup, noise, seed, options.seed, total, max_steps, checkpoint) if (
-        options.resume) else Resumed(seed)
+    noise = NoiseScale(setup) if not request.no_noise_scale and not setup.sharded else None
+    checkpoint = resume_source(out, request.from_gate, planned_gates(plan)) if request.from_gate else None
+    resumed = resume_run(plan, out, setup, noise, seed, request.seed, total, max_steps, checkpoint) if (
+        request.resume) else Resumed(seed)
     # the model FLOPs of a sample, counted once (observe/rates.py); before anything is written, as a forward whose
     # output no loss takes is refused there
     rates = StepRates(plan, setup, world.size)
@@ -253,7 +263,8 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     # each segment's micro-batches per rank, as the run takes them (a micro-batch lowered after running out of memory)
     accumulations = [-(-(segment.effective_batch // plan.world_size)
                        // micro_batch_at(plan, segment.start_step, resumed.lowered)) for segment in plan.segments]
-    noise_skipped = not_measured_reason(world.size, max(accumulations), setup.sharded) if options.noise_scale else None
+    noise_skipped = (not_measured_reason(world.size, max(accumulations), setup.sharded)
+                     if not request.no_noise_scale else None)
     if noise_skipped:
         reporter.message(f"note: noise scale not measured: {noise_skipped}")
     if grouping is not None:  # the way this run groups, and what it pads (data/packing.py)
@@ -263,10 +274,10 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     started = time.perf_counter()
     before_resume, divergence = earlier_segments(out, resumed.state, resumed.first_step)
     setup.model.train()
-    workers = default_workers(train_set) if options.workers is None else options.workers
-    run = Run(plan, out, options, world, setup, reporter, train_set, size, total, resumed, noise, metrics, rates,
+    workers = default_workers(train_set) if request.workers is None else request.workers
+    run = Run(plan, out, request, world, setup, reporter, train_set, size, total, resumed, noise, metrics, rates,
               noise_skipped, before_resume, divergence, workers, LoaderWatch(workers), started, last_checkpoint,
-              grouping=grouping, lengths=lengths)
+              grouping=grouping, lengths=lengths, continue_with=continue_with)
     run.last_record = last_record(out, resumed.state, resumed.first_step)  # (a resume at the last step: the end's)
     start_gates(run)  # the recipe's gates (train/gates.py): a gate the run paused at is checked again here
     return run
@@ -364,7 +375,7 @@ def recover_from_out_of_memory(run: Run, step: int, batch: StepBatch, agreed: bo
 def count_step(run: Run, step: int, result: StepResult, partial: bool, clock: DataClock) -> None:
     """Add the step to the run's counters; a non-finite step stops the run unless it is skipped."""
     if not result.finite:
-        if not run.options.skip_nonfinite and not run.setup.scaler:
+        if not run.request.skip_nonfinite and not run.setup.scaler:
             raise TrainingStopped(
                 f"non-finite loss or gradient at optimizer step {step + 1} (loss {result.loss}, "
                 f"grad norm {result.grad_norm}); {run.last_checkpoint_note(good=True)}"
@@ -380,7 +391,7 @@ def watch_divergence(run: Run, step: int, result: StepResult) -> str | None:
     """The divergence watch's warning at this step, reported by rank 0."""
     diverging = run.divergence.update(step + 1, result.loss)
     if diverging and run.world.is_main:
-        run.reporter.message(f"warning: {diverging}" + ("" if run.options.stop_on_divergence else
+        run.reporter.message(f"warning: {diverging}" + ("" if run.request.stop_on_divergence else
                                                        " (the run goes on; --stop-on-divergence stops it)"))
     return diverging
 
@@ -396,8 +407,8 @@ def evaluate_into(run: Run, step: int, record: dict, done: bool) -> None:
 def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool, gate: bool = False) -> None:
     """Write the checkpoint when due (every K steps, every CHECKPOINT_SECONDS, at the end, at a gate, or on a signal
     any rank received); after a signal, stop with the command that continues the run."""
-    setup, options = run.setup, run.options
-    due = (step + 1) % options.checkpoint_every == 0 if options.checkpoint_every else (
+    setup, request = run.setup, run.request
+    due = (step + 1) % request.checkpoint_every == 0 if request.checkpoint_every else (
         time.perf_counter() - run.last_checkpoint >= CHECKPOINT_SECONDS)
     received, due = stop.agreed(run.world, setup.device, due) if not done else (None, due)
     if due or done or received or gate:
@@ -422,12 +433,11 @@ def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool, gate:
         run.last_checkpoint = time.perf_counter()
     if received:
         distributed.barrier(run.world)
-        out = run.out
         signals.take()
         raise Interrupted(
             f"{signal.Signals(received).name} after optimizer step {step + 1} of {run.total}; checkpoint "
             f"written to {run.checkpoint_path}. Continue with: "
-            + (options.continue_with or f"reproduce run {out / 'plan.yaml'} --out {out} --resume"),
+            + run.continue_with,
             StopSignals.EXIT_CODES[received],
         )
 
@@ -477,7 +487,7 @@ def stop_in_end(run: Run, next_file: str) -> None:
     raise Interrupted(
         f"{signal.Signals(received).name} while the run's end was written, before {out / next_file}; the checkpoint "
         f"after optimizer step {run.total} of {run.total} is whole, and a resume writes the end again. Continue "
-        "with: " + (run.options.continue_with or f"reproduce run {out / 'plan.yaml'} --out {out} --resume"),
+        "with: " + run.continue_with,
         StopSignals.EXIT_CODES[received],
     )
 
@@ -489,7 +499,7 @@ def save_trained(run: Run, model_state: dict) -> dict:
     if peft_model(model) is not None:  # each folder built beside its place, then put there (storage/files.py)
         replace_folder(run.out / "adapter", lambda folder: save_adapter(model, folder, recipe, model_state))
         written["adapter"] = str(run.out / "adapter")
-    if run.options.merged:  # (after adapter/: on a quantised base, merged from it)
+    if run.request.merged:  # (after adapter/: on a quantised base, merged from it)
         replace_folder(run.out / "merged", lambda folder: save_merged(model, folder, recipe, run.out / "adapter"))
         written["merged"] = str(run.out / "merged")
     return written

@@ -23,7 +23,7 @@ from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.setup import build
 from reproduce.train.step import optimizer_step
-from reproduce.train.trainer import RunOptions, read_metrics, train
+from reproduce.train.trainer import RunRequest, read_metrics, train
 from reproduce.train.windows import window
 
 ADAMW = {"name": "adamw", "lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}
@@ -99,7 +99,7 @@ def test_tokens_without_shuffle_equal_a_plain_loop_float64(sample_data, tmp_path
     data = build_data(spec)
     plan = make_plan(spec, micro_batch_max=4, dataset_size=len(data.train))
     assert (plan.micro_batch, plan.accumulation_steps) == (4, 4)
-    train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data, workers=2))
+    train(plan, RunRequest(tmp_path / "run", device="cpu", workers=2), dtype=torch.float64, data=data)
     ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
 
     tokens = torch.from_numpy(np.fromfile(sample_data / "tokens" / "train.bin", dtype=np.uint16).astype(np.int64))
@@ -162,7 +162,7 @@ def test_instruction_data_masks_exactly_the_prompt_tokens(sample_data, tmp_path)
 
     # the window's count, known before the first backward, is the response tokens of its samples
     plan = make_plan(spec, micro_batch_max=2, dataset_size=len(dataset))
-    train(plan, tmp_path / "run", RunOptions(device="cpu", data=data, max_steps=2, workers=1))
+    train(plan, RunRequest(tmp_path / "run", device="cpu", max_steps=2, workers=1), data=data)
     records_out = read_metrics(tmp_path / "run" / "metrics.jsonl")
     for step, record in enumerate(records_out):
         window_targets = [dataset[i][1] for i in range(step * 8, (step + 1) * 8)]
@@ -218,9 +218,9 @@ def test_resume_with_workers_is_bitwise_mid_epoch(sample_data, tmp_path):
     data = build_data(spec)
     plan = make_plan(spec, micro_batch_max=8, dataset_size=len(data.train))
     assert plan.steps_per_epoch == 44
-    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data, workers=0))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3, workers=2))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True, workers=1))
+    train(plan, RunRequest(tmp_path / "full", device="cpu", workers=0), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", max_steps=3, workers=2), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", resume=True, workers=1), data=data)
     assert_same_model(tmp_path / "full", tmp_path / "split")
     losses = [r["loss"] for r in read_metrics(tmp_path / "split" / "metrics.jsonl")]
     assert losses == [r["loss"] for r in read_metrics(tmp_path / "full" / "metrics.jsonl")] and len(losses) == 6
@@ -273,7 +273,7 @@ def test_the_run_warns_once_when_the_loader_is_the_bottleneck(tmp_path):
     data = build_data(spec)
     plan = make_plan(spec, micro_batch_max=8, dataset_size=len(data.train))
     reporter = Messages()
-    train(plan, tmp_path / "run", RunOptions(device="cpu", data=data, reporter=reporter, workers=0))
+    train(plan, RunRequest(tmp_path / "run", device="cpu", workers=0), data=data, reporter=reporter)
     warnings = [line for line in reporter.lines if "the loader is the bottleneck" in line]
     assert len(warnings) == 1 and "with --workers 0" in warnings[0], reporter.lines
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")

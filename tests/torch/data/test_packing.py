@@ -27,7 +27,7 @@ from reproduce.plan.packing import DEFAULT_WHY, kept_grouping
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import default_packing, load_recipe, parse_recipe
 from reproduce.plan.resume_rules import replan
-from reproduce.train.trainer import RunOptions, train
+from reproduce.train.trainer import RunRequest, train
 from reproduce.train.windows import window
 from reproduce.verify.accumulation import verify
 
@@ -151,7 +151,7 @@ def test_packed_with_attention_over_the_whole_row_is_one_line():
                                                      "dim": 16}}
     spec, data, plan = grouped_plan(recipe)
     with pytest.raises(UserError) as error:
-        train(plan, "unused-out", RunOptions(device="cpu", data=data))
+        train(plan, RunRequest("unused-out", device="cpu"), data=data)
     assert len(error.value.lines) == 1
     assert "attention (GPT's own) does not confine packed samples" in str(error.value)
     assert "data.packing: sorted" in str(error.value)
@@ -163,7 +163,7 @@ def test_lora_run_with_each_way_is_the_large_batch_float64(way, tmp_path):
     same samples within float64 rounding, the paper's samples per step in the metrics, padding counted."""
     recipe = llama_lora(way, shuffle=False)
     spec, data, plan = grouped_plan(recipe)
-    summary = train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
+    summary = train(plan, RunRequest(tmp_path / "run", device="cpu"), dtype=torch.float64, data=data)
     ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     reference = run_plain(recipe, data, steps=3)
     for name in ours:
@@ -182,7 +182,7 @@ def test_sorted_and_packed_pad_less_than_none(tmp_path):
     for way in ("none", "sorted", "packed"):
         recipe = llama_lora(way if way != "none" else None, effective=32, steps=2)
         spec, data, plan = grouped_plan(recipe, micro=8)
-        fractions[way] = train(plan, tmp_path / way, RunOptions(device="cpu", data=data))["padding_fraction"]
+        fractions[way] = train(plan, RunRequest(tmp_path / way, device="cpu"), data=data)["padding_fraction"]
     assert fractions["packed"] < fractions["sorted"] < fractions["none"]
 
 
@@ -488,7 +488,7 @@ def test_the_run_says_at_its_start_how_it_groups_and_what_it_pads(way, tmp_path)
             said.append(text)
 
     spec, data, plan = grouped_plan(llama_lora(way, effective=16, steps=2))
-    summary = train(plan, tmp_path / "run", RunOptions(device="cpu", data=data, reporter=Lines()))
+    summary = train(plan, RunRequest(tmp_path / "run", device="cpu"), data=data, reporter=Lines())
     line = next(text for text in said if text.startswith("packing: "))
     budget = 4 * max(len(x) for x, _ in data.train)
     assert line.startswith(f"packing: {way}, token budget {budget:,} tokens per micro-batch, ")

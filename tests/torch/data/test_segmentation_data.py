@@ -266,7 +266,7 @@ def test_a_run_counts_the_pixels_it_trains_on_and_resumes_bitwise_with_workers(v
     from helpers import assert_same_model
     from reproduce.observe.outputs import read_metrics
     from reproduce.plan.planner import make_plan
-    from reproduce.train.trainer import RunOptions, train
+    from reproduce.train.trainer import RunRequest, train
     from reproduce.train.windows import window
 
     recipe = seg_recipe(voc, crop=32)
@@ -275,9 +275,9 @@ def test_a_run_counts_the_pixels_it_trains_on_and_resumes_bitwise_with_workers(v
     spec = parse_recipe(recipe)
     data = build_data(spec)
     plan = make_plan(spec, micro_batch_max=2, dataset_size=len(data.train))
-    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data, workers=0))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=2, workers=1))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True, workers=1))
+    train(plan, RunRequest(tmp_path / "full", device="cpu", workers=0), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", max_steps=2, workers=1), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", resume=True, workers=1), data=data)
     assert_same_model(tmp_path / "full", tmp_path / "split")
     records = read_metrics(tmp_path / "full" / "metrics.jsonl")
     for record in records:

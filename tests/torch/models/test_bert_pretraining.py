@@ -144,13 +144,13 @@ def test_phases_cut_the_pairs_at_each_length(tmp_path):
     """BERT's 128-then-512 in miniature: one step at 16 tokens, then 32; the data made again at each length."""
     from reproduce.data.lengths import training_sizes
     from reproduce.plan.planner import make_plan
-    from reproduce.train.trainer import RunOptions, train
+    from reproduce.train.trainer import RunRequest, train
 
     recipe = parse_recipe(bert_recipe(steps=2, phases=[{"steps": 1, "effective": 16, "sequence_length": 16},
                                                        {"effective": 16}]))
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=8, dataset_size=training_sizes(recipe, data.train))
-    summary = train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
+    summary = train(plan, RunRequest(tmp_path / "run", device="cpu"), dtype=torch.float64, data=data)
     weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert [(p.sequence_length, p.accumulation_steps) for p in plan.segments] == [(16, 2), (32, 2)]
     assert summary["steps"] == 2 and all(torch.isfinite(w).all() for w in weights.values())

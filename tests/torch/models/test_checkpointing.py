@@ -24,7 +24,7 @@ from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.fake_step import run_fake_step
 from reproduce.probe.meters import CpuMeter
 from reproduce.probe.workload import Workload
-from reproduce.train.trainer import RunOptions, train
+from reproduce.train.trainer import RunRequest, train
 
 ADAMW = {"name": "adamw", "lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
@@ -69,8 +69,8 @@ def trained(recipe: dict, micro_batch: int, folder, **options) -> dict:
     data = build_data(parsed)
     plan = make_plan(parsed, micro_batch_max=micro_batch, dataset_size=len(data.train))
     assert plan.accumulation_steps > 1
-    train(plan, folder, RunOptions(device="cpu", dtype=torch.float64, data=data, noise_scale=False, workers=0,
-                                       **options))
+    train(plan, RunRequest(folder, device="cpu", no_noise_scale=True, workers=0, **options),
+          dtype=torch.float64, data=data)
     return torch.load(folder / "model.pt", weights_only=True)
 
 

@@ -13,7 +13,7 @@ from reproduce.models import build_model, count_parameters
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.setup import build
-from reproduce.train.trainer import RunOptions, train
+from reproduce.train.trainer import RunRequest, train
 from reproduce.verify.accumulation import verify
 
 TINY_GPT2 = {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 32, "n_positions": 16}
@@ -44,7 +44,7 @@ def test_lora_accumulation_equals_the_large_batch_float64(tmp_path):
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=4, dataset_size=len(data.train))
     assert (plan.micro_batch, plan.accumulation_steps) == (4, 4)
-    train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
+    train(plan, RunRequest(tmp_path / "run", device="cpu"), dtype=torch.float64, data=data)
     ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     reference = run_plain(GPT2_LORA, data, steps=3)
     assert ours.keys() == reference.keys()
@@ -88,7 +88,7 @@ def test_bf16_base_weights_and_fp32_adapters_only_adapters_train(tmp_path):
     assert in_optimizer == {id(named[n]) for n in trainable}
     total, trains = count_parameters(setup.model)
     assert trains == 2 * 32 + 32 * 2  # one q_proj: A (r x 32) and B (32 x r), r = 2
-    train(plan, tmp_path / "run", RunOptions(device="cpu", data=data, max_steps=2))
+    train(plan, RunRequest(tmp_path / "run", device="cpu", max_steps=2), data=data)
     after = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     before = setup.model.state_dict()
     for name, value in after.items():

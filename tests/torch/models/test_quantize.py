@@ -16,7 +16,7 @@ from reproduce.models import build_model
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.setup import build
-from reproduce.train.trainer import RunOptions, train
+from reproduce.train.trainer import RunRequest, train
 from reproduce.verify.accumulation import verify
 
 bnb = pytest.importorskip("bitsandbytes")  # `make setup` installs it (the quantize extra): these tests then run
@@ -67,10 +67,9 @@ def test_lora_on_a_quantised_base_trains_and_resumes_bitwise(quantize, tmp_path)
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=4, dataset_size=len(data.train))
     assert (plan.micro_batch, plan.accumulation_steps) == (4, 4)
-    summary = train(plan, tmp_path / "full", RunOptions(device="cpu", data=data, workers=0))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, workers=0, max_steps=3,
-                                                   checkpoint_every=2))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, workers=0, resume=True))
+    summary = train(plan, RunRequest(tmp_path / "full", device="cpu", workers=0), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", workers=0, max_steps=3, checkpoint_every=2), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", workers=0, resume=True), data=data)
     assert_same_model(tmp_path / "full", tmp_path / "split")
     assert summary["steps"] == 6 and summary["final"]["loss"] < 3.6  # ln 32 = 3.47 at the start, random base
     trained = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
@@ -111,7 +110,7 @@ def test_nf4_computes_in_the_recipes_precision_and_paged_adamw_steps_on_cpu(tmp_
     state = layer.weight.quant_state
     assert (state.quant_type, state.nested, state.blocksize, layer.compute_dtype) == ("nf4", True, 64, torch.bfloat16)
     assert type(setup.optimizer).__name__ == "PagedAdamW32bit"
-    summary = train(setup.plan, tmp_path / "run", RunOptions(device="cpu", workers=0, max_steps=2))
+    summary = train(setup.plan, RunRequest(tmp_path / "run", device="cpu", workers=0, max_steps=2))
     assert summary["steps"] == 2
 
 

@@ -31,7 +31,7 @@ def gated_run(tmp_path, trackers: list[str]) -> tuple[Path, list[dict]]:
     from reproduce.plan.overlay import Change, overlay
     from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import load_recipe
-    from reproduce.train.trainer import RunOptions, train
+    from reproduce.train.trainer import RunRequest, train
 
     gates = [{"name": "low", "at": {"step": 2}, "metric": "loss", "max": 100.0},
              {"name": "high", "at": {"step": 4}, "metric": "loss", "max": 0.01, "action": "warn"}]
@@ -39,7 +39,7 @@ def gated_run(tmp_path, trackers: list[str]) -> tuple[Path, list[dict]]:
     plan = make_plan(recipe, 64, dataset_size=1437, recipe_path=DIGITS)
     out, inner = tmp_path / "run", Quiet()
     with TrackerReporter(inner, trackers, out) as tracked:
-        train(plan, out, RunOptions(device="cpu", reporter=tracked, max_steps=5, noise_scale=False))
+        train(plan, RunRequest(out, device="cpu", max_steps=5, no_noise_scale=True), reporter=tracked)
     assert [(e["name"], e["status"]) for e in inner.gates] == [("low", "passed"), ("high", "warned")]
     return out, inner.gates
 

@@ -26,7 +26,7 @@ from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.setup import build
 from reproduce.train.step import optimizer_step
-from reproduce.train.trainer import RunOptions, read_metrics, train
+from reproduce.train.trainer import RunRequest, read_metrics, train
 from reproduce.train.windows import window
 
 DIGITS = {  # the built-in MLP on the digits, 256 a step in micro-batches of 32
@@ -150,7 +150,7 @@ def test_one_window_is_exactly_the_formulas_on_its_micro_batches(case, tmp_path)
     recipe = parse_recipe(recipe_data)
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=micro, dataset_size=len(data.train))
-    train(plan, tmp_path / "run", RunOptions(device="cpu", dtype=torch.float64, data=data))
+    train(plan, RunRequest(tmp_path / "run", device="cpu"), dtype=torch.float64, data=data)
     record = read_metrics(tmp_path / "run" / "metrics.jsonl")[step]
 
     setup = build(plan, torch.device("cpu"), torch.float64, data=data)  # the weights before the run
@@ -171,8 +171,8 @@ def test_measuring_never_changes_the_weights(tmp_path):
     recipe = parse_recipe(digits_recipe({"name": "adamw", "lr": 3e-3}, steps=12, data={"shuffle": True}))
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
-    train(plan, tmp_path / "on", RunOptions(device="cpu", data=data))
-    train(plan, tmp_path / "off", RunOptions(device="cpu", data=data, noise_scale=False))
+    train(plan, RunRequest(tmp_path / "on", device="cpu"), data=data)
+    train(plan, RunRequest(tmp_path / "off", device="cpu", no_noise_scale=True), data=data)
     on = torch.load(tmp_path / "on" / "model.pt", weights_only=True)
     off = torch.load(tmp_path / "off" / "model.pt", weights_only=True)
     assert all(torch.equal(on[k], off[k]) for k in on)
@@ -191,7 +191,7 @@ def test_fp16_scaled_gradients_are_measured_unscaled(tmp_path):
         recipe = parse_recipe(digits_recipe(SGD, steps=1, precision=precision))
         data = build_data(recipe)
         plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
-        train(plan, tmp_path / precision, RunOptions(device="cpu", data=data))
+        train(plan, RunRequest(tmp_path / precision, device="cpu"), data=data)
         results[precision] = read_metrics(tmp_path / precision / "metrics.jsonl")[0]
     for key in ("noise_trace", "noise_grad_sq"):
         assert results["fp16"][key] == pytest.approx(results["fp32"][key], rel=0.02)
@@ -201,7 +201,7 @@ def test_skipped_nonfinite_steps_leave_the_estimate_alone(tmp_path):
     recipe = parse_recipe(digits_recipe({"name": "sgd", "lr": 1e30}, steps=6))
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
-    summary = train(plan, tmp_path / "run", RunOptions(device="cpu", data=data, skip_nonfinite=True))
+    summary = train(plan, RunRequest(tmp_path / "run", device="cpu", skip_nonfinite=True), data=data)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     skipped = [r for r in records if r["skipped"]]
     assert summary["skipped_nonfinite"] == len(skipped) >= 3 and not records[0]["skipped"]
@@ -215,9 +215,9 @@ def test_resume_continues_the_average(tmp_path):
     recipe = parse_recipe(digits_recipe(SGD, steps=8, data={"shuffle": True}))
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
-    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3))
-    split = train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
+    train(plan, RunRequest(tmp_path / "full", device="cpu"), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", max_steps=3), data=data)
+    split = train(plan, RunRequest(tmp_path / "split", device="cpu", resume=True), data=data)
     full = json.loads((tmp_path / "full" / "summary.json").read_text())
     noise_of = lambda name: [(r.get("noise_scale"), r["noise_trace"], r["noise_grad_sq"])  # noqa: E731
                              for r in read_metrics(tmp_path / name / "metrics.jsonl")]

@@ -44,18 +44,18 @@ def test_reporter_logs_a_real_run(tmp_path, one_thread):
     from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import load_recipe
     from reproduce.train.reporter import run_start
-    from reproduce.train.trainer import RunOptions, SilentReporter, read_metrics, train
+    from reproduce.train.trainer import RunRequest, SilentReporter, read_metrics, train
 
     recipe = load_recipe("papers/digits-mlp.yaml")
     plan = make_plan(recipe, 64, dataset_size=1437)
     reporter = TensorboardReporter(SilentReporter(), tmp_path / "run" / "tensorboard")
-    train(plan, tmp_path / "run", RunOptions(device="cpu", max_steps=3, reporter=reporter))
+    train(plan, RunRequest(tmp_path / "run", device="cpu", max_steps=3), reporter=reporter)
     found = read_scalars(tmp_path / "run" / "tensorboard")
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [step for step, _ in found["train/loss"]] == [1, 2, 3]
     assert [value for _, value in found["train/loss"]] == pytest.approx([r["loss"] for r in records], rel=1e-6)
     # resumed after a checkpoint at step 2: TensorBoard drops the old step 3 and keeps the new one
-    train(plan, tmp_path / "again", RunOptions(device="cpu", max_steps=2, checkpoint_every=1))
+    train(plan, RunRequest(tmp_path / "again", device="cpu", max_steps=2, checkpoint_every=1))
     first = TensorboardReporter(SilentReporter(), tmp_path / "again" / "tensorboard")
     first.start(run_start(plan, 2, 0))
     for record in read_metrics(tmp_path / "again" / "metrics.jsonl"):
@@ -63,7 +63,7 @@ def test_reporter_logs_a_real_run(tmp_path, one_thread):
     first.step({"step": 3, "loss": 99.0})  # logged, then lost: the run died before its checkpoint
     first.finish({})
     resumed = TensorboardReporter(SilentReporter(), tmp_path / "again" / "tensorboard")
-    train(plan, tmp_path / "again", RunOptions(device="cpu", max_steps=3, resume=True, reporter=resumed))
+    train(plan, RunRequest(tmp_path / "again", device="cpu", max_steps=3, resume=True), reporter=resumed)
     losses = read_scalars(tmp_path / "again" / "tensorboard")["train/loss"]
     assert [step for step, _ in losses] == [1, 2, 3]  # one value per step: the stale step 3 was purged
     assert losses[0][1] == losses[1][1] == 99.0 and losses[2][1] != 99.0

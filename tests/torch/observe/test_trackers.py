@@ -144,11 +144,11 @@ class Quiet:
 
 
 def run(out: Path, names: list[str], reporter=None, backends=None, **options) -> dict:
-    from reproduce.train.trainer import RunOptions, train
+    from reproduce.train.trainer import RunRequest, train
 
     reporter = reporter or Quiet()
     with TrackerReporter(reporter, names, out, backends=backends) as tracked:
-        return train(digits_plan(), out, RunOptions(device="cpu", reporter=tracked, **options))
+        return train(digits_plan(), RunRequest(out, device="cpu", **options), reporter=tracked)
 
 
 def test_mlflow_wandb_and_tensorboard_get_every_step_of_a_real_run(tmp_path, offline, one_thread):

@@ -14,7 +14,7 @@ from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.meters import CpuMeter, EstimateMeter
 from reproduce.probe.workload import Workload
-from reproduce.train.trainer import RunOptions, train
+from reproduce.train.trainer import RunRequest, train
 
 MiB = 2**20
 
@@ -33,7 +33,7 @@ def trained(recipe: dict, micro_batch: int, folder) -> dict:
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
     plan = make_plan(parsed, micro_batch_max=micro_batch, dataset_size=len(data.train))
-    train(plan, folder, RunOptions(device="cpu", dtype=torch.float64, data=data, noise_scale=False, workers=0))
+    train(plan, RunRequest(folder, device="cpu", no_noise_scale=True, workers=0), dtype=torch.float64, data=data)
     return torch.load(folder / "model.pt", weights_only=True)
 
 

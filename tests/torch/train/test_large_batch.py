@@ -28,7 +28,7 @@ from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.optim.large_batch import LAMB, LARS
 from reproduce.train.optim.optimizers import build_optimizer, param_groups
-from reproduce.train.trainer import RunOptions, train
+from reproduce.train.trainer import RunRequest, train
 
 TESTS = Path(__file__).parents[2]
 
@@ -168,9 +168,9 @@ def test_lamb_resume_is_bitwise(tmp_path):
     recipe = parse_recipe(digits_recipe(LAMB_SPEC, steps=6, data={"shuffle": True}))
     data = build_data(recipe)
     plan = make_plan(recipe, micro_batch_max=16, dataset_size=len(data.train))
-    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=3))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
+    train(plan, RunRequest(tmp_path / "full", device="cpu"), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", max_steps=3), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", resume=True), data=data)
     assert_same_model(tmp_path / "full", tmp_path / "split")
 
 

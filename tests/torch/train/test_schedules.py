@@ -26,7 +26,7 @@ from reproduce.plan.planfile import parse_plan, plan_to_yaml
 from reproduce.plan.planner import lr_at, lr_points, make_plan
 from reproduce.plan.recipe import load_recipe, parse_recipe
 from reproduce.plan.schedules import Plateau
-from reproduce.train.trainer import RunOptions, read_metrics, train
+from reproduce.train.trainer import RunRequest, read_metrics, train
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 
@@ -73,7 +73,7 @@ def run(recipe_data: dict, micro: int, out, **kwargs):
     recipe = parse_recipe(recipe_data)
     data = build_data(recipe)
     plan = make_plan(recipe, micro, dataset_size=len(data.train))
-    train(plan, out, RunOptions(device="cpu", dtype=torch.float64, data=data, **kwargs))
+    train(plan, RunRequest(out, device="cpu", **kwargs), dtype=torch.float64, data=data)
     return plan, data, torch.load(out / "model.pt", weights_only=True), read_metrics(out / "metrics.jsonl")
 
 
@@ -162,10 +162,10 @@ def test_resume_inside_the_second_warm_up_is_bitwise(tmp_path):
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
     plan = make_plan(parsed, 16, dataset_size=len(data.train))
-    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
+    train(plan, RunRequest(tmp_path / "full", device="cpu"), data=data)
     # one step into the second warm-up
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=5))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
+    train(plan, RunRequest(tmp_path / "split", device="cpu", max_steps=5), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", resume=True), data=data)
     assert_same_model(tmp_path / "full", tmp_path / "split")
     assert [(r["loss"], r["lr"]) for r in read_metrics(tmp_path / "split" / "metrics.jsonl")] == [
         (r["loss"], r["lr"]) for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
@@ -278,11 +278,11 @@ def test_plateau_state_is_checkpointed_and_resume_is_bitwise(tmp_path):
     parsed = parse_recipe(recipe)
     data = build_data(parsed)
     plan = make_plan(parsed, 16, dataset_size=len(data.train))
-    train(plan, tmp_path / "full", RunOptions(device="cpu", data=data))
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, max_steps=9))
+    train(plan, RunRequest(tmp_path / "full", device="cpu"), data=data)
+    train(plan, RunRequest(tmp_path / "split", device="cpu", max_steps=9), data=data)
     saved = torch.load(tmp_path / "split" / "checkpoints" / "last.pt", weights_only=True)["scheduler"]["plateau"]
     assert saved["evaluations"] == 4 and saved["decreases"]  # 2, 4, 6, 8
-    train(plan, tmp_path / "split", RunOptions(device="cpu", data=data, resume=True))
+    train(plan, RunRequest(tmp_path / "split", device="cpu", resume=True), data=data)
     assert_same_model(tmp_path / "full", tmp_path / "split")
     assert [(r["loss"], r["lr"]) for r in read_metrics(tmp_path / "split" / "metrics.jsonl")] == [
         (r["loss"], r["lr"]) for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
@@ -383,7 +383,7 @@ def test_a_plateau_run_without_evaluation_data_stops_before_writing(tmp_path):
     data = dataclasses.replace(data, eval=None)
     with pytest.raises(UserError, match="kind plateau watches eval_loss, but this run has no evaluation data"):
         planned = make_plan(parsed, 16, dataset_size=len(data.train))
-        train(planned, tmp_path / "run", RunOptions(device="cpu", data=data))
+        train(planned, RunRequest(tmp_path / "run", device="cpu"), data=data)
     assert not (tmp_path / "run").exists()
 
 
