@@ -21,7 +21,6 @@ from ..observe.outputs import check_out_dir
 from ..observe.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
 from ..plan.gates import outcome_line
 from ..plan.launch import node_range
-from ..plan.planner import Plan
 from ..plan.reported import reported_line
 from ..session import RunRequest, check_launch_policy, checked_run, prepare_run
 from ..storage import lock, signals
@@ -72,19 +71,7 @@ from .resume import (
 )
 
 if TYPE_CHECKING:
-    from ..data import Datasets
     from ..train.reporter import RunStart
-
-
-def counted_parameters(plan: Plan, data: Datasets) -> tuple[int, int] | None:
-    """The run's model's parameters, (all, trainable), counted on the meta device, a quantised base as if it were not
-    quantised; None for a model that cannot be built there (a factory's own code)."""
-    from ..models import parameter_counts
-
-    try:
-        return parameter_counts(plan.recipe, data.info)
-    except (UserError, RuntimeError, NotImplementedError, TypeError, ValueError):
-        return None
 
 
 class PlainReporter:
@@ -93,9 +80,8 @@ class PlainReporter:
     Nothing is printed before the run has checked its inputs (`start`), so bad input gets its one error line.
     """
 
-    def __init__(self, warnings: list[str], lines: int = 20, parameters: tuple[int, int] | None = None):
+    def __init__(self, warnings: list[str], lines: int = 20):
         self.warnings, self.lines, self.every, self.total, self.started = warnings, lines, 1, 0, 0.0
-        self.parameters = parameters  # (all, those that train) of the model
 
     def start(self, start: RunStart) -> None:
         """The start's lines as the trainer composed them (train/reporter.run_start), the warnings before them."""
@@ -106,7 +92,7 @@ class PlainReporter:
             stdout.print(line, markup=False, soft_wrap=True)
         for line in start.phases:
             stdout.print(line, markup=False)
-        parameters = [parameters_line(self.parameters)] if self.parameters is not None else []
+        parameters = [parameters_line(start.parameters)] if start.parameters is not None else []
         for line in [*filter(None, [start.sharding, start.weights]), *parameters, *start.memory]:
             print(line, flush=True)
         self.total, self.every = start.total_steps, max(1, start.total_steps // self.lines)
@@ -418,7 +404,7 @@ def run_command(
     request = run_request(dict(locals()))
     starting_run.update(request=request, resume=request.resume, force=request.force)
     from ..train.distributed import processes as distributed  # torch is imported only by the commands that train
-    from ..train.trainer import RunOptions, train
+    from ..train.trainer import RunOptions, train_checked
 
     check_trackers(request.log_to)  # a missing package: one line, before anything is planned or trained
     world = distributed.world_from_env()
@@ -450,13 +436,12 @@ def run_command(
                              stop_on_divergence=stop_on_divergence, merged=merged,
                              accept_gates=tuple(accept_gate), resume_from=from_gate, reference=tuple(reference))
         if not world.is_main:  # the other ranks train quietly; rank 0 reports
-            train(prepared.plan, out, options)
+            train_checked(prepared.plan, out, options, world)
             return
-        parameters = counted_parameters(prepared.plan, prepared.data)
-        reporter = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings, parameters=parameters)
+        reporter = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings)
         # metrics.jsonl stays the source of truth; the trackers get the same numbers (observe/trackers.py)
         with TrackerReporter(reporter, request.log_to, out) as reporter:
-            summary = train(prepared.plan, out, options.replace(reporter=reporter))
+            summary = train_checked(prepared.plan, out, options.replace(reporter=reporter), world)
     show_end(summary, out, skip_nonfinite)
 
 

@@ -14,7 +14,8 @@ from ..plan.planner import Plan
 @dataclass(frozen=True)
 class RunStart:
     """A run's start, as lines to show: the batch's split, why --policy throughput chose it, the batch phases, what
-    the model is set up with (sharding, pretrained weights, the memory knobs), then the steps to train."""
+    the model is set up with (sharding, pretrained weights, its parameters, the memory knobs), then the steps to
+    train."""
 
     plan: Plan  # for the trackers, which record it (observe/trackers.py); a reporter shows the lines below
     total_steps: int
@@ -24,14 +25,15 @@ class RunStart:
     phases: list[str]
     sharding: str | None
     weights: str | None
+    parameters: tuple[int, int] | None  # (all, those that train), counted on the model that trains
     memory: list[str]
     training: str
     rate_unit: str  # what the progress bar counts per second
     accumulation_steps: int
 
 
-def run_start(plan: Plan, total_steps: int, first_step: int) -> RunStart:
-    """The lines a run starts with, from its plan and the steps it trains."""
+def run_start(plan: Plan, total_steps: int, first_step: int, parameters: tuple[int, int] | None = None) -> RunStart:
+    """The lines a run starts with, from its plan, the steps it trains and its model's parameters."""
     phases = phase_lines(plan.segments, plan.world_size, plan.unit)
     batch = (("main batch: " if phases else "")
              + f"micro {plan.micro_batch} x accumulation {plan.accumulation_steps} x world {plan.world_size} = "
@@ -51,7 +53,7 @@ def run_start(plan: Plan, total_steps: int, first_step: int) -> RunStart:
     text = recipe.data.text_columns or recipe.data.packing in ("sorted", "packed")
     return RunStart(
         plan=plan, total_steps=total_steps, first_step=first_step, batch=batch, throughput=throughput, phases=phases,
-        sharding=sharding, weights=weights,
+        sharding=sharding, weights=weights, parameters=parameters,
         memory=[*plan.memory_notes, *(f"memory: {knob}" for knob in memory_summary(recipe))],
         training=f"training {total_steps} optimizer steps{where}",
         rate_unit=("tokens/s" if recipe.batch.sequence_length else "useful tokens/s" if text else f"{plan.unit}/s"),

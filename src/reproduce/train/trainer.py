@@ -21,6 +21,7 @@ from ..data.lengths import training_set
 from ..data.loader import LoaderWatch, cpu_share, default_workers
 from ..data.packing import Grouped, grouping_of, sample_lengths
 from ..errors import Interrupted, TrainingStopped, UserError
+from ..models import count_parameters
 from ..models.hf import check_packed
 from ..models.trained import check_merged, peft_model, save_adapter, save_merged
 from ..models.varlen import runs_varlen
@@ -106,14 +107,28 @@ def train(plan: Plan, out: str | Path, options: RunOptions | None = None) -> dic
     """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `out`.
 
     `options` (train/options.py): device, max_steps, resume, seed, data, workers, ...; None: `RunOptions()`.
+    The library's entry: `out` taken (storage/lock.py), settled and checked here, then `train_checked`.
+    """
+    world, options, out = distributed.world_from_env(), options or RunOptions(), Path(out)
+    owner = lock.owns_the_run(world.distributed, world.rank)
+    with lock.hold(out) if owner else contextlib.nullcontext():
+        note = settle(out, run_outputs(out)) if owner else None  # what a killed --force left
+        if note and options.reporter is not None:
+            options.reporter.message(f"note: {note}")
+        check_sharding(plan.recipe, world.size)
+        check_out_dir(out, options.resume, options.force)
+        return train_checked(plan, out, options, world)
+
+
+def train_checked(plan: Plan, out: Path, options: RunOptions, world: World) -> dict:
+    """Run `plan` in `out`, which the caller holds, has settled and checked (`train`, or `reproduce run`).
+
     Under torchrun every rank trains its share of each window; rank 0 alone writes. A rank that
     leaves with an error leaves the process group too, so the other ranks' collectives fail at once and they stop
     with a message of their own instead of waiting for it.
     """
-    world, options, out = distributed.world_from_env(), options or RunOptions(), Path(out)
     try:
-        with lock.hold(out) if lock.owns_the_run(world.distributed, world.rank) else contextlib.nullcontext():
-            return _train(plan, out, options)
+        return _train(plan, out, options, world)
     except WriteFailed as error:  # one line: a full disk stops with exit code 3 and the command that goes on
         distributed.abandon(world)
         checkpoint = (out / "checkpoints" / "last.pt").is_file()
@@ -135,17 +150,14 @@ def train(plan: Plan, out: str | Path, options: RunOptions | None = None) -> dic
         raise
 
 
-def _train(plan: Plan, out: Path, options: RunOptions) -> dict:
+def _train(plan: Plan, out: Path, options: RunOptions, world: World) -> dict:
     # --force: the previous run's outputs stay aside until this run's first checkpoint, and come back if anything
     # fails or a signal stops it before then; a new run stopped by a signal while starting leaves the folder as it
     # found it (storage/aside.py)
-    main = distributed.world_from_env().is_main
-    note = settle(out, run_outputs(out)) if main and lock.held(out) else None  # what a killed --force left
-    if note and options.reporter is not None:
-        options.reporter.message(f"note: {note}")
     checkpoint = out / "checkpoints" / "last.pt"
-    with setting_aside(out, run_outputs(out), not options.resume and main, committed=checkpoint.is_file) as previous:
-        run = start_run(plan, out, options)  # checks, the model and data, the resumed state, the run folder
+    with setting_aside(out, run_outputs(out), not options.resume and world.is_main,
+                       committed=checkpoint.is_file) as previous:
+        run = start_run(plan, out, options, world)  # the model and data, the resumed state, the run folder
         _train_steps(run, previous)
     return finish_run(run)
 
@@ -201,15 +213,12 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
         close_run(run, stop, restore)
 
 
-def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
-    """Check the plan, the world and `out`; build the model and data; load the checkpoint on --resume; write
+def start_run(plan: Plan, out: Path, options: RunOptions, world: World) -> Run:
+    """Check the plan against the world; build the model and data; load the checkpoint on --resume; write
     plan.yaml; report the notes and the start."""
     reporter = options.reporter or SilentReporter()
-    world = distributed.world_from_env()
     if world.size != plan.world_size:
         raise UserError(f"plan: world_size is {plan.world_size}, but this job has {world.size} process(es)")
-    check_sharding(plan.recipe, world.size)
-    check_out_dir(out, options.resume, options.force)
     seed = plan.recipe.seed if options.seed is None else options.seed
     target_device = distributed.init(world, resolve_device(options.device))
     distributed.check_same_plan(world, distributed.plan_fingerprint(plan, seed), target_device)
@@ -259,7 +268,8 @@ def start_run(plan: Plan, out: Path, options: RunOptions) -> Run:
     if grouping is not None:  # the way this run groups, and what it pads (data/packing.py)
         reporter.message(grouping_line(plan, grouping, resumed.seed, resumed.first_step))
     faults.at("start")  # (the tests' exact point: set up, plan.yaml written, no step yet)
-    reporter.start(run_start(plan, total, resumed.first_step))  # the start's lines, as data
+    parameters = count_parameters(setup.unwrapped_model)
+    reporter.start(run_start(plan, total, resumed.first_step, parameters))  # the start's lines, as data
     started = time.perf_counter()
     before_resume, divergence = earlier_segments(out, resumed.state, resumed.first_step)
     setup.model.train()
