@@ -237,9 +237,9 @@ def start_run(plan: Plan, out: Path, options: RunOptions, world: World) -> Run:
     checkpoint = resume_source(out, options.resume_from, planned_gates(plan)) if options.resume_from else None
     resumed = resume_run(plan, out, setup, noise, seed, options.seed, total, max_steps, checkpoint) if (
         options.resume) else Resumed(seed)
-    # the model FLOPs of a sample, counted once (observe/rates.py); before anything is written, as a forward whose
-    # output no loss takes is refused there
     rates = StepRates(plan, setup, world.size)
+    if plan.recipe.model.factory is not None:  # counted before anything is written: a forward whose output no loss
+        rates.count()  # takes is refused there (built-ins and Hugging Face models are counted at the first step)
     rates.counted_length = int(lengths.max()) if lengths is not None and len(lengths) else None
     if world.is_main:
         try:
