@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..errors import Interrupted, UserError
 from ..observe.outputs import check_out_dir
-from ..observe.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
+from ..observe.trackers import LOG_TO_HELP, Trackers, check_trackers, parse_log_to
 from ..plan.gates import outcome_line
 from ..plan.launch import node_range
 from ..plan.reported import reported_line
@@ -404,6 +404,7 @@ def run_command(
     request = run_request(dict(locals()))
     starting_run.update(request=request, resume=request.resume, force=request.force)
     from ..train.distributed import processes as distributed  # torch is imported only by the commands that train
+    from ..train.reporter import Reporters
     from ..train.trainer import RunOptions, train_checked
 
     check_trackers(request.log_to)  # a missing package: one line, before anything is planned or trained
@@ -438,10 +439,11 @@ def run_command(
         if not world.is_main:  # the other ranks train quietly; rank 0 reports
             train_checked(prepared.plan, out, options, world)
             return
-        reporter = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings)
-        # metrics.jsonl stays the source of truth; the trackers get the same numbers (observe/trackers.py)
-        with TrackerReporter(reporter, request.log_to, out) as reporter:
-            summary = train_checked(prepared.plan, out, options.replace(reporter=reporter), world)
+        renderer = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings)
+        # metrics.jsonl stays the source of truth; the trackers get the same records, beside the renderer
+        with Trackers(list(request.log_to), out) as trackers:
+            summary = train_checked(prepared.plan, out, options.replace(reporter=Reporters(trackers, renderer)),
+                                    world)
     show_end(summary, out, skip_nonfinite)
 
 

@@ -1,11 +1,13 @@
-"""What a run tells as it goes (the CLI's reporters, the trackers): the interface, the silent one, and the run's
-start as data (`RunStart`: the trainer composes its lines from the plan, a reporter only shows them)."""
+"""What a run tells as it goes (the CLI's renderers, the trackers): the interface, the silent one, the run's start
+as data (`RunStart`: the trainer composes its lines from the plan, a reporter only shows them), and `Reporters`,
+which hands the same data to several consumers side by side."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from ..plan.gates import outcome_line
 from ..plan.memory_options import memory_summary
 from ..plan.phases import phase_lines
 from ..plan.planner import Plan
@@ -72,3 +74,39 @@ class SilentReporter:
     def step(self, record: dict) -> None: ...
     def message(self, text: str) -> None: ...
     def finish(self, summary: dict) -> None: ...
+
+
+class Reporters:
+    """The run's start, records, gates and end handed to each consumer in turn (the trackers, then the CLI's
+    renderer: observe/trackers.Trackers, cli/run.py), none calling another. The lines a consumer returns (a tracker
+    that failed, where its run lies) are handed to every consumer as messages."""
+
+    def __init__(self, *consumers: Any):
+        self.consumers = consumers
+
+    def _each(self, method: str, value: Any) -> None:
+        for consumer in self.consumers:
+            for line in getattr(consumer, method)(value) or ():
+                self.message(line)
+
+    def start(self, start: RunStart) -> None:
+        self._each("start", start)
+
+    def step(self, record: dict) -> None:
+        self._each("step", record)
+
+    def message(self, text: str) -> None:
+        for consumer in self.consumers:
+            consumer.message(text)
+
+    def gate(self, event: dict) -> None:
+        """A gate's outcome: an event to a consumer that takes one, its line to the others."""
+        for consumer in self.consumers:
+            if hasattr(consumer, "gate"):
+                for line in consumer.gate(event) or ():
+                    self.message(line)
+            else:
+                consumer.message(outcome_line(event))
+
+    def finish(self, summary: dict) -> None:
+        self._each("finish", summary)
