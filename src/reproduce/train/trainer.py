@@ -18,7 +18,7 @@ import torch
 
 from ..data.batches import DataClock
 from ..data.lengths import training_set
-from ..data.loader import LoaderWatch, cpu_share, default_workers
+from ..data.loader import cpu_share, default_workers
 from ..data.packing import Grouped, grouping_of, sample_lengths
 from ..errors import Interrupted, TrainingStopped, UserError
 from ..models import count_parameters
@@ -253,8 +253,6 @@ def start_run(plan: Plan, out: Path, options: RunOptions, world: World) -> Run:
     if resumed.rebuild:
         reporter.message(f"note: the run has run all {total} steps, but {resumed.rebuild}: writing its end again "
                          f"from {out / 'checkpoints' / 'last.pt'}")
-    # Checkpoint every K steps when asked; otherwise every CHECKPOINT_SECONDS of wall time, and always at the end.
-    last_checkpoint = time.perf_counter()
     for note in setup.notes:
         reporter.message(f"note: {note}")
     for note in rates.notes:
@@ -270,13 +268,12 @@ def start_run(plan: Plan, out: Path, options: RunOptions, world: World) -> Run:
     faults.at("start")  # (the tests' exact point: set up, plan.yaml written, no step yet)
     parameters = count_parameters(setup.unwrapped_model)
     reporter.start(run_start(plan, total, resumed.first_step, parameters))  # the start's lines, as data
-    started = time.perf_counter()
     before_resume, divergence = earlier_segments(out, resumed.state, resumed.first_step)
     setup.model.train()
-    workers = default_workers(train_set) if options.workers is None else options.workers
-    run = Run(plan, out, options, world, setup, reporter, train_set, size, total, resumed, noise, metrics, rates,
-              noise_skipped, before_resume, divergence, workers, LoaderWatch(workers), started, last_checkpoint,
-              grouping=grouping, lengths=lengths)
+    # (its clocks start now: checkpoints every K steps when asked, else every CHECKPOINT_SECONDS, and at the end)
+    run = Run(out=out, options=options, setup=setup, train_set=train_set, size=size, total=total, resumed=resumed,
+              noise=noise, metrics=metrics, rates=rates, noise_scale_skipped_because=noise_skipped,
+              totals_before_resume=before_resume, divergence=divergence, grouping=grouping, lengths=lengths)
     run.last_record = last_record(out, resumed.state, resumed.first_step)  # (a resume at the last step: the end's)
     start_gates(run)  # the recipe's gates (train/gates.py): a gate the run paused at is checked again here
     return run
