@@ -259,7 +259,7 @@ KNOWN_BACK_EDGES = {
     ("reproduce.probe.memory_plan", "reproduce.throughput.cost"):
         "the memory plan weighs its two ways (with and without checkpointing) by the step-time cost model",
     ("reproduce.observe.rates", "reproduce.probe.flops"):
-        "the run counts its model FLOPs once, at its start, with the estimate's counter on fake tensors",
+        "the run counts its model FLOPs once, at its first step, with the estimate's counter on fake tensors",
     ("reproduce.observe.rates", "reproduce.throughput.prediction"):
         "`mfu`, the run's measured MFU, is the same pure formula as the prediction's, defined once there",
     ("reproduce.observe.outputs", "reproduce.train.checkpoint"):

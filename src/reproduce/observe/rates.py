@@ -2,7 +2,7 @@
 
 Per step: `samples_per_second` (the window's samples over the step's wall time, data waits included),
 `tokens_per_second` (token batches: samples/s x the sequence length), `flops_per_second` (the model FLOPs of
-those samples, counted once at the start: probe/flops.py) and `mfu` (flops_per_second over the peak of every
+those samples, counted once, at the first step: probe/flops.py) and `mfu` (flops_per_second over the peak of every
 device of the run for its precision; null when the device's peak is unknown: a CPU, a GPU outside the catalog).
 The samples are the whole window's over every process, so the rates are the run's, not one device's.
 """
