@@ -21,7 +21,6 @@ from ..observe.outputs import check_out_dir
 from ..observe.trackers import LOG_TO_HELP, Trackers, check_trackers, parse_log_to
 from ..plan.gates import outcome_line
 from ..plan.launch import node_range
-from ..plan.reported import reported_line
 from ..session import RunRequest, check_launch_policy, checked_run, prepare_run
 from ..storage import lock, signals
 from .app import app
@@ -71,7 +70,7 @@ from .resume import (
 )
 
 if TYPE_CHECKING:
-    from ..train.reporter import RunStart
+    from ..train.reporter import RunEnd, RunStart
 
 
 class PlainReporter:
@@ -126,8 +125,14 @@ class PlainReporter:
         if event["status"] != "paused":
             print(outcome_line(event), flush=True)
 
-    def finish(self, summary: dict) -> None:
-        pass
+    def finish(self, end: RunEnd) -> None:
+        """The end's lines as the trainer composed them (train/reporter.run_end)."""
+        stdout.print(end.done)
+        for line in [*end.reported, *filter(None, [end.reference, end.noise])]:
+            stdout.print(line, markup=False, soft_wrap=True)
+        stdout.print(end.outputs)
+        if end.plot:
+            stdout.print(end.plot, markup=False)
 
 
 class RichReporter(PlainReporter):
@@ -162,8 +167,9 @@ class RichReporter(PlainReporter):
         if event["status"] != "paused":
             self.progress.console.print(outcome_line(event), markup=False, soft_wrap=True)
 
-    def finish(self, summary: dict) -> None:
+    def finish(self, end: RunEnd) -> None:
         self.progress.stop()
+        super().finish(end)
 
 
 SOURCE_HELP = "A plan file from `reproduce plan --out`, or a recipe (a file or a shipped recipe's name)."
@@ -442,59 +448,4 @@ def run_command(
         renderer = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings)
         # metrics.jsonl stays the source of truth; the trackers get the same records, beside the renderer
         with Trackers(list(request.log_to), out) as trackers:
-            summary = train_checked(prepared.plan, out, options.replace(reporter=Reporters(trackers, renderer)),
-                                    world)
-    show_end(summary, out, skip_nonfinite)
-
-
-def show_end(summary: dict, out: Path, skip_nonfinite: bool) -> None:
-    """What a finished run prints: its steps, losses and evaluation; the paper's values beside the run's; the noise
-    scale's verdict; where its outputs are."""
-    stdout.print(done_line(summary, skip_nonfinite))
-    for row in summary.get("reported") or []:
-        stdout.print(reported_line(row), markup=False, soft_wrap=True)
-    reference = summary.get("reference")
-    if reference:  # the curve against the reference runs' (observe/reference.py)
-        stdout.print(reference_line(reference), markup=False, soft_wrap=True)
-    noise = summary.get("noise_scale")
-    if noise and not noise.get("noted"):  # a run that cannot measure it said so at its start
-        stdout.print(f"noise scale: {noise['sentence']}", markup=False, soft_wrap=True)
-    folders = "".join(f", {name}/" for name in ("adapter", "merged") if summary.get(name))  # (models/trained.py)
-    stdout.print(f"outputs in {out}: plan.yaml, metrics.jsonl, model.pt, summary.json, "
-                 f"checkpoints/last.pt{folders}")
-    if summary.get("plot"):
-        stdout.print(summary["plot"], markup=False)
-
-
-def reference_line(reference: dict) -> str:
-    """`reference: 30 steps compared with 3 runs (band: ...): all within, at most 0.38 of the band`."""
-    runs = len(reference["runs"])
-    line = (f"reference: {reference['metric']} at {reference['compared']} steps compared with {runs} "
-            f"run{'s' if runs > 1 else ''} (band {reference['band']}): ")
-    if reference["within"]:
-        worst = reference.get("worst")
-        return line + "all within" + (f", at most {worst:.2g} of the band" if worst is not None else "")
-    return line + f"{reference['outside']} outside, the first at step {reference['first_outside']}"
-
-
-def done_line(summary: dict, skip_nonfinite: bool) -> str:
-    """The line a finished run prints: its steps and time, the final loss and evaluation, the data's wait."""
-    final = summary["final"]
-    line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s"
-    this_call = summary.get("this_call") or {}
-    if summary.get("resumed_from_step"):  # the whole run, then what this call added
-        line += f" ({this_call['steps']} in this call, {this_call['seconds']:.1f}s)"
-    line += f", final loss {loss_text(final['loss'])}"
-    if skip_nonfinite:  # (counted in this call)
-        skipped = summary.get("skipped_nonfinite", 0)
-        line += f", skipped {skipped} non-finite step{'' if skipped == 1 else 's'}"
-    if "eval_accuracy" in final:
-        line += f", eval accuracy {final['eval_accuracy']:.4f}"
-    if "eval_miou" in final:
-        line += f", eval mIoU {final['eval_miou']:.4f}, pixel accuracy {final['eval_pixel_accuracy']:.4f}"
-    if "eval_loss" in final:
-        line += f", eval loss {loss_text(final['eval_loss'])}"
-    if summary.get("data_share") is not None:
-        workers = f"{summary['workers']} worker{'' if summary['workers'] == 1 else 's'}"
-        line += f"; waited for data {summary['data_share']:.0%} of the time ({workers})"
-    return line
+            train_checked(prepared.plan, out, options.replace(reporter=Reporters(trackers, renderer)), world)

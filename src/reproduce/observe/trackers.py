@@ -450,8 +450,10 @@ class Trackers:
             made[f"plots/{figure.name}.png"] = path
         return made
 
-    def finish(self, summary: dict) -> list[str]:
-        """Each tracker's run finished with the summary and the run's files; where the runs lie."""
+    def finish(self, end) -> list[str]:
+        """Each tracker's run finished with the summary (`end`: train/reporter.RunEnd) and the run's files; where
+        the runs lie."""
+        summary = end.summary
         files = {name: self.out / name for name in ("plan.yaml", "summary.json", "loss.svg")
                  if (self.out / name).is_file()}
         with tempfile.TemporaryDirectory(prefix="reproduce-plots-") as folder:

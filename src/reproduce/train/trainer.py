@@ -45,7 +45,7 @@ from .gates import after_checkpoint, check_gates, resume_source, start_gates, te
 from .optim.plateau import check_plateau
 from .options import RunOptions
 from .records import run_summary, step_record
-from .reporter import Reporter, SilentReporter, run_start
+from .reporter import Reporter, SilentReporter, run_end, run_start
 from .resume import Resumed, earlier_segments, last_record, resume_run
 from .run_end import kept_summary
 from .run_state import Run
@@ -470,7 +470,7 @@ def finish_run(run: Run) -> dict:
             stop_in_end(run, "summary.json")
             write_text(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
     distributed.barrier(run.world)
-    run.reporter.finish(summary)
+    run.reporter.finish(run_end(summary, run.out, run.options.skip_nonfinite))  # the end's lines, as data
     return summary
 
 
