@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import UserError
 from ..hardware.peaks import identify, on_card, peaks_of, precision_key
@@ -44,7 +45,9 @@ class StepRates:
         try:
             from ..probe.flops import recipe_flops
 
-            with torch.random.fork_rng(devices=[]):  # the run's random streams stay as they were
+            # the run's random streams stay as they were; a memory tracker around the run (the tests' budgets)
+            # charges the run's own tensors, not the count's fake model, now that the run's state is live
+            with torch.random.fork_rng(devices=[]), _disable_current_modes():
                 self.flops = recipe_flops(self.recipe, self.data)
         except UserError:  # the model's output is no loss's input (a ModelOutput): it cannot train either
             raise
