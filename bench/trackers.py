@@ -4,7 +4,7 @@
 
 The digits MLP (papers/digits-mlp.yaml, 32 x 8 x 1 = 256) trained for --steps optimizer steps once per tracker
 (none, tensorboard, wandb offline, mlflow in the run folder) per round, the trackers in turn; for each, the time
-the training thread spent in the tracker reporter's `step` (the tracker's log call and trackers.json), its
+the training thread spent in the trackers' `step` (the tracker's log call and trackers.json), its
 `start` (opening the tracker's run) and `finish` (artifacts, closing; MLflow waits there for its queue), and
 the run's wall time. The median over --repeats rounds.
 """
@@ -20,33 +20,37 @@ from pathlib import Path
 
 import torch
 
-from reproduce.observe.trackers import TrackerReporter
+from reproduce.observe.trackers import Trackers
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe
+from reproduce.train.reporter import Reporters
 from reproduce.train.trainer import RunRequest, SilentReporter, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Timed(TrackerReporter):
+class Timed(Trackers):
     def __init__(self, *args):
         super().__init__(*args)
         self.spent = {"start": 0.0, "step": [], "finish": 0.0}
 
     def start(self, start):
         began = time.perf_counter()
-        super().start(start)
+        lines = super().start(start)
         self.spent["start"] = time.perf_counter() - began
+        return lines
 
     def step(self, record):
         began = time.perf_counter()
-        super().step(record)
+        lines = super().step(record)
         self.spent["step"].append(time.perf_counter() - began)
+        return lines
 
     def finish(self, summary):
         began = time.perf_counter()
-        super().finish(summary)
+        lines = super().finish(summary)
         self.spent["finish"] = time.perf_counter() - began
+        return lines
 
 
 def main() -> None:
@@ -65,10 +69,11 @@ def main() -> None:
         for round_ in range(args.repeats):
             for name in names:
                 out = Path(folder) / f"{name}-{round_}"
-                reporter = Timed(SilentReporter(), [] if name == "none" else [name], out)
+                reporter = Timed([] if name == "none" else [name], out)
                 began = time.perf_counter()
                 with reporter:
-                    train(plan, RunRequest(out, device="cpu", max_steps=args.steps), reporter=reporter)
+                    train(plan, RunRequest(out, device="cpu", max_steps=args.steps),
+                          reporter=Reporters(reporter, SilentReporter()))
                 wall = time.perf_counter() - began
                 steps = reporter.spent["step"]
                 found[name].append((1000 * statistics.median(steps), 1000 * max(steps), reporter.spent["start"],

@@ -196,6 +196,15 @@ def test_no_cli_module_imports_a_command_module(name):
     assert not _cli_modules_imported(name) & commands
 
 
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if not _in_package(n, "reproduce.cli")
+                                        and n != "reproduce.__main__"))
+def test_nothing_outside_the_cli_imports_it(name):
+    """Data flows down: the session, the trainer and the trackers hand values to the CLI's renderer (the start
+    lines, the records, the summary: train/reporter.Reporters) and never call into cli/; only `python -m reproduce`
+    starts it."""
+    assert not {target for target in _graph()[name] if _in_package(target, "reproduce.cli")}
+
+
 def test_every_command_module_is_known():
     # app: the typer app the commands register on; flags: a user error's fields as the flags typed (main's catch)
     registered = {target.rsplit(".", 1)[1] for target in _cli_modules_imported("reproduce.cli")} - {"app", "flags"}
@@ -250,7 +259,7 @@ KNOWN_BACK_EDGES = {
     ("reproduce.probe.memory_plan", "reproduce.throughput.cost"):
         "the memory plan weighs its two ways (with and without checkpointing) by the step-time cost model",
     ("reproduce.observe.rates", "reproduce.probe.flops"):
-        "the run counts its model FLOPs once, at its start, with the estimate's counter on fake tensors",
+        "the run counts its model FLOPs once, at its first step, with the estimate's counter on fake tensors",
     ("reproduce.observe.rates", "reproduce.throughput.prediction"):
         "`mfu`, the run's measured MFU, is the same pure formula as the prediction's, defined once there",
     ("reproduce.observe.outputs", "reproduce.train.checkpoint"):

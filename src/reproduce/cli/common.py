@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ..shipped import described, resolve_recipe
+from ..train.reporter import loss_text  # noqa: F401  (the run's lines and the commands': one format)
 
 # Off a terminal (CI logs) rich would wrap at 80 columns; give tables room instead.
 _WIDTH = None if sys.stdout.isatty() else 120
@@ -19,11 +20,6 @@ def parameters_line(counts: tuple[int, int]) -> str:
     """`parameters: 6,742,609,920, of which 4,194,304 train (0.06%)`: what `plan` and `run` print."""
     total, trainable = counts
     return f"parameters: {total:,}, of which {trainable:,} train ({trainable / max(total, 1):.2%})"
-
-
-def loss_text(value: float) -> str:
-    """A loss with five significant digits: 1.7053, 0.15103, 2.1e-05 (fixed decimals would print 0.0000)."""
-    return f"{value:.5g}"
 
 
 def is_terminal() -> bool:

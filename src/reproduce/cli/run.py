@@ -19,11 +19,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..errors import Interrupted, UserError
 from ..observe.outputs import check_out_dir
-from ..observe.trackers import LOG_TO_HELP, TrackerReporter, check_trackers, parse_log_to
+from ..observe.trackers import LOG_TO_HELP, Trackers, check_trackers, parse_log_to
 from ..plan.gates import outcome_line
 from ..plan.launch import node_range
-from ..plan.planner import Plan
-from ..plan.reported import reported_line
 from ..session import check_launch_policy, checked_run, prepare_run
 from ..storage import lock, signals
 from ..train.options import RunRequest
@@ -67,19 +65,7 @@ from .resume import (
 )
 
 if TYPE_CHECKING:
-    from ..data import Datasets
-    from ..train.reporter import RunStart
-
-
-def counted_parameters(plan: Plan, data: Datasets) -> tuple[int, int] | None:
-    """The run's model's parameters, (all, trainable), counted on the meta device, a quantised base as if it were not
-    quantised; None for a model that cannot be built there (a factory's own code)."""
-    from ..models import parameter_counts
-
-    try:
-        return parameter_counts(plan.recipe, data.info)
-    except (UserError, RuntimeError, NotImplementedError, TypeError, ValueError):
-        return None
+    from ..train.reporter import RunEnd, RunStart
 
 
 class PlainReporter:
@@ -88,9 +74,8 @@ class PlainReporter:
     Nothing is printed before the run has checked its inputs (`start`), so bad input gets its one error line.
     """
 
-    def __init__(self, warnings: list[str], lines: int = 20, parameters: tuple[int, int] | None = None):
+    def __init__(self, warnings: list[str], lines: int = 20):
         self.warnings, self.lines, self.every, self.total, self.started = warnings, lines, 1, 0, 0.0
-        self.parameters = parameters  # (all, those that train) of the model
 
     def start(self, start: RunStart) -> None:
         """The start's lines as the trainer composed them (train/reporter.run_start), the warnings before them."""
@@ -101,7 +86,7 @@ class PlainReporter:
             stdout.print(line, markup=False, soft_wrap=True)
         for line in start.phases:
             stdout.print(line, markup=False)
-        parameters = [parameters_line(self.parameters)] if self.parameters is not None else []
+        parameters = [parameters_line(start.parameters)] if start.parameters is not None else []
         for line in [*filter(None, [start.sharding, start.weights]), *parameters, *start.memory]:
             print(line, flush=True)
         self.total, self.every = start.total_steps, max(1, start.total_steps // self.lines)
@@ -135,8 +120,14 @@ class PlainReporter:
         if event["status"] != "paused":
             print(outcome_line(event), flush=True)
 
-    def finish(self, summary: dict) -> None:
-        pass
+    def finish(self, end: RunEnd) -> None:
+        """The end's lines as the trainer composed them (train/reporter.run_end)."""
+        stdout.print(end.done)
+        for line in [*end.reported, *filter(None, [end.reference, end.noise])]:
+            stdout.print(line, markup=False, soft_wrap=True)
+        stdout.print(end.outputs)
+        if end.plot:
+            stdout.print(end.plot, markup=False)
 
 
 class RichReporter(PlainReporter):
@@ -171,8 +162,9 @@ class RichReporter(PlainReporter):
         if event["status"] != "paused":
             self.progress.console.print(outcome_line(event), markup=False, soft_wrap=True)
 
-    def finish(self, summary: dict) -> None:
+    def finish(self, end: RunEnd) -> None:
         self.progress.stop()
+        super().finish(end)
 
 
 SOURCE_HELP = "A plan file from `reproduce plan --out`, or a recipe (a file or a shipped recipe's name)."
@@ -415,7 +407,8 @@ def run_command(
     request = run_request(context)  # the one value of the options above, from here to the trainer
     starting_run.update(request=request, resume=request.resume, force=request.force)
     from ..train.distributed import processes as distributed  # torch is imported only by the commands that train
-    from ..train.trainer import train
+    from ..train.reporter import Reporters
+    from ..train.trainer import train_checked
 
     check_trackers(request.log_to)  # a missing package: one line, before anything is planned or trained
     world = distributed.world_from_env()
@@ -442,64 +435,10 @@ def run_command(
         continue_with = continue_command(request.out, launcher, request_args(request, "resume"))
         decided = dataclasses.replace(request, resume=resume, force=force)  # as --auto-resume decided
         if not world.is_main:  # the other ranks train quietly; rank 0 reports
-            train(prepared.plan, decided, data=prepared.data, continue_with=continue_with)
+            train_checked(prepared.plan, decided, world, data=prepared.data, continue_with=continue_with)
             return
-        parameters = counted_parameters(prepared.plan, prepared.data)
-        reporter = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings, parameters=parameters)
-        # metrics.jsonl stays the source of truth; the trackers get the same numbers (observe/trackers.py)
-        with TrackerReporter(reporter, request.log_to, request.out) as reporter:
-            summary = train(prepared.plan, decided, data=prepared.data, reporter=reporter, continue_with=continue_with)
-    show_end(summary, request.out, request.skip_nonfinite)
-
-
-def show_end(summary: dict, out: Path, skip_nonfinite: bool) -> None:
-    """What a finished run prints: its steps, losses and evaluation; the paper's values beside the run's; the noise
-    scale's verdict; where its outputs are."""
-    stdout.print(done_line(summary, skip_nonfinite))
-    for row in summary.get("reported") or []:
-        stdout.print(reported_line(row), markup=False, soft_wrap=True)
-    reference = summary.get("reference")
-    if reference:  # the curve against the reference runs' (observe/reference.py)
-        stdout.print(reference_line(reference), markup=False, soft_wrap=True)
-    noise = summary.get("noise_scale")
-    if noise and not noise.get("noted"):  # a run that cannot measure it said so at its start
-        stdout.print(f"noise scale: {noise['sentence']}", markup=False, soft_wrap=True)
-    folders = "".join(f", {name}/" for name in ("adapter", "merged") if summary.get(name))  # (models/trained.py)
-    stdout.print(f"outputs in {out}: plan.yaml, metrics.jsonl, model.pt, summary.json, "
-                 f"checkpoints/last.pt{folders}")
-    if summary.get("plot"):
-        stdout.print(summary["plot"], markup=False)
-
-
-def reference_line(reference: dict) -> str:
-    """`reference: 30 steps compared with 3 runs (band: ...): all within, at most 0.38 of the band`."""
-    runs = len(reference["runs"])
-    line = (f"reference: {reference['metric']} at {reference['compared']} steps compared with {runs} "
-            f"run{'s' if runs > 1 else ''} (band {reference['band']}): ")
-    if reference["within"]:
-        worst = reference.get("worst")
-        return line + "all within" + (f", at most {worst:.2g} of the band" if worst is not None else "")
-    return line + f"{reference['outside']} outside, the first at step {reference['first_outside']}"
-
-
-def done_line(summary: dict, skip_nonfinite: bool) -> str:
-    """The line a finished run prints: its steps and time, the final loss and evaluation, the data's wait."""
-    final = summary["final"]
-    line = f"done: {summary['steps']} steps in {summary['seconds']:.1f}s"
-    this_call = summary.get("this_call") or {}
-    if summary.get("resumed_from_step"):  # the whole run, then what this call added
-        line += f" ({this_call['steps']} in this call, {this_call['seconds']:.1f}s)"
-    line += f", final loss {loss_text(final['loss'])}"
-    if skip_nonfinite:  # (counted in this call)
-        skipped = summary.get("skipped_nonfinite", 0)
-        line += f", skipped {skipped} non-finite step{'' if skipped == 1 else 's'}"
-    if "eval_accuracy" in final:
-        line += f", eval accuracy {final['eval_accuracy']:.4f}"
-    if "eval_miou" in final:
-        line += f", eval mIoU {final['eval_miou']:.4f}, pixel accuracy {final['eval_pixel_accuracy']:.4f}"
-    if "eval_loss" in final:
-        line += f", eval loss {loss_text(final['eval_loss'])}"
-    if summary.get("data_share") is not None:
-        workers = f"{summary['workers']} worker{'' if summary['workers'] == 1 else 's'}"
-        line += f"; waited for data {summary['data_share']:.0%} of the time ({workers})"
-    return line
+        renderer = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings)
+        # metrics.jsonl stays the source of truth; the trackers get the same records, beside the renderer
+        with Trackers(list(request.log_to), request.out) as trackers:
+            train_checked(prepared.plan, decided, world, data=prepared.data, reporter=Reporters(trackers, renderer),
+                          continue_with=continue_with)

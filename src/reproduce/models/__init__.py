@@ -210,9 +210,12 @@ def check_context(recipe: Recipe, fixed: dict | None = None) -> None:
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(all parameters, those that train); `parameters()` counts a tied parameter once."""
+    """(all parameters, those that train); `parameters()` counts a tied parameter once, a quantised weight (two
+    4-bit values a byte) by its unquantised shape, a sharded one (a DTensor) whole (nanoGPT's get_num_params)."""
     parameters = list(model.parameters())
-    return sum(p.numel() for p in parameters), sum(p.numel() for p in parameters if p.requires_grad)
+    sizes = [(state.shape.numel() if (state := getattr(p, "quant_state", None)) is not None else p.numel(),
+              p.requires_grad) for p in parameters]
+    return sum(size for size, _ in sizes), sum(size for size, trains in sizes if trains)
 
 
 def parameter_counts(recipe: Recipe, data_info: dict | None = None) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 Per step: `samples_per_second` (the window's samples over the step's wall time, data waits included),
 `tokens_per_second` (token batches: samples/s x the sequence length), `flops_per_second` (the model FLOPs of
-those samples, counted once at the start: probe/flops.py) and `mfu` (flops_per_second over the peak of every
+those samples, counted once, at the first step: probe/flops.py) and `mfu` (flops_per_second over the peak of every
 device of the run for its precision; null when the device's peak is unknown: a CPU, a GPU outside the catalog).
 The samples are the whole window's over every process, so the rates are the run's, not one device's.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import UserError
 from ..hardware.peaks import identify, on_card, peaks_of, precision_key
@@ -21,19 +22,33 @@ FIELDS = ("samples_per_second", "tokens_per_second", "useful_tokens_per_second",
 
 
 class StepRates:
+    """Each step's rates. The model FLOPs of a sample and the device's peak are counted once, when the first step's
+    rates need them (off the way to the first step); a factory's model at the start instead (`count`), as its
+    forward may return what no loss takes, which is one line before anything is written."""
+
     def __init__(self, plan, setup, world_size: int):
+        self.recipe, self.device, self.data = plan.recipe, setup.device, setup.data
         self.sequence_length = plan.recipe.batch.sequence_length
         # variable-length text: the input tokens of the sample the FLOPs were counted on (the longest), so a step's
         # FLOPs are those of the tokens it computed (padding included), not of every sample at the longest's
         self.counted_length: int | None = None
         self.world_size = world_size
         self.notes: list[str] = []
-        self.flops = None
+        self.counted = False
+        self.flops = self.gpu = self.peak = self.precision = self.peak_note = None
+
+    def count(self) -> list[str]:
+        """Count the FLOPs and find the peak, once; the notes it gave (why a figure is null)."""
+        if self.counted:
+            return []
+        self.counted = True
         try:
             from ..probe.flops import recipe_flops
 
-            with torch.random.fork_rng(devices=[]):  # the run's random streams stay as they were
-                self.flops = recipe_flops(plan.recipe, setup.data)
+            # the run's random streams stay as they were; a memory tracker around the run (the tests' budgets)
+            # charges the run's own tensors, not the count's fake model, now that the run's state is live
+            with torch.random.fork_rng(devices=[]), _disable_current_modes():
+                self.flops = recipe_flops(self.recipe, self.data)
         except UserError:  # the model's output is no loss's input (a ModelOutput): it cannot train either
             raise
         except Exception as error:  # an auxiliary count: a model the counter cannot trace still trains
@@ -44,25 +59,29 @@ class StepRates:
             else:
                 self.notes.append(f"FLOPs not counted ({type(error).__name__}: {str(error).splitlines()[0][:120]}): "
                                   "flops_per_second and mfu are null")
-        self.gpu, self.peak, self.precision = None, None, None
-        if setup.device.type == "cuda":
-            properties = torch.cuda.get_device_properties(setup.device)
+        if self.device.type == "cuda":
+            properties = torch.cuda.get_device_properties(self.device)
             self.gpu = identify(properties.name, properties.total_memory / 2**30)
             conv = self.flops is not None and self.flops.convolution_share > 0.5
             tf32 = torch.backends.cuda.matmul.allow_tf32 or (conv and torch.backends.cudnn.allow_tf32)
-            self.precision = on_card(precision_key(plan.recipe.precision, tf32), (properties.major, properties.minor))
+            self.precision = on_card(precision_key(self.recipe.precision, tf32), (properties.major, properties.minor))
             peaks = peaks_of(self.gpu)
             self.peak = peaks.flops(self.precision) if peaks else None
             if self.peak is None:
                 self.notes.append(f"mfu null: no datasheet peak for {properties.name} in {self.precision}")
         self.peak_note = None if self.peak else (
-            f"mfu null: no datasheet peak known for the {setup.device.type} device" if setup.device.type != "cuda"
+            f"mfu null: no datasheet peak known for the {self.device.type} device" if self.device.type != "cuda"
             else self.notes[-1])
+        return list(self.notes)
 
-    def fields(self, record: dict) -> dict:
+    def fields(self, record: dict, say=None) -> dict:
+        """A step's rates; `say(note)` for each note of the count when this step counts (the first)."""
         seconds = record.get("seconds") or 0
         if seconds <= 0:
             return {}
+        for note in self.count():
+            if say is not None:
+                say(note)
         samples = record["samples"] / seconds
         length = record.get("sequence_length") or self.sequence_length  # batch phases: this step's length
         flops = None
@@ -83,6 +102,7 @@ class StepRates:
 
     def summary(self, records: list[dict]) -> dict:
         """Medians over the steps of metrics.jsonl (the steps before a resume count too)."""
+        self.count()
         steps = [r for r in records if "samples_per_second" in r]
 
         def median(field: str) -> float | None:

@@ -64,27 +64,3 @@ class TensorboardLog:
         if self.writer is not None:
             self.writer.close()
 
-
-class TensorboardReporter:
-    """A run reporter that also writes each step's record to TensorBoard, then passes it on to `inner`.
-
-    Wiring without touching the trainer: `reporter = TensorboardReporter(reporter, out / "tensorboard")`.
-    """
-
-    def __init__(self, inner, out_dir: str | Path):
-        self.inner, self.log = inner, TensorboardLog(out_dir)
-
-    def start(self, start) -> None:
-        self.log.open(start.first_step)
-        self.inner.start(start)
-
-    def step(self, record: dict) -> None:
-        self.log.write(record)
-        self.inner.step(record)
-
-    def message(self, text: str) -> None:
-        self.inner.message(text)
-
-    def finish(self, summary: dict) -> None:
-        self.log.close()
-        self.inner.finish(summary)

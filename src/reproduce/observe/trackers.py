@@ -1,7 +1,8 @@
 """`reproduce run --log-to tensorboard,wandb,mlflow`: the run in the experiment trackers researchers watch.
 
-One interface (`Tracker`: open, log, finish, close), three backends on the real libraries, and one reporter
-(`TrackerReporter`) that wraps the run's own reporter, so the trainer does not know trackers exist:
+One interface (`Tracker`: open, log, finish, close), three backends on the real libraries, and one consumer of
+the run's start, records and end (`Trackers`), beside the CLI's renderer (train/reporter.Reporters): neither calls
+the other, and the trainer does not know trackers exist:
 
 - the plan (paper, m x N x W, LR rule, schedule in steps, the whole recipe) is the run's config / params and
   plan.yaml its artifact; every numeric field of each metrics.jsonl record is logged at its optimizer step,
@@ -14,7 +15,7 @@ One interface (`Tracker`: open, log, finish, close), three backends on the real 
   tracker run (W&B `resume`, the MLflow run id), first catching up from metrics.jsonl on the steps the tracker
   missed and never logging a step twice: steps a tracker logged past the checkpoint keep the values it got
   then (a resumed run recomputes them bitwise equal); TensorBoard drops them instead (`purge_step`).
-- A tracker that fails (disk full, a server gone) prints one warning and is dropped: the run goes on, and
+- A tracker that fails (disk full, a server gone) gives one warning line and is dropped: the run goes on, and
   metrics.jsonl stays the source of truth. A missing package is a UserError naming the extra, raised by
   `check_trackers` before anything trains.
 """
@@ -331,21 +332,22 @@ class MlflowTracker(Tracker):
 BACKENDS = {"tensorboard": TensorboardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}
 
 
-class TrackerReporter:
-    """A run reporter that also sends each step to the trackers, then passes everything on to `inner`.
+class Trackers:
+    """The run's start, step records, gates and end sent to each tracker. Each method returns the lines to show
+    (a tracker's failure, where its run lies), which `Reporters` hands to the other consumers.
 
     Use it as a context manager around `train`: a run that stops early (an error, a signal) closes its tracker
     runs as failed or killed instead of leaving them running.
     """
 
-    def __init__(self, inner, names: list[str], out: str | Path, backends: dict | None = None):
-        check_trackers(names)
-        self.inner, self.out = inner, Path(out)
+    def __init__(self, names: list[str], out: str | Path, backends: dict | None = None):
+        self.out = Path(out)
         self.trackers = [(backends or BACKENDS)[name]() for name in names]
         self.last: dict[str, int] = {}  # tracker -> last step it holds
         self.state: dict[str, dict] = {}
+        self.said: list[str] = []  # the lines to show, since the last call
 
-    def __enter__(self) -> TrackerReporter:
+    def __enter__(self) -> Trackers:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
@@ -357,10 +359,9 @@ class TrackerReporter:
         for tracker in self.trackers:
             self._call(tracker, tracker.close, status)
 
-    def _warn(self, tracker: Tracker, doing: str, error: BaseException) -> None:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        self.inner.message(f"warning: {tracker.name} logging stopped ({doing}: {type(error).__name__}: {first}); "
-                           f"the run goes on and {self.out / 'metrics.jsonl'} has every step")
+    def _lines(self) -> list[str]:
+        lines, self.said = self.said, []
+        return lines
 
     def _call(self, tracker: Tracker, method, *args, doing: str = "") -> bool:
         """Call a tracker; a failure is one warning, and the tracker is dropped from the run."""
@@ -371,7 +372,9 @@ class TrackerReporter:
             if tracker in self.trackers:
                 self.trackers.remove(tracker)
                 if doing:
-                    self._warn(tracker, doing, error)
+                    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                    self.said.append(f"warning: {tracker.name} logging stopped ({doing}: {type(error).__name__}: "
+                                     f"{first}); the run goes on and {self.out / 'metrics.jsonl'} has every step")
                 try:
                     tracker.close("failed")
                 except Exception:  # it failed once already, and that was reported
@@ -386,8 +389,8 @@ class TrackerReporter:
         temporary.write_text(json.dumps(self.state, indent=2) + "\n", encoding="utf-8")
         os.replace(temporary, path)
 
-    def start(self, start) -> None:
-        """Each tracker's run opened with the plan (`start`: train/reporter.RunStart), then the inner reporter's."""
+    def start(self, start) -> list[str]:
+        """Each tracker's run opened with the plan (`start`: train/reporter.RunStart)."""
         plan, first_step = start.plan, start.first_step
         path = self.out / STATE
         saved = json.loads(path.read_text(encoding="utf-8")) if first_step and path.is_file() else {}
@@ -407,36 +410,30 @@ class TrackerReporter:
                     self._log(tracker, step, record)
         if self.state:
             self._save_state()
-        self.inner.start(start)
+        return self._lines()
 
     def _log(self, tracker: Tracker, step: int, record: dict) -> None:
         if self._call(tracker, tracker.log, step, numeric(record), doing=f"step {step}"):
             self.last[tracker.name] = step
             self.state[tracker.name]["step"] = step
 
-    def step(self, record: dict) -> None:
+    def step(self, record: dict) -> list[str]:
         step = step_of(record)
         if step is not None and self.trackers:
             for tracker in list(self.trackers):
                 if step > self.last.get(tracker.name, 0):
                     self._log(tracker, step, record)
             self._save_state()
-        self.inner.step(record)
+        return self._lines()
 
     def message(self, text: str) -> None:
-        self.inner.message(text)
+        """(The run's notes are the renderer's to show.)"""
 
-    def gate(self, event: dict) -> None:
-        """A gate's outcome: an event to each tracker, then the inner reporter's line."""
+    def gate(self, event: dict) -> list[str]:
+        """A gate's outcome: an event to each tracker."""
         for tracker in list(self.trackers):
             self._call(tracker, tracker.event, event["step"], event, doing=f"gate {event['name']}")
-        inner = getattr(self.inner, "gate", None)
-        if inner is not None:
-            inner(event)
-        else:
-            from ..plan.gates import outcome_line
-
-            self.inner.message(outcome_line(event))
+        return self._lines()
 
     def _plots(self, folder: Path) -> dict[str, Path]:
         """The report's curves of this run (`reproduce report`: loss, evaluation metrics, learning rate, gradient
@@ -453,22 +450,25 @@ class TrackerReporter:
             made[f"plots/{figure.name}.png"] = path
         return made
 
-    def finish(self, summary: dict) -> None:
+    def finish(self, end) -> list[str]:
+        """Each tracker's run finished with the summary (`end`: train/reporter.RunEnd) and the run's files; where
+        the runs lie."""
+        summary = end.summary
         files = {name: self.out / name for name in ("plan.yaml", "summary.json", "loss.svg")
                  if (self.out / name).is_file()}
         with tempfile.TemporaryDirectory(prefix="reproduce-plots-") as folder:
             try:
                 files.update(self._plots(Path(folder)) if self.trackers else {})
             except Exception as error:  # the curves are extras: the run's own outputs are written
-                self.inner.message(f"warning: the trackers get no plots ({type(error).__name__}: {error})")
+                self.said.append(f"warning: the trackers get no plots ({type(error).__name__}: {error})")
             for tracker in list(self.trackers):
                 if self._call(tracker, tracker.finish, summary, files, doing="finishing its run"):
                     self.trackers.remove(tracker)
-        self.inner.finish(summary)
         wandb = self.state.get("wandb")
         if wandb and wandb.get("mode") == "offline":
-            self.inner.message(f"wandb: offline run {wandb['id']} in {self.out / 'wandb'}; upload it with: "
-                               f"wandb sync {self.out / 'wandb'}/offline-run-*")
+            self.said.append(f"wandb: offline run {wandb['id']} in {self.out / 'wandb'}; upload it with: "
+                             f"wandb sync {self.out / 'wandb'}/offline-run-*")
         mlflow = self.state.get("mlflow")
         if mlflow:
-            self.inner.message(f"mlflow: run {mlflow['run_id']} in {mlflow['tracking_uri']}")
+            self.said.append(f"mlflow: run {mlflow['run_id']} in {mlflow['tracking_uri']}")
+        return self._lines()

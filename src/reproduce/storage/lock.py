@@ -5,8 +5,7 @@ not, so a dead run never blocks the next (a lock file a killed run leaves is nev
 is the in-process run, or the `reproduce run --nproc-per-node` launcher of a one-machine job for its whole life (its
 torchrun workers do not take it). A job of several nodes shares `--out` (a filesystem every node sees): no launcher
 takes it, the job's rank 0 worker does, wherever it runs, so the nodes of one job share the folder and a second job
-is refused. Taking it again in the process that holds it is a
-no-op, so the CLI can take it before setting up and `train` again inside.
+is refused. It is taken once: by the CLI before it sets up (`train` takes it for a library caller).
 
 A lock file can be deleted under a live run, and a new file of that name locked by another: the folder itself is
 locked too (`flock` on a descriptor of the folder, which no deletion of a path undoes), so a second run is refused
@@ -32,7 +31,7 @@ from ..errors import UserError
 from .files import WriteFailed, remove_dead_temporaries
 
 LOCK_NAME = ".reproduce.lock"  # in --out; not an output, and never a reason to call the folder "not empty"
-_held: dict[Path, int] = {}  # folder -> how many holders in this process
+_held: set[Path] = set()  # the folders this process holds
 _folders: dict[Path, int] = {}  # folder -> the descriptor of the folder itself, holding its flock
 
 
@@ -54,13 +53,8 @@ def hold(out: str | Path) -> Iterator[None]:
     """Hold the lock on `out` (created when missing, removed again when it is left empty) or raise UserError
     naming the folder when another process holds it."""
     out = Path(out).absolute()
-    if out in _held:
-        _held[out] += 1
-        try:
-            yield
-        finally:
-            _held[out] -= 1
-        return
+    if out in _held:  # (a POSIX lock taken twice in one process is released by the first release)
+        raise RuntimeError(f"{out}: this process holds its lock already")
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -73,7 +67,7 @@ def hold(out: str | Path) -> Iterator[None]:
             os.close(descriptor)
         raise UserError(f"another run is using {out} (it holds {LOCK_NAME}'s lock); wait for it to end, "
                         "or choose another folder", field="out")
-    _held[out] = 1
+    _held.add(out)
     if folder >= 0:
         _folders[out] = folder
     try:
@@ -81,7 +75,7 @@ def hold(out: str | Path) -> Iterator[None]:
         remove_dead_temporaries(out)
         yield
     finally:
-        del _held[out]
+        _held.discard(out)
         _folders.pop(out, None)
         with contextlib.suppress(OSError):
             (out / LOCK_NAME).unlink()  # before the lock goes: a process that opened it retries (`_locked`)

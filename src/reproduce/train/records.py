@@ -42,7 +42,7 @@ def step_record(run: Run, step: int, batch: StepBatch, lr: float, result: StepRe
     tokens = run.window_tokens(step)
     if tokens is not None:  # input tokens, and those computed with padding, over every rank (data/packing.py)
         record["useful_tokens"], record["padded_tokens"] = tokens
-    record.update(run.rates.fields(record))
+    record.update(run.rates.fields(record, say=lambda note: run.reporter.message(f"note: {note}") if main else None))
     slow_loader = run.watch.update(step + 1, clock.seconds, record["seconds"])
     if slow_loader and main:
         run.reporter.message(slow_loader)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 
 from ..data.batches import DataClock, LazyMicroBatch
-from ..data.loader import LoaderWatch, MicroBatchStream, fetch_seeded
+from ..data.loader import LoaderWatch, MicroBatchStream, default_workers, fetch_seeded
 from ..data.packing import Grouping, computed_tokens
 from ..observe.divergence import DivergenceWatch
 from ..observe.noise import NoiseScale
@@ -25,14 +26,14 @@ from .setup import Setup
 from .windows import grouped_window, micro_batch_at, rank_shares, window
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
-    plan: Plan
+    """A run in progress; what it is made of. Its plan and world are its setup's."""
+
     out: Path
     request: RunRequest
-    world: World
-    setup: Setup
     reporter: Reporter
+    setup: Setup
     train_set: Any
     size: int  # the training set's samples
     total: int  # the optimizer step this call stops after
@@ -43,10 +44,8 @@ class Run:
     noise_scale_skipped_because: str | None  # why the run cannot measure it; None: it can, or was told not to
     totals_before_resume: dict  # seconds, samples and tokens of the calls before this one (zeros for a fresh run)
     divergence: DivergenceWatch
-    workers: int  # DataLoader processes
-    watch: LoaderWatch
-    started: float  # perf_counter at the first step
-    last_checkpoint: float  # perf_counter at the last checkpoint (or the start)
+    started: float = field(default_factory=time.perf_counter)  # at the first step
+    last_checkpoint: float = field(default_factory=time.perf_counter)  # at the last checkpoint (or the start)
     waited: float = 0.0  # seconds the steps waited for data
     counters: dict = field(default_factory=lambda: {
         "samples": 0, "tokens": 0, "partial_windows": 0, "skipped_nonfinite": 0, "out_of_memory": 0})
@@ -58,6 +57,24 @@ class Run:
     gates: Any = None  # the recipe's gates as the run checks them (train/gates.py); None without gates
     reference: Any = None  # the reference runs' curve (observe/reference.py); None without
     continue_with: str = ""  # the command an interrupted run prints to go on (`train`'s)
+
+    @property
+    def plan(self) -> Plan:
+        return self.setup.plan
+
+    @property
+    def world(self) -> World:
+        return self.setup.world
+
+    @functools.cached_property
+    def workers(self) -> int:
+        """DataLoader processes: as asked, or one per free core for data read from files (data/loader.py)."""
+        return default_workers(self.train_set) if self.request.workers is None else self.request.workers
+
+    @functools.cached_property
+    def watch(self) -> LoaderWatch:
+        """The data loader's watch: a warning when the steps wait for data."""
+        return LoaderWatch(self.workers)
 
     @property
     def seed(self) -> int:

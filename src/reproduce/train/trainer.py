@@ -19,9 +19,10 @@ import torch
 
 from ..data.batches import DataClock
 from ..data.lengths import training_set
-from ..data.loader import LoaderWatch, cpu_share, default_workers
+from ..data.loader import cpu_share, default_workers
 from ..data.packing import Grouped, grouping_of, sample_lengths
 from ..errors import Interrupted, TrainingStopped, UserError
+from ..models import count_parameters
 from ..models.hf import check_packed
 from ..models.trained import check_merged, peft_model, save_adapter, save_merged
 from ..models.varlen import runs_varlen
@@ -45,7 +46,7 @@ from .gates import after_checkpoint, check_gates, resume_source, start_gates, te
 from .optim.plateau import check_plateau
 from .options import RunRequest
 from .records import run_summary, step_record
-from .reporter import Reporter, SilentReporter, run_start
+from .reporter import Reporter, SilentReporter, run_end, run_start
 from .resume import Resumed, earlier_segments, last_record, resume_run
 from .run_end import kept_summary
 from .run_state import Run
@@ -113,15 +114,33 @@ def train(plan: Plan, request: RunRequest, *, data: Datasets | None = None, repo
     `request` (train/options.py): the run's options as `reproduce run` was given them (device, max_steps, resume,
     seed, workers, ...). `data`: the datasets (None: built from the recipe); `reporter`: None is silent;
     `continue_with`: the command an interrupted run prints to go on (None: its plan.yaml resumed).
+    The library's entry: `request.out` taken (storage/lock.py), settled and checked here, then `train_checked`.
+    """
+    world, out, reporter = distributed.world_from_env(), Path(request.out), reporter or SilentReporter()
+    owner = lock.owns_the_run(world.distributed, world.rank)
+    with lock.hold(out) if owner else contextlib.nullcontext():
+        note = settle(out, run_outputs(out)) if owner else None  # what a killed --force left
+        if note:
+            reporter.message(f"note: {note}")
+        check_sharding(plan.recipe, world.size)
+        check_out_dir(out, request.resume, request.force)
+        return train_checked(plan, request, world, data=data, reporter=reporter, dtype=dtype,
+                             continue_with=continue_with)
+
+
+def train_checked(plan: Plan, request: RunRequest, world: World, *, data: Datasets | None = None,
+                  reporter: Reporter | None = None, dtype: torch.dtype = torch.float32,
+                  continue_with: str | None = None) -> dict:
+    """Run `plan` in `request.out`, which the caller holds, has settled and checked (`train`, or `reproduce run`).
+
     Under torchrun every rank trains its share of each window; rank 0 alone writes. A rank that
     leaves with an error leaves the process group too, so the other ranks' collectives fail at once and they stop
     with a message of their own instead of waiting for it.
     """
-    world, out = distributed.world_from_env(), Path(request.out)
+    out = Path(request.out)
     continue_with = continue_with or f"reproduce run {out / 'plan.yaml'} --out {out} --resume"
     try:
-        with lock.hold(out) if lock.owns_the_run(world.distributed, world.rank) else contextlib.nullcontext():
-            return _train(plan, request, data, reporter or SilentReporter(), dtype, continue_with)
+        return _train(plan, request, world, data, reporter or SilentReporter(), dtype, continue_with)
     except WriteFailed as error:  # one line: a full disk stops with exit code 3 and the command that goes on
         distributed.abandon(world)
         checkpoint = (out / "checkpoints" / "last.pt").is_file()
@@ -142,19 +161,17 @@ def train(plan: Plan, request: RunRequest, *, data: Datasets | None = None, repo
         raise
 
 
-def _train(plan: Plan, request: RunRequest, data: Datasets | None, reporter: Reporter, dtype: torch.dtype,
-           continue_with: str) -> dict:
+def _train(plan: Plan, request: RunRequest, world: World, data: Datasets | None, reporter: Reporter,
+           dtype: torch.dtype, continue_with: str) -> dict:
     # --force: the previous run's outputs stay aside until this run's first checkpoint, and come back if anything
     # fails or a signal stops it before then; a new run stopped by a signal while starting leaves the folder as it
     # found it (storage/aside.py)
-    main, out = distributed.world_from_env().is_main, Path(request.out)
-    note = settle(out, run_outputs(out)) if main and lock.held(out) else None  # what a killed --force left
-    if note:
-        reporter.message(f"note: {note}")
+    out = Path(request.out)
     checkpoint = out / "checkpoints" / "last.pt"
-    with setting_aside(out, run_outputs(out), not request.resume and main, committed=checkpoint.is_file) as previous:
-        # checks, the model and data, the resumed state, the run folder
-        run = start_run(plan, request, data, reporter, dtype, continue_with)
+    with setting_aside(out, run_outputs(out), not request.resume and world.is_main,
+                       committed=checkpoint.is_file) as previous:
+        # the model and data, the resumed state, the run folder
+        run = start_run(plan, request, world, data, reporter, dtype, continue_with)
         _train_steps(run, previous)
     return finish_run(run)
 
@@ -210,16 +227,13 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
         close_run(run, stop, restore)
 
 
-def start_run(plan: Plan, request: RunRequest, data: Datasets | None, reporter: Reporter, dtype: torch.dtype,
-              continue_with: str) -> Run:
-    """Check the plan, the world and `out`; build the model and data; load the checkpoint on --resume; write
+def start_run(plan: Plan, request: RunRequest, world: World, data: Datasets | None, reporter: Reporter,
+              dtype: torch.dtype, continue_with: str) -> Run:
+    """Check the plan against the world; build the model and data; load the checkpoint on --resume; write
     plan.yaml; report the notes and the start."""
     out = Path(request.out)
-    world = distributed.world_from_env()
     if world.size != plan.world_size:
         raise UserError(f"plan: world_size is {plan.world_size}, but this job has {world.size} process(es)")
-    check_sharding(plan.recipe, world.size)
-    check_out_dir(out, request.resume, request.force)
     seed = plan.recipe.seed if request.seed is None else request.seed
     target_device = distributed.init(world, resolve_device(request.device))
     distributed.check_same_plan(world, distributed.plan_fingerprint(plan, seed), target_device)
@@ -238,9 +252,9 @@ def start_run(plan: Plan, request: RunRequest, data: Datasets | None, reporter: 
     checkpoint = resume_source(out, request.from_gate, planned_gates(plan)) if request.from_gate else None
     resumed = resume_run(plan, out, setup, noise, seed, request.seed, total, max_steps, checkpoint) if (
         request.resume) else Resumed(seed)
-    # the model FLOPs of a sample, counted once (observe/rates.py); before anything is written, as a forward whose
-    # output no loss takes is refused there
     rates = StepRates(plan, setup, world.size)
+    if plan.recipe.model.factory is not None:  # counted before anything is written: a forward whose output no loss
+        rates.count()  # takes is refused there (built-ins and Hugging Face models are counted at the first step)
     rates.counted_length = int(lengths.max()) if lengths is not None and len(lengths) else None
     if world.is_main:
         try:
@@ -254,8 +268,6 @@ def start_run(plan: Plan, request: RunRequest, data: Datasets | None, reporter: 
     if resumed.rebuild:
         reporter.message(f"note: the run has run all {total} steps, but {resumed.rebuild}: writing its end again "
                          f"from {out / 'checkpoints' / 'last.pt'}")
-    # Checkpoint every K steps when asked; otherwise every CHECKPOINT_SECONDS of wall time, and always at the end.
-    last_checkpoint = time.perf_counter()
     for note in setup.notes:
         reporter.message(f"note: {note}")
     for note in rates.notes:
@@ -270,13 +282,14 @@ def start_run(plan: Plan, request: RunRequest, data: Datasets | None, reporter: 
     if grouping is not None:  # the way this run groups, and what it pads (data/packing.py)
         reporter.message(grouping_line(plan, grouping, resumed.seed, resumed.first_step))
     faults.at("start")  # (the tests' exact point: set up, plan.yaml written, no step yet)
-    reporter.start(run_start(plan, total, resumed.first_step))  # the start's lines, as data
-    started = time.perf_counter()
+    parameters = count_parameters(setup.unwrapped_model)
+    reporter.start(run_start(plan, total, resumed.first_step, parameters))  # the start's lines, as data
     before_resume, divergence = earlier_segments(out, resumed.state, resumed.first_step)
     setup.model.train()
-    workers = default_workers(train_set) if request.workers is None else request.workers
-    run = Run(plan, out, request, world, setup, reporter, train_set, size, total, resumed, noise, metrics, rates,
-              noise_skipped, before_resume, divergence, workers, LoaderWatch(workers), started, last_checkpoint,
+    # (its clocks start now: checkpoints every K steps when asked, else every CHECKPOINT_SECONDS, and at the end)
+    run = Run(out=out, request=request, reporter=reporter, setup=setup, train_set=train_set, size=size,
+              total=total, resumed=resumed, noise=noise, metrics=metrics, rates=rates,
+              noise_scale_skipped_because=noise_skipped, totals_before_resume=before_resume, divergence=divergence,
               grouping=grouping, lengths=lengths, continue_with=continue_with)
     run.last_record = last_record(out, resumed.state, resumed.first_step)  # (a resume at the last step: the end's)
     start_gates(run)  # the recipe's gates (train/gates.py): a gate the run paused at is checked again here
@@ -473,7 +486,7 @@ def finish_run(run: Run) -> dict:
             stop_in_end(run, "summary.json")
             write_text(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
     distributed.barrier(run.world)
-    run.reporter.finish(summary)
+    run.reporter.finish(run_end(summary, run.out, run.request.skip_nonfinite))  # the end's lines, as data
     return summary
 
 

@@ -12,7 +12,7 @@ import torch
 from helpers import assert_same_model
 from reproduce.data import build_data
 from reproduce.errors import UserError
-from reproduce.models import build_model
+from reproduce.models import build_model, count_parameters, parameter_counts
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.setup import build
@@ -57,6 +57,18 @@ def test_the_base_is_bitsandbytes_layers_with_lora_on_top(quantize, layer, store
     assert type(head) is torch.nn.Linear and head.weight.dtype == torch.float32
     trains = [name for name, p in model.named_parameters() if p.requires_grad]
     assert trains and all("lora_" in name for name in trains)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "nf4"])
+def test_the_model_that_trains_counts_the_parameters_of_its_unquantised_base(quantize):
+    """The run counts on the model it trains (a quantised base placed on its device, nf4 packing two weights a
+    byte): the same (all, trainable) as the unquantised model built on the meta device (`plan`'s count)."""
+    recipe = parse_recipe(quantized_recipe(quantize))
+    plan = make_plan(recipe, 4, dataset_size=64)
+    setup = build(plan, torch.device("cpu"), data=build_data(recipe))
+    packed = [p for p in setup.unwrapped_model.parameters() if getattr(p, "quant_state", None) is not None]
+    assert quantize == "int8" or (packed and packed[0].numel() * 2 == packed[0].quant_state.shape.numel())
+    assert count_parameters(setup.unwrapped_model) == parameter_counts(recipe, {"vocab_size": 32})
 
 
 @pytest.mark.parametrize("quantize", ["int8", "nf4"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from helpers import read_scalars
-from reproduce.observe.trackers import GATE_STATUS, TrackerReporter
+from reproduce.observe.trackers import GATE_STATUS, Trackers
 
 DIGITS = str(Path(__file__).resolve().parents[3] / "papers" / "digits-mlp.yaml")
 
@@ -31,6 +31,7 @@ def gated_run(tmp_path, trackers: list[str]) -> tuple[Path, list[dict]]:
     from reproduce.plan.overlay import Change, overlay
     from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import load_recipe
+    from reproduce.train.reporter import Reporters
     from reproduce.train.trainer import RunRequest, train
 
     gates = [{"name": "low", "at": {"step": 2}, "metric": "loss", "max": 100.0},
@@ -38,8 +39,8 @@ def gated_run(tmp_path, trackers: list[str]) -> tuple[Path, list[dict]]:
     recipe = overlay(load_recipe(DIGITS), [Change("gates", gates)], DIGITS)
     plan = make_plan(recipe, 64, dataset_size=1437, recipe_path=DIGITS)
     out, inner = tmp_path / "run", Quiet()
-    with TrackerReporter(inner, trackers, out) as tracked:
-        train(plan, RunRequest(out, device="cpu", max_steps=5, no_noise_scale=True), reporter=tracked)
+    with Trackers(trackers, out) as tracked:
+        train(plan, RunRequest(out, device="cpu", max_steps=5, no_noise_scale=True), reporter=Reporters(tracked, inner))
     assert [(e["name"], e["status"]) for e in inner.gates] == [("low", "passed"), ("high", "warned")]
     return out, inner.gates
 

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import read_scalars
 from reproduce.errors import UserError
-from reproduce.observe.tensorboard import TensorboardLog, TensorboardReporter, scalars
+from reproduce.observe.tensorboard import TensorboardLog, scalars
 
 NO_TENSORBOARD = "tensorboard not installed (optional extra: pip install -e .[tensorboard]; make setup installs it)"
 
@@ -39,16 +39,17 @@ def test_every_numeric_field_at_its_step(tmp_path):
     assert "train/micro_batch" not in found
 
 
-def test_reporter_logs_a_real_run(tmp_path, one_thread):
+def test_the_tracker_logs_a_real_run(tmp_path, one_thread):
     pytest.importorskip("tensorboard", reason=NO_TENSORBOARD)
+    from reproduce.observe.trackers import Trackers
     from reproduce.plan.planner import make_plan
     from reproduce.plan.recipe import load_recipe
-    from reproduce.train.reporter import run_start
+    from reproduce.train.reporter import Reporters, run_start
     from reproduce.train.trainer import RunRequest, SilentReporter, read_metrics, train
 
     recipe = load_recipe("papers/digits-mlp.yaml")
     plan = make_plan(recipe, 64, dataset_size=1437)
-    reporter = TensorboardReporter(SilentReporter(), tmp_path / "run" / "tensorboard")
+    reporter = Reporters(Trackers(["tensorboard"], tmp_path / "run"), SilentReporter())
     train(plan, RunRequest(tmp_path / "run", device="cpu", max_steps=3), reporter=reporter)
     found = read_scalars(tmp_path / "run" / "tensorboard")
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -56,13 +57,13 @@ def test_reporter_logs_a_real_run(tmp_path, one_thread):
     assert [value for _, value in found["train/loss"]] == pytest.approx([r["loss"] for r in records], rel=1e-6)
     # resumed after a checkpoint at step 2: TensorBoard drops the old step 3 and keeps the new one
     train(plan, RunRequest(tmp_path / "again", device="cpu", max_steps=2, checkpoint_every=1))
-    first = TensorboardReporter(SilentReporter(), tmp_path / "again" / "tensorboard")
+    first = Trackers(["tensorboard"], tmp_path / "again")
     first.start(run_start(plan, 2, 0))
     for record in read_metrics(tmp_path / "again" / "metrics.jsonl"):
         first.step({**record, "loss": 99.0})
     first.step({"step": 3, "loss": 99.0})  # logged, then lost: the run died before its checkpoint
-    first.finish({})
-    resumed = TensorboardReporter(SilentReporter(), tmp_path / "again" / "tensorboard")
+    first.__exit__(None, None, None)  # (closed as a killed run's are)
+    resumed = Reporters(Trackers(["tensorboard"], tmp_path / "again"), SilentReporter())
     train(plan, RunRequest(tmp_path / "again", device="cpu", max_steps=3, resume=True), reporter=resumed)
     losses = read_scalars(tmp_path / "again" / "tensorboard")["train/loss"]
     assert [step for step, _ in losses] == [1, 2, 3]  # one value per step: the stale step 3 was purged

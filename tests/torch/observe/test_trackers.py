@@ -19,7 +19,7 @@ from reproduce.errors import UserError
 from reproduce.observe.trackers import (
     STATE,
     MlflowTracker,
-    TrackerReporter,
+    Trackers,
     check_trackers,
     numeric,
     parse_log_to,
@@ -144,11 +144,12 @@ class Quiet:
 
 
 def run(out: Path, names: list[str], reporter=None, backends=None, **options) -> dict:
+    from reproduce.train.reporter import Reporters
     from reproduce.train.trainer import RunRequest, train
 
-    reporter = reporter or Quiet()
-    with TrackerReporter(reporter, names, out, backends=backends) as tracked:
-        return train(digits_plan(), RunRequest(out, device="cpu", **options), reporter=tracked)
+    reporter = reporter or Quiet()  # the trackers beside the run's own reporter, neither wrapping the other
+    with Trackers(names, out, backends=backends) as trackers:
+        return train(digits_plan(), RunRequest(out, device="cpu", **options), reporter=Reporters(trackers, reporter))
 
 
 def test_mlflow_wandb_and_tensorboard_get_every_step_of_a_real_run(tmp_path, offline, one_thread):
