@@ -209,3 +209,16 @@ def test_a_varlen_row_computes_logits_at_its_target_tokens_only_with_the_same_lo
     none_bear_loss = [(tokens, torch.full_like(tokens, -100)) for tokens, _ in samples[:2]]
     inputs, targets = Grouped(none_bear_loss, grouping).batch(torch.arange(2))
     assert inputs["logits_to_keep"].tolist() == [0] and targets.tolist() == [[-100]]
+
+
+def test_the_sample_sizes_are_read_once_per_position_ids_and_again_after_an_in_place_change(monkeypatch):
+    from reproduce.models import varlen as module
+
+    reads = []
+    original = module.segments
+    monkeypatch.setattr(module, "segments", lambda *args: reads.append(1) or original(*args))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    assert [module.sample_sizes(positions, 1, 6) for _ in range(3)] == [[3, 2, 1]] * 3 and len(reads) == 1
+    positions[0, 4] = 0  # in place: a new sample starts
+    assert module.sample_sizes(positions, 1, 6) == [3, 1, 1, 1] and len(reads) == 2
+    assert module.sample_sizes(positions.clone(), 1, 6) == [3, 1, 1, 1] and len(reads) == 3
