@@ -86,9 +86,10 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     flat = [torch.split(t.transpose(0, 1).reshape(1, heads, rows * width, dim), sizes, dim=2)
             for t in (query, key, value)]
     pieces = [torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                               scale=scaling) for q, k, v in zip(*flat, strict=True)]
-    out = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
-    return out.reshape(heads, rows, width, dim).permute(1, 2, 0, 3).contiguous(), None
+                                                               scale=scaling).transpose(1, 2)
+              for q, k, v in zip(*flat, strict=True)]  # each (1, L, H, D): concatenated straight into (B, T, H, D)
+    out = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0].contiguous()
+    return out.reshape(rows, width, heads, dim), None
 
 
 def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
