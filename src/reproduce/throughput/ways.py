@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # (torch is imported where the ways are timed: the session la
 
     from ..data import Datasets
 
-STEPS = 3  # optimizer steps timed a way (after one left out)
+STEPS = 2  # optimizer steps timed a way (after one left out), in each of REPEATS passes
+REPEATS = 3
 
 
 @dataclass(frozen=True)
@@ -35,14 +36,16 @@ class WayTimings:
 
     def line(self) -> str:
         timed = ", ".join(f"{way} {self.tokens / seconds:,.0f}" for way, seconds in self.seconds.items())
-        return (f"packing: {self.chosen}, the fastest exact way measured here: target tokens per second over the same "
-                f"{STEPS} steps: {timed}")
+        return (f"packing: {self.chosen}, the fastest exact way measured here: target tokens per second over the "
+                f"same {STEPS} steps, the least of {REPEATS} passes: {timed}")
 
 
 def time_ways(recipe: Recipe, ways: list[str], micro_batch: int, per_rank: int, data: Datasets,
               device: torch.device, steps: int = STEPS) -> WayTimings:
     """Each of `ways` (data.packing values) timed over `steps` whole optimizer steps of `per_rank` samples at the
-    plan's micro-batch `micro_batch` (its T = micro_batch x the longest example); a way out of memory is left out."""
+    plan's micro-batch `micro_batch` (its T = micro_batch x the longest example), REPEATS times over the same windows,
+    the least taken (the run's wall clock, CUDA synchronised: on a machine shared with other jobs one pass of a way
+    varied 5x here, its least far less); a way out of memory is left out."""
     import torch
 
     from ..probe.workload import Workload
@@ -58,7 +61,11 @@ def time_ways(recipe: Recipe, ways: list[str], micro_batch: int, per_rank: int, 
             windows = [timer.order[(k * per_rank + torch.arange(per_rank)) % len(timer.order)]
                        for k in range(1, steps + 1)]  # the samples of the steps timed next (SplitSteps.window)
             tokens = sum(_targets(data, indices) for indices in windows)
-            seconds[way] = timer(micro_batch, steps)
+            timed = []
+            for _ in range(REPEATS):  # the same windows each time: the least of them, as other jobs only add time
+                timer.taken[micro_batch] = 1
+                timed.append(timer(micro_batch, steps))
+            seconds[way] = min(timed)
         except NotTimed:
             pass
         finally:
