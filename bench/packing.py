@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,15 +55,13 @@ def long_tailed(samples: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, 512, (int(n),), generator=generator).tolist() for n in lengths]
 
 
-def as_pairs(sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The loop's data contract: inputs tokens[:-1], targets labels[1:], the prompt's 40% without loss."""
-    pairs = []
-    for sequence in sequences:
-        tokens = torch.tensor(sequence)
-        labels = tokens.clone()
-        labels[: int(PROMPT * len(sequence))] = -100
-        pairs.append((tokens[:-1], labels[1:]))
-    return pairs
+def as_texts(sequences: list[list[int]]) -> Any:
+    """The loop's data contract (inputs tokens[:-1], targets labels[1:], the prompt's 40% without loss), held as a
+    run holds tokenised instruction data (data/text.py's TokenisedTexts, as `format: instructions` builds it): each
+    example's target count known from the start, so a window is counted without collating it."""
+    from reproduce.data.text import TokenisedTexts
+
+    return TokenisedTexts(sequences, [int(PROMPT * len(sequence)) for sequence in sequences])
 
 
 def recipe(way: str, effective: int, steps: int, size: int) -> dict:
@@ -80,7 +79,7 @@ def ours(way: str, sequences: list[list[int]], effective: int, micro: int, steps
     from reproduce.plan.recipe import parse_recipe
     from reproduce.train.trainer import RunRequest, train
 
-    data = Datasets(train=as_pairs(sequences), info={"name": "bench", "vocab_size": 512})
+    data = Datasets(train=as_texts(sequences), info={"name": "bench", "vocab_size": 512})
     spec = parse_recipe(recipe(way, effective, steps, len(sequences)))
     plan = make_plan(spec, micro_batch_max=micro, dataset_size=len(sequences))
     from reproduce.train.reporter import SilentReporter

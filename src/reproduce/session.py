@@ -28,7 +28,7 @@ from .plan.overrides import changes_of
 from .plan.packing import with_probed_budget
 from .plan.planfile import load_plan, load_recipe_or_plan
 from .plan.planner import Plan, finish_plan, make_plan
-from .plan.recipe import NamedData, Recipe, load_recipe
+from .plan.recipe import NamedData, Recipe, default_packing, load_recipe
 from .plan.resume_rules import check_resumed_data, check_resumed_weights, replan
 from .plan.sharding import check_sharding
 from .plan.units import format_size, parse_size
@@ -111,8 +111,11 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
         if result.micro_batch_max is None:
             raise does_not_fit(result)
         micro_batch_max = result.micro_batch_max
+        default = default_packing(recipe) if recipe.data.packing is None else None  # the way the rule gives
         recipe = with_probed_budget(recipe, result.token_budget)  # sorted: T measured in tokens (probe/tokens.py)
         note(probe_line(result))
+        if default is not None:
+            recipe = fastest_way(recipe, default, result, micro_batch_max, world_size, data, note)
     if policy == "throughput":  # the exact splits timed, the fastest taken (throughput/policy.py)
         from .throughput.policy import throughput_plan
 
@@ -126,6 +129,29 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
                      batchnorm_layers=counted, memory_notes=memory, weights=weights_of(recipe),
                      data_fingerprint=fingerprint)
     return Planned(plan, result, notes)
+
+
+def fastest_way(recipe: Recipe, default: str, result: ProbeResult, micro_batch_max: int, world_size: int,
+                data: Datasets | None, note: OnNote) -> Recipe:
+    """`recipe`, whose data.packing the rule defaulted to `default` (recipe.default_packing), with the way to group
+    its data that ran fastest here (throughput/ways.py), when the probe measured on this device (cpu or cuda meter),
+    one process, on the data the run trains on: none, sorted, and packed where the default is packed (the models
+    whose packed rows run through the varlen attention). Otherwise `recipe` as it is: the rule's way."""
+    if data is None or world_size != 1 or result.meter not in ("cpu", "cuda"):
+        return recipe
+    import torch
+
+    from .throughput.ways import time_ways
+
+    plan = make_plan(recipe, micro_batch_max, world_size)
+    device = torch.device("cuda", torch.cuda.current_device()) if result.meter == "cuda" else torch.device("cpu")
+    ways = ["none", "sorted"] + (["packed"] if default == "packed" else [])
+    timings = time_ways(recipe, ways, plan.micro_batch, plan.micro_batch * plan.accumulation_steps, data, device)
+    note(timings.line())
+    changes = [Change("data.packing", timings.chosen)]
+    if timings.chosen != "sorted" and recipe.data.token_budget is not None:
+        changes.append(Change("data.token_budget", None))  # (sorted's, measured by the probe)
+    return overlay(recipe, changes, "the ways' timing")
 
 
 def weights_of(recipe: Recipe) -> WeightsRecord | None:

@@ -230,4 +230,16 @@ class Grouped(torch.utils.data.Dataset):
                 positions[r, start:end] = torch.arange(len(inputs))
                 start = end
             positions[r, start:] = torch.arange(width - start)  # the padding: a segment of its own, no target
+        if self.grouping.varlen:  # one row: the logits (lm_head and loss) at the target tokens only (`keep_targets`)
+            return keep_targets({"input_ids": input_ids, "position_ids": positions}, targets)
         return {"input_ids": input_ids, "position_ids": positions}, targets
+
+
+def keep_targets(inputs: dict, targets: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """A packed row whose model computes logits at its target tokens only: `logits_to_keep` (transformers' causal LMs:
+    the lm_head and the loss skip the prompt tokens, which bear no loss) and the targets at those positions. The
+    summed loss is the same terms (a position of target -100 adds none); a row without targets keeps its first."""
+    keep = (targets[0] != IGNORE_INDEX).nonzero().flatten()
+    if len(keep) == 0:
+        keep = torch.zeros(1, dtype=torch.long)
+    return {**inputs, "logits_to_keep": keep}, targets[:, keep]

@@ -38,7 +38,17 @@ class HFLogits(nn.Module):
             kwargs["use_cache"] = False
         elif self.kind == "causal-lm":
             kwargs.setdefault("use_cache", False)
+        keep = kwargs.get("logits_to_keep")
+        if keep is not None and not self._keeps_logits():  # a model without it: every logit, then those kept
+            del kwargs["logits_to_keep"]
+            return self.model(**kwargs).logits[:, keep]
         return self.model(**kwargs).logits
+
+    def _keeps_logits(self) -> bool:
+        """Whether the model's forward takes `logits_to_keep` (a packed row's target positions, data/packing.py)."""
+        import inspect
+
+        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
 
 def hf_logits(model: nn.Module) -> HFLogits | None:

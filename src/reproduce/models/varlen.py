@@ -39,6 +39,20 @@ def segments(position_ids: torch.Tensor, rows: int, width: int) -> list[int]:
     return sorted(starts) + [rows * width]
 
 
+_SIZES: list = [None, None, None]  # the last (position ids, (rows, width), sizes): every layer reads the same ids
+
+
+def sample_sizes(position_ids: torch.Tensor, rows: int, width: int) -> list[int]:
+    """Each sample's tokens in the flattened row (`segments`), read once per forward: the layers after the first
+    get the same position ids tensor, and its sizes again."""
+    if _SIZES[0] is position_ids and _SIZES[1] == (rows, width, position_ids._version):  # (not changed in place)
+        return _SIZES[2]  # type: ignore[no-any-return]
+    bounds = segments(position_ids, rows, width)
+    sizes = [end - start for start, end in zip(bounds, bounds[1:], strict=False)]
+    _SIZES[:] = [position_ids, (rows, width, position_ids._version), sizes]
+    return sizes
+
+
 def _is_fake(tensor: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
@@ -67,15 +81,15 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    bounds = segments(position_ids, rows, width)
-    sizes = [end - start for start, end in zip(bounds, bounds[1:], strict=False)]
+    sizes = sample_sizes(position_ids, rows, width)
     # torch.split, not slices: its backward is one concatenation, where each slice's would zero-fill the whole row
     flat = [torch.split(t.transpose(0, 1).reshape(1, heads, rows * width, dim), sizes, dim=2)
             for t in (query, key, value)]
     pieces = [torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                               scale=scaling) for q, k, v in zip(*flat, strict=True)]
-    out = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
-    return out.reshape(heads, rows, width, dim).permute(1, 2, 0, 3).contiguous(), None
+                                                               scale=scaling).transpose(1, 2)
+              for q, k, v in zip(*flat, strict=True)]  # each (1, L, H, D): concatenated straight into (B, T, H, D)
+    out = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0].contiguous()
+    return out.reshape(rows, width, heads, dim), None
 
 
 def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:

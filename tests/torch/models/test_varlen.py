@@ -159,3 +159,66 @@ def test_the_varlen_check_runs_in_the_models_own_mode_and_fails_without_position
 
     monkeypatch.setitem(transformers.AttentionInterface._global_mapping, VARLEN, without_positions)
     assert not confines_packed(varlen, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_varlen_row_computes_logits_at_its_target_tokens_only_with_the_same_loss_float64(name, one_thread):
+    """A varlen packed micro-batch asks the model for the logits at its target tokens only (`logits_to_keep`: the
+    lm_head and the loss skip the prompts, which bear no loss): the summed loss and every gradient equal those of
+    the whole row's logits (float64); a model whose forward has no `logits_to_keep` gets every logit, then those
+    kept; a micro-batch without targets keeps one position."""
+    from reproduce.train.losses import TokenLoss
+
+    _, model = model_pair(name)
+    lengths = torch.tensor(LENGTHS)
+    grouping = Grouping("packed", int(lengths.sum()), int(lengths.max()), lengths, 1, varlen=True)
+    samples = []
+    for n in LENGTHS:
+        tokens = (torch.arange(n) * 5 + n) % 32
+        targets = tokens.clone()
+        targets[: n // 2] = -100  # a prompt without loss
+        samples.append((tokens, targets))
+    inputs, targets = Grouped(samples, grouping).batch(torch.arange(len(LENGTHS)))
+    keep = inputs.pop("logits_to_keep")
+    assert keep.tolist() == [i for i, t in enumerate(torch.cat([t for _, t in samples]).tolist()) if t != -100]
+    full_row = torch.cat([t for _, t in samples])[None]
+    assert torch.equal(targets, full_row[:, keep])
+    results = []
+    for kept in (None, keep):
+        model.zero_grad()
+        logits = model(inputs if kept is None else {**inputs, "logits_to_keep": kept})
+        assert logits.shape[1] == (full_row.shape[1] if kept is None else len(keep))
+        loss = TokenLoss()(logits, full_row if kept is None else targets)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=0)
+    for parameter, gradient in results[0][1].items():
+        torch.testing.assert_close(results[1][1][parameter], gradient, rtol=1e-10, atol=1e-14)
+
+    class NoKeep(torch.nn.Module):  # a causal LM whose forward takes no logits_to_keep
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, position_ids=None, use_cache=None):
+            return self.inner(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache)
+
+    plain = HFLogits(NoKeep(model.model), "causal-lm")
+    with torch.no_grad():
+        torch.testing.assert_close(plain({**inputs, "logits_to_keep": keep}), model({**inputs, "logits_to_keep": keep}))
+    none_bear_loss = [(tokens, torch.full_like(tokens, -100)) for tokens, _ in samples[:2]]
+    inputs, targets = Grouped(none_bear_loss, grouping).batch(torch.arange(2))
+    assert inputs["logits_to_keep"].tolist() == [0] and targets.tolist() == [[-100]]
+
+
+def test_the_sample_sizes_are_read_once_per_position_ids_and_again_after_an_in_place_change(monkeypatch):
+    from reproduce.models import varlen as module
+
+    reads = []
+    original = module.segments
+    monkeypatch.setattr(module, "segments", lambda *args: reads.append(1) or original(*args))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    assert [module.sample_sizes(positions, 1, 6) for _ in range(3)] == [[3, 2, 1]] * 3 and len(reads) == 1
+    positions[0, 4] = 0  # in place: a new sample starts
+    assert module.sample_sizes(positions, 1, 6) == [3, 1, 1, 1] and len(reads) == 2
+    assert module.sample_sizes(positions.clone(), 1, 6) == [3, 1, 1, 1] and len(reads) == 3

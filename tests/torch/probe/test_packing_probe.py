@@ -117,3 +117,45 @@ def test_every_sorted_micro_batch_of_t_tokens_is_bounded_by_the_measured_shape(s
         count, row = len(micro_batch), int(lengths[micro_batch].max())
         assert count * row <= budget
         assert count <= rows or row <= budget // (rows + 1)
+
+
+def test_each_way_is_timed_on_the_same_windows_and_the_fastest_chosen(sample_data, one_thread):
+    """throughput/ways.py: every way runs whole steps of the same samples (the same target tokens), the fastest is
+    chosen, and the line says each way's rate."""
+    from reproduce.throughput.ways import time_ways
+
+    recipe = parse_recipe(instructions(sample_data))
+    data = Workload(recipe).data
+    timings = time_ways(recipe, ["none", "sorted", "packed"], 2, 16, data, torch.device("cpu"), steps=1)
+    assert set(timings.seconds) == {"none", "sorted", "packed"} and all(s > 0 for s in timings.seconds.values())
+    assert timings.chosen == min(timings.seconds, key=timings.seconds.get)
+    order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(0))
+    assert timings.tokens == int(data.train.target_counts(order[16:32]).sum())  # the second window (the first warms)
+    assert timings.line().startswith(f"packing: {timings.chosen}, the fastest exact way measured here")
+
+
+@pytest.mark.slow  # the probe, then three ways timed (about 40 s here); the faster test of the timing itself:
+# test_each_way_is_timed_on_the_same_windows_and_the_fastest_chosen
+def test_the_default_way_is_the_fastest_timed_here_when_the_probe_ran(sample_data, isolated, one_thread):
+    """A recipe that leaves data.packing to its default, probed on this device with its data: every exact way (none,
+    sorted, packed for LLaMA) runs whole steps of the same windows, and the plan takes the fastest per target token,
+    said in one line; a way the recipe gives, or a plan without a probe (--micro-batch-max), is not timed."""
+    import re
+
+    recipe = parse_recipe(instructions(sample_data))
+    data = Workload(recipe).data
+    notes: list[str] = []
+    planned = plan_and_probe(recipe, "recipe.yaml", None, 1, probe=CPU_12MIB, data=data, on_note=notes.append)
+    timed = [line for line in notes if line.startswith("packing: ")]
+    assert len(timed) == 1, notes
+    rates = {way: float(rate.replace(",", "")) for way, rate in re.findall(r"(none|sorted|packed) ([\d,]+)", timed[0])}
+    assert set(rates) == {"none", "sorted", "packed"}
+    chosen = max(rates, key=lambda way: rates[way])
+    assert timed[0].startswith(f"packing: {chosen}, the fastest exact way measured here")
+    assert planned.plan.recipe.data.packing == chosen
+    for given, micro_batch_max in (({"packing": "sorted"}, None), ({}, 2)):
+        notes.clear()
+        planned = plan_and_probe(parse_recipe(instructions(sample_data, **given)), "recipe.yaml", micro_batch_max, 1,
+                                 probe=CPU_12MIB, data=data, on_note=notes.append)
+        assert not any(line.startswith("packing: ") for line in notes)
+        assert planned.plan.recipe.data.packing == ("sorted" if given else "packed")
