@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from ..export import FORMATS, check_format, emit
+from ..model_facts import parameter_counts
 from ..plan.builtin_names import check_builtin_model
 from ..plan.flatview import flat_fields
 from ..plan.gates import planned_gates
@@ -18,7 +19,7 @@ from ..plan.packing import packing_origin
 from ..plan.planfile import check_writable, save_plan
 from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
 from ..plan.segments import batch_phases
-from ..session import packing_table, parameter_counts, plan_and_probe, planned_data_size, recipe_for_plan
+from ..session import packing_table, plan_and_probe, planned_data_size, recipe_for_plan
 from ..shipped import described
 from ..throughput.budget import check_price, forecast_cell, paper_forecast_cell
 from ..throughput.budget import forecast as budget_forecast
