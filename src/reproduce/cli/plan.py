@@ -141,6 +141,12 @@ def plan_command(
     if as_json:
         print(json.dumps(plan_json(plan, result, prediction, grouping, origin, forecast), indent=2))
         return
+    show_plan(plan, result, recipe, recipe_path, forecast, grouping, origin, prediction, gpus_per_node, out)
+
+
+def show_plan(plan: Plan, result, recipe, recipe_path: Path, forecast: dict | None, grouping: dict | None,
+              origin: str | None, prediction: dict, gpus_per_node: int, out: Path | None) -> None:
+    """`plan`'s table and the lines after it: gates, parameters, packing, throughput, costs, predicted time."""
     stdout.print(f"recipe: {described(recipe_path, recipe_path)}", markup=False, soft_wrap=True)
     render_plan(plan, forecast)
     for gate in planned_gates(plan):  # each gate at its optimizer step (plan/gates.py)
@@ -252,22 +258,7 @@ def render_plan(p: Plan, forecast: dict | None = None) -> None:
         unknown = warm.unit == "epochs" if warm.ratio is None else p.optimizer_steps is None
         table.add_row("warm-up", shown, f"unknown ({UNKNOWN_SIZE})" if unknown and p.steps_per_epoch is None else
                       f"{p.warmup_steps} steps from lr {p.schedule.warmup_start_lr:g}")
-    decay = r.schedule.decay
-    decay_paper = decay.kind
-    if decay.milestones is not None:
-        decay_paper += f" at {decay.milestones.unit} {list(decay.milestones.value)} x{decay.factor:g}"
-    decay_plan = decay.kind
-    if decay.kind == "plateau":
-        decay_paper, decay_plan = plateau_cells(p)
-    elif p.schedule.decay_milestones:
-        decay_plan += f" at steps {p.schedule.decay_milestones}"
-    elif decay.kind != "constant":
-        end = p.schedule.decay_end_step
-        decay_plan += f" to lr {p.schedule.min_lr:.3g} at " + (
-            f"step {end}" if end is not None else f"the end ({UNKNOWN_SIZE})")
-    elif decay.milestones is not None and p.steps_per_epoch is None and decay.milestones.unit == "epochs":
-        decay_plan += f" at steps unknown ({UNKNOWN_SIZE})"
-    table.add_row("decay", decay_paper, decay_plan)
+    table.add_row("decay", *decay_cells(p))
     if p.steps_per_epoch is not None:
         table.add_row("epoch", f"{p.dataset_size} {unit}", f"{p.steps_per_epoch} optimizer steps")
     table.add_row("precision / clip", f"{r.precision} / {r.clip_grad_norm or 'none'}", "same")
@@ -296,6 +287,27 @@ def render_plan(p: Plan, forecast: dict | None = None) -> None:
             stdout.print(f"  BatchNorm option: {option}", markup=False, soft_wrap=True)
     for warning in p.warnings:
         stderr.print(f"[yellow]warning:[/] {warning}")
+
+
+def decay_cells(p: Plan) -> tuple[str, str]:
+    """The decay row: the paper's decay (kind, milestones, factor) and this plan's (in optimizer steps)."""
+    r = p.recipe
+    decay = r.schedule.decay
+    decay_paper = decay.kind
+    if decay.milestones is not None:
+        decay_paper += f" at {decay.milestones.unit} {list(decay.milestones.value)} x{decay.factor:g}"
+    decay_plan = decay.kind
+    if decay.kind == "plateau":
+        decay_paper, decay_plan = plateau_cells(p)
+    elif p.schedule.decay_milestones:
+        decay_plan += f" at steps {p.schedule.decay_milestones}"
+    elif decay.kind != "constant":
+        end = p.schedule.decay_end_step
+        decay_plan += f" to lr {p.schedule.min_lr:.3g} at " + (
+            f"step {end}" if end is not None else f"the end ({UNKNOWN_SIZE})")
+    elif decay.milestones is not None and p.steps_per_epoch is None and decay.milestones.unit == "epochs":
+        decay_plan += f" at steps unknown ({UNKNOWN_SIZE})"
+    return decay_paper, decay_plan
 
 
 def batchnorm_cells(p: Plan) -> tuple[str, str]:
