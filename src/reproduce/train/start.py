@@ -81,9 +81,7 @@ def start_run(plan: Plan, request: RunRequest, world: World, data: Datasets | No
     if resumed.rebuild:
         reporter.message(f"note: the run has run all {total} steps, but {resumed.rebuild}: writing its end again "
                          f"from {out / 'checkpoints' / 'last.pt'}")
-    for note in setup.notes:
-        reporter.message(f"note: {note}")
-    for note in rates.notes:
+    for note in [*setup.notes, *rates.notes]:
         reporter.message(f"note: {note}")
     # each segment's micro-batches per rank, as the run takes them (a micro-batch lowered after running out of memory)
     accumulations = [-(-(segment.effective_batch // plan.world_size)

@@ -53,8 +53,6 @@ class StopSignals:
     """SIGINT / SIGTERM set a flag; the loop finishes its optimizer step, checkpoints, and stops. The handlers are
     the command's (storage/signals.py: deferred here), or installed for the loop alone (a library caller)."""
 
-    EXIT_CODES = signals.EXIT_CODES
-
     def __init__(self) -> None:
         self.sections: list = []
 
@@ -350,7 +348,7 @@ def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool, gate:
             f"{signal.Signals(received).name} after optimizer step {step + 1} of {run.total}; checkpoint "
             f"written to {run.checkpoint_path}. Continue with: "
             + run.continue_with,
-            StopSignals.EXIT_CODES[received],
+            signals.EXIT_CODES[received],
         )
 
 
