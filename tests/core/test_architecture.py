@@ -211,7 +211,7 @@ def test_every_command_module_is_known():
     assert registered == COMMANDS
 
 
-SESSION_LAYER = ["reproduce.session", "reproduce.plan.resume_rules",
+SESSION_LAYER = ["reproduce.session", "reproduce.model_facts", "reproduce.plan.resume_rules",
                  *sorted(name for name in MODULES if _in_package(name, "reproduce.throughput")
                         and name != "reproduce.throughput.split_steps")]  # SplitSteps runs the steps: torch
 

@@ -18,10 +18,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UserError
+from ..model_facts import parameter_counts
 from ..plan.builtin_names import why_not_runnable
 from ..plan.recipe import Recipe, load_recipe
 from ..plan.units import format_count
-from ..session import parameter_counts
 from ..shipped import described, is_shipped, papers_folder, recipe_files
 from .app import app
 from .common import is_terminal, stdout

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from ..export import FORMATS, check_format, emit
+from ..model_facts import parameter_counts
 from ..plan.builtin_names import check_builtin_model
 from ..plan.flatview import flat_fields
 from ..plan.gates import planned_gates
@@ -18,7 +19,7 @@ from ..plan.packing import packing_origin
 from ..plan.planfile import check_writable, save_plan
 from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
 from ..plan.segments import batch_phases
-from ..session import packing_table, parameter_counts, plan_and_probe, planned_data_size, recipe_for_plan
+from ..session import packing_table, plan_and_probe, planned_data_size, recipe_for_plan
 from ..shipped import described
 from ..throughput.budget import check_price, forecast_cell, paper_forecast_cell
 from ..throughput.budget import forecast as budget_forecast
@@ -58,7 +59,6 @@ from .throughput import FREE_BATCHNORM_HELP, MFU_HELP, render_prediction, render
 
 PLAN_DATA_HELP = ("Plan on this data (a folder or file in the recipe's data.format), instead of the recipe's "
                   "data.path: its size gives the epochs' optimizer steps, as `run` counts them.")
-
 
 PRICE_HELP = ("The price of one GPU-hour (yours: none is shipped), for the forecast's money and a recipe's "
               "budget.money; the recipe's budget.price otherwise.")
@@ -140,6 +140,12 @@ def plan_command(
     if as_json:
         print(json.dumps(plan_json(plan, result, prediction, grouping, origin, forecast), indent=2))
         return
+    show_plan(plan, result, recipe, recipe_path, forecast, grouping, origin, prediction, gpus_per_node, out)
+
+
+def show_plan(plan: Plan, result, recipe, recipe_path: Path, forecast: dict | None, grouping: dict | None,
+              origin: str | None, prediction: dict, gpus_per_node: int, out: Path | None) -> None:
+    """`plan`'s table and the lines after it: gates, parameters, packing, throughput, costs, predicted time."""
     stdout.print(f"recipe: {described(recipe_path, recipe_path)}", markup=False, soft_wrap=True)
     render_plan(plan, forecast)
     for gate in planned_gates(plan):  # each gate at its optimizer step (plan/gates.py)
@@ -194,18 +200,13 @@ def packing_lines(way: str, origin: str | None, table: dict | None, probed: str 
 
 
 def plan_summary(plan: Plan) -> dict:
-    """The plan as JSON: its flat view without the embedded recipe, plus the batch arithmetic."""
+    """The plan as JSON: its flat view without the embedded recipe, plus the batch arithmetic and `lr_points`:
+    [optimizer step (1-based), lr] where the schedule changes shape (docs/schedules.md); with plateau decay only up to
+    the first step a decrease could change, which `lr_points_note` says."""
     summary = flat_fields(plan)  # reproduce-plan/1's flat fields, which pipelines read (plan/flatview.py)
     summary["arithmetic"] = plan.arithmetic
     summary["memory_options"] = memory_summary(plan.recipe)  # the recipe's own: quantised base, optimizer, ...
-    summary.update(lr_points_summary(plan))
-    return summary
-
-
-def lr_points_summary(plan: Plan) -> dict:
-    """`lr_points`: [optimizer step (1-based), lr] where the schedule changes shape (docs/schedules.md); with plateau
-    decay only up to the first step a decrease could change, which `lr_points_note` says."""
-    summary: dict = {"lr_points": lr_points(plan)}
+    summary["lr_points"] = lr_points(plan)
     first = first_plateau_step(plan)
     if first is not None:
         summary["lr_points_note"] = (f"plateau decay: the decreases depend on the run's evaluations; the points stop "
@@ -251,22 +252,7 @@ def render_plan(p: Plan, forecast: dict | None = None) -> None:
         unknown = warm.unit == "epochs" if warm.ratio is None else p.optimizer_steps is None
         table.add_row("warm-up", shown, f"unknown ({UNKNOWN_SIZE})" if unknown and p.steps_per_epoch is None else
                       f"{p.warmup_steps} steps from lr {p.schedule.warmup_start_lr:g}")
-    decay = r.schedule.decay
-    decay_paper = decay.kind
-    if decay.milestones is not None:
-        decay_paper += f" at {decay.milestones.unit} {list(decay.milestones.value)} x{decay.factor:g}"
-    decay_plan = decay.kind
-    if decay.kind == "plateau":
-        decay_paper, decay_plan = plateau_cells(p)
-    elif p.schedule.decay_milestones:
-        decay_plan += f" at steps {p.schedule.decay_milestones}"
-    elif decay.kind != "constant":
-        end = p.schedule.decay_end_step
-        decay_plan += f" to lr {p.schedule.min_lr:.3g} at " + (
-            f"step {end}" if end is not None else f"the end ({UNKNOWN_SIZE})")
-    elif decay.milestones is not None and p.steps_per_epoch is None and decay.milestones.unit == "epochs":
-        decay_plan += f" at steps unknown ({UNKNOWN_SIZE})"
-    table.add_row("decay", decay_paper, decay_plan)
+    table.add_row("decay", *decay_cells(p))
     if p.steps_per_epoch is not None:
         table.add_row("epoch", f"{p.dataset_size} {unit}", f"{p.steps_per_epoch} optimizer steps")
     table.add_row("precision / clip", f"{r.precision} / {r.clip_grad_norm or 'none'}", "same")
@@ -297,6 +283,29 @@ def render_plan(p: Plan, forecast: dict | None = None) -> None:
         stderr.print(f"[yellow]warning:[/] {warning}")
 
 
+def decay_cells(p: Plan) -> tuple[str, str]:
+    """The decay row: the paper's decay (kind, milestones, factor) and this plan's (in optimizer steps); a plateau
+    decay's, what the recipe says and when this plan's first decrease could come."""
+    decay = p.recipe.schedule.decay
+    if decay.kind == "plateau":
+        every, first = p.recipe.evaluation.every_steps, first_plateau_step(p)
+        return (f"plateau: x{decay.factor:g} after {decay.patience} evaluations without improvement of {decay.metric}",
+                f"at evaluations (every {every} steps): the decreases depend on the run; the first possible from "
+                f"step {first + 1}")
+    paper, plan = decay.kind, decay.kind
+    if decay.milestones is not None:
+        paper += f" at {decay.milestones.unit} {list(decay.milestones.value)} x{decay.factor:g}"
+    if p.schedule.decay_milestones:
+        plan += f" at steps {p.schedule.decay_milestones}"
+    elif decay.kind != "constant":
+        end = p.schedule.decay_end_step
+        plan += f" to lr {p.schedule.min_lr:.3g} at " + (
+            f"step {end}" if end is not None else f"the end ({UNKNOWN_SIZE})")
+    elif decay.milestones is not None and p.steps_per_epoch is None and decay.milestones.unit == "epochs":
+        plan += f" at steps unknown ({UNKNOWN_SIZE})"
+    return paper, plan
+
+
 def batchnorm_cells(p: Plan) -> tuple[str, str]:
     """The BatchNorm row: the paper's choice and BN batch, and the run's (per device and synced)."""
     norm = p.batchnorm
@@ -313,15 +322,6 @@ def batchnorm_cells(p: Plan) -> tuple[str, str]:
         run = f"{norm.mode}, no BN batch"
     layers = f"{norm.layers} BatchNorm layers" if norm.layers is not None else "BatchNorm (label)"
     return paper, f"{run}; {layers}"
-
-
-def plateau_cells(p: Plan) -> tuple[str, str]:
-    """The decay row of a plateau decay: what the recipe says, and when this plan's first decrease could come."""
-    decay, every = p.recipe.schedule.decay, p.recipe.evaluation.every_steps
-    paper = f"plateau: x{decay.factor:g} after {decay.patience} evaluations without improvement of {decay.metric}"
-    first = first_plateau_step(p)
-    return paper, (f"at evaluations (every {every} steps): the decreases depend on the run; the first possible "
-                   f"from step {first + 1}")
 
 
 UNKNOWN_SIZE = "the dataset size is needed: set data.train_size"

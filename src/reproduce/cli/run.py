@@ -8,25 +8,21 @@ import functools
 import os
 import shlex
 import signal
-import sys
-import time
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..errors import Interrupted, UserError
 from ..observe.outputs import check_out_dir
 from ..observe.trackers import LOG_TO_HELP, Trackers, check_trackers, parse_log_to
-from ..plan.gates import outcome_line
 from ..plan.launch import node_range
 from ..session import check_launch_policy, checked_run, prepare_run
 from ..storage import lock, signals
 from ..train.options import RunRequest
 from .app import app
-from .common import is_terminal, loss_text, parameters_line, recipe_argument, show_note, stderr, stdout
+from .common import is_terminal, recipe_argument, show_note
 from .flags import request_flags, typed_args
 from .options import (
     FLAG_OF_FIELD,
@@ -54,6 +50,7 @@ from .options import (
     WorldSizeOption,
     alias_changes,
 )
+from .reporters import PlainReporter, RichReporter
 from .resume import (
     LAUNCHER_ENV,
     absolute,
@@ -63,109 +60,6 @@ from .resume import (
     launcher_args,
     launcher_of_this_job,
 )
-
-if TYPE_CHECKING:
-    from ..train.reporter import RunEnd, RunStart
-
-
-class PlainReporter:
-    """Periodic log lines, for CI logs and other non-terminals.
-
-    Nothing is printed before the run has checked its inputs (`start`), so bad input gets its one error line.
-    """
-
-    def __init__(self, warnings: list[str], lines: int = 20):
-        self.warnings, self.lines, self.every, self.total, self.started = warnings, lines, 1, 0, 0.0
-
-    def start(self, start: RunStart) -> None:
-        """The start's lines as the trainer composed them (train/reporter.run_start), the warnings before them."""
-        for warning in self.warnings:
-            stderr.print(f"[yellow]warning:[/] {warning}")
-        stdout.print(start.batch)
-        for line in start.throughput:
-            stdout.print(line, markup=False, soft_wrap=True)
-        for line in start.phases:
-            stdout.print(line, markup=False)
-        parameters = [parameters_line(start.parameters)] if start.parameters is not None else []
-        for line in [*filter(None, [start.sharding, start.weights]), *parameters, *start.memory]:
-            print(line, flush=True)
-        self.total, self.every = start.total_steps, max(1, start.total_steps // self.lines)
-        self.started = time.perf_counter()
-        print(start.training, flush=True)
-
-    def step(self, record: dict) -> None:
-        step = record["step"]
-        if step % self.every and step != self.total and step != 1:
-            return
-        line = f"step {step}/{self.total} loss {loss_text(record['loss'])} lr {record['lr']:.4g}"
-        if "eval_loss" in record:
-            line += f" eval_loss {loss_text(record['eval_loss'])}"
-        if "eval_accuracy" in record:
-            line += f" eval_accuracy {record['eval_accuracy']:.4f}"
-        if "eval_miou" in record:
-            line += f" eval_miou {record['eval_miou']:.4f}"
-        rate = ""
-        if record.get("useful_tokens_per_second"):  # variable-length text: tokens that are not padding
-            rate = f" {record['useful_tokens_per_second']:,.0f} useful tokens/s"
-        elif record.get("tokens_per_second") or record.get("samples_per_second"):  # this step's (observe/rates.py)
-            rate = (f" {record['tokens_per_second']:,.0f} tokens/s" if record.get("tokens_per_second")
-                    else f" {record['samples_per_second']:,.0f} samples/s")
-        print(line + rate + f" ({time.perf_counter() - self.started:.1f}s)", flush=True)
-
-    def message(self, text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
-
-    def gate(self, event: dict) -> None:
-        """A gate passed, warned or accepted: one line (plan/gates.py); a pause's line is the run's last."""
-        if event["status"] != "paused":
-            print(outcome_line(event), flush=True)
-
-    def finish(self, end: RunEnd) -> None:
-        """The end's lines as the trainer composed them (train/reporter.run_end)."""
-        stdout.print(end.done)
-        for line in [*end.reported, *filter(None, [end.reference, end.noise])]:
-            stdout.print(line, markup=False, soft_wrap=True)
-        stdout.print(end.outputs)
-        if end.plot:
-            stdout.print(end.plot, markup=False)
-
-
-class RichReporter(PlainReporter):
-    """A progress bar: optimizer step of total, loss, samples/s, ETA."""
-
-    def start(self, start: RunStart) -> None:
-        super().start(start)
-        self.samples = 0
-        self.rate_unit = start.rate_unit
-        self.progress = Progress(
-            TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-            TextColumn("micro x{task.fields[micro]}  loss {task.fields[loss]}  {task.fields[rate]} "
-                       + self.rate_unit),
-            TimeRemainingColumn(), console=stdout,
-        )
-        self.task = self.progress.add_task(
-            "train", total=start.total_steps, completed=start.first_step, loss="-", rate="-",
-            micro=start.accumulation_steps
-        )
-        self.progress.start()
-
-    def step(self, record: dict) -> None:
-        self.samples += record["samples"]
-        rate = (record.get("tokens_per_second") or record.get("useful_tokens_per_second")
-                or record.get("samples_per_second") or 0)  # this step's (observe/rates.py)
-        self.progress.update(self.task, advance=1, loss=loss_text(record['loss']), rate=f"{rate:,.0f}")
-
-    def message(self, text: str) -> None:
-        stderr.print(text)
-
-    def gate(self, event: dict) -> None:
-        if event["status"] != "paused":
-            self.progress.console.print(outcome_line(event), markup=False, soft_wrap=True)
-
-    def finish(self, end: RunEnd) -> None:
-        self.progress.stop()
-        super().finish(end)
-
 
 SOURCE_HELP = "A plan file from `reproduce plan --out`, or a recipe (a file or a shipped recipe's name)."
 OUT_HELP = "Folder for plan.yaml, metrics.jsonl, checkpoints/, model.pt and summary.json."
@@ -353,6 +247,36 @@ def stops_in_one_line(command):
     return guarded
 
 
+def train_in_folder(request: RunRequest, world: Any) -> None:
+    """The run in --out: the folder taken and checked, the run prepared, trained and shown (rank 0)."""
+    from ..train.reporter import Reporters
+    from ..train.trainer import train_checked
+
+    owner = lock.owns_the_run(world.distributed, world.rank)
+    # --out taken (one run per folder), writable and settled before anything is decided or set up
+    with lock.hold(request.out) if owner else contextlib.nullcontext():
+        if owner:
+            settle_folder(request.out, world.is_main)
+        resume, force = starting(request, world, False)
+        starting_run.update(resume=resume, force=force)
+        if request.from_gate is not None and not resume:
+            raise UserError("--from: starts a resumed run from a gate's checkpoint; give it with --resume")
+        checked = checked_run(request, world.size, resume)
+        check_out_dir(request.out, resume, force)
+        prepared = prepare_run(request, world, resume, show_note if world.is_main else None, checked)
+        launcher = launcher_of_this_job(world.size) if world.distributed else []
+        continue_with = continue_command(request.out, launcher, request_args(request, "resume"))
+        decided = dataclasses.replace(request, resume=resume, force=force)  # as --auto-resume decided
+        if not world.is_main:  # the other ranks train quietly; rank 0 reports
+            train_checked(prepared.plan, decided, world, data=prepared.data, continue_with=continue_with)
+            return
+        renderer = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings)
+        # metrics.jsonl stays the source of truth; the trackers get the same records, beside the renderer
+        with Trackers(list(request.log_to), request.out) as trackers:
+            train_checked(prepared.plan, decided, world, data=prepared.data, reporter=Reporters(trackers, renderer),
+                          continue_with=continue_with)
+
+
 @app.command("run")
 @stops_in_one_line
 def run_command(
@@ -407,9 +331,6 @@ def run_command(
     request = run_request(context)  # the one value of the options above, from here to the trainer
     starting_run.update(request=request, resume=request.resume, force=request.force)
     from ..train.distributed import processes as distributed  # torch is imported only by the commands that train
-    from ..train.reporter import Reporters
-    from ..train.trainer import train_checked
-
     check_trackers(request.log_to)  # a missing package: one line, before anything is planned or trained
     world = distributed.world_from_env()
     # under reproduce's launcher (a worker of torchrun, even alone after an elastic restart): die with it, take its
@@ -419,26 +340,4 @@ def run_command(
     join_launcher()
     if request.nproc_per_node is not None and not world.distributed:
         raise typer.Exit(launch(request, world))
-    owner = lock.owns_the_run(world.distributed, world.rank)
-    # --out taken (one run per folder), writable and settled before anything is decided or set up
-    with lock.hold(request.out) if owner else contextlib.nullcontext():
-        if owner:
-            settle_folder(request.out, world.is_main)
-        resume, force = starting(request, world, False)
-        starting_run.update(resume=resume, force=force)
-        if request.from_gate is not None and not resume:
-            raise UserError("--from: starts a resumed run from a gate's checkpoint; give it with --resume")
-        checked = checked_run(request, world.size, resume)
-        check_out_dir(request.out, resume, force)
-        prepared = prepare_run(request, world, resume, show_note if world.is_main else None, checked)
-        launcher = launcher_of_this_job(world.size) if world.distributed else []
-        continue_with = continue_command(request.out, launcher, request_args(request, "resume"))
-        decided = dataclasses.replace(request, resume=resume, force=force)  # as --auto-resume decided
-        if not world.is_main:  # the other ranks train quietly; rank 0 reports
-            train_checked(prepared.plan, decided, world, data=prepared.data, continue_with=continue_with)
-            return
-        renderer = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings)
-        # metrics.jsonl stays the source of truth; the trackers get the same records, beside the renderer
-        with Trackers(list(request.log_to), request.out) as trackers:
-            train_checked(prepared.plan, decided, world, data=prepared.data, reporter=Reporters(trackers, renderer),
-                          continue_with=continue_with)
+    train_in_folder(request, world)

@@ -145,8 +145,8 @@ class SilentReporter:
 
 class Reporters:
     """The run's start, records, gates and end handed to each consumer in turn (the trackers, then the CLI's
-    renderer: observe/trackers.Trackers, cli/run.py), none calling another. The lines a consumer returns (a tracker
-    that failed, where its run lies) are handed to every consumer as messages."""
+    renderer: observe/trackers.Trackers, cli/reporters.py), none calling another. The lines a consumer returns (a
+    tracker that failed, where its run lies) are handed to every consumer as messages."""
 
     def __init__(self, *consumers: Any):
         self.consumers = consumers

@@ -4,7 +4,7 @@ The last checkpoint of a run is written after its last step, before its end (mod
 holds what that end is made of: the model, metrics.jsonl (`metrics`) and summary.json itself (`extra["summary"]`,
 computed there: trainer.checkpoint_or_stop). So `end_problem` can tell whether the end on disk is the run's, file by
 file (cut, garbled, `{}`, valid JSON with other content, another model), and a resume at the last step writes what
-differs again, byte for byte what the uninterrupted run wrote (trainer.finish_run). A checkpoint written before it
+differs again, byte for byte what the uninterrupted run wrote (finish.finish_run). A checkpoint written before it
 kept the summary gets the older check (`outputs.missing_final_outputs`: present, of its step, whole).
 """
 

@@ -1,4 +1,4 @@
-"""What one `train` call holds while it runs: built once by `trainer.start_run`, updated by each step."""
+"""What one `train` call holds while it runs: built once by `start.start_run`, updated by each step."""
 
 from __future__ import annotations
 

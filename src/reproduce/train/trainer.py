@@ -1,7 +1,7 @@
 """The training run: the plan's optimizer steps, checkpoints, metrics, signals and out-of-memory handling.
 
 Each optimizer step is `step.optimizer_step` over the window `windows.window` gives it; everything a run
-needs is built by `setup.build`.
+needs is built by `setup.build`, at the run's start (`start.start_run`); its end is `finish.finish_run`.
 """
 
 from __future__ import annotations
@@ -18,41 +18,28 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..data.batches import DataClock
-from ..data.lengths import training_set
 from ..data.loader import cpu_share, default_workers
-from ..data.packing import Grouped, grouping_of, sample_lengths
-from ..errors import Interrupted, TrainingStopped, UserError
-from ..models import count_parameters
-from ..models.hf import check_packed
-from ..models.trained import check_merged, peft_model, save_adapter, save_merged
-from ..models.varlen import runs_varlen
-from ..observe.noise import NoiseScale, not_measured_reason
-from ..observe.outputs import MetricsLog, check_out_dir, plot_metrics, read_metrics, run_outputs
-from ..observe.rates import StepRates
+from ..errors import Interrupted, TrainingStopped
+from ..observe.outputs import check_out_dir, read_metrics, run_outputs
 from ..plan import trained_with
-from ..plan.gates import planned_gates
-from ..plan.planfile import plan_to_yaml
 from ..plan.planner import Plan
-from ..plan.segments import batch_phases, length_sizes
 from ..plan.sharding import check_sharding
-from ..storage import faults, lock, signals
+from ..storage import lock, signals
 from ..storage.aside import Previous, setting_aside, settle
-from ..storage.files import WriteFailed, replace_folder, write_text, write_torch_file
-from .checkpoint import full_model_state, save_checkpoint
+from ..storage.files import WriteFailed
+from .checkpoint import save_checkpoint
 from .distributed import processes as distributed
 from .distributed.processes import World
 from .evaluation import evaluate_step, evaluation_due
-from .gates import after_checkpoint, check_gates, resume_source, start_gates, tell_gates
-from .optim.plateau import check_plateau
+from .finish import finish_run
+from .gates import after_checkpoint, check_gates, tell_gates
 from .options import RunRequest
 from .records import run_summary, step_record
-from .reporter import Reporter, SilentReporter, run_end, run_start
-from .resume import Resumed, earlier_segments, last_record, resume_run
-from .run_end import kept_summary
+from .reporter import Reporter, SilentReporter
 from .run_state import Run
-from .setup import build, resolve_device
+from .start import start_run
 from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, StepResult, optimizer_step
-from .windows import StepBatch, grouping_line, micro_batch_at, smaller_micro_batch, step_batch
+from .windows import StepBatch, smaller_micro_batch, step_batch
 
 if TYPE_CHECKING:
     from ..data import Datasets
@@ -65,8 +52,6 @@ CHECKPOINT_SECONDS = 300.0
 class StopSignals:
     """SIGINT / SIGTERM set a flag; the loop finishes its optimizer step, checkpoints, and stops. The handlers are
     the command's (storage/signals.py: deferred here), or installed for the loop alone (a library caller)."""
-
-    EXIT_CODES = signals.EXIT_CODES
 
     def __init__(self) -> None:
         self.sections: list = []
@@ -227,94 +212,6 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
         close_run(run, stop, restore)
 
 
-def start_run(plan: Plan, request: RunRequest, world: World, data: Datasets | None, reporter: Reporter,
-              dtype: torch.dtype, continue_with: str) -> Run:
-    """Check the plan against the world; build the model and data; load the checkpoint on --resume; write
-    plan.yaml; report the notes and the start."""
-    out = Path(request.out)
-    if world.size != plan.world_size:
-        raise UserError(f"plan: world_size is {plan.world_size}, but this job has {world.size} process(es)")
-    seed = plan.recipe.seed if request.seed is None else request.seed
-    target_device = distributed.init(world, resolve_device(request.device))
-    distributed.check_same_plan(world, distributed.plan_fingerprint(plan, seed), target_device)
-    distributed.barrier(world)  # every rank has looked at --out before rank 0 writes to it
-    setup = build(plan, target_device, dtype, seed, data, world)
-    if request.merged:  # a model with nothing to merge: one line before any step
-        check_merged(setup.unwrapped_model, plan.recipe, setup.sharded)
-    check_plateau(plan, setup.data)
-    # batch phases of other sequence lengths read the same data cut at their length (data/lengths.py)
-    train_set = training_set(plan.recipe, setup.data.train, list(length_sizes(plan.segments)))
-    size = check_training_set(plan, train_set)
-    train_set, grouping, lengths = group_training_set(plan, setup, train_set)
-    max_steps = request.max_steps
-    total = plan.optimizer_steps if max_steps is None else min(max_steps, plan.optimizer_steps)
-    noise = NoiseScale(setup) if not request.no_noise_scale and not setup.sharded else None
-    checkpoint = resume_source(out, request.from_gate, planned_gates(plan)) if request.from_gate else None
-    resumed = resume_run(plan, out, setup, noise, seed, request.seed, total, max_steps, checkpoint) if (
-        request.resume) else Resumed(seed)
-    rates = StepRates(plan, setup, world.size)
-    if plan.recipe.model.factory is not None:  # counted before anything is written: a forward whose output no loss
-        rates.count()  # takes is refused there (built-ins and Hugging Face models are counted at the first step)
-    rates.counted_length = int(lengths.max()) if lengths is not None and len(lengths) else None
-    if world.is_main:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            write_text(out / "plan.yaml", plan_to_yaml(plan))
-        except OSError as error:
-            raise WriteFailed(out / "plan.yaml", error) from None
-    metrics = MetricsLog(out / "metrics.jsonl", resumed.metrics, enabled=world.is_main)
-    if metrics.repaired:
-        reporter.message(f"note: {metrics.repaired}")
-    if resumed.rebuild:
-        reporter.message(f"note: the run has run all {total} steps, but {resumed.rebuild}: writing its end again "
-                         f"from {out / 'checkpoints' / 'last.pt'}")
-    for note in setup.notes:
-        reporter.message(f"note: {note}")
-    for note in rates.notes:
-        reporter.message(f"note: {note}")
-    # each segment's micro-batches per rank, as the run takes them (a micro-batch lowered after running out of memory)
-    accumulations = [-(-(segment.effective_batch // plan.world_size)
-                       // micro_batch_at(plan, segment.start_step, resumed.lowered)) for segment in plan.segments]
-    noise_skipped = (not_measured_reason(world.size, max(accumulations), setup.sharded)
-                     if not request.no_noise_scale else None)
-    if noise_skipped:
-        reporter.message(f"note: noise scale not measured: {noise_skipped}")
-    if grouping is not None:  # the way this run groups, and what it pads (data/packing.py)
-        reporter.message(grouping_line(plan, grouping, resumed.seed, resumed.first_step))
-    faults.at("start")  # (the tests' exact point: set up, plan.yaml written, no step yet)
-    parameters = count_parameters(setup.unwrapped_model)
-    reporter.start(run_start(plan, total, resumed.first_step, parameters))  # the start's lines, as data
-    before_resume, divergence = earlier_segments(out, resumed.state, resumed.first_step)
-    setup.model.train()
-    # (its clocks start now: checkpoints every K steps when asked, else every CHECKPOINT_SECONDS, and at the end)
-    run = Run(out=out, request=request, reporter=reporter, setup=setup, train_set=train_set, size=size,
-              total=total, resumed=resumed, noise=noise, metrics=metrics, rates=rates,
-              noise_scale_skipped_because=noise_skipped, totals_before_resume=before_resume, divergence=divergence,
-              grouping=grouping, lengths=lengths, continue_with=continue_with)
-    run.last_record = last_record(out, resumed.state, resumed.first_step)  # (a resume at the last step: the end's)
-    start_gates(run)  # the recipe's gates (train/gates.py): a gate the run paused at is checked again here
-    return run
-
-
-def group_training_set(plan: Plan, setup, train_set) -> tuple:
-    """data.packing sorted / packed: the training set as those micro-batches collate it, the grouping, and each
-    sample's input tokens (also kept for text with `none`, for the padding the metrics count)."""
-    grouping = grouping_of(plan.recipe, train_set, plan.micro_batch, varlen=runs_varlen(setup.unwrapped_model))
-    if grouping is None:
-        lengths = None
-        if plan.recipe.task == "language-modeling" and (hasattr(train_set, "input_lengths")
-                                                          or isinstance(train_set, (list, tuple))):
-            try:
-                lengths = sample_lengths(train_set)
-            except UserError:  # not token sequences: no padding to count
-                lengths = None
-        return train_set, None, lengths
-    if grouping.way == "packed":  # attention confined to each sample, or one line before any step
-        with setup.autocast():  # (as the steps run it: a bf16 base under autocast)
-            check_packed(setup.unwrapped_model, setup.device)
-    return Grouped(train_set, grouping), grouping, grouping.lengths
-
-
 def cpu_compute(run: Run) -> Callable[[], None]:
     """Set the CPU's compute for the run; returns what sets it back."""
     # On a CPU, values below float32's normal range (late in training, in momentum and gradients) make every
@@ -451,7 +348,7 @@ def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool, gate:
             f"{signal.Signals(received).name} after optimizer step {step + 1} of {run.total}; checkpoint "
             f"written to {run.checkpoint_path}. Continue with: "
             + run.continue_with,
-            StopSignals.EXIT_CODES[received],
+            signals.EXIT_CODES[received],
         )
 
 
@@ -463,77 +360,6 @@ def close_run(run: Run, stop: StopSignals, restore: Callable[[], None]) -> None:
     if run.noise is not None:
         run.noise.close()
     restore()
-
-
-def finish_run(run: Run) -> dict:
-    """summary.json and model.pt (rank 0), the LoRA adapter (and merged model) as users load them, the loss plot, and
-    the reporter's last word. A signal meanwhile lets the file being written finish, then stops before the next one
-    (`stop_in_end`): the checkpoint of the last step is whole, and the resume writes the end again."""
-    # as the last checkpoint holds it (a resume that writes the end again: the uninterrupted run's, byte for byte)
-    summary = run.summary if run.summary is not None else kept_summary(run.resumed.state) if (
-        run.resumed.rebuild) else None
-    summary = summary if summary is not None else run_summary(run, time.perf_counter() - run.started)
-    with signals.deferred():
-        faults.at("end")
-        model_state = full_model_state(run.setup)  # FSDP: gathered from every rank's shards
-        if run.world.is_main:  # each written whole or not at all; summary.json last, as it names the others
-            stop_in_end(run, "model.pt")
-            write_torch_file(run.out / "model.pt", lambda handle: torch.save(model_state, handle))
-            stop_in_end(run, "adapter/" if peft_model(run.setup.unwrapped_model) is not None else "loss.svg")
-            summary.update(save_trained(run, model_state))
-            stop_in_end(run, "loss.svg")
-            summary["plot"] = plot_metrics(run.out / "metrics.jsonl", run.out / "loss.svg")
-            stop_in_end(run, "summary.json")
-            write_text(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
-    distributed.barrier(run.world)
-    run.reporter.finish(run_end(summary, run.out, run.request.skip_nonfinite))  # the end's lines, as data
-    return summary
-
-
-def stop_in_end(run: Run, next_file: str) -> None:
-    """After a signal while the run's end is written: stop before `next_file`, with the command that writes the end
-    again from the last checkpoint (a resume at the last step)."""
-    received = signals.take()
-    if received is None:
-        return
-    out = run.out
-    raise Interrupted(
-        f"{signal.Signals(received).name} while the run's end was written, before {out / next_file}; the checkpoint "
-        f"after optimizer step {run.total} of {run.total} is whole, and a resume writes the end again. Continue "
-        "with: " + run.continue_with,
-        StopSignals.EXIT_CODES[received],
-    )
-
-
-def save_trained(run: Run, model_state: dict) -> dict:
-    """adapter/ (peft's save_pretrained) with LoRA, and merged/ with --merged (models/trained.py): summary.json's
-    `adapter` and `merged`, the folders' paths. `model_state`: model.pt's (FSDP: gathered), the adapters' source."""
-    model, recipe, written = run.setup.unwrapped_model, run.plan.recipe, {}
-    if peft_model(model) is not None:  # each folder built beside its place, then put there (storage/files.py)
-        replace_folder(run.out / "adapter", lambda folder: save_adapter(model, folder, recipe, model_state))
-        written["adapter"] = str(run.out / "adapter")
-    if run.request.merged:  # (after adapter/: on a quantised base, merged from it)
-        replace_folder(run.out / "merged", lambda folder: save_merged(model, folder, recipe, run.out / "adapter"))
-        written["merged"] = str(run.out / "merged")
-    return written
-
-
-def check_training_set(plan: Plan, train_set) -> int:
-    """The training set's size, when it is the one the plan was made for and its epoch holds an optimizer step."""
-    size = len(train_set)
-    sizes = train_set.sizes() if hasattr(train_set, "sizes") else {plan.recipe.batch.sequence_length: size}
-    if sizes != length_sizes(plan.segments):
-        raise UserError(f"plan: the phases' dataset sizes {length_sizes(plan.segments)} do not match the training "
-                        f"set's {sizes} (samples by sequence length)" if batch_phases(plan.segments) else
-                        f"plan: dataset_size {plan.dataset_size} does not match the training set's {size} items")
-    short = [s for s in plan.segments if not s.steps_per_epoch and s.steps != 0]
-    if short:
-        raise UserError(
-            f"data: the epoch ({short[0].dataset_size} {plan.unit}) is shorter than one optimizer step "
-            f"({short[0].effective_batch}) with drop_last: no step would run; lower the batch or set "
-            "data.drop_last: false"
-        )
-    return size
 
 
 def out_of_memory_alone(setup, step: int, micro_batch: int, out: Path) -> str:

@@ -86,9 +86,9 @@ def test_a_llama_folder_trains_from_its_weights(files, tmp_path, capsys, one_thr
 
 def test_a_sharded_gpt2_folder_is_the_model_transformers_loads(files):
     """Three safetensors shards and an index; GPT-2's tied output head; the plan's parameter count from the headers."""
+    from reproduce.model_facts import weights_of
     from reproduce.models import build_model, count_parameters
     from reproduce.plan.weightfiles import inspect
-    from reproduce.session import weights_of
 
     recipe = parse_recipe(lm({"builtin": "gpt2-medium", "weights": str(files / "tiny-gpt2")},
                              available=True, path=str(files / "alpaca.json")))
@@ -486,9 +486,9 @@ def test_a_larger_vocab_size_widens_the_folder_embeddings_and_the_plan_says_so(f
     folder's embedding and output rows are kept, the new ones are their mean."""
     from safetensors.torch import load_file
 
+    from reproduce.model_facts import weights_of
     from reproduce.models import build_model
     from reproduce.plan.planner import make_plan
-    from reproduce.session import weights_of
 
     model = {"builtin": "llama-7b", "kwargs": {"vocab_size": 515}, "weights": str(files / "tiny-llama")}
     recipe = parse_recipe(lm(model, available=True, path=str(files / "alpaca.json")))

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from helpers import read_scalars
-from reproduce.observe.trackers import GATE_STATUS, Trackers
+from reproduce.observe.tracker_backends import GATE_STATUS
+from reproduce.observe.trackers import Trackers
 
 DIGITS = str(Path(__file__).resolve().parents[3] / "papers" / "digits-mlp.yaml")
 

@@ -16,14 +16,13 @@ import pytest
 
 from reproduce.cli import main
 from reproduce.errors import UserError
+from reproduce.observe.tracker_backends import MlflowTracker, wandb_mode
 from reproduce.observe.trackers import (
     STATE,
-    MlflowTracker,
     Trackers,
     check_trackers,
     numeric,
     parse_log_to,
-    wandb_mode,
 )
 
 DIGITS = str(Path(__file__).resolve().parents[3] / "papers" / "digits-mlp.yaml")
