@@ -28,9 +28,11 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # PYTEST_ARGS: pytest's arguments, e.g. make test PYTEST_ARGS=tests/e2e/test_shipped_checks.py (default: every test
-# of tests/: core/, torch/<package>/, cli/, e2e/; the slow ones only with PYTEST_ARGS="-m slow")
+# of tests/: core/, torch/<package>/, cli/, e2e/; the slow ones only with PYTEST_ARGS="-m slow"). TEST_WORKERS:
+# pytest-xdist's processes (2, CI's cores; 0 runs every test in this one process).
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 $(PYTEST_ARGS)
 
 # The torch-free core's tests alone (tests/core/: planner, recipe validation, overrides, the probe's search, the
 # code's layering): seconds, no lint; the session fails if any of them imports torch (tests/core/conftest.py).
