@@ -52,10 +52,14 @@ class SplitSteps:
         self.order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(0))
         self.taken: dict[int, int] = defaultdict(int)  # windows each split has run
 
+    def samples(self, k: int) -> torch.Tensor:
+        """The sample indices of the k-th window (every split's k-th window takes the same samples)."""
+        return self.order[(k * self.per_rank + torch.arange(self.per_rank)) % len(self.order)]
+
     def window(self, micro_batch: int) -> list[LazyMicroBatch]:
         k = self.taken[micro_batch]
         self.taken[micro_batch] += 1
-        indices = self.order[(k * self.per_rank + torch.arange(self.per_rank)) % len(self.order)]
+        indices = self.samples(k)
         groups = (group(indices, self.grouping, self.grouping.budget_at(micro_batch)) if self.grouping else
                   torch.split(indices, micro_batch))
         return [LazyMicroBatch(self.dataset, i, self.device, self.setup.dtype) for i in groups]

@@ -46,8 +46,6 @@ def time_ways(recipe: Recipe, ways: list[str], micro_batch: int, per_rank: int, 
     plan's micro-batch `micro_batch` (its T = micro_batch x the longest example), REPEATS times over the same windows,
     the least taken (the run's wall clock, CUDA synchronised: on a machine shared with other jobs one pass of a way
     varied 5x here, its least far less); a way out of memory is left out."""
-    import torch
-
     from ..probe.workload import Workload
     from .split_steps import SplitSteps
 
@@ -58,9 +56,7 @@ def time_ways(recipe: Recipe, ways: list[str], micro_batch: int, per_rank: int, 
                            per_rank, noise_scale=False)
         try:
             timer(micro_batch, 1)  # left out: its caches, the model's first call
-            windows = [timer.order[(k * per_rank + torch.arange(per_rank)) % len(timer.order)]
-                       for k in range(1, steps + 1)]  # the samples of the steps timed next (SplitSteps.window)
-            tokens = sum(_targets(data, indices) for indices in windows)
+            tokens = sum(_targets(data, timer.samples(k)) for k in range(1, steps + 1))  # the steps timed next
             timed = []
             for _ in range(REPEATS):  # the same windows each time: the least of them, as other jobs only add time
                 timer.taken[micro_batch] = 1
