@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -39,15 +41,15 @@ class HFLogits(nn.Module):
         elif self.kind == "causal-lm":
             kwargs.setdefault("use_cache", False)
         keep = kwargs.get("logits_to_keep")
-        if keep is not None and not self._keeps_logits():  # a model without it: every logit, then those kept
+        if keep is not None and not self._keeps_logits:  # a model without it: every logit, then those kept
             del kwargs["logits_to_keep"]
             return self.model(**kwargs).logits[:, keep]
         return self.model(**kwargs).logits
 
+    @functools.cached_property
     def _keeps_logits(self) -> bool:
-        """Whether the model's forward takes `logits_to_keep` (a packed row's target positions, data/packing.py)."""
-        import inspect
-
+        """Whether the model's forward takes `logits_to_keep` (a packed row's target positions, data/packing.py):
+        read once, not at every micro-batch's forward."""
         return "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
 
