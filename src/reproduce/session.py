@@ -111,7 +111,7 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
         recipe = with_probed_budget(recipe, result.token_budget)  # sorted: T measured in tokens (probe/tokens.py)
         note(probe_line(result))
         if default is not None:
-            recipe = fastest_way(recipe, default, result, micro_batch_max, world_size, data, note)
+            recipe, result = fastest_way(recipe, default, result, micro_batch_max, world_size, data, note)
     if policy == "throughput":  # the exact splits timed, the fastest taken (throughput/policy.py)
         from .throughput.policy import throughput_plan
 
@@ -128,13 +128,14 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
 
 
 def fastest_way(recipe: Recipe, default: str, result: ProbeResult, micro_batch_max: int, world_size: int,
-                data: Datasets | None, note: OnNote) -> Recipe:
+                data: Datasets | None, note: OnNote) -> tuple[Recipe, ProbeResult]:
     """`recipe`, whose data.packing the rule defaulted to `default` (recipe.default_packing), with the way to group
     its data that ran fastest here (throughput/ways.py), when the probe measured on this device (cpu or cuda meter),
     one process, on the data the run trains on: none, sorted, and packed where the default is packed (the models
-    whose packed rows run through the varlen attention). Otherwise `recipe` as it is: the rule's way."""
+    whose packed rows run through the varlen attention); and `result` with what was timed (`ways`: the plan's cost
+    is the chosen way's whole steps). Otherwise both as they are: the rule's way."""
     if data is None or world_size != 1 or result.meter not in ("cpu", "cuda"):
-        return recipe
+        return recipe, result
     import torch
 
     from .throughput.ways import time_ways
@@ -147,7 +148,7 @@ def fastest_way(recipe: Recipe, default: str, result: ProbeResult, micro_batch_m
     changes = [Change("data.packing", timings.chosen)]
     if timings.chosen != "sorted" and recipe.data.token_budget is not None:
         changes.append(Change("data.token_budget", None))  # (sorted's, measured by the probe)
-    return overlay(recipe, changes, "the ways' timing")
+    return overlay(recipe, changes, "the ways' timing"), result.model_copy(update={"ways": timings.to_json()})
 
 
 def phase_probes(recipe: Recipe) -> dict[int | None, Recipe]:
@@ -284,7 +285,23 @@ def probe_consensus(recipe: Recipe, recipe_path: str, world_size: int, policy: s
     # one maximum per sequence length the plan reads, agreed in the same order on every rank
     maxima = {segment.sequence_length: segment.micro_batch_max for segment in probed.segments}
     agreed = {length: all_min(maxima[length]) for length in sorted(maxima, key=lambda length: length or 0)}
-    return probed.recipe, agreed if len(agreed) > 1 else next(iter(agreed.values()))
+    return agreed_budget(recipe, probed.recipe, all_min), agreed if len(agreed) > 1 else next(iter(agreed.values()))
+
+
+NO_BUDGET = 2**62  # a rank whose probe measured no token budget (its whole share fits): any other rank's is smaller
+
+
+def agreed_budget(given: Recipe, probed: Recipe, all_min: Callable[[int], int]) -> Recipe:
+    """`probed` with the token budget every rank agrees on, for `sorted` without one of the recipe's own (`given`):
+    the smallest any rank's probe measured to fit (probe/tokens.py), so every rank groups its windows alike and no
+    rank runs out of memory (a budget below a rank's own keeps within the shapes its probe measured: at most its m
+    rows of the longest example, or m + 1 rows of at most T // (m + 1) tokens); none measured on any rank: the
+    micro-batch x the longest example. A collective, on the given recipe's fields only (the same on every rank)."""
+    if given.data.token_budget is not None or (given.data.packing or default_packing(given)) != "sorted":
+        return probed
+    budget = all_min(probed.data.token_budget if probed.data.token_budget is not None else NO_BUDGET)
+    changes = [Change("data.packing", "sorted"), Change("data.token_budget", budget if budget != NO_BUDGET else None)]
+    return overlay(probed, changes, "the probe")
 
 
 @dataclass

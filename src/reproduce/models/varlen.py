@@ -148,6 +148,15 @@ def use_varlen(model: nn.Module) -> bool:
     return runs_varlen(model)
 
 
+def set_attention(model: nn.Module, name: str) -> None:
+    """The transformers model in `model` switched to the attention `name` (VARLEN or sdpa: the ways' timing runs
+    each way through the attention its run builds, on one model: throughput/ways.py)."""
+    if attention_of(model) != name:
+        if name == VARLEN:
+            register()
+        transformers_model(model).set_attn_implementation(name)  # type: ignore[union-attr,operator]
+
+
 def runs_varlen(model: nn.Module) -> bool:
     """Whether the transformers model in `model` attends through a varlen attention (VARLEN or flash-attention)."""
     name = attention_of(model)

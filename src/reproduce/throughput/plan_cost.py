@@ -13,6 +13,9 @@ def plan_costs(plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:
     seq, timings = plan.recipe.batch.sequence_length, result.timings()
     candidates = plan.throughput.candidates if plan.throughput else []
     timed = [(c.micro_batch, c.micro_step_seconds) for c in candidates if c.repeats]
+    if not timed and way_timed(plan, result):  # the way the run groups its windows, timed in whole steps
+        step = result.ways["ways"][result.ways["chosen"]]["step_seconds"]  # type: ignore[index]
+        timed = [(plan.micro_batch, step / plan.accumulation_steps)]
     costs = {  # --policy throughput: its whole optimizer steps' medians, not the probe's trials
         plan.policy: cost(
             timed or timings, plan.micro_batch, plan.accumulation_steps, plan.effective_batch, seq,
@@ -26,6 +29,14 @@ def plan_costs(plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:
             steps = round(plan.optimizer_steps * plan.effective_batch / alt.effective_batch)
         costs[alt.policy] = cost(timings, alt.micro_batch, alt.accumulation_steps, alt.effective_batch, seq, steps)
     return costs
+
+
+def way_timed(plan: Plan, result: ProbeResult) -> bool:
+    """Whether the plan's cost is its way's whole optimizer steps timed after the probe (throughput/ways.py: the
+    plan's data.packing, at its micro-batch and per-process batch), rather than the probe's trials."""
+    ways = result.ways
+    return (ways is not None and ways["chosen"] == (plan.recipe.data.packing or "none")
+            and (ways["samples_per_step"], ways["micro_batch"]) == (plan.per_rank_batch, plan.micro_batch))
 
 
 def costs_json(costs: dict[str, Cost | None]) -> dict:
@@ -53,5 +64,8 @@ def cost_lines(plan: Plan, result: ProbeResult) -> list[str]:
         lines.append(
             f"cost on {result.device} ({policy}, {c.micro_batch} x {c.accumulation_steps}): {c.step_seconds:.3g} s "
             f"per optimizer step ({c.accumulation_steps} x {c.micro_step_seconds:.3g} s), {rate}{total}"
+            + (f"; timed as the run groups its windows ({plan.recipe.data.packing}: whole optimizer steps, the least "
+               f"of {result.ways['passes']} passes)" if policy == plan.policy and not plan.throughput
+               and way_timed(plan, result) else "")  # type: ignore[index]
         )
     return lines

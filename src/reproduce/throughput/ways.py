@@ -3,15 +3,20 @@ none, sorted, and packed where the model confines packed samples) runs whole opt
 data, as `reproduce run` executes them (split_steps.SplitSteps: the model, optimizer and grouping the run builds,
 through the attention the run uses), and the plan takes the fastest per target token (issue 51 item 3).
 
-Every way's k-th step takes the same samples (SplitSteps' fixed order), so the ways are timed on the same windows;
-the first step of each is left out (its caches, the model's first call). Every way is exact: the choice changes the
-speed only, never the update.
+One model serves every way (one build, one model's memory, not one per way): it is built as the last way of the
+list builds it (packed: the varlen attention, models/varlen.py), and each way's passes regroup the same windows
+and switch the attention to the one that way's run builds (sdpa for none and sorted). Every way's k-th step takes
+the same samples (SplitSteps' fixed order), so the ways are timed on the same windows; the first step of each is
+left out (its caches, the model's first call). On a machine shared with other jobs the load changes from second to
+second: the ways' passes are interleaved (each pass times every way once, the order rotated), so a busy spell slows
+every way alike, and each way's least pass is taken (other jobs only add time). Every way is exact: the choice
+changes the speed only, never the update.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..plan.overlay import Change, overlay
 from ..plan.recipe import Recipe
@@ -22,53 +27,111 @@ if TYPE_CHECKING:  # (torch is imported where the ways are timed: the session la
 
     from ..data import Datasets
 
-STEPS = 2  # optimizer steps timed a way (after one left out), in each of REPEATS passes
-REPEATS = 3
+STEPS = 2  # optimizer steps timed a way (after one left out), in each of PASSES passes
+PASSES = 3
 
 
 @dataclass(frozen=True)
 class WayTimings:
-    """Seconds of each way's timed steps, and the target tokens they trained (the same windows for every way)."""
+    """Each way's least seconds over `steps` optimizer steps (the same windows for every way: `tokens` target tokens,
+    `per_rank` samples a step), from `passes` interleaved passes, and the way chosen (the least)."""
 
     seconds: dict[str, float]
     tokens: int
     chosen: str
+    steps: int = STEPS
+    passes: int = PASSES
+    per_rank: int = 0
+    micro_batch: int = 0  # the plan's, whose T the packed and sorted ways grouped by
+
+    def step_seconds(self, way: str) -> float:
+        """One optimizer step of `way`, as measured."""
+        return self.seconds[way] / self.steps
 
     def line(self) -> str:
         timed = ", ".join(f"{way} {self.tokens / seconds:,.0f}" for way, seconds in self.seconds.items())
         return (f"packing: {self.chosen}, the fastest exact way measured here: target tokens per second over the "
-                f"same {STEPS} steps, the least of {REPEATS} passes: {timed}")
+                f"same {self.steps} steps, the least of {self.passes} interleaved passes: {timed}")
+
+    def to_json(self) -> dict:
+        """What was measured, for the plan (`plan --json`'s `packing.timed`)."""
+        return {"chosen": self.chosen, "steps": self.steps, "passes": self.passes, "samples_per_step": self.per_rank,
+                "micro_batch": self.micro_batch,
+                "target_tokens": self.tokens,
+                "measured": "whole optimizer steps of the same windows per way, the ways' passes interleaved, "
+                            "each way's least pass",
+                "ways": {way: {"step_seconds": round(seconds / self.steps, 6),
+                               "target_tokens_per_second": round(self.tokens / seconds, 3)}
+                         for way, seconds in self.seconds.items()}}
 
 
 def time_ways(recipe: Recipe, ways: list[str], micro_batch: int, per_rank: int, data: Datasets,
-              device: torch.device, steps: int = STEPS) -> WayTimings:
+              device: torch.device, steps: int = STEPS, passes: int = PASSES) -> WayTimings:
     """Each of `ways` (data.packing values) timed over `steps` whole optimizer steps of `per_rank` samples at the
-    plan's micro-batch `micro_batch` (its T = micro_batch x the longest example), REPEATS times over the same windows,
-    the least taken (the run's wall clock, CUDA synchronised: on a machine shared with other jobs one pass of a way
-    varied 5x here, its least far less); a way out of memory is left out."""
+    plan's micro-batch `micro_batch` (its T = micro_batch x the longest example, or the recipe's data.token_budget),
+    in `passes` interleaved passes over the same windows, each way's least taken (the run's wall clock, CUDA
+    synchronised); a way out of memory is left out."""
     from ..probe.workload import Workload
     from .split_steps import SplitSteps
 
-    seconds: dict[str, float] = {}
-    tokens = 0
-    for way in ways:
-        timer = SplitSteps(Workload(overlay(recipe, [Change("data.packing", way)], "the ways' timing"), data), device,
-                           per_rank, noise_scale=False)
-        try:
-            timer(micro_batch, 1)  # left out: its caches, the model's first call
-            tokens = sum(_targets(data, timer.samples(k)) for k in range(1, steps + 1))  # the steps timed next
-            timed = []
-            for _ in range(REPEATS):  # the same windows each time: the least of them, as other jobs only add time
-                timer.taken[micro_batch] = 1
-                timed.append(timer(micro_batch, steps))
-            seconds[way] = min(timed)
-        except NotTimed:
-            pass
-        finally:
-            timer.close()
+    built_as = "packed" if "packed" in ways else ways[-1]
+    timer = SplitSteps(Workload(overlay(recipe, [Change("data.packing", built_as)], "the ways' timing"), data),
+                       device, per_rank, noise_scale=False)
+    try:
+        groupings = {way: _grouping(timer, recipe, way, micro_batch) for way in ways}
+        timed: dict[str, list[float]] = {}
+        for way in ways:  # left out: its caches, the model's first call (the same first window for every way)
+            try:
+                _use(timer, groupings[way])
+                timer.taken[micro_batch] = 0
+                timer(micro_batch, 1)
+                timed[way] = []
+            except NotTimed:
+                pass
+        order = list(timed)
+        for p in range(passes):  # the same windows each pass, the ways interleaved, the order rotated
+            shift = p % len(order) if order else 0
+            for way in order[shift:] + order[:shift]:
+                if way not in timed:
+                    continue
+                try:
+                    _use(timer, groupings[way])
+                    timer.taken[micro_batch] = 1
+                    timed[way].append(timer(micro_batch, steps))
+                except NotTimed:
+                    del timed[way]
+        tokens = sum(_targets(data, timer.samples(k)) for k in range(1, steps + 1))  # the steps timed
+    finally:
+        timer.close()
+    seconds = {way: min(times) for way, times in timed.items() if times}
     if not seconds:
         raise NotTimed(f"out of memory on {device} while timing the ways to group the data")
-    return WayTimings(seconds, tokens, min(seconds, key=lambda way: seconds[way]))
+    return WayTimings(seconds, tokens, min(seconds, key=lambda way: seconds[way]), steps, passes, per_rank,
+                      micro_batch)
+
+
+def _grouping(timer: Any, recipe: Recipe, way: str, micro_batch: int) -> tuple[Any, Any, str | None]:
+    """(grouping, dataset, attention) of `way` on the timer's model: the windows grouped and the attention run as
+    that way's run builds them (build_model selects the varlen attention for packed only)."""
+    from ..data.packing import Grouped, grouping_of
+    from ..models.varlen import VARLEN, attention_of, runs_varlen
+
+    plain = timer.dataset.dataset if isinstance(timer.dataset, Grouped) else timer.dataset
+    attention = attention_of(timer.setup.model)
+    if way != "packed" and attention == VARLEN:
+        attention = "sdpa"  # (what use_varlen switched from: none and sorted run transformers' sdpa)
+    if way == "none":
+        return None, plain, attention
+    grouping = grouping_of(recipe, plain, micro_batch, way == "packed" and runs_varlen(timer.setup.model), way=way)
+    return grouping, Grouped(plain, grouping), attention
+
+
+def _use(timer: Any, grouping: tuple[Any, Any, str | None]) -> None:
+    from ..models.varlen import set_attention
+
+    timer.grouping, timer.dataset, attention = grouping
+    if attention is not None:
+        set_attention(timer.setup.model, attention)
 
 
 def _targets(data: Datasets, indices: torch.Tensor) -> int:
