@@ -230,9 +230,22 @@ class Grouped(torch.utils.data.Dataset):
                 positions[r, start:end] = torch.arange(len(inputs))
                 start = end
             positions[r, start:] = torch.arange(width - start)  # the padding: a segment of its own, no target
-        if self.grouping.varlen:  # one row: the logits (lm_head and loss) at the target tokens only (`keep_targets`)
-            return keep_targets({"input_ids": input_ids, "position_ids": positions}, targets)
+        if self.grouping.varlen:  # one row, the samples' bounds handed to the attention; the logits (lm_head and
+            # loss) at the target tokens only (`keep_targets`)
+            return keep_targets({"input_ids": input_ids, "position_ids": positions, **varlen_bounds(sizes)}, targets)
         return {"input_ids": input_ids, "position_ids": positions}, targets
+
+
+def varlen_bounds(sizes: list[int]) -> dict:
+    """The samples' bounds in a packed row, as keyword arguments of the model's forward, which transformers hands to
+    every attention call: `sample_sizes` (each sample's tokens, for models/varlen.py's attention: read once here,
+    not from the position ids at every layer), and transformers' own `cu_seq_lens_q` / `cu_seq_lens_k` (int32
+    offsets) and `max_length_q` / `max_length_k`, which its flash-attention path reads (its varlen kernel)."""
+    offsets = torch.zeros(len(sizes) + 1, dtype=torch.int32)
+    offsets[1:] = torch.tensor(sizes).cumsum(0)
+    longest = max(sizes)
+    return {"sample_sizes": tuple(sizes), "cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets,
+            "max_length_q": longest, "max_length_k": longest}
 
 
 def keep_targets(inputs: dict, targets: torch.Tensor) -> tuple[dict, torch.Tensor]:

@@ -12,6 +12,8 @@ from torch import nn
 
 from ..errors import UserError
 
+# a packed row's samples' bounds (data/packing.py `varlen_bounds`), keyword arguments of the model's forward
+BOUNDS = ("sample_sizes", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 HF_KIND_FOR_TASK = {"language-modeling": "causal-lm", "classification": "sequence-classification"}
 
 
@@ -40,11 +42,21 @@ class HFLogits(nn.Module):
             kwargs["use_cache"] = False
         elif self.kind == "causal-lm":
             kwargs.setdefault("use_cache", False)
+        if "sample_sizes" in kwargs and not self._passes_kwargs:  # a forward that hands nothing down: the varlen
+            for name in BOUNDS:  # attention reads the samples' bounds from the position ids (models/varlen.py)
+                kwargs.pop(name, None)
         keep = kwargs.get("logits_to_keep")
         if keep is not None and not self._keeps_logits:  # a model without it: every logit, then those kept
             del kwargs["logits_to_keep"]
             return self.model(**kwargs).logits[:, keep]
         return self.model(**kwargs).logits
+
+    @functools.cached_property
+    def _passes_kwargs(self) -> bool:
+        """Whether the model's forward takes extra keyword arguments (transformers' hand them to the attention: a
+        packed row's bounds, data/packing.py `varlen_bounds`)."""
+        return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(self.model.forward).parameters
+                   .values())
 
     @functools.cached_property
     def _keeps_logits(self) -> bool:

@@ -2,7 +2,9 @@
 
 A packed micro-batch is one row of its samples back to back, position ids restarting at each (data/packing.py):
 no padding, so the linear layers and the loss compute only the samples' tokens. `varlen_attention` attends within
-each sample without any dense (T x T) mask: the samples' bounds (cu_seqlens) come from the position ids, and
+each sample without any dense (T x T) mask: the samples' bounds come from the collator through the model's forward
+(`sample_sizes`, and transformers' `cu_seq_lens_q` / `cu_seq_lens_k` for flash-attention: data/packing.py
+`varlen_bounds`), else from the position ids (a sample starts at each position 0), and
 
 - on a CPU (and on CUDA without flash-attention, or in float32 / float64): SDPA with `is_causal` on each sample's
   slice: one causal kernel per sample, no masked pair computed, exact (docs/packing.md has the measurements);
@@ -39,18 +41,15 @@ def segments(position_ids: torch.Tensor, rows: int, width: int) -> list[int]:
     return sorted(starts) + [rows * width]
 
 
-_SIZES: list = [None, None, None]  # the last (position ids, (rows, width), sizes): every layer reads the same ids
-
-
-def sample_sizes(position_ids: torch.Tensor, rows: int, width: int) -> list[int]:
-    """Each sample's tokens in the flattened row (`segments`), read once per forward: the layers after the first
-    get the same position ids tensor, and its sizes again."""
-    if _SIZES[0] is position_ids and _SIZES[1] == (rows, width, position_ids._version):  # (not changed in place)
-        return _SIZES[2]  # type: ignore[no-any-return]
+def sample_sizes(position_ids: torch.Tensor, rows: int, width: int, kwargs: dict) -> list[int]:
+    """Each sample's tokens in the flattened row: the bounds the collator handed down through the model's forward
+    (`sample_sizes`, data/packing.py `varlen_bounds`: transformers passes a forward's extra keyword arguments to
+    every attention call), else read from the position ids (`segments`: the probe's rows, the run's check)."""
+    handed = kwargs.get("sample_sizes")
+    if handed is not None and sum(handed) == rows * width:
+        return list(handed)
     bounds = segments(position_ids, rows, width)
-    sizes = [end - start for start, end in zip(bounds, bounds[1:], strict=False)]
-    _SIZES[:] = [position_ids, (rows, width, position_ids._version), sizes]
-    return sizes
+    return [end - start for start, end in zip(bounds, bounds[1:], strict=False)]
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
@@ -76,12 +75,13 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16) and _flash_available():
         from transformers.integrations.flash_attention import flash_attention_forward
 
+        kwargs.pop("sample_sizes", None)  # (flash-attention reads the same bounds: cu_seq_lens_q / _k)
         return flash_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
                                        **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    sizes = sample_sizes(position_ids, rows, width)
+    sizes = sample_sizes(position_ids, rows, width, kwargs)
     # torch.split, not slices: its backward is one concatenation, where each slice's would zero-fill the whole row
     flat = [torch.split(t.transpose(0, 1).reshape(1, heads, rows * width, dim), sizes, dim=2)
             for t in (query, key, value)]

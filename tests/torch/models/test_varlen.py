@@ -211,14 +211,55 @@ def test_a_varlen_row_computes_logits_at_its_target_tokens_only_with_the_same_lo
     assert inputs["logits_to_keep"].tolist() == [0] and targets.tolist() == [[-100]]
 
 
-def test_the_sample_sizes_are_read_once_per_position_ids_and_again_after_an_in_place_change(monkeypatch):
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_collator_hands_the_samples_bounds_to_every_attention_call_bitwise_as_read_from_the_positions(
+        name, one_thread, monkeypatch):
+    """A varlen micro-batch (Grouped.batch) carries its samples' bounds as keyword arguments of the model's forward
+    (`sample_sizes`; transformers' cu_seq_lens and max_length for flash-attention), which transformers hands to every
+    attention call: no layer reads the position ids for them, and the loss and every gradient are bitwise those of
+    the bounds read from the position ids at each layer (float64). A forward that takes no extra keyword arguments
+    gets none (HFLogits drops them): its attention reads the position ids."""
     from reproduce.models import varlen as module
+    from reproduce.models.hf import BOUNDS
+    from reproduce.train.losses import TokenLoss
 
+    _, model = model_pair(name)
+    lengths = torch.tensor(LENGTHS)
+    grouping = Grouping("packed", int(lengths.sum()), int(lengths.max()), lengths, 1, varlen=True)
+    samples = [((torch.arange(n) * 3 + n) % 32, (torch.arange(n) * 7 + 1) % 32) for n in LENGTHS]
+    order = torch.tensor([2, 0, 7, 4, 1, 5, 3, 6])
+    inputs, targets = Grouped(samples, grouping).batch(order)
+    sizes = [LENGTHS[i] for i in order]
+    assert inputs["sample_sizes"] == tuple(sizes) and inputs["max_length_q"] == inputs["max_length_k"] == 9
+    assert inputs["cu_seq_lens_q"].tolist() == [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    assert inputs["cu_seq_lens_q"].dtype == torch.int32 and inputs["cu_seq_lens_k"] is inputs["cu_seq_lens_q"]
     reads = []
     original = module.segments
     monkeypatch.setattr(module, "segments", lambda *args: reads.append(1) or original(*args))
-    positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
-    assert [module.sample_sizes(positions, 1, 6) for _ in range(3)] == [[3, 2, 1]] * 3 and len(reads) == 1
-    positions[0, 4] = 0  # in place: a new sample starts
-    assert module.sample_sizes(positions, 1, 6) == [3, 1, 1, 1] and len(reads) == 2
-    assert module.sample_sizes(positions.clone(), 1, 6) == [3, 1, 1, 1] and len(reads) == 3
+
+    def step(inputs):
+        model.zero_grad()
+        loss = TokenLoss()(model(inputs), targets)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    cut = module.CALLS["cut"]
+    handed = step(inputs)
+    assert reads == [] and module.CALLS["cut"] == cut + 2  # both layers cut the row, from the bounds handed down
+    positions = step({k: v for k, v in inputs.items() if k not in BOUNDS})
+    assert len(reads) == 2  # every layer reads the position ids
+    assert torch.equal(handed[0], positions[0])
+    assert all(torch.equal(handed[1][n], positions[1][n]) for n in handed[1])
+
+    class NoKwargs(torch.nn.Module):  # a causal LM whose forward hands nothing down
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, position_ids=None, use_cache=None, logits_to_keep=0):
+            return self.inner(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache,
+                              logits_to_keep=logits_to_keep)
+
+    with torch.no_grad():
+        assert torch.equal(HFLogits(NoKwargs(model.model), "causal-lm")(inputs), model(inputs))
+    assert len(reads) == 4
