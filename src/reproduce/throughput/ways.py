@@ -58,8 +58,8 @@ class WayTimings:
         return {"chosen": self.chosen, "steps": self.steps, "passes": self.passes, "samples_per_step": self.per_rank,
                 "micro_batch": self.micro_batch,
                 "target_tokens": self.tokens,
-                "measured": "whole optimizer steps of the same windows per way, the ways' passes interleaved, "
-                            "each way's least pass",
+                "measured": "wall-clock seconds of whole optimizer steps of the same windows per way, on one model, "
+                            "the ways' passes interleaved, each way's least pass",
                 "ways": {way: {"step_seconds": round(seconds / self.steps, 6),
                                "target_tokens_per_second": round(self.tokens / seconds, 3)}
                          for way, seconds in self.seconds.items()}}
