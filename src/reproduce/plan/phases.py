@@ -180,14 +180,6 @@ def _ramp_split(target: Choice, micro: int, accumulation: int, effective: int) -
 # ---- planning the phases' own schedules ---------------------------------------------------------------------
 
 
-def first_own_schedule_step(recipe: Recipe, phases: list[Segment]) -> int | None:
-    """The first step of the first phase with a schedule of its own: where the recipe's schedule ends."""
-    for spec, phase in zip(recipe.batch.phases or [], phases, strict=False):
-        if spec.has_schedule:
-            return phase.start_step
-    return None
-
-
 def attach_phase_schedules(recipe: Recipe, phases: list[Segment], total: int | None, warnings: list[str],
                            source: str | None = None, first_warmup: int = 0) -> list[Segment]:
     """`phases` with each phase's own schedule (`batch.phases[i].lr / warmup / decay`) planned into its steps;
@@ -295,7 +287,9 @@ def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, s
             return None
         value = lengths_to_steps(segments, length, what, warnings)
         if value is None:
-            raise UserError(needs_train_size(recipe_path, what))
+            raise UserError(f"{recipe_path or 'recipe'}: data.train_size: required: {what} is counted in epochs, and "
+                            "the plan needs the training samples per epoch to count its optimizer steps (or plan the "
+                            "run with its data)")
         return value
 
     total = steps(recipe.schedule.total, "schedule.total")
@@ -315,7 +309,8 @@ def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, s
             step = steps(Length.model_validate({decay.milestones.unit: value}), "schedule.decay.milestones")
             milestones += [step] if step is not None else []
     # the recipe's schedule ends where a batch phase starts its own, else with the run
-    own_start = first_own_schedule_step(recipe, phases)
+    own_start = next((phase.start_step for spec, phase in zip(recipe.batch.phases or [], phases, strict=False)
+                      if spec.has_schedule), None)
     decay_end = steps(decay.until, "schedule.decay.until") if decay.until is not None else (
         own_start if own_start is not None else total)
     phases = attach_phase_schedules(recipe, phases, total, warnings, recipe_path, warmup_steps)
@@ -343,10 +338,3 @@ def _no_steps_message(recipe: Recipe, effective_batch: int, steps_per_epoch: int
         one_step += f"; an epoch is {steps_per_epoch} optimizer steps"
     return (f"schedule.total: {length_text} is less than one optimizer step, which reads {one_step}: the run "
             "would take 0 optimizer steps; give a longer total")
-
-
-def needs_train_size(recipe_path: str | None, what: str) -> str:
-    """The one line for a plan that must count epochs of data it does not know the size of."""
-    return (f"{recipe_path or 'recipe'}: data.train_size: required: {what} is counted in epochs, and the plan needs "
-            "the training samples per epoch to count its optimizer steps (or plan the run with its data)")
-

@@ -193,9 +193,9 @@ def phase_problems(plan: Plan) -> list[str]:
             if phase.effective_batch > plan.effective_batch:
                 problems.append(f"{where}.effective_batch: a ramp step's batch {phase.effective_batch} is above the "
                                 f"batch it ramps up to, {plan.effective_batch}")
-            if phase.lr_factor != plan.lr_factor:
-                problems.append(f"{where}.lr_factor: a ramp step has the main batch's LR factor {plan.lr_factor} (got "
-                                f"{phase.lr_factor})")
+            if phase.lr_factor != plan.split.lr_factor:
+                problems.append(f"{where}.lr_factor: a ramp step has the main batch's LR factor "
+                                f"{plan.split.lr_factor} (got {phase.lr_factor})")
             before = phases[index - 1].effective_batch if index else 0
             if before > phase.effective_batch:
                 problems.append(f"{where}.effective_batch: a ramp's batches never shrink ({before} then "
