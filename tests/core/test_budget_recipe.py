@@ -1,4 +1,4 @@
-"""The recipe's `budget:` section (plan/recipe/budget.py): strict, one line a problem, settable with `--set`."""
+"""The recipe's `budget:` section (plan/recipe/recipe.py): strict, one line a problem, settable with `--set`."""
 
 from __future__ import annotations
 
