@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from ..errors import UserError
 from .overlay import phase_recipe
-from .recipe import Decay, Length, Recipe
+from .recipe import Length, Recipe
 from .schedules import StepSchedule
 from .segments import Segment, epoch_steps, lengths_to_steps, micro_batch_cap, own_steps, size_at
 from .split import Choice, SplitPolicy, split
@@ -149,7 +149,10 @@ def _ramp(recipe: Recipe, target: Choice, cap: int, world_size: int, segment: An
             count += 1
         share = effective // world_size  # each process's; above the micro-batch, the last micro-batch is smaller
         micro = min(target.micro_batch, share)
-        choice = _ramp_split(target, micro, -(-share // micro), effective)
+        # micro-batches of the target's size (one smaller when the share is below it, or the last one smaller when
+        # the share is not a multiple of it), at the target's LR factor
+        choice = target.model_copy(update={"micro_batch": micro, "accumulation_steps": -(-share // micro),
+                                           "effective_batch": effective, "exact": False})
         segments.append(segment("ramp", steps, count, choice, None, length, cap, None))
         steps, read = steps + count, read + count * effective
     return [*segments, last.model_copy(update={"start_step": steps})]
@@ -168,13 +171,6 @@ def ramp_grain(recipe: Recipe, world_size: int) -> int:
         raise UserError(f"{world_size} processes cannot share batch.ramp.granularity's {grain} "
                         f"{batch.count_unit} equally; use a world size that divides it", field="world_size")
     return grain
-
-
-def _ramp_split(target: Choice, micro: int, accumulation: int, effective: int) -> Choice:
-    """A ramp step's split: micro-batches of the target's size (one smaller when the step's share of a process is
-    below it, or the last one smaller when the share is not a multiple of it), at the target's LR factor."""
-    return target.model_copy(update={"micro_batch": micro, "accumulation_steps": accumulation,
-                                     "effective_batch": effective, "exact": False})
 
 
 # ---- planning the phases' own schedules ---------------------------------------------------------------------
@@ -222,7 +218,11 @@ def attach_phase_schedules(recipe: Recipe, phases: list[Segment], total: int | N
                         else (warmup.start_factor or 0.0) * peak)
         if warmup_steps > span:
             warnings.append(f"{what}.warmup: {warmup_steps} steps, longer than the {span} steps its schedule runs")
-        decay = spec.decay or _inherited_decay(recipe.schedule.decay, what)
+        decay = spec.decay  # none given: the recipe's kind and its final LR, over the phase's own schedule
+        if decay is None and recipe.schedule.decay.kind == "step":
+            raise UserError(f"{what}.decay: required: the recipe's step decay counts its milestones from the run's "
+                            "start; give the phase's own (e.g. {kind: step, milestones: {steps: [...]}})")
+        decay = decay or recipe.schedule.decay.model_copy(update={"until": None, "milestones": None})
         milestones = []
         if decay.milestones is not None:
             milestones = [phase.start_step + steps(Length.model_validate({decay.milestones.unit: value}),
@@ -236,14 +236,6 @@ def attach_phase_schedules(recipe: Recipe, phases: list[Segment], total: int | N
         )
         result[index] = phase.model_copy(update={"schedule": schedule})
     return result
-
-
-def _inherited_decay(decay: Decay, what: str) -> Decay:
-    """A phase's decay when it gives none: the recipe's kind and its final LR, over the phase's own schedule."""
-    if decay.kind == "step":
-        raise UserError(f"{what}.decay: required: the recipe's step decay counts its milestones from the run's start; "
-                        "give the phase's own (e.g. {kind: step, milestones: {steps: [...]}})")
-    return decay.model_copy(update={"until": None, "milestones": None})
 
 
 def phase_lines(segments: list[Segment], world_size: int, unit: str) -> list[str]:
@@ -313,7 +305,8 @@ def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, s
                       if spec.has_schedule), None)
     decay_end = steps(decay.until, "schedule.decay.until") if decay.until is not None else (
         own_start if own_start is not None else total)
-    phases = attach_phase_schedules(recipe, phases, total, warnings, recipe_path, warmup_steps)
+    if phases:
+        phases = attach_phase_schedules(recipe, phases, total, warnings, recipe_path, warmup_steps)
     if decay.min_lr is not None:
         min_lr = decay.min_lr * chosen.lr_factor
     else:

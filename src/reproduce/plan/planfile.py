@@ -23,10 +23,6 @@ PLAN_FORMAT = "reproduce-plan/2"
 PLAN_FORMATS = (PLAN_FORMAT, FLAT_FORMAT)  # a reproduce-plan/1 file (flat fields) still loads: flatview.py
 
 
-def is_plan(data: dict[str, Any]) -> bool:
-    return data.get("format") in PLAN_FORMATS
-
-
 def plan_to_yaml(plan: Plan) -> str:
     header = (
         f"# reproduce plan: {plan.arithmetic} {plan.unit} per optimizer step\n"
@@ -79,7 +75,7 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def parse_plan(data: dict[str, Any], source: str) -> Plan:
-    if not is_plan(data):
+    if data.get("format") not in PLAN_FORMATS:
         raise UserError(f"{source}: format: expected {PLAN_FORMAT!r} (got {data.get('format')!r}); is this a recipe?")
     if data.get("format") == FLAT_FORMAT:
         data = parts_from_flat(data)
@@ -236,7 +232,7 @@ def _whole_problems(plan: Plan) -> list[str]:
 def load_recipe_or_plan(path: str | Path) -> tuple[Recipe, Plan | None]:
     """A recipe file gives (recipe, None); a plan file gives (its recipe, the plan)."""
     data = read_yaml(path, what="recipe or plan")
-    if is_plan(data):
+    if data.get("format") in PLAN_FORMATS:
         plan = parse_plan(data, str(path))
         if plan.recipe_path and Path(plan.recipe_path).is_file():  # the factories beside the recipe it was made from
             remember_folder(plan.recipe_path)

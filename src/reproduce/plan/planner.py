@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from ..errors import UserError
-from .batchnorm import BatchNormPlan, batchnorm_note, label_disagreement, plan_batchnorm
+from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
 from .gates import planned_gates
 from .overlay import Change, overlay
 from .phases import StepsSchedule, plan_phases, schedule_in_steps
@@ -185,7 +185,7 @@ def make_plan(
     disagreement = label_disagreement(recipe.model, batchnorm_layers)  # the recipe's label against the model
     if disagreement:
         warnings.append(disagreement)
-    batchnorm = batchnorm_note(norm)  # added by `warn_last`
+    batchnorm = norm.note if norm is not None else None  # added by `warn_last`
     rule, source, adam_option = scale_lr(recipe, chosen, warnings)
     size = size or recipe.data.train_size
     steps_per_epoch, partial = epoch_steps(size, chosen.effective_batch, world_size, recipe.data.drop_last)

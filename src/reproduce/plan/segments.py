@@ -225,10 +225,7 @@ class StreamWindow:
     size: int
     dataset_size: int
     effective_batch: int
-
-    @property
-    def partial(self) -> bool:
-        return self.size < self.effective_batch
+    partial: bool  # size < effective_batch
 
 
 def stream_window(phases: list[Segment], step: int, world_size: int, drop_last: bool) -> StreamWindow:
@@ -241,7 +238,7 @@ def stream_window(phases: list[Segment], step: int, world_size: int, drop_last: 
                                   phase.dataset_size, world_size, drop_last)
     assert phase.dataset_size is not None  # (_window refuses an unknown size)
     return StreamWindow(index, phase.sequence_length, epoch, offset, size, phase.dataset_size,
-                        phase.effective_batch)
+                        phase.effective_batch, size < phase.effective_batch)
 
 
 @functools.lru_cache(maxsize=8)
