@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from reproduce.errors import UserError
-from reproduce.plan.overrides import apply_overrides
+from reproduce.plan.overlay import apply_overrides
 from reproduce.plan.recipe import Budget, load_recipe
 
 GPT = "papers/pysource-gpt.yaml"
