@@ -256,6 +256,9 @@ def phase_lines(segments: list[Segment], world_size: int, unit: str) -> list[str
     return lines
 
 
+MOST_STEPS = 10**9  # a value past this is a typo (epochs: 1e18), never a run
+
+
 @dataclass(frozen=True)
 class StepsSchedule:
     """The recipe's schedule in optimizer steps, as `schedule_in_steps` plans it, and the phases with theirs."""
@@ -316,6 +319,9 @@ def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, s
         start_lr = warmup.start_lr
     elif warmup is not None and warmup.start_factor is not None:
         start_lr = warmup.start_factor * chosen.lr
+    if total is not None and total > MOST_STEPS:
+        raise UserError(f"{recipe_path}: schedule.total: {total:.3g} optimizer steps; no run takes more than "
+                        f"{MOST_STEPS:.0e} (at a millisecond a step, {MOST_STEPS / 1000 / 86400:.0f} days)")
     return StepsSchedule(total=total, warmup_steps=warmup_steps, start_lr=start_lr, milestones=milestones,
                          decay_end=decay_end, min_lr=min_lr, phases=phases)
 

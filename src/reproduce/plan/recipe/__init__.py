@@ -35,7 +35,7 @@ from .data import (
     TokensData,
 )
 from .evaluation import LOSS_METRICS, PLATEAU_METRICS, REPORTED_METRICS, Evaluation, Reported
-from .gates import AT_UNITS, RUN_METRICS, Gate, GateAt, Reference, gate_metrics
+from .gates import AT_UNITS, RUN_METRICS, Gate, GateAt, Reference
 from .model import (
     BATCHNORM_CHOICES,
     NORM_LAYERS,
@@ -52,7 +52,7 @@ from .recipe import Budget, Paper, Recipe, default_packing, load_recipe, packing
 from .schedule import PLATEAU_FIELDS, Decay, Milestones, Schedule, Warmup
 
 __all__ = [
-    "ADAM_FAMILY", "AT_UNITS", "RUN_METRICS", "Gate", "GateAt", "Reference", "gate_metrics",
+    "ADAM_FAMILY", "AT_UNITS", "RUN_METRICS", "Gate", "GateAt", "Reference",
     "BATCHNORM_CHOICES", "DATA_FORMATS", "DEFAULT_IGNORE_INDEX", "FIELD_FORMATS", "FORMATS",
     "HF_COLUMN_SETS", "IMPLEMENTED_BY_TORCH", "INSTRUCTION_COLUMN_SETS", "LENGTH_UNITS", "LOSS_METRICS",
     "NORMALIZATIONS", "NORM_LAYERS", "OPTIMIZERS", "OPTIMIZER_IMPLEMENTATIONS", "PACKING_WAYS", "PLATEAU_FIELDS",
