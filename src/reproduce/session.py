@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import DoesNotFit, UserError
 from .model_facts import count_factory_batchnorm, weights_of
-from .plan.overlay import Change, overlay, phase_recipe, resumed
-from .plan.overrides import changes_of
+from .plan.overlay import Change, changes_of, overlay, phase_recipe, resumed
 from .plan.packing import with_probed_budget
 from .plan.planfile import load_plan, load_recipe_or_plan
 from .plan.planner import Plan, finish_plan, make_plan

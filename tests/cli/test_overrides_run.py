@@ -1,4 +1,4 @@
-"""`--set PATH=VALUE` on a run (plan/overrides.py; the recipe-level tests are tests/core/test_overrides.py): the
+"""`--set PATH=VALUE` on a run (plan/overlay.py; the recipe-level tests are tests/core/test_overrides.py): the
 overridden fields are the run's recipe, kept in plan.yaml for its resume."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from reproduce.errors import UserError
-from reproduce.plan.overrides import apply_overrides
+from reproduce.plan.overlay import apply_overrides
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe
 from reproduce.probe.runner import ProbeResult, ProbeTrial

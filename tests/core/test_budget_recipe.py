@@ -1,11 +1,11 @@
-"""The recipe's `budget:` section (plan/recipe/budget.py): strict, one line a problem, settable with `--set`."""
+"""The recipe's `budget:` section (plan/recipe/recipe.py): strict, one line a problem, settable with `--set`."""
 
 from __future__ import annotations
 
 import pytest
 
 from reproduce.errors import UserError
-from reproduce.plan.overrides import apply_overrides
+from reproduce.plan.overlay import apply_overrides
 from reproduce.plan.recipe import Budget, load_recipe
 
 GPT = "papers/pysource-gpt.yaml"

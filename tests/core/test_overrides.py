@@ -1,4 +1,4 @@
-"""`--set PATH=VALUE` on the recipe (plan/overrides.py): typed and validated like the file, errors naming the path."""
+"""`--set PATH=VALUE` on the recipe (plan/overlay.py): typed and validated like the file, errors naming the path."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from reproduce.errors import UserError
-from reproduce.plan.overrides import apply_overrides, parse_override
+from reproduce.plan.overlay import apply_overrides, parse_override
 from reproduce.plan.recipe import load_recipe
 
 GPT = "papers/pysource-gpt.yaml"

@@ -195,6 +195,6 @@ def test_plan_invariants(effective, micro_batch_max, world_size, policy, optimiz
     assert 1 <= p.micro_batch <= micro_batch_max
     assert p.accumulation_steps >= 1
     if p.exact:
-        assert p.lr == 0.5 and p.lr_factor == 1.0
+        assert p.lr == 0.5 and p.split.lr_factor == 1.0
     if policy == "exact" and effective % world_size == 0:
         assert p.exact

@@ -15,7 +15,7 @@ from reproduce.plan.planner import (
     warn_last,
     warn_partial_epoch,
 )
-from reproduce.plan.segments import micro_batch_cap, whole_segment
+from reproduce.plan.segments import micro_batch_cap
 
 
 @pytest.mark.parametrize(("micro", "world", "policy", "message"), [
@@ -101,28 +101,27 @@ def test_the_partial_last_window_is_said_only_of_a_run_that_reaches_it(total, sa
 def test_schedule_in_steps_converts_every_length():
     r = make_recipe()  # 1000 samples, drop_last: 7 steps an epoch; 1 warm-up epoch, milestones at 5 and 8, 10 epochs
     chosen, _ = choose_split(r, 48, 1, "exact", None, [])
-    segments = [whole_segment(chosen, 48, 128, None, 1000, 7)]
+    p = make_plan(r, 48)
+    assert p.segments[0].model_dump(include={"kind", "micro_batch", "effective_batch", "steps_per_epoch"}) == {
+        "kind": "whole", "micro_batch": 32, "effective_batch": 128, "steps_per_epoch": 7}
     warnings: list[str] = []
-    s = schedule_in_steps(r, None, chosen, segments, [], 7, warnings)
+    s = schedule_in_steps(r, None, chosen, p.segments, [], 7, warnings)
     assert (s.total, s.warmup_steps, s.milestones, s.decay_end, s.min_lr, s.start_lr) == (70, 7, [35, 56], 70, 0, 0)
     assert s.phases == [] and warnings == []
-    p = make_plan(r, 48)
     steps = (p.optimizer_steps, p.warmup_steps, p.schedule.decay_milestones, p.schedule.decay_end_step)
     assert steps == (70, 7, [35, 56], 70)
 
 
 def test_schedule_in_steps_needs_the_data_size_for_epochs():
     r = make_recipe(data={"train_size": None})
-    chosen, _ = choose_split(r, 48, 1, "exact", None, [])
-    segments = [whole_segment(chosen, 48, 128, None, None, None)]
     with pytest.raises(UserError, match="r.yaml: data.train_size: required: schedule.total is counted in epochs"):
-        schedule_in_steps(r, "r.yaml", chosen, segments, [], None, [])
+        make_plan(r, 48, recipe_path="r.yaml")
 
 
 def test_warn_last_batchnorm_then_deviations():
     r = make_recipe(deviations=["fewer epochs"])
     chosen, _ = choose_split(r, 48, 1, "exact", None, [])
-    s = schedule_in_steps(r, None, chosen, [whole_segment(chosen, 48, 128, None, 1000, 7)], [], 7, [])
+    s = schedule_in_steps(r, None, chosen, make_plan(r, 48).segments, [], 7, [])
     warnings = ["earlier"]
     warn_last(r, "BatchNorm note", s, warnings)
     assert warnings == ["earlier", "BatchNorm note", "deviation from the paper: fewer epochs"]

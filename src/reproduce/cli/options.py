@@ -9,8 +9,7 @@ from typing import Annotated
 import typer
 
 from ..plan.batchnorm import MODES as BATCHNORM_MODES
-from ..plan.overlay import Change
-from ..plan.overrides import changes_of
+from ..plan.overlay import Change, changes_of
 from ..plan.recipe import PACKING_WAYS, QUANTIZED_BASES
 from ..plan.units import parse_size
 from ..probe.runner import ProbeOptions

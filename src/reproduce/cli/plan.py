@@ -237,7 +237,7 @@ def render_plan(p: Plan, forecast: dict | None = None) -> None:
     table.add_row(
         "learning rate",
         f"{r.optimizer.name} lr {r.optimizer.lr:g}",
-        f"{p.lr:.6g} ({p.lr_scaling.rule}{'' if p.exact else f', x{p.lr_factor:.4g}'})",
+        f"{p.lr:.6g} ({p.lr_scaling.rule}{'' if p.exact else f', x{p.split.lr_factor:.4g}'})",
     )
     table.add_row("LR rule", "", p.lr_scaling.source)
     if p.lr_scaling.adam_option:

@@ -43,7 +43,7 @@ def arithmetic_line(plan: Plan) -> str:
     return (
         text + f", not the paper's {plan.paper_effective_batch} (x{plan.split.batch_factor:.4g}); "
         f"lr {plan.recipe.optimizer.lr:g} -> "
-        f"{plan.lr:.6g} by the {plan.lr_scaling.rule} rule (x{plan.lr_factor:.4g})"
+        f"{plan.lr:.6g} by the {plan.lr_scaling.rule} rule (x{plan.split.lr_factor:.4g})"
     )
 
 

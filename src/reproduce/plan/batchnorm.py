@@ -57,6 +57,20 @@ class BatchNormPlan(BaseModel):
     def summary(self) -> str:
         return self.lines[0] if self.lines else ""
 
+    @property
+    def note(self) -> str | None:
+        """The warning when BatchNorm normalises over another batch than the paper's (None when it is the paper's,
+        or when the run's model has no batch statistics)."""
+        if self.run_batch is None or self.run_batch == self.paper_batch:
+            return None
+        paper = (f"the paper's {self.paper_batch}" if self.paper_batch and self.paper_mode == "sync" else
+                 f"the paper's per-device {self.paper_batch}" if self.paper_batch else
+                 "the paper's per-device batch (not stated)")
+        over = (f"micro-batches of {self.micro_batch} samples" if self.mode == "keep" else
+                f"{self.processes} synced micro-batches of {self.micro_batch} = {self.run_batch} samples")
+        return (f"BatchNorm statistics will be computed over {over} instead of {paper}: normalisation and running "
+                "statistics differ from the paper's" + (" (see the BatchNorm options)" if self.options else ""))
+
 
 def model_layers(model: Any, counted: int | None = None) -> tuple[int | None, str]:
     """(BatchNorm layers of the model as its own architecture has them, how they were found)."""
@@ -193,7 +207,9 @@ def _options(recipe: Any, mode: str, target: int, micro: int, fits: int, world_s
         closer = "the paper's BN batch" if synced == target else f"against the paper's {target}"
         options.append(f"sync over the run's {world_size} CUDA processes (--batchnorm sync): BN batch {micro} x "
                        f"{world_size} = {synced}, {closer}")
-    processes = _sync_processes(target, fits) if target > fits else None
+    # the fewest processes whose micro-batches, synced, make the paper's BN batch with a micro-batch that fits
+    processes = next((k for k in range(2, target + 1) if target % k == 0 and target // k <= fits), None) if (
+        target > fits) else None
     if processes is not None:
         options.append(f"sync over {processes} CUDA processes (--world-size {processes} --batchnorm sync): "
                        f"micro-batch {target // processes} x {processes} = {target}, the paper's BN batch")
@@ -204,23 +220,3 @@ def _options(recipe: Any, mode: str, target: int, micro: int, fits: int, world_s
         options.append("frozen (--batchnorm frozen): no BN batch, any micro-batch; only meaningful from pretrained "
                        "weights (Detectron2's practice when fine-tuning)")
     return options
-
-
-def _sync_processes(target: int, fits: int) -> int | None:
-    """The fewest processes whose micro-batches, synced, make the paper's BN batch with a micro-batch that fits."""
-    return next((k for k in range(2, target + 1) if target % k == 0 and target // k <= fits), None)
-
-
-def batchnorm_note(norm: BatchNormPlan | None) -> str | None:
-    """The warning when BatchNorm normalises over another batch than the paper's (None when it is the paper's, or
-    when the run's model has no batch statistics)."""
-    if norm is None or norm.run_batch is None or norm.run_batch == norm.paper_batch:
-        return None
-    paper = (f"the paper's {norm.paper_batch}" if norm.paper_batch and norm.paper_mode == "sync" else
-             f"the paper's per-device {norm.paper_batch}" if norm.paper_batch else
-             "the paper's per-device batch (not stated)")
-    over = (f"micro-batches of {norm.micro_batch} samples" if norm.mode == "keep" else
-            f"{norm.processes} synced micro-batches of {norm.micro_batch} = {norm.run_batch} samples")
-    return (f"BatchNorm statistics will be computed over {over} instead of {paper}: normalisation and running "
-            "statistics differ from the paper's" + (" (see the BatchNorm options)" if norm.options else ""))
-

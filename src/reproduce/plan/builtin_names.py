@@ -63,11 +63,6 @@ def hf_model_folder(name: str) -> Path | None:
     return snapshots[-1] if snapshots else None
 
 
-def hf_model_local(name: str) -> bool:
-    """A local folder, or a model already in the local hub cache (never looked up on the network)."""
-    return hf_model_folder(name) is not None
-
-
 def why_not_runnable(recipe: Recipe) -> str | None:
     """None when `reproduce run` can run the recipe here; otherwise the reason it is plan-only."""
     model, data = recipe.model, recipe.data
@@ -83,7 +78,7 @@ def why_not_runnable(recipe: Recipe) -> str | None:
     if hf is not None:
         if not _module_found("transformers:AutoModel"):
             return "transformers is not installed"
-        if not hf_model_local(hf):
+        if hf_model_folder(hf) is None:  # neither a local folder nor in the local hub cache
             return f"Hugging Face model {hf!r} is not on this machine"
     if getattr(model, "lora", None) is not None and not _module_found("peft:get_peft_model"):
         return "peft is not installed (model.lora)"

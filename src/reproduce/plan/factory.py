@@ -25,17 +25,12 @@ def remember_folder(file: str | Path) -> None:
         _FOLDERS.append(folder)
 
 
-def factory_folders() -> list[str]:
-    """The folders a factory module is looked for in, before PYTHONPATH: the files' folders, the working directory."""
-    cwd = str(Path.cwd())
-    return [*_FOLDERS, *([cwd] if cwd not in _FOLDERS else [])]
-
-
 def import_factory(spec: str, field: str) -> Callable[..., Any]:
     """`package.module:function`, imported from the folders of the files that named it, the working directory, or
     PYTHONPATH (in that order)."""
     module_name, _, attr = spec.partition(":")
-    folders = factory_folders()
+    cwd = str(Path.cwd())
+    folders = [*_FOLDERS, *([cwd] if cwd not in _FOLDERS else [])]
     for folder in reversed(folders):
         if folder in sys.path:
             sys.path.remove(folder)

@@ -24,53 +24,21 @@ FLAT_FIELDS = (  # its keys, in order: what `plan --json` shows and a plan check
 
 
 def flat_fields(plan: Plan) -> dict[str, Any]:
-    """The plan as JSON in `reproduce-plan/1`'s fields and order, without the recipe."""
-    split, schedule, scaling = plan.split, plan.schedule, plan.lr_scaling
-
-    def dump(value: Any) -> Any:
-        return None if value is None else value.model_dump(mode="json")
-
-    return {
-        "format": FLAT_FORMAT,
-        "recipe_path": plan.recipe_path,
-        "policy": plan.policy,
-        "micro_batch_max": plan.micro_batch_max,
-        "micro_batch": split.micro_batch,
-        "accumulation_steps": split.accumulation_steps,
-        "world_size": split.world_size,
-        "unit": plan.unit,
-        "effective_batch": split.effective_batch,
-        "effective_tokens": plan.effective_tokens,
-        "paper_effective_batch": plan.paper_effective_batch,
-        "exact": split.exact,
-        "batch_factor": split.batch_factor,
-        "base_lr": plan.recipe.optimizer.lr,
-        "lr": split.lr,
-        "lr_factor": split.lr_factor,
-        "lr_rule": scaling.rule,
-        "lr_rule_source": scaling.source,
-        "adam_option": dump(scaling.adam_option),
-        "dataset_size": plan.dataset_size,
-        "steps_per_epoch": plan.steps_per_epoch,
-        "partial_window": plan.partial_window,
-        "optimizer_steps": schedule.end_step,
-        "warmup_steps": schedule.warmup_steps,
-        "warmup_start_lr": schedule.warmup_start_lr,
-        "decay_kind": schedule.decay_kind,
-        "decay_milestones": list(schedule.decay_milestones),
-        "decay_factor": schedule.decay_factor,
-        "decay_end_step": schedule.decay_end_step,
-        "min_lr": schedule.min_lr,
-        "batchnorm": plan.batchnorm_warning,
-        "norm": dump(plan.batchnorm),
-        "alternative": dump(plan.alternative),
-        "warnings": list(plan.warnings),
+    """The plan as JSON in `reproduce-plan/1`'s fields and order, without the recipe: the split's fields and the
+    plan's own (its `policy` over the split's), the rest named as v1 named them."""
+    parts = plan.model_dump(mode="json", exclude={"recipe", "segments"})
+    schedule, scaling = parts["schedule"], parts["lr_scaling"]
+    values = {
+        **parts["split"], **parts, "format": FLAT_FORMAT, "unit": plan.unit, "effective_tokens": plan.effective_tokens,
+        "paper_effective_batch": plan.paper_effective_batch, "base_lr": plan.recipe.optimizer.lr,
+        "lr_rule": scaling["rule"], "lr_rule_source": scaling["source"], "adam_option": scaling["adam_option"],
+        "optimizer_steps": schedule["end_step"], **{key: schedule[key] for key in (
+            "warmup_steps", "warmup_start_lr", "decay_kind", "decay_milestones", "decay_factor", "decay_end_step",
+            "min_lr")},
+        "batchnorm": plan.batchnorm_warning, "norm": parts["batchnorm"], "memory": parts["memory_notes"],
         "phases": [segment.model_dump(mode="json") for segment in plan.segments] if plan.has_phases else [],
-        "throughput": dump(plan.throughput),
-        "memory": list(plan.memory_notes),
-        "weights": dump(plan.weights),
-        "data_fingerprint": plan.data_fingerprint,
     }
+    return {key: values[key] for key in FLAT_FIELDS}
 
 
 def parts_from_flat(data: dict[str, Any]) -> dict[str, Any]:

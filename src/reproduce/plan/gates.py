@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Protocol
 
 from ..errors import GatePaused, UserError
@@ -89,7 +90,7 @@ def planned_gates(plan: Planned, budget_gpu_hours: float | None = None) -> list[
             which = "" if at.unit == "step" else f" is optimizer step {step},"
             raise UserError(f"{what}: {at.label()}{which} past the run's {total} optimizer steps")
         planned.append(PlannedGate(index, step, gate))
-    planned.sort(key=lambda planned_gate: (planned_gate.step, planned_gate.index))
+    planned.sort(key=attrgetter("step", "index"))
     if budget_gpu_hours is not None:
         if any(gate.name == BUDGET_GATE for gate in plan.recipe.gates):
             raise UserError(f"gates: the name {BUDGET_GATE!r} is the budget's cost gate's; name the gate otherwise")

@@ -18,9 +18,6 @@ from __future__ import annotations
 
 from .recipe import Recipe
 
-OFFLOADS = ("none", "cpu")
-
-
 QUANTIZED_SUMMARY = {
     "int8": "int8 base (LLM.int8(): 1 byte a frozen weight and an fp32 scale a row; bitsandbytes)",
     "nf4": "nf4 base (QLoRA's 4-bit NormalFloat with double quantisation: about half a byte a frozen weight; "

@@ -9,6 +9,10 @@ the paper's), and validates the whole recipe once, as the file is, so every rule
 the field. A problem is one line naming how the field was given (`--packing: data.packing: ...`) when a change set
 it, else the file.
 
+`--set PATH=VALUE` (`changes_of`) is any recipe field by its dotted path, as torchtune's `key=value` overrides: the
+value is read as YAML (a number, `true`, `null`, a `[list]` or a `{mapping}`), and a number in the path is an item
+of a list (`batch.phases.1.effective`).
+
 A resumed run (`resumed`) keeps the fields its plan.yaml was run with (`FIXED_ON_RESUME`): a change that asks for
 another value is refused, naming it; any other difference between the recipe and the run's is refused too.
 """
@@ -20,11 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import ValidationError
 
 from ..errors import UserError
 from .recipe import DATA_FORMATS, Recipe
-from .validation import format_validation_errors
+from .validation import UniqueKeyLoader, format_validation_errors
 
 PATH_FIELDS = ("model.weights", "model.backbone_weights", "data.path", "data.eval_path")  # made absolute
 FIXED_ON_RESUME = (
@@ -135,6 +140,32 @@ SHOWN_AT_MOST = 80  # characters of a change echoed in a message
 def shortened(text: str) -> str:
     """`text` as a message echoes it: at most SHOWN_AT_MOST characters, then `...`."""
     return text if len(text) <= SHOWN_AT_MOST else text[:SHOWN_AT_MOST] + "..."
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`PATH=VALUE` as (the path's parts, the value read as YAML)."""
+    shown = shortened(text)
+    path, sep, raw = text.partition("=")
+    parts = path.strip().split(".")
+    if not sep or not all(part.strip() for part in parts):
+        raise UserError(f"`overrides` {shown}: expected FIELD.PATH=VALUE, e.g. `overrides` optimizer.lr=1e-4")
+    try:
+        value = yaml.load(raw, Loader=UniqueKeyLoader) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"`overrides` {shown}: the value is not YAML: {problem}") from None
+    return [part.strip() for part in parts], value
+
+
+def changes_of(overrides: Sequence[str]) -> list[Change]:
+    """Each `PATH=VALUE` of `overrides` (`--set` on the command line) as the change of its field."""
+    return [Change(".".join(parts), value, "`overrides`") for parts, value in map(parse_override, overrides)]
+
+
+def apply_overrides(recipe: Recipe, overrides: Sequence[str], source: str = "the recipe") -> Recipe:
+    """`recipe` with each `PATH=VALUE` of `overrides` applied in order, validated again as a whole: an override
+    obeys every rule the file does, and a problem names the field's path after `--set`, not the file."""
+    return overlay(recipe, changes_of(overrides), source)
 
 
 def _shown(change: Change) -> str:

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from ..errors import UserError
 from .overlay import phase_recipe
-from .recipe import Decay, Length, Recipe
+from .recipe import Length, Recipe
 from .schedules import StepSchedule
 from .segments import Segment, epoch_steps, lengths_to_steps, micro_batch_cap, own_steps, size_at
 from .split import Choice, SplitPolicy, split
@@ -149,7 +149,10 @@ def _ramp(recipe: Recipe, target: Choice, cap: int, world_size: int, segment: An
             count += 1
         share = effective // world_size  # each process's; above the micro-batch, the last micro-batch is smaller
         micro = min(target.micro_batch, share)
-        choice = _ramp_split(target, micro, -(-share // micro), effective)
+        # micro-batches of the target's size (one smaller when the share is below it, or the last one smaller when
+        # the share is not a multiple of it), at the target's LR factor
+        choice = target.model_copy(update={"micro_batch": micro, "accumulation_steps": -(-share // micro),
+                                           "effective_batch": effective, "exact": False})
         segments.append(segment("ramp", steps, count, choice, None, length, cap, None))
         steps, read = steps + count, read + count * effective
     return [*segments, last.model_copy(update={"start_step": steps})]
@@ -170,22 +173,7 @@ def ramp_grain(recipe: Recipe, world_size: int) -> int:
     return grain
 
 
-def _ramp_split(target: Choice, micro: int, accumulation: int, effective: int) -> Choice:
-    """A ramp step's split: micro-batches of the target's size (one smaller when the step's share of a process is
-    below it, or the last one smaller when the share is not a multiple of it), at the target's LR factor."""
-    return target.model_copy(update={"micro_batch": micro, "accumulation_steps": accumulation,
-                                     "effective_batch": effective, "exact": False})
-
-
 # ---- planning the phases' own schedules ---------------------------------------------------------------------
-
-
-def first_own_schedule_step(recipe: Recipe, phases: list[Segment]) -> int | None:
-    """The first step of the first phase with a schedule of its own: where the recipe's schedule ends."""
-    for spec, phase in zip(recipe.batch.phases or [], phases, strict=False):
-        if spec.has_schedule:
-            return phase.start_step
-    return None
 
 
 def attach_phase_schedules(recipe: Recipe, phases: list[Segment], total: int | None, warnings: list[str],
@@ -230,7 +218,11 @@ def attach_phase_schedules(recipe: Recipe, phases: list[Segment], total: int | N
                         else (warmup.start_factor or 0.0) * peak)
         if warmup_steps > span:
             warnings.append(f"{what}.warmup: {warmup_steps} steps, longer than the {span} steps its schedule runs")
-        decay = spec.decay or _inherited_decay(recipe.schedule.decay, what)
+        decay = spec.decay  # none given: the recipe's kind and its final LR, over the phase's own schedule
+        if decay is None and recipe.schedule.decay.kind == "step":
+            raise UserError(f"{what}.decay: required: the recipe's step decay counts its milestones from the run's "
+                            "start; give the phase's own (e.g. {kind: step, milestones: {steps: [...]}})")
+        decay = decay or recipe.schedule.decay.model_copy(update={"until": None, "milestones": None})
         milestones = []
         if decay.milestones is not None:
             milestones = [phase.start_step + steps(Length.model_validate({decay.milestones.unit: value}),
@@ -244,14 +236,6 @@ def attach_phase_schedules(recipe: Recipe, phases: list[Segment], total: int | N
         )
         result[index] = phase.model_copy(update={"schedule": schedule})
     return result
-
-
-def _inherited_decay(decay: Decay, what: str) -> Decay:
-    """A phase's decay when it gives none: the recipe's kind and its final LR, over the phase's own schedule."""
-    if decay.kind == "step":
-        raise UserError(f"{what}.decay: required: the recipe's step decay counts its milestones from the run's start; "
-                        "give the phase's own (e.g. {kind: step, milestones: {steps: [...]}})")
-    return decay.model_copy(update={"until": None, "milestones": None})
 
 
 def phase_lines(segments: list[Segment], world_size: int, unit: str) -> list[str]:
@@ -270,6 +254,9 @@ def phase_lines(segments: list[Segment], world_size: int, unit: str) -> list[str
                          f"{phase.accumulation_steps} x world {world_size} = {phase.effective_batch} "
                          f"{'sequences' if length else unit}{length}")
     return lines
+
+
+MOST_STEPS = 10**9  # a value past this is a typo (epochs: 1e18), never a run
 
 
 @dataclass(frozen=True)
@@ -295,7 +282,9 @@ def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, s
             return None
         value = lengths_to_steps(segments, length, what, warnings)
         if value is None:
-            raise UserError(needs_train_size(recipe_path, what))
+            raise UserError(f"{recipe_path or 'recipe'}: data.train_size: required: {what} is counted in epochs, and "
+                            "the plan needs the training samples per epoch to count its optimizer steps (or plan the "
+                            "run with its data)")
         return value
 
     total = steps(recipe.schedule.total, "schedule.total")
@@ -315,10 +304,12 @@ def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, s
             step = steps(Length.model_validate({decay.milestones.unit: value}), "schedule.decay.milestones")
             milestones += [step] if step is not None else []
     # the recipe's schedule ends where a batch phase starts its own, else with the run
-    own_start = first_own_schedule_step(recipe, phases)
+    own_start = next((phase.start_step for spec, phase in zip(recipe.batch.phases or [], phases, strict=False)
+                      if spec.has_schedule), None)
     decay_end = steps(decay.until, "schedule.decay.until") if decay.until is not None else (
         own_start if own_start is not None else total)
-    phases = attach_phase_schedules(recipe, phases, total, warnings, recipe_path, warmup_steps)
+    if phases:
+        phases = attach_phase_schedules(recipe, phases, total, warnings, recipe_path, warmup_steps)
     if decay.min_lr is not None:
         min_lr = decay.min_lr * chosen.lr_factor
     else:
@@ -328,6 +319,9 @@ def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, s
         start_lr = warmup.start_lr
     elif warmup is not None and warmup.start_factor is not None:
         start_lr = warmup.start_factor * chosen.lr
+    if total is not None and total > MOST_STEPS:
+        raise UserError(f"{recipe_path}: schedule.total: {total:.3g} optimizer steps; no run takes more than "
+                        f"{MOST_STEPS:.0e} (at a millisecond a step, {MOST_STEPS / 1000 / 86400:.0f} days)")
     return StepsSchedule(total=total, warmup_steps=warmup_steps, start_lr=start_lr, milestones=milestones,
                          decay_end=decay_end, min_lr=min_lr, phases=phases)
 
@@ -343,10 +337,3 @@ def _no_steps_message(recipe: Recipe, effective_batch: int, steps_per_epoch: int
         one_step += f"; an epoch is {steps_per_epoch} optimizer steps"
     return (f"schedule.total: {length_text} is less than one optimizer step, which reads {one_step}: the run "
             "would take 0 optimizer steps; give a longer total")
-
-
-def needs_train_size(recipe_path: str | None, what: str) -> str:
-    """The one line for a plan that must count epochs of data it does not know the size of."""
-    return (f"{recipe_path or 'recipe'}: data.train_size: required: {what} is counted in epochs, and the plan needs "
-            "the training samples per epoch to count its optimizer steps (or plan the run with its data)")
-

@@ -13,13 +13,13 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from ..errors import UserError
-from .batchnorm import BatchNormPlan, batchnorm_note, label_disagreement, plan_batchnorm
+from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
 from .gates import planned_gates
 from .overlay import Change, overlay
 from .phases import StepsSchedule, plan_phases, schedule_in_steps
 from .recipe import Recipe, default_packing
 from .schedules import StepSchedule
-from .segments import Segment, epoch_steps, micro_batch_cap, segment_lr, whole_segment
+from .segments import Segment, epoch_steps, micro_batch_cap, segment_lr
 from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule, split_text
 from .throughput_choice import ThroughputChoice
 from .weightfiles import WeightsRecord
@@ -34,9 +34,6 @@ class AdamOption(Frozen):
     betas: tuple[float, float]
     eps: float
     source: str = MALLADI_SOURCE
-
-
-MOST_STEPS = 10**9  # a value past this is a typo (epochs: 1e18), never a run
 
 
 class LrScaling(Frozen):
@@ -103,10 +100,6 @@ class Plan(Frozen):
     @property
     def lr(self) -> float:
         return self.split.lr
-
-    @property
-    def lr_factor(self) -> float:
-        return self.split.lr_factor
 
     @property
     def optimizer_steps(self) -> int | None:
@@ -185,7 +178,11 @@ def make_plan(
         warnings.append(f"micro-batch capped at {capped}: the paper's batch of {recipe.batch.sequences} over "
                         f"{world_size} process(es) needs no more per step")
     chosen, alternative = choose_split(recipe, capped, world_size, split_policy, micro_batch, warnings)
-    norm, batchnorm = plan_norm(recipe, chosen, capped, world_size, batchnorm_layers, warnings)
+    norm = plan_batchnorm(recipe, chosen.micro_batch, capped, world_size, batchnorm_layers)
+    disagreement = label_disagreement(recipe.model, batchnorm_layers)  # the recipe's label against the model
+    if disagreement:
+        warnings.append(disagreement)
+    batchnorm = norm.note if norm is not None else None  # added by `warn_last`
     rule, source, adam_option = scale_lr(recipe, chosen, warnings)
     size = size or recipe.data.train_size
     steps_per_epoch, partial = epoch_steps(size, chosen.effective_batch, world_size, recipe.data.drop_last)
@@ -197,11 +194,11 @@ def make_plan(
                         "over the window's micro-batches and processes (the Hugging Face Trainer before transformers "
                         "v4.46.0): not the large batch's gradient where micro-batches hold different counts")
     phases = plan_phases(recipe, maxima or cap, world_size, size, sizes, split_policy, chosen, warnings)
-    segments = phases or [whole_segment(chosen, cap, recipe.batch.sequences, main_length, size, steps_per_epoch)]
+    segments = phases or [Segment(  # a plan without batch phases: its one batch from step 0 to the end
+        kind="whole", start_step=0, micro_batch_max=cap, paper_effective_batch=recipe.batch.sequences,
+        sequence_length=main_length, dataset_size=size, steps_per_epoch=steps_per_epoch,
+        **chosen.model_dump(include={"micro_batch", "accumulation_steps", "effective_batch", "exact", "lr_factor"}))]
     schedule = schedule_in_steps(recipe, recipe_path, chosen, segments, phases, steps_per_epoch, warnings)
-    if schedule.total is not None and schedule.total > MOST_STEPS:
-        raise UserError(f"{recipe_path}: schedule.total: {schedule.total:.3g} optimizer steps; no run takes more "
-                        f"than {MOST_STEPS:.0e} (at a millisecond a step, {MOST_STEPS / 1000 / 86400:.0f} days)")
     full = size // chosen.effective_batch if size else 0
     if not (phases or schedule.total is None) and 0 < full and schedule.total <= full:
         epoch_end = []  # the run ends within the first epoch's full windows: it never meets the last one
@@ -270,18 +267,6 @@ def choose_split(recipe: Recipe, cap: int, world_size: int, policy: SplitPolicy,
     elif policy == "fast" and exact is not None and exact.micro_batch != fast.micro_batch:
         alternative = exact
     return chosen, alternative
-
-
-def plan_norm(recipe: Recipe, chosen: Choice, cap: int, world_size: int, batchnorm_layers: int | None,
-              warnings: list[str]) -> tuple[BatchNormPlan | None, str | None]:
-    """BatchNorm: the run's BN batch against the paper's and the options, the warning when
-    they differ (added by `warn_last`), and the line when the recipe's label disagrees with the model. `cap`: as
-    `choose_split`'s."""
-    norm = plan_batchnorm(recipe, chosen.micro_batch, cap, world_size, batchnorm_layers)
-    disagreement = label_disagreement(recipe.model, batchnorm_layers)
-    if disagreement:
-        warnings.append(disagreement)
-    return norm, batchnorm_note(norm)
 
 
 def scale_lr(recipe: Recipe, chosen: Choice, warnings: list[str]) -> tuple[LrRule, str, AdamOption | None]:
@@ -356,7 +341,7 @@ def lr_at(plan: Plan, step: int) -> float:
     With batch phases the schedule runs on across them, or restarts where a phase gives its own (phases.py); a
     phase whose batch is not the paper's has its own LR rule factor in place of the main batch's.
     """
-    return segment_lr(plan.segments, plan.schedule, plan.lr_factor, step)
+    return segment_lr(plan.segments, plan.schedule, plan.split.lr_factor, step)
 
 
 def first_plateau_step(plan: Plan) -> int | None:

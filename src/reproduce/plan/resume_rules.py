@@ -44,15 +44,11 @@ def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: 
     changed = [field for field, value in kept(saved).items() if value is not None and kept(again)[field] != value]
     if changed or steps(again) != steps(saved):
         raise UserError(
-            f"{source}: world_size: the plan ({saved.arithmetic}{steps_text(saved)}) cannot be kept "
+            f"{source}: world_size: the plan ({saved.arithmetic}"  # (a schedule never known: no `None steps`)
+            f"{f', {saved.optimizer_steps} steps' if saved.optimizer_steps is not None else ''}) cannot be kept "
             f"on {world_size} processes with micro-batch {cap}; plan again for {world_size}"
         )
     return again
-
-
-def steps_text(plan: Plan) -> str:
-    """`, 300 steps`, or nothing for a plan whose schedule was never known (never `None steps`)."""
-    return f", {plan.optimizer_steps} steps" if plan.optimizer_steps is not None else ""
 
 
 def check_resumed_weights(saved: Plan, out: Path) -> None:

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import UserError
 from .recipe import Length, Recipe
 from .schedules import StepSchedule
-from .split import Choice, split_text
+from .split import split_text
 
 
 class Segment(BaseModel):
@@ -71,15 +71,6 @@ class Segment(BaseModel):
 def micro_batch_cap(micro_batch_max: int, batch: int, world_size: int) -> int:
     """The largest micro-batch worth taking: what fits, at most what `batch` needs per process of `world_size`."""
     return min(micro_batch_max, math.ceil(batch / world_size))
-
-
-def whole_segment(choice: Choice, micro_batch_max: int, paper_batch: int, sequence_length: int | None,
-                  dataset_size: int | None, steps_per_epoch: int | None) -> Segment:
-    """The one segment of a plan without batch phases: its batch from step 0 to the end."""
-    return Segment(kind="whole", start_step=0, micro_batch_max=micro_batch_max, micro_batch=choice.micro_batch,
-                   accumulation_steps=choice.accumulation_steps, effective_batch=choice.effective_batch,
-                   paper_effective_batch=paper_batch, sequence_length=sequence_length, exact=choice.exact,
-                   lr_factor=choice.lr_factor, dataset_size=dataset_size, steps_per_epoch=steps_per_epoch)
 
 
 @overload
@@ -203,28 +194,18 @@ def length_sizes(segments: list[Segment]) -> dict[int | None, int | None]:
     return {length: sizes[length] for length in sorted(sizes, key=lambda length: length or 0)}
 
 
-def schedule_owner(phases: list[Segment], step: int) -> Segment | None:
-    """The last phase at or before `step` that starts a schedule of its own (None: the recipe's schedule)."""
-    owner = None
-    for phase in phases:
-        if phase.start_step > step:
-            break
-        if phase.schedule is not None:
-            owner = phase
-    return owner
-
-
 def segment_lr(segments: list[Segment], main: StepSchedule, main_factor: float, step: int) -> float:
     """The LR of optimizer step `step` (0-based): the schedule it falls in (`main`, the recipe's, or the last phase
     before it with its own), at its segment's LR-rule factor.
 
     A segment whose batch is not the paper's multiplies the schedule it continues by its own factor over that
     schedule's (`main_factor` for the recipe's schedule, the owning phase's for a phase's own)."""
-    owner = schedule_owner(segments, step)
-    schedule, factor = (owner.schedule, owner.lr_factor) if owner is not None and owner.schedule is not None else (
-        main, main_factor)
+    index, schedule, factor = phase_index(segments, step), main, main_factor
+    for owner in segments[:index + 1]:  # the last segment at or before the step with a schedule of its own
+        if owner.schedule is not None:
+            schedule, factor = owner.schedule, owner.lr_factor
     value = schedule.lr_at(step)
-    segment = segment_at(segments, step)
+    segment = segments[index]
     if segment.lr_factor != factor:
         value = value * segment.lr_factor / factor
     return value
@@ -244,10 +225,7 @@ class StreamWindow:
     size: int
     dataset_size: int
     effective_batch: int
-
-    @property
-    def partial(self) -> bool:
-        return self.size < self.effective_batch
+    partial: bool  # size < effective_batch
 
 
 def stream_window(phases: list[Segment], step: int, world_size: int, drop_last: bool) -> StreamWindow:
@@ -260,7 +238,7 @@ def stream_window(phases: list[Segment], step: int, world_size: int, drop_last: 
                                   phase.dataset_size, world_size, drop_last)
     assert phase.dataset_size is not None  # (_window refuses an unknown size)
     return StreamWindow(index, phase.sequence_length, epoch, offset, size, phase.dataset_size,
-                        phase.effective_batch)
+                        phase.effective_batch, size < phase.effective_batch)
 
 
 @functools.lru_cache(maxsize=8)

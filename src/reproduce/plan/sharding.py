@@ -10,8 +10,6 @@ from __future__ import annotations
 from ..errors import UserError
 from .recipe import Recipe
 
-SHARDINGS = ("none", "fsdp")
-
 # Optimizers whose update is element by element, so each rank can step its own shard of every parameter and get
 # exactly the unsharded update. Adafactor's factored second moments are row and column means over whole matrices
 # (on FSDP2's sharded DTensors its in-place updates fail: "in-place operations that require placement changes are

@@ -144,18 +144,13 @@ def format_validation_errors(exc: ValidationError, source: str, root: type[BaseM
             # a cross-field check already names its (dotted) field: attach it to the path
             loc = [*loc, *head.split(".")]
             message = message.split(":", 1)[1].strip()
-        path = ".".join(short(part) for part in loc) or "(top level)"
+        path = ".".join(part if len(part) <= 60 else f"{part[:57]}..." for part in loc) or "(top level)"
         line = f"{source}: {path}: {message}"
         if line not in lines:
             lines.append(line)
     if len(lines) > MOST_LINES:
         lines = [*lines[: MOST_LINES - 1], f"{source}: and {len(lines) - MOST_LINES + 1:,} more problems"]
     return lines
-
-
-def short(part: str, most: int = 60) -> str:
-    """A key as a path shows it, cut to `most` characters."""
-    return part if len(part) <= most else f"{part[: most - 3]}..."
 
 
 def error_loc(error: ErrorDetails) -> list[str]:

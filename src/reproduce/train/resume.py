@@ -9,9 +9,9 @@ from ..errors import UserError
 from ..observe.divergence import DivergenceWatch
 from ..observe.noise import NoiseScale
 from ..observe.outputs import read_metrics
+from ..plan.planfile import changed_fields
 from ..plan.planner import Plan
 from ..plan.segments import batch_phase
-from ..plan.trained_with import changed_fields
 from .checkpoint import kept_metrics, load_checkpoint
 from .run_end import end_problem
 from .setup import Setup
@@ -56,7 +56,7 @@ def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, se
 
 def check_same_plan(state: dict, plan: Plan, out: Path) -> None:
     """A resumed run trains the plan its checkpoint was trained with: one line naming every field that changes the
-    computation and differs (plan/trained_with.py). A checkpoint written before it kept its plan is not checked."""
+    computation and differs (plan/planfile.py). A checkpoint written before it kept its plan is not checked."""
     recorded = state.get("extra", {}).get("plan")
     if not isinstance(recorded, str):
         return

@@ -21,7 +21,7 @@ from ..data.batches import DataClock
 from ..data.loader import cpu_share, default_workers
 from ..errors import Interrupted, TrainingStopped
 from ..observe.outputs import check_out_dir, read_metrics, run_outputs
-from ..plan import trained_with
+from ..plan.planfile import as_record
 from ..plan.planner import Plan
 from ..plan.sharding import check_sharding
 from ..storage import lock, signals
@@ -334,7 +334,7 @@ def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool, gate:
                                "tokens": run.totals_before_resume["tokens"] + run.counters["tokens"]}
         extra["divergence"] = run.divergence.state_dict()
         extra["last_record"] = run.last_record
-        extra["plan"] = trained_with.as_record(run.plan)  # a resume refuses another plan (plan/trained_with.py)
+        extra["plan"] = as_record(run.plan)  # a resume refuses another plan (plan/planfile.py)
         if run.summary is not None:
             extra["summary"] = json.dumps(run.summary)  # (train/run_end.py)
         if run.gates is not None:

@@ -4,13 +4,12 @@ No torch here. `load_recipe(path)` returns a `Recipe` or raises one `UserError` 
 in the file, one line each: `papers/x.yaml: batch.effective: must be > 0 (got -3)`.
 
 One module a section (batch, model, data, optimizer, schedule, evaluation), what they share (common), the whole
-recipe and its cross-section rules (recipe), reading a file (load). The names are re-exported here:
+recipe, its cross-section rules and reading a file (recipe). The names are re-exported here:
 `from reproduce.plan.recipe import Recipe, load_recipe`.
 """
 
 from ..validation import read_yaml  # check/load.py reads YAML through here (as before the package)
 from .batch import Batch, BatchPhase, BatchRamp
-from .budget import Budget
 from .common import LENGTH_UNITS, Builder, Length, Name, Names, Strict
 from .data import (
     DATA_FORMATS,
@@ -36,8 +35,7 @@ from .data import (
     TokensData,
 )
 from .evaluation import LOSS_METRICS, PLATEAU_METRICS, REPORTED_METRICS, Evaluation, Reported
-from .gates import AT_UNITS, RUN_METRICS, Gate, GateAt, Reference, gate_metrics
-from .load import load_recipe, parse_recipe
+from .gates import AT_UNITS, RUN_METRICS, Gate, GateAt, Reference
 from .model import (
     BATCHNORM_CHOICES,
     NORM_LAYERS,
@@ -50,11 +48,11 @@ from .model import (
     Model,
 )
 from .optimizer import ADAM_FAMILY, IMPLEMENTED_BY_TORCH, OPTIMIZER_IMPLEMENTATIONS, OPTIMIZERS, SGD_FAMILY, Optimizer
-from .recipe import Paper, Recipe, default_packing, packing_problem
+from .recipe import Budget, Paper, Recipe, default_packing, load_recipe, packing_problem, parse_recipe
 from .schedule import PLATEAU_FIELDS, Decay, Milestones, Schedule, Warmup
 
 __all__ = [
-    "ADAM_FAMILY", "AT_UNITS", "RUN_METRICS", "Gate", "GateAt", "Reference", "gate_metrics",
+    "ADAM_FAMILY", "AT_UNITS", "RUN_METRICS", "Gate", "GateAt", "Reference",
     "BATCHNORM_CHOICES", "DATA_FORMATS", "DEFAULT_IGNORE_INDEX", "FIELD_FORMATS", "FORMATS",
     "HF_COLUMN_SETS", "IMPLEMENTED_BY_TORCH", "INSTRUCTION_COLUMN_SETS", "LENGTH_UNITS", "LOSS_METRICS",
     "NORMALIZATIONS", "NORM_LAYERS", "OPTIMIZERS", "OPTIMIZER_IMPLEMENTATIONS", "PACKING_WAYS", "PLATEAU_FIELDS",

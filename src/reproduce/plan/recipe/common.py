@@ -31,22 +31,19 @@ class Strict(BaseModel):
         if isinstance(data, dict):
             for name, value in data.items():
                 field = cls.model_fields.get(name) if isinstance(name, str) else None
-                if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+                if not isinstance(value, bool) or field is None:
+                    continue
+                kinds, stack = set(), [field.annotation]  # a number (int, float, or an optional one), not a bool
+                while stack:
+                    kind = stack.pop()
+                    arguments = typing.get_args(kind)
+                    if arguments:
+                        stack.extend(arguments)
+                    else:
+                        kinds.add(kind)
+                if kinds & {int, float} and bool not in kinds:
                     raise ValueError(f"{name}: expected a number (got {value!r})")
         return data
-
-
-def _numeric(annotation: Any) -> bool:
-    """Whether a field's type takes a number and not a boolean (int, float, or an optional one)."""
-    kinds, stack = set(), [annotation]
-    while stack:
-        kind = stack.pop()
-        arguments = typing.get_args(kind)
-        if arguments:
-            stack.extend(arguments)
-        else:
-            kinds.add(kind)
-    return bool(kinds & {int, float}) and bool not in kinds
 
 
 class OneUnit(Strict):

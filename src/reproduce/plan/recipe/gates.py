@@ -125,16 +125,11 @@ class Reference(Strict):
         return self
 
 
-def gate_metrics(task: str, plateau_metrics: tuple[str, ...]) -> tuple[str, ...]:
-    """The metrics a gate of a run of `task` can watch."""
-    evaluated = (*plateau_metrics, *(("eval_error",) if "eval_accuracy" in plateau_metrics and "eval_error" not in
-                                    plateau_metrics else ()))
-    return (*RUN_METRICS, *evaluated)
-
-
 def gates_problem(gates: list[Gate], task: str, plateau_metrics: tuple[str, ...]) -> str | None:
     """The first problem of the recipe's gates as a whole (names given twice, a metric the task does not measure)."""
-    known, seen = gate_metrics(task, plateau_metrics), set()
+    evaluated = (*plateau_metrics, *(("eval_error",) if "eval_accuracy" in plateau_metrics and "eval_error" not in
+                                    plateau_metrics else ()))
+    known, seen = (*RUN_METRICS, *evaluated), set()  # the metrics a gate of a run of `task` can watch
     for index, gate in enumerate(gates):
         if gate.name in seen:
             return f"gates.{index}.name: {gate.name!r} names two gates; each gate's name is its checkpoint's"

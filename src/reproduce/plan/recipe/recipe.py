@@ -1,13 +1,16 @@
-"""The recipe as a whole: `Recipe`, its sections, and the rules that cross sections (task, data, precision)."""
+"""The recipe as a whole: `Recipe`, its sections, the rules that cross sections (task, data, precision), and reading
+a recipe file (YAML reading and error formatting: plan/validation.py)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from ...errors import UserError
+from ..validation import format_validation_errors, read_yaml
 from .batch import Batch
-from .budget import Budget
 from .common import Names, Strict
 from .data import DEFAULT_IGNORE_INDEX, Data, HfDatasetsData, InstructionsData, TextData
 from .evaluation import PLATEAU_METRICS, REPORTED_METRICS, Evaluation, Reported
@@ -25,6 +28,28 @@ class Paper(Strict):
     arxiv: str | None = None
     notes: str | None = None
 
+
+class Budget(Strict):
+    """`budget:`: what the user allows the whole run to cost, checked at `plan` time against the forecast
+    (throughput/budget.py) and, during the run, by the cost gate. `budget: {gpu_hours: 40}` (GPUs x hours: 8 GPUs
+    for 5 hours is 40), or `money: 500` with the price of one GPU-hour (`price:` here, or `reproduce plan --price`):
+    no price is shipped as a fact, the user says what theirs is."""
+
+    gpu_hours: float | None = Field(
+        default=None, gt=0, description="the most GPU-hours (GPUs x hours) the whole run may take")
+    money: float | None = Field(
+        default=None, gt=0, description="the most money the whole run may cost, in `currency`: GPU-hours x the "
+        "price of one (`price`, or `plan --price`)")
+    price: float | None = Field(
+        default=None, gt=0, description="the price of one GPU-hour, in `currency` (the user's own; none is shipped)")
+    currency: str | None = Field(default=None, min_length=1, max_length=8, pattern=r"^\S+$",
+                                 description="the unit `money` and `price` are in, as printed (USD, EUR, credits)")
+
+    @model_validator(mode="after")
+    def _something_bounded(self) -> Budget:
+        if self.gpu_hours is None and self.money is None:
+            raise ValueError("give gpu_hours or money (or both): the most the whole run may cost")
+        return self
 
 
 class Recipe(Strict):
@@ -53,14 +78,10 @@ class Recipe(Strict):
     )
 
     @model_validator(mode="after")
-    def _deviations_written(self) -> Recipe:
+    def _cross_checks(self) -> Recipe:
         for index, text in enumerate(self.deviations):
             if not text.strip():
                 raise ValueError(f"deviations.{index}: an empty sentence; say what differs from the paper")
-        return self
-
-    @model_validator(mode="after")
-    def _cross_checks(self) -> Recipe:
         loss_named = self.loss is not None and (self.loss.builtin or self.loss.factory)
         if self.task == "custom" and not loss_named:
             raise ValueError("loss: task custom needs loss: {builtin: NAME} or {factory: 'package.module:function'}")
@@ -102,8 +123,7 @@ class Recipe(Strict):
                     raise ValueError(f"{name}: counted in tokens, which needs batch.sequence_length")
         self._check_data_format()
         self._check_segmentation()
-        self._check_plateau()
-        self._check_reported()
+        self._check_metrics()
         problem = gates_problem(self.gates, self.task, PLATEAU_METRICS[self.task])
         if problem:
             raise ValueError(problem)
@@ -143,8 +163,21 @@ class Recipe(Strict):
             raise ValueError(f"data.ignore_index: {self.ignore_index} is one of the {data.classes} class ids "
                              f"0 .. {data.classes - 1}; the ignored value must be none of them (255 by default)")
 
-    def _check_reported(self) -> None:
-        """A reported metric the run evaluates is one the task computes; any other says `evaluated: false`."""
+    def _check_metrics(self) -> None:
+        """A plateau decay watches an evaluation metric: evaluations must happen, and report that metric. A reported
+        metric the run evaluates is one the task computes; any other says `evaluated: false`."""
+        decay = self.schedule.decay
+        if decay.kind == "plateau":
+            if self.evaluation.every_steps is None:
+                raise ValueError("evaluation.every_steps: required by schedule.decay kind plateau (the LR can only "
+                                 "drop at an evaluation)")
+            for index, phase in enumerate(self.batch.phases or []):
+                if phase.has_schedule:
+                    raise ValueError(f"batch.phases.{index}: a phase's own schedule cannot follow schedule.decay kind "
+                                     "plateau (whose decreases apply to the whole run)")
+            if decay.metric not in PLATEAU_METRICS[self.task]:
+                raise ValueError(f"schedule.decay.metric: unknown metric {decay.metric!r} for task {self.task}; "
+                                 f"expected one of {', '.join(PLATEAU_METRICS[self.task])}")
         known = REPORTED_METRICS[self.task]
         for index, reported in enumerate(self.reported):
             if reported.evaluated and reported.metric not in known:
@@ -152,23 +185,6 @@ class Recipe(Strict):
                     f"reported.{index}.metric: unknown metric {reported.metric!r} for task {self.task}, which "
                     f"evaluates {', '.join(known)}; a figure the run does not measure (a downstream benchmark) "
                     "says evaluated: false")
-
-    def _check_plateau(self) -> None:
-        """A plateau decay watches an evaluation metric: evaluations must happen, and report that metric."""
-        decay = self.schedule.decay
-        if decay.kind != "plateau":
-            return
-        if self.evaluation.every_steps is None:
-            raise ValueError("evaluation.every_steps: required by schedule.decay kind plateau (the LR can only drop "
-                             "at an evaluation)")
-        for index, phase in enumerate(self.batch.phases or []):
-            if phase.has_schedule:
-                raise ValueError(f"batch.phases.{index}: a phase's own schedule cannot follow schedule.decay kind "
-                                 "plateau (whose decreases apply to the whole run)")
-        known = PLATEAU_METRICS[self.task]
-        if decay.metric not in known:
-            raise ValueError(f"schedule.decay.metric: unknown metric {decay.metric!r} for task {self.task}; "
-                             f"expected one of {', '.join(known)}")
 
     def _check_data_format(self) -> None:
         """What a data format needs from the rest of the recipe (the task; the sizes it cuts or tokenises to)."""
@@ -250,3 +266,20 @@ def default_packing(recipe: Recipe) -> str | None:
     if packing_problem(recipe, "sorted"):
         return None
     return "packed" if recipe.model.builtin in VARLEN_MODELS else "sorted"
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    data = read_yaml(path)
+    if data.get("format", "").startswith("reproduce-plan"):
+        raise UserError(f"{path}: this is a plan file, not a recipe; give the recipe it was made from")
+    from ..factory import remember_folder  # its factories are looked for beside it first
+
+    remember_folder(path)
+    return parse_recipe(data, source=str(path))
+
+
+def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(*format_validation_errors(exc, source, Recipe)) from None
