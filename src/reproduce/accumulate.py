@@ -227,7 +227,7 @@ class Window:
                 self._paused_sync.enter_context(model.no_sync())
             elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
                 model.set_requires_gradient_sync(False)  # type: ignore[operator]
-                self._paused_sync.callback(model.set_requires_gradient_sync, True)
+                self._paused_sync.callback(model.set_requires_gradient_sync, True)  # type: ignore[arg-type]
         return self
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
