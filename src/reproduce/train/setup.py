@@ -82,24 +82,12 @@ class Setup:
     world: World = World()
     sync_counter: distributed.SyncCounter | None = None
     notes: list[str] = field(default_factory=list)
+    sharded: bool = field(init=False)  # several processes under FSDP (DDP otherwise)
+    unwrapped_model: nn.Module = field(init=False)  # without DDP's wrapper (FSDP2 shards the model in place: none)
 
-    @property
-    def distributed(self) -> bool:
-        """Several processes: DDP, or FSDP when `sharded`."""
-        return self.world.distributed
-
-    @property
-    def sharded(self) -> bool:
-        return self.distributed and self.plan.recipe.batch.sharding == "fsdp"
-
-    @property
-    def rank(self) -> int:
-        return self.world.rank
-
-    @property
-    def unwrapped_model(self) -> nn.Module:
-        """The model without DDP's wrapper (FSDP2 shards the model in place: no wrapper)."""
-        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+    def __post_init__(self) -> None:
+        self.sharded = self.world.distributed and self.plan.recipe.batch.sharding == "fsdp"
+        self.unwrapped_model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
     def autocast(self) -> contextlib.AbstractContextManager:
         precision = self.plan.recipe.precision

@@ -112,15 +112,11 @@ def any_rank(world: World, flag: bool, device: torch.device) -> bool:
     return bool(tensor.item())
 
 
-def shutdown(world: World) -> None:
-    if world.distributed and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def abandon(world: World) -> None:
     """Leave the process group when this rank stops alone (out of memory in the middle of a collective's
     sequence): the other ranks' pending collectives then fail at once instead of waiting for this rank."""
-    shutdown(world)
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 PEER_FAILURE_WORDS = ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL")
