@@ -98,7 +98,7 @@ def rank_shares(plan: Plan, step: int, seed: int) -> tuple[list[torch.Tensor], b
     segments = plan.segments
     where = stream_window(segments, step, plan.world_size, plan.recipe.data.drop_last)
     base = length_offsets(length_sizes(segments))[where.sequence_length]
-    order = epoch_order(plan, where.dataset_size, where.epoch, seed)
+    order = _order(where.dataset_size, where.epoch, seed, plan.recipe.data.shuffle)
     indices = order[where.offset : where.offset + where.size] + base
     per_rank = where.effective_batch // plan.world_size
     shares = list(torch.tensor_split(indices, plan.world_size)) if where.partial else [

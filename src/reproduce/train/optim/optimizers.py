@@ -8,7 +8,6 @@ from torch import nn
 
 from ...errors import UserError
 from ...plan.planner import Plan
-from .large_batch import LAMB, LARS, LARS_TRUST_COEFFICIENT
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 
@@ -58,6 +57,8 @@ def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
     if spec.name == "adamw":
         return torch.optim.AdamW(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps, **kernels)
     if spec.name in ("lars", "lamb"):
+        from .large_batch import LAMB, LARS, LARS_TRUST_COEFFICIENT  # (imported by the runs that step with them)
+
         groups = param_groups(model, spec.weight_decay, list(spec.no_decay), layer_adaptation=True)
         if spec.name == "lars":
             return LARS(groups, lr=plan.lr, momentum=spec.momentum,
