@@ -51,15 +51,6 @@ class Planned:
     notes: list[str] = field(default_factory=list)
 
 
-def _noter(notes: list[str], on_note: OnNote | None) -> OnNote:
-    def note(line: str) -> None:
-        notes.append(line)
-        if on_note is not None:
-            on_note(line)
-
-    return note
-
-
 def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict | None, world_size: int,
                    policy: str = "exact", dataset_size: int | dict | None = None, *, probe: ProbeOptions | None = None,
                    data: Datasets | None = None, keep_batchnorm: bool = True, on_note: OnNote | None = None,
@@ -73,7 +64,12 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
     at 512), each at the largest batch of that length; the result returned is the main length's.
     """
     notes: list[str] = []
-    note = _noter(notes, on_note)
+
+    def note(line: str) -> None:
+        notes.append(line)
+        if on_note is not None:
+            on_note(line)
+
     result, memory = None, []
     if micro_batch_max is None and len(recipe.batch.sequence_lengths) > 1:
         maxima = {}

@@ -1,14 +1,7 @@
 """One optimizer step over a window of N micro-batches, exactly the paper's large-batch update: the run's use of
-the library's exact window (`reproduce.Accumulator`, accumulate.py), which does steps 1 to 3.
-
-  1. count the window's loss-bearing items (samples, or target tokens != -100) before any backward;
-  2. for each micro-batch: summed loss / window count, backward (gradients reduced over the ranks on the last
-     only: DDP's `no_sync`, FSDP2's `set_requires_gradient_sync(False)` on the others); with
-     `loss.normalization: micro-batch-mean`, summed loss / (its own count x micro-batches x ranks) instead: the
-     Hugging Face Trainer's arithmetic before transformers v4.46.0, not the large batch's mean (`Window.divisors`);
-  3. once per window: unscale (fp16), clip, optimizer step, scheduler step, zero_grad(set_to_none=True).
-The gradient is then exactly that of the mean loss over the whole effective batch.
-"""
+the library's exact window (`reproduce.Accumulator`, accumulate.py: the window's items counted over every rank
+before any backward, each summed loss divided by that count, the gradients reduced on the last micro-batch only,
+one optimizer step), with `loss.normalization: micro-batch-mean` the Hugging Face Trainer's arithmetic instead."""
 
 from __future__ import annotations
 

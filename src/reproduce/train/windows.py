@@ -42,15 +42,6 @@ def micro_batch_at(plan: Plan, step: int, lowered: dict) -> int:
     return min(batch.micro_batch, lowered.get(batch.sequence_length, batch.micro_batch))
 
 
-def length_offsets(sizes: dict) -> dict:
-    """Where each length's samples start in one index space (`data.lengths.ByLength`): shortest length first."""
-    offsets, start = {}, 0
-    for length in sorted(sizes, key=lambda length: length or 0):
-        offsets[length] = start
-        start += sizes[length] or 0
-    return offsets
-
-
 def step_epoch(plan: Plan, step: int) -> float:
     """The epochs of data read once optimizer step `step` (0-based) is done (of its length's data, with phases)."""
     return epochs_done(plan.segments, step, plan.world_size, plan.recipe.data.drop_last)
@@ -97,7 +88,10 @@ def rank_shares(plan: Plan, step: int, seed: int) -> tuple[list[torch.Tensor], b
     micro-batch its segment plans."""
     segments = plan.segments
     where = stream_window(segments, step, plan.world_size, plan.recipe.data.drop_last)
-    base = length_offsets(length_sizes(segments))[where.sequence_length]
+    # each length's samples in one index space (`data.lengths.ByLength`), shortest first: this one's start after
+    # the shorter ones'
+    base = sum(size or 0 for length, size in length_sizes(segments).items()
+               if (length or 0) < (where.sequence_length or 0))
     order = _order(where.dataset_size, where.epoch, seed, plan.recipe.data.shuffle)
     indices = order[where.offset : where.offset + where.size] + base
     per_rank = where.effective_batch // plan.world_size
