@@ -11,7 +11,7 @@ import datetime
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,14 +25,12 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    distributed: bool = field(init=False)  # several processes
+    is_main: bool = field(init=False)  # rank 0, the one that writes
 
-    @property
-    def distributed(self) -> bool:
-        return self.size > 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "distributed", self.size > 1)
+        object.__setattr__(self, "is_main", self.rank == 0)
 
 
 def world_from_env() -> World:
