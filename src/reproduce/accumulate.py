@@ -29,7 +29,7 @@ import contextlib
 import gc
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,21 +37,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .errors import UserError
 
-__all__ = ["Accumulator", "OptimizerStepOutOfMemory", "Window", "WindowObserver", "smaller_micro_batch",
-           "split_items"]
+__all__ = ["Accumulator", "OptimizerStepOutOfMemory", "Window", "smaller_micro_batch", "split_items"]
 
 NORMALIZATIONS = ("window", "micro-batch-mean")
 REDUCTIONS = ("auto", "sum", "mean")
-
-
-class WindowObserver(Protocol):
-    """What may watch a window's gradients as they accumulate (the run's gradient noise scale, observe/noise.py)."""
-
-    def start_window(self, counts: list[int], count: int, samples: int) -> None: ...
-
-    def after_backward(self, index: int) -> None: ...
-
-    def end_window(self, norm: float, finite: bool, scale: float) -> Any: ...
 
 
 class OptimizerStepOutOfMemory(torch.OutOfMemoryError):
@@ -60,13 +49,6 @@ class OptimizerStepOutOfMemory(torch.OutOfMemoryError):
     Still an out-of-memory error to a probe; the window cannot be redone (the scaler has unscaled, or some
     parameters have stepped), so a run stops instead of lowering the micro-batch.
     """
-
-
-def _world(process_group: Any) -> int:
-    """The processes the window's count is summed over: 1 without an initialised process group."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return 1
-    return int(torch.distributed.get_world_size(process_group))
 
 
 class Accumulator:
@@ -117,35 +99,20 @@ class Accumulator:
         self.micro_batch: int | None = None  # `step`'s current micro-batch (lowered after out of memory)
 
     @property
-    def world_size(self) -> int:
-        return _world(self.process_group)
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def ranks_average(self) -> bool:
-        """Whether the model's gradient reduction divides by the world size (`gradient_reduction`)."""
-        if self.gradient_reduction != "auto" or not self.distributed:
-            return self.gradient_reduction == "mean" and self.distributed
-        if isinstance(self.model, DistributedDataParallel):
-            return not self.model._comm_hooks  # DDP's default hook: an average
-        return hasattr(self.model, "set_requires_gradient_sync")  # FSDP2's default divide factor: the world size
-
-    @property
     def device(self) -> torch.device:
         if self._device is not None:
             return self._device
         parameter = next(self.model.parameters(), None)
         return parameter.device if parameter is not None else torch.device("cpu")
 
-    def window(self, counts: Sequence[int], *, samples: int | None = None,
-               observer: WindowObserver | None = None) -> Window:
+    def window(self, counts: Sequence[int], *, samples: int | None = None, observer: Any = None) -> Window:
         """One optimizer step's window: `counts` are the loss-bearing items of each of this rank's micro-batches
         (tokens, or samples), in the order their losses will be given to `Window.backward`. `samples` (optional):
         this rank's samples in the window, summed over the ranks with the count (reported, and given to the
-        observer). Use it as a context manager: the optimizer steps when the block ends without an error."""
+        observer). `observer` (optional) watches the gradients as they accumulate (the run's gradient noise scale,
+        observe/noise.py): `start_window(counts, count, samples)`, `after_backward(index)` and
+        `end_window(norm, finite, scale)`, whose result is `Window.observed`. Use it as a context manager: the
+        optimizer steps when the block ends without an error."""
         return Window(self, [int(count) for count in counts], samples, observer)
 
     def step(self, items: Any, micro_batch: int, loss: Callable[[Any], torch.Tensor],
@@ -172,7 +139,13 @@ class Accumulator:
                         except torch.OutOfMemoryError as error:
                             out_of_memory = str(error)
                             break
-                    if self._any_rank(out_of_memory is not None):
+                    failed = out_of_memory is not None
+                    if window.world_size > 1:  # the ranks vote: any rank out of memory splits again on all
+                        flag = torch.tensor([int(failed)], dtype=torch.int64, device=self.device)
+                        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
+                                                     group=self.process_group)
+                        failed = bool(flag.item())
+                    if failed:
                         raise torch.OutOfMemoryError(out_of_memory or "out of memory on another rank")
                     window.backward(loss(micro_batches[last]))
                 return window
@@ -193,22 +166,14 @@ class Accumulator:
                                              "micro-batch is left")
             self.micro_batch = smaller
 
-    def _any_rank(self, flag: bool) -> bool:
-        if not self.distributed:
-            return flag
-        tensor = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
-        return bool(tensor.item())
-
 
 class Window:
     """One optimizer step's accumulation (made by `Accumulator.window`): `count` and `samples` are the window's
-    totals over every rank (known once the block is entered), `divisors` what each micro-batch's loss is divided
-    by; after the block, `loss` (the window's loss, the mean over the global window), `grad_norm` (before
-    clipping, unscaled) and `finite`."""
+    totals over every rank and `world_size` the ranks (known once the block is entered), `divisors` what each
+    micro-batch's loss is divided by; after the block, `loss` (the window's loss, the mean over the global
+    window), `grad_norm` (before clipping, unscaled) and `finite`."""
 
-    def __init__(self, accumulator: Accumulator, counts: list[int], samples: int | None,
-                 observer: WindowObserver | None):
+    def __init__(self, accumulator: Accumulator, counts: list[int], samples: int | None, observer: Any):
         if not counts:
             raise UserError("a window needs at least one micro-batch (got no counts)", field="counts")
         if any(count < 0 for count in counts):
@@ -218,69 +183,57 @@ class Window:
         self.count = sum(counts)
         self.samples = samples
         self.observer = observer
+        self.world_size = 1
         self.divisors: list[float] = []
         self.loss: float | None = None
         self.grad_norm: float | None = None
         self.finite: bool | None = None
         self.observed: Any = None  # what the observer's end_window returned
         self._losses: list[torch.Tensor] = []
-        self._no_sync: contextlib.AbstractContextManager[Any] | None = None
-        self._fsdp_paused = False
-
-    @property
-    def index(self) -> int:
-        """How many micro-batches have been back-propagated."""
-        return len(self._losses)
+        self._paused_sync = contextlib.ExitStack()  # closing it resumes the ranks' gradient reduction
 
     def __enter__(self) -> Window:
-        acc = self.accumulator
+        acc, model = self.accumulator, self.accumulator.model
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.world_size = int(torch.distributed.get_world_size(acc.process_group))
+        distributed = self.world_size > 1
         # 1. the window's loss-bearing items, over every rank, before any backward
-        if acc.distributed:
+        if distributed:
             totals = torch.tensor([self.count, self.samples or 0], dtype=torch.int64, device=acc.device)
             torch.distributed.all_reduce(totals, group=acc.process_group)
             self.count = int(totals[0])
             self.samples = int(totals[1]) if self.samples is not None else None
-        self.divisors = self._divisors(acc.world_size)
-        if acc.ranks_average:  # the reduction divides by the world size: divide by that much less here
-            self.divisors = [divisor / acc.world_size for divisor in self.divisors]
+        # window: the window's count over every rank, so the gradient is the large batch's mean. micro-batch-mean:
+        # the micro-batch's own count times the window's micro-batches and ranks (the Trainer's `loss /
+        # gradient_accumulation_steps` averaged by DDP over the ranks). An empty micro-batch's loss is 0 either way.
+        if acc.normalization == "window":
+            self.divisors = [max(self.count, 1)] * len(self.counts)
+        else:
+            self.divisors = [max(own, 1) * len(self.counts) * self.world_size for own in self.counts]
+        # whether the model's reduction divides by the world size (`gradient_reduction`): then divide by that much
+        # less here; `auto`: DDP's default hook averages, and FSDP2's default divide factor is the world size
+        if acc.gradient_reduction == "auto" and distributed:
+            averages = (not model._comm_hooks if isinstance(model, DistributedDataParallel) else
+                        hasattr(model, "set_requires_gradient_sync"))
+        else:
+            averages = acc.gradient_reduction == "mean" and distributed
+        if averages:
+            self.divisors = [divisor / self.world_size for divisor in self.divisors]
         if self.observer is not None:
             self.observer.start_window(self.counts, self.count, self.samples or 0)
-        if len(self.counts) > 1:
-            self._pause_sync()
+        # accumulate locally until the last micro-batch: set before its forward (DDP decides in the forward)
+        if len(self.counts) > 1 and distributed and not acc.sync_every_micro_batch:
+            if isinstance(model, DistributedDataParallel):
+                self._paused_sync.enter_context(model.no_sync())
+            elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+                model.set_requires_gradient_sync(False)  # type: ignore[operator]
+                self._paused_sync.callback(model.set_requires_gradient_sync, True)  # type: ignore[arg-type]
         return self
-
-    def _divisors(self, world_size: int) -> list[float]:
-        """window: the window's count over every rank, so the gradient is the large batch's mean. micro-batch-mean:
-        the micro-batch's own count times the window's micro-batches and ranks (the Trainer's `loss /
-        gradient_accumulation_steps` averaged by DDP over the ranks). An empty micro-batch's loss is 0 either way."""
-        if self.accumulator.normalization == "window":
-            return [max(self.count, 1)] * len(self.counts)
-        return [max(own, 1) * len(self.counts) * world_size for own in self.counts]
-
-    def _pause_sync(self) -> None:
-        """Accumulate locally until the last micro-batch: set before its forward (DDP decides in the forward)."""
-        acc, model = self.accumulator, self.accumulator.model
-        if not acc.distributed or acc.sync_every_micro_batch:
-            return
-        if isinstance(model, DistributedDataParallel):
-            self._no_sync = model.no_sync()
-            self._no_sync.__enter__()
-        elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-            model.set_requires_gradient_sync(False)  # type: ignore[operator]
-            self._fsdp_paused = True
-
-    def _resume_sync(self) -> None:
-        if self._no_sync is not None:
-            self._no_sync.__exit__(None, None, None)
-            self._no_sync = None
-        if self._fsdp_paused:
-            self.accumulator.model.set_requires_gradient_sync(True)  # type: ignore[operator]
-            self._fsdp_paused = False
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Back-propagate one micro-batch's summed loss divided by the window's global count (`divisors`);
         returns that divided loss, detached. Give the micro-batches in the order of `counts`."""
-        index = self.index
+        index = len(self._losses)
         if index >= len(self.counts):
             raise UserError(f"the window was given {len(self.counts)} counts, and this is backward call "
                             f"{index + 1}: give one count per micro-batch", field="counts")
@@ -289,55 +242,48 @@ class Window:
         (scaler.scale(divided) if scaler else divided).backward()
         detached = divided.detach()
         self._losses.append(detached)
-        if self.index == len(self.counts) - 1:  # the next micro-batch is the last: its backward reduces
-            self._resume_sync()
+        if index + 1 == len(self.counts) - 1:  # the next micro-batch is the last: its backward reduces
+            self._paused_sync.close()
         if self.observer is not None:
             self.observer.after_backward(index)
         return detached
 
     def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
-        self._resume_sync()
+        """Once per window: the logged loss over every rank, then unscale, clip, step, schedule and zero."""
+        self._paused_sync.close()
         if kind is not None:  # the gradients of a failed window stay for the caller to drop (or redo)
             return
-        if self.index != len(self.counts):
-            raise UserError(f"the window was given {len(self.counts)} counts and {self.index} backward calls: "
-                            "give one count per micro-batch", field="counts")
-        self.finish()
-
-    def finish(self) -> None:
-        """Once per window: the logged loss over every rank, then unscale, clip, step, schedule and zero."""
-        acc = self.accumulator
-        window_loss = torch.stack(self._losses).sum()
-        if acc.distributed:  # the logged loss is the mean over the global window
-            torch.distributed.all_reduce(window_loss, group=acc.process_group)
-        try:
-            self._apply(window_loss)
-        except torch.OutOfMemoryError as error:
-            raise OptimizerStepOutOfMemory(str(error)) from None
-
-    def _apply(self, window_loss: torch.Tensor) -> None:
+        if len(self._losses) != len(self.counts):
+            raise UserError(f"the window was given {len(self.counts)} counts and {len(self._losses)} backward "
+                            "calls: give one count per micro-batch", field="counts")
         acc = self.accumulator
         model, optimizer, scaler = acc.model, acc.optimizer, acc.scaler
-        if scaler:
-            scaler.unscale_(optimizer)
-        if acc.clip_grad_norm:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), acc.clip_grad_norm)
-        else:  # the norm for the caller, without clip_grad_norm_'s rescaling pass
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-        self.loss, self.grad_norm = float(window_loss), float(grad_norm)
-        self.finite = math.isfinite(self.loss) and math.isfinite(self.grad_norm)
-        if self.observer is not None:  # the window's norm, unscaled and before clipping; the scale backward used
-            self.observed = self.observer.end_window(self.grad_norm, self.finite,
-                                                     scaler.get_scale() if scaler else 1.0)
-        if scaler:
-            scaler.step(optimizer)  # skips the update itself when fp16 gradients overflowed
-            scaler.update()
-            self.finite = math.isfinite(self.loss)
-        elif self.finite:  # a non-finite step never touches the weights
-            optimizer.step()
-        if acc.scheduler is not None:
-            acc.scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        window_loss = torch.stack(self._losses).sum()
+        if self.world_size > 1:  # the logged loss is the mean over the global window
+            torch.distributed.all_reduce(window_loss, group=acc.process_group)
+        try:
+            if scaler:
+                scaler.unscale_(optimizer)
+            if acc.clip_grad_norm:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), acc.clip_grad_norm)
+            else:  # the norm for the caller, without clip_grad_norm_'s rescaling pass
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+            self.loss, self.grad_norm = float(window_loss), float(grad_norm)
+            self.finite = math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+            if self.observer is not None:  # the window's norm, unscaled and before clipping; the scale backward used
+                self.observed = self.observer.end_window(self.grad_norm, self.finite,
+                                                         scaler.get_scale() if scaler else 1.0)
+            if scaler:
+                scaler.step(optimizer)  # skips the update itself when fp16 gradients overflowed
+                scaler.update()
+                self.finite = math.isfinite(self.loss)
+            elif self.finite:  # a non-finite step never touches the weights
+                optimizer.step()
+            if acc.scheduler is not None:
+                acc.scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        except torch.OutOfMemoryError as error:
+            raise OptimizerStepOutOfMemory(str(error)) from None
 
 
 def _length(micro: Any) -> int:

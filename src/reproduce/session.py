@@ -50,15 +50,6 @@ class Planned:
     notes: list[str] = field(default_factory=list)
 
 
-def _noter(notes: list[str], on_note: OnNote | None) -> OnNote:
-    def note(line: str) -> None:
-        notes.append(line)
-        if on_note is not None:
-            on_note(line)
-
-    return note
-
-
 def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict | None, world_size: int,
                    policy: str = "exact", dataset_size: int | dict | None = None, *, probe: ProbeOptions | None = None,
                    data: Datasets | None = None, keep_batchnorm: bool = True, on_note: OnNote | None = None,
@@ -72,7 +63,12 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
     at 512), each at the largest batch of that length; the result returned is the main length's.
     """
     notes: list[str] = []
-    note = _noter(notes, on_note)
+
+    def note(line: str) -> None:
+        notes.append(line)
+        if on_note is not None:
+            on_note(line)
+
     result, memory = None, []
     if micro_batch_max is None and len(recipe.batch.sequence_lengths) > 1:
         maxima = {}
@@ -251,18 +247,6 @@ def _check_changed(recipe: Recipe, changes: Sequence[Change], world_size: int | 
         check_checkpointable(recipe)
 
 
-def check_sharded_probe(recipe: Recipe, plan: Plan | None, micro_batch_max: int | None, meter: str) -> None:
-    """With FSDP and no micro-batch maximum given, refuse a probe that measures the whole unsharded model on one
-    device (the cuda and cpu meters): that is not what one rank holds."""
-    if recipe.batch.sharding != "fsdp" or plan is not None or micro_batch_max is not None:
-        return
-    if measures_whole_model(meter):
-        raise UserError(
-            "`micro_batch_max`: with `batch.sharding` fsdp give it (or `meter` estimate): the cuda and cpu probes "
-            "measure the whole unsharded model on one device, not one rank's share"
-        )
-
-
 def check_launch_policy(policy: str, plan: Plan | None, processes: int) -> None:
     """--policy throughput times one device: several processes would each choose their own split."""
     if policy == "throughput" and plan is None and processes > 1:
@@ -324,7 +308,14 @@ def checked_run(request: RunRequest, processes: int, resume: bool) -> tuple[Reci
 
         check_batchnorm("sync", World(size=processes), resolve_device(request.device))
     check_sharding(recipe, processes)
-    check_sharded_probe(recipe, plan, request.micro_batch_max, request.meter)
+    # with FSDP and no micro-batch maximum given, a probe that measures the whole unsharded model on one device (the
+    # cuda and cpu meters) does not measure what one rank holds
+    if recipe.batch.sharding == "fsdp" and plan is None and request.micro_batch_max is None and (
+            measures_whole_model(request.meter)):
+        raise UserError(
+            "`micro_batch_max`: with `batch.sharding` fsdp give it (or `meter` estimate): the cuda and cpu probes "
+            "measure the whole unsharded model on one device, not one rank's share"
+        )
     return recipe, plan
 
 

@@ -47,7 +47,7 @@ def folder_state(out: Path, max_steps: int | None) -> tuple[str, str]:
     """Where the run in `out` stands, for --auto-resume, with a few words on it: `new` (no run there), `started`
     (its plan.yaml, no checkpoint yet: it starts again), `unfinished` (a checkpoint: it resumes; a finished run's
     end that is not the run's is written again) or `finished` (it has reached --max-steps, else the plan's last step,
-    and its end is whole: nothing to do). Judged from the last checkpoint (train/run_end.py), never from a
+    and its end is whole: nothing to do). Judged from the last checkpoint (train/resume.py), never from a
     summary.json that may be damaged."""
     if not (out / "plan.yaml").is_file():
         return "new", "no run there"
@@ -58,7 +58,7 @@ def folder_state(out: Path, max_steps: int | None) -> tuple[str, str]:
                 planned if max_steps is None else min(max_steps, planned)):
             return "finished", f"{steps} of {planned} optimizer steps run"
         return "started", "its plan.yaml but no checkpoint yet"
-    from ..train.run_end import finished_state  # (torch: only for a folder with a checkpoint)
+    from ..train.resume import finished_state  # (torch: only for a folder with a checkpoint)
 
     try:
         planned = load_plan(out / "plan.yaml").optimizer_steps

@@ -2,7 +2,7 @@
 
 A dataset that can be cut at another length says so with a `with_sequence_length(length)` method returning the same
 data cut into sequences of `length` (the built-in `pysource` does; so can a user's factory dataset). `ByLength`
-puts the cuts into one index space, shortest length first (`train.windows.length_offsets`), so `train.windows.window`
+puts the cuts into one index space, shortest length first (`train.windows.rank_shares`), so `train.windows.window`
 can name a phase's samples with plain indices and every consumer of indices (the loop, DataLoader workers) fetches
 them unchanged; a window never mixes lengths.
 """

@@ -30,17 +30,6 @@ __all__ = ["PROBE_WINDOW", "probe_step"]
 PROBE_WINDOW = ACCUMULATED  # micro-batches in the window a trial measures, as `reproduce probe`'s
 
 
-def _held(model: Any, optimizer: Any) -> list[torch.Tensor]:
-    """What exists before a trial and stays through it: the parameters, buffers, gradients, optimizer state."""
-    tensors: list[torch.Tensor] = []
-    if model is not None:
-        tensors += [*model.parameters(), *model.buffers()]
-        tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    if optimizer is not None:
-        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return tensors
-
-
 class _Step:
     """One trial of the user's step: warm-up, then the measured step; what it left dropped after an error."""
 
@@ -48,7 +37,15 @@ class _Step:
         self.step, self.model, self.optimizer = step, model, optimizer
 
     def held(self) -> Iterable[torch.Tensor]:
-        return _held(self.model, self.optimizer)
+        """What exists before a trial and stays through it: the parameters, buffers, gradients, optimizer state."""
+        tensors: list[torch.Tensor] = []
+        if self.model is not None:
+            tensors += [*self.model.parameters(), *self.model.buffers()]
+            tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.optimizer is not None:
+            tensors += [v for state in self.optimizer.state.values() for v in state.values()
+                        if isinstance(v, torch.Tensor)]
+        return tensors
 
     def failed(self) -> None:
         if self.optimizer is not None:

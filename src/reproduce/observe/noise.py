@@ -205,7 +205,7 @@ class NoiseScale:
             squares = torch.stack(window.groups).double()
             small = (squares * torch.tensor(window.weights, dtype=torch.float64, device=device)).sum()
         groups = float(len(window.groups))
-        if self.setup.distributed:  # every rank's micro-batches: the sum of the sums, and of their number
+        if self.setup.world.distributed:  # every rank's micro-batches: the sum of the sums, and of their number
             totals = torch.stack([small, torch.tensor(groups, dtype=torch.float64, device=device)])
             torch.distributed.all_reduce(totals)
             small, groups = totals.tolist()

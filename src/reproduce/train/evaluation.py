@@ -1,5 +1,16 @@
 """Evaluation in a run: the eval split's mean loss (and accuracy; segmentation: mIoU and pixel accuracy), and the
-plateau decay stepped on it."""
+plateau decay stepped on it.
+
+How a segmentation model sees the evaluation images (`evaluation.mode`, `evaluation.output_stride`):
+- `whole`: each image at its own size through the model (torchvision's reference evaluation).
+- `slide`: MMSegmentation's `slide_inference` (mmseg/models/segmentors/encoder_decoder.py): windows of
+  `evaluation.crop` every `evaluation.stride` pixels, the last window of a row or column moved back to end at the
+  image's edge, and each pixel's logits the mean over the windows that cover it. An image smaller than the window
+  is one window of the image's own size, as MMSeg's `min(y1 + crop, height)` gives it.
+- `output_stride`: the same weights at another output stride (DeepLabV3 trains at 16 and evaluates at 8, sec. 4.1):
+  the model built again at that stride (ResNet's dilation, ASPP's rates; no tensor changes shape) and given the
+  trained model's state dict, for the evaluation only.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from ..data import build_data
 from ..data.batches import to_device
 from ..data.loader import default_workers, eval_batches
 from ..errors import UserError
+from ..models import build_model, place
 from ..models.segmentation import output_of
+from ..plan.overlay import Change, overlay, variant
+from ..plan.planfile import load_plan
 from ..plan.planner import Plan
-from .eval_modes import evaluation_forward
 from .optim.plateau import step_plateau
 from .setup import Setup, build, resolve_device
 
@@ -35,7 +50,7 @@ def evaluate(setup: Setup, batch: int | None = None, workers: int | None = None)
     if getattr(dataset, "sizes_differ", False):  # images of several sizes, each at its own: one at a time
         batch = 1
     workers = default_workers(dataset) if workers is None else workers
-    # segmentation: whole images or MMSeg's sliding window, at the evaluation's output stride (eval_modes.py)
+    # segmentation: whole images or MMSeg's sliding window, at the evaluation's output stride (evaluation_forward)
     forward = evaluation_forward(setup) if pixels is not None else model
     for cpu_batch in eval_batches(dataset, batch, workers=workers, pin_memory=setup.device.type == "cuda"):
         inputs, target = to_device(cpu_batch, setup.device, setup.dtype)
@@ -96,6 +111,51 @@ def pixel_metrics(matrix: torch.Tensor) -> dict:
             "eval_pixel_accuracy": float(hits.sum()) / total if total else 0.0, "eval_class_iou": ious}
 
 
+def slide_logits(model: nn.Module, images: torch.Tensor, crop: tuple[int, int], stride: tuple[int, int]) -> dict:
+    """The logits of `images` (B x C x H x W) as MMSeg's slide inference averages them over the windows."""
+    height, width = images.shape[-2:]
+    crop_h, crop_w = crop
+    stride_h, stride_w = stride
+    rows = max(height - crop_h + stride_h - 1, 0) // stride_h + 1
+    columns = max(width - crop_w + stride_w - 1, 0) // stride_w + 1
+    total, count = None, images.new_zeros((1, 1, height, width))
+    for row in range(rows):
+        for column in range(columns):
+            bottom, right = min(row * stride_h + crop_h, height), min(column * stride_w + crop_w, width)
+            top, left = max(bottom - crop_h, 0), max(right - crop_w, 0)
+            logits = output_of(model(images[..., top:bottom, left:right]))
+            if total is None:
+                total = images.new_zeros((images.shape[0], logits.shape[1], height, width))
+            total[..., top:bottom, left:right] += logits
+            count[..., top:bottom, left:right] += 1
+    return {"out": total / count}
+
+
+def model_at_stride(setup, stride: int) -> nn.Module:
+    """The run's model at output stride `stride` for evaluation: built again (random state kept: torch's generator
+    is forked) and loaded with the trained model's state dict, in its mode, on its device and dtype."""
+    recipe = setup.plan.recipe
+    at_stride = variant(recipe, {"model.output_stride": stride, "model.weights": None, "model.backbone_weights": None})
+    with torch.random.fork_rng(devices=[setup.device] if setup.device.type == "cuda" else []):
+        model = place(build_model(at_stride, setup.data.info), recipe, setup.device, setup.dtype)
+    model.load_state_dict(setup.unwrapped_model.state_dict())
+    return model.train(setup.unwrapped_model.training)
+
+
+def evaluation_forward(setup) -> callable:
+    """The function the evaluation calls on a batch of images: the model's forward, or the sliding window's, on the
+    model at the evaluation's output stride."""
+    evaluation = setup.plan.recipe.evaluation
+    model = setup.unwrapped_model
+    if evaluation.output_stride is not None and evaluation.output_stride != (setup.plan.recipe.model.output_stride
+                                                                             or 0):
+        model = model_at_stride(setup, evaluation.output_stride)
+        model.eval()
+    if evaluation.mode == "slide":
+        return lambda images: slide_logits(model, images, evaluation.crop, evaluation.stride)
+    return model
+
+
 def evaluation_due(setup: Setup, step: int, done: bool) -> bool:
     """Whether the run evaluates after optimizer step `step` (counted from 1): every `evaluation.every_steps`,
     and at the end when `evaluation.at_end`."""
@@ -123,10 +183,6 @@ def evaluate_run(run_dir: Path, data_path: str | None = None, eval_data_path: st
     loaded as `--weights` loads it, after the run's BatchNorm conversion where its keys are the converted model's),
     its evaluation data (or `--data` / `--eval-data`), in batches of its micro-batch, so the metrics are the run's.
     A folder without plan.yaml or model.pt, or a recipe with no evaluation data, is one line."""
-    from ..data import build_data
-    from ..plan.overlay import Change, overlay
-    from ..plan.planfile import load_plan
-
     for name in ("plan.yaml", "model.pt"):
         if not (run_dir / name).is_file():
             raise UserError(f"RUN_DIR: {run_dir} has no {name} (the folder of a finished `reproduce run`)")

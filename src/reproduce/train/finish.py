@@ -18,7 +18,7 @@ from .checkpoint import full_model_state
 from .distributed import processes as distributed
 from .records import run_summary
 from .reporter import run_end
-from .run_end import kept_summary
+from .resume import kept_summary
 from .run_state import Run
 
 

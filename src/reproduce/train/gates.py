@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import shutil
 import statistics
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from ..observe.reference import REFERENCE_GATE, reference_curve
 from ..plan.gates import EXIT_PAUSED, PlannedGate, gate_by_name, outcome_line, planned_gates
 from ..storage.files import write_atomic
 from .distributed import processes as distributed
+from .evaluation import evaluate
 
 __all__ = ["EXIT_PAUSED", "GatePaused", "GateWatch", "gate_checkpoint"]
 
@@ -39,23 +41,17 @@ def gate_checkpoint(out: Path, name: str) -> Path:
     return out / "checkpoints" / f"gate-{name}.pt"
 
 
-def budget_hours(recipe: Any) -> float | None:
-    """The most GPU-hours the recipe's `budget:` allows: `gpu_hours`, or `money` at its `price` per GPU-hour (the
-    smaller when both are given); None without a budget in GPU-hours."""
-    budget = getattr(recipe, "budget", None)
-    if budget is None:
-        return None
-    bounds = [budget.gpu_hours] if budget.gpu_hours is not None else []
-    if budget.money is not None and budget.price is not None:
-        bounds.append(budget.money / budget.price)
-    return float(min(bounds)) if bounds else None
-
-
 class GateWatch:
     """The gates of one run, and what it has measured for them."""
 
     def __init__(self, plan: Any, accept: tuple[str, ...] = ()):
-        self.planned = planned_gates(plan, budget_hours(plan.recipe))
+        # the most GPU-hours the recipe's `budget:` allows: `gpu_hours`, or `money` at its `price` per GPU-hour (the
+        # smaller when both are given); none without a budget in GPU-hours
+        budget = getattr(plan.recipe, "budget", None)
+        bounds = [budget.gpu_hours] if budget is not None and budget.gpu_hours is not None else []
+        if budget is not None and budget.money is not None and budget.price is not None:
+            bounds.append(budget.money / budget.price)
+        self.planned = planned_gates(plan, float(min(bounds)) if bounds else None)
         for name in accept:
             gate_by_name(self.planned, name, "accept_gate")
         self.accept = set(accept)
@@ -162,15 +158,6 @@ class GateWatch:
         return rows
 
 
-def agreed(paused: bool, world: Any, device: torch.device) -> bool:
-    """Whether any rank paused (rank 0 alone evaluates): every rank stops after the same step."""
-    if not world.distributed:
-        return paused
-    flag = torch.tensor([int(paused)], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag[0])
-
-
 def _largest(value: float, device: torch.device) -> float:
     """The largest of every rank's `value` (the cost gate's forecast: each rank times its own steps)."""
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
@@ -252,7 +239,7 @@ def start_gates(run: Any) -> None:
     event = watch.check(step, record, run.totals_before_resume["seconds"], run.world.size)
     event = [e for e in event if e["name"] == name]
     tell_gates(run, event)
-    if agreed(watch.paused is not None, run.world, run.setup.device):
+    if distributed.any_rank(run.world, watch.paused is not None, run.setup.device):
         distributed.barrier(run.world)  # every rank here before any leaves the group (else gloo aborts one)
         if not run.world.is_main:  # rank 0 prints the line
             raise GatePaused("a gate paused the run (rank 0 says which)")
@@ -272,7 +259,7 @@ def check_gates(run: Any, step: int, record: dict) -> list[dict]:
     # several processes: rank 0 alone evaluates, so the ranks agree on whether this step checkpoints for a gate (a
     # rank with no event of its own takes a placeholder, which it neither writes nor tells)
     if run.world.distributed and (due or run.reference is not None):
-        if agreed(bool(events), run.world, run.setup.device) and not events:
+        if distributed.any_rank(run.world, bool(events), run.setup.device) and not events:
             events = [{"event": "gate", "step": step + 1, "name": "", "status": "elsewhere"}]
     return events
 
@@ -291,7 +278,7 @@ def _check(run: Any, watch: GateWatch, step: int, record: dict) -> list[dict]:
         return [found] if found is not None else []
     if watch.needs_evaluation(step + 1) and "eval_loss" not in record:
         record.update(_evaluation(run, step))
-    spent = run.totals_before_resume["seconds"] + _now() - run.started
+    spent = run.totals_before_resume["seconds"] + time.perf_counter() - run.started
     agree = (lambda value: _largest(value, run.setup.device)) if run.world.distributed else None
     events = watch.check(step + 1, record, spent, run.world.size, agree) + ([found] if found is not None else [])
     if found is not None and found["status"] == "paused":
@@ -310,7 +297,7 @@ def after_checkpoint(run: Any, events: list[dict]) -> None:
         if run.world.is_main and event["status"] != "elsewhere":
             kept = keep_checkpoint(run.out, event["name"], run.setup.sharded)
     paused = [event for event in events if event["status"] == "paused"]
-    if agreed(bool(paused), run.world, run.setup.device):
+    if distributed.any_rank(run.world, bool(paused), run.setup.device):
         distributed.barrier(run.world)  # every rank here before any leaves the group (else gloo aborts one)
         if not paused:  # another rank's evaluation: rank 0 prints the line
             raise GatePaused("a gate paused the run (rank 0 says which)")
@@ -323,10 +310,6 @@ def tell_gates(run: Any, events: list[dict]) -> None:
     trackers as an event)."""
     for event in events:
         run.metrics.write(event)
-    _tell(run, events)
-
-
-def _tell(run: Any, events: list[dict]) -> None:
     if not run.world.is_main:
         return
     for event in events:
@@ -338,16 +321,6 @@ def _tell(run: Any, events: list[dict]) -> None:
 
 
 def _evaluation(run: Any, step: int) -> dict:
-    from .evaluation import evaluate
-
     if not (run.world.is_main or run.setup.sharded):
         return {}
     return evaluate(run.setup, run.micro_batch(max(step, 0)), run.workers) or {}
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
-
-

@@ -59,10 +59,11 @@ class RunRequest:
 
     def given(self, which: str) -> dict[str, object]:
         """The fields given (not at their default) that `which` ("torchrun" or "resume") repeats."""
-        return {item.name: getattr(self, item.name) for item in fields(self)
-                if item.metadata.get(which) and item.name != "changes"
-                and not _at_default(getattr(self, item.name), item.default)}
-
-
-def _at_default(value: object, default: object) -> bool:
-    return value is None or value is False or value == () or (type(value) is type(default) and value == default)
+        given = {}
+        for item in fields(self):
+            value = getattr(self, item.name)
+            at_default = value is None or value is False or value == () or (
+                type(value) is type(item.default) and value == item.default)
+            if item.metadata.get(which) and item.name != "changes" and not at_default:
+                given[item.name] = value
+        return given

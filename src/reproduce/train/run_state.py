@@ -12,7 +12,7 @@ import torch
 
 from ..data.batches import DataClock, LazyMicroBatch
 from ..data.loader import LoaderWatch, MicroBatchStream, default_workers, fetch_seeded
-from ..data.packing import Grouping, computed_tokens
+from ..data.packing import Grouping
 from ..observe.divergence import DivergenceWatch
 from ..observe.noise import NoiseScale
 from ..observe.outputs import MetricsLog
@@ -23,7 +23,7 @@ from .options import RunRequest
 from .reporter import Reporter
 from .resume import Resumed
 from .setup import Setup
-from .windows import grouped_window, micro_batch_at, rank_shares, window
+from .windows import micro_batch_at, padding_over, window
 
 
 @dataclass(kw_only=True)
@@ -58,32 +58,21 @@ class Run:
     reference: Any = None  # the reference runs' curve (observe/reference.py); None without
     continue_with: str = ""  # the command an interrupted run prints to go on (`train`'s)
 
-    @property
-    def plan(self) -> Plan:
-        return self.setup.plan
+    plan: Plan = field(init=False)  # the setup's
+    world: World = field(init=False)  # the setup's
+    seed: int = field(init=False)  # the resumed run's (data order and dropout)
+    lowered: dict = field(init=False)  # sequence length -> the micro-batch an out-of-memory error lowered it to
+    workers: int = field(init=False)  # DataLoader processes: as asked, or one per free core for data read from files
 
-    @property
-    def world(self) -> World:
-        return self.setup.world
-
-    @functools.cached_property
-    def workers(self) -> int:
-        """DataLoader processes: as asked, or one per free core for data read from files (data/loader.py)."""
-        return default_workers(self.train_set) if self.request.workers is None else self.request.workers
+    def __post_init__(self) -> None:
+        self.plan, self.world = self.setup.plan, self.setup.world
+        self.seed, self.lowered = self.resumed.seed, self.resumed.lowered
+        self.workers = default_workers(self.train_set) if self.request.workers is None else self.request.workers
 
     @functools.cached_property
     def watch(self) -> LoaderWatch:
         """The data loader's watch: a warning when the steps wait for data."""
         return LoaderWatch(self.workers)
-
-    @property
-    def seed(self) -> int:
-        return self.resumed.seed
-
-    @property
-    def lowered(self) -> dict:
-        """Sequence length -> the micro-batch an out-of-memory error lowered it to."""
-        return self.resumed.lowered
 
     @property
     def checkpoint_path(self) -> Path:
@@ -102,23 +91,16 @@ class Run:
     def windows(self, step: int) -> tuple[list[torch.Tensor], bool]:
         """This rank's micro-batches of `step`, and whether the window is partial: the loop and the loader's
         sampler both follow this one function."""
-        return window(self.plan, self.size, step, self.seed, self.setup.rank, self.micro_batch(step), self.grouping)
+        return window(self.plan, self.size, step, self.seed, self.world.rank, self.micro_batch(step), self.grouping)
 
     def window_tokens(self, step: int) -> tuple[int, int] | None:
         """(input tokens, tokens computed with padding) of step `step`'s window over every rank, when the data has
         lengths."""
         if self.lengths is None:
             return None
-        shares, _, _ = rank_shares(self.plan, step, self.seed)
-        micro_batch = self.micro_batch(step)
-        if self.grouping is None:
-            groups = [list(torch.split(share, micro_batch)) for share in shares]
-        else:
-            groups = grouped_window(shares, self.grouping, micro_batch)
-        way, row = (self.grouping.way, self.grouping.row) if self.grouping else ("none", 0)
-        varlen = self.grouping is not None and self.grouping.varlen
-        useful = sum(int(self.lengths[share].sum()) for share in shares)
-        return useful, sum(computed_tokens(g, self.lengths, way, row, varlen) for rank in groups for g in rank)
+        _, useful, computed = padding_over(self.plan, range(step, step + 1), self.seed, self.lengths, self.grouping,
+                                           self.micro_batch(step))
+        return useful, computed
 
     def open_stream(self, step: int) -> MicroBatchStream:
         self.stream = MicroBatchStream(self.train_set, lambda at: self.windows(at)[0], step, self.total,

@@ -47,27 +47,6 @@ def check_batchnorm(mode: str, world: World, device: torch.device) -> None:
                         f"{device.type}: give `batchnorm` keep | frozen | group", field="model.batchnorm")
 
 
-def batchnorm_notes(plan: Plan, model: nn.Module, world: World, device: torch.device) -> list[str]:
-    """What the run says about BatchNorm at its start: the plan's choice, and a label the built model disagrees
-    with; `sync` refused where it cannot run."""
-    recipe = plan.recipe
-    check_batchnorm(recipe.model.batchnorm, world, device)
-    notes, layers = [], count_batchnorm(model)
-    if plan.batchnorm is not None:
-        notes.append(plan.batchnorm.summary)
-    elif layers and not recipe.model.has_batchnorm:  # a model the plan could not count
-        notes.append(f"the model has {layers} BatchNorm layers (counted) the recipe does not list in "
-                     f"model.norm_layers: BN statistics are computed per micro-batch of {plan.micro_batch}, not over "
-                     "the effective batch")
-    if recipe.model.batchnorm in ("keep", "sync"):
-        disagreement = label_disagreement(recipe.model, layers)
-        if disagreement and disagreement not in plan.warnings:
-            notes.append(disagreement)
-    if recipe.model.batchnorm == "frozen" and plan.batchnorm is not None:  # from random weights: meaningless
-        notes.extend(line for line in plan.batchnorm.lines if line.startswith("frozen:"))
-    return notes
-
-
 @dataclass
 class Setup:
     plan: Plan
@@ -82,24 +61,12 @@ class Setup:
     world: World = World()
     sync_counter: distributed.SyncCounter | None = None
     notes: list[str] = field(default_factory=list)
+    sharded: bool = field(init=False)  # several processes under FSDP (DDP otherwise)
+    unwrapped_model: nn.Module = field(init=False)  # without DDP's wrapper (FSDP2 shards the model in place: none)
 
-    @property
-    def distributed(self) -> bool:
-        """Several processes: DDP, or FSDP when `sharded`."""
-        return self.world.distributed
-
-    @property
-    def sharded(self) -> bool:
-        return self.distributed and self.plan.recipe.batch.sharding == "fsdp"
-
-    @property
-    def rank(self) -> int:
-        return self.world.rank
-
-    @property
-    def unwrapped_model(self) -> nn.Module:
-        """The model without DDP's wrapper (FSDP2 shards the model in place: no wrapper)."""
-        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+    def __post_init__(self) -> None:
+        self.sharded = self.world.distributed and self.plan.recipe.batch.sharding == "fsdp"
+        self.unwrapped_model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
     def autocast(self) -> contextlib.AbstractContextManager:
         precision = self.plan.recipe.precision
@@ -123,7 +90,22 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
     data = data if data is not None else build_data(recipe)
     torch.manual_seed(recipe.seed if seed is None else seed)
     model = place(build_model(recipe, data.info), recipe, device, dtype)  # model.dtype kept in float32 runs
-    notes = batchnorm_notes(plan, model, world, device)
+    # what the run says about BatchNorm at its start: the plan's choice, and a label the built model disagrees with;
+    # `sync` refused where it cannot run
+    check_batchnorm(recipe.model.batchnorm, world, device)
+    notes, layers = [], count_batchnorm(model)
+    if plan.batchnorm is not None:
+        notes.append(plan.batchnorm.summary)
+    elif layers and not recipe.model.has_batchnorm:  # a model the plan could not count
+        notes.append(f"the model has {layers} BatchNorm layers (counted) the recipe does not list in "
+                     f"model.norm_layers: BN statistics are computed per micro-batch of {plan.micro_batch}, not over "
+                     "the effective batch")
+    if recipe.model.batchnorm in ("keep", "sync"):
+        disagreement = label_disagreement(recipe.model, layers)
+        if disagreement and disagreement not in plan.warnings:
+            notes.append(disagreement)
+    if recipe.model.batchnorm == "frozen" and plan.batchnorm is not None:  # from random weights: meaningless
+        notes.extend(line for line in plan.batchnorm.lines if line.startswith("frozen:"))
     loaded = backbone_report(recipe, data.info)  # which tensors came from the backbone file, which did not
     if loaded:
         notes.insert(0, loaded)

@@ -48,9 +48,11 @@ def start_run(plan: Plan, request: RunRequest, world: World, data: Datasets | No
     if world.size != plan.world_size:
         raise UserError(f"plan: world_size is {plan.world_size}, but this job has {world.size} process(es)")
     seed = plan.recipe.seed if request.seed is None else request.seed
-    target_device = distributed.init(world, resolve_device(request.device))
-    distributed.check_same_plan(world, distributed.plan_fingerprint(plan, seed), target_device)
-    distributed.barrier(world)  # every rank has looked at --out before rank 0 writes to it
+    target_device = resolve_device(request.device)
+    if world.distributed:  # this rank's device in the process group; every rank runs rank 0's plan
+        target_device = distributed.init(world, target_device)
+        distributed.check_same_plan(world, distributed.plan_fingerprint(plan, seed), target_device)
+        distributed.barrier(world)  # every rank has looked at --out before rank 0 writes to it
     setup = build(plan, target_device, dtype, seed, data, world)
     if request.merged:  # a model with nothing to merge: one line before any step
         check_merged(setup.unwrapped_model, plan.recipe, setup.sharded)

@@ -1,14 +1,7 @@
 """One optimizer step over a window of N micro-batches, exactly the paper's large-batch update: the run's use of
-the library's exact window (`reproduce.Accumulator`, accumulate.py), which does steps 1 to 3.
-
-  1. count the window's loss-bearing items (samples, or target tokens != -100) before any backward;
-  2. for each micro-batch: summed loss / window count, backward (gradients reduced over the ranks on the last
-     only: DDP's `no_sync`, FSDP2's `set_requires_gradient_sync(False)` on the others); with
-     `loss.normalization: micro-batch-mean`, summed loss / (its own count x micro-batches x ranks) instead: the
-     Hugging Face Trainer's arithmetic before transformers v4.46.0, not the large batch's mean (`Window.divisors`);
-  3. once per window: unscale (fp16), clip, optimizer step, scheduler step, zero_grad(set_to_none=True).
-The gradient is then exactly that of the mean loss over the whole effective batch.
-"""
+the library's exact window (`reproduce.Accumulator`, accumulate.py: the window's items counted over every rank
+before any backward, each summed loss divided by that count, the gradients reduced on the last micro-batch only,
+one optimizer step), with `loss.normalization: micro-batch-mean` the Hugging Face Trainer's arithmetic instead."""
 
 from __future__ import annotations
 
@@ -26,30 +19,6 @@ from .losses import PixelLoss, SampleLoss, TokenLoss
 from .setup import Setup
 
 
-def _targets(micro_batch: Any) -> Any:
-    return micro_batch.targets() if isinstance(micro_batch, LazyMicroBatch) else micro_batch[1]
-
-
-def _load(micro_batch: Any) -> tuple[Any, Any]:
-    return micro_batch.load() if isinstance(micro_batch, LazyMicroBatch) else micro_batch
-
-
-def _count_without_fetching(loss_fn: Any, micro_batches: list) -> tuple[list[int], int] | None:
-    """(loss-bearing items of each micro-batch, samples) of a lazy window known without fetching it: every sample
-    bears loss (classification), or the dataset counts each sample's target tokens from an index built once, or its
-    valid pixels from its mask alone, cut as the loader cuts it (data/segmentation.py)."""
-    if not all(isinstance(m, LazyMicroBatch) for m in micro_batches):
-        return None
-    samples = sum(len(m.indices) for m in micro_batches)
-    if isinstance(loss_fn, SampleLoss):
-        return [len(m.indices) for m in micro_batches], samples
-    if isinstance(loss_fn, (TokenLoss, PixelLoss)):
-        counts = [m.known_count() for m in micro_batches]
-        if None not in counts:
-            return counts, samples
-    return None
-
-
 @dataclass
 class StepResult:
     loss: float
@@ -63,27 +32,22 @@ class StepResult:
 
 
 def window_counts(loss_fn: Any, micro_batches: list) -> tuple[list[int], int]:
-    """(loss-bearing items of each micro-batch, samples) of this rank's window, fetching it only when needed."""
-    counted = _count_without_fetching(loss_fn, micro_batches)
-    if counted is not None:
-        return counted
-    targets = [_targets(micro_batch) for micro_batch in micro_batches]
+    """(loss-bearing items of each micro-batch, samples) of this rank's window, fetched only when needed: a lazy
+    window's are known without fetching it when every sample bears loss (classification), or the dataset counts
+    each sample's target tokens from an index built once, or its valid pixels from its mask alone, cut as the
+    loader cuts it (data/segmentation.py)."""
     lazy = all(isinstance(m, LazyMicroBatch) for m in micro_batches)  # its samples: a packed row holds several
+    if lazy:
+        samples = sum(len(m.indices) for m in micro_batches)
+        if isinstance(loss_fn, SampleLoss):
+            return [len(m.indices) for m in micro_batches], samples
+        if isinstance(loss_fn, (TokenLoss, PixelLoss)):
+            counts = [m.known_count() for m in micro_batches]
+            if None not in counts:
+                return counts, samples
+    targets = [m.targets() if isinstance(m, LazyMicroBatch) else m[1] for m in micro_batches]
     samples = sum(len(m.indices) for m in micro_batches) if lazy else sum(len(t) for t in targets)
     return [loss_fn.count(t) for t in targets], samples
-
-
-def accumulator(setup: Setup) -> Accumulator:
-    """The run's exact window (accumulate.py, the library's `reproduce.Accumulator`) around the setup's model,
-    optimizer, scheduler and scaler: the recipe's clipping and loss normalization; the ranks' gradients summed
-    (setup.py); under FSDP with sharded gradients, reduced after every micro-batch."""
-    recipe = setup.plan.recipe
-    loss = recipe.loss
-    return Accumulator(setup.model, setup.optimizer, setup.scheduler, recipe.clip_grad_norm, scaler=setup.scaler,
-                       normalization="window" if loss is None or loss.normalization == "window-tokens" else
-                       "micro-batch-mean",
-                       sync_every_micro_batch=setup.sharded and recipe.batch.sharded_gradients,
-                       gradient_reduction="sum", device=setup.device)  # DDP: SyncCounter's SUM; FSDP2: a SUM
 
 
 def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None = None) -> StepResult:
@@ -96,20 +60,37 @@ def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None =
     counts, samples = window_counts(loss_fn, micro_batches)
     last = len(micro_batches) - 1
     loaded = None  # the micro-batch in use, kept until the next is loaded (the last: through step 3), as in one loop
-    with accumulator(setup).window(counts, samples=samples, observer=noise) as window:
+    # the run's exact window (the library's `reproduce.Accumulator`): the recipe's clipping and loss normalization;
+    # the ranks' gradients summed (DDP: SyncCounter's SUM hook; FSDP2: a SUM), under FSDP with sharded gradients
+    # reduced after every micro-batch
+    recipe = setup.plan.recipe
+    accumulator = Accumulator(
+        model, setup.optimizer, setup.scheduler, recipe.clip_grad_norm, scaler=setup.scaler,
+        normalization="window" if recipe.loss is None or recipe.loss.normalization == "window-tokens" else
+        "micro-batch-mean", sync_every_micro_batch=setup.sharded and recipe.batch.sharded_gradients,
+        gradient_reduction="sum", device=setup.device)
+    with accumulator.window(counts, samples=samples, observer=noise) as window:
         if getattr(loss_fn, "window", None) is not None:  # a loss of several terms, each over its own window count
             loss_fn.window(window.count, window.samples)
 
         # 2. each micro-batch's summed loss / the window's count, backward; gradients reduced on the last one only
         def backward(index: int) -> torch.Tensor:
             nonlocal loaded
-            loaded = _load(micro_batches[index])
+            loaded = micro_batches[index]
+            loaded = loaded.load() if isinstance(loaded, LazyMicroBatch) else loaded
             inputs, target = loaded
             with setup.autocast():
                 loss = loss_fn(model(inputs), target)
             return window.backward(loss)
 
-        if agrees_on_memory(setup, len(micro_batches)):  # DDP: an out-of-memory error before the last is voted on
+        # Whether the ranks can agree on an out-of-memory error before the window's gradients are reduced. Under DDP,
+        # the micro-batches before the last run under `no_sync` with no collective (unless DDP broadcasts buffers in
+        # each forward, as for BatchNorm): a rank that runs out of memory there can skip to a vote taken just before
+        # the last micro-batch, the others reach it, and all change the micro-batch together. Not under FSDP (each
+        # forward and backward all-gathers parameters: the other ranks wait in those collectives for this one) and
+        # not in the last micro-batch (DDP has prepared its gradient reduction by then): there the run stops instead.
+        if (setup.world.distributed and not setup.sharded and last > 0
+                and not setup.model.will_sync_module_buffers()):
             backward_with_memory_vote(setup, backward, last)
         else:
             for index in range(last):
@@ -123,26 +104,12 @@ def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None =
                       window.observed)
 
 
-def agrees_on_memory(setup: Setup, micro_batches: int) -> bool:
-    """Whether the ranks can agree on an out-of-memory error before the window's gradients are reduced.
-
-    Under DDP, the micro-batches before the last run under `no_sync` with no collective (unless DDP broadcasts
-    buffers in each forward, as for BatchNorm): a rank that runs out of memory there can skip to a vote taken just
-    before the last micro-batch, the others reach it, and all change the micro-batch together. Not under FSDP (each
-    forward and backward all-gathers parameters: the other ranks wait in those collectives for this one) and not in
-    the last micro-batch (DDP has prepared its gradient reduction by then): there the run stops instead.
-    """
-    if not setup.distributed or setup.sharded or micro_batches < 2:
-        return False
-    return not setup.model.will_sync_module_buffers()
-
-
 class AgreedOutOfMemory(torch.OutOfMemoryError):
     """Some rank ran out of memory before the window's last micro-batch; raised on every rank, after a vote."""
 
 
 def backward_with_memory_vote(setup: Setup, backward: Callable[[int], torch.Tensor], last: int) -> list:
-    """The losses of `backward` over the micro-batches before the `last`, then the vote (`agrees_on_memory`): a
+    """The losses of `backward` over the micro-batches before the `last`, then the vote (under DDP, optimizer_step): a
     rank out of memory skips its remaining ones, and every rank raises AgreedOutOfMemory if any rank was."""
     losses, error = [], None  # the message only: the error's traceback would keep the window's tensors
     for index in range(last):

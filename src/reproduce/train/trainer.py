@@ -81,17 +81,6 @@ class StopSignals:
         return int(flags[0]) or None, bool(flags[1])
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    return (seed * 1_000_003 + step * 4_099 + rank * 7_919_993) % (2**63 - 1)
-
-
-def seed_step(device: torch.device, value: int) -> None:
-    """Seed the generators this run draws from (torch.manual_seed also visits every backend: ~100x slower)."""
-    torch.default_generator.manual_seed(value)
-    if device.type == "cuda":
-        torch.cuda.manual_seed(value)
-
-
 def train(plan: Plan, request: RunRequest, *, data: Datasets | None = None, reporter: Reporter | None = None,
           dtype: torch.dtype = torch.float32, continue_with: str | None = None) -> dict:
     """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `request.out`.
@@ -124,41 +113,29 @@ def train_checked(plan: Plan, request: RunRequest, world: World, *, data: Datase
     """
     out = Path(request.out)
     continue_with = continue_with or f"reproduce run {out / 'plan.yaml'} --out {out} --resume"
+    checkpoint = out / "checkpoints" / "last.pt"
     try:
-        return _train(plan, request, world, data, reporter or SilentReporter(), dtype, continue_with)
-    except WriteFailed as error:  # one line: a full disk stops with exit code 3 and the command that goes on
+        # --force: the previous run's outputs stay aside until this run's first checkpoint, and come back if anything
+        # fails or a signal stops it before then; a new run stopped by a signal while starting leaves the folder as
+        # it found it (storage/aside.py)
+        with setting_aside(out, run_outputs(out), not request.resume and world.is_main,
+                           committed=checkpoint.is_file) as previous:
+            # the model and data, the resumed state, the run folder
+            run = start_run(plan, request, world, data, reporter or SilentReporter(), dtype, continue_with)
+            _train_steps(run, previous)
+        return finish_run(run)
+    except BaseException as error:
         distributed.abandon(world)
-        checkpoint = (out / "checkpoints" / "last.pt").is_file()
-        raise error.said(continue_with if checkpoint else None) from None
-    except RuntimeError as error:
-        if world.distributed and distributed.peer_failed(error):
-            distributed.abandon(world)
+        if isinstance(error, WriteFailed):  # one line: a full disk stops with exit code 3 and the command that goes on
+            raise error.said(continue_with if checkpoint.is_file() else None) from None
+        if isinstance(error, RuntimeError) and world.distributed and distributed.peer_failed(error):
             stopped = TrainingStopped(
                 f"rank {world.rank}: a collective with the other ranks failed ({str(error).splitlines()[0]}): "
                 "another rank stopped, and its message says why"
             )
             stopped.peer = True  # type: ignore[attr-defined]  (a launcher says another rank's ending first)
             raise stopped from None
-        distributed.abandon(world)
         raise
-    except BaseException:
-        distributed.abandon(world)
-        raise
-
-
-def _train(plan: Plan, request: RunRequest, world: World, data: Datasets | None, reporter: Reporter,
-           dtype: torch.dtype, continue_with: str) -> dict:
-    # --force: the previous run's outputs stay aside until this run's first checkpoint, and come back if anything
-    # fails or a signal stops it before then; a new run stopped by a signal while starting leaves the folder as it
-    # found it (storage/aside.py)
-    out = Path(request.out)
-    checkpoint = out / "checkpoints" / "last.pt"
-    with setting_aside(out, run_outputs(out), not request.resume and world.is_main,
-                       committed=checkpoint.is_file) as previous:
-        # the model and data, the resumed state, the run folder
-        run = start_run(plan, request, world, data, reporter, dtype, continue_with)
-        _train_steps(run, previous)
-    return finish_run(run)
 
 
 def _train_steps(run: Run, previous: Previous | None) -> None:
@@ -170,12 +147,23 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
         for step in range(run.resumed.first_step, run.total):
             tick = time.perf_counter()
             # Dropout and other random draws of step s come from (seed, s, rank) alone: a resumed run draws what
-            # the uninterrupted one did, and ranks draw independently of each other.
-            seed_step(setup.device, step_seed(run.seed, step, setup.rank))
+            # the uninterrupted one did, and ranks draw independently of each other. (torch.manual_seed also visits
+            # every backend: ~100x slower.)
+            seed = (run.seed * 1_000_003 + step * 4_099 + setup.world.rank * 7_919_993) % (2**63 - 1)
+            torch.default_generator.manual_seed(seed)
+            if setup.device.type == "cuda":
+                torch.cuda.manual_seed(seed)
             lr = setup.optimizer.param_groups[0]["lr"]
             clock = DataClock()
             batch = step_batch(plan, step)  # with batch phases: this step's N and sequence length
-            start_batch_phase(run, step, batch)
+            if batch.phase is not None:  # say where a phase starts; the noise scale gets its own training set's size
+                if step == run.resumed.first_step or plan.segments[batch.phase].start_step == step:
+                    run.reporter.message(
+                        f"step {step + 1}: batch {batch.effective_batch} = micro {batch.micro_batch} x accumulation "
+                        f"{batch.accumulation_steps} x world {plan.world_size}"
+                        + (f", sequence length {batch.sequence_length}" if batch.sequence_length else ""))
+                if run.noise is not None:
+                    run.noise.dataset_size = plan.segments[batch.phase].dataset_size or run.size
             while True:  # until the window fits: each out-of-memory error halves the micro-batch
                 indices, partial = run.windows(step)
                 micro_batches = run.micro_batches(step, indices, clock)
@@ -232,17 +220,6 @@ def cpu_compute(run: Run) -> Callable[[], None]:
         torch.set_num_threads(threads)
 
     return restore
-
-
-def start_batch_phase(run: Run, step: int, batch: StepBatch) -> None:
-    """With batch phases: say where a phase starts, and give the noise scale its training set's size."""
-    plan = run.plan
-    if batch.phase is not None and (step == run.resumed.first_step or plan.segments[batch.phase].start_step == step):
-        run.reporter.message(f"step {step + 1}: batch {batch.effective_batch} = micro {batch.micro_batch} x "
-                             f"accumulation {batch.accumulation_steps} x world {plan.world_size}"
-                             + (f", sequence length {batch.sequence_length}" if batch.sequence_length else ""))
-    if run.noise is not None and batch.phase is not None:  # each sequence length's own training set
-        run.noise.dataset_size = plan.segments[batch.phase].dataset_size or run.size
 
 
 def optimizer_step_out_of_memory(run: Run, step: int, error: OptimizerStepOutOfMemory) -> str:
@@ -336,7 +313,7 @@ def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool, gate:
         extra["last_record"] = run.last_record
         extra["plan"] = as_record(run.plan)  # a resume refuses another plan (plan/planfile.py)
         if run.summary is not None:
-            extra["summary"] = json.dumps(run.summary)  # (train/run_end.py)
+            extra["summary"] = json.dumps(run.summary)  # (train/resume.py)
         if run.gates is not None:
             extra["gates"] = run.gates.state_dict()
         save_checkpoint(setup, run.checkpoint_path, step + 1, bytes(run.metrics.kept), extra)

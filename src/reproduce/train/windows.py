@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..accumulate import smaller_micro_batch  # noqa: F401  (the run's out-of-memory rule, one definition)
-from ..data.packing import Grouping, balance, group
+from ..data.packing import WAYS, Grouping, balance, computed_tokens, group
 from ..plan.planner import Plan
 from ..plan.segments import batch_phase, epochs_done, length_sizes, segment_at, stream_window
 
@@ -40,15 +40,6 @@ def micro_batch_at(plan: Plan, step: int, lowered: dict) -> int:
     (`lowered`: sequence length -> micro-batch). What the loop and a loader prefetching its windows both use."""
     batch = step_batch(plan, step)
     return min(batch.micro_batch, lowered.get(batch.sequence_length, batch.micro_batch))
-
-
-def length_offsets(sizes: dict) -> dict:
-    """Where each length's samples start in one index space (`data.lengths.ByLength`): shortest length first."""
-    offsets, start = {}, 0
-    for length in sorted(sizes, key=lambda length: length or 0):
-        offsets[length] = start
-        start += sizes[length] or 0
-    return offsets
 
 
 def step_epoch(plan: Plan, step: int) -> float:
@@ -97,8 +88,11 @@ def rank_shares(plan: Plan, step: int, seed: int) -> tuple[list[torch.Tensor], b
     micro-batch its segment plans."""
     segments = plan.segments
     where = stream_window(segments, step, plan.world_size, plan.recipe.data.drop_last)
-    base = length_offsets(length_sizes(segments))[where.sequence_length]
-    order = epoch_order(plan, where.dataset_size, where.epoch, seed)
+    # each length's samples in one index space (`data.lengths.ByLength`), shortest first: this one's start after
+    # the shorter ones'
+    base = sum(size or 0 for length, size in length_sizes(segments).items()
+               if (length or 0) < (where.sequence_length or 0))
+    order = _order(where.dataset_size, where.epoch, seed, plan.recipe.data.shuffle)
     indices = order[where.offset : where.offset + where.size] + base
     per_rank = where.effective_batch // plan.world_size
     shares = list(torch.tensor_split(indices, plan.world_size)) if where.partial else [
@@ -106,12 +100,27 @@ def rank_shares(plan: Plan, step: int, seed: int) -> tuple[list[torch.Tensor], b
     return shares, where.partial, segments[where.phase].micro_batch
 
 
+def padding_over(plan: Plan, steps: range, seed: int, lengths: torch.Tensor, grouping: Grouping | None,
+                 micro_batch: int | None = None) -> tuple[int, int, int]:
+    """Over the windows of `steps`, every rank's: the micro-batches of one rank, the input tokens and the tokens
+    computed with padding (data/packing.py); at `micro_batch`, else each step's planned one."""
+    micro_batches = useful = computed = 0
+    way, row, varlen = (grouping.way, grouping.row, grouping.varlen) if grouping else ("none", 0, False)
+    for step in steps:
+        shares, _, planned = rank_shares(plan, step, seed)
+        micro = micro_batch or planned
+        groups = (grouped_window(shares, grouping, micro) if grouping else
+                  [list(torch.split(share, micro)) for share in shares])
+        micro_batches += len(groups[0])
+        useful += sum(int(lengths[share].sum()) for share in shares)
+        computed += sum(computed_tokens(g, lengths, way, row, varlen) for rank in groups for g in rank)
+    return micro_batches, useful, computed
+
+
 def grouping_table(plan: Plan, lengths: torch.Tensor, budget: int | None, seed: int, steps: int = 32) -> dict:
     """For each way (data/packing.py), over the first `steps` windows of the plan (every rank's): micro-batches per
     rank and window (mean) and the padding fraction; what `plan --data` prints for text with lengths. `budget`:
     data.token_budget, else the micro-batch x the longest example."""
-    from ..data.packing import WAYS, Grouping, computed_tokens
-
     longest = int(lengths.max())
     budget = budget or plan.micro_batch * longest  # the probe's micro-batch is m copies of the longest: T's shape
     table = {"token_budget": budget, "longest": longest, "given": budget != plan.micro_batch * longest,
@@ -121,14 +130,7 @@ def grouping_table(plan: Plan, lengths: torch.Tensor, budget: int | None, seed: 
         # build_model selects for it (models/varlen.py; another model refuses packed before its first step)
         grouping = None if way == "none" else Grouping(way, budget, longest, lengths, plan.micro_batch,
                                                        varlen=way == "packed")
-        micro_batches = useful = computed = 0
-        for step in range(table["windows"]):
-            shares, _, micro = rank_shares(plan, step, seed)
-            groups = (grouped_window(shares, grouping, micro) if grouping else
-                      [list(torch.split(share, micro)) for share in shares])
-            micro_batches += len(groups[0])
-            useful += sum(int(lengths[share].sum()) for share in shares)
-            computed += sum(computed_tokens(g, lengths, way, longest, way == "packed") for rank in groups for g in rank)
+        micro_batches, useful, computed = padding_over(plan, range(table["windows"]), seed, lengths, grouping)
         table[way] = {"micro_batches": round(micro_batches / max(table["windows"], 1), 2),
                       "padding_fraction": round(1 - useful / computed, 4) if computed else None}
     return table
@@ -137,17 +139,8 @@ def grouping_table(plan: Plan, lengths: torch.Tensor, budget: int | None, seed: 
 def grouping_line(plan: Plan, grouping: Grouping, seed: int, first_step: int = 0, steps: int = 32) -> str:
     """What the run says at its start of the way it groups (data/packing.py): the way, T, the attention, and over
     its first `steps` windows (every rank's) the micro-batches per window and rank and the padding share."""
-    from ..data.packing import computed_tokens
-
     windows = range(first_step, min(first_step + steps, plan.optimizer_steps or first_step + steps))
-    micro_batches = useful = computed = 0
-    for step in windows:
-        shares, _, micro = rank_shares(plan, step, seed)
-        groups = grouped_window(shares, grouping, micro)
-        micro_batches += len(groups[0])
-        useful += sum(int(grouping.lengths[share].sum()) for share in shares)
-        computed += sum(computed_tokens(g, grouping.lengths, grouping.way, grouping.row, grouping.varlen)
-                        for rank in groups for g in rank)
+    micro_batches, useful, computed = padding_over(plan, windows, seed, grouping.lengths, grouping)
     attention = ("one row per micro-batch, varlen attention (no padding, no dense mask)" if grouping.varlen else
                  "rows of the longest example, transformers' block mask" if grouping.way == "packed" else
                  "rows padded to the longest in each micro-batch")

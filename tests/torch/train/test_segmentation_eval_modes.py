@@ -14,7 +14,7 @@ from reproduce.data import Datasets
 from reproduce.errors import UserError
 from reproduce.models import build_model
 from reproduce.plan.recipe import parse_recipe
-from reproduce.train.eval_modes import model_at_stride, slide_logits
+from reproduce.train.evaluation import model_at_stride, slide_logits
 
 
 def seg_recipe(model: dict, evaluation: dict | None = None, **data) -> dict:

@@ -11,7 +11,7 @@ import datetime
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,14 +25,12 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    distributed: bool = field(init=False)  # several processes
+    is_main: bool = field(init=False)  # rank 0, the one that writes
 
-    @property
-    def distributed(self) -> bool:
-        return self.size > 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "distributed", self.size > 1)
+        object.__setattr__(self, "is_main", self.rank == 0)
 
 
 def world_from_env() -> World:
@@ -112,15 +110,11 @@ def any_rank(world: World, flag: bool, device: torch.device) -> bool:
     return bool(tensor.item())
 
 
-def shutdown(world: World) -> None:
-    if world.distributed and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def abandon(world: World) -> None:
     """Leave the process group when this rank stops alone (out of memory in the middle of a collective's
     sequence): the other ranks' pending collectives then fail at once instead of waiting for this rank."""
-    shutdown(world)
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 PEER_FAILURE_WORDS = ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL")

@@ -8,7 +8,6 @@ from torch import nn
 
 from ...errors import UserError
 from ...plan.planner import Plan
-from .large_batch import LAMB, LARS, LARS_TRUST_COEFFICIENT
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 
@@ -50,7 +49,9 @@ def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
     groups = param_groups(model, spec.weight_decay, list(spec.no_decay))
     if spec.bitsandbytes:
         return bitsandbytes_optimizer(plan, groups)
-    kernels = implementation_kwargs(spec.implementation)
+    # torch.optim's arguments for `optimizer.implementation`; none for PyTorch's own choice (foreach on CUDA)
+    kernels = {} if spec.implementation is None else {"foreach": spec.implementation == "foreach",
+                                                      **({"fused": True} if spec.implementation == "fused" else {})}
     if spec.name in ("sgd", "nesterov"):
         return torch.optim.SGD(groups, lr=plan.lr, momentum=spec.momentum, nesterov=spec.name == "nesterov", **kernels)
     if spec.name == "adam":
@@ -58,6 +59,8 @@ def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
     if spec.name == "adamw":
         return torch.optim.AdamW(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps, **kernels)
     if spec.name in ("lars", "lamb"):
+        from .large_batch import LAMB, LARS, LARS_TRUST_COEFFICIENT  # (imported by the runs that step with them)
+
         groups = param_groups(model, spec.weight_decay, list(spec.no_decay), layer_adaptation=True)
         if spec.name == "lars":
             return LARS(groups, lr=plan.lr, momentum=spec.momentum,
@@ -66,13 +69,6 @@ def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
     if spec.name == "adafactor" and hasattr(torch.optim, "Adafactor"):
         return torch.optim.Adafactor(groups, lr=plan.lr, eps=(None, spec.eps), **kernels)
     raise UserError(f"optimizer.name: {spec.name} has no PyTorch implementation to run here (it can be planned)")
-
-
-def implementation_kwargs(implementation: str | None) -> dict:
-    """torch.optim's arguments for `optimizer.implementation`; none for PyTorch's own choice (foreach on CUDA)."""
-    if implementation is None:
-        return {}
-    return {"foreach": implementation == "foreach", **({"fused": True} if implementation == "fused" else {})}
 
 
 def bitsandbytes_optimizer(plan: Plan, groups: list[dict]) -> torch.optim.Optimizer:
