@@ -149,7 +149,7 @@ def build_tokens(recipe: Any) -> dict:
         "name": spec.name or train_path.parent.name or "tokens", "format": "tokens", "path": str(train_path),
         "eval_path": str(eval_path) if eval_path else None, "dtype": dtype, "tokens": data["train"].tokens,
         "sequences": len(data["train"]),
-        "max_token_id": max_token_id(train_path, dtype),  # checked against the model's vocabulary (models/vocabulary)
+        "max_token_id": max_token_id(train_path, dtype),  # models.check_vocabulary reads it
         "meta_vocab_size": meta_vocab_size(train_path.parent),
     }
     if eval_path is not None:

@@ -5,11 +5,18 @@ papers' architectures), the user's own `factory:`, or a Hugging Face model (`hf:
 the pretrained weights of `model.weights` when it names some (models/pretrained.py), with its weights in
 `model.dtype` and, with `model.lora`, LoRA adapters. `model_inputs(recipe)` says what the model fixes
 about its inputs (vocabulary, context, image size), so data that is not on this machine can still be given a shape.
+
+`model.batchnorm` (keep | sync | frozen | group) answers the one thing accumulation cannot make exact: BatchNorm
+normalises each micro-batch by its own statistics. `sync` is `torch.nn.SyncBatchNorm` (CUDA, several processes:
+`to_sync` once they exist); `frozen` torchvision's `FrozenBatchNorm2d` (Detectron2's practice with a pretrained
+backbone); `group` GroupNorm (Wu & He 2018, arXiv 1803.08494) in 32 groups, or the largest divisor of the channels
+below it, a deviation from the paper.
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 from torch import nn
@@ -23,7 +30,6 @@ from ..plan.weightfiles import WeightsOnDisk
 from . import small
 from .architectures import ARCHITECTURES
 from .architectures import LOSSES as LOSSES
-from .normalization import convert, count_batchnorm, is_batchnorm, set_momentum
 from .pretrained import (
     builtin_from_folder,
     check_state_dict_file,
@@ -31,18 +37,20 @@ from .pretrained import (
     load_hf_model,
     load_state_dict_file,
     on_meta,
-    weights_of,
     wrap_transformers,
 )
 from .segmentation import SEGMENTATION_MODELS, check_output_classes
-from .vocabulary import check_vocabulary
-from .weights import adapt, place
+from .weights import adapt, place, weights_of
 
 __all__ = [
     "LOSSES", "MODELS", "build_model", "check_context", "count_batchnorm", "count_parameters", "counted_batchnorm",
     "has_batchnorm", "model_inputs", "parameter_counts", "place",
 ]
 
+GROUPS = 32  # Wu & He 2018, sec. 4: "we use G = 32 by default"
+# attribute names of a token embedding, for models that do not say (`get_input_embeddings`)
+TOKEN_EMBEDDING_NAMES = ("token", "tokens", "wte", "tok_emb", "tok_embeddings", "token_embedding", "embed_tokens",
+                         "word_embeddings", "embedding", "embeddings")
 BUILT_IN = {**ARCHITECTURES, **SEGMENTATION_MODELS}  # the papers' architectures, built from their libraries
 MODELS = {**small.MODELS, **BUILT_IN}
 
@@ -68,7 +76,9 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
         crop = recipe.data.crop if isinstance(recipe.data, SegmentationData) else None
         check_output_classes(model, recipe.data.classes, crop, name)
     if spec.batchnorm_momentum is not None:
-        set_momentum(model, spec.batchnorm_momentum)
+        for module in model.modules():  # new = (1 - m) x old + m x batch (TensorFlow's decay is 1 - m)
+            if is_batchnorm(module):
+                module.momentum = spec.batchnorm_momentum
     check_vocabulary(model, data_info)  # token ids the embedding has no row for: refused before any step
     if recipe.data.packing == "packed":  # a transformers model on sdpa attends through the varlen attention
         from .varlen import use_varlen
@@ -238,3 +248,91 @@ def counted_batchnorm(recipe: Recipe, data_info: dict | None = None) -> int | No
 
 def has_batchnorm(model: nn.Module) -> bool:
     return any(is_batchnorm(m) for m in model.modules())
+
+
+def is_batchnorm(module: nn.Module) -> bool:
+    """A BatchNorm that normalises by batch statistics in training (torchvision's FrozenBatchNorm2d is not one)."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def count_batchnorm(model: nn.Module) -> int:
+    """The BatchNorm layers of `model` (any dimension, SyncBatchNorm included)."""
+    return sum(1 for module in model.modules() if is_batchnorm(module))
+
+
+def convert(model: nn.Module, mode: str) -> nn.Module:
+    """`model` with every BatchNorm replaced for `mode` ("frozen", "group"); "keep" and "sync" return it unchanged.
+    A frozen BN takes the BatchNorm's affine parameters and running statistics; a GroupNorm starts as torchvision
+    initialises one (weight 1, bias 0), as a BatchNorm does."""
+    if mode not in ("frozen", "group"):
+        return model
+    if not is_batchnorm(model):
+        for name, child in model.named_children():
+            converted = convert(child, mode)
+            if converted is not child:
+                setattr(model, name, converted)
+        return model
+    if mode == "group":
+        new: nn.Module = nn.GroupNorm(math.gcd(GROUPS, model.num_features), model.num_features)
+    else:
+        from torchvision.ops.misc import FrozenBatchNorm2d
+
+        new = FrozenBatchNorm2d(model.num_features)
+        new.eps = model.eps
+        with torch.no_grad():
+            if model.affine:
+                new.weight.copy_(model.weight)
+                new.bias.copy_(model.bias)
+            if model.track_running_stats:
+                new.running_mean.copy_(model.running_mean)
+                new.running_var.copy_(model.running_var)
+    device = next(iter(model.parameters()), next(iter(model.buffers()), None))
+    return new if device is None else new.to(device=device.device, dtype=device.dtype)
+
+
+def to_sync(model: nn.Module) -> nn.Module:
+    """Every BatchNorm as `torch.nn.SyncBatchNorm` (statistics over all processes of the default group)."""
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def input_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The model's token embedding: as a Hugging Face model names it, by a usual name, or its only nn.Embedding."""
+    for module in model.modules():
+        getter = getattr(module, "get_input_embeddings", None)
+        if callable(getter):
+            try:
+                found = getter()
+            except (NotImplementedError, AttributeError):
+                continue
+            if isinstance(found, nn.Embedding):
+                return found
+    embeddings = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    for name, module in embeddings:
+        if name.rsplit(".", 1)[-1] in TOKEN_EMBEDDING_NAMES:
+            return module
+    return embeddings[0][1] if len(embeddings) == 1 else None
+
+
+def check_vocabulary(model: nn.Module, info: dict | None) -> None:
+    """Token ids the model's embedding has no row for (the largest id of each token file, in its info), refused
+    before a step, naming the file, the id and the vocabulary: else the embedding raises IndexError mid-run."""
+    info = info or {}
+    if "max_token_id" not in info:
+        return
+    embedding = input_embedding(model)
+    if embedding is None:
+        return
+    vocab = embedding.num_embeddings
+    meta = info.get("meta_vocab_size")
+    meta_note = f"; meta.pkl beside it says vocab_size {meta}" if meta else ""
+    for field, path, key in (("data.path", info.get("path"), "max_token_id"),
+                             ("data.eval_path", info.get("eval_path"), "eval_max_token_id")):
+        largest = info.get(key)
+        if largest is not None and largest >= vocab:
+            raise UserError(
+                f"{field}: {path}: token ids up to {largest}, but the model's vocabulary has {vocab} ids "
+                f"(0-{vocab - 1}){meta_note}: is this data tokenised for this model (data.dtype {info.get('dtype')})?"
+            )
+    if meta and meta > vocab:
+        raise UserError(f"data.path: {info.get('path')}: meta.pkl beside it says vocab_size {meta}, but the model's "
+                        f"vocabulary has {vocab} ids")

@@ -8,13 +8,11 @@
   the model's, else one line names the first mismatches and their counts.
 
 On the meta device (the estimate meter, parameter counts) nothing is read but configs and headers: the model is
-built from the folder's config, and a state dict's names and shapes are checked all the same. `from_pretrained_kwargs`
-is the one place the arguments of `from_pretrained` are decided (the weights' dtype).
+built from the folder's config, and a state dict's names and shapes are checked all the same.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import warnings
 from pathlib import Path
@@ -26,28 +24,18 @@ from torch import nn
 from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import Recipe
-from ..plan.weightfiles import WeightsOnDisk, inspect, safetensors_header
+from ..plan.weightfiles import WeightsOnDisk, safetensors_header
 from .architectures import ARCHITECTURES, TransformersModel
 from .hf import HF_KIND_FOR_TASK, HFLogits
+from .weights import from_pretrained_kwargs, quiet
 
 AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification"}
 SHOWN = 3  # mismatched keys named in a message
 
 
-def weights_of(recipe: Recipe) -> WeightsOnDisk | None:
-    return inspect(recipe.model.weights) if recipe.model.weights is not None else None
-
-
 def on_meta() -> bool:
     """Whether tensors are being made on the meta device (`with torch.device("meta")`): read no weights."""
     return torch.empty(0).device.type == "meta"
-
-
-def from_pretrained_kwargs(recipe: Recipe) -> dict[str, Any]:
-    """What `from_pretrained` is given besides the folder: the dtype the recipe stores the weights in."""
-    from .weights import TORCH_DTYPES
-
-    return {"dtype": TORCH_DTYPES[recipe.model.dtype]}
 
 
 def _transformers(field: str) -> Any:
@@ -56,22 +44,6 @@ def _transformers(field: str) -> Any:
     except ImportError:
         raise UserError(f"{field}: needs transformers, which is not installed (pip install transformers)") from None
     return transformers
-
-
-@contextlib.contextmanager
-def quiet(transformers: Any):
-    """transformers without its progress bar of the tensors it loads (a line per load in every run's output) and
-    without its warnings, such as the coloured load report of tensors that do not fit (refused here in one line)."""
-    logging = transformers.utils.logging
-    enabled, verbosity = logging.is_progress_bar_enabled(), logging.get_verbosity()
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(verbosity)
-        if enabled:
-            logging.enable_progress_bar()
 
 
 def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overrides: dict | None = None,

@@ -6,7 +6,7 @@ torchvision's dict: `{"out": logits (B, K, H, W)}`, with `"aux"` (the FCN head o
 `aux_loss=True`, which a recipe asks for with `model.aux_weight`. The logits are upsampled to the input's size.
 
 kwargs (the recipe's `model.kwargs`, and what `build_model` adds from `model.output_stride` and `model.aux_weight`;
-`model.batchnorm` converts the built model's BatchNorm as for every model, models/normalization.py):
+`model.batchnorm` converts the built model's BatchNorm as for every model, models.convert):
 - `num_classes` (default: the data's classes, else 21 as Pascal VOC's);
 - `output_stride`: 8 or 16 (input size / feature size), set by dilating ResNet's last stages
   (`replace_stride_with_dilation`): [False, True, True] at 8, [False, False, True] at 16. torchvision's builds use

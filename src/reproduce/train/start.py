@@ -14,8 +14,8 @@ from ..data.packing import Grouped, grouping_of, sample_lengths
 from ..errors import UserError
 from ..models import count_parameters
 from ..models.hf import check_packed
-from ..models.trained import check_merged
 from ..models.varlen import runs_varlen
+from ..models.weights import check_merged
 from ..observe.noise import NoiseScale, not_measured_reason
 from ..observe.outputs import MetricsLog
 from ..observe.rates import StepRates

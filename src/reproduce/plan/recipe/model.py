@@ -93,7 +93,7 @@ class Model(Builder):
     batchnorm: BatchnormMode = Field(
         default="keep", description="BatchNorm when the micro-batch is below the paper's BN batch: keep (per "
         "micro-batch), sync (SyncBatchNorm over the processes, CUDA), frozen (FrozenBatchNorm2d), group (GroupNorm, "
-        "a deviation); models/normalization.py",
+        "a deviation); models/__init__.py",
     )
     paper_batchnorm: BatchnormMode | None = Field(
         default=None, description="how the paper normalised when the run's model.batchnorm differs (what "
