@@ -68,7 +68,7 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     else:
         model = architecture(recipe, weights, data_info)
         if spec.backbone_weights is not None:  # ImageNet weights into the backbone, before model.batchnorm
-            from .backbone import load_backbone
+            from .segmentation import load_backbone
 
             load_backbone(model, recipe)
     model = convert(model, spec.batchnorm)

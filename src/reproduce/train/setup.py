@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..data import Datasets, build_data
 from ..errors import UserError
 from ..models import build_model, count_batchnorm, place, to_sync
-from ..models.backbone import backbone_report
+from ..models.segmentation import backbone_report
 from ..plan.batchnorm import label_disagreement
 from ..plan.planner import Plan
 from .distributed import processes as distributed

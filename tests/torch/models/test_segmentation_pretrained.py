@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from helpers import cli, snapshot
 from reproduce.errors import UserError
 from reproduce.models import build_model
-from reproduce.models.backbone import backbone_report
+from reproduce.models.segmentation import backbone_report
 from reproduce.plan.recipe import parse_recipe
 
 

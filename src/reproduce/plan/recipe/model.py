@@ -86,7 +86,7 @@ class Model(Builder):
     backbone_weights: str | None = Field(
         default=None, description="segmentation built-ins: an ImageNet-pretrained backbone on this machine (a "
         "torchvision / timm ResNet state dict, or an MMSegmentation / MMPretrain checkpoint's backbone.*), loaded "
-        "into the model's backbone with a report; the heads start at random (models/backbone.py)",
+        "into the model's backbone with a report; the heads start at random (models/segmentation.py)",
     )
     kind: Literal["causal-lm", "sequence-classification"] | None = None
     norm_layers: Names[NormLayer] = []
