@@ -39,7 +39,7 @@ from torch.utils.data import Dataset
 
 from ..errors import UserError
 from .batches import IGNORE_INDEX
-from .stdlib import stdlib_sources
+from .builtin import stdlib_sources
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from ..plan.weightfiles import WeightsOnDisk
 from . import small
 from .architectures import ARCHITECTURES
 from .architectures import LOSSES as LOSSES
+from .hf import HFLogits
 from .pretrained import (
     builtin_from_folder,
     check_state_dict_file,
@@ -37,7 +39,6 @@ from .pretrained import (
     load_hf_model,
     load_state_dict_file,
     on_meta,
-    wrap_transformers,
 )
 from .segmentation import SEGMENTATION_MODELS, check_output_classes
 from .weights import adapt, place, weights_of
@@ -47,6 +48,7 @@ __all__ = [
     "has_batchnorm", "model_inputs", "parameter_counts", "place",
 ]
 
+BATCHNORM = nn.modules.batchnorm._BatchNorm  # normalises by batch statistics (torchvision's FrozenBatchNorm2d does not)
 GROUPS = 32  # Wu & He 2018, sec. 4: "we use G = 32 by default"
 # attribute names of a token embedding, for models that do not say (`get_input_embeddings`)
 TOKEN_EMBEDDING_NAMES = ("token", "tokens", "wte", "tok_emb", "tok_embeddings", "token_embedding", "embed_tokens",
@@ -77,7 +79,7 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
         check_output_classes(model, recipe.data.classes, crop, name)
     if spec.batchnorm_momentum is not None:
         for module in model.modules():  # new = (1 - m) x old + m x batch (TensorFlow's decay is 1 - m)
-            if is_batchnorm(module):
+            if isinstance(module, BATCHNORM):
                 module.momentum = spec.batchnorm_momentum
     check_vocabulary(model, data_info)  # token ids the embedding has no row for: refused before any step
     if recipe.data.packing == "packed":  # a transformers model on sdpa attends through the varlen attention
@@ -90,7 +92,7 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
 
         enable(model, name, selective=spec.selective_checkpointing)
     if spec.loss_chunks:  # the head applied by the loss, chunk by chunk (train/chunked_loss.py)
-        from .loss_head import defer_head
+        from .checkpointing import defer_head
 
         if model_inputs(recipe).get("targets") == "mlm-nsp":
             raise UserError(f"model.loss_chunks: {name} trains with its own pre-training loss (masked LM and next "
@@ -98,7 +100,7 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
 
         defer_head(model, name)
     if spec.offload_activations:
-        from .offload import offload_activations
+        from .checkpointing import offload_activations
 
         model = offload_activations(model)
     return model
@@ -152,7 +154,17 @@ def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict 
     model = call_builder(spec, "model", MODELS, extra, own_errors=on_meta())  # (a count's build: its caller says)
     if not isinstance(model, nn.Module):
         raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")
-    return wrap_transformers(model, recipe)
+    transformers = sys.modules.get("transformers")  # (a factory that returned a transformers model imported it)
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return model
+    # its forward returns a ModelOutput: its logits, with the head the task needs (HFLogits)
+    kind = {"language-modeling": "masked-lm" if "MaskedLM" in type(model).__name__ else "causal-lm",
+            "classification": "sequence-classification"}.get(recipe.task)
+    if kind is None:
+        raise UserError(f"model: the factory returned transformers' {type(model).__name__}, whose forward returns a "
+                        f"ModelOutput; task {recipe.task} needs a module whose output the loss takes: return one "
+                        "that gives it")
+    return HFLogits(model, kind)
 
 
 def segmentation_kwargs(recipe: Recipe) -> dict:
@@ -247,17 +259,12 @@ def counted_batchnorm(recipe: Recipe, data_info: dict | None = None) -> int | No
 
 
 def has_batchnorm(model: nn.Module) -> bool:
-    return any(is_batchnorm(m) for m in model.modules())
-
-
-def is_batchnorm(module: nn.Module) -> bool:
-    """A BatchNorm that normalises by batch statistics in training (torchvision's FrozenBatchNorm2d is not one)."""
-    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+    return any(isinstance(m, BATCHNORM) for m in model.modules())
 
 
 def count_batchnorm(model: nn.Module) -> int:
     """The BatchNorm layers of `model` (any dimension, SyncBatchNorm included)."""
-    return sum(1 for module in model.modules() if is_batchnorm(module))
+    return sum(1 for module in model.modules() if isinstance(module, BATCHNORM))
 
 
 def convert(model: nn.Module, mode: str) -> nn.Module:
@@ -266,7 +273,7 @@ def convert(model: nn.Module, mode: str) -> nn.Module:
     initialises one (weight 1, bias 0), as a BatchNorm does."""
     if mode not in ("frozen", "group"):
         return model
-    if not is_batchnorm(model):
+    if not isinstance(model, BATCHNORM):
         for name, child in model.named_children():
             converted = convert(child, mode)
             if converted is not child:

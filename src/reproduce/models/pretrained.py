@@ -13,7 +13,6 @@ built from the folder's config, and a state dict's names and shapes are checked 
 
 from __future__ import annotations
 
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import Recipe
 from ..plan.weightfiles import WeightsOnDisk, safetensors_header
-from .architectures import ARCHITECTURES, TransformersModel
+from .architectures import ARCHITECTURES, TransformersModel, needs_transformers
 from .hf import HF_KIND_FOR_TASK, HFLogits
 from .weights import from_pretrained_kwargs, quiet
 
@@ -38,20 +37,12 @@ def on_meta() -> bool:
     return torch.empty(0).device.type == "meta"
 
 
-def _transformers(field: str) -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise UserError(f"{field}: needs transformers, which is not installed (pip install transformers)") from None
-    return transformers
-
-
 def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overrides: dict | None = None,
                 new_head: bool = False) -> nn.Module:
     """The transformers model of `folder`'s config and weights (only its config on the meta device). Weights the
     folder does not hold are refused, but for a `new_head` (a classifier put on a language model, as
     AutoModelForSequenceClassification does)."""
-    transformers = _transformers(field)
+    transformers = needs_transformers(f"{field}:")
     auto = getattr(transformers, auto_class)
     overrides = dict(overrides or {})
     try:
@@ -103,7 +94,7 @@ def load_hf_model(recipe: Recipe, data_info: dict | None, weights: WeightsOnDisk
             f"model.kind: {kind} does not fit task {recipe.task} (which needs {expected}: "
             f"{'token logits (B, T, V)' if expected == 'causal-lm' else 'one row of class logits per sample'})"
         )
-    _transformers(f"model.hf: loading {spec.hf!r}")
+    needs_transformers(f"model.hf: loading {spec.hf!r}:")
     if weights is not None and weights.is_folder:
         local, name, field = weights.path, str(weights.path), "model.weights"
     else:
@@ -130,21 +121,6 @@ def load_hf_model(recipe: Recipe, data_info: dict | None, weights: WeightsOnDisk
             f"model.kwargs: {name!r} has no pad_token_id, which sequence classification needs to find each "
             "row's last token; inputs are padded with 0, so add kwargs: {pad_token_id: 0} if 0 is the padding id"
         )
-    return HFLogits(model, kind)
-
-
-def wrap_transformers(model: nn.Module, recipe: Recipe) -> nn.Module:
-    """A factory's transformers model (its forward returns a ModelOutput) as the loop takes it: its logits, the
-    head the task needs (HFLogits); any other module as it is."""
-    transformers = sys.modules.get("transformers")  # (a factory that returned one has imported it)
-    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
-        return model
-    name = type(model).__name__
-    kind = {"language-modeling": "masked-lm" if "MaskedLM" in name else "causal-lm",
-            "classification": "sequence-classification"}.get(recipe.task)
-    if kind is None:
-        raise UserError(f"model: the factory returned transformers' {name}, whose forward returns a ModelOutput; "
-                        f"task {recipe.task} needs a module whose output the loss takes: return one that gives it")
     return HFLogits(model, kind)
 
 
@@ -182,7 +158,7 @@ def check_family(builtin: str, weights: WeightsOnDisk) -> None:
     arch = ARCHITECTURES.get(builtin)
     if not isinstance(arch, TransformersModel):
         return
-    family = getattr(getattr(_transformers(builtin), arch.config_class), "model_type", None)
+    family = getattr(getattr(needs_transformers(f"{builtin}:"), arch.config_class), "model_type", None)
     theirs = (weights.config or {}).get("model_type")
     if family and theirs and theirs != family:
         raise UserError(f"model.weights: {weights.path} holds a {theirs} model ({weights.architecture}), and the "

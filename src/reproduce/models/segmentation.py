@@ -62,10 +62,8 @@ class TorchvisionSegmentation(Architecture):
         unknown = sorted(set(kwargs) - set(KNOWN))
         if unknown:
             raise UserError(f"model.kwargs: {self.name} has no setting {unknown[0]!r} (it takes {', '.join(KNOWN)})")
+        self.torchvision(data_info)
         data_info = data_info or {}
-        channels = data_info.get("channels")
-        if channels is not None and channels != IMAGE_CHANNELS:
-            raise UserError(f"data.channels: {self.name} takes {IMAGE_CHANNELS}-channel images (got {channels})")
         declared = data_info.get("classes")
         if kwargs.get("num_classes") and declared and kwargs["num_classes"] != declared:
             raise UserError(f"model.kwargs.num_classes: {kwargs['num_classes']} output channels, but data.classes is "
@@ -81,12 +79,9 @@ class TorchvisionSegmentation(Architecture):
         return {"classes": int(classes), "stride": int(stride), "aux": aux}
 
     def build(self, kwargs: dict, data_info: dict | None = None) -> nn.Module:
-        settings = self.settings(kwargs, data_info)
-        try:
-            from torchvision.models import segmentation
-        except (ImportError, RuntimeError) as exc:  # RuntimeError: a torchvision built for another torch
-            raise UserError(f"model.builtin: {self.name} needs torchvision, which does not import here: {exc}"
-                            ) from None
+        settings = self.settings(kwargs, data_info)  # (torchvision imported)
+        from torchvision.models import segmentation
+
         if self.head == "lraspp":
             return segmentation.lraspp_mobilenet_v3_large(
                 weights=None, weights_backbone=None, num_classes=settings["classes"])

@@ -140,7 +140,7 @@ class Model(Builder):
     )
     offload_activations: bool = Field(
         default=False, description="copy what the model's forward saves for backward to CPU memory, and back when "
-        "backward needs it (models/offload.py; torch.autograd.graph.saved_tensors_hooks, as save_on_cpu); exact, "
+        "backward needs it (models/checkpointing.py; torch.autograd.graph.saved_tensors_hooks, as save_on_cpu); exact, "
         "slower steps",
     )
     activation_checkpointing: bool = Field(
