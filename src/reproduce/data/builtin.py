@@ -28,17 +28,22 @@ def stdlib_sources(max_bytes: int) -> list[Path]:
     return files
 
 
-def digits(test_fraction: float = 0.2, seed: int = 0) -> dict:
+def digits_split(test_fraction: float = 0.2, seed: int = 0) -> tuple:
+    """(scikit-learn's digits, the training indices, the test indices): a fixed stratified split, each sorted."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     bunch = load_digits()
+    train, test = train_test_split(list(range(len(bunch.target))), test_size=test_fraction, random_state=seed,
+                                   stratify=bunch.target)
+    return bunch, sorted(train), sorted(test)
+
+
+def digits(test_fraction: float = 0.2, seed: int = 0) -> dict:
+    bunch, train, test = digits_split(test_fraction, seed)
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(bunch.target, dtype=torch.long)
-    train_idx, test_idx = train_test_split(
-        list(range(len(labels))), test_size=test_fraction, random_state=seed, stratify=bunch.target
-    )
-    train_idx, test_idx = torch.tensor(sorted(train_idx)), torch.tensor(sorted(test_idx))
+    train_idx, test_idx = torch.tensor(train), torch.tensor(test)
     return {
         "train": TensorDataset(images[train_idx], labels[train_idx]),
         "eval": TensorDataset(images[test_idx], labels[test_idx]),

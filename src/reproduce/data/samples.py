@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .builtin import stdlib_sources
+from .builtin import digits_split, stdlib_sources
 
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 512
@@ -46,14 +46,9 @@ MIN_RESPONSE_CHARACTERS = 20
 
 
 def _digits_split() -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """The built-in digits' fixed split (data.builtin.digits): 8x8 images with values 0..16, and labels."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    bunch = load_digits()
-    train, val = train_test_split(list(range(len(bunch.target))), test_size=0.2, random_state=0, stratify=bunch.target)
-    return {split: (bunch.images[sorted(idx)], bunch.target[sorted(idx)]) for split, idx in (("train", train),
-                                                                                               ("val", val))}
+    """The built-in digits' fixed split: 8x8 images with values 0..16, and labels."""
+    bunch, train, val = digits_split()
+    return {split: (bunch.images[idx], bunch.target[idx]) for split, idx in (("train", train), ("val", val))}
 
 
 def _png(image: np.ndarray, size: int) -> bytes:

@@ -32,16 +32,8 @@ from . import small
 from .architectures import ARCHITECTURES
 from .architectures import LOSSES as LOSSES
 from .hf import HFLogits
-from .pretrained import (
-    builtin_from_folder,
-    check_state_dict_file,
-    folder_inputs,
-    load_hf_model,
-    load_state_dict_file,
-    on_meta,
-)
 from .segmentation import SEGMENTATION_MODELS, check_output_classes
-from .weights import adapt, place, weights_of
+from .weights import adapt, on_meta, place, weights_of
 
 __all__ = [
     "LOSSES", "MODELS", "build_model", "check_context", "count_batchnorm", "count_parameters", "counted_batchnorm",
@@ -62,6 +54,8 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     weights = weights_of(recipe)  # a missing path, a folder without config.json or weights: one line
     name = spec.builtin or spec.factory or spec.hf or "the model"
     if weights is not None and not weights.is_folder:  # keys and shapes checked strictly, on a model of no memory
+        from .pretrained import load_state_dict_file
+
         converted_keys = keys_after_conversion(recipe, weights, data_info, name)
         model = architecture(recipe, weights, data_info)
         if converted_keys:  # the tool's own model.pt of a frozen / group run: loaded after the same conversion
@@ -111,6 +105,8 @@ def keys_after_conversion(recipe: Recipe, weights: WeightsOnDisk, data_info: dic
     the architecture as published: a model.pt this tool wrote under `frozen` (FrozenBatchNorm2d keeps no
     num_batches_tracked) or `group` (GroupNorm keeps no running statistics). Checked on the meta device; a file that
     fits neither is one line naming the published architecture's mismatches."""
+    from .pretrained import check_state_dict_file
+
     with torch.device("meta"):
         try:
             check_state_dict_file(architecture(recipe, None, data_info), weights, name)
@@ -129,10 +125,11 @@ def keys_after_conversion(recipe: Recipe, weights: WeightsOnDisk, data_info: dic
 def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict | None) -> nn.Module:
     """The recipe's model before any adaptation: built, or loaded from a Hugging Face folder."""
     spec = recipe.model
-    if spec.hf is not None:
-        return load_hf_model(recipe, data_info, weights)
-    if weights is not None and weights.is_folder:  # the folder's own config is the architecture
-        return builtin_from_folder(recipe, weights, data_info)
+    if spec.hf is not None or (weights is not None and weights.is_folder):  # (the folder's config is the architecture)
+        from .pretrained import builtin_from_folder, load_hf_model
+
+        return load_hf_model(recipe, data_info, weights) if spec.hf is not None else builtin_from_folder(
+            recipe, weights, data_info)
     try:
         if spec.builtin in SEGMENTATION_MODELS:
             declared = {"classes": recipe.data.classes} if recipe.data.classes else {}  # the data's own count first
@@ -189,6 +186,8 @@ def model_inputs(recipe: Recipe) -> dict:
     if spec.weights is not None and spec.builtin in ARCHITECTURES:
         weights = weights_of(recipe)
         if weights.is_folder:  # the folder's config is the architecture
+            from .pretrained import folder_inputs
+
             return folder_inputs(ARCHITECTURES[spec.builtin], weights.config, kwargs)
     if spec.builtin in BUILT_IN:
         return BUILT_IN[spec.builtin].model_inputs(kwargs)

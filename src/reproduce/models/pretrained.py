@@ -26,15 +26,10 @@ from ..plan.recipe import Recipe
 from ..plan.weightfiles import WeightsOnDisk, safetensors_header
 from .architectures import ARCHITECTURES, TransformersModel, needs_transformers
 from .hf import HF_KIND_FOR_TASK, HFLogits
-from .weights import from_pretrained_kwargs, quiet
+from .weights import from_pretrained_kwargs, on_meta, quiet
 
 AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification"}
 SHOWN = 3  # mismatched keys named in a message
-
-
-def on_meta() -> bool:
-    """Whether tensors are being made on the meta device (`with torch.device("meta")`): read no weights."""
-    return torch.empty(0).device.type == "meta"
 
 
 def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overrides: dict | None = None,

@@ -303,7 +303,7 @@ def _does_not_fit(path: str, name: str, backbone: str, names: list[str], missing
 
 def load_backbone(model: nn.Module, recipe: Recipe) -> None:
     """The backbone file loaded into `model.backbone` (on the meta device only checked)."""
-    from .pretrained import on_meta
+    from .weights import on_meta
 
     state, _ = read_backbone(model, recipe, shapes_only=on_meta())
     if not on_meta():

@@ -63,6 +63,11 @@ def quiet(transformers: Any):
             logging.enable_progress_bar()
 
 
+def on_meta() -> bool:
+    """Whether tensors are being made on the meta device (`with torch.device("meta")`): read no weights."""
+    return torch.empty(0).device.type == "meta"
+
+
 def adapt(model: nn.Module, recipe: Recipe) -> nn.Module:
     """The built model with its weights in `model.dtype` and, with `model.lora`, adapters on the named modules."""
     spec = recipe.model
