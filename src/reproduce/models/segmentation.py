@@ -15,7 +15,6 @@ kwargs (the recipe's `model.kwargs`, and what `build_model` adds from `model.out
 - `aux_loss`: build the auxiliary head (ResNet models; deeplabv3_resnet50 takes no output stride, so the model is
   assembled from `resnet50(replace_stride_with_dilation=...)` as torchvision assembles it).
 
-
 `model.backbone_weights`: an ImageNet-pretrained backbone from a file on this machine, loaded into the built-in's
 backbone, as DeepLabV3 and MMSegmentation's configs start: a torchvision ResNet-50/101 state dict, a timm ResNet (its
 names are torchvision's), or an MMSegmentation / MMPretrain checkpoint (the backbone's keys under `backbone.`), a
