@@ -118,20 +118,6 @@ def unavailable_message(recipe: Recipe) -> str:
     return f"{head}: give its path with `data_path` PATH (format {data.format}: {expected})"
 
 
-def build_format(recipe: Recipe) -> dict:
-    """The datasets of `data.format` data read from `data.path` (and `data.eval_path`)."""
-    name = recipe.data.format
-    module_name, builder = FORMATS[name]
-    try:
-        module = importlib.import_module(f".{module_name}", __name__)
-    except Exception as exc:  # ImportError, or a library built for another torch failing as it imports
-        raise UserError(
-            f"data.format: {name} data needs {NEEDS.get(name, exc)}, which does not import here "
-            f"({type(exc).__name__}: {exc})"
-        ) from None
-    return getattr(module, builder)(recipe)
-
-
 def build_data(recipe: Recipe) -> Datasets:
     if not recipe.data.available:
         raise UserError(unavailable_message(recipe))
@@ -140,17 +126,17 @@ def build_data(recipe: Recipe) -> Datasets:
             from ..models import check_context
 
             check_context(recipe)
-        data = build_format(recipe)
-        spec = recipe.data
-        share = spec.eval_fraction if isinstance(spec, TextData) else None
-        if isinstance(spec, TextData) and (spec.eval_size is not None or share is not None):  # held out, with the seed
+        spec, (module_name, builder) = recipe.data, FORMATS[recipe.data.format]
+        try:  # data.path (and data.eval_path) read by the format's module
+            module = importlib.import_module(f".{module_name}", __name__)
+        except Exception as exc:  # ImportError, or a library built for another torch failing as it imports
+            raise UserError(f"data.format: {spec.format} data needs {NEEDS.get(spec.format, exc)}, which does not "
+                            f"import here ({type(exc).__name__}: {exc})") from None
+        data = getattr(module, builder)(recipe)
+        if isinstance(spec, TextData) and (spec.eval_size is not None or spec.eval_fraction is not None):
             from .text import hold_out
 
-            field = "data.eval_size" if share is None else "data.eval_fraction"
-            if not hasattr(data["train"], "select"):
-                raise UserError(f"{field}: holds out text examples; this data is not text (give eval_path)")
-            size = spec.eval_size if share is None else max(1, round(share * len(data["train"])))
-            data = hold_out(data, size, recipe.seed, spec.path, field)
+            data = hold_out(data, recipe)
     else:
         extra = {}
         if recipe.data.made_by in ("pysource", "pysource-pairs", "text-pairs") and recipe.batch.sequence_length:

@@ -124,14 +124,19 @@ class TokenisedTexts(Dataset):
         return TokenisedTexts([self.sequence(i) for i in indices], masks=masks)
 
 
-def hold_out(data: dict, size: int, seed: int, path: Any, field: str = "data.eval_size") -> dict:
-    """`data` with `size` examples of its training set moved to an eval split, drawn with `seed` (as Alpaca-LoRA's
-    train_test_split(test_size=val_set_size) holds 2,000 out), each split in the file's order."""
-    train = data["train"]
+def hold_out(data: dict, recipe: Any) -> dict:
+    """`data` with data.eval_size examples (or data.eval_fraction of them) of its training set moved to an eval split,
+    drawn with the recipe's seed (as Alpaca-LoRA's train_test_split(test_size=val_set_size) holds 2,000 out), each
+    split in the file's order."""
+    train, share = data["train"], recipe.data.eval_fraction
+    field = "data.eval_size" if share is None else "data.eval_fraction"
+    if not hasattr(train, "select"):
+        raise UserError(f"{field}: holds out text examples; this data is not text (give eval_path)")
+    size = recipe.data.eval_size if share is None else max(1, round(share * len(train)))
     if size >= len(train):
-        raise UserError(f"{field}: {size} examples held out of {path}, which has {len(train)}: none would be "
-                        "left to train on")
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
+        raise UserError(f"{field}: {size} examples held out of {recipe.data.path}, which has {len(train)}: none would "
+                        "be left to train on")
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(recipe.seed))
     held, kept = sorted(order[:size].tolist()), sorted(order[size:].tolist())
     data["train"], data["eval"] = train.select(kept), train.select(held)
     data["info"].update({"eval_size": size, "train_examples": len(kept), "eval_examples": size})

@@ -131,10 +131,11 @@ def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict 
         return load_hf_model(recipe, data_info, weights) if spec.hf is not None else builtin_from_folder(
             recipe, weights, data_info)
     try:
-        if spec.builtin in SEGMENTATION_MODELS:
+        if spec.builtin in SEGMENTATION_MODELS:  # the recipe's kwargs with model.output_stride and model.aux_weight
+            extra = {"output_stride": spec.output_stride, "aux_loss": spec.aux_weight is not None}
+            kwargs = {**spec.kwargs, **{key: value for key, value in extra.items() if value is not None}}
             declared = {"classes": recipe.data.classes} if recipe.data.classes else {}  # the data's own count first
-            return SEGMENTATION_MODELS[spec.builtin].build(segmentation_kwargs(recipe),
-                                                           {**declared, **(data_info or {})})
+            return SEGMENTATION_MODELS[spec.builtin].build(kwargs, {**declared, **(data_info or {})})
         if spec.builtin in ARCHITECTURES:
             return ARCHITECTURES[spec.builtin].build(spec.kwargs, data_info)
     except UserError:
@@ -162,13 +163,6 @@ def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict 
                         f"ModelOutput; task {recipe.task} needs a module whose output the loss takes: return one "
                         "that gives it")
     return HFLogits(model, kind)
-
-
-def segmentation_kwargs(recipe: Recipe) -> dict:
-    """A segmentation model's kwargs: the recipe's, with model.output_stride and model.aux_weight."""
-    spec = recipe.model
-    extra = {"output_stride": spec.output_stride, "aux_loss": spec.aux_weight is not None}
-    return {**spec.kwargs, **{key: value for key, value in extra.items() if value is not None}}
 
 
 def model_inputs(recipe: Recipe) -> dict:
