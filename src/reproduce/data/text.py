@@ -1,19 +1,16 @@
 """Text to train on: `format: instructions` (Alpaca's JSON / JSONL records), `format: chat` (conversations) and
-the text of `hf-datasets`, each example tokenised once when the run starts with a tokenizer from a local folder
-(`data.tokenizer`; never the network) and truncated to `data.max_length` tokens.
+the text of `hf-datasets`, tokenised once when the run starts with a local tokenizer (`data.tokenizer`; never the
+network), truncated to `data.max_length` tokens.
 
-Instruction examples follow Alpaca's `train.py` exactly: the full text is the filled template + output + the
-tokenizer's EOS, tokenised, its first len(tokenised prompt) tokens carrying the ignore index -100, so the loss and
-the window's token count that normalises it are over the response only. Plain text (an hf-datasets `text` column) is
-the text + EOS, every token bearing loss. A conversation, `{"messages": [{"role": ..., "content": ...}]}` (OpenAI's
-layout) or ShareGPT's `{"conversations": [{"from": "human" | "gpt" | "system", "value": ...}]}`, is rendered by the
-tokenizer's own chat template (`apply_chat_template`), the loss on the assistant turns only (each from the end of the
-generation prompt before it to the end of the turn, its end-of-turn token included), or on every token with
-`train_on_inputs`.
+Instructions follow Alpaca's `train.py` exactly: the filled template + output + EOS is tokenised and its first
+len(tokenised prompt) tokens carry the ignore index -100, so the loss and the window's token count that normalises
+it are over the response only; plain text (a `text` column) is the text + EOS, every token bearing loss. A
+conversation (OpenAI's `{"messages": [{"role", "content"}]}` or ShareGPT's `{"conversations": [{"from", "value"}]}`)
+is rendered by the tokenizer's chat template, the loss on the assistant turns (each from the end of the generation
+prompt before it to its end-of-turn token), or on every token with `train_on_inputs`.
 
-Items follow the loop's data contract: inputs are tokens[:-1], targets labels[1:] (-100 where no loss is taken).
-Each example's loss-bearing target count is kept from the start (`target_counts`), so a window's count is known
-before its first backward without fetching anything.
+Items follow the loop's data contract: inputs tokens[:-1], targets labels[1:]; each example's loss-bearing count is
+kept from the start (`target_counts`), so a window's count is known before its first backward.
 """
 
 from __future__ import annotations
@@ -33,9 +30,8 @@ from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import TextData
 from .batches import IGNORE_INDEX
 
-# The prompt wording of Stanford Alpaca, PROMPT_DICT in tatsu-lab/stanford_alpaca's train.py at commit
-# 761dc5bfbdeeffa89b8bff5d038781a4055f796a (the commit papers/taori2023-alpaca-7b.yaml cites), word for word:
-# the first when the record's input is not empty, the second otherwise.
+# Stanford Alpaca's PROMPT_DICT (tatsu-lab/stanford_alpaca's train.py @ 761dc5bfbdeeffa89b8bff5d038781a4055f796a, the
+# commit papers/taori2023-alpaca-7b.yaml cites), word for word: with a non-empty input, and without.
 ALPACA_PROMPT_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
     "Write a response that appropriately completes the request.\n\n"
@@ -125,9 +121,8 @@ class TokenisedTexts(Dataset):
 
 
 def hold_out(data: dict, recipe: Any) -> dict:
-    """`data` with data.eval_size examples (or data.eval_fraction of them) of its training set moved to an eval split,
-    drawn with the recipe's seed (as Alpaca-LoRA's train_test_split(test_size=val_set_size) holds 2,000 out), each
-    split in the file's order."""
+    """`data` with data.eval_size (or data.eval_fraction) of its training examples moved to an eval split, drawn with
+    the recipe's seed as Alpaca-LoRA's train_test_split holds 2,000 out, each split in the file's order."""
     train, share = data["train"], recipe.data.eval_fraction
     field = "data.eval_size" if share is None else "data.eval_fraction"
     if not hasattr(train, "select"):
@@ -182,8 +177,7 @@ def read_records(path: Path, field: str, fields: dict[str, str] | None = None) -
 
 
 def read_json_rows(path: Path) -> list[tuple[str, Any]]:
-    """The values of a JSON file holding a list, or of a JSONL file (one value a line), each with its place for
-    messages ("record 3", "line 7"); invalid JSON is one clear line."""
+    """The values of a JSON list or a JSONL file, each with its place ("record 3", "line 7"); bad JSON is one line."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -207,8 +201,7 @@ def read_json_rows(path: Path) -> list[tuple[str, Any]]:
 
 
 def check_record(record: Any, path: Path | str, place: str, fields: dict[str, str] | None = None) -> None:
-    """An object with string `instruction` and `output` and an optional string `input` (or the columns named in
-    `fields`: our name -> the data's name)."""
+    """An object with string `instruction`, `output` and optional `input` (or the `fields`: ours -> the data's)."""
     fields = fields or {name: name for name in RECORD_FIELDS}
     if not isinstance(record, dict):
         raise UserError(f"{path}: {place}: expected a JSON object with instruction, input, output (got "
@@ -226,9 +219,8 @@ def check_record(record: Any, path: Path | str, place: str, fields: dict[str, st
 
 def tokenise(tokenizer: Any, prompts: list[str], responses: list[str], max_length: int,
              train_on_inputs: bool = False) -> tuple[TokenisedTexts, dict]:
-    """Alpaca's preprocessing: tokenise prompt + response (+ EOS) truncated to max_length, and mask the first
-    len(tokenised prompt) tokens (none with `train_on_inputs`, as Alpaca-LoRA's default). Examples of fewer than two
-    tokens (nothing to predict) are left out."""
+    """Alpaca's preprocessing: prompt + response (+ EOS) tokenised, truncated, its first len(tokenised prompt) tokens
+    masked (none with `train_on_inputs`, Alpaca-LoRA's default); examples of fewer than two tokens left out."""
     eos = tokenizer.eos_token or ""
     full = [prompt + response + eos for prompt, response in zip(prompts, responses, strict=True)]
     ids = tokenizer(full, truncation=True, max_length=max_length)["input_ids"]
@@ -330,8 +322,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 
 
 def messages_of(record: Any, path: Path, place: str) -> list[dict]:
-    """The record's turns as [{"role", "content"}], ShareGPT's `conversations` read as such; a record without an
-    assistant turn, with an unknown role or without text is one line."""
+    """The record's turns as [{"role", "content"}]; no assistant turn, an unknown role or no text is one line."""
     if not isinstance(record, dict) or not isinstance(record.get("messages", record.get("conversations")), list):
         raise UserError(f"{path}: {place}: expected an object with a list of messages ({{\"messages\": [{{\"role\": "
                         "\"user\", \"content\": ...}, ...]}, or ShareGPT's \"conversations\" of from / value)")
