@@ -184,8 +184,8 @@ def planned_data_size(recipe: Recipe, given: bool = False) -> tuple[Datasets | N
     if (spec.train_size is not None and not (given and on_disk)) or not spec.available or (
             not (isinstance(spec, NamedData) and spec.factory is not None) and not on_disk):
         return None, None
-    from .data import build_data  # torch, and the user's own code: only for data that a factory makes or on disk
-    from .data.lengths import training_sizes
+    # torch, and the user's own code: only for data that a factory makes or on disk
+    from .data import build_data, training_sizes
 
     data = build_data(recipe)
     return data, training_sizes(recipe, data.train)
@@ -323,9 +323,7 @@ def prepare_run(request: RunRequest, world: Any, resume: bool, on_note: OnNote |
                 checked: tuple[Recipe, Plan | None] | None = None) -> PreparedRun:
     """This process's run: the checks (`checked`: made already), its data, the probe (every rank its own device,
     all taking the smallest result, under torchrun) and the plan; the warnings its start shows."""
-    from .data import build_data
-    from .data.lengths import training_sizes
-    from .data.text import text_warnings
+    from .data import build_data, text_warnings, training_sizes
 
     if request.memory is not None:  # a budget that is no size: one line, before anything is built
         parse_size(request.memory)

@@ -78,7 +78,7 @@ def test_no_user_error_outside_cli_spells_a_flag():
 
 def test_every_name_in_backticks_is_a_field_the_cli_knows():
     """A request's field in backticks must be an option's parameter name, else the CLI would print it as it is."""
-    words = {"backbone"}  # a module's attribute (models/backbone.py), not a field
+    words = {"backbone"}  # a module's attribute (models/segmentation.py), not a field
     unknown = set()
     for module, found in _messages().items():
         if module.startswith(LIBRARY_ONLY):  # the library's own calls: its errors name their arguments

@@ -235,7 +235,7 @@ def plain_loop_over(recipe_data: dict, windows: list[tuple], datasets: dict) -> 
 def run(recipe_data: dict, micro: int, out, **kwargs):
     recipe = parse_recipe(recipe_data)
     data = build_data(recipe)
-    from reproduce.data.lengths import training_sizes
+    from reproduce.data import training_sizes
 
     plan = make_plan(recipe, micro, dataset_size=training_sizes(recipe, data.train))
     train(plan, RunRequest(out, device="cpu", **kwargs), dtype=torch.float64, data=data)

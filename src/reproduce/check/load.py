@@ -144,7 +144,7 @@ def sample_folder(kind: str) -> Path:
         import shutil
         import tempfile
 
-        from ..data.shape_scenes import write_voc
+        from ..data.samples import write_voc
 
         folder = Path(tempfile.mkdtemp(prefix=f"reproduce-check-{kind}-"))
         atexit.register(shutil.rmtree, folder, ignore_errors=True)

@@ -83,7 +83,7 @@ class Runner:
         if spec.train_size is not None or not spec.available or not isinstance(spec, NamedData) or (
                 spec.factory is None):
             return spec.train_size
-        from ..data.lengths import training_sizes
+        from ..data import training_sizes
 
         return training_sizes(recipe, self.dataset(recipe).train)
 
@@ -96,7 +96,7 @@ class Runner:
         key = run.key(seed)
         if key in self.cache:
             return self.cache[key]
-        from ..data.lengths import training_sizes
+        from ..data import training_sizes
         from ..train.trainer import RunRequest, train
 
         data = self.dataset(run.recipe)
@@ -172,7 +172,7 @@ class Runner:
         from ..verify.accumulation import verify
 
         run = file.runs[check.run]
-        from ..data.lengths import training_sizes
+        from ..data import training_sizes
 
         data = self.dataset(run.recipe)
         plan = self.plan_for(run, training_sizes(run.recipe, data.train))

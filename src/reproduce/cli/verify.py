@@ -73,8 +73,7 @@ def verify_command(
     overrides: SetOption = None,
 ) -> None:
     """Compare the plan's accumulated gradient with the one-pass gradient: exit 0 equivalent, 1 not."""
-    from ..data import build_data  # torch is imported only by the commands that need it
-    from ..data.lengths import training_sizes
+    from ..data import build_data, training_sizes  # torch is imported only by the commands that need it
     from ..verify.accumulation import verify
 
     if tolerance is not None and not tolerance > 0:

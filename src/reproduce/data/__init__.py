@@ -4,26 +4,52 @@
 (`DATA`), the user's own `factory:`, or data on disk in one of the `FORMATS` (`data.format` with `data.path`).
 Each of these builders returns a dict with "train", "eval" (optional) and "info" (optional) keys, the contract a
 user's factory follows; `build_data` checks it and gives the `Datasets`. Items are `(input, target)` pairs.
+
+The training data at each sequence length a run's batch phases use (BERT: 128 tokens, then 512): a dataset that can
+be cut at another length has a `with_sequence_length(length)` method (the built-in `pysource` does; so can a user's
+factory dataset); `ByLength` puts the cuts into one index space, shortest length first
+(`train.windows.rank_shares`), so a window never mixes lengths and every consumer of indices fetches them
+unchanged.
 """
 
 from __future__ import annotations
 
+import bisect
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
 
 from ..errors import UserError
 from ..plan.factory import call_builder
 from ..plan.recipe import Recipe, TextData, TokensData
 from . import builtin
+from .batches import fetch
 
-DATA = dict(builtin.DATA)
+
+def pysource_pairs(**kwargs: Any) -> dict:
+    """BERT's sentence pairs from the standard library's sources (data/pairs.py)."""
+    from .pairs import pysource_pairs as build
+
+    return build(**kwargs)
+
+
+def text_pairs(**kwargs: Any) -> dict:
+    """BERT's sentence pairs from a text file in BERT's layout and a local tokenizer (data/pairs.py)."""
+    from .pairs import text_pairs as build
+
+    return build(**kwargs)
+
+
+DATA = {**builtin.DATA, "pysource-pairs": pysource_pairs, "text-pairs": text_pairs}
 # data.format -> (module of this package, its builder); imported only when used (torchvision, datasets)
 FORMATS = {
     "imagefolder": ("images", "build_imagefolder"),
     "tokens": ("tokens", "build_tokens"),
     "instructions": ("text", "build_instructions"),
-    "chat": ("chat", "build_chat"),
+    "chat": ("text", "build_chat"),
     "hf-datasets": ("hfdata", "build_hf_datasets"),
     "segmentation": ("segmentation", "build_segmentation"),
 }
@@ -44,21 +70,41 @@ EXPECTED = {
 }
 
 
-class SizedDataset(Protocol):
-    """A map-style dataset: a torch `Dataset` with a length, a `datasets.Dataset`, a list of pairs."""
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: int) -> Any: ...
-
-
 @dataclass(frozen=True)
 class Datasets:
-    """A recipe's data, as `build_data` gives it to the run, the probe and verify."""
+    """A recipe's data, as `build_data` gives it to the run, the probe and verify: map-style datasets (a length and
+    items by index: a torch `Dataset`, a `datasets.Dataset`, a list of pairs)."""
 
-    train: SizedDataset
-    eval: SizedDataset | None = None  # None: the recipe has no evaluation data (no eval loss, no plateau decay)
+    train: Any
+    eval: Any = None  # None: the recipe has no evaluation data (no eval loss, no plateau decay)
     info: dict[str, Any] = field(default_factory=dict)  # name, vocab_size, classes, ...: what the model is built for
+
+
+# the shapes of the datasets the papers use, so a recipe whose data is not on this machine can still be probed;
+# name -> (channels, image size, classes), with where each figure comes from
+IMAGE_DATASETS: dict[str, tuple[int, int, int]] = {
+    # ILSVRC-2012 (Russakovsky et al. 2015): 1000 classes, 1,281,167 training images; the papers here train on
+    # random 224 x 224 RGB crops (He et al. 2016 sec. 3.4, Goyal et al. 2017, ViT, DeiT, MAE).
+    "imagenet-1k": (3, 224, 1000),
+    # ImageNet-21k as ViT pre-trains on it (Dosovitskiy et al. 2021 sec. 4.1: "21k classes and 14M images";
+    # google-research/vision_transformer's num_classes 21843), at resolution 224 (Table 3).
+    "imagenet-21k": (3, 224, 21843),
+}
+ALIASES = {"imagenet": "imagenet-1k", "ilsvrc2012": "imagenet-1k", "ilsvrc-2012": "imagenet-1k",
+           "imagenet1k": "imagenet-1k", "imagenet21k": "imagenet-21k", "imagenet-22k": "imagenet-21k"}
+
+
+def image_dataset(name: str | None) -> dict | None:
+    """{"channels", "image_size", "classes"} of a known image dataset by `data.name` (case and separators forgiven),
+    or None; a recipe's own data.channels, data.image_size and data.classes take precedence."""
+    if not name:
+        return None
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    key = ALIASES.get(key, key)
+    if key not in IMAGE_DATASETS:
+        return None
+    channels, size, classes = IMAGE_DATASETS[key]
+    return {"channels": channels, "image_size": size, "classes": classes}
 
 
 def unavailable_message(recipe: Recipe) -> str:
@@ -72,20 +118,6 @@ def unavailable_message(recipe: Recipe) -> str:
     return f"{head}: give its path with `data_path` PATH (format {data.format}: {expected})"
 
 
-def build_format(recipe: Recipe) -> dict:
-    """The datasets of `data.format` data read from `data.path` (and `data.eval_path`)."""
-    name = recipe.data.format
-    module_name, builder = FORMATS[name]
-    try:
-        module = importlib.import_module(f".{module_name}", __name__)
-    except Exception as exc:  # ImportError, or a library built for another torch failing as it imports
-        raise UserError(
-            f"data.format: {name} data needs {NEEDS.get(name, exc)}, which does not import here "
-            f"({type(exc).__name__}: {exc})"
-        ) from None
-    return getattr(module, builder)(recipe)
-
-
 def build_data(recipe: Recipe) -> Datasets:
     if not recipe.data.available:
         raise UserError(unavailable_message(recipe))
@@ -94,17 +126,17 @@ def build_data(recipe: Recipe) -> Datasets:
             from ..models import check_context
 
             check_context(recipe)
-        data = build_format(recipe)
-        spec = recipe.data
-        share = spec.eval_fraction if isinstance(spec, TextData) else None
-        if isinstance(spec, TextData) and (spec.eval_size is not None or share is not None):  # held out, with the seed
+        spec, (module_name, builder) = recipe.data, FORMATS[recipe.data.format]
+        try:  # data.path (and data.eval_path) read by the format's module
+            module = importlib.import_module(f".{module_name}", __name__)
+        except Exception as exc:  # ImportError, or a library built for another torch failing as it imports
+            raise UserError(f"data.format: {spec.format} data needs {NEEDS.get(spec.format, exc)}, which does not "
+                            f"import here ({type(exc).__name__}: {exc})") from None
+        data = getattr(module, builder)(recipe)
+        if isinstance(spec, TextData) and (spec.eval_size is not None or spec.eval_fraction is not None):
             from .text import hold_out
 
-            field = "data.eval_size" if share is None else "data.eval_fraction"
-            if not hasattr(data["train"], "select"):
-                raise UserError(f"{field}: holds out text examples; this data is not text (give eval_path)")
-            size = spec.eval_size if share is None else max(1, round(share * len(data["train"])))
-            data = hold_out(data, size, recipe.seed, spec.path, field)
+            data = hold_out(data, recipe)
     else:
         extra = {}
         if recipe.data.made_by in ("pysource", "pysource-pairs", "text-pairs") and recipe.batch.sequence_length:
@@ -122,3 +154,93 @@ def build_data(recipe: Recipe) -> Datasets:
     if info is None:
         info = {"name": recipe.data.name or recipe.data.made_by}
     return Datasets(data["train"], data.get("eval"), info)
+
+
+def text_warnings(info: dict) -> list[str]:
+    """What tokenising changed in the data, with counts: examples truncated, left out, without a response token
+    within data.max_length, and a tokenizer without EOS (the model would not learn to stop)."""
+    lines = []
+    for split, where in (("train", info.get("path")), ("eval", info.get("eval_path"))):
+        examples, length = info.get(f"{split}_examples"), info.get(f"{split}_max_length")
+        if examples is None:
+            continue
+        counted = [("truncated", "are longer than data.max_length ({length} tokens): truncated, the end of the "
+                    "response and its EOS cut off"),
+                   ("without_response_tokens", "keep no response token within data.max_length ({length} tokens): "
+                    "they bear no loss"),
+                   ("skipped_too_short", "have fewer than two tokens (nothing to predict): left out")]
+        for key, what in counted:
+            count = info.get(f"{split}_{key}") or 0
+            total = examples + (info.get(f"{split}_skipped_too_short") or 0)
+            if count:
+                lines.append(f"{where}: {count} of {total} examples {what.format(length=length)}")
+    if info.get("train_eos_appended") is False:
+        lines.append(f"data.tokenizer: {info.get('tokenizer', 'the tokenizer')} has no EOS token: the examples end "
+                     "without one, so the model does not learn where a response stops")
+    return lines
+
+
+def cut_at_lengths(recipe: Recipe, train: Any, lengths: list[int | None]) -> dict[int | None, Any]:
+    """`train` (cut at batch.sequence_length) and the same data cut at each other length in `lengths`."""
+    main = recipe.batch.sequence_length
+    others = [length for length in lengths if length != main]
+    if others and not hasattr(train, "with_sequence_length"):
+        name = recipe.data.made_by or recipe.data.name or "the data"
+        raise UserError(
+            f"batch.phases: sequence length {others[0]} differs from batch.sequence_length {main}, but the training "
+            f"data ({name}, {type(train).__name__}) cannot be cut at another length: its dataset has no "
+            "with_sequence_length(length) method"
+        )
+    return {length: train if length == main else train.with_sequence_length(length) for length in lengths}
+
+
+def training_sizes(recipe: Recipe, train: Any) -> int | dict[int | None, int]:
+    """The training samples: one number, or one per sequence length when the batch phases change it."""
+    lengths = recipe.batch.sequence_lengths
+    if len(lengths) == 1:
+        return len(train)
+    return {length: len(dataset) for length, dataset in cut_at_lengths(recipe, train, lengths).items()}
+
+
+def training_set(recipe: Recipe, train: Any, lengths: list[int | None]) -> Any:
+    """What the run's windows index: `train` itself, or a `ByLength` of its cuts when phases change the length."""
+    if len(lengths) <= 1:
+        return train
+    return ByLength(cut_at_lengths(recipe, train, lengths))
+
+
+class ByLength(Dataset):
+    """Datasets of one data cut at several sequence lengths, as one: indices of the shortest length first."""
+
+    def __init__(self, datasets: dict[int | None, Any]):
+        self.lengths = sorted(datasets, key=lambda length: length or 0)
+        self.datasets = [datasets[length] for length in self.lengths]
+        self.starts, start = [], 0
+        for dataset in self.datasets:
+            self.starts.append(start)
+            start += len(dataset)
+        self.total = start
+        # slices of memory throughout: loader workers would only add copying (as for the data it is cut from)
+        self.in_memory = all(getattr(dataset, "in_memory", False) for dataset in self.datasets)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def sizes(self) -> dict[int | None, int]:
+        return {length: len(dataset) for length, dataset in zip(self.lengths, self.datasets, strict=True)}
+
+    def _locate(self, indices: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """The dataset holding `indices` (a window's indices all come from one length) and their indices in it."""
+        part = bisect.bisect_right(self.starts, int(indices[0])) - 1
+        local = indices - self.starts[part]
+        if int(local.min()) < 0 or int(local.max()) >= len(self.datasets[part]):
+            raise IndexError("a micro-batch's indices span two sequence lengths")
+        return self.datasets[part], local
+
+    def __getitem__(self, index: int) -> Any:
+        dataset, local = self._locate(torch.tensor([index]))
+        return dataset[int(local[0])]
+
+    def batch(self, indices: torch.Tensor) -> tuple[Any, Any]:
+        dataset, local = self._locate(indices)
+        return fetch(dataset, local)

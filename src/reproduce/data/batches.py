@@ -79,7 +79,8 @@ class LazyMicroBatch:
             targets = self.drawn(self.indices)[1]
         else:
             targets = fetch(self.dataset, self.indices)[1]
-        self._tick(started)
+        if self.clock is not None:
+            self.clock.seconds += time.perf_counter() - started
         return targets
 
     def known_count(self) -> int | None:
@@ -98,9 +99,6 @@ class LazyMicroBatch:
         started = time.perf_counter()
         batch = self.source(self.indices) if self.source is not None else fetch(self.dataset, self.indices)
         batch = to_device(batch, self.device, self.dtype)
-        self._tick(started)
-        return batch
-
-    def _tick(self, started: float) -> None:
         if self.clock is not None:
             self.clock.seconds += time.perf_counter() - started
+        return batch

@@ -9,24 +9,41 @@
 from __future__ import annotations
 
 import hashlib
+import sysconfig
+from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from .stdlib import stdlib_sources
+
+def stdlib_sources(max_bytes: int) -> list[Path]:
+    """The standard library's top-level Python files, sorted, up to about `max_bytes` in total: the offline text of
+    the built-in data and the test samples."""
+    files, total = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        if total >= max_bytes:
+            break
+        files.append(path)
+        total += path.stat().st_size
+    return files
 
 
-def digits(test_fraction: float = 0.2, seed: int = 0) -> dict:
+def digits_split(test_fraction: float = 0.2, seed: int = 0) -> tuple:
+    """(scikit-learn's digits, the training indices, the test indices): a fixed stratified split, each sorted."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     bunch = load_digits()
+    train, test = train_test_split(list(range(len(bunch.target))), test_size=test_fraction, random_state=seed,
+                                   stratify=bunch.target)
+    return bunch, sorted(train), sorted(test)
+
+
+def digits(test_fraction: float = 0.2, seed: int = 0) -> dict:
+    bunch, train, test = digits_split(test_fraction, seed)
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(bunch.target, dtype=torch.long)
-    train_idx, test_idx = train_test_split(
-        list(range(len(labels))), test_size=test_fraction, random_state=seed, stratify=bunch.target
-    )
-    train_idx, test_idx = torch.tensor(sorted(train_idx)), torch.tensor(sorted(test_idx))
+    train_idx, test_idx = torch.tensor(train), torch.tensor(test)
     return {
         "train": TensorDataset(images[train_idx], labels[train_idx]),
         "eval": TensorDataset(images[test_idx], labels[test_idx]),
@@ -63,7 +80,7 @@ class TokenWindows(Dataset):
         return torch.full((len(indices),), self.length, dtype=torch.long)
 
     def with_sequence_length(self, sequence_length: int) -> TokenWindows:
-        """The same bytes cut into windows of another length (a batch phase's; see data/lengths.py)."""
+        """The same bytes cut into windows of another length (a batch phase's: data.training_set)."""
         return TokenWindows(self.data, sequence_length)
 
 
@@ -75,8 +92,7 @@ def pysource(sequence_length: int = 64, max_bytes: int = 2_000_000, validation_e
     for index, path in enumerate(files):
         (valid if index % validation_every == validation_every - 1 else train).extend(path.read_bytes())
     fingerprint = hashlib.sha256(bytes(train) + b"\0" + bytes(valid)).hexdigest()
-    to_tensor = lambda raw: torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()  # noqa: E731
-    train_t, valid_t = to_tensor(train), to_tensor(valid)
+    train_t, valid_t = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone() for raw in (train, valid))
     counts = torch.bincount(train_t.long(), minlength=256).double()
     probs = counts[counts > 0] / counts.sum()
     unigram = float(-(probs * probs.log()).sum())  # entropy of the byte distribution, in nats
@@ -90,18 +106,4 @@ def pysource(sequence_length: int = 64, max_bytes: int = 2_000_000, validation_e
     }
 
 
-def pysource_pairs(**kwargs) -> dict:
-    """BERT's sentence pairs from the standard library's sources (data/pairs.py)."""
-    from .pairs import pysource_pairs as build
-
-    return build(**kwargs)
-
-
-def text_pairs(**kwargs) -> dict:
-    """BERT's sentence pairs from a text file in BERT's layout and a local tokenizer (data/pairs.py)."""
-    from .pairs import text_pairs as build
-
-    return build(**kwargs)
-
-
-DATA = {"digits": digits, "pysource": pysource, "pysource-pairs": pysource_pairs, "text-pairs": text_pairs}
+DATA = {"digits": digits, "pysource": pysource}

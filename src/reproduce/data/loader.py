@@ -1,7 +1,7 @@
 """Micro-batches from a `torch.utils.data.DataLoader`: worker processes, pinned memory, prefetching, still exact.
 
 The run's loop asks for micro-batches in a fixed order: for each optimizer step, the micro-batches that
-`train.windows.window` gives this rank. `WindowSampler` yields exactly those, one key per micro-batch, step
+`train.windows.window` gives this rank. `window_keys` yields exactly those, one key per micro-batch, step
 after step, and the DataLoader (with `batch_size=None`) hands each key to `MicroBatches`, which fetches and
 collates that micro-batch in a worker. So the workers decode and prefetch ahead while the model trains, and
 the loop still receives each window's micro-batches in the order the exactness tests assume. With no workers
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ..errors import UserError
 from .batches import collate, fetch
@@ -35,12 +35,8 @@ MAX_DEFAULT_WORKERS = 8
 EVAL_STEP = -1  # the step number of evaluation keys (their items are drawn with this in the seed)
 
 
-@dataclass(frozen=True)
-class MicroBatchKey:
-    """One micro-batch: the optimizer step it belongs to and its sample indices (a tuple: cheap to pickle)."""
-
-    step: int
-    indices: tuple[int, ...]
+# a micro-batch: the optimizer step it belongs to, and its sample indices (a tuple: cheap to pickle)
+Key = tuple[int, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -48,10 +44,6 @@ class Failure:
     """A user error raised in a worker, carried back whole (DataLoader would re-raise it with its traceback)."""
 
     lines: tuple[str, ...]
-
-
-def sample_seed(seed: int, step: int, index: int) -> int:
-    return (seed * 1_000_003 + (step + 2) * 998_244_353 + index * 2_654_435_761) % (2**63 - 1)
 
 
 @contextmanager
@@ -62,7 +54,7 @@ def seeded_samples() -> Iterator[Callable[[int, int, int], None]]:
     window's valid pixels) draw alike through it."""
 
     def seed_sample(seed: int, step: int, index: int) -> None:
-        value = sample_seed(seed, step, index)
+        value = (seed * 1_000_003 + (step + 2) * 998_244_353 + index * 2_654_435_761) % (2**63 - 1)
         torch.default_generator.manual_seed(value)
         random.seed(value)
         np.random.seed(value % 2**32)
@@ -78,7 +70,8 @@ def seeded_samples() -> Iterator[Callable[[int, int, int], None]]:
 
 class MicroBatches(Dataset):
     """The training set seen one micro-batch at a time: item `key` is the collated (inputs, targets) of its
-    indices. Tensor data is sliced directly; item by item otherwise, each item's random draws seeded."""
+    indices. Tensor data is sliced directly; item by item otherwise, each item drawing its random numbers (torch,
+    random, numpy) from (seed, step, index) (`seeded_samples`)."""
 
     def __init__(self, dataset: Any, seed: int):
         self.dataset, self.seed = dataset, seed
@@ -87,52 +80,42 @@ class MicroBatches(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: MicroBatchKey) -> tuple[MicroBatchKey, Any]:
-        return key, self.get(key.step, torch.tensor(key.indices, dtype=torch.long))
+    def __getitem__(self, key: Key) -> tuple[Key, Any]:
+        return key, self.get(key[0], torch.tensor(key[1], dtype=torch.long))
 
     def get(self, step: int, indices: torch.Tensor) -> Any:
         """The collated micro-batch of `indices` at optimizer step `step`, or the Failure a user error became."""
         try:
             if not self.per_item:
                 return fetch(self.dataset, indices)
-            return collate(self._items(MicroBatchKey(step, tuple(indices.tolist()))))
+            items = []
+            with seeded_samples() as seed_sample:
+                for index in indices.tolist():
+                    seed_sample(self.seed, step, index)
+                    items.append(self.dataset[index])
+            return collate(items)
         except UserError as error:
             return Failure(tuple(error.lines))
-
-    def _items(self, key: MicroBatchKey) -> list:
-        """The items, each drawing its random numbers (torch, random, numpy) from (seed, step, index)
-        (`seeded_samples`)."""
-        items = []
-        with seeded_samples() as seed_sample:
-            for index in key.indices:
-                seed_sample(self.seed, key.step, index)
-                items.append(self.dataset[index])
-        return items
 
 
 def fetch_seeded(dataset: Any, indices: torch.Tensor, seed: int, step: int = 0) -> tuple[Any, Any]:
     """The micro-batch of `indices` as the run's loader gives it at optimizer step `step`: the same random draws
     (augmentation) for each sample, however the samples are grouped (verify's micro-batches and reference)."""
-    _, batch = MicroBatches(dataset, seed)[MicroBatchKey(step, tuple(indices.tolist()))]
+    _, batch = MicroBatches(dataset, seed)[step, tuple(indices.tolist())]
     if isinstance(batch, Failure):
         raise UserError(*batch.lines)
     return batch
 
 
-class WindowSampler(Sampler):
-    """The keys of this rank's micro-batches for the optimizer steps `first_step` .. `end_step - 1`, in order.
-
-    `windows(step)` is this rank's list of index tensors for `step` (`train.windows.window`), so whatever
-    decides the windows (the micro-batch after an out-of-memory error, batch phases) decides the keys too.
-    """
-
-    def __init__(self, windows: Callable[[int], list[torch.Tensor]], first_step: int, end_step: int):
-        self.windows, self.first_step, self.end_step = windows, first_step, end_step
-
-    def __iter__(self) -> Iterator[MicroBatchKey]:
-        for step in range(self.first_step, self.end_step):
-            for indices in self.windows(step):
-                yield MicroBatchKey(step, tuple(indices.tolist()))
+def window_keys(windows: Callable[[int], list[torch.Tensor]], first_step: int, end_step: int
+                ) -> Iterator[Key]:
+    """The loader's sampler: the keys of this rank's micro-batches for the optimizer steps `first_step` ..
+    `end_step - 1`, in order. `windows(step)` is this rank's list of index tensors for `step`
+    (`train.windows.window`), so whatever decides the windows (the micro-batch after an out-of-memory error, batch
+    phases) decides the keys too."""
+    for step in range(first_step, end_step):
+        for indices in windows(step):
+            yield step, tuple(indices.tolist())
 
 
 def _as_is(item: Any) -> Any:
@@ -147,7 +130,7 @@ def _ignore_stop_signals(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def make_loader(dataset: Any, keys: Iterable[MicroBatchKey], seed: int, workers: int, pin_memory: bool) -> DataLoader:
+def make_loader(dataset: Any, keys: Iterable[Key], seed: int, workers: int, pin_memory: bool) -> DataLoader:
     return DataLoader(
         MicroBatches(dataset, seed), batch_size=None, sampler=keys, num_workers=workers, collate_fn=_as_is,
         pin_memory=pin_memory, prefetch_factor=PREFETCH_PER_WORKER if workers else None,
@@ -167,14 +150,14 @@ class MicroBatchStream:
 
     def __init__(self, dataset: Any, windows: Callable[[int], list[torch.Tensor]], first_step: int, end_step: int,
                  *, seed: int, workers: int, pin_memory: bool):
-        self.workers, self.closed = workers, False
+        self.closed = False
         self.iterator: Iterator | None = None
         # No workers and nothing to pin: the same MicroBatches fetch, called directly. A DataLoader in this process
         # would only add its own bookkeeping (0.1 ms a micro-batch: 15% of the digits MLP's 5 ms step).
         self.direct = MicroBatches(dataset, seed) if workers == 0 and not pin_memory else None
         if self.direct is None:
-            sampler = WindowSampler(windows, first_step, end_step)
-            self.iterator = iter(make_loader(dataset, sampler, seed, workers, pin_memory))
+            keys = window_keys(windows, first_step, end_step)
+            self.iterator = iter(make_loader(dataset, keys, seed, workers, pin_memory))
 
     def take(self, step: int, indices: torch.Tensor) -> tuple[Any, Any]:
         if self.closed:
@@ -182,10 +165,10 @@ class MicroBatchStream:
         if self.direct is not None:
             batch = self.direct.get(step, indices)
         else:
-            key, batch = next(self.iterator)
-            if key.step != step or key.indices != tuple(indices.tolist()):
+            (delivered, keyed), batch = next(self.iterator)
+            if delivered != step or keyed != tuple(indices.tolist()):
                 raise RuntimeError(
-                    f"the loader delivered step {key.step}'s micro-batch where step {step}'s was expected")
+                    f"the loader delivered step {delivered}'s micro-batch where step {step}'s was expected")
         if isinstance(batch, Failure):
             raise UserError(*batch.lines)
         return batch
@@ -198,33 +181,24 @@ class MicroBatchStream:
 def eval_batches(dataset: Any, batch: int, *, workers: int, pin_memory: bool, seed: int = 0) -> Iterator:
     """The evaluation set in order, `batch` items at a time, fetched by `workers` processes."""
     size = len(dataset)
-    keys = [MicroBatchKey(EVAL_STEP, tuple(range(start, min(start + batch, size)))) for start in range(0, size, batch)]
+    keys = [(EVAL_STEP, tuple(range(start, min(start + batch, size)))) for start in range(0, size, batch)]
     for _, value in make_loader(dataset, keys, seed, workers, pin_memory):
         if isinstance(value, Failure):
             raise UserError(*value.lines)
         yield value
 
 
-def held_in_memory(dataset: Any) -> bool:
-    """Data whose items are slices of memory: worker processes would only add copying."""
-    return isinstance(dataset, (TensorDataset, list, tuple)) or bool(getattr(dataset, "in_memory", False))
-
-
-def available_cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def cpu_share() -> int:
     """The CPU cores this process has: its share of the machine's under torchrun."""
-    return max(1, available_cpus() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def default_workers(dataset: Any) -> int:
-    """Loader processes when --workers is not given: none for data held in memory; otherwise one per CPU core
-    this process has (its share under torchrun), less one for the training process itself, at most 8."""
-    if held_in_memory(dataset):
+    """Loader processes when --workers is not given: none for data whose items are slices of memory (workers would
+    only add copying); otherwise one per CPU core this process has (its share under torchrun), less one for the
+    training process itself, at most 8."""
+    if isinstance(dataset, (TensorDataset, list, tuple)) or getattr(dataset, "in_memory", False):
         return 0
     return max(0, min(MAX_DEFAULT_WORKERS, cpu_share() - 1))
 

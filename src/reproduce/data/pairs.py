@@ -39,7 +39,7 @@ from torch.utils.data import Dataset
 
 from ..errors import UserError
 from .batches import IGNORE_INDEX
-from .stdlib import stdlib_sources
+from .builtin import stdlib_sources
 
 
 @dataclass(frozen=True)
@@ -168,28 +168,23 @@ class SentencePairs(Dataset):
         return SentencePairs(self.documents, sequence_length, self.vocab, self.seed, **self.options)
 
 
-def source_documents(max_bytes: int) -> tuple[list[list[list[int]]], list[list[list[int]]], str]:
-    """(training documents, evaluation documents, fingerprint): the stdlib's files, their non-blank lines."""
-    train, valid, digest = [], [], hashlib.sha256()
+def pysource_pairs(sequence_length: int = 128, max_bytes: int = 1_000_000, dupe_factor: int = 1,
+                   seed: int = 12345) -> dict:
+    train: list[list[list[int]]] = []  # documents: the stdlib's files, their non-blank lines as sentences
+    valid: list[list[list[int]]] = []
+    digest = hashlib.sha256()
     for index, path in enumerate(stdlib_sources(max_bytes)):
         raw = path.read_bytes()
         digest.update(raw)
-        lines = [list(line) for line in raw.splitlines(keepends=True) if line.strip()]
-        (valid if index % 10 == 9 else train).append(lines)
-    return train, valid, digest.hexdigest()
-
-
-def pysource_pairs(sequence_length: int = 128, max_bytes: int = 1_000_000, dupe_factor: int = 1,
-                   seed: int = 12345) -> dict:
-    train, valid, fingerprint = source_documents(max_bytes)
+        (valid if index % 10 == 9 else train).append([list(line) for line in raw.splitlines(keepends=True)
+                                                      if line.strip()])
     if not train:
         raise FileNotFoundError("no Python standard library sources found for the pysource-pairs corpus")
-    options = {"dupe_factor": dupe_factor}
-    data = {"train": SentencePairs(train, sequence_length, BYTES, seed, **options)}
+    data = {"train": SentencePairs(train, sequence_length, BYTES, seed, dupe_factor=dupe_factor)}
     if valid:
-        data["eval"] = SentencePairs(valid, sequence_length, BYTES, seed + 1, **options)
+        data["eval"] = SentencePairs(valid, sequence_length, BYTES, seed + 1, dupe_factor=dupe_factor)
     data["info"] = {"name": "pysource-pairs", "vocab_size": BYTES.size, "files": len(train) + len(valid),
-                    "fingerprint": fingerprint, "sequences": len(data["train"])}
+                    "fingerprint": digest.hexdigest(), "sequences": len(data["train"])}
     return data
 
 
@@ -237,12 +232,11 @@ def text_pairs(path: str, tokenizer: str, sequence_length: int = 128, eval_path:
                         "[CLS], [SEP], [MASK] and [PAD])")
     vocab = Vocabulary(size=len(loaded), words=len(loaded),
                        **{name: int(getattr(loaded, attribute)) for name, attribute in names.items()})
-    options = {"dupe_factor": dupe_factor}
     train = read_documents(Path(path).expanduser(), loaded, "data.kwargs.path")
-    data = {"train": SentencePairs(train, sequence_length, vocab, seed, **options)}
+    data = {"train": SentencePairs(train, sequence_length, vocab, seed, dupe_factor=dupe_factor)}
     if eval_path is not None:
         valid = read_documents(Path(eval_path).expanduser(), loaded, "data.kwargs.eval_path")
-        data["eval"] = SentencePairs(valid, sequence_length, vocab, seed + 1, **options)
+        data["eval"] = SentencePairs(valid, sequence_length, vocab, seed + 1, dupe_factor=dupe_factor)
     data["info"] = {"name": Path(path).name, "vocab_size": vocab.size, "documents": len(train),
                     "sequences": len(data["train"])}
     return data

@@ -17,8 +17,7 @@ KIND:
   numbers; `image`, PNG bytes; `label`);
 - `segmentation`: shapes on backgrounds with ignored outlines in Pascal VOC's layout (JPEGImages/,
   SegmentationClass/ palette PNGs, ImageSets/Segmentation/train.txt and val.txt: 160 / 40 scenes, 4 classes,
-  and the training scenes as the augmented set DeepLabV3 reads, SegmentationClassAug/ and trainaug.txt;
-  `data.shape_scenes`);
+  and the training scenes as the augmented set DeepLabV3 reads, SegmentationClassAug/ and trainaug.txt; `write_voc`);
 - `all`: each of the above in DIR/<kind> (tokens and instructions use DIR/tokenizer).
 
 Tests, the benchmark and `make demo` build their data with these functions.
@@ -37,8 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .shape_scenes import write_voc
-from .stdlib import stdlib_sources
+from .builtin import digits_split, stdlib_sources
 
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 512
@@ -48,14 +46,9 @@ MIN_RESPONSE_CHARACTERS = 20
 
 
 def _digits_split() -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """The built-in digits' fixed split (data.builtin.digits): 8x8 images with values 0..16, and labels."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    bunch = load_digits()
-    train, val = train_test_split(list(range(len(bunch.target))), test_size=0.2, random_state=0, stratify=bunch.target)
-    return {split: (bunch.images[sorted(idx)], bunch.target[sorted(idx)]) for split, idx in (("train", train),
-                                                                                               ("val", val))}
+    """The built-in digits' fixed split: 8x8 images with values 0..16, and labels."""
+    bunch, train, val = digits_split()
+    return {split: (bunch.images[idx], bunch.target[idx]) for split, idx in (("train", train), ("val", val))}
 
 
 def _png(image: np.ndarray, size: int) -> bytes:
@@ -206,6 +199,109 @@ def write_hf_datasets(folder: Path, limit: int = 2000) -> dict:
         pq.write_table(table, folder / f"digits-{split}.parquet")
     return {"instructions": str(folder / "instructions"), "digits": str(folder / "digits-train.parquet"),
             "records": {split: len(rows) for split, rows in splits.items()}}
+
+
+# ---- segmentation scenes -----------------------------------------------------------------------------------------
+# Each scene is a smooth grey-ish random background with one to three shapes (class 1 disc, 2 square, 3 triangle; 0
+# the background), each in a jittered colour of its class, so a small model learns them in a minute on a CPU. As in
+# VOC's SegmentationClass/, every shape's outline is marked 255 (ignored, `BORDER` pixels wide) and the masks are
+# palette PNGs of class ids. Image sizes vary (`MIN_SIDE` .. `MAX_SIDE`), so random crops, padding and evaluation at
+# the image's own size are all exercised. Deterministic from the seed.
+
+CLASSES = ("background", "disc", "square", "triangle")
+CLASS_COLOURS = {1: (200, 60, 60), 2: (60, 190, 70), 3: (60, 80, 210)}  # RGB, jittered per shape
+IGNORE = 255
+BORDER = 1  # outline pixels marked IGNORE on each side of a shape's edge
+MIN_SIDE, MAX_SIDE = 64, 88
+
+
+def voc_palette() -> list[int]:
+    """Pascal VOC's colour map (the bit-interleaving of the class id), 256 entries; 255 is VOC's border colour."""
+    palette = []
+    for index in range(256):
+        red = green = blue = 0
+        value = index
+        for bit in range(8):
+            red |= ((value >> 0) & 1) << (7 - bit)
+            green |= ((value >> 1) & 1) << (7 - bit)
+            blue |= ((value >> 2) & 1) << (7 - bit)
+            value >>= 3
+        palette += [red, green, blue]
+    palette[IGNORE * 3:IGNORE * 3 + 3] = [224, 224, 192]
+    return palette
+
+
+def _shape(kind: int, ys: np.ndarray, xs: np.ndarray, cy: float, cx: float, radius: float) -> np.ndarray:
+    if kind == 1:
+        return (ys - cy) ** 2 + (xs - cx) ** 2 <= radius**2
+    if kind == 2:
+        return (np.abs(ys - cy) <= radius * 0.85) & (np.abs(xs - cx) <= radius * 0.85)
+    # an upward triangle: below its apex, above its base, within the two slanted edges
+    top, base = cy - radius, cy + radius * 0.8
+    half = (ys - top) / (base - top) * radius
+    return (ys >= top) & (ys <= base) & (np.abs(xs - cx) <= half)
+
+
+def _edge(region: np.ndarray) -> np.ndarray:
+    """Pixels within BORDER of the region's boundary, on either side."""
+    grown, shrunk = region.copy(), region.copy()
+    for _ in range(BORDER):
+        padded = np.pad(grown, 1)
+        grown = padded[1:-1, 1:-1] | padded[:-2, 1:-1] | padded[2:, 1:-1] | padded[1:-1, :-2] | padded[1:-1, 2:]
+        padded = np.pad(shrunk, 1, constant_values=True)
+        shrunk = padded[1:-1, 1:-1] & padded[:-2, 1:-1] & padded[2:, 1:-1] & padded[1:-1, :-2] & padded[1:-1, 2:]
+    return grown & ~shrunk
+
+
+def scene(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(image uint8 H x W x 3, mask uint8 H x W) of one scene."""
+    height, width = (int(v) for v in rng.integers(MIN_SIDE, MAX_SIDE + 1, size=2))
+    ys, xs = np.mgrid[0:height, 0:width].astype(np.float64)
+    # a bilinear gradient of low-saturation colours, with noise
+    corners = rng.uniform(60, 200, size=(2, 2, 1)) + rng.uniform(-15, 15, size=(2, 2, 3))
+    fy, fx = (ys / height)[..., None], (xs / width)[..., None]
+    image = ((1 - fy) * ((1 - fx) * corners[0, 0] + fx * corners[0, 1]) + fy * ((1 - fx) * corners[1, 0]
+             + fx * corners[1, 1]))
+    image += rng.normal(0, 12, size=image.shape)
+    mask = np.zeros((height, width), dtype=np.uint8)
+    edges = np.zeros((height, width), dtype=bool)
+    for _ in range(int(rng.integers(1, 4))):
+        kind = int(rng.integers(1, len(CLASSES)))
+        radius = rng.uniform(6, min(height, width) / 3)
+        cy, cx = rng.uniform(radius, height - radius), rng.uniform(radius, width - radius)
+        region = _shape(kind, ys, xs, cy, cx, radius)
+        colour = np.array(CLASS_COLOURS[kind]) + rng.uniform(-40, 40, size=3)
+        image[region] = colour + rng.normal(0, 12, size=(int(region.sum()), 3))
+        mask[region] = kind
+        edges |= _edge(region)
+    mask[edges] = IGNORE
+    return np.clip(image, 0, 255).astype(np.uint8), mask
+
+
+def write_voc(folder: Path, train: int = 160, val: int = 40, seed: int = 0) -> dict:
+    """`train` + `val` scenes as a VOC folder: JPEGImages/, SegmentationClass/, ImageSets/Segmentation/, and the
+    training scenes as the augmented set too (SegmentationClassAug/, trainaug.txt)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for sub in ("JPEGImages", "SegmentationClass", "SegmentationClassAug", "ImageSets/Segmentation"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    palette = voc_palette()
+    names = {"train": [f"scene_{i:05d}" for i in range(train)],
+             "val": [f"scene_{i:05d}" for i in range(train, train + val)]}
+    for split, ids in names.items():
+        for name in ids:
+            image, mask = scene(rng)
+            Image.fromarray(image, mode="RGB").save(folder / "JPEGImages" / f"{name}.jpg", quality=95)
+            picture = Image.fromarray(mask, mode="P")
+            picture.putpalette(palette)
+            picture.save(folder / "SegmentationClass" / f"{name}.png")
+            if split == "train":
+                Image.fromarray(mask, mode="L").save(folder / "SegmentationClassAug" / f"{name}.png")
+        (folder / "ImageSets" / "Segmentation" / f"{split}.txt").write_text("".join(f"{n}\n" for n in ids))
+    (folder / "ImageSets" / "Segmentation" / "trainaug.txt").write_text("".join(f"{n}\n" for n in names["train"]))
+    return {"path": str(folder), "layout": "voc", "classes": len(CLASSES), "train": train, "val": val,
+            "ignore_index": IGNORE}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,25 +1,22 @@
 """`format: segmentation`: images with a mask of class ids each (docs/data.md, docs/segmentation.md).
 
-Two layouts, found from the folder unless `data.layout` says which:
-- `voc`: Pascal VOC's, `JPEGImages/ID.jpg`, `SegmentationClass/ID.png` (palette PNGs: the palette index is the class
-  id, 255 the ignored border) and the lists `ImageSets/Segmentation/{train,val}.txt` (`data.split`,
-  `data.eval_split`; the training masks' folder `data.masks`, e.g. SegmentationClassAug for trainaug); evaluation
-  reads eval_path's list, or path's, with SegmentationClass/;
-- `images-masks`: `images/NAME.jpg|png` and `masks/NAME.png` of the same relative name (sub-folders allowed), the
-  masks greyscale or palette PNGs of label ids (Cityscapes' `*_labelTrainIds.png`); evaluation reads eval_path.
+Three layouts, found from the folder unless `data.layout` says which:
+- `voc`: Pascal VOC's, `JPEGImages/ID.jpg`, `SegmentationClass/ID.png` (palette PNGs: the index is the class id, 255
+  the ignored border) and the lists `ImageSets/Segmentation/{train,val}.txt` (`data.split`, `data.eval_split`; the
+  training masks' folder `data.masks`, e.g. SegmentationClassAug for trainaug);
+- `images-masks`: `images/NAME.jpg|png` and `masks/NAME.png` of the same relative name, greyscale or palette PNGs of
+  label ids; evaluation reads eval_path, or images/val/ and masks/val/ when both are split into train/ and val/;
+- `cityscapes`: `leftImg8bit/SPLIT/CITY/NAME_leftImg8bit.png` with `gtFine/SPLIT/CITY/NAME_gtFine_labelTrainIds.png`,
+  the 19 training classes (255 void) that cityscapesscripts' `createTrainIdLabelImgs.py` writes beside the raw
+  `*_gtFine_labelIds.png`; SPLIT is `data.split` / `data.eval_split`, as MMSegmentation reads them.
 
 Training samples are cut as DeepLabV3 and MMSegmentation cut them: a random rescale in `data.scale` (bilinear image,
-nearest mask), normalisation (ImageNet mean and std), padding to the crop where the image is smaller (image 0 after
-normalisation, i.e. the mean pixel; mask ignore_index) when `data.pad` says so, a random crop of `data.crop`, and a
-horizontal flip half the time (`data.flip`). Evaluation images are only normalised, at their own size.
-
-Every random number is drawn from torch's default generator, which the loader seeds per sample from (run seed,
-optimizer step, sample index) (`data.loader`): the same crops whatever the workers, and after a resume. The valid
-pixels of a sample (mask != ignore_index) are counted from its mask alone with the same draws (`target_counts_at`),
-so the window's count is known before its first backward without decoding its images (train/step.py).
-
-Every file is checked when the data is built, before anything is written: image and mask paired and of one size,
-mask values among the classes or ignore_index, no empty split, no image smaller than the crop unless padded.
+nearest mask), ImageNet normalisation, padding to the crop (image 0 after normalisation, mask ignore_index) when
+`data.pad` says so, a random crop of `data.crop`, and a horizontal flip half the time (`data.flip`). Evaluation
+images are only normalised, at their own size. The random numbers come from torch's default generator, which the
+loader seeds per sample (`data.loader`): the same crops whatever the workers, and after a resume; a sample's valid
+pixels are counted from its mask alone with the same draws (`target_counts_at`), before the window's first backward.
+Every file is checked when the data is built, before anything is written.
 """
 
 from __future__ import annotations
@@ -34,13 +31,14 @@ from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
 from ..errors import UserError
-from .cityscapes import cityscapes_files, is_cityscapes
 from .images import IMAGENET_MEAN, IMAGENET_STD, open_image
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff")
 MASK_SUFFIX = ".png"
 VOC_LISTS = Path("ImageSets") / "Segmentation"
 VOC_MASKS = "SegmentationClass"
+CITY_IMAGES, CITY_MASKS = "leftImg8bit", "gtFine"
+CITY_IMAGE, CITY_MASK, CITY_RAW = "_leftImg8bit.png", "_gtFine_labelTrainIds.png", "_gtFine_labelIds.png"
 
 
 @dataclass(frozen=True)
@@ -268,11 +266,38 @@ def find_layout(root: Path, field: str, masks: str = VOC_MASKS) -> str:
     if (root / "images").is_dir() and (root / "masks").is_dir():
         return "images-masks"
 
-    if is_cityscapes(root):
+    if (root / CITY_IMAGES).is_dir() and (root / CITY_MASKS).is_dir():
         return "cityscapes"
     raise UserError(f"{field}: {root}: neither the VOC layout (JPEGImages/, SegmentationClass/, "
                     "ImageSets/Segmentation/), nor images/ and masks/ folders, nor Cityscapes' leftImg8bit/ and "
                     "gtFine/")
+
+
+def cityscapes_files(root: Path, split: str) -> list[tuple[Path, Path]]:
+    """The (image, labelTrainIds mask) paths of one split; a split of labelIds masks only is one line naming the
+    script that converts them."""
+    folder = root / CITY_IMAGES / split
+    if not folder.is_dir():
+        present = sorted(p.name for p in (root / CITY_IMAGES).iterdir() if p.is_dir())
+        raise UserError(f"{folder}: no such split folder (found: {', '.join(present) or 'none'})")
+    images = sorted(folder.rglob(f"*{CITY_IMAGE}"))
+    if not images:
+        raise UserError(f"{folder}: no *{CITY_IMAGE} images (Cityscapes: {CITY_IMAGES}/{split}/CITY/*{CITY_IMAGE})")
+    pairs = []
+    for image in images:
+        relative = image.relative_to(folder)
+        stem = relative.name[: -len(CITY_IMAGE)]
+        mask = root / CITY_MASKS / split / relative.parent / f"{stem}{CITY_MASK}"
+        if not mask.is_file():
+            raw = mask.with_name(f"{stem}{CITY_RAW}")
+            if raw.is_file():
+                raise UserError(f"{raw}: Cityscapes' labelIds (34 raw ids) without its {CITY_MASK[1:]} (the 19 "
+                                "training classes, 255 void); make them with cityscapesscripts' "
+                                "createTrainIdLabelImgs.py (pip install cityscapesscripts; CITYSCAPES_DATASET="
+                                f"{root} python -m cityscapesscripts.preparation.createTrainIdLabelImgs)")
+            raise UserError(f"{image}: no mask {mask}")
+        pairs.append((image, mask))
+    return pairs
 
 
 def check_masks(pairs: list[Pair], classes: int, ignore_index: int) -> None:

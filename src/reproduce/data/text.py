@@ -1,16 +1,16 @@
-"""Text to train on: `format: instructions` (Alpaca's JSON / JSONL records), and the text of `hf-datasets`.
+"""Text to train on: `format: instructions` (Alpaca's JSON / JSONL records), `format: chat` (conversations) and
+the text of `hf-datasets`, tokenised once when the run starts with a local tokenizer (`data.tokenizer`; never the
+network), truncated to `data.max_length` tokens.
 
-Each example is tokenised once, when the run starts, with a tokenizer loaded from a local folder
-(`data.tokenizer`, through transformers; never the network), and truncated to `data.max_length` tokens.
-Instruction examples follow Alpaca's `train.py` exactly: the prompt is the template filled with the
-instruction (and input), the full text is prompt + output + the tokenizer's EOS token, the full text is
-tokenised and its first len(tokenised prompt) tokens carry the ignore index -100, so the loss, and the
-window's token count that normalises it, are over the response tokens only. Plain text (an hf-datasets
-`text` column) is the text + EOS, every token bearing loss.
+Instructions follow Alpaca's `train.py` exactly: the filled template + output + EOS is tokenised and its first
+len(tokenised prompt) tokens carry the ignore index -100, so the loss and the window's token count that normalises
+it are over the response only; plain text (a `text` column) is the text + EOS, every token bearing loss. A
+conversation (OpenAI's `{"messages": [{"role", "content"}]}` or ShareGPT's `{"conversations": [{"from", "value"}]}`)
+is rendered by the tokenizer's chat template, the loss on the assistant turns (each from the end of the generation
+prompt before it to its end-of-turn token), or on every token with `train_on_inputs`.
 
-The items follow the data contract of the loop: inputs are tokens[:-1], targets the labels[1:] (the next
-token, -100 where no loss is taken). Each example's loss-bearing target count is kept from the start
-(`target_counts`), so a window's count is known before its first backward without fetching anything.
+Items follow the loop's data contract: inputs tokens[:-1], targets labels[1:]; each example's loss-bearing count is
+kept from the start (`target_counts`), so a window's count is known before its first backward.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import TextData
 from .batches import IGNORE_INDEX
 
-# The prompt wording of Stanford Alpaca, PROMPT_DICT in tatsu-lab/stanford_alpaca's train.py at commit
-# 761dc5bfbdeeffa89b8bff5d038781a4055f796a (the commit papers/taori2023-alpaca-7b.yaml cites), word for word:
-# the first when the record's input is not empty, the second otherwise.
+# Stanford Alpaca's PROMPT_DICT (tatsu-lab/stanford_alpaca's train.py @ 761dc5bfbdeeffa89b8bff5d038781a4055f796a, the
+# commit papers/taori2023-alpaca-7b.yaml cites), word for word: with a non-empty input, and without.
 ALPACA_PROMPT_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
     "Write a response that appropriately completes the request.\n\n"
@@ -69,21 +68,28 @@ RESPONSE_PREFIX = {"e2e": " "}  # put before the response (gpt2_encode.py encode
 
 
 class TokenisedTexts(Dataset):
-    """Examples tokenised once, held as one flat tensor of ids; the first `prompt_lengths[i]` tokens of example i
-    bear no loss."""
+    """Examples tokenised once, held as one flat tensor of ids beside one flat mask of the tokens that bear loss: all
+    but the first `prompt_lengths[i]` of example i, or the given `masks` (a conversation's assistant turns)."""
 
     in_memory = True  # items are slices of memory: loader workers would only add copying
 
-    def __init__(self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]):
+    def __init__(self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int] = (),
+                 masks: Sequence[Sequence[bool]] | None = None):
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
         self.offsets = torch.zeros(len(sequences) + 1, dtype=torch.long)
         self.offsets[1:] = torch.cumsum(lengths, 0)
         flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int32, count=int(lengths.sum()))
         self.ids = torch.from_numpy(flat)
-        self.prompt_lengths = torch.tensor(list(prompt_lengths), dtype=torch.long)
+        if masks is None:
+            position = torch.arange(len(self.ids)) - torch.repeat_interleave(self.offsets[:-1], lengths)
+            self.mask = position >= torch.repeat_interleave(torch.tensor(list(prompt_lengths), dtype=torch.long),
+                                                            lengths)
+        else:
+            self.mask = torch.tensor([bit for mask in masks for bit in mask], dtype=torch.bool)
         self.lengths = lengths
-        # targets are labels[1:]: the prompt's first max(p, 1) positions carry no loss
-        self.counts = (lengths - self.prompt_lengths.clamp(min=1)).clamp(min=0)
+        # targets are labels[1:]: an example's first token bears none
+        borne = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(self.mask, 0)])
+        self.counts = (borne[self.offsets[1:]] - borne[(self.offsets[:-1] + 1).clamp(max=len(self.ids))]).clamp(min=0)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -91,8 +97,7 @@ class TokenisedTexts(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = int(self.offsets[index]), int(self.offsets[index + 1])
         tokens = self.ids[start:end].long()
-        labels = tokens.clone()
-        labels[: int(self.prompt_lengths[index])] = IGNORE_INDEX
+        labels = torch.where(self.mask[start:end], tokens, torch.full_like(tokens, IGNORE_INDEX))
         return tokens[:-1], labels[1:]
 
     def target_counts(self, indices: torch.Tensor) -> torch.Tensor:
@@ -111,17 +116,22 @@ class TokenisedTexts(Dataset):
 
     def select(self, indices: Sequence[int]) -> TokenisedTexts:
         """The examples at `indices`, in that order (a held-out split: data.eval_size)."""
-        return TokenisedTexts([self.sequence(i) for i in indices], [int(self.prompt_lengths[i]) for i in indices])
+        masks = [self.mask[int(self.offsets[i]):int(self.offsets[i + 1])].tolist() for i in indices]
+        return TokenisedTexts([self.sequence(i) for i in indices], masks=masks)
 
 
-def hold_out(data: dict, size: int, seed: int, path: Any, field: str = "data.eval_size") -> dict:
-    """`data` with `size` examples of its training set moved to an eval split, drawn with `seed` (as Alpaca-LoRA's
-    train_test_split(test_size=val_set_size) holds 2,000 out), each split in the file's order."""
-    train = data["train"]
+def hold_out(data: dict, recipe: Any) -> dict:
+    """`data` with data.eval_size (or data.eval_fraction) of its training examples moved to an eval split, drawn with
+    the recipe's seed as Alpaca-LoRA's train_test_split holds 2,000 out, each split in the file's order."""
+    train, share = data["train"], recipe.data.eval_fraction
+    field = "data.eval_size" if share is None else "data.eval_fraction"
+    if not hasattr(train, "select"):
+        raise UserError(f"{field}: holds out text examples; this data is not text (give eval_path)")
+    size = recipe.data.eval_size if share is None else max(1, round(share * len(train)))
     if size >= len(train):
-        raise UserError(f"{field}: {size} examples held out of {path}, which has {len(train)}: none would be "
-                        "left to train on")
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
+        raise UserError(f"{field}: {size} examples held out of {recipe.data.path}, which has {len(train)}: none would "
+                        "be left to train on")
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(recipe.seed))
     held, kept = sorted(order[:size].tolist()), sorted(order[size:].tolist())
     data["train"], data["eval"] = train.select(kept), train.select(held)
     data["info"].update({"eval_size": size, "train_examples": len(kept), "eval_examples": size})
@@ -167,8 +177,7 @@ def read_records(path: Path, field: str, fields: dict[str, str] | None = None) -
 
 
 def read_json_rows(path: Path) -> list[tuple[str, Any]]:
-    """The values of a JSON file holding a list, or of a JSONL file (one value a line), each with its place for
-    messages ("record 3", "line 7"); invalid JSON is one clear line."""
+    """The values of a JSON list or a JSONL file, each with its place ("record 3", "line 7"); bad JSON is one line."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -192,8 +201,7 @@ def read_json_rows(path: Path) -> list[tuple[str, Any]]:
 
 
 def check_record(record: Any, path: Path | str, place: str, fields: dict[str, str] | None = None) -> None:
-    """An object with string `instruction` and `output` and an optional string `input` (or the columns named in
-    `fields`: our name -> the data's name)."""
+    """An object with string `instruction`, `output` and optional `input` (or the `fields`: ours -> the data's)."""
     fields = fields or {name: name for name in RECORD_FIELDS}
     if not isinstance(record, dict):
         raise UserError(f"{path}: {place}: expected a JSON object with instruction, input, output (got "
@@ -211,9 +219,8 @@ def check_record(record: Any, path: Path | str, place: str, fields: dict[str, st
 
 def tokenise(tokenizer: Any, prompts: list[str], responses: list[str], max_length: int,
              train_on_inputs: bool = False) -> tuple[TokenisedTexts, dict]:
-    """Alpaca's preprocessing: tokenise prompt + response (+ EOS) truncated to max_length, and mask the first
-    len(tokenised prompt) tokens (none with `train_on_inputs`, as Alpaca-LoRA's default). Examples of fewer than two
-    tokens (nothing to predict) are left out."""
+    """Alpaca's preprocessing: prompt + response (+ EOS) tokenised, truncated, its first len(tokenised prompt) tokens
+    masked (none with `train_on_inputs`, Alpaca-LoRA's default); examples of fewer than two tokens left out."""
     eos = tokenizer.eos_token or ""
     full = [prompt + response + eos for prompt, response in zip(prompts, responses, strict=True)]
     ids = tokenizer(full, truncation=True, max_length=max_length)["input_ids"]
@@ -243,30 +250,6 @@ def check_targets(stats: dict, field: str, path: Path | str, train_on_inputs: bo
                f"({stats['max_length']} tokens): raise data.max_length, or set data.train_on_inputs: true"
                if not train_on_inputs else f"no example has a token to predict within {stats['max_length']} tokens")
         raise UserError(f"{field}: {path}: none of its {stats['examples']} examples has a target token: {why}")
-
-
-def text_warnings(info: dict) -> list[str]:
-    """What tokenising changed in the data, with counts: examples truncated, left out, without a response token
-    within data.max_length, and a tokenizer without EOS (the model would not learn to stop)."""
-    lines = []
-    for split, where in (("train", info.get("path")), ("eval", info.get("eval_path"))):
-        examples, length = info.get(f"{split}_examples"), info.get(f"{split}_max_length")
-        if examples is None:
-            continue
-        counted = [("truncated", "are longer than data.max_length ({length} tokens): truncated, the end of the "
-                    "response and its EOS cut off"),
-                   ("without_response_tokens", "keep no response token within data.max_length ({length} tokens): "
-                    "they bear no loss"),
-                   ("skipped_too_short", "have fewer than two tokens (nothing to predict): left out")]
-        for key, what in counted:
-            count = info.get(f"{split}_{key}") or 0
-            total = examples + (info.get(f"{split}_skipped_too_short") or 0)
-            if count:
-                lines.append(f"{where}: {count} of {total} examples {what.format(length=length)}")
-    if info.get("train_eos_appended") is False:
-        lines.append(f"data.tokenizer: {info.get('tokenizer', 'the tokenizer')} has no EOS token: the examples end "
-                     "without one, so the model does not learn where a response stops")
-    return lines
 
 
 def instruction_texts(records: list[dict], template: str, fields: dict[str, str] | None = None, eos: str = ""
@@ -329,4 +312,88 @@ def build_instructions(recipe: Any) -> dict:
         "vocab_size": len(tokenizer), **{f"{split}_{key}": value for split, s in stats.items()
                                          for key, value in s.items() if key not in ("vocab_size",)},
     }
+    return data
+
+
+# ---- format: chat ---------------------------------------------------------------------------------------------------
+
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def messages_of(record: Any, path: Path, place: str) -> list[dict]:
+    """The record's turns as [{"role", "content"}]; no assistant turn, an unknown role or no text is one line."""
+    if not isinstance(record, dict) or not isinstance(record.get("messages", record.get("conversations")), list):
+        raise UserError(f"{path}: {place}: expected an object with a list of messages ({{\"messages\": [{{\"role\": "
+                        "\"user\", \"content\": ...}, ...]}, or ShareGPT's \"conversations\" of from / value)")
+    sharegpt = "messages" not in record
+    turns = []
+    for number, turn in enumerate(record["conversations"] if sharegpt else record["messages"], start=1):
+        role_key, text_key = ("from", "value") if sharegpt else ("role", "content")
+        role = turn.get(role_key) if isinstance(turn, dict) else None
+        role = SHAREGPT_ROLES.get(role) if sharegpt else role
+        if role not in ROLES:
+            known = ", ".join(SHAREGPT_ROLES) if sharegpt else ", ".join(ROLES)
+            raise UserError(f"{path}: {place}: message {number}: unknown {role_key} "
+                            f"{turn.get(role_key) if isinstance(turn, dict) else turn!r} (expected {known})")
+        if not isinstance(turn.get(text_key), str):
+            raise UserError(f"{path}: {place}: message {number}: {text_key!r} must be a string")
+        turns.append({"role": role, "content": turn[text_key]})
+    if not any(turn["role"] == "assistant" for turn in turns):
+        raise UserError(f"{path}: {place}: no assistant turn: nothing to train on (the loss covers the assistant's "
+                        "messages)")
+    return turns
+
+
+def render(tokenizer: Any, messages: list[dict], max_length: int, train_on_inputs: bool) -> tuple[list, list, bool]:
+    """(token ids, loss mask, truncated) of one conversation under the tokenizer's chat template."""
+    def ids(turns: list[dict], prompt: bool = False) -> list[int]:
+        return list(tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=prompt,
+                                                  return_dict=True)["input_ids"])
+
+    full = ids(messages)
+    mask = [train_on_inputs] * len(full)
+    if not train_on_inputs:
+        for index, turn in enumerate(messages):
+            if turn["role"] == "assistant":
+                start, end = len(ids(messages[:index], prompt=True)), len(ids(messages[:index + 1]))
+                mask[start:end] = [True] * (end - start)
+    return full[:max_length], mask[:max_length], len(full) > max_length
+
+
+def build_chat(recipe: Any) -> dict:
+    spec = recipe.data
+    paths = {"train": Path(spec.path)}
+    if spec.eval_path is not None:
+        paths["eval"] = Path(spec.eval_path)
+    tokenizer, max_length = text_settings(recipe)
+    name = tokenizer_name(recipe)[0]
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"data.tokenizer: {name} has no chat template (chat_template in its tokenizer_config.json), "
+                        "which format chat renders conversations with; give a tokenizer that has one, or use format "
+                        "instructions")
+    data: dict = {}
+    info: dict = {"name": spec.name or paths["train"].stem, "format": "chat", "path": str(paths["train"]),
+                  "eval_path": spec.eval_path, "tokenizer": name, "vocab_size": len(tokenizer)}
+    for split, path in paths.items():
+        field = "data.path" if split == "train" else "data.eval_path"
+        if not path.is_file():
+            raise UserError(f"{field}: {path}: no such file (expected a JSON or JSONL file of {{\"messages\": [...]}} "
+                            "records)")
+        rows = read_json_rows(path)
+        if not rows:
+            raise UserError(f"{field}: {path}: no records")
+        rendered = [render(tokenizer, messages_of(record, path, place), max_length, bool(spec.train_on_inputs))
+                    for place, record in rows]
+        kept = [(ids, mask) for ids, mask, _ in rendered if len(ids) >= 2]
+        dataset = TokenisedTexts([ids for ids, _ in kept], masks=[mask for _, mask in kept])
+        stats = {"examples": len(kept), "skipped_too_short": len(rendered) - len(kept),
+                 "truncated": sum(cut for _, _, cut in rendered), "max_length": max_length,
+                 "without_response_tokens": int((dataset.counts == 0).sum()),
+                 "target_tokens": int(dataset.counts.sum())}
+        if split == "train":
+            check_targets(stats, field, path, bool(spec.train_on_inputs))
+        data[split] = dataset
+        info.update({f"{split}_{key}": value for key, value in stats.items()})
+    data["info"] = info
     return data

@@ -125,23 +125,18 @@ def meta_vocab_size(folder: Path) -> int | None:
     return vocab if isinstance(vocab, int) and vocab > 0 else None
 
 
-def resolve_token_paths(path: str, eval_path: str | None) -> tuple[Path, Path | None]:
-    """A file, or a nanoGPT data folder holding train.bin (and val.bin, the evaluation data unless given)."""
-    train = Path(path)
-    if train.is_dir():
-        if not (train / "train.bin").is_file():
-            raise UserError(f"data.path: {train}: a folder without train.bin; expected a token file or a nanoGPT data "
-                            "folder (train.bin, val.bin)")
-        if eval_path is None and (train / "val.bin").is_file():
-            eval_path = str(train / "val.bin")
-        train = train / "train.bin"
-    return train, Path(eval_path) if eval_path is not None else None
-
-
 def build_tokens(recipe: Any) -> dict:
+    """A token file, or a nanoGPT data folder holding train.bin (and val.bin, the evaluation data unless given)."""
     spec, length = recipe.data, recipe.batch.sequence_length
     dtype = spec.dtype or DEFAULT_DTYPE
-    train_path, eval_path = resolve_token_paths(spec.path, spec.eval_path)
+    train_path, eval_path = Path(spec.path), Path(spec.eval_path) if spec.eval_path is not None else None
+    if train_path.is_dir():
+        if not (train_path / "train.bin").is_file():
+            raise UserError(f"data.path: {train_path}: a folder without train.bin; expected a token file or a nanoGPT "
+                            "data folder (train.bin, val.bin)")
+        if eval_path is None and (train_path / "val.bin").is_file():
+            eval_path = train_path / "val.bin"
+        train_path = train_path / "train.bin"
     data: dict = {"train": TokenFile(train_path, length, dtype)}
     if eval_path is not None:
         data["eval"] = TokenFile(eval_path, length, dtype, field="data.eval_path")
@@ -149,7 +144,7 @@ def build_tokens(recipe: Any) -> dict:
         "name": spec.name or train_path.parent.name or "tokens", "format": "tokens", "path": str(train_path),
         "eval_path": str(eval_path) if eval_path else None, "dtype": dtype, "tokens": data["train"].tokens,
         "sequences": len(data["train"]),
-        "max_token_id": max_token_id(train_path, dtype),  # checked against the model's vocabulary (models/vocabulary)
+        "max_token_id": max_token_id(train_path, dtype),  # models.check_vocabulary reads it
         "meta_vocab_size": meta_vocab_size(train_path.parent),
     }
     if eval_path is not None:

@@ -5,11 +5,19 @@ papers' architectures), the user's own `factory:`, or a Hugging Face model (`hf:
 the pretrained weights of `model.weights` when it names some (models/pretrained.py), with its weights in
 `model.dtype` and, with `model.lora`, LoRA adapters. `model_inputs(recipe)` says what the model fixes
 about its inputs (vocabulary, context, image size), so data that is not on this machine can still be given a shape.
+
+`model.batchnorm` (keep | sync | frozen | group) answers the one thing accumulation cannot make exact: BatchNorm
+normalises each micro-batch by its own statistics. `sync` is `torch.nn.SyncBatchNorm` (CUDA, several processes:
+`to_sync` once they exist); `frozen` torchvision's `FrozenBatchNorm2d` (Detectron2's practice with a pretrained
+backbone); `group` GroupNorm (Wu & He 2018, arXiv 1803.08494) in 32 groups, or the largest divisor of the channels
+below it, a deviation from the paper.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import sys
 
 import torch
 from torch import nn
@@ -23,26 +31,20 @@ from ..plan.weightfiles import WeightsOnDisk
 from . import small
 from .architectures import ARCHITECTURES
 from .architectures import LOSSES as LOSSES
-from .normalization import convert, count_batchnorm, is_batchnorm, set_momentum
-from .pretrained import (
-    builtin_from_folder,
-    check_state_dict_file,
-    folder_inputs,
-    load_hf_model,
-    load_state_dict_file,
-    on_meta,
-    weights_of,
-    wrap_transformers,
-)
+from .hf import HFLogits
 from .segmentation import SEGMENTATION_MODELS, check_output_classes
-from .vocabulary import check_vocabulary
-from .weights import adapt, place
+from .weights import adapt, on_meta, place, weights_of
 
 __all__ = [
     "LOSSES", "MODELS", "build_model", "check_context", "count_batchnorm", "count_parameters", "counted_batchnorm",
     "has_batchnorm", "model_inputs", "parameter_counts", "place",
 ]
 
+BATCHNORM = nn.modules.batchnorm._BatchNorm  # normalises by batch statistics (torchvision's FrozenBatchNorm2d does not)
+GROUPS = 32  # Wu & He 2018, sec. 4: "we use G = 32 by default"
+# attribute names of a token embedding, for models that do not say (`get_input_embeddings`)
+TOKEN_EMBEDDING_NAMES = ("token", "tokens", "wte", "tok_emb", "tok_embeddings", "token_embedding", "embed_tokens",
+                         "word_embeddings", "embedding", "embeddings")
 BUILT_IN = {**ARCHITECTURES, **SEGMENTATION_MODELS}  # the papers' architectures, built from their libraries
 MODELS = {**small.MODELS, **BUILT_IN}
 
@@ -52,6 +54,8 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     weights = weights_of(recipe)  # a missing path, a folder without config.json or weights: one line
     name = spec.builtin or spec.factory or spec.hf or "the model"
     if weights is not None and not weights.is_folder:  # keys and shapes checked strictly, on a model of no memory
+        from .pretrained import load_state_dict_file
+
         converted_keys = keys_after_conversion(recipe, weights, data_info, name)
         model = architecture(recipe, weights, data_info)
         if converted_keys:  # the tool's own model.pt of a frozen / group run: loaded after the same conversion
@@ -60,7 +64,7 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     else:
         model = architecture(recipe, weights, data_info)
         if spec.backbone_weights is not None:  # ImageNet weights into the backbone, before model.batchnorm
-            from .backbone import load_backbone
+            from .segmentation import load_backbone
 
             load_backbone(model, recipe)
     model = convert(model, spec.batchnorm)
@@ -68,7 +72,9 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
         crop = recipe.data.crop if isinstance(recipe.data, SegmentationData) else None
         check_output_classes(model, recipe.data.classes, crop, name)
     if spec.batchnorm_momentum is not None:
-        set_momentum(model, spec.batchnorm_momentum)
+        for module in model.modules():  # new = (1 - m) x old + m x batch (TensorFlow's decay is 1 - m)
+            if isinstance(module, BATCHNORM):
+                module.momentum = spec.batchnorm_momentum
     check_vocabulary(model, data_info)  # token ids the embedding has no row for: refused before any step
     if recipe.data.packing == "packed":  # a transformers model on sdpa attends through the varlen attention
         from .varlen import use_varlen
@@ -80,7 +86,7 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
 
         enable(model, name, selective=spec.selective_checkpointing)
     if spec.loss_chunks:  # the head applied by the loss, chunk by chunk (train/chunked_loss.py)
-        from .loss_head import defer_head
+        from .checkpointing import defer_head
 
         if model_inputs(recipe).get("targets") == "mlm-nsp":
             raise UserError(f"model.loss_chunks: {name} trains with its own pre-training loss (masked LM and next "
@@ -88,7 +94,7 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
 
         defer_head(model, name)
     if spec.offload_activations:
-        from .offload import offload_activations
+        from .checkpointing import offload_activations
 
         model = offload_activations(model)
     return model
@@ -99,6 +105,8 @@ def keys_after_conversion(recipe: Recipe, weights: WeightsOnDisk, data_info: dic
     the architecture as published: a model.pt this tool wrote under `frozen` (FrozenBatchNorm2d keeps no
     num_batches_tracked) or `group` (GroupNorm keeps no running statistics). Checked on the meta device; a file that
     fits neither is one line naming the published architecture's mismatches."""
+    from .pretrained import check_state_dict_file
+
     with torch.device("meta"):
         try:
             check_state_dict_file(architecture(recipe, None, data_info), weights, name)
@@ -117,15 +125,17 @@ def keys_after_conversion(recipe: Recipe, weights: WeightsOnDisk, data_info: dic
 def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict | None) -> nn.Module:
     """The recipe's model before any adaptation: built, or loaded from a Hugging Face folder."""
     spec = recipe.model
-    if spec.hf is not None:
-        return load_hf_model(recipe, data_info, weights)
-    if weights is not None and weights.is_folder:  # the folder's own config is the architecture
-        return builtin_from_folder(recipe, weights, data_info)
+    if spec.hf is not None or (weights is not None and weights.is_folder):  # (the folder's config is the architecture)
+        from .pretrained import builtin_from_folder, load_hf_model
+
+        return load_hf_model(recipe, data_info, weights) if spec.hf is not None else builtin_from_folder(
+            recipe, weights, data_info)
     try:
-        if spec.builtin in SEGMENTATION_MODELS:
+        if spec.builtin in SEGMENTATION_MODELS:  # the recipe's kwargs with model.output_stride and model.aux_weight
+            extra = {"output_stride": spec.output_stride, "aux_loss": spec.aux_weight is not None}
+            kwargs = {**spec.kwargs, **{key: value for key, value in extra.items() if value is not None}}
             declared = {"classes": recipe.data.classes} if recipe.data.classes else {}  # the data's own count first
-            return SEGMENTATION_MODELS[spec.builtin].build(segmentation_kwargs(recipe),
-                                                           {**declared, **(data_info or {})})
+            return SEGMENTATION_MODELS[spec.builtin].build(kwargs, {**declared, **(data_info or {})})
         if spec.builtin in ARCHITECTURES:
             return ARCHITECTURES[spec.builtin].build(spec.kwargs, data_info)
     except UserError:
@@ -142,14 +152,17 @@ def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict 
     model = call_builder(spec, "model", MODELS, extra, own_errors=on_meta())  # (a count's build: its caller says)
     if not isinstance(model, nn.Module):
         raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")
-    return wrap_transformers(model, recipe)
-
-
-def segmentation_kwargs(recipe: Recipe) -> dict:
-    """A segmentation model's kwargs: the recipe's, with model.output_stride and model.aux_weight."""
-    spec = recipe.model
-    extra = {"output_stride": spec.output_stride, "aux_loss": spec.aux_weight is not None}
-    return {**spec.kwargs, **{key: value for key, value in extra.items() if value is not None}}
+    transformers = sys.modules.get("transformers")  # (a factory that returned a transformers model imported it)
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return model
+    # its forward returns a ModelOutput: its logits, with the head the task needs (HFLogits)
+    kind = {"language-modeling": "masked-lm" if "MaskedLM" in type(model).__name__ else "causal-lm",
+            "classification": "sequence-classification"}.get(recipe.task)
+    if kind is None:
+        raise UserError(f"model: the factory returned transformers' {type(model).__name__}, whose forward returns a "
+                        f"ModelOutput; task {recipe.task} needs a module whose output the loss takes: return one "
+                        "that gives it")
+    return HFLogits(model, kind)
 
 
 def model_inputs(recipe: Recipe) -> dict:
@@ -167,6 +180,8 @@ def model_inputs(recipe: Recipe) -> dict:
     if spec.weights is not None and spec.builtin in ARCHITECTURES:
         weights = weights_of(recipe)
         if weights.is_folder:  # the folder's config is the architecture
+            from .pretrained import folder_inputs
+
             return folder_inputs(ARCHITECTURES[spec.builtin], weights.config, kwargs)
     if spec.builtin in BUILT_IN:
         return BUILT_IN[spec.builtin].model_inputs(kwargs)
@@ -237,4 +252,87 @@ def counted_batchnorm(recipe: Recipe, data_info: dict | None = None) -> int | No
 
 
 def has_batchnorm(model: nn.Module) -> bool:
-    return any(is_batchnorm(m) for m in model.modules())
+    return any(isinstance(m, BATCHNORM) for m in model.modules())
+
+
+def count_batchnorm(model: nn.Module) -> int:
+    """The BatchNorm layers of `model` (any dimension, SyncBatchNorm included)."""
+    return sum(1 for module in model.modules() if isinstance(module, BATCHNORM))
+
+
+def convert(model: nn.Module, mode: str) -> nn.Module:
+    """`model` with every BatchNorm replaced for `mode` ("frozen", "group"); "keep" and "sync" return it unchanged.
+    A frozen BN takes the BatchNorm's affine parameters and running statistics; a GroupNorm starts as torchvision
+    initialises one (weight 1, bias 0), as a BatchNorm does."""
+    if mode not in ("frozen", "group"):
+        return model
+    if not isinstance(model, BATCHNORM):
+        for name, child in model.named_children():
+            converted = convert(child, mode)
+            if converted is not child:
+                setattr(model, name, converted)
+        return model
+    if mode == "group":
+        new: nn.Module = nn.GroupNorm(math.gcd(GROUPS, model.num_features), model.num_features)
+    else:
+        from torchvision.ops.misc import FrozenBatchNorm2d
+
+        new = FrozenBatchNorm2d(model.num_features)
+        new.eps = model.eps
+        with torch.no_grad():
+            if model.affine:
+                new.weight.copy_(model.weight)
+                new.bias.copy_(model.bias)
+            if model.track_running_stats:
+                new.running_mean.copy_(model.running_mean)
+                new.running_var.copy_(model.running_var)
+    device = next(iter(model.parameters()), next(iter(model.buffers()), None))
+    return new if device is None else new.to(device=device.device, dtype=device.dtype)
+
+
+def to_sync(model: nn.Module) -> nn.Module:
+    """Every BatchNorm as `torch.nn.SyncBatchNorm` (statistics over all processes of the default group)."""
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def input_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The model's token embedding: as a Hugging Face model names it, by a usual name, or its only nn.Embedding."""
+    for module in model.modules():
+        getter = getattr(module, "get_input_embeddings", None)
+        if callable(getter):
+            try:
+                found = getter()
+            except (NotImplementedError, AttributeError):
+                continue
+            if isinstance(found, nn.Embedding):
+                return found
+    embeddings = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    for name, module in embeddings:
+        if name.rsplit(".", 1)[-1] in TOKEN_EMBEDDING_NAMES:
+            return module
+    return embeddings[0][1] if len(embeddings) == 1 else None
+
+
+def check_vocabulary(model: nn.Module, info: dict | None) -> None:
+    """Token ids the model's embedding has no row for (the largest id of each token file, in its info), refused
+    before a step, naming the file, the id and the vocabulary: else the embedding raises IndexError mid-run."""
+    info = info or {}
+    if "max_token_id" not in info:
+        return
+    embedding = input_embedding(model)
+    if embedding is None:
+        return
+    vocab = embedding.num_embeddings
+    meta = info.get("meta_vocab_size")
+    meta_note = f"; meta.pkl beside it says vocab_size {meta}" if meta else ""
+    for field, path, key in (("data.path", info.get("path"), "max_token_id"),
+                             ("data.eval_path", info.get("eval_path"), "eval_max_token_id")):
+        largest = info.get(key)
+        if largest is not None and largest >= vocab:
+            raise UserError(
+                f"{field}: {path}: token ids up to {largest}, but the model's vocabulary has {vocab} ids "
+                f"(0-{vocab - 1}){meta_note}: is this data tokenised for this model (data.dtype {info.get('dtype')})?"
+            )
+    if meta and meta > vocab:
+        raise UserError(f"data.path: {info.get('path')}: meta.pkl beside it says vocab_size {meta}, but the model's "
+                        f"vocabulary has {vocab} ids")

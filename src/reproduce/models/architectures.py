@@ -40,6 +40,29 @@ class Architecture:
     def __call__(self, **kwargs: Any) -> nn.Module:
         return self.build(kwargs)
 
+    def torchvision(self, data_info: dict | None) -> Any:
+        """torchvision, for a model of RGB images (the data's channels checked)."""
+        try:
+            import torchvision
+        except (ImportError, RuntimeError) as exc:  # RuntimeError: a torchvision built for another torch
+            raise UserError(f"model.builtin: {self.name} needs torchvision, which does not import here: {exc}"
+                            ) from None
+        channels = (data_info or {}).get("channels")
+        if channels is not None and channels != IMAGE_CHANNELS:
+            raise UserError(f"data.channels: {self.name} takes {IMAGE_CHANNELS}-channel images (got {channels})")
+        return torchvision
+
+    def check_vocabulary(self, data_info: dict | None, vocab_size: int) -> None:
+        vocab = (data_info or {}).get("vocab_size")
+        if vocab is not None and vocab > vocab_size:
+            raise UserError(f"model: the data has {vocab} token ids but {self.name} has a vocabulary of "
+                            f"{vocab_size} (model.kwargs: {{vocab_size: {vocab}}} to widen it)")
+
+    def unknown_setting(self, key: str, known: Any, elsewhere: str) -> UserError:
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}?" if close else elsewhere
+        return UserError(f"model.kwargs: {self.name} has no setting {key!r} ({hint})")
+
 
 @dataclass(frozen=True)
 class TorchvisionClassifier(Architecture):
@@ -56,15 +79,8 @@ class TorchvisionClassifier(Architecture):
         return fixed
 
     def build(self, kwargs: dict, data_info: dict | None = None) -> nn.Module:
-        try:
-            import torchvision
-        except (ImportError, RuntimeError) as exc:  # RuntimeError: a torchvision built for another torch
-            raise UserError(f"model.builtin: {self.name} needs torchvision, which does not import here: {exc}"
-                            ) from None
+        torchvision = self.torchvision(data_info)
         data_info = data_info or {}
-        channels = data_info.get("channels")
-        if channels is not None and channels != IMAGE_CHANNELS:
-            raise UserError(f"data.channels: {self.name} takes {IMAGE_CHANNELS}-channel images (got {channels})")
         arguments = {**self.defaults, **kwargs}
         if "num_classes" not in kwargs and data_info.get("classes"):
             arguments["num_classes"] = int(data_info["classes"])
@@ -89,7 +105,7 @@ class TransformersModel(Architecture):
     position_offset: int = 0  # positions the model reserves (RoBERTa: padding index + 1)
 
     def make_config(self, kwargs: dict) -> Any:
-        transformers = _transformers(self.name)
+        transformers = needs_transformers(f"model.builtin: {self.name}")
         config_type = getattr(transformers, self.config_class)
         known = set(config_type().to_dict())
         settings = dict(self.config)
@@ -99,10 +115,7 @@ class TransformersModel(Architecture):
             elif key in known:
                 settings[key] = value
             else:
-                choices = sorted(known | set(self.aliases))
-                close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
-                hint = f"did you mean {close[0]!r}?" if close else f"see transformers.{self.config_class}"
-                raise UserError(f"model.kwargs: {self.name} has no setting {key!r} ({hint})")
+                raise self.unknown_setting(key, known | set(self.aliases), f"see transformers.{self.config_class}")
         try:
             return config_type(**settings)
         except (TypeError, ValueError) as exc:
@@ -119,22 +132,18 @@ class TransformersModel(Architecture):
         return fixed
 
     def build(self, kwargs: dict, data_info: dict | None = None) -> nn.Module:
-        transformers = _transformers(self.name)
+        transformers = needs_transformers(f"model.builtin: {self.name}")
         data_info = data_info or {}
         if self.kind == "mae" and data_info.get("image_size") and "image_size" not in kwargs:
             kwargs = {**kwargs, "image_size": int(data_info["image_size"])}
         config = self.make_config(kwargs)
-        vocab = data_info.get("vocab_size")
-        if self.kind != "mae" and vocab is not None and vocab > config.vocab_size:
-            raise UserError(f"model: the data has {vocab} token ids but {self.name} has a vocabulary of "
-                            f"{config.vocab_size} (model.kwargs: {{vocab_size: {vocab}}} to widen it)")
+        if self.kind != "mae":
+            self.check_vocabulary(data_info, config.vocab_size)
         return self.wrap(getattr(transformers, self.auto_class).from_config(config))
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The transformers model with the forward this architecture's loss takes (logits, or its own output)."""
-        if self.kind == "pretraining":
-            return BertPretraining(model, self.kind)
-        return MaskedImagePretraining(model, self.kind) if self.kind == "mae" else HFLogits(model, self.kind)
+        return (PretrainingOutput if self.kind in ("pretraining", "mae") else HFLogits)(model, self.kind)
 
 
 @dataclass(frozen=True)
@@ -150,9 +159,7 @@ class NanoGPTModel(Architecture):
         known = GPTConfig.names()
         for key in kwargs:
             if key not in known:
-                close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-                hint = f"did you mean {close[0]!r}?" if close else f"nanoGPT's GPTConfig: {', '.join(known)}"
-                raise UserError(f"model.kwargs: {self.name} has no setting {key!r} ({hint})")
+                raise self.unknown_setting(key, known, f"nanoGPT's GPTConfig: {', '.join(known)}")
         try:
             config = GPTConfig(**{**self.config, **kwargs})
         except TypeError as exc:
@@ -170,41 +177,31 @@ class NanoGPTModel(Architecture):
         from .nanogpt import GPT
 
         config = self.make_config(kwargs)
-        vocab = (data_info or {}).get("vocab_size")
-        if vocab is not None and vocab > config.vocab_size:
-            raise UserError(f"model: the data has {vocab} token ids but {self.name} has a vocabulary of "
-                            f"{config.vocab_size} (model.kwargs: {{vocab_size: {vocab}}} to widen it)")
+        self.check_vocabulary(data_info, config.vocab_size)
         return GPT(config)
 
 
-def _transformers(name: str) -> Any:
+def needs_transformers(who: str) -> Any:
     try:
         import transformers
     except ImportError:
-        raise UserError(f"model.builtin: {name} needs transformers, which is not installed (pip install transformers)"
-                        ) from None
+        raise UserError(f"{who} needs transformers, which is not installed (pip install transformers)") from None
     return transformers
 
 
-class MaskedImagePretraining(HFLogits):
-    """MAE: images in, the model's own pre-training output out (its loss over the masked patches, mask, pixels).
+class PretrainingOutput(HFLogits):
+    """A model whose loss takes its own pre-training output.
 
-    ViTMAE encodes a random `1 - mask_ratio` of each image's patches (a quarter at 0.75, as in the paper) and
-    reconstructs the rest; `mae-masked-pixel-mse` turns its output into the summed loss of the micro-batch.
+    mae: images in, ViTMAE's output out (its loss over the masked patches, mask, pixels): it encodes a random
+    `1 - mask_ratio` of each image's patches and reconstructs the rest; `mae-masked-pixel-mse` is its loss.
+    pretraining: BERT's (BertForPreTraining) masked-LM logits (B, T, V) and next-sentence logits (B, 2), from a dict
+    of input_ids, token_type_ids and attention_mask as `reproduce.data.pairs` builds them (or input_ids alone);
+    `bert-mlm-nsp` is its loss.
     """
 
-    def forward(self, images: Any) -> Any:
-        return self.model(pixel_values=images)
-
-
-class BertPretraining(HFLogits):
-    """BERT's pre-training model (transformers' BertForPreTraining): the masked-LM head's logits (B, T, V) and the
-    next-sentence head's (B, 2), from the pooler's tanh of the [CLS] position; `bert-mlm-nsp` is its loss.
-
-    Inputs: a dict of input_ids, token_type_ids (0 for sentence A, 1 for B) and attention_mask, as
-    `reproduce.data.pairs` builds them (or input_ids alone)."""
-
-    def forward(self, inputs: Any) -> tuple[Any, Any]:
+    def forward(self, inputs: Any) -> Any:
+        if self.kind == "mae":
+            return self.model(pixel_values=inputs)
         output = self.model(**(dict(inputs) if isinstance(inputs, dict) else {"input_ids": inputs}))
         return output.prediction_logits, output.seq_relationship_logits
 

@@ -1,27 +1,25 @@
-"""Activation checkpointing (`model.activation_checkpointing: true`): each block's activations recomputed in backward.
+"""What a step keeps of its activations, set on the model's instance when it is built (the module tree, and so every
+parameter name, state dict and checkpoint, unchanged): activation checkpointing, activation offloading and the
+output head left to the loss.
 
-A checkpointed block keeps only its input through forward; backward runs its forward again to get the activations
-it needs, so a step saves the activations of one block at a time beside the blocks' inputs, for about one more
-forward pass of compute (a third more for a transformer). Each architecture is checkpointed through its own support:
+`model.activation_checkpointing`: each block keeps only its input through forward, and backward runs its forward
+again for the activations it needs (about one more forward pass of compute). transformers models through their own
+`gradient_checkpointing_enable` (`activation_checkpointing_enable` since transformers 5), per layer; the built-in
+GPT's `Block`, torchvision's residual and ViT encoder blocks, and the blocks a factory model declares in
+`_no_split_modules` (the Hugging Face convention FSDP also reads) through `torch.utils.checkpoint.checkpoint`; the
+built-in MLP and CNN (no blocks) per layer, a segment from each weight layer to the next. Always
+`use_reentrant=False` (works with DDP, FSDP2 and frozen inputs) and `preserve_rng_state=True` (the same dropout
+masks); BatchNorm in a recomputed block updates its running statistics once, in forward. Applied before DDP and
+FSDP2's `fully_shard`, and on the meta device for the estimate meter, which counts the recomputation like any op.
 
-- transformers models: their own `gradient_checkpointing_enable` with `use_reentrant=False` (named
-  `activation_checkpointing_enable` since transformers 5), which checkpoints each of the model's layers (GPT2Block,
-  LlamaDecoderLayer, ...);
-- the built-in GPT's `Block`, torchvision's residual blocks (`Bottleneck`, `BasicBlock`) and ViT encoder blocks, and
-  the blocks a factory model declares in `_no_split_modules` (class names, the convention of Hugging Face models,
-  which FSDP's sharding also reads): `torch.utils.checkpoint.checkpoint` around each block's forward;
-- the built-in MLP and small CNN (a `nn.Sequential` of layers, no blocks): per layer, a segment from each weight
-  layer (Linear, Conv2d) up to the next, so its norm, activation and dropout are recomputed with it.
+`model.offload_activations`: what the forward saves for backward is copied to CPU memory and back when backward
+needs it, exact (`saved_tensors_hooks`, as `save_on_cpu` does, but parameters stay where they are, as torchtune's
+OffloadActivations skips them); synchronous copies: less memory, slower steps. Under `host("meta")` (the estimate
+meter's stand-in for CPU memory) a saved tensor keeps only its shape and an empty one comes back in backward.
 
-A factory model with none of these blocks must declare its own (`_no_split_modules`): a one-line error says so.
-
-Always `use_reentrant=False` (the form PyTorch recommends, which works with DDP, FSDP2 and frozen inputs) and
-`preserve_rng_state=True`: the recomputation draws the same dropout masks as the forward did. BatchNorm in a
-recomputed block normalises with the batch's statistics as in forward, and its running statistics are updated
-once (in forward), not again in the recomputation. The module tree, and so every parameter name, state dict and
-checkpoint, is unchanged: the block's forward is replaced on the instance. Applied when the model is built, so
-before DDP and before FSDP2's `fully_shard`, and on the meta device for the estimate meter, which then counts
-the recomputation like any other op.
+`model.loss_chunks`: the model returns its last hidden states and the loss (train/chunked_loss.py) applies the head
+(the linear layer `lm_head` or `head`, whose forward becomes the identity) and the cross-entropy chunk by chunk, so
+the (tokens x vocabulary) logits never exist whole. Not under LoRA or quantisation on the head: one line.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ import contextlib
 import sys
 import types
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -249,3 +248,80 @@ def _segmented_forward(self: nn.Sequential, x):
         holder.training = self.training
         x = _run(holder, holder.forward, x)
     return x
+
+
+# ---- model.offload_activations --------------------------------------------------------------------------------------
+
+_HOST = ["cpu"]  # where saved activations go: CPU memory; the estimate meter's stand-in for it is "meta"
+
+
+@contextlib.contextmanager
+def host(device: str) -> Iterator[None]:
+    """Send saved activations to `device` instead of the CPU while inside (the estimate meter: "meta")."""
+    _HOST.append(device)
+    try:
+        yield
+    finally:
+        _HOST.pop()
+
+
+def _pack(tensor: torch.Tensor) -> Any:
+    if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter) or tensor.device.type == _HOST[-1]:
+        return tensor  # a weight (or a view of one, such as its transpose) stays: it is on the device anyway
+    if _HOST[-1] == "meta":  # the estimate: fake tensors have no values to keep, only what backward will allocate
+        return tensor.device, tensor.shape, tensor.stride(), tensor.dtype
+    return tensor.device, tensor.to(_HOST[-1])
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    if isinstance(packed, torch.Tensor):
+        return packed
+    if len(packed) == 4:
+        device, shape, stride, dtype = packed
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    device, tensor = packed
+    return tensor.to(device)
+
+
+def offloaded() -> contextlib.AbstractContextManager:
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+
+def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    with offloaded():
+        return type(self).forward(self, *args, **kwargs)
+
+
+def offload_activations(model: nn.Module) -> nn.Module:
+    """`model` whose forward saves its activations in CPU memory (the module tree unchanged)."""
+    model.forward = types.MethodType(_offloaded_forward, model)
+    return model
+
+
+# ---- model.loss_chunks ----------------------------------------------------------------------------------------------
+
+HEAD_NAMES = ("lm_head", "head")
+
+
+def _passes_through(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
+
+
+def defer_head(model: nn.Module, name: str) -> nn.Linear:
+    """Make `model` return the head's input; the head, whose weight the loss then uses."""
+    found = [(path, module) for path, module in model.named_modules() if path.rsplit(".", 1)[-1] in HEAD_NAMES]
+    if not found:
+        raise UserError(f"model.loss_chunks: {name} has no output head named {' or '.join(HEAD_NAMES)} (the linear "
+                        "layer that makes the logits); leave loss_chunks out for this model")
+    path, head = found[-1]
+    if type(head) is not nn.Linear:
+        raise UserError(f"model.loss_chunks: {name}'s {path} is a {type(head).__name__}, not a plain nn.Linear (LoRA "
+                        "or a quantised layer on the head): leave loss_chunks out, or the head out of lora")
+    head.forward = types.MethodType(_passes_through, head)
+    head.deferred_to_loss = True
+    return head
+
+
+def deferred_head(model: nn.Module) -> nn.Linear | None:
+    """The head `defer_head` left to the loss, or None."""
+    return next((m for m in model.modules() if getattr(m, "deferred_to_loss", False)), None)

@@ -1,16 +1,9 @@
-"""nanoGPT's GPT (karpathy/nanoGPT @ 3adf61e, model.py), as its README and code describe the architecture.
-
-Written for this project from that description, not copied: a GPT-2-shaped decoder with
-- token (`wte`) and learned position (`wpe`) embeddings summed, then dropout;
-- `n_layer` pre-LayerNorm blocks: x + attn(ln_1(x)), then x + mlp(ln_2(x)); attention is one fused `c_attn`
-  projection to q, k, v, causal `scaled_dot_product_attention` over `n_head` heads (dropout on the attention
-  weights while training), `c_proj` back, dropout; the MLP is `c_fc` to 4 x n_embd, the exact GELU (`nn.GELU()`),
-  `c_proj` back, dropout;
-- a final LayerNorm `ln_f` and an output head `lm_head` without bias whose weight *is* the token embedding's;
-- `bias=False` (nanoGPT's training configs): no bias in any Linear or LayerNorm (nanoGPT's own LayerNorm, whose
-  bias is optional: with bias=False its state has no bias key);
-- nanoGPT's initialisation: every Linear and Embedding weight normal(0, 0.02), biases zero, then the residual
-  projections (`c_proj`) normal(0, 0.02 / sqrt(2 x n_layer)) (GPT-2's scaled init).
+"""nanoGPT's GPT (karpathy/nanoGPT @ 3adf61e, model.py), written for this project from its README and code, not
+copied: a GPT-2-shaped decoder of pre-LayerNorm blocks (one fused `c_attn` projection, causal
+`scaled_dot_product_attention`, an exact-GELU MLP of 4 x n_embd), a final `ln_f` and an `lm_head` without bias whose
+weight *is* the token embedding's; `bias=False` (nanoGPT's training configs) leaves no bias in any Linear or
+LayerNorm; nanoGPT's initialisation, normal(0, 0.02) and GPT-2's scaled normal(0, 0.02 / sqrt(2 x n_layer)) for the
+residual projections (`c_proj`).
 
 Its `state_dict` has nanoGPT's names and shapes (`transformer.wte.weight`, `transformer.h.0.attn.c_attn.weight`,
 ..., `lm_head.weight`), so a run's model.pt loads into nanoGPT's `GPT` with `load_state_dict(strict=True)`;

@@ -8,14 +8,11 @@
   the model's, else one line names the first mismatches and their counts.
 
 On the meta device (the estimate meter, parameter counts) nothing is read but configs and headers: the model is
-built from the folder's config, and a state dict's names and shapes are checked all the same. `from_pretrained_kwargs`
-is the one place the arguments of `from_pretrained` are decided (the weights' dtype).
+built from the folder's config, and a state dict's names and shapes are checked all the same.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,52 +23,13 @@ from torch import nn
 from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import Recipe
-from ..plan.weightfiles import WeightsOnDisk, inspect, safetensors_header
-from .architectures import ARCHITECTURES, TransformersModel
+from ..plan.weightfiles import WeightsOnDisk, safetensors_header
+from .architectures import ARCHITECTURES, TransformersModel, needs_transformers
 from .hf import HF_KIND_FOR_TASK, HFLogits
+from .weights import from_pretrained_kwargs, on_meta, quiet
 
 AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification"}
 SHOWN = 3  # mismatched keys named in a message
-
-
-def weights_of(recipe: Recipe) -> WeightsOnDisk | None:
-    return inspect(recipe.model.weights) if recipe.model.weights is not None else None
-
-
-def on_meta() -> bool:
-    """Whether tensors are being made on the meta device (`with torch.device("meta")`): read no weights."""
-    return torch.empty(0).device.type == "meta"
-
-
-def from_pretrained_kwargs(recipe: Recipe) -> dict[str, Any]:
-    """What `from_pretrained` is given besides the folder: the dtype the recipe stores the weights in."""
-    from .weights import TORCH_DTYPES
-
-    return {"dtype": TORCH_DTYPES[recipe.model.dtype]}
-
-
-def _transformers(field: str) -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise UserError(f"{field}: needs transformers, which is not installed (pip install transformers)") from None
-    return transformers
-
-
-@contextlib.contextmanager
-def quiet(transformers: Any):
-    """transformers without its progress bar of the tensors it loads (a line per load in every run's output) and
-    without its warnings, such as the coloured load report of tensors that do not fit (refused here in one line)."""
-    logging = transformers.utils.logging
-    enabled, verbosity = logging.is_progress_bar_enabled(), logging.get_verbosity()
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(verbosity)
-        if enabled:
-            logging.enable_progress_bar()
 
 
 def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overrides: dict | None = None,
@@ -79,7 +37,7 @@ def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overr
     """The transformers model of `folder`'s config and weights (only its config on the meta device). Weights the
     folder does not hold are refused, but for a `new_head` (a classifier put on a language model, as
     AutoModelForSequenceClassification does)."""
-    transformers = _transformers(field)
+    transformers = needs_transformers(f"{field}:")
     auto = getattr(transformers, auto_class)
     overrides = dict(overrides or {})
     try:
@@ -131,7 +89,7 @@ def load_hf_model(recipe: Recipe, data_info: dict | None, weights: WeightsOnDisk
             f"model.kind: {kind} does not fit task {recipe.task} (which needs {expected}: "
             f"{'token logits (B, T, V)' if expected == 'causal-lm' else 'one row of class logits per sample'})"
         )
-    _transformers(f"model.hf: loading {spec.hf!r}")
+    needs_transformers(f"model.hf: loading {spec.hf!r}:")
     if weights is not None and weights.is_folder:
         local, name, field = weights.path, str(weights.path), "model.weights"
     else:
@@ -158,21 +116,6 @@ def load_hf_model(recipe: Recipe, data_info: dict | None, weights: WeightsOnDisk
             f"model.kwargs: {name!r} has no pad_token_id, which sequence classification needs to find each "
             "row's last token; inputs are padded with 0, so add kwargs: {pad_token_id: 0} if 0 is the padding id"
         )
-    return HFLogits(model, kind)
-
-
-def wrap_transformers(model: nn.Module, recipe: Recipe) -> nn.Module:
-    """A factory's transformers model (its forward returns a ModelOutput) as the loop takes it: its logits, the
-    head the task needs (HFLogits); any other module as it is."""
-    transformers = sys.modules.get("transformers")  # (a factory that returned one has imported it)
-    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
-        return model
-    name = type(model).__name__
-    kind = {"language-modeling": "masked-lm" if "MaskedLM" in name else "causal-lm",
-            "classification": "sequence-classification"}.get(recipe.task)
-    if kind is None:
-        raise UserError(f"model: the factory returned transformers' {name}, whose forward returns a ModelOutput; "
-                        f"task {recipe.task} needs a module whose output the loss takes: return one that gives it")
     return HFLogits(model, kind)
 
 
@@ -210,7 +153,7 @@ def check_family(builtin: str, weights: WeightsOnDisk) -> None:
     arch = ARCHITECTURES.get(builtin)
     if not isinstance(arch, TransformersModel):
         return
-    family = getattr(getattr(_transformers(builtin), arch.config_class), "model_type", None)
+    family = getattr(getattr(needs_transformers(f"{builtin}:"), arch.config_class), "model_type", None)
     theirs = (weights.config or {}).get("model_type")
     if family and theirs and theirs != family:
         raise UserError(f"model.weights: {weights.path} holds a {theirs} model ({weights.architecture}), and the "

@@ -1,32 +1,23 @@
 """A quantised frozen base (`model.quantize: int8 | nf4`): bitsandbytes' 8-bit or 4-bit linear layers under LoRA.
 
-The settings are transformers' `BitsAndBytesConfig`, as a user of `from_pretrained(quantization_config=...)` writes
-them: int8 is `load_in_8bit` (LLM.int8(), Dettmers et al. 2022, arXiv 2208.07339: 1 byte a weight and one fp32 scale
-per output row; its default outlier threshold 6.0); nf4 is `load_in_4bit` with `bnb_4bit_quant_type="nf4"` and
-`bnb_4bit_use_double_quant` from `model.double_quant`, true unless the recipe says false (QLoRA, Dettmers et al.
-2023, arXiv 2305.14314: 4-bit NormalFloat in blocks of 64, whose absmax scales are themselves quantised to 8 bits in
-blocks of 256) and the recipe's precision as `bnb_4bit_compute_dtype` (transformers' defaults would be fp4 and
-float32, and no double quantisation). All set explicitly.
+The settings are transformers' `BitsAndBytesConfig`, all set explicitly: int8 is `load_in_8bit` (LLM.int8(),
+Dettmers et al. 2022, arXiv 2208.07339: 1 byte a weight, an fp32 scale per output row, outlier threshold 6.0); nf4 is
+`load_in_4bit` with `bnb_4bit_quant_type="nf4"`, `bnb_4bit_use_double_quant` from `model.double_quant` (QLoRA,
+Dettmers et al. 2023, arXiv 2305.14314: 4-bit NormalFloat in blocks of 64, the absmax scales quantised again) and
+the recipe's precision as `bnb_4bit_compute_dtype` (transformers' defaults would be fp4, float32, no double
+quantisation).
 
-How the model is quantised: in memory, the way `from_pretrained` does it, without writing the model to disk.
-transformers' `replace_with_bnb_linear` swaps each `nn.Linear` (and GPT-2's `Conv1D`) but the output head for a
-bitsandbytes layer, and each weight becomes bitsandbytes' `Int8Params` / `Params4bit`, quantised when it is put on
-its device, exactly what from_pretrained's bitsandbytes quantizer does with every weight it reads. The same code then
-serves a built-in from its config (random weights), a factory's model and weights read from disk, and on the meta
-device (the estimate meter) gives the packed weights' true sizes with no data. Saving a random model to a temporary
-folder to read it back through from_pretrained would cost a disk copy of the whole model (13 GB for LLaMA-7B in
-fp16) for the same layers. Then peft's `prepare_model_for_kbit_training` (every base weight frozen, the weights left
-in fp16/bf16 cast to fp32, as Alpaca-LoRA trains; with `model.upcast_embeddings: false` the embeddings and head go
-back to the model's dtype, as QLoRA's qlora.py does) and, in `weights.adapt`, peft's LoRA, which puts its
-bitsandbytes adapter layers on the quantised ones. Its gradient checkpointing is not used: the recipe's
-`activation_checkpointing` applies (models/checkpointing.py, non-reentrant).
+The model is quantised in memory as `from_pretrained` does it: transformers' `replace_with_bnb_linear` swaps each
+`nn.Linear` (and GPT-2's `Conv1D`) but the output head, and each weight becomes bitsandbytes' `Int8Params` /
+`Params4bit`, quantised when put on its device. So a built-in from its config, a factory's model and weights read
+from disk are served alike, and on the meta device (the estimate meter) the packed weights have their true sizes,
+with no disk copy of the model. Then peft's `prepare_model_for_kbit_training` (base frozen, fp16/bf16 weights cast to
+fp32 as Alpaca-LoRA trains; `model.upcast_embeddings: false` keeps embeddings and head in the model's dtype, as
+QLoRA does) and peft's LoRA (models/weights.py); the recipe's `activation_checkpointing` applies, not peft's.
 
-The frozen quantised weights are the same numbers for every micro-batch, so accumulation stays exact. What runs
-where: bitsandbytes 0.50 quantises and runs both layers forward and backward on a CPU (int8 in training as a
-dequantised matmul, `MatMul8bitFp`), in any float dtype, float64 included; on CUDA int8 multiplies int8
-activations (`MatMul8bitLt`, fp16), and with the 6.0 threshold the outlier columns computed in fp16 are chosen from
-each micro-batch's activations, so there the frozen forward of a sample depends a little on the samples beside it.
-Paged optimizers page only on CUDA (on a CPU bitsandbytes steps them unpaged).
+The frozen weights are the same numbers for every micro-batch, so accumulation stays exact. On a CPU bitsandbytes
+0.50 runs both layers in any float dtype (int8 as a dequantised matmul); on CUDA int8 picks its fp16 outlier columns
+from each micro-batch's activations, so a sample's frozen forward depends a little on the samples beside it.
 """
 
 from __future__ import annotations
@@ -44,7 +35,7 @@ from ..plan.recipe import Recipe
 
 EXTRA = "pip install 'reproduce[quantize]'  (bitsandbytes==0.50.2)"
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-NF4_BLOCK, NESTED_BLOCK = 64, 256  # bitsandbytes' 4-bit block and the double quantisation's block of absmax scales
+NF4_BLOCK = 64  # bitsandbytes' 4-bit block
 
 
 def quiet_bitsandbytes() -> None:
@@ -54,13 +45,12 @@ def quiet_bitsandbytes() -> None:
     import logging
 
     cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    if not any(isinstance(f, _NoKernelsNotice) for f in cpu_ops.filters):
-        cpu_ops.addFilter(_NoKernelsNotice())
+    if _no_kernels_notice not in cpu_ops.filters:
+        cpu_ops.addFilter(_no_kernels_notice)
 
 
-class _NoKernelsNotice:
-    def filter(self, record: Any) -> bool:
-        return "kernels-community" not in str(record.msg)
+def _no_kernels_notice(record: Any) -> bool:
+    return "kernels-community" not in str(record.msg)
 
 
 def bitsandbytes() -> Any:
@@ -160,9 +150,8 @@ def double_quantised(recipe: Recipe) -> bool:
 
 
 def _real_dynamic_map(bnb: Any) -> None:
-    """bitsandbytes caches the 8-bit code of double quantisation at its first use, made on the device of the default
-    device context: built first under `torch.device("meta")` (the estimate meter) it would be a meta tensor that no
-    real quantisation can copy from afterwards. Made here on the CPU (each use moves it to its tensor's device)."""
+    """bitsandbytes caches the 8-bit code of double quantisation at its first use, on the default device: first made
+    under `torch.device("meta")` (the estimate meter) no real quantisation could copy from it. Made on the CPU."""
     cached = bnb.functional.name2qmap.get("dynamic")
     if cached is None or cached.is_meta:
         with torch.device("cpu"):
@@ -170,17 +159,16 @@ def _real_dynamic_map(bnb: Any) -> None:
 
 
 def _int8_scales_in_place(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """Loading a state dict into a Linear8bitLt that has run: bitsandbytes moves its row scales from the weight to
-    the layer's state at the first forward and then refuses to load them ("into non-quantized Linear8bitLt"); give the
-    weight the same tensor back, which the load then overwrites in place (a resumed run, verify's reset)."""
+    """Loading a state dict into a Linear8bitLt that has run (a resume, verify's reset): bitsandbytes moved its row
+    scales from the weight to the layer's state at the first forward and refuses to load them; the weight gets the
+    same tensor back, which the load overwrites in place."""
     if getattr(module.weight, "SCB", None) is None and module.state.SCB is not None:
         module.weight.SCB = module.state.SCB
 
 
 def _nf4_state_in_place(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """Loading a state dict into a quantised Linear4bit: its quantisation state (absmax, code, nested absmax, packed
-    metadata), saved beside the weight, is copied into the layer's own (torch's load would call those keys
-    unexpected); packed metadata that differs means another quantisation, refused."""
+    """Loading a state dict into a quantised Linear4bit: its quantisation state saved beside the weight is copied into
+    the layer's own (torch's load would call those keys unexpected); other packed metadata is refused."""
     state = module.weight.quant_state
     if state is None:
         return
@@ -213,10 +201,9 @@ def quantized_states(model: nn.Module) -> list[tuple[nn.Module, Any]]:
 
 
 def materialize_quantized(states: list[tuple[nn.Module, Any]], device: torch.device) -> None:
-    """After `to_empty` on a meta model under `FakeTensorMode` (the estimate meter): give each bitsandbytes layer its
-    scales or quantisation state on `device` too. The fake weight `to_empty` made is a plain (fake) tensor, not
-    bitsandbytes' parameter class (a fake tensor cannot be re-classed), so the attributes the layers read from their
-    weight are set on it: its bytes are the packed weight's, and the layers' forward and backward run as they do."""
+    """After `to_empty` on a meta model under `FakeTensorMode` (the estimate meter): each bitsandbytes layer's scales
+    or quantisation state on `device` too, set on the plain fake weight `to_empty` made (a fake tensor cannot be
+    re-classed as bitsandbytes' parameter), so the layers' forward and backward run as they do."""
     def made(tensor: torch.Tensor | None) -> torch.Tensor | None:
         return torch.empty_like(tensor, device=device) if tensor is not None and tensor.is_meta else tensor
 
@@ -235,13 +222,9 @@ def materialize_quantized(states: list[tuple[nn.Module, Any]], device: torch.dev
 
 
 def compute_in(model: nn.Module, dtype: torch.dtype) -> int:
-    """Run the 4-bit layers in `dtype` (verify in float64 or float32); the number of layers changed.
-
-    Each multiplies by its dequantised weight (`dequantize_4bit`: the code value times its block's absmax, the
-    numbers the 4-bit matmul uses, exact in float32 and float64) in `dtype`: bitsandbytes 0.50.2's CPU 4-bit matmul
-    gives wrong results for float64 inputs (max error 1.6 on a 32 x 64 layer, against 4e-7 in float32). The 8-bit
-    layers already compute in their input's dtype on a CPU (`MatMul8bitFp`: the dequantised weight, then a matmul).
-    """
+    """Run the 4-bit layers in `dtype` (verify in float64 or float32) by their dequantised weight (the numbers the
+    4-bit matmul uses, exact in both); the number of layers changed. bitsandbytes 0.50.2's CPU 4-bit matmul is wrong
+    for float64 inputs (max error 1.6 on a 32 x 64 layer); the 8-bit layers already compute in their input's dtype."""
     bnb = sys.modules.get("bitsandbytes")  # not imported: nothing was quantised
     if bnb is None:
         return 0

@@ -30,43 +30,35 @@ LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "n
 GPT2 = {"n_positions": 512, "n_embd": 32, "n_layer": 2, "n_head": 2}
 
 
-def _save(model, folder: Path, tokenizer: Path, **kwargs) -> dict:
-    from transformers import AutoTokenizer
+def _save(kind: str, defaults: dict, folder: Path, tokenizer: Path, seed: int, config: dict, **kwargs) -> dict:
+    """transformers' `kind` model (random weights, seeded) of `defaults` and `config`, saved with save_pretrained,
+    with `tokenizer` beside them."""
+    import torch
+    import transformers
     from transformers.utils import logging
 
+    from ..data.text import load_tokenizer
+
+    loaded = load_tokenizer(str(tokenizer))
+    torch.manual_seed(seed)
+    settings = {**defaults, "vocab_size": len(loaded), "eos_token_id": loaded.eos_token_id,
+                "bos_token_id": loaded.eos_token_id, **config}
+    model = getattr(transformers, f"{kind}ForCausalLM" if kind == "Llama" else "GPT2LMHeadModel")(
+        getattr(transformers, f"{kind}Config")(**settings))
     logging.disable_progress_bar()
     model.save_pretrained(str(folder), **kwargs)
-    AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).save_pretrained(str(folder))
+    transformers.AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).save_pretrained(str(folder))
     return {"folder": str(folder), "parameters": sum(p.numel() for p in model.parameters())}
 
 
 def write_llama(folder: Path, tokenizer: Path, seed: int = 0, **config) -> dict:
     """A small LLaMA saved with save_pretrained, random weights (seeded), with `tokenizer` beside them."""
-    import torch
-    import transformers
-
-    from ..data.text import load_tokenizer
-
-    loaded = load_tokenizer(str(tokenizer))
-    torch.manual_seed(seed)
-    settings = {**LLAMA, "vocab_size": len(loaded), "eos_token_id": loaded.eos_token_id,
-                "bos_token_id": loaded.eos_token_id, **config}
-    return _save(transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings)), folder, tokenizer)
+    return _save("Llama", LLAMA, folder, tokenizer, seed, config)
 
 
 def write_gpt2(folder: Path, tokenizer: Path, seed: int = 0, shard: str = "100KB", **config) -> dict:
     """A small GPT-2 saved with save_pretrained in shards of `shard` (an index names them), random weights."""
-    import torch
-    import transformers
-
-    from ..data.text import load_tokenizer
-
-    loaded = load_tokenizer(str(tokenizer))
-    torch.manual_seed(seed)
-    settings = {**GPT2, "vocab_size": len(loaded), "eos_token_id": loaded.eos_token_id,
-                "bos_token_id": loaded.eos_token_id, **config}
-    return _save(transformers.GPT2LMHeadModel(transformers.GPT2Config(**settings)), folder, tokenizer,
-                 max_shard_size=shard)
+    return _save("GPT2", GPT2, folder, tokenizer, seed, config, max_shard_size=shard)
 
 
 def write_alpaca_json(path: Path, limit: int = 200) -> dict:

@@ -81,17 +81,14 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.token.weight
-        self.apply(self._init)
+        for module in self.modules():  # the layers in the order `apply` visits them, so the same draws
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
         for name, param in self.named_parameters():
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(param, std=0.02 / math.sqrt(2 * layers))
-
-    @staticmethod
-    def _init(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]

@@ -1,4 +1,5 @@
-"""How a model's weights are stored and which of them train: `model.dtype` and `model.lora` (through peft).
+"""How a model's weights are stored and which of them train (`model.dtype`, `model.lora` through peft), and the
+trained model as its users load it.
 
 `model.dtype: bf16` (or fp16) stores the weights in that dtype, as fine-tuning recipes load a base model. A
 transformers model gets the dtypes `from_pretrained(..., dtype=...)` gives it (`in_dtype`): its parameters in that
@@ -6,23 +7,65 @@ dtype but those its class keeps in float32 (`_keep_in_fp32_modules`), its buffer
 rotary embedding's `inv_freq` stays float32 (`model.to(bf16)` would round it: an angle error of about 2.5 rad at
 position 2047 for LLaMA-7B's frequencies), BERT's position ids int64. Any other model is cast whole (`model.to`);
 `model.lora` freezes them and adds low-rank adapters (peft's `get_peft_model`), which peft keeps in float32
-(`model.lora.dtype: bf16` casts them, as QLoRA does);
-`model.quantize` stores the frozen linear layers in int8 or nf4 first (models/quantize.py).
-The optimizer sees only what trains (`train/optim/optimizers.py` takes parameters that require a gradient).
+(`model.lora.dtype: bf16` casts them, as QLoRA does); `model.quantize` stores the frozen linear layers in int8 or
+nf4 first (models/quantize.py).
+
+Beside the run's model.pt, with `model.lora`, `adapter/`: peft's `save_pretrained` folder with the data's tokenizer,
+which `peft.PeftModel.from_pretrained(base, "adapter")` puts on the base model; its keys are written as they are
+under the transformers model itself (the loop trains it inside HFLogits). With `reproduce run --merged`, `merged/`:
+the base with the adapters merged in, as a Hugging Face folder. On a quantised base the adapters are merged into the
+base's own weights folder read again unquantised, as Alpaca-LoRA's `export_hf_checkpoint.py` does: peft would merge
+them into the 8-bit / 4-bit layers, which `from_pretrained` alone does not read back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import UserError
+from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import Lora, Recipe
+from ..plan.weightfiles import WeightsOnDisk, inspect
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PEFT_PREFIX = "base_model.model."  # a PeftModel's keys: base_model (LoraModel) . model (what LoRA was put on)
+
+
+def weights_of(recipe: Recipe) -> WeightsOnDisk | None:
+    return inspect(recipe.model.weights) if recipe.model.weights is not None else None
+
+
+def from_pretrained_kwargs(recipe: Recipe) -> dict[str, Any]:
+    """What `from_pretrained` is given besides the folder: the dtype the recipe stores the weights in."""
+    return {"dtype": TORCH_DTYPES[recipe.model.dtype]}
+
+
+@contextlib.contextmanager
+def quiet(transformers: Any):
+    """transformers without its progress bar of the tensors it loads (a line per load in every run's output) and
+    without its warnings, such as the coloured load report of tensors that do not fit (refused here in one line)."""
+    logging = transformers.utils.logging
+    enabled, verbosity = logging.is_progress_bar_enabled(), logging.get_verbosity()
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if enabled:
+            logging.enable_progress_bar()
+
+
+def on_meta() -> bool:
+    """Whether tensors are being made on the meta device (`with torch.device("meta")`): read no weights."""
+    return torch.empty(0).device.type == "meta"
 
 
 def adapt(model: nn.Module, recipe: Recipe) -> nn.Module:
@@ -112,3 +155,130 @@ def with_lora(model: nn.Module, lora: Lora, model_name: str) -> nn.Module:
             if "lora_" in name:
                 param.data = param.data.to(TORCH_DTYPES[lora.dtype])
     return model
+
+
+def peft_model(model: nn.Module) -> Any:
+    """The model as peft wrapped it (a PeftModel), or None without LoRA."""
+    peft = sys.modules.get("peft")
+    return model if peft is not None and isinstance(model, peft.PeftModel) else None
+
+
+def transformers_inside(module: nn.Module) -> tuple[str, Any]:
+    """(its name in `module`, the first transformers PreTrainedModel in it), or ("", None)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return "", None
+    for name, inner in module.named_modules():
+        if isinstance(inner, transformers.PreTrainedModel):
+            return name, inner
+    return "", None
+
+
+def check_merged(model: nn.Module, recipe: Recipe, sharded: bool = False) -> None:
+    """`--merged` needs LoRA on a transformers model, unsharded: one line before any step, else."""
+    name = recipe.model.builtin or recipe.model.factory or recipe.model.hf or "the model"
+    if sharded:
+        raise UserError("not with FSDP sharding (each rank holds a shard); merge adapter/ into the base "
+                        "afterwards: PeftModel.from_pretrained(base, adapter).merge_and_unload()", field="merged")
+    peft = peft_model(model)
+    if peft is None:
+        raise UserError("the recipe trains no LoRA adapters (model.lora) to merge; model.pt is the trained "
+                        "model", field="merged")
+    if transformers_inside(peft.base_model.model)[1] is None:
+        raise UserError(f"{name} is not a transformers model, so it has no Hugging Face folder; model.pt "
+                        "holds its weights and adapter/ its adapters", field="merged")
+    if recipe.model.quantize is not None and base_folder(recipe) is None:
+        raise UserError(f"on an {recipe.model.quantize} base the adapters merge into the base's own weights "
+                        "folder (model.weights or `weights`: a Hugging Face folder), read again unquantised; this "
+                        "run has none, so adapter/ holds its adapters", field="merged")
+
+
+def base_folder(recipe: Recipe) -> str | None:
+    """The Hugging Face folder the base's weights came from (model.weights, or model.hf's folder), or None."""
+    weights = weights_of(recipe)
+    if weights is not None:
+        return str(weights.path) if weights.is_folder else None
+    local = hf_model_folder(recipe.model.hf) if recipe.model.hf is not None else None
+    return str(local) if local is not None else None
+
+
+def save_adapter(model: nn.Module, folder: Path, recipe: Recipe, state: dict | None = None) -> bool:
+    """adapter/ with peft's save_pretrained; False when the model has no LoRA adapters. `state`: the model's full
+    state dict (FSDP: gathered from the ranks' shards; None: the model's own)."""
+    peft = peft_model(model)
+    if peft is None:
+        return False
+    inner, hf_model = transformers_inside(peft.base_model.model)
+    config = peft.peft_config["default"]
+    before = config.base_model_name_or_path, config.task_type
+    config.base_model_name_or_path = recipe.model.weights or recipe.model.hf or before[0]
+    if hf_model is not None and recipe.task == "language-modeling" and "MaskedLM" not in type(hf_model).__name__:
+        config.task_type = config.task_type or "CAUSAL_LM"  # AutoPeftModelForCausalLM reads it
+    try:
+        if hf_model is None or not inner:
+            peft.save_pretrained(str(folder), state_dict=state)
+        else:  # the keys under the transformers model, as PeftModel.from_pretrained(its from_pretrained) has them
+            write_adapter(peft, folder, PEFT_PREFIX + inner + ".", state)
+    finally:
+        config.base_model_name_or_path, config.task_type = before
+    tokenizer = data_tokenizer(recipe)  # the data's tokenizer beside the adapters: AutoTokenizer reads adapter/
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+    return True
+
+
+def write_adapter(model: Any, folder: Path, wrapper: str, state: dict | None = None) -> None:
+    """What peft's save_pretrained writes (its adapter state dict, its config's save_pretrained), the keys under
+    `wrapper` (base_model.model.<the wrapper's name for the transformers model>.) moved up to base_model.model.
+    (save_pretrained takes a state_dict, but finds the adapters in it by the model's own module names.)"""
+    from peft.utils import SAFETENSORS_WEIGHTS_NAME, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    state = get_peft_model_state_dict(model, state_dict=state, adapter_name="default")
+    state = {PEFT_PREFIX + key[len(wrapper):] if key.startswith(wrapper) else key: value.detach().cpu().contiguous()
+             for key, value in state.items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(folder / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+    config = model.peft_config["default"]
+    inference_mode = config.inference_mode
+    config.inference_mode = True  # as save_pretrained stores it
+    try:
+        config.save_pretrained(str(folder))
+    finally:
+        config.inference_mode = inference_mode
+
+
+def save_merged(model: nn.Module, folder: Path, recipe: Recipe, adapter: Path) -> None:
+    """merged/: the adapters merged into the base (peft's merge_and_unload: in place, so the run's last use of the
+    model), as a Hugging Face folder with the data's tokenizer. On a quantised base: `adapter` (the run's adapter/)
+    put on the weights folder's model read again in model.dtype, and merged there."""
+    if recipe.model.quantize is None:
+        merged = peft_model(model).merge_and_unload()
+        _, hf_model = transformers_inside(merged)
+    else:
+        import peft
+
+        kind = type(transformers_inside(peft_model(model).base_model.model)[1])
+        with quiet(sys.modules["transformers"]):
+            base = kind.from_pretrained(base_folder(recipe), **from_pretrained_kwargs(recipe))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename notice
+            hf_model = peft.PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+
+    with quiet(sys.modules["transformers"]):  # (its progress bar of the shards it writes)
+        hf_model.save_pretrained(str(folder))
+    tokenizer = data_tokenizer(recipe)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+
+
+def data_tokenizer(recipe: Recipe) -> Any:
+    """The tokenizer the run's text data was tokenised with, or None (data of no tokenizer)."""
+    if not recipe.data.text_columns:
+        return None
+    from ..data.text import load_tokenizer, tokenizer_name
+
+    try:
+        return load_tokenizer(*tokenizer_name(recipe))
+    except UserError:
+        return None

@@ -43,7 +43,7 @@ def folder_holds(out: Path) -> str:
 
 # loss.png: the plot of runs before loss.svg, still another run's output here
 OUTPUTS = ("plan.yaml", "metrics.jsonl", "summary.json", "model.pt", "loss.svg", "loss.png", "checkpoints/last.pt")
-FOLDERS = ("tensorboard", "wandb", "mlflow", "adapter", "merged")  # trackers' runs, models/trained.py
+FOLDERS = ("tensorboard", "wandb", "mlflow", "adapter", "merged")  # trackers' runs, models/weights.py
 
 
 def run_outputs(out: Path) -> list[str]:

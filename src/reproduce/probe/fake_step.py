@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from ..models import build_model
-from ..models.offload import host
+from ..models.checkpointing import host
 from ..plan.planner import Plan
 from ..train.losses import build_loss
 from ..train.optim.optimizers import build_optimizer

@@ -7,7 +7,7 @@ the dataset's known shape and what the model fixes (`reproduce.models.model_inpu
 `batch.sequence_length` (or `data.max_length`, the longest of variable-length text) over the model's
 vocabulary; segmentation crops of `data.crop` with a mask of `data.classes` ids; or images of `data.channels` x
 `data.image_size`^2 with `data.classes` labels, by default those
-of the dataset named (`reproduce.data.shapes`: ImageNet-1k 3 x 224 x 224, 1000 classes), else what the
+of the dataset named (`reproduce.data.image_dataset`: ImageNet-1k 3 x 224 x 224, 1000 classes), else what the
 architecture fixes; or `data.kwargs.input_shape` (and `data.kwargs.classes`) for any other model.
 """
 
@@ -20,9 +20,8 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
-from ..data import Datasets, build_data
+from ..data import Datasets, build_data, image_dataset
 from ..data.batches import collate, fetch
-from ..data.shapes import image_dataset
 from ..errors import UserError
 from ..models import check_context, model_inputs
 from ..plan.planner import Plan, make_plan

@@ -1,7 +1,7 @@
 """The language-model loss over chunks of tokens (`model.loss_chunks: C`), exact: the sum of the chunks' summed
 cross-entropies is the whole micro-batch's, and the step divides it by the window's token count as always.
 
-Each chunk applies the output head (models/loss_head.py) and the cross-entropy inside `torch.utils.checkpoint`
+Each chunk applies the output head (models/checkpointing.py) and the cross-entropy inside `torch.utils.checkpoint`
 (non-reentrant, the GPU rules of the estimate re-entered): forward keeps only the chunk's hidden states, which the
 model holds anyway, and backward recomputes one chunk's logits at a time. So the logits, their fp32 copy and the
 saved log-softmax are one chunk's instead of the micro-batch's, for one more head matmul per chunk. torchtune's

@@ -10,7 +10,7 @@ import time
 import torch
 
 from ..errors import Interrupted
-from ..models.trained import peft_model, save_adapter, save_merged
+from ..models.weights import peft_model, save_adapter, save_merged
 from ..observe.outputs import plot_metrics
 from ..storage import faults, signals
 from ..storage.files import replace_folder, write_text, write_torch_file
@@ -63,7 +63,7 @@ def stop_in_end(run: Run, next_file: str) -> None:
 
 
 def save_trained(run: Run, model_state: dict) -> dict:
-    """adapter/ (peft's save_pretrained) with LoRA, and merged/ with --merged (models/trained.py): summary.json's
+    """adapter/ (peft's save_pretrained) with LoRA, and merged/ with --merged (models/weights.py): summary.json's
     `adapter` and `merged`, the folders' paths. `model_state`: model.pt's (FSDP: gathered), the adapters' source."""
     model, recipe, written = run.setup.unwrapped_model, run.plan.recipe, {}
     if peft_model(model) is not None:  # each folder built beside its place, then put there (storage/files.py)

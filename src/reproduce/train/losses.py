@@ -104,7 +104,7 @@ def build_loss(recipe: Recipe, model: Any = None) -> SampleLoss | TokenLoss | Pi
     if recipe.task == "language-modeling":
         own = pretraining_loss(recipe)
         if own is None and recipe.model.loss_chunks:
-            from ..models.loss_head import deferred_head
+            from ..models.checkpointing import deferred_head
             from .chunked_loss import ChunkedTokenLoss
 
             return ChunkedTokenLoss(deferred_head(model), recipe.model.loss_chunks)

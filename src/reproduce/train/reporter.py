@@ -85,7 +85,7 @@ class RunEnd:
 def run_end(summary: dict, out: Path, skip_nonfinite: bool) -> RunEnd:
     """The lines a finished run ends with, from its summary."""
     reference, noise = summary.get("reference"), summary.get("noise_scale")
-    folders = "".join(f", {name}/" for name in ("adapter", "merged") if summary.get(name))  # (models/trained.py)
+    folders = "".join(f", {name}/" for name in ("adapter", "merged") if summary.get(name))  # (models/weights.py)
     return RunEnd(
         summary=summary, done=done_line(summary, skip_nonfinite),
         reported=[reported_line(row) for row in summary.get("reported") or []],

@@ -12,9 +12,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..data import Datasets, build_data
 from ..errors import UserError
-from ..models import build_model, count_batchnorm, place
-from ..models.backbone import backbone_report
-from ..models.normalization import to_sync
+from ..models import build_model, count_batchnorm, place, to_sync
+from ..models.segmentation import backbone_report
 from ..plan.batchnorm import label_disagreement
 from ..plan.planner import Plan
 from .distributed import processes as distributed

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..data.lengths import training_set
+from ..data import training_set
 from ..data.packing import Grouped, grouping_of, sample_lengths
 from ..errors import UserError
 from ..models import count_parameters
 from ..models.hf import check_packed
-from ..models.trained import check_merged
 from ..models.varlen import runs_varlen
+from ..models.weights import check_merged
 from ..observe.noise import NoiseScale, not_measured_reason
 from ..observe.outputs import MetricsLog
 from ..observe.rates import StepRates
@@ -57,7 +57,7 @@ def start_run(plan: Plan, request: RunRequest, world: World, data: Datasets | No
     if request.merged:  # a model with nothing to merge: one line before any step
         check_merged(setup.unwrapped_model, plan.recipe, setup.sharded)
     check_plateau(plan, setup.data)
-    # batch phases of other sequence lengths read the same data cut at their length (data/lengths.py)
+    # batch phases of other sequence lengths read the same data cut at their length (data.training_set)
     train_set = training_set(plan.recipe, setup.data.train, list(length_sizes(plan.segments)))
     size = check_training_set(plan, train_set)
     train_set, grouping, lengths = group_training_set(plan, setup, train_set)

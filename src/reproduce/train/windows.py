@@ -67,7 +67,7 @@ def window(plan: Plan, size: int, step: int, seed: int, rank: int = 0, micro_bat
     The window is the step's slice of its sequence length's stream of data (plan/segments.py): the same slice of the
     epoch's order whatever the micro-batch or world size, so a run that changes either (out of memory, resume
     elsewhere) still takes the same samples into each optimizer step. With batch phases of several sequence lengths
-    the indices are into `data.lengths.ByLength`. `size` is the training set's (the plan's segments know it).
+    the indices are into `data.ByLength`. `size` is the training set's (the plan's segments know it).
     With `grouping` (data.packing sorted or packed) the same share is grouped by length instead (data/packing.py).
     """
     shares, partial, planned = rank_shares(plan, step, seed)

@@ -23,9 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data import Datasets, build_data
+from ..data import Datasets, build_data, training_set
 from ..data.batches import to_device
-from ..data.lengths import training_set
 from ..data.loader import fetch_seeded
 from ..data.packing import Grouped, Grouping, computed_tokens, grouping_of
 from ..errors import UserError

@@ -17,7 +17,7 @@ from helpers import assert_same_model, data_paths
 from reproduce.cli import main
 from reproduce.data import build_data
 from reproduce.data.batches import LazyMicroBatch
-from reproduce.data.loader import LoaderWatch, WindowSampler
+from reproduce.data.loader import LoaderWatch, window_keys
 from reproduce.models import build_model
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
@@ -249,10 +249,10 @@ def test_sampler_yields_the_windows_micro_batches_in_order():
     spec = parse_recipe({"batch": {"effective": 24}, "task": "classification", "model": {"builtin": "mlp"},
                          "data": {"builtin": "digits"}, "optimizer": SGD, "schedule": {"total": {"steps": 100}}})
     plan = make_plan(spec, micro_batch_max=8, dataset_size=100)
-    keys = list(WindowSampler(lambda step: window(plan, 100, step, 7, 0, 6)[0], 2, 6))
+    keys = list(window_keys(lambda step: window(plan, 100, step, 7, 0, 6)[0], 2, 6))
     expected = [(step, tuple(i.tolist())) for step in range(2, 6) for i in window(plan, 100, step, 7, 0, 6)[0]]
-    assert [(k.step, k.indices) for k in keys] == expected and len(keys) == 4 * 4  # micro-batch 6: 4 per window
-    assert keys[-1].step == 5 and len({k.indices for k in keys[:8]}) == 8  # epoch 1 starts at step 4: reshuffled
+    assert keys == expected and len(keys) == 4 * 4  # micro-batch 6: 4 per window
+    assert keys[-1][0] == 5 and len({indices for _, indices in keys[:8]}) == 8  # epoch 1 starts at step 4: reshuffled
 
 
 def test_the_run_warns_once_when_the_loader_is_the_bottleneck(tmp_path):

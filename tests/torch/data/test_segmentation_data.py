@@ -16,7 +16,7 @@ from PIL import Image
 from helpers import cli, data_paths, snapshot
 from reproduce.data import build_data
 from reproduce.data.loader import MicroBatchStream, fetch_seeded
-from reproduce.data.shape_scenes import write_voc
+from reproduce.data.samples import write_voc
 from reproduce.errors import UserError
 from reproduce.plan.recipe import parse_recipe
 

@@ -142,7 +142,7 @@ def test_the_mean_of_micro_batch_losses_would_differ():
 
 def test_phases_cut_the_pairs_at_each_length(tmp_path):
     """BERT's 128-then-512 in miniature: one step at 16 tokens, then 32; the data made again at each length."""
-    from reproduce.data.lengths import training_sizes
+    from reproduce.data import training_sizes
     from reproduce.plan.planner import make_plan
     from reproduce.train.trainer import RunRequest, train
 

@@ -453,7 +453,7 @@ def test_the_adapter_of_a_model_that_is_not_a_transformers_one(tmp_path):
     import peft
 
     from reproduce.models import build_model
-    from reproduce.models.trained import check_merged, save_adapter
+    from reproduce.models.weights import check_merged, save_adapter
 
     shape = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "vocab_size": 32}
     recipe = parse_recipe({

@@ -13,8 +13,7 @@ from torchvision.models import segmentation
 from torchvision.ops.misc import FrozenBatchNorm2d
 
 from reproduce.errors import UserError
-from reproduce.models import MODELS, build_model, count_batchnorm, count_parameters
-from reproduce.models.normalization import convert
+from reproduce.models import MODELS, build_model, convert, count_batchnorm, count_parameters
 from reproduce.plan import builtin_names
 from reproduce.plan.recipe import parse_recipe
 

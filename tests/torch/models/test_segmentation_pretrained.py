@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from helpers import cli, snapshot
 from reproduce.errors import UserError
 from reproduce.models import build_model
-from reproduce.models.backbone import backbone_report
+from reproduce.models.segmentation import backbone_report
 from reproduce.plan.recipe import parse_recipe
 
 
@@ -81,7 +81,7 @@ def test_the_class_mismatch_leaves_the_previous_run_intact(factory, tmp_path, ca
     """plan, verify and run --force: one line, exit 2, the previous run's files untouched."""
     recipe = seg_recipe({"factory": f"{factory}:voc_model"})
     recipe["data"].update(available=True, path=str(tmp_path / "data"))
-    from reproduce.data.shape_scenes import write_voc
+    from reproduce.data.samples import write_voc
 
     write_voc(tmp_path / "data", train=4, val=2)
     del recipe["data"]["train_size"]

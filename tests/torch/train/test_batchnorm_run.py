@@ -89,7 +89,7 @@ def test_verify_says_equivalent_with_group_norm(tmp_path, capsys):
 
 
 def test_sync_conversion_keeps_the_weights():
-    from reproduce.models.normalization import to_sync
+    from reproduce.models import to_sync
 
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
     synced = to_sync(model)

@@ -92,7 +92,7 @@ def test_bad_evaluation_fields_are_one_line(evaluation, task, expected):
 
 def test_slide_with_a_window_larger_than_the_images_and_no_padding_is_one_line(tmp_path):
     from reproduce.data import build_data
-    from reproduce.data.shape_scenes import write_voc
+    from reproduce.data.samples import write_voc
 
     root = Path(write_voc(tmp_path / "voc", train=4, val=2)["path"])
     recipe = seg_recipe({"builtin": "lraspp-mobilenet-v3-large", "batchnorm": "group"},

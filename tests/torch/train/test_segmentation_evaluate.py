@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from helpers import cli
-from reproduce.data.shape_scenes import write_voc
+from reproduce.data.samples import write_voc
 
 
 @pytest.fixture(scope="module")

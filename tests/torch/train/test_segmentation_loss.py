@@ -15,7 +15,7 @@ import yaml
 from helpers import cli
 from reproduce.data import build_data
 from reproduce.data.loader import fetch_seeded
-from reproduce.data.shape_scenes import write_voc
+from reproduce.data.samples import write_voc
 from reproduce.models import build_model
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.losses import PixelLoss, build_loss

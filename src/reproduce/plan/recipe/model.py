@@ -86,14 +86,14 @@ class Model(Builder):
     backbone_weights: str | None = Field(
         default=None, description="segmentation built-ins: an ImageNet-pretrained backbone on this machine (a "
         "torchvision / timm ResNet state dict, or an MMSegmentation / MMPretrain checkpoint's backbone.*), loaded "
-        "into the model's backbone with a report; the heads start at random (models/backbone.py)",
+        "into the model's backbone with a report; the heads start at random (models/segmentation.py)",
     )
     kind: Literal["causal-lm", "sequence-classification"] | None = None
     norm_layers: Names[NormLayer] = []
     batchnorm: BatchnormMode = Field(
         default="keep", description="BatchNorm when the micro-batch is below the paper's BN batch: keep (per "
         "micro-batch), sync (SyncBatchNorm over the processes, CUDA), frozen (FrozenBatchNorm2d), group (GroupNorm, "
-        "a deviation); models/normalization.py",
+        "a deviation); models/__init__.py",
     )
     paper_batchnorm: BatchnormMode | None = Field(
         default=None, description="how the paper normalised when the run's model.batchnorm differs (what "
@@ -140,7 +140,7 @@ class Model(Builder):
     )
     offload_activations: bool = Field(
         default=False, description="copy what the model's forward saves for backward to CPU memory, and back when "
-        "backward needs it (models/offload.py; torch.autograd.graph.saved_tensors_hooks, as save_on_cpu); exact, "
+        "backward needs it (models/checkpointing.py; torch.autograd.graph.saved_tensors_hooks, as save_on_cpu); exact, "
         "slower steps",
     )
     activation_checkpointing: bool = Field(
