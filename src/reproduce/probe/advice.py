@@ -30,14 +30,11 @@ from typing import Any
 
 import torch
 
-from ..errors import UserError
 from ..models import build_model
 from ..plan.recipe import QUANTIZED_BASES, Recipe
 from ..plan.units import format_size
-from .fake_step import block_sizes, run_fake_step
-from .gpu_like import GpuKind
+from .memory_ways import WayOut, describe, measure_change, memory_ways_out, merged, needs
 from .sharded_memory import Blocks, StepMemory, sharded_peak, smallest_world_size, unsharded_floor
-from .way_out import WayOut, measure_change
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.05}  # a common starting point (peft's examples)
 CATEGORY_NAMES = {
@@ -92,28 +89,17 @@ def lora_targets(model: torch.nn.Module) -> list[str]:
 
 def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
     """What micro-batch 1 needs on `meter`'s budget, by category, and the ways out (see the module's notes)."""
-    from .meters import EstimateMeter  # (meters imports nothing from here; the import is local to keep it so)
+    from .meters import EstimateMeter, fake_parts, sharding_meter  # (meters imports nothing from here; the import
+    # is local to keep it so)
 
     first = min(trials, key=lambda t: t.micro_batch)
     estimate = isinstance(meter, EstimateMeter)
     parts = first.parts
     counted_on = "the failed trial itself, run to its end on fake tensors"
     if parts is None:  # the cpu and cuda meters stopped at the budget: count the same step on fake tensors
-        kind = GpuKind(torch.cuda.get_device_capability()) if meter.name == "cuda" else None
-        info = meter.workload.data.info
-        result = run_fake_step(meter.workload.plan, info, meter.window(first.micro_batch, torch.device("cpu"),
-                                                                       torch.float32), kind)
-        with torch.device("meta"):
-            model = build_model(meter.workload.recipe, info)
-        root, sizes = block_sizes(model)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        parts = {"at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
-                 "blocks": {"root": root, "sizes": list(sizes), "trainable": trainable},
-                 "window": meter.cap is None or first.micro_batch < meter.cap, "unseen_bytes": result.unseen_bytes}
+        parts = fake_parts(meter, first.micro_batch)
         counted_on = "the same step on fake tensors (the trial itself stopped at the budget)"
-    step = StepMemory(**parts["step"])
-    blocks = Blocks(root=parts["blocks"]["root"], blocks=tuple(parts["blocks"]["sizes"]),
-                    trainable=parts["blocks"].get("trainable"))
+    step, blocks = StepMemory(**parts["step"]), Blocks.of(parts)
     window = parts.get("window", True)
     compute = parts["compute_bytes"]
     decide = meter.decided if estimate else (lambda tracked: tracked)
@@ -142,14 +128,12 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
                                  f"step was probed; give --world-size{paper}")
     if not (estimate and (meter.sharding == "fsdp" or meter.workload.recipe.precision == "fp32")):
         # measure the step as FSDP runs it (mixed precision: forward and backward on compute-dtype parameters)
-        sharder = _sharding_meter(meter, gpu)
+        sharder = sharding_meter(meter, gpu)
         if sharder is not None:
             shard_parts = sharder.measure(first.micro_batch).parts
             step = StepMemory(**shard_parts["step"])
             compute, decide, tensor_limit = shard_parts["compute_bytes"], sharder.decided, sharder.tensor_limit()
     explanation.ways_out.append(_fsdp_way_out(step, blocks, compute, tensor_limit, decide, world_size, window))
-    from .memory_ways import memory_ways_out  # checkpointing, sharded gradients, CPU offload, and combined
-
     ways = memory_ways_out(meter, gpu, first, step, blocks, compute, decide, tensor_limit,
                            activations=parts["step"]["activations"])
     explanation.ways_out.extend(ways)
@@ -163,18 +147,6 @@ def _best_memory_change(ways: list[WayOut]) -> dict | None:
         return None
     changes = [way.changes for way in ways if way.changes]
     return max(changes, key=lambda change: sum(len(value) for value in change.values())) if changes else None
-
-
-def _sharding_meter(meter: Any, gpu: Any) -> Any:
-    """An estimate meter with fsdp on `meter`'s budget, or None where the budget is below the estimate's margin."""
-    from .meters import EstimateMeter
-
-    capability = torch.cuda.get_device_capability() if meter.name == "cuda" else None
-    try:
-        return EstimateMeter(meter.workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes, gpu=gpu,
-                             cap=meter.cap, sharding="fsdp", world_size=2, capability=capability)
-    except UserError:
-        return None
 
 
 def _fsdp_way_out(step: StepMemory, blocks: Blocks, compute: int, tensor_limit: int, decide: Any,
@@ -225,8 +197,6 @@ def _recipe_ways_out(meter: Any, gpu: Any, extra: dict | None = None) -> list[Wa
         ways.append(_measure_change(meter, gpu, f"model.lora: {_flow(lora)} and model.dtype: bf16",
                                     {**bf16, "model": {"lora": lora, "dtype": "bf16"}}))
     if extra and changes and not any(way.fits for way in ways):  # one alone is not enough: all of them together
-        from .memory_ways import describe, merged
-
         what, change = changes[-1]
         combined = merged(extra, change)
         ways.append(_measure_change(meter, gpu, f"{describe(extra)} and {what.split(' (')[0]}", combined))
@@ -272,10 +242,7 @@ def _measure_change(meter: Any, gpu: Any, what: str, change: dict) -> WayOut:
     trial = measure_change(meter, gpu, change)
     if isinstance(trial, str):
         return WayOut(what, False, None, trial)
-    shown = trial.peak_bytes
-    detail = (f"micro-batch 1 then needs {format_size(shown)}" if shown is not None
-              else f"micro-batch 1 still does not fit ({trial.note})")
-    return WayOut(what, trial.fits, shown, detail, changes=change)
+    return WayOut(what, trial.fits, trial.peak_bytes, needs(trial), changes=change)
 
 
 def render(explanation: dict, budget_name: str) -> list[str]:

@@ -19,9 +19,8 @@ from ..plan.recipe import Recipe
 from ..plan.split import split_text
 from ..plan.units import format_size
 from ..throughput.cost import cost
-from .memory_ways import CHECKPOINTING, RECOMPUTE_COST, REDUCE_COST, describe, plan_memory_change
+from .memory_ways import CHECKPOINTING, RECOMPUTE_COST, REDUCE_COST, changed_recipe, describe, plan_memory_change
 from .runner import ProbeResult
-from .way_out import changed_recipe
 
 Probe = Callable[[Recipe], ProbeResult]
 

@@ -54,7 +54,7 @@ from ..models import build_model
 from ..plan.units import available_host_memory, format_size
 from ..train.setup import build
 from ..train.step import optimizer_step
-from .fake_step import block_sizes, materialize, run_fake_step  # noqa: F401  (materialize: this module's interface)
+from .fake_step import FakeStepResult, block_sizes, materialize, run_fake_step  # noqa: F401  (materialize: its interface)
 from .gpu_like import UNSEEN_ACTIVATIONS, GpuKind
 from .search import Measurement
 from .sharded_memory import Blocks, mixed_precision_step, sharded_peak
@@ -280,9 +280,7 @@ class EstimateMeter(Meter):
 
     def blocks(self, model: nn.Module) -> Blocks:
         if self._blocks is None:
-            root, sizes = block_sizes(model)
-            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            self._blocks = Blocks(root=root, blocks=sizes, trainable=trainable)
+            self._blocks = model_blocks(model)
         return self._blocks
 
     def measure(self, micro_batch: int) -> Measurement:
@@ -301,13 +299,7 @@ class EstimateMeter(Meter):
                                autocast=not mixed)
         # micro-batches accumulated before the reduction (FSDP2 no_sync), unless reduce-scattered one by one
         window = len(inputs) > 1 and not recipe.batch.sharded_gradients
-        parts = {
-            "at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
-            "blocks": {"root": blocks.root, "sizes": list(blocks.blocks), "trainable": blocks.trainable},
-            "attention": result.kernels, "window": window, "accumulates": len(inputs) > 1,
-            "peak_stage": result.peak_stage, "loss_bytes": result.loss_bytes, "paged_bytes": result.paged_bytes,
-            "optimizer": result.optimizer, "unseen_bytes": result.unseen_bytes,
-        }
+        parts = step_parts(result, blocks, window, len(inputs) > 1)
         tracked = result.peak
         if self.sharding == "fsdp":
             step = result.step
@@ -324,3 +316,44 @@ class EstimateMeter(Meter):
 
 
 METERS = {"cuda": CudaMeter, "cpu": CpuMeter, "estimate": EstimateMeter}
+
+
+def model_blocks(model: nn.Module) -> Blocks:
+    """The units FSDP wraps (fake_step.block_sizes) and the parameters that train."""
+    root, sizes = block_sizes(model)
+    return Blocks(root=root, blocks=sizes, trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+
+def step_parts(result: FakeStepResult, blocks: Blocks, window: bool, accumulates: bool) -> dict:
+    """What a fake step's peak is made of, as a trial keeps it (`Measurement.parts`, in the probe's JSON)."""
+    return {
+        "at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
+        "blocks": {"root": blocks.root, "sizes": list(blocks.blocks), "trainable": blocks.trainable},
+        "attention": result.kernels, "window": window, "accumulates": accumulates,
+        "peak_stage": result.peak_stage, "loss_bytes": result.loss_bytes, "paged_bytes": result.paged_bytes,
+        "optimizer": result.optimizer, "unseen_bytes": result.unseen_bytes,
+    }
+
+
+def fake_parts(meter: Meter, micro_batch: int) -> dict:
+    """The parts of a cpu or cuda meter's step, counted again on fake tensors (that meter counts no categories, and
+    stops at the budget), with this GPU's kernels on the cuda meter."""
+    kind = GpuKind(torch.cuda.get_device_capability()) if meter.name == "cuda" else None
+    info = meter.workload.data.info
+    window = meter.window(micro_batch, torch.device("cpu"), torch.float32)
+    with torch.device("meta"):
+        model = build_model(meter.workload.recipe, info)
+    blocks = model_blocks(model)
+    result = run_fake_step(meter.workload.plan, info, window, kind, model=model)
+    return step_parts(result, blocks, len(window) > 1, len(window) > 1)
+
+
+def sharding_meter(meter: Meter, gpu: Gpu | None, workload: Workload | None = None) -> EstimateMeter | None:
+    """An estimate meter sharding over two ranks on `meter`'s budget and cap (and `workload`, else its own): the step
+    as FSDP runs it; None where the budget is below the estimate's margin."""
+    capability = torch.cuda.get_device_capability() if meter.name == "cuda" else None
+    try:
+        return EstimateMeter(workload or meter.workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes,
+                             gpu=gpu, cap=meter.cap, sharding="fsdp", world_size=2, capability=capability)
+    except UserError:
+        return None

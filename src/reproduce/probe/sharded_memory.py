@@ -75,6 +75,12 @@ class Blocks:
         if self.root < 0 or any(b < 0 for b in self.blocks) or (self.trainable or 0) < 0:
             raise ValueError("parameter counts must be >= 0")
 
+    @classmethod
+    def of(cls, parts: dict) -> Blocks:
+        """The blocks a trial's `parts` keep (meters.step_parts)."""
+        kept = parts["blocks"]
+        return cls(root=kept["root"], blocks=tuple(kept["sizes"]), trainable=kept.get("trainable"))
+
     @property
     def parameters(self) -> int:
         return self.root + sum(self.blocks)
