@@ -1,11 +1,8 @@
 """When not even micro-batch 1 fits: what that step needs, and what would make it fit, computed.
 
-`explain(meter, trials, world_size, gpu)` starts from the trial of micro-batch 1 that failed. The estimate
-meter ran it to its end with the tracker counting by category, so its parts are exact for that step:
-weights, autocast's compute copies of them, gradients, optimizer state, and activations (with the inputs
-and temporaries) at the peak, which sum to what it counted. The cpu and cuda meters stop at the budget,
-so the same step is counted again on fake tensors (as the estimate meter does, with the CUDA rules when
-the meter was on a GPU) to split it.
+`explain(meter, trials, world_size, gpu)` starts from the trial of micro-batch 1 that failed: the estimate meter
+ran it to its end, counted by category; the cpu and cuda meters stop at the budget, so the same step is counted
+again on fake tensors (meters.fake_parts) to split it.
 
 The ways out, each computed for micro-batch 1 on the same budget and meter rules:
 - FSDP over the fewest processes that fit (`sharding.smallest_world_size` on the measured parts), or
@@ -19,8 +16,7 @@ The ways out, each computed for micro-batch 1 on the same budget and meter rules
 - a quantised frozen base under LoRA (`model.quantize: int8`, then `nf4` when int8 does not fit: 1 byte or about
   half a byte a frozen weight instead of 2 or 4, bitsandbytes' layers as Alpaca-LoRA and QLoRA train), for a recipe
   that fine-tunes (LoRA set or allowed; nf4 for an int8 one); measured with the quantised layers on fake tensors.
-Each change that needs a measurement is a new trial of the changed recipe, so what is offered is what
-the probe would then find (a test re-probes them).
+Each change that needs a measurement is a new trial of the changed recipe: what the probe would then find.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """How much memory one training step needs at micro-batch N: what `reproduce memory` answers.
 
-The step is the probe's trial (probe/meters.py: a window of two micro-batches when the run accumulates, clipping, the
-optimizer step), counted on fake tensors by category (probe/fake_step.py) with the target GPU's kernels (estimate
-meter), the CPU's (cpu meter: the same step also runs on real CPU tensors, and their count is the answer) or this
-GPU's (cuda meter: the step runs on it; `max_memory_allocated` and `max_memory_reserved` are the answer, and the
-fake step only splits it).
+The step is the probe's trial (probe/meters.py), counted on fake tensors by category (probe/fake_step.py) with the
+target GPU's kernels (estimate meter), or run for real on the CPU or this GPU (cpu, cuda: their count is the answer,
+which the fake step only splits).
 
 The three figures people compare, and what separates them:
 - allocated (`torch.cuda.max_memory_allocated`): the tensors live at the peak, each rounded to 512 bytes;

@@ -1,9 +1,6 @@
-"""The estimate's training step made to allocate what a CUDA GPU allocates, on fake CPU tensors.
-
-The estimate meter runs the step under `FakeTensorMode` on the CPU device: fake CUDA tensors cannot run a
-backward pass without a GPU (autograd asks the driver for a context). Three things a CPU does differently
-from CUDA change what the step holds; inside `as_on_gpu(gpu)` the fake step does what CUDA does instead
-(each rule read from PyTorch's own source, named below):
+"""The estimate's training step made to allocate what a CUDA GPU allocates, on fake CPU tensors (fake CUDA tensors
+cannot run a backward pass without a GPU). Three things a CPU does differently from CUDA change what the step holds;
+inside `as_on_gpu(gpu)` the fake step does what CUDA does instead (each rule read from PyTorch's source, named):
 
 1. **Attention.** `F.scaled_dot_product_attention` on CUDA picks a fused kernel
    (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, `select_sdp_backend`): flash attention on
@@ -71,18 +68,14 @@ CUDA_FP32_OUTPUT = (  # fp32_set_opt_dtype: run with dtype=float32 unless the ca
 
 
 # The estimate's allowance for what a CUDA step allocates beyond the tensors operators return, as a share of the
-# activations live at each moment (the fake step adds it at its peak: tracker.MemoryTracker.allowance). What it
-# stands for, each growing with the activations, none of which a dispatch-level count sees: cuDNN's convolution
-# workspaces (allocated through PyTorch's caching allocator, so in max_memory_allocated; their size is whatever the
-# algorithm cuDNN picks asks for, up to the free memory: aten/src/ATen/native/cudnn/Conv_v8.cpp, and larger under
-# `cudnn.benchmark`), the allocator's blocks handed out whole when the rest of a cached block would be under 1 MiB
-# (c10/cuda/CUDACachingAllocator.cpp, `should_split`), and what older kernels saved that today's do not. Its size is
-# set from published measured peaks, not derived from any kernel: the estimate's tensors were 0.84 to 0.98 of every
-# published allocated peak checked (bench/published_memory.py: MMSegmentation's DeepLabV3 rows 0.89), what
-# was missing grew with the micro-batch, and activations are about 85% of such a step: 1/0.84 - 1 = 19% of the step
-# is 22% of its activations, rounded up to 25% (MMSeg's rows then 1.08; torchtune's packed Llama 3.2 3B row, within
-# 1% without it, 1.17). It is applied by the estimate meter only
-# (the cpu meter counts real tensors), before the allocator's 5% and the probe's --headroom.
+# activations live at each moment (tracker.MemoryTracker.allowance): cuDNN's convolution workspaces (in
+# max_memory_allocated, as large as the algorithm cuDNN picks asks: aten/src/ATen/native/cudnn/Conv_v8.cpp), the
+# allocator's blocks handed out whole (c10/cuda/CUDACachingAllocator.cpp, `should_split`), what older kernels saved.
+# Set from published measured peaks, not derived: the estimate's tensors were 0.84 to 0.98 of every published
+# allocated peak checked (bench/published_memory.py), the gap grew with the micro-batch, and activations are about
+# 85% of such a step: 1/0.84 - 1 = 19% of the step is 22% of its activations, rounded up to 25% (MMSeg's DeepLabV3
+# rows 0.89 -> 1.08; torchtune's packed Llama 3.2 3B, within 1% without it, 1.17). The estimate meter's only (the cpu
+# meter counts real tensors), before the allocator's 5% and the probe's --headroom.
 UNSEEN_ACTIVATIONS = 0.25
 
 

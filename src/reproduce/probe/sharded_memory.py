@@ -1,10 +1,8 @@
 """What one rank holds when parameters, gradients and optimizer state are sharded (FSDP). No torch.
 
-The estimate meter measures one unsharded training step on fake tensors, split by the tracker into
-`StepMemory`: the model states (weights, gradients, optimizer state) and what the step adds on top
-(activations during forward and backward, temporaries of the optimizer step). Under FSDP full_shard
-(ZeRO-3) over W ranks, as `torch.distributed.fsdp.fully_shard` does it per block with a
-`MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in fp32), each rank
+The estimate meter measures one unsharded step on fake tensors, split into `StepMemory` (weights, gradients,
+optimizer state, activations, the optimizer step's temporaries). Under FSDP2 full_shard (ZeRO-3) over W ranks, per
+block with a `MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in fp32), each rank
 holds:
 
 - its shard of the parameters (the fp32 master weights) and of the optimizer state, divided over W
@@ -16,20 +14,15 @@ holds:
   keeps every parameter's gradient unsharded, accumulated in the reduction dtype
   (`FSDPParam.to_accumulated_grad_if_needed`): the whole model's gradients in fp32 on every rank
   until the window's last backward reduce-scatters them (`unsharded_window=True`);
-- what it gathers at a time (`gathered_bytes`): the root's parameters (the embeddings, final norm and
-  head outside every block: the root keeps them unsharded from forward to backward), and two blocks'
-  parameters in the compute dtype (the current block and the one prefetched, "two all-gather output
-  tensors alive at once", PyTorch PR 128884), plus one unit's unsharded gradients in the compute dtype
-  and its reduce-scatter input in the reduction dtype;
+- what it gathers at a time: the root's parameters (embeddings, final norm and head, unsharded from forward to
+  backward) and two blocks' in the compute dtype (the current one and the one prefetched, PyTorch PR 128884), plus
+  one unit's unsharded gradients and its reduce-scatter input in the reduction dtype;
 - the activations of its own micro-batch, as the unsharded step measured them (autocast's copies of
   the weights left out: under FSDP the gathered block is already in the compute dtype);
 - in the optimizer step, its shard of the step's temporaries (the foreach optimizer works on the shards).
 
-The peak is the larger of forward/backward and the optimizer step; `smallest_world_size` finds the
-fewest ranks whose peak fits a limit. Everything here is arithmetic on measured bytes; the tests check its
-properties (never more per rank with more ranks, never below what cannot be sharded), and
-`bench/fsdp_check.py` compares it with what FSDP2 itself allocates on one rank (a fake process group,
-real tensors counted by the tracker).
+The peak is the larger of forward/backward and the optimizer step; `smallest_world_size` finds the fewest ranks
+whose peak fits a limit. `bench/fsdp_check.py` compares it with what FSDP2 itself allocates on one rank.
 """
 
 from __future__ import annotations
@@ -155,11 +148,6 @@ def gathered_parameters(blocks: Blocks, compute_bytes: int) -> int:
 def gathered_gradients(blocks: Blocks, compute_bytes: int, reduce_bytes: int = 4) -> int:
     """One unit's unsharded gradients (compute dtype) and its reduce-scatter input (reduction dtype), in backward."""
     return max([blocks.root, *blocks.blocks]) * (compute_bytes + reduce_bytes)
-
-
-def gathered_bytes(blocks: Blocks, compute_bytes: int, reduce_bytes: int = 4) -> int:
-    """Unsharded parameters and gradients one rank holds at a time, at most (see the module's notes)."""
-    return gathered_parameters(blocks, compute_bytes) + gathered_gradients(blocks, compute_bytes, reduce_bytes)
 
 
 def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_bytes: int,

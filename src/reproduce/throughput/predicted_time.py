@@ -76,10 +76,12 @@ def _flops_model(entry, devices: int, key: str, samples: int | None, per_sample:
     """The FLOPs model's time on `devices` x the catalog card `entry`: (seconds, its basis, the datasheet column,
     why that column has no peak, or None when it has one)."""
     on, peaks = on_card(key, entry.capability), peaks_of(entry.name)
-    peak = _peak(peaks, on)
-    basis = f"FLOPs model: {devices} x {entry.title} at {_tflops(peak)} {on} x MFU {mfu:.0%}"
+    peak = peaks.flops(on) if peaks is not None else None
+    shown = f"{peak / 1e12:g} TFLOP/s" if peak else "an unknown peak"
+    basis = f"FLOPs model: {devices} x {entry.title} at {shown} {on} x MFU {mfu:.0%}"
     why = None if peak is not None else (peaks.source if peaks else "not in hardware/peaks.py")
-    return _predict(samples, per_sample, devices, peak, mfu), basis, on, why
+    seconds = None if samples is None else predicted_seconds(1, samples * per_sample, devices, peak, mfu)
+    return seconds, basis, on, why
 
 
 def paper_gpu(recipe):
@@ -124,21 +126,6 @@ def total_samples(p: Plan) -> float | None:
         steps = max(0, end - phase.start_step)
         total += steps * phase.effective_batch * ((phase.sequence_length or main) / main if main else 1)
     return total
-
-
-def _predict(samples: float | None, per_sample: float, devices: int, peak: float | None, assumed_mfu: float
-             ) -> float | None:
-    if samples is None:
-        return None
-    return predicted_seconds(1, samples * per_sample, devices, peak, assumed_mfu)
-
-
-def _peak(peaks, key: str) -> float | None:
-    return peaks.flops(key) if peaks is not None else None
-
-
-def _tflops(peak: float | None) -> str:
-    return f"{peak / 1e12:g} TFLOP/s" if peak else "an unknown peak"
 
 
 def predict(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: float = DEFAULT_MFU) -> dict:
