@@ -33,10 +33,6 @@ from .memory_ways import WayOut, describe, measure_change, memory_ways_out, merg
 from .sharded_memory import Blocks, StepMemory, sharded_peak, smallest_world_size, unsharded_floor
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.05}  # a common starting point (peft's examples)
-CATEGORY_NAMES = {
-    "weights": "weights", "weight copies": "weight copies", "gradients": "gradients",
-    "optimizer": "optimizer state", "activations": "activations", "optimizer step": "step temporaries",
-}
 
 
 @dataclass
@@ -275,9 +271,7 @@ def render(explanation: dict, budget_name: str) -> list[str]:
             lines.append(f"  {name:<28} {size(value):>11}{note}")
     at_peak = explanation["at_peak"]
     where = "the optimizer step" if at_peak.get("optimizer step") else "forward/backward"
-    composition = " + ".join(f"{CATEGORY_NAMES.get(name, name)} {size(value)}"
-                             for name, value in sorted(at_peak.items(), key=lambda item: -item[1]) if value)
-    lines.append(f"  peak {size(explanation['tensor_bytes'])} of tensors, in {where}: {composition}")
+    lines.append(f"  peak {size(explanation['tensor_bytes'])} of tensors, in {where}: {peak_line(explanation)}")
     lines.extend(f"note: {note}" for note in explanation.get("notes", []))
     fitting = [way for way in explanation["ways_out"] if way["fits"]]
     lines.append("what would fit (each computed for micro-batch 1 on the same budget):" if fitting
@@ -285,3 +279,11 @@ def render(explanation: dict, budget_name: str) -> list[str]:
     for way in explanation["ways_out"]:
         lines.append(f"  [{'fits' if way['fits'] else 'no'}] {way['change']}: {way['detail']}")
     return lines
+
+
+def peak_line(answer: dict) -> str:
+    """The peak's composition, largest part first: "gradients 1.2 GiB + activations 800 MiB"."""
+    names = {"optimizer": "optimizer state", "optimizer step": "step temporaries"}
+    parts = sorted(answer["at_peak"].items(), key=lambda item: -item[1])
+    return " + ".join(f"{names.get(name, name)} {format_size(size)}" for name, size in parts if size)
+

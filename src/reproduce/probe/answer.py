@@ -24,7 +24,7 @@ from ..errors import UserError
 from ..hardware.catalog import CONTEXT_BYTES
 from ..models import build_model
 from ..plan.recipe import Recipe
-from ..plan.units import available_host_memory, format_count, format_size
+from ..plan.units import available_host_memory, format_count
 from .meters import METERS, fake_parts
 from .runner import ProbeOptions, resolve_budget
 from .tracker import ALLOWANCE
@@ -172,11 +172,3 @@ def weights_form(recipe: Recipe, workload: Workload) -> str:
     if trained != total:
         shown += f"; {format_count(trained)} train" + (f" (LoRA adapters in {spec.lora.dtype})" if spec.lora else "")
     return shown
-
-
-def peak_line(answer: dict) -> str:
-    """The peak's composition, largest part first: "gradients 1.2 GiB + activations 800 MiB"."""
-    names = {"optimizer": "optimizer state", "optimizer step": "step temporaries"}
-    parts = sorted(answer["at_peak"].items(), key=lambda item: -item[1])
-    return " + ".join(f"{names.get(name, name)} {format_size(size)}" for name, size in parts if size)
-

@@ -3,13 +3,11 @@ meter that refused it (`WayOut`; probe/advice.py lists them), and here the memor
 sharded gradients, CPU offload, combined; and, on one process, the chunked language-model loss and activation
 offloading.
 
-Each is computed on the user's own configuration (budget, meter, sharding, world size, precision): checkpointing
-changes the step itself, so it is a new trial of the changed recipe (the estimate meter counts the recomputation on
-fake tensors); sharded gradients and CPU offload change only what an FSDP rank keeps of the measured step, so they
-are computed from its parts (probe/sharded_memory.py), for the step as it is and for the checkpointed one. Where one
-alone is not enough they are combined (checkpointing + sharded gradients, then + offload). Each way out carries the
-recipe fields it sets (`changes`), which the plan can take (`plan_memory_change`): checkpointing and sharded
-gradients, never offload (a slower run the user chooses).
+Each is computed on the user's own configuration: checkpointing changes the step, so it is a new trial of the
+changed recipe; sharded gradients and CPU offload change only what an FSDP rank keeps of the measured step, so they
+are computed from its parts (probe/sharded_memory.py). Where one alone is not enough they are combined. Each way out
+carries the recipe fields it sets (`changes`); the plan takes checkpointing and sharded gradients
+(`plan_memory_change`), never offload (a slower run the user chooses).
 """
 
 from __future__ import annotations

@@ -113,14 +113,9 @@ class ShardedPeak:
 
 def mixed_precision_step(measured: StepMemory, blocks: Blocks, master_bytes: int, compute_bytes: int,
                          reduce_bytes: int = 4) -> StepMemory:
-    """The model states FSDP's mixed precision keeps, around activations measured with compute-dtype parameters.
-
-    `measured` is a step whose parameters were in the compute dtype (bf16/fp16), as FSDP2's
-    MixedPrecisionPolicy runs forward and backward on its gathered parameters: its activations are those of
-    the sharded run. The states are not: the sharded parameters are the master weights (`master_bytes` per
-    element, as the recipe stores them), the reduced gradients are in the reduction dtype, and the optimizer
-    state and its step's temporaries mirror the master weights (the optimizer steps the sharded parameters).
-    """
+    """The model states FSDP's mixed precision keeps, around activations measured with compute-dtype parameters (as
+    FSDP2's MixedPrecisionPolicy runs forward and backward): the master weights (`master_bytes` per element), the
+    gradients in the reduction dtype, and the optimizer state and its temporaries mirroring the master weights."""
     scale = master_bytes / compute_bytes
     return StepMemory(
         weights=blocks.parameters * master_bytes + measured.buffers,
@@ -154,12 +149,9 @@ def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_byte
                  reduce_bytes: int = 4, unsharded_window: bool = False, offload: bool = False) -> ShardedPeak:
     """One rank's peak with the model states of `step` sharded over `world_size` ranks.
 
-    `unsharded_window`: the step accumulates micro-batches without reducing between them (FSDP2's no_sync),
-    so every rank holds the whole model's gradients, in the reduction dtype, until the window's last backward.
-    Without it (`batch.sharded_gradients`) each micro-batch's gradients are reduce-scattered and only the shard
-    is kept. `offload`: FSDP2's CPUOffloadPolicy keeps the sharded parameters, the sharded gradients and the
-    optimizer state in CPU memory and steps there; the device holds the buffers, the gathered units, the
-    activations and (within an unreduced window) the unsharded gradients.
+    `unsharded_window`: the window's micro-batches are not reduced between them (FSDP2's no_sync): every rank holds
+    the whole model's gradients until its last backward (else, `batch.sharded_gradients`, only the shard).
+    `offload`: FSDP2's CPUOffloadPolicy keeps the sharded parameters, gradients and optimizer state in CPU memory.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1 (got {world_size})")
@@ -194,11 +186,8 @@ def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_byte
 def smallest_world_size(step: StepMemory, blocks: Blocks, limit_bytes: int, compute_bytes: int,
                         reduce_bytes: int = 4, unsharded_window: bool = False, most: int = 1 << 16,
                         offload: bool = False) -> int | None:
-    """The fewest ranks (>= 2) whose sharded peak is at most `limit_bytes`; None when no number of ranks does.
-
-    The peak never grows with the number of ranks, so the answer is found by bisection; past `most` ranks
-    (or when what is never sharded is already over the limit) there is none.
-    """
+    """The fewest ranks (>= 2) whose sharded peak is at most `limit_bytes`, by bisection (the peak never grows with
+    the ranks); None when `most` ranks do not fit either."""
     def fits(world_size: int) -> bool:
         peak = sharded_peak(step, blocks, world_size, compute_bytes, reduce_bytes, unsharded_window, offload).peak
         return peak <= limit_bytes

@@ -1,14 +1,10 @@
 """What a trial runs: the recipe's model, optimizer, loss and precision, on one micro-batch of real shape.
 
-The micro-batch comes from the recipe's dataset when it is available here (the first b items, cycling;
-for items of different shapes, the largest item seen in a sample of the data, repeated: the worst case
-is what has to fit). Otherwise it is synthetic, of the shape `declared_inputs(recipe)` gives from the recipe,
-the dataset's known shape and what the model fixes (`reproduce.models.model_inputs`): token sequences of
-`batch.sequence_length` (or `data.max_length`, the longest of variable-length text) over the model's
-vocabulary; segmentation crops of `data.crop` with a mask of `data.classes` ids; or images of `data.channels` x
-`data.image_size`^2 with `data.classes` labels, by default those
-of the dataset named (`reproduce.data.shapes`: ImageNet-1k 3 x 224 x 224, 1000 classes), else what the
-architecture fixes; or `data.kwargs.input_shape` (and `data.kwargs.classes`) for any other model.
+The micro-batch comes from the recipe's dataset when it is available here (the first b items, cycling; for items of
+different shapes, the largest one seen in a sample of the data, repeated: the worst case has to fit). Otherwise it
+is synthetic, of the shape `declared_inputs(recipe)` gives from the recipe, the dataset's known shape
+(`reproduce.data.shapes`) and what the model fixes (`reproduce.models.model_inputs`): token sequences, segmentation
+crops with masks, images with labels, or `data.kwargs.input_shape` for any other model.
 """
 
 from __future__ import annotations

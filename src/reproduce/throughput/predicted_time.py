@@ -1,9 +1,14 @@
 """The predicted wall time of a plan (`reproduce plan`'s `predicted_seconds`): on a device the probe measured, the
-measured step time x the steps; with `--gpu`, the FLOPs model (prediction.py) with its assumed MFU stated; and the
-same model on the paper's own hardware (`batch.devices` x `batch.device`) when it is a GPU of the catalog with a
-datasheet peak, with or without --gpu (which changes only `predicted_seconds`). Values only, nothing printed. The
-FLOPs counter (probe/flops.py) imports torch; its count per sample is kept in the probe's cache (keyed by the recipe
-and the libraries' versions), so planning the same recipe again imports no torch.
+measured step time x the steps; with `--gpu`, the FLOPs model with its assumed MFU stated; and the same model on the
+paper's own hardware (`batch.devices` x `batch.device`) when it is a GPU of the catalog with a datasheet peak, with
+or without --gpu (which changes only `predicted_seconds`). Values only, nothing printed. The FLOPs counter
+(probe/flops.py) imports torch; its count per sample is kept in the probe's cache, so planning the same recipe again
+imports no torch.
+
+The FLOPs model: predicted seconds = optimizer steps x FLOPs per optimizer step / (devices x peak FLOP/s x MFU), with
+the model FLOPs counted once (forward and backward of every sample), the devices' datasheet peak for the run's
+precision (hardware/peaks.py), and an MFU that is assumed, stated and sourced (`DEFAULT_MFU`, or --mfu). A device
+whose peak is unknown has no prediction, never a made-up one.
 """
 
 from __future__ import annotations
@@ -16,11 +21,28 @@ from ..hardware.peaks import on_card, peaks_of, precision_key
 from ..plan.planner import Plan
 from ..probe.runner import ProbeResult
 from .plan_cost import plan_costs
-from .policy import check_mfu
-from .prediction import DEFAULT_MFU, MFU_SOURCE, predicted_seconds
 
 if TYPE_CHECKING:
     from ..data import Datasets
+
+DEFAULT_MFU = 0.40
+MFU_SOURCE = (
+    "assumed MFU 40%: the upper part of the range large training runs report, 21.3% (GPT-3) to 46.2% (PaLM 540B) "
+    "(Chowdhery et al. 2022, arXiv 2204.02311, Table 3); set your own with --mfu"
+)
+
+
+def check_mfu(assumed_mfu: float) -> None:
+    if not 0 < assumed_mfu <= 1:
+        raise UserError(f"expected a fraction in (0, 1], such as 0.4 (got {assumed_mfu:g})", field="assumed_mfu")
+
+
+def predicted_seconds(optimizer_steps: int | None, flops_per_step: float | None, devices: int,
+                      peak_flops: float | None, assumed_mfu: float = DEFAULT_MFU) -> float | None:
+    """The run's wall time by the FLOPs model; None when the steps, the FLOPs or the peak are unknown."""
+    if optimizer_steps is None or not flops_per_step or not peak_flops or devices < 1 or assumed_mfu <= 0:
+        return None
+    return optimizer_steps * flops_per_step / (devices * peak_flops * assumed_mfu)
 
 
 def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: float = DEFAULT_MFU,

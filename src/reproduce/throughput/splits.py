@@ -107,10 +107,9 @@ def steps_per_repeat(warm_up_seconds: float) -> int:
 
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float]:
-    """(gap, noise) of two splits' repeats taken in the same rounds: gap, how much longer b's step is than a's (the
-    median of the rounds' ratios, less 1; negative: b is faster); noise, what the gap must exceed to be real: twice
-    the standard error of that median (`MEDIAN_SE` x the ratios' median absolute deviation / sqrt(rounds)), at least
-    `NOISE_FLOOR`. Pairing by round cancels the machine's load common to both, which the repeats' own spread keeps."""
+    """(gap, noise) of two splits' repeats taken in the same rounds: gap, the median of the rounds' ratios b / a less
+    1 (negative: b is faster); noise, twice that median's standard error, at least `NOISE_FLOOR`. Pairing by round
+    cancels the machine's load common to both, which the repeats' own spread keeps."""
     ratios = [y / x for x, y in zip(a, b, strict=False) if x > 0]
     if not ratios:
         return 0.0, NOISE_FLOOR
@@ -223,10 +222,9 @@ def choose(
 ) -> Decision:
     """The exact split with the shortest optimizer step (`step_seconds`, the same per-process batch in each).
 
-    The two fastest are compared round by round when `timings` (what `time_splits` measured, used in place of
-    `step_seconds` and `spreads`) are given, else within their `spreads` (at least NOISE_FLOOR): within the noise the
-    larger micro-batch wins. `batchnorm_micro_batch`, the paper's per-device batch, is kept whatever the timings say
-    (BatchNorm statistics over the paper's samples); the candidates still show what that choice costs.
+    The two fastest are compared round by round when `timings` (`time_splits`'s, in place of `step_seconds` and
+    `spreads`) are given, else within their `spreads`: within the noise the larger micro-batch wins.
+    `batchnorm_micro_batch`, the paper's per-device batch, is kept whatever the timings say (BatchNorm statistics).
     """
     if not splits:
         raise ValueError("no exact split to choose from")
@@ -309,8 +307,8 @@ def _timed_split(m: int, chosen: int, per_rank_batch: int, seconds: float, best_
 
 
 def relative_spread(samples: list[float]) -> float:
-    """The noise a difference has to exceed to count: twice the median absolute deviation of repeated timings over
-    their median (robust to the one repeat a busy machine slows down; about 1.35 standard deviations)."""
+    """Twice the median absolute deviation of repeated timings over their median (robust to the one repeat a busy
+    machine slows; about 1.35 standard deviations): the noise a difference has to exceed to count."""
     if len(samples) < 2:
         return 0.0
     middle = statistics.median(samples)
