@@ -215,10 +215,6 @@ class NoiseScale:
 # ---- the run's summary and its sentence -------------------------------------------------------------------
 
 
-def unit_of(task: str) -> str:
-    return {"classification": "samples", "language-modeling": "tokens"}.get(task, "items")
-
-
 def not_measured_reason(world_size: int, accumulation_steps: int, sharded: bool = False) -> str | None:
     """Why a run cannot measure the noise scale at all, or None (`accumulation_steps`: its largest N)."""
     if sharded:
@@ -244,7 +240,7 @@ def summarise(records: list[dict], total_steps: int, task: str, ema: float = EMA
     training set, in the same unit) bounds any larger batch the sentence speaks of. `last_tenth` is the ratio of the
     mean tr(Sigma) and |G|^2 estimates over the last tenth's steps, read from metrics.jsonl (a resumed run's too).
     """
-    unit = unit_of(task)
+    unit = {"classification": "samples", "language-modeling": "tokens"}.get(task, "items")
     steps = [r for r in records if "noise_trace" in r and "step" in r]
     if not steps:  # `noted`: the run said why at its start (once is enough)
         why = reason or "no optimizer step had two micro-batches and finite gradients to compare with its window"

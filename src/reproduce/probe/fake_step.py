@@ -102,7 +102,8 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
             precision = recipe.precision if autocast else "fp32"
             fake_step(model, optimizer, loss, fake_window, precision, recipe.clip_grad_norm, tracker)
             if step == 0:
-                tracker.retag(_state_tensors(optimizer), OPTIMIZER)
+                tracker.retag([t for state in optimizer.state.values() for t in state.values()
+                               if isinstance(t, torch.Tensor)], OPTIMIZER)
                 paged = paged_bytes(optimizer) if recipe.optimizer.paged else 0
         for hook in hooks:
             hook.remove()
@@ -193,10 +194,6 @@ def _compute_bytes(model: nn.Module, precision: str) -> int:
         return 2
     first = next(model.parameters(), None)
     return first.element_size() if first is not None else 4
-
-
-def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
 
 
 def fake_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, window: list, precision: str,

@@ -13,11 +13,8 @@ inside `as_on_gpu(gpu)` the fake step does what CUDA does instead (each rule rea
    (`_scaled_dot_product_flash_attention` / `_scaled_dot_product_efficient_attention`, whose meta
    functions give the fake outputs and gradients). cuDNN attention, which PyTorch prefers on Hopper and
    Blackwell with a recent cuDNN, keeps the same output and statistics as flash; it is counted as flash.
-   What the fused backward allocates inside the kernel and frees before it returns is counted as a workspace of
-   that moment (`kernel_workspaces`): flash's fp32 `dq_accum` (B x S x H x D, S rounded up to 128 and D to 32 or
-   64) and `softmax_d` (B x H x S, fp32) (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp,
-   `mha_bwd`); the memory-efficient kernel's fp32 gradient-of-Q accumulator and its `delta` (B x H x S, fp32)
-   (mem_eff_attention/kernel_backward.h: `kNeedsAccumGradQ` is true from sm70 on, where keys are split).
+   What the fused backward allocates and frees inside the kernel is counted as a workspace of that moment
+   (`kernel_workspaces`; flash_attn/flash_api.cpp `mha_bwd`, mem_eff_attention/kernel_backward.h).
 2. **Dropout.** `torch.dropout` on a CUDA tensor runs the fused `native_dropout`, whose mask is `bool`:
    1 byte per element (aten/src/ATen/native/Dropout.cpp, `is_fused_kernel_acceptable`). On a CPU it
    keeps a noise tensor in the input's dtype: 4 bytes per element in fp32. Routed to `native_dropout`
@@ -180,7 +177,8 @@ def _rounded_up(value: int, multiple: int) -> int:
 
 
 def _flash_backward_workspace(args: tuple, kwargs: dict) -> int:
-    """flash_api.cpp `mha_bwd`: dq_accum (B, S_q rounded to 128, H, D rounded) and softmax_d (B, H, S_q rounded)."""
+    """flash_api.cpp `mha_bwd`: fp32 dq_accum (B, S_q rounded to 128, H, D rounded to 32 or 64) and softmax_d
+    (B, H, S_q rounded)."""
     batch, heads, length, dim = args[1].shape
     length = _rounded_up(length, 128)
     dim = _rounded_up(_rounded_up(dim, 8), 32 if _rounded_up(dim, 8) <= 128 else 64)
@@ -188,7 +186,8 @@ def _flash_backward_workspace(args: tuple, kwargs: dict) -> int:
 
 
 def _efficient_backward_workspace(args: tuple, kwargs: dict) -> int:
-    """kernel_backward.h: the gradient of Q accumulated in fp32 (B, H, S_q, D) and `delta` (B, H, S_q, fp32)."""
+    """kernel_backward.h: the gradient of Q accumulated in fp32 (B, H, S_q, D; `kNeedsAccumGradQ` from sm70 on) and
+    `delta` (B, H, S_q, fp32)."""
     batch, heads, length, dim = args[1].shape
     return 4 * batch * heads * length * (dim + 1)
 
@@ -198,11 +197,6 @@ def kernel_workspaces() -> dict:
     aten = torch.ops.aten
     return {aten._scaled_dot_product_flash_attention_backward.default: _flash_backward_workspace,
             aten._scaled_dot_product_efficient_attention_backward.default: _efficient_backward_workspace}
-
-
-def _overload(name: str):
-    packet, _, overload = name.partition(".")
-    return getattr(getattr(torch.ops.aten, packet), overload or "default")
 
 
 def _fp32_kernel(op, set_dtype: bool):
@@ -250,7 +244,9 @@ def cuda_autocast_policy() -> Iterator[None]:
     library = torch.library.Library("aten", "IMPL")
     try:
         for name, set_dtype in cuda_autocast_names():
-            library.impl(name, _fp32_kernel(_overload(name), set_dtype), "AutocastCPU")
+            packet, _, overload = name.partition(".")
+            op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+            library.impl(name, _fp32_kernel(op, set_dtype), "AutocastCPU")
         yield
     finally:
         library._destroy()

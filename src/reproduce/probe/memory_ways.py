@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import UserError
 from ..plan.recipe import Recipe, parse_recipe
 from ..plan.units import format_size
-from .sharded_memory import Blocks, StepMemory, sharded_peak, smallest_world_size
+from .sharded_memory import Blocks, StepMemory, shard, sharded_peak, smallest_world_size
 
 CHECKPOINTING = {"model": {"activation_checkpointing": True}}
 SHARDED_GRADIENTS = {"batch": {"sharded_gradients": True}}
@@ -150,7 +150,8 @@ def memory_ways_out(meter: Any, gpu: Any, first: Any, step: StepMemory, blocks: 
         kept = []
         if sg:
             whole = rank.blocks.with_gradients * 4
-            kept.append(f"each rank keeps its shard of the gradients ({format_size(shard_of(whole, meter))}) instead "
+            own = shard(whole, max(1, meter.world_size))
+            kept.append(f"each rank keeps its shard of the gradients ({format_size(own)}) instead "
                         f"of the whole model's ({format_size(whole)}) through the accumulation window")
         if offload:
             before = rank.peak(sg or has_sg, has_offload)
@@ -202,10 +203,6 @@ def _techniques(meter: Any, gpu: Any, first: Any, activations: int) -> list[WayO
         ways.append(WayOut(what, trial.fits, trial.peak_bytes, f"{needs(trial)}{saved}; costs {cost}",
                            changes=change))
     return ways
-
-
-def shard_of(nbytes: int, meter: Any) -> int:
-    return -(-nbytes // max(1, meter.world_size))
 
 
 def _checkpointing(meter, gpu, first, activations, decide, tensor_limit, sharded, accumulates, has_sg, has_offload,

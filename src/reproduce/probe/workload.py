@@ -28,10 +28,12 @@ SHAPE_SAMPLE = 256  # items looked at to tell fixed-shape data from variable-len
 
 
 class SyntheticSamples:
-    """Random inputs of one shape with class labels, made a batch at a time (the same for every index)."""
+    """Random inputs of one shape with class labels, made a batch at a time (the same for every index); `masks`:
+    segmentation crops (C x H x W) with a mask of random class ids each (H x W), every pixel valid: the most pixels
+    a crop can bring to the loss."""
 
-    def __init__(self, items: int, input_shape: tuple[int, ...], classes: int):
-        self.items, self.shape, self.classes = items, input_shape, classes
+    def __init__(self, items: int, input_shape: tuple[int, ...], classes: int, masks: bool = False):
+        self.items, self.shape, self.classes, self.masks = items, input_shape, classes, masks
 
     def __len__(self) -> int:
         return self.items
@@ -43,7 +45,8 @@ class SyntheticSamples:
     def batch(self, indices: torch.Tensor) -> tuple[Any, torch.Tensor]:
         generator = torch.Generator().manual_seed(0)
         inputs = torch.randn((len(indices), *self.shape), generator=generator)
-        return inputs, torch.randint(0, self.classes, (len(indices),), generator=generator)
+        targets = (len(indices), *self.shape[1:]) if self.masks else (len(indices),)
+        return inputs, torch.randint(0, self.classes, targets, generator=generator)
 
 
 class SyntheticTokens(SyntheticSamples):
@@ -77,16 +80,6 @@ class SyntheticPairs(SyntheticTokens):
     def __getitem__(self, index: int) -> tuple[dict, torch.Tensor]:
         inputs, targets = self.batch(torch.tensor([index]))
         return {key: value[0] for key, value in inputs.items()}, targets[0]
-
-
-class SyntheticMasks(SyntheticSamples):
-    """Segmentation crops: random images of one shape (C x H x W, the training crop) with a mask of random class ids
-    each (H x W), every pixel valid: the most pixels a crop can bring to the loss."""
-
-    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        generator = torch.Generator().manual_seed(0)
-        inputs = torch.randn((len(indices), *self.shape), generator=generator)
-        return inputs, torch.randint(0, self.classes, (len(indices), *self.shape[1:]), generator=generator)
 
 
 def declared_inputs(recipe: Recipe) -> dict:
@@ -141,7 +134,7 @@ def synthetic_data(recipe: Recipe) -> Datasets:
                                        "vocab_size": vocab})
     dims, classes = shape["shape"], shape["classes"]
     masks = shape["inputs"] == "masks"
-    dataset = (SyntheticMasks if masks else SyntheticSamples)(items, dims, classes)
+    dataset = SyntheticSamples(items, dims, classes, masks)
     what = "images with masks" if masks else "inputs"
     info = {"name": f"synthetic {' x '.join(map(str, dims))} {what}, {classes} classes", "classes": classes}
     if len(dims) == 3:
@@ -169,7 +162,7 @@ class Workload:
 
     @property
     def synthetic(self) -> bool:
-        return isinstance(self.data.train, (SyntheticTokens, SyntheticSamples))  # SyntheticMasks too
+        return isinstance(self.data.train, (SyntheticTokens, SyntheticSamples))
 
     @property
     def description(self) -> str:

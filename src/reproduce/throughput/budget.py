@@ -70,7 +70,9 @@ def forecast(plan: Plan, result: ProbeResult | None, prediction: dict, price: fl
         out["notes"].append("budget not checked: no forecast of the whole run's GPU-hours (" + "; ".join(
             prediction.get("notes") or ["no predicted time"]) + ")")
         return out
-    limit = allowed_hours(budget.gpu_hours, budget.money, price)
+    # the most GPU-hours the budget allows: its GPU-hours, or its money at the price, whichever is less
+    limit = min(([budget.gpu_hours] if budget.gpu_hours is not None else [])
+                + ([budget.money / price] if budget.money is not None and price is not None else []))
     out["within_budget"] = gpu_hours <= limit
     if out["within_budget"]:
         return out
@@ -83,14 +85,6 @@ def forecast(plan: Plan, result: ProbeResult | None, prediction: dict, price: fl
 def check_price(price: float | None) -> None:
     if price is not None and not price > 0:
         raise UserError(f"expected the price of one GPU-hour, > 0 (got {price:g})", field="price")
-
-
-def allowed_hours(gpu_hours: float | None, money: float | None, price: float | None) -> float:
-    """The most GPU-hours the budget allows: its GPU-hours, or its money at the price, whichever is less."""
-    limits = [gpu_hours] if gpu_hours is not None else []
-    if money is not None and price is not None:
-        limits.append(money / price)
-    return min(limits)
 
 
 def at_least(out: dict, gpu_hours: float) -> str:

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
-from ..observe.divergence import DivergenceWatch
 from ..observe.noise import NoiseScale
 from ..observe.outputs import read_metrics
+from ..observe.reference import DivergenceWatch
 from ..plan.planner import Plan
 from ..plan.segments import batch_phase
 from ..plan.trained_with import changed_fields
