@@ -13,6 +13,7 @@ whose peak is unknown has no prediction, never a made-up one.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
@@ -106,17 +107,6 @@ def _flops_model(entry, devices: int, key: str, samples: int | None, per_sample:
     return seconds, basis, on, why
 
 
-def paper_gpu(recipe):
-    """The catalog entry of the paper's hardware (`batch.device`, with `batch.devices` stated); None for a TPU, a
-    card not in the catalog, or hardware not stated."""
-    if not (recipe.batch.device and recipe.batch.devices):
-        return None
-    try:
-        return lookup(recipe.batch.device)
-    except UserError:
-        return None
-
-
 def sample_flops(recipe, data: Datasets | None = None) -> tuple[float, float]:
     """(FLOPs of one sample, the share in convolutions): probe/flops.py's count. With the recipe's own data
     description (`data` None) it is kept in the probe's cache, keyed by the recipe and the versions of the libraries
@@ -154,7 +144,11 @@ def predict(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: f
     """`prediction_json` when there is hardware to predict for (--gpu, or a probed device); else why not. A model
     the FLOPs counter cannot trace leaves the prediction null, never the plan undone."""
     check_mfu(assumed_mfu)
-    if gpu is None and result is None and paper_gpu(p.recipe) is None:  # nothing to predict for: no FLOPs counted
+    batch, paper = p.recipe.batch, None
+    if batch.device and batch.devices:  # the paper's hardware, when the catalog has it (not a TPU)
+        with contextlib.suppress(UserError):
+            paper = lookup(batch.device)
+    if gpu is None and result is None and paper is None:  # nothing to predict for: no FLOPs counted
         return {"predicted_seconds": None, "paper_predicted_seconds": None,
                 "notes": ["no predicted time: give --gpu NAME (or let the plan probe a device) to predict one"]}
     try:
