@@ -6,14 +6,11 @@ before any update) times `FACTOR` for `STEPS` optimizer steps in a row (a spike 
 counted). The run goes on unless `reproduce run --stop-on-divergence`. The watch keeps its state in the checkpoint,
 so a resumed run compares with the first loss of the whole run.
 
-`--reference RUN_DIR` (or the recipe's `reference.runs`) names earlier runs of the recipe, on any machine, at any
-micro-batch: the effective batch is exact, so their curves agree with this run's up to rounding. At each of the
-reference's logged steps the run compares its value of the metric (the training loss, or the evaluation loss where
-the reference evaluated) with the reference's (the runs' mean), within a band: `reference.band` (absolute, or a
-fraction of the reference's value with `relative`), or, from two reference runs or more of other seeds,
-`reference.spread` times their standard deviation at that step. The first step outside the band is an event like
-a gate's (`name: reference`, its action `warn` or `pause`); summary.json's `reference` says how many steps were
-compared, how many fell outside, and the largest difference against its band.
+Reference: `--reference RUN_DIR` (or `reference.runs`) names earlier runs of the recipe, on any machine at any
+micro-batch (the effective batch is exact, so the curves agree up to rounding). At each of their logged steps the
+run's metric is compared with their mean within a band: `reference.band` (absolute, or `relative`), or
+`reference.spread` times the seed spread of two runs or more. The first step outside it is an event like a gate's
+(`name: reference`, `warn` or `pause`); summary.json's `reference` counts the steps compared and outside it.
 """
 
 from __future__ import annotations
