@@ -4,19 +4,15 @@
 ran it to its end, counted by category; the cpu and cuda meters stop at the budget, so the same step is counted
 again on fake tensors (meters.fake_parts) to split it.
 
-The ways out, each computed for micro-batch 1 on the same budget and meter rules:
-- FSDP over the fewest processes that fit (`sharding.smallest_world_size` on the measured parts), or
-  why no number of processes can (what is never sharded is already over the limit);
-- LoRA, when the recipe allows it: a recipe that fine-tunes pretrained weights (`model.pretrained` names
-  them, or the model is a Hugging Face checkpoint, `model.hf`) can train low-rank adapters instead of every
-  weight (Hu et al. 2021); a pre-training recipe cannot, and LoRA is not offered there. Measured with
-  `model.lora` set (peft's defaults for the architecture);
-- weights stored in bf16 (`model.dtype: bf16`) when they are fp32; measured the same way;
-- both together, when neither alone fits;
-- a quantised frozen base under LoRA (`model.quantize: int8`, then `nf4` when int8 does not fit: 1 byte or about
-  half a byte a frozen weight instead of 2 or 4, bitsandbytes' layers as Alpaca-LoRA and QLoRA train), for a recipe
-  that fine-tunes (LoRA set or allowed; nf4 for an int8 one); measured with the quantised layers on fake tensors.
-Each change that needs a measurement is a new trial of the changed recipe: what the probe would then find.
+The ways out, each computed for micro-batch 1 on the same budget and meter rules (a change to the recipe is a new
+trial of the changed recipe: what the probe would then find):
+- FSDP over the fewest processes that fit (`smallest_world_size` on the measured parts), or why none can;
+- LoRA (Hu et al. 2021, peft's defaults for the architecture), only for a recipe that fine-tunes pretrained weights
+  (`model.pretrained`, or a Hugging Face checkpoint, `model.hf`): a pre-training recipe is not offered it;
+- weights stored in bf16 (`model.dtype: bf16`) when they are fp32; both together when neither alone fits;
+- a quantised frozen base under LoRA (`model.quantize: int8`, then `nf4`: 1 byte or about half a byte a frozen
+  weight, bitsandbytes' layers as Alpaca-LoRA and QLoRA train), for a recipe that fine-tunes;
+- the memory knobs (probe/memory_ways.py).
 """
 
 from __future__ import annotations
