@@ -63,9 +63,6 @@ class Line:
     def intercept(self) -> float:
         return self.peaks[1] - self.slope * self.points[1]
 
-    def at(self, micro_batch: float) -> float:
-        return self.intercept + self.slope * micro_batch
-
     def largest_under(self, limit_bytes: float) -> int | None:
         """The largest b with at(b) <= limit (exact arithmetic); None when the line does not grow."""
         (b0, b1), (p0, p1) = self.points, self.peaks
