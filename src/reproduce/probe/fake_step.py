@@ -122,7 +122,8 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
                 (when.get(ACTIVATIONS, 0) for (phase, name), when in tracker.when_most.items()
                  if name == GRADIENTS and phase == ACTIVATIONS), default=0)),
         )
-        compute = _compute_bytes(model, recipe.precision)
+        compute = 2 if recipe.precision in ("bf16", "fp16") else next(  # what FSDP gathers parameters in
+            (p.element_size() for p in model.parameters()), 4)
     at_peak = {name: size for name, size in tracker.peak_by.items() if size}
     return FakeStepResult(tracker.peak, at_peak, memory, compute, dict(getattr(kernels, "kernels", {}) or {}),
                           peak_stage=tracker.peak_stage, loss_bytes=tracker.marked_most, paged_bytes=paged,
@@ -187,13 +188,6 @@ def block_sizes(model: nn.Module) -> tuple[int, tuple[int, ...]]:
         sizes.append(size)
     root = sum(p.numel() for p in model.parameters() if id(p) not in counted)
     return root, tuple(reversed(sizes))
-
-
-def _compute_bytes(model: nn.Module, precision: str) -> int:
-    if precision in ("bf16", "fp16"):
-        return 2
-    first = next(model.parameters(), None)
-    return first.element_size() if first is not None else 4
 
 
 def fake_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, window: list, precision: str,
