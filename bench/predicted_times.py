@@ -4,7 +4,7 @@
 
 For each papers/*.yaml whose `batch.device` is a GPU of the catalog: the model FLOPs of one sample counted on
 fake tensors (probe/flops.py) x the samples of the whole schedule, over `batch.devices` x the card's dense peak
-for the recipe's precision x the assumed MFU (reproduce/throughput/prediction.py). A recipe that does not state its
+for the recipe's precision x the assumed MFU (reproduce/throughput/predicted_time.py). A recipe that does not state its
 device count gets GPU-hours (one device) instead. The reported figures are quoted with their source in `REPORTED`;
 the ratio is predicted / reported (above 1: the prediction is slower than the paper was, i.e. the paper ran
 at a higher MFU than assumed).
@@ -25,8 +25,7 @@ from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe
 from reproduce.probe.flops import recipe_flops
 from reproduce.throughput.cost import format_duration
-from reproduce.throughput.predicted_time import total_samples
-from reproduce.throughput.prediction import DEFAULT_MFU, predicted_seconds
+from reproduce.throughput.predicted_time import DEFAULT_MFU, predicted_seconds, total_samples
 
 # (seconds, or GPU-hours for a recipe without a device count; what was said; where)
 REPORTED = {

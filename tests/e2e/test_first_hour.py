@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from helpers import cli, snapshot
-from reproduce.observe.divergence import DivergenceWatch
 from reproduce.observe.noise import MIN_VERDICT_STEPS, summarise
 from reproduce.observe.outputs import read_metrics
+from reproduce.observe.reference import DivergenceWatch
 from reproduce.plan.recipe import parse_recipe
 from reproduce.plan.reported import compare_reported, reported_line
 

@@ -65,7 +65,7 @@ def memory_command(
 
 
 def render(answer: dict) -> list[str]:
-    from ..probe.answer import peak_line
+    from ..probe.advice import peak_line
     from ..probe.gpu_like import UNSEEN_ACTIVATIONS
     from ..probe.tracker import ALLOWANCE
 

@@ -24,9 +24,7 @@ from ..shipped import described
 from ..throughput.budget import check_price, forecast_cell, paper_forecast_cell
 from ..throughput.budget import forecast as budget_forecast
 from ..throughput.plan_cost import cost_lines, costs_json, plan_costs
-from ..throughput.policy import check_mfu
-from ..throughput.predicted_time import predict
-from ..throughput.prediction import DEFAULT_MFU
+from ..throughput.predicted_time import DEFAULT_MFU, check_mfu, predict
 from .app import app
 from .common import parameters_line, recipe_argument, show_note, stderr, stdout, token_budget_text
 from .options import (

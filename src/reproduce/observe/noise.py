@@ -8,33 +8,23 @@ the squared norms of a small and a big batch gradient give unbiased estimates of
     |G|^2     ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
     tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
 
-Accumulation computes both anyway, with no extra pass and no copy of any gradient. B_big is the window, the
-effective batch: |G_big| is the norm the step takes (unscaled, before clipping). The small batches are groups of
-the window's micro-batches on each rank. The first half of a rank's micro-batches (rounded up) is one group: right
-after their backward passes `.grad` holds their summed gradient (it starts empty), so one fused norm measures it.
-Each of the last half is a group of its own: a hook on every parameter sees the gradient of the running backward
-before it is added into `.grad`, and takes its norm (one reduction, no copy). Under DDP the hooks run before the
-synchronisation too (DDP reduces a gradient after it is accumulated), and the first half never synchronises
-(`no_sync`), so every group is one rank's local gradient; a sum over ranks joins them. |G_small|^2 is the average
-of the K groups' squared norms weighted by their items, with B_small = B_big / K (then E|G_small|^2 = |G|^2 +
-tr(Sigma) / B_small exactly): the paper's data-parallel recipe (each device's norm before the all-reduce,
-averaged), with groups of micro-batches as the devices. Averaging K groups that make up the window, rather than
-taking one small batch, cancels the term 2 G.(noise) that |G_small|^2 and |G_big|^2 share: the tr(Sigma) estimate
-becomes the items-weighted variance of the groups' gradients, never negative and many times steadier (one small
-batch: 325% spread per window on the language model of tests/torch/observe/test_noise_scale.py; 5 groups: 30%). With one
-process and one micro-batch per step there is no smaller batch, and under FSDP the hooks see no gradient: no
-estimate (the run says so once, at its start).
+Accumulation computes both anyway, with no extra pass and no copy of any gradient. B_big is the window (the
+effective batch): |G_big| is the norm the step takes (unscaled, before clipping). The small batches are groups of
+each rank's micro-batches: the first half (rounded up) is one group, measured from `.grad` after their backward
+passes with one fused norm; each of the last half is its own, its norm taken by a hook on every parameter before
+the gradient is accumulated (and, under DDP, reduced: the first half never synchronises), so every group is one
+rank's local gradient and a sum over ranks joins them. |G_small|^2 is the items-weighted average of the K groups'
+squared norms, with B_small = B_big / K: the paper's data-parallel recipe with groups as the devices. Averaging
+groups that make up the window cancels the 2 G.(noise) term |G_small|^2 and |G_big|^2 share: the tr(Sigma) estimate
+is never negative and many times steadier (325% spread per window with one small batch, 30% with 5 groups, on the
+language model of tests/torch/observe/test_noise_scale.py). One micro-batch per step on one process has no smaller
+batch, and under FSDP the hooks see no gradient: no estimate (the run says so at its start).
 
-The formulas assume batches drawn with replacement (or from endless data). A run draws each window without
-replacement from a training set of n items, which shrinks a batch's variance by (1 - B/n): E|G_B|^2 = |G|^2 +
-tr(Sigma) (1/B - 1/n). The tr(Sigma) estimate is unchanged by this, but the |G|^2 one comes out low by
-tr(Sigma)/n; adding tr(Sigma)/n back makes both unbiased for the training set itself. It is B_simple/n of the
-value: nothing on large data, +8% on the 1,437 digits early in training, and it keeps |G|^2 positive late, when
-B_simple nears n.
-
-Each window gives one pair of estimates; the |G|^2 one is noisy (it can be negative). Each is smoothed by its
-own exponential moving average and the noise scale is the ratio of the two averages, as the paper advises (an
-average of ratios is biased: E[a/b] != E[a]/E[b]). Nothing here writes to a gradient or a weight.
+A window is drawn without replacement from n items, which shrinks a batch's variance by (1 - B/n): the |G|^2
+estimate comes out low by tr(Sigma)/n, which is added back (nothing on large data, +8% on the 1,437 digits early on,
+and it keeps |G|^2 positive late, when B_simple nears n). Each estimate is smoothed by its own exponential moving
+average and the noise scale is the ratio of the two averages, as the paper advises (E[a/b] != E[a]/E[b]). Nothing
+here writes to a gradient or a weight.
 """
 
 from __future__ import annotations
@@ -71,15 +61,6 @@ def estimates(small_sq: float, big_sq: float, b_small: float, b_big: float,
     if population:
         grad_sq += trace / population
     return grad_sq, trace
-
-
-def grad_norm(grad: torch.Tensor) -> torch.Tensor:
-    """|g| of one parameter's gradient from one micro-batch, a 0-d tensor on its device: one reduction, no copy
-    (half precision accumulates in float32). The one place the noise scale takes a norm, for a sharded path to
-    extend: a gradient that holds one rank's slice of a parameter gives a partial norm, whose squares are to be
-    summed over the ranks (FSDP: `NoiseScale.parameters_to_watch`). Of the reductions tried inside a backward on
-    a CPU (a dot product with itself, sum of squares, `Tensor.norm`), the cheapest."""
-    return torch.linalg.vector_norm(grad)
 
 
 @dataclass
@@ -119,12 +100,10 @@ class NoiseScale:
     def parameters_to_watch(self) -> list[torch.Tensor]:
         """The tensors whose per-micro-batch gradients make up the model's gradient: its trainable parameters.
 
-        Under FSDP2 the sharded parameters are not in the autograd graph (the unsharded ones all-gathered for
-        each forward are, and their gradients are reduce-scattered into the shards' `.grad`): hooks on them are
-        never called (checked with two gloo processes), so `reproduce run` does not measure under FSDP. A sharded
-        path would watch the unsharded parameters instead (before the reduce-scatter: each rank's local
-        micro-batch, as under DDP); the first half's group, read from `.grad`, would then be each rank's slice of
-        a reduced gradient, so it too would need the unsharded accumulation FSDP keeps with its gradient sync off.
+        Under FSDP2 the sharded parameters are not in the autograd graph (the all-gathered unsharded ones are), so
+        hooks on them are never called (checked with two gloo processes) and `reproduce run` does not measure under
+        FSDP. A sharded path would watch the unsharded parameters, and read the first half's group from the
+        unsharded accumulation FSDP keeps with its gradient sync off.
         """
         return [p for p in self.setup.unwrapped_model.parameters() if p.requires_grad]
 
@@ -142,9 +121,9 @@ class NoiseScale:
         population = self.dataset_size * count / samples if samples else None
         self.population = population or self.population
         self.window = Window(list(counts), count, population)
-        # The first micro-batches' summed gradient is what `.grad` holds right after their backward passes, when
-        # `.grad` starts empty (the run zeroes it with set_to_none): one fused norm then, no hooks. The last
-        # `hooked` micro-batches (DDP: always the synchronising last one) are measured one by one by the hooks.
+        # The first micro-batches' summed gradient is what `.grad` holds after their backward passes when it starts
+        # empty (set_to_none): one fused norm, no hooks. The last `hooked` ones (DDP: always the synchronising last
+        # one) are measured one by one by the hooks.
         hooked = max(1, int(len(counts) * self.hooked_share))
         empty = all(p.grad is None for p in self.watched)
         self.prefix = len(counts) - hooked if empty else 0
@@ -152,11 +131,13 @@ class NoiseScale:
 
     def _gradient(self, grad: torch.Tensor) -> None:
         """A parameter's gradient from the current backward, before it is accumulated (and, under DDP, reduced).
-        Called once per parameter and micro-batch, so it does as little as it can; autograd runs it without
-        recording a graph."""
+        Called once per parameter and micro-batch, so it does as little as it can: |g| as a 0-d tensor on its
+        device, one reduction and no copy (of those tried inside a backward on a CPU, the cheapest; half precision
+        accumulates in float32). A rank's slice of a parameter (FSDP) would give a partial norm, its squares to be
+        summed over the ranks."""
         sink = self.sink
         if sink is not None:
-            sink(grad_norm(grad))
+            sink(torch.linalg.vector_norm(grad))
 
     def after_backward(self, index: int) -> None:
         """After micro-batch `index`'s backward: its squared norm joins the window's small-batch sum."""
@@ -193,9 +174,10 @@ class NoiseScale:
             self.trace = self.ema * self.trace + (1 - self.ema) * trace
             self.measured += 1
             record = {"noise_grad_sq": grad_sq, "noise_trace": trace, "noise_b_small": b_small}
-        value = self.value()
-        if value is not None:
-            record["noise_scale"] = value
+        # the smoothed B_simple: the ratio of the two averages (their bias corrections cancel), undefined until both
+        # are positive (a |G|^2 not yet resolved above the noise)
+        if self.measured and self.grad_sq > 0 and self.trace > 0:
+            record["noise_scale"] = self.trace / self.grad_sq
         return record
 
     def _estimate(self, window: Window, big_norm: float, finite: bool, scale: float):
@@ -219,15 +201,7 @@ class NoiseScale:
             return None
         return grad_sq, trace, b_small
 
-    # ---- the smoothed value, and resuming it -------------------------------------------------------------
-
-    def value(self) -> float | None:
-        """The smoothed B_simple: the ratio of the two averages (their bias corrections cancel); None until both
-        are positive (a |G|^2 not yet resolved above the noise leaves it undefined)."""
-        if self.measured == 0 or self.grad_sq <= 0 or self.trace <= 0:
-            return None
-        return self.trace / self.grad_sq
-
+    # ---- resuming -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"grad_sq": self.grad_sq, "trace": self.trace, "measured": self.measured, "ema": self.ema,
                 "population": self.population}  # (summary.json's train_size, when a resume runs no step)
@@ -239,10 +213,6 @@ class NoiseScale:
 
 
 # ---- the run's summary and its sentence -------------------------------------------------------------------
-
-
-def unit_of(task: str) -> str:
-    return {"classification": "samples", "language-modeling": "tokens"}.get(task, "items")
 
 
 def not_measured_reason(world_size: int, accumulation_steps: int, sharded: bool = False) -> str | None:
@@ -266,15 +236,11 @@ def summarise(records: list[dict], total_steps: int, task: str, ema: float = EMA
               train_size: int | None = None) -> dict:
     """summary.json's `noise_scale`: its value at the end, over the last tenth of the run, and the sentence
     (`reason`: why the run could not measure it, already said at its start). `verdict_from` names the figure the
-    sentence used (`last_tenth` or `final`); the verdict is `withheld` (with the reason) when the run ended inside
-    its warm-up (`warmup_steps`), measured too few steps (MIN_VERDICT_STEPS), or diverged (`diverged`).
-    `train_size` (the training set, in the same unit) bounds any larger batch the sentence speaks of.
-
-    `last_tenth` is the ratio of the mean tr(Sigma) and |G|^2 estimates over the steps of the last tenth of the
-    run (the paper's ratio of averages, equally weighted), read from metrics.jsonl so that a resumed run counts
-    the steps before its resume too.
+    sentence used (`last_tenth` or `final`); the verdict is `withheld` (`withheld_reason`). `train_size` (the
+    training set, in the same unit) bounds any larger batch the sentence speaks of. `last_tenth` is the ratio of the
+    mean tr(Sigma) and |G|^2 estimates over the last tenth's steps, read from metrics.jsonl (a resumed run's too).
     """
-    unit = unit_of(task)
+    unit = {"classification": "samples", "language-modeling": "tokens"}.get(task, "items")
     steps = [r for r in records if "noise_trace" in r and "step" in r]
     if not steps:  # `noted`: the run said why at its start (once is enough)
         why = reason or "no optimizer step had two micro-batches and finite gradients to compare with its window"

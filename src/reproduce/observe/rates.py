@@ -16,7 +16,15 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import UserError
 from ..hardware.peaks import identify, on_card, peaks_of, precision_key
-from ..throughput.prediction import mfu
+
+
+def mfu(flops_per_second: float | None, devices: int, peak_flops: float | None) -> float | None:
+    """Model FLOP/s over the devices' peak (model FLOPs utilisation, Chowdhery et al. 2022, PaLM, appendix B); None
+    when either is unknown."""
+    if not flops_per_second or not peak_flops or devices < 1:
+        return None
+    return flops_per_second / (devices * peak_flops)
+
 
 FIELDS = ("samples_per_second", "tokens_per_second", "useful_tokens_per_second", "flops_per_second", "mfu")
 

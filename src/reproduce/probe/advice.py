@@ -1,26 +1,18 @@
 """When not even micro-batch 1 fits: what that step needs, and what would make it fit, computed.
 
-`explain(meter, trials, world_size, gpu)` starts from the trial of micro-batch 1 that failed. The estimate
-meter ran it to its end with the tracker counting by category, so its parts are exact for that step:
-weights, autocast's compute copies of them, gradients, optimizer state, and activations (with the inputs
-and temporaries) at the peak, which sum to what it counted. The cpu and cuda meters stop at the budget,
-so the same step is counted again on fake tensors (as the estimate meter does, with the CUDA rules when
-the meter was on a GPU) to split it.
+`explain(meter, trials, world_size, gpu)` starts from the trial of micro-batch 1 that failed: the estimate meter
+ran it to its end, counted by category; the cpu and cuda meters stop at the budget, so the same step is counted
+again on fake tensors (meters.fake_parts) to split it.
 
-The ways out, each computed for micro-batch 1 on the same budget and meter rules:
-- FSDP over the fewest processes that fit (`sharding.smallest_world_size` on the measured parts), or
-  why no number of processes can (what is never sharded is already over the limit);
-- LoRA, when the recipe allows it: a recipe that fine-tunes pretrained weights (`model.pretrained` names
-  them, or the model is a Hugging Face checkpoint, `model.hf`) can train low-rank adapters instead of every
-  weight (Hu et al. 2021); a pre-training recipe cannot, and LoRA is not offered there. Measured with
-  `model.lora` set (peft's defaults for the architecture);
-- weights stored in bf16 (`model.dtype: bf16`) when they are fp32; measured the same way;
-- both together, when neither alone fits;
-- a quantised frozen base under LoRA (`model.quantize: int8`, then `nf4` when int8 does not fit: 1 byte or about
-  half a byte a frozen weight instead of 2 or 4, bitsandbytes' layers as Alpaca-LoRA and QLoRA train), for a recipe
-  that fine-tunes (LoRA set or allowed; nf4 for an int8 one); measured with the quantised layers on fake tensors.
-Each change that needs a measurement is a new trial of the changed recipe, so what is offered is what
-the probe would then find (a test re-probes them).
+The ways out, each computed for micro-batch 1 on the same budget and meter rules (a change to the recipe is a new
+trial of the changed recipe: what the probe would then find):
+- FSDP over the fewest processes that fit (`smallest_world_size` on the measured parts), or why none can;
+- LoRA (Hu et al. 2021, peft's defaults for the architecture), only for a recipe that fine-tunes pretrained weights
+  (`model.pretrained`, or a Hugging Face checkpoint, `model.hf`): a pre-training recipe is not offered it;
+- weights stored in bf16 (`model.dtype: bf16`) when they are fp32; both together when neither alone fits;
+- a quantised frozen base under LoRA (`model.quantize: int8`, then `nf4`: 1 byte or about half a byte a frozen
+  weight, bitsandbytes' layers as Alpaca-LoRA and QLoRA train), for a recipe that fine-tunes;
+- the memory knobs (probe/memory_ways.py).
 """
 
 from __future__ import annotations
@@ -30,20 +22,13 @@ from typing import Any
 
 import torch
 
-from ..errors import UserError
 from ..models import build_model
 from ..plan.recipe import QUANTIZED_BASES, Recipe
 from ..plan.units import format_size
-from .fake_step import block_sizes, run_fake_step
-from .gpu_like import GpuKind
+from .memory_ways import WayOut, describe, measure_change, memory_ways_out, merged, needs
 from .sharded_memory import Blocks, StepMemory, sharded_peak, smallest_world_size, unsharded_floor
-from .way_out import WayOut, measure_change
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.05}  # a common starting point (peft's examples)
-CATEGORY_NAMES = {
-    "weights": "weights", "weight copies": "weight copies", "gradients": "gradients",
-    "optimizer": "optimizer state", "activations": "activations", "optimizer step": "step temporaries",
-}
 
 
 @dataclass
@@ -92,28 +77,17 @@ def lora_targets(model: torch.nn.Module) -> list[str]:
 
 def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
     """What micro-batch 1 needs on `meter`'s budget, by category, and the ways out (see the module's notes)."""
-    from .meters import EstimateMeter  # (meters imports nothing from here; the import is local to keep it so)
+    from .meters import EstimateMeter, fake_parts, sharding_meter  # (meters imports nothing from here; the import
+    # is local to keep it so)
 
     first = min(trials, key=lambda t: t.micro_batch)
     estimate = isinstance(meter, EstimateMeter)
     parts = first.parts
     counted_on = "the failed trial itself, run to its end on fake tensors"
     if parts is None:  # the cpu and cuda meters stopped at the budget: count the same step on fake tensors
-        kind = GpuKind(torch.cuda.get_device_capability()) if meter.name == "cuda" else None
-        info = meter.workload.data.info
-        result = run_fake_step(meter.workload.plan, info, meter.window(first.micro_batch, torch.device("cpu"),
-                                                                       torch.float32), kind)
-        with torch.device("meta"):
-            model = build_model(meter.workload.recipe, info)
-        root, sizes = block_sizes(model)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        parts = {"at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
-                 "blocks": {"root": root, "sizes": list(sizes), "trainable": trainable},
-                 "window": meter.cap is None or first.micro_batch < meter.cap, "unseen_bytes": result.unseen_bytes}
+        parts = fake_parts(meter, first.micro_batch)
         counted_on = "the same step on fake tensors (the trial itself stopped at the budget)"
-    step = StepMemory(**parts["step"])
-    blocks = Blocks(root=parts["blocks"]["root"], blocks=tuple(parts["blocks"]["sizes"]),
-                    trainable=parts["blocks"].get("trainable"))
+    step, blocks = StepMemory(**parts["step"]), Blocks.of(parts)
     window = parts.get("window", True)
     compute = parts["compute_bytes"]
     decide = meter.decided if estimate else (lambda tracked: tracked)
@@ -142,14 +116,12 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
                                  f"step was probed; give --world-size{paper}")
     if not (estimate and (meter.sharding == "fsdp" or meter.workload.recipe.precision == "fp32")):
         # measure the step as FSDP runs it (mixed precision: forward and backward on compute-dtype parameters)
-        sharder = _sharding_meter(meter, gpu)
+        sharder = sharding_meter(meter, gpu)
         if sharder is not None:
             shard_parts = sharder.measure(first.micro_batch).parts
             step = StepMemory(**shard_parts["step"])
             compute, decide, tensor_limit = shard_parts["compute_bytes"], sharder.decided, sharder.tensor_limit()
     explanation.ways_out.append(_fsdp_way_out(step, blocks, compute, tensor_limit, decide, world_size, window))
-    from .memory_ways import memory_ways_out  # checkpointing, sharded gradients, CPU offload, and combined
-
     ways = memory_ways_out(meter, gpu, first, step, blocks, compute, decide, tensor_limit,
                            activations=parts["step"]["activations"])
     explanation.ways_out.extend(ways)
@@ -163,18 +135,6 @@ def _best_memory_change(ways: list[WayOut]) -> dict | None:
         return None
     changes = [way.changes for way in ways if way.changes]
     return max(changes, key=lambda change: sum(len(value) for value in change.values())) if changes else None
-
-
-def _sharding_meter(meter: Any, gpu: Any) -> Any:
-    """An estimate meter with fsdp on `meter`'s budget, or None where the budget is below the estimate's margin."""
-    from .meters import EstimateMeter
-
-    capability = torch.cuda.get_device_capability() if meter.name == "cuda" else None
-    try:
-        return EstimateMeter(meter.workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes, gpu=gpu,
-                             cap=meter.cap, sharding="fsdp", world_size=2, capability=capability)
-    except UserError:
-        return None
 
 
 def _fsdp_way_out(step: StepMemory, blocks: Blocks, compute: int, tensor_limit: int, decide: Any,
@@ -225,8 +185,6 @@ def _recipe_ways_out(meter: Any, gpu: Any, extra: dict | None = None) -> list[Wa
         ways.append(_measure_change(meter, gpu, f"model.lora: {_flow(lora)} and model.dtype: bf16",
                                     {**bf16, "model": {"lora": lora, "dtype": "bf16"}}))
     if extra and changes and not any(way.fits for way in ways):  # one alone is not enough: all of them together
-        from .memory_ways import describe, merged
-
         what, change = changes[-1]
         combined = merged(extra, change)
         ways.append(_measure_change(meter, gpu, f"{describe(extra)} and {what.split(' (')[0]}", combined))
@@ -272,10 +230,7 @@ def _measure_change(meter: Any, gpu: Any, what: str, change: dict) -> WayOut:
     trial = measure_change(meter, gpu, change)
     if isinstance(trial, str):
         return WayOut(what, False, None, trial)
-    shown = trial.peak_bytes
-    detail = (f"micro-batch 1 then needs {format_size(shown)}" if shown is not None
-              else f"micro-batch 1 still does not fit ({trial.note})")
-    return WayOut(what, trial.fits, shown, detail, changes=change)
+    return WayOut(what, trial.fits, trial.peak_bytes, needs(trial), changes=change)
 
 
 def render(explanation: dict, budget_name: str) -> list[str]:
@@ -312,9 +267,7 @@ def render(explanation: dict, budget_name: str) -> list[str]:
             lines.append(f"  {name:<28} {size(value):>11}{note}")
     at_peak = explanation["at_peak"]
     where = "the optimizer step" if at_peak.get("optimizer step") else "forward/backward"
-    composition = " + ".join(f"{CATEGORY_NAMES.get(name, name)} {size(value)}"
-                             for name, value in sorted(at_peak.items(), key=lambda item: -item[1]) if value)
-    lines.append(f"  peak {size(explanation['tensor_bytes'])} of tensors, in {where}: {composition}")
+    lines.append(f"  peak {size(explanation['tensor_bytes'])} of tensors, in {where}: {peak_line(explanation)}")
     lines.extend(f"note: {note}" for note in explanation.get("notes", []))
     fitting = [way for way in explanation["ways_out"] if way["fits"]]
     lines.append("what would fit (each computed for micro-batch 1 on the same budget):" if fitting
@@ -322,3 +275,11 @@ def render(explanation: dict, budget_name: str) -> list[str]:
     for way in explanation["ways_out"]:
         lines.append(f"  [{'fits' if way['fits'] else 'no'}] {way['change']}: {way['detail']}")
     return lines
+
+
+def peak_line(answer: dict) -> str:
+    """The peak's composition, largest part first: "gradients 1.2 GiB + activations 800 MiB"."""
+    names = {"optimizer": "optimizer state", "optimizer step": "step temporaries"}
+    parts = sorted(answer["at_peak"].items(), key=lambda item: -item[1])
+    return " + ".join(f"{names.get(name, name)} {format_size(size)}" for name, size in parts if size)
+

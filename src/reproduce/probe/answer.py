@@ -1,10 +1,8 @@
 """How much memory one training step needs at micro-batch N: what `reproduce memory` answers.
 
-The step is the probe's trial (probe/meters.py: a window of two micro-batches when the run accumulates, clipping, the
-optimizer step), counted on fake tensors by category (probe/fake_step.py) with the target GPU's kernels (estimate
-meter), the CPU's (cpu meter: the same step also runs on real CPU tensors, and their count is the answer) or this
-GPU's (cuda meter: the step runs on it; `max_memory_allocated` and `max_memory_reserved` are the answer, and the
-fake step only splits it).
+The step is the probe's trial (probe/meters.py), counted on fake tensors by category (probe/fake_step.py) with the
+target GPU's kernels (estimate meter), or run for real on the CPU or this GPU (cpu, cuda: their count is the answer,
+which the fake step only splits).
 
 The three figures people compare, and what separates them:
 - allocated (`torch.cuda.max_memory_allocated`): the tensors live at the peak, each rounded to 512 bytes;
@@ -24,10 +22,10 @@ import torch
 
 from ..errors import UserError
 from ..hardware.catalog import CONTEXT_BYTES
+from ..models import build_model
 from ..plan.recipe import Recipe
-from ..plan.units import available_host_memory, format_count, format_size
-from .fake_step import run_fake_step
-from .gpu_like import GpuKind
+from ..plan.units import available_host_memory, format_count
+from .meters import METERS, fake_parts
 from .runner import ProbeOptions, resolve_budget
 from .tracker import ALLOWANCE
 from .workload import Workload, declared_inputs, synthetic_data
@@ -97,17 +95,8 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
         measured = meter.measure(micro_batch)
     finally:
         meter.close()
-    if meter_name == "estimate":
-        parts = measured.parts
-        accumulates = parts["accumulates"]
-    else:  # split what the real step held by counting the same step on fake tensors (this GPU's kernels on cuda)
-        kind = GpuKind(torch.cuda.get_device_capability()) if meter_name == "cuda" else None
-        window = meter.window(micro_batch, torch.device("cpu"), torch.float32)
-        result = run_fake_step(workload.plan, workload.data.info, window, kind)
-        parts = {"at_peak": result.at_peak, "step": result.step.to_json(), "peak_stage": result.peak_stage,
-                 "loss_bytes": result.loss_bytes, "paged_bytes": result.paged_bytes, "optimizer": result.optimizer,
-                 "unseen_bytes": result.unseen_bytes}
-        accumulates = len(window) > 1
+    # cpu and cuda: what the real step held is split by counting the same step on fake tensors
+    parts = measured.parts if meter_name == "estimate" else fake_parts(meter, micro_batch)
     step, paged, unseen = parts["step"], parts["paged_bytes"], parts.get("unseen_bytes", 0)
     held = {
         "weights": step["weights"], "weight copies": step["weight_copies"], "gradients": step["gradients"],
@@ -147,7 +136,7 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
     budget_bytes = meter.budget_bytes if budget or meter_name == "cuda" else None
     return MemoryAnswer(
         recipe_path=recipe_path, micro_batch=micro_batch, sequence_length=recipe.batch.sequence_length,
-        meter=meter_name, device=meter.device, data=workload.description, accumulates=accumulates,
+        meter=meter_name, device=meter.device, data=workload.description, accumulates=parts["accumulates"],
         optimizer=parts["optimizer"], weights_form=weights_form(recipe, workload), held=held,
         at_peak=dict(parts["at_peak"]), peak_stage=parts["peak_stage"], tensor_bytes=tensors,
         allocated_bytes=allocated, reserved_bytes=reserved, driver_bytes=driver, allowances=allowances,
@@ -159,8 +148,6 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
 def _meter(name: str, workload: Workload, budget: int | None, headroom: float, gpu: Any, cap: int) -> Any:
     """The meter `memory_at` measures one step with: estimate, cpu (half the free memory unless a budget is given)
     or cuda, none of them timing the step."""
-    from .meters import METERS
-
     if name == "estimate":
         return METERS["estimate"](workload, budget or UNBOUNDED, headroom, gpu=gpu, cap=cap)
     if name == "cpu":
@@ -171,8 +158,6 @@ def _meter(name: str, workload: Workload, budget: int | None, headroom: float, g
 
 def weights_form(recipe: Recipe, workload: Workload) -> str:
     """The parameters and how they are stored: "124.4M parameters in fp32; 1.2M train (LoRA adapters in bf16)"."""
-    from ..models import build_model
-
     with torch.device("meta"):
         model = build_model(recipe, workload.data.info)
     parameters = list(model.parameters())
@@ -187,11 +172,3 @@ def weights_form(recipe: Recipe, workload: Workload) -> str:
     if trained != total:
         shown += f"; {format_count(trained)} train" + (f" (LoRA adapters in {spec.lora.dtype})" if spec.lora else "")
     return shown
-
-
-def peak_line(answer: dict) -> str:
-    """The peak's composition, largest part first: "gradients 1.2 GiB + activations 800 MiB"."""
-    names = {"optimizer": "optimizer state", "optimizer step": "step temporaries"}
-    parts = sorted(answer["at_peak"].items(), key=lambda item: -item[1])
-    return " + ".join(f"{names.get(name, name)} {format_size(size)}" for name, size in parts if size)
-

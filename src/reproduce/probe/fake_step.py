@@ -1,20 +1,13 @@
 """One training step on fake tensors, its memory counted by category: what the estimate meter measures.
 
-The model is built on `meta` and materialised inside `FakeTensorMode` (no real memory), the optimizer is
-the recipe's own with its `optimizer.implementation`, or else `foreach=True` with a GPU's rules (what a GPU run uses;
-fake tensors would not choose it) and the CPU's own choice with the CPU's, and the
-step is the trainer's: a window of micro-batches, forward and backward under the recipe's precision,
-clipping, the optimizer step, `zero_grad(set_to_none=True)`. A warm-up step first creates the optimizer
-state; the measured step follows. With a `GpuKind`, attention, dropout and autocast run as CUDA runs
-them on that GPU (`gpu_like.py`), the fused attention kernels' backward workspaces are counted, and the activations
-carry `gpu_like.UNSEEN_ACTIVATIONS` on top (what a CUDA step allocates that no operator returns: cuDNN's workspaces,
-the allocator's whole blocks; in `at_peak` as `tracker.ALLOWANCE`, and in `step.activations`); without one, as the
-CPU does (then the count equals real CPU tensors).
-
-The tracker names what each storage is: weights (parameters and buffers), autocast's copies of them,
-gradients (tagged as they are accumulated), optimizer state (tagged after the warm-up), activations
-(what forward and backward allocate: inputs, saved activations, temporaries) and the optimizer step's
-temporaries. `StepMemory` keeps the most each held; `at_peak` what each held at the peak (they sum to it).
+The model is built on `meta` and materialised inside `FakeTensorMode` (no real memory); the optimizer is the
+recipe's own with its `optimizer.implementation`, else `foreach=True` with a GPU's rules (what a GPU run uses; fake
+tensors would not choose it). The step is the trainer's (a window of micro-batches, forward and backward under the
+recipe's precision, clipping, the optimizer step, `zero_grad(set_to_none=True)`), after a warm-up step that creates
+the optimizer state. With a `GpuKind` it runs as CUDA does on that GPU (gpu_like.py), with the attention backward's
+workspaces and `gpu_like.UNSEEN_ACTIVATIONS` on the activations (`tracker.ALLOWANCE` in `at_peak`); without one as
+the CPU does (the count then equals real CPU tensors). `StepMemory` keeps the most each category held (weights,
+autocast's copies, gradients, optimizer state, activations, step temporaries); `at_peak` what each held at the peak.
 """
 
 from __future__ import annotations
@@ -61,11 +54,8 @@ class FakeStepResult:
 def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind | None,
                   model: nn.Module | None = None, autocast: bool = True) -> FakeStepResult:
     """A warm-up step, then the measured one, over `window` (micro-batches of real tensors, made fake here).
-
-    `model`: the recipe's model already built on the meta device (built here when None). `autocast=False`: the
-    recipe's bf16/fp16 precision comes from the parameters' own dtype instead (FSDP's mixed precision, which
-    `reproduce run` uses without autocast).
-    """
+    `model`: built on the meta device (here when None); `autocast=False`: the bf16/fp16 precision is the parameters'
+    own dtype instead (FSDP's mixed precision, which `reproduce run` uses without autocast)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     recipe = plan.recipe
@@ -112,7 +102,8 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
             precision = recipe.precision if autocast else "fp32"
             fake_step(model, optimizer, loss, fake_window, precision, recipe.clip_grad_norm, tracker)
             if step == 0:
-                tracker.retag(_state_tensors(optimizer), OPTIMIZER)
+                tracker.retag([t for state in optimizer.state.values() for t in state.values()
+                               if isinstance(t, torch.Tensor)], OPTIMIZER)
                 paged = paged_bytes(optimizer) if recipe.optimizer.paged else 0
         for hook in hooks:
             hook.remove()
@@ -131,7 +122,8 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
                 (when.get(ACTIVATIONS, 0) for (phase, name), when in tracker.when_most.items()
                  if name == GRADIENTS and phase == ACTIVATIONS), default=0)),
         )
-        compute = _compute_bytes(model, recipe.precision)
+        compute = 2 if recipe.precision in ("bf16", "fp16") else next(  # what FSDP gathers parameters in
+            (p.element_size() for p in model.parameters()), 4)
     at_peak = {name: size for name, size in tracker.peak_by.items() if size}
     return FakeStepResult(tracker.peak, at_peak, memory, compute, dict(getattr(kernels, "kernels", {}) or {}),
                           peak_stage=tracker.peak_stage, loss_bytes=tracker.marked_most, paged_bytes=paged,
@@ -165,13 +157,11 @@ def optimizer_kernels(optimizer: torch.optim.Optimizer) -> str:
 def unpacked_sequences() -> Iterator[None]:
     """Let Hugging Face models see that the probe's sequences are not packed, as they would on real tensors.
 
-    Given no attention mask, transformers (masking_utils) reads the position ids to tell whether a row
-    packs several sequences; with one sequence per row it passes no mask and `is_causal=True` to SDPA,
-    which lets CUDA run flash attention. Fake tensors have no values to read, so it assumes packing and
-    builds a B x S x S mask, which rules flash out. The probe's micro-batches pack sequences only for
-    `data.packing: packed` (their position ids restart: `run_fake_step` then leaves the question to
-    transformers, whose answer is then right); otherwise every row is one sample, positions 0 to S - 1,
-    so the fake step answers the question the way real tensors do.
+    Given no attention mask, transformers (masking_utils) reads the position ids to tell whether a row packs
+    several sequences; with one per row it passes no mask and `is_causal=True` to SDPA (flash on CUDA). Fake tensors
+    have no values, so it would assume packing and build a B x S x S mask. Only `data.packing: packed` micro-batches
+    pack (`run_fake_step` leaves those to transformers); every other row is one sample, answered here as real
+    tensors would be.
     """
     masking_utils = sys.modules.get("transformers.masking_utils")  # loaded by any Hugging Face model
     if masking_utils is None or not hasattr(masking_utils, "find_packed_sequence_indices"):
@@ -198,17 +188,6 @@ def block_sizes(model: nn.Module) -> tuple[int, tuple[int, ...]]:
         sizes.append(size)
     root = sum(p.numel() for p in model.parameters() if id(p) not in counted)
     return root, tuple(reversed(sizes))
-
-
-def _compute_bytes(model: nn.Module, precision: str) -> int:
-    if precision in ("bf16", "fp16"):
-        return 2
-    first = next(model.parameters(), None)
-    return first.element_size() if first is not None else 4
-
-
-def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
 
 
 def fake_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, window: list, precision: str,

@@ -1,15 +1,11 @@
 """The model FLOPs of one training sample, counted once: `torch.utils.flop_counter.FlopCounterMode` on fake tensors.
 
-The recipe's model is built on `meta` and materialised inside `FakeTensorMode` (probe/fake_step.py), so nothing
-is allocated and no GPU is needed; one forward and backward pass of a micro-batch of real shape is counted.
-PyTorch's counter counts the matrix products, convolutions and fused attention kernels (2 FLOPs per
-multiply-add), forward and backward: the "model FLOPs" of MFU (PaLM, Chowdhery et al. 2022, appendix B), which
-leave out elementwise ops, the optimizer step and activation recomputation. Attention runs as CUDA runs it
-(probe/gpu_like.py), so the fused kernels are counted on any machine; the counter counts a causal kernel's whole
-S x S product, as the PaLM formula does (6N + 12 L H Q T per token).
-
-FLOPs are linear in the micro-batch for these models, so one count per sample holds for every split. For text
-of variable length the micro-batch is the longest item repeated (probe/workload.py): an upper bound.
+The model is built on `meta` and materialised inside `FakeTensorMode` (probe/fake_step.py): nothing is allocated,
+no GPU is needed. PyTorch's counter counts one forward and backward pass's matrix products, convolutions and fused
+attention kernels (2 FLOPs per multiply-add): the "model FLOPs" of MFU (PaLM, Chowdhery et al. 2022, appendix B),
+without elementwise ops, the optimizer step or recomputation. Attention runs as CUDA runs it (probe/gpu_like.py),
+and a causal kernel counts its whole S x S product, as the PaLM formula does. FLOPs are linear in the micro-batch,
+so one count per sample holds for every split; variable-length text counts its longest item (an upper bound).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The estimate's training step made to allocate what a CUDA GPU allocates, on fake CPU tensors.
-
-The estimate meter runs the step under `FakeTensorMode` on the CPU device: fake CUDA tensors cannot run a
-backward pass without a GPU (autograd asks the driver for a context). Three things a CPU does differently
-from CUDA change what the step holds; inside `as_on_gpu(gpu)` the fake step does what CUDA does instead
-(each rule read from PyTorch's own source, named below):
+"""The estimate's training step made to allocate what a CUDA GPU allocates, on fake CPU tensors (fake CUDA tensors
+cannot run a backward pass without a GPU). Three things a CPU does differently from CUDA change what the step holds;
+inside `as_on_gpu(gpu)` the fake step does what CUDA does instead (each rule read from PyTorch's source, named):
 
 1. **Attention.** `F.scaled_dot_product_attention` on CUDA picks a fused kernel
    (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, `select_sdp_backend`): flash attention on
@@ -16,11 +13,8 @@ from CUDA change what the step holds; inside `as_on_gpu(gpu)` the fake step does
    (`_scaled_dot_product_flash_attention` / `_scaled_dot_product_efficient_attention`, whose meta
    functions give the fake outputs and gradients). cuDNN attention, which PyTorch prefers on Hopper and
    Blackwell with a recent cuDNN, keeps the same output and statistics as flash; it is counted as flash.
-   What the fused backward allocates inside the kernel and frees before it returns is counted as a workspace of
-   that moment (`kernel_workspaces`): flash's fp32 `dq_accum` (B x S x H x D, S rounded up to 128 and D to 32 or
-   64) and `softmax_d` (B x H x S, fp32) (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp,
-   `mha_bwd`); the memory-efficient kernel's fp32 gradient-of-Q accumulator and its `delta` (B x H x S, fp32)
-   (mem_eff_attention/kernel_backward.h: `kNeedsAccumGradQ` is true from sm70 on, where keys are split).
+   What the fused backward allocates and frees inside the kernel is counted as a workspace of that moment
+   (`kernel_workspaces`; flash_attn/flash_api.cpp `mha_bwd`, mem_eff_attention/kernel_backward.h).
 2. **Dropout.** `torch.dropout` on a CUDA tensor runs the fused `native_dropout`, whose mask is `bool`:
    1 byte per element (aten/src/ATen/native/Dropout.cpp, `is_fused_kernel_acceptable`). On a CPU it
    keeps a noise tensor in the input's dtype: 4 bytes per element in fp32. Routed to `native_dropout`
@@ -71,18 +65,14 @@ CUDA_FP32_OUTPUT = (  # fp32_set_opt_dtype: run with dtype=float32 unless the ca
 
 
 # The estimate's allowance for what a CUDA step allocates beyond the tensors operators return, as a share of the
-# activations live at each moment (the fake step adds it at its peak: tracker.MemoryTracker.allowance). What it
-# stands for, each growing with the activations, none of which a dispatch-level count sees: cuDNN's convolution
-# workspaces (allocated through PyTorch's caching allocator, so in max_memory_allocated; their size is whatever the
-# algorithm cuDNN picks asks for, up to the free memory: aten/src/ATen/native/cudnn/Conv_v8.cpp, and larger under
-# `cudnn.benchmark`), the allocator's blocks handed out whole when the rest of a cached block would be under 1 MiB
-# (c10/cuda/CUDACachingAllocator.cpp, `should_split`), and what older kernels saved that today's do not. Its size is
-# set from published measured peaks, not derived from any kernel: the estimate's tensors were 0.84 to 0.98 of every
-# published allocated peak checked (bench/published_memory.py: MMSegmentation's DeepLabV3 rows 0.89), what
-# was missing grew with the micro-batch, and activations are about 85% of such a step: 1/0.84 - 1 = 19% of the step
-# is 22% of its activations, rounded up to 25% (MMSeg's rows then 1.08; torchtune's packed Llama 3.2 3B row, within
-# 1% without it, 1.17). It is applied by the estimate meter only
-# (the cpu meter counts real tensors), before the allocator's 5% and the probe's --headroom.
+# activations live at each moment (tracker.MemoryTracker.allowance): cuDNN's convolution workspaces (in
+# max_memory_allocated, as large as the algorithm cuDNN picks asks: aten/src/ATen/native/cudnn/Conv_v8.cpp), the
+# allocator's blocks handed out whole (c10/cuda/CUDACachingAllocator.cpp, `should_split`), what older kernels saved.
+# Set from published measured peaks, not derived: the estimate's tensors were 0.84 to 0.98 of every published
+# allocated peak checked (bench/published_memory.py), the gap grew with the micro-batch, and activations are about
+# 85% of such a step: 1/0.84 - 1 = 19% of the step is 22% of its activations, rounded up to 25% (MMSeg's DeepLabV3
+# rows 0.89 -> 1.08; torchtune's packed Llama 3.2 3B, within 1% without it, 1.17). The estimate meter's only (the cpu
+# meter counts real tensors), before the allocator's 5% and the probe's --headroom.
 UNSEEN_ACTIVATIONS = 0.25
 
 
@@ -187,7 +177,8 @@ def _rounded_up(value: int, multiple: int) -> int:
 
 
 def _flash_backward_workspace(args: tuple, kwargs: dict) -> int:
-    """flash_api.cpp `mha_bwd`: dq_accum (B, S_q rounded to 128, H, D rounded) and softmax_d (B, H, S_q rounded)."""
+    """flash_api.cpp `mha_bwd`: fp32 dq_accum (B, S_q rounded to 128, H, D rounded to 32 or 64) and softmax_d
+    (B, H, S_q rounded)."""
     batch, heads, length, dim = args[1].shape
     length = _rounded_up(length, 128)
     dim = _rounded_up(_rounded_up(dim, 8), 32 if _rounded_up(dim, 8) <= 128 else 64)
@@ -195,7 +186,8 @@ def _flash_backward_workspace(args: tuple, kwargs: dict) -> int:
 
 
 def _efficient_backward_workspace(args: tuple, kwargs: dict) -> int:
-    """kernel_backward.h: the gradient of Q accumulated in fp32 (B, H, S_q, D) and `delta` (B, H, S_q, fp32)."""
+    """kernel_backward.h: the gradient of Q accumulated in fp32 (B, H, S_q, D; `kNeedsAccumGradQ` from sm70 on) and
+    `delta` (B, H, S_q, fp32)."""
     batch, heads, length, dim = args[1].shape
     return 4 * batch * heads * length * (dim + 1)
 
@@ -205,11 +197,6 @@ def kernel_workspaces() -> dict:
     aten = torch.ops.aten
     return {aten._scaled_dot_product_flash_attention_backward.default: _flash_backward_workspace,
             aten._scaled_dot_product_efficient_attention_backward.default: _efficient_backward_workspace}
-
-
-def _overload(name: str):
-    packet, _, overload = name.partition(".")
-    return getattr(getattr(torch.ops.aten, packet), overload or "default")
 
 
 def _fp32_kernel(op, set_dtype: bool):
@@ -257,7 +244,9 @@ def cuda_autocast_policy() -> Iterator[None]:
     library = torch.library.Library("aten", "IMPL")
     try:
         for name, set_dtype in cuda_autocast_names():
-            library.impl(name, _fp32_kernel(_overload(name), set_dtype), "AutocastCPU")
+            packet, _, overload = name.partition(".")
+            op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+            library.impl(name, _fp32_kernel(op, set_dtype), "AutocastCPU")
         yield
     finally:
         library._destroy()

@@ -1,13 +1,11 @@
 """The plan's own use of the memory knobs (activation checkpointing, sharded gradients), with its reasons.
 
-- When not even micro-batch 1 fits, the "does not fit" report has computed the ways out on the user's
-  configuration (probe/memory_ways.py); the plan takes the first that fits and sets only knobs that keep the run
-  exact and on the same hardware (sharded gradients, checkpointing, or both), probes the changed recipe, and says
-  what it took, why and what it costs. CPU offload, bf16 weights, LoRA and more processes stay offers.
-- When the paper's per-device batch (its BatchNorm batch, for a BatchNorm model) does not fit but does with
-  checkpointing, the plan shows both ways (m x N without; the paper's m with checkpointing) with their step time
-  where the meter timed steps, and takes checkpointing for BatchNorm (the paper's normalisation batch), else the
-  faster way (without checkpointing when no step was timed: no recomputation to pay for).
+- When not even micro-batch 1 fits, the plan takes the first way out of the "does not fit" report that fits and
+  keeps the run exact on the same hardware (sharded gradients, checkpointing, or both: probe/memory_ways.py),
+  probes the changed recipe, and says what it took and what it costs. Offload, bf16, LoRA, more GPUs stay offers.
+- When the paper's per-device batch fits only with checkpointing, the plan shows both ways with their step times
+  and takes checkpointing for BatchNorm (the paper's normalisation batch), else the faster way (without
+  checkpointing when no step was timed).
 """
 
 from __future__ import annotations
@@ -19,9 +17,8 @@ from ..plan.recipe import Recipe
 from ..plan.split import split_text
 from ..plan.units import format_size
 from ..throughput.cost import cost
-from .memory_ways import CHECKPOINTING, RECOMPUTE_COST, REDUCE_COST, describe, plan_memory_change
+from .memory_ways import CHECKPOINTING, RECOMPUTE_COST, REDUCE_COST, changed_recipe, describe, plan_memory_change
 from .runner import ProbeResult
-from .way_out import changed_recipe
 
 Probe = Callable[[Recipe], ProbeResult]
 

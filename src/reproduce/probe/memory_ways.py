@@ -1,22 +1,24 @@
-"""The "does not fit" report's memory knobs: activation checkpointing, sharded gradients, CPU offload, combined;
-and, on one process, the chunked language-model loss and activation offloading (new trials of the changed recipe).
+"""The ways out of "does not fit": each a change to the recipe or the options, measured at micro-batch 1 on the
+meter that refused it (`WayOut`; probe/advice.py lists them), and here the memory knobs: activation checkpointing,
+sharded gradients, CPU offload, combined; and, on one process, the chunked language-model loss and activation
+offloading.
 
-Each is computed for micro-batch 1 on the user's own configuration (budget, meter, sharding, world size,
-precision): checkpointing changes the step itself, so it is a new trial of the changed recipe (the estimate
-meter counts the recomputation on fake tensors); sharded gradients and CPU offload change only what an FSDP
-rank keeps of the measured step, so they are computed from its parts (probe/sharded_memory.py), for the step as it is
-and for the checkpointed one. Where one alone is not enough they are combined (checkpointing + sharded gradients,
-then + offload). Each way out carries the recipe fields it sets (`changes`), which the plan can take
-(`plan_memory_change`): checkpointing and sharded gradients, never offload (a slower run the user chooses).
+Each is computed on the user's own configuration: checkpointing changes the step, so it is a new trial of the
+changed recipe; sharded gradients and CPU offload change only what an FSDP rank keeps of the measured step, so they
+are computed from its parts (probe/sharded_memory.py). Where one alone is not enough they are combined. Each way out
+carries the recipe fields it sets (`changes`); the plan takes checkpointing and sharded gradients
+(`plan_memory_change`), never offload (a slower run the user chooses).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from ..errors import UserError
+from ..plan.recipe import Recipe, parse_recipe
 from ..plan.units import format_size
-from .sharded_memory import Blocks, StepMemory, sharded_peak, smallest_world_size
-from .way_out import WayOut, changed_recipe, measure_change
+from .sharded_memory import Blocks, StepMemory, shard, sharded_peak, smallest_world_size
 
 CHECKPOINTING = {"model": {"activation_checkpointing": True}}
 SHARDED_GRADIENTS = {"batch": {"sharded_gradients": True}}
@@ -44,6 +46,51 @@ def merged(*changes: dict) -> dict:
         for key, value in change.items():
             result[key] = {**result.get(key, {}), **value} if isinstance(value, dict) else value
     return result
+
+
+@dataclass(frozen=True)
+class WayOut:
+    change: str  # what to change, as the user would: an option or a recipe field
+    fits: bool
+    peak_bytes: int | None  # one device's peak at micro-batch 1 with the change, as the meter decides it
+    detail: str
+    changes: dict | None = None  # the recipe fields it sets ({"model": {"lora": ...}}), for a program to apply
+
+
+def changed_recipe(recipe: Recipe, changes: dict) -> Recipe:
+    """`recipe` with `changes` merged in ({"model": {"dtype": "bf16"}, "precision": "bf16"}), validated again."""
+    return parse_recipe(merged(recipe.model_dump(mode="json", exclude_none=True), changes),
+                        source="(probe: way out)")
+
+
+def measure_change(meter: Any, gpu: Any, change: dict) -> Any:
+    """The trial of micro-batch 1 of the recipe with `change`, on `meter`'s budget and configuration (a Measurement),
+    or why it cannot be measured (a string)."""
+    from .workload import Workload
+
+    try:
+        changed = changed_recipe(meter.workload.recipe, change)
+    except UserError as error:
+        return f"not measured: {error.lines[0]}"
+    workload = Workload(changed, meter.workload.data)
+    # on the user's own configuration: the sharding and world size the failed trial was counted with
+    kwargs = {"gpu": gpu, "sharding": meter.sharding, "world_size": meter.world_size} if meter.name == "estimate" \
+        else {"time_steps": False}
+    other = type(meter)(workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes, cap=meter.cap,
+                        **kwargs)
+    try:
+        return other.measure(1)
+    except UserError as error:  # (a model with no blocks to checkpoint)
+        return f"not measured: {error.lines[0]}"
+    finally:
+        other.close()
+
+
+def needs(trial: Any) -> str:
+    """What micro-batch 1 needs with a change, from its trial."""
+    if trial.peak_bytes is None:
+        return f"micro-batch 1 still does not fit ({trial.note})"
+    return f"micro-batch 1 then needs {format_size(trial.peak_bytes)}"
 
 
 def describe(change: dict) -> str:
@@ -79,9 +126,7 @@ class _Rank:
 
     @classmethod
     def of(cls, meter: Any, parts: dict) -> _Rank:
-        blocks = Blocks(root=parts["blocks"]["root"], blocks=tuple(parts["blocks"]["sizes"]),
-                        trainable=parts["blocks"].get("trainable"))
-        return cls(meter, StepMemory(**parts["step"]), blocks, parts["compute_bytes"],
+        return cls(meter, StepMemory(**parts["step"]), Blocks.of(parts), parts["compute_bytes"],
                    parts.get("accumulates", parts.get("window", True)))
 
     def peak(self, sharded_gradients: bool, offload: bool):
@@ -105,7 +150,8 @@ def memory_ways_out(meter: Any, gpu: Any, first: Any, step: StepMemory, blocks: 
         kept = []
         if sg:
             whole = rank.blocks.with_gradients * 4
-            kept.append(f"each rank keeps its shard of the gradients ({format_size(shard_of(whole, meter))}) instead "
+            own = shard(whole, max(1, meter.world_size))
+            kept.append(f"each rank keeps its shard of the gradients ({format_size(own)}) instead "
                         f"of the whole model's ({format_size(whole)}) through the accumulation window")
         if offload:
             before = rank.peak(sg or has_sg, has_offload)
@@ -154,14 +200,9 @@ def _techniques(meter: Any, gpu: Any, first: Any, activations: int) -> list[WayO
         after = (trial.parts or {}).get("step", {}).get("activations")
         saved = (f"; the activations of one sample {format_size(activations)} -> {format_size(after)}"
                  if after is not None else "")
-        needed = f"micro-batch 1 then needs {format_size(trial.peak_bytes)}" if trial.peak_bytes is not None else (
-            f"micro-batch 1 still does not fit ({trial.note})")
-        ways.append(WayOut(what, trial.fits, trial.peak_bytes, f"{needed}{saved}; costs {cost}", changes=change))
+        ways.append(WayOut(what, trial.fits, trial.peak_bytes, f"{needs(trial)}{saved}; costs {cost}",
+                           changes=change))
     return ways
-
-
-def shard_of(nbytes: int, meter: Any) -> int:
-    return -(-nbytes // max(1, meter.world_size))
 
 
 def _checkpointing(meter, gpu, first, activations, decide, tensor_limit, sharded, accumulates, has_sg, has_offload,
@@ -179,9 +220,7 @@ def _checkpointing(meter, gpu, first, activations, decide, tensor_limit, sharded
         saved = f"saves {format_size(first.peak_bytes - trial.peak_bytes)} at micro-batch 1"
     else:
         saved = "the activations of one block at a time"
-    needed = f"micro-batch 1 then needs {format_size(trial.peak_bytes)}" if trial.peak_bytes is not None else (
-        f"micro-batch 1 still does not fit ({trial.note})")
-    ways = [WayOut(what, trial.fits, trial.peak_bytes, f"{needed}; {saved}; costs {RECOMPUTE_COST}",
+    ways = [WayOut(what, trial.fits, trial.peak_bytes, f"{needs(trial)}; {saved}; costs {RECOMPUTE_COST}",
                    changes=CHECKPOINTING)]
     if trial.fits:
         return ways
@@ -207,22 +246,15 @@ def _checkpointing(meter, gpu, first, activations, decide, tensor_limit, sharded
 def _sharded_and_checkpointed(meter: Any, gpu: Any, first: Any, accumulates: bool) -> list[WayOut]:
     """FSDP over the fewest processes that fit with checkpointing (and, if that is not enough, sharded gradients
     too): the checkpointed step measured as FSDP runs it (an estimate meter sharding over 2), then divided."""
-    import torch
-
-    from .meters import EstimateMeter
+    from .meters import sharding_meter
     from .workload import Workload
 
-    capability = torch.cuda.get_device_capability() if meter.name == "cuda" else None
     workload = Workload(changed_recipe(meter.workload.recipe, CHECKPOINTING), meter.workload.data)
-    try:
-        sharder = EstimateMeter(workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes, gpu=gpu,
-                                cap=meter.cap, sharding="fsdp", world_size=2, capability=capability)
-    except Exception:  # (a budget below the estimate's margin: nothing to say)
+    sharder = sharding_meter(meter, gpu, workload)
+    if sharder is None:  # (a budget below the estimate's margin: nothing to say)
         return []
     parts = sharder.measure(first.micro_batch).parts
-    step, compute = StepMemory(**parts["step"]), parts["compute_bytes"]
-    blocks = Blocks(root=parts["blocks"]["root"], blocks=tuple(parts["blocks"]["sizes"]),
-                    trainable=parts["blocks"].get("trainable"))
+    step, compute, blocks = StepMemory(**parts["step"]), parts["compute_bytes"], Blocks.of(parts)
     for sg in ((False, True) if accumulates else (False,)):
         window = accumulates and not sg
         ranks = smallest_world_size(step, blocks, sharder.tensor_limit(), compute, unsharded_window=window)

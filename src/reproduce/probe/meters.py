@@ -1,39 +1,25 @@
 """Three ways to measure one trial, behind one interface: `meter.measure(micro_batch) -> Measurement`.
 
-A trial builds the recipe's model, optimizer and precision, runs a warm-up step (it allocates the
-optimizer state: AdamW's first step doubles the parameter memory) and then `MEASURED_STEPS` full
-training steps (forward, backward, clip, optimizer step, zero_grad), and reports the peak memory of
-those steps. Each step is an accumulation window of `ACCUMULATED` micro-batches of real shape, built
-before the step as `reproduce run` builds its window: from the second micro-batch on, the forward pass
-runs while the gradients of the first are held, which a single micro-batch never shows (+1x the
-parameters). Only a size equal to the cap (the whole per-rank batch at once, N = 1) is measured alone.
-A run accumulating N > 2 micro-batches holds (N - 2) more micro-batches of inputs than the trial: the
-window's inputs only, small beside the activations of one (bench/run_memory.py measures it).
+A trial builds the recipe's model, optimizer and precision, runs a warm-up step (it allocates the optimizer state)
+and then `MEASURED_STEPS` full training steps, and reports their peak memory. Each step is a window of
+`ACCUMULATED` micro-batches of real shape, as `reproduce run` builds it: from the second micro-batch on, the forward
+pass runs while the first one's gradients are held (+1x the parameters), which one micro-batch never shows. Only a
+size equal to the cap (the whole per-rank batch, N = 1) is measured alone. A run accumulating N > 2 holds (N - 2)
+more micro-batches of inputs than the trial: small beside one's activations (bench/run_memory.py). A trial that runs
+out of memory is caught as `torch.OutOfMemoryError` only (anything else is raised), and freed before the next.
 
-A trial that runs out of memory is caught as `torch.OutOfMemoryError` only (any other error is the
-recipe's or ours, and is raised), then everything it allocated is freed before the next.
-
-- `cuda`: real trials on the GPU. `max_memory_reserved` decides (what the allocator really holds);
-  `max_memory_allocated` is reported. A budget smaller than the card is enforced with
-  `set_per_process_memory_fraction`; without one the budget is what `mem_get_info` says is free (the CUDA
-  context and other processes already taken off) plus what this process's allocator holds.
-- `cpu`: the same real trials on the CPU, counted by `MemoryTracker` (live tensor storage, rounded to
-  512 B) with the budget enforced as an out-of-memory error. Exact for the tensors, and what CI uses.
-- `estimate`: the same step under `FakeTensorMode` (probe/fake_step.py: model built on `meta`,
-  materialised inside the fake mode; AdamW/Adam/SGD with `foreach=True`, as on a GPU), counted by the
-  same tracker by category: no real memory, about constant time per trial, and every trial runs to its
-  end (a size that does not fit still says what it needs). It runs on the CPU device; where CUDA runs the
-  step differently it is made to do what CUDA does (probe/gpu_like.py): SDPA's fused attention kernels
-  for the target GPU instead of the CPU's math path and their backward's fp32 workspaces, 1-byte dropout
-  masks, CUDA autocast's fp32 ops. What it still cannot see is allowed for: what a CUDA step allocates beyond
-  the tensors operators return (cuDNN's convolution workspaces, the allocator's whole blocks), an allowance of
-  `gpu_like.UNSEEN_ACTIVATIONS` (25%) of the activations live at each moment, added inside the fake step (the
-  published peaks that set it: bench/published_memory.py); then the allocator's 2 MiB/20 MiB segments and
-  fragmentation, `ESTIMATE_MARGIN` (5%) of the peak, and the cuBLAS/cuBLASLt workspaces (8 MiB + 1 to 32 MiB
-  by architecture) are added to every estimate; the CUDA context is outside the budget (hardware/catalog.py). fp16's
-  GradScaler is left out (its state is a few scalars). With `sharding="fsdp"` one rank's peak is computed from
-  the measured parts (probe/sharded_memory.py). `bench/gpu_check.py` prints the estimate
-  beside the measured peak on a real card.
+- `cuda`: real trials on the GPU; `max_memory_reserved` decides, `max_memory_allocated` is reported. A budget
+  smaller than the card is enforced with `set_per_process_memory_fraction`; without one the budget is what
+  `mem_get_info` says is free plus what this process's allocator holds.
+- `cpu`: the same trials on the CPU, counted by `MemoryTracker` with the budget enforced as an out-of-memory error:
+  exact for the tensors, and what CI uses.
+- `estimate`: the same step on fake tensors as CUDA runs it (probe/fake_step.py, probe/gpu_like.py), counted by
+  category: no real memory, about constant time per trial, and every trial runs to its end (a size that does not
+  fit still says what it needs). To the tracked tensors (with `gpu_like.UNSEEN_ACTIVATIONS`) it adds the
+  allocator's segments and fragmentation, `ESTIMATE_MARGIN` (5%) of the peak, and the cuBLAS/cuBLASLt workspaces
+  (8 MiB + 1 to 32 MiB by architecture); the CUDA context is outside the budget (hardware/catalog.py) and fp16's
+  GradScaler is left out (a few scalars). With `sharding="fsdp"` one rank's peak is computed from the measured
+  parts (probe/sharded_memory.py). `bench/gpu_check.py` prints the estimate beside the measured peak on a card.
 """
 
 from __future__ import annotations
@@ -54,7 +40,7 @@ from ..models import build_model
 from ..plan.units import available_host_memory, format_size
 from ..train.setup import build
 from ..train.step import optimizer_step
-from .fake_step import block_sizes, materialize, run_fake_step  # noqa: F401  (materialize: this module's interface)
+from .fake_step import FakeStepResult, block_sizes, materialize, run_fake_step  # noqa: F401  (materialize: its interface)
 from .gpu_like import UNSEEN_ACTIVATIONS, GpuKind
 from .search import Measurement
 from .sharded_memory import Blocks, mixed_precision_step, sharded_peak
@@ -70,7 +56,7 @@ HOST_SHARE = 0.8  # the cpu meter allocates for real: budgets above this share o
 
 
 class Meter:
-    """One interface: `measure(micro_batch)`, the budget, and what the meter is (for the report)."""
+    """`measure(micro_batch)`, the budget, and what the meter is (for the report)."""
 
     name = "meter"
     device = "cpu"
@@ -223,12 +209,7 @@ class CudaMeter(Meter):
 
 
 class EstimateMeter(Meter):
-    """The training step on fake tensors, as CUDA runs it: shapes and memory only, no data and no real allocation.
-
-    With `sharding="fsdp"` over `world_size` ranks, the unsharded step is measured by category and one
-    rank's peak is computed from it (`sharding.sharded_peak`). Every trial runs to its end without a
-    budget (fake tensors cost nothing), so a size that does not fit still reports what it needs.
-    """
+    """The training step on fake tensors, as CUDA runs it; with `sharding="fsdp"`, one rank's share of it."""
 
     name = "estimate"
     device = "estimate (fake tensors on the cpu device)"
@@ -280,9 +261,7 @@ class EstimateMeter(Meter):
 
     def blocks(self, model: nn.Module) -> Blocks:
         if self._blocks is None:
-            root, sizes = block_sizes(model)
-            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            self._blocks = Blocks(root=root, blocks=sizes, trainable=trainable)
+            self._blocks = model_blocks(model)
         return self._blocks
 
     def measure(self, micro_batch: int) -> Measurement:
@@ -301,13 +280,7 @@ class EstimateMeter(Meter):
                                autocast=not mixed)
         # micro-batches accumulated before the reduction (FSDP2 no_sync), unless reduce-scattered one by one
         window = len(inputs) > 1 and not recipe.batch.sharded_gradients
-        parts = {
-            "at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
-            "blocks": {"root": blocks.root, "sizes": list(blocks.blocks), "trainable": blocks.trainable},
-            "attention": result.kernels, "window": window, "accumulates": len(inputs) > 1,
-            "peak_stage": result.peak_stage, "loss_bytes": result.loss_bytes, "paged_bytes": result.paged_bytes,
-            "optimizer": result.optimizer, "unseen_bytes": result.unseen_bytes,
-        }
+        parts = step_parts(result, blocks, window, len(inputs) > 1)
         tracked = result.peak
         if self.sharding == "fsdp":
             step = result.step
@@ -324,3 +297,44 @@ class EstimateMeter(Meter):
 
 
 METERS = {"cuda": CudaMeter, "cpu": CpuMeter, "estimate": EstimateMeter}
+
+
+def model_blocks(model: nn.Module) -> Blocks:
+    """The units FSDP wraps (fake_step.block_sizes) and the parameters that train."""
+    root, sizes = block_sizes(model)
+    return Blocks(root=root, blocks=sizes, trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+
+def step_parts(result: FakeStepResult, blocks: Blocks, window: bool, accumulates: bool) -> dict:
+    """What a fake step's peak is made of, as a trial keeps it (`Measurement.parts`, in the probe's JSON)."""
+    return {
+        "at_peak": result.at_peak, "step": result.step.to_json(), "compute_bytes": result.compute_bytes,
+        "blocks": {"root": blocks.root, "sizes": list(blocks.blocks), "trainable": blocks.trainable},
+        "attention": result.kernels, "window": window, "accumulates": accumulates,
+        "peak_stage": result.peak_stage, "loss_bytes": result.loss_bytes, "paged_bytes": result.paged_bytes,
+        "optimizer": result.optimizer, "unseen_bytes": result.unseen_bytes,
+    }
+
+
+def fake_parts(meter: Meter, micro_batch: int) -> dict:
+    """The parts of a cpu or cuda meter's step, counted again on fake tensors (that meter counts no categories, and
+    stops at the budget), with this GPU's kernels on the cuda meter."""
+    kind = GpuKind(torch.cuda.get_device_capability()) if meter.name == "cuda" else None
+    info = meter.workload.data.info
+    window = meter.window(micro_batch, torch.device("cpu"), torch.float32)
+    with torch.device("meta"):
+        model = build_model(meter.workload.recipe, info)
+    blocks = model_blocks(model)
+    result = run_fake_step(meter.workload.plan, info, window, kind, model=model)
+    return step_parts(result, blocks, len(window) > 1, len(window) > 1)
+
+
+def sharding_meter(meter: Meter, gpu: Gpu | None, workload: Workload | None = None) -> EstimateMeter | None:
+    """An estimate meter sharding over two ranks on `meter`'s budget and cap (and `workload`, else its own): the step
+    as FSDP runs it; None where the budget is below the estimate's margin."""
+    capability = torch.cuda.get_device_capability() if meter.name == "cuda" else None
+    try:
+        return EstimateMeter(workload or meter.workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes,
+                             gpu=gpu, cap=meter.cap, sharding="fsdp", world_size=2, capability=capability)
+    except UserError:
+        return None

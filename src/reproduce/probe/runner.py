@@ -1,13 +1,9 @@
 """The probe: options in, the largest micro-batch that fits (with every trial) out. No torch at import.
 
-`run_probe(recipe, options)` resolves the budget (`--memory`, `--gpu` or the GPU's free memory), picks
-the meter, looks in the cache, and otherwise runs `search.search` over the meter's trials. The limit a
-trial's peak must stay under is the budget less the headroom (10% by default). The search is capped at
-the per-rank effective batch: each of W processes never needs more than ceil(batch / W) at once.
-
-The recipe's `batch.sharding` (or `--sharding`, which the CLI writes into the recipe) decides what each
-process holds: `fsdp` over W > 1 processes is counted by the estimate meter (probe/sharded_memory.py); with one
-process there is nothing to shard over, and the step is probed whole. When not even micro-batch 1 fits,
+`run_probe(recipe, options)` resolves the budget (`--memory`, `--gpu` or the GPU's free memory), picks the meter,
+looks in the cache, and otherwise runs `search.search` over the meter's trials, under the budget less the headroom
+and capped at the per-rank batch ceil(batch / W). `batch.sharding: fsdp` over W > 1 processes is counted by the
+estimate meter (one process has nothing to shard over: the step is probed whole). When not even micro-batch 1 fits,
 `result.does_not_fit` says what that step needs and what would make it fit (probe/advice.py).
 """
 
@@ -38,11 +34,6 @@ METERS = ("auto", "cuda", "cpu", "estimate")
 
 class BudgetRequired(UserError):
     """No budget was given and there is no GPU to take one from."""
-
-
-def effective_sharding(recipe: Recipe, world_size: int) -> str:
-    """The sharding the probe counts: the recipe's, when there is more than one process to shard over."""
-    return recipe.batch.sharding if world_size > 1 else "none"
 
 
 @dataclass(frozen=True)
@@ -206,7 +197,7 @@ def run_probe(
     from .workload import Workload
 
     requested, gpu = resolve_budget(options)
-    sharding = effective_sharding(recipe, world_size)
+    sharding = recipe.batch.sharding if world_size > 1 else "none"  # (one process has nothing to shard over)
     kind = choose_meter(options, requested, sharding)
     cap = math.ceil(recipe.batch.sequences / world_size)
     workload = Workload(recipe, data)
@@ -274,7 +265,6 @@ def _cached(key: str, recipe_path: str | None) -> ProbeResult | None:
         return ProbeResult.model_validate({**saved, "recipe_path": recipe_path, "cached": True})
     except ValueError:
         return None
-
 
 
 def token_budget_wanted(recipe: Recipe, workload) -> bool:

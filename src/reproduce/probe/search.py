@@ -1,28 +1,21 @@
 """The search for the largest micro-batch that fits: a pure function over `fits(b) -> Measurement`.
 
-No torch here: the same code runs on a GPU, on a CPU budget, under the estimate meter, and against the
-closed-form memory functions of the tests.
+No torch here: the same code runs on every meter and against the closed-form memory functions of the tests.
 
-The model: the peak memory of a training step is the larger of the optimizer step's peak (parameters,
-gradients, optimizer state: constant in b) and a line a + c*b with a >= 0 once activations dominate.
-Two consequences drive the search:
+The model: a step's peak is the larger of the optimizer step's (constant in b) and a line a + c*b with a >= 0 once
+activations dominate. Two consequences drive the search:
 - a measured size b with peak p bounds every larger size: peak(k) <= p * k / b, so
   `safe = floor(limit * b / p)` fits for certain (under the model). The search grows by that jump, or
   by doubling (x16 while the peaks are flat) when that is more, until it has two sizes on the line;
 - two sizes on the line give its exact equation, so the largest b under the limit is predicted
   rather than searched for. Sizes with equal peaks are on the flat, optimizer-bound part and are left
   out of the fit (`fit_line`).
-Each prediction is measured, then the next size up, until the bracket is confirmed: b fits, b + 1 does
-not. A prediction that contradicts what is already measured, or `MAX_MISSES` predictions that ran out
-of memory (a failure with a measured peak still places the line), send the search to bisection
-between the largest size that fits and the smallest that does not (geometric while that interval is
-wide). Sizes are capped at `cap`: the per-rank effective batch, past which nothing is needed. Every
-trial is kept and reported; the answer is always a size that was measured to fit, or None when even
-size 1 does not.
-
-The peak is not one line in general: each tensor lives for part of the step, so the peak is the maximum
-of several lines (it moves from the optimizer step to the end of the backward pass to the end of the
-forward pass as b grows). Small models with small activations bend most, and take more trials.
+Each prediction is measured, then the next size up, until b fits and b + 1 does not. A prediction that
+contradicts a measurement, or `MAX_MISSES` predictions that ran out of memory, send the search to bisection
+(geometric while the interval is wide). Sizes are capped at `cap`, the per-rank effective batch. The answer is
+always a size measured to fit, or None when even size 1 does not. The peak is really the maximum of several lines
+(it moves from the optimizer step to the end of backward to the end of forward as b grows): small models bend most,
+and take more trials.
 """
 
 from __future__ import annotations
@@ -69,9 +62,6 @@ class Line:
     @property
     def intercept(self) -> float:
         return self.peaks[1] - self.slope * self.points[1]
-
-    def at(self, micro_batch: float) -> float:
-        return self.intercept + self.slope * micro_batch
 
     def largest_under(self, limit_bytes: float) -> int | None:
         """The largest b with at(b) <= limit (exact arithmetic); None when the line does not grow."""

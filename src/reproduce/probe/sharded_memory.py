@@ -1,10 +1,8 @@
 """What one rank holds when parameters, gradients and optimizer state are sharded (FSDP). No torch.
 
-The estimate meter measures one unsharded training step on fake tensors, split by the tracker into
-`StepMemory`: the model states (weights, gradients, optimizer state) and what the step adds on top
-(activations during forward and backward, temporaries of the optimizer step). Under FSDP full_shard
-(ZeRO-3) over W ranks, as `torch.distributed.fsdp.fully_shard` does it per block with a
-`MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in fp32), each rank
+The estimate meter measures one unsharded step on fake tensors, split into `StepMemory` (weights, gradients,
+optimizer state, activations, the optimizer step's temporaries). Under FSDP2 full_shard (ZeRO-3) over W ranks, per
+block with a `MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in fp32), each rank
 holds:
 
 - its shard of the parameters (the fp32 master weights) and of the optimizer state, divided over W
@@ -16,20 +14,15 @@ holds:
   keeps every parameter's gradient unsharded, accumulated in the reduction dtype
   (`FSDPParam.to_accumulated_grad_if_needed`): the whole model's gradients in fp32 on every rank
   until the window's last backward reduce-scatters them (`unsharded_window=True`);
-- what it gathers at a time (`gathered_bytes`): the root's parameters (the embeddings, final norm and
-  head outside every block: the root keeps them unsharded from forward to backward), and two blocks'
-  parameters in the compute dtype (the current block and the one prefetched, "two all-gather output
-  tensors alive at once", PyTorch PR 128884), plus one unit's unsharded gradients in the compute dtype
-  and its reduce-scatter input in the reduction dtype;
+- what it gathers at a time: the root's parameters (embeddings, final norm and head, unsharded from forward to
+  backward) and two blocks' in the compute dtype (the current one and the one prefetched, PyTorch PR 128884), plus
+  one unit's unsharded gradients and its reduce-scatter input in the reduction dtype;
 - the activations of its own micro-batch, as the unsharded step measured them (autocast's copies of
   the weights left out: under FSDP the gathered block is already in the compute dtype);
 - in the optimizer step, its shard of the step's temporaries (the foreach optimizer works on the shards).
 
-The peak is the larger of forward/backward and the optimizer step; `smallest_world_size` finds the
-fewest ranks whose peak fits a limit. Everything here is arithmetic on measured bytes; the tests check its
-properties (never more per rank with more ranks, never below what cannot be sharded), and
-`bench/fsdp_check.py` compares it with what FSDP2 itself allocates on one rank (a fake process group,
-real tensors counted by the tracker).
+The peak is the larger of forward/backward and the optimizer step; `smallest_world_size` finds the fewest ranks
+whose peak fits a limit. `bench/fsdp_check.py` compares it with what FSDP2 itself allocates on one rank.
 """
 
 from __future__ import annotations
@@ -75,6 +68,12 @@ class Blocks:
         if self.root < 0 or any(b < 0 for b in self.blocks) or (self.trainable or 0) < 0:
             raise ValueError("parameter counts must be >= 0")
 
+    @classmethod
+    def of(cls, parts: dict) -> Blocks:
+        """The blocks a trial's `parts` keep (meters.step_parts)."""
+        kept = parts["blocks"]
+        return cls(root=kept["root"], blocks=tuple(kept["sizes"]), trainable=kept.get("trainable"))
+
     @property
     def parameters(self) -> int:
         return self.root + sum(self.blocks)
@@ -114,14 +113,9 @@ class ShardedPeak:
 
 def mixed_precision_step(measured: StepMemory, blocks: Blocks, master_bytes: int, compute_bytes: int,
                          reduce_bytes: int = 4) -> StepMemory:
-    """The model states FSDP's mixed precision keeps, around activations measured with compute-dtype parameters.
-
-    `measured` is a step whose parameters were in the compute dtype (bf16/fp16), as FSDP2's
-    MixedPrecisionPolicy runs forward and backward on its gathered parameters: its activations are those of
-    the sharded run. The states are not: the sharded parameters are the master weights (`master_bytes` per
-    element, as the recipe stores them), the reduced gradients are in the reduction dtype, and the optimizer
-    state and its step's temporaries mirror the master weights (the optimizer steps the sharded parameters).
-    """
+    """The model states FSDP's mixed precision keeps, around activations measured with compute-dtype parameters (as
+    FSDP2's MixedPrecisionPolicy runs forward and backward): the master weights (`master_bytes` per element), the
+    gradients in the reduction dtype, and the optimizer state and its temporaries mirroring the master weights."""
     scale = master_bytes / compute_bytes
     return StepMemory(
         weights=blocks.parameters * master_bytes + measured.buffers,
@@ -151,21 +145,13 @@ def gathered_gradients(blocks: Blocks, compute_bytes: int, reduce_bytes: int = 4
     return max([blocks.root, *blocks.blocks]) * (compute_bytes + reduce_bytes)
 
 
-def gathered_bytes(blocks: Blocks, compute_bytes: int, reduce_bytes: int = 4) -> int:
-    """Unsharded parameters and gradients one rank holds at a time, at most (see the module's notes)."""
-    return gathered_parameters(blocks, compute_bytes) + gathered_gradients(blocks, compute_bytes, reduce_bytes)
-
-
 def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_bytes: int,
                  reduce_bytes: int = 4, unsharded_window: bool = False, offload: bool = False) -> ShardedPeak:
     """One rank's peak with the model states of `step` sharded over `world_size` ranks.
 
-    `unsharded_window`: the step accumulates micro-batches without reducing between them (FSDP2's no_sync),
-    so every rank holds the whole model's gradients, in the reduction dtype, until the window's last backward.
-    Without it (`batch.sharded_gradients`) each micro-batch's gradients are reduce-scattered and only the shard
-    is kept. `offload`: FSDP2's CPUOffloadPolicy keeps the sharded parameters, the sharded gradients and the
-    optimizer state in CPU memory and steps there; the device holds the buffers, the gathered units, the
-    activations and (within an unreduced window) the unsharded gradients.
+    `unsharded_window`: the window's micro-batches are not reduced between them (FSDP2's no_sync): every rank holds
+    the whole model's gradients until its last backward (else, `batch.sharded_gradients`, only the shard).
+    `offload`: FSDP2's CPUOffloadPolicy keeps the sharded parameters, gradients and optimizer state in CPU memory.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1 (got {world_size})")
@@ -200,11 +186,8 @@ def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_byte
 def smallest_world_size(step: StepMemory, blocks: Blocks, limit_bytes: int, compute_bytes: int,
                         reduce_bytes: int = 4, unsharded_window: bool = False, most: int = 1 << 16,
                         offload: bool = False) -> int | None:
-    """The fewest ranks (>= 2) whose sharded peak is at most `limit_bytes`; None when no number of ranks does.
-
-    The peak never grows with the number of ranks, so the answer is found by bisection; past `most` ranks
-    (or when what is never sharded is already over the limit) there is none.
-    """
+    """The fewest ranks (>= 2) whose sharded peak is at most `limit_bytes`, by bisection (the peak never grows with
+    the ranks); None when `most` ranks do not fit either."""
     def fits(world_size: int) -> bool:
         peak = sharded_peak(step, blocks, world_size, compute_bytes, reduce_bytes, unsharded_window, offload).peak
         return peak <= limit_bytes

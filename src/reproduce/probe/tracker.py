@@ -1,33 +1,22 @@
 """Live tensor storage bytes, counted exactly, on any device (also under `FakeTensorMode`).
 
-`MemoryTracker` is a `TorchDispatchMode`: every storage an operator returns is charged once, rounded
-up to 512 bytes (as the CUDA caching allocator rounds its blocks), and released when the storage is
-freed (a `weakref.finalize` on it). `charge()` adds what existed before the mode was entered
-(parameters, optimizer state, inputs). `peak` is the most ever live since the last `reset_peak()`.
+`MemoryTracker` is a `TorchDispatchMode`: every storage an operator returns is charged once, rounded up to 512
+bytes (as the CUDA caching allocator rounds its blocks), and released when it is freed (`weakref.finalize`).
+`charge()` adds what existed before the mode was entered. `peak` is the most ever live since `reset_peak()`.
 
-Every storage also has a category, so a step's memory can be told apart (what the "does not fit" report
-and the sharding arithmetic need): what operators allocate goes to the current `phase` (by default
-`activations`: saved activations, inputs, temporaries), `charge()` and `retag()` name theirs
-(`weights`, `gradients`, `optimizer`), and a copy of a weight in another dtype (autocast's bf16 copy of an
-fp32 weight) is `weight copies`. `live_by` holds the live bytes of each category, `peak_by` their values
-at the moment of the peak (they sum to `peak`), `most_by` the most each category held, per phase, and
-`when_most` what every category held at the moment activations or gradients were at their most.
-`peak_stage` says whether the peak came in forward, backward (autograd's engine running) or the optimizer step;
-`marked_most` is the most held at once by storages made while `marking` (the logits and the loss: fake_step.py).
+Every storage has a category (what the "does not fit" report and the sharding arithmetic need): what operators
+allocate goes to the current `phase` (by default `activations`), `charge()` and `retag()` name theirs (`weights`,
+`gradients`, `optimizer`), and autocast's copy of a weight is `weight copies`. `live_by` holds each category's live
+bytes, `peak_by` their values at the peak (they sum to `peak`), `most_by` the most each held per phase, `when_most`
+what every category held when activations or gradients were at their most; `peak_stage` says where the peak came
+(forward, backward, optimizer step); `marked_most` the most held by storages made while `marking` (logits, loss).
 
-Two things a dispatch-level count cannot see can be added where the caller knows them (the estimate meter's GPU
-rules, probe/gpu_like.py): `workspace(nbytes)`, a buffer a kernel allocates and frees inside one operator (flash
-attention's fp32 gradient accumulator), live for that moment only; and `allowance`, a share of the live activations
-counted on top of them at every moment (`ALLOWANCE` in `peak_by`), for what no operator returns. Both count in `peak`
-(and the workspaces in `most_by`), never in `live`, and neither takes part in the budget.
-
-With a budget, an operator that takes the live total past it raises `torch.OutOfMemoryError`, the type
-CUDA raises, so code that handles a GPU running out of memory handles this the same way.
-
-What it cannot see, by construction: memory outside tensors (the CUDA context, cuBLAS/cuDNN
-workspaces, the allocator's segments and fragmentation) and the process's own Python objects. On a
-CPU its peaks equal `torch.distributed._tools.mem_tracker.MemTracker`'s to within 0.03% and it runs
-about twice as fast (measured with PyTorch 2.13 on a CPU).
+The GPU rules (probe/gpu_like.py) add what a dispatch-level count cannot see: `workspace(nbytes)`, a buffer an
+operator allocates and frees inside itself, and `allowance`, a share of the live activations (`ALLOWANCE` in
+`peak_by`). Both count in `peak`, never in `live` nor the budget. Over a budget an operator raises
+`torch.OutOfMemoryError`, as CUDA does. Not seen: memory outside tensors (CUDA context, workspaces, the allocator's
+fragmentation). On a CPU its peaks equal `torch.distributed._tools.mem_tracker.MemTracker`'s within 0.03%, at
+about twice its speed (PyTorch 2.13).
 """
 
 from __future__ import annotations

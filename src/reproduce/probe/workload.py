@@ -1,14 +1,10 @@
 """What a trial runs: the recipe's model, optimizer, loss and precision, on one micro-batch of real shape.
 
-The micro-batch comes from the recipe's dataset when it is available here (the first b items, cycling;
-for items of different shapes, the largest item seen in a sample of the data, repeated: the worst case
-is what has to fit). Otherwise it is synthetic, of the shape `declared_inputs(recipe)` gives from the recipe,
-the dataset's known shape and what the model fixes (`reproduce.models.model_inputs`): token sequences of
-`batch.sequence_length` (or `data.max_length`, the longest of variable-length text) over the model's
-vocabulary; segmentation crops of `data.crop` with a mask of `data.classes` ids; or images of `data.channels` x
-`data.image_size`^2 with `data.classes` labels, by default those
-of the dataset named (`reproduce.data.image_dataset`: ImageNet-1k 3 x 224 x 224, 1000 classes), else what the
-architecture fixes; or `data.kwargs.input_shape` (and `data.kwargs.classes`) for any other model.
+The micro-batch comes from the recipe's dataset when it is available here (the first b items, cycling; for items of
+different shapes, the largest one seen in a sample of the data, repeated: the worst case has to fit). Otherwise it
+is synthetic, of the shape `declared_inputs(recipe)` gives from the recipe, the dataset's known shape
+(`reproduce.data.image_dataset`) and what the model fixes (`reproduce.models.model_inputs`): token sequences, segmentation
+crops with masks, images with labels, or `data.kwargs.input_shape` for any other model.
 """
 
 from __future__ import annotations
@@ -31,10 +27,12 @@ SHAPE_SAMPLE = 256  # items looked at to tell fixed-shape data from variable-len
 
 
 class SyntheticSamples:
-    """Random inputs of one shape with class labels, made a batch at a time (the same for every index)."""
+    """Random inputs of one shape with class labels, made a batch at a time (the same for every index); `masks`:
+    segmentation crops (C x H x W) with a mask of random class ids each (H x W), every pixel valid: the most pixels
+    a crop can bring to the loss."""
 
-    def __init__(self, items: int, input_shape: tuple[int, ...], classes: int):
-        self.items, self.shape, self.classes = items, input_shape, classes
+    def __init__(self, items: int, input_shape: tuple[int, ...], classes: int, masks: bool = False):
+        self.items, self.shape, self.classes, self.masks = items, input_shape, classes, masks
 
     def __len__(self) -> int:
         return self.items
@@ -46,7 +44,8 @@ class SyntheticSamples:
     def batch(self, indices: torch.Tensor) -> tuple[Any, torch.Tensor]:
         generator = torch.Generator().manual_seed(0)
         inputs = torch.randn((len(indices), *self.shape), generator=generator)
-        return inputs, torch.randint(0, self.classes, (len(indices),), generator=generator)
+        targets = (len(indices), *self.shape[1:]) if self.masks else (len(indices),)
+        return inputs, torch.randint(0, self.classes, targets, generator=generator)
 
 
 class SyntheticTokens(SyntheticSamples):
@@ -80,16 +79,6 @@ class SyntheticPairs(SyntheticTokens):
     def __getitem__(self, index: int) -> tuple[dict, torch.Tensor]:
         inputs, targets = self.batch(torch.tensor([index]))
         return {key: value[0] for key, value in inputs.items()}, targets[0]
-
-
-class SyntheticMasks(SyntheticSamples):
-    """Segmentation crops: random images of one shape (C x H x W, the training crop) with a mask of random class ids
-    each (H x W), every pixel valid: the most pixels a crop can bring to the loss."""
-
-    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        generator = torch.Generator().manual_seed(0)
-        inputs = torch.randn((len(indices), *self.shape), generator=generator)
-        return inputs, torch.randint(0, self.classes, (len(indices), *self.shape[1:]), generator=generator)
 
 
 def declared_inputs(recipe: Recipe) -> dict:
@@ -144,7 +133,7 @@ def synthetic_data(recipe: Recipe) -> Datasets:
                                        "vocab_size": vocab})
     dims, classes = shape["shape"], shape["classes"]
     masks = shape["inputs"] == "masks"
-    dataset = (SyntheticMasks if masks else SyntheticSamples)(items, dims, classes)
+    dataset = SyntheticSamples(items, dims, classes, masks)
     what = "images with masks" if masks else "inputs"
     info = {"name": f"synthetic {' x '.join(map(str, dims))} {what}, {classes} classes", "classes": classes}
     if len(dims) == 3:
@@ -172,7 +161,7 @@ class Workload:
 
     @property
     def synthetic(self) -> bool:
-        return isinstance(self.data.train, (SyntheticTokens, SyntheticSamples))  # SyntheticMasks too
+        return isinstance(self.data.train, (SyntheticTokens, SyntheticSamples))
 
     @property
     def description(self) -> str:

@@ -1,17 +1,14 @@
 """The whole run's forecast cost, and the recipe's `budget:` checked against it before anything runs (`reproduce
 plan`'s cost row and `plan --json`'s `forecast`). Values and one-line refusals; nothing printed, no torch.
 
-The forecast is the plan's predicted time (predicted_time.py) on its GPUs: GPUs x hours, from the probe's measured
-step time on this device (`measured`), or from the FLOPs model on a GPU's datasheet peak at an assumed MFU
-(`datasheet`). Money is the GPU-hours x the price of one, which only the user gives (`plan --price`, or the recipe's
-`budget.price`): no price is shipped as a fact.
+The forecast is the plan's predicted time (predicted_time.py) x its GPUs, from the probe's measured step time
+(`measured`) or the FLOPs model on a datasheet peak (`datasheet`). Money is the GPU-hours x the price of one, which
+only the user gives (`plan --price`, or `budget.price`): no price is shipped as a fact.
 
-A forecast beyond the budget is refused with the cheapest way to run the same recipe exactly that fits, when one
-does: another exact split (micro-batch x accumulation) or another GPU count. On the measured step times a split's
-cost is its micro-batch's time per sample (throughput/cost.py: interpolated between the probe's timed sizes; the
-all-reduce between processes not counted), so a GPU count changes the GPU-hours only through the micro-batches its
-share of the batch allows (fewer GPUs, larger micro-batches). The FLOPs model's GPU-hours are the same for every split
-and count (the same FLOPs at the same peak), so there nothing else fits.
+A forecast beyond the budget is refused with the cheapest exact way that fits, when one does: another split or GPU
+count. On measured step times a split costs its micro-batch's time per sample (throughput/cost.py; the all-reduce
+not counted), so a GPU count changes the GPU-hours only through the micro-batches its share allows. The FLOPs
+model's GPU-hours are the same for every split and count, so there nothing else fits.
 """
 
 from __future__ import annotations
@@ -73,33 +70,21 @@ def forecast(plan: Plan, result: ProbeResult | None, prediction: dict, price: fl
         out["notes"].append("budget not checked: no forecast of the whole run's GPU-hours (" + "; ".join(
             prediction.get("notes") or ["no predicted time"]) + ")")
         return out
-    limit = allowed_hours(budget.gpu_hours, budget.money, price)
+    # the most GPU-hours the budget allows: its GPU-hours, or its money at the price, whichever is less
+    limit = min(([budget.gpu_hours] if budget.gpu_hours is not None else [])
+                + ([budget.money / price] if budget.money is not None and price is not None else []))
     out["within_budget"] = gpu_hours <= limit
     if out["within_budget"]:
         return out
     ways = cheaper_ways(plan, result) if kind == "measured" else []
     fitting = [way for way in ways if way.gpu_hours <= limit]
-    raise UserError(over_budget_line(plan, out, limit, ways, fitting, prediction),
-                    field=over_field(budget, gpu_hours, money))
+    over = "budget.gpu_hours" if budget.gpu_hours is not None and gpu_hours > budget.gpu_hours else "budget.money"
+    raise UserError(over_budget_line(plan, out, limit, ways, fitting, prediction), field=over)
 
 
 def check_price(price: float | None) -> None:
     if price is not None and not price > 0:
         raise UserError(f"expected the price of one GPU-hour, > 0 (got {price:g})", field="price")
-
-
-def allowed_hours(gpu_hours: float | None, money: float | None, price: float | None) -> float:
-    """The most GPU-hours the budget allows: its GPU-hours, or its money at the price, whichever is less."""
-    limits = [gpu_hours] if gpu_hours is not None else []
-    if money is not None and price is not None:
-        limits.append(money / price)
-    return min(limits)
-
-
-def over_field(budget, gpu_hours: float, money: float | None) -> str:
-    if budget.gpu_hours is not None and gpu_hours > budget.gpu_hours:
-        return "budget.gpu_hours"
-    return "budget.money"
 
 
 def at_least(out: dict, gpu_hours: float) -> str:

@@ -1,14 +1,10 @@
 """`--policy throughput`: the exact split with the most samples per second, its timings gathered.
 
-The timing and the choice are pure (splits.py); here the steps are run. With the cuda or cpu meter, and without
-a probe (`--micro-batch-max`), every exact split is timed as `reproduce run` executes it, on the device the run
-would use (the probed one): whole optimizer steps of one model (split_steps.py, train/step.py's `optimizer_step`),
-a warm-up step each, then interleaved rounds, the two fastest re-timed when they are within their spread, all within
-`splits.BUDGET_SECONDS` of timed steps. The probe's trials are never used (one step each, the first call
-included, under the memory meter). With the estimate meter nothing runs for real: the FLOPs model
-(`splits.model_micro_step`, the GPU's datasheet peak and bandwidth) gives each split a time, and the plan says
-it is a model. Torch is imported only to time. Nothing is printed: each timing's line goes to the caller's
-`on_note`.
+The timing and the choice are pure (splits.py); here the steps are run. With the cuda or cpu meter, and without a
+probe (`--micro-batch-max`), every exact split is timed as `reproduce run` executes it on the probed device
+(split_steps.py; never the probe's trials: one step each, under the memory meter). With the estimate meter the FLOPs
+model (`splits.model_micro_step`) gives each split a time, and the plan says it is a model. Torch is imported only
+to time; nothing is printed (each timing's line goes to `on_note`).
 """
 
 from __future__ import annotations
@@ -23,16 +19,11 @@ from ..plan.recipe import Recipe
 from ..plan.segments import micro_batch_cap
 from ..plan.weightfiles import WeightsRecord
 from ..probe.runner import ProbeResult
-from .prediction import DEFAULT_MFU
+from .predicted_time import DEFAULT_MFU
 from .splits import BUDGET_SECONDS, Timings, choose, exact_splits, model_micro_step, time_splits
 
 if TYPE_CHECKING:
     from ..data import Datasets
-
-
-def check_mfu(assumed_mfu: float) -> None:
-    if not 0 < assumed_mfu <= 1:
-        raise UserError(f"expected a fraction in (0, 1], such as 0.4 (got {assumed_mfu:g})", field="assumed_mfu")
 
 def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, world_size: int,
                     dataset_size: int | dict | None, result: ProbeResult | None, data: Datasets | None = None,

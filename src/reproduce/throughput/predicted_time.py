@@ -1,13 +1,19 @@
 """The predicted wall time of a plan (`reproduce plan`'s `predicted_seconds`): on a device the probe measured, the
-measured step time x the steps; with `--gpu`, the FLOPs model (prediction.py) with its assumed MFU stated; and the
-same model on the paper's own hardware (`batch.devices` x `batch.device`) when it is a GPU of the catalog with a
-datasheet peak, with or without --gpu (which changes only `predicted_seconds`). Values only, nothing printed. The
-FLOPs counter (probe/flops.py) imports torch; its count per sample is kept in the probe's cache (keyed by the recipe
-and the libraries' versions), so planning the same recipe again imports no torch.
+measured step time x the steps; with `--gpu`, the FLOPs model with its assumed MFU stated; and the same model on the
+paper's own hardware (`batch.devices` x `batch.device`) when it is a GPU of the catalog with a datasheet peak, with
+or without --gpu (which changes only `predicted_seconds`). Values only, nothing printed. The FLOPs counter
+(probe/flops.py) imports torch; its count per sample is kept in the probe's cache, so planning the same recipe again
+imports no torch.
+
+The FLOPs model: predicted seconds = optimizer steps x FLOPs per optimizer step / (devices x peak FLOP/s x MFU), with
+the model FLOPs counted once (forward and backward of every sample), the devices' datasheet peak for the run's
+precision (hardware/peaks.py), and an MFU that is assumed, stated and sourced (`DEFAULT_MFU`, or --mfu). A device
+whose peak is unknown has no prediction, never a made-up one.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
@@ -16,11 +22,28 @@ from ..hardware.peaks import on_card, peaks_of, precision_key
 from ..plan.planner import Plan
 from ..probe.runner import ProbeResult
 from .plan_cost import plan_costs
-from .policy import check_mfu
-from .prediction import DEFAULT_MFU, MFU_SOURCE, predicted_seconds
 
 if TYPE_CHECKING:
     from ..data import Datasets
+
+DEFAULT_MFU = 0.40
+MFU_SOURCE = (
+    "assumed MFU 40%: the upper part of the range large training runs report, 21.3% (GPT-3) to 46.2% (PaLM 540B) "
+    "(Chowdhery et al. 2022, arXiv 2204.02311, Table 3); set your own with --mfu"
+)
+
+
+def check_mfu(assumed_mfu: float) -> None:
+    if not 0 < assumed_mfu <= 1:
+        raise UserError(f"expected a fraction in (0, 1], such as 0.4 (got {assumed_mfu:g})", field="assumed_mfu")
+
+
+def predicted_seconds(optimizer_steps: int | None, flops_per_step: float | None, devices: int,
+                      peak_flops: float | None, assumed_mfu: float = DEFAULT_MFU) -> float | None:
+    """The run's wall time by the FLOPs model; None when the steps, the FLOPs or the peak are unknown."""
+    if optimizer_steps is None or not flops_per_step or not peak_flops or devices < 1 or assumed_mfu <= 0:
+        return None
+    return optimizer_steps * flops_per_step / (devices * peak_flops * assumed_mfu)
 
 
 def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: float = DEFAULT_MFU,
@@ -76,21 +99,12 @@ def _flops_model(entry, devices: int, key: str, samples: int | None, per_sample:
     """The FLOPs model's time on `devices` x the catalog card `entry`: (seconds, its basis, the datasheet column,
     why that column has no peak, or None when it has one)."""
     on, peaks = on_card(key, entry.capability), peaks_of(entry.name)
-    peak = _peak(peaks, on)
-    basis = f"FLOPs model: {devices} x {entry.title} at {_tflops(peak)} {on} x MFU {mfu:.0%}"
+    peak = peaks.flops(on) if peaks is not None else None
+    shown = f"{peak / 1e12:g} TFLOP/s" if peak else "an unknown peak"
+    basis = f"FLOPs model: {devices} x {entry.title} at {shown} {on} x MFU {mfu:.0%}"
     why = None if peak is not None else (peaks.source if peaks else "not in hardware/peaks.py")
-    return _predict(samples, per_sample, devices, peak, mfu), basis, on, why
-
-
-def paper_gpu(recipe):
-    """The catalog entry of the paper's hardware (`batch.device`, with `batch.devices` stated); None for a TPU, a
-    card not in the catalog, or hardware not stated."""
-    if not (recipe.batch.device and recipe.batch.devices):
-        return None
-    try:
-        return lookup(recipe.batch.device)
-    except UserError:
-        return None
+    seconds = None if samples is None else predicted_seconds(1, samples * per_sample, devices, peak, mfu)
+    return seconds, basis, on, why
 
 
 def sample_flops(recipe, data: Datasets | None = None) -> tuple[float, float]:
@@ -126,26 +140,15 @@ def total_samples(p: Plan) -> float | None:
     return total
 
 
-def _predict(samples: float | None, per_sample: float, devices: int, peak: float | None, assumed_mfu: float
-             ) -> float | None:
-    if samples is None:
-        return None
-    return predicted_seconds(1, samples * per_sample, devices, peak, assumed_mfu)
-
-
-def _peak(peaks, key: str) -> float | None:
-    return peaks.flops(key) if peaks is not None else None
-
-
-def _tflops(peak: float | None) -> str:
-    return f"{peak / 1e12:g} TFLOP/s" if peak else "an unknown peak"
-
-
 def predict(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: float = DEFAULT_MFU) -> dict:
     """`prediction_json` when there is hardware to predict for (--gpu, or a probed device); else why not. A model
     the FLOPs counter cannot trace leaves the prediction null, never the plan undone."""
     check_mfu(assumed_mfu)
-    if gpu is None and result is None and paper_gpu(p.recipe) is None:  # nothing to predict for: no FLOPs counted
+    batch, paper = p.recipe.batch, None
+    if batch.device and batch.devices:  # the paper's hardware, when the catalog has it (not a TPU)
+        with contextlib.suppress(UserError):
+            paper = lookup(batch.device)
+    if gpu is None and result is None and paper is None:  # nothing to predict for: no FLOPs counted
         return {"predicted_seconds": None, "paper_predicted_seconds": None,
                 "notes": ["no predicted time: give --gpu NAME (or let the plan probe a device) to predict one"]}
     try:

@@ -1,16 +1,11 @@
 """Whole optimizer steps of any exact split, timed as `reproduce run` executes them, for the throughput policy.
 
 One model, optimizer and precision, built once by `train.setup.build` as the run builds them, serves every split
-(`time_splits` in reproduce/throughput/splits.py interleaves them, so they share one model instead of one each; the
-weights' values do not change a step's time). A step of split m x N is train/step.py's `optimizer_step` over the
-window of the per-process batch split into N micro-batches of m, each a `LazyMicroBatch` fetched from the training
-set and moved to the device as its forward runs, with the gradient noise scale measured as `reproduce run` does by
-default; the CPU flushes denormals as the run does. Every split's k-th step takes the same samples (the k-th
-window of a fixed order), so splits of variable-length data pad alike; with `data.packing` sorted or packed (the
-recipe's, else the data's default) each window is grouped as the run groups it, T = m x the longest example, through
-the attention the run uses (models/varlen.py for packed). The clock runs from building the window to
-the end of the update (CUDA synchronised), as the run's `seconds` per step. A split that runs out of memory is
-`NotTimed` (its memory freed), not an error.
+(the weights' values do not change a step's time). A step of split m x N is train/step.py's `optimizer_step` over
+N `LazyMicroBatch`es of m, with the gradient noise scale measured and denormals flushed on the CPU, as the run does.
+Every split's k-th step takes the same samples (the k-th window of a fixed order), grouped as the run groups them
+under `data.packing` sorted or packed. The clock runs from building the window to the end of the update (CUDA
+synchronised), as the run's `seconds` per step. A split that runs out of memory is `NotTimed` (its memory freed).
 """
 
 from __future__ import annotations

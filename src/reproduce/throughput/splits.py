@@ -1,29 +1,24 @@
 """The fastest exact split: how the splits are timed, and which to take. Pure Python, no torch.
 
 Among the exact splits m x N x W = the paper's batch with m <= the largest micro-batch that fits, the policy
-`throughput` takes the one with the most samples per second. Every split runs the same per-process batch in one
-optimizer step, so the fastest is the one whose whole optimizer step (N micro-steps, then the update) is shortest.
-
-`time_splits` times them as `reproduce run` executes them, given a function that runs whole optimizer steps of a
-split and returns their seconds (throughput/split_steps.py: train/step.py's `optimizer_step`, on the run's device):
+`throughput` takes the one whose whole optimizer step (N micro-steps, then the update) is shortest: each runs the
+same per-process batch. `time_splits` times them given a function that runs whole optimizer steps of a split and
+returns their seconds (throughput/split_steps.py, as `reproduce run` executes them):
 
 1. a warm-up step of each split, largest first (first calls, allocator growth: never counted);
 2. `REPEATS` rounds (at least `MIN_REPEATS`), each timing every split once in an order rotated each round, so a
    busy spell of the machine slows every split alike instead of one; a repeat is one optimizer step, or the mean of
    a few back to back when one step is shorter than `MIN_REPEAT_SECONDS` (timer and scheduler noise);
-3. each split's median step time, and its spread: twice the median absolute deviation of its repeats over their
-   median (robust to the one repeat a busy machine slows; about 1.35 standard deviations);
+3. each split's median step time, and its spread (`relative_spread`);
 4. the two fastest compared round by round (`paired`: the median of their rounds' ratios, which cancels the load
    common to both, against twice its standard error, at least `NOISE_FLOOR`); when their difference is within that
    noise, both are timed again for `RETIME_ROUNDS` more rounds, next to each other, and compared on all their
    repeats. Still within it: indistinguishable, and the larger micro-batch is taken (fewer, larger kernels; the
    optimizer step amortised over more samples).
 
-The cost of choosing is bounded by `BUDGET_SECONDS` of timed steps: warm-ups stop once they have taken
-`WARM_UP_SHARE` of it (the smaller splits left untimed, and said so), then the splits with the slowest warm-up are
-left out (never the largest) and the rounds cut down to `MIN_REPEATS` until the rounds and a re-timing fit. A
-bound too small for two splits' warm-up and `MIN_REPEATS` rounds is exceeded, and the cost says so. Each
-candidate's seconds are kept in the plan (`throughput.candidates[].timing_seconds`, `throughput.cost`).
+The cost of choosing is bounded by `BUDGET_SECONDS` of timed steps: warm-ups stop at `WARM_UP_SHARE` of it, then
+the splits with the slowest warm-up are left out (never the largest) and the rounds cut down to `MIN_REPEATS` until
+the rounds and a re-timing fit; a bound too small for that is exceeded, and the plan's `throughput.cost` says so.
 """
 
 from __future__ import annotations
@@ -112,21 +107,15 @@ def steps_per_repeat(warm_up_seconds: float) -> int:
 
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float]:
-    """(gap, noise) of two splits' repeats taken in the same rounds: gap, how much longer b's step is than a's (the
-    median of the rounds' ratios, less 1; negative: b is faster); noise, what the gap must exceed to be real: twice
-    the standard error of that median (`MEDIAN_SE` x the ratios' median absolute deviation / sqrt(rounds)), at least
-    `NOISE_FLOOR`. Pairing by round cancels the machine's load common to both, which the repeats' own spread keeps."""
+    """(gap, noise) of two splits' repeats taken in the same rounds: gap, the median of the rounds' ratios b / a less
+    1 (negative: b is faster); noise, twice that median's standard error, at least `NOISE_FLOOR`. Pairing by round
+    cancels the machine's load common to both, which the repeats' own spread keeps."""
     ratios = [y / x for x, y in zip(a, b, strict=False) if x > 0]
     if not ratios:
         return 0.0, NOISE_FLOOR
     middle = statistics.median(ratios)
     deviation = statistics.median(abs(r - middle) for r in ratios)
     return middle - 1, max(NOISE_FLOOR, 2 * MEDIAN_SE * deviation / math.sqrt(len(ratios)) / middle)
-
-
-def fastest(timed: dict[int, SplitTiming]) -> list[int]:
-    """The splits by median step time, fastest first; equal times: the larger micro-batch first."""
-    return sorted(timed, key=lambda m: (timed[m].median, -m))
 
 
 def time_splits(splits: list[int], run_steps: RunSteps, budget: float = BUDGET_SECONDS,
@@ -181,7 +170,7 @@ def time_splits(splits: list[int], run_steps: RunSteps, budget: float = BUDGET_S
         shift = r % len(order) if order else 0
         time_round(order[shift:] + order[:shift])
     retimed = None
-    ranked = fastest(timed)
+    ranked = sorted(timed, key=lambda m: (timed[m].median, -m))  # fastest first; equal: the larger micro-batch
     gap, noise = paired(timed[ranked[0]].repeats, timed[ranked[1]].repeats) if len(ranked) >= 2 else (1.0, 0.0)
     if abs(gap) <= noise:  # 4. the top two again
         pair = ranked[:2]
@@ -233,10 +222,9 @@ def choose(
 ) -> Decision:
     """The exact split with the shortest optimizer step (`step_seconds`, the same per-process batch in each).
 
-    The two fastest are compared round by round when `timings` (what `time_splits` measured, used in place of
-    `step_seconds` and `spreads`) are given, else within their `spreads` (at least NOISE_FLOOR): within the noise the
-    larger micro-batch wins. `batchnorm_micro_batch`, the paper's per-device batch, is kept whatever the timings say
-    (BatchNorm statistics over the paper's samples); the candidates still show what that choice costs.
+    The two fastest are compared round by round when `timings` (`time_splits`'s, in place of `step_seconds` and
+    `spreads`) are given, else within their `spreads`: within the noise the larger micro-batch wins.
+    `batchnorm_micro_batch`, the paper's per-device batch, is kept whatever the timings say (BatchNorm statistics).
     """
     if not splits:
         raise ValueError("no exact split to choose from")
@@ -319,8 +307,8 @@ def _timed_split(m: int, chosen: int, per_rank_batch: int, seconds: float, best_
 
 
 def relative_spread(samples: list[float]) -> float:
-    """The noise a difference has to exceed to count: twice the median absolute deviation of repeated timings over
-    their median (robust to the one repeat a busy machine slows down; about 1.35 standard deviations)."""
+    """Twice the median absolute deviation of repeated timings over their median (robust to the one repeat a busy
+    machine slows; about 1.35 standard deviations): the noise a difference has to exceed to count."""
     if len(samples) < 2:
         return 0.0
     middle = statistics.median(samples)

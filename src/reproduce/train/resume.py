@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..observe.divergence import DivergenceWatch
 from ..observe.noise import NoiseScale
 from ..observe.outputs import loss_document, missing_final_outputs, read_metrics
+from ..observe.reference import DivergenceWatch
 from ..plan.planfile import changed_fields
 from ..plan.planner import Plan
 from ..plan.segments import batch_phase

@@ -13,10 +13,10 @@ import torch
 from ..data.batches import DataClock, LazyMicroBatch
 from ..data.loader import LoaderWatch, MicroBatchStream, default_workers, fetch_seeded
 from ..data.packing import Grouping
-from ..observe.divergence import DivergenceWatch
 from ..observe.noise import NoiseScale
 from ..observe.outputs import MetricsLog
 from ..observe.rates import StepRates
+from ..observe.reference import DivergenceWatch
 from ..plan.planner import Plan
 from .distributed.processes import World
 from .options import RunRequest

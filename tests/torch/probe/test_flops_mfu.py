@@ -9,9 +9,10 @@ import pytest
 from reproduce.cli import main
 from reproduce.hardware.catalog import GPUS
 from reproduce.hardware.peaks import PEAKS, identify, peaks_of, precision_key
+from reproduce.observe.rates import mfu
 from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.flops import recipe_flops
-from reproduce.throughput.prediction import DEFAULT_MFU, mfu, predicted_seconds
+from reproduce.throughput.predicted_time import DEFAULT_MFU, predicted_seconds
 
 MLP = {
     "batch": {"effective": 64, "unit": "samples"},

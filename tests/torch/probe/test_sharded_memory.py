@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from reproduce.probe.sharded_memory import (
     Blocks,
     StepMemory,
-    gathered_bytes,
+    gathered_gradients,
+    gathered_parameters,
     shard,
     sharded_peak,
     smallest_world_size,
@@ -90,10 +91,14 @@ def test_smallest_world_size_is_the_fewest_that_fit(step, units, nbytes, limit, 
 def test_gathered_blocks_by_hand():
     """The root (always gathered), two largest blocks in bf16, and the largest unit's gradients in bf16 + fp32."""
     units = Blocks(root=100, blocks=(10, 30, 20))
-    assert gathered_bytes(units, compute_bytes=2) == (100 + 30 + 20) * 2 + 100 * (2 + 4)
+    assert gathered_parameters(units, compute_bytes=2) == (100 + 30 + 20) * 2
+    assert gathered_gradients(units, compute_bytes=2) == 100 * (2 + 4)
     units = Blocks(root=5, blocks=(10, 30, 20))
-    assert gathered_bytes(units, compute_bytes=2) == (5 + 30 + 20) * 2 + 30 * (2 + 4)
-    assert gathered_bytes(Blocks(root=7), compute_bytes=4) == 7 * 4 + 7 * (4 + 4)  # no blocks: the model is one unit
+    assert gathered_parameters(units, compute_bytes=2) == (5 + 30 + 20) * 2
+    assert gathered_gradients(units, compute_bytes=2) == 30 * (2 + 4)
+    no_blocks = Blocks(root=7)  # no blocks: the model is one unit
+    assert gathered_parameters(no_blocks, compute_bytes=4) == 7 * 4
+    assert gathered_gradients(no_blocks, compute_bytes=4) == 7 * (4 + 4)
 
 
 def test_a_sharded_peak_by_hand():

@@ -15,7 +15,7 @@ import pytest
 from helpers import cli_json
 from reproduce.hardware.catalog import lookup
 from reproduce.hardware.peaks import identify, on_card, peaks_of
-from reproduce.throughput.prediction import DEFAULT_MFU
+from reproduce.throughput.predicted_time import DEFAULT_MFU
 
 ROOT = Path(__file__).resolve().parents[3]
 GOYAL = str(ROOT / "papers" / "goyal2017-resnet50.yaml")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import cli, cli_json
-from reproduce.throughput.prediction import DEFAULT_MFU
+from reproduce.throughput.predicted_time import DEFAULT_MFU
 
 PAPER = """\
 batch: {effective: 4096, unit: tokens, sequence_length: 32, devices: 8, per_device: 16, device: A100-80GB}
