@@ -33,16 +33,12 @@ NAME = re.compile(r"`([a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*)`")
 def request_flags() -> dict[str, str]:
     """Each option's parameter name and its flag, over every command (`micro_batch_max` -> `--micro-batch-max`);
     read when the first error is shown, after every command has registered its options."""
+    root = typer.main.get_command(app)  # the commands are its own, one level deep
     flags: dict[str, str] = {}
-
-    def walk(command) -> None:
+    for command in [root, *getattr(root, "commands", {}).values()]:
         for param in command.params:
             if param.param_type_name == "option":
                 flags.setdefault(param.name, param.opts[0])
-        for sub in getattr(command, "commands", {}).values():
-            walk(sub)
-
-    walk(typer.main.get_command(app))
     return flags
 
 
