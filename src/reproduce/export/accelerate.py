@@ -35,13 +35,9 @@ def build(plan: Plan) -> Export:
         "do not pass the scheduler to accelerator.prepare: Accelerate would step it num_processes times per "
         "optimizer step; step it yourself when accelerator.sync_gradients, as below"
     )
-    for note in (mean_loss_note(plan, "accelerator.backward", "loss_sum * N * W / window_items"),
-                 epoch_tail_note(plan, "Accelerate's accumulate()"),
-                 no_torch_optimizer_note(plan)):
-        if note:
-            notes.append(note)
-    if plan.optimizer_steps is None:
-        notes.append(steps_note(plan, "the loop's step count"))
+    notes += filter(None, (mean_loss_note(plan, "accelerator.backward", "loss_sum * N * W / window_items"),
+                           epoch_tail_note(plan, "Accelerate's accumulate()"), no_torch_optimizer_note(plan),
+                           steps_note(plan, "the loop's step count")))
     plugin: list[str] = []
     fsdp_plugin = None
     if sharded(plan):

@@ -186,6 +186,14 @@ def _phase_notes(plan: Plan) -> list[str]:
             *phase_lines(phases, plan.world_size, plan.unit), *restarts]
 
 
+def plan_command(plan: Plan) -> str:
+    """The command that saves this plan as plan.yaml; --policy throughput's timed choice is given as the maximum, so
+    that the exact policy takes that very split again."""
+    largest = plan.micro_batch if plan.policy == "throughput" else plan.micro_batch_max
+    return (f"reproduce plan {plan.recipe_path or 'RECIPE'} --micro-batch-max {largest} --world-size "
+            f"{plan.world_size}" + (" --policy fast" if plan.policy == "fast" else "") + " --out plan.yaml")
+
+
 def run_name(plan: Plan) -> str:
     return Path(plan.recipe_path).stem if plan.recipe_path else "run"
 

@@ -39,12 +39,9 @@ def build(plan: Plan) -> Export:
         "devices": f"processes per node: devices x num_nodes = {plan.world_size}",
         "max_steps": "optimizer steps",
     }
-    if plan.optimizer_steps is None:
-        notes.append(steps_note(plan, "max_steps"))
-    for note in (mean_loss_note(plan, "Lightning", "loss_sum * N * W / window_items"),
-                 epoch_tail_note(plan, "Lightning"), no_torch_optimizer_note(plan)):
-        if note:
-            notes.append(note)
+    notes += filter(None, (steps_note(plan, "max_steps"),
+                           mean_loss_note(plan, "Lightning", "loss_sum * N * W / window_items"),
+                           epoch_tail_note(plan, "Lightning"), no_torch_optimizer_note(plan)))
     values = {"trainer": trainer, "batch_size": plan.micro_batch}
     strategy: list[str] = []
     if sharded(plan):
