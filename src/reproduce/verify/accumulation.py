@@ -17,6 +17,7 @@ two gradients differ, and the check says so with the size of the difference.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -123,20 +124,26 @@ class _NoSchedule:
     def step(self) -> None: ...
 
 
-def disable_dropout(model: nn.Module) -> list[str]:
-    """Set every dropout probability to 0 (dropout modules, and float `dropout`/`dropout_p` attributes)."""
-    changed = []
+def dropouts(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    """Every dropout probability above 0 in `model` (dropout modules' `p`, float `dropout` / `dropout_p` /
+    `attn_dropout` attributes): its name as shown, its module and the attribute that holds it."""
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
             if module.p > 0:
-                changed.append(f"{name or type(module).__name__} (p={module.p:g})")
-            module.p = 0.0
+                yield name or type(module).__name__, module, "p"
             continue
         for attr in ("dropout", "dropout_p", "attn_dropout"):
             value = getattr(module, attr, None)
-            if isinstance(value, float) and not isinstance(value, bool) and value > 0:
-                changed.append(f"{name}.{attr} (p={value:g})")
-                setattr(module, attr, 0.0)
+            if isinstance(value, float) and value > 0:
+                yield f"{name}.{attr}", module, attr
+
+
+def disable_dropout(model: nn.Module) -> list[str]:
+    """Set every dropout probability to 0; what was changed."""
+    changed = []
+    for shown, module, attr in list(dropouts(model)):
+        changed.append(f"{shown} (p={getattr(module, attr):g})")
+        setattr(module, attr, 0.0)
     return changed
 
 
@@ -245,8 +252,7 @@ def _plan_gradient(setup: Setup, recorder: GradientRecorder, train_set: Any, gro
     if setup.plan.recipe.model.activation_checkpointing:  # the same masks in the recomputation (dropout on)
         from .recomputation import recomputation_error
 
-        recomputed = recomputation_error(setup.plan, setup.data, micro_batches, device, dtype, seed,
-                                         GradientRecorder, _NoSchedule)
+        recomputed = recomputation_error(setup.plan, setup.data, micro_batches, device, dtype, seed)
     optimizer_step(setup, micro_batches)
     return recorder.gradients, recomputed
 

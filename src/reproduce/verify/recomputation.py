@@ -10,10 +10,9 @@ the two accumulated gradients must agree within the check's tolerance.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from ..models import build_model
 from ..plan.overlay import variant
@@ -21,25 +20,14 @@ from ..plan.planner import Plan
 from ..train.losses import build_loss
 from ..train.setup import Setup
 from ..train.step import optimizer_step
+from .accumulation import GradientRecorder, _NoSchedule, _relative, dropouts
 
 if TYPE_CHECKING:
     from ..data import Datasets
 
 
-def has_dropout(model: nn.Module) -> bool:
-    """Whether any dropout in `model` has a probability above 0 (modules, or float `dropout` attributes)."""
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            return True
-        for attr in ("dropout", "dropout_p", "attn_dropout"):
-            value = getattr(module, attr, None)
-            if isinstance(value, float) and value > 0:
-                return True
-    return False
-
-
 def recomputation_error(plan: Plan, data: Datasets, micro_batches: list, device: torch.device, dtype: torch.dtype,
-                        seed: int, recorder_type: Any, no_schedule: Any) -> tuple[float, bool]:
+                        seed: int) -> tuple[float, bool]:
     """(relative difference of the accumulated gradients with and without checkpointing, dropout on; whether the
     model has dropout to check). `micro_batches` are on the device; both steps start from the same seed."""
     gradients, dropout = [], False
@@ -49,13 +37,12 @@ def recomputation_error(plan: Plan, data: Datasets, micro_batches: list, device:
         torch.manual_seed(seed)
         model = build_model(recipe, data.info).to(device=device, dtype=dtype)
         model.train()
-        dropout = dropout or has_dropout(model)
-        recorder = recorder_type([p for p in model.parameters() if p.requires_grad])
-        setup = Setup(plan.model_copy(update={"recipe": recipe}), model, recorder, no_schedule(), None,
+        dropout = dropout or any(dropouts(model))
+        recorder = GradientRecorder([p for p in model.parameters() if p.requires_grad])
+        setup = Setup(plan.model_copy(update={"recipe": recipe}), model, recorder, _NoSchedule(), None,
                       build_loss(recipe, model), data, device, dtype)
         torch.manual_seed(seed + 1)  # the dropout masks: the same stream in both steps
         optimizer_step(setup, micro_batches)
         gradients.append(recorder.gradients)
     difference = math.sqrt(sum(float((a.double() - b.double()).norm()) ** 2 for a, b in zip(*gradients, strict=True)))
-    norm = math.sqrt(sum(float(b.double().norm()) ** 2 for b in gradients[1]))
-    return (difference / norm if norm else (0.0 if difference == 0 else math.inf)), dropout
+    return _relative(difference, math.sqrt(sum(float(b.double().norm()) ** 2 for b in gradients[1]))), dropout
