@@ -8,8 +8,8 @@ import yaml
 
 from ..plan.planner import Plan
 from .code import no_torch_optimizer_note, optimizer_source, schedule_words
-from .common import Export, epoch_tail_note, finetune_notes, header, mean_loss_note, steps_note
-from .fsdp import COMPUTE_DTYPES, fsdp_blocks, fsdp_notes, sharded
+from .common import TORCH_DTYPES, Export, epoch_tail_note, finetune_notes, header, mean_loss_note, steps_note
+from .fsdp import fsdp_blocks, fsdp_notes, sharded
 
 ACCELERATE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -48,7 +48,7 @@ def build(plan: Plan) -> Export:
         if block_note:
             notes.append(block_note)
         if recipe.precision != "fp32":
-            compute = COMPUTE_DTYPES[recipe.precision]
+            compute = TORCH_DTYPES[recipe.precision]
             notes.append(f"Accelerate's FSDP with mixed_precision {recipe.precision} also reduces gradients in "
                          f"{recipe.precision}: pass the plugin below for fp32 reductions, as reproduce run")
             plugin = [

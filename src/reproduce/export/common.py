@@ -77,7 +77,7 @@ def header(plan: Plan, notes: list[str], extra: list[str] = ()) -> list[str]:
     return lines
 
 
-TORCH_DTYPE_NAMES = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+TORCH_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}  # as source
 
 
 def model_notes(plan: Plan) -> list[str]:
@@ -85,7 +85,7 @@ def model_notes(plan: Plan) -> list[str]:
     `reproduce run` does: no trainer setting carries them, so every emitted form says them."""
     spec, notes = plan.recipe.model, []
     if spec.dtype != "fp32":
-        dtype = TORCH_DTYPE_NAMES[spec.dtype]
+        dtype = TORCH_DTYPES[spec.dtype]
         notes.append(
             f"the recipe stores the weights in {spec.dtype} (model.dtype), as reproduce run does: build or load the "
             f"model in it (model.to({dtype}), or from_pretrained(..., dtype={dtype})) before anything else"

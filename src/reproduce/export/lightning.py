@@ -7,6 +7,7 @@ from typing import Any
 from ..plan.planner import Plan
 from .code import lr_factor_source, no_torch_optimizer_note, optimizer_source, param_groups_source, schedule_words
 from .common import (
+    TORCH_DTYPES,
     Export,
     epoch_tail_note,
     finetune_notes,
@@ -16,7 +17,7 @@ from .common import (
     py_literal,
     steps_note,
 )
-from .fsdp import COMPUTE_DTYPES, fsdp_blocks, fsdp_notes, sharded
+from .fsdp import fsdp_blocks, fsdp_notes, sharded
 
 LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 
@@ -71,7 +72,7 @@ def build(plan: Plan) -> Export:
 
 def _lightning_fsdp_source(plan: Plan, blocks: list[str]) -> list[str]:
     """`def fsdp_strategy(model)`: Lightning's FSDPStrategy sharded per block, with fp32 gradient reductions."""
-    compute = COMPUTE_DTYPES.get(plan.recipe.precision)
+    compute = None if plan.recipe.precision == "fp32" else TORCH_DTYPES[plan.recipe.precision]  # FSDP's param_dtype
     precision = [] if compute is None else [
         f"    # {plan.recipe.precision}-mixed alone would reduce gradients in {plan.recipe.precision}; fp32 as "
         "reproduce run:",
