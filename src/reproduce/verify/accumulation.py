@@ -17,7 +17,6 @@ two gradients differ, and the check says so with the size of the difference.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,6 +39,7 @@ from ..train.losses import PixelLoss, build_loss
 from ..train.setup import Setup, resolve_device
 from ..train.step import optimizer_step
 from ..train.windows import epoch_order, grouped_window, window
+from .recomputation import dropouts, recomputation_error
 from .reference import copy_gradients, one_pass_reference
 
 DTYPES = ("float64", "float32", "bf16", "fp16")
@@ -122,20 +122,6 @@ class GradientRecorder:
 
 class _NoSchedule:
     def step(self) -> None: ...
-
-
-def dropouts(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
-    """Every dropout probability above 0 in `model` (dropout modules' `p`, float `dropout` / `dropout_p` /
-    `attn_dropout` attributes): its name as shown, its module and the attribute that holds it."""
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            if module.p > 0:
-                yield name or type(module).__name__, module, "p"
-            continue
-        for attr in ("dropout", "dropout_p", "attn_dropout"):
-            value = getattr(module, attr, None)
-            if isinstance(value, float) and value > 0:
-                yield f"{name}.{attr}", module, attr
 
 
 def disable_dropout(model: nn.Module) -> list[str]:
@@ -250,9 +236,8 @@ def _plan_gradient(setup: Setup, recorder: GradientRecorder, train_set: Any, gro
                      f"{sum(counts)}")
     recomputed = None
     if setup.plan.recipe.model.activation_checkpointing:  # the same masks in the recomputation (dropout on)
-        from .recomputation import recomputation_error
-
-        recomputed = recomputation_error(setup.plan, setup.data, micro_batches, device, dtype, seed)
+        recomputed = recomputation_error(setup.plan, setup.data, micro_batches, device, dtype, seed,
+                                         GradientRecorder, _NoSchedule)
     optimizer_step(setup, micro_batches)
     return recorder.gradients, recomputed
 
