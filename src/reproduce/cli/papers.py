@@ -85,10 +85,6 @@ def paper_text(recipe: Recipe) -> str:
     return recipe.paper.title + (f" ({recipe.paper.year})" if recipe.paper.year else "")
 
 
-def optimizer_text(recipe: Recipe) -> str:
-    return f"{recipe.optimizer.name} {recipe.optimizer.lr:g}"
-
-
 def model_text(recipe: Recipe, counts: tuple[int, int] | None) -> str:
     """`resnet50 25.6M`, `llama-7b 6.74B (4.19M trainable)`, `factory pkg.mod:fn`."""
     spec = recipe.model
@@ -157,7 +153,8 @@ def papers_command(
         title = recipe.paper.title if recipe.paper else "-"
         batch = batch_text(recipe, short=True)
         model = escape(model_text(recipe, parameter_counts(recipe)))
-        table.add_row(escape(path.stem), year, escape(title), batch, optimizer_text(recipe), model, here)
+        table.add_row(escape(path.stem), year, escape(title), batch,
+                      f"{recipe.optimizer.name} {recipe.optimizer.lr:g}", model, here)
     wide = stdout if sys.stdout.isatty() else Console(highlight=False, width=LIST_WIDTH)
     wide.print(table)
     if reasons:

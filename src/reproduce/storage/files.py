@@ -242,8 +242,9 @@ def check_torch_file(path: str | Path) -> str | None:
         if sealed != NO_SEAL:
             return sealed
         with open(path, "rb") as handle:
-            if handle.read(4) != b"PK\x03\x04":  # not a zip: the legacy format, or garbage torch.load refuses
-                return None if _legacy(path) else "not a torch file (no zip archive)"
+            head = handle.read(4)
+        if head != b"PK\x03\x04":  # not a zip: torch's pre-1.6 format (a protocol-2 pickle), or garbage
+            return None if head[:2] == b"\x80\x02" else "not a torch file (no zip archive)"
         with zipfile.ZipFile(path) as archive:
             problem = _header_problem(path, archive.infolist())
             bad = None if problem else archive.testzip()
@@ -278,12 +279,6 @@ def _header_problem(path: Path, records: list[zipfile.ZipInfo]) -> str | None:
             if method != info.compress_type or (flags ^ info.flag_bits) & 0x1:
                 return f"the record {info.filename}'s local header differs from the directory's"
     return None
-
-
-def _legacy(path: Path) -> bool:
-    """A file in torch's pre-1.6 format: a pickle that starts with the format's magic number (a protocol-2 pickle)."""
-    with open(path, "rb") as handle:
-        return handle.read(2) == b"\x80\x02"
 
 
 # what write_atomic, replace_folder and the plan file leave while they write (mkstemp's 8 characters), what
