@@ -55,7 +55,6 @@ from .options import (
 from .reporters import PlainReporter, RichReporter
 from .resume import (
     LAUNCHER_ENV,
-    absolute,
     auto_resume_flags,
     continue_command,
     folder_state,
@@ -130,7 +129,7 @@ def request_args(request: RunRequest, which: str) -> list[str]:
         if which == "torchrun":
             args += [flag] + ([] if change.value is True else [str(change.value)])
         elif change.path in ("data.path", "data.eval_path"):
-            args += [flag, str(absolute(str(change.value)))]
+            args += [flag, str(Path(str(change.value)).expanduser().absolute())]
     return args
 
 
@@ -225,7 +224,8 @@ def stops_in_one_line(command):
             received = signals.take()
             if received is not None:  # after the end was written: nothing to continue
                 raise Interrupted(f"{signal.Signals(received).name} after the run finished: its outputs in "
-                                  f"{decided['request'].out} are complete", signals.exit_code(received))
+                                  f"{decided['request'].out} are complete",
+                                  signals.EXIT_CODES[signal.Signals(received)])
 
     return guarded
 
