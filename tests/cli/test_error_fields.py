@@ -13,7 +13,8 @@ import yaml
 
 from helpers import digits_recipe
 from reproduce.cli import main
-from reproduce.cli.flags import RECIPE_FLAGS, as_typed, request_flags
+from reproduce.cli.flags import as_typed, request_flags
+from reproduce.cli.options import FLAG_OF_FIELD
 from reproduce.errors import UserError
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
@@ -61,7 +62,7 @@ def _messages() -> dict[str, list[tuple[int, str]]]:
 
 
 def _flags() -> set[str]:
-    return set(request_flags().values()) | set(RECIPE_FLAGS.values())
+    return set(request_flags().values()) | set(FLAG_OF_FIELD.values())
 
 
 def _spelled(text: str) -> list[str]:

@@ -121,7 +121,10 @@ def load_check_file(path: Path) -> LoadedFile:
     names = []
     for index, check in enumerate(spec.checks):
         where = f"{source}: checks[{index}]"
-        names.append(_unique_name(check_name(check), names))
+        name, number = check_name(check), 2
+        while name in names:  # a second check of the same name: `NAME #2`
+            name, number = f"{check_name(check)} #{number}", number + 1
+        names.append(name)
         if base is None:
             continue
         for field_name in ("run", "a", "b"):
@@ -277,10 +280,3 @@ def check_name(check: Any) -> str:
     if check.kind == "metric":
         return check.metric + ("" if check.run == MAIN else f" ({check.run})")
     return f"{check.metric}: {check.a} vs {check.b}"
-
-
-def _unique_name(name: str, taken: list[str]) -> str:
-    candidate, number = name, 2
-    while candidate in taken:
-        candidate, number = f"{name} #{number}", number + 1
-    return candidate

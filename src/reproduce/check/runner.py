@@ -165,7 +165,8 @@ class Runner:
         expected = f"invariants{stated} (m <= {budget.micro_batch_max}, W = {budget.world_size}{memory})"
         details = problems + [f"plan warning: {w}" for w in plan.warnings]
         if check.expect:
-            details.append("stated: " + ", ".join(f"{k} {_short(v)}" for k, v in check.expect.items()))
+            details.append("stated: " + ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                                          for k, v in check.expect.items()))
         return ("pass" if not problems else "fail"), measured, expected, details, None
 
     def _verify(self, file: LoadedFile, check: VerifyCheck):
@@ -325,10 +326,6 @@ def _same(got: Any, want: Any) -> bool:
     if isinstance(got, tuple):
         got = list(got)
     return got == want
-
-
-def _short(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _measured(value: float, values: list[float], how: str) -> str:

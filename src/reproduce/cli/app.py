@@ -1,10 +1,62 @@
-"""The typer application every command module registers itself on."""
+"""The typer application every command module registers itself on, and its `--help` at 80 columns with every
+option name whole.
+
+typer lays each panel of options out as a rich Table of columns (required mark, option names, their negative
+forms, the type, the help). When the longest words of all the columns do not fit the terminal, rich shrinks every
+column that may wrap, and an option name, one word, is cut with an ellipsis (`--activation-checkp…`). Here the
+columns of names never wrap (rich then takes the room from the type and help columns), and the type and help
+columns fold a word too long for them onto the next line instead of cutting it, so nothing of the help is lost.
+"""
 
 from __future__ import annotations
 
 import typer
+from rich.columns import Columns
+from rich.table import Table
+from rich.text import Text
+from typer import core
 
-from .help_layout import install
+
+def _is_name(cell) -> bool:
+    """An option's names (`--world-size`, `-h`), its negative form, or the required mark: short, never wrapped."""
+    text = cell.plain if isinstance(cell, Text) else cell if isinstance(cell, str) else None
+    return text is not None and (text in ("", "*") or text.startswith("-"))
+
+
+class OptionsTable(Table):
+    """rich's Table, with typer's option-name columns kept whole and the other columns folding long words."""
+
+    def add_row(self, *renderables, **kwargs) -> None:
+        super().add_row(*renderables, **kwargs)
+        for column, cell in zip(self.columns, renderables, strict=False):
+            if not _is_name(cell):
+                column.no_wrap = False
+                column.overflow = "fold"
+                for part in cell.renderables if isinstance(cell, Columns) else [cell]:  # typer's help: Columns
+                    if isinstance(part, Text):
+                        part.overflow = "fold"
+            elif not column._cells or all(_is_name(c) for c in column._cells):
+                column.no_wrap = True
+
+
+def install() -> None:
+    """Make typer build its help panels from OptionsTable (it looks `Table` up in its module when it prints).
+
+    Only when help is printed: typer's rich_utils (rich's markdown, syntax and traceback, pygments) is a tenth of a
+    second a command that prints no help should not pay."""
+    for command in (core.TyperCommand, core.TyperGroup):
+        command.format_help = _with_options_table(command.format_help)
+
+
+def _with_options_table(format_help):
+    def wrapped(self, ctx, formatter) -> None:
+        from typer import rich_utils
+
+        rich_utils.Table = OptionsTable
+        return format_help(self, ctx, formatter)
+
+    return wrapped
+
 
 install()  # --help keeps option names whole at 80 columns
 

@@ -22,10 +22,6 @@ def parameters_line(counts: tuple[int, int]) -> str:
     return f"parameters: {total:,}, of which {trainable:,} train ({trainable / max(total, 1):.2%})"
 
 
-def is_terminal() -> bool:
-    return sys.stdout.isatty()
-
-
 def show_note(line: str) -> None:
     """A line the core hands back about how it reached its answer (the probe's result, a timing), on stderr."""
     stderr.print(line, markup=False)

@@ -21,10 +21,6 @@ import typer.main
 from .app import app
 from .options import FLAG_OF_FIELD
 
-# the recipe fields an option sets (the option is an alias of the field), so an error about the field names the
-# option when the user typed it
-RECIPE_FLAGS = FLAG_OF_FIELD
-
 typed_args: list[str] = []  # the command's arguments as typed (set by `main`), for a "start again with" line
 NAME = re.compile(r"`([a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*)`")
 
@@ -33,16 +29,12 @@ NAME = re.compile(r"`([a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*)`")
 def request_flags() -> dict[str, str]:
     """Each option's parameter name and its flag, over every command (`micro_batch_max` -> `--micro-batch-max`);
     read when the first error is shown, after every command has registered its options."""
+    root = typer.main.get_command(app)  # the commands are its own, one level deep
     flags: dict[str, str] = {}
-
-    def walk(command) -> None:
+    for command in [root, *getattr(root, "commands", {}).values()]:
         for param in command.params:
             if param.param_type_name == "option":
                 flags.setdefault(param.name, param.opts[0])
-        for sub in getattr(command, "commands", {}).values():
-            walk(sub)
-
-    walk(typer.main.get_command(app))
     return flags
 
 
@@ -52,8 +44,8 @@ def typed(flag: str, argv: Sequence[str]) -> bool:
 
 def shown(name: str, argv: Sequence[str]) -> str | None:
     """What the CLI prints for the field `name`: its flag, the path itself, or None for a name that is no field."""
-    if name in RECIPE_FLAGS:
-        return RECIPE_FLAGS[name] if typed(RECIPE_FLAGS[name], argv) else name
+    if name in FLAG_OF_FIELD:  # a recipe field an option aliases: the option when the user typed it
+        return FLAG_OF_FIELD[name] if typed(FLAG_OF_FIELD[name], argv) else name
     if "." in name:  # a recipe's path no option sets
         return name
     return request_flags().get(name)

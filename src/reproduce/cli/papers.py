@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import sys
 from pathlib import Path
 
 import typer
@@ -24,7 +25,7 @@ from ..plan.recipe import Recipe, load_recipe
 from ..plan.units import format_count
 from ..shipped import described, is_shipped, papers_folder, recipe_files
 from .app import app
-from .common import is_terminal, stdout
+from .common import stdout
 from .flags import as_typed
 
 NANOGPT_DEFAULTS = {"block_size": 1024, "n_embd": 768}  # models.nanogpt.GPTConfig's (read here without torch)
@@ -82,10 +83,6 @@ def paper_text(recipe: Recipe) -> str:
     if recipe.paper is None:
         return "-"
     return recipe.paper.title + (f" ({recipe.paper.year})" if recipe.paper.year else "")
-
-
-def optimizer_text(recipe: Recipe) -> str:
-    return f"{recipe.optimizer.name} {recipe.optimizer.lr:g}"
 
 
 def model_text(recipe: Recipe, counts: tuple[int, int] | None) -> str:
@@ -156,8 +153,9 @@ def papers_command(
         title = recipe.paper.title if recipe.paper else "-"
         batch = batch_text(recipe, short=True)
         model = escape(model_text(recipe, parameter_counts(recipe)))
-        table.add_row(escape(path.stem), year, escape(title), batch, optimizer_text(recipe), model, here)
-    wide = stdout if is_terminal() else Console(highlight=False, width=LIST_WIDTH)
+        table.add_row(escape(path.stem), year, escape(title), batch,
+                      f"{recipe.optimizer.name} {recipe.optimizer.lr:g}", model, here)
+    wide = stdout if sys.stdout.isatty() else Console(highlight=False, width=LIST_WIDTH)
     wide.print(table)
     if reasons:
         stdout.print("not runnable here (each can still be planned and probed):", markup=False)

@@ -12,6 +12,7 @@ columns against the plain table.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -21,7 +22,7 @@ from rich.table import Table
 from ..errors import UserError
 from ..hardware.catalog import lookup
 from ..plan.recipe import Recipe, load_recipe
-from .common import is_terminal, stdout
+from .common import stdout
 from .flags import as_typed
 
 COLUMNS = ("recipe", "paper's hardware", "per device", "accumulation", "effective batch", "sharding",
@@ -125,4 +126,4 @@ def print_devices(files: list[Path], markdown: bool, estimate: bool = False) -> 
         table.add_column(name, justify="right" if name in RIGHT else "left", no_wrap=name == "recipe")
     for cells in rows(files, estimate):
         table.add_row(*(escape(cell) for cell in cells))
-    (stdout if is_terminal() else Console(highlight=False, width=WIDTH)).print(table)
+    (stdout if sys.stdout.isatty() else Console(highlight=False, width=WIDTH)).print(table)

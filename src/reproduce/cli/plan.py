@@ -351,7 +351,9 @@ def render_phases(p: Plan) -> None:
         steps = f"{phase.start_step + 1} - {last if last is not None else 'end'}"
         length = f" x {phase.sequence_length} tokens" if phase.sequence_length else ""
         if phase.kind == "ramp":
-            paper = "ramp" + (" from " + _batch_size(p, p.recipe.batch.ramp.start) if index == 0 else "")
+            start = p.recipe.batch.ramp.start
+            paper = "ramp" + ((f" from {start:,} tokens" if p.recipe.batch.unit == "tokens" else
+                               f" from {start} {p.unit}") if index == 0 else "")
             mark = ""
         else:
             paper = f"{phase.paper_effective_batch} {'sequences' if length else p.unit}{length}"
@@ -381,10 +383,6 @@ def own_schedule_words(p: Plan, index: int) -> str:
         parts.append(f"warm-up {f'ratio {spec.warmup.ratio:g}' if spec.warmup.ratio else spec.warmup.label()}")
     parts.append(decay.kind + ("" if spec.decay else " (as schedule.decay)"))
     return "own schedule: " + ", ".join(parts)
-
-
-def _batch_size(p: Plan, value: int) -> str:
-    return f"{value:,} tokens" if p.recipe.batch.unit == "tokens" else f"{value} {p.unit}"
 
 
 def _length(length) -> str:

@@ -144,7 +144,8 @@ def render_probe(result: ProbeResult, plan: Plan | None) -> None:
         stdout.print(f"note: {note}", markup=False, soft_wrap=True)
     if plan is not None:
         render_batchnorm(plan, result)
-        render_costs(plan, result)
+        for line in cost_lines(plan, result):
+            stdout.print(line, markup=False, soft_wrap=True)
 
 
 def render_batchnorm(plan: Plan, result: ProbeResult) -> None:
@@ -164,6 +165,3 @@ def render_batchnorm(plan: Plan, result: ProbeResult) -> None:
         stdout.print(f"  BatchNorm option: {option}", markup=False, soft_wrap=True)
 
 
-def render_costs(plan: Plan, result: ProbeResult) -> None:
-    for line in cost_lines(plan, result):
-        stdout.print(line, markup=False, soft_wrap=True)

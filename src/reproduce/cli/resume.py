@@ -33,10 +33,6 @@ def launcher_of_this_job(world_size: int) -> list[str]:
     return launcher_args(local, max(1, world_size // local), int(os.environ.get("GROUP_RANK", 0)), None)
 
 
-def absolute(path: str | None) -> str | None:
-    return str(Path(path).expanduser().absolute()) if path is not None else None
-
-
 def continue_command(out: Path, launcher: list[str], args: list[str]) -> str:
     """The command that continues this run after a signal, with every option that shapes it (pasted, it goes on to
     the same --max-steps, on the same data, workers and processes)."""

@@ -8,6 +8,7 @@ import functools
 import os
 import shlex
 import signal
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -15,14 +16,15 @@ from typing import Any
 import typer
 
 from ..errors import Interrupted, UserError
-from ..observe.outputs import check_out_dir
-from ..observe.trackers import LOG_TO_HELP, Trackers, check_trackers, parse_log_to
+from ..observe.outputs import check_out_dir, run_outputs
+from ..observe.trackers import LOG_TO_HELP, Trackers, parse_log_to
 from ..plan.launch import node_range
 from ..session import check_launch_policy, checked_run, prepare_run
 from ..storage import lock, signals
+from ..storage.aside import settle
 from ..train.options import RunRequest
 from .app import app
-from .common import is_terminal, recipe_argument, show_note
+from .common import recipe_argument, show_note
 from .flags import request_flags, typed_args
 from .options import (
     FLAG_OF_FIELD,
@@ -53,7 +55,6 @@ from .options import (
 from .reporters import PlainReporter, RichReporter
 from .resume import (
     LAUNCHER_ENV,
-    absolute,
     auto_resume_flags,
     continue_command,
     folder_state,
@@ -128,15 +129,13 @@ def request_args(request: RunRequest, which: str) -> list[str]:
         if which == "torchrun":
             args += [flag] + ([] if change.value is True else [str(change.value)])
         elif change.path in ("data.path", "data.eval_path"):
-            args += [flag, str(absolute(str(change.value)))]
+            args += [flag, str(Path(str(change.value)).expanduser().absolute())]
     return args
 
 
-def starting(request: RunRequest, world: Any, launching: bool) -> tuple[bool, bool]:
-    """(resume, force) for the run in --out: as given, or as --auto-resume decides after refusing another plan's run
-    there (a finished run exits 0 at once)."""
-    if not request.auto_resume:
-        return request.resume, request.force
+def auto_resumed(request: RunRequest, world: Any, launching: bool) -> tuple[bool, bool]:
+    """(resume, force) for the run in --out as --auto-resume decides, after refusing another plan's run there (a
+    finished run exits 0 at once)."""
     auto_resume_flags(request.resume, request.force, request.max_restarts, launching)
     state, words = folder_state(request.out, request.max_steps)
     if state != "new":
@@ -155,44 +154,6 @@ def starting(request: RunRequest, world: Any, launching: bool) -> tuple[bool, bo
     return state == "unfinished", state == "started"
 
 
-def settle_folder(out: Path, say: bool) -> None:
-    """What a process killed in `out` left (the caller holds the lock): its temporaries are gone (storage/lock.py),
-    and the previous run a killed `--force` set aside is put back, or goes if the new run had its own checkpoint."""
-    from ..observe.outputs import run_outputs
-    from ..storage.aside import settle
-
-    note = settle(out, run_outputs(out)) if out.is_dir() else None
-    if note and say:
-        show_note(f"note: {note}")
-
-
-@contextlib.contextmanager
-def stopped_while_starting(decided: dict):
-    """SIGINT / SIGTERM before the run's step loop (storage/signals.py): one line, exit 130 / 143, with the command
-    that goes on: the resume of the checkpoint that was there, untouched; else the command as typed, as nothing of
-    this run was kept (a previous run set aside by `--force` is back)."""
-    try:
-        yield
-    except signals.SignalReceived as received:
-        if "request" not in decided:  # (before the options were read: nothing decided, nothing written)
-            raise Interrupted(f"{received.name} before the run started", received.exit_code) from None
-        request = decided["request"]
-        out = request.out
-        if decided["resume"] and (out / "checkpoints" / "last.pt").is_file():
-            from ..train.distributed import processes as distributed
-
-            world = distributed.world_from_env()
-            launcher = launcher_of_this_job(world.size) if world.distributed else []
-            then = (f"{out / 'checkpoints' / 'last.pt'} is as it was. Continue with: "
-                    + continue_command(out, launcher, request_args(request, "resume")))
-        else:
-            kept = "the previous run is back in place" if decided["force"] else "nothing of this run was kept"
-            typed = os.environ.get(COMMAND_ENV) or shlex.join(["reproduce", *map(str, typed_args)])
-            then = f"{kept} in {out}. Start again with: {typed}"
-        when = "this call's first optimizer step" if decided["resume"] else "the first optimizer step"
-        raise Interrupted(f"{received.name} before {when}; {then}", received.exit_code) from None
-
-
 COMMAND_ENV = "REPRODUCE_COMMAND"  # the command the user typed, for the processes a launcher started
 
 
@@ -204,9 +165,9 @@ def launch(request: RunRequest, world: Any) -> int:
     if nodes > 1 and request.rdzv_endpoint is None:
         raise UserError("--rdzv-endpoint: required with --nnodes > 1 (HOST:PORT of node 0)")
     with lock.hold_for_launch(request.out, nodes):  # one machine: the launcher's, for its whole life; several: rank 0's
-        if nodes == 1:
-            settle_folder(request.out, True)
-        resume, force = starting(request, world, True)
+        if nodes == 1 and (note := settle(request.out, run_outputs(request.out))):  # (what a killed --force left)
+            show_note(f"note: {note}")
+        resume, force = auto_resumed(request, world, True) if request.auto_resume else (request.resume, request.force)
         processes = request.nproc_per_node * nodes  # an elastic job is planned for its most nodes; fewer re-derive N
         _, plan = checked_run(request, processes, resume)  # bad input: one line, before launching
         check_launch_policy(request.policy, plan, processes)
@@ -231,18 +192,40 @@ starting_run: dict[str, Any] = {}  # the run command's request, and whether it r
 
 
 def stops_in_one_line(command):
-    """The run command with SIGINT / SIGTERM handled in every phase (storage/signals.py): before the step loop by
-    `stopped_while_starting`, in it and in the end's writes by the trainer, after them here."""
+    """The run command with SIGINT / SIGTERM handled in every phase (storage/signals.py): in the step loop and the
+    end's writes by the trainer; before them and after them here, in one line, exit 130 / 143. Before the step loop
+    the line gives the command that goes on: the resume of the checkpoint that was there, untouched; else the
+    command as typed, as nothing of this run was kept (a previous run set aside by `--force` is back)."""
 
     @functools.wraps(command)
     def guarded(**kwargs: Any) -> None:
-        starting_run.clear()
-        with signals.guard(), stopped_while_starting(starting_run):
-            command(**kwargs)
+        decided = starting_run
+        decided.clear()
+        with signals.guard():
+            try:
+                command(**kwargs)
+            except signals.SignalReceived as received:
+                if "request" not in decided:  # (before the options were read: nothing decided, nothing written)
+                    raise Interrupted(f"{received.name} before the run started", received.exit_code) from None
+                out = decided["request"].out
+                if decided["resume"] and (out / "checkpoints" / "last.pt").is_file():
+                    from ..train.distributed import processes as distributed
+
+                    world = distributed.world_from_env()
+                    launcher = launcher_of_this_job(world.size) if world.distributed else []
+                    then = (f"{out / 'checkpoints' / 'last.pt'} is as it was. Continue with: "
+                            + continue_command(out, launcher, request_args(decided["request"], "resume")))
+                else:
+                    kept = "the previous run is back in place" if decided["force"] else "nothing of this run was kept"
+                    typed = os.environ.get(COMMAND_ENV) or shlex.join(["reproduce", *map(str, typed_args)])
+                    then = f"{kept} in {out}. Start again with: {typed}"
+                when = "this call's first optimizer step" if decided["resume"] else "the first optimizer step"
+                raise Interrupted(f"{received.name} before {when}; {then}", received.exit_code) from None
             received = signals.take()
             if received is not None:  # after the end was written: nothing to continue
                 raise Interrupted(f"{signal.Signals(received).name} after the run finished: its outputs in "
-                                  f"{starting_run['request'].out} are complete", signals.exit_code(received))
+                                  f"{decided['request'].out} are complete",
+                                  signals.EXIT_CODES[signal.Signals(received)])
 
     return guarded
 
@@ -255,9 +238,10 @@ def train_in_folder(request: RunRequest, world: Any) -> None:
     owner = lock.owns_the_run(world.distributed, world.rank)
     # --out taken (one run per folder), writable and settled before anything is decided or set up
     with lock.hold(request.out) if owner else contextlib.nullcontext():
-        if owner:
-            settle_folder(request.out, world.is_main)
-        resume, force = starting(request, world, False)
+        note = settle(request.out, run_outputs(request.out)) if owner else None  # (what a killed --force left)
+        if note and world.is_main:
+            show_note(f"note: {note}")
+        resume, force = auto_resumed(request, world, False) if request.auto_resume else (request.resume, request.force)
         starting_run.update(resume=resume, force=force)
         if request.from_gate is not None and not resume:
             raise UserError("--from: starts a resumed run from a gate's checkpoint; give it with --resume")
@@ -270,10 +254,11 @@ def train_in_folder(request: RunRequest, world: Any) -> None:
         if not world.is_main:  # the other ranks train quietly; rank 0 reports
             train_checked(prepared.plan, decided, world, data=prepared.data, continue_with=continue_with)
             return
-        renderer = (RichReporter if is_terminal() else PlainReporter)(prepared.warnings)
-        # metrics.jsonl stays the source of truth; the trackers get the same records, beside the renderer
-        with Trackers(list(request.log_to), request.out) as trackers:
-            train_checked(prepared.plan, decided, world, data=prepared.data, reporter=Reporters(trackers, renderer),
+        renderer = (RichReporter if sys.stdout.isatty() else PlainReporter)(prepared.warnings)
+        # metrics.jsonl stays the source of truth; the trackers asked for get the same records, beside the renderer
+        with Trackers(list(request.log_to), request.out) if request.log_to else contextlib.nullcontext() as trackers:
+            reporter = Reporters(trackers, renderer) if trackers else Reporters(renderer)
+            train_checked(prepared.plan, decided, world, data=prepared.data, reporter=reporter,
                           continue_with=continue_with)
 
 
@@ -331,7 +316,6 @@ def run_command(
     request = run_request(context)  # the one value of the options above, from here to the trainer
     starting_run.update(request=request, resume=request.resume, force=request.force)
     from ..train.distributed import processes as distributed  # torch is imported only by the commands that train
-    check_trackers(request.log_to)  # a missing package: one line, before anything is planned or trained
     world = distributed.world_from_env()
     # under reproduce's launcher (a worker of torchrun, even alone after an elastic restart): die with it, take its
     # signals, and clear an earlier attempt's report (launched.py; nothing elsewhere)

@@ -8,8 +8,8 @@ import yaml
 
 from ..plan.planner import Plan
 from .code import no_torch_optimizer_note, optimizer_source, schedule_words
-from .common import Export, epoch_tail_note, finetune_notes, header, mean_loss_note, steps_note
-from .fsdp import COMPUTE_DTYPES, fsdp_blocks, fsdp_notes, sharded
+from .common import TORCH_DTYPES, Export, epoch_tail_note, finetune_notes, header, mean_loss_note, steps_note
+from .fsdp import fsdp_blocks, fsdp_notes, sharded
 
 ACCELERATE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -35,13 +35,9 @@ def build(plan: Plan) -> Export:
         "do not pass the scheduler to accelerator.prepare: Accelerate would step it num_processes times per "
         "optimizer step; step it yourself when accelerator.sync_gradients, as below"
     )
-    for note in (mean_loss_note(plan, "accelerator.backward", "loss_sum * N * W / window_items"),
-                 epoch_tail_note(plan, "Accelerate's accumulate()"),
-                 no_torch_optimizer_note(plan)):
-        if note:
-            notes.append(note)
-    if plan.optimizer_steps is None:
-        notes.append(steps_note(plan, "the loop's step count"))
+    notes += filter(None, (mean_loss_note(plan, "accelerator.backward", "loss_sum * N * W / window_items"),
+                           epoch_tail_note(plan, "Accelerate's accumulate()"), no_torch_optimizer_note(plan),
+                           steps_note(plan, "the loop's step count")))
     plugin: list[str] = []
     fsdp_plugin = None
     if sharded(plan):
@@ -52,7 +48,7 @@ def build(plan: Plan) -> Export:
         if block_note:
             notes.append(block_note)
         if recipe.precision != "fp32":
-            compute = COMPUTE_DTYPES[recipe.precision]
+            compute = TORCH_DTYPES[recipe.precision]
             notes.append(f"Accelerate's FSDP with mixed_precision {recipe.precision} also reduces gradients in "
                          f"{recipe.precision}: pass the plugin below for fp32 reductions, as reproduce run")
             plugin = [

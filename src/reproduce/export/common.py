@@ -77,7 +77,7 @@ def header(plan: Plan, notes: list[str], extra: list[str] = ()) -> list[str]:
     return lines
 
 
-TORCH_DTYPE_NAMES = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+TORCH_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}  # as source
 
 
 def model_notes(plan: Plan) -> list[str]:
@@ -85,7 +85,7 @@ def model_notes(plan: Plan) -> list[str]:
     `reproduce run` does: no trainer setting carries them, so every emitted form says them."""
     spec, notes = plan.recipe.model, []
     if spec.dtype != "fp32":
-        dtype = TORCH_DTYPE_NAMES[spec.dtype]
+        dtype = TORCH_DTYPES[spec.dtype]
         notes.append(
             f"the recipe stores the weights in {spec.dtype} (model.dtype), as reproduce run does: build or load the "
             f"model in it (model.to({dtype}), or from_pretrained(..., dtype={dtype})) before anything else"
@@ -184,6 +184,14 @@ def _phase_notes(plan: Plan) -> list[str]:
                 for index, phase in enumerate(phases) if phase.schedule is not None]
     return ["the batch changes during training; the settings here are the main batch's. reproduce run switches at:",
             *phase_lines(phases, plan.world_size, plan.unit), *restarts]
+
+
+def plan_command(plan: Plan) -> str:
+    """The command that saves this plan as plan.yaml; --policy throughput's timed choice is given as the maximum, so
+    that the exact policy takes that very split again."""
+    largest = plan.micro_batch if plan.policy == "throughput" else plan.micro_batch_max
+    return (f"reproduce plan {plan.recipe_path or 'RECIPE'} --micro-batch-max {largest} --world-size "
+            f"{plan.world_size}" + (" --policy fast" if plan.policy == "fast" else "") + " --out plan.yaml")
 
 
 def run_name(plan: Plan) -> str:

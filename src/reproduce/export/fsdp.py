@@ -11,7 +11,6 @@ def sharded(plan: Plan) -> bool:
 
 
 RESNET_BASIC = ("resnet18", "resnet34")
-COMPUTE_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}  # FSDP's param_dtype, as source
 
 
 def fsdp_blocks(plan: Plan) -> tuple[list[str], str | None]:

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..plan.planner import Plan
 from .code import lr_factor_source, schedule_words
-from .common import Export, epoch_tail_note, header, kwargs_block, run_name, steps_note
+from .common import TORCH_DTYPES, Export, epoch_tail_note, header, kwargs_block, run_name, steps_note
 from .fsdp import sharded
 
 
@@ -171,7 +171,6 @@ PLAN_TRAINER = [  # (the export's text, written when HF's schedulers cannot expr
     "    return PlanTrainer",
 ]
 BITSANDBYTES_OPTIMS = {(True, 32): "paged_adamw_32bit", (True, 8): "paged_adamw_8bit", (False, 8): "adamw_bnb_8bit"}
-COMPUTE_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
 
 def quantized_base(recipe: Any) -> list[str]:
@@ -183,11 +182,11 @@ def quantized_base(recipe: Any) -> list[str]:
         arguments = "load_in_8bit=True, llm_int8_threshold=6.0, llm_int8_has_fp16_weight=False"
     else:
         arguments = ("load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True, "
-                     f"bnb_4bit_compute_dtype={COMPUTE_DTYPES[recipe.precision]}")
+                     f"bnb_4bit_compute_dtype={TORCH_DTYPES[recipe.precision]}")
     lines = ["", f"# the frozen base in {recipe.model.quantize} (bitsandbytes), as reproduce quantises it:",
              f"# quantization_config = transformers.BitsAndBytesConfig({arguments})",
              "# model = transformers.AutoModelForCausalLM.from_pretrained(WEIGHTS, "
-             f"dtype={COMPUTE_DTYPES[recipe.model.dtype]}, quantization_config=quantization_config)",
+             f"dtype={TORCH_DTYPES[recipe.model.dtype]}, quantization_config=quantization_config)",
              "# model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)"]
     lora = recipe.model.lora
     if lora is not None:

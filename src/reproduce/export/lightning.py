@@ -7,6 +7,7 @@ from typing import Any
 from ..plan.planner import Plan
 from .code import lr_factor_source, no_torch_optimizer_note, optimizer_source, param_groups_source, schedule_words
 from .common import (
+    TORCH_DTYPES,
     Export,
     epoch_tail_note,
     finetune_notes,
@@ -16,7 +17,7 @@ from .common import (
     py_literal,
     steps_note,
 )
-from .fsdp import COMPUTE_DTYPES, fsdp_blocks, fsdp_notes, sharded
+from .fsdp import fsdp_blocks, fsdp_notes, sharded
 
 LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 
@@ -39,12 +40,9 @@ def build(plan: Plan) -> Export:
         "devices": f"processes per node: devices x num_nodes = {plan.world_size}",
         "max_steps": "optimizer steps",
     }
-    if plan.optimizer_steps is None:
-        notes.append(steps_note(plan, "max_steps"))
-    for note in (mean_loss_note(plan, "Lightning", "loss_sum * N * W / window_items"),
-                 epoch_tail_note(plan, "Lightning"), no_torch_optimizer_note(plan)):
-        if note:
-            notes.append(note)
+    notes += filter(None, (steps_note(plan, "max_steps"),
+                           mean_loss_note(plan, "Lightning", "loss_sum * N * W / window_items"),
+                           epoch_tail_note(plan, "Lightning"), no_torch_optimizer_note(plan)))
     values = {"trainer": trainer, "batch_size": plan.micro_batch}
     strategy: list[str] = []
     if sharded(plan):
@@ -74,7 +72,7 @@ def build(plan: Plan) -> Export:
 
 def _lightning_fsdp_source(plan: Plan, blocks: list[str]) -> list[str]:
     """`def fsdp_strategy(model)`: Lightning's FSDPStrategy sharded per block, with fp32 gradient reductions."""
-    compute = COMPUTE_DTYPES.get(plan.recipe.precision)
+    compute = None if plan.recipe.precision == "fp32" else TORCH_DTYPES[plan.recipe.precision]  # FSDP's param_dtype
     precision = [] if compute is None else [
         f"    # {plan.recipe.precision}-mixed alone would reduce gradients in {plan.recipe.precision}; fp32 as "
         "reproduce run:",

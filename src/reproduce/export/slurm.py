@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..errors import UserError
 from ..plan.launch import GPUS_PER_NODE, node_split, torchrun_command
 from ..plan.planner import Plan
-from .common import Export, comment, header, run_name
+from .common import Export, comment, header, plan_command, run_name
 
 SIGNAL_SECONDS = 300  # the warning before the time limit: time to finish a step and write the checkpoint
 MAX_RESTARTS = 3  # torchrun's restarts of a failed group inside one allocation
@@ -20,16 +20,14 @@ def build(plan: Plan, gpus_per_node: int = GPUS_PER_NODE) -> Export:
     nodes, per_node = node_split(plan.world_size, gpus_per_node)
     name = run_name(plan)
     out = f"runs/{name}"
-    largest = plan.micro_batch if plan.policy == "throughput" else plan.micro_batch_max
-    plan_command = (f"reproduce plan {plan.recipe_path or 'RECIPE'} --micro-batch-max {largest} --world-size "
-                    f"{plan.world_size}" + (" --policy fast" if plan.policy == "fast" else "") + " --out plan.yaml")
+    saving = plan_command(plan)
     run = torchrun_command(["plan.yaml", "--out", out, "--auto-resume"], per_node, nodes, None,
                            f"$HEAD_NODE:{PORT}", "python", MAX_RESTARTS, "$SLURM_JOB_ID")
     lines = ["#!/bin/bash", *header(plan, [])]
     lines += comment(f"{nodes} node(s) x {per_node} GPU(s) = the plan's {plan.world_size} processes (their product "
                      "must stay the plan's world size; --gpus-per-node changes the split)")
     lines += comment("1. save the plan beside this script:")
-    lines += comment(plan_command, prefix="#    ", wrap=False)
+    lines += comment(saving, prefix="#    ", wrap=False)
     lines += comment(f"2. sbatch this file. {SIGNAL_SECONDS} s before --time runs out the job checkpoints, stops and "
                      "requeues itself; the requeued job (and a torchrun restart after a failed process) continues "
                      f"from {out}/checkpoints/last.pt")
@@ -63,5 +61,5 @@ def build(plan: Plan, gpus_per_node: int = GPUS_PER_NODE) -> Export:
         "RUN=$!",
         'wait "$RUN"',
     ]
-    values = {"nodes": nodes, "gpus_per_node": per_node, "torchrun": run, "plan_command": plan_command}
+    values = {"nodes": nodes, "gpus_per_node": per_node, "torchrun": run, "plan_command": saving}
     return Export("slurm", "\n".join(lines) + "\n", values, [])

@@ -7,7 +7,7 @@ from typing import Any
 from ..plan.builtin_names import why_not_runnable
 from ..plan.launch import torchrun_command
 from ..plan.planner import Plan
-from .common import Export, comment, header, run_name
+from .common import Export, comment, header, plan_command, run_name
 
 
 def build(plan: Plan) -> Export:
@@ -16,18 +16,12 @@ def build(plan: Plan) -> Export:
     if reason:
         notes.append(f"this recipe is plan-only here ({reason}): reproduce run would stop with that error")
     out = f"runs/{run_name(plan)}"
-    recipe_path = plan.recipe_path or "RECIPE"
-    # --policy throughput's timed choice: given as the maximum, the exact policy takes that very split again
-    largest = plan.micro_batch if plan.policy == "throughput" else plan.micro_batch_max
-    plan_command = (
-        f"reproduce plan {recipe_path} --micro-batch-max {largest} --world-size {plan.world_size}"
-        + (" --policy fast" if plan.policy == "fast" else "") + " --out plan.yaml"
-    )
+    saving = plan_command(plan)
     run_args = ["plan.yaml", "--out", out]
     command = torchrun_command(run_args, plan.world_size, python="python")
     lines = header(plan, notes)
     lines += comment("1. save the plan:")
-    lines += comment(plan_command, prefix="#    ", wrap=False)
+    lines += comment(saving, prefix="#    ", wrap=False)
     if plan.world_size == 1:
         lines += comment("2. run it: one process needs no launcher (reproduce run plan.yaml --out "
                           f"{out}); the same under torchrun:")
@@ -36,7 +30,7 @@ def build(plan: Plan) -> Export:
     lines.append(" ".join(command))
     lines += comment("the same, with reproduce starting torchrun itself:")
     lines += comment(f"reproduce run plan.yaml --out {out} --nproc-per-node {plan.world_size}", "#    ", wrap=False)
-    values: dict[str, Any] = {"command": command, "plan_command": plan_command}
+    values: dict[str, Any] = {"command": command, "plan_command": saving}
     if plan.world_size > 1 and plan.world_size % 2 == 0:
         half = plan.world_size // 2
         multi = torchrun_command(run_args, half, nnodes=2, node_rank=0, rdzv_endpoint="HOST:29500", python="python")

@@ -89,28 +89,39 @@ class Tracker:
 
 
 class TensorboardTracker(Tracker):
-    """Scalars in OUT/tensorboard, as `reproduce run --tensorboard` always wrote them (train/loss, eval/loss)."""
+    """Scalars in OUT/tensorboard (`tensorboard --logdir OUT/tensorboard`), as `reproduce run --tensorboard` always
+    wrote them: `train/NAME` for each numeric field, `eval/NAME` for the `eval_*` ones.
+
+    Nothing is written to the folder before `open`, so the run's check that --out is empty still sees an empty
+    folder. A run resumed after step K opens with `purge_step=K+1`: TensorBoard drops the older events past the
+    checkpoint, as metrics.jsonl is truncated to it; a fresh run replaces earlier event files."""
 
     name = "tensorboard"
 
     def open(self, plan, out, first_step, saved):
-        from .tensorboard import TensorboardLog
+        from torch.utils.tensorboard import SummaryWriter
 
-        self.log_ = TensorboardLog(out / "tensorboard")
-        self.log_.open(first_step)
+        folder = out / "tensorboard"
+        if first_step == 0 and folder.is_dir():
+            for old in folder.glob("events.out.tfevents.*"):
+                old.unlink()
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=first_step + 1 if first_step else None)
         return {}
 
     def resumes(self, first_step, saved):
         return min(saved.get("step", 0), first_step)  # purge_step dropped what it logged past the checkpoint
 
     def log(self, step, values):
-        self.log_.write({"step": step, **values})
+        for key, value in values.items():
+            self.writer.add_scalar(f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}", value,
+                                   global_step=step)
+        self.writer.flush()  # once per optimizer step: an interrupted run keeps what it logged
 
     def finish(self, summary, files):
-        self.log_.close()
+        self.writer.close()
 
     def close(self, status):
-        self.log_.close()
+        self.writer.close()
 
 
 def wandb_mode() -> str:

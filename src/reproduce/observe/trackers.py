@@ -17,11 +17,12 @@ renderer (train/reporter.Reporters): neither calls the other, and the trainer do
   then (a resumed run recomputes them bitwise equal); TensorBoard drops them instead (`purge_step`).
 - A tracker that fails (disk full, a server gone) gives one warning line and is dropped: the run goes on, and
   metrics.jsonl stays the source of truth. A missing package is a UserError naming the extra, raised by
-  `check_trackers` before anything trains.
+  `parse_log_to` before anything trains.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import tempfile
@@ -41,27 +42,22 @@ _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-s
 
 
 def parse_log_to(values: list[str] | None, tensorboard: bool = False) -> list[str]:
-    """The trackers named by --log-to (repeatable, comma-separated) and --tensorboard, in a fixed order."""
+    """The trackers named by --log-to (repeatable, comma-separated) and --tensorboard, in a fixed order, each
+    package importable (else one line naming the extra to install, before anything trains)."""
     names = [name.strip().lower() for value in values or [] for name in value.split(",") if name.strip()]
     unknown = [name for name in names if name not in TRACKERS]
     if unknown:
         raise UserError(f"unknown tracker {unknown[0]!r}; expected a comma-separated list of "
                         f"{', '.join(TRACKERS)}", field="log_to")
-    chosen = set(names) | ({"tensorboard"} if tensorboard else set())
-    return [name for name in TRACKERS if name in chosen]
-
-
-def check_trackers(names: list[str]) -> None:
-    """Each tracker's package imports, or one line naming the extra to install (before anything trains)."""
-    import importlib
-
-    for name in names:
+    chosen = [name for name in TRACKERS if name in names or (tensorboard and name == "tensorboard")]
+    for name in chosen:
         try:
             importlib.import_module(_MODULES[name])
         except ImportError:
             raise UserError(f"`log_to` {name}: the {_PACKAGES[name]} package is not installed; install the extra: "
                             f"pip install 'reproduce-large-batch[{name}]' (metrics.jsonl has the same numbers)"
                             ) from None
+    return chosen
 
 
 def numeric(record: dict) -> dict[str, float]:

@@ -113,16 +113,11 @@ def verdict_table(found: list[Verdict]) -> Table:
 GATE_CSS = {"passed": "pass", "paused": "fail", "warned": "warn", "accepted": "warn", "not measured": "warn"}
 
 
-def gate_events(run: RunFolder) -> list[dict]:
-    """The run's gate events (train/gates.py) in metrics.jsonl, in order."""
-    return [event for event in run.events if event.get("event") == "gate"]
-
-
 def gates_table(runs: list[RunFolder]) -> Table | None:
     """Each gate the runs met: its step, metric, bound, the measured value and what it did; None without any."""
     rows, css = [], []
     for run in runs:
-        for event in gate_events(run):
+        for event in (event for event in run.events if event.get("event") == "gate"):  # (train/gates.py)
             value = "not measured" if event.get("value") is None else f"{event['value']:.5g}"
             rows.append([run.name, event["name"], str(event["step"]), event["metric"], event["bound"], value,
                          event["status"], event.get("source") or "-"])

@@ -47,16 +47,14 @@ class RunFolder:
     def complete(self) -> bool:
         return self.summary is not None and self.summary["steps"] == self.plan.optimizer_steps
 
-    def final(self, key: str) -> tuple[int, float] | None:
-        """The last step that has `key` and its value."""
-        for record in reversed(self.records):
-            if isinstance(record.get(key), (int, float)) and not isinstance(record.get(key), bool):
-                return record["step"], float(record[key])
-        return None
-
     def series(self, key: str) -> list[tuple[int, float]]:
         return [(r["step"], float(r[key])) for r in self.records
                 if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+
+    def final(self, key: str) -> tuple[int, float] | None:
+        """The last step that has `key` and its value."""
+        found = self.series(key)
+        return found[-1] if found else None
 
 
 # counts of an evaluation, not results; and segmentation's per-class IoU, a list (the report's class table)

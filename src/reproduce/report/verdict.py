@@ -42,13 +42,6 @@ class Verdict:
         return {"within tolerance": True, "outside tolerance": False}.get(self.verdict)
 
 
-def convert(value: float, how: str, field: str) -> tuple[float, str]:
-    """The run's value of the reported metric, and the formula."""
-    if how == "error":
-        return 1.0 - value, f"1 - {field}"
-    return value, field
-
-
 def verdicts(run: RunFolder) -> list[Verdict]:
     found = []
     for reported in run.plan.recipe.reported:
@@ -69,7 +62,7 @@ def verdicts(run: RunFolder) -> list[Verdict]:
                                  note=f"the run records no {' or '.join(candidates)}"))
             continue
         step, raw = final
-        value, formula = convert(raw, how, field)
+        value, formula = (1.0 - raw, f"1 - {field}") if how == "error" else (raw, field)  # the reported metric
         if common["tolerance"] is None:
             verdict = "no tolerance stated"
         else:

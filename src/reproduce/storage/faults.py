@@ -19,10 +19,6 @@ FAULT_ENV = "REPRODUCE_FAULT_AT"
 _seen: dict[str, int] = {}
 
 
-def armed() -> bool:
-    return bool(os.environ.get(FAULT_ENV))
-
-
 def at(point: str) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec:

@@ -71,7 +71,7 @@ class _Recording:
             raise
         if not self.started:  # (the tests' exact point: inside the write, e.g. torch.save's, of `name`, begun)
             self.started = True
-            if faults.armed():
+            if os.environ.get(faults.FAULT_ENV):
                 self.handle.flush()
                 faults.at(f"write:{self.name}")
         return written
@@ -80,9 +80,10 @@ class _Recording:
         return getattr(self.handle, name)
 
 
-def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
-    """`write(handle)` into a temporary beside `path`, flushed to disk, then renamed over `path`: a crash leaves the
-    previous file whole, and two processes never share a temporary. A failed write raises WriteFailed."""
+def write_atomic(path: str | Path, write: Callable[[BinaryIO], object] | bytes) -> None:
+    """`write(handle)` (or the bytes `write`) into a temporary beside `path`, flushed to disk, then renamed over
+    `path`: a crash leaves the previous file whole, and two processes never share a temporary. A failed write raises
+    WriteFailed."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +97,7 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
     try:
         with os.fdopen(descriptor, "w+b") as handle:  # (read too: write_torch_file may hash it again)
             recording = _Recording(handle, path.name)
-            write(recording)
+            write(recording) if callable(write) else recording.write(write)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -109,7 +110,7 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
 
 
 def write_text(path: str | Path, text: str) -> None:
-    write_atomic(path, lambda handle: handle.write(text.encode("utf-8")))
+    write_atomic(path, text.encode("utf-8"))
 
 
 def replace_folder(path: str | Path, write: Callable[[Path], object]) -> None:
@@ -241,8 +242,9 @@ def check_torch_file(path: str | Path) -> str | None:
         if sealed != NO_SEAL:
             return sealed
         with open(path, "rb") as handle:
-            if handle.read(4) != b"PK\x03\x04":  # not a zip: the legacy format, or garbage torch.load refuses
-                return None if _legacy(path) else "not a torch file (no zip archive)"
+            head = handle.read(4)
+        if head != b"PK\x03\x04":  # not a zip: torch's pre-1.6 format (a protocol-2 pickle), or garbage
+            return None if head[:2] == b"\x80\x02" else "not a torch file (no zip archive)"
         with zipfile.ZipFile(path) as archive:
             problem = _header_problem(path, archive.infolist())
             bad = None if problem else archive.testzip()
@@ -279,20 +281,15 @@ def _header_problem(path: Path, records: list[zipfile.ZipInfo]) -> str | None:
     return None
 
 
-def _legacy(path: Path) -> bool:
-    """A file in torch's pre-1.6 format: a pickle that starts with the format's magic number (a protocol-2 pickle)."""
-    with open(path, "rb") as handle:
-        return handle.read(2) == b"\x80\x02"
-
-
 # what write_atomic, replace_folder and the plan file leave while they write (mkstemp's 8 characters), what
 # replace_folder moves aside for a moment, and the trackers' state on its way to trackers.json
 TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$|^\.(adapter|merged)\.old$|^\.trackers\.json\.tmp$")
 
 
-def dead_temporaries(out: Path) -> list[Path]:
-    """The temporaries a writer left in `out` and `out/checkpoints` (hidden names of the patterns above). Only the
-    process that holds `out`'s lock may call them dead: no other run is writing there (storage/lock.py)."""
+def remove_dead_temporaries(out: Path) -> list[Path]:
+    """Remove the temporaries a writer left in `out` and `out/checkpoints` (hidden names of the patterns above);
+    returns them. Only the process that holds `out`'s lock may call them dead: no other run is writing there
+    (storage/lock.py)."""
     found = []
     for folder in (out, out / "checkpoints"):
         try:
@@ -300,12 +297,7 @@ def dead_temporaries(out: Path) -> list[Path]:
         except OSError:
             continue
         found += [entry for entry in entries if TEMPORARY.match(entry.name)]
-    return sorted(found)
-
-
-def remove_dead_temporaries(out: Path) -> list[Path]:
-    """Remove what `dead_temporaries` finds; returns it."""
-    found = dead_temporaries(out)
+    found.sort()
     for path in found:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)

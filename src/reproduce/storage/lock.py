@@ -71,7 +71,14 @@ def hold(out: str | Path) -> Iterator[None]:
     if folder >= 0:
         _folders[out] = folder
     try:
-        check_writable(out)
+        try:  # one byte written and removed: a read-only, unwritable or full folder is said now, in one line, not
+            # after the model and data are set up
+            with tempfile.TemporaryFile(dir=out) as handle:
+                handle.write(b"\0")
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as error:
+            raise UserError(str(WriteFailed(out, error)), field="out") from None
         remove_dead_temporaries(out)
         yield
     finally:
@@ -121,18 +128,6 @@ def _folder_locked(out: Path) -> int | None:
         os.close(descriptor)
         return None if error.errno in (errno.EAGAIN, errno.EACCES) else -1
     return descriptor
-
-
-def check_writable(out: Path) -> None:
-    """One byte written to a temporary in `out` and removed: a read-only, unwritable or full folder is said now, in
-    one line, not after the model and data are set up."""
-    try:
-        with tempfile.TemporaryFile(dir=out) as handle:
-            handle.write(b"\0")
-            handle.flush()
-            os.fsync(handle.fileno())
-    except OSError as error:
-        raise UserError(str(WriteFailed(out, error)), field="out") from None
 
 
 def held(out: str | Path) -> bool:

@@ -71,10 +71,6 @@ def guard() -> Iterator[None]:
         _state.installed, _state.previous = False, {}
 
 
-def installed() -> bool:
-    return _state.installed
-
-
 @contextlib.contextmanager
 def deferred(raise_on_exit: bool = False) -> Iterator[None]:
     """A signal inside the block only sets `pending()`. With `raise_on_exit`, a signal the block deferred is
@@ -98,7 +94,3 @@ def take() -> int | None:
     """`pending()`, now acted on."""
     signum, _state.pending = _state.pending, None
     return signum
-
-
-def exit_code(signum: int) -> int:
-    return EXIT_CODES[signal.Signals(signum)]

@@ -37,7 +37,8 @@ def step_record(run: Run, step: int, batch: StepBatch, lr: float, result: StepRe
         "skipped": not result.finite,
         "seconds": round(time.perf_counter() - tick, 6),
         "data_seconds": round(clock.seconds, 6),
-        "peak_memory_bytes": peak_memory(run.setup.device),
+        "peak_memory_bytes": (int(torch.cuda.max_memory_allocated(run.setup.device))
+                              if run.setup.device.type == "cuda" else None),
     }
     tokens = run.window_tokens(step)
     if tokens is not None:  # input tokens, and those computed with padding, over every rank (data/packing.py)
@@ -107,9 +108,3 @@ def run_summary(run: Run, elapsed: float) -> dict:
             summary["packing"] = run.plan.recipe.data.packing or "none"
             summary["padding_fraction"] = round(1 - useful / padded, 6)
     return summary
-
-
-def peak_memory(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return None

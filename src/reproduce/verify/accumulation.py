@@ -38,6 +38,7 @@ from ..train.losses import PixelLoss, build_loss
 from ..train.setup import Setup, resolve_device
 from ..train.step import optimizer_step
 from ..train.windows import epoch_order, grouped_window, window
+from .recomputation import dropouts, recomputation_error
 from .reference import copy_gradients, one_pass_reference
 
 DTYPES = ("float64", "float32", "bf16", "fp16")
@@ -123,19 +124,11 @@ class _NoSchedule:
 
 
 def disable_dropout(model: nn.Module) -> list[str]:
-    """Set every dropout probability to 0 (dropout modules, and float `dropout`/`dropout_p` attributes)."""
+    """Set every dropout probability to 0; what was changed."""
     changed = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            if module.p > 0:
-                changed.append(f"{name or type(module).__name__} (p={module.p:g})")
-            module.p = 0.0
-            continue
-        for attr in ("dropout", "dropout_p", "attn_dropout"):
-            value = getattr(module, attr, None)
-            if isinstance(value, float) and not isinstance(value, bool) and value > 0:
-                changed.append(f"{name}.{attr} (p={value:g})")
-                setattr(module, attr, 0.0)
+    for shown, module, attr in list(dropouts(model)):
+        changed.append(f"{shown} (p={getattr(module, attr):g})")
+        setattr(module, attr, 0.0)
     return changed
 
 
@@ -242,8 +235,6 @@ def _plan_gradient(setup: Setup, recorder: GradientRecorder, train_set: Any, gro
                      f"{sum(counts)}")
     recomputed = None
     if setup.plan.recipe.model.activation_checkpointing:  # the same masks in the recomputation (dropout on)
-        from .recomputation import recomputation_error
-
         recomputed = recomputation_error(setup.plan, setup.data, micro_batches, device, dtype, seed,
                                          GradientRecorder, _NoSchedule)
     optimizer_step(setup, micro_batches)

@@ -10,6 +10,7 @@ the two accumulated gradients must agree within the check's tolerance.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,16 +27,18 @@ if TYPE_CHECKING:
     from ..data import Datasets
 
 
-def has_dropout(model: nn.Module) -> bool:
-    """Whether any dropout in `model` has a probability above 0 (modules, or float `dropout` attributes)."""
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            return True
+def dropouts(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    """Every dropout probability above 0 in `model` (dropout modules' `p`, float `dropout` / `dropout_p` /
+    `attn_dropout` attributes): its name as shown, its module and the attribute that holds it."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if module.p > 0:
+                yield name or type(module).__name__, module, "p"
+            continue
         for attr in ("dropout", "dropout_p", "attn_dropout"):
             value = getattr(module, attr, None)
             if isinstance(value, float) and value > 0:
-                return True
-    return False
+                yield f"{name}.{attr}", module, attr
 
 
 def recomputation_error(plan: Plan, data: Datasets, micro_batches: list, device: torch.device, dtype: torch.dtype,
@@ -49,7 +52,7 @@ def recomputation_error(plan: Plan, data: Datasets, micro_batches: list, device:
         torch.manual_seed(seed)
         model = build_model(recipe, data.info).to(device=device, dtype=dtype)
         model.train()
-        dropout = dropout or has_dropout(model)
+        dropout = dropout or any(dropouts(model))
         recorder = recorder_type([p for p in model.parameters() if p.requires_grad])
         setup = Setup(plan.model_copy(update={"recipe": recipe}), model, recorder, no_schedule(), None,
                       build_loss(recipe, model), data, device, dtype)

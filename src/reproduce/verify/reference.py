@@ -38,13 +38,6 @@ def copy_gradients(parameters: list[nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in parameters]
 
 
-def free_memory(device: torch.device) -> int | None:
-    """Bytes free for tensors on `device` (the CPU: MemAvailable), or None when unknown."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    return available_host_memory()
-
-
 def saved_bytes(setup: Setup, inputs: Any, target: Any) -> int:
     """Bytes autograd keeps for the backward pass of one forward on (inputs, target): activation memory."""
     total, seen = 0, set()
@@ -65,7 +58,8 @@ def saved_bytes(setup: Setup, inputs: Any, target: Any) -> int:
 
 def reference_chunk(setup: Setup, first: tuple, micro: int, total: int, parameters: list[nn.Parameter]) -> int:
     """Samples per reference pass: all of them when their activations fit half the free memory, else fewer."""
-    free = free_memory(setup.device)
+    device = setup.device  # bytes free for tensors there (the CPU: MemAvailable), or None when unknown
+    free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else available_host_memory()
     if free is None:
         return total
     inputs, target = to_device(first, setup.device, setup.dtype)

@@ -1,4 +1,4 @@
-"""`reproduce.observe.tensorboard`: metrics records as TensorBoard scalars (skips without tensorboard)."""
+"""The TensorBoard tracker: metrics records as TensorBoard scalars (skips without tensorboard)."""
 
 from __future__ import annotations
 
@@ -8,35 +8,30 @@ import pytest
 
 from helpers import read_scalars
 from reproduce.errors import UserError
-from reproduce.observe.tensorboard import TensorboardLog, scalars
+from reproduce.observe.tracker_backends import TensorboardTracker
+from reproduce.observe.trackers import numeric, parse_log_to
 
 NO_TENSORBOARD = "tensorboard not installed (optional extra: pip install -e .[tensorboard]; make setup installs it)"
 
 
-def test_scalars_of_a_record():
-    record = {"step": 3, "loss": 1.5, "lr": 0.1, "partial": True, "eval_accuracy": 0.5, "data": "x", "samples": 64}
-    assert scalars(record) == {"train/loss": 1.5, "train/lr": 0.1, "train/partial": 1.0, "eval/accuracy": 0.5,
-                               "train/samples": 64.0}
-
-
-def test_missing_tensorboard_is_a_user_error(monkeypatch, tmp_path):
+def test_missing_tensorboard_is_a_user_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(UserError, match="`tensorboard`: needs the tensorboard package"):
-        TensorboardLog(tmp_path / "tb")
+    with pytest.raises(UserError, match="`log_to` tensorboard: the tensorboard package is not installed"):
+        parse_log_to([], tensorboard=True)
 
 
 def test_every_numeric_field_at_its_step(tmp_path):
     pytest.importorskip("tensorboard", reason=NO_TENSORBOARD)
-    log = TensorboardLog(tmp_path / "tb")
-    log.write({"step": 1, "loss": 2.0, "lr": 0.01, "skipped": False})
-    log.write({"event": "out_of_memory", "step": 2, "micro_batch": 4})  # an event, not a step record
-    log.write({"step": 2, "loss": 1.5, "lr": 0.02, "skipped": False, "eval_loss": 1.7})
-    log.close()
-    found = read_scalars(tmp_path / "tb")
-    assert found["train/loss"] == [(1, 2.0), (2, 1.5)]
+    tracker = TensorboardTracker()
+    tracker.open(None, tmp_path, 0, None)
+    tracker.log(1, numeric({"step": 1, "loss": 2.0, "lr": 0.01, "skipped": False, "data": "x", "samples": 64}))
+    tracker.log(2, numeric({"step": 2, "loss": 1.5, "lr": 0.02, "skipped": False, "eval_loss": 1.7}))
+    tracker.finish({}, {})
+    found = read_scalars(tmp_path / "tensorboard")
+    assert found["train/loss"] == [(1, 2.0), (2, 1.5)] and found["train/samples"] == [(1, 64.0)]
     assert found["train/lr"] == [(1, pytest.approx(0.01)), (2, pytest.approx(0.02))]
     assert found["eval/loss"] == [(2, pytest.approx(1.7))] and found["train/skipped"] == [(1, 0.0), (2, 0.0)]
-    assert "train/micro_batch" not in found
+    assert "train/data" not in found
 
 
 def test_the_tracker_logs_a_real_run(tmp_path, one_thread):

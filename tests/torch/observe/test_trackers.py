@@ -20,7 +20,6 @@ from reproduce.observe.tracker_backends import MlflowTracker, wandb_mode
 from reproduce.observe.trackers import (
     STATE,
     Trackers,
-    check_trackers,
     numeric,
     parse_log_to,
 )
@@ -70,7 +69,7 @@ def test_a_missing_package_is_one_line_naming_the_extra_before_anything_runs(mon
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(UserError,
                        match=r"`log_to` wandb: the wandb package is not installed; .*reproduce-large-batch\[wandb\]"):
-        check_trackers(["tensorboard", "wandb"])
+        parse_log_to(["tensorboard,wandb"])
     with pytest.raises(SystemExit) as exit_:
         main(["run", DIGITS, "--micro-batch-max", "64", "--out", str(tmp_path / "run"),
               "--log-to", "wandb"])
