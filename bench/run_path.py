@@ -39,7 +39,7 @@ def count(argv: list[str]) -> tuple[dict[str, set[str]], bool]:
 
     package = str(Path(reproduce.__file__).parent) + os.sep
     seen: dict[str, set[str]] = defaultdict(set)
-    codes: set[int] = set()
+    codes: dict[int, object] = {}  # held, so that a freed module body's id is not reused by a later function
 
     def profile(frame, event, arg):
         if event != "call":
@@ -50,7 +50,7 @@ def count(argv: list[str]) -> tuple[dict[str, set[str]], bool]:
             raise FirstStep
         if id(code) in codes or not file.startswith(package):
             return
-        codes.add(id(code))
+        codes[id(code)] = code
         if (name.startswith("__") and name.endswith("__")) or name in ("<listcomp>", "<dictcomp>", "<setcomp>",
                                                                           "<genexpr>"):
             return
