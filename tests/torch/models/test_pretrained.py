@@ -67,8 +67,8 @@ def test_a_llama_folder_trains_from_its_weights(files, tmp_path, capsys, one_thr
     rows = [train.ids[int(train.offsets[i]):int(train.offsets[i + 1])].long() for i in range(4)]
     ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
     labels = torch.full_like(ids, -100)
-    for i, row in enumerate(rows):
-        labels[i, int(train.prompt_lengths[i]):len(row)] = row[int(train.prompt_lengths[i]):]
+    for i, row in enumerate(rows):  # the response's tokens, -100 on the prompt's
+        labels[i, :len(row)] = torch.where(train.mask[int(train.offsets[i]):int(train.offsets[i + 1])], row, -100)
     with torch.no_grad():
         expected = reference(input_ids=ids, labels=labels).loss.item()  # transformers shifts the labels itself
     assert first["loss"] == pytest.approx(expected, rel=1e-5)
@@ -445,7 +445,8 @@ def test_the_shipped_e2e_recipe_reads_context_completion_records(files, tmp_path
     prompt = tokenizer(records[0]["context"] + eos)["input_ids"]
     full = tokenizer(records[0]["context"] + eos + " " + records[0]["completion"] + eos)["input_ids"]
     assert train.ids[int(train.offsets[0]):int(train.offsets[1])].tolist() == full
-    assert int(train.prompt_lengths[0]) == len(prompt) and len(train) == 3
+    borne = [False] * len(prompt) + [True] * (len(full) - len(prompt))  # the loss on the completion's tokens only
+    assert train.mask[:len(full)].tolist() == borne and len(train) == 3
 
 
 def test_the_adapter_of_a_model_that_is_not_a_transformers_one(tmp_path):
