@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from ..errors import UserError
+from ..errors import MicroBatchError, UserError
 from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
 from .gates import planned_gates
 from .overlay import Change, overlay
@@ -24,6 +24,8 @@ from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fa
 from .throughput_choice import ThroughputChoice
 from .weightfiles import WeightsRecord
 
+# the largest micro-batch that fits one process: one number, or one per sequence length of the batch phases
+MicroBatchMax = int | Mapping[int | None, int]
 MALLADI_SOURCE = "Malladi et al. 2022 SDE rule for Adam: (1-b1)xk, (1-b2)xk, eps/sqrt(k) (arXiv 2205.10287)"
 FAST_WHEN_BELOW = 0.5  # show the `fast` alternative when the exact micro-batch is below half the maximum
 
@@ -141,7 +143,7 @@ class Plan(Frozen):
 
 def make_plan(
     recipe: Recipe,
-    micro_batch_max: int | Mapping[int | None, int],
+    micro_batch_max: MicroBatchMax,
     world_size: int = 1,
     policy: Literal["exact", "fast", "throughput"] = "exact",
     dataset_size: int | Mapping[int | None, int] | None = None,
@@ -230,7 +232,7 @@ def finish_plan(plan: Plan, **parts: object) -> Plan:
 def check_arguments(recipe: Recipe, micro_batch_max: int, world_size: int, policy: str) -> None:
     """The plan's own arguments, each refused with the argument's name."""
     if micro_batch_max < 1:
-        raise UserError(f"must be >= 1 (got {micro_batch_max})", field="micro_batch_max")
+        raise MicroBatchError(f"must be >= 1 (got {micro_batch_max})", field="micro_batch_max")
     if world_size < 1:
         raise UserError(f"must be >= 1 (got {world_size})", field="world_size")
     if policy not in ("exact", "fast", "throughput"):
