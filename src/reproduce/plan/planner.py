@@ -19,13 +19,11 @@ from .overlay import Change, overlay
 from .phases import StepsSchedule, plan_phases, schedule_in_steps
 from .recipe import Recipe, default_packing
 from .schedules import StepSchedule
-from .segments import Segment, epoch_steps, micro_batch_cap, segment_lr
+from .segments import MicroBatchMax, Segment, epoch_steps, micro_batch_cap, segment_lr
 from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule, split_text
 from .throughput_choice import ThroughputChoice
 from .weightfiles import WeightsRecord
 
-# the largest micro-batch that fits one process: one number, or one per sequence length of the batch phases
-MicroBatchMax = int | Mapping[int | None, int]
 MALLADI_SOURCE = "Malladi et al. 2022 SDE rule for Adam: (1-b1)xk, (1-b2)xk, eps/sqrt(k) (arXiv 2205.10287)"
 FAST_WHEN_BELOW = 0.5  # show the `fast` alternative when the exact micro-batch is below half the maximum
 
