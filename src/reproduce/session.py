@@ -82,36 +82,29 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
 
 def probe_phases(recipe: Recipe, recipe_path: str, world_size: int, policy: str, probe: ProbeOptions | None,
                  data: Datasets | None, note: OnNote) -> tuple[MicroBatchMax, ProbeResult | None]:
-    """The micro-batch maximum of each sequence length of the batch phases, each probed at its largest batch (on
-    `data` for the main length only), and the main length's probe result.
-
-    Each length's own plan is made and dropped, as a check: it refuses what the main plan may not (a schedule or gate
-    counted in epochs, which a phase planned without the data's size cannot count; a throughput timing of that
-    length), and the errors stay those the per-phase plans have always given."""
+    """Each sequence length's micro-batch maximum, probed at its largest batch (on `data` for the main length only),
+    and the main length's result. Each length's own plan is made and dropped, as a check: it refuses what the main
+    plan may not (a schedule or gate in epochs: it has no data size; a throughput timing), as it always has."""
     maxima: dict[int | None, int] = {}
-    main_result = None
+    main_result, unheard = None, lambda line: None  # (a phase's own lines: its `sequence length` line says it)
     for length, fixed in phase_probes(recipe).items():
         main = length == recipe.batch.sequence_length
         phase_data = data if main else None
-        fixed, result, memory = probe_recipe(fixed, recipe_path, world_size, probe, phase_data, _unheard)
+        fixed, result, memory = probe_recipe(fixed, recipe_path, world_size, probe, phase_data, unheard)
         assert result.micro_batch_max is not None  # (probe_recipe raised DoesNotFit otherwise)
         probed_plan(fixed, recipe_path, result.micro_batch_max, world_size, policy, None, result, probe=probe,
-                    data=phase_data, keep_batchnorm=True, on_note=_unheard, memory=memory, fingerprint=None)
+                    data=phase_data, keep_batchnorm=True, on_note=unheard, memory=memory, fingerprint=None)
         note(f"sequence length {length}: {probe_line(result)}")
         maxima[length] = result.micro_batch_max
         main_result = result if main else main_result
     return maxima, main_result
 
 
-def _unheard(line: str) -> None:
-    """The lines of a phase's own probe and plan: not shown (its `sequence length` line says its result)."""
-
-
 def probe_recipe(recipe: Recipe, recipe_path: str, world_size: int, probe: ProbeOptions | None,
                  data: Datasets | None, note: OnNote) -> tuple[Recipe, ProbeResult, list[str]]:
-    """The memory probe of one recipe (one sequence length): the recipe with the memory knobs, token budget and way
-    to group the data that it chose, its result (with a micro-batch maximum: DoesNotFit otherwise) and the memory
-    notes the plan keeps. A probe error that does not already name `micro_batch_max` says it can be given instead."""
+    """One recipe's memory probe: the recipe with the memory knobs, token budget and way it chose, the result (with a
+    maximum: DoesNotFit otherwise) and the plan's memory notes. A probe error (but a MicroBatchError) adds that
+    the maximum can be given instead."""
     options = probe or ProbeOptions()
     try:
         result = run_probe(recipe, recipe_path, options, world_size, data=data)
