@@ -27,6 +27,11 @@ class UserError(Exception):
         super().__init__("\n".join(self.lines))
 
 
+class MicroBatchError(UserError):
+    """A user error whose way out is another micro-batch, and which says so (it names `micro_batch_max`): the probe,
+    which measures that maximum, passes it on as it is, with no hint to give one."""
+
+
 class DoesNotFit(UserError):
     """Not even micro-batch 1 fits the memory planned for: what one step needs and the ways out, one per line."""
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import DoesNotFit, UserError
+from .errors import DoesNotFit, MicroBatchError, UserError
 from .model_facts import count_factory_batchnorm, weights_of
 from .plan.overlay import Change, changes_of, overlay, phase_recipe, resumed
 from .plan.packing import with_probed_budget
 from .plan.planfile import load_plan, load_recipe_or_plan
-from .plan.planner import Plan, finish_plan, make_plan
+from .plan.planner import MicroBatchMax, Plan, finish_plan, make_plan
 from .plan.recipe import NamedData, Recipe, default_packing, load_recipe
 from .plan.resume_rules import check_resumed_data, check_resumed_weights, replan
 from .plan.sharding import check_sharding
@@ -50,7 +50,7 @@ class Planned:
     notes: list[str] = field(default_factory=list)
 
 
-def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict | None, world_size: int,
+def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatchMax | None, world_size: int,
                    policy: str = "exact", dataset_size: int | dict | None = None, *, probe: ProbeOptions | None = None,
                    data: Datasets | None = None, keep_batchnorm: bool = True, on_note: OnNote | None = None,
                    fingerprint: str | None = None) -> Planned:
@@ -71,55 +71,83 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: int | dict
 
     result, memory = None, []
     if micro_batch_max is None and len(recipe.batch.sequence_lengths) > 1:
-        maxima = {}
-        for length, fixed in phase_probes(recipe).items():
-            main = length == recipe.batch.sequence_length
-            probed = plan_and_probe(fixed, recipe_path, None, world_size, policy, None, probe=probe,
-                                    data=data if main else None).probe
-            note(f"sequence length {length}: {probe_line(probed)}")
-            maxima[length] = probed.micro_batch_max
-            result = probed if main else result
-        micro_batch_max = maxima
+        micro_batch_max, result = probe_phases(recipe, recipe_path, world_size, policy, probe, data, note)
     if micro_batch_max is None:
-        options = probe or ProbeOptions()
-        try:
-            result = run_probe(recipe, recipe_path, options, world_size, data=data)
-        except BudgetRequired:
-            raise UserError(
-                "`micro_batch_max`: required when there is no GPU here to probe: give `micro_batch_max` N, "
-                "or `memory` SIZE / `gpu` NAME to probe for that memory"
-            ) from None
-        except UserError as error:
-            if "`micro_batch_max`" in error.lines[-1]:
-                raise
-            hint = f"{error.lines[-1]} (or give `micro_batch_max` to skip the probe)"
-            raise UserError(*error.lines[:-1], hint) from None
-        from .probe.memory_plan import choose as choose_memory  # (imports torch: only when the probe ran)
-
-        recipe, result, memory = choose_memory(
-            recipe, result, lambda changed: run_probe(changed, recipe_path, options, world_size, data=data),
-            world_size)
-        if result.micro_batch_max is None:
-            raise does_not_fit(result)
+        recipe, result, memory = probe_recipe(recipe, recipe_path, world_size, probe, data, note)
         micro_batch_max = result.micro_batch_max
-        default = default_packing(recipe) if recipe.data.packing is None else None  # the way the rule gives
-        recipe = with_probed_budget(recipe, result.token_budget)  # sorted: T measured in tokens (probe/tokens.py)
-        note(probe_line(result))
-        if default is not None:
-            recipe, result = fastest_way(recipe, default, result, micro_batch_max, world_size, data, note)
+    plan = probed_plan(recipe, recipe_path, micro_batch_max, world_size, policy, dataset_size, result, probe=probe,
+                       data=data, keep_batchnorm=keep_batchnorm, on_note=note, memory=memory, fingerprint=fingerprint)
+    return Planned(plan, result, notes)
+
+
+def probe_phases(recipe: Recipe, recipe_path: str, world_size: int, policy: str, probe: ProbeOptions | None,
+                 data: Datasets | None, note: OnNote) -> tuple[MicroBatchMax, ProbeResult | None]:
+    """Each sequence length's micro-batch maximum, probed at its largest batch (on `data` for the main length only),
+    and the main length's result. Each length's own plan is made and dropped, as a check: it refuses what the main
+    plan may not (a schedule or gate in epochs: it has no data size; a throughput timing), as it always has."""
+    maxima: dict[int | None, int] = {}
+    main_result, unheard = None, lambda line: None  # (a phase's own lines: its `sequence length` line says it)
+    for length, fixed in phase_probes(recipe).items():
+        main = length == recipe.batch.sequence_length
+        phase_data = data if main else None
+        fixed, result, memory = probe_recipe(fixed, recipe_path, world_size, probe, phase_data, unheard)
+        assert result.micro_batch_max is not None  # (probe_recipe raised DoesNotFit otherwise)
+        probed_plan(fixed, recipe_path, result.micro_batch_max, world_size, policy, None, result, probe=probe,
+                    data=phase_data, keep_batchnorm=True, on_note=unheard, memory=memory, fingerprint=None)
+        note(f"sequence length {length}: {probe_line(result)}")
+        maxima[length] = result.micro_batch_max
+        main_result = result if main else main_result
+    return maxima, main_result
+
+
+def probe_recipe(recipe: Recipe, recipe_path: str, world_size: int, probe: ProbeOptions | None,
+                 data: Datasets | None, note: OnNote) -> tuple[Recipe, ProbeResult, list[str]]:
+    """One recipe's memory probe: the recipe with the memory knobs, token budget and way it chose, the result (with a
+    maximum: DoesNotFit otherwise) and the plan's memory notes. A probe error (but a MicroBatchError) adds that
+    the maximum can be given instead."""
+    options = probe or ProbeOptions()
+    try:
+        result = run_probe(recipe, recipe_path, options, world_size, data=data)
+    except BudgetRequired:
+        raise UserError(
+            "`micro_batch_max`: required when there is no GPU here to probe: give `micro_batch_max` N, "
+            "or `memory` SIZE / `gpu` NAME to probe for that memory"
+        ) from None
+    except MicroBatchError:
+        raise
+    except UserError as error:
+        hint = f"{error.lines[-1]} (or give `micro_batch_max` to skip the probe)"
+        raise UserError(*error.lines[:-1], hint) from None
+    from .probe.memory_plan import choose as choose_memory  # (imports torch: only when the probe ran)
+
+    recipe, result, memory = choose_memory(
+        recipe, result, lambda changed: run_probe(changed, recipe_path, options, world_size, data=data), world_size)
+    if result.micro_batch_max is None:
+        raise does_not_fit(result)
+    default = default_packing(recipe) if recipe.data.packing is None else None  # the way the rule gives
+    recipe = with_probed_budget(recipe, result.token_budget)  # sorted: T measured in tokens (probe/tokens.py)
+    note(probe_line(result))
+    if default is not None:
+        recipe, result = fastest_way(recipe, default, result, result.micro_batch_max, world_size, data, note)
+    return recipe, result, memory
+
+
+def probed_plan(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatchMax, world_size: int, policy: str,
+                dataset_size: int | dict | None, result: ProbeResult | None, *, probe: ProbeOptions | None,
+                data: Datasets | None, keep_batchnorm: bool, on_note: OnNote, memory: list[str],
+                fingerprint: str | None) -> Plan:
+    """The plan of `recipe` for a micro-batch maximum given or probed (`result`), by the chosen policy."""
     if policy == "throughput":  # the exact splits timed, the fastest taken (throughput/policy.py)
         from .throughput.policy import throughput_plan
 
-        chosen = throughput_plan(recipe, recipe_path, micro_batch_max, world_size, dataset_size, result, data=data,
-                                 keep_batchnorm=keep_batchnorm, gpu=probe.gpu if probe else None, on_note=note,
-                                 weights=weights_of(recipe), data_fingerprint=fingerprint)
-        return Planned(chosen, result, notes)
+        return throughput_plan(recipe, recipe_path, micro_batch_max, world_size, dataset_size, result, data=data,
+                               keep_batchnorm=keep_batchnorm, gpu=probe.gpu if probe else None, on_note=on_note,
+                               weights=weights_of(recipe), data_fingerprint=fingerprint)
     counted = count_factory_batchnorm(recipe, data)
     # with the memory knobs the plan took, or the ways it weighed (probe/memory_plan.py)
-    plan = make_plan(recipe, micro_batch_max, world_size, policy, dataset_size=dataset_size, recipe_path=recipe_path,
+    return make_plan(recipe, micro_batch_max, world_size, policy, dataset_size=dataset_size, recipe_path=recipe_path,
                      batchnorm_layers=counted, memory_notes=memory, weights=weights_of(recipe),
                      data_fingerprint=fingerprint)
-    return Planned(plan, result, notes)
 
 
 def fastest_way(recipe: Recipe, default: str, result: ProbeResult, micro_batch_max: int, world_size: int,
@@ -256,7 +284,7 @@ def check_launch_policy(policy: str, plan: Plan | None, processes: int) -> None:
 
 def probe_consensus(recipe: Recipe, recipe_path: str, world_size: int, policy: str, dataset_size: int | dict | None,
                     all_min: Callable[[int], int], *, probe: ProbeOptions | None = None, data: Datasets | None = None,
-                    on_note: OnNote | None = None) -> tuple[Recipe, int | dict]:
+                    on_note: OnNote | None = None) -> tuple[Recipe, MicroBatchMax]:
     """Every rank probes its own device; all take the smallest result, so no rank runs out of memory.
 
     `all_min(value)`: the smallest of every rank's value (a collective: every rank calls it, in the same order).
@@ -333,7 +361,7 @@ def prepare_run(request: RunRequest, world: Any, resume: bool, on_note: OnNote |
     data = build_data(recipe)
     size = training_sizes(recipe, data.train)  # per sequence length when batch phases change it
     world_size = world.size if world.distributed else request.world_size
-    micro_batch_max: int | dict | None = request.micro_batch_max
+    micro_batch_max: MicroBatchMax | None = request.micro_batch_max
     if plan is None and world.distributed and micro_batch_max is None:
         from .train.distributed import processes as distributed
         from .train.setup import resolve_device
@@ -349,7 +377,7 @@ def prepare_run(request: RunRequest, world: Any, resume: bool, on_note: OnNote |
     return PreparedRun(recipe, plan, data, warnings)
 
 
-def run_plan(recipe: Recipe, source: str, plan: Plan | None, micro_batch_max: int | dict | None,
+def run_plan(recipe: Recipe, source: str, plan: Plan | None, micro_batch_max: MicroBatchMax | None,
              world_size: int, policy: str, dataset_size: int | dict, resume: bool, *,
              probe: ProbeOptions | None = None, data: Datasets | None = None,
              on_note: OnNote | None = None) -> tuple[Plan, list[str]]:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from core_helpers import make_recipe
-from reproduce.errors import UserError
+from reproduce.errors import MicroBatchError, UserError
+from reproduce.plan.overlay import Change, overlay
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe
 from reproduce.probe.runner import ProbeOptions
@@ -19,6 +20,7 @@ from reproduce.session import plan_and_probe, probe_consensus, probe_line, run_p
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "papers" / "digits-mlp.yaml"
 ESTIMATE = ProbeOptions(memory="44MiB", meter="estimate", headroom=0.0, use_cache=False)
+PHASES = ROOT / "papers" / "pysource-gpt-phases.yaml"
 
 
 @pytest.fixture(autouse=True)
@@ -40,6 +42,32 @@ def test_probe_then_plan_returns_its_lines_and_prints_nothing(capfd):
 def test_a_given_maximum_probes_nothing():
     planned = plan_and_probe(load_recipe(DIGITS), str(DIGITS), 16, 1, "exact")
     assert planned.probe is None and planned.notes == [] and planned.plan.micro_batch == 16
+
+
+def test_batch_phases_probe_each_sequence_length_and_plan_each_phase_with_its_own_maximum():
+    """128 sequences of 32 tokens, then 64 of 64: each length probed at its largest batch, in order, the main
+    length's (64) result kept; the plan's phases take each length's maximum, as given ones would."""
+    heard: list[str] = []
+    probe = ProbeOptions(memory="120MiB", meter="estimate", headroom=0.0, use_cache=False)
+    planned = plan_and_probe(load_recipe(PHASES), str(PHASES), None, 1, "exact", probe=probe, on_note=heard.append)
+    assert planned.notes == heard and [line.split(": probe: ")[0] for line in heard] == [
+        "sequence length 32", "sequence length 64"]
+    assert planned.probe is not None and heard[1] == f"sequence length 64: {probe_line(planned.probe)}"
+    found = [int(line.split("largest micro-batch ")[1].split()[0]) for line in heard]
+    maxima = dict(zip((32, 64), found, strict=True))
+    assert found[0] < 128 and found[1] < 64  # (below each phase's batch: not capped by it)
+    assert [(s.sequence_length, s.micro_batch_max) for s in planned.plan.segments] == list(maxima.items())
+    given = make_plan(load_recipe(PHASES), maxima, 1, recipe_path=str(PHASES))
+    assert planned.plan.model_dump() == given.model_dump()
+
+
+def test_a_probe_error_that_names_the_micro_batch_maximum_is_passed_on_as_it_is():
+    """A micro-batch of 1 under DeepLabV3's pooled BatchNorm (an effective batch of 1): the plan the probe builds
+    its step from refuses it, naming `micro_batch_max`; the probe adds no hint to give one."""
+    recipe = overlay(load_recipe(ROOT / "papers" / "chen2017-deeplabv3.yaml"), [Change("batch.effective", 1)], "r")
+    with pytest.raises(MicroBatchError) as raised:
+        plan_and_probe(recipe, "r.yaml", None, 1, "exact", probe=ProbeOptions(gpu="a100-80gb", meter="estimate"))
+    assert raised.value.lines[-1].endswith("give `micro_batch_max` 2 or more, or `model.batchnorm` group | frozen")
 
 
 def test_the_probe_consensus_takes_the_smallest_maximum_of_the_ranks():

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from ..errors import UserError
+from ..errors import MicroBatchError
 
 BatchnormMode = Literal["keep", "sync", "frozen", "group"]  # model.batchnorm, model.paper_batchnorm
 MODES: tuple[BatchnormMode, ...] = typing.get_args(BatchnormMode)
@@ -150,9 +150,9 @@ def plan_batchnorm(recipe: Any, micro_batch: int, micro_batch_max: int, world_si
     mode, paper = model.batchnorm, paper_mode(model)
     run = {"keep": micro_batch, "sync": micro_batch * world_size}.get(mode)
     if run == 1 and model.builtin in POOLED_BATCHNORM:
-        raise UserError(f"model.batchnorm: {model.batchnorm} with a micro-batch of 1: {model.builtin}'s image pooling "
-                        "normalises a 1 x 1 map, and BatchNorm needs 2 samples or more to train it; give "
-                        "`micro_batch_max` 2 or more, or `model.batchnorm` group | frozen")
+        raise MicroBatchError(f"model.batchnorm: {model.batchnorm} with a micro-batch of 1: {model.builtin}'s image "
+                              "pooling normalises a 1 x 1 map, and BatchNorm needs 2 samples or more to train it; "
+                              "give `micro_batch_max` 2 or more, or `model.batchnorm` group | frozen")
     target = paper_batch(recipe)
     lines = [_summary(mode, run, micro_batch, world_size, layers, found) + "; " + _paper_words(recipe, paper, target)]
     if mode == "sync" and world_size < 2:

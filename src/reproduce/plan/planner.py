@@ -12,14 +12,14 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from ..errors import UserError
+from ..errors import MicroBatchError, UserError
 from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
 from .gates import planned_gates
 from .overlay import Change, overlay
 from .phases import StepsSchedule, plan_phases, schedule_in_steps
 from .recipe import Recipe, default_packing
 from .schedules import StepSchedule
-from .segments import Segment, epoch_steps, micro_batch_cap, segment_lr
+from .segments import MicroBatchMax, Segment, epoch_steps, micro_batch_cap, segment_lr
 from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule, split_text
 from .throughput_choice import ThroughputChoice
 from .weightfiles import WeightsRecord
@@ -141,7 +141,7 @@ class Plan(Frozen):
 
 def make_plan(
     recipe: Recipe,
-    micro_batch_max: int | Mapping[int | None, int],
+    micro_batch_max: MicroBatchMax,
     world_size: int = 1,
     policy: Literal["exact", "fast", "throughput"] = "exact",
     dataset_size: int | Mapping[int | None, int] | None = None,
@@ -230,7 +230,7 @@ def finish_plan(plan: Plan, **parts: object) -> Plan:
 def check_arguments(recipe: Recipe, micro_batch_max: int, world_size: int, policy: str) -> None:
     """The plan's own arguments, each refused with the argument's name."""
     if micro_batch_max < 1:
-        raise UserError(f"must be >= 1 (got {micro_batch_max})", field="micro_batch_max")
+        raise MicroBatchError(f"must be >= 1 (got {micro_batch_max})", field="micro_batch_max")
     if world_size < 1:
         raise UserError(f"must be >= 1 (got {world_size})", field="world_size")
     if policy not in ("exact", "fast", "throughput"):

@@ -32,6 +32,9 @@ from .recipe import Length, Recipe
 from .schedules import StepSchedule
 from .split import split_text
 
+# the largest micro-batch that fits one process: one number, or one per sequence length of the batch phases
+MicroBatchMax = int | Mapping[int | None, int]
+
 
 class Segment(BaseModel):
     """Consecutive optimizer steps with one batch: what `reproduce run` switches to at `start_step`.
