@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import DoesNotFit, MicroBatchError, UserError
+from .errors import MicroBatchError, UserError
 from .model_facts import count_factory_batchnorm, weights_of
 from .plan.overlay import Change, changes_of, overlay, phase_recipe, resumed
 from .plan.packing import with_probed_budget
@@ -29,9 +29,17 @@ from .plan.planner import MicroBatchMax, Plan, finish_plan, make_plan
 from .plan.recipe import NamedData, Recipe, default_packing, load_recipe
 from .plan.resume_rules import check_resumed_data, check_resumed_weights, replan
 from .plan.sharding import check_sharding
-from .plan.units import format_size, parse_size
+from .plan.units import parse_size
 from .plan.weightfiles import data_fingerprint
-from .probe.runner import BudgetRequired, ProbeOptions, ProbeResult, measures_whole_model, run_probe
+from .probe.runner import (
+    BudgetRequired,
+    ProbeOptions,
+    ProbeResult,
+    does_not_fit,
+    measures_whole_model,
+    probe_line,
+    run_probe,
+)
 from .train.options import RunRequest
 
 if TYPE_CHECKING:
@@ -181,25 +189,6 @@ def phase_probes(recipe: Recipe) -> dict[int | None, Recipe]:
         length = phase.sequence_length or batch.sequence_length
         largest[length] = max(largest.get(length, 0), batch.phase_sequences(phase))
     return {length: phase_recipe(recipe, sequences, length) for length, sequences in sorted(largest.items())}
-
-
-def probe_line(result: ProbeResult) -> str:
-    """One line saying where the micro-batch maximum came from."""
-    where = "cached" if result.cached else f"{len(result.trials)} trials, {result.seconds:.1f} s"
-    return (
-        f"probe: largest micro-batch {result.micro_batch_max} (peak {format_size(result.peak_bytes)} of "
-        f"{format_size(result.budget_bytes)}, {result.headroom:.0%} headroom; {result.meter} meter; {where})"
-    )
-
-
-def does_not_fit(result: ProbeResult) -> DoesNotFit:
-    """The error for a probe that found no micro-batch: the step's needs by category and what would fit."""
-    from .probe.advice import render
-
-    if result.does_not_fit is None:  # a result that carries no breakdown: its one-line failure
-        return DoesNotFit(result.failure())
-    budget = f"`gpu` {result.gpu}" if result.gpu else "the `memory` budget"
-    return DoesNotFit(*render(result.does_not_fit, budget))
 
 
 def planned_data_size(recipe: Recipe, given: bool = False) -> tuple[Datasets | None, int | dict | None]:
@@ -404,19 +393,4 @@ def run_plan(recipe: Recipe, source: str, plan: Plan | None, micro_batch_max: Mi
     return plan, warnings
 
 
-def packing_table(recipe: Recipe, plan: Plan, data: Datasets | None) -> dict | None:
-    """`plan --data` on text: each way's micro-batches per window and padding, from the data's lengths
-    (train/windows.grouping_table), and the way the recipe takes; None without data or lengths."""
-    if data is None or recipe.task != "language-modeling" or recipe.batch.unit != "samples" or (
-            recipe.batch.phases or recipe.batch.ramp):
-        return None
-    from .data.packing import sample_lengths
-    from .train.windows import grouping_table
-
-    try:
-        lengths = sample_lengths(data.train)
-    except UserError:
-        return None
-    table = grouping_table(plan, lengths, recipe.data.token_budget, recipe.seed)
-    table["way"] = recipe.data.packing or "none"
-    return table
+#END

@@ -14,8 +14,8 @@ from reproduce.errors import MicroBatchError, UserError
 from reproduce.plan.overlay import Change, overlay
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe
-from reproduce.probe.runner import ProbeOptions
-from reproduce.session import plan_and_probe, probe_consensus, probe_line, run_plan
+from reproduce.probe.runner import ProbeOptions, probe_line
+from reproduce.session import plan_and_probe, probe_consensus, run_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "papers" / "digits-mlp.yaml"

@@ -19,7 +19,7 @@ from ..plan.packing import packing_origin
 from ..plan.planfile import check_writable, save_plan
 from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
 from ..plan.segments import batch_phases
-from ..session import packing_table, plan_and_probe, planned_data_size, recipe_for_plan
+from ..session import plan_and_probe, planned_data_size, recipe_for_plan
 from ..shipped import described
 from ..throughput.budget import check_price, forecast_cell, paper_forecast_cell
 from ..throughput.budget import forecast as budget_forecast
@@ -133,6 +133,8 @@ def plan_command(
     if emit_format is not None:
         print(emit(plan, emit_format, gpus_per_node), end="")
         return
+    from ..train.windows import packing_table  # (torch: only when a plan is shown)
+
     grouping = packing_table(plan.recipe, plan, data)  # (the plan's recipe: data.packing's default taken)
     origin = packing_origin(recipe, plan.recipe)
     if as_json:

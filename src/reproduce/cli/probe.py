@@ -10,9 +10,9 @@ from rich.table import Table
 
 from ..plan.planner import Plan, make_plan
 from ..plan.units import format_size
-from ..probe.runner import ProbeResult, ProbeTrial, run_probe
+from ..probe.runner import ProbeResult, ProbeTrial, does_not_fit, run_probe
 from ..probe.search import Measurement
-from ..session import does_not_fit, recipe_for_plan
+from ..session import recipe_for_plan
 from ..throughput.plan_cost import cost_lines, costs_json, plan_costs
 from .app import app
 from .common import recipe_argument, stderr, stdout, token_budget_text

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict
 
 from .. import __version__
-from ..errors import UserError
+from ..errors import DoesNotFit, UserError
 from ..hardware.catalog import Gpu, lookup
 from ..plan.recipe import Recipe, default_packing
 from ..plan.units import format_size, parse_size
@@ -281,3 +281,22 @@ def token_fields(tokens) -> dict:
     trials = [ProbeTrial(**dataclasses.replace(t, micro_batch=budget).to_json()) for budget, t in tokens.trials]
     return {"token_budget": tokens.budget, "token_step": tokens.step, "longest": tokens.longest,
             "token_trials": trials}
+
+
+def probe_line(result: ProbeResult) -> str:
+    """One line saying where the micro-batch maximum came from."""
+    where = "cached" if result.cached else f"{len(result.trials)} trials, {result.seconds:.1f} s"
+    return (
+        f"probe: largest micro-batch {result.micro_batch_max} (peak {format_size(result.peak_bytes)} of "
+        f"{format_size(result.budget_bytes)}, {result.headroom:.0%} headroom; {result.meter} meter; {where})"
+    )
+
+
+def does_not_fit(result: ProbeResult) -> DoesNotFit:
+    """The error for a probe that found no micro-batch: the step's needs by category and what would fit."""
+    from .advice import render
+
+    if result.does_not_fit is None:  # a result that carries no breakdown: its one-line failure
+        return DoesNotFit(result.failure())
+    budget = f"`gpu` {result.gpu}" if result.gpu else "the `memory` budget"
+    return DoesNotFit(*render(result.does_not_fit, budget))

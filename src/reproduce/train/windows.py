@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..accumulate import smaller_micro_batch  # noqa: F401  (the run's out-of-memory rule, one definition)
-from ..data.packing import WAYS, Grouping, balance, computed_tokens, group
+from ..data.packing import WAYS, Grouping, balance, computed_tokens, group, sample_lengths
+from ..errors import UserError
 from ..plan.planner import Plan
 from ..plan.segments import batch_phase, epochs_done, length_sizes, segment_at, stream_window
+
+if TYPE_CHECKING:
+    from ..data import Datasets
+    from ..plan.recipe import Recipe
 
 
 @dataclass(frozen=True)
@@ -149,3 +155,18 @@ def grouping_line(plan: Plan, grouping: Grouping, seed: int, first_step: int = 0
         return line
     return (f"{line}; over the first {len(windows)} windows: {micro_batches / len(windows):.3g} micro-batches per "
             f"window and rank, {1 - useful / computed:.0%} padding")
+
+
+def packing_table(recipe: Recipe, plan: Plan, data: Datasets | None) -> dict | None:
+    """`plan --data` on text: each way's micro-batches per window and padding, from the data's lengths
+    (grouping_table), and the way the recipe takes; None without data or lengths."""
+    if data is None or recipe.task != "language-modeling" or recipe.batch.unit != "samples" or (
+            recipe.batch.phases or recipe.batch.ramp):
+        return None
+    try:
+        lengths = sample_lengths(data.train)
+    except UserError:
+        return None
+    table = grouping_table(plan, lengths, recipe.data.token_budget, recipe.seed)
+    table["way"] = recipe.data.packing or "none"
+    return table
