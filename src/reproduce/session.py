@@ -77,6 +77,10 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
         if on_note is not None:
             on_note(line)
 
+    if policy == "throughput":
+        from .throughput.policy import check_phases
+
+        check_phases(recipe)  # before a probe per phase: refused at the end anyway
     result, memory = None, []
     if micro_batch_max is None and len(recipe.batch.sequence_lengths) > 1:
         micro_batch_max, result = probe_phases(recipe, recipe_path, world_size, policy, probe, data, note)

@@ -941,3 +941,30 @@ def test_hand_edited_plan_rejected(edit, expected, plan_data, tmp_path):
     with pytest.raises(UserError) as info:
         load_plan(path)
     assert info.value.lines == [line.format(p=path) for line in expected]
+
+
+PAPERS = Path(__file__).resolve().parents[2] / "papers"
+
+
+def test_throughput_under_the_estimate_meter_without_a_gpu_is_one_line(tmp_path, capsys):
+    """The FLOPs model ranks splits by a GPU's peak; with none named it refuses in one line (it raised a pydantic
+    ValidationError with a traceback, and before that ranked FLOPs as if they were seconds)."""
+    code, out, err = main_in_process(["plan", str(PAPERS / "pysource-gpt.yaml"), "--policy", "throughput",
+                                      "--meter", "estimate", "--memory", "2GiB"], tmp_path, capsys)
+    assert (code, out) == (2, ""), err
+    assert "Traceback" not in err and err.splitlines()[-1] == (
+        "error: --policy throughput: the estimate meter times nothing, and the FLOPs model needs a GPU's peak (no GPU "
+        "is named): give --gpu NAME, or probe with --meter cuda | cpu to time the splits")
+    code, out, err = main_in_process(["plan", str(PAPERS / "pysource-gpt.yaml"), "--policy", "throughput",
+                                      "--meter", "estimate", "--gpu", "a100-80gb"], tmp_path, capsys)
+    assert code == 0 and "--policy throughput (a model: nothing timed)" in err + out
+
+
+def test_throughput_with_batch_phases_is_refused_before_any_probe(tmp_path, capsys):
+    """Each phase's probe (and, under the estimate meter, its throughput plan, which raised a traceback) ran before
+    the refusal did: now nothing is probed."""
+    code, out, err = main_in_process(["plan", str(PAPERS / "pysource-gpt-phases.yaml"), "--policy", "throughput",
+                                      "--meter", "estimate", "--memory", "2GiB"], tmp_path, capsys)
+    assert (code, out) == (2, ""), err
+    assert err.splitlines() == ["error: --policy throughput: not available with batch phases or a ramp (each phase "
+                                "has its own split); use --policy exact"]

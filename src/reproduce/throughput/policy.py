@@ -25,6 +25,16 @@ from .splits import BUDGET_SECONDS, Timings, choose, exact_splits, model_micro_s
 if TYPE_CHECKING:
     from ..data import Datasets
 
+PHASES = ("`policy` throughput: not available with batch phases or a ramp (each phase has its own split); use `policy` "
+          "exact")
+
+
+def check_phases(recipe: Recipe) -> None:
+    """Refuse a recipe the policy cannot plan, before any probe: one split is timed for the whole run."""
+    if recipe.batch.phases or recipe.batch.ramp:
+        raise UserError(PHASES)
+
+
 def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, world_size: int,
                     dataset_size: int | dict | None, result: ProbeResult | None, data: Datasets | None = None,
                     keep_batchnorm: bool = True, assumed_mfu: float = DEFAULT_MFU, gpu: str | None = None,
@@ -36,9 +46,9 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, worl
     `on_note`: given each timing's line as it is measured (nothing is printed here). `budget_seconds`: the bound on
     the timed steps (splits.time_splits). `weights`, `data_fingerprint`: the records the plan keeps (make_plan).
     """
-    if recipe.batch.phases or recipe.batch.ramp or isinstance(micro_batch_max, dict):
-        raise UserError("`policy` throughput: not available with batch phases or a ramp (each phase has its own "
-                        "split); use `policy` exact")
+    check_phases(recipe)
+    if isinstance(micro_batch_max, dict):  # (one maximum per sequence length: batch phases)
+        raise UserError(PHASES)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("`policy` throughput: each process would time its own device and might choose another split; "
                         "plan first (reproduce plan `policy` throughput `out` plan.yaml) and run that plan")
@@ -121,7 +131,9 @@ def _model_times(recipe: Recipe, gpu: str | None, splits: list[int], data: Datas
     key = on_card(key, entry.capability) if entry else key
     peak = peaks.flops(key) if peaks else None
     weights = flops.weight_bytes
-    if peak is None:  # no peak: every split costs the same FLOPs per sample, so none is faster (the largest wins)
-        return {m: m * flops.per_sample for m in splits}, dict.fromkeys(splits, "model (FLOPs only)")
+    if peak is None:  # no peak, no seconds: FLOPs alone cannot rank the splits
+        raise UserError("`policy` throughput: the estimate meter times nothing, and the FLOPs model needs a GPU's "
+                        f"peak ({'none is known for ' + entry.name if entry else 'no GPU is named'}): give `gpu` "
+                        "NAME, or probe with `meter` cuda | cpu to time the splits")
     times = {m: model_micro_step(m, flops.per_sample, peak, assumed_mfu, weights, peaks.bandwidth) for m in splits}
     return times, dict.fromkeys(splits, "model")
