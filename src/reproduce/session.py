@@ -9,8 +9,7 @@ Probe, then plan (`plan_and_probe`): the micro-batch maximum comes from the call
 (once per sequence length when batch phases change it), then the plan, by the chosen policy. Nothing here prints:
 the lines to show come back as data (`Planned.notes`, warnings), or are handed to the caller's `on_note` as they
 come (a probe or a timing can take a while); bad input raises UserError, a model that does not fit DoesNotFit.
-Torch is imported only inside the functions that measure or build (the probe, the timings, the data), so planning
-with a given micro-batch imports none.
+Torch is imported only where something is measured or built, so planning with a given micro-batch imports none.
 """
 
 from __future__ import annotations

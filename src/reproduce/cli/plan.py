@@ -133,9 +133,11 @@ def plan_command(
     if emit_format is not None:
         print(emit(plan, emit_format, gpus_per_node), end="")
         return
-    from ..train.windows import packing_table  # (torch: only when a plan is shown)
+    grouping = None
+    if data is not None:  # (torch: only with data, which imported it)
+        from ..train.windows import packing_table
 
-    grouping = packing_table(plan.recipe, plan, data)  # (the plan's recipe: data.packing's default taken)
+        grouping = packing_table(plan.recipe, plan, data)  # (the plan's recipe: data.packing's default taken)
     origin = packing_origin(recipe, plan.recipe)
     if as_json:
         print(json.dumps(plan_json(plan, result, prediction, grouping, origin, forecast), indent=2))
