@@ -134,6 +134,7 @@ def main(out: str) -> None:
     summed = accumulated(rank, world_size, with_hook)
     if rank == 0:
         torch.save({"averaged": averaged, "summed": summed, "reductions": reductions}, out)
+    torch.distributed.barrier()  # both ranks done before either tears gloo down (else a rank may abort at exit)
     torch.distributed.destroy_process_group()
 
 
