@@ -23,6 +23,7 @@ from reproduce.data.batches import fetch
 from reproduce.models import build_model
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
+from reproduce.probe.runner import ProbeOptions
 from reproduce.train.optim.large_batch import LAMB, LARS
 from reproduce.train.optim.optimizers import param_groups
 from reproduce.train.trainer import RunRequest, train
@@ -199,9 +200,6 @@ def gpt_recipe(optimizer: dict = ADAMW, steps: int = 3, **extra) -> dict:
 
 
 MLP_CLIPPED = fsdp(digits_recipe(SGD, effective=64, steps=6, clip_grad_norm=0.25))
-
-
-MLP_CLIPPED = fsdp(digits_recipe(SGD, effective=64, steps=6, clip_grad_norm=0.25))
 GPT_CLIPPED = gpt_recipe(clip_grad_norm=0.05)
 
 
@@ -262,3 +260,20 @@ def with_batchnorm(recipe, mode):
     from reproduce.plan.overlay import Change, overlay
 
     return overlay(recipe, [Change("model.batchnorm", mode)], "test recipe")
+
+
+# a tiny LLaMA with LoRA on the instruction samples (the `sample_data` fixture): the packing probe's and ways' tests
+INSTRUCTIONS_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                      "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512}
+CPU_12MIB = ProbeOptions(memory="12MiB", meter="cpu", time_steps=False)  # 2 rows of the longest (457) fit, 3 do not
+
+
+def instructions_recipe(sample_data: Path, **data) -> dict:
+    return {
+        "batch": {"effective": 16}, "task": "language-modeling",
+        "model": {"builtin": "llama-7b", "kwargs": INSTRUCTIONS_LLAMA,
+                  "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
+        "data": {"format": "instructions", "path": str(sample_data / "instructions" / "train.jsonl"),
+                 "tokenizer": str(sample_data / "tokenizer"), "max_length": 512, **data},
+        "optimizer": {"name": "adamw", "lr": 1e-2}, "schedule": {"total": {"steps": 3}},
+    }

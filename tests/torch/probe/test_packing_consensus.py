@@ -4,31 +4,16 @@ real trials of a small LLaMA with LoRA (the cpu meter) over the sample instructi
 
 from __future__ import annotations
 
+from helpers import CPU_12MIB, instructions_recipe
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
-from reproduce.probe.runner import ProbeOptions
 from reproduce.session import NO_BUDGET, probe_consensus
-
-TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512}
-CPU_12MIB = ProbeOptions(memory="12MiB", meter="cpu", time_steps=False)  # 2 rows of the longest (457) fit, 3 do not
-
-
-def instructions(sample_data, **data) -> dict:
-    return {
-        "batch": {"effective": 16}, "task": "language-modeling",
-        "model": {"builtin": "llama-7b", "kwargs": TINY_LLAMA,
-                  "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
-        "data": {"format": "instructions", "path": str(sample_data / "instructions" / "train.jsonl"),
-                 "tokenizer": str(sample_data / "tokenizer"), "max_length": 512, **data},
-        "optimizer": {"name": "adamw", "lr": 1e-2}, "schedule": {"total": {"steps": 3}},
-    }
 
 
 def test_the_ranks_agree_on_the_smallest_token_budget(sample_data, isolated):
     """This rank measured T between 2 and 3 rows of the longest example; another rank's smaller T is taken by every
     rank, a rank that measured none (NO_BUDGET) takes the others', and a recipe's own T is not agreed on."""
-    recipe = parse_recipe(instructions(sample_data, packing="sorted"))
+    recipe = parse_recipe(instructions_recipe(sample_data, packing="sorted"))
     for other in (lambda own: own - 57, lambda own: own):  # a rank with less memory; one with the same
         seen: list[int] = []
 
@@ -48,7 +33,7 @@ def test_the_ranks_agree_on_the_smallest_token_budget(sample_data, isolated):
     nobody = probe_consensus(recipe, "r.yaml", 2, "exact", None, lambda value: NO_BUDGET if value > 2 else value,
                              probe=CPU_12MIB)[0]
     assert nobody.data.token_budget is None  # (no rank measured one: T = m x the longest example)
-    given = parse_recipe(instructions(sample_data, packing="sorted", token_budget=1000))
+    given = parse_recipe(instructions_recipe(sample_data, packing="sorted", token_budget=1000))
     seen = []
     agreed, _ = probe_consensus(given, "r.yaml", 2, "exact", None, lambda value: seen.append(value) or value,
                                 probe=CPU_12MIB)

@@ -10,37 +10,20 @@ import random
 import pytest
 import torch
 
-from helpers import cli, cli_json
+from helpers import CPU_12MIB, cli, cli_json, instructions_recipe
 from reproduce.data.packing import Grouping, group
 from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.meters import CpuMeter, EstimateMeter
-from reproduce.probe.runner import ProbeOptions, run_probe
+from reproduce.probe.runner import run_probe
 from reproduce.probe.tokens import TOKEN_STEPS
 from reproduce.probe.workload import Workload
 from reproduce.session import plan_and_probe
-
-TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512}
-
-
-def instructions(sample_data, **data) -> dict:
-    return {
-        "batch": {"effective": 16}, "task": "language-modeling",
-        "model": {"builtin": "llama-7b", "kwargs": TINY_LLAMA,
-                  "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
-        "data": {"format": "instructions", "path": str(sample_data / "instructions" / "train.jsonl"),
-                 "tokenizer": str(sample_data / "tokenizer"), "max_length": 512, **data},
-        "optimizer": {"name": "adamw", "lr": 1e-2}, "schedule": {"total": {"steps": 3}},
-    }
-
-
-CPU_12MIB = ProbeOptions(memory="12MiB", meter="cpu", time_steps=False)  # 2 rows of the longest (457) fit, 3 do not
 
 
 def test_sorted_searches_its_token_budget_between_m_and_m_plus_one_rows(sample_data, isolated):
     """data.packing sorted: T is the largest m x L + x x step measured to fit, and the next step up was measured
     not to (or is (m + 1) x L, which the sample probe measured not to fit)."""
-    recipe = parse_recipe(instructions(sample_data, packing="sorted"))
+    recipe = parse_recipe(instructions_recipe(sample_data, packing="sorted"))
     result = run_probe(recipe, options=CPU_12MIB)
     rows, longest, step, budget = result.micro_batch_max, result.longest, result.token_step, result.token_budget
     assert rows is not None and not result.capped and step == -(-longest // TOKEN_STEPS)
@@ -61,7 +44,7 @@ def test_probe_and_plan_print_the_token_budget_and_how_it_was_found(sample_data,
     import yaml
 
     path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(instructions(sample_data, packing="sorted")))
+    path.write_text(yaml.safe_dump(instructions_recipe(sample_data, packing="sorted")))
     options = ("--memory", "12MiB", "--meter", "cpu")
     probed = cli_json(capsys, "probe", path, *options)
     budget = probed["token_budget"]
@@ -83,7 +66,7 @@ def test_packed_trials_run_the_varlen_attention_the_run_uses(sample_data, meter,
     at each, through the varlen attention build_model selects (models/varlen.py), on a real step (cpu) and on fake
     tensors (estimate: the position ids stay real). The same row through transformers' dense block mask (the model
     left on sdpa) costs more: the (T x T) mask and the masked pairs the varlen attention never computes."""
-    workload = Workload(parse_recipe(instructions(sample_data, packing="packed")))
+    workload = Workload(parse_recipe(instructions_recipe(sample_data, packing="packed")))
     inputs, targets = workload.batch(2)
     longest = len(workload.longest()[0])
     positions = inputs["position_ids"]
@@ -93,12 +76,12 @@ def test_packed_trials_run_the_varlen_attention_the_run_uses(sample_data, meter,
     from reproduce.models import varlen as module
 
     monkeypatch.setattr(module, "use_varlen", lambda model: False)  # the model left on sdpa: the dense block mask
-    dense = meter(Workload(parse_recipe(instructions(sample_data, packing="packed"))), 1 << 30, 0.1).measure(2)
+    dense = meter(Workload(parse_recipe(instructions_recipe(sample_data, packing="packed"))), 1 << 30, 0.1).measure(2)
     assert dense.peak_bytes > varlen
 
 
 def test_packed_finds_its_budget_in_rows_with_no_token_search(sample_data, isolated):
-    result = run_probe(parse_recipe(instructions(sample_data, packing="packed")), options=CPU_12MIB)
+    result = run_probe(parse_recipe(instructions_recipe(sample_data, packing="packed")), options=CPU_12MIB)
     assert result.micro_batch_max is not None and result.token_budget is None and not result.token_trials
 
 
@@ -124,7 +107,7 @@ def test_each_way_is_timed_on_the_same_windows_and_the_fastest_chosen(sample_dat
     chosen, and the line says each way's rate."""
     from reproduce.throughput.ways import time_ways
 
-    recipe = parse_recipe(instructions(sample_data))
+    recipe = parse_recipe(instructions_recipe(sample_data))
     data = Workload(recipe).data
     timings = time_ways(recipe, ["none", "sorted", "packed"], 2, 16, data, torch.device("cpu"), steps=1)
     assert set(timings.seconds) == {"none", "sorted", "packed"} and all(s > 0 for s in timings.seconds.values())
@@ -142,7 +125,7 @@ def test_the_default_way_is_the_fastest_timed_here_when_the_probe_ran(sample_dat
     said in one line; a way the recipe gives, or a plan without a probe (--micro-batch-max), is not timed."""
     import re
 
-    recipe = parse_recipe(instructions(sample_data))
+    recipe = parse_recipe(instructions_recipe(sample_data))
     data = Workload(recipe).data
     notes: list[str] = []
     planned = plan_and_probe(recipe, "recipe.yaml", None, 1, probe=CPU_12MIB, data=data, on_note=notes.append)
@@ -160,7 +143,8 @@ def test_the_default_way_is_the_fastest_timed_here_when_the_probe_ran(sample_dat
                                                                "passes)")
     for given, micro_batch_max in (({"packing": "sorted"}, None), ({}, 2)):
         notes.clear()
-        planned = plan_and_probe(parse_recipe(instructions(sample_data, **given)), "recipe.yaml", micro_batch_max, 1,
-                                 probe=CPU_12MIB, data=data, on_note=notes.append)
+        recipe = parse_recipe(instructions_recipe(sample_data, **given))
+        planned = plan_and_probe(recipe, "recipe.yaml", micro_batch_max, 1, probe=CPU_12MIB, data=data,
+                                 on_note=notes.append)
         assert not any(line.startswith("packing: ") for line in notes)
         assert planned.plan.recipe.data.packing == ("sorted" if given else "packed")

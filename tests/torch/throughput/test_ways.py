@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import INSTRUCTIONS_LLAMA, instructions_recipe
 from reproduce.models import varlen
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
@@ -15,20 +16,6 @@ from reproduce.probe.workload import Workload
 from reproduce.throughput import split_steps
 from reproduce.throughput.plan_cost import cost_lines, plan_costs
 from reproduce.throughput.ways import WayTimings, time_ways
-
-TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512}
-
-
-def instructions(sample_data, **data) -> dict:
-    return {
-        "batch": {"effective": 16}, "task": "language-modeling",
-        "model": {"builtin": "llama-7b", "kwargs": TINY_LLAMA,
-                  "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
-        "data": {"format": "instructions", "path": str(sample_data / "instructions" / "train.jsonl"),
-                 "tokenizer": str(sample_data / "tokenizer"), "max_length": 512, **data},
-        "optimizer": {"name": "adamw", "lr": 1e-2}, "schedule": {"total": {"steps": 3}},
-    }
 
 
 def test_the_ways_are_timed_interleaved_on_one_model_each_through_its_runs_attention(sample_data, one_thread,
@@ -53,7 +40,7 @@ def test_the_ways_are_timed_interleaved_on_one_model_each_through_its_runs_atten
 
     monkeypatch.setattr(split_steps.SplitSteps, "__init__", counting_init)
     monkeypatch.setattr(split_steps.SplitSteps, "__call__", recording_call)
-    recipe = parse_recipe(instructions(sample_data))
+    recipe = parse_recipe(instructions_recipe(sample_data))
     data = Workload(recipe).data
     timings = time_ways(recipe, ["none", "sorted", "packed"], 2, 16, data, torch.device("cpu"), steps=1, passes=3)
     assert len(built) == 1
@@ -89,7 +76,7 @@ def test_the_plans_cost_is_the_whole_steps_of_the_way_the_run_uses(way):
     (8 micro-steps of 2 at 1 s each by the probe's trial would say 8 s), and the line says so; a plan of another way,
     micro-batch or batch keeps the probe's trials."""
     recipe = parse_recipe({"batch": {"effective": 16}, "task": "language-modeling",
-                           "model": {"builtin": "llama-7b", "kwargs": TINY_LLAMA},
+                           "model": {"builtin": "llama-7b", "kwargs": INSTRUCTIONS_LLAMA},
                            "data": {"format": "instructions", "max_length": 512, "available": False, "packing": way},
                            "optimizer": {"name": "adamw", "lr": 1e-2}, "schedule": {"total": {"steps": 3}}})
     plan = make_plan(recipe, 2, 1)
