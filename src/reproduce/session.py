@@ -94,8 +94,8 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
 def probe_phases(recipe: Recipe, recipe_path: str, world_size: int, policy: str, probe: ProbeOptions | None,
                  data: Datasets | None, note: OnNote) -> tuple[MicroBatchMax, ProbeResult | None]:
     """Each sequence length's micro-batch maximum, probed at its largest batch (on `data` for the main length only),
-    and the main length's result. Each length's own plan is made and dropped, as a check: it refuses what the main
-    plan may not (a schedule or gate in epochs: it has no data size; a throughput timing), as it always has."""
+    and the main length's result (never under `policy` throughput). Each length's own plan is made and dropped, as a
+    check: it refuses what the main plan may not (a schedule or gate in epochs: no data size), as it always has."""
     maxima: dict[int | None, int] = {}
     main_result, unheard = None, lambda line: None  # (a phase's own lines: its `sequence length` line says it)
     for length, fixed in phase_probes(recipe).items():
