@@ -22,7 +22,7 @@ from ..errors import UserError
 from .overlay import phase_recipe
 from .recipe import Length, Recipe
 from .schedules import StepSchedule
-from .segments import MicroBatchMax, Segment, epoch_steps, lengths_to_steps, micro_batch_cap, own_steps, size_at
+from .segments import PerLength, Segment, epoch_steps, lengths_to_steps, micro_batch_cap, own_steps, size_at
 from .split import Choice, SplitPolicy, split
 
 # ---- planning ----------------------------------------------------------------------------------------------
@@ -30,7 +30,7 @@ from .split import Choice, SplitPolicy, split
 
 def plan_phases(
     recipe: Recipe,
-    micro_batch_max: MicroBatchMax,
+    micro_batch_max: PerLength,
     world_size: int,
     dataset_size: int | None,
     sizes: Mapping[int | None, int] | None,

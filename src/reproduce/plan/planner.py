@@ -19,7 +19,7 @@ from .overlay import Change, overlay
 from .phases import StepsSchedule, plan_phases, schedule_in_steps
 from .recipe import Recipe, default_packing
 from .schedules import StepSchedule
-from .segments import MicroBatchMax, Segment, epoch_steps, micro_batch_cap, segment_lr
+from .segments import MicroBatchMax, PerLength, Segment, epoch_steps, micro_batch_cap, segment_lr
 from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule, split_text
 from .throughput_choice import ThroughputChoice
 from .weightfiles import WeightsRecord
@@ -141,10 +141,10 @@ class Plan(Frozen):
 
 def make_plan(
     recipe: Recipe,
-    micro_batch_max: MicroBatchMax,
+    micro_batch_max: PerLength,
     world_size: int = 1,
     policy: Literal["exact", "fast", "throughput"] = "exact",
-    dataset_size: int | Mapping[int | None, int] | None = None,
+    dataset_size: PerLength | None = None,
     recipe_path: str | None = None,
     micro_batch: int | None = None,
     batchnorm_layers: int | None = None,

@@ -32,8 +32,10 @@ from .recipe import Length, Recipe
 from .schedules import StepSchedule
 from .split import split_text
 
-# the largest micro-batch that fits one process: one number, or one per sequence length of the batch phases
-MicroBatchMax = int | Mapping[int | None, int]
+# one number, or one per sequence length of the batch phases: the largest micro-batch that fits one process, the
+# training samples
+PerLength = int | Mapping[int | None, int]
+MicroBatchMax = PerLength
 
 
 class Segment(BaseModel):
