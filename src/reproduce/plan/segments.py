@@ -164,21 +164,10 @@ def batch_phases(segments: list[Segment]) -> list[Segment]:
     return [segment for segment in segments if segment.kind != "whole"]
 
 
-def batch_phase(segments: list[Segment], step: int) -> int | None:
-    """The index of the batch phase optimizer step `step` (0-based) falls in; None in a plan without batch phases."""
-    index = phase_index(segments, step)
-    return None if segments[index].kind == "whole" else index
-
-
-def segment_at(segments: list[Segment], step: int) -> Segment:
-    """The segment optimizer step `step` (0-based) belongs to."""
-    return segments[phase_index(segments, step)]
-
-
 def epochs_done(segments: list[Segment], step: int, world_size: int, drop_last: bool) -> float:
     """The epochs of data read once optimizer step `step` (0-based) is done: of the whole data for a plan without
     batch phases (its windows over the epoch's), of the step's sequence length's data with them (samples read)."""
-    if batch_phase(segments, step) is None:
+    if segments[0].kind == "whole":  # (a plan without batch phases: its one segment)
         per_epoch = segments[0].steps_per_epoch
         assert per_epoch is not None, "a run reads data of a known size"
         return (step + 1) / per_epoch
