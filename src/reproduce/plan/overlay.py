@@ -152,12 +152,6 @@ def changes_of(overrides: Sequence[str]) -> list[Change]:
     return [Change(".".join(parts), value, "`overrides`") for parts, value in map(parse_override, overrides)]
 
 
-def apply_overrides(recipe: Recipe, overrides: Sequence[str], source: str = "the recipe") -> Recipe:
-    """`recipe` with each `PATH=VALUE` of `overrides` applied in order, validated again as a whole: an override
-    obeys every rule the file does, and a problem names the field's path after `--set`, not the file."""
-    return overlay(recipe, changes_of(overrides), source)
-
-
 def _shown(change: Change) -> str:
     return f"{change.label} {shortened(f'{change.path}={change.value}')}"
 
