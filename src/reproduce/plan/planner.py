@@ -21,7 +21,7 @@ from .overlay import Change, overlay
 from .phases import StepsSchedule, plan_phases, schedule_in_steps
 from .recipe import Recipe, default_packing
 from .schedules import StepSchedule
-from .segments import MicroBatchMax, PerLength, Segment, epoch_steps, micro_batch_cap, segment_lr
+from .segments import MicroBatchMax, PerLength, Segment, epoch_steps, micro_batch_cap, phase_index
 from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule, split_text
 from .throughput_choice import ThroughputChoice
 from .weightfiles import WeightsRecord
@@ -308,9 +308,18 @@ def warn_last(recipe: Recipe, batchnorm: str | None, schedule: StepsSchedule, wa
 
 
 def lr_at(plan: Plan, step: int) -> float:
-    """The learning rate of optimizer step `step` (0-based): the schedule it falls in, at its segment's LR-rule
-    factor (segments.segment_lr)."""
-    return segment_lr(plan.segments, plan.schedule, plan.split.lr_factor, step)
+    """The learning rate of optimizer step `step` (0-based): the schedule it falls in (the recipe's, or that of the
+    last phase before it with its own), times its segment's LR-rule factor over that schedule's."""
+    segments = plan.segments
+    index, schedule, factor = phase_index(segments, step), plan.schedule, plan.split.lr_factor
+    for owner in segments[:index + 1]:  # the last segment at or before the step with a schedule of its own
+        if owner.schedule is not None:
+            schedule, factor = owner.schedule, owner.lr_factor
+    value = schedule.lr_at(step)
+    segment = segments[index]
+    if segment.lr_factor != factor:
+        value = value * segment.lr_factor / factor
+    return value
 
 
 def first_plateau_step(plan: Plan) -> int | None:

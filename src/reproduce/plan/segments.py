@@ -7,7 +7,7 @@ batch m x N x W and sequence length: one `whole` segment without batch phases, s
 - lengths become optimizer steps by walking the segments (`lengths_to_steps`): n steps of a segment cover n x E
   samples (E x L tokens, n / steps-per-epoch epochs, n x E / B paper steps), so a schedule in tokens stays exact
   while the batch grows;
-- a step's LR (`segment_lr`): the schedule it falls in, at its segment's LR-rule factor;
+- a step's LR (`planner.lr_at`): the schedule it falls in, at its segment's LR-rule factor;
 - the data (`stream_window`): each sequence length has its own stream through its own data, epoch after epoch; a
   segment continues its length's stream where the last one left it, so a ramp reads the data once, in order."""
 
@@ -179,20 +179,6 @@ def length_sizes(segments: list[Segment]) -> dict[int | None, int | None]:
     """The training samples at each sequence length the segments read, shortest length first."""
     sizes = {segment.sequence_length: segment.dataset_size for segment in segments}
     return {length: sizes[length] for length in sorted(sizes, key=lambda length: length or 0)}
-
-
-def segment_lr(segments: list[Segment], main: StepSchedule, main_factor: float, step: int) -> float:
-    """The LR of optimizer step `step` (0-based): the schedule it falls in (`main`, or the last phase before it
-    with its own), times its segment's LR-rule factor over that schedule's (`main_factor` for `main`)."""
-    index, schedule, factor = phase_index(segments, step), main, main_factor
-    for owner in segments[:index + 1]:  # the last segment at or before the step with a schedule of its own
-        if owner.schedule is not None:
-            schedule, factor = owner.schedule, owner.lr_factor
-    value = schedule.lr_at(step)
-    segment = segments[index]
-    if segment.lr_factor != factor:
-        value = value * segment.lr_factor / factor
-    return value
 
 
 # ---- where each step reads -------------------------------------------------------------------------------
