@@ -1,10 +1,6 @@
-"""The planner: from a paper's recipe and the largest micro-batch that fits, the accumulation plan.
-
-Pure Python, no torch. `make_plan(recipe, micro_batch_max, world_size, policy)` returns a `Plan`:
-micro-batch m, accumulation steps N and world size W with m x N x W = the paper's effective batch when
-that is possible; the LR rule applied when it is not; and the schedule converted to optimizer steps.
-`lr_at(plan, step)` is the learning rate of optimizer step `step`, used by the training loop.
-"""
+"""The planner, pure Python: `make_plan` turns a paper's recipe and the largest micro-batch that fits into a `Plan`
+(m x N x W = the paper's batch when possible, else the LR rule; the schedule in optimizer steps); `lr_at(plan, step)`
+is the LR the training loop uses."""
 
 from __future__ import annotations
 
