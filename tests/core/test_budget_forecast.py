@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from reproduce.errors import UserError
-from reproduce.plan.overlay import apply_overrides
+from reproduce.plan.overlay import changes_of, overlay
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe
 from reproduce.probe.runner import ProbeResult, ProbeTrial
@@ -27,7 +27,7 @@ def probed(times: dict[int, float]) -> ProbeResult:
 
 def planned(overrides: list[str], world_size: int, result: ProbeResult):
     """The plan and its prediction as `plan` makes them on a measured device: the measured step time x the steps."""
-    recipe = apply_overrides(load_recipe(GPT), overrides)
+    recipe = overlay(load_recipe(GPT), changes_of(overrides), "the recipe")
     plan = make_plan(recipe, 64, world_size, recipe_path=GPT)
     seconds = plan_costs(plan, result)[plan.policy].total_seconds
     prediction = {"predicted_seconds": seconds, "predicted_basis": "measured step time on cpu",
@@ -105,7 +105,8 @@ def test_when_nothing_fits_the_line_says_so_and_the_least_budget():
 
 
 def test_the_flops_models_hours_are_the_same_for_every_split_so_nothing_else_fits():
-    plan = make_plan(apply_overrides(load_recipe(GPT), ["budget.gpu_hours=1"]), 64, 1, recipe_path=GPT)
+    recipe = overlay(load_recipe(GPT), changes_of(["budget.gpu_hours=1"]), "the recipe")
+    plan = make_plan(recipe, 64, 1, recipe_path=GPT)
     prediction = {"predicted_seconds": 7200.0, "gpu_hours": 2.0,
                   "predicted_basis": "FLOPs model: 1 x NVIDIA A100 80GB at 19.5 TFLOP/s fp32 x MFU 40%"}
     with pytest.raises(UserError) as caught:
@@ -118,7 +119,8 @@ def test_the_flops_models_hours_are_the_same_for_every_split_so_nothing_else_fit
 
 def test_on_the_datasheets_the_card_with_the_fewest_gpu_hours_that_fit_is_named():
     """2 GPU-hours on an A100's 19.5 TFLOP/s fp32 at MFU 40%: the same FLOPs on each catalog card's own peak."""
-    plan = make_plan(apply_overrides(load_recipe(GPT), ["budget.gpu_hours=1"]), 64, 1, recipe_path=GPT)
+    recipe = overlay(load_recipe(GPT), changes_of(["budget.gpu_hours=1"]), "the recipe")
+    plan = make_plan(recipe, 64, 1, recipe_path=GPT)
     per_sample = 2 * 3600 * 19.5e12 * 0.4 / (300 * 64)
     prediction = {"predicted_seconds": 7200.0, "gpu_hours": 2.0, "flops_per_sample": per_sample,
                   "precision": "fp32", "mfu_assumed": 0.4,
@@ -129,13 +131,14 @@ def test_on_the_datasheets_the_card_with_the_fewest_gpu_hours_that_fit_is_named(
         "the catalog's mi300x would (0.239 GPU-hours at its datasheet peak; `gpu` mi300x plans it, memory "
         "included), or raise the budget to at least 2 GPU-hours")
     with pytest.raises(UserError) as caught:  # no card does 0.1 GPU-hours
-        forecast(make_plan(apply_overrides(load_recipe(GPT), ["budget.gpu_hours=0.1"]), 64, 1), None, prediction)
+        recipe = overlay(load_recipe(GPT), changes_of(["budget.gpu_hours=0.1"]), "the recipe")
+        forecast(make_plan(recipe, 64, 1), None, prediction)
     assert caught.value.lines[0].endswith("the same for all of them, nor does another GPU of the catalog; raise the "
                                           "budget to at least 2 GPU-hours")
 
 
 def test_a_money_budget_needs_a_price_and_no_forecast_leaves_the_budget_unchecked():
-    plan = make_plan(apply_overrides(load_recipe(GPT), ["budget.money=10"]), 64, 1, recipe_path=GPT)
+    plan = make_plan(overlay(load_recipe(GPT), changes_of(["budget.money=10"]), "the recipe"), 64, 1, recipe_path=GPT)
     with pytest.raises(UserError) as caught:
         forecast(plan, None, {"gpu_hours": 1.0, "predicted_basis": "measured step time on cpu"})
     assert caught.value.lines == ["`budget.money`: a money budget needs the price of one GPU-hour: give `price` P "
@@ -156,8 +159,9 @@ def test_when_the_plan_is_the_cheapest_way_the_line_says_so():
 
 
 def test_a_plan_with_batch_phases_is_refused_without_other_splits():
-    plan = make_plan(apply_overrides(load_recipe("papers/pysource-gpt-phases.yaml"), ["budget.gpu_hours=0.001"]), 64,
-                     1, recipe_path="papers/pysource-gpt-phases.yaml")
+    path = "papers/pysource-gpt-phases.yaml"
+    plan = make_plan(overlay(load_recipe(path), changes_of(["budget.gpu_hours=0.001"]), "the recipe"), 64, 1,
+                     recipe_path=path)
     assert plan.has_phases and cheaper_ways(plan, probed(FASTER_LARGE)) == []
     prediction = {"predicted_seconds": 36.0, "gpu_hours": 0.01, "predicted_basis": "measured step time on cpu"}
     with pytest.raises(UserError) as caught:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from reproduce.errors import UserError
-from reproduce.plan.overlay import apply_overrides
+from reproduce.plan.overlay import changes_of, overlay
 from reproduce.plan.recipe import Budget, load_recipe
 
 GPT = "papers/pysource-gpt.yaml"
@@ -16,10 +16,11 @@ def test_no_budget_unless_given():
 
 
 def test_set_makes_the_section():
-    recipe = apply_overrides(load_recipe(GPT), ["budget.gpu_hours=40"])
+    recipe = overlay(load_recipe(GPT), changes_of(["budget.gpu_hours=40"]), "the recipe")
     assert recipe.budget == Budget(gpu_hours=40.0)
     assert recipe.budget.money is None and recipe.budget.currency is None
-    recipe = apply_overrides(recipe, ["budget.money=500", "budget.price=2.5", "budget.currency=EUR"])
+    money = changes_of(["budget.money=500", "budget.price=2.5", "budget.currency=EUR"])
+    recipe = overlay(recipe, money, "the recipe")
     assert (recipe.budget.gpu_hours, recipe.budget.money, recipe.budget.price, recipe.budget.currency) == (
         40.0, 500.0, 2.5, "EUR")
 
@@ -34,7 +35,7 @@ def test_set_makes_the_section():
 ])
 def test_a_bad_budget_is_one_line(override, expected):
     with pytest.raises(UserError) as caught:
-        apply_overrides(load_recipe(GPT), [override])
+        overlay(load_recipe(GPT), changes_of([override]), "the recipe")
     assert len(caught.value.lines) == 1
     assert caught.value.lines[0].startswith(expected), caught.value.lines[0]
 

@@ -1,28 +1,15 @@
 """GPUs by name, with their memory as the vendors' datasheets state it. No torch.
 
-`--gpu a100-80gb` plans for that card's memory. The datasheets' "GB" of GPU memory are binary: an
-A100 40GB shows 40,960 MiB to `nvidia-smi`, an A100 80GB 81,920 MiB; so a figure of N GB is taken as
-N GiB. What a process can use is a little less: the CUDA context (a few hundred MiB, taken off as
-`CONTEXT_BYTES` when the budget comes from this catalog) and, on some cards, memory reserved for ECC
-(a T4 shows about 15 GiB of its 16). The probe's headroom (10% by default) covers the rest; give
-`--memory` with the figure `nvidia-smi` shows for an exact budget.
+`--gpu a100-80gb` plans for that card's memory. A datasheet's N GB is N GiB (an A100 80GB shows 81,920 MiB to
+`nvidia-smi`); a process can use a little less: the CUDA context (`CONTEXT_BYTES`, taken off a budget from this
+catalog) and, on some cards, ECC (a T4 shows about 15 GiB of 16). The probe's headroom covers the rest; `--memory`
+with `nvidia-smi`'s figure gives an exact budget. Papers' names resolve too (`A100-40GB`; bare `V100` and `A100` by
+`ALIASES`); TPU names are refused: the estimate models CUDA's kernels and allocator.
 
-Names as the papers write them resolve too: `A100-40GB`, `V100-32GB` (case and separators forgiven),
-and two bare names by the reading documented in `ALIASES` (`V100`: the 16 GB card; `A100`: the 40 GB
-one). A TPU is not a GPU: the estimate models CUDA's kernels and allocator, so `--gpu` refuses TPU names
-with a line saying so rather than guessing a budget.
-
-`capability` is the CUDA compute capability of the architecture (A100 8.0, other Ampere cards 8.6, Ada
-8.9, Hopper 9.0, ...): it decides which attention kernel PyTorch runs (probe/gpu_like.py).
-
-`cublaslt_workspace` is the cuBLASLt workspace PyTorch allocates per handle on that architecture
-(1 MiB by default, 4 MiB on Ampere cards with 24 GB or more, 32 MiB on Hopper); the estimate meter
-adds it to its margin.
-
-Each card's dense peak FLOP/s per precision and its memory bandwidth (MFU, the predicted time, the throughput
-policy's model) are in hardware/peaks.py, by the same names; `h100-sxm` and `h100-pcie` name the two H100 80GB cards,
-whose rates differ (`h100-80gb`, either of them, plans memory alike but has no single peak).
-"""
+`capability` (CUDA compute capability) decides PyTorch's attention kernel (probe/gpu_like.py); `cublaslt_workspace`
+(1 MiB, 4 MiB on Ampere cards of 24 GB or more, 32 MiB on Hopper) is added to the estimate's margin. Peak FLOP/s and
+bandwidth are in hardware/peaks.py by the same names (`h100-80gb` plans memory but has no single peak: `h100-sxm`,
+`h100-pcie`)."""
 
 from __future__ import annotations
 

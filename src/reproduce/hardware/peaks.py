@@ -1,18 +1,10 @@
 """Each catalog GPU's dense peak FLOP/s per precision and its memory bandwidth, from the vendors' datasheets. No torch.
 
-Dense figures only: NVIDIA's datasheets print the tensor-core rates of Ampere and later "with sparsity" (2:4
-structured sparsity, which training does not use) and mark them with an asterisk; the dense rate is half of
-that, and is what is kept here. GeForce cards run FP16/BF16 matrix products with FP32 accumulation (what
-PyTorch asks for) at half their FP16-accumulate rate; the figure kept is the FP32-accumulate one, from the
-architecture whitepaper's table. A figure that is not known exactly for the card the catalog names (a name
-shared by several variants with other rates, a datasheet not at hand) is None: the MFU of such a card is then
-null, never a guess.
-
-`precision` keys: `fp32` (CUDA cores, or matrix cores in FP32 on AMD), `tf32` (tensor cores on FP32 inputs),
-`bf16`, `fp16` (tensor cores, FP32 accumulation). A dense figure written with a half (494.5) is the printed
-sparse figure halved. Bandwidth in bytes per second (the datasheets' TB/s and GB/s
-are decimal).
-"""
+Dense figures only: NVIDIA prints Ampere-and-later tensor-core rates "with sparsity" (2:4, unused in training), twice
+the dense rate kept here (494.5: a printed figure halved). GeForce FP16/BF16 figures are the FP32-accumulate rate
+(what PyTorch asks for), from the architecture whitepaper. A figure not known exactly for the named card is None:
+its MFU is then null, never a guess. `precision` keys: `fp32`, `tf32`, `bf16`, `fp16` (FP32 accumulation).
+Bandwidth in bytes per second (decimal TB/s, GB/s)."""
 
 from __future__ import annotations
 

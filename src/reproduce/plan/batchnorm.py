@@ -1,14 +1,10 @@
-"""BatchNorm in the plan, without torch: the BatchNorm layers the model has, the BN batch the run will have against
-the paper's, and the choices that bring it closer (`model.batchnorm: keep | sync | frozen | group`).
+"""BatchNorm in the plan, without torch: the model's BatchNorm layers, the run's BN batch against the paper's, and
+the choices that bring it closer (`model.batchnorm: keep | sync | frozen | group`).
 
-Accumulation makes a window's gradient the large batch's; BatchNorm still normalises each forward's samples with
-their own mean and variance, so its statistics are over the micro-batch (keep), the micro-batches of all processes
-(sync), or none at all (frozen statistics, GroupNorm). The layers are found in the model, not in the recipe's
-label: known here for the built-ins (tests count them on the built models), counted by the torch layer for any
-other model it builds (`counted`), and only otherwise read from `model.norm_layers`.
-
-Nothing here imports torch or the recipe module (recipe/model.py reads `batchnorm_in_run` for `Model.has_batchnorm`).
-"""
+Accumulation makes a window's gradient the large batch's, but BatchNorm still normalises each forward's samples:
+over the micro-batch (keep), all processes' micro-batches (sync), or no batch at all (frozen, GroupNorm). The layers
+are counted in the model (known here for the built-ins, `counted` by the torch layer otherwise), and only failing
+both read from the recipe's `model.norm_layers` label."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """What can run here, decided without importing torch: the built-in names, and `why_not_runnable(recipe)`.
-
-`reproduce.models.MODELS`, `reproduce.models.LOSSES` and `reproduce.data.DATA` are the real registries; a test keeps
-these names equal to them.
-"""
+A test keeps the names equal to the real registries (models.MODELS, models.LOSSES, data.DATA)."""
 
 from __future__ import annotations
 

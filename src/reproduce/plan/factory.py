@@ -1,9 +1,7 @@
 """Calling a recipe's builder: a built-in by name, or the user's own `factory: "package.module:function"`.
 
-No torch here. A recipe's `factory:` runs the user's own Python code, like importing it. The module is looked for
-in the folders of the files that named it first (the recipe, the plan, the check file: `remember_folder`), then in
-the working directory, then on PYTHONPATH, so `reproduce check checks/` works from any directory.
-"""
+No torch here. The module is looked for in the folders of the files that named it (`remember_folder`), then the
+working directory, then PYTHONPATH, so `reproduce check checks/` works from any directory."""
 
 from __future__ import annotations
 

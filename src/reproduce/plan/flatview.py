@@ -1,10 +1,7 @@
-"""The plan's flat view: the fields of a `reproduce-plan/1` file, one level deep.
+"""The plan's flat view: the fields of a `reproduce-plan/1` file, one level deep. Pure Python, no torch.
 
-Pure Python, no torch. `reproduce-plan/2` stores the plan as its parts (planner.Plan: the split, the LR rule, the
-schedule, the segments); `plan --json`, which CI pipelines read, keeps the flat field names and order of
-`reproduce-plan/1`: `flat_fields(plan)` writes them from the parts. `parts_from_flat(data)` is the other way, for a
-`reproduce-plan/1` file (a run folder written before the parts): its fields as the parts `Plan` validates.
-"""
+`plan --json`, which CI pipelines read, keeps reproduce-plan/1's flat names and order: `flat_fields(plan)` writes
+them from the parts of a reproduce-plan/2 Plan; `parts_from_flat(data)` reads an old reproduce-plan/1 file as parts."""
 
 from __future__ import annotations
 

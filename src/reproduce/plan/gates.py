@@ -1,11 +1,9 @@
-"""The recipe's gates in optimizer steps: when each is checked, what it watches, and its bound (no torch).
+"""The recipe's gates in optimizer steps: when each is checked, what it watches, its bound (no torch).
 
-`planned_gates(plan)` resolves each gate's `at` (a step, an epoch, a fraction of the run, samples or tokens) to the
-optimizer step after which the run checks it, walking the plan's segments as the schedule's lengths are
-(`segments.lengths_to_steps`): a step of the paper is the same step of an exact plan. A gate past the planned run,
-or counted in epochs of data whose size is unknown, is one line at `plan` time. The budget's cost gate
-(`budget.gpu_hours`, when the recipe has one) is a gate too, checked at every step from `BUDGET_FROM` on.
-"""
+`planned_gates(plan)` resolves each gate's `at` to the optimizer step after which the run checks it, walking the
+segments as the schedule's lengths do (`segments.lengths_to_steps`). A gate past the run, or in epochs of data of
+unknown size, is one line at `plan` time. `budget.gpu_hours` is a gate too, checked at every step from
+`BUDGET_FROM` on."""
 
 from __future__ import annotations
 

@@ -36,10 +36,9 @@ def torchrun_command(
     rdzv_endpoint: str | None = None, python: str | None = None, max_restarts: int | None = None,
     rdzv_id: str | None = None,
 ) -> list[str]:
-    """`python -m torch.distributed.run ... -m reproduce run ...`: what `reproduce run --nproc-per-node` launches
-    and what `reproduce plan --emit torchrun` prints. `max_restarts`: torchrun restarts the whole group after a
-    failed process that many times (the run then continues by itself, `--auto-resume`). `node_rank` None: left out
-    (the c10d rendezvous ranks the nodes in the order they join; torchrun ignores it there)."""
+    """`python -m torch.distributed.run ... -m reproduce run ...`, as `run --nproc-per-node` launches it and `plan
+    --emit torchrun` prints it. `max_restarts`: whole-group restarts after a failed process (the run resumes itself,
+    `--auto-resume`); `node_rank` None is left out (the c10d rendezvous ranks nodes as they join)."""
     command = [python or sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
     if str(nnodes) == "1" and rdzv_endpoint is None:
         command.append("--standalone")

@@ -1,18 +1,11 @@
-"""The memory knobs of a run, as recipe fields, and the options that set them (pure Python, no torch).
+"""The memory knobs of a run, as recipe fields, and the options that set them (pure Python, no torch). Each is
+exact: the run's weights are those of the plain large-batch loop.
 
-- `model.activation_checkpointing` (`--activation-checkpointing`): each block's activations recomputed in backward
-  (models/checkpointing.py);
-- `batch.sharded_gradients` (`--sharded-gradients`): under FSDP2, the gradients reduce-scattered after every
-  micro-batch, so no rank ever holds the whole model's gradients (train/distributed/fsdp.py);
-- `batch.offload` (`--offload cpu`): under FSDP2, parameters, gradients and optimizer state kept in CPU memory
-  (CPUOffloadPolicy).
-
-The last two need `batch.sharding: fsdp`. Each is exact: the run's weights are those of the plain large-batch loop.
-
-- `model.quantize` (`--quantize int8 | nf4`): the frozen base's linear layers stored in 8 or 4 bits under LoRA
-  (models/quantize.py); exact too (the frozen weights are the same numbers for every micro-batch), though the base
-  then computes with its quantised weights, not the recipe's.
-"""
+- `model.activation_checkpointing`: each block's activations recomputed in backward (models/checkpointing.py);
+- `batch.sharded_gradients` (FSDP2): gradients reduce-scattered after every micro-batch (train/distributed/fsdp.py);
+- `batch.offload: cpu` (FSDP2): parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy);
+- `model.quantize: int8 | nf4`: the frozen base's linear layers in 8 or 4 bits under LoRA (models/quantize.py); the
+  base then computes with its quantised weights, the same numbers for every micro-batch."""
 
 from __future__ import annotations
 

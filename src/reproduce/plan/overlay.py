@@ -1,21 +1,14 @@
 """The overlay: what a command changes of a recipe, applied in one order and validated once (pure Python, no torch).
 
-Every change is a recipe field by its dotted path: `--set optimizer.lr=1e-4` names its path itself, and each of
-the commands' options is an alias of one (the command line's table of them is `cli.options.FIELD_OF_FLAG`:
-`--weights` is `model.weights`, `--packing` is `data.packing`, ...). `overlay` puts the changes into the recipe's
-fields in the order given (the CLI gives `--set` first, as if the file said it, then the options), with the few
-rules a field's value carries (paths made absolute; data on a path becomes available; a BatchNorm choice records
-the paper's), and validates the whole recipe once, as the file is, so every rule of the schema holds whatever set
-the field. A problem is one line naming how the field was given (`--packing: data.packing: ...`) when a change set
-it, else the file.
+Every change is a recipe field by its dotted path: `--set optimizer.lr=1e-4`, or an option that aliases one
+(`cli.options.FIELD_OF_FLAG`: `--weights` is `model.weights`). `overlay` applies the changes in order (`--set` first,
+as if the file said it), with the rules a field's value carries (absolute paths, a BatchNorm choice recording the
+paper's), and validates the whole recipe once; a problem line names how the field was given (`--packing:
+data.packing: ...`), else the file. A `--set` value is YAML, and a number in the path is a list item
+(`batch.phases.1.effective`), as torchtune's `key=value` overrides.
 
-`--set PATH=VALUE` (`changes_of`) is any recipe field by its dotted path, as torchtune's `key=value` overrides: the
-value is read as YAML (a number, `true`, `null`, a `[list]` or a `{mapping}`), and a number in the path is an item
-of a list (`batch.phases.1.effective`).
-
-A resumed run (`resumed`) keeps the fields its plan.yaml was run with (`FIXED_ON_RESUME`): a change that asks for
-another value is refused, naming it; any other difference between the recipe and the run's is refused too.
-"""
+A resumed run (`resumed`) keeps the fields its plan.yaml was run with (`FIXED_ON_RESUME`) and refuses any other
+difference."""
 
 from __future__ import annotations
 
@@ -54,10 +47,9 @@ class Change:
 
 
 def variant(recipe: Recipe, fields: dict[str, Any]) -> Recipe:
-    """A recipe the code derives from the user's to build or measure something (one phase's fixed batch, the model
-    at another output stride, the unquantised model counted, the dtype `verify` checks in): `fields` (a section, or
-    `section.field`) set as given, without the schema's rules between fields, which hold for the user's recipe, not
-    for these copies, and never written to a plan. The one place, beside `overlay`, that changes a recipe."""
+    """A recipe the code derives from the user's to build or measure something (one phase's batch, the dtype
+    `verify` checks in): `fields` (`section` or `section.field`) set without the rules between fields, never written
+    to a plan. The one place, beside `overlay`, that changes a recipe."""
     for path, value in fields.items():
         section, _, name = path.partition(".")
         part = value if not name else getattr(recipe, section).model_copy(update={name: value})
@@ -66,10 +58,8 @@ def variant(recipe: Recipe, fields: dict[str, Any]) -> Recipe:
 
 
 def phase_recipe(recipe: Recipe, sequences: int, sequence_length: int | None) -> Recipe:
-    """`recipe` with one fixed batch: `sequences` samples (sequences) of `sequence_length`, no phases or ramp.
-
-    What one phase of a changing batch is planned and probed as (the micro-batch that fits depends on the length).
-    """
+    """`recipe` with one fixed batch of `sequences` samples of `sequence_length`, as one phase is planned and
+    probed."""
     batch = recipe.batch
     effective = sequences * (sequence_length or batch.token_length) if batch.unit == "tokens" else sequences
     fixed = {"effective": effective, "sequence_length": sequence_length, "phases": None, "ramp": None,
@@ -160,12 +150,6 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def changes_of(overrides: Sequence[str]) -> list[Change]:
     """Each `PATH=VALUE` of `overrides` (`--set` on the command line) as the change of its field."""
     return [Change(".".join(parts), value, "`overrides`") for parts, value in map(parse_override, overrides)]
-
-
-def apply_overrides(recipe: Recipe, overrides: Sequence[str], source: str = "the recipe") -> Recipe:
-    """`recipe` with each `PATH=VALUE` of `overrides` applied in order, validated again as a whole: an override
-    obeys every rule the file does, and a problem names the field's path after `--set`, not the file."""
-    return overlay(recipe, changes_of(overrides), source)
 
 
 def _shown(change: Change) -> str:

@@ -1,15 +1,10 @@
 """A batch that changes during training: `batch.phases` and `batch.ramp` planned as segments (segments.py).
 
-Pure Python, no torch. The planner turns the recipe's phases (BERT: 90% of the steps at 128 tokens, then 512) or
-ramp (GPT-3: the batch grows linearly from 32k tokens) into segments: consecutive optimizer steps with
-one micro-batch m, accumulation N and effective batch m x N x W each, and one sequence length. A ramp becomes one
-segment per distinct batch: each step's batch is the ramp's value rounded down to the ramp's granularity (the
-recipe's `batch.ramp.granularity`, by default one sequence per process; at least one grain, never above the target),
-and a last segment at the target. The granularity never depends on the micro-batch, so neither does the ramp: a
-process's share of a ramp step below the micro-batch runs as one smaller micro-batch, and a share that is not a
-multiple of it ends with a smaller one (the window's loss is normalised over all of it either way).
-
-"""
+Pure Python, no torch. Phases (BERT: 90% of the steps at 128 tokens, then 512) are one segment each; a ramp (GPT-3:
+the batch grows linearly from 32k tokens) is one segment per distinct batch, each step's batch rounded down to
+`batch.ramp.granularity` (default one sequence per process; never above the target), then one at the target. The
+granularity never depends on the micro-batch: a process's share that is not a multiple of it ends with a smaller
+micro-batch (the window's loss is normalised over all of it)."""
 
 from __future__ import annotations
 
@@ -38,12 +33,10 @@ def plan_phases(
     target: Choice,
     warnings: list[str],
 ) -> list[Segment]:
-    """The segments of `recipe.batch.phases` or `.ramp` (empty without either).
+    """The segments of `recipe.batch.phases` or `.ramp` (empty without either), each split by the policy's rule.
 
-    `micro_batch_max` and `sizes` may be given per sequence length ({length: value}); `dataset_size` is the training
-    samples at the recipe's own length (other lengths read the same data cut at theirs). Each phase's batch is split
-    by the policy's rule (split.py); `target` is the split of the recipe's main batch (the ramp's last segment).
-    """
+    `micro_batch_max` and `sizes` may be per sequence length; `dataset_size` is the samples at the recipe's own
+    length; `target` is the main batch's split (the ramp's last segment)."""
     batch = recipe.batch
     if not batch.phases and not batch.ramp:
         return []

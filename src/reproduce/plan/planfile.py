@@ -1,15 +1,10 @@
 """Reading and writing plan files (`plan.yaml`): the plan `reproduce run` executes, with its recipe inside.
 
-And what a checkpoint records of the plan it was trained with: `computation(plan)` is the plan as every field that
-changes what the run computes, flattened to dotted paths (the recipe's fields, the schedule in optimizer steps, the
-segments' batches, LRs and schedules, the epoch): each checkpoint keeps it (`as_record`, train/checkpoint.py). A resume
-whose plan differs from it in any field is refused, naming the fields (`changed_fields`): a plan.yaml edited by hand,
-or a flipped bit that still parses, never trains a different model silently. Left out are the fields a resume may
-change on purpose by its own explicit way, which keeps the large-batch updates exact (the micro-batch and accumulation
-steps: `--micro-batch-max`, an out-of-memory halving; the number of processes: `--nproc-per-node`; and what follows
-from them: the BatchNorm plan's micro-batch, the throughput policy's timings), the records checked by their own
-fingerprints (the weights and data files: resume_rules), and words (the paper's title, warnings, notes, sources).
-"""
+And what a checkpoint records of its plan: `computation(plan)`, every field that changes what the run computes, by
+dotted path (`as_record`, train/checkpoint.py). A resume whose plan differs in any of them is refused, naming the
+fields (`changed_fields`), so a hand-edited plan.yaml never trains a different model silently. Left out: what a
+resume may change on purpose and keep exact (micro-batch and accumulation, the processes, and what follows from
+them), the weights and data files (their own fingerprints: resume_rules), and words (titles, warnings, sources)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,14 @@
-"""The planner: from a paper's recipe and the largest micro-batch that fits, the accumulation plan.
-
-Pure Python, no torch. `make_plan(recipe, micro_batch_max, world_size, policy)` returns a `Plan`:
-micro-batch m, accumulation steps N and world size W with m x N x W = the paper's effective batch when
-that is possible; the LR rule applied when it is not; and the schedule converted to optimizer steps.
-`lr_at(plan, step)` is the learning rate of optimizer step `step`, used by the training loop.
-"""
+"""The planner, pure Python: `make_plan` turns a paper's recipe and the largest micro-batch that fits into a `Plan`
+(m x N x W = the paper's batch when possible, else the LR rule; the schedule in optimizer steps); `lr_at(plan, step)`
+is the LR the training loop uses."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field, model_validator
 
 from ..errors import MicroBatchError, UserError
 from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
@@ -19,7 +17,7 @@ from .overlay import Change, overlay
 from .phases import StepsSchedule, plan_phases, schedule_in_steps
 from .recipe import Recipe, default_packing
 from .schedules import StepSchedule
-from .segments import MicroBatchMax, Segment, epoch_steps, micro_batch_cap, segment_lr
+from .segments import MicroBatchMax, PerLength, Segment, epoch_steps, micro_batch_cap, phase_index
 from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule, split_text
 from .throughput_choice import ThroughputChoice
 from .weightfiles import WeightsRecord
@@ -76,67 +74,42 @@ class Plan(Frozen):
     # the data files' content fingerprint when the run started (`--resume` refuses data that changed since)
     data_fingerprint: str | None = None
 
-    # the split's numbers, which most readers want (stored once, in `split`)
-    @property
-    def micro_batch(self) -> int:
-        return self.split.micro_batch
+    # the parts' numbers most readers want: attributes `_derived` sets once, not fields (the type checker's view)
+    if TYPE_CHECKING:
+        micro_batch: int = Field(init=False)
+        accumulation_steps: int = Field(init=False)
+        world_size: int = Field(init=False)
+        effective_batch: int = Field(init=False)
+        exact: bool = Field(init=False)
+        lr: float = Field(init=False)
+        optimizer_steps: int | None = Field(init=False)
+        warmup_steps: int = Field(init=False)
+        unit: Literal["samples", "sequences"] = Field(init=False)
+        paper_effective_batch: int = Field(init=False)
+        effective_tokens: int | None = Field(init=False)
+        arithmetic: str = Field(init=False)
+        per_rank_batch: int = Field(init=False)
+        has_phases: bool = Field(init=False)  # the batch changes (batch.phases or batch.ramp), not one `whole` segment
 
-    @property
-    def accumulation_steps(self) -> int:
-        return self.split.accumulation_steps
-
-    @property
-    def world_size(self) -> int:
-        return self.split.world_size
-
-    @property
-    def effective_batch(self) -> int:
-        return self.split.effective_batch
-
-    @property
-    def exact(self) -> bool:
-        return self.split.exact
-
-    @property
-    def lr(self) -> float:
-        return self.split.lr
-
-    @property
-    def optimizer_steps(self) -> int | None:
-        return self.schedule.end_step
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.schedule.warmup_steps
-
-    @property
-    def unit(self) -> Literal["samples", "sequences"]:
-        return self.recipe.batch.count_unit
-
-    @property
-    def paper_effective_batch(self) -> int:
-        return self.recipe.batch.sequences
-
-    @property
-    def effective_tokens(self) -> int | None:
-        length = self.recipe.batch.sequence_length
-        return self.effective_batch * length if length else None
-
-    @property
-    def arithmetic(self) -> str:
-        text = split_text(self.micro_batch, self.accumulation_steps, self.world_size, self.effective_batch)
-        if self.effective_tokens is not None:
-            text += f" sequences ({self.effective_tokens} tokens)"
-        return text
-
-    @property
-    def per_rank_batch(self) -> int:
-        return self.micro_batch * self.accumulation_steps
-
-    @property
-    def has_phases(self) -> bool:
-        """Whether the plan's batch changes (batch.phases or batch.ramp), not one `whole` segment."""
-        return self.segments[0].kind != "whole"
+    @model_validator(mode="after")
+    def _derived(self) -> Plan:
+        """The split's, the schedule's and the batch's numbers as attributes of the validated plan: never saved,
+        never read from a file (a plan file's key of these names is unknown)."""
+        split, batch = self.split, self.recipe.batch
+        tokens = split.effective_batch * batch.sequence_length if batch.sequence_length else None
+        text = split_text(split.micro_batch, split.accumulation_steps, split.world_size, split.effective_batch)
+        derived = {
+            "micro_batch": split.micro_batch, "accumulation_steps": split.accumulation_steps,
+            "world_size": split.world_size, "effective_batch": split.effective_batch, "exact": split.exact,
+            "lr": split.lr, "optimizer_steps": self.schedule.end_step, "warmup_steps": self.schedule.warmup_steps,
+            "unit": batch.count_unit, "paper_effective_batch": batch.sequences, "effective_tokens": tokens,
+            "arithmetic": text if tokens is None else f"{text} sequences ({tokens} tokens)",
+            "per_rank_batch": split.micro_batch * split.accumulation_steps,
+            "has_phases": bool(self.segments) and self.segments[0].kind != "whole",
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)  # (a frozen model: set once, here)
+        return self
 
 
 def make_plan(
@@ -144,7 +117,7 @@ def make_plan(
     micro_batch_max: MicroBatchMax,
     world_size: int = 1,
     policy: Literal["exact", "fast", "throughput"] = "exact",
-    dataset_size: int | Mapping[int | None, int] | None = None,
+    dataset_size: PerLength | None = None,
     recipe_path: str | None = None,
     micro_batch: int | None = None,
     batchnorm_layers: int | None = None,
@@ -156,12 +129,9 @@ def make_plan(
 ) -> Plan:
     """The plan for `recipe` on `world_size` processes that each fit `micro_batch_max` samples.
 
-    With batch phases the micro-batch that fits and the training samples may be given per sequence length. Policy
-    `throughput` is `exact` with the throughput search's `micro_batch` when given. `batchnorm_layers`: as counted in
-    the built model. The keyword parts are recorded as the caller measured or read them. An unset `data.packing`
-    takes the data's default, written into the plan's recipe so that run, verify and resume group alike. Each step
-    below appends its warnings to one list, in order.
-    """
+    With batch phases, the micro-batch that fits and the dataset size may be per sequence length. `throughput` is
+    `exact` at the throughput search's `micro_batch`. `batchnorm_layers`: as counted in the built model. An unset
+    `data.packing` takes the data's default into the plan's recipe, so run, verify and resume group alike."""
     way = default_packing(recipe)  # data.packing unset: instruction data takes packed or sorted, the plan keeps it
     if way is not None:
         recipe = overlay(recipe, [Change("data.packing", way)], recipe_path or "the recipe")
@@ -224,7 +194,7 @@ def finish_plan(plan: Plan, **parts: object) -> Plan:
     """A plan made before (a plan file's) with the parts a run changes or adds: its recipe with the command's
     options, the records of the pretrained weights it starts from (None for random ones) and of the data files;
     validated as a new Plan (a part it does not have is refused)."""
-    return Plan.model_validate({**dict(plan), **parts})
+    return Plan.model_validate({**{name: getattr(plan, name) for name in Plan.model_fields}, **parts})
 
 
 def check_arguments(recipe: Recipe, micro_batch_max: int, world_size: int, policy: str) -> None:
@@ -243,10 +213,8 @@ def check_arguments(recipe: Recipe, micro_batch_max: int, world_size: int, polic
 
 def choose_split(recipe: Recipe, cap: int, world_size: int, policy: SplitPolicy, micro_batch: int | None,
                  warnings: list[str]) -> tuple[Choice, Choice | None]:
-    """The main batch's split under `policy` (exact or fast) and the other policy's, when worth showing.
-
-    `cap`: the micro-batch that fits, capped at what the paper's batch needs per process (`micro_batch_cap`);
-    `micro_batch`, when given, is the exact split's (the throughput search's choice)."""
+    """The main batch's split under `policy` and the other policy's, when worth showing. `cap` is already
+    `micro_batch_cap`ped; `micro_batch`, when given, is the exact split's (the throughput search's choice)."""
     paper_batch = recipe.batch.sequences
     exact = exact_choice(recipe, cap, world_size)
     if micro_batch is not None and exact is not None:
@@ -336,21 +304,25 @@ def warn_last(recipe: Recipe, batchnorm: str | None, schedule: StepsSchedule, wa
 
 
 def lr_at(plan: Plan, step: int) -> float:
-    """The learning rate for optimizer step `step` (0-based): warm-up, then the recipe's decay.
-
-    With batch phases the schedule runs on across them, or restarts where a phase gives its own (phases.py); a
-    phase whose batch is not the paper's has its own LR rule factor in place of the main batch's.
-    """
-    return segment_lr(plan.segments, plan.schedule, plan.split.lr_factor, step)
+    """The learning rate of optimizer step `step` (0-based): the schedule it falls in (the recipe's, or that of the
+    last phase before it with its own), times its segment's LR-rule factor over that schedule's."""
+    segments = plan.segments
+    index, schedule, factor = phase_index(segments, step), plan.schedule, plan.split.lr_factor
+    for owner in segments[:index + 1]:  # the last segment at or before the step with a schedule of its own
+        if owner.schedule is not None:
+            schedule, factor = owner.schedule, owner.lr_factor
+    value = schedule.lr_at(step)
+    segment = segments[index]
+    if segment.lr_factor != factor:
+        value = value * segment.lr_factor / factor
+    return value
 
 
 def first_plateau_step(plan: Plan) -> int | None:
     """Plateau decay: the first optimizer step (0-based) whose LR a decrease could change, None otherwise.
 
-    ReduceLROnPlateau decreases after `patience + 1` evaluations without improvement on the best one; the first
-    evaluation counted (one after the warm-up) sets the best, so the earliest is the (patience + 2)-th counted
-    evaluation, and the step after it is the first with the lower LR.
-    """
+    The first evaluation counted (after the warm-up) sets the best; ReduceLROnPlateau decreases after `patience + 1`
+    evaluations without improvement, so at the earliest on the step after the (patience + 2)-th."""
     decay = plan.recipe.schedule.decay
     every = plan.recipe.evaluation.every_steps
     if decay.kind != "plateau" or not every or decay.patience is None:  # (plateau requires a patience)
@@ -360,10 +332,9 @@ def first_plateau_step(plan: Plan) -> int | None:
 
 
 def lr_points(plan: Plan) -> list[list[float]]:
-    """`[step, lr]` (1-based optimizer step, the LR the run uses in it) at every place the schedule changes shape:
-    the start, the end of each warm-up, each batch phase's start (and the step before it), each step milestone (and
-    the step before it), each end of decay, the last step. With plateau decay, up to the first step a decrease could
-    change (its LR as planned, before any decrease)."""
+    """`[step, lr]` (1-based step) wherever the schedule changes shape: the start, each warm-up's end, each
+    phase start and milestone (and the step before), each decay's end, the last step; with plateau decay, up to the
+    first step a decrease could change."""
     total = plan.optimizer_steps
     if total is None:
         return []

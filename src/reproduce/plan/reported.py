@@ -1,15 +1,9 @@
-"""The run's result beside the paper's: a recipe's `reported` values matched with what the run evaluated.
+"""The run's result beside the paper's: a recipe's `reported` values matched with what the run evaluated. No torch.
 
-A reported metric is compared only when the run measured the same thing on the same split: the evaluation
-data is the paper's validation split (`val`, `validation`, `dev`, or no split stated), and the metric is one the
-run computes (its eval loss, or its eval accuracy as top-1 accuracy or error, or segmentation's mIoU and pixel
-accuracy; recipe.REPORTED_METRICS by task). No torch.
-
-One scale for accuracy everywhere a user reads it: a fraction (0.9306), as metrics.jsonl, summary.json, the
-console and `reproduce report` give the run's. Papers print percentages (76.3), and a recipe's `reported:` copies
-the paper, so a rate above 1 there is a percentage: the rows here carry it, and its tolerance, as a fraction too
-(`as_written` keeps the recipe's number).
-"""
+A reported metric is compared only when the run measured the same thing on the same split: the paper's
+validation split (`val`, `validation`, `dev`, or none stated) and a metric the run computes
+(recipe.REPORTED_METRICS by task). Accuracy is a fraction everywhere a user reads it (0.9306); a recipe's rate above
+1 is the paper's percentage, carried here as a fraction with its tolerance (`as_written` keeps the recipe's)."""
 
 from __future__ import annotations
 

@@ -10,10 +10,11 @@ from ..errors import UserError
 from .packing import kept_grouping
 from .planner import Plan, make_plan
 from .recipe import FileData
+from .segments import PerLength
 from .weightfiles import data_fingerprint, fingerprint_of, inspect
 
 
-def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: int | dict[int | None, int],
+def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: PerLength,
            source: Path | str) -> Plan:
     """The same effective batch and schedule on another number of processes, or with a smaller micro-batch (a
     resumed run that ran out of memory; None: keep the plan's), or with the dataset's size when the plan was made
@@ -23,8 +24,7 @@ def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: 
     per_length = {s.sequence_length: min(s.micro_batch, micro_batch or s.micro_batch) for s in saved.segments}
     micro = per_length if len(per_length) > 1 else cap  # one micro-batch per sequence length the plan reads
     again = make_plan(kept_grouping(saved.recipe), micro, world_size, saved.policy, dataset_size=dataset_size,
-                 recipe_path=saved.recipe_path).model_copy(update={"weights": saved.weights,
-                                                                   "data_fingerprint": saved.data_fingerprint})
+                      recipe_path=saved.recipe_path, weights=saved.weights, data_fingerprint=saved.data_fingerprint)
 
     def kept(p: Plan) -> dict[str, object]:
         """What a re-derived plan must keep of the saved one; made without the data, its steps were not known,

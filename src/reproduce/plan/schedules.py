@@ -1,22 +1,13 @@
-"""Learning-rate schedules in optimizer steps: the recipe's, each batch phase's own, and plateau decay.
+"""Learning-rate schedules in optimizer steps: the recipe's, each batch phase's own, and plateau decay. No torch.
 
-Pure Python, no torch. A schedule (`StepSchedule`) covers consecutive optimizer steps: a linear warm-up from its start,
-then its decay (constant, step milestones, cosine, linear, polynomial) to `decay_end_step`. The recipe's
-`schedule.warmup` / `decay` is the first one, from step 0; a batch phase that gives its own `lr`, `warmup` or `decay`
-(LAMB's second stage warms up again, You et al. 2019) starts another at its first step, with lengths counted in its
-own units (its steps, epochs, samples or tokens at its batch). A schedule runs until the next one starts or the run
-ends, and its decay ends there unless `decay.until` says otherwise. A phase without a schedule of its own continues
-the one before it, with its own LR-rule factor when its batch is not the paper's.
+A `StepSchedule` covers consecutive optimizer steps: a linear warm-up from its start, then its decay to
+`decay_end_step`. The recipe's starts at step 0; a batch phase with its own `lr`, `warmup` or `decay` (LAMB's second
+stage warms up again, You et al. 2019) starts another at its first step. A schedule runs until the next one starts
+or the run ends; a phase without its own continues the one before, at its own LR-rule factor.
 
-Phases' own schedules are planned in phases.py; `planner.lr_at(plan, step)` is the LR of optimizer step `step`
-(0-based) as `reproduce run` uses it (the schedule the step falls in: segments.segment_lr), `planner.lr_points(plan)`
-the `[step, lr]` pairs (1-based steps, as metrics.jsonl numbers them) where the schedule changes shape.
-
-Plateau decay (He et al. 2016, "divided by 10 when the error plateaus") is `torch.optim.lr_scheduler.ReduceLROnPlateau`
-at the evaluation points: `Plateau` keeps its state (best value, bad evaluations, cooldown, the LR scale) as plain
-numbers for the checkpoint, and multiplies the planned LR by its scale. Its decreases depend on the run, so the plan
-knows the schedule only up to the first step where one could happen (`first_plateau_step`).
-"""
+Plateau decay (He et al. 2016, "divided by 10 when the error plateaus") is ReduceLROnPlateau at the evaluation
+points: `Plateau` keeps its state as plain numbers for the checkpoint and scales the planned LR. Its decreases depend
+on the run, so the plan knows the schedule only up to the first step where one could happen."""
 
 from __future__ import annotations
 
@@ -76,11 +67,8 @@ class StepSchedule(BaseModel):
 class Plateau:
     """`torch.optim.lr_scheduler.ReduceLROnPlateau`'s decisions, on a scale of the planned LR.
 
-    `step(value)` at each evaluation (after the warm-up): better than the best by the threshold resets the count of
-    bad evaluations; more than `patience` of them multiply the LR by `factor` (not below `min_lr`; a decrease
-    smaller than `eps` is skipped), then `cooldown` evaluations are not counted. `state` is plain numbers, kept in
-    checkpoints so a resumed run decides as the uninterrupted one.
-    """
+    `step(value)` at each evaluation after the warm-up; `state` is plain numbers, kept in checkpoints so a resumed
+    run decides as the uninterrupted one."""
 
     EPS = 1e-8  # ReduceLROnPlateau's default eps
 

@@ -1,20 +1,15 @@
 """Every plan as segments of optimizer steps, and the one conversion of recipe lengths into optimizer steps.
 
 Pure Python, no torch. A `Segment` is consecutive optimizer steps with one micro-batch m, accumulation N, effective
-batch m x N x W and sequence length. A plan without batch phases is one segment (`kind: whole`, `Plan.segments`);
-`batch.phases` and `batch.ramp` make several (phases.py plans them). Everything that depends on where a step falls
-reads the segments here, so no caller asks whether a plan has phases:
+batch m x N x W and sequence length: one `whole` segment without batch phases, several with `batch.phases` or
+`batch.ramp` (phases.py). What depends on where a step falls reads the segments here:
 
-- lengths (the phases', the schedule's warm-up, milestones and total) become optimizer steps by walking the
-  segments (`lengths_to_steps`): a segment of n steps covers n x E samples (E x L tokens, n / steps-per-epoch
-  epochs, n x E / B of the paper's own steps of batch B; during a ramp a step is this plan's step). So a schedule
-  counted in tokens stays exact while the batch grows;
-- the LR of a step (`segment_lr`): the schedule it falls in (the recipe's, or a phase's own), at its segment's
-  LR-rule factor;
-- the data (`stream_window`): each sequence length has its own stream through its own dataset (the same data cut
-  at that length), epoch after epoch; a segment continues the stream of its length where the last segment of that
-  length left it, so a ramp reads the data once, in order, whatever its batches.
-"""
+- lengths become optimizer steps by walking the segments (`lengths_to_steps`): n steps of a segment cover n x E
+  samples (E x L tokens, n / steps-per-epoch epochs, n x E / B paper steps), so a schedule in tokens stays exact
+  while the batch grows;
+- a step's LR (`planner.lr_at`): the schedule it falls in, at its segment's LR-rule factor;
+- the data (`stream_window`): each sequence length has its own stream through its own data, epoch after epoch; a
+  segment continues its length's stream where the last one left it, so a ramp reads the data once, in order."""
 
 from __future__ import annotations
 
@@ -32,15 +27,15 @@ from .recipe import Length, Recipe
 from .schedules import StepSchedule
 from .split import split_text
 
-# the largest micro-batch that fits one process: one number, or one per sequence length of the batch phases
-MicroBatchMax = int | Mapping[int | None, int]
+# one number, or one per sequence length of the batch phases: the largest micro-batch that fits one process, the
+# training samples
+PerLength = int | Mapping[int | None, int]
+MicroBatchMax = PerLength
 
 
 class Segment(BaseModel):
-    """Consecutive optimizer steps with one batch: what `reproduce run` switches to at `start_step`.
-
-    `kind`: `whole` (a plan without batch phases: its one segment), `phase` (a stretch of `batch.phases`, or the
-    target batch after a ramp) or `ramp` (one batch of `batch.ramp`)."""
+    """Consecutive optimizer steps with one batch, from `start_step`: `whole` (a plan without batch phases),
+    `phase` (a stretch of `batch.phases`, or the target after a ramp) or `ramp` (one batch of the ramp)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -169,21 +164,10 @@ def batch_phases(segments: list[Segment]) -> list[Segment]:
     return [segment for segment in segments if segment.kind != "whole"]
 
 
-def batch_phase(segments: list[Segment], step: int) -> int | None:
-    """The index of the batch phase optimizer step `step` (0-based) falls in; None in a plan without batch phases."""
-    index = phase_index(segments, step)
-    return None if segments[index].kind == "whole" else index
-
-
-def segment_at(segments: list[Segment], step: int) -> Segment:
-    """The segment optimizer step `step` (0-based) belongs to."""
-    return segments[phase_index(segments, step)]
-
-
 def epochs_done(segments: list[Segment], step: int, world_size: int, drop_last: bool) -> float:
     """The epochs of data read once optimizer step `step` (0-based) is done: of the whole data for a plan without
     batch phases (its windows over the epoch's), of the step's sequence length's data with them (samples read)."""
-    if batch_phase(segments, step) is None:
+    if segments[0].kind == "whole":  # (a plan without batch phases: its one segment)
         per_epoch = segments[0].steps_per_epoch
         assert per_epoch is not None, "a run reads data of a known size"
         return (step + 1) / per_epoch
@@ -195,23 +179,6 @@ def length_sizes(segments: list[Segment]) -> dict[int | None, int | None]:
     """The training samples at each sequence length the segments read, shortest length first."""
     sizes = {segment.sequence_length: segment.dataset_size for segment in segments}
     return {length: sizes[length] for length in sorted(sizes, key=lambda length: length or 0)}
-
-
-def segment_lr(segments: list[Segment], main: StepSchedule, main_factor: float, step: int) -> float:
-    """The LR of optimizer step `step` (0-based): the schedule it falls in (`main`, the recipe's, or the last phase
-    before it with its own), at its segment's LR-rule factor.
-
-    A segment whose batch is not the paper's multiplies the schedule it continues by its own factor over that
-    schedule's (`main_factor` for the recipe's schedule, the owning phase's for a phase's own)."""
-    index, schedule, factor = phase_index(segments, step), main, main_factor
-    for owner in segments[:index + 1]:  # the last segment at or before the step with a schedule of its own
-        if owner.schedule is not None:
-            schedule, factor = owner.schedule, owner.lr_factor
-    value = schedule.lr_at(step)
-    segment = segments[index]
-    if segment.lr_factor != factor:
-        value = value * segment.lr_factor / factor
-    return value
 
 
 # ---- where each step reads -------------------------------------------------------------------------------
@@ -247,11 +214,8 @@ def stream_window(phases: list[Segment], step: int, world_size: int, drop_last: 
 @functools.lru_cache(maxsize=8)
 def _segment_starts(key: tuple[tuple[int, int | None, int, int | None, int | None], ...], world_size: int,
                     drop_last: bool) -> list[tuple[int, int]]:
-    """(epoch, offset) where each segment's stream stands before its first step: computed once per plan.
-
-    The offset is where the last window of that length stopped reading; whether the rest of that epoch holds a
-    window depends on the batch of the segment that reads next, so `_window` decides it.
-    """
+    """(epoch, offset) of each segment's stream before its first step, once per plan: where the last window of
+    its length stopped (whether the rest of that epoch holds a window is `_window`'s to decide)."""
     streams: dict[Any, tuple[int, int]] = {}
     starts = []
     for _, steps, batch, length, size in key:
@@ -265,10 +229,8 @@ def _segment_starts(key: tuple[tuple[int, int | None, int, int | None, int | Non
 
 def _window(epoch: int, offset: int, steps: int, batch: int, size: int | None, world_size: int,
             drop_last: bool) -> tuple[int, int, int]:
-    """From the stream standing at (epoch, offset), window number `steps` (0-based) of `batch`: its (epoch, offset,
-    size). A window takes `batch` samples from the epoch's order; the rest of an epoch shorter than that is dropped
-    (drop_last) or read as a partial window, and the next window starts the next epoch.
-    """
+    """Window number `steps` (0-based) of `batch` from the stream at (epoch, offset): its (epoch, offset, size).
+    An epoch's rest shorter than a window is dropped (drop_last) or read as a partial window."""
     if size is None:
         raise UserError("plan: the dataset size is unknown; plan the run with its data (reproduce run plans it)")
     per_epoch, _ = epoch_steps(size, batch, world_size, drop_last)

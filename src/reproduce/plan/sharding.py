@@ -1,9 +1,7 @@
 """Which sharding a run uses and which combinations cannot run (pure Python, no torch).
 
-`batch.sharding` in the recipe is the default; `reproduce run --sharding` overrides it. `fsdp` shards
-parameters, gradients and optimizer state over the processes with PyTorch's FSDP2 (`fully_shard`);
-`none` keeps a whole copy on every process (DistributedDataParallel under several processes).
-"""
+`batch.sharding` (`run --sharding` overrides it): `fsdp` shards parameters, gradients and optimizer state with
+FSDP2 (`fully_shard`); `none` keeps a whole copy on every process (DDP under several)."""
 
 from __future__ import annotations
 

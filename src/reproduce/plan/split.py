@@ -1,9 +1,5 @@
-"""The batch split: micro-batch x accumulation x world size, and the LR rule when it is not the paper's batch.
-
-Pure Python, no torch. `exact_choice` and `fast_choice` are the two policies' rules; the planner applies them to
-the recipe's batch, and phases.py to each batch phase (and the ramp to its steps), so every segment of a plan is
-split by the same rules.
-"""
+"""The batch split: micro-batch x accumulation x world size, and the LR rule when it is not the paper's batch. No
+torch. The planner and phases.py split every segment by the same two rules, `exact_choice` and `fast_choice`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""What `--policy throughput` chose and why, as the plan keeps it (`Plan.throughput`): every exact split it
-considered, with its step time, and the reason for the one chosen. The torch side times the splits
-(`reproduce.throughput.policy`); this is the record, pure Python."""
+"""What `--policy throughput` chose and why (`Plan.throughput`): every exact split it timed and the reason for the
+one chosen; pure Python (reproduce.throughput.policy times them)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Reading YAML files strictly and turning pydantic's validation errors into one line per problem.
-
-Shared by the recipe, the plan file and the check files; no torch. A line reads
-`papers/x.yaml: batch.effective: must be > 0 (got -3)`.
-"""
+"""Reading YAML files strictly and turning pydantic's validation errors into one line per problem, no torch:
+`papers/x.yaml: batch.effective: must be > 0 (got -3)`."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""Pretrained weights on disk (`model.weights` / `--weights PATH`), read without torch: what PATH is, its parameter
-count and a content fingerprint, so that `plan` can describe them and `--resume` can refuse other weights.
+"""Pretrained weights on disk (`model.weights`), read without torch: what the path is, its parameter count and a
+content fingerprint, so that `plan` can describe them and `--resume` can refuse other weights.
 
-PATH is a Hugging Face folder (config.json beside model.safetensors, or shards named by model.safetensors.index.json,
-or pytorch_model.bin) or one state dict file (.safetensors, .pt, .pth, .bin). The fingerprint hashes what describes
-the content without reading 13 GB: each weight file's name and size, its header (a safetensors file's JSON header of
-names, dtypes, shapes and offsets; a torch zip file's directory, which holds a CRC-32 of every tensor's bytes) and 16
-blocks of 4 KiB spread over the file, with config.json and the shards' index. Loading is in models/pretrained.py.
-"""
+A Hugging Face folder (config.json with safetensors, sharded or not, or pytorch_model.bin) or one state dict file.
+The fingerprint avoids reading 13 GB: each file's name, size and header (safetensors' JSON header; a torch zip's
+directory, with a CRC-32 of every tensor) and 16 blocks of 4 KiB spread over it, with config.json and the index."""
 
 from __future__ import annotations
 

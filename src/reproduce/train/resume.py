@@ -23,7 +23,6 @@ from ..observe.outputs import loss_document, missing_final_outputs, read_metrics
 from ..observe.reference import DivergenceWatch
 from ..plan.planfile import changed_fields
 from ..plan.planner import Plan
-from ..plan.segments import batch_phase
 from ..storage.files import check_torch_file
 from .checkpoint import kept_metrics, load_checkpoint, read_torch_file
 from .setup import Setup
@@ -62,7 +61,7 @@ def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, se
     # the run had lowered the micro-batch after running out of memory (by sequence length)
     lowered = {int(k) if k != "None" else None: v for k, v in state["extra"].get("lowered", {}).items()}
     saved_micro_batch = state.get("micro_batch")  # without extra["lowered"], the only trace of a lowered one
-    if "lowered" not in state["extra"] and saved_micro_batch and batch_phase(plan.segments, 0) is None and (
+    if "lowered" not in state["extra"] and saved_micro_batch and not plan.has_phases and (
             saved_micro_batch < plan.micro_batch and plan.per_rank_batch % saved_micro_batch == 0):
         lowered = {plan.recipe.batch.sequence_length: saved_micro_batch}
     return Resumed(saved_seed, first_step, kept_metrics(state), lowered, state, rebuild)

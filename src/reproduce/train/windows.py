@@ -16,7 +16,7 @@ from ..accumulate import smaller_micro_batch  # noqa: F401  (the run's out-of-me
 from ..data.packing import WAYS, Grouping, balance, computed_tokens, group, sample_lengths
 from ..errors import UserError
 from ..plan.planner import Plan
-from ..plan.segments import batch_phase, epochs_done, length_sizes, segment_at, stream_window
+from ..plan.segments import epochs_done, length_sizes, phase_index, stream_window
 
 if TYPE_CHECKING:
     from ..data import Datasets
@@ -36,9 +36,10 @@ class StepBatch:
 
 def step_batch(plan: Plan, step: int) -> StepBatch:
     """The batch of optimizer step `step` (0-based): where `reproduce run` switches N and the sequence length."""
-    segment = segment_at(plan.segments, step)
+    index = phase_index(plan.segments, step)
+    segment = plan.segments[index]
     return StepBatch(segment.micro_batch, segment.accumulation_steps, segment.effective_batch,
-                     segment.sequence_length, batch_phase(plan.segments, step))
+                     segment.sequence_length, None if segment.kind == "whole" else index)
 
 
 def micro_batch_at(plan: Plan, step: int, lowered: dict) -> int:

@@ -1,12 +1,7 @@
-"""The recipe: one paper's batch recipe as published, read from YAML and validated strictly.
+"""The recipe: one paper's batch recipe as published, read from YAML and validated strictly. No torch.
 
-No torch here. `load_recipe(path)` returns a `Recipe` or raises one `UserError` listing every problem
-in the file, one line each: `papers/x.yaml: batch.effective: must be > 0 (got -3)`.
-
-One module a section (batch, model, data, optimizer, schedule, evaluation), what they share (common), the whole
-recipe, its cross-section rules and reading a file (recipe). The names are re-exported here:
-`from reproduce.plan.recipe import Recipe, load_recipe`.
-"""
+`load_recipe(path)` returns a `Recipe` or raises one `UserError` listing every problem, one line each:
+`papers/x.yaml: batch.effective: must be > 0 (got -3)`. One module a section; the names are re-exported here."""
 
 from ..validation import read_yaml  # check/load.py reads YAML through here (as before the package)
 from .batch import Batch, BatchPhase, BatchRamp

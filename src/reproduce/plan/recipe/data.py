@@ -1,9 +1,5 @@
-"""The recipe's `data:` section: the built-in data by name, a factory, or data on disk in one of the formats.
-
-`Data` is a union on `format`: one class a format (`ImageFolderData`, `TokensData`, `InstructionsData`, `ChatData`,
-`HfDatasetsData`, `SegmentationData`), each with only the fields it reads, and `NamedData` (no format: built-in or
-factory data, or a name for plan-only data). What every one takes is `BaseData`'s.
-"""
+"""The recipe's `data:` section: a union on `format`, one class a format with only the fields it reads, and
+`NamedData` (no format: built-in or factory data, or a name for plan-only data); `BaseData` holds the common fields."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """The recipe's `gates:` and `reference:` sections: targets set before the run, checked while it runs.
 
-A gate says when (`at`: an optimizer step, an epoch, a fraction of the run, samples or tokens), what (`metric`:
-the smoothed training loss, an evaluation metric, samples or tokens per second, GPU-hours spent, the forecast
-GPU-hours of the whole run), the bound (`max`, `min`, or both: a band), where the bound comes from (`source`: the
-paper's figure with its `[P]` mark, a reference run, the user) and what a miss does (`action`: `warn` or `pause`).
+A gate says when (`at`: a step, an epoch, a fraction of the run, samples or tokens), what (`metric`), the bound
+(`max`, `min`, or both), where the bound comes from (`source`: the paper's `[P]` figure, a reference run, the user)
+and what a miss does (`action`: `warn` or `pause`):
 
-    gates: [{name: early, at: {step: 20}, metric: loss, max: 1.0, action: pause}]
-
-`plan/gates.py` resolves each `at` to an optimizer step; `train/gates.py` checks them as the run goes.
-"""
+    gates: [{name: early, at: {step: 20}, metric: loss, max: 1.0, action: pause}]"""
 
 from __future__ import annotations
 

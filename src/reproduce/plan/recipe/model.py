@@ -27,14 +27,9 @@ NORMALIZATIONS: tuple[Normalization, ...] = typing.get_args(Normalization)
 
 
 class Loss(Builder):
-    """Task custom: its loss (`builtin` or `factory`). Any task: how each micro-batch's loss is normalised.
-
-    window-tokens (the default): each micro-batch's summed loss / the loss-bearing items (target tokens, samples,
-    pixels) of the whole window over every rank: the gradient of the large batch's mean, exactly. micro-batch-mean:
-    each micro-batch's mean over its own items / (the window's micro-batches x ranks), what the Hugging Face Trainer
-    computed before transformers v4.46.0 (PR #34191, October 2024) and so the arithmetic of the papers run on it
-    (Alpaca-LoRA, QLoRA): with micro-batches of unequal token counts not the large batch's mean.
-    """
+    """Task custom: its loss (`builtin` or `factory`). Any task: how each micro-batch's loss is normalised
+    (`normalization`; micro-batch-mean is the arithmetic of papers run on the Hugging Face Trainer before v4.46.0,
+    Alpaca-LoRA and QLoRA among them)."""
 
     normalization: Normalization = Field(
         default="window-tokens", description="window-tokens: the large batch's mean over its loss-bearing items "
@@ -44,11 +39,8 @@ class Loss(Builder):
 
 
 class Lora(Strict):
-    """Low-rank adapters (Hu et al. 2021) through peft on the modules named: only the adapters train.
-
-    Each adapted weight W gets W + (alpha / r) B A with A (r x in) and B (out x r); B starts at zero, so the
-    adapted model starts as the base model.
-    """
+    """Low-rank adapters (Hu et al. 2021) through peft on the modules named: only the adapters train. B starts
+    at zero, so the adapted model W + (alpha / r) B A starts as the base model."""
 
     r: int = Field(gt=0, description="rank of each adapter")
     alpha: float | None = Field(default=None, gt=0, description="the update is scaled by alpha / r (default: r)")
@@ -70,13 +62,9 @@ class Lora(Strict):
 class Model(Builder):
     """A built-in, a factory, or `hf: NAME_OR_LOCAL_PATH` (a Hugging Face model, loaded from this machine only).
 
-    With `hf`, `kind` says which head (default from the task: causal-lm for language-modeling,
-    sequence-classification for classification) and `kwargs` go to `from_pretrained` (e.g. num_labels).
-    `dtype` is the dtype the weights are stored in (bf16/fp16: as fine-tuning recipes load a base model);
-    `lora` freezes them and trains low-rank adapters instead. `weights` starts the run from pretrained weights on this
-    machine (models/pretrained.py): a Hugging Face folder, whose own config.json is then the architecture, or one
-    state dict file loaded into the built-in (or factory) model, keys and shapes checked strictly.
-    """
+    With `hf`, `kind` picks the head (default from the task) and `kwargs` go to `from_pretrained`. `lora` freezes the
+    weights (stored in `dtype`) and trains adapters. `weights` starts from pretrained weights (models/pretrained.py):
+    a Hugging Face folder, whose config.json is then the architecture, or a state dict checked key by key."""
 
     hf: str | None = Field(default=None, description="Hugging Face model name or local folder")
     weights: str | None = Field(

@@ -249,15 +249,11 @@ VARLEN_MODELS = ("gpt2-124m", "gpt3-small", "gpt2-medium", "gpt-char", "llama-7b
 
 
 def default_packing(recipe: Recipe) -> str | None:
-    """The way a recipe that leaves `data.packing` unset takes, or None (`none`, as for any other data).
+    """The way a recipe that leaves `data.packing` unset takes, or None.
 
-    Instruction and chat text (format instructions or chat, hf-datasets text) of a language-modeling run whose loss
-    is normalised by the window's tokens: the fastest exact way measured (docs/packing.md, bench/packing.py).
-    `packed` for the built-in transformers causal LMs (VARLEN_MODELS): one row per micro-batch without padding,
-    through the varlen attention (no dense mask, no masked pair); `sorted` for any other model (its own attention,
-    or a model.hf whose attention is not known before it loads), exact with any attention. Not with
-    `loss.normalization: micro-batch-mean`: its arithmetic is the paper's micro-batches'.
-    """
+    Instruction and chat text of a language-modeling run normalised by the window's tokens takes the fastest exact
+    way measured (docs/packing.md): `packed` for VARLEN_MODELS (one row per micro-batch through varlen attention),
+    `sorted` for any other model. Not with micro-batch-mean: its arithmetic is the paper's micro-batches'."""
     data = recipe.data
     if data.packing is not None or not data.text_columns:
         return None

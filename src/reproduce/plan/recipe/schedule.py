@@ -10,10 +10,8 @@ from .common import Length, Strict
 
 
 class Warmup(Length):
-    """Linear warm-up from `start_lr` (or `start_factor` x lr; default 0) to the peak LR.
-
-    Its length is one of steps, epochs, samples, tokens, or `ratio` of the total.
-    """
+    """Linear warm-up from `start_lr` (or `start_factor` x lr; default 0) to the peak LR, over one of steps,
+    epochs, samples, tokens, or `ratio` of the total."""
 
     ratio: float | None = Field(default=None, gt=0, lt=1)
     start_lr: float | None = Field(default=None, ge=0)
