@@ -7,10 +7,15 @@ import json
 import pytest
 
 from reproduce.errors import UserError
-from reproduce.plan.overlay import apply_overrides, parse_override
+from reproduce.plan.overlay import changes_of, overlay, parse_override
 from reproduce.plan.recipe import load_recipe
 
 GPT = "papers/pysource-gpt.yaml"
+
+
+def apply_overrides(recipe, overrides):
+    """`--set` as the CLI applies it: each PATH=VALUE a change of its field, the recipe validated again."""
+    return overlay(recipe, changes_of(overrides), "the recipe")
 
 
 def test_a_value_is_read_as_yaml_at_its_dotted_path():

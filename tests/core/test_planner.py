@@ -198,3 +198,13 @@ def test_plan_invariants(effective, micro_batch_max, world_size, policy, optimiz
         assert p.lr == 0.5 and p.split.lr_factor == 1.0
     if policy == "exact" and effective % world_size == 0:
         assert p.exact
+
+
+def test_a_copied_plan_derives_its_numbers_from_its_own_parts(recipe):
+    """The split's numbers are attributes set by the validator; pydantic's copy runs none, so Plan's copy derives
+    them again: a plan copied with another split reads that split's micro-batch, N and arithmetic."""
+    small, large = make_plan(recipe, 4), make_plan(recipe, 64)
+    copied = small.model_copy(update={"split": large.split})
+    assert (copied.micro_batch, copied.accumulation_steps, copied.arithmetic) == (
+        large.micro_batch, large.accumulation_steps, large.arithmetic)
+    assert copied.micro_batch != small.micro_batch

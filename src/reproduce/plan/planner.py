@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -110,6 +110,12 @@ class Plan(Frozen):
         for name, value in derived.items():
             object.__setattr__(self, name, value)  # (a frozen model: set once, here)
         return self
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """pydantic's copy runs no validator: the copy's numbers are derived again from its parts."""
+        copy = super().model_copy(update=update, deep=deep)
+        copy._derived()  # type: ignore[operator]  # the validator is a plain method at run time
+        return copy
 
 
 def make_plan(
