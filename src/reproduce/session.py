@@ -81,6 +81,8 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
 
         check_phases(recipe)  # before a probe per phase: refused at the end anyway
     result, memory = None, []
+    if micro_batch_max is not None and probe is not None and probe.memory:
+        note(memory_unused(probe.memory))
     if micro_batch_max is None and len(recipe.batch.sequence_lengths) > 1:
         micro_batch_max, result = probe_phases(recipe, recipe_path, world_size, policy, probe, data, note)
     if micro_batch_max is None:
@@ -89,6 +91,14 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
     plan = probed_plan(recipe, recipe_path, micro_batch_max, world_size, policy, dataset_size, result, probe=probe,
                        data=data, keep_batchnorm=keep_batchnorm, on_note=note, memory=memory, fingerprint=fingerprint)
     return Planned(plan, result, notes)
+
+
+def memory_unused(memory: str) -> str:
+    """The line for a `memory` budget given beside `micro_batch_max`: nothing is probed against it (a `gpu` still
+    names the card the plan's time is predicted for)."""
+    return (f"`memory` {memory}: not used: `micro_batch_max` was given, so nothing was probed (the micro-batch; "
+            "the token budget, the micro-batch x the longest example, not searched; the ways to group the data, not "
+            "timed); leave `micro_batch_max` out to probe for that memory")
 
 
 def probe_phases(recipe: Recipe, recipe_path: str, world_size: int, policy: str, probe: ProbeOptions | None,

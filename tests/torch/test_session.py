@@ -44,6 +44,21 @@ def test_a_given_maximum_probes_nothing():
     assert planned.probe is None and planned.notes == [] and planned.plan.micro_batch == 16
 
 
+def test_a_memory_given_beside_a_maximum_is_said_to_be_unused(capfd):
+    """`memory` beside `micro_batch_max`: nothing is probed for it (nor the token budget searched, nor the ways
+    timed), one line says so; a `gpu` beside it names the card the time is predicted for, and says nothing here."""
+    heard: list[str] = []
+    planned = plan_and_probe(load_recipe(DIGITS), str(DIGITS), 16, 1, "exact", probe=ESTIMATE, on_note=heard.append)
+    assert planned.probe is None and planned.plan.micro_batch_max == 16
+    assert planned.notes == heard == [
+        "`memory` 44MiB: not used: `micro_batch_max` was given, so nothing was probed (the micro-batch; the token "
+        "budget, the micro-batch x the longest example, not searched; the ways to group the data, not timed); leave "
+        "`micro_batch_max` out to probe for that memory"]
+    for options in (ProbeOptions(gpu="a100-80gb", meter="estimate"), None):
+        assert plan_and_probe(load_recipe(DIGITS), str(DIGITS), 16, 1, "exact", probe=options).notes == []
+    assert capfd.readouterr() == ("", "")
+
+
 def test_batch_phases_probe_each_sequence_length_and_plan_each_phase_with_its_own_maximum():
     """128 sequences of 32 tokens, then 64 of 64: each length probed at its largest batch, in order, the main
     length's (64) result kept; the plan's phases take each length's maximum, as given ones would."""

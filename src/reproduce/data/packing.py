@@ -88,10 +88,30 @@ def grouping_of(recipe: Any, dataset: Any, micro_batch: int, varlen: bool = Fals
     return Grouping(way, budget, longest, lengths, micro_batch, varlen=varlen and way == "packed")
 
 
+_GROUPED: list[tuple[Grouping, int, bytes, list[torch.Tensor]]] = []  # the last few `group` results
+_KEPT = 8
+
+
 def group(indices: torch.Tensor, grouping: Grouping, budget: int) -> list[torch.Tensor]:
-    """One rank's share of a window, grouped into micro-batches of at most `budget` tokens (see the module)."""
+    """One rank's share of a window, grouped into micro-batches of at most `budget` tokens (see the module). A run
+    groups each window several times (its micro-batches, and its record's tokens and padding: train/windows.py):
+    the last few groupings are kept and handed out again (a new list of the same index tensors, which no caller
+    changes in place)."""
     if len(indices) == 0:
         return []
+    key = indices.numpy().tobytes() if indices.device.type == "cpu" and indices.dtype == torch.long else None
+    if key is not None:
+        for kept, kept_budget, kept_key, groups in _GROUPED:
+            if kept is grouping and kept_budget == budget and kept_key == key:
+                return list(groups)
+    groups = _group(indices, grouping, budget)
+    if key is not None:
+        _GROUPED.insert(0, (grouping, budget, key, groups))
+        del _GROUPED[_KEPT:]
+    return list(groups)
+
+
+def _group(indices: torch.Tensor, grouping: Grouping, budget: int) -> list[torch.Tensor]:
     own = grouping.lengths[indices]
     order = torch.argsort(own, descending=True, stable=True)
     if grouping.way == "sorted":
@@ -216,7 +236,13 @@ class Grouped(torch.utils.data.Dataset):
         if not packed:
             return collate(items)
         sizes = [len(inputs) for inputs, _ in items]
-        rows = next_fit(sizes, sum(sizes) if self.grouping.varlen else self.grouping.row)  # varlen: one row
+        if self.grouping.varlen:  # one row, the samples back to back: concatenated at once
+            input_ids = torch.cat([torch.as_tensor(inputs).long() for inputs, _ in items])[None]
+            targets = torch.cat([torch.as_tensor(target).long() for _, target in items])[None]
+            positions = torch.cat([torch.arange(size) for size in sizes])[None]
+            # the samples' bounds handed to the attention; the logits (lm_head and loss) at the target tokens only
+            return keep_targets({"input_ids": input_ids, "position_ids": positions, **varlen_bounds(sizes)}, targets)
+        rows = next_fit(sizes, self.grouping.row)
         width = max(sum(len(items[i][0]) for i in row) for row in rows)
         input_ids = torch.zeros((len(rows), width), dtype=torch.long)
         targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
@@ -230,9 +256,6 @@ class Grouped(torch.utils.data.Dataset):
                 positions[r, start:end] = torch.arange(len(inputs))
                 start = end
             positions[r, start:] = torch.arange(width - start)  # the padding: a segment of its own, no target
-        if self.grouping.varlen:  # one row, the samples' bounds handed to the attention; the logits (lm_head and
-            # loss) at the target tokens only (`keep_targets`)
-            return keep_targets({"input_ids": input_ids, "position_ids": positions, **varlen_bounds(sizes)}, targets)
         return {"input_ids": input_ids, "position_ids": positions}, targets
 
 

@@ -7,15 +7,20 @@ One model serves every way (one build, one model's memory, not one per way): it 
 list builds it (packed: the varlen attention, models/varlen.py), and each way's passes regroup the same windows
 and switch the attention to the one that way's run builds (sdpa for none and sorted). Every way's k-th step takes
 the same samples (SplitSteps' fixed order), so the ways are timed on the same windows; the first step of each is
-left out (its caches, the model's first call). On a machine shared with other jobs the load changes from second to
-second: the ways' passes are interleaved (each pass times every way once, the order rotated), so a busy spell slows
-every way alike, and each way's least pass is taken (other jobs only add time). Every way is exact: the choice
-changes the speed only, never the update.
+left out (its caches, the model's first call). On a CPU the ways are ranked by the process's CPU time over their
+steps (`clock`: what bench/packing.py ranks by): on a machine shared with other jobs the wall clock also counts the
+time the process waited for a core, which two timings of one plan under load found to change the choice (sorted,
+then none); on CUDA by the wall clock of synchronised steps (the host's load does not slow the kernels). The ways'
+passes are interleaved (each pass times every way once, the order rotated), so a busy spell slows every way alike,
+and each way's least pass is taken (other jobs only add time). The plan's cost is the chosen way's wall clock (what
+a run's steps take). Every way is exact: the choice changes the speed only, never the update.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..plan.overlay import Change, overlay
@@ -33,8 +38,10 @@ PASSES = 3
 
 @dataclass(frozen=True)
 class WayTimings:
-    """Each way's least seconds over `steps` optimizer steps (the same windows for every way: `tokens` target tokens,
-    `per_rank` samples a step), from `passes` interleaved passes, and the way chosen (the least)."""
+    """Each way's least seconds over `steps` optimizer steps by the clock it was ranked by (`clock`: the process's
+    CPU time on a CPU, "cpu"; the synchronised wall clock on CUDA, "wall"), the same windows for every way (`tokens`
+    target tokens, `per_rank` samples a step), from `passes` interleaved passes, and the way chosen (the least); `wall`:
+    the wall-clock seconds of each way's least pass (the plan's cost)."""
 
     seconds: dict[str, float]
     tokens: int
@@ -43,71 +50,94 @@ class WayTimings:
     passes: int = PASSES
     per_rank: int = 0
     micro_batch: int = 0  # the plan's, whose T the packed and sorted ways grouped by
+    clock: str = "wall"
+    wall: dict[str, float] = field(default_factory=dict)
 
     def step_seconds(self, way: str) -> float:
-        """One optimizer step of `way`, as measured."""
-        return self.seconds[way] / self.steps
+        """One optimizer step of `way`, as measured (wall clock)."""
+        return self.wall.get(way, self.seconds[way]) / self.steps
 
     def line(self) -> str:
         timed = ", ".join(f"{way} {self.tokens / seconds:,.0f}" for way, seconds in self.seconds.items())
-        return (f"packing: {self.chosen}, the fastest exact way measured here: target tokens per second over the "
-                f"same {self.steps} steps, the least of {self.passes} interleaved passes: {timed}")
+        return (f"packing: {self.chosen}, the fastest exact way measured here: target tokens per {UNITS[self.clock]} "
+                f"over the same {self.steps} steps, the least of {self.passes} interleaved passes: {timed}")
 
     def to_json(self) -> dict:
-        """What was measured, for the plan (`plan --json`'s `packing.timed`)."""
+        """What was measured, for the plan (`plan --json`'s `packing.timed`): each way's wall-clock step (the plan's
+        cost) and its rate by the clock it was ranked by."""
         return {"chosen": self.chosen, "steps": self.steps, "passes": self.passes, "samples_per_step": self.per_rank,
                 "micro_batch": self.micro_batch,
                 "target_tokens": self.tokens,
-                "measured": "wall-clock seconds of whole optimizer steps of the same windows per way, on one model, "
-                            "the ways' passes interleaved, each way's least pass",
-                "ways": {way: {"step_seconds": round(seconds / self.steps, 6),
-                               "target_tokens_per_second": round(self.tokens / seconds, 3)}
+                "ranked_by": self.clock,
+                "measured": f"{MEASURED[self.clock]} of whole optimizer steps of the same windows per way, on one "
+                            "model, the ways' passes interleaved, each way's least pass",
+                "ways": {way: {"step_seconds": round(self.wall.get(way, seconds) / self.steps, 6),
+                               f"target_tokens_per_{'cpu_' if self.clock == 'cpu' else ''}second":
+                                   round(self.tokens / seconds, 3)}
                          for way, seconds in self.seconds.items()}}
+
+
+UNITS = {"cpu": "CPU second (the process's CPU time)", "wall": "second (wall clock, CUDA synchronised)"}
+MEASURED = {"cpu": "the process's CPU seconds", "wall": "wall-clock seconds (CUDA synchronised)"}
+
+
+def clock(device: torch.device) -> tuple[str, Callable[[], float]]:
+    """What the ways are ranked by on `device`: on a CPU the process's CPU time (the time the process waited for a
+    core under other jobs left out), elsewhere the wall clock around synchronised steps (SplitSteps')."""
+    return ("cpu", time.process_time) if device.type == "cpu" else ("wall", time.perf_counter)
 
 
 def time_ways(recipe: Recipe, ways: list[str], micro_batch: int, per_rank: int, data: Datasets,
               device: torch.device, steps: int = STEPS, passes: int = PASSES) -> WayTimings:
     """Each of `ways` (data.packing values) timed over `steps` whole optimizer steps of `per_rank` samples at the
     plan's micro-batch `micro_batch` (its T = micro_batch x the longest example, or the recipe's data.token_budget),
-    in `passes` interleaved passes over the same windows, each way's least taken (the run's wall clock, CUDA
-    synchronised); a way out of memory is left out."""
+    in `passes` interleaved passes over the same windows, each way's least taken by `clock` (the process's CPU time
+    on a CPU, the synchronised wall clock on CUDA); a way out of memory is left out."""
     from ..probe.workload import Workload
     from .split_steps import SplitSteps
 
     built_as = "packed" if "packed" in ways else ways[-1]
     timer = SplitSteps(Workload(overlay(recipe, [Change("data.packing", built_as)], "the ways' timing"), data),
                        device, per_rank, noise_scale=False)
+    kind, tick = clock(device)
+
+    def timed(way: str, window: int, count: int) -> tuple[float, float]:
+        """(seconds by the clock, wall-clock seconds) of `count` steps of `way` from window `window`."""
+        timer.regroup(*groupings[way][:2])
+        _attend(timer, groupings[way][2])
+        timer.rewind(micro_batch, window)
+        start = tick()
+        wall = timer(micro_batch, count)
+        return (tick() - start if kind == "cpu" else wall), wall
+
     try:
         groupings = {way: _grouping(timer, recipe, way, micro_batch) for way in ways}
-        timed: dict[str, list[float]] = {}
+        times: dict[str, list[tuple[float, float]]] = {}
         for way in ways:  # left out: its caches, the model's first call (the same first window for every way)
             try:
-                _use(timer, groupings[way])
-                timer.taken[micro_batch] = 0
-                timer(micro_batch, 1)
-                timed[way] = []
+                timed(way, 0, 1)
+                times[way] = []
             except NotTimed:
                 pass
-        order = list(timed)
+        order = list(times)
         for p in range(passes):  # the same windows each pass, the ways interleaved, the order rotated
             shift = p % len(order) if order else 0
             for way in order[shift:] + order[:shift]:
-                if way not in timed:
+                if way not in times:
                     continue
                 try:
-                    _use(timer, groupings[way])
-                    timer.taken[micro_batch] = 1
-                    timed[way].append(timer(micro_batch, steps))
+                    times[way].append(timed(way, 1, steps))
                 except NotTimed:
-                    del timed[way]
+                    del times[way]
         tokens = sum(_targets(data, timer.samples(k)) for k in range(1, steps + 1))  # the steps timed
     finally:
         timer.close()
-    seconds = {way: min(times) for way, times in timed.items() if times}
-    if not seconds:
+    least = {way: min(runs) for way, runs in times.items() if runs}
+    if not least:
         raise NotTimed(f"out of memory on {device} while timing the ways to group the data")
+    seconds = {way: ranked for way, (ranked, _) in least.items()}
     return WayTimings(seconds, tokens, min(seconds, key=lambda way: seconds[way]), steps, passes, per_rank,
-                      micro_batch)
+                      micro_batch, kind, {way: wall for way, (_, wall) in least.items()})
 
 
 def _grouping(timer: Any, recipe: Recipe, way: str, micro_batch: int) -> tuple[Any, Any, str | None]:
@@ -126,10 +156,10 @@ def _grouping(timer: Any, recipe: Recipe, way: str, micro_batch: int) -> tuple[A
     return grouping, Grouped(plain, grouping), attention
 
 
-def _use(timer: Any, grouping: tuple[Any, Any, str | None]) -> None:
+def _attend(timer: Any, attention: str | None) -> None:
+    """The timer's model switched to `attention` (the one that way's run builds)."""
     from ..models.varlen import set_attention
 
-    timer.grouping, timer.dataset, attention = grouping
     if attention is not None:
         set_attention(timer.setup.model, attention)
 

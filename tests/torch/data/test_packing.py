@@ -71,6 +71,25 @@ def test_a_share_groups_into_micro_batches_within_the_budget_holding_each_sample
             assert len(rows) <= grouping.budget // grouping.row
 
 
+@pytest.mark.parametrize("way", ["sorted", "packed"])
+def test_a_window_grouped_again_is_handed_the_same_groups_and_another_is_grouped_anew(way):
+    """A run groups each window for its micro-batches and again for its record (train/windows.py): the same share,
+    grouping and budget give the same groups (a new list, so balancing one never changes the other); another share,
+    budget or grouping of the same lengths is grouped on its own."""
+    grouping = random_grouping(way, 0)
+    share = torch.randperm(40, generator=torch.Generator().manual_seed(0))[:23]
+    first = group(share, grouping, grouping.budget)
+    again = group(share.clone(), grouping, grouping.budget)
+    assert again is not first and len(again) == len(first)
+    assert all(a is b for a, b in zip(again, first, strict=True))  # the kept index tensors themselves
+    balance([again, [torch.arange(3)] * (len(first) + 2)])  # (splits into its own copy of the list)
+    assert group(share, grouping, grouping.budget) == first
+    for other in (group(share, grouping, grouping.row), group(share[:-1], grouping, grouping.budget),
+                  group(share, random_grouping(way, 0), grouping.budget)):
+        assert not any(a is b for a in other for b in first)
+    assert [g.tolist() for g in group(share, random_grouping(way, 0), grouping.budget)] == [g.tolist() for g in first]
+
+
 def test_balance_gives_every_rank_as_many_micro_batches_splitting_or_adding_empty_ones():
     one = [torch.tensor([0, 1, 2, 3])]
     three = [torch.tensor([4]), torch.tensor([5]), torch.tensor([6])]

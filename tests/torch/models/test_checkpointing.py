@@ -153,7 +153,7 @@ def test_a_model_without_blocks_is_one_line_naming_what_to_add(tmp_path, capsys)
     path = tmp_path / "linear.yaml"
     path.write_text(yaml.safe_dump(recipe))
     with pytest.raises(SystemExit) as exit_:
-        main(["plan", str(path), "--micro-batch-max", "4", "--memory", "64MiB", "--meter", "cpu"])
+        main(["plan", str(path), "--micro-batch-max", "4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err) == 1, err
     assert "memory_factories:single_linear has no blocks to checkpoint" in err[0] and "_no_split_modules" in err[0]

@@ -4,6 +4,8 @@ the sample instructions (one thread)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -15,14 +17,18 @@ from reproduce.probe.runner import ProbeResult, ProbeTrial
 from reproduce.probe.workload import Workload
 from reproduce.throughput import split_steps
 from reproduce.throughput.plan_cost import cost_lines, plan_costs
-from reproduce.throughput.ways import WayTimings, time_ways
+from reproduce.throughput.ways import WayTimings, clock, time_ways
+
+WAIT = 0.3  # seconds the `none` way waits in each timed call (no CPU time)
 
 
 def test_the_ways_are_timed_interleaved_on_one_model_each_through_its_runs_attention(sample_data, one_thread,
                                                                                      monkeypatch):
     """One model built for all three ways; a warm-up step of each on the first window, then passes that time every
     way once on the same windows (the order rotated each pass); packed through the varlen attention, none and sorted
-    through transformers' sdpa (as their runs build them); each way's least pass kept."""
+    through transformers' sdpa (as their runs build them); each way's least pass kept, by the process's CPU time on
+    the CPU: `none` waiting 0.3 s in each of its calls (as for a core under load: wall clock, no CPU time) is ranked
+    without the wait, and its wall clock (the plan's cost) keeps it."""
     built, calls = [], []
     init, call = split_steps.SplitSteps.__init__, split_steps.SplitSteps.__call__
 
@@ -34,6 +40,9 @@ def test_the_ways_are_timed_interleaved_on_one_model_each_through_its_runs_atten
         before, window = varlen.CALLS["cut"], self.taken[micro_batch]
         seconds = call(self, micro_batch, count)
         way = self.grouping.way if self.grouping is not None else "none"
+        if way == "none":
+            time.sleep(WAIT)
+            seconds += WAIT
         calls.append((way, count, window, varlen.CALLS["cut"] > before, varlen.attention_of(self.setup.model),
                       seconds))
         return seconds
@@ -51,13 +60,21 @@ def test_the_ways_are_timed_interleaved_on_one_model_each_through_its_runs_atten
         ("packed", 1, 1), ("none", 1, 1), ("sorted", 1, 1)]
     for way, _, _, cut, attention, _ in calls:
         assert (cut, attention) == ((True, varlen.VARLEN) if way == "packed" else (False, "sdpa"))
+    assert timings.clock == "cpu"
     for way in ("none", "sorted", "packed"):
-        assert timings.seconds[way] == min(s for w, count, window, *_, s in calls if w == way and window == 1)
+        walls = [s for w, count, window, *_, s in calls if w == way and window == 1]
+        assert timings.wall[way] in walls
+        assert timings.seconds[way] <= timings.wall[way] + 0.01
+    assert timings.wall["none"] >= WAIT and timings.seconds["none"] < timings.wall["none"] - 0.8 * WAIT
     assert timings.chosen == min(timings.seconds, key=timings.seconds.get)
     assert timings.line().startswith(f"packing: {timings.chosen}, the fastest exact way measured here: target tokens "
-                                     "per second over the same 1 steps, the least of 3 interleaved passes: none ")
+                                     "per CPU second (the process's CPU time) over the same 1 steps, the least of 3 "
+                                     "interleaved passes: none ")
     measured = timings.to_json()
-    assert measured["ways"]["packed"]["step_seconds"] == pytest.approx(timings.seconds["packed"], abs=1e-6)
+    assert measured["ranked_by"] == "cpu" and measured["measured"].startswith("the process's CPU seconds of whole")
+    assert measured["ways"]["packed"]["step_seconds"] == pytest.approx(timings.wall["packed"], abs=1e-6)
+    assert measured["ways"]["none"]["target_tokens_per_cpu_second"] == pytest.approx(
+        timings.tokens / timings.seconds["none"], abs=1e-3)
     assert (measured["samples_per_step"], measured["micro_batch"], measured["passes"]) == (16, 2, 3)
 
 
@@ -92,3 +109,13 @@ def test_the_plans_cost_is_the_whole_steps_of_the_way_the_run_uses(way):
         result = probed(other.to_json() if other else None)
         assert plan_costs(plan, result)[plan.policy].step_seconds == pytest.approx(8.0)  # the probe's trial
         assert "timed as the run groups" not in cost_lines(plan, result)[0]
+
+
+def test_the_ways_clock_is_the_processs_cpu_time_on_a_cpu_and_the_wall_clock_on_cuda():
+    """On a CPU a wait (for a core, for a sleep) costs no CPU time, so it does not rank the ways; CUDA's kernels are
+    not slowed by the host's load, and its steps are synchronised: the wall clock."""
+    kind, tick = clock(torch.device("cpu"))
+    start, wall = tick(), time.perf_counter()
+    time.sleep(WAIT)
+    assert kind == "cpu" and tick() - start < 0.2 * WAIT <= time.perf_counter() - wall
+    assert clock(torch.device("cuda")) == ("wall", time.perf_counter)
