@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..errors import UserError
 from ..plan.planner import Plan, make_plan
 from ..plan.recipe import Recipe
-from ..plan.segments import micro_batch_cap
+from ..plan.segments import MicroBatchMax, micro_batch_cap
 from ..plan.weightfiles import WeightsRecord
 from ..probe.runner import ProbeResult
 from .predicted_time import DEFAULT_MFU
@@ -35,7 +35,7 @@ def check_phases(recipe: Recipe) -> None:
         raise UserError(PHASES)
 
 
-def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, world_size: int,
+def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatchMax, world_size: int,
                     dataset_size: int | dict | None, result: ProbeResult | None, data: Datasets | None = None,
                     keep_batchnorm: bool = True, assumed_mfu: float = DEFAULT_MFU, gpu: str | None = None,
                     on_note: Callable[[str], None] | None = None, budget_seconds: float = BUDGET_SECONDS,
@@ -47,7 +47,7 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, worl
     the timed steps (splits.time_splits). `weights`, `data_fingerprint`: the records the plan keeps (make_plan).
     """
     check_phases(recipe)
-    if isinstance(micro_batch_max, dict):  # (one maximum per sequence length: batch phases)
+    if not isinstance(micro_batch_max, int):  # (one maximum per sequence length: batch phases)
         raise UserError(PHASES)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("`policy` throughput: each process would time its own device and might choose another split; "
