@@ -1,9 +1,6 @@
-"""The run folder's loss curve, loss.svg: train loss per optimizer step and the eval loss, drawn as SVG text.
-
-Written at the end of every run, with nothing but the standard library: matplotlib (the `plots` extra) took about
-1 s of a 40-step digits run's 5 s to import and draw a PNG, a cost a hand-written loop does not pay, and
-`reproduce check` runs many such runs. A browser, an editor's preview or GitHub shows the file; the full figures
-(eval accuracy, LR, gradient norm, throughput, noise scale) are `reproduce report`'s, made with matplotlib.
+"""The run folder's loss.svg: train loss per optimizer step and the eval loss, drawn as SVG text at every run's end
+with the standard library only (matplotlib took ~1 s of a 5 s digits run; `check` runs many). `reproduce report`
+draws the full figures with matplotlib.
 """
 
 from __future__ import annotations

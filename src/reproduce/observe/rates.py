@@ -1,10 +1,7 @@
-"""Each optimizer step's throughput for metrics.jsonl, and their medians for summary.json.
-
-Per step: `samples_per_second` (the window's samples over the step's wall time, data waits included),
-`tokens_per_second` (token batches: samples/s x the sequence length), `flops_per_second` (the model FLOPs of
-those samples, counted once, at the first step: probe/flops.py) and `mfu` (flops_per_second over the peak of every
-device of the run for its precision; null when the device's peak is unknown: a CPU, a GPU outside the catalog).
-The samples are the whole window's over every process, so the rates are the run's, not one device's.
+"""Each optimizer step's throughput for metrics.jsonl, and their medians for summary.json: `samples_per_second`
+(the whole window's samples over every process, over the step's wall time, data waits included),
+`tokens_per_second`, `flops_per_second` (model FLOPs counted once at the first step, probe/flops.py) and `mfu`
+(over every device's peak for the precision; null when unknown, as on a CPU).
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """The run's loss against a target: its own start (divergence) and an earlier run of the same recipe (reference).
 
-Divergence: one warning line, with the step, when the loss leaves its starting value behind. A loss that is not
-finite diverged at once; a finite loss diverged when it stays above its first value (the loss of optimizer step 1,
-before any update) times `FACTOR` for `STEPS` optimizer steps in a row (a spike that comes back down sooner is not
-counted). The run goes on unless `reproduce run --stop-on-divergence`. The watch keeps its state in the checkpoint,
-so a resumed run compares with the first loss of the whole run.
+Divergence: one warning line, with the step, when the loss is not finite or stays above its first value (optimizer
+step 1's, before any update) times `FACTOR` for `STEPS` steps in a row. The run goes on unless
+`--stop-on-divergence`; the watch's state is in the checkpoint, so a resume compares with the run's first loss.
 
-Reference: `--reference RUN_DIR` (or `reference.runs`) names earlier runs of the recipe, on any machine at any
-micro-batch (the effective batch is exact, so the curves agree up to rounding). At each of their logged steps the
-run's metric is compared with their mean within a band: `reference.band` (absolute, or `relative`), or
-`reference.spread` times the seed spread of two runs or more. The first step outside it is an event like a gate's
-(`name: reference`, `warn` or `pause`); summary.json's `reference` counts the steps compared and outside it.
+Reference: `--reference RUN_DIR` (or `reference.runs`): earlier runs of the recipe, at any micro-batch (the batch is
+exact, so the curves agree up to rounding). At each of their logged steps the metric is compared with their mean
+within a band (`reference.band`, absolute or `relative`, or `reference.spread` times the seed spread of two runs or
+more). The first step outside it is an event like a gate's (`name: reference`, `warn` or `pause`); summary.json's
+`reference` counts the steps compared and outside.
 """
 
 from __future__ import annotations

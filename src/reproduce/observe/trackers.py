@@ -1,23 +1,18 @@
 """`reproduce run --log-to tensorboard,wandb,mlflow`: the run in the experiment trackers researchers watch.
 
-One interface (`Tracker`: open, log, finish, close), three backends on the real libraries (in
-observe/tracker_backends.py), and one consumer of the run's start, records and end (`Trackers`), beside the CLI's
-renderer (train/reporter.Reporters): neither calls the other, and the trainer does not know trackers exist:
+One interface (`Tracker`: open, log, finish, close), three backends on the real libraries (tracker_backends.py),
+and one consumer of the run's start, records and end (`Trackers`) beside the CLI's renderer; neither calls the
+other, and the trainer does not know trackers exist.
 
-- the plan (paper, m x N x W, LR rule, schedule in steps, the whole recipe) is the run's config / params and
-  plan.yaml its artifact; every numeric field of each metrics.jsonl record is logged at its optimizer step,
-  under the record's own name (`loss`, `lr`, `eval_accuracy`, and whatever fields the trainer adds later);
-  summary.json, loss.svg and the curves `reproduce report` draws (plots/*.png) are artifacts at the end.
-- W&B runs offline unless WANDB_MODE says otherwise or an API key is set (WANDB_API_KEY or `wandb login`); its
-  files go to RUN/wandb (`wandb sync RUN/wandb/offline-run-*` uploads them later). MLflow logs to
-  RUN/mlflow (an SQLite store and the artifacts) unless MLFLOW_TRACKING_URI names another store or server.
-- RUN/trackers.json keeps each tracker's run id and the last step it logged. A resumed run continues the same
-  tracker run (W&B `resume`, the MLflow run id), first catching up from metrics.jsonl on the steps the tracker
-  missed and never logging a step twice: steps a tracker logged past the checkpoint keep the values it got
-  then (a resumed run recomputes them bitwise equal); TensorBoard drops them instead (`purge_step`).
-- A tracker that fails (disk full, a server gone) gives one warning line and is dropped: the run goes on, and
-  metrics.jsonl stays the source of truth. A missing package is a UserError naming the extra, raised by
-  `parse_log_to` before anything trains.
+- The plan is the run's config and plan.yaml its artifact; every numeric field of each metrics.jsonl record is
+  logged at its optimizer step under its own name; summary.json, loss.svg and plots/*.png are artifacts at the end.
+- W&B runs offline unless WANDB_MODE says otherwise or an API key is set; its files go to RUN/wandb (`wandb sync`
+  uploads them later). MLflow logs to RUN/mlflow (SQLite and artifacts) unless MLFLOW_TRACKING_URI names another.
+- RUN/trackers.json keeps each tracker's run id and last logged step. A resumed run continues the same tracker run,
+  first catching up from metrics.jsonl, never logging a step twice: steps logged past the checkpoint keep their
+  values (a resume recomputes them bitwise equal); TensorBoard drops them instead (`purge_step`).
+- A tracker that fails gives one warning line and is dropped; metrics.jsonl stays the source of truth. A missing
+  package is a UserError naming the extra, raised by `parse_log_to` before anything trains.
 """
 
 from __future__ import annotations

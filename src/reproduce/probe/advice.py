@@ -1,18 +1,12 @@
 """When not even micro-batch 1 fits: what that step needs, and what would make it fit, computed.
 
-`explain(meter, trials, world_size, gpu)` starts from the trial of micro-batch 1 that failed: the estimate meter
-ran it to its end, counted by category; the cpu and cuda meters stop at the budget, so the same step is counted
-again on fake tensors (meters.fake_parts) to split it.
-
-The ways out, each computed for micro-batch 1 on the same budget and meter rules (a change to the recipe is a new
-trial of the changed recipe: what the probe would then find):
-- FSDP over the fewest processes that fit (`smallest_world_size` on the measured parts), or why none can;
-- LoRA (Hu et al. 2021, peft's defaults for the architecture), only for a recipe that fine-tunes pretrained weights
-  (`model.pretrained`, or a Hugging Face checkpoint, `model.hf`): a pre-training recipe is not offered it;
-- weights stored in bf16 (`model.dtype: bf16`) when they are fp32; both together when neither alone fits;
-- a quantised frozen base under LoRA (`model.quantize: int8`, then `nf4`: 1 byte or about half a byte a frozen
-  weight, bitsandbytes' layers as Alpaca-LoRA and QLoRA train), for a recipe that fine-tunes;
-- the memory knobs (probe/memory_ways.py).
+`explain` starts from the failed trial of micro-batch 1 (the estimate meter's, counted by category; the cpu and
+cuda meters stop at the budget, so the step is counted again on fake tensors, `meters.fake_parts`). Each way out is
+computed for micro-batch 1 on the same budget and meter (a recipe change is a new trial of the changed recipe): FSDP
+over the fewest processes that fit (`smallest_world_size`); LoRA (Hu et al. 2021, peft's defaults) for a recipe
+that fine-tunes (`model.pretrained` or `model.hf`); bf16 weights when they are fp32, and both; a quantised frozen
+base under LoRA (int8, then nf4, bitsandbytes' layers as Alpaca-LoRA and QLoRA train); the memory knobs
+(memory_ways.py).
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """How much memory one training step needs at micro-batch N: what `reproduce memory` answers.
 
-The step is the probe's trial (probe/meters.py), counted on fake tensors by category (probe/fake_step.py) with the
-target GPU's kernels (estimate meter), or run for real on the CPU or this GPU (cpu, cuda: their count is the answer,
-which the fake step only splits).
-
-The three figures people compare, and what separates them:
-- allocated (`torch.cuda.max_memory_allocated`): the tensors live at the peak, each rounded to 512 bytes;
-- reserved (`max_memory_reserved`): what the caching allocator holds, segments and fragmentation included; the
-  estimate adds its margin (5%) and the cuBLAS/cuBLASLt workspaces to the tensors (meters.EstimateMeter.decided);
-- driver (`nvidia-smi`, `mem_get_info`): reserved plus the CUDA context and kernels (`catalog.CONTEXT_BYTES`,
-  512 MiB, or the context measured on this GPU) plus what lives outside PyTorch's allocator: bitsandbytes' paged
-  optimizer state (CUDA unified memory), which neither allocated nor reserved counts.
+The step is the probe's trial, counted on fake tensors by category with the target GPU's kernels (estimate), or run
+for real on the CPU or this GPU (cpu, cuda: their count is the answer, which the fake step only splits). The three
+figures people compare:
+- allocated (`max_memory_allocated`): the live tensors at the peak, each rounded to 512 bytes;
+- reserved (`max_memory_reserved`): what the caching allocator holds; the estimate adds its 5% margin and the
+  cuBLAS/cuBLASLt workspaces (`EstimateMeter.decided`);
+- driver (`nvidia-smi`, `mem_get_info`): reserved + the CUDA context (`catalog.CONTEXT_BYTES`, 512 MiB, or measured
+  here) + what lives outside PyTorch's allocator (bitsandbytes' paged optimizer state, in unified memory).
 """
 
 from __future__ import annotations

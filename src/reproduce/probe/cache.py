@@ -1,9 +1,6 @@
-"""The probe's cache: one JSON file per (recipe, model, dtype, device, budget, torch version, ...). No torch.
-
-So `reproduce run` after `reproduce plan` does not probe again. The folder is `$REPRODUCE_CACHE_DIR`, or
-`~/.cache/reproduce/probe`. A cache that cannot be read or written is skipped, never an error: it only
-saves time. A recipe whose model is the user's own factory is keyed by the recipe, not by the code;
-after editing that code, probe with `--no-cache`.
+"""The probe's cache, so `run` after `plan` does not probe again: one JSON file per (recipe, device, budget, torch
+version, ...) in `$REPRODUCE_CACHE_DIR` or `~/.cache/reproduce/probe`. No torch. A cache that cannot be read or
+written is skipped. A user's model factory is keyed by the recipe, not its code: after editing it, `--no-cache`.
 """
 
 from __future__ import annotations

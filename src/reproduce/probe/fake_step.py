@@ -1,13 +1,11 @@
 """One training step on fake tensors, its memory counted by category: what the estimate meter measures.
 
-The model is built on `meta` and materialised inside `FakeTensorMode` (no real memory); the optimizer is the
-recipe's own with its `optimizer.implementation`, else `foreach=True` with a GPU's rules (what a GPU run uses; fake
-tensors would not choose it). The step is the trainer's (a window of micro-batches, forward and backward under the
-recipe's precision, clipping, the optimizer step, `zero_grad(set_to_none=True)`), after a warm-up step that creates
-the optimizer state. With a `GpuKind` it runs as CUDA does on that GPU (gpu_like.py), with the attention backward's
-workspaces and `gpu_like.UNSEEN_ACTIVATIONS` on the activations (`tracker.ALLOWANCE` in `at_peak`); without one as
-the CPU does (the count then equals real CPU tensors). `StepMemory` keeps the most each category held (weights,
-autocast's copies, gradients, optimizer state, activations, step temporaries); `at_peak` what each held at the peak.
+The model is built on `meta` and materialised in `FakeTensorMode`; the optimizer is the recipe's
+(`optimizer.implementation`, else `foreach=True` as on a GPU). The step is the trainer's (a window of micro-batches,
+precision, clipping, optimizer step, `zero_grad(set_to_none=True)`) after a warm-up step that makes the optimizer
+state. With a `GpuKind` it runs as CUDA would (gpu_like.py, with `UNSEEN_ACTIVATIONS`: `tracker.ALLOWANCE` in
+`at_peak`); without, as the CPU does (equal to real CPU tensors). `StepMemory` keeps the most each category held,
+`at_peak` what each held at the peak.
 """
 
 from __future__ import annotations

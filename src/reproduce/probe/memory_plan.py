@@ -1,11 +1,7 @@
-"""The plan's own use of the memory knobs (activation checkpointing, sharded gradients), with its reasons.
-
-- When not even micro-batch 1 fits, the plan takes the first way out of the "does not fit" report that fits and
-  keeps the run exact on the same hardware (sharded gradients, checkpointing, or both: probe/memory_ways.py),
-  probes the changed recipe, and says what it took and what it costs. Offload, bf16, LoRA, more GPUs stay offers.
-- When the paper's per-device batch fits only with checkpointing, the plan shows both ways with their step times
-  and takes checkpointing for BatchNorm (the paper's normalisation batch), else the faster way (without
-  checkpointing when no step was timed).
+"""The plan's own use of the memory knobs (activation checkpointing, sharded gradients), with its reasons: when
+not even micro-batch 1 fits, the first way out that fits and keeps the run exact on the same hardware
+(memory_ways.py), probed and explained (offload, bf16, LoRA, more GPUs stay offers); when the paper's per-device
+batch fits only with checkpointing, checkpointing for BatchNorm, else the faster way (without, when untimed).
 """
 
 from __future__ import annotations

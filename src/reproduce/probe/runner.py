@@ -1,10 +1,9 @@
 """The probe: options in, the largest micro-batch that fits (with every trial) out. No torch at import.
 
-`run_probe(recipe, options)` resolves the budget (`--memory`, `--gpu` or the GPU's free memory), picks the meter,
-looks in the cache, and otherwise runs `search.search` over the meter's trials, under the budget less the headroom
-and capped at the per-rank batch ceil(batch / W). `batch.sharding: fsdp` over W > 1 processes is counted by the
-estimate meter (one process has nothing to shard over: the step is probed whole). When not even micro-batch 1 fits,
-`result.does_not_fit` says what that step needs and what would make it fit (probe/advice.py).
+`run_probe` resolves the budget (`--memory`, `--gpu` or the GPU's free memory), picks the meter, looks in the cache,
+else runs `search.search` over the meter's trials under the budget less the headroom, capped at ceil(batch / W).
+FSDP over W > 1 is counted by the estimate meter (one process is probed whole). When not even micro-batch 1 fits,
+`result.does_not_fit` says what it needs and what would fit (advice.py).
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
-"""The search for the largest micro-batch that fits: a pure function over `fits(b) -> Measurement`.
+"""The search for the largest micro-batch that fits: a pure function over `fits(b) -> Measurement`, no torch.
 
-No torch here: the same code runs on every meter and against the closed-form memory functions of the tests.
-
-The model: a step's peak is the larger of the optimizer step's (constant in b) and a line a + c*b with a >= 0 once
-activations dominate. Two consequences drive the search:
-- a measured size b with peak p bounds every larger size: peak(k) <= p * k / b, so
-  `safe = floor(limit * b / p)` fits for certain (under the model). The search grows by that jump, or
-  by doubling (x16 while the peaks are flat) when that is more, until it has two sizes on the line;
-- two sizes on the line give its exact equation, so the largest b under the limit is predicted
-  rather than searched for. Sizes with equal peaks are on the flat, optimizer-bound part and are left
-  out of the fit (`fit_line`).
-Each prediction is measured, then the next size up, until b fits and b + 1 does not. A prediction that
-contradicts a measurement, or `MAX_MISSES` predictions that ran out of memory, send the search to bisection
-(geometric while the interval is wide). Sizes are capped at `cap`, the per-rank effective batch. The answer is
-always a size measured to fit, or None when even size 1 does not. The peak is really the maximum of several lines
-(it moves from the optimizer step to the end of backward to the end of forward as b grows): small models bend most,
-and take more trials.
+The model: a step's peak is the larger of the optimizer step's (constant in b) and a line a + c*b (a >= 0). So a
+size b with peak p bounds every larger one, peak(k) <= p * k / b: `safe = floor(limit * b / p)` fits for certain.
+The search grows by that jump or by doubling (x16 while peaks are flat), whichever is more, until two sizes are on
+the line; their line predicts the largest b under the limit (equal peaks are optimizer-bound, left out of the fit:
+`fit_line`). Each prediction is measured, then the next size up, until b fits and b + 1 does not. A contradicted
+prediction, or `MAX_MISSES` out-of-memory ones, switch to bisection (geometric while wide). Sizes are capped at
+`cap`, the per-rank batch. The answer is always a size measured to fit, or None. The peak is really a maximum of
+several lines (optimizer step, end of backward, end of forward): small models bend most and take more trials.
 """
 
 from __future__ import annotations

@@ -1,28 +1,20 @@
 """What one rank holds when parameters, gradients and optimizer state are sharded (FSDP). No torch.
 
-The estimate meter measures one unsharded step on fake tensors, split into `StepMemory` (weights, gradients,
-optimizer state, activations, the optimizer step's temporaries). Under FSDP2 full_shard (ZeRO-3) over W ranks, per
-block with a `MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in fp32), each rank
-holds:
+From one unsharded step's `StepMemory`, under FSDP2 full_shard (ZeRO-3) over W ranks, per block, with a
+`MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in fp32), each rank holds:
 
-- its shard of the parameters (the fp32 master weights) and of the optimizer state, divided over W
-  (FSDP2 splits each parameter on dim 0 with `torch.chunk`, so a shard is at most ceil(size / W));
-  buffers are not sharded;
-- the gradients: sharded (divided over W) once reduce-scattered. Within an accumulation window whose
-  micro-batches before the last skip the reduction (`set_requires_gradient_sync(False)`, FSDP2's
-  `no_sync`, what `reproduce run` does so that communication happens once per optimizer step), FSDP2
-  keeps every parameter's gradient unsharded, accumulated in the reduction dtype
-  (`FSDPParam.to_accumulated_grad_if_needed`): the whole model's gradients in fp32 on every rank
-  until the window's last backward reduce-scatters them (`unsharded_window=True`);
-- what it gathers at a time: the root's parameters (embeddings, final norm and head, unsharded from forward to
-  backward) and two blocks' in the compute dtype (the current one and the one prefetched, PyTorch PR 128884), plus
-  one unit's unsharded gradients and its reduce-scatter input in the reduction dtype;
-- the activations of its own micro-batch, as the unsharded step measured them (autocast's copies of
-  the weights left out: under FSDP the gathered block is already in the compute dtype);
-- in the optimizer step, its shard of the step's temporaries (the foreach optimizer works on the shards).
+- its shard of the fp32 master weights and optimizer state, at most ceil(size / W) (FSDP2 splits each parameter
+  on dim 0 with `torch.chunk`); buffers whole;
+- the gradients, sharded once reduce-scattered; but within an accumulation window under `no_sync`
+  (`set_requires_gradient_sync(False)`, as `run` does) FSDP2 keeps every gradient unsharded in fp32
+  (`FSDPParam.to_accumulated_grad_if_needed`) until the last backward (`unsharded_window=True`);
+- what it gathers: the root's parameters (embeddings, final norm, head: forward to backward) and two blocks' in the
+  compute dtype (current and prefetched, PyTorch PR 128884), plus one unit's gradients and reduce-scatter input;
+- its micro-batch's activations as measured unsharded (less autocast's weight copies: gathered blocks are already
+  in the compute dtype), and in the optimizer step its shard of the step's temporaries (foreach on the shards).
 
 The peak is the larger of forward/backward and the optimizer step; `smallest_world_size` finds the fewest ranks
-whose peak fits a limit. `bench/fsdp_check.py` compares it with what FSDP2 itself allocates on one rank.
+that fit a limit. `bench/fsdp_check.py` compares it with what FSDP2 allocates on one rank.
 """
 
 from __future__ import annotations

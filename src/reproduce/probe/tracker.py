@@ -1,22 +1,17 @@
 """Live tensor storage bytes, counted exactly, on any device (also under `FakeTensorMode`).
 
-`MemoryTracker` is a `TorchDispatchMode`: every storage an operator returns is charged once, rounded up to 512
-bytes (as the CUDA caching allocator rounds its blocks), and released when it is freed (`weakref.finalize`).
-`charge()` adds what existed before the mode was entered. `peak` is the most ever live since `reset_peak()`.
+`MemoryTracker` is a `TorchDispatchMode`: each storage an operator returns is charged once, rounded up to 512 bytes
+(as CUDA's caching allocator rounds), and released when freed (`weakref.finalize`); `charge()` adds what existed
+before. `peak` is the most live since `reset_peak()`. Each storage has a category: the current `phase` (default
+`activations`), what `charge()` and `retag()` name (`weights`, `gradients`, `optimizer`), or `weight copies` for
+autocast's. `live_by` is each category's live bytes, `peak_by` their values at the peak (summing to `peak`),
+`most_by` the most per phase, `when_most` all of them when activations or gradients were at their most,
+`peak_stage` where the peak came, `marked_most` the most held by storages made while `marking` (logits, loss).
 
-Every storage has a category (what the "does not fit" report and the sharding arithmetic need): what operators
-allocate goes to the current `phase` (by default `activations`), `charge()` and `retag()` name theirs (`weights`,
-`gradients`, `optimizer`), and autocast's copy of a weight is `weight copies`. `live_by` holds each category's live
-bytes, `peak_by` their values at the peak (they sum to `peak`), `most_by` the most each held per phase, `when_most`
-what every category held when activations or gradients were at their most; `peak_stage` says where the peak came
-(forward, backward, optimizer step); `marked_most` the most held by storages made while `marking` (logits, loss).
-
-The GPU rules (probe/gpu_like.py) add what a dispatch-level count cannot see: `workspace(nbytes)`, a buffer an
-operator allocates and frees inside itself, and `allowance`, a share of the live activations (`ALLOWANCE` in
-`peak_by`). Both count in `peak`, never in `live` nor the budget. Over a budget an operator raises
-`torch.OutOfMemoryError`, as CUDA does. Not seen: memory outside tensors (CUDA context, workspaces, the allocator's
-fragmentation). On a CPU its peaks equal `torch.distributed._tools.mem_tracker.MemTracker`'s within 0.03%, at
-about twice its speed (PyTorch 2.13).
+The GPU rules (gpu_like.py) add `workspace(nbytes)` (a buffer an operator frees inside itself) and `allowance` (a
+share of the live activations, `ALLOWANCE` in `peak_by`): both in `peak`, never in `live` nor the budget. Over a
+budget an operator raises `torch.OutOfMemoryError`, as CUDA does. Memory outside tensors is not seen. On a CPU its
+peaks equal `torch.distributed._tools.mem_tracker.MemTracker`'s within 0.03%, at about twice its speed (PyTorch 2.13).
 """
 
 from __future__ import annotations

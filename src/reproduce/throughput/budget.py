@@ -1,14 +1,11 @@
-"""The whole run's forecast cost, and the recipe's `budget:` checked against it before anything runs (`reproduce
-plan`'s cost row and `plan --json`'s `forecast`). Values and one-line refusals; nothing printed, no torch.
+"""The run's forecast cost, and the recipe's `budget:` checked against it before anything runs (`plan`'s cost row,
+`plan --json`'s `forecast`). Values and one-line refusals; nothing printed, no torch.
 
-The forecast is the plan's predicted time (predicted_time.py) x its GPUs, from the probe's measured step time
-(`measured`) or the FLOPs model on a datasheet peak (`datasheet`). Money is the GPU-hours x the price of one, which
-only the user gives (`plan --price`, or `budget.price`): no price is shipped as a fact.
-
-A forecast beyond the budget is refused with the cheapest exact way that fits, when one does: another split or GPU
-count. On measured step times a split costs its micro-batch's time per sample (throughput/cost.py; the all-reduce
-not counted), so a GPU count changes the GPU-hours only through the micro-batches its share allows. The FLOPs
-model's GPU-hours are the same for every split and count, so there nothing else fits.
+The forecast is the predicted time (predicted_time.py) x the GPUs, from the probe's measured step (`measured`) or
+the FLOPs model (`datasheet`); money is GPU-hours x the price the user gives (`--price`, `budget.price`): none is
+shipped. Beyond the budget, the refusal names the cheapest exact split or GPU count that fits: on measured times a
+split costs its micro-batch's time per sample (cost.py; the all-reduce not counted), so a GPU count changes the
+GPU-hours only through the micro-batches it allows; the FLOPs model's are the same for every split and count.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""`--policy throughput`: the exact split with the most samples per second, its timings gathered.
-
-The timing and the choice are pure (splits.py); here the steps are run. With the cuda or cpu meter, and without a
-probe (`--micro-batch-max`), every exact split is timed as `reproduce run` executes it on the probed device
-(split_steps.py; never the probe's trials: one step each, under the memory meter). With the estimate meter the FLOPs
-model (`splits.model_micro_step`) gives each split a time, and the plan says it is a model. Torch is imported only
-to time; nothing is printed (each timing's line goes to `on_note`).
+"""`--policy throughput`: the exact split with the most samples per second. The choice is pure (splits.py); here
+the steps run: with the cuda or cpu meter, or without a probe, every exact split is timed as `run` executes it on
+that device (split_steps.py); with the estimate meter the FLOPs model (`splits.model_micro_step`) times them, and
+the plan says so. Torch is imported only to time; each timing's line goes to `on_note`.
 """
 
 from __future__ import annotations

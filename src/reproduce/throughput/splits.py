@@ -1,24 +1,19 @@
 """The fastest exact split: how the splits are timed, and which to take. Pure Python, no torch.
 
-Among the exact splits m x N x W = the paper's batch with m <= the largest micro-batch that fits, the policy
-`throughput` takes the one whose whole optimizer step (N micro-steps, then the update) is shortest: each runs the
-same per-process batch. `time_splits` times them given a function that runs whole optimizer steps of a split and
-returns their seconds (throughput/split_steps.py, as `reproduce run` executes them):
-
-1. a warm-up step of each split, largest first (first calls, allocator growth: never counted);
-2. `REPEATS` rounds (at least `MIN_REPEATS`), each timing every split once in an order rotated each round, so a
-   busy spell of the machine slows every split alike instead of one; a repeat is one optimizer step, or the mean of
-   a few back to back when one step is shorter than `MIN_REPEAT_SECONDS` (timer and scheduler noise);
-3. each split's median step time, and its spread (`relative_spread`);
-4. the two fastest compared round by round (`paired`: the median of their rounds' ratios, which cancels the load
-   common to both, against twice its standard error, at least `NOISE_FLOOR`); when their difference is within that
-   noise, both are timed again for `RETIME_ROUNDS` more rounds, next to each other, and compared on all their
-   repeats. Still within it: indistinguishable, and the larger micro-batch is taken (fewer, larger kernels; the
-   optimizer step amortised over more samples).
-
-The cost of choosing is bounded by `BUDGET_SECONDS` of timed steps: warm-ups stop at `WARM_UP_SHARE` of it, then
-the splits with the slowest warm-up are left out (never the largest) and the rounds cut down to `MIN_REPEATS` until
-the rounds and a re-timing fit; a bound too small for that is exceeded, and the plan's `throughput.cost` says so.
+Of the exact splits m x N x W (m <= the largest that fits), `throughput` takes the one whose whole optimizer step
+is shortest (each runs the same per-process batch). `time_splits` times them by a function that runs whole steps of
+a split (split_steps.py):
+1. a warm-up step of each split, largest first (never counted);
+2. `REPEATS` rounds (at least `MIN_REPEATS`), each split once a round in a rotated order, so a busy spell slows
+   every split alike; a repeat is one step, or the mean of several when a step is under `MIN_REPEAT_SECONDS`;
+3. each split's median and spread (`relative_spread`);
+4. the two fastest compared round by round (`paired`: the median of the rounds' ratios, cancelling the load common
+   to both, against twice its standard error, at least `NOISE_FLOOR`); within that noise they are re-timed
+   side by side for `RETIME_ROUNDS` rounds; still within it, the larger micro-batch is taken (fewer, larger
+   kernels; the optimizer step amortised over more samples).
+Choosing is bounded by `BUDGET_SECONDS` of timed steps: warm-ups stop at `WARM_UP_SHARE` of it, then the slowest
+splits are left out (never the largest) and the rounds cut to `MIN_REPEATS`; a smaller bound is exceeded, and the
+plan's `throughput.cost` says so.
 """
 
 from __future__ import annotations
