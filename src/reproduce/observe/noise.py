@@ -53,12 +53,8 @@ def estimates(small_sq: float, big_sq: float, b_small: float, b_big: float,
 
 
 class NoiseScale:
-    """Measures B_simple over a run: `start_window`, `after_backward` per micro-batch, `end_window` per step.
-
-    `end_window` returns the step's metrics fields: `noise_scale` (the smoothed B_simple, once defined), and for a
-    measured step `noise_grad_sq`, `noise_trace` (its |G|^2 and tr(Sigma) estimates, of the mean loss per item) and
-    `noise_b_small` (B_small in items).
-    """
+    """Measures B_simple over a run: `start_window`, `after_backward` per micro-batch, `end_window` per step (the
+    step's `noise_scale`, smoothed, and when measured its `noise_grad_sq`, `noise_trace`, `noise_b_small` in items)."""
 
     def __init__(self, setup: Any, ema: float = EMA_FACTOR, hooked_share: float = HOOKED_SHARE):
         self.setup, self.ema, self.hooked_share = setup, ema, hooked_share
@@ -249,11 +245,8 @@ def _number(value: float) -> str:
 
 
 def sentence(summary: dict) -> str:
-    """The run's batch against the measured noise scale, in words (McCandlish et al. 2018, eqs. 2.11-2.12).
-
-    Their model: a batch B needs S = S_min (1 + B_noise / B) optimizer steps and E = E_min (1 + B / B_noise)
-    items to reach a given loss; B_simple stands in for B_noise, and the critical batch is B_crit ~ B_noise.
-    """
+    """The run's batch against the noise scale, in words (McCandlish et al. 2018, eqs. 2.11-2.12: a batch B needs
+    S_min (1 + B_noise / B) steps and E_min (1 + B / B_noise) items; B_simple stands in for B_noise ~ B_crit)."""
     figure = summary.get("verdict_from", "last_tenth" if summary.get("last_tenth") else "final")
     noise = summary.get(figure) if figure else None
     batch, unit = summary.get("effective_batch"), summary["unit"]

@@ -55,12 +55,9 @@ def run_outputs(out: Path) -> list[str]:
 
 
 class MetricsLog:
-    """metrics.jsonl, appended and flushed once per optimizer step; written by rank 0 alone.
-
-    It keeps what it wrote (`kept`), which each checkpoint stores: a resume starts from the checkpoint's copy, so
-    a metrics.jsonl cut short, deleted or garbled after the checkpoint never blocks it. The file is cut back when
-    it is longer (lines written after the checkpoint), rewritten when it differs, and `repaired` says what was
-    wrong with it."""
+    """metrics.jsonl, appended and flushed once per optimizer step by rank 0. What it wrote (`kept`) goes into each
+    checkpoint, so a resume cuts back, or rewrites from that copy, a file cut short, deleted or garbled since
+    (`repaired` says what was wrong)."""
 
     def __init__(self, path: Path, kept: bytes | int | None, enabled: bool):
         """`kept`: metrics.jsonl at the checkpoint resumed from (or its length: `kept_metrics`; None: a new run)."""

@@ -89,12 +89,9 @@ class Tracker:
 
 
 class TensorboardTracker(Tracker):
-    """Scalars in OUT/tensorboard (`tensorboard --logdir OUT/tensorboard`), as `reproduce run --tensorboard` always
-    wrote them: `train/NAME` for each numeric field, `eval/NAME` for the `eval_*` ones.
-
-    Nothing is written to the folder before `open`, so the run's check that --out is empty still sees an empty
-    folder. A run resumed after step K opens with `purge_step=K+1`: TensorBoard drops the older events past the
-    checkpoint, as metrics.jsonl is truncated to it; a fresh run replaces earlier event files."""
+    """Scalars in OUT/tensorboard: `train/NAME` for each numeric field, `eval/NAME` for the `eval_*` ones. Nothing
+    is written before `open` (the --out check sees an empty folder); a run resumed after step K opens with
+    `purge_step=K+1`, dropping events past the checkpoint; a fresh run replaces earlier event files."""
 
     name = "tensorboard"
 
@@ -185,12 +182,8 @@ class WandbTracker(Tracker):
 
 
 class MlflowTracker(Tracker):
-    """An MLflow run: in OUT/mlflow (SQLite store, artifacts beside it) unless MLFLOW_TRACKING_URI is set.
-
-    MLflow 3 refuses its plain file store (`./mlruns`, in maintenance mode) unless MLFLOW_ALLOW_FILE_STORE is
-    set; a local SQLite file is the store it recommends, and still one folder under the run that moves with it.
-    The experiment is MLFLOW_EXPERIMENT_NAME, default the recipe's name.
-    """
+    """An MLflow run in OUT/mlflow (SQLite, MLflow 3's recommended store, artifacts beside it) unless
+    MLFLOW_TRACKING_URI is set; experiment MLFLOW_EXPERIMENT_NAME, default the recipe's name."""
 
     name = "mlflow"
     PARAMS_PER_CALL = 100  # MLflow's limit per log_batch
@@ -240,9 +233,8 @@ class MlflowTracker(Tracker):
             self.client.log_batch(self.run_id, params=params[start:start + self.PARAMS_PER_CALL])
 
     def log(self, step, values):
-        """Handed to MLflow's own background queue (synchronous=False): a store write (38 ms a step measured on
-        SQLite here, more on a busy disk or a remote server) does not hold up training. At most IN_FLIGHT steps
-        wait there; the oldest is waited for, which is when its failure, if any, is raised."""
+        """On MLflow's background queue (synchronous=False): a store write (38 ms a step on SQLite here) does not
+        hold up training. Past IN_FLIGHT steps the oldest is waited for, raising its failure if any."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)

@@ -71,12 +71,8 @@ def step_of(record: dict) -> int | None:
 
 
 class Trackers:
-    """The run's start, step records, gates and end sent to each tracker. Each method returns the lines to show
-    (a tracker's failure, where its run lies), which `Reporters` hands to the other consumers.
-
-    Use it as a context manager around `train`: a run that stops early (an error, a signal) closes its tracker
-    runs as failed or killed instead of leaving them running.
-    """
+    """The run's start, records, gates and end sent to each tracker; each method returns the lines to show. As a
+    context manager around `train`, a run stopped early closes its tracker runs as failed or killed."""
 
     def __init__(self, names: list[str], out: str | Path, backends: dict | None = None):
         self.out = Path(out)

@@ -153,14 +153,9 @@ def optimizer_kernels(optimizer: torch.optim.Optimizer) -> str:
 
 @contextlib.contextmanager
 def unpacked_sequences() -> Iterator[None]:
-    """Let Hugging Face models see that the probe's sequences are not packed, as they would on real tensors.
-
-    Given no attention mask, transformers (masking_utils) reads the position ids to tell whether a row packs
-    several sequences; with one per row it passes no mask and `is_causal=True` to SDPA (flash on CUDA). Fake tensors
-    have no values, so it would assume packing and build a B x S x S mask. Only `data.packing: packed` micro-batches
-    pack (`run_fake_step` leaves those to transformers); every other row is one sample, answered here as real
-    tensors would be.
-    """
+    """Let Hugging Face models see that the probe's rows are not packed: without a mask, transformers
+    (masking_utils) reads the position ids, which fake tensors lack, and would build a B x S x S mask instead of
+    passing `is_causal=True` to SDPA. Only `data.packing: packed` rows pack (left to transformers)."""
     masking_utils = sys.modules.get("transformers.masking_utils")  # loaded by any Hugging Face model
     if masking_utils is None or not hasattr(masking_utils, "find_packed_sequence_indices"):
         yield

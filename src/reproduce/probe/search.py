@@ -86,12 +86,9 @@ class SearchResult:
 
 
 def fit_line(trials: list[Measurement], limit_bytes: float) -> Line | None:
-    """The line through two measured sizes in the activation regime, placed to predict where peak = limit.
-
-    Sizes whose peak equals another size's are on the flat part and are left out. With sizes on both
-    sides of the limit, the line joins the nearest two (interpolation); otherwise the largest size and
-    the largest one at most half of it (far apart, so the allocator's rounding averages out).
-    """
+    """The line through two sizes in the activation regime (equal peaks left out), to predict where peak = limit:
+    the nearest two on both sides of the limit, else the largest and the largest at most half of it (far apart,
+    so the allocator's rounding averages out)."""
     known = {t.micro_batch: t.peak_bytes for t in trials if t.peak_bytes is not None}
     peaks = list(known.values())
     points = sorted((b, p) for b, p in known.items() if peaks.count(p) == 1)

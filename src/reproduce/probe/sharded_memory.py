@@ -139,12 +139,9 @@ def gathered_gradients(blocks: Blocks, compute_bytes: int, reduce_bytes: int = 4
 
 def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_bytes: int,
                  reduce_bytes: int = 4, unsharded_window: bool = False, offload: bool = False) -> ShardedPeak:
-    """One rank's peak with the model states of `step` sharded over `world_size` ranks.
-
-    `unsharded_window`: the window's micro-batches are not reduced between them (FSDP2's no_sync): every rank holds
-    the whole model's gradients until its last backward (else, `batch.sharded_gradients`, only the shard).
-    `offload`: FSDP2's CPUOffloadPolicy keeps the sharded parameters, gradients and optimizer state in CPU memory.
-    """
+    """One rank's peak with `step`'s model states sharded over `world_size` ranks. `unsharded_window`: no_sync, the
+    whole model's gradients held until the window's last backward (else `batch.sharded_gradients`); `offload`:
+    CPUOffloadPolicy keeps the sharded parameters, gradients and optimizer state in CPU memory."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1 (got {world_size})")
     sharded_gradients = 0 if offload else shard(step.gradients, world_size)

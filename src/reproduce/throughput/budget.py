@@ -37,10 +37,8 @@ class Way:
 
 
 def forecast(plan: Plan, result: ProbeResult | None, prediction: dict, price: float | None = None) -> dict:
-    """`plan --json`'s `forecast`: the whole run's GPU-hours and money, their basis, and the budget's verdict.
-
-    Raises the one-line UserError of a budget the forecast exceeds (naming what fits), or of a money budget with no
-    price to count it in."""
+    """`plan --json`'s `forecast`: the run's GPU-hours and money, their basis, and the budget's verdict; a budget
+    exceeded (naming what fits), or a money budget without a price, is a UserError."""
     check_price(price)
     budget = plan.recipe.budget
     gpu_hours = prediction.get("gpu_hours")

@@ -37,12 +37,8 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatc
                     keep_batchnorm: bool = True, assumed_mfu: float = DEFAULT_MFU, gpu: str | None = None,
                     on_note: Callable[[str], None] | None = None, budget_seconds: float = BUDGET_SECONDS,
                     weights: WeightsRecord | None = None, data_fingerprint: str | None = None) -> Plan:
-    """The exact plan whose split has the most samples per second (the decision under `plan.throughput`).
-
-    `gpu`: the --gpu named; without a probe (--micro-batch-max) the FLOPs model decides for that card.
-    `on_note`: given each timing's line as it is measured (nothing is printed here). `budget_seconds`: the bound on
-    the timed steps (splits.time_splits). `weights`, `data_fingerprint`: the records the plan keeps (make_plan).
-    """
+    """The exact plan whose split has the most samples per second (its decision in `plan.throughput`). `gpu`: without
+    a probe, the FLOPs model decides for that card; `on_note` gets each timing's line."""
     check_phases(recipe)
     if not isinstance(micro_batch_max, int):  # (one maximum per sequence length: batch phases)
         raise UserError(PHASES)

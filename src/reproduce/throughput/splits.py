@@ -215,12 +215,9 @@ def choose(
     sequence_length: int | None, spreads: dict[int, float] | None = None, batchnorm_micro_batch: int | None = None,
     basis: str = "measured", micro_batch_max: int | None = None, timings: Timings | None = None,
 ) -> Decision:
-    """The exact split with the shortest optimizer step (`step_seconds`, the same per-process batch in each).
-
-    The two fastest are compared round by round when `timings` (`time_splits`'s, in place of `step_seconds` and
-    `spreads`) are given, else within their `spreads`: within the noise the larger micro-batch wins.
-    `batchnorm_micro_batch`, the paper's per-device batch, is kept whatever the timings say (BatchNorm statistics).
-    """
+    """The exact split with the shortest optimizer step. The two fastest are compared round by round with
+    `timings` (which replace `step_seconds` and `spreads`), else within their `spreads`: within the noise the larger
+    wins. `batchnorm_micro_batch`, the paper's per-device batch, is kept whatever the timings say."""
     if not splits:
         raise ValueError("no exact split to choose from")
     if timings is not None:
