@@ -184,7 +184,7 @@ def block_sizes(model: nn.Module) -> tuple[int, tuple[int, ...]]:
 
 
 def fake_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, window: list, precision: str,
-              clip: float | None, tracker: MemoryTracker | None = None) -> None:
+              clip: float | None, tracker: MemoryTracker) -> None:
     """The trainer's step (`optimizer_step`) without what fake tensors cannot do (read values)."""
     count = sum(len(target) for _, target in window)
     if getattr(loss_fn, "window", None) is not None:  # a loss of several counted terms (BERT): fake tensors hold no
@@ -195,21 +195,17 @@ def fake_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, 
             autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
         with autocast:
             output = model(inputs)
-            if tracker is not None:  # the logits and what the loss computes from them, counted apart too
-                tracker.mark([output])
-                tracker.marking = True
+            tracker.mark([output])  # the logits and what the loss computes from them, counted apart too
+            tracker.marking = True
             loss = loss_fn(output, target) / max(1, count)
-            if tracker is not None:
-                tracker.marking = False
+            tracker.marking = False
             output = None
         loss.backward()
-    if tracker is not None:
-        tracker.phase = STEP
+    tracker.phase = STEP
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if tracker is not None:
-        tracker.phase = ACTIVATIONS
+    tracker.phase = ACTIVATIONS
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:

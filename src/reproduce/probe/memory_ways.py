@@ -27,6 +27,8 @@ RECOMPUTE_COST = "one more forward pass of each block in backward (about a third
 REDUCE_COST = "one reduce-scatter per micro-batch instead of one per optimizer step"
 OFFLOAD_COST = ("each unit copied to the device in every forward and backward and the optimizer stepping on the "
                 "CPU (much slower steps)")
+OPTIONS = (("model", "activation_checkpointing", True, "--activation-checkpointing"),
+           ("batch", "sharded_gradients", True, "--sharded-gradients"), ("batch", "offload", "cpu", "--offload cpu"))
 PLANNED_KNOBS = {("model", "activation_checkpointing"), ("batch", "sharded_gradients")}
 LOSS_CHUNKS = 8  # torchtune's CEWithChunkedOutputLoss
 CHUNKED_LOSS = {"model": {"loss_chunks": LOSS_CHUNKS}}
@@ -95,14 +97,7 @@ def needs(trial: Any) -> str:
 
 def describe(change: dict) -> str:
     """The options a change stands for: --activation-checkpointing, --sharded-gradients, --offload cpu."""
-    names = []
-    if change.get("model", {}).get("activation_checkpointing"):
-        names.append("--activation-checkpointing")
-    if change.get("batch", {}).get("sharded_gradients"):
-        names.append("--sharded-gradients")
-    if change.get("batch", {}).get("offload") == "cpu":
-        names.append("--offload cpu")
-    return " ".join(names)
+    return " ".join(flag for section, name, value, flag in OPTIONS if change.get(section, {}).get(name) == value)
 
 
 def plan_memory_change(ways_out: list[dict]) -> dict | None:

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -23,7 +23,7 @@ from ..plan.recipe import Recipe, default_packing
 from ..plan.units import format_size, parse_size
 from ..throughput.splits import rates
 from . import cache
-from .search import Measurement, search
+from .search import Measurement, SearchResult, search
 
 if TYPE_CHECKING:
     from ..data import Datasets
@@ -123,6 +123,23 @@ def timed_trial(measurement: Measurement, sequence_length: int | None) -> ProbeT
     """A trial as reported, with its samples (and tokens) per second where its step was timed."""
     samples, tokens = rates(measurement.micro_batch, measurement.step_seconds, sequence_length)
     return ProbeTrial(**measurement.to_json(), samples_per_second=samples, tokens_per_second=tokens)
+
+
+def probe_result(found: SearchResult, meter: Any, headroom: float, sequence_length: int | None,
+                 **fields: Any) -> ProbeResult:
+    """A search's result as `probe --json` prints it and the cache keeps it (`fields`: the rest, by name)."""
+    import torch
+
+    chosen = found.chosen
+    return ProbeResult(
+        meter=meter.name, device=meter.device, budget_bytes=meter.budget_bytes, headroom=headroom,
+        limit_bytes=meter.limit_bytes, cap=found.cap, micro_batch_max=found.micro_batch_max,
+        peak_bytes=chosen.peak_bytes if chosen else None, tensor_bytes=chosen.tensor_bytes if chosen else None,
+        step_seconds=chosen.step_seconds if chosen else None,
+        trials=[timed_trial(t, sequence_length) for t in found.trials],
+        line=ProbeLine(intercept_bytes=found.line.intercept, bytes_per_sample=found.line.slope,
+                       points=found.line.points) if found.line else None,
+        seconds=round(found.seconds, 3), torch_version=torch.__version__, notes=meter.notes, **fields)
 
 
 def resolve_budget(options: ProbeOptions) -> tuple[int | None, Gpu | None]:
@@ -233,23 +250,10 @@ def run_probe(
     tokens = None
     if way == "sorted" and token_budget_wanted(recipe, workload):
         tokens = token_search(found, workload, lambda budgeted: make_meter(budgeted, cap=None))
-    chosen = found.chosen
-    result = ProbeResult(
-        recipe_path=recipe_path, meter=kind, device=meter.device, gpu=gpu.name if gpu else None,
-        data=workload.description, budget_bytes=meter.budget_bytes, headroom=options.headroom,
-        limit_bytes=meter.limit_bytes, cap=cap, world_size=world_size, micro_batch_max=found.micro_batch_max,
-        peak_bytes=chosen.peak_bytes if chosen else None, tensor_bytes=chosen.tensor_bytes if chosen else None,
-        step_seconds=chosen.step_seconds if chosen else None,
-        trials=[timed_trial(t, recipe.batch.sequence_length) for t in found.trials],
-        line=ProbeLine(intercept_bytes=found.line.intercept, bytes_per_sample=found.line.slope,
-                       points=found.line.points) if found.line else None,
-        seconds=round(found.seconds, 3),
-        torch_version=torch.__version__,
-        notes=meter.notes,
-        sharding=sharding,
-        does_not_fit=does_not_fit,
-        **(token_fields(tokens) if tokens is not None else {}),
-    )
+    result = probe_result(found, meter, options.headroom, recipe.batch.sequence_length, recipe_path=recipe_path,
+                          gpu=gpu.name if gpu else None, data=workload.description, world_size=world_size,
+                          sharding=sharding, does_not_fit=does_not_fit,
+                          **(token_fields(tokens) if tokens is not None else {}))
     cache.store(key, result.model_dump(mode="json", exclude={"recipe_path", "cached"}))
     return result
 
