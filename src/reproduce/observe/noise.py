@@ -217,26 +217,21 @@ def summarise(records: list[dict], total_steps: int, task: str, ema: float = EMA
         summary["verdict_from"] = "last_tenth"
     elif len(steps) >= MIN_VERDICT_STEPS:
         summary["verdict_from"] = "final" if final is not None else None
-    withheld = withheld_reason(summary, len(tenth), total_steps, warmup_steps, diverged)
+    withheld = None  # why the noise scale says nothing about the run's batch
+    if diverged:
+        withheld = (f"the loss diverged (step {diverged['step']}): a noise scale measured on it says nothing of the "
+                    "batch")
+    elif total_steps <= warmup_steps:
+        withheld = (f"the run ended at step {total_steps}, inside its warm-up of {warmup_steps} optimizer steps, where "
+                    "the gradient's statistics are those of the start of training")
+    elif "verdict_from" not in summary:
+        withheld = (f"the measurement covers {len(steps)} optimizer steps ({len(tenth)} in the last tenth of the run), "
+                    f"fewer than the {MIN_VERDICT_STEPS} a verdict needs")
     if withheld:
         summary.update(verdict_from=None, withheld=withheld, sentence=f"verdict withheld: {withheld}")
     else:
         summary["sentence"] = sentence(summary)
     return summary
-
-
-def withheld_reason(summary: dict, tenth_steps: int, total_steps: int, warmup_steps: int,
-                    diverged: dict | None) -> str | None:
-    """Why the run's noise scale says nothing about its batch, or None."""
-    if diverged:
-        return f"the loss diverged (step {diverged['step']}): a noise scale measured on it says nothing of the batch"
-    if total_steps <= warmup_steps:
-        return (f"the run ended at step {total_steps}, inside its warm-up of {warmup_steps} optimizer steps, where the "
-                "gradient's statistics are those of the start of training")
-    if "verdict_from" not in summary:
-        return (f"the measurement covers {summary['measured_steps']} optimizer steps ({tenth_steps} in the last tenth "
-                f"of the run), fewer than the {MIN_VERDICT_STEPS} a verdict needs")
-    return None
 
 
 def _number(value: float) -> str:

@@ -24,21 +24,16 @@ def check_out_dir(out: Path, resume: bool, force: bool) -> None:
         return
     if out.is_dir() and any(entry.name != LOCK_NAME and not TEMPORARY.match(entry.name) for entry in out.iterdir()) \
             and not force:  # (a dead writer's temporaries go when the run takes the lock: storage/lock.py)
-        raise UserError(f"{out} is not empty ({folder_holds(out)}); " + (
+        runs = [name for name in OUTPUTS if (out / name).exists()]
+        names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in out.iterdir()
+                       if entry.name != LOCK_NAME)
+        holds = (f"it holds another run: {', '.join(runs)}" if runs else f"it holds {', '.join(names[:3])}"
+                 + (f" and {len(names) - 3} more" if len(names) > 3 else "") + ", not a run of reproduce")
+        raise UserError(f"{out} is not empty ({holds}); " + (
             "pass `resume` to continue it, `force` to overwrite its outputs, or choose another folder"
-            if any((out / name).exists() for name in OUTPUTS) else
+            if runs else
             "choose another folder (`force` would keep these files and write the run's outputs beside them)"
         ), field="out")
-
-
-def folder_holds(out: Path) -> str:
-    """What a folder holds, in a few words: another run's outputs, or the names of what is there."""
-    runs = [name for name in OUTPUTS if (out / name).exists()]
-    if runs:
-        return f"it holds another run: {', '.join(runs)}"
-    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in out.iterdir() if entry.name != LOCK_NAME)
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return f"it holds {shown}, not a run of reproduce"
 
 
 # loss.png: the plot of runs before loss.svg, still another run's output here
@@ -126,8 +121,7 @@ def _cut_back(path: Path, offset: int) -> str | None:
 
 
 def missing_final_outputs(out: Path, step: int) -> str | None:
-    """What of the end of a run at `step` is missing or damaged (summary.json, model.pt, adapter/, merged/,
-    the loss plot), or None when it is all there. summary.json is written last, so it names the others."""
+    """What of a run's end at `step` is missing or damaged, or None (summary.json, written last, names the rest)."""
     path = out / "summary.json"
     try:
         summary = json.loads(path.read_text(encoding="utf-8"))

@@ -16,8 +16,7 @@ from ..hardware.peaks import identify, on_card, peaks_of, precision_key
 
 
 def mfu(flops_per_second: float | None, devices: int, peak_flops: float | None) -> float | None:
-    """Model FLOP/s over the devices' peak (model FLOPs utilisation, Chowdhery et al. 2022, PaLM, appendix B); None
-    when either is unknown."""
+    """Model FLOP/s over the devices' peak (MFU, Chowdhery et al. 2022, appendix B); None when either is unknown."""
     if not flops_per_second or not peak_flops or devices < 1:
         return None
     return flops_per_second / (devices * peak_flops)

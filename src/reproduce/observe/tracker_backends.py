@@ -68,8 +68,7 @@ class Tracker:
         raise NotImplementedError
 
     def finish(self, summary: dict, files: dict[str, Path]) -> None:
-        """The summary and the artifacts (name in the tracker's run -> local file), then the run is closed as
-        finished."""
+        """The summary and the artifacts (name in the tracker's run -> local file); the run closed as finished."""
         raise NotImplementedError
 
     def close(self, status: str) -> None:
@@ -195,6 +194,7 @@ class MlflowTracker(Tracker):
         import logging
 
         from mlflow import MlflowClient
+        from mlflow.entities import Param
 
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # "Creating initial ... tables"
 
@@ -220,17 +220,12 @@ class MlflowTracker(Tracker):
                                      tags={"reproduce.out": str(out.absolute()), "paper": plan_config(plan)["paper"]
                                            or ""})
         self.run_id = run.info.run_id
-        self._params(plan)
-        self.client.log_artifact(self.run_id, str(out / "plan.yaml"))
-        return {"run_id": self.run_id, "tracking_uri": uri, "experiment_id": experiment_id}
-
-    def _params(self, plan) -> None:
-        from mlflow.entities import Param
-
         params = [Param(key, "" if value is None else str(value)[: self.PARAM_LENGTH])
                   for key, value in flatten(plan_config(plan)).items()]
         for start in range(0, len(params), self.PARAMS_PER_CALL):
             self.client.log_batch(self.run_id, params=params[start:start + self.PARAMS_PER_CALL])
+        self.client.log_artifact(self.run_id, str(out / "plan.yaml"))
+        return {"run_id": self.run_id, "tracking_uri": uri, "experiment_id": experiment_id}
 
     def log(self, step, values):
         """On MLflow's background queue (synchronous=False): a store write (38 ms a step on SQLite here) does not

@@ -56,8 +56,7 @@ def parse_log_to(values: list[str] | None, tensorboard: bool = False) -> list[st
 
 
 def numeric(record: dict) -> dict[str, float]:
-    """The numeric fields of a metrics record other than `step` (booleans as 0/1, a non-finite loss as it is;
-    None and text left out)."""
+    """A metrics record's numeric fields but `step` (booleans as 0/1, a non-finite loss as it is)."""
     return {key: float(value) for key, value in record.items()
             if key != "step" and isinstance(value, (int, float))}
 
@@ -170,8 +169,7 @@ class Trackers:
         return self._lines()
 
     def _plots(self, folder: Path) -> dict[str, Path]:
-        """The report's curves of this run (`reproduce report`: loss, evaluation metrics, learning rate, gradient
-        norm, throughput, noise scale) as artifacts `plots/NAME.png`; none without matplotlib."""
+        """`reproduce report`'s curves of this run as artifacts `plots/NAME.png`; none without matplotlib."""
         from ..report.figures import figures, matplotlib_missing
         from ..report.runs import load_run
 
@@ -185,8 +183,7 @@ class Trackers:
         return made
 
     def finish(self, end) -> list[str]:
-        """Each tracker's run finished with the summary (`end`: train/reporter.RunEnd) and the run's files; where
-        the runs lie."""
+        """Each tracker's run finished with the summary and the run's files (`end`: a RunEnd); where they lie."""
         summary = end.summary
         files = {name: self.out / name for name in ("plan.yaml", "summary.json", "loss.svg")
                  if (self.out / name).is_file()}

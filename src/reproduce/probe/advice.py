@@ -119,16 +119,11 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
     ways = memory_ways_out(meter, gpu, first, step, blocks, compute, decide, tensor_limit,
                            activations=parts["step"]["activations"])
     explanation.ways_out.extend(ways)
-    explanation.ways_out.extend(_recipe_ways_out(meter, gpu, extra=_best_memory_change(ways)))
+    fits = any(way.fits for way in ways)  # when no memory knob alone fits, the most of them join the recipe's ways
+    changes = [way.changes for way in ways if way.changes and not fits]
+    extra = max(changes, key=lambda change: sum(len(value) for value in change.values())) if changes else None
+    explanation.ways_out.extend(_recipe_ways_out(meter, gpu, extra=extra))
     return explanation
-
-
-def _best_memory_change(ways: list[WayOut]) -> dict | None:
-    """The memory knobs to add to the recipe's own ways out when no way out alone fits (None when one does)."""
-    if any(way.fits for way in ways):
-        return None
-    changes = [way.changes for way in ways if way.changes]
-    return max(changes, key=lambda change: sum(len(value) for value in change.values())) if changes else None
 
 
 def _fsdp_way_out(step: StepMemory, blocks: Blocks, compute: int, tensor_limit: int, decide: Any,
@@ -194,8 +189,7 @@ QUANTIZED = {"int8": "1 byte a frozen weight and an fp32 scale a row: LLM.int8()
 
 
 def _quantized_ways_out(meter: Any, gpu: Any, lora: dict) -> list[WayOut]:
-    """`model.quantize: int8`, then nf4 if int8 does not fit (nf4 alone for an int8 recipe), with LoRA (the recipe's,
-    else `lora`), for a recipe that fine-tunes."""
+    """`model.quantize: int8`, then nf4 (nf4 alone for an int8 recipe), with the recipe's LoRA or `lora`."""
     recipe = meter.workload.recipe
     kinds = list(QUANTIZED_BASES)
     smaller = kinds[kinds.index(recipe.model.quantize) + 1:] if recipe.model.quantize else kinds

@@ -13,7 +13,6 @@ figures people compare:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import torch
 
@@ -22,7 +21,7 @@ from ..hardware.catalog import CONTEXT_BYTES
 from ..models import build_model
 from ..plan.recipe import Recipe
 from ..plan.units import available_host_memory, format_count
-from .meters import METERS, fake_parts
+from .meters import fake_parts, make_meter
 from .runner import ProbeOptions, resolve_budget
 from .tracker import ALLOWANCE
 from .workload import Workload, declared_inputs, synthetic_data
@@ -87,7 +86,10 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
         raise UserError("fsdp: `reproduce memory` answers for one whole process; use reproduce probe `sharding` fsdp "
                         "`world_size` W for one rank's share", field="batch.sharding")
     workload = Workload(recipe, synthetic_data(recipe) if sequence_length else None).prepare()
-    meter = _meter(meter_name, workload, budget, options.headroom, gpu, recipe.batch.sequences)
+    limit = budget  # without a budget: the estimate unbounded, half the free memory on the cpu meter
+    if meter_name != "cuda":
+        limit = budget or (UNBOUNDED if meter_name == "estimate" else int(0.5 * (available_host_memory() or 2**34)))
+    meter = make_meter(meter_name, workload, limit, options.headroom, gpu, recipe.batch.sequences, time_steps=False)
     try:
         measured = meter.measure(micro_batch)
     finally:
@@ -140,17 +142,6 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
         measured=what, budget_bytes=budget_bytes, limit_bytes=meter.limit_bytes if budget_bytes else None,
         fits=decided <= meter.limit_bytes if budget_bytes else None, notes=notes,
     )
-
-
-def _meter(name: str, workload: Workload, budget: int | None, headroom: float, gpu: Any, cap: int) -> Any:
-    """The meter `memory_at` measures one step with: estimate, cpu (half the free memory unless a budget is given)
-    or cuda, none of them timing the step."""
-    if name == "estimate":
-        return METERS["estimate"](workload, budget or UNBOUNDED, headroom, gpu=gpu, cap=cap)
-    if name == "cpu":
-        available = available_host_memory()
-        return METERS["cpu"](workload, budget or int(0.5 * (available or 2**34)), headroom, time_steps=False, cap=cap)
-    return METERS["cuda"](workload, budget, headroom, time_steps=False, cap=cap)
 
 
 def weights_form(recipe: Recipe, workload: Workload) -> str:

@@ -29,8 +29,7 @@ def cache_key(fields: dict) -> str:
 
 
 def library_versions() -> dict[str, str | None]:
-    """The versions of the libraries that define the models, for a key (read from their metadata: nothing is
-    imported; None for one not installed)."""
+    """The versions of the libraries that define the models, from their metadata (None: not installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     found: dict[str, str | None] = {}

@@ -45,8 +45,7 @@ class SampleFlops:
 
 def count_flops(recipe, data_info: dict | None, batch: tuple, capability: tuple[int, int] | None = None
                 ) -> SampleFlops:
-    """FLOPs of one forward and backward pass of `batch` (inputs, targets: real CPU tensors of one sample's shape),
-    per sample. `capability`: the GPU whose attention kernel is counted (default Ampere's)."""
+    """FLOPs per sample of a forward and backward of `batch` on `capability`'s attention kernel (default Ampere)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 

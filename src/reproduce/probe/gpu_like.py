@@ -53,15 +53,13 @@ CUDA_FP32_OUTPUT = (  # fp32_set_opt_dtype: run with dtype=float32 unless the ca
 )
 
 
-# The estimate's allowance for what a CUDA step allocates beyond the tensors operators return, as a share of the
-# activations live at each moment (tracker.MemoryTracker.allowance): cuDNN's convolution workspaces (in
-# max_memory_allocated, as large as the algorithm cuDNN picks asks: aten/src/ATen/native/cudnn/Conv_v8.cpp), the
-# allocator's blocks handed out whole (c10/cuda/CUDACachingAllocator.cpp, `should_split`), what older kernels saved.
-# Set from published measured peaks, not derived: the estimate's tensors were 0.84 to 0.98 of every published
-# allocated peak checked (bench/published_memory.py), the gap grew with the micro-batch, and activations are about
-# 85% of such a step: 1/0.84 - 1 = 19% of the step is 22% of its activations, rounded up to 25% (MMSeg's DeepLabV3
-# rows 0.89 -> 1.08; torchtune's packed Llama 3.2 3B, within 1% without it, 1.17). The estimate meter's only (the cpu
-# meter counts real tensors), before the allocator's 5% and the probe's --headroom.
+# The estimate's allowance for what a CUDA step allocates beyond the tensors operators return, as a share of the live
+# activations (MemoryTracker.allowance): cuDNN's convolution workspaces (cudnn/Conv_v8.cpp), blocks the allocator
+# hands out whole (CUDACachingAllocator.cpp, `should_split`), what older kernels save. Set from published peaks, not
+# derived: the estimate's tensors were 0.84 to 0.98 of every published allocated peak checked
+# (bench/published_memory.py), more apart at larger micro-batches; with activations ~85% of such a step, 1/0.84 - 1
+# = 19% of the step is 22% of its activations, rounded up to 25% (MMSeg's DeepLabV3 rows 0.89 -> 1.08; torchtune's
+# packed Llama 3.2 3B, within 1% without it, 1.17). Estimate meter only, before the 5% margin and --headroom.
 UNSEEN_ACTIVATIONS = 0.25
 
 
@@ -166,8 +164,7 @@ def _rounded_up(value: int, multiple: int) -> int:
 
 
 def _flash_backward_workspace(args: tuple, kwargs: dict) -> int:
-    """flash_api.cpp `mha_bwd`: fp32 dq_accum (B, S_q rounded to 128, H, D rounded to 32 or 64) and softmax_d
-    (B, H, S_q rounded)."""
+    """flash_api.cpp `mha_bwd`: fp32 dq_accum (B, S_q to 128, H, D to 32 or 64) and softmax_d (B, H, S_q)."""
     batch, heads, length, dim = args[1].shape
     length = _rounded_up(length, 128)
     dim = _rounded_up(_rounded_up(dim, 8), 32 if _rounded_up(dim, 8) <= 128 else 64)
@@ -175,8 +172,7 @@ def _flash_backward_workspace(args: tuple, kwargs: dict) -> int:
 
 
 def _efficient_backward_workspace(args: tuple, kwargs: dict) -> int:
-    """kernel_backward.h: the gradient of Q accumulated in fp32 (B, H, S_q, D; `kNeedsAccumGradQ` from sm70 on) and
-    `delta` (B, H, S_q, fp32)."""
+    """kernel_backward.h: fp32 grad Q (B, H, S_q, D; `kNeedsAccumGradQ` from sm70) and `delta` (B, H, S_q)."""
     batch, heads, length, dim = args[1].shape
     return 4 * batch * heads * length * (dim + 1)
 

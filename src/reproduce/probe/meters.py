@@ -290,7 +290,12 @@ class EstimateMeter(Meter):
         return dataclasses.replace(measurement, parts=parts)
 
 
-METERS = {"cuda": CudaMeter, "cpu": CpuMeter, "estimate": EstimateMeter}
+def make_meter(kind: str, workload: Workload, budget: int | None, headroom: float, gpu: Gpu | None = None,
+               cap: int | None = None, time_steps: bool = True, **sharding: Any) -> Meter:
+    """A meter of `kind`: the estimate's counts for `gpu` (and `sharding`, `world_size`), the others time steps."""
+    if kind == "estimate":
+        return EstimateMeter(workload, budget, headroom, gpu=gpu, cap=cap, **sharding)  # type: ignore[arg-type]
+    return {"cuda": CudaMeter, "cpu": CpuMeter}[kind](workload, budget, headroom, time_steps=time_steps, cap=cap)
 
 
 def model_blocks(model: nn.Module) -> Blocks:
@@ -324,8 +329,7 @@ def fake_parts(meter: Meter, micro_batch: int) -> dict:
 
 
 def sharding_meter(meter: Meter, gpu: Gpu | None, workload: Workload | None = None) -> EstimateMeter | None:
-    """An estimate meter sharding over two ranks on `meter`'s budget and cap (and `workload`, else its own): the step
-    as FSDP runs it; None where the budget is below the estimate's margin."""
+    """An estimate meter sharding over two ranks on `meter`'s budget and cap; None below the estimate's margin."""
     capability = torch.cuda.get_device_capability() if meter.name == "cuda" else None
     try:
         return EstimateMeter(workload or meter.workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes,

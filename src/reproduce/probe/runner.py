@@ -159,8 +159,7 @@ def resolve_budget(options: ProbeOptions) -> tuple[int | None, Gpu | None]:
 
 
 def measures_whole_model(meter: str) -> bool:
-    """Whether `meter` measures the whole model on this process's device (cuda and cpu, and auto when a GPU is
-    here), rather than computing one FSDP rank's share (estimate)."""
+    """Whether `meter` measures the whole model here (cuda, cpu, auto with a GPU), not one FSDP rank's share."""
     import torch  # only to look for a GPU
 
     return meter in ("cuda", "cpu") or (meter == "auto" and torch.cuda.is_available())
@@ -208,7 +207,7 @@ def run_probe(
     """The largest micro-batch of `recipe` that fits the budget, measured; from the cache when it is there."""
     import torch
 
-    from .meters import METERS as METER_TYPES
+    from .meters import make_meter
     from .tokens import token_search
     from .workload import Workload
 
@@ -219,14 +218,11 @@ def run_probe(
     workload = Workload(recipe, data)
     way = recipe.data.packing or default_packing(recipe) or "none"  # sorted: T searched in tokens
 
-    def make_meter(workload: Workload, cap: int | None = cap):
-        meter_type = METER_TYPES[kind]
-        if kind == "estimate":
-            return meter_type(workload, requested, options.headroom, gpu=gpu, cap=cap, sharding=sharding,
-                              world_size=world_size)
-        return meter_type(workload, requested, options.headroom, time_steps=options.time_steps, cap=cap)
+    def meter_of(workload: Workload, cap: int | None = cap):
+        sharded = {"sharding": sharding, "world_size": world_size} if kind == "estimate" else {}
+        return make_meter(kind, workload, requested, options.headroom, gpu, cap, options.time_steps, **sharded)
 
-    meter = make_meter(workload)
+    meter = meter_of(workload)
     if recipe.batch.sharding == "fsdp" and sharding == "none":
         meter.notes.append("batch.sharding fsdp with one process: nothing to shard over, so the whole step is probed")
     try:
@@ -236,9 +232,13 @@ def run_probe(
             "sharding": sharding, "world_size": world_size, "torch": torch.__version__, "reproduce": __version__,
             **({"packing": way} if way != "none" else {}),  # (packed rows, sorted's tokens: other trials)
         })
-        cached = _cached(key, recipe_path) if options.use_cache else None
-        if cached is not None:
-            return cached
+        saved = cache.load(key) if options.use_cache else None
+        if saved is not None:
+            saved.pop("format", None)
+            try:  # (another version wrote it: probe again)
+                return ProbeResult.model_validate({**saved, "recipe_path": recipe_path, "cached": True})
+            except ValueError:
+                pass
         found = search(meter.measure, meter.limit_bytes, cap, on_trial)
         does_not_fit = None
         if found.micro_batch_max is None:
@@ -247,43 +247,17 @@ def run_probe(
             does_not_fit = explain(meter, found.trials, world_size, gpu).to_json()
     finally:
         meter.close()
-    tokens = None
-    if way == "sorted" and token_budget_wanted(recipe, workload):
-        tokens = token_search(found, workload, lambda budgeted: make_meter(budgeted, cap=None))
+    fields: dict = {}  # sorted text (1-D tokens) without a data.token_budget of its own: T searched in tokens
+    if way == "sorted" and recipe.data.token_budget is None and workload.longest()[0].ndim == 1:
+        tokens = token_search(found, workload, lambda budgeted: meter_of(budgeted, cap=None))
+        trials = [ProbeTrial(**dataclasses.replace(t, micro_batch=budget).to_json()) for budget, t in tokens.trials]
+        fields = {"token_budget": tokens.budget, "token_step": tokens.step, "longest": tokens.longest,
+                  "token_trials": trials}  # (each token trial's micro_batch: its budget T)
     result = probe_result(found, meter, options.headroom, recipe.batch.sequence_length, recipe_path=recipe_path,
                           gpu=gpu.name if gpu else None, data=workload.description, world_size=world_size,
-                          sharding=sharding, does_not_fit=does_not_fit,
-                          **(token_fields(tokens) if tokens is not None else {}))
+                          sharding=sharding, does_not_fit=does_not_fit, **fields)
     cache.store(key, result.model_dump(mode="json", exclude={"recipe_path", "cached"}))
     return result
-
-
-def _cached(key: str, recipe_path: str | None) -> ProbeResult | None:
-    """The probe's saved result for `key`, None when there is none or another version wrote it (probe again)."""
-    saved = cache.load(key)
-    if saved is None:
-        return None
-    saved.pop("format", None)
-    try:
-        return ProbeResult.model_validate({**saved, "recipe_path": recipe_path, "cached": True})
-    except ValueError:
-        return None
-
-
-def token_budget_wanted(recipe: Recipe, workload) -> bool:
-    """Whether the probe searches T in tokens: `sorted` without a data.token_budget of the recipe's own, on token
-    sequences of one dimension (text)."""
-    if recipe.data.token_budget is not None:
-        return False
-    inputs = workload.longest()[0]
-    return inputs.ndim == 1
-
-
-def token_fields(tokens) -> dict:
-    """ProbeResult's token fields from a probe/tokens.TokenSearch (each trial's micro_batch: its budget T)."""
-    trials = [ProbeTrial(**dataclasses.replace(t, micro_batch=budget).to_json()) for budget, t in tokens.trials]
-    return {"token_budget": tokens.budget, "token_step": tokens.step, "longest": tokens.longest,
-            "token_trials": trials}
 
 
 def probe_line(result: ProbeResult) -> str:

@@ -107,17 +107,9 @@ def fit_line(trials: list[Measurement], limit_bytes: float) -> Line | None:
     return Line((first[0], second[0]), (first[1], second[1]))
 
 
-def safe_size(measured: Measurement, limit_bytes: float) -> int:
-    """The largest size the model guarantees to fit, from one measured size: peak(k) <= peak(b) * k / b."""
-    if not measured.peak_bytes:
-        return 2 * measured.micro_batch
-    return math.floor(limit_bytes * measured.micro_batch / measured.peak_bytes)
-
-
 def search(fits: Callable[[int], Measurement], limit_bytes: int, cap: int,
            on_trial: Callable[[Measurement], None] | None = None) -> SearchResult:
-    """The largest micro-batch in [1, cap] that `fits`, with every trial it took to know it (each shown to
-    `on_trial` as it is measured)."""
+    """The largest micro-batch in [1, cap] that `fits`, with every trial (each shown to `on_trial`)."""
     if cap < 1:
         raise ValueError(f"cap must be >= 1 (got {cap})")
     trials: list[Measurement] = []
@@ -152,7 +144,9 @@ def search(fits: Callable[[int], Measurement], limit_bytes: int, cap: int,
         if size is None and not failed:  # nothing failed yet: jump to the size known to be safe
             best = max((t for t in trials if t.fits), key=lambda t: t.micro_batch)
             flat = sum(t.peak_bytes == best.peak_bytes for t in trials) > 1  # still optimizer-bound: grow fast
-            size = max((FLAT_GROWTH if flat else 2) * lo, safe_size(best, limit_bytes))
+            b, p = best.micro_batch, best.peak_bytes
+            safe = math.floor(limit_bytes * b / p) if p else 2 * b  # the size known to fit: peak(k) <= p * k / b
+            size = max((FLAT_GROWTH if flat else 2) * lo, safe)
         elif size is None:  # the line is spent, or contradicts a measurement: bisect
             size = math.isqrt(max(lo, 1) * hi) if hi > 4 * max(lo, 1) else (lo + hi) // 2
         size = min(max(size, lo + 1), hi - 1)

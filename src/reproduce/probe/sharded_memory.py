@@ -175,8 +175,7 @@ def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_byte
 def smallest_world_size(step: StepMemory, blocks: Blocks, limit_bytes: int, compute_bytes: int,
                         reduce_bytes: int = 4, unsharded_window: bool = False, most: int = 1 << 16,
                         offload: bool = False) -> int | None:
-    """The fewest ranks (>= 2) whose sharded peak is at most `limit_bytes`, by bisection (the peak never grows with
-    the ranks); None when `most` ranks do not fit either."""
+    """The fewest ranks (>= 2) whose peak fits `limit_bytes`, by bisection; None when `most` do not fit."""
     def fits(world_size: int) -> bool:
         peak = sharded_peak(step, blocks, world_size, compute_bytes, reduce_bytes, unsharded_window, offload).peak
         return peak <= limit_bytes
@@ -195,8 +194,7 @@ def smallest_world_size(step: StepMemory, blocks: Blocks, limit_bytes: int, comp
 
 def unsharded_floor(step: StepMemory, blocks: Blocks, compute_bytes: int, reduce_bytes: int = 4,
                     unsharded_window: bool = False) -> int:
-    """What no number of ranks shards away: the buffers, the gathered units and the activations (and, with an
-    unreduced accumulation window, the whole model's gradients)."""
+    """What no number of ranks shards away (buffers, gathered units, activations; no_sync's gradients)."""
     window = blocks.with_gradients * reduce_bytes if unsharded_window else 0
     late = step.activations if step.activations_at_gradient_peak is None else step.activations_at_gradient_peak
     parameters = gathered_parameters(blocks, compute_bytes)

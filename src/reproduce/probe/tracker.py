@@ -97,10 +97,6 @@ class MemoryTracker(TorchDispatchMode):
         self.marked_live += size
         self.marked_most = max(self.marked_most, self.marked_live)
 
-    def category_of(self, value: torch.Tensor) -> str | None:
-        known = self._sizes.get(value.untyped_storage()._cdata) if value.layout == torch.strided else None
-        return known[1] if known else None
-
     def reset_peak(self) -> None:
         self.peak = -1
         self.most_by = {}
@@ -195,8 +191,10 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         before = self.live
         category = self.phase
-        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
-            if self.category_of(args[0]) in (WEIGHTS, WEIGHT_COPIES):  # autocast's compute copy of a weight
+        source = args[0] if func is torch.ops.aten._to_copy.default else None
+        if isinstance(source, torch.Tensor) and source.layout == torch.strided:
+            known = self._sizes.get(source.untyped_storage()._cdata)
+            if known and known[1] in (WEIGHTS, WEIGHT_COPIES):  # autocast's compute copy of a weight
                 category = WEIGHT_COPIES
         for value in tree_leaves(out):
             self._add(value, category)

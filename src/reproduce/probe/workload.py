@@ -188,8 +188,7 @@ class Workload:
         return max(sizes, key=sizes.get)
 
     def batch(self, micro_batch: int) -> tuple[Any, Any]:
-        """`micro_batch` items as (inputs, targets), on the CPU. With `data.packing: packed`, `micro_batch` rows of
-        the longest example as the run packs them (`packed_rows`)."""
+        """`micro_batch` items as (inputs, targets) on the CPU (packed: `packed_rows`)."""
         dataset = self.data.train
         if self.recipe.data.packing == "packed":
             return self.packed_rows(micro_batch)

@@ -90,8 +90,7 @@ def at_least(out: dict, gpu_hours: float) -> str:
 
 def over_budget_line(plan: Plan, out: dict, limit: float, ways: list[Way], fitting: list[Way],
                      prediction: dict) -> str:
-    """The refusal: the forecast against the budget, on what basis, and the cheapest way that fits or that none
-    does."""
+    """The refusal: the forecast against the budget, its basis, and the cheapest way that fits, or none."""
     budget = plan.recipe.budget
     assert budget is not None
     spent = f"{hours(out['gpu_hours'])} GPU-hours"

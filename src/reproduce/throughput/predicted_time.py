@@ -93,8 +93,7 @@ def gpu_hours(seconds: float | None, gpus: int | None) -> float | None:
 
 def _flops_model(entry, devices: int, key: str, samples: int | None, per_sample: float,
                 mfu: float) -> tuple[float | None, str, str, str | None]:
-    """The FLOPs model's time on `devices` x the catalog card `entry`: (seconds, its basis, the datasheet column,
-    why that column has no peak, or None when it has one)."""
+    """The FLOPs model on `devices` x `entry`: (seconds, basis, datasheet column, why it has no peak or None)."""
     on, peaks = on_card(key, entry.capability), peaks_of(entry.name)
     peak = peaks.flops(on) if peaks is not None else None
     shown = f"{peak / 1e12:g} TFLOP/s" if peak else "an unknown peak"

@@ -201,8 +201,7 @@ class Decision:
     cost: dict | None = None  # Timings.cost(): what choosing cost (measured basis)
 
     def as_choice(self, device: str | None, micro_batch_max: int, note: str = "") -> ThroughputChoice:
-        """The record a plan keeps of this decision (`Plan.throughput`): where the splits were timed (None: a
-        model), the maximum it chose under, and `note` after the reason."""
+        """`Plan.throughput`'s record: where the splits were timed (None: a model), and `note` after the reason."""
         return ThroughputChoice(
             micro_batch=self.micro_batch, accumulation_steps=self.accumulation_steps, basis=self.basis,
             noise=self.noise, exact_splits=self.splits, reason=self.reason + note,
