@@ -66,10 +66,8 @@ def loss_svg(train: list[tuple[float, float]], evals: list[tuple[float, float]])
                    f'<text x="{LEFT - 8}" y="{y(tick) + 4:.1f}" text-anchor="end">{tick:g}</text>')
     out.append(f'<text x="{LEFT + width / 2}" y="{HEIGHT - 10}" text-anchor="middle">optimizer step</text>')
     out.append(f'<text transform="translate(16 {TOP + height / 2}) rotate(-90)" text-anchor="middle">loss</text>')
-    for path in _paths(train, x, y):
-        out.append(f'<path d="{path}" fill="none" stroke="{TRAIN}" stroke-width="1.5"/>')
-    for path in _paths(evals, x, y):
-        out.append(f'<path d="{path}" fill="none" stroke="{EVAL}" stroke-width="1.5"/>')
+    for points, colour in ((train, TRAIN), (evals, EVAL)):
+        out += [f'<path d="{path}" fill="none" stroke="{colour}" stroke-width="1.5"/>' for path in _paths(points, x, y)]
     out += [f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="3" fill="{EVAL}"/>' for s, v in evals if math.isfinite(v)]
     legend = [("train loss", TRAIN)] + ([("eval loss", EVAL)] if evals else [])
     for row, (label, colour) in enumerate(legend):

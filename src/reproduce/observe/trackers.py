@@ -32,8 +32,8 @@ STATE = "trackers.json"
 LOG_TO_HELP = ("Also log each optimizer step to experiment trackers: a comma-separated list of tensorboard, wandb, "
                "mlflow (wandb offline without an API key, files in OUT/wandb; mlflow in OUT/mlflow unless "
                "MLFLOW_TRACKING_URI is set).")
-_MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
-_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny"}
+_PACKAGES = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),  # module, pip
+             "mlflow": ("mlflow", "mlflow-skinny")}
 
 
 def parse_log_to(values: list[str] | None, tensorboard: bool = False) -> list[str]:
@@ -47,9 +47,9 @@ def parse_log_to(values: list[str] | None, tensorboard: bool = False) -> list[st
     chosen = [name for name in TRACKERS if name in names or (tensorboard and name == "tensorboard")]
     for name in chosen:
         try:
-            importlib.import_module(_MODULES[name])
+            importlib.import_module(_PACKAGES[name][0])
         except ImportError:
-            raise UserError(f"`log_to` {name}: the {_PACKAGES[name]} package is not installed; install the extra: "
+            raise UserError(f"`log_to` {name}: the {_PACKAGES[name][1]} package is not installed; install the extra: "
                             f"pip install 'reproduce-large-batch[{name}]' (metrics.jsonl has the same numbers)"
                             ) from None
     return chosen
@@ -163,7 +163,6 @@ class Trackers:
         """(The run's notes are the renderer's to show.)"""
 
     def gate(self, event: dict) -> list[str]:
-        """A gate's outcome: an event to each tracker."""
         for tracker in list(self.trackers):
             self._call(tracker, tracker.event, event["step"], event, doing=f"gate {event['name']}")
         return self._lines()

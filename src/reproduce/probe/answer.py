@@ -104,7 +104,6 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
         ALLOWANCE: unseen, "optimizer step temporaries": step["step_temporaries"],
     }
     tensors = sum(parts["at_peak"].values())
-    notes = list(meter.notes)
     allowances: dict[str, int] = {}
     if meter_name == "estimate":
         allocated = tensors - paged
@@ -140,7 +139,7 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
         at_peak=dict(parts["at_peak"]), peak_stage=parts["peak_stage"], tensor_bytes=tensors,
         allocated_bytes=allocated, reserved_bytes=reserved, driver_bytes=driver, allowances=allowances,
         measured=what, budget_bytes=budget_bytes, limit_bytes=meter.limit_bytes if budget_bytes else None,
-        fits=decided <= meter.limit_bytes if budget_bytes else None, notes=notes,
+        fits=decided <= meter.limit_bytes if budget_bytes else None, notes=list(meter.notes),
     )
 
 

@@ -23,7 +23,6 @@ def cache_dir() -> Path:
 
 
 def cache_key(fields: dict) -> str:
-    """A stable digest of `fields` (JSON-serialisable values)."""
     text = json.dumps({"format": FORMAT, **fields}, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 

@@ -50,8 +50,6 @@ HOST_SHARE = 0.8  # the cpu meter allocates for real: budgets above this share o
 
 
 class Meter:
-    """`measure(micro_batch)`, the budget, and what the meter is (for the report)."""
-
     name = "meter"
     device = "cpu"
 

@@ -62,7 +62,6 @@ class Blocks:
 
     @classmethod
     def of(cls, parts: dict) -> Blocks:
-        """The blocks a trial's `parts` keep (meters.step_parts)."""
         kept = parts["blocks"]
         return cls(root=kept["root"], blocks=tuple(kept["sizes"]), trainable=kept.get("trainable"))
 

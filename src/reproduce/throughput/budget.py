@@ -184,15 +184,11 @@ def money_text(value: float, currency: str | None) -> str:
     return shown + (f" {currency}" if currency else "")
 
 
-def paper_forecast_cell(forecast: dict) -> str:
-    """The paper column's cost: the same model on the paper's own hardware, when stated."""
-    if forecast["paper_gpu_hours"] is None:
-        return ""
-    return f"{hours(forecast['paper_gpu_hours'])} GPU-hours ({forecast['paper_basis']})"
-
-
-def forecast_cell(forecast: dict) -> str:
-    """The plan table's `cost (forecast)` cell: GPU-hours on their basis, the money, the budget's verdict."""
+def forecast_cells(forecast: dict) -> tuple[str, str]:
+    """The plan table's `cost (forecast)` cells: the same model on the paper's own hardware, when stated; this
+    plan's GPU-hours on their basis, the money, the budget's verdict."""
+    paper = "" if forecast["paper_gpu_hours"] is None else (
+        f"{hours(forecast['paper_gpu_hours'])} GPU-hours ({forecast['paper_basis']})")
     if forecast["gpu_hours"] is None:
         text = "unknown (no predicted time: give --gpu NAME, or probe with --meter cuda or cpu)"
     else:
@@ -209,4 +205,4 @@ def forecast_cell(forecast: dict) -> str:
             + ([money_text(budget["money"], forecast["currency"])] if "money" in budget else []))
         verdict = {True: "within", False: "OVER", None: "not checked"}[forecast["within_budget"]]
         text += f"\nbudget {allowed}: {verdict}"
-    return text
+    return paper, text

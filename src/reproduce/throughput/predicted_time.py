@@ -87,7 +87,6 @@ def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assume
 
 
 def gpu_hours(seconds: float | None, gpus: int | None) -> float | None:
-    """GPUs x hours: what a run of `seconds` on `gpus` GPUs costs."""
     return seconds * gpus / 3600 if seconds is not None and gpus else None
 
 

@@ -184,7 +184,6 @@ def rates(micro_batch: int, step_seconds: float | None, sequence_length: int | N
 
 
 def exact_splits(per_rank_batch: int, cap: int) -> list[int]:
-    """The micro-batches m <= cap that divide the per-process batch, largest first."""
     return [m for m in range(min(cap, per_rank_batch), 0, -1) if per_rank_batch % m == 0]
 
 
