@@ -1,5 +1,4 @@
 """What a run leaves in its folder: the folder's guard (never overwrite another run), metrics.jsonl, the loss plot.
-
 No torch here: `reproduce check` reads metrics and plots without it."""
 
 from __future__ import annotations
@@ -90,8 +89,7 @@ class MetricsLog:
 
 
 def _restore(path: Path, kept: bytes) -> str | None:
-    """metrics.jsonl as it was at the checkpoint (`kept`): lines after it cut off; the file rewritten from `kept`
-    when it is missing, shorter or differs. Why it was rewritten, or None."""
+    """metrics.jsonl cut back to `kept`, or rewritten from it when missing, shorter or different; why, or None."""
     held = path.read_bytes() if path.exists() else None
     if held is not None and held.startswith(kept):
         if len(held) > len(kept):
@@ -108,8 +106,7 @@ def _restore(path: Path, kept: bytes) -> str | None:
 
 
 def _cut_back(path: Path, offset: int) -> str | None:
-    """Cut metrics.jsonl back to `offset` bytes when it is longer; a shorter file is never padded (truncate would
-    fill it with NUL bytes): its whole lines are kept."""
+    """metrics.jsonl cut back to `offset` bytes; a shorter one keeps its whole lines (truncate would pad NULs)."""
     size = path.stat().st_size if path.exists() else 0
     held = path.read_bytes() if size < offset else b""
     whole = held[: held.rfind(b"\n") + 1]

@@ -1,6 +1,5 @@
-"""The experiment trackers behind `reproduce run --log-to` (observe/trackers.Trackers sends them the run): one
-interface (`Tracker`: open, log, finish, close) and its three backends on the real libraries, TensorBoard, W&B and
-MLflow."""
+"""The experiment trackers behind `--log-to` (trackers.Trackers sends them the run): the `Tracker` interface and
+its backends on the real libraries, TensorBoard, W&B and MLflow."""
 
 from __future__ import annotations
 

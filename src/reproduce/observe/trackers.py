@@ -37,8 +37,7 @@ _PACKAGES = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb":
 
 
 def parse_log_to(values: list[str] | None, tensorboard: bool = False) -> list[str]:
-    """The trackers named by --log-to (repeatable, comma-separated) and --tensorboard, in a fixed order, each
-    package importable (else one line naming the extra to install, before anything trains)."""
+    """The trackers --log-to and --tensorboard name, in a fixed order, each importable (else the extra to install)."""
     names = [name.strip().lower() for value in values or [] for name in value.split(",") if name.strip()]
     unknown = [name for name in names if name not in TRACKERS]
     if unknown:

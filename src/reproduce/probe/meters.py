@@ -314,8 +314,7 @@ def step_parts(result: FakeStepResult, blocks: Blocks, window: bool, accumulates
 
 
 def fake_parts(meter: Meter, micro_batch: int) -> dict:
-    """The parts of a cpu or cuda meter's step, counted again on fake tensors (that meter counts no categories, and
-    stops at the budget), with this GPU's kernels on the cuda meter."""
+    """A cpu or cuda meter's step counted again by category on fake tensors (that meter stops at the budget)."""
     kind = GpuKind(torch.cuda.get_device_capability()) if meter.name == "cuda" else None
     info = meter.workload.data.info
     window = meter.window(micro_batch, torch.device("cpu"), torch.float32)
