@@ -1,26 +1,22 @@
 """The estimate's step made to allocate what a CUDA GPU allocates, on fake CPU tensors (fake CUDA tensors cannot
-run a backward without a GPU). Inside `as_on_gpu(gpu)` three CPU behaviours are replaced by CUDA's, each rule read
-from PyTorch's source:
+run a backward without a GPU). Inside `as_on_gpu(gpu)` three CPU behaviours follow CUDA's rules, read from PyTorch:
 
-1. **Attention.** CUDA's `scaled_dot_product_attention` picks a fused kernel (cuda/sdp_utils.cpp,
-   `select_sdp_backend`): flash on sm80 to sm121 for fp16/bf16 without an `attn_mask` and head dim <= 256, else
-   memory-efficient (sm50 to sm121; fp16/fp32, bf16 from sm80; masks allowed), else math. Fused kernels keep the
-   output and a B x H x S fp32 logsumexp, never the B x H x S x S scores; a CPU with dropout takes the math path
-   (fp32 scores, softmax and mask). Each call goes to the aten op CUDA would choose (their meta functions give the
-   fake outputs and gradients); cuDNN attention keeps flash's output and statistics and is counted as flash. What
-   the fused backward allocates inside itself is a workspace of that moment (`kernel_workspaces`; flash_api.cpp
-   `mha_bwd`, mem_eff_attention/kernel_backward.h).
-2. **Dropout.** On CUDA `native_dropout`'s mask is `bool`, 1 byte an element (Dropout.cpp,
-   `is_fused_kernel_acceptable`); a CPU keeps noise in the input's dtype. Routed to `native_dropout` (in-place
-   dropout is unfused on CUDA too, left as is).
-3. **Autocast.** CUDA autocast runs ~50 ops in fp32 (autocast_mode.h `AT_FORALL_FP32`: pow, exp, log, rsqrt, the
-   norms, the losses, ...) and gives softmax, sum, cumsum, prod and the norms an fp32 output
-   (`AT_FORALL_FP32_SET_OPT_DTYPE`); CPU autocast's lists are shorter. The CUDA policy is registered for the CPU
-   autocast key during the step, so GPT-2's tanh GELU keeps its fp32 `pow(x, 3)` here too.
+1. **Attention.** CUDA's SDPA picks (cuda/sdp_utils.cpp `select_sdp_backend`) flash on sm80 to sm121 for fp16/bf16
+   without an `attn_mask` and head dim <= 256, else memory-efficient (sm50 to sm121; fp16/fp32, bf16 from sm80;
+   masks allowed), else math. Fused kernels keep the output and a B x H x S fp32 logsumexp, never the B x H x S x S
+   scores (a CPU with dropout takes the math path). Each call goes to that kernel's aten op (whose meta function
+   gives the fake outputs); cuDNN attention keeps flash's outputs and is counted as flash. The fused backward's own
+   allocations are a workspace of that moment (`kernel_workspaces`; flash_api.cpp `mha_bwd`, kernel_backward.h).
+2. **Dropout.** CUDA's fused `native_dropout` keeps a `bool` mask, 1 byte an element (Dropout.cpp,
+   `is_fused_kernel_acceptable`); a CPU keeps noise in the input's dtype. In-place dropout is unfused on both.
+3. **Autocast.** CUDA runs ~50 ops in fp32 (autocast_mode.h `AT_FORALL_FP32`: pow, exp, log, the norms, the losses)
+   and gives softmax, sum, cumsum, prod and the norms an fp32 output (`AT_FORALL_FP32_SET_OPT_DTYPE`); CPU autocast's
+   lists are shorter. CUDA's policy is registered for the CPU autocast key during the step (GPT-2's tanh GELU keeps
+   its fp32 `pow(x, 3)`).
 
-What no rule sees is `UNSEEN_ACTIVATIONS`, an allowance on the activations. Left as a CPU does it (each makes the
-estimate larger, never smaller): ops CUDA casts down and a CPU does not (addmv, addr, mv, einsum, RNN cells), the
-math path where the GPU takes it too (bf16 before Ampere, unaligned head dims), CUDA's `promote` list.
+What no rule sees is `UNSEEN_ACTIVATIONS`. Left as a CPU does it (each makes the estimate larger, never smaller):
+ops CUDA casts down and a CPU does not (addmv, addr, mv, einsum, RNN cells), the math path where the GPU takes it
+too (bf16 before Ampere, unaligned head dims), CUDA's `promote` list.
 """
 
 from __future__ import annotations
