@@ -158,18 +158,16 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 def plot_metrics(metrics_path: Path, svg: Path) -> str:
     """The loss curve of metrics.jsonl as an SVG file (observe/loss_plot.py); returns its path."""
-    document = _loss_document(read_metrics(metrics_path))
+    document = loss_document(read_metrics(metrics_path))
     write_atomic(svg, lambda handle: handle.write(document.encode("utf-8")))
     return str(svg)
 
 
-def loss_document(metrics: bytes) -> str:
-    """The SVG `plot_metrics` writes for metrics.jsonl holding `metrics` (as a checkpoint keeps it: whole lines)."""
-    return _loss_document([json.loads(line) for line in metrics.decode("utf-8").split("\n") if line.strip()])
-
-
-def _loss_document(records: list[dict]) -> str:
-    records = [r for r in records if "loss" in r]  # not the out-of-memory event lines
+def loss_document(metrics: bytes | list[dict]) -> str:
+    """The SVG `plot_metrics` writes for metrics.jsonl's records (or its bytes, as a checkpoint keeps them)."""
+    if isinstance(metrics, bytes):
+        metrics = [json.loads(line) for line in metrics.decode("utf-8").split("\n") if line.strip()]
+    records = [r for r in metrics if "loss" in r]  # not the out-of-memory event lines
     train = [(r["step"], float(r["loss"])) for r in records]
     evals = [(r["step"], float(r["eval_loss"])) for r in records if r.get("eval_loss") is not None]
     return loss_svg(train, evals)
