@@ -1,19 +1,18 @@
 """Three ways to measure one trial, behind one interface: `meter.measure(micro_batch) -> Measurement`.
 
-A trial builds the recipe's model, optimizer and precision, runs a warm-up step (it allocates the optimizer state),
-then `MEASURED_STEPS` training steps of `ACCUMULATED` real-shape micro-batches each, as `run` builds them (the
-second's forward runs while the first's gradients are held, +1x the parameters); a size equal to the cap (N = 1) is
-measured alone. A run with N > 2 holds (N - 2) more micro-batches of inputs: small beside one's activations
-(bench/run_memory.py). Only `torch.OutOfMemoryError` counts as not fitting; the trial is freed before the next.
+A trial builds the recipe's model, optimizer and precision, runs a warm-up step (making the optimizer state), then
+`MEASURED_STEPS` steps of `ACCUMULATED` real-shape micro-batches, as `run` builds them (the second's forward runs
+while the first's gradients are held: +1x the parameters); at the cap (N = 1) one alone. N > 2 holds (N - 2) more
+inputs, small beside one's activations (bench/run_memory.py). Only `torch.OutOfMemoryError` fails a trial.
 
 - `cuda`: real trials; `max_memory_reserved` decides, `max_memory_allocated` is reported; a budget below the card's
   is enforced with `set_per_process_memory_fraction`, else it is `mem_get_info`'s free plus this process's reserve.
 - `cpu`: the same trials on the CPU, exact for the tensors (`MemoryTracker`, which enforces the budget); CI's.
-- `estimate`: the step on fake tensors as CUDA runs it (fake_step.py, gpu_like.py): no real memory, each trial runs
-  to its end. To the tracked tensors (with `gpu_like.UNSEEN_ACTIVATIONS`) it adds `ESTIMATE_MARGIN` of the peak
-  (allocator segments, fragmentation) and the cuBLAS/cuBLASLt workspaces (8 MiB + 1 to 32 MiB); the CUDA context is
-  outside the budget (hardware/catalog.py), fp16's GradScaler left out (a few scalars). Under `sharding="fsdp"` one
-  rank's peak comes from the parts (sharded_memory.py). `bench/gpu_check.py` sets it beside a card's measured peak.
+- `estimate`: the step on fake tensors as CUDA runs it (fake_step.py, gpu_like.py), each trial run to its end. To
+  the tracked tensors (with `UNSEEN_ACTIVATIONS`) it adds `ESTIMATE_MARGIN` of the peak (allocator segments,
+  fragmentation) and the cuBLAS/cuBLASLt workspaces (8 MiB + 1 to 32 MiB); the CUDA context is outside the budget
+  (hardware/catalog.py), fp16's GradScaler left out. Under FSDP one rank's peak comes from the parts
+  (sharded_memory.py). `bench/gpu_check.py` sets it beside a card's measured peak.
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
 """The fastest exact split: how the splits are timed, and which to take. Pure Python, no torch.
 
-Of the exact splits m x N x W (m <= the largest that fits), `throughput` takes the one whose whole optimizer step
-is shortest (each runs the same per-process batch). `time_splits` times them by a function that runs whole steps of
-a split (split_steps.py):
-1. a warm-up step of each split, largest first (never counted);
-2. `REPEATS` rounds (at least `MIN_REPEATS`), each split once a round in a rotated order, so a busy spell slows
-   every split alike; a repeat is one step, or the mean of several when a step is under `MIN_REPEAT_SECONDS`;
-3. each split's median and spread (`relative_spread`);
-4. the two fastest compared round by round (`paired`: the median of the rounds' ratios, cancelling the load common
-   to both, against twice its standard error, at least `NOISE_FLOOR`); within that noise they are re-timed
-   side by side for `RETIME_ROUNDS` rounds; still within it, the larger micro-batch is taken (fewer, larger
-   kernels; the optimizer step amortised over more samples).
-Choosing is bounded by `BUDGET_SECONDS` of timed steps: warm-ups stop at `WARM_UP_SHARE` of it, then the slowest
-splits are left out (never the largest) and the rounds cut to `MIN_REPEATS`; a smaller bound is exceeded, and the
-plan's `throughput.cost` says so.
+Of the exact splits m x N x W (m <= the largest that fits), `throughput` takes the one whose optimizer step is
+shortest (each runs the same per-process batch). `time_splits` times them by a function running whole steps
+(split_steps.py): (1) a warm-up step of each, largest first, never counted; (2) `REPEATS` rounds (at least
+`MIN_REPEATS`), each split once a round in a rotated order, so a busy spell slows all alike; a repeat is one step,
+or the mean of several when a step is under `MIN_REPEAT_SECONDS`; (3) each split's median and `relative_spread`;
+(4) the two fastest compared round by round (`paired`: the median of the rounds' ratios, cancelling the load both
+share, against twice its standard error, at least `NOISE_FLOOR`): within that noise they are re-timed side by side
+for `RETIME_ROUNDS` rounds, and still within it the larger micro-batch is taken (fewer, larger kernels; the
+optimizer step amortised over more samples). Choosing is bounded by `BUDGET_SECONDS` of timed steps: warm-ups stop
+at `WARM_UP_SHARE` of it, then the slowest splits are left out (never the largest) and the rounds cut to
+`MIN_REPEATS`; a smaller bound is exceeded, and the plan's `throughput.cost` says so.
 """
 
 from __future__ import annotations
