@@ -1,14 +1,12 @@
 """The run's loss against a target: its own start (divergence) and an earlier run of the same recipe (reference).
 
-Divergence: one warning line, with the step, when the loss is not finite or stays above its first value (optimizer
-step 1's, before any update) times `FACTOR` for `STEPS` steps in a row. The run goes on unless
-`--stop-on-divergence`; the watch's state is in the checkpoint, so a resume compares with the run's first loss.
-
-Reference: `--reference RUN_DIR` (or `reference.runs`): earlier runs of the recipe, at any micro-batch (the batch is
-exact, so the curves agree up to rounding). At each of their logged steps the metric is compared with their mean
-within a band (`reference.band`, absolute or `relative`, or `reference.spread` times the seed spread of two runs or
-more). The first step outside it is an event like a gate's (`name: reference`, `warn` or `pause`); summary.json's
-`reference` counts the steps compared and outside.
+Divergence: one warning line when the loss is not finite, or stays above `FACTOR` x its first value (step 1's,
+before any update) for `STEPS` steps in a row; the run goes on unless `--stop-on-divergence`. The watch is in the
+checkpoint, so a resume compares with the run's first loss. Reference: `--reference RUN_DIR` (or `reference.runs`),
+runs of the recipe at any micro-batch (the batch is exact, so curves agree up to rounding): at each of their logged
+steps the metric is compared with their mean within `reference.band` (absolute or `relative`) or `reference.spread`
+x their seed spread; the first step outside is an event like a gate's (`name: reference`, `warn` or `pause`), and
+summary.json's `reference` counts the steps compared and outside.
 """
 
 from __future__ import annotations

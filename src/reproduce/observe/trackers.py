@@ -1,18 +1,15 @@
 """`reproduce run --log-to tensorboard,wandb,mlflow`: the run in the experiment trackers researchers watch.
 
-One interface (`Tracker`: open, log, finish, close), three backends on the real libraries (tracker_backends.py),
-and one consumer of the run's start, records and end (`Trackers`) beside the CLI's renderer; neither calls the
-other, and the trainer does not know trackers exist.
-
-- The plan is the run's config and plan.yaml its artifact; every numeric field of each metrics.jsonl record is
-  logged at its optimizer step under its own name; summary.json, loss.svg and plots/*.png are artifacts at the end.
-- W&B runs offline unless WANDB_MODE says otherwise or an API key is set; its files go to RUN/wandb (`wandb sync`
-  uploads them later). MLflow logs to RUN/mlflow (SQLite and artifacts) unless MLFLOW_TRACKING_URI names another.
-- RUN/trackers.json keeps each tracker's run id and last logged step. A resumed run continues the same tracker run,
-  first catching up from metrics.jsonl, never logging a step twice: steps logged past the checkpoint keep their
-  values (a resume recomputes them bitwise equal); TensorBoard drops them instead (`purge_step`).
-- A tracker that fails gives one warning line and is dropped; metrics.jsonl stays the source of truth. A missing
-  package is a UserError naming the extra, raised by `parse_log_to` before anything trains.
+`Trackers` sends the run's start, records and end to each backend (tracker_backends.py), beside the CLI's renderer;
+neither calls the other, and the trainer does not know trackers exist. The plan is the run's config and plan.yaml
+its artifact; every numeric field of each metrics.jsonl record is logged at its step under its own name;
+summary.json, loss.svg and plots/*.png are artifacts at the end. W&B runs offline unless WANDB_MODE or an API key
+says otherwise (files in RUN/wandb, `wandb sync` uploads them); MLflow logs to RUN/mlflow (SQLite) unless
+MLFLOW_TRACKING_URI names another store. RUN/trackers.json keeps each tracker's run id and last step: a resume
+continues the same tracker run, catching up from metrics.jsonl and never logging a step twice (steps logged past the
+checkpoint keep their values, recomputed bitwise equal; TensorBoard drops them, `purge_step`). A failing tracker
+gives one warning and is dropped (metrics.jsonl stays the truth); a missing package is a UserError naming the extra,
+from `parse_log_to` before anything trains.
 """
 
 from __future__ import annotations
