@@ -1,18 +1,14 @@
 """What one rank holds when parameters, gradients and optimizer state are sharded (FSDP). No torch.
 
 From one unsharded step's `StepMemory`, under FSDP2 full_shard (ZeRO-3) over W ranks, per block, with a
-`MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in fp32), each rank holds:
-
-- its shard of the fp32 master weights and optimizer state, at most ceil(size / W) (FSDP2 splits each parameter
-  on dim 0 with `torch.chunk`); buffers whole;
-- the gradients, sharded once reduce-scattered; but within an accumulation window under `no_sync`
-  (`set_requires_gradient_sync(False)`, as `run` does) FSDP2 keeps every gradient unsharded in fp32
-  (`FSDPParam.to_accumulated_grad_if_needed`) until the last backward (`unsharded_window=True`);
-- what it gathers: the root's parameters (embeddings, final norm, head: forward to backward) and two blocks' in the
-  compute dtype (current and prefetched, PyTorch PR 128884), plus one unit's gradients and reduce-scatter input;
-- its micro-batch's activations as measured unsharded (less autocast's weight copies: gathered blocks are already
-  in the compute dtype), and in the optimizer step its shard of the step's temporaries (foreach on the shards).
-
+`MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in fp32), each rank holds: its
+shard of the fp32 master weights and optimizer state, at most ceil(size / W) (`torch.chunk` on dim 0; buffers
+whole); the gradients, sharded once reduce-scattered, but within an accumulation window under `no_sync` (as `run`
+does) every gradient unsharded in fp32 (`FSDPParam.to_accumulated_grad_if_needed`) until the last backward
+(`unsharded_window=True`); the root's parameters (embeddings, final norm, head: forward to backward) and two
+blocks' in the compute dtype (current and prefetched, PyTorch PR 128884), plus one unit's gradients and its
+reduce-scatter input; its micro-batch's activations as measured (less autocast's weight copies: gathered blocks are
+already in the compute dtype); and in the optimizer step its shard of the temporaries (foreach on the shards).
 The peak is the larger of forward/backward and the optimizer step; `smallest_world_size` finds the fewest ranks
 that fit a limit. `bench/fsdp_check.py` compares it with what FSDP2 allocates on one rank.
 """
