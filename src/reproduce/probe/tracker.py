@@ -2,16 +2,13 @@
 
 `MemoryTracker` is a `TorchDispatchMode`: each storage an operator returns is charged once, rounded up to 512 bytes
 (as CUDA's caching allocator rounds), and released when freed (`weakref.finalize`); `charge()` adds what existed
-before. `peak` is the most live since `reset_peak()`. Each storage has a category: the current `phase` (default
-`activations`), what `charge()` and `retag()` name (`weights`, `gradients`, `optimizer`), or `weight copies` for
-autocast's. `live_by` is each category's live bytes, `peak_by` their values at the peak (summing to `peak`),
-`most_by` the most per phase, `when_most` all of them when activations or gradients were at their most,
-`peak_stage` where the peak came, `marked_most` the most held by storages made while `marking` (logits, loss).
-
-The GPU rules (gpu_like.py) add `workspace(nbytes)` (a buffer an operator frees inside itself) and `allowance` (a
-share of the live activations, `ALLOWANCE` in `peak_by`): both in `peak`, never in `live` nor the budget. Over a
-budget an operator raises `torch.OutOfMemoryError`, as CUDA does. Memory outside tensors is not seen. On a CPU its
-peaks equal `torch.distributed._tools.mem_tracker.MemTracker`'s within 0.03%, at about twice its speed (PyTorch 2.13).
+before. `peak` is the most live since `reset_peak()`. A storage's category is the current `phase` (default
+`activations`), what `charge()` and `retag()` name, or `weight copies` for autocast's; `live_by`, `peak_by` (at the
+peak, summing to `peak`), `most_by` (per phase), `when_most` (all categories when activations or gradients were at
+their most), `peak_stage` and `marked_most` (storages made while `marking`: logits, loss) break it down. The GPU
+rules (gpu_like.py) add `workspace(nbytes)` and `allowance` (`ALLOWANCE` in `peak_by`), counted in `peak`, never in
+`live` nor the budget. Over a budget an operator raises `torch.OutOfMemoryError`, as CUDA does. On a CPU its peaks
+equal `torch.distributed._tools.mem_tracker.MemTracker`'s within 0.03%, at about twice its speed (PyTorch 2.13).
 """
 
 from __future__ import annotations
