@@ -21,7 +21,7 @@ from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
 from ..plan.segments import batch_phases
 from ..session import plan_and_probe, planned_data_size, recipe_for_plan
 from ..shipped import described
-from ..throughput.budget import check_price, forecast_cell, paper_forecast_cell
+from ..throughput.budget import check_price, forecast_cells
 from ..throughput.budget import forecast as budget_forecast
 from ..throughput.plan_cost import cost_lines, costs_json, plan_costs
 from ..throughput.predicted_time import DEFAULT_MFU, check_mfu, predict
@@ -264,7 +264,7 @@ def render_plan(p: Plan, forecast: dict | None = None) -> None:
     if p.batchnorm is not None:
         table.add_row("BatchNorm", *batchnorm_cells(p))
     if forecast is not None:
-        table.add_row("cost (forecast)", paper_forecast_cell(forecast), forecast_cell(forecast))
+        table.add_row("cost (forecast)", *forecast_cells(forecast))
     stdout.print(table)
     if p.weights is not None:
         stdout.print(p.weights.line(r.model.builtin or r.model.factory), markup=False, soft_wrap=True)

@@ -21,7 +21,7 @@ import torch
 from ..errors import UserError
 from ..plan.units import parse_size
 from ..probe.meters import ACCUMULATED, CpuMeter, CudaMeter
-from ..probe.runner import ProbeLine, ProbeResult, timed_trial
+from ..probe.runner import ProbeResult, probe_result
 from ..probe.search import Measurement, search
 from ..probe.tracker import MemoryTracker
 
@@ -142,14 +142,5 @@ def probe_step(step: Callable[[int], Any], *, cap: int, model: Any = None, optim
         found = search(chosen.measure, chosen.limit_bytes, cap, on_trial)
     finally:
         chosen.close()
-    best = found.chosen
-    return ProbeResult(
-        recipe_path=None, meter=chosen.name, device=chosen.device, gpu=None, data="the user's step",  # type: ignore
-        budget_bytes=chosen.budget_bytes, headroom=headroom, limit_bytes=chosen.limit_bytes, cap=cap, world_size=1,
-        micro_batch_max=found.micro_batch_max, peak_bytes=best.peak_bytes if best else None,
-        tensor_bytes=best.tensor_bytes if best else None, step_seconds=best.step_seconds if best else None,
-        trials=[timed_trial(t, None) for t in found.trials],
-        line=(ProbeLine(intercept_bytes=found.line.intercept, bytes_per_sample=found.line.slope,
-                        points=found.line.points) if found.line else None),
-        seconds=round(found.seconds, 3), torch_version=torch.__version__, notes=chosen.notes,
-    )
+    return probe_result(found, chosen, headroom, None, recipe_path=None, gpu=None, data="the user's step",
+                        world_size=1)

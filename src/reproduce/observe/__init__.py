@@ -1,4 +1,3 @@
-"""What a run measures and writes about itself as it runs: metrics.jsonl and the run folder's outputs
-(outputs.py, the loss plot loss_plot.py), each step's rates and MFU (rates.py), the gradient noise
-scale (noise.py), divergence and a reference run (reference.py) and the experiment trackers (trackers.py,
-tracker_backends.py). The loop (train/) calls it; of the loop it reads only the checkpoints' file prefix."""
+"""What a run measures and writes about itself: its folder's outputs and metrics.jsonl (outputs.py, loss_plot.py),
+rates and MFU (rates.py), the noise scale (noise.py), divergence and reference runs (reference.py), the experiment
+trackers (trackers.py, tracker_backends.py). The loop (train/) calls it; of the loop it reads only a file prefix."""

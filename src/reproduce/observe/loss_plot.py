@@ -1,9 +1,6 @@
-"""The run folder's loss curve, loss.svg: train loss per optimizer step and the eval loss, drawn as SVG text.
-
-Written at the end of every run, with nothing but the standard library: matplotlib (the `plots` extra) took about
-1 s of a 40-step digits run's 5 s to import and draw a PNG, a cost a hand-written loop does not pay, and
-`reproduce check` runs many such runs. A browser, an editor's preview or GitHub shows the file; the full figures
-(eval accuracy, LR, gradient norm, throughput, noise scale) are `reproduce report`'s, made with matplotlib.
+"""The run folder's loss.svg: train loss per optimizer step and the eval loss, drawn as SVG text at every run's end
+with the standard library only (matplotlib took ~1 s of a 5 s digits run; `check` runs many). `reproduce report`
+draws the full figures with matplotlib.
 """
 
 from __future__ import annotations
@@ -69,10 +66,8 @@ def loss_svg(train: list[tuple[float, float]], evals: list[tuple[float, float]])
                    f'<text x="{LEFT - 8}" y="{y(tick) + 4:.1f}" text-anchor="end">{tick:g}</text>')
     out.append(f'<text x="{LEFT + width / 2}" y="{HEIGHT - 10}" text-anchor="middle">optimizer step</text>')
     out.append(f'<text transform="translate(16 {TOP + height / 2}) rotate(-90)" text-anchor="middle">loss</text>')
-    for path in _paths(train, x, y):
-        out.append(f'<path d="{path}" fill="none" stroke="{TRAIN}" stroke-width="1.5"/>')
-    for path in _paths(evals, x, y):
-        out.append(f'<path d="{path}" fill="none" stroke="{EVAL}" stroke-width="1.5"/>')
+    for points, colour in ((train, TRAIN), (evals, EVAL)):
+        out += [f'<path d="{path}" fill="none" stroke="{colour}" stroke-width="1.5"/>' for path in _paths(points, x, y)]
     out += [f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="3" fill="{EVAL}"/>' for s, v in evals if math.isfinite(v)]
     legend = [("train loss", TRAIN)] + ([("eval loss", EVAL)] if evals else [])
     for row, (label, colour) in enumerate(legend):

@@ -1,5 +1,4 @@
 """What a run leaves in its folder: the folder's guard (never overwrite another run), metrics.jsonl, the loss plot.
-
 No torch here: `reproduce check` reads metrics and plots without it."""
 
 from __future__ import annotations
@@ -24,21 +23,16 @@ def check_out_dir(out: Path, resume: bool, force: bool) -> None:
         return
     if out.is_dir() and any(entry.name != LOCK_NAME and not TEMPORARY.match(entry.name) for entry in out.iterdir()) \
             and not force:  # (a dead writer's temporaries go when the run takes the lock: storage/lock.py)
-        raise UserError(f"{out} is not empty ({folder_holds(out)}); " + (
+        runs = [name for name in OUTPUTS if (out / name).exists()]
+        names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in out.iterdir()
+                       if entry.name != LOCK_NAME)
+        holds = (f"it holds another run: {', '.join(runs)}" if runs else f"it holds {', '.join(names[:3])}"
+                 + (f" and {len(names) - 3} more" if len(names) > 3 else "") + ", not a run of reproduce")
+        raise UserError(f"{out} is not empty ({holds}); " + (
             "pass `resume` to continue it, `force` to overwrite its outputs, or choose another folder"
-            if any((out / name).exists() for name in OUTPUTS) else
+            if runs else
             "choose another folder (`force` would keep these files and write the run's outputs beside them)"
         ), field="out")
-
-
-def folder_holds(out: Path) -> str:
-    """What a folder holds, in a few words: another run's outputs, or the names of what is there."""
-    runs = [name for name in OUTPUTS if (out / name).exists()]
-    if runs:
-        return f"it holds another run: {', '.join(runs)}"
-    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in out.iterdir() if entry.name != LOCK_NAME)
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return f"it holds {shown}, not a run of reproduce"
 
 
 # loss.png: the plot of runs before loss.svg, still another run's output here
@@ -55,12 +49,9 @@ def run_outputs(out: Path) -> list[str]:
 
 
 class MetricsLog:
-    """metrics.jsonl, appended and flushed once per optimizer step; written by rank 0 alone.
-
-    It keeps what it wrote (`kept`), which each checkpoint stores: a resume starts from the checkpoint's copy, so
-    a metrics.jsonl cut short, deleted or garbled after the checkpoint never blocks it. The file is cut back when
-    it is longer (lines written after the checkpoint), rewritten when it differs, and `repaired` says what was
-    wrong with it."""
+    """metrics.jsonl, appended and flushed once per optimizer step by rank 0. What it wrote (`kept`) goes into each
+    checkpoint, so a resume cuts back, or rewrites from that copy, a file cut short, deleted or garbled since
+    (`repaired` says what was wrong)."""
 
     def __init__(self, path: Path, kept: bytes | int | None, enabled: bool):
         """`kept`: metrics.jsonl at the checkpoint resumed from (or its length: `kept_metrics`; None: a new run)."""
@@ -98,8 +89,7 @@ class MetricsLog:
 
 
 def _restore(path: Path, kept: bytes) -> str | None:
-    """metrics.jsonl as it was at the checkpoint (`kept`): lines after it cut off; the file rewritten from `kept`
-    when it is missing, shorter or differs. Why it was rewritten, or None."""
+    """metrics.jsonl cut back to `kept`, or rewritten from it when missing, shorter or different; why, or None."""
     held = path.read_bytes() if path.exists() else None
     if held is not None and held.startswith(kept):
         if len(held) > len(kept):
@@ -116,8 +106,7 @@ def _restore(path: Path, kept: bytes) -> str | None:
 
 
 def _cut_back(path: Path, offset: int) -> str | None:
-    """Cut metrics.jsonl back to `offset` bytes when it is longer; a shorter file is never padded (truncate would
-    fill it with NUL bytes): its whole lines are kept."""
+    """metrics.jsonl cut back to `offset` bytes; a shorter one keeps its whole lines (truncate would pad NULs)."""
     size = path.stat().st_size if path.exists() else 0
     held = path.read_bytes() if size < offset else b""
     whole = held[: held.rfind(b"\n") + 1]
@@ -129,8 +118,7 @@ def _cut_back(path: Path, offset: int) -> str | None:
 
 
 def missing_final_outputs(out: Path, step: int) -> str | None:
-    """What of the end of a run at `step` is missing or damaged (summary.json, model.pt, adapter/, merged/,
-    the loss plot), or None when it is all there. summary.json is written last, so it names the others."""
+    """What of a run's end at `step` is missing or damaged, or None (summary.json, written last, names the rest)."""
     path = out / "summary.json"
     try:
         summary = json.loads(path.read_text(encoding="utf-8"))
@@ -170,18 +158,16 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 def plot_metrics(metrics_path: Path, svg: Path) -> str:
     """The loss curve of metrics.jsonl as an SVG file (observe/loss_plot.py); returns its path."""
-    document = _loss_document(read_metrics(metrics_path))
+    document = loss_document(read_metrics(metrics_path))
     write_atomic(svg, lambda handle: handle.write(document.encode("utf-8")))
     return str(svg)
 
 
-def loss_document(metrics: bytes) -> str:
-    """The SVG `plot_metrics` writes for metrics.jsonl holding `metrics` (as a checkpoint keeps it: whole lines)."""
-    return _loss_document([json.loads(line) for line in metrics.decode("utf-8").split("\n") if line.strip()])
-
-
-def _loss_document(records: list[dict]) -> str:
-    records = [r for r in records if "loss" in r]  # not the out-of-memory event lines
+def loss_document(metrics: bytes | list[dict]) -> str:
+    """The SVG `plot_metrics` writes for metrics.jsonl's records (or its bytes, as a checkpoint keeps them)."""
+    if isinstance(metrics, bytes):
+        metrics = [json.loads(line) for line in metrics.decode("utf-8").split("\n") if line.strip()]
+    records = [r for r in metrics if "loss" in r]  # not the out-of-memory event lines
     train = [(r["step"], float(r["loss"])) for r in records]
     evals = [(r["step"], float(r["eval_loss"])) for r in records if r.get("eval_loss") is not None]
     return loss_svg(train, evals)

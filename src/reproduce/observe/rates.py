@@ -1,10 +1,7 @@
-"""Each optimizer step's throughput for metrics.jsonl, and their medians for summary.json.
-
-Per step: `samples_per_second` (the window's samples over the step's wall time, data waits included),
-`tokens_per_second` (token batches: samples/s x the sequence length), `flops_per_second` (the model FLOPs of
-those samples, counted once, at the first step: probe/flops.py) and `mfu` (flops_per_second over the peak of every
-device of the run for its precision; null when the device's peak is unknown: a CPU, a GPU outside the catalog).
-The samples are the whole window's over every process, so the rates are the run's, not one device's.
+"""Each optimizer step's throughput for metrics.jsonl, and their medians for summary.json: `samples_per_second`
+(the whole window's samples over every process, over the step's wall time, data waits included),
+`tokens_per_second`, `flops_per_second` (model FLOPs counted once at the first step, probe/flops.py) and `mfu`
+(over every device's peak for the precision; null when unknown, as on a CPU).
 """
 
 from __future__ import annotations
@@ -19,8 +16,7 @@ from ..hardware.peaks import identify, on_card, peaks_of, precision_key
 
 
 def mfu(flops_per_second: float | None, devices: int, peak_flops: float | None) -> float | None:
-    """Model FLOP/s over the devices' peak (model FLOPs utilisation, Chowdhery et al. 2022, PaLM, appendix B); None
-    when either is unknown."""
+    """Model FLOP/s over the devices' peak (MFU, Chowdhery et al. 2022, appendix B); None when either is unknown."""
     if not flops_per_second or not peak_flops or devices < 1:
         return None
     return flops_per_second / (devices * peak_flops)

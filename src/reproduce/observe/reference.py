@@ -1,16 +1,12 @@
 """The run's loss against a target: its own start (divergence) and an earlier run of the same recipe (reference).
 
-Divergence: one warning line, with the step, when the loss leaves its starting value behind. A loss that is not
-finite diverged at once; a finite loss diverged when it stays above its first value (the loss of optimizer step 1,
-before any update) times `FACTOR` for `STEPS` optimizer steps in a row (a spike that comes back down sooner is not
-counted). The run goes on unless `reproduce run --stop-on-divergence`. The watch keeps its state in the checkpoint,
-so a resumed run compares with the first loss of the whole run.
-
-Reference: `--reference RUN_DIR` (or `reference.runs`) names earlier runs of the recipe, on any machine at any
-micro-batch (the effective batch is exact, so the curves agree up to rounding). At each of their logged steps the
-run's metric is compared with their mean within a band: `reference.band` (absolute, or `relative`), or
-`reference.spread` times the seed spread of two runs or more. The first step outside it is an event like a gate's
-(`name: reference`, `warn` or `pause`); summary.json's `reference` counts the steps compared and outside it.
+Divergence: one warning line when the loss is not finite, or stays above `FACTOR` x its first value (step 1's,
+before any update) for `STEPS` steps in a row; the run goes on unless `--stop-on-divergence`. The watch is in the
+checkpoint, so a resume compares with the run's first loss. Reference: `--reference RUN_DIR` (or `reference.runs`),
+runs of the recipe at any micro-batch (the batch is exact, so curves agree up to rounding): at each of their logged
+steps the metric is compared with their mean within `reference.band` (absolute or `relative`) or `reference.spread`
+x their seed spread; the first step outside is an event like a gate's (`name: reference`, `warn` or `pause`), and
+summary.json's `reference` counts the steps compared and outside.
 """
 
 from __future__ import annotations
@@ -28,27 +24,6 @@ from .outputs import read_metrics
 REFERENCE_GATE = "reference"
 
 
-def _curve(folder: Path, metric: str) -> dict[int, float]:
-    """A reference run's values of `metric` by optimizer step, from its metrics.jsonl."""
-    path = folder / "metrics.jsonl"
-    if not path.is_file():
-        raise UserError(f"{folder}: no metrics.jsonl (the folder of an earlier `reproduce run`)", field="reference")
-    return {int(r["step"]): float(r[metric]) for r in read_metrics(path)
-            if "event" not in r and isinstance(r.get(metric), (int, float)) and "step" in r}
-
-
-def _check_same_recipe(folder: Path, recipe: Recipe) -> None:
-    """The reference ran the same batch: its plan.yaml's effective batch is this recipe's."""
-    plan = folder / "plan.yaml"
-    if not plan.is_file():
-        raise UserError(f"{folder}: no plan.yaml (the folder of an earlier `reproduce run`)", field="reference")
-    saved = (yaml.safe_load(plan.read_text(encoding="utf-8")) or {}).get("recipe", {})
-    effective = saved.get("batch", {}).get("effective")
-    if effective != recipe.batch.effective:
-        raise UserError(f"{folder} ran effective batch {effective}, this recipe {recipe.batch.effective}: a reference "
-                        "is a run of the same recipe", field="reference")
-
-
 class ReferenceCurve:
     """The reference runs' curve, and this run's comparison with it so far."""
 
@@ -58,9 +33,20 @@ class ReferenceCurve:
                             "largest difference allowed) or two reference runs or more of other seeds")
         self.spec, self.runs = spec, runs
         curves = []
-        for run in runs:
-            _check_same_recipe(Path(run), recipe)
-            curves.append(_curve(Path(run), spec.metric))
+        for run in runs:  # each an earlier run of the same batch (its plan.yaml's), its metric by optimizer step
+            folder = Path(run)
+            if not (folder / "plan.yaml").is_file():
+                raise UserError(f"{folder}: no plan.yaml (the folder of an earlier `reproduce run`)", field="reference")
+            saved = (yaml.safe_load((folder / "plan.yaml").read_text(encoding="utf-8")) or {}).get("recipe", {})
+            effective = saved.get("batch", {}).get("effective")
+            if effective != recipe.batch.effective:
+                raise UserError(f"{folder} ran effective batch {effective}, this recipe {recipe.batch.effective}: a "
+                                "reference is a run of the same recipe", field="reference")
+            if not (folder / "metrics.jsonl").is_file():
+                raise UserError(f"{folder}: no metrics.jsonl (the folder of an earlier `reproduce run`)",
+                                field="reference")
+            curves.append({int(r["step"]): float(r[spec.metric]) for r in read_metrics(folder / "metrics.jsonl")
+                           if "event" not in r and isinstance(r.get(spec.metric), (int, float)) and "step" in r})
         common = sorted(set.intersection(*(set(curve) for curve in curves)))
         if not common:
             raise UserError(f"{', '.join(runs)}: no step logged {spec.metric} in every reference run",
@@ -123,8 +109,7 @@ class ReferenceCurve:
 
 
 def reference_curve(recipe: Recipe, runs: tuple[str, ...]) -> ReferenceCurve | None:
-    """The reference of a run: `runs` (`--reference`) or the recipe's `reference.runs`, compared as the recipe's
-    `reference:` says (its defaults without one); None without reference runs."""
+    """`runs` (`--reference`) or the recipe's `reference.runs`, compared as its `reference:` says; None without."""
     spec = recipe.reference or Reference()
     chosen = list(runs) or list(spec.runs)
     if not chosen:

@@ -1,6 +1,5 @@
-"""The experiment trackers behind `reproduce run --log-to` (observe/trackers.Trackers sends them the run): one
-interface (`Tracker`: open, log, finish, close) and its three backends on the real libraries, TensorBoard, W&B and
-MLflow."""
+"""The experiment trackers behind `--log-to` (trackers.Trackers sends them the run): the `Tracker` interface and
+its backends on the real libraries, TensorBoard, W&B and MLflow."""
 
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ class Tracker:
         raise NotImplementedError
 
     def finish(self, summary: dict, files: dict[str, Path]) -> None:
-        """The summary and the artifacts (name in the tracker's run -> local file), then the run is closed as
-        finished."""
+        """The summary and the artifacts (name in the tracker's run -> local file); the run closed as finished."""
         raise NotImplementedError
 
     def close(self, status: str) -> None:
@@ -89,12 +87,9 @@ class Tracker:
 
 
 class TensorboardTracker(Tracker):
-    """Scalars in OUT/tensorboard (`tensorboard --logdir OUT/tensorboard`), as `reproduce run --tensorboard` always
-    wrote them: `train/NAME` for each numeric field, `eval/NAME` for the `eval_*` ones.
-
-    Nothing is written to the folder before `open`, so the run's check that --out is empty still sees an empty
-    folder. A run resumed after step K opens with `purge_step=K+1`: TensorBoard drops the older events past the
-    checkpoint, as metrics.jsonl is truncated to it; a fresh run replaces earlier event files."""
+    """Scalars in OUT/tensorboard: `train/NAME` for each numeric field, `eval/NAME` for the `eval_*` ones. Nothing
+    is written before `open` (the --out check sees an empty folder); a run resumed after step K opens with
+    `purge_step=K+1`, dropping events past the checkpoint; a fresh run replaces earlier event files."""
 
     name = "tensorboard"
 
@@ -185,12 +180,8 @@ class WandbTracker(Tracker):
 
 
 class MlflowTracker(Tracker):
-    """An MLflow run: in OUT/mlflow (SQLite store, artifacts beside it) unless MLFLOW_TRACKING_URI is set.
-
-    MLflow 3 refuses its plain file store (`./mlruns`, in maintenance mode) unless MLFLOW_ALLOW_FILE_STORE is
-    set; a local SQLite file is the store it recommends, and still one folder under the run that moves with it.
-    The experiment is MLFLOW_EXPERIMENT_NAME, default the recipe's name.
-    """
+    """An MLflow run in OUT/mlflow (SQLite, MLflow 3's recommended store, artifacts beside it) unless
+    MLFLOW_TRACKING_URI is set; experiment MLFLOW_EXPERIMENT_NAME, default the recipe's name."""
 
     name = "mlflow"
     PARAMS_PER_CALL = 100  # MLflow's limit per log_batch
@@ -202,6 +193,7 @@ class MlflowTracker(Tracker):
         import logging
 
         from mlflow import MlflowClient
+        from mlflow.entities import Param
 
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # "Creating initial ... tables"
 
@@ -227,22 +219,16 @@ class MlflowTracker(Tracker):
                                      tags={"reproduce.out": str(out.absolute()), "paper": plan_config(plan)["paper"]
                                            or ""})
         self.run_id = run.info.run_id
-        self._params(plan)
-        self.client.log_artifact(self.run_id, str(out / "plan.yaml"))
-        return {"run_id": self.run_id, "tracking_uri": uri, "experiment_id": experiment_id}
-
-    def _params(self, plan) -> None:
-        from mlflow.entities import Param
-
         params = [Param(key, "" if value is None else str(value)[: self.PARAM_LENGTH])
                   for key, value in flatten(plan_config(plan)).items()]
         for start in range(0, len(params), self.PARAMS_PER_CALL):
             self.client.log_batch(self.run_id, params=params[start:start + self.PARAMS_PER_CALL])
+        self.client.log_artifact(self.run_id, str(out / "plan.yaml"))
+        return {"run_id": self.run_id, "tracking_uri": uri, "experiment_id": experiment_id}
 
     def log(self, step, values):
-        """Handed to MLflow's own background queue (synchronous=False): a store write (38 ms a step measured on
-        SQLite here, more on a busy disk or a remote server) does not hold up training. At most IN_FLIGHT steps
-        wait there; the oldest is waited for, which is when its failure, if any, is raised."""
+        """On MLflow's background queue (synchronous=False): a store write (38 ms a step on SQLite here) does not
+        hold up training. Past IN_FLIGHT steps the oldest is waited for, raising its failure if any."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)

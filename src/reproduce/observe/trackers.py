@@ -1,23 +1,15 @@
 """`reproduce run --log-to tensorboard,wandb,mlflow`: the run in the experiment trackers researchers watch.
 
-One interface (`Tracker`: open, log, finish, close), three backends on the real libraries (in
-observe/tracker_backends.py), and one consumer of the run's start, records and end (`Trackers`), beside the CLI's
-renderer (train/reporter.Reporters): neither calls the other, and the trainer does not know trackers exist:
-
-- the plan (paper, m x N x W, LR rule, schedule in steps, the whole recipe) is the run's config / params and
-  plan.yaml its artifact; every numeric field of each metrics.jsonl record is logged at its optimizer step,
-  under the record's own name (`loss`, `lr`, `eval_accuracy`, and whatever fields the trainer adds later);
-  summary.json, loss.svg and the curves `reproduce report` draws (plots/*.png) are artifacts at the end.
-- W&B runs offline unless WANDB_MODE says otherwise or an API key is set (WANDB_API_KEY or `wandb login`); its
-  files go to RUN/wandb (`wandb sync RUN/wandb/offline-run-*` uploads them later). MLflow logs to
-  RUN/mlflow (an SQLite store and the artifacts) unless MLFLOW_TRACKING_URI names another store or server.
-- RUN/trackers.json keeps each tracker's run id and the last step it logged. A resumed run continues the same
-  tracker run (W&B `resume`, the MLflow run id), first catching up from metrics.jsonl on the steps the tracker
-  missed and never logging a step twice: steps a tracker logged past the checkpoint keep the values it got
-  then (a resumed run recomputes them bitwise equal); TensorBoard drops them instead (`purge_step`).
-- A tracker that fails (disk full, a server gone) gives one warning line and is dropped: the run goes on, and
-  metrics.jsonl stays the source of truth. A missing package is a UserError naming the extra, raised by
-  `parse_log_to` before anything trains.
+`Trackers` sends the run's start, records and end to each backend (tracker_backends.py), beside the CLI's renderer;
+neither calls the other, and the trainer does not know trackers exist. The plan is the run's config and plan.yaml
+its artifact; every numeric field of each metrics.jsonl record is logged at its step under its own name;
+summary.json, loss.svg and plots/*.png are artifacts at the end. W&B runs offline unless WANDB_MODE or an API key
+says otherwise (files in RUN/wandb, `wandb sync` uploads them); MLflow logs to RUN/mlflow (SQLite) unless
+MLFLOW_TRACKING_URI names another store. RUN/trackers.json keeps each tracker's run id and last step: a resume
+continues the same tracker run, catching up from metrics.jsonl and never logging a step twice (steps logged past the
+checkpoint keep their values, recomputed bitwise equal; TensorBoard drops them, `purge_step`). A failing tracker
+gives one warning and is dropped (metrics.jsonl stays the truth); a missing package is a UserError naming the extra,
+from `parse_log_to` before anything trains.
 """
 
 from __future__ import annotations
@@ -37,13 +29,12 @@ STATE = "trackers.json"
 LOG_TO_HELP = ("Also log each optimizer step to experiment trackers: a comma-separated list of tensorboard, wandb, "
                "mlflow (wandb offline without an API key, files in OUT/wandb; mlflow in OUT/mlflow unless "
                "MLFLOW_TRACKING_URI is set).")
-_MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
-_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny"}
+_PACKAGES = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),  # module, pip
+             "mlflow": ("mlflow", "mlflow-skinny")}
 
 
 def parse_log_to(values: list[str] | None, tensorboard: bool = False) -> list[str]:
-    """The trackers named by --log-to (repeatable, comma-separated) and --tensorboard, in a fixed order, each
-    package importable (else one line naming the extra to install, before anything trains)."""
+    """The trackers --log-to and --tensorboard name, in a fixed order, each importable (else the extra to install)."""
     names = [name.strip().lower() for value in values or [] for name in value.split(",") if name.strip()]
     unknown = [name for name in names if name not in TRACKERS]
     if unknown:
@@ -52,17 +43,16 @@ def parse_log_to(values: list[str] | None, tensorboard: bool = False) -> list[st
     chosen = [name for name in TRACKERS if name in names or (tensorboard and name == "tensorboard")]
     for name in chosen:
         try:
-            importlib.import_module(_MODULES[name])
+            importlib.import_module(_PACKAGES[name][0])
         except ImportError:
-            raise UserError(f"`log_to` {name}: the {_PACKAGES[name]} package is not installed; install the extra: "
+            raise UserError(f"`log_to` {name}: the {_PACKAGES[name][1]} package is not installed; install the extra: "
                             f"pip install 'reproduce-large-batch[{name}]' (metrics.jsonl has the same numbers)"
                             ) from None
     return chosen
 
 
 def numeric(record: dict) -> dict[str, float]:
-    """The numeric fields of a metrics record other than `step` (booleans as 0/1, a non-finite loss as it is;
-    None and text left out)."""
+    """A metrics record's numeric fields but `step` (booleans as 0/1, a non-finite loss as it is)."""
     return {key: float(value) for key, value in record.items()
             if key != "step" and isinstance(value, (int, float))}
 
@@ -76,12 +66,8 @@ def step_of(record: dict) -> int | None:
 
 
 class Trackers:
-    """The run's start, step records, gates and end sent to each tracker. Each method returns the lines to show
-    (a tracker's failure, where its run lies), which `Reporters` hands to the other consumers.
-
-    Use it as a context manager around `train`: a run that stops early (an error, a signal) closes its tracker
-    runs as failed or killed instead of leaving them running.
-    """
+    """The run's start, records, gates and end sent to each tracker; each method returns the lines to show. As a
+    context manager around `train`, a run stopped early closes its tracker runs as failed or killed."""
 
     def __init__(self, names: list[str], out: str | Path, backends: dict | None = None):
         self.out = Path(out)
@@ -173,14 +159,12 @@ class Trackers:
         """(The run's notes are the renderer's to show.)"""
 
     def gate(self, event: dict) -> list[str]:
-        """A gate's outcome: an event to each tracker."""
         for tracker in list(self.trackers):
             self._call(tracker, tracker.event, event["step"], event, doing=f"gate {event['name']}")
         return self._lines()
 
     def _plots(self, folder: Path) -> dict[str, Path]:
-        """The report's curves of this run (`reproduce report`: loss, evaluation metrics, learning rate, gradient
-        norm, throughput, noise scale) as artifacts `plots/NAME.png`; none without matplotlib."""
+        """`reproduce report`'s curves of this run as artifacts `plots/NAME.png`; none without matplotlib."""
         from ..report.figures import figures, matplotlib_missing
         from ..report.runs import load_run
 
@@ -194,8 +178,7 @@ class Trackers:
         return made
 
     def finish(self, end) -> list[str]:
-        """Each tracker's run finished with the summary (`end`: train/reporter.RunEnd) and the run's files; where
-        the runs lie."""
+        """Each tracker's run finished with the summary and the run's files (`end`: a RunEnd); where they lie."""
         summary = end.summary
         files = {name: self.out / name for name in ("plan.yaml", "summary.json", "loss.svg")
                  if (self.out / name).is_file()}

@@ -1,18 +1,12 @@
 """When not even micro-batch 1 fits: what that step needs, and what would make it fit, computed.
 
-`explain(meter, trials, world_size, gpu)` starts from the trial of micro-batch 1 that failed: the estimate meter
-ran it to its end, counted by category; the cpu and cuda meters stop at the budget, so the same step is counted
-again on fake tensors (meters.fake_parts) to split it.
-
-The ways out, each computed for micro-batch 1 on the same budget and meter rules (a change to the recipe is a new
-trial of the changed recipe: what the probe would then find):
-- FSDP over the fewest processes that fit (`smallest_world_size` on the measured parts), or why none can;
-- LoRA (Hu et al. 2021, peft's defaults for the architecture), only for a recipe that fine-tunes pretrained weights
-  (`model.pretrained`, or a Hugging Face checkpoint, `model.hf`): a pre-training recipe is not offered it;
-- weights stored in bf16 (`model.dtype: bf16`) when they are fp32; both together when neither alone fits;
-- a quantised frozen base under LoRA (`model.quantize: int8`, then `nf4`: 1 byte or about half a byte a frozen
-  weight, bitsandbytes' layers as Alpaca-LoRA and QLoRA train), for a recipe that fine-tunes;
-- the memory knobs (probe/memory_ways.py).
+`explain` starts from the failed trial of micro-batch 1 (the estimate meter's, counted by category; the cpu and
+cuda meters stop at the budget, so the step is counted again on fake tensors, `meters.fake_parts`). Each way out is
+computed for micro-batch 1 on the same budget and meter (a recipe change is a new trial of the changed recipe): FSDP
+over the fewest processes that fit (`smallest_world_size`); LoRA (Hu et al. 2021, peft's defaults) for a recipe
+that fine-tunes (`model.pretrained` or `model.hf`); bf16 weights when they are fp32, and both; a quantised frozen
+base under LoRA (int8, then nf4, bitsandbytes' layers as Alpaca-LoRA and QLoRA train); the memory knobs
+(memory_ways.py).
 """
 
 from __future__ import annotations
@@ -125,16 +119,11 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
     ways = memory_ways_out(meter, gpu, first, step, blocks, compute, decide, tensor_limit,
                            activations=parts["step"]["activations"])
     explanation.ways_out.extend(ways)
-    explanation.ways_out.extend(_recipe_ways_out(meter, gpu, extra=_best_memory_change(ways)))
+    fits = any(way.fits for way in ways)  # when no memory knob alone fits, the most of them join the recipe's ways
+    changes = [way.changes for way in ways if way.changes and not fits]
+    extra = max(changes, key=lambda change: sum(len(value) for value in change.values())) if changes else None
+    explanation.ways_out.extend(_recipe_ways_out(meter, gpu, extra=extra))
     return explanation
-
-
-def _best_memory_change(ways: list[WayOut]) -> dict | None:
-    """The memory knobs to add to the recipe's own ways out when no way out alone fits (None when one does)."""
-    if any(way.fits for way in ways):
-        return None
-    changes = [way.changes for way in ways if way.changes]
-    return max(changes, key=lambda change: sum(len(value) for value in change.values())) if changes else None
 
 
 def _fsdp_way_out(step: StepMemory, blocks: Blocks, compute: int, tensor_limit: int, decide: Any,
@@ -200,8 +189,7 @@ QUANTIZED = {"int8": "1 byte a frozen weight and an fp32 scale a row: LLM.int8()
 
 
 def _quantized_ways_out(meter: Any, gpu: Any, lora: dict) -> list[WayOut]:
-    """`model.quantize: int8`, then nf4 if int8 does not fit (nf4 alone for an int8 recipe), with LoRA (the recipe's,
-    else `lora`), for a recipe that fine-tunes."""
+    """`model.quantize: int8`, then nf4 (nf4 alone for an int8 recipe), with the recipe's LoRA or `lora`."""
     recipe = meter.workload.recipe
     kinds = list(QUANTIZED_BASES)
     smaller = kinds[kinds.index(recipe.model.quantize) + 1:] if recipe.model.quantize else kinds

@@ -1,22 +1,18 @@
 """How much memory one training step needs at micro-batch N: what `reproduce memory` answers.
 
-The step is the probe's trial (probe/meters.py), counted on fake tensors by category (probe/fake_step.py) with the
-target GPU's kernels (estimate meter), or run for real on the CPU or this GPU (cpu, cuda: their count is the answer,
-which the fake step only splits).
-
-The three figures people compare, and what separates them:
-- allocated (`torch.cuda.max_memory_allocated`): the tensors live at the peak, each rounded to 512 bytes;
-- reserved (`max_memory_reserved`): what the caching allocator holds, segments and fragmentation included; the
-  estimate adds its margin (5%) and the cuBLAS/cuBLASLt workspaces to the tensors (meters.EstimateMeter.decided);
-- driver (`nvidia-smi`, `mem_get_info`): reserved plus the CUDA context and kernels (`catalog.CONTEXT_BYTES`,
-  512 MiB, or the context measured on this GPU) plus what lives outside PyTorch's allocator: bitsandbytes' paged
-  optimizer state (CUDA unified memory), which neither allocated nor reserved counts.
+The step is the probe's trial, counted on fake tensors by category with the target GPU's kernels (estimate), or run
+for real on the CPU or this GPU (cpu, cuda: their count is the answer, which the fake step only splits). The three
+figures people compare:
+- allocated (`max_memory_allocated`): the live tensors at the peak, each rounded to 512 bytes;
+- reserved (`max_memory_reserved`): what the caching allocator holds; the estimate adds its 5% margin and the
+  cuBLAS/cuBLASLt workspaces (`EstimateMeter.decided`);
+- driver (`nvidia-smi`, `mem_get_info`): reserved + the CUDA context (`catalog.CONTEXT_BYTES`, 512 MiB, or measured
+  here) + what lives outside PyTorch's allocator (bitsandbytes' paged optimizer state, in unified memory).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import torch
 
@@ -25,7 +21,7 @@ from ..hardware.catalog import CONTEXT_BYTES
 from ..models import build_model
 from ..plan.recipe import Recipe
 from ..plan.units import available_host_memory, format_count
-from .meters import METERS, fake_parts
+from .meters import fake_parts, make_meter
 from .runner import ProbeOptions, resolve_budget
 from .tracker import ALLOWANCE
 from .workload import Workload, declared_inputs, synthetic_data
@@ -90,7 +86,10 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
         raise UserError("fsdp: `reproduce memory` answers for one whole process; use reproduce probe `sharding` fsdp "
                         "`world_size` W for one rank's share", field="batch.sharding")
     workload = Workload(recipe, synthetic_data(recipe) if sequence_length else None).prepare()
-    meter = _meter(meter_name, workload, budget, options.headroom, gpu, recipe.batch.sequences)
+    limit = budget  # without a budget: the estimate unbounded, half the free memory on the cpu meter
+    if meter_name != "cuda":
+        limit = budget or (UNBOUNDED if meter_name == "estimate" else int(0.5 * (available_host_memory() or 2**34)))
+    meter = make_meter(meter_name, workload, limit, options.headroom, gpu, recipe.batch.sequences, time_steps=False)
     try:
         measured = meter.measure(micro_batch)
     finally:
@@ -105,7 +104,6 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
         ALLOWANCE: unseen, "optimizer step temporaries": step["step_temporaries"],
     }
     tensors = sum(parts["at_peak"].values())
-    notes = list(meter.notes)
     allowances: dict[str, int] = {}
     if meter_name == "estimate":
         allocated = tensors - paged
@@ -141,19 +139,8 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
         at_peak=dict(parts["at_peak"]), peak_stage=parts["peak_stage"], tensor_bytes=tensors,
         allocated_bytes=allocated, reserved_bytes=reserved, driver_bytes=driver, allowances=allowances,
         measured=what, budget_bytes=budget_bytes, limit_bytes=meter.limit_bytes if budget_bytes else None,
-        fits=decided <= meter.limit_bytes if budget_bytes else None, notes=notes,
+        fits=decided <= meter.limit_bytes if budget_bytes else None, notes=list(meter.notes),
     )
-
-
-def _meter(name: str, workload: Workload, budget: int | None, headroom: float, gpu: Any, cap: int) -> Any:
-    """The meter `memory_at` measures one step with: estimate, cpu (half the free memory unless a budget is given)
-    or cuda, none of them timing the step."""
-    if name == "estimate":
-        return METERS["estimate"](workload, budget or UNBOUNDED, headroom, gpu=gpu, cap=cap)
-    if name == "cpu":
-        available = available_host_memory()
-        return METERS["cpu"](workload, budget or int(0.5 * (available or 2**34)), headroom, time_steps=False, cap=cap)
-    return METERS["cuda"](workload, budget, headroom, time_steps=False, cap=cap)
 
 
 def weights_form(recipe: Recipe, workload: Workload) -> str:

@@ -1,9 +1,6 @@
-"""The probe's cache: one JSON file per (recipe, model, dtype, device, budget, torch version, ...). No torch.
-
-So `reproduce run` after `reproduce plan` does not probe again. The folder is `$REPRODUCE_CACHE_DIR`, or
-`~/.cache/reproduce/probe`. A cache that cannot be read or written is skipped, never an error: it only
-saves time. A recipe whose model is the user's own factory is keyed by the recipe, not by the code;
-after editing that code, probe with `--no-cache`.
+"""The probe's cache, so `run` after `plan` does not probe again: one JSON file per (recipe, device, budget, torch
+version, ...) in `$REPRODUCE_CACHE_DIR` or `~/.cache/reproduce/probe`. No torch. A cache that cannot be read or
+written is skipped. A user's model factory is keyed by the recipe, not its code: after editing it, `--no-cache`.
 """
 
 from __future__ import annotations
@@ -26,14 +23,12 @@ def cache_dir() -> Path:
 
 
 def cache_key(fields: dict) -> str:
-    """A stable digest of `fields` (JSON-serialisable values)."""
     text = json.dumps({"format": FORMAT, **fields}, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
 def library_versions() -> dict[str, str | None]:
-    """The versions of the libraries that define the models, for a key (read from their metadata: nothing is
-    imported; None for one not installed)."""
+    """The versions of the libraries that define the models, from their metadata (None: not installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     found: dict[str, str | None] = {}

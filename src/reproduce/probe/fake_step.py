@@ -1,13 +1,11 @@
 """One training step on fake tensors, its memory counted by category: what the estimate meter measures.
 
-The model is built on `meta` and materialised inside `FakeTensorMode` (no real memory); the optimizer is the
-recipe's own with its `optimizer.implementation`, else `foreach=True` with a GPU's rules (what a GPU run uses; fake
-tensors would not choose it). The step is the trainer's (a window of micro-batches, forward and backward under the
-recipe's precision, clipping, the optimizer step, `zero_grad(set_to_none=True)`), after a warm-up step that creates
-the optimizer state. With a `GpuKind` it runs as CUDA does on that GPU (gpu_like.py), with the attention backward's
-workspaces and `gpu_like.UNSEEN_ACTIVATIONS` on the activations (`tracker.ALLOWANCE` in `at_peak`); without one as
-the CPU does (the count then equals real CPU tensors). `StepMemory` keeps the most each category held (weights,
-autocast's copies, gradients, optimizer state, activations, step temporaries); `at_peak` what each held at the peak.
+The model is built on `meta` and materialised in `FakeTensorMode`; the optimizer is the recipe's
+(`optimizer.implementation`, else `foreach=True` as on a GPU). The step is the trainer's (a window of micro-batches,
+precision, clipping, optimizer step, `zero_grad(set_to_none=True)`) after a warm-up step that makes the optimizer
+state. With a `GpuKind` it runs as CUDA would (gpu_like.py, with `UNSEEN_ACTIVATIONS`: `tracker.ALLOWANCE` in
+`at_peak`); without, as the CPU does (equal to real CPU tensors). `StepMemory` keeps the most each category held,
+`at_peak` what each held at the peak.
 """
 
 from __future__ import annotations
@@ -155,14 +153,9 @@ def optimizer_kernels(optimizer: torch.optim.Optimizer) -> str:
 
 @contextlib.contextmanager
 def unpacked_sequences() -> Iterator[None]:
-    """Let Hugging Face models see that the probe's sequences are not packed, as they would on real tensors.
-
-    Given no attention mask, transformers (masking_utils) reads the position ids to tell whether a row packs
-    several sequences; with one per row it passes no mask and `is_causal=True` to SDPA (flash on CUDA). Fake tensors
-    have no values, so it would assume packing and build a B x S x S mask. Only `data.packing: packed` micro-batches
-    pack (`run_fake_step` leaves those to transformers); every other row is one sample, answered here as real
-    tensors would be.
-    """
+    """Let Hugging Face models see that the probe's rows are not packed: without a mask, transformers
+    (masking_utils) reads the position ids, which fake tensors lack, and would build a B x S x S mask instead of
+    passing `is_causal=True` to SDPA. Only `data.packing: packed` rows pack (left to transformers)."""
     masking_utils = sys.modules.get("transformers.masking_utils")  # loaded by any Hugging Face model
     if masking_utils is None or not hasattr(masking_utils, "find_packed_sequence_indices"):
         yield
@@ -191,7 +184,7 @@ def block_sizes(model: nn.Module) -> tuple[int, tuple[int, ...]]:
 
 
 def fake_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, window: list, precision: str,
-              clip: float | None, tracker: MemoryTracker | None = None) -> None:
+              clip: float | None, tracker: MemoryTracker) -> None:
     """The trainer's step (`optimizer_step`) without what fake tensors cannot do (read values)."""
     count = sum(len(target) for _, target in window)
     if getattr(loss_fn, "window", None) is not None:  # a loss of several counted terms (BERT): fake tensors hold no
@@ -202,21 +195,17 @@ def fake_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, 
             autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
         with autocast:
             output = model(inputs)
-            if tracker is not None:  # the logits and what the loss computes from them, counted apart too
-                tracker.mark([output])
-                tracker.marking = True
+            tracker.mark([output])  # the logits and what the loss computes from them, counted apart too
+            tracker.marking = True
             loss = loss_fn(output, target) / max(1, count)
-            if tracker is not None:
-                tracker.marking = False
+            tracker.marking = False
             output = None
         loss.backward()
-    if tracker is not None:
-        tracker.phase = STEP
+    tracker.phase = STEP
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if tracker is not None:
-        tracker.phase = ACTIVATIONS
+    tracker.phase = ACTIVATIONS
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:

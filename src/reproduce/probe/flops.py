@@ -1,11 +1,10 @@
-"""The model FLOPs of one training sample, counted once: `torch.utils.flop_counter.FlopCounterMode` on fake tensors.
+"""The model FLOPs of one training sample: `torch.utils.flop_counter.FlopCounterMode` on fake tensors (no GPU).
 
-The model is built on `meta` and materialised inside `FakeTensorMode` (probe/fake_step.py): nothing is allocated,
-no GPU is needed. PyTorch's counter counts one forward and backward pass's matrix products, convolutions and fused
-attention kernels (2 FLOPs per multiply-add): the "model FLOPs" of MFU (PaLM, Chowdhery et al. 2022, appendix B),
-without elementwise ops, the optimizer step or recomputation. Attention runs as CUDA runs it (probe/gpu_like.py),
-and a causal kernel counts its whole S x S product, as the PaLM formula does. FLOPs are linear in the micro-batch,
-so one count per sample holds for every split; variable-length text counts its longest item (an upper bound).
+One forward and backward pass's matrix products, convolutions and fused attention (2 FLOPs per multiply-add): the
+"model FLOPs" of MFU (PaLM, Chowdhery et al. 2022, appendix B), without elementwise ops, the optimizer or
+recomputation. Attention runs as on CUDA (gpu_like.py); a causal kernel counts its whole S x S product, as PaLM's
+formula does. FLOPs are linear in the micro-batch, so one count per sample serves every split; variable-length text
+counts its longest item (an upper bound).
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ class SampleFlops:
 
 def count_flops(recipe, data_info: dict | None, batch: tuple, capability: tuple[int, int] | None = None
                 ) -> SampleFlops:
-    """FLOPs of one forward and backward pass of `batch` (inputs, targets: real CPU tensors of one sample's shape),
-    per sample. `capability`: the GPU whose attention kernel is counted (default Ampere's)."""
+    """FLOPs per sample of a forward and backward of `batch` on `capability`'s attention kernel (default Ampere)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 

@@ -1,37 +1,22 @@
-"""The estimate's training step made to allocate what a CUDA GPU allocates, on fake CPU tensors (fake CUDA tensors
-cannot run a backward pass without a GPU). Three things a CPU does differently from CUDA change what the step holds;
-inside `as_on_gpu(gpu)` the fake step does what CUDA does instead (each rule read from PyTorch's source, named):
+"""The estimate's step made to allocate what a CUDA GPU allocates, on fake CPU tensors (fake CUDA tensors cannot
+run a backward without a GPU). Inside `as_on_gpu(gpu)` three CPU behaviours follow CUDA's rules, read from PyTorch:
 
-1. **Attention.** `F.scaled_dot_product_attention` on CUDA picks a fused kernel
-   (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, `select_sdp_backend`): flash attention on
-   sm80 to sm121 for fp16/bf16 inputs without an `attn_mask` and head dim <= 256; else the
-   memory-efficient kernel (sm50 to sm121; fp16/fp32, and bf16 from sm80; masks allowed); else the
-   math path. The fused kernels keep only the output and a B x H x S fp32 logsumexp for the backward,
-   never the B x H x S x S scores. A CPU takes its own flash kernel only without dropout; with dropout it
-   takes the math path: fp32 scores, their softmax and a dropout mask of B x H x S x S each. Here every
-   call is routed to the aten op of the kernel CUDA would choose on the target GPU
-   (`_scaled_dot_product_flash_attention` / `_scaled_dot_product_efficient_attention`, whose meta
-   functions give the fake outputs and gradients). cuDNN attention, which PyTorch prefers on Hopper and
-   Blackwell with a recent cuDNN, keeps the same output and statistics as flash; it is counted as flash.
-   What the fused backward allocates and frees inside the kernel is counted as a workspace of that moment
-   (`kernel_workspaces`; flash_attn/flash_api.cpp `mha_bwd`, mem_eff_attention/kernel_backward.h).
-2. **Dropout.** `torch.dropout` on a CUDA tensor runs the fused `native_dropout`, whose mask is `bool`:
-   1 byte per element (aten/src/ATen/native/Dropout.cpp, `is_fused_kernel_acceptable`). On a CPU it
-   keeps a noise tensor in the input's dtype: 4 bytes per element in fp32. Routed to `native_dropout`
-   here. (In-place dropout is the unfused path on CUDA too, and is left as it is.)
-3. **Autocast.** CUDA autocast runs about 50 ops in fp32 (aten/src/ATen/autocast_mode.h,
-   `AT_FORALL_FP32`: pow, exp, log, rsqrt, layer_norm, group_norm, softplus, the losses, ...) and gives
-   softmax, log_softmax, sum, cumsum, prod and the norms an fp32 output (`AT_FORALL_FP32_SET_OPT_DTYPE`);
-   CPU autocast has its own, shorter lists and leaves most of these in bf16. During the step the CUDA
-   policy is registered for the CPU autocast key (and removed after), so GPT-2's tanh GELU, whose
-   `pow(x, 3)` runs in fp32 on a GPU, keeps fp32 intermediates here as well.
+1. **Attention.** CUDA's SDPA picks (cuda/sdp_utils.cpp `select_sdp_backend`) flash on sm80 to sm121 for fp16/bf16
+   without an `attn_mask` and head dim <= 256, else memory-efficient (sm50 to sm121; fp16/fp32, bf16 from sm80;
+   masks allowed), else math. Fused kernels keep the output and a B x H x S fp32 logsumexp, never the B x H x S x S
+   scores (a CPU with dropout takes the math path). Each call goes to that kernel's aten op (whose meta function
+   gives the fake outputs); cuDNN attention keeps flash's outputs and is counted as flash. The fused backward's own
+   allocations are a workspace of that moment (`kernel_workspaces`; flash_api.cpp `mha_bwd`, kernel_backward.h).
+2. **Dropout.** CUDA's fused `native_dropout` keeps a `bool` mask, 1 byte an element (Dropout.cpp,
+   `is_fused_kernel_acceptable`); a CPU keeps noise in the input's dtype. In-place dropout is unfused on both.
+3. **Autocast.** CUDA runs ~50 ops in fp32 (autocast_mode.h `AT_FORALL_FP32`: pow, exp, log, the norms, the losses)
+   and gives softmax, sum, cumsum, prod and the norms an fp32 output (`AT_FORALL_FP32_SET_OPT_DTYPE`); CPU autocast's
+   lists are shorter. CUDA's policy is registered for the CPU autocast key during the step (GPT-2's tanh GELU keeps
+   its fp32 `pow(x, 3)`).
 
-What none of these rules sees is covered by `UNSEEN_ACTIVATIONS`, an allowance on the activations (below).
-
-Left as a CPU does it (each makes the estimate larger, never smaller, than the GPU): ops CUDA casts down
-that a CPU does not (addmv, addr, mv, einsum as one op, RNN cells), attention on the math path when the
-GPU itself takes it (bf16 before Ampere, unaligned head dims: its dropout mask at 4 bytes), and CUDA's
-`promote` list (addcmul, index_put, ...).
+What no rule sees is `UNSEEN_ACTIVATIONS`. Left as a CPU does it (each makes the estimate larger, never smaller):
+ops CUDA casts down and a CPU does not (addmv, addr, mv, einsum, RNN cells), the math path where the GPU takes it
+too (bf16 before Ampere, unaligned head dims), CUDA's `promote` list.
 """
 
 from __future__ import annotations
@@ -64,15 +49,13 @@ CUDA_FP32_OUTPUT = (  # fp32_set_opt_dtype: run with dtype=float32 unless the ca
 )
 
 
-# The estimate's allowance for what a CUDA step allocates beyond the tensors operators return, as a share of the
-# activations live at each moment (tracker.MemoryTracker.allowance): cuDNN's convolution workspaces (in
-# max_memory_allocated, as large as the algorithm cuDNN picks asks: aten/src/ATen/native/cudnn/Conv_v8.cpp), the
-# allocator's blocks handed out whole (c10/cuda/CUDACachingAllocator.cpp, `should_split`), what older kernels saved.
-# Set from published measured peaks, not derived: the estimate's tensors were 0.84 to 0.98 of every published
-# allocated peak checked (bench/published_memory.py), the gap grew with the micro-batch, and activations are about
-# 85% of such a step: 1/0.84 - 1 = 19% of the step is 22% of its activations, rounded up to 25% (MMSeg's DeepLabV3
-# rows 0.89 -> 1.08; torchtune's packed Llama 3.2 3B, within 1% without it, 1.17). The estimate meter's only (the cpu
-# meter counts real tensors), before the allocator's 5% and the probe's --headroom.
+# The estimate's allowance for what a CUDA step allocates beyond the tensors operators return, as a share of the live
+# activations (MemoryTracker.allowance): cuDNN's convolution workspaces (cudnn/Conv_v8.cpp), blocks the allocator
+# hands out whole (CUDACachingAllocator.cpp, `should_split`), what older kernels save. Set from published peaks, not
+# derived: the estimate's tensors were 0.84 to 0.98 of every published allocated peak checked
+# (bench/published_memory.py), more apart at larger micro-batches; with activations ~85% of such a step, 1/0.84 - 1
+# = 19% of the step is 22% of its activations, rounded up to 25% (MMSeg's DeepLabV3 rows 0.89 -> 1.08; torchtune's
+# packed Llama 3.2 3B, within 1% without it, 1.17). Estimate meter only, before the 5% margin and --headroom.
 UNSEEN_ACTIVATIONS = 0.25
 
 
@@ -177,8 +160,7 @@ def _rounded_up(value: int, multiple: int) -> int:
 
 
 def _flash_backward_workspace(args: tuple, kwargs: dict) -> int:
-    """flash_api.cpp `mha_bwd`: fp32 dq_accum (B, S_q rounded to 128, H, D rounded to 32 or 64) and softmax_d
-    (B, H, S_q rounded)."""
+    """flash_api.cpp `mha_bwd`: fp32 dq_accum (B, S_q to 128, H, D to 32 or 64) and softmax_d (B, H, S_q)."""
     batch, heads, length, dim = args[1].shape
     length = _rounded_up(length, 128)
     dim = _rounded_up(_rounded_up(dim, 8), 32 if _rounded_up(dim, 8) <= 128 else 64)
@@ -186,8 +168,7 @@ def _flash_backward_workspace(args: tuple, kwargs: dict) -> int:
 
 
 def _efficient_backward_workspace(args: tuple, kwargs: dict) -> int:
-    """kernel_backward.h: the gradient of Q accumulated in fp32 (B, H, S_q, D; `kNeedsAccumGradQ` from sm70 on) and
-    `delta` (B, H, S_q, fp32)."""
+    """kernel_backward.h: fp32 grad Q (B, H, S_q, D; `kNeedsAccumGradQ` from sm70) and `delta` (B, H, S_q)."""
     batch, heads, length, dim = args[1].shape
     return 4 * batch * heads * length * (dim + 1)
 

@@ -1,17 +1,14 @@
-"""The plan's own use of the memory knobs (activation checkpointing, sharded gradients), with its reasons.
-
-- When not even micro-batch 1 fits, the plan takes the first way out of the "does not fit" report that fits and
-  keeps the run exact on the same hardware (sharded gradients, checkpointing, or both: probe/memory_ways.py),
-  probes the changed recipe, and says what it took and what it costs. Offload, bf16, LoRA, more GPUs stay offers.
-- When the paper's per-device batch fits only with checkpointing, the plan shows both ways with their step times
-  and takes checkpointing for BatchNorm (the paper's normalisation batch), else the faster way (without
-  checkpointing when no step was timed).
+"""The plan's own use of the memory knobs (activation checkpointing, sharded gradients), with its reasons: when
+not even micro-batch 1 fits, the first way out that fits and keeps the run exact on the same hardware
+(memory_ways.py), probed and explained (offload, bf16, LoRA, more GPUs stay offers); when the paper's per-device
+batch fits only with checkpointing, checkpointing for BatchNorm, else the faster way (without, when untimed).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..errors import UserError
 from ..plan.planner import make_plan
 from ..plan.recipe import Recipe
 from ..plan.split import split_text
@@ -24,8 +21,7 @@ Probe = Callable[[Recipe], ProbeResult]
 
 
 def when_nothing_fits(recipe: Recipe, result: ProbeResult, probe: Probe) -> tuple[Recipe, ProbeResult, list[str]]:
-    """The recipe with the memory knobs the report found to fit, probed again, and the plan's note; unchanged (no
-    note) when none fits or the report has none."""
+    """The recipe with the knobs the report found to fit, probed again, and the note; else unchanged."""
     change = plan_memory_change((result.does_not_fit or {}).get("ways_out", []))
     if change is None:
         return recipe, result, []
@@ -55,12 +51,8 @@ def per_device_batch(recipe: Recipe, result: ProbeResult, probe: Probe, world_si
     changed = changed_recipe(recipe, CHECKPOINTING)
     try:
         checkpointed = probe(changed)
-    except Exception as error:  # (a model with nothing to checkpoint: the plan without it stands)
-        from ..errors import UserError
-
-        if isinstance(error, UserError):
-            return recipe, result, []
-        raise
+    except UserError:  # (a model with nothing to checkpoint: the plan without it stands)
+        return recipe, result, []
     what = "BatchNorm batch" if recipe.model.has_batchnorm else "per-device batch"
     if checkpointed.micro_batch_max is None or checkpointed.micro_batch_max < paper:
         return recipe, result, [f"memory: the paper's {what} of {paper} does not fit, with activation checkpointing "

@@ -27,6 +27,8 @@ RECOMPUTE_COST = "one more forward pass of each block in backward (about a third
 REDUCE_COST = "one reduce-scatter per micro-batch instead of one per optimizer step"
 OFFLOAD_COST = ("each unit copied to the device in every forward and backward and the optimizer stepping on the "
                 "CPU (much slower steps)")
+OPTIONS = (("model", "activation_checkpointing", True, "--activation-checkpointing"),
+           ("batch", "sharded_gradients", True, "--sharded-gradients"), ("batch", "offload", "cpu", "--offload cpu"))
 PLANNED_KNOBS = {("model", "activation_checkpointing"), ("batch", "sharded_gradients")}
 LOSS_CHUNKS = 8  # torchtune's CEWithChunkedOutputLoss
 CHUNKED_LOSS = {"model": {"loss_chunks": LOSS_CHUNKS}}
@@ -95,14 +97,7 @@ def needs(trial: Any) -> str:
 
 def describe(change: dict) -> str:
     """The options a change stands for: --activation-checkpointing, --sharded-gradients, --offload cpu."""
-    names = []
-    if change.get("model", {}).get("activation_checkpointing"):
-        names.append("--activation-checkpointing")
-    if change.get("batch", {}).get("sharded_gradients"):
-        names.append("--sharded-gradients")
-    if change.get("batch", {}).get("offload") == "cpu":
-        names.append("--offload cpu")
-    return " ".join(names)
+    return " ".join(flag for section, name, value, flag in OPTIONS if change.get(section, {}).get(name) == value)
 
 
 def plan_memory_change(ways_out: list[dict]) -> dict | None:
@@ -118,22 +113,6 @@ def plan_memory_change(ways_out: list[dict]) -> dict | None:
     return None
 
 
-class _Rank:
-    """One FSDP rank's peak for a measured step, with or without sharded gradients and offload."""
-
-    def __init__(self, meter: Any, step: StepMemory, blocks: Blocks, compute: int, accumulates: bool):
-        self.meter, self.step, self.blocks, self.compute, self.accumulates = meter, step, blocks, compute, accumulates
-
-    @classmethod
-    def of(cls, meter: Any, parts: dict) -> _Rank:
-        return cls(meter, StepMemory(**parts["step"]), Blocks.of(parts), parts["compute_bytes"],
-                   parts.get("accumulates", parts.get("window", True)))
-
-    def peak(self, sharded_gradients: bool, offload: bool):
-        return sharded_peak(self.step, self.blocks, self.meter.world_size, self.compute,
-                            unsharded_window=self.accumulates and not sharded_gradients, offload=offload)
-
-
 def memory_ways_out(meter: Any, gpu: Any, first: Any, step: StepMemory, blocks: Blocks, compute: int, decide: Any,
                     tensor_limit: int, activations: int) -> list[WayOut]:
     """The memory knobs the recipe does not use yet, alone and combined (see the module's notes). `step` is the
@@ -143,25 +122,31 @@ def memory_ways_out(meter: Any, gpu: Any, first: Any, step: StepMemory, blocks: 
     has_sg, has_offload = recipe.batch.sharded_gradients, recipe.batch.offload == "cpu"
     ways: list[WayOut] = []
 
-    def arithmetic(rank: _Rank, base: dict, what: str, sg: bool, offload: bool, cost: str) -> WayOut:
-        peak = rank.peak(sg or has_sg, offload or has_offload)
+    def arithmetic(rank: tuple, base: dict, what: str, sg: bool, offload: bool, cost: str) -> WayOut:
+        step, blocks, compute, accumulates = rank  # one FSDP rank of a measured step (`parts`' `accumulates`)
+
+        def peaks(sharded_gradients: bool, offloaded: bool) -> Any:
+            return sharded_peak(step, blocks, meter.world_size, compute,
+                                unsharded_window=accumulates and not sharded_gradients, offload=offloaded)
+
+        peak = peaks(sg or has_sg, offload or has_offload)
         needed = decide(peak.peak)
         change = merged(base, SHARDED_GRADIENTS if sg else {}, OFFLOAD if offload else {})
         kept = []
         if sg:
-            whole = rank.blocks.with_gradients * 4
+            whole = blocks.with_gradients * 4
             own = shard(whole, max(1, meter.world_size))
             kept.append(f"each rank keeps its shard of the gradients ({format_size(own)}) instead "
                         f"of the whole model's ({format_size(whole)}) through the accumulation window")
         if offload:
-            before = rank.peak(sg or has_sg, has_offload)
+            before = peaks(sg or has_sg, has_offload)
             moved = before.model_states + before.sharded_gradients - peak.model_states
             kept.append(f"{format_size(moved)} of parameters, gradients and optimizer state in CPU memory")
         detail = f"micro-batch 1 then needs {format_size(needed)}; " + "; ".join(kept) + f"; costs {cost}"
         return WayOut(what, peak.peak <= tensor_limit, needed, detail, changes=change)
 
     accumulates = bool((first.parts or {}).get("accumulates", meter.cap is None or first.micro_batch < meter.cap))
-    rank = _Rank(meter, step, blocks, compute, accumulates)
+    rank = (step, blocks, compute, accumulates)
     if sharded and accumulates and not has_sg:
         ways.append(arithmetic(rank, {}, "--sharded-gradients (batch.sharded_gradients: true)", True, False,
                                REDUCE_COST))
@@ -229,7 +214,8 @@ def _checkpointing(meter, gpu, first, activations, decide, tensor_limit, sharded
         return ways
     if parts is None:
         return ways
-    rank = _Rank.of(meter, parts)
+    rank = (StepMemory(**parts["step"]), Blocks.of(parts), parts["compute_bytes"],
+            parts.get("accumulates", parts.get("window", True)))
     cost = RECOMPUTE_COST
     if accumulates and not has_sg:  # checkpointing + sharded gradients
         ways.append(arithmetic(rank, CHECKPOINTING, "--activation-checkpointing --sharded-gradients", True, False,

@@ -1,25 +1,18 @@
 """Three ways to measure one trial, behind one interface: `meter.measure(micro_batch) -> Measurement`.
 
-A trial builds the recipe's model, optimizer and precision, runs a warm-up step (it allocates the optimizer state)
-and then `MEASURED_STEPS` full training steps, and reports their peak memory. Each step is a window of
-`ACCUMULATED` micro-batches of real shape, as `reproduce run` builds it: from the second micro-batch on, the forward
-pass runs while the first one's gradients are held (+1x the parameters), which one micro-batch never shows. Only a
-size equal to the cap (the whole per-rank batch, N = 1) is measured alone. A run accumulating N > 2 holds (N - 2)
-more micro-batches of inputs than the trial: small beside one's activations (bench/run_memory.py). A trial that runs
-out of memory is caught as `torch.OutOfMemoryError` only (anything else is raised), and freed before the next.
+A trial builds the recipe's model, optimizer and precision, runs a warm-up step (making the optimizer state), then
+`MEASURED_STEPS` steps of `ACCUMULATED` real-shape micro-batches, as `run` builds them (the second's forward runs
+while the first's gradients are held: +1x the parameters); at the cap (N = 1) one alone. N > 2 holds (N - 2) more
+inputs, small beside one's activations (bench/run_memory.py). Only `torch.OutOfMemoryError` fails a trial.
 
-- `cuda`: real trials on the GPU; `max_memory_reserved` decides, `max_memory_allocated` is reported. A budget
-  smaller than the card is enforced with `set_per_process_memory_fraction`; without one the budget is what
-  `mem_get_info` says is free plus what this process's allocator holds.
-- `cpu`: the same trials on the CPU, counted by `MemoryTracker` with the budget enforced as an out-of-memory error:
-  exact for the tensors, and what CI uses.
-- `estimate`: the same step on fake tensors as CUDA runs it (probe/fake_step.py, probe/gpu_like.py), counted by
-  category: no real memory, about constant time per trial, and every trial runs to its end (a size that does not
-  fit still says what it needs). To the tracked tensors (with `gpu_like.UNSEEN_ACTIVATIONS`) it adds the
-  allocator's segments and fragmentation, `ESTIMATE_MARGIN` (5%) of the peak, and the cuBLAS/cuBLASLt workspaces
-  (8 MiB + 1 to 32 MiB by architecture); the CUDA context is outside the budget (hardware/catalog.py) and fp16's
-  GradScaler is left out (a few scalars). With `sharding="fsdp"` one rank's peak is computed from the measured
-  parts (probe/sharded_memory.py). `bench/gpu_check.py` prints the estimate beside the measured peak on a card.
+- `cuda`: real trials; `max_memory_reserved` decides, `max_memory_allocated` is reported; a budget below the card's
+  is enforced with `set_per_process_memory_fraction`, else it is `mem_get_info`'s free plus this process's reserve.
+- `cpu`: the same trials on the CPU, exact for the tensors (`MemoryTracker`, which enforces the budget); CI's.
+- `estimate`: the step on fake tensors as CUDA runs it (fake_step.py, gpu_like.py), each trial run to its end. To
+  the tracked tensors (with `UNSEEN_ACTIVATIONS`) it adds `ESTIMATE_MARGIN` of the peak (allocator segments,
+  fragmentation) and the cuBLAS/cuBLASLt workspaces (8 MiB + 1 to 32 MiB); the CUDA context is outside the budget
+  (hardware/catalog.py), fp16's GradScaler left out. Under FSDP one rank's peak comes from the parts
+  (sharded_memory.py). `bench/gpu_check.py` sets it beside a card's measured peak.
 """
 
 from __future__ import annotations
@@ -56,8 +49,6 @@ HOST_SHARE = 0.8  # the cpu meter allocates for real: budgets above this share o
 
 
 class Meter:
-    """`measure(micro_batch)`, the budget, and what the meter is (for the report)."""
-
     name = "meter"
     device = "cpu"
 
@@ -296,7 +287,12 @@ class EstimateMeter(Meter):
         return dataclasses.replace(measurement, parts=parts)
 
 
-METERS = {"cuda": CudaMeter, "cpu": CpuMeter, "estimate": EstimateMeter}
+def make_meter(kind: str, workload: Workload, budget: int | None, headroom: float, gpu: Gpu | None = None,
+               cap: int | None = None, time_steps: bool = True, **sharding: Any) -> Meter:
+    """A meter of `kind`: the estimate's counts for `gpu` (and `sharding`, `world_size`), the others time steps."""
+    if kind == "estimate":
+        return EstimateMeter(workload, budget, headroom, gpu=gpu, cap=cap, **sharding)  # type: ignore[arg-type]
+    return {"cuda": CudaMeter, "cpu": CpuMeter}[kind](workload, budget, headroom, time_steps=time_steps, cap=cap)
 
 
 def model_blocks(model: nn.Module) -> Blocks:
@@ -317,8 +313,7 @@ def step_parts(result: FakeStepResult, blocks: Blocks, window: bool, accumulates
 
 
 def fake_parts(meter: Meter, micro_batch: int) -> dict:
-    """The parts of a cpu or cuda meter's step, counted again on fake tensors (that meter counts no categories, and
-    stops at the budget), with this GPU's kernels on the cuda meter."""
+    """A cpu or cuda meter's step counted again by category on fake tensors (that meter stops at the budget)."""
     kind = GpuKind(torch.cuda.get_device_capability()) if meter.name == "cuda" else None
     info = meter.workload.data.info
     window = meter.window(micro_batch, torch.device("cpu"), torch.float32)
@@ -330,8 +325,7 @@ def fake_parts(meter: Meter, micro_batch: int) -> dict:
 
 
 def sharding_meter(meter: Meter, gpu: Gpu | None, workload: Workload | None = None) -> EstimateMeter | None:
-    """An estimate meter sharding over two ranks on `meter`'s budget and cap (and `workload`, else its own): the step
-    as FSDP runs it; None where the budget is below the estimate's margin."""
+    """An estimate meter sharding over two ranks on `meter`'s budget and cap; None below the estimate's margin."""
     capability = torch.cuda.get_device_capability() if meter.name == "cuda" else None
     try:
         return EstimateMeter(workload or meter.workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes,

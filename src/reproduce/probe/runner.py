@@ -1,10 +1,9 @@
 """The probe: options in, the largest micro-batch that fits (with every trial) out. No torch at import.
 
-`run_probe(recipe, options)` resolves the budget (`--memory`, `--gpu` or the GPU's free memory), picks the meter,
-looks in the cache, and otherwise runs `search.search` over the meter's trials, under the budget less the headroom
-and capped at the per-rank batch ceil(batch / W). `batch.sharding: fsdp` over W > 1 processes is counted by the
-estimate meter (one process has nothing to shard over: the step is probed whole). When not even micro-batch 1 fits,
-`result.does_not_fit` says what that step needs and what would make it fit (probe/advice.py).
+`run_probe` resolves the budget (`--memory`, `--gpu` or the GPU's free memory), picks the meter, looks in the cache,
+else runs `search.search` over the meter's trials under the budget less the headroom, capped at ceil(batch / W).
+FSDP over W > 1 is counted by the estimate meter (one process is probed whole). When not even micro-batch 1 fits,
+`result.does_not_fit` says what it needs and what would fit (advice.py).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -24,7 +23,7 @@ from ..plan.recipe import Recipe, default_packing
 from ..plan.units import format_size, parse_size
 from ..throughput.splits import rates
 from . import cache
-from .search import Measurement, search
+from .search import Measurement, SearchResult, search
 
 if TYPE_CHECKING:
     from ..data import Datasets
@@ -126,6 +125,23 @@ def timed_trial(measurement: Measurement, sequence_length: int | None) -> ProbeT
     return ProbeTrial(**measurement.to_json(), samples_per_second=samples, tokens_per_second=tokens)
 
 
+def probe_result(found: SearchResult, meter: Any, headroom: float, sequence_length: int | None,
+                 **fields: Any) -> ProbeResult:
+    """A search's result as `probe --json` prints it and the cache keeps it (`fields`: the rest, by name)."""
+    import torch
+
+    chosen = found.chosen
+    return ProbeResult(
+        meter=meter.name, device=meter.device, budget_bytes=meter.budget_bytes, headroom=headroom,
+        limit_bytes=meter.limit_bytes, cap=found.cap, micro_batch_max=found.micro_batch_max,
+        peak_bytes=chosen.peak_bytes if chosen else None, tensor_bytes=chosen.tensor_bytes if chosen else None,
+        step_seconds=chosen.step_seconds if chosen else None,
+        trials=[timed_trial(t, sequence_length) for t in found.trials],
+        line=ProbeLine(intercept_bytes=found.line.intercept, bytes_per_sample=found.line.slope,
+                       points=found.line.points) if found.line else None,
+        seconds=round(found.seconds, 3), torch_version=torch.__version__, notes=meter.notes, **fields)
+
+
 def resolve_budget(options: ProbeOptions) -> tuple[int | None, Gpu | None]:
     """The requested budget in bytes (None: take it from the GPU here) and the catalog entry, if any."""
     if not 0 <= options.headroom < 1:
@@ -143,8 +159,7 @@ def resolve_budget(options: ProbeOptions) -> tuple[int | None, Gpu | None]:
 
 
 def measures_whole_model(meter: str) -> bool:
-    """Whether `meter` measures the whole model on this process's device (cuda and cpu, and auto when a GPU is
-    here), rather than computing one FSDP rank's share (estimate)."""
+    """Whether `meter` measures the whole model here (cuda, cpu, auto with a GPU), not one FSDP rank's share."""
     import torch  # only to look for a GPU
 
     return meter in ("cuda", "cpu") or (meter == "auto" and torch.cuda.is_available())
@@ -192,7 +207,7 @@ def run_probe(
     """The largest micro-batch of `recipe` that fits the budget, measured; from the cache when it is there."""
     import torch
 
-    from .meters import METERS as METER_TYPES
+    from .meters import make_meter
     from .tokens import token_search
     from .workload import Workload
 
@@ -203,14 +218,11 @@ def run_probe(
     workload = Workload(recipe, data)
     way = recipe.data.packing or default_packing(recipe) or "none"  # sorted: T searched in tokens
 
-    def make_meter(workload: Workload, cap: int | None = cap):
-        meter_type = METER_TYPES[kind]
-        if kind == "estimate":
-            return meter_type(workload, requested, options.headroom, gpu=gpu, cap=cap, sharding=sharding,
-                              world_size=world_size)
-        return meter_type(workload, requested, options.headroom, time_steps=options.time_steps, cap=cap)
+    def meter_of(workload: Workload, cap: int | None = cap):
+        sharded = {"sharding": sharding, "world_size": world_size} if kind == "estimate" else {}
+        return make_meter(kind, workload, requested, options.headroom, gpu, cap, options.time_steps, **sharded)
 
-    meter = make_meter(workload)
+    meter = meter_of(workload)
     if recipe.batch.sharding == "fsdp" and sharding == "none":
         meter.notes.append("batch.sharding fsdp with one process: nothing to shard over, so the whole step is probed")
     try:
@@ -220,9 +232,13 @@ def run_probe(
             "sharding": sharding, "world_size": world_size, "torch": torch.__version__, "reproduce": __version__,
             **({"packing": way} if way != "none" else {}),  # (packed rows, sorted's tokens: other trials)
         })
-        cached = _cached(key, recipe_path) if options.use_cache else None
-        if cached is not None:
-            return cached
+        saved = cache.load(key) if options.use_cache else None
+        if saved is not None:
+            saved.pop("format", None)
+            try:  # (another version wrote it: probe again)
+                return ProbeResult.model_validate({**saved, "recipe_path": recipe_path, "cached": True})
+            except ValueError:
+                pass
         found = search(meter.measure, meter.limit_bytes, cap, on_trial)
         does_not_fit = None
         if found.micro_batch_max is None:
@@ -231,56 +247,17 @@ def run_probe(
             does_not_fit = explain(meter, found.trials, world_size, gpu).to_json()
     finally:
         meter.close()
-    tokens = None
-    if way == "sorted" and token_budget_wanted(recipe, workload):
-        tokens = token_search(found, workload, lambda budgeted: make_meter(budgeted, cap=None))
-    chosen = found.chosen
-    result = ProbeResult(
-        recipe_path=recipe_path, meter=kind, device=meter.device, gpu=gpu.name if gpu else None,
-        data=workload.description, budget_bytes=meter.budget_bytes, headroom=options.headroom,
-        limit_bytes=meter.limit_bytes, cap=cap, world_size=world_size, micro_batch_max=found.micro_batch_max,
-        peak_bytes=chosen.peak_bytes if chosen else None, tensor_bytes=chosen.tensor_bytes if chosen else None,
-        step_seconds=chosen.step_seconds if chosen else None,
-        trials=[timed_trial(t, recipe.batch.sequence_length) for t in found.trials],
-        line=ProbeLine(intercept_bytes=found.line.intercept, bytes_per_sample=found.line.slope,
-                       points=found.line.points) if found.line else None,
-        seconds=round(found.seconds, 3),
-        torch_version=torch.__version__,
-        notes=meter.notes,
-        sharding=sharding,
-        does_not_fit=does_not_fit,
-        **(token_fields(tokens) if tokens is not None else {}),
-    )
+    fields: dict = {}  # sorted text (1-D tokens) without a data.token_budget of its own: T searched in tokens
+    if way == "sorted" and recipe.data.token_budget is None and workload.longest()[0].ndim == 1:
+        tokens = token_search(found, workload, lambda budgeted: meter_of(budgeted, cap=None))
+        trials = [ProbeTrial(**dataclasses.replace(t, micro_batch=budget).to_json()) for budget, t in tokens.trials]
+        fields = {"token_budget": tokens.budget, "token_step": tokens.step, "longest": tokens.longest,
+                  "token_trials": trials}  # (each token trial's micro_batch: its budget T)
+    result = probe_result(found, meter, options.headroom, recipe.batch.sequence_length, recipe_path=recipe_path,
+                          gpu=gpu.name if gpu else None, data=workload.description, world_size=world_size,
+                          sharding=sharding, does_not_fit=does_not_fit, **fields)
     cache.store(key, result.model_dump(mode="json", exclude={"recipe_path", "cached"}))
     return result
-
-
-def _cached(key: str, recipe_path: str | None) -> ProbeResult | None:
-    """The probe's saved result for `key`, None when there is none or another version wrote it (probe again)."""
-    saved = cache.load(key)
-    if saved is None:
-        return None
-    saved.pop("format", None)
-    try:
-        return ProbeResult.model_validate({**saved, "recipe_path": recipe_path, "cached": True})
-    except ValueError:
-        return None
-
-
-def token_budget_wanted(recipe: Recipe, workload) -> bool:
-    """Whether the probe searches T in tokens: `sorted` without a data.token_budget of the recipe's own, on token
-    sequences of one dimension (text)."""
-    if recipe.data.token_budget is not None:
-        return False
-    inputs = workload.longest()[0]
-    return inputs.ndim == 1
-
-
-def token_fields(tokens) -> dict:
-    """ProbeResult's token fields from a probe/tokens.TokenSearch (each trial's micro_batch: its budget T)."""
-    trials = [ProbeTrial(**dataclasses.replace(t, micro_batch=budget).to_json()) for budget, t in tokens.trials]
-    return {"token_budget": tokens.budget, "token_step": tokens.step, "longest": tokens.longest,
-            "token_trials": trials}
 
 
 def probe_line(result: ProbeResult) -> str:

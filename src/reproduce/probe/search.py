@@ -1,21 +1,13 @@
-"""The search for the largest micro-batch that fits: a pure function over `fits(b) -> Measurement`.
+"""The search for the largest micro-batch that fits: a pure function over `fits(b) -> Measurement`, no torch.
 
-No torch here: the same code runs on every meter and against the closed-form memory functions of the tests.
-
-The model: a step's peak is the larger of the optimizer step's (constant in b) and a line a + c*b with a >= 0 once
-activations dominate. Two consequences drive the search:
-- a measured size b with peak p bounds every larger size: peak(k) <= p * k / b, so
-  `safe = floor(limit * b / p)` fits for certain (under the model). The search grows by that jump, or
-  by doubling (x16 while the peaks are flat) when that is more, until it has two sizes on the line;
-- two sizes on the line give its exact equation, so the largest b under the limit is predicted
-  rather than searched for. Sizes with equal peaks are on the flat, optimizer-bound part and are left
-  out of the fit (`fit_line`).
-Each prediction is measured, then the next size up, until b fits and b + 1 does not. A prediction that
-contradicts a measurement, or `MAX_MISSES` predictions that ran out of memory, send the search to bisection
-(geometric while the interval is wide). Sizes are capped at `cap`, the per-rank effective batch. The answer is
-always a size measured to fit, or None when even size 1 does not. The peak is really the maximum of several lines
-(it moves from the optimizer step to the end of backward to the end of forward as b grows): small models bend most,
-and take more trials.
+The model: a step's peak is the larger of the optimizer step's (constant in b) and a line a + c*b (a >= 0). So a
+size b with peak p bounds every larger one, peak(k) <= p * k / b: `safe = floor(limit * b / p)` fits for certain.
+The search grows by that jump or by doubling (x16 while peaks are flat), whichever is more, until two sizes are on
+the line; their line predicts the largest b under the limit (equal peaks are optimizer-bound, left out of the fit:
+`fit_line`). Each prediction is measured, then the next size up, until b fits and b + 1 does not. A contradicted
+prediction, or `MAX_MISSES` out-of-memory ones, switch to bisection (geometric while wide). Sizes are capped at
+`cap`, the per-rank batch. The answer is always a size measured to fit, or None. The peak is really a maximum of
+several lines (optimizer step, end of backward, end of forward): small models bend most and take more trials.
 """
 
 from __future__ import annotations
@@ -94,12 +86,9 @@ class SearchResult:
 
 
 def fit_line(trials: list[Measurement], limit_bytes: float) -> Line | None:
-    """The line through two measured sizes in the activation regime, placed to predict where peak = limit.
-
-    Sizes whose peak equals another size's are on the flat part and are left out. With sizes on both
-    sides of the limit, the line joins the nearest two (interpolation); otherwise the largest size and
-    the largest one at most half of it (far apart, so the allocator's rounding averages out).
-    """
+    """The line through two sizes in the activation regime (equal peaks left out), to predict where peak = limit:
+    the nearest two on both sides of the limit, else the largest and the largest at most half of it (far apart,
+    so the allocator's rounding averages out)."""
     known = {t.micro_batch: t.peak_bytes for t in trials if t.peak_bytes is not None}
     peaks = list(known.values())
     points = sorted((b, p) for b, p in known.items() if peaks.count(p) == 1)
@@ -118,17 +107,9 @@ def fit_line(trials: list[Measurement], limit_bytes: float) -> Line | None:
     return Line((first[0], second[0]), (first[1], second[1]))
 
 
-def safe_size(measured: Measurement, limit_bytes: float) -> int:
-    """The largest size the model guarantees to fit, from one measured size: peak(k) <= peak(b) * k / b."""
-    if not measured.peak_bytes:
-        return 2 * measured.micro_batch
-    return math.floor(limit_bytes * measured.micro_batch / measured.peak_bytes)
-
-
 def search(fits: Callable[[int], Measurement], limit_bytes: int, cap: int,
            on_trial: Callable[[Measurement], None] | None = None) -> SearchResult:
-    """The largest micro-batch in [1, cap] that `fits`, with every trial it took to know it (each shown to
-    `on_trial` as it is measured)."""
+    """The largest micro-batch in [1, cap] that `fits`, with every trial (each shown to `on_trial`)."""
     if cap < 1:
         raise ValueError(f"cap must be >= 1 (got {cap})")
     trials: list[Measurement] = []
@@ -163,7 +144,9 @@ def search(fits: Callable[[int], Measurement], limit_bytes: int, cap: int,
         if size is None and not failed:  # nothing failed yet: jump to the size known to be safe
             best = max((t for t in trials if t.fits), key=lambda t: t.micro_batch)
             flat = sum(t.peak_bytes == best.peak_bytes for t in trials) > 1  # still optimizer-bound: grow fast
-            size = max((FLAT_GROWTH if flat else 2) * lo, safe_size(best, limit_bytes))
+            b, p = best.micro_batch, best.peak_bytes
+            safe = math.floor(limit_bytes * b / p) if p else 2 * b  # the size known to fit: peak(k) <= p * k / b
+            size = max((FLAT_GROWTH if flat else 2) * lo, safe)
         elif size is None:  # the line is spent, or contradicts a measurement: bisect
             size = math.isqrt(max(lo, 1) * hi) if hi > 4 * max(lo, 1) else (lo + hi) // 2
         size = min(max(size, lo + 1), hi - 1)

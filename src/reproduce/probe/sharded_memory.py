@@ -1,28 +1,16 @@
 """What one rank holds when parameters, gradients and optimizer state are sharded (FSDP). No torch.
 
-The estimate meter measures one unsharded step on fake tensors, split into `StepMemory` (weights, gradients,
-optimizer state, activations, the optimizer step's temporaries). Under FSDP2 full_shard (ZeRO-3) over W ranks, per
-block with a `MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in fp32), each rank
-holds:
-
-- its shard of the parameters (the fp32 master weights) and of the optimizer state, divided over W
-  (FSDP2 splits each parameter on dim 0 with `torch.chunk`, so a shard is at most ceil(size / W));
-  buffers are not sharded;
-- the gradients: sharded (divided over W) once reduce-scattered. Within an accumulation window whose
-  micro-batches before the last skip the reduction (`set_requires_gradient_sync(False)`, FSDP2's
-  `no_sync`, what `reproduce run` does so that communication happens once per optimizer step), FSDP2
-  keeps every parameter's gradient unsharded, accumulated in the reduction dtype
-  (`FSDPParam.to_accumulated_grad_if_needed`): the whole model's gradients in fp32 on every rank
-  until the window's last backward reduce-scatters them (`unsharded_window=True`);
-- what it gathers at a time: the root's parameters (embeddings, final norm and head, unsharded from forward to
-  backward) and two blocks' in the compute dtype (the current one and the one prefetched, PyTorch PR 128884), plus
-  one unit's unsharded gradients and its reduce-scatter input in the reduction dtype;
-- the activations of its own micro-batch, as the unsharded step measured them (autocast's copies of
-  the weights left out: under FSDP the gathered block is already in the compute dtype);
-- in the optimizer step, its shard of the step's temporaries (the foreach optimizer works on the shards).
-
+From one unsharded step's `StepMemory`, under FSDP2 full_shard (ZeRO-3) over W ranks, per block, with a
+`MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in fp32), each rank holds: its
+shard of the fp32 master weights and optimizer state, at most ceil(size / W) (`torch.chunk` on dim 0; buffers
+whole); the gradients, sharded once reduce-scattered, but within an accumulation window under `no_sync` (as `run`
+does) every gradient unsharded in fp32 (`FSDPParam.to_accumulated_grad_if_needed`) until the last backward
+(`unsharded_window=True`); the root's parameters (embeddings, final norm, head: forward to backward) and two
+blocks' in the compute dtype (current and prefetched, PyTorch PR 128884), plus one unit's gradients and its
+reduce-scatter input; its micro-batch's activations as measured (less autocast's weight copies: gathered blocks are
+already in the compute dtype); and in the optimizer step its shard of the temporaries (foreach on the shards).
 The peak is the larger of forward/backward and the optimizer step; `smallest_world_size` finds the fewest ranks
-whose peak fits a limit. `bench/fsdp_check.py` compares it with what FSDP2 itself allocates on one rank.
+that fit a limit. `bench/fsdp_check.py` compares it with what FSDP2 allocates on one rank.
 """
 
 from __future__ import annotations
@@ -70,7 +58,6 @@ class Blocks:
 
     @classmethod
     def of(cls, parts: dict) -> Blocks:
-        """The blocks a trial's `parts` keep (meters.step_parts)."""
         kept = parts["blocks"]
         return cls(root=kept["root"], blocks=tuple(kept["sizes"]), trainable=kept.get("trainable"))
 
@@ -147,12 +134,9 @@ def gathered_gradients(blocks: Blocks, compute_bytes: int, reduce_bytes: int = 4
 
 def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_bytes: int,
                  reduce_bytes: int = 4, unsharded_window: bool = False, offload: bool = False) -> ShardedPeak:
-    """One rank's peak with the model states of `step` sharded over `world_size` ranks.
-
-    `unsharded_window`: the window's micro-batches are not reduced between them (FSDP2's no_sync): every rank holds
-    the whole model's gradients until its last backward (else, `batch.sharded_gradients`, only the shard).
-    `offload`: FSDP2's CPUOffloadPolicy keeps the sharded parameters, gradients and optimizer state in CPU memory.
-    """
+    """One rank's peak with `step`'s model states sharded over `world_size` ranks. `unsharded_window`: no_sync, the
+    whole model's gradients held until the window's last backward (else `batch.sharded_gradients`); `offload`:
+    CPUOffloadPolicy keeps the sharded parameters, gradients and optimizer state in CPU memory."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1 (got {world_size})")
     sharded_gradients = 0 if offload else shard(step.gradients, world_size)
@@ -186,8 +170,7 @@ def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_byte
 def smallest_world_size(step: StepMemory, blocks: Blocks, limit_bytes: int, compute_bytes: int,
                         reduce_bytes: int = 4, unsharded_window: bool = False, most: int = 1 << 16,
                         offload: bool = False) -> int | None:
-    """The fewest ranks (>= 2) whose sharded peak is at most `limit_bytes`, by bisection (the peak never grows with
-    the ranks); None when `most` ranks do not fit either."""
+    """The fewest ranks (>= 2) whose peak fits `limit_bytes`, by bisection; None when `most` do not fit."""
     def fits(world_size: int) -> bool:
         peak = sharded_peak(step, blocks, world_size, compute_bytes, reduce_bytes, unsharded_window, offload).peak
         return peak <= limit_bytes
@@ -206,8 +189,7 @@ def smallest_world_size(step: StepMemory, blocks: Blocks, limit_bytes: int, comp
 
 def unsharded_floor(step: StepMemory, blocks: Blocks, compute_bytes: int, reduce_bytes: int = 4,
                     unsharded_window: bool = False) -> int:
-    """What no number of ranks shards away: the buffers, the gathered units and the activations (and, with an
-    unreduced accumulation window, the whole model's gradients)."""
+    """What no number of ranks shards away (buffers, gathered units, activations; no_sync's gradients)."""
     window = blocks.with_gradients * reduce_bytes if unsharded_window else 0
     late = step.activations if step.activations_at_gradient_peak is None else step.activations_at_gradient_peak
     parameters = gathered_parameters(blocks, compute_bytes)

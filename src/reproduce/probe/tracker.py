@@ -1,22 +1,14 @@
 """Live tensor storage bytes, counted exactly, on any device (also under `FakeTensorMode`).
 
-`MemoryTracker` is a `TorchDispatchMode`: every storage an operator returns is charged once, rounded up to 512
-bytes (as the CUDA caching allocator rounds its blocks), and released when it is freed (`weakref.finalize`).
-`charge()` adds what existed before the mode was entered. `peak` is the most ever live since `reset_peak()`.
-
-Every storage has a category (what the "does not fit" report and the sharding arithmetic need): what operators
-allocate goes to the current `phase` (by default `activations`), `charge()` and `retag()` name theirs (`weights`,
-`gradients`, `optimizer`), and autocast's copy of a weight is `weight copies`. `live_by` holds each category's live
-bytes, `peak_by` their values at the peak (they sum to `peak`), `most_by` the most each held per phase, `when_most`
-what every category held when activations or gradients were at their most; `peak_stage` says where the peak came
-(forward, backward, optimizer step); `marked_most` the most held by storages made while `marking` (logits, loss).
-
-The GPU rules (probe/gpu_like.py) add what a dispatch-level count cannot see: `workspace(nbytes)`, a buffer an
-operator allocates and frees inside itself, and `allowance`, a share of the live activations (`ALLOWANCE` in
-`peak_by`). Both count in `peak`, never in `live` nor the budget. Over a budget an operator raises
-`torch.OutOfMemoryError`, as CUDA does. Not seen: memory outside tensors (CUDA context, workspaces, the allocator's
-fragmentation). On a CPU its peaks equal `torch.distributed._tools.mem_tracker.MemTracker`'s within 0.03%, at
-about twice its speed (PyTorch 2.13).
+`MemoryTracker` is a `TorchDispatchMode`: each storage an operator returns is charged once, rounded up to 512 bytes
+(as CUDA's caching allocator rounds), and released when freed (`weakref.finalize`); `charge()` adds what existed
+before. `peak` is the most live since `reset_peak()`. A storage's category is the current `phase` (default
+`activations`), what `charge()` and `retag()` name, or `weight copies` for autocast's; `live_by`, `peak_by` (at the
+peak, summing to `peak`), `most_by` (per phase), `when_most` (all categories when activations or gradients were at
+their most), `peak_stage` and `marked_most` (storages made while `marking`: logits, loss) break it down. The GPU
+rules (gpu_like.py) add `workspace(nbytes)` and `allowance` (`ALLOWANCE` in `peak_by`), counted in `peak`, never in
+`live` nor the budget. Over a budget an operator raises `torch.OutOfMemoryError`, as CUDA does. On a CPU its peaks
+equal `torch.distributed._tools.mem_tracker.MemTracker`'s within 0.03%, at about twice its speed (PyTorch 2.13).
 """
 
 from __future__ import annotations
@@ -101,10 +93,6 @@ class MemoryTracker(TorchDispatchMode):
     def _note_marked(self, size: int) -> None:
         self.marked_live += size
         self.marked_most = max(self.marked_most, self.marked_live)
-
-    def category_of(self, value: torch.Tensor) -> str | None:
-        known = self._sizes.get(value.untyped_storage()._cdata) if value.layout == torch.strided else None
-        return known[1] if known else None
 
     def reset_peak(self) -> None:
         self.peak = -1
@@ -200,8 +188,10 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         before = self.live
         category = self.phase
-        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
-            if self.category_of(args[0]) in (WEIGHTS, WEIGHT_COPIES):  # autocast's compute copy of a weight
+        source = args[0] if func is torch.ops.aten._to_copy.default else None
+        if isinstance(source, torch.Tensor) and source.layout == torch.strided:
+            known = self._sizes.get(source.untyped_storage()._cdata)
+            if known and known[1] in (WEIGHTS, WEIGHT_COPIES):  # autocast's compute copy of a weight
                 category = WEIGHT_COPIES
         for value in tree_leaves(out):
             self._add(value, category)

@@ -1,10 +1,7 @@
-"""What a trial runs: the recipe's model, optimizer, loss and precision, on one micro-batch of real shape.
-
-The micro-batch comes from the recipe's dataset when it is available here (the first b items, cycling; for items of
-different shapes, the largest one seen in a sample of the data, repeated: the worst case has to fit). Otherwise it
-is synthetic, of the shape `declared_inputs(recipe)` gives from the recipe, the dataset's known shape
-(`reproduce.data.image_dataset`) and what the model fixes (`reproduce.models.model_inputs`): token sequences,
-segmentation crops with masks, images with labels, or `data.kwargs.input_shape` for any other model.
+"""What a trial runs: the recipe's model, optimizer, loss and precision, on one micro-batch of real shape: from the
+dataset when it is here (the first b items, cycling; items of different shapes: the largest in a sample, repeated),
+else synthetic, of the shape `declared_inputs(recipe)` gives (tokens, segmentation crops, images with labels, or
+`data.kwargs.input_shape`).
 """
 
 from __future__ import annotations
@@ -191,8 +188,7 @@ class Workload:
         return max(sizes, key=sizes.get)
 
     def batch(self, micro_batch: int) -> tuple[Any, Any]:
-        """`micro_batch` items as (inputs, targets), on the CPU. With `data.packing: packed`, `micro_batch` rows of
-        the longest example as the run packs them (`packed_rows`)."""
+        """`micro_batch` items as (inputs, targets) on the CPU (packed: `packed_rows`)."""
         dataset = self.data.train
         if self.recipe.data.packing == "packed":
             return self.packed_rows(micro_batch)

@@ -1,14 +1,11 @@
-"""The whole run's forecast cost, and the recipe's `budget:` checked against it before anything runs (`reproduce
-plan`'s cost row and `plan --json`'s `forecast`). Values and one-line refusals; nothing printed, no torch.
+"""The run's forecast cost, and the recipe's `budget:` checked against it before anything runs (`plan`'s cost row,
+`plan --json`'s `forecast`). Values and one-line refusals; nothing printed, no torch.
 
-The forecast is the plan's predicted time (predicted_time.py) x its GPUs, from the probe's measured step time
-(`measured`) or the FLOPs model on a datasheet peak (`datasheet`). Money is the GPU-hours x the price of one, which
-only the user gives (`plan --price`, or `budget.price`): no price is shipped as a fact.
-
-A forecast beyond the budget is refused with the cheapest exact way that fits, when one does: another split or GPU
-count. On measured step times a split costs its micro-batch's time per sample (throughput/cost.py; the all-reduce
-not counted), so a GPU count changes the GPU-hours only through the micro-batches its share allows. The FLOPs
-model's GPU-hours are the same for every split and count, so there nothing else fits.
+The forecast is the predicted time (predicted_time.py) x the GPUs, from the probe's measured step (`measured`) or
+the FLOPs model (`datasheet`); money is GPU-hours x the price the user gives (`--price`, `budget.price`): none is
+shipped. Beyond the budget, the refusal names the cheapest exact split or GPU count that fits: on measured times a
+split costs its micro-batch's time per sample (cost.py; the all-reduce not counted), so a GPU count changes the
+GPU-hours only through the micro-batches it allows; the FLOPs model's are the same for every split and count.
 """
 
 from __future__ import annotations
@@ -40,10 +37,8 @@ class Way:
 
 
 def forecast(plan: Plan, result: ProbeResult | None, prediction: dict, price: float | None = None) -> dict:
-    """`plan --json`'s `forecast`: the whole run's GPU-hours and money, their basis, and the budget's verdict.
-
-    Raises the one-line UserError of a budget the forecast exceeds (naming what fits), or of a money budget with no
-    price to count it in."""
+    """`plan --json`'s `forecast`: the run's GPU-hours and money, their basis, and the budget's verdict; a budget
+    exceeded (naming what fits), or a money budget without a price, is a UserError."""
     check_price(price)
     budget = plan.recipe.budget
     gpu_hours = prediction.get("gpu_hours")
@@ -95,8 +90,7 @@ def at_least(out: dict, gpu_hours: float) -> str:
 
 def over_budget_line(plan: Plan, out: dict, limit: float, ways: list[Way], fitting: list[Way],
                      prediction: dict) -> str:
-    """The refusal: the forecast against the budget, on what basis, and the cheapest way that fits or that none
-    does."""
+    """The refusal: the forecast against the budget, its basis, and the cheapest way that fits, or none."""
     budget = plan.recipe.budget
     assert budget is not None
     spent = f"{hours(out['gpu_hours'])} GPU-hours"
@@ -190,15 +184,11 @@ def money_text(value: float, currency: str | None) -> str:
     return shown + (f" {currency}" if currency else "")
 
 
-def paper_forecast_cell(forecast: dict) -> str:
-    """The paper column's cost: the same model on the paper's own hardware, when stated."""
-    if forecast["paper_gpu_hours"] is None:
-        return ""
-    return f"{hours(forecast['paper_gpu_hours'])} GPU-hours ({forecast['paper_basis']})"
-
-
-def forecast_cell(forecast: dict) -> str:
-    """The plan table's `cost (forecast)` cell: GPU-hours on their basis, the money, the budget's verdict."""
+def forecast_cells(forecast: dict) -> tuple[str, str]:
+    """The plan table's `cost (forecast)` cells: the same model on the paper's own hardware, when stated; this
+    plan's GPU-hours on their basis, the money, the budget's verdict."""
+    paper = "" if forecast["paper_gpu_hours"] is None else (
+        f"{hours(forecast['paper_gpu_hours'])} GPU-hours ({forecast['paper_basis']})")
     if forecast["gpu_hours"] is None:
         text = "unknown (no predicted time: give --gpu NAME, or probe with --meter cuda or cpu)"
     else:
@@ -215,4 +205,4 @@ def forecast_cell(forecast: dict) -> str:
             + ([money_text(budget["money"], forecast["currency"])] if "money" in budget else []))
         verdict = {True: "within", False: "OVER", None: "not checked"}[forecast["within_budget"]]
         text += f"\nbudget {allowed}: {verdict}"
-    return text
+    return paper, text

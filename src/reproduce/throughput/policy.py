@@ -1,10 +1,7 @@
-"""`--policy throughput`: the exact split with the most samples per second, its timings gathered.
-
-The timing and the choice are pure (splits.py); here the steps are run. With the cuda or cpu meter, and without a
-probe (`--micro-batch-max`), every exact split is timed as `reproduce run` executes it on the probed device
-(split_steps.py; never the probe's trials: one step each, under the memory meter). With the estimate meter the FLOPs
-model (`splits.model_micro_step`) gives each split a time, and the plan says it is a model. Torch is imported only
-to time; nothing is printed (each timing's line goes to `on_note`).
+"""`--policy throughput`: the exact split with the most samples per second. The choice is pure (splits.py); here
+the steps run: with the cuda or cpu meter, or without a probe, every exact split is timed as `run` executes it on
+that device (split_steps.py); with the estimate meter the FLOPs model (`splits.model_micro_step`) times them, and
+the plan says so. Torch is imported only to time; each timing's line goes to `on_note`.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from typing import TYPE_CHECKING
 from ..errors import UserError
 from ..plan.planner import Plan, make_plan
 from ..plan.recipe import Recipe
-from ..plan.segments import micro_batch_cap
+from ..plan.segments import MicroBatchMax, micro_batch_cap
 from ..plan.weightfiles import WeightsRecord
 from ..probe.runner import ProbeResult
 from .predicted_time import DEFAULT_MFU
@@ -35,19 +32,15 @@ def check_phases(recipe: Recipe) -> None:
         raise UserError(PHASES)
 
 
-def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: int, world_size: int,
+def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatchMax, world_size: int,
                     dataset_size: int | dict | None, result: ProbeResult | None, data: Datasets | None = None,
                     keep_batchnorm: bool = True, assumed_mfu: float = DEFAULT_MFU, gpu: str | None = None,
                     on_note: Callable[[str], None] | None = None, budget_seconds: float = BUDGET_SECONDS,
                     weights: WeightsRecord | None = None, data_fingerprint: str | None = None) -> Plan:
-    """The exact plan whose split has the most samples per second (the decision under `plan.throughput`).
-
-    `gpu`: the --gpu named; without a probe (--micro-batch-max) the FLOPs model decides for that card.
-    `on_note`: given each timing's line as it is measured (nothing is printed here). `budget_seconds`: the bound on
-    the timed steps (splits.time_splits). `weights`, `data_fingerprint`: the records the plan keeps (make_plan).
-    """
+    """The exact plan whose split has the most samples per second (its decision in `plan.throughput`). `gpu`: without
+    a probe, the FLOPs model decides for that card; `on_note` gets each timing's line."""
     check_phases(recipe)
-    if isinstance(micro_batch_max, dict):  # (one maximum per sequence length: batch phases)
+    if not isinstance(micro_batch_max, int):  # (one maximum per sequence length: batch phases)
         raise UserError(PHASES)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("`policy` throughput: each process would time its own device and might choose another split; "

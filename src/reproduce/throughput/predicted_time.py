@@ -1,14 +1,11 @@
-"""The predicted wall time of a plan (`reproduce plan`'s `predicted_seconds`): on a device the probe measured, the
-measured step time x the steps; with `--gpu`, the FLOPs model with its assumed MFU stated; and the same model on the
-paper's own hardware (`batch.devices` x `batch.device`) when it is a GPU of the catalog with a datasheet peak, with
-or without --gpu (which changes only `predicted_seconds`). Values only, nothing printed. The FLOPs counter
-(probe/flops.py) imports torch; its count per sample is kept in the probe's cache, so planning the same recipe again
-imports no torch.
+"""The predicted wall time of a plan (`plan`'s `predicted_seconds`), values only: the probe's measured step time x
+the steps; with `--gpu`, the FLOPs model at a stated MFU; and the model on the paper's own hardware (`batch.devices`
+x `batch.device`) when the catalog has its peak. The FLOPs counter (probe/flops.py) imports torch; its count per
+sample is kept in the probe's cache, so planning a recipe again imports none.
 
-The FLOPs model: predicted seconds = optimizer steps x FLOPs per optimizer step / (devices x peak FLOP/s x MFU), with
-the model FLOPs counted once (forward and backward of every sample), the devices' datasheet peak for the run's
-precision (hardware/peaks.py), and an MFU that is assumed, stated and sourced (`DEFAULT_MFU`, or --mfu). A device
-whose peak is unknown has no prediction, never a made-up one.
+The FLOPs model: seconds = steps x FLOPs per step / (devices x peak FLOP/s x MFU): model FLOPs counted once
+(forward and backward), the datasheet peak for the precision (hardware/peaks.py), an assumed, sourced MFU
+(`DEFAULT_MFU`, or --mfu). A device with no known peak gets no prediction, never a made-up one.
 """
 
 from __future__ import annotations
@@ -90,14 +87,12 @@ def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assume
 
 
 def gpu_hours(seconds: float | None, gpus: int | None) -> float | None:
-    """GPUs x hours: what a run of `seconds` on `gpus` GPUs costs."""
     return seconds * gpus / 3600 if seconds is not None and gpus else None
 
 
 def _flops_model(entry, devices: int, key: str, samples: int | None, per_sample: float,
                 mfu: float) -> tuple[float | None, str, str, str | None]:
-    """The FLOPs model's time on `devices` x the catalog card `entry`: (seconds, its basis, the datasheet column,
-    why that column has no peak, or None when it has one)."""
+    """The FLOPs model on `devices` x `entry`: (seconds, basis, datasheet column, why it has no peak or None)."""
     on, peaks = on_card(key, entry.capability), peaks_of(entry.name)
     peak = peaks.flops(on) if peaks is not None else None
     shown = f"{peak / 1e12:g} TFLOP/s" if peak else "an unknown peak"

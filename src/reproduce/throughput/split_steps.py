@@ -1,11 +1,10 @@
-"""Whole optimizer steps of any exact split, timed as `reproduce run` executes them, for the throughput policy.
+"""Whole optimizer steps of any exact split, timed as `run` executes them, for the throughput policy.
 
-One model, optimizer and precision, built once by `train.setup.build` as the run builds them, serves every split
-(the weights' values do not change a step's time). A step of split m x N is train/step.py's `optimizer_step` over
-N `LazyMicroBatch`es of m, with the gradient noise scale measured and denormals flushed on the CPU, as the run does.
-Every split's k-th step takes the same samples (the k-th window of a fixed order), grouped as the run groups them
-under `data.packing` sorted or packed. The clock runs from building the window to the end of the update (CUDA
-synchronised), as the run's `seconds` per step. A split that runs out of memory is `NotTimed` (its memory freed).
+One model, optimizer and precision, built once by `train.setup.build`, serves every split (weight values do not
+change a step's time). A step of m x N is train/step.py's `optimizer_step` over N `LazyMicroBatch`es of m, with the
+noise scale measured and CPU denormals flushed, as in the run; every split's k-th step takes the same samples,
+grouped as `data.packing` groups them. The clock runs from the window's making to the update's end (CUDA
+synchronised). A split out of memory is `NotTimed`, its memory freed.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """The fastest exact split: how the splits are timed, and which to take. Pure Python, no torch.
 
-Among the exact splits m x N x W = the paper's batch with m <= the largest micro-batch that fits, the policy
-`throughput` takes the one whose whole optimizer step (N micro-steps, then the update) is shortest: each runs the
-same per-process batch. `time_splits` times them given a function that runs whole optimizer steps of a split and
-returns their seconds (throughput/split_steps.py, as `reproduce run` executes them):
-
-1. a warm-up step of each split, largest first (first calls, allocator growth: never counted);
-2. `REPEATS` rounds (at least `MIN_REPEATS`), each timing every split once in an order rotated each round, so a
-   busy spell of the machine slows every split alike instead of one; a repeat is one optimizer step, or the mean of
-   a few back to back when one step is shorter than `MIN_REPEAT_SECONDS` (timer and scheduler noise);
-3. each split's median step time, and its spread (`relative_spread`);
-4. the two fastest compared round by round (`paired`: the median of their rounds' ratios, which cancels the load
-   common to both, against twice its standard error, at least `NOISE_FLOOR`); when their difference is within that
-   noise, both are timed again for `RETIME_ROUNDS` more rounds, next to each other, and compared on all their
-   repeats. Still within it: indistinguishable, and the larger micro-batch is taken (fewer, larger kernels; the
-   optimizer step amortised over more samples).
-
-The cost of choosing is bounded by `BUDGET_SECONDS` of timed steps: warm-ups stop at `WARM_UP_SHARE` of it, then
-the splits with the slowest warm-up are left out (never the largest) and the rounds cut down to `MIN_REPEATS` until
-the rounds and a re-timing fit; a bound too small for that is exceeded, and the plan's `throughput.cost` says so.
+Of the exact splits m x N x W (m <= the largest that fits), `throughput` takes the one whose optimizer step is
+shortest (each runs the same per-process batch). `time_splits` times them by a function running whole steps
+(split_steps.py): (1) a warm-up step of each, largest first, never counted; (2) `REPEATS` rounds (at least
+`MIN_REPEATS`), each split once a round in a rotated order, so a busy spell slows all alike; a repeat is one step,
+or the mean of several when a step is under `MIN_REPEAT_SECONDS`; (3) each split's median and `relative_spread`;
+(4) the two fastest compared round by round (`paired`: the median of the rounds' ratios, cancelling the load both
+share, against twice its standard error, at least `NOISE_FLOOR`): within that noise they are re-timed side by side
+for `RETIME_ROUNDS` rounds, and still within it the larger micro-batch is taken (fewer, larger kernels; the
+optimizer step amortised over more samples). Choosing is bounded by `BUDGET_SECONDS` of timed steps: warm-ups stop
+at `WARM_UP_SHARE` of it, then the slowest splits are left out (never the largest) and the rounds cut to
+`MIN_REPEATS`; a smaller bound is exceeded, and the plan's `throughput.cost` says so.
 """
 
 from __future__ import annotations
@@ -189,7 +181,6 @@ def rates(micro_batch: int, step_seconds: float | None, sequence_length: int | N
 
 
 def exact_splits(per_rank_batch: int, cap: int) -> list[int]:
-    """The micro-batches m <= cap that divide the per-process batch, largest first."""
     return [m for m in range(min(cap, per_rank_batch), 0, -1) if per_rank_batch % m == 0]
 
 
@@ -206,8 +197,7 @@ class Decision:
     cost: dict | None = None  # Timings.cost(): what choosing cost (measured basis)
 
     def as_choice(self, device: str | None, micro_batch_max: int, note: str = "") -> ThroughputChoice:
-        """The record a plan keeps of this decision (`Plan.throughput`): where the splits were timed (None: a
-        model), the maximum it chose under, and `note` after the reason."""
+        """`Plan.throughput`'s record: where the splits were timed (None: a model), and `note` after the reason."""
         return ThroughputChoice(
             micro_batch=self.micro_batch, accumulation_steps=self.accumulation_steps, basis=self.basis,
             noise=self.noise, exact_splits=self.splits, reason=self.reason + note,
@@ -220,12 +210,9 @@ def choose(
     sequence_length: int | None, spreads: dict[int, float] | None = None, batchnorm_micro_batch: int | None = None,
     basis: str = "measured", micro_batch_max: int | None = None, timings: Timings | None = None,
 ) -> Decision:
-    """The exact split with the shortest optimizer step (`step_seconds`, the same per-process batch in each).
-
-    The two fastest are compared round by round when `timings` (`time_splits`'s, in place of `step_seconds` and
-    `spreads`) are given, else within their `spreads`: within the noise the larger micro-batch wins.
-    `batchnorm_micro_batch`, the paper's per-device batch, is kept whatever the timings say (BatchNorm statistics).
-    """
+    """The exact split with the shortest optimizer step. The two fastest are compared round by round with
+    `timings` (which replace `step_seconds` and `spreads`), else within their `spreads`: within the noise the larger
+    wins. `batchnorm_micro_batch`, the paper's per-device batch, is kept whatever the timings say."""
     if not splits:
         raise ValueError("no exact split to choose from")
     if timings is not None:
