@@ -171,7 +171,7 @@ def not_measured_reason(world_size: int, accumulation_steps: int, sharded: bool 
     """Why a run cannot measure the noise scale at all, or None (`accumulation_steps`: its largest N)."""
     if sharded:
         return ("FSDP's sharded parameters are outside the autograd graph, where the measurement's hooks would see "
-                "each micro-batch's gradient (see NoiseScale.parameters_to_watch)")
+                "each micro-batch's gradient")
     if world_size == 1 and accumulation_steps == 1:
         return ("one micro-batch per optimizer step on one process (accumulation 1) leaves no smaller batch to "
                 "compare the window with")
