@@ -28,7 +28,6 @@ from ..models import build_model, place
 from ..models.segmentation import output_of
 from ..plan.overlay import Change, overlay, variant
 from ..plan.planfile import load_plan
-from ..plan.planner import Plan
 from .optim.plateau import step_plateau
 from .setup import Setup, build, resolve_device
 
@@ -178,7 +177,7 @@ def evaluate_step(setup: Setup, step: int, micro_batch: int, workers: int | None
 
 
 def evaluate_run(run_dir: Path, data_path: str | None = None, eval_data_path: str | None = None,
-                 device: str = "auto", workers: int | None = None) -> tuple[Plan, dict]:
+                 device: str = "auto", workers: int | None = None) -> dict:
     """A finished run's model.pt evaluated again, without training: its plan.yaml's recipe and model (model.pt
     loaded as `--weights` loads it, after the run's BatchNorm conversion where its keys are the converted model's),
     its evaluation data (or `--data` / `--eval-data`), in batches of its micro-batch, so the metrics are the run's.
@@ -198,6 +197,5 @@ def evaluate_run(run_dir: Path, data_path: str | None = None, eval_data_path: st
     if data.eval is None or len(data.eval) == 0:
         raise UserError(f"{source}: the run's recipe has no evaluation data (data.eval_path, or a voc folder's "
                         "val list): give `eval_data_path` PATH")
-    plan = plan.model_copy(update={"recipe": recipe})
-    setup = build(plan, resolve_device(device), data=data)
-    return plan, evaluate(setup, workers=workers) or {}
+    setup = build(plan, resolve_device(device), data=data, recipe=recipe)
+    return evaluate(setup, workers=workers) or {}

@@ -16,6 +16,7 @@ from ..models import build_model, count_batchnorm, place, to_sync
 from ..models.segmentation import backbone_report
 from ..plan.batchnorm import label_disagreement
 from ..plan.planner import Plan
+from ..plan.recipe import Recipe
 from .distributed import processes as distributed
 from .distributed.processes import World
 from .losses import build_loss
@@ -76,15 +77,16 @@ class Setup:
 
 
 def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, seed: int | None = None,
-          data: Datasets | None = None, world: World | None = None) -> Setup:
+          data: Datasets | None = None, world: World | None = None, recipe: Recipe | None = None) -> Setup:
     """Model, optimizer, scheduler, scaler, loss and data for `plan`, seeded for a reproducible start.
 
     Under several processes the model is wrapped in DistributedDataParallel, or sharded with FSDP2 when the recipe's
     `batch.sharding` is fsdp (every rank starts from the same seed, so from the same weights), with a hook that
     counts gradient synchronisations. One process builds the whole model whatever the sharding (the probe measures
-    that; `train` refuses FSDP on one process).
+    that; `train` refuses FSDP on one process). `recipe`: the plan's, or the same with other weights and data
+    (train/evaluation.evaluate_run: a finished run's model.pt).
     """
-    recipe = plan.recipe
+    recipe = recipe or plan.recipe
     world = world or World()
     data = data if data is not None else build_data(recipe)
     torch.manual_seed(recipe.seed if seed is None else seed)
