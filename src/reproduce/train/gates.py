@@ -30,6 +30,7 @@ from ..plan.gates import EXIT_PAUSED, PlannedGate, gate_by_name, outcome_line, p
 from ..storage.files import write_atomic
 from .distributed import processes as distributed
 from .evaluation import evaluate
+from .reporter import StepRecord
 
 __all__ = ["EXIT_PAUSED", "GatePaused", "GateWatch", "gate_checkpoint"]
 
@@ -247,13 +248,13 @@ def start_gates(run: Any) -> None:
                                      run.continue_with))
 
 
-def check_gates(run: Any, step: int, record: dict) -> list[dict]:
+def check_gates(run: Any, step: int, record: StepRecord) -> list[dict]:
     """After optimizer step `step` (from 0): the gates due there, measured (evaluating first when a gate watches
     the evaluation and the step has none), their events written after the step's record by `tell_gates`."""
     watch = run.gates
     if watch is None:
         return []
-    watch.observe(record)
+    watch.observe(record.line())
     due = bool(watch.due(step + 1))  # the same on every rank
     events = _check(run, watch, step, record)
     # several processes: rank 0 alone evaluates, so the ranks agree on whether this step checkpoints for a gate (a
@@ -264,8 +265,8 @@ def check_gates(run: Any, step: int, record: dict) -> list[dict]:
     return events
 
 
-def _check(run: Any, watch: GateWatch, step: int, record: dict) -> list[dict]:
-    found = run.reference.check(step + 1, record) if run.reference is not None else None
+def _check(run: Any, watch: GateWatch, step: int, record: StepRecord) -> list[dict]:
+    found = run.reference.check(step + 1, record.line()) if run.reference is not None else None
     if found is not None:
         if found["status"] == "paused" and REFERENCE_GATE in watch.accept:
             found["status"] = "accepted"
@@ -274,17 +275,18 @@ def _check(run: Any, watch: GateWatch, step: int, record: dict) -> list[dict]:
             watch.paused = found["name"]
     if not watch.due(step + 1):
         if found is not None:
-            record["gates"] = {found["name"]: found["status"]}
+            record.gates = {found["name"]: found["status"]}
         return [found] if found is not None else []
-    if watch.needs_evaluation(step + 1) and "eval_loss" not in record:
-        record.update(_evaluation(run, step))
+    if watch.needs_evaluation(step + 1) and "eval_loss" not in record.evaluation:
+        record.evaluation.update(_evaluation(run, step))
     spent = run.totals_before_resume["seconds"] + time.perf_counter() - run.started
     agree = (lambda value: _largest(value, run.setup.device)) if run.world.distributed else None
-    events = watch.check(step + 1, record, spent, run.world.size, agree) + ([found] if found is not None else [])
+    events = watch.check(step + 1, record.line(), spent, run.world.size, agree)
+    events += [found] if found is not None else []
     if found is not None and found["status"] == "paused":
         watch.paused = found["name"]
     if events:
-        record["gates"] = {event["name"]: event["status"] for event in events}
+        record.gates = {event["name"]: event["status"] for event in events}
     return events
 
 

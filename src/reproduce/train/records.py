@@ -10,50 +10,38 @@ from ..data.batches import DataClock
 from ..observe.noise import summarise
 from ..observe.outputs import read_metrics
 from ..plan.reported import compare_reported
+from .reporter import StepRecord
 from .run_state import Run
 from .step import StepResult
 from .windows import StepBatch, step_epoch
 
 
 def step_record(run: Run, step: int, batch: StepBatch, lr: float, result: StepResult, accumulation: int,
-                partial: bool, tick: float, clock: DataClock) -> dict:
+                partial: bool, tick: float, clock: DataClock) -> StepRecord:
     """Optimizer step `step`'s metrics record (without its evaluation), with the loader's and the divergence
     watch's warnings on the way."""
     world, main = run.world, run.world.is_main
-    record = {
-        "step": step + 1,
-        "epoch": round(step_epoch(run.plan, step), 6),
-        "lr": lr,
-        "loss": result.loss,
-        "grad_norm": result.grad_norm,
-        "samples": result.samples,
-        "tokens": result.tokens,
-        "items": result.count,
-        "micro_batch": run.micro_batch(step),
-        "accumulation_steps": accumulation,
-        "micro_batches": accumulation,
-        "world_size": world.size,
-        "partial": partial,
-        "skipped": not result.finite,
-        "seconds": round(time.perf_counter() - tick, 6),
-        "data_seconds": round(clock.seconds, 6),
-        "peak_memory_bytes": (int(torch.cuda.max_memory_allocated(run.setup.device))
-                              if run.setup.device.type == "cuda" else None),
-    }
+    record = StepRecord(
+        step=step + 1, epoch=round(step_epoch(run.plan, step), 6), lr=lr, loss=result.loss,
+        grad_norm=result.grad_norm, samples=result.samples, tokens=result.tokens, items=result.count,
+        micro_batch=run.micro_batch(step), accumulation_steps=accumulation, micro_batches=accumulation,
+        world_size=world.size, partial=partial, skipped=not result.finite,
+        seconds=round(time.perf_counter() - tick, 6), data_seconds=round(clock.seconds, 6),
+        peak_memory_bytes=(int(torch.cuda.max_memory_allocated(run.setup.device))
+                           if run.setup.device.type == "cuda" else None))
     tokens = run.window_tokens(step)
     if tokens is not None:  # input tokens, and those computed with padding, over every rank (data/packing.py)
-        record["useful_tokens"], record["padded_tokens"] = tokens
-    record.update(run.rates.fields(record, say=lambda note: run.reporter.message(f"note: {note}") if main else None))
-    slow_loader = run.watch.update(step + 1, clock.seconds, record["seconds"])
+        record.padding = {"useful_tokens": tokens[0], "padded_tokens": tokens[1]}
+    record.rates = run.rates.fields(record.line(),
+                                    say=lambda note: run.reporter.message(f"note: {note}") if main else None)
+    slow_loader = run.watch.update(step + 1, clock.seconds, record.seconds)
     if slow_loader and main:
         run.reporter.message(slow_loader)
-    if result.grad_syncs is not None:
-        record["grad_syncs"] = result.grad_syncs
+    record.grad_syncs = result.grad_syncs
     if batch.phase is not None:
-        record.update(phase=batch.phase + 1, effective_batch=batch.effective_batch,
-                      sequence_length=batch.sequence_length)
-    if result.noise:
-        record.update(result.noise)
+        record.phase = {"phase": batch.phase + 1, "effective_batch": batch.effective_batch,
+                        "sequence_length": batch.sequence_length}
+    record.noise = result.noise or {}
     return record
 
 

@@ -1,10 +1,10 @@
-"""What a run tells as it goes (the CLI's renderers, the trackers): the interface, the silent one, the run's start
-as data (`RunStart`: the trainer composes its lines from the plan, a reporter only shows them), and `Reporters`,
-which hands the same data to several consumers side by side."""
+"""What a run tells as it goes (the CLI's renderers, the trackers): the interface, the silent one, the run's start,
+step records and end as data (the trainer composes them, a reporter only shows them), and `Reporters`, which hands
+the same data to several consumers side by side."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -62,6 +62,50 @@ def run_start(plan: Plan, total_steps: int, first_step: int, parameters: tuple[i
         training=f"training {total_steps} optimizer steps{where}",
         rate_unit=("tokens/s" if recipe.batch.sequence_length else "useful tokens/s" if text else f"{plan.unit}/s"),
         accumulation_steps=plan.accumulation_steps)
+
+
+@dataclass
+class StepRecord:
+    """Optimizer step `step`'s record (train/records.step_record); `line()` is its metrics.jsonl line."""
+
+    step: int
+    epoch: float
+    lr: float
+    loss: float
+    grad_norm: float
+    samples: int
+    tokens: int
+    items: int  # the window's loss-bearing items, over every rank
+    micro_batch: int
+    accumulation_steps: int
+    micro_batches: int  # (= accumulation_steps: metrics.jsonl has both names)
+    world_size: int
+    partial: bool
+    skipped: bool  # not finite
+    seconds: float
+    data_seconds: float
+    peak_memory_bytes: int | None
+    padding: dict = field(default_factory=dict)  # useful_tokens, padded_tokens: text whose lengths are known
+    rates: dict = field(default_factory=dict)  # observe/rates.StepRates.fields
+    grad_syncs: int | None = None
+    phase: dict = field(default_factory=dict)  # phase, effective_batch, sequence_length: with batch phases
+    noise: dict = field(default_factory=dict)  # the noise scale's fields (observe/noise.py)
+    evaluation: dict = field(default_factory=dict)  # eval_* and plateau_lr, at an evaluation
+    gates: dict | None = None  # gate name -> status, at a gate's step (train/gates.py)
+
+    def line(self) -> dict:
+        """The fields above in their order, a group only where it has values."""
+        line = {f.name: getattr(self, f.name) for f in fields(self)[:17]}
+        line.update(self.padding)
+        line.update(self.rates)
+        if self.grad_syncs is not None:
+            line["grad_syncs"] = self.grad_syncs
+        line.update(self.phase)
+        line.update(self.noise)
+        line.update(self.evaluation)
+        if self.gates is not None:
+            line["gates"] = self.gates
+        return line
 
 
 def loss_text(value: float) -> str:
@@ -131,14 +175,14 @@ def done_line(summary: dict, skip_nonfinite: bool) -> str:
 
 class Reporter(Protocol):
     def start(self, start: RunStart) -> None: ...
-    def step(self, record: dict) -> None: ...
+    def step(self, record: StepRecord) -> None: ...
     def message(self, text: str) -> None: ...
     def finish(self, end: RunEnd) -> None: ...
 
 
 class SilentReporter:
     def start(self, start: RunStart) -> None: ...
-    def step(self, record: dict) -> None: ...
+    def step(self, record: StepRecord) -> None: ...
     def message(self, text: str) -> None: ...
     def finish(self, end: RunEnd) -> None: ...
 
@@ -159,7 +203,7 @@ class Reporters:
     def start(self, start: RunStart) -> None:
         self._each("start", start)
 
-    def step(self, record: dict) -> None:
+    def step(self, record: StepRecord) -> None:
         self._each("step", record)
 
     def message(self, text: str) -> None:

@@ -35,7 +35,7 @@ from .finish import finish_run
 from .gates import after_checkpoint, check_gates, tell_gates
 from .options import RunRequest
 from .records import run_summary, step_record
-from .reporter import Reporter, SilentReporter
+from .reporter import Reporter, SilentReporter, StepRecord
 from .run_state import Run
 from .start import start_run
 from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, StepResult, optimizer_step
@@ -185,8 +185,8 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
             if evaluation_due(setup, step + 1, done):  # the eval split's metrics, and the plateau decay's step
                 evaluate_into(run, step, record, done)
             gates = check_gates(run, step, record)  # the gates at this step (train/gates.py)
-            run.metrics.write(record)
-            run.last_record = record
+            run.last_record = record.line()
+            run.metrics.write(run.last_record)
             run.reporter.step(record)
             tell_gates(run, gates)
             if diverging and request.stop_on_divergence:  # its step logged; the checkpoint before it kept
@@ -283,12 +283,13 @@ def watch_divergence(run: Run, step: int, result: StepResult) -> str | None:
     return diverging
 
 
-def evaluate_into(run: Run, step: int, record: dict, done: bool) -> None:
+def evaluate_into(run: Run, step: int, record: StepRecord, done: bool) -> None:
     """The evaluation after `step` into its record (train/evaluation.py); a plateau decay's new LR reported."""
-    record.update(evaluate_step(run.setup, step + 1, run.micro_batch(step), run.workers, run.world.is_main))
-    if "plateau_lr" in record and not done:
+    record.evaluation.update(evaluate_step(run.setup, step + 1, run.micro_batch(step), run.workers,
+                                           run.world.is_main))
+    if "plateau_lr" in record.evaluation and not done:
         run.reporter.message(f"step {step + 1}: {run.plan.recipe.schedule.decay.metric} has not improved: plateau "
-                             f"decay, lr -> {record['plateau_lr']:.6g} from step {step + 2}")
+                             f"decay, lr -> {record.evaluation['plateau_lr']:.6g} from step {step + 2}")
 
 
 def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool, gate: bool = False) -> None:
