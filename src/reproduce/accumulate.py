@@ -70,8 +70,9 @@ class Accumulator:
       else sums (a model that is not wrapped: the caller reduces, by a sum).
     - `device`: where the count's all_reduce tensor lives (the model's first parameter's device by default: CUDA
       for NCCL, the CPU for gloo); `process_group`: the ranks the window spans (the default group).
-    - `skip_nonfinite`: a window whose loss or gradient norm is not finite leaves the weights alone (the scheduler
-      still steps); the window says so (`Window.finite`). Without a scaler only: a scaler skips such steps itself.
+
+    A window whose loss or gradient norm is not finite leaves the weights alone (the scheduler still steps) and
+    says so (`Window.finite`); a scaler skips such steps itself.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
@@ -197,31 +198,15 @@ class Window:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.world_size = int(torch.distributed.get_world_size(acc.process_group))
         distributed = self.world_size > 1
-        # 1. the window's loss-bearing items, over every rank, before any backward
-        if distributed:
+        if distributed:  # 1. the window's loss-bearing items, over every rank, before any backward
             totals = torch.tensor([self.count, self.samples or 0], dtype=torch.int64, device=acc.device)
             torch.distributed.all_reduce(totals, group=acc.process_group)
             self.count = int(totals[0])
             self.samples = int(totals[1]) if self.samples is not None else None
-        # window: the window's count over every rank, so the gradient is the large batch's mean. micro-batch-mean:
-        # the micro-batch's own count times the window's micro-batches and ranks (the Trainer's `loss /
-        # gradient_accumulation_steps` averaged by DDP over the ranks). An empty micro-batch's loss is 0 either way.
-        if acc.normalization == "window":
-            self.divisors = [max(self.count, 1)] * len(self.counts)
-        else:
-            self.divisors = [max(own, 1) * len(self.counts) * self.world_size for own in self.counts]
-        # whether the model's reduction divides by the world size (`gradient_reduction`): then divide by that much
-        # less here; `auto`: DDP's default hook averages, and FSDP2's default divide factor is the world size
-        if acc.gradient_reduction == "auto" and distributed:
-            averages = (not model._comm_hooks if isinstance(model, DistributedDataParallel) else
-                        hasattr(model, "set_requires_gradient_sync"))
-        else:
-            averages = acc.gradient_reduction == "mean" and distributed
-        if averages:
-            self.divisors = [divisor / self.world_size for divisor in self.divisors]
+        self.divisors = self._divisors()
         if self.observer is not None:
             self.observer.start_window(self.counts, self.count, self.samples or 0)
-        # accumulate locally until the last micro-batch: set before its forward (DDP decides in the forward)
+        # 2. accumulate locally until the last micro-batch: set before its forward (DDP decides in the forward)
         if len(self.counts) > 1 and distributed and not acc.sync_every_micro_batch:
             if isinstance(model, DistributedDataParallel):
                 self._paused_sync.enter_context(model.no_sync())
@@ -229,6 +214,24 @@ class Window:
                 model.set_requires_gradient_sync(False)  # type: ignore[operator]
                 self._paused_sync.callback(model.set_requires_gradient_sync, True)  # type: ignore[arg-type]
         return self
+
+    def _divisors(self) -> list[float]:
+        """What each micro-batch's summed loss is divided by. `window`: the window's count over every rank, so the
+        gradient is the large batch's mean; `micro-batch-mean`: the micro-batch's own count times the window's
+        micro-batches and ranks (the Trainer's `loss / gradient_accumulation_steps`, averaged by DDP). An empty
+        micro-batch's loss is 0 either way. Divided by the world size less when the model's reduction averages
+        (`gradient_reduction`; `auto`: DDP's default hook and FSDP2's default divide factor do)."""
+        acc, model, ranks = self.accumulator, self.accumulator.model, self.world_size
+        if acc.normalization == "window":
+            divisors = [max(self.count, 1)] * len(self.counts)
+        else:
+            divisors = [max(own, 1) * len(self.counts) * ranks for own in self.counts]
+        if acc.gradient_reduction == "auto" and ranks > 1:
+            averages = (not model._comm_hooks if isinstance(model, DistributedDataParallel) else
+                        hasattr(model, "set_requires_gradient_sync"))
+        else:
+            averages = acc.gradient_reduction == "mean" and ranks > 1
+        return [divisor / ranks for divisor in divisors] if averages else divisors
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Back-propagate one micro-batch's summed loss divided by the window's global count (`divisors`);
