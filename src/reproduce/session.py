@@ -324,9 +324,9 @@ def checked_run(request: RunRequest, processes: int, resume: bool) -> tuple[Reci
                                       out=request.out)
     if recipe.model.batchnorm == "sync":  # refused before anything is built or launched: one process, or no CUDA
         from .train.distributed.processes import World
-        from .train.setup import check_batchnorm, resolve_device
+        from .train.setup import check_sync_batchnorm, resolve_device
 
-        check_batchnorm("sync", World(size=processes), resolve_device(request.device))
+        check_sync_batchnorm(World(size=processes), resolve_device(request.device))
     check_sharding(recipe, processes)
     # with FSDP and no micro-batch maximum given, a probe that measures the whole unsharded model on one device (the
     # cuda and cpu meters) does not measure what one rank holds

@@ -2,7 +2,7 @@
 
 And what a checkpoint records of the plan it was trained with: `computation(plan)` is the plan as every field that
 changes what the run computes, flattened to dotted paths (the recipe's fields, the schedule in optimizer steps, the
-segments' batches, LRs and schedules, the epoch): each checkpoint keeps it (`as_record`, train/checkpoint.py). A resume
+segments' batches, LRs and schedules, the epoch): each checkpoint keeps it (`as_record`, train/resume.py). A resume
 whose plan differs from it in any field is refused, naming the fields (`changed_fields`): a plan.yaml edited by hand,
 or a flipped bit that still parses, never trains a different model silently. Left out are the fields a resume may
 change on purpose by its own explicit way, which keeps the large-batch updates exact (the micro-batch and accumulation

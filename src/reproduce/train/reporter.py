@@ -4,6 +4,7 @@ the same data to several consumers side by side."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
@@ -200,11 +201,9 @@ class Reporters:
             for line in getattr(consumer, method)(value) or ():
                 self.message(line)
 
-    def start(self, start: RunStart) -> None:
-        self._each("start", start)
-
-    def step(self, record: StepRecord) -> None:
-        self._each("step", record)
+    start = functools.partialmethod(_each, "start")
+    step = functools.partialmethod(_each, "step")
+    finish = functools.partialmethod(_each, "finish")
 
     def message(self, text: str) -> None:
         for consumer in self.consumers:
@@ -218,6 +217,3 @@ class Reporters:
                     self.message(line)
             else:
                 consumer.message(outcome_line(event))
-
-    def finish(self, end: RunEnd) -> None:
-        self._each("finish", end)

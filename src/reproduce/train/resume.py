@@ -1,17 +1,26 @@
-"""Resuming a run: the state its checkpoint hands back, and what the run did before this call; and a finished
-run's end, checked against its last checkpoint rather than trusted.
+"""Checkpoints, and resuming a run from one; a finished run's end checked against its last checkpoint.
 
-The last checkpoint of a run is written after its last step, before its end (model.pt, loss.svg, summary.json), and
-holds what that end is made of: the model, metrics.jsonl (`metrics`) and summary.json itself (`extra["summary"]`,
-computed there: trainer.checkpoint_or_stop). So `end_problem` can tell whether the end on disk is the run's, file by
-file (cut, garbled, `{}`, valid JSON with other content, another model), and a resume at the last step writes what
-differs again, byte for byte what the uninterrupted run wrote (finish.finish_run). A checkpoint written before it
-kept the summary gets the older check (`outputs.missing_final_outputs`: present, of its step, whole).
+`checkpoints/last.pt` holds the step, scheduler, scaler, RNG states and metrics.jsonl so far, written atomically (a
+crash leaves the previous one whole) and loaded with `weights_only=True`. Unsharded runs keep the model and optimizer
+in it (rank 0 writes it). Sharded (FSDP) runs save them with torch.distributed.checkpoint into
+`checkpoints/sharded-step-N/`, each rank its own shards; last.pt names that folder and is renamed into place only
+after every rank has written. DCP reshards on load: a run can resume on another number of processes.
+
+The last checkpoint is written after the last step, before the run's end (model.pt, loss.svg, summary.json), and
+holds what that end is made of (the model, metrics.jsonl, summary.json in `extra["summary"]`). So `end_problem` can
+tell whether the end on disk is the run's, file by file, and a resume at the last step writes what differs again,
+byte for byte (records.finish_run). A checkpoint from before it kept the summary gets the older check
+(`outputs.missing_final_outputs`: present, of its step, whole).
 """
 
 from __future__ import annotations
 
 import json
+import pickle
+import random
+import shutil
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,13 +28,12 @@ import torch
 
 from ..errors import UserError
 from ..observe.noise import NoiseScale
-from ..observe.outputs import loss_document, missing_final_outputs, read_metrics
+from ..observe.outputs import SHARDED_PREFIX, loss_document, missing_final_outputs, read_metrics
 from ..observe.reference import DivergenceWatch
 from ..plan.planfile import changed_fields
 from ..plan.planner import Plan
 from ..plan.segments import batch_phase
-from ..storage.files import check_torch_file
-from .checkpoint import kept_metrics, load_checkpoint, read_torch_file
+from ..storage.files import check_torch_file, file_digest, write_torch_file
 from .setup import Setup
 
 END_FIELDS = ("adapter", "merged", "plot")  # what finish_run adds to the checkpoint's summary: paths under --out
@@ -93,39 +101,29 @@ def already_run(out: Path, first_step: int, total: int, max_steps: int | None, p
     return f"`resume`: {out} has already run {first_step} of {total} optimizer steps; nothing to do"
 
 
-def last_record(out: Path, state: dict | None, first_step: int) -> dict:
-    """The record of the checkpoint's step (summary.json's `final` when a resume only writes the run's end again):
-    kept in the checkpoint, or read from metrics.jsonl when the checkpoint has none."""
-    if state is None:
-        return {}
-    if "last_record" in state["extra"]:
-        return state["extra"]["last_record"]
-    records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r and r.get("step") == first_step]
-    return records[-1] if records else {}
-
-
-def earlier_segments(out: Path, state: dict | None, first_step: int) -> tuple[dict, DivergenceWatch]:
-    """What the run did before this call (seconds, samples, tokens; zeros for a fresh run) and its divergence
-    watch, from the checkpoint, or from metrics.jsonl when it has no `run_totals` or `divergence`."""
+def earlier_segments(out: Path, state: dict | None, first_step: int) -> tuple[dict, DivergenceWatch, dict]:
+    """What the run did before this call (seconds, samples, tokens; zeros for a fresh run), its divergence watch,
+    and the record of the checkpoint's step (summary.json's `final` when a resume only writes the run's end again):
+    from the checkpoint, or from metrics.jsonl when it has no `run_totals`, `divergence` or `last_record`."""
     totals = {"seconds": 0.0, "samples": 0, "tokens": 0}
     if state is None:
-        return totals, DivergenceWatch()
-    extra = state["extra"]
-    records = None
+        return totals, DivergenceWatch(), {}
+    extra, records = state["extra"], []
+    if not {"run_totals", "divergence", "last_record"} <= extra.keys():
+        records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r and r.get("step", 0) <= first_step]
     if "run_totals" in extra:
         totals.update(extra["run_totals"])
     else:
-        records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r and r.get("step", 0) <= first_step]
         totals = {"seconds": sum(r.get("seconds", 0.0) for r in records),
                   "samples": sum(r.get("samples", 0) for r in records),
                   "tokens": sum(r.get("tokens", 0) for r in records)}
     if "divergence" in extra:
         watch = DivergenceWatch()
         watch.load_state_dict(extra["divergence"])
-        return totals, watch
-    if records is None:
-        records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r and r.get("step", 0) <= first_step]
-    return totals, DivergenceWatch.from_records(records)
+    else:
+        watch = DivergenceWatch.from_records(records)
+    last = [r for r in records if r.get("step") == first_step]
+    return totals, watch, extra["last_record"] if "last_record" in extra else last[-1] if last else {}
 
 
 def kept_summary(state: dict | None) -> dict | None:
@@ -222,3 +220,145 @@ def finished_state(out: Path, max_steps: int | None, planned: int | None) -> tup
         if problem is not None:
             return "unfinished", f"a finished run whose end is not whole ({problem})"
     return "finished", f"{step} of {planned} optimizer steps run"
+
+
+def save_checkpoint(setup: Setup, path: Path, step: int, metrics: bytes, extra: dict) -> None:
+    """Atomically: write a temporary file, then rename over the previous checkpoint. Called on every rank (rank 0
+    alone writes an unsharded checkpoint; a sharded one needs every rank's shards). `metrics`: metrics.jsonl as
+    written so far, kept (compressed) so that a resume never depends on the file (observe/outputs.MetricsLog)."""
+    if not (setup.world.is_main or setup.sharded):
+        return
+    state = {
+        "step": step,
+        "scheduler": setup.scheduler.state_dict(),
+        "scaler": setup.scaler.state_dict() if setup.scaler else None,
+        "rng_torch": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state_all() if setup.device.type == "cuda" else None,
+        "rng_python": list(random.getstate()[1]),
+        "metrics_offset": len(metrics),
+        "metrics": torch.frombuffer(bytearray(zlib.compress(metrics)), dtype=torch.uint8),
+        "micro_batch": extra.get("micro_batch"),
+        "world_size": setup.world.size,
+        "extra": extra,
+    }
+    if setup.sharded:
+        state["sharded"] = _save_sharded(setup, path.parent, step)
+        if setup.world.is_main:  # each shard file's SHA-256, in last.pt (sealed): checked before a resume loads them
+            folder = path.parent / state["sharded"]
+            state["sharded_digests"] = {str(p.relative_to(folder)): file_digest(p)
+                                        for p in sorted(folder.rglob("*")) if p.is_file()}
+    else:
+        state.update(model=setup.unwrapped_model.state_dict(), optimizer=setup.optimizer.state_dict())
+    if not setup.world.is_main:
+        return
+    write_torch_file(path, lambda handle: torch.save(state, handle))  # sealed: its SHA-256 in its zip comment
+    if setup.sharded:  # only now is the previous sharded folder no longer named by last.pt
+        for old in path.parent.glob(f"{SHARDED_PREFIX}*"):
+            if old.name != state["sharded"]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _save_sharded(setup: Setup, folder: Path, step: int) -> str:
+    """Every rank writes its shards of the model and optimizer into a new folder; returns the folder's name."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from .distributed import processes as distributed
+
+    name = f"{SHARDED_PREFIX}{step:08d}"
+    if setup.world.is_main:
+        shutil.rmtree(folder / name, ignore_errors=True)  # left by a run killed while saving this same step
+        folder.mkdir(parents=True, exist_ok=True)
+    distributed.barrier(setup.world)
+    model_state, optimizer_state = get_state_dict(setup.model, setup.optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / name)
+    distributed.barrier(setup.world)  # every rank's shards are on disk before rank 0 points last.pt at them
+    return name
+
+
+def load_checkpoint(setup: Setup, path: Path, check: Callable[[dict], None] | None = None) -> dict:
+    """The checkpoint's state, loaded into `setup`; a damaged file (a byte that differs from its SHA-256 seal, or a
+    record from its stored checksum) is refused in one line, never trained on. `check(state)`: what must hold
+    before anything is loaded (the plan it was trained with: train/resume.py)."""
+    state = read_torch_file(path, "`resume`", setup.device)
+    if check is not None:
+        check(state)
+    sharded = state.get("sharded")
+    if bool(sharded) != setup.sharded:
+        was, now = ("fsdp", "none") if sharded else ("none", "fsdp")
+        raise UserError(f"{path} was written by a run with sharding {was}; this one has {now}", field="resume")
+    if sharded:
+        _load_sharded(setup, path.parent / sharded, state.get("sharded_digests"))
+    else:
+        setup.unwrapped_model.load_state_dict(state["model"])
+        setup.optimizer.load_state_dict(state["optimizer"])
+    setup.scheduler.load_state_dict(state["scheduler"])
+    if setup.scaler and state["scaler"]:
+        setup.scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(state["rng_torch"].cpu())
+    if state["rng_cuda"] is not None and setup.device.type == "cuda":
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["rng_cuda"]])
+    random.setstate((3, tuple(state["rng_python"]), None))
+    return state
+
+
+def read_torch_file(path: Path, option: str, device: torch.device | str = "cpu") -> dict:
+    """A torch file reproduce wrote (a checkpoint, model.pt), checked against its stored checksums first; one line
+    naming `option` and the file when it is damaged or not one of ours (never torch's advice to unpickle code)."""
+    damaged = check_torch_file(path)
+    if damaged:
+        raise UserError(f"{option}: {path} is {damaged}" if damaged.startswith("damaged") else
+                        f"{option}: {path}: {damaged}")
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:
+        raise UserError(f"{option}: {path}: holds Python objects besides tensors: not a file reproduce wrote, and it "
+                        "is not unpickled") from None
+    except Exception as exc:
+        raise UserError(f"{option}: {path}: cannot load: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(state, dict):
+        raise UserError(f"{option}: {path}: holds a {type(state).__name__}, not a checkpoint")
+    return state
+
+
+def kept_metrics(state: dict) -> bytes | int:
+    """metrics.jsonl as the checkpoint kept it, or its length when the checkpoint holds only `metrics_offset`."""
+    kept = state.get("metrics")
+    return zlib.decompress(kept.cpu().numpy().tobytes()) if kept is not None else state["metrics_offset"]
+
+
+def _load_sharded(setup: Setup, folder: Path, digests: dict | None = None) -> None:
+    """Each rank reads the shards it now owns (DCP reshards when the number of processes changed), once every shard
+    file matches the SHA-256 last.pt keeps of it (`digests`; each rank checks its share, all agree)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from .distributed import processes as distributed
+
+    if not folder.is_dir():
+        raise UserError(f"{folder} (named by last.pt) is missing: the sharded checkpoint cannot be read",
+                        field="resume")
+    if digests:
+        world = setup.world
+        names = sorted(digests)[world.rank::world.size]
+        bad = next((name for name in names if not (folder / name).is_file()
+                    or file_digest(folder / name) != digests[name]), None)
+        if distributed.any_rank(world, bad is not None, setup.device):
+            raise UserError(f"{folder / bad if bad else folder}: " + (
+                "damaged or missing: it does not match the SHA-256 last.pt keeps of it" if bad else
+                "a shard file is damaged or missing (another rank found it)"), field="resume")
+    model_state, optimizer_state = get_state_dict(setup.model, setup.optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(setup.model, setup.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+
+
+def full_model_state(setup: Setup) -> dict:
+    """The model's own `state_dict`, unsharded (FSDP: gathered once, onto rank 0's CPU; every rank must call this);
+    what model.pt holds, loadable into a fresh unsharded model."""
+    if not setup.sharded:
+        return setup.unwrapped_model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(setup.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

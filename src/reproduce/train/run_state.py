@@ -25,6 +25,8 @@ from .resume import Resumed
 from .setup import Setup
 from .windows import micro_batch_at, padding_over, window
 
+COUNTERS = ("samples", "tokens", "partial_windows", "skipped_nonfinite", "out_of_memory")  # this call's, summed
+
 
 @dataclass(kw_only=True)
 class Run:
@@ -47,8 +49,7 @@ class Run:
     started: float = field(default_factory=time.perf_counter)  # at the first step
     last_checkpoint: float = field(default_factory=time.perf_counter)  # at the last checkpoint (or the start)
     waited: float = 0.0  # seconds the steps waited for data
-    counters: dict = field(default_factory=lambda: {
-        "samples": 0, "tokens": 0, "partial_windows": 0, "skipped_nonfinite": 0, "out_of_memory": 0})
+    counters: dict = field(default_factory=functools.partial(dict.fromkeys, COUNTERS, 0))
     last_record: dict = field(default_factory=dict)
     stream: MicroBatchStream | None = None
     grouping: Grouping | None = None  # data.packing sorted / packed (data/packing.py)

@@ -33,11 +33,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def check_batchnorm(mode: str, world: World, device: torch.device) -> None:
+def check_sync_batchnorm(world: World, device: torch.device) -> None:
     """`sync` needs several CUDA processes: torch.nn.SyncBatchNorm runs on CUDA only, and one process has nothing to
     synchronise with."""
-    if mode != "sync":
-        return
     if not world.distributed:
         raise UserError("sync normalises over the micro-batches of several processes, and this run has one: launch "
                         "it with `world_size` N on N GPUs, or give `batchnorm` keep | frozen | group",
@@ -91,9 +89,9 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
     data = data if data is not None else build_data(recipe)
     torch.manual_seed(recipe.seed if seed is None else seed)
     model = place(build_model(recipe, data.info), recipe, device, dtype)  # model.dtype kept in float32 runs
-    # what the run says about BatchNorm at its start: the plan's choice, and a label the built model disagrees with;
-    # `sync` refused where it cannot run
-    check_batchnorm(recipe.model.batchnorm, world, device)
+    if recipe.model.batchnorm == "sync":  # refused where it cannot run
+        check_sync_batchnorm(world, device)
+    # what the run says about BatchNorm at its start: the plan's choice, and a label the built model disagrees with
     notes, layers = [], count_batchnorm(model)
     if plan.batchnorm is not None:
         notes.append(plan.batchnorm.summary)

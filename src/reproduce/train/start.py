@@ -31,7 +31,7 @@ from .gates import resume_source, start_gates
 from .optim.plateau import check_plateau
 from .options import RunRequest
 from .reporter import Reporter, run_start
-from .resume import Resumed, earlier_segments, last_record, resume_run
+from .resume import Resumed, earlier_segments, resume_run
 from .run_state import Run
 from .setup import build, resolve_device
 from .windows import grouping_line, micro_batch_at
@@ -97,14 +97,14 @@ def start_run(plan: Plan, request: RunRequest, world: World, data: Datasets | No
     faults.at("start")  # (the tests' exact point: set up, plan.yaml written, no step yet)
     parameters = count_parameters(setup.unwrapped_model)
     reporter.start(run_start(plan, total, resumed.first_step, parameters))  # the start's lines, as data
-    before_resume, divergence = earlier_segments(out, resumed.state, resumed.first_step)
+    # (a resume at the last step: its record is the end's `final`)
+    before_resume, divergence, last = earlier_segments(out, resumed.state, resumed.first_step)
     setup.model.train()
     # (its clocks start now: checkpoints every K steps when asked, else every CHECKPOINT_SECONDS, and at the end)
     run = Run(out=out, request=request, reporter=reporter, setup=setup, train_set=train_set, size=size,
               total=total, resumed=resumed, noise=noise, metrics=metrics, rates=rates,
               noise_scale_skipped_because=noise_skipped, totals_before_resume=before_resume, divergence=divergence,
-              grouping=grouping, lengths=lengths, continue_with=continue_with)
-    run.last_record = last_record(out, resumed.state, resumed.first_step)  # (a resume at the last step: the end's)
+              grouping=grouping, lengths=lengths, continue_with=continue_with, last_record=last)
     start_gates(run)  # the recipe's gates (train/gates.py): a gate the run paused at is checked again here
     return run
 

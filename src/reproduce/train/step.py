@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -31,33 +30,27 @@ class StepResult:
     noise: dict | None = None  # the noise scale's fields for the metrics record (observe/noise.py)
 
 
-def window_counts(loss_fn: Any, micro_batches: list) -> tuple[list[int], int]:
-    """(loss-bearing items of each micro-batch, samples) of this rank's window, fetched only when needed: a lazy
-    window's are known without fetching it when every sample bears loss (classification), or the dataset counts
-    each sample's target tokens from an index built once, or its valid pixels from its mask alone, cut as the
-    loader cuts it (data/segmentation.py)."""
-    lazy = all(isinstance(m, LazyMicroBatch) for m in micro_batches)  # its samples: a packed row holds several
-    if lazy:
-        samples = sum(len(m.indices) for m in micro_batches)
-        if isinstance(loss_fn, SampleLoss):
-            return [len(m.indices) for m in micro_batches], samples
-        if isinstance(loss_fn, (TokenLoss, PixelLoss)):
-            counts = [m.known_count() for m in micro_batches]
-            if None not in counts:
-                return counts, samples
-    targets = [m.targets() if isinstance(m, LazyMicroBatch) else m[1] for m in micro_batches]
-    samples = sum(len(m.indices) for m in micro_batches) if lazy else sum(len(t) for t in targets)
-    return [loss_fn.count(t) for t in targets], samples
-
-
 def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None = None) -> StepResult:
     """One optimizer step over a window of micro-batches: (inputs, targets) on the device, or LazyMicroBatch.
 
     `noise`, when given, measures the gradient noise scale on the way; it only reads the gradients.
     """
     model, loss_fn = setup.model, setup.loss
-    # 1. the window's loss-bearing items, over every rank, before any backward (the window's all_reduce)
-    counts, samples = window_counts(loss_fn, micro_batches)
+    # 1. the window's loss-bearing items, over every rank, before any backward (the window's all_reduce). A lazy
+    # window's are known without fetching it when every sample bears loss (classification), or the dataset counts
+    # each sample's target tokens from an index built once, or its valid pixels from its mask alone
+    # (data/segmentation.py); a packed row holds several samples
+    lazy = all(isinstance(m, LazyMicroBatch) for m in micro_batches)
+    counts = None
+    if lazy and isinstance(loss_fn, SampleLoss):
+        counts = [len(m.indices) for m in micro_batches]
+    elif lazy and isinstance(loss_fn, (TokenLoss, PixelLoss)):
+        counts = [m.known_count() for m in micro_batches]
+        counts = None if None in counts else counts
+    if counts is None:
+        targets = [m.targets() if isinstance(m, LazyMicroBatch) else m[1] for m in micro_batches]
+        counts = [loss_fn.count(t) for t in targets]
+    samples = sum(len(m.indices) for m in micro_batches) if lazy else sum(len(t) for t in targets)
     last = len(micro_batches) - 1
     loaded = None  # the micro-batch in use, kept until the next is loaded (the last: through step 3), as in one loop
     # the run's exact window (the library's `reproduce.Accumulator`): the recipe's clipping and loss normalization;

@@ -1,7 +1,7 @@
 """The training run: the plan's optimizer steps, checkpoints, metrics, signals and out-of-memory handling.
 
 Each optimizer step is `step.optimizer_step` over the window `windows.window` gives it; everything a run
-needs is built by `setup.build`, at the run's start (`start.start_run`); its end is `finish.finish_run`.
+needs is built by `setup.build`, at the run's start (`start.start_run`); its end is `records.finish_run`.
 """
 
 from __future__ import annotations
@@ -27,15 +27,14 @@ from ..plan.sharding import check_sharding
 from ..storage import lock, signals
 from ..storage.aside import Previous, setting_aside, settle
 from ..storage.files import WriteFailed
-from .checkpoint import save_checkpoint
 from .distributed import processes as distributed
 from .distributed.processes import World
 from .evaluation import evaluate_step, evaluation_due
-from .finish import finish_run
 from .gates import after_checkpoint, check_gates, tell_gates
 from .options import RunRequest
-from .records import run_summary, step_record
+from .records import finish_run, run_summary, step_record
 from .reporter import Reporter, SilentReporter, StepRecord
+from .resume import save_checkpoint
 from .run_state import Run
 from .start import start_run
 from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, StepResult, optimizer_step
@@ -44,41 +43,20 @@ from .windows import StepBatch, smaller_micro_batch, step_batch
 if TYPE_CHECKING:
     from ..data import Datasets
 
-__all__ = ["Reporter", "RunRequest", "SilentReporter", "StopSignals", "read_metrics", "train"]
+__all__ = ["Reporter", "RunRequest", "SilentReporter", "read_metrics", "train"]
 
 CHECKPOINT_SECONDS = 300.0
 
 
-class StopSignals:
-    """SIGINT / SIGTERM set a flag; the loop finishes its optimizer step, checkpoints, and stops. The handlers are
-    the command's (storage/signals.py: deferred here), or installed for the loop alone (a library caller)."""
-
-    def __init__(self) -> None:
-        self.sections: list = []
-
-    @property
-    def received(self) -> int | None:
-        return signals.pending()
-
-    def __enter__(self) -> StopSignals:
-        self.sections = [signals.guard(), signals.deferred()]
-        for section in self.sections:
-            section.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for section in reversed(self.sections):
-            section.__exit__(None, None, None)
-        self.sections = []
-
-    def agreed(self, world: World, device: torch.device, due: bool = False) -> tuple[int | None, bool]:
-        """The signal any rank received, and whether any rank's checkpoint is due: all ranks stop, and save (a
-        sharded checkpoint needs every rank), after the same step."""
-        if not world.distributed:
-            return self.received, due
-        flags = torch.tensor([self.received or 0, int(due)], dtype=torch.int64, device=device)  # NCCL: CUDA only
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        return int(flags[0]) or None, bool(flags[1])
+def agreed_stop(world: World, device: torch.device, due: bool = False) -> tuple[int | None, bool]:
+    """The SIGINT / SIGTERM any rank received (storage/signals.py: deferred in the loop), and whether any rank's
+    checkpoint is due: all ranks stop, and save (a sharded checkpoint needs every rank), after the same step."""
+    received = signals.pending()
+    if not world.distributed:
+        return received, due
+    flags = torch.tensor([received or 0, int(due)], dtype=torch.int64, device=device)  # NCCL: CUDA only
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    return int(flags[0]) or None, bool(flags[1])
 
 
 def train(plan: Plan, request: RunRequest, *, data: Datasets | None = None, reporter: Reporter | None = None,
@@ -140,9 +118,12 @@ def train_checked(plan: Plan, request: RunRequest, world: World, *, data: Datase
 
 def _train_steps(run: Run, previous: Previous | None) -> None:
     plan, request = run.plan, run.request
-    setup, stop, restore = run.setup, StopSignals(), cpu_compute(run)
+    # SIGINT / SIGTERM set a flag (the command's handlers, or installed for the loop alone: a library caller); the
+    # loop finishes its optimizer step, checkpoints, and stops
+    setup, stop, restore = run.setup, contextlib.ExitStack(), cpu_compute(run)
     try:
-        stop.__enter__()
+        stop.enter_context(signals.guard())
+        stop.enter_context(signals.deferred())
         run.open_stream(run.resumed.first_step)
         for step in range(run.resumed.first_step, run.total):
             tick = time.perf_counter()
@@ -191,7 +172,7 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
             tell_gates(run, gates)
             if diverging and request.stop_on_divergence:  # its step logged; the checkpoint before it kept
                 raise TrainingStopped(f"{diverging}; stopped (--stop-on-divergence); {run.last_checkpoint_note()}")
-            checkpoint_or_stop(run, stop, step, done, gate=bool(gates))
+            checkpoint_or_stop(run, step, done, gate=bool(gates))
             if previous is not None and run.checkpoint_path.is_file():  # a checkpoint of its own: the previous go
                 previous.started()
                 previous = None
@@ -292,13 +273,13 @@ def evaluate_into(run: Run, step: int, record: StepRecord, done: bool) -> None:
                              f"decay, lr -> {record.evaluation['plateau_lr']:.6g} from step {step + 2}")
 
 
-def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool, gate: bool = False) -> None:
+def checkpoint_or_stop(run: Run, step: int, done: bool, gate: bool = False) -> None:
     """Write the checkpoint when due (every K steps, every CHECKPOINT_SECONDS, at the end, at a gate, or on a signal
     any rank received); after a signal, stop with the command that continues the run."""
     setup, request = run.setup, run.request
     due = (step + 1) % request.checkpoint_every == 0 if request.checkpoint_every else (
         time.perf_counter() - run.last_checkpoint >= CHECKPOINT_SECONDS)
-    received, due = stop.agreed(run.world, setup.device, due) if not done else (None, due)
+    received, due = agreed_stop(run.world, setup.device, due) if not done else (None, due)
     if due or done or received or gate:
         now = time.perf_counter()
         if done:  # summary.json, kept in the last checkpoint: a lost or damaged end is written again as it was
@@ -330,10 +311,10 @@ def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool, gate:
         )
 
 
-def close_run(run: Run, stop: StopSignals, restore: Callable[[], None]) -> None:
+def close_run(run: Run, stop: contextlib.ExitStack, restore: Callable[[], None]) -> None:
     if run.stream is not None:
         run.stream.close()
-    stop.__exit__()
+    stop.close()
     run.metrics.close()
     if run.noise is not None:
         run.noise.close()
