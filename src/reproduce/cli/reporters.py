@@ -16,10 +16,8 @@ if TYPE_CHECKING:
 
 
 class PlainReporter:
-    """Periodic log lines, for CI logs and other non-terminals.
-
-    Nothing is printed before the run has checked its inputs (`start`), so bad input gets its one error line.
-    """
+    """Periodic log lines, for CI logs and other non-terminals; nothing before `start`, so bad input
+    gets its one error line."""
 
     def __init__(self, warnings: list[str], lines: int = 20):
         self.warnings, self.lines, self.every, self.total, self.started = warnings, lines, 1, 0, 0.0

@@ -1,16 +1,11 @@
 """The recipe's gates checked as the run goes, a pause that keeps the gate's checkpoint, and the way back.
 
-At each gate's optimizer step (plan/gates.py) the run measures the gate's metric (the training loss smoothed over the
-gate's `smooth` steps, the evaluation's metrics, evaluated there when the step is not an evaluation step already,
-samples or tokens per second, GPU-hours spent, the forecast GPU-hours of the whole run at the measured pace), and
-the gate passes, warns, or pauses: the run checkpoints, keeps that checkpoint as checkpoints/gate-NAME.pt beside
-last.pt (every gate's checkpoint is kept, passed or not), prints one line and exits with status 4. Resumed, a
-paused gate is checked again before any step (a fix to the data or the code can make it hold), unless the run is
-told to accept it (`accept`). `--resume --from NAME` starts from a kept gate's checkpoint: the same state as the
-uninterrupted run after that step.
-
-The watch's state (the recent losses and step times, each gate's outcome, the gate a run paused at) travels in
-the checkpoint's `extra["gates"]`, so a resumed run checks what the uninterrupted one would.
+At each gate's step (plan/gates.py) the run measures the gate's metric (the smoothed training loss, an evaluation
+metric, a rate, GPU-hours spent or forecast) and the gate passes, warns, or pauses: the run checkpoints, keeps that
+checkpoint as checkpoints/gate-NAME.pt (every gate's is kept), prints one line and exits with status 4. Resumed, a
+paused gate is checked again before any step unless accepted; `--resume --from NAME` starts from a gate's
+checkpoint. The watch's state travels in the checkpoint's `extra["gates"]`, so a resume checks what the
+uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -81,8 +76,7 @@ class GateWatch:
 
     # ---- what is due ----------------------------------------------------------------------------------------
     def due(self, step: int) -> list[PlannedGate]:
-        """The gates checked after optimizer step `step` (from 1): those at it, and the cost gate from its first
-        step on until it has missed."""
+        """The gates due after step `step` (from 1): those at it, and the cost gate until it has missed."""
         return [gate for gate in self.planned
                 if (gate.step == step and not gate.every_step)
                 or (gate.every_step and step >= gate.step and gate.name not in self.outcomes)]
@@ -122,8 +116,8 @@ class GateWatch:
 
     def check(self, step: int, record: dict, spent_seconds: float, world_size: int,
               agree: Any = None) -> list[dict]:
-        """The events of the gates due after `step`: each gate's value against its bound, and its status (passed,
-        warned, accepted, paused). The cost gate says nothing while it holds."""
+        """The events of the gates due after `step`: each value against its bound, and its status; the
+        cost gate says nothing while it holds."""
         events = []
         for gate in self.due(step):
             value = self.value(gate, step, record, spent_seconds, world_size)
@@ -167,8 +161,8 @@ def _largest(value: float, device: torch.device) -> float:
 
 
 def keep_checkpoint(out: Path, name: str, sharded: bool) -> Path | None:
-    """Copy last.pt (just written after the gate's step) to the gate's own file, atomically; None for a sharded
-    run, whose model lives in a folder last.pt names (not kept per gate here)."""
+    """Copy last.pt to the gate's own file, atomically; None for a sharded run (its model is in a
+    folder last.pt names)."""
     if sharded:
         return None
     source, target = out / "checkpoints" / "last.pt", gate_checkpoint(out, name)
@@ -198,8 +192,8 @@ def resume_source(out: Path, name: str | None, planned: list[PlannedGate]) -> Pa
 
 # ---- in the run loop (train/trainer.py calls these three) ---------------------------------------------------
 def start_gates(run: Any) -> None:
-    """The run's gate watch (None without gates), its state from the checkpoint resumed from; evaluation gates need
-    evaluation data. A run that paused at a gate checks it again now, before any step, unless it is accepted."""
+    """The run's gate watch (None without gates), resumed from the checkpoint; a gate the run paused at
+    is checked again now, unless accepted."""
     run.reference = reference_curve(run.plan.recipe, run.request.reference)
     extra = (REFERENCE_GATE,) if run.reference is not None else ()
     watch = GateWatch(run.plan, tuple(name for name in run.request.accept_gate if name not in extra))
@@ -249,8 +243,8 @@ def start_gates(run: Any) -> None:
 
 
 def check_gates(run: Any, step: int, record: StepRecord) -> list[dict]:
-    """After optimizer step `step` (from 0): the gates due there, measured (evaluating first when a gate watches
-    the evaluation and the step has none), their events written after the step's record by `tell_gates`."""
+    """After step `step` (from 0): the gates due, measured (evaluating first when a gate needs it); their
+    events are written after the step's record by `tell_gates`."""
     watch = run.gates
     if watch is None:
         return []
@@ -308,8 +302,7 @@ def after_checkpoint(run: Any, events: list[dict]) -> None:
 
 
 def tell_gates(run: Any, events: list[dict]) -> None:
-    """Each gate's event into metrics.jsonl (after its step's record), and to the reporter (one line; the
-    trackers as an event)."""
+    """Each gate's event into metrics.jsonl and to the reporter."""
     for event in events:
         run.metrics.write(event)
     if not run.world.is_main:

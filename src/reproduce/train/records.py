@@ -1,5 +1,6 @@
-"""What a run writes as it goes, besides its checkpoints: each optimizer step's metrics record, and its end
-(model.pt, the LoRA adapter and merged model, the loss plot and summary.json, each written whole)."""
+"""What a run writes besides its checkpoints: each step's metrics record, and its end (model.pt, the
+adapter and merged model, the loss plot, summary.json), each written whole.
+"""
 
 from __future__ import annotations
 
@@ -27,8 +28,7 @@ from .windows import StepBatch, step_epoch
 
 def step_record(run: Run, step: int, batch: StepBatch, lr: float, result: StepResult, accumulation: int,
                 partial: bool, tick: float, clock: DataClock) -> StepRecord:
-    """Optimizer step `step`'s metrics record (without its evaluation), with the loader's and the divergence
-    watch's warnings on the way."""
+    """Step `step`'s record (its evaluation and gates come after), saying the loader's warnings."""
     world, main = run.world, run.world.is_main
     record = StepRecord(
         step=step + 1, epoch=round(step_epoch(run.plan, step), 6), lr=lr, loss=result.loss,
@@ -108,9 +108,8 @@ def run_summary(run: Run, elapsed: float) -> dict:
 
 
 def finish_run(run: Run) -> dict:
-    """summary.json and model.pt (rank 0), the LoRA adapter (and merged model) as users load them, the loss plot, and
-    the reporter's last word. A signal meanwhile lets the file being written finish, then stops before the next one
-    (`stop_in_end`): the checkpoint of the last step is whole, and the resume writes the end again."""
+    """The run's end (rank 0 writes) and the reporter's last word. A signal meanwhile lets the file being
+    written finish, then stops before the next (`stop_in_end`); a resume writes the end again."""
     # as the last checkpoint holds it (a resume that writes the end again: the uninterrupted run's, byte for byte)
     summary = run.summary if run.summary is not None else kept_summary(run.resumed.state) if (
         run.resumed.rebuild) else None
@@ -133,8 +132,8 @@ def finish_run(run: Run) -> dict:
 
 
 def stop_in_end(run: Run, next_file: str) -> None:
-    """After a signal while the run's end is written: stop before `next_file`, with the command that writes the end
-    again from the last checkpoint (a resume at the last step)."""
+    """After a signal while the end is written: stop before `next_file`, with the command that writes
+    it again."""
     received = signals.take()
     if received is None:
         return
@@ -148,8 +147,8 @@ def stop_in_end(run: Run, next_file: str) -> None:
 
 
 def save_trained(run: Run, model_state: dict) -> dict:
-    """adapter/ (peft's save_pretrained) with LoRA, and merged/ with --merged (models/weights.py): summary.json's
-    `adapter` and `merged`, the folders' paths. `model_state`: model.pt's (FSDP: gathered), the adapters' source."""
+    """adapter/ with LoRA and merged/ with --merged (models/weights.py): summary.json's `adapter` and
+    `merged`. `model_state`: model.pt's, the adapters' source."""
     model, recipe, written = run.setup.unwrapped_model, run.plan.recipe, {}
     if peft_model(model) is not None:  # each folder built beside its place, then put there (storage/files.py)
         replace_folder(run.out / "adapter", lambda folder: save_adapter(model, folder, recipe, model_state))

@@ -1,6 +1,6 @@
-"""What a run tells as it goes (the CLI's renderers, the trackers): the interface, the silent one, the run's start,
-step records and end as data (the trainer composes them, a reporter only shows them), and `Reporters`, which hands
-the same data to several consumers side by side."""
+"""What a run tells as it goes, as data the trainer composes and a reporter only shows (the CLI's renderers,
+the trackers): the start, step records and end, the interface, and `Reporters`, several consumers side by side.
+"""
 
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ from ..plan.reported import reported_line
 
 @dataclass(frozen=True)
 class RunStart:
-    """A run's start, as lines to show: the batch's split, why --policy throughput chose it, the batch phases, what
-    the model is set up with (sharding, pretrained weights, its parameters, the memory knobs), then the steps to
-    train."""
+    """A run's start, as lines to show: the split, the throughput policy's reason, the batch phases, the
+    model's setup (sharding, weights, parameters, memory knobs), then the steps to train."""
 
     plan: Plan  # for the trackers, which record it (observe/trackers.py); a reporter shows the lines below
     total_steps: int
@@ -189,9 +188,8 @@ class SilentReporter:
 
 
 class Reporters:
-    """The run's start, records, gates and end handed to each consumer in turn (the trackers, then the CLI's
-    renderer: observe/trackers.Trackers, cli/reporters.py), none calling another. The lines a consumer returns (a
-    tracker that failed, where its run lies) are handed to every consumer as messages."""
+    """Each consumer in turn (the trackers, then the CLI's renderer), none calling another; the lines a
+    consumer returns are handed to every consumer as messages."""
 
     def __init__(self, *consumers: Any):
         self.consumers = consumers

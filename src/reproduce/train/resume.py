@@ -1,16 +1,11 @@
-"""Checkpoints, and resuming a run from one; a finished run's end checked against its last checkpoint.
+"""Checkpoints, resuming a run from one, and a finished run's end checked against its last checkpoint.
 
-`checkpoints/last.pt` holds the step, scheduler, scaler, RNG states and metrics.jsonl so far, written atomically (a
-crash leaves the previous one whole) and loaded with `weights_only=True`. Unsharded runs keep the model and optimizer
-in it (rank 0 writes it). Sharded (FSDP) runs save them with torch.distributed.checkpoint into
-`checkpoints/sharded-step-N/`, each rank its own shards; last.pt names that folder and is renamed into place only
-after every rank has written. DCP reshards on load: a run can resume on another number of processes.
-
-The last checkpoint is written after the last step, before the run's end (model.pt, loss.svg, summary.json), and
-holds what that end is made of (the model, metrics.jsonl, summary.json in `extra["summary"]`). So `end_problem` can
-tell whether the end on disk is the run's, file by file, and a resume at the last step writes what differs again,
-byte for byte (records.finish_run). A checkpoint from before it kept the summary gets the older check
-(`outputs.missing_final_outputs`: present, of its step, whole).
+`checkpoints/last.pt` holds the step, scheduler, scaler, RNG states and metrics.jsonl so far, sealed and written
+atomically, loaded with `weights_only=True`; the model and optimizer too, unless sharded: FSDP runs save those with
+torch.distributed.checkpoint into `checkpoints/sharded-step-N/` (each rank its shards, resharded on load), which
+last.pt names once every rank has written. The last checkpoint also holds the run's end (the model, metrics.jsonl,
+summary.json), so `end_problem` tells whether the end on disk is the run's, file by file, and a resume at the last
+step writes what differs again, byte for byte.
 """
 
 from __future__ import annotations
@@ -53,8 +48,7 @@ class Resumed:
 
 def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, seed: int, asked_seed: int | None,
                total: int, max_steps: int | None, checkpoint: Path | None = None) -> Resumed:
-    """Load `out`'s checkpoint (last.pt, or `checkpoint`: a gate's) into `setup` (and `noise`), and check the run
-    has steps left to run."""
+    """Load `out`'s checkpoint (or a gate's) into `setup` and `noise`; the run must have steps left."""
     state = load_checkpoint(setup, checkpoint or out / "checkpoints" / "last.pt",
                             lambda saved: check_same_plan(saved, plan, out))
     if noise is not None and state["extra"].get("noise_scale"):
@@ -77,8 +71,8 @@ def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, se
 
 
 def check_same_plan(state: dict, plan: Plan, out: Path) -> None:
-    """A resumed run trains the plan its checkpoint was trained with: one line naming every field that changes the
-    computation and differs (plan/planfile.py). A checkpoint written before it kept its plan is not checked."""
+    """A resume trains its checkpoint's plan: one line naming each field that changes the
+    computation and differs (plan/planfile.py); a checkpoint that kept no plan is not checked."""
     recorded = state.get("extra", {}).get("plan")
     if not isinstance(recorded, str):
         return
@@ -102,9 +96,8 @@ def already_run(out: Path, first_step: int, total: int, max_steps: int | None, p
 
 
 def earlier_segments(out: Path, state: dict | None, first_step: int) -> tuple[dict, DivergenceWatch, dict]:
-    """What the run did before this call (seconds, samples, tokens; zeros for a fresh run), its divergence watch,
-    and the record of the checkpoint's step (summary.json's `final` when a resume only writes the run's end again):
-    from the checkpoint, or from metrics.jsonl when it has no `run_totals`, `divergence` or `last_record`."""
+    """What the calls before this one did (seconds, samples, tokens), their divergence watch, and the
+    record of the checkpoint's step (the end's `final`): from the checkpoint, or metrics.jsonl for an older one."""
     totals = {"seconds": 0.0, "samples": 0, "tokens": 0}
     if state is None:
         return totals, DivergenceWatch(), {}
@@ -133,8 +126,8 @@ def kept_summary(state: dict | None) -> dict | None:
 
 
 def end_problem(out: Path, state: dict) -> str | None:
-    """What of the end of the finished run in `out` differs from what its last checkpoint (`state`) says it is, in a
-    few words naming the file; None when it is all the run's."""
+    """What of the finished run's end in `out` differs from its last checkpoint (`state`), naming the
+    file; None when it is all the run's."""
     step, summary = state["step"], kept_summary(state)
     metrics, kept = out / "metrics.jsonl", kept_metrics(state)
     if isinstance(kept, bytes):
@@ -173,8 +166,8 @@ def _canonical(value: object) -> str:
 
 
 def _model_problem(out: Path, state: dict) -> str | None:
-    """model.pt damaged, or holding other weights than the checkpoint's model (a sharded run's checkpoint holds none:
-    then its seal alone is checked)."""
+    """model.pt damaged, or other weights than the checkpoint's (a sharded checkpoint holds none: its
+    seal alone is checked)."""
     model = out / "model.pt"
     if not model.is_file():
         return f"{model} is missing"
@@ -204,9 +197,8 @@ def _same_tensor(a: object, b: object) -> bool:
 
 
 def finished_state(out: Path, max_steps: int | None, planned: int | None) -> tuple[str, str]:
-    """For --auto-resume, from the run's last checkpoint (never its summary.json): `finished` (it ran to --max-steps,
-    else the plan's last step, and its end is the run's), or `unfinished` (steps to run, an end to write again, or a
-    checkpoint the resume must judge), with a few words."""
+    """For --auto-resume, from the last checkpoint (never summary.json): `finished` (its steps run
+    and its end the run's) or `unfinished` (steps or an end left, or a checkpoint to judge), with a few words."""
     try:
         state = read_torch_file(out / "checkpoints" / "last.pt", "`resume`")
         step = int(state["step"])
@@ -223,9 +215,8 @@ def finished_state(out: Path, max_steps: int | None, planned: int | None) -> tup
 
 
 def save_checkpoint(setup: Setup, path: Path, step: int, metrics: bytes, extra: dict) -> None:
-    """Atomically: write a temporary file, then rename over the previous checkpoint. Called on every rank (rank 0
-    alone writes an unsharded checkpoint; a sharded one needs every rank's shards). `metrics`: metrics.jsonl as
-    written so far, kept (compressed) so that a resume never depends on the file (observe/outputs.MetricsLog)."""
+    """Atomically replace the checkpoint; called on every rank (a sharded one needs every rank's
+    shards). `metrics`: metrics.jsonl so far, kept compressed so a resume never depends on the file."""
     if not (setup.world.is_main or setup.sharded):
         return
     state = {
@@ -277,9 +268,8 @@ def _save_sharded(setup: Setup, folder: Path, step: int) -> str:
 
 
 def load_checkpoint(setup: Setup, path: Path, check: Callable[[dict], None] | None = None) -> dict:
-    """The checkpoint's state, loaded into `setup`; a damaged file (a byte that differs from its SHA-256 seal, or a
-    record from its stored checksum) is refused in one line, never trained on. `check(state)`: what must hold
-    before anything is loaded (the plan it was trained with: train/resume.py)."""
+    """The checkpoint's state, loaded into `setup`; a damaged file is refused in one line, never
+    trained on. `check(state)`: what must hold before anything is loaded (the plan it was trained with)."""
     state = read_torch_file(path, "`resume`", setup.device)
     if check is not None:
         check(state)
@@ -303,8 +293,8 @@ def load_checkpoint(setup: Setup, path: Path, check: Callable[[dict], None] | No
 
 
 def read_torch_file(path: Path, option: str, device: torch.device | str = "cpu") -> dict:
-    """A torch file reproduce wrote (a checkpoint, model.pt), checked against its stored checksums first; one line
-    naming `option` and the file when it is damaged or not one of ours (never torch's advice to unpickle code)."""
+    """A torch file reproduce wrote, checked against its seal first; one line naming `option` and
+    the file when it is damaged or not ours (never torch's advice to unpickle code)."""
     damaged = check_torch_file(path)
     if damaged:
         raise UserError(f"{option}: {path} is {damaged}" if damaged.startswith("damaged") else
@@ -328,8 +318,8 @@ def kept_metrics(state: dict) -> bytes | int:
 
 
 def _load_sharded(setup: Setup, folder: Path, digests: dict | None = None) -> None:
-    """Each rank reads the shards it now owns (DCP reshards when the number of processes changed), once every shard
-    file matches the SHA-256 last.pt keeps of it (`digests`; each rank checks its share, all agree)."""
+    """Each rank reads the shards it now owns, once each shard file matches the SHA-256 last.pt keeps
+    (`digests`: each rank checks its share, all agree)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -355,8 +345,8 @@ def _load_sharded(setup: Setup, folder: Path, digests: dict | None = None) -> No
 
 
 def full_model_state(setup: Setup) -> dict:
-    """The model's own `state_dict`, unsharded (FSDP: gathered once, onto rank 0's CPU; every rank must call this);
-    what model.pt holds, loadable into a fresh unsharded model."""
+    """The model's `state_dict` unsharded (FSDP: gathered onto rank 0's CPU; every rank calls
+    this): model.pt's, loadable into a fresh model."""
     if not setup.sharded:
         return setup.unwrapped_model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

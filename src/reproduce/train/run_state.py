@@ -90,13 +90,12 @@ class Run:
         return micro_batch_at(self.plan, step, self.lowered)
 
     def windows(self, step: int) -> tuple[list[torch.Tensor], bool]:
-        """This rank's micro-batches of `step`, and whether the window is partial: the loop and the loader's
-        sampler both follow this one function."""
+        """This rank's micro-batches of `step` and whether the window is partial (the loop's and the
+        loader's)."""
         return window(self.plan, self.size, step, self.seed, self.world.rank, self.micro_batch(step), self.grouping)
 
     def window_tokens(self, step: int) -> tuple[int, int] | None:
-        """(input tokens, tokens computed with padding) of step `step`'s window over every rank, when the data has
-        lengths."""
+        """(input tokens, tokens computed with padding) of step `step`'s window over every rank."""
         if self.lengths is None:
             return None
         _, useful, computed = padding_over(self.plan, range(step, step + 1), self.seed, self.lengths, self.grouping,

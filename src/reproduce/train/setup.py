@@ -34,8 +34,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def check_sync_batchnorm(world: World, device: torch.device) -> None:
-    """`sync` needs several CUDA processes: torch.nn.SyncBatchNorm runs on CUDA only, and one process has nothing to
-    synchronise with."""
+    """SyncBatchNorm needs several CUDA processes."""
     if not world.distributed:
         raise UserError("sync normalises over the micro-batches of several processes, and this run has one: launch "
                         "it with `world_size` N on N GPUs, or give `batchnorm` keep | frozen | group",
@@ -76,14 +75,9 @@ class Setup:
 
 def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, seed: int | None = None,
           data: Datasets | None = None, world: World | None = None, recipe: Recipe | None = None) -> Setup:
-    """Model, optimizer, scheduler, scaler, loss and data for `plan`, seeded for a reproducible start.
-
-    Under several processes the model is wrapped in DistributedDataParallel, or sharded with FSDP2 when the recipe's
-    `batch.sharding` is fsdp (every rank starts from the same seed, so from the same weights), with a hook that
-    counts gradient synchronisations. One process builds the whole model whatever the sharding (the probe measures
-    that; `train` refuses FSDP on one process). `recipe`: the plan's, or the same with other weights and data
-    (train/evaluation.evaluate_run: a finished run's model.pt).
-    """
+    """Model, optimizer, scheduler, scaler, loss and data for `plan`, seeded for a reproducible start; under
+    several processes the model is wrapped in DDP (a hook counts the synchronisations) or sharded with FSDP2.
+    `recipe`: the plan's, or one with other weights and data (evaluation.evaluate_run)."""
     recipe = recipe or plan.recipe
     world = world or World()
     data = data if data is not None else build_data(recipe)

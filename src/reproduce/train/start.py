@@ -1,6 +1,6 @@
-"""The start of a training run (trainer.train's first part): the plan checked against the world, the model and
-data built, the training set grouped, the checkpoint loaded on --resume, plan.yaml written, the notes and the start
-reported."""
+"""The start of a training run: the plan checked against the world, the model and data built, the
+checkpoint loaded on --resume, plan.yaml written, the notes and the start reported.
+"""
 
 from __future__ import annotations
 
@@ -42,8 +42,7 @@ if TYPE_CHECKING:
 
 def start_run(plan: Plan, request: RunRequest, world: World, data: Datasets | None, reporter: Reporter,
               dtype: torch.dtype, continue_with: str) -> Run:
-    """Check the plan against the world; build the model and data; load the checkpoint on --resume; write
-    plan.yaml; report the notes and the start."""
+    """Build the run (see the module's docstring)."""
     out = Path(request.out)
     if world.size != plan.world_size:
         raise UserError(f"plan: world_size is {plan.world_size}, but this job has {world.size} process(es)")
@@ -110,8 +109,8 @@ def start_run(plan: Plan, request: RunRequest, world: World, data: Datasets | No
 
 
 def group_training_set(plan: Plan, setup, train_set) -> tuple:
-    """data.packing sorted / packed: the training set as those micro-batches collate it, the grouping, and each
-    sample's input tokens (also kept for text with `none`, for the padding the metrics count)."""
+    """data.packing sorted / packed: the training set grouped, the grouping, and each sample's
+    input tokens (kept for text without grouping too, for the padding the metrics count)."""
     grouping = grouping_of(plan.recipe, train_set, plan.micro_batch, varlen=runs_varlen(setup.unwrapped_model))
     if grouping is None:
         lengths = None

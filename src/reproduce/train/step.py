@@ -1,7 +1,6 @@
-"""One optimizer step over a window of N micro-batches, exactly the paper's large-batch update: the run's use of
-the library's exact window (`reproduce.Accumulator`, accumulate.py: the window's items counted over every rank
-before any backward, each summed loss divided by that count, the gradients reduced on the last micro-batch only,
-one optimizer step), with `loss.normalization: micro-batch-mean` the Hugging Face Trainer's arithmetic instead."""
+"""One optimizer step over a window of N micro-batches, exactly the paper's large-batch update: the run's
+use of the library's exact window (`reproduce.Accumulator`).
+"""
 
 from __future__ import annotations
 
@@ -31,10 +30,8 @@ class StepResult:
 
 
 def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None = None) -> StepResult:
-    """One optimizer step over a window of micro-batches: (inputs, targets) on the device, or LazyMicroBatch.
-
-    `noise`, when given, measures the gradient noise scale on the way; it only reads the gradients.
-    """
+    """One optimizer step over a window of micro-batches ((inputs, targets) on the device, or
+    LazyMicroBatch); `noise` measures the gradient noise scale on the way."""
     model, loss_fn = setup.model, setup.loss
     # 1. the window's loss-bearing items, over every rank, before any backward (the window's all_reduce). A lazy
     # window's are known without fetching it when every sample bears loss (classification), or the dataset counts
@@ -102,8 +99,8 @@ class AgreedOutOfMemory(torch.OutOfMemoryError):
 
 
 def backward_with_memory_vote(setup: Setup, backward: Callable[[int], torch.Tensor], last: int) -> list:
-    """The losses of `backward` over the micro-batches before the `last`, then the vote (under DDP, optimizer_step): a
-    rank out of memory skips its remaining ones, and every rank raises AgreedOutOfMemory if any rank was."""
+    """`backward` over the micro-batches before the `last`, then the vote: a rank out of
+    memory skips the rest, and every rank raises AgreedOutOfMemory if any rank was."""
     losses, error = [], None  # the message only: the error's traceback would keep the window's tensors
     for index in range(last):
         try:

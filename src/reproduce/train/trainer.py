@@ -1,7 +1,5 @@
-"""The training run: the plan's optimizer steps, checkpoints, metrics, signals and out-of-memory handling.
-
-Each optimizer step is `step.optimizer_step` over the window `windows.window` gives it; everything a run
-needs is built by `setup.build`, at the run's start (`start.start_run`); its end is `records.finish_run`.
+"""The training run: the plan's optimizer steps (`step.optimizer_step` over `windows.window`), checkpoints,
+metrics, signals and out-of-memory handling; its start is `start.start_run`, its end `records.finish_run`.
 """
 
 from __future__ import annotations
@@ -49,8 +47,8 @@ CHECKPOINT_SECONDS = 300.0
 
 
 def agreed_stop(world: World, device: torch.device, due: bool = False) -> tuple[int | None, bool]:
-    """The SIGINT / SIGTERM any rank received (storage/signals.py: deferred in the loop), and whether any rank's
-    checkpoint is due: all ranks stop, and save (a sharded checkpoint needs every rank), after the same step."""
+    """The signal any rank received and whether any rank's checkpoint is due: all ranks stop, and save,
+    after the same step."""
     received = signals.pending()
     if not world.distributed:
         return received, due
@@ -61,13 +59,9 @@ def agreed_stop(world: World, device: torch.device, due: bool = False) -> tuple[
 
 def train(plan: Plan, request: RunRequest, *, data: Datasets | None = None, reporter: Reporter | None = None,
           dtype: torch.dtype = torch.float32, continue_with: str | None = None) -> dict:
-    """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `request.out`.
-
-    `request` (train/options.py): the run's options as `reproduce run` was given them (device, max_steps, resume,
-    seed, workers, ...). `data`: the datasets (None: built from the recipe); `reporter`: None is silent;
-    `continue_with`: the command an interrupted run prints to go on (None: its plan.yaml resumed).
-    The library's entry: `request.out` taken (storage/lock.py), settled and checked here, then `train_checked`.
-    """
+    """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to
+    `request.out` (taken, settled and checked here: the library's entry). `data`: None builds the recipe's;
+    `reporter`: None is silent; `continue_with`: the command an interrupted run prints (None: its plan.yaml resumed)."""
     world, out, reporter = distributed.world_from_env(), Path(request.out), reporter or SilentReporter()
     owner = lock.owns_the_run(world.distributed, world.rank)
     with lock.hold(out) if owner else contextlib.nullcontext():
@@ -83,12 +77,8 @@ def train(plan: Plan, request: RunRequest, *, data: Datasets | None = None, repo
 def train_checked(plan: Plan, request: RunRequest, world: World, *, data: Datasets | None = None,
                   reporter: Reporter | None = None, dtype: torch.dtype = torch.float32,
                   continue_with: str | None = None) -> dict:
-    """Run `plan` in `request.out`, which the caller holds, has settled and checked (`train`, or `reproduce run`).
-
-    Under torchrun every rank trains its share of each window; rank 0 alone writes. A rank that
-    leaves with an error leaves the process group too, so the other ranks' collectives fail at once and they stop
-    with a message of their own instead of waiting for it.
-    """
+    """Run `plan` in `request.out`, which the caller holds and has checked. Under torchrun rank 0 alone
+    writes; a rank that leaves with an error leaves the process group, so the others' collectives fail at once."""
     out = Path(request.out)
     continue_with = continue_with or f"reproduce run {out / 'plan.yaml'} --out {out} --resume"
     checkpoint = out / "checkpoints" / "last.pt"
@@ -211,9 +201,8 @@ def optimizer_step_out_of_memory(run: Run, step: int, error: OptimizerStepOutOfM
 
 
 def recover_from_out_of_memory(run: Run, step: int, batch: StepBatch, agreed: bool) -> None:
-    """After an out-of-memory error in a window: free what is left, halve the micro-batch and double N (the
-    effective batch stays exact), and reopen the stream at `step`. Under several processes only when every rank
-    agreed (the vote in step.optimizer_step); a rank alone stops."""
+    """After an out-of-memory error in a window: free what is left, halve the micro-batch
+    (the effective batch stays exact) and reopen the stream at `step`; with several ranks only when all agreed."""
     setup, plan, micro_batch = run.setup, run.plan, run.micro_batch(step)
     run.stream.close()  # its prefetched micro-batches are of the old size
     setup.optimizer.zero_grad(set_to_none=True)
@@ -274,8 +263,8 @@ def evaluate_into(run: Run, step: int, record: StepRecord, done: bool) -> None:
 
 
 def checkpoint_or_stop(run: Run, step: int, done: bool, gate: bool = False) -> None:
-    """Write the checkpoint when due (every K steps, every CHECKPOINT_SECONDS, at the end, at a gate, or on a signal
-    any rank received); after a signal, stop with the command that continues the run."""
+    """Checkpoint when due (every K steps or CHECKPOINT_SECONDS, at the end, at a gate, or on a
+    signal); after a signal, stop with the command that continues the run."""
     setup, request = run.setup, run.request
     due = (step + 1) % request.checkpoint_every == 0 if request.checkpoint_every else (
         time.perf_counter() - run.last_checkpoint >= CHECKPOINT_SECONDS)

@@ -17,11 +17,8 @@ if hasattr(nn, "RMSNorm"):
 
 def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str], layer_adaptation: bool = False
                  ) -> list[dict]:
-    """Split parameters into decayed and not decayed, as the recipe's `no_decay` says (tied ones once).
-
-    With `layer_adaptation` (LARS, LAMB) the excluded parameters also get a trust ratio of 1 (`layer_adaptation:
-    False` in their group), so they are split off even without weight decay.
-    """
+    """Decayed and not decayed parameters, by the recipe's `no_decay` (tied ones once); with
+    `layer_adaptation` (LARS, LAMB) the excluded ones also get ratio 1, so they are split off without decay too."""
     if not no_decay or (weight_decay == 0 and not layer_adaptation):
         group = {"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}
         return [{**group, "layer_adaptation": True} if layer_adaptation else group]
@@ -72,9 +69,8 @@ def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def bitsandbytes_optimizer(plan: Plan, groups: list[dict]) -> torch.optim.Optimizer:
-    """adam/adamw with `paged` and/or `state_bits: 8`: bitsandbytes' PagedAdamW, AdamW8bit, PagedAdamW8bit (and the
-    Adam ones), the optimizers QLoRA and transformers' `optim: paged_adamw_32bit / adamw_8bit` use. Tensors under
-    4096 elements keep 32-bit state (bitsandbytes' min_8bit_size)."""
+    """adam/adamw with `paged` and/or `state_bits: 8`: bitsandbytes' (Paged)Adam(W)(8bit), as
+    QLoRA and transformers' `optim` use; tensors under 4096 elements keep 32-bit state (min_8bit_size)."""
     from ...models.quantize import bitsandbytes
 
     spec = plan.recipe.optimizer

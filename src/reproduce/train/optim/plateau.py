@@ -1,5 +1,4 @@
-"""Plateau decay in a run: `schedule.decay: {kind: plateau}` stepped at each evaluation (schedules.Plateau holds
-`torch.optim.lr_scheduler.ReduceLROnPlateau`'s decisions), its state kept in the scheduler's checkpoint."""
+"""Plateau decay in a run (`schedule.decay: {kind: plateau}`), stepped at each evaluation."""
 
 from __future__ import annotations
 
@@ -17,11 +16,8 @@ if TYPE_CHECKING:
 
 
 class PlanScheduler(torch.optim.lr_scheduler.LambdaLR):
-    """The LR of optimizer step s: `lr_at(plan, s)`, times the plateau decay's scale (1 without one).
-
-    `state_dict` adds the plateau's state (plain numbers, loadable with `weights_only=True`); a state without it
-    loads as a LambdaLR's does, and leaves the plateau's scale where it starts.
-    """
+    """The LR of optimizer step s: `lr_at(plan, s)` x the plateau decay's scale; `state_dict` adds the
+    plateau's state (plain numbers), which a state without it leaves where it starts."""
 
     def __init__(self, plan: Plan, optimizer: torch.optim.Optimizer) -> None:
         plateau = plan.schedule.decay_kind == "plateau"
@@ -49,8 +45,8 @@ class PlanScheduler(torch.optim.lr_scheduler.LambdaLR):
             self._plateau.state = saved
 
     def plateau_step(self, value: float, step: int) -> bool:
-        """One evaluation's metric after optimizer step `step` (1-based); on a decrease the next step's LR is set
-        at once (the scheduler already stepped past this one)."""
+        """One evaluation's metric after step `step` (from 1); on a decrease the next step's
+        LR is set at once."""
         decreased = self._plateau.step(value, step)
         if decreased:
             for group, base, factor in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas, strict=True):
@@ -68,8 +64,8 @@ def check_plateau(plan: Plan, data: Datasets) -> None:
 
 
 def step_plateau(setup, evaluation: dict | None, step: int) -> dict:
-    """After the evaluation of optimizer step `step` (1-based): the plateau decay's step, on every rank alike (the
-    metric is rank 0's, broadcast when only rank 0 evaluated). Returns the fields for the metrics record."""
+    """The plateau decay's step after step `step`'s evaluation (from 1), on every rank alike (rank 0's
+    metric broadcast); the record's fields."""
     scheduler = setup.scheduler
     plateau = getattr(scheduler, "plateau", None)
     if plateau is None or step < setup.plan.warmup_steps:  # evaluations during the warm-up are not counted
