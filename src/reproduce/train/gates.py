@@ -61,7 +61,6 @@ class GateWatch:
         self.held: dict[str, dict] = {}  # the cost gate's last check while it held
         self.reference: Any = None  # the reference runs' curve (observe/reference.py), whose state travels here
 
-    # ---- the checkpoint's part -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"reference": self.reference.state_dict() if self.reference is not None else {},
                 "losses": list(self.losses), "rates": list(self.rates), "seconds": list(self.seconds),
@@ -74,7 +73,6 @@ class GateWatch:
         self.outcomes.update(state.get("outcomes", {}))
         self.paused = state.get("paused")
 
-    # ---- what is due ----------------------------------------------------------------------------------------
     def due(self, step: int) -> list[PlannedGate]:
         """The gates due after step `step` (from 1): those at it, and the cost gate until it has missed."""
         return [gate for gate in self.planned
@@ -92,7 +90,6 @@ class GateWatch:
         self.rates.append({key: record[key] for key in ("samples_per_second", "tokens_per_second") if key in record})
         self.seconds.append(float(record.get("seconds", 0.0)))
 
-    # ---- measuring ------------------------------------------------------------------------------------------
     def value(self, gate: PlannedGate, step: int, record: dict, spent_seconds: float, world_size: int
               ) -> float | None:
         """The gate's metric after step `step`: None when the run did not measure it (no evaluation data)."""
@@ -160,17 +157,6 @@ def _largest(value: float, device: torch.device) -> float:
     return float(tensor[0])
 
 
-def keep_checkpoint(out: Path, name: str, sharded: bool) -> Path | None:
-    """Copy last.pt to the gate's own file, atomically; None for a sharded run (its model is in a
-    folder last.pt names)."""
-    if sharded:
-        return None
-    source, target = out / "checkpoints" / "last.pt", gate_checkpoint(out, name)
-    with open(source, "rb") as sealed:  # (its bytes, seal included: write_atomic's temporary is a dead writer's to
-        write_atomic(target, lambda handle: shutil.copyfileobj(sealed, handle))  # remove, storage/files.py)
-    return target
-
-
 def paused_line(event: dict, out: Path, kept: Path | None, continue_with: str) -> str:
     """The pause's one line: the gate, measured against its bound, its checkpoint, and the two ways on."""
     where = f"checkpoint {kept}" if kept else f"checkpoint {out / 'checkpoints' / 'last.pt'}"
@@ -190,7 +176,6 @@ def resume_source(out: Path, name: str | None, planned: list[PlannedGate]) -> Pa
     return path
 
 
-# ---- in the run loop (train/trainer.py calls these three) ---------------------------------------------------
 def start_gates(run: Any) -> None:
     """The run's gate watch (None without gates), resumed from the checkpoint; a gate the run paused at
     is checked again now, unless accepted."""
@@ -288,10 +273,12 @@ def after_checkpoint(run: Any, events: list[dict]) -> None:
     """After the gate step's checkpoint: keep it under each gate's name, then pause when a gate says so."""
     if not events:
         return
-    kept = None
+    kept = None  # (a sharded run's model is in a folder last.pt names: not kept per gate)
     for event in events:
-        if run.world.is_main and event["status"] != "elsewhere":
-            kept = keep_checkpoint(run.out, event["name"], run.setup.sharded)
+        if run.world.is_main and event["status"] != "elsewhere" and not run.setup.sharded:
+            kept = gate_checkpoint(run.out, event["name"])
+            with open(run.out / "checkpoints" / "last.pt", "rb") as sealed:  # its bytes, seal included
+                write_atomic(kept, lambda handle: shutil.copyfileobj(sealed, handle))
     paused = [event for event in events if event["status"] == "paused"]
     if distributed.any_rank(run.world, bool(paused), run.setup.device):
         distributed.barrier(run.world)  # every rank here before any leaves the group (else gloo aborts one)

@@ -59,8 +59,14 @@ def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, se
         raise UserError(f"the run in {out} was started with seed {saved_seed} (got {asked_seed})", field="seed")
     if first_step >= total:
         rebuild = end_problem(out, state) if first_step == total else None  # checked, not trusted
-        if rebuild is None:  # (a resume past its --max-steps never rewrites the run's end)
-            raise UserError(already_run(out, first_step, total, max_steps, plan.optimizer_steps))
+        planned = plan.optimizer_steps
+        if rebuild is None and max_steps is not None and planned is not None and first_step < planned:
+            more = min(first_step + max_steps, planned)  # (a resume past its max_steps never rewrites the end)
+            raise UserError(f"`max_steps`: {out} has already run {first_step} of {total} optimizer steps; `max_steps` "
+                            f"counts from the start of the run (of {planned} steps): to run {more - first_step} more, "
+                            f"give `max_steps` {more}")
+        if rebuild is None:
+            raise UserError(f"`resume`: {out} has already run {first_step} of {total} optimizer steps; nothing to do")
     # the run had lowered the micro-batch after running out of memory (by sequence length)
     lowered = {int(k) if k != "None" else None: v for k, v in state["extra"].get("lowered", {}).items()}
     saved_micro_batch = state.get("micro_batch")  # without extra["lowered"], the only trace of a lowered one
@@ -83,16 +89,6 @@ def check_same_plan(state: dict, plan: Plan, out: Path) -> None:
                         f"with: {shown}; a resumed run trains its checkpoint's plan: put plan.yaml back as it was "
                         "(the micro-batch and the processes have their own options: `micro_batch_max`, "
                         "`nproc_per_node`), or start a new run with the new plan", field="resume")
-
-
-def already_run(out: Path, first_step: int, total: int, max_steps: int | None, planned: int | None) -> str:
-    """Why a resume has nothing to do; with --max-steps (counted from the start of the run), the value that goes on."""
-    if max_steps is not None and planned is not None and first_step < planned:
-        more = min(first_step + max_steps, planned)
-        return (f"`max_steps`: {out} has already run {first_step} of {total} optimizer steps; `max_steps` counts "
-                f"from the start of the run (of {planned} steps): to run {more - first_step} more, give "
-                f"`max_steps` {more}")
-    return f"`resume`: {out} has already run {first_step} of {total} optimizer steps; nothing to do"
 
 
 def earlier_segments(out: Path, state: dict | None, first_step: int) -> tuple[dict, DivergenceWatch, dict]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..accumulate import OptimizerStepOutOfMemory, smaller_micro_batch
 from ..data.batches import DataClock
 from ..data.loader import cpu_share, default_workers
 from ..errors import Interrupted, TrainingStopped
@@ -35,8 +36,8 @@ from .reporter import Reporter, SilentReporter, StepRecord
 from .resume import save_checkpoint
 from .run_state import Run
 from .start import start_run
-from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, StepResult, optimizer_step
-from .windows import StepBatch, smaller_micro_batch, step_batch
+from .step import AgreedOutOfMemory, StepResult, optimizer_step
+from .windows import StepBatch, step_batch
 
 if TYPE_CHECKING:
     from ..data import Datasets
@@ -44,17 +45,6 @@ if TYPE_CHECKING:
 __all__ = ["Reporter", "RunRequest", "SilentReporter", "read_metrics", "train"]
 
 CHECKPOINT_SECONDS = 300.0
-
-
-def agreed_stop(world: World, device: torch.device, due: bool = False) -> tuple[int | None, bool]:
-    """The signal any rank received and whether any rank's checkpoint is due: all ranks stop, and save,
-    after the same step."""
-    received = signals.pending()
-    if not world.distributed:
-        return received, due
-    flags = torch.tensor([received or 0, int(due)], dtype=torch.int64, device=device)  # NCCL: CUDA only
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-    return int(flags[0]) or None, bool(flags[1])
 
 
 def train(plan: Plan, request: RunRequest, *, data: Datasets | None = None, reporter: Reporter | None = None,
@@ -83,12 +73,10 @@ def train_checked(plan: Plan, request: RunRequest, world: World, *, data: Datase
     continue_with = continue_with or f"reproduce run {out / 'plan.yaml'} --out {out} --resume"
     checkpoint = out / "checkpoints" / "last.pt"
     try:
-        # --force: the previous run's outputs stay aside until this run's first checkpoint, and come back if anything
-        # fails or a signal stops it before then; a new run stopped by a signal while starting leaves the folder as
-        # it found it (storage/aside.py)
+        # --force: the previous run's outputs stay aside until this run's first checkpoint, and come back if it
+        # fails or is stopped before then (storage/aside.py)
         with setting_aside(out, run_outputs(out), not request.resume and world.is_main,
                            committed=checkpoint.is_file) as previous:
-            # the model and data, the resumed state, the run folder
             run = start_run(plan, request, world, data, reporter or SilentReporter(), dtype, continue_with)
             _train_steps(run, previous)
         return finish_run(run)
@@ -108,8 +96,7 @@ def train_checked(plan: Plan, request: RunRequest, world: World, *, data: Datase
 
 def _train_steps(run: Run, previous: Previous | None) -> None:
     plan, request = run.plan, run.request
-    # SIGINT / SIGTERM set a flag (the command's handlers, or installed for the loop alone: a library caller); the
-    # loop finishes its optimizer step, checkpoints, and stops
+    # SIGINT / SIGTERM set a flag: the loop finishes its optimizer step, checkpoints, and stops
     setup, stop, restore = run.setup, contextlib.ExitStack(), cpu_compute(run)
     try:
         stop.enter_context(signals.guard())
@@ -117,9 +104,8 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
         run.open_stream(run.resumed.first_step)
         for step in range(run.resumed.first_step, run.total):
             tick = time.perf_counter()
-            # Dropout and other random draws of step s come from (seed, s, rank) alone: a resumed run draws what
-            # the uninterrupted one did, and ranks draw independently of each other. (torch.manual_seed also visits
-            # every backend: ~100x slower.)
+            # step s's random draws (dropout) come from (seed, s, rank) alone, so a resume draws what the whole run
+            # did (torch.manual_seed also visits every backend: ~100x slower)
             seed = (run.seed * 1_000_003 + step * 4_099 + setup.world.rank * 7_919_993) % (2**63 - 1)
             torch.default_generator.manual_seed(seed)
             if setup.device.type == "cuda":
@@ -145,8 +131,7 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
                     raise TrainingStopped(optimizer_step_out_of_memory(run, step, error)) from None
                 except torch.OutOfMemoryError as error:
                     agreed = not run.world.distributed or isinstance(error, AgreedOutOfMemory)
-                # The error is gone with its except block, and with it the failed window's frames (activations,
-                # inputs); its micro-batches go too before the memory is freed.
+                # the error and the failed window's frames are gone with the except block; its micro-batches too
                 del micro_batches
                 recover_from_out_of_memory(run, step, batch, agreed)
             count_step(run, step, result, partial, clock)
@@ -173,14 +158,11 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
 
 def cpu_compute(run: Run) -> Callable[[], None]:
     """Set the CPU's compute for the run; returns what sets it back."""
-    # On a CPU, values below float32's normal range (late in training, in momentum and gradients) make every
-    # operation on them ~100x slower; flushing them to zero cost a digits run 3.5 s instead of 72 s.
+    # denormal floats (late in training) make CPU operations ~100x slower: a digits run 3.5 s flushed, 72 s not
     flush_denormals = run.setup.device.type == "cpu" and torch.set_flush_denormal(True)
     data_workers = default_workers(run.train_set)
-    # Training on the CPU from files read by loader workers: the compute threads get the cores the default workers
-    # leave. OpenMP threads that outnumber free cores spin against each other: the digits MLP's 5 ms step took
-    # 0.9 s beside one worker decoding PNGs on 2 cores. The count follows the data, not --workers, so runs with
-    # different worker counts (a resume with fewer) compute with the same threads and stay bitwise equal.
+    # the compute threads get the cores the default loader workers leave (OpenMP threads on busy cores spin: a 5 ms
+    # step took 0.9 s); by the data, not --workers, so runs with other worker counts stay bitwise equal
     threads = torch.get_num_threads()
     if run.setup.device.type == "cpu" and data_workers:
         torch.set_num_threads(max(1, min(threads, cpu_share() - data_workers)))
@@ -268,7 +250,11 @@ def checkpoint_or_stop(run: Run, step: int, done: bool, gate: bool = False) -> N
     setup, request = run.setup, run.request
     due = (step + 1) % request.checkpoint_every == 0 if request.checkpoint_every else (
         time.perf_counter() - run.last_checkpoint >= CHECKPOINT_SECONDS)
-    received, due = agreed_stop(run.world, setup.device, due) if not done else (None, due)
+    received = None if done else signals.pending()
+    if not done and run.world.distributed:  # all ranks stop, and save (a sharded one needs them all), after one step
+        flags = torch.tensor([received or 0, int(due)], dtype=torch.int64, device=setup.device)  # NCCL: CUDA only
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        received, due = int(flags[0]) or None, bool(flags[1])
     if due or done or received or gate:
         now = time.perf_counter()
         if done:  # summary.json, kept in the last checkpoint: a lost or damaged end is written again as it was

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..accumulate import smaller_micro_batch  # noqa: F401  (the run's out-of-memory rule, one definition)
 from ..data.packing import WAYS, Grouping, balance, computed_tokens, group, sample_lengths
 from ..errors import UserError
 from ..plan.planner import Plan
