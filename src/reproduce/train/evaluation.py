@@ -22,7 +22,7 @@ from ..models import build_model, place
 from ..models.segmentation import output_of
 from ..plan.overlay import Change, overlay, variant
 from ..plan.planfile import load_plan
-from .optim.plateau import step_plateau
+from .optim.optimizers import step_plateau
 from .setup import Setup, build, resolve_device
 
 

@@ -20,7 +20,7 @@ from ..plan.recipe import Recipe
 from .distributed import processes as distributed
 from .distributed.processes import World
 from .losses import build_loss
-from .optim.optimizers import build_optimizer, build_scheduler
+from .optim.optimizers import PlanScheduler, build_optimizer
 
 
 def resolve_device(name: str) -> torch.device:
@@ -115,7 +115,7 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
 
             model = shard(model, recipe.precision, world, device, counter, offload=recipe.batch.offload == "cpu")
     optimizer = build_optimizer(plan, model)  # DDP shares the plain module's parameters
-    scheduler = build_scheduler(plan, optimizer)
+    scheduler = PlanScheduler(plan, optimizer)  # counts optimizer steps
     # fp16 under FSDP too: the gradients are DTensors, and the scaler's inf check on them agrees over the ranks
     scaler = torch.amp.GradScaler(device.type) if recipe.precision == "fp16" else None
     if world.distributed and recipe.batch.sharding != "fsdp":

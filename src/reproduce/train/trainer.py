@@ -1,5 +1,5 @@
 """The training run: the plan's optimizer steps (`step.optimizer_step` over `windows.window`), checkpoints,
-metrics, signals and out-of-memory handling; its start is `start.start_run`, its end `records.finish_run`.
+metrics, signals and out-of-memory handling; its start is `run_state.start_run`, its end `records.finish_run`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ from .options import RunRequest
 from .records import finish_run, run_summary, step_record
 from .reporter import Reporter, SilentReporter, StepRecord
 from .resume import save_checkpoint
-from .run_state import Run
-from .start import start_run
+from .run_state import Run, start_run
 from .step import AgreedOutOfMemory, StepResult, optimizer_step
 from .windows import StepBatch, step_batch
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UserError
+from ...plan.launch import torchrun_command  # noqa: F401  (what `reproduce run --nproc-per-node` launches)
 
 
 @dataclass(frozen=True)
