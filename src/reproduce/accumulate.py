@@ -192,6 +192,7 @@ class Window:
         """What each micro-batch's summed loss is divided by (`normalization`; an empty micro-batch's loss is 0
         either way), by the world size less when the model's reduction averages (`gradient_reduction`)."""
         acc, model, ranks = self.accumulator, self.accumulator.model, self.world_size
+        divisors: list[float]
         if acc.normalization == "window":
             divisors = [max(self.count, 1)] * len(self.counts)
         else:
