@@ -171,6 +171,7 @@ def test_a_grad_scaler_scales_for_backward_and_unscales_before_the_clip(one_thre
     assert all(torch.equal(value, plain[name]) for name, value in weights.items())
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")  # (by design here)
 def test_a_non_finite_window_leaves_the_weights_alone_and_the_scheduler_steps(one_thread):
     """docs/library.md: `w.finite` is False, the weights are untouched, the scheduler still steps, the gradients
     are zeroed."""
