@@ -1,26 +1,11 @@
-"""The exact accumulation window, for any PyTorch loop: `Accumulator` and its `Window`.
+"""The exact accumulation window, for any PyTorch loop: `Accumulator` and its `Window` (docs/library.md).
 
-One optimizer step over N micro-batches is the large batch's update when
-
-  1. the window's loss-bearing items (samples, or target tokens) are counted over every rank before the first
-     backward (`counts` in, one all_reduce);
-  2. each micro-batch's *summed* loss is divided by that global count and back-propagated, with the gradient
-     reduction over the ranks skipped on all but the last micro-batch (DDP's `no_sync`, FSDP2's
-     `set_requires_gradient_sync(False)`), so the summed gradient is the mean over the whole effective batch;
-  3. once per window: unscale (a GradScaler's), clip, optimizer step, scheduler step, zero_grad.
-
-```python
-acc = Accumulator(model, optimizer, scheduler=None, clip_grad_norm=1.0)
-with acc.window(counts) as window:      # counts: the loss items of each of this rank's micro-batches
-    for batch in micro_batches:
-        window.backward(loss_fn(model(batch), reduction="sum"))
-# leaving the block: the global count was used, clip, optimizer.step(), scheduler.step(), zero_grad()
-```
-
-`reproduce run` takes every optimizer step through this class (train/step.py), so the library and the CLI share
-one implementation of the exact step. `Accumulator.step` adds the out-of-memory recovery the run has: the window's
-items split again at half the micro-batch, the same items and the same count, so the update stays exact.
-This module imports torch and nothing of `reproduce` but `errors` (it sits below `train/`).
+One optimizer step over N micro-batches is the large batch's update when (1) the window's loss-bearing items are
+counted over every rank before the first backward (one all_reduce); (2) each micro-batch's *summed* loss is divided
+by that global count, with the ranks' gradient reduction skipped on all but the last micro-batch (DDP's `no_sync`,
+FSDP2's `set_requires_gradient_sync(False)`); (3) once per window: unscale, clip, optimizer and scheduler step,
+zero_grad. `reproduce run` takes every optimizer step through this class (train/step.py). This module imports
+torch and nothing of `reproduce` but `errors` (it sits below `train/`).
 """
 
 from __future__ import annotations
@@ -44,34 +29,28 @@ REDUCTIONS = ("auto", "sum", "mean")
 
 
 class OptimizerStepOutOfMemory(torch.OutOfMemoryError):
-    """Out of memory after the window's gradients were accumulated (unscale, clip or the optimizer's step).
-
-    Still an out-of-memory error to a probe; the window cannot be redone (the scaler has unscaled, or some
-    parameters have stepped), so a run stops instead of lowering the micro-batch.
-    """
+    """Out of memory after the window's gradients were accumulated (unscale, clip or the optimizer's step): the
+    window cannot be redone (the scaler has unscaled, or some parameters have stepped), so a run stops."""
 
 
 class Accumulator:
     """Exact gradient accumulation around the user's model, optimizer and (optional) LR scheduler.
 
-    - `clip_grad_norm`: the max norm, applied once per window to the accumulated gradient (None or 0: not clipped;
-      the norm is still computed, `Window.grad_norm`).
-    - `scaler`: a `torch.amp.GradScaler` (fp16): losses are scaled for backward, unscaled before clipping, and the
-      scaler steps the optimizer (skipping an overflowed step) and updates its scale.
-    - `normalization`: `window` (the large batch's mean: each summed loss / the window's global count) or
-      `micro-batch-mean` (each micro-batch's own mean / (micro-batches x ranks): the Hugging Face Trainer's
-      arithmetic before transformers v4.46.0, kept to reproduce papers that trained so; not the large batch's mean).
-    - `sync_every_micro_batch`: reduce gradients after every micro-batch (FSDP2 with sharded gradients); by default
-      they are reduced on the window's last micro-batch only.
-    - `gradient_reduction`: how the model's wrapper combines the ranks' gradients: `sum` (what the window's division
-      by the global count needs: `reproduce run` registers a SUM hook) or `mean` (DDP's default hook and FSDP2's
-      default divide by the world size; the window then divides by the count over the world size instead, so the
-      reduced gradient is the same). `auto`: DDP without a comm hook of the user's, and FSDP2, average; anything
-      else sums (a model that is not wrapped: the caller reduces, by a sum).
-    - `device`: where the count's all_reduce tensor lives (the model's first parameter's device by default: CUDA
-      for NCCL, the CPU for gloo); `process_group`: the ranks the window spans (the default group).
-    - `skip_nonfinite`: a window whose loss or gradient norm is not finite leaves the weights alone (the scheduler
-      still steps); the window says so (`Window.finite`). Without a scaler only: a scaler skips such steps itself.
+    - `clip_grad_norm`: applied once per window to the accumulated gradient (None or 0: not clipped; the norm is
+      still computed, `Window.grad_norm`). `scaler`: a `torch.amp.GradScaler` (fp16): losses scaled for backward,
+      unscaled before the clip; it steps the optimizer (skipping an overflowed step).
+    - `normalization`: `window` (each summed loss / the window's global count: the large batch's mean) or
+      `micro-batch-mean` (each micro-batch's mean / (micro-batches x ranks): the Hugging Face Trainer's arithmetic
+      before transformers v4.46.0, for papers that trained so).
+    - `sync_every_micro_batch`: reduce gradients after every micro-batch (FSDP2 with sharded gradients).
+    - `gradient_reduction`: how the model's wrapper combines the ranks' gradients: `sum` (what `reproduce run`'s hook
+      does) or `mean` (the window then divides by the count over the world size, so the result is the same);
+      `auto`: DDP without a comm hook of the user's, and FSDP2, average; anything else sums.
+    - `device`: where the count's all_reduce tensor lives (default: the model's first parameter's);
+      `process_group`: the ranks the window spans (the default group).
+
+    A window whose loss or gradient norm is not finite leaves the weights alone (the scheduler still steps) and
+    says so (`Window.finite`); a scaler skips such steps itself.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
@@ -106,25 +85,21 @@ class Accumulator:
         return parameter.device if parameter is not None else torch.device("cpu")
 
     def window(self, counts: Sequence[int], *, samples: int | None = None, observer: Any = None) -> Window:
-        """One optimizer step's window: `counts` are the loss-bearing items of each of this rank's micro-batches
-        (tokens, or samples), in the order their losses will be given to `Window.backward`. `samples` (optional):
-        this rank's samples in the window, summed over the ranks with the count (reported, and given to the
-        observer). `observer` (optional) watches the gradients as they accumulate (the run's gradient noise scale,
-        observe/noise.py): `start_window(counts, count, samples)`, `after_backward(index)` and
-        `end_window(norm, finite, scale)`, whose result is `Window.observed`. Use it as a context manager: the
-        optimizer steps when the block ends without an error."""
+        """One optimizer step's window, a context manager (the optimizer steps when the block ends without an
+        error): `counts` are the loss-bearing items of this rank's micro-batches, in the order of their
+        `Window.backward` calls; `samples`: this rank's samples, summed over the ranks with the count. `observer`
+        watches the gradients (observe/noise.py): `start_window(counts, count, samples)`, `after_backward(index)`,
+        `end_window(norm, finite, scale)`, whose result is `Window.observed`."""
         return Window(self, [int(count) for count in counts], samples, observer)
 
     def step(self, items: Any, micro_batch: int, loss: Callable[[Any], torch.Tensor],
              count: Callable[[Any], int] | None = None, *, divides: int | None = None) -> Window:
-        """One whole optimizer step over this rank's `items` (a tensor, a tuple or dict of tensors sharing their
-        first dimension, or a list), cut into micro-batches of `micro_batch` (`split_items`); `loss(micro)` returns
-        the micro-batch's summed loss (forward included), `count(micro)` its loss-bearing items (default: its
-        length). After an out-of-memory error before the window's gradients are complete, the gradients are
-        dropped and the same items are split again at the largest micro-batch <= half (one that divides
-        `divides`, the rank's share of the effective batch, when given, so N stays whole): the same items and the
-        same global count, so the update is the same. Under several processes the ranks vote before the last
-        micro-batch, and all split again together. The micro-batch in use is kept in `self.micro_batch`."""
+        """One whole optimizer step over this rank's `items` (a tensor, a tuple or dict of tensors, or a list) cut
+        into micro-batches of `micro_batch`; `loss(micro)` returns a micro-batch's summed loss, `count(micro)` its
+        loss-bearing items (default: its length). After an out-of-memory error before the gradients are complete,
+        the same items are split again at the largest micro-batch <= half (one dividing `divides`, when given): the
+        same global count, so the same update. The ranks vote before the last micro-batch. The micro-batch in use
+        stays in `self.micro_batch`."""
         self.micro_batch = min(self.micro_batch or micro_batch, micro_batch)
         count = count or _length
         while True:
@@ -168,9 +143,8 @@ class Accumulator:
 
 
 class Window:
-    """One optimizer step's accumulation (made by `Accumulator.window`): `count` and `samples` are the window's
-    totals over every rank and `world_size` the ranks (known once the block is entered), `divisors` what each
-    micro-batch's loss is divided by; after the block, `loss` (the window's loss, the mean over the global
+    """One optimizer step's accumulation (`Accumulator.window`): `count`, `samples` (over every rank) and
+    `world_size` known once entered, `divisors` each micro-batch's; after the block, `loss` (the mean over the global
     window), `grad_norm` (before clipping, unscaled) and `finite`."""
 
     def __init__(self, accumulator: Accumulator, counts: list[int], samples: int | None, observer: Any):
@@ -197,31 +171,15 @@ class Window:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.world_size = int(torch.distributed.get_world_size(acc.process_group))
         distributed = self.world_size > 1
-        # 1. the window's loss-bearing items, over every rank, before any backward
-        if distributed:
+        if distributed:  # 1. the window's loss-bearing items, over every rank, before any backward
             totals = torch.tensor([self.count, self.samples or 0], dtype=torch.int64, device=acc.device)
             torch.distributed.all_reduce(totals, group=acc.process_group)
             self.count = int(totals[0])
             self.samples = int(totals[1]) if self.samples is not None else None
-        # window: the window's count over every rank, so the gradient is the large batch's mean. micro-batch-mean:
-        # the micro-batch's own count times the window's micro-batches and ranks (the Trainer's `loss /
-        # gradient_accumulation_steps` averaged by DDP over the ranks). An empty micro-batch's loss is 0 either way.
-        if acc.normalization == "window":
-            self.divisors = [max(self.count, 1)] * len(self.counts)
-        else:
-            self.divisors = [max(own, 1) * len(self.counts) * self.world_size for own in self.counts]
-        # whether the model's reduction divides by the world size (`gradient_reduction`): then divide by that much
-        # less here; `auto`: DDP's default hook averages, and FSDP2's default divide factor is the world size
-        if acc.gradient_reduction == "auto" and distributed:
-            averages = (not model._comm_hooks if isinstance(model, DistributedDataParallel) else
-                        hasattr(model, "set_requires_gradient_sync"))
-        else:
-            averages = acc.gradient_reduction == "mean" and distributed
-        if averages:
-            self.divisors = [divisor / self.world_size for divisor in self.divisors]
+        self.divisors = self._divisors()
         if self.observer is not None:
             self.observer.start_window(self.counts, self.count, self.samples or 0)
-        # accumulate locally until the last micro-batch: set before its forward (DDP decides in the forward)
+        # 2. accumulate locally until the last micro-batch: set before its forward (DDP decides in the forward)
         if len(self.counts) > 1 and distributed and not acc.sync_every_micro_batch:
             if isinstance(model, DistributedDataParallel):
                 self._paused_sync.enter_context(model.no_sync())
@@ -230,9 +188,24 @@ class Window:
                 self._paused_sync.callback(model.set_requires_gradient_sync, True)  # type: ignore[arg-type]
         return self
 
+    def _divisors(self) -> list[float]:
+        """What each micro-batch's summed loss is divided by (`normalization`; an empty micro-batch's loss is 0
+        either way), by the world size less when the model's reduction averages (`gradient_reduction`)."""
+        acc, model, ranks = self.accumulator, self.accumulator.model, self.world_size
+        divisors: list[float]
+        if acc.normalization == "window":
+            divisors = [max(self.count, 1)] * len(self.counts)
+        else:
+            divisors = [max(own, 1) * len(self.counts) * ranks for own in self.counts]
+        if acc.gradient_reduction == "auto" and ranks > 1:
+            averages = (not model._comm_hooks if isinstance(model, DistributedDataParallel) else
+                        hasattr(model, "set_requires_gradient_sync"))
+        else:
+            averages = acc.gradient_reduction == "mean" and ranks > 1
+        return [divisor / ranks for divisor in divisors] if averages else divisors
+
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Back-propagate one micro-batch's summed loss divided by the window's global count (`divisors`);
-        returns that divided loss, detached. Give the micro-batches in the order of `counts`."""
+        """Back-propagate one micro-batch's summed loss / its divisor; returns it, detached (in `counts`' order)."""
         index = len(self._losses)
         if index >= len(self.counts):
             raise UserError(f"the window was given {len(self.counts)} counts, and this is backward call "
@@ -295,8 +268,8 @@ def _length(micro: Any) -> int:
 
 
 def split_items(items: Any, micro_batch: int) -> list[Any]:
-    """`items` cut into micro-batches of `micro_batch` (the last one shorter when it does not divide): a tensor,
-    a tuple or dict of tensors cut along their first dimension together, or a list."""
+    """`items` (a tensor, a tuple or dict of tensors cut together along dim 0, or a list) in micro-batches of
+    `micro_batch`, the last one shorter when it does not divide."""
     if micro_batch < 1:
         raise UserError(f"must be >= 1 (got {micro_batch})", field="micro_batch")
     if isinstance(items, torch.Tensor):

@@ -1,21 +1,15 @@
-"""The one exception type for mistakes a user can fix (bad recipe, bad option, missing file).
-
-The CLI catches it in one place and prints its lines, one per problem, with exit code 2. A message names what it is
-about by the request's field (`micro_batch_max`, `device`, `world_size`) or the recipe's dotted path
-(`batch.sharding`), in backticks, never by a command-line flag: a library caller (a script calling `make_plan`,
-`reproduce check`) is told about the argument it passed, and the CLI turns each name into the flag the user typed
-(`reproduce.cli.flags`). Its one subclass, `DoesNotFit`, is the honest "no micro-batch fits this memory" (exit
-code 3): the input is valid, the hardware is too small, and its lines say what the step needs and what would fit.
+"""The one exception type for mistakes a user can fix, caught in one place by the CLI (exit code 2). A
+message names the request's field or the recipe's dotted path in backticks, never a flag, so a library caller is
+told about its argument; the CLI maps names to the flags typed (`reproduce.cli.flags`). `DoesNotFit` (exit 3):
+valid input, too small hardware.
 """
 
 from __future__ import annotations
 
 
 class UserError(Exception):
-    """A problem with the user's input. Each line names the file or field, and what was expected.
-
-    `field`, when given, is what the first line is about: the line then opens with it, "`micro_batch_max`: must be
-    >= 1 (got 0)". Other names in the lines are written `in backticks` the same way."""
+    """A problem with the user's input, one line per problem, each naming the file or field and what was
+    expected. `field`: what the first line is about ("`micro_batch_max`: must be >= 1 (got 0)")."""
 
     def __init__(self, *lines: str, field: str | None = None):
         if not lines:
@@ -28,8 +22,8 @@ class UserError(Exception):
 
 
 class MicroBatchError(UserError):
-    """A user error whose way out is another micro-batch, and which says so (it names `micro_batch_max`): the probe,
-    which measures that maximum, passes it on as it is, with no hint to give one."""
+    """A user error whose way out is another micro-batch and which says so: the probe passes it on as
+    it is."""
 
 
 class DoesNotFit(UserError):
@@ -51,8 +45,8 @@ class DiskFull(TrainingStopped):
 
 
 class GatePaused(TrainingStopped):
-    """A `pause` gate of the recipe missed its bound: the run checkpointed at the gate and stopped (exit status 4);
-    the line says the gate, measured against its bound, and the two ways on (resume after a fix, or accept it)."""
+    """A `pause` gate missed its bound: the run checkpointed and stopped (exit status 4); the line says
+    the gate and the two ways on."""
 
     exit_code = 4
 

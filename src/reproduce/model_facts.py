@@ -1,7 +1,6 @@
-"""What the session knows of a recipe's model before a run builds it: the record of its pretrained weights, a
-factory's BatchNorm layers, and a built-in's parameter counts. Torch is imported only inside the functions that
-build (a folder in place of a built-in, a factory, the meta-device count), so a plan with a given micro-batch
-imports none."""
+"""What the session knows of a recipe's model before a run builds it: its pretrained weights' record, a
+factory's BatchNorm layers, a built-in's parameter counts. Torch is imported only where something is built.
+"""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ if TYPE_CHECKING:
 
 
 def weights_of(recipe: Recipe) -> WeightsRecord | None:
-    """The record of the pretrained weights a run of `recipe` starts from (path, size, fingerprint, and what a
-    folder's config changes of the recipe's built-in); None for a model of random weights."""
+    """The record of the pretrained weights a run of `recipe` starts from; None for random weights."""
     spec = recipe.model
     if spec.weights is None:
         return None
@@ -39,11 +37,9 @@ def weights_of(recipe: Recipe) -> WeightsRecord | None:
 
 
 def count_factory_batchnorm(recipe: Recipe, data: Datasets | None) -> int | None:
-    """The BatchNorm layers of the user's factory model, counted on the meta device (built-ins are known without
-    torch: plan.batchnorm). None for other models, and for a factory that cannot be built before its data is: the
-    plan then goes by the factory's label, and the run counts the built model, so the plan never fails for want of
-    counting. A built factory whose logits are not the data's classes (task segmentation) is refused here, as the
-    run would refuse it."""
+    """The BatchNorm layers of the user's factory model, counted on the meta device; None
+    for other models and for a factory that needs its data (the run counts the built model). A segmentation factory
+    whose logits are not the data's classes is refused here, as the run would."""
     if recipe.model.factory is None:
         return None
     from .models import counted_batchnorm  # imports torch: only for a factory model
@@ -58,10 +54,8 @@ def count_factory_batchnorm(recipe: Recipe, data: Datasets | None) -> int | None
 
 
 def parameter_counts(recipe: Recipe, build: bool = True) -> tuple[int, int] | None:
-    """(all, trainable) parameters of a built-in model as the recipe builds it (on the meta device); None for a
-    factory or Hugging Face model, or when it cannot be built here. Kept in the probe's cache (keyed by the recipe
-    and the libraries' versions), so listing again imports no torch; `build=False` only reads that cache (a plan
-    that imports no torch)."""
+    """(all, trainable) parameters of a built-in model (on the meta device); None for a factory or
+    Hugging Face model. Kept in the probe's cache, so `build=False` only reads it (and imports no torch)."""
     if recipe.model.builtin not in MODELS:
         return None
     versions = {"reproduce": __version__, **cache.library_versions()}

@@ -1,15 +1,11 @@
 """The session: what a command decides between reading its options and showing its output, as values.
 
-The recipe a command works on (`recipe_for_plan` for plan, probe and memory; `recipe_for_run` for run and verify,
-which also take a plan file or resume one): the file with the command's changes, applied and validated once
-(plan/overlay.py), and the resume rules. A run (`RunRequest`, one frozen value of its options): `checked_run`
-makes every check that needs no data (the launcher's, before it launches), `prepare_run` then builds the data,
-probes (every rank its own device, all taking the smallest maximum: `probe_consensus`) and plans (`run_plan`).
-Probe, then plan (`plan_and_probe`): the micro-batch maximum comes from the caller, or from the memory probe
-(once per sequence length when batch phases change it), then the plan, by the chosen policy. Nothing here prints:
-the lines to show come back as data (`Planned.notes`, warnings), or are handed to the caller's `on_note` as they
-come (a probe or a timing can take a while); bad input raises UserError, a model that does not fit DoesNotFit.
-Torch is imported only where something is measured or built, so planning with a given micro-batch imports none.
+The recipe a command works on (`recipe_for_plan`; `recipe_for_run` for run and verify, which also take a plan file
+or resume one), changed and validated once (plan/overlay.py). A run: `checked_run` makes every check that needs no
+data (the launcher's, before it launches), `prepare_run` builds the data, probes (`probe_consensus` under torchrun)
+and plans (`run_plan`). `plan_and_probe`: the micro-batch maximum given or probed, then the plan by the policy.
+Nothing here prints: lines come back as data (`Planned.notes`, warnings) or go to the caller's `on_note`.
+Torch is imported only where something is measured or built.
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ OnNote = Callable[[str], None]
 
 @dataclass
 class Planned:
-    """A plan, the probe's result behind it (None when the micro-batch maximum was given), and the lines to show
-    on stderr about how it was reached (the probe's result, each sequence length's, the timings)."""
+    """A plan, the probe's result behind it (None: the maximum was given), and the lines on how it was reached."""
 
     plan: Plan
     probe: ProbeResult | None = None
@@ -104,8 +99,8 @@ def memory_unused(memory: str) -> str:
 def probe_phases(recipe: Recipe, recipe_path: str, world_size: int, policy: str, probe: ProbeOptions | None,
                  data: Datasets | None, note: OnNote) -> tuple[MicroBatchMax, ProbeResult | None]:
     """Each sequence length's micro-batch maximum, probed at its largest batch (on `data` for the main length only),
-    and the main length's result (never under `policy` throughput). Each length's own plan is made and dropped, as a
-    check: it refuses what the main plan may not (a schedule or gate in epochs: no data size), as it always has."""
+    and the main length's result. Each length's own plan is made and dropped, as a check (a schedule or gate in
+    epochs has no data size)."""
     maxima: dict[int | None, int] = {}
     main_result, unheard = None, lambda line: None  # (a phase's own lines: its `sequence length` line says it)
     for length, fixed in phase_probes(recipe).items():
@@ -205,10 +200,8 @@ def phase_probes(recipe: Recipe) -> dict[int | None, Recipe]:
 
 
 def planned_data_size(recipe: Recipe, given: bool = False) -> tuple[Datasets | None, int | dict | None]:
-    """The data and its size as `run` gets them, when the recipe does not state data.train_size, or when the data is
-    `given` on the command line (`plan --data PATH`: a paper's recipe states the paper's size, `run` counts the
-    user's data): from its data factory (the user's code), or from its data on disk; the schedule in epochs, and
-    the plan file, then hold the real numbers."""
+    """The data and its size as `run` gets them (from its factory, or on disk), when the recipe does not state
+    data.train_size or the data is `given` (`plan --data`: `run` counts the user's data, not the paper's)."""
     spec = recipe.data
     on_disk = bool(spec.files) and spec.files[0] is not None
     if (spec.train_size is not None and not (given and on_disk)) or not spec.available or (
@@ -222,8 +215,8 @@ def planned_data_size(recipe: Recipe, given: bool = False) -> tuple[Datasets | N
 
 
 def recipe_for_plan(source: Path, changes: Sequence[Change], world_size: int = 1) -> Recipe:
-    """The recipe file as `plan`, `probe` and `memory` take it: with the command's changes (`--set`, then its
-    options, each onto its field: plan/overlay.py), validated once, and the checks the changes need."""
+    """The recipe file with the command's changes (`--set`, then its options), validated once, for `plan`, `probe`
+    and `memory`."""
     recipe = overlay(load_recipe(source), changes, str(source))
     _check_changed(recipe, changes, world_size)
     return recipe
@@ -231,12 +224,9 @@ def recipe_for_plan(source: Path, changes: Sequence[Change], world_size: int = 1
 
 def recipe_for_run(source: Path, overrides: Sequence[Change], options: Sequence[Change], *, resume: bool = False,
                    out: Path | None = None) -> tuple[Recipe, Plan | None]:
-    """The recipe (and plan, when `source` is a plan file or the run is resumed) as `run` and `verify` take it.
-
-    `overrides` (`--set`) change a recipe file's fields, as if the file said them; a plan file's recipe is what its
-    plan was made for, so they are refused on one. `options` change either. A resumed run keeps the fields its
-    plan.yaml fixes (`overlay.resumed`), from the weights and data it started on, unchanged since.
-    """
+    """The recipe (and plan, from a plan file or a resumed run's) as `run` and `verify` take it. `overrides`
+    (`--set`) are refused on a plan file (its recipe is what its plan was made for); `options` change either. A
+    resumed run keeps the fields its plan.yaml fixes (`overlay.resumed`)."""
     recipe, plan = load_recipe_or_plan(source)
     if overrides and plan is not None:
         raise UserError(f"{overrides[0].label}: {source} is a plan file, whose recipe its plan was made for; give "
@@ -264,8 +254,7 @@ def recipe_for_run(source: Path, overrides: Sequence[Change], options: Sequence[
 
 
 def _check_changed(recipe: Recipe, changes: Sequence[Change], world_size: int | None) -> None:
-    """The checks a change needs beyond the schema: sharding needs two or more processes; activation checkpointing
-    needs a model with blocks to checkpoint (the only check here that imports torch)."""
+    """Beyond the schema: sharding needs two or more processes; activation checkpointing a model with blocks."""
     for change in changes:
         if change.path == "batch.sharding" and change.value == "fsdp" and world_size is not None and world_size < 2:
             raise UserError(
@@ -287,12 +276,9 @@ def check_launch_policy(policy: str, plan: Plan | None, processes: int) -> None:
 def probe_consensus(recipe: Recipe, recipe_path: str, world_size: int, policy: str, dataset_size: int | dict | None,
                     all_min: Callable[[int], int], *, probe: ProbeOptions | None = None, data: Datasets | None = None,
                     on_note: OnNote | None = None) -> tuple[Recipe, MicroBatchMax]:
-    """Every rank probes its own device; all take the smallest result, so no rank runs out of memory.
-
-    `all_min(value)`: the smallest of every rank's value (a collective: every rank calls it, in the same order).
-    Returns the recipe with the memory knobs the plan took (probe/memory_plan.py) and the agreed micro-batch
-    maximum: one number, or one per sequence length the plan reads.
-    """
+    """Every rank probes its own device; all take the smallest result (`all_min`, a collective), so no rank runs
+    out of memory. Returns the recipe with the memory knobs the plan took and the agreed maximum (per sequence
+    length when the plan reads several)."""
     probed = plan_and_probe(recipe, recipe_path, None, world_size, policy, dataset_size, probe=probe, data=data,
                             on_note=on_note).plan
     # one maximum per sequence length the plan reads, agreed in the same order on every rank
@@ -305,11 +291,9 @@ NO_BUDGET = 2**62  # a rank whose probe measured no token budget (its whole shar
 
 
 def agreed_budget(given: Recipe, probed: Recipe, all_min: Callable[[int], int]) -> Recipe:
-    """`probed` with the token budget every rank agrees on, for `sorted` without one of the recipe's own (`given`):
-    the smallest any rank's probe measured to fit (probe/tokens.py), so every rank groups its windows alike and no
-    rank runs out of memory (a budget below a rank's own keeps within the shapes its probe measured: at most its m
-    rows of the longest example, or m + 1 rows of at most T // (m + 1) tokens); none measured on any rank: the
-    micro-batch x the longest example. A collective, on the given recipe's fields only (the same on every rank)."""
+    """`probed` with the token budget every rank agrees on, for `sorted` without one of the recipe's own: the
+    smallest any rank measured (probe/tokens.py; a smaller budget keeps within the shapes each rank measured), so
+    every rank groups its windows alike; none measured: the micro-batch x the longest example. A collective."""
     if given.data.token_budget is not None or (given.data.packing or default_packing(given)) != "sorted":
         return probed
     budget = all_min(probed.data.token_budget if probed.data.token_budget is not None else NO_BUDGET)
@@ -328,15 +312,14 @@ class PreparedRun:
 
 
 def checked_run(request: RunRequest, processes: int, resume: bool) -> tuple[Recipe, Plan | None]:
-    """The recipe (and plan, when given or resumed) of a run of `processes`, after every check that needs no data:
-    the launcher's before it launches, and each process's again."""
+    """The recipe (and plan) of a run of `processes`, after every check that needs no data (the launcher's)."""
     recipe, plan = recipe_for_run(request.source, changes_of(request.overrides), request.changes, resume=resume,
                                       out=request.out)
     if recipe.model.batchnorm == "sync":  # refused before anything is built or launched: one process, or no CUDA
         from .train.distributed.processes import World
-        from .train.setup import check_batchnorm, resolve_device
+        from .train.setup import check_sync_batchnorm, resolve_device
 
-        check_batchnorm("sync", World(size=processes), resolve_device(request.device))
+        check_sync_batchnorm(World(size=processes), resolve_device(request.device))
     check_sharding(recipe, processes)
     # with FSDP and no micro-batch maximum given, a probe that measures the whole unsharded model on one device (the
     # cuda and cpu meters) does not measure what one rank holds
@@ -351,8 +334,7 @@ def checked_run(request: RunRequest, processes: int, resume: bool) -> tuple[Reci
 
 def prepare_run(request: RunRequest, world: Any, resume: bool, on_note: OnNote | None = None,
                 checked: tuple[Recipe, Plan | None] | None = None) -> PreparedRun:
-    """This process's run: the checks (`checked`: made already), its data, the probe (every rank its own device,
-    all taking the smallest result, under torchrun) and the plan; the warnings its start shows."""
+    """This process's run: the checks (unless `checked`), its data, the probe and the plan, and its warnings."""
     from .data import build_data, text_warnings, training_sizes
 
     if request.memory is not None:  # a budget that is no size: one line, before anything is built
@@ -383,9 +365,8 @@ def run_plan(recipe: Recipe, source: str, plan: Plan | None, micro_batch_max: Mi
              world_size: int, policy: str, dataset_size: int | dict, resume: bool, *,
              probe: ProbeOptions | None = None, data: Datasets | None = None,
              on_note: OnNote | None = None) -> tuple[Plan, list[str]]:
-    """The plan a run uses, and the warnings to show at its start: a new plan when none was given; the given (or
-    resumed) one re-derived for another number of processes, a smaller --micro-batch-max on resume, or the data's
-    size when it was made without it (resume_rules.replan)."""
+    """The plan a run uses and its start's warnings: a new one, or the given (or resumed) one re-derived for another
+    number of processes, a smaller `micro_batch_max` on resume, or the data's size (resume_rules.replan)."""
     # (a resumed run's weights and data were checked against its records: resume_rules)
     fingerprint = (data_fingerprint([recipe.data.path, recipe.data.eval_path])
                    if not resume and recipe.data.format is not None else None)

@@ -260,8 +260,6 @@ KNOWN_BACK_EDGES = {
         "the memory plan weighs its two ways (with and without checkpointing) by the step-time cost model",
     ("reproduce.observe.rates", "reproduce.probe.flops"):
         "the run counts its model FLOPs once, at its first step, with the estimate's counter on fake tensors",
-    ("reproduce.observe.outputs", "reproduce.train.checkpoint"):
-        "`run_outputs` names the sharded checkpoints by their prefix (a function-local import, as torch is needed)",
     ("reproduce.models.architectures", "reproduce.train.pretraining_loss"):
         "BERT's pre-training loss is a built-in architecture's own loss (models.LOSSES)",
     ("reproduce.data", "reproduce.models"):

@@ -27,7 +27,7 @@ import yaml
 from helpers import SGD, cli, digits_recipe, snapshot
 from reproduce.errors import UserError
 from reproduce.storage import files
-from reproduce.train.checkpoint import read_torch_file
+from reproduce.train.resume import read_torch_file
 
 RECIPE = digits_recipe(SGD, steps=8, schedule={"warmup": {"steps": 2}, "decay": {"kind": "cosine", "min_lr": 0.001},
                                                "total": {"steps": 8}})

@@ -169,3 +169,20 @@ def test_a_grad_scaler_scales_for_backward_and_unscales_before_the_clip(one_thre
     for ours, reference in zip(grads, plain_grads, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True))
     assert all(torch.equal(value, plain[name]) for name, value in weights.items())
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")  # (by design here)
+def test_a_non_finite_window_leaves_the_weights_alone_and_the_scheduler_steps(one_thread):
+    """docs/library.md: `w.finite` is False, the weights are untouched, the scheduler still steps, the gradients
+    are zeroed."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    acc = reproduce.Accumulator(model, optimizer, scheduler, clip_grad_norm=1.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with acc.window([2]) as window:
+        window.backward(model(torch.randn(2, 3)).sum() * float("nan"))
+    assert window.finite is False and window.count == 2
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert all(p.grad is None for p in model.parameters())

@@ -29,7 +29,7 @@ def evaluate_command(
     """Evaluate a finished run's model.pt on its evaluation data, as the run evaluates (no training)."""
     from ..train.evaluation import evaluate_run
 
-    plan, metrics = evaluate_run(run_dir, data_path, eval_data_path, device, workers)
+    metrics = evaluate_run(run_dir, data_path, eval_data_path, device, workers)
     if as_json:
         print(json.dumps(metrics, indent=2))
         return

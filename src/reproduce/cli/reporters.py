@@ -12,14 +12,12 @@ from ..plan.gates import outcome_line
 from .common import loss_text, parameters_line, stderr, stdout
 
 if TYPE_CHECKING:
-    from ..train.reporter import RunEnd, RunStart
+    from ..train.reporter import RunEnd, RunStart, StepRecord
 
 
 class PlainReporter:
-    """Periodic log lines, for CI logs and other non-terminals.
-
-    Nothing is printed before the run has checked its inputs (`start`), so bad input gets its one error line.
-    """
+    """Periodic log lines, for CI logs and other non-terminals; nothing before `start`, so bad input
+    gets its one error line."""
 
     def __init__(self, warnings: list[str], lines: int = 20):
         self.warnings, self.lines, self.every, self.total, self.started = warnings, lines, 1, 0, 0.0
@@ -40,23 +38,23 @@ class PlainReporter:
         self.started = time.perf_counter()
         print(start.training, flush=True)
 
-    def step(self, record: dict) -> None:
-        step = record["step"]
+    def step(self, record: StepRecord) -> None:
+        step, evaluation, rates = record.step, record.evaluation, record.rates
         if step % self.every and step != self.total and step != 1:
             return
-        line = f"step {step}/{self.total} loss {loss_text(record['loss'])} lr {record['lr']:.4g}"
-        if "eval_loss" in record:
-            line += f" eval_loss {loss_text(record['eval_loss'])}"
-        if "eval_accuracy" in record:
-            line += f" eval_accuracy {record['eval_accuracy']:.4f}"
-        if "eval_miou" in record:
-            line += f" eval_miou {record['eval_miou']:.4f}"
+        line = f"step {step}/{self.total} loss {loss_text(record.loss)} lr {record.lr:.4g}"
+        if "eval_loss" in evaluation:
+            line += f" eval_loss {loss_text(evaluation['eval_loss'])}"
+        if "eval_accuracy" in evaluation:
+            line += f" eval_accuracy {evaluation['eval_accuracy']:.4f}"
+        if "eval_miou" in evaluation:
+            line += f" eval_miou {evaluation['eval_miou']:.4f}"
         rate = ""
-        if record.get("useful_tokens_per_second"):  # variable-length text: tokens that are not padding
-            rate = f" {record['useful_tokens_per_second']:,.0f} useful tokens/s"
-        elif record.get("tokens_per_second") or record.get("samples_per_second"):  # this step's (observe/rates.py)
-            rate = (f" {record['tokens_per_second']:,.0f} tokens/s" if record.get("tokens_per_second")
-                    else f" {record['samples_per_second']:,.0f} samples/s")
+        if rates.get("useful_tokens_per_second"):  # variable-length text: tokens that are not padding
+            rate = f" {rates['useful_tokens_per_second']:,.0f} useful tokens/s"
+        elif rates.get("tokens_per_second") or rates.get("samples_per_second"):  # this step's (observe/rates.py)
+            rate = (f" {rates['tokens_per_second']:,.0f} tokens/s" if rates.get("tokens_per_second")
+                    else f" {rates['samples_per_second']:,.0f} samples/s")
         print(line + rate + f" ({time.perf_counter() - self.started:.1f}s)", flush=True)
 
     def message(self, text: str) -> None:
@@ -96,11 +94,12 @@ class RichReporter(PlainReporter):
         )
         self.progress.start()
 
-    def step(self, record: dict) -> None:
-        self.samples += record["samples"]
-        rate = (record.get("tokens_per_second") or record.get("useful_tokens_per_second")
-                or record.get("samples_per_second") or 0)  # this step's (observe/rates.py)
-        self.progress.update(self.task, advance=1, loss=loss_text(record['loss']), rate=f"{rate:,.0f}")
+    def step(self, record: StepRecord) -> None:
+        self.samples += record.samples
+        rates = record.rates  # this step's (observe/rates.py)
+        rate = (rates.get("tokens_per_second") or rates.get("useful_tokens_per_second")
+                or rates.get("samples_per_second") or 0)
+        self.progress.update(self.task, advance=1, loss=loss_text(record.loss), rate=f"{rate:,.0f}")
 
     def message(self, text: str) -> None:
         stderr.print(text)

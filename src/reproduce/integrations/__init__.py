@@ -1,4 +1,3 @@
-"""Callbacks for the trainers people already use, on the plan and the exact window (docs/library.md):
-`reproduce.integrations.lightning.ExactAccumulation` and `reproduce.integrations.transformers.PlanCallback`.
-Each module imports its library (Lightning, transformers) when it is itself imported, and nothing else of
-`reproduce` imports them."""
+"""Callbacks for Lightning and the Hugging Face Trainer on the plan and the exact window (docs/library.md);
+each module imports its library, and nothing else of `reproduce` does.
+"""

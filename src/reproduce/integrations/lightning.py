@@ -1,15 +1,11 @@
 """`ExactAccumulation`: Lightning's gradient accumulation made the large batch's.
 
-Lightning's `accumulate_grad_batches = N` divides each micro-batch's loss by N and steps every N batches (and at
-the end of an epoch): with a mean loss per micro-batch that is the mean of N micro-batch means, not the mean over
-the window's items when their counts differ (tokens), and an epoch's last window of k < N micro-batches is
-divided by N too (its update k/N as large). This callback makes it exact: `training_step` returns the batch's
-*summed* loss, the callback counts each batch's loss items (`count(batch)`; by default the targets that are not
--100: tokens for a language model, samples for a classifier), sums the window's count over the ranks, and before
-the optimizer steps (and before Lightning clips) multiplies the accumulated gradient by N x world size / count:
-what Lightning divided by (N, and DDP's average) replaced by the window's global count. Given a plan
-(`reproduce.plan_recipe` / `plan_batch`), it also sets `accumulate_grad_batches` from it and applies its LR rule.
-Manual optimization is refused (use `reproduce.Accumulator` inside `training_step`).
+Lightning's `accumulate_grad_batches = N` divides each micro-batch's loss by N: with mean losses, the mean of N
+means (not the window's mean when token counts differ), and an epoch's last window of k < N micro-batches divided
+by N too. Here `training_step` returns the *summed* loss; the callback counts each batch's loss items (`count`),
+sums the window's count over the ranks, and before Lightning clips and steps multiplies the gradient by N x world
+size / count. Given a plan it sets `accumulate_grad_batches` and applies the LR rule. Manual optimization is
+refused (use `reproduce.Accumulator` in `training_step`).
 """
 
 from __future__ import annotations
@@ -26,8 +22,8 @@ __all__ = ["ExactAccumulation", "count_targets"]
 
 
 def count_targets(batch: Any) -> int:
-    """The loss items of a batch `(inputs, targets)`, `{"labels": ...}` or a tensor of targets: the targets that
-    are not -100 (tokens of a language model; for a classifier, its samples)."""
+    """A batch's loss items: its targets (`(inputs, targets)`, `{"labels": ...}` or a tensor) that are
+    not -100."""
     targets = batch
     if isinstance(batch, dict):
         targets = batch["labels"]
@@ -40,11 +36,9 @@ def count_targets(batch: Any) -> int:
 
 
 class ExactAccumulation(pl.Callback):
-    """The window's gradient normalised by its global item count (see the module's docstring).
-
-    `plan`: a `reproduce` plan; its accumulation steps become the trainer's `accumulate_grad_batches` and its LR
-    factor multiplies the optimizers' learning rates (and the schedulers' base LRs); the trainer's world size must
-    be the plan's. `count`: the loss items of a batch (default `count_targets`)."""
+    """The window's gradient normalised by its global item count. `plan`: its accumulation steps
+    become `accumulate_grad_batches`, its LR factor multiplies the LRs (and schedulers' base LRs); the world size must
+    be the plan's. `count`: a batch's loss items (default `count_targets`)."""
 
     def __init__(self, plan: Any = None, count: Callable[[Any], int] | None = None):
         super().__init__()

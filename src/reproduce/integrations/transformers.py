@@ -1,14 +1,11 @@
 """`PlanCallback`: the Hugging Face Trainer run on a `reproduce` plan.
 
-The Trainer accumulates exactly since transformers v4.46 when it can count the window's items: it passes
-`num_items_in_batch` (the window's label tokens != -100, gathered over the processes with
-`average_tokens_across_devices`) to a model whose forward takes `**kwargs` (or to `compute_loss_func`), and skips
-its division by the accumulation steps. The callback sets what the plan decides (`gradient_accumulation_steps`,
-the LR rule's factor on `learning_rate`) when the Trainer is built, checks the batch it was built with
-(`per_device_train_batch_size` is the plan's micro-batch; the Trainer fixes it in its constructor, before any
-callback runs) and the world size, and refuses in one line what would not be exact: a model whose loss takes no
-`num_items_in_batch` (the Trainer then divides micro-batch means by N: arithmetic before v4.46.0), or tokens not
-summed over several processes. `arguments(plan)` gives the TrainingArguments' fields to build the Trainer with.
+Since transformers v4.46 the Trainer accumulates exactly when it passes `num_items_in_batch` (the window's label
+tokens, summed over processes with `average_tokens_across_devices`) to a model whose forward takes `**kwargs` (or to
+`compute_loss_func`). The callback sets the plan's accumulation steps and LR factor when the Trainer is built,
+checks its micro-batch (fixed in the Trainer's constructor: build its arguments with `arguments(plan)`) and world
+size, and refuses in one line what would not be exact: a loss that takes no `num_items_in_batch`, or tokens not
+summed over several processes.
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ __all__ = ["PlanCallback", "arguments"]
 
 
 def arguments(plan: Any) -> dict:
-    """The TrainingArguments fields the plan fixes: per-device micro-batch and accumulation steps (the learning
-    rate: the paper's times the plan's LR factor, which the callback applies to the one given)."""
+    """The TrainingArguments fields the plan fixes: per-device micro-batch and accumulation steps."""
     return {"per_device_train_batch_size": plan.micro_batch, "gradient_accumulation_steps": plan.accumulation_steps}
 
 
@@ -40,8 +36,7 @@ def _accepts_loss_kwargs(model: Any) -> bool:
 
 
 class PlanCallback(transformers.TrainerCallback):
-    """`plan`: a `reproduce` plan (`reproduce.plan_recipe`, `plan_batch`; its micro-batch from the probe or
-    `probe_step`). `loss_counts_items`: the Trainer is given a `compute_loss_func` that divides by
+    """`plan`: a `reproduce` plan. `loss_counts_items`: the Trainer's `compute_loss_func` divides by
     `num_items_in_batch` (then the model's own loss need not take it)."""
 
     def __init__(self, plan: Any, loss_counts_items: bool = False):

@@ -1,8 +1,6 @@
-"""The plan for a user's own loop: from a recipe (a file, a shipped recipe's name, a dict or a `Recipe`) as
-`reproduce plan` makes it, or from plain arguments (the effective batch and its unit, the micro-batch that fits,
-the world size, the LR and its rule). Either way the `Plan` that `reproduce plan --json` describes: its
-`micro_batch`, `accumulation_steps`, `world_size`, `effective_batch`, `lr` and `lr_scaling`, `optimizer_steps`,
-`lr_at(plan, step)` for the schedule."""
+"""The plan for a user's own loop, from a recipe (as `reproduce plan` makes it) or from plain arguments:
+the `Plan` that `reproduce plan --json` describes, with `lr_at(plan, step)` for the schedule.
+"""
 
 from __future__ import annotations
 
@@ -31,8 +29,8 @@ def _recipe(recipe: Recipe | dict | str | Path) -> tuple[Recipe, str | None]:
 def plan_recipe(recipe: Recipe | dict | str | Path, micro_batch_max: int | None = None, world_size: int = 1, *,
          policy: str = "exact", memory: str | None = None, gpu: str | None = None, meter: str = "auto",
          headroom: float = 0.1) -> Plan:
-    """The plan `reproduce plan RECIPE` makes: `micro_batch_max` given, or probed (on this GPU, or for `memory` /
-    `gpu` with the `meter`), the data's size counted as the command counts it."""
+    """The plan `reproduce plan RECIPE` makes: `micro_batch_max` given, or probed (this GPU, or `memory`
+    / `gpu` with the `meter`), the data's size counted as the command counts it."""
     from ..session import plan_and_probe, planned_data_size
 
     loaded, path = _recipe(recipe)
@@ -47,10 +45,9 @@ def plan_batch(effective_batch: int, micro_batch_max: int, *, lr: float, unit: s
                lr_rule: str = "auto", steps: int = 1, paper_devices: int | None = None,
                paper_per_device: int | None = None, policy: str = "exact") -> Plan:
     """The plan from plain arguments: the paper's `effective_batch` in `unit` (samples, or tokens with
-    `sequence_length`), the largest `micro_batch_max` that fits one process, `world_size` processes, the paper's
-    `lr` for its `optimizer` and the rule that adjusts it when the batch cannot be matched (`auto`: linear for SGD,
-    square root for Adam; `linear`, `sqrt`, `none`), `steps` optimizer steps. The model and data are the user's:
-    the plan names them `your model` and `your data`."""
+    `sequence_length`), the largest `micro_batch_max` that fits one process, `world_size`, the paper's `lr` for its
+    `optimizer` and the rule for an unmatched batch (`auto`: linear for SGD, square root for Adam; `linear`, `sqrt`,
+    `none`), `steps` optimizer steps; the model and data are `your model` and `your data`."""
     if unit not in ("samples", "tokens"):
         raise UserError(f"expected samples or tokens (got {unit!r})", field="unit")
     batch: dict[str, Any] = {"effective": effective_batch, "unit": unit}

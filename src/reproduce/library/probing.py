@@ -1,12 +1,7 @@
-"""The largest micro-batch of the user's own training step: the CLI probe's search (probe/search.py) and its `cpu`
-and `cuda` meters (probe/meters.py) around a callable `step(micro_batch)` that runs one optimizer step of the
-user's model, loss and optimizer at that micro-batch. Write the step as the run takes it, one window of
-`PROBE_WINDOW` micro-batches (`reproduce.Accumulator`), so that the gradients accumulation holds while the next
-micro-batch's forward runs are counted, as `reproduce probe` counts them.
-
-Each trial runs the step once to warm up (the optimizer's state is made then), then once measured; a trial that
-runs out of memory (`torch.OutOfMemoryError`, which the cpu meter raises as CUDA does) does not fit, and the
-gradients it left are dropped. The `estimate` meter needs the model built from a recipe (fake tensors): not here.
+"""The largest micro-batch of the user's own training step: the CLI probe's search and its `cpu` and `cuda`
+meters around `step(micro_batch)`, one optimizer step of the user's model, loss and optimizer (docs/library.md).
+Each trial runs the step once to warm up (the optimizer's state is made then), then measured; one that runs out of
+memory does not fit, and its gradients are dropped. The `estimate` meter needs a recipe's model: not here.
 """
 
 from __future__ import annotations
@@ -114,12 +109,10 @@ class StepCudaMeter(CudaMeter):
 def probe_step(step: Callable[[int], Any], *, cap: int, model: Any = None, optimizer: Any = None,
           memory: str | int | None = None, meter: str = "auto", headroom: float = 0.1,
           time_steps: bool = True, on_trial: Callable[[Measurement], None] | None = None) -> ProbeResult:
-    """The largest micro-batch in [1, `cap`] (the per-process batch: larger needs no accumulation) at which
-    `step(micro_batch)`, one optimizer step of the user's model, fits `memory` (bytes, or a size such as "8GiB";
-    with the cuda meter, default: what this GPU has free) less `headroom`. `model` and `optimizer`, when given, are
-    counted by the cpu meter (made before the trials, they are outside its count otherwise) and have their
-    gradients dropped after a trial that ran out of memory. `meter`: cpu, cuda, or auto (cuda when a GPU is here).
-    Returns what `reproduce probe --json` prints (`micro_batch_max`, the trials, the peak)."""
+    """The largest micro-batch in [1, `cap`] at which `step(micro_batch)` fits `memory` (bytes or a size;
+    cuda meter default: this GPU's free memory) less `headroom`. `model` and `optimizer`: counted by the cpu meter, and
+    their gradients dropped after a trial out of memory. `meter`: cpu, cuda, or auto. Returns what
+    `reproduce probe --json` prints."""
     if not 0 <= headroom < 1:
         raise UserError(f"expected a fraction in [0, 1), such as 0.1 (got {headroom:g})", field="headroom")
     if cap < 1:

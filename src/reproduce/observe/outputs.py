@@ -38,12 +38,11 @@ def check_out_dir(out: Path, resume: bool, force: bool) -> None:
 # loss.png: the plot of runs before loss.svg, still another run's output here
 OUTPUTS = ("plan.yaml", "metrics.jsonl", "summary.json", "model.pt", "loss.svg", "loss.png", "checkpoints/last.pt")
 FOLDERS = ("tensorboard", "wandb", "mlflow", "adapter", "merged")  # trackers' runs, models/weights.py
+SHARDED_PREFIX = "sharded-step-"  # a sharded run's checkpoint folders (train/resume.py)
 
 
 def run_outputs(out: Path) -> list[str]:
     """The names (relative to `out`) of everything a run writes there, and nothing else: what --force sets aside."""
-    from ..train.checkpoint import SHARDED_PREFIX  # (torch: this module is read without it)
-
     sharded = sorted(f"checkpoints/{p.name}" for p in (out / "checkpoints").glob(f"{SHARDED_PREFIX}*"))
     return [*OUTPUTS, *sharded, *FOLDERS, "trackers.json"]
 

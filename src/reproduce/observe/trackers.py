@@ -19,6 +19,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from ..errors import UserError
 from .outputs import read_metrics
@@ -146,7 +147,11 @@ class Trackers:
             self.last[tracker.name] = step
             self.state[tracker.name]["step"] = step
 
-    def step(self, record: dict) -> list[str]:
+    def step(self, record: Any) -> list[str]:
+        """A step's record (train/reporter.StepRecord): its metrics.jsonl line logged."""
+        return self.log(record.line())
+
+    def log(self, record: dict) -> list[str]:
         step = step_of(record)
         if step is not None and self.trackers:
             for tracker in list(self.trackers):

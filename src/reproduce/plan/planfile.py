@@ -1,7 +1,7 @@
 """Reading and writing plan files (`plan.yaml`): the plan `reproduce run` executes, with its recipe inside.
 
 And what a checkpoint records of its plan: `computation(plan)`, every field that changes what the run computes, by
-dotted path (`as_record`, train/checkpoint.py). A resume whose plan differs in any of them is refused, naming the
+dotted path (`as_record`, train/resume.py). A resume whose plan differs in any of them is refused, naming the
 fields (`changed_fields`), so a hand-edited plan.yaml never trains a different model silently. Left out: what a
 resume may change on purpose and keep exact (micro-batch and accumulation, the processes, and what follows from
 them), the weights and data files (their own fingerprints: resume_rules), and words (titles, warnings, sources)."""

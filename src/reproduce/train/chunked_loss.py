@@ -1,12 +1,8 @@
-"""The language-model loss over chunks of tokens (`model.loss_chunks: C`), exact: the sum of the chunks' summed
-cross-entropies is the whole micro-batch's, and the step divides it by the window's token count as always.
-
-Each chunk applies the output head (models/checkpointing.py) and the cross-entropy inside `torch.utils.checkpoint`
-(non-reentrant, the GPU rules of the estimate re-entered): forward keeps only the chunk's hidden states, which the
-model holds anyway, and backward recomputes one chunk's logits at a time. So the logits, their fp32 copy and the
-saved log-softmax are one chunk's instead of the micro-batch's, for one more head matmul per chunk. torchtune's
-CEWithChunkedOutputLoss chunks the same way (8 chunks) and LitGPT's chunked head likewise; neither recomputes, so
-each keeps every chunk's logits until backward.
+"""The language-model loss over chunks of tokens (`model.loss_chunks: C`), exact: the chunks' sums add up to
+the micro-batch's. Each chunk applies the output head and the cross-entropy inside non-reentrant
+`torch.utils.checkpoint`, so backward recomputes one chunk's logits at a time: the logits and their fp32 copy are
+one chunk's, for one more head matmul per chunk (torchtune's CEWithChunkedOutputLoss and LitGPT chunk without
+recomputing, keeping every chunk's logits).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""Evaluation in a run: the eval split's mean loss (and accuracy; segmentation: mIoU and pixel accuracy), and the
-plateau decay stepped on it.
-
-How a segmentation model sees the evaluation images (`evaluation.mode`, `evaluation.output_stride`):
-- `whole`: each image at its own size through the model (torchvision's reference evaluation).
-- `slide`: MMSegmentation's `slide_inference` (mmseg/models/segmentors/encoder_decoder.py): windows of
-  `evaluation.crop` every `evaluation.stride` pixels, the last window of a row or column moved back to end at the
-  image's edge, and each pixel's logits the mean over the windows that cover it. An image smaller than the window
-  is one window of the image's own size, as MMSeg's `min(y1 + crop, height)` gives it.
-- `output_stride`: the same weights at another output stride (DeepLabV3 trains at 16 and evaluates at 8, sec. 4.1):
-  the model built again at that stride (ResNet's dilation, ASPP's rates; no tensor changes shape) and given the
-  trained model's state dict, for the evaluation only.
+"""Evaluation in a run: the eval split's mean loss (and accuracy; segmentation: mIoU, pixel accuracy), and
+the plateau decay stepped on it. A segmentation model sees the images (`evaluation.mode`, `output_stride`):
+- `whole`: each image at its own size (torchvision's reference evaluation);
+- `slide`: MMSegmentation's `slide_inference`: windows of `crop` every `stride` pixels, the last of a row or column
+  moved back to the image's edge, each pixel's logits the mean over its windows; a smaller image is one window;
+- `output_stride`: the same weights rebuilt at another stride (DeepLabV3 trains at 16, evaluates at 8, sec. 4.1).
 """
 
 from __future__ import annotations
@@ -28,15 +22,13 @@ from ..models import build_model, place
 from ..models.segmentation import output_of
 from ..plan.overlay import Change, overlay, variant
 from ..plan.planfile import load_plan
-from ..plan.planner import Plan
-from .optim.plateau import step_plateau
+from .optim.optimizers import step_plateau
 from .setup import Setup, build, resolve_device
 
 
 @torch.no_grad()
 def evaluate(setup: Setup, batch: int | None = None, workers: int | None = None) -> dict | None:
-    """Mean loss (and accuracy) over the eval split, in batches of `batch` (default: the micro-batch), fetched
-    by `workers` loader processes (default: `data.loader.default_workers`)."""
+    """Mean loss (and accuracy) over the eval split, in batches of `batch` (default: the micro-batch)."""
     dataset = setup.data.eval
     if dataset is None or len(dataset) == 0:
         return None
@@ -72,15 +64,10 @@ def evaluate(setup: Setup, batch: int | None = None, workers: int | None = None)
 
 
 class PixelMetrics:
-    """mIoU, per-class IoU and pixel accuracy over the whole eval split, as MMSegmentation reports them: one confusion
-    matrix summed over every batch (torchmetrics' MulticlassConfusionMatrix; pixels at ignore_index excluded), not
-    a mean of per-image scores. A class's IoU is TP / (TP + FP + FN) from the matrix; a class absent from both the
-    predictions and the targets has none (`n/a`, None in the records) and is left out of the mean, as MMSeg's
-    nanmean does (torchmetrics' MulticlassJaccardIndex, average "macro", gives the same mean).
-
-    The split is evaluated whole on each evaluating rank (rank 0; under FSDP every rank, each the whole split), so
-    the matrix is the split's with no reduction over ranks (sync_on_compute off: the other ranks are not here).
-    """
+    """mIoU, per-class IoU and pixel accuracy as MMSegmentation reports them: one confusion matrix
+    summed over the whole split (ignore_index excluded), not a mean of per-image scores; a class absent from both
+    predictions and targets has no IoU (None) and is left out of the mean (MMSeg's nanmean). Each evaluating rank
+    evaluates the whole split, so the matrix is not reduced over ranks."""
 
     def __init__(self, setup: Setup):
         from torchmetrics.classification import MulticlassConfusionMatrix
@@ -99,8 +86,7 @@ class PixelMetrics:
 
 
 def pixel_metrics(matrix: torch.Tensor) -> dict:
-    """eval_miou, eval_pixel_accuracy and eval_class_iou (None: a class in neither predictions nor targets) of a
-    confusion matrix (rows: targets, columns: predictions)."""
+    """eval_miou, eval_pixel_accuracy and eval_class_iou of a confusion matrix (rows: targets)."""
     matrix = matrix.double()
     hits = matrix.diagonal()
     union = matrix.sum(0) + matrix.sum(1) - hits
@@ -132,8 +118,8 @@ def slide_logits(model: nn.Module, images: torch.Tensor, crop: tuple[int, int], 
 
 
 def model_at_stride(setup, stride: int) -> nn.Module:
-    """The run's model at output stride `stride` for evaluation: built again (random state kept: torch's generator
-    is forked) and loaded with the trained model's state dict, in its mode, on its device and dtype."""
+    """The run's model rebuilt at output stride `stride` (torch's generator forked) with the trained
+    state dict, in its mode, device and dtype."""
     recipe = setup.plan.recipe
     at_stride = variant(recipe, {"model.output_stride": stride, "model.weights": None, "model.backbone_weights": None})
     with torch.random.fork_rng(devices=[setup.device] if setup.device.type == "cuda" else []):
@@ -143,8 +129,8 @@ def model_at_stride(setup, stride: int) -> nn.Module:
 
 
 def evaluation_forward(setup) -> callable:
-    """The function the evaluation calls on a batch of images: the model's forward, or the sliding window's, on the
-    model at the evaluation's output stride."""
+    """The evaluation's forward: the model's, or the sliding window's, at the evaluation's
+    stride."""
     evaluation = setup.plan.recipe.evaluation
     model = setup.unwrapped_model
     if evaluation.output_stride is not None and evaluation.output_stride != (setup.plan.recipe.model.output_stride
@@ -157,16 +143,14 @@ def evaluation_forward(setup) -> callable:
 
 
 def evaluation_due(setup: Setup, step: int, done: bool) -> bool:
-    """Whether the run evaluates after optimizer step `step` (counted from 1): every `evaluation.every_steps`,
-    and at the end when `evaluation.at_end`."""
+    """Whether the run evaluates after step `step` (from 1): every `every_steps`, and at the end."""
     evaluation = setup.plan.recipe.evaluation
     return bool((evaluation.every_steps and step % evaluation.every_steps == 0) or (done and evaluation.at_end))
 
 
 def evaluate_step(setup: Setup, step: int, micro_batch: int, workers: int | None, main: bool) -> dict:
-    """The metrics record's fields of an evaluation after optimizer step `step` (counted from 1): the eval
-    split's (rank 0 alone, or every rank of a sharded model, whose forward needs them all) and the plateau decay's
-    (train/optim/plateau.py: the LR of the steps after it)."""
+    """The record's fields of an evaluation after step `step` (from 1): the eval split's (rank 0, or
+    every rank of a sharded model) and the plateau decay's."""
     fields: dict = {}
     evaluation = None
     if main or setup.sharded:
@@ -178,11 +162,10 @@ def evaluate_step(setup: Setup, step: int, micro_batch: int, workers: int | None
 
 
 def evaluate_run(run_dir: Path, data_path: str | None = None, eval_data_path: str | None = None,
-                 device: str = "auto", workers: int | None = None) -> tuple[Plan, dict]:
-    """A finished run's model.pt evaluated again, without training: its plan.yaml's recipe and model (model.pt
-    loaded as `--weights` loads it, after the run's BatchNorm conversion where its keys are the converted model's),
-    its evaluation data (or `--data` / `--eval-data`), in batches of its micro-batch, so the metrics are the run's.
-    A folder without plan.yaml or model.pt, or a recipe with no evaluation data, is one line."""
+                 device: str = "auto", workers: int | None = None) -> dict:
+    """A finished run's model.pt evaluated again on its evaluation data (or `--data` / `--eval-data`),
+    its plan.yaml's recipe and micro-batch, so the metrics are the run's; a folder or recipe that lacks one is one
+    line."""
     for name in ("plan.yaml", "model.pt"):
         if not (run_dir / name).is_file():
             raise UserError(f"RUN_DIR: {run_dir} has no {name} (the folder of a finished `reproduce run`)")
@@ -198,6 +181,5 @@ def evaluate_run(run_dir: Path, data_path: str | None = None, eval_data_path: st
     if data.eval is None or len(data.eval) == 0:
         raise UserError(f"{source}: the run's recipe has no evaluation data (data.eval_path, or a voc folder's "
                         "val list): give `eval_data_path` PATH")
-    plan = plan.model_copy(update={"recipe": recipe})
-    setup = build(plan, resolve_device(device), data=data)
-    return plan, evaluate(setup, workers=workers) or {}
+    setup = build(plan, resolve_device(device), data=data, recipe=recipe)
+    return evaluate(setup, workers=workers) or {}

@@ -1,16 +1,11 @@
 """The recipe's gates checked as the run goes, a pause that keeps the gate's checkpoint, and the way back.
 
-At each gate's optimizer step (plan/gates.py) the run measures the gate's metric (the training loss smoothed over the
-gate's `smooth` steps, the evaluation's metrics, evaluated there when the step is not an evaluation step already,
-samples or tokens per second, GPU-hours spent, the forecast GPU-hours of the whole run at the measured pace), and
-the gate passes, warns, or pauses: the run checkpoints, keeps that checkpoint as checkpoints/gate-NAME.pt beside
-last.pt (every gate's checkpoint is kept, passed or not), prints one line and exits with status 4. Resumed, a
-paused gate is checked again before any step (a fix to the data or the code can make it hold), unless the run is
-told to accept it (`accept`). `--resume --from NAME` starts from a kept gate's checkpoint: the same state as the
-uninterrupted run after that step.
-
-The watch's state (the recent losses and step times, each gate's outcome, the gate a run paused at) travels in
-the checkpoint's `extra["gates"]`, so a resumed run checks what the uninterrupted one would.
+At each gate's step (plan/gates.py) the run measures the gate's metric (the smoothed training loss, an evaluation
+metric, a rate, GPU-hours spent or forecast) and the gate passes, warns, or pauses: the run checkpoints, keeps that
+checkpoint as checkpoints/gate-NAME.pt (every gate's is kept), prints one line and exits with status 4. Resumed, a
+paused gate is checked again before any step unless accepted; `--resume --from NAME` starts from a gate's
+checkpoint. The watch's state travels in the checkpoint's `extra["gates"]`, so a resume checks what the
+uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -30,6 +25,7 @@ from ..plan.gates import EXIT_PAUSED, PlannedGate, gate_by_name, outcome_line, p
 from ..storage.files import write_atomic
 from .distributed import processes as distributed
 from .evaluation import evaluate
+from .reporter import StepRecord
 
 __all__ = ["EXIT_PAUSED", "GatePaused", "GateWatch", "gate_checkpoint"]
 
@@ -65,7 +61,6 @@ class GateWatch:
         self.held: dict[str, dict] = {}  # the cost gate's last check while it held
         self.reference: Any = None  # the reference runs' curve (observe/reference.py), whose state travels here
 
-    # ---- the checkpoint's part -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"reference": self.reference.state_dict() if self.reference is not None else {},
                 "losses": list(self.losses), "rates": list(self.rates), "seconds": list(self.seconds),
@@ -78,10 +73,8 @@ class GateWatch:
         self.outcomes.update(state.get("outcomes", {}))
         self.paused = state.get("paused")
 
-    # ---- what is due ----------------------------------------------------------------------------------------
     def due(self, step: int) -> list[PlannedGate]:
-        """The gates checked after optimizer step `step` (from 1): those at it, and the cost gate from its first
-        step on until it has missed."""
+        """The gates due after step `step` (from 1): those at it, and the cost gate until it has missed."""
         return [gate for gate in self.planned
                 if (gate.step == step and not gate.every_step)
                 or (gate.every_step and step >= gate.step and gate.name not in self.outcomes)]
@@ -97,7 +90,6 @@ class GateWatch:
         self.rates.append({key: record[key] for key in ("samples_per_second", "tokens_per_second") if key in record})
         self.seconds.append(float(record.get("seconds", 0.0)))
 
-    # ---- measuring ------------------------------------------------------------------------------------------
     def value(self, gate: PlannedGate, step: int, record: dict, spent_seconds: float, world_size: int
               ) -> float | None:
         """The gate's metric after step `step`: None when the run did not measure it (no evaluation data)."""
@@ -121,8 +113,8 @@ class GateWatch:
 
     def check(self, step: int, record: dict, spent_seconds: float, world_size: int,
               agree: Any = None) -> list[dict]:
-        """The events of the gates due after `step`: each gate's value against its bound, and its status (passed,
-        warned, accepted, paused). The cost gate says nothing while it holds."""
+        """The events of the gates due after `step`: each value against its bound, and its status; the
+        cost gate says nothing while it holds."""
         events = []
         for gate in self.due(step):
             value = self.value(gate, step, record, spent_seconds, world_size)
@@ -165,17 +157,6 @@ def _largest(value: float, device: torch.device) -> float:
     return float(tensor[0])
 
 
-def keep_checkpoint(out: Path, name: str, sharded: bool) -> Path | None:
-    """Copy last.pt (just written after the gate's step) to the gate's own file, atomically; None for a sharded
-    run, whose model lives in a folder last.pt names (not kept per gate here)."""
-    if sharded:
-        return None
-    source, target = out / "checkpoints" / "last.pt", gate_checkpoint(out, name)
-    with open(source, "rb") as sealed:  # (its bytes, seal included: write_atomic's temporary is a dead writer's to
-        write_atomic(target, lambda handle: shutil.copyfileobj(sealed, handle))  # remove, storage/files.py)
-    return target
-
-
 def paused_line(event: dict, out: Path, kept: Path | None, continue_with: str) -> str:
     """The pause's one line: the gate, measured against its bound, its checkpoint, and the two ways on."""
     where = f"checkpoint {kept}" if kept else f"checkpoint {out / 'checkpoints' / 'last.pt'}"
@@ -195,10 +176,9 @@ def resume_source(out: Path, name: str | None, planned: list[PlannedGate]) -> Pa
     return path
 
 
-# ---- in the run loop (train/trainer.py calls these three) ---------------------------------------------------
 def start_gates(run: Any) -> None:
-    """The run's gate watch (None without gates), its state from the checkpoint resumed from; evaluation gates need
-    evaluation data. A run that paused at a gate checks it again now, before any step, unless it is accepted."""
+    """The run's gate watch (None without gates), resumed from the checkpoint; a gate the run paused at
+    is checked again now, unless accepted."""
     run.reference = reference_curve(run.plan.recipe, run.request.reference)
     extra = (REFERENCE_GATE,) if run.reference is not None else ()
     watch = GateWatch(run.plan, tuple(name for name in run.request.accept_gate if name not in extra))
@@ -247,13 +227,13 @@ def start_gates(run: Any) -> None:
                                      run.continue_with))
 
 
-def check_gates(run: Any, step: int, record: dict) -> list[dict]:
-    """After optimizer step `step` (from 0): the gates due there, measured (evaluating first when a gate watches
-    the evaluation and the step has none), their events written after the step's record by `tell_gates`."""
+def check_gates(run: Any, step: int, record: StepRecord) -> list[dict]:
+    """After step `step` (from 0): the gates due, measured (evaluating first when a gate needs it); their
+    events are written after the step's record by `tell_gates`."""
     watch = run.gates
     if watch is None:
         return []
-    watch.observe(record)
+    watch.observe(record.line())
     due = bool(watch.due(step + 1))  # the same on every rank
     events = _check(run, watch, step, record)
     # several processes: rank 0 alone evaluates, so the ranks agree on whether this step checkpoints for a gate (a
@@ -264,8 +244,8 @@ def check_gates(run: Any, step: int, record: dict) -> list[dict]:
     return events
 
 
-def _check(run: Any, watch: GateWatch, step: int, record: dict) -> list[dict]:
-    found = run.reference.check(step + 1, record) if run.reference is not None else None
+def _check(run: Any, watch: GateWatch, step: int, record: StepRecord) -> list[dict]:
+    found = run.reference.check(step + 1, record.line()) if run.reference is not None else None
     if found is not None:
         if found["status"] == "paused" and REFERENCE_GATE in watch.accept:
             found["status"] = "accepted"
@@ -274,17 +254,18 @@ def _check(run: Any, watch: GateWatch, step: int, record: dict) -> list[dict]:
             watch.paused = found["name"]
     if not watch.due(step + 1):
         if found is not None:
-            record["gates"] = {found["name"]: found["status"]}
+            record.gates = {found["name"]: found["status"]}
         return [found] if found is not None else []
-    if watch.needs_evaluation(step + 1) and "eval_loss" not in record:
-        record.update(_evaluation(run, step))
+    if watch.needs_evaluation(step + 1) and "eval_loss" not in record.evaluation:
+        record.evaluation.update(_evaluation(run, step))
     spent = run.totals_before_resume["seconds"] + time.perf_counter() - run.started
     agree = (lambda value: _largest(value, run.setup.device)) if run.world.distributed else None
-    events = watch.check(step + 1, record, spent, run.world.size, agree) + ([found] if found is not None else [])
+    events = watch.check(step + 1, record.line(), spent, run.world.size, agree)
+    events += [found] if found is not None else []
     if found is not None and found["status"] == "paused":
         watch.paused = found["name"]
     if events:
-        record["gates"] = {event["name"]: event["status"] for event in events}
+        record.gates = {event["name"]: event["status"] for event in events}
     return events
 
 
@@ -292,10 +273,12 @@ def after_checkpoint(run: Any, events: list[dict]) -> None:
     """After the gate step's checkpoint: keep it under each gate's name, then pause when a gate says so."""
     if not events:
         return
-    kept = None
+    kept = None  # (a sharded run's model is in a folder last.pt names: not kept per gate)
     for event in events:
-        if run.world.is_main and event["status"] != "elsewhere":
-            kept = keep_checkpoint(run.out, event["name"], run.setup.sharded)
+        if run.world.is_main and event["status"] != "elsewhere" and not run.setup.sharded:
+            kept = gate_checkpoint(run.out, event["name"])
+            with open(run.out / "checkpoints" / "last.pt", "rb") as sealed:  # its bytes, seal included
+                write_atomic(kept, lambda handle: shutil.copyfileobj(sealed, handle))
     paused = [event for event in events if event["status"] == "paused"]
     if distributed.any_rank(run.world, bool(paused), run.setup.device):
         distributed.barrier(run.world)  # every rank here before any leaves the group (else gloo aborts one)
@@ -306,8 +289,7 @@ def after_checkpoint(run: Any, events: list[dict]) -> None:
 
 
 def tell_gates(run: Any, events: list[dict]) -> None:
-    """Each gate's event into metrics.jsonl (after its step's record), and to the reporter (one line; the
-    trackers as an event)."""
+    """Each gate's event into metrics.jsonl and to the reporter."""
     for event in events:
         run.metrics.write(event)
     if not run.world.is_main:

@@ -1,8 +1,6 @@
 """The losses, summed over a micro-batch; the training loop divides them by the window's item count.
-
-Task `custom` takes a built-in loss (`reproduce.models.LOSSES`) or a factory. Contract for a loss factory:
-`fn(**kwargs) -> callable(output, target) -> summed loss`, with an optional `count(target) -> int` attribute giving
-the loss-bearing items of a batch (default: `len(target)`).
+A loss factory (task `custom`): `fn(**kwargs) -> callable(output, target) -> summed loss`, with an optional
+`count(target) -> int` (default: `len(target)`).
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ from ..plan.recipe import Recipe, SegmentationData
 
 
 def _upcast(output: torch.Tensor) -> torch.Tensor:
-    """Half-precision logits (autocast) are upcast for the loss; float32 and float64 are kept as they are. Anything
-    but a tensor of logits (a transformers ModelOutput from a module that wraps one) is one line."""
+    """Half-precision logits upcast for the loss; anything but a tensor of logits is one line."""
     if not isinstance(output, torch.Tensor):
         raise UserError(
             f"model: its forward returns {type(output).__name__}, not a tensor of logits; return output.logits from "
@@ -52,13 +49,9 @@ class TokenLoss:
 
 
 class PixelLoss:
-    """Segmentation: summed cross-entropy over the pixels whose mask is not `ignore_index`, of the main head's logits
-    (torchvision's `{"out": ...}`) plus `aux_weight` times the auxiliary head's (`"aux"`, model.aux_weight).
-
-    Summed, then divided by the window's valid pixels over every rank (train/step.py): the large batch's mean over
-    its valid pixels, whatever each micro-batch holds (docs/segmentation.md). The auxiliary term is normalised over
-    the same count, as MMSegmentation's `loss_weight` scales a loss over the same pixels.
-    """
+    """Segmentation: summed cross-entropy over the pixels not at `ignore_index`, of the main head (`"out"`)
+    plus `aux_weight` x the auxiliary head's; divided by the window's valid pixels over every rank, the large batch's
+    mean (docs/segmentation.md), the auxiliary term over the same count (MMSegmentation's `loss_weight`)."""
 
     def __init__(self, ignore_index: int, aux_weight: float | None = None, all_pixels: bool = False):
         self.ignore_index, self.aux_weight, self.all_pixels = ignore_index, aux_weight, all_pixels
@@ -118,8 +111,8 @@ def build_loss(recipe: Recipe, model: Any = None) -> SampleLoss | TokenLoss | Pi
 
 
 def pretraining_loss(recipe: Recipe) -> CustomLoss | None:
-    """A language model whose built-in architecture has its own pre-training loss (BERT: masked LM + next
-    sentence, `bert-mlm-nsp`), which task language-modeling uses in place of the next-token loss; else None."""
+    """A built-in architecture's own pre-training loss (BERT's `bert-mlm-nsp`) in place of the
+    next-token loss; else None."""
     from ..models import model_inputs
 
     if recipe.model.builtin is None or model_inputs(recipe).get("targets") != "mlm-nsp":

@@ -1,5 +1,6 @@
-"""What `reproduce run` was asked: `RunRequest`, the one value of its options, from the command line to the trainer
-(`train(plan, request)`), read by name everywhere (`request.micro_batch_max`)."""
+"""`RunRequest`: what `reproduce run` was asked, the one value of its options from the command line to
+the trainer.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +12,16 @@ from ..plan.overlay import Change
 
 
 def option(default: object = None, *, torchrun: bool = True, resume: bool = False) -> Any:
-    """A field of RunRequest. `torchrun`: every process torchrun starts is given it again; `resume`: the command
-    that continues the run repeats it (the rest the run's plan.yaml keeps, or the launcher gives)."""
+    """A field of RunRequest. `torchrun`: each torchrun process is given it again; `resume`: the command that
+    continues the run repeats it."""
     return field(default=default, metadata={"torchrun": torchrun, "resume": resume})
 
 
 @dataclass(frozen=True)
 class RunRequest:
-    """What `reproduce run` was asked, as values: one field per option, named as the option's parameter
-    (`micro_batch_max` is `--micro-batch-max`, `overrides` `--set`, `from_gate` `--from`; the options that alias a
-    recipe field are its `changes`); a field at its default was not given. A library caller gives `out` and what it
-    needs: `train(plan, RunRequest(out, device="cpu"))`."""
+    """One field per option, named as the option's parameter (`from_gate` is `--from`, `overrides`
+    `--set`; alias options are `changes`); a field at its default was not given. A library caller:
+    `train(plan, RunRequest(out, device="cpu"))`."""
 
     out: Path
     source: Path | None = None  # the plan or recipe file (None: a library caller's plan)

@@ -1,24 +1,11 @@
-"""BERT's pre-training loss (`loss: {builtin: bert-mlm-nsp}`): masked LM + next-sentence prediction, exact over a
-window of micro-batches.
+"""BERT's pre-training loss (`bert-mlm-nsp`): masked LM + next-sentence prediction, exact over a window.
 
-BERT's loss is the sum of two means (google-research/bert run_pretraining.py): the masked-LM cross-entropy over the
-masked tokens and the next-sentence cross-entropy over the sequences. Over a window of micro-batches (the paper's
-batch, accumulated) each mean is over the *window's* count: masked tokens C_m for the first, sequences C_s for the
-second. The training loop divides every micro-batch's summed loss by one count, the window's `count(target)` total
-(C_m here); so each micro-batch returns
-
-    sum of masked-LM terms + sum of next-sentence terms x C_m / C_s
-
-and the loop's division leaves  MLM sum / C_m + NSP sum / C_s  over the window, whatever the split into
-micro-batches. The loop tells the loss C_m and C_s (over every rank) before the window's first forward:
-`window(count, samples)`.
-
-Targets are one tensor (B, T + 1): the masked-LM labels of the T positions (-100 where no token was masked) and,
-in the last column, the next-sentence label (0: B follows A; 1: B is a random sentence), as `data.pairs` builds
-them. Outputs are the model's (masked-LM logits (B, T, V), next-sentence logits (B, 2)).
-
-Evaluation (`reproduce run --eval-data`, no window): the same sum, the next-sentence term weighted by the last
-training window's C_m / C_s (or, before any, the batch's own), divided by the masked tokens evaluated.
+BERT's loss is the sum of two means (google-research/bert run_pretraining.py): over the window's masked tokens C_m
+and its sequences C_s. The loop divides each micro-batch's sum by one count (C_m), so each returns
+MLM sum + NSP sum x C_m / C_s, and the window's loss is MLM sum / C_m + NSP sum / C_s whatever the split; the loop
+tells the loss C_m and C_s before the first forward (`window(count, samples)`). Targets (B, T + 1): the masked-LM
+labels (-100: not masked), then the next-sentence label (`data.pairs`). Evaluation weighs the NSP term by the last
+training window's C_m / C_s (before any, the batch's own) and divides by the masked tokens.
 """
 
 from __future__ import annotations

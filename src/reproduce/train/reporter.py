@@ -1,10 +1,11 @@
-"""What a run tells as it goes (the CLI's renderers, the trackers): the interface, the silent one, the run's start
-as data (`RunStart`: the trainer composes its lines from the plan, a reporter only shows them), and `Reporters`,
-which hands the same data to several consumers side by side."""
+"""What a run tells as it goes, as data the trainer composes and a reporter only shows (the CLI's renderers,
+the trackers): the start, step records and end, the interface, and `Reporters`, several consumers side by side.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -17,9 +18,8 @@ from ..plan.reported import reported_line
 
 @dataclass(frozen=True)
 class RunStart:
-    """A run's start, as lines to show: the batch's split, why --policy throughput chose it, the batch phases, what
-    the model is set up with (sharding, pretrained weights, its parameters, the memory knobs), then the steps to
-    train."""
+    """A run's start, as lines to show: the split, the throughput policy's reason, the batch phases, the
+    model's setup (sharding, weights, parameters, memory knobs), then the steps to train."""
 
     plan: Plan  # for the trackers, which record it (observe/trackers.py); a reporter shows the lines below
     total_steps: int
@@ -62,6 +62,50 @@ def run_start(plan: Plan, total_steps: int, first_step: int, parameters: tuple[i
         training=f"training {total_steps} optimizer steps{where}",
         rate_unit=("tokens/s" if recipe.batch.sequence_length else "useful tokens/s" if text else f"{plan.unit}/s"),
         accumulation_steps=plan.accumulation_steps)
+
+
+@dataclass
+class StepRecord:
+    """Optimizer step `step`'s record (train/records.step_record); `line()` is its metrics.jsonl line."""
+
+    step: int
+    epoch: float
+    lr: float
+    loss: float
+    grad_norm: float
+    samples: int
+    tokens: int
+    items: int  # the window's loss-bearing items, over every rank
+    micro_batch: int
+    accumulation_steps: int
+    micro_batches: int  # (= accumulation_steps: metrics.jsonl has both names)
+    world_size: int
+    partial: bool
+    skipped: bool  # not finite
+    seconds: float
+    data_seconds: float
+    peak_memory_bytes: int | None
+    padding: dict = field(default_factory=dict)  # useful_tokens, padded_tokens: text whose lengths are known
+    rates: dict = field(default_factory=dict)  # observe/rates.StepRates.fields
+    grad_syncs: int | None = None
+    phase: dict = field(default_factory=dict)  # phase, effective_batch, sequence_length: with batch phases
+    noise: dict = field(default_factory=dict)  # the noise scale's fields (observe/noise.py)
+    evaluation: dict = field(default_factory=dict)  # eval_* and plateau_lr, at an evaluation
+    gates: dict | None = None  # gate name -> status, at a gate's step (train/gates.py)
+
+    def line(self) -> dict:
+        """The fields above in their order, a group only where it has values."""
+        line = {f.name: getattr(self, f.name) for f in fields(self)[:17]}
+        line.update(self.padding)
+        line.update(self.rates)
+        if self.grad_syncs is not None:
+            line["grad_syncs"] = self.grad_syncs
+        line.update(self.phase)
+        line.update(self.noise)
+        line.update(self.evaluation)
+        if self.gates is not None:
+            line["gates"] = self.gates
+        return line
 
 
 def loss_text(value: float) -> str:
@@ -131,22 +175,18 @@ def done_line(summary: dict, skip_nonfinite: bool) -> str:
 
 class Reporter(Protocol):
     def start(self, start: RunStart) -> None: ...
-    def step(self, record: dict) -> None: ...
+    def step(self, record: StepRecord) -> None: ...
     def message(self, text: str) -> None: ...
     def finish(self, end: RunEnd) -> None: ...
 
 
-class SilentReporter:
-    def start(self, start: RunStart) -> None: ...
-    def step(self, record: dict) -> None: ...
-    def message(self, text: str) -> None: ...
-    def finish(self, end: RunEnd) -> None: ...
+class SilentReporter(Reporter):
+    """Says nothing (the Protocol's methods, inherited, do nothing)."""
 
 
 class Reporters:
-    """The run's start, records, gates and end handed to each consumer in turn (the trackers, then the CLI's
-    renderer: observe/trackers.Trackers, cli/reporters.py), none calling another. The lines a consumer returns (a
-    tracker that failed, where its run lies) are handed to every consumer as messages."""
+    """Each consumer in turn (the trackers, then the CLI's renderer), none calling another; the lines a
+    consumer returns are handed to every consumer as messages."""
 
     def __init__(self, *consumers: Any):
         self.consumers = consumers
@@ -156,11 +196,9 @@ class Reporters:
             for line in getattr(consumer, method)(value) or ():
                 self.message(line)
 
-    def start(self, start: RunStart) -> None:
-        self._each("start", start)
-
-    def step(self, record: dict) -> None:
-        self._each("step", record)
+    start = functools.partialmethod(_each, "start")
+    step = functools.partialmethod(_each, "step")
+    finish = functools.partialmethod(_each, "finish")
 
     def message(self, text: str) -> None:
         for consumer in self.consumers:
@@ -174,6 +212,3 @@ class Reporters:
                     self.message(line)
             else:
                 consumer.message(outcome_line(event))
-
-    def finish(self, end: RunEnd) -> None:
-        self._each("finish", end)

@@ -1,17 +1,21 @@
-"""Resuming a run: the state its checkpoint hands back, and what the run did before this call; and a finished
-run's end, checked against its last checkpoint rather than trusted.
+"""Checkpoints, resuming a run from one, and a finished run's end checked against its last checkpoint.
 
-The last checkpoint of a run is written after its last step, before its end (model.pt, loss.svg, summary.json), and
-holds what that end is made of: the model, metrics.jsonl (`metrics`) and summary.json itself (`extra["summary"]`,
-computed there: trainer.checkpoint_or_stop). So `end_problem` can tell whether the end on disk is the run's, file by
-file (cut, garbled, `{}`, valid JSON with other content, another model), and a resume at the last step writes what
-differs again, byte for byte what the uninterrupted run wrote (finish.finish_run). A checkpoint written before it
-kept the summary gets the older check (`outputs.missing_final_outputs`: present, of its step, whole).
+`checkpoints/last.pt` holds the step, scheduler, scaler, RNG states and metrics.jsonl so far, sealed and written
+atomically, loaded with `weights_only=True`; the model and optimizer too, unless sharded: FSDP runs save those with
+torch.distributed.checkpoint into `checkpoints/sharded-step-N/` (each rank its shards, resharded on load), which
+last.pt names once every rank has written. The last checkpoint also holds the run's end (the model, metrics.jsonl,
+summary.json), so `end_problem` tells whether the end on disk is the run's, file by file, and a resume at the last
+step writes what differs again, byte for byte.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
+import random
+import shutil
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,12 +23,11 @@ import torch
 
 from ..errors import UserError
 from ..observe.noise import NoiseScale
-from ..observe.outputs import loss_document, missing_final_outputs, read_metrics
+from ..observe.outputs import SHARDED_PREFIX, loss_document, missing_final_outputs, read_metrics
 from ..observe.reference import DivergenceWatch
 from ..plan.planfile import changed_fields
 from ..plan.planner import Plan
-from ..storage.files import check_torch_file
-from .checkpoint import kept_metrics, load_checkpoint, read_torch_file
+from ..storage.files import check_torch_file, file_digest, write_torch_file
 from .setup import Setup
 
 END_FIELDS = ("adapter", "merged", "plot")  # what finish_run adds to the checkpoint's summary: paths under --out
@@ -44,8 +47,7 @@ class Resumed:
 
 def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, seed: int, asked_seed: int | None,
                total: int, max_steps: int | None, checkpoint: Path | None = None) -> Resumed:
-    """Load `out`'s checkpoint (last.pt, or `checkpoint`: a gate's) into `setup` (and `noise`), and check the run
-    has steps left to run."""
+    """Load `out`'s checkpoint (or a gate's) into `setup` and `noise`; the run must have steps left."""
     state = load_checkpoint(setup, checkpoint or out / "checkpoints" / "last.pt",
                             lambda saved: check_same_plan(saved, plan, out))
     if noise is not None and state["extra"].get("noise_scale"):
@@ -56,8 +58,14 @@ def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, se
         raise UserError(f"the run in {out} was started with seed {saved_seed} (got {asked_seed})", field="seed")
     if first_step >= total:
         rebuild = end_problem(out, state) if first_step == total else None  # checked, not trusted
-        if rebuild is None:  # (a resume past its --max-steps never rewrites the run's end)
-            raise UserError(already_run(out, first_step, total, max_steps, plan.optimizer_steps))
+        planned = plan.optimizer_steps
+        if rebuild is None and max_steps is not None and planned is not None and first_step < planned:
+            more = min(first_step + max_steps, planned)  # (a resume past its max_steps never rewrites the end)
+            raise UserError(f"`max_steps`: {out} has already run {first_step} of {total} optimizer steps; `max_steps` "
+                            f"counts from the start of the run (of {planned} steps): to run {more - first_step} more, "
+                            f"give `max_steps` {more}")
+        if rebuild is None:
+            raise UserError(f"`resume`: {out} has already run {first_step} of {total} optimizer steps; nothing to do")
     # the run had lowered the micro-batch after running out of memory (by sequence length)
     lowered = {int(k) if k != "None" else None: v for k, v in state["extra"].get("lowered", {}).items()}
     saved_micro_batch = state.get("micro_batch")  # without extra["lowered"], the only trace of a lowered one
@@ -68,8 +76,8 @@ def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, se
 
 
 def check_same_plan(state: dict, plan: Plan, out: Path) -> None:
-    """A resumed run trains the plan its checkpoint was trained with: one line naming every field that changes the
-    computation and differs (plan/planfile.py). A checkpoint written before it kept its plan is not checked."""
+    """A resume trains its checkpoint's plan: one line naming each field that changes the
+    computation and differs (plan/planfile.py); a checkpoint that kept no plan is not checked."""
     recorded = state.get("extra", {}).get("plan")
     if not isinstance(recorded, str):
         return
@@ -82,49 +90,28 @@ def check_same_plan(state: dict, plan: Plan, out: Path) -> None:
                         "`nproc_per_node`), or start a new run with the new plan", field="resume")
 
 
-def already_run(out: Path, first_step: int, total: int, max_steps: int | None, planned: int | None) -> str:
-    """Why a resume has nothing to do; with --max-steps (counted from the start of the run), the value that goes on."""
-    if max_steps is not None and planned is not None and first_step < planned:
-        more = min(first_step + max_steps, planned)
-        return (f"`max_steps`: {out} has already run {first_step} of {total} optimizer steps; `max_steps` counts "
-                f"from the start of the run (of {planned} steps): to run {more - first_step} more, give "
-                f"`max_steps` {more}")
-    return f"`resume`: {out} has already run {first_step} of {total} optimizer steps; nothing to do"
-
-
-def last_record(out: Path, state: dict | None, first_step: int) -> dict:
-    """The record of the checkpoint's step (summary.json's `final` when a resume only writes the run's end again):
-    kept in the checkpoint, or read from metrics.jsonl when the checkpoint has none."""
-    if state is None:
-        return {}
-    if "last_record" in state["extra"]:
-        return state["extra"]["last_record"]
-    records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r and r.get("step") == first_step]
-    return records[-1] if records else {}
-
-
-def earlier_segments(out: Path, state: dict | None, first_step: int) -> tuple[dict, DivergenceWatch]:
-    """What the run did before this call (seconds, samples, tokens; zeros for a fresh run) and its divergence
-    watch, from the checkpoint, or from metrics.jsonl when it has no `run_totals` or `divergence`."""
+def earlier_segments(out: Path, state: dict | None, first_step: int) -> tuple[dict, DivergenceWatch, dict]:
+    """What the calls before this one did (seconds, samples, tokens), their divergence watch, and the
+    record of the checkpoint's step (the end's `final`): from the checkpoint, or metrics.jsonl for an older one."""
     totals = {"seconds": 0.0, "samples": 0, "tokens": 0}
     if state is None:
-        return totals, DivergenceWatch()
-    extra = state["extra"]
-    records = None
+        return totals, DivergenceWatch(), {}
+    extra, records = state["extra"], []
+    if not {"run_totals", "divergence", "last_record"} <= extra.keys():
+        records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r and r.get("step", 0) <= first_step]
     if "run_totals" in extra:
         totals.update(extra["run_totals"])
     else:
-        records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r and r.get("step", 0) <= first_step]
         totals = {"seconds": sum(r.get("seconds", 0.0) for r in records),
                   "samples": sum(r.get("samples", 0) for r in records),
                   "tokens": sum(r.get("tokens", 0) for r in records)}
     if "divergence" in extra:
         watch = DivergenceWatch()
         watch.load_state_dict(extra["divergence"])
-        return totals, watch
-    if records is None:
-        records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r and r.get("step", 0) <= first_step]
-    return totals, DivergenceWatch.from_records(records)
+    else:
+        watch = DivergenceWatch.from_records(records)
+    last = [r for r in records if r.get("step") == first_step]
+    return totals, watch, extra["last_record"] if "last_record" in extra else last[-1] if last else {}
 
 
 def kept_summary(state: dict | None) -> dict | None:
@@ -134,8 +121,8 @@ def kept_summary(state: dict | None) -> dict | None:
 
 
 def end_problem(out: Path, state: dict) -> str | None:
-    """What of the end of the finished run in `out` differs from what its last checkpoint (`state`) says it is, in a
-    few words naming the file; None when it is all the run's."""
+    """What of the finished run's end in `out` differs from its last checkpoint (`state`), naming the
+    file; None when it is all the run's."""
     step, summary = state["step"], kept_summary(state)
     metrics, kept = out / "metrics.jsonl", kept_metrics(state)
     if isinstance(kept, bytes):
@@ -174,8 +161,8 @@ def _canonical(value: object) -> str:
 
 
 def _model_problem(out: Path, state: dict) -> str | None:
-    """model.pt damaged, or holding other weights than the checkpoint's model (a sharded run's checkpoint holds none:
-    then its seal alone is checked)."""
+    """model.pt damaged, or other weights than the checkpoint's (a sharded checkpoint holds none: its
+    seal alone is checked)."""
     model = out / "model.pt"
     if not model.is_file():
         return f"{model} is missing"
@@ -205,9 +192,8 @@ def _same_tensor(a: object, b: object) -> bool:
 
 
 def finished_state(out: Path, max_steps: int | None, planned: int | None) -> tuple[str, str]:
-    """For --auto-resume, from the run's last checkpoint (never its summary.json): `finished` (it ran to --max-steps,
-    else the plan's last step, and its end is the run's), or `unfinished` (steps to run, an end to write again, or a
-    checkpoint the resume must judge), with a few words."""
+    """For --auto-resume, from the last checkpoint (never summary.json): `finished` (its steps run
+    and its end the run's) or `unfinished` (steps or an end left, or a checkpoint to judge), with a few words."""
     try:
         state = read_torch_file(out / "checkpoints" / "last.pt", "`resume`")
         step = int(state["step"])
@@ -221,3 +207,143 @@ def finished_state(out: Path, max_steps: int | None, planned: int | None) -> tup
         if problem is not None:
             return "unfinished", f"a finished run whose end is not whole ({problem})"
     return "finished", f"{step} of {planned} optimizer steps run"
+
+
+def save_checkpoint(setup: Setup, path: Path, step: int, metrics: bytes, extra: dict) -> None:
+    """Atomically replace the checkpoint; called on every rank (a sharded one needs every rank's
+    shards). `metrics`: metrics.jsonl so far, kept compressed so a resume never depends on the file."""
+    if not (setup.world.is_main or setup.sharded):
+        return
+    state = {
+        "step": step,
+        "scheduler": setup.scheduler.state_dict(),
+        "scaler": setup.scaler.state_dict() if setup.scaler else None,
+        "rng_torch": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state_all() if setup.device.type == "cuda" else None,
+        "rng_python": list(random.getstate()[1]),
+        "metrics_offset": len(metrics),
+        "metrics": torch.frombuffer(bytearray(zlib.compress(metrics)), dtype=torch.uint8),
+        "micro_batch": extra.get("micro_batch"),
+        "world_size": setup.world.size,
+        "extra": extra,
+    }
+    if setup.sharded:
+        state["sharded"] = _save_sharded(setup, path.parent, step)
+        if setup.world.is_main:  # each shard file's SHA-256, in last.pt (sealed): checked before a resume loads them
+            folder = path.parent / state["sharded"]
+            state["sharded_digests"] = {str(p.relative_to(folder)): file_digest(p)
+                                        for p in sorted(folder.rglob("*")) if p.is_file()}
+    else:
+        state.update(model=setup.unwrapped_model.state_dict(), optimizer=setup.optimizer.state_dict())
+    if not setup.world.is_main:
+        return
+    write_torch_file(path, lambda handle: torch.save(state, handle))  # sealed: its SHA-256 in its zip comment
+    if setup.sharded:  # only now is the previous sharded folder no longer named by last.pt
+        for old in path.parent.glob(f"{SHARDED_PREFIX}*"):
+            if old.name != state["sharded"]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _save_sharded(setup: Setup, folder: Path, step: int) -> str:
+    """Every rank writes its shards of the model and optimizer into a new folder; returns the folder's name."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from .distributed import processes as distributed
+
+    name = f"{SHARDED_PREFIX}{step:08d}"
+    if setup.world.is_main:
+        shutil.rmtree(folder / name, ignore_errors=True)  # left by a run killed while saving this same step
+        folder.mkdir(parents=True, exist_ok=True)
+    distributed.barrier(setup.world)
+    model_state, optimizer_state = get_state_dict(setup.model, setup.optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / name)
+    distributed.barrier(setup.world)  # every rank's shards are on disk before rank 0 points last.pt at them
+    return name
+
+
+def load_checkpoint(setup: Setup, path: Path, check: Callable[[dict], None] | None = None) -> dict:
+    """The checkpoint's state, loaded into `setup`; a damaged file is refused in one line, never
+    trained on. `check(state)`: what must hold before anything is loaded (the plan it was trained with)."""
+    state = read_torch_file(path, "`resume`", setup.device)
+    if check is not None:
+        check(state)
+    sharded = state.get("sharded")
+    if bool(sharded) != setup.sharded:
+        was, now = ("fsdp", "none") if sharded else ("none", "fsdp")
+        raise UserError(f"{path} was written by a run with sharding {was}; this one has {now}", field="resume")
+    if sharded:
+        _load_sharded(setup, path.parent / sharded, state.get("sharded_digests"))
+    else:
+        setup.unwrapped_model.load_state_dict(state["model"])
+        setup.optimizer.load_state_dict(state["optimizer"])
+    setup.scheduler.load_state_dict(state["scheduler"])
+    if setup.scaler and state["scaler"]:
+        setup.scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(state["rng_torch"].cpu())
+    if state["rng_cuda"] is not None and setup.device.type == "cuda":
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["rng_cuda"]])
+    random.setstate((3, tuple(state["rng_python"]), None))
+    return state
+
+
+def read_torch_file(path: Path, option: str, device: torch.device | str = "cpu") -> dict:
+    """A torch file reproduce wrote, checked against its seal first; one line naming `option` and
+    the file when it is damaged or not ours (never torch's advice to unpickle code)."""
+    damaged = check_torch_file(path)
+    if damaged:
+        raise UserError(f"{option}: {path} is {damaged}" if damaged.startswith("damaged") else
+                        f"{option}: {path}: {damaged}")
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:
+        raise UserError(f"{option}: {path}: holds Python objects besides tensors: not a file reproduce wrote, and it "
+                        "is not unpickled") from None
+    except Exception as exc:
+        raise UserError(f"{option}: {path}: cannot load: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(state, dict):
+        raise UserError(f"{option}: {path}: holds a {type(state).__name__}, not a checkpoint")
+    return state
+
+
+def kept_metrics(state: dict) -> bytes | int:
+    """metrics.jsonl as the checkpoint kept it, or its length when the checkpoint holds only `metrics_offset`."""
+    kept = state.get("metrics")
+    return zlib.decompress(kept.cpu().numpy().tobytes()) if kept is not None else state["metrics_offset"]
+
+
+def _load_sharded(setup: Setup, folder: Path, digests: dict | None = None) -> None:
+    """Each rank reads the shards it now owns, once each shard file matches the SHA-256 last.pt keeps
+    (`digests`: each rank checks its share, all agree)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from .distributed import processes as distributed
+
+    if not folder.is_dir():
+        raise UserError(f"{folder} (named by last.pt) is missing: the sharded checkpoint cannot be read",
+                        field="resume")
+    if digests:
+        world = setup.world
+        names = sorted(digests)[world.rank::world.size]
+        bad = next((name for name in names if not (folder / name).is_file()
+                    or file_digest(folder / name) != digests[name]), None)
+        if distributed.any_rank(world, bad is not None, setup.device):
+            raise UserError(f"{folder / bad if bad else folder}: " + (
+                "damaged or missing: it does not match the SHA-256 last.pt keeps of it" if bad else
+                "a shard file is damaged or missing (another rank found it)"), field="resume")
+    model_state, optimizer_state = get_state_dict(setup.model, setup.optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(setup.model, setup.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+
+
+def full_model_state(setup: Setup) -> dict:
+    """The model's `state_dict` unsharded (FSDP: gathered onto rank 0's CPU; every rank calls
+    this): model.pt's, loadable into a fresh model."""
+    if not setup.sharded:
+        return setup.unwrapped_model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(setup.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -16,10 +16,11 @@ from ..models import build_model, count_batchnorm, place, to_sync
 from ..models.segmentation import backbone_report
 from ..plan.batchnorm import label_disagreement
 from ..plan.planner import Plan
+from ..plan.recipe import Recipe
 from .distributed import processes as distributed
 from .distributed.processes import World
 from .losses import build_loss
-from .optim.optimizers import build_optimizer, build_scheduler
+from .optim.optimizers import PlanScheduler, build_optimizer
 
 
 def resolve_device(name: str) -> torch.device:
@@ -32,11 +33,8 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def check_batchnorm(mode: str, world: World, device: torch.device) -> None:
-    """`sync` needs several CUDA processes: torch.nn.SyncBatchNorm runs on CUDA only, and one process has nothing to
-    synchronise with."""
-    if mode != "sync":
-        return
+def check_sync_batchnorm(world: World, device: torch.device) -> None:
+    """SyncBatchNorm needs several CUDA processes."""
     if not world.distributed:
         raise UserError("sync normalises over the micro-batches of several processes, and this run has one: launch "
                         "it with `world_size` N on N GPUs, or give `batchnorm` keep | frozen | group",
@@ -76,22 +74,18 @@ class Setup:
 
 
 def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, seed: int | None = None,
-          data: Datasets | None = None, world: World | None = None) -> Setup:
-    """Model, optimizer, scheduler, scaler, loss and data for `plan`, seeded for a reproducible start.
-
-    Under several processes the model is wrapped in DistributedDataParallel, or sharded with FSDP2 when the recipe's
-    `batch.sharding` is fsdp (every rank starts from the same seed, so from the same weights), with a hook that
-    counts gradient synchronisations. One process builds the whole model whatever the sharding (the probe measures
-    that; `train` refuses FSDP on one process).
-    """
-    recipe = plan.recipe
+          data: Datasets | None = None, world: World | None = None, recipe: Recipe | None = None) -> Setup:
+    """Model, optimizer, scheduler, scaler, loss and data for `plan`, seeded for a reproducible start; under
+    several processes the model is wrapped in DDP (a hook counts the synchronisations) or sharded with FSDP2.
+    `recipe`: the plan's, or one with other weights and data (evaluation.evaluate_run)."""
+    recipe = recipe or plan.recipe
     world = world or World()
     data = data if data is not None else build_data(recipe)
     torch.manual_seed(recipe.seed if seed is None else seed)
     model = place(build_model(recipe, data.info), recipe, device, dtype)  # model.dtype kept in float32 runs
-    # what the run says about BatchNorm at its start: the plan's choice, and a label the built model disagrees with;
-    # `sync` refused where it cannot run
-    check_batchnorm(recipe.model.batchnorm, world, device)
+    if recipe.model.batchnorm == "sync":  # refused where it cannot run
+        check_sync_batchnorm(world, device)
+    # what the run says about BatchNorm at its start: the plan's choice, and a label the built model disagrees with
     notes, layers = [], count_batchnorm(model)
     if plan.batchnorm is not None:
         notes.append(plan.batchnorm.summary)
@@ -121,7 +115,7 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
 
             model = shard(model, recipe.precision, world, device, counter, offload=recipe.batch.offload == "cpu")
     optimizer = build_optimizer(plan, model)  # DDP shares the plain module's parameters
-    scheduler = build_scheduler(plan, optimizer)
+    scheduler = PlanScheduler(plan, optimizer)  # counts optimizer steps
     # fp16 under FSDP too: the gradients are DTensors, and the scaler's inf check on them agrees over the ranks
     scaler = torch.amp.GradScaler(device.type) if recipe.precision == "fp16" else None
     if world.distributed and recipe.batch.sharding != "fsdp":

@@ -1,17 +1,15 @@
-"""One optimizer step over a window of N micro-batches, exactly the paper's large-batch update: the run's use of
-the library's exact window (`reproduce.Accumulator`, accumulate.py: the window's items counted over every rank
-before any backward, each summed loss divided by that count, the gradients reduced on the last micro-batch only,
-one optimizer step), with `loss.normalization: micro-batch-mean` the Hugging Face Trainer's arithmetic instead."""
+"""One optimizer step over a window of N micro-batches, exactly the paper's large-batch update: the run's
+use of the library's exact window (`reproduce.Accumulator`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from ..accumulate import Accumulator, OptimizerStepOutOfMemory  # noqa: F401  (the run catches it from here)
+from ..accumulate import Accumulator
 from ..data.batches import LazyMicroBatch
 from ..observe.noise import NoiseScale
 from .distributed import processes as distributed
@@ -31,38 +29,26 @@ class StepResult:
     noise: dict | None = None  # the noise scale's fields for the metrics record (observe/noise.py)
 
 
-def window_counts(loss_fn: Any, micro_batches: list) -> tuple[list[int], int]:
-    """(loss-bearing items of each micro-batch, samples) of this rank's window, fetched only when needed: a lazy
-    window's are known without fetching it when every sample bears loss (classification), or the dataset counts
-    each sample's target tokens from an index built once, or its valid pixels from its mask alone, cut as the
-    loader cuts it (data/segmentation.py)."""
-    lazy = all(isinstance(m, LazyMicroBatch) for m in micro_batches)  # its samples: a packed row holds several
-    if lazy:
-        samples = sum(len(m.indices) for m in micro_batches)
-        if isinstance(loss_fn, SampleLoss):
-            return [len(m.indices) for m in micro_batches], samples
-        if isinstance(loss_fn, (TokenLoss, PixelLoss)):
-            counts = [m.known_count() for m in micro_batches]
-            if None not in counts:
-                return counts, samples
-    targets = [m.targets() if isinstance(m, LazyMicroBatch) else m[1] for m in micro_batches]
-    samples = sum(len(m.indices) for m in micro_batches) if lazy else sum(len(t) for t in targets)
-    return [loss_fn.count(t) for t in targets], samples
-
-
 def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None = None) -> StepResult:
-    """One optimizer step over a window of micro-batches: (inputs, targets) on the device, or LazyMicroBatch.
-
-    `noise`, when given, measures the gradient noise scale on the way; it only reads the gradients.
-    """
+    """One optimizer step over a window of micro-batches ((inputs, targets) on the device, or
+    LazyMicroBatch); `noise` measures the gradient noise scale on the way."""
     model, loss_fn = setup.model, setup.loss
-    # 1. the window's loss-bearing items, over every rank, before any backward (the window's all_reduce)
-    counts, samples = window_counts(loss_fn, micro_batches)
+    # 1. the window's loss-bearing items, over every rank, before any backward; a lazy window's without fetching it
+    # where the dataset knows them (a sample each, or counted from an index or a mask: data/segmentation.py)
+    lazy = all(isinstance(m, LazyMicroBatch) for m in micro_batches)
+    counts = None
+    if lazy and isinstance(loss_fn, SampleLoss):
+        counts = [len(m.indices) for m in micro_batches]
+    elif lazy and isinstance(loss_fn, (TokenLoss, PixelLoss)):
+        counts = [m.known_count() for m in micro_batches]
+        counts = None if None in counts else counts
+    if counts is None:
+        targets = [m.targets() if isinstance(m, LazyMicroBatch) else m[1] for m in micro_batches]
+        counts = [loss_fn.count(t) for t in targets]
+    samples = sum(len(m.indices) for m in micro_batches) if lazy else sum(len(t) for t in targets)
     last = len(micro_batches) - 1
     loaded = None  # the micro-batch in use, kept until the next is loaded (the last: through step 3), as in one loop
-    # the run's exact window (the library's `reproduce.Accumulator`): the recipe's clipping and loss normalization;
-    # the ranks' gradients summed (DDP: SyncCounter's SUM hook; FSDP2: a SUM), under FSDP with sharded gradients
-    # reduced after every micro-batch
+    # the ranks' gradients summed (DDP: SyncCounter's SUM hook; FSDP2: a SUM)
     recipe = setup.plan.recipe
     accumulator = Accumulator(
         model, setup.optimizer, setup.scheduler, recipe.clip_grad_norm, scaler=setup.scaler,
@@ -83,12 +69,10 @@ def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None =
                 loss = loss_fn(model(inputs), target)
             return window.backward(loss)
 
-        # Whether the ranks can agree on an out-of-memory error before the window's gradients are reduced. Under DDP,
-        # the micro-batches before the last run under `no_sync` with no collective (unless DDP broadcasts buffers in
-        # each forward, as for BatchNorm): a rank that runs out of memory there can skip to a vote taken just before
-        # the last micro-batch, the others reach it, and all change the micro-batch together. Not under FSDP (each
-        # forward and backward all-gathers parameters: the other ranks wait in those collectives for this one) and
-        # not in the last micro-batch (DDP has prepared its gradient reduction by then): there the run stops instead.
+        # Under DDP the micro-batches before the last run under `no_sync` with no collective (unless DDP broadcasts
+        # buffers, as for BatchNorm): a rank out of memory there skips to a vote before the last one, and all ranks
+        # change the micro-batch together. Not under FSDP (its collectives in every forward would wait for it), and
+        # not in the last micro-batch (DDP is reducing by then): there the run stops.
         if (setup.world.distributed and not setup.sharded and last > 0
                 and not setup.model.will_sync_module_buffers()):
             backward_with_memory_vote(setup, backward, last)
@@ -96,8 +80,7 @@ def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None =
             for index in range(last):
                 backward(index)
         backward(last)
-    # 3. leaving the window: unscale, clip, step, schedule, zero (an out-of-memory error there:
-    # OptimizerStepOutOfMemory)
+    # 3. leaving the window: unscale, clip, step, schedule, zero
     tokens = window.count if setup.plan.recipe.task == "language-modeling" else 0
     syncs = setup.sync_counter.take() if setup.sync_counter else None
     return StepResult(window.loss, window.grad_norm, window.count, window.samples, tokens, window.finite, syncs,
@@ -109,8 +92,8 @@ class AgreedOutOfMemory(torch.OutOfMemoryError):
 
 
 def backward_with_memory_vote(setup: Setup, backward: Callable[[int], torch.Tensor], last: int) -> list:
-    """The losses of `backward` over the micro-batches before the `last`, then the vote (under DDP, optimizer_step): a
-    rank out of memory skips its remaining ones, and every rank raises AgreedOutOfMemory if any rank was."""
+    """`backward` over the micro-batches before the `last`, then the vote: a rank out of
+    memory skips the rest, and every rank raises AgreedOutOfMemory if any rank was."""
     losses, error = [], None  # the message only: the error's traceback would keep the window's tensors
     for index in range(last):
         try:

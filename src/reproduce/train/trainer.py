@@ -1,7 +1,5 @@
-"""The training run: the plan's optimizer steps, checkpoints, metrics, signals and out-of-memory handling.
-
-Each optimizer step is `step.optimizer_step` over the window `windows.window` gives it; everything a run
-needs is built by `setup.build`, at the run's start (`start.start_run`); its end is `finish.finish_run`.
+"""The training run: the plan's optimizer steps (`step.optimizer_step` over `windows.window`), checkpoints,
+metrics, signals and out-of-memory handling; its start is `run_state.start_run`, its end `records.finish_run`.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..accumulate import OptimizerStepOutOfMemory, smaller_micro_batch
 from ..data.batches import DataClock
 from ..data.loader import cpu_share, default_workers
 from ..errors import Interrupted, TrainingStopped
@@ -27,69 +26,31 @@ from ..plan.sharding import check_sharding
 from ..storage import lock, signals
 from ..storage.aside import Previous, setting_aside, settle
 from ..storage.files import WriteFailed
-from .checkpoint import save_checkpoint
 from .distributed import processes as distributed
 from .distributed.processes import World
 from .evaluation import evaluate_step, evaluation_due
-from .finish import finish_run
 from .gates import after_checkpoint, check_gates, tell_gates
 from .options import RunRequest
-from .records import run_summary, step_record
-from .reporter import Reporter, SilentReporter
-from .run_state import Run
-from .start import start_run
-from .step import AgreedOutOfMemory, OptimizerStepOutOfMemory, StepResult, optimizer_step
-from .windows import StepBatch, smaller_micro_batch, step_batch
+from .records import finish_run, run_summary, step_record
+from .reporter import Reporter, SilentReporter, StepRecord
+from .resume import save_checkpoint
+from .run_state import Run, start_run
+from .step import AgreedOutOfMemory, StepResult, optimizer_step
+from .windows import StepBatch, step_batch
 
 if TYPE_CHECKING:
     from ..data import Datasets
 
-__all__ = ["Reporter", "RunRequest", "SilentReporter", "StopSignals", "read_metrics", "train"]
+__all__ = ["Reporter", "RunRequest", "SilentReporter", "read_metrics", "train"]
 
 CHECKPOINT_SECONDS = 300.0
 
 
-class StopSignals:
-    """SIGINT / SIGTERM set a flag; the loop finishes its optimizer step, checkpoints, and stops. The handlers are
-    the command's (storage/signals.py: deferred here), or installed for the loop alone (a library caller)."""
-
-    def __init__(self) -> None:
-        self.sections: list = []
-
-    @property
-    def received(self) -> int | None:
-        return signals.pending()
-
-    def __enter__(self) -> StopSignals:
-        self.sections = [signals.guard(), signals.deferred()]
-        for section in self.sections:
-            section.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for section in reversed(self.sections):
-            section.__exit__(None, None, None)
-        self.sections = []
-
-    def agreed(self, world: World, device: torch.device, due: bool = False) -> tuple[int | None, bool]:
-        """The signal any rank received, and whether any rank's checkpoint is due: all ranks stop, and save (a
-        sharded checkpoint needs every rank), after the same step."""
-        if not world.distributed:
-            return self.received, due
-        flags = torch.tensor([self.received or 0, int(due)], dtype=torch.int64, device=device)  # NCCL: CUDA only
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        return int(flags[0]) or None, bool(flags[1])
-
-
 def train(plan: Plan, request: RunRequest, *, data: Datasets | None = None, reporter: Reporter | None = None,
           dtype: torch.dtype = torch.float32, continue_with: str | None = None) -> dict:
-    """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to `request.out`.
-
-    `request` (train/options.py): the run's options as `reproduce run` was given them (device, max_steps, resume,
-    seed, workers, ...). `data`: the datasets (None: built from the recipe); `reporter`: None is silent;
-    `continue_with`: the command an interrupted run prints to go on (None: its plan.yaml resumed).
-    The library's entry: `request.out` taken (storage/lock.py), settled and checked here, then `train_checked`.
-    """
+    """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to
+    `request.out` (taken, settled and checked here: the library's entry). `data`: None builds the recipe's;
+    `reporter`: None is silent; `continue_with`: the command an interrupted run prints (None: its plan.yaml resumed)."""
     world, out, reporter = distributed.world_from_env(), Path(request.out), reporter or SilentReporter()
     owner = lock.owns_the_run(world.distributed, world.rank)
     with lock.hold(out) if owner else contextlib.nullcontext():
@@ -105,22 +66,16 @@ def train(plan: Plan, request: RunRequest, *, data: Datasets | None = None, repo
 def train_checked(plan: Plan, request: RunRequest, world: World, *, data: Datasets | None = None,
                   reporter: Reporter | None = None, dtype: torch.dtype = torch.float32,
                   continue_with: str | None = None) -> dict:
-    """Run `plan` in `request.out`, which the caller holds, has settled and checked (`train`, or `reproduce run`).
-
-    Under torchrun every rank trains its share of each window; rank 0 alone writes. A rank that
-    leaves with an error leaves the process group too, so the other ranks' collectives fail at once and they stop
-    with a message of their own instead of waiting for it.
-    """
+    """Run `plan` in `request.out`, which the caller holds and has checked. Under torchrun rank 0 alone
+    writes; a rank that leaves with an error leaves the process group, so the others' collectives fail at once."""
     out = Path(request.out)
     continue_with = continue_with or f"reproduce run {out / 'plan.yaml'} --out {out} --resume"
     checkpoint = out / "checkpoints" / "last.pt"
     try:
-        # --force: the previous run's outputs stay aside until this run's first checkpoint, and come back if anything
-        # fails or a signal stops it before then; a new run stopped by a signal while starting leaves the folder as
-        # it found it (storage/aside.py)
+        # --force: the previous run's outputs stay aside until this run's first checkpoint, and come back if it
+        # fails or is stopped before then (storage/aside.py)
         with setting_aside(out, run_outputs(out), not request.resume and world.is_main,
                            committed=checkpoint.is_file) as previous:
-            # the model and data, the resumed state, the run folder
             run = start_run(plan, request, world, data, reporter or SilentReporter(), dtype, continue_with)
             _train_steps(run, previous)
         return finish_run(run)
@@ -140,15 +95,16 @@ def train_checked(plan: Plan, request: RunRequest, world: World, *, data: Datase
 
 def _train_steps(run: Run, previous: Previous | None) -> None:
     plan, request = run.plan, run.request
-    setup, stop, restore = run.setup, StopSignals(), cpu_compute(run)
+    # SIGINT / SIGTERM set a flag: the loop finishes its optimizer step, checkpoints, and stops
+    setup, stop, restore = run.setup, contextlib.ExitStack(), cpu_compute(run)
     try:
-        stop.__enter__()
+        stop.enter_context(signals.guard())
+        stop.enter_context(signals.deferred())
         run.open_stream(run.resumed.first_step)
         for step in range(run.resumed.first_step, run.total):
             tick = time.perf_counter()
-            # Dropout and other random draws of step s come from (seed, s, rank) alone: a resumed run draws what
-            # the uninterrupted one did, and ranks draw independently of each other. (torch.manual_seed also visits
-            # every backend: ~100x slower.)
+            # step s's random draws (dropout) come from (seed, s, rank) alone, so a resume draws what the whole run
+            # did (torch.manual_seed also visits every backend: ~100x slower)
             seed = (run.seed * 1_000_003 + step * 4_099 + setup.world.rank * 7_919_993) % (2**63 - 1)
             torch.default_generator.manual_seed(seed)
             if setup.device.type == "cuda":
@@ -174,8 +130,7 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
                     raise TrainingStopped(optimizer_step_out_of_memory(run, step, error)) from None
                 except torch.OutOfMemoryError as error:
                     agreed = not run.world.distributed or isinstance(error, AgreedOutOfMemory)
-                # The error is gone with its except block, and with it the failed window's frames (activations,
-                # inputs); its micro-batches go too before the memory is freed.
+                # the error and the failed window's frames are gone with the except block; its micro-batches too
                 del micro_batches
                 recover_from_out_of_memory(run, step, batch, agreed)
             count_step(run, step, result, partial, clock)
@@ -185,13 +140,13 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
             if evaluation_due(setup, step + 1, done):  # the eval split's metrics, and the plateau decay's step
                 evaluate_into(run, step, record, done)
             gates = check_gates(run, step, record)  # the gates at this step (train/gates.py)
-            run.metrics.write(record)
-            run.last_record = record
+            run.last_record = record.line()
+            run.metrics.write(run.last_record)
             run.reporter.step(record)
             tell_gates(run, gates)
             if diverging and request.stop_on_divergence:  # its step logged; the checkpoint before it kept
                 raise TrainingStopped(f"{diverging}; stopped (--stop-on-divergence); {run.last_checkpoint_note()}")
-            checkpoint_or_stop(run, stop, step, done, gate=bool(gates))
+            checkpoint_or_stop(run, step, done, gate=bool(gates))
             if previous is not None and run.checkpoint_path.is_file():  # a checkpoint of its own: the previous go
                 previous.started()
                 previous = None
@@ -202,14 +157,11 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
 
 def cpu_compute(run: Run) -> Callable[[], None]:
     """Set the CPU's compute for the run; returns what sets it back."""
-    # On a CPU, values below float32's normal range (late in training, in momentum and gradients) make every
-    # operation on them ~100x slower; flushing them to zero cost a digits run 3.5 s instead of 72 s.
+    # denormal floats (late in training) make CPU operations ~100x slower: a digits run 3.5 s flushed, 72 s not
     flush_denormals = run.setup.device.type == "cpu" and torch.set_flush_denormal(True)
     data_workers = default_workers(run.train_set)
-    # Training on the CPU from files read by loader workers: the compute threads get the cores the default workers
-    # leave. OpenMP threads that outnumber free cores spin against each other: the digits MLP's 5 ms step took
-    # 0.9 s beside one worker decoding PNGs on 2 cores. The count follows the data, not --workers, so runs with
-    # different worker counts (a resume with fewer) compute with the same threads and stay bitwise equal.
+    # the compute threads get the cores the default loader workers leave (OpenMP threads on busy cores spin: a 5 ms
+    # step took 0.9 s); by the data, not --workers, so runs with other worker counts stay bitwise equal
     threads = torch.get_num_threads()
     if run.setup.device.type == "cpu" and data_workers:
         torch.set_num_threads(max(1, min(threads, cpu_share() - data_workers)))
@@ -230,9 +182,8 @@ def optimizer_step_out_of_memory(run: Run, step: int, error: OptimizerStepOutOfM
 
 
 def recover_from_out_of_memory(run: Run, step: int, batch: StepBatch, agreed: bool) -> None:
-    """After an out-of-memory error in a window: free what is left, halve the micro-batch and double N (the
-    effective batch stays exact), and reopen the stream at `step`. Under several processes only when every rank
-    agreed (the vote in step.optimizer_step); a rank alone stops."""
+    """After an out-of-memory error in a window: free what is left, halve the micro-batch
+    (the effective batch stays exact) and reopen the stream at `step`; with several ranks only when all agreed."""
     setup, plan, micro_batch = run.setup, run.plan, run.micro_batch(step)
     run.stream.close()  # its prefetched micro-batches are of the old size
     setup.optimizer.zero_grad(set_to_none=True)
@@ -283,21 +234,26 @@ def watch_divergence(run: Run, step: int, result: StepResult) -> str | None:
     return diverging
 
 
-def evaluate_into(run: Run, step: int, record: dict, done: bool) -> None:
+def evaluate_into(run: Run, step: int, record: StepRecord, done: bool) -> None:
     """The evaluation after `step` into its record (train/evaluation.py); a plateau decay's new LR reported."""
-    record.update(evaluate_step(run.setup, step + 1, run.micro_batch(step), run.workers, run.world.is_main))
-    if "plateau_lr" in record and not done:
+    record.evaluation.update(evaluate_step(run.setup, step + 1, run.micro_batch(step), run.workers,
+                                           run.world.is_main))
+    if "plateau_lr" in record.evaluation and not done:
         run.reporter.message(f"step {step + 1}: {run.plan.recipe.schedule.decay.metric} has not improved: plateau "
-                             f"decay, lr -> {record['plateau_lr']:.6g} from step {step + 2}")
+                             f"decay, lr -> {record.evaluation['plateau_lr']:.6g} from step {step + 2}")
 
 
-def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool, gate: bool = False) -> None:
-    """Write the checkpoint when due (every K steps, every CHECKPOINT_SECONDS, at the end, at a gate, or on a signal
-    any rank received); after a signal, stop with the command that continues the run."""
+def checkpoint_or_stop(run: Run, step: int, done: bool, gate: bool = False) -> None:
+    """Checkpoint when due (every K steps or CHECKPOINT_SECONDS, at the end, at a gate, or on a
+    signal); after a signal, stop with the command that continues the run."""
     setup, request = run.setup, run.request
     due = (step + 1) % request.checkpoint_every == 0 if request.checkpoint_every else (
         time.perf_counter() - run.last_checkpoint >= CHECKPOINT_SECONDS)
-    received, due = stop.agreed(run.world, setup.device, due) if not done else (None, due)
+    received = None if done else signals.pending()
+    if not done and run.world.distributed:  # all ranks stop, and save (a sharded one needs them all), after one step
+        flags = torch.tensor([received or 0, int(due)], dtype=torch.int64, device=setup.device)  # NCCL: CUDA only
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        received, due = int(flags[0]) or None, bool(flags[1])
     if due or done or received or gate:
         now = time.perf_counter()
         if done:  # summary.json, kept in the last checkpoint: a lost or damaged end is written again as it was
@@ -329,10 +285,10 @@ def checkpoint_or_stop(run: Run, stop: StopSignals, step: int, done: bool, gate:
         )
 
 
-def close_run(run: Run, stop: StopSignals, restore: Callable[[], None]) -> None:
+def close_run(run: Run, stop: contextlib.ExitStack, restore: Callable[[], None]) -> None:
     if run.stream is not None:
         run.stream.close()
-    stop.__exit__()
+    stop.close()
     run.metrics.close()
     if run.noise is not None:
         run.noise.close()

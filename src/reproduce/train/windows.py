@@ -1,8 +1,4 @@
-"""Which samples go into each optimizer step's window, and how it splits into micro-batches and ranks.
-
-`step_batch(plan, step)` is each step's batch (micro-batch, N, effective batch, sequence length): its segment's
-(plan/segments.py: the plan's batch throughout, or the batch phase's the step falls in); `window` gives its samples.
-"""
+"""Which samples go into each optimizer step's window, and how it splits into micro-batches and ranks."""
 
 from __future__ import annotations
 
@@ -12,7 +8,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..accumulate import smaller_micro_batch  # noqa: F401  (the run's out-of-memory rule, one definition)
 from ..data.packing import WAYS, Grouping, balance, computed_tokens, group, sample_lengths
 from ..errors import UserError
 from ..plan.planner import Plan
@@ -43,8 +38,8 @@ def step_batch(plan: Plan, step: int) -> StepBatch:
 
 
 def micro_batch_at(plan: Plan, step: int, lowered: dict) -> int:
-    """The micro-batch step `step` runs with: its phase's, or lower where an out-of-memory error lowered it
-    (`lowered`: sequence length -> micro-batch). What the loop and a loader prefetching its windows both use."""
+    """Step `step`'s micro-batch: its phase's, or as an out-of-memory error lowered it (`lowered`:
+    sequence length -> micro-batch)."""
     batch = step_batch(plan, step)
     return min(batch.micro_batch, lowered.get(batch.sequence_length, batch.micro_batch))
 
@@ -69,14 +64,11 @@ def _order(size: int, epoch: int, seed: int, shuffle: bool) -> torch.Tensor:
 
 def window(plan: Plan, size: int, step: int, seed: int, rank: int = 0, micro_batch: int | None = None,
            grouping: Grouping | None = None) -> tuple[list[torch.Tensor], bool]:
-    """This rank's micro-batches (index tensors) for optimizer step `step`, and whether the window is partial.
+    """This rank's micro-batches (index tensors) for step `step`, and whether the window is partial.
 
-    The window is the step's slice of its sequence length's stream of data (plan/segments.py): the same slice of the
-    epoch's order whatever the micro-batch or world size, so a run that changes either (out of memory, resume
-    elsewhere) still takes the same samples into each optimizer step. With batch phases of several sequence lengths
-    the indices are into `data.ByLength`. `size` is the training set's (the plan's segments know it).
-    With `grouping` (data.packing sorted or packed) the same share is grouped by length instead (data/packing.py).
-    """
+    The step's slice of its sequence length's stream (plan/segments.py), the same whatever the micro-batch or world
+    size, so a run that changes either takes the same samples into each step; into `data.ByLength` with phases of
+    several lengths. With `grouping` (data.packing sorted or packed) the share is grouped by length instead."""
     shares, partial, planned = rank_shares(plan, step, seed)
     micro_batch = micro_batch or planned
     if grouping is not None:
@@ -91,8 +83,8 @@ def grouped_window(shares: list[torch.Tensor], grouping: Grouping, micro_batch: 
 
 
 def rank_shares(plan: Plan, step: int, seed: int) -> tuple[list[torch.Tensor], bool, int]:
-    """Every rank's sample indices of optimizer step `step`'s window, whether the window is partial, and the
-    micro-batch its segment plans."""
+    """Every rank's sample indices of step `step`'s window, whether it is partial, and its planned
+    micro-batch."""
     segments = plan.segments
     where = stream_window(segments, step, plan.world_size, plan.recipe.data.drop_last)
     # each length's samples in one index space (`data.lengths.ByLength`), shortest first: this one's start after
@@ -109,8 +101,8 @@ def rank_shares(plan: Plan, step: int, seed: int) -> tuple[list[torch.Tensor], b
 
 def padding_over(plan: Plan, steps: range, seed: int, lengths: torch.Tensor, grouping: Grouping | None,
                  micro_batch: int | None = None) -> tuple[int, int, int]:
-    """Over the windows of `steps`, every rank's: the micro-batches of one rank, the input tokens and the tokens
-    computed with padding (data/packing.py); at `micro_batch`, else each step's planned one."""
+    """Over the windows of `steps` (every rank's): one rank's micro-batches, the input tokens and the
+    tokens computed with padding; at `micro_batch`, else each step's planned one."""
     micro_batches = useful = computed = 0
     way, row, varlen = (grouping.way, grouping.row, grouping.varlen) if grouping else ("none", 0, False)
     for step in steps:
@@ -125,9 +117,8 @@ def padding_over(plan: Plan, steps: range, seed: int, lengths: torch.Tensor, gro
 
 
 def grouping_table(plan: Plan, lengths: torch.Tensor, budget: int | None, seed: int, steps: int = 32) -> dict:
-    """For each way (data/packing.py), over the first `steps` windows of the plan (every rank's): micro-batches per
-    rank and window (mean) and the padding fraction; what `plan --data` prints for text with lengths. `budget`:
-    data.token_budget, else the micro-batch x the longest example."""
+    """Each way's micro-batches per rank and window (mean) and padding fraction over the first
+    `steps` windows; `budget`: data.token_budget, else the micro-batch x the longest example."""
     longest = int(lengths.max())
     budget = budget or plan.micro_batch * longest  # the probe's micro-batch is m copies of the longest: T's shape
     table = {"token_budget": budget, "longest": longest, "given": budget != plan.micro_batch * longest,
@@ -144,8 +135,8 @@ def grouping_table(plan: Plan, lengths: torch.Tensor, budget: int | None, seed: 
 
 
 def grouping_line(plan: Plan, grouping: Grouping, seed: int, first_step: int = 0, steps: int = 32) -> str:
-    """What the run says at its start of the way it groups (data/packing.py): the way, T, the attention, and over
-    its first `steps` windows (every rank's) the micro-batches per window and rank and the padding share."""
+    """The run's start line on its grouping: the way, T, the attention, micro-batches per window and
+    rank, and the padding share."""
     windows = range(first_step, min(first_step + steps, plan.optimizer_steps or first_step + steps))
     micro_batches, useful, computed = padding_over(plan, windows, seed, grouping.lengths, grouping)
     attention = ("one row per micro-batch, varlen attention (no padding, no dense mask)" if grouping.varlen else
@@ -159,8 +150,8 @@ def grouping_line(plan: Plan, grouping: Grouping, seed: int, first_step: int = 0
 
 
 def packing_table(recipe: Recipe, plan: Plan, data: Datasets | None) -> dict | None:
-    """`plan --data` on text: each way's micro-batches per window and padding, from the data's lengths
-    (grouping_table), and the way the recipe takes; None without data or lengths."""
+    """`plan --data` on text: each way's micro-batches and padding (grouping_table), and the
+    recipe's way; None without lengths."""
     if data is None or recipe.task != "language-modeling" or recipe.batch.unit != "samples" or (
             recipe.batch.phases or recipe.batch.ramp):
         return None

@@ -55,8 +55,8 @@ def test_the_tracker_logs_a_real_run(tmp_path, one_thread):
     first = Trackers(["tensorboard"], tmp_path / "again")
     first.start(run_start(plan, 2, 0))
     for record in read_metrics(tmp_path / "again" / "metrics.jsonl"):
-        first.step({**record, "loss": 99.0})
-    first.step({"step": 3, "loss": 99.0})  # logged, then lost: the run died before its checkpoint
+        first.log({**record, "loss": 99.0})
+    first.log({"step": 3, "loss": 99.0})  # logged, then lost: the run died before its checkpoint
     first.__exit__(None, None, None)  # (closed as a killed run's are)
     resumed = Reporters(Trackers(["tensorboard"], tmp_path / "again"), SilentReporter())
     train(plan, RunRequest(tmp_path / "again", device="cpu", max_steps=3, resume=True), reporter=resumed)

@@ -132,7 +132,7 @@ class Quiet:
     def start(self, start): ...
 
     def step(self, record):
-        if self.stop_after is not None and record["step"] == self.stop_after:
+        if self.stop_after is not None and record.step == self.stop_after:
             raise RuntimeError("the machine went away")
 
     def message(self, text):

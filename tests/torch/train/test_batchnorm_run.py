@@ -14,7 +14,7 @@ from torch import nn
 from helpers import SGD, assert_same_weights, cli, digits_recipe, run_accumulated, run_plain, snapshot
 from reproduce.errors import UserError
 from reproduce.train.distributed.processes import World
-from reproduce.train.setup import check_batchnorm
+from reproduce.train.setup import check_sync_batchnorm
 
 
 @pytest.mark.parametrize("mode", ["group", "frozen"])
@@ -31,10 +31,10 @@ def test_group_and_frozen_accumulate_to_the_large_batch_float64(mode, tmp_path):
 
 def test_sync_is_refused_on_one_process_and_on_the_cpu():
     with pytest.raises(UserError, match="this run has one: launch it with `world_size` N"):
-        check_batchnorm("sync", World(), torch.device("cpu"))
+        check_sync_batchnorm(World(), torch.device("cpu"))
     with pytest.raises(UserError, match=r"sync needs CUDA \(torch.nn.SyncBatchNorm runs on CUDA only"):
-        check_batchnorm("sync", World(rank=0, size=2), torch.device("cpu"))
-    check_batchnorm("keep", World(), torch.device("cpu"))
+        check_sync_batchnorm(World(rank=0, size=2), torch.device("cpu"))
+    # (build checks sync alone: group and frozen run above, and keep is every BatchNorm recipe's default)
 
 
 def write(tmp_path, recipe: dict):

@@ -303,9 +303,9 @@ def test_a_scheduler_state_from_before_plateau_decay_loads():
     old = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     optimizer.step()
     old.step()
-    from reproduce.train.optim.optimizers import build_scheduler
+    from reproduce.train.optim.optimizers import PlanScheduler
 
-    scheduler = build_scheduler(p, torch.optim.SGD(model.parameters(), lr=p.lr))
+    scheduler = PlanScheduler(p, torch.optim.SGD(model.parameters(), lr=p.lr))
     scheduler.load_state_dict(old.state_dict())
     assert scheduler.last_epoch == 1 and "plateau" not in scheduler.state_dict()
 

@@ -1,24 +1,14 @@
-"""FSDP2 (`torch.distributed.fsdp.fully_shard`): parameters, gradients and optimizer state sharded over the ranks.
+"""FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over the ranks, set up so that
+accumulation stays the paper's large-batch update exactly:
 
-`shard(model, ...)` applies `fully_shard` to each transformer block / residual stage (`shard_units`), then to the
-root, and sets it up so accumulation stays the paper's large-batch update exactly:
-
-- gradients are reduce-scattered as a plain SUM: each rank's loss is already divided by the window's global item
-  count, so the effective batch's gradient is the sum over ranks. FSDP2 averages by default (ReduceOp.AVG, or a
-  division by the world size); `set_gradient_divide_factor(1.0)` alone would ask for NCCL's PREMUL_SUM, which gloo
-  lacks; with `set_force_sum_reduction_for_comms(True)` as well, FSDP2 reduces with ReduceOp.SUM and divides by 1,
-  which it skips (`_get_gradient_divide_factors` in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
-  A SUM on every backend also sidesteps gloo's AVG, which once summed silently (pytorch/pytorch#162338);
-- the exact window (accumulate.py) turns reduction off for all but the window's last micro-batch
-  (`set_requires_gradient_sync`, the counterpart of DDP's `no_sync`): FSDP2 then accumulates unsharded gradients
-  locally, one reduction per step.
-  With `batch.sharded_gradients` it stays on: each micro-batch's gradients are reduce-scattered (a SUM of losses
-  already divided by the window's global count) and FSDP2 adds them to the sharded gradients it holds, so no rank
-  ever holds the whole model's gradients and the window's gradient is the same (ZeRO-2/3's accumulation);
-- `batch.offload: cpu`: FSDP2's `CPUOffloadPolicy` (sharded parameters, gradients, optimizer state on the CPU);
-- mixed precision through `MixedPrecisionPolicy`: parameters all-gathered in the compute dtype (bf16 / fp16),
-  gradients reduced in fp32, the sharded master weights and optimizer state kept in fp32;
-- BatchNorm running statistics follow rank 0 after every training forward, as DDP's buffer broadcast does.
+- gradients reduce-scattered as a plain SUM (each loss is already divided by the window's global count). FSDP2
+  averages by default; `set_gradient_divide_factor(1.0)` alone asks for NCCL's PREMUL_SUM, which gloo lacks, so
+  `set_force_sum_reduction_for_comms(True)` too (torch's `_get_gradient_divide_factors`); a SUM also sidesteps
+  gloo's AVG, which once summed silently (pytorch/pytorch#162338);
+- reduction off for all but the window's last micro-batch (`set_requires_gradient_sync`, DDP's `no_sync`); with
+  `batch.sharded_gradients` it stays on and FSDP2 sums into sharded gradients (ZeRO-2/3's accumulation);
+- `batch.offload: cpu`: `CPUOffloadPolicy`; mixed precision by `MixedPrecisionPolicy` (gathered in bf16 / fp16,
+  reduced and kept in fp32); BatchNorm running statistics follow rank 0, as DDP's buffer broadcast does.
 """
 
 from __future__ import annotations
@@ -37,12 +27,8 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The modules sharded one by one before the root: transformer blocks and residual stages.
-
-    Hugging Face models name their block classes in `_no_split_modules` (GPT2Block, LlamaDecoderLayer, ...); the
-    built-in GPT has `Block`; torchvision's ResNets `Bottleneck` / `BasicBlock`. Empty for a model without any
-    (the MLP): the root alone is sharded then.
-    """
+    """The modules sharded before the root: Hugging Face's `_no_split_modules` classes, the built-in
+    GPT's `Block`, torchvision's `Bottleneck` / `BasicBlock`; none (an MLP): the root alone."""
     from ...models.small import Block
 
     names: set[str] = set()
@@ -57,10 +43,7 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
 def shard(model: nn.Module, precision: str, world: World, device: torch.device, counter: SyncCounter,
           offload: bool = False) -> nn.Module:
-    """`fully_shard` each unit, then the root (in place: the model keeps its class and its parameter names).
-
-    `offload`: FSDP2's `CPUOffloadPolicy`, the sharded parameters, their gradients and so the optimizer state in
-    CPU memory (pinned on a GPU host), each unit copied to the device when it is gathered."""
+    """`fully_shard` each unit, then the root, in place; `offload`: sharded state in (pinned) CPU memory."""
     mesh = init_device_mesh(device.type, (world.size,))
     compute = COMPUTE_DTYPES.get(precision)
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
@@ -79,8 +62,8 @@ def shard(model: nn.Module, precision: str, world: World, device: torch.device, 
 
 
 def _counted_module(model: nn.Module, units: list[nn.Module]) -> FSDPModule:
-    """One FSDP module whose reduction runs once per synchronised backward: the root when it owns parameters
-    outside the units (embeddings, head), else the first unit with parameters."""
+    """The FSDP module whose reduction runs once per synchronised backward: the root when it owns
+    parameters outside the units, else the first unit with parameters."""
     in_units = {id(p) for unit in units for p in unit.parameters()}
     if any(id(p) not in in_units for p in model.parameters()):
         return model  # type: ignore[return-value]
@@ -88,8 +71,8 @@ def _counted_module(model: nn.Module, units: list[nn.Module]) -> FSDPModule:
 
 
 def _follow_rank_zero_batchnorm(model: nn.Module) -> None:
-    """After each training forward, every rank takes rank 0's BatchNorm running statistics (what DDP's
-    broadcast_buffers does), so checkpoints, model.pt and evaluation see one set whichever rank saves them."""
+    """After each training forward every rank takes rank 0's BatchNorm statistics
+    (DDP's broadcast_buffers), so whichever rank saves or evaluates sees one set."""
     groups: dict[torch.dtype, list[tuple[nn.Module, str]]] = {}  # one broadcast per dtype: float stats, counts
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):

@@ -1,16 +1,11 @@
-"""A one-machine `reproduce run --nproc-per-node` launcher and the torchrun processes it starts: one job, one voice.
-
-- Workers die with their launcher: torchrun is started with a parent-death signal (SIGKILL when the launcher dies,
-  `prctl(PR_SET_PDEATHSIG)` on Linux), and each worker sets one on itself for torchrun, so a launcher killed with
-  SIGKILL (which frees `--out`'s lock) leaves no process training into the folder.
-- SIGINT / SIGTERM to the launcher go to the workers alone (each registers its pid in the launch's folder), never to
-  torchrun, whose own handling ends in its traceback and exit code 1; torchrun runs in a session of its own, so a
-  terminal's Ctrl-C reaches the launcher only.
-- A worker's handled ending (a refusal, a stop, an interruption) is written to the launch's folder instead of
-  printed, and the worker exits 0; the launcher says the one that matters once (an interruption before a refusal
-  before a stop before "another rank stopped"; the lowest rank first) and exits with its code (2, 3, 130, 143, 1).
-  A worker that crashes (a traceback, a kill) still fails torchrun, which restarts it under `--max-restarts`.
-
+"""A one-machine `reproduce run --nproc-per-node` launcher and its torchrun workers: one job, one voice.
+- Workers die with their launcher (parent-death signals on torchrun and on each worker), so a launcher killed with
+  SIGKILL, which frees `--out`'s lock, leaves no process training into the folder.
+- SIGINT / SIGTERM to the launcher go to the workers alone (their pids in the launch's folder), never to torchrun,
+  which runs in its own session.
+- A worker's handled ending is written to the launch's folder and the worker exits 0; the launcher says the one
+  that matters once (interruption, refusal, stop, "another rank stopped"; lowest rank first) with its exit code. A
+  crash still fails torchrun.
 No torch: the CLI's `main` reads it for every error it prints.
 """
 

@@ -1,8 +1,6 @@
-"""Several processes through PyTorch's own launcher (`torchrun` / `torch.distributed.run`).
-
-`reproduce run --nproc-per-node K` re-executes itself under `python -m torch.distributed.run`; a run started
-by an external `torchrun` is recognised from the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK).
-Backend: NCCL on CUDA, gloo on CPU.
+"""Several processes under torchrun (`reproduce run --nproc-per-node K` re-executes itself under
+`python -m torch.distributed.run`; an external torchrun is recognised by RANK, WORLD_SIZE, LOCAL_RANK); NCCL on
+CUDA, gloo on CPU.
 """
 
 from __future__ import annotations
@@ -62,8 +60,8 @@ def init(world: World, device: torch.device) -> torch.device:
 
 
 def plan_fingerprint(plan, seed: int) -> int:
-    """What every node of a job must agree on, as a number: the recipe, the batch split, the schedule and the seed
-    (not the recipe's path, which differs from machine to machine, nor a throughput policy's timings)."""
+    """What every node must agree on, as a number: the recipe, split, schedule and seed (not the
+    recipe's path, nor a throughput policy's timings)."""
     shown = {"recipe": plan.recipe.model_dump(mode="json"), "seed": seed,
              **{key: getattr(plan, key) for key in ("micro_batch", "accumulation_steps", "world_size",
                                                     "effective_batch", "lr", "optimizer_steps", "policy")}}
@@ -72,8 +70,8 @@ def plan_fingerprint(plan, seed: int) -> int:
 
 
 def check_same_plan(world: World, fingerprint: int, device: torch.device) -> None:
-    """Every rank runs rank 0's plan: a node started with another recipe, micro-batch or seed is refused by the
-    whole job at its start, naming that node (torchrun's GROUP_RANK, the node's place in the rendezvous)."""
+    """Every rank runs rank 0's plan: a node with another recipe, micro-batch or seed is refused by
+    the whole job, naming that node (torchrun's GROUP_RANK)."""
     if not world.distributed:
         return
     mine = torch.tensor([fingerprint, int(os.environ.get("GROUP_RANK", 0))], dtype=torch.int64, device=device)
@@ -111,8 +109,8 @@ def any_rank(world: World, flag: bool, device: torch.device) -> bool:
 
 
 def abandon(world: World) -> None:
-    """Leave the process group when this rank stops alone (out of memory in the middle of a collective's
-    sequence): the other ranks' pending collectives then fail at once instead of waiting for this rank."""
+    """Leave the process group when this rank stops alone, so the others' pending collectives fail at once
+    instead of waiting."""
     if world.distributed and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -128,15 +126,10 @@ def peer_failed(error: BaseException) -> bool:
 
 
 class SyncCounter:
-    """A DDP communication hook: all-reduce the gradient buckets as a SUM, and count the synchronisations
-    (FSDP2 reduces as a SUM itself, see train/distributed/fsdp.py, and calls `fsdp_hook` once per round).
-
-    Each rank's loss is already divided by the window's global item count (summed over ranks before the first
-    backward), so the gradient of the effective batch is the sum over ranks; DDP's default hook would average,
-    dividing by the world size once too often. One synchronisation calls the hook once per bucket, so a round
-    is counted at bucket 0; `reproduce run` records the rounds of each optimizer step in metrics.jsonl
-    (`grad_syncs`): with `no_sync` on the first N-1 micro-batches it is 1.
-    """
+    """A DDP communication hook: all-reduce the gradient buckets as a SUM (each loss is already divided
+    by the window's global count; DDP's default would average, dividing by the world size once too often), and count
+    the synchronisations at bucket 0: metrics.jsonl's `grad_syncs`, 1 per step with `no_sync`. FSDP2 sums itself
+    (fsdp.py) and calls `fsdp_hook` once per round."""
 
     def __init__(self) -> None:
         self.rounds = 0

@@ -1,2 +1,1 @@
-"""The run's optimizer and LR scheduler (optimizers.py), LARS and LAMB (large_batch.py), plateau decay
-(plateau.py)."""
+"""The run's optimizer, LR scheduler and plateau decay (optimizers.py), LARS and LAMB (large_batch.py)."""

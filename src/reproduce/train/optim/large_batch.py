@@ -1,25 +1,14 @@
-"""LARS and LAMB, the layer-wise adaptive optimizers of the large-batch papers, written from their algorithms.
+"""LARS and LAMB, the layer-wise adaptive optimizers of the large-batch papers, from their algorithms.
 
-Every parameter tensor is a "layer" with its own trust ratio, computed from the whole tensor's norms.
-
-- `LARS`: You, Gitman and Ginsburg 2017 (arXiv 1708.03888), Algorithm 1. For a tensor w with gradient g:
-  local_lr = trust_coefficient x ||w|| / (||g|| + weight_decay x ||w||), v = momentum x v + lr x local_lr x (g +
-  weight_decay x w), w = w - v. trust_coefficient defaults to the paper's 0.001.
-- `LAMB`: You et al. 2019 (arXiv 1904.00962), Algorithm 2: Adam's moments with bias correction, r = m_hat /
-  (sqrt(v_hat) + eps), u = r + weight_decay x w, w = w - lr x (||w|| / ||u||) x u.
-
-The trust ratio is 1 when either norm is 0 (a tensor initialised to zeros, a gradient of zeros), as in both papers'
-official implementations. A parameter group with `layer_adaptation: False` (the recipe's `no_decay` parameters:
-biases, norm weights, ...) gets a trust ratio of 1 and no weight decay, as those implementations do: TensorFlow's
-LARSOptimizer skips LARS scaling and weight decay for its `skip_list` ("for a typical classification model with
-batch normalization, the skip_list is ['batch_normalization', 'bias']", tensorflow/tensorflow
-contrib/opt/python/training/lars_optimizer.py), and the LAMB paper's own implementation (tensorflow/addons
-tensorflow_addons/optimizers/lamb.py, the link in its footnote 1) excludes from layer adaptation whatever
-`exclude_from_weight_decay` excludes unless told otherwise.
-
-Under FSDP2 the parameters, gradients and optimizer states are DTensors holding one shard per rank. The update is
-element-wise, so it runs on the local shards; the norms are of the whole tensor (a shard's own norm would give each
-rank another ratio), reduced over the shards by DTensor's own norm.
+Every parameter tensor is a "layer" with its own trust ratio, from the whole tensor's norms.
+- `LARS`: You, Gitman and Ginsburg 2017 (arXiv 1708.03888), Algorithm 1: local_lr = trust_coefficient x ||w|| /
+  (||g|| + weight_decay x ||w||), v = momentum x v + lr x local_lr x (g + weight_decay x w), w = w - v.
+- `LAMB`: You et al. 2019 (arXiv 1904.00962), Algorithm 2: Adam's bias-corrected moments, r = m_hat / (sqrt(v_hat)
+  + eps), u = r + weight_decay x w, w = w - lr x (||w|| / ||u||) x u.
+The ratio is 1 when either norm is 0, and for a group with `layer_adaptation: False` (the recipe's `no_decay`
+parameters), which also gets no weight decay, as both papers' official implementations do (TensorFlow's
+LARSOptimizer `skip_list`; tensorflow_addons' lamb.py `exclude_from_weight_decay`). Under FSDP2 the update runs
+on the local shards and the norms are the whole tensor's (DTensor's own norm).
 """
 
 from __future__ import annotations
@@ -79,10 +68,8 @@ class _LayerWise(torch.optim.Optimizer):
 
 
 class LARS(_LayerWise):
-    """Layer-wise Adaptive Rate Scaling (You et al. 2017, Algorithm 1), heavy-ball momentum.
-
-    Group options: lr, momentum, weight_decay, trust_coefficient, layer_adaptation (False: ratio 1, no decay).
-    """
+    """Layer-wise Adaptive Rate Scaling (You et al. 2017, Algorithm 1), heavy-ball momentum. Group options: lr,
+    momentum, weight_decay, trust_coefficient, layer_adaptation."""
 
     def __init__(self, params: Iterable, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
                  trust_coefficient: float = LARS_TRUST_COEFFICIENT, layer_adaptation: bool = True):
@@ -108,10 +95,8 @@ class LARS(_LayerWise):
 
 
 class LAMB(_LayerWise):
-    """Layer-wise Adaptive Moments for Batch training (You et al. 2019, Algorithm 2), with bias correction.
-
-    Group options: lr, betas, eps, weight_decay, layer_adaptation (False: ratio 1, no decay).
-    """
+    """Layer-wise Adaptive Moments for Batch training (You et al. 2019, Algorithm 2). Group options: lr, betas,
+    eps, weight_decay, layer_adaptation."""
 
     def __init__(self, params: Iterable, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.0, layer_adaptation: bool = True):

@@ -1,13 +1,20 @@
 """The optimizer and LR scheduler of a plan: parameter groups from the recipe's `no_decay`, steps counted in
-optimizer steps."""
+optimizer steps, and the plateau decay (`schedule.decay: {kind: plateau}`) stepped at each evaluation."""
 
 from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ...errors import UserError
-from ...plan.planner import Plan
+from ...plan.planner import Plan, lr_at
+from ...plan.schedules import Plateau
+
+if TYPE_CHECKING:
+    from ...data import Datasets
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 
@@ -17,11 +24,8 @@ if hasattr(nn, "RMSNorm"):
 
 def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str], layer_adaptation: bool = False
                  ) -> list[dict]:
-    """Split parameters into decayed and not decayed, as the recipe's `no_decay` says (tied ones once).
-
-    With `layer_adaptation` (LARS, LAMB) the excluded parameters also get a trust ratio of 1 (`layer_adaptation:
-    False` in their group), so they are split off even without weight decay.
-    """
+    """Decayed and not decayed parameters, by the recipe's `no_decay` (tied ones once); with
+    `layer_adaptation` (LARS, LAMB) the excluded ones also get ratio 1, so they are split off without decay too."""
     if not no_decay or (weight_decay == 0 and not layer_adaptation):
         group = {"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}
         return [{**group, "layer_adaptation": True} if layer_adaptation else group]
@@ -72,9 +76,8 @@ def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def bitsandbytes_optimizer(plan: Plan, groups: list[dict]) -> torch.optim.Optimizer:
-    """adam/adamw with `paged` and/or `state_bits: 8`: bitsandbytes' PagedAdamW, AdamW8bit, PagedAdamW8bit (and the
-    Adam ones), the optimizers QLoRA and transformers' `optim: paged_adamw_32bit / adamw_8bit` use. Tensors under
-    4096 elements keep 32-bit state (bitsandbytes' min_8bit_size)."""
+    """adam/adamw with `paged` and/or `state_bits: 8`: bitsandbytes' (Paged)Adam(W)(8bit), as
+    QLoRA and transformers' `optim` use; tensors under 4096 elements keep 32-bit state (min_8bit_size)."""
     from ...models.quantize import bitsandbytes
 
     spec = plan.recipe.optimizer
@@ -91,8 +94,68 @@ def bitsandbytes_optimizer(plan: Plan, groups: list[dict]) -> torch.optim.Optimi
     return getattr(bnb.optim, name)(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
 
 
-def build_scheduler(plan: Plan, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    """Counts optimizer steps: the LR of step s is `lr_at(plan, s)` (times a plateau decay's scale: plateau.py)."""
-    from .plateau import PlanScheduler
+class PlanScheduler(torch.optim.lr_scheduler.LambdaLR):
+    """The LR of optimizer step s: `lr_at(plan, s)` x the plateau decay's scale; `state_dict` adds the
+    plateau's state (plain numbers), which a state without it leaves where it starts."""
 
-    return PlanScheduler(plan, optimizer)
+    def __init__(self, plan: Plan, optimizer: torch.optim.Optimizer) -> None:
+        plateau = plan.schedule.decay_kind == "plateau"
+        self._plateau = Plateau(plan.recipe.schedule.decay, plan.lr, plan.schedule.min_lr) if plateau else None
+        plateau = self._plateau
+        super().__init__(optimizer, lambda step: lr_at(plan, step) / plan.lr * (
+            plateau.state["scale"] if plateau is not None else 1.0))
+
+    @property
+    def plateau(self) -> Plateau | None:
+        return self._plateau
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.pop("_plateau", None)
+        if self._plateau is not None:
+            state["plateau"] = dict(self._plateau.state)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state = dict(state_dict)
+        saved = state.pop("plateau", None)
+        super().load_state_dict(state)
+        if self._plateau is not None and saved is not None:
+            self._plateau.state = saved
+
+    def plateau_step(self, value: float, step: int) -> bool:
+        """One evaluation's metric after step `step` (from 1); on a decrease the next step's
+        LR is set at once."""
+        decreased = self._plateau.step(value, step)
+        if decreased:
+            for group, base, factor in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas, strict=True):
+                group["lr"] = base * factor(self.last_epoch)
+            self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        return decreased
+
+
+def check_plateau(plan: Plan, data: Datasets) -> None:
+    """A plateau decay needs evaluation data to watch (the recipe's evaluation.every_steps is checked on load)."""
+    decay = plan.recipe.schedule.decay
+    if decay.kind == "plateau" and data.eval is None:
+        raise UserError(f"schedule.decay: kind plateau watches {decay.metric}, but this run has no evaluation data; "
+                        "give `eval_data_path` PATH (or data.eval_path)")
+
+
+def step_plateau(setup, evaluation: dict | None, step: int) -> dict:
+    """The plateau decay's step after step `step`'s evaluation (from 1), on every rank alike (rank 0's
+    metric broadcast); the record's fields."""
+    scheduler = setup.scheduler
+    plateau = getattr(scheduler, "plateau", None)
+    if plateau is None or step < setup.plan.warmup_steps:  # evaluations during the warm-up are not counted
+        return {}
+    value = Plateau.metric_value(plateau.metric, evaluation or {})
+    if setup.world.distributed and not setup.sharded:  # a sharded model evaluated on every rank
+        shared = torch.tensor([math.nan if value is None else value], dtype=torch.float64, device=setup.device)
+        torch.distributed.broadcast(shared, src=0)
+        value = None if math.isnan(float(shared)) else float(shared)
+    if value is None:
+        return {}
+    if scheduler.plateau_step(value, step):
+        return {"plateau_lr": scheduler.get_last_lr()[0]}
+    return {}
