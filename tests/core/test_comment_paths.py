@@ -19,10 +19,11 @@ PROJECT_FOLDERS = {p.name for p in SRC.iterdir() if p.is_dir() and p.name != "__
     "docs", "bench", "tests", "papers", "reproduce", "src", "examples"}
 # not paths of this project: other projects' (nanoGPT, Microsoft's LoRA) and the trackers' metric names
 NOT_POINTERS = {"data/shakespeare_char", "data/DATASET/", "src/gpt2_encode.py", "train/loss", "train/lr"}
-# files of the projects the comments cite (nanoGPT, BERT, MAE, Microsoft's LoRA, Alpaca-LoRA, cityscapesScripts, QLoRA)
+# files of the projects the comments cite (nanoGPT, BERT, MAE, Microsoft's LoRA, Alpaca-LoRA, cityscapesScripts, QLoRA,
+# tensorflow_addons)
 OTHER_PROJECTS_FILES = {"train.py", "model.py", "sample.py", "prepare.py", "run_pretraining.py", "models_mae.py",
                         "create_pretraining_data.py", "gpt2_encode.py", "export_hf_checkpoint.py",
-                        "createTrainIdLabelImgs.py", "qlora.py"}
+                        "createTrainIdLabelImgs.py", "qlora.py", "lamb.py"}
 
 PATH = re.compile(r"(?<![\w./-])((?:[a-z_][\w-]*/)+[A-Za-z_][\w-]*(?:\.py)?/?)")
 MODULE = re.compile(r"(?<![\w./-])([a-z_]\w*\.py)\b")
