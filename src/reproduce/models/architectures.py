@@ -1,13 +1,9 @@
 """The papers' architectures, built from the libraries that define them (never re-typed), randomly initialised.
 
-Each entry states the paper's configuration and where it comes from, and where the library's model differs from
-the paper's. Transformers models come from their config classes through `from_config` (random weights, nothing is
-ever downloaded) and are wrapped in `HFLogits`, so a language model returns logits (B, T, V) like every language
-model here; torchvision's classifiers return (B, C). Both libraries are imported on first build only, and a build
-costs next to nothing on `torch.device("meta")` (the estimate meter's way).
-
-A recipe's `model.kwargs` change the configuration: config fields for transformers models (`n_layer: 6`, with
-nanoGPT's `dropout` and `block_size` understood), constructor arguments for torchvision's (`dropout: 0.1`).
+Each entry states the paper's configuration, its source, and where the library's model differs. transformers models
+come from their config classes (`from_config`, wrapped in `HFLogits`: logits (B, T, V)); torchvision's classifiers
+return (B, C). `model.kwargs` set config fields (nanoGPT's `dropout` and `block_size` understood) or torchvision's
+constructor arguments.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ IMAGE_CHANNELS = 3  # every image architecture here takes RGB
 
 @dataclass(frozen=True)
 class Architecture:
-    """A paper's architecture: what it fixes about its inputs, and a build from a recipe's kwargs and the data."""
+    """A paper's architecture: what it fixes about its inputs (`model_inputs`), and its build from kwargs."""
 
     name: str
     title: str  # what it is, from which library
@@ -41,7 +37,6 @@ class Architecture:
         return self.build(kwargs)
 
     def torchvision(self, data_info: dict | None) -> Any:
-        """torchvision, for a model of RGB images (the data's channels checked)."""
         try:
             import torchvision
         except (ImportError, RuntimeError) as exc:  # RuntimeError: a torchvision built for another torch
@@ -66,7 +61,7 @@ class Architecture:
 
 @dataclass(frozen=True)
 class TorchvisionClassifier(Architecture):
-    """A torchvision classification model, `weights=None`, its head sized to the data's classes."""
+    """A torchvision classifier, `weights=None`, its head sized to the data's classes."""
 
     function: str = ""
     defaults: dict = field(default_factory=dict)
@@ -98,8 +93,7 @@ class TransformersModel(Architecture):
 
     config_class: str = ""
     auto_class: str = ""  # AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForPreTraining
-    kind: str = "causal-lm"  # causal-lm / masked-lm: logits (B, T, V); mae: MAE's pre-training output;
-    # pretraining: BERT's masked-LM and next-sentence logits
+    kind: str = "causal-lm"  # or masked-lm: logits (B, T, V); mae, pretraining: the model's own output
     config: dict = field(default_factory=dict)
     aliases: dict = field(default_factory=dict)  # a kwarg name -> the config fields it sets
     position_offset: int = 0  # positions the model reserves (RoBERTa: padding index + 1)
@@ -142,14 +136,12 @@ class TransformersModel(Architecture):
         return self.wrap(getattr(transformers, self.auto_class).from_config(config))
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """The transformers model with the forward this architecture's loss takes (logits, or its own output)."""
         return (PretrainingOutput if self.kind in ("pretraining", "mae") else HFLogits)(model, self.kind)
 
 
 @dataclass(frozen=True)
 class NanoGPTModel(Architecture):
-    """nanoGPT's own GPT (models/nanogpt.py): `kwargs` are nanoGPT's GPTConfig fields (n_layer, n_head, n_embd,
-    block_size, vocab_size, dropout, bias); the defaults are GPT-2 124M as nanoGPT's train.py trains it."""
+    """nanoGPT's own GPT (models/nanogpt.py): `kwargs` are GPTConfig's fields."""
 
     config: dict = field(default_factory=dict)
 
@@ -190,14 +182,8 @@ def needs_transformers(who: str) -> Any:
 
 
 class PretrainingOutput(HFLogits):
-    """A model whose loss takes its own pre-training output.
-
-    mae: images in, ViTMAE's output out (its loss over the masked patches, mask, pixels): it encodes a random
-    `1 - mask_ratio` of each image's patches and reconstructs the rest; `mae-masked-pixel-mse` is its loss.
-    pretraining: BERT's (BertForPreTraining) masked-LM logits (B, T, V) and next-sentence logits (B, 2), from a dict
-    of input_ids, token_type_ids and attention_mask as `reproduce.data.pairs` builds them (or input_ids alone);
-    `bert-mlm-nsp` is its loss.
-    """
+    """A model whose loss takes its own pre-training output: ViTMAE's (`mae-masked-pixel-mse`), or BERT's masked-LM
+    and next-sentence logits from data.pairs' dict of inputs (`bert-mlm-nsp`)."""
 
     def forward(self, inputs: Any) -> Any:
         if self.kind == "mae":
@@ -207,14 +193,8 @@ class PretrainingOutput(HFLogits):
 
 
 class MaskedPixelLoss:
-    """MAE's loss: the squared error of the masked patches' pixels (normalised per patch with norm_pix_loss, as
-    MAE's pre-training command sets), a mean per image, summed over the micro-batch.
-
-    ViTMAE keeps the same number of patches, int(L x (1 - mask_ratio)), in every image, so each image has the
-    same number of masked patches, and the model's loss (the mean over all masked patches of the micro-batch,
-    MAE's own `forward_loss`) is the mean of the images' means: times the batch size it is their sum, which the
-    training loop divides by the window's image count like any other loss.
-    """
+    """MAE's loss (norm_pix_loss), summed over the micro-batch's images: every image has the same number of masked
+    patches, so ViTMAE's mean over the micro-batch's masked patches times its images is the sum of their means."""
 
     def count(self, target: Any) -> int:
         return len(target)
@@ -229,24 +209,20 @@ _NANOGPT_NAMES = {"dropout": _GPT2_DROPOUT, "block_size": ("n_positions",)}  # n
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
     for arch in (
-        # He et al. 2016, "Deep Residual Learning" (arXiv 1512.03385), Table 1: [3, 4, 6, 3] bottleneck blocks.
-        # torchvision puts the stride 2 of a downsampling block on its 3x3 convolution (ResNet "v1.5", the variant of
-        # fb.resnet.torch that Goyal et al. 2017 trained) where He et al. put it on the first 1x1: the same
-        # parameters. Goyal et al.'s zero-initialised last BN gamma of each block is not applied (random init).
+        # He et al. 2016 (arXiv 1512.03385), Table 1. torchvision's stride 2 is on the 3x3 convolution (ResNet v1.5,
+        # as Goyal et al. 2017 trained); Goyal et al.'s zero-initialised last BN gamma is not applied.
         TorchvisionClassifier("resnet50", "ResNet-50 (torchvision)", function="resnet50"),
-        # Dosovitskiy et al. 2021 (arXiv 2010.11929), Table 1: ViT-Base, 12 layers, width 768, MLP 3072, 12 heads,
-        # patch 16, resolution 224; pre-training head "a MLP with one hidden layer" (sec. 3.1: tanh pre-logits of
-        # 768, google-research/vision_transformer's representation_size), dropout 0.1 (App. B.1, Table 3).
+        # Dosovitskiy et al. 2021 (arXiv 2010.11929), Table 1: ViT-Base/16 at 224; pre-training head with one hidden
+        # layer (sec. 3.1: representation_size 768), dropout 0.1 (App. B.1).
         TorchvisionClassifier(
             "vit-b16", "ViT-B/16 (torchvision)", function="vit_b_16", image_size=224,
             defaults={"representation_size": 768, "dropout": 0.1},
         ),
-        # Touvron et al. 2021 (arXiv 2012.12877), Table 1: DeiT-B is ViT-B/16 (86M) with a linear head, no dropout.
-        # Its stochastic depth (drop-path 0.1) is not in torchvision's ViT: left out (a mask per sample and block).
+        # Touvron et al. 2021 (arXiv 2012.12877), Table 1: ViT-B/16, linear head, no dropout; its drop-path 0.1 is
+        # not in torchvision's ViT (left out).
         TorchvisionClassifier("deit-b", "DeiT-B = ViT-B/16 (torchvision)", function="vit_b_16", image_size=224),
-        # He et al. 2022 (arXiv 2111.06377); facebookresearch/mae @ efb2a80 models_mae.py
-        # mae_vit_large_patch16_dec512d8b: encoder ViT-L/16 (1024 wide, 24 layers, 16 heads, MLP 4096), decoder
-        # 512 wide, 8 layers, 16 heads, LayerNorm eps 1e-6; PRETRAIN.md: --mask_ratio 0.75 --norm_pix_loss.
+        # He et al. 2022 (arXiv 2111.06377); facebookresearch/mae @ efb2a80 mae_vit_large_patch16_dec512d8b;
+        # PRETRAIN.md: --mask_ratio 0.75 --norm_pix_loss.
         TransformersModel(
             "mae-vit-large-patch16", "MAE ViT-L/16 encoder + 8-block decoder (transformers ViTMAE)",
             config_class="ViTMAEConfig", auto_class="AutoModelForPreTraining", kind="mae",
@@ -257,71 +233,54 @@ ARCHITECTURES: dict[str, Architecture] = {
                 "mask_ratio": 0.75, "norm_pix_loss": True,
             },
         ),
-        # nanoGPT's own model.py GPT (karpathy/nanoGPT @ 3adf61e): GPT-2 124M's shape, 12 layers, 12 heads, 768 wide,
-        # context 1024, the vocabulary of 50257 padded to 50304, and train.py's bias=False: no bias in any Linear or
-        # LayerNorm, tied embeddings, dropout 0 (train.py's default). nanoGPT prints it as 123.59M parameters
-        # (without the position embeddings); shakespeare-char's 6 x 6 x 384 as 10.65M.
+        # nanoGPT's model.py GPT (karpathy/nanoGPT @ 3adf61e): GPT-2 124M's shape, vocabulary padded to 50304,
+        # train.py's bias=False and dropout 0; nanoGPT prints it as 123.59M parameters (no position embeddings).
         NanoGPTModel("nanogpt", "nanoGPT's GPT (reproduce.models.nanogpt, nanoGPT's state_dict names)",
                      config={"bias": False}),
-        # GPT-2 124M as nanoGPT (karpathy/nanoGPT @ 3adf61e, config/train_gpt2.py, model.py) and llm.c train it:
-        # 12 layers, 12 heads, 768 wide, context 1024, no dropout, the vocabulary of 50257 padded to 50304 (a
-        # multiple of 64, for speed). transformers' GPT-2 has biases in every Linear and LayerNorm where nanoGPT
-        # sets bias=False (+0.1M parameters: nanoGPT's recipes build `nanogpt` instead); llm.c keeps them, as here
-        # (llm.c @ f1e2ace train_gpt2.cu fill_in_parameter_sizes: 16 tensors, a bias beside every weight and
-        # LayerNorm scale, wte tied to the output, the vocabulary padded to 50304).
+        # GPT-2 124M as nanoGPT (@ 3adf61e config/train_gpt2.py) and llm.c train it: no dropout, vocabulary padded
+        # to 50304; with biases, as llm.c (@ f1e2ace train_gpt2.cu) keeps them (nanoGPT's bias=False: `nanogpt`).
         TransformersModel(
             "gpt2-124m", "GPT-2 124M (transformers GPT-2)", config_class="GPT2Config",
             auto_class="AutoModelForCausalLM", aliases=_NANOGPT_NAMES,
             config={"vocab_size": 50304, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
                     **dict.fromkeys(_GPT2_DROPOUT, 0.0)},
         ),
-        # Brown et al. 2020 (arXiv 2005.14165), Table 2.1: GPT-3 Small, 12 layers, d_model 768, 12 heads of 64,
-        # context 2048, GPT-2's 50257-token BPE. GPT-3 alternates dense and locally banded sparse attention layers
-        # (sec. 2.1, as in the Sparse Transformer); transformers' GPT-2 has dense attention in every layer, which
-        # holds the same parameters but more attention memory. Dropout is not stated: GPT-2's 0.1 is kept (UNVERIFIED).
+        # Brown et al. 2020 (arXiv 2005.14165), Table 2.1: GPT-3 Small, context 2048. GPT-3's locally banded sparse
+        # layers (sec. 2.1) are dense here: the same parameters, more attention memory. Dropout 0.1 (UNVERIFIED).
         TransformersModel(
             "gpt3-small", "GPT-3 Small 125M, dense attention (transformers GPT-2)", config_class="GPT2Config",
             auto_class="AutoModelForCausalLM", aliases=_NANOGPT_NAMES,
             config={"vocab_size": 50257, "n_positions": 2048, "n_embd": 768, "n_layer": 12, "n_head": 12},
         ),
-        # Radford et al. 2019 GPT-2 Medium, as microsoft/LoRA @ c4593f0 examples/NLG (gpt2.md) fine-tunes it: 24 layers,
-        # 16 heads, 1024 wide, context 1024, vocabulary 50257, dropout 0.1.
+        # Radford et al. 2019 GPT-2 Medium, as microsoft/LoRA @ c4593f0 examples/NLG fine-tunes it.
         TransformersModel(
             "gpt2-medium", "GPT-2 Medium 355M (transformers GPT-2)", config_class="GPT2Config",
             auto_class="AutoModelForCausalLM", aliases=_NANOGPT_NAMES,
             config={"vocab_size": 50257, "n_positions": 1024, "n_embd": 1024, "n_layer": 24, "n_head": 16},
         ),
-        # nanoGPT's character-level Shakespeare model (config/train_shakespeare_char.py @ 3adf61e): 6 layers, 6 heads,
-        # 384 wide, block 256, dropout 0.2, the 65 characters of the text as vocabulary (data/shakespeare_char).
-        # nanoGPT's bias=False is not available in transformers' GPT-2 (+0.03M bias parameters).
+        # nanoGPT's config/train_shakespeare_char.py @ 3adf61e, 65 characters; with biases (+0.03M parameters).
         TransformersModel(
             "gpt-char", "nanoGPT shakespeare-char 10.7M (transformers GPT-2)", config_class="GPT2Config",
             auto_class="AutoModelForCausalLM", aliases=_NANOGPT_NAMES,
             config={"vocab_size": 65, "n_positions": 256, "n_embd": 384, "n_layer": 6, "n_head": 6,
                     "bos_token_id": None, "eos_token_id": None, **dict.fromkeys(_GPT2_DROPOUT, 0.2)},
         ),
-        # Devlin et al. 2019 (arXiv 1810.04805), sec. 3: BERT-base, L 12, H 768, A 12, 110M; google-research/bert
-        # @ eedf571 bert_config.json of uncased_L-12_H-768_A-12: vocabulary 30522, 512 positions, 2 token types,
-        # GELU, dropout 0.1 (transformers' BertConfig defaults). With both pre-training heads (sec. 3.1, A.1; the
-        # repo's run_pretraining.py): the masked-LM head (a dense + LayerNorm transform, the output tied to the
-        # word embeddings) and the next-sentence head (the pooler's tanh of [CLS], a 2-way classifier).
+        # Devlin et al. 2019 (arXiv 1810.04805) sec. 3; google-research/bert @ eedf571 bert_config.json of
+        # uncased_L-12_H-768_A-12; with both pre-training heads (sec. 3.1, A.1: masked LM and next sentence).
         TransformersModel(
             "bert-base", "BERT-base, masked-LM + next-sentence heads (transformers BertForPreTraining)",
             config_class="BertConfig", auto_class="AutoModelForPreTraining", kind="pretraining",
             config={"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
                     "intermediate_size": 3072, "max_position_embeddings": 512, "type_vocab_size": 2},
         ),
-        # BERT-Large (Devlin et al. 2019 sec. 3: L 24, H 1024, A 16, 340M; uncased_L-24_H-1024_A-16's
-        # bert_config.json: intermediate 4096), with both pre-training heads, as You et al. 2019 pre-train it.
+        # BERT-Large (Devlin et al. 2019 sec. 3; uncased_L-24_H-1024_A-16), as You et al. 2019 pre-train it.
         TransformersModel(
             "bert-large", "BERT-Large, masked-LM + next-sentence heads (transformers BertForPreTraining)",
             config_class="BertConfig", auto_class="AutoModelForPreTraining", kind="pretraining",
             config={"vocab_size": 30522, "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
                     "intermediate_size": 4096, "max_position_embeddings": 512, "type_vocab_size": 2},
         ),
-        # Liu et al. 2019 (arXiv 1907.11692): BERT-base's shape with GPT-2's byte-level BPE; fairseq roberta.base
-        # (@ 3d262bb, 125M): vocabulary 50265, 514 positions (512 tokens after the padding index 1), one token type,
-        # LayerNorm eps 1e-5.
+        # Liu et al. 2019 (arXiv 1907.11692); fairseq roberta.base @ 3d262bb: 514 positions, 512 after padding.
         TransformersModel(
             "roberta-base", "RoBERTa-base, masked-LM head (transformers RoBERTa)", config_class="RobertaConfig",
             auto_class="AutoModelForMaskedLM", kind="masked-lm", position_offset=2,
@@ -329,9 +288,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                     "intermediate_size": 3072, "max_position_embeddings": 514, "type_vocab_size": 1,
                     "layer_norm_eps": 1e-5, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2},
         ),
-        # Touvron et al. 2023 (arXiv 2302.13971), Table 2: LLaMA-7B, dimension 4096, 32 heads, 32 layers, context
-        # 2048; SwiGLU hidden 11008 (2/3 x 4d rounded up to a multiple of 256), RMSNorm eps 1e-6, rotary positions,
-        # SentencePiece vocabulary of 32000, untied output head (the released params.json).
+        # Touvron et al. 2023 (arXiv 2302.13971), Table 2: LLaMA-7B; SwiGLU hidden 11008, untied head (params.json).
         TransformersModel(
             "llama-7b", "LLaMA-7B (transformers LLaMA)", config_class="LlamaConfig",
             auto_class="AutoModelForCausalLM",

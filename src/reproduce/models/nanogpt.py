@@ -1,15 +1,8 @@
-"""nanoGPT's GPT (karpathy/nanoGPT @ 3adf61e, model.py), written for this project from its README and code, not
-copied: a GPT-2-shaped decoder of pre-LayerNorm blocks (one fused `c_attn` projection, causal
-`scaled_dot_product_attention`, an exact-GELU MLP of 4 x n_embd), a final `ln_f` and an `lm_head` without bias whose
-weight *is* the token embedding's; `bias=False` (nanoGPT's training configs) leaves no bias in any Linear or
-LayerNorm; nanoGPT's initialisation, normal(0, 0.02) and GPT-2's scaled normal(0, 0.02 / sqrt(2 x n_layer)) for the
-residual projections (`c_proj`).
-
-Its `state_dict` has nanoGPT's names and shapes (`transformer.wte.weight`, `transformer.h.0.attn.c_attn.weight`,
-..., `lm_head.weight`), so a run's model.pt loads into nanoGPT's `GPT` with `load_state_dict(strict=True)`;
-`python -m reproduce.models.nanogpt RUN_DIR OUT_DIR` writes it as the `ckpt.pt` nanoGPT's `sample.py` reads
-(docs/papers.md). One difference, for this project's data contract: `forward(tokens)` returns the logits of
-every position (B, T, V), where nanoGPT's forward without targets returns only the last position's.
+"""nanoGPT's GPT (karpathy/nanoGPT @ 3adf61e, model.py), written from its code, not copied: pre-LayerNorm blocks,
+a tied `lm_head`, no bias anywhere with `bias=False`, nanoGPT's initialisation (normal 0.02, and 0.02 / sqrt(2 x
+n_layer) for `c_proj`). Its state_dict has nanoGPT's names, so a run's model.pt loads into nanoGPT's `GPT` strictly;
+`python -m reproduce.models.nanogpt RUN_DIR OUT_DIR` writes it as the ckpt.pt nanoGPT's `sample.py` reads. One
+difference: `forward(tokens)` returns every position's logits (B, T, V), not only the last one's.
 """
 
 from __future__ import annotations
@@ -43,8 +36,7 @@ class GPTConfig:
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with an optional bias (torch's nn.LayerNorm has no bias=False before 2.1, and nanoGPT keeps
-    its own): `weight` always, `bias` only when asked for."""
+    """nanoGPT's LayerNorm with an optional bias."""
 
     def __init__(self, features: int, bias: bool):
         super().__init__()
@@ -100,7 +92,6 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """nanoGPT's GPT; `forward(tokens)` gives the logits (B, T, V) of every position."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -145,16 +136,14 @@ class GPT(nn.Module):
 
 
 def sample_checkpoint(state: dict, config: GPTConfig, dataset: str | None = None) -> dict:
-    """What nanoGPT's `sample.py` reads from `out_dir/ckpt.pt` with init_from='resume': `model_args` (GPTConfig's
-    fields), `model` (the state_dict) and `config.dataset` (where it finds data/DATASET/meta.pkl, the character
-    vocabulary of shakespeare_char; without one it encodes with GPT-2's tiktoken BPE)."""
+    """What nanoGPT's `sample.py` reads from ckpt.pt (init_from='resume'); `dataset` names where its meta.pkl is
+    (without one it encodes with GPT-2's BPE)."""
     checkpoint = {"model_args": asdict(config), "model": state, "iter_num": 0, "best_val_loss": float("nan")}
     checkpoint["config"] = {"dataset": dataset} if dataset else {}
     return checkpoint
 
 
 def config_from_state(state: dict, dropout: float = 0.0) -> GPTConfig:
-    """The GPTConfig a nanoGPT state_dict was built with, read from its shapes."""
     vocab, width = state["transformer.wte.weight"].shape
     layers = 1 + max(int(key.split(".")[2]) for key in state if key.startswith("transformer.h."))
     return GPTConfig(block_size=state["transformer.wpe.weight"].shape[0], vocab_size=vocab, n_layer=layers,

@@ -1,23 +1,13 @@
 """A quantised frozen base (`model.quantize: int8 | nf4`): bitsandbytes' 8-bit or 4-bit linear layers under LoRA.
 
-The settings are transformers' `BitsAndBytesConfig`, all set explicitly: int8 is `load_in_8bit` (LLM.int8(),
-Dettmers et al. 2022, arXiv 2208.07339: 1 byte a weight, an fp32 scale per output row, outlier threshold 6.0); nf4 is
-`load_in_4bit` with `bnb_4bit_quant_type="nf4"`, `bnb_4bit_use_double_quant` from `model.double_quant` (QLoRA,
-Dettmers et al. 2023, arXiv 2305.14314: 4-bit NormalFloat in blocks of 64, the absmax scales quantised again) and
-the recipe's precision as `bnb_4bit_compute_dtype` (transformers' defaults would be fp4, float32, no double
-quantisation).
+transformers' `BitsAndBytesConfig`, every setting explicit: int8 is LLM.int8() (Dettmers et al. 2022, arXiv
+2208.07339, threshold 6.0); nf4 is QLoRA's (Dettmers et al. 2023, arXiv 2305.14314: blocks of 64, `model.double_quant`)
+computing in the recipe's precision. Quantised in memory as `from_pretrained` does (`replace_with_bnb_linear`, all
+but the output head), so built-ins, factories and weights from disk are served alike, and on the meta device the
+packed weights have their true sizes. Then peft's `prepare_model_for_kbit_training` and LoRA (models/weights.py).
 
-The model is quantised in memory as `from_pretrained` does it: transformers' `replace_with_bnb_linear` swaps each
-`nn.Linear` (and GPT-2's `Conv1D`) but the output head, and each weight becomes bitsandbytes' `Int8Params` /
-`Params4bit`, quantised when put on its device. So a built-in from its config, a factory's model and weights read
-from disk are served alike, and on the meta device (the estimate meter) the packed weights have their true sizes,
-with no disk copy of the model. Then peft's `prepare_model_for_kbit_training` (base frozen, fp16/bf16 weights cast to
-fp32 as Alpaca-LoRA trains; `model.upcast_embeddings: false` keeps embeddings and head in the model's dtype, as
-QLoRA does) and peft's LoRA (models/weights.py); the recipe's `activation_checkpointing` applies, not peft's.
-
-The frozen weights are the same numbers for every micro-batch, so accumulation stays exact. On a CPU bitsandbytes
-0.50 runs both layers in any float dtype (int8 as a dequantised matmul); on CUDA int8 picks its fp16 outlier columns
-from each micro-batch's activations, so a sample's frozen forward depends a little on the samples beside it.
+The frozen weights are the same for every micro-batch, so accumulation stays exact; on CUDA int8 picks its fp16
+outlier columns per micro-batch, so a sample's frozen forward depends a little on the samples beside it.
 """
 
 from __future__ import annotations
@@ -32,16 +22,15 @@ from torch import nn
 
 from ..errors import UserError
 from ..plan.recipe import Recipe
+from .weights import TORCH_DTYPES
 
 EXTRA = "pip install 'reproduce[quantize]'  (bitsandbytes==0.50.2)"
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 NF4_BLOCK = 64  # bitsandbytes' 4-bit block
 
 
 def quiet_bitsandbytes() -> None:
-    """Drop the warning bitsandbytes' CPU backend logs at import when the optional "kernels" package (a faster 4-bit
-    CPU matmul from the Hugging Face hub) is missing: the layers run without it, and a user would read it as a
-    failure. peft imports bitsandbytes too (for its LoRA layers), so this is called before either imports it."""
+    """Drop bitsandbytes' import-time warning that the optional "kernels" package is missing (the layers run
+    without it; a user would read it as a failure); called before bitsandbytes or peft imports it."""
     import logging
 
     cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
@@ -54,7 +43,6 @@ def _no_kernels_notice(record: Any) -> bool:
 
 
 def bitsandbytes() -> Any:
-    """The bitsandbytes module, or one line naming the extra that installs it."""
     quiet_bitsandbytes()
     try:
         import bitsandbytes as bnb
@@ -64,14 +52,13 @@ def bitsandbytes() -> Any:
 
 
 def quantization_config(recipe: Recipe) -> Any:
-    """transformers' BitsAndBytesConfig for the recipe: every setting that matters given, none left to defaults."""
     from transformers import BitsAndBytesConfig
 
     if recipe.model.quantize == "int8":
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0, llm_int8_has_fp16_weight=False)
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quantised(recipe),
-        bnb_4bit_compute_dtype=COMPUTE_DTYPES[recipe.precision], bnb_4bit_quant_storage=torch.uint8,
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=recipe.model.double_quant is not False,
+        bnb_4bit_compute_dtype=TORCH_DTYPES[recipe.precision], bnb_4bit_quant_storage=torch.uint8,
     )
 
 
@@ -85,8 +72,7 @@ def _linear_kinds() -> tuple[type, ...]:
 
 
 def kept_whole(model: nn.Module) -> list[str]:
-    """The linear layers left unquantised: the output head (named lm_head, or sharing its weight with an embedding,
-    as tied heads do), as from_pretrained leaves it (`get_keys_to_not_convert`)."""
+    """The output head (lm_head or head, or tied to an embedding), left unquantised as from_pretrained leaves it."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     return [name for name, module in model.named_modules()
             if isinstance(module, _linear_kinds()) and (name.rsplit(".", 1)[-1] in ("lm_head", "head")
@@ -117,8 +103,8 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
             param = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
         else:
             param = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", blocksize=NF4_BLOCK,
-                                      compress_statistics=double_quantised(recipe), quant_storage=torch.uint8,
-                                      module=new)
+                                      compress_statistics=recipe.model.double_quant is not False,
+                                      quant_storage=torch.uint8, module=new)
         # `.to(device)` quantises (what from_pretrained does); on meta it would not, and `_quantize` gives the
         # packed tensors' shapes and dtypes without data (bitsandbytes registers meta kernels for its ops)
         new.weight = param._quantize(weight.device) if weight.is_meta else param.to(weight.device)
@@ -140,13 +126,8 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
     if not recipe.model.upcast_embeddings:  # QLoRA's qlora.py: embeddings and head back in the model's dtype
         for name, module in model.named_modules():
             if isinstance(module, nn.Embedding) or name in skip:
-                module.to(COMPUTE_DTYPES[recipe.model.dtype])
+                module.to(TORCH_DTYPES[recipe.model.dtype])
     return model
-
-
-def double_quantised(recipe: Recipe) -> bool:
-    """nf4's absmax scales quantised again (model.double_quant; true unless the recipe says false)."""
-    return recipe.model.double_quant is not False
 
 
 def _real_dynamic_map(bnb: Any) -> None:

@@ -1,27 +1,13 @@
-"""Semantic segmentation models from torchvision, randomly initialised (no weights are ever downloaded).
+"""Semantic segmentation models from torchvision, randomly initialised: DeepLabV3 (Chen et al. 2017, arXiv
+1706.05587), FCN (Long et al. 2015) and LR-ASPP (Howard et al. 2019). Each returns `{"out": logits (B, K, H, W)}`,
+with `"aux"` (the FCN head on layer3) for `model.aux_weight`.
 
-`deeplabv3-resnet50` / `deeplabv3-resnet101` (Chen et al. 2017, arXiv 1706.05587), `fcn-resnet50` (Long et al.
-2015, with torchvision's dilated ResNet backbone) and `lraspp-mobilenet-v3-large` (Howard et al. 2019). Each returns
-torchvision's dict: `{"out": logits (B, K, H, W)}`, with `"aux"` (the FCN head on ResNet's layer3) when built with
-`aux_loss=True`, which a recipe asks for with `model.aux_weight`. The logits are upsampled to the input's size.
+`model.output_stride` 8 or 16 dilates ResNet's last stages; DeepLabV3 trains at 16 and evaluates at 8 (sec. 4.1),
+where ASPP's atrous rates double (sec. 3.3). LR-ASPP's MobileNetV3 is fixed at 16.
 
-kwargs (the recipe's `model.kwargs`, and what `build_model` adds from `model.output_stride` and `model.aux_weight`;
-`model.batchnorm` converts the built model's BatchNorm as for every model, models.convert):
-- `num_classes` (default: the data's classes, else 21 as Pascal VOC's);
-- `output_stride`: 8 or 16 (input size / feature size), set by dilating ResNet's last stages
-  (`replace_stride_with_dilation`): [False, True, True] at 8, [False, False, True] at 16. torchvision's builds use
-  8; DeepLabV3 trains at 16 and evaluates at 8 (sec. 4.1, "output_stride = 16 ... 8 for evaluation"), where ASPP's
-  atrous rates double (6, 12, 18 at 16; 12, 24, 36 at 8, sec. 3.3). LR-ASPP's MobileNetV3 is fixed at 16;
-- `aux_loss`: build the auxiliary head (ResNet models; deeplabv3_resnet50 takes no output stride, so the model is
-  assembled from `resnet50(replace_stride_with_dilation=...)` as torchvision assembles it).
-
-`model.backbone_weights`: an ImageNet-pretrained backbone from a file on this machine, loaded into the built-in's
-backbone, as DeepLabV3 and MMSegmentation's configs start: a torchvision ResNet-50/101 state dict, a timm ResNet (its
-names are torchvision's), or an MMSegmentation / MMPretrain checkpoint (the backbone's keys under `backbone.`), a
-prefix every key has dropped. Every tensor of the backbone must come from the file with its shape, else one line
-says what the file is and what fits (MMSegmentation's ResNetV1c has a deep stem, `stem.0` .. `stem.7`, that no
-torchvision ResNet takes); the heads stay at their initialisation and the file's other tensors are named as not
-used (`backbone_report`). `num_batches_tracked` is a counter, not a weight: a file without it leaves the model's.
+`model.backbone_weights`: an ImageNet backbone file (torchvision's or timm's names, or MMSegmentation / MMPretrain's
+under `backbone.`) loaded strictly into the backbone, else one line saying what the file is and what fits; the heads
+stay at their initialisation. A file without `num_batches_tracked` (a counter) leaves the model's.
 """
 
 from __future__ import annotations
@@ -46,7 +32,7 @@ KNOWN = ("num_classes", "output_stride", "aux_loss")
 
 @dataclass(frozen=True)
 class TorchvisionSegmentation(Architecture):
-    """A torchvision segmentation model: `head` "deeplabv3" / "fcn" on a ResNet, or "lraspp" on MobileNetV3."""
+    """`head` "deeplabv3" / "fcn" on a ResNet, or "lraspp" on MobileNetV3."""
 
     head: str = "deeplabv3"
     backbone: str = "resnet50"
@@ -87,8 +73,7 @@ class TorchvisionSegmentation(Architecture):
         return self._resnet_model(settings)
 
     def _resnet_model(self, settings: dict) -> nn.Module:
-        """Assembled as torchvision's `_deeplabv3_resnet` / `_fcn_resnet` do, from a ResNet built with the output
-        stride's dilation, and ASPP's rates for the output stride."""
+        """Assembled as torchvision's `_deeplabv3_resnet` / `_fcn_resnet` do, at the output stride's dilation."""
         import torchvision
         from torchvision.models._utils import IntermediateLayerGetter
         from torchvision.models.segmentation.deeplabv3 import DeepLabHead, DeepLabV3
@@ -106,18 +91,15 @@ class TorchvisionSegmentation(Architecture):
 
 
 class ClassesDiffer(UserError):
-    """A model whose logits are not one channel per class of the data (a UserError: one line, exit 2)."""
+    """A model whose logits are not one channel per class of the data."""
 
 
 PROBE_SIDE = 64  # the side of the image the class check forwards: the channels do not depend on the size
 
 
 def check_output_classes(model: nn.Module, classes: int, crop: tuple[int, int] | None, name: str) -> None:
-    """A segmentation model's logits have one channel per class of the data: else one line now, when the model is
-    built (before `run` writes or removes anything), not a traceback at the first evaluation. Found by a forward of
-    one image: on the meta device (nothing computed) where the model is there, else of a small zero image in eval
-    mode without gradients (its weights, BatchNorm statistics and random state untouched). A model whose forward
-    fails on that image is left to the run (its own error then names it)."""
+    """One line when the model's logits are not one channel per class, found by a forward of one image (on the meta
+    device, or a small zero image in eval mode without gradients); a forward that fails is left to the run."""
     parameter = next(iter(model.parameters()), None)
     if parameter is None:
         return
@@ -143,7 +125,6 @@ def check_output_classes(model: nn.Module, classes: int, crop: tuple[int, int] |
 
 
 def output_of(output: Any) -> Any:
-    """The main logits of a segmentation model's output (torchvision's dict), or the output itself."""
     return output["out"] if isinstance(output, dict) else output
 
 
@@ -188,9 +169,8 @@ def _shown(names: list[str]) -> str:
 
 
 def read_backbone(model: nn.Module, recipe: Recipe, shapes_only: bool = False) -> tuple[dict, str]:
-    """(the backbone's key -> the file's tensor, or its shape when `shapes_only`; the run's line about it): the file
-    of `model.backbone_weights` matched to `model.backbone`, checked strictly: a backbone tensor it lacks, or holds at
-    another shape, is one line saying what the file is."""
+    """(the backbone's key -> the file's tensor, or its shape with `shapes_only`; the run's line about it), checked
+    strictly against `model.backbone`."""
     from .pretrained import read_state_dict
 
     path = recipe.model.backbone_weights
@@ -225,9 +205,7 @@ def read_backbone(model: nn.Module, recipe: Recipe, shapes_only: bool = False) -
 
 
 def _backbone_keys(found: dict, backbone: nn.Module) -> dict[str, str]:
-    """The backbone's state dict key -> the file's key holding it: the file's names, with `backbone.` taken off
-    where the file keeps the backbone under it (MMSeg, MMPretrain, a torchvision segmentation model), and
-    `features.` where the backbone is MobileNet's features (LR-ASPP's)."""
+    """The backbone's key -> the file's, less a `backbone.` (MMSeg, MMPretrain) or MobileNet's `features.` prefix."""
     names = list(found)
     prefix = "backbone." if any(name.startswith("backbone.") for name in names) else ""
     own = set(backbone.state_dict())
@@ -237,8 +215,7 @@ def _backbone_keys(found: dict, backbone: nn.Module) -> dict[str, str]:
 
 
 def _extra(found: dict, keys: dict[str, str], backbone: nn.Module) -> list[str]:
-    """The file's tensors inside the backbone's own modules that the backbone has no place for (a deeper ResNet's
-    extra blocks): the file is of another architecture, not a backbone with a classifier beside it."""
+    """The file's tensors in the backbone's modules with no place in it (a deeper ResNet's extra blocks)."""
     used = set(keys.values())
     prefix = next((key[: -len(own)] for own, key in keys.items()), "")
     modules = {name for name, _ in backbone.named_children()}
@@ -251,8 +228,7 @@ def _built_backbone(recipe: Recipe) -> str:
 
 
 def describe(names: list[str]) -> str:
-    """What a state dict's names say it is: a ResNet of some depth (torchvision's / timm's / MMPretrain's names),
-    MMSeg's ResNetV1c or timm's deep stem, a MobileNet, or its first keys."""
+    """What a state dict's names say it is: a ResNet of some depth, a deep-stem ResNet, a MobileNet, or its keys."""
     plain = [name[len("backbone."):] if name.startswith("backbone.") else name for name in names]
     if any(name.startswith("stem.0.") for name in plain):
         depth = _resnet_depth(plain)
@@ -301,7 +277,6 @@ def _does_not_fit(path: str, name: str, backbone: str, names: list[str], missing
 
 
 def load_backbone(model: nn.Module, recipe: Recipe) -> None:
-    """The backbone file loaded into `model.backbone` (on the meta device only checked)."""
     from .weights import on_meta
 
     state, _ = read_backbone(model, recipe, shapes_only=on_meta())
@@ -311,7 +286,6 @@ def load_backbone(model: nn.Module, recipe: Recipe) -> None:
 
 
 def backbone_report(recipe: Recipe, data_info: dict | None) -> str | None:
-    """The run's line about its backbone file, read on the meta device (shapes only); None without one."""
     if recipe.model.backbone_weights is None:
         return None
     from . import architecture
