@@ -1,9 +1,5 @@
-"""`format: tokens`: a flat binary file of token ids, as nanoGPT's `prepare.py` writes `train.bin` / `val.bin`.
-
-The file is memory-mapped (`numpy.memmap`), never read whole. Sample i is the span of `sequence_length`
-tokens starting at i x sequence_length as input, and the same span shifted by one token as its targets, so
-the samples tile the file without overlap: (tokens - 1) // sequence_length of them. Every target bears loss.
-"""
+"""`format: tokens`: a flat binary file of token ids (nanoGPT's train.bin / val.bin), memory-mapped; sample i is the
+span of `sequence_length` tokens at i x sequence_length, its targets shifted by one: the samples tile the file."""
 
 from __future__ import annotations
 
@@ -24,8 +20,7 @@ DEFAULT_DTYPE = "uint16"  # nanoGPT's choice for GPT-2's 50,257 ids
 class TokenFile(Dataset):
     """Non-overlapping next-token samples cut from a memory-mapped token file."""
 
-    # Slices of the page cache, as nanoGPT reads them: a loader worker would only add copying (bench/README.md:
-    # the loader alone takes over 10x fewer samples/s through a worker), so the default is 0 workers.
+    # slices of the page cache: a worker would only add copying (over 10x fewer samples/s, bench/README.md)
     in_memory = True
 
     def __init__(self, path: Path, sequence_length: int, dtype: str = DEFAULT_DTYPE, field: str = "data.path"):
@@ -48,13 +43,12 @@ class TokenFile(Dataset):
 
     @property
     def memmap(self) -> np.memmap:
-        """Opened on first use in each process (a worker maps the file itself; nothing is copied to it)."""
+        """Opened on first use in each process (a worker maps the file itself)."""
         if self._memmap is None:
             self._memmap = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.tokens,))
         return self._memmap
 
     def with_sequence_length(self, sequence_length: int) -> TokenFile:
-        """The same file cut into samples of another length (a batch phase with its own sequence length)."""
         return TokenFile(self.path, sequence_length, self.dtype.name)
 
     def __getstate__(self) -> dict:
@@ -68,7 +62,6 @@ class TokenFile(Dataset):
         return inputs[0], targets[0]
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The samples of `indices`: one (len(indices), sequence_length + 1) read of the mapped spans."""
         starts = np.asarray(indices, dtype=np.int64) * self.length
         if len(starts) and (starts.min() < 0 or starts.max() >= self.count * self.length):
             raise IndexError(f"sample index out of range for {self.count} samples")
@@ -77,7 +70,6 @@ class TokenFile(Dataset):
         return chunks[:, :-1], chunks[:, 1:]
 
     def target_counts(self, indices: torch.Tensor) -> torch.Tensor:
-        """Every target of a sample bears loss: sequence_length each (known without reading the file)."""
         return torch.full((len(indices),), self.length, dtype=torch.long)
 
 
@@ -85,8 +77,8 @@ MAX_ID_CHUNK = 1 << 26  # token ids read per step of the maximum's pass: 128 MiB
 
 
 def max_token_id(path: Path, dtype: str) -> int:
-    """The largest token id in the file: read once by memory map, in chunks, then cached beside the file
-    (`.NAME.max-id.json`, keyed by its size and modification time; a folder that cannot be written is not cached)."""
+    """The largest token id in the file, read once in chunks and cached beside it (`.NAME.max-id.json`, keyed by
+    size and modification time)."""
     stat = path.stat()
     cache = path.with_name(f".{path.name}.max-id.json")
     key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": dtype}
@@ -107,7 +99,7 @@ def max_token_id(path: Path, dtype: str) -> int:
 
 
 class _PlainData(pickle.Unpickler):
-    """meta.pkl holds plain dicts, strings and numbers: nothing that needs a class, so none is ever loaded."""
+    """meta.pkl holds plain data: no class is ever loaded."""
 
     def find_class(self, module, name):
         raise pickle.UnpicklingError(f"meta.pkl names {module}.{name}; only plain data is read")
@@ -126,7 +118,6 @@ def meta_vocab_size(folder: Path) -> int | None:
 
 
 def build_tokens(recipe: Any) -> dict:
-    """A token file, or a nanoGPT data folder holding train.bin (and val.bin, the evaluation data unless given)."""
     spec, length = recipe.data, recipe.batch.sequence_length
     dtype = spec.dtype or DEFAULT_DTYPE
     train_path, eval_path = Path(spec.path), Path(spec.eval_path) if spec.eval_path is not None else None
