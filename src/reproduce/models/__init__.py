@@ -22,10 +22,10 @@ from ..plan.overlay import variant
 from ..plan.recipe import Recipe, SegmentationData
 from ..plan.weightfiles import WeightsOnDisk
 from . import small
-from .architectures import ARCHITECTURES
+from .architectures import ARCHITECTURES, SEGMENTATION_MODELS
 from .architectures import LOSSES as LOSSES
 from .hf import HFLogits
-from .segmentation import SEGMENTATION_MODELS, check_output_classes
+from .segmentation import check_output_classes
 from .weights import adapt, on_meta, place, weights_of
 
 __all__ = [

@@ -17,7 +17,7 @@ from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import Recipe
 from ..plan.weightfiles import WeightsOnDisk, safetensors_header
-from .architectures import ARCHITECTURES, TransformersModel, needs_transformers
+from .architectures import ARCHITECTURES, needs_transformers
 from .hf import HF_KIND_FOR_TASK, HFLogits
 from .weights import from_pretrained_kwargs, on_meta, quiet
 
@@ -114,7 +114,7 @@ def builtin_from_folder(recipe: Recipe, weights: WeightsOnDisk, data_info: dict 
     recipe's kwargs; a larger `vocab_size` (Alpaca's [PAD]) widens the embeddings (`widen`)."""
     spec = recipe.model
     arch = ARCHITECTURES.get(spec.builtin or "")
-    if not isinstance(arch, TransformersModel):
+    if arch is None or arch.library != "transformers":
         what = f"built-in {spec.builtin}" if spec.builtin else f"factory {spec.factory}"
         raise UserError(f"model.weights: {weights.path} is a Hugging Face folder, whose config.json is a transformers "
                         f"architecture; the {what} is not one: give a state dict file instead (.safetensors, .pt)")
@@ -137,7 +137,7 @@ def builtin_from_folder(recipe: Recipe, weights: WeightsOnDisk, data_info: dict 
 def check_family(builtin: str, weights: WeightsOnDisk) -> None:
     """A folder in place of a transformers built-in holds its family (config model_type), else one line."""
     arch = ARCHITECTURES.get(builtin)
-    if not isinstance(arch, TransformersModel):
+    if arch is None or arch.library != "transformers":
         return
     family = getattr(getattr(needs_transformers(f"{builtin}:"), arch.config_class), "model_type", None)
     theirs = (weights.config or {}).get("model_type")
@@ -149,7 +149,7 @@ def check_family(builtin: str, weights: WeightsOnDisk) -> None:
 
 def folder_inputs(arch: Any, config: dict, kwargs: dict) -> dict:
     """What a built-in whose architecture is a folder's config fixes about its inputs (`model_inputs`)."""
-    if not isinstance(arch, TransformersModel) or arch.kind == "mae":
+    if arch.library != "transformers" or arch.kind == "mae":
         return arch.model_inputs(kwargs)
     context = kwargs.get("block_size") or config.get("n_positions") or config.get("max_position_embeddings")
     fixed = {"inputs": "tokens", "vocab_size": kwargs.get("vocab_size", config.get("vocab_size")),

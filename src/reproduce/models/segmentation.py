@@ -1,6 +1,6 @@
-"""Semantic segmentation models from torchvision, randomly initialised: DeepLabV3 (Chen et al. 2017, arXiv
-1706.05587), FCN (Long et al. 2015) and LR-ASPP (Howard et al. 2019). Each returns `{"out": logits (B, K, H, W)}`,
-with `"aux"` (the FCN head on layer3) for `model.aux_weight`.
+"""The segmentation built-ins (architectures.SEGMENTATION_MODELS): DeepLabV3 (Chen et al. 2017, arXiv 1706.05587),
+FCN (Long et al. 2015) and LR-ASPP (Howard et al. 2019) from torchvision. Each returns `{"out": logits (B, K, H,
+W)}`, with `"aux"` (the FCN head on layer3) for `model.aux_weight`.
 
 `model.output_stride` 8 or 16 dilates ResNet's last stages; DeepLabV3 trains at 16 and evaluates at 8 (sec. 4.1),
 where ASPP's atrous rates double (sec. 3.3). LR-ASPP's MobileNetV3 is fixed at 16.
@@ -13,7 +13,6 @@ stay at their initialisation. A file without `num_batches_tracked` (a counter) l
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,72 +21,7 @@ from torch import nn
 from ..errors import UserError
 from ..plan.recipe import Recipe
 from ..plan.weightfiles import inspect
-from .architectures import IMAGE_CHANNELS, Architecture
-
-VOC_CLASSES = 21  # Pascal VOC 2012: 20 object classes and the background
-DILATION = {8: [False, True, True], 16: [False, False, True]}  # ResNet's layer2..4 dilated instead of strided
-ASPP_RATES = {8: (12, 24, 36), 16: (6, 12, 18)}  # Chen et al. 2017 sec. 3.3
-KNOWN = ("num_classes", "output_stride", "aux_loss")
-
-
-@dataclass(frozen=True)
-class TorchvisionSegmentation(Architecture):
-    """`head` "deeplabv3" / "fcn" on a ResNet, or "lraspp" on MobileNetV3."""
-
-    head: str = "deeplabv3"
-    backbone: str = "resnet50"
-    output_stride: int = 8  # torchvision's own builds
-    aux: bool = True  # whether torchvision has an auxiliary head for it
-
-    def model_inputs(self, kwargs: dict) -> dict:
-        return {"inputs": "images", "channels": IMAGE_CHANNELS, "classes": kwargs.get("num_classes", VOC_CLASSES),
-                "targets": "masks"}
-
-    def settings(self, kwargs: dict, data_info: dict | None = None) -> dict:
-        unknown = sorted(set(kwargs) - set(KNOWN))
-        if unknown:
-            raise UserError(f"model.kwargs: {self.name} has no setting {unknown[0]!r} (it takes {', '.join(KNOWN)})")
-        self.torchvision(data_info)
-        data_info = data_info or {}
-        declared = data_info.get("classes")
-        if kwargs.get("num_classes") and declared and kwargs["num_classes"] != declared:
-            raise UserError(f"model.kwargs.num_classes: {kwargs['num_classes']} output channels, but data.classes is "
-                            f"{declared}: the model predicts one channel per class (remove num_classes)")
-        classes = kwargs.get("num_classes") or declared or VOC_CLASSES
-        stride = kwargs.get("output_stride") or self.output_stride
-        allowed = (16,) if self.head == "lraspp" else tuple(DILATION)
-        if stride not in allowed:
-            raise UserError(f"model.output_stride: {self.name} takes {' or '.join(map(str, allowed))} (got {stride})")
-        aux = bool(kwargs.get("aux_loss"))
-        if aux and not self.aux:
-            raise UserError(f"model.aux_weight: {self.name} has no auxiliary head in torchvision (remove aux_weight)")
-        return {"classes": int(classes), "stride": int(stride), "aux": aux}
-
-    def build(self, kwargs: dict, data_info: dict | None = None) -> nn.Module:
-        settings = self.settings(kwargs, data_info)  # (torchvision imported)
-        from torchvision.models import segmentation
-
-        if self.head == "lraspp":
-            return segmentation.lraspp_mobilenet_v3_large(
-                weights=None, weights_backbone=None, num_classes=settings["classes"])
-        return self._resnet_model(settings)
-
-    def _resnet_model(self, settings: dict) -> nn.Module:
-        """Assembled as torchvision's `_deeplabv3_resnet` / `_fcn_resnet` do, at the output stride's dilation."""
-        import torchvision
-        from torchvision.models._utils import IntermediateLayerGetter
-        from torchvision.models.segmentation.deeplabv3 import DeepLabHead, DeepLabV3
-        from torchvision.models.segmentation.fcn import FCN, FCNHead
-
-        backbone = getattr(torchvision.models, self.backbone)(
-            weights=None, replace_stride_with_dilation=DILATION[settings["stride"]])
-        classes, aux = settings["classes"], settings["aux"]
-        returned = {"layer4": "out", **({"layer3": "aux"} if aux else {})}
-        layers = IntermediateLayerGetter(backbone, return_layers=returned)
-        aux_head = FCNHead(1024, classes) if aux else None
-        if self.head == "fcn":
-            return FCN(layers, FCNHead(2048, classes), aux_head)
-        return DeepLabV3(layers, DeepLabHead(2048, classes, atrous_rates=ASPP_RATES[settings["stride"]]), aux_head)
+from .architectures import SEGMENTATION_MODELS
 
 
 class ClassesDiffer(UserError):
@@ -126,23 +60,6 @@ def check_output_classes(model: nn.Module, classes: int, crop: tuple[int, int] |
 
 def output_of(output: Any) -> Any:
     return output["out"] if isinstance(output, dict) else output
-
-
-SEGMENTATION_MODELS: dict[str, Architecture] = {
-    arch.name: arch
-    for arch in (
-        # Chen et al. 2017 (arXiv 1706.05587) sec. 3.3: ResNet with atrous convolution in block4 and ASPP (a 1x1 and
-        # three 3x3 convolutions at rates 6, 12, 18 for output stride 16, with image-level pooling, 256 filters each,
-        # BatchNorm); torchvision's DeepLabHead. The auxiliary FCN head on layer3 is torchvision's (and MMSeg's), not
-        # the paper's.
-        TorchvisionSegmentation("deeplabv3-resnet50", "DeepLabV3 ResNet-50 (torchvision)"),
-        TorchvisionSegmentation("deeplabv3-resnet101", "DeepLabV3 ResNet-101 (torchvision)", backbone="resnet101"),
-        TorchvisionSegmentation("fcn-resnet50", "FCN ResNet-50, dilated (torchvision)", head="fcn"),
-        # Howard et al. 2019 (arXiv 1905.02244) sec. 6.2: LR-ASPP on MobileNetV3-Large, last block dilated (stride 16).
-        TorchvisionSegmentation("lraspp-mobilenet-v3-large", "LR-ASPP MobileNetV3-Large (torchvision)",
-                                head="lraspp", backbone="mobilenet_v3_large", output_stride=16, aux=False),
-    )
-}
 
 
 # ---- model.backbone_weights -----------------------------------------------------------------------------------------
@@ -277,19 +194,11 @@ def _does_not_fit(path: str, name: str, backbone: str, names: list[str], missing
 
 
 def load_backbone(model: nn.Module, recipe: Recipe) -> None:
+    """The backbone file into `model.backbone` (on the meta device only checked); the run's line about it is the
+    model's `backbone_report`."""
     from .weights import on_meta
 
-    state, _ = read_backbone(model, recipe, shapes_only=on_meta())
+    state, model.backbone_report = read_backbone(model, recipe, shapes_only=on_meta())
     if not on_meta():
         with torch.no_grad():
             model.backbone.load_state_dict(state, strict=False)  # every tensor checked; counters may be absent
-
-
-def backbone_report(recipe: Recipe, data_info: dict | None) -> str | None:
-    if recipe.model.backbone_weights is None:
-        return None
-    from . import architecture
-
-    with torch.device("meta"):
-        model = architecture(recipe, None, data_info)
-    return read_backbone(model, recipe, shapes_only=True)[1]
