@@ -78,8 +78,7 @@ class LazyMicroBatch:
         return targets
 
     def known_count(self) -> int | None:
-        """The targets that bear loss when the dataset counts them without fetching (`target_counts`, or
-        `target_counts_at` with the loader's draws), else None."""
+        """The targets that bear loss, where the dataset counts them without fetching; else None."""
         counts = getattr(self.dataset, "target_counts", None)
         if counts is not None:
             return int(counts(self.indices).sum())

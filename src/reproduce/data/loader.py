@@ -39,8 +39,7 @@ class Failure:
 
 @contextmanager
 def seeded_samples() -> Iterator[Callable[[int, int, int], None]]:
-    """`seed_sample(seed, step, index)` seeds torch, random and numpy before a sample's draws; the process's own
-    generators are restored afterwards."""
+    """`seed_sample(seed, step, index)` seeds torch, random and numpy; the process's generators are restored."""
 
     def seed_sample(seed: int, step: int, index: int) -> None:
         value = (seed * 1_000_003 + (step + 2) * 998_244_353 + index * 2_654_435_761) % (2**63 - 1)
@@ -58,8 +57,7 @@ def seeded_samples() -> Iterator[Callable[[int, int, int], None]]:
 
 
 class MicroBatches(Dataset):
-    """The training set one micro-batch at a time: item `key` is the collated (inputs, targets) of its indices,
-    each item drawn with `seeded_samples`."""
+    """The training set one micro-batch at a time: item `key` is the collated (inputs, targets) of its indices."""
 
     def __init__(self, dataset: Any, seed: int):
         self.dataset, self.seed = dataset, seed
@@ -106,8 +104,7 @@ def _as_is(item: Any) -> Any:
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
-    """Workers leave SIGINT / SIGTERM (sent to the whole process group) to the run, which finishes its step,
-    checkpoints and stops them itself."""
+    """Workers leave SIGINT / SIGTERM to the run, which finishes its step, checkpoints and stops them itself."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
@@ -123,8 +120,7 @@ def make_loader(dataset: Any, keys: Iterable[Key], seed: int, workers: int, pin_
 
 
 class MicroBatchStream:
-    """This rank's micro-batches from `first_step` on, fetched by `workers` processes (0: in this process);
-    after an out-of-memory error the run opens another from the step it redoes."""
+    """This rank's micro-batches from `first_step` on, fetched by `workers` processes (0: in this process)."""
 
     def __init__(self, dataset: Any, windows: Callable[[int], list[torch.Tensor]], first_step: int, end_step: int,
                  *, seed: int, workers: int, pin_memory: bool):
@@ -178,8 +174,7 @@ def default_workers(dataset: Any) -> int:
 
 
 class LoaderWatch:
-    """Warns once when the steps wait for data more than `threshold` of their time, over the steps after the first
-    (which starts the workers), once `minimum_steps` have run."""
+    """Warns once when the steps after the first wait for data more than `threshold` of their time."""
 
     def __init__(self, workers: int, threshold: float = 0.10, minimum_steps: int = 3):
         self.workers, self.threshold, self.minimum_steps = workers, threshold, minimum_steps

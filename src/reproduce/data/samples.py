@@ -108,8 +108,7 @@ def _first_paragraph(docstring: str, limit: int = 400) -> str:
 
 
 def docstring_records(limit: int = 2000) -> list[dict]:
-    """Alpaca records: explain a documented top-level function (its signature as input) or class of the standard
-    library; output: the docstring's first paragraph."""
+    """Alpaca records explaining the standard library's documented functions and classes by their docstrings."""
     records = []
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for path in sorted(stdlib.glob("*.py")):

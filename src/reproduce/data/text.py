@@ -60,8 +60,7 @@ RESPONSE_PREFIX = {"e2e": " "}  # put before the response (gpt2_encode.py encode
 
 
 class TokenisedTexts(Dataset):
-    """Examples as one flat tensor of ids beside a flat mask of the tokens that bear loss: all but the first
-    `prompt_lengths[i]` of example i, or the given `masks`."""
+    """Examples as flat ids beside a flat mask of the tokens that bear loss (after the prompt, or `masks`)."""
 
     in_memory = True  # items are slices of memory: loader workers would only add copying
 
@@ -206,8 +205,7 @@ def check_record(record: Any, path: Path | str, place: str, fields: dict[str, st
 
 def tokenise(tokenizer: Any, prompts: list[str], responses: list[str], max_length: int,
              train_on_inputs: bool = False) -> tuple[TokenisedTexts, dict]:
-    """Alpaca's preprocessing (module docstring; no mask with `train_on_inputs`, Alpaca-LoRA's default); examples
-    of fewer than two tokens left out."""
+    """Alpaca's preprocessing (`train_on_inputs`: no mask, Alpaca-LoRA's default); examples under 2 tokens left out."""
     eos = tokenizer.eos_token or ""
     full = [prompt + response + eos for prompt, response in zip(prompts, responses, strict=True)]
     ids = tokenizer(full, truncation=True, max_length=max_length)["input_ids"]

@@ -10,18 +10,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from ..errors import UserError
+from .builtin import TokenWindows
 
 DEFAULT_DTYPE = "uint16"  # nanoGPT's choice for GPT-2's 50,257 ids
 
 
-class TokenFile(Dataset):
-    """Non-overlapping next-token samples cut from a memory-mapped token file."""
-
-    # slices of the page cache: a worker would only add copying (over 10x fewer samples/s, bench/README.md)
-    in_memory = True
+class TokenFile(TokenWindows):
+    """TokenWindows of a memory-mapped token file: slices of the page cache, which a loader worker would only copy
+    (over 10x fewer samples/s, bench/README.md)."""
 
     def __init__(self, path: Path, sequence_length: int, dtype: str = DEFAULT_DTYPE, field: str = "data.path"):
         self.path, self.length, self.dtype = Path(path), sequence_length, np.dtype(dtype)
@@ -54,9 +52,6 @@ class TokenFile(Dataset):
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_memmap": None}
 
-    def __len__(self) -> int:
-        return self.count
-
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = self.batch(torch.tensor([index]))
         return inputs[0], targets[0]
@@ -69,16 +64,12 @@ class TokenFile(Dataset):
         chunks = torch.from_numpy(spans.astype(np.int64))
         return chunks[:, :-1], chunks[:, 1:]
 
-    def target_counts(self, indices: torch.Tensor) -> torch.Tensor:
-        return torch.full((len(indices),), self.length, dtype=torch.long)
-
 
 MAX_ID_CHUNK = 1 << 26  # token ids read per step of the maximum's pass: 128 MiB of uint16
 
 
 def max_token_id(path: Path, dtype: str) -> int:
-    """The largest token id in the file, read once in chunks and cached beside it (`.NAME.max-id.json`, keyed by
-    size and modification time)."""
+    """The largest token id in the file, cached beside it (`.NAME.max-id.json`, keyed by size and mtime)."""
     stat = path.stat()
     cache = path.with_name(f".{path.name}.max-id.json")
     key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": dtype}

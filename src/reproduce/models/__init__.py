@@ -94,8 +94,7 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
 
 
 def keys_after_conversion(recipe: Recipe, weights: WeightsOnDisk, data_info: dict | None, name: str) -> bool:
-    """Whether the file holds the keys after `model.batchnorm`'s `frozen` / `group` conversion (a model.pt this tool
-    wrote) rather than the published architecture's; checked on the meta device, else one line of mismatches."""
+    """Whether the file holds the keys after `model.batchnorm`'s conversion (a model.pt written by a run)."""
     from .pretrained import check_state_dict_file
 
     with torch.device("meta"):
@@ -190,8 +189,7 @@ def model_inputs(recipe: Recipe) -> dict:
 
 
 def check_context(recipe: Recipe, fixed: dict | None = None) -> None:
-    """The recipe's longest sequence within the model's positions: one line before any data is read (GPT-2 would
-    raise IndexError, LLaMA run past its trained positions silently)."""
+    """The recipe's longest sequence within the model's positions, checked before any data is read."""
     length = recipe.batch.sequence_length or recipe.data.max_length
     context = (model_inputs(recipe) if fixed is None else fixed).get("context")
     if length is None or context is None or length <= context:
@@ -213,16 +211,14 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 
 
 def parameter_counts(recipe: Recipe, data_info: dict | None = None) -> tuple[int, int]:
-    """`count_parameters` of the recipe's model built on the meta device, unquantised (bitsandbytes packs two 4-bit
-    weights in a byte)."""
+    """`count_parameters` of the recipe's model built unquantised on the meta device."""
     plain = variant(recipe, {"model.quantize": None})
     with torch.device("meta"):
         return count_parameters(build_model(plain, data_info))
 
 
 def counted_batchnorm(recipe: Recipe, data_info: dict | None = None) -> int | None:
-    """The BatchNorm layers of a factory model built with `batchnorm: keep` on the meta device; None for others
-    (built-ins are known: plan/batchnorm.py)."""
+    """The BatchNorm layers of a factory model built on the meta device; None for others (plan/batchnorm.py)."""
     if recipe.model.factory is None:
         return None
     kept = variant(recipe, {"model.batchnorm": "keep"})
@@ -236,8 +232,7 @@ def count_batchnorm(model: nn.Module) -> int:
 
 
 def convert(model: nn.Module, mode: str) -> nn.Module:
-    """`model` with every BatchNorm replaced for `mode` "frozen" (its parameters and statistics kept) or "group"
-    (initialised as torchvision does: weight 1, bias 0); other modes return it unchanged."""
+    """`model` with every BatchNorm frozen (its parameters and statistics kept) or a fresh GroupNorm, by `mode`."""
     if mode not in ("frozen", "group"):
         return model
     if not isinstance(model, BATCHNORM):

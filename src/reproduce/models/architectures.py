@@ -212,8 +212,7 @@ def needs_transformers(who: str) -> Any:
 
 
 class PretrainingOutput(HFLogits):
-    """A model whose loss takes its own pre-training output: ViTMAE's (`mae-masked-pixel-mse`), or BERT's masked-LM
-    and next-sentence logits from data.pairs' dict of inputs (`bert-mlm-nsp`)."""
+    """A model whose loss takes its own pre-training output: ViTMAE's, or BERT's masked-LM and next-sentence logits."""
 
     def forward(self, inputs: Any) -> Any:
         if self.kind == "mae":

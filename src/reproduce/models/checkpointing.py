@@ -30,8 +30,7 @@ HF_KWARGS = {"use_reentrant": False, "context_fn": lambda: contexts()}
 
 
 def enable(model: nn.Module, name: str, selective: bool = False) -> int:
-    """Checkpoint `model` per block; the number of blocks. `selective`: the blocks keep their matrix products'
-    outputs and recompute only the ops between them (`saved_ops`)."""
+    """Checkpoint `model` per block (`selective`: keeping `saved_ops`' outputs); the number of blocks."""
     pretrained = _transformers_models(model)
     kwargs = {**HF_KWARGS, "context_fn": lambda: contexts(selective=True)} if selective else HF_KWARGS
     for module in model.modules():
@@ -150,8 +149,7 @@ def _recomputing(module: nn.Module) -> Iterator[None]:
 
 
 def _matmuls_saved(ctx, op, *args, **kwargs):
-    """Selective checkpointing's policy (torchtitan's per-op one): keep the matrix products' and attention's
-    outputs, recompute the cheap ops between them."""
+    """Selective checkpointing's policy (torchtitan's): keep matmuls' and attention's outputs, recompute the rest."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     return CheckpointPolicy.MUST_SAVE if op in saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE

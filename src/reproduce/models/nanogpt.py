@@ -119,8 +119,7 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def get_num_params(self, non_embedding: bool = True) -> int:
-        """Parameters as nanoGPT prints them: the tied embedding once, the position embeddings left out unless
-        `non_embedding=False`."""
+        """Parameters as nanoGPT prints them: without the position embeddings unless `non_embedding=False`."""
         total = sum(p.numel() for p in self.parameters())
         return total - self.transformer.wpe.weight.numel() if non_embedding else total
 
@@ -136,8 +135,7 @@ class GPT(nn.Module):
 
 
 def sample_checkpoint(state: dict, config: GPTConfig, dataset: str | None = None) -> dict:
-    """What nanoGPT's `sample.py` reads from ckpt.pt (init_from='resume'); `dataset` names where its meta.pkl is
-    (without one it encodes with GPT-2's BPE)."""
+    """What nanoGPT's `sample.py` reads from ckpt.pt; `dataset` names where its meta.pkl is (else GPT-2's BPE)."""
     checkpoint = {"model_args": asdict(config), "model": state, "iter_num": 0, "best_val_loss": float("nan")}
     checkpoint["config"] = {"dataset": dataset} if dataset else {}
     return checkpoint

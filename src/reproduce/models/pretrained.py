@@ -27,8 +27,7 @@ SHOWN = 3  # mismatched keys named in a message
 
 def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overrides: dict | None = None,
                 new_head: bool = False) -> nn.Module:
-    """The transformers model of `folder` (its config only on the meta device); weights it lacks are refused but
-    for a `new_head` (a classifier put on a language model)."""
+    """The transformers model of `folder` (config only on meta); missing weights refused but for a `new_head`."""
     transformers = needs_transformers(f"{field}:")
     auto = getattr(transformers, auto_class)
     overrides = dict(overrides or {})
@@ -110,8 +109,7 @@ def load_hf_model(recipe: Recipe, data_info: dict | None, weights: WeightsOnDisk
 
 
 def builtin_from_folder(recipe: Recipe, weights: WeightsOnDisk, data_info: dict | None) -> nn.Module:
-    """A transformers built-in (`llama-7b`) whose architecture is the weights folder's config, changed by the
-    recipe's kwargs; a larger `vocab_size` (Alpaca's [PAD]) widens the embeddings (`widen`)."""
+    """A transformers built-in of the weights folder's config, with the recipe's kwargs (`vocab_size`: `widen`)."""
     spec = recipe.model
     arch = ARCHITECTURES.get(spec.builtin or "")
     if arch is None or arch.library != "transformers":
@@ -176,8 +174,7 @@ def widen(model: nn.Module, vocab: int, weights: WeightsOnDisk) -> None:
 
 
 def read_state_dict(weights: WeightsOnDisk, shapes_only: bool, field: str = "model.weights") -> dict[str, Any]:
-    """The file's tensors (or shapes) by name, a checkpoint's state dict taken out of it and a common prefix
-    dropped."""
+    """The file's tensors (or shapes) by name: a checkpoint's state dict, a common prefix dropped."""
     path = weights.files[0]
     if path.suffix == ".safetensors":
         if shapes_only:

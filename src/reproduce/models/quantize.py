@@ -29,8 +29,7 @@ NF4_BLOCK = 64  # bitsandbytes' 4-bit block
 
 
 def quiet_bitsandbytes() -> None:
-    """Drop bitsandbytes' import-time warning that the optional "kernels" package is missing (the layers run
-    without it; a user would read it as a failure); called before bitsandbytes or peft imports it."""
+    """Drop bitsandbytes' import-time warning that the optional "kernels" package is missing (it is optional)."""
     import logging
 
     cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
@@ -167,8 +166,7 @@ def _nf4_state_in_place(module: nn.Module, state_dict: dict, prefix: str, *args:
 
 
 def quantized_states(model: nn.Module) -> list[tuple[nn.Module, Any]]:
-    """Each bitsandbytes layer with what it keeps outside its parameters (int8: the row scales; nf4: the
-    quantisation state), taken before `to_empty` replaces its weight (see `materialize_quantized`)."""
+    """Each bitsandbytes layer with its scales or quantisation state, taken before `to_empty` replaces its weight."""
     bnb = sys.modules.get("bitsandbytes")  # not imported: nothing was quantised
     if bnb is None:
         return []

@@ -86,8 +86,7 @@ def _shown(names: list[str]) -> str:
 
 
 def read_backbone(model: nn.Module, recipe: Recipe, shapes_only: bool = False) -> tuple[dict, str]:
-    """(the backbone's key -> the file's tensor, or its shape with `shapes_only`; the run's line about it), checked
-    strictly against `model.backbone`."""
+    """(the backbone's key -> the file's tensor or shape, the run's line), checked strictly against the backbone."""
     from .pretrained import read_state_dict
 
     path = recipe.model.backbone_weights

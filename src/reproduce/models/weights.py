@@ -199,8 +199,7 @@ def save_adapter(model: nn.Module, folder: Path, recipe: Recipe, state: dict | N
 
 
 def write_adapter(model: Any, folder: Path, wrapper: str, state: dict | None = None) -> None:
-    """What peft's save_pretrained writes, the keys under `wrapper` moved up to base_model.model. (save_pretrained
-    finds the adapters in a state_dict by the model's own module names.)"""
+    """What peft's save_pretrained writes, the keys under `wrapper` moved up to base_model.model."""
     from peft.utils import SAFETENSORS_WEIGHTS_NAME, get_peft_model_state_dict
     from safetensors.torch import save_file
 
