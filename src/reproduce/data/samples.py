@@ -102,11 +102,6 @@ def write_tokens(folder: Path, max_bytes: int = MAX_BYTES, tokenizer: Path | Non
     return {"train": str(folder / "train.bin"), "val": str(folder / "val.bin"), "tokens": counts, **made}
 
 
-def _first_paragraph(docstring: str, limit: int = 400) -> str:
-    paragraph = inspect.cleandoc(docstring).split("\n\n")[0].strip()
-    return paragraph[:limit]
-
-
 def docstring_records(limit: int = 2000) -> list[dict]:
     """Alpaca records explaining the standard library's documented functions and classes by their docstrings."""
     records = []
@@ -122,7 +117,7 @@ def docstring_records(limit: int = 2000) -> list[dict]:
             if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name.startswith("_"):
                 continue
             docstring = ast.get_docstring(node)
-            output = _first_paragraph(docstring) if docstring else ""
+            output = inspect.cleandoc(docstring).split("\n\n")[0].strip()[:400] if docstring else ""
             if len(output) < MIN_RESPONSE_CHARACTERS:
                 continue
             kind = "function" if isinstance(node, ast.FunctionDef) else "class"
@@ -194,14 +189,11 @@ def voc_palette() -> list[int]:
     """Pascal VOC's colour map (the class id's bits interleaved); 255 is VOC's border colour."""
     palette = []
     for index in range(256):
-        red = green = blue = 0
-        value = index
+        colour = [0, 0, 0]
         for bit in range(8):
-            red |= ((value >> 0) & 1) << (7 - bit)
-            green |= ((value >> 1) & 1) << (7 - bit)
-            blue |= ((value >> 2) & 1) << (7 - bit)
-            value >>= 3
-        palette += [red, green, blue]
+            for channel in range(3):
+                colour[channel] |= ((index >> (3 * bit + channel)) & 1) << (7 - bit)
+        palette += colour
     palette[IGNORE * 3:IGNORE * 3 + 3] = [224, 224, 192]
     return palette
 

@@ -169,14 +169,6 @@ def _pair(image: Path, mask: Path) -> Pair:
     return Pair(image, mask, height, width)
 
 
-def _image_of(folder: Path, stem: str) -> Path | None:
-    for suffix in IMAGE_SUFFIXES:
-        for candidate in (folder / f"{stem}{suffix}", folder / f"{stem}{suffix.upper()}"):
-            if candidate.is_file():
-                return candidate
-    return None
-
-
 def voc_pairs(root: Path, split: str, masks: str = VOC_MASKS) -> list[Pair]:
     listing = root / VOC_LISTS / f"{split}.txt"
     if not listing.is_file():
@@ -188,7 +180,8 @@ def voc_pairs(root: Path, split: str, masks: str = VOC_MASKS) -> list[Pair]:
         raise UserError(f"{listing}: an empty list; expected the split's image ids, one a line")
     pairs = []
     for name in ids:
-        image = _image_of(root / "JPEGImages", name)
+        paths = [root / "JPEGImages" / f"{name}{suffix}" for ext in IMAGE_SUFFIXES for suffix in (ext, ext.upper())]
+        image = next((path for path in paths if path.is_file()), None)
         mask = root / masks / f"{name}{MASK_SUFFIX}"
         if image is None:
             raise UserError(f"{listing}: image id {name!r} has no image JPEGImages/{name}.jpg"

@@ -141,13 +141,6 @@ def sample_checkpoint(state: dict, config: GPTConfig, dataset: str | None = None
     return checkpoint
 
 
-def config_from_state(state: dict, dropout: float = 0.0) -> GPTConfig:
-    vocab, width = state["transformer.wte.weight"].shape
-    layers = 1 + max(int(key.split(".")[2]) for key in state if key.startswith("transformer.h."))
-    return GPTConfig(block_size=state["transformer.wpe.weight"].shape[0], vocab_size=vocab, n_layer=layers,
-                     n_head=0, n_embd=width, dropout=dropout, bias="transformer.ln_f.bias" in state)
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python -m reproduce.models.nanogpt RUN_DIR OUT_DIR --n-head H [--dataset NAME]`: a run's model.pt as the
     ckpt.pt of nanoGPT's sample.py (`python sample.py --out_dir=OUT_DIR`, from nanoGPT's folder)."""
@@ -166,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {source}: not a nanogpt model's state (no transformer.wte.weight / lm_head.weight)",
               file=sys.stderr)
         return 2
-    config = config_from_state(state)
-    config = GPTConfig(**{**asdict(config), "n_head": args.n_head})
+    vocab, width = state["transformer.wte.weight"].shape  # the config from the shapes
+    layers = 1 + max(int(key.split(".")[2]) for key in state if key.startswith("transformer.h."))
+    config = GPTConfig(block_size=state["transformer.wpe.weight"].shape[0], vocab_size=vocab, n_layer=layers,
+                       n_head=args.n_head, n_embd=width, dropout=0.0, bias="transformer.ln_f.bias" in state)
     target = args.out / "ckpt.pt"
     if target.exists():
         print(f"error: {target} exists; choose another folder", file=sys.stderr)

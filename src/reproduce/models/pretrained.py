@@ -231,11 +231,6 @@ def _torch_load(path: Path, field: str = "model.weights") -> Any:
         raise UserError(f"{field}: {path}: not a torch file ({said})") from None
 
 
-def _targets(model: nn.Module) -> list[nn.Module]:
-    inner = getattr(model, "model", None)
-    return [inner, model] if isinstance(model, HFLogits) and isinstance(inner, nn.Module) else [model]
-
-
 def mismatches(module: nn.Module, shapes: dict[str, torch.Size]) -> tuple[list[str], list[str], list[str]]:
     """(missing, unexpected, other shape) against `module`'s state dict; a tied parameter by any of its names."""
     expected = {key: value.shape for key, value in module.state_dict(keep_vars=True).items()}
@@ -253,7 +248,9 @@ def mismatches(module: nn.Module, shapes: dict[str, torch.Size]) -> tuple[list[s
 def check_state_dict_file(model: nn.Module, weights: WeightsOnDisk, name: str) -> nn.Module:
     """The module of `model` the file loads into, every key and shape checked: else one line with counts."""
     shapes = read_state_dict(weights, shapes_only=True)
-    found = [(target, mismatches(target, shapes)) for target in _targets(model)]
+    inner = getattr(model, "model", None)  # a wrapper's transformers model (its own names), or the model itself
+    targets = [inner, model] if isinstance(model, HFLogits) and isinstance(inner, nn.Module) else [model]
+    found = [(target, mismatches(target, shapes)) for target in targets]
     target, (missing, unexpected, other) = min(found, key=lambda item: sum(map(len, item[1])))
     if missing or unexpected or other:
         parts = [_counted(missing, "missing", ", "), _counted(unexpected, "unexpected", ", "),

@@ -105,8 +105,8 @@ def read_backbone(model: nn.Module, recipe: Recipe, shapes_only: bool = False) -
     other = [key for key in expected if key in keys and tuple(found[keys[key]]) != tuple(expected[key])]
     extra = _extra(found, keys, backbone)
     if missing or other or extra:
-        raise UserError(_does_not_fit(path, name, _built_backbone(recipe), list(found), missing, other, extra, keys,
-                                      found, expected))
+        built = getattr(SEGMENTATION_MODELS.get(recipe.model.builtin or ""), "backbone", "")
+        raise UserError(_does_not_fit(path, name, built, list(found), missing, other, extra, keys, found, expected))
     state = found if shapes_only else read_state_dict(weights, shapes_only=False, field=FIELD)
     used = {keys[key] for key in expected if key in keys}
     left = {head: count for head, module in model.named_children()  # the heads, left at their initialisation
@@ -137,10 +137,6 @@ def _extra(found: dict, keys: dict[str, str], backbone: nn.Module) -> list[str]:
     modules = {name for name, _ in backbone.named_children()}
     return [key for key in found if key not in used and key.startswith(prefix)
             and key[len(prefix):].split(".", 1)[0] in modules]
-
-
-def _built_backbone(recipe: Recipe) -> str:
-    return getattr(SEGMENTATION_MODELS.get(recipe.model.builtin or ""), "backbone", "")
 
 
 def describe(names: list[str]) -> str:

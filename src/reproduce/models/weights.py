@@ -192,9 +192,7 @@ def save_adapter(model: nn.Module, folder: Path, recipe: Recipe, state: dict | N
             write_adapter(peft, folder, PEFT_PREFIX + inner + ".", state)
     finally:
         config.base_model_name_or_path, config.task_type = before
-    tokenizer = data_tokenizer(recipe)  # the data's tokenizer beside the adapters: AutoTokenizer reads adapter/
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(folder))
+    save_tokenizer(recipe, folder)  # AutoTokenizer reads adapter/
     return True
 
 
@@ -235,17 +233,16 @@ def save_merged(model: nn.Module, folder: Path, recipe: Recipe, adapter: Path) -
 
     with quiet(sys.modules["transformers"]):  # (its progress bar of the shards it writes)
         hf_model.save_pretrained(str(folder))
-    tokenizer = data_tokenizer(recipe)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(folder))
+    save_tokenizer(recipe, folder)
 
 
-def data_tokenizer(recipe: Recipe) -> Any:
+def save_tokenizer(recipe: Recipe, folder: Path) -> None:
+    """The tokenizer the run's text data was tokenised with, saved in `folder` (none for data of no tokenizer)."""
     if not recipe.data.text_columns:
-        return None
+        return
     from ..data.text import load_tokenizer, tokenizer_name
 
     try:
-        return load_tokenizer(*tokenizer_name(recipe))
+        load_tokenizer(*tokenizer_name(recipe)).save_pretrained(str(folder))
     except UserError:
-        return None
+        return
