@@ -1,13 +1,8 @@
-"""BERT's pre-training data: sentence pairs with masked tokens and the next-sentence label, made as
-google-research/bert's create_pretraining_data.py makes them (Devlin et al. 2019, sec. 3.1 and A.1): chunks of
-whole sentences of about `sequence_length - 3` tokens (shorter with `short_seq_prob`), sentence B a random
-document's span half the time (NotNext), the pair trimmed at random ends, 15% of the tokens chosen (80% [MASK], 10%
-random, 10% kept); static masking, `dupe_factor` times. Items: inputs `{"input_ids", "token_type_ids",
-"attention_mask"}`, targets the masked-LM labels then the next-sentence label (`bert-mlm-nsp`).
-
-`pysource-pairs`: the standard library's sources as documents, their non-blank lines as sentences, byte ids with
-[PAD] 256, [CLS] 257, [SEP] 258, [MASK] 259. `text-pairs`: a text file in BERT's layout (a sentence a line, a blank
-line between documents) with a local tokenizer that has [CLS], [SEP], [MASK] and [PAD].
+"""BERT's pre-training data, made as google-research/bert's create_pretraining_data.py makes it (Devlin et al. 2019,
+sec. 3.1 and A.1): sentence pairs (B a random document's span half the time: NotNext) with 15% of the tokens masked
+statically (80% [MASK], 10% random, 10% kept). Targets: the masked-LM labels, then the next-sentence label.
+`pysource-pairs`: the standard library's sources, a line a sentence, byte ids; `text-pairs`: a text file in BERT's
+layout with a local tokenizer.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """`format: segmentation`: images with a mask of class ids each, in Pascal VOC's layout, images/ and masks/, or
 Cityscapes' (its labelTrainIds masks), found from the folder unless `data.layout` says (docs/segmentation.md).
 
-Training samples are cut as DeepLabV3 and MMSegmentation cut them: a random rescale in `data.scale`, ImageNet
-normalisation, padding to the crop with `data.pad`, a random crop of `data.crop` and a flip half the time;
-evaluation images are only normalised. The draws come from the loader's per-sample seed (data.loader), so a sample's
-valid pixels can be counted from its mask alone (`target_counts_at`). Every file is checked when the data is built.
+Training samples are cut as DeepLabV3 and MMSegmentation cut them (rescale, normalise, pad, crop, flip), with the
+loader's per-sample draws, so a sample's valid pixels are counted from its mask alone (`target_counts_at`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Text to train on (`format: instructions`, `format: chat`, hf-datasets' text), tokenised once with a local
 tokenizer, truncated to `data.max_length`.
 
-Instructions follow Alpaca's `train.py`: template + output + EOS tokenised, the prompt's tokens -100, so the loss and
-the window's count are over the response only; plain text bears loss on every token. A conversation (OpenAI's
-`messages` or ShareGPT's `conversations`) is rendered by the tokenizer's chat template, the loss on the assistant
-turns (or every token with `train_on_inputs`). Each example's loss-bearing count is kept (`target_counts`).
+Instructions follow Alpaca's `train.py`: template + output + EOS, the prompt's tokens -100, so the loss and its count
+are over the response only. A conversation is rendered by the tokenizer's chat template, the loss on the assistant
+turns.
 """
 
 from __future__ import annotations

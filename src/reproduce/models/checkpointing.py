@@ -1,13 +1,10 @@
 """What a step keeps of its activations, set on the model's instance (module tree and state dict unchanged).
 
-`model.activation_checkpointing`: each block keeps only its input, and backward recomputes it: transformers models
-through their own gradient checkpointing; the built-in GPT's blocks, torchvision's residual and ViT blocks and a
-factory's `_no_split_modules` through `torch.utils.checkpoint` (`use_reentrant=False`, the RNG state preserved);
-the built-in MLP and CNN per weight layer. BatchNorm in a recomputed block updates its statistics once.
-
-`model.offload_activations`: what forward saves for backward goes to CPU memory and back (`saved_tensors_hooks`;
-parameters stay, as torchtune's OffloadActivations skips them). `model.loss_chunks`: the head (`lm_head` or `head`)
-becomes the identity and train/chunked_loss.py applies it chunk by chunk, so the logits never exist whole.
+`model.activation_checkpointing`: each block keeps only its input, and backward recomputes it (transformers' own
+gradient checkpointing, else `torch.utils.checkpoint` per block, or per weight layer for the MLP and CNN); BatchNorm
+updates its statistics once. `model.offload_activations`: what forward saves goes to CPU memory and back
+(parameters stay, as in torchtune). `model.loss_chunks`: the head becomes the identity and train/chunked_loss.py
+applies it chunk by chunk, so the logits never exist whole.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -98,35 +95,27 @@ def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
     names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or ())
+    return _outermost(model, lambda child: isinstance(child, types_) or type(child).__name__ in names)
+
+
+def _outermost(module: nn.Module, matches: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """The outermost modules below `module` that match, in order."""
     found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if isinstance(child, types_) or type(child).__name__ in names:
-                found.append(child)
-            else:
-                visit(child)
-
-    visit(model)
+    for child in module.children():
+        found += [child] if matches(child) else _outermost(child, matches)
     return found
 
 
 def _transformers_models(model: nn.Module) -> list[nn.Module]:
-    """The outermost transformers `PreTrainedModel`s inside `model` (HFLogits holds one; peft wraps one)."""
+    """The outermost transformers `PreTrainedModel`s in `model` (HFLogits holds one; peft wraps one)."""
     modeling = sys.modules.get("transformers.modeling_utils")
     if modeling is None:
         return []
-    found: list[nn.Module] = []
 
-    def visit(module: nn.Module) -> None:
-        if isinstance(module, modeling.PreTrainedModel) and module.supports_gradient_checkpointing:
-            found.append(module)
-            return
-        for child in module.children():
-            visit(child)
+    def matches(module: nn.Module) -> bool:
+        return isinstance(module, modeling.PreTrainedModel) and module.supports_gradient_checkpointing
 
-    visit(model)
-    return found
+    return [model] if matches(model) else _outermost(model, matches)
 
 
 @contextlib.contextmanager

@@ -1,13 +1,9 @@
 """A quantised frozen base (`model.quantize: int8 | nf4`): bitsandbytes' 8-bit or 4-bit linear layers under LoRA.
 
-transformers' `BitsAndBytesConfig`, every setting explicit: int8 is LLM.int8() (Dettmers et al. 2022, arXiv
-2208.07339, threshold 6.0); nf4 is QLoRA's (Dettmers et al. 2023, arXiv 2305.14314: blocks of 64, `model.double_quant`)
-computing in the recipe's precision. Quantised in memory as `from_pretrained` does (`replace_with_bnb_linear`, all
-but the output head), so built-ins, factories and weights from disk are served alike, and on the meta device the
-packed weights have their true sizes. Then peft's `prepare_model_for_kbit_training` and LoRA (models/weights.py).
-
-The frozen weights are the same for every micro-batch, so accumulation stays exact; on CUDA int8 picks its fp16
-outlier columns per micro-batch, so a sample's frozen forward depends a little on the samples beside it.
+int8 is LLM.int8() (Dettmers et al. 2022, arXiv 2208.07339), nf4 QLoRA's (Dettmers et al. 2023, arXiv 2305.14314),
+every BitsAndBytesConfig setting explicit; quantised in memory as `from_pretrained` does, all but the output head (on
+the meta device at their true sizes). The frozen weights are the same for every micro-batch, so accumulation stays
+exact; on CUDA int8 picks its outlier columns per micro-batch, so a sample's forward depends a little on the others.
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 FCN (Long et al. 2015) and LR-ASPP (Howard et al. 2019) from torchvision. Each returns `{"out": logits (B, K, H,
 W)}`, with `"aux"` (the FCN head on layer3) for `model.aux_weight`.
 
-`model.output_stride` 8 or 16 dilates ResNet's last stages; DeepLabV3 trains at 16 and evaluates at 8 (sec. 4.1),
-where ASPP's atrous rates double (sec. 3.3). LR-ASPP's MobileNetV3 is fixed at 16.
+`model.output_stride` 8 or 16 dilates ResNet's last stages (DeepLabV3 trains at 16, evaluates at 8: sec. 4.1).
 
-`model.backbone_weights`: an ImageNet backbone file (torchvision's or timm's names, or MMSegmentation / MMPretrain's
-under `backbone.`) loaded strictly into the backbone, else one line saying what the file is and what fits; the heads
-stay at their initialisation. A file without `num_batches_tracked` (a counter) leaves the model's.
+`model.backbone_weights`: an ImageNet backbone file (torchvision's, timm's or MMSegmentation's names) loaded strictly
+into the backbone, else one line saying what the file is and what fits; the heads stay at their initialisation.
 """
 
 from __future__ import annotations

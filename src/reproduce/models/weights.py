@@ -1,9 +1,8 @@
 """How a model's weights are stored (`model.dtype`), which train (`model.lora`, peft), and the trained model as
 its users load it: `adapter/` (peft's folder, with the data's tokenizer) and, with `--merged`, `merged/`.
 
-A transformers model in bf16/fp16 keeps what `from_pretrained(dtype=...)` keeps: `_keep_in_fp32_modules` and its
-buffers (the rotary `inv_freq` rounded to bf16 would be 2.5 rad off at LLaMA's position 2047). On a quantised base
-the adapters merge into the base's folder read again unquantised, as Alpaca-LoRA's `export_hf_checkpoint.py` does.
+A transformers model in bf16/fp16 keeps what `from_pretrained(dtype=...)` keeps in float32 (the rotary `inv_freq`
+in bf16 would be 2.5 rad off at LLaMA's position 2047).
 """
 
 from __future__ import annotations
