@@ -242,7 +242,6 @@ def find_layout(root: Path, field: str, masks: str = VOC_MASKS) -> str:
 
 
 def cityscapes_files(root: Path, split: str) -> list[tuple[Path, Path]]:
-    """The (image, labelTrainIds mask) paths of one split."""
     folder = root / CITY_IMAGES / split
     if not folder.is_dir():
         present = sorted(p.name for p in (root / CITY_IMAGES).iterdir() if p.is_dir())

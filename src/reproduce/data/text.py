@@ -302,7 +302,6 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 
 
 def messages_of(record: Any, path: Path, place: str) -> list[dict]:
-    """The record's turns as [{"role", "content"}], checked."""
     if not isinstance(record, dict) or not isinstance(record.get("messages", record.get("conversations")), list):
         raise UserError(f"{path}: {place}: expected an object with a list of messages ({{\"messages\": [{{\"role\": "
                         "\"user\", \"content\": ...}, ...]}, or ShareGPT's \"conversations\" of from / value)")

@@ -238,18 +238,14 @@ _NANOGPT_NAMES = {"dropout": _GPT2_DROPOUT, "block_size": ("n_positions",)}  # n
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
     for arch in (
-        # He et al. 2016 (arXiv 1512.03385), Table 1. torchvision's stride 2 is on the 3x3 convolution (ResNet v1.5,
-        # as Goyal et al. 2017 trained); Goyal et al.'s zero-initialised last BN gamma is not applied.
+        # He et al. 2016 (arXiv 1512.03385), as ResNet v1.5 (Goyal et al. 2017) without its zero-initialised gammas.
         Architecture("resnet50", "ResNet-50 (torchvision)", "torchvision", function="resnet50"),
-        # Dosovitskiy et al. 2021 (arXiv 2010.11929), Table 1: ViT-Base/16 at 224; pre-training head with one hidden
-        # layer (sec. 3.1: representation_size 768), dropout 0.1 (App. B.1).
+        # Dosovitskiy et al. 2021 (arXiv 2010.11929), Table 1; pre-training head (sec. 3.1), dropout (App. B.1).
         Architecture("vit-b16", "ViT-B/16 (torchvision)", "torchvision", function="vit_b_16", image_size=224,
                      defaults={"representation_size": 768, "dropout": 0.1}),
-        # Touvron et al. 2021 (arXiv 2012.12877), Table 1: ViT-B/16, linear head, no dropout; its drop-path 0.1 is
-        # not in torchvision's ViT (left out).
+        # Touvron et al. 2021 (arXiv 2012.12877), Table 1; its drop-path 0.1 is not in torchvision's ViT (left out).
         Architecture("deit-b", "DeiT-B = ViT-B/16 (torchvision)", "torchvision", function="vit_b_16", image_size=224),
-        # He et al. 2022 (arXiv 2111.06377); facebookresearch/mae @ efb2a80 mae_vit_large_patch16_dec512d8b;
-        # PRETRAIN.md: --mask_ratio 0.75 --norm_pix_loss.
+        # He et al. 2022 (arXiv 2111.06377); facebookresearch/mae @ efb2a80 mae_vit_large_patch16_dec512d8b, PRETRAIN.md
         Architecture(
             "mae-vit-large-patch16", "MAE ViT-L/16 encoder + 8-block decoder (transformers ViTMAE)", "transformers",
             config_class="ViTMAEConfig", auto_class="AutoModelForPreTraining", kind="mae",
@@ -260,8 +256,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                 "mask_ratio": 0.75, "norm_pix_loss": True,
             },
         ),
-        # nanoGPT's model.py GPT (karpathy/nanoGPT @ 3adf61e): GPT-2 124M's shape, vocabulary padded to 50304,
-        # train.py's bias=False and dropout 0; nanoGPT prints it as 123.59M parameters (no position embeddings).
+        # karpathy/nanoGPT @ 3adf61e model.py, train.py's bias=False: nanoGPT prints it as 123.59M parameters.
         Architecture("nanogpt", "nanoGPT's GPT (reproduce.models.nanogpt, nanoGPT's state_dict names)", "nanogpt",
                      config={"bias": False}),
         # GPT-2 124M as nanoGPT (@ 3adf61e config/train_gpt2.py) and llm.c train it: no dropout, vocabulary padded
@@ -292,8 +287,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             config={"vocab_size": 65, "n_positions": 256, "n_embd": 384, "n_layer": 6, "n_head": 6,
                     "bos_token_id": None, "eos_token_id": None, **dict.fromkeys(_GPT2_DROPOUT, 0.2)},
         ),
-        # Devlin et al. 2019 (arXiv 1810.04805) sec. 3; google-research/bert @ eedf571 bert_config.json of
-        # uncased_L-12_H-768_A-12; with both pre-training heads (sec. 3.1, A.1: masked LM and next sentence).
+        # Devlin et al. 2019 (arXiv 1810.04805) sec. 3, A.1; google-research/bert @ eedf571 uncased_L-12_H-768_A-12.
         Architecture(
             "bert-base", "BERT-base, masked-LM + next-sentence heads (transformers BertForPreTraining)", "transformers",
             config_class="BertConfig", auto_class="AutoModelForPreTraining", kind="pretraining",
@@ -329,8 +323,7 @@ ARCHITECTURES: dict[str, Architecture] = {
 SEGMENTATION_MODELS: dict[str, Architecture] = {
     arch.name: arch
     for arch in (
-        # Chen et al. 2017 (arXiv 1706.05587) sec. 3.3: atrous ResNet and ASPP (torchvision's DeepLabHead); the
-        # auxiliary FCN head on layer3 is torchvision's (and MMSeg's), not the paper's.
+        # Chen et al. 2017 (arXiv 1706.05587) sec. 3.3; the auxiliary FCN head is torchvision's, not the paper's.
         Architecture("deeplabv3-resnet50", "DeepLabV3 ResNet-50 (torchvision)", "segmentation"),
         Architecture("deeplabv3-resnet101", "DeepLabV3 ResNet-101 (torchvision)", "segmentation", backbone="resnet101"),
         Architecture("fcn-resnet50", "FCN ResNet-50, dilated (torchvision)", "segmentation", head="fcn"),

@@ -35,8 +35,7 @@ def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overr
         if on_meta():
             config, unused = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True,
                                                                      return_unused_kwargs=True, **overrides)
-            # in the dtype the run loads it in (config.json's torch_dtype would otherwise decide on meta: a bf16
-            # folder built in bf16 for an fp32 run halves the estimate's weights, gradients and states)
+            # in the run's dtype, not config.json's (a bf16 folder in an fp32 run would halve the estimate)
             return auto.from_config(config, **from_pretrained_kwargs(recipe), **unused)
         with warnings.catch_warnings(), quiet(transformers):
             warnings.simplefilter("ignore", UserWarning)
@@ -86,8 +85,7 @@ def load_hf_model(recipe: Recipe, data_info: dict | None, weights: WeightsOnDisk
         folder = Path(spec.hf).expanduser()
         if spec.hf.startswith(("/", ".", "~")) and not folder.is_dir():
             raise UserError(f"model.hf: no such folder {spec.hf!r}")
-        # A cached name is loaded from its snapshot folder: given a name, transformers 5.24 still asks the hub for an
-        # adapter_config.json despite local_files_only (23 s of retries offline, a request online).
+        # from the cache's snapshot folder: given a name, transformers 5.24 still asks the hub for adapter_config.json
         local = hf_model_folder(spec.hf)
         if local is None or not (local / "config.json").is_file():
             raise UserError(

@@ -100,8 +100,7 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
             param = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", blocksize=NF4_BLOCK,
                                       compress_statistics=recipe.model.double_quant is not False,
                                       quant_storage=torch.uint8, module=new)
-        # `.to(device)` quantises (what from_pretrained does); on meta it would not, and `_quantize` gives the
-        # packed tensors' shapes and dtypes without data (bitsandbytes registers meta kernels for its ops)
+        # `.to(device)` quantises as from_pretrained does; on meta `_quantize` gives the packed shapes without data
         new.weight = param._quantize(weight.device) if weight.is_meta else param.to(weight.device)
         if old.bias is not None:
             new.bias = nn.Parameter(old.bias.data, requires_grad=False)

@@ -91,7 +91,6 @@ def place(model: nn.Module, recipe: Recipe, device: torch.device, dtype: torch.d
 
 
 def adaptable_modules(model: nn.Module) -> list[str]:
-    """The last part of the names of the modules LoRA can adapt."""
     from .quantize import _linear_kinds
 
     kinds = (*_linear_kinds(), nn.Embedding, nn.Conv1d, nn.Conv2d)
