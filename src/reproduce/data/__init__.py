@@ -31,18 +31,16 @@ def _pairs(name: str, **kwargs: Any) -> dict:
 
 DATA = {**builtin.DATA, "pysource-pairs": functools.partial(_pairs, "pysource_pairs"),
         "text-pairs": functools.partial(_pairs, "text_pairs")}
-# data.format -> (module of this package, its builder); imported only when used (torchvision, datasets)
+# data.format -> (module of this package, its builder, the library it needs); imported only when used
 FORMATS = {
-    "imagefolder": ("images", "build_imagefolder"),
-    "tokens": ("tokens", "build_tokens"),
-    "instructions": ("text", "build_instructions"),
-    "chat": ("text", "build_chat"),
-    "hf-datasets": ("hfdata", "build_hf_datasets"),
-    "segmentation": ("segmentation", "build_segmentation"),
+    "imagefolder": ("images", "build_imagefolder", "torchvision"),
+    "tokens": ("tokens", "build_tokens", None),
+    "instructions": ("text", "build_instructions", "transformers"),
+    "chat": ("text", "build_chat", "transformers"),
+    "hf-datasets": ("hfdata", "build_hf_datasets", "datasets"),
+    "segmentation": ("segmentation", "build_segmentation", "torchvision"),
 }
 TEXT_FORMATS = ("instructions", "chat", "hf-datasets")  # tokenised here, truncated to data.max_length
-NEEDS = {"imagefolder": "torchvision", "segmentation": "torchvision", "hf-datasets": "datasets",
-         "instructions": "transformers", "chat": "transformers"}
 
 
 # what `--data PATH` is, for each data.format
@@ -103,11 +101,11 @@ def build_data(recipe: Recipe) -> Datasets:
             from ..models import check_context
 
             check_context(recipe)
-        module_name, builder = FORMATS[spec.format]
+        module_name, builder, needs = FORMATS[spec.format]
         try:  # data.path (and data.eval_path) read by the format's module
             module = importlib.import_module(f".{module_name}", __name__)
         except Exception as exc:  # ImportError, or a library built for another torch failing as it imports
-            raise UserError(f"data.format: {spec.format} data needs {NEEDS.get(spec.format, exc)}, which does not "
+            raise UserError(f"data.format: {spec.format} data needs {needs or exc}, which does not "
                             f"import here ({type(exc).__name__}: {exc})") from None
         data = getattr(module, builder)(recipe)
         if isinstance(spec, TextData) and (spec.eval_size is not None or spec.eval_fraction is not None):
