@@ -1,9 +1,6 @@
 """Data: the one place the run, the probe and verify build a recipe's datasets, from a built-in (`DATA`), a
-`factory:` or files in one of the `FORMATS`. Each builder returns {"train", "eval", "info"} (a factory's contract);
-items are `(input, target)` pairs.
-
-Batch phases of other sequence lengths (BERT: 128, then 512) read datasets that have `with_sequence_length(length)`;
-`ByLength` puts the cuts in one index space, shortest first, so a window never mixes lengths.
+`factory:` or files in one of the `FORMATS`, each returning {"train", "eval", "info"} of `(input, target)` items.
+Batch phases of other sequence lengths read `with_sequence_length(length)` cuts, in one index space (`ByLength`).
 """
 
 from __future__ import annotations

@@ -52,9 +52,8 @@ class DataClock:
 
 
 class LazyMicroBatch:
-    """A micro-batch fetched (from `source`, the run's loader stream, or here) and moved to the device only when its
-    forward runs, its loss-bearing items counted first (`known_count`, else from the targets alone), so memory holds
-    one micro-batch's inputs at a time; the time fetching or waiting is added to `clock`."""
+    """A micro-batch fetched (from `source`, or here) and moved to the device when its forward runs, its loss-bearing
+    items counted first, so memory holds one micro-batch's inputs at a time; the time is added to `clock`."""
 
     def __init__(self, dataset: Any, indices: torch.Tensor, device: torch.device, dtype: torch.dtype,
                  source: Callable[[torch.Tensor], tuple[Any, Any]] | None = None, clock: DataClock | None = None,

@@ -1,7 +1,6 @@
-"""`format: hf-datasets`: a `save_to_disk` folder, or local parquet / JSONL files, read by the `data.columns` it
-names: `text` (language modelling), `instruction` / `input` / `output` (instruction tuning), `image` and `label`, or
-`input` (numeric vectors) and `label`. Never `load_dataset`, which could reach the Hub; a saved DatasetDict gives
-its `train` split and, without `data.eval_path`, its `validation` (or `test`) split.
+"""`format: hf-datasets`: a `save_to_disk` folder, or local parquet / JSONL files (never `load_dataset`, which could
+reach the Hub), read by `data.columns`: `text`, `instruction` / `input` / `output`, `image` and `label`, or `input`
+(numeric vectors) and `label`. A DatasetDict gives `train`, and `validation` (or `test`) without `data.eval_path`.
 """
 
 from __future__ import annotations

@@ -126,8 +126,7 @@ class MicroBatchStream:
                  *, seed: int, workers: int, pin_memory: bool):
         self.closed = False
         self.iterator: Iterator | None = None
-        # No workers and nothing to pin: the same MicroBatches fetch, called directly. A DataLoader in this process
-        # would only add its own bookkeeping (0.1 ms a micro-batch: 15% of the digits MLP's 5 ms step).
+        # no workers, nothing to pin: called directly (a DataLoader adds 0.1 ms, 15% of the digits MLP's step)
         self.direct = MicroBatches(dataset, seed) if workers == 0 and not pin_memory else None
         if self.direct is None:
             keys = window_keys(windows, first_step, end_step)

@@ -175,8 +175,7 @@ def write_hf_datasets(folder: Path, limit: int = 2000) -> dict:
 
 
 # ---- segmentation scenes -----------------------------------------------------------------------------------------
-# One to three shapes of jittered class colours on a smooth background, learnt in a minute on a CPU; outlines marked
-# 255 (ignored) as in VOC's masks; sizes vary, so crops, padding and evaluation at the image's size are exercised.
+# 1-3 shapes on a smooth background, outlines 255 (ignored) as in VOC's masks, sizes varied to exercise crops and pads
 
 CLASSES = ("background", "disc", "square", "triangle")
 CLASS_COLOURS = {1: (200, 60, 60), 2: (60, 190, 70), 3: (60, 80, 210)}  # RGB, jittered per shape

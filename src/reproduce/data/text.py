@@ -108,8 +108,7 @@ class TokenisedTexts(Dataset):
 
 
 def hold_out(data: dict, recipe: Any) -> dict:
-    """data.eval_size (or eval_fraction) of the training examples moved to an eval split, drawn with the recipe's
-    seed (Alpaca-LoRA's train_test_split holds 2,000 out), each split in the file's order."""
+    """data.eval_size (or eval_fraction) of the examples held out with the recipe's seed, as Alpaca-LoRA does."""
     train, share = data["train"], recipe.data.eval_fraction
     field = "data.eval_size" if share is None else "data.eval_fraction"
     if not hasattr(train, "select"):

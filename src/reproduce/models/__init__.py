@@ -156,9 +156,8 @@ def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict 
 
 
 def model_inputs(recipe: Recipe) -> dict:
-    """What the recipe's model fixes about its inputs, so data not on this machine can be given a shape: tokens
-    (vocab_size, context: the longest sequence, or None) or images (channels, classes: its default head,
-    image_size where the architecture fixes it); for `model.hf` its folder's context only; {} for a factory."""
+    """What the recipe's model fixes about its inputs (tokens: vocab_size, context; images: channels, classes,
+    image_size), so data not on this machine can be given a shape; {} for a factory."""
     spec = recipe.model
     kwargs = spec.kwargs
     if spec.hf is not None:  # the folder's positions (RoBERTa's less the padding index + 1); {} if not here

@@ -1,9 +1,8 @@
 """The papers' architectures, built from the libraries that define them (never re-typed), randomly initialised.
 
 Each entry states the paper's configuration, its source, and where the library's model differs. transformers models
-come from their config classes (`from_config`, wrapped in `HFLogits`: logits (B, T, V)); torchvision's classifiers
-return (B, C), its segmentation models `{"out": logits (B, K, H, W)}` (and `"aux"`, models/segmentation.py).
-`model.kwargs` set config fields (nanoGPT's `dropout` and `block_size` understood) or torchvision's arguments.
+come from their config classes (wrapped in `HFLogits`: logits (B, T, V)); `model.kwargs` set config fields (nanoGPT's
+`dropout` and `block_size` understood) or torchvision's arguments.
 """
 
 from __future__ import annotations

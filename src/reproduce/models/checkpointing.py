@@ -1,10 +1,9 @@
 """What a step keeps of its activations, set on the model's instance (module tree and state dict unchanged).
 
 `model.activation_checkpointing`: each block keeps only its input, and backward recomputes it (transformers' own
-gradient checkpointing, else `torch.utils.checkpoint` per block, or per weight layer for the MLP and CNN); BatchNorm
-updates its statistics once. `model.offload_activations`: what forward saves goes to CPU memory and back
-(parameters stay, as in torchtune). `model.loss_chunks`: the head becomes the identity and train/chunked_loss.py
-applies it chunk by chunk, so the logits never exist whole.
+gradient checkpointing, else `torch.utils.checkpoint` per block, or per weight layer for the MLP and CNN).
+`model.offload_activations`: what forward saves goes to CPU memory and back (parameters stay, as in torchtune).
+`model.loss_chunks`: the head becomes the identity and train/chunked_loss.py applies it chunk by chunk.
 """
 
 from __future__ import annotations
@@ -153,9 +152,8 @@ def saved_ops() -> set:
 
 def contexts(module: nn.Module | None = None, selective: bool = False
              ) -> tuple[contextlib.AbstractContextManager, ...]:
-    """`checkpoint`'s context_fn: around the recomputation, `_recomputing` and the torch function modes forward ran
-    under (probe/gpu_like.py's attention rules must choose the same kernels); `selective` (or the module's
-    `selective_checkpoint`): PyTorch's selective checkpointing contexts around both."""
+    """`checkpoint`'s context_fn: the recomputation under `_recomputing` and forward's torch function modes (the same
+    kernels: probe/gpu_like.py); `selective`: PyTorch's selective checkpointing contexts around both."""
     modes = list(torch.overrides._get_current_function_mode_stack())
     selective = selective or bool(getattr(module, "selective_checkpoint", False))
 

@@ -1,8 +1,6 @@
-"""nanoGPT's GPT (karpathy/nanoGPT @ 3adf61e, model.py), written from its code, not copied: pre-LayerNorm blocks,
-a tied `lm_head`, no bias anywhere with `bias=False`, nanoGPT's initialisation (normal 0.02, and 0.02 / sqrt(2 x
-n_layer) for `c_proj`). Its state_dict has nanoGPT's names, so a run's model.pt loads into nanoGPT's `GPT` strictly;
-`python -m reproduce.models.nanogpt RUN_DIR OUT_DIR` writes it as the ckpt.pt nanoGPT's `sample.py` reads. One
-difference: `forward(tokens)` returns every position's logits (B, T, V), not only the last one's.
+"""nanoGPT's GPT (karpathy/nanoGPT @ 3adf61e, model.py), written from its code, not copied, with its names, so a run's
+model.pt loads into nanoGPT's `GPT` strictly (`python -m reproduce.models.nanogpt RUN_DIR OUT_DIR` writes the
+ckpt.pt its `sample.py` reads). One difference: `forward(tokens)` returns every position's logits (B, T, V).
 """
 
 from __future__ import annotations

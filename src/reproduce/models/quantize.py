@@ -125,8 +125,7 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
 
 
 def _real_dynamic_map(bnb: Any) -> None:
-    """bitsandbytes caches the 8-bit code of double quantisation at its first use, on the default device: first made
-    under `torch.device("meta")` (the estimate meter) no real quantisation could copy from it. Made on the CPU."""
+    """bitsandbytes caches double quantisation's 8-bit code at first use: made on the CPU, never on meta."""
     cached = bnb.functional.name2qmap.get("dynamic")
     if cached is None or cached.is_meta:
         with torch.device("cpu"):
@@ -134,16 +133,14 @@ def _real_dynamic_map(bnb: Any) -> None:
 
 
 def _int8_scales_in_place(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """Loading a state dict into a Linear8bitLt that has run (a resume, verify's reset): bitsandbytes moved its row
-    scales from the weight to the layer's state at the first forward and refuses to load them; the weight gets the
-    same tensor back, which the load overwrites in place."""
+    """A state dict into a Linear8bitLt that has run (a resume): its row scales, moved to the layer's state at the
+    first forward, go back on the weight, which the load overwrites in place."""
     if getattr(module.weight, "SCB", None) is None and module.state.SCB is not None:
         module.weight.SCB = module.state.SCB
 
 
 def _nf4_state_in_place(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """Loading a state dict into a quantised Linear4bit: its quantisation state saved beside the weight is copied into
-    the layer's own (torch's load would call those keys unexpected); other packed metadata is refused."""
+    """A state dict into a Linear4bit: the quantisation state saved beside the weight copied into the layer's own."""
     state = module.weight.quant_state
     if state is None:
         return
@@ -175,9 +172,8 @@ def quantized_states(model: nn.Module) -> list[tuple[nn.Module, Any]]:
 
 
 def materialize_quantized(states: list[tuple[nn.Module, Any]], device: torch.device) -> None:
-    """After `to_empty` on a meta model under `FakeTensorMode` (the estimate meter): each bitsandbytes layer's scales
-    or quantisation state on `device` too, set on the plain fake weight `to_empty` made (a fake tensor cannot be
-    re-classed as bitsandbytes' parameter), so the layers' forward and backward run as they do."""
+    """After `to_empty` under `FakeTensorMode` (the estimate meter): each layer's scales or quantisation state on
+    `device` too, set on the plain fake weight (which cannot be re-classed as bitsandbytes' parameter)."""
     def made(tensor: torch.Tensor | None) -> torch.Tensor | None:
         return torch.empty_like(tensor, device=device) if tensor is not None and tensor.is_meta else tensor
 
@@ -196,9 +192,8 @@ def materialize_quantized(states: list[tuple[nn.Module, Any]], device: torch.dev
 
 
 def compute_in(model: nn.Module, dtype: torch.dtype) -> int:
-    """Run the 4-bit layers in `dtype` (verify in float64 or float32) by their dequantised weight (the numbers the
-    4-bit matmul uses, exact in both); the number of layers changed. bitsandbytes 0.50.2's CPU 4-bit matmul is wrong
-    for float64 inputs (max error 1.6 on a 32 x 64 layer); the 8-bit layers already compute in their input's dtype."""
+    """Run the 4-bit layers in `dtype` (verify) by their dequantised weight, exact; the number of layers changed.
+    bitsandbytes 0.50.2's CPU 4-bit matmul is wrong for float64 inputs (max error 1.6 on a 32 x 64 layer)."""
     bnb = sys.modules.get("bitsandbytes")  # not imported: nothing was quantised
     if bnb is None:
         return 0

@@ -2,11 +2,8 @@
 
     python -m reproduce.models.samples DIR [--max-bytes N] [--limit N]
 
-writes DIR/tiny-llama (a 4-layer LLaMA saved with `save_pretrained`, with a 512-token BPE tokenizer trained on the
-standard library's sources beside it), DIR/tiny-gpt2 (a 2-layer GPT-2 in two safetensors shards), DIR/alpaca.json
-(Alpaca records from the standard library's docstrings) and DIR/guanaco.jsonl (40 of them in QLoRA's
-openassistant-guanaco lines). `reproduce run papers/tloen2023-alpaca-lora.yaml --weights DIR/tiny-llama --data
-DIR/alpaca.json` runs on them (docs/own-weights.md).
+writes DIR/tiny-llama and DIR/tiny-gpt2 (`save_pretrained` folders, with a BPE tokenizer trained on the standard
+library's sources), DIR/alpaca.json and DIR/guanaco.jsonl (records from its docstrings) for docs/own-weights.md.
 """
 
 from __future__ import annotations

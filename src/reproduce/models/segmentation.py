@@ -30,8 +30,7 @@ PROBE_SIDE = 64  # the side of the image the class check forwards: the channels 
 
 
 def check_output_classes(model: nn.Module, classes: int, crop: tuple[int, int] | None, name: str) -> None:
-    """One line when the model's logits are not one channel per class, found by a forward of one image (on the meta
-    device, or a small zero image in eval mode without gradients); a forward that fails is left to the run."""
+    """One line when the logits of one image's forward (on meta, or small, eval, no grad) are not a channel a class."""
     parameter = next(iter(model.parameters()), None)
     if parameter is None:
         return
@@ -187,8 +186,7 @@ def _does_not_fit(path: str, name: str, backbone: str, names: list[str], missing
 
 
 def load_backbone(model: nn.Module, recipe: Recipe) -> None:
-    """The backbone file into `model.backbone` (on the meta device only checked); the run's line about it is the
-    model's `backbone_report`."""
+    """The backbone file into `model.backbone` (on meta only checked); the run's line is `model.backbone_report`."""
     from .weights import on_meta
 
     state, model.backbone_report = read_backbone(model, recipe, shapes_only=on_meta())

@@ -214,8 +214,7 @@ def write_adapter(model: Any, folder: Path, wrapper: str, state: dict | None = N
 
 
 def save_merged(model: nn.Module, folder: Path, recipe: Recipe, adapter: Path) -> None:
-    """merged/: peft's merge_and_unload (in place: the run's last use of the model) as a Hugging Face folder with
-    the data's tokenizer; on a quantised base, `adapter` put on the weights folder's model and merged there."""
+    """merged/: merge_and_unload (in place), or on a quantised base `adapter` on the base folder's model, merged."""
     if recipe.model.quantize is None:
         merged = peft_model(model).merge_and_unload()
         _, hf_model = transformers_inside(merged)
