@@ -1,20 +1,12 @@
-"""Data: the one place the training loop, the probe and verify build a recipe's datasets.
-
-`build_data(recipe)` gives the recipe's `Datasets` (training set, evaluation set, info) from a built-in name
-(`DATA`), the user's own `factory:`, or data on disk in one of the `FORMATS` (`data.format` with `data.path`).
-Each of these builders returns a dict with "train", "eval" (optional) and "info" (optional) keys, the contract a
-user's factory follows; `build_data` checks it and gives the `Datasets`. Items are `(input, target)` pairs.
-
-The training data at each sequence length a run's batch phases use (BERT: 128 tokens, then 512): a dataset that can
-be cut at another length has a `with_sequence_length(length)` method (the built-in `pysource` does; so can a user's
-factory dataset); `ByLength` puts the cuts into one index space, shortest length first
-(`train.windows.rank_shares`), so a window never mixes lengths and every consumer of indices fetches them
-unchanged.
+"""Data: the one place the run, the probe and verify build a recipe's datasets, from a built-in (`DATA`), a
+`factory:` or files in one of the `FORMATS`, each returning {"train", "eval", "info"} of `(input, target)` items.
+Batch phases of other sequence lengths read `with_sequence_length(length)` cuts, in one index space (`ByLength`).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,33 +21,23 @@ from . import builtin
 from .batches import fetch
 
 
-def pysource_pairs(**kwargs: Any) -> dict:
-    """BERT's sentence pairs from the standard library's sources (data/pairs.py)."""
-    from .pairs import pysource_pairs as build
-
-    return build(**kwargs)
+def _pairs(name: str, **kwargs: Any) -> dict:
+    """BERT's sentence pairs (data/pairs.py), imported when used."""
+    return getattr(importlib.import_module(".pairs", __name__), name)(**kwargs)
 
 
-def text_pairs(**kwargs: Any) -> dict:
-    """BERT's sentence pairs from a text file in BERT's layout and a local tokenizer (data/pairs.py)."""
-    from .pairs import text_pairs as build
-
-    return build(**kwargs)
-
-
-DATA = {**builtin.DATA, "pysource-pairs": pysource_pairs, "text-pairs": text_pairs}
-# data.format -> (module of this package, its builder); imported only when used (torchvision, datasets)
+DATA = {**builtin.DATA, "pysource-pairs": functools.partial(_pairs, "pysource_pairs"),
+        "text-pairs": functools.partial(_pairs, "text_pairs")}
+# data.format -> (module of this package, its builder, the library it needs); imported only when used
 FORMATS = {
-    "imagefolder": ("images", "build_imagefolder"),
-    "tokens": ("tokens", "build_tokens"),
-    "instructions": ("text", "build_instructions"),
-    "chat": ("text", "build_chat"),
-    "hf-datasets": ("hfdata", "build_hf_datasets"),
-    "segmentation": ("segmentation", "build_segmentation"),
+    "imagefolder": ("images", "build_imagefolder", "torchvision"),
+    "tokens": ("tokens", "build_tokens", None),
+    "instructions": ("text", "build_instructions", "transformers"),
+    "chat": ("text", "build_chat", "transformers"),
+    "hf-datasets": ("hfdata", "build_hf_datasets", "datasets"),
+    "segmentation": ("segmentation", "build_segmentation", "torchvision"),
 }
 TEXT_FORMATS = ("instructions", "chat", "hf-datasets")  # tokenised here, truncated to data.max_length
-NEEDS = {"imagefolder": "torchvision", "segmentation": "torchvision", "hf-datasets": "datasets",
-         "instructions": "transformers", "chat": "transformers"}
 
 
 # what `--data PATH` is, for each data.format
@@ -72,22 +54,17 @@ EXPECTED = {
 
 @dataclass(frozen=True)
 class Datasets:
-    """A recipe's data, as `build_data` gives it to the run, the probe and verify: map-style datasets (a length and
-    items by index: a torch `Dataset`, a `datasets.Dataset`, a list of pairs)."""
+    """A recipe's map-style datasets (a torch `Dataset`, a `datasets.Dataset`, a list of pairs)."""
 
     train: Any
     eval: Any = None  # None: the recipe has no evaluation data (no eval loss, no plateau decay)
     info: dict[str, Any] = field(default_factory=dict)  # name, vocab_size, classes, ...: what the model is built for
 
 
-# the shapes of the datasets the papers use, so a recipe whose data is not on this machine can still be probed;
-# name -> (channels, image size, classes), with where each figure comes from
+# name -> (channels, image size, classes) of the papers' datasets, so a recipe whose data is not here can be probed
 IMAGE_DATASETS: dict[str, tuple[int, int, int]] = {
-    # ILSVRC-2012 (Russakovsky et al. 2015): 1000 classes, 1,281,167 training images; the papers here train on
-    # random 224 x 224 RGB crops (He et al. 2016 sec. 3.4, Goyal et al. 2017, ViT, DeiT, MAE).
-    "imagenet-1k": (3, 224, 1000),
-    # ImageNet-21k as ViT pre-trains on it (Dosovitskiy et al. 2021 sec. 4.1: "21k classes and 14M images";
-    # google-research/vision_transformer's num_classes 21843), at resolution 224 (Table 3).
+    "imagenet-1k": (3, 224, 1000),  # ILSVRC-2012; 224 crops (He et al. 2016 sec. 3.4, Goyal et al., ViT, MAE)
+    # as ViT pre-trains on it (Dosovitskiy et al. 2021 sec. 4.1; vision_transformer's num_classes 21843), at 224
     "imagenet-21k": (3, 224, 21843),
 }
 ALIASES = {"imagenet": "imagenet-1k", "ilsvrc2012": "imagenet-1k", "ilsvrc-2012": "imagenet-1k",
@@ -95,8 +72,7 @@ ALIASES = {"imagenet": "imagenet-1k", "ilsvrc2012": "imagenet-1k", "ilsvrc-2012"
 
 
 def image_dataset(name: str | None) -> dict | None:
-    """{"channels", "image_size", "classes"} of a known image dataset by `data.name` (case and separators forgiven),
-    or None; a recipe's own data.channels, data.image_size and data.classes take precedence."""
+    """{"channels", "image_size", "classes"} of a known image dataset by `data.name`, or None."""
     if not name:
         return None
     key = name.strip().lower().replace("_", "-").replace(" ", "-")
@@ -107,30 +83,26 @@ def image_dataset(name: str | None) -> dict | None:
     return {"channels": channels, "image_size": size, "classes": classes}
 
 
-def unavailable_message(recipe: Recipe) -> str:
-    """Data marked `available: false`: the fix is the data's path (`data_path`) when the recipe names its format."""
-    data = recipe.data
-    head = f"data: {data.name!r} is marked available: false"
-    if data.format is None:
-        return (f"{head} and names no data.format: this recipe can be planned but not run here; to run it, give "
-                "data.factory (your own data) or data.format, and its path with `data_path` PATH")
-    expected = EXPECTED[data.format].format(dtype=(data.dtype if isinstance(data, TokensData) else None) or "uint16")
-    return f"{head}: give its path with `data_path` PATH (format {data.format}: {expected})"
-
-
 def build_data(recipe: Recipe) -> Datasets:
-    if not recipe.data.available:
-        raise UserError(unavailable_message(recipe))
+    spec = recipe.data
+    if not spec.available:  # the fix is the data's path (`data_path`) when the recipe names its format
+        head = f"data: {spec.name!r} is marked available: false"
+        if spec.format is None:
+            raise UserError(f"{head} and names no data.format: this recipe can be planned but not run here; to run "
+                            "it, give data.factory (your own data) or data.format, and its path with `data_path` PATH")
+        dtype = (spec.dtype if isinstance(spec, TokensData) else None) or "uint16"
+        raise UserError(f"{head}: give its path with `data_path` PATH (format {spec.format}: "
+                        f"{EXPECTED[spec.format].format(dtype=dtype)})")
     if recipe.data.format is not None:
         if recipe.data.format in TEXT_FORMATS:  # before a token is read: the longest sequence the model takes
             from ..models import check_context
 
             check_context(recipe)
-        spec, (module_name, builder) = recipe.data, FORMATS[recipe.data.format]
+        module_name, builder, needs = FORMATS[spec.format]
         try:  # data.path (and data.eval_path) read by the format's module
             module = importlib.import_module(f".{module_name}", __name__)
         except Exception as exc:  # ImportError, or a library built for another torch failing as it imports
-            raise UserError(f"data.format: {spec.format} data needs {NEEDS.get(spec.format, exc)}, which does not "
+            raise UserError(f"data.format: {spec.format} data needs {needs or exc}, which does not "
                             f"import here ({type(exc).__name__}: {exc})") from None
         data = getattr(module, builder)(recipe)
         if isinstance(spec, TextData) and (spec.eval_size is not None or spec.eval_fraction is not None):
@@ -157,8 +129,7 @@ def build_data(recipe: Recipe) -> Datasets:
 
 
 def text_warnings(info: dict) -> list[str]:
-    """What tokenising changed in the data, with counts: examples truncated, left out, without a response token
-    within data.max_length, and a tokenizer without EOS (the model would not learn to stop)."""
+    """What tokenising changed in the data, with counts, and a tokenizer without EOS."""
     lines = []
     for split, where in (("train", info.get("path")), ("eval", info.get("eval_path"))):
         examples, length = info.get(f"{split}_examples"), info.get(f"{split}_max_length")
@@ -195,7 +166,6 @@ def cut_at_lengths(recipe: Recipe, train: Any, lengths: list[int | None]) -> dic
 
 
 def training_sizes(recipe: Recipe, train: Any) -> int | dict[int | None, int]:
-    """The training samples: one number, or one per sequence length when the batch phases change it."""
     lengths = recipe.batch.sequence_lengths
     if len(lengths) == 1:
         return len(train)
@@ -203,7 +173,6 @@ def training_sizes(recipe: Recipe, train: Any) -> int | dict[int | None, int]:
 
 
 def training_set(recipe: Recipe, train: Any, lengths: list[int | None]) -> Any:
-    """What the run's windows index: `train` itself, or a `ByLength` of its cuts when phases change the length."""
     if len(lengths) <= 1:
         return train
     return ByLength(cut_at_lengths(recipe, train, lengths))
@@ -220,7 +189,6 @@ class ByLength(Dataset):
             self.starts.append(start)
             start += len(dataset)
         self.total = start
-        # slices of memory throughout: loader workers would only add copying (as for the data it is cut from)
         self.in_memory = all(getattr(dataset, "in_memory", False) for dataset in self.datasets)
 
     def __len__(self) -> int:
@@ -230,7 +198,6 @@ class ByLength(Dataset):
         return {length: len(dataset) for length, dataset in zip(self.lengths, self.datasets, strict=True)}
 
     def _locate(self, indices: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        """The dataset holding `indices` (a window's indices all come from one length) and their indices in it."""
         part = bisect.bisect_right(self.starts, int(indices[0])) - 1
         local = indices - self.starts[part]
         if int(local.min()) < 0 or int(local.max()) >= len(self.datasets[part]):

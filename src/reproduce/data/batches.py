@@ -52,14 +52,8 @@ class DataClock:
 
 
 class LazyMicroBatch:
-    """A micro-batch fetched and moved to the device only when its forward runs.
-
-    The window's loss-bearing items are counted first, from the targets alone or, when the dataset counts
-    them from an index built once (`target_counts(indices)`), without fetching anything; so memory holds one
-    micro-batch's inputs at a time, as a single micro-batch step does. `source` gives the micro-batch's
-    (inputs, targets) on the CPU (the run's DataLoader stream); without one it is fetched in this process.
-    Time spent fetching or waiting is added to `clock`.
-    """
+    """A micro-batch fetched (from `source`, or here) and moved to the device when its forward runs, its loss-bearing
+    items counted first, so memory holds one micro-batch's inputs at a time; the time is added to `clock`."""
 
     def __init__(self, dataset: Any, indices: torch.Tensor, device: torch.device, dtype: torch.dtype,
                  source: Callable[[torch.Tensor], tuple[Any, Any]] | None = None, clock: DataClock | None = None,
@@ -67,8 +61,7 @@ class LazyMicroBatch:
                  drawn: Callable[[torch.Tensor], tuple[Any, Any]] | None = None):
         self.dataset, self.indices, self.device, self.dtype = dataset, indices, device, dtype
         self.source, self.clock = source, clock
-        # the optimizer step and run seed the loader draws this one's items with (augmentation), and the fetch in
-        # this process with those draws (data.loader.fetch_seeded), for counting the targets that will train
+        # the loader's draws for this one's items, and `drawn`: the fetch here with them (loader.fetch_seeded)
         self.step, self.seed, self.drawn = step, seed, drawn
 
     def targets(self) -> Any:
@@ -84,9 +77,7 @@ class LazyMicroBatch:
         return targets
 
     def known_count(self) -> int | None:
-        """The targets that bear loss (tokens not -100, pixels not ignore_index), when the dataset counts them
-        without fetching: from an index built once (`target_counts(indices)`), or, for random crops, from the masks
-        alone cut with the loader's draws (`target_counts_at(seed, step, indices)`)."""
+        """The targets that bear loss, where the dataset counts them without fetching; else None."""
         counts = getattr(self.dataset, "target_counts", None)
         if counts is not None:
             return int(counts(self.indices).sum())

@@ -1,10 +1,6 @@
-"""The built-in data: real, offline, small enough to train on two CPU cores in minutes.
-
-- `digits`: the 1,797 8x8 handwritten digits scikit-learn ships (`load_digits`), a fixed stratified
-  80/20 split (1,437 train, 360 test), images as 1x8x8 floats in [0, 1].
-- `pysource`: a byte-level corpus built from the Python standard library's own top-level `*.py` files,
-  in sorted order; every tenth file goes to validation. Its SHA-256 fingerprint is recorded in the run.
-"""
+"""The built-in data, trained on two CPU cores in minutes: `digits` (scikit-learn's 1,797 8x8 digits, a fixed
+stratified 80/20 split) and `pysource` (the bytes of the standard library's top-level `*.py` files, every tenth
+for validation, its SHA-256 fingerprint recorded)."""
 
 from __future__ import annotations
 
@@ -17,8 +13,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 
 def stdlib_sources(max_bytes: int) -> list[Path]:
-    """The standard library's top-level Python files, sorted, up to about `max_bytes` in total: the offline text of
-    the built-in data and the test samples."""
+    """The standard library's top-level Python files, sorted, up to about `max_bytes` in total."""
     files, total = [], 0
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
         if total >= max_bytes:
@@ -29,7 +24,6 @@ def stdlib_sources(max_bytes: int) -> list[Path]:
 
 
 def digits_split(test_fraction: float = 0.2, seed: int = 0) -> tuple:
-    """(scikit-learn's digits, the training indices, the test indices): a fixed stratified split, each sorted."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -70,17 +64,14 @@ class TokenWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Many windows at once (fast path for the training loop)."""
         offsets = indices.view(-1, 1) * self.length + torch.arange(self.length + 1).view(1, -1)
         chunks = self.data[offsets].long()
         return chunks[:, :-1], chunks[:, 1:]
 
     def target_counts(self, indices: torch.Tensor) -> torch.Tensor:
-        """Every target bears loss: sequence_length per window, known without fetching."""
         return torch.full((len(indices),), self.length, dtype=torch.long)
 
     def with_sequence_length(self, sequence_length: int) -> TokenWindows:
-        """The same bytes cut into windows of another length (a batch phase's: data.training_set)."""
         return TokenWindows(self.data, sequence_length)
 
 

@@ -1,15 +1,6 @@
-"""`format: hf-datasets`: a dataset saved with `datasets`' `save_to_disk`, or local parquet / JSONL files, with
-the columns named in `data.columns`:
-
-- `{text: COLUMN}`: language modelling on each row's text (+ EOS), tokenised as in `data.text`;
-- `{instruction: C, output: C}` (and `input: C`): instruction tuning with the template, response-only loss;
-- `{image: C, label: C}`: image classification (PIL images, image bytes or paths; the imagefolder transforms);
-- `{input: C, label: C}`: classification of numeric feature vectors (lists or arrays of numbers).
-
-Nothing is fetched: save_to_disk folders are opened with `load_from_disk`, parquet files with pyarrow, JSONL
-with the json module (no `load_dataset`, which could reach the Hub and writes a cache).
-A saved `DatasetDict` gives its `train` split for training and, unless `data.eval_path` is given, its
-`validation` (or `test`) split for evaluation.
+"""`format: hf-datasets`: a `save_to_disk` folder, or local parquet / JSONL files (never `load_dataset`, which could
+reach the Hub), read by `data.columns`: `text`, `instruction` / `input` / `output`, `image` and `label`, or `input`
+(numeric vectors) and `label`. A DatasetDict gives `train`, and `validation` (or `test`) without `data.eval_path`.
 """
 
 from __future__ import annotations
@@ -36,18 +27,8 @@ def _datasets():
     return datasets
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = read_json_rows(path)
-    for place, row in rows:
-        if not isinstance(row, dict):
-            raise UserError(f"{path}: {place}: expected a JSON object (one row, its columns as keys), got "
-                            f"{type(row).__name__}")
-    return [row for _, row in rows]
-
-
 def open_dataset(path: Path, field: str, split: str) -> Any:
-    """A `datasets.Dataset` from a save_to_disk folder, parquet file(s) or JSONL file(s); `split` picks one of a
-    saved DatasetDict ("train", or "eval": validation / test)."""
+    """A `datasets.Dataset` from a save_to_disk folder, parquet or JSONL; `split`: "train" or "eval"."""
     datasets = _datasets()
     if not path.exists():
         raise UserError(f"{field}: {path}: no such file or folder (expected a save_to_disk folder, parquet or JSONL)")
@@ -78,7 +59,13 @@ def open_dataset(path: Path, field: str, split: str) -> Any:
             raise UserError(f"{field}: {path}: cannot read as parquet: {exc}") from None
         return datasets.Dataset(table)
     if jsonl:
-        records = [row for f in jsonl for row in _read_jsonl(f)]
+        records = []
+        for f in jsonl:
+            for place, row in read_json_rows(f):
+                if not isinstance(row, dict):
+                    raise UserError(f"{f}: {place}: expected a JSON object (one row, its columns as keys), got "
+                                    f"{type(row).__name__}")
+                records.append(row)
         if not records:
             raise UserError(f"{field}: {path}: no rows")
         return datasets.Dataset.from_list(records)
@@ -97,7 +84,7 @@ def _column(table: Any, column: str, path: Path) -> list:
 
 
 class ImageRows(Dataset):
-    """Rows of (image, label): images decoded and transformed when fetched (in the loader's workers)."""
+    """Rows of (image, label), decoded and transformed when fetched."""
 
     def __init__(self, table: Any, image: str, labels: torch.Tensor, transform: Any, mode: str):
         self.table, self.image, self.labels, self.transform, self.mode = table, image, labels, transform, mode

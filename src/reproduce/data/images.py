@@ -1,14 +1,6 @@
-"""`format: imagefolder`: the ImageNet layout, one sub-folder per class (sorted names are the labels), read
-with torchvision's `ImageFolder` and the paper's transforms by name:
-
-- `augment: imagenet` (default): training images get `RandomResizedCrop(image_size)`, a horizontal flip and
-  the ImageNet mean/std normalisation; evaluation images are resized to image_size / 0.875 and centre-cropped
-  (256 -> 224 for ImageNet), as in the reference ResNet recipes Goyal et al. and He et al. follow;
-- `augment: none`: resized to image_size x image_size and normalised, for training and evaluation alike.
-
-Images are read as `data.channels` channels (3: RGB, 1: greyscale; for one channel the mean and std are the
-averages of ImageNet's three). The random draws of the augmentation come from the loader's per-sample seed
-(`data.loader`), so a run is reproducible whatever the number of workers.
+"""`format: imagefolder`: the ImageNet layout (one sub-folder per class), read with torchvision's `ImageFolder`.
+`augment: imagenet` is the reference ResNet recipes' (RandomResizedCrop and a flip; evaluation resized to
+image_size / 0.875 and centre-cropped), `none` a resize; for one channel the mean and std are ImageNet's averages.
 """
 
 from __future__ import annotations
@@ -28,7 +20,6 @@ EVAL_CROP_FRACTION = 0.875  # resize to image_size / 0.875, then centre-crop ima
 
 
 def transforms_for(augment: str, image_size: int, channels: int, train: bool) -> Any:
-    """The torchvision transforms of `augment` for training or evaluation images (PIL in, tensor out)."""
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else (
         (sum(IMAGENET_MEAN) / 3,) * channels, (sum(IMAGENET_STD) / 3,) * channels)
     if augment == "imagenet" and train:
@@ -53,8 +44,7 @@ def open_image(path: str, mode: str) -> Any:
 
 
 class ImageFolderData(ImageFolder):
-    """`ImageFolder` with a given class list (the evaluation folder takes the training folder's, so a class missing
-    from it cannot shift the labels of the others)."""
+    """`ImageFolder` with a given class list (the training folder's: a class missing from evaluation shifts none)."""
 
     def __init__(self, root: str, classes: list[str], **kwargs: Any):
         self.fixed_classes = classes
@@ -66,7 +56,6 @@ class ImageFolderData(ImageFolder):
 
 def image_folder(root: Path, field: str, augment: str, image_size: int, channels: int, train: bool,
                  classes: list[str] | None = None) -> ImageFolderData:
-    """The image folder `root` (the option or field `field` named it), read with the transforms of `augment`."""
     if not root.exists():
         raise UserError(f"{field}: {root}: no such folder (expected one sub-folder of images per class)")
     if not root.is_dir():

@@ -1,16 +1,7 @@
-"""Micro-batches from a `torch.utils.data.DataLoader`: worker processes, pinned memory, prefetching, still exact.
-
-The run's loop asks for micro-batches in a fixed order: for each optimizer step, the micro-batches that
-`train.windows.window` gives this rank. `window_keys` yields exactly those, one key per micro-batch, step
-after step, and the DataLoader (with `batch_size=None`) hands each key to `MicroBatches`, which fetches and
-collates that micro-batch in a worker. So the workers decode and prefetch ahead while the model trains, and
-the loop still receives each window's micro-batches in the order the exactness tests assume. With no workers
-and no memory to pin, the stream calls `MicroBatches` itself: the same fetch, without the DataLoader's own
-per-item bookkeeping.
-
-Randomness in a dataset's items (augmentation: random crops, flips) is drawn from a generator seeded by
-(run seed, optimizer step, sample index) alone: the same whatever the number of workers, the micro-batch
-size or the world size, and the same after a resume, mid-epoch included.
+"""Micro-batches from a `torch.utils.data.DataLoader` (workers, pinned memory, prefetching), still exact: the
+sampler yields one key per micro-batch in the order `train.windows.window` gives this rank's, and `MicroBatches`
+fetches each in a worker. An item's random draws (augmentation) are seeded by (run seed, optimizer step, sample
+index) alone: the same whatever the workers, micro-batch or world size, and after a resume.
 """
 
 from __future__ import annotations
@@ -41,17 +32,14 @@ Key = tuple[int, tuple[int, ...]]
 
 @dataclass(frozen=True)
 class Failure:
-    """A user error raised in a worker, carried back whole (DataLoader would re-raise it with its traceback)."""
+    """A user error raised in a worker, carried back whole (DataLoader would add its traceback)."""
 
     lines: tuple[str, ...]
 
 
 @contextmanager
 def seeded_samples() -> Iterator[Callable[[int, int, int], None]]:
-    """Draws seeded per sample: `seed_sample(seed, step, index)` seeds torch, random and numpy from (seed, step,
-    index) before a sample's draws; the process's own generators are restored afterwards, so drawing in the
-    training process changes nothing. The loader's items and what is counted of them ahead (a segmentation
-    window's valid pixels) draw alike through it."""
+    """`seed_sample(seed, step, index)` seeds torch, random and numpy; the process's generators are restored."""
 
     def seed_sample(seed: int, step: int, index: int) -> None:
         value = (seed * 1_000_003 + (step + 2) * 998_244_353 + index * 2_654_435_761) % (2**63 - 1)
@@ -69,9 +57,7 @@ def seeded_samples() -> Iterator[Callable[[int, int, int], None]]:
 
 
 class MicroBatches(Dataset):
-    """The training set seen one micro-batch at a time: item `key` is the collated (inputs, targets) of its
-    indices. Tensor data is sliced directly; item by item otherwise, each item drawing its random numbers (torch,
-    random, numpy) from (seed, step, index) (`seeded_samples`)."""
+    """The training set one micro-batch at a time: item `key` is the collated (inputs, targets) of its indices."""
 
     def __init__(self, dataset: Any, seed: int):
         self.dataset, self.seed = dataset, seed
@@ -84,7 +70,6 @@ class MicroBatches(Dataset):
         return key, self.get(key[0], torch.tensor(key[1], dtype=torch.long))
 
     def get(self, step: int, indices: torch.Tensor) -> Any:
-        """The collated micro-batch of `indices` at optimizer step `step`, or the Failure a user error became."""
         try:
             if not self.per_item:
                 return fetch(self.dataset, indices)
@@ -99,8 +84,7 @@ class MicroBatches(Dataset):
 
 
 def fetch_seeded(dataset: Any, indices: torch.Tensor, seed: int, step: int = 0) -> tuple[Any, Any]:
-    """The micro-batch of `indices` as the run's loader gives it at optimizer step `step`: the same random draws
-    (augmentation) for each sample, however the samples are grouped (verify's micro-batches and reference)."""
+    """The micro-batch of `indices` with the draws the run's loader makes at `step` (verify)."""
     _, batch = MicroBatches(dataset, seed)[step, tuple(indices.tolist())]
     if isinstance(batch, Failure):
         raise UserError(*batch.lines)
@@ -109,10 +93,7 @@ def fetch_seeded(dataset: Any, indices: torch.Tensor, seed: int, step: int = 0) 
 
 def window_keys(windows: Callable[[int], list[torch.Tensor]], first_step: int, end_step: int
                 ) -> Iterator[Key]:
-    """The loader's sampler: the keys of this rank's micro-batches for the optimizer steps `first_step` ..
-    `end_step - 1`, in order. `windows(step)` is this rank's list of index tensors for `step`
-    (`train.windows.window`), so whatever decides the windows (the micro-batch after an out-of-memory error, batch
-    phases) decides the keys too."""
+    """The loader's sampler: this rank's micro-batch keys for steps `first_step` .. `end_step - 1`, in order."""
     for step in range(first_step, end_step):
         for indices in windows(step):
             yield step, tuple(indices.tolist())
@@ -123,9 +104,7 @@ def _as_is(item: Any) -> Any:
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
-    """Workers leave SIGINT / SIGTERM to the training process: sent to the whole process group (Ctrl-C, a job
-    scheduler), they must not kill the workers while the run finishes its step, checkpoints and stops them itself.
-    (Forked workers also inherit the run's own handlers; this holds for any start method and any order.)"""
+    """Workers leave SIGINT / SIGTERM to the run, which finishes its step, checkpoints and stops them itself."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
@@ -141,19 +120,13 @@ def make_loader(dataset: Any, keys: Iterable[Key], seed: int, workers: int, pin_
 
 
 class MicroBatchStream:
-    """This rank's micro-batches from `first_step` on, fetched by `workers` processes (0: in this process).
-
-    `take(step, indices)` returns the next micro-batch, which must be the one the loop expects (the loop and
-    the sampler both follow `windows`); after an out-of-memory error the run closes the stream and opens
-    another from the step it redoes, with the smaller micro-batch.
-    """
+    """This rank's micro-batches from `first_step` on, fetched by `workers` processes (0: in this process)."""
 
     def __init__(self, dataset: Any, windows: Callable[[int], list[torch.Tensor]], first_step: int, end_step: int,
                  *, seed: int, workers: int, pin_memory: bool):
         self.closed = False
         self.iterator: Iterator | None = None
-        # No workers and nothing to pin: the same MicroBatches fetch, called directly. A DataLoader in this process
-        # would only add its own bookkeeping (0.1 ms a micro-batch: 15% of the digits MLP's 5 ms step).
+        # no workers, nothing to pin: called directly (a DataLoader adds 0.1 ms, 15% of the digits MLP's step)
         self.direct = MicroBatches(dataset, seed) if workers == 0 and not pin_memory else None
         if self.direct is None:
             keys = window_keys(windows, first_step, end_step)
@@ -174,12 +147,10 @@ class MicroBatchStream:
         return batch
 
     def close(self) -> None:
-        """Stop the workers (their prefetched micro-batches are dropped)."""
         self.closed, self.iterator = True, None  # the multiprocessing iterator shuts its workers down when released
 
 
 def eval_batches(dataset: Any, batch: int, *, workers: int, pin_memory: bool, seed: int = 0) -> Iterator:
-    """The evaluation set in order, `batch` items at a time, fetched by `workers` processes."""
     size = len(dataset)
     keys = [(EVAL_STEP, tuple(range(start, min(start + batch, size)))) for start in range(0, size, batch)]
     for _, value in make_loader(dataset, keys, seed, workers, pin_memory):
@@ -189,26 +160,20 @@ def eval_batches(dataset: Any, batch: int, *, workers: int, pin_memory: bool, se
 
 
 def cpu_share() -> int:
-    """The CPU cores this process has: its share of the machine's under torchrun."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def default_workers(dataset: Any) -> int:
-    """Loader processes when --workers is not given: none for data whose items are slices of memory (workers would
-    only add copying); otherwise one per CPU core this process has (its share under torchrun), less one for the
-    training process itself, at most 8."""
+    """Loader processes by default: none for items that are slices of memory, else one per CPU core this process
+    has (its share under torchrun) less one, at most 8."""
     if isinstance(dataset, (TensorDataset, list, tuple)) or getattr(dataset, "in_memory", False):
         return 0
     return max(0, min(MAX_DEFAULT_WORKERS, cpu_share() - 1))
 
 
 class LoaderWatch:
-    """Warns once when the steps wait for data more than `threshold` of their time.
-
-    This process's first step is left out (it starts the workers and fills their queues); the share is taken
-    over the steps since, once `minimum_steps` of them have run.
-    """
+    """Warns once when the steps after the first wait for data more than `threshold` of their time."""
 
     def __init__(self, workers: int, threshold: float = 0.10, minimum_steps: int = 3):
         self.workers, self.threshold, self.minimum_steps = workers, threshold, minimum_steps

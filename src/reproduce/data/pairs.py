@@ -1,28 +1,8 @@
-"""BERT's pre-training data: sentence pairs with masked tokens and the next-sentence label, built from local text.
-
-The instances are made as google-research/bert's create_pretraining_data.py makes them (Devlin et al. 2019,
-sec. 3.1 and A.1), from documents that are lists of sentences that are lists of token ids:
-- each document is cut into chunks of whole sentences of about `sequence_length - 3` tokens (with probability
-  `short_seq_prob` a shorter random target length, as BERT does for 10% of them);
-- a chunk's first `a_end` sentences (random, at least one) are sentence A; with probability 0.5 (or when the chunk
-  has one sentence) sentence B is a random span of another document (label 1, NotNext) and the chunk's unused
-  sentences go back to be read again; otherwise B is the rest of the chunk (label 0, IsNext);
-- the pair is cut to fit by dropping tokens from the front or the back of the longer (at random), then laid out
-  as [CLS] A [SEP] B [SEP] with token types 0 for [CLS] A [SEP] and 1 for B [SEP], padded to `sequence_length`;
-- round(15%) of its non-special tokens are chosen (at least one, at most `max_predictions`): 80% become [MASK],
-  10% a random token, 10% stay; their original ids are the masked-LM labels, -100 elsewhere.
-Masking is static (decided once, when the data is built) with `dupe_factor` maskings of the text, as BERT does.
-
-Items: inputs `{"input_ids", "token_type_ids", "attention_mask"}` (each T), targets one tensor of T + 1: the
-masked-LM labels, then the next-sentence label (what `bert-mlm-nsp` reads: train/pretraining_loss.py).
-
-`pysource-pairs` (a built-in): the standard library's Python sources as documents, their non-blank lines (with
-their newline) as sentences, byte-level ids 0-255 with [PAD] 256, [CLS] 257, [SEP] 258, [MASK] 259 (vocabulary
-260); every tenth file goes to evaluation, as `pysource`. Real, offline, small: BERT pre-training end to end on a CPU.
-
-`text-pairs` (a built-in, for a real corpus): a text file in BERT's own input layout (one sentence per line, a
-blank line between documents), tokenised with a local tokenizer folder that has [CLS], [SEP], [MASK] and [PAD]:
-`data: {builtin: text-pairs, kwargs: {path: corpus.txt, tokenizer: bert-tokenizer/, eval_path: held-out.txt}}`.
+"""BERT's pre-training data, made as google-research/bert's create_pretraining_data.py makes it (Devlin et al. 2019,
+sec. 3.1 and A.1): sentence pairs (B a random document's span half the time: NotNext) with 15% of the tokens masked
+statically (80% [MASK], 10% random, 10% kept). Targets: the masked-LM labels, then the next-sentence label.
+`pysource-pairs`: the standard library's sources, a line a sentence, byte ids; `text-pairs`: a text file in BERT's
+layout with a local tokenizer.
 """
 
 from __future__ import annotations
@@ -84,7 +64,7 @@ def _mask(tokens: list[int], vocab: Vocabulary, probability: float, most: int,
 def make_instances(documents: list[list[list[int]]], sequence_length: int, vocab: Vocabulary, seed: int = 12345,
                    dupe_factor: int = 1, short_seq_prob: float = 0.1, masked_lm_prob: float = 0.15,
                    max_predictions: int | None = None) -> list[tuple[list[int], list[int], list[int], int]]:
-    """(tokens, token types, masked-LM labels, next-sentence label) of every instance, BERT's way (module doc)."""
+    """(tokens, token types, masked-LM labels, next-sentence label) of every instance."""
     rng = random.Random(seed)
     most = max_predictions or math.ceil(masked_lm_prob * sequence_length)
     limit = sequence_length - 3
@@ -129,7 +109,7 @@ def make_instances(documents: list[list[list[int]]], sequence_length: int, vocab
 
 
 class SentencePairs(Dataset):
-    """BERT pre-training instances at one sequence length, held as tensors (padded to the length)."""
+    """BERT pre-training instances at one sequence length, as padded tensors."""
 
     in_memory = True  # slices of tensors: loader workers would only add copying
 
@@ -164,7 +144,6 @@ class SentencePairs(Dataset):
         return inputs, self.labels[indices]
 
     def with_sequence_length(self, sequence_length: int) -> SentencePairs:
-        """The same documents made into instances of another length (BERT's 128 then 512: batch.phases)."""
         return SentencePairs(self.documents, sequence_length, self.vocab, self.seed, **self.options)
 
 
@@ -189,8 +168,7 @@ def pysource_pairs(sequence_length: int = 128, max_bytes: int = 1_000_000, dupe_
 
 
 def read_documents(path: Path, tokenizer: Any, field: str) -> list[list[list[int]]]:
-    """BERT's input layout (create_pretraining_data.py): one sentence per line, a blank line between documents;
-    each sentence tokenised without special tokens."""
+    """Documents of BERT's input layout, each sentence tokenised without special tokens."""
     if not path.is_file():
         raise UserError(f"{field}: {path}: no such file (expected text: one sentence per line, a blank line between "
                         "documents)")
@@ -213,8 +191,6 @@ def read_documents(path: Path, tokenizer: Any, field: str) -> list[list[list[int
 
 def text_pairs(path: str, tokenizer: str, sequence_length: int = 128, eval_path: str | None = None,
                dupe_factor: int = 1, seed: int = 12345) -> dict:
-    """Sentence pairs from a text file in BERT's layout, tokenised with a local tokenizer folder that has [CLS],
-    [SEP], [MASK] and [PAD] (a BERT WordPiece tokenizer: `data: {builtin: text-pairs, kwargs: {path, tokenizer}}`)."""
     try:
         from transformers import AutoTokenizer
     except ImportError:

@@ -2,25 +2,11 @@
 
     python -m reproduce.data.samples KIND DIR [--max-bytes N] [--image-size S] [--limit N]
 
-KIND:
-- `images`: scikit-learn's handwritten digits as PNG files in class folders, DIR/train/<digit>/<n>.png and
-  DIR/val/<digit>/<n>.png (the built-in `digits` split: 1,437 / 360), greyscale 8x8 (or --image-size S);
-- `tokenizer`: a byte-level BPE tokenizer trained here with `tokenizers` on the standard library's sources,
-  saved with `save_pretrained` so `AutoTokenizer.from_pretrained(DIR)` loads it;
-- `tokens`: the standard library's top-level sources tokenised with that tokenizer (DIR/tokenizer) to uint16,
-  nanoGPT's layout: DIR/train.bin and DIR/val.bin (every tenth file), an end-of-text token after each file;
-- `instructions`: Alpaca-format records built from the standard library's docstrings (instruction: explain
-  a function or class; input: its signature, empty for classes; output: the docstring's first paragraph),
-  DIR/train.jsonl and DIR/val.jsonl (every tenth record), with the tokenizer in DIR/tokenizer;
-- `hf-datasets`: the same records saved with `datasets`' save_to_disk (DIR/instructions, splits train and
-  validation) and the digits as parquet (DIR/digits-train.parquet, DIR/digits-val.parquet: `pixels`, 64
-  numbers; `image`, PNG bytes; `label`);
-- `segmentation`: shapes on backgrounds with ignored outlines in Pascal VOC's layout (JPEGImages/,
-  SegmentationClass/ palette PNGs, ImageSets/Segmentation/train.txt and val.txt: 160 / 40 scenes, 4 classes,
-  and the training scenes as the augmented set DeepLabV3 reads, SegmentationClassAug/ and trainaug.txt; `write_voc`);
-- `all`: each of the above in DIR/<kind> (tokens and instructions use DIR/tokenizer).
-
-Tests, the benchmark and `make demo` build their data with these functions.
+KIND: `images` (the digits split as PNGs in class folders), `tokenizer` (a byte-level BPE trained on the standard
+library's sources), `tokens` (those sources as uint16 ids, nanoGPT's train.bin / val.bin), `instructions` (Alpaca
+records from the standard library's docstrings, JSONL), `hf-datasets` (those records with save_to_disk, the digits
+as parquet), `segmentation` (shapes in Pascal VOC's layout), or `all` (each in DIR/<kind>, one tokenizer). Every
+tenth file or record is the validation split. Tests, the benchmark and `make demo` build their data with these.
 """
 
 from __future__ import annotations
@@ -46,7 +32,6 @@ MIN_RESPONSE_CHARACTERS = 20
 
 
 def _digits_split() -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """The built-in digits' fixed split: 8x8 images with values 0..16, and labels."""
     bunch, train, val = digits_split()
     return {split: (bunch.images[idx], bunch.target[idx]) for split, idx in (("train", train), ("val", val))}
 
@@ -63,7 +48,6 @@ def _png(image: np.ndarray, size: int) -> bytes:
 
 
 def write_images(folder: Path, image_size: int = 8) -> dict:
-    """The digits as PNG files in class folders: folder/train/<digit>/<n>.png, folder/val/<digit>/<n>.png."""
     counts = {}
     for split, (images, labels) in _digits_split().items():
         for number, (image, label) in enumerate(zip(images, labels, strict=True)):
@@ -79,7 +63,6 @@ def _source_texts(max_bytes: int) -> list[str]:
 
 
 def train_tokenizer(folder: Path, vocab_size: int = VOCAB_SIZE, max_bytes: int = MAX_BYTES) -> dict:
-    """A byte-level BPE tokenizer trained on the standard library's sources, saved for AutoTokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -96,15 +79,12 @@ def train_tokenizer(folder: Path, vocab_size: int = VOCAB_SIZE, max_bytes: int =
 
 
 def _tokenizer_for(folder: Path, tokenizer: Path | None, max_bytes: int) -> dict:
-    """A tokenizer already made (`tokenizer`), or one trained into folder/tokenizer."""
     if tokenizer is not None:
         return {"tokenizer": str(tokenizer)}
     return train_tokenizer(folder / "tokenizer", max_bytes=max_bytes)
 
 
 def write_tokens(folder: Path, max_bytes: int = MAX_BYTES, tokenizer: Path | None = None) -> dict:
-    """The standard library's sources as uint16 token ids: folder/train.bin, folder/val.bin (nanoGPT's layout),
-    tokenised with `tokenizer` (default: one trained into folder/tokenizer)."""
     from transformers import AutoTokenizer
 
     made = _tokenizer_for(folder, tokenizer, max_bytes)
@@ -122,13 +102,8 @@ def write_tokens(folder: Path, max_bytes: int = MAX_BYTES, tokenizer: Path | Non
     return {"train": str(folder / "train.bin"), "val": str(folder / "val.bin"), "tokens": counts, **made}
 
 
-def _first_paragraph(docstring: str, limit: int = 400) -> str:
-    paragraph = inspect.cleandoc(docstring).split("\n\n")[0].strip()
-    return paragraph[:limit]
-
-
 def docstring_records(limit: int = 2000) -> list[dict]:
-    """Alpaca-format records from the documented top-level functions and classes of the standard library."""
+    """Alpaca records explaining the standard library's documented functions and classes by their docstrings."""
     records = []
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for path in sorted(stdlib.glob("*.py")):
@@ -142,14 +117,15 @@ def docstring_records(limit: int = 2000) -> list[dict]:
             if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name.startswith("_"):
                 continue
             docstring = ast.get_docstring(node)
-            if not docstring or len(_first_paragraph(docstring)) < MIN_RESPONSE_CHARACTERS:
+            output = inspect.cleandoc(docstring).split("\n\n")[0].strip()[:400] if docstring else ""
+            if len(output) < MIN_RESPONSE_CHARACTERS:
                 continue
             kind = "function" if isinstance(node, ast.FunctionDef) else "class"
             signature = f"def {node.name}({ast.unparse(node.args)})" if kind == "function" else ""
             records.append({
                 "instruction": f"Explain what the {kind} {node.name} in Python's {path.stem} module does.",
                 "input": signature,
-                "output": _first_paragraph(docstring),
+                "output": output,
             })
             if len(records) >= limit:
                 return records
@@ -164,8 +140,6 @@ def _split_records(records: list[dict]) -> dict[str, list[dict]]:
 
 def write_instructions(folder: Path, limit: int = 2000, max_bytes: int = MAX_BYTES, tokenizer: Path | None = None
                        ) -> dict:
-    """Docstring records as Alpaca JSONL (folder/train.jsonl, folder/val.jsonl), and a tokenizer trained into
-    folder/tokenizer unless `tokenizer` names one."""
     made = _tokenizer_for(folder, tokenizer, max_bytes)
     folder.mkdir(parents=True, exist_ok=True)
     counts = {}
@@ -178,7 +152,6 @@ def write_instructions(folder: Path, limit: int = 2000, max_bytes: int = MAX_BYT
 
 
 def write_hf_datasets(folder: Path, limit: int = 2000) -> dict:
-    """A save_to_disk DatasetDict of the docstring records, and the digits as parquet files."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -202,11 +175,7 @@ def write_hf_datasets(folder: Path, limit: int = 2000) -> dict:
 
 
 # ---- segmentation scenes -----------------------------------------------------------------------------------------
-# Each scene is a smooth grey-ish random background with one to three shapes (class 1 disc, 2 square, 3 triangle; 0
-# the background), each in a jittered colour of its class, so a small model learns them in a minute on a CPU. As in
-# VOC's SegmentationClass/, every shape's outline is marked 255 (ignored, `BORDER` pixels wide) and the masks are
-# palette PNGs of class ids. Image sizes vary (`MIN_SIDE` .. `MAX_SIDE`), so random crops, padding and evaluation at
-# the image's own size are all exercised. Deterministic from the seed.
+# 1-3 shapes on a smooth background, outlines 255 (ignored) as in VOC's masks, sizes varied to exercise crops and pads
 
 CLASSES = ("background", "disc", "square", "triangle")
 CLASS_COLOURS = {1: (200, 60, 60), 2: (60, 190, 70), 3: (60, 80, 210)}  # RGB, jittered per shape
@@ -216,17 +185,14 @@ MIN_SIDE, MAX_SIDE = 64, 88
 
 
 def voc_palette() -> list[int]:
-    """Pascal VOC's colour map (the bit-interleaving of the class id), 256 entries; 255 is VOC's border colour."""
+    """Pascal VOC's colour map (the class id's bits interleaved); 255 is VOC's border colour."""
     palette = []
     for index in range(256):
-        red = green = blue = 0
-        value = index
+        colour = [0, 0, 0]
         for bit in range(8):
-            red |= ((value >> 0) & 1) << (7 - bit)
-            green |= ((value >> 1) & 1) << (7 - bit)
-            blue |= ((value >> 2) & 1) << (7 - bit)
-            value >>= 3
-        palette += [red, green, blue]
+            for channel in range(3):
+                colour[channel] |= ((index >> (3 * bit + channel)) & 1) << (7 - bit)
+        palette += colour
     palette[IGNORE * 3:IGNORE * 3 + 3] = [224, 224, 192]
     return palette
 
@@ -279,8 +245,7 @@ def scene(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_voc(folder: Path, train: int = 160, val: int = 40, seed: int = 0) -> dict:
-    """`train` + `val` scenes as a VOC folder: JPEGImages/, SegmentationClass/, ImageSets/Segmentation/, and the
-    training scenes as the augmented set too (SegmentationClassAug/, trainaug.txt)."""
+    """`train` + `val` scenes as a VOC folder, the training scenes as the augmented set too (trainaug.txt)."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)

@@ -1,22 +1,8 @@
-"""`format: segmentation`: images with a mask of class ids each (docs/data.md, docs/segmentation.md).
+"""`format: segmentation`: images with a mask of class ids each, in Pascal VOC's layout, images/ and masks/, or
+Cityscapes' (its labelTrainIds masks), found from the folder unless `data.layout` says (docs/segmentation.md).
 
-Three layouts, found from the folder unless `data.layout` says which:
-- `voc`: Pascal VOC's, `JPEGImages/ID.jpg`, `SegmentationClass/ID.png` (palette PNGs: the index is the class id, 255
-  the ignored border) and the lists `ImageSets/Segmentation/{train,val}.txt` (`data.split`, `data.eval_split`; the
-  training masks' folder `data.masks`, e.g. SegmentationClassAug for trainaug);
-- `images-masks`: `images/NAME.jpg|png` and `masks/NAME.png` of the same relative name, greyscale or palette PNGs of
-  label ids; evaluation reads eval_path, or images/val/ and masks/val/ when both are split into train/ and val/;
-- `cityscapes`: `leftImg8bit/SPLIT/CITY/NAME_leftImg8bit.png` with `gtFine/SPLIT/CITY/NAME_gtFine_labelTrainIds.png`,
-  the 19 training classes (255 void) that cityscapesscripts' `createTrainIdLabelImgs.py` writes beside the raw
-  `*_gtFine_labelIds.png`; SPLIT is `data.split` / `data.eval_split`, as MMSegmentation reads them.
-
-Training samples are cut as DeepLabV3 and MMSegmentation cut them: a random rescale in `data.scale` (bilinear image,
-nearest mask), ImageNet normalisation, padding to the crop (image 0 after normalisation, mask ignore_index) when
-`data.pad` says so, a random crop of `data.crop`, and a horizontal flip half the time (`data.flip`). Evaluation
-images are only normalised, at their own size. The random numbers come from torch's default generator, which the
-loader seeds per sample (`data.loader`): the same crops whatever the workers, and after a resume; a sample's valid
-pixels are counted from its mask alone with the same draws (`target_counts_at`), before the window's first backward.
-Every file is checked when the data is built, before anything is written.
+Training samples are cut as DeepLabV3 and MMSegmentation cut them (rescale, normalise, pad, crop, flip), with the
+loader's per-sample draws, so a sample's valid pixels are counted from its mask alone (`target_counts_at`).
 """
 
 from __future__ import annotations
@@ -51,7 +37,7 @@ class Pair:
 
 @dataclass(frozen=True)
 class Cut:
-    """A training sample's random draws: the rescale factor, the crop's corner in the padded image, the flip."""
+    """A training sample's draws: the rescale, the crop's corner in the padded image, the flip."""
 
     scale: float
     top: int
@@ -85,7 +71,6 @@ class SegmentationData(torch.utils.data.Dataset):
         return len(self.pairs)
 
     def draw(self, index: int) -> Cut | None:
-        """This sample's random draws, from torch's default generator (seeded per sample by the loader)."""
         augment = self.augment
         if not augment.train or augment.crop is None:
             return None
@@ -109,7 +94,6 @@ class SegmentationData(torch.utils.data.Dataset):
         return TF.resize(tensor, size, interpolation=mode, antialias=not nearest)
 
     def _place(self, tensor: torch.Tensor, cut: Cut | None, fill: float) -> torch.Tensor:
-        """Pad a C x H x W tensor with `fill` to the crop where it is smaller, crop it and flip it as `cut` says."""
         if cut is None:
             return tensor
         crop_h, crop_w = self.augment.crop
@@ -127,13 +111,13 @@ class SegmentationData(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         pair = self.pairs[index]
         cut = self.draw(index)  # first: the draws target_counts_at repeats
-        image = self._resize(TF.to_dtype(read_image(pair.image), torch.float32, scale=True), cut, pair, nearest=False)
+        image = torch.from_numpy(np.asarray(open_image(str(pair.image), "RGB")).copy()).permute(2, 0, 1)
+        image = self._resize(TF.to_dtype(image, torch.float32, scale=True), cut, pair, nearest=False)
         image = self._place(TF.normalize(image, list(IMAGENET_MEAN), list(IMAGENET_STD)), cut, 0.0)
         return image, self.mask(index, cut)
 
     def target_counts_at(self, seed: int, step: int, indices: torch.Tensor) -> torch.Tensor:
-        """Each sample's valid pixels (mask != ignore_index) as the loader cuts it at optimizer step `step`: the same
-        draws from the same per-sample seeds (loader.seeded_samples), the mask alone decoded."""
+        """Each sample's valid pixels as the loader cuts it at `step`: the same seeded draws, the mask alone read."""
         from .loader import seeded_samples
 
         if self.augment.all_pixels and self.augment.train and self.augment.crop is not None:
@@ -150,14 +134,8 @@ class SegmentationData(torch.utils.data.Dataset):
 # ---- reading and checking the files -------------------------------------------------------------------------------
 
 
-def read_image(path: Path) -> torch.Tensor:
-    """An image file as a uint8 3 x H x W RGB tensor; a file that is not an image is the user's error
-    (images.open_image)."""
-    return torch.from_numpy(np.asarray(open_image(str(path), "RGB")).copy()).permute(2, 0, 1)
-
-
 def read_mask(path: Path) -> np.ndarray:
-    """A mask's class ids, H x W: a palette PNG's indices (VOC) or a greyscale PNG's values, never its colours."""
+    """A mask's class ids: a palette PNG's indices or a greyscale PNG's values, never its colours."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -171,7 +149,6 @@ def read_mask(path: Path) -> np.ndarray:
 
 
 def _size(path: Path) -> tuple[int, int]:
-    """(height, width) from the file's header."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -190,16 +167,7 @@ def _pair(image: Path, mask: Path) -> Pair:
     return Pair(image, mask, height, width)
 
 
-def _image_of(folder: Path, stem: str) -> Path | None:
-    for suffix in IMAGE_SUFFIXES:
-        for candidate in (folder / f"{stem}{suffix}", folder / f"{stem}{suffix.upper()}"):
-            if candidate.is_file():
-                return candidate
-    return None
-
-
 def voc_pairs(root: Path, split: str, masks: str = VOC_MASKS) -> list[Pair]:
-    """The image / mask pairs of VOC's list ImageSets/Segmentation/SPLIT.txt, the masks in `masks`/."""
     listing = root / VOC_LISTS / f"{split}.txt"
     if not listing.is_file():
         present = sorted(p.stem for p in (root / VOC_LISTS).glob("*.txt"))
@@ -210,7 +178,8 @@ def voc_pairs(root: Path, split: str, masks: str = VOC_MASKS) -> list[Pair]:
         raise UserError(f"{listing}: an empty list; expected the split's image ids, one a line")
     pairs = []
     for name in ids:
-        image = _image_of(root / "JPEGImages", name)
+        paths = [root / "JPEGImages" / f"{name}{suffix}" for ext in IMAGE_SUFFIXES for suffix in (ext, ext.upper())]
+        image = next((path for path in paths if path.is_file()), None)
         mask = root / masks / f"{name}{MASK_SUFFIX}"
         if image is None:
             raise UserError(f"{listing}: image id {name!r} has no image JPEGImages/{name}.jpg"
@@ -222,7 +191,7 @@ def voc_pairs(root: Path, split: str, masks: str = VOC_MASKS) -> list[Pair]:
 
 
 def _not_png(mask: Path) -> str:
-    """Where a mask of another format stands in the expected .png's place: its name, and why it is not read."""
+    """Why a mask of another format in the expected .png's place is not read."""
     for suffix in IMAGE_SUFFIXES:
         if suffix != MASK_SUFFIX and mask.with_suffix(suffix).is_file():
             return (f"; {mask.with_suffix(suffix).name} is a {suffix[1:].upper()} file, and a mask is a PNG of class "
@@ -236,8 +205,7 @@ def split_folders(root: Path) -> bool:
 
 
 def folder_pairs(root: Path, split: str | None = None) -> list[Pair]:
-    """The pairs of images/ and masks/ (of images/SPLIT/ and masks/SPLIT/ when they are split): every image with the
-    mask of its relative name, and no mask left over."""
+    """Every image of images/[SPLIT/] with the mask of its relative name in masks/[SPLIT/], none left over."""
     images_root, masks_root = root / "images", root / "masks"
     if split is not None:
         images_root, masks_root = images_root / split, masks_root / split
@@ -274,8 +242,6 @@ def find_layout(root: Path, field: str, masks: str = VOC_MASKS) -> str:
 
 
 def cityscapes_files(root: Path, split: str) -> list[tuple[Path, Path]]:
-    """The (image, labelTrainIds mask) paths of one split; a split of labelIds masks only is one line naming the
-    script that converts them."""
     folder = root / CITY_IMAGES / split
     if not folder.is_dir():
         present = sorted(p.name for p in (root / CITY_IMAGES).iterdir() if p.is_dir())
@@ -327,8 +293,7 @@ def check_crop(pairs: list[Pair], augment: Augment) -> None:
 
 
 def check_window(pairs: list[Pair], evaluation: Any, pad: bool) -> None:
-    """`evaluation.mode: slide` without data.pad: every evaluation image holds the window (with it, a smaller image is
-    one window of its own size, as MMSegmentation's slide_inference cuts it)."""
+    """`evaluation.mode: slide` without data.pad: every evaluation image holds the window."""
     if evaluation.mode != "slide" or pad:
         return
     crop_h, crop_w = evaluation.crop

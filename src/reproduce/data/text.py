@@ -1,16 +1,9 @@
-"""Text to train on: `format: instructions` (Alpaca's JSON / JSONL records), `format: chat` (conversations) and
-the text of `hf-datasets`, tokenised once when the run starts with a local tokenizer (`data.tokenizer`; never the
-network), truncated to `data.max_length` tokens.
+"""Text to train on (`format: instructions`, `format: chat`, hf-datasets' text), tokenised once with a local
+tokenizer, truncated to `data.max_length`.
 
-Instructions follow Alpaca's `train.py` exactly: the filled template + output + EOS is tokenised and its first
-len(tokenised prompt) tokens carry the ignore index -100, so the loss and the window's token count that normalises
-it are over the response only; plain text (a `text` column) is the text + EOS, every token bearing loss. A
-conversation (OpenAI's `{"messages": [{"role", "content"}]}` or ShareGPT's `{"conversations": [{"from", "value"}]}`)
-is rendered by the tokenizer's chat template, the loss on the assistant turns (each from the end of the generation
-prompt before it to its end-of-turn token), or on every token with `train_on_inputs`.
-
-Items follow the loop's data contract: inputs tokens[:-1], targets labels[1:]; each example's loss-bearing count is
-kept from the start (`target_counts`), so a window's count is known before its first backward.
+Instructions follow Alpaca's `train.py`: template + output + EOS, the prompt's tokens -100, so the loss and its count
+are over the response only. A conversation is rendered by the tokenizer's chat template, the loss on the assistant
+turns.
 """
 
 from __future__ import annotations
@@ -52,14 +45,12 @@ def alpaca_prompt(instruction: str, input: str = "") -> str:  # noqa: A002 (Alpa
 
 
 def alpaca_lora_prompt(instruction: str, input: str = "") -> str:  # noqa: A002 (Alpaca's field name)
-    """Alpaca-LoRA's default template (tloen/alpaca-lora templates/alpaca.json): Stanford's wording with a newline
-    after "### Response:" (its alpaca_legacy.json is Stanford's exactly)."""
+    """Alpaca-LoRA's templates/alpaca.json: Stanford's with a newline after "### Response:"."""
     return alpaca_prompt(instruction, input) + "\n"
 
 
 def e2e_prompt(instruction: str, input: str = "", eos: str = "") -> str:  # noqa: A002
-    """microsoft/LoRA's E2E encoding (src/gpt2_encode.py --add_bos --add_eos, create_datasets.sh): the context's
-    tokens, then GPT-2's <|endoftext|> (id 50256) as the `bos`; the completion follows with a leading space."""
+    """microsoft/LoRA's E2E encoding (src/gpt2_encode.py --add_bos --add_eos): the context, then <|endoftext|>."""
     return instruction + (f"\n{input}" if input else "") + eos
 
 
@@ -68,8 +59,7 @@ RESPONSE_PREFIX = {"e2e": " "}  # put before the response (gpt2_encode.py encode
 
 
 class TokenisedTexts(Dataset):
-    """Examples tokenised once, held as one flat tensor of ids beside one flat mask of the tokens that bear loss: all
-    but the first `prompt_lengths[i]` of example i, or the given `masks` (a conversation's assistant turns)."""
+    """Examples as flat ids beside a flat mask of the tokens that bear loss (after the prompt, or `masks`)."""
 
     in_memory = True  # items are slices of memory: loader workers would only add copying
 
@@ -104,25 +94,21 @@ class TokenisedTexts(Dataset):
         return self.counts[indices]
 
     def input_lengths(self) -> torch.Tensor:
-        """Each example's input tokens (its tokens less the last): what a micro-batch computes of it."""
         return self.lengths - 1
 
     def longest_item(self) -> int:
-        """The index of the longest example: what the memory probe must fit."""
         return int(torch.argmax(self.lengths))
 
     def sequence(self, index: int) -> list[int]:
         return self.ids[int(self.offsets[index]):int(self.offsets[index + 1])].tolist()
 
     def select(self, indices: Sequence[int]) -> TokenisedTexts:
-        """The examples at `indices`, in that order (a held-out split: data.eval_size)."""
         masks = [self.mask[int(self.offsets[i]):int(self.offsets[i + 1])].tolist() for i in indices]
         return TokenisedTexts([self.sequence(i) for i in indices], masks=masks)
 
 
 def hold_out(data: dict, recipe: Any) -> dict:
-    """`data` with data.eval_size (or data.eval_fraction) of its training examples moved to an eval split, drawn with
-    the recipe's seed as Alpaca-LoRA's train_test_split holds 2,000 out, each split in the file's order."""
+    """data.eval_size (or eval_fraction) of the examples held out with the recipe's seed, as Alpaca-LoRA does."""
     train, share = data["train"], recipe.data.eval_fraction
     field = "data.eval_size" if share is None else "data.eval_fraction"
     if not hasattr(train, "select"):
@@ -139,7 +125,7 @@ def hold_out(data: dict, recipe: Any) -> dict:
 
 
 def load_tokenizer(name: str, field: str = "data.tokenizer") -> Any:
-    """A tokenizer from a local folder (or tokenizer.json file), or the local Hugging Face cache: never fetched."""
+    """A tokenizer from a local folder or tokenizer.json, or the local Hugging Face cache: never fetched."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(name).expanduser()
@@ -161,8 +147,7 @@ def load_tokenizer(name: str, field: str = "data.tokenizer") -> Any:
 
 
 def read_records(path: Path, field: str, fields: dict[str, str] | None = None) -> list[dict]:
-    """Alpaca records from a JSON file (a list of objects, as alpaca_data.json) or JSONL (one object a line); `fields`:
-    our name -> the records' (data.columns)."""
+    """Alpaca records from JSON (a list) or JSONL; `fields`: our name -> the records' (data.columns)."""
     if not path.exists():
         raise UserError(f"{field}: {path}: no such file (expected JSON or JSONL records with instruction, input, "
                         "output)")
@@ -177,7 +162,7 @@ def read_records(path: Path, field: str, fields: dict[str, str] | None = None) -
 
 
 def read_json_rows(path: Path) -> list[tuple[str, Any]]:
-    """The values of a JSON list or a JSONL file, each with its place ("record 3", "line 7"); bad JSON is one line."""
+    """The values of a JSON list or JSONL file, each with its place ("record 3", "line 7")."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -201,7 +186,6 @@ def read_json_rows(path: Path) -> list[tuple[str, Any]]:
 
 
 def check_record(record: Any, path: Path | str, place: str, fields: dict[str, str] | None = None) -> None:
-    """An object with string `instruction`, `output` and optional `input` (or the `fields`: ours -> the data's)."""
     fields = fields or {name: name for name in RECORD_FIELDS}
     if not isinstance(record, dict):
         raise UserError(f"{path}: {place}: expected a JSON object with instruction, input, output (got "
@@ -219,8 +203,7 @@ def check_record(record: Any, path: Path | str, place: str, fields: dict[str, st
 
 def tokenise(tokenizer: Any, prompts: list[str], responses: list[str], max_length: int,
              train_on_inputs: bool = False) -> tuple[TokenisedTexts, dict]:
-    """Alpaca's preprocessing: prompt + response (+ EOS) tokenised, truncated, its first len(tokenised prompt) tokens
-    masked (none with `train_on_inputs`, Alpaca-LoRA's default); examples of fewer than two tokens left out."""
+    """Alpaca's preprocessing (`train_on_inputs`: no mask, Alpaca-LoRA's default); examples under 2 tokens left out."""
     eos = tokenizer.eos_token or ""
     full = [prompt + response + eos for prompt, response in zip(prompts, responses, strict=True)]
     ids = tokenizer(full, truncation=True, max_length=max_length)["input_ids"]
@@ -243,8 +226,7 @@ def tokenise(tokenizer: Any, prompts: list[str], responses: list[str], max_lengt
 
 
 def check_targets(stats: dict, field: str, path: Path | str, train_on_inputs: bool) -> None:
-    """A training set with no loss-bearing token is one line (it would train at loss 0 and exit 0): every example's
-    response cut off by data.max_length, with the loss on responses only."""
+    """A training set with no loss-bearing token is one line (it would train at loss 0 and exit 0)."""
     if stats["examples"] and stats["target_tokens"] == 0:
         why = ("train_on_inputs is false and no example keeps a response token within data.max_length "
                f"({stats['max_length']} tokens): raise data.max_length, or set data.train_on_inputs: true"
@@ -254,8 +236,7 @@ def check_targets(stats: dict, field: str, path: Path | str, train_on_inputs: bo
 
 def instruction_texts(records: list[dict], template: str, fields: dict[str, str] | None = None, eos: str = ""
                       ) -> tuple[list[str], list[str]]:
-    """(prompts, responses) of the records under `template` (`eos`: the tokenizer's, which the e2e template puts
-    after the context)."""
+    """(prompts, responses) of the records under `template` (`eos`: the tokenizer's, for e2e)."""
     fields = fields or {name: name for name in RECORD_FIELDS}
     prompt = TEMPLATES[template]
     extra = {"eos": eos} if template == "e2e" else {}
@@ -265,8 +246,7 @@ def instruction_texts(records: list[dict], template: str, fields: dict[str, str]
 
 
 def tokenizer_name(recipe: Any) -> tuple[str, str]:
-    """(the tokenizer to load, the field it comes from): data.tokenizer, else the folder of model.weights, else the
-    model's own with model.hf."""
+    """(the tokenizer, its field): data.tokenizer, else model.weights' folder, else model.hf's."""
     spec, model = recipe.data, recipe.model
     if isinstance(spec, TextData) and spec.tokenizer is not None:
         return spec.tokenizer, "data.tokenizer"
@@ -283,7 +263,6 @@ def tokenizer_name(recipe: Any) -> tuple[str, str]:
 
 
 def text_settings(recipe: Any) -> tuple[Any, int]:
-    """The tokenizer (`tokenizer_name`) and the length to truncate to."""
     name, field = tokenizer_name(recipe)
     return load_tokenizer(name, field), recipe.data.max_length or recipe.batch.sequence_length
 
@@ -322,7 +301,6 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 
 
 def messages_of(record: Any, path: Path, place: str) -> list[dict]:
-    """The record's turns as [{"role", "content"}]; no assistant turn, an unknown role or no text is one line."""
     if not isinstance(record, dict) or not isinstance(record.get("messages", record.get("conversations")), list):
         raise UserError(f"{path}: {place}: expected an object with a list of messages ({{\"messages\": [{{\"role\": "
                         "\"user\", \"content\": ...}, ...]}, or ShareGPT's \"conversations\" of from / value)")
@@ -346,7 +324,6 @@ def messages_of(record: Any, path: Path, place: str) -> list[dict]:
 
 
 def render(tokenizer: Any, messages: list[dict], max_length: int, train_on_inputs: bool) -> tuple[list, list, bool]:
-    """(token ids, loss mask, truncated) of one conversation under the tokenizer's chat template."""
     def ids(turns: list[dict], prompt: bool = False) -> list[int]:
         return list(tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=prompt,
                                                   return_dict=True)["input_ids"])

@@ -1,9 +1,5 @@
-"""`format: tokens`: a flat binary file of token ids, as nanoGPT's `prepare.py` writes `train.bin` / `val.bin`.
-
-The file is memory-mapped (`numpy.memmap`), never read whole. Sample i is the span of `sequence_length`
-tokens starting at i x sequence_length as input, and the same span shifted by one token as its targets, so
-the samples tile the file without overlap: (tokens - 1) // sequence_length of them. Every target bears loss.
-"""
+"""`format: tokens`: a flat binary file of token ids (nanoGPT's train.bin / val.bin), memory-mapped; sample i is the
+span of `sequence_length` tokens at i x sequence_length, its targets shifted by one: the samples tile the file."""
 
 from __future__ import annotations
 
@@ -14,19 +10,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from ..errors import UserError
+from .builtin import TokenWindows
 
 DEFAULT_DTYPE = "uint16"  # nanoGPT's choice for GPT-2's 50,257 ids
 
 
-class TokenFile(Dataset):
-    """Non-overlapping next-token samples cut from a memory-mapped token file."""
-
-    # Slices of the page cache, as nanoGPT reads them: a loader worker would only add copying (bench/README.md:
-    # the loader alone takes over 10x fewer samples/s through a worker), so the default is 0 workers.
-    in_memory = True
+class TokenFile(TokenWindows):
+    """TokenWindows of a memory-mapped token file: slices of the page cache, which a loader worker would only copy
+    (over 10x fewer samples/s, bench/README.md)."""
 
     def __init__(self, path: Path, sequence_length: int, dtype: str = DEFAULT_DTYPE, field: str = "data.path"):
         self.path, self.length, self.dtype = Path(path), sequence_length, np.dtype(dtype)
@@ -48,27 +41,22 @@ class TokenFile(Dataset):
 
     @property
     def memmap(self) -> np.memmap:
-        """Opened on first use in each process (a worker maps the file itself; nothing is copied to it)."""
+        """Opened on first use in each process (a worker maps the file itself)."""
         if self._memmap is None:
             self._memmap = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.tokens,))
         return self._memmap
 
     def with_sequence_length(self, sequence_length: int) -> TokenFile:
-        """The same file cut into samples of another length (a batch phase with its own sequence length)."""
         return TokenFile(self.path, sequence_length, self.dtype.name)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_memmap": None}
-
-    def __len__(self) -> int:
-        return self.count
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = self.batch(torch.tensor([index]))
         return inputs[0], targets[0]
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The samples of `indices`: one (len(indices), sequence_length + 1) read of the mapped spans."""
         starts = np.asarray(indices, dtype=np.int64) * self.length
         if len(starts) and (starts.min() < 0 or starts.max() >= self.count * self.length):
             raise IndexError(f"sample index out of range for {self.count} samples")
@@ -76,17 +64,12 @@ class TokenFile(Dataset):
         chunks = torch.from_numpy(spans.astype(np.int64))
         return chunks[:, :-1], chunks[:, 1:]
 
-    def target_counts(self, indices: torch.Tensor) -> torch.Tensor:
-        """Every target of a sample bears loss: sequence_length each (known without reading the file)."""
-        return torch.full((len(indices),), self.length, dtype=torch.long)
-
 
 MAX_ID_CHUNK = 1 << 26  # token ids read per step of the maximum's pass: 128 MiB of uint16
 
 
 def max_token_id(path: Path, dtype: str) -> int:
-    """The largest token id in the file: read once by memory map, in chunks, then cached beside the file
-    (`.NAME.max-id.json`, keyed by its size and modification time; a folder that cannot be written is not cached)."""
+    """The largest token id in the file, cached beside it (`.NAME.max-id.json`, keyed by size and mtime)."""
     stat = path.stat()
     cache = path.with_name(f".{path.name}.max-id.json")
     key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": dtype}
@@ -107,7 +90,7 @@ def max_token_id(path: Path, dtype: str) -> int:
 
 
 class _PlainData(pickle.Unpickler):
-    """meta.pkl holds plain dicts, strings and numbers: nothing that needs a class, so none is ever loaded."""
+    """meta.pkl holds plain data: no class is ever loaded."""
 
     def find_class(self, module, name):
         raise pickle.UnpicklingError(f"meta.pkl names {module}.{name}; only plain data is read")
@@ -126,7 +109,6 @@ def meta_vocab_size(folder: Path) -> int | None:
 
 
 def build_tokens(recipe: Any) -> dict:
-    """A token file, or a nanoGPT data folder holding train.bin (and val.bin, the evaluation data unless given)."""
     spec, length = recipe.data, recipe.batch.sequence_length
     dtype = spec.dtype or DEFAULT_DTYPE
     train_path, eval_path = Path(spec.path), Path(spec.eval_path) if spec.eval_path is not None else None

@@ -1,16 +1,9 @@
-"""Models: the one place the training loop, the probe and verify build a recipe's model.
+"""Models: the one place the run, the probe and verify build a recipe's model (a built-in of `MODELS`, a
+`factory:`, or `hf:` from local files), from `model.weights` when it names some, in `model.dtype`, with LoRA.
 
-`build_model(recipe, data_info)` gives an `nn.Module` for a built-in name (`MODELS`: the small built-ins and the
-papers' architectures), the user's own `factory:`, or a Hugging Face model (`hf:`, local files only), starting from
-the pretrained weights of `model.weights` when it names some (models/pretrained.py), with its weights in
-`model.dtype` and, with `model.lora`, LoRA adapters. `model_inputs(recipe)` says what the model fixes
-about its inputs (vocabulary, context, image size), so data that is not on this machine can still be given a shape.
-
-`model.batchnorm` (keep | sync | frozen | group) answers the one thing accumulation cannot make exact: BatchNorm
-normalises each micro-batch by its own statistics. `sync` is `torch.nn.SyncBatchNorm` (CUDA, several processes:
-`to_sync` once they exist); `frozen` torchvision's `FrozenBatchNorm2d` (Detectron2's practice with a pretrained
-backbone); `group` GroupNorm (Wu & He 2018, arXiv 1803.08494) in 32 groups, or the largest divisor of the channels
-below it, a deviation from the paper.
+`model.batchnorm` answers what accumulation cannot make exact (BatchNorm normalises each micro-batch by its own
+statistics): `sync` is SyncBatchNorm (`to_sync`), `frozen` torchvision's FrozenBatchNorm2d (Detectron2's practice),
+`group` GroupNorm (Wu & He 2018, arXiv 1803.08494) in 32 groups, or the largest divisor of the channels below it.
 """
 
 from __future__ import annotations
@@ -29,15 +22,15 @@ from ..plan.overlay import variant
 from ..plan.recipe import Recipe, SegmentationData
 from ..plan.weightfiles import WeightsOnDisk
 from . import small
-from .architectures import ARCHITECTURES
+from .architectures import ARCHITECTURES, SEGMENTATION_MODELS
 from .architectures import LOSSES as LOSSES
 from .hf import HFLogits
-from .segmentation import SEGMENTATION_MODELS, check_output_classes
+from .segmentation import check_output_classes
 from .weights import adapt, on_meta, place, weights_of
 
 __all__ = [
     "LOSSES", "MODELS", "build_model", "check_context", "count_batchnorm", "count_parameters", "counted_batchnorm",
-    "has_batchnorm", "model_inputs", "parameter_counts", "place",
+    "model_inputs", "parameter_counts", "place",
 ]
 
 BATCHNORM = nn.modules.batchnorm._BatchNorm  # normalises by batch statistics (torchvision's FrozenBatchNorm2d does not)
@@ -101,10 +94,7 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
 
 
 def keys_after_conversion(recipe: Recipe, weights: WeightsOnDisk, data_info: dict | None, name: str) -> bool:
-    """Whether the state dict file holds the keys of the model after `model.batchnorm`'s conversion rather than of
-    the architecture as published: a model.pt this tool wrote under `frozen` (FrozenBatchNorm2d keeps no
-    num_batches_tracked) or `group` (GroupNorm keeps no running statistics). Checked on the meta device; a file that
-    fits neither is one line naming the published architecture's mismatches."""
+    """Whether the file holds the keys after `model.batchnorm`'s conversion (a model.pt written by a run)."""
     from .pretrained import check_state_dict_file
 
     with torch.device("meta"):
@@ -166,17 +156,20 @@ def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict 
 
 
 def model_inputs(recipe: Recipe) -> dict:
-    """What the recipe's built-in model fixes about its inputs; {} for a factory or Hugging Face model.
-
-    Token models: `{"inputs": "tokens", "vocab_size": V, "context": T}` (the longest sequence it takes, or None);
-    image models: `{"inputs": "images", "channels": C, "classes": K, "image_size": S}` (image_size only where
-    the architecture fixes it, as ViT's position embeddings do; classes is its default head, which the data's
-    classes override).
-    """
+    """What the recipe's model fixes about its inputs (tokens: vocab_size, context; images: channels, classes,
+    image_size), so data not on this machine can be given a shape; {} for a factory."""
     spec = recipe.model
     kwargs = spec.kwargs
-    if spec.hf is not None:  # a local folder's config: its context only (its vocabulary is the tokenizer's)
-        return hf_context(recipe)
+    if spec.hf is not None:  # the folder's positions (RoBERTa's less the padding index + 1); {} if not here
+        weights = weights_of(recipe)
+        folder = weights.path if weights is not None and weights.is_folder else hf_model_folder(spec.hf)
+        if folder is None or not (folder / "config.json").is_file():
+            return {}
+        config = json.loads((folder / "config.json").read_text())
+        positions = config.get("n_positions") or config.get("max_position_embeddings")
+        if positions and "roberta" in str(config.get("model_type")):
+            positions -= int(config.get("pad_token_id") or 1) + 1
+        return {"context": positions} if positions else {}
     if spec.weights is not None and spec.builtin in ARCHITECTURES:
         weights = weights_of(recipe)
         if weights.is_folder:  # the folder's config is the architecture
@@ -194,24 +187,8 @@ def model_inputs(recipe: Recipe) -> dict:
     return {}
 
 
-def hf_context(recipe: Recipe) -> dict:
-    """`{"context": T}` of a `model.hf` folder (or the weights folder in its place) from its config.json, T its
-    positions (RoBERTa's less the padding index + 1); {} where the folder is not on this machine."""
-    weights = weights_of(recipe)
-    folder = weights.path if weights is not None and weights.is_folder else hf_model_folder(recipe.model.hf)
-    if folder is None or not (folder / "config.json").is_file():
-        return {}
-    config = json.loads((folder / "config.json").read_text())
-    positions = config.get("n_positions") or config.get("max_position_embeddings")
-    if positions and "roberta" in str(config.get("model_type")):
-        positions -= int(config.get("pad_token_id") or 1) + 1
-    return {"context": positions} if positions else {}
-
-
 def check_context(recipe: Recipe, fixed: dict | None = None) -> None:
-    """The recipe's longest sequence (batch.sequence_length, else data.max_length) within the positions the model
-    takes: one line, before any data is read or written (GPT-2 would raise IndexError in its position embedding,
-    LLaMA would run past its trained positions silently)."""
+    """The recipe's longest sequence within the model's positions, checked before any data is read."""
     length = recipe.batch.sequence_length or recipe.data.max_length
     context = (model_inputs(recipe) if fixed is None else fixed).get("context")
     if length is None or context is None or length <= context:
@@ -225,8 +202,7 @@ def check_context(recipe: Recipe, fixed: dict | None = None) -> None:
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(all parameters, those that train); `parameters()` counts a tied parameter once, a quantised weight (two
-    4-bit values a byte) by its unquantised shape, a sharded one (a DTensor) whole (nanoGPT's get_num_params)."""
+    """(all parameters, those that train): a tied one once, a quantised or sharded one by its whole shape."""
     parameters = list(model.parameters())
     sizes = [(state.shape.numel() if (state := getattr(p, "quant_state", None)) is not None else p.numel(),
               p.requires_grad) for p in parameters]
@@ -234,25 +210,19 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 
 
 def parameter_counts(recipe: Recipe, data_info: dict | None = None) -> tuple[int, int]:
-    """(all parameters, those that train) of the recipe's model, built on the meta device: no memory, no weights.
-    Counted unquantised: bitsandbytes packs two 4-bit weights in a byte, so a quantised base would count half."""
+    """`count_parameters` of the recipe's model built unquantised on the meta device."""
     plain = variant(recipe, {"model.quantize": None})
     with torch.device("meta"):
         return count_parameters(build_model(plain, data_info))
 
 
 def counted_batchnorm(recipe: Recipe, data_info: dict | None = None) -> int | None:
-    """The BatchNorm layers of a factory model as the recipe builds it with `batchnorm: keep`, counted on the meta
-    device (no memory, no weights); None for other models (built-ins are known: plan/batchnorm.py)."""
+    """The BatchNorm layers of a factory model built on the meta device; None for others (plan/batchnorm.py)."""
     if recipe.model.factory is None:
         return None
     kept = variant(recipe, {"model.batchnorm": "keep"})
     with torch.device("meta"):
         return count_batchnorm(build_model(kept, data_info))
-
-
-def has_batchnorm(model: nn.Module) -> bool:
-    return any(isinstance(m, BATCHNORM) for m in model.modules())
 
 
 def count_batchnorm(model: nn.Module) -> int:
@@ -261,9 +231,7 @@ def count_batchnorm(model: nn.Module) -> int:
 
 
 def convert(model: nn.Module, mode: str) -> nn.Module:
-    """`model` with every BatchNorm replaced for `mode` ("frozen", "group"); "keep" and "sync" return it unchanged.
-    A frozen BN takes the BatchNorm's affine parameters and running statistics; a GroupNorm starts as torchvision
-    initialises one (weight 1, bias 0), as a BatchNorm does."""
+    """`model` with every BatchNorm frozen (its parameters and statistics kept) or a fresh GroupNorm, by `mode`."""
     if mode not in ("frozen", "group"):
         return model
     if not isinstance(model, BATCHNORM):
@@ -291,7 +259,6 @@ def convert(model: nn.Module, mode: str) -> nn.Module:
 
 
 def to_sync(model: nn.Module) -> nn.Module:
-    """Every BatchNorm as `torch.nn.SyncBatchNorm` (statistics over all processes of the default group)."""
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
@@ -314,8 +281,7 @@ def input_embedding(model: nn.Module) -> nn.Embedding | None:
 
 
 def check_vocabulary(model: nn.Module, info: dict | None) -> None:
-    """Token ids the model's embedding has no row for (the largest id of each token file, in its info), refused
-    before a step, naming the file, the id and the vocabulary: else the embedding raises IndexError mid-run."""
+    """Token ids the embedding has no row for (each token file's largest, in `info`): one line before a step."""
     info = info or {}
     if "max_token_id" not in info:
         return

@@ -1,25 +1,9 @@
-"""What a step keeps of its activations, set on the model's instance when it is built (the module tree, and so every
-parameter name, state dict and checkpoint, unchanged): activation checkpointing, activation offloading and the
-output head left to the loss.
+"""What a step keeps of its activations, set on the model's instance (module tree and state dict unchanged).
 
-`model.activation_checkpointing`: each block keeps only its input through forward, and backward runs its forward
-again for the activations it needs (about one more forward pass of compute). transformers models through their own
-`gradient_checkpointing_enable` (`activation_checkpointing_enable` since transformers 5), per layer; the built-in
-GPT's `Block`, torchvision's residual and ViT encoder blocks, and the blocks a factory model declares in
-`_no_split_modules` (the Hugging Face convention FSDP also reads) through `torch.utils.checkpoint.checkpoint`; the
-built-in MLP and CNN (no blocks) per layer, a segment from each weight layer to the next. Always
-`use_reentrant=False` (works with DDP, FSDP2 and frozen inputs) and `preserve_rng_state=True` (the same dropout
-masks); BatchNorm in a recomputed block updates its running statistics once, in forward. Applied before DDP and
-FSDP2's `fully_shard`, and on the meta device for the estimate meter, which counts the recomputation like any op.
-
-`model.offload_activations`: what the forward saves for backward is copied to CPU memory and back when backward
-needs it, exact (`saved_tensors_hooks`, as `save_on_cpu` does, but parameters stay where they are, as torchtune's
-OffloadActivations skips them); synchronous copies: less memory, slower steps. Under `host("meta")` (the estimate
-meter's stand-in for CPU memory) a saved tensor keeps only its shape and an empty one comes back in backward.
-
-`model.loss_chunks`: the model returns its last hidden states and the loss (train/chunked_loss.py) applies the head
-(the linear layer `lm_head` or `head`, whose forward becomes the identity) and the cross-entropy chunk by chunk, so
-the (tokens x vocabulary) logits never exist whole. Not under LoRA or quantisation on the head: one line.
+`model.activation_checkpointing`: each block keeps only its input, and backward recomputes it (transformers' own
+gradient checkpointing, else `torch.utils.checkpoint` per block, or per weight layer for the MLP and CNN).
+`model.offload_activations`: what forward saves goes to CPU memory and back (parameters stay, as in torchtune).
+`model.loss_chunks`: the head becomes the identity and train/chunked_loss.py applies it chunk by chunk.
 """
 
 from __future__ import annotations
@@ -27,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,10 +26,7 @@ HF_KWARGS = {"use_reentrant": False, "context_fn": lambda: contexts()}
 
 
 def enable(model: nn.Module, name: str, selective: bool = False) -> int:
-    """Checkpoint `model` per block (see the module's notes); the number of blocks checkpointed.
-
-    `name` is how the recipe names the model, for the one-line error when it has nothing to checkpoint. `selective`:
-    the blocks keep their matrix products' outputs and recompute only the ops between them (`SAVED_OPS`)."""
+    """Checkpoint `model` per block (`selective`: keeping `saved_ops`' outputs); the number of blocks."""
     pretrained = _transformers_models(model)
     kwargs = {**HF_KWARGS, "context_fn": lambda: contexts(selective=True)} if selective else HF_KWARGS
     for module in model.modules():
@@ -82,8 +63,7 @@ def enable(model: nn.Module, name: str, selective: bool = False) -> int:
 
 
 def check_checkpointable(recipe) -> None:
-    """One UserError line when the recipe asks for checkpointing and its model has nothing to checkpoint (the model
-    is built on the meta device: no memory, no weights)."""
+    """One line when the recipe's model (built on the meta device) has nothing to checkpoint."""
     if not recipe.model.activation_checkpointing or recipe.model.hf is not None:  # (hf: loaded from disk)
         return
     from . import build_model
@@ -93,7 +73,6 @@ def check_checkpointable(recipe) -> None:
 
 
 def enabled(model: nn.Module) -> bool:
-    """Whether some part of `model` is checkpointed."""
     return any(
         getattr(m, "gradient_checkpointing", False)
         or getattr(getattr(m, "forward", None), "__func__", None) in (_checkpointed_forward, _segmented_forward)
@@ -102,8 +81,7 @@ def enabled(model: nn.Module) -> bool:
 
 
 def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
-    """The outermost blocks of `model`: built-in GPT blocks, torchvision residual and ViT encoder blocks, and the
-    classes named in any module's `_no_split_modules` (a block inside a block is recomputed with it)."""
+    """The outermost blocks of `model` (a block inside a block is recomputed with it)."""
     from .small import Block
 
     types_: tuple[type, ...] = (Block,)
@@ -116,42 +94,33 @@ def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
     names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or ())
+    return _outermost(model, lambda child: isinstance(child, types_) or type(child).__name__ in names)
+
+
+def _outermost(module: nn.Module, matches: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """The outermost modules below `module` that match, in order."""
     found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if isinstance(child, types_) or type(child).__name__ in names:
-                found.append(child)
-            else:
-                visit(child)
-
-    visit(model)
+    for child in module.children():
+        found += [child] if matches(child) else _outermost(child, matches)
     return found
 
 
 def _transformers_models(model: nn.Module) -> list[nn.Module]:
-    """The outermost transformers `PreTrainedModel`s inside `model` (HFLogits holds one; peft wraps one)."""
+    """The outermost transformers `PreTrainedModel`s in `model` (HFLogits holds one; peft wraps one)."""
     modeling = sys.modules.get("transformers.modeling_utils")
     if modeling is None:
         return []
-    found: list[nn.Module] = []
 
-    def visit(module: nn.Module) -> None:
-        if isinstance(module, modeling.PreTrainedModel) and module.supports_gradient_checkpointing:
-            found.append(module)
-            return
-        for child in module.children():
-            visit(child)
+    def matches(module: nn.Module) -> bool:
+        return isinstance(module, modeling.PreTrainedModel) and module.supports_gradient_checkpointing
 
-    visit(model)
-    return found
+    return [model] if matches(model) else _outermost(model, matches)
 
 
 @contextlib.contextmanager
 def _recomputing(module: nn.Module) -> Iterator[None]:
-    """Around a block's recomputation: BatchNorm normalises with the batch's statistics as it did in forward (the
-    same op, saving the same tensors), but its running statistics stay as forward left them: a momentum of 0
-    keeps them (r x 1 + 0 x m, exactly), and its batch count is put back, so they are updated once per step."""
+    """Around a recomputation: BatchNorm's running statistics stay as forward left them (momentum 0 keeps them
+    exactly, the batch count is put back), so they are updated once per step."""
     norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
     saved = [(norm.momentum, None if norm.num_batches_tracked is None else norm.num_batches_tracked.clone())
              for norm in norms]
@@ -168,8 +137,7 @@ def _recomputing(module: nn.Module) -> Iterator[None]:
 
 
 def _matmuls_saved(ctx, op, *args, **kwargs):
-    """Selective checkpointing's policy (torchtitan's per-op one): keep what the matrix products and attention
-    kernels return, recompute the cheap ops between them (norms, activations, dropout, residual adds)."""
+    """Selective checkpointing's policy (torchtitan's): keep matmuls' and attention's outputs, recompute the rest."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     return CheckpointPolicy.MUST_SAVE if op in saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
@@ -184,11 +152,8 @@ def saved_ops() -> set:
 
 def contexts(module: nn.Module | None = None, selective: bool = False
              ) -> tuple[contextlib.AbstractContextManager, ...]:
-    """`checkpoint`'s context_fn: nothing around the forward; around the recomputation, BatchNorm kept as forward
-    left it (`module`'s) and the torch function modes the forward ran under (backward runs without them: the
-    estimate meter's CUDA attention rules, probe/gpu_like.py, must choose the same kernels in the recomputation).
-    `selective` (or the module's `selective_checkpoint`): PyTorch's selective checkpointing contexts around both,
-    with the policy `_matmuls_saved`."""
+    """`checkpoint`'s context_fn: the recomputation under `_recomputing` and forward's torch function modes (the same
+    kernels: probe/gpu_like.py); `selective`: PyTorch's selective checkpointing contexts around both."""
     modes = list(torch.overrides._get_current_function_mode_stack())
     selective = selective or bool(getattr(module, "selective_checkpoint", False))
 
@@ -214,7 +179,6 @@ def contexts(module: nn.Module | None = None, selective: bool = False
 
 
 def _run(module: nn.Module, function, *args, **kwargs):
-    """`function` (the forward of `module`) checkpointed while training with gradients; as it is otherwise."""
     if not (module.training and torch.is_grad_enabled()):
         return function(*args, **kwargs)  # evaluation, or no_grad: nothing to save
     return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
@@ -222,12 +186,11 @@ def _run(module: nn.Module, function, *args, **kwargs):
 
 
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):
-    """A block's own forward (its class's, also under FSDP2's subclass), checkpointed."""
     return _run(self, type(self).forward.__get__(self), *args, **kwargs)
 
 
 def _layered(module: nn.Module) -> bool:
-    """An nn.Sequential of plain layers with at least two weight layers to cut it at (the MLP's, the CNN's)."""
+    """An nn.Sequential of plain layers with two weight layers or more to cut it at."""
     return isinstance(module, nn.Sequential) and sum(isinstance(m, WEIGHT_LAYERS) for m in module) >= 2 and all(
         not any(True for _ in layer.children()) for layer in module)
 
@@ -257,7 +220,6 @@ _HOST = ["cpu"]  # where saved activations go: CPU memory; the estimate meter's 
 
 @contextlib.contextmanager
 def host(device: str) -> Iterator[None]:
-    """Send saved activations to `device` instead of the CPU while inside (the estimate meter: "meta")."""
     _HOST.append(device)
     try:
         yield
@@ -283,17 +245,12 @@ def _unpack(packed: Any) -> torch.Tensor:
     return tensor.to(device)
 
 
-def offloaded() -> contextlib.AbstractContextManager:
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
-
-
 def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    with offloaded():
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
         return type(self).forward(self, *args, **kwargs)
 
 
 def offload_activations(model: nn.Module) -> nn.Module:
-    """`model` whose forward saves its activations in CPU memory (the module tree unchanged)."""
     model.forward = types.MethodType(_offloaded_forward, model)
     return model
 
@@ -323,5 +280,4 @@ def defer_head(model: nn.Module, name: str) -> nn.Linear:
 
 
 def deferred_head(model: nn.Module) -> nn.Linear | None:
-    """The head `defer_head` left to the loss, or None."""
     return next((m for m in model.modules() if getattr(m, "deferred_to_loss", False)), None)

@@ -1,15 +1,6 @@
-"""nanoGPT's GPT (karpathy/nanoGPT @ 3adf61e, model.py), written for this project from its README and code, not
-copied: a GPT-2-shaped decoder of pre-LayerNorm blocks (one fused `c_attn` projection, causal
-`scaled_dot_product_attention`, an exact-GELU MLP of 4 x n_embd), a final `ln_f` and an `lm_head` without bias whose
-weight *is* the token embedding's; `bias=False` (nanoGPT's training configs) leaves no bias in any Linear or
-LayerNorm; nanoGPT's initialisation, normal(0, 0.02) and GPT-2's scaled normal(0, 0.02 / sqrt(2 x n_layer)) for the
-residual projections (`c_proj`).
-
-Its `state_dict` has nanoGPT's names and shapes (`transformer.wte.weight`, `transformer.h.0.attn.c_attn.weight`,
-..., `lm_head.weight`), so a run's model.pt loads into nanoGPT's `GPT` with `load_state_dict(strict=True)`;
-`python -m reproduce.models.nanogpt RUN_DIR OUT_DIR` writes it as the `ckpt.pt` nanoGPT's `sample.py` reads
-(docs/papers.md). One difference, for this project's data contract: `forward(tokens)` returns the logits of
-every position (B, T, V), where nanoGPT's forward without targets returns only the last position's.
+"""nanoGPT's GPT (karpathy/nanoGPT @ 3adf61e, model.py), written from its code, not copied, with its names, so a run's
+model.pt loads into nanoGPT's `GPT` strictly (`python -m reproduce.models.nanogpt RUN_DIR OUT_DIR` writes the
+ckpt.pt its `sample.py` reads). One difference: `forward(tokens)` returns every position's logits (B, T, V).
 """
 
 from __future__ import annotations
@@ -43,8 +34,7 @@ class GPTConfig:
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with an optional bias (torch's nn.LayerNorm has no bias=False before 2.1, and nanoGPT keeps
-    its own): `weight` always, `bias` only when asked for."""
+    """nanoGPT's LayerNorm with an optional bias."""
 
     def __init__(self, features: int, bias: bool):
         super().__init__()
@@ -100,7 +90,6 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """nanoGPT's GPT; `forward(tokens)` gives the logits (B, T, V) of every position."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -128,8 +117,7 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def get_num_params(self, non_embedding: bool = True) -> int:
-        """Parameters as nanoGPT prints them: the tied embedding once, the position embeddings left out unless
-        `non_embedding=False`."""
+        """Parameters as nanoGPT prints them: without the position embeddings unless `non_embedding=False`."""
         total = sum(p.numel() for p in self.parameters())
         return total - self.transformer.wpe.weight.numel() if non_embedding else total
 
@@ -145,20 +133,10 @@ class GPT(nn.Module):
 
 
 def sample_checkpoint(state: dict, config: GPTConfig, dataset: str | None = None) -> dict:
-    """What nanoGPT's `sample.py` reads from `out_dir/ckpt.pt` with init_from='resume': `model_args` (GPTConfig's
-    fields), `model` (the state_dict) and `config.dataset` (where it finds data/DATASET/meta.pkl, the character
-    vocabulary of shakespeare_char; without one it encodes with GPT-2's tiktoken BPE)."""
+    """What nanoGPT's `sample.py` reads from ckpt.pt; `dataset` names where its meta.pkl is (else GPT-2's BPE)."""
     checkpoint = {"model_args": asdict(config), "model": state, "iter_num": 0, "best_val_loss": float("nan")}
     checkpoint["config"] = {"dataset": dataset} if dataset else {}
     return checkpoint
-
-
-def config_from_state(state: dict, dropout: float = 0.0) -> GPTConfig:
-    """The GPTConfig a nanoGPT state_dict was built with, read from its shapes."""
-    vocab, width = state["transformer.wte.weight"].shape
-    layers = 1 + max(int(key.split(".")[2]) for key in state if key.startswith("transformer.h."))
-    return GPTConfig(block_size=state["transformer.wpe.weight"].shape[0], vocab_size=vocab, n_layer=layers,
-                     n_head=0, n_embd=width, dropout=dropout, bias="transformer.ln_f.bias" in state)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {source}: not a nanogpt model's state (no transformer.wte.weight / lm_head.weight)",
               file=sys.stderr)
         return 2
-    config = config_from_state(state)
-    config = GPTConfig(**{**asdict(config), "n_head": args.n_head})
+    vocab, width = state["transformer.wte.weight"].shape  # the config from the shapes
+    layers = 1 + max(int(key.split(".")[2]) for key in state if key.startswith("transformer.h."))
+    config = GPTConfig(block_size=state["transformer.wpe.weight"].shape[0], vocab_size=vocab, n_layer=layers,
+                       n_head=args.n_head, n_embd=width, dropout=0.0, bias="transformer.ln_f.bias" in state)
     target = args.out / "ckpt.pt"
     if target.exists():
         print(f"error: {target} exists; choose another folder", file=sys.stderr)

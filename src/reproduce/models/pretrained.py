@@ -1,14 +1,7 @@
-"""Models that start from weights on this machine: `model.weights` (or `--weights`) and `model.hf`.
-
-- A Hugging Face folder (config.json + safetensors): the architecture is the folder's own config, loaded with
-  transformers' `from_pretrained` (local files only) into the built-in's model class (`llama-7b`: a causal LM)
-  or `model.kind`'s (`hf:`); the folder's weights must cover the model (no key transformers would initialise).
-- One state dict file (.safetensors, .pt, .pth: torchvision's files, nanoGPT's ckpt.pt with its `model` key, a
-  torch.compile or DDP prefix stripped) loaded into the built-in or factory model; its keys and shapes must be
-  the model's, else one line names the first mismatches and their counts.
-
-On the meta device (the estimate meter, parameter counts) nothing is read but configs and headers: the model is
-built from the folder's config, and a state dict's names and shapes are checked all the same.
+"""Models that start from weights on this machine (`model.weights`, `model.hf`): a Hugging Face folder, whose
+config is the architecture and whose weights must cover it, or one state dict file (torchvision's, nanoGPT's
+ckpt.pt, ...) whose keys and shapes must be the model's, else one line. On the meta device only configs and headers
+are read.
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import Recipe
 from ..plan.weightfiles import WeightsOnDisk, safetensors_header
-from .architectures import ARCHITECTURES, TransformersModel, needs_transformers
+from .architectures import ARCHITECTURES, needs_transformers
 from .hf import HF_KIND_FOR_TASK, HFLogits
 from .weights import from_pretrained_kwargs, on_meta, quiet
 
@@ -34,9 +27,7 @@ SHOWN = 3  # mismatched keys named in a message
 
 def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overrides: dict | None = None,
                 new_head: bool = False) -> nn.Module:
-    """The transformers model of `folder`'s config and weights (only its config on the meta device). Weights the
-    folder does not hold are refused, but for a `new_head` (a classifier put on a language model, as
-    AutoModelForSequenceClassification does)."""
+    """The transformers model of `folder` (config only on meta); missing weights refused but for a `new_head`."""
     transformers = needs_transformers(f"{field}:")
     auto = getattr(transformers, auto_class)
     overrides = dict(overrides or {})
@@ -44,8 +35,7 @@ def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overr
         if on_meta():
             config, unused = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True,
                                                                      return_unused_kwargs=True, **overrides)
-            # in the dtype the run loads it in (config.json's torch_dtype would otherwise decide on meta: a bf16
-            # folder built in bf16 for an fp32 run halves the estimate's weights, gradients and states)
+            # in the run's dtype, not config.json's (a bf16 folder in an fp32 run would halve the estimate)
             return auto.from_config(config, **from_pretrained_kwargs(recipe), **unused)
         with warnings.catch_warnings(), quiet(transformers):
             warnings.simplefilter("ignore", UserWarning)
@@ -70,15 +60,13 @@ def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overr
 
 
 def _shapes(mismatched: Any) -> str:
-    """transformers' (name, file shape, model shape) of a tensor of another shape, in words."""
     if isinstance(mismatched, tuple) and len(mismatched) == 3:
         return f"{mismatched[0]}: file {list(mismatched[1])}, model {list(mismatched[2])}"
     return str(mismatched[0] if isinstance(mismatched, tuple) else mismatched)
 
 
 def load_hf_model(recipe: Recipe, data_info: dict | None, weights: WeightsOnDisk | None = None) -> nn.Module:
-    """`model: {hf: NAME_OR_PATH}` (or a weights folder in its place): from a local folder or the local Hugging Face
-    cache, never the network."""
+    """`model.hf` (or a weights folder in its place) from a local folder or the local cache, never the network."""
     spec = recipe.model
     expected = HF_KIND_FOR_TASK.get(recipe.task)
     kind = spec.kind or expected
@@ -97,8 +85,7 @@ def load_hf_model(recipe: Recipe, data_info: dict | None, weights: WeightsOnDisk
         folder = Path(spec.hf).expanduser()
         if spec.hf.startswith(("/", ".", "~")) and not folder.is_dir():
             raise UserError(f"model.hf: no such folder {spec.hf!r}")
-        # A cached name is loaded from its snapshot folder: given a name, transformers 5.24 still asks the hub for an
-        # adapter_config.json despite local_files_only (23 s of retries offline, a request online).
+        # from the cache's snapshot folder: given a name, transformers 5.24 still asks the hub for adapter_config.json
         local = hf_model_folder(spec.hf)
         if local is None or not (local / "config.json").is_file():
             raise UserError(
@@ -120,14 +107,10 @@ def load_hf_model(recipe: Recipe, data_info: dict | None, weights: WeightsOnDisk
 
 
 def builtin_from_folder(recipe: Recipe, weights: WeightsOnDisk, data_info: dict | None) -> nn.Module:
-    """A transformers built-in (`llama-7b`) whose architecture is the weights folder's own config.
-
-    The recipe's kwargs change that config as they change the built-in's (dropout, ...); a larger `vocab_size`
-    than the folder's (Alpaca adds a [PAD] token to LLaMA's 32000) widens the embeddings as Alpaca's train.py
-    does, the new rows the mean of the others."""
+    """A transformers built-in of the weights folder's config, with the recipe's kwargs (`vocab_size`: `widen`)."""
     spec = recipe.model
     arch = ARCHITECTURES.get(spec.builtin or "")
-    if not isinstance(arch, TransformersModel):
+    if arch is None or arch.library != "transformers":
         what = f"built-in {spec.builtin}" if spec.builtin else f"factory {spec.factory}"
         raise UserError(f"model.weights: {weights.path} is a Hugging Face folder, whose config.json is a transformers "
                         f"architecture; the {what} is not one: give a state dict file instead (.safetensors, .pt)")
@@ -148,10 +131,9 @@ def builtin_from_folder(recipe: Recipe, weights: WeightsOnDisk, data_info: dict 
 
 
 def check_family(builtin: str, weights: WeightsOnDisk) -> None:
-    """A folder in place of a transformers built-in holds a model of the built-in's family (its config's model_type:
-    a LLaMA folder for llama-7b, of any size); another family is one line, before its weights are read."""
+    """A folder in place of a transformers built-in holds its family (config model_type), else one line."""
     arch = ARCHITECTURES.get(builtin)
-    if not isinstance(arch, TransformersModel):
+    if arch is None or arch.library != "transformers":
         return
     family = getattr(getattr(needs_transformers(f"{builtin}:"), arch.config_class), "model_type", None)
     theirs = (weights.config or {}).get("model_type")
@@ -163,7 +145,7 @@ def check_family(builtin: str, weights: WeightsOnDisk) -> None:
 
 def folder_inputs(arch: Any, config: dict, kwargs: dict) -> dict:
     """What a built-in whose architecture is a folder's config fixes about its inputs (`model_inputs`)."""
-    if not isinstance(arch, TransformersModel) or arch.kind == "mae":
+    if arch.library != "transformers" or arch.kind == "mae":
         return arch.model_inputs(kwargs)
     context = kwargs.get("block_size") or config.get("n_positions") or config.get("max_position_embeddings")
     fixed = {"inputs": "tokens", "vocab_size": kwargs.get("vocab_size", config.get("vocab_size")),
@@ -190,8 +172,7 @@ def widen(model: nn.Module, vocab: int, weights: WeightsOnDisk) -> None:
 
 
 def read_state_dict(weights: WeightsOnDisk, shapes_only: bool, field: str = "model.weights") -> dict[str, Any]:
-    """The file's tensors by name (their shapes only, as torch.Size, when `shapes_only`), a checkpoint's own state
-    dict taken out of it (nanoGPT's `model`, Lightning's `state_dict`) and a prefix every key has dropped."""
+    """The file's tensors (or shapes) by name: a checkpoint's state dict, a common prefix dropped."""
     path = weights.files[0]
     if path.suffix == ".safetensors":
         if shapes_only:
@@ -248,15 +229,8 @@ def _torch_load(path: Path, field: str = "model.weights") -> Any:
         raise UserError(f"{field}: {path}: not a torch file ({said})") from None
 
 
-def _targets(model: nn.Module) -> list[nn.Module]:
-    """Where a state dict may go: the transformers model inside a wrapper (its own names), or the model itself."""
-    inner = getattr(model, "model", None)
-    return [inner, model] if isinstance(model, HFLogits) and isinstance(inner, nn.Module) else [model]
-
-
 def mismatches(module: nn.Module, shapes: dict[str, torch.Size]) -> tuple[list[str], list[str], list[str]]:
-    """(missing, unexpected, other shape) of a file's names and shapes against `module`'s state dict; a tied
-    parameter (GPT-2's lm_head and wte) is present when any of its names is."""
+    """(missing, unexpected, other shape) against `module`'s state dict; a tied parameter by any of its names."""
     expected = {key: value.shape for key, value in module.state_dict(keep_vars=True).items()}
     tied: dict[int, set[str]] = {}
     for name, parameter in module.named_parameters(remove_duplicate=False):
@@ -270,10 +244,11 @@ def mismatches(module: nn.Module, shapes: dict[str, torch.Size]) -> tuple[list[s
 
 
 def check_state_dict_file(model: nn.Module, weights: WeightsOnDisk, name: str) -> nn.Module:
-    """The module of `model` the file loads into (the transformers model a wrapper holds, or the model), after
-    checking every key and shape: a mismatch is one line with the first few of each kind and their counts."""
+    """The module of `model` the file loads into, every key and shape checked: else one line with counts."""
     shapes = read_state_dict(weights, shapes_only=True)
-    found = [(target, mismatches(target, shapes)) for target in _targets(model)]
+    inner = getattr(model, "model", None)  # a wrapper's transformers model (its own names), or the model itself
+    targets = [inner, model] if isinstance(model, HFLogits) and isinstance(inner, nn.Module) else [model]
+    found = [(target, mismatches(target, shapes)) for target in targets]
     target, (missing, unexpected, other) = min(found, key=lambda item: sum(map(len, item[1])))
     if missing or unexpected or other:
         parts = [_counted(missing, "missing", ", "), _counted(unexpected, "unexpected", ", "),
@@ -290,8 +265,7 @@ def _counted(names: list[str], what: str, separator: str) -> str:
 
 
 def load_state_dict_file(model: nn.Module, weights: WeightsOnDisk, name: str) -> None:
-    """Load the file into `model` (or the transformers model it wraps), its keys and shapes checked first; on the
-    meta device only checked."""
+    """Load the file into `model` (or the transformers model it wraps); on the meta device only checked."""
     target = check_state_dict_file(model, weights, name)
     if on_meta():
         return

@@ -1,23 +1,9 @@
 """A quantised frozen base (`model.quantize: int8 | nf4`): bitsandbytes' 8-bit or 4-bit linear layers under LoRA.
 
-The settings are transformers' `BitsAndBytesConfig`, all set explicitly: int8 is `load_in_8bit` (LLM.int8(),
-Dettmers et al. 2022, arXiv 2208.07339: 1 byte a weight, an fp32 scale per output row, outlier threshold 6.0); nf4 is
-`load_in_4bit` with `bnb_4bit_quant_type="nf4"`, `bnb_4bit_use_double_quant` from `model.double_quant` (QLoRA,
-Dettmers et al. 2023, arXiv 2305.14314: 4-bit NormalFloat in blocks of 64, the absmax scales quantised again) and
-the recipe's precision as `bnb_4bit_compute_dtype` (transformers' defaults would be fp4, float32, no double
-quantisation).
-
-The model is quantised in memory as `from_pretrained` does it: transformers' `replace_with_bnb_linear` swaps each
-`nn.Linear` (and GPT-2's `Conv1D`) but the output head, and each weight becomes bitsandbytes' `Int8Params` /
-`Params4bit`, quantised when put on its device. So a built-in from its config, a factory's model and weights read
-from disk are served alike, and on the meta device (the estimate meter) the packed weights have their true sizes,
-with no disk copy of the model. Then peft's `prepare_model_for_kbit_training` (base frozen, fp16/bf16 weights cast to
-fp32 as Alpaca-LoRA trains; `model.upcast_embeddings: false` keeps embeddings and head in the model's dtype, as
-QLoRA does) and peft's LoRA (models/weights.py); the recipe's `activation_checkpointing` applies, not peft's.
-
-The frozen weights are the same numbers for every micro-batch, so accumulation stays exact. On a CPU bitsandbytes
-0.50 runs both layers in any float dtype (int8 as a dequantised matmul); on CUDA int8 picks its fp16 outlier columns
-from each micro-batch's activations, so a sample's frozen forward depends a little on the samples beside it.
+int8 is LLM.int8() (Dettmers et al. 2022, arXiv 2208.07339), nf4 QLoRA's (Dettmers et al. 2023, arXiv 2305.14314),
+every BitsAndBytesConfig setting explicit; quantised in memory as `from_pretrained` does, all but the output head (on
+the meta device at their true sizes). The frozen weights are the same for every micro-batch, so accumulation stays
+exact; on CUDA int8 picks its outlier columns per micro-batch, so a sample's forward depends a little on the others.
 """
 
 from __future__ import annotations
@@ -33,15 +19,13 @@ from torch import nn
 from ..errors import UserError
 from ..plan.recipe import Recipe
 
-EXTRA = "pip install 'reproduce[quantize]'  (bitsandbytes==0.50.2)"
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EXTRA = "pip install 'reproduce[quantize]'  (bitsandbytes==0.50.2)"
 NF4_BLOCK = 64  # bitsandbytes' 4-bit block
 
 
 def quiet_bitsandbytes() -> None:
-    """Drop the warning bitsandbytes' CPU backend logs at import when the optional "kernels" package (a faster 4-bit
-    CPU matmul from the Hugging Face hub) is missing: the layers run without it, and a user would read it as a
-    failure. peft imports bitsandbytes too (for its LoRA layers), so this is called before either imports it."""
+    """Drop bitsandbytes' import-time warning that the optional "kernels" package is missing (it is optional)."""
     import logging
 
     cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
@@ -54,7 +38,6 @@ def _no_kernels_notice(record: Any) -> bool:
 
 
 def bitsandbytes() -> Any:
-    """The bitsandbytes module, or one line naming the extra that installs it."""
     quiet_bitsandbytes()
     try:
         import bitsandbytes as bnb
@@ -64,13 +47,12 @@ def bitsandbytes() -> Any:
 
 
 def quantization_config(recipe: Recipe) -> Any:
-    """transformers' BitsAndBytesConfig for the recipe: every setting that matters given, none left to defaults."""
     from transformers import BitsAndBytesConfig
 
     if recipe.model.quantize == "int8":
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0, llm_int8_has_fp16_weight=False)
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quantised(recipe),
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=recipe.model.double_quant is not False,
         bnb_4bit_compute_dtype=COMPUTE_DTYPES[recipe.precision], bnb_4bit_quant_storage=torch.uint8,
     )
 
@@ -85,8 +67,7 @@ def _linear_kinds() -> tuple[type, ...]:
 
 
 def kept_whole(model: nn.Module) -> list[str]:
-    """The linear layers left unquantised: the output head (named lm_head, or sharing its weight with an embedding,
-    as tied heads do), as from_pretrained leaves it (`get_keys_to_not_convert`)."""
+    """The output head (lm_head or head, or tied to an embedding), left unquantised as from_pretrained leaves it."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     return [name for name, module in model.named_modules()
             if isinstance(module, _linear_kinds()) and (name.rsplit(".", 1)[-1] in ("lm_head", "head")
@@ -117,10 +98,9 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
             param = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
         else:
             param = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", blocksize=NF4_BLOCK,
-                                      compress_statistics=double_quantised(recipe), quant_storage=torch.uint8,
-                                      module=new)
-        # `.to(device)` quantises (what from_pretrained does); on meta it would not, and `_quantize` gives the
-        # packed tensors' shapes and dtypes without data (bitsandbytes registers meta kernels for its ops)
+                                      compress_statistics=recipe.model.double_quant is not False,
+                                      quant_storage=torch.uint8, module=new)
+        # `.to(device)` quantises as from_pretrained does; on meta `_quantize` gives the packed shapes without data
         new.weight = param._quantize(weight.device) if weight.is_meta else param.to(weight.device)
         if old.bias is not None:
             new.bias = nn.Parameter(old.bias.data, requires_grad=False)
@@ -144,14 +124,8 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
     return model
 
 
-def double_quantised(recipe: Recipe) -> bool:
-    """nf4's absmax scales quantised again (model.double_quant; true unless the recipe says false)."""
-    return recipe.model.double_quant is not False
-
-
 def _real_dynamic_map(bnb: Any) -> None:
-    """bitsandbytes caches the 8-bit code of double quantisation at its first use, on the default device: first made
-    under `torch.device("meta")` (the estimate meter) no real quantisation could copy from it. Made on the CPU."""
+    """bitsandbytes caches double quantisation's 8-bit code at first use: made on the CPU, never on meta."""
     cached = bnb.functional.name2qmap.get("dynamic")
     if cached is None or cached.is_meta:
         with torch.device("cpu"):
@@ -159,16 +133,14 @@ def _real_dynamic_map(bnb: Any) -> None:
 
 
 def _int8_scales_in_place(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """Loading a state dict into a Linear8bitLt that has run (a resume, verify's reset): bitsandbytes moved its row
-    scales from the weight to the layer's state at the first forward and refuses to load them; the weight gets the
-    same tensor back, which the load overwrites in place."""
+    """A state dict into a Linear8bitLt that has run (a resume): its row scales, moved to the layer's state at the
+    first forward, go back on the weight, which the load overwrites in place."""
     if getattr(module.weight, "SCB", None) is None and module.state.SCB is not None:
         module.weight.SCB = module.state.SCB
 
 
 def _nf4_state_in_place(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """Loading a state dict into a quantised Linear4bit: its quantisation state saved beside the weight is copied into
-    the layer's own (torch's load would call those keys unexpected); other packed metadata is refused."""
+    """A state dict into a Linear4bit: the quantisation state saved beside the weight copied into the layer's own."""
     state = module.weight.quant_state
     if state is None:
         return
@@ -186,8 +158,7 @@ def _nf4_state_in_place(module: nn.Module, state_dict: dict, prefix: str, *args:
 
 
 def quantized_states(model: nn.Module) -> list[tuple[nn.Module, Any]]:
-    """Each bitsandbytes layer with what it keeps outside its parameters (int8: the row scales; nf4: the
-    quantisation state), taken before `to_empty` replaces its weight (see `materialize_quantized`)."""
+    """Each bitsandbytes layer with its scales or quantisation state, taken before `to_empty` replaces its weight."""
     bnb = sys.modules.get("bitsandbytes")  # not imported: nothing was quantised
     if bnb is None:
         return []
@@ -201,9 +172,8 @@ def quantized_states(model: nn.Module) -> list[tuple[nn.Module, Any]]:
 
 
 def materialize_quantized(states: list[tuple[nn.Module, Any]], device: torch.device) -> None:
-    """After `to_empty` on a meta model under `FakeTensorMode` (the estimate meter): each bitsandbytes layer's scales
-    or quantisation state on `device` too, set on the plain fake weight `to_empty` made (a fake tensor cannot be
-    re-classed as bitsandbytes' parameter), so the layers' forward and backward run as they do."""
+    """After `to_empty` under `FakeTensorMode` (the estimate meter): each layer's scales or quantisation state on
+    `device` too, set on the plain fake weight (which cannot be re-classed as bitsandbytes' parameter)."""
     def made(tensor: torch.Tensor | None) -> torch.Tensor | None:
         return torch.empty_like(tensor, device=device) if tensor is not None and tensor.is_meta else tensor
 
@@ -222,9 +192,8 @@ def materialize_quantized(states: list[tuple[nn.Module, Any]], device: torch.dev
 
 
 def compute_in(model: nn.Module, dtype: torch.dtype) -> int:
-    """Run the 4-bit layers in `dtype` (verify in float64 or float32) by their dequantised weight (the numbers the
-    4-bit matmul uses, exact in both); the number of layers changed. bitsandbytes 0.50.2's CPU 4-bit matmul is wrong
-    for float64 inputs (max error 1.6 on a 32 x 64 layer); the 8-bit layers already compute in their input's dtype."""
+    """Run the 4-bit layers in `dtype` (verify) by their dequantised weight, exact; the number of layers changed.
+    bitsandbytes 0.50.2's CPU 4-bit matmul is wrong for float64 inputs (max error 1.6 on a 32 x 64 layer)."""
     bnb = sys.modules.get("bitsandbytes")  # not imported: nothing was quantised
     if bnb is None:
         return 0

@@ -2,18 +2,8 @@
 
     python -m reproduce.models.samples DIR [--max-bytes N] [--limit N]
 
-writes
-- DIR/tiny-llama: a 4-layer LLaMA (transformers' LlamaForCausalLM, 64 wide, 0.23M parameters) saved with
-  `save_pretrained` (config.json + model.safetensors), with a byte-level BPE tokenizer of 512 tokens trained
-  on the standard library's sources (reproduce.data.samples) beside it, as a model folder from the hub holds one;
-- DIR/tiny-gpt2: a 2-layer GPT-2 saved in two safetensors shards (model.safetensors.index.json), same tokenizer;
-- DIR/alpaca.json: Alpaca-format records (instruction, input, output) from the standard library's docstrings, one
-  JSON list as alpaca_data.json is;
-- DIR/guanaco.jsonl: 40 of them as openassistant-guanaco's JSONL lines ({"text": "### Human: ... ### Assistant:
-  ..."}), QLoRA's data.
-
-The folders are what a user's `llama-7b/` is, small: `reproduce run papers/tloen2023-alpaca-lora.yaml --weights
-DIR/tiny-llama --data DIR/alpaca.json` runs the recipe on them. Tests and docs/own-weights.md use them.
+writes DIR/tiny-llama and DIR/tiny-gpt2 (`save_pretrained` folders, with a BPE tokenizer trained on the standard
+library's sources), DIR/alpaca.json and DIR/guanaco.jsonl (records from its docstrings) for docs/own-weights.md.
 """
 
 from __future__ import annotations
@@ -31,8 +21,7 @@ GPT2 = {"n_positions": 512, "n_embd": 32, "n_layer": 2, "n_head": 2}
 
 
 def _save(kind: str, defaults: dict, folder: Path, tokenizer: Path, seed: int, config: dict, **kwargs) -> dict:
-    """transformers' `kind` model (random weights, seeded) of `defaults` and `config`, saved with save_pretrained,
-    with `tokenizer` beside them."""
+    """transformers' `kind` model (seeded random weights) saved with save_pretrained, `tokenizer` beside it."""
     import torch
     import transformers
     from transformers.utils import logging
@@ -52,17 +41,14 @@ def _save(kind: str, defaults: dict, folder: Path, tokenizer: Path, seed: int, c
 
 
 def write_llama(folder: Path, tokenizer: Path, seed: int = 0, **config) -> dict:
-    """A small LLaMA saved with save_pretrained, random weights (seeded), with `tokenizer` beside them."""
     return _save("Llama", LLAMA, folder, tokenizer, seed, config)
 
 
 def write_gpt2(folder: Path, tokenizer: Path, seed: int = 0, shard: str = "100KB", **config) -> dict:
-    """A small GPT-2 saved with save_pretrained in shards of `shard` (an index names them), random weights."""
     return _save("GPT2", GPT2, folder, tokenizer, seed, config, max_shard_size=shard)
 
 
 def write_alpaca_json(path: Path, limit: int = 200) -> dict:
-    """Docstring records in Alpaca's alpaca_data.json layout: one JSON list of {instruction, input, output}."""
     records = docstring_records(limit)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
@@ -70,8 +56,6 @@ def write_alpaca_json(path: Path, limit: int = 200) -> dict:
 
 
 def write_guanaco_jsonl(path: Path, limit: int = 40) -> dict:
-    """Records in openassistant-guanaco's JSONL layout (QLoRA's data): one "text" field a line, "### Human: ...
-    ### Assistant: ...", from the docstring records (the answers cut to 200 characters)."""
     records = docstring_records(limit)
     lines = [json.dumps({"text": f"### Human: {r['instruction']}### Assistant: {r['output'][:200]}"}) for r in records]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -1,33 +1,16 @@
-"""Semantic segmentation models from torchvision, randomly initialised (no weights are ever downloaded).
+"""The segmentation built-ins (architectures.SEGMENTATION_MODELS): DeepLabV3 (Chen et al. 2017, arXiv 1706.05587),
+FCN (Long et al. 2015) and LR-ASPP (Howard et al. 2019) from torchvision. Each returns `{"out": logits (B, K, H,
+W)}`, with `"aux"` (the FCN head on layer3) for `model.aux_weight`.
 
-`deeplabv3-resnet50` / `deeplabv3-resnet101` (Chen et al. 2017, arXiv 1706.05587), `fcn-resnet50` (Long et al.
-2015, with torchvision's dilated ResNet backbone) and `lraspp-mobilenet-v3-large` (Howard et al. 2019). Each returns
-torchvision's dict: `{"out": logits (B, K, H, W)}`, with `"aux"` (the FCN head on ResNet's layer3) when built with
-`aux_loss=True`, which a recipe asks for with `model.aux_weight`. The logits are upsampled to the input's size.
+`model.output_stride` 8 or 16 dilates ResNet's last stages (DeepLabV3 trains at 16, evaluates at 8: sec. 4.1).
 
-kwargs (the recipe's `model.kwargs`, and what `build_model` adds from `model.output_stride` and `model.aux_weight`;
-`model.batchnorm` converts the built model's BatchNorm as for every model, models.convert):
-- `num_classes` (default: the data's classes, else 21 as Pascal VOC's);
-- `output_stride`: 8 or 16 (input size / feature size), set by dilating ResNet's last stages
-  (`replace_stride_with_dilation`): [False, True, True] at 8, [False, False, True] at 16. torchvision's builds use
-  8; DeepLabV3 trains at 16 and evaluates at 8 (sec. 4.1, "output_stride = 16 ... 8 for evaluation"), where ASPP's
-  atrous rates double (6, 12, 18 at 16; 12, 24, 36 at 8, sec. 3.3). LR-ASPP's MobileNetV3 is fixed at 16;
-- `aux_loss`: build the auxiliary head (ResNet models; deeplabv3_resnet50 takes no output stride, so the model is
-  assembled from `resnet50(replace_stride_with_dilation=...)` as torchvision assembles it).
-
-`model.backbone_weights`: an ImageNet-pretrained backbone from a file on this machine, loaded into the built-in's
-backbone, as DeepLabV3 and MMSegmentation's configs start: a torchvision ResNet-50/101 state dict, a timm ResNet (its
-names are torchvision's), or an MMSegmentation / MMPretrain checkpoint (the backbone's keys under `backbone.`), a
-prefix every key has dropped. Every tensor of the backbone must come from the file with its shape, else one line
-says what the file is and what fits (MMSegmentation's ResNetV1c has a deep stem, `stem.0` .. `stem.7`, that no
-torchvision ResNet takes); the heads stay at their initialisation and the file's other tensors are named as not
-used (`backbone_report`). `num_batches_tracked` is a counter, not a weight: a file without it leaves the model's.
+`model.backbone_weights`: an ImageNet backbone file (torchvision's, timm's or MMSegmentation's names) loaded strictly
+into the backbone, else one line saying what the file is and what fits; the heads stay at their initialisation.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,88 +19,18 @@ from torch import nn
 from ..errors import UserError
 from ..plan.recipe import Recipe
 from ..plan.weightfiles import inspect
-from .architectures import IMAGE_CHANNELS, Architecture
-
-VOC_CLASSES = 21  # Pascal VOC 2012: 20 object classes and the background
-DILATION = {8: [False, True, True], 16: [False, False, True]}  # ResNet's layer2..4 dilated instead of strided
-ASPP_RATES = {8: (12, 24, 36), 16: (6, 12, 18)}  # Chen et al. 2017 sec. 3.3
-KNOWN = ("num_classes", "output_stride", "aux_loss")
-
-
-@dataclass(frozen=True)
-class TorchvisionSegmentation(Architecture):
-    """A torchvision segmentation model: `head` "deeplabv3" / "fcn" on a ResNet, or "lraspp" on MobileNetV3."""
-
-    head: str = "deeplabv3"
-    backbone: str = "resnet50"
-    output_stride: int = 8  # torchvision's own builds
-    aux: bool = True  # whether torchvision has an auxiliary head for it
-
-    def model_inputs(self, kwargs: dict) -> dict:
-        return {"inputs": "images", "channels": IMAGE_CHANNELS, "classes": kwargs.get("num_classes", VOC_CLASSES),
-                "targets": "masks"}
-
-    def settings(self, kwargs: dict, data_info: dict | None = None) -> dict:
-        unknown = sorted(set(kwargs) - set(KNOWN))
-        if unknown:
-            raise UserError(f"model.kwargs: {self.name} has no setting {unknown[0]!r} (it takes {', '.join(KNOWN)})")
-        self.torchvision(data_info)
-        data_info = data_info or {}
-        declared = data_info.get("classes")
-        if kwargs.get("num_classes") and declared and kwargs["num_classes"] != declared:
-            raise UserError(f"model.kwargs.num_classes: {kwargs['num_classes']} output channels, but data.classes is "
-                            f"{declared}: the model predicts one channel per class (remove num_classes)")
-        classes = kwargs.get("num_classes") or declared or VOC_CLASSES
-        stride = kwargs.get("output_stride") or self.output_stride
-        allowed = (16,) if self.head == "lraspp" else tuple(DILATION)
-        if stride not in allowed:
-            raise UserError(f"model.output_stride: {self.name} takes {' or '.join(map(str, allowed))} (got {stride})")
-        aux = bool(kwargs.get("aux_loss"))
-        if aux and not self.aux:
-            raise UserError(f"model.aux_weight: {self.name} has no auxiliary head in torchvision (remove aux_weight)")
-        return {"classes": int(classes), "stride": int(stride), "aux": aux}
-
-    def build(self, kwargs: dict, data_info: dict | None = None) -> nn.Module:
-        settings = self.settings(kwargs, data_info)  # (torchvision imported)
-        from torchvision.models import segmentation
-
-        if self.head == "lraspp":
-            return segmentation.lraspp_mobilenet_v3_large(
-                weights=None, weights_backbone=None, num_classes=settings["classes"])
-        return self._resnet_model(settings)
-
-    def _resnet_model(self, settings: dict) -> nn.Module:
-        """Assembled as torchvision's `_deeplabv3_resnet` / `_fcn_resnet` do, from a ResNet built with the output
-        stride's dilation, and ASPP's rates for the output stride."""
-        import torchvision
-        from torchvision.models._utils import IntermediateLayerGetter
-        from torchvision.models.segmentation.deeplabv3 import DeepLabHead, DeepLabV3
-        from torchvision.models.segmentation.fcn import FCN, FCNHead
-
-        backbone = getattr(torchvision.models, self.backbone)(
-            weights=None, replace_stride_with_dilation=DILATION[settings["stride"]])
-        classes, aux = settings["classes"], settings["aux"]
-        returned = {"layer4": "out", **({"layer3": "aux"} if aux else {})}
-        layers = IntermediateLayerGetter(backbone, return_layers=returned)
-        aux_head = FCNHead(1024, classes) if aux else None
-        if self.head == "fcn":
-            return FCN(layers, FCNHead(2048, classes), aux_head)
-        return DeepLabV3(layers, DeepLabHead(2048, classes, atrous_rates=ASPP_RATES[settings["stride"]]), aux_head)
+from .architectures import SEGMENTATION_MODELS
 
 
 class ClassesDiffer(UserError):
-    """A model whose logits are not one channel per class of the data (a UserError: one line, exit 2)."""
+    """A model whose logits are not one channel per class of the data."""
 
 
 PROBE_SIDE = 64  # the side of the image the class check forwards: the channels do not depend on the size
 
 
 def check_output_classes(model: nn.Module, classes: int, crop: tuple[int, int] | None, name: str) -> None:
-    """A segmentation model's logits have one channel per class of the data: else one line now, when the model is
-    built (before `run` writes or removes anything), not a traceback at the first evaluation. Found by a forward of
-    one image: on the meta device (nothing computed) where the model is there, else of a small zero image in eval
-    mode without gradients (its weights, BatchNorm statistics and random state untouched). A model whose forward
-    fails on that image is left to the run (its own error then names it)."""
+    """One line when the logits of one image's forward (on meta, or small, eval, no grad) are not a channel a class."""
     parameter = next(iter(model.parameters()), None)
     if parameter is None:
         return
@@ -143,25 +56,7 @@ def check_output_classes(model: nn.Module, classes: int, crop: tuple[int, int] |
 
 
 def output_of(output: Any) -> Any:
-    """The main logits of a segmentation model's output (torchvision's dict), or the output itself."""
     return output["out"] if isinstance(output, dict) else output
-
-
-SEGMENTATION_MODELS: dict[str, Architecture] = {
-    arch.name: arch
-    for arch in (
-        # Chen et al. 2017 (arXiv 1706.05587) sec. 3.3: ResNet with atrous convolution in block4 and ASPP (a 1x1 and
-        # three 3x3 convolutions at rates 6, 12, 18 for output stride 16, with image-level pooling, 256 filters each,
-        # BatchNorm); torchvision's DeepLabHead. The auxiliary FCN head on layer3 is torchvision's (and MMSeg's), not
-        # the paper's.
-        TorchvisionSegmentation("deeplabv3-resnet50", "DeepLabV3 ResNet-50 (torchvision)"),
-        TorchvisionSegmentation("deeplabv3-resnet101", "DeepLabV3 ResNet-101 (torchvision)", backbone="resnet101"),
-        TorchvisionSegmentation("fcn-resnet50", "FCN ResNet-50, dilated (torchvision)", head="fcn"),
-        # Howard et al. 2019 (arXiv 1905.02244) sec. 6.2: LR-ASPP on MobileNetV3-Large, last block dilated (stride 16).
-        TorchvisionSegmentation("lraspp-mobilenet-v3-large", "LR-ASPP MobileNetV3-Large (torchvision)",
-                                head="lraspp", backbone="mobilenet_v3_large", output_stride=16, aux=False),
-    )
-}
 
 
 # ---- model.backbone_weights -----------------------------------------------------------------------------------------
@@ -188,9 +83,7 @@ def _shown(names: list[str]) -> str:
 
 
 def read_backbone(model: nn.Module, recipe: Recipe, shapes_only: bool = False) -> tuple[dict, str]:
-    """(the backbone's key -> the file's tensor, or its shape when `shapes_only`; the run's line about it): the file
-    of `model.backbone_weights` matched to `model.backbone`, checked strictly: a backbone tensor it lacks, or holds at
-    another shape, is one line saying what the file is."""
+    """(the backbone's key -> the file's tensor or shape, the run's line), checked strictly against the backbone."""
     from .pretrained import read_state_dict
 
     path = recipe.model.backbone_weights
@@ -209,8 +102,8 @@ def read_backbone(model: nn.Module, recipe: Recipe, shapes_only: bool = False) -
     other = [key for key in expected if key in keys and tuple(found[keys[key]]) != tuple(expected[key])]
     extra = _extra(found, keys, backbone)
     if missing or other or extra:
-        raise UserError(_does_not_fit(path, name, _built_backbone(recipe), list(found), missing, other, extra, keys,
-                                      found, expected))
+        built = getattr(SEGMENTATION_MODELS.get(recipe.model.builtin or ""), "backbone", "")
+        raise UserError(_does_not_fit(path, name, built, list(found), missing, other, extra, keys, found, expected))
     state = found if shapes_only else read_state_dict(weights, shapes_only=False, field=FIELD)
     used = {keys[key] for key in expected if key in keys}
     left = {head: count for head, module in model.named_children()  # the heads, left at their initialisation
@@ -225,9 +118,7 @@ def read_backbone(model: nn.Module, recipe: Recipe, shapes_only: bool = False) -
 
 
 def _backbone_keys(found: dict, backbone: nn.Module) -> dict[str, str]:
-    """The backbone's state dict key -> the file's key holding it: the file's names, with `backbone.` taken off
-    where the file keeps the backbone under it (MMSeg, MMPretrain, a torchvision segmentation model), and
-    `features.` where the backbone is MobileNet's features (LR-ASPP's)."""
+    """The backbone's key -> the file's, less a `backbone.` (MMSeg, MMPretrain) or MobileNet's `features.` prefix."""
     names = list(found)
     prefix = "backbone." if any(name.startswith("backbone.") for name in names) else ""
     own = set(backbone.state_dict())
@@ -237,8 +128,7 @@ def _backbone_keys(found: dict, backbone: nn.Module) -> dict[str, str]:
 
 
 def _extra(found: dict, keys: dict[str, str], backbone: nn.Module) -> list[str]:
-    """The file's tensors inside the backbone's own modules that the backbone has no place for (a deeper ResNet's
-    extra blocks): the file is of another architecture, not a backbone with a classifier beside it."""
+    """The file's tensors in the backbone's modules with no place in it (a deeper ResNet's extra blocks)."""
     used = set(keys.values())
     prefix = next((key[: -len(own)] for own, key in keys.items()), "")
     modules = {name for name, _ in backbone.named_children()}
@@ -246,13 +136,8 @@ def _extra(found: dict, keys: dict[str, str], backbone: nn.Module) -> list[str]:
             and key[len(prefix):].split(".", 1)[0] in modules]
 
 
-def _built_backbone(recipe: Recipe) -> str:
-    return getattr(SEGMENTATION_MODELS.get(recipe.model.builtin or ""), "backbone", "")
-
-
 def describe(names: list[str]) -> str:
-    """What a state dict's names say it is: a ResNet of some depth (torchvision's / timm's / MMPretrain's names),
-    MMSeg's ResNetV1c or timm's deep stem, a MobileNet, or its first keys."""
+    """What a state dict's names say it is: a ResNet of some depth, a deep-stem ResNet, a MobileNet, or its keys."""
     plain = [name[len("backbone."):] if name.startswith("backbone.") else name for name in names]
     if any(name.startswith("stem.0.") for name in plain):
         depth = _resnet_depth(plain)
@@ -301,21 +186,10 @@ def _does_not_fit(path: str, name: str, backbone: str, names: list[str], missing
 
 
 def load_backbone(model: nn.Module, recipe: Recipe) -> None:
-    """The backbone file loaded into `model.backbone` (on the meta device only checked)."""
+    """The backbone file into `model.backbone` (on meta only checked); the run's line is `model.backbone_report`."""
     from .weights import on_meta
 
-    state, _ = read_backbone(model, recipe, shapes_only=on_meta())
+    state, model.backbone_report = read_backbone(model, recipe, shapes_only=on_meta())
     if not on_meta():
         with torch.no_grad():
             model.backbone.load_state_dict(state, strict=False)  # every tensor checked; counters may be absent
-
-
-def backbone_report(recipe: Recipe, data_info: dict | None) -> str | None:
-    """The run's line about its backbone file, read on the meta device (shapes only); None without one."""
-    if recipe.model.backbone_weights is None:
-        return None
-    from . import architecture
-
-    with torch.device("meta"):
-        model = architecture(recipe, None, data_info)
-    return read_backbone(model, recipe, shapes_only=True)[1]

@@ -1,9 +1,5 @@
-"""The small built-in models: real, offline, small enough to train on two CPU cores in minutes.
-
-- `mlp`: 64 -> hidden -> hidden -> 10.
-- `cnn-bn` / `cnn-gn`: the same small CNN with BatchNorm or GroupNorm (the BatchNorm caveat made visible).
-- `gpt`: a small pre-LayerNorm GPT with causal attention through `scaled_dot_product_attention`.
-"""
+"""The small built-in models, trained on two CPU cores in minutes: `mlp`, `cnn-bn` / `cnn-gn` (the BatchNorm
+caveat made visible) and `gpt` (pre-LayerNorm, causal `scaled_dot_product_attention`)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
-"""How a model's weights are stored and which of them train (`model.dtype`, `model.lora` through peft), and the
-trained model as its users load it.
+"""How a model's weights are stored (`model.dtype`), which train (`model.lora`, peft), and the trained model as
+its users load it: `adapter/` (peft's folder, with the data's tokenizer) and, with `--merged`, `merged/`.
 
-`model.dtype: bf16` (or fp16) stores the weights in that dtype, as fine-tuning recipes load a base model. A
-transformers model gets the dtypes `from_pretrained(..., dtype=...)` gives it (`in_dtype`): its parameters in that
-dtype but those its class keeps in float32 (`_keep_in_fp32_modules`), its buffers as the class builds them: the
-rotary embedding's `inv_freq` stays float32 (`model.to(bf16)` would round it: an angle error of about 2.5 rad at
-position 2047 for LLaMA-7B's frequencies), BERT's position ids int64. Any other model is cast whole (`model.to`);
-`model.lora` freezes them and adds low-rank adapters (peft's `get_peft_model`), which peft keeps in float32
-(`model.lora.dtype: bf16` casts them, as QLoRA does); `model.quantize` stores the frozen linear layers in int8 or
-nf4 first (models/quantize.py).
-
-Beside the run's model.pt, with `model.lora`, `adapter/`: peft's `save_pretrained` folder with the data's tokenizer,
-which `peft.PeftModel.from_pretrained(base, "adapter")` puts on the base model; its keys are written as they are
-under the transformers model itself (the loop trains it inside HFLogits). With `reproduce run --merged`, `merged/`:
-the base with the adapters merged in, as a Hugging Face folder. On a quantised base the adapters are merged into the
-base's own weights folder read again unquantised, as Alpaca-LoRA's `export_hf_checkpoint.py` does: peft would merge
-them into the 8-bit / 4-bit layers, which `from_pretrained` alone does not read back.
+A transformers model in bf16/fp16 keeps what `from_pretrained(dtype=...)` keeps in float32 (the rotary `inv_freq`
+in bf16 would be 2.5 rad off at LLaMA's position 2047).
 """
 
 from __future__ import annotations
@@ -43,14 +30,12 @@ def weights_of(recipe: Recipe) -> WeightsOnDisk | None:
 
 
 def from_pretrained_kwargs(recipe: Recipe) -> dict[str, Any]:
-    """What `from_pretrained` is given besides the folder: the dtype the recipe stores the weights in."""
     return {"dtype": TORCH_DTYPES[recipe.model.dtype]}
 
 
 @contextlib.contextmanager
 def quiet(transformers: Any):
-    """transformers without its progress bar of the tensors it loads (a line per load in every run's output) and
-    without its warnings, such as the coloured load report of tensors that do not fit (refused here in one line)."""
+    """transformers without its progress bar and warnings (tensors that do not fit are refused here in one line)."""
     logging = transformers.utils.logging
     enabled, verbosity = logging.is_progress_bar_enabled(), logging.get_verbosity()
     logging.disable_progress_bar()
@@ -64,12 +49,10 @@ def quiet(transformers: Any):
 
 
 def on_meta() -> bool:
-    """Whether tensors are being made on the meta device (`with torch.device("meta")`): read no weights."""
     return torch.empty(0).device.type == "meta"
 
 
 def adapt(model: nn.Module, recipe: Recipe) -> nn.Module:
-    """The built model with its weights in `model.dtype` and, with `model.lora`, adapters on the named modules."""
     spec = recipe.model
     name = spec.builtin or spec.factory or spec.hf or "the model"
     if spec.dtype != "fp32":
@@ -84,9 +67,7 @@ def adapt(model: nn.Module, recipe: Recipe) -> nn.Module:
 
 
 def in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """`model` with its weights in `dtype`, as transformers' from_pretrained / from_config with `dtype` builds a
-    transformers model (every floating parameter in `dtype` but those of its `_keep_in_fp32_modules`, the buffers
-    untouched); any other module `.to(dtype)`, buffers included (PyTorch's own convention: BatchNorm's statistics)."""
+    """`model` in `dtype`: a transformers model as from_pretrained builds it (module docstring), any other whole."""
     transformers = sys.modules.get("transformers")  # not imported: no transformers model here
     inner = [m for m in model.modules() if transformers is not None and isinstance(m, transformers.PreTrainedModel)]
     if not inner:
@@ -101,8 +82,7 @@ def in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def place(model: nn.Module, recipe: Recipe, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The model on `device`, in `dtype`; weights the recipe stores in bf16/fp16 stay so when the run computes in
-    float32 (its default), and only a run in another dtype (float64: verify, the equivalence tests) casts them all."""
+    """The model on `device`, in `dtype`; weights stored in bf16/fp16 stay so in a float32 run."""
     spec = recipe.model
     stored = spec.dtype != "fp32" or (spec.lora is not None and spec.lora.dtype != "fp32")
     if stored and dtype == torch.float32:
@@ -111,20 +91,14 @@ def place(model: nn.Module, recipe: Recipe, device: torch.device, dtype: torch.d
 
 
 def adaptable_modules(model: nn.Module) -> list[str]:
-    """The last part of the names of the modules LoRA can adapt (linear, embedding and convolution layers)."""
-    kinds: tuple[type, ...] = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)
-    try:
-        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+    from .quantize import _linear_kinds
 
-        kinds = (*kinds, Conv1D)
-    except ImportError:
-        pass
+    kinds = (*_linear_kinds(), nn.Embedding, nn.Conv1d, nn.Conv2d)
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if name and isinstance(module, kinds)}
     return sorted(names)
 
 
 def with_lora(model: nn.Module, lora: Lora, model_name: str) -> nn.Module:
-    """peft's LoRA on `model`: adapters of rank r on the target modules, every other weight frozen."""
     from .quantize import quiet_bitsandbytes
 
     quiet_bitsandbytes()  # peft imports bitsandbytes where it is installed
@@ -158,13 +132,11 @@ def with_lora(model: nn.Module, lora: Lora, model_name: str) -> nn.Module:
 
 
 def peft_model(model: nn.Module) -> Any:
-    """The model as peft wrapped it (a PeftModel), or None without LoRA."""
     peft = sys.modules.get("peft")
     return model if peft is not None and isinstance(model, peft.PeftModel) else None
 
 
 def transformers_inside(module: nn.Module) -> tuple[str, Any]:
-    """(its name in `module`, the first transformers PreTrainedModel in it), or ("", None)."""
     transformers = sys.modules.get("transformers")
     if transformers is None:
         return "", None
@@ -175,7 +147,6 @@ def transformers_inside(module: nn.Module) -> tuple[str, Any]:
 
 
 def check_merged(model: nn.Module, recipe: Recipe, sharded: bool = False) -> None:
-    """`--merged` needs LoRA on a transformers model, unsharded: one line before any step, else."""
     name = recipe.model.builtin or recipe.model.factory or recipe.model.hf or "the model"
     if sharded:
         raise UserError("not with FSDP sharding (each rank holds a shard); merge adapter/ into the base "
@@ -194,7 +165,6 @@ def check_merged(model: nn.Module, recipe: Recipe, sharded: bool = False) -> Non
 
 
 def base_folder(recipe: Recipe) -> str | None:
-    """The Hugging Face folder the base's weights came from (model.weights, or model.hf's folder), or None."""
     weights = weights_of(recipe)
     if weights is not None:
         return str(weights.path) if weights.is_folder else None
@@ -203,8 +173,7 @@ def base_folder(recipe: Recipe) -> str | None:
 
 
 def save_adapter(model: nn.Module, folder: Path, recipe: Recipe, state: dict | None = None) -> bool:
-    """adapter/ with peft's save_pretrained; False when the model has no LoRA adapters. `state`: the model's full
-    state dict (FSDP: gathered from the ranks' shards; None: the model's own)."""
+    """adapter/ with peft's save_pretrained; False without LoRA. `state`: the full state dict (FSDP: gathered)."""
     peft = peft_model(model)
     if peft is None:
         return False
@@ -221,16 +190,12 @@ def save_adapter(model: nn.Module, folder: Path, recipe: Recipe, state: dict | N
             write_adapter(peft, folder, PEFT_PREFIX + inner + ".", state)
     finally:
         config.base_model_name_or_path, config.task_type = before
-    tokenizer = data_tokenizer(recipe)  # the data's tokenizer beside the adapters: AutoTokenizer reads adapter/
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(folder))
+    save_tokenizer(recipe, folder)  # AutoTokenizer reads adapter/
     return True
 
 
 def write_adapter(model: Any, folder: Path, wrapper: str, state: dict | None = None) -> None:
-    """What peft's save_pretrained writes (its adapter state dict, its config's save_pretrained), the keys under
-    `wrapper` (base_model.model.<the wrapper's name for the transformers model>.) moved up to base_model.model.
-    (save_pretrained takes a state_dict, but finds the adapters in it by the model's own module names.)"""
+    """What peft's save_pretrained writes, the keys under `wrapper` moved up to base_model.model."""
     from peft.utils import SAFETENSORS_WEIGHTS_NAME, get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -249,9 +214,7 @@ def write_adapter(model: Any, folder: Path, wrapper: str, state: dict | None = N
 
 
 def save_merged(model: nn.Module, folder: Path, recipe: Recipe, adapter: Path) -> None:
-    """merged/: the adapters merged into the base (peft's merge_and_unload: in place, so the run's last use of the
-    model), as a Hugging Face folder with the data's tokenizer. On a quantised base: `adapter` (the run's adapter/)
-    put on the weights folder's model read again in model.dtype, and merged there."""
+    """merged/: merge_and_unload (in place), or on a quantised base `adapter` on the base folder's model, merged."""
     if recipe.model.quantize is None:
         merged = peft_model(model).merge_and_unload()
         _, hf_model = transformers_inside(merged)
@@ -267,18 +230,16 @@ def save_merged(model: nn.Module, folder: Path, recipe: Recipe, adapter: Path) -
 
     with quiet(sys.modules["transformers"]):  # (its progress bar of the shards it writes)
         hf_model.save_pretrained(str(folder))
-    tokenizer = data_tokenizer(recipe)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(folder))
+    save_tokenizer(recipe, folder)
 
 
-def data_tokenizer(recipe: Recipe) -> Any:
-    """The tokenizer the run's text data was tokenised with, or None (data of no tokenizer)."""
+def save_tokenizer(recipe: Recipe, folder: Path) -> None:
+    """The tokenizer the run's text data was tokenised with, saved in `folder` (none for data of no tokenizer)."""
     if not recipe.data.text_columns:
-        return None
+        return
     from ..data.text import load_tokenizer, tokenizer_name
 
     try:
-        return load_tokenizer(*tokenizer_name(recipe))
+        load_tokenizer(*tokenizer_name(recipe)).save_pretrained(str(folder))
     except UserError:
-        return None
+        return

@@ -13,7 +13,6 @@ from torch.nn.parallel import DistributedDataParallel
 from ..data import Datasets, build_data
 from ..errors import UserError
 from ..models import build_model, count_batchnorm, place, to_sync
-from ..models.segmentation import backbone_report
 from ..plan.batchnorm import label_disagreement
 from ..plan.planner import Plan
 from ..plan.recipe import Recipe
@@ -99,7 +98,7 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
             notes.append(disagreement)
     if recipe.model.batchnorm == "frozen" and plan.batchnorm is not None:  # from random weights: meaningless
         notes.extend(line for line in plan.batchnorm.lines if line.startswith("frozen:"))
-    loaded = backbone_report(recipe, data.info)  # which tensors came from the backbone file, which did not
+    loaded = getattr(model, "backbone_report", None)  # which tensors came from the backbone file, which did not
     if loaded:
         notes.insert(0, loaded)
     if recipe.task == "segmentation" and data.eval is None:

@@ -28,7 +28,7 @@ from ..data.batches import to_device
 from ..data.loader import fetch_seeded
 from ..data.packing import Grouped, Grouping, computed_tokens, grouping_of
 from ..errors import UserError
-from ..models import build_model, has_batchnorm
+from ..models import build_model, count_batchnorm
 from ..models.hf import check_packed
 from ..models.varlen import runs_varlen
 from ..plan.overlay import variant
@@ -192,7 +192,7 @@ def verify(
         masks = "dropout on, as the recipe sets it" if dropout else "the model has no dropout"
         notes.append(f"activation checkpointing: the plan's gradient with checkpointing against without ({masks}): "
                      f"relative error {error:.3g} ({'within' if error <= tolerance else 'OVER'} the tolerance)")
-    batchnorm = has_batchnorm(model)
+    batchnorm = count_batchnorm(model) > 0
     verdict, explanation = _verdict(within, batchnorm, plan, len(indices), pieces, total_samples, tolerance)
     if not within and scaler is not None and scaler.get_scale() < 65536.0:
         explanation += "; fp16 overflow"

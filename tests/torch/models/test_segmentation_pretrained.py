@@ -17,7 +17,6 @@ from safetensors.torch import save_file
 from helpers import cli, snapshot
 from reproduce.errors import UserError
 from reproduce.models import build_model
-from reproduce.models.segmentation import backbone_report
 from reproduce.plan.recipe import parse_recipe
 
 
@@ -176,7 +175,7 @@ def test_a_resnet50_backbone_file_goes_into_the_backbone_with_a_report(backbones
     fresh = build_model(deeplab(None)).state_dict()
     heads = [key for key in fresh if not key.startswith("backbone.")]
     assert heads and all(torch.equal(model.state_dict()[key], fresh[key]) for key in heads)  # left as initialised
-    assert backbone_report(recipe, None) == (
+    assert model.backbone_report == (
         f"backbone: 318 tensors from {backbones[name]} into deeplabv3-resnet50's backbone, every one of its weights "
         f"and statistics; left at their initialisation: classifier (44), aux_classifier (8); 2 of the file's "
         f"tensors not used ({unused})")
