@@ -13,7 +13,7 @@ from ..errors import Interrupted
 from ..models.weights import peft_model, save_adapter, save_merged
 from ..observe.outputs import plot_metrics
 from ..storage import faults, signals
-from ..storage.files import replace_folder, write_text, write_torch_file
+from ..storage.files import replace_folder, write_atomic, write_torch_file
 from .checkpoint import full_model_state
 from .distributed import processes as distributed
 from .records import run_summary
@@ -41,7 +41,7 @@ def finish_run(run: Run) -> dict:
             stop_in_end(run, "loss.svg")
             summary["plot"] = plot_metrics(run.out / "metrics.jsonl", run.out / "loss.svg")
             stop_in_end(run, "summary.json")
-            write_text(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+            write_atomic(run.out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
     distributed.barrier(run.world)
     run.reporter.finish(run_end(summary, run.out, run.request.skip_nonfinite))  # the end's lines, as data
     return summary
