@@ -1,12 +1,6 @@
-"""`reproduce check --annotations github`: each failing check as a GitHub Actions workflow command,
-`::error file=PATH,line=N,title=...::MESSAGE`, which GitHub shows on that line of the check file (in the run's
-summary and in a pull request's diff). No torch.
-
-The line is the stated value that failed (`optimizer_steps: 589212` inside a plan check's `expect`) when the failure
-names one, else the check's own line (`- kind: metric`). The path is relative to $GITHUB_WORKSPACE (the checkout,
-which GitHub resolves annotation paths against) when the file lies under it, else to the working directory. Values
-are escaped as the runner's command parser expects (`%`, CR, LF everywhere; `:` and `,` also in properties).
-"""
+"""`reproduce check --annotations github`: each failing check as a GitHub Actions `::error file=PATH,line=N,...`
+command, on the line of the stated value that failed, else of the check itself; the path relative to
+$GITHUB_WORKSPACE when the file lies under it. Values escaped as the runner's command parser expects."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Drift across reruns: `reproduce check --history FILE` appends each check's measured value to a JSONL history
-(with the git commit, the date and the machine), and a check with `drift:` must stay within a band of its own last
-values there, so that a change that shifts a reproduced metric slowly, run after run, is caught.
-
-One line a check a run: {"file", "check", "kind", "metric", "value", "values", "status", "measured", "paper" (the
-recipe's reported value of the metric, or null), "band" (the drift band it was checked against, or null), "commit",
-"dirty", "date", "machine", "reproduce"}. A check's history is the lines of its file name and check name; the band
-is made of the last `drift.last` of them that passed (a value that failed is recorded but not counted: a deliberate
-change is accepted by starting a new history file, or removing the check's older lines). No torch here.
+"""Drift across reruns: `reproduce check --history FILE` appends each check's value to a JSONL history (with the
+commit, date and machine), and a check with `drift:` must stay within a band of its own last passing values there,
+so a metric that shifts slowly, run after run, is caught. A failed value is recorded but not counted: a deliberate
+change starts a new history file. No torch here.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""What every emitted form shares: the arithmetic line, the header of comments, the notes several frameworks
-need, and Python literals."""
+"""What every emitted form shares: the arithmetic line, the header of comments, shared notes, Python literals."""
 
 from __future__ import annotations
 
@@ -81,8 +80,7 @@ TORCH_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torc
 
 
 def model_notes(plan: Plan) -> list[str]:
-    """The model changes a recipe makes (`model.dtype`, `model.lora`), with the code that makes them as
-    `reproduce run` does: no trainer setting carries them, so every emitted form says them."""
+    """The model changes a recipe makes (`model.dtype`, `model.lora`), which no trainer setting carries."""
     spec, notes = plan.recipe.model, []
     if spec.dtype != "fp32":
         dtype = TORCH_DTYPES[spec.dtype]
@@ -101,8 +99,7 @@ def model_notes(plan: Plan) -> list[str]:
 
 
 def memory_notes(plan: Plan) -> list[str]:
-    """The memory knobs of the recipe (reproduce/plan/memory_options.py), with the code that sets them as
-    `reproduce run` does (models/checkpointing.py, train/distributed/fsdp.py)."""
+    """The memory knobs of the recipe, with the code that sets them as `reproduce run` does."""
     recipe, notes = plan.recipe, []
     if recipe.model.activation_checkpointing:
         notes.append(
@@ -124,9 +121,7 @@ def memory_notes(plan: Plan) -> list[str]:
 
 
 def finetune_notes(plan: Plan, framework: str) -> list[str]:
-    """What a framework's own settings do not carry of a fine-tuning recipe (a quantised base, bitsandbytes'
-    optimizer state, the old Trainer's loss arithmetic), with the code `reproduce run` uses; `--emit hf` writes the
-    first two as TrainingArguments and a BitsAndBytesConfig instead."""
+    """What a framework's own settings do not carry of a fine-tuning recipe, with the code `reproduce run` uses."""
     recipe, notes = plan.recipe, []
     if recipe.model.quantize is not None:
         notes.append(f"{framework} has no setting for the recipe's {recipe.model.quantize} base (model.quantize): "
@@ -187,8 +182,7 @@ def _phase_notes(plan: Plan) -> list[str]:
 
 
 def plan_command(plan: Plan) -> str:
-    """The command that saves this plan as plan.yaml; --policy throughput's timed choice is given as the maximum, so
-    that the exact policy takes that very split again."""
+    """The command that saves this plan as plan.yaml (--policy throughput's choice given as the maximum)."""
     largest = plan.micro_batch if plan.policy == "throughput" else plan.micro_batch_max
     return (f"reproduce plan {plan.recipe_path or 'RECIPE'} --micro-batch-max {largest} --world-size "
             f"{plan.world_size}" + (" --policy fast" if plan.policy == "fast" else "") + " --out plan.yaml")

@@ -1,8 +1,5 @@
-"""The report as one self-contained HTML file (plots embedded as data: URIs, no script, no network) and its
-Markdown twin (the same tables; the plots as PNG files in a folder beside it).
-
-The content is built once as a list of blocks (headings, paragraphs, tables, figures); each format renders it.
-"""
+"""The report as one self-contained HTML file (plots as data: URIs, no script) and its Markdown twin (the plots
+as PNG files beside it): one list of blocks, rendered by each format."""
 
 from __future__ import annotations
 

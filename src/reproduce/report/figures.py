@@ -1,10 +1,5 @@
-"""The report's curves, every run overlaid on shared axes: loss, eval metrics, learning rate, gradient norm,
-throughput, and the gradient noise scale against the effective batch. PNG bytes, made with matplotlib (the
-`plots` extra).
-
-Runs of different effective batches (a baseline and its 8x run) share an epoch axis, where their curves can
-be compared; runs of one batch share the optimizer step.
-"""
+"""The report's curves, every run overlaid (PNG bytes, matplotlib: the `plots` extra). Runs of different effective
+batches share an epoch axis, where they compare; runs of one batch share the optimizer step."""
 
 from __future__ import annotations
 

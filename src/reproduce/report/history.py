@@ -1,6 +1,5 @@
 """`reproduce report --history FILE`: the values `reproduce check --history` kept, rerun after rerun, as a table and
-one plot a check beside the paper's value (the recipe's `reported:` one, with its tolerance), so that a metric that
-moves slowly away from the paper shows before a check fails."""
+one plot a check beside the paper's value, so a metric that drifts shows before a check fails."""
 
 from __future__ import annotations
 

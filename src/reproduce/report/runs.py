@@ -1,7 +1,4 @@
-"""The run folders a report shows, read as far as they got: plan.yaml, metrics.jsonl, summary.json when finished.
-
-No torch here: a report is made anywhere the folders are, while the run is still going if need be.
-"""
+"""The run folders a report shows, read as far as they got (no torch: while the run is still going, if need be)."""
 
 from __future__ import annotations
 

@@ -18,9 +18,8 @@ def images_folder(markdown: Path) -> Path:
 
 def write_report(runs: list[RunFolder], out: Path, markdown: Path | None = None, plots: bool = True,
                  history: tuple[Path, list[dict]] | None = None) -> list[Path]:
-    """report.html (self-contained) and, unless `markdown` is the HTML itself, report.md with its PNGs; with
-    `history` (a `reproduce check --history` file and its records) its values rerun after rerun beside the paper's
-    (runs optional)."""
+    """report.html and, unless `markdown` is the HTML itself, report.md with its PNGs; with `history` (a `check
+    --history` file and its records) its values beside the paper's (runs optional)."""
     out = check_writable(out, "`out`")
     if out.suffix.lower() not in (".html", ".htm"):
         raise UserError(f"{out}: expected an .html file name (the Markdown twin is written beside it as .md)",

@@ -1,17 +1,9 @@
 """The recipes and check files shipped with reproduce, and a recipe given by name from any folder. No torch.
 
-The files live once, in the repository's top-level `papers/` (recipes) and `reproduce/` (the project's check files).
-This package's `papers` and `checks` are links to those folders, and pyproject.toml ships what they hold as package
-data, so a wheel carries real copies in `reproduce/shipped/papers/` and `reproduce/shipped/checks/` (the check files
-name their recipes as ../papers/NAME.yaml, which holds in both layouts). Any `*.yaml` there is shipped: a recipe added
-to papers/ needs no list to be edited. A checkout whose links are plain files (git without symlinks) falls back to
-the top-level folders.
-
-A recipe argument (plan, run, probe, verify, `papers show`) is a file when one is there; else a recipe's name,
-`goyal2017-resnet50`, with or without `.yaml` or a `papers/` in front (so the docs' `papers/goyal2017-resnet50.yaml`
-works from any folder). A bare name is looked for in the current folder first (NAME.yaml, then papers/NAME.yaml, the
-folder `reproduce papers` lists), then among the shipped: a file of the user's wins over a shipped recipe of the same
-name, and the commands say which file they read.
+`papers` and `checks` here link to the repository's `papers/` and `reproduce/`, shipped as package data (every
+`*.yaml`); a checkout without symlinks falls back to the top-level folders. A recipe argument is a file when one is
+there, else a name (`goyal2017-resnet50`, with or without `.yaml` or `papers/`), looked for in the current folder
+first (NAME.yaml, papers/NAME.yaml), then among the shipped; the commands say which file they read.
 """
 
 from __future__ import annotations

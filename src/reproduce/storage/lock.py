@@ -47,15 +47,13 @@ def hold(out: str | Path) -> Iterator[None]:
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        descriptor = _locked(out / LOCK_NAME)
+        locked = _locked(out)
     except OSError as error:
         raise UserError(str(WriteFailed(out, error)), field="out") from None
-    folder = _folder_locked(out) if descriptor is not None else None
-    if descriptor is None or folder is None:
-        if descriptor is not None:
-            os.close(descriptor)
+    if locked is None:
         raise UserError(f"another run is using {out} (it holds {LOCK_NAME}'s lock); wait for it to end, "
                         "or choose another folder", field="out")
+    descriptor, folder = locked
     _held.add(out)
     if folder >= 0:
         _folders[out] = folder
@@ -91,9 +89,10 @@ def hold(out: str | Path) -> Iterator[None]:
             os.close(folder)
 
 
-def _locked(path: Path) -> int | None:
-    """An open descriptor of `path` holding its POSIX lock (the process's, not its forked workers'), or None when
-    another process holds it."""
+def _locked(out: Path) -> tuple[int, int] | None:
+    """Descriptors of the lock file, holding its POSIX lock (the process's, not its forked workers'), and of the
+    folder, holding its flock (-1 where the filesystem locks no folders); None when another process holds either."""
+    path = out / LOCK_NAME
     while True:
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -108,23 +107,21 @@ def _locked(path: Path) -> int | None:
         except FileNotFoundError:
             same = False
         if same:  # (not a file its holder removed while this process opened it)
-            return descriptor
+            break
         os.close(descriptor)
-
-
-def _folder_locked(out: Path) -> int | None:
-    """A descriptor of the folder `out` holding its flock; None when another process holds it; -1 where the
-    filesystem locks no folders (the lock file's lock is then the lock)."""
     try:
-        descriptor = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+        folder = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
-        return -1
+        return descriptor, -1
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as error:
-        os.close(descriptor)
-        return None if error.errno in (errno.EAGAIN, errno.EACCES) else -1
-    return descriptor
+        os.close(folder)
+        if error.errno in (errno.EAGAIN, errno.EACCES):
+            os.close(descriptor)
+            return None
+        return descriptor, -1
+    return descriptor, folder
 
 
 LAUNCHER_ENV = "REPRODUCE_LAUNCHED_WITH"  # set by `reproduce run --nproc-per-node` for its torchrun (cli/resume.py)
