@@ -160,9 +160,8 @@ FLAG_OF_FIELD = {path: flag for flag, path in FIELD_OF_FLAG.items()}
 
 
 def alias_changes(context: typer.Context) -> list[Change]:
-    """The options the command declares that alias a recipe field (found by their flags: no command lists them
-    again), as the changes of their fields, in the table's order; an option not given (None, or a switch left off)
-    changes nothing, a switch only switches its field on."""
+    """The given options of the command that alias a recipe field, as their fields' changes in the table's order
+    (a switch only switches its field on)."""
     given = {param.opts[0]: context.params[param.name] for param in context.command.params
              if param.opts and param.opts[0] in FIELD_OF_FLAG and param.name is not None}
     values = {flag: value.value if isinstance(value, Enum) else value for flag, value in given.items()}

@@ -1,6 +1,5 @@
-"""The command that continues an interrupted run: `reproduce run OUT/plan.yaml --out OUT --resume` with every option
-that shapes the run (--max-steps, --micro-batch-max, --data, --eval-data, --workers, torchrun's ...), so that pasting
-it as printed goes on with the same run."""
+"""The command that continues an interrupted run, `reproduce run OUT/plan.yaml --out OUT --resume`, with every option
+that shapes the run, so that pasted as printed it goes on with the same run."""
 
 from __future__ import annotations
 
@@ -40,11 +39,9 @@ def continue_command(out: Path, launcher: list[str], args: list[str]) -> str:
 
 
 def folder_state(out: Path, max_steps: int | None) -> tuple[str, str]:
-    """Where the run in `out` stands, for --auto-resume, with a few words on it: `new` (no run there), `started`
-    (its plan.yaml, no checkpoint yet: it starts again), `unfinished` (a checkpoint: it resumes; a finished run's
-    end that is not the run's is written again) or `finished` (it has reached --max-steps, else the plan's last step,
-    and its end is whole: nothing to do). Judged from the last checkpoint (train/resume.py), never from a
-    summary.json that may be damaged."""
+    """Where the run in `out` stands for --auto-resume, and a few words on it: `new`, `started` (plan.yaml, no
+    checkpoint: start again), `unfinished` (resume) or `finished` (judged from the last checkpoint, never from a
+    summary.json that may be damaged)."""
     if not (out / "plan.yaml").is_file():
         return "new", "no run there"
     if not (out / "checkpoints" / "last.pt").is_file():
