@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import statistics
 import tempfile
 import time
@@ -77,16 +76,6 @@ class Runner:
             self.data[key] = build_data(recipe)
         return self.data[key]
 
-    def factory_size(self, recipe: Recipe) -> int | dict | None:
-        """data.train_size, else the size of the data a `factory:` makes, as `reproduce plan` asks it."""
-        spec = recipe.data
-        if spec.train_size is not None or not spec.available or not isinstance(spec, NamedData) or (
-                spec.factory is None):
-            return spec.train_size
-        from ..data import training_sizes
-
-        return training_sizes(recipe, self.dataset(recipe).train)
-
     def plan_for(self, run: Run, dataset_size: int | dict | None) -> Plan:
         budget = run.budget
         return make_plan(run.recipe, budget.micro_batch_max, budget.world_size, budget.policy,
@@ -149,7 +138,13 @@ class Runner:
 
     def _plan(self, file: LoadedFile, check: PlanCheck):
         run = file.runs[check.run]
-        plan = self.plan_for(run, self.factory_size(run.recipe))
+        spec = run.recipe.data  # data.train_size, else the size of the data a `factory:` makes, as `plan` asks it
+        size = spec.train_size
+        if size is None and spec.available and isinstance(spec, NamedData) and spec.factory is not None:
+            from ..data import training_sizes
+
+            size = training_sizes(run.recipe, self.dataset(run.recipe).train)
+        plan = self.plan_for(run, size)
         problems = plan_problems(plan, run.budget)
         shown = flat_fields(plan)  # the fields as `plan --json` shows them, which `expect` names
         for key, want in check.expect.items():
@@ -370,8 +365,3 @@ def run_checks(
             if on_result:
                 on_result(result)
     return results
-
-
-def cleanup(work: Path, temporary: bool) -> None:
-    if temporary:
-        shutil.rmtree(work, ignore_errors=True)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from ..plan.batchnorm import MODES as BATCHNORM_MODES
-from ..plan.overlay import Change, changes_of
+from ..plan.overlay import Change
 from ..plan.recipe import PACKING_WAYS, QUANTIZED_BASES
 from ..plan.units import parse_size
 from ..probe.runner import ProbeOptions
@@ -167,8 +167,3 @@ def alias_changes(context: typer.Context) -> list[Change]:
     values = {flag: value.value if isinstance(value, Enum) else value for flag, value in given.items()}
     return [Change(path, values[flag], f"`{path}`") for flag, path in FIELD_OF_FLAG.items()
             if values.get(flag) is not None and values.get(flag) is not False]
-
-
-def override_changes(overrides: list[str] | None) -> list[Change]:
-    """`--set FIELD.PATH=VALUE`, each as the change of its field."""
-    return changes_of(overrides or [])

@@ -15,6 +15,7 @@ from ..plan.flatview import flat_fields
 from ..plan.gates import planned_gates
 from ..plan.launch import GPUS_PER_NODE
 from ..plan.memory_options import memory_summary
+from ..plan.overlay import changes_of
 from ..plan.packing import packing_origin
 from ..plan.planfile import check_writable, save_plan
 from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
@@ -50,7 +51,6 @@ from .options import (
     WeightsOption,
     WorldSizeOption,
     alias_changes,
-    override_changes,
     probe_options,
 )
 from .throughput import FREE_BATCHNORM_HELP, MFU_HELP, render_prediction, render_throughput
@@ -114,7 +114,7 @@ def plan_command(
         check_format(emit_format)
     check_mfu(assumed_mfu)
     check_price(price)
-    recipe = recipe_for_plan(recipe_path, [*override_changes(overrides), *alias_changes(context)], world_size)
+    recipe = recipe_for_plan(recipe_path, [*changes_of(overrides or []), *alias_changes(context)], world_size)
     check_builtin_model(recipe)  # a typo: one line with the nearest name, as run says
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     data, size = planned_data_size(recipe, given=data_path is not None)
