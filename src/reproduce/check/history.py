@@ -50,15 +50,11 @@ class History:
         self.path = path
         self.records = read_history(path)
 
-    def values(self, file: str, check: str) -> list[float]:
-        """The check's passing values, oldest first."""
-        return [float(r["value"]) for r in self.records if r.get("file") == file and r.get("check") == check
-                and r.get("status") == "pass" and isinstance(r.get("value"), (int, float))]
-
     def band(self, file: str, check: str, drift: Drift) -> tuple[Band | None, int]:
         """The band of the check's last `drift.last` passing values, or None with fewer than `drift.min_runs` (and
         how many there are)."""
-        values = self.values(file, check)[-drift.last:]
+        values = [float(r["value"]) for r in self.records if r.get("file") == file and r.get("check") == check
+                  and r.get("status") == "pass" and isinstance(r.get("value"), (int, float))][-drift.last:]
         if len(values) < drift.min_runs:
             return None, len(values)
         mean = statistics.fmean(values)
@@ -68,9 +64,14 @@ class History:
         return Band(mean, max(widths), len(values), min(values), max(values)), len(values)
 
     def append(self, results: list[Any]) -> int:
-        """One line per result, after the checks ran; returns how many were written."""
-        stamp = provenance()
-        lines = [json.dumps({**record_of(r), **stamp}, sort_keys=False) for r in results]
+        """One line per result (the runner's Result), with the commit of the working directory's checkout (None
+        outside one), the date (UTC) and the machine; returns how many were written."""
+        commit, dirty = git_state(Path.cwd())
+        stamp = {"commit": commit, "dirty": dirty, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                 "machine": machine(), "reproduce": reproduce.__version__}
+        lines = [json.dumps({"file": r.file, "check": r.name, "kind": r.kind, "metric": r.metric, "value": r.value,
+                             "values": r.values, "status": r.status, "measured": r.measured, "paper": r.paper,
+                             "band": r.band, **stamp}, sort_keys=False) for r in results]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write("".join(line + "\n" for line in lines))
@@ -97,20 +98,6 @@ def read_history(path: Path) -> list[dict[str, Any]]:
                             "reproduce check writes them", field="history")
         records.append(record)
     return records
-
-
-def record_of(result: Any) -> dict[str, Any]:
-    """A check's line (`result`: the runner's Result, not imported here: the runner imports this module)."""
-    return {"file": result.file, "check": result.name, "kind": result.kind, "metric": result.metric,
-            "value": result.value, "values": result.values, "status": result.status, "measured": result.measured,
-            "paper": result.paper, "band": result.band}
-
-
-def provenance() -> dict[str, Any]:
-    """The commit (of the working directory's git checkout, None outside one), the date (UTC) and the machine."""
-    commit, dirty = git_state(Path.cwd())
-    return {"commit": commit, "dirty": dirty, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(), "reproduce": reproduce.__version__}
 
 
 def git_state(folder: Path) -> tuple[str | None, bool | None]:

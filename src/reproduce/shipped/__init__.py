@@ -47,17 +47,6 @@ def shipped_recipes() -> dict[str, Path]:
     return {p.stem: p for p in recipe_files(folder)} if folder is not None else {}
 
 
-def name_of(given: str | Path) -> str | None:
-    """The shipped-recipe name `given` may be: `NAME`, `NAME.yaml`, `papers/NAME.yaml`; None for other paths."""
-    path = Path(given)
-    if path.is_absolute() or len(path.parts) > 2 or (len(path.parts) == 2 and path.parts[0] != "papers"):
-        return None
-    name = path.name
-    for suffix in SUFFIXES:
-        name = name.removesuffix(suffix)
-    return name or None
-
-
 def is_shipped(path: str | Path) -> bool:
     """Whether `path` is one of the shipped recipe files (not a user's file of the same name)."""
     folder = papers_folder()
@@ -70,7 +59,12 @@ def resolve_recipe(given: str | Path, what: str = "recipe") -> Path:
     path = Path(given)
     if path.exists():
         return path
-    name = name_of(path)
+    name: str | None = None  # the shipped recipe's name it may be: `NAME`, `NAME.yaml`, `papers/NAME.yaml`
+    if not (path.is_absolute() or len(path.parts) > 2 or (len(path.parts) == 2 and path.parts[0] != "papers")):
+        name = path.name
+        for suffix in SUFFIXES:
+            name = name.removesuffix(suffix)
+        name = name or None
     if name is not None and len(path.parts) == 1:  # a bare name: the current folder's files first
         for local in [Path(f"{folder}{name}{suffix}") for folder in ("", "papers/") for suffix in SUFFIXES]:
             if local.is_file():
