@@ -16,17 +16,6 @@ from .runner import Result
 STATED = re.compile(r"^([A-Za-z_][\w.]*): expected ")  # plan_problems' "FIELD: expected X, the plan has Y"
 
 
-def check_nodes(path: Path) -> list[yaml.Node]:
-    """The YAML node of each item of the file's `checks` list, in order (empty when there is none)."""
-    root = yaml.compose(path.read_text(encoding="utf-8"))
-    if not isinstance(root, yaml.MappingNode):
-        return []
-    for key, value in root.value:
-        if key.value == "checks" and isinstance(value, yaml.SequenceNode):
-            return list(value.value)
-    return []
-
-
 def _key_line(node: yaml.Node, name: str) -> int | None:
     """1-based line of the first key `name` inside `node` (depth first), None when there is none."""
     if isinstance(node, yaml.MappingNode):
@@ -81,7 +70,12 @@ def github_annotations(files: list[LoadedFile], results: list[Result]) -> list[s
     places = [(file, index) for file in files for index in range(len(file.spec.checks))]
     if len(places) != len(results):
         raise ValueError(f"{len(results)} results for {len(places)} checks")
-    nodes = {file.path: check_nodes(file.path) for file in files}
+    nodes: dict[Path, list[yaml.Node]] = {}  # each file's `checks` items as YAML nodes, in order
+    for file in files:
+        root = yaml.compose(file.path.read_text(encoding="utf-8"))
+        found = [value for key, value in root.value if key.value == "checks" and isinstance(value, yaml.SequenceNode)
+                 ] if isinstance(root, yaml.MappingNode) else []
+        nodes[file.path] = list(found[0].value) if found else []
     lines = []
     for (file, index), result in zip(places, results, strict=True):
         if result.passed:
