@@ -182,17 +182,8 @@ def show_plan(plan: Plan, result, recipe, recipe_path: Path, forecast: dict | No
 
 def plan_json(plan: Plan, result, prediction: dict, grouping: dict | None, origin: str | None,
               forecast: dict | None = None) -> dict:
-    """`plan --json`: the plan's flat view, its arithmetic and `lr_points` ([optimizer step (1-based), lr] where the
-    schedule changes shape; with plateau decay up to the first step a decrease could change), its grouping, the probe
-    behind it and its cost, the predicted time."""
-    summary = flat_fields(plan)  # reproduce-plan/1's flat fields, which pipelines read (plan/flatview.py)
-    summary["arithmetic"] = plan.arithmetic
-    summary["memory_options"] = memory_summary(plan.recipe)  # the recipe's own: quantised base, optimizer, ...
-    summary["lr_points"] = lr_points(plan)
-    first = first_plateau_step(plan)
-    if first is not None:
-        summary["lr_points_note"] = (f"plateau decay: the decreases depend on the run's evaluations; the points stop "
-                                     f"at step {first + 1}, the first whose LR a decrease could change")
+    """`plan --json`: the plan, its grouping, the probe behind it and its cost, the predicted time."""
+    summary = plan_summary(plan)
     if grouping is not None or origin is not None:
         summary["packing"] = {"way": plan.recipe.data.packing or "none", **(grouping or {}),
                               "origin": origin or "the default for this data"}
@@ -204,6 +195,20 @@ def plan_json(plan: Plan, result, prediction: dict, grouping: dict | None, origi
                    gpu_hours=prediction.get("gpu_hours"), prediction=prediction)
     if forecast is not None:
         summary["forecast"] = forecast
+    return summary
+
+
+def plan_summary(plan: Plan) -> dict:
+    """The plan as JSON: its flat view, the batch arithmetic and `lr_points` ([optimizer step (1-based), lr] where
+    the schedule changes shape; with plateau decay up to the first step a decrease could change)."""
+    summary = flat_fields(plan)  # reproduce-plan/1's flat fields, which pipelines read (plan/flatview.py)
+    summary["arithmetic"] = plan.arithmetic
+    summary["memory_options"] = memory_summary(plan.recipe)  # the recipe's own: quantised base, optimizer, ...
+    summary["lr_points"] = lr_points(plan)
+    first = first_plateau_step(plan)
+    if first is not None:
+        summary["lr_points_note"] = (f"plateau decay: the decreases depend on the run's evaluations; the points stop "
+                                     f"at step {first + 1}, the first whose LR a decrease could change")
     return summary
 
 
