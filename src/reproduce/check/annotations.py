@@ -65,8 +65,7 @@ def _property(text: str) -> str:
 
 
 def github_annotations(files: list[LoadedFile], results: list[Result]) -> list[str]:
-    """One `::error ...` line per check that did not pass. `results` are run_checks' (every check of every file, in
-    order)."""
+    """One `::error ...` line per check that did not pass (`results`: run_checks', every check of every file)."""
     places = [(file, index) for file in files for index in range(len(file.spec.checks))]
     if len(places) != len(results):
         raise ValueError(f"{len(results)} results for {len(places)} checks")

@@ -51,8 +51,8 @@ class History:
         self.records = read_history(path)
 
     def band(self, file: str, check: str, drift: Drift) -> tuple[Band | None, int]:
-        """The band of the check's last `drift.last` passing values, or None with fewer than `drift.min_runs` (and
-        how many there are)."""
+        """The band of the check's last `drift.last` passing values (None with fewer than `drift.min_runs`), and how
+        many there are."""
         values = [float(r["value"]) for r in self.records if r.get("file") == file and r.get("check") == check
                   and r.get("status") == "pass" and isinstance(r.get("value"), (int, float))][-drift.last:]
         if len(values) < drift.min_runs:
@@ -125,8 +125,7 @@ def machine() -> dict[str, Any]:
 
 def drift_verdict(history: History | None, file: str, check: str, value: float, drift: Drift,
                   ) -> tuple[bool, str, str, Band | None]:
-    """(whether the value holds, the expected text, the detail line, the band) of a check's drift against its
-    history."""
+    """(whether it holds, the expected text, the detail line, the band) of a value's drift against its history."""
     if history is None:
         return True, "drift not checked", "drift: not checked (give --history FILE to keep and check the values)", None
     band, runs = history.band(file, check, drift)

@@ -140,8 +140,7 @@ def load_check_file(path: Path) -> LoadedFile:
 
 
 def sample_folder(kind: str) -> Path:
-    """The data `python -m reproduce.data.samples KIND` writes, made once per process in a temporary folder that is
-    removed at exit (check files' `sample_data`)."""
+    """The data of a check file's `sample_data`, made once per process in a temporary folder removed at exit."""
     if kind not in _SAMPLE_FOLDERS:
         import atexit
         import shutil

@@ -287,8 +287,7 @@ def lookup(summary: dict, metric: str) -> float:
 
 
 def paper_value(recipe: Recipe, check: MetricCheck) -> dict | None:
-    """The paper's value of a metric check's measure, from the recipe's `reported:`: the one the check names, else
-    the one of its metric when the check does not scale it; None when the paper reports none."""
+    """The paper's value of a metric check's measure (the `reported:` one it names, else its metric's when unscaled)."""
     name = check.reported or (check.metric if check.scale == 1 else None)
     found = next((r for r in recipe.reported if r.metric == name), None)
     if found is None:

@@ -21,8 +21,7 @@ NAME = re.compile(r"`([a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*)`")
 
 @cache
 def request_flags() -> dict[str, str]:
-    """Each option's parameter name and its flag, over every command (`micro_batch_max` -> `--micro-batch-max`);
-    read when the first error is shown, after every command has registered its options."""
+    """Each option's parameter name and its flag, over every command (`micro_batch_max` -> `--micro-batch-max`)."""
     root = typer.main.get_command(app)  # the commands are its own, one level deep
     flags: dict[str, str] = {}
     for command in [root, *getattr(root, "commands", {}).values()]:

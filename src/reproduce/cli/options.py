@@ -1,5 +1,5 @@
-"""Option definitions shared by several commands (plan, probe, run, verify): the choices, their help texts, and
-the flags turned into the core's arguments. No command lives here, so every command may import it."""
+"""The options several commands share, declared once: the choices, their help texts, the flags turned into the
+core's arguments. No command lives here, so every command may import it."""
 
 from __future__ import annotations
 
@@ -133,8 +133,7 @@ TokenBudgetOption = Annotated[int | None, typer.Option("--token-budget", min=1, 
 
 def probe_options(memory: str | None, gpu: str | None, meter: MeterName, headroom: float, no_cache: bool
                   ) -> ProbeOptions:
-    """The options `plan_and_probe` and `run_probe` take, from the command-line flags (--memory checked now, before
-    anything is built or written)."""
+    """The probe's options from the flags (--memory checked now, before anything is built or written)."""
     if memory is not None:
         parse_size(memory, "--memory")
     return ProbeOptions(memory=memory, gpu=gpu, meter=meter.value, headroom=headroom, use_cache=not no_cache)

@@ -282,8 +282,7 @@ def render_plan(p: Plan, forecast: dict | None = None) -> None:
 
 
 def decay_cells(p: Plan) -> tuple[str, str]:
-    """The decay row: the paper's decay (kind, milestones, factor) and this plan's (in optimizer steps); a plateau
-    decay's, what the recipe says and when this plan's first decrease could come."""
+    """The decay row: the paper's decay and this plan's, in optimizer steps (plateau: when the first could come)."""
     decay = p.recipe.schedule.decay
     if decay.kind == "plateau":
         every, first = p.recipe.evaluation.every_steps, first_plateau_step(p)
@@ -327,8 +326,7 @@ PHASE_ROWS = 16  # a longer ramp shows its first and last batches
 
 
 def render_phases(p: Plan) -> None:
-    """The batch of each stretch of optimizer steps (`batch.phases`, or each distinct batch of `batch.ramp`); nothing
-    for a plan without batch phases."""
+    """The batch of each stretch of optimizer steps (`batch.phases`, or each distinct batch of `batch.ramp`)."""
     phases = batch_phases(p.segments)
     if not phases:
         return

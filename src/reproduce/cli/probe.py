@@ -149,8 +149,7 @@ def render_probe(result: ProbeResult, plan: Plan | None) -> None:
 
 
 def render_batchnorm(plan: Plan, result: ProbeResult) -> None:
-    """What micro-batch each BatchNorm choice needs: the paper's BN batch per device against what fits (and what
-    the fitted line says it would peak at), sync's over the processes, none for group and frozen."""
+    """What micro-batch each BatchNorm choice needs: the paper's BN batch per device against what fits."""
     norm = plan.batchnorm
     if norm is None:
         return

@@ -24,7 +24,7 @@ def launcher_args(nproc_per_node: int, nnodes: int | str, node_rank: int, rdzv_e
 
 def launcher_of_this_job(world_size: int) -> list[str]:
     """torchrun's options for the resume command: as `--nproc-per-node` launched this job, else (torchrun started
-    by hand) from the variables torchrun sets (a multi-node job then also needs its --rdzv-endpoint)."""
+    by hand) from the variables torchrun sets."""
     given = os.environ.get(LAUNCHER_ENV)
     if given is not None:
         return shlex.split(given)
@@ -33,8 +33,7 @@ def launcher_of_this_job(world_size: int) -> list[str]:
 
 
 def continue_command(out: Path, launcher: list[str], args: list[str]) -> str:
-    """The command that continues this run after a signal, with every option that shapes it (pasted, it goes on to
-    the same --max-steps, on the same data, workers and processes)."""
+    """The command that continues this run after a signal, with every option that shapes it."""
     return shlex.join(["reproduce", "run", str(out / "plan.yaml"), "--out", str(out), "--resume", *launcher, *args])
 
 
@@ -69,8 +68,7 @@ def _summary(out: Path) -> dict:
 
 
 def auto_resume_flags(resume: bool, force: bool, max_restarts: int | None, launching: bool) -> None:
-    """--auto-resume chooses between starting and --resume itself; --max-restarts is torchrun's (it implies
-    --auto-resume, so a restarted group continues)."""
+    """--auto-resume chooses between starting and --resume itself; --max-restarts is torchrun's."""
     if resume or force:
         raise UserError(f"--auto-resume: it decides between starting and resuming by itself; without "
                         f"{'--resume' if resume else '--force'}")

@@ -132,8 +132,7 @@ def request_args(request: RunRequest, which: str) -> list[str]:
 
 
 def auto_resumed(request: RunRequest, world: Any, launching: bool) -> tuple[bool, bool]:
-    """(resume, force) for the run in --out as --auto-resume decides, after refusing another plan's run there (a
-    finished run exits 0 at once)."""
+    """(resume, force) as --auto-resume decides, after refusing another plan's run (a finished run exits 0)."""
     auto_resume_flags(request.resume, request.force, request.max_restarts, launching)
     state, words = folder_state(request.out, request.max_steps)
     if state != "new":
@@ -179,8 +178,7 @@ def launch(request: RunRequest, world: Any) -> int:
 
 
 def _launch(command: list[str]) -> int:
-    """Run torchrun: its workers die with this process, get its SIGINT/SIGTERM, and say their ending through it,
-    once (train/distributed/launched.py)."""
+    """Run torchrun: its workers die with this process, get its signals, and say their ending through it, once."""
     from ..train.distributed.launched import run_launched
 
     return run_launched(command, shlex.join(["reproduce", *map(str, typed_args)]))

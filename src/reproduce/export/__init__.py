@@ -24,8 +24,7 @@ FORMATS = tuple(BUILDERS)
 
 
 def emit(plan: Plan, fmt: str, gpus_per_node: int = GPUS_PER_NODE) -> str:
-    """The plan as `fmt` (hf, lightning, deepspeed, accelerate, torchrun, slurm): text that starts with a comment
-    (slurm: `#!/bin/bash`, then the comments); `gpus_per_node`: slurm's nodes."""
+    """The plan as `fmt` (one of FORMATS), text that opens with its comments; `gpus_per_node`: slurm's nodes."""
     return export(plan, fmt, gpus_per_node).text
 
 

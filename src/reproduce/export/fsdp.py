@@ -14,8 +14,7 @@ RESNET_BASIC = ("resnet18", "resnet34")
 
 
 def fsdp_blocks(plan: Plan) -> tuple[list[str], str | None]:
-    """The block class names sharded one by one (as `reproduce run` finds them), and a note when they must come
-    from the model itself. Empty: the model is sharded as one unit (the small MLP and CNNs)."""
+    """The block classes sharded one by one (none: the model is one unit), and a note when the model must say."""
     model = plan.recipe.model
     if model.builtin == "gpt":
         return ["Block"], None

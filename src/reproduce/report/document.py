@@ -137,8 +137,7 @@ def cost_line(run: RunFolder) -> str:
 
 
 def class_iou_table(runs: list[RunFolder]) -> Table | None:
-    """Segmentation: each class's IoU at each run's last evaluation (n/a: in neither predictions nor targets, left out
-    of the mean), or None when no run records it."""
+    """Segmentation: each class's IoU at each run's last evaluation, or None when no run records it."""
     last = {}
     for run in runs:
         found = next((r for r in reversed(run.records) if isinstance(r.get("eval_class_iou"), list)), None)

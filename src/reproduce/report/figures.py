@@ -49,8 +49,7 @@ def x_axis(runs: list[RunFolder]) -> str:
 
 
 def throughput(run: RunFolder) -> tuple[str, list[tuple[dict, float]]]:
-    """Each step's samples or tokens per second: the trainer's own field when it records one, else the step's
-    samples (tokens, for language models) over its seconds."""
+    """Each step's samples (or tokens) per second: the trainer's own field, else the step's count over its seconds."""
     for key, unit in (("tokens_per_second", "tokens/s"), ("samples_per_second", "samples/s")):
         rows = [(r, float(r[key])) for r in run.records if isinstance(r.get(key), (int, float))]
         if rows:

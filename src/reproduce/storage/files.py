@@ -47,8 +47,7 @@ class WriteFailed(Exception):
 
 
 class _Recording:
-    """A binary file that remembers the OS error of a failed write: torch.save reports one as a RuntimeError
-    ("unexpected pos ...") that no longer says the disk was full."""
+    """A binary file that remembers the OS error of a failed write (torch.save turns it into a RuntimeError)."""
 
     def __init__(self, handle: BinaryIO, name: str = ""):
         self.handle, self.error, self.name, self.started = handle, None, name, False
