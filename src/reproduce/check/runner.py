@@ -66,8 +66,6 @@ class Runner:
         self.cache: dict[str, RunResult] = {}
         self.data: dict[str, Datasets] = {}
 
-    # ---- runs ---------------------------------------------------------------------------------------
-
     def dataset(self, recipe: Recipe) -> Datasets:
         from ..data import build_data
 
@@ -105,8 +103,6 @@ class Runner:
 
     def values(self, file: LoadedFile, run: Run, metric: str) -> list[float]:
         return [lookup(self.train(file, run, seed).summary, metric) for seed in run.seeds]
-
-    # ---- checks -------------------------------------------------------------------------------------
 
     def evaluate(self, file: LoadedFile, index: int) -> Result:
         check = file.spec.checks[index]
@@ -330,9 +326,6 @@ def _measured(value: float, values: list[float], how: str) -> str:
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "check"
-
-
-# ---- the whole suite, and its reports -------------------------------------------------------------------
 
 
 def prepare_work(work: Path | None) -> tuple[Path, bool]:

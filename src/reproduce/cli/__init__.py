@@ -32,8 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the `reproduce` console script."""
     typed = sys.argv[1:] if argv is None else argv
     typed_args[:] = typed
-    # this process is the command (the console script, python -m reproduce), not one of torchrun's workers, whose
-    # process group's threads must be torn down by the collection: see leave_to_the_os
+    # the command itself, not a torchrun worker (whose process group's threads the collection must tear down)
     if argv is None and "TORCHELASTIC_RUN_ID" not in os.environ and "WORLD_SIZE" not in os.environ:
         atexit.register(leave_to_the_os)
     try:

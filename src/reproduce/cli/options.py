@@ -105,8 +105,7 @@ TOKEN_BUDGET_HELP = ("sorted / packed: tokens per micro-batch, padding included 
                      "measured to fit for sorted, else micro-batch x the longest).")
 
 
-# The options several commands declare alike, each declared here once (a parameter annotated with one takes its
-# default from the parameter: `weights: WeightsOption = None`).
+# The options several commands declare alike, each declared here once (the default is the parameter's).
 MicroBatchMaxOption = Annotated[int | None, typer.Option("--micro-batch-max", min=1, help=MICRO_BATCH_MAX_HELP)]
 WorldSizeOption = Annotated[int, typer.Option("--world-size", min=1, help=WORLD_SIZE_HELP)]
 PolicyOption = Annotated[Policy, typer.Option("--policy", help=POLICY_HELP)]
@@ -139,8 +138,7 @@ def probe_options(memory: str | None, gpu: str | None, meter: MeterName, headroo
     return ProbeOptions(memory=memory, gpu=gpu, meter=meter.value, headroom=headroom, use_cache=not no_cache)
 
 
-# Each option that changes the recipe is an alias of one field (the one table of them). A new recipe knob gets no
-# new option: `--set FIELD.PATH=VALUE` reaches every field.
+# Each option that changes the recipe aliases one field; a new recipe knob gets no option (`--set` reaches it).
 FIELD_OF_FLAG = {
     "--weights": "model.weights",
     "--backbone-weights": "model.backbone_weights",

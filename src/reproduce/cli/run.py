@@ -311,8 +311,7 @@ def run_command(
     starting_run.update(request=request, resume=request.resume, force=request.force)
     from ..train.distributed import processes as distributed  # torch is imported only by the commands that train
     world = distributed.world_from_env()
-    # under reproduce's launcher (a worker of torchrun, even alone after an elastic restart): die with it, take its
-    # signals, and clear an earlier attempt's report (launched.py; nothing elsewhere)
+    # under reproduce's launcher (even alone after an elastic restart): die with it, take its signals
     from ..train.distributed.launched import join_launcher
 
     join_launcher()

@@ -26,9 +26,6 @@ class Export:
     notes: list[str] = field(default_factory=list)
 
 
-# ---- shared pieces ----------------------------------------------------------------------------------------
-
-
 def arithmetic_line(plan: Plan) -> str:
     """The first line of every output: m x N x W = batch, and the LR rule applied."""
     text = (
