@@ -184,7 +184,8 @@ def show_command(
     stdout.print(f"  here: {here}")
     stdout.print(f"  file: {escape(described(path, name))}", soft_wrap=True)
     # the name works from any folder when it is the shipped file; a file of the user's is shown by its path
-    shown = path.stem if is_shipped(path) and not Path(name).exists() else _relative(path)
+    shown = path.stem if is_shipped(path) and not Path(name).exists() else (
+        path.relative_to(Path.cwd()) if path.is_absolute() and path.is_relative_to(Path.cwd()) else path)
     found = re.search(r"--micro-batch-max (\d+)", text)  # the recipe's own header suggests one
     micro = found.group(1) if found else "32"
     stdout.print(f"  plan it: reproduce plan {shown} --micro-batch-max {micro}", markup=False)
@@ -212,12 +213,3 @@ def model_line(recipe: Recipe, counts: tuple[int, int] | None) -> str:
         text += (f", LoRA r {lora.r} alpha {lora.lora_alpha:g} dropout {lora.dropout:g} on "
                  f"{', '.join(lora.target_modules)}")
     return text
-
-
-def _relative(path: Path) -> Path:
-    if not path.is_absolute():
-        return path
-    try:
-        return path.relative_to(Path.cwd())
-    except ValueError:
-        return path

@@ -68,7 +68,15 @@ def header(plan: Plan, notes: list[str], extra: list[str] = ()) -> list[str]:
         lines += comment(f"plan warning: {warning}")
     for line in extra:
         lines += comment(line)
-    for note in [*model_notes(plan), *notes, *_phase_notes(plan)]:
+    phases = batch_phases(plan.segments)  # no one setting switches the batch mid-run: say where reproduce run does
+    if phases:
+        notes = [*notes, "the batch changes during training; the settings here are the main batch's. reproduce run "
+                 "switches at:", *phase_lines(phases, plan.world_size, plan.unit),
+                 *(f"batch.phases[{index}] restarts the LR schedule at step {phase.start_step + 1} (lr "
+                   f"{phase.schedule.lr:g}, warm-up {phase.schedule.warmup_steps} steps, {phase.schedule.decay_kind}): "
+                   "the schedule settings here are the first phase's (reproduce plan --json gives lr_points)"
+                   for index, phase in enumerate(phases) if phase.schedule is not None)]
+    for note in [*model_notes(plan), *notes]:
         lines += comment(f"NOTE: {note}")
     return lines
 
@@ -163,19 +171,6 @@ def lora_source(lora: Lora, model: str = "model") -> str:
         f"peft.get_peft_model({model}, peft.LoraConfig(r={lora.r}, lora_alpha={lora.lora_alpha!r}, "
         f'lora_dropout={lora.dropout!r}, target_modules={py_literal(list(lora.target_modules))}, bias="none"))'
     )
-
-
-def _phase_notes(plan: Plan) -> list[str]:
-    """Batch phases and ramps: one framework setting cannot switch the batch mid-run; say where `reproduce run` does."""
-    phases = batch_phases(plan.segments)
-    if not phases:
-        return []
-    restarts = [f"batch.phases[{index}] restarts the LR schedule at step {phase.start_step + 1} (lr "
-                f"{phase.schedule.lr:g}, warm-up {phase.schedule.warmup_steps} steps, {phase.schedule.decay_kind}): "
-                "the schedule settings here are the first phase's (reproduce plan --json gives lr_points)"
-                for index, phase in enumerate(phases) if phase.schedule is not None]
-    return ["the batch changes during training; the settings here are the main batch's. reproduce run switches at:",
-            *phase_lines(phases, plan.world_size, plan.unit), *restarts]
 
 
 def plan_command(plan: Plan) -> str:

@@ -32,14 +32,10 @@ class WriteFailed(Exception):
         self.path, self.error = Path(path), error
         super().__init__(f"{path}: cannot write: {error.strerror or error}")
 
-    @property
-    def disk_full(self) -> bool:
-        return self.error.errno in FULL_DISK
-
     def said(self, resume: str | None) -> Exception:
         """The error to show: a full disk stops (exit code 3) with `resume`, the command that goes on (None: no
         checkpoint yet); any other write error is the user's to fix (UserError, exit code 2)."""
-        if not self.disk_full:
+        if self.error.errno not in FULL_DISK:
             return UserError(str(self))
         if resume is None:
             return DiskFull(f"{self}; free space, then start the run again")
