@@ -1,12 +1,6 @@
-"""`reproduce check --annotations github`: each failing check as a GitHub Actions workflow command,
-`::error file=PATH,line=N,title=...::MESSAGE`, which GitHub shows on that line of the check file (in the run's
-summary and in a pull request's diff). No torch.
-
-The line is the stated value that failed (`optimizer_steps: 589212` inside a plan check's `expect`) when the failure
-names one, else the check's own line (`- kind: metric`). The path is relative to $GITHUB_WORKSPACE (the checkout,
-which GitHub resolves annotation paths against) when the file lies under it, else to the working directory. Values
-are escaped as the runner's command parser expects (`%`, CR, LF everywhere; `:` and `,` also in properties).
-"""
+"""`reproduce check --annotations github`: each failing check as a GitHub Actions `::error file=PATH,line=N,...`
+command, on the line of the stated value that failed, else of the check itself; the path relative to
+$GITHUB_WORKSPACE when the file lies under it. Values escaped as the runner's command parser expects."""
 
 from __future__ import annotations
 
@@ -20,17 +14,6 @@ from .load import LoadedFile
 from .runner import Result
 
 STATED = re.compile(r"^([A-Za-z_][\w.]*): expected ")  # plan_problems' "FIELD: expected X, the plan has Y"
-
-
-def check_nodes(path: Path) -> list[yaml.Node]:
-    """The YAML node of each item of the file's `checks` list, in order (empty when there is none)."""
-    root = yaml.compose(path.read_text(encoding="utf-8"))
-    if not isinstance(root, yaml.MappingNode):
-        return []
-    for key, value in root.value:
-        if key.value == "checks" and isinstance(value, yaml.SequenceNode):
-            return list(value.value)
-    return []
 
 
 def _key_line(node: yaml.Node, name: str) -> int | None:
@@ -82,12 +65,16 @@ def _property(text: str) -> str:
 
 
 def github_annotations(files: list[LoadedFile], results: list[Result]) -> list[str]:
-    """One `::error ...` line per check that did not pass. `results` are run_checks' (every check of every file, in
-    order)."""
+    """One `::error ...` line per check that did not pass (`results`: run_checks', every check of every file)."""
     places = [(file, index) for file in files for index in range(len(file.spec.checks))]
     if len(places) != len(results):
         raise ValueError(f"{len(results)} results for {len(places)} checks")
-    nodes = {file.path: check_nodes(file.path) for file in files}
+    nodes: dict[Path, list[yaml.Node]] = {}  # each file's `checks` items as YAML nodes, in order
+    for file in files:
+        root = yaml.compose(file.path.read_text(encoding="utf-8"))
+        found = [value for key, value in root.value if key.value == "checks" and isinstance(value, yaml.SequenceNode)
+                 ] if isinstance(root, yaml.MappingNode) else []
+        nodes[file.path] = list(found[0].value) if found else []
     lines = []
     for (file, index), result in zip(places, results, strict=True):
         if result.passed:

@@ -1,12 +1,7 @@
-"""Drift across reruns: `reproduce check --history FILE` appends each check's measured value to a JSONL history
-(with the git commit, the date and the machine), and a check with `drift:` must stay within a band of its own last
-values there, so that a change that shifts a reproduced metric slowly, run after run, is caught.
-
-One line a check a run: {"file", "check", "kind", "metric", "value", "values", "status", "measured", "paper" (the
-recipe's reported value of the metric, or null), "band" (the drift band it was checked against, or null), "commit",
-"dirty", "date", "machine", "reproduce"}. A check's history is the lines of its file name and check name; the band
-is made of the last `drift.last` of them that passed (a value that failed is recorded but not counted: a deliberate
-change is accepted by starting a new history file, or removing the check's older lines). No torch here.
+"""Drift across reruns: `reproduce check --history FILE` appends each check's value to a JSONL history (with the
+commit, date and machine), and a check with `drift:` must stay within a band of its own last passing values there,
+so a metric that shifts slowly, run after run, is caught. A failed value is recorded but not counted: a deliberate
+change starts a new history file. No torch here.
 """
 
 from __future__ import annotations
@@ -25,7 +20,6 @@ from typing import Any
 import reproduce
 
 from ..errors import UserError
-from ..plan.planfile import check_writable
 from .schema import Drift
 
 
@@ -56,15 +50,11 @@ class History:
         self.path = path
         self.records = read_history(path)
 
-    def values(self, file: str, check: str) -> list[float]:
-        """The check's passing values, oldest first."""
-        return [float(r["value"]) for r in self.records if r.get("file") == file and r.get("check") == check
-                and r.get("status") == "pass" and isinstance(r.get("value"), (int, float))]
-
     def band(self, file: str, check: str, drift: Drift) -> tuple[Band | None, int]:
-        """The band of the check's last `drift.last` passing values, or None with fewer than `drift.min_runs` (and
-        how many there are)."""
-        values = self.values(file, check)[-drift.last:]
+        """The band of the check's last `drift.last` passing values (None with fewer than `drift.min_runs`), and how
+        many there are."""
+        values = [float(r["value"]) for r in self.records if r.get("file") == file and r.get("check") == check
+                  and r.get("status") == "pass" and isinstance(r.get("value"), (int, float))][-drift.last:]
         if len(values) < drift.min_runs:
             return None, len(values)
         mean = statistics.fmean(values)
@@ -74,20 +64,20 @@ class History:
         return Band(mean, max(widths), len(values), min(values), max(values)), len(values)
 
     def append(self, results: list[Any]) -> int:
-        """One line per result, after the checks ran; returns how many were written."""
-        stamp = provenance()
-        lines = [json.dumps({**record_of(r), **stamp}, sort_keys=False) for r in results]
+        """One line per result (the runner's Result), with the commit of the working directory's checkout (None
+        outside one), the date (UTC) and the machine; returns how many were written."""
+        commit, dirty = git_state(Path.cwd())
+        stamp = {"commit": commit, "dirty": dirty, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                 "machine": machine(), "reproduce": reproduce.__version__}
+        lines = [json.dumps({"file": r.file, "check": r.name, "kind": r.kind, "metric": r.metric, "value": r.value,
+                             "values": r.values, "status": r.status, "measured": r.measured, "paper": r.paper,
+                             "band": r.band, **stamp}, sort_keys=False) for r in results]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write("".join(line + "\n" for line in lines))
             handle.flush()
             os.fsync(handle.fileno())
         return len(lines)
-
-
-def check_history_path(path: Path, inputs: list[Path]) -> None:
-    """`--history FILE`: a file (new, or a history) that is none of the check files; refused before anything runs."""
-    check_writable(path, "`history`", protect=tuple(inputs))
 
 
 def read_history(path: Path) -> list[dict[str, Any]]:
@@ -108,20 +98,6 @@ def read_history(path: Path) -> list[dict[str, Any]]:
                             "reproduce check writes them", field="history")
         records.append(record)
     return records
-
-
-def record_of(result: Any) -> dict[str, Any]:
-    """A check's line (`result`: the runner's Result, not imported here: the runner imports this module)."""
-    return {"file": result.file, "check": result.name, "kind": result.kind, "metric": result.metric,
-            "value": result.value, "values": result.values, "status": result.status, "measured": result.measured,
-            "paper": result.paper, "band": result.band}
-
-
-def provenance() -> dict[str, Any]:
-    """The commit (of the working directory's git checkout, None outside one), the date (UTC) and the machine."""
-    commit, dirty = git_state(Path.cwd())
-    return {"commit": commit, "dirty": dirty, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(), "reproduce": reproduce.__version__}
 
 
 def git_state(folder: Path) -> tuple[str | None, bool | None]:
@@ -149,8 +125,7 @@ def machine() -> dict[str, Any]:
 
 def drift_verdict(history: History | None, file: str, check: str, value: float, drift: Drift,
                   ) -> tuple[bool, str, str, Band | None]:
-    """(whether the value holds, the expected text, the detail line, the band) of a check's drift against its
-    history."""
+    """(whether it holds, the expected text, the detail line, the band) of a value's drift against its history."""
     if history is None:
         return True, "drift not checked", "drift: not checked (give --history FILE to keep and check the values)", None
     band, runs = history.band(file, check, drift)

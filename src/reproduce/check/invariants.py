@@ -48,8 +48,7 @@ def plan_problems(plan: Plan, budget: Budget) -> list[str]:
         problems.append(f"lr: the {rule} rule gives {want_lr:.6g} for batch x{factor:.4g}; the plan has "
                         f"{plan.lr:.6g}")
     if batch_phases(plan.segments):
-        # the steps of a changing batch come from walking its phases; check_plan has checked each
-        # phase's split and order above, and the phases must cover the recipe's
+        # a changing batch's steps come from walking its phases, which must cover the recipe's
         return problems + _phase_schedule_problems(plan)
     # steps converted: the same data as the paper's schedule covers
     dataset = plan.dataset_size

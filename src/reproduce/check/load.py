@@ -140,8 +140,7 @@ def load_check_file(path: Path) -> LoadedFile:
 
 
 def sample_folder(kind: str) -> Path:
-    """The data `python -m reproduce.data.samples KIND` writes, made once per process in a temporary folder that is
-    removed at exit (check files' `sample_data`)."""
+    """The data of a check file's `sample_data`, made once per process in a temporary folder removed at exit."""
     if kind not in _SAMPLE_FOLDERS:
         import atexit
         import shutil
@@ -170,20 +169,15 @@ def _with_sample_data(base: tuple[Recipe, str], kind: str, source: str, problems
         return None
 
 
-def _resolve_recipe_path(name: str, check_path: Path) -> Path | None:
-    """Beside the check file, in the working directory, else a shipped recipe's name (`recipe: goyal2017-resnet50`)."""
+def _load_recipe(name: str, check_path: Path, source: str, field_name: str, problems: list[str]):
+    """The recipe beside the check file, in the working directory, else a shipped recipe of that name."""
     candidates = [Path(name)] if Path(name).is_absolute() else [check_path.parent / name, Path(name)]
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
         try:
             found = resolve_recipe(name)
         except UserError:
-            return None
-    return found
-
-
-def _load_recipe(name: str, check_path: Path, source: str, field_name: str, problems: list[str]):
-    found = _resolve_recipe_path(name, check_path)
+            pass
     if found is None:
         problems.append(
             f"{source}: {field_name}: no recipe file {name!r} (looked beside the check file, in the working "

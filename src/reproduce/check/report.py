@@ -71,18 +71,13 @@ def _cell(text: str) -> str:
 def write_reports(results: list[Result], seconds: float, junit: Path | None, summary: Path | None) -> None:
     if junit is not None:
         write_text_atomic(junit, junit_xml(results, seconds))
+    given = os.environ.get("GITHUB_STEP_SUMMARY")  # GitHub's job summary: appended to, as the job's other steps do
     if summary is not None:
-        if is_step_summary(summary):  # GitHub's job summary: appended to, as the other steps of the job do
+        if given and summary.exists() and Path(given).exists() and summary.resolve() == Path(given).resolve():
             with summary.open("a", encoding="utf-8") as out:
                 out.write(markdown(results, seconds))
         else:
             write_text_atomic(summary, markdown(results, seconds))
-
-
-def is_step_summary(path: Path) -> bool:
-    """Whether `path` is the file GitHub Actions gives this step for its job summary ($GITHUB_STEP_SUMMARY)."""
-    given = os.environ.get("GITHUB_STEP_SUMMARY")
-    return bool(given) and path.exists() and Path(given).exists() and path.resolve() == Path(given).resolve()
 
 
 def check_outputs(junit: Path | None, summary: Path | None, plots: Path | None, inputs: list[Path]) -> None:

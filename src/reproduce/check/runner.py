@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import statistics
 import tempfile
 import time
@@ -67,8 +66,6 @@ class Runner:
         self.cache: dict[str, RunResult] = {}
         self.data: dict[str, Datasets] = {}
 
-    # ---- runs ---------------------------------------------------------------------------------------
-
     def dataset(self, recipe: Recipe) -> Datasets:
         from ..data import build_data
 
@@ -76,16 +73,6 @@ class Runner:
         if key not in self.data:
             self.data[key] = build_data(recipe)
         return self.data[key]
-
-    def factory_size(self, recipe: Recipe) -> int | dict | None:
-        """data.train_size, else the size of the data a `factory:` makes, as `reproduce plan` asks it."""
-        spec = recipe.data
-        if spec.train_size is not None or not spec.available or not isinstance(spec, NamedData) or (
-                spec.factory is None):
-            return spec.train_size
-        from ..data import training_sizes
-
-        return training_sizes(recipe, self.dataset(recipe).train)
 
     def plan_for(self, run: Run, dataset_size: int | dict | None) -> Plan:
         budget = run.budget
@@ -117,8 +104,6 @@ class Runner:
     def values(self, file: LoadedFile, run: Run, metric: str) -> list[float]:
         return [lookup(self.train(file, run, seed).summary, metric) for seed in run.seeds]
 
-    # ---- checks -------------------------------------------------------------------------------------
-
     def evaluate(self, file: LoadedFile, index: int) -> Result:
         check = file.spec.checks[index]
         name = file.names[index]
@@ -149,7 +134,13 @@ class Runner:
 
     def _plan(self, file: LoadedFile, check: PlanCheck):
         run = file.runs[check.run]
-        plan = self.plan_for(run, self.factory_size(run.recipe))
+        spec = run.recipe.data  # data.train_size, else the size of the data a `factory:` makes, as `plan` asks it
+        size = spec.train_size
+        if size is None and spec.available and isinstance(spec, NamedData) and spec.factory is not None:
+            from ..data import training_sizes
+
+            size = training_sizes(run.recipe, self.dataset(run.recipe).train)
+        plan = self.plan_for(run, size)
         problems = plan_problems(plan, run.budget)
         shown = flat_fields(plan)  # the fields as `plan --json` shows them, which `expect` names
         for key, want in check.expect.items():
@@ -292,8 +283,7 @@ def lookup(summary: dict, metric: str) -> float:
 
 
 def paper_value(recipe: Recipe, check: MetricCheck) -> dict | None:
-    """The paper's value of a metric check's measure, from the recipe's `reported:`: the one the check names, else
-    the one of its metric when the check does not scale it; None when the paper reports none."""
+    """The paper's value of a metric check's measure (the `reported:` one it names, else its metric's when unscaled)."""
     name = check.reported or (check.metric if check.scale == 1 else None)
     found = next((r for r in recipe.reported if r.metric == name), None)
     if found is None:
@@ -338,9 +328,6 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "check"
 
 
-# ---- the whole suite, and its reports -------------------------------------------------------------------
-
-
 def prepare_work(work: Path | None) -> tuple[Path, bool]:
     """The folder runs are written to: `work` (ours, or empty), or a new temporary one (removed afterwards)."""
     if work is None:
@@ -370,8 +357,3 @@ def run_checks(
             if on_result:
                 on_result(result)
     return results
-
-
-def cleanup(work: Path, temporary: bool) -> None:
-    if temporary:
-        shutil.rmtree(work, ignore_errors=True)

@@ -47,10 +47,8 @@ class RunSpec(Strict):
 
 
 class Drift(Strict):
-    """`drift:` of a metric or compare check: its value must stay within a band of its own history, the values the
-    same check (file name, check name) measured in the last `last` passing runs of `reproduce check --history FILE`
-    (check/history.py). The band is the history's mean +- the widest of `tolerance`, `rel_tolerance` x |mean| and
-    `sigmas` x the history's standard deviation."""
+    """`drift:` of a metric or compare check: its value within the mean of the same check's last `last` passing
+    values +- the widest of `tolerance`, `rel_tolerance` x |mean| and `sigmas` x their standard deviation."""
 
     last: int = Field(default=5, ge=1, description="the band is made of the check's last K passing values")
     tolerance: float | None = Field(default=None, gt=0, description="mean +- tolerance")

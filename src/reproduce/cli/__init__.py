@@ -32,8 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the `reproduce` console script."""
     typed = sys.argv[1:] if argv is None else argv
     typed_args[:] = typed
-    # this process is the command (the console script, python -m reproduce), not one of torchrun's workers, whose
-    # process group's threads must be torn down by the collection: see leave_to_the_os
+    # the command itself, not a torchrun worker (whose process group's threads the collection must tear down)
     if argv is None and "TORCHELASTIC_RUN_ID" not in os.environ and "WORLD_SIZE" not in os.environ:
         atexit.register(leave_to_the_os)
     try:
@@ -58,10 +57,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _end(lines: list[str], code: int, peer: bool = False, quiet: bool = False) -> None:
-    """Say the command's ending and exit with its code; a worker a launcher started leaves both to the launcher,
-    which says the ranks' ending once (train/distributed/launched.py). A rank stopped because another left (`peer`)
-    still fails its worker, so that torchrun restarts the group under --max-restarts (an elastic job goes on with
-    the nodes left), as it does a worker that crashed."""
+    """Say the command's ending and exit with its code; a launched worker leaves both to the launcher, which says
+    the ranks' ending once. A rank stopped because another left (`peer`) still fails, so torchrun restarts the group
+    under --max-restarts."""
     if launched.report(lines, code, peer):
         sys.exit(code if peer else 0)
     if not quiet:
@@ -71,8 +69,6 @@ def _end(lines: list[str], code: int, peer: bool = False, quiet: bool = False) -
 
 
 def leave_to_the_os() -> None:
-    """At exit CPython collects every object once more before the process ends: with torch (dynamo's sympy), scipy
-    and scikit-learn loaded that took about 1 s of CPU here, a fifth of a short run. Frozen, the objects are left to
-    the operating system. Run after the command's own exit handlers (atexit runs the last registered first), when
-    every output is written and closed; the interpreter still flushes stdout and stderr."""
+    """At exit CPython collects every object once more: with torch, scipy and scikit-learn loaded about 1 s of CPU,
+    a fifth of a short run. Frozen, they are left to the OS (registered first, so run after every other handler)."""
     gc.freeze()

@@ -1,11 +1,6 @@
-"""The typer application every command module registers itself on, and its `--help` at 80 columns with every
-option name whole.
-
-typer lays each panel of options out as a rich Table of columns (required mark, option names, their negative
-forms, the type, the help). When the longest words of all the columns do not fit the terminal, rich shrinks every
-column that may wrap, and an option name, one word, is cut with an ellipsis (`--activation-checkp…`). Here the
-columns of names never wrap (rich then takes the room from the type and help columns), and the type and help
-columns fold a word too long for them onto the next line instead of cutting it, so nothing of the help is lost.
+"""The typer application every command registers itself on, and its `--help` at 80 columns with every option name
+whole: where the columns do not fit, rich would cut an option name with an ellipsis; here the name columns never
+wrap, and the type and help columns fold a long word instead of cutting it.
 """
 
 from __future__ import annotations
@@ -40,10 +35,8 @@ class OptionsTable(Table):
 
 
 def install() -> None:
-    """Make typer build its help panels from OptionsTable (it looks `Table` up in its module when it prints).
-
-    Only when help is printed: typer's rich_utils (rich's markdown, syntax and traceback, pygments) is a tenth of a
-    second a command that prints no help should not pay."""
+    """Make typer build its help panels from OptionsTable, only when help is printed: importing typer's rich_utils
+    costs a tenth of a second a command that prints no help should not pay."""
     for command in (core.TyperCommand, core.TyperGroup):
         command.format_help = _with_options_table(command.format_help)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from enum import Enum
@@ -11,6 +12,7 @@ import typer
 from rich.table import Table
 
 from ..errors import UserError
+from ..plan.planfile import check_writable
 from ..shipped import checks_folder, recipe_files
 from .app import app
 from .common import stdout
@@ -45,9 +47,9 @@ def check_command(
 ) -> None:
     """Run reproduction checks: plan invariants, gradient equivalence, metric thresholds, run comparisons."""
     # imported here, not with the CLI: every other command (a short `run` most) starts without them
-    from ..check import check_outputs, cleanup, collect, load_all, prepare_work, run_checks, write_reports
+    from ..check import check_outputs, collect, load_all, prepare_work, run_checks, write_reports
     from ..check.annotations import github_annotations
-    from ..check.history import History, check_history_path
+    from ..check.history import History
 
     files = collect(shipped_paths(list(paths or [])) if shipped else list(paths or []))
     loaded = load_all(files)  # every problem in every file, before anything runs: exit 2
@@ -56,7 +58,7 @@ def check_command(
     check_outputs(junit, summary, plots, files)
     kept = None
     if history is not None:
-        check_history_path(history, files)
+        check_writable(history, "`history`", protect=tuple(files))  # none of the check files
         kept = History(history)  # read (and a bad line refused) before anything runs
     folder, temporary = prepare_work(work)
     total = sum(len(f.spec.checks) for f in loaded)
@@ -84,7 +86,8 @@ def check_command(
 
             html = write_check_report(results, seconds, folder, html_beside(junit))
     finally:
-        cleanup(folder, temporary)
+        if temporary:
+            shutil.rmtree(folder, ignore_errors=True)
     write_reports(results, seconds, junit, summary)
     if kept is not None:
         kept.append(results)  # after the reports: an interrupted suite adds nothing

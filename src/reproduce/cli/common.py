@@ -32,8 +32,7 @@ def show_note(line: str) -> None:
 
 
 def recipe_argument(given: Path, what: str = "recipe", say: bool = True) -> Path:
-    """The file a RECIPE (or PLAN_OR_RECIPE) argument names: a file, else a recipe's name (shipped/); with `say`, a
-    name is said on stderr with the file it read."""
+    """The file a RECIPE argument names (a file, else a recipe's name); with `say`, a name is said on stderr."""
     path = resolve_recipe(given, what)
     if say and path != given:
         stderr.print(f"recipe {given}: {described(path, given)}", markup=False)
@@ -41,8 +40,7 @@ def recipe_argument(given: Path, what: str = "recipe", say: bool = True) -> Path
 
 
 def token_budget_text(result) -> str | None:
-    """How the probe found `sorted`'s token budget (probe/tokens.py), or None when it searched none: what `probe`
-    and `plan` print."""
+    """How the probe found `sorted`'s token budget, or None when it searched none (`probe` and `plan` print it)."""
     if result is None or result.token_budget is None:
         return None
     rows, longest = result.micro_batch_max, result.longest

@@ -1,13 +1,7 @@
 """A user error's names as the user typed them: the core names a request's field (`micro_batch_max`) or a recipe's
-dotted path (`batch.sharding`) in backticks, never a flag; here, once, each name becomes its flag.
-
-- A request's field is an option's parameter name, so its flag comes from the commands' own declarations (one
-  table, built from what typer registered, which cannot drift from the options): `micro_batch_max` prints as
-  `--micro-batch-max`, whether the user typed it or left it at its default (the flag is how to change it).
-- A recipe's path prints as its flag when the user typed that flag (`--sharding fsdp` gives `--sharding: ...`), and
-  as the path otherwise: a user who wrote `batch.sharding: fsdp` in the recipe, or `--set batch.sharding=fsdp`,
-  sees the field they wrote.
-Names that are neither (a command such as `reproduce run`, a word) are left as they are.
+dotted path (`batch.sharding`) in backticks, never a flag; here each becomes its flag. A field prints as its option's
+flag (from what typer registered, so it cannot drift); a recipe path as its flag when the user typed that flag,
+else as the path they wrote. Other names are left as they are.
 """
 
 from __future__ import annotations
@@ -27,8 +21,7 @@ NAME = re.compile(r"`([a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*)`")
 
 @cache
 def request_flags() -> dict[str, str]:
-    """Each option's parameter name and its flag, over every command (`micro_batch_max` -> `--micro-batch-max`);
-    read when the first error is shown, after every command has registered its options."""
+    """Each option's parameter name and its flag, over every command (`micro_batch_max` -> `--micro-batch-max`)."""
     root = typer.main.get_command(app)  # the commands are its own, one level deep
     flags: dict[str, str] = {}
     for command in [root, *getattr(root, "commands", {}).values()]:

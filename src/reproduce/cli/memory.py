@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from ..plan.overlay import changes_of
 from ..plan.units import format_size
 from ..session import recipe_for_plan
 from .app import app
@@ -21,7 +22,6 @@ from .options import (
     SetOption,
     WeightsOption,
     alias_changes,
-    override_changes,
     probe_options,
 )
 
@@ -52,7 +52,7 @@ def memory_command(
     logits and loss, the optimizer step's temporaries; where the peak is; allocated, reserved and driver-level."""
     given = str(recipe_path)  # as the user named it (a shipped recipe's name, or a file)
     recipe_path = recipe_argument(recipe_path)
-    recipe = recipe_for_plan(recipe_path, [*override_changes(overrides), *alias_changes(context)])
+    recipe = recipe_for_plan(recipe_path, [*changes_of(overrides or []), *alias_changes(context)])
     options = probe_options(memory, gpu, meter, headroom, True)
     from ..probe.answer import memory_at  # torch: only when the command runs (`reproduce --help` imports none)
 

@@ -1,5 +1,5 @@
-"""Option definitions shared by several commands (plan, probe, run, verify): the choices, their help texts, and
-the flags turned into the core's arguments. No command lives here, so every command may import it."""
+"""The options several commands share, declared once: the choices, their help texts, the flags turned into the
+core's arguments. No command lives here, so every command may import it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from ..plan.batchnorm import MODES as BATCHNORM_MODES
-from ..plan.overlay import Change, changes_of
+from ..plan.overlay import Change
 from ..plan.recipe import PACKING_WAYS, QUANTIZED_BASES
 from ..plan.units import parse_size
 from ..probe.runner import ProbeOptions
@@ -105,8 +105,7 @@ TOKEN_BUDGET_HELP = ("sorted / packed: tokens per micro-batch, padding included 
                      "measured to fit for sorted, else micro-batch x the longest).")
 
 
-# The options several commands declare alike, each declared here once (a parameter annotated with one takes its
-# default from the parameter: `weights: WeightsOption = None`).
+# The options several commands declare alike, each declared here once (the default is the parameter's).
 MicroBatchMaxOption = Annotated[int | None, typer.Option("--micro-batch-max", min=1, help=MICRO_BATCH_MAX_HELP)]
 WorldSizeOption = Annotated[int, typer.Option("--world-size", min=1, help=WORLD_SIZE_HELP)]
 PolicyOption = Annotated[Policy, typer.Option("--policy", help=POLICY_HELP)]
@@ -133,15 +132,13 @@ TokenBudgetOption = Annotated[int | None, typer.Option("--token-budget", min=1, 
 
 def probe_options(memory: str | None, gpu: str | None, meter: MeterName, headroom: float, no_cache: bool
                   ) -> ProbeOptions:
-    """The options `plan_and_probe` and `run_probe` take, from the command-line flags (--memory checked now, before
-    anything is built or written)."""
+    """The probe's options from the flags (--memory checked now, before anything is built or written)."""
     if memory is not None:
         parse_size(memory, "--memory")
     return ProbeOptions(memory=memory, gpu=gpu, meter=meter.value, headroom=headroom, use_cache=not no_cache)
 
 
-# Each option that changes the recipe is an alias of one field (the one table of them). A new recipe knob gets no
-# new option: `--set FIELD.PATH=VALUE` reaches every field.
+# Each option that changes the recipe aliases one field; a new recipe knob gets no option (`--set` reaches it).
 FIELD_OF_FLAG = {
     "--weights": "model.weights",
     "--backbone-weights": "model.backbone_weights",
@@ -160,16 +157,10 @@ FLAG_OF_FIELD = {path: flag for flag, path in FIELD_OF_FLAG.items()}
 
 
 def alias_changes(context: typer.Context) -> list[Change]:
-    """The options the command declares that alias a recipe field (found by their flags: no command lists them
-    again), as the changes of their fields, in the table's order; an option not given (None, or a switch left off)
-    changes nothing, a switch only switches its field on."""
+    """The given options of the command that alias a recipe field, as their fields' changes in the table's order
+    (a switch only switches its field on)."""
     given = {param.opts[0]: context.params[param.name] for param in context.command.params
              if param.opts and param.opts[0] in FIELD_OF_FLAG and param.name is not None}
     values = {flag: value.value if isinstance(value, Enum) else value for flag, value in given.items()}
     return [Change(path, values[flag], f"`{path}`") for flag, path in FIELD_OF_FLAG.items()
             if values.get(flag) is not None and values.get(flag) is not False]
-
-
-def override_changes(overrides: list[str] | None) -> list[Change]:
-    """`--set FIELD.PATH=VALUE`, each as the change of its field."""
-    return changes_of(overrides or [])

@@ -1,9 +1,7 @@
 """`reproduce papers`: the shipped recipes, their models, and whether each can run here; `papers show NAME` prints one.
 
-Whether a recipe is runnable is decided without torch, from the built-in names (`reproduce.plan.builtin_names`), the
-data's availability, and whether factories and Hugging Face models are on this machine. The parameter counts of
-built-in models come from building them on torch's meta device (no memory, no weights), so torch is imported when
-the command runs, not when the CLI starts; a factory's code is never run to list it.
+Runnable is decided without torch; built-in models' parameters are counted on torch's meta device (torch imported
+when the command runs, not when the CLI starts); a factory's code is never run to list it.
 """
 
 from __future__ import annotations
@@ -79,12 +77,6 @@ def batch_text(recipe: Recipe, short: bool = False) -> str:
     return f"{batch.effective:,} samples"
 
 
-def paper_text(recipe: Recipe) -> str:
-    if recipe.paper is None:
-        return "-"
-    return recipe.paper.title + (f" ({recipe.paper.year})" if recipe.paper.year else "")
-
-
 def model_text(recipe: Recipe, counts: tuple[int, int] | None) -> str:
     """`resnet50 25.6M`, `llama-7b 6.74B (4.19M trainable)`, `factory pkg.mod:fn`."""
     spec = recipe.model
@@ -93,12 +85,6 @@ def model_text(recipe: Recipe, counts: tuple[int, int] | None) -> str:
         return name
     total, trainable = counts
     return f"{name} {format_count(total)}" + (f" ({format_count(trainable)} trainable)" if trainable != total else "")
-
-
-def status_text(recipe: Recipe) -> tuple[str, str]:
-    """("runnable", "") or ("plan-only", why)."""
-    reason = why_not_runnable(recipe)
-    return ("plan-only", reason) if reason else ("runnable", "")
 
 
 @papers_app.callback()
@@ -144,9 +130,9 @@ def papers_command(
             table.add_row(escape(path.stem), "", "[red]invalid recipe[/]", "-", "-", "-", "[red]invalid[/]")
             reasons.append(f"  {path.stem}: {as_typed(error.lines[0], ())}")
             continue
-        status, why = status_text(recipe)
-        counts[status] += 1
-        here = "[green]runnable[/]" if status == "runnable" else "[yellow]plan-only[/]"
+        why = why_not_runnable(recipe)
+        counts["plan-only" if why else "runnable"] += 1
+        here = "[yellow]plan-only[/]" if why else "[green]runnable[/]"
         if why:
             reasons.append(f"  {path.stem}: {why}")
         year = str(recipe.paper.year) if recipe.paper and recipe.paper.year else ""
@@ -179,8 +165,10 @@ def show_command(
     text = path.read_text(encoding="utf-8")
     stdout.print(Syntax(text, "yaml", theme="ansi_dark", background_color="default", word_wrap=True))
     recipe = load_recipe(path)
-    status, why = status_text(recipe)
-    stdout.print(f"[bold]{escape(path.stem)}[/]: {escape(paper_text(recipe))}")
+    why = why_not_runnable(recipe)
+    paper = "-" if recipe.paper is None else recipe.paper.title + (f" ({recipe.paper.year})" if recipe.paper.year
+                                                                   else "")
+    stdout.print(f"[bold]{escape(path.stem)}[/]: {escape(paper)}")
     batch = recipe.batch
     paper_split = ""
     if batch.devices and batch.per_device:
@@ -192,15 +180,16 @@ def show_command(
     stdout.print(f"  model: {model_line(recipe, parameter_counts(recipe))}", markup=False, soft_wrap=True)
     for deviation in recipe.deviations:
         stdout.print(f"  [yellow]deviation from the paper:[/] {escape(deviation.strip())}", soft_wrap=True)
-    here = "[green]runnable[/]" if status == "runnable" else f"[yellow]plan-only[/] ({escape(why)})"
+    here = f"[yellow]plan-only[/] ({escape(why)})" if why else "[green]runnable[/]"
     stdout.print(f"  here: {here}")
     stdout.print(f"  file: {escape(described(path, name))}", soft_wrap=True)
     # the name works from any folder when it is the shipped file; a file of the user's is shown by its path
-    shown = path.stem if is_shipped(path) and not Path(name).exists() else _relative(path)
+    shown = path.stem if is_shipped(path) and not Path(name).exists() else (
+        path.relative_to(Path.cwd()) if path.is_absolute() and path.is_relative_to(Path.cwd()) else path)
     found = re.search(r"--micro-batch-max (\d+)", text)  # the recipe's own header suggests one
     micro = found.group(1) if found else "32"
     stdout.print(f"  plan it: reproduce plan {shown} --micro-batch-max {micro}", markup=False)
-    if status == "runnable":
+    if not why:
         stdout.print(f"  run it:  reproduce run {shown} --micro-batch-max {micro} --out runs/{path.stem}", markup=False)
 
 
@@ -224,12 +213,3 @@ def model_line(recipe: Recipe, counts: tuple[int, int] | None) -> str:
         text += (f", LoRA r {lora.r} alpha {lora.lora_alpha:g} dropout {lora.dropout:g} on "
                  f"{', '.join(lora.target_modules)}")
     return text
-
-
-def _relative(path: Path) -> Path:
-    if not path.is_absolute():
-        return path
-    try:
-        return path.relative_to(Path.cwd())
-    except ValueError:
-        return path

@@ -15,6 +15,7 @@ from ..plan.flatview import flat_fields
 from ..plan.gates import planned_gates
 from ..plan.launch import GPUS_PER_NODE
 from ..plan.memory_options import memory_summary
+from ..plan.overlay import changes_of
 from ..plan.packing import packing_origin
 from ..plan.planfile import check_writable, save_plan
 from ..plan.planner import Plan, first_plateau_step, lr_at, lr_points
@@ -50,7 +51,6 @@ from .options import (
     WeightsOption,
     WorldSizeOption,
     alias_changes,
-    override_changes,
     probe_options,
 )
 from .throughput import FREE_BATCHNORM_HELP, MFU_HELP, render_prediction, render_throughput
@@ -114,7 +114,7 @@ def plan_command(
         check_format(emit_format)
     check_mfu(assumed_mfu)
     check_price(price)
-    recipe = recipe_for_plan(recipe_path, [*override_changes(overrides), *alias_changes(context)], world_size)
+    recipe = recipe_for_plan(recipe_path, [*changes_of(overrides or []), *alias_changes(context)], world_size)
     check_builtin_model(recipe)  # a typo: one line with the nearest name, as run says
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     data, size = planned_data_size(recipe, given=data_path is not None)
@@ -155,9 +155,21 @@ def show_plan(plan: Plan, result, recipe, recipe_path: Path, forecast: dict | No
     counts = parameter_counts(recipe, build=result is not None)  # counted on the meta device when the plan probed
     if counts is not None:  # (or by `papers` or an earlier probe: the probe's cache keeps it) and no torch otherwise
         stdout.print(parameters_line(counts), markup=False)
-    if grouping is not None or origin is not None:
+    if grouping is not None or origin is not None:  # the grouping, where it came from, the token budget
         probed = token_budget_text(result) if recipe.data.token_budget is None else None
-        for line in packing_lines(plan.recipe.data.packing or "none", origin, grouping, probed):
+        way, table = plan.recipe.data.packing or "none", grouping
+        line = f"packing: {way} ({origin or 'the default for this data; data.packing or --packing to choose'})"
+        if table is None:
+            lines = [line + (f"; token budget {probed}" if probed else "")]
+        else:  # with the data's lengths: each way's micro-batches per window and padding
+            ways = ", ".join(f"{way} {table[way]['micro_batches']:g} ({table[way]['padding_fraction']:.0%} padding)"
+                             for way in ("none", "sorted", "packed"))
+            budget = probed or f"{table['token_budget']:,}" + (
+                " (data.token_budget, --token-budget)" if table["given"] else
+                f" = micro-batch x the longest example's {table['longest']} tokens per micro-batch (sorted, packed)")
+            lines = [f"{line}; token budget {budget}", "  micro-batches per window and rank, over the first "
+                     f"{table['windows']} windows of this data: {ways}"]
+        for line in lines:
             stdout.print(line, markup=False, soft_wrap=True)
     render_throughput(plan)
     if result is not None:
@@ -186,25 +198,9 @@ def plan_json(plan: Plan, result, prediction: dict, grouping: dict | None, origi
     return summary
 
 
-def packing_lines(way: str, origin: str | None, table: dict | None, probed: str | None = None) -> list[str]:
-    """The plan's grouping and where it came from (plan/packing.py), the token budget (`probed`: how the probe
-    measured it, probe/tokens.py), and with the data's lengths each way's micro-batches per window and padding."""
-    line = f"packing: {way} ({origin or 'the default for this data; data.packing or --packing to choose'})"
-    if table is None:
-        return [line + (f"; token budget {probed}" if probed else "")]
-    ways = ", ".join(f"{way} {table[way]['micro_batches']:g} ({table[way]['padding_fraction']:.0%} padding)"
-                     for way in ("none", "sorted", "packed"))
-    budget = (probed or f"{table['token_budget']:,}" + (" (data.token_budget, --token-budget)" if table["given"] else
-                                                       f" = micro-batch x the longest example's {table['longest']} "
-                                                       "tokens per micro-batch (sorted, packed)"))
-    return [f"{line}; token budget {budget}",
-            f"  micro-batches per window and rank, over the first {table['windows']} windows of this data: {ways}"]
-
-
 def plan_summary(plan: Plan) -> dict:
-    """The plan as JSON: its flat view without the embedded recipe, plus the batch arithmetic and `lr_points`:
-    [optimizer step (1-based), lr] where the schedule changes shape (docs/schedules.md); with plateau decay only up to
-    the first step a decrease could change, which `lr_points_note` says."""
+    """The plan as JSON: its flat view, the batch arithmetic and `lr_points` ([optimizer step (1-based), lr] where
+    the schedule changes shape; with plateau decay up to the first step a decrease could change)."""
     summary = flat_fields(plan)  # reproduce-plan/1's flat fields, which pipelines read (plan/flatview.py)
     summary["arithmetic"] = plan.arithmetic
     summary["memory_options"] = memory_summary(plan.recipe)  # the recipe's own: quantised base, optimizer, ...
@@ -286,8 +282,7 @@ def render_plan(p: Plan, forecast: dict | None = None) -> None:
 
 
 def decay_cells(p: Plan) -> tuple[str, str]:
-    """The decay row: the paper's decay (kind, milestones, factor) and this plan's (in optimizer steps); a plateau
-    decay's, what the recipe says and when this plan's first decrease could come."""
+    """The decay row: the paper's decay and this plan's, in optimizer steps (plateau: when the first could come)."""
     decay = p.recipe.schedule.decay
     if decay.kind == "plateau":
         every, first = p.recipe.evaluation.every_steps, first_plateau_step(p)
@@ -331,8 +326,7 @@ PHASE_ROWS = 16  # a longer ramp shows its first and last batches
 
 
 def render_phases(p: Plan) -> None:
-    """The batch of each stretch of optimizer steps (`batch.phases`, or each distinct batch of `batch.ramp`); nothing
-    for a plan without batch phases."""
+    """The batch of each stretch of optimizer steps (`batch.phases`, or each distinct batch of `batch.ramp`)."""
     phases = batch_phases(p.segments)
     if not phases:
         return
@@ -363,30 +357,19 @@ def render_phases(p: Plan) -> None:
             paper = f"{phase.paper_effective_batch} {'sequences' if length else p.unit}{length}"
             mark = "  exact" if phase.exact else f"  NOT exact (lr x{phase.lr_factor:.4g})"
         cells = [steps, paper, phase.arithmetic(p.world_size) + mark]
-        if phase.schedule is not None:
-            cells[1] += "\n" + own_schedule_words(p, index)
+        if phase.schedule is not None:  # the phase's own schedule, as the recipe gives it
+            spec = p.recipe.batch.phases[index]
+            parts = [f"lr {spec.lr if spec.lr is not None else p.recipe.optimizer.lr:g}"]
+            if spec.warmup is not None:
+                parts.append(f"warm-up {f'ratio {spec.warmup.ratio:g}' if spec.warmup.ratio else spec.warmup.label()}")
+            parts.append((spec.decay or p.recipe.schedule.decay).kind + ("" if spec.decay else " (as schedule.decay)"))
+            cells[1] += "\nown schedule: " + ", ".join(parts)
         if tokens:
             cells.append(f"{phase.effective_batch * phase.sequence_length:,}")
-        cells.append(phase_lr_cell(p, phase, last))
+        first = f"{lr_at(p, phase.start_step):.4g}"  # the LR of its first and last steps, as the run has them
+        cells.append(first if last is None or last <= phase.start_step else f"{first} - {lr_at(p, last - 1):.4g}")
         table.add_row(*cells)
     stdout.print(table)
-
-
-def phase_lr_cell(p: Plan, phase, last: int | None) -> str:
-    """The LR of a phase's first and last steps, as `lr_points` and the run have them."""
-    first = f"{lr_at(p, phase.start_step):.4g}"
-    return first if last is None or last <= phase.start_step else f"{first} - {lr_at(p, last - 1):.4g}"
-
-
-def own_schedule_words(p: Plan, index: int) -> str:
-    """A phase's own schedule as the recipe gives it: 'own schedule: lr 0.004, warm-up 200 steps, linear'."""
-    spec = p.recipe.batch.phases[index]
-    decay = spec.decay or p.recipe.schedule.decay
-    parts = [f"lr {spec.lr if spec.lr is not None else p.recipe.optimizer.lr:g}"]
-    if spec.warmup is not None:
-        parts.append(f"warm-up {f'ratio {spec.warmup.ratio:g}' if spec.warmup.ratio else spec.warmup.label()}")
-    parts.append(decay.kind + ("" if spec.decay else " (as schedule.decay)"))
-    return "own schedule: " + ", ".join(parts)
 
 
 def _length(length) -> str:

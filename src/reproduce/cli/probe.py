@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from ..plan.overlay import changes_of
 from ..plan.planner import Plan, make_plan
 from ..plan.units import format_size
 from ..probe.runner import ProbeResult, ProbeTrial, does_not_fit, run_probe
@@ -32,7 +33,6 @@ from .options import (
     ShardingOption,
     WeightsOption,
     alias_changes,
-    override_changes,
     probe_options,
 )
 
@@ -69,7 +69,7 @@ def probe_command(
     and what would make it fit are printed).
     """
     recipe_path = recipe_argument(recipe_path)
-    recipe = recipe_for_plan(recipe_path, [*override_changes(overrides), *alias_changes(context)], world_size)
+    recipe = recipe_for_plan(recipe_path, [*changes_of(overrides or []), *alias_changes(context)], world_size)
     options = probe_options(memory, gpu, meter, headroom, no_cache)
     result = run_probe(recipe, str(recipe_path), options, world_size, on_trial=None if as_json else show_trial)
     plan = make_plan(recipe, result.micro_batch_max, world_size) if result.micro_batch_max else None
@@ -149,8 +149,7 @@ def render_probe(result: ProbeResult, plan: Plan | None) -> None:
 
 
 def render_batchnorm(plan: Plan, result: ProbeResult) -> None:
-    """What micro-batch each BatchNorm choice needs: the paper's BN batch per device against what fits (and what
-    the fitted line says it would peak at), sync's over the processes, none for group and frozen."""
+    """What micro-batch each BatchNorm choice needs: the paper's BN batch per device against what fits."""
     norm = plan.batchnorm
     if norm is None:
         return

@@ -1,6 +1,5 @@
-"""The command that continues an interrupted run: `reproduce run OUT/plan.yaml --out OUT --resume` with every option
-that shapes the run (--max-steps, --micro-batch-max, --data, --eval-data, --workers, torchrun's ...), so that pasting
-it as printed goes on with the same run."""
+"""The command that continues an interrupted run, `reproduce run OUT/plan.yaml --out OUT --resume`, with every option
+that shapes the run, so that pasted as printed it goes on with the same run."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ def launcher_args(nproc_per_node: int, nnodes: int | str, node_rank: int, rdzv_e
 
 def launcher_of_this_job(world_size: int) -> list[str]:
     """torchrun's options for the resume command: as `--nproc-per-node` launched this job, else (torchrun started
-    by hand) from the variables torchrun sets (a multi-node job then also needs its --rdzv-endpoint)."""
+    by hand) from the variables torchrun sets."""
     given = os.environ.get(LAUNCHER_ENV)
     if given is not None:
         return shlex.split(given)
@@ -34,17 +33,14 @@ def launcher_of_this_job(world_size: int) -> list[str]:
 
 
 def continue_command(out: Path, launcher: list[str], args: list[str]) -> str:
-    """The command that continues this run after a signal, with every option that shapes it (pasted, it goes on to
-    the same --max-steps, on the same data, workers and processes)."""
+    """The command that continues this run after a signal, with every option that shapes it."""
     return shlex.join(["reproduce", "run", str(out / "plan.yaml"), "--out", str(out), "--resume", *launcher, *args])
 
 
 def folder_state(out: Path, max_steps: int | None) -> tuple[str, str]:
-    """Where the run in `out` stands, for --auto-resume, with a few words on it: `new` (no run there), `started`
-    (its plan.yaml, no checkpoint yet: it starts again), `unfinished` (a checkpoint: it resumes; a finished run's
-    end that is not the run's is written again) or `finished` (it has reached --max-steps, else the plan's last step,
-    and its end is whole: nothing to do). Judged from the last checkpoint (train/resume.py), never from a
-    summary.json that may be damaged."""
+    """Where the run in `out` stands for --auto-resume, and a few words on it: `new`, `started` (plan.yaml, no
+    checkpoint: start again), `unfinished` (resume) or `finished` (judged from the last checkpoint, never from a
+    summary.json that may be damaged)."""
     if not (out / "plan.yaml").is_file():
         return "new", "no run there"
     if not (out / "checkpoints" / "last.pt").is_file():
@@ -72,8 +68,7 @@ def _summary(out: Path) -> dict:
 
 
 def auto_resume_flags(resume: bool, force: bool, max_restarts: int | None, launching: bool) -> None:
-    """--auto-resume chooses between starting and --resume itself; --max-restarts is torchrun's (it implies
-    --auto-resume, so a restarted group continues)."""
+    """--auto-resume chooses between starting and --resume itself; --max-restarts is torchrun's."""
     if resume or force:
         raise UserError(f"--auto-resume: it decides between starting and resuming by itself; without "
                         f"{'--resume' if resume else '--force'}")

@@ -98,9 +98,8 @@ REFERENCE_HELP = ("An earlier run of this recipe (its folder): this run's curve 
 
 
 def run_request(context: typer.Context) -> RunRequest:
-    """The run command's options as one frozen request: each parameter named as the request's field gives it (a
-    choice its value), the options that alias recipe fields their changes (cli.options.alias_changes), the trackers
-    parsed (`--log-to`, `--tensorboard`), `--max-restarts` implying `--auto-resume`."""
+    """The run command's options as one frozen request: each parameter named as a field gives it, the alias options
+    their changes, the trackers parsed, `--max-restarts` implying `--auto-resume`."""
     given = context.params
     values = {item.name: given[item.name].value if isinstance(given[item.name], Enum) else given[item.name]
               for item in dataclasses.fields(RunRequest) if item.name in given}
@@ -112,9 +111,8 @@ def run_request(context: typer.Context) -> RunRequest:
 
 
 def request_args(request: RunRequest, which: str) -> list[str]:
-    """The options `which` repeats ("torchrun": each process's; "resume": the continuing command's), as arguments:
-    `--flag value` for a value, `--flag` for a switch; the recipe's changes by their own flags (a resumed run's
-    plan.yaml keeps every change but the data's paths, whose files the resume checks by fingerprint)."""
+    """The options `which` repeats ("torchrun": each process's; "resume": the continuing command's) as arguments;
+    a resume repeats of the recipe's changes only the data's paths (its plan.yaml keeps the others)."""
     args: list[str] = []
     flags = request_flags()  # each field's flag, as the command declares it (`overrides` is --set)
     for name, value in request.given(which).items():
@@ -134,8 +132,7 @@ def request_args(request: RunRequest, which: str) -> list[str]:
 
 
 def auto_resumed(request: RunRequest, world: Any, launching: bool) -> tuple[bool, bool]:
-    """(resume, force) for the run in --out as --auto-resume decides, after refusing another plan's run there (a
-    finished run exits 0 at once)."""
+    """(resume, force) as --auto-resume decides, after refusing another plan's run (a finished run exits 0)."""
     auto_resume_flags(request.resume, request.force, request.max_restarts, launching)
     state, words = folder_state(request.out, request.max_steps)
     if state != "new":
@@ -181,8 +178,7 @@ def launch(request: RunRequest, world: Any) -> int:
 
 
 def _launch(command: list[str]) -> int:
-    """Run torchrun: its workers die with this process, get its SIGINT/SIGTERM, and say their ending through it,
-    once (train/distributed/launched.py)."""
+    """Run torchrun: its workers die with this process, get its signals, and say their ending through it, once."""
     from ..train.distributed.launched import run_launched
 
     return run_launched(command, shlex.join(["reproduce", *map(str, typed_args)]))
@@ -192,10 +188,8 @@ starting_run: dict[str, Any] = {}  # the run command's request, and whether it r
 
 
 def stops_in_one_line(command):
-    """The run command with SIGINT / SIGTERM handled in every phase (storage/signals.py): in the step loop and the
-    end's writes by the trainer; before them and after them here, in one line, exit 130 / 143. Before the step loop
-    the line gives the command that goes on: the resume of the checkpoint that was there, untouched; else the
-    command as typed, as nothing of this run was kept (a previous run set aside by `--force` is back)."""
+    """The run command with SIGINT / SIGTERM handled before and after the trainer's part, in one line, exit 130 / 143,
+    with the command that goes on: the resume of the checkpoint that was there, else the command as typed."""
 
     @functools.wraps(command)
     def guarded(**kwargs: Any) -> None:
@@ -317,8 +311,7 @@ def run_command(
     starting_run.update(request=request, resume=request.resume, force=request.force)
     from ..train.distributed import processes as distributed  # torch is imported only by the commands that train
     world = distributed.world_from_env()
-    # under reproduce's launcher (a worker of torchrun, even alone after an elastic restart): die with it, take its
-    # signals, and clear an earlier attempt's report (launched.py; nothing elsewhere)
+    # under reproduce's launcher (even alone after an elastic restart): die with it, take its signals
     from ..train.distributed.launched import join_launcher
 
     join_launcher()

@@ -1,5 +1,4 @@
-"""How `reproduce plan` shows the throughput policy's decision and the predicted time (rendering only: the decision
-is reproduce/throughput/policy.py, the prediction reproduce/throughput/predicted_time.py)."""
+"""How `reproduce plan` shows the throughput policy's decision and the predicted time (rendering only)."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ def render_throughput(p: Plan) -> None:
 
 
 def cluster_cost(hours: float | None, world_size: int = 0, gpus_per_node: int = GPUS_PER_NODE) -> str:
-    """`: 12.4 GPU-hours (4 nodes x 8 GPUs)`: the whole run's GPUs x hours, and the nodes a plan of several
-    processes fills."""
+    """`; 12.4 GPU-hours (4 nodes x 8 GPUs)`: the whole run's GPUs x hours, and the nodes it fills."""
     if hours is None:
         return ""
     nodes, per_node = node_split(world_size, gpus_per_node) if world_size > 1 else (1, 1)

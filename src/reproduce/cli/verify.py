@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from ..errors import UserError
+from ..plan.overlay import changes_of
 from ..session import plan_and_probe, recipe_for_run
 from .app import app
 from .common import recipe_argument, show_note, stdout
@@ -28,7 +29,6 @@ from .options import (
     WeightsOption,
     WorldSizeOption,
     alias_changes,
-    override_changes,
 )
 
 SAMPLES_HELP = "Check on the first K samples instead of one effective batch (for big models)."
@@ -79,7 +79,7 @@ def verify_command(
     if tolerance is not None and not tolerance > 0:
         raise UserError(f"--tolerance: must be > 0 (got {tolerance})")
     source = recipe_argument(source, "recipe or plan")
-    recipe, plan = recipe_for_run(source, override_changes(overrides), alias_changes(context))
+    recipe, plan = recipe_for_run(source, changes_of(overrides or []), alias_changes(context))
     data = build_data(recipe)
     if plan is None:
         plan = plan_and_probe(recipe, str(source), micro_batch_max, world_size, policy.value,

@@ -44,9 +44,6 @@ def build(plan: Plan) -> Export:
         config["fsdp_config"], fsdp_plugin = accelerate_fsdp(plan)
         notes += fsdp_notes(plan, "Accelerate", "syncs only at the end of accumulate() too (FSDP2's "
                             "set_requires_gradient_sync), and averages the gradients over processes and micro-batches")
-        _, block_note = fsdp_blocks(plan)
-        if block_note:
-            notes.append(block_note)
         if recipe.precision != "fp32":
             compute = TORCH_DTYPES[recipe.precision]
             notes.append(f"Accelerate's FSDP with mixed_precision {recipe.precision} also reduces gradients in "

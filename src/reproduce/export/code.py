@@ -7,10 +7,7 @@ from .common import py_literal
 
 
 def lr_factor_source(plan: Plan, name: str = "lr_factor") -> list[str]:
-    """`def lr_factor(step)`: the plan's LR of optimizer step `step` (0-based) over the peak, as `lr_at` computes it.
-
-    For `torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)` stepped once per optimizer step.
-    """
+    """`def lr_factor(step)`: the LR of optimizer step `step` (0-based) over the peak, as `lr_at`, for LambdaLR."""
     peak, warmup = plan.lr, plan.warmup_steps
     lines = [
         f"def {name}(step):",

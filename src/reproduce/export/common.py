@@ -1,5 +1,4 @@
-"""What every emitted form shares: the arithmetic line, the header of comments, the notes several frameworks
-need, and Python literals."""
+"""What every emitted form shares: the arithmetic line, the header of comments, shared notes, Python literals."""
 
 from __future__ import annotations
 
@@ -25,9 +24,6 @@ class Export:
     text: str
     values: dict
     notes: list[str] = field(default_factory=list)
-
-
-# ---- shared pieces ----------------------------------------------------------------------------------------
 
 
 def arithmetic_line(plan: Plan) -> str:
@@ -72,7 +68,15 @@ def header(plan: Plan, notes: list[str], extra: list[str] = ()) -> list[str]:
         lines += comment(f"plan warning: {warning}")
     for line in extra:
         lines += comment(line)
-    for note in [*model_notes(plan), *notes, *_phase_notes(plan)]:
+    phases = batch_phases(plan.segments)  # no one setting switches the batch mid-run: say where reproduce run does
+    if phases:
+        notes = [*notes, "the batch changes during training; the settings here are the main batch's. reproduce run "
+                 "switches at:", *phase_lines(phases, plan.world_size, plan.unit),
+                 *(f"batch.phases[{index}] restarts the LR schedule at step {phase.start_step + 1} (lr "
+                   f"{phase.schedule.lr:g}, warm-up {phase.schedule.warmup_steps} steps, {phase.schedule.decay_kind}): "
+                   "the schedule settings here are the first phase's (reproduce plan --json gives lr_points)"
+                   for index, phase in enumerate(phases) if phase.schedule is not None)]
+    for note in [*model_notes(plan), *notes]:
         lines += comment(f"NOTE: {note}")
     return lines
 
@@ -81,8 +85,7 @@ TORCH_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torc
 
 
 def model_notes(plan: Plan) -> list[str]:
-    """The model changes a recipe makes (`model.dtype`, `model.lora`), with the code that makes them as
-    `reproduce run` does: no trainer setting carries them, so every emitted form says them."""
+    """The model changes a recipe makes (`model.dtype`, `model.lora`), which no trainer setting carries."""
     spec, notes = plan.recipe.model, []
     if spec.dtype != "fp32":
         dtype = TORCH_DTYPES[spec.dtype]
@@ -101,8 +104,7 @@ def model_notes(plan: Plan) -> list[str]:
 
 
 def memory_notes(plan: Plan) -> list[str]:
-    """The memory knobs of the recipe (reproduce/plan/memory_options.py), with the code that sets them as
-    `reproduce run` does (models/checkpointing.py, train/distributed/fsdp.py)."""
+    """The memory knobs of the recipe, with the code that sets them as `reproduce run` does."""
     recipe, notes = plan.recipe, []
     if recipe.model.activation_checkpointing:
         notes.append(
@@ -124,9 +126,7 @@ def memory_notes(plan: Plan) -> list[str]:
 
 
 def finetune_notes(plan: Plan, framework: str) -> list[str]:
-    """What a framework's own settings do not carry of a fine-tuning recipe (a quantised base, bitsandbytes'
-    optimizer state, the old Trainer's loss arithmetic), with the code `reproduce run` uses; `--emit hf` writes the
-    first two as TrainingArguments and a BitsAndBytesConfig instead."""
+    """What a framework's own settings do not carry of a fine-tuning recipe, with the code `reproduce run` uses."""
     recipe, notes = plan.recipe, []
     if recipe.model.quantize is not None:
         notes.append(f"{framework} has no setting for the recipe's {recipe.model.quantize} base (model.quantize): "
@@ -173,22 +173,8 @@ def lora_source(lora: Lora, model: str = "model") -> str:
     )
 
 
-def _phase_notes(plan: Plan) -> list[str]:
-    """Batch phases and ramps: one framework setting cannot switch the batch mid-run; say where `reproduce run` does."""
-    phases = batch_phases(plan.segments)
-    if not phases:
-        return []
-    restarts = [f"batch.phases[{index}] restarts the LR schedule at step {phase.start_step + 1} (lr "
-                f"{phase.schedule.lr:g}, warm-up {phase.schedule.warmup_steps} steps, {phase.schedule.decay_kind}): "
-                "the schedule settings here are the first phase's (reproduce plan --json gives lr_points)"
-                for index, phase in enumerate(phases) if phase.schedule is not None]
-    return ["the batch changes during training; the settings here are the main batch's. reproduce run switches at:",
-            *phase_lines(phases, plan.world_size, plan.unit), *restarts]
-
-
 def plan_command(plan: Plan) -> str:
-    """The command that saves this plan as plan.yaml; --policy throughput's timed choice is given as the maximum, so
-    that the exact policy takes that very split again."""
+    """The command that saves this plan as plan.yaml (--policy throughput's choice given as the maximum)."""
     largest = plan.micro_batch if plan.policy == "throughput" else plan.micro_batch_max
     return (f"reproduce plan {plan.recipe_path or 'RECIPE'} --micro-batch-max {largest} --world-size "
             f"{plan.world_size}" + (" --policy fast" if plan.policy == "fast" else "") + " --out plan.yaml")

@@ -67,7 +67,8 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
         }
         notes += fsdp_notes(plan, "DeepSpeed ZeRO-3",
                             "reduce-scatters every micro-batch's gradients into the partitions (less memory than "
-                            "holding a whole gradient, N times the communication) and averages over processes")
+                            "holding a whole gradient, N times the communication) and averages over processes",
+                            blocks=False)
         notes.append("ZeRO-3 checkpoints are partitioned; the whole fp32 model comes from DeepSpeed's "
                      "zero_to_fp32.py (reproduce run writes it as model.pt)")
     config["steps_per_print"] = max(1, min(100, (plan.optimizer_steps or 1000) // 20))

@@ -14,8 +14,7 @@ RESNET_BASIC = ("resnet18", "resnet34")
 
 
 def fsdp_blocks(plan: Plan) -> tuple[list[str], str | None]:
-    """The block class names sharded one by one (as `reproduce run` finds them), and a note when they must come
-    from the model itself. Empty: the model is sharded as one unit (the small MLP and CNNs)."""
+    """The block classes sharded one by one (none: the model is one unit), and a note when the model must say."""
     model = plan.recipe.model
     if model.builtin == "gpt":
         return ["Block"], None
@@ -32,8 +31,9 @@ def fsdp_blocks(plan: Plan) -> tuple[list[str], str | None]:
     return [], "the block classes are the model's _no_split_modules (Hugging Face models list them)"
 
 
-def fsdp_notes(plan: Plan, framework: str, reduction: str) -> list[str]:
-    """What a framework's sharded run does differently from `reproduce run --sharding fsdp`."""
+def fsdp_notes(plan: Plan, framework: str, reduction: str, blocks: bool = True) -> list[str]:
+    """What a framework's sharded run does differently from `reproduce run --sharding fsdp`; with `blocks`, then
+    where its units come from when the model does not say."""
     notes = [
         f"reproduce run shards with FSDP2 (fully_shard per block, then the root) over {plan.world_size} processes, "
         "reduce-scatters the gradients once per optimizer step (no gradient sync on the first "
@@ -51,4 +51,5 @@ def fsdp_notes(plan: Plan, framework: str, reduction: str) -> list[str]:
     if name not in SHARDABLE_OPTIMIZERS:
         notes.append(f"reproduce run refuses {name} with FSDP (its update needs statistics of whole tensors); check "
                      f"that {framework}'s {name} handles sharded parameters")
-    return notes
+    _, block_note = fsdp_blocks(plan)
+    return [*notes, block_note] if blocks and block_note else notes

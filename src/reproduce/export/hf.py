@@ -174,8 +174,7 @@ BITSANDBYTES_OPTIMS = {(True, 32): "paged_adamw_32bit", (True, 8): "paged_adamw_
 
 
 def quantized_base(recipe: Any) -> list[str]:
-    """The BitsAndBytesConfig the base is loaded with (models/quantize.py's settings, every one given), and LoRA's
-    config, for a recipe that quantises its base."""
+    """The BitsAndBytesConfig a quantised base is loaded with (every setting reproduce uses), and LoRA's config."""
     if recipe.model.quantize is None:
         return []
     if recipe.model.quantize == "int8":

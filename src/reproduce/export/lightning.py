@@ -47,12 +47,10 @@ def build(plan: Plan) -> Export:
     strategy: list[str] = []
     if sharded(plan):
         comments["strategy"] = "FSDP: trainer_kwargs['strategy'] = fsdp_strategy(model), below"
-        blocks, block_note = fsdp_blocks(plan)
+        blocks, _ = fsdp_blocks(plan)
         notes += fsdp_notes(plan, "Lightning's FSDPStrategy",
                             "wraps the model in FSDP1 (FullyShardedDataParallel, flat parameters): the same sharding "
                             "and the same update, gradients averaged over processes and micro-batches instead")
-        if block_note:
-            notes.append(block_note)
         values["fsdp_blocks"] = blocks
         strategy = ["", "", *_lightning_fsdp_source(plan, blocks)]
     lines = header(plan, notes, [f"schedule: {schedule_words(plan)}"])

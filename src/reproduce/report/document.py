@@ -1,8 +1,5 @@
-"""The report as one self-contained HTML file (plots embedded as data: URIs, no script, no network) and its
-Markdown twin (the same tables; the plots as PNG files in a folder beside it).
-
-The content is built once as a list of blocks (headings, paragraphs, tables, figures); each format renders it.
-"""
+"""The report as one self-contained HTML file (plots as data: URIs, no script) and its Markdown twin (the plots
+as PNG files beside it): one list of blocks, rendered by each format."""
 
 from __future__ import annotations
 
@@ -140,8 +137,7 @@ def cost_line(run: RunFolder) -> str:
 
 
 def class_iou_table(runs: list[RunFolder]) -> Table | None:
-    """Segmentation: each class's IoU at each run's last evaluation (n/a: in neither predictions nor targets, left out
-    of the mean), or None when no run records it."""
+    """Segmentation: each class's IoU at each run's last evaluation, or None when no run records it."""
     last = {}
     for run in runs:
         found = next((r for r in reversed(run.records) if isinstance(r.get("eval_class_iou"), list)), None)

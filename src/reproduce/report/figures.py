@@ -1,10 +1,5 @@
-"""The report's curves, every run overlaid on shared axes: loss, eval metrics, learning rate, gradient norm,
-throughput, and the gradient noise scale against the effective batch. PNG bytes, made with matplotlib (the
-`plots` extra).
-
-Runs of different effective batches (a baseline and its 8x run) share an epoch axis, where their curves can
-be compared; runs of one batch share the optimizer step.
-"""
+"""The report's curves, every run overlaid (PNG bytes, matplotlib: the `plots` extra). Runs of different effective
+batches share an epoch axis, where they compare; runs of one batch share the optimizer step."""
 
 from __future__ import annotations
 
@@ -54,8 +49,7 @@ def x_axis(runs: list[RunFolder]) -> str:
 
 
 def throughput(run: RunFolder) -> tuple[str, list[tuple[dict, float]]]:
-    """Each step's samples or tokens per second: the trainer's own field when it records one, else the step's
-    samples (tokens, for language models) over its seconds."""
+    """Each step's samples (or tokens) per second: the trainer's own field, else the step's count over its seconds."""
     for key, unit in (("tokens_per_second", "tokens/s"), ("samples_per_second", "samples/s")):
         rows = [(r, float(r[key])) for r in run.records if isinstance(r.get(key), (int, float))]
         if rows:

@@ -1,6 +1,5 @@
 """`reproduce report --history FILE`: the values `reproduce check --history` kept, rerun after rerun, as a table and
-one plot a check beside the paper's value (the recipe's `reported:` one, with its tolerance), so that a metric that
-moves slowly away from the paper shows before a check fails."""
+one plot a check beside the paper's value, so a metric that drifts shows before a check fails."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def history_table(found: dict[tuple[str, str], list[dict]]) -> Table:
 
 
 def history_blocks(path: Path, records: list[dict], plots: bool = True) -> list[Block]:
-    """The section of the history at `path`, whose `records` the caller read (check/history.py's read_history: the
-    report does not import the checks, which import the run's outputs, which import the report)."""
+    """The section of the history at `path`, whose `records` the caller read (the report imports no check)."""
     found = series(records)
     out: list[Block] = [("h2", f"Drift across reruns ({path.name})")]
     if not found:

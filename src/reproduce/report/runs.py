@@ -1,7 +1,4 @@
-"""The run folders a report shows, read as far as they got: plan.yaml, metrics.jsonl, summary.json when finished.
-
-No torch here: a report is made anywhere the folders are, while the run is still going if need be.
-"""
+"""The run folders a report shows, read as far as they got (no torch: while the run is still going, if need be)."""
 
 from __future__ import annotations
 
@@ -125,18 +122,14 @@ def load_run(path: str | Path, name: str | None = None) -> RunFolder:
     return RunFolder(path, name or path.name, plan, records, events, summary)
 
 
-def run_names(paths: list[Path]) -> list[str]:
-    """Short names that tell the runs apart: the folder names, with as many parent folders as it takes."""
-    parts = [Path(p).resolve().parts for p in paths]
-    for depth in range(1, max(len(p) for p in parts) + 1):
-        names = ["/".join(p[-depth:]) for p in parts]
-        if len(set(names)) == len(names):
-            return names
-    return [str(p) for p in paths]
-
-
 def load_runs(paths: list[str | Path]) -> list[RunFolder]:
     if not paths:
         raise UserError("RUN_DIR: give at least one run folder")
-    names = run_names([Path(p) for p in paths])
+    parts = [Path(p).resolve().parts for p in paths]  # names that tell the runs apart: as many parents as it takes
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        names = ["/".join(p[-depth:]) for p in parts]
+        if len(set(names)) == len(names):
+            break
+    else:
+        names = [str(Path(p)) for p in paths]
     return [load_run(path, name) for path, name in zip(paths, names, strict=True)]

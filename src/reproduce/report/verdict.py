@@ -1,9 +1,5 @@
-"""The paper's reported metric beside the run's final value, with its tolerance and the verdict.
-
-Papers report `top1_accuracy` / `top1_error` in percent, `val_loss`, ...; runs record `eval_accuracy` as a
-fraction and `eval_loss`. The reported name is matched to the run's field here, in one table, and the paper's
-percentage is shown as a fraction, the run's scale (plan/reported.py: one scale for accuracy everywhere).
-"""
+"""The paper's reported metric beside the run's final value, with its tolerance and the verdict: the reported name
+matched to the run's field in one table, a paper's percentage shown as the run's fraction."""
 
 from __future__ import annotations
 

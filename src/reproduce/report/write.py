@@ -6,21 +6,15 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..plan.planfile import check_writable, write_text_atomic
-from .document import Block, blocks, to_html, to_markdown
+from .document import blocks, to_html, to_markdown
 from .figures import FIGURE_NAMES
 from .runs import RunFolder
 
 
-def images_folder(markdown: Path) -> Path:
-    """The Markdown twin's plots: `report.md` -> `report_files/` (the name browsers give a saved page's parts)."""
-    return markdown.with_name(markdown.stem + "_files")
-
-
 def write_report(runs: list[RunFolder], out: Path, markdown: Path | None = None, plots: bool = True,
                  history: tuple[Path, list[dict]] | None = None) -> list[Path]:
-    """report.html (self-contained) and, unless `markdown` is the HTML itself, report.md with its PNGs; with
-    `history` (a `reproduce check --history` file and its records) its values rerun after rerun beside the paper's
-    (runs optional)."""
+    """report.html and, unless `markdown` is the HTML itself, report.md with its PNGs; with `history` (a `check
+    --history` file and its records) its values beside the paper's (runs optional)."""
     out = check_writable(out, "`out`")
     if out.suffix.lower() not in (".html", ".htm"):
         raise UserError(f"{out}: expected an .html file name (the Markdown twin is written beside it as .md)",
@@ -30,12 +24,21 @@ def write_report(runs: list[RunFolder], out: Path, markdown: Path | None = None,
     for path in (out, markdown):
         if path.resolve() in protected:
             raise UserError(f"{path}: is one of the run's own files; choose another name")
-    content = blocks(runs, plots) if runs else history_heading(history[0] if history else None)
+    if runs:
+        content = blocks(runs, plots)
+    else:  # the title of a report of a history and no run
+        import datetime
+
+        from .. import __version__
+
+        made, shown = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}", history[0] if history else None
+        content = [("h1", f"reproduce report: {shown.name if shown else 'no run'}"),
+                   ("p", f"Made by reproduce {__version__} on {made} UTC from the history {shown}.")]
     if history is not None:
         from .history import history_blocks
 
         content += history_blocks(*history, plots)
-    images = images_folder(markdown)
+    images = markdown.with_name(markdown.stem + "_files")  # report.md -> report_files/, as browsers save a page
     text, files = to_markdown(content, images, markdown.parent)
     if images.is_dir():  # plots an earlier report made that this one has not (only names a report gives)
         for old in images.glob("*.png"):
@@ -47,14 +50,3 @@ def write_report(runs: list[RunFolder], out: Path, markdown: Path | None = None,
     write_text_atomic(markdown, text)
     write_text_atomic(out, to_html(content))
     return [out, markdown, *files]
-
-
-def history_heading(history: Path | None) -> list[Block]:
-    """The report's title when it shows a history and no run."""
-    import datetime
-
-    from .. import __version__
-
-    made = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"
-    return [("h1", f"reproduce report: {history.name if history else 'no run'}"),
-            ("p", f"Made by reproduce {__version__} on {made} UTC from the history {history}.")]

@@ -1,17 +1,9 @@
 """The recipes and check files shipped with reproduce, and a recipe given by name from any folder. No torch.
 
-The files live once, in the repository's top-level `papers/` (recipes) and `reproduce/` (the project's check files).
-This package's `papers` and `checks` are links to those folders, and pyproject.toml ships what they hold as package
-data, so a wheel carries real copies in `reproduce/shipped/papers/` and `reproduce/shipped/checks/` (the check files
-name their recipes as ../papers/NAME.yaml, which holds in both layouts). Any `*.yaml` there is shipped: a recipe added
-to papers/ needs no list to be edited. A checkout whose links are plain files (git without symlinks) falls back to
-the top-level folders.
-
-A recipe argument (plan, run, probe, verify, `papers show`) is a file when one is there; else a recipe's name,
-`goyal2017-resnet50`, with or without `.yaml` or a `papers/` in front (so the docs' `papers/goyal2017-resnet50.yaml`
-works from any folder). A bare name is looked for in the current folder first (NAME.yaml, then papers/NAME.yaml, the
-folder `reproduce papers` lists), then among the shipped: a file of the user's wins over a shipped recipe of the same
-name, and the commands say which file they read.
+`papers` and `checks` here link to the repository's `papers/` and `reproduce/`, shipped as package data (every
+`*.yaml`); a checkout without symlinks falls back to the top-level folders. A recipe argument is a file when one is
+there, else a name (`goyal2017-resnet50`, with or without `.yaml` or `papers/`), looked for in the current folder
+first (NAME.yaml, papers/NAME.yaml), then among the shipped; the commands say which file they read.
 """
 
 from __future__ import annotations
@@ -55,17 +47,6 @@ def shipped_recipes() -> dict[str, Path]:
     return {p.stem: p for p in recipe_files(folder)} if folder is not None else {}
 
 
-def name_of(given: str | Path) -> str | None:
-    """The shipped-recipe name `given` may be: `NAME`, `NAME.yaml`, `papers/NAME.yaml`; None for other paths."""
-    path = Path(given)
-    if path.is_absolute() or len(path.parts) > 2 or (len(path.parts) == 2 and path.parts[0] != "papers"):
-        return None
-    name = path.name
-    for suffix in SUFFIXES:
-        name = name.removesuffix(suffix)
-    return name or None
-
-
 def is_shipped(path: str | Path) -> bool:
     """Whether `path` is one of the shipped recipe files (not a user's file of the same name)."""
     folder = papers_folder()
@@ -78,7 +59,12 @@ def resolve_recipe(given: str | Path, what: str = "recipe") -> Path:
     path = Path(given)
     if path.exists():
         return path
-    name = name_of(path)
+    name: str | None = None  # the shipped recipe's name it may be: `NAME`, `NAME.yaml`, `papers/NAME.yaml`
+    if not (path.is_absolute() or len(path.parts) > 2 or (len(path.parts) == 2 and path.parts[0] != "papers")):
+        name = path.name
+        for suffix in SUFFIXES:
+            name = name.removesuffix(suffix)
+        name = name or None
     if name is not None and len(path.parts) == 1:  # a bare name: the current folder's files first
         for local in [Path(f"{folder}{name}{suffix}") for folder in ("", "papers/") for suffix in SUFFIXES]:
             if local.is_file():

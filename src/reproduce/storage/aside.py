@@ -1,18 +1,10 @@
 """`--force` takes a folder over from a previous run, all or nothing.
 
-The previous run's outputs are set aside in one rename: they are first linked (hard links: no copy of the data;
-a copy where the filesystem has none) into a hidden temporary `.previous-run.XXXXXXXX.tmp` with a list of their
-names, which is then renamed to `.previous-run.XXXXXXXX`. Only then are they removed from the folder. The rename is
-the commit: before it the folder is untouched (a temporary of a dead writer, removed at the next start), after it
-the previous run is whole in the aside folder. It is deleted only once the new run has written a checkpoint of its
-own (`Previous.started`, renamed to a temporary first, so a kill half-way through the deletion leaves litter, never
-half a previous run that looks whole). Any failure or signal before that puts it back (`setting_aside`'s exit) in
-place of what the new run wrote; the moves and the putting back run with SIGINT/SIGTERM deferred
-(`signals.deferred`), so a signal cannot split them.
-
-A process killed with SIGKILL in between leaves the aside folder: the next run or resume in that folder, holding its
-lock, settles it (`settle`): a new run that has a checkpoint of its own keeps it and the aside goes; otherwise the
-previous run is put back, and a note says so.
+The previous run's outputs are linked (hard links; copies where there are none) into a hidden temporary with a list
+of their names, which one rename makes `.previous-run.XXXXXXXX`: the commit. Only then are they removed from the
+folder. The aside folder goes once the new run has a checkpoint of its own (`Previous.started`); any failure or
+signal before that puts it back in place of what the new run wrote, with signals deferred so none splits a move. A
+SIGKILL in between leaves the aside folder, which the next run holding the lock settles (`settle`).
 """
 
 from __future__ import annotations
@@ -59,31 +51,12 @@ class Previous:
     """The previous run's outputs set aside in `folder` (None: nothing was there, or they are gone or back)."""
 
     def __init__(self, out: Path, names: list[str]):
-        self.out, self.names, self.folder = out, names, None
+        self.folder: Path | None = None
         self.present = [name for name in names if (out / name).exists() or (out / name).is_symlink()]
 
-    def move(self) -> None:
-        """Set the present outputs aside (one rename commits it), then remove them from the folder."""
-        if not self.present:
-            return
-        with signals.deferred(raise_on_exit=True):
-            building = Path(tempfile.mkdtemp(dir=self.out, prefix=ASIDE_PREFIX, suffix=".tmp"))
-            try:
-                for name in self.present:
-                    _link_tree(self.out / name, building / name)
-                (building / NAMES).write_text(json.dumps(self.present))
-                folder = building.with_name(building.name[: -len(".tmp")])
-                os.rename(building, folder)  # the commit: the previous run is whole in `folder`
-            except BaseException:
-                shutil.rmtree(building, ignore_errors=True)
-                raise
-            self.folder = folder
-            faults.at("aside")
-            for name in self.present:
-                _remove(self.out / name)
-
     def started(self) -> None:
-        """The new run has a checkpoint of its own: the previous outputs go (renamed to a temporary first)."""
+        """The new run has a checkpoint of its own: the previous outputs go (renamed to a temporary first, so a kill
+        half-way leaves litter, never half a previous run that looks whole)."""
         if self.folder is None:
             return
         with signals.deferred():
@@ -92,15 +65,6 @@ class Previous:
                 os.rename(self.folder, gone)
                 self.folder = gone
             shutil.rmtree(self.folder, ignore_errors=True)
-            self.folder = None
-
-    def put_back(self) -> None:
-        """The new run failed or was stopped before its first checkpoint: what it wrote goes, and the previous
-        outputs return. Idempotent: a put-back cut short by a kill is finished by `settle`."""
-        if self.folder is None:
-            return
-        with signals.deferred():  # (a signal here is the one being handled, or is said by the caller)
-            _put_back(self.out, self.folder, self.names)
             self.folder = None
 
 
@@ -125,7 +89,7 @@ def _same(a: Path, b: Path) -> bool:
 
 
 def settle(out: Path, names: list[str], checkpoint: str = "checkpoints/last.pt") -> str | None:
-    """An aside folder a killed `--force` run left in `out` (the caller holds the lock): kept by the new run that
+    """The aside folders a killed `--force` run left in `out` (the caller holds the lock): dropped when the new run
     has a checkpoint of its own (not the previous run's file still in place), else put back. A note, or None."""
     notes = []
     for folder in sorted(out.glob(f"{ASIDE_PREFIX}*")):
@@ -146,21 +110,36 @@ def settle(out: Path, names: list[str], checkpoint: str = "checkpoints/last.pt")
 @contextlib.contextmanager
 def setting_aside(out: Path, names: list[str], enabled: bool,
                   committed: Callable[[], bool] = lambda: True) -> Iterator[Previous | None]:
-    """The previous run's `names` set aside while the block runs (when `enabled`). On the block's exit they go when
-    `committed()` (the new run has a checkpoint of its own), else they are put back, whatever the exit; a signal
-    before that also removes what the new run wrote where there was no previous run (the folder as it was)."""
+    """The previous run's `names` set aside while the block runs (when `enabled`): on its exit they go when
+    `committed()`, else they are put back; a signal before that also removes what the new run wrote."""
     if not enabled:
         yield None
         return
     previous = Previous(out, names)
     try:
-        previous.move()
+        if previous.present:
+            with signals.deferred(raise_on_exit=True):
+                building = Path(tempfile.mkdtemp(dir=out, prefix=ASIDE_PREFIX, suffix=".tmp"))
+                try:
+                    for name in previous.present:
+                        _link_tree(out / name, building / name)
+                    (building / NAMES).write_text(json.dumps(previous.present))
+                    folder = building.with_name(building.name[: -len(".tmp")])
+                    os.rename(building, folder)  # the commit: the previous run is whole in `folder`
+                except BaseException:
+                    shutil.rmtree(building, ignore_errors=True)
+                    raise
+                previous.folder = folder
+                faults.at("aside")
+                for name in previous.present:
+                    _remove(out / name)
         yield previous
     except BaseException as error:
         if committed():
             previous.started()
-        elif previous.folder is not None:
-            previous.put_back()
+        elif previous.folder is not None:  # what the new run wrote goes, the previous outputs return
+            with signals.deferred():  # (a signal here is the one being handled, or is said by the caller)
+                _put_back(out, previous.folder, names)
         elif isinstance(error, signals.SignalReceived):  # stopped while starting: the folder as it was
             with signals.deferred():
                 for name in names:

@@ -1,22 +1,13 @@
-"""Files written whole or not at all, and a write error said in one line.
+"""Files written whole or not at all: a temporary beside the final name, flushed and renamed over it, so a kill, a full
+disk or a second process leaves the previous file or the new one, never half; a failed write is `WriteFailed`.
 
-Every output of a run is written to a uniquely named temporary beside its final name, flushed to disk and renamed
-over it (`write_atomic`; `replace_folder` for a folder such as adapter/), so a kill, a full disk or a second process
-leaves either the previous file or the new one, never half of one. The OS error of a failed write comes back as
-`WriteFailed` naming the file; a full disk is `disk_full`.
-
-torch's files are zip archives that store a CRC-32 of every record, which `torch.load` does not check: a flipped bit
-in a tensor loads silently, and the CRC-32s cover no header (a flipped encrypted flag, compression method or directory
-attribute passes them, then torch raises or reads another tensor's bytes). So a torch file reproduce writes
-(`write_torch_file`: checkpoints, model.pt) is sealed: the SHA-256 of the whole archive goes into the zip's own comment
-(the end-of-archive record's, which torch and zipfile read past), and `check_torch_file` checks it before anything
-is loaded, every byte of every record and header included. A torch file without one (written by torch itself, or by
-reproduce before the seal) gets the checks its format allows: each record against its CRC-32, and its headers.
+`torch.load` checks none of the CRC-32s a torch zip stores, and they cover no header. So a torch file reproduce
+writes is sealed: the archive's SHA-256 in the zip's own comment (which torch and zipfile read past), checked by
+`check_torch_file` before any load; an unsealed one gets each record's CRC-32 and its headers checked.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import os
@@ -41,15 +32,10 @@ class WriteFailed(Exception):
         self.path, self.error = Path(path), error
         super().__init__(f"{path}: cannot write: {error.strerror or error}")
 
-    @property
-    def disk_full(self) -> bool:
-        return self.error.errno in FULL_DISK
-
     def said(self, resume: str | None) -> Exception:
-        """The error to show, in one line: a full disk mid-run stops (exit code 3) with `resume`, the command that
-        goes on from the last checkpoint once there is space (None: no checkpoint yet); any other write error is
-        the user's to fix (UserError, exit code 2)."""
-        if not self.disk_full:
+        """The error to show: a full disk stops (exit code 3) with `resume`, the command that goes on (None: no
+        checkpoint yet); any other write error is the user's to fix (UserError, exit code 2)."""
+        if self.error.errno not in FULL_DISK:
             return UserError(str(self))
         if resume is None:
             return DiskFull(f"{self}; free space, then start the run again")
@@ -57,8 +43,7 @@ class WriteFailed(Exception):
 
 
 class _Recording:
-    """A binary file that remembers the OS error of a failed write: torch.save reports one as a RuntimeError
-    ("unexpected pos ...") that no longer says the disk was full."""
+    """A binary file that remembers the OS error of a failed write (torch.save turns it into a RuntimeError)."""
 
     def __init__(self, handle: BinaryIO, name: str = ""):
         self.handle, self.error, self.name, self.started = handle, None, name, False
@@ -81,9 +66,7 @@ class _Recording:
 
 
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], object] | bytes) -> None:
-    """`write(handle)` (or the bytes `write`) into a temporary beside `path`, flushed to disk, then renamed over
-    `path`: a crash leaves the previous file whole, and two processes never share a temporary. A failed write raises
-    WriteFailed."""
+    """`write(handle)` (or the bytes `write`) into a temporary beside `path`, flushed, then renamed over `path`."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,13 +92,9 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object] | bytes) 
         raise
 
 
-def write_text(path: str | Path, text: str) -> None:
-    write_atomic(path, text.encode("utf-8"))
-
-
 def replace_folder(path: str | Path, write: Callable[[Path], object]) -> None:
-    """`write(folder)` into a new folder beside `path`, then put in the place of `path` (the previous folder, if
-    any, is moved aside first and removed last): a crash leaves a whole folder, old or new, under `path`."""
+    """`write(folder)` into a new folder beside `path`, then put in its place (the previous one moved aside first,
+    removed last): a crash leaves a whole folder, old or new."""
     path = Path(path)
     try:
         building = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
@@ -167,8 +146,7 @@ class _Hashing:
 
 
 def write_torch_file(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
-    """`write(handle)` (a torch.save) written atomically as `write_atomic` does, then sealed: the archive's SHA-256
-    put into its zip comment, which `check_torch_file` checks before any load."""
+    """`write(handle)` (a torch.save) written as `write_atomic` does, then sealed with its SHA-256."""
 
     def sealed(handle: BinaryIO) -> None:
         hashing = _Hashing(handle)
@@ -231,11 +209,8 @@ NO_SEAL = "no seal"
 
 
 def check_torch_file(path: str | Path) -> str | None:
-    """Why the torch file at `path` is damaged, or None when it is whole. A file reproduce sealed
-    (`write_torch_file`) is checked against its SHA-256: any byte changed, header or record, is found. Another (torch's
-    own, an older reproduce's) is checked as its format allows: every record against its stored CRC-32, and the
-    headers torch would read it by (not encrypted, stored or deflated, not a directory, the local header naming the
-    record the directory names). A file of torch's legacy (non-zip) format has no checksums: None."""
+    """Why the torch file at `path` is damaged, or None when it is whole (or of torch's legacy format, which has no
+    checksums)."""
     path = Path(path)
     try:
         sealed = _seal_problem(path)
@@ -258,8 +233,7 @@ def check_torch_file(path: str | Path) -> str | None:
 
 
 def _header_problem(path: Path, records: list[zipfile.ZipInfo]) -> str | None:
-    """What of an unsealed archive's headers torch would misread: an encrypted flag, a compression method other than
-    stored or deflated, a directory attribute, a local header that is not the directory's record."""
+    """What of an unsealed archive's headers torch would misread."""
     with open(path, "rb") as handle:
         for info in records:
             if info.flag_bits & 0x1:
@@ -281,27 +255,5 @@ def _header_problem(path: Path, records: list[zipfile.ZipInfo]) -> str | None:
     return None
 
 
-# what write_atomic, replace_folder and the plan file leave while they write (mkstemp's 8 characters), what
-# replace_folder moves aside for a moment, and the trackers' state on its way to trackers.json
+# what the writers leave while they write (mkstemp's 8 characters), and replace_folder's and the trackers' state's
 TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$|^\.(adapter|merged)\.old$|^\.trackers\.json\.tmp$")
-
-
-def remove_dead_temporaries(out: Path) -> list[Path]:
-    """Remove the temporaries a writer left in `out` and `out/checkpoints` (hidden names of the patterns above);
-    returns them. Only the process that holds `out`'s lock may call them dead: no other run is writing there
-    (storage/lock.py)."""
-    found = []
-    for folder in (out, out / "checkpoints"):
-        try:
-            entries = list(folder.iterdir())
-        except OSError:
-            continue
-        found += [entry for entry in entries if TEMPORARY.match(entry.name)]
-    found.sort()
-    for path in found:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                path.unlink()
-    return found

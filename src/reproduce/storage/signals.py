@@ -1,12 +1,9 @@
 """SIGINT and SIGTERM for the whole of `reproduce run`, not only its step loop.
 
-`guard()` is held by the command from its start to its end. Outside a deferred section a signal raises
-`SignalReceived` where the process is (setting up: nothing is lost by stopping there, and every `finally` and
-`except BaseException` on the way puts the folder back as it was); inside `deferred()` (the step loop, the final
-writes, a folder moved aside or put back) it only sets `received()`, which the section checks at its safe points:
-the step loop after its step, the final writes between files. Either way the command ends with one line and the
-command that goes on, with exit code 130 (SIGINT) or 143 (SIGTERM). Without the guard (a library caller's
-`train`), nothing here changes the process's signals.
+Under `guard()` a signal raises `SignalReceived` where the process is (setting up: every `finally` on the way puts
+the folder back), except inside `deferred()` (the step loop, the final writes, a folder moved aside), where it is
+only recorded until the section's safe points. Either way the command ends with one line, the command that goes
+on, and exit code 130 (SIGINT) or 143 (SIGTERM). Without the guard (a library caller), no handler is installed.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 class SignalReceived(BaseException):
-    """SIGINT or SIGTERM outside a deferred section (a BaseException, as KeyboardInterrupt: no `except Exception`
-    on the way swallows it)."""
+    """SIGINT or SIGTERM outside a deferred section (a BaseException, which no `except Exception` swallows)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -73,8 +69,8 @@ def guard() -> Iterator[None]:
 
 @contextlib.contextmanager
 def deferred(raise_on_exit: bool = False) -> Iterator[None]:
-    """A signal inside the block only sets `pending()`. With `raise_on_exit`, a signal the block deferred is
-    raised (`SignalReceived`) when it ends without an error of its own and nothing outside it defers."""
+    """A signal inside the block only sets `pending()`; with `raise_on_exit` it is raised when the block ends without
+    an error of its own and nothing outside it defers."""
     _state.deferring += 1
     try:
         yield

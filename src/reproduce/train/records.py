@@ -17,7 +17,7 @@ from ..observe.noise import summarise
 from ..observe.outputs import plot_metrics, read_metrics
 from ..plan.reported import compare_reported
 from ..storage import faults, signals
-from ..storage.files import replace_folder, write_text, write_torch_file
+from ..storage.files import replace_folder, write_atomic, write_torch_file
 from .distributed import processes as distributed
 from .reporter import StepRecord, run_end
 from .resume import full_model_state, kept_summary
@@ -125,7 +125,7 @@ def finish_run(run: Run) -> dict:
             stop_in_end(run, "loss.svg")
             summary["plot"] = plot_metrics(run.out / "metrics.jsonl", run.out / "loss.svg")
             stop_in_end(run, "summary.json")
-            write_text(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+            write_atomic(run.out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
     distributed.barrier(run.world)
     run.reporter.finish(run_end(summary, run.out, run.request.skip_nonfinite))  # the end's lines, as data
     return summary

@@ -30,7 +30,7 @@ from ..plan.planfile import plan_to_yaml
 from ..plan.planner import Plan
 from ..plan.segments import batch_phases, length_sizes
 from ..storage import faults
-from ..storage.files import WriteFailed, write_text
+from ..storage.files import WriteFailed, write_atomic
 from .distributed import processes as distributed
 from .distributed.processes import World
 from .gates import resume_source, start_gates
@@ -172,7 +172,7 @@ def start_run(plan: Plan, request: RunRequest, world: World, data: Datasets | No
     if world.is_main:
         try:
             out.mkdir(parents=True, exist_ok=True)
-            write_text(out / "plan.yaml", plan_to_yaml(plan))
+            write_atomic(out / "plan.yaml", plan_to_yaml(plan).encode("utf-8"))
         except OSError as error:
             raise WriteFailed(out / "plan.yaml", error) from None
     metrics = MetricsLog(out / "metrics.jsonl", resumed.metrics, enabled=world.is_main)

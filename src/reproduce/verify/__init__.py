@@ -1,3 +1,2 @@
-"""`reproduce verify`: the plan's accumulated gradient against one large-batch pass, in float64
-(accumulation.py), and, with activation checkpointing, the recomputation's gradient (recomputation.py).
-"""
+"""`reproduce verify`: the plan's accumulated gradient against one large-batch pass, in float64, and, with
+activation checkpointing, the recomputation's gradient."""

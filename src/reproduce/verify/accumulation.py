@@ -1,17 +1,10 @@
 """Is the plan's accumulation the large batch, for this very model and data? A numerical check.
 
-`verify(plan)` takes one effective batch (or `samples` samples) and computes its gradient twice, from the
-same initial weights:
-  - the reference: the gradient of the mean loss over all the samples in one pass (float64 on the CPU by
-    default; in large chunks, each summed loss divided by the total count, when one pass would not fit);
-  - the plan's: the very `trainer.optimizer_step` that `reproduce run` executes, over the plan's
-    micro-batches, with its window-count normalisation, its clipping and its loss scaler, but with an
-    optimizer that records the gradient instead of stepping.
-It reports the relative error ||g_plan - g_ref|| / ||g_ref|| per parameter and over all parameters.
-
-Dropout is switched off for the check (p = 0), since the two passes cannot draw the same masks.
-BatchNorm is left as it trains: it normalises each micro-batch with that micro-batch's statistics, so the
-two gradients differ, and the check says so with the size of the difference.
+From the same weights, one effective batch's gradient twice: the reference, of the mean loss in one pass (float64 on
+the CPU; in chunks, each summed loss divided by the total count, when one pass would not fit), and the plan's, the
+very `optimizer_step` of `reproduce run` with an optimizer that records instead of stepping. Reports
+||g_plan - g_ref|| / ||g_ref||, per parameter and overall. Dropout is off (two passes cannot draw the same masks);
+BatchNorm trains as it does, per micro-batch, and the check says how much that differs.
 """
 
 from __future__ import annotations
@@ -308,10 +301,8 @@ def packing_note(grouping: Grouping, indices: list[torch.Tensor]) -> str:
 
 
 def quantized_note(model: nn.Module, quantize: str, dtype: str, param_dtype: torch.dtype, device: torch.device) -> str:
-    """A quantised base is checked in the check's dtype: its frozen int8 / nf4 weights are fixed numbers, exact once
-    dequantised into float64 (or float32), so the 4-bit layers multiply by their dequantised weights in that dtype
-    (`quantize.compute_in`; the 8-bit ones compute in their input's dtype on a CPU); under bf16/fp16 they keep the
-    recipe's compute dtype."""
+    """A quantised base is checked in the check's dtype: its frozen int8 / nf4 weights are exact once dequantised
+    into float64 (or float32); under bf16/fp16 they keep the recipe's compute dtype."""
     if dtype in ("float64", "float32"):
         from ..models.quantize import compute_in
 

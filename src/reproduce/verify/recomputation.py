@@ -1,10 +1,7 @@
 """`reproduce verify` with activation checkpointing: does the recomputation give the gradient the run would have had?
 
-The main check compares the plan's accumulated gradient with the one-pass gradient, with dropout off (two passes
-over different batches cannot draw the same masks). Checkpointing adds one more question: a recomputed block must
-draw the same dropout masks as its forward did. So the plan's step is run twice more from the same weights and the
-same RNG state, with dropout on (as the recipe sets it), once with the recipe's checkpointing and once without;
-the two accumulated gradients must agree within the check's tolerance.
+A recomputed block must draw the dropout masks its forward drew, so the plan's step runs twice more from the same
+weights and RNG state, dropout on, with and without checkpointing; the two gradients must agree within tolerance.
 """
 
 from __future__ import annotations
