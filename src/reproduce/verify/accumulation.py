@@ -25,7 +25,7 @@ from ..models import build_model, count_batchnorm
 from ..models.hf import check_packed
 from ..models.varlen import runs_varlen
 from ..plan.overlay import variant
-from ..plan.planner import Plan
+from ..plan.planner import Plan, finish_plan
 from ..plan.segments import length_sizes
 from ..train.losses import PixelLoss, build_loss
 from ..train.setup import Setup, resolve_device
@@ -152,7 +152,7 @@ def verify(
     # or float32. Clipping stays: it acts on the accumulated gradient, and the reference clips the same way.
     precision = {"bf16": "bf16", "fp16": "fp16"}.get(dtype, "fp32")
     param_dtype = torch.float64 if dtype == "float64" else torch.float32
-    checked = plan.model_copy(update={"recipe": variant(recipe, {"precision": precision})})
+    checked = finish_plan(plan, recipe=variant(recipe, {"precision": precision}))
 
     torch.manual_seed(seed)
     model = build_model(recipe, data.info).to(device=torch_device, dtype=param_dtype).train()
@@ -255,7 +255,7 @@ def _sample_indices(checked: Plan, size: int, samples: int | None, seed: int,
             epoch = {"dataset_size": size, "steps_per_epoch": per_epoch}
             segments = [segment.model_copy(update=epoch) if segment.kind == "whole" else segment
                         for segment in checked.segments]  # the whole run's segment counts the same epoch
-            checked = checked.model_copy(update={**epoch, "segments": segments})
+            checked = finish_plan(checked, **epoch, segments=segments)
         return checked, [i for rank in range(checked.world_size)
                          for i in window(checked, size, 0, seed, rank, grouping=grouping)[0]]
     if samples > size:

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..models import build_model
 from ..plan.overlay import variant
-from ..plan.planner import Plan
+from ..plan.planner import Plan, finish_plan
 from ..train.losses import build_loss
 from ..train.setup import Setup
 from ..train.step import optimizer_step
@@ -51,7 +51,7 @@ def recomputation_error(plan: Plan, data: Datasets, micro_batches: list, device:
         model.train()
         dropout = dropout or any(dropouts(model))
         recorder = recorder_type([p for p in model.parameters() if p.requires_grad])
-        setup = Setup(plan.model_copy(update={"recipe": recipe}), model, recorder, no_schedule(), None,
+        setup = Setup(finish_plan(plan, recipe=recipe), model, recorder, no_schedule(), None,
                       build_loss(recipe, model), data, device, dtype)
         torch.manual_seed(seed + 1)  # the dropout masks: the same stream in both steps
         optimizer_step(setup, micro_batches)
