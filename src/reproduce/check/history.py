@@ -33,9 +33,6 @@ class Band:
     low: float  # the history's smallest and largest value in the band's window
     high: float
 
-    def holds(self, value: float) -> bool:
-        return abs(value - self.mean) <= self.half_width
-
     def to_json(self) -> dict[str, float | int]:
         return {"mean": self.mean, "half_width": self.half_width, "runs": self.runs}
 
@@ -133,7 +130,7 @@ def drift_verdict(history: History | None, file: str, check: str, value: float, 
         return True, f"drift: {runs} of {drift.min_runs} runs", (
             f"drift: not checked yet: {runs} passing value(s) in {history.path}, the band needs {drift.min_runs}"), None
     expected = f"within {band.text()}"
-    if band.holds(value):
+    if abs(value - band.mean) <= band.half_width:
         return True, expected, f"drift: {value:.4g} within {band.text()} in {history.path} ({band.low:.4g} .. " \
                                f"{band.high:.4g})", band
     return False, expected, (f"drift: {value:.4g} moved {value - band.mean:+.3g} from {band.text()} in "

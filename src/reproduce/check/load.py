@@ -265,12 +265,7 @@ def _check_problems(check: Any, runs: dict[str, Run], where: str) -> list[str]:
 
 
 def check_name(check: Any) -> str:
-    if check.name:
-        return check.name
-    if check.kind == "plan":
-        return "plan invariants" + ("" if check.run == MAIN else f" ({check.run})")
-    if check.kind == "verify":
-        return "gradient equivalence" + ("" if check.run == MAIN else f" ({check.run})")
-    if check.kind == "metric":
-        return check.metric + ("" if check.run == MAIN else f" ({check.run})")
-    return f"{check.metric}: {check.a} vs {check.b}"
+    if check.name or check.kind == "compare":
+        return check.name or f"{check.metric}: {check.a} vs {check.b}"
+    what = {"plan": "plan invariants", "verify": "gradient equivalence"}.get(check.kind) or check.metric
+    return what + ("" if check.run == MAIN else f" ({check.run})")

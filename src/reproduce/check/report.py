@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..plan.planfile import check_writable, write_text_atomic
+from ..report.document import markdown_cell as _cell
 from .runner import Result
 
 
@@ -62,10 +63,6 @@ def markdown(results: list[Result], seconds: float) -> str:
     if plots:
         lines += ["", "### Plots", ""] + [f"- {r.file}: {r.name}: `{r.plot}`" for r in plots]
     return "\n".join(lines) + "\n"
-
-
-def _cell(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def write_reports(results: list[Result], seconds: float, junit: Path | None, summary: Path | None) -> None:

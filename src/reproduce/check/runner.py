@@ -79,15 +79,20 @@ class Runner:
         return make_plan(run.recipe, budget.micro_batch_max, budget.world_size, budget.policy,
                     dataset_size=dataset_size, recipe_path=run.recipe_path)
 
+    def planned(self, run: Run) -> tuple[Datasets, Plan]:
+        """The run's data, and its plan for the data's size (as `run` plans it)."""
+        from ..data import training_sizes
+
+        data = self.dataset(run.recipe)
+        return data, self.plan_for(run, training_sizes(run.recipe, data.train))
+
     def train(self, file: LoadedFile, run: Run, seed: int) -> RunResult:
         key = run.key(seed)
         if key in self.cache:
             return self.cache[key]
-        from ..data import training_sizes
         from ..train.trainer import RunRequest, train
 
-        data = self.dataset(run.recipe)
-        plan = self.plan_for(run, training_sizes(run.recipe, data.train))
+        data, plan = self.planned(run)
         max_steps = run.budget.max_steps
         if run.budget.max_epochs is not None and plan.steps_per_epoch:
             max_steps = max(1, math.ceil(run.budget.max_epochs * plan.steps_per_epoch))
@@ -164,19 +169,13 @@ class Runner:
         from ..verify.accumulation import verify
 
         run = file.runs[check.run]
-        from ..data import training_sizes
-
-        data = self.dataset(run.recipe)
-        plan = self.plan_for(run, training_sizes(run.recipe, data.train))
-        seed = run.seeds[0]
+        data, plan = self.planned(run)
         result = verify(plan, samples=check.samples, tolerance=check.tolerance, dtype=check.dtype,
-                        device=check.device, seed=seed, data=data)
+                        device=check.device, seed=run.seeds[0], data=data)
         got = "equivalent" if result.within_tolerance else "not-equivalent"
         measured = f"{result.verdict}: rel. error {result.global_relative_error:.3g}"
-        if check.expect == "equivalent":
-            expected = f"equivalent: rel. error <= {result.tolerance:g} ({result.dtype})"
-        else:
-            expected = f"not equivalent: rel. error > {result.tolerance:g} ({result.dtype})"
+        expected = (f"equivalent: rel. error <= {result.tolerance:g}" if check.expect == "equivalent" else
+                    f"not equivalent: rel. error > {result.tolerance:g}") + f" ({result.dtype})"
         details = [
             f"{result.samples} samples in {result.micro_batches} micro-batches of {result.micro_batch} vs "
             f"{result.reference_chunks} pass(es); worst parameter {result.worst_parameter}: "
@@ -192,7 +191,8 @@ class Runner:
         conditions: list[bool] = []
         expected: list[str] = []
         _bounds(value, check.min, check.max, conditions, expected)
-        measured = _measured(value, values, check.aggregate)
+        spread = f" ({check.aggregate} of {len(values)} seeds, {min(values):.4g}..{max(values):.4g})"
+        measured = f"{value:.4g}" + (spread if len(values) > 1 else "")
         details = [f"{check.metric} x {check.scale:g}" if check.scale != 1 else check.metric]
         details[0] += f" per seed {run.seeds}: {', '.join(f'{v:.4g}' for v in values)}"
         if check.baseline is not None:
@@ -318,12 +318,6 @@ def _same(got: Any, want: Any) -> bool:
     return got == want
 
 
-def _measured(value: float, values: list[float], how: str) -> str:
-    if len(values) == 1:
-        return f"{value:.4g}"
-    return f"{value:.4g} ({how} of {len(values)} seeds, {min(values):.4g}..{max(values):.4g})"
-
-
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "check"
 
@@ -351,9 +345,8 @@ def run_checks(
     results = []
     for file in files:
         for index in range(len(file.spec.checks)):
-            (log or (lambda text: None))(f"{file.path}: {file.names[index]}")
-            result = runner.evaluate(file, index)
-            results.append(result)
+            runner.log(f"{file.path}: {file.names[index]}")
+            results.append(runner.evaluate(file, index))
             if on_result:
-                on_result(result)
+                on_result(results[-1])
     return results

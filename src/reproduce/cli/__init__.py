@@ -12,15 +12,7 @@ from typer.exceptions import TyperException
 
 from ..errors import DoesNotFit, GatePaused, Interrupted, TrainingStopped, UserError
 from ..train.distributed import launched
-from . import check as _check  # noqa: F401
-from . import evaluate as _evaluate  # noqa: F401
-from . import memory as _memory  # noqa: F401
-from . import papers as _papers  # noqa: F401
-from . import plan as _plan  # noqa: F401  (registers the command)
-from . import probe as _probe  # noqa: F401
-from . import report as _report  # noqa: F401
-from . import run as _run  # noqa: F401
-from . import verify as _verify  # noqa: F401
+from . import check, evaluate, memory, papers, plan, probe, report, run, verify  # noqa: F401  (each registers its command)
 from .app import app
 from .flags import as_typed, typed_args
 

@@ -34,14 +34,10 @@ class OptionsTable(Table):
                 column.no_wrap = True
 
 
-def install() -> None:
-    """Make typer build its help panels from OptionsTable, only when help is printed: importing typer's rich_utils
-    costs a tenth of a second a command that prints no help should not pay."""
-    for command in (core.TyperCommand, core.TyperGroup):
-        command.format_help = _with_options_table(command.format_help)
-
-
 def _with_options_table(format_help):
+    """typer's help panels built from OptionsTable, only when help is printed: importing typer's rich_utils costs a
+    tenth of a second a command that prints no help should not pay."""
+
     def wrapped(self, ctx, formatter) -> None:
         from typer import rich_utils
 
@@ -51,7 +47,8 @@ def _with_options_table(format_help):
     return wrapped
 
 
-install()  # --help keeps option names whole at 80 columns
+for _command in (core.TyperCommand, core.TyperGroup):  # --help keeps option names whole at 80 columns
+    _command.format_help = _with_options_table(_command.format_help)
 
 app = typer.Typer(
     name="reproduce",

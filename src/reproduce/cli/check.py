@@ -18,10 +18,7 @@ from .app import app
 from .common import stdout
 
 STYLE = {"pass": "green", "fail": "bold red", "error": "bold magenta"}
-
-
-class Annotations(str, Enum):
-    github = "github"
+Annotations = Enum("Annotations", {"github": "github"}, type=str)
 
 
 @app.command("check")

@@ -14,34 +14,15 @@ from ..plan.recipe import PACKING_WAYS, QUANTIZED_BASES
 from ..plan.units import parse_size
 from ..probe.runner import ProbeOptions
 
-
-class Policy(str, Enum):
-    exact = "exact"
-    fast = "fast"
-    throughput = "throughput"
-
-
-class Sharding(str, Enum):
-    none = "none"
-    fsdp = "fsdp"
-
-
-class MeterName(str, Enum):
-    auto = "auto"
-    cuda = "cuda"
-    cpu = "cpu"
-    estimate = "estimate"
-
+Policy = Enum("Policy", {"exact": "exact", "fast": "fast", "throughput": "throughput"}, type=str)
+Sharding = Enum("Sharding", {"none": "none", "fsdp": "fsdp"}, type=str)
+MeterName = Enum("MeterName", {"auto": "auto", "cuda": "cuda", "cpu": "cpu", "estimate": "estimate"}, type=str)
+Offload = Enum("Offload", {"none": "none", "cpu": "cpu"}, type=str)
 
 # the choices the core defines (plan/recipe/model.py's quantised bases, plan/batchnorm.py's modes), as typer's enums
 Quantize = Enum("Quantize", {name: name for name in QUANTIZED_BASES}, type=str)
 BatchNormChoice = Enum("BatchNormChoice", {name: name for name in BATCHNORM_MODES}, type=str)
 PackingChoice = Enum("PackingChoice", {name: name for name in PACKING_WAYS}, type=str)
-
-
-class Offload(str, Enum):
-    none = "none"
-    cpu = "cpu"
 
 
 SET_HELP = ("Set a recipe field by its dotted path, as if the file said it: --set optimizer.lr=1e-4 --set "

@@ -217,9 +217,8 @@ def render_plan(p: Plan, forecast: dict | None = None) -> None:
     unit = p.unit
     title = r.paper.title if r.paper else (p.recipe_path or "recipe")
     table = Table(title=f"{title}" + (f" ({r.paper.year})" if r.paper and r.paper.year else ""), title_justify="left")
-    table.add_column("")
-    table.add_column("paper")
-    table.add_column("this plan")
+    for column in ("", "paper", "this plan"):
+        table.add_column(column)
     paper_split = ""
     if r.batch.devices and r.batch.per_device:
         paper_split = f"{r.batch.per_device} x {r.batch.accumulation or 1} x {r.batch.devices} = "
@@ -243,7 +242,8 @@ def render_plan(p: Plan, forecast: dict | None = None) -> None:
             "option (Adam)", f"betas {list(r.optimizer.betas)} eps {r.optimizer.eps:g}",
             f"betas {[round(b, 6) for b in p.lr_scaling.adam_option.betas]} eps {p.lr_scaling.adam_option.eps:.3g}",
         )
-    table.add_row("schedule total", _length(r.schedule.total), _steps(p.optimizer_steps))
+    table.add_row("schedule total", _length(r.schedule.total), f"unknown ({UNKNOWN_SIZE})"
+                  if p.optimizer_steps is None else f"{p.optimizer_steps} optimizer steps")
     if r.schedule.warmup is not None:
         warm = r.schedule.warmup
         shown = f"ratio {warm.ratio:g}" if warm.ratio is not None else _length(warm)
@@ -374,7 +374,3 @@ def render_phases(p: Plan) -> None:
 
 def _length(length) -> str:
     return length.label() if length is not None else "-"
-
-
-def _steps(steps: int | None) -> str:
-    return f"{steps} optimizer steps" if steps is not None else f"unknown ({UNKNOWN_SIZE})"

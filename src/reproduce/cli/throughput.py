@@ -59,24 +59,22 @@ def cluster_cost(hours: float | None, world_size: int = 0, gpus_per_node: int = 
 
 
 def render_prediction(prediction: dict, world_size: int = 1, gpus_per_node: int = GPUS_PER_NODE) -> None:
-    if "flops_per_step" not in prediction:
-        for note in prediction["notes"]:
-            stdout.print(f"note: {note}", markup=False, soft_wrap=True)
-        return
     def text(seconds: float | None) -> str:
         return format_duration(seconds) if seconds is not None else "unknown"
 
-    per_step = prediction["flops_per_step"]
-    stdout.print(f"FLOPs: {prediction['flops_per_sample']:.4g} per sample, {per_step:.4g} per optimizer step "
-                 "(model FLOPs, forward and backward)", markup=False, soft_wrap=True)
-    if prediction["predicted_basis"]:
-        stdout.print(f"predicted time: {text(prediction['predicted_seconds'])} ({prediction['predicted_basis']})"
-                     + cluster_cost(prediction["gpu_hours"], world_size, gpus_per_node), markup=False, soft_wrap=True)
-    if prediction["paper_basis"]:
-        stdout.print(f"predicted time on the paper's hardware: {text(prediction['paper_predicted_seconds'])} "
-                     f"({prediction['paper_basis']})" + cluster_cost(prediction["paper_gpu_hours"]), markup=False,
-                     soft_wrap=True)
-    if "FLOPs model" in (prediction["predicted_basis"] or "") + (prediction["paper_basis"] or ""):
-        stdout.print(f"MFU: {prediction['mfu_source']}", markup=False, soft_wrap=True)
+    if "flops_per_step" in prediction:
+        per_step = prediction["flops_per_step"]
+        stdout.print(f"FLOPs: {prediction['flops_per_sample']:.4g} per sample, {per_step:.4g} per optimizer step "
+                     "(model FLOPs, forward and backward)", markup=False, soft_wrap=True)
+        if prediction["predicted_basis"]:
+            stdout.print(f"predicted time: {text(prediction['predicted_seconds'])} ({prediction['predicted_basis']})"
+                         + cluster_cost(prediction["gpu_hours"], world_size, gpus_per_node), markup=False,
+                         soft_wrap=True)
+        if prediction["paper_basis"]:
+            stdout.print(f"predicted time on the paper's hardware: {text(prediction['paper_predicted_seconds'])} "
+                         f"({prediction['paper_basis']})" + cluster_cost(prediction["paper_gpu_hours"]), markup=False,
+                         soft_wrap=True)
+        if "FLOPs model" in (prediction["predicted_basis"] or "") + (prediction["paper_basis"] or ""):
+            stdout.print(f"MFU: {prediction['mfu_source']}", markup=False, soft_wrap=True)
     for note in prediction["notes"]:
         stdout.print(f"note: {note}", markup=False, soft_wrap=True)

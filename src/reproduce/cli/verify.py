@@ -36,15 +36,8 @@ TOLERANCE_HELP = "Largest relative error that counts as equivalent (default per 
 DTYPE_HELP = "float64 or float32 parameters, or bf16/fp16 autocast as the trainer runs it."
 SEED_HELP = "Seed for the weights and the samples (default: the recipe's)."
 DATA_HELP = "Check on this data (in the recipe's data.format) instead of the recipe's data.path."
-SHOWN = 25
-
-
-class Dtype(str, Enum):
-    float64 = "float64"
-    float32 = "float32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-  # parameter rows shown in the table; the worst ones when there are more
+SHOWN = 25  # parameter rows shown in the table; the worst ones when there are more
+Dtype = Enum("Dtype", {"float64": "float64", "float32": "float32", "bf16": "bf16", "fp16": "fp16"}, type=str)
 
 
 @app.command("verify")

@@ -43,11 +43,9 @@ def arithmetic_line(plan: Plan) -> str:
     )
 
 
-def comment(text: str, prefix: str = "# ", wrap: bool = True) -> list[str]:
-    if not wrap:
-        return [prefix + text]
-    lines = textwrap.wrap(text, WIDTH - len(prefix), break_long_words=False, break_on_hyphens=False)
-    return [prefix + lines[0], *("#   " + line for line in lines[1:])] if lines else []
+def comment(text: str) -> list[str]:
+    lines = textwrap.wrap(text, WIDTH - 2, break_long_words=False, break_on_hyphens=False)
+    return ["# " + lines[0], *("#   " + line for line in lines[1:])] if lines else []
 
 
 def header(plan: Plan, notes: list[str], extra: list[str] = ()) -> list[str]:
@@ -185,12 +183,9 @@ def run_name(plan: Plan) -> str:
 
 
 def steps_note(plan: Plan, what: str) -> str | None:
-    if plan.optimizer_steps is None:
-        return (
-            f"{what}: the plan has no step count (the dataset size is unknown; set data.train_size in the recipe or "
-            "plan a run): set it yourself"
-        )
-    return None
+    return None if plan.optimizer_steps is not None else (
+        f"{what}: the plan has no step count (the dataset size is unknown; set data.train_size in the recipe or "
+        "plan a run): set it yourself")
 
 
 def epoch_tail_note(plan: Plan, framework: str) -> str | None:

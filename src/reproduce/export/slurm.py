@@ -27,7 +27,7 @@ def build(plan: Plan, gpus_per_node: int = GPUS_PER_NODE) -> Export:
     lines += comment(f"{nodes} node(s) x {per_node} GPU(s) = the plan's {plan.world_size} processes (their product "
                      "must stay the plan's world size; --gpus-per-node changes the split)")
     lines += comment("1. save the plan beside this script:")
-    lines += comment(saving, prefix="#    ", wrap=False)
+    lines.append("#    " + saving)
     lines += comment(f"2. sbatch this file. {SIGNAL_SECONDS} s before --time runs out the job checkpoints, stops and "
                      "requeues itself; the requeued job (and a torchrun restart after a failed process) continues "
                      f"from {out}/checkpoints/last.pt")

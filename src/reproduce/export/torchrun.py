@@ -21,7 +21,7 @@ def build(plan: Plan) -> Export:
     command = torchrun_command(run_args, plan.world_size, python="python")
     lines = header(plan, notes)
     lines += comment("1. save the plan:")
-    lines += comment(saving, prefix="#    ", wrap=False)
+    lines.append("#    " + saving)
     if plan.world_size == 1:
         lines += comment("2. run it: one process needs no launcher (reproduce run plan.yaml --out "
                           f"{out}); the same under torchrun:")
@@ -29,13 +29,13 @@ def build(plan: Plan) -> Export:
         lines += comment(f"2. run it on {plan.world_size} processes on this machine:")
     lines.append(" ".join(command))
     lines += comment("the same, with reproduce starting torchrun itself:")
-    lines += comment(f"reproduce run plan.yaml --out {out} --nproc-per-node {plan.world_size}", "#    ", wrap=False)
+    lines.append(f"#    reproduce run plan.yaml --out {out} --nproc-per-node {plan.world_size}")
     values: dict[str, Any] = {"command": command, "plan_command": saving}
     if plan.world_size > 1 and plan.world_size % 2 == 0:
         half = plan.world_size // 2
         multi = torchrun_command(run_args, half, nnodes=2, node_rank=0, rdzv_endpoint="HOST:29500", python="python")
         lines += comment(f"on 2 machines of {half} processes: run on each, with --node-rank=1 on the second "
                           "(HOST: node 0's address):")
-        lines += comment(" ".join(multi), "#    ", wrap=False)
+        lines.append("#    " + " ".join(multi))
         values["two_nodes"] = multi
     return Export("torchrun", "\n".join(lines) + "\n", values, notes)

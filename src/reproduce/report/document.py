@@ -240,7 +240,8 @@ def to_html(content: list[Block]) -> str:
     return "\n".join(parts)
 
 
-def _cell(text: str) -> str:
+def markdown_cell(text: str) -> str:
+    """`text` as one cell of a Markdown table row (`check --summary` writes its rows with it too)."""
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
@@ -255,9 +256,9 @@ def to_markdown(content: list[Block], images: Path, relative_to: Path) -> tuple[
         elif kind == "p":
             lines += [str(item), ""]
         elif kind == "table":
-            lines.append("| " + " | ".join(_cell(c) for c in item.header) + " |")
+            lines.append("| " + " | ".join(markdown_cell(c) for c in item.header) + " |")
             lines.append("|" + "---|" * len(item.header))
-            lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in item.rows]
+            lines += ["| " + " | ".join(markdown_cell(c) for c in row) + " |" for row in item.rows]
             lines.append("")
         elif kind == "figure":
             path = images / f"{item.name}.png"

@@ -25,10 +25,6 @@ class RunFolder:
         return self.records[-1]["step"] if self.records else 0
 
     @property
-    def total_steps(self) -> int | None:
-        return self.summary["steps"] if self.summary else self.plan.optimizer_steps
-
-    @property
     def status(self) -> str:
         """finished, or how far a run still going (or stopped, or resumed) got."""
         planned = self.plan.optimizer_steps

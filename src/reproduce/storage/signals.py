@@ -20,16 +20,9 @@ class SignalReceived(BaseException):
     """SIGINT or SIGTERM outside a deferred section (a BaseException, which no `except Exception` swallows)."""
 
     def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name
-
-    @property
-    def exit_code(self) -> int:
-        return EXIT_CODES[signal.Signals(self.signum)]
+        self.signum, self.name = signum, signal.Signals(signum).name
+        self.exit_code = EXIT_CODES[signal.Signals(signum)]
+        super().__init__(self.name)
 
 
 class _State:
