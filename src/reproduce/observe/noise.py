@@ -56,8 +56,8 @@ class NoiseScale:
     """Measures B_simple over a run: `start_window`, `after_backward` per micro-batch, `end_window` per step (the
     step's `noise_scale`, smoothed, and when measured its `noise_grad_sq`, `noise_trace`, `noise_b_small` in items)."""
 
-    def __init__(self, setup: Any, ema: float = EMA_FACTOR, hooked_share: float = HOOKED_SHARE):
-        self.setup, self.ema, self.hooked_share = setup, ema, hooked_share
+    def __init__(self, setup: Any):
+        self.setup, self.ema = setup, EMA_FACTOR
         self.dataset_size = len(setup.data.train)
         self.population: float | None = None  # the training set in items (tokens for a language model)
         # the window: this rank's items per micro-batch (None between windows), its global items, and its norms as
@@ -92,7 +92,7 @@ class NoiseScale:
         self.norms, self.groups, self.weights = [], [], []
         # `.grad` holds the first micro-batches' sum when it starts empty (set_to_none): one fused norm. The last
         # `hooked` ones (DDP: always the synchronising last one) are measured by the hooks.
-        hooked = max(1, int(len(counts) * self.hooked_share))
+        hooked = max(1, int(len(counts) * HOOKED_SHARE))
         empty = all(p.grad is None for p in self.watched)
         self.prefix = len(counts) - hooked if empty else 0
         self.sink = None if self.prefix else self.norms.append
@@ -183,9 +183,8 @@ def not_measured_reason(world_size: int, accumulation_steps: int, sharded: bool 
 MIN_VERDICT_STEPS = 10
 
 
-def summarise(records: list[dict], total_steps: int, task: str, ema: float = EMA_FACTOR,
-              reason: str | None = None, warmup_steps: int = 0, diverged: dict | None = None,
-              train_size: int | None = None) -> dict:
+def summarise(records: list[dict], total_steps: int, task: str, reason: str | None = None, warmup_steps: int = 0,
+              diverged: dict | None = None, train_size: int | None = None) -> dict:
     """summary.json's `noise_scale`: `final`, `last_tenth` (mean tr(Sigma) over mean |G|^2 in the last tenth's
     steps of metrics.jsonl, a resumed run's too) and the sentence, from the figure `verdict_from` names, or `withheld`.
     `reason`: why the run could not measure, said at its start; `train_size` bounds any larger batch it speaks of."""
@@ -210,7 +209,7 @@ def summarise(records: list[dict], total_steps: int, task: str, ema: float = EMA
         "effective_batch": mean("items", tenth or steps) if "items" in steps[0] else None,
         "small_batch": mean("noise_b_small", tenth or steps),
         "measured_steps": len(steps),
-        "ema_factor": ema,
+        "ema_factor": EMA_FACTOR,
         "train_size": train_size,
     }
     if last_tenth is not None and len(tenth) >= MIN_VERDICT_STEPS:

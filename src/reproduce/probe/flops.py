@@ -43,9 +43,8 @@ class SampleFlops:
         return {**asdict(self), "per_token": self.per_token}
 
 
-def count_flops(recipe, data_info: dict | None, batch: tuple, capability: tuple[int, int] | None = None
-                ) -> SampleFlops:
-    """FLOPs per sample of a forward and backward of `batch` on `capability`'s attention kernel (default Ampere)."""
+def count_flops(recipe, data_info: dict | None, batch: tuple) -> SampleFlops:
+    """FLOPs per sample of a forward and backward of `batch` on an Ampere card's attention kernel."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -60,7 +59,7 @@ def count_flops(recipe, data_info: dict | None, batch: tuple, capability: tuple[
     samples = len(batch[1]) if hasattr(batch[1], "__len__") else COUNTED_AT
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     counter = FlopCounterMode(display=False)
-    with unpacked_sequences(), fake, as_on_gpu(GpuKind(capability or DEFAULT_CAPABILITY)):
+    with unpacked_sequences(), fake, as_on_gpu(GpuKind(DEFAULT_CAPABILITY)):
         materialize(model, torch.device("cpu"))
         model.train()
         inputs, targets = tree_map_only(torch.Tensor, fake.from_tensor, batch)
@@ -74,7 +73,7 @@ def count_flops(recipe, data_info: dict | None, batch: tuple, capability: tuple[
                        sequence_length=recipe.batch.sequence_length, weight_bytes=weights)
 
 
-def recipe_flops(recipe, data: Datasets | None = None, capability: tuple[int, int] | None = None) -> SampleFlops:
+def recipe_flops(recipe, data: Datasets | None = None) -> SampleFlops:
     """`count_flops` on one sample of the recipe's data (its own when available here, else synthetic); on two where
     BatchNorm cannot train on one (DeepLabV3's image pooling normalises a 1 x 1 map: batchnorm.POOLED_BATCHNORM)."""
     from ..plan.batchnorm import POOLED_BATCHNORM, batchnorm_in_run
@@ -82,4 +81,4 @@ def recipe_flops(recipe, data: Datasets | None = None, capability: tuple[int, in
 
     workload = Workload(recipe, data)
     samples = 2 if recipe.model.builtin in POOLED_BATCHNORM and batchnorm_in_run(recipe.model) else COUNTED_AT
-    return count_flops(recipe, workload.data.info, workload.batch(samples), capability)
+    return count_flops(recipe, workload.data.info, workload.batch(samples))

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 PREFETCHED_BLOCKS = 2  # FSDP2: the block computing and the next one, all-gathered ahead
+REDUCE_BYTES = 4  # the gradients' reduction dtype, fp32 (MixedPrecisionPolicy's reduce_dtype)
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,7 @@ class ShardedPeak:
         return {**asdict(self), "peak": self.peak}
 
 
-def mixed_precision_step(measured: StepMemory, blocks: Blocks, master_bytes: int, compute_bytes: int,
-                         reduce_bytes: int = 4) -> StepMemory:
+def mixed_precision_step(measured: StepMemory, blocks: Blocks, master_bytes: int, compute_bytes: int) -> StepMemory:
     """The model states FSDP's mixed precision keeps, around activations measured with compute-dtype parameters (as
     FSDP2's MixedPrecisionPolicy runs forward and backward): the master weights (`master_bytes` per element), the
     gradients in the reduction dtype, and the optimizer state and its temporaries mirroring the master weights."""
@@ -107,13 +107,13 @@ def mixed_precision_step(measured: StepMemory, blocks: Blocks, master_bytes: int
     return StepMemory(
         weights=blocks.parameters * master_bytes + measured.buffers,
         buffers=measured.buffers,
-        gradients=blocks.with_gradients * reduce_bytes,
+        gradients=blocks.with_gradients * REDUCE_BYTES,
         optimizer_state=round(measured.optimizer_state * scale),
         activations=measured.activations,
         weight_copies=0,  # the gathered parameters are already in the compute dtype: autocast copies nothing
         step_temporaries=round(measured.step_temporaries * scale),
         gradients_at_activation_peak=None if measured.gradients_at_activation_peak is None else round(
-            measured.gradients_at_activation_peak * reduce_bytes / compute_bytes),
+            measured.gradients_at_activation_peak * REDUCE_BYTES / compute_bytes),
         activations_at_gradient_peak=measured.activations_at_gradient_peak,
     )
 
@@ -127,13 +127,13 @@ def gathered_parameters(blocks: Blocks, compute_bytes: int) -> int:
     return (blocks.root + sum(sorted(blocks.blocks, reverse=True)[:PREFETCHED_BLOCKS])) * compute_bytes
 
 
-def gathered_gradients(blocks: Blocks, compute_bytes: int, reduce_bytes: int = 4) -> int:
+def gathered_gradients(blocks: Blocks, compute_bytes: int) -> int:
     """One unit's unsharded gradients (compute dtype) and its reduce-scatter input (reduction dtype), in backward."""
-    return max([blocks.root, *blocks.blocks]) * (compute_bytes + reduce_bytes)
+    return max([blocks.root, *blocks.blocks]) * (compute_bytes + REDUCE_BYTES)
 
 
 def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_bytes: int,
-                 reduce_bytes: int = 4, unsharded_window: bool = False, offload: bool = False) -> ShardedPeak:
+                 unsharded_window: bool = False, offload: bool = False) -> ShardedPeak:
     """One rank's peak with `step`'s model states sharded over `world_size` ranks. `unsharded_window`: no_sync, the
     whole model's gradients held until the window's last backward (else `batch.sharded_gradients`); `offload`:
     CPUOffloadPolicy keeps the sharded parameters, gradients and optimizer state in CPU memory."""
@@ -143,7 +143,7 @@ def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_byte
     early = step.gradients if step.gradients_at_activation_peak is None else step.gradients_at_activation_peak
     late = step.activations if step.activations_at_gradient_peak is None else step.activations_at_gradient_peak
     if unsharded_window:  # the earlier micro-batches' gradients stay unsharded, in fp32, through the window
-        early_gradients = late_gradients = blocks.with_gradients * reduce_bytes
+        early_gradients = late_gradients = blocks.with_gradients * REDUCE_BYTES
     else:
         early_gradients, late_gradients = (0, 0) if offload else (shard(early, world_size), sharded_gradients)
     parameters = gathered_parameters(blocks, compute_bytes)
@@ -152,7 +152,7 @@ def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_byte
     # unit's unsharded gradients on their way to the reduce-scatter.
     gradients, gathered, activations = max(
         (early_gradients, parameters, step.activations),
-        (late_gradients, parameters + gathered_gradients(blocks, compute_bytes, reduce_bytes), late),
+        (late_gradients, parameters + gathered_gradients(blocks, compute_bytes), late),
         key=sum,
     )
     return ShardedPeak(
@@ -168,12 +168,10 @@ def sharded_peak(step: StepMemory, blocks: Blocks, world_size: int, compute_byte
 
 
 def smallest_world_size(step: StepMemory, blocks: Blocks, limit_bytes: int, compute_bytes: int,
-                        reduce_bytes: int = 4, unsharded_window: bool = False, most: int = 1 << 16,
-                        offload: bool = False) -> int | None:
+                        unsharded_window: bool = False, most: int = 1 << 16) -> int | None:
     """The fewest ranks (>= 2) whose peak fits `limit_bytes`, by bisection; None when `most` do not fit."""
     def fits(world_size: int) -> bool:
-        peak = sharded_peak(step, blocks, world_size, compute_bytes, reduce_bytes, unsharded_window, offload).peak
-        return peak <= limit_bytes
+        return sharded_peak(step, blocks, world_size, compute_bytes, unsharded_window).peak <= limit_bytes
 
     if not fits(most):
         return None
@@ -187,11 +185,10 @@ def smallest_world_size(step: StepMemory, blocks: Blocks, limit_bytes: int, comp
     return max(high, 2)
 
 
-def unsharded_floor(step: StepMemory, blocks: Blocks, compute_bytes: int, reduce_bytes: int = 4,
-                    unsharded_window: bool = False) -> int:
+def unsharded_floor(step: StepMemory, blocks: Blocks, compute_bytes: int, unsharded_window: bool = False) -> int:
     """What no number of ranks shards away (buffers, gathered units, activations; no_sync's gradients)."""
-    window = blocks.with_gradients * reduce_bytes if unsharded_window else 0
+    window = blocks.with_gradients * REDUCE_BYTES if unsharded_window else 0
     late = step.activations if step.activations_at_gradient_peak is None else step.activations_at_gradient_peak
     parameters = gathered_parameters(blocks, compute_bytes)
     return step.buffers + window + max(
-        parameters + step.activations, parameters + gathered_gradients(blocks, compute_bytes, reduce_bytes) + late)
+        parameters + step.activations, parameters + gathered_gradients(blocks, compute_bytes) + late)

@@ -11,7 +11,6 @@ The FLOPs model: seconds = steps x FLOPs per step / (devices x peak FLOP/s x MFU
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..hardware.catalog import lookup
@@ -19,9 +18,6 @@ from ..hardware.peaks import on_card, peaks_of, precision_key
 from ..plan.planner import Plan
 from ..probe.runner import ProbeResult
 from .plan_cost import plan_costs
-
-if TYPE_CHECKING:
-    from ..data import Datasets
 
 DEFAULT_MFU = 0.40
 MFU_SOURCE = (
@@ -43,12 +39,11 @@ def predicted_seconds(optimizer_steps: int | None, flops_per_step: float | None,
     return optimizer_steps * flops_per_step / (devices * peak_flops * assumed_mfu)
 
 
-def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: float = DEFAULT_MFU,
-                    data: Datasets | None = None) -> dict:
+def prediction_json(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: float = DEFAULT_MFU) -> dict:
     """`predicted_seconds` (this plan), `paper_predicted_seconds` (the paper's hardware) and how they were made."""
     recipe = p.recipe
     notes: list[str] = []
-    per_sample, convolution_share = sample_flops(recipe, data)
+    per_sample, convolution_share = sample_flops(recipe)
     tf32 = convolution_share > 0.5  # cuDNN runs fp32 convolutions on TF32 tensor cores by default
     key = precision_key(recipe.precision, tf32)
     samples = total_samples(p)
@@ -102,23 +97,19 @@ def _flops_model(entry, devices: int, key: str, samples: int | None, per_sample:
     return seconds, basis, on, why
 
 
-def sample_flops(recipe, data: Datasets | None = None) -> tuple[float, float]:
-    """(FLOPs of one sample, the share in convolutions): probe/flops.py's count. With the recipe's own data
-    description (`data` None) it is kept in the probe's cache, keyed by the recipe and the versions of the libraries
-    that build the model, and read back without torch."""
+def sample_flops(recipe) -> tuple[float, float]:
+    """(FLOPs of one sample, the share in convolutions): probe/flops.py's count, kept in the probe's cache, keyed by
+    the recipe and the versions of the libraries that build the model, and read back without torch."""
     from ..probe import cache
 
-    key = None
-    if data is None:
-        key = cache.cache_key({"sample_flops": recipe.model_dump(mode="json"), "versions": cache.library_versions()})
-        saved = cache.load(key) or {}
-        if all(isinstance(saved.get(k), (int, float)) for k in ("per_sample", "convolution_share")):
-            return float(saved["per_sample"]), float(saved["convolution_share"])
+    key = cache.cache_key({"sample_flops": recipe.model_dump(mode="json"), "versions": cache.library_versions()})
+    saved = cache.load(key) or {}
+    if all(isinstance(saved.get(k), (int, float)) for k in ("per_sample", "convolution_share")):
+        return float(saved["per_sample"]), float(saved["convolution_share"])
     from ..probe.flops import recipe_flops
 
-    flops = recipe_flops(recipe, data)
-    if key is not None:
-        cache.store(key, {"per_sample": flops.per_sample, "convolution_share": flops.convolution_share})
+    flops = recipe_flops(recipe)
+    cache.store(key, {"per_sample": flops.per_sample, "convolution_share": flops.convolution_share})
     return flops.per_sample, flops.convolution_share
 
 

@@ -207,18 +207,16 @@ class Decision:
 
 def choose(
     splits: list[int], per_rank_batch: int, step_seconds: dict[int, float], sources: dict[int, str],
-    sequence_length: int | None, spreads: dict[int, float] | None = None, batchnorm_micro_batch: int | None = None,
-    basis: str = "measured", micro_batch_max: int | None = None, timings: Timings | None = None,
+    sequence_length: int | None, batchnorm_micro_batch: int | None = None, basis: str = "measured",
+    micro_batch_max: int | None = None, timings: Timings | None = None,
 ) -> Decision:
     """The exact split with the shortest optimizer step. The two fastest are compared round by round with
-    `timings` (which replace `step_seconds` and `spreads`), else within their `spreads`: within the noise the larger
-    wins. `batchnorm_micro_batch`, the paper's per-device batch, is kept whatever the timings say."""
+    `timings` (which replace `step_seconds`), else within `NOISE_FLOOR` (a model's times): within the noise the
+    larger wins. `batchnorm_micro_batch`, the paper's per-device batch, is kept whatever the timings say."""
     if not splits:
         raise ValueError("no exact split to choose from")
     if timings is not None:
         step_seconds = {m: t.median for m, t in timings.timed.items()}
-        spreads = {m: t.spread for m, t in timings.timed.items()}
-    spreads = spreads or {}
     shown = sorted((m for m in step_seconds if m in splits), reverse=True)
     nothing = ("only micro-batch 1 fits: nothing to choose" if micro_batch_max == 1 else
                f"one exact split ({splits[0]} x {per_rank_batch // splits[0]}): nothing to choose"
@@ -240,7 +238,6 @@ def choose(
             if gap < 0:  # paired, the runner-up is the faster
                 best, runner_up, gap = runner_up, best, 1 / (1 + gap) - 1
         else:
-            noise = max(spreads.get(best, 0.0), spreads.get(runner_up, 0.0), NOISE_FLOOR)
             gap = step_seconds[runner_up] / step_seconds[best] - 1
         micro = best
         rounds = ""
@@ -273,21 +270,20 @@ def choose(
                   f"paper's samples; {share}); by throughput alone: {micro}")
         micro = kept
     candidates = [_timed_split(m, micro, per_rank_batch, step_seconds[m], best_rate, sequence_length, sources,
-                               spreads.get(m) if basis != "model" else None,
                                timings.timed[m] if timings is not None else None) for m in shown]
     return Decision(micro, per_rank_batch // micro, candidates, reason, basis, noise, len(splits), pair, cost)
 
 
 def _timed_split(m: int, chosen: int, per_rank_batch: int, seconds: float, best_rate: float,
-                 sequence_length: int | None, sources: dict[int, str], spread: float | None,
-                 timing: SplitTiming | None) -> TimedSplit:
+                 sequence_length: int | None, sources: dict[int, str], timing: SplitTiming | None) -> TimedSplit:
     """Micro-batch `m`'s row among the candidates: its step's rates, its share of the best one, its timing."""
     n = per_rank_batch // m
     samples = per_rank_batch / seconds
     return TimedSplit(
         micro_batch=m, accumulation_steps=n, micro_step_seconds=seconds / n, step_seconds=seconds,
         samples_per_second=samples, tokens_per_second=samples * sequence_length if sequence_length else None,
-        share_of_best=samples / best_rate, source=sources.get(m, "timed"), chosen=m == chosen, spread=spread,
+        share_of_best=samples / best_rate, source=sources.get(m, "timed"), chosen=m == chosen,
+        spread=timing.spread if timing else None,
         repeats=[round(r, 6) for r in timing.repeats] if timing else None,
         timing_seconds=round(timing.seconds, 4) if timing else None,
     )

@@ -167,7 +167,7 @@ def test_flops_counted_on_two_crops_where_image_pooling_needs_them(mode, samples
     from reproduce.probe import flops
 
     seen = []
-    monkeypatch.setattr(flops, "count_flops", lambda recipe, info, batch, capability: seen.append(len(batch[1])))
+    monkeypatch.setattr(flops, "count_flops", lambda recipe, info, batch: seen.append(len(batch[1])))
     deeplab = recipe({"builtin": "deeplabv3-resnet50", "batchnorm": mode}, batch={"effective": 16, "per_device": 2})
     flops.recipe_flops(deeplab, data=Datasets([(torch.zeros(3, 8, 8), 0)] * 4))
     assert seen == [samples]
