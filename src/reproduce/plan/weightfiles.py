@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -124,15 +125,8 @@ def parameter_count(weights: WeightsOnDisk) -> int | None:
     """The parameters stored in the safetensors files (tied weights are stored once); None for other formats."""
     if not all(file.suffix == ".safetensors" for file in weights.files):
         return None
-    total = 0
-    for file in weights.files:
-        for name, entry in safetensors_header(file).items():
-            if name != "__metadata__":
-                count = 1
-                for dim in entry["shape"]:
-                    count *= dim
-                total += count
-    return total
+    return sum(math.prod(int(dim) for dim in entry["shape"]) for file in weights.files
+               for name, entry in safetensors_header(file).items() if name != "__metadata__")
 
 
 def _file_summary(path: Path) -> bytes:
