@@ -73,26 +73,22 @@ def value_at(data: Any, path: str) -> Any:
 def put_at(data: dict[str, Any], parts: list[str], value: Any, shown: str) -> None:
     """Set `value` at `parts` in the nested mapping `data`, making the mappings on the way that are not there."""
     node: Any = data
+    key: int | str
     for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
-        where = ".".join(parts[: depth + 1])
+        last, key = depth == len(parts) - 1, part
         if isinstance(node, list):
             if not part.isdigit() or int(part) >= len(node):
-                raise UserError(f"{shown}: {where}: expected an item number below {len(node)} of the list")
-            index = int(part)
-            if last:
-                node[index] = value
-            else:
-                node = node[index]
-            continue
-        if not isinstance(node, dict):
+                raise UserError(f"{shown}: {'.'.join(parts[: depth + 1])}: expected an item number below {len(node)} "
+                                "of the list")
+            key = int(part)
+        elif not isinstance(node, dict):
             raise UserError(f"{shown}: {'.'.join(parts[:depth])}: is {node!r}, not a mapping of fields")
+        elif not last and node.get(part) is None:
+            node[part] = {}
         if last:
-            node[part] = value
+            node[key] = value
         else:
-            if node.get(part) is None:
-                node[part] = {}
-            node = node[part]
+            node = node[key]
 
 
 def overlay(recipe: Recipe, changes: Sequence[Change], source: str) -> Recipe:

@@ -95,7 +95,11 @@ def _ramp(recipe: Recipe, target: Choice, cap: int, world_size: int, segment: An
     assert ramp is not None  # (plan_phases calls it for a ramp)
     length = batch.sequence_length
     final = batch.sequences
-    grain = ramp_grain(recipe, world_size)  # the recipe's, not the micro-batch's: the same ramp on any machine
+    given = ramp.granularity  # by default one sequence per process; never the micro-batch: the same ramp anywhere
+    grain = world_size if given is None else given // batch.token_length if batch.unit == "tokens" else given
+    if grain % world_size:
+        raise UserError(f"{world_size} processes cannot share batch.ramp.granularity's {grain} "
+                        f"{batch.count_unit} equally; use a world size that divides it", field="world_size")
     start = ramp.start // batch.token_length if batch.unit == "tokens" else ramp.start
     last = segment("phase", 0, None, target, final, length, cap, target.exact)
     if not target.exact:
@@ -150,21 +154,6 @@ def _ramp(recipe: Recipe, target: Choice, cap: int, world_size: int, segment: An
         segments.append(segment("ramp", steps, count, choice, None, length, cap, None))
         steps, read = steps + count, read + count * effective
     return [*segments, last.model_copy(update={"start_step": steps})]
-
-
-def ramp_grain(recipe: Recipe, world_size: int) -> int:
-    """The ramp's granularity in samples (sequences): each ramp step's batch is a multiple of it. The recipe's
-    `batch.ramp.granularity`, by default one sequence per process; never the micro-batch, so the ramp (and the run's
-    optimizer steps) are the same whatever fits on the machine."""
-    batch = recipe.batch
-    given = batch.ramp.granularity if batch.ramp is not None else None
-    if given is None:
-        return world_size
-    grain = given // batch.token_length if batch.unit == "tokens" else given
-    if grain % world_size:
-        raise UserError(f"{world_size} processes cannot share batch.ramp.granularity's {grain} "
-                        f"{batch.count_unit} equally; use a world size that divides it", field="world_size")
-    return grain
 
 
 # ---- planning the phases' own schedules ---------------------------------------------------------------------

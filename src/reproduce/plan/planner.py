@@ -59,8 +59,7 @@ class Plan(Frozen):
     steps_per_epoch: int | None
     partial_window: int  # the samples of an epoch's last window
     schedule: StepSchedule  # the recipe's schedule.warmup / decay in optimizer steps, from step 0
-    # the plan as consecutive stretches of optimizer steps, at least one: `whole` (one batch throughout) or the
-    # batch.phases / batch.ramp segments
+    # the plan as stretches of optimizer steps: one `whole` (one batch throughout), or batch.phases / batch.ramp's
     segments: list[Segment]
     batchnorm: BatchNormPlan | None = None  # BatchNorm: the run's BN batch against the paper's, and the options
     batchnorm_warning: str | None = None  # the warning when BatchNorm's batch is not the paper's

@@ -23,8 +23,7 @@ from .recipe import Length, Recipe
 from .schedules import StepSchedule
 from .split import split_text
 
-# one number, or one per sequence length of the batch phases: the largest micro-batch that fits one process, the
-# training samples
+# one number, or one per sequence length of the batch phases: the micro-batch that fits one process, training samples
 PerLength = int | Mapping[int | None, int]
 MicroBatchMax = PerLength
 

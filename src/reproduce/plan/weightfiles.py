@@ -175,7 +175,6 @@ def data_fingerprint(paths: list[str | None]) -> str | None:
         if given is None:
             continue
         path = Path(given).expanduser()
-        # a folder's walk stops past the limit (ImageNet's 1.28M images: not listed whole at every run's start)
         files = sorted(islice((f for f in path.rglob("*") if f.is_file()), DATA_FILES_AT_MOST + 1)) if (
             path.is_dir()) else [path]
         if len(files) > DATA_FILES_AT_MOST or not all(f.is_file() for f in files):
