@@ -1,15 +1,10 @@
-"""GPUs by name, with their memory as the vendors' datasheets state it. No torch.
+"""GPUs by name, with their memory as the vendors' datasheets state it; peak FLOP/s and bandwidth by the same names
+in peaks.py. No torch.
 
-`--gpu a100-80gb` plans for that card's memory. A datasheet's N GB is N GiB (an A100 80GB shows 81,920 MiB to
-`nvidia-smi`); a process can use a little less: the CUDA context (`CONTEXT_BYTES`, taken off a budget from this
-catalog) and, on some cards, ECC (a T4 shows about 15 GiB of 16). The probe's headroom covers the rest; `--memory`
-with `nvidia-smi`'s figure gives an exact budget. Papers' names resolve too (`A100-40GB`; bare `V100` and `A100` by
-`ALIASES`); TPU names are refused: the estimate models CUDA's kernels and allocator.
-
-`capability` (CUDA compute capability) decides PyTorch's attention kernel (probe/gpu_like.py); `cublaslt_workspace`
-(1 MiB, 4 MiB on Ampere cards of 24 GB or more, 32 MiB on Hopper) is added to the estimate's margin. Peak FLOP/s and
-bandwidth are in hardware/peaks.py by the same names (`h100-80gb` plans memory but has no single peak: `h100-sxm`,
-`h100-pcie`)."""
+A datasheet's N GB is N GiB (an A100 80GB shows 81,920 MiB to `nvidia-smi`); a process can use a little less: the
+CUDA context (`CONTEXT_BYTES`, taken off a budget from this catalog) and, on some cards, ECC (a T4 shows about 15 GiB
+of 16). The probe's headroom covers the rest; `--memory` with `nvidia-smi`'s figure gives an exact budget.
+`capability` decides PyTorch's attention kernel (probe/gpu_like.py); `cublaslt_workspace` adds to the margin."""
 
 from __future__ import annotations
 

@@ -52,9 +52,7 @@ PEAKS = {
     # NVIDIA L4 datasheet: FP32 30.3 TFLOPS, TF32 120, BF16/FP16 242 "with sparsity"; 300 GB/s.
     "l4": Peaks(30.3 * T, 60 * T, 121 * T, 121 * T, 300 * G, "NVIDIA L4 datasheet"),
     "a10g": Peaks(None, None, None, None, None, "AWS publishes no per-precision datasheet for the A10G"),
-    # NVIDIA A10 datasheet: FP32 31.2 TFLOPS, TF32 62.5, BF16/FP16 125 (dense); 600 GB/s.
     "a10": Peaks(31.2 * T, 62.5 * T, 125 * T, 125 * T, 600 * G, "NVIDIA A10 datasheet"),
-    # NVIDIA A40 datasheet: FP32 37.4 TFLOPS, TF32 74.8, BF16/FP16 149.7 (dense); 696 GB/s.
     "a40": Peaks(37.4 * T, 74.8 * T, 149.7 * T, 149.7 * T, 696 * G, "NVIDIA A40 datasheet"),
     # NVIDIA RTX A6000 datasheet: FP32 38.7 TFLOPS, 768 GB/s (its tensor rates are printed with sparsity only).
     "rtx-a6000": Peaks(38.7 * T, None, None, None, 768 * G, "NVIDIA RTX A6000 datasheet"),
@@ -64,24 +62,17 @@ PEAKS = {
     # TFLOPS (FP16 inputs); 900 GB/s for both memory sizes. Volta has no TF32 or BF16.
     "v100-32gb": Peaks(15.7 * T, None, None, 125 * T, 900 * G, "NVIDIA V100 datasheet, V100 SXM2"),
     "v100-16gb": Peaks(15.7 * T, None, None, 125 * T, 900 * G, "NVIDIA V100 datasheet, V100 SXM2"),
-    # NVIDIA Tesla P100 datasheet: 732 GB/s for the 16GB cards; FP32 10.6 (SXM2) or 9.3 (PCIe) TFLOPS: the catalog
-    # does not say which card, so the rates are unknown.
-    "p100-16gb": Peaks(None, None, None, None, 732 * G, "NVIDIA Tesla P100 datasheet (SXM2 or PCIe rates differ)"),
     # NVIDIA Tesla P100 datasheet: "P100 for NVLink-optimized servers" (SXM2) FP32 10.6 TFLOPS, "P100 for PCIe-based
-    # servers" 9.3 TFLOPS; 732 GB/s for both 16GB cards. Pascal has no tensor cores (so no TF32, BF16, or FP16 with
-    # FP32 accumulation: its printed 21.2 / 18.7 half-precision TFLOPS accumulate in FP16, which PyTorch does not use).
+    # servers" 9.3 TFLOPS (p100-16gb does not say which); 732 GB/s for both 16GB cards. Pascal has no tensor cores (so
+    # no TF32, BF16, or FP16 with FP32 accumulation: its printed 21.2 / 18.7 half-precision TFLOPS accumulate in FP16,
+    # which PyTorch does not use).
+    "p100-16gb": Peaks(None, None, None, None, 732 * G, "NVIDIA Tesla P100 datasheet (SXM2 or PCIe rates differ)"),
     "p100-sxm2": Peaks(10.6 * T, None, None, None, 732 * G, "NVIDIA Tesla P100 datasheet, P100 SXM2 (NVLink)"),
     "p100-pcie": Peaks(9.3 * T, None, None, None, 732 * G, "NVIDIA Tesla P100 datasheet, P100 PCIe 16GB"),
-    # NVIDIA Ada GPU architecture whitepaper, RTX 4090: FP32 82.6 TFLOPS, TF32 82.6, FP16/BF16 with FP32 accumulate
-    # 165.2 (dense); 1,008 GB/s.
     "rtx4090": Peaks(82.6 * T, 82.6 * T, 165.2 * T, 165.2 * T, 1008 * G, "NVIDIA Ada GPU architecture whitepaper"),
     "rtx4080": Peaks(None, None, None, None, None, "NVIDIA Ada whitepaper (RTX 4080 figures not at hand: unknown)"),
-    # NVIDIA Ampere GA102 GPU architecture whitepaper, RTX 3090: FP32 35.6 TFLOPS, TF32 35.6, FP16/BF16 with FP32
-    # accumulate 71 (dense); 936 GB/s.
     "rtx3090": Peaks(35.6 * T, 35.6 * T, 71 * T, 71 * T, 936 * G, "NVIDIA Ampere GA102 whitepaper"),
-    # The same whitepaper, RTX 3080 (10GB): FP32 29.8 TFLOPS, TF32 29.8, FP16/BF16 with FP32 accumulate 59.5; 760 GB/s.
     "rtx3080-10gb": Peaks(29.8 * T, 29.8 * T, 59.5 * T, 59.5 * T, 760 * G, "NVIDIA Ampere GA102 whitepaper"),
-    # AMD Instinct MI300X data sheet: FP32 matrix 163.4 TFLOPS, TF32 653.7, BF16/FP16 1,307.4 (dense); 5.3 TB/s.
     "mi300x": Peaks(163.4 * T, 653.7 * T, 1307.4 * T, 1307.4 * T, 5.3e12, "AMD Instinct MI300X data sheet"),
 }
 

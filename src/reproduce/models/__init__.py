@@ -138,7 +138,7 @@ def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict 
     if spec.builtin == "gpt":
         extra = {"vocab_size": (data_info or {}).get("vocab_size", 256)}
         if recipe.batch.sequence_length:  # the longest sequence of any batch phase
-            extra["block_size"] = recipe.batch.longest_sequence_length
+            extra["block_size"] = recipe.batch.sequence_lengths[-1]
     model = call_builder(spec, "model", MODELS, extra, own_errors=on_meta())  # (a count's build: its caller says)
     if not isinstance(model, nn.Module):
         raise UserError(f"model: the factory must return a torch.nn.Module (got {type(model).__name__})")

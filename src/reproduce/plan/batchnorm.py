@@ -17,8 +17,7 @@ from ..errors import MicroBatchError
 
 BatchnormMode = Literal["keep", "sync", "frozen", "group"]  # model.batchnorm, model.paper_batchnorm
 MODES: tuple[BatchnormMode, ...] = typing.get_args(BatchnormMode)
-# BatchNorm layers of each built-in as built by default (no auxiliary head); tests/torch/plan/test_batchnorm_plan.py
-# counts them
+# BatchNorm layers of each built-in as built (no auxiliary head); tests/torch/plan/test_batchnorm_plan.py counts them
 BUILTIN_LAYERS = {
     "mlp": 0, "cnn-bn": 3, "cnn-gn": 0, "gpt": 0,
     "resnet50": 53, "vit-b16": 0, "deit-b": 0,

@@ -38,21 +38,15 @@ def _module_found(spec: str) -> bool:
         return False
 
 
-def hf_cache_dir() -> Path:
-    """The Hugging Face hub cache, as huggingface_hub finds it (HF_HUB_CACHE, HF_HOME/hub, ~/.cache/...)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
-    return Path(home).expanduser() / "hub"
-
-
 def hf_model_folder(name: str) -> Path | None:
     """The folder holding `name`: a local folder, or its snapshot in the local hub cache (the one refs/main names,
     else the newest); None when it is in neither. Never looked up on the network."""
     folder = Path(name).expanduser()
     if folder.is_dir():
         return folder
-    repo = hf_cache_dir() / f"models--{name.replace('/', '--')}"
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    hub = Path(os.environ["HF_HUB_CACHE"]) if os.environ.get("HF_HUB_CACHE") else Path(home).expanduser() / "hub"
+    repo = hub / f"models--{name.replace('/', '--')}"  # in the hub cache, as huggingface_hub finds it
     main = repo / "refs" / "main"
     if main.is_file() and (repo / "snapshots" / main.read_text().strip()).is_dir():
         return repo / "snapshots" / main.read_text().strip()

@@ -39,7 +39,6 @@ def memory_summary(recipe: Recipe) -> list[str]:
                      "tokens, each recomputed in backward)")
     if recipe.model.offload_activations:
         parts.append("activation offloading (saved activations in CPU memory between forward and backward)")
-    optimizer = recipe.optimizer
     if optimizer.implementation is not None:
         parts.append(f"optimizer kernels: {optimizer.implementation}")
     if recipe.batch.sharding == "fsdp" and recipe.batch.sharded_gradients:

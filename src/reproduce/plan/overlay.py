@@ -1,14 +1,11 @@
 """The overlay: what a command changes of a recipe, applied in one order and validated once (pure Python, no torch).
 
-Every change is a recipe field by its dotted path: `--set optimizer.lr=1e-4`, or an option that aliases one
-(`cli.options.FIELD_OF_FLAG`: `--weights` is `model.weights`). `overlay` applies the changes in order (`--set` first,
-as if the file said it), with the rules a field's value carries (absolute paths, a BatchNorm choice recording the
-paper's), and validates the whole recipe once; a problem line names how the field was given (`--packing:
-data.packing: ...`), else the file. A `--set` value is YAML, and a number in the path is a list item
-(`batch.phases.1.effective`), as torchtune's `key=value` overrides.
-
-A resumed run (`resumed`) keeps the fields its plan.yaml was run with (`FIXED_ON_RESUME`) and refuses any other
-difference."""
+Every change is a recipe field by its dotted path: `--set optimizer.lr=1e-4` (its value YAML, a number in the path a
+list item: `batch.phases.1.effective`, as torchtune's `key=value` overrides), or an option that aliases one
+(`--weights` is `model.weights`). `--set` comes first, as if the file said it; a value carries its field's rules
+(absolute paths, a BatchNorm choice recording the paper's). A problem line names how the field was given (`--packing:
+data.packing: ...`), else the file. A resumed run (`resumed`) keeps the fields its plan.yaml was run with
+(`FIXED_ON_RESUME`) and refuses any other difference."""
 
 from __future__ import annotations
 
@@ -76,26 +73,22 @@ def value_at(data: Any, path: str) -> Any:
 def put_at(data: dict[str, Any], parts: list[str], value: Any, shown: str) -> None:
     """Set `value` at `parts` in the nested mapping `data`, making the mappings on the way that are not there."""
     node: Any = data
+    key: int | str
     for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
-        where = ".".join(parts[: depth + 1])
+        last, key = depth == len(parts) - 1, part
         if isinstance(node, list):
             if not part.isdigit() or int(part) >= len(node):
-                raise UserError(f"{shown}: {where}: expected an item number below {len(node)} of the list")
-            index = int(part)
-            if last:
-                node[index] = value
-            else:
-                node = node[index]
-            continue
-        if not isinstance(node, dict):
+                raise UserError(f"{shown}: {'.'.join(parts[: depth + 1])}: expected an item number below {len(node)} "
+                                "of the list")
+            key = int(part)
+        elif not isinstance(node, dict):
             raise UserError(f"{shown}: {'.'.join(parts[:depth])}: is {node!r}, not a mapping of fields")
+        elif not last and node.get(part) is None:
+            node[part] = {}
         if last:
-            node[part] = value
+            node[key] = value
         else:
-            if node.get(part) is None:
-                node[part] = {}
-            node = node[part]
+            node = node[key]
 
 
 def overlay(recipe: Recipe, changes: Sequence[Change], source: str) -> Recipe:

@@ -1,7 +1,5 @@
 """The grouping a plan keeps: `data.packing` and `data.token_budget` as the planner, the probe and a resume fix them
-(pure Python, no torch). The ways themselves live in data/packing.py; the rule for the default is
-`recipe.default_packing`.
-"""
+(pure Python, no torch). The ways live in data/packing.py; the default's rule is `recipe.default_packing`."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from ..errors import UserError
 from .overlay import phase_recipe
 from .recipe import Length, Recipe
+from .recipe.schedule import Decay, Warmup
 from .schedules import StepSchedule
 from .segments import MicroBatchMax, Segment, epoch_steps, lengths_to_steps, micro_batch_cap, own_steps, size_at
 from .split import Choice, SplitPolicy, split
@@ -94,7 +95,11 @@ def _ramp(recipe: Recipe, target: Choice, cap: int, world_size: int, segment: An
     assert ramp is not None  # (plan_phases calls it for a ramp)
     length = batch.sequence_length
     final = batch.sequences
-    grain = ramp_grain(recipe, world_size)  # the recipe's, not the micro-batch's: the same ramp on any machine
+    given = ramp.granularity  # by default one sequence per process; never the micro-batch: the same ramp anywhere
+    grain = world_size if given is None else given // batch.token_length if batch.unit == "tokens" else given
+    if grain % world_size:
+        raise UserError(f"{world_size} processes cannot share batch.ramp.granularity's {grain} "
+                        f"{batch.count_unit} equally; use a world size that divides it", field="world_size")
     start = ramp.start // batch.token_length if batch.unit == "tokens" else ramp.start
     last = segment("phase", 0, None, target, final, length, cap, target.exact)
     if not target.exact:
@@ -151,21 +156,6 @@ def _ramp(recipe: Recipe, target: Choice, cap: int, world_size: int, segment: An
     return [*segments, last.model_copy(update={"start_step": steps})]
 
 
-def ramp_grain(recipe: Recipe, world_size: int) -> int:
-    """The ramp's granularity in samples (sequences): each ramp step's batch is a multiple of it. The recipe's
-    `batch.ramp.granularity`, by default one sequence per process; never the micro-batch, so the ramp (and the run's
-    optimizer steps) are the same whatever fits on the machine."""
-    batch = recipe.batch
-    given = batch.ramp.granularity if batch.ramp is not None else None
-    if given is None:
-        return world_size
-    grain = given // batch.token_length if batch.unit == "tokens" else given
-    if grain % world_size:
-        raise UserError(f"{world_size} processes cannot share batch.ramp.granularity's {grain} "
-                        f"{batch.count_unit} equally; use a world size that divides it", field="world_size")
-    return grain
-
-
 # ---- planning the phases' own schedules ---------------------------------------------------------------------
 
 
@@ -195,20 +185,13 @@ def attach_phase_schedules(recipe: Recipe, phases: list[Segment], total: int | N
             raise UserError(f"{what}: its own schedule has no length to run over: the phase starts at step "
                             f"{phase.start_step + 1}, but " + (f"the run ends after {end} optimizer steps" if not later
                                                                else f"the next schedule starts at step {end + 1}"))
-        paper = phase.paper_effective_batch
-
-        def steps(length: Length, name: str, phase: Segment = phase, paper: int | None = paper, what: str = what
-                  ) -> int:
-            return own_steps(length, phase, f"{what}.{name}")
-
         span = end - phase.start_step
         peak = (spec.lr if spec.lr is not None else recipe.optimizer.lr) * phase.lr_factor
         warmup = spec.warmup
-        warmup_steps, start_lr = 0, 0.0
+        warmup_steps = 0
         if warmup is not None:
-            warmup_steps = round(warmup.ratio * span) if warmup.ratio is not None else steps(warmup, "warmup")
-            start_lr = (warmup.start_lr if warmup.start_lr is not None
-                        else (warmup.start_factor or 0.0) * peak)
+            warmup_steps = (round(warmup.ratio * span) if warmup.ratio is not None
+                            else own_steps(warmup, phase, f"{what}.warmup"))
         if warmup_steps > span:
             warnings.append(f"{what}.warmup: {warmup_steps} steps, longer than the {span} steps its schedule runs")
         decay = spec.decay  # none given: the recipe's kind and its final LR, over the phase's own schedule
@@ -218,10 +201,11 @@ def attach_phase_schedules(recipe: Recipe, phases: list[Segment], total: int | N
         decay = decay or recipe.schedule.decay.model_copy(update={"until": None, "milestones": None})
         milestones = []
         if decay.milestones is not None:
-            milestones = [phase.start_step + steps(Length.model_validate({decay.milestones.unit: value}),
-                                                   "decay.milestones") for value in decay.milestones.values]
-        decay_end = phase.start_step + steps(decay.until, "decay.until") if decay.until is not None else end
-        min_lr = decay.min_lr * phase.lr_factor if decay.min_lr is not None else (decay.min_ratio or 0.0) * peak
+            milestones = [phase.start_step + own_steps(Length.model_validate({decay.milestones.unit: value}), phase,
+                                                       f"{what}.decay.milestones") for value in decay.milestones.values]
+        decay_end = (phase.start_step + own_steps(decay.until, phase, f"{what}.decay.until") if decay.until is not None
+                     else end)
+        start_lr, min_lr = start_and_min_lr(warmup, decay, peak, phase.lr_factor)
         schedule = StepSchedule(
             start_step=phase.start_step, end_step=end, lr=peak, warmup_steps=warmup_steps, warmup_start_lr=start_lr,
             decay_kind=decay.kind, decay_milestones=milestones, decay_factor=decay.factor, decay_end_step=decay_end,
@@ -247,6 +231,14 @@ def phase_lines(segments: list[Segment], world_size: int, unit: str) -> list[str
                          f"{phase.accumulation_steps} x world {world_size} = {phase.effective_batch} "
                          f"{'sequences' if length else unit}{length}")
     return lines
+
+
+def start_and_min_lr(warmup: Warmup | None, decay: Decay, peak: float, factor: float) -> tuple[float, float]:
+    """A schedule's warm-up start LR and its minimum LR, for its `peak` LR at the LR rule's `factor`."""
+    start = 0.0
+    if warmup is not None:
+        start = warmup.start_lr if warmup.start_lr is not None else (warmup.start_factor or 0.0) * peak
+    return start, decay.min_lr * factor if decay.min_lr is not None else (decay.min_ratio or 0.0) * peak
 
 
 MOST_STEPS = 10**9  # a value past this is a typo (epochs: 1e18), never a run
@@ -303,15 +295,7 @@ def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, s
         own_start if own_start is not None else total)
     if phases:
         phases = attach_phase_schedules(recipe, phases, total, warnings, recipe_path, warmup_steps)
-    if decay.min_lr is not None:
-        min_lr = decay.min_lr * chosen.lr_factor
-    else:
-        min_lr = (decay.min_ratio or 0.0) * chosen.lr
-    start_lr = 0.0
-    if warmup is not None and warmup.start_lr is not None:
-        start_lr = warmup.start_lr
-    elif warmup is not None and warmup.start_factor is not None:
-        start_lr = warmup.start_factor * chosen.lr
+    start_lr, min_lr = start_and_min_lr(warmup, decay, chosen.lr, chosen.lr_factor)
     if total is not None and total > MOST_STEPS:
         raise UserError(f"{recipe_path}: schedule.total: {total:.3g} optimizer steps; no run takes more than "
                         f"{MOST_STEPS:.0e} (at a millisecond a step, {MOST_STEPS / 1000 / 86400:.0f} days)")

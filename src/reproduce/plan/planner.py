@@ -59,8 +59,7 @@ class Plan(Frozen):
     steps_per_epoch: int | None
     partial_window: int  # the samples of an epoch's last window
     schedule: StepSchedule  # the recipe's schedule.warmup / decay in optimizer steps, from step 0
-    # the plan as consecutive stretches of optimizer steps, at least one: `whole` (one batch throughout) or the
-    # batch.phases / batch.ramp segments
+    # the plan as stretches of optimizer steps: one `whole` (one batch throughout), or batch.phases / batch.ramp's
     segments: list[Segment]
     batchnorm: BatchNormPlan | None = None  # BatchNorm: the run's BN batch against the paper's, and the options
     batchnorm_warning: str | None = None  # the warning when BatchNorm's batch is not the paper's
@@ -141,7 +140,6 @@ def make_plan(
     way = default_packing(recipe)  # data.packing unset: instruction data takes packed or sorted, the plan keeps it
     if way is not None:
         recipe = overlay(recipe, [Change("data.packing", way)], recipe_path or "the recipe")
-    maxima = micro_batch_max if isinstance(micro_batch_max, Mapping) else None
     sizes = dataset_size if isinstance(dataset_size, Mapping) else None
     main_length = recipe.batch.sequence_length
     cap = micro_batch_max[main_length] if isinstance(micro_batch_max, Mapping) else micro_batch_max
@@ -169,7 +167,7 @@ def make_plan(
         warnings.append("loss.normalization: micro-batch-mean: each micro-batch's mean over its own items, averaged "
                         "over the window's micro-batches and processes (the Hugging Face Trainer before transformers "
                         "v4.46.0): not the large batch's gradient where micro-batches hold different counts")
-    phases = plan_phases(recipe, maxima or cap, world_size, size, sizes, split_policy, chosen, warnings)
+    phases = plan_phases(recipe, micro_batch_max, world_size, size, sizes, split_policy, chosen, warnings)
     segments = phases or [Segment(  # a plan without batch phases: its one batch from step 0 to the end
         kind="whole", start_step=0, micro_batch_max=cap, paper_effective_batch=recipe.batch.sequences,
         sequence_length=main_length, dataset_size=size, steps_per_epoch=steps_per_epoch,

@@ -7,7 +7,6 @@ validation split (`val`, `validation`, `dev`, or none stated) and a metric the r
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from .recipe import Recipe, Reported
@@ -25,27 +24,19 @@ def paper_scale(metric: str, value: float) -> float:
     return 0.01 if metric in RATES and value > 1 else 1.0
 
 
-def _same(value: float) -> float:
-    return value
-
-
-def _error(accuracy: float) -> float:
-    return 1 - accuracy
-
-
-# reported metric -> (the run's metric, its label, the run's value of the reported metric)
-METRICS: dict[str, tuple[str, str, Callable[[float], float]]] = {
-    "val_loss": ("eval_loss", "eval loss", _same),
-    "eval_loss": ("eval_loss", "eval loss", _same),
-    "loss": ("eval_loss", "eval loss", _same),
-    "top1_accuracy": ("eval_accuracy", "eval top-1 accuracy", _same),
-    "accuracy": ("eval_accuracy", "eval accuracy", _same),
-    "eval_accuracy": ("eval_accuracy", "eval accuracy", _same),
-    "top1_error": ("eval_accuracy", "eval top-1 error", _error),
-    "miou": ("eval_miou", "eval mIoU", _same),
-    "pixel_accuracy": ("eval_pixel_accuracy", "eval pixel accuracy", _same),
-    "eval_miou": ("eval_miou", "eval mIoU", _same),
-    "eval_pixel_accuracy": ("eval_pixel_accuracy", "eval pixel accuracy", _same),
+# reported metric -> (the run's metric, its label); top1_error is the complement of the run's accuracy
+METRICS: dict[str, tuple[str, str]] = {
+    "val_loss": ("eval_loss", "eval loss"),
+    "eval_loss": ("eval_loss", "eval loss"),
+    "loss": ("eval_loss", "eval loss"),
+    "top1_accuracy": ("eval_accuracy", "eval top-1 accuracy"),
+    "accuracy": ("eval_accuracy", "eval accuracy"),
+    "eval_accuracy": ("eval_accuracy", "eval accuracy"),
+    "top1_error": ("eval_accuracy", "eval top-1 error"),
+    "miou": ("eval_miou", "eval mIoU"),
+    "pixel_accuracy": ("eval_pixel_accuracy", "eval pixel accuracy"),
+    "eval_miou": ("eval_miou", "eval mIoU"),
+    "eval_pixel_accuracy": ("eval_pixel_accuracy", "eval pixel accuracy"),
 }
 
 
@@ -58,12 +49,13 @@ def compare_reported(recipe: Recipe, final: dict[str, Any], step: int, planned_s
         split = reported.split.lower() if reported.split else None
         if known is None or not reported.evaluated or split not in EVAL_SPLITS or known[0] not in final:
             continue
-        key, label, of_run = known
+        key, label = known
+        run = 1 - final[key] if reported.metric == "top1_error" else final[key]
         scale = paper_scale(reported.metric, reported.value)
         tolerance = None if reported.tolerance is None else round(reported.tolerance * scale, 12)
         rows.append({"metric": reported.metric, "split": reported.split, "paper": round(reported.value * scale, 12),
                      "as_written": as_written(reported, scale), "run_metric": key, "label": label,
-                     "run": of_run(final[key]), "step": step, "planned_steps": planned_steps, "tolerance": tolerance})
+                     "run": run, "step": step, "planned_steps": planned_steps, "tolerance": tolerance})
     return rows
 
 

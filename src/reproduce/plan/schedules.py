@@ -21,7 +21,6 @@ from .recipe import Decay
 DecayKind = Literal["constant", "step", "cosine", "linear", "polynomial", "plateau"]  # the recipe's decay.kind
 
 
-
 class StepSchedule(BaseModel):
     """One schedule in optimizer steps (0-based, absolute): what a batch phase's own `lr/warmup/decay` plans to."""
 

@@ -1,15 +1,11 @@
-"""Every plan as segments of optimizer steps, and the one conversion of recipe lengths into optimizer steps.
+"""Every plan as segments of optimizer steps, and the one conversion of recipe lengths into optimizer steps. No torch.
 
-Pure Python, no torch. A `Segment` is consecutive optimizer steps with one micro-batch m, accumulation N, effective
-batch m x N x W and sequence length: one `whole` segment without batch phases, several with `batch.phases` or
-`batch.ramp` (phases.py). What depends on where a step falls reads the segments here:
-
-- lengths become optimizer steps by walking the segments (`lengths_to_steps`): n steps of a segment cover n x E
-  samples (E x L tokens, n / steps-per-epoch epochs, n x E / B paper steps), so a schedule in tokens stays exact
-  while the batch grows;
-- a step's LR (`planner.lr_at`): the schedule it falls in, at its segment's LR-rule factor;
-- the data (`stream_window`): each sequence length has its own stream through its own data, epoch after epoch; a
-  segment continues its length's stream where the last one left it, so a ramp reads the data once, in order."""
+A `Segment` is consecutive optimizer steps with one micro-batch m, accumulation N, effective batch E = m x N x W and
+sequence length L: one `whole` segment without batch phases, several with `batch.phases` or `batch.ramp`. Lengths
+become steps by walking the segments (`lengths_to_steps`: n steps cover n x E samples, n x E x L tokens, n / steps
+per epoch epochs, n x E / B paper steps), so a schedule in tokens stays exact while the batch grows. Each sequence
+length reads its own stream of data, epoch after epoch, a segment going on where the last one left it
+(`stream_window`): a ramp reads the data once, in order."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ from .recipe import Length, Recipe
 from .schedules import StepSchedule
 from .split import split_text
 
-# one number, or one per sequence length of the batch phases: the largest micro-batch that fits one process, the
-# training samples
+# one number, or one per sequence length of the batch phases: the micro-batch that fits one process, training samples
 PerLength = int | Mapping[int | None, int]
 MicroBatchMax = PerLength
 

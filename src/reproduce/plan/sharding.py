@@ -8,12 +8,11 @@ from __future__ import annotations
 from ..errors import UserError
 from .recipe import Recipe
 
-# Optimizers whose update is element by element, so each rank can step its own shard of every parameter and get
-# exactly the unsharded update. Adafactor's factored second moments are row and column means over whole matrices
-# (on FSDP2's sharded DTensors its in-place updates fail: "in-place operations that require placement changes are
-# not supported"); LARS and LAMB scale each parameter by the ratio of whole-tensor norms.
-SHARDABLE_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lars", "lamb")  # lars, lamb: whole-tensor norms
-# over the shards (train/optim/large_batch.py)
+# Optimizers each rank can step on its own shard of every parameter and get exactly the unsharded update: element by
+# element, or (LARS, LAMB) with whole-tensor norms reduced over the shards (train/optim/large_batch.py). Not
+# Adafactor: its factored second moments are row and column means over whole matrices (on FSDP2's sharded DTensors
+# its in-place updates fail: "in-place operations that require placement changes are not supported").
+SHARDABLE_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "lars", "lamb")
 
 
 def check_sharding(recipe: Recipe, processes: int) -> None:

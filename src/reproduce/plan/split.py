@@ -33,11 +33,11 @@ LrRule = Literal["exact", "linear", "sqrt", "none"]
 SplitPolicy = Literal["exact", "fast"]
 
 
-
 def split_text(micro_batch: int, accumulation_steps: int, world_size: int, total: int | str | None = None) -> str:
     """The batch arithmetic, the one way every line writes it: `m x N x W`, and ` = B` when the total is given."""
     text = f"{micro_batch} x {accumulation_steps} x {world_size}"
     return text if total is None else f"{text} = {total}"
+
 
 class Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

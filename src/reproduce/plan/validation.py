@@ -160,7 +160,6 @@ def error_loc(error: ErrorDetails) -> list[str]:
 
 def is_union_tag(part: Any) -> bool:
     """Whether a location part is the member-type name pydantic adds inside unions and literals."""
-    # pydantic adds the member type's name to the location of errors inside unions and literals
     return isinstance(part, str) and ("[" in part or part in ("list", "tuple", "dict", "int", "float", "str"))
 
 

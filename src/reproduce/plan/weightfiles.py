@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -124,15 +125,8 @@ def parameter_count(weights: WeightsOnDisk) -> int | None:
     """The parameters stored in the safetensors files (tied weights are stored once); None for other formats."""
     if not all(file.suffix == ".safetensors" for file in weights.files):
         return None
-    total = 0
-    for file in weights.files:
-        for name, entry in safetensors_header(file).items():
-            if name != "__metadata__":
-                count = 1
-                for dim in entry["shape"]:
-                    count *= dim
-                total += count
-    return total
+    return sum(math.prod(int(dim) for dim in entry["shape"]) for file in weights.files
+               for name, entry in safetensors_header(file).items() if name != "__metadata__")
 
 
 def _file_summary(path: Path) -> bytes:
@@ -181,7 +175,6 @@ def data_fingerprint(paths: list[str | None]) -> str | None:
         if given is None:
             continue
         path = Path(given).expanduser()
-        # a folder's walk stops past the limit (ImageNet's 1.28M images: not listed whole at every run's start)
         files = sorted(islice((f for f in path.rglob("*") if f.is_file()), DATA_FILES_AT_MOST + 1)) if (
             path.is_dir()) else [path]
         if len(files) > DATA_FILES_AT_MOST or not all(f.is_file() for f in files):

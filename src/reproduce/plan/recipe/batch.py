@@ -198,10 +198,5 @@ class Batch(Strict):
         return sorted(lengths, key=lambda length: length or 0)
 
     @property
-    def longest_sequence_length(self) -> int | None:
-        """The longest sequence of any phase: what a model's context must hold."""
-        return self.sequence_lengths[-1]
-
-    @property
     def count_unit(self) -> Literal["samples", "sequences"]:
         return "sequences" if self.unit == "tokens" else "samples"

@@ -17,7 +17,6 @@ from .common import OneUnit, Strict
 
 # every task's metrics a gate can watch besides the evaluation's (recipe.PLATEAU_METRICS by task)
 RUN_METRICS = ("loss", "samples_per_second", "tokens_per_second", "gpu_hours", "forecast_gpu_hours")
-# the metrics that a pause must see rise above the bound, rather than fall below it, are the user's to say
 AT_UNITS = ("step", "epoch", "fraction", "samples", "tokens")
 _PLURALS = {"steps": "step", "epochs": "epoch", "fractions": "fraction"}
 GATE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
