@@ -1,11 +1,7 @@
-"""The session: what a command decides between reading its options and showing its output, as values.
-
-The recipe a command works on (`recipe_for_plan`; `recipe_for_run` for run and verify, which also take a plan file
-or resume one), changed and validated once (plan/overlay.py). A run: `checked_run` makes every check that needs no
-data (the launcher's, before it launches), `prepare_run` builds the data, probes (`probe_consensus` under torchrun)
-and plans (`run_plan`). `plan_and_probe`: the micro-batch maximum given or probed, then the plan by the policy.
-Nothing here prints: lines come back as data (`Planned.notes`, warnings) or go to the caller's `on_note`.
-Torch is imported only where something is measured or built.
+"""The session: what a command decides between reading its options and showing its output, as values: the
+recipe changed and validated once, a run's checks (`checked_run`, before launching), data, probe and plan
+(`prepare_run`). Nothing here prints: lines come back as data or go to `on_note`; torch is imported only where
+something is measured or built.
 """
 
 from __future__ import annotations
@@ -56,14 +52,10 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
                    policy: str = "exact", dataset_size: int | dict | None = None, *, probe: ProbeOptions | None = None,
                    data: Datasets | None = None, keep_batchnorm: bool = True, on_note: OnNote | None = None,
                    fingerprint: str | None = None) -> Planned:
-    """Plan `recipe`; the one place that decides where the micro-batch maximum comes from: given, it is used as it
-    is; otherwise the memory probe measures it (`probe`: the budget and meter; default: this machine's GPU), on
-    `data` when the caller has built it already. Returns the plan, the probe's result and the lines it gave; the
-    plan records the pretrained weights it starts from and `fingerprint`, the data files' (a run's).
-
-    With batch phases of several sequence lengths the probe runs once per length (what fits at 128 tokens does not
-    at 512), each at the largest batch of that length; the result returned is the main length's.
-    """
+    """Plan `recipe`; the one place that decides where the micro-batch maximum comes from: given, or measured by
+    the memory probe (`probe`: budget and meter; default: this GPU) on `data` when built. With batch phases of
+    several sequence lengths it probes each length at its largest batch (what fits at 128 tokens does not at 512);
+    the result returned is the main length's. `fingerprint`: the data files' (a run's)."""
     notes: list[str] = []
 
     def note(line: str) -> None:
@@ -77,7 +69,9 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
         check_phases(recipe)  # before a probe per phase: refused at the end anyway
     result, memory = None, []
     if micro_batch_max is not None and probe is not None and probe.memory:
-        note(memory_unused(probe.memory))
+        note(f"`memory` {probe.memory}: not used: `micro_batch_max` was given, so nothing was probed (the "
+             "micro-batch; the token budget, the micro-batch x the longest example, not searched; the ways to group "
+             "the data, not timed); leave `micro_batch_max` out to probe for that memory")
     if micro_batch_max is None and len(recipe.batch.sequence_lengths) > 1:
         micro_batch_max, result = probe_phases(recipe, recipe_path, world_size, policy, probe, data, note)
     if micro_batch_max is None:
@@ -88,19 +82,10 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
     return Planned(plan, result, notes)
 
 
-def memory_unused(memory: str) -> str:
-    """The line for a `memory` budget given beside `micro_batch_max`: nothing is probed against it (a `gpu` still
-    names the card the plan's time is predicted for)."""
-    return (f"`memory` {memory}: not used: `micro_batch_max` was given, so nothing was probed (the micro-batch; "
-            "the token budget, the micro-batch x the longest example, not searched; the ways to group the data, not "
-            "timed); leave `micro_batch_max` out to probe for that memory")
-
-
 def probe_phases(recipe: Recipe, recipe_path: str, world_size: int, policy: str, probe: ProbeOptions | None,
                  data: Datasets | None, note: OnNote) -> tuple[MicroBatchMax, ProbeResult | None]:
-    """Each sequence length's micro-batch maximum, probed at its largest batch (on `data` for the main length only),
-    and the main length's result. Each length's own plan is made and dropped, as a check (a schedule or gate in
-    epochs has no data size)."""
+    """Each sequence length's micro-batch maximum (`data` for the main length only) and the main length's result;
+    each length's plan is made and dropped, as a check."""
     maxima: dict[int | None, int] = {}
     main_result, unheard = None, lambda line: None  # (a phase's own lines: its `sequence length` line says it)
     for length, fixed in phase_probes(recipe).items():
@@ -119,8 +104,7 @@ def probe_phases(recipe: Recipe, recipe_path: str, world_size: int, policy: str,
 def probe_recipe(recipe: Recipe, recipe_path: str, world_size: int, probe: ProbeOptions | None,
                  data: Datasets | None, note: OnNote) -> tuple[Recipe, ProbeResult, list[str]]:
     """One recipe's memory probe: the recipe with the memory knobs, token budget and way it chose, the result (with a
-    maximum: DoesNotFit otherwise) and the plan's memory notes. A probe error (but a MicroBatchError) adds that
-    the maximum can be given instead."""
+    maximum, else DoesNotFit) and the memory notes; a probe error adds that the maximum can be given instead."""
     options = probe or ProbeOptions()
     try:
         result = run_probe(recipe, recipe_path, options, world_size, data=data)
@@ -168,11 +152,9 @@ def probed_plan(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatchMax
 
 def fastest_way(recipe: Recipe, default: str, result: ProbeResult, micro_batch_max: int, world_size: int,
                 data: Datasets | None, note: OnNote) -> tuple[Recipe, ProbeResult]:
-    """`recipe`, whose data.packing the rule defaulted to `default` (recipe.default_packing), with the way to group
-    its data that ran fastest here (throughput/ways.py), when the probe measured on this device (cpu or cuda meter),
-    one process, on the data the run trains on: none, sorted, and packed where the default is packed (the models
-    whose packed rows run through the varlen attention); and `result` with what was timed (`ways`: the plan's cost
-    is the chosen way's whole steps). Otherwise both as they are: the rule's way."""
+    """`recipe`, whose data.packing the rule defaulted to `default`, with the way to group its data that ran
+    fastest here (none, sorted, and packed where the default is), and `result` with what was timed; as they are
+    unless the probe measured this device (cpu or cuda meter), one process, on the run's data."""
     if data is None or world_size != 1 or result.meter not in ("cpu", "cuda"):
         return recipe, result
     import torch
@@ -291,9 +273,8 @@ NO_BUDGET = 2**62  # a rank whose probe measured no token budget (its whole shar
 
 
 def agreed_budget(given: Recipe, probed: Recipe, all_min: Callable[[int], int]) -> Recipe:
-    """`probed` with the token budget every rank agrees on, for `sorted` without one of the recipe's own: the
-    smallest any rank measured (probe/tokens.py; a smaller budget keeps within the shapes each rank measured), so
-    every rank groups its windows alike; none measured: the micro-batch x the longest example. A collective."""
+    """`probed` with the token budget every rank agrees on (a collective), for `sorted` without one of the recipe's
+    own: the smallest any rank measured, so every rank groups its windows alike and within what it measured."""
     if given.data.token_budget is not None or (given.data.packing or default_packing(given)) != "sorted":
         return probed
     budget = all_min(probed.data.token_budget if probed.data.token_budget is not None else NO_BUDGET)

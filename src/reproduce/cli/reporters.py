@@ -80,7 +80,6 @@ class RichReporter(PlainReporter):
 
     def start(self, start: RunStart) -> None:
         super().start(start)
-        self.samples = 0
         self.rate_unit = start.rate_unit
         self.progress = Progress(
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
@@ -95,7 +94,6 @@ class RichReporter(PlainReporter):
         self.progress.start()
 
     def step(self, record: StepRecord) -> None:
-        self.samples += record.samples
         rates = record.rates  # this step's (observe/rates.py)
         rate = (rates.get("tokens_per_second") or rates.get("useful_tokens_per_second")
                 or rates.get("samples_per_second") or 0)

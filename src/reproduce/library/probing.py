@@ -53,9 +53,7 @@ class _Step:
 class StepCpuMeter(CpuMeter):
     """The cpu meter around the user's step: tensors counted by `MemoryTracker`, the budget enforced by it."""
 
-    def __init__(self, user: _Step, budget_bytes: int, headroom: float, time_steps: bool, cap: int):
-        super().__init__(None, budget_bytes, headroom, time_steps, cap)  # type: ignore[arg-type]
-        self.user = user
+    user: _Step
 
     def measure(self, micro_batch: int) -> Measurement:
         started = time.perf_counter()
@@ -81,9 +79,7 @@ class StepCpuMeter(CpuMeter):
 class StepCudaMeter(CudaMeter):
     """The cuda meter around the user's step: the caching allocator's own counters."""
 
-    def __init__(self, user: _Step, budget_bytes: int | None, headroom: float, time_steps: bool, cap: int):
-        super().__init__(None, budget_bytes, headroom, time_steps, cap)  # type: ignore[arg-type]
-        self.user = user
+    user: _Step
 
     def measure(self, micro_batch: int) -> Measurement:
         started = time.perf_counter()
@@ -123,13 +119,11 @@ def probe_step(step: Callable[[int], Any], *, cap: int, model: Any = None, optim
         raise UserError(f"expected cpu, cuda or auto (got {meter!r}); the estimate meter needs a recipe's model: "
                         "use `reproduce.plan_recipe(recipe, memory=..., meter='estimate')`", field="meter")
     budget = parse_size(memory) if isinstance(memory, str) else memory
-    user = _Step(step, model, optimizer)
-    if meter == "cpu":
-        if budget is None:
-            raise UserError("the cpu meter needs a budget: give `memory` SIZE", field="memory")
-        chosen: CpuMeter | CudaMeter = StepCpuMeter(user, budget, headroom, time_steps, cap)
-    else:
-        chosen = StepCudaMeter(user, budget, headroom, time_steps, cap)
+    if meter == "cpu" and budget is None:
+        raise UserError("the cpu meter needs a budget: give `memory` SIZE", field="memory")
+    kind = StepCpuMeter if meter == "cpu" else StepCudaMeter
+    chosen = kind(None, budget, headroom, time_steps, cap)  # type: ignore[arg-type]
+    chosen.user = _Step(step, model, optimizer)
     chosen.notes.append("the user's own step (reproduce.probe_step)")
     try:
         found = search(chosen.measure, chosen.limit_bytes, cap, on_trial)

@@ -1,11 +1,7 @@
-"""The recipe's gates checked as the run goes, a pause that keeps the gate's checkpoint, and the way back.
-
-At each gate's step (plan/gates.py) the run measures the gate's metric (the smoothed training loss, an evaluation
-metric, a rate, GPU-hours spent or forecast) and the gate passes, warns, or pauses: the run checkpoints, keeps that
-checkpoint as checkpoints/gate-NAME.pt (every gate's is kept), prints one line and exits with status 4. Resumed, a
-paused gate is checked again before any step unless accepted; `--resume --from NAME` starts from a gate's
-checkpoint. The watch's state travels in the checkpoint's `extra["gates"]`, so a resume checks what the
-uninterrupted run would.
+"""The recipe's gates (plan/gates.py) checked as the run goes: at a gate's step its metric passes, warns, or
+pauses the run (checkpointed, kept as checkpoints/gate-NAME.pt, one line, exit status 4). Resumed, a paused gate is
+checked again unless accepted; `--resume --from NAME` starts from a gate's checkpoint. The watch's state travels in
+the checkpoint's `extra["gates"]`, so a resume checks what the uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -78,9 +74,6 @@ class GateWatch:
         return [gate for gate in self.planned
                 if (gate.step == step and not gate.every_step)
                 or (gate.every_step and step >= gate.step and gate.name not in self.outcomes)]
-
-    def needs_evaluation(self, step: int) -> bool:
-        return any(gate.evaluated for gate in self.due(step))
 
     def observe(self, record: dict) -> None:
         """A step's record: its loss, rates and wall time, for the smoothed values and the pace."""
@@ -219,12 +212,16 @@ def start_gates(run: Any) -> None:
     event = watch.check(step, record, run.totals_before_resume["seconds"], run.world.size)
     event = [e for e in event if e["name"] == name]
     tell_gates(run, event)
-    if distributed.any_rank(run.world, watch.paused is not None, run.setup.device):
+    pause(run, watch.paused is not None, event if run.world.is_main else [], gate_checkpoint(run.out, name))
+
+
+def pause(run: Any, paused: bool, events: list[dict], kept: Path | None) -> None:
+    """When a gate `paused` the run on any rank: every rank stops, the one with the pause's `events` saying which."""
+    if distributed.any_rank(run.world, paused, run.setup.device):
         distributed.barrier(run.world)  # every rank here before any leaves the group (else gloo aborts one)
-        if not run.world.is_main:  # rank 0 prints the line
+        if not events:
             raise GatePaused("a gate paused the run (rank 0 says which)")
-        raise GatePaused(paused_line(event[0], run.out, gate_checkpoint(run.out, name),
-                                     run.continue_with))
+        raise GatePaused(paused_line(events[0], run.out, kept, run.continue_with))
 
 
 def check_gates(run: Any, step: int, record: StepRecord) -> list[dict]:
@@ -256,7 +253,7 @@ def _check(run: Any, watch: GateWatch, step: int, record: StepRecord) -> list[di
         if found is not None:
             record.gates = {found["name"]: found["status"]}
         return [found] if found is not None else []
-    if watch.needs_evaluation(step + 1) and "eval_loss" not in record.evaluation:
+    if any(gate.evaluated for gate in watch.due(step + 1)) and "eval_loss" not in record.evaluation:
         record.evaluation.update(_evaluation(run, step))
     spent = run.totals_before_resume["seconds"] + time.perf_counter() - run.started
     agree = (lambda value: _largest(value, run.setup.device)) if run.world.distributed else None
@@ -280,12 +277,7 @@ def after_checkpoint(run: Any, events: list[dict]) -> None:
             with open(run.out / "checkpoints" / "last.pt", "rb") as sealed:  # its bytes, seal included
                 write_atomic(kept, lambda handle: shutil.copyfileobj(sealed, handle))
     paused = [event for event in events if event["status"] == "paused"]
-    if distributed.any_rank(run.world, bool(paused), run.setup.device):
-        distributed.barrier(run.world)  # every rank here before any leaves the group (else gloo aborts one)
-        if not paused:  # another rank's evaluation: rank 0 prints the line
-            raise GatePaused("a gate paused the run (rank 0 says which)")
-        kept = gate_checkpoint(run.out, paused[0]["name"]) if kept is not None else None
-        raise GatePaused(paused_line(paused[0], run.out, kept, run.continue_with))
+    pause(run, bool(paused), paused, gate_checkpoint(run.out, paused[0]["name"]) if paused and kept else None)
 
 
 def tell_gates(run: Any, events: list[dict]) -> None:

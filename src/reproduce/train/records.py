@@ -23,7 +23,7 @@ from .reporter import StepRecord, run_end
 from .resume import full_model_state, kept_summary
 from .run_state import Run
 from .step import StepResult
-from .windows import StepBatch, step_epoch
+from .windows import StepBatch, padding_over, step_epoch
 
 
 def step_record(run: Run, step: int, batch: StepBatch, lr: float, result: StepResult, accumulation: int,
@@ -38,9 +38,10 @@ def step_record(run: Run, step: int, batch: StepBatch, lr: float, result: StepRe
         seconds=round(time.perf_counter() - tick, 6), data_seconds=round(clock.seconds, 6),
         peak_memory_bytes=(int(torch.cuda.max_memory_allocated(run.setup.device))
                            if run.setup.device.type == "cuda" else None))
-    tokens = run.window_tokens(step)
-    if tokens is not None:  # input tokens, and those computed with padding, over every rank (data/packing.py)
-        record.padding = {"useful_tokens": tokens[0], "padded_tokens": tokens[1]}
+    if run.lengths is not None:  # input tokens, and those computed with padding, over every rank (data/packing.py)
+        _, useful, computed = padding_over(run.plan, range(step, step + 1), run.seed, run.lengths, run.grouping,
+                                           run.micro_batch(step))
+        record.padding = {"useful_tokens": useful, "padded_tokens": computed}
     record.rates = run.rates.fields(record.line(),
                                     say=lambda note: run.reporter.message(f"note: {note}") if main else None)
     slow_loader = run.watch.update(step + 1, clock.seconds, record.seconds)

@@ -1,11 +1,9 @@
 """Checkpoints, resuming a run from one, and a finished run's end checked against its last checkpoint.
 
-`checkpoints/last.pt` holds the step, scheduler, scaler, RNG states and metrics.jsonl so far, sealed and written
-atomically, loaded with `weights_only=True`; the model and optimizer too, unless sharded: FSDP runs save those with
-torch.distributed.checkpoint into `checkpoints/sharded-step-N/` (each rank its shards, resharded on load), which
-last.pt names once every rank has written. The last checkpoint also holds the run's end (the model, metrics.jsonl,
-summary.json), so `end_problem` tells whether the end on disk is the run's, file by file, and a resume at the last
-step writes what differs again, byte for byte.
+`checkpoints/last.pt` (sealed, written atomically, loaded with `weights_only=True`) holds the step, the scheduler,
+scaler and RNG states, metrics.jsonl and summary.json so far, and the model and optimizer unless sharded (FSDP:
+`checkpoints/sharded-step-N/`, which last.pt names once every rank has written), so a resume at the last step
+writes again, byte for byte, what of the run's end differs (`end_problem`).
 """
 
 from __future__ import annotations
@@ -68,10 +66,6 @@ def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, se
             raise UserError(f"`resume`: {out} has already run {first_step} of {total} optimizer steps; nothing to do")
     # the run had lowered the micro-batch after running out of memory (by sequence length)
     lowered = {int(k) if k != "None" else None: v for k, v in state["extra"].get("lowered", {}).items()}
-    saved_micro_batch = state.get("micro_batch")  # without extra["lowered"], the only trace of a lowered one
-    if "lowered" not in state["extra"] and saved_micro_batch and not plan.has_phases and (
-            saved_micro_batch < plan.micro_batch and plan.per_rank_batch % saved_micro_batch == 0):
-        lowered = {plan.recipe.batch.sequence_length: saved_micro_batch}
     return Resumed(saved_seed, first_step, kept_metrics(state), lowered, state, rebuild)
 
 

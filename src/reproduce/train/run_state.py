@@ -39,7 +39,7 @@ from .options import RunRequest
 from .reporter import Reporter, run_start
 from .resume import Resumed, earlier_segments, resume_run
 from .setup import Setup, build, resolve_device
-from .windows import grouping_line, micro_batch_at, padding_over, window
+from .windows import grouping_line, micro_batch_at, window
 
 if TYPE_CHECKING:
     from ..data import Datasets
@@ -112,14 +112,6 @@ class Run:
         """This rank's micro-batches of `step` and whether the window is partial (the loop's and the
         loader's)."""
         return window(self.plan, self.size, step, self.seed, self.world.rank, self.micro_batch(step), self.grouping)
-
-    def window_tokens(self, step: int) -> tuple[int, int] | None:
-        """(input tokens, tokens computed with padding) of step `step`'s window over every rank."""
-        if self.lengths is None:
-            return None
-        _, useful, computed = padding_over(self.plan, range(step, step + 1), self.seed, self.lengths, self.grouping,
-                                           self.micro_batch(step))
-        return useful, computed
 
     def open_stream(self, step: int) -> MicroBatchStream:
         self.stream = MicroBatchStream(self.train_set, lambda at: self.windows(at)[0], step, self.total,

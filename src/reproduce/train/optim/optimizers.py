@@ -99,34 +99,30 @@ class PlanScheduler(torch.optim.lr_scheduler.LambdaLR):
     plateau's state (plain numbers), which a state without it leaves where it starts."""
 
     def __init__(self, plan: Plan, optimizer: torch.optim.Optimizer) -> None:
-        plateau = plan.schedule.decay_kind == "plateau"
-        self._plateau = Plateau(plan.recipe.schedule.decay, plan.lr, plan.schedule.min_lr) if plateau else None
-        plateau = self._plateau
+        plateau = (Plateau(plan.recipe.schedule.decay, plan.lr, plan.schedule.min_lr)
+                   if plan.schedule.decay_kind == "plateau" else None)
+        self.plateau = plateau
         super().__init__(optimizer, lambda step: lr_at(plan, step) / plan.lr * (
             plateau.state["scale"] if plateau is not None else 1.0))
 
-    @property
-    def plateau(self) -> Plateau | None:
-        return self._plateau
-
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state.pop("_plateau", None)
-        if self._plateau is not None:
-            state["plateau"] = dict(self._plateau.state)
+        state.pop("plateau", None)
+        if self.plateau is not None:
+            state["plateau"] = dict(self.plateau.state)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         state = dict(state_dict)
         saved = state.pop("plateau", None)
         super().load_state_dict(state)
-        if self._plateau is not None and saved is not None:
-            self._plateau.state = saved
+        if self.plateau is not None and saved is not None:
+            self.plateau.state = saved
 
     def plateau_step(self, value: float, step: int) -> bool:
         """One evaluation's metric after step `step` (from 1); on a decrease the next step's
         LR is set at once."""
-        decreased = self._plateau.step(value, step)
+        decreased = self.plateau.step(value, step)
         if decreased:
             for group, base, factor in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas, strict=True):
                 group["lr"] = base * factor(self.last_epoch)
