@@ -31,15 +31,6 @@ def segments(position_ids: torch.Tensor, rows: int, width: int) -> list[int]:
     return sorted(starts) + [rows * width]
 
 
-def sample_sizes(position_ids: torch.Tensor, rows: int, width: int, kwargs: dict) -> list[int]:
-    """Each sample's tokens in the flattened row: the collator's `sample_sizes`, else read from the position ids."""
-    handed = kwargs.get("sample_sizes")
-    if handed is not None and sum(handed) == rows * width:
-        return list(handed)
-    bounds = segments(position_ids, rows, width)
-    return [end - start for start, end in zip(bounds, bounds[1:], strict=False)]
-
-
 def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -65,7 +56,10 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    sizes = sample_sizes(position_ids, rows, width, kwargs)
+    sizes = kwargs.get("sample_sizes")  # the tokens of each sample: the collator's, else the position ids'
+    if sizes is None or sum(sizes) != rows * width:
+        bounds = segments(position_ids, rows, width)
+        sizes = [end - start for start, end in zip(bounds, bounds[1:], strict=False)]
     # torch.split, not slices: its backward is one concatenation, where each slice's would zero-fill the whole row
     flat = [torch.split(t.transpose(0, 1).reshape(1, heads, rows * width, dim), sizes, dim=2)
             for t in (query, key, value)]
