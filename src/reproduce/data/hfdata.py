@@ -73,16 +73,6 @@ def open_dataset(path: Path, field: str, split: str) -> Any:
                     "or .jsonl files")
 
 
-def _require(table: Any, column: str, path: Path) -> None:
-    if column not in table.column_names:
-        raise UserError(f"data.columns: {path}: no column {column!r} (columns: {', '.join(table.column_names)})")
-
-
-def _column(table: Any, column: str, path: Path) -> list:
-    _require(table, column, path)
-    return list(table[column])
-
-
 class ImageRows(Dataset):
     """Rows of (image, label), decoded and transformed when fetched."""
 
@@ -102,7 +92,7 @@ class ImageRows(Dataset):
 
 
 def _labels(table: Any, column: str, path: Path, classes: int | None) -> tuple[torch.Tensor, int]:
-    values = _column(table, column, path)
+    values = list(table[column])
     if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
         raise UserError(f"data.columns: {path}: column {column!r} must hold integer class labels")
     labels = torch.tensor(values, dtype=torch.long)
@@ -118,13 +108,13 @@ def _split(recipe: Any, table: Any, path: Path, train: bool, tokenizer: Any = No
            classes: int | None = None) -> tuple[Any, dict]:
     spec, columns = recipe.data, recipe.data.columns
     if "text" in columns:
-        texts = _column(table, columns["text"], path)
+        texts = list(table[columns["text"]])
         if not all(isinstance(t, str) for t in texts):
             raise UserError(f"data.columns: {path}: column {columns['text']!r} must hold text (strings)")
         return tokenise(tokenizer, [""] * len(texts), texts, max_length)
     if "instruction" in columns:
         fields = {name: columns[name] for name in ("instruction", "input", "output") if name in columns}
-        values = [_column(table, column, path) for column in fields.values()]
+        values = [list(table[column]) for column in fields.values()]
         records = [dict(zip(fields.values(), row, strict=True)) for row in zip(*values, strict=True)]
         for number, record in enumerate(records, start=1):
             check_record(record, path, f"row {number}", fields)
@@ -136,14 +126,13 @@ def _split(recipe: Any, table: Any, path: Path, train: bool, tokenizer: Any = No
 
         datasets = _datasets()
         image = columns["image"]
-        _require(table, image, path)
         if not isinstance(table.features[image], datasets.Image):
             table = table.cast_column(image, datasets.Image())  # bytes or paths: decoded when fetched
         channels = spec.channels or 3
         transform = transforms_for(spec.augment or "imagenet", spec.image_size, channels, train)
         rows = ImageRows(table.select_columns([image]), image, labels, transform, "L" if channels == 1 else "RGB")
         return rows, {"examples": len(rows), "classes": count}
-    values = _column(table, columns["input"], path)
+    values = list(table[columns["input"]])
     try:
         inputs = torch.tensor(np.asarray(values, dtype=np.float32))
     except (ValueError, TypeError):
@@ -166,8 +155,10 @@ def build_hf_datasets(recipe: Any) -> dict:
             tables["eval"], eval_path = saved[found], train_path / found
     paths = {"train": train_path, "eval": eval_path}
     for split, table in tables.items():  # the data's own problems first, before loading a tokenizer
-        for column in spec.columns.values():
-            _require(table, column, paths[split])
+        for column in spec.columns.values():  # (every column `_split` reads)
+            if column not in table.column_names:
+                raise UserError(f"data.columns: {paths[split]}: no column {column!r} (columns: "
+                                f"{', '.join(table.column_names)})")
     tokenizer = max_length = None
     if spec.text_columns:
         tokenizer, max_length = text_settings(recipe)

@@ -1,29 +1,19 @@
 """How a window's samples are grouped into micro-batches (`data.packing`): none, sorted, packed.
 
-The window itself never changes: an optimizer step takes exactly the samples the unpacked plan draws for it (same
-sampler, same order, the paper's effective batch in samples, the same share on each rank: train/windows.py); only
-their grouping does, and the loss stays normalised by the window's target tokens (train/step.py), so the
-accumulated gradient is the large batch's whatever the grouping.
+A step takes exactly the samples the unpacked plan draws (train/windows.py) and the loss stays normalised by the
+window's target tokens (train/step.py): only the grouping changes, so the gradient is the large batch's.
 
-- none: the plan's fixed micro-batch of m samples, padded to its longest;
-- sorted: the rank's share ordered by length (longest first) and cut into micro-batches of at most T tokens
-  (rows x longest row), padded within each: any attention implementation. The cut is the optimal one (`split`):
-  the fewest micro-batches the budget allows, and among those the fewest padded tokens (a dynamic programme over
-  the sorted lengths; an optimal partition is contiguous in that order);
-- packed: with a varlen attention (models/varlen.py, which build_model selects for a packed transformers model),
-  the share packed first-fit-decreasing into micro-batches of at most T tokens, each ONE row of its samples back to
-  back (no padding at all), position ids restarting at each sample, which the varlen attention reads; without one
-  (a model of another attention), rows as long as the data's longest example, T // that rows per micro-batch, so
-  that transformers confines attention to each sample through its block mask
-  (masking_utils.find_packed_sequence_indices: a 2D attention mask None, no cache); no padding inside a row.
+- none: the plan's micro-batch of m samples, padded to its longest;
+- sorted: the share ordered longest first, cut (`split`) into the fewest micro-batches of at most T tokens (rows x
+  longest row), then the fewest padded tokens; any attention;
+- packed: first-fit decreasing into micro-batches of at most T tokens. With a varlen attention (models/varlen.py),
+  each is ONE row, samples back to back, position ids restarting at each sample; otherwise rows as long as the
+  longest example, T // that rows each, and transformers confines attention to each sample by its block mask
+  (masking_utils.find_packed_sequence_indices: no 2D mask, no cache).
 
-T, the token budget, is `data.token_budget`, by default the plan's micro-batch x the longest example: what the fixed
-micro-batch was sized for, so either way fits where `none` did (rows of the longest example: the attention's memory,
-quadratic in the row with a dense mask, stays the unpacked micro-batch's).
-
-The micro-batches of a window number alike on every rank (DDP and FSDP reduce on the last one): a rank whose share
-groups into fewer splits its largest micro-batch, and, when it has fewer samples than micro-batches to run (a partial
-window), runs empty ones (one padding token, no target: no loss, no gradient, the same collectives).
+T is `data.token_budget`, by default the plan's micro-batch x the longest example, so each way fits where `none`
+did. A window's micro-batches number alike on every rank (DDP and FSDP reduce on the last): a rank with fewer splits
+its largest, or runs empty ones (one padding token, no target: no loss, the same collectives).
 """
 
 from __future__ import annotations
@@ -41,8 +31,7 @@ WAYS = ("none", "sorted", "packed")
 
 @dataclass(frozen=True)
 class Grouping:
-    """How `window` groups a rank's share: the way, the token budget T per micro-batch at the plan's micro-batch,
-    the row length of `packed`, and each training sample's input tokens."""
+    """A way, its token budget T at the plan's micro-batch, `packed`'s row length, each sample's input tokens."""
 
     way: str
     budget: int
@@ -56,7 +45,7 @@ class Grouping:
 
 
 def sample_lengths(dataset: Any) -> torch.Tensor:
-    """Each sample's input tokens: from the lengths tokenised text indexed once, else from its items' inputs."""
+    """Each sample's input tokens (tokenised text's own lengths, else its items')."""
     input_lengths = getattr(dataset, "input_lengths", None)
     if input_lengths is not None:
         return input_lengths()
@@ -72,9 +61,8 @@ def sample_lengths(dataset: Any) -> torch.Tensor:
 
 def grouping_of(recipe: Any, dataset: Any, micro_batch: int, varlen: bool = False,
                 way: str | None = None) -> Grouping | None:
-    """The recipe's grouping for `dataset` (None with `none`); a token budget below the longest example is one line.
-    `varlen`: the model attends through a varlen attention (models/varlen.py `runs_varlen`): packed rows are one
-    per micro-batch. `way`: in place of the recipe's data.packing (a plan's default, before the plan writes it)."""
+    """The recipe's grouping (None with `none`). `varlen`: the model runs a varlen attention (one packed row a
+    micro-batch); `way`: in place of data.packing (a plan's default)."""
     way = way or recipe.data.packing or "none"
     if way == "none":
         return None
@@ -93,10 +81,8 @@ _KEPT = 8
 
 
 def group(indices: torch.Tensor, grouping: Grouping, budget: int) -> list[torch.Tensor]:
-    """One rank's share of a window, grouped into micro-batches of at most `budget` tokens (see the module). A run
-    groups each window several times (its micro-batches, and its record's tokens and padding: train/windows.py):
-    the last few groupings are kept and handed out again (a new list of the same index tensors, which no caller
-    changes in place)."""
+    """One rank's share grouped into micro-batches of at most `budget` tokens. A run groups each window several
+    times (train/windows.py): the last few results are kept (a new list of the same tensors, never changed)."""
     if len(indices) == 0:
         return []
     key = indices.numpy().tobytes() if indices.device.type == "cpu" and indices.dtype == torch.long else None
@@ -136,11 +122,10 @@ def _group(indices: torch.Tensor, grouping: Grouping, budget: int) -> list[torch
 
 
 def split(lengths: list[int], budget: int) -> list[int]:
-    """The sizes of the consecutive micro-batches that cut `lengths` (sorted longest first) under `budget` tokens
-    each (rows x its first, longest, row; a sample alone always fits): the fewest micro-batches, and among those the
-    fewest padded tokens (sum of rows x longest less the lengths). A dynamic programme over prefixes, O(n^2) for a
-    rank's share of n samples. A partition of the sorted lengths that is not contiguous is never better: swapping a
-    shorter sample into the group of longer ones lowers no group's longest row."""
+    """Sizes of the consecutive micro-batches cutting `lengths` (longest first) under `budget` tokens each (rows x
+    first row; a sample alone always fits): fewest micro-batches, then fewest padded tokens. A dynamic programme
+    over prefixes, O(n^2); a non-contiguous partition is never better (a shorter sample among longer ones lowers no
+    group's longest row)."""
     n = len(lengths)
     best: list[tuple[int, int]] = [(0, 0)] + [(n + 1, 0)] * n  # (micro-batches, padded tokens) of each prefix
     cut = [0] * (n + 1)
@@ -182,8 +167,7 @@ def balance(shares: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
 
 
 def computed_tokens(indices: torch.Tensor, lengths: torch.Tensor, way: str, row: int, varlen: bool = False) -> int:
-    """Tokens a micro-batch computes, padding included: rows x its longest row (packed for a varlen attention:
-    its samples' tokens, one row without padding)."""
+    """Tokens a micro-batch computes, padding included (varlen packed: its samples' tokens)."""
     if len(indices) == 0:
         return 1
     own = lengths[indices].tolist()
@@ -196,8 +180,8 @@ def computed_tokens(indices: torch.Tensor, lengths: torch.Tensor, way: str, row:
 
 
 def next_fit(lengths: list[int], row: int) -> list[list[int]]:
-    """Positions in `lengths` cut into rows in order, a new row when the next does not fit: the rows `group` packed
-    (first-fit decreasing, flattened row by row: a row's first sample did not fit the fuller row before it)."""
+    """Positions in `lengths` cut into rows in order, a new row when the next does not fit: `group`'s first-fit
+    rows, flattened row by row (a row's first sample did not fit the row before)."""
     rows: list[list[int]] = []
     filled = row + 1
     for position, length in enumerate(lengths):
@@ -210,9 +194,8 @@ def next_fit(lengths: list[int], row: int) -> list[list[int]]:
 
 
 class Grouped(torch.utils.data.Dataset):
-    """The training set as `sorted` or `packed` micro-batches collate it: `batch(indices)` pads the samples to the
-    longest (sorted), or packs them into rows (packed: inputs are {input_ids, position_ids}); empty indices give one
-    padding token without a target. Items, lengths and target counts are the dataset's own."""
+    """The training set as `sorted` (padded to the longest) or `packed` ({input_ids, position_ids} rows)
+    micro-batches collate it; empty indices give one padding token without a target."""
 
     def __init__(self, dataset: Any, grouping: Grouping):
         self.dataset, self.grouping = dataset, grouping
@@ -240,8 +223,13 @@ class Grouped(torch.utils.data.Dataset):
             input_ids = torch.cat([torch.as_tensor(inputs).long() for inputs, _ in items])[None]
             targets = torch.cat([torch.as_tensor(target).long() for _, target in items])[None]
             positions = torch.cat([torch.arange(size) for size in sizes])[None]
-            # the samples' bounds handed to the attention; the logits (lm_head and loss) at the target tokens only
-            return keep_targets({"input_ids": input_ids, "position_ids": positions, **varlen_bounds(sizes)}, targets)
+            # the samples' bounds handed to the attention; `logits_to_keep`: the lm_head and the loss at the target
+            # tokens only (the summed loss has the same terms); a row without targets keeps its first
+            keep = (targets[0] != IGNORE_INDEX).nonzero().flatten()
+            if len(keep) == 0:
+                keep = torch.zeros(1, dtype=torch.long)
+            inputs = {"input_ids": input_ids, "position_ids": positions, **varlen_bounds(sizes), "logits_to_keep": keep}
+            return inputs, targets[:, keep]
         rows = next_fit(sizes, self.grouping.row)
         width = max(sum(len(items[i][0]) for i in row) for row in rows)
         input_ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -260,22 +248,11 @@ class Grouped(torch.utils.data.Dataset):
 
 
 def varlen_bounds(sizes: list[int]) -> dict:
-    """The samples' bounds in a packed row, as keyword arguments of the model's forward, which transformers hands to
-    every attention call: `sample_sizes` (each sample's tokens, for models/varlen.py's attention: read once here,
-    not from the position ids at every layer), and transformers' own `cu_seq_lens_q` / `cu_seq_lens_k` (int32
-    offsets) and `max_length_q` / `max_length_k`, which its flash-attention path reads (its varlen kernel)."""
+    """A packed row's sample bounds as forward kwargs (transformers hands them to each attention call):
+    `sample_sizes` for models/varlen.py, and the `cu_seq_lens_*` / `max_length_*` its flash-attention path reads."""
     offsets = torch.zeros(len(sizes) + 1, dtype=torch.int32)
     offsets[1:] = torch.tensor(sizes).cumsum(0)
     longest = max(sizes)
     return {"sample_sizes": tuple(sizes), "cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets,
             "max_length_q": longest, "max_length_k": longest}
 
-
-def keep_targets(inputs: dict, targets: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """A packed row whose model computes logits at its target tokens only: `logits_to_keep` (transformers' causal LMs:
-    the lm_head and the loss skip the prompt tokens, which bear no loss) and the targets at those positions. The
-    summed loss is the same terms (a position of target -100 adds none); a row without targets keeps its first."""
-    keep = (targets[0] != IGNORE_INDEX).nonzero().flatten()
-    if len(keep) == 0:
-        keep = torch.zeros(1, dtype=torch.long)
-    return {**inputs, "logits_to_keep": keep}, targets[:, keep]

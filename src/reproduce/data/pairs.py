@@ -33,6 +33,7 @@ class Vocabulary:
 
 
 BYTES = Vocabulary(size=260, pad=256, cls=257, sep=258, mask=259, words=256)
+SHORT_SEQ_PROB, MASKED_LM_PROB = 0.1, 0.15  # create_pretraining_data.py's defaults
 
 
 def _truncate_pair(a: list[int], b: list[int], limit: int, rng: random.Random) -> None:
@@ -44,11 +45,10 @@ def _truncate_pair(a: list[int], b: list[int], limit: int, rng: random.Random) -
             longer.pop()
 
 
-def _mask(tokens: list[int], vocab: Vocabulary, probability: float, most: int,
-          rng: random.Random) -> tuple[list[int], list[int]]:
+def _mask(tokens: list[int], vocab: Vocabulary, most: int, rng: random.Random) -> tuple[list[int], list[int]]:
     candidates = [i for i, token in enumerate(tokens) if token not in (vocab.cls, vocab.sep)]
     rng.shuffle(candidates)
-    chosen = candidates[: min(most, max(1, int(round(len(tokens) * probability))))]
+    chosen = candidates[: min(most, max(1, int(round(len(tokens) * MASKED_LM_PROB))))]
     output, labels = list(tokens), [IGNORE_INDEX] * len(tokens)
     for index in chosen:
         if rng.random() < 0.8:
@@ -61,18 +61,17 @@ def _mask(tokens: list[int], vocab: Vocabulary, probability: float, most: int,
     return output, labels
 
 
-def make_instances(documents: list[list[list[int]]], sequence_length: int, vocab: Vocabulary, seed: int = 12345,
-                   dupe_factor: int = 1, short_seq_prob: float = 0.1, masked_lm_prob: float = 0.15,
-                   max_predictions: int | None = None) -> list[tuple[list[int], list[int], list[int], int]]:
+def make_instances(documents: list[list[list[int]]], sequence_length: int, vocab: Vocabulary, seed: int,
+                   dupe_factor: int) -> list[tuple[list[int], list[int], list[int], int]]:
     """(tokens, token types, masked-LM labels, next-sentence label) of every instance."""
     rng = random.Random(seed)
-    most = max_predictions or math.ceil(masked_lm_prob * sequence_length)
+    most = math.ceil(MASKED_LM_PROB * sequence_length)
     limit = sequence_length - 3
     documents = [doc for doc in documents if doc]
     instances = []
     for _ in range(dupe_factor):
         for doc_index, document in enumerate(documents):
-            target = rng.randint(2, limit) if rng.random() < short_seq_prob else limit
+            target = rng.randint(2, limit) if rng.random() < SHORT_SEQ_PROB else limit
             chunk, length, i = [], 0, 0
             while i < len(document):
                 chunk.append(document[i])
@@ -101,7 +100,7 @@ def make_instances(documents: list[list[list[int]]], sequence_length: int, vocab
                     if a and b:
                         tokens = [vocab.cls, *a, vocab.sep, *b, vocab.sep]
                         types = [0] * (len(a) + 2) + [1] * (len(b) + 1)
-                        masked, labels = _mask(tokens, vocab, masked_lm_prob, most, rng)
+                        masked, labels = _mask(tokens, vocab, most, rng)
                         instances.append((masked, types, labels, int(random_next)))
                     chunk, length = [], 0
                 i += 1
@@ -114,10 +113,10 @@ class SentencePairs(Dataset):
     in_memory = True  # slices of tensors: loader workers would only add copying
 
     def __init__(self, documents: list[list[list[int]]], sequence_length: int, vocab: Vocabulary = BYTES,
-                 seed: int = 12345, **options):
+                 seed: int = 12345, dupe_factor: int = 1):
         self.documents, self.length, self.vocab = documents, sequence_length, vocab
-        self.seed, self.options = seed, options
-        instances = make_instances(documents, sequence_length, vocab, seed, **options)
+        self.seed, self.dupe_factor = seed, dupe_factor
+        instances = make_instances(documents, sequence_length, vocab, seed, dupe_factor)
         count = len(instances)
         self.input_ids = torch.full((count, sequence_length), vocab.pad, dtype=torch.long)
         self.token_type_ids = torch.zeros((count, sequence_length), dtype=torch.long)
@@ -144,7 +143,7 @@ class SentencePairs(Dataset):
         return inputs, self.labels[indices]
 
     def with_sequence_length(self, sequence_length: int) -> SentencePairs:
-        return SentencePairs(self.documents, sequence_length, self.vocab, self.seed, **self.options)
+        return SentencePairs(self.documents, sequence_length, self.vocab, self.seed, self.dupe_factor)
 
 
 def pysource_pairs(sequence_length: int = 128, max_bytes: int = 1_000_000, dupe_factor: int = 1,

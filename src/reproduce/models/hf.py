@@ -20,14 +20,10 @@ HF_KIND_FOR_TASK = {"language-modeling": "causal-lm", "classification": "sequenc
 class HFLogits(nn.Module):
     """A Hugging Face model whose forward returns only its logits, so the usual losses apply to it.
 
-    causal-lm: (B, T, V) for input ids (B, T). No labels go to the model and nothing is shifted here: by the
-    data contract the targets are already aligned with the inputs (target[t] is the token after input[t],
-    -100 where no loss is taken), and TokenLoss sums over them and divides by the window's target tokens,
-    exactly as for the built-in GPT. Right padding (collate pads inputs with 0) is harmless under causal
-    attention, and padded positions carry target -100.
-    masked-lm (BERT, RoBERTa): (B, T, V) likewise; the targets are the masked tokens, -100 elsewhere.
-    sequence-classification: (B, C), for SampleLoss; the model finds each row's last token by pad_token_id.
-    A dict input (input_ids, attention_mask, ...) is passed to the model as keyword arguments.
+    causal-lm and masked-lm: (B, T, V). No labels go to the model and nothing is shifted: the targets are already
+    aligned (target[t] is the token after input[t], or the masked token; -100 where no loss is taken, right padding
+    included). sequence-classification: (B, C), each row's last token found by pad_token_id. A dict input is passed
+    as keyword arguments.
     """
 
     def __init__(self, model: nn.Module, kind: str):
@@ -53,15 +49,13 @@ class HFLogits(nn.Module):
 
     @functools.cached_property
     def _passes_kwargs(self) -> bool:
-        """Whether the model's forward takes extra keyword arguments (transformers' hand them to the attention: a
-        packed row's bounds, data/packing.py `varlen_bounds`)."""
+        """Whether the model's forward takes extra keyword arguments (handed to the attention: packed bounds)."""
         return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(self.model.forward).parameters
                    .values())
 
     @functools.cached_property
     def _keeps_logits(self) -> bool:
-        """Whether the model's forward takes `logits_to_keep` (a packed row's target positions, data/packing.py):
-        read once, not at every micro-batch's forward."""
+        """Whether the model's forward takes `logits_to_keep` (a packed row's target positions)."""
         return "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
 
@@ -70,17 +64,9 @@ def hf_logits(model: nn.Module) -> HFLogits | None:
     return next((module for module in model.modules() if isinstance(module, HFLogits)), None)
 
 
-def attention_name(model: nn.Module) -> str:
-    """The attention implementation a model runs: transformers' config._attn_implementation, else its class."""
-    inner = hf_logits(model)
-    name = getattr(getattr(inner.model, "config", None), "_attn_implementation", None) if inner else None
-    return f"{name} ({type(inner.model).__name__})" if name else f"{type(model).__name__}'s own"
-
-
 def confines_packed(model: nn.Module, device: torch.device) -> bool:
-    """Whether the model attends within each packed sample: the logits of two samples packed in one row with position
-    ids restarting at the second equal those of the second alone (eval mode, no gradient; the mode is restored);
-    under the varlen attention, every attention call cut the row at its samples (in the model's own mode)."""
+    """Whether the model attends within each packed sample: the second of two packed samples has the logits it has
+    alone (eval mode, restored after); under VARLEN, every attention call cut the row at its samples."""
     inner = hf_logits(model)
     if inner is None or inner.kind != "causal-lm":
         return False
@@ -104,10 +90,12 @@ def confines_packed(model: nn.Module, device: torch.device) -> bool:
     return float((packed - alone).abs().max()) <= 1e-3 * scale
 
 
-
 def check_packed(model: nn.Module, device: torch.device) -> None:
     """`data.packing: packed` needs attention confined to each sample (`confines_packed`): one line otherwise."""
     if not confines_packed(model, device):
-        raise UserError(f"data.packing: packed: this model's attention ({attention_name(model)}) does not confine "
+        inner = hf_logits(model)  # its attention: transformers' config._attn_implementation, else its class
+        name = getattr(getattr(inner.model, "config", None), "_attn_implementation", None) if inner else None
+        attention = f"{name} ({type(inner.model).__name__})" if name else f"{type(model).__name__}'s own"
+        raise UserError(f"data.packing: packed: this model's attention ({attention}) does not confine "
                         "packed samples (a token would attend across a sample boundary); use data.packing: sorted "
                         "(`packing` sorted), exact with any attention")

@@ -139,15 +139,13 @@ def _extra(found: dict, keys: dict[str, str], backbone: nn.Module) -> list[str]:
 def describe(names: list[str]) -> str:
     """What a state dict's names say it is: a ResNet of some depth, a deep-stem ResNet, a MobileNet, or its keys."""
     plain = [name[len("backbone."):] if name.startswith("backbone.") else name for name in names]
+    depth = _resnet_depth(plain)
     if any(name.startswith("stem.0.") for name in plain):
-        depth = _resnet_depth(plain)
         return (f"MMSegmentation / MMPretrain's ResNetV1c{depth and f'-{depth}'} (a deep stem of three 3x3 "
                 "convolutions, stem.0 .. stem.7, in place of torchvision's one 7x7 conv1)")
     if any(name.startswith("conv1.0.") for name in plain):
-        depth = _resnet_depth(plain)
         return (f"a deep-stem ResNet{depth and f'-{depth}'} (timm's ResNet-C/D names: conv1.0, conv1.3, conv1.6, "
                 "three 3x3 convolutions in place of torchvision's one 7x7 conv1)")
-    depth = _resnet_depth(plain)
     if depth:
         return f"a ResNet-{depth} (torchvision's names)"
     if any(name.startswith("features.") for name in plain):

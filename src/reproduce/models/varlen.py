@@ -1,22 +1,12 @@
 """A variable-length attention for `data.packing: packed`, registered with transformers' AttentionInterface.
 
-A packed micro-batch is one row of its samples back to back, position ids restarting at each (data/packing.py):
-no padding, so the linear layers and the loss compute only the samples' tokens. `varlen_attention` attends within
-each sample without any dense (T x T) mask: the samples' bounds come from the collator through the model's forward
-(`sample_sizes`, and transformers' `cu_seq_lens_q` / `cu_seq_lens_k` for flash-attention: data/packing.py
-`varlen_bounds`), else from the position ids (a sample starts at each position 0), and
-
-- on a CPU (and on CUDA without flash-attention, or in float32 / float64): SDPA with `is_causal` on each sample's
-  slice: one causal kernel per sample, no masked pair computed, exact (docs/packing.md has the measurements);
-- on CUDA in bf16 / fp16 with flash-attention installed: transformers' flash-attention path, which reads the same
-  position ids and runs flash-attention's varlen kernel (not run here: no GPU on this machine).
-
-Anything else falls back to transformers' own sdpa: an explicit attention mask (its mask function builds it as sdpa's
-does), no position ids (an unpacked row: one sample, `is_causal`), a cache, and fake position ids (which have no
-values: one causal pass over the whole row, an upper bound on the memory; the estimate meter keeps them real).
-
-`use_varlen(model)` switches a transformers model that runs `sdpa` (the default here) to it; build_model does so
-for a packed recipe, so the run, verify and the probe run the same kernel.
+A packed micro-batch is one row of samples back to back, position ids restarting at each (data/packing.py).
+`varlen_attention` attends within each sample without a dense (T x T) mask, the bounds handed down by the collator
+(`sample_sizes`, `cu_seq_lens_*`) or read from the position ids:
+- CUDA in bf16 / fp16 with flash-attention installed: transformers' flash-attention varlen path (not run here);
+- otherwise: SDPA `is_causal` on each sample's slice, exact (docs/packing.md has the measurements).
+Anything else (an attention mask, no position ids, a cache, fake position ids) falls back to transformers' sdpa.
+build_model calls `use_varlen` for a packed recipe, so run, verify and the probe run the same kernel.
 """
 
 from __future__ import annotations
@@ -31,8 +21,8 @@ CALLS = {"cut": 0, "whole": 0}  # attention calls that cut their rows at the sam
 
 
 def segments(position_ids: torch.Tensor, rows: int, width: int) -> list[int]:
-    """The start of each sample in the flattened (rows x width) tokens, and their end: position 0 starts one, as
-    does each row. Real position ids are read as such under the estimate meter's fake mode (probe/fake_step.py)."""
+    """Each sample's start in the flattened (rows x width) tokens, then the end: position 0 or a row starts one
+    (real position ids read as such under the estimate meter's fake mode)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
@@ -41,38 +31,23 @@ def segments(position_ids: torch.Tensor, rows: int, width: int) -> list[int]:
     return sorted(starts) + [rows * width]
 
 
-def sample_sizes(position_ids: torch.Tensor, rows: int, width: int, kwargs: dict) -> list[int]:
-    """Each sample's tokens in the flattened row: the bounds the collator handed down through the model's forward
-    (`sample_sizes`, data/packing.py `varlen_bounds`: transformers passes a forward's extra keyword arguments to
-    every attention call), else read from the position ids (`segments`: the probe's rows, the run's check)."""
-    handed = kwargs.get("sample_sizes")
-    if handed is not None and sum(handed) == rows * width:
-        return list(handed)
-    bounds = segments(position_ids, rows, width)
-    return [end - start for start, end in zip(bounds, bounds[1:], strict=False)]
-
-
-def _is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return bool(is_fake(tensor)) or tensor.device.type == "meta"
-
-
 def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query (B, H, T, D), key and value (B, Hkv, T, D); returns (B, T, H, D)."""
+    from torch._subclasses.fake_tensor import is_fake
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.utils import is_flash_attn_2_available
 
     position_ids = kwargs.get("position_ids")
     rows, heads, width, dim = query.shape
     if (attention_mask is not None or position_ids is None or key.shape[2] != width or width == 1
-            or _is_fake(position_ids) or not getattr(module, "is_causal", True)):
+            or is_fake(position_ids) or position_ids.device.type == "meta" or not getattr(module, "is_causal", True)):
         CALLS["whole"] += 1
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     CALLS["cut"] += 1
-    if query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16) and _flash_available():
+    if query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16) and is_flash_attn_2_available():
         from transformers.integrations.flash_attention import flash_attention_forward
 
         kwargs.pop("sample_sizes", None)  # (flash-attention reads the same bounds: cu_seq_lens_q / _k)
@@ -81,7 +56,10 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    sizes = sample_sizes(position_ids, rows, width, kwargs)
+    sizes = kwargs.get("sample_sizes")  # the tokens of each sample: the collator's, else the position ids'
+    if sizes is None or sum(sizes) != rows * width:
+        bounds = segments(position_ids, rows, width)
+        sizes = [end - start for start, end in zip(bounds, bounds[1:], strict=False)]
     # torch.split, not slices: its backward is one concatenation, where each slice's would zero-fill the whole row
     flat = [torch.split(t.transpose(0, 1).reshape(1, heads, rows * width, dim), sizes, dim=2)
             for t in (query, key, value)]
@@ -93,21 +71,12 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
-    """The mask transformers builds for VARLEN: none for packed rows (the attention reads the position ids), else
-    sdpa's (an explicit 2D attention mask keeps its meaning)."""
+    """VARLEN's mask: none for packed rows, else sdpa's (an explicit 2D attention mask keeps its meaning)."""
     if attention_mask is None:
         return None
     from transformers.masking_utils import sdpa_mask
 
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)  # type: ignore[no-any-return]
-
-
-def _flash_available() -> bool:
-    try:
-        from transformers.utils import is_flash_attn_2_available
-    except ImportError:
-        return False
-    return bool(is_flash_attn_2_available())
 
 
 def register() -> None:
@@ -138,19 +107,14 @@ def attention_of(model: nn.Module) -> str | None:
 
 
 def use_varlen(model: nn.Module) -> bool:
-    """Switch the transformers model in `model` from `sdpa` to VARLEN; whether it now runs a varlen attention
-    (VARLEN, or a flash-attention it already had). A model of another attention (eager, flex, its own) is kept."""
-    name = attention_of(model)
-    if name == "sdpa":
-        register()
-        transformers_model(model).set_attn_implementation(VARLEN)  # type: ignore[union-attr,operator]
-        return True
+    """Switch the model from `sdpa` to VARLEN (another attention is kept); whether it now runs a varlen one."""
+    if attention_of(model) == "sdpa":
+        set_attention(model, VARLEN)
     return runs_varlen(model)
 
 
 def set_attention(model: nn.Module, name: str) -> None:
-    """The transformers model in `model` switched to the attention `name` (VARLEN or sdpa: the ways' timing runs
-    each way through the attention its run builds, on one model: throughput/ways.py)."""
+    """The model switched to the attention `name` (VARLEN or sdpa: throughput/ways.py times each way)."""
     if attention_of(model) != name:
         if name == VARLEN:
             register()
@@ -164,9 +128,8 @@ def runs_varlen(model: nn.Module) -> bool:
 
 
 def varlen_confines(model: nn.Module, device: torch.device) -> bool:
-    """Whether every attention call of a forward over a packed row cut it at its samples (VARLEN with the position
-    ids it needs: confined by construction). In the model's own mode, so nothing converts for inference (bitsandbytes'
-    4-bit layers on a CPU repack their weights in eval mode, into a kernel without a backward)."""
+    """Whether every attention call of a forward over a packed row cut it at its samples. In the model's own mode:
+    bitsandbytes' 4-bit layers on a CPU repack in eval mode, into a kernel without a backward."""
     inner = transformers_model(model)
     if inner is None:
         return False
