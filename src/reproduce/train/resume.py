@@ -66,6 +66,10 @@ def resume_run(plan: Plan, out: Path, setup: Setup, noise: NoiseScale | None, se
             raise UserError(f"`resume`: {out} has already run {first_step} of {total} optimizer steps; nothing to do")
     # the run had lowered the micro-batch after running out of memory (by sequence length)
     lowered = {int(k) if k != "None" else None: v for k, v in state["extra"].get("lowered", {}).items()}
+    saved_micro_batch = state.get("micro_batch")  # without extra["lowered"], the only trace of a lowered one
+    if "lowered" not in state["extra"] and saved_micro_batch and not plan.has_phases and (
+            saved_micro_batch < plan.micro_batch and plan.per_rank_batch % saved_micro_batch == 0):
+        lowered = {plan.recipe.batch.sequence_length: saved_micro_batch}
     return Resumed(saved_seed, first_step, kept_metrics(state), lowered, state, rebuild)
 
 
