@@ -292,6 +292,9 @@ def test_sequence_length_phases_read_the_data_cut_at_each_length_float64(workers
     plan, data, ours, records = run(recipe, 2, tmp_path / "run", workers=workers)
     assert [(r["sequence_length"], r["samples"], r["tokens"]) for r in records] == [
         (16, 8, 128), (16, 8, 128), (32, 4, 128), (32, 4, 128)]
+    for record in records:  # each phase's tokens per second at its own length (16 tokens, then 32), not the recipe's
+        assert record["tokens_per_second"] == pytest.approx(record["samples_per_second"] * record["sequence_length"],
+                                                            rel=1e-3)
     cut = {16: data.train.with_sequence_length(16), 32: data.train}
     windows = [(16, 0, 8), (16, 8, 8), (32, 0, 4), (32, 4, 4)]  # each length reads its own data from its start
     reference = plain_loop_over(recipe, windows, cut)

@@ -42,15 +42,15 @@ def step_record(run: Run, step: int, batch: StepBatch, lr: float, result: StepRe
         _, useful, computed = padding_over(run.plan, range(step, step + 1), run.seed, run.lengths, run.grouping,
                                            run.micro_batch(step))
         record.padding = {"useful_tokens": useful, "padded_tokens": computed}
+    if batch.phase is not None:  # before the rates: a phase's tokens per second are at its own length
+        record.phase = {"phase": batch.phase + 1, "effective_batch": batch.effective_batch,
+                        "sequence_length": batch.sequence_length}
     record.rates = run.rates.fields(record.line(),
                                     say=lambda note: run.reporter.message(f"note: {note}") if main else None)
     slow_loader = run.watch.update(step + 1, clock.seconds, record.seconds)
     if slow_loader and main:
         run.reporter.message(slow_loader)
     record.grad_syncs = result.grad_syncs
-    if batch.phase is not None:
-        record.phase = {"phase": batch.phase + 1, "effective_batch": batch.effective_batch,
-                        "sequence_length": batch.sequence_length}
     record.noise = result.noise or {}
     return record
 
