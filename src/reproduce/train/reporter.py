@@ -5,7 +5,7 @@ the trackers): the start, step records and end, the interface, and `Reporters`, 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -94,8 +94,9 @@ class StepRecord:
     gates: dict | None = None  # gate name -> status, at a gate's step (train/gates.py)
 
     def line(self) -> dict:
-        """The fields above in their order, a group only where it has values."""
-        line = {f.name: getattr(self, f.name) for f in fields(self)[:17]}
+        """The fields above in their order (those every record has: no default), a group only where it has values."""
+        line = {f.name: getattr(self, f.name) for f in fields(self) if f.default is MISSING
+                and f.default_factory is MISSING}
         line.update(self.padding)
         line.update(self.rates)
         if self.grad_syncs is not None:
