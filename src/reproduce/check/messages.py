@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from ..plan.validation import error_message, is_union_tag, unknown_key
-from .schema import KINDS, CheckFile, _Check
+from .schema import KINDS, AnyCheck, CheckFile, CompareCheck, MetricCheck, PlanCheck, VerifyCheck
 
 
 def format_errors(exc: ValidationError, source: str, root: type[BaseModel] = CheckFile) -> list[str]:
@@ -33,31 +33,32 @@ def format_errors(exc: ValidationError, source: str, root: type[BaseModel] = Che
             head = message.split(":", 1)[0]
             if ":" in message and " " not in head and head in _fields_at(root, loc):
                 loc, message = [*loc, head], message.split(":", 1)[1].strip()
-        line = f"{source}: {_path(root, loc)}: {message}"
+        line = f"{source}: {_walk(root, loc)[0]}: {message}"
         if line not in lines:
             lines.append(line)
     return lines
 
 
-def _path(root: type[BaseModel], loc: list) -> str:
-    """checks[1].min, with the discriminator tag pydantic adds to the location left out."""
+CHECKS = {
+    cls.model_fields["kind"].annotation.__args__[0]: cls for cls in (PlanCheck, VerifyCheck, MetricCheck, CompareCheck)
+}
+
+
+def _walk(root: type[BaseModel], loc: list) -> tuple[str, Any]:
+    """`loc` as a dotted path (checks[1].min) and the annotation it leads to; the kind tag pydantic adds inside the
+    union of checks picks its member and is left out of the path."""
     text, node = "", root
     for part in loc:
-        if isinstance(part, str) and part in KINDS and _union_member(node, part) is not None:
-            node = _union_member(node, part)
+        if node == AnyCheck and part in CHECKS:
+            node = CHECKS[part]
             continue
         node = _step(node, part)
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text or "(top level)"
+    return text or "(top level)", node
 
 
 def _fields_at(root: type[BaseModel], loc: list) -> list[str]:
-    node: Any = root
-    for part in loc:
-        member = _union_member(node, part) if isinstance(part, str) else None
-        node = member if member is not None else _step(node, part)
-        if node is None:
-            return []
+    node = _walk(root, loc)[1]
     return list(node.model_fields) if isinstance(node, type) and issubclass(node, BaseModel) else []
 
 
@@ -73,32 +74,8 @@ def _step(node: Any, part: Any) -> Any:
         return args[0] if args else None
     if origin is dict and isinstance(part, str):
         return args[1] if len(args) > 1 else None
-    if args:  # Optional / Union / Annotated: the first member that knows the part
-        for arg in args:
-            found = _step(arg, part)
-            if found is not None:
-                return found
-    metadata = getattr(node, "__metadata__", None)
-    if metadata is not None:
-        return _step(getattr(node, "__origin__", None), part)
+    for arg in args:  # Optional / Union / Annotated: the first member that knows the part
+        found = _step(arg, part)
+        if found is not None:
+            return found
     return None
-
-
-def _union_member(node: Any, tag: str) -> Any:
-    """The member of a discriminated union of checks whose `kind` is `tag` (None when `node` is no union)."""
-    if isinstance(node, type) or node is None:
-        return None
-    for arg in _flatten(node):
-        if isinstance(arg, type) and issubclass(arg, _Check):
-            literal = arg.model_fields["kind"].annotation
-            if tag in getattr(literal, "__args__", ()):
-                return arg
-    return None
-
-
-def _flatten(node: Any) -> list:
-    args = getattr(node, "__args__", ())
-    if not args:
-        origin = getattr(node, "__origin__", None)
-        return _flatten(origin) if origin is not None else [node]
-    return [leaf for arg in args for leaf in _flatten(arg)]
