@@ -90,7 +90,7 @@ def test_the_measured_table_in_the_docs_has_the_same_rows(capsys):
 
 
 def test_the_estimate_columns(monkeypatch, tmp_path):
-    from reproduce.cli.papers_devices import estimate_cells
+    from reproduce.cli.papers import estimate_cells
 
     monkeypatch.setenv("REPRODUCE_CACHE_DIR", str(tmp_path))
     assert estimate_cells(PAPERS / "nanogpt-shakespeare-char.yaml") == [">= 64", "1.00"]  # capped at its batch

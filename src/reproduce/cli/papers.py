@@ -1,7 +1,9 @@
 """`reproduce papers`: the shipped recipes, their models, and whether each can run here; `papers show NAME` prints one.
 
 Runnable is decided without torch; built-in models' parameters are counted on torch's meta device (torch imported
-when the command runs, not when the CLI starts); a factory's code is never run to list it.
+when the command runs, not when the CLI starts); a factory's code is never run to list it. `papers --devices
+[--markdown] [--estimate]`: the hardware each paper ran on, from its recipe alone, and with `--estimate` what the
+estimate meter measures on that device (docs/papers.md holds both tables; a test keeps them equal to this output).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UserError
+from ..hardware.catalog import lookup
 from ..model_facts import parameter_counts
 from ..plan.builtin_names import why_not_runnable
 from ..plan.recipe import Recipe, load_recipe
@@ -27,7 +30,7 @@ from .common import stdout
 from .flags import as_typed
 
 NANOGPT_DEFAULTS = {"block_size": 1024, "n_embd": 768}  # models.nanogpt.GPTConfig's (read here without torch)
-LIST_WIDTH = 165  # off a terminal (CI logs, pipes): room for every column of the list on one line
+LIST_WIDTH = 165  # off a terminal (CI logs, pipes): room for every column of a list on one line
 DIR_HELP = "Folder of recipes (default: ./papers if present, else the recipes shipped with reproduce)."
 
 papers_app = typer.Typer(
@@ -70,6 +73,11 @@ def find_recipe(name: str, folder: Path) -> Path:
     raise UserError(f"papers show: no recipe {name!r} in {folder}{hint}")
 
 
+def wide_print(table: Table) -> None:
+    """A table off a terminal (CI logs, pipes) with room for every column on one line."""
+    (stdout if sys.stdout.isatty() else Console(highlight=False, width=LIST_WIDTH)).print(table)
+
+
 def batch_text(recipe: Recipe, short: bool = False) -> str:
     batch = recipe.batch
     if batch.unit == "tokens":
@@ -108,8 +116,6 @@ def papers_command(
         if given and not devices:
             raise UserError(f"{option}: only with --devices (reproduce papers --devices {option})")
     if devices:
-        from .papers_devices import print_devices
-
         print_devices(files, markdown, estimate)
         return
     table = Table(title=f"recipes in {directory}", title_justify="left")
@@ -141,8 +147,7 @@ def papers_command(
         model = escape(model_text(recipe, parameter_counts(recipe)))
         table.add_row(escape(path.stem), year, escape(title), batch,
                       f"{recipe.optimizer.name} {recipe.optimizer.lr:g}", model, here)
-    wide = stdout if sys.stdout.isatty() else Console(highlight=False, width=LIST_WIDTH)
-    wide.print(table)
+    wide_print(table)
     if reasons:
         stdout.print("not runnable here (each can still be planned and probed):", markup=False)
         for line in reasons:
@@ -213,3 +218,84 @@ def model_line(recipe: Recipe, counts: tuple[int, int] | None) -> str:
         text += (f", LoRA r {lora.r} alpha {lora.lora_alpha:g} dropout {lora.dropout:g} on "
                  f"{', '.join(lora.target_modules)}")
     return text
+
+
+COLUMNS = ("recipe", "paper's hardware", "per device", "accumulation", "effective batch", "sharding",
+           "estimate meter (--gpu)")
+
+
+def device_row(path: Path) -> list[str]:
+    """The recipe's hardware, batch and sharding, and whether the estimate meter models its device (as which card)."""
+    try:
+        recipe = load_recipe(path)
+    except UserError as error:
+        return [path.stem, "invalid recipe", "-", "-", "-", "-", as_typed(error.lines[0], ())]
+    batch, device = recipe.batch, recipe.batch.device
+    if device is None and batch.devices is None:
+        hardware = "not stated"
+    elif device is None:
+        hardware = f"{batch.devices} device{'s' if batch.devices != 1 else ''}, model not stated"
+    else:
+        hardware = f"{batch.devices if batch.devices is not None else '?'} x {device}"
+    effective = batch_text(recipe, short=True)
+    if batch.phases:
+        effective += f" (of {len(batch.phases)} phases)"
+    elif batch.ramp:
+        effective += " (after a ramp)"
+    if device is None:
+        estimate = "runs here (data on this machine)" if recipe.data.available else "no device stated"
+    else:
+        try:
+            gpu = lookup(device)
+            estimate = f"{gpu.name} ({gpu.memory_gb:g} GiB)"
+        except UserError as error:
+            estimate = "a TPU: not modelled" if "TPU" in error.lines[0] else "not in the GPU catalog"
+    return [
+        path.stem, hardware,
+        str(batch.per_device) if batch.per_device is not None else "-",
+        str(batch.accumulation) if batch.accumulation is not None else "-",
+        effective, batch.sharding if batch.sharding != "none" else "-", estimate,
+    ]
+
+
+ESTIMATE_COLUMNS = ("estimate's largest", "ratio")
+RIGHT = ("per device", "accumulation", *ESTIMATE_COLUMNS)
+
+
+def estimate_cells(path: Path) -> list[str]:
+    """The estimate meter's largest micro-batch on the paper's own device, no headroom, and its ratio to the paper's
+    per-device batch (evidence the estimate accepts what the paper ran); "-" where the device is no catalog GPU."""
+    try:
+        recipe = load_recipe(path)
+        lookup(recipe.batch.device or "")
+    except UserError:
+        return ["-", "-"]
+    from ..probe.runner import ProbeOptions, run_probe
+
+    batch = recipe.batch
+    world = batch.devices if batch.sharding == "fsdp" and batch.devices else 1
+    options = ProbeOptions(gpu=batch.device, meter="estimate", headroom=0.0, time_steps=False)
+    result = run_probe(recipe, str(path), options, world_size=world)
+    if result.micro_batch_max is None:
+        return ["none fits", "-"]
+    largest = f">= {result.micro_batch_max}" if result.capped else str(result.micro_batch_max)
+    ratio = f"{result.micro_batch_max / batch.per_device:.2f}" if batch.per_device else "-"
+    return [largest, ratio]
+
+
+def print_devices(files: list[Path], markdown: bool, estimate: bool = False) -> None:
+    columns = COLUMNS + (ESTIMATE_COLUMNS if estimate else ())
+    rows = [device_row(path) + (estimate_cells(path) if estimate else []) for path in files]
+    if markdown:  # what docs/papers.md pastes
+        lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---:" if name in RIGHT else "---"
+                                                                 for name in columns) + "|"]
+        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |" for cells in rows]
+        print("\n".join(lines) + "\n", end="")
+        return
+    table = Table(title="the papers' hardware (reproduce papers --devices --markdown: as Markdown)",
+                  title_justify="left")
+    for name in columns:
+        table.add_column(name, justify="right" if name in RIGHT else "left", no_wrap=name == "recipe")
+    for cells in rows:
+        table.add_row(*(escape(cell) for cell in cells))
+    wide_print(table)
