@@ -6,10 +6,10 @@ shared between the checks that name them. Torch is imported only when a check tr
 
 from .invariants import plan_problems
 from .load import LoadedFile, Run, collect, load_all, load_check_file, merge
-from .report import ICONS, check_outputs, counts, junit_xml, markdown, write_reports
+from .report import ICONS, check_outputs, counts, junit_xml, markdown, tally, write_reports
 from .runner import Result, Runner, prepare_work, run_checks
 from .schema import KINDS, CheckFile
 
 __all__ = ["ICONS", "KINDS", "CheckFile", "LoadedFile", "Result", "Run", "Runner", "check_outputs", "collect",
            "counts", "junit_xml", "load_all", "load_check_file", "markdown", "merge", "plan_problems", "prepare_work",
-           "run_checks", "write_reports"]
+           "run_checks", "tally", "write_reports"]

@@ -1,19 +1,23 @@
-"""The suite's reports: JUnit XML for CI test views and Markdown for a job summary."""
+"""The suite's reports: JUnit XML for CI test views, Markdown for a job summary, and with `--annotations github`
+each failing check as a GitHub Actions `::error file=PATH,line=N,...` command, on the line of the stated value that
+failed, else of the check itself; the path relative to $GITHUB_WORKSPACE when the file lies under it. Values escaped
+as the runner's command parser expects."""
 
 from __future__ import annotations
 
 import os
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import yaml
+
 from ..errors import UserError
 from ..plan.planfile import check_writable, write_text_atomic
+from ..report.document import counts, tally
 from ..report.document import markdown_cell as _cell
+from .load import LoadedFile
 from .runner import Result
-
-
-def counts(results: list[Result]) -> dict[str, int]:
-    return {status: sum(r.status == status for r in results) for status in ("pass", "fail", "error")}
 
 
 def junit_xml(results: list[Result], seconds: float) -> str:
@@ -45,9 +49,7 @@ ICONS = {"pass": "✅ pass", "fail": "❌ FAIL", "error": "💥 ERROR"}
 
 def markdown(results: list[Result], seconds: float) -> str:
     """A Markdown report for a CI job summary: totals, one table row per check, then the failures' details."""
-    c = counts(results)
-    head = f"{c['pass']} passed, {c['fail']} failed" + (f", {c['error']} errors" if c["error"] else "")
-    lines = [f"## reproduce check: {head} in {seconds:.0f} s", "",
+    lines = [f"## reproduce check: {tally(results)} in {seconds:.0f} s", "",
              "| status | file | check | measured | expected | seconds |", "|---|---|---|---|---|---:|"]
     for r in results:
         cells = [ICONS[r.status], r.file, r.name, r.measured, r.expected, f"{r.seconds:.1f}"]
@@ -79,7 +81,7 @@ def write_reports(results: list[Result], seconds: float, junit: Path | None, sum
 
 def check_outputs(junit: Path | None, summary: Path | None, plots: Path | None, inputs: list[Path]) -> None:
     """Refuse output paths that are folders, lie under files, or are one of the check files."""
-    from ..report.checks import html_beside
+    from ..report.write import html_beside
 
     for path, option in ((junit, "`junit`"), (summary, "`summary`"),
                          (html_beside(junit) if junit else None, "`junit` (its HTML report beside it)")):
@@ -87,3 +89,78 @@ def check_outputs(junit: Path | None, summary: Path | None, plots: Path | None, 
             check_writable(path, option, protect=tuple(inputs))
     if plots is not None and plots.exists() and not plots.is_dir():
         raise UserError(f"{plots} exists and is not a folder", field="plots")
+
+
+STATED = re.compile(r"^([A-Za-z_][\w.]*): expected ")  # plan_problems' "FIELD: expected X, the plan has Y"
+
+
+def _key_line(node: yaml.Node, name: str) -> int | None:
+    """1-based line of the first key `name` inside `node` (depth first), None when there is none."""
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if key.value == name:
+                return key.start_mark.line + 1
+            found = _key_line(value, name)
+            if found is not None:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            found = _key_line(item, name)
+            if found is not None:
+                return found
+    return None
+
+
+def failure_line(node: yaml.Node, result: Result) -> int:
+    """The line to annotate: the stated value the first detail names, else the check's first line."""
+    for detail in result.details:
+        stated = STATED.match(detail)
+        if stated:
+            line = _key_line(node, stated.group(1).split(".")[-1])
+            if line is not None:
+                return line
+    return node.start_mark.line + 1
+
+
+def shown_path(path: Path) -> str:
+    """The file as GitHub resolves it: relative to $GITHUB_WORKSPACE, else to the working directory."""
+    resolved = path.resolve()
+    for base in (os.environ.get("GITHUB_WORKSPACE"), os.getcwd()):
+        if base:
+            try:
+                return resolved.relative_to(Path(base).resolve()).as_posix()
+            except ValueError:
+                continue
+    return path.as_posix()
+
+
+def _data(text: str) -> str:
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _property(text: str) -> str:
+    return _data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+def github_annotations(files: list[LoadedFile], results: list[Result]) -> list[str]:
+    """One `::error ...` line per check that did not pass (`results`: run_checks', every check of every file)."""
+    places = [(file, index) for file in files for index in range(len(file.spec.checks))]
+    if len(places) != len(results):
+        raise ValueError(f"{len(results)} results for {len(places)} checks")
+    nodes: dict[Path, list[yaml.Node]] = {}  # each file's `checks` items as YAML nodes, in order
+    for file in files:
+        root = yaml.compose(file.path.read_text(encoding="utf-8"))
+        found = [value for key, value in root.value if key.value == "checks" and isinstance(value, yaml.SequenceNode)
+                 ] if isinstance(root, yaml.MappingNode) else []
+        nodes[file.path] = list(found[0].value) if found else []
+    lines = []
+    for (file, index), result in zip(places, results, strict=True):
+        if result.passed:
+            continue
+        found = nodes[file.path]
+        line = failure_line(found[index], result) if index < len(found) else 1
+        title = f"reproduce check: {result.file}: {result.name} ({result.status})"
+        message = "\n".join([f"measured {result.measured}; expected {result.expected}", *result.details])
+        lines.append(f"::error file={_property(shown_path(file.path))},line={line},title={_property(title)}::"
+                     f"{_data(message)}")
+    return lines

@@ -45,8 +45,8 @@ def check_command(
     """Run reproduction checks: plan invariants, gradient equivalence, metric thresholds, run comparisons."""
     # imported here, not with the CLI: every other command (a short `run` most) starts without them
     from ..check import check_outputs, collect, load_all, prepare_work, run_checks, write_reports
-    from ..check.annotations import github_annotations
     from ..check.history import History
+    from ..check.report import github_annotations
 
     files = collect(shipped_paths(list(paths or [])) if shipped else list(paths or []))
     loaded = load_all(files)  # every problem in every file, before anything runs: exit 2
@@ -79,7 +79,7 @@ def check_command(
         results = run_checks(loaded, folder, plots, log=log, on_result=on_result, history=kept)
         seconds = time.perf_counter() - started
         if junit is not None:  # beside the JUnit file, with the runs' curves: made before the runs are removed
-            from ..report.checks import html_beside, write_check_report
+            from ..report.write import html_beside, write_check_report
 
             html = write_check_report(results, seconds, folder, html_beside(junit))
     finally:
@@ -117,7 +117,7 @@ def shipped_paths(names: list[Path]) -> list[Path]:
 
 
 def render(results, seconds: float) -> None:
-    from ..check import ICONS, counts
+    from ..check import ICONS, tally
 
     table = Table(title="reproduce check", title_justify="left")
     table.add_column("file", no_wrap=True)
@@ -135,6 +135,4 @@ def render(results, seconds: float) -> None:
             stdout.print(f"[{STYLE[r.status]}]{r.status.upper()}[/] {r.file}: {r.name}")
             for line in r.details:
                 stdout.print(f"  {line}", markup=False)
-    c = counts(results)
-    line = f"{c['pass']} passed, {c['fail']} failed" + (f", {c['error']} errors" if c["error"] else "")
-    stdout.print(f"[bold]{line}[/] in {seconds:.1f}s")
+    stdout.print(f"[bold]{tally(results)}[/] in {seconds:.1f}s")

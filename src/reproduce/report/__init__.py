@@ -2,8 +2,7 @@
 embedded) and its Markdown twin: the plan against the paper, the curves overlaid, the paper's metric and the verdict.
 """
 
-from .runs import RunFolder, load_run, load_runs
-from .verdict import Verdict, verdicts
+from .runs import RunFolder, Verdict, load_run, load_runs, verdicts
 from .write import write_report
 
 __all__ = ["RunFolder", "Verdict", "load_run", "load_runs", "verdicts", "write_report"]

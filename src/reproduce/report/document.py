@@ -13,8 +13,7 @@ from .. import __version__
 from ..plan.segments import batch_phases
 from ..plan.split import split_text
 from .figures import figures, matplotlib_missing
-from .runs import RunFolder, eval_metrics
-from .verdict import Verdict, verdicts
+from .runs import RunFolder, Verdict, eval_metrics, verdicts
 
 
 @dataclass
@@ -238,6 +237,17 @@ def to_html(content: list[Block]) -> str:
                          f"<figcaption>{e(item.caption)}</figcaption></figure>")
     parts += ["</body>", "</html>", ""]
     return "\n".join(parts)
+
+
+def counts(results: list) -> dict[str, int]:
+    """How many of `check`'s results passed, failed and erred."""
+    return {status: sum(r.status == status for r in results) for status in ("pass", "fail", "error")}
+
+
+def tally(results: list) -> str:
+    """`3 passed, 1 failed, 1 errors`: the suite's count, as every report of it opens (no errors: not said)."""
+    c = counts(results)
+    return f"{c['pass']} passed, {c['fail']} failed" + (f", {c['error']} errors" if c["error"] else "")
 
 
 def markdown_cell(text: str) -> str:
