@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..errors import UserError
 from ..plan.launch import GPUS_PER_NODE
 from ..plan.planner import Plan
-from . import accelerate, deepspeed, hf, lightning, slurm, torchrun
+from . import accelerate, deepspeed, hf, lightning, torchrun
 from .code import lr_factor_source, optimizer_source, param_groups_source
 from .common import Export, arithmetic_line
 from .deepspeed import deepspeed_config
@@ -19,7 +19,7 @@ from .hf import hf_scheduler
 from .torchrun import torchrun_command
 
 BUILDERS = {"hf": hf.build, "lightning": lightning.build, "deepspeed": deepspeed.build,
-            "accelerate": accelerate.build, "torchrun": torchrun.build, "slurm": slurm.build}
+            "accelerate": accelerate.build, "torchrun": torchrun.build, "slurm": torchrun.build_slurm}
 FORMATS = tuple(BUILDERS)
 
 
@@ -37,7 +37,7 @@ def check_format(fmt: str) -> str:
 
 def export(plan: Plan, fmt: str, gpus_per_node: int = GPUS_PER_NODE) -> Export:
     if check_format(fmt) == "slurm":
-        return slurm.build(plan, gpus_per_node)
+        return torchrun.build_slurm(plan, gpus_per_node)
     return BUILDERS[fmt](plan)
 
 
