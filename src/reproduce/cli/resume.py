@@ -44,7 +44,11 @@ def folder_state(out: Path, max_steps: int | None) -> tuple[str, str]:
     if not (out / "plan.yaml").is_file():
         return "new", "no run there"
     if not (out / "checkpoints" / "last.pt").is_file():
-        summary = _summary(out)  # (nothing to check it against)
+        try:  # (nothing to check it against)
+            summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            summary = {}
+        summary = summary if isinstance(summary, dict) else {}
         steps, planned = summary.get("steps"), summary.get("planned_steps") or summary.get("steps")
         if isinstance(steps, int) and isinstance(planned, int) and steps >= (
                 planned if max_steps is None else min(max_steps, planned)):
@@ -57,21 +61,3 @@ def folder_state(out: Path, max_steps: int | None) -> tuple[str, str]:
     except UserError:  # the resume says what is wrong with it
         planned = None
     return finished_state(out, max_steps, planned)
-
-
-def _summary(out: Path) -> dict:
-    try:
-        summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return summary if isinstance(summary, dict) else {}
-
-
-def auto_resume_flags(resume: bool, force: bool, max_restarts: int | None, launching: bool) -> None:
-    """--auto-resume chooses between starting and --resume itself; --max-restarts is torchrun's."""
-    if resume or force:
-        raise UserError(f"--auto-resume: it decides between starting and resuming by itself; without "
-                        f"{'--resume' if resume else '--force'}")
-    if max_restarts is not None and not launching:
-        raise UserError("--max-restarts: torchrun restarts the processes it launched; give --nproc-per-node "
-                        "(or run torchrun --max-restarts yourself, with --auto-resume)")

@@ -55,7 +55,6 @@ from .options import (
 from .reporters import PlainReporter, RichReporter
 from .resume import (
     LAUNCHER_ENV,
-    auto_resume_flags,
     continue_command,
     folder_state,
     launcher_args,
@@ -132,8 +131,14 @@ def request_args(request: RunRequest, which: str) -> list[str]:
 
 
 def auto_resumed(request: RunRequest, world: Any, launching: bool) -> tuple[bool, bool]:
-    """(resume, force) as --auto-resume decides, after refusing another plan's run (a finished run exits 0)."""
-    auto_resume_flags(request.resume, request.force, request.max_restarts, launching)
+    """(resume, force) as --auto-resume decides, after refusing another plan's run (a finished run exits 0); it
+    chooses between starting and --resume itself, and --max-restarts is torchrun's."""
+    if request.resume or request.force:
+        raise UserError(f"--auto-resume: it decides between starting and resuming by itself; without "
+                        f"{'--resume' if request.resume else '--force'}")
+    if request.max_restarts is not None and not launching:
+        raise UserError("--max-restarts: torchrun restarts the processes it launched; give --nproc-per-node "
+                        "(or run torchrun --max-restarts yourself, with --auto-resume)")
     state, words = folder_state(request.out, request.max_steps)
     if state != "new":
         try:
