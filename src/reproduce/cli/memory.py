@@ -10,20 +10,9 @@ import typer
 from ..plan.overlay import changes_of
 from ..plan.units import format_size
 from ..session import recipe_for_plan
+from . import options
 from .app import app
 from .common import recipe_argument, stdout
-from .options import (
-    CheckpointingOption,
-    GpuOption,
-    HeadroomOption,
-    MemoryOption,
-    MeterName,
-    QuantizeOption,
-    SetOption,
-    WeightsOption,
-    alias_changes,
-    probe_options,
-)
 
 METER_HELP = ("estimate: fake tensors with the GPU's kernels (a GPU you do not have; the default without a GPU "
               "here); cpu: a real step on this CPU, its tensors counted; cuda: a real step on this GPU.")
@@ -37,26 +26,26 @@ def memory_command(
         ..., metavar="RECIPE", help="The paper's recipe: a file, or a shipped recipe's name (digits-mlp)."
     ),
     micro_batch: int = typer.Option(..., "--micro-batch", min=1, help="Samples (sequences) a micro-batch."),
-    gpu: GpuOption = None,
-    memory: MemoryOption = None,
-    meter: MeterName = typer.Option(MeterName.auto, "--meter", help=METER_HELP),
+    gpu: options.GpuOption = None,
+    memory: options.MemoryOption = None,
+    meter: options.MeterName = typer.Option(options.MeterName.auto, "--meter", help=METER_HELP),
     sequence_length: int | None = typer.Option(None, "--sequence-length", metavar="L", help=SEQUENCE_HELP),
-    headroom: HeadroomOption = 0.1,
+    headroom: options.HeadroomOption = 0.1,
     as_json: bool = typer.Option(False, "--json", help="Print the answer as one JSON object."),
-    weights: WeightsOption = None,
-    activation_checkpointing: CheckpointingOption = False,
-    quantize: QuantizeOption = None,
-    overrides: SetOption = None,
+    weights: options.WeightsOption = None,
+    activation_checkpointing: options.CheckpointingOption = False,
+    quantize: options.QuantizeOption = None,
+    overrides: options.SetOption = None,
 ) -> None:
     """How much memory one training step needs at micro-batch N: weights, gradients, optimizer state, activations,
     logits and loss, the optimizer step's temporaries; where the peak is; allocated, reserved and driver-level."""
     given = str(recipe_path)  # as the user named it (a shipped recipe's name, or a file)
     recipe_path = recipe_argument(recipe_path)
-    recipe = recipe_for_plan(recipe_path, [*changes_of(overrides or []), *alias_changes(context)])
-    options = probe_options(memory, gpu, meter, headroom, True)
+    recipe = recipe_for_plan(recipe_path, [*changes_of(overrides or []), *options.alias_changes(context)])
+    probing = options.probe_options(memory, gpu, meter, headroom, True)
     from ..probe.answer import memory_at  # torch: only when the command runs (`reproduce --help` imports none)
 
-    answer = memory_at(recipe, micro_batch, options, given, sequence_length).to_json()
+    answer = memory_at(recipe, micro_batch, probing, given, sequence_length).to_json()
     if as_json:
         print(json.dumps(answer, indent=2))
         return

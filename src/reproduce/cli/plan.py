@@ -26,33 +26,9 @@ from ..throughput.budget import check_price, forecast_cells
 from ..throughput.budget import forecast as budget_forecast
 from ..throughput.plan_cost import cost_lines, costs_json, plan_costs
 from ..throughput.predicted_time import DEFAULT_MFU, check_mfu, predict
+from . import options
 from .app import app
 from .common import parameters_line, recipe_argument, show_note, stderr, stdout, token_budget_text
-from .options import (
-    BackboneWeightsOption,
-    BatchNormOption,
-    CheckpointingOption,
-    GpuOption,
-    HeadroomOption,
-    MemoryOption,
-    MeterName,
-    MeterOption,
-    MicroBatchMaxOption,
-    NoCacheOption,
-    OffloadOption,
-    PackingOption,
-    Policy,
-    PolicyOption,
-    QuantizeOption,
-    SetOption,
-    ShardedGradientsOption,
-    ShardingOption,
-    TokenBudgetOption,
-    WeightsOption,
-    WorldSizeOption,
-    alias_changes,
-    probe_options,
-)
 from .throughput import FREE_BATCHNORM_HELP, MFU_HELP, render_prediction, render_throughput
 
 PLAN_DATA_HELP = ("Plan on this data (a folder or file in the recipe's data.format), instead of the recipe's "
@@ -71,17 +47,17 @@ def plan_command(
     recipe_path: Path = typer.Argument(
         ..., metavar="RECIPE", help="The paper's recipe: a file, or a shipped recipe's name (goyal2017-resnet50)."
     ),
-    micro_batch_max: MicroBatchMaxOption = None,
-    world_size: WorldSizeOption = 1,
-    policy: PolicyOption = Policy.exact,
+    micro_batch_max: options.MicroBatchMaxOption = None,
+    world_size: options.WorldSizeOption = 1,
+    policy: options.PolicyOption = options.Policy.exact,
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
     out: Path | None = typer.Option(None, "--out", help="Write the plan to this YAML file (what `run` reads)."),
-    memory: MemoryOption = None,
-    gpu: GpuOption = None,
-    meter: MeterOption = MeterName.auto,
-    headroom: HeadroomOption = 0.1,
-    no_cache: NoCacheOption = False,
-    sharding: ShardingOption = None,
+    memory: options.MemoryOption = None,
+    gpu: options.GpuOption = None,
+    meter: options.MeterOption = options.MeterName.auto,
+    headroom: options.HeadroomOption = 0.1,
+    no_cache: options.NoCacheOption = False,
+    sharding: options.ShardingOption = None,
     emit_format: str | None = typer.Option(
         None, "--emit", metavar="FORMAT", help=f"Print the plan as {', '.join(FORMATS)} settings, not the table."
     ),
@@ -89,17 +65,17 @@ def plan_command(
     assumed_mfu: float = typer.Option(DEFAULT_MFU, "--mfu", help=MFU_HELP),
     price: float | None = typer.Option(None, "--price", metavar="PRICE", help=PRICE_HELP),
     free_batchnorm: bool = typer.Option(False, "--free-batchnorm", help=FREE_BATCHNORM_HELP),
-    activation_checkpointing: CheckpointingOption = False,
-    sharded_gradients: ShardedGradientsOption = False,
-    offload: OffloadOption = None,
+    activation_checkpointing: options.CheckpointingOption = False,
+    sharded_gradients: options.ShardedGradientsOption = False,
+    offload: options.OffloadOption = None,
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=PLAN_DATA_HELP),
-    weights: WeightsOption = None,
-    backbone_weights: BackboneWeightsOption = None,
-    quantize: QuantizeOption = None,
-    batchnorm: BatchNormOption = None,
-    packing: PackingOption = None,
-    token_budget: TokenBudgetOption = None,
-    overrides: SetOption = None,
+    weights: options.WeightsOption = None,
+    backbone_weights: options.BackboneWeightsOption = None,
+    quantize: options.QuantizeOption = None,
+    batchnorm: options.BatchNormOption = None,
+    packing: options.PackingOption = None,
+    token_budget: options.TokenBudgetOption = None,
+    overrides: options.SetOption = None,
 ) -> None:
     """Plan a paper's recipe: micro-batch x accumulation x world size, the LR rule, and steps.
 
@@ -114,12 +90,12 @@ def plan_command(
         check_format(emit_format)
     check_mfu(assumed_mfu)
     check_price(price)
-    recipe = recipe_for_plan(recipe_path, [*changes_of(overrides or []), *alias_changes(context)], world_size)
+    recipe = recipe_for_plan(recipe_path, [*changes_of(overrides or []), *options.alias_changes(context)], world_size)
     check_builtin_model(recipe)  # a typo: one line with the nearest name, as run says
-    options = probe_options(memory, gpu, meter, headroom, no_cache)
+    probing = options.probe_options(memory, gpu, meter, headroom, no_cache)
     data, size = planned_data_size(recipe, given=data_path is not None)
     planned = plan_and_probe(
-        recipe, str(recipe_path), micro_batch_max, world_size, policy.value, size, probe=options, data=data,
+        recipe, str(recipe_path), micro_batch_max, world_size, policy.value, size, probe=probing, data=data,
         keep_batchnorm=not free_batchnorm, on_note=None if quiet else show_note,
     )
     plan, result = planned.plan, planned.probe

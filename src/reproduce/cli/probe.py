@@ -15,26 +15,9 @@ from ..probe.runner import ProbeResult, ProbeTrial, does_not_fit, run_probe
 from ..probe.search import Measurement
 from ..session import recipe_for_plan
 from ..throughput.plan_cost import cost_lines, costs_json, plan_costs
+from . import options
 from .app import app
 from .common import recipe_argument, stderr, stdout, token_budget_text
-from .options import (
-    BatchNormOption,
-    CheckpointingOption,
-    GpuOption,
-    HeadroomOption,
-    MemoryOption,
-    MeterName,
-    MeterOption,
-    NoCacheOption,
-    OffloadOption,
-    QuantizeOption,
-    SetOption,
-    ShardedGradientsOption,
-    ShardingOption,
-    WeightsOption,
-    alias_changes,
-    probe_options,
-)
 
 PROBE_DATA_HELP = "Probe on this data (in the recipe's data.format) instead of the recipe's data.path."
 WORLD_SIZE_HELP = "Number of data-parallel processes: the probe needs no micro-batch above batch / processes."
@@ -46,22 +29,22 @@ def probe_command(
     recipe_path: Path = typer.Argument(
         ..., metavar="RECIPE", help="The paper's recipe: a file, or a shipped recipe's name (digits-mlp)."
     ),
-    memory: MemoryOption = None,
-    gpu: GpuOption = None,
-    meter: MeterOption = MeterName.auto,
-    headroom: HeadroomOption = 0.1,
+    memory: options.MemoryOption = None,
+    gpu: options.GpuOption = None,
+    meter: options.MeterOption = options.MeterName.auto,
+    headroom: options.HeadroomOption = 0.1,
     world_size: int = typer.Option(1, "--world-size", min=1, help=WORLD_SIZE_HELP),
-    sharding: ShardingOption = None,
+    sharding: options.ShardingOption = None,
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
-    no_cache: NoCacheOption = False,
+    no_cache: options.NoCacheOption = False,
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=PROBE_DATA_HELP),
-    weights: WeightsOption = None,
-    activation_checkpointing: CheckpointingOption = False,
-    sharded_gradients: ShardedGradientsOption = False,
-    offload: OffloadOption = None,
-    quantize: QuantizeOption = None,
-    batchnorm: BatchNormOption = None,
-    overrides: SetOption = None,
+    weights: options.WeightsOption = None,
+    activation_checkpointing: options.CheckpointingOption = False,
+    sharded_gradients: options.ShardedGradientsOption = False,
+    offload: options.OffloadOption = None,
+    quantize: options.QuantizeOption = None,
+    batchnorm: options.BatchNormOption = None,
+    overrides: options.SetOption = None,
 ) -> None:
     """Measure the largest micro-batch whose full training step fits one device's memory.
 
@@ -69,9 +52,9 @@ def probe_command(
     and what would make it fit are printed).
     """
     recipe_path = recipe_argument(recipe_path)
-    recipe = recipe_for_plan(recipe_path, [*changes_of(overrides or []), *alias_changes(context)], world_size)
-    options = probe_options(memory, gpu, meter, headroom, no_cache)
-    result = run_probe(recipe, str(recipe_path), options, world_size, on_trial=None if as_json else show_trial)
+    recipe = recipe_for_plan(recipe_path, [*changes_of(overrides or []), *options.alias_changes(context)], world_size)
+    probing = options.probe_options(memory, gpu, meter, headroom, no_cache)
+    result = run_probe(recipe, str(recipe_path), probing, world_size, on_trial=None if as_json else show_trial)
     plan = make_plan(recipe, result.micro_batch_max, world_size) if result.micro_batch_max else None
     if as_json:
         summary = result.model_dump(mode="json")

@@ -23,35 +23,10 @@ from ..session import check_launch_policy, checked_run, prepare_run
 from ..storage import lock, signals
 from ..storage.aside import settle
 from ..train.options import RunRequest
+from . import options
 from .app import app
 from .common import recipe_argument, show_note
 from .flags import request_flags, typed_args
-from .options import (
-    FLAG_OF_FIELD,
-    SHARDING_HELP,
-    BackboneWeightsOption,
-    BatchNormOption,
-    CheckpointingOption,
-    GpuOption,
-    HeadroomOption,
-    MemoryOption,
-    MeterName,
-    MeterOption,
-    MicroBatchMaxOption,
-    NoCacheOption,
-    OffloadOption,
-    PackingOption,
-    Policy,
-    PolicyOption,
-    QuantizeOption,
-    SetOption,
-    ShardedGradientsOption,
-    Sharding,
-    TokenBudgetOption,
-    WeightsOption,
-    WorldSizeOption,
-    alias_changes,
-)
 from .reporters import PlainReporter, RichReporter
 from .resume import (
     LAUNCHER_ENV,
@@ -72,7 +47,7 @@ DATA_HELP = "The training data (a folder or file in the recipe's data.format), i
 EVAL_DATA_HELP = "The evaluation data, instead of the recipe's data.eval_path."
 WORKERS_HELP = ("DataLoader worker processes per training process (0: fetch in the training process; default: "
                 "one per CPU core less one, at most 8, for data read from files; 0 for data held in memory).")
-RUN_SHARDING_HELP = SHARDING_HELP + " A resumed run keeps its own."
+RUN_SHARDING_HELP = options.SHARDING_HELP + " A resumed run keeps its own."
 
 
 MAX_STEPS_HELP = ("Stop after optimizer step K, counted from the start of the run: a resumed run goes on to step K "
@@ -105,7 +80,7 @@ def run_request(context: typer.Context) -> RunRequest:
     return RunRequest(**{**values, "source": recipe_argument(given["source"], "plan or recipe"),
                          "auto_resume": given["auto_resume"] or given["max_restarts"] is not None,
                          "log_to": tuple(parse_log_to(given["log_to"], given["tensorboard"])),
-                         "overrides": tuple(given["overrides"] or ()), "changes": tuple(alias_changes(context)),
+                         "overrides": tuple(given["overrides"] or ()), "changes": tuple(options.alias_changes(context)),
                          "accept_gate": tuple(given["accept_gate"]), "reference": tuple(given["reference"])})
 
 
@@ -122,7 +97,7 @@ def request_args(request: RunRequest, which: str) -> list[str]:
         else:
             args += [flags[name], ",".join(value) if isinstance(value, tuple) else str(value)]
     for change in request.changes:
-        flag = FLAG_OF_FIELD[change.path]
+        flag = options.FLAG_OF_FIELD[change.path]
         if which == "torchrun":
             args += [flag] + ([] if change.value is True else [str(change.value)])
         elif change.path in ("data.path", "data.eval_path"):
@@ -267,9 +242,9 @@ def run_command(
     context: typer.Context,
     source: Path = typer.Argument(..., metavar="PLAN_OR_RECIPE", help=SOURCE_HELP),
     out: Path = typer.Option(..., "--out", help=OUT_HELP),
-    micro_batch_max: MicroBatchMaxOption = None,
-    world_size: WorldSizeOption = 1,
-    policy: PolicyOption = Policy.exact,
+    micro_batch_max: options.MicroBatchMaxOption = None,
+    world_size: options.WorldSizeOption = 1,
+    policy: options.PolicyOption = options.Policy.exact,
     max_steps: int | None = typer.Option(None, "--max-steps", min=1, help=MAX_STEPS_HELP),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
     auto_resume: bool = typer.Option(False, "--auto-resume", help=AUTO_RESUME_HELP),
@@ -283,30 +258,30 @@ def run_command(
     nnodes: str = typer.Option("1", "--nnodes", metavar="N|MIN:MAX", help=NNODES_HELP),
     node_rank: int = typer.Option(0, "--node-rank", min=0, help="This machine's rank (with --nnodes)."),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0 (several nodes)."),
-    memory: MemoryOption = None,
-    gpu: GpuOption = None,
-    meter: MeterOption = MeterName.auto,
-    headroom: HeadroomOption = 0.1,
-    no_cache: NoCacheOption = False,
+    memory: options.MemoryOption = None,
+    gpu: options.GpuOption = None,
+    meter: options.MeterOption = options.MeterName.auto,
+    headroom: options.HeadroomOption = 0.1,
+    no_cache: options.NoCacheOption = False,
     tensorboard: bool = typer.Option(False, "--tensorboard", help="Also log each step's metrics to OUT/tensorboard."),
     log_to: list[str] | None = typer.Option(None, "--log-to", metavar="TRACKERS", help=LOG_TO_HELP),
-    sharding: Sharding | None = typer.Option(None, "--sharding", help=RUN_SHARDING_HELP),
+    sharding: options.Sharding | None = typer.Option(None, "--sharding", help=RUN_SHARDING_HELP),
     data: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
     eval_data: str | None = typer.Option(None, "--eval-data", metavar="PATH", help=EVAL_DATA_HELP),
-    weights: WeightsOption = None,
-    backbone_weights: BackboneWeightsOption = None,
+    weights: options.WeightsOption = None,
+    backbone_weights: options.BackboneWeightsOption = None,
     workers: int | None = typer.Option(None, "--workers", min=0, help=WORKERS_HELP),
     no_noise_scale: bool = typer.Option(False, "--no-noise-scale", help=NO_NOISE_HELP),
     stop_on_divergence: bool = typer.Option(False, "--stop-on-divergence", help=DIVERGENCE_HELP),
     merged: bool = typer.Option(False, "--merged", help=MERGED_HELP),
-    activation_checkpointing: CheckpointingOption = False,
-    sharded_gradients: ShardedGradientsOption = False,
-    offload: OffloadOption = None,
-    quantize: QuantizeOption = None,
-    batchnorm: BatchNormOption = None,
-    packing: PackingOption = None,
-    token_budget: TokenBudgetOption = None,
-    overrides: SetOption = None,
+    activation_checkpointing: options.CheckpointingOption = False,
+    sharded_gradients: options.ShardedGradientsOption = False,
+    offload: options.OffloadOption = None,
+    quantize: options.QuantizeOption = None,
+    batchnorm: options.BatchNormOption = None,
+    packing: options.PackingOption = None,
+    token_budget: options.TokenBudgetOption = None,
+    overrides: options.SetOption = None,
     accept_gate: list[str] = typer.Option([], "--accept-gate", metavar="NAME", help=ACCEPT_GATE_HELP),
     from_gate: str | None = typer.Option(None, "--from", metavar="GATE", help=FROM_GATE_HELP),
     reference: list[str] = typer.Option([], "--reference", metavar="RUN_DIR", help=REFERENCE_HELP),

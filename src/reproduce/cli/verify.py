@@ -13,23 +13,9 @@ from rich.table import Table
 from ..errors import UserError
 from ..plan.overlay import changes_of
 from ..session import plan_and_probe, recipe_for_run
+from . import options
 from .app import app
 from .common import recipe_argument, show_note, stdout
-from .options import (
-    BackboneWeightsOption,
-    BatchNormOption,
-    CheckpointingOption,
-    MicroBatchMaxOption,
-    PackingOption,
-    Policy,
-    PolicyOption,
-    QuantizeOption,
-    SetOption,
-    TokenBudgetOption,
-    WeightsOption,
-    WorldSizeOption,
-    alias_changes,
-)
 
 SAMPLES_HELP = "Check on the first K samples instead of one effective batch (for big models)."
 TOLERANCE_HELP = "Largest relative error that counts as equivalent (default per dtype: float64 1e-10, float32 1e-5)."
@@ -46,9 +32,9 @@ def verify_command(
     source: Path = typer.Argument(
         ..., metavar="RECIPE_OR_PLAN", help="A recipe (a file or a shipped recipe's name), or a plan from `plan --out`."
     ),
-    micro_batch_max: MicroBatchMaxOption = None,
-    world_size: WorldSizeOption = 1,
-    policy: PolicyOption = Policy.exact,
+    micro_batch_max: options.MicroBatchMaxOption = None,
+    world_size: options.WorldSizeOption = 1,
+    policy: options.PolicyOption = options.Policy.exact,
     samples: int | None = typer.Option(None, "--samples", min=1, help=SAMPLES_HELP),
     tolerance: float | None = typer.Option(None, "--tolerance", help=TOLERANCE_HELP),
     dtype: Dtype = typer.Option(Dtype.float64, "--dtype", help=DTYPE_HELP),
@@ -56,14 +42,14 @@ def verify_command(
     seed: int | None = typer.Option(None, "--seed", help=SEED_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     data_path: str | None = typer.Option(None, "--data", metavar="PATH", help=DATA_HELP),
-    weights: WeightsOption = None,
-    backbone_weights: BackboneWeightsOption = None,
-    activation_checkpointing: CheckpointingOption = False,
-    quantize: QuantizeOption = None,
-    batchnorm: BatchNormOption = None,
-    packing: PackingOption = None,
-    token_budget: TokenBudgetOption = None,
-    overrides: SetOption = None,
+    weights: options.WeightsOption = None,
+    backbone_weights: options.BackboneWeightsOption = None,
+    activation_checkpointing: options.CheckpointingOption = False,
+    quantize: options.QuantizeOption = None,
+    batchnorm: options.BatchNormOption = None,
+    packing: options.PackingOption = None,
+    token_budget: options.TokenBudgetOption = None,
+    overrides: options.SetOption = None,
 ) -> None:
     """Compare the plan's accumulated gradient with the one-pass gradient: exit 0 equivalent, 1 not."""
     from ..data import build_data, training_sizes  # torch is imported only by the commands that need it
@@ -72,7 +58,7 @@ def verify_command(
     if tolerance is not None and not tolerance > 0:
         raise UserError(f"--tolerance: must be > 0 (got {tolerance})")
     source = recipe_argument(source, "recipe or plan")
-    recipe, plan = recipe_for_run(source, changes_of(overrides or []), alias_changes(context))
+    recipe, plan = recipe_for_run(source, changes_of(overrides or []), options.alias_changes(context))
     data = build_data(recipe)
     if plan is None:
         plan = plan_and_probe(recipe, str(source), micro_batch_max, world_size, policy.value,
