@@ -49,13 +49,6 @@ class Result:
         return self.status == "pass"
 
 
-@dataclass
-class RunResult:
-    out: Path
-    summary: dict
-    seconds: float
-
-
 class Runner:
     """Evaluates checks; trains each distinct (recipe, budget, seed) once, in `work`."""
 
@@ -63,7 +56,7 @@ class Runner:
                  history: History | None = None):
         self.work, self.plots, self.history = work, plots, history
         self.log = log or (lambda text: None)
-        self.cache: dict[str, RunResult] = {}
+        self.cache: dict[str, dict] = {}  # each run's summary.json
         self.data: dict[str, Datasets] = {}
 
     def dataset(self, recipe: Recipe) -> Datasets:
@@ -86,7 +79,10 @@ class Runner:
         data = self.dataset(run.recipe)
         return data, self.plan_for(run, training_sizes(run.recipe, data.train))
 
-    def train(self, file: LoadedFile, run: Run, seed: int) -> RunResult:
+    def folder(self, file: LoadedFile, run: Run, seed: int) -> Path:
+        return self.work / _slug(file.path.stem) / _slug(run.name) / f"seed-{seed}"
+
+    def train(self, file: LoadedFile, run: Run, seed: int) -> dict:
         key = run.key(seed)
         if key in self.cache:
             return self.cache[key]
@@ -96,18 +92,15 @@ class Runner:
         max_steps = run.budget.max_steps
         if run.budget.max_epochs is not None and plan.steps_per_epoch:
             max_steps = max(1, math.ceil(run.budget.max_epochs * plan.steps_per_epoch))
-        out = self.work / _slug(file.path.stem) / _slug(run.name) / f"seed-{seed}"
         self.log(f"  training {run.name!r} seed {seed}: {plan.arithmetic}, "
                  f"{min(max_steps or plan.optimizer_steps or 0, plan.optimizer_steps or 0)} steps")
-        started = time.perf_counter()
-        summary = train(plan, RunRequest(out, device=run.budget.device, max_steps=max_steps, seed=seed, force=True),
-                        data=data)
-        result = RunResult(out, summary, time.perf_counter() - started)
-        self.cache[key] = result
-        return result
+        request = RunRequest(self.folder(file, run, seed), device=run.budget.device, max_steps=max_steps, seed=seed,
+                             force=True)
+        self.cache[key] = train(plan, request, data=data)
+        return self.cache[key]
 
     def values(self, file: LoadedFile, run: Run, metric: str) -> list[float]:
-        return [lookup(self.train(file, run, seed).summary, metric) for seed in run.seeds]
+        return [lookup(self.train(file, run, seed), metric) for seed in run.seeds]
 
     def evaluate(self, file: LoadedFile, index: int) -> Result:
         check = file.spec.checks[index]
@@ -246,7 +239,8 @@ class Runner:
         figure, axis = plt.subplots(figsize=(7, 4))
         key = check.metric
         for label, run, style in (("a", run_a, "-"), ("b", run_b, "--")):
-            records = read_metrics(self.train(file, run, run.seeds[0]).out / "metrics.jsonl")
+            self.train(file, run, run.seeds[0])
+            records = read_metrics(self.folder(file, run, run.seeds[0]) / "metrics.jsonl")
             xs, ys = [r["epoch"] for r in records if key in r], [r[key] for r in records if key in r]
             if xs:
                 axis.plot(xs, ys, style, marker="o" if len(xs) < 30 else None, label=f"{label}: {run.name}")
