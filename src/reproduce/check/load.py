@@ -76,11 +76,10 @@ def collect(paths: list[Path]) -> list[Path]:
             problems.append(f"{path}: no such check file or folder")
     if problems:
         raise UserError(*problems)
-    unique = []
+    unique: dict[Path, Path] = {}  # each file once, as first given
     for path in files:
-        if path.resolve() not in {p.resolve() for p in unique}:
-            unique.append(path)
-    return unique
+        unique.setdefault(path.resolve(), path)
+    return list(unique.values())
 
 
 def load_all(paths: list[Path]) -> list[LoadedFile]:
@@ -108,7 +107,9 @@ def load_check_file(path: Path) -> LoadedFile:
     base = _load_recipe(spec.recipe, path, source, "recipe", problems)
     runs: dict[str, Run] = {}
     if base is not None and spec.sample_data is not None:
-        base = _with_sample_data(base, spec.sample_data, source, problems)
+        recipe = _overlaid(base[0], {"data": {"path": str(sample_folder(spec.sample_data)), "available": True}},
+                           f"{source}: sample_data", problems)
+        base = None if recipe is None else (recipe, base[1])
     if base is not None:
         recipe, recipe_path = base
         runs[MAIN] = Run(MAIN, recipe, recipe_path, spec.budget)
@@ -158,12 +159,10 @@ def sample_folder(kind: str) -> Path:
 _SAMPLE_FOLDERS: dict[str, Path] = {}
 
 
-def _with_sample_data(base: tuple[Recipe, str], kind: str, source: str, problems: list[str]):
-    recipe, recipe_path = base
-    merged = merge(recipe.model_dump(mode="json", exclude_unset=True),
-                   {"data": {"path": str(sample_folder(kind)), "available": True}})
+def _overlaid(recipe: Recipe, overrides: dict, source: str, problems: list[str]) -> Recipe | None:
+    """`recipe` with `overrides` merged in and validated again; None, its problems added, when it is invalid."""
     try:
-        return parse_recipe(merged, source=f"{source}: sample_data"), recipe_path
+        return parse_recipe(merge(recipe.model_dump(mode="json", exclude_unset=True), overrides), source=source)
     except UserError as error:
         problems.extend(error.lines)
         return None
@@ -199,11 +198,8 @@ def _resolve_run(name, run_spec, spec, recipe, recipe_path, path, source, proble
             return None
         recipe, recipe_path = loaded
     if run_spec.overrides:
-        merged = merge(recipe.model_dump(mode="json", exclude_unset=True), run_spec.overrides)
-        try:
-            recipe = parse_recipe(merged, source=f"{source}: {where}.overrides")
-        except UserError as error:
-            problems.extend(error.lines)
+        recipe = _overlaid(recipe, run_spec.overrides, f"{source}: {where}.overrides", problems)
+        if recipe is None:
             return None
     try:
         budget = Budget.model_validate({**spec.budget.model_dump(exclude_unset=True), **run_spec.budget})
