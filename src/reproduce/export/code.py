@@ -62,6 +62,11 @@ NORM_TYPES_SOURCE = [
 ]
 
 
+# each kind of `optimizer.no_decay` as the test of a parameter `p`, named `name` in `module`, in this order
+NO_DECAY_TESTS = {"bias": 'name == "bias"', "norm": "isinstance(module, norms)",
+                  "embedding": "isinstance(module, torch.nn.Embedding)", "1d": "p.ndim < 2"}
+
+
 def param_groups_source(plan: Plan) -> list[str]:
     """`def param_groups(model)`: the recipe's weight decay and `no_decay` split, as `reproduce run` makes it."""
     spec = plan.recipe.optimizer
@@ -72,15 +77,7 @@ def param_groups_source(plan: Plan) -> list[str]:
             f'    """Weight decay {decay!r} on every trainable parameter (the recipe has no no_decay)."""',
             f'    return [{{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": {decay!r}}}]',
         ]
-    tests = []
-    if "bias" in spec.no_decay:
-        tests.append('name == "bias"')
-    if "norm" in spec.no_decay:
-        tests.append("isinstance(module, norms)")
-    if "embedding" in spec.no_decay:
-        tests.append("isinstance(module, torch.nn.Embedding)")
-    if "1d" in spec.no_decay:
-        tests.append("p.ndim < 2")
+    tests = [test for kind, test in NO_DECAY_TESTS.items() if kind in spec.no_decay]
     return [
         "def param_groups(model):",
         f'    """Weight decay {decay!r}, none on {", ".join(spec.no_decay)} (the recipe\'s no_decay)."""',

@@ -23,11 +23,8 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
     }
     if recipe.clip_grad_norm:
         config["gradient_clipping"] = recipe.clip_grad_norm
-    if recipe.precision == "bf16":
-        config["bf16"] = {"enabled": True}
-    elif recipe.precision == "fp16":
-        config["fp16"] = {"enabled": True}
-    if recipe.precision != "fp32":
+    if recipe.precision != "fp32":  # "bf16" or "fp16", DeepSpeed's key of each
+        config[recipe.precision] = {"enabled": True}
         notes.append(
             f"DeepSpeed's {recipe.precision} mode keeps the model in {recipe.precision} with fp32 master weights in "
             "the optimizer, where reproduce autocasts an fp32 model: numerics differ slightly"
