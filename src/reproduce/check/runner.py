@@ -339,7 +339,6 @@ def run_checks(
     results = []
     for file in files:
         for index in range(len(file.spec.checks)):
-            runner.log(f"{file.path}: {file.names[index]}")
             results.append(runner.evaluate(file, index))
             if on_result:
                 on_result(results[-1])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import sys
 import time
@@ -64,10 +65,6 @@ def check_command(
     started = time.perf_counter()
     done = 0
 
-    def log(text: str) -> None:
-        if text.startswith("  "):
-            print(text, file=sys.stderr, flush=True)
-
     def on_result(result) -> None:
         nonlocal done
         done += 1
@@ -76,12 +73,13 @@ def check_command(
 
     html = None
     try:
+        log = functools.partial(print, file=sys.stderr, flush=True)  # each run trained, as it starts
         results = run_checks(loaded, folder, plots, log=log, on_result=on_result, history=kept)
         seconds = time.perf_counter() - started
         if junit is not None:  # beside the JUnit file, with the runs' curves: made before the runs are removed
-            from ..report.write import html_beside, write_check_report
+            from ..report.write import write_check_report
 
-            html = write_check_report(results, seconds, folder, html_beside(junit))
+            html = write_check_report(results, seconds, folder, junit)
     finally:
         if temporary:
             shutil.rmtree(folder, ignore_errors=True)
@@ -120,11 +118,8 @@ def render(results, seconds: float) -> None:
     from ..check import ICONS, tally
 
     table = Table(title="reproduce check", title_justify="left")
-    table.add_column("file", no_wrap=True)
-    table.add_column("check", ratio=2)
-    table.add_column("status", no_wrap=True)
-    table.add_column("measured", ratio=3)
-    table.add_column("expected", ratio=3)
+    for column, ratio in (("file", None), ("check", 2), ("status", None), ("measured", 3), ("expected", 3)):
+        table.add_column(column, ratio=ratio, no_wrap=ratio is None)  # the short cells whole, the long ones wrapped
     table.add_column("seconds", justify="right", no_wrap=True)
     for r in results:
         table.add_row(r.file, r.name, f"[{STYLE[r.status]}]{ICONS[r.status].split()[-1]}[/]", r.measured,

@@ -30,8 +30,6 @@ Block = tuple[str, object]  # ("h2", text), ("p", text), ("table", Table), ("fig
 def _number(value) -> str:
     if value is None:
         return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
     if isinstance(value, int):
         return f"{value:,}"
     if isinstance(value, float):

@@ -43,13 +43,10 @@ class RunFolder:
     def complete(self) -> bool:
         return self.summary is not None and self.summary["steps"] == self.plan.optimizer_steps
 
-    def series(self, key: str) -> list[tuple[int, float]]:
-        return [(r["step"], float(r[key])) for r in self.records
-                if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
-
     def final(self, key: str) -> tuple[int, float] | None:
         """The last step that has `key` and its value."""
-        found = self.series(key)
+        found = [(r["step"], float(r[key])) for r in self.records
+                 if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
         return found[-1] if found else None
 
 

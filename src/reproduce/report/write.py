@@ -6,8 +6,10 @@ value, so a metric that drifts shows before a check fails."""
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
+from .. import __version__
 from ..errors import UserError
 from ..plan.planfile import check_writable, write_text_atomic
 from .document import Block, Table, blocks, tally, to_html, to_markdown
@@ -31,10 +33,6 @@ def write_report(runs: list[RunFolder], out: Path, markdown: Path | None = None,
     if runs:
         content = blocks(runs, plots)
     else:  # the title of a report of a history and no run
-        import datetime
-
-        from .. import __version__
-
         made, shown = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}", history[0] if history else None
         content = [("h1", f"reproduce report: {shown.name if shown else 'no run'}"),
                    ("p", f"Made by reproduce {__version__} on {made} UTC from the history {shown}.")]
@@ -95,8 +93,9 @@ def html_beside(junit: Path) -> Path:
     return junit.with_suffix(".html")
 
 
-def write_check_report(results: list, seconds: float, work: Path, path: Path) -> Path:
-    path = check_writable(path, "`junit` (its HTML report)")
+def write_check_report(results: list, seconds: float, work: Path, junit: Path) -> Path:
+    """The HTML report beside the JUnit file, its path checked with the other outputs' before the checks ran."""
+    path = html_beside(junit)
     write_text_atomic(path, to_html(check_blocks(results, seconds, work)))
     return path
 
