@@ -66,14 +66,12 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatc
         timed = {m: per_rank // m * seconds for m, seconds in timed.items()}  # one optimizer step: N micro-steps
     else:
         timings, where = _measure(recipe, data, result, per_rank, splits, budget_seconds, on_note)
-    decision = choose(splits, per_rank, timed, sources, seq, batchnorm_micro_batch=batchnorm, basis=basis,
-                      micro_batch_max=micro_batch_max, timings=timings)
-    note = ""
-    if batchnorm is None and recipe.model.has_batchnorm and per_device:
-        note = f" (BatchNorm statistics over {decision.micro_batch}, not the paper's {per_device})"
+    unkept = per_device if batchnorm is None and recipe.model.has_batchnorm else None
+    choice = choose(splits, per_rank, timed, sources, seq, batchnorm_micro_batch=batchnorm, basis=basis,
+                    micro_batch_max=micro_batch_max, timings=timings, device=where, unkept_batchnorm=unkept)
     return make_plan(recipe, micro_batch_max, world_size, "throughput", dataset_size=dataset_size,
-                     recipe_path=recipe_path, micro_batch=decision.micro_batch, weights=weights,
-                     data_fingerprint=data_fingerprint, throughput=decision.as_choice(where, micro_batch_max, note))
+                     recipe_path=recipe_path, micro_batch=choice.micro_batch, weights=weights,
+                     data_fingerprint=data_fingerprint, throughput=choice)
 
 def _measure(recipe: Recipe, data: Datasets | None, result: ProbeResult | None, per_rank: int, splits: list[int],
              budget_seconds: float, on_note: Callable[[str], None] | None) -> tuple[Timings, str]:
