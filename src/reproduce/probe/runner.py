@@ -109,14 +109,6 @@ class ProbeResult(BaseModel):
     def timings(self) -> list[tuple[int, float]]:
         return [(t.micro_batch, t.step_seconds) for t in self.trials if t.fits and t.step_seconds]
 
-    def failure(self) -> str:
-        """One line: why not even micro-batch 1 fits."""
-        smallest = min(self.trials, key=lambda t: t.micro_batch)
-        return (
-            f"`memory`/`gpu`: not even micro-batch {smallest.micro_batch} fits in {format_size(self.budget_bytes)} "
-            f"less {self.headroom:.0%} headroom ({self.meter} meter): {smallest.note or 'over the limit'}"
-        )
-
 
 def timed_trial(measurement: Measurement, sequence_length: int | None) -> ProbeTrial:
     """A trial as reported, with its samples (and tokens) per second where its step was timed."""
@@ -243,7 +235,7 @@ def run_probe(
         if found.micro_batch_max is None:
             from .advice import explain
 
-            does_not_fit = explain(meter, found.trials, world_size, gpu).to_json()
+            does_not_fit = explain(meter, found.trials, world_size, gpu)
     finally:
         meter.close()
     fields: dict = {}  # sorted text (1-D tokens) without a data.token_budget of its own: T searched in tokens
@@ -269,7 +261,11 @@ def does_not_fit(result: ProbeResult) -> DoesNotFit:
     """The error for a probe that found no micro-batch: the step's needs by category and what would fit."""
     from .advice import render
 
-    if result.does_not_fit is None:  # a result that carries no breakdown: its one-line failure
-        return DoesNotFit(result.failure())
+    if result.does_not_fit is None:  # a result that carries no breakdown: one line
+        smallest = min(result.trials, key=lambda t: t.micro_batch)
+        return DoesNotFit(
+            f"`memory`/`gpu`: not even micro-batch {smallest.micro_batch} fits in {format_size(result.budget_bytes)} "
+            f"less {result.headroom:.0%} headroom ({result.meter} meter): {smallest.note or 'over the limit'}"
+        )
     budget = f"`gpu` {result.gpu}" if result.gpu else "the `memory` budget"
     return DoesNotFit(*render(result.does_not_fit, budget))
