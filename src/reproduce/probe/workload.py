@@ -11,6 +11,7 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 from torch.utils.data import TensorDataset
 
 from ..data import Datasets, build_data, image_dataset
@@ -35,8 +36,8 @@ class SyntheticSamples:
         return self.items
 
     def __getitem__(self, index: int) -> tuple[Any, torch.Tensor]:
-        inputs, targets = self.batch(torch.tensor([index]))
-        return inputs[0], targets[0]
+        inputs, targets = self.batch(torch.tensor([index]))  # (sentence pairs: a dict of tensors)
+        return tree_map_only(torch.Tensor, lambda rows: rows[0], inputs), targets[0]
 
     def batch(self, indices: torch.Tensor) -> tuple[Any, torch.Tensor]:
         generator = torch.Generator().manual_seed(0)
@@ -72,10 +73,6 @@ class SyntheticPairs(SyntheticTokens):
         labels[:, -1] = torch.randint(0, 2, (rows,), generator=generator)
         inputs = {"input_ids": tokens, "token_type_ids": types, "attention_mask": torch.ones_like(tokens)}
         return inputs, labels
-
-    def __getitem__(self, index: int) -> tuple[dict, torch.Tensor]:
-        inputs, targets = self.batch(torch.tensor([index]))
-        return {key: value[0] for key, value in inputs.items()}, targets[0]
 
 
 def declared_inputs(recipe: Recipe) -> dict:
