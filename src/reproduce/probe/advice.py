@@ -17,18 +17,12 @@ from typing import Any
 import torch
 
 from ..models import build_model
-from ..plan.recipe import QUANTIZED_BASES, Recipe
+from ..plan.recipe import QUANTIZED_BASES
 from ..plan.units import format_size
 from .memory_plan import WayOut, describe, memory_ways_out, merged, tried
 from .sharded_memory import Blocks, StepMemory, sharded_peak, smallest_world_size, unsharded_floor
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.05}  # a common starting point (peft's examples)
-
-
-def lora_allowed(recipe: Recipe) -> bool:
-    """LoRA is a way to fine-tune: offered only for recipes that start from pretrained weights."""
-    model = recipe.model
-    return bool(model.hf or model.pretrained) and model.lora is None
 
 
 def lora_targets(model: torch.nn.Module) -> list[str]:
@@ -137,7 +131,9 @@ def _recipe_ways_out(meter: Any, gpu: Any, extra: dict | None = None) -> list[Wa
     combined with those knobs, on the user's own configuration (sharding, world size, precision)."""
     recipe = meter.workload.recipe
     changes: list[tuple[str, dict]] = []
-    can_lora, can_bf16 = lora_allowed(recipe), recipe.model.dtype == "fp32"
+    # LoRA is a way to fine-tune: offered only for recipes that start from pretrained weights
+    can_lora = bool(recipe.model.hf or recipe.model.pretrained) and recipe.model.lora is None
+    can_bf16 = recipe.model.dtype == "fp32"
     lora: dict = {}
     if can_lora:
         with torch.device("meta"):
@@ -159,7 +155,7 @@ def _recipe_ways_out(meter: Any, gpu: Any, extra: dict | None = None) -> list[Wa
         combined = merged(extra, change)
         ways.append(tried(meter, gpu, f"{describe(extra)} and {what.split(' (')[0]}", combined)[0])
     ways.extend(_quantized_ways_out(meter, gpu, lora))
-    if not lora_allowed(recipe) and recipe.model.lora is None:
+    if not can_lora and recipe.model.lora is None:
         ways.append(WayOut("model.lora", False, None, "not offered: the recipe trains from scratch (LoRA "
                            "fine-tunes pretrained weights; set model.pretrained to say the recipe fine-tunes)"))
     return ways
