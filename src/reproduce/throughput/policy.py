@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ..errors import UserError
 from ..plan.planner import Plan, make_plan
 from ..plan.recipe import Recipe
-from ..plan.segments import MicroBatchMax, micro_batch_cap
+from ..plan.segments import MicroBatchMax
 from ..plan.weightfiles import WeightsRecord
 from ..probe.runner import ProbeResult
 from .predicted_time import DEFAULT_MFU
@@ -49,9 +49,8 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatc
                      recipe_path=recipe_path, weights=weights, data_fingerprint=data_fingerprint)
     if not base.exact:  # no exact split (the batch does not divide over the processes): as the exact policy does
         return base
-    per_rank = base.per_rank_batch
-    cap = micro_batch_cap(micro_batch_max, recipe.batch.sequences, world_size)
-    splits = exact_splits(per_rank, cap)
+    per_rank = base.per_rank_batch  # exact: the paper's batch / W, which caps the micro-batch too (exact_splits)
+    splits = exact_splits(per_rank, micro_batch_max)
     per_device = recipe.batch.per_device
     batchnorm = per_device if keep_batchnorm and recipe.model.has_batchnorm and per_device in splits else None
     seq = recipe.batch.sequence_length
