@@ -179,7 +179,8 @@ class Workload:
         if isinstance(dataset, TensorDataset) or hasattr(dataset, "batch"):
             return None
         step = max(1, len(dataset) // SHAPE_SAMPLE)
-        sizes = {index: _numel(dataset[index]) for index in range(0, len(dataset), step)}
+        sizes = {index: math.prod(torch.as_tensor(item[0] if isinstance(item, (tuple, list)) else item).shape)
+                 for index, item in ((i, dataset[i]) for i in range(0, len(dataset), step))}
         if len(set(sizes.values())) <= 1:
             return None
         return max(sizes, key=sizes.get)
@@ -210,8 +211,3 @@ class Workload:
         inputs, targets = self.rows(count, len(self.longest()[0]))
         positions = torch.arange(inputs.shape[1]).repeat(count, 1)
         return {"input_ids": inputs.reshape(1, -1), "position_ids": positions.reshape(1, -1)}, targets.reshape(1, -1)
-
-
-def _numel(item: Any) -> int:
-    inputs = item[0] if isinstance(item, (tuple, list)) else item
-    return math.prod(torch.as_tensor(inputs).shape)
