@@ -6,7 +6,7 @@ computed for micro-batch 1 on the same budget and meter (a recipe change is a ne
 over the fewest processes that fit (`smallest_world_size`); LoRA (Hu et al. 2021, peft's defaults) for a recipe
 that fine-tunes (`model.pretrained` or `model.hf`); bf16 weights when they are fp32, and both; a quantised frozen
 base under LoRA (int8, then nf4, bitsandbytes' layers as Alpaca-LoRA and QLoRA train); the memory knobs
-(memory_plan.py).
+(memory_ways.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from ..models import build_model
 from ..plan.recipe import QUANTIZED_BASES
 from ..plan.units import format_size
-from .memory_plan import WayOut, describe, memory_ways_out, merged, tried
+from .memory_ways import WayOut, describe, memory_ways_out, merged, tried
 from .sharded_memory import Blocks, StepMemory, sharded_peak, smallest_world_size, unsharded_floor
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.05}  # a common starting point (peft's examples)

@@ -21,7 +21,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from .runner import ProbeTrial
 from .search import SearchResult, search
 from .workload import Workload
 
@@ -45,7 +44,7 @@ class SortedBudget(Workload):
 
 def token_search(found: SearchResult, workload: Workload, make_meter: Callable[[Workload], Any]) -> dict:
     """`sorted`: the largest T between the sample probe's m x L (fits) and (m + 1) x L (does not) measured to fit,
-    as ProbeResult's fields (`token_trials`: each trial with its budget T as its micro_batch); none when the sample
+    as ProbeResult's fields (`token_trials`: each trial with its budget T as micro_batch); none when the sample
     probe answered the whole per-rank batch (nothing larger is needed) or not even one row."""
     rows = found.micro_batch_max
     if rows is None or found.capped:
@@ -62,6 +61,5 @@ def token_search(found: SearchResult, workload: Workload, make_meter: Callable[[
         finally:
             meter.close()
         fitting = result.micro_batch_max or 0
-        trials = [ProbeTrial(**dataclasses.replace(t, micro_batch=budgeted.budget(t.micro_batch)).to_json())
-                  for t in result.trials]
+        trials = [dataclasses.replace(t, micro_batch=budgeted.budget(t.micro_batch)).to_json() for t in result.trials]
     return {"token_budget": budgeted.budget(fitting), "token_step": step, "longest": longest, "token_trials": trials}

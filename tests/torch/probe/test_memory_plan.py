@@ -1,4 +1,4 @@
-"""The plan and the "does not fit" report with the memory knobs (probe/memory_plan.py).
+"""The plan and the "does not fit" report with the memory knobs (probe/memory_ways.py, probe/memory_plan.py).
 
 Each way out is computed on the user's own configuration (sharding, world size, precision) and what the plan
 takes is what a new probe finds: sharded gradients when the whole model's gradients through the window are what
