@@ -24,21 +24,16 @@ def flatten(data, prefix: str = "") -> dict[str, object]:
     return flat
 
 
+HEADLINE = ("recipe_path", "arithmetic", "micro_batch", "accumulation_steps", "world_size", "effective_batch",
+            "paper_effective_batch", "exact", "lr")  # the plan's fields trackers show first
+
+
 def plan_config(plan) -> dict:
     """The run's configuration as trackers show it: the plan's headline numbers, then the whole plan."""
     data = plan.model_dump(mode="json")
-    title = plan.recipe.paper.title if plan.recipe.paper else None
     return {
-        "paper": title,
-        "recipe_path": plan.recipe_path,
-        "arithmetic": plan.arithmetic,
-        "micro_batch": plan.micro_batch,
-        "accumulation_steps": plan.accumulation_steps,
-        "world_size": plan.world_size,
-        "effective_batch": plan.effective_batch,
-        "paper_effective_batch": plan.paper_effective_batch,
-        "exact": plan.exact,
-        "lr": plan.lr,
+        "paper": plan.recipe.paper.title if plan.recipe.paper else None,
+        **{name: getattr(plan, name) for name in HEADLINE},
         "lr_rule": plan.lr_scaling.rule,
         "optimizer_steps": plan.optimizer_steps,
         "warmup_steps": plan.warmup_steps,

@@ -11,45 +11,18 @@ base under LoRA (int8, then nf4, bitsandbytes' layers as Alpaca-LoRA and QLoRA t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from ..models import build_model
-from ..plan.recipe import QUANTIZED_BASES, Recipe
+from ..plan.recipe import QUANTIZED_BASES
 from ..plan.units import format_size
-from .memory_ways import WayOut, describe, measure_change, memory_ways_out, merged, needs
+from .memory_ways import WayOut, describe, memory_ways_out, merged, tried
 from .sharded_memory import Blocks, StepMemory, sharded_peak, smallest_world_size, unsharded_floor
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.05}  # a common starting point (peft's examples)
-
-
-@dataclass
-class Explanation:
-    micro_batch: int
-    meter: str
-    budget_bytes: int
-    limit_bytes: int
-    peak_bytes: int  # what the step needs, as the meter decides (margin included)
-    tensor_bytes: int  # the tensors counted
-    at_peak: dict[str, int]  # by category; sums to tensor_bytes
-    step: dict  # StepMemory of the unsharded step
-    counted_on: str
-    parameters: int
-    ways_out: list[WayOut] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    quantize: str | None = None  # the recipe's quantised base (int8 / nf4): its weights are not per-parameter bytes
-    unseen: int = 0  # of step["activations"]: the estimate's allowance for kernels' workspaces (GPU rules only)
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-def lora_allowed(recipe: Recipe) -> bool:
-    """LoRA is a way to fine-tune: offered only for recipes that start from pretrained weights."""
-    model = recipe.model
-    return bool(model.hf or model.pretrained) and model.lora is None
 
 
 def lora_targets(model: torch.nn.Module) -> list[str]:
@@ -69,8 +42,9 @@ def lora_targets(model: torch.nn.Module) -> list[str]:
                    if isinstance(layer, torch.nn.Linear)})  # matches them: a module's name ends with one
 
 
-def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
-    """What micro-batch 1 needs on `meter`'s budget, by category, and the ways out (see the module's notes)."""
+def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> dict:
+    """What micro-batch 1 needs on `meter`'s budget, by category, and the ways out (see the module's notes), as
+    `probe --json` keeps it (`does_not_fit`)."""
     from .meters import EstimateMeter, fake_parts, sharding_meter  # (meters imports nothing from here; the import
     # is local to keep it so)
 
@@ -97,17 +71,19 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
         if sharded["peak"] != sum(at_peak.values()):  # the optimizer step is the peak
             at_peak = {"weights and optimizer state (this rank's shard)": sharded["model_states"],
                        "gradients": sharded["sharded_gradients"], "step temporaries": sharded["step_temporaries"]}
-    explanation = Explanation(
-        micro_batch=first.micro_batch, meter=meter.name, budget_bytes=meter.budget_bytes,
-        limit_bytes=meter.limit_bytes, peak_bytes=decide(tensors), tensor_bytes=tensors, at_peak=at_peak,
-        step=step.to_json(), counted_on=counted_on, parameters=blocks.root + sum(blocks.blocks),
-        quantize=meter.workload.recipe.model.quantize, unseen=parts.get("unseen_bytes", 0),
-    )
+    explanation: dict = {
+        "micro_batch": first.micro_batch, "meter": meter.name, "budget_bytes": meter.budget_bytes,
+        "limit_bytes": meter.limit_bytes, "peak_bytes": decide(tensors),  # as the meter decides (margin included)
+        "tensor_bytes": tensors, "at_peak": at_peak, "step": step.to_json(),  # the unsharded step's StepMemory
+        "counted_on": counted_on, "parameters": blocks.root + sum(blocks.blocks), "ways_out": [], "notes": [],
+        "quantize": meter.workload.recipe.model.quantize,  # a quantised base: its weights are not per-parameter bytes
+        "unseen": parts.get("unseen_bytes", 0),  # of step["activations"]: the allowance for kernels' workspaces
+    }
     batch = meter.workload.recipe.batch
     if batch.sharding == "fsdp" and world_size == 1:
         paper = f" (the paper used {batch.devices})" if batch.devices else ""
-        explanation.notes.append(f"the recipe shards with fsdp, but one process has nothing to shard over: the whole "
-                                 f"step was probed; give --world-size{paper}")
+        explanation["notes"].append(f"the recipe shards with fsdp, but one process has nothing to shard over: the "
+                                    f"whole step was probed; give --world-size{paper}")
     if not (estimate and (meter.sharding == "fsdp" or meter.workload.recipe.precision == "fp32")):
         # measure the step as FSDP runs it (mixed precision: forward and backward on compute-dtype parameters)
         sharder = sharding_meter(meter, gpu)
@@ -115,14 +91,13 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> Explanation:
             shard_parts = sharder.measure(first.micro_batch).parts
             step = StepMemory(**shard_parts["step"])
             compute, decide, tensor_limit = shard_parts["compute_bytes"], sharder.decided, sharder.tensor_limit()
-    explanation.ways_out.append(_fsdp_way_out(step, blocks, compute, tensor_limit, decide, world_size, window))
-    ways = memory_ways_out(meter, gpu, first, step, blocks, compute, decide, tensor_limit,
-                           activations=parts["step"]["activations"])
-    explanation.ways_out.extend(ways)
-    fits = any(way.fits for way in ways)  # when no memory knob alone fits, the most of them join the recipe's ways
-    changes = [way.changes for way in ways if way.changes and not fits]
+    ways = [_fsdp_way_out(step, blocks, compute, tensor_limit, decide, world_size, window)]
+    knobs = memory_ways_out(meter, gpu, first, step, blocks, compute, decide, tensor_limit,
+                            activations=parts["step"]["activations"])
+    fits = any(way.fits for way in knobs)  # when no memory knob alone fits, the most of them join the recipe's ways
+    changes = [way.changes for way in knobs if way.changes and not fits]
     extra = max(changes, key=lambda change: sum(len(value) for value in change.values())) if changes else None
-    explanation.ways_out.extend(_recipe_ways_out(meter, gpu, extra=extra))
+    explanation["ways_out"] = [asdict(way) for way in ways + knobs + _recipe_ways_out(meter, gpu, extra=extra)]
     return explanation
 
 
@@ -156,7 +131,9 @@ def _recipe_ways_out(meter: Any, gpu: Any, extra: dict | None = None) -> list[Wa
     combined with those knobs, on the user's own configuration (sharding, world size, precision)."""
     recipe = meter.workload.recipe
     changes: list[tuple[str, dict]] = []
-    can_lora, can_bf16 = lora_allowed(recipe), recipe.model.dtype == "fp32"
+    # LoRA is a way to fine-tune: offered only for recipes that start from pretrained weights
+    can_lora = bool(recipe.model.hf or recipe.model.pretrained) and recipe.model.lora is None
+    can_bf16 = recipe.model.dtype == "fp32"
     lora: dict = {}
     if can_lora:
         with torch.device("meta"):
@@ -169,16 +146,16 @@ def _recipe_ways_out(meter: Any, gpu: Any, extra: dict | None = None) -> list[Wa
         bf16, shown = {**bf16, "precision": "bf16"}, shown + f" with precision: bf16 (not {recipe.precision})"
     if can_bf16:
         changes.append((shown, bf16))
-    ways = [_measure_change(meter, gpu, what, change) for what, change in changes]
+    ways = [tried(meter, gpu, what, change)[0] for what, change in changes]
     if can_lora and can_bf16 and not any(way.fits for way in ways):
-        ways.append(_measure_change(meter, gpu, f"model.lora: {_flow(lora)} and model.dtype: bf16",
-                                    {**bf16, "model": {"lora": lora, "dtype": "bf16"}}))
+        ways.append(tried(meter, gpu, f"model.lora: {_flow(lora)} and model.dtype: bf16",
+                          {**bf16, "model": {"lora": lora, "dtype": "bf16"}})[0])
     if extra and changes and not any(way.fits for way in ways):  # one alone is not enough: all of them together
         what, change = changes[-1]
         combined = merged(extra, change)
-        ways.append(_measure_change(meter, gpu, f"{describe(extra)} and {what.split(' (')[0]}", combined))
+        ways.append(tried(meter, gpu, f"{describe(extra)} and {what.split(' (')[0]}", combined)[0])
     ways.extend(_quantized_ways_out(meter, gpu, lora))
-    if not lora_allowed(recipe) and recipe.model.lora is None:
+    if not can_lora and recipe.model.lora is None:
         ways.append(WayOut("model.lora", False, None, "not offered: the recipe trains from scratch (LoRA "
                            "fine-tunes pretrained weights; set model.pretrained to say the recipe fine-tunes)"))
     return ways
@@ -200,7 +177,7 @@ def _quantized_ways_out(meter: Any, gpu: Any, lora: dict) -> list[WayOut]:
     for kind in smaller:
         what = QUANTIZED[kind]
         shown = f"model.quantize: {kind}" + (f" with model.lora: {_flow(lora)}" if extra else "") + f" ({what})"
-        ways.append(_measure_change(meter, gpu, shown, {"model": {**extra, "quantize": kind}}))
+        ways.append(tried(meter, gpu, shown, {"model": {**extra, "quantize": kind}})[0])
         if ways[-1].fits:
             break
     return ways
@@ -212,13 +189,6 @@ def _flow(mapping: dict) -> str:
         return f"[{', '.join(map(str, value))}]" if isinstance(value, list) else str(value)
 
     return "{" + ", ".join(f"{key}: {shown(value)}" for key, value in mapping.items()) + "}"
-
-
-def _measure_change(meter: Any, gpu: Any, what: str, change: dict) -> WayOut:
-    trial = measure_change(meter, gpu, change)
-    if isinstance(trial, str):
-        return WayOut(what, False, None, trial)
-    return WayOut(what, trial.fits, trial.peak_bytes, needs(trial), changes=change)
 
 
 def render(explanation: dict, budget_name: str) -> list[str]:

@@ -220,22 +220,17 @@ def cuda_autocast_names() -> list[tuple[str, bool]]:
 
 
 @contextlib.contextmanager
-def cuda_autocast_policy() -> Iterator[None]:
-    """CPU autocast with CUDA's fp32 lists (note 3), for the duration of the block only."""
+def as_on_gpu(gpu: GpuKind) -> Iterator[GpuKernels]:
+    """Attention, dropout and autocast as CUDA runs them on `gpu`, for a step on fake CPU tensors: `GpuKernels`, and
+    CPU autocast with CUDA's fp32 lists (note 3), for the duration of the block only."""
     library = torch.library.Library("aten", "IMPL")
     try:
         for name, set_dtype in cuda_autocast_names():
             packet, _, overload = name.partition(".")
             op = getattr(getattr(torch.ops.aten, packet), overload or "default")
             library.impl(name, _fp32_kernel(op, set_dtype), "AutocastCPU")
-        yield
+        kernels = GpuKernels(gpu)
+        with kernels:
+            yield kernels
     finally:
         library._destroy()
-
-
-@contextlib.contextmanager
-def as_on_gpu(gpu: GpuKind) -> Iterator[GpuKernels]:
-    """Attention, dropout and autocast as CUDA runs them on `gpu`, for a step on fake CPU tensors."""
-    kernels = GpuKernels(gpu)
-    with cuda_autocast_policy(), kernels:
-        yield kernels

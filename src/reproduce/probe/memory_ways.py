@@ -12,6 +12,7 @@ carries the recipe fields it sets (`changes`); the plan takes checkpointing and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,15 +66,16 @@ def changed_recipe(recipe: Recipe, changes: dict) -> Recipe:
                         source="(probe: way out)")
 
 
-def measure_change(meter: Any, gpu: Any, change: dict) -> Any:
-    """The trial of micro-batch 1 of the recipe with `change`, on `meter`'s budget and configuration (a Measurement),
-    or why it cannot be measured (a string)."""
+def tried(meter: Any, gpu: Any, what: str, change: dict, detail: Callable[[Any], str] | None = None
+          ) -> tuple[WayOut, Any]:
+    """`change` as a way out: the trial of micro-batch 1 of the recipe with it, on `meter`'s budget and configuration,
+    and the trial (None when it cannot be measured, which the way out says); `detail(trial)` follows its needs."""
     from .workload import Workload
 
     try:
         changed = changed_recipe(meter.workload.recipe, change)
     except UserError as error:
-        return f"not measured: {error.lines[0]}"
+        return WayOut(what, False, None, f"not measured: {error.lines[0]}"), None
     workload = Workload(changed, meter.workload.data)
     # on the user's own configuration: the sharding and world size the failed trial was counted with
     kwargs = {"gpu": gpu, "sharding": meter.sharding, "world_size": meter.world_size} if meter.name == "estimate" \
@@ -81,18 +83,14 @@ def measure_change(meter: Any, gpu: Any, change: dict) -> Any:
     other = type(meter)(workload, meter.budget_bytes, 1 - meter.limit_bytes / meter.budget_bytes, cap=meter.cap,
                         **kwargs)
     try:
-        return other.measure(1)
+        trial = other.measure(1)
     except UserError as error:  # (a model with no blocks to checkpoint)
-        return f"not measured: {error.lines[0]}"
+        return WayOut(what, False, None, f"not measured: {error.lines[0]}"), None
     finally:
         other.close()
-
-
-def needs(trial: Any) -> str:
-    """What micro-batch 1 needs with a change, from its trial."""
-    if trial.peak_bytes is None:
-        return f"micro-batch 1 still does not fit ({trial.note})"
-    return f"micro-batch 1 then needs {format_size(trial.peak_bytes)}"
+    needs = (f"micro-batch 1 still does not fit ({trial.note})" if trial.peak_bytes is None
+             else f"micro-batch 1 then needs {format_size(trial.peak_bytes)}")
+    return WayOut(what, trial.fits, trial.peak_bytes, needs + (detail(trial) if detail else ""), changes=change), trial
 
 
 def describe(change: dict) -> str:
@@ -176,37 +174,36 @@ def _techniques(meter: Any, gpu: Any, first: Any, activations: int) -> list[WayO
                        SELECTIVE_COST))
     if recipe.model.quantize and recipe.model.upcast_embeddings and recipe.model.dtype != "fp32":
         offers.append(("model.upcast_embeddings: false", KEPT_EMBEDDINGS, KEPT_EMBEDDINGS_COST))
-    ways = []
-    for what, change, cost in offers:
-        trial = measure_change(meter, gpu, change)
-        if isinstance(trial, str):
-            ways.append(WayOut(what, False, None, trial))
-            continue
+
+    def saved(trial: Any, costs: str) -> str:
         after = (trial.parts or {}).get("step", {}).get("activations")
-        saved = (f"; the activations of one sample {format_size(activations)} -> {format_size(after)}"
-                 if after is not None else "")
-        ways.append(WayOut(what, trial.fits, trial.peak_bytes, f"{needs(trial)}{saved}; costs {cost}",
-                           changes=change))
-    return ways
+        shown = f"; the activations of one sample {format_size(activations)} -> {format_size(after)}"
+        return (shown if after is not None else "") + f"; costs {costs}"
+
+    return [tried(meter, gpu, what, change, lambda trial, costs=costs: saved(trial, costs))[0]
+            for what, change, costs in offers]
 
 
 def _checkpointing(meter, gpu, first, activations, decide, tensor_limit, sharded, accumulates, has_sg, has_offload,
                    arithmetic) -> list[WayOut]:
     what = "--activation-checkpointing (model.activation_checkpointing: true)"
-    trial = measure_change(meter, gpu, CHECKPOINTING)
-    if isinstance(trial, str):
-        return [WayOut(what, False, None, trial)]
+
+    def saved(trial: Any) -> str:
+        if trial.parts is not None:
+            after = trial.parts["step"]["activations"]
+            text = (f"the activations of one sample {format_size(activations)} -> {format_size(after)} "
+                    f"(saves {format_size(activations - after)})")
+        elif first.peak_bytes is not None and trial.peak_bytes is not None:
+            text = f"saves {format_size(first.peak_bytes - trial.peak_bytes)} at micro-batch 1"
+        else:
+            text = "the activations of one block at a time"
+        return f"; {text}; costs {RECOMPUTE_COST}"
+
+    way, trial = tried(meter, gpu, what, CHECKPOINTING, saved)
+    if trial is None:
+        return [way]
     parts = trial.parts
-    if parts is not None:
-        after = parts["step"]["activations"]
-        saved = (f"the activations of one sample {format_size(activations)} -> {format_size(after)} "
-                 f"(saves {format_size(activations - after)})")
-    elif first.peak_bytes is not None and trial.peak_bytes is not None:
-        saved = f"saves {format_size(first.peak_bytes - trial.peak_bytes)} at micro-batch 1"
-    else:
-        saved = "the activations of one block at a time"
-    ways = [WayOut(what, trial.fits, trial.peak_bytes, f"{needs(trial)}; {saved}; costs {RECOMPUTE_COST}",
-                   changes=CHECKPOINTING)]
+    ways = [way]
     if trial.fits:
         return ways
     if not sharded:  # the user's run does not shard: with how many processes would sharding and checkpointing fit?

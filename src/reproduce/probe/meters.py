@@ -159,7 +159,6 @@ class CudaMeter(Meter):
                 f"({format_size(usable)} of {format_size(total)}); use `meter` estimate to plan for a larger card"
             )
         super().__init__(workload, budget_bytes, headroom, time_steps, cap)
-        self.total = total
         self.device = f"cuda ({torch.cuda.get_device_name(self.cuda)}, {format_size(total)})"
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), self.cuda)
         context = total - free - torch.cuda.memory_reserved(self.cuda)

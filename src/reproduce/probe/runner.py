@@ -8,7 +8,6 @@ FSDP over W > 1 is counted by the estimate meter (one process is probed whole). 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -109,14 +108,6 @@ class ProbeResult(BaseModel):
 
     def timings(self) -> list[tuple[int, float]]:
         return [(t.micro_batch, t.step_seconds) for t in self.trials if t.fits and t.step_seconds]
-
-    def failure(self) -> str:
-        """One line: why not even micro-batch 1 fits."""
-        smallest = min(self.trials, key=lambda t: t.micro_batch)
-        return (
-            f"`memory`/`gpu`: not even micro-batch {smallest.micro_batch} fits in {format_size(self.budget_bytes)} "
-            f"less {self.headroom:.0%} headroom ({self.meter} meter): {smallest.note or 'over the limit'}"
-        )
 
 
 def timed_trial(measurement: Measurement, sequence_length: int | None) -> ProbeTrial:
@@ -244,15 +235,12 @@ def run_probe(
         if found.micro_batch_max is None:
             from .advice import explain
 
-            does_not_fit = explain(meter, found.trials, world_size, gpu).to_json()
+            does_not_fit = explain(meter, found.trials, world_size, gpu)
     finally:
         meter.close()
     fields: dict = {}  # sorted text (1-D tokens) without a data.token_budget of its own: T searched in tokens
     if way == "sorted" and recipe.data.token_budget is None and workload.longest()[0].ndim == 1:
-        tokens = token_search(found, workload, lambda budgeted: meter_of(budgeted, cap=None))
-        trials = [ProbeTrial(**dataclasses.replace(t, micro_batch=budget).to_json()) for budget, t in tokens.trials]
-        fields = {"token_budget": tokens.budget, "token_step": tokens.step, "longest": tokens.longest,
-                  "token_trials": trials}  # (each token trial's micro_batch: its budget T)
+        fields = token_search(found, workload, lambda budgeted: meter_of(budgeted, cap=None))
     result = probe_result(found, meter, options.headroom, recipe.batch.sequence_length, recipe_path=recipe_path,
                           gpu=gpu.name if gpu else None, data=workload.description, world_size=world_size,
                           sharding=sharding, does_not_fit=does_not_fit, **fields)
@@ -273,7 +261,11 @@ def does_not_fit(result: ProbeResult) -> DoesNotFit:
     """The error for a probe that found no micro-batch: the step's needs by category and what would fit."""
     from .advice import render
 
-    if result.does_not_fit is None:  # a result that carries no breakdown: its one-line failure
-        return DoesNotFit(result.failure())
+    if result.does_not_fit is None:  # a result that carries no breakdown: one line
+        smallest = min(result.trials, key=lambda t: t.micro_batch)
+        return DoesNotFit(
+            f"`memory`/`gpu`: not even micro-batch {smallest.micro_batch} fits in {format_size(result.budget_bytes)} "
+            f"less {result.headroom:.0%} headroom ({result.meter} meter): {smallest.note or 'over the limit'}"
+        )
     budget = f"`gpu` {result.gpu}" if result.gpu else "the `memory` budget"
     return DoesNotFit(*render(result.does_not_fit, budget))

@@ -16,12 +16,12 @@ is a budget measured to fit, never one only predicted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from .search import Measurement, SearchResult, search
+from .search import SearchResult, search
 from .workload import Workload
 
 TOKEN_STEPS = 8  # steps of the token search per longest example: L / 8 tokens (57 for Alpaca-mini's 456)
@@ -38,41 +38,28 @@ class SortedBudget(Workload):
     def budget(self, x: int) -> int:
         return self.fitting_rows * self.longest_length + x * self.step
 
-    def shape(self, x: int) -> tuple[int, int]:
-        rows = self.fitting_rows + 1
-        return rows, self.budget(x) // rows
-
     def batch(self, micro_batch: int) -> tuple[Any, Any]:
-        return self.rows(*self.shape(micro_batch))
+        return self.rows(self.fitting_rows + 1, self.budget(micro_batch) // (self.fitting_rows + 1))
 
 
-@dataclass(frozen=True)
-class TokenSearch:
-    """The token budget found, the step it was searched in, and each trial with its budget in tokens."""
-
-    budget: int
-    step: int
-    rows: int  # m: rows of the longest example measured to fit
-    longest: int
-    trials: list[tuple[int, Measurement]]
-
-
-def token_search(found: SearchResult, workload: Workload, make_meter: Callable[[Workload], Any]) -> TokenSearch | None:
-    """`sorted`: the largest T between the sample probe's m x L (fits) and (m + 1) x L (does not) measured to fit;
-    None when the sample probe answered the whole per-rank batch (nothing larger is needed) or not even one row."""
+def token_search(found: SearchResult, workload: Workload, make_meter: Callable[[Workload], Any]) -> dict:
+    """`sorted`: the largest T between the sample probe's m x L (fits) and (m + 1) x L (does not) measured to fit,
+    as ProbeResult's fields (`token_trials`: each trial with its budget T as micro_batch); none when the sample
+    probe answered the whole per-rank batch (nothing larger is needed) or not even one row."""
     rows = found.micro_batch_max
     if rows is None or found.capped:
-        return None
+        return {}
     longest = len(workload.longest()[0])
     step = math.ceil(longest / TOKEN_STEPS)
     cap = (longest - 1) // step  # below (m + 1) x L, which the sample probe measured not to fit
     budgeted = SortedBudget(workload, rows, longest, step)
-    if cap < 1:
-        return TokenSearch(rows * longest, step, rows, longest, [])
-    meter = make_meter(budgeted)
-    try:
-        result = search(meter.measure, meter.limit_bytes, cap)
-    finally:
-        meter.close()
-    return TokenSearch(budgeted.budget(result.micro_batch_max or 0), step, rows, longest,
-                       [(budgeted.budget(t.micro_batch), t) for t in result.trials])
+    fitting, trials = 0, []  # fitting: the largest x measured to fit (0: m x L, measured by the sample probe)
+    if cap >= 1:
+        meter = make_meter(budgeted)
+        try:
+            result = search(meter.measure, meter.limit_bytes, cap)
+        finally:
+            meter.close()
+        fitting = result.micro_batch_max or 0
+        trials = [dataclasses.replace(t, micro_batch=budgeted.budget(t.micro_batch)).to_json() for t in result.trials]
+    return {"token_budget": budgeted.budget(fitting), "token_step": step, "longest": longest, "token_trials": trials}

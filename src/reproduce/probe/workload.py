@@ -11,6 +11,7 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 from torch.utils.data import TensorDataset
 
 from ..data import Datasets, build_data, image_dataset
@@ -35,8 +36,8 @@ class SyntheticSamples:
         return self.items
 
     def __getitem__(self, index: int) -> tuple[Any, torch.Tensor]:
-        inputs, targets = self.batch(torch.tensor([index]))
-        return inputs[0], targets[0]
+        inputs, targets = self.batch(torch.tensor([index]))  # (sentence pairs: a dict of tensors)
+        return tree_map_only(torch.Tensor, lambda rows: rows[0], inputs), targets[0]
 
     def batch(self, indices: torch.Tensor) -> tuple[Any, torch.Tensor]:
         generator = torch.Generator().manual_seed(0)
@@ -72,10 +73,6 @@ class SyntheticPairs(SyntheticTokens):
         labels[:, -1] = torch.randint(0, 2, (rows,), generator=generator)
         inputs = {"input_ids": tokens, "token_type_ids": types, "attention_mask": torch.ones_like(tokens)}
         return inputs, labels
-
-    def __getitem__(self, index: int) -> tuple[dict, torch.Tensor]:
-        inputs, targets = self.batch(torch.tensor([index]))
-        return {key: value[0] for key, value in inputs.items()}, targets[0]
 
 
 def declared_inputs(recipe: Recipe) -> dict:
@@ -182,7 +179,8 @@ class Workload:
         if isinstance(dataset, TensorDataset) or hasattr(dataset, "batch"):
             return None
         step = max(1, len(dataset) // SHAPE_SAMPLE)
-        sizes = {index: _numel(dataset[index]) for index in range(0, len(dataset), step)}
+        sizes = {index: math.prod(torch.as_tensor(item[0] if isinstance(item, (tuple, list)) else item).shape)
+                 for index, item in ((i, dataset[i]) for i in range(0, len(dataset), step))}
         if len(set(sizes.values())) <= 1:
             return None
         return max(sizes, key=sizes.get)
@@ -213,8 +211,3 @@ class Workload:
         inputs, targets = self.rows(count, len(self.longest()[0]))
         positions = torch.arange(inputs.shape[1]).repeat(count, 1)
         return {"input_ids": inputs.reshape(1, -1), "position_ids": positions.reshape(1, -1)}, targets.reshape(1, -1)
-
-
-def _numel(item: Any) -> int:
-    inputs = item[0] if isinstance(item, (tuple, list)) else item
-    return math.prod(torch.as_tensor(inputs).shape)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ..errors import UserError
 from ..plan.planner import Plan, make_plan
 from ..plan.recipe import Recipe
-from ..plan.segments import MicroBatchMax, micro_batch_cap
+from ..plan.segments import MicroBatchMax
 from ..plan.weightfiles import WeightsRecord
 from ..probe.runner import ProbeResult
 from .predicted_time import DEFAULT_MFU
@@ -49,9 +49,8 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatc
                      recipe_path=recipe_path, weights=weights, data_fingerprint=data_fingerprint)
     if not base.exact:  # no exact split (the batch does not divide over the processes): as the exact policy does
         return base
-    per_rank = base.per_rank_batch
-    cap = micro_batch_cap(micro_batch_max, recipe.batch.sequences, world_size)
-    splits = exact_splits(per_rank, cap)
+    per_rank = base.per_rank_batch  # exact: the paper's batch / W, which caps the micro-batch too (exact_splits)
+    splits = exact_splits(per_rank, micro_batch_max)
     per_device = recipe.batch.per_device
     batchnorm = per_device if keep_batchnorm and recipe.model.has_batchnorm and per_device in splits else None
     seq = recipe.batch.sequence_length
@@ -66,14 +65,12 @@ def throughput_plan(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatc
         timed = {m: per_rank // m * seconds for m, seconds in timed.items()}  # one optimizer step: N micro-steps
     else:
         timings, where = _measure(recipe, data, result, per_rank, splits, budget_seconds, on_note)
-    decision = choose(splits, per_rank, timed, sources, seq, batchnorm_micro_batch=batchnorm, basis=basis,
-                      micro_batch_max=micro_batch_max, timings=timings)
-    note = ""
-    if batchnorm is None and recipe.model.has_batchnorm and per_device:
-        note = f" (BatchNorm statistics over {decision.micro_batch}, not the paper's {per_device})"
+    unkept = per_device if batchnorm is None and recipe.model.has_batchnorm else None
+    choice = choose(splits, per_rank, timed, sources, seq, batchnorm_micro_batch=batchnorm, basis=basis,
+                    micro_batch_max=micro_batch_max, timings=timings, device=where, unkept_batchnorm=unkept)
     return make_plan(recipe, micro_batch_max, world_size, "throughput", dataset_size=dataset_size,
-                     recipe_path=recipe_path, micro_batch=decision.micro_batch, weights=weights,
-                     data_fingerprint=data_fingerprint, throughput=decision.as_choice(where, micro_batch_max, note))
+                     recipe_path=recipe_path, micro_batch=choice.micro_batch, weights=weights,
+                     data_fingerprint=data_fingerprint, throughput=choice)
 
 def _measure(recipe: Recipe, data: Datasets | None, result: ProbeResult | None, per_rank: int, splits: list[int],
              budget_seconds: float, on_note: Callable[[str], None] | None) -> tuple[Timings, str]:

@@ -135,12 +135,12 @@ def predict(p: Plan, result: ProbeResult | None, gpu: str | None, assumed_mfu: f
         with contextlib.suppress(UserError):
             paper = lookup(batch.device)
     if gpu is None and result is None and paper is None:  # nothing to predict for: no FLOPs counted
-        return {"predicted_seconds": None, "paper_predicted_seconds": None,
-                "notes": ["no predicted time: give --gpu NAME (or let the plan probe a device) to predict one"]}
-    try:
-        return prediction_json(p, result, gpu, assumed_mfu)
-    except UserError:
-        raise
-    except Exception as error:  # the prediction is an addition to the plan, which stands without it
-        return {"predicted_seconds": None, "paper_predicted_seconds": None,
-                "notes": [f"FLOPs not counted ({type(error).__name__}: {str(error).splitlines()[0][:120]})"]}
+        note = "no predicted time: give --gpu NAME (or let the plan probe a device) to predict one"
+    else:
+        try:
+            return prediction_json(p, result, gpu, assumed_mfu)
+        except UserError:
+            raise
+        except Exception as error:  # the prediction is an addition to the plan, which stands without it
+            note = f"FLOPs not counted ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+    return {"predicted_seconds": None, "paper_predicted_seconds": None, "notes": [note]}

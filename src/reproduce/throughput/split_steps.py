@@ -12,12 +12,11 @@ from __future__ import annotations
 import gc
 import time
 from collections import defaultdict
-from typing import Any
 
 import torch
 
 from ..data.batches import LazyMicroBatch
-from ..data.packing import Grouped, Grouping, group, grouping_of
+from ..data.packing import Grouped, group, grouping_of
 from ..models.varlen import runs_varlen
 from ..observe.noise import NoiseScale
 from ..plan.recipe import default_packing
@@ -45,16 +44,7 @@ class SplitSteps:
         if self.grouping is not None:
             self.dataset = Grouped(self.dataset, self.grouping)
         self.order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(0))
-        self.taken: dict[int, int] = defaultdict(int)  # windows each split has run
-
-    def regroup(self, grouping: Grouping | None, dataset: Any) -> None:
-        """The windows grouped from now on by `grouping` (None: `none`'s plain micro-batches) over `dataset` (a
-        Grouped of the training set, or the set itself): the ways' timing runs each way on this one model."""
-        self.grouping, self.dataset = grouping, dataset
-
-    def rewind(self, micro_batch: int, window: int) -> None:
-        """Split `micro_batch`'s next step takes the window `window` (the ways' timing runs each way on the same)."""
-        self.taken[micro_batch] = window
+        self.taken: dict[int, int] = defaultdict(int)  # windows each split has run (set back: ways.py)
 
     def samples(self, k: int) -> torch.Tensor:
         """The sample indices of the k-th window (every split's k-th window takes the same samples)."""

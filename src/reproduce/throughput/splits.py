@@ -184,35 +184,26 @@ def exact_splits(per_rank_batch: int, cap: int) -> list[int]:
     return [m for m in range(min(cap, per_rank_batch), 0, -1) if per_rank_batch % m == 0]
 
 
-@dataclass(frozen=True)
-class Decision:
-    micro_batch: int
-    accumulation_steps: int
-    candidates: list[TimedSplit]  # every exact split weighed, the chosen one marked
-    reason: str
-    basis: str  # "measured" or "model"
-    noise: float  # the spread the two fastest were compared within
-    splits: int  # exact splits there were to choose from
-    indistinguishable: list[int] | None = None  # the two fastest, when their difference is within the noise
-    cost: dict | None = None  # Timings.cost(): what choosing cost (measured basis)
-
-    def as_choice(self, device: str | None, micro_batch_max: int, note: str = "") -> ThroughputChoice:
-        """`Plan.throughput`'s record: where the splits were timed (None: a model), and `note` after the reason."""
-        return ThroughputChoice(
-            micro_batch=self.micro_batch, accumulation_steps=self.accumulation_steps, basis=self.basis,
-            noise=self.noise, exact_splits=self.splits, reason=self.reason + note,
-            indistinguishable=self.indistinguishable, cost=self.cost, candidates=self.candidates, device=device,
-            micro_batch_max=micro_batch_max)
-
-
 def choose(
     splits: list[int], per_rank_batch: int, step_seconds: dict[int, float], sources: dict[int, str],
     sequence_length: int | None, batchnorm_micro_batch: int | None = None, basis: str = "measured",
-    micro_batch_max: int | None = None, timings: Timings | None = None,
-) -> Decision:
+    micro_batch_max: int = 0, timings: Timings | None = None, device: str | None = None,
+    unkept_batchnorm: int | None = None,
+) -> ThroughputChoice:
     """The exact split with the shortest optimizer step. The two fastest are compared round by round with
     `timings` (which replace `step_seconds`), else within `NOISE_FLOOR` (a model's times): within the noise the
-    larger wins. `batchnorm_micro_batch`, the paper's per-device batch, is kept whatever the timings say."""
+    larger wins. `batchnorm_micro_batch`, the paper's per-device batch, is kept whatever the timings say (else, as
+    `unkept_batchnorm`, it is named after the reason); `device`: where the splits were timed (None: a model)."""
+
+    def chosen(micro: int, candidates: list[TimedSplit], reason: str, noise: float = NOISE_FLOOR,
+               pair: list[int] | None = None) -> ThroughputChoice:
+        if unkept_batchnorm:
+            reason += f" (BatchNorm statistics over {micro}, not the paper's {unkept_batchnorm})"
+        return ThroughputChoice(
+            micro_batch=micro, accumulation_steps=per_rank_batch // micro, basis=basis, noise=noise, reason=reason,
+            exact_splits=len(splits), indistinguishable=pair, cost=cost, candidates=candidates, device=device,
+            micro_batch_max=micro_batch_max)
+
     if not splits:
         raise ValueError("no exact split to choose from")
     if timings is not None:
@@ -224,8 +215,7 @@ def choose(
     cost = timings.cost() if timings is not None else None
     if not shown:  # nothing timed: the largest, for want of a measurement
         micro = batchnorm_micro_batch or splits[0]
-        return Decision(micro, per_rank_batch // micro, [], nothing or "no step was timed: the largest exact "
-                        "micro-batch", basis, NOISE_FLOOR, len(splits), cost=cost)
+        return chosen(micro, [], nothing or "no step was timed: the largest exact micro-batch")
     ranked = sorted(shown, key=lambda m: (step_seconds[m], -m))
     best, pair, noise = ranked[0], None, NOISE_FLOOR
     what = "modelled" if basis == "model" else "timed"
@@ -271,7 +261,7 @@ def choose(
         micro = kept
     candidates = [_timed_split(m, micro, per_rank_batch, step_seconds[m], best_rate, sequence_length, sources,
                                timings.timed[m] if timings is not None else None) for m in shown]
-    return Decision(micro, per_rank_batch // micro, candidates, reason, basis, noise, len(splits), pair, cost)
+    return chosen(micro, candidates, reason, noise, pair)
 
 
 def _timed_split(m: int, chosen: int, per_rank_batch: int, seconds: float, best_rate: float,

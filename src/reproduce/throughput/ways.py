@@ -38,10 +38,8 @@ PASSES = 3
 
 @dataclass(frozen=True)
 class WayTimings:
-    """Each way's least seconds over `steps` optimizer steps by the clock it was ranked by (`clock`: the process's
-    CPU time on a CPU, "cpu"; the synchronised wall clock on CUDA, "wall"), the same windows for every way (`tokens`
-    target tokens, `per_rank` samples a step), from `passes` interleaved passes, and the way chosen (the least); `wall`:
-    the wall-clock seconds of each way's least pass (the plan's cost)."""
+    """What `time_ways` measured: each way's least pass over `steps` steps by `clock` ("cpu" or "wall"), the way
+    chosen, and `wall`, the wall clock of that pass (the plan's cost); `tokens` target tokens, `per_rank` samples."""
 
     seconds: dict[str, float]
     tokens: int
@@ -82,8 +80,7 @@ MEASURED = {"cpu": "the process's CPU seconds", "wall": "wall-clock seconds (CUD
 
 
 def clock(device: torch.device) -> tuple[str, Callable[[], float]]:
-    """What the ways are ranked by on `device`: on a CPU the process's CPU time (the time the process waited for a
-    core under other jobs left out), elsewhere the wall clock around synchronised steps (SplitSteps')."""
+    """What the ways are ranked by on `device` (the module's notes say why)."""
     return ("cpu", time.process_time) if device.type == "cpu" else ("wall", time.perf_counter)
 
 
@@ -91,8 +88,8 @@ def time_ways(recipe: Recipe, ways: list[str], micro_batch: int, per_rank: int, 
               device: torch.device, steps: int = STEPS, passes: int = PASSES) -> WayTimings:
     """Each of `ways` (data.packing values) timed over `steps` whole optimizer steps of `per_rank` samples at the
     plan's micro-batch `micro_batch` (its T = micro_batch x the longest example, or the recipe's data.token_budget),
-    in `passes` interleaved passes over the same windows, each way's least taken by `clock` (the process's CPU time
-    on a CPU, the synchronised wall clock on CUDA); a way out of memory is left out."""
+    in `passes` interleaved passes (the module's notes); a way out of memory is left out."""
+    from ..models.varlen import set_attention
     from ..probe.workload import Workload
     from .split_steps import SplitSteps
 
@@ -103,9 +100,10 @@ def time_ways(recipe: Recipe, ways: list[str], micro_batch: int, per_rank: int, 
 
     def timed(way: str, window: int, count: int) -> tuple[float, float]:
         """(seconds by the clock, wall-clock seconds) of `count` steps of `way` from window `window`."""
-        timer.regroup(*groupings[way][:2])
-        _attend(timer, groupings[way][2])
-        timer.rewind(micro_batch, window)
+        timer.grouping, timer.dataset, attention = groupings[way]  # that way's windows and attention, one model
+        if attention is not None:
+            set_attention(timer.setup.model, attention)
+        timer.taken[micro_batch] = window  # the same windows for every way
         start = tick()
         wall = timer(micro_batch, count)
         return (tick() - start if kind == "cpu" else wall), wall
@@ -154,14 +152,6 @@ def _grouping(timer: Any, recipe: Recipe, way: str, micro_batch: int) -> tuple[A
         return None, plain, attention
     grouping = grouping_of(recipe, plain, micro_batch, way == "packed" and runs_varlen(timer.setup.model), way=way)
     return grouping, Grouped(plain, grouping), attention
-
-
-def _attend(timer: Any, attention: str | None) -> None:
-    """The timer's model switched to `attention` (the one that way's run builds)."""
-    from ..models.varlen import set_attention
-
-    if attention is not None:
-        set_attention(timer.setup.model, attention)
 
 
 def _targets(data: Datasets, indices: torch.Tensor) -> int:
