@@ -20,6 +20,7 @@ from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import Lora, Recipe
 from ..plan.weightfiles import WeightsOnDisk, inspect
+from .hf import transformers_inside
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PEFT_PREFIX = "base_model.model."  # a PeftModel's keys: base_model (LoraModel) . model (what LoRA was put on)
@@ -90,16 +91,8 @@ def place(model: nn.Module, recipe: Recipe, device: torch.device, dtype: torch.d
     return model.to(device=device, dtype=dtype)
 
 
-def adaptable_modules(model: nn.Module) -> list[str]:
-    from .quantize import _linear_kinds
-
-    kinds = (*_linear_kinds(), nn.Embedding, nn.Conv1d, nn.Conv2d)
-    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if name and isinstance(module, kinds)}
-    return sorted(names)
-
-
 def with_lora(model: nn.Module, lora: Lora, model_name: str) -> nn.Module:
-    from .quantize import quiet_bitsandbytes
+    from .quantize import _linear_kinds, quiet_bitsandbytes
 
     quiet_bitsandbytes()  # peft imports bitsandbytes where it is installed
     try:
@@ -109,7 +102,9 @@ def with_lora(model: nn.Module, lora: Lora, model_name: str) -> nn.Module:
     names = [name for name, _ in model.named_modules() if name]
     for target in lora.target_modules:
         if not any(name == target or name.endswith("." + target) for name in names):
-            known = ", ".join(adaptable_modules(model))
+            kinds = (*_linear_kinds(), nn.Embedding, nn.Conv1d, nn.Conv2d)  # the modules LoRA can adapt
+            known = ", ".join(sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                                     if name and isinstance(module, kinds)}))
             raise UserError(f"model.lora.target_modules: {model_name} has no module named {target!r} "
                             f"(modules LoRA can adapt: {known})")
     config = peft.LoraConfig(
@@ -134,16 +129,6 @@ def with_lora(model: nn.Module, lora: Lora, model_name: str) -> nn.Module:
 def peft_model(model: nn.Module) -> Any:
     peft = sys.modules.get("peft")
     return model if peft is not None and isinstance(model, peft.PeftModel) else None
-
-
-def transformers_inside(module: nn.Module) -> tuple[str, Any]:
-    transformers = sys.modules.get("transformers")
-    if transformers is None:
-        return "", None
-    for name, inner in module.named_modules():
-        if isinstance(inner, transformers.PreTrainedModel):
-            return name, inner
-    return "", None
 
 
 def check_merged(model: nn.Module, recipe: Recipe, sharded: bool = False) -> None:
