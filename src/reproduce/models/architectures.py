@@ -8,7 +8,7 @@ come from their config classes (wrapped in `HFLogits`: logits (B, T, V)); `model
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from torch import nn
@@ -59,11 +59,16 @@ class Architecture:
             return fixed
         config = self.make_config(kwargs)
         if self.library == "nanogpt":
-            return {"inputs": "tokens", "vocab_size": config.vocab_size, "context": config.block_size}
+            return self.token_inputs(config.vocab_size, config.block_size)
         if self.kind == "mae":
             return {"inputs": "images", "channels": config.num_channels, "image_size": config.image_size}
-        context = getattr(config, "n_positions", None) or config.max_position_embeddings
-        fixed = {"inputs": "tokens", "vocab_size": config.vocab_size, "context": context - self.position_offset}
+        return self.token_inputs(config.vocab_size, getattr(config, "n_positions", None)
+                                 or config.max_position_embeddings)
+
+    def token_inputs(self, vocab_size: int | None, context: int | None) -> dict:
+        """A token model's inputs: its positions less those it reserves (`position_offset`)."""
+        fixed = {"inputs": "tokens", "vocab_size": vocab_size, "context": context - self.position_offset if context
+                 else None}
         if self.kind == "pretraining":  # sentence pairs: masked-token labels and one next-sentence label per row
             fixed["targets"] = "mlm-nsp"
         return fixed
@@ -77,7 +82,7 @@ class Architecture:
             from .nanogpt import GPT
 
             config = self.make_config(kwargs)
-            self.check_vocabulary(data_info, config.vocab_size)
+            check_vocab_size(data_info, config.vocab_size, "model", self.name, WIDEN)
             return GPT(config)
         transformers = needs_transformers(f"model.builtin: {self.name}")
         data_info = data_info or {}
@@ -85,7 +90,7 @@ class Architecture:
             kwargs = {**kwargs, "image_size": int(data_info["image_size"])}
         config = self.make_config(kwargs)
         if self.kind != "mae":
-            self.check_vocabulary(data_info, config.vocab_size)
+            check_vocab_size(data_info, config.vocab_size, "model", self.name, WIDEN)
         return self.wrap(getattr(transformers, self.auto_class).from_config(config))
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -95,7 +100,7 @@ class Architecture:
         if self.library == "nanogpt":
             from .nanogpt import GPTConfig
 
-            known = GPTConfig.names()
+            known = [f.name for f in fields(GPTConfig)]
             for key in kwargs:
                 if key not in known:
                     raise self.unknown_setting(key, known, f"nanoGPT's GPTConfig: {', '.join(known)}")
@@ -190,16 +195,21 @@ class Architecture:
             raise UserError(f"data.channels: {self.name} takes {IMAGE_CHANNELS}-channel images (got {channels})")
         return torchvision
 
-    def check_vocabulary(self, data_info: dict | None, vocab_size: int) -> None:
-        vocab = (data_info or {}).get("vocab_size")
-        if vocab is not None and vocab > vocab_size:
-            raise UserError(f"model: the data has {vocab} token ids but {self.name} has a vocabulary of "
-                            f"{vocab_size} (model.kwargs: {{vocab_size: {vocab}}} to widen it)")
-
     def unknown_setting(self, key: str, known: Any, elsewhere: str) -> UserError:
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else elsewhere
         return UserError(f"model.kwargs: {self.name} has no setting {key!r} ({hint})")
+
+
+WIDEN = " (model.kwargs: {{vocab_size: {vocab}}} to widen it)"
+
+
+def check_vocab_size(data_info: dict | None, vocab_size: int, field: str, model: str, hint: str = "") -> None:
+    """One line when the data has more token ids than the model's vocabulary (`hint`: how to widen it)."""
+    vocab = (data_info or {}).get("vocab_size")
+    if vocab is not None and vocab > vocab_size:
+        raise UserError(f"{field}: the data has {vocab} token ids but {model} has a vocabulary of {vocab_size}"
+                        + hint.format(vocab=vocab))
 
 
 def needs_transformers(who: str) -> Any:
