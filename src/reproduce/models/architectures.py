@@ -75,7 +75,7 @@ class Architecture:
 
     def build(self, kwargs: dict, data_info: dict | None = None) -> nn.Module:
         if self.library == "segmentation":
-            return self.segmentation_model(self.settings(kwargs, data_info))  # (torchvision imported)
+            return self.segmentation_model(kwargs, data_info)
         if self.library == "torchvision":
             return self.classifier(kwargs, data_info)
         if self.library == "nanogpt":
@@ -141,17 +141,18 @@ class Architecture:
         except (TypeError, ValueError) as exc:
             raise UserError(f"model.kwargs: {self.name} ({self.function}) rejected its arguments: {exc}") from None
 
-    def settings(self, kwargs: dict, data_info: dict | None = None) -> dict:
+    def segmentation_model(self, kwargs: dict, data_info: dict | None) -> nn.Module:
+        """LR-ASPP, or a ResNet model assembled as torchvision's `_deeplabv3_resnet` / `_fcn_resnet` do, at the output
+        stride's dilation."""
         unknown = sorted(set(kwargs) - set(KNOWN))
         if unknown:
             raise UserError(f"model.kwargs: {self.name} has no setting {unknown[0]!r} (it takes {', '.join(KNOWN)})")
-        self.torchvision(data_info)
-        data_info = data_info or {}
-        declared = data_info.get("classes")
+        torchvision = self.torchvision(data_info)
+        declared = (data_info or {}).get("classes")
         if kwargs.get("num_classes") and declared and kwargs["num_classes"] != declared:
             raise UserError(f"model.kwargs.num_classes: {kwargs['num_classes']} output channels, but data.classes is "
                             f"{declared}: the model predicts one channel per class (remove num_classes)")
-        classes = kwargs.get("num_classes") or declared or VOC_CLASSES
+        classes = int(kwargs.get("num_classes") or declared or VOC_CLASSES)
         stride = kwargs.get("output_stride") or self.output_stride
         allowed = (16,) if self.head == "lraspp" else tuple(DILATION)
         if stride not in allowed:
@@ -159,30 +160,23 @@ class Architecture:
         aux = bool(kwargs.get("aux_loss"))
         if aux and not self.aux:
             raise UserError(f"model.aux_weight: {self.name} has no auxiliary head in torchvision (remove aux_weight)")
-        return {"classes": int(classes), "stride": int(stride), "aux": aux}
-
-    def segmentation_model(self, settings: dict) -> nn.Module:
-        """LR-ASPP, or a ResNet model assembled as torchvision's `_deeplabv3_resnet` / `_fcn_resnet` do, at the output
-        stride's dilation."""
-        import torchvision
         from torchvision.models import segmentation
 
         if self.head == "lraspp":
-            return segmentation.lraspp_mobilenet_v3_large(
-                weights=None, weights_backbone=None, num_classes=settings["classes"])
+            return segmentation.lraspp_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=classes)
         from torchvision.models._utils import IntermediateLayerGetter
         from torchvision.models.segmentation.deeplabv3 import DeepLabHead, DeepLabV3
         from torchvision.models.segmentation.fcn import FCN, FCNHead
 
-        backbone = getattr(torchvision.models, self.backbone)(
-            weights=None, replace_stride_with_dilation=DILATION[settings["stride"]])
-        classes, aux = settings["classes"], settings["aux"]
+        stride = int(stride)
+        backbone = getattr(torchvision.models, self.backbone)(weights=None,
+                                                               replace_stride_with_dilation=DILATION[stride])
         returned = {"layer4": "out", **({"layer3": "aux"} if aux else {})}
         layers = IntermediateLayerGetter(backbone, return_layers=returned)
         aux_head = FCNHead(1024, classes) if aux else None
         if self.head == "fcn":
             return FCN(layers, FCNHead(2048, classes), aux_head)
-        return DeepLabV3(layers, DeepLabHead(2048, classes, atrous_rates=ASPP_RATES[settings["stride"]]), aux_head)
+        return DeepLabV3(layers, DeepLabHead(2048, classes, atrous_rates=ASPP_RATES[stride]), aux_head)
 
     def torchvision(self, data_info: dict | None) -> Any:
         try:
