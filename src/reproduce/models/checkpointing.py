@@ -21,14 +21,13 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import UserError
 
 WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-# transformers' layers call torch.utils.checkpoint.checkpoint with these (its default preserves the RNG state)
-HF_KWARGS = {"use_reentrant": False, "context_fn": lambda: contexts()}
 
 
 def enable(model: nn.Module, name: str, selective: bool = False) -> int:
     """Checkpoint `model` per block (`selective`: keeping `saved_ops`' outputs); the number of blocks."""
     pretrained = _transformers_models(model)
-    kwargs = {**HF_KWARGS, "context_fn": lambda: contexts(selective=True)} if selective else HF_KWARGS
+    # transformers' layers call torch.utils.checkpoint.checkpoint with these (its default preserves the RNG state)
+    kwargs = {"use_reentrant": False, "context_fn": lambda: contexts(selective=selective)}
     for module in model.modules():
         module.selective_checkpoint = selective
     if pretrained:

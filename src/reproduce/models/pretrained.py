@@ -52,9 +52,9 @@ def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overr
     mismatched = info.get("mismatched_keys", [])
     if missing or mismatched:
         names = list(missing) + [_shapes(m) for m in mismatched]
-        shown = "; ".join(names[:SHOWN])
+        listed = "; ".join(names[:SHOWN])
         raise UserError(f"{field}: {folder}: its weights do not cover {model.__class__.__name__} of its config: "
-                        f"{len(missing)} missing, {len(mismatched)} of another shape ({shown}); transformers would "
+                        f"{len(missing)} missing, {len(mismatched)} of another shape ({listed}); transformers would "
                         "initialise them at random")
     return model
 

@@ -58,12 +58,10 @@ def quantization_config(recipe: Recipe) -> Any:
 
 
 def _linear_kinds() -> tuple[type, ...]:
-    try:
-        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers, (in, out) weights
+    """nn.Linear and GPT-2's Conv1D ((in, out) weights): transformers is there wherever peft or quantising is."""
+    from transformers.pytorch_utils import Conv1D
 
-        return nn.Linear, Conv1D
-    except ImportError:
-        return (nn.Linear,)
+    return nn.Linear, Conv1D
 
 
 def kept_whole(model: nn.Module) -> list[str]:
