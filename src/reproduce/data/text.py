@@ -36,26 +36,15 @@ ALPACA_PROMPT_NO_INPUT = (
     "### Instruction:\n{instruction}\n\n### Response:"
 )
 RECORD_FIELDS = ("instruction", "input", "output")
-
-
-def alpaca_prompt(instruction: str, input: str = "") -> str:  # noqa: A002 (Alpaca's field name)
-    if input != "":
-        return ALPACA_PROMPT_INPUT.format(instruction=instruction, input=input)
-    return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
-
-
-def alpaca_lora_prompt(instruction: str, input: str = "") -> str:  # noqa: A002 (Alpaca's field name)
-    """Alpaca-LoRA's templates/alpaca.json: Stanford's with a newline after "### Response:"."""
-    return alpaca_prompt(instruction, input) + "\n"
-
-
-def e2e_prompt(instruction: str, input: str = "", eos: str = "") -> str:  # noqa: A002
-    """microsoft/LoRA's E2E encoding (src/gpt2_encode.py --add_bos --add_eos): the context, then <|endoftext|>."""
-    return instruction + (f"\n{input}" if input else "") + eos
-
-
-TEMPLATES = {"alpaca": alpaca_prompt, "alpaca-lora": alpaca_lora_prompt, "e2e": e2e_prompt}
-RESPONSE_PREFIX = {"e2e": " "}  # put before the response (gpt2_encode.py encodes ' ' + completion)
+# data.template -> (its prompt with a non-empty input, without one, what goes before the response)
+TEMPLATES = {
+    "alpaca": (ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, ""),
+    # Alpaca-LoRA's templates/alpaca.json: Stanford's with a newline after "### Response:"
+    "alpaca-lora": (ALPACA_PROMPT_INPUT + "\n", ALPACA_PROMPT_NO_INPUT + "\n", ""),
+    # microsoft/LoRA's E2E encoding (src/gpt2_encode.py --add_bos --add_eos): the context, then <|endoftext|>; it
+    # encodes ' ' + completion
+    "e2e": ("{instruction}\n{input}{eos}", "{instruction}{eos}", " "),
+}
 
 
 class TokenisedTexts(Dataset):
@@ -238,10 +227,12 @@ def instruction_texts(records: list[dict], template: str, fields: dict[str, str]
                       ) -> tuple[list[str], list[str]]:
     """(prompts, responses) of the records under `template` (`eos`: the tokenizer's, for e2e)."""
     fields = fields or {name: name for name in RECORD_FIELDS}
-    prompt = TEMPLATES[template]
-    extra = {"eos": eos} if template == "e2e" else {}
-    prompts = [prompt(r[fields["instruction"]], r.get(fields.get("input", "input")) or "", **extra) for r in records]
-    prefix = RESPONSE_PREFIX.get(template, "")
+    with_input, without_input, prefix = TEMPLATES[template]
+    prompts = []
+    for record in records:
+        given = record.get(fields.get("input", "input")) or ""
+        prompt = with_input if given else without_input
+        prompts.append(prompt.format(instruction=record[fields["instruction"]], input=given, eos=eos))
     return prompts, [prefix + r[fields["output"]] for r in records]
 
 
