@@ -331,10 +331,9 @@ def build_segmentation(recipe: Any) -> dict:
     data: dict = {"train": SegmentationData(train_pairs, augment)}
     eval_root = Path(spec.eval_path) if spec.eval_path is not None else None
     eval_split = spec.eval_split or "val"
-    if eval_root is None and layout == "voc" and (spec.eval_split or (root / VOC_LISTS / "val.txt").is_file()):
-        eval_root = root
-    if eval_root is None and ((layout == "images-masks" and split_folders(root)) or (
-            layout == "cityscapes" and (root / "leftImg8bit" / eval_split).is_dir())):
+    if eval_root is None and ((layout == "voc" and (spec.eval_split or (root / VOC_LISTS / "val.txt").is_file()))
+                              or (layout == "images-masks" and split_folders(root))
+                              or (layout == "cityscapes" and (root / CITY_IMAGES / eval_split).is_dir())):
         eval_root = root
     if eval_root is not None:
         _, eval_pairs = read_split(eval_root, "data.eval_path", layout, eval_split)
