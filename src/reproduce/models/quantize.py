@@ -28,9 +28,7 @@ def quiet_bitsandbytes() -> None:
     """Drop bitsandbytes' import-time warning that the optional "kernels" package is missing (it is optional)."""
     import logging
 
-    cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    if _no_kernels_notice not in cpu_ops.filters:
-        cpu_ops.addFilter(_no_kernels_notice)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_kernels_notice)  # (once: addFilter skips a repeat)
 
 
 def _no_kernels_notice(record: Any) -> bool:
