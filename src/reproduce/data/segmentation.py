@@ -18,6 +18,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from ..errors import UserError
 from .images import IMAGENET_MEAN, IMAGENET_STD, open_image
+from .loader import seeded_samples
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff")
 MASK_SUFFIX = ".png"
@@ -118,8 +119,6 @@ class SegmentationData(torch.utils.data.Dataset):
 
     def target_counts_at(self, seed: int, step: int, indices: torch.Tensor) -> torch.Tensor:
         """Each sample's valid pixels as the loader cuts it at `step`: the same seeded draws, the mask alone read."""
-        from .loader import seeded_samples
-
         if self.augment.all_pixels and self.augment.train and self.augment.crop is not None:
             return torch.full((len(indices),), self.augment.crop[0] * self.augment.crop[1], dtype=torch.int64)
         counts = []

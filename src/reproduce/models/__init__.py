@@ -25,7 +25,7 @@ from . import small
 from .architectures import ARCHITECTURES, SEGMENTATION_MODELS
 from .architectures import LOSSES as LOSSES
 from .hf import HFLogits
-from .segmentation import check_output_classes
+from .segmentation import check_output_classes, load_backbone
 from .weights import adapt, on_meta, place, weights_of
 
 __all__ = [
@@ -57,8 +57,6 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     else:
         model = architecture(recipe, weights, data_info)
         if spec.backbone_weights is not None:  # ImageNet weights into the backbone, before model.batchnorm
-            from .segmentation import load_backbone
-
             load_backbone(model, recipe)
     model = convert(model, spec.batchnorm)
     if recipe.task == "segmentation" and recipe.data.classes:  # one line now, not at the first evaluation

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import UserError
+from .small import MLP, Block, SmallCNN
 
 WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -45,8 +46,7 @@ def enable(model: nn.Module, name: str, selective: bool = False) -> int:
         for block in blocks:
             block.forward = types.MethodType(_checkpointed_forward, block)
         return len(blocks)
-    from .small import MLP, SmallCNN  # the built-in models without blocks: per layer (a factory's must declare them)
-
+    # the built-in models without blocks: per layer (a factory's must declare them)
     layered = [m for owner in model.modules() if isinstance(owner, (MLP, SmallCNN)) for m in owner.modules()
                if _layered(m)]
     if layered:
@@ -81,8 +81,6 @@ def enabled(model: nn.Module) -> bool:
 
 def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
     """The outermost blocks of `model` (a block inside a block is recomputed with it)."""
-    from .small import Block
-
     types_: tuple[type, ...] = (Block,)
     resnet = sys.modules.get("torchvision.models.resnet")
     if resnet is not None:
