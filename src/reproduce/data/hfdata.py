@@ -161,7 +161,7 @@ def build_hf_datasets(recipe: Any) -> dict:
                                 f"{', '.join(table.column_names)})")
     tokenizer = max_length = None
     if spec.text_columns:
-        tokenizer, max_length = text_settings(recipe)
+        tokenizer, max_length, _ = text_settings(recipe)
     data: dict = {}
     stats: dict = {}
     classes = None

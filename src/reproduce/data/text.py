@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import TextData
+from ..plan.weightfiles import inspect
 from .batches import IGNORE_INDEX
 
 # Stanford Alpaca's PROMPT_DICT (tatsu-lab/stanford_alpaca's train.py @ 761dc5bfbdeeffa89b8bff5d038781a4055f796a, the
@@ -242,8 +243,6 @@ def tokenizer_name(recipe: Any) -> tuple[str, str]:
     if isinstance(spec, TextData) and spec.tokenizer is not None:
         return spec.tokenizer, "data.tokenizer"
     if model.weights is not None:
-        from ..plan.weightfiles import inspect
-
         weights = inspect(model.weights)
         if weights.has_tokenizer:
             return str(weights.path), "model.weights (data.tokenizer's default)"
@@ -253,9 +252,10 @@ def tokenizer_name(recipe: Any) -> tuple[str, str]:
     return model.hf, "model.hf (data.tokenizer's default)"
 
 
-def text_settings(recipe: Any) -> tuple[Any, int]:
+def text_settings(recipe: Any) -> tuple[Any, int, str]:
+    """(the tokenizer, the longest sequence, the tokenizer's name)."""
     name, field = tokenizer_name(recipe)
-    return load_tokenizer(name, field), recipe.data.max_length or recipe.batch.sequence_length
+    return load_tokenizer(name, field), recipe.data.max_length or recipe.batch.sequence_length, name
 
 
 def build_instructions(recipe: Any) -> dict:
@@ -267,7 +267,7 @@ def build_instructions(recipe: Any) -> dict:
     fields = dict(spec.columns) if spec.columns else None
     records = {split: read_records(path, "data.path" if split == "train" else "data.eval_path", fields)
                for split, path in paths.items()}
-    tokenizer, max_length = text_settings(recipe)
+    tokenizer, max_length, name = text_settings(recipe)
     data: dict = {}
     stats: dict = {}
     for split, rows in records.items():
@@ -278,7 +278,7 @@ def build_instructions(recipe: Any) -> dict:
     check_targets(stats["train"], "data.path", paths["train"], bool(spec.train_on_inputs))
     data["info"] = {
         "name": spec.name or paths["train"].stem, "format": "instructions", "path": str(paths["train"]),
-        "eval_path": spec.eval_path, "template": template, "tokenizer": tokenizer_name(recipe)[0],
+        "eval_path": spec.eval_path, "template": template, "tokenizer": name,
         "vocab_size": len(tokenizer), **{f"{split}_{key}": value for split, s in stats.items()
                                          for key, value in s.items() if key not in ("vocab_size",)},
     }
@@ -334,8 +334,7 @@ def build_chat(recipe: Any) -> dict:
     paths = {"train": Path(spec.path)}
     if spec.eval_path is not None:
         paths["eval"] = Path(spec.eval_path)
-    tokenizer, max_length = text_settings(recipe)
-    name = tokenizer_name(recipe)[0]
+    tokenizer, max_length, name = text_settings(recipe)
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"data.tokenizer: {name} has no chat template (chat_template in its tokenizer_config.json), "
                         "which format chat renders conversations with; give a tokenizer that has one, or use format "
