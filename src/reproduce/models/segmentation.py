@@ -104,9 +104,22 @@ def load_backbone(model: nn.Module, recipe: Recipe) -> None:
     missing = [key for key in expected if key not in keys and not key.endswith(COUNTER)]
     other = [key for key in expected if key in keys and tuple(found[keys[key]]) != tuple(expected[key])]
     extra = _extra(found, keys, backbone)
-    if missing or other or extra:
+    if missing or other or extra:  # what the file is, what does not fit, what would
         built = getattr(SEGMENTATION_MODELS.get(recipe.model.builtin or ""), "backbone", "")
-        raise UserError(_does_not_fit(path, name, built, list(found), missing, other, extra, keys, found, expected))
+        shapes = "; ".join(f"{key}: file {list(found[keys[key]])}, model {list(expected[key])}"
+                           for key in other[:SHOWN])
+        detail = ", ".join(part for part in (
+            f"{len(missing)} of its backbone's tensors missing ({shown(missing)})" if missing else "",
+            f"{len(other)} of another shape ({shapes})" if other else "",
+            f"{len(extra)} of the file's with no place in it ({shown(extra)})" if extra else "") if part)
+        what = describe(list(found))
+        other_builtin = next((builtin for depth, builtin in (("ResNet-50", "deeplabv3-resnet50 or fcn-resnet50"),
+                                                              ("ResNet-101", "deeplabv3-resnet101"))
+                              if what.startswith(f"a {depth} ") and built != depth.lower().replace("-", "")), None)
+        takes = f"; the built-in that takes it: {other_builtin}" if other_builtin else ""
+        fits = FITS.get(built, "a state dict of its backbone's names")
+        raise UserError(f"{FIELD}: {path}: {what}, which does not fit {name}'s backbone, torchvision's "
+                        f"{built.replace('_', ' ')} ({detail}); what fits: {fits}{takes}")
     state = found if on_meta() else read_state_dict(weights, shapes_only=False, field=FIELD)
     used = {keys[key] for key in expected if key in keys}
     left = {head: count for head, module in model.named_children()  # the heads, left at their initialisation
@@ -170,20 +183,3 @@ def _resnet_depth(names: list[str]) -> str:
     bottleneck = any(".conv3." in name for name in names)
     depth = RESNET_DEPTHS.get((tuple(blocks), bottleneck))
     return str(depth) if depth else f"? ({'-'.join(map(str, blocks))} blocks)"
-
-
-def _does_not_fit(path: str, name: str, backbone: str, names: list[str], missing: list[str], other: list[str],
-                  extra: list[str], keys: dict, found: dict, expected: dict) -> str:
-    fits = FITS.get(backbone, "a state dict of its backbone's names")
-    shapes = "; ".join(f"{key}: file {list(found[keys[key]])}, model {list(expected[key])}" for key in other[:SHOWN])
-    detail = ", ".join(part for part in (
-        f"{len(missing)} of its backbone's tensors missing ({shown(missing)})" if missing else "",
-        f"{len(other)} of another shape ({shapes})" if other else "",
-        f"{len(extra)} of the file's with no place in it ({shown(extra)})" if extra else "") if part)
-    what = describe(names)
-    other_builtin = next((builtin for depth, builtin in (("ResNet-50", "deeplabv3-resnet50 or fcn-resnet50"),
-                                                          ("ResNet-101", "deeplabv3-resnet101"))
-                          if what.startswith(f"a {depth} ") and backbone != depth.lower().replace("-", "")), None)
-    takes = f"; the built-in that takes it: {other_builtin}" if other_builtin else ""
-    return (f"{FIELD}: {path}: {what}, which does not fit {name}'s backbone, torchvision's "
-            f"{backbone.replace('_', ' ')} ({detail}); what fits: {fits}{takes}")
