@@ -62,20 +62,16 @@ def _linear_kinds() -> tuple[type, ...]:
     return nn.Linear, Conv1D
 
 
-def kept_whole(model: nn.Module) -> list[str]:
-    """The output head (lm_head or head, or tied to an embedding), left unquantised as from_pretrained leaves it."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    return [name for name, module in model.named_modules()
-            if isinstance(module, _linear_kinds()) and (name.rsplit(".", 1)[-1] in ("lm_head", "head")
-                                                        or id(module.weight) in embeddings)]
-
-
 def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
     """The model with its linear layers (but the head) in bitsandbytes' int8 or nf4, every base weight frozen."""
     bnb = bitsandbytes()
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 
-    kinds, skip = _linear_kinds(), kept_whole(model)
+    kinds = _linear_kinds()
+    # the output head (lm_head or head, or tied to an embedding), left unquantised as from_pretrained leaves it
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    skip = [name for name, module in model.named_modules() if isinstance(module, kinds)
+            and (name.rsplit(".", 1)[-1] in ("lm_head", "head") or id(module.weight) in embeddings)]
     originals = {name: module for name, module in model.named_modules()
                  if type(module) in kinds and name not in skip}
     if not originals:
@@ -83,7 +79,10 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
         raise UserError(f"model.quantize: {model_name} has no linear layers to quantise ({found}: "
                         f"{recipe.model.quantize} applies to nn.Linear layers and GPT-2's Conv1D)")
     config = quantization_config(recipe)
-    _real_dynamic_map(bnb)
+    cached = bnb.functional.name2qmap.get("dynamic")  # double quantisation's 8-bit code, cached at first use:
+    if cached is None or cached.is_meta:  # made on the CPU, never on meta
+        with torch.device("cpu"):
+            bnb.functional.name2qmap["dynamic"] = bnb.functional.create_dynamic_map()
     replace_with_bnb_linear(model, modules_to_not_convert=skip or None, quantization_config=config)
     for name, old in originals.items():
         new = model.get_submodule(name)
@@ -116,14 +115,6 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
             if isinstance(module, nn.Embedding) or name in skip:
                 module.to(TORCH_DTYPES[recipe.model.dtype])
     return model
-
-
-def _real_dynamic_map(bnb: Any) -> None:
-    """bitsandbytes caches double quantisation's 8-bit code at first use: made on the CPU, never on meta."""
-    cached = bnb.functional.name2qmap.get("dynamic")
-    if cached is None or cached.is_meta:
-        with torch.device("cpu"):
-            bnb.functional.name2qmap["dynamic"] = bnb.functional.create_dynamic_map()
 
 
 def _int8_scales_in_place(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
