@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 from typing import Any
 
 import torch
@@ -56,15 +55,6 @@ class HFLogits(nn.Module):
 def hf_logits(model: nn.Module) -> HFLogits | None:
     """The HFLogits in `model` (itself, or under peft's LoRA wrapper), or None."""
     return next((module for module in model.modules() if isinstance(module, HFLogits)), None)
-
-
-def transformers_inside(model: nn.Module) -> tuple[str, Any]:
-    """(its name, the outermost transformers model in `model`: under HFLogits and peft's wrappers), or ("", None)."""
-    modeling = sys.modules.get("transformers.modeling_utils")  # loaded by any transformers model
-    if modeling is None:
-        return "", None
-    return next(((name, inner) for name, inner in model.named_modules() if isinstance(inner, modeling.PreTrainedModel)),
-                ("", None))
 
 
 def confines_packed(model: nn.Module, device: torch.device) -> bool:

@@ -19,8 +19,7 @@ from ..plan.recipe import Recipe
 from ..plan.weightfiles import WeightsOnDisk, safetensors_header
 from .architectures import ARCHITECTURES, check_vocab_size, needs_transformers
 from .hf import HF_KIND_FOR_TASK, HFLogits
-from .segmentation import SHOWN, shown
-from .weights import from_pretrained_kwargs, on_meta, quiet
+from .weights import SHOWN, from_pretrained_kwargs, on_meta, quiet, shown
 
 AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification"}
 

@@ -18,8 +18,8 @@ from torch import nn
 
 from ..errors import UserError
 from ..plan.recipe import Recipe
-from .weights import TORCH_DTYPES
 
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EXTRA = "pip install 'reproduce[quantize]'  (bitsandbytes==0.50.2)"
 NF4_BLOCK = 64  # bitsandbytes' 4-bit block
 
@@ -51,7 +51,7 @@ def quantization_config(recipe: Recipe) -> Any:
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0, llm_int8_has_fp16_weight=False)
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=recipe.model.double_quant is not False,
-        bnb_4bit_compute_dtype=TORCH_DTYPES[recipe.precision], bnb_4bit_quant_storage=torch.uint8,
+        bnb_4bit_compute_dtype=COMPUTE_DTYPES[recipe.precision], bnb_4bit_quant_storage=torch.uint8,
     )
 
 
@@ -113,7 +113,7 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
     if not recipe.model.upcast_embeddings:  # QLoRA's qlora.py: embeddings and head back in the model's dtype
         for name, module in model.named_modules():
             if isinstance(module, nn.Embedding) or name in skip:
-                module.to(TORCH_DTYPES[recipe.model.dtype])
+                module.to(COMPUTE_DTYPES[recipe.model.dtype])
     return model
 
 

@@ -20,7 +20,7 @@ from ..errors import UserError
 from ..plan.recipe import Recipe
 from ..plan.weightfiles import inspect
 from .architectures import SEGMENTATION_MODELS
-from .weights import on_meta
+from .weights import SHOWN, on_meta, shown
 
 
 class ClassesDiffer(UserError):
@@ -63,12 +63,6 @@ def output_of(output: Any) -> Any:
 # ---- model.backbone_weights -----------------------------------------------------------------------------------------
 
 FIELD = "model.backbone_weights"
-SHOWN = 3  # names shown in a message
-
-
-def shown(names: list[str], separator: str = ", ") -> str:
-    return separator.join(names[:SHOWN]) + (f"{separator}..." if len(names) > SHOWN else "")
-
 COUNTER = "num_batches_tracked"
 # (blocks per stage, bottleneck blocks) -> depth (He et al. 2016, Table 1)
 RESNET_DEPTHS = {((2, 2, 2, 2), False): 18, ((3, 4, 6, 3), False): 34, ((3, 4, 6, 3), True): 50,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .hf import transformers_inside
+from .weights import transformers_inside
 
 VARLEN = "reproduce_varlen"
 CALLS = {"cut": 0, "whole": 0}  # attention calls that cut their rows at the samples, and those that did not

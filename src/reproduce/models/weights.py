@@ -20,10 +20,10 @@ from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import Lora, Recipe
 from ..plan.weightfiles import WeightsOnDisk, inspect
-from .hf import transformers_inside
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PEFT_PREFIX = "base_model.model."  # a PeftModel's keys: base_model (LoraModel) . model (what LoRA was put on)
+SHOWN = 3  # a state dict's names shown in a message
 
 
 def weights_of(recipe: Recipe) -> WeightsOnDisk | None:
@@ -47,6 +47,10 @@ def quiet(transformers: Any):
         logging.set_verbosity(verbosity)
         if enabled:
             logging.enable_progress_bar()
+
+
+def shown(names: list[str], separator: str = ", ") -> str:
+    return separator.join(names[:SHOWN]) + (f"{separator}..." if len(names) > SHOWN else "")
 
 
 def on_meta() -> bool:
@@ -129,6 +133,15 @@ def with_lora(model: nn.Module, lora: Lora, model_name: str) -> nn.Module:
 def peft_model(model: nn.Module) -> Any:
     peft = sys.modules.get("peft")
     return model if peft is not None and isinstance(model, peft.PeftModel) else None
+
+
+def transformers_inside(model: nn.Module) -> tuple[str, Any]:
+    """(its name, the outermost transformers model in `model`: under HFLogits and peft's wrappers), or ("", None)."""
+    modeling = sys.modules.get("transformers.modeling_utils")  # loaded by any transformers model
+    if modeling is None:
+        return "", None
+    return next(((name, inner) for name, inner in model.named_modules() if isinstance(inner, modeling.PreTrainedModel)),
+                ("", None))
 
 
 def check_merged(model: nn.Module, recipe: Recipe, sharded: bool = False) -> None:
