@@ -59,9 +59,8 @@ class TokenWindows(Dataset):
         return self.count
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = index * self.length
-        chunk = self.data[start : start + self.length + 1].long()
-        return chunk[:-1], chunk[1:]
+        inputs, targets = self.batch(torch.tensor([index]))
+        return inputs[0], targets[0]
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         offsets = indices.view(-1, 1) * self.length + torch.arange(self.length + 1).view(1, -1)

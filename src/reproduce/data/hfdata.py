@@ -27,8 +27,9 @@ def _datasets():
     return datasets
 
 
-def open_dataset(path: Path, field: str, split: str) -> Any:
-    """A `datasets.Dataset` from a save_to_disk folder, parquet or JSONL; `split`: "train" or "eval"."""
+def open_dataset(path: Path, field: str, names: list[str]) -> tuple[Any, Any]:
+    """(a `datasets.Dataset` from a save_to_disk folder, parquet or JSONL; the DatasetDict it is the first of `names`
+    of, or None)."""
     datasets = _datasets()
     if not path.exists():
         raise UserError(f"{field}: {path}: no such file or folder (expected a save_to_disk folder, parquet or JSONL)")
@@ -40,12 +41,11 @@ def open_dataset(path: Path, field: str, split: str) -> Any:
             raise UserError(f"{field}: {path}: cannot open as a save_to_disk dataset: {type(exc).__name__}: {exc}"
                             ) from None
         if isinstance(loaded, datasets.DatasetDict):
-            names = ["train"] if split == "train" else [*EVAL_SPLITS, "train"]
             found = next((name for name in names if name in loaded), None)
             if found is None:
                 raise UserError(f"{field}: {path}: no {' or '.join(names)} split (splits: {', '.join(loaded)})")
-            return loaded[found]
-        return loaded
+            return loaded[found], loaded
+        return loaded, None
     files = sorted(path.iterdir()) if path.is_dir() else [path]
     parquet = [f for f in files if f.suffix == ".parquet"]
     jsonl = [f for f in files if f.suffix in (".jsonl", ".json")]
@@ -57,7 +57,7 @@ def open_dataset(path: Path, field: str, split: str) -> Any:
             table = pa.concat_tables([pq.read_table(f) for f in parquet])
         except (pa.ArrowInvalid, OSError) as exc:
             raise UserError(f"{field}: {path}: cannot read as parquet: {exc}") from None
-        return datasets.Dataset(table)
+        return datasets.Dataset(table), None
     if jsonl:
         records = []
         for f in jsonl:
@@ -68,7 +68,7 @@ def open_dataset(path: Path, field: str, split: str) -> Any:
                 records.append(row)
         if not records:
             raise UserError(f"{field}: {path}: no rows")
-        return datasets.Dataset.from_list(records)
+        return datasets.Dataset.from_list(records), None
     raise UserError(f"{field}: {path}: expected a save_to_disk folder (dataset_dict.json or state.json), .parquet "
                     "or .jsonl files")
 
@@ -144,12 +144,12 @@ def _split(recipe: Any, table: Any, path: Path, train: bool, tokenizer: Any = No
 def build_hf_datasets(recipe: Any) -> dict:
     spec = recipe.data
     train_path = Path(spec.path)
-    tables = {"train": open_dataset(train_path, "data.path", "train")}
+    train, saved = open_dataset(train_path, "data.path", ["train"])
+    tables = {"train": train}
     eval_path = Path(spec.eval_path) if spec.eval_path is not None else None
     if eval_path is not None:
-        tables["eval"] = open_dataset(eval_path, "data.eval_path", "eval")
-    elif (train_path / "dataset_dict.json").is_file():
-        saved = _datasets().load_from_disk(str(train_path))
+        tables["eval"] = open_dataset(eval_path, "data.eval_path", [*EVAL_SPLITS, "train"])[0]
+    elif saved is not None:  # a DatasetDict's own evaluation split
         found = next((name for name in EVAL_SPLITS if name in saved), None)
         if found is not None:
             tables["eval"], eval_path = saved[found], train_path / found
@@ -161,7 +161,7 @@ def build_hf_datasets(recipe: Any) -> dict:
                                 f"{', '.join(table.column_names)})")
     tokenizer = max_length = None
     if spec.text_columns:
-        tokenizer, max_length = text_settings(recipe)
+        tokenizer, max_length, _ = text_settings(recipe)
     data: dict = {}
     stats: dict = {}
     classes = None

@@ -18,6 +18,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from ..errors import UserError
 from .images import IMAGENET_MEAN, IMAGENET_STD, open_image
+from .loader import seeded_samples
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff")
 MASK_SUFFIX = ".png"
@@ -118,8 +119,6 @@ class SegmentationData(torch.utils.data.Dataset):
 
     def target_counts_at(self, seed: int, step: int, indices: torch.Tensor) -> torch.Tensor:
         """Each sample's valid pixels as the loader cuts it at `step`: the same seeded draws, the mask alone read."""
-        from .loader import seeded_samples
-
         if self.augment.all_pixels and self.augment.train and self.augment.crop is not None:
             return torch.full((len(indices),), self.augment.crop[0] * self.augment.crop[1], dtype=torch.int64)
         counts = []
@@ -331,10 +330,9 @@ def build_segmentation(recipe: Any) -> dict:
     data: dict = {"train": SegmentationData(train_pairs, augment)}
     eval_root = Path(spec.eval_path) if spec.eval_path is not None else None
     eval_split = spec.eval_split or "val"
-    if eval_root is None and layout == "voc" and (spec.eval_split or (root / VOC_LISTS / "val.txt").is_file()):
-        eval_root = root
-    if eval_root is None and ((layout == "images-masks" and split_folders(root)) or (
-            layout == "cityscapes" and (root / "leftImg8bit" / eval_split).is_dir())):
+    if eval_root is None and ((layout == "voc" and (spec.eval_split or (root / VOC_LISTS / "val.txt").is_file()))
+                              or (layout == "images-masks" and split_folders(root))
+                              or (layout == "cityscapes" and (root / CITY_IMAGES / eval_split).is_dir())):
         eval_root = root
     if eval_root is not None:
         _, eval_pairs = read_split(eval_root, "data.eval_path", layout, eval_split)

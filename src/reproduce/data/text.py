@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import TextData
+from ..plan.weightfiles import inspect
 from .batches import IGNORE_INDEX
 
 # Stanford Alpaca's PROMPT_DICT (tatsu-lab/stanford_alpaca's train.py @ 761dc5bfbdeeffa89b8bff5d038781a4055f796a, the
@@ -36,26 +37,15 @@ ALPACA_PROMPT_NO_INPUT = (
     "### Instruction:\n{instruction}\n\n### Response:"
 )
 RECORD_FIELDS = ("instruction", "input", "output")
-
-
-def alpaca_prompt(instruction: str, input: str = "") -> str:  # noqa: A002 (Alpaca's field name)
-    if input != "":
-        return ALPACA_PROMPT_INPUT.format(instruction=instruction, input=input)
-    return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
-
-
-def alpaca_lora_prompt(instruction: str, input: str = "") -> str:  # noqa: A002 (Alpaca's field name)
-    """Alpaca-LoRA's templates/alpaca.json: Stanford's with a newline after "### Response:"."""
-    return alpaca_prompt(instruction, input) + "\n"
-
-
-def e2e_prompt(instruction: str, input: str = "", eos: str = "") -> str:  # noqa: A002
-    """microsoft/LoRA's E2E encoding (src/gpt2_encode.py --add_bos --add_eos): the context, then <|endoftext|>."""
-    return instruction + (f"\n{input}" if input else "") + eos
-
-
-TEMPLATES = {"alpaca": alpaca_prompt, "alpaca-lora": alpaca_lora_prompt, "e2e": e2e_prompt}
-RESPONSE_PREFIX = {"e2e": " "}  # put before the response (gpt2_encode.py encodes ' ' + completion)
+# data.template -> (its prompt with a non-empty input, without one, what goes before the response)
+TEMPLATES = {
+    "alpaca": (ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, ""),
+    # Alpaca-LoRA's templates/alpaca.json: Stanford's with a newline after "### Response:"
+    "alpaca-lora": (ALPACA_PROMPT_INPUT + "\n", ALPACA_PROMPT_NO_INPUT + "\n", ""),
+    # microsoft/LoRA's E2E encoding (src/gpt2_encode.py --add_bos --add_eos): the context, then <|endoftext|>; it
+    # encodes ' ' + completion
+    "e2e": ("{instruction}\n{input}{eos}", "{instruction}{eos}", " "),
+}
 
 
 class TokenisedTexts(Dataset):
@@ -238,10 +228,12 @@ def instruction_texts(records: list[dict], template: str, fields: dict[str, str]
                       ) -> tuple[list[str], list[str]]:
     """(prompts, responses) of the records under `template` (`eos`: the tokenizer's, for e2e)."""
     fields = fields or {name: name for name in RECORD_FIELDS}
-    prompt = TEMPLATES[template]
-    extra = {"eos": eos} if template == "e2e" else {}
-    prompts = [prompt(r[fields["instruction"]], r.get(fields.get("input", "input")) or "", **extra) for r in records]
-    prefix = RESPONSE_PREFIX.get(template, "")
+    with_input, without_input, prefix = TEMPLATES[template]
+    prompts = []
+    for record in records:
+        given = record.get(fields.get("input", "input")) or ""
+        prompt = with_input if given else without_input
+        prompts.append(prompt.format(instruction=record[fields["instruction"]], input=given, eos=eos))
     return prompts, [prefix + r[fields["output"]] for r in records]
 
 
@@ -251,8 +243,6 @@ def tokenizer_name(recipe: Any) -> tuple[str, str]:
     if isinstance(spec, TextData) and spec.tokenizer is not None:
         return spec.tokenizer, "data.tokenizer"
     if model.weights is not None:
-        from ..plan.weightfiles import inspect
-
         weights = inspect(model.weights)
         if weights.has_tokenizer:
             return str(weights.path), "model.weights (data.tokenizer's default)"
@@ -262,9 +252,10 @@ def tokenizer_name(recipe: Any) -> tuple[str, str]:
     return model.hf, "model.hf (data.tokenizer's default)"
 
 
-def text_settings(recipe: Any) -> tuple[Any, int]:
+def text_settings(recipe: Any) -> tuple[Any, int, str]:
+    """(the tokenizer, the longest sequence, the tokenizer's name)."""
     name, field = tokenizer_name(recipe)
-    return load_tokenizer(name, field), recipe.data.max_length or recipe.batch.sequence_length
+    return load_tokenizer(name, field), recipe.data.max_length or recipe.batch.sequence_length, name
 
 
 def build_instructions(recipe: Any) -> dict:
@@ -276,7 +267,7 @@ def build_instructions(recipe: Any) -> dict:
     fields = dict(spec.columns) if spec.columns else None
     records = {split: read_records(path, "data.path" if split == "train" else "data.eval_path", fields)
                for split, path in paths.items()}
-    tokenizer, max_length = text_settings(recipe)
+    tokenizer, max_length, name = text_settings(recipe)
     data: dict = {}
     stats: dict = {}
     for split, rows in records.items():
@@ -287,7 +278,7 @@ def build_instructions(recipe: Any) -> dict:
     check_targets(stats["train"], "data.path", paths["train"], bool(spec.train_on_inputs))
     data["info"] = {
         "name": spec.name or paths["train"].stem, "format": "instructions", "path": str(paths["train"]),
-        "eval_path": spec.eval_path, "template": template, "tokenizer": tokenizer_name(recipe)[0],
+        "eval_path": spec.eval_path, "template": template, "tokenizer": name,
         "vocab_size": len(tokenizer), **{f"{split}_{key}": value for split, s in stats.items()
                                          for key, value in s.items() if key not in ("vocab_size",)},
     }
@@ -343,8 +334,7 @@ def build_chat(recipe: Any) -> dict:
     paths = {"train": Path(spec.path)}
     if spec.eval_path is not None:
         paths["eval"] = Path(spec.eval_path)
-    tokenizer, max_length = text_settings(recipe)
-    name = tokenizer_name(recipe)[0]
+    tokenizer, max_length, name = text_settings(recipe)
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"data.tokenizer: {name} has no chat template (chat_template in its tokenizer_config.json), "
                         "which format chat renders conversations with; give a tokenizer that has one, or use format "

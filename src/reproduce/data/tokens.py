@@ -52,10 +52,6 @@ class TokenFile(TokenWindows):
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_memmap": None}
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = self.batch(torch.tensor([index]))
-        return inputs[0], targets[0]
-
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         starts = np.asarray(indices, dtype=np.int64) * self.length
         if len(starts) and (starts.min() < 0 or starts.max() >= self.count * self.length):

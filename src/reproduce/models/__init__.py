@@ -25,7 +25,7 @@ from . import small
 from .architectures import ARCHITECTURES, SEGMENTATION_MODELS
 from .architectures import LOSSES as LOSSES
 from .hf import HFLogits
-from .segmentation import check_output_classes
+from .segmentation import check_output_classes, load_backbone
 from .weights import adapt, on_meta, place, weights_of
 
 __all__ = [
@@ -57,8 +57,6 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     else:
         model = architecture(recipe, weights, data_info)
         if spec.backbone_weights is not None:  # ImageNet weights into the backbone, before model.batchnorm
-            from .segmentation import load_backbone
-
             load_backbone(model, recipe)
     model = convert(model, spec.batchnorm)
     if recipe.task == "segmentation" and recipe.data.classes:  # one line now, not at the first evaluation
@@ -170,14 +168,14 @@ def model_inputs(recipe: Recipe) -> dict:
         if positions and "roberta" in str(config.get("model_type")):
             positions -= int(config.get("pad_token_id") or 1) + 1
         return {"context": positions} if positions else {}
-    if spec.weights is not None and spec.builtin in ARCHITECTURES:
-        weights = weights_of(recipe)
-        if weights.is_folder:  # the folder's config is the architecture
-            from .pretrained import folder_inputs
-
-            return folder_inputs(ARCHITECTURES[spec.builtin], weights.config, kwargs)
-    if spec.builtin in BUILT_IN:
-        return BUILT_IN[spec.builtin].model_inputs(kwargs)
+    arch = BUILT_IN.get(spec.builtin or "")
+    weights = weights_of(recipe) if spec.builtin in ARCHITECTURES else None
+    if weights is not None and weights.is_folder and arch.library == "transformers" and arch.kind != "mae":
+        config = weights.config  # the folder's config is the architecture
+        context = kwargs.get("block_size") or config.get("n_positions") or config.get("max_position_embeddings")
+        return arch.token_inputs(kwargs.get("vocab_size", config.get("vocab_size")), context)
+    if arch is not None:
+        return arch.model_inputs(kwargs)
     if spec.builtin == "gpt":
         return {"inputs": "tokens", "vocab_size": kwargs.get("vocab_size", 256), "context": kwargs.get("block_size")}
     if spec.builtin in ("cnn-bn", "cnn-gn"):  # the digits: 1 x 8 x 8

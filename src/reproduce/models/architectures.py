@@ -8,7 +8,7 @@ come from their config classes (wrapped in `HFLogits`: logits (B, T, V)); `model
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from torch import nn
@@ -59,25 +59,30 @@ class Architecture:
             return fixed
         config = self.make_config(kwargs)
         if self.library == "nanogpt":
-            return {"inputs": "tokens", "vocab_size": config.vocab_size, "context": config.block_size}
+            return self.token_inputs(config.vocab_size, config.block_size)
         if self.kind == "mae":
             return {"inputs": "images", "channels": config.num_channels, "image_size": config.image_size}
-        context = getattr(config, "n_positions", None) or config.max_position_embeddings
-        fixed = {"inputs": "tokens", "vocab_size": config.vocab_size, "context": context - self.position_offset}
+        return self.token_inputs(config.vocab_size, getattr(config, "n_positions", None)
+                                 or config.max_position_embeddings)
+
+    def token_inputs(self, vocab_size: int | None, context: int | None) -> dict:
+        """A token model's inputs: its positions less those it reserves (`position_offset`)."""
+        fixed = {"inputs": "tokens", "vocab_size": vocab_size, "context": context - self.position_offset if context
+                 else None}
         if self.kind == "pretraining":  # sentence pairs: masked-token labels and one next-sentence label per row
             fixed["targets"] = "mlm-nsp"
         return fixed
 
     def build(self, kwargs: dict, data_info: dict | None = None) -> nn.Module:
         if self.library == "segmentation":
-            return self.segmentation_model(self.settings(kwargs, data_info))  # (torchvision imported)
+            return self.segmentation_model(kwargs, data_info)
         if self.library == "torchvision":
             return self.classifier(kwargs, data_info)
         if self.library == "nanogpt":
             from .nanogpt import GPT
 
             config = self.make_config(kwargs)
-            self.check_vocabulary(data_info, config.vocab_size)
+            check_vocab_size(data_info, config.vocab_size, "model", self.name, WIDEN)
             return GPT(config)
         transformers = needs_transformers(f"model.builtin: {self.name}")
         data_info = data_info or {}
@@ -85,7 +90,7 @@ class Architecture:
             kwargs = {**kwargs, "image_size": int(data_info["image_size"])}
         config = self.make_config(kwargs)
         if self.kind != "mae":
-            self.check_vocabulary(data_info, config.vocab_size)
+            check_vocab_size(data_info, config.vocab_size, "model", self.name, WIDEN)
         return self.wrap(getattr(transformers, self.auto_class).from_config(config))
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -95,7 +100,7 @@ class Architecture:
         if self.library == "nanogpt":
             from .nanogpt import GPTConfig
 
-            known = GPTConfig.names()
+            known = [f.name for f in fields(GPTConfig)]
             for key in kwargs:
                 if key not in known:
                     raise self.unknown_setting(key, known, f"nanoGPT's GPTConfig: {', '.join(known)}")
@@ -136,17 +141,18 @@ class Architecture:
         except (TypeError, ValueError) as exc:
             raise UserError(f"model.kwargs: {self.name} ({self.function}) rejected its arguments: {exc}") from None
 
-    def settings(self, kwargs: dict, data_info: dict | None = None) -> dict:
+    def segmentation_model(self, kwargs: dict, data_info: dict | None) -> nn.Module:
+        """LR-ASPP, or a ResNet model assembled as torchvision's `_deeplabv3_resnet` / `_fcn_resnet` do, at the output
+        stride's dilation."""
         unknown = sorted(set(kwargs) - set(KNOWN))
         if unknown:
             raise UserError(f"model.kwargs: {self.name} has no setting {unknown[0]!r} (it takes {', '.join(KNOWN)})")
-        self.torchvision(data_info)
-        data_info = data_info or {}
-        declared = data_info.get("classes")
+        torchvision = self.torchvision(data_info)
+        declared = (data_info or {}).get("classes")
         if kwargs.get("num_classes") and declared and kwargs["num_classes"] != declared:
             raise UserError(f"model.kwargs.num_classes: {kwargs['num_classes']} output channels, but data.classes is "
                             f"{declared}: the model predicts one channel per class (remove num_classes)")
-        classes = kwargs.get("num_classes") or declared or VOC_CLASSES
+        classes = int(kwargs.get("num_classes") or declared or VOC_CLASSES)
         stride = kwargs.get("output_stride") or self.output_stride
         allowed = (16,) if self.head == "lraspp" else tuple(DILATION)
         if stride not in allowed:
@@ -154,30 +160,23 @@ class Architecture:
         aux = bool(kwargs.get("aux_loss"))
         if aux and not self.aux:
             raise UserError(f"model.aux_weight: {self.name} has no auxiliary head in torchvision (remove aux_weight)")
-        return {"classes": int(classes), "stride": int(stride), "aux": aux}
-
-    def segmentation_model(self, settings: dict) -> nn.Module:
-        """LR-ASPP, or a ResNet model assembled as torchvision's `_deeplabv3_resnet` / `_fcn_resnet` do, at the output
-        stride's dilation."""
-        import torchvision
         from torchvision.models import segmentation
 
         if self.head == "lraspp":
-            return segmentation.lraspp_mobilenet_v3_large(
-                weights=None, weights_backbone=None, num_classes=settings["classes"])
+            return segmentation.lraspp_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=classes)
         from torchvision.models._utils import IntermediateLayerGetter
         from torchvision.models.segmentation.deeplabv3 import DeepLabHead, DeepLabV3
         from torchvision.models.segmentation.fcn import FCN, FCNHead
 
-        backbone = getattr(torchvision.models, self.backbone)(
-            weights=None, replace_stride_with_dilation=DILATION[settings["stride"]])
-        classes, aux = settings["classes"], settings["aux"]
+        stride = int(stride)
+        backbone = getattr(torchvision.models, self.backbone)(weights=None,
+                                                               replace_stride_with_dilation=DILATION[stride])
         returned = {"layer4": "out", **({"layer3": "aux"} if aux else {})}
         layers = IntermediateLayerGetter(backbone, return_layers=returned)
         aux_head = FCNHead(1024, classes) if aux else None
         if self.head == "fcn":
             return FCN(layers, FCNHead(2048, classes), aux_head)
-        return DeepLabV3(layers, DeepLabHead(2048, classes, atrous_rates=ASPP_RATES[settings["stride"]]), aux_head)
+        return DeepLabV3(layers, DeepLabHead(2048, classes, atrous_rates=ASPP_RATES[stride]), aux_head)
 
     def torchvision(self, data_info: dict | None) -> Any:
         try:
@@ -190,16 +189,21 @@ class Architecture:
             raise UserError(f"data.channels: {self.name} takes {IMAGE_CHANNELS}-channel images (got {channels})")
         return torchvision
 
-    def check_vocabulary(self, data_info: dict | None, vocab_size: int) -> None:
-        vocab = (data_info or {}).get("vocab_size")
-        if vocab is not None and vocab > vocab_size:
-            raise UserError(f"model: the data has {vocab} token ids but {self.name} has a vocabulary of "
-                            f"{vocab_size} (model.kwargs: {{vocab_size: {vocab}}} to widen it)")
-
     def unknown_setting(self, key: str, known: Any, elsewhere: str) -> UserError:
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else elsewhere
         return UserError(f"model.kwargs: {self.name} has no setting {key!r} ({hint})")
+
+
+WIDEN = " (model.kwargs: {{vocab_size: {vocab}}} to widen it)"
+
+
+def check_vocab_size(data_info: dict | None, vocab_size: int, field: str, model: str, hint: str = "") -> None:
+    """One line when the data has more token ids than the model's vocabulary (`hint`: how to widen it)."""
+    vocab = (data_info or {}).get("vocab_size")
+    if vocab is not None and vocab > vocab_size:
+        raise UserError(f"{field}: the data has {vocab} token ids but {model} has a vocabulary of {vocab_size}"
+                        + hint.format(vocab=vocab))
 
 
 def needs_transformers(who: str) -> Any:

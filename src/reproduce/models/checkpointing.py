@@ -19,16 +19,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import UserError
+from .small import MLP, Block, SmallCNN
 
 WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-# transformers' layers call torch.utils.checkpoint.checkpoint with these (its default preserves the RNG state)
-HF_KWARGS = {"use_reentrant": False, "context_fn": lambda: contexts()}
 
 
 def enable(model: nn.Module, name: str, selective: bool = False) -> int:
     """Checkpoint `model` per block (`selective`: keeping `saved_ops`' outputs); the number of blocks."""
     pretrained = _transformers_models(model)
-    kwargs = {**HF_KWARGS, "context_fn": lambda: contexts(selective=True)} if selective else HF_KWARGS
+    # transformers' layers call torch.utils.checkpoint.checkpoint with these (its default preserves the RNG state)
+    kwargs = {"use_reentrant": False, "context_fn": lambda: contexts(selective=selective)}
     for module in model.modules():
         module.selective_checkpoint = selective
     if pretrained:
@@ -46,8 +46,7 @@ def enable(model: nn.Module, name: str, selective: bool = False) -> int:
         for block in blocks:
             block.forward = types.MethodType(_checkpointed_forward, block)
         return len(blocks)
-    from .small import MLP, SmallCNN  # the built-in models without blocks: per layer (a factory's must declare them)
-
+    # the built-in models without blocks: per layer (a factory's must declare them)
     layered = [m for owner in model.modules() if isinstance(owner, (MLP, SmallCNN)) for m in owner.modules()
                if _layered(m)]
     if layered:
@@ -82,8 +81,6 @@ def enabled(model: nn.Module) -> bool:
 
 def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
     """The outermost blocks of `model` (a block inside a block is recomputed with it)."""
-    from .small import Block
-
     types_: tuple[type, ...] = (Block,)
     resnet = sys.modules.get("torchvision.models.resnet")
     if resnet is not None:

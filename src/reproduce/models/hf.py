@@ -38,25 +38,18 @@ class HFLogits(nn.Module):
             kwargs["use_cache"] = False
         elif self.kind == "causal-lm":
             kwargs.setdefault("use_cache", False)
-        if "sample_sizes" in kwargs and not self._passes_kwargs:  # a forward that hands nothing down: the varlen
-            for name in BOUNDS:  # attention reads the samples' bounds from the position ids (models/varlen.py)
-                kwargs.pop(name, None)
+        if "sample_sizes" in kwargs and not any(p.kind is p.VAR_KEYWORD for p in self._forward_parameters.values()):
+            for name in BOUNDS:  # a forward that hands nothing down: the varlen attention reads the samples'
+                kwargs.pop(name, None)  # bounds from the position ids (models/varlen.py)
         keep = kwargs.get("logits_to_keep")
-        if keep is not None and not self._keeps_logits:  # a model without it: every logit, then those kept
+        if keep is not None and "logits_to_keep" not in self._forward_parameters:  # every logit, then those kept
             del kwargs["logits_to_keep"]
             return self.model(**kwargs).logits[:, keep]
         return self.model(**kwargs).logits
 
     @functools.cached_property
-    def _passes_kwargs(self) -> bool:
-        """Whether the model's forward takes extra keyword arguments (handed to the attention: packed bounds)."""
-        return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(self.model.forward).parameters
-                   .values())
-
-    @functools.cached_property
-    def _keeps_logits(self) -> bool:
-        """Whether the model's forward takes `logits_to_keep` (a packed row's target positions)."""
-        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
+    def _forward_parameters(self) -> Any:
+        return inspect.signature(self.model.forward).parameters
 
 
 def hf_logits(model: nn.Module) -> HFLogits | None:
@@ -65,20 +58,25 @@ def hf_logits(model: nn.Module) -> HFLogits | None:
 
 
 def confines_packed(model: nn.Module, device: torch.device) -> bool:
-    """Whether the model attends within each packed sample: the second of two packed samples has the logits it has
-    alone (eval mode, restored after); under VARLEN, every attention call cut the row at its samples."""
+    """Whether the model attends within each packed sample. Under VARLEN: every attention call of a forward over a
+    packed row cut it at its samples (in the model's own mode: bitsandbytes' 4-bit layers on a CPU repack in eval
+    mode, into a kernel without a backward); else the second of two packed samples has the logits it has alone (eval
+    mode, restored after)."""
     inner = hf_logits(model)
     if inner is None or inner.kind != "causal-lm":
         return False
-    from .varlen import VARLEN, varlen_confines
+    from .varlen import CALLS, VARLEN
 
-    if getattr(inner.model.config, "_attn_implementation", None) == VARLEN:  # confined by construction when every
-        return varlen_confines(model, device)  # attention call reads the position ids (models/varlen.py)
     vocab = int(getattr(inner.model.config, "vocab_size", 2) or 2)
     first = torch.arange(3, device=device) % vocab
     second = (torch.arange(4, device=device) * 7 + 1) % vocab
     row = {"input_ids": torch.cat([first, second])[None], "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]],
                                                                                           device=device)}
+    if getattr(inner.model.config, "_attn_implementation", None) == VARLEN:  # confined by construction when every
+        before = dict(CALLS)  # attention call reads the position ids (models/varlen.py)
+        with torch.no_grad():
+            model(row)
+        return CALLS["cut"] > before["cut"] and CALLS["whole"] == before["whole"]
     training = model.training
     model.eval()
     try:

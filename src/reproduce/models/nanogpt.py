@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -27,10 +27,6 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
-
-    @classmethod
-    def names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 class LayerNorm(nn.Module):
@@ -132,13 +128,6 @@ class GPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
-def sample_checkpoint(state: dict, config: GPTConfig, dataset: str | None = None) -> dict:
-    """What nanoGPT's `sample.py` reads from ckpt.pt; `dataset` names where its meta.pkl is (else GPT-2's BPE)."""
-    checkpoint = {"model_args": asdict(config), "model": state, "iter_num": 0, "best_val_loss": float("nan")}
-    checkpoint["config"] = {"dataset": dataset} if dataset else {}
-    return checkpoint
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python -m reproduce.models.nanogpt RUN_DIR OUT_DIR --n-head H [--dataset NAME]`: a run's model.pt as the
     ckpt.pt of nanoGPT's sample.py (`python sample.py --out_dir=OUT_DIR`, from nanoGPT's folder)."""
@@ -166,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {target} exists; choose another folder", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    torch.save(sample_checkpoint(state, config, args.dataset), target)
+    # what nanoGPT's sample.py reads; `config.dataset` names where its meta.pkl is (else GPT-2's BPE)
+    torch.save({"model_args": asdict(config), "model": state, "iter_num": 0, "best_val_loss": float("nan"),
+                "config": {"dataset": args.dataset} if args.dataset else {}}, target)
     print(f"wrote {target}: {config}")
     return 0
 

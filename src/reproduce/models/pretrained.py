@@ -17,12 +17,11 @@ from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import Recipe
 from ..plan.weightfiles import WeightsOnDisk, safetensors_header
-from .architectures import ARCHITECTURES, needs_transformers
+from .architectures import ARCHITECTURES, check_vocab_size, needs_transformers
 from .hf import HF_KIND_FOR_TASK, HFLogits
-from .weights import from_pretrained_kwargs, on_meta, quiet
+from .weights import SHOWN, from_pretrained_kwargs, on_meta, quiet, shown
 
 AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification"}
-SHOWN = 3  # mismatched keys named in a message
 
 
 def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overrides: dict | None = None,
@@ -52,9 +51,9 @@ def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overr
     mismatched = info.get("mismatched_keys", [])
     if missing or mismatched:
         names = list(missing) + [_shapes(m) for m in mismatched]
-        shown = "; ".join(names[:SHOWN])
+        listed = "; ".join(names[:SHOWN])
         raise UserError(f"{field}: {folder}: its weights do not cover {model.__class__.__name__} of its config: "
-                        f"{len(missing)} missing, {len(mismatched)} of another shape ({shown}); transformers would "
+                        f"{len(missing)} missing, {len(mismatched)} of another shape ({listed}); transformers would "
                         "initialise them at random")
     return model
 
@@ -93,12 +92,9 @@ def load_hf_model(recipe: Recipe, data_info: dict | None, weights: WeightsOnDisk
                 f"reproduce never downloads at run time: fetch it first (huggingface-cli download {spec.hf})")
     model = from_folder(local, AUTO_CLASSES[kind], recipe, field, spec.kwargs,
                         new_head=kind == "sequence-classification")
-    config = model.config
-    vocab = (data_info or {}).get("vocab_size")
-    if kind == "causal-lm" and vocab is not None and vocab > config.vocab_size:
-        raise UserError(f"{field}: the data has {vocab} token ids but {name!r} has a vocabulary of "
-                        f"{config.vocab_size}")
-    if kind == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
+    if kind == "causal-lm":
+        check_vocab_size(data_info, model.config.vocab_size, field, repr(name))
+    if kind == "sequence-classification" and getattr(model.config, "pad_token_id", None) is None:
         raise UserError(
             f"model.kwargs: {name!r} has no pad_token_id, which sequence classification needs to find each "
             "row's last token; inputs are padded with 0, so add kwargs: {pad_token_id: 0} if 0 is the padding id"
@@ -123,10 +119,8 @@ def builtin_from_folder(recipe: Recipe, weights: WeightsOnDisk, data_info: dict 
     model = from_folder(weights.path, arch.auto_class, recipe, "model.weights", overrides)
     if vocab is not None and vocab != model.config.vocab_size:
         widen(model, vocab, weights)
-    wanted = (data_info or {}).get("vocab_size")
-    if arch.kind != "mae" and wanted is not None and wanted > model.config.vocab_size:
-        raise UserError(f"model.weights: the data has {wanted} token ids but {weights.path} has a vocabulary of "
-                        f"{model.config.vocab_size}")
+    if arch.kind != "mae":
+        check_vocab_size(data_info, model.config.vocab_size, "model.weights", str(weights.path))
     return arch.wrap(model)
 
 
@@ -141,18 +135,6 @@ def check_family(builtin: str, weights: WeightsOnDisk) -> None:
         raise UserError(f"model.weights: {weights.path} holds a {theirs} model ({weights.architecture}), and the "
                         f"built-in {builtin} is a {family} one: give a {family} folder, or name the folder's own "
                         f"architecture with model: {{hf: {weights.path}}}")
-
-
-def folder_inputs(arch: Any, config: dict, kwargs: dict) -> dict:
-    """What a built-in whose architecture is a folder's config fixes about its inputs (`model_inputs`)."""
-    if arch.library != "transformers" or arch.kind == "mae":
-        return arch.model_inputs(kwargs)
-    context = kwargs.get("block_size") or config.get("n_positions") or config.get("max_position_embeddings")
-    fixed = {"inputs": "tokens", "vocab_size": kwargs.get("vocab_size", config.get("vocab_size")),
-             "context": context - arch.position_offset if context else None}
-    if arch.kind == "pretraining":
-        fixed["targets"] = "mlm-nsp"
-    return fixed
 
 
 def widen(model: nn.Module, vocab: int, weights: WeightsOnDisk) -> None:
@@ -260,8 +242,7 @@ def check_state_dict_file(model: nn.Module, weights: WeightsOnDisk, name: str) -
 
 
 def _counted(names: list[str], what: str, separator: str) -> str:
-    shown = separator.join(names[:SHOWN]) + (f"{separator}..." if len(names) > SHOWN else "")
-    return f"{len(names)} {what}" + (f" ({shown})" if names else "")
+    return f"{len(names)} {what}" + (f" ({shown(names, separator)})" if names else "")
 
 
 def load_state_dict_file(model: nn.Module, weights: WeightsOnDisk, name: str) -> None:

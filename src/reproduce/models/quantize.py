@@ -28,9 +28,7 @@ def quiet_bitsandbytes() -> None:
     """Drop bitsandbytes' import-time warning that the optional "kernels" package is missing (it is optional)."""
     import logging
 
-    cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    if _no_kernels_notice not in cpu_ops.filters:
-        cpu_ops.addFilter(_no_kernels_notice)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_kernels_notice)  # (once: addFilter skips a repeat)
 
 
 def _no_kernels_notice(record: Any) -> bool:
@@ -58,20 +56,10 @@ def quantization_config(recipe: Recipe) -> Any:
 
 
 def _linear_kinds() -> tuple[type, ...]:
-    try:
-        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers, (in, out) weights
+    """nn.Linear and GPT-2's Conv1D ((in, out) weights): transformers is there wherever peft or quantising is."""
+    from transformers.pytorch_utils import Conv1D
 
-        return nn.Linear, Conv1D
-    except ImportError:
-        return (nn.Linear,)
-
-
-def kept_whole(model: nn.Module) -> list[str]:
-    """The output head (lm_head or head, or tied to an embedding), left unquantised as from_pretrained leaves it."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    return [name for name, module in model.named_modules()
-            if isinstance(module, _linear_kinds()) and (name.rsplit(".", 1)[-1] in ("lm_head", "head")
-                                                        or id(module.weight) in embeddings)]
+    return nn.Linear, Conv1D
 
 
 def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
@@ -79,7 +67,11 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
     bnb = bitsandbytes()
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 
-    kinds, skip = _linear_kinds(), kept_whole(model)
+    kinds = _linear_kinds()
+    # the output head (lm_head or head, or tied to an embedding), left unquantised as from_pretrained leaves it
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    skip = [name for name, module in model.named_modules() if isinstance(module, kinds)
+            and (name.rsplit(".", 1)[-1] in ("lm_head", "head") or id(module.weight) in embeddings)]
     originals = {name: module for name, module in model.named_modules()
                  if type(module) in kinds and name not in skip}
     if not originals:
@@ -87,7 +79,10 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
         raise UserError(f"model.quantize: {model_name} has no linear layers to quantise ({found}: "
                         f"{recipe.model.quantize} applies to nn.Linear layers and GPT-2's Conv1D)")
     config = quantization_config(recipe)
-    _real_dynamic_map(bnb)
+    cached = bnb.functional.name2qmap.get("dynamic")  # double quantisation's 8-bit code, cached at first use:
+    if cached is None or cached.is_meta:  # made on the CPU, never on meta
+        with torch.device("cpu"):
+            bnb.functional.name2qmap["dynamic"] = bnb.functional.create_dynamic_map()
     replace_with_bnb_linear(model, modules_to_not_convert=skip or None, quantization_config=config)
     for name, old in originals.items():
         new = model.get_submodule(name)
@@ -104,10 +99,8 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
         new.weight = param._quantize(weight.device) if weight.is_meta else param.to(weight.device)
         if old.bias is not None:
             new.bias = nn.Parameter(old.bias.data, requires_grad=False)
-        if recipe.model.quantize == "int8":
-            new.register_load_state_dict_pre_hook(_int8_scales_in_place)
-        else:
-            new.register_load_state_dict_pre_hook(_nf4_state_in_place)
+        new.register_load_state_dict_pre_hook(_int8_scales_in_place if recipe.model.quantize == "int8"
+                                              else _nf4_state_in_place)
     flag = "is_loaded_in_8bit" if recipe.model.quantize == "int8" else "is_loaded_in_4bit"
     for module in model.modules():  # what peft reads to put its bitsandbytes LoRA layers on these
         if module is model or hasattr(module, "config"):
@@ -122,14 +115,6 @@ def quantize(model: nn.Module, recipe: Recipe, model_name: str) -> nn.Module:
             if isinstance(module, nn.Embedding) or name in skip:
                 module.to(COMPUTE_DTYPES[recipe.model.dtype])
     return model
-
-
-def _real_dynamic_map(bnb: Any) -> None:
-    """bitsandbytes caches double quantisation's 8-bit code at first use: made on the CPU, never on meta."""
-    cached = bnb.functional.name2qmap.get("dynamic")
-    if cached is None or cached.is_meta:
-        with torch.device("cpu"):
-            bnb.functional.name2qmap["dynamic"] = bnb.functional.create_dynamic_map()
 
 
 def _int8_scales_in_place(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:

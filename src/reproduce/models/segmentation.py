@@ -20,6 +20,7 @@ from ..errors import UserError
 from ..plan.recipe import Recipe
 from ..plan.weightfiles import inspect
 from .architectures import SEGMENTATION_MODELS
+from .weights import SHOWN, on_meta, shown
 
 
 class ClassesDiffer(UserError):
@@ -62,7 +63,6 @@ def output_of(output: Any) -> Any:
 # ---- model.backbone_weights -----------------------------------------------------------------------------------------
 
 FIELD = "model.backbone_weights"
-SHOWN = 3
 COUNTER = "num_batches_tracked"
 # (blocks per stage, bottleneck blocks) -> depth (He et al. 2016, Table 1)
 RESNET_DEPTHS = {((2, 2, 2, 2), False): 18, ((3, 4, 6, 3), False): 34, ((3, 4, 6, 3), True): 50,
@@ -78,12 +78,9 @@ FITS = {
 }
 
 
-def _shown(names: list[str]) -> str:
-    return ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
-
-
-def read_backbone(model: nn.Module, recipe: Recipe, shapes_only: bool = False) -> tuple[dict, str]:
-    """(the backbone's key -> the file's tensor or shape, the run's line), checked strictly against the backbone."""
+def load_backbone(model: nn.Module, recipe: Recipe) -> None:
+    """The backbone file into `model.backbone`, checked strictly against it (on meta only checked); the run's line is
+    `model.backbone_report`."""
     from .pretrained import read_state_dict
 
     path = recipe.model.backbone_weights
@@ -101,20 +98,36 @@ def read_backbone(model: nn.Module, recipe: Recipe, shapes_only: bool = False) -
     missing = [key for key in expected if key not in keys and not key.endswith(COUNTER)]
     other = [key for key in expected if key in keys and tuple(found[keys[key]]) != tuple(expected[key])]
     extra = _extra(found, keys, backbone)
-    if missing or other or extra:
+    if missing or other or extra:  # what the file is, what does not fit, what would
         built = getattr(SEGMENTATION_MODELS.get(recipe.model.builtin or ""), "backbone", "")
-        raise UserError(_does_not_fit(path, name, built, list(found), missing, other, extra, keys, found, expected))
-    state = found if shapes_only else read_state_dict(weights, shapes_only=False, field=FIELD)
+        shapes = "; ".join(f"{key}: file {list(found[keys[key]])}, model {list(expected[key])}"
+                           for key in other[:SHOWN])
+        detail = ", ".join(part for part in (
+            f"{len(missing)} of its backbone's tensors missing ({shown(missing)})" if missing else "",
+            f"{len(other)} of another shape ({shapes})" if other else "",
+            f"{len(extra)} of the file's with no place in it ({shown(extra)})" if extra else "") if part)
+        what = describe(list(found))
+        other_builtin = next((builtin for depth, builtin in (("ResNet-50", "deeplabv3-resnet50 or fcn-resnet50"),
+                                                              ("ResNet-101", "deeplabv3-resnet101"))
+                              if what.startswith(f"a {depth} ") and built != depth.lower().replace("-", "")), None)
+        takes = f"; the built-in that takes it: {other_builtin}" if other_builtin else ""
+        fits = FITS.get(built, "a state dict of its backbone's names")
+        raise UserError(f"{FIELD}: {path}: {what}, which does not fit {name}'s backbone, torchvision's "
+                        f"{built.replace('_', ' ')} ({detail}); what fits: {fits}{takes}")
+    state = found if on_meta() else read_state_dict(weights, shapes_only=False, field=FIELD)
     used = {keys[key] for key in expected if key in keys}
     left = {head: count for head, module in model.named_children()  # the heads, left at their initialisation
             if module is not backbone and (count := len(module.state_dict()))}
     unused = [key for key in found if key not in used]
     loaded = {key: state[keys[key]] for key in expected if key in keys}
-    shown = ", ".join(f"{module} ({count})" for module, count in left.items()) or "nothing"
-    files = (f"{len(unused)} of the file's tensors not used ({_shown(unused)})" if unused
+    heads = ", ".join(f"{module} ({count})" for module, count in left.items()) or "nothing"
+    files = (f"{len(unused)} of the file's tensors not used ({shown(unused)})" if unused
              else "every tensor of the file used")
-    return loaded, (f"backbone: {len(loaded)} tensors from {weights.path} into {name}'s backbone, every one of its "
-                    f"weights and statistics; left at their initialisation: {shown}; {files}")
+    model.backbone_report = (f"backbone: {len(loaded)} tensors from {weights.path} into {name}'s backbone, every "
+                             f"one of its weights and statistics; left at their initialisation: {heads}; {files}")
+    if not on_meta():
+        with torch.no_grad():
+            backbone.load_state_dict(loaded, strict=False)  # every tensor checked; counters may be absent
 
 
 def _backbone_keys(found: dict, backbone: nn.Module) -> dict[str, str]:
@@ -150,7 +163,7 @@ def describe(names: list[str]) -> str:
         return f"a ResNet-{depth} (torchvision's names)"
     if any(name.startswith("features.") for name in plain):
         return "a MobileNet-style network (features.*)"
-    return f"a state dict of {len(names)} tensors ({_shown(names)})"
+    return f"a state dict of {len(names)} tensors ({shown(names)})"
 
 
 def _resnet_depth(names: list[str]) -> str:
@@ -164,30 +177,3 @@ def _resnet_depth(names: list[str]) -> str:
     bottleneck = any(".conv3." in name for name in names)
     depth = RESNET_DEPTHS.get((tuple(blocks), bottleneck))
     return str(depth) if depth else f"? ({'-'.join(map(str, blocks))} blocks)"
-
-
-def _does_not_fit(path: str, name: str, backbone: str, names: list[str], missing: list[str], other: list[str],
-                  extra: list[str], keys: dict, found: dict, expected: dict) -> str:
-    fits = FITS.get(backbone, "a state dict of its backbone's names")
-    shapes = "; ".join(f"{key}: file {list(found[keys[key]])}, model {list(expected[key])}" for key in other[:SHOWN])
-    detail = ", ".join(part for part in (
-        f"{len(missing)} of its backbone's tensors missing ({_shown(missing)})" if missing else "",
-        f"{len(other)} of another shape ({shapes})" if other else "",
-        f"{len(extra)} of the file's with no place in it ({_shown(extra)})" if extra else "") if part)
-    what = describe(names)
-    other_builtin = next((builtin for depth, builtin in (("ResNet-50", "deeplabv3-resnet50 or fcn-resnet50"),
-                                                          ("ResNet-101", "deeplabv3-resnet101"))
-                          if what.startswith(f"a {depth} ") and backbone != depth.lower().replace("-", "")), None)
-    takes = f"; the built-in that takes it: {other_builtin}" if other_builtin else ""
-    return (f"{FIELD}: {path}: {what}, which does not fit {name}'s backbone, torchvision's "
-            f"{backbone.replace('_', ' ')} ({detail}); what fits: {fits}{takes}")
-
-
-def load_backbone(model: nn.Module, recipe: Recipe) -> None:
-    """The backbone file into `model.backbone` (on meta only checked); the run's line is `model.backbone_report`."""
-    from .weights import on_meta
-
-    state, model.backbone_report = read_backbone(model, recipe, shapes_only=on_meta())
-    if not on_meta():
-        with torch.no_grad():
-            model.backbone.load_state_dict(state, strict=False)  # every tensor checked; counters may be absent

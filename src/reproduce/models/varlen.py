@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .weights import transformers_inside
+
 VARLEN = "reproduce_varlen"
 CALLS = {"cut": 0, "whole": 0}  # attention calls that cut their rows at the samples, and those that did not
 
@@ -89,20 +91,9 @@ def register() -> None:
         AttentionMaskInterface.register(VARLEN, varlen_mask)
 
 
-def transformers_model(model: nn.Module) -> nn.Module | None:
-    """The outermost transformers model in `model` (under HFLogits and peft's wrappers), or None."""
-    import sys
-
-    modeling = sys.modules.get("transformers.modeling_utils")  # loaded by any transformers model
-    if modeling is None:
-        return None
-    return next((module for module in model.modules() if isinstance(module, modeling.PreTrainedModel)), None)
-
-
 def attention_of(model: nn.Module) -> str | None:
     """The attention implementation the transformers model in `model` runs (config._attn_implementation)."""
-    inner = transformers_model(model)
-    name = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    name = getattr(getattr(transformers_inside(model)[1], "config", None), "_attn_implementation", None)
     return name if isinstance(name, str) else None
 
 
@@ -118,25 +109,10 @@ def set_attention(model: nn.Module, name: str) -> None:
     if attention_of(model) != name:
         if name == VARLEN:
             register()
-        transformers_model(model).set_attn_implementation(name)  # type: ignore[union-attr,operator]
+        transformers_inside(model)[1].set_attn_implementation(name)  # type: ignore[union-attr,operator]
 
 
 def runs_varlen(model: nn.Module) -> bool:
     """Whether the transformers model in `model` attends through a varlen attention (VARLEN or flash-attention)."""
     name = attention_of(model)
     return name is not None and (name == VARLEN or name.startswith("flash_attention"))
-
-
-def varlen_confines(model: nn.Module, device: torch.device) -> bool:
-    """Whether every attention call of a forward over a packed row cut it at its samples. In the model's own mode:
-    bitsandbytes' 4-bit layers on a CPU repack in eval mode, into a kernel without a backward."""
-    inner = transformers_model(model)
-    if inner is None:
-        return False
-    vocab = int(getattr(inner.config, "vocab_size", 2) or 2)
-    row = {"input_ids": (torch.arange(7, device=device) % vocab)[None],
-           "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]], device=device)}
-    before = dict(CALLS)
-    with torch.no_grad():
-        model(row)
-    return CALLS["cut"] > before["cut"] and CALLS["whole"] == before["whole"]

@@ -23,6 +23,7 @@ from ..plan.weightfiles import WeightsOnDisk, inspect
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PEFT_PREFIX = "base_model.model."  # a PeftModel's keys: base_model (LoraModel) . model (what LoRA was put on)
+SHOWN = 3  # a state dict's names shown in a message
 
 
 def weights_of(recipe: Recipe) -> WeightsOnDisk | None:
@@ -46,6 +47,10 @@ def quiet(transformers: Any):
         logging.set_verbosity(verbosity)
         if enabled:
             logging.enable_progress_bar()
+
+
+def shown(names: list[str], separator: str = ", ") -> str:
+    return separator.join(names[:SHOWN]) + (f"{separator}..." if len(names) > SHOWN else "")
 
 
 def on_meta() -> bool:
@@ -90,16 +95,8 @@ def place(model: nn.Module, recipe: Recipe, device: torch.device, dtype: torch.d
     return model.to(device=device, dtype=dtype)
 
 
-def adaptable_modules(model: nn.Module) -> list[str]:
-    from .quantize import _linear_kinds
-
-    kinds = (*_linear_kinds(), nn.Embedding, nn.Conv1d, nn.Conv2d)
-    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if name and isinstance(module, kinds)}
-    return sorted(names)
-
-
 def with_lora(model: nn.Module, lora: Lora, model_name: str) -> nn.Module:
-    from .quantize import quiet_bitsandbytes
+    from .quantize import _linear_kinds, quiet_bitsandbytes
 
     quiet_bitsandbytes()  # peft imports bitsandbytes where it is installed
     try:
@@ -109,7 +106,9 @@ def with_lora(model: nn.Module, lora: Lora, model_name: str) -> nn.Module:
     names = [name for name, _ in model.named_modules() if name]
     for target in lora.target_modules:
         if not any(name == target or name.endswith("." + target) for name in names):
-            known = ", ".join(adaptable_modules(model))
+            kinds = (*_linear_kinds(), nn.Embedding, nn.Conv1d, nn.Conv2d)  # the modules LoRA can adapt
+            known = ", ".join(sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                                     if name and isinstance(module, kinds)}))
             raise UserError(f"model.lora.target_modules: {model_name} has no module named {target!r} "
                             f"(modules LoRA can adapt: {known})")
     config = peft.LoraConfig(
@@ -136,14 +135,13 @@ def peft_model(model: nn.Module) -> Any:
     return model if peft is not None and isinstance(model, peft.PeftModel) else None
 
 
-def transformers_inside(module: nn.Module) -> tuple[str, Any]:
-    transformers = sys.modules.get("transformers")
-    if transformers is None:
+def transformers_inside(model: nn.Module) -> tuple[str, Any]:
+    """(its name, the outermost transformers model in `model`: under HFLogits and peft's wrappers), or ("", None)."""
+    modeling = sys.modules.get("transformers.modeling_utils")  # loaded by any transformers model
+    if modeling is None:
         return "", None
-    for name, inner in module.named_modules():
-        if isinstance(inner, transformers.PreTrainedModel):
-            return name, inner
-    return "", None
+    return next(((name, inner) for name, inner in model.named_modules() if isinstance(inner, modeling.PreTrainedModel)),
+                ("", None))
 
 
 def check_merged(model: nn.Module, recipe: Recipe, sharded: bool = False) -> None:
