@@ -143,13 +143,6 @@ class GateWatch:
         return rows
 
 
-def _largest(value: float, device: torch.device) -> float:
-    """The largest of every rank's `value` (the cost gate's forecast: each rank times its own steps)."""
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return float(tensor[0])
-
-
 def paused_line(event: dict, out: Path, kept: Path | None, continue_with: str) -> str:
     """The pause's one line: the gate, measured against its bound, its checkpoint, and the two ways on."""
     where = f"checkpoint {kept}" if kept else f"checkpoint {out / 'checkpoints' / 'last.pt'}"
@@ -256,7 +249,9 @@ def _check(run: Any, watch: GateWatch, step: int, record: StepRecord) -> list[di
     if any(gate.evaluated for gate in watch.due(step + 1)) and "eval_loss" not in record.evaluation:
         record.evaluation.update(_evaluation(run, step))
     spent = run.totals_before_resume["seconds"] + time.perf_counter() - run.started
-    agree = (lambda value: _largest(value, run.setup.device)) if run.world.distributed else None
+    # every rank takes the largest forecast (each times its own steps)
+    agree = (lambda value: distributed.reduced(run.world, value, torch.distributed.ReduceOp.MAX, run.setup.device,
+                                               torch.float64)) if run.world.distributed else None
     events = watch.check(step + 1, record.line(), spent, run.world.size, agree)
     events += [found] if found is not None else []
     if found is not None and found["status"] == "paused":

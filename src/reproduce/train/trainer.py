@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..accumulate import OptimizerStepOutOfMemory, smaller_micro_batch
+from ..accumulate import AgreedOutOfMemory, OptimizerStepOutOfMemory, smaller_micro_batch
 from ..data.batches import DataClock
 from ..data.loader import cpu_share, default_workers
 from ..errors import Interrupted, TrainingStopped
@@ -35,7 +35,7 @@ from .records import finish_run, run_summary, step_record
 from .reporter import Reporter, SilentReporter, StepRecord
 from .resume import save_checkpoint
 from .run_state import Run, start_run
-from .step import AgreedOutOfMemory, StepResult, optimizer_step
+from .step import StepResult, optimizer_step
 from .windows import StepBatch, step_batch
 
 if TYPE_CHECKING:
