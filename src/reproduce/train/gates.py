@@ -20,7 +20,7 @@ from ..observe.reference import REFERENCE_GATE, reference_curve
 from ..plan.gates import EXIT_PAUSED, PlannedGate, gate_by_name, outcome_line, planned_gates
 from ..storage.files import write_atomic
 from .distributed import processes as distributed
-from .evaluation import evaluate
+from .evaluation import evaluate_after
 from .reporter import StepRecord
 
 __all__ = ["EXIT_PAUSED", "GatePaused", "GateWatch", "gate_checkpoint"]
@@ -201,7 +201,7 @@ def start_gates(run: Any) -> None:
     watch.outcomes.pop(name, None)
     record = dict(run.last_record)
     if gate.evaluated:
-        record.update(_evaluation(run, step - 1))
+        record.update(evaluate_after(run, step - 1))
     event = watch.check(step, record, run.totals_before_resume["seconds"], run.world.size)
     event = [e for e in event if e["name"] == name]
     tell_gates(run, event)
@@ -247,7 +247,7 @@ def _check(run: Any, watch: GateWatch, step: int, record: StepRecord) -> list[di
             record.gates = {found["name"]: found["status"]}
         return [found] if found is not None else []
     if any(gate.evaluated for gate in watch.due(step + 1)) and "eval_loss" not in record.evaluation:
-        record.evaluation.update(_evaluation(run, step))
+        record.evaluation.update(evaluate_after(run, step))
     spent = run.totals_before_resume["seconds"] + time.perf_counter() - run.started
     # every rank takes the largest forecast (each times its own steps)
     agree = (lambda value: distributed.reduced(run.world, value, torch.distributed.ReduceOp.MAX, run.setup.device,
@@ -288,8 +288,3 @@ def tell_gates(run: Any, events: list[dict]) -> None:
         else:
             run.reporter.message(outcome_line(event))
 
-
-def _evaluation(run: Any, step: int) -> dict:
-    if not (run.world.is_main or run.setup.sharded):
-        return {}
-    return evaluate(run.setup, run.micro_batch(max(step, 0)), run.workers) or {}

@@ -28,8 +28,9 @@ from ..storage.aside import Previous, setting_aside, settle
 from ..storage.files import WriteFailed
 from .distributed import processes as distributed
 from .distributed.processes import World
-from .evaluation import evaluate_step, evaluation_due
+from .evaluation import evaluate_after, evaluation_due
 from .gates import after_checkpoint, check_gates, tell_gates
+from .optim.optimizers import step_plateau
 from .options import RunRequest
 from .records import finish_run, run_summary, step_record
 from .reporter import Reporter, SilentReporter, StepRecord
@@ -236,8 +237,8 @@ def watch_divergence(run: Run, step: int, result: StepResult) -> str | None:
 
 def evaluate_into(run: Run, step: int, record: StepRecord, done: bool) -> None:
     """The evaluation after `step` into its record (train/evaluation.py); a plateau decay's new LR reported."""
-    record.evaluation.update(evaluate_step(run.setup, step + 1, run.micro_batch(step), run.workers,
-                                           run.world.is_main))
+    evaluation = evaluate_after(run, step)
+    record.evaluation.update({**evaluation, **step_plateau(run.setup, evaluation, step + 1)})
     if "plateau_lr" in record.evaluation and not done:
         run.reporter.message(f"step {step + 1}: {run.plan.recipe.schedule.decay.metric} has not improved: plateau "
                              f"decay, lr -> {record.evaluation['plateau_lr']:.6g} from step {step + 2}")
