@@ -1,5 +1,5 @@
 """The training run: the plan's optimizer steps (`step.optimizer_step` over `windows.window`), checkpoints,
-metrics, signals and out-of-memory handling; its start is `run_state.start_run`, its end `records.finish_run`.
+metrics, signals and out-of-memory handling; its start is `run_state.start_run`, its end `run_state.finish_run`.
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ from .evaluation import evaluate_after, evaluation_due
 from .gates import after_checkpoint, check_gates, tell_gates
 from .optim.optimizers import step_plateau
 from .options import RunRequest
-from .records import finish_run, run_summary, step_record
 from .reporter import Reporter, SilentReporter, StepRecord
 from .resume import save_checkpoint
-from .run_state import Run, start_run
+from .run_state import Run, finish_run, run_summary, start_run, step_record
 from .step import StepResult, optimizer_step
 from .windows import StepBatch, step_batch
 
