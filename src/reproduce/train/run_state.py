@@ -118,22 +118,18 @@ class Run:
         loader's)."""
         return window(self.plan, self.size, step, self.seed, self.world.rank, self.micro_batch(step), self.grouping)
 
-    def open_stream(self, step: int) -> MicroBatchStream:
+    def open_stream(self, step: int) -> None:
         self.stream = MicroBatchStream(self.train_set, lambda at: self.windows(at)[0], step, self.total,
                                        seed=self.seed, workers=self.workers,
                                        pin_memory=self.setup.device.type == "cuda")
-        return self.stream
 
     def micro_batches(self, step: int, indices: list, clock: DataClock) -> list[LazyMicroBatch]:
         """The window's micro-batches, fetched from the stream as the step loads them."""
         take = functools.partial(self.stream.take, step)
-        drawn = functools.partial(self.drawn, step)
+        # (a micro-batch fetched here with the loader's draws at `step`, to count its targets)
+        drawn = functools.partial(fetch_seeded, self.train_set, seed=self.seed, step=step)
         return [LazyMicroBatch(self.train_set, i, self.setup.device, self.setup.dtype, take, clock, step, self.seed,
                                drawn) for i in indices]
-
-    def drawn(self, step: int, indices: torch.Tensor) -> tuple:
-        """The micro-batch of `indices` fetched here with the loader's draws at `step` (to count its targets)."""
-        return fetch_seeded(self.train_set, indices, self.seed, step)
 
 
 def start_run(plan: Plan, request: RunRequest, world: World, data: Datasets | None, reporter: Reporter,
