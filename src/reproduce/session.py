@@ -366,6 +366,3 @@ def run_plan(recipe: Recipe, source: str, plan: Plan | None, micro_batch_max: Mi
     if recipe.data.train_size is not None and recipe.data.train_size != main_size:
         warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {main_size}: using {main_size}")
     return plan, warnings
-
-
-#END
