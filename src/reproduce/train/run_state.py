@@ -5,6 +5,7 @@ adapter and merged model, the loss plot, summary.json), each written whole."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import signal
@@ -208,10 +209,8 @@ def group_training_set(plan: Plan, setup, train_set) -> tuple:
         lengths = None
         if plan.recipe.task == "language-modeling" and (hasattr(train_set, "input_lengths")
                                                           or isinstance(train_set, (list, tuple))):
-            try:
+            with contextlib.suppress(UserError):  # not token sequences: no padding to count
                 lengths = sample_lengths(train_set)
-            except UserError:  # not token sequences: no padding to count
-                lengths = None
         return train_set, None, lengths
     if grouping.way == "packed":  # attention confined to each sample, or one line before any step
         with setup.autocast():  # (as the steps run it: a bf16 base under autocast)
