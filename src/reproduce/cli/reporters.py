@@ -77,11 +77,10 @@ class RichReporter(PlainReporter):
 
     def start(self, start: RunStart) -> None:
         super().start(start)
-        self.rate_unit = start.rate_unit
         self.progress = Progress(
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
             TextColumn("micro x{task.fields[micro]}  loss {task.fields[loss]}  {task.fields[rate]} "
-                       + self.rate_unit),
+                       + start.rate_unit),
             TimeRemainingColumn(), console=stdout,
         )
         self.task = self.progress.add_task(
