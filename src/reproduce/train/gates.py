@@ -279,4 +279,3 @@ def tell_gates(run: Any, events: list[dict]) -> None:
     say = getattr(run.reporter, "gate", None) or (lambda event: run.reporter.message(outcome_line(event)))
     for event in events if run.world.is_main else []:
         say(event)
-
