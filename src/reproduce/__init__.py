@@ -26,8 +26,7 @@ _PUBLIC = {
     "PROBE_WINDOW": "reproduce.library.probing",
 }
 
-__all__ = ["PROBE_WINDOW", "Accumulator", "OptimizerStepOutOfMemory", "UserError", "Window", "lr_at", "plan_batch",
-           "plan_recipe", "probe_step", "split_items"]
+__all__ = sorted(_PUBLIC)
 
 
 def __getattr__(name: str) -> Any:

@@ -33,6 +33,10 @@ class OptimizerStepOutOfMemory(torch.OutOfMemoryError):
     window cannot be redone (the scaler has unscaled, or some parameters have stepped), so a run stops."""
 
 
+class AgreedOutOfMemory(torch.OutOfMemoryError):
+    """Some rank ran out of memory before the window's last micro-batch; raised on every rank, after a vote."""
+
+
 class Accumulator:
     """Exact gradient accumulation around the user's model, optimizer and (optional) LR scheduler.
 
@@ -107,21 +111,7 @@ class Accumulator:
             try:
                 with self.window([count(micro) for micro in micro_batches]) as window:
                     last = len(micro_batches) - 1
-                    out_of_memory = None
-                    for index in range(last):
-                        try:
-                            window.backward(loss(micro_batches[index]))
-                        except torch.OutOfMemoryError as error:
-                            out_of_memory = str(error)
-                            break
-                    failed = out_of_memory is not None
-                    if window.world_size > 1:  # the ranks vote: any rank out of memory splits again on all
-                        flag = torch.tensor([int(failed)], dtype=torch.int64, device=self.device)
-                        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
-                                                     group=self.process_group)
-                        failed = bool(flag.item())
-                    if failed:
-                        raise torch.OutOfMemoryError(out_of_memory or "out of memory on another rank")
+                    window.backward_voting(lambda micro: window.backward(loss(micro)), micro_batches[:last])
                     window.backward(loss(micro_batches[last]))
                 return window
             except OptimizerStepOutOfMemory:
@@ -220,6 +210,25 @@ class Window:
         if self.observer is not None:
             self.observer.after_backward(index)
         return detached
+
+    def backward_voting(self, backward: Callable[[Any], Any], micro_batches: Sequence[Any]) -> None:
+        """`backward(micro)` over `micro_batches` (a rank out of memory skips the rest), then the ranks' vote: every
+        rank raises AgreedOutOfMemory if any rank ran out."""
+        error = None  # the message only: the error's traceback would keep the window's tensors
+        for micro in micro_batches:
+            try:
+                backward(micro)
+            except torch.OutOfMemoryError as out_of_memory:
+                error = str(out_of_memory)
+                break
+        failed = error is not None
+        if self.world_size > 1:  # any rank out of memory splits again on all
+            acc = self.accumulator
+            flag = torch.tensor([int(failed)], dtype=torch.int64, device=acc.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=acc.process_group)
+            failed = bool(flag.item())
+        if failed:
+            raise AgreedOutOfMemory(error or "out of memory on another rank")
 
     def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
         """Once per window: the logged loss over every rank, then unscale, clip, step, schedule and zero."""

@@ -284,9 +284,8 @@ def agreed_budget(given: Recipe, probed: Recipe, all_min: Callable[[int], int]) 
 
 @dataclass
 class PreparedRun:
-    """A run ready to train: its recipe and plan, its data, and the warnings to show at its start."""
+    """A run ready to train: its plan, its data, and the warnings to show at its start."""
 
-    recipe: Recipe
     plan: Plan
     data: Datasets
     warnings: list[str]
@@ -339,7 +338,7 @@ def prepare_run(request: RunRequest, world: Any, resume: bool, on_note: OnNote |
     plan, warnings = run_plan(recipe, str(request.source), plan, micro_batch_max, world_size,
                                   request.policy, size, resume, probe=probe, data=data, on_note=on_note)
     warnings = [*warnings, *text_warnings(data.info)]  # what tokenising cut, with counts
-    return PreparedRun(recipe, plan, data, warnings)
+    return PreparedRun(plan, data, warnings)
 
 
 def run_plan(recipe: Recipe, source: str, plan: Plan | None, micro_batch_max: MicroBatchMax | None,
@@ -366,6 +365,3 @@ def run_plan(recipe: Recipe, source: str, plan: Plan | None, micro_batch_max: Mi
     if recipe.data.train_size is not None and recipe.data.train_size != main_size:
         warnings.append(f"data.train_size is {recipe.data.train_size}; the data has {main_size}: using {main_size}")
     return plan, warnings
-
-
-#END

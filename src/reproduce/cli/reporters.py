@@ -43,12 +43,9 @@ class PlainReporter:
         if step % self.every and step != self.total and step != 1:
             return
         line = f"step {step}/{self.total} loss {loss_text(record.loss)} lr {record.lr:.4g}"
-        if "eval_loss" in evaluation:
-            line += f" eval_loss {loss_text(evaluation['eval_loss'])}"
-        if "eval_accuracy" in evaluation:
-            line += f" eval_accuracy {evaluation['eval_accuracy']:.4f}"
-        if "eval_miou" in evaluation:
-            line += f" eval_miou {evaluation['eval_miou']:.4f}"
+        for key in ("eval_loss", "eval_accuracy", "eval_miou"):  # a loss in loss_text's digits, a share in 4
+            if key in evaluation:
+                line += f" {key} " + (loss_text(evaluation[key]) if key == "eval_loss" else f"{evaluation[key]:.4f}")
         rate = ""
         if rates.get("useful_tokens_per_second"):  # variable-length text: tokens that are not padding
             rate = f" {rates['useful_tokens_per_second']:,.0f} useful tokens/s"
@@ -80,11 +77,10 @@ class RichReporter(PlainReporter):
 
     def start(self, start: RunStart) -> None:
         super().start(start)
-        self.rate_unit = start.rate_unit
         self.progress = Progress(
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
             TextColumn("micro x{task.fields[micro]}  loss {task.fields[loss]}  {task.fields[rate]} "
-                       + self.rate_unit),
+                       + start.rate_unit),
             TimeRemainingColumn(), console=stdout,
         )
         self.task = self.progress.add_task(

@@ -5,7 +5,6 @@ the `Plan` that `reproduce plan --json` describes, with `lr_at(plan, step)` for 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from ..errors import UserError
 from ..plan.planner import Plan, lr_at, make_plan
@@ -50,15 +49,9 @@ def plan_batch(effective_batch: int, micro_batch_max: int, *, lr: float, unit: s
     `none`), `steps` optimizer steps; the model and data are `your model` and `your data`."""
     if unit not in ("samples", "tokens"):
         raise UserError(f"expected samples or tokens (got {unit!r})", field="unit")
-    batch: dict[str, Any] = {"effective": effective_batch, "unit": unit}
-    if sequence_length is not None:
-        batch["sequence_length"] = sequence_length
-    if paper_devices is not None:
-        batch["devices"] = paper_devices
-    if paper_per_device is not None:
-        batch["per_device"] = paper_per_device
+    given = {"sequence_length": sequence_length, "devices": paper_devices, "per_device": paper_per_device}
     recipe = parse_recipe({
-        "batch": batch,
+        "batch": {"effective": effective_batch, "unit": unit, **{k: v for k, v in given.items() if v is not None}},
         "task": "language-modeling" if unit == "tokens" else "classification",
         "model": {"factory": "your_code:model"},
         "data": {"name": "your data", "available": False},

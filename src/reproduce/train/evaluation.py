@@ -22,7 +22,6 @@ from ..models import build_model, place
 from ..models.segmentation import output_of
 from ..plan.overlay import Change, overlay, variant
 from ..plan.planfile import load_plan
-from .optim.optimizers import step_plateau
 from .setup import Setup, build, resolve_device
 
 
@@ -82,19 +81,15 @@ class PixelMetrics:
         return logits
 
     def compute(self) -> dict:
-        return pixel_metrics(self.matrix.compute())
-
-
-def pixel_metrics(matrix: torch.Tensor) -> dict:
-    """eval_miou, eval_pixel_accuracy and eval_class_iou of a confusion matrix (rows: targets)."""
-    matrix = matrix.double()
-    hits = matrix.diagonal()
-    union = matrix.sum(0) + matrix.sum(1) - hits
-    ious = [float(h / u) if u > 0 else None for h, u in zip(hits.tolist(), union.tolist(), strict=True)]
-    present = [iou for iou in ious if iou is not None]
-    total = float(matrix.sum())
-    return {"eval_miou": sum(present) / len(present) if present else 0.0,
-            "eval_pixel_accuracy": float(hits.sum()) / total if total else 0.0, "eval_class_iou": ious}
+        """eval_miou, eval_pixel_accuracy and eval_class_iou of the confusion matrix (rows: targets)."""
+        matrix = self.matrix.compute().double()
+        hits = matrix.diagonal()
+        union = matrix.sum(0) + matrix.sum(1) - hits
+        ious = [float(h / u) if u > 0 else None for h, u in zip(hits.tolist(), union.tolist(), strict=True)]
+        present = [iou for iou in ious if iou is not None]
+        total = float(matrix.sum())
+        return {"eval_miou": sum(present) / len(present) if present else 0.0,
+                "eval_pixel_accuracy": float(hits.sum()) / total if total else 0.0, "eval_class_iou": ious}
 
 
 def slide_logits(model: nn.Module, images: torch.Tensor, crop: tuple[int, int], stride: tuple[int, int]) -> dict:
@@ -148,17 +143,12 @@ def evaluation_due(setup: Setup, step: int, done: bool) -> bool:
     return bool((evaluation.every_steps and step % evaluation.every_steps == 0) or (done and evaluation.at_end))
 
 
-def evaluate_step(setup: Setup, step: int, micro_batch: int, workers: int | None, main: bool) -> dict:
-    """The record's fields of an evaluation after step `step` (from 1): the eval split's (rank 0, or
-    every rank of a sharded model) and the plateau decay's."""
-    fields: dict = {}
-    evaluation = None
-    if main or setup.sharded:
-        evaluation = evaluate(setup, micro_batch, workers)
-        if evaluation:
-            fields.update(evaluation)
-    fields.update(step_plateau(setup, evaluation, step))
-    return fields
+def evaluate_after(run: Any, step: int) -> dict:
+    """The eval split's metrics after step `step` (from 0), in that step's micro-batches: on rank 0, or every rank
+    of a sharded model; {} on the other ranks and without evaluation data."""
+    if not (run.world.is_main or run.setup.sharded):
+        return {}
+    return evaluate(run.setup, run.micro_batch(max(step, 0)), run.workers) or {}
 
 
 def evaluate_run(run_dir: Path, data_path: str | None = None, eval_data_path: str | None = None,

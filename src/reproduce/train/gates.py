@@ -20,7 +20,7 @@ from ..observe.reference import REFERENCE_GATE, reference_curve
 from ..plan.gates import EXIT_PAUSED, PlannedGate, gate_by_name, outcome_line, planned_gates
 from ..storage.files import write_atomic
 from .distributed import processes as distributed
-from .evaluation import evaluate
+from .evaluation import evaluate_after
 from .reporter import StepRecord
 
 __all__ = ["EXIT_PAUSED", "GatePaused", "GateWatch", "gate_checkpoint"]
@@ -68,6 +68,8 @@ class GateWatch:
         self.seconds.extend(state.get("seconds", []))
         self.outcomes.update(state.get("outcomes", {}))
         self.paused = state.get("paused")
+        if self.reference is not None:
+            self.reference.load_state_dict(state.get("reference", {}))
 
     def due(self, step: int) -> list[PlannedGate]:
         """The gates due after step `step` (from 1): those at it, and the cost gate until it has missed."""
@@ -143,13 +145,6 @@ class GateWatch:
         return rows
 
 
-def _largest(value: float, device: torch.device) -> float:
-    """The largest of every rank's `value` (the cost gate's forecast: each rank times its own steps)."""
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return float(tensor[0])
-
-
 def paused_line(event: dict, out: Path, kept: Path | None, continue_with: str) -> str:
     """The pause's one line: the gate, measured against its bound, its checkpoint, and the two ways on."""
     where = f"checkpoint {kept}" if kept else f"checkpoint {out / 'checkpoints' / 'last.pt'}"
@@ -189,8 +184,6 @@ def start_gates(run: Any) -> None:
     if state is None:
         return
     watch.load_state_dict(state["extra"].get("gates", {}))
-    if run.reference is not None:
-        run.reference.load_state_dict(state["extra"].get("gates", {}).get("reference", {}))
     name = watch.paused
     if name is None:
         return
@@ -208,7 +201,7 @@ def start_gates(run: Any) -> None:
     watch.outcomes.pop(name, None)
     record = dict(run.last_record)
     if gate.evaluated:
-        record.update(_evaluation(run, step - 1))
+        record.update(evaluate_after(run, step - 1))
     event = watch.check(step, record, run.totals_before_resume["seconds"], run.world.size)
     event = [e for e in event if e["name"] == name]
     tell_gates(run, event)
@@ -247,20 +240,19 @@ def _check(run: Any, watch: GateWatch, step: int, record: StepRecord) -> list[di
         if found["status"] == "paused" and REFERENCE_GATE in watch.accept:
             found["status"] = "accepted"
         watch.outcomes[found["name"]] = found
-        if found["status"] == "paused":
+    events = []
+    if watch.due(step + 1):
+        if any(gate.evaluated for gate in watch.due(step + 1)) and "eval_loss" not in record.evaluation:
+            record.evaluation.update(evaluate_after(run, step))
+        spent = run.totals_before_resume["seconds"] + time.perf_counter() - run.started
+        # every rank takes the largest forecast (each times its own steps)
+        agree = (lambda value: distributed.reduced(run.world, value, torch.distributed.ReduceOp.MAX,
+                                                   run.setup.device, torch.float64)) if run.world.distributed else None
+        events = watch.check(step + 1, record.line(), spent, run.world.size, agree)
+    if found is not None:
+        events.append(found)
+        if found["status"] == "paused":  # (after watch.check, which sets its own gates' pause)
             watch.paused = found["name"]
-    if not watch.due(step + 1):
-        if found is not None:
-            record.gates = {found["name"]: found["status"]}
-        return [found] if found is not None else []
-    if any(gate.evaluated for gate in watch.due(step + 1)) and "eval_loss" not in record.evaluation:
-        record.evaluation.update(_evaluation(run, step))
-    spent = run.totals_before_resume["seconds"] + time.perf_counter() - run.started
-    agree = (lambda value: _largest(value, run.setup.device)) if run.world.distributed else None
-    events = watch.check(step + 1, record.line(), spent, run.world.size, agree)
-    events += [found] if found is not None else []
-    if found is not None and found["status"] == "paused":
-        watch.paused = found["name"]
     if events:
         record.gates = {event["name"]: event["status"] for event in events}
     return events
@@ -284,17 +276,6 @@ def tell_gates(run: Any, events: list[dict]) -> None:
     """Each gate's event into metrics.jsonl and to the reporter."""
     for event in events:
         run.metrics.write(event)
-    if not run.world.is_main:
-        return
-    for event in events:
-        gate = getattr(run.reporter, "gate", None)
-        if gate is not None:
-            gate(event)
-        else:
-            run.reporter.message(outcome_line(event))
-
-
-def _evaluation(run: Any, step: int) -> dict:
-    if not (run.world.is_main or run.setup.sharded):
-        return {}
-    return evaluate(run.setup, run.micro_batch(max(step, 0)), run.workers) or {}
+    say = getattr(run.reporter, "gate", None) or (lambda event: run.reporter.message(outcome_line(event)))
+    for event in events if run.world.is_main else []:
+        say(event)

@@ -66,7 +66,7 @@ def run_start(plan: Plan, total_steps: int, first_step: int, parameters: tuple[i
 
 @dataclass
 class StepRecord:
-    """Optimizer step `step`'s record (train/records.step_record); `line()` is its metrics.jsonl line."""
+    """Optimizer step `step`'s record (train/run_state.step_record); `line()` is its metrics.jsonl line."""
 
     step: int
     epoch: float

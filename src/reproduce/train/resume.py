@@ -26,6 +26,7 @@ from ..observe.reference import DivergenceWatch
 from ..plan.planfile import changed_fields
 from ..plan.planner import Plan
 from ..storage.files import check_torch_file, file_digest, write_torch_file
+from .distributed import processes as distributed
 from .setup import Setup
 
 END_FIELDS = ("adapter", "merged", "plot")  # what finish_run adds to the checkpoint's summary: paths under --out
@@ -247,8 +248,6 @@ def _save_sharded(setup: Setup, folder: Path, step: int) -> str:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from .distributed import processes as distributed
-
     name = f"{SHARDED_PREFIX}{step:08d}"
     if setup.world.is_main:
         shutil.rmtree(folder / name, ignore_errors=True)  # left by a run killed while saving this same step
@@ -315,8 +314,6 @@ def _load_sharded(setup: Setup, folder: Path, digests: dict | None = None) -> No
     (`digests`: each rank checks its share, all agree)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from .distributed import processes as distributed
 
     if not folder.is_dir():
         raise UserError(f"{folder} (named by last.pt) is missing: the sharded checkpoint cannot be read",

@@ -4,7 +4,6 @@ use of the library's exact window (`reproduce.Accumulator`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +11,6 @@ import torch
 from ..accumulate import Accumulator
 from ..data.batches import LazyMicroBatch
 from ..observe.noise import NoiseScale
-from .distributed import processes as distributed
 from .losses import PixelLoss, SampleLoss, TokenLoss
 from .setup import Setup
 
@@ -75,7 +73,7 @@ def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None =
         # not in the last micro-batch (DDP is reducing by then): there the run stops.
         if (setup.world.distributed and not setup.sharded and last > 0
                 and not setup.model.will_sync_module_buffers()):
-            backward_with_memory_vote(setup, backward, last)
+            window.backward_voting(backward, range(last))
         else:
             for index in range(last):
                 backward(index)
@@ -85,22 +83,3 @@ def optimizer_step(setup: Setup, micro_batches: list, noise: NoiseScale | None =
     syncs = setup.sync_counter.take() if setup.sync_counter else None
     return StepResult(window.loss, window.grad_norm, window.count, window.samples, tokens, window.finite, syncs,
                       window.observed)
-
-
-class AgreedOutOfMemory(torch.OutOfMemoryError):
-    """Some rank ran out of memory before the window's last micro-batch; raised on every rank, after a vote."""
-
-
-def backward_with_memory_vote(setup: Setup, backward: Callable[[int], torch.Tensor], last: int) -> list:
-    """`backward` over the micro-batches before the `last`, then the vote: a rank out of
-    memory skips the rest, and every rank raises AgreedOutOfMemory if any rank was."""
-    losses, error = [], None  # the message only: the error's traceback would keep the window's tensors
-    for index in range(last):
-        try:
-            losses.append(backward(index))
-        except torch.OutOfMemoryError as out_of_memory:
-            error = str(out_of_memory)
-            break
-    if distributed.any_rank(setup.world, error is not None, setup.device):
-        raise AgreedOutOfMemory(error or "out of memory on another rank")
-    return losses

@@ -1,5 +1,5 @@
 """The training run: the plan's optimizer steps (`step.optimizer_step` over `windows.window`), checkpoints,
-metrics, signals and out-of-memory handling; its start is `run_state.start_run`, its end `records.finish_run`.
+metrics, signals and out-of-memory handling; its start is `run_state.start_run`, its end `run_state.finish_run`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..accumulate import OptimizerStepOutOfMemory, smaller_micro_batch
+from ..accumulate import AgreedOutOfMemory, OptimizerStepOutOfMemory, smaller_micro_batch
 from ..data.batches import DataClock
 from ..data.loader import cpu_share, default_workers
 from ..errors import Interrupted, TrainingStopped
@@ -28,14 +28,14 @@ from ..storage.aside import Previous, setting_aside, settle
 from ..storage.files import WriteFailed
 from .distributed import processes as distributed
 from .distributed.processes import World
-from .evaluation import evaluate_step, evaluation_due
+from .evaluation import evaluate_after, evaluation_due
 from .gates import after_checkpoint, check_gates, tell_gates
+from .optim.optimizers import step_plateau
 from .options import RunRequest
-from .records import finish_run, run_summary, step_record
 from .reporter import Reporter, SilentReporter, StepRecord
 from .resume import save_checkpoint
-from .run_state import Run, start_run
-from .step import AgreedOutOfMemory, StepResult, optimizer_step
+from .run_state import Run, finish_run, run_summary, start_run, step_record
+from .step import StepResult, optimizer_step
 from .windows import StepBatch, step_batch
 
 if TYPE_CHECKING:
@@ -236,8 +236,8 @@ def watch_divergence(run: Run, step: int, result: StepResult) -> str | None:
 
 def evaluate_into(run: Run, step: int, record: StepRecord, done: bool) -> None:
     """The evaluation after `step` into its record (train/evaluation.py); a plateau decay's new LR reported."""
-    record.evaluation.update(evaluate_step(run.setup, step + 1, run.micro_batch(step), run.workers,
-                                           run.world.is_main))
+    evaluation = evaluate_after(run, step)
+    record.evaluation.update({**evaluation, **step_plateau(run.setup, evaluation, step + 1)})
     if "plateau_lr" in record.evaluation and not done:
         run.reporter.message(f"step {step + 1}: {run.plan.recipe.schedule.decay.metric} has not improved: plateau "
                              f"decay, lr -> {record.evaluation['plateau_lr']:.6g} from step {step + 2}")

@@ -90,22 +90,24 @@ def barrier(world: World) -> None:
         dist.barrier()
 
 
-def all_min(world: World, value: int, device: torch.device) -> int:
-    """The smallest `value` over all ranks (every rank agrees on one micro-batch, so none runs out of memory)."""
+def reduced(world: World, value: float, op: dist.ReduceOp, device: torch.device, dtype: torch.dtype = torch.int64
+            ) -> float:
+    """`value` reduced by `op` over every rank (every rank gets the same answer); NCCL reduces CUDA tensors only."""
     if not world.distributed:
         return value
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)  # NCCL reduces CUDA tensors only
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return int(tensor.item())
+    tensor = torch.tensor([value], dtype=dtype, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.item()
+
+
+def all_min(world: World, value: int, device: torch.device) -> int:
+    """The smallest `value` over all ranks (every rank agrees on one micro-batch, so none runs out of memory)."""
+    return int(reduced(world, value, dist.ReduceOp.MIN, device))
 
 
 def any_rank(world: World, flag: bool, device: torch.device) -> bool:
-    """Whether `flag` is true on any rank (every rank gets the same answer)."""
-    if not world.distributed:
-        return flag
-    tensor = torch.tensor([int(flag)], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item())
+    """Whether `flag` is true on any rank."""
+    return bool(reduced(world, int(flag), dist.ReduceOp.MAX, device))
 
 
 def abandon(world: World) -> None:

@@ -50,7 +50,8 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str], lay
 
 def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
     spec = plan.recipe.optimizer
-    groups = param_groups(model, spec.weight_decay, list(spec.no_decay))
+    layer_wise = spec.name in ("lars", "lamb")
+    groups = param_groups(model, spec.weight_decay, list(spec.no_decay), layer_adaptation=layer_wise)
     if spec.bitsandbytes:
         return bitsandbytes_optimizer(plan, groups)
     # torch.optim's arguments for `optimizer.implementation`; none for PyTorch's own choice (foreach on CUDA)
@@ -58,14 +59,12 @@ def build_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
                                                       **({"fused": True} if spec.implementation == "fused" else {})}
     if spec.name in ("sgd", "nesterov"):
         return torch.optim.SGD(groups, lr=plan.lr, momentum=spec.momentum, nesterov=spec.name == "nesterov", **kernels)
-    if spec.name == "adam":
-        return torch.optim.Adam(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps, **kernels)
-    if spec.name == "adamw":
-        return torch.optim.AdamW(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps, **kernels)
-    if spec.name in ("lars", "lamb"):
+    if spec.name in ("adam", "adamw"):
+        adam = torch.optim.Adam if spec.name == "adam" else torch.optim.AdamW
+        return adam(groups, lr=plan.lr, betas=spec.betas, eps=spec.eps, **kernels)
+    if layer_wise:
         from .large_batch import LAMB, LARS, LARS_TRUST_COEFFICIENT  # (imported by the runs that step with them)
 
-        groups = param_groups(model, spec.weight_decay, list(spec.no_decay), layer_adaptation=True)
         if spec.name == "lars":
             return LARS(groups, lr=plan.lr, momentum=spec.momentum,
                         trust_coefficient=spec.trust_coefficient or LARS_TRUST_COEFFICIENT)
