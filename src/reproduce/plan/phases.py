@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import UserError
@@ -205,12 +204,8 @@ def attach_phase_schedules(recipe: Recipe, phases: list[Segment], total: int | N
                                                        f"{what}.decay.milestones") for value in decay.milestones.values]
         decay_end = (phase.start_step + own_steps(decay.until, phase, f"{what}.decay.until") if decay.until is not None
                      else end)
-        start_lr, min_lr = start_and_min_lr(warmup, decay, peak, phase.lr_factor)
-        schedule = StepSchedule(
-            start_step=phase.start_step, end_step=end, lr=peak, warmup_steps=warmup_steps, warmup_start_lr=start_lr,
-            decay_kind=decay.kind, decay_milestones=milestones, decay_factor=decay.factor, decay_end_step=decay_end,
-            min_lr=min_lr, power=decay.power,
-        )
+        schedule = step_schedule(phase.start_step, end, peak, phase.lr_factor, warmup, warmup_steps, decay, milestones,
+                                 decay_end)
         result[index] = phase.model_copy(update={"schedule": schedule})
     return result
 
@@ -233,34 +228,27 @@ def phase_lines(segments: list[Segment], world_size: int, unit: str) -> list[str
     return lines
 
 
-def start_and_min_lr(warmup: Warmup | None, decay: Decay, peak: float, factor: float) -> tuple[float, float]:
-    """A schedule's warm-up start LR and its minimum LR, for its `peak` LR at the LR rule's `factor`."""
-    start = 0.0
+def step_schedule(start: int, end: int | None, peak: float, factor: float, warmup: Warmup | None, warmup_steps: int,
+                  decay: Decay, milestones: list[int], decay_end: int | None) -> StepSchedule:
+    """A schedule from optimizer step `start` to `end`, its lengths already in steps: its warm-up's start LR and its
+    minimum LR follow from its `peak` LR at the LR rule's `factor`."""
+    start_lr = 0.0
     if warmup is not None:
-        start = warmup.start_lr if warmup.start_lr is not None else (warmup.start_factor or 0.0) * peak
-    return start, decay.min_lr * factor if decay.min_lr is not None else (decay.min_ratio or 0.0) * peak
+        start_lr = warmup.start_lr if warmup.start_lr is not None else (warmup.start_factor or 0.0) * peak
+    min_lr = decay.min_lr * factor if decay.min_lr is not None else (decay.min_ratio or 0.0) * peak
+    return StepSchedule(start_step=start, end_step=end, lr=peak, warmup_steps=warmup_steps, warmup_start_lr=start_lr,
+                        decay_kind=decay.kind, decay_milestones=milestones, decay_factor=decay.factor,
+                        decay_end_step=decay_end, min_lr=min_lr, power=decay.power)
 
 
 MOST_STEPS = 10**9  # a value past this is a typo (epochs: 1e18), never a run
 
 
-@dataclass(frozen=True)
-class StepsSchedule:
-    """The recipe's schedule in optimizer steps, as `schedule_in_steps` plans it, and the phases with theirs."""
-
-    total: int | None
-    warmup_steps: int
-    start_lr: float
-    milestones: list[int]
-    decay_end: int | None
-    min_lr: float
-    phases: list[Segment]
-
-
 def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, segments: list[Segment],
-                      phases: list[Segment], steps_per_epoch: int | None, warnings: list[str]) -> StepsSchedule:
-    """Every length of `schedule` (total, warm-up, milestones, end of decay) in optimizer steps over `segments`,
-    the warm-up's start LR and the minimum LR, and each phase's own schedule (`attach_phase_schedules`)."""
+                      phases: list[Segment], steps_per_epoch: int | None,
+                      warnings: list[str]) -> tuple[StepSchedule, list[Segment]]:
+    """The recipe's schedule from step 0, every length of `schedule` (total, warm-up, milestones, end of decay) in
+    optimizer steps over `segments`; and `phases` with each phase's own schedule (`attach_phase_schedules`)."""
 
     def steps(length: Length | None, what: str) -> int | None:
         if length is None:
@@ -295,12 +283,11 @@ def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, s
         own_start if own_start is not None else total)
     if phases:
         phases = attach_phase_schedules(recipe, phases, total, warnings, recipe_path, warmup_steps)
-    start_lr, min_lr = start_and_min_lr(warmup, decay, chosen.lr, chosen.lr_factor)
     if total is not None and total > MOST_STEPS:
         raise UserError(f"{recipe_path}: schedule.total: {total:.3g} optimizer steps; no run takes more than "
                         f"{MOST_STEPS:.0e} (at a millisecond a step, {MOST_STEPS / 1000 / 86400:.0f} days)")
-    return StepsSchedule(total=total, warmup_steps=warmup_steps, start_lr=start_lr, milestones=milestones,
-                         decay_end=decay_end, min_lr=min_lr, phases=phases)
+    schedule = step_schedule(0, total, chosen.lr, chosen.lr_factor, warmup, warmup_steps, decay, milestones, decay_end)
+    return schedule, phases
 
 
 def _no_steps_message(recipe: Recipe, effective_batch: int, steps_per_epoch: int | None) -> str:

@@ -14,7 +14,7 @@ from ..errors import MicroBatchError, UserError
 from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
 from .gates import planned_gates
 from .overlay import Change, overlay
-from .phases import StepsSchedule, plan_phases, schedule_in_steps
+from .phases import plan_phases, schedule_in_steps
 from .recipe import Recipe, default_packing
 from .schedules import StepSchedule
 from .segments import MicroBatchMax, PerLength, Segment, epoch_steps, micro_batch_cap, phase_index
@@ -172,22 +172,17 @@ def make_plan(
         kind="whole", start_step=0, micro_batch_max=cap, paper_effective_batch=recipe.batch.sequences,
         sequence_length=main_length, dataset_size=size, steps_per_epoch=steps_per_epoch,
         **chosen.model_dump(include={"micro_batch", "accumulation_steps", "effective_batch", "exact", "lr_factor"}))]
-    schedule = schedule_in_steps(recipe, recipe_path, chosen, segments, phases, steps_per_epoch, warnings)
+    schedule, phases = schedule_in_steps(recipe, recipe_path, chosen, segments, phases, steps_per_epoch, warnings)
     full = size // chosen.effective_batch if size else 0
-    if not (phases or schedule.total is None) and 0 < full and schedule.total <= full:
+    if not (phases or schedule.end_step is None) and 0 < full and schedule.end_step <= full:
         epoch_end = []  # the run ends within the first epoch's full windows: it never meets the last one
     warnings[at:at] = epoch_end
-    warn_last(recipe, batchnorm, schedule, warnings, norm)
+    warn_last(recipe, batchnorm, schedule.end_step, phases, warnings, norm)
     plan = Plan(
         recipe_path=recipe_path, recipe=recipe, policy=policy, micro_batch_max=cap, split=chosen,
         alternative=alternative, lr_scaling=LrScaling(rule=rule, source=source, adam_option=adam_option),
-        dataset_size=size, steps_per_epoch=steps_per_epoch, partial_window=partial,
-        schedule=StepSchedule(
-            start_step=0, end_step=schedule.total, lr=chosen.lr, warmup_steps=schedule.warmup_steps,
-            warmup_start_lr=schedule.start_lr, decay_kind=recipe.schedule.decay.kind,
-            decay_milestones=schedule.milestones, decay_factor=recipe.schedule.decay.factor,
-            decay_end_step=schedule.decay_end, min_lr=schedule.min_lr, power=recipe.schedule.decay.power),
-        segments=schedule.phases or segments, batchnorm=norm, batchnorm_warning=batchnorm, warnings=warnings,
+        dataset_size=size, steps_per_epoch=steps_per_epoch, partial_window=partial, schedule=schedule,
+        segments=phases or segments, batchnorm=norm, batchnorm_warning=batchnorm, warnings=warnings,
         throughput=throughput, memory_notes=list(memory_notes), weights=weights, data_fingerprint=data_fingerprint,
     )
     planned_gates(plan)  # each gate at an optimizer step of the run, or one line now
@@ -282,7 +277,7 @@ def warn_partial_epoch(recipe: Recipe, dataset_size: int | None, effective_batch
         )
 
 
-def warn_last(recipe: Recipe, batchnorm: str | None, schedule: StepsSchedule, warnings: list[str],
+def warn_last(recipe: Recipe, batchnorm: str | None, total: int | None, phases: list[Segment], warnings: list[str],
               norm: BatchNormPlan | None = None) -> None:
     """The warnings that close the list: BatchNorm over micro-batches (and the BN choice's own lines), a batch phase
     the run never reaches, and the recipe's own deviations from the paper."""
@@ -290,8 +285,7 @@ def warn_last(recipe: Recipe, batchnorm: str | None, schedule: StepsSchedule, wa
         warnings.append(batchnorm)
     if norm is not None:
         warnings.extend(norm.lines[1:])
-    total = schedule.total
-    for index, phase in enumerate(schedule.phases):
+    for index, phase in enumerate(phases):
         if total is not None and phase.start_step >= total and index:
             warnings.append(f"the batch of step {phase.start_step + 1} on ({phase.effective_batch}) is never reached: "
                             f"the run has {total} optimizer steps")
