@@ -18,7 +18,7 @@ from .phases import plan_phases, schedule_in_steps
 from .recipe import Recipe, default_packing
 from .schedules import StepSchedule
 from .segments import MicroBatchMax, PerLength, Segment, epoch_steps, micro_batch_cap, phase_index
-from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule, split_text
+from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule
 from .throughput_choice import ThroughputChoice
 from .weightfiles import WeightsRecord
 
@@ -96,13 +96,12 @@ class Plan(Frozen):
         never read from a file (a plan file's key of these names is unknown)."""
         split, batch = self.split, self.recipe.batch
         tokens = split.effective_batch * batch.sequence_length if batch.sequence_length else None
-        text = split_text(split.micro_batch, split.accumulation_steps, split.world_size, split.effective_batch)
         derived = {
             "micro_batch": split.micro_batch, "accumulation_steps": split.accumulation_steps,
             "world_size": split.world_size, "effective_batch": split.effective_batch, "exact": split.exact,
             "lr": split.lr, "optimizer_steps": self.schedule.end_step, "warmup_steps": self.schedule.warmup_steps,
             "unit": batch.count_unit, "paper_effective_batch": batch.sequences, "effective_tokens": tokens,
-            "arithmetic": text if tokens is None else f"{text} sequences ({tokens} tokens)",
+            "arithmetic": split.arithmetic if tokens is None else f"{split.arithmetic} sequences ({tokens} tokens)",
             "per_rank_batch": split.micro_batch * split.accumulation_steps,
             "has_phases": bool(self.segments) and self.segments[0].kind != "whole",
         }
@@ -257,24 +256,14 @@ def warn_partial_epoch(recipe: Recipe, dataset_size: int | None, effective_batch
     """The warning for an epoch shorter than one optimizer step, or one that ends on a partial window."""
     if dataset_size is None:
         return
-    full = dataset_size // effective_batch
-    keep_partial = not recipe.data.drop_last and partial >= world_size  # every process needs an item
-    if full == 0:
-        warnings.append(
-            f"an epoch ({dataset_size} {recipe.batch.count_unit}) is shorter than one optimizer step "
-            f"({effective_batch}): "
-            + ("with drop_last no step would ever run" if recipe.data.drop_last else "every step is partial")
-        )
-    elif partial:
-        what = (
-            "dropped (drop_last)" if recipe.data.drop_last
-            else f"normalised by the {partial} it holds" if keep_partial
-            else f"dropped: fewer than the {world_size} processes"
-        )
-        warnings.append(
-            f"the last window of each epoch holds {partial} of {effective_batch} "
-            f"{recipe.batch.count_unit}: {what}"
-        )
+    unit, drop_last = recipe.batch.count_unit, recipe.data.drop_last
+    if dataset_size < effective_batch:
+        warnings.append(f"an epoch ({dataset_size} {unit}) is shorter than one optimizer step ({effective_batch}): "
+                        + ("with drop_last no step would ever run" if drop_last else "every step is partial"))
+    elif partial:  # kept (epoch_steps) when every process gets an item of it
+        what = ("dropped (drop_last)" if drop_last else f"normalised by the {partial} it holds"
+                if partial >= world_size else f"dropped: fewer than the {world_size} processes")
+        warnings.append(f"the last window of each epoch holds {partial} of {effective_batch} {unit}: {what}")
 
 
 def warn_last(recipe: Recipe, batchnorm: str | None, total: int | None, phases: list[Segment], warnings: list[str],
