@@ -105,9 +105,10 @@ def test_schedule_in_steps_converts_every_length():
     assert p.segments[0].model_dump(include={"kind", "micro_batch", "effective_batch", "steps_per_epoch"}) == {
         "kind": "whole", "micro_batch": 32, "effective_batch": 128, "steps_per_epoch": 7}
     warnings: list[str] = []
-    s = schedule_in_steps(r, None, chosen, p.segments, [], 7, warnings)
-    assert (s.total, s.warmup_steps, s.milestones, s.decay_end, s.min_lr, s.start_lr) == (70, 7, [35, 56], 70, 0, 0)
-    assert s.phases == [] and warnings == []
+    s, phases = schedule_in_steps(r, None, chosen, p.segments, [], 7, warnings)
+    assert (s.start_step, s.end_step, s.warmup_steps, s.decay_milestones, s.decay_end_step, s.min_lr,
+            s.warmup_start_lr, s.lr) == (0, 70, 7, [35, 56], 70, 0, 0, chosen.lr)
+    assert phases == [] and warnings == [] and s == p.schedule
     steps = (p.optimizer_steps, p.warmup_steps, p.schedule.decay_milestones, p.schedule.decay_end_step)
     assert steps == (70, 7, [35, 56], 70)
 
@@ -121,9 +122,9 @@ def test_schedule_in_steps_needs_the_data_size_for_epochs():
 def test_warn_last_batchnorm_then_deviations():
     r = make_recipe(deviations=["fewer epochs"])
     chosen, _ = choose_split(r, 48, 1, "exact", None, [])
-    s = schedule_in_steps(r, None, chosen, make_plan(r, 48).segments, [], 7, [])
+    s, phases = schedule_in_steps(r, None, chosen, make_plan(r, 48).segments, [], 7, [])
     warnings = ["earlier"]
-    warn_last(r, "BatchNorm note", s, warnings)
+    warn_last(r, "BatchNorm note", s.end_step, phases, warnings)
     assert warnings == ["earlier", "BatchNorm note", "deviation from the paper: fewer epochs"]
 
 

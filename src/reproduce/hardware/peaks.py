@@ -27,10 +27,6 @@ class Peaks:
         """The peak of `precision` (fp32, tf32, bf16, fp16); None where the datasheet gives none."""
         return {"fp32": self.fp32, "tf32": self.tf32, "bf16": self.bf16, "fp16": self.fp16}[precision]
 
-    def to_json(self) -> dict[str, float | str | None]:
-        return {"fp32": self.fp32, "tf32": self.tf32, "bf16": self.bf16, "fp16": self.fp16,
-                "bandwidth_bytes_per_second": self.bandwidth, "source": self.source}
-
 
 PEAKS = {
     # NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM column: FP32 67 TFLOPS; TF32 989, BF16/FP16 1,979

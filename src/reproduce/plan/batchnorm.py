@@ -149,7 +149,12 @@ def plan_batchnorm(recipe: Any, micro_batch: int, micro_batch_max: int, world_si
                               "pooling normalises a 1 x 1 map, and BatchNorm needs 2 samples or more to train it; "
                               "give `micro_batch_max` 2 or more, or `model.batchnorm` group | frozen")
     target = paper_batch(recipe)
-    lines = [_summary(mode, run, micro_batch, world_size, layers, found) + "; " + _paper_words(recipe, paper, target)]
+    how = {"keep": f"normalise each micro-batch of {run} per device",
+           "sync": f"as SyncBatchNorm over {world_size} process(es): BN batch {micro_batch} x {world_size} = {run}",
+           "frozen": "as FrozenBatchNorm2d: no batch statistics",
+           "group": "as GroupNorm: statistics per sample, no BN batch"}
+    count = f"{layers} BatchNorm layers" if layers is not None else "BatchNorm"
+    lines = [f"BatchNorm ({mode}): {count} ({found}) {how[mode]}; {_paper_words(recipe, paper, target)}"]
     if mode == "sync" and world_size < 2:
         lines.append("sync on one process normalises over its micro-batch alone, and `reproduce run` refuses it: "
                      "give --world-size N (N CUDA processes) or --batchnorm keep | frozen | group")
@@ -164,18 +169,6 @@ def plan_batchnorm(recipe: Any, micro_batch: int, micro_batch_max: int, world_si
                if target and run != target else [])
     return BatchNormPlan(mode=mode, paper_mode=paper, layers=layers, found=found, micro_batch=micro_batch,
                          processes=world_size, run_batch=run, paper_batch=target, lines=lines, options=options)
-
-
-def _summary(mode: str, run: int | None, micro: int, world: int, layers: int | None, found: str) -> str:
-    count = f"{layers} BatchNorm layers" if layers is not None else "BatchNorm"
-    if mode == "keep":
-        return f"BatchNorm (keep): {count} ({found}) normalise each micro-batch of {run} per device"
-    if mode == "sync":
-        return (f"BatchNorm (sync): {count} ({found}) as SyncBatchNorm over {world} process(es): BN batch "
-                f"{micro} x {world} = {run}")
-    if mode == "frozen":
-        return f"BatchNorm (frozen): {count} ({found}) as FrozenBatchNorm2d: no batch statistics"
-    return f"BatchNorm (group): {count} ({found}) as GroupNorm: statistics per sample, no BN batch"
 
 
 def _paper_words(recipe: Any, mode: str, target: int | None) -> str:

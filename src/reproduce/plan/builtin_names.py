@@ -78,14 +78,12 @@ def why_not_runnable(recipe: Recipe) -> str | None:
             named = f"{data.format} data {data.name}" if data.name else f"{data.format} data"
             return f"{named} not on this machine (reproduce run --data PATH)"
         return f"data {data.name} not available"
-    if isinstance(data, NamedData) and data.builtin is not None and data.builtin not in DATA:
-        return f"no built-in data {data.builtin}"
-    if isinstance(data, NamedData) and data.factory is not None and not _module_found(data.factory):
-        return f"data factory {data.factory!r} not importable"
-    if recipe.loss is not None and recipe.loss.builtin is not None and recipe.loss.builtin not in LOSSES:
-        return f"no built-in loss {recipe.loss.builtin}"
-    if recipe.loss is not None and recipe.loss.factory is not None and not _module_found(recipe.loss.factory):
-        return f"loss factory {recipe.loss.factory!r} not importable"
+    for kind, builder, known in (("data", data if isinstance(data, NamedData) else None, DATA),
+                                 ("loss", recipe.loss, LOSSES)):
+        if builder is not None and builder.builtin is not None and builder.builtin not in known:
+            return f"no built-in {kind} {builder.builtin}"
+        if builder is not None and builder.factory is not None and not _module_found(builder.factory):
+            return f"{kind} factory {builder.factory!r} not importable"
     if recipe.optimizer.name not in TORCH_OPTIMIZERS:
         return f"no PyTorch {recipe.optimizer.name} optimizer"
     return None

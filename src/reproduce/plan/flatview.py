@@ -18,6 +18,11 @@ FLAT_FIELDS = (  # its keys, in order: what `plan --json` shows and a plan check
     "decay_end_step", "min_lr", "batchnorm", "norm", "alternative", "warnings", "phases", "throughput", "memory",
     "weights", "data_fingerprint",
 )
+# named alike in the flat view and the schedule part
+SCHEDULE_FIELDS = ("warmup_steps", "warmup_start_lr", "decay_kind", "decay_milestones", "decay_factor",
+                   "decay_end_step", "min_lr")
+KEPT = ("recipe_path", "recipe", "policy", "micro_batch_max", "alternative", "dataset_size", "steps_per_epoch",
+        "partial_window", "throughput", "weights", "data_fingerprint")  # named alike in the flat view and the parts
 
 
 def flat_fields(plan: Plan) -> dict[str, Any]:
@@ -29,9 +34,7 @@ def flat_fields(plan: Plan) -> dict[str, Any]:
         **parts["split"], **parts, "format": FLAT_FORMAT, "unit": plan.unit, "effective_tokens": plan.effective_tokens,
         "paper_effective_batch": plan.paper_effective_batch, "base_lr": plan.recipe.optimizer.lr,
         "lr_rule": scaling["rule"], "lr_rule_source": scaling["source"], "adam_option": scaling["adam_option"],
-        "optimizer_steps": schedule["end_step"], **{key: schedule[key] for key in (
-            "warmup_steps", "warmup_start_lr", "decay_kind", "decay_milestones", "decay_factor", "decay_end_step",
-            "min_lr")},
+        "optimizer_steps": schedule["end_step"], **{key: schedule[key] for key in SCHEDULE_FIELDS},
         "batchnorm": plan.batchnorm_warning, "norm": parts["batchnorm"], "memory": parts["memory_notes"],
         "phases": [segment.model_dump(mode="json") for segment in plan.segments] if plan.has_phases else [],
     }
@@ -49,13 +52,9 @@ def parts_from_flat(data: dict[str, Any]) -> dict[str, Any]:
     split = {key: data.get(key) for key in ("micro_batch", "accumulation_steps", "world_size", "effective_batch",
                                              "exact", "batch_factor", "lr", "lr_factor")}
     split["policy"] = "fast" if policy == "fast" else "exact"
-    schedule = {
-        "start_step": 0, "end_step": data.get("optimizer_steps"), "lr": data.get("lr"),
-        "warmup_steps": data.get("warmup_steps"), "warmup_start_lr": data.get("warmup_start_lr"),
-        "decay_kind": data.get("decay_kind"), "decay_milestones": data.get("decay_milestones", []),
-        "decay_factor": data.get("decay_factor"), "decay_end_step": data.get("decay_end_step"),
-        "min_lr": data.get("min_lr"), "power": decay.get("power", 1.0),
-    }
+    schedule = {**{key: data.get(key) for key in SCHEDULE_FIELDS}, "decay_milestones": data.get("decay_milestones", []),
+                "start_step": 0, "end_step": data.get("optimizer_steps"), "lr": data.get("lr"),
+                "power": decay.get("power", 1.0)}
     phases = data.get("phases") or []
     segments = phases or [{
         "kind": "whole", "start_step": 0, "micro_batch_max": data.get("micro_batch_max"),
@@ -66,25 +65,9 @@ def parts_from_flat(data: dict[str, Any]) -> dict[str, Any]:
         "steps_per_epoch": data.get("steps_per_epoch"),
     }]
     return {
-        "format": "reproduce-plan/2",
-        "recipe_path": data.get("recipe_path"),
-        "recipe": data.get("recipe"),
-        "policy": policy,
-        "micro_batch_max": data.get("micro_batch_max"),
-        "split": split,
-        "alternative": data.get("alternative"),
+        **{key: data.get(key) for key in KEPT}, "format": "reproduce-plan/2", "split": split, "schedule": schedule,
         "lr_scaling": {"rule": data.get("lr_rule"), "source": data.get("lr_rule_source"),
                        "adam_option": data.get("adam_option")},
-        "dataset_size": data.get("dataset_size"),
-        "steps_per_epoch": data.get("steps_per_epoch"),
-        "partial_window": data.get("partial_window"),
-        "schedule": schedule,
-        "segments": segments,
-        "batchnorm": data.get("norm"),
-        "batchnorm_warning": data.get("batchnorm"),
-        "warnings": data.get("warnings", []),
-        "throughput": data.get("throughput"),
-        "memory_notes": data.get("memory", []),
-        "weights": data.get("weights"),
-        "data_fingerprint": data.get("data_fingerprint"),
+        "segments": segments, "batchnorm": data.get("norm"), "batchnorm_warning": data.get("batchnorm"),
+        "warnings": data.get("warnings", []), "memory_notes": data.get("memory", []),
     }

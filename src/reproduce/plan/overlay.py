@@ -108,7 +108,7 @@ def overlay(recipe: Recipe, changes: Sequence[Change], source: str) -> Recipe:
             inspect(value, change.label)  # a missing file: one line now
         if change.path == "model.batchnorm" and value != data["model"]["batchnorm"]:
             data["model"]["paper_batchnorm"] = data["model"].get("paper_batchnorm") or data["model"]["batchnorm"]
-        put_at(data, change.path.split("."), value, _shown(change))
+        put_at(data, change.path.split("."), value, f"{change.label} {shortened(f'{change.path}={change.value}')}")
         if change.path in ("data.path", "data.eval_path"):
             data["data"]["available"] = data["data"]["path"] is not None
     try:
@@ -143,10 +143,6 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def changes_of(overrides: Sequence[str]) -> list[Change]:
     """Each `PATH=VALUE` of `overrides` (`--set` on the command line) as the change of its field."""
     return [Change(".".join(parts), value, "`overrides`") for parts, value in map(parse_override, overrides)]
-
-
-def _shown(change: Change) -> str:
-    return f"{change.label} {shortened(f'{change.path}={change.value}')}"
 
 
 def _check_data_format(data: dict[str, Any], change: Change, source: str) -> None:

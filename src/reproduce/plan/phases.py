@@ -9,8 +9,7 @@ micro-batch (the window's loss is normalised over all of it)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from ..errors import UserError
@@ -185,32 +184,21 @@ def attach_phase_schedules(recipe: Recipe, phases: list[Segment], total: int | N
             raise UserError(f"{what}: its own schedule has no length to run over: the phase starts at step "
                             f"{phase.start_step + 1}, but " + (f"the run ends after {end} optimizer steps" if not later
                                                                else f"the next schedule starts at step {end + 1}"))
-        span = end - phase.start_step
         peak = (spec.lr if spec.lr is not None else recipe.optimizer.lr) * phase.lr_factor
-        warmup = spec.warmup
-        warmup_steps = 0
-        if warmup is not None:
-            warmup_steps = (round(warmup.ratio * span) if warmup.ratio is not None
-                            else own_steps(warmup, phase, f"{what}.warmup"))
-        if warmup_steps > span:
-            warnings.append(f"{what}.warmup: {warmup_steps} steps, longer than the {span} steps its schedule runs")
-        decay = spec.decay  # none given: the recipe's kind and its final LR, over the phase's own schedule
-        if decay is None and recipe.schedule.decay.kind == "step":
+        # no decay given: the recipe's kind and its final LR, over the phase's own schedule
+        decay = spec.decay or recipe.schedule.decay.model_copy(update={"until": None, "milestones": None})
+
+        def to_step(length: Length, name: str, phase: Segment = phase) -> int:  # a length in the phase's own units
+            return phase.start_step + own_steps(length, phase, name)
+
+        schedule = step_schedule(phase.start_step, end, peak, phase.lr_factor, spec.warmup, decay, end, f"{what}.",
+                                 to_step)
+        if schedule.warmup_steps > end - phase.start_step:
+            warnings.append(f"{what}.warmup: {schedule.warmup_steps} steps, longer than the {end - phase.start_step} "
+                            "steps its schedule runs")
+        if spec.decay is None and recipe.schedule.decay.kind == "step":
             raise UserError(f"{what}.decay: required: the recipe's step decay counts its milestones from the run's "
                             "start; give the phase's own (e.g. {kind: step, milestones: {steps: [...]}})")
-        decay = decay or recipe.schedule.decay.model_copy(update={"until": None, "milestones": None})
-        milestones = []
-        if decay.milestones is not None:
-            milestones = [phase.start_step + own_steps(Length.model_validate({decay.milestones.unit: value}), phase,
-                                                       f"{what}.decay.milestones") for value in decay.milestones.values]
-        decay_end = (phase.start_step + own_steps(decay.until, phase, f"{what}.decay.until") if decay.until is not None
-                     else end)
-        start_lr, min_lr = start_and_min_lr(warmup, decay, peak, phase.lr_factor)
-        schedule = StepSchedule(
-            start_step=phase.start_step, end_step=end, lr=peak, warmup_steps=warmup_steps, warmup_start_lr=start_lr,
-            decay_kind=decay.kind, decay_milestones=milestones, decay_factor=decay.factor, decay_end_step=decay_end,
-            min_lr=min_lr, power=decay.power,
-        )
         result[index] = phase.model_copy(update={"schedule": schedule})
     return result
 
@@ -233,38 +221,36 @@ def phase_lines(segments: list[Segment], world_size: int, unit: str) -> list[str
     return lines
 
 
-def start_and_min_lr(warmup: Warmup | None, decay: Decay, peak: float, factor: float) -> tuple[float, float]:
-    """A schedule's warm-up start LR and its minimum LR, for its `peak` LR at the LR rule's `factor`."""
-    start = 0.0
+def step_schedule(start: int, end: int | None, peak: float, factor: float, warmup: Warmup | None, decay: Decay,
+                  decay_end: int | None, what: str, to_step: Callable[[Length, str], int]) -> StepSchedule:
+    """A schedule from optimizer step `start` to `end` at its `peak` LR (the LR rule's `factor` included): its
+    lengths (`what` + warmup, decay.milestones, decay.until) become the run's steps by `to_step`, its decay ends at
+    `decay_end` without decay.until, and its warm-up's start LR and minimum LR follow from the peak."""
+    warmup_steps, start_lr = 0, 0.0
     if warmup is not None:
-        start = warmup.start_lr if warmup.start_lr is not None else (warmup.start_factor or 0.0) * peak
-    return start, decay.min_lr * factor if decay.min_lr is not None else (decay.min_ratio or 0.0) * peak
+        warmup_steps = ((round(warmup.ratio * (end - start)) if end is not None else 0) if warmup.ratio is not None
+                        else to_step(warmup, f"{what}warmup") - start)
+        start_lr = warmup.start_lr if warmup.start_lr is not None else (warmup.start_factor or 0.0) * peak
+    milestones = [to_step(Length.model_validate({decay.milestones.unit: value}), f"{what}decay.milestones")
+                  for value in decay.milestones.values] if decay.milestones is not None else []
+    if decay.until is not None:
+        decay_end = to_step(decay.until, f"{what}decay.until")
+    min_lr = decay.min_lr * factor if decay.min_lr is not None else (decay.min_ratio or 0.0) * peak
+    return StepSchedule(start_step=start, end_step=end, lr=peak, warmup_steps=warmup_steps, warmup_start_lr=start_lr,
+                        decay_kind=decay.kind, decay_milestones=milestones, decay_factor=decay.factor,
+                        decay_end_step=decay_end, min_lr=min_lr, power=decay.power)
 
 
 MOST_STEPS = 10**9  # a value past this is a typo (epochs: 1e18), never a run
 
 
-@dataclass(frozen=True)
-class StepsSchedule:
-    """The recipe's schedule in optimizer steps, as `schedule_in_steps` plans it, and the phases with theirs."""
-
-    total: int | None
-    warmup_steps: int
-    start_lr: float
-    milestones: list[int]
-    decay_end: int | None
-    min_lr: float
-    phases: list[Segment]
-
-
 def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, segments: list[Segment],
-                      phases: list[Segment], steps_per_epoch: int | None, warnings: list[str]) -> StepsSchedule:
-    """Every length of `schedule` (total, warm-up, milestones, end of decay) in optimizer steps over `segments`,
-    the warm-up's start LR and the minimum LR, and each phase's own schedule (`attach_phase_schedules`)."""
+                      phases: list[Segment], steps_per_epoch: int | None,
+                      warnings: list[str]) -> tuple[StepSchedule, list[Segment]]:
+    """The recipe's schedule from step 0, every length of `schedule` (total, warm-up, milestones, end of decay) in
+    optimizer steps over `segments`; and `phases` with each phase's own schedule (`attach_phase_schedules`)."""
 
-    def steps(length: Length | None, what: str) -> int | None:
-        if length is None:
-            return None
+    def steps(length: Length, what: str) -> int:
         value = lengths_to_steps(segments, length, what, warnings)
         if value is None:
             raise UserError(f"{recipe_path or 'recipe'}: data.train_size: required: {what} is counted in epochs, and "
@@ -275,32 +261,19 @@ def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, s
     total = steps(recipe.schedule.total, "schedule.total")
     if total == 0 and (recipe.schedule.total.unit != "epochs" or steps_per_epoch):  # (an epoch of no step: warned)
         raise UserError(_no_steps_message(recipe, chosen.effective_batch, steps_per_epoch))
-    warmup = recipe.schedule.warmup
-    if warmup is not None and warmup.ratio is not None:
-        warmup_steps = round(warmup.ratio * total) if total is not None else 0
-    else:
-        warmup_steps = steps(warmup, "schedule.warmup") or 0
-    if total is not None and warmup_steps > total:
-        warnings.append(f"warm-up ({warmup_steps} steps) is longer than the whole run ({total} steps)")
-    decay = recipe.schedule.decay
-    milestones: list[int] = []
-    if decay.milestones is not None:
-        for value in decay.milestones.values:
-            step = steps(Length.model_validate({decay.milestones.unit: value}), "schedule.decay.milestones")
-            milestones += [step] if step is not None else []
-    # the recipe's schedule ends where a batch phase starts its own, else with the run
+    # the recipe's schedule decays until a batch phase starts its own, else to the end of the run
     own_start = next((phase.start_step for spec, phase in zip(recipe.batch.phases or [], phases, strict=False)
                       if spec.has_schedule), None)
-    decay_end = steps(decay.until, "schedule.decay.until") if decay.until is not None else (
-        own_start if own_start is not None else total)
+    schedule = step_schedule(0, total, chosen.lr, chosen.lr_factor, recipe.schedule.warmup, recipe.schedule.decay,
+                             total if own_start is None else own_start, "schedule.", steps)
+    if total is not None and schedule.warmup_steps > total:
+        warnings.append(f"warm-up ({schedule.warmup_steps} steps) is longer than the whole run ({total} steps)")
     if phases:
-        phases = attach_phase_schedules(recipe, phases, total, warnings, recipe_path, warmup_steps)
-    start_lr, min_lr = start_and_min_lr(warmup, decay, chosen.lr, chosen.lr_factor)
+        phases = attach_phase_schedules(recipe, phases, total, warnings, recipe_path, schedule.warmup_steps)
     if total is not None and total > MOST_STEPS:
         raise UserError(f"{recipe_path}: schedule.total: {total:.3g} optimizer steps; no run takes more than "
                         f"{MOST_STEPS:.0e} (at a millisecond a step, {MOST_STEPS / 1000 / 86400:.0f} days)")
-    return StepsSchedule(total=total, warmup_steps=warmup_steps, start_lr=start_lr, milestones=milestones,
-                         decay_end=decay_end, min_lr=min_lr, phases=phases)
+    return schedule, phases
 
 
 def _no_steps_message(recipe: Recipe, effective_batch: int, steps_per_epoch: int | None) -> str:

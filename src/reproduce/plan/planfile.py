@@ -78,8 +78,7 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 
 
 def load_plan(path: str | Path) -> Plan:
-    data = read_yaml(path, what="plan")
-    return parse_plan(data, str(path))
+    return parse_plan(read_yaml(path, what="plan"), str(path))
 
 
 def parse_plan(data: dict[str, Any], source: str) -> Plan:

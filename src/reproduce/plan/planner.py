@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
@@ -14,11 +14,11 @@ from ..errors import MicroBatchError, UserError
 from .batchnorm import BatchNormPlan, label_disagreement, plan_batchnorm
 from .gates import planned_gates
 from .overlay import Change, overlay
-from .phases import StepsSchedule, plan_phases, schedule_in_steps
+from .phases import plan_phases, schedule_in_steps
 from .recipe import Recipe, default_packing
 from .schedules import StepSchedule
 from .segments import MicroBatchMax, PerLength, Segment, epoch_steps, micro_batch_cap, phase_index
-from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule, split_text
+from .split import Choice, Frozen, LrRule, SplitPolicy, choice, exact_choice, fast_choice, lr_rule
 from .throughput_choice import ThroughputChoice
 from .weightfiles import WeightsRecord
 
@@ -96,25 +96,18 @@ class Plan(Frozen):
         never read from a file (a plan file's key of these names is unknown)."""
         split, batch = self.split, self.recipe.batch
         tokens = split.effective_batch * batch.sequence_length if batch.sequence_length else None
-        text = split_text(split.micro_batch, split.accumulation_steps, split.world_size, split.effective_batch)
         derived = {
             "micro_batch": split.micro_batch, "accumulation_steps": split.accumulation_steps,
             "world_size": split.world_size, "effective_batch": split.effective_batch, "exact": split.exact,
             "lr": split.lr, "optimizer_steps": self.schedule.end_step, "warmup_steps": self.schedule.warmup_steps,
             "unit": batch.count_unit, "paper_effective_batch": batch.sequences, "effective_tokens": tokens,
-            "arithmetic": text if tokens is None else f"{text} sequences ({tokens} tokens)",
+            "arithmetic": split.arithmetic if tokens is None else f"{split.arithmetic} sequences ({tokens} tokens)",
             "per_rank_batch": split.micro_batch * split.accumulation_steps,
             "has_phases": bool(self.segments) and self.segments[0].kind != "whole",
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)  # (a frozen model: set once, here)
         return self
-
-    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
-        """pydantic's copy runs no validator: the copy's numbers are derived again from its parts."""
-        copy = super().model_copy(update=update, deep=deep)
-        copy._derived()  # type: ignore[operator]  # the validator is a plain method at run time
-        return copy
 
 
 def make_plan(
@@ -172,22 +165,17 @@ def make_plan(
         kind="whole", start_step=0, micro_batch_max=cap, paper_effective_batch=recipe.batch.sequences,
         sequence_length=main_length, dataset_size=size, steps_per_epoch=steps_per_epoch,
         **chosen.model_dump(include={"micro_batch", "accumulation_steps", "effective_batch", "exact", "lr_factor"}))]
-    schedule = schedule_in_steps(recipe, recipe_path, chosen, segments, phases, steps_per_epoch, warnings)
+    schedule, phases = schedule_in_steps(recipe, recipe_path, chosen, segments, phases, steps_per_epoch, warnings)
     full = size // chosen.effective_batch if size else 0
-    if not (phases or schedule.total is None) and 0 < full and schedule.total <= full:
+    if not (phases or schedule.end_step is None) and 0 < full and schedule.end_step <= full:
         epoch_end = []  # the run ends within the first epoch's full windows: it never meets the last one
     warnings[at:at] = epoch_end
-    warn_last(recipe, batchnorm, schedule, warnings, norm)
+    warn_last(recipe, batchnorm, schedule.end_step, phases, warnings, norm)
     plan = Plan(
         recipe_path=recipe_path, recipe=recipe, policy=policy, micro_batch_max=cap, split=chosen,
         alternative=alternative, lr_scaling=LrScaling(rule=rule, source=source, adam_option=adam_option),
-        dataset_size=size, steps_per_epoch=steps_per_epoch, partial_window=partial,
-        schedule=StepSchedule(
-            start_step=0, end_step=schedule.total, lr=chosen.lr, warmup_steps=schedule.warmup_steps,
-            warmup_start_lr=schedule.start_lr, decay_kind=recipe.schedule.decay.kind,
-            decay_milestones=schedule.milestones, decay_factor=recipe.schedule.decay.factor,
-            decay_end_step=schedule.decay_end, min_lr=schedule.min_lr, power=recipe.schedule.decay.power),
-        segments=schedule.phases or segments, batchnorm=norm, batchnorm_warning=batchnorm, warnings=warnings,
+        dataset_size=size, steps_per_epoch=steps_per_epoch, partial_window=partial, schedule=schedule,
+        segments=phases or segments, batchnorm=norm, batchnorm_warning=batchnorm, warnings=warnings,
         throughput=throughput, memory_notes=list(memory_notes), weights=weights, data_fingerprint=data_fingerprint,
     )
     planned_gates(plan)  # each gate at an optimizer step of the run, or one line now
@@ -197,7 +185,8 @@ def make_plan(
 def finish_plan(plan: Plan, **parts: object) -> Plan:
     """A plan made before (a plan file's) with the parts a run changes or adds: its recipe with the command's
     options, the records of the pretrained weights it starts from (None for random ones) and of the data files;
-    validated as a new Plan (a part it does not have is refused)."""
+    validated as a new Plan (a part it does not have is refused), its numbers derived from its own parts (pydantic's
+    model_copy would keep the old ones: it runs no validator)."""
     return Plan.model_validate({**{name: getattr(plan, name) for name in Plan.model_fields}, **parts})
 
 
@@ -262,27 +251,17 @@ def warn_partial_epoch(recipe: Recipe, dataset_size: int | None, effective_batch
     """The warning for an epoch shorter than one optimizer step, or one that ends on a partial window."""
     if dataset_size is None:
         return
-    full = dataset_size // effective_batch
-    keep_partial = not recipe.data.drop_last and partial >= world_size  # every process needs an item
-    if full == 0:
-        warnings.append(
-            f"an epoch ({dataset_size} {recipe.batch.count_unit}) is shorter than one optimizer step "
-            f"({effective_batch}): "
-            + ("with drop_last no step would ever run" if recipe.data.drop_last else "every step is partial")
-        )
-    elif partial:
-        what = (
-            "dropped (drop_last)" if recipe.data.drop_last
-            else f"normalised by the {partial} it holds" if keep_partial
-            else f"dropped: fewer than the {world_size} processes"
-        )
-        warnings.append(
-            f"the last window of each epoch holds {partial} of {effective_batch} "
-            f"{recipe.batch.count_unit}: {what}"
-        )
+    unit, drop_last = recipe.batch.count_unit, recipe.data.drop_last
+    if dataset_size < effective_batch:
+        warnings.append(f"an epoch ({dataset_size} {unit}) is shorter than one optimizer step ({effective_batch}): "
+                        + ("with drop_last no step would ever run" if drop_last else "every step is partial"))
+    elif partial:  # kept (epoch_steps) when every process gets an item of it
+        what = ("dropped (drop_last)" if drop_last else f"normalised by the {partial} it holds"
+                if partial >= world_size else f"dropped: fewer than the {world_size} processes")
+        warnings.append(f"the last window of each epoch holds {partial} of {effective_batch} {unit}: {what}")
 
 
-def warn_last(recipe: Recipe, batchnorm: str | None, schedule: StepsSchedule, warnings: list[str],
+def warn_last(recipe: Recipe, batchnorm: str | None, total: int | None, phases: list[Segment], warnings: list[str],
               norm: BatchNormPlan | None = None) -> None:
     """The warnings that close the list: BatchNorm over micro-batches (and the BN choice's own lines), a batch phase
     the run never reaches, and the recipe's own deviations from the paper."""
@@ -290,8 +269,7 @@ def warn_last(recipe: Recipe, batchnorm: str | None, schedule: StepsSchedule, wa
         warnings.append(batchnorm)
     if norm is not None:
         warnings.extend(norm.lines[1:])
-    total = schedule.total
-    for index, phase in enumerate(schedule.phases):
+    for index, phase in enumerate(phases):
         if total is not None and phase.start_step >= total and index:
             warnings.append(f"the batch of step {phase.start_step + 1} on ({phase.effective_batch}) is never reached: "
                             f"the run has {total} optimizer steps")

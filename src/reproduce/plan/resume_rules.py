@@ -28,21 +28,16 @@ def replan(saved: Plan, world_size: int, micro_batch: int | None, dataset_size: 
 
     def kept(p: Plan) -> dict[str, object]:
         """What a re-derived plan must keep of the saved one; made without the data, its steps were not known,
-        only its batch."""
+        only its batches."""
         if saved.dataset_size is None:
-            return {"effective_batch": p.effective_batch}
+            return {"effective_batch": p.effective_batch, "segments": [s.effective_batch for s in p.segments]}
         return {"effective_batch": p.effective_batch, "steps_per_epoch": p.steps_per_epoch,
                 "optimizer_steps": p.optimizer_steps, "warmup_steps": p.warmup_steps,
-                "decay_milestones": p.schedule.decay_milestones}
-
-    def steps(p: Plan) -> list[object]:
-        if saved.dataset_size is None:
-            return [segment.effective_batch for segment in p.segments]
-        return [(segment.start_step, segment.steps, segment.effective_batch) for segment in p.segments]
+                "decay_milestones": p.schedule.decay_milestones,
+                "segments": [(s.start_step, s.steps, s.effective_batch) for s in p.segments]}
 
     # what the saved plan could not know (made without the data: `reproduce plan --out`) comes from the data now
-    changed = [field for field, value in kept(saved).items() if value is not None and kept(again)[field] != value]
-    if changed or steps(again) != steps(saved):
+    if any(value is not None and kept(again)[field] != value for field, value in kept(saved).items()):
         raise UserError(
             f"{source}: world_size: the plan ({saved.arithmetic}"  # (a schedule never known: no `None steps`)
             f"{f', {saved.optimizer_steps} steps' if saved.optimizer_steps is not None else ''}) cannot be kept "

@@ -19,6 +19,11 @@ def _one_or_many(value: Any) -> Any:
 
 # A list of names that also accepts one name written alone (YAML users write `no_decay: bias` as often as `[bias]`).
 Names = Annotated[list[Name], BeforeValidator(_one_or_many)]
+# [height, width] in pixels, or one side for both: `crop: 513` reads as [513, 513]
+Sides = Annotated[
+    tuple[int, int] | None,
+    BeforeValidator(lambda value: [value, value] if isinstance(value, int) and not isinstance(value, bool) else value),
+]
 
 
 class Strict(BaseModel):

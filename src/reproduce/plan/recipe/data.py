@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from .common import Builder, Strict
+from .common import Builder, Sides, Strict
 
 DataFormat = Literal["imagefolder", "tokens", "instructions", "chat", "hf-datasets", "segmentation"]
 DATA_FORMATS: tuple[DataFormat, ...] = typing.get_args(DataFormat)
@@ -271,7 +271,7 @@ class SegmentationData(FileData):
         default=None, description="segmentation: voc (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/), "
         "images-masks (images/ and masks/ of the same names, or their train/ and val/ sub-folders) or cityscapes "
         "(leftImg8bit/ and gtFine/ *_labelTrainIds.png); default: found from the folder")
-    crop: tuple[int, int] | None = Field(
+    crop: Sides = Field(
         default=None, description="segmentation: the training crop, [height, width] or one side (513, [512, 1024])")
     scale: tuple[float, float] | None = Field(
         default=None, description="segmentation: the random rescale range before the crop, [low, high] (the papers' "
@@ -291,14 +291,6 @@ class SegmentationData(FileData):
     masks: str | None = Field(default=None, min_length=1, pattern=r"^[^/\\]+$", description="segmentation, voc "
                               "layout: the training masks' folder beside JPEGImages/ (default SegmentationClass; "
                               "DeepLabV3's trainaug: SegmentationClassAug); evaluation reads SegmentationClass/")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _one_side(cls, value: Any) -> Any:
-        """`crop: 513` reads as [513, 513]."""
-        if isinstance(value, dict) and isinstance(value.get("crop"), int) and not isinstance(value["crop"], bool):
-            value = {**value, "crop": [value["crop"], value["crop"]]}
-        return value
 
     @model_validator(mode="after")
     def _segmentation_fields(self) -> SegmentationData:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
-from .common import Strict
+from .common import Sides, Strict
 
 
 class Reported(Strict):
@@ -47,21 +47,12 @@ class Evaluation(Strict):
     mode: Literal["whole", "slide"] = Field(
         default="whole", description="segmentation: whole (each image at its size) or slide (MMSegmentation's "
         "sliding window: crops of `crop` every `stride` pixels, the overlapping logits averaged)")
-    crop: tuple[int, int] | None = Field(default=None, description="slide: the window, [height, width] or one side")
-    stride: tuple[int, int] | None = Field(default=None, description="slide: the step between windows, [height, "
+    crop: Sides = Field(default=None, description="slide: the window, [height, width] or one side")
+    stride: Sides = Field(default=None, description="slide: the step between windows, [height, "
                                            "width] or one side")
     output_stride: Literal[8, 16] | None = Field(
         default=None, description="segmentation built-ins: evaluate at this output stride (DeepLabV3 trains at 16, "
         "evaluates at 8, sec. 4.1); the same weights, ResNet's dilation and ASPP's rates set for it")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _sides(cls, value: Any) -> Any:
-        """`crop: 512` reads as [512, 512], likewise `stride`."""
-        if isinstance(value, dict):
-            value = {**value, **{key: [value[key], value[key]] for key in ("crop", "stride")
-                                 if isinstance(value.get(key), int) and not isinstance(value[key], bool)}}
-        return value
 
     @model_validator(mode="after")
     def _slide(self) -> Evaluation:

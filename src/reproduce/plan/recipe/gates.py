@@ -122,9 +122,7 @@ class Reference(Strict):
 
 def gates_problem(gates: list[Gate], task: str, plateau_metrics: tuple[str, ...]) -> str | None:
     """The first problem of the recipe's gates as a whole (names given twice, a metric the task does not measure)."""
-    evaluated = (*plateau_metrics, *(("eval_error",) if "eval_accuracy" in plateau_metrics and "eval_error" not in
-                                    plateau_metrics else ()))
-    known, seen = (*RUN_METRICS, *evaluated), set()  # the metrics a gate of a run of `task` can watch
+    known, seen = (*RUN_METRICS, *plateau_metrics), set()  # the metrics a gate of a run of `task` can watch
     for index, gate in enumerate(gates):
         if gate.name in seen:
             return f"gates.{index}.name: {gate.name!r} names two gates; each gate's name is its checkpoint's"

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from ..batchnorm import MODES, BatchnormMode, batchnorm_in_run
+from ..batchnorm import BatchnormMode, batchnorm_in_run
 from .common import Builder, Names, Strict
 
 # torchvision's segmentation models (reproduce.models.segmentation): the built-ins that read model.output_stride and
@@ -15,7 +15,6 @@ from .common import Builder, Names, Strict
 SEGMENTATION_MODELS = ("deeplabv3-resnet50", "deeplabv3-resnet101", "fcn-resnet50", "lraspp-mobilenet-v3-large")
 NormLayer = Literal["batchnorm", "layernorm", "rmsnorm", "groupnorm", "none"]
 NORM_LAYERS: tuple[NormLayer, ...] = typing.get_args(NormLayer)
-BATCHNORM_CHOICES = MODES  # model.batchnorm: keep | sync | frozen | group (plan/batchnorm.py)
 WeightDtype = Literal["fp32", "bf16", "fp16"]
 WEIGHT_DTYPES: tuple[WeightDtype, ...] = typing.get_args(WeightDtype)
 QuantizedBase = Literal["int8", "nf4"]  # bitsandbytes' LLM.int8() and 4-bit NormalFloat (models/quantize.py)

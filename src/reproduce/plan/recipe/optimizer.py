@@ -11,8 +11,7 @@ from .common import Names, Strict
 
 OptimizerName = Literal["sgd", "nesterov", "adam", "adamw", "lamb", "lars", "adafactor"]
 OPTIMIZERS: tuple[OptimizerName, ...] = typing.get_args(OptimizerName)
-SGD_FAMILY = ("sgd", "nesterov", "lars")
-ADAM_FAMILY = ("adam", "adamw", "lamb", "adafactor")
+SGD_FAMILY = ("sgd", "nesterov", "lars")  # the others (adam, adamw, lamb, adafactor) are Adam's family
 Implementation = Literal["foreach", "fused", "for-loop"]
 OPTIMIZER_IMPLEMENTATIONS: tuple[Implementation, ...] = typing.get_args(Implementation)
 IMPLEMENTED_BY_TORCH = ("sgd", "nesterov", "adam", "adamw", "adafactor")

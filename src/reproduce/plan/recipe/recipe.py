@@ -194,12 +194,8 @@ class Recipe(Strict):
             raise ValueError(problem)
         if data.format is None:
             return
-        if data.format == "hf-datasets":
-            task = "language-modeling" if data.text_columns else "classification"
-        elif data.format == "segmentation":
-            task = "segmentation"
-        else:
-            task = "classification" if data.format == "imagefolder" else "language-modeling"
+        task = {"hf-datasets": "language-modeling" if data.text_columns else "classification",
+                "segmentation": "segmentation", "imagefolder": "classification"}.get(data.format, "language-modeling")
         columns = isinstance(data, (InstructionsData, HfDatasetsData)) and data.columns
         if self.task != "custom" and self.task != task:
             raise ValueError(f"data.format: {data.format} data{' with these columns' if columns else ''} is "
