@@ -17,6 +17,7 @@ from ..session import recipe_for_plan
 from ..throughput.plan_cost import cost_lines, costs_json, plan_costs
 from .app import app
 from .common import recipe_argument, stderr, stdout, token_budget_text
+from .flags import as_typed, typed_args
 from .options import (
     BatchNormOption,
     CheckpointingOption,
@@ -145,7 +146,7 @@ def render_probe(result: ProbeResult, plan: Plan | None) -> None:
     if plan is not None:
         render_batchnorm(plan, result)
         for line in cost_lines(plan, result):
-            stdout.print(line, markup=False, soft_wrap=True)
+            stdout.print(as_typed(line, typed_args), markup=False, soft_wrap=True)
 
 
 def render_batchnorm(plan: Plan, result: ProbeResult) -> None:
