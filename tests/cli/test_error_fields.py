@@ -15,6 +15,7 @@ from helpers import digits_recipe
 from reproduce.cli import main
 from reproduce.cli.flags import as_typed, request_flags
 from reproduce.cli.options import FLAG_OF_FIELD
+from reproduce.cli.reporters import PlainReporter
 from reproduce.errors import UserError
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
@@ -26,13 +27,14 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "reproduce"
 NOT_YET: dict[str, str] = {}
 # helpers whose string argument is the name their errors open with (a file or size named by a field)
 LABELLED = {"check_writable", "parse_size", "read_torch_file", "inspect"}
+SAID = {"message"}  # a run's lines to its reporter, which the CLI prints as it prints an error
 # the library API's modules, which no command calls: a name in backticks there is its caller's argument (`count`)
 LIBRARY_ONLY = ("accumulate.py", "library/", "integrations/")
 
 
 def _error_classes(trees: dict[Path, ast.Module]) -> set[str]:
-    """UserError and every class derived from it in src/ (DoesNotFit, BudgetRequired, ...)."""
-    names = {"UserError"}
+    """UserError, TrainingStopped and every class derived from them in src/ (DoesNotFit, BudgetRequired, ...)."""
+    names = {"UserError", "TrainingStopped"}
     while True:
         more = {node.name for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
                 and any(getattr(base, "id", None) in names for base in node.bases)} - names
@@ -44,7 +46,7 @@ def _error_classes(trees: dict[Path, ast.Module]) -> set[str]:
 def _messages() -> dict[str, list[tuple[int, str]]]:
     """Module (relative to src/reproduce) -> (line, text) of every string in a user error's arguments, outside cli/."""
     trees = {path: ast.parse(path.read_text()) for path in SRC.rglob("*.py")}
-    called = _error_classes(trees) | LABELLED
+    called = _error_classes(trees) | LABELLED | SAID
     found: dict[str, list[tuple[int, str]]] = {}
     for path, tree in trees.items():
         name = path.relative_to(SRC).as_posix()
@@ -138,3 +140,12 @@ def test_a_library_caller_sees_the_argument_the_cli_user_the_flag(tmp_path, caps
     assert capsys.readouterr().err.splitlines()[-1] == (
         "error: --world-size: 65 processes exceed the paper's effective batch of 64 samples: each process needs at "
         "least one")
+
+
+def test_a_run_s_message_names_its_flag_as_an_error_does(capsys):
+    """The trainer's lines name the run's fields (`workers`); the CLI's reporter prints each as its flag."""
+    PlainReporter([]).message("warning: the loader is the bottleneck ... with `workers` 0; more workers ...")
+    PlainReporter([]).message("note: checkpoints/last.pt: a `force` run was stopped before its first checkpoint")
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: the loader is the bottleneck ... with --workers 0; more workers ...",
+        "note: checkpoints/last.pt: a --force run was stopped before its first checkpoint"]

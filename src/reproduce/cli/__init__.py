@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> None:
         _end([f"interrupted: {error}"], error.exit_code, quiet=launched.quiet_rank())
     except GatePaused as error:  # exit status 4: a gate's checkpoint kept, and the two ways on
         _end([f"paused: {error}"], error.exit_code, quiet=launched.quiet_rank())
-    except TrainingStopped as error:
-        _end([f"stopped: {error}"], error.exit_code, peer=getattr(error, "peer", False))
+    except TrainingStopped as error:  # (the fields it names as flags, as an error's)
+        _end([f"stopped: {as_typed(str(error), typed)}"], error.exit_code, peer=getattr(error, "peer", False))
     except TyperException as error:  # click's usage errors: bad option values, missing arguments
         print(f"error: {error.format_message()}", file=sys.stderr)
         sys.exit(error.exit_code)

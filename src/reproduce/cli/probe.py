@@ -18,6 +18,7 @@ from ..throughput.plan_cost import cost_lines, costs_json, plan_costs
 from . import options
 from .app import app
 from .common import recipe_argument, stderr, stdout, token_budget_text
+from .flags import as_typed, typed_args
 
 PROBE_DATA_HELP = "Probe on this data (in the recipe's data.format) instead of the recipe's data.path."
 WORLD_SIZE_HELP = "Number of data-parallel processes: the probe needs no micro-batch above batch / processes."
@@ -128,7 +129,7 @@ def render_probe(result: ProbeResult, plan: Plan | None) -> None:
     if plan is not None:
         render_batchnorm(plan, result)
         for line in cost_lines(plan, result):
-            stdout.print(line, markup=False, soft_wrap=True)
+            stdout.print(as_typed(line, typed_args), markup=False, soft_wrap=True)
 
 
 def render_batchnorm(plan: Plan, result: ProbeResult) -> None:

@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..plan.gates import outcome_line
 from .common import loss_text, parameters_line, stderr, stdout
+from .flags import as_typed, typed_args
 
 if TYPE_CHECKING:
     from ..train.reporter import RunEnd, RunStart, StepRecord
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 
 class PlainReporter:
     """Periodic log lines, for CI logs and other non-terminals; nothing before `start`, so bad input
-    gets its one error line."""
+    gets its one error line. The fields a start line or a message names in backticks print as their flags."""
 
     def __init__(self, warnings: list[str], lines: int = 20):
         self.warnings, self.lines, self.every, self.total, self.started = warnings, lines, 1, 0, 0.0
@@ -28,7 +29,7 @@ class PlainReporter:
             stderr.print(f"[yellow]warning:[/] {warning}")
         stdout.print(start.batch)
         for line in start.throughput:
-            stdout.print(line, markup=False, soft_wrap=True)
+            stdout.print(as_typed(line, typed_args), markup=False, soft_wrap=True)
         for line in start.phases:
             stdout.print(line, markup=False)
         parameters = [parameters_line(start.parameters)] if start.parameters is not None else []
@@ -55,7 +56,7 @@ class PlainReporter:
         print(line + rate + f" ({time.perf_counter() - self.started:.1f}s)", flush=True)
 
     def message(self, text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
+        print(as_typed(text, typed_args), file=sys.stderr, flush=True)
 
     def gate(self, event: dict) -> None:
         """A gate passed, warned or accepted: one line (plan/gates.py); a pause's line is the run's last."""
@@ -96,7 +97,7 @@ class RichReporter(PlainReporter):
         self.progress.update(self.task, advance=1, loss=loss_text(record.loss), rate=f"{rate:,.0f}")
 
     def message(self, text: str) -> None:
-        stderr.print(text)
+        stderr.print(as_typed(text, typed_args))
 
     def gate(self, event: dict) -> None:
         if event["status"] != "paused":

@@ -193,5 +193,5 @@ class LoaderWatch:
         return (
             f"warning: the loader is the bottleneck: steps {self.first + 1}-{step} waited for data {share:.0%} of "
             f"their time ({self.waited:.2f} s of {self.elapsed:.2f} s; data_seconds in metrics.jsonl) with "
-            f"--workers {self.workers}; more workers, or faster storage or decoding, would keep the device busy"
+            f"`workers` {self.workers}; more workers, or faster storage or decoding, would keep the device busy"
         )

@@ -102,7 +102,7 @@ def settle(out: Path, names: list[str], checkpoint: str = "checkpoints/last.pt")
             continue
         with signals.deferred():
             _put_back(out, folder, names)
-        notes.append(f"{out}: a --force run was stopped before its first checkpoint; the previous run it set aside "
+        notes.append(f"{out}: a `force` run was stopped before its first checkpoint; the previous run it set aside "
                      f"in {folder.name} is back in place")
     return "; ".join(notes) or None
 

@@ -190,7 +190,7 @@ def forecast_cells(forecast: dict) -> tuple[str, str]:
     paper = "" if forecast["paper_gpu_hours"] is None else (
         f"{hours(forecast['paper_gpu_hours'])} GPU-hours ({forecast['paper_basis']})")
     if forecast["gpu_hours"] is None:
-        text = "unknown (no predicted time: give --gpu NAME, or probe with --meter cuda or cpu)"
+        text = "unknown (no predicted time: give `gpu` NAME, or probe with `meter` cuda or cpu)"
     else:
         wall = f"{forecast['gpus']} GPU{'s' if forecast['gpus'] > 1 else ''} x {format_duration(forecast['seconds'])}"
         text = f"{hours(forecast['gpu_hours'])} GPU-hours ({wall}; {forecast['basis']})"

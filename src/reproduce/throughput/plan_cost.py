@@ -48,7 +48,7 @@ def cost_lines(plan: Plan, result: ProbeResult) -> list[str]:
     costs = plan_costs(plan, result)
     if all(c is None for c in costs.values()):
         why = "the estimate meter runs no real step" if result.meter == "estimate" else "no step was timed"
-        return [f"cost: not measured ({why}); probe with --meter cuda or cpu for step times"]
+        return [f"cost: not measured ({why}); probe with `meter` cuda or cpu for step times"]
     unit = plan.unit
     lines = []
     for policy, c in costs.items():

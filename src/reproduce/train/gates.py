@@ -179,7 +179,7 @@ def start_gates(run: Any) -> None:
     for gate in watch.planned:
         if gate.evaluated and (data.eval is None or len(data.eval) == 0) and run.world.is_main:
             run.reporter.message(f"note: gate {gate.name}: {gate.gate.metric} is measured on evaluation data, and "
-                                 "this run has none (data.eval_path, or --eval-data): it will say 'not measured'")
+                                 "this run has none (data.eval_path, or `eval_data`): it will say 'not measured'")
     state = run.resumed.state
     if state is None:
         return

@@ -48,7 +48,7 @@ def run_start(plan: Plan, total_steps: int, first_step: int, parameters: tuple[i
     throughput: list[str] = []
     if plan.throughput:  # --policy throughput: why this split (throughput/policy.py)
         cost = plan.throughput.cost_line()
-        throughput = [f"--policy throughput: {plan.throughput.reason}", *([cost] if cost else [])]
+        throughput = [f"`policy` throughput: {plan.throughput.reason}", *([cost] if cost else [])]
     recipe = plan.recipe
     sharding = (f"sharding: fsdp (FSDP2: parameters, gradients and optimizer state split over {plan.world_size} "
                 "processes)" if recipe.batch.sharding == "fsdp" else None)

@@ -145,7 +145,7 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
             run.reporter.step(record)
             tell_gates(run, gates)
             if diverging and request.stop_on_divergence:  # its step logged; the checkpoint before it kept
-                raise TrainingStopped(f"{diverging}; stopped (--stop-on-divergence); {run.last_checkpoint_note()}")
+                raise TrainingStopped(f"{diverging}; stopped (`stop_on_divergence`); {run.last_checkpoint_note()}")
             checkpoint_or_stop(run, step, done, gate=bool(gates))
             if previous is not None and run.checkpoint_path.is_file():  # a checkpoint of its own: the previous go
                 previous.started()
@@ -175,10 +175,10 @@ def cpu_compute(run: Run) -> Callable[[], None]:
 
 
 def optimizer_step_out_of_memory(run: Run, step: int, error: OptimizerStepOutOfMemory) -> str:
-    then = (f"--resume from {run.checkpoint_path}" if run.checkpoint_path.is_file() else
+    then = (f"`resume` from {run.checkpoint_path}" if run.checkpoint_path.is_file() else
             "start the run again (no checkpoint was written yet)")
     return (f"out of memory in the optimizer step itself at optimizer step {step + 1}, after the window's gradients "
-            f"were accumulated ({error}); lower --micro-batch-max or free memory, then {then}")
+            f"were accumulated ({error}); lower `micro_batch_max` or free memory, then {then}")
 
 
 def recover_from_out_of_memory(run: Run, step: int, batch: StepBatch, agreed: bool) -> None:
@@ -230,7 +230,7 @@ def watch_divergence(run: Run, step: int, result: StepResult) -> str | None:
     diverging = run.divergence.update(step + 1, result.loss)
     if diverging and run.world.is_main:
         run.reporter.message(f"warning: {diverging}" + ("" if run.request.stop_on_divergence else
-                                                       " (the run goes on; --stop-on-divergence stops it)"))
+                                                       " (the run goes on; `stop_on_divergence` stops it)"))
     return diverging
 
 

@@ -275,7 +275,7 @@ def test_the_run_warns_once_when_the_loader_is_the_bottleneck(tmp_path):
     reporter = Messages()
     train(plan, RunRequest(tmp_path / "run", device="cpu", workers=0), data=data, reporter=reporter)
     warnings = [line for line in reporter.lines if "the loader is the bottleneck" in line]
-    assert len(warnings) == 1 and "with --workers 0" in warnings[0], reporter.lines
+    assert len(warnings) == 1 and "with `workers` 0" in warnings[0], reporter.lines  # the field; the CLI: --workers
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert all(r["data_seconds"] >= 32 * 0.003 for r in records)  # 32 items of 3 ms each step
 
