@@ -73,7 +73,7 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
              "micro-batch; the token budget, the micro-batch x the longest example, not searched; the ways to group "
              "the data, not timed); leave `micro_batch_max` out to probe for that memory")
     if micro_batch_max is None and len(recipe.batch.sequence_lengths) > 1:
-        micro_batch_max, result = probe_phases(recipe, recipe_path, world_size, policy, probe, data, note)
+        micro_batch_max, result = probe_phases(recipe, recipe_path, world_size, policy, dataset_size, probe, data, note)
     if micro_batch_max is None:
         recipe, result, memory = probe_recipe(recipe, recipe_path, world_size, probe, data, note)
         micro_batch_max = result.micro_batch_max
@@ -82,10 +82,12 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
     return Planned(plan, result, notes)
 
 
-def probe_phases(recipe: Recipe, recipe_path: str, world_size: int, policy: str, probe: ProbeOptions | None,
-                 data: Datasets | None, note: OnNote) -> tuple[MicroBatchMax, ProbeResult | None]:
+def probe_phases(recipe: Recipe, recipe_path: str, world_size: int, policy: str, dataset_size: int | dict | None,
+                 probe: ProbeOptions | None, data: Datasets | None,
+                 note: OnNote) -> tuple[MicroBatchMax, ProbeResult | None]:
     """Each sequence length's micro-batch maximum (`data` for the main length only) and the main length's result;
-    each length's plan is made and dropped, as a check."""
+    each length's plan is made and dropped, as a check (with the run's `dataset_size`: a schedule in epochs counts
+    its steps from it)."""
     maxima: dict[int | None, int] = {}
     main_result, unheard = None, lambda line: None  # (a phase's own lines: its `sequence length` line says it)
     for length, fixed in phase_probes(recipe).items():
@@ -93,7 +95,7 @@ def probe_phases(recipe: Recipe, recipe_path: str, world_size: int, policy: str,
         phase_data = data if main else None
         fixed, result, memory = probe_recipe(fixed, recipe_path, world_size, probe, phase_data, unheard)
         assert result.micro_batch_max is not None  # (probe_recipe raised DoesNotFit otherwise)
-        probed_plan(fixed, recipe_path, result.micro_batch_max, world_size, policy, None, result, probe=probe,
+        probed_plan(fixed, recipe_path, result.micro_batch_max, world_size, policy, dataset_size, result, probe=probe,
                     data=phase_data, keep_batchnorm=True, on_note=unheard, memory=memory, fingerprint=None)
         note(f"sequence length {length}: {probe_line(result)}")
         maxima[length] = result.micro_batch_max
