@@ -250,9 +250,10 @@ def run_probe(
     fields: dict = {}  # sorted text (1-D tokens) without a data.token_budget of its own: T searched in tokens
     if way == "sorted" and recipe.data.token_budget is None and workload.longest()[0].ndim == 1:
         tokens = token_search(found, workload, lambda budgeted: meter_of(budgeted, cap=None))
-        trials = [ProbeTrial(**dataclasses.replace(t, micro_batch=budget).to_json()) for budget, t in tokens.trials]
-        fields = {"token_budget": tokens.budget, "token_step": tokens.step, "longest": tokens.longest,
-                  "token_trials": trials}  # (each token trial's micro_batch: its budget T)
+        if tokens is not None:  # (None: the whole per-rank batch fits, or not one row: no T to search)
+            trials = [ProbeTrial(**dataclasses.replace(t, micro_batch=b).to_json()) for b, t in tokens.trials]
+            fields = {"token_budget": tokens.budget, "token_step": tokens.step, "longest": tokens.longest,
+                      "token_trials": trials}  # (each token trial's micro_batch: its budget T)
     result = probe_result(found, meter, options.headroom, recipe.batch.sequence_length, recipe_path=recipe_path,
                           gpu=gpu.name if gpu else None, data=workload.description, world_size=world_size,
                           sharding=sharding, does_not_fit=does_not_fit, **fields)

@@ -14,7 +14,7 @@ from helpers import CPU_12MIB, cli, cli_json, instructions_recipe
 from reproduce.data.packing import Grouping, group
 from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.meters import CpuMeter, EstimateMeter
-from reproduce.probe.runner import run_probe
+from reproduce.probe.runner import ProbeOptions, run_probe
 from reproduce.probe.tokens import TOKEN_STEPS
 from reproduce.probe.workload import Workload
 from reproduce.session import plan_and_probe
@@ -38,6 +38,17 @@ def test_sorted_searches_its_token_budget_between_m_and_m_plus_one_rows(sample_d
 
     planned = plan_and_probe(recipe, "recipe.yaml", None, 1, probe=CPU_12MIB).plan  # (the cached probe)
     assert (planned.recipe.data.packing, planned.recipe.data.token_budget) == ("sorted", budget)
+
+
+def test_a_sorted_probe_whose_whole_batch_fits_searches_no_token_budget(sample_data, isolated):
+    """16 rows of the longest example fit in 1 GiB (the estimate meter): the whole batch is one micro-batch, there
+    is no T to search, and the plan takes the micro-batch x the longest example (the probe raised AttributeError on
+    the search it skipped before)."""
+    recipe = parse_recipe(instructions_recipe(sample_data, packing="sorted"))
+    probe = ProbeOptions(memory="1GiB", meter="estimate")
+    planned = plan_and_probe(recipe, "recipe.yaml", None, 1, probe=probe)
+    assert planned.probe is not None and planned.probe.capped and planned.probe.token_budget is None
+    assert (planned.plan.micro_batch, planned.plan.recipe.data.token_budget) == (16, None)
 
 
 def test_probe_and_plan_print_the_token_budget_and_how_it_was_found(sample_data, isolated, tmp_path, capsys):
