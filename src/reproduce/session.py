@@ -41,7 +41,8 @@ OnNote = Callable[[str], None]
 
 @dataclass
 class Planned:
-    """A plan, the probe's result behind it (None: the maximum was given), and the lines on how it was reached."""
+    """A plan, the probe's result behind it (None: the maximum was given, no token budget searched), and the lines
+    on how it was reached."""
 
     plan: Plan
     probe: ProbeResult | None = None
@@ -68,7 +69,10 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
 
         check_phases(recipe)  # before a probe per phase: refused at the end anyway
     result, memory = None, []
-    if micro_batch_max is not None and probe is not None and probe.memory:
+    if micro_batch_max is not None and searches_budget(recipe, probe):
+        assert probe is not None  # (searches_budget: a memory or card was given)
+        recipe, result = budget_for_memory(recipe, recipe_path, world_size, probe, data, note)
+    elif micro_batch_max is not None and probe is not None and probe.memory:
         note(f"`memory` {probe.memory}: not used: `micro_batch_max` was given, so nothing was probed (the "
              "micro-batch; the token budget, the micro-batch x the longest example, not searched; the ways to group "
              "the data, not timed); leave `micro_batch_max` out to probe for that memory")
@@ -80,6 +84,34 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
     plan = probed_plan(recipe, recipe_path, micro_batch_max, world_size, policy, dataset_size, result, probe=probe,
                        data=data, keep_batchnorm=keep_batchnorm, on_note=note, memory=memory, fingerprint=fingerprint)
     return Planned(plan, result, notes)
+
+
+def searches_budget(recipe: Recipe, probe: ProbeOptions | None) -> bool:
+    """Whether a given `micro_batch_max` leaves a token budget to search: a `memory` or `gpu` to search it for, and
+    `sorted` (given, or the data's default) of one sequence length without a data.token_budget of its own."""
+    way = recipe.data.packing or default_packing(recipe)
+    return (probe is not None and bool(probe.memory or probe.gpu) and way == "sorted"
+            and recipe.data.token_budget is None and len(recipe.batch.sequence_lengths) == 1)
+
+
+def budget_for_memory(recipe: Recipe, recipe_path: str, world_size: int, probe: ProbeOptions, data: Datasets | None,
+                      note: OnNote) -> tuple[Recipe, ProbeResult]:
+    """`sorted`'s token budget T searched for the memory with the micro-batch given: the probe's rows of the longest
+    example bracket T (probe/tokens.py), the micro-batch stays as given, the ways to group the data are not timed."""
+    result = run_probe(recipe, recipe_path, probe, world_size, data=data)
+    if result.micro_batch_max is None:
+        raise does_not_fit(result)
+    given = f"`memory` {probe.memory}" if probe.memory else f"`gpu` {probe.gpu}"
+    if result.token_budget is not None:
+        found = f"searched for it: {result.token_budget:,} tokens per micro-batch (sorted)"
+    elif result.capped:
+        found = ("not searched: the whole batch per process fits in rows of the longest example (T: the micro-batch "
+                 "x the longest example)")
+    else:
+        found = "not searched (T: the micro-batch x the longest example)"
+    note(f"{given}: `micro_batch_max` was given, so the micro-batch was not probed (nor the ways to group the data "
+         f"timed); the token budget, {found}")
+    return with_probed_budget(recipe, result.token_budget), result
 
 
 def probe_phases(recipe: Recipe, recipe_path: str, world_size: int, policy: str, dataset_size: int | dict | None,
@@ -258,13 +290,17 @@ def check_launch_policy(policy: str, plan: Plan | None, processes: int) -> None:
 
 
 def probe_consensus(recipe: Recipe, recipe_path: str, world_size: int, policy: str, dataset_size: int | dict | None,
-                    all_min: Callable[[int], int], *, probe: ProbeOptions | None = None, data: Datasets | None = None,
+                    all_min: Callable[[int], int], *, micro_batch_max: int | None = None,
+                    probe: ProbeOptions | None = None, data: Datasets | None = None,
                     on_note: OnNote | None = None) -> tuple[Recipe, MicroBatchMax]:
     """Every rank probes its own device; all take the smallest result (`all_min`, a collective), so no rank runs
     out of memory. Returns the recipe with the memory knobs the plan took and the agreed maximum (per sequence
-    length when the plan reads several)."""
-    probed = plan_and_probe(recipe, recipe_path, None, world_size, policy, dataset_size, probe=probe, data=data,
-                            on_note=on_note).plan
+    length when the plan reads several); with `micro_batch_max` given, only the token budget searched for the memory
+    is agreed (`searches_budget`)."""
+    probed = plan_and_probe(recipe, recipe_path, micro_batch_max, world_size, policy, dataset_size, probe=probe,
+                            data=data, on_note=on_note).plan
+    if micro_batch_max is not None:
+        return agreed_budget(recipe, probed.recipe, all_min), micro_batch_max
     # one maximum per sequence length the plan reads, agreed in the same order on every rank
     maxima = {segment.sequence_length: segment.micro_batch_max for segment in probed.segments}
     agreed = {length: all_min(maxima[length]) for length in sorted(maxima, key=lambda length: length or 0)}
@@ -329,17 +365,19 @@ def prepare_run(request: RunRequest, world: Any, resume: bool, on_note: OnNote |
     size = training_sizes(recipe, data.train)  # per sequence length when batch phases change it
     world_size = world.size if world.distributed else request.world_size
     micro_batch_max: MicroBatchMax | None = request.micro_batch_max
-    if plan is None and world.distributed and micro_batch_max is None:
+    agree = plan is None and world.distributed and (micro_batch_max is None or searches_budget(recipe, probe))
+    if agree:  # (then planned with what the ranks agreed on, nothing probed again)
         from .train.distributed import processes as distributed
         from .train.setup import resolve_device
 
         rank_device = distributed.init(world, resolve_device(request.device))
         recipe, micro_batch_max = probe_consensus(
             recipe, str(request.source), world_size, request.policy, size,
-            lambda maximum: distributed.all_min(world, maximum, rank_device), probe=probe, data=data,
-            on_note=on_note)
+            lambda maximum: distributed.all_min(world, maximum, rank_device), micro_batch_max=request.micro_batch_max,
+            probe=probe, data=data, on_note=on_note)
     plan, warnings = run_plan(recipe, str(request.source), plan, micro_batch_max, world_size,
-                                  request.policy, size, resume, probe=probe, data=data, on_note=on_note)
+                                  request.policy, size, resume, probe=None if agree else probe, data=data,
+                                  on_note=on_note)
     warnings = [*warnings, *text_warnings(data.info)]  # what tokenising cut, with counts
     return PreparedRun(recipe, plan, data, warnings)
 
