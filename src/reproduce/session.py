@@ -41,8 +41,7 @@ OnNote = Callable[[str], None]
 
 @dataclass
 class Planned:
-    """A plan, the probe's result behind it (None: the maximum was given, no token budget searched), and the lines
-    on how it was reached."""
+    """A plan, the probe's result behind it (None: nothing was probed), and the lines on how it was reached."""
 
     plan: Plan
     probe: ProbeResult | None = None
@@ -69,8 +68,7 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
 
         check_phases(recipe)  # before a probe per phase: refused at the end anyway
     result, memory = None, []
-    if micro_batch_max is not None and searches_budget(recipe, probe):
-        assert probe is not None  # (searches_budget: a memory or card was given)
+    if micro_batch_max is not None and probe is not None and searches_budget(recipe, probe):
         recipe, result = budget_for_memory(recipe, recipe_path, world_size, probe, data, note)
     elif micro_batch_max is not None and probe is not None and probe.memory:
         note(f"`memory` {probe.memory}: not used: `micro_batch_max` was given, so nothing was probed (the "
@@ -86,29 +84,22 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
     return Planned(plan, result, notes)
 
 
-def searches_budget(recipe: Recipe, probe: ProbeOptions | None) -> bool:
-    """Whether a given `micro_batch_max` leaves a token budget to search: a `memory` or `gpu` to search it for, and
-    `sorted` (given, or the data's default) of one sequence length without a data.token_budget of its own."""
-    way = recipe.data.packing or default_packing(recipe)
-    return (probe is not None and bool(probe.memory or probe.gpu) and way == "sorted"
+def searches_budget(recipe: Recipe, probe: ProbeOptions) -> bool:
+    """Whether `memory`/`gpu` leave a token budget to search beside a given `micro_batch_max`: sorted's, not given."""
+    return (bool(probe.memory or probe.gpu) and (recipe.data.packing or default_packing(recipe)) == "sorted"
             and recipe.data.token_budget is None and len(recipe.batch.sequence_lengths) == 1)
 
 
 def budget_for_memory(recipe: Recipe, recipe_path: str, world_size: int, probe: ProbeOptions, data: Datasets | None,
                       note: OnNote) -> tuple[Recipe, ProbeResult]:
-    """`sorted`'s token budget T searched for the memory with the micro-batch given: the probe's rows of the longest
-    example bracket T (probe/tokens.py), the micro-batch stays as given, the ways to group the data are not timed."""
+    """`sorted`'s T searched for the memory, the micro-batch given kept (the probe's rows bracket T, probe/tokens)."""
     result = run_probe(recipe, recipe_path, probe, world_size, data=data)
     if result.micro_batch_max is None:
         raise does_not_fit(result)
     given = f"`memory` {probe.memory}" if probe.memory else f"`gpu` {probe.gpu}"
-    if result.token_budget is not None:
-        found = f"searched for it: {result.token_budget:,} tokens per micro-batch (sorted)"
-    elif result.capped:
-        found = ("not searched: the whole batch per process fits in rows of the longest example (T: the micro-batch "
-                 "x the longest example)")
-    else:
-        found = "not searched (T: the micro-batch x the longest example)"
+    found = (f"searched for it: {result.token_budget:,} tokens per micro-batch (sorted)" if result.token_budget else
+             "not searched: the whole batch per process fits in rows of the longest example (T: the micro-batch x the "
+             "longest example)")  # (probe/tokens.py: no T to search only then, one row fitting)
     note(f"{given}: `micro_batch_max` was given, so the micro-batch was not probed (nor the ways to group the data "
          f"timed); the token budget, {found}")
     return with_probed_budget(recipe, result.token_budget), result
@@ -118,8 +109,7 @@ def probe_phases(recipe: Recipe, recipe_path: str, world_size: int, policy: str,
                  probe: ProbeOptions | None, data: Datasets | None,
                  note: OnNote) -> tuple[MicroBatchMax, ProbeResult | None]:
     """Each sequence length's micro-batch maximum (`data` for the main length only) and the main length's result;
-    each length's plan is made and dropped, as a check (with the run's `dataset_size`: a schedule in epochs counts
-    its steps from it)."""
+    each length's plan is made and dropped, as a check (on `dataset_size`: a schedule in epochs counts from it)."""
     maxima: dict[int | None, int] = {}
     main_result, unheard = None, lambda line: None  # (a phase's own lines: its `sequence length` line says it)
     for length, fixed in phase_probes(recipe).items():
@@ -295,8 +285,7 @@ def probe_consensus(recipe: Recipe, recipe_path: str, world_size: int, policy: s
                     on_note: OnNote | None = None) -> tuple[Recipe, MicroBatchMax]:
     """Every rank probes its own device; all take the smallest result (`all_min`, a collective), so no rank runs
     out of memory. Returns the recipe with the memory knobs the plan took and the agreed maximum (per sequence
-    length when the plan reads several); with `micro_batch_max` given, only the token budget searched for the memory
-    is agreed (`searches_budget`)."""
+    length when the plan reads several), or `micro_batch_max` given and only sorted's token budget agreed."""
     probed = plan_and_probe(recipe, recipe_path, micro_batch_max, world_size, policy, dataset_size, probe=probe,
                             data=data, on_note=on_note).plan
     if micro_batch_max is not None:
@@ -375,9 +364,8 @@ def prepare_run(request: RunRequest, world: Any, resume: bool, on_note: OnNote |
             recipe, str(request.source), world_size, request.policy, size,
             lambda maximum: distributed.all_min(world, maximum, rank_device), micro_batch_max=request.micro_batch_max,
             probe=probe, data=data, on_note=on_note)
-    plan, warnings = run_plan(recipe, str(request.source), plan, micro_batch_max, world_size,
-                                  request.policy, size, resume, probe=None if agree else probe, data=data,
-                                  on_note=on_note)
+    plan, warnings = run_plan(recipe, str(request.source), plan, micro_batch_max, world_size, request.policy, size,
+                              resume, probe=None if agree else probe, data=data, on_note=on_note)
     warnings = [*warnings, *text_warnings(data.info)]  # what tokenising cut, with counts
     return PreparedRun(recipe, plan, data, warnings)
 
