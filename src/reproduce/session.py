@@ -41,7 +41,7 @@ OnNote = Callable[[str], None]
 
 @dataclass
 class Planned:
-    """A plan, the probe's result behind it (None: the maximum was given), and the lines on how it was reached."""
+    """A plan, the probe's result behind it (None: nothing was probed), and the lines on how it was reached."""
 
     plan: Plan
     probe: ProbeResult | None = None
@@ -68,12 +68,14 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
 
         check_phases(recipe)  # before a probe per phase: refused at the end anyway
     result, memory = None, []
-    if micro_batch_max is not None and probe is not None and probe.memory:
+    if micro_batch_max is not None and probe is not None and searches_budget(recipe, probe):
+        recipe, result = budget_for_memory(recipe, recipe_path, world_size, probe, data, note)
+    elif micro_batch_max is not None and probe is not None and probe.memory:
         note(f"`memory` {probe.memory}: not used: `micro_batch_max` was given, so nothing was probed (the "
              "micro-batch; the token budget, the micro-batch x the longest example, not searched; the ways to group "
              "the data, not timed); leave `micro_batch_max` out to probe for that memory")
     if micro_batch_max is None and len(recipe.batch.sequence_lengths) > 1:
-        micro_batch_max, result = probe_phases(recipe, recipe_path, world_size, policy, probe, data, note)
+        micro_batch_max, result = probe_phases(recipe, recipe_path, world_size, policy, dataset_size, probe, data, note)
     if micro_batch_max is None:
         recipe, result, memory = probe_recipe(recipe, recipe_path, world_size, probe, data, note)
         micro_batch_max = result.micro_batch_max
@@ -82,10 +84,32 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
     return Planned(plan, result, notes)
 
 
-def probe_phases(recipe: Recipe, recipe_path: str, world_size: int, policy: str, probe: ProbeOptions | None,
-                 data: Datasets | None, note: OnNote) -> tuple[MicroBatchMax, ProbeResult | None]:
+def searches_budget(recipe: Recipe, probe: ProbeOptions) -> bool:
+    """Whether `memory`/`gpu` leave a token budget to search beside a given `micro_batch_max`: sorted's, not given."""
+    return (bool(probe.memory or probe.gpu) and (recipe.data.packing or default_packing(recipe)) == "sorted"
+            and recipe.data.token_budget is None and len(recipe.batch.sequence_lengths) == 1)
+
+
+def budget_for_memory(recipe: Recipe, recipe_path: str, world_size: int, probe: ProbeOptions, data: Datasets | None,
+                      note: OnNote) -> tuple[Recipe, ProbeResult]:
+    """`sorted`'s T searched for the memory, the micro-batch given kept (the probe's rows bracket T, probe/tokens)."""
+    result = run_probe(recipe, recipe_path, probe, world_size, data=data)
+    if result.micro_batch_max is None:
+        raise does_not_fit(result)
+    given = f"`memory` {probe.memory}" if probe.memory else f"`gpu` {probe.gpu}"
+    found = (f"searched for it: {result.token_budget:,} tokens per micro-batch (sorted)" if result.token_budget else
+             "not searched: the whole batch per process fits in rows of the longest example (T: the micro-batch x the "
+             "longest example)")  # (probe/tokens.py: no T to search only then, one row fitting)
+    note(f"{given}: `micro_batch_max` was given, so the micro-batch was not probed (nor the ways to group the data "
+         f"timed); the token budget, {found}")
+    return with_probed_budget(recipe, result.token_budget), result
+
+
+def probe_phases(recipe: Recipe, recipe_path: str, world_size: int, policy: str, dataset_size: int | dict | None,
+                 probe: ProbeOptions | None, data: Datasets | None,
+                 note: OnNote) -> tuple[MicroBatchMax, ProbeResult | None]:
     """Each sequence length's micro-batch maximum (`data` for the main length only) and the main length's result;
-    each length's plan is made and dropped, as a check."""
+    each length's plan is made and dropped, as a check (on `dataset_size`: a schedule in epochs counts from it)."""
     maxima: dict[int | None, int] = {}
     main_result, unheard = None, lambda line: None  # (a phase's own lines: its `sequence length` line says it)
     for length, fixed in phase_probes(recipe).items():
@@ -93,7 +117,7 @@ def probe_phases(recipe: Recipe, recipe_path: str, world_size: int, policy: str,
         phase_data = data if main else None
         fixed, result, memory = probe_recipe(fixed, recipe_path, world_size, probe, phase_data, unheard)
         assert result.micro_batch_max is not None  # (probe_recipe raised DoesNotFit otherwise)
-        probed_plan(fixed, recipe_path, result.micro_batch_max, world_size, policy, None, result, probe=probe,
+        probed_plan(fixed, recipe_path, result.micro_batch_max, world_size, policy, dataset_size, result, probe=probe,
                     data=phase_data, keep_batchnorm=True, on_note=unheard, memory=memory, fingerprint=None)
         note(f"sequence length {length}: {probe_line(result)}")
         maxima[length] = result.micro_batch_max
@@ -256,13 +280,16 @@ def check_launch_policy(policy: str, plan: Plan | None, processes: int) -> None:
 
 
 def probe_consensus(recipe: Recipe, recipe_path: str, world_size: int, policy: str, dataset_size: int | dict | None,
-                    all_min: Callable[[int], int], *, probe: ProbeOptions | None = None, data: Datasets | None = None,
+                    all_min: Callable[[int], int], *, micro_batch_max: int | None = None,
+                    probe: ProbeOptions | None = None, data: Datasets | None = None,
                     on_note: OnNote | None = None) -> tuple[Recipe, MicroBatchMax]:
     """Every rank probes its own device; all take the smallest result (`all_min`, a collective), so no rank runs
     out of memory. Returns the recipe with the memory knobs the plan took and the agreed maximum (per sequence
-    length when the plan reads several)."""
-    probed = plan_and_probe(recipe, recipe_path, None, world_size, policy, dataset_size, probe=probe, data=data,
-                            on_note=on_note).plan
+    length when the plan reads several), or `micro_batch_max` given and only sorted's token budget agreed."""
+    probed = plan_and_probe(recipe, recipe_path, micro_batch_max, world_size, policy, dataset_size, probe=probe,
+                            data=data, on_note=on_note).plan
+    if micro_batch_max is not None:
+        return agreed_budget(recipe, probed.recipe, all_min), micro_batch_max
     # one maximum per sequence length the plan reads, agreed in the same order on every rank
     maxima = {segment.sequence_length: segment.micro_batch_max for segment in probed.segments}
     agreed = {length: all_min(maxima[length]) for length in sorted(maxima, key=lambda length: length or 0)}
@@ -326,17 +353,18 @@ def prepare_run(request: RunRequest, world: Any, resume: bool, on_note: OnNote |
     size = training_sizes(recipe, data.train)  # per sequence length when batch phases change it
     world_size = world.size if world.distributed else request.world_size
     micro_batch_max: MicroBatchMax | None = request.micro_batch_max
-    if plan is None and world.distributed and micro_batch_max is None:
+    agree = plan is None and world.distributed and (micro_batch_max is None or searches_budget(recipe, probe))
+    if agree:  # (then planned with what the ranks agreed on, nothing probed again)
         from .train.distributed import processes as distributed
         from .train.setup import resolve_device
 
         rank_device = distributed.init(world, resolve_device(request.device))
         recipe, micro_batch_max = probe_consensus(
             recipe, str(request.source), world_size, request.policy, size,
-            lambda maximum: distributed.all_min(world, maximum, rank_device), probe=probe, data=data,
-            on_note=on_note)
-    plan, warnings = run_plan(recipe, str(request.source), plan, micro_batch_max, world_size,
-                                  request.policy, size, resume, probe=probe, data=data, on_note=on_note)
+            lambda maximum: distributed.all_min(world, maximum, rank_device), micro_batch_max=request.micro_batch_max,
+            probe=probe, data=data, on_note=on_note)
+    plan, warnings = run_plan(recipe, str(request.source), plan, micro_batch_max, world_size, request.policy, size,
+                              resume, probe=None if agree else probe, data=data, on_note=on_note)
     warnings = [*warnings, *text_warnings(data.info)]  # what tokenising cut, with counts
     return PreparedRun(plan, data, warnings)
 

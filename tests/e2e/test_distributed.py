@@ -78,3 +78,24 @@ def test_launcher_needs_rendezvous_for_several_nodes(tmp_path, capsys):
               "--nnodes", "2"])
     assert exit_info.value.code == 2
     assert "--rdzv-endpoint: required" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+@pytest.mark.subprocess
+def test_two_processes_agree_on_sorted_token_budget_with_a_given_micro_batch_max(tmp_path, sample_data, probe_cache):
+    """`--micro-batch-max` with `--memory` under two processes: every rank searches sorted's T for that memory and
+    all take the smallest, the micro-batch stays the one given; a probed run (no maximum) plans with what the ranks
+    agreed on and no longer says its memory was not used."""
+    from helpers import instructions_recipe
+
+    recipe = instructions_recipe(sample_data, packing="sorted")
+    options = ("--memory", "12MiB", "--meter", "cpu", "--max-steps", "1", "--nproc-per-node", "2")
+    given = reproduce_run(recipe, tmp_path, "given", "--micro-batch-max", "4", *options)
+    plan = yaml.safe_load((tmp_path / "given" / "plan.yaml").read_text())
+    budget = plan["recipe"]["data"]["token_budget"]
+    assert plan["micro_batch_max"] == 4 and 2 * 457 <= budget < 3 * 457  # (2 rows of the longest example fit)
+    said = given.stdout + given.stderr
+    assert said.count(f"the token budget, searched for it: {budget:,} tokens per micro-batch (sorted)") == 1
+    probed = reproduce_run(recipe, tmp_path, "probed", *options)
+    assert "probe: largest micro-batch 2" in probed.stdout + probed.stderr
+    assert "not used" not in probed.stdout + probed.stderr

@@ -76,6 +76,22 @@ def test_batch_phases_probe_each_sequence_length_and_plan_each_phase_with_its_ow
     assert planned.plan.model_dump() == given.model_dump()
 
 
+def test_batch_phases_in_epochs_probe_with_the_data_size_given(tmp_path):
+    """A schedule and a phase counted in epochs: each length's check plan counts its steps from the run's data size
+    (per sequence length), as the plan does; without it the probe refused a run that has its data."""
+    text = PHASES.read_text().replace("total: {steps: 300}", "total: {epochs: 3}")
+    in_epochs = tmp_path / "phases-epochs.yaml"
+    in_epochs.write_text(text.replace("{steps: 200, effective", "{epochs: 2, effective"))
+    probe = ProbeOptions(memory="120MiB", meter="estimate", headroom=0.0, use_cache=False)
+    sizes = {32: 6000, 64: 3000}
+    planned = plan_and_probe(load_recipe(in_epochs), str(in_epochs), None, 1, "exact", sizes, probe=probe)
+    maxima = {s.sequence_length: s.micro_batch_max for s in planned.plan.segments}
+    given = make_plan(load_recipe(in_epochs), maxima, 1, dataset_size=sizes, recipe_path=str(in_epochs))
+    assert planned.plan.model_dump() == given.model_dump()
+    assert [s.steps for s in planned.plan.segments] == [2 * (6000 // 128), None]  # (2 epochs at 32, then one at 64)
+    assert planned.plan.optimizer_steps == 2 * (6000 // 128) + 3000 // 64
+
+
 def test_a_probe_error_that_names_the_micro_batch_maximum_is_passed_on_as_it_is():
     """A micro-batch of 1 under DeepLabV3's pooled BatchNorm (an effective batch of 1): the plan the probe builds
     its step from refuses it, naming `micro_batch_max`; the probe adds no hint to give one."""

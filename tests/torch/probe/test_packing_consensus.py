@@ -38,3 +38,19 @@ def test_the_ranks_agree_on_the_smallest_token_budget(sample_data, isolated):
     agreed, _ = probe_consensus(given, "r.yaml", 2, "exact", None, lambda value: seen.append(value) or value,
                                 probe=CPU_12MIB)
     assert len(seen) == 1 and agreed.data.token_budget == 1000
+
+
+def test_with_a_given_micro_batch_max_the_ranks_agree_on_the_token_budget_only(sample_data, isolated):
+    """`micro_batch_max` given with `memory`: each rank searches T for it and all take the smallest (one collective),
+    and the maximum stays the one given."""
+    recipe = parse_recipe(instructions_recipe(sample_data, packing="sorted"))
+    seen: list[int] = []
+
+    def all_min(value: int) -> int:  # another rank measured 57 tokens less
+        seen.append(value)
+        return value - 57
+
+    agreed, maximum = probe_consensus(recipe, "r.yaml", 2, "exact", None, all_min, micro_batch_max=4, probe=CPU_12MIB)
+    (own,) = seen
+    assert maximum == 4 and 2 * 457 <= own < 3 * 457
+    assert agreed.data.packing == "sorted" and agreed.data.token_budget == own - 57

@@ -14,7 +14,7 @@ from helpers import CPU_12MIB, cli, cli_json, instructions_recipe
 from reproduce.data.packing import Grouping, group
 from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.meters import CpuMeter, EstimateMeter
-from reproduce.probe.runner import run_probe
+from reproduce.probe.runner import ProbeOptions, run_probe
 from reproduce.probe.tokens import TOKEN_STEPS
 from reproduce.probe.workload import Workload
 from reproduce.session import plan_and_probe
@@ -38,6 +38,44 @@ def test_sorted_searches_its_token_budget_between_m_and_m_plus_one_rows(sample_d
 
     planned = plan_and_probe(recipe, "recipe.yaml", None, 1, probe=CPU_12MIB).plan  # (the cached probe)
     assert (planned.recipe.data.packing, planned.recipe.data.token_budget) == ("sorted", budget)
+
+
+def test_a_given_micro_batch_max_still_searches_the_token_budget_for_the_memory(sample_data, isolated):
+    """`micro_batch_max` with `memory`: the micro-batch is the one given, `sorted`'s T is still searched for that
+    memory (the probe's rows of the longest example bracket it), and the line says what was and was not done; a
+    way with no T to search (packed, the default for LLaMA) or a T given probe nothing, as before."""
+    recipe = parse_recipe(instructions_recipe(sample_data, packing="sorted"))
+    notes: list[str] = []
+    planned = plan_and_probe(recipe, "recipe.yaml", 4, 1, probe=CPU_12MIB, on_note=notes.append)
+    budget = run_probe(recipe, options=CPU_12MIB).token_budget  # (the cached probe)
+    assert budget is not None and planned.probe is not None and planned.probe.token_budget == budget
+    assert (planned.plan.micro_batch_max, planned.plan.micro_batch) == (4, 4)
+    assert (planned.plan.recipe.data.packing, planned.plan.recipe.data.token_budget) == ("sorted", budget)
+    assert notes == [f"`memory` 12MiB: `micro_batch_max` was given, so the micro-batch was not probed (nor the ways "
+                     f"to group the data timed); the token budget, searched for it: {budget:,} tokens per micro-batch "
+                     "(sorted)"]
+    for data in ({}, {"packing": "sorted", "token_budget": 1000}):
+        notes.clear()
+        planned = plan_and_probe(parse_recipe(instructions_recipe(sample_data, **data)), "recipe.yaml", 4, 1,
+                                 probe=CPU_12MIB, on_note=notes.append)
+        assert planned.probe is None and planned.plan.recipe.data.token_budget == data.get("token_budget")
+        assert len(notes) == 1 and notes[0].startswith("`memory` 12MiB: not used: `micro_batch_max` was given")
+
+
+def test_a_sorted_probe_whose_whole_batch_fits_searches_no_token_budget(sample_data, isolated):
+    """16 rows of the longest example fit in 1 GiB (the estimate meter): the whole batch is one micro-batch, there
+    is no T to search, and the plan takes the micro-batch x the longest example (the probe raised AttributeError on
+    the search it skipped before), with or without a micro-batch maximum given."""
+    recipe = parse_recipe(instructions_recipe(sample_data, packing="sorted"))
+    probe = ProbeOptions(memory="1GiB", meter="estimate")
+    planned = plan_and_probe(recipe, "recipe.yaml", None, 1, probe=probe)
+    assert planned.probe is not None and planned.probe.capped and planned.probe.token_budget is None
+    assert (planned.plan.micro_batch, planned.plan.recipe.data.token_budget) == (16, None)
+    notes: list[str] = []
+    planned = plan_and_probe(recipe, "recipe.yaml", 4, 1, probe=probe, on_note=notes.append)
+    assert (planned.plan.micro_batch, planned.plan.recipe.data.token_budget) == (4, None)
+    assert notes[0].endswith("the token budget, not searched: the whole batch per process fits in rows of the "
+                             "longest example (T: the micro-batch x the longest example)")
 
 
 def test_probe_and_plan_print_the_token_budget_and_how_it_was_found(sample_data, isolated, tmp_path, capsys):
