@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from core_helpers import make_recipe
 from reproduce.errors import UserError
-from reproduce.plan.planner import finish_plan, lr_at, make_plan
+from reproduce.plan.planner import lr_at, make_plan
 
 
 @pytest.mark.subprocess
@@ -200,11 +200,11 @@ def test_plan_invariants(effective, micro_batch_max, world_size, policy, optimiz
         assert p.exact
 
 
-def test_a_finished_plan_derives_its_numbers_from_its_own_parts(recipe):
-    """The split's numbers are attributes set by the validator, which pydantic's copy would not run: a plan
-    finished with another split reads that split's micro-batch, N and arithmetic."""
+def test_a_copied_plan_derives_its_numbers_from_its_own_parts(recipe):
+    """The split's numbers are attributes set by the validator; pydantic's copy runs none, so Plan's copy derives
+    them again: a plan copied with another split reads that split's micro-batch, N and arithmetic."""
     small, large = make_plan(recipe, 4), make_plan(recipe, 64)
-    copied = finish_plan(small, split=large.split)
+    copied = small.model_copy(update={"split": large.split})
     assert (copied.micro_batch, copied.accumulation_steps, copied.arithmetic) == (
         large.micro_batch, large.accumulation_steps, large.arithmetic)
     assert copied.micro_batch != small.micro_batch

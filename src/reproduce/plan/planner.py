@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -109,6 +109,12 @@ class Plan(Frozen):
             object.__setattr__(self, name, value)  # (a frozen model: set once, here)
         return self
 
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """pydantic's copy runs no validator: the copy's numbers are derived again from its parts."""
+        copy = super().model_copy(update=update, deep=deep)
+        copy._derived()  # type: ignore[operator]  # the validator is a plain method at run time
+        return copy
+
 
 def make_plan(
     recipe: Recipe,
@@ -185,8 +191,7 @@ def make_plan(
 def finish_plan(plan: Plan, **parts: object) -> Plan:
     """A plan made before (a plan file's) with the parts a run changes or adds: its recipe with the command's
     options, the records of the pretrained weights it starts from (None for random ones) and of the data files;
-    validated as a new Plan (a part it does not have is refused), its numbers derived from its own parts (pydantic's
-    model_copy would keep the old ones: it runs no validator)."""
+    validated as a new Plan (a part it does not have is refused)."""
     return Plan.model_validate({**{name: getattr(plan, name) for name in Plan.model_fields}, **parts})
 
 
