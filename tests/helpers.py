@@ -229,12 +229,11 @@ def assert_same_model(first: Path, second: Path) -> None:
 def pretrained_files(root: Path, llama_layers: int = 2, **gpt2: int) -> Path:
     """root/ with tokenizer/ (a 512-token byte-level BPE), tiny-llama/ and tiny-gpt2/ (save_pretrained, random
     weights, the tokenizer beside them) and alpaca.json (24 records): a user's folders and file, small."""
-    from reproduce.data.samples import train_tokenizer
-    from reproduce.models.samples import write_alpaca_json, write_gpt2, write_llama
+    from reproduce.data.samples import train_tokenizer, write_alpaca_json, write_model
 
     train_tokenizer(root / "tokenizer", max_bytes=100_000)
-    write_llama(root / "tiny-llama", root / "tokenizer", num_hidden_layers=llama_layers)
-    write_gpt2(root / "tiny-gpt2", root / "tokenizer", **gpt2)
+    write_model("Llama", root / "tiny-llama", root / "tokenizer", num_hidden_layers=llama_layers)
+    write_model("GPT2", root / "tiny-gpt2", root / "tokenizer", **gpt2)
     write_alpaca_json(root / "alpaca.json", limit=24)
     return root
 

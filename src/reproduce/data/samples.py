@@ -5,8 +5,10 @@
 KIND: `images` (the digits split as PNGs in class folders), `tokenizer` (a byte-level BPE trained on the standard
 library's sources), `tokens` (those sources as uint16 ids, nanoGPT's train.bin / val.bin), `instructions` (Alpaca
 records from the standard library's docstrings, JSONL), `hf-datasets` (those records with save_to_disk, the digits
-as parquet), `segmentation` (shapes in Pascal VOC's layout), or `all` (each in DIR/<kind>, one tokenizer). Every
-tenth file or record is the validation split. Tests, the benchmark and `make demo` build their data with these.
+as parquet), `segmentation` (shapes in Pascal VOC's layout), `models` (tiny-llama and tiny-gpt2, `save_pretrained`
+folders of random weights with the tokenizer, alpaca.json and guanaco.jsonl, for docs/own-weights.md), or `all` (each in
+DIR/<kind>, one tokenizer). Every tenth file or record is the validation split. Tests, the benchmark and `make demo`
+build their data with these.
 """
 
 from __future__ import annotations
@@ -269,10 +271,57 @@ def write_voc(folder: Path, train: int = 160, val: int = 40, seed: int = 0) -> d
             "ignore_index": IGNORE}
 
 
+# ---- pretrained-model folders to try `--weights` on ---------------------------------------------------------------
+
+LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 4, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+GPT2 = {"n_positions": 512, "n_embd": 32, "n_layer": 2, "n_head": 2}
+
+
+def write_model(kind: str, folder: Path, tokenizer: Path, seed: int = 0, **config) -> dict:
+    """transformers' `kind` model (Llama or GPT2: seeded random weights; GPT-2's in 100KB shards) saved with
+    save_pretrained, `tokenizer` beside it."""
+    import torch
+    import transformers
+    from transformers.utils import logging
+
+    from .text import load_tokenizer
+
+    loaded = load_tokenizer(str(tokenizer))
+    torch.manual_seed(seed)
+    settings = {**(LLAMA if kind == "Llama" else GPT2), "vocab_size": len(loaded), "eos_token_id": loaded.eos_token_id,
+                "bos_token_id": loaded.eos_token_id, **config}
+    model = getattr(transformers, f"{kind}ForCausalLM" if kind == "Llama" else "GPT2LMHeadModel")(
+        getattr(transformers, f"{kind}Config")(**settings))
+    logging.disable_progress_bar()
+    model.save_pretrained(str(folder), **({} if kind == "Llama" else {"max_shard_size": "100KB"}))
+    transformers.AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).save_pretrained(str(folder))
+    return {"folder": str(folder), "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def write_alpaca_json(path: Path, limit: int = 200) -> dict:
+    records = docstring_records(limit)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
+    return {"path": str(path), "records": len(records)}
+
+
+def write_models(folder: Path, limit: int = 200, max_bytes: int = MAX_BYTES, tokenizer: Path | None = None) -> dict:
+    made = _tokenizer_for(folder, tokenizer, max_bytes)
+    made["tiny-llama"] = write_model("Llama", folder / "tiny-llama", Path(made["tokenizer"]))
+    made["tiny-gpt2"] = write_model("GPT2", folder / "tiny-gpt2", Path(made["tokenizer"]))
+    made["alpaca.json"] = write_alpaca_json(folder / "alpaca.json", limit)
+    records = docstring_records(40)  # openassistant-guanaco's layout
+    lines = [json.dumps({"text": f"### Human: {r['instruction']}### Assistant: {r['output'][:200]}"}) for r in records]
+    (folder / "guanaco.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    made["guanaco.jsonl"] = {"path": str(folder / "guanaco.jsonl"), "records": len(lines)}
+    return made
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m reproduce.data.samples", description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=["images", "tokenizer", "tokens", "instructions", "hf-datasets", "segmentation",
-                                         "all"])
+                                         "models", "all"])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--max-bytes", type=int, default=MAX_BYTES, help="standard-library source bytes to use")
     parser.add_argument("--image-size", type=int, default=8, help="side of the digit images in pixels")
@@ -286,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "instructions": lambda folder: write_instructions(folder, args.limit, args.max_bytes, shared),
         "hf-datasets": lambda folder: write_hf_datasets(folder, args.limit),
         "segmentation": write_voc,
+        "models": lambda folder: write_models(folder, args.limit, args.max_bytes, shared),
     }
     kinds = list(makers) if args.kind == "all" else [args.kind]
     for kind in kinds:

@@ -19,7 +19,7 @@ from ..plan.recipe import Recipe
 from ..plan.weightfiles import WeightsOnDisk, safetensors_header
 from .architectures import ARCHITECTURES, check_vocab_size, needs_transformers
 from .hf import HF_KIND_FOR_TASK, HFLogits
-from .weights import SHOWN, from_pretrained_kwargs, on_meta, quiet, shown
+from .weights import SHOWN, TORCH_DTYPES, on_meta, quiet, shown
 
 AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification"}
 
@@ -35,12 +35,12 @@ def from_folder(folder: Path, auto_class: str, recipe: Recipe, field: str, overr
             config, unused = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True,
                                                                      return_unused_kwargs=True, **overrides)
             # in the run's dtype, not config.json's (a bf16 folder in an fp32 run would halve the estimate)
-            return auto.from_config(config, **from_pretrained_kwargs(recipe), **unused)
+            return auto.from_config(config, dtype=TORCH_DTYPES[recipe.model.dtype], **unused)
         with warnings.catch_warnings(), quiet(transformers):
             warnings.simplefilter("ignore", UserWarning)
             # tensors of another shape are loaded as initialised and listed in `info`: refused below in one line
             model, info = auto.from_pretrained(str(folder), local_files_only=True, output_loading_info=True,
-                                               ignore_mismatched_sizes=True, **from_pretrained_kwargs(recipe),
+                                               ignore_mismatched_sizes=True, dtype=TORCH_DTYPES[recipe.model.dtype],
                                                **overrides)
     except OSError as exc:
         raise UserError(f"{field}: cannot load a model from {folder}: {str(exc).splitlines()[0]}") from None

@@ -30,10 +30,6 @@ def weights_of(recipe: Recipe) -> WeightsOnDisk | None:
     return inspect(recipe.model.weights) if recipe.model.weights is not None else None
 
 
-def from_pretrained_kwargs(recipe: Recipe) -> dict[str, Any]:
-    return {"dtype": TORCH_DTYPES[recipe.model.dtype]}
-
-
 @contextlib.contextmanager
 def quiet(transformers: Any):
     """transformers without its progress bar and warnings (tensors that do not fit are refused here in one line)."""
@@ -221,7 +217,7 @@ def save_merged(model: nn.Module, folder: Path, recipe: Recipe, adapter: Path) -
 
         kind = type(transformers_inside(peft_model(model).base_model.model)[1])
         with quiet(sys.modules["transformers"]):
-            base = kind.from_pretrained(base_folder(recipe), **from_pretrained_kwargs(recipe))
+            base = kind.from_pretrained(base_folder(recipe), dtype=TORCH_DTYPES[recipe.model.dtype])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename notice
             hf_model = peft.PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()

@@ -178,9 +178,9 @@ def test_bad_weights_are_one_line_and_nothing_written(case, files, tmp_path, cap
     elif case in ("no-weights", "small-vocabulary", "not-transformers"):
         shutil.copytree(files / "tiny-llama", weights, ignore=shutil.ignore_patterns("*.safetensors"))
         if case != "no-weights":
-            from reproduce.models.samples import write_llama
+            from reproduce.data.samples import write_model
 
-            write_llama(weights, files / "tokenizer", vocab_size=100, num_hidden_layers=1)
+            write_model("Llama", weights, files / "tokenizer", vocab_size=100, num_hidden_layers=1)
         if case == "not-transformers":
             model = {"builtin": "nanogpt"}
     elif case == "other-family":
@@ -346,7 +346,7 @@ def test_the_own_weights_page_runs_as_documented(tmp_path, capsys, monkeypatch, 
     from pathlib import Path
 
     import reproduce
-    from reproduce.models.samples import main as samples
+    from reproduce.data.samples import main as samples
 
     root, package = Path(__file__).parents[3], str(Path(reproduce.__file__).parent)  # (the shipped recipe's)
     page = (root / "docs" / "own-weights.md").read_text()
