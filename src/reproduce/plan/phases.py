@@ -260,7 +260,13 @@ def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, s
 
     total = steps(recipe.schedule.total, "schedule.total")
     if total == 0 and (recipe.schedule.total.unit != "epochs" or steps_per_epoch):  # (an epoch of no step: warned)
-        raise UserError(_no_steps_message(recipe, chosen.effective_batch, steps_per_epoch))
+        one_step = f"{chosen.effective_batch} {recipe.batch.count_unit}"
+        if recipe.batch.sequence_length:
+            one_step += f" ({chosen.effective_batch * recipe.batch.sequence_length:,} tokens)"
+        if recipe.schedule.total.unit == "epochs" and steps_per_epoch:
+            one_step += f"; an epoch is {steps_per_epoch} optimizer steps"
+        raise UserError(f"schedule.total: {recipe.schedule.total.label()} is less than one optimizer step, which reads "
+                        f"{one_step}: the run would take 0 optimizer steps; give a longer total")
     # the recipe's schedule decays until a batch phase starts its own, else to the end of the run
     own_start = next((phase.start_step for spec, phase in zip(recipe.batch.phases or [], phases, strict=False)
                       if spec.has_schedule), None)
@@ -275,15 +281,3 @@ def schedule_in_steps(recipe: Recipe, recipe_path: str | None, chosen: Choice, s
                         f"{MOST_STEPS:.0e} (at a millisecond a step, {MOST_STEPS / 1000 / 86400:.0f} days)")
     return schedule, phases
 
-
-def _no_steps_message(recipe: Recipe, effective_batch: int, steps_per_epoch: int | None) -> str:
-    """Why a schedule of zero optimizer steps is refused: what it asks for, and what one optimizer step reads."""
-    length = recipe.schedule.total
-    length_text = length.label()
-    one_step = f"{effective_batch} {recipe.batch.count_unit}"
-    if recipe.batch.sequence_length:
-        one_step += f" ({effective_batch * recipe.batch.sequence_length:,} tokens)"
-    if length.unit == "epochs" and steps_per_epoch:
-        one_step += f"; an epoch is {steps_per_epoch} optimizer steps"
-    return (f"schedule.total: {length_text} is less than one optimizer step, which reads {one_step}: the run "
-            "would take 0 optimizer steps; give a longer total")

@@ -13,8 +13,9 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import yaml
 from pydantic import ValidationError
@@ -54,19 +55,20 @@ def check_writable(path: str | Path, option: str, protect: tuple[str | Path, ...
     return path
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file and a rename: a crash leaves the old file whole."""
+def write_text_atomic(path: str | Path, text: str | Callable[[BinaryIO], object]) -> None:
+    """`text` (or what `text(handle)` writes) into a temporary beside `path`, flushed, then renamed over `path`: a
+    crash leaves the old file whole. OS errors are raised as they are (storage.files.write_atomic: as WriteFailed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    descriptor, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the file should read like any other the user writes
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
+        with os.fdopen(descriptor, "w+b") as handle:  # (read too: storage's write_torch_file may hash it again)
+            text(handle) if callable(text) else handle.write(text.encode("utf-8"))
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

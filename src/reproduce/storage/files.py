@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import DiskFull, UserError
+from ..plan.planfile import write_text_atomic
 from . import faults
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
@@ -66,26 +67,19 @@ class _Recording:
 
 
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], object] | bytes) -> None:
-    """`write(handle)` (or the bytes `write`) into a temporary beside `path`, flushed, then renamed over `path`."""
+    """`write(handle)` (or the bytes `write`) written as the core's `write_text_atomic` writes, an OS error (the one a
+    write met, though torch.save turns it into a RuntimeError) raised as WriteFailed."""
     path = Path(path)
+    recording: _Recording | None = None
+
+    def recorded(handle: BinaryIO) -> None:
+        nonlocal recording
+        recording = _Recording(handle, path.name)
+        write(recording) if callable(write) else recording.write(write)
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as error:
-        raise WriteFailed(path, error) from None
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the file should read like any other the user writes
-    recording = None
-    try:
-        with os.fdopen(descriptor, "w+b") as handle:  # (read too: write_torch_file may hash it again)
-            recording = _Recording(handle, path.name)
-            write(recording) if callable(write) else recording.write(write)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        write_text_atomic(path, recorded)
     except BaseException as error:
-        Path(tmp).unlink(missing_ok=True)
         cause = recording.error if recording is not None and recording.error is not None else error
         if isinstance(cause, OSError):
             raise WriteFailed(path, cause) from None
