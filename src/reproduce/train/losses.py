@@ -23,15 +23,16 @@ from ..data.batches import IGNORE_INDEX
 from ..errors import UserError
 from ..plan.factory import call_builder
 from ..plan.recipe import Recipe, SegmentationData
+from .pretraining_loss import MaskedLMNextSentenceLoss, upcast
 
 
 def _upcast(output: torch.Tensor) -> torch.Tensor:
-    """Half-precision logits upcast for the loss; anything but a tensor of logits is one line."""
+    """Half-precision logits upcast for the loss (`upcast`); anything but a tensor of logits is one line."""
     if not isinstance(output, torch.Tensor):
         raise UserError(
             f"model: its forward returns {type(output).__name__}, not a tensor of logits; return output.logits from "
             "it, or have the factory return the transformers model itself (reproduce takes its logits)")
-    return output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
+    return upcast(output)
 
 
 class SampleLoss:
@@ -145,6 +146,4 @@ def pretraining_loss(recipe: Recipe) -> CustomLoss | None:
 
     if recipe.model.builtin is None or model_inputs(recipe).get("targets") != "mlm-nsp":
         return None
-    from .pretraining_loss import MaskedLMNextSentenceLoss
-
     return CustomLoss(MaskedLMNextSentenceLoss())
