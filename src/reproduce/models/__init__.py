@@ -76,7 +76,7 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
         from .checkpointing import enable
 
         enable(model, name, selective=spec.selective_checkpointing)
-    if spec.loss_chunks:  # the head applied by the loss, chunk by chunk (train/chunked_loss.py)
+    if spec.loss_chunks:  # the head applied by the loss, chunk by chunk (train/losses.py)
         from .checkpointing import defer_head
 
         if model_inputs(recipe).get("targets") == "mlm-nsp":

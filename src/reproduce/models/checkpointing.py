@@ -3,7 +3,7 @@
 `model.activation_checkpointing`: each block keeps only its input, and backward recomputes it (transformers' own
 gradient checkpointing, else `torch.utils.checkpoint` per block, or per weight layer for the MLP and CNN).
 `model.offload_activations`: what forward saves goes to CPU memory and back (parameters stay, as in torchtune).
-`model.loss_chunks`: the head becomes the identity and train/chunked_loss.py applies it chunk by chunk.
+`model.loss_chunks`: the head becomes the identity and train/losses.py applies it chunk by chunk.
 """
 
 from __future__ import annotations

@@ -225,16 +225,6 @@ def check_gates(run: Any, step: int, record: StepRecord) -> list[dict]:
         return []
     watch.observe(record.line())
     due = bool(watch.due(step + 1))  # the same on every rank
-    events = _check(run, watch, step, record)
-    # several processes: rank 0 alone evaluates, so the ranks agree on whether this step checkpoints for a gate (a
-    # rank with no event of its own takes a placeholder, which it neither writes nor tells)
-    if run.world.distributed and (due or run.reference is not None):
-        if distributed.any_rank(run.world, bool(events), run.setup.device) and not events:
-            events = [{"event": "gate", "step": step + 1, "name": "", "status": "elsewhere"}]
-    return events
-
-
-def _check(run: Any, watch: GateWatch, step: int, record: StepRecord) -> list[dict]:
     found = run.reference.check(step + 1, record.line()) if run.reference is not None else None
     if found is not None:
         if found["status"] == "paused" and REFERENCE_GATE in watch.accept:
@@ -255,6 +245,11 @@ def _check(run: Any, watch: GateWatch, step: int, record: StepRecord) -> list[di
             watch.paused = found["name"]
     if events:
         record.gates = {event["name"]: event["status"] for event in events}
+    # several processes: rank 0 alone evaluates, so the ranks agree on whether this step checkpoints for a gate (a
+    # rank with no event of its own takes a placeholder, which it neither writes nor tells)
+    if run.world.distributed and (due or run.reference is not None):
+        if distributed.any_rank(run.world, bool(events), run.setup.device) and not events:
+            events = [{"event": "gate", "step": step + 1, "name": "", "status": "elsewhere"}]
     return events
 
 

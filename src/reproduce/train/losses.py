@@ -1,6 +1,12 @@
 """The losses, summed over a micro-batch; the training loop divides them by the window's item count.
 A loss factory (task `custom`): `fn(**kwargs) -> callable(output, target) -> summed loss`, with an optional
 `count(target) -> int` (default: `len(target)`).
+
+The language-model loss over chunks of tokens (`model.loss_chunks: C`, ChunkedTokenLoss) is exact: the chunks'
+sums add up to the micro-batch's. Each chunk applies the output head and the cross-entropy inside non-reentrant
+`torch.utils.checkpoint`, so backward recomputes one chunk's logits at a time: the logits and their fp32 copy are
+one chunk's, for one more head matmul per chunk (torchtune's CEWithChunkedOutputLoss and LitGPT chunk without
+recomputing, keeping every chunk's logits).
 """
 
 from __future__ import annotations
@@ -10,20 +16,23 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..data.batches import IGNORE_INDEX
 from ..errors import UserError
 from ..plan.factory import call_builder
 from ..plan.recipe import Recipe, SegmentationData
+from .pretraining_loss import MaskedLMNextSentenceLoss, upcast
 
 
 def _upcast(output: torch.Tensor) -> torch.Tensor:
-    """Half-precision logits upcast for the loss; anything but a tensor of logits is one line."""
+    """Half-precision logits upcast for the loss (`upcast`); anything but a tensor of logits is one line."""
     if not isinstance(output, torch.Tensor):
         raise UserError(
             f"model: its forward returns {type(output).__name__}, not a tensor of logits; return output.logits from "
             "it, or have the factory return the transformers model itself (reproduce takes its logits)")
-    return output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
+    return upcast(output)
 
 
 class SampleLoss:
@@ -46,6 +55,27 @@ class TokenLoss:
         return F.cross_entropy(
             _upcast(output).flatten(0, -2), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
+
+
+class ChunkedTokenLoss:
+    """TokenLoss (the same count, the same summed cross-entropy in fp32), chunk by chunk."""
+
+    def __init__(self, head: nn.Linear, chunks: int):
+        self.head, self.chunks = head, chunks
+
+    count = TokenLoss.count
+
+    def _chunk(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.head.weight, self.head.bias)
+        return F.cross_entropy(_upcast(logits), target, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def __call__(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        from ..models.checkpointing import contexts
+
+        pieces = zip(hidden.flatten(0, -2).chunk(self.chunks), target.flatten().chunk(self.chunks), strict=True)
+        losses = [checkpoint(self._chunk, part, part_target, use_reentrant=False, context_fn=contexts)
+                  for part, part_target in pieces]
+        return torch.stack(losses).sum()
 
 
 class PixelLoss:
@@ -87,7 +117,7 @@ class CustomLoss:
         return self.function(output, target)
 
 
-def build_loss(recipe: Recipe, model: Any = None) -> SampleLoss | TokenLoss | PixelLoss | CustomLoss:
+def build_loss(recipe: Recipe, model: Any = None) -> SampleLoss | TokenLoss | ChunkedTokenLoss | PixelLoss | CustomLoss:
     """The recipe's loss; `model`, built, is where a chunked loss finds the head it applies (model.loss_chunks)."""
     if recipe.task == "classification":
         return SampleLoss()
@@ -98,7 +128,6 @@ def build_loss(recipe: Recipe, model: Any = None) -> SampleLoss | TokenLoss | Pi
         own = pretraining_loss(recipe)
         if own is None and recipe.model.loss_chunks:
             from ..models.checkpointing import deferred_head
-            from .chunked_loss import ChunkedTokenLoss
 
             return ChunkedTokenLoss(deferred_head(model), recipe.model.loss_chunks)
         return own if own is not None else TokenLoss()
@@ -117,6 +146,4 @@ def pretraining_loss(recipe: Recipe) -> CustomLoss | None:
 
     if recipe.model.builtin is None or model_inputs(recipe).get("targets") != "mlm-nsp":
         return None
-    from .pretraining_loss import MaskedLMNextSentenceLoss
-
     return CustomLoss(MaskedLMNextSentenceLoss())

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..data.batches import IGNORE_INDEX
 
 
-def _upcast(output: torch.Tensor) -> torch.Tensor:
+def upcast(output: torch.Tensor) -> torch.Tensor:
     return output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
 
 
@@ -36,9 +36,9 @@ class MaskedLMNextSentenceLoss:
     def terms(self, output: Any, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(masked-LM cross-entropy summed over the masked tokens, next-sentence cross-entropy summed over rows)."""
         mlm_logits, nsp_logits = output
-        mlm = F.cross_entropy(_upcast(mlm_logits).flatten(0, -2), target[:, :-1].flatten(), ignore_index=IGNORE_INDEX,
+        mlm = F.cross_entropy(upcast(mlm_logits).flatten(0, -2), target[:, :-1].flatten(), ignore_index=IGNORE_INDEX,
                               reduction="sum")
-        nsp = F.cross_entropy(_upcast(nsp_logits), target[:, -1], reduction="sum")
+        nsp = F.cross_entropy(upcast(nsp_logits), target[:, -1], reduction="sum")
         return mlm, nsp
 
     def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:

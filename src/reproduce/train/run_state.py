@@ -89,16 +89,13 @@ class Run:
     seed: int = field(init=False)  # the resumed run's (data order and dropout)
     lowered: dict = field(init=False)  # sequence length -> the micro-batch an out-of-memory error lowered it to
     workers: int = field(init=False)  # DataLoader processes: as asked, or one per free core for data read from files
+    watch: LoaderWatch = field(init=False)  # the data loader's watch: a warning when the steps wait for data
 
     def __post_init__(self) -> None:
         self.plan, self.world = self.setup.plan, self.setup.world
         self.seed, self.lowered = self.resumed.seed, self.resumed.lowered
         self.workers = default_workers(self.train_set) if self.request.workers is None else self.request.workers
-
-    @functools.cached_property
-    def watch(self) -> LoaderWatch:
-        """The data loader's watch: a warning when the steps wait for data."""
-        return LoaderWatch(self.workers)
+        self.watch = LoaderWatch(self.workers)
 
     @property
     def checkpoint_path(self) -> Path:

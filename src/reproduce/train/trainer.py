@@ -152,7 +152,13 @@ def _train_steps(run: Run, previous: Previous | None) -> None:
                 previous = None
             after_checkpoint(run, gates)  # each gate's checkpoint kept; a pause gate stops here, exit status 4
     finally:
-        close_run(run, stop, restore)
+        if run.stream is not None:
+            run.stream.close()
+        stop.close()
+        run.metrics.close()
+        if run.noise is not None:
+            run.noise.close()
+        restore()
 
 
 def cpu_compute(run: Run) -> Callable[[], None]:
@@ -283,16 +289,6 @@ def checkpoint_or_stop(run: Run, step: int, done: bool, gate: bool = False) -> N
             + run.continue_with,
             signals.EXIT_CODES[received],
         )
-
-
-def close_run(run: Run, stop: contextlib.ExitStack, restore: Callable[[], None]) -> None:
-    if run.stream is not None:
-        run.stream.close()
-    stop.close()
-    run.metrics.close()
-    if run.noise is not None:
-        run.noise.close()
-    restore()
 
 
 def out_of_memory_alone(setup, step: int, micro_batch: int, out: Path) -> str:

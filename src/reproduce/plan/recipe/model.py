@@ -123,7 +123,7 @@ class Model(Builder):
     loss_chunks: int | None = Field(
         default=None, ge=2, description="language models: the output head and cross-entropy over this many chunks of "
         "tokens, each recomputed in backward, so the whole logits (and their fp32 copy) never exist at once "
-        "(train/chunked_loss.py; torchtune's CEWithChunkedOutputLoss uses 8); exact",
+        "(train/losses.py; torchtune's CEWithChunkedOutputLoss uses 8); exact",
     )
     offload_activations: bool = Field(
         default=False, description="copy what the model's forward saves for backward to CPU memory, and back when "
