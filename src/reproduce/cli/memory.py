@@ -45,7 +45,7 @@ def memory_command(
     probing = options.probe_options(memory, gpu, meter, headroom, True)
     from ..probe.answer import memory_at  # torch: only when the command runs (`reproduce --help` imports none)
 
-    answer = memory_at(recipe, micro_batch, probing, given, sequence_length).to_json()
+    answer = memory_at(recipe, micro_batch, probing, given, sequence_length)
     if as_json:
         print(json.dumps(answer, indent=2))
         return
