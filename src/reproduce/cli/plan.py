@@ -24,7 +24,7 @@ from ..session import plan_and_probe, planned_data_size, recipe_for_plan
 from ..shipped import described
 from ..throughput.budget import check_price, forecast_cells
 from ..throughput.budget import forecast as budget_forecast
-from ..throughput.plan_cost import cost_lines, costs_json, plan_costs
+from ..throughput.cost import cost_lines, costs_json, plan_costs
 from ..throughput.predicted_time import DEFAULT_MFU, check_mfu, predict
 from . import options
 from .app import app

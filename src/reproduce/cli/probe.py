@@ -14,7 +14,7 @@ from ..plan.units import format_size
 from ..probe.runner import ProbeResult, ProbeTrial, does_not_fit, run_probe
 from ..probe.search import Measurement
 from ..session import recipe_for_plan
-from ..throughput.plan_cost import cost_lines, costs_json, plan_costs
+from ..throughput.cost import cost_lines, costs_json, plan_costs
 from . import options
 from .app import app
 from .common import recipe_argument, stderr, stdout, token_budget_text
