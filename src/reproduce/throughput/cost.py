@@ -98,7 +98,11 @@ def plan_costs(plan: Plan, result: ProbeResult) -> dict[str, Cost | None]:
         timed = [(plan.micro_batch, step / plan.accumulation_steps)]
     costs = {  # --policy throughput: its whole optimizer steps' medians, not the probe's trials
         plan.policy: cost(
-            timed or timings, plan.micro_batch, plan.accumulation_steps, plan.effective_batch, seq,
+            timed or timings,
+            plan.micro_batch,
+            plan.accumulation_steps,
+            plan.effective_batch,
+            seq,
             plan.optimizer_steps,
         )
     }
@@ -115,8 +119,11 @@ def way_timed(plan: Plan, result: ProbeResult) -> bool:
     """Whether the plan's cost is its way's whole optimizer steps timed after the probe (throughput/ways.py: the
     plan's data.packing, at its micro-batch and per-process batch), rather than the probe's trials."""
     ways = result.ways
-    return (ways is not None and ways["chosen"] == (plan.recipe.data.packing or "none")
-            and (ways["samples_per_step"], ways["micro_batch"]) == (plan.per_rank_batch, plan.micro_batch))
+    return (
+        ways is not None
+        and ways["chosen"] == (plan.recipe.data.packing or "none")
+        and (ways["samples_per_step"], ways["micro_batch"]) == (plan.per_rank_batch, plan.micro_batch)
+    )
 
 
 def costs_json(costs: dict[str, Cost | None]) -> dict:
@@ -138,14 +145,18 @@ def cost_lines(plan: Plan, result: ProbeResult) -> list[str]:
             f" ({c.tokens_per_second:,.0f} tokens/s)" if c.tokens_per_second else ""
         )
         total = (
-            f"; {c.optimizer_steps:,} steps: {format_duration(c.total_seconds)}" if c.total_seconds is not None
+            f"; {c.optimizer_steps:,} steps: {format_duration(c.total_seconds)}"
+            if c.total_seconds is not None
             else "; total unknown (the number of steps needs the dataset size)"
         )
         lines.append(
             f"cost on {result.device} ({policy}, {c.micro_batch} x {c.accumulation_steps}): {c.step_seconds:.3g} s "
             f"per optimizer step ({c.accumulation_steps} x {c.micro_step_seconds:.3g} s), {rate}{total}"
-            + (f"; timed as the run groups its windows ({plan.recipe.data.packing}: whole optimizer steps, the least "
-               f"of {result.ways['passes']} passes)" if policy == plan.policy and not plan.throughput
-               and way_timed(plan, result) else "")  # type: ignore[index]
+            + (
+                f"; timed as the run groups its windows ({plan.recipe.data.packing}: whole optimizer steps, the least "
+                f"of {result.ways['passes']} passes)"
+                if policy == plan.policy and not plan.throughput and way_timed(plan, result)
+                else ""
+            )  # type: ignore[index]
         )
     return lines
