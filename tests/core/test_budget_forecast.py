@@ -11,7 +11,7 @@ from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import load_recipe
 from reproduce.probe.runner import ProbeResult, ProbeTrial
 from reproduce.throughput.budget import cheaper_ways, forecast
-from reproduce.throughput.plan_cost import plan_costs
+from reproduce.throughput.cost import plan_costs
 from reproduce.throughput.predicted_time import gpu_hours
 
 GPT = "papers/pysource-gpt.yaml"  # 64 sequences a step, 300 steps

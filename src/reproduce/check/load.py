@@ -16,8 +16,7 @@ from ..plan.factory import remember_folder
 from ..plan.flatview import FLAT_FIELDS
 from ..plan.recipe import Recipe, load_recipe, parse_recipe, read_yaml
 from ..shipped import resolve_recipe
-from .messages import format_errors
-from .schema import DEFAULT_FOLDER, MAIN, Budget, CheckFile
+from .schema import DEFAULT_FOLDER, MAIN, Budget, CheckFile, format_errors
 
 
 @dataclass

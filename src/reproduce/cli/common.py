@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from rich.console import Console
@@ -14,6 +15,12 @@ from ..train.reporter import loss_text  # noqa: F401  (the run's lines and the c
 _WIDTH = None if sys.stdout.isatty() else 120
 stdout = Console(highlight=False, width=_WIDTH)
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def print_lines(lines: Iterable[str]) -> None:
+    """Each line on stdout as it is: no rich markup, not wrapped."""
+    for line in lines:
+        stdout.print(line, markup=False, soft_wrap=True)
 
 
 def parameters_line(counts: tuple[int, int]) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from .app import app
-from .common import loss_text, stdout
+from .common import loss_text, print_lines
 
 RUN_HELP = "A finished run's folder (the --out of reproduce run): its plan.yaml and model.pt."
 DATA_HELP = "The data folder, instead of the run's data.path (a voc folder's val list is evaluated)."
@@ -33,8 +33,7 @@ def evaluate_command(
     if as_json:
         print(json.dumps(metrics, indent=2))
         return
-    for line in metric_lines(metrics):
-        stdout.print(line, markup=False, soft_wrap=True)
+    print_lines(metric_lines(metrics))
 
 
 def metric_lines(metrics: dict) -> list[str]:

@@ -12,7 +12,7 @@ from ..plan.units import format_size
 from ..session import recipe_for_plan
 from . import options
 from .app import app
-from .common import recipe_argument, stdout
+from .common import print_lines, recipe_argument
 
 METER_HELP = ("estimate: fake tensors with the GPU's kernels (a GPU you do not have; the default without a GPU "
               "here); cpu: a real step on this CPU, its tensors counted; cuda: a real step on this GPU.")
@@ -45,12 +45,11 @@ def memory_command(
     probing = options.probe_options(memory, gpu, meter, headroom, True)
     from ..probe.answer import memory_at  # torch: only when the command runs (`reproduce --help` imports none)
 
-    answer = memory_at(recipe, micro_batch, probing, given, sequence_length).to_json()
+    answer = memory_at(recipe, micro_batch, probing, given, sequence_length)
     if as_json:
         print(json.dumps(answer, indent=2))
         return
-    for line in render(answer):
-        stdout.print(line, markup=False, soft_wrap=True)
+    print_lines(render(answer))
 
 
 def render(answer: dict) -> list[str]:

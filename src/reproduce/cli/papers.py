@@ -26,7 +26,7 @@ from ..plan.recipe import Recipe, load_recipe
 from ..plan.units import format_count
 from ..shipped import described, is_shipped, papers_folder, recipe_files
 from .app import app
-from .common import stdout
+from .common import print_lines, stdout
 from .flags import as_typed
 
 NANOGPT_DEFAULTS = {"block_size": 1024, "n_embd": 768}  # models.nanogpt.GPTConfig's (read here without torch)
@@ -150,8 +150,7 @@ def papers_command(
     wide_print(table)
     if reasons:
         stdout.print("not runnable here (each can still be planned and probed):", markup=False)
-        for line in reasons:
-            stdout.print(line, markup=False, soft_wrap=True)
+        print_lines(reasons)
     line = f"{counts['runnable']} runnable here, {counts['plan-only']} plan-only"
     if counts["invalid"]:
         line += f", {counts['invalid']} invalid"

@@ -24,11 +24,11 @@ from ..session import plan_and_probe, planned_data_size, recipe_for_plan
 from ..shipped import described
 from ..throughput.budget import check_price, forecast_cells
 from ..throughput.budget import forecast as budget_forecast
-from ..throughput.plan_cost import cost_lines, costs_json, plan_costs
+from ..throughput.cost import cost_lines, costs_json, plan_costs
 from ..throughput.predicted_time import DEFAULT_MFU, check_mfu, predict
 from . import options
 from .app import app
-from .common import parameters_line, recipe_argument, show_note, stderr, stdout, token_budget_text
+from .common import parameters_line, print_lines, recipe_argument, show_note, stderr, stdout, token_budget_text
 from .flags import as_typed, typed_args
 from .throughput import FREE_BATCHNORM_HELP, MFU_HELP, render_prediction, render_throughput
 
@@ -146,12 +146,10 @@ def show_plan(plan: Plan, result, recipe, recipe_path: Path, forecast: dict | No
                 f" = micro-batch x the longest example's {table['longest']} tokens per micro-batch (sorted, packed)")
             lines = [f"{line}; token budget {budget}", "  micro-batches per window and rank, over the first "
                      f"{table['windows']} windows of this data: {ways}"]
-        for line in lines:
-            stdout.print(line, markup=False, soft_wrap=True)
+        print_lines(lines)
     render_throughput(plan)
     if result is not None:
-        for line in cost_lines(plan, result):
-            stdout.print(as_typed(line, typed_args), markup=False, soft_wrap=True)
+        print_lines(as_typed(line, typed_args) for line in cost_lines(plan, result))
     render_prediction(prediction, plan.world_size, gpus_per_node)
     if out is not None:
         stdout.print(f"plan written to {out}")
@@ -241,8 +239,7 @@ def render_plan(p: Plan, forecast: dict | None = None) -> None:
     stdout.print(table)
     if p.weights is not None:
         stdout.print(p.weights.line(r.model.builtin or r.model.factory), markup=False, soft_wrap=True)
-    for line in p.memory_notes:
-        stdout.print(line, markup=False, soft_wrap=True)
+    print_lines(p.memory_notes)
     render_phases(p)
     if p.alternative is not None:
         alt = p.alternative
@@ -252,8 +249,7 @@ def render_plan(p: Plan, forecast: dict | None = None) -> None:
         )
     if p.batchnorm is not None:
         stdout.print(p.batchnorm.lines[0], markup=False, soft_wrap=True)
-        for option in p.batchnorm.options:
-            stdout.print(f"  BatchNorm option: {option}", markup=False, soft_wrap=True)
+        print_lines(f"  BatchNorm option: {option}" for option in p.batchnorm.options)
     for warning in p.warnings:
         stderr.print(f"[yellow]warning:[/] {warning}")
 

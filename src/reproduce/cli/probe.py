@@ -14,10 +14,10 @@ from ..plan.units import format_size
 from ..probe.runner import ProbeResult, ProbeTrial, does_not_fit, run_probe
 from ..probe.search import Measurement
 from ..session import recipe_for_plan
-from ..throughput.plan_cost import cost_lines, costs_json, plan_costs
+from ..throughput.cost import cost_lines, costs_json, plan_costs
 from . import options
 from .app import app
-from .common import recipe_argument, stderr, stdout, token_budget_text
+from .common import print_lines, recipe_argument, stderr, stdout, token_budget_text
 from .flags import as_typed, typed_args
 
 PROBE_DATA_HELP = "Probe on this data (in the recipe's data.format) instead of the recipe's data.path."
@@ -124,12 +124,10 @@ def render_probe(result: ProbeResult, plan: Plan | None) -> None:
     budget = token_budget_text(result)
     if budget is not None:
         stdout.print(f"token budget: {budget}", markup=False, soft_wrap=True)
-    for note in result.notes:
-        stdout.print(f"note: {note}", markup=False, soft_wrap=True)
+    print_lines(f"note: {note}" for note in result.notes)
     if plan is not None:
         render_batchnorm(plan, result)
-        for line in cost_lines(plan, result):
-            stdout.print(as_typed(line, typed_args), markup=False, soft_wrap=True)
+        print_lines(as_typed(line, typed_args) for line in cost_lines(plan, result))
 
 
 def render_batchnorm(plan: Plan, result: ProbeResult) -> None:
@@ -144,7 +142,6 @@ def render_batchnorm(plan: Plan, result: ProbeResult) -> None:
         stdout.print(f"BatchNorm: the paper's BN batch of {target} on one device would peak at about "
                      f"{format_size(peak)} (fitted line) against the limit of {format_size(result.limit_bytes)}",
                      markup=False, soft_wrap=True)
-    for option in norm.options:
-        stdout.print(f"  BatchNorm option: {option}", markup=False, soft_wrap=True)
+    print_lines(f"  BatchNorm option: {option}" for option in norm.options)
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..plan.gates import outcome_line
-from .common import loss_text, parameters_line, stderr, stdout
+from .common import loss_text, parameters_line, print_lines, stderr, stdout
 from .flags import as_typed, typed_args
 
 if TYPE_CHECKING:
@@ -28,8 +28,7 @@ class PlainReporter:
         for warning in self.warnings:
             stderr.print(f"[yellow]warning:[/] {warning}")
         stdout.print(start.batch)
-        for line in start.throughput:
-            stdout.print(as_typed(line, typed_args), markup=False, soft_wrap=True)
+        print_lines(as_typed(line, typed_args) for line in start.throughput)
         for line in start.phases:
             stdout.print(line, markup=False)
         parameters = [parameters_line(start.parameters)] if start.parameters is not None else []
@@ -66,8 +65,7 @@ class PlainReporter:
     def finish(self, end: RunEnd) -> None:
         """The end's lines as the trainer composed them (train/reporter.run_end)."""
         stdout.print(end.done)
-        for line in [*end.reported, *filter(None, [end.reference, end.noise])]:
-            stdout.print(line, markup=False, soft_wrap=True)
+        print_lines([*end.reported, *filter(None, [end.reference, end.noise])])
         stdout.print(end.outputs)
         if end.plot:
             stdout.print(end.plot, markup=False)

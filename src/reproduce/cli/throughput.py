@@ -7,7 +7,7 @@ from rich.table import Table
 from ..plan.launch import GPUS_PER_NODE, node_split
 from ..plan.planner import Plan
 from ..throughput.cost import format_duration
-from .common import stdout
+from .common import print_lines, stdout
 
 FREE_BATCHNORM_HELP = (
     "With --policy throughput and a BatchNorm model: let the timings choose its micro-batch too (its statistics are "
@@ -76,5 +76,4 @@ def render_prediction(prediction: dict, world_size: int = 1, gpus_per_node: int 
                          soft_wrap=True)
         if "FLOPs model" in (prediction["predicted_basis"] or "") + (prediction["paper_basis"] or ""):
             stdout.print(f"MFU: {prediction['mfu_source']}", markup=False, soft_wrap=True)
-    for note in prediction["notes"]:
-        stdout.print(f"note: {note}", markup=False, soft_wrap=True)
+    print_lines(f"note: {note}" for note in prediction["notes"])

@@ -12,8 +12,6 @@ figures people compare:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-
 import torch
 
 from ..errors import UserError
@@ -27,35 +25,6 @@ from .tracker import ALLOWANCE
 from .workload import Workload, declared_inputs, synthetic_data
 
 UNBOUNDED = 2**50  # the estimate's budget when none is given: the answer then says nothing about fitting
-
-
-@dataclass
-class MemoryAnswer:
-    recipe_path: str | None
-    micro_batch: int
-    sequence_length: int | None
-    meter: str
-    device: str
-    data: str
-    accumulates: bool  # the step holds one micro-batch's gradients through the next's forward
-    optimizer: str  # the optimizer's class and kernels
-    weights_form: str  # the parameters and how they are stored
-    held: dict[str, int]  # the most each part held during the step
-    at_peak: dict[str, int]  # what each part held at the peak (sums to tensors at peak)
-    peak_stage: str  # forward, backward or optimizer step
-    tensor_bytes: int  # tensors at the peak, as counted (bitsandbytes' paged state included)
-    allocated_bytes: int  # what max_memory_allocated reports: tensors in PyTorch's allocator
-    reserved_bytes: int | None  # max_memory_reserved (cuda), or the estimate's (None on the cpu meter)
-    driver_bytes: int | None  # reserved + the CUDA context + memory outside PyTorch's allocator
-    allowances: dict[str, int]  # what reserved and driver add, by name
-    measured: str  # what was measured rather than estimated
-    budget_bytes: int | None = None
-    limit_bytes: int | None = None
-    fits: bool | None = None
-    notes: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 def with_sequence_length(recipe: Recipe, length: int | None) -> Recipe:
@@ -74,8 +43,14 @@ def with_sequence_length(recipe: Recipe, length: int | None) -> Recipe:
 
 
 def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_path: str | None = None,
-              sequence_length: int | None = None) -> MemoryAnswer:
-    """The step's memory at `micro_batch` on one process (see the module's notes)."""
+              sequence_length: int | None = None) -> dict:
+    """The step's memory at `micro_batch` on one process (see the module's notes), as `memory --json` prints it:
+    accumulates (the step holds one micro-batch's gradients through the next's forward), optimizer (its class and
+    kernels), weights_form (the parameters and how they are stored), held (the most each part held during the step),
+    at_peak (what each part held at the peak: sums to tensor_bytes, bitsandbytes' paged state included),
+    allocated_bytes (max_memory_allocated: tensors in PyTorch's allocator), reserved_bytes (max_memory_reserved, or
+    the estimate's; None on the cpu meter), driver_bytes (reserved + the CUDA context + memory outside PyTorch's
+    allocator), allowances (what reserved and driver add, by name), measured (what was measured, not estimated)."""
     if micro_batch < 1:
         raise UserError(f"expected 1 or more (got {micro_batch})", field="micro_batch")
     recipe = with_sequence_length(recipe, sequence_length)
@@ -132,15 +107,15 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
         raise UserError(f"`micro_batch` {micro_batch}: the step ran out of memory on this GPU ({measured.note}); use "
                         "`meter` estimate to see what it needs")
     budget_bytes = meter.budget_bytes if budget or meter_name == "cuda" else None
-    return MemoryAnswer(
-        recipe_path=recipe_path, micro_batch=micro_batch, sequence_length=recipe.batch.sequence_length,
-        meter=meter_name, device=meter.device, data=workload.description, accumulates=parts["accumulates"],
-        optimizer=parts["optimizer"], weights_form=weights_form(recipe, workload), held=held,
-        at_peak=dict(parts["at_peak"]), peak_stage=parts["peak_stage"], tensor_bytes=tensors,
-        allocated_bytes=allocated, reserved_bytes=reserved, driver_bytes=driver, allowances=allowances,
-        measured=what, budget_bytes=budget_bytes, limit_bytes=meter.limit_bytes if budget_bytes else None,
-        fits=decided <= meter.limit_bytes if budget_bytes else None, notes=list(meter.notes),
-    )
+    return {
+        "recipe_path": recipe_path, "micro_batch": micro_batch, "sequence_length": recipe.batch.sequence_length,
+        "meter": meter_name, "device": meter.device, "data": workload.description, "accumulates": parts["accumulates"],
+        "optimizer": parts["optimizer"], "weights_form": weights_form(recipe, workload), "held": held,
+        "at_peak": dict(parts["at_peak"]), "peak_stage": parts["peak_stage"], "tensor_bytes": tensors,
+        "allocated_bytes": allocated, "reserved_bytes": reserved, "driver_bytes": driver, "allowances": allowances,
+        "measured": what, "budget_bytes": budget_bytes, "limit_bytes": meter.limit_bytes if budget_bytes else None,
+        "fits": decided <= meter.limit_bytes if budget_bytes else None, "notes": list(meter.notes),
+    }
 
 
 def weights_form(recipe: Recipe, workload: Workload) -> str:

@@ -177,8 +177,9 @@ def _techniques(meter: Any, gpu: Any, first: Any, activations: int) -> list[WayO
 
     def saved(trial: Any, costs: str) -> str:
         after = (trial.parts or {}).get("step", {}).get("activations")
-        shown = f"; the activations of one sample {format_size(activations)} -> {format_size(after)}"
-        return (shown if after is not None else "") + f"; costs {costs}"
+        shown = (f"; the activations of one sample {format_size(activations)} -> {format_size(after)}"
+                 if after is not None else "")
+        return f"{shown}; costs {costs}"
 
     return [tried(meter, gpu, what, change, lambda trial, costs=costs: saved(trial, costs))[0]
             for what, change, costs in offers]

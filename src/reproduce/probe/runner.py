@@ -99,7 +99,7 @@ class ProbeResult(BaseModel):
     longest: int | None = None
     token_trials: list[ProbeTrial] = []
     # the ways to group the data timed after the probe (throughput/ways.py `WayTimings.to_json`): the plan's cost
-    # is the chosen way's whole optimizer steps (throughput/plan_cost.py); not cached (the plan's, not the probe's)
+    # is the chosen way's whole optimizer steps (throughput/cost.py); not cached (the plan's, not the probe's)
     ways: dict | None = None
 
     @property

@@ -17,7 +17,7 @@ from ..hardware.catalog import lookup
 from ..hardware.peaks import on_card, peaks_of, precision_key
 from ..plan.planner import Plan
 from ..probe.runner import ProbeResult
-from .plan_cost import plan_costs
+from .cost import plan_costs
 
 DEFAULT_MFU = 0.40
 MFU_SOURCE = (

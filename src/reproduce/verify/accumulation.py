@@ -10,6 +10,7 @@ BatchNorm trains as it does, per micro-batch, and the check says how much that d
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -31,7 +32,6 @@ from ..train.losses import PixelLoss, build_loss
 from ..train.setup import Setup, resolve_device
 from ..train.step import optimizer_step
 from ..train.windows import epoch_order, grouped_window, window
-from .recomputation import dropouts, recomputation_error
 from .reference import copy_gradients, one_pass_reference
 
 DTYPES = ("float64", "float32", "bf16", "fp16")
@@ -114,6 +114,47 @@ class GradientRecorder:
 
 class _NoSchedule:
     def step(self) -> None: ...
+
+
+def dropouts(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    """Every dropout probability above 0 in `model` (dropout modules' `p`, float `dropout` / `dropout_p` /
+    `attn_dropout` attributes): its name as shown, its module and the attribute that holds it."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if module.p > 0:
+                yield name or type(module).__name__, module, "p"
+            continue
+        for attr in ("dropout", "dropout_p", "attn_dropout"):
+            value = getattr(module, attr, None)
+            if isinstance(value, float) and value > 0:
+                yield f"{name}.{attr}", module, attr
+
+
+def recomputation_error(plan: Plan, data: Datasets, micro_batches: list, device: torch.device, dtype: torch.dtype,
+                        seed: int) -> tuple[float, bool]:
+    """With activation checkpointing, does the recomputation give the gradient the run would have had? A recomputed
+    block must draw the dropout masks its forward drew, so the plan's step runs twice more from the same weights and
+    RNG state, dropout on, with and without checkpointing; the two gradients must agree within tolerance.
+
+    (relative difference of the accumulated gradients with and without checkpointing, dropout on; whether the
+    model has dropout to check). `micro_batches` are on the device; both steps start from the same seed."""
+    gradients, dropout = [], False
+    for checkpointing in (True, False):
+        recipe = plan.recipe
+        recipe = variant(recipe, {"model.activation_checkpointing": checkpointing})
+        torch.manual_seed(seed)
+        model = build_model(recipe, data.info).to(device=device, dtype=dtype)
+        model.train()
+        dropout = dropout or any(dropouts(model))
+        recorder = GradientRecorder([p for p in model.parameters() if p.requires_grad])
+        setup = Setup(finish_plan(plan, recipe=recipe), model, recorder, _NoSchedule(), None,
+                      build_loss(recipe, model), data, device, dtype)
+        torch.manual_seed(seed + 1)  # the dropout masks: the same stream in both steps
+        optimizer_step(setup, micro_batches)
+        gradients.append(recorder.gradients)
+    difference = math.sqrt(sum(float((a.double() - b.double()).norm()) ** 2 for a, b in zip(*gradients, strict=True)))
+    norm = math.sqrt(sum(float(b.double().norm()) ** 2 for b in gradients[1]))
+    return (difference / norm if norm else (0.0 if difference == 0 else math.inf)), dropout
 
 
 def disable_dropout(model: nn.Module) -> list[str]:
@@ -228,8 +269,7 @@ def _plan_gradient(setup: Setup, recorder: GradientRecorder, train_set: Any, gro
                      f"{sum(counts)}")
     recomputed = None
     if setup.plan.recipe.model.activation_checkpointing:  # the same masks in the recomputation (dropout on)
-        recomputed = recomputation_error(setup.plan, setup.data, micro_batches, device, dtype, seed,
-                                         GradientRecorder, _NoSchedule)
+        recomputed = recomputation_error(setup.plan, setup.data, micro_batches, device, dtype, seed)
     optimizer_step(setup, micro_batches)
     return recorder.gradients, recomputed
 

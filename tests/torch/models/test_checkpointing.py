@@ -181,8 +181,7 @@ def test_offload_without_fsdp_is_one_line(tmp_path, capsys):
 def test_the_recomputation_check_fails_when_the_masks_are_not_redrawn(monkeypatch):
     """Without the RNG state kept, the recomputed dropout masks differ: verify's check must then see it."""
     from reproduce import models
-    from reproduce.verify.accumulation import GradientRecorder, _NoSchedule
-    from reproduce.verify.recomputation import recomputation_error
+    from reproduce.verify.accumulation import recomputation_error
 
     recipe = parse_recipe(checkpointed(gpt_recipe()))
     data = build_data(recipe)
@@ -190,8 +189,7 @@ def test_the_recomputation_check_fails_when_the_masks_are_not_redrawn(monkeypatc
     from reproduce.data.batches import collate
 
     window = [collate([data.train[i] for i in range(j, j + 4)]) for j in (0, 4)]
-    error, dropout = recomputation_error(plan, data, window, torch.device("cpu"), torch.float64, 0,
-                                         GradientRecorder, _NoSchedule)
+    error, dropout = recomputation_error(plan, data, window, torch.device("cpu"), torch.float64, 0)
     assert dropout and error == 0.0
     forget = models.checkpointing.checkpoint
 
@@ -199,8 +197,7 @@ def test_the_recomputation_check_fails_when_the_masks_are_not_redrawn(monkeypatc
         return forget(*args, **{**kwargs, "preserve_rng_state": False})
 
     monkeypatch.setattr(models.checkpointing, "checkpoint", without_rng_state)
-    error, _ = recomputation_error(plan, data, window, torch.device("cpu"), torch.float64, 0,
-                                   GradientRecorder, _NoSchedule)
+    error, _ = recomputation_error(plan, data, window, torch.device("cpu"), torch.float64, 0)
     assert error > 1e-3
 
 

@@ -174,7 +174,7 @@ def test_the_default_way_is_the_fastest_timed_here_when_the_probe_ran(sample_dat
     chosen = max(rates, key=lambda way: rates[way])
     assert timed[0].startswith(f"packing: {chosen}, the fastest exact way measured here")
     assert planned.plan.recipe.data.packing == chosen
-    from reproduce.throughput.plan_cost import cost_lines  # the plan's cost: the chosen way's steps as timed
+    from reproduce.throughput.cost import cost_lines  # the plan's cost: the chosen way's steps as timed
 
     assert planned.probe.ways["chosen"] == chosen and set(planned.probe.ways["ways"]) == set(rates)
     assert cost_lines(planned.plan, planned.probe)[0].endswith(f"({chosen}: whole optimizer steps, the least of 3 "

@@ -1,5 +1,5 @@
 """The ways to group the data timed (throughput/ways.py) on one model, interleaved, each through its run's attention,
-and the plan's cost taken from the way the run will use (throughput/plan_cost.py), on a real LLaMA with LoRA over
+and the plan's cost taken from the way the run will use (throughput/cost.py), on a real LLaMA with LoRA over
 the sample instructions (one thread)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from reproduce.plan.recipe import parse_recipe
 from reproduce.probe.runner import ProbeResult, ProbeTrial
 from reproduce.probe.workload import Workload
 from reproduce.throughput import split_steps
-from reproduce.throughput.plan_cost import cost_lines, plan_costs
+from reproduce.throughput.cost import cost_lines, plan_costs
 from reproduce.throughput.ways import WayTimings, clock, time_ways
 
 WAIT = 0.3  # seconds the `none` way waits in each timed call (no CPU time)
