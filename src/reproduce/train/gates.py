@@ -231,8 +231,9 @@ def check_gates(run: Any, step: int, record: StepRecord) -> list[dict]:
             found["status"] = "accepted"
         watch.outcomes[found["name"]] = found
     events = []
-    if watch.due(step + 1):
-        if any(gate.evaluated for gate in watch.due(step + 1)) and "eval_loss" not in record.evaluation:
+    gates_due = watch.due(step + 1)  # (after the reference's outcome, as watch.check reads them)
+    if gates_due:
+        if any(gate.evaluated for gate in gates_due) and "eval_loss" not in record.evaluation:
             record.evaluation.update(evaluate_after(run, step))
         spent = run.totals_before_resume["seconds"] + time.perf_counter() - run.started
         # every rank takes the largest forecast (each times its own steps)
