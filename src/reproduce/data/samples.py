@@ -276,6 +276,9 @@ def write_voc(folder: Path, train: int = 160, val: int = 40, seed: int = 0) -> d
 LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 4, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 GPT2 = {"n_positions": 512, "n_embd": 32, "n_layer": 2, "n_head": 2}
+# kind -> transformers' model and config classes, the configuration, save_pretrained's options (GPT-2: in shards)
+MODEL_KINDS = {"Llama": ("LlamaForCausalLM", "LlamaConfig", LLAMA, {}),
+               "GPT2": ("GPT2LMHeadModel", "GPT2Config", GPT2, {"max_shard_size": "100KB"})}
 
 
 def write_model(kind: str, folder: Path, tokenizer: Path, seed: int = 0, **config) -> dict:
@@ -289,12 +292,12 @@ def write_model(kind: str, folder: Path, tokenizer: Path, seed: int = 0, **confi
 
     loaded = load_tokenizer(str(tokenizer))
     torch.manual_seed(seed)
-    settings = {**(LLAMA if kind == "Llama" else GPT2), "vocab_size": len(loaded), "eos_token_id": loaded.eos_token_id,
+    model_class, config_class, defaults, saving = MODEL_KINDS[kind]
+    settings = {**defaults, "vocab_size": len(loaded), "eos_token_id": loaded.eos_token_id,
                 "bos_token_id": loaded.eos_token_id, **config}
-    model = getattr(transformers, f"{kind}ForCausalLM" if kind == "Llama" else "GPT2LMHeadModel")(
-        getattr(transformers, f"{kind}Config")(**settings))
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**settings))
     logging.disable_progress_bar()
-    model.save_pretrained(str(folder), **({} if kind == "Llama" else {"max_shard_size": "100KB"}))
+    model.save_pretrained(str(folder), **saving)
     transformers.AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).save_pretrained(str(folder))
     return {"folder": str(folder), "parameters": sum(p.numel() for p in model.parameters())}
 
