@@ -137,8 +137,16 @@ def test_each_steps_sample_ids_are_the_unpacked_plans_on_every_rank(way, world_s
 ])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_no_token_attends_across_a_packed_sample_boundary(architecture, config, attention):
-    """float64: the logits of each sample packed in a row (rows padded) equal its logits alone, with the config's
-    use_cache left true (the saved default), which without the guard makes transformers attend across samples."""
+    """float64, rows padded, the config's use_cache left true (the saved default), which without the guard makes
+    transformers attend across samples: the packed rows' logits are those of the same rows under our own dense mask
+    (each token sees its own sample's earlier tokens only), and each sample's are its logits alone; the same rows
+    under a causal mask over the whole row (a leak) miss both by far more than the tolerance.
+
+    Alone is float64-exact except under LLaMA's eager attention, whose softmax runs in float32 whatever the model's
+    dtype (transformers' eager_attention_forward: softmax(..., dtype=torch.float32)). float32's softmax kernels round
+    by the row's width and the sample's place in it (on AVX2, the 7 keys of a sample alone fit one 8-lane vector,
+    its 12-key row does not): about 2e-8 in these logits. 8 float32 epsilons (1e-6) bound that with margin, and a
+    leak moves them by about 0.2."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).double().eval()
     assert model.config.use_cache
@@ -149,15 +157,35 @@ def test_no_token_attends_across_a_packed_sample_boundary(architecture, config, 
     indices = torch.tensor([2, 0, 4, 1, 5, 3])
     inputs, targets = dataset.batch(indices)
     assert inputs["input_ids"].shape == (3, 12)  # rows of 12 in order (next fit): 7 + 5, 6 + 3, 4 + 2 (padded)
+    rows = next_fit(lengths[indices].tolist(), 12)
+    sample_of = torch.zeros((3, 12), dtype=torch.long)  # each token's sample in its row, the padding one of its own
+    for row, members in enumerate(rows):
+        sizes = lengths[indices[members]].tolist()
+        sizes.append(12 - sum(sizes))  # the padding
+        sample_of[row] = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+
+    def logits_under(allowed: torch.Tensor) -> torch.Tensor:  # allowed[row, i, j]: token i attends to token j
+        mask = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)
+        return model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], attention_mask=mask[:, None],
+                     use_cache=False).logits
+
+    float32_softmax = architecture == "llama" and attention == "eager"
+    tolerance = 8 * torch.finfo(torch.float32).eps if float32_softmax else 1e-12
     with torch.no_grad():
         packed = wrapped(inputs)
-        for row, members in enumerate(next_fit(lengths[indices].tolist(), 12)):
+        torch.testing.assert_close(packed, logits_under(causal & (sample_of[:, :, None] == sample_of[:, None, :])),
+                                   rtol=1e-12, atol=1e-12)
+        leak = logits_under(causal.expand(3, 12, 12))
+        for row, members in enumerate(rows):
             start = 0
             for member in members:
                 tokens, target = samples[int(indices[member])]
-                alone = wrapped(tokens[None])[0]
-                torch.testing.assert_close(packed[row, start:start + len(tokens)], alone, rtol=1e-12, atol=1e-12)
-                assert torch.equal(targets[row, start:start + len(tokens)], target)
+                alone, span = wrapped(tokens[None])[0], slice(start, start + len(tokens))
+                torch.testing.assert_close(packed[row, span], alone, rtol=tolerance, atol=tolerance)
+                if start:  # a sample after another in its row: the leak would fail the comparison above
+                    assert (leak[row, span] - alone).abs().max() > 1000 * tolerance
+                assert torch.equal(targets[row, span], target)
                 start += len(tokens)
             assert (targets[row, start:] == -100).all()
     check_packed(wrapped, torch.device("cpu"))  # the run's own check agrees
