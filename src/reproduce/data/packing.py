@@ -228,7 +228,8 @@ class Grouped(torch.utils.data.Dataset):
             keep = (targets[0] != IGNORE_INDEX).nonzero().flatten()
             if len(keep) == 0:
                 keep = torch.zeros(1, dtype=torch.long)
-            inputs = {"input_ids": input_ids, "position_ids": positions, **varlen_bounds(sizes), "logits_to_keep": keep}
+            inputs = {"input_ids": input_ids, "position_ids": positions, **varlen_bounds(sizes), "logits_to_keep": keep,
+                      "rows_kept_from": kept_from(keep, sizes)}
             return inputs, targets[:, keep]
         rows = next_fit(sizes, self.grouping.row)
         width = max(sum(len(items[i][0]) for i in row) for row in rows)
@@ -245,6 +246,15 @@ class Grouped(torch.utils.data.Dataset):
                 start = end
             positions[r, start:] = torch.arange(width - start)  # the padding: a segment of its own, no target
         return {"input_ids": input_ids, "position_ids": positions}, targets
+
+
+def kept_from(keep: torch.Tensor, sizes: list[int]) -> tuple[int, ...]:
+    """Each sample's first position whose logit is kept (`keep`, sorted; the sample's size when none is): the last
+    layer's outputs before it feed nothing, so its attention computes the rows from there only (models/varlen.py)."""
+    bounds = torch.tensor([0, *sizes]).cumsum(0)
+    first = keep[torch.searchsorted(keep, bounds[:-1]).clamp(max=len(keep) - 1)]
+    inside = (first >= bounds[:-1]) & (first < bounds[1:])
+    return tuple(torch.where(inside, first - bounds[:-1], torch.tensor(sizes)).tolist())
 
 
 def varlen_bounds(sizes: list[int]) -> dict:

@@ -13,7 +13,8 @@ from torch import nn
 from ..errors import UserError
 
 # a packed row's samples' bounds (data/packing.py `varlen_bounds`), keyword arguments of the model's forward
-BOUNDS = ("sample_sizes", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# (and `rows_kept_from`, each sample's first position whose logit is kept, data/packing.py `kept_from`)
+BOUNDS = ("sample_sizes", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "rows_kept_from")
 HF_KIND_FOR_TASK = {"language-modeling": "causal-lm", "classification": "sequence-classification"}
 
 
@@ -42,6 +43,8 @@ class HFLogits(nn.Module):
             for name in BOUNDS:  # a forward that hands nothing down: the varlen attention reads the samples'
                 kwargs.pop(name, None)  # bounds from the position ids (models/varlen.py)
         keep = kwargs.get("logits_to_keep")
+        if keep is None:  # every logit is taken: the last layer computes every row
+            kwargs.pop("rows_kept_from", None)
         if keep is not None and "logits_to_keep" not in self._forward_parameters:  # every logit, then those kept
             del kwargs["logits_to_keep"]
             return self.model(**kwargs).logits[:, keep]

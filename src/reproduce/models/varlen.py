@@ -19,6 +19,9 @@ from torch import nn
 from .weights import transformers_inside
 
 VARLEN = "reproduce_varlen"
+# the last layer's rows skipped before a sample's first kept logit: at least this many and a quarter of the sample
+# (below that the explicit mask costs what the rows save: docs/packing.md)
+FEWEST_SKIPPED = 40
 CALLS = {"cut": 0, "whole": 0}  # attention calls that cut their rows at the samples, and those that did not
 
 
@@ -53,23 +56,48 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         from transformers.integrations.flash_attention import flash_attention_forward
 
         kwargs.pop("sample_sizes", None)  # (flash-attention reads the same bounds: cu_seq_lens_q / _k)
+        kwargs.pop("rows_kept_from", None)
         return flash_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
                                        **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     sizes = kwargs.get("sample_sizes")  # the tokens of each sample: the collator's, else the position ids'
+    firsts = kwargs.get("rows_kept_from") if last_layer(module) else None
     if sizes is None or sum(sizes) != rows * width:
         bounds = segments(position_ids, rows, width)
-        sizes = [end - start for start, end in zip(bounds, bounds[1:], strict=False)]
+        sizes, firsts = [end - start for start, end in zip(bounds, bounds[1:], strict=False)], None
     # torch.split, not slices: its backward is one concatenation, where each slice's would zero-fill the whole row
     flat = [torch.split(t.transpose(0, 1).reshape(1, heads, rows * width, dim), sizes, dim=2)
             for t in (query, key, value)]
-    pieces = [torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                               scale=scaling).transpose(1, 2)
-              for q, k, v in zip(*flat, strict=True)]  # each (1, L, H, D): concatenated straight into (B, T, H, D)
+    pieces = [sample_attention(q, k, v, dropout, scaling, firsts[i] if firsts else 0)
+              for i, (q, k, v) in enumerate(zip(*flat, strict=True))]  # each (1, L, H, D), straight into (B, T, H, D)
     out = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0].contiguous()
     return out.reshape(rows, width, heads, dim), None
+
+
+def last_layer(module: nn.Module) -> bool:
+    """Whether `module` is the attention of the last layer of a model whose outputs after it are each token's own
+    (transformers' LLaMA and GPT-2: projections, MLP, norms), so a row whose logit is not kept feeds nothing."""
+    config = getattr(module, "config", None)
+    return (getattr(config, "model_type", None) in ("llama", "gpt2")
+            and getattr(module, "layer_idx", None) == getattr(config, "num_hidden_layers", 0) - 1)
+
+
+def sample_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, scaling: float | None,
+                     first: int) -> torch.Tensor:
+    """One sample's causal attention (1, H, L, D) -> (1, L, H, D). From row `first` on only, the rows before it zero,
+    where `first` is a large enough share of the sample to pay for the explicit mask (the query rows [first, L) on
+    every key up to their own, a row's keys and arithmetic as in the causal call); else every row."""
+    length = q.shape[2]
+    attend = torch.nn.functional.scaled_dot_product_attention
+    if first < FEWEST_SKIPPED or 4 * first < length:
+        return attend(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling).transpose(1, 2)
+    if first >= length:
+        return q.new_zeros(1, length, q.shape[1], q.shape[3])
+    mask = torch.ones(length - first, length, dtype=torch.bool, device=q.device).tril(first)
+    rows = attend(q[:, :, first:], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling).transpose(1, 2)
+    return torch.cat([rows.new_zeros(1, first, q.shape[1], q.shape[3]), rows], dim=1)
 
 
 def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:

@@ -263,3 +263,62 @@ def test_the_collator_hands_the_samples_bounds_to_every_attention_call_bitwise_a
     with torch.no_grad():
         assert torch.equal(HFLogits(NoKwargs(model.model), "causal-lm")(inputs), model(inputs))
     assert len(reads) == 4
+
+
+def test_kept_from_is_each_samples_first_kept_position_or_its_size():
+    """`rows_kept_from` (data/packing.py kept_from): per sample, the first position whose logit is kept, counted from
+    the sample's start; a sample with none kept gets its size (no row needed), as does one before the first kept."""
+    from reproduce.data.packing import kept_from
+
+    sizes = [4, 3, 5, 2]  # starts 0, 4, 7, 12
+    assert kept_from(torch.tensor([2, 3, 9, 10, 11]), sizes) == (2, 3, 2, 2)
+    assert kept_from(torch.tensor([0]), sizes) == (0, 3, 5, 2)  # a row without targets keeps its first position
+    assert kept_from(torch.tensor([13]), sizes) == (4, 3, 5, 1)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_last_layer_attends_from_each_samples_first_kept_row_with_the_same_loss_float64(name, one_thread,
+                                                                                           monkeypatch):
+    """With the logits kept at the target tokens only, the last layer's outputs before a sample's first target feed
+    nothing (LLaMA's and GPT-2's layers are per token after the attention), so its attention computes the rows from
+    there, the others zero: the loss and every gradient equal those of every row computed (float64); earlier layers
+    compute every row; a sample whose prompt is short computes every row; without `logits_to_keep` every row."""
+    from reproduce.models import varlen as module
+    from reproduce.train.losses import TokenLoss
+
+    _, model = model_pair(name)
+    lengths = (60, 9, 52, 44)  # prompts of 45, 6 (too few rows to skip), 51 (one target) and 44 (no target) tokens
+    prompts = (45, 6, 51, 44)
+    samples = []
+    for n, prompt in zip(lengths, prompts, strict=True):
+        tokens = (torch.arange(n) * 5 + n) % 32
+        targets = tokens.clone()
+        targets[:prompt] = -100
+        samples.append((tokens, targets))
+    grouping = Grouping("packed", sum(lengths), max(lengths), torch.tensor(lengths), 1, varlen=True)
+    inputs, targets = Grouped(samples, grouping).batch(torch.arange(4))
+    assert inputs["rows_kept_from"] == prompts
+    firsts = []
+    original = module.sample_attention
+    monkeypatch.setattr(module, "sample_attention", lambda *args: firsts.append(args[-1]) or original(*args))
+
+    def step(inputs):
+        model.zero_grad()
+        loss = TokenLoss()(model(inputs), targets)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    skipped = step(inputs)
+    assert firsts == [0, 0, 0, 0, *prompts]  # layer 0 every row; the last layer from each first kept row
+    firsts.clear()
+    every = step({k: v for k, v in inputs.items() if k != "rows_kept_from"})
+    assert firsts == [0] * 8
+    torch.testing.assert_close(skipped[0], every[0], rtol=1e-12, atol=0)
+    for parameter, gradient in every[1].items():
+        torch.testing.assert_close(skipped[1][parameter], gradient, rtol=1e-10, atol=1e-14)
+    firsts.clear()
+    with torch.no_grad():  # every logit asked for: the last layer computes every row, whatever the batch carries
+        whole = model({k: v for k, v in inputs.items() if k != "logits_to_keep"})
+        assert firsts == [0] * 8
+        alone = model({"input_ids": samples[0][0][None], "position_ids": torch.arange(60)[None]})
+    torch.testing.assert_close(whole[:, :60], alone, rtol=1e-12, atol=1e-12)
