@@ -14,17 +14,14 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
-
 from .recipe import Decay
+from .split import Frozen
 
 DecayKind = Literal["constant", "step", "cosine", "linear", "polynomial", "plateau"]  # the recipe's decay.kind
 
 
-class StepSchedule(BaseModel):
+class StepSchedule(Frozen):
     """One schedule in optimizer steps (0-based, absolute): what a batch phase's own `lr/warmup/decay` plans to."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     start_step: int
     end_step: int | None  # where the next schedule starts or the run ends (None: unknown)
