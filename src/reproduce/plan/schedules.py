@@ -12,12 +12,10 @@ on the run, so the plan knows the schedule only up to the first step where one c
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
-from .recipe import Decay
+from .recipe.schedule import Decay, DecayKind
 from .split import Frozen
-
-DecayKind = Literal["constant", "step", "cosine", "linear", "polynomial", "plateau"]  # the recipe's decay.kind
 
 
 class StepSchedule(Frozen):
