@@ -14,7 +14,8 @@ from pydantic import ValidationError
 from ..errors import UserError
 from ..plan.factory import remember_folder
 from ..plan.flatview import FLAT_FIELDS
-from ..plan.recipe import Recipe, load_recipe, parse_recipe, read_yaml
+from ..plan.recipe import Recipe, load_recipe, parse_recipe
+from ..plan.validation import read_yaml
 from ..shipped import resolve_recipe
 from .schema import DEFAULT_FOLDER, MAIN, Budget, CheckFile, format_errors
 

@@ -55,6 +55,7 @@ class Gpu:
 
 
 _NVIDIA = "https://www.nvidia.com/en-us/data-center/"
+_GEFORCE = "https://www.nvidia.com/en-us/geforce/graphics-cards/"
 GPUS = {
     gpu.name: gpu
     for gpu in (
@@ -78,14 +79,11 @@ GPUS = {
         Gpu("p100-16gb", "NVIDIA Tesla P100 16GB", 16, "HBM2", "pascal", _NVIDIA + "tesla-p100/"),
         Gpu("p100-sxm2", "NVIDIA Tesla P100 SXM2 16GB", 16, "HBM2", "pascal", _NVIDIA + "tesla-p100/"),
         Gpu("p100-pcie", "NVIDIA Tesla P100 PCIe 16GB", 16, "HBM2", "pascal", _NVIDIA + "tesla-p100/"),
-        Gpu("rtx4090", "NVIDIA GeForce RTX 4090", 24, "GDDR6X", "ada",
-            "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/rtx-4090/"),
-        Gpu("rtx4080", "NVIDIA GeForce RTX 4080", 16, "GDDR6X", "ada",
-            "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/rtx-4080-family/"),
-        Gpu("rtx3090", "NVIDIA GeForce RTX 3090", 24, "GDDR6X", "ampere",
-            "https://www.nvidia.com/en-us/geforce/graphics-cards/30-series/rtx-3090-3090ti/"),
+        Gpu("rtx4090", "NVIDIA GeForce RTX 4090", 24, "GDDR6X", "ada", _GEFORCE + "40-series/rtx-4090/"),
+        Gpu("rtx4080", "NVIDIA GeForce RTX 4080", 16, "GDDR6X", "ada", _GEFORCE + "40-series/rtx-4080-family/"),
+        Gpu("rtx3090", "NVIDIA GeForce RTX 3090", 24, "GDDR6X", "ampere", _GEFORCE + "30-series/rtx-3090-3090ti/"),
         Gpu("rtx3080-10gb", "NVIDIA GeForce RTX 3080 10GB", 10, "GDDR6X", "ampere",
-            "https://www.nvidia.com/en-us/geforce/graphics-cards/30-series/rtx-3080-3080ti/"),
+            _GEFORCE + "30-series/rtx-3080-3080ti/"),
         Gpu("mi300x", "AMD Instinct MI300X", 192, "HBM3", "cdna3",
             "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html"),
     )

@@ -25,8 +25,6 @@ TORCH_MODELS = ("nanogpt",)  # written here in torch alone (reproduce.models.nan
 MODELS = SMALL_MODELS + TORCHVISION_MODELS + SEGMENTATION_MODELS + TRANSFORMERS_MODELS + TORCH_MODELS
 LOSSES = ("mae-masked-pixel-mse", "bert-mlm-nsp")
 DATA = ("digits", "pysource", "pysource-pairs", "text-pairs")
-# lars, lamb: train/optim/large_batch.py
-TORCH_OPTIMIZERS = ("sgd", "nesterov", "adam", "adamw", "adafactor", "lars", "lamb")
 
 
 def _module_found(spec: str) -> bool:
@@ -84,8 +82,6 @@ def why_not_runnable(recipe: Recipe) -> str | None:
             return f"no built-in {kind} {builder.builtin}"
         if builder is not None and builder.factory is not None and not _module_found(builder.factory):
             return f"{kind} factory {builder.factory!r} not importable"
-    if recipe.optimizer.name not in TORCH_OPTIMIZERS:
-        return f"no PyTorch {recipe.optimizer.name} optimizer"
     return None
 
 

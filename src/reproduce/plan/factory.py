@@ -68,10 +68,8 @@ def call_builder(builder: Any, field: str, registry: dict[str, Any], extra: dict
         return function(**kwargs)
     except UserError:
         raise
-    except TypeError as exc:
-        raise rejected(f"{field}.kwargs", name, exc) from None
     except Exception as exc:
-        if own_errors:
+        if own_errors and not isinstance(exc, TypeError):  # (a TypeError: the kwargs do not fit the function)
             raise
         raise rejected(f"{field}.kwargs", name, exc) from None
 

@@ -12,19 +12,14 @@ on the run, so the plan knows the schedule only up to the first step where one c
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
-from .recipe import Decay
-
-DecayKind = Literal["constant", "step", "cosine", "linear", "polynomial", "plateau"]  # the recipe's decay.kind
+from .recipe.schedule import Decay, DecayKind
+from .split import Frozen
 
 
-class StepSchedule(BaseModel):
+class StepSchedule(Frozen):
     """One schedule in optimizer steps (0-based, absolute): what a batch phase's own `lr/warmup/decay` plans to."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     start_step: int
     end_step: int | None  # where the next schedule starts or the run ends (None: unknown)

@@ -16,23 +16,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
-from pydantic import BaseModel, ConfigDict
-
 from ..errors import UserError
 from .recipe import Length, Recipe
 from .schedules import StepSchedule
-from .split import split_text
+from .split import Frozen, split_text
 
 # one number, or one per sequence length of the batch phases: the micro-batch that fits one process, training samples
 PerLength = int | Mapping[int | None, int]
 MicroBatchMax = PerLength
 
 
-class Segment(BaseModel):
+class Segment(Frozen):
     """Consecutive optimizer steps with one batch, from `start_step`: `whole` (a plan without batch phases),
     `phase` (a stretch of `batch.phases`, or the target after a ramp) or `ramp` (one batch of the ramp)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["phase", "ramp", "whole"]
     start_step: int

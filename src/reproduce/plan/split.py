@@ -40,6 +40,8 @@ def split_text(micro_batch: int, accumulation_steps: int, world_size: int, total
 
 
 class Frozen(BaseModel):
+    """A part of a plan: no field beyond its own, none changed once made."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 

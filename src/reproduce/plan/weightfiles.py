@@ -18,9 +18,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
-
 from ..errors import UserError
+from .split import Frozen
 from .units import format_count, format_size
 
 STATE_DICT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -186,10 +185,8 @@ def data_fingerprint(paths: list[str | None]) -> str | None:
     return "sha256:" + digest.hexdigest()[:16] if found else None
 
 
-class WeightsRecord(BaseModel):
+class WeightsRecord(Frozen):
     """What a plan (plan.yaml's `weights`) says of the weights it starts from: `--resume` refuses other ones."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     path: str
     kind: Literal["folder", "state-dict"]

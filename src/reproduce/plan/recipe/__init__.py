@@ -4,7 +4,6 @@
 `papers/x.yaml: batch.effective: must be > 0 (got -3)`. One module a section; the names other modules read through
 the package are re-exported here."""
 
-from ..validation import read_yaml  # check/load.py reads YAML through here (as before the package)
 from .common import Length, Strict
 from .data import (
     DATA_FORMATS,
@@ -30,5 +29,5 @@ __all__ = [
     "DATA_FORMATS", "FIELD_FORMATS", "PACKING_WAYS", "QUANTIZED_BASES", "REPORTED_METRICS", "SEGMENTATION_MODELS",
     "Budget", "ChatData", "Decay", "Evaluation", "FileData", "Gate", "GateAt", "HfDatasetsData", "ImageFolderData",
     "InstructionsData", "Length", "Lora", "NamedData", "Recipe", "Reference", "Reported", "SegmentationData", "Strict",
-    "TextData", "TokensData", "default_packing", "load_recipe", "parse_recipe", "read_yaml"
+    "TextData", "TokensData", "default_packing", "load_recipe", "parse_recipe"
 ]

@@ -126,8 +126,7 @@ class Batch(Strict):
             if self.unit == "tokens" and phase.effective % (phase.sequence_length or self.token_length):
                 raise ValueError(f"{where}.effective: {phase.effective} tokens is not a whole number of sequences "
                                  f"of {length}")
-            if phase.tokens is not None and length is None:
-                raise ValueError(f"{where}.tokens: counted in tokens, which needs batch.sequence_length")
+            self.check_token_lengths({f"{where}.tokens": phase})
             self._check_phase_schedule(phase, where, index)
         if not any((p.effective, p.sequence_length or self.sequence_length) == (self.effective, self.sequence_length)
                    for p in phases):
@@ -151,11 +150,9 @@ class Batch(Strict):
         decay = phase.decay
         if decay is not None and decay.kind == "plateau":
             raise ValueError(f"{where}.decay.kind: plateau applies to the whole run (schedule.decay), not to a phase")
-        lengths = [("warmup", phase.warmup), ("decay.until", decay.until if decay else None),
-                   ("decay.milestones", decay.milestones if decay else None)]
-        for name, length in lengths:
-            if length is not None and length.tokens is not None and self.sequence_length is None:
-                raise ValueError(f"{where}.{name}.tokens: counted in tokens, which needs batch.sequence_length")
+        self.check_token_lengths({f"{where}.warmup.tokens": phase.warmup,
+                                  f"{where}.decay.until.tokens": decay.until if decay else None,
+                                  f"{where}.decay.milestones.tokens": decay.milestones if decay else None})
 
     def _check_ramp(self, ramp: BatchRamp) -> None:
         if ramp.start >= self.effective:
@@ -164,14 +161,20 @@ class Batch(Strict):
         if self.unit == "tokens" and ramp.start % self.token_length:
             raise ValueError(f"ramp.start: {ramp.start} tokens is not a whole number of sequences of "
                              f"{self.sequence_length}")
-        if ramp.length.tokens is not None and self.sequence_length is None:
-            raise ValueError("ramp.length.tokens: counted in tokens, which needs batch.sequence_length")
+        self.check_token_lengths({"ramp.length.tokens": ramp.length})
         if ramp.granularity is not None and self.unit == "tokens" and ramp.granularity % self.token_length:
             raise ValueError(f"ramp.granularity: {ramp.granularity} tokens is not a whole number of sequences of "
                              f"{self.sequence_length}")
         if ramp.granularity is not None and ramp.granularity >= self.effective:
             raise ValueError(f"ramp.granularity: {ramp.granularity} must be below the batch it ramps up to, "
                              f"effective {self.effective}")
+
+    def check_token_lengths(self, lengths: dict[str, Length | None]) -> None:
+        """A length counted in tokens needs batch.sequence_length: without one, the first such of `lengths` (by the
+        name its message gives) is refused."""
+        for name, length in lengths.items():
+            if self.sequence_length is None and length is not None and length.tokens is not None:
+                raise ValueError(f"{name}: counted in tokens, which needs batch.sequence_length")
 
     @property
     def sequences(self) -> int:

@@ -13,10 +13,8 @@ from .common import Builder, Sides, Strict
 DataFormat = Literal["imagefolder", "tokens", "instructions", "chat", "hf-datasets", "segmentation"]
 DATA_FORMATS: tuple[DataFormat, ...] = typing.get_args(DataFormat)
 SegmentationLayout = Literal["voc", "images-masks", "cityscapes"]
-SEGMENTATION_LAYOUTS: tuple[SegmentationLayout, ...] = typing.get_args(SegmentationLayout)
 DEFAULT_IGNORE_INDEX = 255  # the mask value that bears no loss (VOC's borders, Cityscapes' void), as in MMSegmentation
 TokenDtype = Literal["uint8", "uint16", "int32", "uint32", "int64"]
-TOKEN_DTYPES: tuple[TokenDtype, ...] = typing.get_args(TokenDtype)
 # hf-datasets: which columns hold what; one of these sets of keys (`input` is optional beside instruction/output)
 HF_COLUMN_SETS = ({"text"}, {"instruction", "output"}, {"instruction", "input", "output"}, {"image", "label"},
                   {"input", "label"})

@@ -14,15 +14,12 @@ from .common import Builder, Names, Strict
 # model.aux_weight; builtin_names lists them among the built-ins
 SEGMENTATION_MODELS = ("deeplabv3-resnet50", "deeplabv3-resnet101", "fcn-resnet50", "lraspp-mobilenet-v3-large")
 NormLayer = Literal["batchnorm", "layernorm", "rmsnorm", "groupnorm", "none"]
-NORM_LAYERS: tuple[NormLayer, ...] = typing.get_args(NormLayer)
 WeightDtype = Literal["fp32", "bf16", "fp16"]
-WEIGHT_DTYPES: tuple[WeightDtype, ...] = typing.get_args(WeightDtype)
 QuantizedBase = Literal["int8", "nf4"]  # bitsandbytes' LLM.int8() and 4-bit NormalFloat (models/quantize.py)
 QUANTIZED_BASES: tuple[QuantizedBase, ...] = typing.get_args(QuantizedBase)
 
 
 Normalization = Literal["window-tokens", "micro-batch-mean"]
-NORMALIZATIONS: tuple[Normalization, ...] = typing.get_args(Normalization)
 
 
 class Loss(Builder):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import typing
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -10,10 +9,8 @@ from pydantic import Field, model_validator
 from .common import Names, Strict
 
 OptimizerName = Literal["sgd", "nesterov", "adam", "adamw", "lamb", "lars", "adafactor"]
-OPTIMIZERS: tuple[OptimizerName, ...] = typing.get_args(OptimizerName)
 SGD_FAMILY = ("sgd", "nesterov", "lars")  # the others (adam, adamw, lamb, adafactor) are Adam's family
 Implementation = Literal["foreach", "fused", "for-loop"]
-OPTIMIZER_IMPLEMENTATIONS: tuple[Implementation, ...] = typing.get_args(Implementation)
 IMPLEMENTED_BY_TORCH = ("sgd", "nesterov", "adam", "adamw", "adafactor")
 
 

@@ -111,16 +111,10 @@ class Recipe(Strict):
                 "model.dtype: fp16 weights can only stay frozen under model.lora (a GradScaler cannot unscale fp16 "
                 "gradients); train all weights in bf16 or fp32"
             )
-        if self.batch.sequence_length is None:
-            schedule = self.schedule
-            named = [
-                ("schedule.total", schedule.total), ("schedule.warmup", schedule.warmup),
-                ("schedule.decay.until", schedule.decay.until),
-                ("schedule.decay.milestones", schedule.decay.milestones),
-            ]
-            for name, length in named:
-                if length is not None and length.tokens is not None:
-                    raise ValueError(f"{name}: counted in tokens, which needs batch.sequence_length")
+        schedule = self.schedule
+        self.batch.check_token_lengths({"schedule.total": schedule.total, "schedule.warmup": schedule.warmup,
+                                        "schedule.decay.until": schedule.decay.until,
+                                        "schedule.decay.milestones": schedule.decay.milestones})
         self._check_data_format()
         self._check_segmentation()
         self._check_metrics()

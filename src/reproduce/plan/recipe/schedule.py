@@ -48,11 +48,12 @@ class Milestones(Length):
         return self
 
 
+DecayKind = Literal["constant", "step", "cosine", "linear", "polynomial", "plateau"]  # schedules.StepSchedule's too
 PLATEAU_FIELDS = ("patience", "metric", "mode", "threshold", "threshold_mode", "cooldown")
 
 
 class Decay(Strict):
-    kind: Literal["constant", "step", "cosine", "linear", "polynomial", "plateau"] = "constant"
+    kind: DecayKind = "constant"
     milestones: Milestones | None = None
     factor: float = Field(default=0.1, gt=0, le=1, description="step decay: multiply the LR by this at each milestone")
     min_lr: float | None = Field(default=None, ge=0, description="cosine/linear/polynomial: the final LR")
