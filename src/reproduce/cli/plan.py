@@ -29,7 +29,6 @@ from ..throughput.predicted_time import DEFAULT_MFU, check_mfu, predict
 from . import options
 from .app import app
 from .common import parameters_line, print_lines, recipe_argument, show_note, stderr, stdout, token_budget_text
-from .flags import as_typed, typed_args
 from .throughput import FREE_BATCHNORM_HELP, MFU_HELP, render_prediction, render_throughput
 
 PLAN_DATA_HELP = ("Plan on this data (a folder or file in the recipe's data.format), instead of the recipe's "
@@ -149,7 +148,7 @@ def show_plan(plan: Plan, result, recipe, recipe_path: Path, forecast: dict | No
         print_lines(lines)
     render_throughput(plan)
     if result is not None:
-        print_lines(as_typed(line, typed_args) for line in cost_lines(plan, result))
+        print_lines(options.as_typed(line, options.typed_args) for line in cost_lines(plan, result))
     render_prediction(prediction, plan.world_size, gpus_per_node)
     if out is not None:
         stdout.print(f"plan written to {out}")
@@ -235,7 +234,8 @@ def render_plan(p: Plan, forecast: dict | None = None) -> None:
     if p.batchnorm is not None:
         table.add_row("BatchNorm", *batchnorm_cells(p))
     if forecast is not None:
-        table.add_row("cost (forecast)", *(as_typed(cell, typed_args) for cell in forecast_cells(forecast)))
+        cells = forecast_cells(forecast)
+        table.add_row("cost (forecast)", *(options.as_typed(cell, options.typed_args) for cell in cells))
     stdout.print(table)
     if p.weights is not None:
         stdout.print(p.weights.line(r.model.builtin or r.model.factory), markup=False, soft_wrap=True)

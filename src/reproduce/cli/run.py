@@ -26,7 +26,6 @@ from ..train.options import RunRequest
 from . import options
 from .app import app
 from .common import recipe_argument, show_note
-from .flags import request_flags, typed_args
 from .reporters import PlainReporter, RichReporter
 from .resume import (
     LAUNCHER_ENV,
@@ -88,7 +87,7 @@ def request_args(request: RunRequest, which: str) -> list[str]:
     """The options `which` repeats ("torchrun": each process's; "resume": the continuing command's) as arguments;
     a resume repeats of the recipe's changes only the data's paths (its plan.yaml keeps the others)."""
     args: list[str] = []
-    flags = request_flags()  # each field's flag, as the command declares it (`overrides` is --set)
+    flags = options.request_flags()  # each field's flag, as the command declares it (`overrides` is --set)
     for name, value in request.given(which).items():
         if name == "overrides":
             args += [part for text in value for part in (flags[name], text)]  # type: ignore[attr-defined]
@@ -161,7 +160,7 @@ def _launch(command: list[str]) -> int:
     """Run torchrun: its workers die with this process, get its signals, and say their ending through it, once."""
     from ..train.distributed.launched import run_launched
 
-    return run_launched(command, shlex.join(["reproduce", *map(str, typed_args)]))
+    return run_launched(command, shlex.join(["reproduce", *map(str, options.typed_args)]))
 
 
 starting_run: dict[str, Any] = {}  # the run command's request, and whether it resumes or forces (once decided)
@@ -191,7 +190,7 @@ def stops_in_one_line(command):
                             + continue_command(out, launcher, request_args(decided["request"], "resume")))
                 else:
                     kept = "the previous run is back in place" if decided["force"] else "nothing of this run was kept"
-                    typed = os.environ.get(COMMAND_ENV) or shlex.join(["reproduce", *map(str, typed_args)])
+                    typed = os.environ.get(COMMAND_ENV) or shlex.join(["reproduce", *map(str, options.typed_args)])
                     then = f"{kept} in {out}. Start again with: {typed}"
                 when = "this call's first optimizer step" if decided["resume"] else "the first optimizer step"
                 raise Interrupted(f"{received.name} before {when}; {then}", received.exit_code) from None
