@@ -126,8 +126,7 @@ def show_plan(plan: Plan, result, recipe, recipe_path: Path, forecast: dict | No
     """`plan`'s table and the lines after it: gates, parameters, packing, throughput, costs, predicted time."""
     stdout.print(f"recipe: {described(recipe_path, recipe_path)}", markup=False, soft_wrap=True)
     render_plan(plan, forecast)
-    for gate in planned_gates(plan):  # each gate at its optimizer step (plan/gates.py)
-        stdout.print(gate.line(), markup=False, soft_wrap=True)
+    print_lines(gate.line() for gate in planned_gates(plan))  # each gate at its optimizer step (plan/gates.py)
     counts = parameter_counts(recipe, build=result is not None)  # counted on the meta device when the plan probed
     if counts is not None:  # (or by `papers` or an earlier probe: the probe's cache keeps it) and no torch otherwise
         stdout.print(parameters_line(counts), markup=False)

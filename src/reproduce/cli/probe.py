@@ -134,13 +134,12 @@ def render_batchnorm(plan: Plan, result: ProbeResult) -> None:
     norm = plan.batchnorm
     if norm is None:
         return
-    stdout.print(norm.summary, markup=False, soft_wrap=True)
+    lines = [norm.summary]
     target, line = norm.paper_batch, result.line
     if target and target > (result.micro_batch_max or 0) and line is not None:
         peak = line.intercept_bytes + line.bytes_per_sample * target
-        stdout.print(f"BatchNorm: the paper's BN batch of {target} on one device would peak at about "
-                     f"{format_size(peak)} (fitted line) against the limit of {format_size(result.limit_bytes)}",
-                     markup=False, soft_wrap=True)
-    print_lines(f"  BatchNorm option: {option}" for option in norm.options)
+        lines.append(f"BatchNorm: the paper's BN batch of {target} on one device would peak at about "
+                     f"{format_size(peak)} (fitted line) against the limit of {format_size(result.limit_bytes)}")
+    print_lines([*lines, *(f"  BatchNorm option: {option}" for option in norm.options)])
 
 
