@@ -1,6 +1,6 @@
 """The one exception type for mistakes a user can fix, caught in one place by the CLI (exit code 2). A
 message names the request's field or the recipe's dotted path in backticks, never a flag, so a library caller is
-told about its argument; the CLI maps names to the flags typed (`reproduce.cli.flags`). `DoesNotFit` (exit 3):
+told about its argument; the CLI maps names to the flags typed (`reproduce.cli.options`). `DoesNotFit` (exit 3):
 valid input, too small hardware.
 """
 

@@ -1,6 +1,6 @@
 """Errors carry the field, not the flag: outside cli/ a user error names the request's field (`micro_batch_max`) or
 the recipe's dotted path (`batch.sharding`), never a command-line flag, so a library caller is told about what it
-passed; the CLI turns each name into the flag the user typed, in one place (reproduce.cli.flags)."""
+passed; the CLI turns each name into the flag the user typed, in one place (reproduce.cli.options)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import yaml
 
 from helpers import digits_recipe
 from reproduce.cli import main
-from reproduce.cli.flags import as_typed, request_flags
-from reproduce.cli.options import FLAG_OF_FIELD
+from reproduce.cli.options import FLAG_OF_FIELD, as_typed, request_flags
 from reproduce.cli.reporters import PlainReporter
 from reproduce.errors import UserError
 from reproduce.plan.planner import make_plan

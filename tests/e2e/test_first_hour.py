@@ -268,9 +268,9 @@ def test_max_steps_counts_from_the_start_and_a_resume_past_it_says_what_goes_on(
 
 
 def test_the_hint_keeps_torchruns_options(tmp_path, monkeypatch):
-    from reproduce.cli.resume import LAUNCHER_ENV, continue_command, launcher_args, launcher_of_this_job
-    from reproduce.cli.run import request_args
+    from reproduce.cli.run import continue_command, launcher_args, launcher_of_this_job, request_args
     from reproduce.plan.overlay import Change
+    from reproduce.storage.lock import LAUNCHER_ENV
     from reproduce.train.options import RunRequest
 
     launcher = launcher_args(2, 2, 0, "node0:29500")

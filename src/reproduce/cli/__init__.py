@@ -14,7 +14,7 @@ from ..errors import DoesNotFit, GatePaused, Interrupted, TrainingStopped, UserE
 from ..train.distributed import launched
 from . import check, evaluate, memory, papers, plan, probe, report, run, verify  # noqa: F401  (each registers its command)
 from .app import app
-from .flags import as_typed, typed_args
+from .options import as_typed, typed_args
 
 EXIT_USER_ERROR = 2
 EXIT_DOES_NOT_FIT = DoesNotFit.exit_code  # 3: valid input, but not even micro-batch 1 fits the memory

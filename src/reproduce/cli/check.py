@@ -60,20 +60,19 @@ def check_command(
         kept = History(history)  # read (and a bad line refused) before anything runs
     folder, temporary = prepare_work(work)
     total = sum(len(f.spec.checks) for f in loaded)
-    print(f"{total} checks in {len(loaded)} file(s); runs in {folder}{' (temporary)' if temporary else ''}",
-          file=sys.stderr, flush=True)
+    log = functools.partial(print, file=sys.stderr, flush=True)  # the suite's progress: each run trained, each result
+    log(f"{total} checks in {len(loaded)} file(s); runs in {folder}{' (temporary)' if temporary else ''}")
     started = time.perf_counter()
     done = 0
 
     def on_result(result) -> None:
         nonlocal done
         done += 1
-        print(f"[{done}/{total}] {result.file}: {result.name}: {result.status.upper()} ({result.seconds:.1f}s) "
-              f"measured {result.measured}", file=sys.stderr, flush=True)
+        log(f"[{done}/{total}] {result.file}: {result.name}: {result.status.upper()} ({result.seconds:.1f}s) "
+            f"measured {result.measured}")
 
     html = None
     try:
-        log = functools.partial(print, file=sys.stderr, flush=True)  # each run trained, as it starts
         results = run_checks(loaded, folder, plots, log=log, on_result=on_result, history=kept)
         seconds = time.perf_counter() - started
         if junit is not None:  # beside the JUnit file, with the runs' curves: made before the runs are removed

@@ -31,9 +31,9 @@ def parameters_line(counts: tuple[int, int]) -> str:
 
 def show_note(line: str) -> None:
     """A line the core hands back about how it reached its answer (the probe's result, a timing), on stderr; the
-    fields it names in backticks as the user gives them (cli/flags.py, as for an error: `micro_batch_max` prints as
+    fields it names in backticks as the user gives them (cli/options.py, as for an error: `micro_batch_max` prints as
     `--micro-batch-max`)."""
-    from .flags import as_typed, typed_args
+    from .options import as_typed, typed_args
 
     stderr.print(as_typed(line, typed_args), markup=False)
 

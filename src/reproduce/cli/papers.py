@@ -27,7 +27,7 @@ from ..plan.units import format_count
 from ..shipped import described, is_shipped, papers_folder, recipe_files
 from .app import app
 from .common import print_lines, stdout
-from .flags import as_typed
+from .options import as_typed
 
 NANOGPT_DEFAULTS = {"block_size": 1024, "n_embd": 768}  # models.nanogpt.GPTConfig's (read here without torch)
 LIST_WIDTH = 165  # off a terminal (CI logs, pipes): room for every column of a list on one line

@@ -29,7 +29,6 @@ from ..throughput.predicted_time import DEFAULT_MFU, check_mfu, predict
 from . import options
 from .app import app
 from .common import parameters_line, print_lines, recipe_argument, show_note, stderr, stdout, token_budget_text
-from .flags import as_typed, typed_args
 from .throughput import FREE_BATCHNORM_HELP, MFU_HELP, render_prediction, render_throughput
 
 PLAN_DATA_HELP = ("Plan on this data (a folder or file in the recipe's data.format), instead of the recipe's "
@@ -127,8 +126,7 @@ def show_plan(plan: Plan, result, recipe, recipe_path: Path, forecast: dict | No
     """`plan`'s table and the lines after it: gates, parameters, packing, throughput, costs, predicted time."""
     stdout.print(f"recipe: {described(recipe_path, recipe_path)}", markup=False, soft_wrap=True)
     render_plan(plan, forecast)
-    for gate in planned_gates(plan):  # each gate at its optimizer step (plan/gates.py)
-        stdout.print(gate.line(), markup=False, soft_wrap=True)
+    print_lines(gate.line() for gate in planned_gates(plan))  # each gate at its optimizer step (plan/gates.py)
     counts = parameter_counts(recipe, build=result is not None)  # counted on the meta device when the plan probed
     if counts is not None:  # (or by `papers` or an earlier probe: the probe's cache keeps it) and no torch otherwise
         stdout.print(parameters_line(counts), markup=False)
@@ -149,7 +147,7 @@ def show_plan(plan: Plan, result, recipe, recipe_path: Path, forecast: dict | No
         print_lines(lines)
     render_throughput(plan)
     if result is not None:
-        print_lines(as_typed(line, typed_args) for line in cost_lines(plan, result))
+        print_lines(options.as_typed(line, options.typed_args) for line in cost_lines(plan, result))
     render_prediction(prediction, plan.world_size, gpus_per_node)
     if out is not None:
         stdout.print(f"plan written to {out}")
@@ -235,7 +233,8 @@ def render_plan(p: Plan, forecast: dict | None = None) -> None:
     if p.batchnorm is not None:
         table.add_row("BatchNorm", *batchnorm_cells(p))
     if forecast is not None:
-        table.add_row("cost (forecast)", *(as_typed(cell, typed_args) for cell in forecast_cells(forecast)))
+        cells = forecast_cells(forecast)
+        table.add_row("cost (forecast)", *(options.as_typed(cell, options.typed_args) for cell in cells))
     stdout.print(table)
     if p.weights is not None:
         stdout.print(p.weights.line(r.model.builtin or r.model.factory), markup=False, soft_wrap=True)

@@ -18,7 +18,6 @@ from ..throughput.cost import cost_lines, costs_json, plan_costs
 from . import options
 from .app import app
 from .common import print_lines, recipe_argument, stderr, stdout, token_budget_text
-from .flags import as_typed, typed_args
 
 PROBE_DATA_HELP = "Probe on this data (in the recipe's data.format) instead of the recipe's data.path."
 WORLD_SIZE_HELP = "Number of data-parallel processes: the probe needs no micro-batch above batch / processes."
@@ -127,7 +126,7 @@ def render_probe(result: ProbeResult, plan: Plan | None) -> None:
     print_lines(f"note: {note}" for note in result.notes)
     if plan is not None:
         render_batchnorm(plan, result)
-        print_lines(as_typed(line, typed_args) for line in cost_lines(plan, result))
+        print_lines(options.as_typed(line, options.typed_args) for line in cost_lines(plan, result))
 
 
 def render_batchnorm(plan: Plan, result: ProbeResult) -> None:
@@ -135,13 +134,12 @@ def render_batchnorm(plan: Plan, result: ProbeResult) -> None:
     norm = plan.batchnorm
     if norm is None:
         return
-    stdout.print(norm.summary, markup=False, soft_wrap=True)
+    lines = [norm.summary]
     target, line = norm.paper_batch, result.line
     if target and target > (result.micro_batch_max or 0) and line is not None:
         peak = line.intercept_bytes + line.bytes_per_sample * target
-        stdout.print(f"BatchNorm: the paper's BN batch of {target} on one device would peak at about "
-                     f"{format_size(peak)} (fitted line) against the limit of {format_size(result.limit_bytes)}",
-                     markup=False, soft_wrap=True)
-    print_lines(f"  BatchNorm option: {option}" for option in norm.options)
+        lines.append(f"BatchNorm: the paper's BN batch of {target} on one device would peak at about "
+                     f"{format_size(peak)} (fitted line) against the limit of {format_size(result.limit_bytes)}")
+    print_lines([*lines, *(f"  BatchNorm option: {option}" for option in norm.options)])
 
 

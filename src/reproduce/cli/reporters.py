@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..plan.gates import outcome_line
 from .common import loss_text, parameters_line, print_lines, stderr, stdout
-from .flags import as_typed, typed_args
+from .options import as_typed, typed_args
 
 if TYPE_CHECKING:
     from ..train.reporter import RunEnd, RunStart, StepRecord

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import os
 import shlex
 import signal
@@ -19,6 +20,7 @@ from ..errors import Interrupted, UserError
 from ..observe.outputs import check_out_dir, run_outputs
 from ..observe.trackers import LOG_TO_HELP, Trackers, parse_log_to
 from ..plan.launch import node_range
+from ..plan.planfile import load_plan
 from ..session import check_launch_policy, checked_run, prepare_run
 from ..storage import lock, signals
 from ..storage.aside import settle
@@ -26,15 +28,7 @@ from ..train.options import RunRequest
 from . import options
 from .app import app
 from .common import recipe_argument, show_note
-from .flags import request_flags, typed_args
 from .reporters import PlainReporter, RichReporter
-from .resume import (
-    LAUNCHER_ENV,
-    continue_command,
-    folder_state,
-    launcher_args,
-    launcher_of_this_job,
-)
 
 SOURCE_HELP = "A plan file from `reproduce plan --out`, or a recipe (a file or a shipped recipe's name)."
 OUT_HELP = "Folder for plan.yaml, metrics.jsonl, checkpoints/, model.pt and summary.json."
@@ -88,7 +82,7 @@ def request_args(request: RunRequest, which: str) -> list[str]:
     """The options `which` repeats ("torchrun": each process's; "resume": the continuing command's) as arguments;
     a resume repeats of the recipe's changes only the data's paths (its plan.yaml keeps the others)."""
     args: list[str] = []
-    flags = request_flags()  # each field's flag, as the command declares it (`overrides` is --set)
+    flags = options.request_flags()  # each field's flag, as the command declares it (`overrides` is --set)
     for name, value in request.given(which).items():
         if name == "overrides":
             args += [part for text in value for part in (flags[name], text)]  # type: ignore[attr-defined]
@@ -103,6 +97,60 @@ def request_args(request: RunRequest, which: str) -> list[str]:
         elif change.path in ("data.path", "data.eval_path"):
             args += [flag, str(Path(str(change.value)).expanduser().absolute())]
     return args
+
+
+# The command that continues an interrupted run, `reproduce run OUT/plan.yaml --out OUT --resume`, with every option
+# that shapes the run, so that pasted as printed it goes on with the same run.
+
+
+def launcher_args(nproc_per_node: int, nnodes: int | str, node_rank: int, rdzv_endpoint: str | None) -> list[str]:
+    args = ["--nproc-per-node", str(nproc_per_node)]
+    if str(nnodes) != "1":
+        args += ["--nnodes", str(nnodes), "--node-rank", str(node_rank)]
+    if rdzv_endpoint is not None:
+        args += ["--rdzv-endpoint", rdzv_endpoint]
+    return args
+
+
+def launcher_of_this_job(world_size: int) -> list[str]:
+    """torchrun's options for the resume command: as `--nproc-per-node` launched this job, else (torchrun started
+    by hand) from the variables torchrun sets."""
+    given = os.environ.get(lock.LAUNCHER_ENV)
+    if given is not None:
+        return shlex.split(given)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return launcher_args(local, max(1, world_size // local), int(os.environ.get("GROUP_RANK", 0)), None)
+
+
+def continue_command(out: Path, launcher: list[str], args: list[str]) -> str:
+    """The command that continues this run after a signal, with every option that shapes it."""
+    return shlex.join(["reproduce", "run", str(out / "plan.yaml"), "--out", str(out), "--resume", *launcher, *args])
+
+
+def folder_state(out: Path, max_steps: int | None) -> tuple[str, str]:
+    """Where the run in `out` stands for --auto-resume, and a few words on it: `new`, `started` (plan.yaml, no
+    checkpoint: start again), `unfinished` (resume) or `finished` (judged from the last checkpoint, never from a
+    summary.json that may be damaged)."""
+    if not (out / "plan.yaml").is_file():
+        return "new", "no run there"
+    if not (out / "checkpoints" / "last.pt").is_file():
+        try:  # (nothing to check it against)
+            summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            summary = {}
+        summary = summary if isinstance(summary, dict) else {}
+        steps, planned = summary.get("steps"), summary.get("planned_steps") or summary.get("steps")
+        if isinstance(steps, int) and isinstance(planned, int) and steps >= (
+                planned if max_steps is None else min(max_steps, planned)):
+            return "finished", f"{steps} of {planned} optimizer steps run"
+        return "started", "its plan.yaml but no checkpoint yet"
+    from ..train.resume import finished_state  # (torch: only for a folder with a checkpoint)
+
+    try:
+        planned = load_plan(out / "plan.yaml").optimizer_steps
+    except UserError:  # the resume says what is wrong with it
+        planned = None
+    return finished_state(out, max_steps, planned)
 
 
 def auto_resumed(request: RunRequest, world: Any, launching: bool) -> tuple[bool, bool]:
@@ -151,7 +199,7 @@ def launch(request: RunRequest, world: Any) -> int:
         args = [str(request.source), "--out", str(request.out), *request_args(request, "torchrun")]
         launcher = (request.nproc_per_node, request.nnodes, request.node_rank, request.rdzv_endpoint)
         command = distributed.torchrun_command(args, *launcher, max_restarts=request.max_restarts)
-        os.environ[LAUNCHER_ENV] = shlex.join(launcher_args(*launcher))
+        os.environ[lock.LAUNCHER_ENV] = shlex.join(launcher_args(*launcher))
         check_out_dir(request.out, resume, force)
         print("launching: " + " ".join(command), flush=True)
         return _launch(command)
@@ -161,7 +209,7 @@ def _launch(command: list[str]) -> int:
     """Run torchrun: its workers die with this process, get its signals, and say their ending through it, once."""
     from ..train.distributed.launched import run_launched
 
-    return run_launched(command, shlex.join(["reproduce", *map(str, typed_args)]))
+    return run_launched(command, shlex.join(["reproduce", *map(str, options.typed_args)]))
 
 
 starting_run: dict[str, Any] = {}  # the run command's request, and whether it resumes or forces (once decided)
@@ -191,7 +239,7 @@ def stops_in_one_line(command):
                             + continue_command(out, launcher, request_args(decided["request"], "resume")))
                 else:
                     kept = "the previous run is back in place" if decided["force"] else "nothing of this run was kept"
-                    typed = os.environ.get(COMMAND_ENV) or shlex.join(["reproduce", *map(str, typed_args)])
+                    typed = os.environ.get(COMMAND_ENV) or shlex.join(["reproduce", *map(str, options.typed_args)])
                     then = f"{kept} in {out}. Start again with: {typed}"
                 when = "this call's first optimizer step" if decided["resume"] else "the first optimizer step"
                 raise Interrupted(f"{received.name} before {when}; {then}", received.exit_code) from None

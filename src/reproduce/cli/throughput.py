@@ -43,10 +43,7 @@ def render_throughput(p: Plan) -> None:
         stdout.print(table)
     else:
         stdout.print(title)
-    stdout.print(f"throughput: {decision.reason}", markup=False, soft_wrap=True)
-    line = decision.cost_line()
-    if line:
-        stdout.print(line, markup=False, soft_wrap=True)
+    print_lines(filter(None, [f"throughput: {decision.reason}", decision.cost_line()]))
 
 
 def cluster_cost(hours: float | None, world_size: int = 0, gpus_per_node: int = GPUS_PER_NODE) -> str:
@@ -62,18 +59,17 @@ def render_prediction(prediction: dict, world_size: int = 1, gpus_per_node: int 
     def text(seconds: float | None) -> str:
         return format_duration(seconds) if seconds is not None else "unknown"
 
+    lines = []
     if "flops_per_step" in prediction:
         per_step = prediction["flops_per_step"]
-        stdout.print(f"FLOPs: {prediction['flops_per_sample']:.4g} per sample, {per_step:.4g} per optimizer step "
-                     "(model FLOPs, forward and backward)", markup=False, soft_wrap=True)
+        lines.append(f"FLOPs: {prediction['flops_per_sample']:.4g} per sample, {per_step:.4g} per optimizer step "
+                     "(model FLOPs, forward and backward)")
         if prediction["predicted_basis"]:
-            stdout.print(f"predicted time: {text(prediction['predicted_seconds'])} ({prediction['predicted_basis']})"
-                         + cluster_cost(prediction["gpu_hours"], world_size, gpus_per_node), markup=False,
-                         soft_wrap=True)
+            lines.append(f"predicted time: {text(prediction['predicted_seconds'])} ({prediction['predicted_basis']})"
+                         + cluster_cost(prediction["gpu_hours"], world_size, gpus_per_node))
         if prediction["paper_basis"]:
-            stdout.print(f"predicted time on the paper's hardware: {text(prediction['paper_predicted_seconds'])} "
-                         f"({prediction['paper_basis']})" + cluster_cost(prediction["paper_gpu_hours"]), markup=False,
-                         soft_wrap=True)
+            lines.append(f"predicted time on the paper's hardware: {text(prediction['paper_predicted_seconds'])} "
+                         f"({prediction['paper_basis']})" + cluster_cost(prediction["paper_gpu_hours"]))
         if "FLOPs model" in (prediction["predicted_basis"] or "") + (prediction["paper_basis"] or ""):
-            stdout.print(f"MFU: {prediction['mfu_source']}", markup=False, soft_wrap=True)
-    print_lines(f"note: {note}" for note in prediction["notes"])
+            lines.append(f"MFU: {prediction['mfu_source']}")
+    print_lines([*lines, *(f"note: {note}" for note in prediction["notes"])])

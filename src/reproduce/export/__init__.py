@@ -12,11 +12,7 @@ from ..errors import UserError
 from ..plan.launch import GPUS_PER_NODE
 from ..plan.planner import Plan
 from . import accelerate, deepspeed, hf, lightning, torchrun
-from .code import lr_factor_source, optimizer_source, param_groups_source
-from .common import Export, arithmetic_line
-from .deepspeed import deepspeed_config
-from .hf import hf_scheduler
-from .torchrun import torchrun_command
+from .common import Export
 
 BUILDERS = {"hf": hf.build, "lightning": lightning.build, "deepspeed": deepspeed.build,
             "accelerate": accelerate.build, "torchrun": torchrun.build, "slurm": torchrun.build_slurm}
@@ -40,6 +36,3 @@ def export(plan: Plan, fmt: str, gpus_per_node: int = GPUS_PER_NODE) -> Export:
         return torchrun.build_slurm(plan, gpus_per_node)
     return BUILDERS[fmt](plan)
 
-
-__all__ = ["FORMATS", "Export", "arithmetic_line", "check_format", "deepspeed_config", "emit", "export", "hf_scheduler",
-           "lr_factor_source", "optimizer_source", "param_groups_source", "torchrun_command"]

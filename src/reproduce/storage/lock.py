@@ -124,7 +124,7 @@ def _locked(out: Path) -> tuple[int, int] | None:
     return descriptor, folder
 
 
-LAUNCHER_ENV = "REPRODUCE_LAUNCHED_WITH"  # set by `reproduce run --nproc-per-node` for its torchrun (cli/resume.py)
+LAUNCHER_ENV = "REPRODUCE_LAUNCHED_WITH"  # set by `reproduce run --nproc-per-node` for its torchrun (cli/run.py)
 HELD_ENV = "REPRODUCE_LAUNCHER_HOLDS_THE_LOCK"  # set by a one-machine launcher that holds --out's lock
 
 

@@ -165,7 +165,7 @@ def evaluate_run(run_dir: Path, data_path: str | None = None, eval_data_path: st
     changes = [Change("model.backbone_weights", None), Change("model.weights", str(run_dir / "model.pt")),
                *(Change(path, value, f"`{path}`") for path, value in (("data.path", data_path),
                                                                       ("data.eval_path", eval_data_path))
-                 if value is not None)]  # (named by the flag the user typed: cli/flags.py)
+                 if value is not None)]  # (named by the flag the user typed: cli/options.py)
     recipe = overlay(recipe, changes, source)
     data = build_data(recipe)
     if data.eval is None or len(data.eval) == 0:

@@ -16,7 +16,10 @@ import pytest
 import yaml
 
 from reproduce.errors import UserError
-from reproduce.export import FORMATS, emit, export, hf_scheduler, lr_factor_source, torchrun_command
+from reproduce.export import FORMATS, emit, export
+from reproduce.export.code import lr_factor_source
+from reproduce.export.hf import hf_scheduler
+from reproduce.plan.launch import torchrun_command
 from reproduce.plan.planner import lr_at, make_plan
 from reproduce.plan.recipe import load_recipe, parse_recipe
 
@@ -210,7 +213,7 @@ def test_lr_factor_is_the_plans_schedule(name):
 def test_emitted_param_groups_equal_the_trainers(no_decay):
     import torch
 
-    from reproduce.export import param_groups_source
+    from reproduce.export.code import param_groups_source
     from reproduce.models.small import GPT
     from reproduce.train.optim.optimizers import param_groups
 
