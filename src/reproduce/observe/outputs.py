@@ -79,9 +79,6 @@ class MetricsLog:
                 raise WriteFailed(self.path, error) from None
             self.kept += line
 
-    def offset(self) -> int:
-        return len(self.kept)
-
     def close(self) -> None:
         if self.handle:
             with contextlib.suppress(OSError):  # (a full disk: the write that failed said so)

@@ -52,10 +52,6 @@ class WayTimings:
     clock: str = "wall"
     wall: dict[str, float] = field(default_factory=dict)
 
-    def step_seconds(self, way: str) -> float:
-        """One optimizer step of `way`, as measured (wall clock)."""
-        return self.wall.get(way, self.seconds[way]) / self.steps
-
     def line(self) -> str:
         timed = ", ".join(f"{way} {self.tokens / seconds:,.0f}" for way, seconds in self.seconds.items())
         return (f"packing: {self.chosen}, the fastest exact way measured here: target tokens per {UNITS[self.clock]} "
