@@ -93,7 +93,7 @@ def _restore(path: Path, kept: bytes) -> str | None:
             with open(path, "r+b") as handle:
                 handle.truncate(len(kept))  # drop lines written after the checkpoint we resume from
         return None
-    write_atomic(path, lambda handle: handle.write(kept))
+    write_atomic(path, kept)
     if held is None:
         return f"{path} was missing: rewritten from the checkpoint"
     pairs = zip(held.split(b"\n"), kept.split(b"\n"), strict=False)
@@ -155,8 +155,7 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 def plot_metrics(metrics_path: Path, svg: Path) -> str:
     """The loss curve of metrics.jsonl as an SVG file (`loss_svg`); returns its path."""
-    document = loss_document(read_metrics(metrics_path))
-    write_atomic(svg, lambda handle: handle.write(document.encode("utf-8")))
+    write_atomic(svg, loss_document(read_metrics(metrics_path)).encode("utf-8"))
     return str(svg)
 
 
