@@ -1,5 +1,5 @@
 """Signals in every phase, the litter of killed writers, `--force` all or nothing, and a lock that survives its file:
-each a real `reproduce run` subprocess stopped at an exact point (`REPRODUCE_FAULT_AT`, storage/faults.py: the
+each a real `reproduce run` subprocess stopped at an exact point (`REPRODUCE_FAULT_AT`, storage/signals.py: the
 process sends itself the signal there) or killed from outside, then continued with the command it printed and
 compared with the uninterrupted run, byte for byte."""
 

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from reproduce.observe.loss_plot import BOTTOM, HEIGHT, LEFT, RIGHT, TOP, WIDTH, loss_svg, nice_ticks
-from reproduce.observe.outputs import plot_metrics
+from reproduce.observe.outputs import BOTTOM, HEIGHT, LEFT, RIGHT, TOP, WIDTH, loss_svg, nice_ticks, plot_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 SVG = "{http://www.w3.org/2000/svg}"

@@ -3,6 +3,7 @@ span of `sequence_length` tokens at i x sequence_length, its targets shifted by 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 from pathlib import Path
@@ -69,19 +70,15 @@ def max_token_id(path: Path, dtype: str) -> int:
     stat = path.stat()
     cache = path.with_name(f".{path.name}.max-id.json")
     key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": dtype}
-    try:
+    with contextlib.suppress(OSError, ValueError):
         saved = json.loads(cache.read_text(encoding="utf-8"))
         if isinstance(saved, dict) and saved.get("key") == key and isinstance(saved.get("max_id"), int):
             return saved["max_id"]
-    except (OSError, ValueError):
-        pass
     tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
     largest = max((int(tokens[i:i + MAX_ID_CHUNK].max()) for i in range(0, len(tokens), MAX_ID_CHUNK)), default=0)
     del tokens
-    try:
+    with contextlib.suppress(OSError):
         cache.write_text(json.dumps({"key": key, "max_id": largest}) + "\n", encoding="utf-8")
-    except OSError:
-        pass
     return largest
 
 

@@ -2,7 +2,7 @@
 `factory:`, or `hf:` from local files), from `model.weights` when it names some, in `model.dtype`, with LoRA.
 
 `model.batchnorm` answers what accumulation cannot make exact (BatchNorm normalises each micro-batch by its own
-statistics): `sync` is SyncBatchNorm (`to_sync`), `frozen` torchvision's FrozenBatchNorm2d (Detectron2's practice),
+statistics): `sync` is SyncBatchNorm (train/setup.py), `frozen` torchvision's FrozenBatchNorm2d (Detectron2's practice),
 `group` GroupNorm (Wu & He 2018, arXiv 1803.08494) in 32 groups, or the largest divisor of the channels below it.
 """
 
@@ -254,10 +254,6 @@ def convert(model: nn.Module, mode: str) -> nn.Module:
                 new.running_var.copy_(model.running_var)
     device = next(iter(model.parameters()), next(iter(model.buffers()), None))
     return new if device is None else new.to(device=device.device, dtype=device.dtype)
-
-
-def to_sync(model: nn.Module) -> nn.Module:
-    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
 def input_embedding(model: nn.Module) -> nn.Embedding | None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+from html import escape
 from pathlib import Path
 
 from ..errors import UserError
 from ..storage.files import TEMPORARY, WriteFailed, check_torch_file, write_atomic
 from ..storage.lock import LOCK_NAME
-from .loss_plot import loss_svg
 
 
 def check_out_dir(out: Path, resume: bool, force: bool) -> None:
@@ -78,9 +79,6 @@ class MetricsLog:
                 raise WriteFailed(self.path, error) from None
             self.kept += line
 
-    def offset(self) -> int:
-        return len(self.kept)
-
     def close(self) -> None:
         if self.handle:
             with contextlib.suppress(OSError):  # (a full disk: the write that failed said so)
@@ -95,7 +93,7 @@ def _restore(path: Path, kept: bytes) -> str | None:
             with open(path, "r+b") as handle:
                 handle.truncate(len(kept))  # drop lines written after the checkpoint we resume from
         return None
-    write_atomic(path, lambda handle: handle.write(kept))
+    write_atomic(path, kept)
     if held is None:
         return f"{path} was missing: rewritten from the checkpoint"
     pairs = zip(held.split(b"\n"), kept.split(b"\n"), strict=False)
@@ -156,9 +154,8 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def plot_metrics(metrics_path: Path, svg: Path) -> str:
-    """The loss curve of metrics.jsonl as an SVG file (observe/loss_plot.py); returns its path."""
-    document = loss_document(read_metrics(metrics_path))
-    write_atomic(svg, lambda handle: handle.write(document.encode("utf-8")))
+    """The loss curve of metrics.jsonl as an SVG file (`loss_svg`); returns its path."""
+    write_atomic(svg, loss_document(read_metrics(metrics_path)).encode("utf-8"))
     return str(svg)
 
 
@@ -170,3 +167,77 @@ def loss_document(metrics: bytes | list[dict]) -> str:
     train = [(r["step"], float(r["loss"])) for r in records]
     evals = [(r["step"], float(r["eval_loss"])) for r in records if r.get("eval_loss") is not None]
     return loss_svg(train, evals)
+
+
+# loss.svg: train loss per optimizer step and the eval loss, drawn as SVG text at every run's end with the standard
+# library only (matplotlib took ~1 s of a 5 s digits run; `check` runs many). `reproduce report` draws the full
+# figures with matplotlib.
+WIDTH, HEIGHT = 700, 400  # the 7 x 4 inches at 100 dpi the PNG had
+LEFT, RIGHT, TOP, BOTTOM = 70, 20, 20, 50  # the plot area's margins
+TRAIN, EVAL = "#1f77b4", "#ff7f0e"  # matplotlib's first two colours, as before
+
+
+def nice_ticks(low: float, high: float, count: int = 6) -> list[float]:
+    """About `count` round values (1, 2 or 5 x 10^k apart) covering [low, high]."""
+    if not high > low:
+        low, high = low - 1, high + 1
+    raw = (high - low) / max(count - 1, 1)
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(power * f for f in (1, 2, 5, 10) if power * f >= raw)
+    first = math.floor(low / step) * step
+    ticks = [first + i * step for i in range(int(math.ceil((high - first) / step)) + 1)]
+    return [round(t, 12) for t in ticks]
+
+
+def _paths(points: list[tuple[float, float]], x, y) -> list[str]:
+    """SVG path data for the points, broken where a value is not finite (as matplotlib breaks a line at NaN)."""
+    runs, current = [], []
+    for step, value in points:
+        if math.isfinite(value):
+            current.append(f"{x(step):.1f},{y(value):.1f}")
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return ["M" + " L".join(run) for run in runs]
+
+
+def loss_svg(train: list[tuple[float, float]], evals: list[tuple[float, float]]) -> str:
+    """The SVG document: (step, loss) of the training steps and of the evaluations."""
+    finite = [v for _, v in train + evals if math.isfinite(v)]
+    steps = [s for s, _ in train + evals] or [0, 1]
+    xs = nice_ticks(min(steps), max(steps))
+    ys = nice_ticks(min(finite, default=0.0), max(finite, default=1.0))
+    width, height = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+
+    def x(step: float) -> float:
+        return LEFT + (step - xs[0]) / (xs[-1] - xs[0]) * width
+
+    def y(value: float) -> float:
+        return TOP + (ys[-1] - value) / (ys[-1] - ys[0]) * height
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
+           f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="DejaVu Sans, Arial, sans-serif" font-size="12">',
+           f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
+           f'<rect x="{LEFT}" y="{TOP}" width="{width}" height="{height}" fill="none" stroke="black"/>']
+    for tick in xs:
+        out.append(f'<line x1="{x(tick):.1f}" y1="{TOP + height}" x2="{x(tick):.1f}" y2="{TOP + height + 5}" '
+                   f'stroke="black"/><text x="{x(tick):.1f}" y="{TOP + height + 18}" text-anchor="middle">'
+                   f"{tick:g}</text>")
+    for tick in ys:
+        out.append(f'<line x1="{LEFT - 5}" y1="{y(tick):.1f}" x2="{LEFT}" y2="{y(tick):.1f}" stroke="black"/>'
+                   f'<text x="{LEFT - 8}" y="{y(tick) + 4:.1f}" text-anchor="end">{tick:g}</text>')
+    out.append(f'<text x="{LEFT + width / 2}" y="{HEIGHT - 10}" text-anchor="middle">optimizer step</text>')
+    out.append(f'<text transform="translate(16 {TOP + height / 2}) rotate(-90)" text-anchor="middle">loss</text>')
+    for points, colour in ((train, TRAIN), (evals, EVAL)):
+        out += [f'<path d="{path}" fill="none" stroke="{colour}" stroke-width="1.5"/>' for path in _paths(points, x, y)]
+    out += [f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="3" fill="{EVAL}"/>' for s, v in evals if math.isfinite(v)]
+    legend = [("train loss", TRAIN)] + ([("eval loss", EVAL)] if evals else [])
+    for row, (label, colour) in enumerate(legend):
+        top = TOP + 16 + 18 * row
+        out.append(f'<line x1="{LEFT + width - 120}" y1="{top}" x2="{LEFT + width - 96}" y2="{top}" '
+                   f'stroke="{colour}" stroke-width="1.5"/><text x="{LEFT + width - 88}" y="{top + 4}">'
+                   f"{escape(label)}</text>")
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

@@ -14,6 +14,7 @@ from `parse_log_to` before anything trains.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -105,10 +106,8 @@ class Trackers:
                     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
                     self.said.append(f"warning: {tracker.name} logging stopped ({doing}: {type(error).__name__}: "
                                      f"{first}); the run goes on and {self.out / 'metrics.jsonl'} has every step")
-                try:
+                with contextlib.suppress(Exception):  # it failed once already, and that was reported
                     tracker.close("failed")
-                except Exception:  # it failed once already, and that was reported
-                    pass
             return False
 
     def _save_state(self) -> None:

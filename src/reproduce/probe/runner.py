@@ -8,6 +8,7 @@ FSDP over W > 1 is counted by the estimate meter (one process is probed whole). 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -226,10 +227,8 @@ def run_probe(
         saved = cache.load(key) if options.use_cache else None
         if saved is not None:
             saved.pop("format", None)
-            try:  # (another version wrote it: probe again)
+            with contextlib.suppress(ValueError):  # (another version wrote it: probe again)
                 return ProbeResult.model_validate({**saved, "recipe_path": recipe_path, "cached": True})
-            except ValueError:
-                pass
         found = search(meter.measure, meter.limit_bytes, cap, on_trial)
         does_not_fit = None
         if found.micro_batch_max is None:

@@ -6,6 +6,7 @@ value, so a metric that drifts shows before a check fails."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from pathlib import Path
 
@@ -73,10 +74,8 @@ def check_blocks(results: list, seconds: float, work: Path) -> list[Block]:
             continue
         runs = []
         for folder in folders:
-            try:
+            with contextlib.suppress(UserError):  # a run that failed before writing its plan: its check says why
                 runs.append(load_run(folder, f"{folder.parent.name}/{folder.name}"))
-            except UserError:  # a run that failed before writing its plan: its check says why
-                continue
         content.append(("h2", f"Runs of {group.name}"))
         if missing:
             content.append(("p", missing))

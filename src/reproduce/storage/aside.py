@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from . import faults, signals
+from . import signals
 
 ASIDE_PREFIX = ".previous-run."
 NAMES = ".names.json"  # in the aside folder: the outputs set aside, relative to the run's folder
@@ -130,7 +130,7 @@ def setting_aside(out: Path, names: list[str], enabled: bool,
                     shutil.rmtree(building, ignore_errors=True)
                     raise
                 previous.folder = folder
-                faults.at("aside")
+                signals.fault_at("aside")
                 for name in previous.present:
                     _remove(out / name)
         yield previous

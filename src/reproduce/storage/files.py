@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 from ..errors import DiskFull, UserError
 from ..plan.planfile import write_text_atomic
-from . import faults
+from . import signals
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 
@@ -57,9 +57,9 @@ class _Recording:
             raise
         if not self.started:  # (the tests' exact point: inside the write, e.g. torch.save's, of `name`, begun)
             self.started = True
-            if os.environ.get(faults.FAULT_ENV):
+            if os.environ.get(signals.FAULT_ENV):
                 self.handle.flush()
-                faults.at(f"write:{self.name}")
+                signals.fault_at(f"write:{self.name}")
         return written
 
     def __getattr__(self, name):

@@ -9,6 +9,7 @@ on, and exit code 130 (SIGINT) or 143 (SIGTERM). Without the guard (a library ca
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -83,3 +84,23 @@ def take() -> int | None:
     """`pending()`, now acted on."""
     signum, _state.pending = _state.pending, None
     return signum
+
+
+# Exact points for the fault tests: `REPRODUCE_FAULT_AT=POINT[#N]:SIGNAL[,...]` makes this process send itself SIGNAL
+# the Nth time (default the first) it reaches POINT: `start` (plan.yaml written, before the first step), `write:NAME`
+# (inside the write of the file NAME, not yet in place), `aside` (--force: the previous run set aside, not yet
+# removed), `end` (after the last step, before the run's end is written).
+FAULT_ENV = "REPRODUCE_FAULT_AT"
+_seen: dict[str, int] = {}
+
+
+def fault_at(point: str) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    _seen[point] = _seen.get(point, 0) + 1
+    for item in spec.split(","):
+        where, _, name = item.rpartition(":")
+        where, _, count = where.partition("#")
+        if where == point and _seen[point] == int(count or 1):
+            os.kill(os.getpid(), getattr(signal, name))

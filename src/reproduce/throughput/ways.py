@@ -18,6 +18,7 @@ a run's steps take). Every way is exact: the choice changes the speed only, neve
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,10 +51,6 @@ class WayTimings:
     micro_batch: int = 0  # the plan's, whose T the packed and sorted ways grouped by
     clock: str = "wall"
     wall: dict[str, float] = field(default_factory=dict)
-
-    def step_seconds(self, way: str) -> float:
-        """One optimizer step of `way`, as measured (wall clock)."""
-        return self.wall.get(way, self.seconds[way]) / self.steps
 
     def line(self) -> str:
         timed = ", ".join(f"{way} {self.tokens / seconds:,.0f}" for way, seconds in self.seconds.items())
@@ -112,11 +109,9 @@ def time_ways(recipe: Recipe, ways: list[str], micro_batch: int, per_rank: int, 
         groupings = {way: _grouping(timer, recipe, way, micro_batch) for way in ways}
         times: dict[str, list[tuple[float, float]]] = {}
         for way in ways:  # left out: its caches, the model's first call (the same first window for every way)
-            try:
+            with contextlib.suppress(NotTimed):
                 timed(way, 0, 1)
                 times[way] = []
-            except NotTimed:
-                pass
         order = list(times)
         for p in range(passes):  # the same windows each pass, the ways interleaved, the order rotated
             shift = p % len(order) if order else 0

@@ -160,13 +160,12 @@ def evaluate_run(run_dir: Path, data_path: str | None = None, eval_data_path: st
         if not (run_dir / name).is_file():
             raise UserError(f"RUN_DIR: {run_dir} has no {name} (the folder of a finished `reproduce run`)")
     plan = load_plan(run_dir / "plan.yaml")
-    recipe = plan.recipe
     source = str(run_dir / "plan.yaml")
     changes = [Change("model.backbone_weights", None), Change("model.weights", str(run_dir / "model.pt")),
                *(Change(path, value, f"`{path}`") for path, value in (("data.path", data_path),
                                                                       ("data.eval_path", eval_data_path))
                  if value is not None)]  # (named by the flag the user typed: cli/options.py)
-    recipe = overlay(recipe, changes, source)
+    recipe = overlay(plan.recipe, changes, source)
     data = build_data(recipe)
     if data.eval is None or len(data.eval) == 0:
         raise UserError(f"{source}: the run's recipe has no evaluation data (data.eval_path, or a voc folder's "

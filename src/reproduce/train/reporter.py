@@ -124,7 +124,7 @@ class RunEnd:
     reference: str | None  # the curve against the reference runs' (observe/reference.py)
     noise: str | None  # the noise scale's verdict (None: said at the start, or not measured)
     outputs: str  # where its outputs are
-    plot: str | None  # the loss plot (observe/loss_plot.py)
+    plot: str | None  # the loss plot (observe/outputs.loss_svg)
 
 
 def run_end(summary: dict, out: Path, skip_nonfinite: bool) -> RunEnd:

@@ -138,8 +138,8 @@ def end_problem(out: Path, state: dict) -> str | None:
         return f"{path} is missing"
     except (OSError, ValueError) as error:
         return f"{path} is damaged: {str(error).splitlines()[0]}"
-    if not isinstance(written, dict) or _canonical({k: v for k, v in written.items() if k not in END_FIELDS}) != (
-            _canonical(summary)):
+    if not isinstance(written, dict) or json.dumps({k: v for k, v in written.items() if k not in END_FIELDS},
+                                                   sort_keys=True) != json.dumps(summary, sort_keys=True):
         return f"{path} is not the run's: it differs from the summary its checkpoint holds"
     problem = _model_problem(out, state)
     if problem:
@@ -155,17 +155,11 @@ def end_problem(out: Path, state: dict) -> str | None:
                  if written.get(name) and not (out / name).exists()), None)
 
 
-def _canonical(value: object) -> str:
-    return json.dumps(value, sort_keys=True)
-
-
 def _model_problem(out: Path, state: dict) -> str | None:
     """model.pt damaged, or other weights than the checkpoint's (a sharded checkpoint holds none: its
     seal alone is checked)."""
     model = out / "model.pt"
-    if not model.is_file():
-        return f"{model} is missing"
-    damaged = check_torch_file(model)
+    damaged = check_torch_file(model) if model.is_file() else "missing"
     if damaged:
         return f"{model} is {damaged}"
     expected = state.get("model")

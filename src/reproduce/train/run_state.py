@@ -34,7 +34,7 @@ from ..plan.planfile import plan_to_yaml
 from ..plan.planner import Plan
 from ..plan.reported import compare_reported
 from ..plan.segments import batch_phases, length_sizes
-from ..storage import faults, signals
+from ..storage import signals
 from ..storage.files import WriteFailed, replace_folder, write_atomic, write_torch_file
 from .distributed import processes as distributed
 from .distributed.processes import World
@@ -183,7 +183,7 @@ def start_run(plan: Plan, request: RunRequest, world: World, data: Datasets | No
         reporter.message(f"note: noise scale not measured: {noise_skipped}")
     if grouping is not None:  # the way this run groups, and what it pads (data/packing.py)
         reporter.message(grouping_line(plan, grouping, resumed.seed, resumed.first_step))
-    faults.at("start")  # (the tests' exact point: set up, plan.yaml written, no step yet)
+    signals.fault_at("start")  # (the tests' exact point: set up, plan.yaml written, no step yet)
     parameters = count_parameters(setup.unwrapped_model)
     reporter.start(run_start(plan, total, resumed.first_step, parameters))  # the start's lines, as data
     # (a resume at the last step: its record is the end's `final`)
@@ -323,7 +323,7 @@ def finish_run(run: Run) -> dict:
         run.resumed.rebuild) else None
     summary = summary if summary is not None else run_summary(run, time.perf_counter() - run.started)
     with signals.deferred():
-        faults.at("end")
+        signals.fault_at("end")
         model_state = full_model_state(run.setup)  # FSDP: gathered from every rank's shards
         if run.world.is_main:  # each written whole or not at all; summary.json last, as it names the others
             stop_in_end(run, "model.pt")

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..data import Datasets, build_data
 from ..errors import UserError
-from ..models import build_model, count_batchnorm, place, to_sync
+from ..models import build_model, count_batchnorm, place
 from ..plan.batchnorm import label_disagreement
 from ..plan.planner import Plan
 from ..plan.recipe import Recipe
@@ -104,8 +104,8 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
     if recipe.task == "segmentation" and data.eval is None:
         notes.append("no evaluation data: the run reports no eval loss, mIoU or pixel accuracy (give --eval-data, "
                      "data.eval_path, a voc folder's val list, or images/ and masks/ with train/ and val/)")
-    if recipe.model.batchnorm == "sync":
-        model = to_sync(model)  # statistics over every process's micro-batch (checked above: CUDA, several)
+    if recipe.model.batchnorm == "sync":  # statistics over every process's micro-batch (checked above: CUDA, several)
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     counter = None
     if world.distributed:
         counter = distributed.SyncCounter()

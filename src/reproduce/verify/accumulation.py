@@ -140,8 +140,7 @@ def recomputation_error(plan: Plan, data: Datasets, micro_batches: list, device:
     model has dropout to check). `micro_batches` are on the device; both steps start from the same seed."""
     gradients, dropout = [], False
     for checkpointing in (True, False):
-        recipe = plan.recipe
-        recipe = variant(recipe, {"model.activation_checkpointing": checkpointing})
+        recipe = variant(plan.recipe, {"model.activation_checkpointing": checkpointing})
         torch.manual_seed(seed)
         model = build_model(recipe, data.info).to(device=device, dtype=dtype)
         model.train()

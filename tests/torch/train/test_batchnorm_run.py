@@ -89,9 +89,7 @@ def test_verify_says_equivalent_with_group_norm(tmp_path, capsys):
 
 
 def test_sync_conversion_keeps_the_weights():
-    from reproduce.models import to_sync
-
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
-    synced = to_sync(model)
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     assert isinstance(synced[1], nn.SyncBatchNorm)
     assert synced.state_dict().keys() == nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)).state_dict().keys()

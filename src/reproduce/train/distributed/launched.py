@@ -96,11 +96,9 @@ def run_launched(command: list[str], typed: str) -> int:
     try:
         child = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=die_with_parent)
         while True:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 code = child.wait(timeout=0.1)
                 break
-            except subprocess.TimeoutExpired:
-                pass
             if pending:
                 for path in folder.glob("pid-*"):
                     with contextlib.suppress(ValueError, OSError):
