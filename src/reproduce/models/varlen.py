@@ -4,7 +4,8 @@ A packed micro-batch is one row of samples back to back, position ids restarting
 `varlen_attention` attends within each sample without a dense (T x T) mask, the bounds handed down by the collator
 (`sample_sizes`, `cu_seq_lens_*`) or read from the position ids:
 - CUDA in bf16 / fp16 with flash-attention installed: transformers' flash-attention varlen path (not run here);
-- otherwise: SDPA `is_causal` on each sample's slice, exact (docs/packing.md has the measurements).
+- otherwise: SDPA `is_causal` on each sample's slice, exact (docs/packing.md has the measurements); in the last
+  layer, from each sample's first kept logit on (`rows_kept_from`: the rows before feed nothing).
 Anything else (an attention mask, no position ids, a cache, fake position ids) falls back to transformers' sdpa.
 build_model calls `use_varlen` for a packed recipe, so run, verify and the probe run the same kernel.
 """
