@@ -193,11 +193,10 @@ class Runner:
             ratio = value / base if base else math.inf
             measured += f" = {ratio:.3f} x {check.baseline} ({base:.4g})"
             _bounds(ratio, check.min_ratio, check.max_ratio, conditions, expected, suffix=f" x {check.baseline}")
-        if check.reported is not None:
-            reported = next(r for r in run.recipe.reported if r.metric == check.reported)
-            tolerance = check.tolerance if check.tolerance is not None else reported.tolerance
-            conditions.append(abs(value - reported.value) <= tolerance)
-            expected.append(f"reported {reported.value:g} +- {tolerance:g}")
+        if check.reported is not None:  # the paper's value and tolerance, as the result carries them
+            paper = paper_value(run.recipe, check)
+            conditions.append(abs(value - paper["value"]) <= paper["tolerance"])
+            expected.append(f"reported {paper['value']:g} +- {paper['tolerance']:g}")
         return ("pass" if all(conditions) else "fail"), measured, ", ".join(expected), details, None, value, values
 
     def _compare(self, file: LoadedFile, check: CompareCheck):
