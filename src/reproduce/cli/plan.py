@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ..export import FORMATS, check_format, emit
+from ..export import FORMATS, check_format, export
 from ..model_facts import parameter_counts
 from ..plan.builtin_names import check_builtin_model
 from ..plan.flatview import flat_fields
@@ -107,7 +107,7 @@ def plan_command(
     if out is not None:
         save_plan(plan, out)
     if emit_format is not None:
-        print(emit(plan, emit_format, gpus_per_node), end="")
+        print(export(plan, emit_format, gpus_per_node).text, end="")
         return
     grouping = None
     if data is not None:  # (torch: only with data, which imported it)
