@@ -119,13 +119,11 @@ class Runner:
                 status = status if holds else "fail"
                 expected = f"{expected}, {wanted}" if expected else wanted
                 details = [line, *details] if not holds else [*details, line]
-        except UserError as error:
-            status, measured, expected, details, plot = "error", "-", "-", list(error.lines), None
         except Interrupted:
             raise
-        except Exception as error:  # a crash in training or in the user's factory: reported, not fatal
+        except Exception as error:  # bad input, or a crash in training or in the user's factory: reported, not fatal
             status, measured, expected, plot = "error", "-", "-", None
-            details = [f"{type(error).__name__}: {error}"]
+            details = list(error.lines) if isinstance(error, UserError) else [f"{type(error).__name__}: {error}"]
         return Result(file.label, name, check.kind, status, measured, expected,
                       round(time.perf_counter() - started, 2), details, plot, getattr(check, "metric", None), value,
                       values, paper, band)
