@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -281,7 +282,10 @@ def test_the_hint_keeps_torchruns_options(tmp_path, monkeypatch):
     assert launcher_of_this_job(2) == ["--nproc-per-node", "2"]
     request = RunRequest(source=tmp_path / "recipe.yaml", out=tmp_path / "out", max_steps=30, stop_on_divergence=True,
                          changes=(Change("data.path", "/data/my set", "--data"),))
-    hint = continue_command(tmp_path / "out", launcher, request_args(request, "resume"))
+    assert continue_command(request, SimpleNamespace(distributed=False, size=1)).endswith(
+        "--resume " + shlex.join(request_args(request, "resume")))  # one process: no launcher options
+    monkeypatch.setenv(LAUNCHER_ENV, shlex.join(launcher))
+    hint = continue_command(request, SimpleNamespace(distributed=True, size=4))
     assert shlex.split(hint) == ["reproduce", "run", str(tmp_path / "out" / "plan.yaml"), "--out",
                                  str(tmp_path / "out"), "--resume", "--nproc-per-node", "2", "--nnodes", "2",
                                  "--node-rank", "0", "--rdzv-endpoint", "node0:29500", "--max-steps", "30",

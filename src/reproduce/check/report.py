@@ -96,18 +96,14 @@ STATED = re.compile(r"^([A-Za-z_][\w.]*): expected ")  # plan_problems' "FIELD: 
 
 def _key_line(node: yaml.Node, name: str) -> int | None:
     """1-based line of the first key `name` inside `node` (depth first), None when there is none."""
-    if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            if key.value == name:
-                return key.start_mark.line + 1
-            found = _key_line(value, name)
-            if found is not None:
-                return found
-    elif isinstance(node, yaml.SequenceNode):
-        for item in node.value:
-            found = _key_line(item, name)
-            if found is not None:
-                return found
+    children = node.value if isinstance(node, yaml.MappingNode) else (
+        [(None, item) for item in node.value] if isinstance(node, yaml.SequenceNode) else [])
+    for key, value in children:  # (key node, value node); a list's items have no key
+        if key is not None and key.value == name:
+            return key.start_mark.line + 1
+        found = _key_line(value, name)
+        if found is not None:
+            return found
     return None
 
 

@@ -119,13 +119,11 @@ class Runner:
                 status = status if holds else "fail"
                 expected = f"{expected}, {wanted}" if expected else wanted
                 details = [line, *details] if not holds else [*details, line]
-        except UserError as error:
-            status, measured, expected, details, plot = "error", "-", "-", list(error.lines), None
         except Interrupted:
             raise
-        except Exception as error:  # a crash in training or in the user's factory: reported, not fatal
+        except Exception as error:  # bad input, or a crash in training or in the user's factory: reported, not fatal
             status, measured, expected, plot = "error", "-", "-", None
-            details = [f"{type(error).__name__}: {error}"]
+            details = list(error.lines) if isinstance(error, UserError) else [f"{type(error).__name__}: {error}"]
         return Result(file.label, name, check.kind, status, measured, expected,
                       round(time.perf_counter() - started, 2), details, plot, getattr(check, "metric", None), value,
                       values, paper, band)
@@ -193,11 +191,10 @@ class Runner:
             ratio = value / base if base else math.inf
             measured += f" = {ratio:.3f} x {check.baseline} ({base:.4g})"
             _bounds(ratio, check.min_ratio, check.max_ratio, conditions, expected, suffix=f" x {check.baseline}")
-        if check.reported is not None:
-            reported = next(r for r in run.recipe.reported if r.metric == check.reported)
-            tolerance = check.tolerance if check.tolerance is not None else reported.tolerance
-            conditions.append(abs(value - reported.value) <= tolerance)
-            expected.append(f"reported {reported.value:g} +- {tolerance:g}")
+        if check.reported is not None:  # the paper's value and tolerance, as the result carries them
+            paper = paper_value(run.recipe, check)
+            conditions.append(abs(value - paper["value"]) <= paper["tolerance"])
+            expected.append(f"reported {paper['value']:g} +- {paper['tolerance']:g}")
         return ("pass" if all(conditions) else "fail"), measured, ", ".join(expected), details, None, value, values
 
     def _compare(self, file: LoadedFile, check: CompareCheck):

@@ -139,7 +139,9 @@ class CompareCheck(_Check):
 
 
 AnyCheck = Annotated[PlanCheck | VerifyCheck | MetricCheck | CompareCheck, Field(discriminator="kind")]
-KINDS = ("plan", "verify", "metric", "compare")
+CHECKS = {  # each check kind's class, in the union's order (messages list the kinds so)
+    cls.model_fields["kind"].annotation.__args__[0]: cls for cls in (PlanCheck, VerifyCheck, MetricCheck, CompareCheck)
+}
 
 
 class CheckFile(Strict):
@@ -162,12 +164,12 @@ def format_errors(exc: ValidationError, source: str, root: type[BaseModel] = Che
         key = [parts.pop()] if kind == "extra_forbidden" and parts else []  # the file's own key, whatever it reads
         loc = [part for part in parts if not (isinstance(part, str) and is_union_tag(part))] + key
         if kind == "union_tag_not_found":
-            loc, message = [*loc, "kind"], f"required: one of {', '.join(KINDS)}"
+            loc, message = [*loc, "kind"], f"required: one of {', '.join(CHECKS)}"
         elif kind == "union_tag_invalid":
             tag = error.get("ctx", {}).get("tag")
-            close = difflib.get_close_matches(str(tag), KINDS, n=1)
+            close = difflib.get_close_matches(str(tag), list(CHECKS), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            loc, message = [*loc, "kind"], f"expected one of {', '.join(KINDS)} (got {tag!r}{hint})"
+            loc, message = [*loc, "kind"], f"expected one of {', '.join(CHECKS)} (got {tag!r}{hint})"
         elif kind == "extra_forbidden":
             message = unknown_key(str(loc[-1]), _fields_at(root, loc[:-1]))
         else:
@@ -179,11 +181,6 @@ def format_errors(exc: ValidationError, source: str, root: type[BaseModel] = Che
         if line not in lines:
             lines.append(line)
     return lines
-
-
-CHECKS = {
-    cls.model_fields["kind"].annotation.__args__[0]: cls for cls in (PlanCheck, VerifyCheck, MetricCheck, CompareCheck)
-}
 
 
 def _walk(root: type[BaseModel], loc: list) -> tuple[str, Any]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ..export import FORMATS, check_format, emit
+from ..export import FORMATS, check_format, export
 from ..model_facts import parameter_counts
 from ..plan.builtin_names import check_builtin_model
 from ..plan.flatview import flat_fields
@@ -107,7 +107,7 @@ def plan_command(
     if out is not None:
         save_plan(plan, out)
     if emit_format is not None:
-        print(emit(plan, emit_format, gpus_per_node), end="")
+        print(export(plan, emit_format, gpus_per_node).text, end="")
         return
     grouping = None
     if data is not None:  # (torch: only with data, which imported it)
@@ -215,11 +215,11 @@ def render_plan(p: Plan, forecast: dict | None = None) -> None:
             "option (Adam)", f"betas {list(r.optimizer.betas)} eps {r.optimizer.eps:g}",
             f"betas {[round(b, 6) for b in p.lr_scaling.adam_option.betas]} eps {p.lr_scaling.adam_option.eps:.3g}",
         )
-    table.add_row("schedule total", _length(r.schedule.total), f"unknown ({UNKNOWN_SIZE})"
+    table.add_row("schedule total", r.schedule.total.label(), f"unknown ({UNKNOWN_SIZE})"
                   if p.optimizer_steps is None else f"{p.optimizer_steps} optimizer steps")
     if r.schedule.warmup is not None:
         warm = r.schedule.warmup
-        shown = f"ratio {warm.ratio:g}" if warm.ratio is not None else _length(warm)
+        shown = f"ratio {warm.ratio:g}" if warm.ratio is not None else warm.label()
         unknown = warm.unit == "epochs" if warm.ratio is None else p.optimizer_steps is None
         table.add_row("warm-up", shown, f"unknown ({UNKNOWN_SIZE})" if unknown and p.steps_per_epoch is None else
                       f"{p.warmup_steps} steps from lr {p.schedule.warmup_start_lr:g}")
@@ -342,7 +342,3 @@ def render_phases(p: Plan) -> None:
         cells.append(first if last is None or last <= phase.start_step else f"{first} - {lr_at(p, last - 1):.4g}")
         table.add_row(*cells)
     stdout.print(table)
-
-
-def _length(length) -> str:
-    return length.label() if length is not None else "-"

@@ -122,8 +122,10 @@ def launcher_of_this_job(world_size: int) -> list[str]:
     return launcher_args(local, max(1, world_size // local), int(os.environ.get("GROUP_RANK", 0)), None)
 
 
-def continue_command(out: Path, launcher: list[str], args: list[str]) -> str:
-    """The command that continues this run after a signal, with every option that shapes it."""
+def continue_command(request: RunRequest, world: Any) -> str:
+    """The command that continues this run after a signal, with every option that shapes it (torchrun's too)."""
+    launcher = launcher_of_this_job(world.size) if world.distributed else []
+    out, args = request.out, request_args(request, "resume")
     return shlex.join(["reproduce", "run", str(out / "plan.yaml"), "--out", str(out), "--resume", *launcher, *args])
 
 
@@ -233,10 +235,8 @@ def stops_in_one_line(command):
                 if decided["resume"] and (out / "checkpoints" / "last.pt").is_file():
                     from ..train.distributed import processes as distributed
 
-                    world = distributed.world_from_env()
-                    launcher = launcher_of_this_job(world.size) if world.distributed else []
                     then = (f"{out / 'checkpoints' / 'last.pt'} is as it was. Continue with: "
-                            + continue_command(out, launcher, request_args(decided["request"], "resume")))
+                            + continue_command(decided["request"], distributed.world_from_env()))
                 else:
                     kept = "the previous run is back in place" if decided["force"] else "nothing of this run was kept"
                     typed = os.environ.get(COMMAND_ENV) or shlex.join(["reproduce", *map(str, options.typed_args)])
@@ -270,8 +270,7 @@ def train_in_folder(request: RunRequest, world: Any) -> None:
         checked = checked_run(request, world.size, resume)
         check_out_dir(request.out, resume, force)
         prepared = prepare_run(request, world, resume, show_note if world.is_main else None, checked)
-        launcher = launcher_of_this_job(world.size) if world.distributed else []
-        continue_with = continue_command(request.out, launcher, request_args(request, "resume"))
+        continue_with = continue_command(request, world)
         decided = dataclasses.replace(request, resume=resume, force=force)  # as --auto-resume decided
         if not world.is_main:  # the other ranks train quietly; rank 0 reports
             train_checked(prepared.plan, decided, world, data=prepared.data, continue_with=continue_with)

@@ -1,9 +1,9 @@
 """A plan in another trainer's own terms: Hugging Face, Lightning, DeepSpeed, Accelerate, torchrun, or SLURM (no
-torch). `emit(plan, fmt)` returns the text; `export(plan, fmt)` also the values it is made of (what tests hand to the
-real libraries). Every text opens with the batch arithmetic and the LR rule, and says in comments what the
-framework cannot express or does differently from `reproduce run` (docs/exports.md): m x N x W always carries over;
-the schedule where the framework has it, else as `lr_factor(step)` for LambdaLR; Lightning and Accelerate divide
-each micro-batch's mean by N, exact only when every micro-batch holds as many loss-bearing items.
+torch). `export(plan, fmt)` returns the text and the values it is made of (what tests hand to the real libraries).
+Every text opens with the batch arithmetic and the LR rule, and says in comments what the framework cannot express or
+does differently from `reproduce run` (docs/exports.md): m x N x W always carries over; the schedule where the
+framework has it, else as `lr_factor(step)` for LambdaLR; Lightning and Accelerate divide each micro-batch's mean by
+N, exact only when every micro-batch holds as many loss-bearing items.
 """
 
 from __future__ import annotations
@@ -19,11 +19,6 @@ BUILDERS = {"hf": hf.build, "lightning": lightning.build, "deepspeed": deepspeed
 FORMATS = tuple(BUILDERS)
 
 
-def emit(plan: Plan, fmt: str, gpus_per_node: int = GPUS_PER_NODE) -> str:
-    """The plan as `fmt` (one of FORMATS), text that opens with its comments; `gpus_per_node`: slurm's nodes."""
-    return export(plan, fmt, gpus_per_node).text
-
-
 def check_format(fmt: str) -> str:
     """`fmt` if it is one of FORMATS, else the one-line UserError `reproduce plan --emit` reports."""
     if fmt not in FORMATS:
@@ -32,6 +27,7 @@ def check_format(fmt: str) -> str:
 
 
 def export(plan: Plan, fmt: str, gpus_per_node: int = GPUS_PER_NODE) -> Export:
+    """The plan as `fmt` (one of FORMATS): its text and the values it is made of; `gpus_per_node`: slurm's nodes."""
     if check_format(fmt) == "slurm":
         return torchrun.build_slurm(plan, gpus_per_node)
     return BUILDERS[fmt](plan)

@@ -62,10 +62,8 @@ def header(plan: Plan, notes: list[str], extra: list[str] = ()) -> list[str]:
         lines += comment(
             f"optional, not applied: betas {[round(b, 6) for b in option.betas]} eps {option.eps:.3g} ({option.source})"
         )
-    for warning in plan.warnings:
-        lines += comment(f"plan warning: {warning}")
-    for line in extra:
-        lines += comment(line)
+    for text in [*(f"plan warning: {warning}" for warning in plan.warnings), *extra]:
+        lines += comment(text)
     phases = batch_phases(plan.segments)  # no one setting switches the batch mid-run: say where reproduce run does
     if phases:
         notes = [*notes, "the batch changes during training; the settings here are the main batch's. reproduce run "

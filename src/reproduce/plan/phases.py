@@ -117,11 +117,10 @@ def _ramp(recipe: Recipe, target: Choice, cap: int, world_size: int, segment: An
                         f"{grain} {batch.count_unit}: the ramp starts at {grain}")
     unit, value = ramp.length.unit, ramp.length.value
     if unit == "epochs":
-        size = segment("phase", 0, None, target, final, length, cap, target.exact).dataset_size
-        if size is None:
+        if last.dataset_size is None:  # (the target's segment: the samples at the recipe's own length)
             raise UserError("batch.ramp.length: counted in epochs, but the dataset size is unknown (set "
                             "data.train_size)")
-        value, unit = value * size, "samples"
+        value, unit = value * last.dataset_size, "samples"
     elif unit == "tokens":
         value, unit = value / batch.token_length, "samples"
     target_batch = target.effective_batch

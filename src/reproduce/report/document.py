@@ -126,8 +126,8 @@ def cost_line(run: RunFolder) -> str:
     """The GPU-hours the run has spent (its steps' wall time x its processes), against the recipe's budget."""
     seconds = sum(float(r.get("seconds", 0.0)) for r in run.records)
     spent = seconds * run.plan.world_size / 3600
-    budget = getattr(run.plan.recipe, "budget", None)
-    hours = getattr(budget, "gpu_hours", None)
+    budget = run.plan.recipe.budget
+    hours = budget.gpu_hours if budget is not None else None
     against = f" of the budget's {hours:g} ({spent / hours:.1%})" if hours else " (the recipe sets no budget)"
     return (f"{run.name}: {spent:.4g} GPU-hours spent over {run.last_step} optimizer steps (the steps' wall time x "
             f"{run.plan.world_size} process{'es' if run.plan.world_size > 1 else ''}){against}.")
@@ -169,7 +169,7 @@ def blocks(runs: list[RunFolder], plots: bool = True) -> list[Block]:
     else:
         out.append(("p", "The recipe reports no metric to compare with (its `reported:` list is empty)."))
     gates = gates_table(runs)
-    if gates is not None or any(run.plan.recipe.gates or getattr(run.plan.recipe, "budget", None) for run in runs):
+    if gates is not None or any(run.plan.recipe.gates or run.plan.recipe.budget for run in runs):
         out += [("h2", "Gates and cost"),
                 ("p", "Each gate the run met (the recipe's gates:, its budget's cost gate, a reference run's band): "
                       "passed, warned, accepted (a miss the run was told to go past) or paused; marked on the loss "

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from reproduce.errors import UserError
-from reproduce.export import FORMATS, emit, export
+from reproduce.export import FORMATS, export
 from reproduce.export.code import lr_factor_source
 from reproduce.export.hf import hf_scheduler
 from reproduce.plan.launch import torchrun_command
@@ -45,6 +45,11 @@ def goyal():
 @pytest.fixture(scope="module")
 def nanogpt():
     return planned("nanogpt-gpt2-124m.yaml", 12, 8)
+
+
+def emit(plan, fmt: str) -> str:
+    """The text of the plan as `fmt`, as `reproduce plan --emit` prints it."""
+    return export(plan, fmt).text
 
 
 def run_source(text: str) -> dict:

@@ -219,12 +219,12 @@ def test_run_with_the_option_says_so_and_resumes_with_it_from_its_plan(tmp_path,
 
 
 def test_every_emitted_form_says_the_memory_knobs():
-    from reproduce.export import FORMATS, emit
+    from reproduce.export import FORMATS, export
 
     recipe = parse_recipe({**checkpointed(gpt_recipe()), "batch": {"effective": 16, "sharding": "fsdp",
                                                                    "sharded_gradients": True, "offload": "cpu"}})
     plan = make_plan(recipe, micro_batch_max=2, world_size=2, dataset_size=48)
     for name in FORMATS:
-        text = " ".join(emit(plan, name).split())
+        text = " ".join(export(plan, name).text.split())
         assert "model.activation_checkpointing" in text and "use_reentrant" in text, name
         assert "batch.sharded_gradients" in text and "CPUOffloadPolicy" in text, name

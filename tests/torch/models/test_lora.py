@@ -159,7 +159,7 @@ def test_exports_state_the_model_changes_with_code_that_makes_them():
     """Every `--emit` form says `model.dtype` and `model.lora`, and its peft call builds the adapters `run` builds."""
     import peft
 
-    from reproduce.export import FORMATS, emit
+    from reproduce.export import FORMATS, export
     from reproduce.export.common import lora_source, model_notes
 
     recipe = parse_recipe({**GPT2_LORA, "precision": "bf16", "model": {**GPT2_LORA["model"], "dtype": "bf16"}})
@@ -167,7 +167,7 @@ def test_exports_state_the_model_changes_with_code_that_makes_them():
     notes = model_notes(plan)
     assert len(notes) == 2 and "torch.bfloat16" in notes[0] and lora_source(recipe.model.lora) in notes[1]
     for fmt in FORMATS:  # (slurm launches several processes: the plan on 2)
-        emitted = emit(plan if fmt != "slurm" else make_plan(recipe, 4, 2), fmt)
+        emitted = export(plan if fmt != "slurm" else make_plan(recipe, 4, 2), fmt).text
         text = " ".join(line.lstrip("#").strip() for line in emitted.splitlines())
         assert "model.dtype" in text and "model.lora" in text and "peft.LoraConfig(r=4, lora_alpha=8.0" in text
 

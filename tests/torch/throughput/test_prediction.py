@@ -86,10 +86,10 @@ def test_a_batch_ramp_counts_each_stretchs_own_batch():
 
 
 def test_exported_throughput_plan_names_the_chosen_micro_batch(capsys):
-    from reproduce.export import emit
+    from reproduce.export import export
     from reproduce.plan.recipe import load_recipe
     from reproduce.throughput.policy import throughput_plan
 
     plan = throughput_plan(load_recipe("paper.yaml"), "paper.yaml", 64, 1, None, None, gpu="a100-80gb")
     assert plan.policy == "throughput" and plan.throughput.basis == "model"
-    assert f"--micro-batch-max {plan.micro_batch} --world-size 1" in emit(plan, "torchrun")
+    assert f"--micro-batch-max {plan.micro_batch} --world-size 1" in export(plan, "torchrun").text

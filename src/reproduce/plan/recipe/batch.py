@@ -71,14 +71,11 @@ class Batch(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> Batch:
-        if self.unit == "tokens":
-            if self.sequence_length is None:
-                raise ValueError("sequence_length: required when unit is tokens (the batch is counted in tokens)")
-            if self.effective % self.sequence_length:
-                raise ValueError(
-                    f"effective: {self.effective} tokens is not a whole number of sequences of "
-                    f"sequence_length {self.sequence_length}"
-                )
+        if self.unit == "tokens" and self.effective % self.token_length:  # (token_length refuses a missing length)
+            raise ValueError(
+                f"effective: {self.effective} tokens is not a whole number of sequences of "
+                f"sequence_length {self.sequence_length}"
+            )
         if self.devices is not None and self.per_device is not None:
             product = self.devices * self.per_device * (self.accumulation or 1)
             if product != self.sequences:
@@ -188,7 +185,8 @@ class Batch(Strict):
 
     @property
     def token_length(self) -> int:
-        """The sequence length a batch in tokens is counted in (`_consistent` requires one with unit tokens)."""
+        """The sequence length a batch in tokens is counted in (`_consistent` asks it first, so a batch in tokens
+        without one is refused with this message)."""
         if self.sequence_length is None:
             raise ValueError("sequence_length: required when unit is tokens (the batch is counted in tokens)")
         return self.sequence_length

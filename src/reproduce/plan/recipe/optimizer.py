@@ -67,7 +67,7 @@ class Optimizer(Strict):
         if self.implementation is not None and self.bitsandbytes:
             raise ValueError("implementation: bitsandbytes' paged and 8-bit optimizers step with their own kernels "
                              "(one parameter at a time); leave implementation out")
-        if (self.paged or self.state_bits != 32) and self.name not in ("adam", "adamw"):
+        if self.bitsandbytes and self.name not in ("adam", "adamw"):
             field = "paged" if self.paged else "state_bits"
             raise ValueError(f"{field}: bitsandbytes' paged and 8-bit optimizers are adam and adamw (name is "
                              f"{self.name})")
