@@ -18,7 +18,6 @@ from torch import nn
 from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.factory import call_builder, rejected
-from ..plan.overlay import variant
 from ..plan.recipe import Recipe, SegmentationData
 from ..plan.weightfiles import WeightsOnDisk
 from . import small
@@ -29,8 +28,8 @@ from .segmentation import check_output_classes, load_backbone
 from .weights import adapt, on_meta, place, weights_of
 
 __all__ = [
-    "LOSSES", "MODELS", "build_model", "check_context", "count_batchnorm", "count_parameters", "counted_batchnorm",
-    "model_inputs", "parameter_counts", "place",
+    "LOSSES", "MODELS", "build_model", "check_context", "count_batchnorm", "count_parameters",
+    "model_inputs", "place",
 ]
 
 BATCHNORM = nn.modules.batchnorm._BatchNorm  # normalises by batch statistics (torchvision's FrozenBatchNorm2d does not)
@@ -89,6 +88,12 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
 
         model = offload_activations(model)
     return model
+
+
+def build_on_meta(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
+    """`build_model` on the meta device: its shapes and parameters, no memory."""
+    with torch.device("meta"):
+        return build_model(recipe, data_info)
 
 
 def keys_after_conversion(recipe: Recipe, weights: WeightsOnDisk, data_info: dict | None, name: str) -> bool:
@@ -205,22 +210,6 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     sizes = [(state.shape.numel() if (state := getattr(p, "quant_state", None)) is not None else p.numel(),
               p.requires_grad) for p in parameters]
     return sum(size for size, _ in sizes), sum(size for size, trains in sizes if trains)
-
-
-def parameter_counts(recipe: Recipe, data_info: dict | None = None) -> tuple[int, int]:
-    """`count_parameters` of the recipe's model built unquantised on the meta device."""
-    plain = variant(recipe, {"model.quantize": None})
-    with torch.device("meta"):
-        return count_parameters(build_model(plain, data_info))
-
-
-def counted_batchnorm(recipe: Recipe, data_info: dict | None = None) -> int | None:
-    """The BatchNorm layers of a factory model built on the meta device; None for others (plan/batchnorm.py)."""
-    if recipe.model.factory is None:
-        return None
-    kept = variant(recipe, {"model.batchnorm": "keep"})
-    with torch.device("meta"):
-        return count_batchnorm(build_model(kept, data_info))
 
 
 def count_batchnorm(model: nn.Module) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..models import build_model
+from ..models import build_on_meta
 from ..plan.recipe import QUANTIZED_BASES
 from ..plan.units import format_size
 from .memory_ways import WayOut, describe, memory_ways_out, merged, tried
@@ -136,9 +136,7 @@ def _recipe_ways_out(meter: Any, gpu: Any, extra: dict | None = None) -> list[Wa
     can_bf16 = recipe.model.dtype == "fp32"
     lora: dict = {}
     if can_lora:
-        with torch.device("meta"):
-            targets = lora_targets(build_model(recipe, meter.workload.data.info))
-        lora = {**LORA, "target_modules": targets}
+        lora = {**LORA, "target_modules": lora_targets(build_on_meta(recipe, meter.workload.data.info))}
         changes.append((f"model.lora: {_flow(lora)}", {"model": {"lora": lora}}))
     bf16 = {"model": {"dtype": "bf16"}}
     shown = "model.dtype: bf16 (weights, and so gradients and optimizer state, stored in bf16)"

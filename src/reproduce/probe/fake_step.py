@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from ..models import build_model
+from ..models import build_on_meta
 from ..models.checkpointing import host
 from ..plan.planner import Plan
 from ..train.losses import build_loss
@@ -58,8 +58,7 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
 
     recipe = plan.recipe
     if model is None:
-        with torch.device("meta"):
-            model = build_model(recipe, data_info)
+        model = build_on_meta(recipe, data_info)
     tracker = MemoryTracker()
     allowance = UNSEEN_ACTIVATIONS if gpu is not None else 0.0  # what a CUDA step allocates that no operator returns
     if gpu is not None:

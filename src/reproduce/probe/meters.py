@@ -29,7 +29,7 @@ from torch import nn
 from ..data.batches import to_device
 from ..errors import UserError
 from ..hardware.catalog import DEFAULT_CAPABILITY, Gpu, MiB
-from ..models import build_model
+from ..models import build_on_meta
 from ..plan.units import available_host_memory, format_size
 from ..train.setup import build
 from ..train.step import optimizer_step
@@ -259,8 +259,7 @@ class EstimateMeter(Meter):
         started = time.perf_counter()
         inputs = self.window(micro_batch, torch.device("cpu"), torch.float32)
         recipe = self.workload.recipe
-        with torch.device("meta"):
-            model = build_model(recipe, self.workload.data.info)
+        model = build_on_meta(recipe, self.workload.data.info)
         blocks = self.blocks(model)
         master_bytes = next((p.element_size() for p in model.parameters()), 4)
         mixed = self.sharding == "fsdp" and recipe.precision != "fp32"
@@ -316,8 +315,7 @@ def fake_parts(meter: Meter, micro_batch: int) -> dict:
     kind = GpuKind(torch.cuda.get_device_capability()) if meter.name == "cuda" else None
     info = meter.workload.data.info
     window = meter.window(micro_batch, torch.device("cpu"), torch.float32)
-    with torch.device("meta"):
-        model = build_model(meter.workload.recipe, info)
+    model = build_on_meta(meter.workload.recipe, info)
     blocks = model_blocks(model)
     result = run_fake_step(meter.workload.plan, info, window, kind, model=model)
     return step_parts(result, blocks, len(window) > 1, len(window) > 1)
