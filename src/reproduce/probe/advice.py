@@ -75,7 +75,7 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> dict:
         "micro_batch": first.micro_batch, "meter": meter.name, "budget_bytes": meter.budget_bytes,
         "limit_bytes": meter.limit_bytes, "peak_bytes": decide(tensors),  # as the meter decides (margin included)
         "tensor_bytes": tensors, "at_peak": at_peak, "step": step.to_json(),  # the unsharded step's StepMemory
-        "counted_on": counted_on, "parameters": blocks.root + sum(blocks.blocks), "ways_out": [], "notes": [],
+        "counted_on": counted_on, "parameters": blocks.parameters, "ways_out": [], "notes": [],
         "quantize": meter.workload.recipe.model.quantize,  # a quantised base: its weights are not per-parameter bytes
         "unseen": parts.get("unseen_bytes", 0),  # of step["activations"]: the allowance for kernels' workspaces
     }

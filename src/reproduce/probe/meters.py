@@ -17,7 +17,6 @@ inputs, small beside one's activations (bench/run_memory.py). Only `torch.OutOfM
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import math
 import time
@@ -73,13 +72,13 @@ class Meter:
         """Undo what the meter changed (the CUDA memory fraction)."""
 
     def _result(self, micro_batch: int, peak: int | None, tensors: int | None, step: float | None,
-                started: float, note: str | None) -> Measurement:
+                started: float, note: str | None, parts: dict | None = None) -> Measurement:
         fits = peak is not None and peak <= self.limit_bytes
         if peak is not None and not fits:
             note = f"peak {format_size(peak)} is over the limit {format_size(self.limit_bytes)} (budget less headroom)"
         return Measurement(
             micro_batch=micro_batch, fits=fits, peak_bytes=peak, seconds=round(time.perf_counter() - started, 4),
-            step_seconds=step, tensor_bytes=tensors, note=None if fits else note,
+            step_seconds=step, tensor_bytes=tensors, note=None if fits else note, parts=parts,
         )
 
 
@@ -281,8 +280,7 @@ class EstimateMeter(Meter):
             parts["sharded"] = sharded.to_json()
             tracked = sharded.peak
         model = inputs = None
-        measurement = self._result(micro_batch, self.decided(tracked), tracked, None, started, None)
-        return dataclasses.replace(measurement, parts=parts)
+        return self._result(micro_batch, self.decided(tracked), tracked, None, started, None, parts)
 
 
 def make_meter(kind: str, workload: Workload, budget: int | None, headroom: float, gpu: Gpu | None = None,
