@@ -199,7 +199,7 @@ def check_context(recipe: Recipe, fixed: dict | None = None) -> None:
     source = "batch.sequence_length" if recipe.batch.sequence_length else "data.max_length"
     spec = recipe.model
     name = spec.builtin or spec.hf or spec.factory
-    weights = weights_of(recipe) if spec.weights is not None else None
+    weights = weights_of(recipe)
     where = f" (its config.json in {weights.path})" if weights is not None and weights.is_folder else ""
     raise UserError(f"{source}: {length} tokens is longer than {name}{where} takes ({context} positions)")
 
