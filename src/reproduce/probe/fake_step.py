@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..models import build_on_meta
 from ..models.checkpointing import host
+from ..models.quantize import materialize_quantized, quantized_states
 from ..plan.planner import Plan
 from ..train.losses import build_loss
 from ..train.optim.optimizers import build_optimizer
@@ -214,8 +215,6 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         for name, param in module._parameters.items():
             if param is not None:
                 owners.setdefault(id(param), []).append((module, name))
-    from ..models.quantize import materialize_quantized, quantized_states
-
     quantized = quantized_states(model)  # a quantised base's scales, outside parameters and buffers
     model.to_empty(device=device)
     for shared in owners.values():
