@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from . import __version__
 from .errors import UserError
 from .plan.builtin_names import MODELS
+from .plan.overlay import variant
 from .plan.recipe import Recipe
 from .plan.weightfiles import WeightsRecord
 from .plan.weightfiles import inspect as inspect_weights
@@ -42,11 +43,12 @@ def count_factory_batchnorm(recipe: Recipe, data: Datasets | None) -> int | None
     whose logits are not the data's classes is refused here, as the run would."""
     if recipe.model.factory is None:
         return None
-    from .models import counted_batchnorm  # imports torch: only for a factory model
+    from .models import build_on_meta, count_batchnorm  # imports torch: only for a factory model
     from .models.segmentation import ClassesDiffer
 
     try:
-        return counted_batchnorm(recipe, data.info if data else None)
+        kept = variant(recipe, {"model.batchnorm": "keep"})  # its own layers, before model.batchnorm converts them
+        return count_batchnorm(build_on_meta(kept, data.info if data else None))
     except ClassesDiffer:  # built: its logits are not the data's classes (models/segmentation.check_output_classes)
         raise
     except Exception:  # not importable here, or needs its data's shape: the run builds it (and says what fails)
@@ -54,7 +56,7 @@ def count_factory_batchnorm(recipe: Recipe, data: Datasets | None) -> int | None
 
 
 def parameter_counts(recipe: Recipe, build: bool = True) -> tuple[int, int] | None:
-    """(all, trainable) parameters of a built-in model (on the meta device); None for a factory or
+    """(all, trainable) parameters of a built-in model (built unquantised on the meta device); None for a factory or
     Hugging Face model. Kept in the probe's cache, so `build=False` only reads it (and imports no torch)."""
     if recipe.model.builtin not in MODELS:
         return None
@@ -66,7 +68,7 @@ def parameter_counts(recipe: Recipe, build: bool = True) -> tuple[int, int] | No
         return saved["parameters"], saved["trainable"]
     if not build:
         return None
-    from .models import parameter_counts as count
+    from .models import build_on_meta, count_parameters
     from .probe.workload import synthetic_data
 
     try:
@@ -74,7 +76,7 @@ def parameter_counts(recipe: Recipe, build: bool = True) -> tuple[int, int] | No
     except UserError:
         info = None
     try:
-        total, trainable = count(recipe, info)
+        total, trainable = count_parameters(build_on_meta(variant(recipe, {"model.quantize": None}), info))
     except (UserError, ImportError):
         return None
     cache.store(key, {"parameters": total, "trainable": trainable})

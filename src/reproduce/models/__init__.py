@@ -18,19 +18,19 @@ from torch import nn
 from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.factory import call_builder, rejected
-from ..plan.overlay import variant
 from ..plan.recipe import Recipe, SegmentationData
 from ..plan.weightfiles import WeightsOnDisk
-from . import small
+from . import checkpointing, small
 from .architectures import ARCHITECTURES, SEGMENTATION_MODELS
 from .architectures import LOSSES as LOSSES
 from .hf import HFLogits
+from .pretrained import builtin_from_folder, check_state_dict_file, load_hf_model, load_state_dict_file
 from .segmentation import check_output_classes, load_backbone
 from .weights import adapt, on_meta, place, weights_of
 
 __all__ = [
-    "LOSSES", "MODELS", "build_model", "check_context", "count_batchnorm", "count_parameters", "counted_batchnorm",
-    "model_inputs", "parameter_counts", "place",
+    "LOSSES", "MODELS", "build_model", "check_context", "count_batchnorm", "count_parameters",
+    "model_inputs", "place",
 ]
 
 BATCHNORM = nn.modules.batchnorm._BatchNorm  # normalises by batch statistics (torchvision's FrozenBatchNorm2d does not)
@@ -47,8 +47,6 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
     weights = weights_of(recipe)  # a missing path, a folder without config.json or weights: one line
     name = spec.builtin or spec.factory or spec.hf or "the model"
     if weights is not None and not weights.is_folder:  # keys and shapes checked strictly, on a model of no memory
-        from .pretrained import load_state_dict_file
-
         converted_keys = keys_after_conversion(recipe, weights, data_info, name)
         model = architecture(recipe, weights, data_info)
         if converted_keys:  # the tool's own model.pt of a frozen / group run: loaded after the same conversion
@@ -73,28 +71,26 @@ def build_model(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
         use_varlen(model)
     model = adapt(model, recipe)
     if spec.activation_checkpointing:  # before DDP and FSDP2 wrap it: they see the checkpointed blocks
-        from .checkpointing import enable
-
-        enable(model, name, selective=spec.selective_checkpointing)
+        checkpointing.enable(model, name, selective=spec.selective_checkpointing)
     if spec.loss_chunks:  # the head applied by the loss, chunk by chunk (train/losses.py)
-        from .checkpointing import defer_head
-
         if model_inputs(recipe).get("targets") == "mlm-nsp":
             raise UserError(f"model.loss_chunks: {name} trains with its own pre-training loss (masked LM and next "
                             "sentence), which the chunked next-token loss does not replace; leave loss_chunks out")
 
-        defer_head(model, name)
+        checkpointing.defer_head(model, name)
     if spec.offload_activations:
-        from .checkpointing import offload_activations
-
-        model = offload_activations(model)
+        model = checkpointing.offload_activations(model)
     return model
+
+
+def build_on_meta(recipe: Recipe, data_info: dict | None = None) -> nn.Module:
+    """`build_model` on the meta device: its shapes and parameters, no memory."""
+    with torch.device("meta"):
+        return build_model(recipe, data_info)
 
 
 def keys_after_conversion(recipe: Recipe, weights: WeightsOnDisk, data_info: dict | None, name: str) -> bool:
     """Whether the file holds the keys after `model.batchnorm`'s conversion (a model.pt written by a run)."""
-    from .pretrained import check_state_dict_file
-
     with torch.device("meta"):
         try:
             check_state_dict_file(architecture(recipe, None, data_info), weights, name)
@@ -114,8 +110,6 @@ def architecture(recipe: Recipe, weights: WeightsOnDisk | None, data_info: dict 
     """The recipe's model before any adaptation: built, or loaded from a Hugging Face folder."""
     spec = recipe.model
     if spec.hf is not None or (weights is not None and weights.is_folder):  # (the folder's config is the architecture)
-        from .pretrained import builtin_from_folder, load_hf_model
-
         return load_hf_model(recipe, data_info, weights) if spec.hf is not None else builtin_from_folder(
             recipe, weights, data_info)
     try:
@@ -194,7 +188,7 @@ def check_context(recipe: Recipe, fixed: dict | None = None) -> None:
     source = "batch.sequence_length" if recipe.batch.sequence_length else "data.max_length"
     spec = recipe.model
     name = spec.builtin or spec.hf or spec.factory
-    weights = weights_of(recipe) if spec.weights is not None else None
+    weights = weights_of(recipe)
     where = f" (its config.json in {weights.path})" if weights is not None and weights.is_folder else ""
     raise UserError(f"{source}: {length} tokens is longer than {name}{where} takes ({context} positions)")
 
@@ -205,22 +199,6 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     sizes = [(state.shape.numel() if (state := getattr(p, "quant_state", None)) is not None else p.numel(),
               p.requires_grad) for p in parameters]
     return sum(size for size, _ in sizes), sum(size for size, trains in sizes if trains)
-
-
-def parameter_counts(recipe: Recipe, data_info: dict | None = None) -> tuple[int, int]:
-    """`count_parameters` of the recipe's model built unquantised on the meta device."""
-    plain = variant(recipe, {"model.quantize": None})
-    with torch.device("meta"):
-        return count_parameters(build_model(plain, data_info))
-
-
-def counted_batchnorm(recipe: Recipe, data_info: dict | None = None) -> int | None:
-    """The BatchNorm layers of a factory model built on the meta device; None for others (plan/batchnorm.py)."""
-    if recipe.model.factory is None:
-        return None
-    kept = variant(recipe, {"model.batchnorm": "keep"})
-    with torch.device("meta"):
-        return count_batchnorm(build_model(kept, data_info))
 
 
 def count_batchnorm(model: nn.Module) -> int:

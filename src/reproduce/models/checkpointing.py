@@ -65,10 +65,9 @@ def check_checkpointable(recipe) -> None:
     """One line when the recipe's model (built on the meta device) has nothing to checkpoint."""
     if not recipe.model.activation_checkpointing or recipe.model.hf is not None:  # (hf: loaded from disk)
         return
-    from . import build_model
+    from . import build_on_meta
 
-    with torch.device("meta"):
-        build_model(recipe)
+    build_on_meta(recipe)
 
 
 def enabled(model: nn.Module) -> bool:

@@ -6,6 +6,7 @@ are read.
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import Recipe
 from ..plan.weightfiles import WeightsOnDisk, safetensors_header
+from ..storage.files import check_torch_file
 from .architectures import ARCHITECTURES, check_vocab_size, needs_transformers
 from .hf import HF_KIND_FOR_TASK, HFLogits
 from .weights import SHOWN, TORCH_DTYPES, on_meta, quiet, shown
@@ -188,10 +190,6 @@ def _is_state_dict(value: dict) -> bool:
 
 
 def _torch_load(path: Path, field: str = "model.weights") -> Any:
-    import pickle
-
-    from ..storage.files import check_torch_file
-
     damaged = check_torch_file(path)  # torch.load does not check the stored checksums: a flipped bit loads
     if damaged:
         raise UserError(f"model.weights: {path} is {damaged}" if damaged.startswith("damaged") else

@@ -20,6 +20,7 @@ from ..errors import UserError
 from ..plan.recipe import Recipe
 from ..plan.weightfiles import inspect
 from .architectures import SEGMENTATION_MODELS
+from .pretrained import read_state_dict
 from .weights import SHOWN, on_meta, shown
 
 
@@ -81,8 +82,6 @@ FITS = {
 def load_backbone(model: nn.Module, recipe: Recipe) -> None:
     """The backbone file into `model.backbone`, checked strictly against it (on meta only checked); the run's line is
     `model.backbone_report`."""
-    from .pretrained import read_state_dict
-
     path = recipe.model.backbone_weights
     name = recipe.model.builtin or "the model"
     weights = inspect(path, FIELD)

@@ -20,6 +20,7 @@ from ..errors import UserError
 from ..plan.builtin_names import hf_model_folder
 from ..plan.recipe import Lora, Recipe
 from ..plan.weightfiles import WeightsOnDisk, inspect
+from .quantize import _linear_kinds, quantize, quiet_bitsandbytes
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PEFT_PREFIX = "base_model.model."  # a PeftModel's keys: base_model (LoraModel) . model (what LoRA was put on)
@@ -59,8 +60,6 @@ def adapt(model: nn.Module, recipe: Recipe) -> nn.Module:
     if spec.dtype != "fp32":
         model = in_dtype(model, TORCH_DTYPES[spec.dtype])
     if spec.quantize is not None:  # the frozen base in int8 / nf4, then the adapters on it (models/quantize.py)
-        from .quantize import quantize
-
         model = quantize(model, recipe, name)
     if spec.lora is not None:
         model = with_lora(model, spec.lora, name)
@@ -92,8 +91,6 @@ def place(model: nn.Module, recipe: Recipe, device: torch.device, dtype: torch.d
 
 
 def with_lora(model: nn.Module, lora: Lora, model_name: str) -> nn.Module:
-    from .quantize import _linear_kinds, quiet_bitsandbytes
-
     quiet_bitsandbytes()  # peft imports bitsandbytes where it is installed
     try:
         import peft

@@ -206,16 +206,16 @@ class MlflowTracker(Tracker):
             uri = "sqlite:///" + str((out / "mlflow" / "mlflow.db").absolute())
             artifacts = (out / "mlflow" / "artifacts").absolute().as_uri()
         self.client = MlflowClient(uri)
+        config = plan_config(plan)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or experiment_name(plan)
         experiment = self.client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
             name, artifact_location=artifacts)
         run = self.client.create_run(experiment_id, run_name=out.name,
-                                     tags={"reproduce.out": str(out.absolute()), "paper": plan_config(plan)["paper"]
-                                           or ""})
+                                     tags={"reproduce.out": str(out.absolute()), "paper": config["paper"] or ""})
         self.run_id = run.info.run_id
         params = [Param(key, "" if value is None else str(value)[: self.PARAM_LENGTH])
-                  for key, value in flatten(plan_config(plan)).items()]
+                  for key, value in flatten(config).items()]
         for start in range(0, len(params), self.PARAMS_PER_CALL):
             self.client.log_batch(self.run_id, params=params[start:start + self.PARAMS_PER_CALL])
         self.client.log_artifact(self.run_id, str(out / "plan.yaml"))

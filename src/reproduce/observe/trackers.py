@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError
+from ..errors import Interrupted, UserError
+from ..storage.signals import SignalReceived
 from .outputs import read_metrics
 from .tracker_backends import BACKENDS, Tracker
 
@@ -82,9 +83,6 @@ class Trackers:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        from ..errors import Interrupted
-        from ..storage.signals import SignalReceived
-
         stopped = (Interrupted, KeyboardInterrupt, SignalReceived)
         status = "killed" if kind is not None and issubclass(kind, stopped) else "failed"
         for tracker in self.trackers:

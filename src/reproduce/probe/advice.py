@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..models import build_model
+from ..models import build_on_meta
 from ..plan.recipe import QUANTIZED_BASES
 from ..plan.units import format_size
 from .memory_ways import WayOut, describe, memory_ways_out, merged, tried
@@ -75,7 +75,7 @@ def explain(meter: Any, trials: list, world_size: int, gpu: Any) -> dict:
         "micro_batch": first.micro_batch, "meter": meter.name, "budget_bytes": meter.budget_bytes,
         "limit_bytes": meter.limit_bytes, "peak_bytes": decide(tensors),  # as the meter decides (margin included)
         "tensor_bytes": tensors, "at_peak": at_peak, "step": step.to_json(),  # the unsharded step's StepMemory
-        "counted_on": counted_on, "parameters": blocks.root + sum(blocks.blocks), "ways_out": [], "notes": [],
+        "counted_on": counted_on, "parameters": blocks.parameters, "ways_out": [], "notes": [],
         "quantize": meter.workload.recipe.model.quantize,  # a quantised base: its weights are not per-parameter bytes
         "unseen": parts.get("unseen_bytes", 0),  # of step["activations"]: the allowance for kernels' workspaces
     }
@@ -136,9 +136,7 @@ def _recipe_ways_out(meter: Any, gpu: Any, extra: dict | None = None) -> list[Wa
     can_bf16 = recipe.model.dtype == "fp32"
     lora: dict = {}
     if can_lora:
-        with torch.device("meta"):
-            targets = lora_targets(build_model(recipe, meter.workload.data.info))
-        lora = {**LORA, "target_modules": targets}
+        lora = {**LORA, "target_modules": lora_targets(build_on_meta(recipe, meter.workload.data.info))}
         changes.append((f"model.lora: {_flow(lora)}", {"model": {"lora": lora}}))
     bf16 = {"model": {"dtype": "bf16"}}
     shown = "model.dtype: bf16 (weights, and so gradients and optimizer state, stored in bf16)"

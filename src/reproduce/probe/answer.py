@@ -16,7 +16,7 @@ import torch
 
 from ..errors import UserError
 from ..hardware.catalog import CONTEXT_BYTES
-from ..models import build_model
+from ..models import build_on_meta
 from ..plan.recipe import Recipe
 from ..plan.units import available_host_memory, format_count
 from .meters import fake_parts, make_meter
@@ -120,9 +120,7 @@ def memory_at(recipe: Recipe, micro_batch: int, options: ProbeOptions, recipe_pa
 
 def weights_form(recipe: Recipe, workload: Workload) -> str:
     """The parameters and how they are stored: "124.4M parameters in fp32; 1.2M train (LoRA adapters in bf16)"."""
-    with torch.device("meta"):
-        model = build_model(recipe, workload.data.info)
-    parameters = list(model.parameters())
+    parameters = list(build_on_meta(recipe, workload.data.info).parameters())
     total, trained = sum(p.numel() for p in parameters), sum(p.numel() for p in parameters if p.requires_grad)
     spec = recipe.model
     shown = f"{format_count(total)} parameters in {spec.dtype}"

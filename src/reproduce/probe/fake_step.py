@@ -22,8 +22,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from ..models import build_model
+from ..models import build_on_meta
 from ..models.checkpointing import host
+from ..models.quantize import materialize_quantized, quantized_states
 from ..plan.planner import Plan
 from ..train.losses import build_loss
 from ..train.optim.optimizers import build_optimizer
@@ -58,8 +59,7 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
 
     recipe = plan.recipe
     if model is None:
-        with torch.device("meta"):
-            model = build_model(recipe, data_info)
+        model = build_on_meta(recipe, data_info)
     tracker = MemoryTracker()
     allowance = UNSEEN_ACTIVATIONS if gpu is not None else 0.0  # what a CUDA step allocates that no operator returns
     if gpu is not None:
@@ -215,8 +215,6 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         for name, param in module._parameters.items():
             if param is not None:
                 owners.setdefault(id(param), []).append((module, name))
-    from ..models.quantize import materialize_quantized, quantized_states
-
     quantized = quantized_states(model)  # a quantised base's scales, outside parameters and buffers
     model.to_empty(device=device)
     for shared in owners.values():

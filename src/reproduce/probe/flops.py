@@ -49,13 +49,12 @@ def count_flops(recipe, data_info: dict | None, batch: tuple) -> SampleFlops:
     from torch.utils.flop_counter import FlopCounterMode
 
     from ..hardware.catalog import DEFAULT_CAPABILITY
-    from ..models import build_model
+    from ..models import build_on_meta
     from ..train.losses import build_loss
     from .fake_step import materialize, unpacked_sequences
     from .gpu_like import GpuKind, as_on_gpu
 
-    with torch.device("meta"):
-        model = build_model(recipe, data_info)
+    model = build_on_meta(recipe, data_info)
     samples = len(batch[1]) if hasattr(batch[1], "__len__") else COUNTED_AT
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     counter = FlopCounterMode(display=False)

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
+from .tracker import rounded
+
 HALF = (torch.float16, torch.bfloat16)
 
 # CUDA autocast's fp32 lists (autocast_mode.h), as aten "name.overload" (default overload when none).
@@ -155,15 +157,11 @@ class GpuKernels(TorchFunctionMode):
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale)[0]
 
 
-def _rounded_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def _flash_backward_workspace(args: tuple, kwargs: dict) -> int:
     """flash_api.cpp `mha_bwd`: fp32 dq_accum (B, S_q to 128, H, D to 32 or 64) and softmax_d (B, H, S_q)."""
     batch, heads, length, dim = args[1].shape
-    length = _rounded_up(length, 128)
-    dim = _rounded_up(_rounded_up(dim, 8), 32 if _rounded_up(dim, 8) <= 128 else 64)
+    length = rounded(length, 128)
+    dim = rounded(rounded(dim, 8), 32 if rounded(dim, 8) <= 128 else 64)
     return 4 * batch * heads * length * (dim + 1)
 
 

@@ -17,7 +17,6 @@ inputs, small beside one's activations (bench/run_memory.py). Only `torch.OutOfM
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import math
 import time
@@ -29,7 +28,7 @@ from torch import nn
 from ..data.batches import to_device
 from ..errors import UserError
 from ..hardware.catalog import DEFAULT_CAPABILITY, Gpu, MiB
-from ..models import build_model
+from ..models import build_on_meta
 from ..plan.units import available_host_memory, format_size
 from ..train.setup import build
 from ..train.step import optimizer_step
@@ -73,13 +72,13 @@ class Meter:
         """Undo what the meter changed (the CUDA memory fraction)."""
 
     def _result(self, micro_batch: int, peak: int | None, tensors: int | None, step: float | None,
-                started: float, note: str | None) -> Measurement:
+                started: float, note: str | None, parts: dict | None = None) -> Measurement:
         fits = peak is not None and peak <= self.limit_bytes
         if peak is not None and not fits:
             note = f"peak {format_size(peak)} is over the limit {format_size(self.limit_bytes)} (budget less headroom)"
         return Measurement(
             micro_batch=micro_batch, fits=fits, peak_bytes=peak, seconds=round(time.perf_counter() - started, 4),
-            step_seconds=step, tensor_bytes=tensors, note=None if fits else note,
+            step_seconds=step, tensor_bytes=tensors, note=None if fits else note, parts=parts,
         )
 
 
@@ -259,8 +258,7 @@ class EstimateMeter(Meter):
         started = time.perf_counter()
         inputs = self.window(micro_batch, torch.device("cpu"), torch.float32)
         recipe = self.workload.recipe
-        with torch.device("meta"):
-            model = build_model(recipe, self.workload.data.info)
+        model = build_on_meta(recipe, self.workload.data.info)
         blocks = self.blocks(model)
         master_bytes = next((p.element_size() for p in model.parameters()), 4)
         mixed = self.sharding == "fsdp" and recipe.precision != "fp32"
@@ -282,8 +280,7 @@ class EstimateMeter(Meter):
             parts["sharded"] = sharded.to_json()
             tracked = sharded.peak
         model = inputs = None
-        measurement = self._result(micro_batch, self.decided(tracked), tracked, None, started, None)
-        return dataclasses.replace(measurement, parts=parts)
+        return self._result(micro_batch, self.decided(tracked), tracked, None, started, None, parts)
 
 
 def make_meter(kind: str, workload: Workload, budget: int | None, headroom: float, gpu: Gpu | None = None,
@@ -316,8 +313,7 @@ def fake_parts(meter: Meter, micro_batch: int) -> dict:
     kind = GpuKind(torch.cuda.get_device_capability()) if meter.name == "cuda" else None
     info = meter.workload.data.info
     window = meter.window(micro_batch, torch.device("cpu"), torch.float32)
-    with torch.device("meta"):
-        model = build_model(meter.workload.recipe, info)
+    model = build_on_meta(meter.workload.recipe, info)
     blocks = model_blocks(model)
     result = run_fake_step(meter.workload.plan, info, window, kind, model=model)
     return step_parts(result, blocks, len(window) > 1, len(window) > 1)

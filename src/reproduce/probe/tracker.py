@@ -29,8 +29,8 @@ WEIGHTS, WEIGHT_COPIES, GRADIENTS, OPTIMIZER, ACTIVATIONS = (
 ALLOWANCE = "kernels' workspaces (allowance)"  # counted at the peak only: see `MemoryTracker.allowance`
 
 
-def rounded(nbytes: int) -> int:
-    return -(-nbytes // GRANULE) * GRANULE
+def rounded(value: int, multiple: int = GRANULE) -> int:
+    return -(-value // multiple) * multiple
 
 
 class MemoryTracker(TorchDispatchMode):

@@ -71,8 +71,7 @@ def deferred(raise_on_exit: bool = False) -> Iterator[None]:
     finally:
         _state.deferring -= 1
     if raise_on_exit and not _state.deferring and _state.pending is not None:
-        signum, _state.pending = _state.pending, None
-        raise SignalReceived(signum)
+        raise SignalReceived(take())
 
 
 def pending() -> int | None:

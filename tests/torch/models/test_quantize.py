@@ -12,7 +12,8 @@ import torch
 from helpers import assert_same_model
 from reproduce.data import build_data
 from reproduce.errors import UserError
-from reproduce.models import build_model, count_parameters, parameter_counts
+from reproduce.models import build_model, build_on_meta, count_parameters
+from reproduce.plan.overlay import variant
 from reproduce.plan.planner import make_plan
 from reproduce.plan.recipe import parse_recipe
 from reproduce.train.setup import build
@@ -68,7 +69,8 @@ def test_the_model_that_trains_counts_the_parameters_of_its_unquantised_base(qua
     setup = build(plan, torch.device("cpu"), data=build_data(recipe))
     packed = [p for p in setup.unwrapped_model.parameters() if getattr(p, "quant_state", None) is not None]
     assert quantize == "int8" or (packed and packed[0].numel() * 2 == packed[0].quant_state.shape.numel())
-    assert count_parameters(setup.unwrapped_model) == parameter_counts(recipe, {"vocab_size": 32})
+    unquantised = build_on_meta(variant(recipe, {"model.quantize": None}), {"vocab_size": 32})
+    assert count_parameters(setup.unwrapped_model) == count_parameters(unquantised)
 
 
 @pytest.mark.parametrize("quantize", ["int8", "nf4"])
