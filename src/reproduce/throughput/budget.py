@@ -18,6 +18,7 @@ from ..plan.split import exact_choice
 from ..probe.runner import ProbeResult
 from .cost import cost, format_duration
 from .predicted_time import _flops_model, total_samples  # (_flops_model: the FLOPs model on one catalog card)
+from .splits import exact_splits
 
 MOST_GPUS = 4096  # the GPU counts weighed for a cheaper way: 1 .. this many (those that divide the batch)
 
@@ -155,13 +156,9 @@ def cheaper_ways(plan: Plan, result: ProbeResult | None) -> list[Way]:
     recipe, cap, steps = plan.recipe, plan.micro_batch_max, plan.optimizer_steps
     paper_batch = recipe.batch.sequences
     ways: dict[tuple[int, int], Way] = {}
-    for gpus in range(1, min(paper_batch, MOST_GPUS) + 1):
-        if paper_batch % gpus:
-            continue
+    for gpus in exact_splits(paper_batch, MOST_GPUS):  # the GPU counts that divide the batch
         per_rank = paper_batch // gpus
-        for top in range(min(cap, per_rank), 0, -1):
-            if per_rank % top:
-                continue
+        for top in exact_splits(per_rank, cap):
             choice = exact_choice(recipe, top, gpus)  # the planner's own choice under that cap (BatchNorm's batch)
             if choice is None or (gpus, choice.micro_batch) in ways:
                 continue
