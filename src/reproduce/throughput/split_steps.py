@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import torch
 
+from ..accumulate import free_memory
 from ..data.batches import LazyMicroBatch
 from ..data.packing import Grouped, group, grouping_of
 from ..models.varlen import runs_varlen
@@ -71,10 +72,7 @@ class SplitSteps:
             return time.perf_counter() - tick
         except torch.OutOfMemoryError:
             pass  # the error's frames (activations) go with the except block, before the memory is freed
-        self.setup.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        free_memory(self.setup.optimizer, self.device)
         raise NotTimed(f"out of memory on {self.device} while timing {micro_batch} x {self.per_rank // micro_batch}")
 
     def close(self) -> None:

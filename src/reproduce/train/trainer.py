@@ -5,7 +5,6 @@ metrics, signals and out-of-memory handling; its start is `run_state.start_run`,
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import signal
 import time
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..accumulate import AgreedOutOfMemory, OptimizerStepOutOfMemory, smaller_micro_batch
+from ..accumulate import AgreedOutOfMemory, OptimizerStepOutOfMemory, free_memory, smaller_micro_batch
 from ..data.batches import DataClock
 from ..data.loader import cpu_share, default_workers
 from ..errors import Interrupted, TrainingStopped
@@ -192,10 +191,7 @@ def recover_from_out_of_memory(run: Run, step: int, batch: StepBatch, agreed: bo
     (the effective batch stays exact) and reopen the stream at `step`; with several ranks only when all agreed."""
     setup, plan, micro_batch = run.setup, run.plan, run.micro_batch(step)
     run.stream.close()  # its prefetched micro-batches are of the old size
-    setup.optimizer.zero_grad(set_to_none=True)
-    gc.collect()
-    if setup.device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(setup.optimizer, setup.device)
     if not agreed:  # this rank alone: it stops, and leaves the process group (see train)
         raise TrainingStopped(out_of_memory_alone(setup, step, micro_batch, run.out))
     per_rank_batch = batch.effective_batch // plan.world_size  # this step's (batch phases)
