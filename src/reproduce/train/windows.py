@@ -71,13 +71,14 @@ def window(plan: Plan, size: int, step: int, seed: int, rank: int = 0, micro_bat
     several lengths. With `grouping` (data.packing sorted or packed) the share is grouped by length instead."""
     shares, partial, planned = rank_shares(plan, step, seed)
     micro_batch = micro_batch or planned
-    if grouping is not None:
-        return grouped_window(shares, grouping, micro_batch)[rank], partial
-    return list(torch.split(shares[rank], micro_batch)), partial
+    return split_shares(shares, grouping, micro_batch)[rank], partial
 
 
-def grouped_window(shares: list[torch.Tensor], grouping: Grouping, micro_batch: int) -> list[list[torch.Tensor]]:
-    """Every rank's micro-batches of its share, grouped by length, as many on each rank (data/packing.py)."""
+def split_shares(shares: list[torch.Tensor], grouping: Grouping | None, micro_batch: int) -> list[list[torch.Tensor]]:
+    """Every rank's micro-batches of its share: in order, or with `grouping` grouped by length, as many on each rank
+    (data/packing.py)."""
+    if grouping is None:
+        return [list(torch.split(share, micro_batch)) for share in shares]
     budget = grouping.budget_at(micro_batch)
     return balance([group(share, grouping, budget) for share in shares])
 
@@ -108,8 +109,7 @@ def padding_over(plan: Plan, steps: range, seed: int, lengths: torch.Tensor, gro
     for step in steps:
         shares, _, planned = rank_shares(plan, step, seed)
         micro = micro_batch or planned
-        groups = (grouped_window(shares, grouping, micro) if grouping else
-                  [list(torch.split(share, micro)) for share in shares])
+        groups = split_shares(shares, grouping, micro)
         micro_batches += len(groups[0])
         useful += sum(int(lengths[share].sum()) for share in shares)
         computed += sum(computed_tokens(g, lengths, way, row, varlen) for rank in groups for g in rank)

@@ -31,7 +31,7 @@ from ..plan.segments import length_sizes
 from ..train.losses import PixelLoss, build_loss
 from ..train.setup import Setup, resolve_device
 from ..train.step import optimizer_step
-from ..train.windows import epoch_order, grouped_window, window
+from ..train.windows import epoch_order, split_shares, window
 from .reference import copy_gradients, one_pass_reference
 
 DTYPES = ("float64", "float32", "bf16", "fp16")
@@ -300,8 +300,7 @@ def _sample_indices(checked: Plan, size: int, samples: int | None, seed: int,
     if samples > size:
         raise UserError(f"{samples} exceeds the {size} samples of the training set", field="samples")
     order = epoch_order(checked, size, 0, seed)[:samples]
-    micro = checked.micro_batch
-    return checked, (grouped_window([order], grouping, micro)[0] if grouping else list(torch.split(order, micro)))
+    return checked, split_shares([order], grouping, checked.micro_batch)[0]
 
 
 def _compare(model: nn.Module, parameters: list[nn.Parameter], reference: list[torch.Tensor],
