@@ -310,17 +310,14 @@ def _compare(model: nn.Module, parameters: list[nn.Parameter], reference: list[t
     `tolerance` (a parameter at the rounding level of the whole is shown, not judged alone)."""
     names = {id(p): n for n, p in model.named_parameters()}
     rows = []
-    diff_sq = ref_sq = 0.0
     for param, ref, acc in zip(parameters, reference, accumulated, strict=True):
         ref64, acc64 = ref.double(), acc.double()
         ref_norm = float(ref64.norm())
         diff_norm = float((acc64 - ref64).norm())
-        ref_sq += ref_norm**2
-        diff_sq += diff_norm**2
         error = _relative(diff_norm, ref_norm)
         rows.append(ParameterError(names[id(param)], list(param.shape), ref_norm, diff_norm, error))
-    global_norm = math.sqrt(ref_sq)
-    global_error = _relative(math.sqrt(diff_sq), global_norm)
+    global_norm = math.sqrt(sum(row.reference_norm**2 for row in rows))  # the whole gradient's, from its parts'
+    global_error = _relative(math.sqrt(sum(row.difference_norm**2 for row in rows)), global_norm)
     floor = NEGLIGIBLE_ULPS * EPSILON[dtype] * global_norm
     for row in rows:
         row.negligible = row.reference_norm <= floor and row.difference_norm <= floor
