@@ -187,8 +187,7 @@ def start_gates(run: Any) -> None:
         return
     if name == REFERENCE_GATE:  # its band missed: going on is accepting it
         if name not in watch.accept:
-            event = {**watch.outcomes[name]}
-            raise GatePaused(paused_line(event, run.out, gate_checkpoint(run.out, name),
+            raise GatePaused(paused_line(watch.outcomes[name], run.out, gate_checkpoint(run.out, name),
                                          run.continue_with))
         watch.outcomes[name] = {**watch.outcomes[name], "status": "accepted"}
         watch.paused = None
