@@ -39,9 +39,8 @@ class SplitSteps:
         self.noise = NoiseScale(self.setup) if noise_scale else None
         self.dataset = workload.data.train
         recipe = workload.plan.recipe  # data.packing sorted / packed: the windows grouped as the run groups them
-        way = recipe.data.packing or default_packing(recipe)
-        self.grouping = None if way in (None, "none") else grouping_of(
-            recipe, self.dataset, workload.plan.micro_batch, runs_varlen(self.setup.model), way=way)
+        self.grouping = grouping_of(recipe, self.dataset, workload.plan.micro_batch, runs_varlen(self.setup.model),
+                                    way=recipe.data.packing or default_packing(recipe))
         if self.grouping is not None:
             self.dataset = Grouped(self.dataset, self.grouping)
         self.order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(0))
