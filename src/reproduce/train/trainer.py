@@ -46,10 +46,10 @@ CHECKPOINT_SECONDS = 300.0
 
 
 def train(plan: Plan, request: RunRequest, *, data: Datasets | None = None, reporter: Reporter | None = None,
-          dtype: torch.dtype = torch.float32, continue_with: str | None = None) -> dict:
+          dtype: torch.dtype = torch.float32) -> dict:
     """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to
     `request.out` (taken, settled and checked here: the library's entry). `data`: None builds the recipe's;
-    `reporter`: None is silent; `continue_with`: the command an interrupted run prints (None: its plan.yaml resumed)."""
+    `reporter`: None is silent; an interrupted run prints its plan.yaml resumed."""
     world, out, reporter = distributed.world_from_env(), Path(request.out), reporter or SilentReporter()
     owner = lock.owns_the_run(world.distributed, world.rank)
     with lock.hold(out) if owner else contextlib.nullcontext():
@@ -58,8 +58,7 @@ def train(plan: Plan, request: RunRequest, *, data: Datasets | None = None, repo
             reporter.message(f"note: {note}")
         check_sharding(plan.recipe, world.size)
         check_out_dir(out, request.resume, request.force)
-        return train_checked(plan, request, world, data=data, reporter=reporter, dtype=dtype,
-                             continue_with=continue_with)
+        return train_checked(plan, request, world, data=data, reporter=reporter, dtype=dtype)
 
 
 def train_checked(plan: Plan, request: RunRequest, world: World, *, data: Datasets | None = None,
