@@ -127,8 +127,7 @@ def end_problem(out: Path, state: dict) -> str | None:
         if held != kept:
             return f"{metrics} is " + ("missing" if held is None else "not the run's: the checkpoint's copy differs")
     if summary is None:
-        problem = missing_final_outputs(out, step)
-        return problem if problem is not None else _model_problem(out, state)
+        return missing_final_outputs(out, step) or _model_problem(out, state)
     path = out / "summary.json"
     try:
         written = json.loads(path.read_text(encoding="utf-8"))

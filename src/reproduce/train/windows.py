@@ -94,9 +94,8 @@ def rank_shares(plan: Plan, step: int, seed: int) -> tuple[list[torch.Tensor], b
                if (length or 0) < (where.sequence_length or 0))
     order = _order(where.dataset_size, where.epoch, seed, plan.recipe.data.shuffle)
     indices = order[where.offset : where.offset + where.size] + base
-    per_rank = where.effective_batch // plan.world_size
-    shares = list(torch.tensor_split(indices, plan.world_size)) if where.partial else [
-        indices[rank * per_rank : (rank + 1) * per_rank] for rank in range(plan.world_size)]
+    # a whole window is m x N x W samples, W equal shares; a partial one's shares differ by one at most
+    shares = list(torch.tensor_split(indices, plan.world_size))
     return shares, where.partial, segments[where.phase].micro_batch
 
 
