@@ -289,10 +289,11 @@ def split_items(items: Any, micro_batch: int) -> list[Any]:
     return [items[start:start + micro_batch] for start in range(0, len(items), micro_batch)]
 
 
-def free_memory(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """After an out-of-memory error, once its frames are gone: the gradients dropped, the garbage collected and
-    (CUDA) the cached blocks handed back, so a smaller micro-batch has the memory."""
-    optimizer.zero_grad(set_to_none=True)
+def free_memory(holder: Any, device: torch.device) -> None:
+    """After an out-of-memory error, once its frames are gone (or a model let go): the gradients of `holder` (an
+    optimizer or a model; None: none) dropped, the garbage collected and (CUDA) the cached blocks handed back."""
+    if holder is not None:
+        holder.zero_grad(set_to_none=True)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -9,7 +9,6 @@ synchronised). A split out of memory is `NotTimed`, its memory freed.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections import defaultdict
 
@@ -80,6 +79,4 @@ class SplitSteps:
         if self.flushed:
             torch.set_flush_denormal(False)
         self.setup = self.noise = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(None, self.device)
