@@ -94,7 +94,7 @@ def over_budget_line(plan: Plan, out: dict, limit: float, ways: list[Way], fitti
     """The refusal: the forecast against the budget, its basis, and the cheapest way that fits, or none."""
     budget = plan.recipe.budget
     assert budget is not None
-    spent = hours_and_money(out, out["gpu_hours"])  # (its money: the forecast's, out["money"])
+    spent = hours_and_money(out, out["gpu_hours"])  # the forecast: its money is out["money"], the same product
     allowed = " and ".join(
         ([f"{hours(budget.gpu_hours)} GPU-hours"] if budget.gpu_hours is not None else [])
         + ([money_text(budget.money, out["currency"])] if budget.money is not None else []))
