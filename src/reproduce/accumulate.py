@@ -120,10 +120,7 @@ class Accumulator:
                 pass
             # the error and the failed window's frames are gone: free what is left, then split again
             del micro_batches
-            self.optimizer.zero_grad(set_to_none=True)
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            free_memory(self.optimizer, self.device)
             smaller = (smaller_micro_batch(divides, self.micro_batch) if divides else
                        self.micro_batch // 2 or None)
             if smaller is None:
@@ -290,6 +287,16 @@ def split_items(items: Any, micro_batch: int) -> list[Any]:
         parts = zip(*(torch.split(items[key], micro_batch) for key in keys), strict=True)
         return [dict(zip(keys, values, strict=True)) for values in parts]
     return [items[start:start + micro_batch] for start in range(0, len(items), micro_batch)]
+
+
+def free_memory(holder: Any, device: torch.device) -> None:
+    """After an out-of-memory error, once its frames are gone (or a model let go): the gradients of `holder` (an
+    optimizer or a model; None: none) dropped, the garbage collected and (CUDA) the cached blocks handed back."""
+    if holder is not None:
+        holder.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def smaller_micro_batch(per_rank_batch: int, micro_batch: int) -> int | None:

@@ -7,7 +7,7 @@ something is measured or built.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,11 +41,10 @@ OnNote = Callable[[str], None]
 
 @dataclass
 class Planned:
-    """A plan, the probe's result behind it (None: nothing was probed), and the lines on how it was reached."""
+    """A plan and the probe's result behind it (None: nothing was probed)."""
 
     plan: Plan
     probe: ProbeResult | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatchMax | None, world_size: int,
@@ -55,14 +54,9 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
     """Plan `recipe`; the one place that decides where the micro-batch maximum comes from: given, or measured by
     the memory probe (`probe`: budget and meter; default: this GPU) on `data` when built. With batch phases of
     several sequence lengths it probes each length at its largest batch (what fits at 128 tokens does not at 512);
-    the result returned is the main length's. `fingerprint`: the data files' (a run's)."""
-    notes: list[str] = []
-
-    def note(line: str) -> None:
-        notes.append(line)
-        if on_note is not None:
-            on_note(line)
-
+    the result returned is the main length's. `fingerprint`: the data files' (a run's); `on_note`: how the plan was
+    reached, a line at a time."""
+    note = on_note if on_note is not None else lambda line: None
     if policy == "throughput":
         from .throughput.policy import check_phases
 
@@ -81,7 +75,7 @@ def plan_and_probe(recipe: Recipe, recipe_path: str, micro_batch_max: MicroBatch
         micro_batch_max = result.micro_batch_max
     plan = probed_plan(recipe, recipe_path, micro_batch_max, world_size, policy, dataset_size, result, probe=probe,
                        data=data, keep_batchnorm=keep_batchnorm, on_note=note, memory=memory, fingerprint=fingerprint)
-    return Planned(plan, result, notes)
+    return Planned(plan, result)
 
 
 def searches_budget(recipe: Recipe, probe: ProbeOptions) -> bool:

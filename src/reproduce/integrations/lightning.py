@@ -45,7 +45,6 @@ class ExactAccumulation(pl.Callback):
         self.plan = plan
         self.count = count or count_targets
         self.window_items = 0
-        self.factors: list[float] = []  # each optimizer step's rescaling of the gradient (for the curious)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -86,7 +85,6 @@ class ExactAccumulation(pl.Callback):
         self.window_items = 0
         # Lightning divided each summed loss by N, and DDP averaged over the ranks: what the count replaces
         factor = trainer.accumulate_grad_batches * trainer.world_size / max(items, 1)
-        self.factors.append(factor)
         for group in optimizer.param_groups:
             for parameter in group["params"]:
                 if parameter.grad is not None:

@@ -6,13 +6,13 @@ memory does not fit, and its gradients are dropped. The `estimate` meter needs a
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from ..accumulate import free_memory
 from ..errors import UserError
 from ..plan.units import parse_size
 from ..probe.meters import ACCUMULATED, CpuMeter, CudaMeter
@@ -42,12 +42,8 @@ class _Step:
                         if isinstance(v, torch.Tensor)]
         return tensors
 
-    def failed(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        elif self.model is not None:
-            self.model.zero_grad(set_to_none=True)
-        gc.collect()
+    def failed(self, device: torch.device) -> None:
+        free_memory(self.optimizer if self.optimizer is not None else self.model, device)
 
 
 class StepCpuMeter(CpuMeter):
@@ -72,7 +68,7 @@ class StepCpuMeter(CpuMeter):
                 step = round((time.perf_counter() - tick) / PROBE_WINDOW, 6)  # one micro-step
         except torch.OutOfMemoryError as error:
             note = f"out of memory: {error}"
-            self.user.failed()
+            self.user.failed(torch.device("cpu"))
         return self._result(micro_batch, peak, peak, step, started, note)
 
 
@@ -97,7 +93,7 @@ class StepCudaMeter(CudaMeter):
             allocated = int(torch.cuda.max_memory_allocated(self.cuda))
         except torch.OutOfMemoryError as error:
             note = f"out of memory: {str(error).splitlines()[0]}"
-            self.user.failed()
+            self.user.failed(self.cuda)
         torch.cuda.empty_cache()
         return self._result(micro_batch, reserved, allocated, step if self.time_steps else None, started, note)
 

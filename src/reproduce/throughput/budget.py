@@ -18,6 +18,7 @@ from ..plan.split import exact_choice
 from ..probe.runner import ProbeResult
 from .cost import cost, format_duration
 from .predicted_time import _flops_model, total_samples  # (_flops_model: the FLOPs model on one catalog card)
+from .splits import exact_splits
 
 MOST_GPUS = 4096  # the GPU counts weighed for a cheaper way: 1 .. this many (those that divide the batch)
 
@@ -82,8 +83,8 @@ def check_price(price: float | None) -> None:
         raise UserError(f"expected the price of one GPU-hour, > 0 (got {price:g})", field="price")
 
 
-def at_least(out: dict, gpu_hours: float) -> str:
-    """The least budget that holds `gpu_hours`: in GPU-hours, and in money at the price."""
+def hours_and_money(out: dict, gpu_hours: float) -> str:
+    """`gpu_hours` in GPU-hours, and in money at the price (the forecast's, or the least budget that holds them)."""
     money = f" = {money_text(gpu_hours * out['price'], out['currency'])}" if out["price"] is not None else ""
     return f"{hours(gpu_hours)} GPU-hours{money}"
 
@@ -93,9 +94,7 @@ def over_budget_line(plan: Plan, out: dict, limit: float, ways: list[Way], fitti
     """The refusal: the forecast against the budget, its basis, and the cheapest way that fits, or none."""
     budget = plan.recipe.budget
     assert budget is not None
-    spent = f"{hours(out['gpu_hours'])} GPU-hours"
-    if out["money"] is not None:
-        spent += f" = {money_text(out['money'], out['currency'])}"
+    spent = hours_and_money(out, out["gpu_hours"])  # the forecast: its money is out["money"], the same product
     allowed = " and ".join(
         ([f"{hours(budget.gpu_hours)} GPU-hours"] if budget.gpu_hours is not None else [])
         + ([money_text(budget.money, out["currency"])] if budget.money is not None else []))
@@ -111,23 +110,22 @@ def over_budget_line(plan: Plan, out: dict, limit: float, ways: list[Way], fitti
     if out["basis_kind"] == "measured":
         if plan.has_phases:
             return (f"{line}; no other split is forecast for a plan with batch phases; raise the budget to at least "
-                    f"{at_least(out, out['gpu_hours'])}")
+                    f"{spent}")
         cheapest = ways[0] if ways else None
         own = cheapest is not None and (cheapest.world_size, cheapest.micro_batch) == (plan.world_size,
                                                                                        plan.micro_batch)
         least = ("this plan's is the cheapest" if own else f"the cheapest is {cheapest.text()}" if cheapest
                  else "none was timed")
         return (f"{line}; no exact split or GPU count fits ({least}, on the probe's step times); raise the budget "
-                f"to at least {at_least(out, cheapest.gpu_hours if cheapest else out['gpu_hours'])}")
-    least = at_least(out, out["gpu_hours"])
+                f"to at least {hours_and_money(out, cheapest.gpu_hours if cheapest else out['gpu_hours'])}")
     head = f"{line}; no split or GPU count fits: the FLOPs model's GPU-hours are the same for all of them"
     if prediction.get("flops_per_sample") is None or total_samples(plan) is None:
-        return f"{head}; raise the budget to at least {least}, or plan for a faster GPU (`gpu`)"
+        return f"{head}; raise the budget to at least {spent}, or plan for a faster GPU (`gpu`)"
     card = faster_card(plan, prediction, limit)
     if card is None:
-        return f"{head}, nor does another GPU of the catalog; raise the budget to at least {least}"
+        return f"{head}, nor does another GPU of the catalog; raise the budget to at least {spent}"
     return (f"{head}; the catalog's {card[0]} would ({hours(card[1])} GPU-hours at its datasheet peak; `gpu` "
-            f"{card[0]} plans it, memory included), or raise the budget to at least {least}")
+            f"{card[0]} plans it, memory included), or raise the budget to at least {spent}")
 
 
 def faster_card(plan: Plan, prediction: dict, limit: float) -> tuple[str, float] | None:
@@ -155,13 +153,9 @@ def cheaper_ways(plan: Plan, result: ProbeResult | None) -> list[Way]:
     recipe, cap, steps = plan.recipe, plan.micro_batch_max, plan.optimizer_steps
     paper_batch = recipe.batch.sequences
     ways: dict[tuple[int, int], Way] = {}
-    for gpus in range(1, min(paper_batch, MOST_GPUS) + 1):
-        if paper_batch % gpus:
-            continue
+    for gpus in exact_splits(paper_batch, MOST_GPUS):  # the GPU counts that divide the batch
         per_rank = paper_batch // gpus
-        for top in range(min(cap, per_rank), 0, -1):
-            if per_rank % top:
-                continue
+        for top in exact_splits(per_rank, cap):
             choice = exact_choice(recipe, top, gpus)  # the planner's own choice under that cap (BatchNorm's batch)
             if choice is None or (gpus, choice.micro_batch) in ways:
                 continue

@@ -29,9 +29,6 @@ class Cost:
     optimizer_steps: int | None
     total_seconds: float | None  # the whole schedule, on this device
 
-    def to_json(self) -> dict:
-        return asdict(self)
-
 
 def micro_step_seconds(timings: Iterable[tuple[int, float]], micro_batch: int) -> float | None:
     """t(micro_batch) from measured (size, seconds) pairs; None when nothing was timed."""
@@ -127,7 +124,7 @@ def way_timed(plan: Plan, result: ProbeResult) -> bool:
 
 
 def costs_json(costs: dict[str, Cost | None]) -> dict:
-    return {policy: (c.to_json() if c else None) for policy, c in costs.items()}
+    return {policy: (asdict(c) if c else None) for policy, c in costs.items()}
 
 
 def cost_lines(plan: Plan, result: ProbeResult) -> list[str]:

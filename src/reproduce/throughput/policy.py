@@ -83,8 +83,7 @@ def _measure(recipe: Recipe, data: Datasets | None, result: ProbeResult | None, 
     from .split_steps import SplitSteps
 
     if result is not None:
-        cuda = result.meter == "cuda"
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if result.meter == "cuda" else torch.device("cpu")
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()

@@ -9,12 +9,12 @@ synchronised). A split out of memory is `NotTimed`, its memory freed.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections import defaultdict
 
 import torch
 
+from ..accumulate import free_memory
 from ..data.batches import LazyMicroBatch
 from ..data.packing import Grouped, group, grouping_of
 from ..models.varlen import runs_varlen
@@ -38,9 +38,8 @@ class SplitSteps:
         self.noise = NoiseScale(self.setup) if noise_scale else None
         self.dataset = workload.data.train
         recipe = workload.plan.recipe  # data.packing sorted / packed: the windows grouped as the run groups them
-        way = recipe.data.packing or default_packing(recipe)
-        self.grouping = None if way in (None, "none") else grouping_of(
-            recipe, self.dataset, workload.plan.micro_batch, runs_varlen(self.setup.model), way=way)
+        self.grouping = grouping_of(recipe, self.dataset, workload.plan.micro_batch, runs_varlen(self.setup.model),
+                                    way=recipe.data.packing or default_packing(recipe))
         if self.grouping is not None:
             self.dataset = Grouped(self.dataset, self.grouping)
         self.order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(0))
@@ -71,10 +70,7 @@ class SplitSteps:
             return time.perf_counter() - tick
         except torch.OutOfMemoryError:
             pass  # the error's frames (activations) go with the except block, before the memory is freed
-        self.setup.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        free_memory(self.setup.optimizer, self.device)
         raise NotTimed(f"out of memory on {self.device} while timing {micro_batch} x {self.per_rank // micro_batch}")
 
     def close(self) -> None:
@@ -83,6 +79,4 @@ class SplitSteps:
         if self.flushed:
             torch.set_flush_denormal(False)
         self.setup = self.noise = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(None, self.device)

@@ -110,10 +110,8 @@ def paired(a: list[float], b: list[float]) -> tuple[float, float]:
     return middle - 1, max(NOISE_FLOOR, 2 * MEDIAN_SE * deviation / math.sqrt(len(ratios)) / middle)
 
 
-def time_splits(splits: list[int], run_steps: RunSteps, budget: float = BUDGET_SECONDS,
-                repeats: int = REPEATS) -> Timings:
+def time_splits(splits: list[int], run_steps: RunSteps, budget: float = BUDGET_SECONDS) -> Timings:
     """Time every exact split (`splits`, largest first) by `run_steps`, within `budget` seconds of timed steps."""
-    repeats = max(repeats, MIN_REPEATS)
     timed: dict[int, SplitTiming] = {}
     left_out: dict[int, str] = {}
     spent = dropped_seconds = 0.0
@@ -138,7 +136,7 @@ def time_splits(splits: list[int], run_steps: RunSteps, budget: float = BUDGET_S
         slowest = max((m for m in timed if m != splits[0]), key=lambda m: timed[m].warm_up)
         dropped_seconds += timed.pop(slowest).seconds
         left_out[slowest] = "not timed: its warm-up step was the slowest, and the rounds would exceed the bound"
-    rounds = repeats
+    rounds = REPEATS
     while rounds > MIN_REPEATS and needed(rounds) > budget - spent:
         rounds -= 1
 
@@ -223,21 +221,21 @@ def choose(
     micro = best
     if len(ranked) > 1:
         runner_up = ranked[1]
+        rounds = ""
         if timings is not None:  # the two fastest compared round by round (their re-timing included)
             gap, noise = paired(timings.timed[best].repeats, timings.timed[runner_up].repeats)
             if gap < 0:  # paired, the runner-up is the faster
                 best, runner_up, gap = runner_up, best, 1 / (1 + gap) - 1
-        else:
-            gap = step_seconds[runner_up] / step_seconds[best] - 1
-        micro = best
-        rounds = ""
-        if timings is not None:  # the rounds both were timed in; the re-timing's, when it was these two
+            # the rounds both were timed in; the re-timing's, when it was these two
             both = min(len(timings.timed[best].repeats), len(timings.timed[runner_up].repeats))
             rounds = f", paired over {both} rounds"
             if timings.retimed and set(timings.retimed) == {best, runner_up}:
                 retimed = " after re-timing both"
             elif timings.retimed:
                 retimed = f"; {timings.retimed[0]} and {timings.retimed[1]} re-timed"
+        else:
+            gap = step_seconds[runner_up] / step_seconds[best] - 1
+        micro = best
         if gap <= noise:
             pair, micro = sorted((best, runner_up), reverse=True), max(best, runner_up)
             reason = (f"micro-batch {pair[0]} and {pair[1]} are indistinguishable ({best} faster by {gap:.1%}{rounds}, "

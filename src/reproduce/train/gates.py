@@ -89,11 +89,9 @@ class GateWatch:
               ) -> float | None:
         """The gate's metric after step `step`: None when the run did not measure it (no evaluation data)."""
         metric, smooth = gate.gate.metric, gate.gate.smooth
-        if metric == "loss":
-            recent = list(self.losses)[-smooth:]
-            return sum(recent) / len(recent) if recent else None
-        if metric in ("samples_per_second", "tokens_per_second"):
-            recent = [rates[metric] for rates in list(self.rates)[-smooth:] if metric in rates]
+        if metric in ("loss", "samples_per_second", "tokens_per_second"):  # the mean of the last `smooth` steps'
+            recent = (list(self.losses)[-smooth:] if metric == "loss" else
+                      [rates[metric] for rates in list(self.rates)[-smooth:] if metric in rates])
             return sum(recent) / len(recent) if recent else None
         if metric == "gpu_hours":
             return spent_seconds * world_size / 3600
@@ -189,8 +187,7 @@ def start_gates(run: Any) -> None:
         return
     if name == REFERENCE_GATE:  # its band missed: going on is accepting it
         if name not in watch.accept:
-            event = {**watch.outcomes[name]}
-            raise GatePaused(paused_line(event, run.out, gate_checkpoint(run.out, name),
+            raise GatePaused(paused_line(watch.outcomes[name], run.out, gate_checkpoint(run.out, name),
                                          run.continue_with))
         watch.outcomes[name] = {**watch.outcomes[name], "status": "accepted"}
         watch.paused = None

@@ -101,9 +101,7 @@ def earlier_segments(out: Path, state: dict | None, first_step: int) -> tuple[di
     if "run_totals" in extra:
         totals.update(extra["run_totals"])
     else:
-        totals = {"seconds": sum(r.get("seconds", 0.0) for r in records),
-                  "samples": sum(r.get("samples", 0) for r in records),
-                  "tokens": sum(r.get("tokens", 0) for r in records)}
+        totals = {key: sum(r.get(key, zero) for r in records) for key, zero in totals.items()}
     if "divergence" in extra:
         watch = DivergenceWatch()
         watch.load_state_dict(extra["divergence"])
@@ -129,8 +127,7 @@ def end_problem(out: Path, state: dict) -> str | None:
         if held != kept:
             return f"{metrics} is " + ("missing" if held is None else "not the run's: the checkpoint's copy differs")
     if summary is None:
-        problem = missing_final_outputs(out, step)
-        return problem if problem is not None else _model_problem(out, state)
+        return missing_final_outputs(out, step) or _model_problem(out, state)
     path = out / "summary.json"
     try:
         written = json.loads(path.read_text(encoding="utf-8"))

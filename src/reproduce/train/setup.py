@@ -82,8 +82,9 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
     data = data if data is not None else build_data(recipe)
     torch.manual_seed(recipe.seed if seed is None else seed)
     model = place(build_model(recipe, data.info), recipe, device, dtype)  # model.dtype kept in float32 runs
-    if recipe.model.batchnorm == "sync":  # refused where it cannot run
+    if recipe.model.batchnorm == "sync":  # refused where it cannot run; else statistics over every process's batch
         check_sync_batchnorm(world, device)
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # what the run says about BatchNorm at its start: the plan's choice, and a label the built model disagrees with
     notes, layers = [], count_batchnorm(model)
     if plan.batchnorm is not None:
@@ -104,8 +105,6 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
     if recipe.task == "segmentation" and data.eval is None:
         notes.append("no evaluation data: the run reports no eval loss, mIoU or pixel accuracy (give --eval-data, "
                      "data.eval_path, a voc folder's val list, or images/ and masks/ with train/ and val/)")
-    if recipe.model.batchnorm == "sync":  # statistics over every process's micro-batch (checked above: CUDA, several)
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     counter = None
     if world.distributed:
         counter = distributed.SyncCounter()

@@ -5,7 +5,6 @@ metrics, signals and out-of-memory handling; its start is `run_state.start_run`,
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import signal
 import time
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..accumulate import AgreedOutOfMemory, OptimizerStepOutOfMemory, smaller_micro_batch
+from ..accumulate import AgreedOutOfMemory, OptimizerStepOutOfMemory, free_memory, smaller_micro_batch
 from ..data.batches import DataClock
 from ..data.loader import cpu_share, default_workers
 from ..errors import Interrupted, TrainingStopped
@@ -47,10 +46,10 @@ CHECKPOINT_SECONDS = 300.0
 
 
 def train(plan: Plan, request: RunRequest, *, data: Datasets | None = None, reporter: Reporter | None = None,
-          dtype: torch.dtype = torch.float32, continue_with: str | None = None) -> dict:
+          dtype: torch.dtype = torch.float32) -> dict:
     """Run `plan`, writing plan.yaml, metrics.jsonl, checkpoints/last.pt, model.pt and summary.json to
     `request.out` (taken, settled and checked here: the library's entry). `data`: None builds the recipe's;
-    `reporter`: None is silent; `continue_with`: the command an interrupted run prints (None: its plan.yaml resumed)."""
+    `reporter`: None is silent; an interrupted run prints its plan.yaml resumed."""
     world, out, reporter = distributed.world_from_env(), Path(request.out), reporter or SilentReporter()
     owner = lock.owns_the_run(world.distributed, world.rank)
     with lock.hold(out) if owner else contextlib.nullcontext():
@@ -59,8 +58,7 @@ def train(plan: Plan, request: RunRequest, *, data: Datasets | None = None, repo
             reporter.message(f"note: {note}")
         check_sharding(plan.recipe, world.size)
         check_out_dir(out, request.resume, request.force)
-        return train_checked(plan, request, world, data=data, reporter=reporter, dtype=dtype,
-                             continue_with=continue_with)
+        return train_checked(plan, request, world, data=data, reporter=reporter, dtype=dtype)
 
 
 def train_checked(plan: Plan, request: RunRequest, world: World, *, data: Datasets | None = None,
@@ -192,10 +190,7 @@ def recover_from_out_of_memory(run: Run, step: int, batch: StepBatch, agreed: bo
     (the effective batch stays exact) and reopen the stream at `step`; with several ranks only when all agreed."""
     setup, plan, micro_batch = run.setup, run.plan, run.micro_batch(step)
     run.stream.close()  # its prefetched micro-batches are of the old size
-    setup.optimizer.zero_grad(set_to_none=True)
-    gc.collect()
-    if setup.device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(setup.optimizer, setup.device)
     if not agreed:  # this rank alone: it stops, and leaves the process group (see train)
         raise TrainingStopped(out_of_memory_alone(setup, step, micro_batch, run.out))
     per_rank_batch = batch.effective_batch // plan.world_size  # this step's (batch phases)

@@ -71,13 +71,14 @@ def window(plan: Plan, size: int, step: int, seed: int, rank: int = 0, micro_bat
     several lengths. With `grouping` (data.packing sorted or packed) the share is grouped by length instead."""
     shares, partial, planned = rank_shares(plan, step, seed)
     micro_batch = micro_batch or planned
-    if grouping is not None:
-        return grouped_window(shares, grouping, micro_batch)[rank], partial
-    return list(torch.split(shares[rank], micro_batch)), partial
+    return split_shares(shares, grouping, micro_batch)[rank], partial
 
 
-def grouped_window(shares: list[torch.Tensor], grouping: Grouping, micro_batch: int) -> list[list[torch.Tensor]]:
-    """Every rank's micro-batches of its share, grouped by length, as many on each rank (data/packing.py)."""
+def split_shares(shares: list[torch.Tensor], grouping: Grouping | None, micro_batch: int) -> list[list[torch.Tensor]]:
+    """Every rank's micro-batches of its share: in order, or with `grouping` grouped by length, as many on each rank
+    (data/packing.py)."""
+    if grouping is None:
+        return [list(torch.split(share, micro_batch)) for share in shares]
     budget = grouping.budget_at(micro_batch)
     return balance([group(share, grouping, budget) for share in shares])
 
@@ -93,9 +94,8 @@ def rank_shares(plan: Plan, step: int, seed: int) -> tuple[list[torch.Tensor], b
                if (length or 0) < (where.sequence_length or 0))
     order = _order(where.dataset_size, where.epoch, seed, plan.recipe.data.shuffle)
     indices = order[where.offset : where.offset + where.size] + base
-    per_rank = where.effective_batch // plan.world_size
-    shares = list(torch.tensor_split(indices, plan.world_size)) if where.partial else [
-        indices[rank * per_rank : (rank + 1) * per_rank] for rank in range(plan.world_size)]
+    # a whole window is m x N x W samples, W equal shares; a partial one's shares differ by one at most
+    shares = list(torch.tensor_split(indices, plan.world_size))
     return shares, where.partial, segments[where.phase].micro_batch
 
 
@@ -108,8 +108,7 @@ def padding_over(plan: Plan, steps: range, seed: int, lengths: torch.Tensor, gro
     for step in steps:
         shares, _, planned = rank_shares(plan, step, seed)
         micro = micro_batch or planned
-        groups = (grouped_window(shares, grouping, micro) if grouping else
-                  [list(torch.split(share, micro)) for share in shares])
+        groups = split_shares(shares, grouping, micro)
         micro_batches += len(groups[0])
         useful += sum(int(lengths[share].sum()) for share in shares)
         computed += sum(computed_tokens(g, lengths, way, row, varlen) for rank in groups for g in rank)

@@ -31,7 +31,7 @@ from ..plan.segments import length_sizes
 from ..train.losses import PixelLoss, build_loss
 from ..train.setup import Setup, resolve_device
 from ..train.step import optimizer_step
-from ..train.windows import epoch_order, grouped_window, window
+from ..train.windows import epoch_order, split_shares, window
 from .reference import copy_gradients, one_pass_reference
 
 DTYPES = ("float64", "float32", "bf16", "fp16")
@@ -300,8 +300,7 @@ def _sample_indices(checked: Plan, size: int, samples: int | None, seed: int,
     if samples > size:
         raise UserError(f"{samples} exceeds the {size} samples of the training set", field="samples")
     order = epoch_order(checked, size, 0, seed)[:samples]
-    micro = checked.micro_batch
-    return checked, (grouped_window([order], grouping, micro)[0] if grouping else list(torch.split(order, micro)))
+    return checked, split_shares([order], grouping, checked.micro_batch)[0]
 
 
 def _compare(model: nn.Module, parameters: list[nn.Parameter], reference: list[torch.Tensor],
@@ -311,17 +310,14 @@ def _compare(model: nn.Module, parameters: list[nn.Parameter], reference: list[t
     `tolerance` (a parameter at the rounding level of the whole is shown, not judged alone)."""
     names = {id(p): n for n, p in model.named_parameters()}
     rows = []
-    diff_sq = ref_sq = 0.0
     for param, ref, acc in zip(parameters, reference, accumulated, strict=True):
         ref64, acc64 = ref.double(), acc.double()
         ref_norm = float(ref64.norm())
         diff_norm = float((acc64 - ref64).norm())
-        ref_sq += ref_norm**2
-        diff_sq += diff_norm**2
         error = _relative(diff_norm, ref_norm)
         rows.append(ParameterError(names[id(param)], list(param.shape), ref_norm, diff_norm, error))
-    global_norm = math.sqrt(ref_sq)
-    global_error = _relative(math.sqrt(diff_sq), global_norm)
+    global_norm = math.sqrt(sum(row.reference_norm**2 for row in rows))  # the whole gradient's, from its parts'
+    global_error = _relative(math.sqrt(sum(row.difference_norm**2 for row in rows)), global_norm)
     floor = NEGLIGIBLE_ULPS * EPSILON[dtype] * global_norm
     for row in rows:
         row.negligible = row.reference_norm <= floor and row.difference_norm <= floor

@@ -78,8 +78,7 @@ def reference_gradient(setup: Setup, chunks: list[tuple[Any, Any]]) -> list[torc
     count = max(sum(loss_fn.count(target) for _, target in chunks), 1)
     if getattr(loss_fn, "window", None) is not None:  # BERT's two terms: masked tokens and sequences
         loss_fn.window(count, sum(len(target) for _, target in chunks))
-    for p in model.parameters():
-        p.grad = None
+    model.zero_grad(set_to_none=True)
     for inputs, target in chunks:
         with setup.autocast():
             loss = loss_fn(model(inputs), target) / count
@@ -88,7 +87,6 @@ def reference_gradient(setup: Setup, chunks: list[tuple[Any, Any]]) -> list[torc
     if clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     gradients = copy_gradients(setup.optimizer.param_groups[0]["params"])
-    for p in model.parameters():
-        p.grad = None
+    model.zero_grad(set_to_none=True)
     return gradients
 
