@@ -78,19 +78,25 @@ def enabled(model: nn.Module) -> bool:
     )
 
 
-def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
-    """The outermost blocks of `model` (a block inside a block is recomputed with it)."""
-    types_: tuple[type, ...] = (Block,)
-    resnet = sys.modules.get("torchvision.models.resnet")
-    if resnet is not None:
-        types_ += (resnet.Bottleneck, resnet.BasicBlock)
-    vit = sys.modules.get("torchvision.models.vision_transformer")
-    if vit is not None:
-        types_ += (vit.EncoderBlock,)
+def block_test(model: nn.Module) -> Callable[[nn.Module], bool]:
+    """Whether a module of `model` is a block: Hugging Face's `_no_split_modules` classes, the built-in GPT's
+    `Block`, torchvision's `Bottleneck` / `BasicBlock` (what FSDP shards, and what is checkpointed)."""
     names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or ())
-    return _outermost(model, lambda child: isinstance(child, types_) or type(child).__name__ in names)
+    types_: tuple[type, ...] = (Block,)
+    resnet = sys.modules.get("torchvision.models.resnet")  # only when the model came from torchvision
+    if resnet is not None:
+        types_ += (resnet.Bottleneck, resnet.BasicBlock)
+    return lambda module: isinstance(module, types_) or type(module).__name__ in names
+
+
+def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
+    """The outermost blocks of `model` (a block inside a block is recomputed with it), torchvision ViT's too."""
+    is_block = block_test(model)
+    vit = sys.modules.get("torchvision.models.vision_transformer")
+    encoder = (vit.EncoderBlock,) if vit is not None else ()
+    return _outermost(model, lambda child: is_block(child) or isinstance(child, encoder))
 
 
 def _outermost(module: nn.Module, matches: Callable[[nn.Module], bool]) -> list[nn.Module]:
