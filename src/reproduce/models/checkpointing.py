@@ -25,7 +25,7 @@ WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def enable(model: nn.Module, name: str, selective: bool = False) -> int:
-    """Checkpoint `model` per block (`selective`: keeping `saved_ops`' outputs); the number of blocks."""
+    """Checkpoint `model` per block (`selective`: keeping matmuls' and attention's outputs); the number of blocks."""
     pretrained = _transformers_models(model)
     # transformers' layers call torch.utils.checkpoint.checkpoint with these (its default preserves the RNG state)
     kwargs = {"use_reentrant": False, "context_fn": lambda: contexts(selective=selective)}
@@ -142,14 +142,11 @@ def _matmuls_saved(ctx, op, *args, **kwargs):
     """Selective checkpointing's policy (torchtitan's): keep matmuls' and attention's outputs, recompute the rest."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def saved_ops() -> set:
     aten = torch.ops.aten
     names = ("mm", "addmm", "bmm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    return {getattr(aten, name).default for name in names if hasattr(aten, name)}
+    saved = {getattr(aten, name).default for name in names if hasattr(aten, name)}
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def contexts(module: nn.Module | None = None, selective: bool = False
