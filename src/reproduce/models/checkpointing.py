@@ -25,7 +25,7 @@ WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def enable(model: nn.Module, name: str, selective: bool = False) -> int:
-    """Checkpoint `model` per block (`selective`: keeping `saved_ops`' outputs); the number of blocks."""
+    """Checkpoint `model` per block (`selective`: keeping matmuls' and attention's outputs); the number of blocks."""
     pretrained = _transformers_models(model)
     # transformers' layers call torch.utils.checkpoint.checkpoint with these (its default preserves the RNG state)
     kwargs = {"use_reentrant": False, "context_fn": lambda: contexts(selective=selective)}
@@ -78,19 +78,25 @@ def enabled(model: nn.Module) -> bool:
     )
 
 
-def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
-    """The outermost blocks of `model` (a block inside a block is recomputed with it)."""
-    types_: tuple[type, ...] = (Block,)
-    resnet = sys.modules.get("torchvision.models.resnet")
-    if resnet is not None:
-        types_ += (resnet.Bottleneck, resnet.BasicBlock)
-    vit = sys.modules.get("torchvision.models.vision_transformer")
-    if vit is not None:
-        types_ += (vit.EncoderBlock,)
+def block_test(model: nn.Module) -> Callable[[nn.Module], bool]:
+    """Whether a module of `model` is a block: Hugging Face's `_no_split_modules` classes, the built-in GPT's
+    `Block`, torchvision's `Bottleneck` / `BasicBlock` (what FSDP shards, and what is checkpointed)."""
     names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or ())
-    return _outermost(model, lambda child: isinstance(child, types_) or type(child).__name__ in names)
+    types_: tuple[type, ...] = (Block,)
+    resnet = sys.modules.get("torchvision.models.resnet")  # only when the model came from torchvision
+    if resnet is not None:
+        types_ += (resnet.Bottleneck, resnet.BasicBlock)
+    return lambda module: isinstance(module, types_) or type(module).__name__ in names
+
+
+def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
+    """The outermost blocks of `model` (a block inside a block is recomputed with it), torchvision ViT's too."""
+    is_block = block_test(model)
+    vit = sys.modules.get("torchvision.models.vision_transformer")
+    encoder = (vit.EncoderBlock,) if vit is not None else ()
+    return _outermost(model, lambda child: is_block(child) or isinstance(child, encoder))
 
 
 def _outermost(module: nn.Module, matches: Callable[[nn.Module], bool]) -> list[nn.Module]:
@@ -136,14 +142,11 @@ def _matmuls_saved(ctx, op, *args, **kwargs):
     """Selective checkpointing's policy (torchtitan's): keep matmuls' and attention's outputs, recompute the rest."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def saved_ops() -> set:
     aten = torch.ops.aten
     names = ("mm", "addmm", "bmm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    return {getattr(aten, name).default for name in names if hasattr(aten, name)}
+    saved = {getattr(aten, name).default for name in names if hasattr(aten, name)}
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def contexts(module: nn.Module | None = None, selective: bool = False

@@ -150,10 +150,8 @@ def paused_line(event: dict, out: Path, kept: Path | None, continue_with: str) -
             f"accept this gate ({continue_with} --accept-gate {event['name']})")
 
 
-def resume_source(out: Path, name: str | None, planned: list[PlannedGate]) -> Path:
-    """The checkpoint a resumed run loads: last.pt, or with `--from NAME` the kept checkpoint of gate NAME."""
-    if name is None:
-        return out / "checkpoints" / "last.pt"
+def resume_source(out: Path, name: str, planned: list[PlannedGate]) -> Path:
+    """The checkpoint a run resumed `--from NAME` loads (instead of last.pt): the kept checkpoint of gate NAME."""
     gate_by_name(planned, name, "resume_from")
     path = gate_checkpoint(out, name)
     if not path.is_file():

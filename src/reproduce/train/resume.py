@@ -250,12 +250,11 @@ def _save_sharded(setup: Setup, folder: Path, step: int) -> str:
     return name
 
 
-def load_checkpoint(setup: Setup, path: Path, check: Callable[[dict], None] | None = None) -> dict:
+def load_checkpoint(setup: Setup, path: Path, check: Callable[[dict], None]) -> dict:
     """The checkpoint's state, loaded into `setup`; a damaged file is refused in one line, never
     trained on. `check(state)`: what must hold before anything is loaded (the plan it was trained with)."""
     state = read_torch_file(path, "`resume`", setup.device)
-    if check is not None:
-        check(state)
+    check(state)
     sharded = state.get("sharded")
     if bool(sharded) != setup.sharded:
         was, now = ("fsdp", "none") if sharded else ("none", "fsdp")

@@ -13,8 +13,6 @@ accumulation stays the paper's large-batch update exactly:
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,18 +25,11 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The modules sharded before the root: Hugging Face's `_no_split_modules` classes, the built-in
-    GPT's `Block`, torchvision's `Bottleneck` / `BasicBlock`; none (an MLP): the root alone."""
-    from ...models.small import Block
+    """The modules sharded before the root: every block (`models.checkpointing.block_test`); none: the root alone."""
+    from ...models.checkpointing import block_test
 
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or ())
-    types: tuple[type, ...] = (Block,)
-    resnet = sys.modules.get("torchvision.models.resnet")  # only when the model came from torchvision
-    if resnet is not None:
-        types += (resnet.Bottleneck, resnet.BasicBlock)
-    return [m for m in model.modules() if m is not model and (isinstance(m, types) or type(m).__name__ in names)]
+    is_block = block_test(model)
+    return [m for m in model.modules() if m is not model and is_block(m)]
 
 
 def shard(model: nn.Module, precision: str, world: World, device: torch.device, counter: SyncCounter,
