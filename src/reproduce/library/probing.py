@@ -6,7 +6,6 @@ memory does not fit, and its gradients are dropped. The `estimate` meter needs a
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch
 from ..accumulate import free_memory
 from ..errors import UserError
 from ..plan.units import parse_size
-from ..probe.meters import ACCUMULATED, CpuMeter, CudaMeter
+from ..probe.meters import ACCUMULATED, CpuMeter, CudaMeter, Meter
 from ..probe.runner import ProbeResult, probe_result
 from ..probe.search import Measurement, search
 from ..probe.tracker import MemoryTracker
@@ -25,11 +24,23 @@ __all__ = ["PROBE_WINDOW", "probe_step"]
 PROBE_WINDOW = ACCUMULATED  # micro-batches in the window a trial measures, as `reproduce probe`'s
 
 
-class _Step:
-    """One trial of the user's step: warm-up, then the measured step; what it left dropped after an error."""
+class _UserStep(Meter):
+    """A meter's trial made the user's step: run once to warm up (the optimizer's state is made then), then
+    measured; after one out of memory, the gradients it left dropped."""
 
-    def __init__(self, step: Callable[[int], Any], model: Any, optimizer: Any):
-        self.step, self.model, self.optimizer = step, model, optimizer
+    step: Callable[[int], Any]
+    model: Any
+    optimizer: Any
+
+    def prepare(self) -> None:
+        """Nothing to build: the step is the user's."""
+
+    def trial(self, micro_batch: int, device: torch.device, tracker: MemoryTracker | None = None
+              ) -> tuple[Callable[[], object], int]:
+        if tracker is not None:  # the cpu meter's
+            tracker.charge(self.held())
+        self.step(micro_batch)
+        return lambda: self.step(micro_batch), PROBE_WINDOW
 
     def held(self) -> Iterable[torch.Tensor]:
         """What exists before a trial and stays through it: the parameters, buffers, gradients, optimizer state."""
@@ -42,60 +53,17 @@ class _Step:
                         if isinstance(v, torch.Tensor)]
         return tensors
 
-    def failed(self, device: torch.device) -> None:
-        free_memory(self.optimizer if self.optimizer is not None else self.model, device)
+    def release(self, device: torch.device, failed: bool) -> None:
+        if failed:
+            free_memory(self.optimizer if self.optimizer is not None else self.model, device)
 
 
-class StepCpuMeter(CpuMeter):
+class StepCpuMeter(_UserStep, CpuMeter):
     """The cpu meter around the user's step: tensors counted by `MemoryTracker`, the budget enforced by it."""
 
-    user: _Step
 
-    def measure(self, micro_batch: int) -> Measurement:
-        started = time.perf_counter()
-        tracker = MemoryTracker(self.budget_bytes)
-        peak = step = note = None
-        try:
-            with tracker:
-                tracker.charge(self.user.held())
-                self.user.step(micro_batch)  # warm-up: the optimizer's state is made here
-                tracker.reset_peak()
-                self.user.step(micro_batch)
-            peak = tracker.peak
-            if self.time_steps and peak <= self.limit_bytes:  # timed outside the tracker (it slows small ops)
-                tick = time.perf_counter()
-                self.user.step(micro_batch)
-                step = round((time.perf_counter() - tick) / PROBE_WINDOW, 6)  # one micro-step
-        except torch.OutOfMemoryError as error:
-            note = f"out of memory: {error}"
-            self.user.failed(torch.device("cpu"))
-        return self._result(micro_batch, peak, peak, step, started, note)
-
-
-class StepCudaMeter(CudaMeter):
+class StepCudaMeter(_UserStep, CudaMeter):
     """The cuda meter around the user's step: the caching allocator's own counters."""
-
-    user: _Step
-
-    def measure(self, micro_batch: int) -> Measurement:
-        started = time.perf_counter()
-        reserved = allocated = step = note = None
-        torch.cuda.empty_cache()
-        try:
-            self.user.step(micro_batch)
-            torch.cuda.synchronize(self.cuda)
-            torch.cuda.reset_peak_memory_stats(self.cuda)
-            tick = time.perf_counter()
-            self.user.step(micro_batch)
-            torch.cuda.synchronize(self.cuda)
-            step = round((time.perf_counter() - tick) / PROBE_WINDOW, 6)
-            reserved = int(torch.cuda.max_memory_reserved(self.cuda))
-            allocated = int(torch.cuda.max_memory_allocated(self.cuda))
-        except torch.OutOfMemoryError as error:
-            note = f"out of memory: {str(error).splitlines()[0]}"
-            self.user.failed(self.cuda)
-        torch.cuda.empty_cache()
-        return self._result(micro_batch, reserved, allocated, step if self.time_steps else None, started, note)
 
 
 def probe_step(step: Callable[[int], Any], *, cap: int, model: Any = None, optimizer: Any = None,
@@ -119,7 +87,7 @@ def probe_step(step: Callable[[int], Any], *, cap: int, model: Any = None, optim
         raise UserError("the cpu meter needs a budget: give `memory` SIZE", field="memory")
     kind = StepCpuMeter if meter == "cpu" else StepCudaMeter
     chosen = kind(None, budget, headroom, time_steps, cap)  # type: ignore[arg-type]
-    chosen.user = _Step(step, model, optimizer)
+    chosen.step, chosen.model, chosen.optimizer = step, model, optimizer
     chosen.notes.append("the user's own step (reproduce.probe_step)")
     try:
         found = search(chosen.measure, chosen.limit_bytes, cap, on_trial)

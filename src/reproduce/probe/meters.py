@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,6 +69,25 @@ class Meter:
     def measure(self, micro_batch: int) -> Measurement:
         raise NotImplementedError
 
+    def prepare(self) -> None:
+        """What every trial shares, built before the first (so no trial counts or times it)."""
+        self.workload.prepare()
+
+    def trial(self, micro_batch: int, device: torch.device, tracker: MemoryTracker | None = None
+              ) -> tuple[Callable[[], object], int]:
+        """One trial's step, built and warmed up: the measured step, and the micro-batches it runs. `tracker`: the cpu
+        meter's, already counting (a step built outside the trial charges it what it holds)."""
+        setup = build(self.workload.plan, device, data=self.workload.data)
+        window = self.window(micro_batch, device, setup.dtype)
+        warm_up(setup, window)
+        return lambda: optimizer_step(setup, window), len(window)
+
+    def release(self, device: torch.device, failed: bool) -> None:
+        """After a trial, its step let go: what a failed one held is garbage now; a full collection costs ~0.3 s, so
+        only then (the cuda meter collects after every trial)."""
+        if failed:
+            gc.collect()
+
     def close(self) -> None:
         """Undo what the meter changed (the CUDA memory fraction)."""
 
@@ -110,29 +130,26 @@ class CpuMeter(Meter):
         self.notes.append("cpu meter: tensor storage counted exactly (512 B blocks); no allocator or CUDA overheads")
 
     def measure(self, micro_batch: int) -> Measurement:
-        self.workload.prepare()
+        self.prepare()
         started = time.perf_counter()
         device = torch.device("cpu")
         tracker = MemoryTracker(self.budget_bytes)
         peak = step = note = None
         try:
             with tracker:
-                setup = build(self.workload.plan, device, data=self.workload.data)
-                window = self.window(micro_batch, device, setup.dtype)
-                warm_up(setup, window)
+                measured, micro_steps = self.trial(micro_batch, device, tracker)
                 tracker.reset_peak()
                 for _ in range(MEASURED_STEPS):
-                    optimizer_step(setup, window)
+                    measured()
             peak = tracker.peak
             if self.time_steps and peak <= self.limit_bytes:  # timed outside the tracker (it slows small ops)
                 tick = time.perf_counter()
-                optimizer_step(setup, window)
-                step = round((time.perf_counter() - tick) / len(window), 6)  # one micro-step
+                measured()
+                step = round((time.perf_counter() - tick) / micro_steps, 6)  # one micro-step
         except torch.OutOfMemoryError as error:
             note = f"out of memory: {error}"
-        setup = window = None
-        if note:  # what the failed step held is garbage now; a full collection costs ~0.3 s, so only here
-            gc.collect()
+        measured = None  # type: ignore[assignment]  # the step let go of, and what it holds with it
+        self.release(device, failed=note is not None)
         return self._result(micro_batch, peak, peak, step, started, note)
 
 
@@ -171,28 +188,29 @@ class CudaMeter(Meter):
         torch.cuda.set_per_process_memory_fraction(1.0, self.cuda)
         torch.cuda.empty_cache()
 
+    def release(self, device: torch.device, failed: bool) -> None:
+        gc.collect()
+
     def measure(self, micro_batch: int) -> Measurement:
-        self.workload.prepare()
+        self.prepare()
         started = time.perf_counter()
         reserved = allocated = step = note = None
         torch.cuda.empty_cache()
         try:
-            setup = build(self.workload.plan, self.cuda, data=self.workload.data)
-            window = self.window(micro_batch, self.cuda, setup.dtype)
-            warm_up(setup, window)
+            measured, micro_steps = self.trial(micro_batch, self.cuda)
             torch.cuda.synchronize(self.cuda)
             torch.cuda.reset_peak_memory_stats(self.cuda)
             tick = time.perf_counter()
             for _ in range(MEASURED_STEPS):
-                optimizer_step(setup, window)
+                measured()
             torch.cuda.synchronize(self.cuda)
-            step = round((time.perf_counter() - tick) / (MEASURED_STEPS * len(window)), 6)  # one micro-step
+            step = round((time.perf_counter() - tick) / (MEASURED_STEPS * micro_steps), 6)  # one micro-step
             reserved = int(torch.cuda.max_memory_reserved(self.cuda))
             allocated = int(torch.cuda.max_memory_allocated(self.cuda))
         except torch.OutOfMemoryError as error:
             note = f"out of memory: {str(error).splitlines()[0]}"
-        setup = window = None
-        gc.collect()
+        measured = None  # type: ignore[assignment]  # the step let go of, and what it holds with it
+        self.release(self.cuda, failed=note is not None)
         torch.cuda.empty_cache()
         return self._result(micro_batch, reserved, allocated, step if self.time_steps else None, started, note)
 

@@ -21,7 +21,6 @@ from ..errors import DoesNotFit, UserError
 from ..hardware.catalog import Gpu, lookup
 from ..plan.recipe import Recipe, default_packing
 from ..plan.units import format_size, parse_size
-from ..throughput.splits import rates
 from . import cache
 from .search import Measurement, SearchResult, search
 
@@ -113,7 +112,10 @@ class ProbeResult(BaseModel):
 
 def timed_trial(measurement: Measurement, sequence_length: int | None) -> ProbeTrial:
     """A trial as reported, with its samples (and tokens) per second where its step was timed."""
-    samples, tokens = rates(measurement.micro_batch, measurement.step_seconds, sequence_length)
+    samples = tokens = None
+    if measurement.step_seconds:  # one micro-step of `micro_batch` samples
+        per_second = measurement.micro_batch / measurement.step_seconds
+        samples, tokens = round(per_second, 3), round(per_second * sequence_length, 3) if sequence_length else None
     return ProbeTrial(**measurement.to_json(), samples_per_second=samples, tokens_per_second=tokens)
 
 

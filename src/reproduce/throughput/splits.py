@@ -170,14 +170,6 @@ def time_splits(splits: list[int], run_steps: RunSteps, budget: float = BUDGET_S
     return Timings(timed, left_out, rounds, retimed, budget, dropped_seconds)
 
 
-def rates(micro_batch: int, step_seconds: float | None, sequence_length: int | None) -> tuple[float | None, ...]:
-    """(samples/s, tokens/s) of one micro-step of `micro_batch` samples taking `step_seconds`; None untimed."""
-    if not step_seconds:
-        return None, None
-    samples = micro_batch / step_seconds
-    return round(samples, 3), round(samples * sequence_length, 3) if sequence_length else None
-
-
 def exact_splits(per_rank_batch: int, cap: int) -> list[int]:
     return [m for m in range(min(cap, per_rank_batch), 0, -1) if per_rank_batch % m == 0]
 

@@ -9,6 +9,8 @@ import statistics
 import pytest
 
 from helpers import cli, cli_json
+from reproduce.probe.runner import timed_trial
+from reproduce.probe.search import Measurement
 from reproduce.throughput.splits import (
     MAX_STEPS_PER_REPEAT,
     MIN_REPEATS,
@@ -18,7 +20,6 @@ from reproduce.throughput.splits import (
     choose,
     exact_splits,
     model_micro_step,
-    rates,
     relative_spread,
     steps_per_repeat,
     time_splits,
@@ -48,6 +49,10 @@ def files(isolated, tmp_path):
 
 
 def test_rates_are_the_micro_batch_over_the_step():
+    def rates(micro_batch, step_seconds, sequence_length):
+        trial = timed_trial(Measurement(micro_batch, True, 1, step_seconds=step_seconds), sequence_length)
+        return trial.samples_per_second, trial.tokens_per_second
+
     assert rates(8, 0.5, None) == (16.0, None)
     assert rates(8, 0.5, 32) == (16.0, 512.0)
     assert rates(8, None, 32) == (None, None)
