@@ -254,8 +254,6 @@ THROUGHPUT_MAY_IMPORT_FROM_PROBE = {"reproduce.probe.runner", "reproduce.probe.w
                                     "reproduce.probe.cache"}
 KNOWN_BACK_EDGES = {
     # (importer, imported): why it is there
-    ("reproduce.probe.runner", "reproduce.throughput.splits"):
-        "`rates`, a trial's samples and tokens per second, lives beside the split choice that uses it too",
     ("reproduce.probe.memory_plan", "reproduce.throughput.cost"):
         "the memory plan weighs its two ways (with and without checkpointing) by the step-time cost model",
     ("reproduce.observe.rates", "reproduce.probe.flops"):
