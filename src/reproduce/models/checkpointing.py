@@ -9,6 +9,7 @@ gradient checkpointing, else `torch.utils.checkpoint` per block, or per weight l
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -142,11 +143,16 @@ def _matmuls_saved(ctx, op, *args, **kwargs):
     """Selective checkpointing's policy (torchtitan's): keep matmuls' and attention's outputs, recompute the rest."""
     from torch.utils.checkpoint import CheckpointPolicy
 
+    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@functools.cache
+def _saved_ops() -> frozenset:
+    """The operators `_matmuls_saved` keeps, looked up once (the policy is asked at every operator of a block)."""
     aten = torch.ops.aten
     names = ("mm", "addmm", "bmm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    saved = {getattr(aten, name).default for name in names if hasattr(aten, name)}
-    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
 
 
 def contexts(module: nn.Module | None = None, selective: bool = False
