@@ -5,7 +5,8 @@ A packed micro-batch is one row of samples back to back, position ids restarting
 (`sample_sizes`, `cu_seq_lens_*`) or read from the position ids:
 - CUDA in bf16 / fp16 with flash-attention installed: transformers' flash-attention varlen path (not run here);
 - otherwise: SDPA `is_causal` on each sample's slice, exact (docs/packing.md has the measurements); in the last
-  layer, from each sample's first kept logit on (`rows_kept_from`: the rows before feed nothing).
+  layer, from each sample's first kept logit on (`rows_kept_from`: the rows before feed nothing); under a sliding
+  window (Mistral, Qwen2, Gemma 3) shorter than the sample, each row on its last `window` keys, as transformers' mask.
 Anything else (an attention mask, no position ids, a cache, fake position ids) falls back to transformers' sdpa.
 build_model calls `use_varlen` for a packed recipe, so run, verify and the probe run the same kernel.
 """
@@ -46,6 +47,7 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     from transformers.utils import is_flash_attn_2_available
 
     position_ids = kwargs.get("position_ids")
+    window = kwargs.get("sliding_window")  # Mistral's, or Qwen2's and Gemma's sliding layers': the last `window` keys
     rows, heads, width, dim = query.shape
     if (attention_mask is not None or position_ids is None or key.shape[2] != width or width == 1
             or is_fake(position_ids) or position_ids.device.type == "meta" or not getattr(module, "is_causal", True)):
@@ -71,7 +73,7 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     # torch.split, not slices: its backward is one concatenation, where each slice's would zero-fill the whole row
     flat = [torch.split(t.transpose(0, 1).reshape(1, heads, rows * width, dim), sizes, dim=2)
             for t in (query, key, value)]
-    pieces = [sample_attention(q, k, v, dropout, scaling, firsts[i] if firsts else 0)
+    pieces = [sample_attention(q, k, v, dropout, scaling, window, firsts[i] if firsts else 0)
               for i, (q, k, v) in enumerate(zip(*flat, strict=True))]  # each (1, L, H, D), straight into (B, T, H, D)
     out = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0].contiguous()
     return out.reshape(rows, width, heads, dim), None
@@ -86,19 +88,32 @@ def last_layer(module: nn.Module) -> bool:
 
 
 def sample_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, scaling: float | None,
-                     first: int) -> torch.Tensor:
-    """One sample's causal attention (1, H, L, D) -> (1, L, H, D). From row `first` on only, the rows before it zero,
-    where `first` is a large enough share of the sample to pay for the explicit mask (the query rows [first, L) on
-    every key up to their own, a row's keys and arithmetic as in the causal call); else every row."""
+                     window: int | None, first: int) -> torch.Tensor:
+    """One sample's causal attention (1, H, L, D) -> (1, L, H, D), each row on its own last `window` keys under a
+    sliding window shorter than the sample. From row `first` on only, the rows before it zero, where `first` is a
+    large enough share of the sample to pay for the explicit mask (the query rows [first, L) on the keys each attends
+    to, its arithmetic as in the causal call); else every row."""
     length = q.shape[2]
     attend = torch.nn.functional.scaled_dot_product_attention
     if first < FEWEST_SKIPPED or 4 * first < length:
+        first = 0
+    if window is not None and window >= length:
+        window = None  # every key in the window: the causal call's arithmetic
+    if window is None and not first:
         return attend(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling).transpose(1, 2)
     if first >= length:
         return q.new_zeros(1, length, q.shape[1], q.shape[3])
-    mask = torch.ones(length - first, length, dtype=torch.bool, device=q.device).tril(first)
-    rows = attend(q[:, :, first:], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling).transpose(1, 2)
-    return torch.cat([rows.new_zeros(1, first, q.shape[1], q.shape[3]), rows], dim=1)
+    rows = attend(q[:, :, first:], k, v, attn_mask=band(length - first, length, window, q.device), dropout_p=dropout,
+                  scale=scaling).transpose(1, 2)
+    return torch.cat([rows.new_zeros(1, first, q.shape[1], q.shape[3]), rows], dim=1) if first else rows
+
+
+def band(queries: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """The last `queries` of `keys` positions, each on the keys up to its own, the last `window` of them (all where
+    `window` is None), as SDPA's boolean mask (True: attends); transformers' sliding_window_overlay."""
+    ones = torch.ones(queries, keys, dtype=torch.bool, device=device)
+    mask = ones.tril(keys - queries)
+    return mask if window is None else mask & ~ones.tril(keys - queries - window)
 
 
 def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:

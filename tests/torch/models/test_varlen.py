@@ -26,8 +26,9 @@ LENGTHS = (5, 3, 7, 2, 6, 4, 1, 9)
 def model_pair(name: str):
     """The same float64 model twice: on transformers' sdpa (the dense block mask for packed rows) and on VARLEN."""
     torch.manual_seed(0)
-    dense = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation="sdpa").double()
-    varlen = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation="sdpa").double()
+    config = {**CONFIGS, **WINDOWED}[name]
+    dense = transformers.AutoModelForCausalLM.from_config(config(), attn_implementation="sdpa").double()
+    varlen = transformers.AutoModelForCausalLM.from_config(config(), attn_implementation="sdpa").double()
     varlen.load_state_dict(dense.state_dict())
     assert use_varlen(HFLogits(varlen, "causal-lm")) and varlen.config._attn_implementation == VARLEN
     return HFLogits(dense.eval(), "causal-lm"), HFLogits(varlen.eval(), "causal-lm")  # (eval: no dropout)
@@ -53,12 +54,9 @@ def packed_rows(rows: int = 2):
     return {"input_ids": input_ids, "position_ids": positions}, spans
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("rows", [1, 2])
-def test_varlen_equals_the_block_mask_and_each_sample_alone_float64(name, rows, one_thread):
-    """Logits and gradients of packed rows through VARLEN equal those through transformers' dense block mask, and
-    each sample's logits its logits alone (float64): no token attends across a sample, none is left out."""
-    dense, varlen = model_pair(name)
+def assert_packed_rows_are_each_sample_alone(dense, varlen, rows: int) -> None:
+    """Logits and gradients of `rows` packed rows through VARLEN equal those through transformers' dense block mask,
+    and each sample's logits its logits alone (float64): no token attends across a sample, none is left out."""
     inputs, spans = packed_rows(rows)
     outputs = {}
     for key, model in (("dense", dense), ("varlen", varlen)):
@@ -71,10 +69,39 @@ def test_varlen_equals_the_block_mask_and_each_sample_alone_float64(name, rows, 
         torch.testing.assert_close(outputs["varlen"][1][parameter], gradient, rtol=1e-10, atol=1e-12)
     with torch.no_grad():
         for row, start, sample in spans:
-            alone = varlen(sample[None])[0]
+            alone = dense(sample[None])[0]
             torch.testing.assert_close(outputs["varlen"][0][row, start:start + len(sample)], alone, rtol=1e-12,
                                        atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("rows", [1, 2])
+def test_varlen_equals_the_block_mask_and_each_sample_alone_float64(name, rows, one_thread):
+    """Packed rows through VARLEN compute what transformers' dense block mask and each sample alone do."""
+    dense, varlen = model_pair(name)
+    assert_packed_rows_are_each_sample_alone(dense, varlen, rows)
     check_packed(varlen, torch.device("cpu"))
+
+
+WINDOWED = {  # sliding windows shorter than some LENGTHS: every layer's (Mistral), or one layer of two (Qwen2)
+    "mistral": lambda: transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=32,
+                                                  max_position_embeddings=64, sliding_window=4),
+    "qwen2-mixed": lambda: transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=32,
+                                                    max_position_embeddings=64, use_sliding_window=True,
+                                                    sliding_window=3,
+                                                    layer_types=["full_attention", "sliding_attention"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WINDOWED))
+def test_a_sliding_window_shorter_than_a_sample_is_kept_by_varlen_float64(name, one_thread):
+    """Under a sliding window each token attends to its own last `window` tokens: packed rows through VARLEN give
+    transformers' sliding block mask's logits and gradients, and each sample's logits alone (float64)."""
+    dense, varlen = model_pair(name)
+    assert max(LENGTHS) > varlen.model.config.sliding_window
+    assert_packed_rows_are_each_sample_alone(dense, varlen, 2)
 
 
 def test_an_explicit_attention_mask_and_an_unpacked_row_are_sdpas():
