@@ -200,7 +200,8 @@ def test_packed_with_attention_over_the_whole_row_is_one_line():
     with pytest.raises(UserError) as error:
         train(plan, RunRequest("unused-out", device="cpu"), data=data)
     assert len(error.value.lines) == 1
-    assert "attention (GPT's own) does not confine packed samples" in str(error.value)
+    assert ("attention (GPT's own) or another of its layers (a convolution, a state-space layer) does not confine "
+            "packed samples") in str(error.value)
     assert "data.packing: sorted" in str(error.value)
 
 

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from reproduce.data.packing import Grouped, Grouping, group
+from reproduce.errors import UserError
 from reproduce.models import build_model
 from reproduce.models.hf import HFLogits, check_packed
 from reproduce.models.varlen import VARLEN, register, runs_varlen, segments, use_varlen
@@ -186,6 +187,22 @@ def test_the_varlen_check_runs_in_the_models_own_mode_and_fails_without_position
 
     monkeypatch.setitem(transformers.AttentionInterface._global_mapping, VARLEN, without_positions)
     assert not confines_packed(varlen, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_model_whose_convolution_mixes_packed_samples_is_refused_whatever_its_attention(attention):
+    """LFM2's short convolution sees the previous sample's last tokens while every attention call is cut (VARLEN, from
+    sdpa) or block-masked (eager): the second sample's logits move with the first's tokens, so packing is refused."""
+    config = transformers.Lfm2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     layer_types=["conv", "full_attention"])
+    torch.manual_seed(0)
+    model = HFLogits(transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention), "causal-lm")
+    assert use_varlen(model) == (attention == "sdpa")
+    with pytest.raises(UserError, match="a convolution, a state-space layer"):
+        check_packed(model, torch.device("cpu"))
+    _, llama = model_pair("llama-gqa")
+    check_packed(llama.train(), torch.device("cpu"))  # attention alone mixes its tokens: accepted
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
