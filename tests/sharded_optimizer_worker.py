@@ -4,6 +4,7 @@ line."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -84,3 +85,10 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # The results are written and the group destroyed: leave without the interpreter's teardown. With DTensor over
+    # gloo, torch 2.14's exit aborted one rank in about 90 runs on a loaded 2-core machine ("terminate called without
+    # an active exception", SIGABRT, no Python frame left: after main returned), failing the test on arithmetic that
+    # had passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
