@@ -61,46 +61,42 @@ def hf_logits(model: nn.Module) -> HFLogits | None:
 
 
 def confines_packed(model: nn.Module, device: torch.device) -> bool:
-    """Whether the model keeps each packed sample to itself: the second of two packed samples has the same logits
-    whatever the first's tokens (the same dropout: a leak through attention, a convolution or a state-space layer moves
-    them), and its positions restart: under VARLEN every attention call of the forward cut the row at its samples (in
-    the model's own mode: bitsandbytes' 4-bit layers on a CPU repack in eval mode, into a kernel without a backward);
-    else the second's logits are its logits alone (eval mode, restored after)."""
+    """Whether the model keeps packed samples apart: the second of two has the same logits whatever the first's tokens
+    (the same dropout; attention, a convolution or a state-space layer that leaks moves them), and its positions
+    restart: under VARLEN every attention call cut the row (in the model's own mode: bitsandbytes' CPU 4-bit layers
+    repack in eval mode, into a kernel without a backward); else it has its logits alone (eval mode, restored after)."""
     inner = hf_logits(model)
     if inner is None or inner.kind != "causal-lm":
         return False
     from .varlen import CALLS, VARLEN
 
     vocab = int(getattr(inner.model.config, "vocab_size", 2) or 2)
-    first, other = torch.arange(3, device=device) % vocab, (torch.arange(3, device=device) * 5 + 11) % vocab
     second = (torch.arange(4, device=device) * 7 + 1) % vocab
-    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]], device=device)
 
-    def after(before: torch.Tensor) -> torch.Tensor:  # the second sample's logits, packed after `before`
+    def after(first: list[int]) -> torch.Tensor:  # the second sample's logits, packed after `first`
+        row = {"input_ids": torch.cat([torch.tensor(first, device=device) % vocab, second])[None],
+               "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]], device=device)}
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(0)
-            return model({"input_ids": torch.cat([before, second])[None], "position_ids": positions})[0, 3:]
+            return model(row)[0, 3:]
 
-    if getattr(inner.model.config, "_attn_implementation", None) == VARLEN:  # positions read when every attention
-        calls = dict(CALLS)  # call reads them (models/varlen.py)
-        packed = after(first)
-        cut = CALLS["cut"] > calls["cut"] and CALLS["whole"] == calls["whole"]
-        return cut and unmoved(packed, after(other))
+    if getattr(inner.model.config, "_attn_implementation", None) == VARLEN:
+        calls, packed = dict(CALLS), after([0, 1, 2])
+        return CALLS["cut"] > calls["cut"] and CALLS["whole"] == calls["whole"] and close(after([11, 16, 21]), packed)
     training = model.training
     model.eval()
     try:
-        packed, moved = after(first), after(other)
+        packed, moved = after([0, 1, 2]), after([11, 16, 21])
         with torch.no_grad():
             alone = model(second[None])[0]
     finally:
         model.train(training)
-    scale = float(alone.abs().max()) or 1.0
-    return float((packed - alone).abs().max()) <= 1e-3 * scale and unmoved(packed, moved)
+    return close(packed, alone, 1e-3) and close(moved, packed)
 
 
-def unmoved(logits: torch.Tensor, other: torch.Tensor) -> bool:
-    """Whether two forwards of the same shapes gave the same logits (to a millionth of their scale: no leak)."""
-    return float((logits - other).abs().max()) <= 1e-6 * (float(logits.abs().max()) or 1.0)
+def close(logits: torch.Tensor, reference: torch.Tensor, share: float = 1e-6) -> bool:
+    """Whether `logits` are `reference`'s to `share` of their scale (a millionth: the same shapes, no leak)."""
+    return float((logits - reference).abs().max()) <= share * (float(reference.abs().max()) or 1.0)
 
 
 def check_packed(model: nn.Module, device: torch.device) -> None:
@@ -111,5 +107,4 @@ def check_packed(model: nn.Module, device: torch.device) -> None:
         attention = f"{name} ({type(inner.model).__name__})" if name else f"{type(model).__name__}'s own"
         raise UserError(f"data.packing: packed: this model's attention ({attention}) or another of its layers (a "
                         "convolution, a state-space layer) does not confine packed samples (a token would see across "
-                        "a sample boundary); use data.packing: sorted "
-                        "(`packing` sorted), exact with any attention")
+                        "a sample boundary); use data.packing: sorted (`packing` sorted), exact with any attention")

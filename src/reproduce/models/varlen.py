@@ -89,31 +89,21 @@ def last_layer(module: nn.Module) -> bool:
 
 def sample_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, scaling: float | None,
                      window: int | None, first: int) -> torch.Tensor:
-    """One sample's causal attention (1, H, L, D) -> (1, L, H, D), each row on its own last `window` keys under a
-    sliding window shorter than the sample. From row `first` on only, the rows before it zero, where `first` is a
-    large enough share of the sample to pay for the explicit mask (the query rows [first, L) on the keys each attends
-    to, its arithmetic as in the causal call); else every row."""
+    """One sample's causal attention (1, H, L, D) -> (1, L, H, D), each row on its last `window` keys (if fewer than
+    L). From row `first` on only, the rows before it zero, where `first` is a large enough share of the sample to pay
+    for the explicit mask (rows [first, L) on the keys each attends to, as in the causal call); else every row."""
     length = q.shape[2]
     attend = torch.nn.functional.scaled_dot_product_attention
-    if first < FEWEST_SKIPPED or 4 * first < length:
-        first = 0
-    if window is not None and window >= length:
-        window = None  # every key in the window: the causal call's arithmetic
-    if window is None and not first:
+    first = 0 if first < FEWEST_SKIPPED or 4 * first < length else first
+    window = window if window is not None and window < length else length  # (all: the causal call's arithmetic)
+    if window == length and not first:
         return attend(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling).transpose(1, 2)
     if first >= length:
         return q.new_zeros(1, length, q.shape[1], q.shape[3])
-    rows = attend(q[:, :, first:], k, v, attn_mask=band(length - first, length, window, q.device), dropout_p=dropout,
-                  scale=scaling).transpose(1, 2)
+    ones = torch.ones(length - first, length, dtype=torch.bool, device=q.device)  # row i: keys (i - window, i]
+    band = ones.tril(first) & ~ones.tril(first - window)  # (transformers' sliding_window_overlay)
+    rows = attend(q[:, :, first:], k, v, attn_mask=band, dropout_p=dropout, scale=scaling).transpose(1, 2)
     return torch.cat([rows.new_zeros(1, first, q.shape[1], q.shape[3]), rows], dim=1) if first else rows
-
-
-def band(queries: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """The last `queries` of `keys` positions, each on the keys up to its own, the last `window` of them (all where
-    `window` is None), as SDPA's boolean mask (True: attends); transformers' sliding_window_overlay."""
-    ones = torch.ones(queries, keys, dtype=torch.bool, device=device)
-    mask = ones.tril(keys - queries)
-    return mask if window is None else mask & ~ones.tril(keys - queries - window)
 
 
 def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
