@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import json
@@ -173,10 +174,8 @@ def _load_recipe(name: str, check_path: Path, source: str, field_name: str, prob
     candidates = [Path(name)] if Path(name).is_absolute() else [check_path.parent / name, Path(name)]
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
-        try:
+        with contextlib.suppress(UserError):
             found = resolve_recipe(name)
-        except UserError:
-            pass
     if found is None:
         problems.append(
             f"{source}: {field_name}: no recipe file {name!r} (looked beside the check file, in the working "

@@ -147,8 +147,7 @@ def write_instructions(folder: Path, limit: int = 2000, max_bytes: int = MAX_BYT
     counts = {}
     for split, rows in _split_records(docstring_records(limit)).items():
         with open(folder / f"{split}.jsonl", "w", encoding="utf-8") as handle:
-            for row in rows:
-                handle.write(json.dumps(row) + "\n")
+            handle.writelines(json.dumps(row) + "\n" for row in rows)
         counts[split] = len(rows)
     return {"train": str(folder / "train.jsonl"), "val": str(folder / "val.jsonl"), "records": counts, **made}
 

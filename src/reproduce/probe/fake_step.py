@@ -83,9 +83,8 @@ def run_fake_step(plan: Plan, data_info: dict | None, window: list, gpu: GpuKind
             for group in optimizer.param_groups:
                 if "foreach" in group:
                     group["foreach"] = True
-        for param in model.parameters():
-            if param.requires_grad:
-                hooks.append(param.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], GRADIENTS)))
+        hooks.extend(param.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], GRADIENTS))
+                     for param in model.parameters() if param.requires_grad)
         # packed: the position ids stay real, so the varlen attention (models/varlen.py) cuts each row at its
         # samples as the run does (fake tensors have no values to read)
         fake_window = [(({k: v if k == "position_ids" else fake.from_tensor(v) for k, v in inputs.items()}

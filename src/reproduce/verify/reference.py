@@ -50,9 +50,8 @@ def saved_bytes(setup: Setup, inputs: Any, target: Any) -> int:
             total += tensor.numel() * tensor.element_size()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        with setup.autocast():
-            setup.loss(setup.model(inputs), target)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), setup.autocast():
+        setup.loss(setup.model(inputs), target)
     return total
 
 
