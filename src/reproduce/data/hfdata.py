@@ -96,8 +96,7 @@ def _labels(table: Any, column: str, path: Path, classes: int | None) -> tuple[t
     if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
         raise UserError(f"data.columns: {path}: column {column!r} must hold integer class labels")
     labels = torch.tensor(values, dtype=torch.long)
-    feature = table.features.get(column)
-    count = classes or getattr(feature, "num_classes", None) or int(labels.max()) + 1
+    count = classes or getattr(table.features.get(column), "num_classes", None) or int(labels.max()) + 1
     if int(labels.min()) < 0 or int(labels.max()) >= count:
         raise UserError(f"data.columns: {path}: labels in {column!r} run from {int(labels.min())} to "
                         f"{int(labels.max())}, outside 0..{count - 1} (data.classes {count})")

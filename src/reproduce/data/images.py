@@ -37,8 +37,7 @@ def open_image(path: str, mode: str) -> Any:
 
     try:
         with open(path, "rb") as handle:
-            image = Image.open(handle)
-            return image.convert(mode)
+            return Image.open(handle).convert(mode)
     except (OSError, UnidentifiedImageError, ValueError) as exc:
         raise UserError(f"{path}: cannot read as an image: {exc}") from None
 

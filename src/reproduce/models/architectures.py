@@ -112,8 +112,7 @@ class Architecture:
                 raise UserError(f"model.kwargs: {self.name}: n_embd {config.n_embd} is not a multiple of n_head "
                                 f"{config.n_head}")
             return config
-        transformers = needs_transformers(f"model.builtin: {self.name}")
-        config_type = getattr(transformers, self.config_class)
+        config_type = getattr(needs_transformers(f"model.builtin: {self.name}"), self.config_class)
         known = set(config_type().to_dict())
         settings = dict(self.config or {})
         for key, value in kwargs.items():

@@ -207,8 +207,7 @@ def write_adapter(model: Any, folder: Path, wrapper: str, state: dict | None = N
 def save_merged(model: nn.Module, folder: Path, recipe: Recipe, adapter: Path) -> None:
     """merged/: merge_and_unload (in place), or on a quantised base `adapter` on the base folder's model, merged."""
     if recipe.model.quantize is None:
-        merged = peft_model(model).merge_and_unload()
-        _, hf_model = transformers_inside(merged)
+        _, hf_model = transformers_inside(peft_model(model).merge_and_unload())
     else:
         import peft
 

@@ -37,8 +37,7 @@ def plan_to_yaml(plan: Plan) -> str:
         f"# reproduce plan: {plan.arithmetic} {plan.unit} per optimizer step\n"
         "# run it with: reproduce run THIS_FILE --out DIR\n"
     )
-    body = yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False, allow_unicode=True, width=110)
-    return header + body
+    return header + yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False, allow_unicode=True, width=110)
 
 
 def check_writable(path: str | Path, option: str, protect: tuple[str | Path, ...] = ()) -> Path:

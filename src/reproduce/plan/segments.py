@@ -147,8 +147,7 @@ def own_steps(length: Length, segment: Segment, what: str) -> int:
 
 def phase_index(phases: list[Segment], step: int) -> int:
     """The segment optimizer step `step` (0-based) belongs to."""
-    starts = [phase.start_step for phase in phases]
-    return max(0, bisect.bisect_right(starts, step) - 1)
+    return max(0, bisect.bisect_right([phase.start_step for phase in phases], step) - 1)
 
 def batch_phases(segments: list[Segment]) -> list[Segment]:
     """The segments that are batch phases or ramp steps (`batch.phases`, `batch.ramp`): none for a plan without."""

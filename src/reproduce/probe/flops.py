@@ -64,8 +64,7 @@ def count_flops(recipe, data_info: dict | None, batch: tuple) -> SampleFlops:
         inputs, targets = tree_map_only(torch.Tensor, fake.from_tensor, batch)
         loss_fn = build_loss(recipe, model)
         with counter:
-            loss = loss_fn(model(inputs), targets)
-            loss.backward()
+            loss_fn(model(inputs), targets).backward()
     by_op = {str(op): count / samples for op, count in counter.get_flop_counts().get("Global", {}).items()}
     weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     return SampleFlops(per_sample=counter.get_total_flops() / samples, by_op=by_op,

@@ -54,8 +54,7 @@ def throughput(run: RunFolder) -> tuple[str, list[tuple[dict, float]]]:
         rows = [(r, float(r[key])) for r in run.records if isinstance(r.get(key), (int, float))]
         if rows:
             return unit, rows
-    tokens = any(r.get("tokens") for r in run.records)
-    key, unit = ("tokens", "tokens/s") if tokens else ("samples", "samples/s")
+    key, unit = ("tokens", "tokens/s") if any(r.get("tokens") for r in run.records) else ("samples", "samples/s")
     return unit, [(r, r[key] / r["seconds"]) for r in run.records if r.get("seconds") and key in r]
 
 

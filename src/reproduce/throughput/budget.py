@@ -148,8 +148,7 @@ def cheaper_ways(plan: Plan, result: ProbeResult | None) -> list[Way]:
     if result is None or plan.has_phases or plan.optimizer_steps is None:
         return []
     candidates = plan.throughput.candidates if plan.throughput else []
-    timed = [(c.micro_batch, c.micro_step_seconds) for c in candidates if c.repeats]
-    timings = timed or result.timings()
+    timings = [(c.micro_batch, c.micro_step_seconds) for c in candidates if c.repeats] or result.timings()
     recipe, cap, steps = plan.recipe, plan.micro_batch_max, plan.optimizer_steps
     paper_batch = recipe.batch.sequences
     ways: dict[tuple[int, int], Way] = {}

@@ -117,8 +117,7 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype = torch.float32, 
     # fp16 under FSDP too: the gradients are DTensors, and the scaler's inf check on them agrees over the ranks
     scaler = torch.amp.GradScaler(device.type) if recipe.precision == "fp16" else None
     if world.distributed and recipe.batch.sharding != "fsdp":
-        device_ids = [device.index] if device.type == "cuda" else None
-        model = DistributedDataParallel(model, device_ids=device_ids)
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         model.register_comm_hook(None, counter.hook)
     loss = build_loss(recipe, model)  # a chunked loss applies the model's head (model.loss_chunks)
     return Setup(plan, model, optimizer, scheduler, scaler, loss, data, device, dtype, world, counter, notes)

@@ -58,8 +58,7 @@ def epoch_order(plan: Plan, size: int, epoch: int, seed: int) -> torch.Tensor:
 def _order(size: int, epoch: int, seed: int, shuffle: bool) -> torch.Tensor:
     if not shuffle:
         return torch.arange(size)
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(size, generator=generator)
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
 
 
 def window(plan: Plan, size: int, step: int, seed: int, rank: int = 0, micro_batch: int | None = None,

@@ -31,8 +31,7 @@ def die_with_parent(signum: int = signal.SIGKILL) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 

@@ -139,8 +139,7 @@ class SyncCounter:
     def hook(self, state, bucket):
         if bucket.index() == 0:
             self.rounds += 1
-        future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-        return future.then(lambda done: done.value()[0])
+        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda done: done.value()[0])
 
     def fsdp_hook(self, reduced: torch.Tensor) -> None:
         """Called by FSDP2 after one module's reduce-scatter (`set_all_reduce_hook` on one module): one round."""
