@@ -68,7 +68,7 @@ def confines_packed(model: nn.Module, device: torch.device) -> bool:
     inner = hf_logits(model)
     if inner is None or inner.kind != "causal-lm":
         return False
-    from .varlen import CALLS, VARLEN
+    from .varlen import CALLS, VARLEN, attention_of
 
     vocab = int(getattr(inner.model.config, "vocab_size", 2) or 2)
     second = (torch.arange(4, device=device) * 7 + 1) % vocab
@@ -80,7 +80,7 @@ def confines_packed(model: nn.Module, device: torch.device) -> bool:
             torch.manual_seed(0)
             return model(row)[0, 3:]
 
-    if getattr(inner.model.config, "_attn_implementation", None) == VARLEN:
+    if attention_of(model) == VARLEN:
         calls, packed = dict(CALLS), after([0, 1, 2])
         return CALLS["cut"] > calls["cut"] and CALLS["whole"] == calls["whole"] and close(after([11, 16, 21]), packed)
     training = model.training
